@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs Tandem's dependencies from Debian packages (when missing) and builds.
+#   deploy/setup.sh [release|asan|all]     (default: release)
+# Builds go to build/ (release, CUDA when nvcc is found) and build-asan/
+# (AddressSanitizer + UBSan, CPU only). Idempotent: re-running only rebuilds.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+what=${1:-release}
+
+packages=(build-essential cmake pkg-config libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
+          libucx-dev libcriterion-dev libopenblas-dev libcjson-dev uthash-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  sudo=""; [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+jobs=$(nproc 2>/dev/null || echo 2)
+build() {  # dir, cmake args...
+  local dir=$1; shift
+  if [[ ! -f $root/$dir/CMakeCache.txt ]]; then
+    cmake -S "$root" -B "$root/$dir" "$@" >/dev/null
+  fi
+  cmake --build "$root/$dir" -j"$jobs"
+}
+case $what in
+  release) build build -DCMAKE_BUILD_TYPE=Release ;;
+  asan) build build-asan -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=ON -DTANDEM_CUDA=OFF ;;
+  all) build build -DCMAKE_BUILD_TYPE=Release
+       build build-asan -DCMAKE_BUILD_TYPE=Debug -DTANDEM_SANITIZE=ON -DTANDEM_CUDA=OFF ;;
+  *) echo "usage: $0 [release|asan|all]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,51 @@
+/* What a backend implements; ops.c validates arguments and dispatches. */
+#ifndef TD_KERNELS_BACKEND_IMPL_H
+#define TD_KERNELS_BACKEND_IMPL_H
+
+#include "kernels/ops.h"
+
+typedef struct td_backend_vt {
+  void (*destroy)(td_backend *b);
+  td_status (*alloc)(td_backend *b, size_t bytes, void **out);
+  void (*free)(td_backend *b, void *p);
+  td_status (*host_alloc)(td_backend *b, size_t bytes, void **out);
+  void (*host_free)(td_backend *b, void *p);
+  td_status (*upload)(td_backend *b, td_buf_type t, void *dst, const float *src, size_t n);
+  td_status (*download)(td_backend *b, td_buf_type t, const void *src, float *dst, size_t n);
+  td_status (*copy)(td_backend *b, void *dst, const void *src, size_t bytes, int dir); /* 0 h2d 1 d2h 2 d2d */
+  td_status (*sync)(td_backend *b);
+  td_status (*gemm)(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
+                    td_act act, unsigned flags);
+  td_status (*norm)(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n,
+                    float eps, bool rms);
+  td_status (*gated_act)(td_backend *b, const void *x, void *y, int m, int f, td_act act);
+  td_status (*embed)(td_backend *b, const int32_t *ids, const int32_t *positions, const void *tok, const void *pos,
+                     float scale, void *y, int n, int d);
+  td_status (*add_pos)(td_backend *b, void *y, const void *pos, int n_seqs, int len, int d);
+  td_status (*gather_rows)(td_backend *b, const void *x, const int32_t *rows, void *y, int n, int d);
+  td_status (*im2col1d)(td_backend *b, const void *x, void *y, int batch, int c, int t_in, int k, int stride,
+                        int pad, bool channels_first);
+  td_status (*attn_dense)(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
+                          int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
+                          const td_relbias *bias);
+  td_status (*kv_write)(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
+                        int layer, const int32_t *slots, int n);
+  td_status (*attn_paged)(td_backend *b, const void *q, int ldq, void *out, const void *pool,
+                          const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
+                          const td_relbias *bias);
+  td_status (*kv_copy_blocks)(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs,
+                              int n_pairs);
+} td_backend_vt;
+
+struct td_backend {
+  const td_backend_vt *vt;
+  td_backend_kind kind;
+  size_t act_size; /* bytes of a TD_BUF_ACT element */
+  char name[160];
+  void *impl;
+};
+
+td_status td_backend_cpu_create(const td_backend_opts *opts, td_backend **out);
+td_status td_backend_cuda_create(const td_backend_opts *opts, td_backend **out);
+
+#endif

@@ -1,0 +1,151 @@
+#include "kernels/ops.h"
+
+#include <stdlib.h>
+
+#include "kernels/backend_impl.h"
+
+td_status td_backend_create(const td_backend_opts *opts, td_backend **out) {
+  *out = NULL;
+  switch (opts->kind) {
+    case TD_BACKEND_CPU: return td_backend_cpu_create(opts, out);
+    case TD_BACKEND_CUDA:
+      if (!td_backend_cuda_available())
+        return td_err(TD_ERR_UNSUPPORTED, "this build has no CUDA backend (nvcc was not found at build time)");
+      return td_backend_cuda_create(opts, out);
+  }
+  return td_err(TD_ERR_INVALID, "unknown backend kind %d", (int)opts->kind);
+}
+
+void td_backend_destroy(td_backend *b) {
+  if (b) b->vt->destroy(b);
+}
+
+td_backend_kind td_backend_get_kind(const td_backend *b) { return b->kind; }
+const char *td_backend_name(const td_backend *b) { return b->name; }
+
+size_t td_buf_elem_size(const td_backend *b, td_buf_type t) { return t == TD_BUF_ACT ? b->act_size : 4; }
+
+size_t td_kv_block_elems(const td_kv_layout *l) {
+  return (size_t)l->n_layers * 2 * (size_t)l->n_heads * (size_t)l->block_size * (size_t)l->head_dim;
+}
+
+td_status td_alloc(td_backend *b, td_buf_type t, size_t n, void **out) {
+  *out = NULL;
+  return b->vt->alloc(b, (n ? n : 1) * td_buf_elem_size(b, t), out);
+}
+void td_free(td_backend *b, void *p) {
+  if (p) b->vt->free(b, p);
+}
+td_status td_host_alloc(td_backend *b, size_t bytes, void **out) { return b->vt->host_alloc(b, bytes ? bytes : 1, out); }
+void td_host_free(td_backend *b, void *p) {
+  if (p) b->vt->host_free(b, p);
+}
+td_status td_upload(td_backend *b, td_buf_type t, void *dst, const float *src, size_t n) {
+  return n ? b->vt->upload(b, t, dst, src, n) : TD_OK;
+}
+td_status td_download(td_backend *b, td_buf_type t, const void *src, float *dst, size_t n) {
+  return n ? b->vt->download(b, t, src, dst, n) : TD_OK;
+}
+td_status td_copy_h2d(td_backend *b, void *dst, const void *src, size_t bytes) {
+  return bytes ? b->vt->copy(b, dst, src, bytes, 0) : TD_OK;
+}
+td_status td_copy_d2h(td_backend *b, void *dst, const void *src, size_t bytes) {
+  return bytes ? b->vt->copy(b, dst, src, bytes, 1) : TD_OK;
+}
+td_status td_copy_d2d(td_backend *b, void *dst, const void *src, size_t bytes) {
+  return bytes ? b->vt->copy(b, dst, src, bytes, 2) : TD_OK;
+}
+td_status td_sync(td_backend *b) { return b->vt->sync(b); }
+
+static td_status bad(const char *op, const char *what) {
+  return td_err(TD_ERR_INVALID, "%s: %s", op, what);
+}
+
+td_status td_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
+                  td_act act, unsigned flags) {
+  if (m < 0 || n <= 0 || k <= 0) return bad("gemm", "sizes must be positive");
+  if (!x || !w || !y) return bad("gemm", "null buffer");
+  if ((flags & TD_GEMM_ACCUM) && act != TD_ACT_NONE) return bad("gemm", "accumulate with an activation");
+  if (m == 0) return TD_OK;
+  return b->vt->gemm(b, x, w, bias, y, m, n, k, act, flags);
+}
+
+td_status td_norm(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n, float eps,
+                  bool rms) {
+  if (m < 0 || n <= 0 || !x || !w || !y) return bad("norm", "bad sizes or null buffer");
+  if (m == 0) return TD_OK;
+  return b->vt->norm(b, x, w, bias, y, m, n, eps, rms);
+}
+
+td_status td_gated_act(td_backend *b, const void *x, void *y, int m, int f, td_act act) {
+  if (m < 0 || f <= 0 || !x || !y || x == y) return bad("gated_act", "bad sizes or buffers");
+  if (m == 0) return TD_OK;
+  return b->vt->gated_act(b, x, y, m, f, act);
+}
+
+td_status td_embed(td_backend *b, const int32_t *ids, const int32_t *positions, const void *tok, const void *pos,
+                   float scale, void *y, int n, int d) {
+  if (n < 0 || d <= 0 || !ids || !tok || !y || (pos && !positions)) return bad("embed", "bad sizes or buffers");
+  if (n == 0) return TD_OK;
+  return b->vt->embed(b, ids, positions, tok, pos, scale, y, n, d);
+}
+
+td_status td_add_pos(td_backend *b, void *y, const void *pos, int n_seqs, int len, int d) {
+  if (n_seqs < 0 || len <= 0 || d <= 0 || !y || !pos) return bad("add_pos", "bad sizes or buffers");
+  if (n_seqs == 0) return TD_OK;
+  return b->vt->add_pos(b, y, pos, n_seqs, len, d);
+}
+
+td_status td_gather_rows(td_backend *b, const void *x, const int32_t *rows, void *y, int n, int d) {
+  if (n < 0 || d <= 0 || !x || !rows || !y) return bad("gather_rows", "bad sizes or buffers");
+  if (n == 0) return TD_OK;
+  return b->vt->gather_rows(b, x, rows, y, n, d);
+}
+
+td_status td_im2col1d(td_backend *b, const void *x, void *y, int batch, int c, int t_in, int k, int stride, int pad,
+                      bool channels_first) {
+  if (batch < 0 || c <= 0 || t_in <= 0 || k <= 0 || stride <= 0 || pad < 0 || t_in + 2 * pad < k || !x || !y)
+    return bad("im2col1d", "bad sizes or buffers");
+  if (batch == 0) return TD_OK;
+  return b->vt->im2col1d(b, x, y, batch, c, t_in, k, stride, pad, channels_first);
+}
+
+td_status td_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
+                        int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
+                        const td_relbias *bias) {
+  if (n_seqs < 0 || n_tokens < 0 || max_len < 0 || heads <= 0 || head_dim <= 0 || !qkv || !out || !cu_seqlens)
+    return bad("attn_dense", "bad sizes or buffers");
+  if (bias && (!bias->lut || bias->max_distance <= 0)) return bad("attn_dense", "bad relative bias");
+  if (n_seqs == 0 || n_tokens == 0) return TD_OK;
+  return b->vt->attn_dense(b, qkv, out, cu_seqlens, n_seqs, n_tokens, max_len, heads, head_dim, scale, causal,
+                           bias);
+}
+
+static bool layout_ok(const td_kv_layout *l, int layer) {
+  return l && l->n_layers > 0 && l->n_heads > 0 && l->head_dim > 0 && l->block_size > 0 && layer >= 0 &&
+         layer < l->n_layers;
+}
+
+td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
+                      int layer, const int32_t *slots, int n) {
+  if (!layout_ok(l, layer) || n < 0 || !k || !v || !pool || !slots || ld < l->n_heads * l->head_dim)
+    return bad("kv_write", "bad layout, sizes or buffers");
+  if (n == 0) return TD_OK;
+  return b->vt->kv_write(b, k, v, ld, pool, l, layer, slots, n);
+}
+
+td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
+                        int layer, const td_paged_meta *m, float scale, bool causal, const td_relbias *bias) {
+  if (!layout_ok(l, layer) || !m || !q || !out || !pool || ldq < l->n_heads * l->head_dim || m->n_seqs < 0 ||
+      m->n_tokens < 0 || m->max_blocks <= 0 || !m->q_start || !m->ctx_len || !m->block_table)
+    return bad("attn_paged", "bad layout, metadata or buffers");
+  if (bias && (!bias->lut || bias->max_distance <= 0)) return bad("attn_paged", "bad relative bias");
+  if (m->n_seqs == 0 || m->n_tokens == 0) return TD_OK;
+  return b->vt->attn_paged(b, q, ldq, out, pool, l, layer, m, scale, causal, bias);
+}
+
+td_status td_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs) {
+  if (!layout_ok(l, 0) || !pool || n_pairs < 0 || (n_pairs && !pairs)) return bad("kv_copy_blocks", "bad arguments");
+  if (n_pairs == 0) return TD_OK;
+  return b->vt->kv_copy_blocks(b, pool, l, pairs, n_pairs);
+}

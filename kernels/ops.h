@@ -1,0 +1,142 @@
+/* The ops interface: every computation the model graph runs, with a CPU
+ * implementation (float32, BLAS GEMMs; the reference) and a CUDA one (bf16
+ * activations and weights, float32 accumulation). Model code never branches
+ * on the backend.
+ *
+ * Buffers are backend memory (host memory for the CPU backend, device memory
+ * for CUDA) given as plain pointers. Their element type is one of
+ * td_buf_type: TD_BUF_ACT is float32 on the CPU and bf16 on CUDA and is used
+ * for activations, weight matrices and the KV pools; biases and norm weights
+ * are TD_BUF_F32; metadata is TD_BUF_I32.
+ *
+ * Ops are asynchronous on the backend's stream: they only enqueue work, never
+ * allocate, and never synchronise, so a sequence of them can be captured in a
+ * CUDA graph. Host-side sizes passed to an op are upper bounds fixed at
+ * capture; per-sequence lengths are read from device metadata. */
+#ifndef TD_KERNELS_OPS_H
+#define TD_KERNELS_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "model/config.h"
+
+typedef struct td_backend td_backend;
+
+typedef enum td_backend_kind { TD_BACKEND_CPU, TD_BACKEND_CUDA } td_backend_kind;
+
+typedef struct td_backend_opts {
+  td_backend_kind kind;
+  int device;  /* CUDA device ordinal */
+  int threads; /* CPU BLAS threads; 0 = library default */
+} td_backend_opts;
+
+typedef enum td_buf_type { TD_BUF_ACT, TD_BUF_F32, TD_BUF_I32 } td_buf_type;
+
+td_status td_backend_create(const td_backend_opts *opts, td_backend **out);
+void td_backend_destroy(td_backend *b);
+td_backend_kind td_backend_get_kind(const td_backend *b);
+/* "cpu" or "cuda:0 (NVIDIA H100 80GB HBM3)". */
+const char *td_backend_name(const td_backend *b);
+/* Whether the CUDA backend was compiled in. */
+bool td_backend_cuda_available(void);
+size_t td_buf_elem_size(const td_backend *b, td_buf_type t);
+
+/* ---- memory ---- */
+td_status td_alloc(td_backend *b, td_buf_type t, size_t n, void **out);
+void td_free(td_backend *b, void *p);
+/* Page-locked host memory where the backend benefits (CUDA), else malloc. */
+td_status td_host_alloc(td_backend *b, size_t bytes, void **out);
+void td_host_free(td_backend *b, void *p);
+/* Converting copies between float32 host arrays and buffers of type t.
+ * Synchronous. */
+td_status td_upload(td_backend *b, td_buf_type t, void *dst, const float *src, size_t n);
+td_status td_download(td_backend *b, td_buf_type t, const void *src, float *dst, size_t n);
+/* Raw asynchronous copies on the stream (host side should be td_host_alloc'ed). */
+td_status td_copy_h2d(td_backend *b, void *dst, const void *src, size_t bytes);
+td_status td_copy_d2h(td_backend *b, void *dst, const void *src, size_t bytes);
+td_status td_copy_d2d(td_backend *b, void *dst, const void *src, size_t bytes);
+td_status td_sync(td_backend *b);
+
+/* ---- dense ops ---- */
+enum {
+  TD_GEMM_ACCUM = 1u << 0, /* y += x W^T (residual add), else y = */
+  TD_GEMM_OUT_F32 = 1u << 1, /* y is TD_BUF_F32 instead of TD_BUF_ACT */
+};
+/* y[m,n] = act(x[m,k] W[n,k]^T + bias[n]); bias may be NULL. act must be
+ * TD_ACT_NONE with TD_GEMM_ACCUM. */
+td_status td_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
+                  td_act act, unsigned flags);
+/* y = LayerNorm(x) * w + bias, or RMSNorm(x) * w when rms (bias ignored).
+ * Rows of n; x == y allowed. */
+td_status td_norm(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n,
+                  float eps, bool rms);
+/* y[m,f] = act(x[:, :f]) * x[:, f:] for x[m, 2f]. */
+td_status td_gated_act(td_backend *b, const void *x, void *y, int m, int f, td_act act);
+/* y[i] = tok[ids[i]] * scale (+ pos[positions[i]] when pos != NULL). */
+td_status td_embed(td_backend *b, const int32_t *ids, const int32_t *positions, const void *tok, const void *pos,
+                   float scale, void *y, int n, int d);
+/* y[s*len + t] += pos[t] for s < n_seqs, t < len. */
+td_status td_add_pos(td_backend *b, void *y, const void *pos, int n_seqs, int len, int d);
+/* y[i] = x[rows[i]] for i < n. */
+td_status td_gather_rows(td_backend *b, const void *x, const int32_t *rows, void *y, int n, int d);
+/* im2col for conv1d with kernel k, stride, padding pad over `batch`
+ * sequences of length t_in with c channels: x is [batch, c, t_in] when
+ * channels_first (log-mel features), else [batch, t_in, c]; y is
+ * [batch * t_out, c * k] with t_out = (t_in + 2 pad - k) / stride + 1. */
+td_status td_im2col1d(td_backend *b, const void *x, void *y, int batch, int c, int t_in, int k, int stride, int pad,
+                      bool channels_first);
+
+/* ---- attention ---- */
+/* T5 relative position bias as a per-head lookup table over the relative
+ * position key - query, clamped to [-max_distance, max_distance] (buckets
+ * saturate there): lut[h * (2 max_distance + 1) + rel + max_distance]. */
+typedef struct td_relbias {
+  const float *lut; /* TD_BUF_F32 */
+  int max_distance;
+} td_relbias;
+
+/* Self-attention over packed variable-length sequences: qkv is
+ * [n_tokens, 3, heads, head_dim], out [n_tokens, heads, head_dim];
+ * cu_seqlens[n_seqs + 1] (device) are token offsets; max_len bounds every
+ * length. bias may be NULL. */
+td_status td_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
+                        int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
+                        const td_relbias *bias);
+
+/* Paged KV pools: [block][layer][K|V][head][slot][head_dim]. */
+typedef struct td_kv_layout {
+  int n_layers, n_heads, head_dim, block_size;
+} td_kv_layout;
+size_t td_kv_block_elems(const td_kv_layout *l);
+
+/* Writes rows i < n of k and v (row stride ld elements, heads*head_dim
+ * wide) into the pool at global slots slots[i] = block * block_size + slot;
+ * a negative slot skips the row. */
+td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
+                      int layer, const int32_t *slots, int n);
+
+/* Sequences whose queries attend to paged KV. */
+typedef struct td_paged_meta {
+  int n_seqs, n_tokens; /* host: query rows and sequences */
+  int max_q, max_ctx;   /* host: bounds on query and context lengths */
+  const int32_t *q_start;     /* device [n_seqs + 1]: query row offsets */
+  const int32_t *ctx_len;     /* device [n_seqs]: KV length, queries included */
+  const int32_t *block_table; /* device [n_seqs, max_blocks] */
+  int max_blocks;
+} td_paged_meta;
+
+/* out[n_tokens, heads, head_dim] = softmax(scale q K^T + bias) V. Query i
+ * of a sequence with q_len queries and ctx_len keys sits at position
+ * ctx_len - q_len + i; with causal it sees keys up to its position, else all
+ * (cross-attention). q rows have stride ldq elements. */
+td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
+                        int layer, const td_paged_meta *m, float scale, bool causal, const td_relbias *bias);
+
+/* Copies whole blocks within a pool (copy-on-write); pairs are host
+ * (src, dst) block ids. */
+td_status td_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs);
+
+#endif

@@ -1,0 +1,87 @@
+/* An encoder-decoder model on a backend: weights loaded from a Hugging Face
+ * checkpoint, the encoder forward (writing cross-attention KV into a paged
+ * pool) and the decoder step (prompt chunks and decode rows together, KV read
+ * through block tables). All scratch memory is sized at load from the
+ * limits in td_model_opts; a step allocates nothing. */
+#ifndef TD_MODEL_MODEL_H
+#define TD_MODEL_MODEL_H
+
+#include <stdint.h>
+
+#include "common/status.h"
+#include "kernels/ops.h"
+#include "model/config.h"
+
+typedef struct td_model td_model;
+
+typedef struct td_model_opts {
+  int block_size;          /* KV slots per block */
+  int max_tokens;          /* decoder query rows per step */
+  int max_seqs;            /* sequences per step */
+  int max_logits;          /* logit rows per step (default max_seqs) */
+  int max_enc_tokens;      /* encoder tokens per encode call (Whisper: frames out) */
+  int max_enc_seqs;        /* sequences per encode call */
+  int max_source_len;      /* 0: the model's own limit */
+  int max_target_len;      /* 0: the model's own limit */
+  int tp_rank, tp_size;    /* tensor-parallel slice (1 = whole model) */
+} td_model_opts;
+
+/* Fills unset (zero) fields with defaults. */
+void td_model_opts_default(td_model_opts *o);
+
+td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opts, td_model **out);
+void td_model_destroy(td_model *m);
+
+const td_model_config *td_model_get_config(const td_model *m);
+const td_gen_config *td_model_get_gen(const td_model *m);
+const td_model_opts *td_model_get_opts(const td_model *m);
+td_backend *td_model_backend(const td_model *m);
+int td_model_max_source_len(const td_model *m);
+int td_model_max_target_len(const td_model *m);
+/* Decoder self-attention and cross-attention pool layouts. */
+td_kv_layout td_model_self_layout(const td_model *m);
+td_kv_layout td_model_cross_layout(const td_model *m);
+/* Encoder output length for an input of `input_len` tokens (Whisper: the
+ * number of frames after the stride-2 convolution). */
+int td_model_encoder_out_len(const td_model *m, int input_len);
+/* Whisper input frames per request (2 x max_source_positions); 0 for text models. */
+int td_model_input_frames(const td_model *m);
+
+/* The pools the model reads and writes (backend memory). */
+void td_model_set_pools(td_model *m, void *self_pool, void *cross_pool);
+
+typedef struct td_encode_input {
+  int n_seqs;
+  const int32_t *lens;     /* host [n_seqs]: input tokens per sequence (text models) */
+  const int32_t *tokens;   /* host, packed (text models) */
+  const float *features;   /* host [n_seqs, mels, frames] (Whisper) */
+  const int32_t *cross_slots; /* host [sum of output lengths]: cross pool slot per encoder position */
+} td_encode_input;
+
+/* Runs the encoder and writes every decoder layer's cross-attention K/V
+ * into the cross pool. enc_out (host, may be NULL) receives the final
+ * encoder hidden states [sum of output lengths, d_model]. Synchronous. */
+td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out);
+
+typedef struct td_step_input {
+  int n_seqs, n_tokens;
+  const int32_t *tokens;      /* [n_tokens] */
+  const int32_t *positions;   /* [n_tokens] */
+  const int32_t *q_start;     /* [n_seqs + 1] */
+  const int32_t *ctx_len;     /* [n_seqs]: self KV length after this step */
+  const int32_t *slots;       /* [n_tokens]: self pool slot written by each row */
+  const int32_t *block_table; /* [n_seqs * block_stride] */
+  int block_stride;
+  const int32_t *cross_len;   /* [n_seqs] */
+  const int32_t *cross_table; /* [n_seqs * cross_stride] */
+  int cross_stride;
+  int n_logits;
+  const int32_t *logit_rows;  /* [n_logits]: rows whose next-token logits are wanted */
+} td_step_input;
+
+/* One decoder step. All arrays are host memory. On success *logits points
+ * to backend memory holding float32 [n_logits, vocab], valid until the next
+ * step; the work may still be in flight (td_sync or a download waits). */
+td_status td_model_step(td_model *m, const td_step_input *in, const float **logits);
+
+#endif

@@ -1,0 +1,167 @@
+/* The CPU model against the Hugging Face fixtures: encoder output, logits
+ * of every decoder position (teacher forced, as one prompt chunk and token
+ * by token through the paged cache), and greedy tokens. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <criterion/criterion.h>
+
+#include "fixture.h"
+#include "kvcache/kvcache.h"
+#include "model/model.h"
+
+#define TOL 1e-4
+
+typedef struct rig {
+  td_backend *b;
+  td_model *m;
+  td_kv_pool *self, *cross;
+  int bs;
+} rig;
+
+static void rig_open(rig *r, const char *dir, int bs) {
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  cr_assert(td_backend_create(&bo, &r->b) == TD_OK, "%s", td_errmsg());
+  td_model_opts mo = {.block_size = bs, .max_tokens = 128, .max_seqs = 8, .max_logits = 128,
+                      .max_enc_tokens = 256, .max_enc_seqs = 4};
+  cr_assert(td_model_load(dir, r->b, &mo, &r->m) == TD_OK, "%s", td_errmsg());
+  td_kv_layout sl = td_model_self_layout(r->m), cl = td_model_cross_layout(r->m);
+  cr_assert(td_kv_pool_create(r->b, &sl, 64, &r->self) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_kv_pool_create(r->b, &cl, 64, &r->cross) == TD_OK, "%s", td_errmsg());
+  td_model_set_pools(r->m, td_kv_pool_memory(r->self), td_kv_pool_memory(r->cross));
+  r->bs = bs;
+}
+
+static void rig_close(rig *r) {
+  td_kv_pool_destroy(r->self);
+  td_kv_pool_destroy(r->cross);
+  td_model_destroy(r->m);
+  td_backend_destroy(r->b);
+}
+
+static int argmax(const float *v, int n) {
+  int best = 0;
+  for (int i = 1; i < n; i++)
+    if (v[i] > v[best]) best = i;
+  return best;
+}
+
+/* Encodes request i into fresh cross blocks; returns their count. */
+static int encode(rig *r, const fixture *fx, int i, int32_t *cross_blocks, float *enc_out) {
+  const fx_request *q = &fx->req[i];
+  int L = q->enc_len, nb = (L + r->bs - 1) / r->bs;
+  cr_assert(td_kv_alloc(r->cross, nb, cross_blocks) == TD_OK);
+  int32_t *slots = malloc(sizeof *slots * (size_t)L);
+  for (int t = 0; t < L; t++) slots[t] = cross_blocks[t / r->bs] * r->bs + t % r->bs;
+  td_encode_input in = {.n_seqs = 1, .lens = &q->n_input, .tokens = q->input_ids,
+                        .features = fx->features ? fx->features + (size_t)i * fx->mels * fx->frames : NULL,
+                        .cross_slots = slots};
+  cr_assert(td_model_encode(r->m, &in, enc_out) == TD_OK, "%s", td_errmsg());
+  free(slots);
+  return nb;
+}
+
+static void check_model(const char *name, int bs) {
+  fixture fx;
+  fx_load(name, &fx);
+  rig r;
+  rig_open(&r, fx.dir, bs);
+  int V = fx.vocab, d = fx.d_model;
+  for (int i = 0; i < fx.n; i++) {
+    const fx_request *q = &fx.req[i];
+    int32_t cross_blocks[64], self_blocks[64];
+    float *enc = malloc(sizeof(float) * (size_t)q->enc_len * d);
+    int ncb = encode(&r, &fx, i, cross_blocks, enc);
+    double e = fx_rel_err(enc, fx.enc_out + q->enc_off * d, (size_t)q->enc_len * d);
+    cr_expect(e <= TOL, "%s request %d: encoder output error %.3g", name, i, e);
+    free(enc);
+
+    /* teacher forcing: the whole sequence as one chunk */
+    int n = q->n_prompt + q->n_greedy - 1;
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)n * 4);
+    int32_t *pos = tok + n, *slots = pos + n, *rows = slots + n;
+    memcpy(tok, q->prompt, sizeof(int32_t) * (size_t)q->n_prompt);
+    memcpy(tok + q->n_prompt, q->greedy, sizeof(int32_t) * (size_t)(q->n_greedy - 1));
+    int nsb = (n + bs - 1) / bs;
+    cr_assert(td_kv_alloc(r.self, nsb, self_blocks) == TD_OK);
+    for (int t = 0; t < n; t++) {
+      pos[t] = t;
+      slots[t] = self_blocks[t / bs] * bs + t % bs;
+      rows[t] = t;
+    }
+    int32_t qs[2] = {0, n}, ctx = n, clen = q->enc_len;
+    td_step_input st = {.n_seqs = 1, .n_tokens = n, .tokens = tok, .positions = pos, .q_start = qs,
+                        .ctx_len = &ctx, .slots = slots, .block_table = self_blocks, .block_stride = nsb,
+                        .cross_len = &clen, .cross_table = cross_blocks, .cross_stride = ncb,
+                        .n_logits = n, .logit_rows = rows};
+    const float *lg;
+    cr_assert(td_model_step(r.m, &st, &lg) == TD_OK, "%s", td_errmsg());
+    const float *ref = fx.logits + q->logits_off * V;
+    e = fx_rel_err(lg, ref, (size_t)n * V);
+    cr_expect(e <= TOL, "%s request %d: teacher-forced logits error %.3g", name, i, e);
+    td_kv_unref_all(r.self, self_blocks, nsb);
+
+    /* incremental: the prompt, then one token a step, greedy */
+    cr_assert(td_kv_alloc(r.self, nsb + 1, self_blocks) == TD_OK);
+    int P = q->n_prompt;
+    for (int t = 0; t < P; t++) slots[t] = self_blocks[t / bs] * bs + t % bs;
+    int32_t last = P - 1;
+    qs[1] = P;
+    ctx = P;
+    st.n_tokens = P;
+    st.tokens = q->prompt;
+    st.block_stride = nsb + 1;
+    st.n_logits = 1;
+    st.logit_rows = &last;
+    double worst = 0.0;
+    int32_t zero = 0;
+    for (int k = 0; k < q->n_greedy; k++) {
+      cr_assert(td_model_step(r.m, &st, &lg) == TD_OK, "%s", td_errmsg());
+      int row = P - 1 + k;
+      double ek = fx_rel_err(lg, ref + (size_t)row * V, (size_t)V);
+      worst = ek > worst ? ek : worst;
+      int next = argmax(lg, V);
+      cr_expect_eq(next, q->greedy[k], "%s request %d: greedy token %d is %d, reference %d", name, i, k, next,
+                   q->greedy[k]);
+      if (k + 1 == q->n_greedy) break;
+      /* feed the reference token so later steps stay comparable */
+      int32_t p = P + k;
+      tok[0] = q->greedy[k];
+      pos[0] = p;
+      slots[0] = self_blocks[p / bs] * bs + p % bs;
+      qs[1] = 1;
+      ctx = p + 1;
+      st.n_tokens = 1;
+      st.tokens = tok;
+      st.positions = pos;
+      st.slots = slots;
+      st.logit_rows = &zero;
+      last = 0;
+    }
+    cr_expect(worst <= TOL, "%s request %d: incremental logits error %.3g", name, i, worst);
+    td_kv_unref_all(r.self, self_blocks, nsb + 1);
+    td_kv_unref_all(r.cross, cross_blocks, ncb);
+    free(tok);
+  }
+  cr_expect_eq(td_kv_pool_num_free(r.self), 64);
+  cr_expect_eq(td_kv_pool_num_free(r.cross), 64);
+  rig_close(&r);
+  fx_free(&fx);
+}
+
+#define MODEL_TEST(id, name)                  \
+  Test(model_cpu, id) {                       \
+    check_model(name, 4);                     \
+    check_model(name, 3);                     \
+  }
+
+MODEL_TEST(t5_tiny, "t5-tiny")
+MODEL_TEST(bart_tiny, "bart-tiny")
+MODEL_TEST(whisper_tiny, "whisper-tiny")
+MODEL_TEST(t5v11_gated, "t5v11-gated-untied")
+MODEL_TEST(mt5_silu, "mt5-silu-tied")
+MODEL_TEST(mbart_prenorm, "mbart-prenorm-sharded")
+MODEL_TEST(marian_sinusoidal, "marian-sinusoidal")
+MODEL_TEST(bart_untied, "bart-untied-gelunew")
+MODEL_TEST(whisper_128mel, "whisper-128mel")
