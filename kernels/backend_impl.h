@@ -35,6 +35,15 @@ typedef struct td_backend_vt {
                           const td_relbias *bias);
   td_status (*kv_copy_blocks)(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs,
                               int n_pairs);
+  td_status (*sample)(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,
+                      const int32_t *bans, int32_t *tokens, float *logprobs);
+  td_status (*topk_logprobs)(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,
+                             const int32_t *bans, int k, int32_t *ids, float *vals);
+  /* graphs: NULL when unsupported */
+  td_status (*graph_begin)(td_backend *b);
+  td_status (*graph_end)(td_backend *b, td_graph **out);
+  td_status (*graph_launch)(td_backend *b, td_graph *g);
+  void (*graph_destroy)(td_backend *b, td_graph *g);
 } td_backend_vt;
 
 struct td_backend {
@@ -44,6 +53,12 @@ struct td_backend {
   char name[160];
   void *impl;
 };
+
+/* CPU sampling, shared with the reference tests. */
+td_status td_cpu_sample(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,
+                        const int32_t *bans, int32_t *tokens, float *logprobs);
+td_status td_cpu_topk_logprobs(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,
+                               const int32_t *bans, int k, int32_t *ids, float *vals);
 
 td_status td_backend_cpu_create(const td_backend_opts *opts, td_backend **out);
 td_status td_backend_cuda_create(const td_backend_opts *opts, td_backend **out);

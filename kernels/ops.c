@@ -149,3 +149,39 @@ td_status td_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, co
   if (n_pairs == 0) return TD_OK;
   return b->vt->kv_copy_blocks(b, pool, l, pairs, n_pairs);
 }
+
+td_status td_sample(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows, const int32_t *bans,
+                    int32_t *tokens, float *logprobs) {
+  if (n < 0 || vocab <= 0 || !logits || !rows || !tokens) return bad("sample", "bad sizes or buffers");
+  if (n == 0) return TD_OK;
+  return b->vt->sample(b, logits, n, vocab, rows, bans, tokens, logprobs);
+}
+
+td_status td_topk_logprobs(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,
+                           const int32_t *bans, int k, int32_t *ids, float *vals) {
+  if (n < 0 || vocab <= 0 || k <= 0 || k > vocab || !logits || !rows || !ids || !vals)
+    return bad("topk_logprobs", "bad sizes or buffers");
+  if (n == 0) return TD_OK;
+  return b->vt->topk_logprobs(b, logits, n, vocab, rows, bans, k, ids, vals);
+}
+
+bool td_backend_has_graphs(const td_backend *b) { return b->vt->graph_begin != NULL; }
+
+td_status td_graph_begin(td_backend *b) {
+  if (!b->vt->graph_begin) return td_err(TD_ERR_UNSUPPORTED, "%s: no graph capture", b->name);
+  return b->vt->graph_begin(b);
+}
+
+td_status td_graph_end(td_backend *b, td_graph **out) {
+  if (!b->vt->graph_end) return td_err(TD_ERR_UNSUPPORTED, "%s: no graph capture", b->name);
+  return b->vt->graph_end(b, out);
+}
+
+td_status td_graph_launch(td_backend *b, td_graph *g) {
+  if (!b->vt->graph_launch || !g) return td_err(TD_ERR_UNSUPPORTED, "%s: no graph to launch", b->name);
+  return b->vt->graph_launch(b, g);
+}
+
+void td_graph_destroy(td_backend *b, td_graph *g) {
+  if (g && b->vt->graph_destroy) b->vt->graph_destroy(b, g);
+}

@@ -139,4 +139,44 @@ td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const 
  * (src, dst) block ids. */
 td_status td_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs);
 
+/* ---- sampling ---- */
+/* What to do with one row of logits. Rows live in backend memory. */
+typedef struct td_sample_row {
+  float temperature;       /* <= 0: greedy (argmax, lowest id on ties) */
+  int32_t top_k;           /* <= 0: off */
+  float top_p;             /* >= 1: off */
+  int32_t forced;          /* >= 0: the only allowed token (forced BOS/EOS) */
+  int32_t ban_start;       /* bans[ban_start, ban_start + ban_count): token ids */
+  int32_t ban_count;       /*   set to -inf (suppressed tokens) */
+  uint32_t stream;         /* which sample of the request (n > 1) */
+  uint32_t step;           /* output position: the random counter */
+  uint64_t seed;
+} td_sample_row;
+
+/* For each row i < n of logits [n, vocab] (float32; modified in place by
+ * the processing): applies forced / banned tokens, then picks a token:
+ * argmax when temperature <= 0, else a draw from softmax(logits /
+ * temperature) restricted to the top_k most likely tokens and to the
+ * smallest set whose probability reaches top_p, using
+ * td_rand_uniform(seed, stream, step). logprobs[i] (may be NULL) is
+ * log_softmax(processed logits)[token] at temperature 1. */
+td_status td_sample(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows, const int32_t *bans,
+                    int32_t *tokens, float *logprobs);
+
+/* Beam search support: for each row, applies forced / banned tokens, then
+ * writes the k largest values of log_softmax(row) in descending order (lower
+ * id first on ties) with their token ids: ids[i * k + j], vals[i * k + j]. */
+td_status td_topk_logprobs(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,
+                           const int32_t *bans, int k, int32_t *ids, float *vals);
+
+/* ---- graphs ---- */
+/* Captured op sequences replayed at fixed buffer addresses (CUDA graphs).
+ * A backend without graphs answers TD_ERR_UNSUPPORTED. */
+typedef struct td_graph td_graph;
+bool td_backend_has_graphs(const td_backend *b);
+td_status td_graph_begin(td_backend *b);
+td_status td_graph_end(td_backend *b, td_graph **out);
+td_status td_graph_launch(td_backend *b, td_graph *g);
+void td_graph_destroy(td_backend *b, td_graph *g);
+
 #endif

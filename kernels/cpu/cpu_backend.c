@@ -288,6 +288,8 @@ static const td_backend_vt cpu_vt = {
     .kv_write = cpu_kv_write,
     .attn_paged = cpu_attn_paged,
     .kv_copy_blocks = cpu_kv_copy_blocks,
+    .sample = td_cpu_sample,
+    .topk_logprobs = td_cpu_topk_logprobs,
 };
 
 td_status td_backend_cpu_create(const td_backend_opts *opts, td_backend **out) {
