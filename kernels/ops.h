@@ -163,9 +163,12 @@ typedef struct td_sample_row {
 td_status td_sample(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows, const int32_t *bans,
                     int32_t *tokens, float *logprobs);
 
-/* Beam search support: for each row, applies forced / banned tokens, then
- * writes the k largest values of log_softmax(row) in descending order (lower
- * id first on ties) with their token ids: ids[i * k + j], vals[i * k + j]. */
+/* Beam search support, as transformers scores beams: for each row takes
+ * log_softmax(row), then applies forced / banned tokens to the log-probs
+ * (forced: every other token -inf and the forced one 0; banned: -inf; no
+ * renormalisation), and writes the k largest values in descending order
+ * (lower id first on ties) with their token ids: ids[i * k + j],
+ * vals[i * k + j]. logits are left modified. */
 td_status td_topk_logprobs(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,
                            const int32_t *bans, int k, int32_t *ids, float *vals);
 

@@ -105,9 +105,10 @@ td_status td_cpu_topk_logprobs(td_backend *b, float *logits, int n, int vocab, c
                                const int32_t *bans, int k, int32_t *ids, float *vals) {
   for (int i = 0; i < n; i++) {
     float *x = logits + (size_t)i * vocab;
-    process_row(x, vocab, &rows[i], bans);
     float mx;
     float lse = log_sum_exp(x, vocab, &mx);
+    for (int j = 0; j < vocab; j++) x[j] -= lse;
+    process_row(x, vocab, &rows[i], bans);
     int32_t *oid = ids + (size_t)i * k;
     float *ov = vals + (size_t)i * k;
     int have = 0;
@@ -123,7 +124,6 @@ td_status td_cpu_topk_logprobs(td_backend *b, float *logits, int n, int vocab, c
       ov[p] = v;
       oid[p] = j;
     }
-    for (int j = 0; j < k; j++) ov[j] -= lse;
   }
   return TD_OK;
 }

@@ -133,14 +133,12 @@ def build(outdir, name, kind, model, gen_overrides, special, n_req, max_new, see
                                    output_scores=True, return_dict_in_generate=True)
                 seqs = []
                 P = len(r["decoder_prompt"])
-                pad = model.generation_config.pad_token_id
                 for s in o.sequences.tolist():
                     s = s[P:]
+                    # Only what follows EOS is padding: a pad-valued token
+                    # before it (T5 starts with pad) is a real token.
                     if eos in s:
                         s = s[:s.index(eos) + 1]
-                    else:
-                        while s and s[-1] == pad:
-                            s.pop()
                     seqs.append(s)
                 breqs.append({"sequences": seqs, "scores": o.sequences_scores.tolist()})
         note = ("transformers generate() with num_beams=4, num_return_sequences=4, "

@@ -1,0 +1,210 @@
+#include "engine/jsonio.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/json.h"
+
+#define MAX_FEATURE_BYTES (256u << 20)
+
+static const char *const known[] = {"id", "input_ids", "input_features", "decoder_prompt", "max_new_tokens",
+                                    "temperature", "top_k", "top_p", "seed", "n", "num_beams",
+                                    "num_return_sequences", "length_penalty", "early_stopping", "stop_token_ids",
+                                    "logprobs", "forced_bos_token_id", "forced_eos_token_id", "ignore_eos"};
+
+static td_status read_features(const char *path, const char *base, const char *src, float **out, size_t *n) {
+  char full[PATH_MAX];
+  if (path[0] == '/' || !base || !*base)
+    snprintf(full, sizeof full, "%s", path);
+  else
+    snprintf(full, sizeof full, "%s/%s", base, path);
+  FILE *f = fopen(full, "rb");
+  if (!f) return td_err(TD_ERR_INVALID, "%s: input_features \"%s\": %s", src, full, strerror(errno));
+  td_status s = TD_OK;
+  fseek(f, 0, SEEK_END);
+  long sz = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  if (sz <= 0 || sz % 4 || (unsigned long)sz > MAX_FEATURE_BYTES) {
+    s = td_err(TD_ERR_INVALID, "%s: input_features \"%s\" has %ld bytes, not a float32 array", src, full, sz);
+  } else {
+    *out = malloc((size_t)sz);
+    if (!*out)
+      s = td_err(TD_ERR_NOMEM, "out of memory");
+    else if (fread(*out, 1, (size_t)sz, f) != (size_t)sz)
+      s = td_err(TD_ERR_IO, "%s: short read of %s", src, full);
+    *n = (size_t)sz / 4;
+  }
+  fclose(f);
+  return s;
+}
+
+static td_status parse_obj(const cJSON *j, const char *base, const char *src, td_json_request *r) {
+  td_request_params *p = &r->params;
+  const cJSON *it;
+  cJSON_ArrayForEach(it, j) {
+    bool ok = false;
+    for (size_t i = 0; i < sizeof known / sizeof known[0] && !ok; i++) ok = strcmp(it->string, known[i]) == 0;
+    if (!ok) return td_err(TD_ERR_INVALID, "%s: unknown field \"%s\"", src, it->string);
+  }
+  const cJSON *id = cJSON_GetObjectItemCaseSensitive(j, "id");
+  if (id) {
+    if (cJSON_IsString(id))
+      TD_TRY(td_json_str(j, "id", true, src, r->id, sizeof r->id));
+    else if (cJSON_IsNumber(id))
+      snprintf(r->id, sizeof r->id, "%.0f", id->valuedouble);
+    else
+      return td_err(TD_ERR_INVALID, "%s: \"id\" must be a string", src);
+  }
+  TD_TRY(td_json_i32_array(j, "input_ids", false, src, INT32_MIN, INT32_MAX, &r->input_ids, &r->n_input));
+  char fpath[PATH_MAX] = "";
+  TD_TRY(td_json_str(j, "input_features", false, src, fpath, sizeof fpath));
+  if (fpath[0]) TD_TRY(read_features(fpath, base, src, &r->features, &r->n_features));
+  if (!r->input_ids && !r->features) return td_err(TD_ERR_INVALID, "%s: needs \"input_ids\" or \"input_features\"", src);
+  if (r->input_ids && r->features) return td_err(TD_ERR_INVALID, "%s: give \"input_ids\" or \"input_features\", not both", src);
+  if (r->input_ids && r->n_input == 0) return td_err(TD_ERR_INVALID, "%s: \"input_ids\" is empty", src);
+  TD_TRY(td_json_i32_array(j, "decoder_prompt", false, src, INT32_MIN, INT32_MAX, &r->prompt, &r->n_prompt));
+  TD_TRY(td_json_i32_array(j, "stop_token_ids", false, src, INT32_MIN, INT32_MAX, &r->stop_ids, &r->n_stop_ids));
+  int32_t v32;
+  v32 = p->max_new_tokens;
+  TD_TRY(td_json_i32(j, "max_new_tokens", false, src, &v32));
+  if (cJSON_GetObjectItemCaseSensitive(j, "max_new_tokens") && v32 < 1)
+    return td_err(TD_ERR_INVALID, "%s: \"max_new_tokens\" must be at least 1", src);
+  p->max_new_tokens = v32;
+  double d = p->temperature;
+  TD_TRY(td_json_num(j, "temperature", false, src, &d));
+  p->temperature = (float)d;
+  d = p->top_p;
+  TD_TRY(td_json_num(j, "top_p", false, src, &d));
+  p->top_p = (float)d;
+  d = p->length_penalty;
+  TD_TRY(td_json_num(j, "length_penalty", false, src, &d));
+  p->length_penalty = (float)d;
+  v32 = p->top_k;
+  TD_TRY(td_json_i32(j, "top_k", false, src, &v32));
+  p->top_k = v32;
+  v32 = p->n;
+  TD_TRY(td_json_i32(j, "n", false, src, &v32));
+  p->n = v32;
+  v32 = p->num_beams;
+  TD_TRY(td_json_i32(j, "num_beams", false, src, &v32));
+  p->num_beams = v32;
+  v32 = p->num_return_sequences;
+  TD_TRY(td_json_i32(j, "num_return_sequences", false, src, &v32));
+  p->num_return_sequences = v32;
+  const cJSON *seed = cJSON_GetObjectItemCaseSensitive(j, "seed");
+  if (seed) {
+    if (!cJSON_IsNumber(seed) || seed->valuedouble < 0 || seed->valuedouble != floor(seed->valuedouble))
+      return td_err(TD_ERR_INVALID, "%s: \"seed\" must be a non-negative integer", src);
+    p->seed = (uint64_t)seed->valuedouble;
+    p->has_seed = true;
+  }
+  const cJSON *es = cJSON_GetObjectItemCaseSensitive(j, "early_stopping");
+  if (es) {
+    if (cJSON_IsBool(es))
+      p->early_stopping = cJSON_IsTrue(es) ? 1 : 0;
+    else if (cJSON_IsString(es) && !strcmp(es->valuestring, "never"))
+      p->early_stopping = -1;
+    else
+      return td_err(TD_ERR_INVALID, "%s: \"early_stopping\" must be true, false or \"never\"", src);
+  }
+  TD_TRY(td_json_bool(j, "logprobs", false, src, &p->logprobs));
+  TD_TRY(td_json_bool(j, "ignore_eos", false, src, &p->ignore_eos));
+  const char *forced[2] = {"forced_bos_token_id", "forced_eos_token_id"};
+  int *dst[2] = {&p->forced_bos, &p->forced_eos};
+  for (int i = 0; i < 2; i++) {
+    if (!cJSON_GetObjectItemCaseSensitive(j, forced[i])) continue;
+    if (td_json_is_null(j, forced[i])) {
+      *dst[i] = -1;
+      continue;
+    }
+    v32 = 0;
+    TD_TRY(td_json_i32(j, forced[i], true, src, &v32));
+    if (v32 < 0) return td_err(TD_ERR_INVALID, "%s: \"%s\" must be a token id or null", src, forced[i]);
+    *dst[i] = v32;
+  }
+  return TD_OK;
+}
+
+td_status td_json_request_parse(const char *line, size_t len, const char *base_dir, int line_no,
+                                td_json_request *r) {
+  memset(r, 0, sizeof *r);
+  td_request_params_default(&r->params);
+  snprintf(r->id, sizeof r->id, "line-%d", line_no);
+  char src[64];
+  snprintf(src, sizeof src, "request line %d", line_no);
+  cJSON *j = NULL;
+  TD_TRY(td_json_parse(line, len, src, &j));
+  td_status s = TD_OK;
+  if (!cJSON_IsObject(j))
+    s = td_err(TD_ERR_INVALID, "%s: not a JSON object", src);
+  else
+    s = parse_obj(j, base_dir, src, r);
+  cJSON_Delete(j);
+  if (s != TD_OK) {
+    char keep[256];
+    memcpy(keep, r->id, sizeof keep);
+    td_json_request_free(r);
+    memcpy(r->id, keep, sizeof keep);
+  }
+  return s;
+}
+
+void td_json_request_free(td_json_request *r) {
+  free(r->input_ids);
+  free(r->features);
+  free(r->prompt);
+  free(r->stop_ids);
+  memset(r, 0, sizeof *r);
+}
+
+void td_json_request_view(const td_json_request *j, td_request *r) {
+  memset(r, 0, sizeof *r);
+  r->id = j->id;
+  r->input_ids = j->input_ids;
+  r->n_input = j->n_input;
+  r->features = j->features;
+  r->prompt = j->prompt;
+  r->n_prompt = j->n_prompt;
+  r->params = j->params;
+  r->params.stop_ids = j->stop_ids;
+  r->params.n_stop_ids = j->n_stop_ids;
+}
+
+static char *print_free(cJSON *o) {
+  char *s = o ? cJSON_PrintUnformatted(o) : NULL;
+  cJSON_Delete(o);
+  return s;
+}
+
+char *td_json_result_format(const td_result *r) {
+  if (r->status != TD_OK) return td_json_error_format(r->id, r->status, r->error ? r->error : td_status_str(r->status));
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "id", r->id);
+  cJSON *outs = cJSON_AddArrayToObject(o, "outputs");
+  for (int i = 0; i < r->n_outputs; i++) {
+    const td_seq_output *so = &r->outputs[i];
+    cJSON *e = cJSON_CreateObject();
+    cJSON *toks = cJSON_AddArrayToObject(e, "tokens");
+    for (int t = 0; t < so->n_tokens; t++) cJSON_AddItemToArray(toks, cJSON_CreateNumber(so->tokens[t]));
+    cJSON_AddStringToObject(e, "finish_reason", td_finish_name(so->finish));
+    cJSON_AddNumberToObject(e, "score", so->score);
+    if (so->logprobs) {
+      cJSON *lp = cJSON_AddArrayToObject(e, "logprobs");
+      for (int t = 0; t < so->n_tokens; t++) cJSON_AddItemToArray(lp, cJSON_CreateNumber(so->logprobs[t]));
+    }
+    cJSON_AddItemToArray(outs, e);
+  }
+  return print_free(o);
+}
+
+char *td_json_error_format(const char *id, td_status code, const char *msg) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "id", id ? id : "");
+  cJSON_AddStringToObject(o, "error", msg ? msg : td_status_str(code));
+  cJSON_AddStringToObject(o, "code", td_status_str(code));
+  return print_free(o);
+}

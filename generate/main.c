@@ -1,0 +1,205 @@
+/* tandem-generate: runs every request of a JSON-lines file through one
+ * engine in this process (DESIGN.md §4) and prints one result line per
+ * request, in input order. */
+#include <errno.h>
+#include <getopt.h>
+#include <libgen.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "engine/engine.h"
+#include "engine/jsonio.h"
+
+typedef struct slot {
+  td_json_request req;
+  char *line_out;
+  float *logits;
+  int n_rows;
+  bool added;
+} slot;
+
+typedef struct app {
+  slot *slots;
+  int n;
+  int vocab;
+  int failed;
+} app;
+
+static void on_finish(void *ctx, const td_result *r) {
+  app *a = ctx;
+  slot *s = &a->slots[(intptr_t)r->user];
+  s->line_out = td_json_result_format(r);
+  if (r->status != TD_OK) a->failed++;
+  if (r->logits && r->n_logit_rows) {
+    s->logits = malloc(sizeof(float) * (size_t)r->n_logit_rows * a->vocab);
+    if (s->logits) {
+      memcpy(s->logits, r->logits, sizeof(float) * (size_t)r->n_logit_rows * a->vocab);
+      s->n_rows = r->n_logit_rows;
+    }
+  }
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: tandem-generate --model DIR --requests FILE.jsonl [--device cpu|cuda]\n"
+          "                       [--logits-out FILE] [--block-size N] [--kv-blocks N] [--cross-blocks N]\n"
+          "                       [--max-batch N] [--max-tokens N] [--threads N]\n");
+}
+
+static int read_requests(const char *path, app *a) {
+  FILE *f = strcmp(path, "-") ? fopen(path, "r") : stdin;
+  if (!f) {
+    fprintf(stderr, "tandem-generate: %s: %s\n", path, strerror(errno));
+    return -1;
+  }
+  char dirbuf[PATH_MAX];
+  snprintf(dirbuf, sizeof dirbuf, "%s", path);
+  const char *base = strcmp(path, "-") ? dirname(dirbuf) : ".";
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t len;
+  int cap_slots = 0, line_no = 0;
+  while ((len = getline(&line, &cap, f)) >= 0) {
+    line_no++;
+    while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r' || line[len - 1] == ' ')) len--;
+    if (len == 0) continue;
+    if (a->n == cap_slots) {
+      cap_slots = cap_slots ? 2 * cap_slots : 64;
+      slot *ns = realloc(a->slots, sizeof *ns * (size_t)cap_slots);
+      if (!ns) break;
+      a->slots = ns;
+    }
+    slot *s = &a->slots[a->n++];
+    memset(s, 0, sizeof *s);
+    if (td_json_request_parse(line, (size_t)len, base, line_no, &s->req) != TD_OK) {
+      s->line_out = td_json_error_format(s->req.id, TD_ERR_INVALID, td_errmsg());
+      a->failed++;
+    }
+  }
+  free(line);
+  if (f != stdin) fclose(f);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  td_log_set_name("generate");
+  static const struct option opts[] = {
+      {"model", required_argument, 0, 'm'},      {"requests", required_argument, 0, 'r'},
+      {"device", required_argument, 0, 'd'},     {"logits-out", required_argument, 0, 'l'},
+      {"block-size", required_argument, 0, 'b'}, {"kv-blocks", required_argument, 0, 'k'},
+      {"cross-blocks", required_argument, 0, 'c'}, {"max-batch", required_argument, 0, 'B'},
+      {"max-tokens", required_argument, 0, 'T'}, {"threads", required_argument, 0, 't'},
+      {"help", no_argument, 0, 'h'},             {0, 0, 0, 0}};
+  const char *model_dir = NULL, *req_path = NULL, *device = "cpu", *logits_path = NULL;
+  int block_size = 16, kv_blocks = 0, cross_blocks = 0, max_batch = 64, max_tokens = 1024, threads = 0;
+  int c;
+  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'm': model_dir = optarg; break;
+      case 'r': req_path = optarg; break;
+      case 'd': device = optarg; break;
+      case 'l': logits_path = optarg; break;
+      case 'b': block_size = atoi(optarg); break;
+      case 'k': kv_blocks = atoi(optarg); break;
+      case 'c': cross_blocks = atoi(optarg); break;
+      case 'B': max_batch = atoi(optarg); break;
+      case 'T': max_tokens = atoi(optarg); break;
+      case 't': threads = atoi(optarg); break;
+      case 'h': usage(stdout); return 0;
+      default: usage(stderr); return 2;
+    }
+  }
+  if (!model_dir || !req_path || block_size <= 0 || max_batch <= 0 || max_tokens <= 0 || kv_blocks < 0) {
+    usage(stderr);
+    return 2;
+  }
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU, .threads = threads};
+  if (!strcmp(device, "cuda"))
+    bo.kind = TD_BACKEND_CUDA;
+  else if (strcmp(device, "cpu")) {
+    fprintf(stderr, "tandem-generate: --device must be cpu or cuda\n");
+    return 2;
+  }
+  app a = {0};
+  if (read_requests(req_path, &a) != 0) return 2;
+  int rc = 0;
+  td_backend *b = NULL;
+  td_model *m = NULL;
+  td_engine *e = NULL;
+  if (td_backend_create(&bo, &b) != TD_OK) {
+    fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
+    rc = 2;
+    goto out;
+  }
+  td_model_opts mo = {.block_size = block_size, .max_seqs = max_batch, .max_tokens = max_tokens,
+                      .max_logits = logits_path ? max_tokens : 0};
+  if (td_model_load(model_dir, b, &mo, &m) != TD_OK) {
+    fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
+    rc = 2;
+    goto out;
+  }
+  a.vocab = td_model_get_config(m)->vocab_size;
+  size_t n_feat = (size_t)td_model_get_config(m)->num_mel_bins * td_model_input_frames(m);
+  td_engine_opts eo = {.self_blocks = kv_blocks, .cross_blocks = cross_blocks, .max_running = max_batch,
+                       .max_step_tokens = max_tokens, .max_queue = a.n + 1};
+  td_engine_callbacks cb = {.on_finish = on_finish, .ctx = &a};
+  if (td_engine_create(m, &eo, &cb, &e) != TD_OK) {
+    fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
+    rc = 2;
+    goto out;
+  }
+  for (int i = 0; i < a.n; i++) {
+    slot *s = &a.slots[i];
+    if (s->line_out) continue;
+    td_request r;
+    td_json_request_view(&s->req, &r);
+    r.user = (void *)(intptr_t)i;
+    r.params.all_logits = logits_path && r.params.n == 1 && r.params.num_beams == 1;
+    td_status st = TD_OK;
+    if (n_feat && r.features && s->req.n_features != n_feat)
+      st = td_err(TD_ERR_INVALID, "request %s: input_features has %zu values, the model takes %d x %d", s->req.id,
+                  s->req.n_features, td_model_get_config(m)->num_mel_bins, td_model_input_frames(m));
+    else if (!n_feat && r.features)
+      st = td_err(TD_ERR_INVALID, "request %s: this model takes input_ids, not input_features", s->req.id);
+    uint64_t h;
+    if (st == TD_OK) st = td_engine_add(e, &r, &h);
+    if (st != TD_OK) {
+      s->line_out = td_json_error_format(s->req.id, st, td_errmsg());
+      a.failed++;
+    }
+  }
+  while (!td_engine_idle(e)) {
+    if (td_engine_step(e) != TD_OK) {
+      fprintf(stderr, "tandem-generate: engine failed: %s\n", td_errmsg());
+      rc = 1;
+      break;
+    }
+  }
+  FILE *lf = NULL;
+  if (logits_path && !(lf = fopen(logits_path, "wb"))) {
+    fprintf(stderr, "tandem-generate: %s: %s\n", logits_path, strerror(errno));
+    rc = 1;
+  }
+  for (int i = 0; i < a.n; i++) {
+    slot *s = &a.slots[i];
+    if (s->line_out) puts(s->line_out);
+    if (lf && s->logits) fwrite(s->logits, sizeof(float), (size_t)s->n_rows * a.vocab, lf);
+  }
+  if (lf) fclose(lf);
+  fflush(stdout);
+  if (rc == 0 && a.failed) rc = 1;
+out:
+  td_engine_destroy(e);
+  td_model_destroy(m);
+  td_backend_destroy(b);
+  for (int i = 0; i < a.n; i++) {
+    td_json_request_free(&a.slots[i].req);
+    free(a.slots[i].line_out);
+    free(a.slots[i].logits);
+  }
+  free(a.slots);
+  return rc;
+}
