@@ -1,0 +1,141 @@
+/* tandem-generate on the command line: tokens and --logits-out against the
+ * Hugging Face fixtures, and clear errors for bad input. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <criterion/criterion.h>
+
+#include "fixture.h"
+
+static char dir[256];
+
+static void setup_tmp(void) {
+  snprintf(dir, sizeof dir, "/tmp/td-gen-XXXXXX");
+  cr_assert(mkdtemp(dir));
+}
+
+static void teardown_tmp(void) {
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  cr_assert(system(cmd) == 0);
+}
+
+TestSuite(generate_cli, .init = setup_tmp, .fini = teardown_tmp);
+
+/* Runs tandem-generate; returns its exit status and output lines. */
+static int run_gen(const char *args, char ***lines, int *n) {
+  char cmd[2048];
+  snprintf(cmd, sizeof cmd, "%s/tandem-generate %s 2>%s/stderr.txt", TD_BIN_DIR, args, dir);
+  FILE *p = popen(cmd, "r");
+  cr_assert(p);
+  *lines = NULL;
+  *n = 0;
+  char *line = NULL;
+  size_t cap = 0;
+  while (getline(&line, &cap, p) > 0) {
+    *lines = realloc(*lines, sizeof **lines * (size_t)(*n + 1));
+    (*lines)[(*n)++] = strdup(line);
+  }
+  free(line);
+  int st = pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void free_lines(char **l, int n) {
+  for (int i = 0; i < n; i++) free(l[i]);
+  free(l);
+}
+
+static void check_model(const char *name) {
+  fixture fx;
+  fx_load(name, &fx);
+  char req[512], lg[512], args[1600];
+  snprintf(req, sizeof req, "%s/%s.jsonl", dir, name);
+  snprintf(lg, sizeof lg, "%s/%s.logits", dir, name);
+  fx_write_requests(&fx, req, "\"forced_bos_token_id\": null, \"forced_eos_token_id\": null");
+  snprintf(args, sizeof args, "--model %s --requests %s --logits-out %s --block-size 4 --max-batch 8", fx.dir, req, lg);
+  char **lines;
+  int n;
+  int rc = run_gen(args, &lines, &n);
+  cr_assert_eq(rc, 0, "%s: tandem-generate exited %d", name, rc);
+  cr_assert_eq(n, fx.n, "%s: %d output lines for %d requests", name, n, fx.n);
+  for (int i = 0; i < n; i++) {
+    cJSON *o = cJSON_Parse(lines[i]);
+    cr_assert(o, "%s: bad output line %s", name, lines[i]);
+    char want_id[16];
+    snprintf(want_id, sizeof want_id, "r%d", i);
+    cr_expect_str_eq(cJSON_GetObjectItem(o, "id")->valuestring, want_id);
+    cJSON *out0 = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "outputs"), 0);
+    cJSON *toks = cJSON_GetObjectItem(out0, "tokens");
+    cr_assert_eq(cJSON_GetArraySize(toks), fx.req[i].n_greedy, "%s request %d: token count", name, i);
+    for (int t = 0; t < fx.req[i].n_greedy; t++)
+      cr_expect_eq(cJSON_GetArrayItem(toks, t)->valueint, fx.req[i].greedy[t], "%s request %d token %d", name, i, t);
+    const char *fr = cJSON_GetObjectItem(out0, "finish_reason")->valuestring;
+    bool ends_eos = fx.req[i].greedy[fx.req[i].n_greedy - 1] == fx.eos;
+    cr_expect_str_eq(fr, ends_eos ? "stop" : "length");
+    cJSON_Delete(o);
+  }
+  size_t nl;
+  float *got = fx_read_f32(lg, &nl);
+  size_t rows = 0;
+  for (int i = 0; i < fx.n; i++) rows += (size_t)(fx.req[i].n_prompt + fx.req[i].n_greedy - 1);
+  cr_assert_eq(nl, rows * fx.vocab, "%s: logits file has %zu values, expected %zu", name, nl, rows * fx.vocab);
+  for (int i = 0; i < fx.n; i++) {
+    size_t r = (size_t)(fx.req[i].n_prompt + fx.req[i].n_greedy - 1);
+    double e = fx_rel_err(got + fx.req[i].logits_off * fx.vocab, fx.logits + fx.req[i].logits_off * fx.vocab,
+                          r * fx.vocab);
+    cr_expect(e <= 1e-4, "%s request %d: logits error %.3g", name, i, e);
+  }
+  free(got);
+  free_lines(lines, n);
+  fx_free(&fx);
+}
+
+Test(generate_cli, all_fixture_models) {
+  for (int i = 0; i < fx_n_models; i++) check_model(fx_models[i]);
+}
+
+Test(generate_cli, bad_requests_get_errors_and_others_run) {
+  char req[512], args[1200];
+  snprintf(req, sizeof req, "%s/bad.jsonl", dir);
+  FILE *f = fopen(req, "w");
+  fprintf(f, "{\"id\": \"ok\", \"input_ids\": [5, 6, 1], \"max_new_tokens\": 3}\n"
+             "{\"id\": \"vocab\", \"input_ids\": [5, 300000, 1]}\n"
+             "{\"id\": \"empty\", \"input_ids\": []}\n"
+             "{\"id\": \"long\", \"input_ids\": [5, 1], \"decoder_prompt\": [0], \"max_new_tokens\": 100000}\n"
+             "{\"id\": \"typo\", \"input_ids\": [5, 1], \"temprature\": 1}\n"
+             "{\"id\": \"neg\", \"input_ids\": [5, 1], \"top_p\": -1}\n"
+             "{\"id\": \"beams\", \"input_ids\": [5, 1], \"num_beams\": 2, \"num_return_sequences\": 3}\n"
+             "{\"id\": \"feat\", \"input_features\": \"nope.f32\"}\n"
+             "[1, 2]\n"
+             "{\"id\": \"trunc\n");
+  fclose(f);
+  snprintf(args, sizeof args, "--model %s/t5-tiny --requests %s", TD_TEST_DATA, req);
+  char **lines;
+  int n;
+  int rc = run_gen(args, &lines, &n);
+  cr_expect_eq(rc, 1, "exit status %d", rc);
+  cr_assert_eq(n, 10);
+  const char *want[] = {NULL, "outside the vocabulary", "empty", "exceeds", "unknown field \"temprature\"",
+                        "top_p", "num_return_sequences", "nope.f32", "not a JSON object", "malformed JSON"};
+  for (int i = 0; i < n; i++) {
+    cJSON *o = cJSON_Parse(lines[i]);
+    cr_assert(o, "line %d is not JSON: %s", i, lines[i]);
+    cJSON *err = cJSON_GetObjectItem(o, "error");
+    if (!want[i])
+      cr_expect(!err && cJSON_GetObjectItem(o, "outputs"), "line %d: %s", i, lines[i]);
+    else
+      cr_expect(err && strstr(err->valuestring, want[i]), "line %d: %s lacks %s", i, lines[i], want[i]);
+    cJSON_Delete(o);
+  }
+  free_lines(lines, n);
+  /* usage and model errors */
+  cr_expect_eq(run_gen("--requests x", &lines, &n), 2);
+  free_lines(lines, n);
+  snprintf(args, sizeof args, "--model /nonexistent --requests %s", req);
+  cr_expect_eq(run_gen(args, &lines, &n), 2);
+  free_lines(lines, n);
+}

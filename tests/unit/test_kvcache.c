@@ -1,0 +1,144 @@
+/* Block pool invariants under random allocate / share / copy-on-write /
+ * reserve / free sequences, and copy-on-write contents. */
+#include <stdlib.h>
+#include <string.h>
+
+#include <criterion/criterion.h>
+
+#include "kvcache/kvcache.h"
+
+#define NB 37
+
+Test(kvcache, random_operations_keep_invariants) {
+  td_kv_layout l = {2, 2, 4, 3};
+  td_kv_pool *p;
+  cr_assert(td_kv_pool_create(NULL, &l, NB, &p) == TD_OK);
+  /* holders: each owns a list of block ids (one reference per entry) */
+  enum { H = 12 };
+  int32_t held[H][NB * 4];
+  int n_held[H] = {0};
+  uint64_t res[8];
+  int n_res = 0;
+  srand(1234);
+  for (int it = 0; it < 20000; it++) {
+    int op = rand() % 7, h = rand() % H;
+    if (op == 0) { /* allocate */
+      int n = rand() % 5;
+      int32_t ids[8];
+      td_status s = td_kv_alloc(p, n, ids);
+      if (n > td_kv_pool_num_free(p) + (s == TD_OK ? n : 0)) cr_assert_eq(s, TD_ERR_NO_BLOCKS);
+      if (s == TD_OK && n_held[h] + n <= NB * 4)
+        for (int i = 0; i < n; i++) held[h][n_held[h]++] = ids[i];
+      else if (s == TD_OK)
+        td_kv_unref_all(p, ids, n);
+    } else if (op == 1 && n_held[h]) { /* share one with another holder */
+      int g = rand() % H;
+      int32_t id = held[h][rand() % n_held[h]];
+      if (n_held[g] < NB * 4) {
+        cr_assert(td_kv_ref(p, id) == TD_OK);
+        held[g][n_held[g]++] = id;
+      }
+    } else if (op == 2 && n_held[h]) { /* release one */
+      int k = rand() % n_held[h];
+      cr_assert(td_kv_unref(p, held[h][k]) == TD_OK);
+      held[h][k] = held[h][--n_held[h]];
+    } else if (op == 3 && n_held[h]) { /* copy on write */
+      int k = rand() % n_held[h];
+      int before = td_kv_refcount(p, held[h][k]);
+      bool copied;
+      td_status s = td_kv_make_private(p, &held[h][k], &copied);
+      if (s == TD_OK) {
+        cr_assert_eq(copied, before > 1);
+        cr_assert_eq(td_kv_refcount(p, held[h][k]), 1);
+      } else {
+        cr_assert_eq(s, TD_ERR_NO_BLOCKS);
+      }
+    } else if (op == 4 && n_res < 8) { /* reserve */
+      int32_t ids[4];
+      if (td_kv_reserve(p, 1 + rand() % 3, 1000 + rand() % 100, &res[n_res], ids) == TD_OK) n_res++;
+    } else if (op == 5 && n_res) { /* claim or release a reservation */
+      int k = rand() % n_res;
+      if (rand() % 2) {
+        int32_t ids[4];
+        int n;
+        cr_assert(td_kv_reservation_claim(p, res[k], ids, 4, &n) == TD_OK);
+        for (int i = 0; i < n; i++) held[h][n_held[h]++] = ids[i];
+      } else {
+        cr_assert(td_kv_reservation_release(p, res[k]) == TD_OK);
+      }
+      res[k] = res[--n_res];
+    } else if (op == 6 && n_res && rand() % 10 == 0) { /* time passes */
+      int gone = td_kv_reservations_expire(p, 1050);
+      int left = 0;
+      for (int k = 0; k < n_res; k++)
+        if (td_kv_reservation_valid(p, res[k], NULL, 0, 0)) res[left++] = res[k];
+      cr_assert_eq(n_res - left, gone);
+      n_res = left;
+    }
+    cr_assert(td_kv_pool_check(p) == TD_OK, "iteration %d: %s", it, td_errmsg());
+    /* reference counts equal the number of holders (+1 for reserved) */
+    int expect[NB] = {0};
+    for (int g = 0; g < H; g++)
+      for (int i = 0; i < n_held[g]; i++) expect[held[g][i]]++;
+    td_kv_pool_stats st = td_kv_pool_get_stats(p);
+    int in_use = 0;
+    for (int b = 0; b < NB; b++) {
+      if (expect[b]) cr_assert_eq(td_kv_refcount(p, b), expect[b], "block %d", b);
+      in_use += td_kv_refcount(p, b) > 0;
+    }
+    cr_assert_eq(st.n_free, NB - in_use);
+  }
+  for (int g = 0; g < H; g++) td_kv_unref_all(p, held[g], n_held[g]);
+  for (int k = 0; k < n_res; k++) cr_assert(td_kv_reservation_release(p, res[k]) == TD_OK);
+  cr_expect_eq(td_kv_pool_num_free(p), NB);
+  cr_expect(td_kv_pool_check(p) == TD_OK);
+  td_kv_pool_destroy(p);
+}
+
+Test(kvcache, copy_on_write_copies_contents) {
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b;
+  cr_assert(td_backend_create(&bo, &b) == TD_OK);
+  td_kv_layout l = {3, 2, 5, 4};
+  td_kv_pool *p;
+  cr_assert(td_kv_pool_create(b, &l, 6, &p) == TD_OK);
+  size_t be = td_kv_block_elems(&l);
+  float *mem = td_kv_pool_memory(p);
+  int32_t id;
+  cr_assert(td_kv_alloc(p, 1, &id) == TD_OK);
+  for (size_t i = 0; i < be; i++) mem[(size_t)id * be + i] = (float)i + 0.5f;
+  cr_assert(td_kv_ref(p, id) == TD_OK);
+  int32_t mine = id;
+  bool copied;
+  cr_assert(td_kv_make_private(p, &mine, &copied) == TD_OK);
+  cr_assert(copied && mine != id);
+  cr_assert_arr_eq(mem + (size_t)mine * be, mem + (size_t)id * be, be * sizeof(float));
+  cr_expect_eq(td_kv_refcount(p, id), 1);
+  cr_expect_eq(td_kv_refcount(p, mine), 1);
+  td_kv_unref(p, id);
+  td_kv_unref(p, mine);
+  cr_expect(td_kv_unref(p, mine) == TD_ERR_INVALID);
+  cr_expect_eq(td_kv_pool_num_free(p), 6);
+  td_kv_pool_destroy(p);
+  td_backend_destroy(b);
+}
+
+Test(kvcache, reservations_expire_and_refuse) {
+  td_kv_layout l = {1, 1, 1, 1};
+  td_kv_pool *p;
+  cr_assert(td_kv_pool_create(NULL, &l, 4, &p) == TD_OK);
+  uint64_t r;
+  int32_t ids[4];
+  cr_assert(td_kv_reserve(p, 3, 100, &r, ids) == TD_OK);
+  cr_expect(td_kv_reservation_valid(p, r, ids, 3, 50));
+  cr_expect(!td_kv_reservation_valid(p, r, ids, 3, 101), "expired reservation still valid");
+  int32_t other = 3;
+  cr_expect(!td_kv_reservation_valid(p, r, &other, 1, 50), "block outside the reservation accepted");
+  cr_expect(td_kv_reserve(p, 2, 100, &r, ids) == TD_ERR_NO_BLOCKS);
+  cr_expect_eq(td_kv_reservations_expire(p, 200), 1);
+  cr_expect(!td_kv_reservation_valid(p, r, ids, 0, 0));
+  int n;
+  cr_expect(td_kv_reservation_claim(p, r, ids, 4, &n) == TD_ERR_NOT_FOUND);
+  cr_expect_eq(td_kv_pool_num_free(p), 4);
+  td_kv_pool_destroy(p);
+}
