@@ -106,6 +106,9 @@ typedef struct group {
   int n_logit_rows;
   gstate state;
   bool forked; /* prompt done and split into samples / beams */
+  bool encode_only;
+  int prefill_only;
+  uint32_t step_offset;
   /* per step */
   bool scheduled, completes;
   UT_hash_handle hh;
@@ -149,6 +152,7 @@ struct td_engine {
   float *d_vals, *h_vals;
   int max_k;
   float *h_logits; /* downloaded rows for all_logits */
+  int *ext_self, *ext_cross; /* references held by callers (handed-over blocks) */
   td_engine_stats st;
 };
 
@@ -303,8 +307,24 @@ static void group_finish(td_engine *e, group *g, td_status status, const char *e
   }
   td_result r = {.handle = g->handle, .id = g->id, .user = g->user, .status = status, .error = error,
                  .n_outputs = n, .outputs = outs, .logits = g->logits.v, .n_logit_rows = g->n_logit_rows};
+  /* hand-over: the caller owns these references from now on */
+  i32vec *give = NULL;
+  int *ext = NULL;
+  if (status == TD_OK && g->encode_only) {
+    give = &g->cross;
+    ext = e->ext_cross;
+  } else if (status == TD_OK && g->prefill_only && g->n_s == 1) {
+    give = &g->s[0]->blk;
+    ext = e->ext_self;
+  }
+  if (give) {
+    r.blocks = give->v;
+    r.n_blocks = give->n;
+    for (int i = 0; i < give->n; i++) ext[give->v[i]]++;
+  }
   if (why == TD_FINISH_CANCELLED) r.status = TD_ERR_CANCELLED;
   if (e->cb.on_finish) e->cb.on_finish(e->cb.ctx, &r);
+  if (give) give->n = 0;
   group_free(e, g);
 }
 
@@ -339,7 +359,7 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (o->max_step_tokens <= 0 || o->max_step_tokens > mo->max_tokens) o->max_step_tokens = mo->max_tokens;
   if (o->max_enc_tokens <= 0 || o->max_enc_tokens > mo->max_enc_tokens) o->max_enc_tokens = mo->max_enc_tokens;
   if (o->max_queue <= 0) o->max_queue = 4096;
-  if (o->self_blocks <= 0) o->self_blocks = o->max_running * e->self_stride;
+  if (o->self_blocks <= 0) o->self_blocks = o->max_running * (e->self_stride + 1);
   if (o->cross_blocks <= 0) o->cross_blocks = o->max_running * e->cross_stride;
   e->max_rows = mo->max_logits;
   e->next_handle = 1;
@@ -349,6 +369,12 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (s == TD_OK) s = td_kv_pool_create(e->b, &cl, o->cross_blocks, &e->cross);
   if (s != TD_OK) goto fail;
   td_model_set_pools(m, td_kv_pool_memory(e->self), td_kv_pool_memory(e->cross));
+  e->ext_self = calloc((size_t)o->self_blocks, sizeof *e->ext_self);
+  e->ext_cross = calloc((size_t)o->cross_blocks, sizeof *e->ext_cross);
+  if (!e->ext_self || !e->ext_cross) {
+    s = td_err(TD_ERR_NOMEM, "engine buffers: out of memory");
+    goto fail;
+  }
   int T = o->max_step_tokens, S = o->max_running, R = e->max_rows;
   e->tok = malloc(sizeof(int32_t) * (size_t)T);
   e->pos = malloc(sizeof(int32_t) * (size_t)T);
@@ -402,7 +428,7 @@ void td_engine_destroy(td_engine *e) {
   td_kv_pool_destroy(e->cross);
   void *hb[] = {e->tok, e->pos, e->slots, e->qs, e->ctx, e->clen, e->tab, e->ctab, e->rows, e->use,
                 e->extra_rows, e->extra_group, e->h_rows, e->h_tok, e->h_lp, e->h_ids, e->h_vals, e->h_logits,
-                e->h_bans, e->wait, e->run};
+                e->h_bans, e->wait, e->run, e->ext_self, e->ext_cross};
   for (size_t i = 0; i < sizeof hb / sizeof hb[0]; i++) free(hb[i]);
   void *db[] = {e->d_rows, e->d_bans, e->d_tok, e->d_lp, e->d_ids, e->d_vals};
   for (size_t i = 0; i < sizeof db / sizeof db[0]; i++) td_free(e->b, db[i]);
@@ -420,7 +446,16 @@ td_status td_engine_add(td_engine *e, const td_request *r, uint64_t *handle) {
   bool whisper = c->family == TD_FAMILY_WHISPER;
   if (e->n_wait + e->n_run >= e->o.max_queue)
     return td_err(TD_ERR_OVERLOADED, "request %s: %d requests queued, the limit", id, e->o.max_queue);
-  if (whisper) {
+  bool ext_cross = r->cross_blocks != NULL;
+  if (ext_cross) {
+    int want = blocks_for(r->enc_len, e->bs);
+    if (r->enc_len <= 0 || r->enc_len > e->max_src || r->n_cross_blocks != want || r->encode_only)
+      return td_err(TD_ERR_INVALID, "request %s: %d cross blocks for an encoder output of %d tokens", id,
+                    r->n_cross_blocks, r->enc_len);
+    for (int i = 0; i < r->n_cross_blocks; i++)
+      if (td_kv_refcount(e->cross, r->cross_blocks[i]) <= 0)
+        return td_err(TD_ERR_INVALID, "request %s: cross block %d is not allocated", id, r->cross_blocks[i]);
+  } else if (whisper) {
     if (!r->features) return td_err(TD_ERR_INVALID, "request %s: Whisper needs input features", id);
   } else {
     if (!r->input_ids || r->n_input <= 0)
@@ -476,15 +511,29 @@ td_status td_engine_add(td_engine *e, const td_request *r, uint64_t *handle) {
                     n_prompt, p->max_new_tokens, e->max_tgt);
     max_new = room;
   }
-  int enc_len = whisper ? e->max_src : r->n_input;
+  if (r->self_blocks) {
+    if (r->n_computed <= 0 || r->n_computed >= n_prompt + (r->prefill_only ? 1 : 0) ||
+        r->n_self_blocks != blocks_for(r->n_computed, e->bs))
+      return td_err(TD_ERR_INVALID, "request %s: %d self blocks for %d computed prompt tokens", id, r->n_self_blocks,
+                    r->n_computed);
+    for (int i = 0; i < r->n_self_blocks; i++)
+      if (td_kv_refcount(e->self, r->self_blocks[i]) <= 0)
+        return td_err(TD_ERR_INVALID, "request %s: self block %d is not allocated", id, r->self_blocks[i]);
+  }
+  if (r->prefill_only && (r->prefill_only > n_prompt || beam || p->n > 1))
+    return td_err(TD_ERR_INVALID, "request %s: prefill of %d tokens for a prompt of %d", id, r->prefill_only,
+                  n_prompt);
+  if (r->encode_only && (r->prefill_only || r->self_blocks))
+    return td_err(TD_ERR_INVALID, "request %s: encode_only excludes other work", id);
+  int enc_len = ext_cross ? r->enc_len : whisper ? e->max_src : r->n_input;
   int width = beam ? p->num_beams : p->n;
   int need_self = width * (blocks_for(n_prompt + max_new, e->bs) + 1);
   int need_cross = blocks_for(enc_len, e->bs);
-  if (need_self > e->o.self_blocks || need_cross > e->o.cross_blocks)
+  if ((!r->encode_only && need_self > e->o.self_blocks) || need_cross > e->o.cross_blocks)
     return td_err(TD_ERR_NO_BLOCKS,
                   "request %s needs up to %d self-attention and %d cross-attention blocks; the pools hold %d and %d", id,
                   need_self, need_cross, e->o.self_blocks, e->o.cross_blocks);
-  if (enc_len > e->o.max_enc_tokens)
+  if (!ext_cross && enc_len > e->o.max_enc_tokens)
     return td_err(TD_ERR_INVALID, "request %s: encoder input of %d tokens exceeds the %d per step", id, enc_len,
                   e->o.max_enc_tokens);
 
@@ -501,6 +550,9 @@ td_status td_engine_add(td_engine *e, const td_request *r, uint64_t *handle) {
   g->forced_eos = forced_eos;
   g->enc_len = enc_len;
   g->n_prompt = n_prompt;
+  g->encode_only = r->encode_only;
+  g->prefill_only = r->prefill_only;
+  g->step_offset = r->step_offset;
   g->prompt = malloc(sizeof(int32_t) * (size_t)n_prompt);
   g->stop_ids = malloc(sizeof(int32_t) * (size_t)(p->n_stop_ids + 1));
   g->s = calloc((size_t)width + 1, sizeof *g->s);
@@ -517,7 +569,9 @@ td_status td_engine_add(td_engine *e, const td_request *r, uint64_t *handle) {
   if (p->n_stop_ids) memcpy(g->stop_ids, p->stop_ids, sizeof(int32_t) * (size_t)p->n_stop_ids);
   g->p.stop_ids = NULL;
   if (!g->p.has_seed) g->p.seed = (uint64_t)td_now_ns() ^ ((uint64_t)e->next_handle << 32);
-  if (whisper) {
+  if (ext_cross) {
+    /* nothing to encode */
+  } else if (whisper) {
     size_t nf = (size_t)c->num_mel_bins * td_model_input_frames(e->m);
     g->features = malloc(sizeof(float) * nf);
     if (!g->features) {
@@ -542,10 +596,30 @@ td_status td_engine_add(td_engine *e, const td_request *r, uint64_t *handle) {
   }
   g->s[0] = s0;
   g->n_s = 1;
-  g->state = G_WAITING;
+  if (r->self_blocks) {
+    if (i32_copy(&s0->blk, r->self_blocks, r->n_self_blocks) != TD_OK) {
+      s = td_err(TD_ERR_NOMEM, "out of memory");
+      goto fail;
+    }
+    s0->n_computed = r->n_computed;
+  }
+  if (ext_cross && i32_copy(&g->cross, r->cross_blocks, r->n_cross_blocks) != TD_OK) {
+    s0->blk.n = 0;
+    s = td_err(TD_ERR_NOMEM, "out of memory");
+    goto fail;
+  }
+  g->state = ext_cross ? G_RUNNING : G_WAITING;
   g->handle = e->next_handle++;
-  s = list_insert(&e->wait, &e->n_wait, &e->cap_wait, e->n_wait, g);
-  if (s != TD_OK) goto fail;
+  if (ext_cross)
+    s = list_insert(&e->run, &e->n_run, &e->cap_run, e->n_run, g);
+  else
+    s = list_insert(&e->wait, &e->n_wait, &e->cap_wait, e->n_wait, g);
+  if (s != TD_OK) {
+    /* the caller keeps its blocks */
+    s0->blk.n = 0;
+    g->cross.n = 0;
+    goto fail;
+  }
   HASH_ADD(hh, e->by_handle, handle, sizeof g->handle, g);
   *handle = g->handle;
   return TD_OK;
@@ -585,11 +659,11 @@ static td_status encode_phase(td_engine *e) {
     group *g = e->wait[0];
     int need_cross = blocks_for(g->enc_len, e->bs);
     int need_self = 0;
-    for (int i = 0; i < g->n_s; i++) need_self += blocks_for(g->s[i]->tok.n + 1, e->bs);
+    for (int i = 0; i < g->n_s && !g->encode_only; i++) need_self += blocks_for(g->s[i]->tok.n + 1, e->bs);
     if (tokens + g->enc_len > budget) break;
     if (need_cross > td_kv_pool_num_free(e->cross) || need_self > free_self) break;
     /* Running requests keep first claim on self blocks when they are scarce. */
-    if (e->n_run >= e->o.max_running) break;
+    if (!g->encode_only && e->n_run >= e->o.max_running) break;
     TD_TRY(i32_reserve(&g->cross, need_cross));
     TD_TRY(td_kv_alloc(e->cross, need_cross, g->cross.v));
     g->cross.n = need_cross;
@@ -634,6 +708,11 @@ static td_status encode_phase(td_engine *e) {
       group_fail(e, g, s, td_errmsg());
       continue;
     }
+    e->st.encodes++;
+    if (g->encode_only) {
+      group_finish(e, g, TD_OK, NULL, TD_FINISH_STOP);
+      continue;
+    }
     g->state = G_RUNNING;
     if (!e->o.recompute_cross) { /* the cross KV is what the decoder needs now */
       free(g->features);
@@ -643,7 +722,6 @@ static td_status encode_phase(td_engine *e) {
       group_fail(e, g, TD_ERR_NOMEM, "out of memory");
       continue;
     }
-    e->st.encodes++;
   }
   return TD_OK;
 }
@@ -699,6 +777,13 @@ static bool plan_group(td_engine *e, group *g, int tok_left, int seq_left, int r
   if (g->n_s > seq_left) return false;
   int total = 0;
   for (int i = 0; i < g->n_s; i++) total += g->s[i]->tok.n - g->s[i]->n_computed;
+  if (g->prefill_only) {
+    const seq *s = g->s[0];
+    int rem = g->prefill_only - s->n_computed;
+    chunks[0] = rem < tok_left ? rem : tok_left;
+    *completes = false;
+    return chunks[0] > 0;
+  }
   if (g->n_s == 1) {
     const seq *s = g->s[0];
     int rem = s->tok.n - s->n_computed;
@@ -731,15 +816,16 @@ static bool plan_group(td_engine *e, group *g, int tok_left, int seq_left, int r
 }
 
 static td_sample_row make_row(td_engine *e, group *g, const seq *s, int stream, int *n_bans) {
-  int k = s->tok.n - g->n_prompt; /* tokens generated so far */
+  int k = s->tok.n - g->n_prompt; /* tokens generated so far by this attempt */
+  int kk = k + (int)g->step_offset; /* ... and by earlier ones */
   td_sample_row r = {.temperature = g->p.temperature, .top_k = g->p.top_k, .top_p = g->p.top_p, .forced = -1,
-                     .stream = (uint32_t)stream, .step = (uint32_t)k, .seed = g->p.seed};
+                     .stream = (uint32_t)stream, .step = (uint32_t)kk, .seed = g->p.seed};
   if (k == 0 && g->n_prompt == 1 && g->forced_bos >= 0) r.forced = g->forced_bos;
   if (k == g->max_new - 1 && g->forced_eos >= 0) r.forced = g->forced_eos;
   r.ban_start = *n_bans;
   const td_gen_config *gen = e->gen;
   for (int i = 0; i < gen->n_suppress; i++) e->h_bans[(*n_bans)++] = gen->suppress[i];
-  if (k == 0)
+  if (kk == 0)
     for (int i = 0; i < gen->n_begin_suppress; i++) e->h_bans[(*n_bans)++] = gen->begin_suppress[i];
   r.ban_count = *n_bans - r.ban_start;
   return r;
@@ -1068,6 +1154,10 @@ td_status td_engine_step(td_engine *e) {
   /* apply results per group */
   for (int i = 0; i < n_sched; i++) {
     group *g = sched_g[i];
+    if (g->prefill_only && g->s[0]->n_computed >= g->prefill_only) {
+      group_finish(e, g, TD_OK, NULL, TD_FINISH_STOP);
+      continue;
+    }
     if (!g->completes) continue;
     td_status gs = TD_OK;
     bool done = false;
@@ -1138,14 +1228,29 @@ td_status td_engine_check(const td_engine *e) {
     }
   }
   td_status s = TD_OK;
-  for (int i = 0; i < ss.n_blocks && s == TD_OK; i++)
+  for (int i = 0; i < ss.n_blocks && s == TD_OK; i++) {
+    refs[i] += e->ext_self[i] + td_kv_is_reserved(e->self, i);
     if (refs[i] != td_kv_refcount(e->self, i))
       s = td_err(TD_ERR_INTERNAL, "self block %d: %d holders, refcount %d", i, refs[i], td_kv_refcount(e->self, i));
+  }
   for (int i = 0; i < cs.n_blocks && s == TD_OK; i++)
-    if (crefs[i] != td_kv_refcount(e->cross, i))
+    if ((crefs[i] += e->ext_cross[i] + td_kv_is_reserved(e->cross, i)) != td_kv_refcount(e->cross, i))
       s = td_err(TD_ERR_INTERNAL, "cross block %d: %d holders, refcount %d", i, crefs[i],
                  td_kv_refcount(e->cross, i));
   free(refs);
   free(crefs);
   return s;
+}
+
+td_kv_pool *td_engine_self_pool(td_engine *e) { return e->self; }
+td_kv_pool *td_engine_cross_pool(td_engine *e) { return e->cross; }
+
+void td_engine_release(td_engine *e, bool cross, const int32_t *blocks, int n) {
+  td_kv_pool *p = cross ? e->cross : e->self;
+  int *ext = cross ? e->ext_cross : e->ext_self;
+  for (int i = 0; i < n; i++) {
+    if (blocks[i] < 0 || td_kv_refcount(p, blocks[i]) <= 0 || ext[blocks[i]] <= 0) continue;
+    ext[blocks[i]]--;
+    (void)td_kv_unref(p, blocks[i]);
+  }
 }

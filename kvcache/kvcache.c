@@ -135,6 +135,8 @@ void td_kv_unref_all(td_kv_pool *p, const int32_t *ids, int n) {
 
 int td_kv_refcount(const td_kv_pool *p, int32_t id) { return valid_id(p, id) ? p->refs[id] : -1; }
 
+bool td_kv_is_reserved(const td_kv_pool *p, int32_t id) { return valid_id(p, id) && p->reserved[id]; }
+
 td_status td_kv_make_private(td_kv_pool *p, int32_t *id, bool *copied) {
   *copied = false;
   int32_t old = *id;

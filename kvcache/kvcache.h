@@ -43,6 +43,8 @@ td_status td_kv_ref(td_kv_pool *p, int32_t id);
 td_status td_kv_unref(td_kv_pool *p, int32_t id);
 void td_kv_unref_all(td_kv_pool *p, const int32_t *ids, int n);
 int td_kv_refcount(const td_kv_pool *p, int32_t id);
+/* Whether an open reservation holds the block. */
+bool td_kv_is_reserved(const td_kv_pool *p, int32_t id);
 
 /* Copy-on-write: if *id is shared, replaces it by a fresh private copy
  * (copying the block's contents in backend memory) and drops one reference

@@ -244,3 +244,144 @@ Test(engine_sample, seed_reproduces_whatever_the_batch) {
   }
   fx_free(&fx);
 }
+
+/* ---- disaggregation: encode here, prefill there, decode elsewhere ---- */
+
+typedef struct handover {
+  int32_t blocks[64];
+  int n;
+  bool done;
+  got g;
+} handover;
+
+static void on_handover(void *ctx, const td_result *r) {
+  handover *h = ctx;
+  h->done = true;
+  h->g.status = r->status;
+  h->n = r->n_blocks;
+  if (r->n_blocks) memcpy(h->blocks, r->blocks, sizeof(int32_t) * (size_t)r->n_blocks);
+  h->g.n_out = r->n_outputs;
+  for (int i = 0; i < r->n_outputs && i < MAXO; i++) {
+    h->g.len[i] = r->outputs[i].n_tokens;
+    memcpy(h->g.tok[i], r->outputs[i].tokens, sizeof(int32_t) * (size_t)r->outputs[i].n_tokens);
+  }
+}
+
+typedef struct node {
+  td_backend *b;
+  td_model *m;
+  td_engine *e;
+  handover h;
+} node;
+
+static void node_open(node *n, const char *dir) {
+  memset(n, 0, sizeof *n);
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  cr_assert(td_backend_create(&bo, &n->b) == TD_OK);
+  td_model_opts mo = {.block_size = 4, .max_seqs = 4, .max_tokens = 64, .max_enc_tokens = 256, .max_enc_seqs = 4};
+  cr_assert(td_model_load(dir, n->b, &mo, &n->m) == TD_OK, "%s", td_errmsg());
+  td_engine_opts eo = {.self_blocks = 64, .cross_blocks = 64};
+  td_engine_callbacks cb = {.on_finish = on_handover, .ctx = &n->h};
+  cr_assert(td_engine_create(n->m, &eo, &cb, &n->e) == TD_OK, "%s", td_errmsg());
+}
+
+static void node_run(node *n) {
+  n->h.done = false;
+  for (int i = 0; i < 1000 && !n->h.done; i++) cr_assert(td_engine_step(n->e) == TD_OK, "%s", td_errmsg());
+  cr_assert(n->h.done && n->h.g.status == TD_OK, "%s", td_errmsg());
+}
+
+static void node_close(node *n) {
+  td_engine_stats st = td_engine_get_stats(n->e);
+  cr_expect_eq(st.self.n_free, st.self.n_blocks, "self blocks leaked");
+  cr_expect_eq(st.cross.n_free, st.cross.n_blocks, "cross blocks leaked");
+  td_engine_destroy(n->e);
+  td_model_destroy(n->m);
+  td_backend_destroy(n->b);
+}
+
+/* What a KV transfer does: block contents into reserved blocks of another pool. */
+static void move_blocks(td_kv_pool *from, const int32_t *src, td_kv_pool *to, const int32_t *dst, int n) {
+  size_t bb = td_kv_pool_block_bytes(from);
+  for (int i = 0; i < n; i++)
+    memcpy((char *)td_kv_pool_memory(to) + (size_t)dst[i] * bb, (char *)td_kv_pool_memory(from) + (size_t)src[i] * bb, bb);
+}
+
+static void check_disaggregated(const char *name) {
+  fixture fx;
+  fx_load(name, &fx);
+  node enc, pre, dec;
+  node_open(&enc, fx.dir);
+  node_open(&pre, fx.dir);
+  node_open(&dec, fx.dir);
+  for (int i = 0; i < fx.n; i++) {
+    const fx_request *q = &fx.req[i];
+    td_request r = {.id = "x", .input_ids = q->input_ids, .n_input = q->n_input, .prompt = q->prompt,
+                    .n_prompt = q->n_prompt};
+    if (fx.features) r.features = fx.features + (size_t)i * fx.mels * fx.frames;
+    fill_params(&fx, GREEDY, &r.params);
+    r.params.all_logits = false;
+    uint64_t h;
+    /* encoder */
+    td_request er = r;
+    er.encode_only = true;
+    cr_assert(td_engine_add(enc.e, &er, &h) == TD_OK, "%s", td_errmsg());
+    node_run(&enc);
+    int ncb = enc.h.n;
+    /* the decode worker reserves; the encoder's blocks move there */
+    uint64_t dres, pres;
+    int32_t dcross[64], pcross[64];
+    cr_assert(td_kv_reserve(td_engine_cross_pool(dec.e), ncb, INT64_MAX, &dres, dcross) == TD_OK);
+    move_blocks(td_engine_cross_pool(enc.e), enc.h.blocks, td_engine_cross_pool(dec.e), dcross, ncb);
+    bool prefill = q->n_prompt > 1;
+    int32_t dself[64];
+    int nsb = 0;
+    if (prefill) {
+      cr_assert(td_kv_reserve(td_engine_cross_pool(pre.e), ncb, INT64_MAX, &pres, pcross) == TD_OK);
+      move_blocks(td_engine_cross_pool(enc.e), enc.h.blocks, td_engine_cross_pool(pre.e), pcross, ncb);
+    }
+    td_engine_release(enc.e, true, enc.h.blocks, ncb);
+    if (prefill) {
+      int n_claim;
+      cr_assert(td_kv_reservation_claim(td_engine_cross_pool(pre.e), pres, pcross, 64, &n_claim) == TD_OK);
+      td_request pr = r;
+      pr.cross_blocks = pcross;
+      pr.n_cross_blocks = ncb;
+      pr.enc_len = q->enc_len;
+      pr.prefill_only = q->n_prompt - 1;
+      cr_assert(td_engine_add(pre.e, &pr, &h) == TD_OK, "%s", td_errmsg());
+      node_run(&pre);
+      nsb = pre.h.n;
+      uint64_t sres;
+      cr_assert(td_kv_reserve(td_engine_self_pool(dec.e), nsb, INT64_MAX, &sres, dself) == TD_OK);
+      move_blocks(td_engine_self_pool(pre.e), pre.h.blocks, td_engine_self_pool(dec.e), dself, nsb);
+      td_engine_release(pre.e, false, pre.h.blocks, nsb);
+      cr_assert(td_kv_reservation_claim(td_engine_self_pool(dec.e), sres, dself, 64, &n_claim) == TD_OK);
+    }
+    int n_claim;
+    cr_assert(td_kv_reservation_claim(td_engine_cross_pool(dec.e), dres, dcross, 64, &n_claim) == TD_OK);
+    td_request dr = r;
+    dr.cross_blocks = dcross;
+    dr.n_cross_blocks = ncb;
+    dr.enc_len = q->enc_len;
+    if (prefill) {
+      dr.self_blocks = dself;
+      dr.n_self_blocks = nsb;
+      dr.n_computed = q->n_prompt - 1;
+    }
+    cr_assert(td_engine_add(dec.e, &dr, &h) == TD_OK, "%s", td_errmsg());
+    node_run(&dec);
+    cr_assert_eq(dec.h.g.len[0], q->n_greedy, "%s request %d: %d tokens", name, i, dec.h.g.len[0]);
+    cr_expect_arr_eq(dec.h.g.tok[0], q->greedy, sizeof(int32_t) * (size_t)q->n_greedy,
+                     "%s request %d: disaggregated tokens differ", name, i);
+    cr_assert(td_engine_check(dec.e) == TD_OK, "%s", td_errmsg());
+  }
+  node_close(&enc);
+  node_close(&pre);
+  node_close(&dec);
+  fx_free(&fx);
+}
+
+Test(engine_disaggregated, t5_tiny) { check_disaggregated("t5-tiny"); }
+Test(engine_disaggregated, mbart) { check_disaggregated("mbart-prenorm-sharded"); }
+Test(engine_disaggregated, whisper_128mel) { check_disaggregated("whisper-128mel"); }

@@ -1,0 +1,253 @@
+#include "client/client.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <uthash.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "proto/wire.h"
+
+#define GRACE_MS 5000
+#define DEFAULT_TIMEOUT_MS 600000 /* when the caller gives none: never wait forever */
+
+typedef struct pending {
+  char *id;
+  int64_t deadline_ms; /* monotonic; 0 = none */
+  UT_hash_handle hh;
+} pending;
+
+struct td_client {
+  void *ctx, *sock;
+  pending *pend;
+  td_client_health health;
+  bool have_health;
+};
+
+td_status td_client_connect(const char *endpoint, td_client **out) {
+  *out = NULL;
+  td_client *c = calloc(1, sizeof *c);
+  if (!c) return td_err(TD_ERR_NOMEM, "out of memory");
+  c->ctx = zmq_ctx_new();
+  c->sock = c->ctx ? zmq_socket(c->ctx, ZMQ_DEALER) : NULL;
+  if (!c->sock) {
+    td_client_close(c);
+    return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+  }
+  td_wire_setup_socket(c->sock);
+  if (zmq_connect(c->sock, endpoint) != 0) {
+    td_status s = td_err(TD_ERR_INVALID, "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
+    td_client_close(c);
+    return s;
+  }
+  *out = c;
+  return TD_OK;
+}
+
+void td_client_close(td_client *c) {
+  if (!c) return;
+  pending *p, *t;
+  HASH_ITER(hh, c->pend, p, t) {
+    HASH_DEL(c->pend, p);
+    free(p->id);
+    free(p);
+  }
+  if (c->sock) zmq_close(c->sock);
+  if (c->ctx) zmq_ctx_term(c->ctx);
+  free(c);
+}
+
+int td_client_pending(const td_client *c) { return (int)HASH_COUNT(c->pend); }
+
+static td_status send_client(td_client *c, Tandem__ClientMessage *m) {
+  m->version = TD_PROTOCOL_VERSION;
+  return td_wire_send(c->sock, NULL, 0, &m->base);
+}
+
+td_status td_client_generate(td_client *c, const td_json_request *r, bool stream, uint32_t timeout_ms) {
+  pending *p = NULL;
+  HASH_FIND_STR(c->pend, r->id, p);
+  if (p) return td_err(TD_ERR_INVALID, "request %s is already in flight", r->id);
+  const td_request_params *q = &r->params;
+  Tandem__SamplingParams sp = TANDEM__SAMPLING_PARAMS__INIT;
+  sp.temperature = q->temperature;
+  sp.top_k = q->top_k;
+  sp.top_p = q->top_p;
+  sp.seed = q->seed;
+  sp.has_seed = q->has_seed;
+  sp.n = (uint32_t)q->n;
+  sp.num_beams = (uint32_t)q->num_beams;
+  sp.num_return_sequences = (uint32_t)q->num_return_sequences;
+  sp.length_penalty = q->length_penalty;
+  sp.has_length_penalty = true;
+  sp.early_stopping = q->early_stopping;
+  sp.ignore_eos = q->ignore_eos;
+  sp.logprobs = q->logprobs;
+  sp.set_forced_bos = q->forced_bos != -2;
+  sp.forced_bos_token_id = q->forced_bos;
+  sp.set_forced_eos = q->forced_eos != -2;
+  sp.forced_eos_token_id = q->forced_eos;
+  Tandem__AudioFeatures af = TANDEM__AUDIO_FEATURES__INIT;
+  Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+  g.request_id = (char *)r->id;
+  g.input_ids = r->input_ids;
+  g.n_input_ids = (size_t)r->n_input;
+  if (r->features) {
+    af.values = r->features;
+    af.n_values = r->n_features;
+    g.features = &af;
+  }
+  g.decoder_prompt = r->prompt;
+  g.n_decoder_prompt = (size_t)r->n_prompt;
+  g.sampling = &sp;
+  g.max_new_tokens = q->max_new_tokens > 0 ? (uint32_t)q->max_new_tokens : 0;
+  g.stop_token_ids = r->stop_ids;
+  g.n_stop_token_ids = (size_t)r->n_stop_ids;
+  g.timeout_ms = timeout_ms;
+  g.stream = stream;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
+  m.generate = &g;
+  TD_TRY(send_client(c, &m));
+  p = calloc(1, sizeof *p);
+  if (!p || !(p->id = strdup(r->id))) {
+    free(p);
+    return td_err(TD_ERR_NOMEM, "out of memory");
+  }
+  p->deadline_ms = td_now_ms() + (timeout_ms ? timeout_ms : DEFAULT_TIMEOUT_MS) + GRACE_MS;
+  HASH_ADD_KEYPTR(hh, c->pend, p->id, strlen(p->id), p);
+  return TD_OK;
+}
+
+td_status td_client_cancel(td_client *c, const char *id) {
+  Tandem__CancelRequest cr = TANDEM__CANCEL_REQUEST__INIT;
+  cr.request_id = (char *)id;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_CANCEL;
+  m.cancel = &cr;
+  return send_client(c, &m);
+}
+
+static void finish(td_client *c, const char *id, const td_client_events *ev, const td_result *r) {
+  pending *p = NULL;
+  HASH_FIND_STR(c->pend, id, p);
+  if (!p) return; /* late or unknown: already reported */
+  HASH_DEL(c->pend, p);
+  if (ev && ev->on_result) ev->on_result(ev->ctx, r);
+  free(p->id);
+  free(p);
+}
+
+static void fail(td_client *c, const char *id, const td_client_events *ev, td_status s, const char *msg) {
+  td_result r = {.id = id, .status = s, .error = msg};
+  finish(c, id, ev, &r);
+}
+
+static td_finish finish_of(Tandem__FinishReason f) {
+  switch (f) {
+    case TANDEM__FINISH_REASON__FINISH_STOP: return TD_FINISH_STOP;
+    case TANDEM__FINISH_REASON__FINISH_LENGTH: return TD_FINISH_LENGTH;
+    case TANDEM__FINISH_REASON__FINISH_CANCELLED: return TD_FINISH_CANCELLED;
+    case TANDEM__FINISH_REASON__FINISH_ERROR: return TD_FINISH_ERROR;
+    default: return TD_FINISH_NONE;
+  }
+}
+
+static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_events *ev) {
+  const char *id = m->request_id ? m->request_id : "";
+  switch (m->body_case) {
+    case TANDEM__SERVER_MESSAGE__BODY_TOKENS: {
+      Tandem__TokenChunk *t = m->tokens;
+      if (ev && ev->on_tokens)
+        ev->on_tokens(ev->ctx, id, (int)t->sequence, (int)t->offset, t->tokens, t->n_logprobs ? t->logprobs : NULL,
+                      (int)t->n_tokens);
+      break;
+    }
+    case TANDEM__SERVER_MESSAGE__BODY_RESULT: {
+      Tandem__GenerateResult *g = m->result;
+      td_seq_output outs[64];
+      int n = 0;
+      for (size_t i = 0; i < g->n_outputs && n < 64; i++, n++) {
+        Tandem__SequenceOutput *o = g->outputs[i];
+        outs[n] = (td_seq_output){.tokens = o->tokens, .n_tokens = (int)o->n_tokens,
+                                  .logprobs = o->n_logprobs ? o->logprobs : NULL, .score = o->score,
+                                  .finish = finish_of(o->finish_reason)};
+      }
+      td_result r = {.id = id, .status = TD_OK, .n_outputs = n, .outputs = outs};
+      finish(c, id, ev, &r);
+      break;
+    }
+    case TANDEM__SERVER_MESSAGE__BODY_ERROR:
+      fail(c, id, ev, td_wire_status(m->error->code), m->error->message ? m->error->message : "error");
+      break;
+    case TANDEM__SERVER_MESSAGE__BODY_HEALTH:
+      c->health = (td_client_health){.serving = m->health->serving, .encoders = (int)m->health->encoders,
+                                     .prefills = (int)m->health->prefills, .decoders = (int)m->health->decoders,
+                                     .in_flight = (int)m->health->in_flight, .queued = (int)m->health->queued};
+      c->have_health = true;
+      break;
+    default:
+      break;
+  }
+}
+
+static void expire(td_client *c, const td_client_events *ev) {
+  int64_t now = td_now_ms();
+  pending *p, *t;
+  HASH_ITER(hh, c->pend, p, t) {
+    if (p->deadline_ms && now > p->deadline_ms) {
+      char *id = strdup(p->id);
+      if (!id) continue;
+      (void)td_client_cancel(c, id);
+      fail(c, id, ev, TD_ERR_TIMEOUT, "no answer from the router before the deadline");
+      free(id);
+    }
+  }
+}
+
+td_status td_client_poll(td_client *c, int timeout_ms, const td_client_events *ev) {
+  zmq_pollitem_t it = {.socket = c->sock, .events = ZMQ_POLLIN};
+  int rc = zmq_poll(&it, 1, timeout_ms);
+  if (rc < 0) return td_err(TD_ERR_NETWORK, "zmq poll: %s", zmq_strerror(zmq_errno()));
+  for (int k = 0; rc > 0 && k < 1024; k++) {
+    td_wire_frame f;
+    td_status s = td_wire_recv(c->sock, false, false, &f);
+    if (s == TD_ERR_NOT_FOUND) break;
+    if (s != TD_OK) {
+      TD_WARN("client: %s", td_errmsg());
+      td_wire_frame_free(&f);
+      continue;
+    }
+    Tandem__ServerMessage *m;
+    uint32_t ver;
+    s = td_wire_unpack_server(&f, &m, &ver);
+    td_wire_frame_free(&f);
+    if (s != TD_OK) {
+      TD_WARN("client: dropped a message from the router: %s", td_errmsg());
+      continue;
+    }
+    dispatch(c, m, ev);
+    tandem__server_message__free_unpacked(m, NULL);
+  }
+  expire(c, ev);
+  return TD_OK;
+}
+
+td_status td_client_health_check(td_client *c, int timeout_ms, td_client_health *out) {
+  Tandem__HealthRequest hr = TANDEM__HEALTH_REQUEST__INIT;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_HEALTH;
+  m.health = &hr;
+  c->have_health = false;
+  TD_TRY(send_client(c, &m));
+  int64_t end = td_now_ms() + timeout_ms;
+  while (!c->have_health) {
+    int64_t left = end - td_now_ms();
+    if (left <= 0) return td_err(TD_ERR_TIMEOUT, "no health answer within %d ms", timeout_ms);
+    TD_TRY(td_client_poll(c, (int)left, NULL));
+  }
+  *out = c->health;
+  return TD_OK;
+}

@@ -1,0 +1,45 @@
+/* The C client library: connect to a router, send generate requests, get
+ * streamed tokens and results through callbacks, cancel, time out. One
+ * thread drives a client. */
+#ifndef TD_CLIENT_CLIENT_H
+#define TD_CLIENT_CLIENT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "engine/engine.h"
+#include "engine/jsonio.h"
+
+typedef struct td_client td_client;
+
+typedef struct td_client_events {
+  /* Streamed tokens of sequence `seq`, starting at output position `offset`. */
+  void (*on_tokens)(void *ctx, const char *id, int seq, int offset, const int32_t *tokens, const float *logprobs,
+                    int n);
+  /* The final result (r->status != TD_OK for errors); valid during the call. */
+  void (*on_result)(void *ctx, const td_result *r);
+  void *ctx;
+} td_client_events;
+
+typedef struct td_client_health {
+  bool serving;
+  int encoders, prefills, decoders, in_flight, queued;
+} td_client_health;
+
+td_status td_client_connect(const char *endpoint, td_client **out);
+void td_client_close(td_client *c);
+
+/* Sends a request (its id must be unique among this client's requests in
+ * flight). timeout_ms: the router's deadline (0: its default); the client
+ * also gives up on its own at that deadline plus a grace period. */
+td_status td_client_generate(td_client *c, const td_json_request *r, bool stream, uint32_t timeout_ms);
+td_status td_client_cancel(td_client *c, const char *id);
+/* Waits up to timeout_ms for messages and dispatches them; returns after
+ * the first batch of messages or the timeout. Requests past their client
+ * deadline end with TD_ERR_TIMEOUT. */
+td_status td_client_poll(td_client *c, int timeout_ms, const td_client_events *ev);
+int td_client_pending(const td_client *c);
+td_status td_client_health_check(td_client *c, int timeout_ms, td_client_health *out);
+
+#endif

@@ -1,0 +1,181 @@
+/* tandem-client: sends JSON-lines requests to a running cluster and prints
+ * one result line per request in input order (DESIGN.md §4); with --stream
+ * token chunks are printed as they arrive. */
+#include <errno.h>
+#include <getopt.h>
+#include <libgen.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "client/client.h"
+#include "common/clock.h"
+#include "common/log.h"
+
+typedef struct slot {
+  td_json_request req;
+  char *out;
+  bool sent;
+} slot;
+
+typedef struct app {
+  slot *s;
+  int n;
+  int failed;
+  bool stream;
+} app;
+
+static slot *find(app *a, const char *id) {
+  for (int i = 0; i < a->n; i++)
+    if (a->s[i].sent && !a->s[i].out && !strcmp(a->s[i].req.id, id)) return &a->s[i];
+  return NULL;
+}
+
+static void on_tokens(void *ctx, const char *id, int seq, int offset, const int32_t *t, const float *lp, int n) {
+  app *a = ctx;
+  if (!a->stream) return;
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "id", id);
+  cJSON_AddNumberToObject(o, "sequence", seq);
+  cJSON_AddNumberToObject(o, "offset", offset);
+  cJSON *arr = cJSON_AddArrayToObject(o, "tokens");
+  for (int i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(t[i]));
+  char *s = cJSON_PrintUnformatted(o);
+  if (s) puts(s);
+  fflush(stdout);
+  free(s);
+  cJSON_Delete(o);
+}
+
+static void on_result(void *ctx, const td_result *r) {
+  app *a = ctx;
+  slot *s = find(a, r->id);
+  if (!s) return;
+  s->out = td_json_result_format(r);
+  if (r->status != TD_OK) a->failed++;
+  if (a->stream && s->out) {
+    puts(s->out);
+    fflush(stdout);
+  }
+}
+
+int main(int argc, char **argv) {
+  td_log_set_name("client");
+  static const struct option opts[] = {{"router", required_argument, 0, 'r'}, {"requests", required_argument, 0, 'q'},
+                                       {"stream", no_argument, 0, 's'},       {"timeout-ms", required_argument, 0, 't'},
+                                       {"max-inflight", required_argument, 0, 'm'}, {"health", no_argument, 0, 'H'},
+                                       {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
+  const char *router = NULL, *path = NULL;
+  int timeout = 0, max_inflight = 256;
+  bool stream = false, health = false;
+  int c;
+  while ((c = getopt_long(argc, argv, "r:q:st:m:Hh", opts, NULL)) != -1) {
+    switch (c) {
+      case 'r': router = optarg; break;
+      case 'q': path = optarg; break;
+      case 's': stream = true; break;
+      case 't': timeout = atoi(optarg); break;
+      case 'm': max_inflight = atoi(optarg); break;
+      case 'H': health = true; break;
+      default:
+        fprintf(c == 'h' ? stdout : stderr,
+                "usage: tandem-client --router ENDPOINT --requests FILE.jsonl [--stream] [--timeout-ms N]\n"
+                "                     [--max-inflight N]\n       tandem-client --router ENDPOINT --health\n");
+        return c == 'h' ? 0 : 2;
+    }
+  }
+  if (!router || (!path && !health) || max_inflight <= 0 || timeout < 0) {
+    fprintf(stderr, "tandem-client: --router and --requests are required (see --help)\n");
+    return 2;
+  }
+  td_client *cl;
+  if (td_client_connect(router, &cl) != TD_OK) {
+    fprintf(stderr, "tandem-client: %s\n", td_errmsg());
+    return 2;
+  }
+  if (health) {
+    td_client_health h;
+    int rc = td_client_health_check(cl, timeout ? timeout : 5000, &h);
+    if (rc == TD_OK)
+      printf("{\"serving\": %s, \"encoders\": %d, \"prefills\": %d, \"decoders\": %d, \"in_flight\": %d, "
+             "\"queued\": %d}\n",
+             h.serving ? "true" : "false", h.encoders, h.prefills, h.decoders, h.in_flight, h.queued);
+    else
+      fprintf(stderr, "tandem-client: %s\n", td_errmsg());
+    td_client_close(cl);
+    return rc == TD_OK && h.serving ? 0 : 1;
+  }
+  FILE *f = strcmp(path, "-") ? fopen(path, "r") : stdin;
+  if (!f) {
+    fprintf(stderr, "tandem-client: %s: %s\n", path, strerror(errno));
+    td_client_close(cl);
+    return 2;
+  }
+  char dirbuf[PATH_MAX];
+  snprintf(dirbuf, sizeof dirbuf, "%s", path);
+  const char *base = strcmp(path, "-") ? dirname(dirbuf) : ".";
+  app a = {.stream = stream};
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t len;
+  int line_no = 0, cap_s = 0;
+  while ((len = getline(&line, &cap, f)) >= 0) {
+    line_no++;
+    while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r' || line[len - 1] == ' ')) len--;
+    if (!len) continue;
+    if (a.n == cap_s) {
+      cap_s = cap_s ? 2 * cap_s : 64;
+      a.s = realloc(a.s, sizeof *a.s * (size_t)cap_s);
+    }
+    slot *s = &a.s[a.n++];
+    memset(s, 0, sizeof *s);
+    if (td_json_request_parse(line, (size_t)len, base, line_no, &s->req) != TD_OK) {
+      s->out = td_json_error_format(s->req.id, TD_ERR_INVALID, td_errmsg());
+      a.failed++;
+    }
+  }
+  free(line);
+  if (f != stdin) fclose(f);
+  /* ids must be unique while in flight: later duplicates get an error */
+  for (int i = 0; i < a.n; i++)
+    for (int j = 0; j < i && !a.s[i].out; j++)
+      if (!a.s[j].out && !strcmp(a.s[i].req.id, a.s[j].req.id)) {
+        a.s[i].out = td_json_error_format(a.s[i].req.id, TD_ERR_INVALID, "duplicate request id in the file");
+        a.failed++;
+      }
+  if (stream)
+    for (int i = 0; i < a.n; i++)
+      if (a.s[i].out) puts(a.s[i].out);
+  td_client_events ev = {.on_tokens = on_tokens, .on_result = on_result, .ctx = &a};
+  int next = 0;
+  for (;;) {
+    while (next < a.n && td_client_pending(cl) < max_inflight) {
+      slot *s = &a.s[next++];
+      if (s->out) continue;
+      s->sent = true;
+      if (td_client_generate(cl, &s->req, stream, (uint32_t)timeout) != TD_OK) {
+        s->out = td_json_error_format(s->req.id, TD_ERR_NETWORK, td_errmsg());
+        a.failed++;
+      }
+    }
+    if (next >= a.n && td_client_pending(cl) == 0) break;
+    if (td_client_poll(cl, 200, &ev) != TD_OK) {
+      fprintf(stderr, "tandem-client: %s\n", td_errmsg());
+      break;
+    }
+  }
+  if (!stream)
+    for (int i = 0; i < a.n; i++)
+      if (a.s[i].out) puts(a.s[i].out);
+  fflush(stdout);
+  for (int i = 0; i < a.n; i++) {
+    td_json_request_free(&a.s[i].req);
+    free(a.s[i].out);
+  }
+  free(a.s);
+  td_client_close(cl);
+  return a.failed ? 1 : 0;
+}

@@ -1,0 +1,162 @@
+#include "proto/wire.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+void td_wire_setup_socket(void *sock) {
+  int linger = 0, hwm = 100000;
+  int64_t max = TD_WIRE_MAX_MSG;
+  zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
+  zmq_setsockopt(sock, ZMQ_SNDHWM, &hwm, sizeof hwm);
+  zmq_setsockopt(sock, ZMQ_RCVHWM, &hwm, sizeof hwm);
+  int ivl = 1000, ttl = 5000, tmo = 5000;
+  zmq_setsockopt(sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
+  zmq_setsockopt(sock, ZMQ_HEARTBEAT_TTL, &ttl, sizeof ttl);
+  zmq_setsockopt(sock, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);
+}
+
+td_status td_wire_send(void *sock, const uint8_t *id, size_t id_len, const ProtobufCMessage *msg) {
+  size_t n = protobuf_c_message_get_packed_size(msg);
+  zmq_msg_t m;
+  if (zmq_msg_init_size(&m, n ? n : 1) != 0) return td_err(TD_ERR_NOMEM, "zmq message of %zu bytes", n);
+  protobuf_c_message_pack(msg, zmq_msg_data(&m));
+  if (id && zmq_send(sock, id, id_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) {
+    int e = errno;
+    zmq_msg_close(&m);
+    return td_err(e == EAGAIN ? TD_ERR_OVERLOADED : TD_ERR_NETWORK, "zmq send: %s", zmq_strerror(e));
+  }
+  if (zmq_msg_send(&m, sock, ZMQ_DONTWAIT) < 0) {
+    int e = errno;
+    zmq_msg_close(&m);
+    return td_err(e == EAGAIN ? TD_ERR_OVERLOADED : TD_ERR_NETWORK, "zmq send: %s", zmq_strerror(e));
+  }
+  return TD_OK;
+}
+
+static bool more(void *sock) {
+  int v = 0;
+  size_t l = sizeof v;
+  zmq_getsockopt(sock, ZMQ_RCVMORE, &v, &l);
+  return v != 0;
+}
+
+static void drain(void *sock) {
+  while (more(sock)) {
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    zmq_msg_recv(&m, sock, 0);
+    zmq_msg_close(&m);
+  }
+}
+
+td_status td_wire_recv(void *sock, bool router, bool wait, td_wire_frame *out) {
+  memset(out, 0, sizeof *out);
+  zmq_msg_t m;
+  zmq_msg_init(&m);
+  int flags = wait ? 0 : ZMQ_DONTWAIT;
+  if (zmq_msg_recv(&m, sock, flags) < 0) {
+    int e = errno;
+    zmq_msg_close(&m);
+    if (e == EAGAIN) return TD_ERR_NOT_FOUND;
+    return td_err(e == ETERM ? TD_ERR_CANCELLED : TD_ERR_NETWORK, "zmq recv: %s", zmq_strerror(e));
+  }
+  if (router) {
+    size_t il = zmq_msg_size(&m);
+    if (il > TD_WIRE_MAX_ID) il = TD_WIRE_MAX_ID;
+    memcpy(out->id, zmq_msg_data(&m), il);
+    out->id_len = il;
+    zmq_msg_close(&m);
+    if (!more(sock)) return td_err(TD_ERR_FORMAT, "message without a body");
+    zmq_msg_init(&m);
+    if (zmq_msg_recv(&m, sock, 0) < 0) {
+      zmq_msg_close(&m);
+      return td_err(TD_ERR_NETWORK, "zmq recv: %s", zmq_strerror(errno));
+    }
+  }
+  if (more(sock)) {
+    zmq_msg_close(&m);
+    drain(sock);
+    return td_err(TD_ERR_FORMAT, "message with extra frames");
+  }
+  out->len = zmq_msg_size(&m);
+  out->data = malloc(out->len ? out->len : 1);
+  if (!out->data) {
+    zmq_msg_close(&m);
+    return td_err(TD_ERR_NOMEM, "out of memory");
+  }
+  memcpy(out->data, zmq_msg_data(&m), out->len);
+  zmq_msg_close(&m);
+  return TD_OK;
+}
+
+void td_wire_frame_free(td_wire_frame *f) {
+  free(f->data);
+  f->data = NULL;
+}
+
+/* Reads field 1 (varint) without trusting the rest: a message from another
+ * version still tells its version. */
+static uint32_t peek_version(const uint8_t *p, size_t n) {
+  if (n < 2 || p[0] != 0x08) return 0;
+  uint64_t v = 0;
+  for (size_t i = 1, sh = 0; i < n && sh < 35; i++, sh += 7) {
+    v |= (uint64_t)(p[i] & 0x7f) << sh;
+    if (!(p[i] & 0x80)) return (uint32_t)v;
+  }
+  return 0;
+}
+
+#define UNPACK(fn, type, desc)                                                                        \
+  td_status fn(const td_wire_frame *f, type **out, uint32_t *version) {                              \
+    *out = NULL;                                                                                      \
+    *version = peek_version(f->data, f->len);                                                         \
+    if (*version != TD_PROTOCOL_VERSION) {                                                            \
+      if (*version == 0) return td_err(TD_ERR_FORMAT, "malformed message (%zu bytes, no version)", f->len); \
+      return td_err(TD_ERR_VERSION, "protocol version %u, this peer speaks %u", *version,            \
+                    TD_PROTOCOL_VERSION);                                                             \
+    }                                                                                                 \
+    type *m = (type *)protobuf_c_message_unpack(&desc, NULL, f->len, f->data);                        \
+    if (!m) return td_err(TD_ERR_FORMAT, "malformed message (%zu bytes)", f->len);                    \
+    *out = m;                                                                                         \
+    return TD_OK;                                                                                     \
+  }
+
+UNPACK(td_wire_unpack_client, Tandem__ClientMessage, tandem__client_message__descriptor)
+UNPACK(td_wire_unpack_server, Tandem__ServerMessage, tandem__server_message__descriptor)
+UNPACK(td_wire_unpack_worker, Tandem__Cluster__WorkerMessage, tandem__cluster__worker_message__descriptor)
+UNPACK(td_wire_unpack_router, Tandem__Cluster__RouterMessage, tandem__cluster__router_message__descriptor)
+
+Tandem__ErrorCode td_wire_error_code(td_status s) {
+  switch (s) {
+    case TD_OK: return TANDEM__ERROR_CODE__ERROR_NONE;
+    case TD_ERR_INVALID:
+    case TD_ERR_UNSUPPORTED:
+    case TD_ERR_NO_BLOCKS: return TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT;
+    case TD_ERR_FORMAT: return TANDEM__ERROR_CODE__ERROR_MALFORMED;
+    case TD_ERR_OVERLOADED: return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
+    case TD_ERR_TIMEOUT: return TANDEM__ERROR_CODE__ERROR_TIMEOUT;
+    case TD_ERR_CANCELLED: return TANDEM__ERROR_CODE__ERROR_CANCELLED;
+    case TD_ERR_PEER:
+    case TD_ERR_NETWORK: return TANDEM__ERROR_CODE__ERROR_UNAVAILABLE;
+    case TD_ERR_VERSION: return TANDEM__ERROR_CODE__ERROR_VERSION;
+    case TD_ERR_NOT_FOUND: return TANDEM__ERROR_CODE__ERROR_NOT_FOUND;
+    default: return TANDEM__ERROR_CODE__ERROR_INTERNAL;
+  }
+}
+
+td_status td_wire_status(Tandem__ErrorCode c) {
+  switch (c) {
+    case TANDEM__ERROR_CODE__ERROR_NONE: return TD_OK;
+    case TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT: return TD_ERR_INVALID;
+    case TANDEM__ERROR_CODE__ERROR_OVERLOADED: return TD_ERR_OVERLOADED;
+    case TANDEM__ERROR_CODE__ERROR_TIMEOUT: return TD_ERR_TIMEOUT;
+    case TANDEM__ERROR_CODE__ERROR_CANCELLED: return TD_ERR_CANCELLED;
+    case TANDEM__ERROR_CODE__ERROR_UNAVAILABLE: return TD_ERR_PEER;
+    case TANDEM__ERROR_CODE__ERROR_VERSION: return TD_ERR_VERSION;
+    case TANDEM__ERROR_CODE__ERROR_NOT_FOUND: return TD_ERR_NOT_FOUND;
+    case TANDEM__ERROR_CODE__ERROR_MALFORMED: return TD_ERR_FORMAT;
+    default: return TD_ERR_INTERNAL;
+  }
+}

@@ -1,0 +1,51 @@
+/* Versioned protobuf messages over ZeroMQ. A DEALER peer sends one frame
+ * (the packed message); a ROUTER sees [identity][message]. Every message's
+ * field 1 is the protocol version, checked on receipt. */
+#ifndef TD_PROTO_WIRE_H
+#define TD_PROTO_WIRE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <zmq.h>
+
+#include "cluster.pb-c.h"
+#include "common/status.h"
+#include "tandem.pb-c.h"
+
+#define TD_PROTOCOL_VERSION 1u
+#define TD_WIRE_MAX_MSG (64 << 20) /* larger messages drop the peer's connection */
+#define TD_WIRE_MAX_ID 255
+
+typedef struct td_wire_frame {
+  uint8_t id[TD_WIRE_MAX_ID];
+  size_t id_len;  /* 0 on DEALER sockets */
+  uint8_t *data;  /* payload (malloc'ed) */
+  size_t len;
+} td_wire_frame;
+
+/* Packs msg and sends it, after the identity frame when id != NULL.
+ * Non-blocking: a full queue reports TD_ERR_OVERLOADED. */
+td_status td_wire_send(void *sock, const uint8_t *id, size_t id_len, const ProtobufCMessage *msg);
+/* Receives one message (non-blocking unless `wait`). TD_ERR_NOT_FOUND when
+ * nothing is ready. Frames that do not fit the expected shape are
+ * consumed and reported as TD_ERR_FORMAT (id filled when known). */
+td_status td_wire_recv(void *sock, bool router, bool wait, td_wire_frame *out);
+void td_wire_frame_free(td_wire_frame *f);
+
+/* Unpack with version check; TD_ERR_FORMAT for malformed bytes,
+ * TD_ERR_VERSION for another protocol version (*out is then NULL). */
+td_status td_wire_unpack_client(const td_wire_frame *f, Tandem__ClientMessage **out, uint32_t *version);
+td_status td_wire_unpack_server(const td_wire_frame *f, Tandem__ServerMessage **out, uint32_t *version);
+td_status td_wire_unpack_worker(const td_wire_frame *f, Tandem__Cluster__WorkerMessage **out, uint32_t *version);
+td_status td_wire_unpack_router(const td_wire_frame *f, Tandem__Cluster__RouterMessage **out, uint32_t *version);
+
+/* Socket options common to every Tandem socket (linger, size limit, heartbeats). */
+void td_wire_setup_socket(void *sock);
+
+/* Maps between status codes and the protocol's error codes. */
+Tandem__ErrorCode td_wire_error_code(td_status s);
+td_status td_wire_status(Tandem__ErrorCode c);
+
+#endif

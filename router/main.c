@@ -1,0 +1,68 @@
+/* tandem-router: the cluster's front end. */
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/log.h"
+#include "router/router.h"
+
+static volatile sig_atomic_t stop_flag;
+static void on_signal(int sig) { stop_flag = sig; }
+
+int main(int argc, char **argv) {
+  td_log_set_name("router");
+  static const struct option opts[] = {
+      {"client-endpoint", required_argument, 0, 'c'}, {"worker-endpoint", required_argument, 0, 'w'},
+      {"heartbeat-ms", required_argument, 0, 'H'},    {"dead-after", required_argument, 0, 'D'},
+      {"max-queue", required_argument, 0, 'q'},       {"max-in-flight", required_argument, 0, 'f'},
+      {"timeout-ms", required_argument, 0, 't'},      {"stage-timeout-ms", required_argument, 0, 's'},
+      {"max-attempts", required_argument, 0, 'a'},    {"prefill-threshold", required_argument, 0, 'p'},
+      {"model-name", required_argument, 0, 'n'},      {"log-level", required_argument, 0, 'l'},
+      {"help", no_argument, 0, 'h'},                  {0, 0, 0, 0}};
+  td_router_opts o = {.client_endpoint = "tcp://127.0.0.1:7000", .worker_endpoint = "tcp://127.0.0.1:7001"};
+  int c;
+  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:n:l:h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'c': o.client_endpoint = optarg; break;
+      case 'w': o.worker_endpoint = optarg; break;
+      case 'H': o.heartbeat_ms = atoi(optarg); break;
+      case 'D': o.dead_after = atoi(optarg); break;
+      case 'q': o.max_queue = atoi(optarg); break;
+      case 'f': o.max_in_flight = atoi(optarg); break;
+      case 't': o.default_timeout_ms = atoi(optarg); break;
+      case 's': o.stage_timeout_ms = atoi(optarg); break;
+      case 'a': o.max_attempts = atoi(optarg); break;
+      case 'p': o.prefill_threshold = atoi(optarg); break;
+      case 'n': o.model_name = optarg; break;
+      case 'l':
+        if (td_log_parse_level(optarg) < 0) {
+          fprintf(stderr, "tandem-router: unknown log level %s\n", optarg);
+          return 2;
+        }
+        td_log_set_level((td_log_level)td_log_parse_level(optarg));
+        break;
+      default:
+        fprintf(c == 'h' ? stdout : stderr,
+                "usage: tandem-router [--client-endpoint tcp://HOST:PORT] [--worker-endpoint tcp://HOST:PORT]\n"
+                "                     [--heartbeat-ms N] [--dead-after N] [--max-queue N] [--max-in-flight N]\n"
+                "                     [--timeout-ms N] [--stage-timeout-ms N] [--max-attempts N]\n"
+                "                     [--prefill-threshold N] [--model-name NAME] [--log-level LEVEL]\n");
+        return c == 'h' ? 0 : 2;
+    }
+  }
+  struct sigaction sa = {.sa_handler = on_signal};
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN);
+  td_router *r;
+  if (td_router_create(&o, &r) != TD_OK) {
+    fprintf(stderr, "tandem-router: %s\n", td_errmsg());
+    return 1;
+  }
+  td_status s = td_router_run(r, &stop_flag);
+  if (s != TD_OK) fprintf(stderr, "tandem-router: %s\n", td_errmsg());
+  td_router_destroy(r);
+  return s == TD_OK ? 0 : 1;
+}
