@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Starts a whole Tandem cluster on this machine: a router and encoder,
+# prefill and decode workers (CPU unless a GPU is present), with the bundled
+# test model or --model. Prints "router tcp://HOST:PORT" once it serves.
+# Ctrl-C or SIGTERM stops every process; --demo sends sample requests,
+# prints the results and stops.
+#
+#   deploy/local.sh [--model DIR] [--device cpu|cuda] [--port N] [--run-dir DIR]
+#                   [--encoders N] [--prefills N] [--decodes N] [--demo]
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+model="$root/tests/data/t5-tiny"
+device=""
+port=""
+run_dir=""
+encoders=1 prefills=1 decodes=1
+demo=0
+block_size=16
+while (($#)); do
+  case $1 in
+    --model) model=$2; shift 2 ;;
+    --device) device=$2; shift 2 ;;
+    --port) port=$2; shift 2 ;;
+    --run-dir) run_dir=$2; shift 2 ;;
+    --encoders) encoders=$2; shift 2 ;;
+    --prefills) prefills=$2; shift 2 ;;
+    --decodes) decodes=$2; shift 2 ;;
+    --block-size) block_size=$2; shift 2 ;;
+    --demo) demo=1; shift ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ -f $model/config.json ]] || { echo "local.sh: no config.json in $model" >&2; exit 2; }
+model=$(cd "$model" && pwd)
+((decodes >= 1)) || { echo "local.sh: at least one decode worker is needed" >&2; exit 2; }
+
+bin="${TANDEM_BIN:-$root/build/bin}"
+if [[ -z ${TANDEM_BIN:-} ]]; then
+  "$root/deploy/setup.sh" release >&2
+fi
+if [[ -z $device ]]; then
+  device=cpu
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=cuda; fi
+fi
+
+port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+if [[ -z $port ]]; then
+  for _ in $(seq 200); do
+    p=$((20000 + RANDOM % 40000))
+    if port_free "$p" && port_free $((p + 1)); then port=$p; break; fi
+  done
+  [[ -n $port ]] || { echo "local.sh: no free port found" >&2; exit 1; }
+fi
+client_ep="tcp://127.0.0.1:$port"
+worker_ep="tcp://127.0.0.1:$((port + 1))"
+run_dir=${run_dir:-"$root/run/local-$(date +%Y%m%d-%H%M%S)-$$"}
+mkdir -p "$run_dir"
+run_dir=$(cd "$run_dir" && pwd)
+
+pids=()
+stopping=0
+stop_all() {
+  ((stopping)) && return
+  stopping=1
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 50); do
+    alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    ((alive)) || break
+    sleep 0.1
+  done
+  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap 'stop_all; exit 130' INT
+trap 'stop_all; exit 143' TERM
+trap 'stop_all' EXIT
+
+start() { # name, command...
+  local name=$1; shift
+  "$@" >"$run_dir/$name.log" 2>&1 &
+  pids+=($!)
+  echo $! >"$run_dir/$name.pid"
+}
+
+start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep"
+threads=1
+common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads")
+gpu=0
+ngpu=1
+[[ $device == cuda ]] && ngpu=$(nvidia-smi -L | wc -l)
+next_gpu() { local g=$gpu; gpu=$(((gpu + 1) % ngpu)); echo $g; }
+for ((i = 0; i < encoders; i++)); do
+  start "encoder-$i" "$bin/tandem-worker" "${common[@]}" --role encode --id "encoder-$i" --gpu "$(next_gpu)"
+done
+for ((i = 0; i < prefills; i++)); do
+  start "prefill-$i" "$bin/tandem-worker" "${common[@]}" --role prefill --id "prefill-$i" --gpu "$(next_gpu)"
+done
+for ((i = 0; i < decodes; i++)); do
+  # without encoders, decode workers encode for themselves
+  roles=decode
+  ((encoders == 0)) && roles=encode,decode
+  start "decode-$i" "$bin/tandem-worker" "${common[@]}" --role "$roles" --id "decode-$i" --gpu "$(next_gpu)"
+done
+
+# serving once every worker has registered
+want="\"encoders\": $((encoders > 0 ? encoders : decodes)), \"prefills\": $prefills, \"decoders\": $decodes"
+for _ in $(seq 300); do
+  for pid in "${pids[@]}"; do
+    kill -0 "$pid" 2>/dev/null || { echo "local.sh: a process exited during start-up; logs in $run_dir" >&2; exit 1; }
+  done
+  h=$("$bin/tandem-client" --router "$client_ep" --health --timeout-ms 500 2>/dev/null || true)
+  [[ $h == *"$want"* ]] && break
+  sleep 0.2
+done
+[[ $h == *"$want"* ]] || { echo "local.sh: the cluster did not come up; logs in $run_dir" >&2; exit 1; }
+echo "router $client_ep"
+echo "logs and pid files in $run_dir" >&2
+
+if ((demo)); then
+  eos=$(grep -o '"eos_token_id": *[0-9]*' "$model/config.json" | head -1 | grep -o '[0-9]*$' || echo 1)
+  req="$run_dir/demo.jsonl"
+  if grep -q '"num_mel_bins"' "$model/config.json"; then
+    echo "local.sh: --demo needs a text model (Whisper takes audio features)" >&2
+    exit 2
+  fi
+  {
+    echo "{\"id\": \"demo-greedy\", \"input_ids\": [37, 42, 11, 99, 5, $eos], \"max_new_tokens\": 16}"
+    echo "{\"id\": \"demo-beam\", \"input_ids\": [12, 8, 77, 31, $eos], \"num_beams\": 4, \"num_return_sequences\": 2, \"max_new_tokens\": 12}"
+    echo "{\"id\": \"demo-sample\", \"input_ids\": [3, 14, 15, 92, 65, $eos], \"temperature\": 0.8, \"top_p\": 0.9, \"seed\": 7, \"n\": 2, \"max_new_tokens\": 12}"
+    echo "{\"id\": \"demo-long-prompt\", \"input_ids\": [9, 26, 53, 58, $eos], \"decoder_prompt\": [0, 97, 93, 23, 84, 62, 64, 33, 83, 27, 95, 2, 88, 41, 97, 16, 93, 99, 37, 51], \"max_new_tokens\": 8}"
+  } >"$req"
+  "$bin/tandem-client" --router "$client_ep" --requests "$req" --timeout-ms 60000
+  exit $?
+fi
+wait -n "${pids[@]}" || true
+echo "local.sh: a process exited; stopping the cluster (logs in $run_dir)" >&2
+exit 1

@@ -1,0 +1,163 @@
+/* Shared by the worker runtime and the role handlers (encoder_worker/,
+ * prefill_worker/, decode_worker/). Not a public interface. */
+#ifndef TD_WORKER_INTERNAL_H
+#define TD_WORKER_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <uthash.h>
+
+#include "engine/engine.h"
+#include "proto/wire.h"
+#include "worker/worker.h"
+
+/* ---- main thread -> compute thread ---- */
+typedef enum cmd_kind {
+  CMD_RESERVE,        /* reserve cross (n_cross) and self (n_self) blocks */
+  CMD_RELEASE_RES,    /* give back reservations */
+  CMD_ADD,            /* a request for the engine */
+  CMD_CANCEL,         /* end everything of rid */
+  CMD_RELEASE_BLOCKS, /* blocks handed over earlier */
+} cmd_kind;
+
+typedef enum wrole { ROLE_ENCODE, ROLE_PREFILL, ROLE_DECODE } wrole;
+
+typedef struct cmd {
+  cmd_kind kind;
+  uint64_t rid;
+  wrole role;
+  int n_cross, n_self;
+  uint64_t cross_res, self_res;
+  bool cross;       /* CMD_RELEASE_BLOCKS: which pool */
+  int32_t *blocks;  /* CMD_RELEASE_BLOCKS (owned) */
+  int n_blocks;
+  /* CMD_ADD */
+  td_request req;
+  int32_t *owned_i32[4]; /* arrays the request points into */
+  float *owned_f32;
+  struct cmd *next;
+} cmd;
+
+/* ---- compute thread -> main thread ---- */
+typedef enum ev_kind { EV_RESERVED, EV_TOKEN, EV_DONE } ev_kind;
+
+typedef struct wev {
+  ev_kind kind;
+  uint64_t rid;
+  wrole role;
+  /* EV_RESERVED */
+  uint64_t cross_res, self_res;
+  int32_t *cross_ids, *self_ids;
+  int n_cross, n_self;
+  /* EV_TOKEN */
+  int seq;
+  int32_t token;
+  float logprob;
+  /* EV_DONE */
+  td_status status;
+  char *error;
+  Tandem__SequenceOutput **outputs;
+  int n_outputs;
+  int32_t *blocks; /* handed-over blocks */
+  int n_blocks;
+  double ms;
+  struct wev *next;
+} wev;
+
+/* A request's part on this worker, in the main thread. */
+typedef struct job {
+  uint64_t key;     /* rid * 4 + role */
+  uint64_t rid;
+  wrole role;
+  Tandem__Cluster__RouterMessage *msg; /* owns the request spec */
+  Tandem__Cluster__RequestSpec *spec;
+  bool reserved;
+  uint64_t cross_res, self_res;
+  int32_t *cross_ids, *self_ids;
+  int n_cross, n_self;
+  int cross_got, self_got;   /* blocks arrived */
+  int self_expected;         /* 0: no prompt KV comes */
+  bool added;                /* handed to the engine */
+  int64_t expires;           /* reservation deadline (ms) */
+  /* senders: blocks to push and where */
+  int32_t *out_blocks;
+  int n_out;
+  bool out_cross;
+  int pushes_pending;
+  bool push_failed;
+  char push_error[256];
+  int64_t t_start;
+  double compute_ms;
+  UT_hash_handle hh;
+} job;
+
+/* ---- KV transport (host memory; peers identified by descriptor bytes) ---- */
+typedef struct xfer xfer;
+typedef struct xfer_pool {
+  void *mem;
+  size_t block_bytes;
+  int n_blocks;
+} xfer_pool;
+/* accept: whether blocks [n] of a reservation may be written now;
+ * arrived: they were written. */
+typedef struct xfer_hooks {
+  bool (*accept)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, const int32_t *blocks, int n,
+                 char *why, size_t cap);
+  void (*arrived)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, int n);
+  /* a push finished: ok, or the error */
+  void (*pushed)(void *ctx, uint64_t rid, int role, bool ok, const char *error);
+  void *ctx;
+} xfer_hooks;
+
+td_status xfer_create(const char *host, const xfer_pool *cross, const xfer_pool *self, const xfer_hooks *hooks,
+                      int timeout_ms, xfer **out);
+void xfer_destroy(xfer *x);
+/* This worker's descriptor: what peers need to push here. */
+const char *xfer_desc(const xfer *x);
+/* Sends blocks src (of the local cross or self pool) into the peer's
+ * reserved blocks dst; `pushed` reports the outcome. */
+td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer, size_t peer_len, uint64_t reservation,
+                    bool cross, const int32_t *src, const int32_t *dst, int n);
+/* Poll items (ZeroMQ sockets) and progress. */
+int xfer_poll_items(xfer *x, void *items, int cap);
+void xfer_progress(xfer *x);
+/* Drops pending pushes of rid (a cancel); their hooks never fire. */
+void xfer_forget(xfer *x, uint64_t rid);
+
+/* ---- the runtime, as role handlers see it ---- */
+typedef struct td_worker td_worker;
+
+void w_post(td_worker *w, cmd *c);
+cmd *w_cmd(cmd_kind kind, uint64_t rid, wrole r);
+job *w_job_new(td_worker *w, uint64_t rid, wrole r, Tandem__Cluster__RouterMessage *msg,
+               Tandem__Cluster__RequestSpec *spec);
+job *w_job_find(td_worker *w, uint64_t rid, wrole r);
+void w_job_drop(td_worker *w, job *j);
+void w_send(td_worker *w, Tandem__Cluster__WorkerMessage *m);
+void w_send_failed(td_worker *w, uint64_t rid, td_status code, const char *msg, bool retryable);
+void w_send_reserved(td_worker *w, job *j);
+xfer *w_xfer(td_worker *w);
+int w_ttl_ms(td_worker *w);
+bool w_draining(td_worker *w);
+const td_worker_opts *w_opts(td_worker *w);
+int w_block_size(td_worker *w);
+/* A CMD_ADD built from a request spec (arrays copied). */
+cmd *w_add_cmd(td_worker *w, job *j);
+
+/* role handlers (main thread) */
+void encoder_on_job(td_worker *w, Tandem__Cluster__RouterMessage *m);
+void encoder_on_done(td_worker *w, job *j, wev *e);
+void prefill_on_job(td_worker *w, Tandem__Cluster__RouterMessage *m);
+void prefill_on_done(td_worker *w, job *j, wev *e);
+void prefill_on_arrival(td_worker *w, job *j);
+void decode_on_job(td_worker *w, Tandem__Cluster__RouterMessage *m);
+void decode_on_prefill_result(td_worker *w, Tandem__Cluster__PrefillResult *pr);
+void decode_on_arrival(td_worker *w, job *j);
+void decode_on_done(td_worker *w, job *j, wev *e);
+/* senders: push the job's out_blocks to targets; a push finished */
+void w_push_all(td_worker *w, job *j, Tandem__Cluster__KvTarget **targets, size_t n_targets);
+void sender_on_pushed(td_worker *w, job *j, bool ok, const char *error);
+
+#endif

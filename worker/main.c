@@ -1,0 +1,96 @@
+/* tandem-worker: one worker process with any of the encode, prefill and
+ * decode roles. */
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/log.h"
+#include "worker/worker.h"
+
+static volatile sig_atomic_t stop_flag;
+static void on_signal(int sig) { stop_flag = sig; }
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: tandem-worker --router tcp://HOST:PORT --model DIR [--role encode,prefill,decode]\n"
+          "                     [--id NAME] [--device cpu|cuda] [--gpu N] [--block-size N]\n"
+          "                     [--kv-blocks N] [--cross-blocks N] [--max-batch N] [--max-tokens N]\n"
+          "                     [--threads N] [--host ADDR] [--reservation-ttl-ms N] [--log-level LEVEL]\n");
+}
+
+int main(int argc, char **argv) {
+  static const struct option opts[] = {
+      {"router", required_argument, 0, 'r'},     {"model", required_argument, 0, 'm'},
+      {"role", required_argument, 0, 'R'},       {"id", required_argument, 0, 'i'},
+      {"device", required_argument, 0, 'd'},     {"gpu", required_argument, 0, 'g'},
+      {"block-size", required_argument, 0, 'b'}, {"kv-blocks", required_argument, 0, 'k'},
+      {"cross-blocks", required_argument, 0, 'c'}, {"max-batch", required_argument, 0, 'B'},
+      {"max-tokens", required_argument, 0, 'T'}, {"threads", required_argument, 0, 't'},
+      {"host", required_argument, 0, 'H'},       {"reservation-ttl-ms", required_argument, 0, 'x'},
+      {"log-level", required_argument, 0, 'l'},  {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0}};
+  td_worker_opts o = {.device = TD_BACKEND_CPU};
+  const char *roles = "encode,prefill,decode";
+  char idbuf[64];
+  snprintf(idbuf, sizeof idbuf, "worker-%d", (int)getpid());
+  o.id = idbuf;
+  int c;
+  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:h", opts, NULL)) != -1) {
+    switch (c) {
+      case 'r': o.router = optarg; break;
+      case 'm': o.model_dir = optarg; break;
+      case 'R': roles = optarg; break;
+      case 'i': o.id = optarg; break;
+      case 'd':
+        if (!strcmp(optarg, "cuda"))
+          o.device = TD_BACKEND_CUDA;
+        else if (strcmp(optarg, "cpu")) {
+          fprintf(stderr, "tandem-worker: --device must be cpu or cuda\n");
+          return 2;
+        }
+        break;
+      case 'g': o.device_id = atoi(optarg); break;
+      case 'b': o.block_size = atoi(optarg); break;
+      case 'k': o.self_blocks = atoi(optarg); break;
+      case 'c': o.cross_blocks = atoi(optarg); break;
+      case 'B': o.max_batch = atoi(optarg); break;
+      case 'T': o.max_tokens = atoi(optarg); break;
+      case 't': o.threads = atoi(optarg); break;
+      case 'H': o.listen_host = optarg; break;
+      case 'x': o.reservation_ttl_ms = atoi(optarg); break;
+      case 'l':
+        if (td_log_parse_level(optarg) < 0) {
+          fprintf(stderr, "tandem-worker: unknown log level %s\n", optarg);
+          return 2;
+        }
+        td_log_set_level((td_log_level)td_log_parse_level(optarg));
+        break;
+      case 'h': usage(stdout); return 0;
+      default: usage(stderr); return 2;
+    }
+  }
+  o.encode = strstr(roles, "encode") != NULL;
+  o.prefill = strstr(roles, "prefill") != NULL;
+  o.decode = strstr(roles, "decode") != NULL;
+  if (!o.router || !o.model_dir || !(o.encode || o.prefill || o.decode) || strlen(o.id) > 200) {
+    usage(stderr);
+    return 2;
+  }
+  td_log_set_name(o.id);
+  struct sigaction sa = {.sa_handler = on_signal};
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN);
+  td_worker *w;
+  if (td_worker_create(&o, &w) != TD_OK) {
+    fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
+    return 1;
+  }
+  td_status s = td_worker_run(w, &stop_flag);
+  if (s != TD_OK) fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
+  td_worker_destroy(w);
+  return s == TD_OK ? 0 : 1;
+}

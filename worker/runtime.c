@@ -1,0 +1,1008 @@
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "worker/internal.h"
+
+/* compute-side record of a request the engine runs */
+typedef struct creq {
+  uint64_t rid;
+  wrole role;
+  uint64_t handle;
+  int64_t t_start;
+  UT_hash_handle hh;
+} creq;
+
+typedef struct load_snap {
+  int queued, running, free_self, free_cross;
+} load_snap;
+
+struct td_worker {
+  td_worker_opts o;
+  char id[TD_WIRE_MAX_ID + 1];
+  void *zctx, *rsock;
+  /* compute thread */
+  pthread_t thread;
+  bool thread_started;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  cmd *cmd_head, *cmd_tail;
+  wev *ev_head, *ev_tail;
+  int efd;
+  bool stop_compute;
+  bool ready;
+  td_status init_status;
+  char init_error[512];
+  load_snap load;
+  /* owned by the compute thread after start */
+  td_backend *b;
+  td_model *m;
+  td_engine *e;
+  creq *creqs;
+  /* model facts for registration */
+  td_model_config cfg;
+  int max_src, max_tgt, frames, block_size, self_blocks, cross_blocks, max_running;
+  xfer_pool pool_cross, pool_self;
+  /* main thread */
+  xfer *x;
+  job *jobs;
+  bool registered;
+  int hb_ms, dead_after;
+  int64_t last_hb_sent, last_router_msg, last_register;
+  uint64_t hb_seq;
+  bool draining;
+  int64_t drain_deadline;
+};
+
+/* ------------------------------------------------------------ queues */
+
+cmd *w_cmd(cmd_kind kind, uint64_t rid, wrole r) {
+  cmd *c = calloc(1, sizeof *c);
+  if (c) {
+    c->kind = kind;
+    c->rid = rid;
+    c->role = r;
+  }
+  return c;
+}
+
+static void cmd_free(cmd *c) {
+  if (!c) return;
+  free(c->blocks);
+  for (int i = 0; i < 4; i++) free(c->owned_i32[i]);
+  free(c->owned_f32);
+  free(c);
+}
+
+void w_post(td_worker *w, cmd *c) {
+  if (!c) return;
+  pthread_mutex_lock(&w->mu);
+  if (w->cmd_tail)
+    w->cmd_tail->next = c;
+  else
+    w->cmd_head = c;
+  w->cmd_tail = c;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+static void ev_push(td_worker *w, wev *e) {
+  pthread_mutex_lock(&w->mu);
+  if (w->ev_tail)
+    w->ev_tail->next = e;
+  else
+    w->ev_head = e;
+  w->ev_tail = e;
+  pthread_mutex_unlock(&w->mu);
+  uint64_t one = 1;
+  if (write(w->efd, &one, sizeof one) < 0) TD_DEBUG("eventfd write: %s", strerror(errno));
+}
+
+static void ev_free(wev *e) {
+  if (!e) return;
+  free(e->cross_ids);
+  free(e->self_ids);
+  free(e->error);
+  for (int i = 0; i < e->n_outputs; i++) {
+    free(e->outputs[i]->tokens);
+    free(e->outputs[i]->logprobs);
+    free(e->outputs[i]);
+  }
+  free(e->outputs);
+  free(e->blocks);
+  free(e);
+}
+
+/* ------------------------------------------------------------ compute thread */
+
+static void on_token(void *ctx, uint64_t handle, void *user, int seq, int32_t token, float logprob) {
+  td_worker *w = ctx;
+  creq *c = user;
+  if (c->role != ROLE_DECODE) return;
+  wev *e = calloc(1, sizeof *e);
+  if (!e) return;
+  e->kind = EV_TOKEN;
+  e->rid = c->rid;
+  e->role = c->role;
+  e->seq = seq;
+  e->token = token;
+  e->logprob = logprob;
+  ev_push(w, e);
+}
+
+static Tandem__FinishReason finish_code(td_finish f) {
+  switch (f) {
+    case TD_FINISH_STOP: return TANDEM__FINISH_REASON__FINISH_STOP;
+    case TD_FINISH_LENGTH: return TANDEM__FINISH_REASON__FINISH_LENGTH;
+    case TD_FINISH_CANCELLED: return TANDEM__FINISH_REASON__FINISH_CANCELLED;
+    case TD_FINISH_ERROR: return TANDEM__FINISH_REASON__FINISH_ERROR;
+    default: return TANDEM__FINISH_REASON__FINISH_NONE;
+  }
+}
+
+static void on_finish(void *ctx, const td_result *r) {
+  td_worker *w = ctx;
+  creq *c = r->user;
+  wev *e = calloc(1, sizeof *e);
+  if (e) {
+    e->kind = EV_DONE;
+    e->rid = c->rid;
+    e->role = c->role;
+    e->status = r->status;
+    e->error = r->error ? strdup(r->error) : NULL;
+    e->ms = (double)(td_now_ms() - c->t_start);
+    if (r->n_outputs) e->outputs = calloc((size_t)r->n_outputs, sizeof *e->outputs);
+    for (int i = 0; e->outputs && i < r->n_outputs; i++) {
+      const td_seq_output *o = &r->outputs[i];
+      Tandem__SequenceOutput *so = malloc(sizeof *so);
+      if (!so) break;
+      tandem__sequence_output__init(so);
+      so->tokens = malloc(sizeof(int32_t) * (size_t)(o->n_tokens + 1));
+      if (so->tokens) memcpy(so->tokens, o->tokens, sizeof(int32_t) * (size_t)o->n_tokens);
+      so->n_tokens = so->tokens ? (size_t)o->n_tokens : 0;
+      if (o->logprobs) {
+        so->logprobs = malloc(sizeof(float) * (size_t)(o->n_tokens + 1));
+        if (so->logprobs) {
+          memcpy(so->logprobs, o->logprobs, sizeof(float) * (size_t)o->n_tokens);
+          so->n_logprobs = (size_t)o->n_tokens;
+        }
+      }
+      so->score = o->score;
+      so->finish_reason = finish_code(o->finish);
+      e->outputs[e->n_outputs++] = so;
+    }
+    if (r->n_blocks) {
+      e->blocks = malloc(sizeof(int32_t) * (size_t)r->n_blocks);
+      if (e->blocks) {
+        memcpy(e->blocks, r->blocks, sizeof(int32_t) * (size_t)r->n_blocks);
+        e->n_blocks = r->n_blocks;
+      }
+    }
+    ev_push(w, e);
+  }
+  HASH_DEL(w->creqs, c);
+  free(c);
+}
+
+static void done_error(td_worker *w, uint64_t rid, wrole r, td_status s, const char *msg) {
+  wev *e = calloc(1, sizeof *e);
+  if (!e) return;
+  e->kind = EV_DONE;
+  e->rid = rid;
+  e->role = r;
+  e->status = s;
+  e->error = strdup(msg);
+  ev_push(w, e);
+}
+
+static void compute_reserve(td_worker *w, cmd *c) {
+  wev *e = calloc(1, sizeof *e);
+  if (!e) return;
+  e->kind = EV_RESERVED;
+  e->rid = c->rid;
+  e->role = c->role;
+  e->cross_ids = calloc((size_t)c->n_cross + 1, sizeof(int32_t));
+  e->self_ids = calloc((size_t)c->n_self + 1, sizeof(int32_t));
+  td_status s = e->cross_ids && e->self_ids ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
+  /* the main thread expires reservations itself (it knows about transfers in flight) */
+  if (s == TD_OK && c->n_cross)
+    s = td_kv_reserve(td_engine_cross_pool(w->e), c->n_cross, INT64_MAX, &e->cross_res, e->cross_ids);
+  if (s == TD_OK && c->n_self) {
+    s = td_kv_reserve(td_engine_self_pool(w->e), c->n_self, INT64_MAX, &e->self_res, e->self_ids);
+    if (s != TD_OK && c->n_cross) (void)td_kv_reservation_release(td_engine_cross_pool(w->e), e->cross_res);
+  }
+  if (s != TD_OK) {
+    ev_free(e);
+    done_error(w, c->rid, c->role, s, td_errmsg());
+    return;
+  }
+  e->n_cross = c->n_cross;
+  e->n_self = c->n_self;
+  ev_push(w, e);
+}
+
+static void compute_add(td_worker *w, cmd *c) {
+  int32_t cross[4096], self[4096];
+  int nc = 0, ns = 0;
+  td_status s = TD_OK;
+  td_request r = c->req;
+  if (c->cross_res) {
+    s = td_kv_reservation_claim(td_engine_cross_pool(w->e), c->cross_res, cross, 4096, &nc);
+    r.cross_blocks = cross;
+    r.n_cross_blocks = nc;
+  }
+  if (s == TD_OK && c->self_res) {
+    s = td_kv_reservation_claim(td_engine_self_pool(w->e), c->self_res, self, 4096, &ns);
+    r.self_blocks = self;
+    r.n_self_blocks = ns;
+  }
+  creq *cr = calloc(1, sizeof *cr);
+  if (s == TD_OK && !cr) s = td_err(TD_ERR_NOMEM, "out of memory");
+  if (s == TD_OK) {
+    cr->rid = c->rid;
+    cr->role = c->role;
+    cr->t_start = td_now_ms();
+    r.user = cr;
+    s = td_engine_add(w->e, &r, &cr->handle);
+  }
+  if (s != TD_OK) {
+    /* the claimed blocks are ours to free */
+    td_kv_unref_all(td_engine_cross_pool(w->e), cross, nc);
+    td_kv_unref_all(td_engine_self_pool(w->e), self, ns);
+    free(cr);
+    done_error(w, c->rid, c->role, s, td_errmsg());
+    return;
+  }
+  HASH_ADD(hh, w->creqs, rid, sizeof cr->rid, cr);
+}
+
+static void compute_cancel(td_worker *w, uint64_t rid) {
+  creq *c = NULL;
+  HASH_FIND(hh, w->creqs, &rid, sizeof rid, c);
+  while (c) {
+    uint64_t h = c->handle;
+    (void)td_engine_cancel(w->e, h); /* on_finish frees c */
+    c = NULL;
+    HASH_FIND(hh, w->creqs, &rid, sizeof rid, c);
+  }
+}
+
+static void compute_handle(td_worker *w, cmd *c) {
+  switch (c->kind) {
+    case CMD_RESERVE: compute_reserve(w, c); break;
+    case CMD_RELEASE_RES:
+      if (c->cross_res) (void)td_kv_reservation_release(td_engine_cross_pool(w->e), c->cross_res);
+      if (c->self_res) (void)td_kv_reservation_release(td_engine_self_pool(w->e), c->self_res);
+      break;
+    case CMD_ADD: compute_add(w, c); break;
+    case CMD_CANCEL: compute_cancel(w, c->rid); break;
+    case CMD_RELEASE_BLOCKS: td_engine_release(w->e, c->cross, c->blocks, c->n_blocks); break;
+  }
+}
+
+static td_status compute_init(td_worker *w) {
+  td_backend_opts bo = {.kind = w->o.device, .device = w->o.device_id, .threads = w->o.threads};
+  TD_TRY(td_backend_create(&bo, &w->b));
+  td_model_opts mo = {.block_size = w->o.block_size, .max_seqs = w->o.max_batch, .max_tokens = w->o.max_tokens,
+                      .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = 16};
+  TD_TRY(td_model_load(w->o.model_dir, w->b, &mo, &w->m));
+  td_engine_opts eo = {.self_blocks = w->o.self_blocks, .cross_blocks = w->o.cross_blocks,
+                       .max_running = w->o.max_batch, .max_step_tokens = w->o.max_tokens};
+  td_engine_callbacks cb = {.on_token = on_token, .on_finish = on_finish, .ctx = w};
+  TD_TRY(td_engine_create(w->m, &eo, &cb, &w->e));
+  w->cfg = *td_model_get_config(w->m);
+  w->max_src = td_model_max_source_len(w->m);
+  w->max_tgt = td_model_max_target_len(w->m);
+  w->frames = td_model_input_frames(w->m);
+  w->block_size = td_model_get_opts(w->m)->block_size;
+  td_engine_stats st = td_engine_get_stats(w->e);
+  w->self_blocks = st.self.n_blocks;
+  w->cross_blocks = st.cross.n_blocks;
+  w->max_running = w->o.max_batch;
+  td_kv_pool *cp = td_engine_cross_pool(w->e), *sp = td_engine_self_pool(w->e);
+  w->pool_cross = (xfer_pool){td_kv_pool_memory(cp), td_kv_pool_block_bytes(cp), w->cross_blocks};
+  w->pool_self = (xfer_pool){td_kv_pool_memory(sp), td_kv_pool_block_bytes(sp), w->self_blocks};
+  return TD_OK;
+}
+
+static void *compute_main(void *arg) {
+  td_worker *w = arg;
+  td_status s = compute_init(w);
+  pthread_mutex_lock(&w->mu);
+  w->init_status = s;
+  if (s != TD_OK) snprintf(w->init_error, sizeof w->init_error, "%s", td_errmsg());
+  w->ready = true;
+  pthread_cond_broadcast(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+  if (s != TD_OK) return NULL;
+  for (;;) {
+    pthread_mutex_lock(&w->mu);
+    while (!w->cmd_head && !w->stop_compute && td_engine_idle(w->e)) {
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_nsec += 50 * 1000000L;
+      if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+      pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+    }
+    cmd *list = w->cmd_head;
+    w->cmd_head = w->cmd_tail = NULL;
+    bool stop = w->stop_compute;
+    pthread_mutex_unlock(&w->mu);
+    while (list) {
+      cmd *next = list->next;
+      compute_handle(w, list);
+      cmd_free(list);
+      list = next;
+    }
+    if (stop) break;
+    if (!td_engine_idle(w->e) && td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
+    td_engine_stats st = td_engine_get_stats(w->e);
+    pthread_mutex_lock(&w->mu);
+    w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free};
+    pthread_mutex_unlock(&w->mu);
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------------ helpers for roles */
+
+static uint64_t job_key(uint64_t rid, wrole r) { return rid * 4 + (uint64_t)r; }
+
+job *w_job_find(td_worker *w, uint64_t rid, wrole r) {
+  uint64_t k = job_key(rid, r);
+  job *j = NULL;
+  HASH_FIND(hh, w->jobs, &k, sizeof k, j);
+  return j;
+}
+
+job *w_job_new(td_worker *w, uint64_t rid, wrole r, Tandem__Cluster__RouterMessage *msg,
+               Tandem__Cluster__RequestSpec *spec) {
+  job *j = calloc(1, sizeof *j);
+  if (!j) return NULL;
+  j->key = job_key(rid, r);
+  j->rid = rid;
+  j->role = r;
+  j->msg = msg;
+  j->spec = spec;
+  j->t_start = td_now_ms();
+  HASH_ADD(hh, w->jobs, key, sizeof j->key, j);
+  return j;
+}
+
+void w_job_drop(td_worker *w, job *j) {
+  HASH_DEL(w->jobs, j);
+  if (j->msg) tandem__cluster__router_message__free_unpacked(j->msg, NULL);
+  free(j->cross_ids);
+  free(j->self_ids);
+  free(j->out_blocks);
+  free(j);
+}
+
+void w_send(td_worker *w, Tandem__Cluster__WorkerMessage *m) {
+  m->version = TD_PROTOCOL_VERSION;
+  if (td_wire_send(w->rsock, NULL, 0, &m->base) != TD_OK) TD_WARN("send to router: %s", td_errmsg());
+}
+
+void w_send_failed(td_worker *w, uint64_t rid, td_status code, const char *msg, bool retryable) {
+  Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
+  f.rid = rid;
+  f.code = td_wire_error_code(code);
+  f.message = (char *)msg;
+  f.retryable = retryable;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED;
+  m.failed = &f;
+  w_send(w, &m);
+}
+
+void w_send_reserved(td_worker *w, job *j) {
+  Tandem__Cluster__KvTarget cross = TANDEM__CLUSTER__KV_TARGET__INIT, self = TANDEM__CLUSTER__KV_TARGET__INIT;
+  const char *desc = xfer_desc(w->x);
+  cross.worker_id = self.worker_id = w->id;
+  cross.desc.data = self.desc.data = (uint8_t *)desc;
+  cross.desc.len = self.desc.len = strlen(desc);
+  cross.reservation = j->cross_res;
+  cross.blocks = j->cross_ids;
+  cross.n_blocks = (size_t)j->n_cross;
+  cross.tokens = j->spec->enc_len;
+  self.reservation = j->self_res;
+  self.blocks = j->self_ids;
+  self.n_blocks = (size_t)j->n_self;
+  self.tokens = (uint32_t)j->self_expected;
+  Tandem__Cluster__Reserved r = TANDEM__CLUSTER__RESERVED__INIT;
+  r.rid = j->rid;
+  r.cross = &cross;
+  if (j->n_self) r.self = &self;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+  m.reserved = &r;
+  w_send(w, &m);
+}
+
+xfer *w_xfer(td_worker *w) { return w->x; }
+int w_ttl_ms(td_worker *w) { return w->o.reservation_ttl_ms; }
+bool w_draining(td_worker *w) { return w->draining; }
+const td_worker_opts *w_opts(td_worker *w) { return &w->o; }
+int w_block_size(td_worker *w) { return w->block_size; }
+
+static int32_t *dup_i32(const int32_t *v, size_t n) {
+  int32_t *p = malloc(sizeof *p * (n + 1));
+  if (p && n) memcpy(p, v, sizeof *p * n);
+  return p;
+}
+
+cmd *w_add_cmd(td_worker *w, job *j) {
+  const Tandem__Cluster__RequestSpec *sp = j->spec;
+  cmd *c = w_cmd(CMD_ADD, j->rid, j->role);
+  if (!c) return NULL;
+  td_request *r = &c->req;
+  r->id = sp->client_id;
+  c->owned_i32[0] = dup_i32(sp->input_ids, sp->n_input_ids);
+  c->owned_i32[1] = dup_i32(sp->decoder_prompt, sp->n_decoder_prompt);
+  c->owned_i32[2] = dup_i32(sp->stop_token_ids, sp->n_stop_token_ids);
+  if (!c->owned_i32[0] || !c->owned_i32[1] || !c->owned_i32[2]) {
+    cmd_free(c);
+    return NULL;
+  }
+  r->input_ids = sp->n_input_ids ? c->owned_i32[0] : NULL;
+  r->n_input = (int)sp->n_input_ids;
+  if (sp->features && sp->features->n_values) {
+    c->owned_f32 = malloc(sizeof(float) * sp->features->n_values);
+    if (!c->owned_f32) {
+      cmd_free(c);
+      return NULL;
+    }
+    memcpy(c->owned_f32, sp->features->values, sizeof(float) * sp->features->n_values);
+    r->features = c->owned_f32;
+    if (sp->features->n_values != (size_t)w->cfg.num_mel_bins * (size_t)w->frames) {
+      cmd_free(c);
+      return NULL;
+    }
+  }
+  r->prompt = sp->n_decoder_prompt ? c->owned_i32[1] : NULL;
+  r->n_prompt = (int)sp->n_decoder_prompt;
+  td_request_params *p = &r->params;
+  td_request_params_default(p);
+  p->max_new_tokens = (int)sp->max_new_tokens;
+  p->stop_ids = c->owned_i32[2];
+  p->n_stop_ids = (int)sp->n_stop_token_ids;
+  const Tandem__SamplingParams *s = sp->sampling;
+  if (s) {
+    p->temperature = s->temperature;
+    p->top_k = s->top_k;
+    p->top_p = s->top_p > 0 && s->top_p < 1 ? s->top_p : 1.0f;
+    p->seed = s->seed;
+    p->has_seed = s->has_seed;
+    p->n = s->n ? (int)s->n : 1;
+    p->num_beams = s->num_beams ? (int)s->num_beams : 1;
+    p->num_return_sequences = (int)s->num_return_sequences;
+    if (s->has_length_penalty) p->length_penalty = s->length_penalty;
+    p->early_stopping = s->early_stopping;
+    p->ignore_eos = s->ignore_eos;
+    p->logprobs = s->logprobs;
+    if (s->set_forced_bos) p->forced_bos = s->forced_bos_token_id < 0 ? -1 : s->forced_bos_token_id;
+    if (s->set_forced_eos) p->forced_eos = s->forced_eos_token_id < 0 ? -1 : s->forced_eos_token_id;
+  }
+  r->step_offset = sp->step_offset;
+  r->enc_len = (int)sp->enc_len;
+  return c;
+}
+
+/* ------------------------------------------------------------ router messages */
+
+static void send_register(td_worker *w) {
+  Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
+  mi.name = "";
+  mi.model_type = w->cfg.model_type;
+  mi.vocab_size = (uint32_t)w->cfg.vocab_size;
+  mi.max_source_len = (uint32_t)w->max_src;
+  mi.max_target_len = (uint32_t)w->max_tgt;
+  mi.mel_bins = w->frames ? (uint32_t)w->cfg.num_mel_bins : 0;
+  mi.frames = (uint32_t)w->frames;
+  Tandem__Cluster__Role roles[3];
+  size_t nr = 0;
+  if (w->o.encode) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+  if (w->o.prefill) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_PREFILL;
+  if (w->o.decode) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_DECODE;
+  Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;
+  in.worker_id = w->id;
+  in.roles = roles;
+  in.n_roles = nr;
+  in.model = &mi;
+  in.tp = 1;
+  in.pp = 1;
+  in.block_size = (uint32_t)w->block_size;
+  in.self_blocks = (uint32_t)w->self_blocks;
+  in.cross_blocks = (uint32_t)w->cross_blocks;
+  in.max_running = (uint32_t)w->max_running;
+  const char *desc = xfer_desc(w->x);
+  in.transfer_desc.data = (uint8_t *)desc;
+  in.transfer_desc.len = strlen(desc);
+  in.device = (char *)td_backend_name(w->b);
+  in.pid = (uint32_t)getpid();
+  Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
+  reg.info = &in;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
+  m.register_ = &reg;
+  w_send(w, &m);
+  w->last_register = td_now_ms();
+}
+
+static void send_heartbeat(td_worker *w) {
+  pthread_mutex_lock(&w->mu);
+  load_snap l = w->load;
+  pthread_mutex_unlock(&w->mu);
+  Tandem__Cluster__Load ld = TANDEM__CLUSTER__LOAD__INIT;
+  ld.queued = (uint32_t)l.queued;
+  ld.running = (uint32_t)l.running;
+  ld.free_self_blocks = (uint32_t)l.free_self;
+  ld.free_cross_blocks = (uint32_t)l.free_cross;
+  ld.draining = w->draining;
+  Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
+  hb.load = &ld;
+  hb.seq = ++w->hb_seq;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT;
+  m.heartbeat = &hb;
+  w_send(w, &m);
+  w->last_hb_sent = td_now_ms();
+}
+
+/* Ends every part of rid on this worker. */
+static void cancel_rid(td_worker *w, uint64_t rid) {
+  xfer_forget(w->x, rid);
+  for (int r = 0; r < 3; r++) {
+    job *j = w_job_find(w, rid, (wrole)r);
+    if (!j) continue;
+    if (!j->added && (j->cross_res || j->self_res)) {
+      cmd *c = w_cmd(CMD_RELEASE_RES, rid, (wrole)r);
+      if (c) {
+        c->cross_res = j->cross_res;
+        c->self_res = j->self_res;
+        w_post(w, c);
+      }
+    }
+    if (j->out_blocks) {
+      cmd *c = w_cmd(CMD_RELEASE_BLOCKS, rid, (wrole)r);
+      if (c) {
+        c->cross = j->out_cross;
+        c->blocks = j->out_blocks;
+        c->n_blocks = j->n_out;
+        j->out_blocks = NULL;
+        w_post(w, c);
+      }
+    }
+    w_job_drop(w, j);
+  }
+  w_post(w, w_cmd(CMD_CANCEL, rid, ROLE_DECODE));
+}
+
+static void cancel_all(td_worker *w, const char *why) {
+  job *j, *t;
+  uint64_t rids[1024];
+  int n = 0;
+  HASH_ITER(hh, w->jobs, j, t) if (n < 1024) rids[n++] = j->rid;
+  for (int i = 0; i < n; i++) cancel_rid(w, rids[i]);
+  if (n) TD_WARN("dropped %d requests: %s", n, why);
+}
+
+static bool on_router(td_worker *w, volatile sig_atomic_t *stop) {
+  td_wire_frame f;
+  td_status s = td_wire_recv(w->rsock, false, false, &f);
+  if (s == TD_ERR_NOT_FOUND) return false;
+  if (s != TD_OK) {
+    td_wire_frame_free(&f);
+    return true;
+  }
+  Tandem__Cluster__RouterMessage *m;
+  uint32_t ver;
+  s = td_wire_unpack_router(&f, &m, &ver);
+  td_wire_frame_free(&f);
+  if (s != TD_OK) {
+    TD_ERROR("message from the router dropped: %s", td_errmsg());
+    return true;
+  }
+  w->last_router_msg = td_now_ms();
+  bool keep = false;
+  switch (m->body_case) {
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK:
+      if (m->ack->accepted) {
+        if (!w->registered) TD_INFO("registered with the router");
+        w->registered = true;
+        if (m->ack->heartbeat_ms) w->hb_ms = (int)m->ack->heartbeat_ms;
+        if (m->ack->dead_after) w->dead_after = (int)m->ack->dead_after;
+      } else if (m->ack->reason && strstr(m->ack->reason, "unknown worker")) {
+        w->registered = false;
+        cancel_all(w, "the router does not know this worker");
+        send_register(w);
+      } else {
+        TD_ERROR("the router refused this worker: %s", m->ack->reason ? m->ack->reason : "?");
+        *stop = SIGTERM;
+      }
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT:
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE:
+      decode_on_job(w, m);
+      keep = true;
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL:
+      prefill_on_job(w, m);
+      keep = true;
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE:
+      encoder_on_job(w, m);
+      keep = true;
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL_RESULT:
+      decode_on_prefill_result(w, m->prefill_result);
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL:
+      cancel_rid(w, m->cancel->rid);
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DRAIN:
+      *stop = SIGTERM;
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_SHUTDOWN:
+      TD_INFO("the router is shutting down");
+      cancel_all(w, "router shutdown");
+      w->registered = false;
+      break;
+    default:
+      break;
+  }
+  if (!keep) tandem__cluster__router_message__free_unpacked(m, NULL);
+  return true;
+}
+
+/* ------------------------------------------------------------ events */
+
+static void flush_tokens(td_worker *w, uint64_t rid, int seq, int32_t *tok, float *lp, int n, int offset) {
+  if (!n) return;
+  Tandem__Cluster__Tokens t = TANDEM__CLUSTER__TOKENS__INIT;
+  t.rid = rid;
+  t.sequence = (uint32_t)seq;
+  t.offset = (uint32_t)offset;
+  t.tokens = tok;
+  t.n_tokens = (size_t)n;
+  t.logprobs = lp;
+  t.n_logprobs = (size_t)n;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS;
+  m.tokens = &t;
+  w_send(w, &m);
+}
+
+/* Per (rid, seq): how many tokens were sent, for offsets. */
+typedef struct tokcount {
+  uint64_t key;
+  int n;
+  UT_hash_handle hh;
+} tokcount;
+static tokcount *tokcounts;
+
+static int tok_offset(uint64_t rid, int seq, int add) {
+  uint64_t k = rid * 64 + (uint64_t)(seq & 63);
+  tokcount *t = NULL;
+  HASH_FIND(hh, tokcounts, &k, sizeof k, t);
+  if (!t) {
+    t = calloc(1, sizeof *t);
+    if (!t) return 0;
+    t->key = k;
+    HASH_ADD(hh, tokcounts, key, sizeof t->key, t);
+  }
+  int off = t->n;
+  t->n += add;
+  return off;
+}
+
+static void tok_forget(uint64_t rid) {
+  tokcount *t, *tmp;
+  HASH_ITER(hh, tokcounts, t, tmp) if (t->key / 64 == rid) {
+    HASH_DEL(tokcounts, t);
+    free(t);
+  }
+}
+
+static void drain_events(td_worker *w) {
+  uint64_t cnt;
+  if (read(w->efd, &cnt, sizeof cnt) < 0 && errno != EAGAIN) TD_DEBUG("eventfd read: %s", strerror(errno));
+  pthread_mutex_lock(&w->mu);
+  wev *list = w->ev_head;
+  w->ev_head = w->ev_tail = NULL;
+  pthread_mutex_unlock(&w->mu);
+  /* consecutive tokens of one sequence go out as one message */
+  int32_t tok[256];
+  float lp[256];
+  int n = 0, seq = -1;
+  uint64_t rid = 0;
+  while (list) {
+    wev *e = list;
+    list = e->next;
+    bool same = e->kind == EV_TOKEN && n && e->rid == rid && e->seq == seq && n < 256;
+    if (n && !same) {
+      flush_tokens(w, rid, seq, tok, lp, n, tok_offset(rid, seq, n));
+      n = 0;
+    }
+    if (e->kind == EV_TOKEN) {
+      if (w_job_find(w, e->rid, ROLE_DECODE)) {
+        rid = e->rid;
+        seq = e->seq;
+        tok[n] = e->token;
+        lp[n] = e->logprob;
+        n++;
+      }
+      ev_free(e);
+      continue;
+    }
+    job *j = w_job_find(w, e->rid, e->role);
+    if (!j) {
+      /* cancelled meanwhile: give back what the event carries */
+      if (e->kind == EV_RESERVED && (e->cross_res || e->self_res)) {
+        cmd *c = w_cmd(CMD_RELEASE_RES, e->rid, e->role);
+        if (c) {
+          c->cross_res = e->cross_res;
+          c->self_res = e->self_res;
+          w_post(w, c);
+        }
+      } else if (e->kind == EV_DONE && e->n_blocks) {
+        cmd *c = w_cmd(CMD_RELEASE_BLOCKS, e->rid, e->role);
+        if (c) {
+          c->cross = e->role == ROLE_ENCODE;
+          c->blocks = e->blocks;
+          c->n_blocks = e->n_blocks;
+          e->blocks = NULL;
+          w_post(w, c);
+        }
+      }
+      ev_free(e);
+      continue;
+    }
+    if (e->kind == EV_RESERVED) {
+      j->reserved = true;
+      j->cross_res = e->cross_res;
+      j->self_res = e->self_res;
+      j->cross_ids = e->cross_ids;
+      j->self_ids = e->self_ids;
+      j->n_cross = e->n_cross;
+      j->n_self = e->n_self;
+      e->cross_ids = e->self_ids = NULL;
+      j->expires = td_now_ms() + w->o.reservation_ttl_ms;
+      w_send_reserved(w, j);
+    } else if (e->role == ROLE_DECODE) {
+      if (n) {
+        flush_tokens(w, rid, seq, tok, lp, n, tok_offset(rid, seq, n));
+        n = 0;
+      }
+      decode_on_done(w, j, e);
+      tok_forget(e->rid);
+    } else if (e->role == ROLE_ENCODE) {
+      encoder_on_done(w, j, e);
+    } else {
+      prefill_on_done(w, j, e);
+    }
+    ev_free(e);
+  }
+  if (n) flush_tokens(w, rid, seq, tok, lp, n, tok_offset(rid, seq, n));
+}
+
+/* ------------------------------------------------------------ transfers */
+
+static bool x_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n, char *why,
+                     size_t cap) {
+  td_worker *w = ctx;
+  job *j = w_job_find(w, rid, ROLE_DECODE);
+  if (!j || (cross ? j->cross_res : j->self_res) != res) j = w_job_find(w, rid, ROLE_PREFILL);
+  if (!j || !j->reserved || j->added || (cross ? j->cross_res : j->self_res) != res) {
+    snprintf(why, cap, "reservation %llu of request %llu is not open here", (unsigned long long)res,
+             (unsigned long long)rid);
+    return false;
+  }
+  if (td_now_ms() > j->expires) {
+    snprintf(why, cap, "reservation %llu expired", (unsigned long long)res);
+    return false;
+  }
+  const int32_t *have = cross ? j->cross_ids : j->self_ids;
+  int nh = cross ? j->n_cross : j->n_self;
+  for (int i = 0; i < n; i++) {
+    bool ok = false;
+    for (int k = 0; k < nh && !ok; k++) ok = have[k] == blocks[i];
+    if (!ok) {
+      snprintf(why, cap, "block %d is not in reservation %llu", blocks[i], (unsigned long long)res);
+      return false;
+    }
+  }
+  return true;
+}
+
+static void x_arrived(void *ctx, uint64_t rid, uint64_t res, bool cross, int n) {
+  td_worker *w = ctx;
+  job *j = w_job_find(w, rid, ROLE_DECODE);
+  if (!j || (cross ? j->cross_res : j->self_res) != res) j = w_job_find(w, rid, ROLE_PREFILL);
+  if (!j) return;
+  if (cross)
+    j->cross_got += n;
+  else
+    j->self_got += n;
+  if (j->role == ROLE_DECODE)
+    decode_on_arrival(w, j);
+  else
+    prefill_on_arrival(w, j);
+}
+
+static void x_pushed(void *ctx, uint64_t rid, int r, bool ok, const char *error) {
+  td_worker *w = ctx;
+  job *j = w_job_find(w, rid, (wrole)r);
+  if (j) sender_on_pushed(w, j, ok, error);
+}
+
+/* ------------------------------------------------------------ timers */
+
+static void timers(td_worker *w, volatile sig_atomic_t *stop) {
+  int64_t t = td_now_ms();
+  if (!w->registered && t - w->last_register > 1000) send_register(w);
+  if (w->registered && t - w->last_hb_sent >= w->hb_ms) send_heartbeat(w);
+  if (w->registered && t - w->last_router_msg > (int64_t)w->hb_ms * w->dead_after) {
+    TD_WARN("no word from the router for %lld ms", (long long)(t - w->last_router_msg));
+    w->registered = false;
+    cancel_all(w, "the router is silent");
+  }
+  job *j, *tmp;
+  HASH_ITER(hh, w->jobs, j, tmp) {
+    if (j->reserved && !j->added && t > j->expires) {
+      TD_WARN("request %llu: KV did not arrive in time", (unsigned long long)j->rid);
+      uint64_t rid = j->rid;
+      cancel_rid(w, rid);
+      w_send_failed(w, rid, TD_ERR_TIMEOUT, "KV blocks did not arrive before the reservation expired", true);
+    }
+  }
+  if (*stop && !w->draining) {
+    w->draining = true;
+    w->drain_deadline = t + 30000;
+    TD_INFO("draining: finishing %u requests", HASH_COUNT(w->jobs));
+    send_heartbeat(w);
+  }
+}
+
+/* ------------------------------------------------------------ lifecycle */
+
+td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
+  *out = NULL;
+  td_worker *w = calloc(1, sizeof *w);
+  if (!w) return td_err(TD_ERR_NOMEM, "out of memory");
+  w->o = *opts;
+  td_worker_opts *o = &w->o;
+  if (!o->block_size) o->block_size = 16;
+  if (!o->max_batch) o->max_batch = 32;
+  if (!o->max_tokens) o->max_tokens = 512;
+  if (!o->max_enc_tokens) o->max_enc_tokens = 4096;
+  if (!o->reservation_ttl_ms) o->reservation_ttl_ms = 30000;
+  if (!o->transfer_timeout_ms) o->transfer_timeout_ms = 10000;
+  if (!o->listen_host) o->listen_host = "127.0.0.1";
+  snprintf(w->id, sizeof w->id, "%s", o->id);
+  w->hb_ms = 500;
+  w->dead_after = 6;
+  w->efd = -1;
+  w->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  pthread_mutex_init(&w->mu, NULL);
+  pthread_cond_init(&w->cv, NULL);
+  td_status s = TD_OK;
+  if (w->efd < 0) {
+    s = td_err(TD_ERR_IO, "eventfd: %s", strerror(errno));
+    goto fail;
+  }
+  if (pthread_create(&w->thread, NULL, compute_main, w) != 0) {
+    s = td_err(TD_ERR_INTERNAL, "cannot start the compute thread");
+    goto fail;
+  }
+  w->thread_started = true;
+  pthread_mutex_lock(&w->mu);
+  while (!w->ready) pthread_cond_wait(&w->cv, &w->mu);
+  pthread_mutex_unlock(&w->mu);
+  if (w->init_status != TD_OK) {
+    s = td_err(w->init_status, "%s", w->init_error);
+    goto fail;
+  }
+  xfer_hooks hooks = {.accept = x_accept, .arrived = x_arrived, .pushed = x_pushed, .ctx = w};
+  s = xfer_create(o->listen_host, &w->pool_cross, &w->pool_self, &hooks, o->transfer_timeout_ms, &w->x);
+  if (s != TD_OK) goto fail;
+  w->zctx = zmq_ctx_new();
+  w->rsock = w->zctx ? zmq_socket(w->zctx, ZMQ_DEALER) : NULL;
+  if (!w->rsock) {
+    s = td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+    goto fail;
+  }
+  td_wire_setup_socket(w->rsock);
+  zmq_setsockopt(w->rsock, ZMQ_ROUTING_ID, w->id, strlen(w->id));
+  if (zmq_connect(w->rsock, o->router) != 0) {
+    s = td_err(TD_ERR_INVALID, "cannot connect to the router at %s: %s", o->router, zmq_strerror(zmq_errno()));
+    goto fail;
+  }
+  *out = w;
+  return TD_OK;
+fail:
+  td_worker_destroy(w);
+  return s;
+}
+
+td_status td_worker_run(td_worker *w, volatile sig_atomic_t *stop) {
+  TD_INFO("worker %s (%s%s%s) on %s, KV endpoint %s", w->id, w->o.encode ? "encode " : "", w->o.prefill ? "prefill " : "",
+          w->o.decode ? "decode" : "", td_backend_name(w->b), xfer_desc(w->x));
+  send_register(w);
+  w->last_router_msg = td_now_ms();
+  for (;;) {
+    zmq_pollitem_t items[8];
+    items[0] = (zmq_pollitem_t){.socket = w->rsock, .events = ZMQ_POLLIN};
+    items[1] = (zmq_pollitem_t){.fd = w->efd, .events = ZMQ_POLLIN};
+    int n = 2 + xfer_poll_items(w->x, items + 2, 6);
+    int rc = zmq_poll(items, n, 20);
+    if (rc < 0 && zmq_errno() != EINTR) return td_err(TD_ERR_NETWORK, "zmq poll: %s", zmq_strerror(zmq_errno()));
+    for (int k = 0; k < 1024 && on_router(w, stop); k++) {
+    }
+    drain_events(w);
+    xfer_progress(w->x);
+    timers(w, stop);
+    if (w->draining && (HASH_COUNT(w->jobs) == 0 || td_now_ms() > w->drain_deadline)) break;
+  }
+  if (HASH_COUNT(w->jobs)) cancel_all(w, "drain deadline passed");
+  Tandem__Cluster__Deregister d = TANDEM__CLUSTER__DEREGISTER__INIT;
+  d.reason = "drained";
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER;
+  m.deregister = &d;
+  w_send(w, &m);
+  TD_INFO("worker %s stopped", w->id);
+  return TD_OK;
+}
+
+void td_worker_destroy(td_worker *w) {
+  if (!w) return;
+  if (w->thread_started) {
+    pthread_mutex_lock(&w->mu);
+    w->stop_compute = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    pthread_join(w->thread, NULL);
+  }
+  /* the engine reports what it still runs as events; free those after */
+  td_engine_destroy(w->e);
+  w->e = NULL;
+  job *j, *t;
+  HASH_ITER(hh, w->jobs, j, t) w_job_drop(w, j);
+  while (w->cmd_head) {
+    cmd *c = w->cmd_head;
+    w->cmd_head = c->next;
+    cmd_free(c);
+  }
+  while (w->ev_head) {
+    wev *e = w->ev_head;
+    w->ev_head = e->next;
+    ev_free(e);
+  }
+  tokcount *tc, *tt;
+  HASH_ITER(hh, tokcounts, tc, tt) {
+    HASH_DEL(tokcounts, tc);
+    free(tc);
+  }
+  creq *c, *ct;
+  HASH_ITER(hh, w->creqs, c, ct) {
+    HASH_DEL(w->creqs, c);
+    free(c);
+  }
+  xfer_destroy(w->x);
+  if (w->rsock) zmq_close(w->rsock);
+  if (w->zctx) zmq_ctx_term(w->zctx);
+  td_model_destroy(w->m);
+  td_backend_destroy(w->b);
+  if (w->efd >= 0) close(w->efd);
+  pthread_mutex_destroy(&w->mu);
+  pthread_cond_destroy(&w->cv);
+  free(w);
+}

@@ -1,0 +1,42 @@
+/* A worker process: the shared runtime (one poll loop over the router
+ * connection, KV transfers and compute completions; a compute thread that
+ * owns the backend, model and engine, so the loop never waits on compute
+ * and heartbeats flow during long steps) and the encode / prefill / decode
+ * roles on top of it. */
+#ifndef TD_WORKER_WORKER_H
+#define TD_WORKER_WORKER_H
+
+#include <signal.h>
+#include <stdbool.h>
+
+#include "common/status.h"
+#include "kernels/ops.h"
+
+typedef struct td_worker td_worker;
+
+typedef struct td_worker_opts {
+  const char *router;      /* the router's worker endpoint */
+  const char *id;          /* unique worker id */
+  bool encode, prefill, decode;
+  const char *model_dir;
+  td_backend_kind device;
+  int device_id;
+  int block_size;
+  int self_blocks, cross_blocks; /* 0: sized from max_batch */
+  int max_batch;           /* sequences in a decode step */
+  int max_tokens;          /* decoder rows in a step */
+  int max_enc_tokens;
+  int threads;             /* CPU BLAS threads */
+  int reservation_ttl_ms;  /* unclaimed reservations expire */
+  int transfer_timeout_ms; /* a KV push with no answer fails */
+  const char *transfer;    /* "zmq" (host memory) or "ucx" */
+  const char *listen_host; /* address peers reach this worker's KV endpoint at */
+} td_worker_opts;
+
+td_status td_worker_create(const td_worker_opts *opts, td_worker **out);
+/* Serves until *stop; SIGTERM-style stop drains: no new work, running work
+ * finishes (or is handed back), then deregisters. */
+td_status td_worker_run(td_worker *w, volatile sig_atomic_t *stop);
+void td_worker_destroy(td_worker *w);
+
+#endif
