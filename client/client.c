@@ -186,6 +186,22 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
       c->health = (td_client_health){.serving = m->health->serving, .encoders = (int)m->health->encoders,
                                      .prefills = (int)m->health->prefills, .decoders = (int)m->health->decoders,
                                      .in_flight = (int)m->health->in_flight, .queued = (int)m->health->queued};
+      for (size_t i = 0; i < m->health->n_workers && i < 64; i++) {
+        const Tandem__WorkerStatus *x = m->health->workers[i];
+        td_client_worker *cw = &c->health.workers[c->health.n_workers++];
+        snprintf(cw->id, sizeof cw->id, "%s", x->id ? x->id : "");
+        cw->encode = x->encode;
+        cw->prefill = x->prefill;
+        cw->decode = x->decode;
+        cw->draining = x->draining;
+        cw->self_blocks = (int)x->self_blocks;
+        cw->free_self_blocks = (int)x->free_self_blocks;
+        cw->cross_blocks = (int)x->cross_blocks;
+        cw->free_cross_blocks = (int)x->free_cross_blocks;
+        cw->running = (int)x->running;
+        cw->queued = (int)x->queued;
+        cw->jobs = (int)x->jobs;
+      }
       c->have_health = true;
       break;
     default:

@@ -22,9 +22,17 @@ typedef struct td_client_events {
   void *ctx;
 } td_client_events;
 
+typedef struct td_client_worker {
+  char id[64];
+  bool encode, prefill, decode, draining;
+  int self_blocks, free_self_blocks, cross_blocks, free_cross_blocks, running, queued, jobs;
+} td_client_worker;
+
 typedef struct td_client_health {
   bool serving;
   int encoders, prefills, decoders, in_flight, queued;
+  int n_workers;
+  td_client_worker workers[64];
 } td_client_health;
 
 td_status td_client_connect(const char *endpoint, td_client **out);

@@ -681,11 +681,40 @@ static void on_client(td_router *r) {
       h.serving = h.decoders > 0;
       h.in_flight = (uint32_t)r->in_flight;
       h.queued = (uint32_t)r->n_queue;
+      size_t nw = HASH_COUNT(r->workers), k = 0;
+      Tandem__WorkerStatus *ws = calloc(nw + 1, sizeof *ws);
+      Tandem__WorkerStatus **wp = calloc(nw + 1, sizeof *wp);
+      worker *w, *wt;
+      if (ws && wp) {
+        HASH_ITER(hh, r->workers, w, wt) {
+          Tandem__WorkerStatus *x = &ws[k];
+          tandem__worker_status__init(x);
+          x->id = w->id;
+          x->encode = w->enc;
+          x->prefill = w->pre;
+          x->decode = w->dec;
+          x->self_blocks = (uint32_t)w->self_blocks;
+          x->free_self_blocks = w->load.free_self_blocks;
+          x->cross_blocks = (uint32_t)w->cross_blocks;
+          x->free_cross_blocks = w->load.free_cross_blocks;
+          x->running = w->load.running;
+          x->queued = w->load.queued;
+          x->jobs = (uint32_t)w->jobs;
+          x->draining = w->draining;
+          x->device = w->device;
+          wp[k] = x;
+          k++;
+        }
+        h.workers = wp;
+        h.n_workers = k;
+      }
       Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
       sm.request_id = "";
       sm.body_case = TANDEM__SERVER_MESSAGE__BODY_HEALTH;
       sm.health = &h;
       send_client_msg(r, f.id, f.id_len, &sm);
+      free(ws);
+      free(wp);
       break;
     }
     case TANDEM__CLIENT_MESSAGE__BODY_LIST_MODELS: {
@@ -877,7 +906,11 @@ static void on_worker(td_router *r) {
     w->last_seen = now();
     switch (m->body_case) {
       case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT:
-        if (m->heartbeat->load) w->load = *m->heartbeat->load;
+        if (m->heartbeat->load) {
+          w->load = *m->heartbeat->load;
+          if (w->load.draining && !w->draining) TD_INFO("worker %s is draining", w->id);
+          w->draining = w->load.draining;
+        }
         w->load.base = (ProtobufCMessage)PROTOBUF_C_MESSAGE_INIT(&tandem__cluster__load__descriptor);
         break;
       case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER:

@@ -884,6 +884,8 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
   if (!o->max_tokens) o->max_tokens = 512;
   if (!o->max_enc_tokens) o->max_enc_tokens = 4096;
   if (!o->reservation_ttl_ms) o->reservation_ttl_ms = 30000;
+  /* an encoder only stages cross KV: its self pool can be token-sized */
+  if (!o->decode && !o->prefill && !o->self_blocks) o->self_blocks = 2 * o->max_batch;
   if (!o->transfer_timeout_ms) o->transfer_timeout_ms = 10000;
   if (!o->listen_host) o->listen_host = "127.0.0.1";
   snprintf(w->id, sizeof w->id, "%s", o->id);

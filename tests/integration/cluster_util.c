@@ -1,0 +1,306 @@
+#include "cluster_util.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <criterion/criterion.h>
+
+#include "common/clock.h"
+
+static int free_port_pair(void) {
+  for (int tries = 0; tries < 100; tries++) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof a;
+    if (bind(s, (struct sockaddr *)&a, sizeof a) != 0 || getsockname(s, (struct sockaddr *)&a, &l) != 0) {
+      close(s);
+      continue;
+    }
+    int p = ntohs(a.sin_port);
+    close(s);
+    if (p >= 65535) continue;
+    int s2 = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in b = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK), .sin_port = htons(p + 1)};
+    int ok = bind(s2, (struct sockaddr *)&b, sizeof b) == 0;
+    close(s2);
+    if (ok) return p;
+  }
+  cr_assert_fail("no free ports");
+  return 0;
+}
+
+static pid_t spawn(cluster *c, const char *name, char *const argv[]) {
+  char log[600];
+  snprintf(log, sizeof log, "%s/%s.log", c->dir, name);
+  pid_t pid = fork();
+  cr_assert(pid >= 0);
+  if (pid == 0) {
+    int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    execv(argv[0], argv);
+    _exit(127);
+  }
+  cr_assert(c->n < MAX_PROCS);
+  proc *p = &c->p[c->n++];
+  p->pid = pid;
+  snprintf(p->name, sizeof p->name, "%s", name);
+  return pid;
+}
+
+int cluster_add_worker(cluster *c, const char *name, const char *roles, int block_size) {
+  char bin[600], bs[16];
+  snprintf(bin, sizeof bin, "%s/tandem-worker", TD_BIN_DIR);
+  snprintf(bs, sizeof bs, "%d", block_size ? block_size : 4);
+  char *argv[] = {bin, "--router", c->worker_ep, "--model", c->model, "--role", (char *)roles, "--id", (char *)name,
+                  "--block-size", bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256", NULL};
+  spawn(c, name, argv);
+  return c->n - 1;
+}
+
+void cluster_start(cluster *c, const cluster_opts *o) {
+  memset(c, 0, sizeof *c);
+  snprintf(c->dir, sizeof c->dir, "/tmp/td-cluster-XXXXXX");
+  cr_assert(mkdtemp(c->dir));
+  snprintf(c->model, sizeof c->model, "%s", o->model);
+  int port = free_port_pair();
+  snprintf(c->client_ep, sizeof c->client_ep, "tcp://127.0.0.1:%d", port);
+  snprintf(c->worker_ep, sizeof c->worker_ep, "tcp://127.0.0.1:%d", port + 1);
+  char bin[600], pt[16];
+  snprintf(bin, sizeof bin, "%s/tandem-router", TD_BIN_DIR);
+  snprintf(pt, sizeof pt, "%d", o->prefill_threshold ? o->prefill_threshold : 16);
+  char *argv[32] = {bin, "--client-endpoint", c->client_ep, "--worker-endpoint", c->worker_ep, "--prefill-threshold",
+                    pt, "--heartbeat-ms", "200", "--dead-after", "5"};
+  int a = 11;
+  char extra[256];
+  if (o->router_extra) {
+    snprintf(extra, sizeof extra, "%s", o->router_extra);
+    for (char *t = strtok(extra, " "); t && a < 30; t = strtok(NULL, " ")) argv[a++] = t;
+  }
+  argv[a] = NULL;
+  spawn(c, "router", argv);
+  char name[32];
+  for (int i = 0; i < o->encoders; i++) {
+    snprintf(name, sizeof name, "encoder-%d", i);
+    cluster_add_worker(c, name, "encode", o->block_size);
+  }
+  for (int i = 0; i < o->prefills; i++) {
+    snprintf(name, sizeof name, "prefill-%d", i);
+    cluster_add_worker(c, name, "prefill", o->block_size);
+  }
+  for (int i = 0; i < o->decodes; i++) {
+    snprintf(name, sizeof name, "decode-%d", i);
+    cluster_add_worker(c, name, o->encoders ? "decode" : "encode,decode", o->block_size);
+  }
+  c->encoders = o->encoders ? o->encoders : o->decodes;
+  c->prefills = o->prefills;
+  c->decodes = o->decodes;
+  cr_assert(cluster_wait_ready(c, c->encoders, c->prefills, c->decodes, 30000), "cluster did not come up (logs in %s)",
+            c->dir);
+}
+
+bool cluster_health(cluster *c, td_client_health *h) {
+  td_client *cl;
+  if (td_client_connect(c->client_ep, &cl) != TD_OK) return false;
+  bool ok = td_client_health_check(cl, 1000, h) == TD_OK;
+  td_client_close(cl);
+  return ok;
+}
+
+bool cluster_wait_ready(cluster *c, int encoders, int prefills, int decodes, int timeout_ms) {
+  int64_t end = td_now_ms() + timeout_ms;
+  while (td_now_ms() < end) {
+    td_client_health h;
+    if (cluster_health(c, &h) && h.encoders == encoders && h.prefills == prefills && h.decoders == decodes)
+      return true;
+    usleep(100000);
+  }
+  return false;
+}
+
+bool cluster_wait_idle(cluster *c, int timeout_ms, char *why, size_t cap) {
+  int64_t end = td_now_ms() + timeout_ms;
+  td_client_health h;
+  while (td_now_ms() < end) {
+    if (cluster_health(c, &h)) {
+      bool idle = h.in_flight == 0 && h.queued == 0;
+      for (int i = 0; i < h.n_workers; i++) {
+        const td_client_worker *w = &h.workers[i];
+        if (w->free_self_blocks != w->self_blocks || w->free_cross_blocks != w->cross_blocks || w->running ||
+            w->queued || w->jobs) {
+          idle = false;
+          snprintf(why, cap, "worker %s: %d/%d self and %d/%d cross blocks free, %d running, %d jobs", w->id,
+                   w->free_self_blocks, w->self_blocks, w->free_cross_blocks, w->cross_blocks, w->running, w->jobs);
+        }
+      }
+      if (idle) return true;
+      if (h.in_flight || h.queued) snprintf(why, cap, "router: %d in flight, %d queued", h.in_flight, h.queued);
+    }
+    usleep(100000);
+  }
+  return false;
+}
+
+void cluster_kill(cluster *c, int idx) {
+  kill(c->p[idx].pid, SIGKILL);
+  waitpid(c->p[idx].pid, &c->p[idx].status, 0);
+  c->p[idx].exited = true;
+}
+
+bool cluster_stop(cluster *c) {
+  bool clean = true;
+  /* workers first, then the router */
+  for (int pass = 0; pass < 2; pass++) {
+    for (int i = c->n - 1; i >= 0; i--) {
+      bool router = !strcmp(c->p[i].name, "router");
+      if (c->p[i].exited || router != (pass == 1)) continue;
+      kill(c->p[i].pid, SIGTERM);
+    }
+    int64_t end = td_now_ms() + 15000;
+    for (int i = 0; i < c->n; i++) {
+      bool router = !strcmp(c->p[i].name, "router");
+      if (c->p[i].exited || router != (pass == 1)) continue;
+      while (td_now_ms() < end) {
+        pid_t r = waitpid(c->p[i].pid, &c->p[i].status, WNOHANG);
+        if (r == c->p[i].pid) {
+          c->p[i].exited = true;
+          break;
+        }
+        usleep(20000);
+      }
+      if (!c->p[i].exited) {
+        cr_log_error("%s did not exit on SIGTERM", c->p[i].name);
+        kill(c->p[i].pid, SIGKILL);
+        waitpid(c->p[i].pid, &c->p[i].status, 0);
+        c->p[i].exited = true;
+        clean = false;
+      } else if (!WIFEXITED(c->p[i].status) || WEXITSTATUS(c->p[i].status) != 0) {
+        cr_log_error("%s exited with status %d (logs in %s)", c->p[i].name, c->p[i].status, c->dir);
+        clean = false;
+      }
+    }
+  }
+  if (clean) { /* keep the logs of a failed run */
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", c->dir);
+    if (system(cmd) != 0) cr_log_warn("could not remove %s", c->dir);
+  }
+  return clean;
+}
+
+/* ---------------------------------------------------------------- requests */
+
+typedef struct run_state {
+  outcome *out;
+  td_json_request *reqs;
+  int n;
+} run_state;
+
+static outcome *find(run_state *s, const char *id) {
+  for (int i = 0; i < s->n; i++)
+    if (!strcmp(s->out[i].id, id)) return &s->out[i];
+  return NULL;
+}
+
+static void on_tokens(void *ctx, const char *id, int seq, int offset, const int32_t *t, const float *lp, int n) {
+  outcome *o = find(ctx, id);
+  if (!o || seq != 0) return;
+  if (offset != o->n_streamed) o->order_ok = false;
+  for (int i = 0; i < n && o->n_streamed < 256; i++) o->streamed[o->n_streamed++] = t[i];
+}
+
+static void on_result(void *ctx, const td_result *r) {
+  outcome *o = find(ctx, r->id);
+  if (!o) return;
+  o->done = true;
+  o->status = r->status;
+  snprintf(o->error, sizeof o->error, "%s", r->error ? r->error : "");
+  o->n_out = r->n_outputs;
+  for (int i = 0; i < r->n_outputs && i < 8; i++) {
+    o->len[i] = r->outputs[i].n_tokens < 256 ? r->outputs[i].n_tokens : 256;
+    memcpy(o->tok[i], r->outputs[i].tokens, sizeof(int32_t) * (size_t)o->len[i]);
+  }
+}
+
+void run_requests(const char *endpoint, td_json_request *reqs, int n, bool stream, int timeout_ms, outcome *out) {
+  run_state s = {out, reqs, n};
+  for (int i = 0; i < n; i++) {
+    memset(&out[i], 0, sizeof out[i]);
+    snprintf(out[i].id, sizeof out[i].id, "%s", reqs[i].id);
+    out[i].order_ok = true;
+  }
+  td_client *cl;
+  cr_assert(td_client_connect(endpoint, &cl) == TD_OK);
+  for (int i = 0; i < n; i++) cr_assert(td_client_generate(cl, &reqs[i], stream, (uint32_t)timeout_ms) == TD_OK);
+  td_client_events ev = {.on_tokens = on_tokens, .on_result = on_result, .ctx = &s};
+  int64_t end = td_now_ms() + timeout_ms + 10000;
+  while (td_client_pending(cl) > 0 && td_now_ms() < end) td_client_poll(cl, 100, &ev);
+  td_client_close(cl);
+}
+
+int load_requests(const char *path, td_json_request *reqs, int cap) {
+  FILE *f = fopen(path, "r");
+  cr_assert(f, "cannot open %s", path);
+  char *line = NULL;
+  size_t lcap = 0;
+  ssize_t len;
+  int n = 0, no = 0;
+  char dir[512];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash) *slash = 0;
+  while ((len = getline(&line, &lcap, f)) > 0 && n < cap) {
+    no++;
+    if (len <= 1) continue;
+    cr_assert(td_json_request_parse(line, (size_t)len, dir, no, &reqs[n]) == TD_OK, "%s", td_errmsg());
+    n++;
+  }
+  free(line);
+  fclose(f);
+  return n;
+}
+
+void generate_reference(const char *model, const char *path, int block_size, outcome *out, int n) {
+  char cmd[1600];
+  snprintf(cmd, sizeof cmd, "%s/tandem-generate --model %s --requests %s --block-size %d 2>/dev/null", TD_BIN_DIR,
+           model, path, block_size);
+  FILE *p = popen(cmd, "r");
+  cr_assert(p);
+  char *line = NULL;
+  size_t cap = 0;
+  int i = 0;
+  while (getline(&line, &cap, p) > 0 && i < n) {
+    outcome *o = &out[i++];
+    memset(o, 0, sizeof *o);
+    cJSON *j = cJSON_Parse(line);
+    cr_assert(j, "bad tandem-generate line %s", line);
+    snprintf(o->id, sizeof o->id, "%s", cJSON_GetObjectItem(j, "id")->valuestring);
+    o->done = true;
+    cJSON *outs = cJSON_GetObjectItem(j, "outputs");
+    o->status = outs ? TD_OK : TD_ERR_INVALID;
+    o->n_out = outs ? cJSON_GetArraySize(outs) : 0;
+    for (int k = 0; k < o->n_out && k < 8; k++) {
+      cJSON *t = cJSON_GetObjectItem(cJSON_GetArrayItem(outs, k), "tokens");
+      o->len[k] = cJSON_GetArraySize(t) < 256 ? cJSON_GetArraySize(t) : 256;
+      for (int x = 0; x < o->len[k] && x < 256; x++) o->tok[k][x] = cJSON_GetArrayItem(t, x)->valueint;
+    }
+    cJSON_Delete(j);
+  }
+  free(line);
+  pclose(p);
+  cr_assert_eq(i, n, "tandem-generate gave %d results for %d requests", i, n);
+}

@@ -1,0 +1,71 @@
+/* Real processes on loopback for the cluster tests: start a router and
+ * workers, talk to them with the client library, stop them. */
+#ifndef TD_TESTS_CLUSTER_UTIL_H
+#define TD_TESTS_CLUSTER_UTIL_H
+
+#include <stdbool.h>
+#include <sys/types.h>
+
+#include "client/client.h"
+
+#define MAX_PROCS 16
+
+typedef struct proc {
+  pid_t pid;
+  char name[32];
+  bool exited;
+  int status;
+} proc;
+
+typedef struct cluster {
+  char dir[256];
+  char model[512];
+  char client_ep[64], worker_ep[64];
+  proc p[MAX_PROCS];
+  int n;
+  int encoders, prefills, decodes;
+} cluster;
+
+typedef struct cluster_opts {
+  const char *model;
+  int encoders, prefills, decodes;
+  int prefill_threshold; /* 0: router default */
+  int block_size;
+  const char *router_extra; /* extra router flags, space separated */
+} cluster_opts;
+
+void cluster_start(cluster *c, const cluster_opts *o);
+/* Starts one more worker; returns its index. */
+int cluster_add_worker(cluster *c, const char *name, const char *roles, int block_size);
+/* SIGTERM everything; true when every process exited cleanly in time. */
+bool cluster_stop(cluster *c);
+void cluster_kill(cluster *c, int idx);
+/* Waits until the router reports the given worker counts. */
+bool cluster_wait_ready(cluster *c, int encoders, int prefills, int decodes, int timeout_ms);
+bool cluster_health(cluster *c, td_client_health *h);
+/* Waits until every live worker holds no blocks and nothing is in flight. */
+bool cluster_wait_idle(cluster *c, int timeout_ms, char *why, size_t cap);
+
+/* Results of many requests sent over one client. */
+typedef struct outcome {
+  char id[64];
+  bool done;
+  td_status status;
+  char error[256];
+  int n_out;
+  int32_t tok[8][256];
+  int len[8];
+  /* streamed chunks of sequence 0 */
+  int32_t streamed[256];
+  int n_streamed;
+  bool order_ok;
+} outcome;
+
+/* Sends reqs (parsed request lines) and waits for all results. */
+void run_requests(const char *endpoint, td_json_request *reqs, int n, bool stream, int timeout_ms, outcome *out);
+/* Parses a JSONL file (or string lines) into requests; returns the count. */
+int load_requests(const char *path, td_json_request *reqs, int cap);
+/* Runs tandem-generate over path into outcomes (tokens only). */
+void generate_reference(const char *model, const char *path, int block_size, outcome *out, int n);
+
+#endif

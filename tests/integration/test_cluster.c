@@ -1,0 +1,487 @@
+/* The cluster as users meet it: real router and worker processes on
+ * loopback, the real client, faults injected. */
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <criterion/criterion.h>
+
+#include "../unit/fixture.h"
+#include "cluster_util.h"
+#include "common/clock.h"
+#include "proto/wire.h"
+
+#define MAXQ 64
+
+/* Greedy, beam and sampled variants of every fixture request. */
+static int write_mixed(const fixture *fx, const char *path, int max_new) {
+  FILE *f = fopen(path, "w");
+  cr_assert(f);
+  int n = 0;
+  for (int i = 0; i < fx->n; i++) {
+    const fx_request *q = &fx->req[i];
+    char input[4096] = "", prompt[1024] = "";
+    size_t l = 0;
+    if (fx->mels) {
+      char fp[700];
+      snprintf(fp, sizeof fp, "%s.feat%d.f32", path, i);
+      FILE *ff = fopen(fp, "wb");
+      fwrite(fx->features + (size_t)i * fx->mels * fx->frames, 4, (size_t)fx->mels * fx->frames, ff);
+      fclose(ff);
+      snprintf(input, sizeof input, "\"input_features\": \"%s\"", fp);
+    } else {
+      l = (size_t)snprintf(input, sizeof input, "\"input_ids\": [");
+      for (int t = 0; t < q->n_input; t++) l += (size_t)snprintf(input + l, sizeof input - l, "%s%d", t ? "," : "", q->input_ids[t]);
+      snprintf(input + l, sizeof input - l, "]");
+    }
+    l = (size_t)snprintf(prompt, sizeof prompt, "\"decoder_prompt\": [");
+    for (int t = 0; t < q->n_prompt; t++) l += (size_t)snprintf(prompt + l, sizeof prompt - l, "%s%d", t ? "," : "", q->prompt[t]);
+    snprintf(prompt + l, sizeof prompt - l, "]");
+    fprintf(f, "{\"id\": \"g%d\", %s, %s, \"max_new_tokens\": %d, \"forced_eos_token_id\": null}\n", i, input, prompt,
+            max_new);
+    fprintf(f, "{\"id\": \"b%d\", %s, %s, \"max_new_tokens\": 10, \"num_beams\": 4, \"num_return_sequences\": 2, "
+               "\"early_stopping\": true}\n",
+            i, input, prompt);
+    fprintf(f, "{\"id\": \"s%d\", %s, %s, \"max_new_tokens\": 8, \"temperature\": 0.8, \"top_k\": 20, \"seed\": %d, "
+               "\"n\": 2}\n",
+            i, input, prompt, 100 + i);
+    n += 3;
+  }
+  fclose(f);
+  return n;
+}
+
+typedef struct client_job {
+  const char *ep;
+  td_json_request *reqs;
+  int n;
+  outcome *out;
+  bool stream;
+} client_job;
+
+static void *client_thread(void *arg) {
+  client_job *j = arg;
+  run_requests(j->ep, j->reqs, j->n, j->stream, 60000, j->out);
+  return NULL;
+}
+
+/* Sends the requests from `clients` concurrent clients (interleaved). */
+static void run_concurrent(const char *ep, td_json_request *reqs, int n, int clients, bool stream, outcome *out) {
+  td_json_request *part[8];
+  outcome *pout[8];
+  int cnt[8] = {0};
+  pthread_t th[8];
+  client_job jobs[8];
+  for (int c = 0; c < clients; c++) {
+    part[c] = calloc((size_t)n, sizeof **part);
+    pout[c] = calloc((size_t)n, sizeof **pout);
+  }
+  for (int i = 0; i < n; i++) part[i % clients][cnt[i % clients]++] = reqs[i];
+  for (int c = 0; c < clients; c++) {
+    jobs[c] = (client_job){ep, part[c], cnt[c], pout[c], stream};
+    pthread_create(&th[c], NULL, client_thread, &jobs[c]);
+  }
+  for (int c = 0; c < clients; c++) pthread_join(th[c], NULL);
+  for (int i = 0; i < n; i++) out[i] = pout[i % clients][i / clients];
+  for (int c = 0; c < clients; c++) {
+    free(part[c]);
+    free(pout[c]);
+  }
+}
+
+static void expect_same(const outcome *got, const outcome *want, int n, const char *what) {
+  for (int i = 0; i < n; i++) {
+    cr_expect(got[i].done && got[i].status == TD_OK, "%s %s: not done (%s)", what, got[i].id, got[i].error);
+    if (!got[i].done || got[i].status != TD_OK) continue;
+    cr_expect_eq(got[i].n_out, want[i].n_out, "%s %s: %d outputs, expected %d", what, got[i].id, got[i].n_out,
+                 want[i].n_out);
+    for (int k = 0; k < got[i].n_out && k < want[i].n_out; k++) {
+      cr_expect_eq(got[i].len[k], want[i].len[k], "%s %s output %d: %d tokens, expected %d", what, got[i].id, k,
+                   got[i].len[k], want[i].len[k]);
+      cr_expect_arr_eq(got[i].tok[k], want[i].tok[k], sizeof(int32_t) * (size_t)want[i].len[k],
+                       "%s %s output %d: tokens differ from tandem-generate", what, got[i].id, k);
+    }
+  }
+}
+
+static void check_topology(const char *model, int enc, int pre, int dec, int clients) {
+  fixture fx;
+  fx_load(model, &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = enc, .prefills = pre, .decodes = dec, .prefill_threshold = 2,
+                    .block_size = 4};
+  cluster_start(&c, &o);
+  char path[600];
+  snprintf(path, sizeof path, "%s/requests.jsonl", c.dir);
+  int n = write_mixed(&fx, path, fx.max_new);
+  td_json_request reqs[MAXQ];
+  cr_assert_eq(load_requests(path, reqs, MAXQ), n);
+  outcome *want = calloc(MAXQ, sizeof *want), *got = calloc(MAXQ, sizeof *got);
+  generate_reference(fx.dir, path, 4, want, n);
+  run_concurrent(c.client_ep, reqs, n, clients, false, got);
+  expect_same(got, want, n, model);
+  char why[256] = "";
+  cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "%s: blocks held after all requests: %s", model, why);
+  cr_expect(cluster_stop(&c), "%s: processes did not stop cleanly (logs in %s)", model, c.dir);
+  for (int i = 0; i < n; i++) td_json_request_free(&reqs[i]);
+  free(want);
+  free(got);
+  fx_free(&fx);
+}
+
+Test(cluster, encoder_prefill_decode_match_generate, .timeout = 600) {
+  const char *models[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "mbart-prenorm-sharded"};
+  for (int i = 0; i < 4; i++) check_topology(models[i], 1, 1, 1, 4);
+}
+
+Test(cluster, two_encoders_two_decoders_match_generate, .timeout = 600) {
+  check_topology("t5-tiny", 2, 0, 2, 6);
+  check_topology("marian-sinusoidal", 2, 0, 2, 6);
+}
+
+Test(cluster, streaming_in_order, .timeout = 300) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 1, .decodes = 1, .prefill_threshold = 3};
+  cluster_start(&c, &o);
+  char path[600];
+  snprintf(path, sizeof path, "%s/stream.jsonl", c.dir);
+  FILE *f = fopen(path, "w");
+  for (int i = 0; i < 8; i++)
+    fprintf(f, "{\"id\": \"st%d\", \"input_ids\": [%d, 5, 9, 1], \"decoder_prompt\": [0, %d, 7], \"max_new_tokens\": 40, "
+               "\"ignore_eos\": true}\n",
+            i, 10 + i, 20 + i);
+  fclose(f);
+  td_json_request reqs[8];
+  cr_assert_eq(load_requests(path, reqs, 8), 8);
+  outcome got[8];
+  run_requests(c.client_ep, reqs, 8, true, 30000, got);
+  for (int i = 0; i < 8; i++) {
+    cr_expect(got[i].done && got[i].status == TD_OK, "%s: %s", got[i].id, got[i].error);
+    cr_expect(got[i].order_ok, "%s: chunks out of order", got[i].id);
+    cr_expect_eq(got[i].n_streamed, got[i].len[0], "%s: streamed %d tokens, result has %d", got[i].id,
+                 got[i].n_streamed, got[i].len[0]);
+    cr_expect_arr_eq(got[i].streamed, got[i].tok[0], sizeof(int32_t) * (size_t)got[i].len[0], "%s: streamed tokens differ",
+                     got[i].id);
+    td_json_request_free(&reqs[i]);
+  }
+  cr_expect(cluster_stop(&c));
+  fx_free(&fx);
+}
+
+/* ---- cancel, deadlines ---- */
+
+typedef struct first_tok {
+  bool got_token;
+  bool done;
+  td_status status;
+} first_tok;
+
+static void ft_tokens(void *ctx, const char *id, int seq, int off, const int32_t *t, const float *lp, int n) {
+  ((first_tok *)ctx)->got_token = true;
+}
+static void ft_result(void *ctx, const td_result *r) {
+  first_tok *f = ctx;
+  f->done = true;
+  f->status = r->status;
+}
+
+Test(cluster, cancel_and_deadline_free_every_block, .timeout = 300) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 1, .decodes = 1, .prefill_threshold = 3};
+  cluster_start(&c, &o);
+  td_client *cl;
+  cr_assert(td_client_connect(c.client_ep, &cl) == TD_OK);
+  const char *line = "{\"id\": \"long\", \"input_ids\": [4, 8, 15, 16, 23, 42, 1], \"decoder_prompt\": [0, 5, 6, 7], "
+                     "\"max_new_tokens\": 500, \"ignore_eos\": true}";
+  td_json_request r;
+  cr_assert(td_json_request_parse(line, strlen(line), ".", 1, &r) == TD_OK);
+  first_tok ft = {0};
+  td_client_events ev = {.on_tokens = ft_tokens, .on_result = ft_result, .ctx = &ft};
+  cr_assert(td_client_generate(cl, &r, true, 60000) == TD_OK);
+  int64_t end = td_now_ms() + 20000;
+  while (!ft.got_token && !ft.done && td_now_ms() < end) td_client_poll(cl, 50, &ev);
+  cr_assert(ft.got_token, "no token streamed");
+  cr_assert(td_client_cancel(cl, "long") == TD_OK);
+  while (!ft.done && td_now_ms() < end) td_client_poll(cl, 50, &ev);
+  cr_expect(ft.done && (ft.status == TD_ERR_CANCELLED || ft.status == TD_OK), "cancel: status %s", td_status_str(ft.status));
+  /* a deadline too short to finish in */
+  snprintf(r.id, sizeof r.id, "late");
+  ft = (first_tok){0};
+  cr_assert(td_client_generate(cl, &r, false, 30) == TD_OK);
+  while (!ft.done && td_now_ms() < end) td_client_poll(cl, 50, &ev);
+  cr_expect(ft.done && ft.status == TD_ERR_TIMEOUT, "deadline: status %s", td_status_str(ft.status));
+  td_client_close(cl);
+  td_json_request_free(&r);
+  char why[256] = "";
+  cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "blocks held after cancel/deadline: %s", why);
+  cr_expect(cluster_stop(&c));
+  fx_free(&fx);
+}
+
+/* ---- a decode worker dies ---- */
+
+static void long_requests(const char *path, int n, int max_new) {
+  FILE *f = fopen(path, "w");
+  for (int i = 0; i < n; i++)
+    fprintf(f, "{\"id\": \"k%d\", \"input_ids\": [%d, %d, 9, 1], \"decoder_prompt\": [0, %d], \"max_new_tokens\": %d, "
+               "\"ignore_eos\": true}\n",
+            i, 3 + i, 40 + 2 * i, 60 + i, max_new);
+  fclose(f);
+}
+
+typedef struct kill_ctx {
+  cluster *c;
+  int victim;
+  bool killed;
+} kill_ctx;
+
+static void *killer(void *arg) {
+  kill_ctx *k = arg;
+  /* wait until the victim holds work, then kill it */
+  int64_t end = td_now_ms() + 20000;
+  while (td_now_ms() < end) {
+    td_client_health h;
+    if (cluster_health(k->c, &h))
+      for (int i = 0; i < h.n_workers; i++)
+        if (!strcmp(h.workers[i].id, k->c->p[k->victim].name) && h.workers[i].running > 0) {
+          cluster_kill(k->c, k->victim);
+          k->killed = true;
+          return NULL;
+        }
+    usleep(20000);
+  }
+  return NULL;
+}
+
+Test(cluster, decode_worker_killed_mid_request, .timeout = 300) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 0, .decodes = 2};
+  cluster_start(&c, &o);
+  char path[600];
+  snprintf(path, sizeof path, "%s/long.jsonl", c.dir);
+  long_requests(path, 12, 250);
+  td_json_request reqs[12];
+  cr_assert_eq(load_requests(path, reqs, 12), 12);
+  outcome want[12], got[12];
+  generate_reference(fx.dir, path, 4, want, 12);
+  int victim = -1;
+  for (int i = 0; i < c.n; i++)
+    if (!strcmp(c.p[i].name, "decode-0")) victim = i;
+  kill_ctx k = {&c, victim, false};
+  pthread_t th;
+  pthread_create(&th, NULL, killer, &k);
+  int64_t t0 = td_now_ms();
+  run_requests(c.client_ep, reqs, 12, true, 60000, got);
+  pthread_join(th, NULL);
+  cr_expect(k.killed, "decode-0 never held work");
+  int ok = 0;
+  for (int i = 0; i < 12; i++) {
+    cr_expect(got[i].done, "%s: no answer", got[i].id);
+    if (got[i].status == TD_OK) {
+      ok++;
+      cr_expect_eq(got[i].len[0], want[i].len[0]);
+      cr_expect_arr_eq(got[i].tok[0], want[i].tok[0], sizeof(int32_t) * (size_t)want[i].len[0],
+                       "%s: resumed tokens differ", got[i].id);
+    } else {
+      cr_expect(got[i].error[0], "%s failed without a message", got[i].id);
+    }
+  }
+  cr_expect(ok >= 1, "no request survived");
+  cr_expect(td_now_ms() - t0 < 60000, "requests took too long after the failure");
+  /* the router keeps serving */
+  outcome again[1];
+  run_requests(c.client_ep, reqs, 1, false, 30000, again);
+  cr_expect(again[0].done && again[0].status == TD_OK, "after the failure: %s", again[0].error);
+  char why[256] = "";
+  cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "survivors hold blocks: %s", why);
+  cr_expect(cluster_stop(&c));
+  for (int i = 0; i < 12; i++) td_json_request_free(&reqs[i]);
+  fx_free(&fx);
+}
+
+Test(cluster, sigterm_drains_a_decode_worker, .timeout = 300) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 0, .decodes = 2};
+  cluster_start(&c, &o);
+  char path[600];
+  snprintf(path, sizeof path, "%s/drain.jsonl", c.dir);
+  long_requests(path, 8, 200);
+  td_json_request reqs[8];
+  cr_assert_eq(load_requests(path, reqs, 8), 8);
+  int victim = -1;
+  for (int i = 0; i < c.n; i++)
+    if (!strcmp(c.p[i].name, "decode-1")) victim = i;
+  td_client *cl;
+  cr_assert(td_client_connect(c.client_ep, &cl) == TD_OK);
+  outcome got[8];
+  memset(got, 0, sizeof got);
+  for (int i = 0; i < 8; i++) cr_assert(td_client_generate(cl, &reqs[i], false, 60000) == TD_OK);
+  usleep(100000);
+  kill(c.p[victim].pid, SIGTERM);
+  td_client_close(cl);
+  /* it finishes its work and exits by itself */
+  int st = 0;
+  int64_t end = td_now_ms() + 30000;
+  pid_t r = 0;
+  while (td_now_ms() < end && (r = waitpid(c.p[victim].pid, &st, WNOHANG)) == 0) usleep(50000);
+  cr_expect_eq(r, c.p[victim].pid, "decode-1 did not exit after SIGTERM");
+  c.p[victim].exited = true;
+  cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "decode-1 exit status %d", st);
+  cr_expect(cluster_wait_ready(&c, 1, 0, 1, 5000), "the router still lists the drained worker");
+  cr_expect(cluster_stop(&c));
+  for (int i = 0; i < 8; i++) td_json_request_free(&reqs[i]);
+  fx_free(&fx);
+}
+
+/* ---- bad clients ---- */
+
+static Tandem__ServerMessage *raw_roundtrip(void *sock, const void *data, size_t len) {
+  zmq_send(sock, data, len, 0);
+  zmq_pollitem_t it = {.socket = sock, .events = ZMQ_POLLIN};
+  if (zmq_poll(&it, 1, 5000) <= 0) return NULL;
+  uint8_t buf[65536];
+  int n = zmq_recv(sock, buf, sizeof buf, 0);
+  if (n <= 0) return NULL;
+  return tandem__server_message__unpack(NULL, (size_t)n, buf);
+}
+
+Test(cluster, malformed_and_foreign_messages, .timeout = 300) {
+  fixture fx;
+  fx_load("bart-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 0, .decodes = 1};
+  cluster_start(&c, &o);
+  void *ctx = zmq_ctx_new();
+  void *s = zmq_socket(ctx, ZMQ_DEALER);
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert(zmq_connect(s, c.client_ep) == 0);
+  /* garbage */
+  Tandem__ServerMessage *m = raw_roundtrip(s, "\xff\x01garbage", 9);
+  cr_assert(m && m->body_case == TANDEM__SERVER_MESSAGE__BODY_ERROR, "no error for garbage");
+  cr_expect_eq(m->error->code, TANDEM__ERROR_CODE__ERROR_MALFORMED);
+  tandem__server_message__free_unpacked(m, NULL);
+  /* another protocol version */
+  Tandem__HealthRequest hr = TANDEM__HEALTH_REQUEST__INIT;
+  Tandem__ClientMessage cm = TANDEM__CLIENT_MESSAGE__INIT;
+  cm.version = 99;
+  cm.body_case = TANDEM__CLIENT_MESSAGE__BODY_HEALTH;
+  cm.health = &hr;
+  uint8_t buf[256];
+  size_t n = tandem__client_message__pack(&cm, buf);
+  m = raw_roundtrip(s, buf, n);
+  cr_assert(m && m->body_case == TANDEM__SERVER_MESSAGE__BODY_ERROR, "no error for version 99");
+  cr_expect_eq(m->error->code, TANDEM__ERROR_CODE__ERROR_VERSION);
+  cr_expect(strstr(m->error->message, "version 99"), "%s", m->error->message);
+  tandem__server_message__free_unpacked(m, NULL);
+  /* a request with bad fields */
+  Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+  int32_t ids[2] = {5, 999999};
+  g.request_id = "bad";
+  g.input_ids = ids;
+  g.n_input_ids = 2;
+  cm.version = TD_PROTOCOL_VERSION;
+  cm.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
+  cm.generate = &g;
+  n = tandem__client_message__pack(&cm, buf);
+  m = raw_roundtrip(s, buf, n);
+  cr_assert(m && m->body_case == TANDEM__SERVER_MESSAGE__BODY_ERROR);
+  cr_expect_eq(m->error->code, TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT);
+  cr_expect(strstr(m->error->message, "outside the vocabulary"), "%s", m->error->message);
+  tandem__server_message__free_unpacked(m, NULL);
+  /* an oversized message: the router drops the connection, nothing else */
+  size_t big = (size_t)TD_WIRE_MAX_MSG + 1024;
+  char *huge = calloc(1, big);
+  zmq_send(s, huge, big, 0);
+  free(huge);
+  zmq_close(s);
+  /* a worker that speaks another version is refused */
+  void *w = zmq_socket(ctx, ZMQ_DEALER);
+  zmq_setsockopt(w, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(w, ZMQ_ROUTING_ID, "future-worker", 13);
+  cr_assert(zmq_connect(w, c.worker_ep) == 0);
+  Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
+  Tandem__Cluster__WorkerMessage wm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  wm.version = 2;
+  wm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
+  wm.register_ = &reg;
+  n = tandem__cluster__worker_message__pack(&wm, buf);
+  zmq_send(w, buf, n, 0);
+  zmq_pollitem_t it = {.socket = w, .events = ZMQ_POLLIN};
+  cr_assert(zmq_poll(&it, 1, 5000) == 1, "no answer to a foreign worker");
+  int got = zmq_recv(w, buf, sizeof buf, 0);
+  Tandem__Cluster__RouterMessage *rm = tandem__cluster__router_message__unpack(NULL, (size_t)got, buf);
+  cr_assert(rm && rm->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK);
+  cr_expect(!rm->ack->accepted);
+  cr_expect(strstr(rm->ack->reason, "version"), "%s", rm->ack->reason);
+  tandem__cluster__router_message__free_unpacked(rm, NULL);
+  zmq_send(w, "junk", 4, 0);
+  zmq_close(w);
+  zmq_ctx_term(ctx);
+  /* well-behaved clients are served throughout */
+  char path[600];
+  snprintf(path, sizeof path, "%s/ok.jsonl", c.dir);
+  fx_write_requests(&fx, path, "\"forced_eos_token_id\": null");
+  td_json_request reqs[8];
+  int nr = load_requests(path, reqs, 8);
+  outcome out[8];
+  run_requests(c.client_ep, reqs, nr, false, 30000, out);
+  for (int i = 0; i < nr; i++) {
+    cr_expect(out[i].done && out[i].status == TD_OK, "%s: %s", out[i].id, out[i].error);
+    cr_expect_arr_eq(out[i].tok[0], fx.req[i].greedy, sizeof(int32_t) * (size_t)fx.req[i].n_greedy);
+    td_json_request_free(&reqs[i]);
+  }
+  td_client_health h;
+  cr_expect(cluster_health(&c, &h) && h.decoders == 1 && h.n_workers == 2, "the foreign worker was registered");
+  cr_expect(cluster_stop(&c));
+  fx_free(&fx);
+}
+
+Test(cluster, local_sh_demo, .timeout = 300) {
+  char dir[] = "/tmp/td-local-XXXXXX";
+  cr_assert(mkdtemp(dir));
+  char cmd[2048];
+  snprintf(cmd, sizeof cmd, "TANDEM_BIN=%s %s/deploy/local.sh --demo --run-dir %s/run --block-size 4 > %s/out.txt 2> %s/err.txt",
+           TD_BIN_DIR, TD_SOURCE_DIR, dir, dir, dir);
+  int rc = system(cmd);
+  cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "local.sh --demo exited %d", rc);
+  char p[600];
+  snprintf(p, sizeof p, "%s/out.txt", dir);
+  FILE *f = fopen(p, "r");
+  cr_assert(f);
+  char line[8192];
+  int results = 0;
+  bool router_line = false;
+  while (fgets(line, sizeof line, f)) {
+    if (!strncmp(line, "router tcp://", 13)) router_line = true;
+    if (strstr(line, "\"outputs\"")) results++;
+  }
+  fclose(f);
+  cr_expect(router_line, "no \"router tcp://...\" line");
+  cr_expect_eq(results, 4, "%d demo results", results);
+  /* every process it started is gone */
+  const char *names[] = {"router", "encoder-0", "prefill-0", "decode-0"};
+  for (int i = 0; i < 4; i++) {
+    snprintf(p, sizeof p, "%s/run/%s.pid", dir, names[i]);
+    f = fopen(p, "r");
+    cr_assert(f, "no %s.pid", names[i]);
+    int pid = 0;
+    cr_assert(fscanf(f, "%d", &pid) == 1);
+    fclose(f);
+    cr_expect(kill(pid, 0) != 0, "%s (pid %d) is still running", names[i], pid);
+  }
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  cr_expect(system(cmd) == 0);
+}
