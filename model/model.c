@@ -65,6 +65,10 @@ struct td_model {
   float *logits;
   int32_t *meta_dev, *meta_host;
   size_t meta_cap;
+  /* decode graphs by batch bucket */
+  int buckets[16];
+  int n_buckets;
+  td_graph *graphs[16];
 };
 
 void td_model_opts_default(td_model_opts *o) {
@@ -633,6 +637,10 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
   if (s != TD_OK) goto fail;
   s = alloc_scratch(m);
   if (s != TD_OK) goto fail;
+  if (td_backend_has_graphs(b) && !m->opts.no_graphs)
+    for (int bk = 1; bk <= m->opts.max_seqs && m->n_buckets < 16; bk *= 2) m->buckets[m->n_buckets++] = bk;
+  if (m->n_buckets && m->buckets[m->n_buckets - 1] < m->opts.max_seqs && m->n_buckets < 16)
+    m->buckets[m->n_buckets++] = m->opts.max_seqs;
   s = td_sync(b);
   if (s != TD_OK) goto fail;
   TD_INFO("loaded %s (%s, d_model %d, %d+%d layers, vocab %d) on %s", dir, c->model_type, c->d_model, c->enc_layers,
@@ -662,6 +670,7 @@ void td_model_destroy(td_model *m) {
                      m->logits, m->meta_dev};
   for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) td_free(b, scratch[i]);
   td_host_free(b, m->meta_host);
+  for (int i = 0; i < m->n_buckets; i++) td_graph_destroy(b, m->graphs[i]);
   for (int i = 0; m->enc && i < m->cfg.enc_layers; i++) {
     enc_layer *L = &m->enc[i];
     free_norm(b, &L->ln_attn);
@@ -843,76 +852,48 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   return td_sync(b);
 }
 
-td_status td_model_step(td_model *m, const td_step_input *in, const float **logits) {
+/* Offsets of the step's metadata in the staging buffers; they depend only
+ * on the row, sequence and logit counts, so a captured graph keeps them. */
+typedef struct step_layout {
+  size_t tok, pos, qs, ctx, slots, tab, clen, ctab, rows, total;
+} step_layout;
+
+static step_layout layout_for(const td_model *m, int T, int S, int NL) {
+  step_layout L;
+  size_t off = 0;
+  L.tok = off, off += (size_t)T;
+  L.pos = off, off += (size_t)T;
+  L.qs = off, off += (size_t)S + 1;
+  L.ctx = off, off += (size_t)S;
+  L.slots = off, off += (size_t)T;
+  L.tab = off, off += (size_t)S * m->self_stride;
+  L.clen = off, off += (size_t)S;
+  L.ctab = off, off += (size_t)S * m->cross_stride;
+  L.rows = off, off += (size_t)(NL ? NL : 1);
+  L.total = off;
+  return L;
+}
+
+typedef struct step_bounds {
+  int T, S, NL, max_q, max_ctx, max_cross;
+} step_bounds;
+
+/* The decoder over staged metadata: it only enqueues work, so it can be
+ * captured in a graph. */
+static td_status decoder_forward(td_model *m, const step_layout *ly, const step_bounds *sb) {
   const td_model_config *c = &m->cfg;
   const dims *d = &m->d;
   td_backend *b = m->b;
-  const td_model_opts *o = &m->opts;
-  int S = in->n_seqs, T = in->n_tokens, NL = in->n_logits;
-  if (S <= 0 || S > o->max_seqs || T < S || T > o->max_tokens || NL < 0 || NL > o->max_logits)
-    return td_err(TD_ERR_INVALID, "step: %d sequences, %d tokens, %d logit rows (limits %d, %d, %d)", S, T, NL,
-                  o->max_seqs, o->max_tokens, o->max_logits);
-  if (!m->self_pool || !m->cross_pool) return td_err(TD_ERR_INVALID, "step: KV pools not set");
-  if (in->block_stride <= 0 || in->block_stride > m->self_stride || in->cross_stride <= 0 ||
-      in->cross_stride > m->cross_stride)
-    return td_err(TD_ERR_INVALID, "step: block table widths %d and %d exceed %d and %d", in->block_stride,
-                  in->cross_stride, m->self_stride, m->cross_stride);
-  if (in->q_start[0] != 0 || in->q_start[S] != T) return td_err(TD_ERR_INVALID, "step: q_start must span 0..%d", T);
-  int max_q = 0, max_ctx = 0, max_cross = 0, bs = o->block_size;
-  for (int s = 0; s < S; s++) {
-    int qn = in->q_start[s + 1] - in->q_start[s];
-    if (qn <= 0 || in->ctx_len[s] < qn || in->ctx_len[s] > in->block_stride * bs || in->cross_len[s] < 0 ||
-        in->cross_len[s] > in->cross_stride * bs)
-      return td_err(TD_ERR_INVALID, "step: sequence %d has %d queries, %d keys, %d cross keys", s, qn,
-                    in->ctx_len[s], in->cross_len[s]);
-    max_q = qn > max_q ? qn : max_q;
-    max_ctx = in->ctx_len[s] > max_ctx ? in->ctx_len[s] : max_ctx;
-    max_cross = in->cross_len[s] > max_cross ? in->cross_len[s] : max_cross;
-  }
-  for (int t = 0; t < T; t++) {
-    if (in->tokens[t] < 0 || in->tokens[t] >= c->vocab_size)
-      return td_err(TD_ERR_INVALID, "step: token id %d is outside the vocabulary of %d", in->tokens[t], c->vocab_size);
-    if (in->positions[t] < 0 || in->positions[t] >= m->max_tgt)
-      return td_err(TD_ERR_INVALID, "step: position %d is outside the %d the decoder allows", in->positions[t],
-                    m->max_tgt);
-  }
-  for (int i = 0; i < NL; i++)
-    if (in->logit_rows[i] < 0 || in->logit_rows[i] >= T)
-      return td_err(TD_ERR_INVALID, "step: logit row %d outside [0, %d)", in->logit_rows[i], T);
-  /* metadata, repacked at the model's fixed table widths */
-  int32_t *hm = m->meta_host;
-  size_t off = 0;
-  int32_t *tok = hm + off; off += (size_t)T;
-  int32_t *pos = hm + off; off += (size_t)T;
-  int32_t *qs = hm + off; off += (size_t)S + 1;
-  int32_t *ctx = hm + off; off += (size_t)S;
-  int32_t *slots = hm + off; off += (size_t)T;
-  int32_t *tab = hm + off; off += (size_t)S * m->self_stride;
-  int32_t *clen = hm + off; off += (size_t)S;
-  int32_t *ctab = hm + off; off += (size_t)S * m->cross_stride;
-  int32_t *rows = hm + off; off += (size_t)(NL ? NL : 1);
-  memcpy(tok, in->tokens, sizeof(int32_t) * (size_t)T);
-  memcpy(pos, in->positions, sizeof(int32_t) * (size_t)T);
-  memcpy(qs, in->q_start, sizeof(int32_t) * (size_t)(S + 1));
-  memcpy(ctx, in->ctx_len, sizeof(int32_t) * (size_t)S);
-  memcpy(slots, in->slots, sizeof(int32_t) * (size_t)T);
-  memcpy(clen, in->cross_len, sizeof(int32_t) * (size_t)S);
-  for (int s = 0; s < S; s++) {
-    memcpy(tab + (size_t)s * m->self_stride, in->block_table + (size_t)s * in->block_stride,
-           sizeof(int32_t) * (size_t)in->block_stride);
-    memcpy(ctab + (size_t)s * m->cross_stride, in->cross_table + (size_t)s * in->cross_stride,
-           sizeof(int32_t) * (size_t)in->cross_stride);
-  }
-  if (NL) memcpy(rows, in->logit_rows, sizeof(int32_t) * (size_t)NL);
-  TD_TRY(td_copy_h2d(b, m->meta_dev, hm, off * sizeof(int32_t)));
+  int T = sb->T, NL = sb->NL;
   const int32_t *D = m->meta_dev;
-  const int32_t *dtok = D + (tok - hm), *dpos = D + (pos - hm), *dslots = D + (slots - hm), *drows = D + (rows - hm);
-  td_paged_meta self_m = {.n_seqs = S, .n_tokens = T, .max_q = max_q, .max_ctx = max_ctx, .q_start = D + (qs - hm),
-                          .ctx_len = D + (ctx - hm), .block_table = D + (tab - hm), .max_blocks = m->self_stride};
+  const int32_t *dtok = D + ly->tok, *dpos = D + ly->pos, *dslots = D + ly->slots, *drows = D + ly->rows;
+  td_paged_meta self_m = {.n_seqs = sb->S, .n_tokens = T, .max_q = sb->max_q, .max_ctx = sb->max_ctx,
+                          .q_start = D + ly->qs, .ctx_len = D + ly->ctx, .block_table = D + ly->tab,
+                          .max_blocks = m->self_stride};
   td_paged_meta cross_m = self_m;
-  cross_m.max_ctx = max_cross;
-  cross_m.ctx_len = D + (clen - hm);
-  cross_m.block_table = D + (ctab - hm);
+  cross_m.max_ctx = sb->max_cross;
+  cross_m.ctx_len = D + ly->clen;
+  cross_m.block_table = D + ly->ctab;
   cross_m.max_blocks = m->cross_stride;
 
   TD_TRY(td_embed(b, dtok, dpos, m->dec_tok, c->pos_kind == TD_POS_RELATIVE ? NULL : m->dec_pos, c->embed_scale,
@@ -959,6 +940,101 @@ td_status td_model_step(td_model *m, const td_step_input *in, const float **logi
     if (c->final_norm) TD_TRY(norm(m, &m->dec_final, m->d_lx, m->d_lx, NL));
     TD_TRY(td_gemm(b, m->d_lx, m->head, m->logits_bias, m->logits, NL, d->v1 - d->v0, d->d, TD_ACT_NONE,
                    TD_GEMM_OUT_F32));
+  }
+  return TD_OK;
+}
+
+td_status td_model_step(td_model *m, const td_step_input *in, const float **logits) {
+  const td_model_config *c = &m->cfg;
+  td_backend *b = m->b;
+  const td_model_opts *o = &m->opts;
+  int S = in->n_seqs, T = in->n_tokens, NL = in->n_logits;
+  if (S <= 0 || S > o->max_seqs || T < S || T > o->max_tokens || NL < 0 || NL > o->max_logits)
+    return td_err(TD_ERR_INVALID, "step: %d sequences, %d tokens, %d logit rows (limits %d, %d, %d)", S, T, NL,
+                  o->max_seqs, o->max_tokens, o->max_logits);
+  if (!m->self_pool || !m->cross_pool) return td_err(TD_ERR_INVALID, "step: KV pools not set");
+  if (in->block_stride <= 0 || in->block_stride > m->self_stride || in->cross_stride <= 0 ||
+      in->cross_stride > m->cross_stride)
+    return td_err(TD_ERR_INVALID, "step: block table widths %d and %d exceed %d and %d", in->block_stride,
+                  in->cross_stride, m->self_stride, m->cross_stride);
+  if (in->q_start[0] != 0 || in->q_start[S] != T) return td_err(TD_ERR_INVALID, "step: q_start must span 0..%d", T);
+  int max_q = 0, max_ctx = 0, max_cross = 0, bs = o->block_size;
+  for (int s = 0; s < S; s++) {
+    int qn = in->q_start[s + 1] - in->q_start[s];
+    if (qn <= 0 || in->ctx_len[s] < qn || in->ctx_len[s] > in->block_stride * bs || in->cross_len[s] < 0 ||
+        in->cross_len[s] > in->cross_stride * bs)
+      return td_err(TD_ERR_INVALID, "step: sequence %d has %d queries, %d keys, %d cross keys", s, qn,
+                    in->ctx_len[s], in->cross_len[s]);
+    max_q = qn > max_q ? qn : max_q;
+    max_ctx = in->ctx_len[s] > max_ctx ? in->ctx_len[s] : max_ctx;
+    max_cross = in->cross_len[s] > max_cross ? in->cross_len[s] : max_cross;
+  }
+  for (int t = 0; t < T; t++) {
+    if (in->tokens[t] < 0 || in->tokens[t] >= c->vocab_size)
+      return td_err(TD_ERR_INVALID, "step: token id %d is outside the vocabulary of %d", in->tokens[t], c->vocab_size);
+    if (in->positions[t] < 0 || in->positions[t] >= m->max_tgt)
+      return td_err(TD_ERR_INVALID, "step: position %d is outside the %d the decoder allows", in->positions[t],
+                    m->max_tgt);
+  }
+  for (int i = 0; i < NL; i++)
+    if (in->logit_rows[i] < 0 || in->logit_rows[i] >= T)
+      return td_err(TD_ERR_INVALID, "step: logit row %d outside [0, %d)", in->logit_rows[i], T);
+  /* A pure decode step (one row and one logit row per sequence) replays
+   * the CUDA graph of the smallest batch bucket that holds it, padded with
+   * rows that attend to nothing and write nothing. */
+  bool decode_only = T == S && NL == S;
+  for (int i = 0; decode_only && i < NL; i++) decode_only = in->logit_rows[i] == i;
+  int B = S, gi = -1;
+  for (int k = 0; decode_only && k < m->n_buckets && gi < 0; k++)
+    if (m->buckets[k] >= S) gi = k;
+  if (gi >= 0) B = m->buckets[gi];
+  /* metadata, repacked at the model's fixed table widths */
+  int32_t *hm = m->meta_host;
+  step_layout L = layout_for(m, gi >= 0 ? B : T, gi >= 0 ? B : S, gi >= 0 ? B : NL);
+  memcpy(hm + L.tok, in->tokens, sizeof(int32_t) * (size_t)T);
+  memcpy(hm + L.pos, in->positions, sizeof(int32_t) * (size_t)T);
+  memcpy(hm + L.qs, in->q_start, sizeof(int32_t) * (size_t)(S + 1));
+  memcpy(hm + L.ctx, in->ctx_len, sizeof(int32_t) * (size_t)S);
+  memcpy(hm + L.slots, in->slots, sizeof(int32_t) * (size_t)T);
+  memcpy(hm + L.clen, in->cross_len, sizeof(int32_t) * (size_t)S);
+  for (int s = 0; s < S; s++) {
+    memcpy(hm + L.tab + (size_t)s * m->self_stride, in->block_table + (size_t)s * in->block_stride,
+           sizeof(int32_t) * (size_t)in->block_stride);
+    memcpy(hm + L.ctab + (size_t)s * m->cross_stride, in->cross_table + (size_t)s * in->cross_stride,
+           sizeof(int32_t) * (size_t)in->cross_stride);
+  }
+  if (NL) memcpy(hm + L.rows, in->logit_rows, sizeof(int32_t) * (size_t)NL);
+  for (int s = S; s < B; s++) { /* padding rows */
+    hm[L.tok + s] = 0;
+    hm[L.pos + s] = 0;
+    hm[L.qs + s + 1] = s + 1;
+    hm[L.ctx + s] = 0;
+    hm[L.slots + s] = -1;
+    hm[L.clen + s] = 0;
+    memset(hm + L.tab + (size_t)s * m->self_stride, 0, sizeof(int32_t) * (size_t)m->self_stride);
+    memset(hm + L.ctab + (size_t)s * m->cross_stride, 0, sizeof(int32_t) * (size_t)m->cross_stride);
+    hm[L.rows + s] = s;
+  }
+  TD_TRY(td_copy_h2d(b, m->meta_dev, hm, L.total * sizeof(int32_t)));
+  if (gi >= 0) {
+    if (!m->graphs[gi]) {
+      /* captured once per bucket, with bounds that hold for any step */
+      step_bounds gb = {.T = B, .S = B, .NL = B, .max_q = 1, .max_ctx = m->self_stride * o->block_size,
+                        .max_cross = m->cross_stride * o->block_size};
+      TD_TRY(td_graph_begin(b));
+      td_status cs = decoder_forward(m, &L, &gb);
+      td_graph *g = NULL;
+      td_status es = td_graph_end(b, &g);
+      if (cs != TD_OK || es != TD_OK) {
+        td_graph_destroy(b, g);
+        return cs != TD_OK ? cs : es;
+      }
+      m->graphs[gi] = g;
+    }
+    TD_TRY(td_graph_launch(b, m->graphs[gi]));
+  } else {
+    step_bounds sb = {.T = T, .S = S, .NL = NL, .max_q = max_q, .max_ctx = max_ctx, .max_cross = max_cross};
+    TD_TRY(decoder_forward(m, &L, &sb));
   }
   *logits = m->logits;
   return TD_OK;
