@@ -44,10 +44,29 @@ typedef struct td_backend_vt {
   td_status (*graph_end)(td_backend *b, td_graph **out);
   td_status (*graph_launch)(td_backend *b, td_graph *g);
   void (*graph_destroy)(td_backend *b, td_graph *g);
+  /* NULL: the CPU loop in ops.c */
+  td_status (*unshard_cols)(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols);
 } td_backend_vt;
+
+/* A communicator's implementation. */
+typedef struct td_comm_vt {
+  td_status (*allreduce)(td_comm *c, td_backend *b, void *buf, td_buf_type t, size_t n);
+  td_status (*allgather)(td_comm *c, td_backend *b, const void *send, void *recv, td_buf_type t, size_t n);
+  td_status (*send)(td_comm *c, td_backend *b, const void *buf, td_buf_type t, size_t n, int peer);
+  td_status (*recv)(td_comm *c, td_backend *b, void *buf, td_buf_type t, size_t n, int peer);
+  void (*abort)(td_comm *c);
+  void (*destroy)(td_comm *c);
+} td_comm_vt;
+
+struct td_comm {
+  const td_comm_vt *vt;
+  int rank, world;
+  void *impl;
+};
 
 struct td_backend {
   const td_backend_vt *vt;
+  td_comm *comm;
   td_backend_kind kind;
   size_t act_size; /* bytes of a TD_BUF_ACT element */
   char name[160];

@@ -1,6 +1,7 @@
 #include "kernels/ops.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels/backend_impl.h"
 
@@ -184,4 +185,61 @@ td_status td_graph_launch(td_backend *b, td_graph *g) {
 
 void td_graph_destroy(td_backend *b, td_graph *g) {
   if (g && b->vt->graph_destroy) b->vt->graph_destroy(b, g);
+}
+
+/* ---- collectives ---- */
+
+void td_backend_set_comm(td_backend *b, td_comm *c) { b->comm = c; }
+td_comm *td_backend_comm(const td_backend *b) { return b->comm; }
+int td_comm_rank(const td_comm *c) { return c ? c->rank : 0; }
+int td_comm_world(const td_comm *c) { return c ? c->world : 1; }
+
+void td_comm_abort(td_comm *c) {
+  if (c && c->vt->abort) c->vt->abort(c);
+}
+
+void td_comm_destroy(td_comm *c) {
+  if (c) c->vt->destroy(c);
+}
+
+static td_status need_comm(const td_backend *b, const char *op) {
+  return b->comm ? TD_OK : td_err(TD_ERR_INVALID, "%s: no communicator attached", op);
+}
+
+td_status td_allreduce_sum(td_backend *b, void *buf, td_buf_type t, size_t n) {
+  TD_TRY(need_comm(b, "allreduce"));
+  if (b->comm->world == 1 || n == 0) return TD_OK;
+  return b->comm->vt->allreduce(b->comm, b, buf, t, n);
+}
+
+td_status td_allgather(td_backend *b, const void *send, void *recv, td_buf_type t, size_t n) {
+  TD_TRY(need_comm(b, "allgather"));
+  if (n == 0) return TD_OK;
+  return b->comm->vt->allgather(b->comm, b, send, recv, t, n);
+}
+
+td_status td_send(td_backend *b, const void *buf, td_buf_type t, size_t n, int peer) {
+  TD_TRY(need_comm(b, "send"));
+  if (peer < 0 || peer >= b->comm->world || peer == b->comm->rank) return bad("send", "bad peer");
+  return n ? b->comm->vt->send(b->comm, b, buf, t, n, peer) : TD_OK;
+}
+
+td_status td_recv(td_backend *b, void *buf, td_buf_type t, size_t n, int peer) {
+  TD_TRY(need_comm(b, "recv"));
+  if (peer < 0 || peer >= b->comm->world || peer == b->comm->rank) return bad("recv", "bad peer");
+  return n ? b->comm->vt->recv(b->comm, b, buf, t, n, peer) : TD_OK;
+}
+
+td_status td_unshard_cols(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols) {
+  if (tp <= 0 || rows < 0 || per <= 0 || cols <= 0 || cols > tp * per || !parts || !out)
+    return bad("unshard_cols", "bad sizes or buffers");
+  if (rows == 0) return TD_OK;
+  if (b->vt->unshard_cols) return b->vt->unshard_cols(b, parts, out, tp, rows, per, cols);
+  for (int r = 0; r < rows; r++)
+    for (int k = 0; k < tp; k++) {
+      int c0 = k * per, n = cols - c0 < per ? cols - c0 : per;
+      if (n > 0)
+        memcpy(out + (size_t)r * cols + c0, parts + ((size_t)k * rows + r) * per, sizeof(float) * (size_t)n);
+    }
+  return TD_OK;
 }

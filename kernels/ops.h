@@ -182,4 +182,36 @@ td_status td_graph_end(td_backend *b, td_graph **out);
 td_status td_graph_launch(td_backend *b, td_graph *g);
 void td_graph_destroy(td_backend *b, td_graph *g);
 
+/* ---- collectives (tensor and pipeline parallelism) ---- */
+/* A communicator joins the backends of one model's ranks. With one
+ * attached, the model runs its slice and the ops below exchange data. */
+typedef struct td_comm td_comm;
+/* In-process communicators for `world` ranks driven by `world` threads (the
+ * CPU backend; tests and CPU parallelism). comms[r] is rank r's. */
+td_status td_comm_create_threads(int world, td_comm **comms);
+/* NCCL (CUDA backend): id is ncclUniqueId bytes from td_comm_nccl_id. */
+#define TD_NCCL_ID_BYTES 128
+td_status td_comm_nccl_id(uint8_t id[TD_NCCL_ID_BYTES]);
+td_status td_comm_create_nccl(td_backend *b, const uint8_t id[TD_NCCL_ID_BYTES], int rank, int world,
+                              td_comm **out);
+/* Ends outstanding collectives with an error (a peer died) and frees. */
+void td_comm_abort(td_comm *c);
+void td_comm_destroy(td_comm *c);
+int td_comm_rank(const td_comm *c);
+int td_comm_world(const td_comm *c);
+
+/* Attaches (or detaches with NULL) a communicator to a backend. */
+void td_backend_set_comm(td_backend *b, td_comm *c);
+td_comm *td_backend_comm(const td_backend *b);
+/* Sum over ranks, in place. */
+td_status td_allreduce_sum(td_backend *b, void *buf, td_buf_type t, size_t n);
+/* recv[r * n + i] = rank r's send[i]. */
+td_status td_allgather(td_backend *b, const void *send, void *recv, td_buf_type t, size_t n);
+/* Point to point (pipeline stages). */
+td_status td_send(td_backend *b, const void *buf, td_buf_type t, size_t n, int peer);
+td_status td_recv(td_backend *b, void *buf, td_buf_type t, size_t n, int peer);
+/* Reassembles rows split by columns across ranks: parts is [tp][rows][per]
+ * (float32); out[rows][cols] takes the first cols of the concatenation. */
+td_status td_unshard_cols(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols);
+
 #endif

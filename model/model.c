@@ -62,13 +62,15 @@ struct td_model {
   /* scratch */
   void *e_h, *e_x, *e_qkv, *e_attn, *e_ff, *e_ff1, *w_col1, *w_c1, *w_col2, *w_feat;
   void *d_h, *d_x, *d_qkv, *d_attn, *d_q, *d_ff, *d_ff1, *d_lx;
-  float *logits;
+  float *logits;                    /* [max_logits, vocab] */
+  float *logits_part, *logits_all; /* tensor parallel: this rank's columns, all ranks' */
   int32_t *meta_dev, *meta_host;
   size_t meta_cap;
   /* decode graphs by batch bucket */
   int buckets[16];
   int n_buckets;
   td_graph *graphs[16];
+  td_model_mirror mirror;
 };
 
 void td_model_opts_default(td_model_opts *o) {
@@ -498,29 +500,36 @@ static td_status load_embeddings(td_model *m, loader *ld, const char *P) {
       return td_err(TD_ERR_FORMAT, "%s: tensor \"%s\" is missing and tie_word_embeddings is false", ld->dir, head);
     head_src = dec_src;
   }
+  /* Each rank holds `per` rows of the head; rows past the vocabulary are
+   * zero with a -1e30 bias, so that they are never chosen. */
   int tp = ld->tp, per = (V + tp - 1) / tp;
-  m->d.v0 = ld->rank * per < V ? ld->rank * per : V;
-  m->d.v1 = m->d.v0 + per < V ? m->d.v0 + per : V;
+  m->d.v0 = ld->rank * per;
+  m->d.v1 = m->d.v0 + per;
+  int real = V - m->d.v0 < per ? (V - m->d.v0 > 0 ? V - m->d.v0 : 0) : per;
   if (tp == 1 && head_src == dec_src) {
     m->head = m->dec_tok;
   } else {
     int64_t shape[2] = {V, d};
     TD_TRY(read_f32(ld, head_src, 2, shape));
-    int nv = m->d.v1 - m->d.v0 > 0 ? m->d.v1 - m->d.v0 : 1;
-    TD_TRY(upload_new(ld, TD_BUF_ACT, ld->tmp + (size_t)m->d.v0 * d, (size_t)nv * d, &m->head));
+    TD_TRY(fit(&ld->tmp2, &ld->cap2, (size_t)per * d));
+    memset(ld->tmp2, 0, sizeof(float) * (size_t)per * d);
+    memcpy(ld->tmp2, ld->tmp + (size_t)m->d.v0 * d, sizeof(float) * (size_t)real * d);
+    TD_TRY(upload_new(ld, TD_BUF_ACT, ld->tmp2, (size_t)per * d, &m->head));
   }
   /* final_logits_bias (BART family), zeros otherwise. */
   const char *fb = "final_logits_bias";
-  int nv = m->d.v1 - m->d.v0 > 0 ? m->d.v1 - m->d.v0 : 1;
-  TD_TRY(fit(&ld->tmp2, &ld->cap2, (size_t)nv));
-  memset(ld->tmp2, 0, sizeof(float) * (size_t)nv);
-  const td_tensor_info *bt = find(ld, fb, false);
-  if (bt) {
+  float *bias = malloc(sizeof(float) * (size_t)per);
+  if (!bias) return td_err(TD_ERR_NOMEM, "out of memory");
+  for (int i = 0; i < per; i++) bias[i] = i < real ? 0.0f : -1e30f;
+  td_status s = TD_OK;
+  if (find(ld, fb, false)) {
     int64_t shape[2] = {1, V};
-    TD_TRY(read_f32(ld, fb, 2, shape));
-    memcpy(ld->tmp2, ld->tmp + m->d.v0, sizeof(float) * (size_t)(m->d.v1 - m->d.v0));
+    s = read_f32(ld, fb, 2, shape);
+    if (s == TD_OK) memcpy(bias, ld->tmp + m->d.v0, sizeof(float) * (size_t)real);
   }
-  return upload_new(ld, TD_BUF_F32, ld->tmp2, (size_t)nv, (void **)&m->logits_bias);
+  if (s == TD_OK) s = upload_new(ld, TD_BUF_F32, bias, (size_t)per, (void **)&m->logits_bias);
+  free(bias);
+  return s;
 }
 
 static td_status alloc_scratch(td_model *m) {
@@ -551,7 +560,9 @@ static td_status alloc_scratch(td_model *m) {
       {&m->d_ff, TD_BUF_ACT, T * d->dff * g},
       {&m->d_ff1, TD_BUF_ACT, c->gated_ffn ? T * d->dff : 1},
       {&m->d_lx, TD_BUF_ACT, L * d->d},
-      {(void **)&m->logits, TD_BUF_F32, L * (size_t)(d->v1 - d->v0 > 0 ? d->v1 - d->v0 : 1)},
+      {(void **)&m->logits, TD_BUF_F32, L * (size_t)d->vocab},
+      {(void **)&m->logits_part, TD_BUF_F32, o->tp_size > 1 ? L * (size_t)(d->v1 - d->v0) : 1},
+      {(void **)&m->logits_all, TD_BUF_F32, o->tp_size > 1 ? L * (size_t)(d->v1 - d->v0) * o->tp_size : 1},
   };
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) TD_TRY(td_alloc(b, bufs[i].t, bufs[i].n, bufs[i].p));
   if (c->family == TD_FAMILY_WHISPER) {
@@ -592,6 +603,10 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
   if (c->enc_heads % tp || c->dec_heads % tp || c->enc_ffn % tp || c->dec_ffn % tp) {
     s = td_err(TD_ERR_UNSUPPORTED, "%s: heads (%d, %d) and FFN widths (%d, %d) must divide by tensor parallel %d",
                dir, c->enc_heads, c->dec_heads, c->enc_ffn, c->dec_ffn, tp);
+    goto fail;
+  }
+  if (tp > 1 && td_comm_world(td_backend_comm(b)) != tp) {
+    s = td_err(TD_ERR_INVALID, "tensor parallel %d needs a communicator of %d ranks attached to the backend", tp, tp);
     goto fail;
   }
   m->d = (dims){.d = c->d_model, .vocab = c->vocab_size, .eh = c->enc_heads / tp, .edh = c->enc_head_dim,
@@ -667,7 +682,7 @@ void td_model_destroy(td_model *m) {
   td_backend *b = m->b;
   void *scratch[] = {m->e_h, m->e_x, m->e_qkv, m->e_attn, m->e_ff, m->e_ff1, m->w_col1, m->w_c1, m->w_col2,
                      m->w_feat, m->d_h, m->d_x, m->d_qkv, m->d_attn, m->d_q, m->d_ff, m->d_ff1, m->d_lx,
-                     m->logits, m->meta_dev};
+                     m->logits, m->logits_part, m->logits_all, m->meta_dev};
   for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) td_free(b, scratch[i]);
   td_host_free(b, m->meta_host);
   for (int i = 0; i < m->n_buckets; i++) td_graph_destroy(b, m->graphs[i]);
@@ -737,6 +752,9 @@ void td_model_set_pools(td_model *m, void *self_pool, void *cross_pool) {
 
 /* ---------------------------------------------------------------- forward */
 
+static td_status publish_encode(td_model *m, const td_encode_input *in);
+static td_status publish_step(td_model *m, const td_step_input *in);
+
 static td_status norm(td_model *m, const norm_w *n, const void *x, void *y, int rows) {
   return td_norm(m->b, x, n->w, n->b, y, rows, m->d.d, m->cfg.norm_eps, m->cfg.rmsnorm);
 }
@@ -745,16 +763,24 @@ static td_status linear(td_model *m, const lin *l, const void *x, void *y, int r
   return td_gemm(m->b, x, l->w, l->b, y, rows, l->out, l->in, act, flags);
 }
 
+/* h += x W^T for a row-parallel layer: every rank adds its partial sum and
+ * rank 0 the residual and bias, then an all-reduce. */
+static td_status row_parallel(td_model *m, const lin *l, const void *x, void *h, int rows) {
+  bool tp = m->opts.tp_size > 1;
+  TD_TRY(linear(m, l, x, h, rows, TD_ACT_NONE, !tp || m->opts.tp_rank == 0 ? TD_GEMM_ACCUM : 0));
+  return tp ? td_allreduce_sum(m->b, h, TD_BUF_ACT, (size_t)rows * m->d.d) : TD_OK;
+}
+
 /* h += FFN(src) */
 static td_status ffn(td_model *m, const lin *wi, const lin *wo, const void *src, void *h, void *ff, void *ff1,
                      int rows) {
   if (m->cfg.gated_ffn) {
     TD_TRY(linear(m, wi, src, ff, rows, TD_ACT_NONE, 0));
     TD_TRY(td_gated_act(m->b, ff, ff1, rows, wi->out / 2, m->cfg.act));
-    return linear(m, wo, ff1, h, rows, TD_ACT_NONE, TD_GEMM_ACCUM);
+    return row_parallel(m, wo, ff1, h, rows);
   }
   TD_TRY(linear(m, wi, src, ff, rows, m->cfg.act, 0));
-  return linear(m, wo, ff, h, rows, TD_ACT_NONE, TD_GEMM_ACCUM);
+  return row_parallel(m, wo, ff, h, rows);
 }
 
 td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out) {
@@ -797,6 +823,7 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
     }
   }
   memcpy(slots, in->cross_slots, sizeof(int32_t) * (size_t)E);
+  TD_TRY(publish_encode(m, in));
   size_t n_meta = (size_t)(3 * E + B + 1);
   TD_TRY(td_copy_h2d(b, m->meta_dev, hm, n_meta * sizeof(int32_t)));
   const int32_t *dtok = m->meta_dev, *dpos = m->meta_dev + E, *dcu = m->meta_dev + 2 * E,
@@ -826,7 +853,7 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
     }
     TD_TRY(linear(m, &L->qkv, src, m->e_qkv, E, TD_ACT_NONE, 0));
     TD_TRY(td_attn_dense(b, m->e_qkv, m->e_attn, dcu, B, E, max_len, d->eh, d->edh, c->enc_attn_scale, false, bias));
-    TD_TRY(linear(m, &L->o, m->e_attn, m->e_h, E, TD_ACT_NONE, TD_GEMM_ACCUM));
+    TD_TRY(row_parallel(m, &L->o, m->e_attn, m->e_h, E));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_attn, m->e_h, m->e_h, E));
     src = m->e_h;
     if (c->pre_norm) {
@@ -916,7 +943,7 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
                        3 * hd, m->self_pool, &sl, l, dslots, T));
     TD_TRY(td_attn_paged(b, m->d_qkv, 3 * hd, m->d_attn, m->self_pool, &sl, l, &self_m, c->dec_attn_scale, true,
                          bias));
-    TD_TRY(linear(m, &L->o, m->d_attn, m->d_h, T, TD_ACT_NONE, TD_GEMM_ACCUM));
+    TD_TRY(row_parallel(m, &L->o, m->d_attn, m->d_h, T));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_self, m->d_h, m->d_h, T));
     src = m->d_h;
     if (c->pre_norm) {
@@ -925,7 +952,7 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
     }
     TD_TRY(linear(m, &L->cq, src, m->d_q, T, TD_ACT_NONE, 0));
     TD_TRY(td_attn_paged(b, m->d_q, hd, m->d_attn, m->cross_pool, &cl, l, &cross_m, c->dec_attn_scale, false, NULL));
-    TD_TRY(linear(m, &L->co, m->d_attn, m->d_h, T, TD_ACT_NONE, TD_GEMM_ACCUM));
+    TD_TRY(row_parallel(m, &L->co, m->d_attn, m->d_h, T));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_cross, m->d_h, m->d_h, T));
     src = m->d_h;
     if (c->pre_norm) {
@@ -938,8 +965,16 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
   if (NL) {
     TD_TRY(td_gather_rows(b, m->d_h, drows, m->d_lx, NL, d->d));
     if (c->final_norm) TD_TRY(norm(m, &m->dec_final, m->d_lx, m->d_lx, NL));
-    TD_TRY(td_gemm(b, m->d_lx, m->head, m->logits_bias, m->logits, NL, d->v1 - d->v0, d->d, TD_ACT_NONE,
-                   TD_GEMM_OUT_F32));
+    int per = d->v1 - d->v0;
+    if (m->opts.tp_size == 1) {
+      TD_TRY(td_gemm(b, m->d_lx, m->head, m->logits_bias, m->logits, NL, per, d->d, TD_ACT_NONE, TD_GEMM_OUT_F32));
+    } else {
+      /* each rank's vocabulary columns, gathered and put back in order */
+      TD_TRY(td_gemm(b, m->d_lx, m->head, m->logits_bias, m->logits_part, NL, per, d->d, TD_ACT_NONE,
+                     TD_GEMM_OUT_F32));
+      TD_TRY(td_allgather(b, m->logits_part, m->logits_all, TD_BUF_F32, (size_t)NL * per));
+      TD_TRY(td_unshard_cols(b, m->logits_all, m->logits, m->opts.tp_size, NL, per, d->vocab));
+    }
   }
   return TD_OK;
 }
@@ -979,6 +1014,7 @@ td_status td_model_step(td_model *m, const td_step_input *in, const float **logi
   for (int i = 0; i < NL; i++)
     if (in->logit_rows[i] < 0 || in->logit_rows[i] >= T)
       return td_err(TD_ERR_INVALID, "step: logit row %d outside [0, %d)", in->logit_rows[i], T);
+  TD_TRY(publish_step(m, in));
   /* A pure decode step (one row and one logit row per sequence) replays
    * the CUDA graph of the smallest batch bucket that holds it, padded with
    * rows that attend to nothing and write nothing. */
@@ -1038,4 +1074,160 @@ td_status td_model_step(td_model *m, const td_step_input *in, const float **logi
   }
   *logits = m->logits;
   return TD_OK;
+}
+
+/* ---------------------------------------------------------------- mirror */
+
+enum { MIRROR_ENCODE = 1, MIRROR_STEP = 2, MIRROR_MAGIC = 0x54444d52 };
+
+typedef struct mbuf {
+  uint8_t *p;
+  size_t n, cap;
+  bool oom;
+} mbuf;
+
+static void put(mbuf *b, const void *src, size_t n) {
+  if (b->oom) return;
+  if (b->n + n > b->cap) {
+    size_t nc = b->cap ? b->cap : 4096;
+    while (nc < b->n + n) nc *= 2;
+    uint8_t *q = realloc(b->p, nc);
+    if (!q) {
+      b->oom = true;
+      return;
+    }
+    b->p = q;
+    b->cap = nc;
+  }
+  if (n) memcpy(b->p + b->n, src, n);
+  b->n += n;
+}
+
+static void put_i32(mbuf *b, int32_t v) { put(b, &v, 4); }
+static void put_arr(mbuf *b, const int32_t *v, int n) {
+  put_i32(b, n);
+  if (n > 0) put(b, v, sizeof(int32_t) * (size_t)n);
+}
+
+typedef struct rbuf {
+  const uint8_t *p;
+  size_t n, off;
+  bool bad;
+} rbuf;
+
+static int32_t get_i32(rbuf *r) {
+  int32_t v = 0;
+  if (r->off + 4 > r->n) {
+    r->bad = true;
+    return 0;
+  }
+  memcpy(&v, r->p + r->off, 4);
+  r->off += 4;
+  return v;
+}
+
+/* A view into the buffer: no copy, valid while bytes are. */
+static const void *get_arr(rbuf *r, int elem, int *count) {
+  int32_t n = get_i32(r);
+  *count = n;
+  if (n < 0 || r->off + (size_t)n * (size_t)elem > r->n) {
+    r->bad = true;
+    return NULL;
+  }
+  const void *v = r->p + r->off;
+  r->off += (size_t)n * (size_t)elem;
+  return v;
+}
+
+void td_model_set_mirror(td_model *m, const td_model_mirror *mirror) {
+  if (mirror)
+    m->mirror = *mirror;
+  else
+    memset(&m->mirror, 0, sizeof m->mirror);
+}
+
+static td_status publish_encode(td_model *m, const td_encode_input *in) {
+  if (!m->mirror.publish) return TD_OK;
+  mbuf b = {0};
+  put_i32(&b, MIRROR_MAGIC);
+  put_i32(&b, MIRROR_ENCODE);
+  put_i32(&b, in->n_seqs);
+  bool whisper = m->cfg.family == TD_FAMILY_WHISPER;
+  int E = 0, tok = 0;
+  for (int s = 0; s < in->n_seqs; s++) {
+    E += whisper ? m->max_src : in->lens[s];
+    tok += whisper ? 0 : in->lens[s];
+  }
+  put_arr(&b, in->lens, whisper ? 0 : in->n_seqs);
+  put_arr(&b, in->tokens, whisper ? 0 : tok);
+  int nf = whisper ? in->n_seqs * m->cfg.num_mel_bins * 2 * m->max_src : 0;
+  put_i32(&b, nf);
+  if (nf) put(&b, in->features, sizeof(float) * (size_t)nf);
+  put_arr(&b, in->cross_slots, E);
+  td_status s = b.oom ? td_err(TD_ERR_NOMEM, "mirror: out of memory") : m->mirror.publish(m->mirror.ctx, b.p, b.n);
+  free(b.p);
+  return s;
+}
+
+static td_status publish_step(td_model *m, const td_step_input *in) {
+  if (!m->mirror.publish) return TD_OK;
+  mbuf b = {0};
+  int S = in->n_seqs, T = in->n_tokens;
+  put_i32(&b, MIRROR_MAGIC);
+  put_i32(&b, MIRROR_STEP);
+  put_i32(&b, S);
+  put_i32(&b, T);
+  put_i32(&b, in->block_stride);
+  put_i32(&b, in->cross_stride);
+  put_arr(&b, in->tokens, T);
+  put_arr(&b, in->positions, T);
+  put_arr(&b, in->q_start, S + 1);
+  put_arr(&b, in->ctx_len, S);
+  put_arr(&b, in->slots, T);
+  put_arr(&b, in->block_table, S * in->block_stride);
+  put_arr(&b, in->cross_len, S);
+  put_arr(&b, in->cross_table, S * in->cross_stride);
+  put_arr(&b, in->logit_rows, in->n_logits);
+  td_status s = b.oom ? td_err(TD_ERR_NOMEM, "mirror: out of memory") : m->mirror.publish(m->mirror.ctx, b.p, b.n);
+  free(b.p);
+  return s;
+}
+
+td_status td_model_replay(td_model *m, const void *bytes, size_t len) {
+  rbuf r = {bytes, len, 0, false};
+  if (get_i32(&r) != MIRROR_MAGIC) return td_err(TD_ERR_FORMAT, "mirror: not a model call");
+  int kind = get_i32(&r);
+  int n;
+  if (kind == MIRROR_ENCODE) {
+    td_encode_input in = {0};
+    in.n_seqs = get_i32(&r);
+    in.lens = get_arr(&r, 4, &n);
+    in.tokens = get_arr(&r, 4, &n);
+    int nf = get_i32(&r);
+    if (nf < 0 || r.off + (size_t)nf * 4 > r.n) return td_err(TD_ERR_FORMAT, "mirror: truncated encode");
+    in.features = nf ? (const float *)(r.p + r.off) : NULL;
+    r.off += (size_t)nf * 4;
+    in.cross_slots = get_arr(&r, 4, &n);
+    if (r.bad) return td_err(TD_ERR_FORMAT, "mirror: truncated encode");
+    return td_model_encode(m, &in, NULL);
+  }
+  if (kind != MIRROR_STEP) return td_err(TD_ERR_FORMAT, "mirror: unknown call %d", kind);
+  td_step_input in = {0};
+  in.n_seqs = get_i32(&r);
+  in.n_tokens = get_i32(&r);
+  in.block_stride = get_i32(&r);
+  in.cross_stride = get_i32(&r);
+  in.tokens = get_arr(&r, 4, &n);
+  in.positions = get_arr(&r, 4, &n);
+  in.q_start = get_arr(&r, 4, &n);
+  in.ctx_len = get_arr(&r, 4, &n);
+  in.slots = get_arr(&r, 4, &n);
+  in.block_table = get_arr(&r, 4, &n);
+  in.cross_len = get_arr(&r, 4, &n);
+  in.cross_table = get_arr(&r, 4, &n);
+  in.logit_rows = get_arr(&r, 4, &in.n_logits);
+  if (r.bad) return td_err(TD_ERR_FORMAT, "mirror: truncated step");
+  const float *lg;
+  TD_TRY(td_model_step(m, &in, &lg));
+  return td_sync(m->b);
 }

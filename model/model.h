@@ -85,4 +85,15 @@ typedef struct td_step_input {
  * step; the work may still be in flight (td_sync or a download waits). */
 td_status td_model_step(td_model *m, const td_step_input *in, const float **logits);
 
+/* Tensor parallelism: the leader rank's engine drives its model; every
+ * encode and step call is also published, as bytes, to the other ranks,
+ * whose models replay it (the collectives inside meet). */
+typedef struct td_model_mirror {
+  td_status (*publish)(void *ctx, const void *bytes, size_t len);
+  void *ctx;
+} td_model_mirror;
+void td_model_set_mirror(td_model *m, const td_model_mirror *mirror);
+/* Runs the call described by bytes from the leader's mirror. */
+td_status td_model_replay(td_model *m, const void *bytes, size_t len);
+
 #endif

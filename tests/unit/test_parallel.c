@@ -1,0 +1,365 @@
+/* Tensor parallelism on the CPU backend, ranks as threads: each rank's
+ * slices of the weights and of the KV recombine into the whole (logits and
+ * cross KV equal the single-rank model's), and an engine on rank 0 whose
+ * calls the other ranks replay generates the reference tokens. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <criterion/criterion.h>
+
+#include "engine/engine.h"
+#include "fixture.h"
+#include "kvcache/kvcache.h"
+#include "model/model.h"
+
+#define MAXTP 4
+#define NBLK 64
+#define BS 4
+
+typedef struct rank_ctx {
+  const fixture *fx;
+  int rank, tp;
+  td_comm *comm;
+  td_status status;
+  char error[512];
+  float *logits;      /* rank 0: teacher-forced logits of every request */
+  float *cross;       /* this rank's cross pool after encoding request `req` */
+  size_t cross_bytes;
+  int req;
+  td_kv_layout cl;
+} rank_ctx;
+
+static void fail(rank_ctx *c, td_status s) {
+  c->status = s;
+  snprintf(c->error, sizeof c->error, "rank %d: %s", c->rank, td_errmsg());
+}
+
+/* Every rank: encode request c->req, then one teacher-forced step. */
+static void *rank_main(void *arg) {
+  rank_ctx *c = arg;
+  const fixture *fx = c->fx;
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b = NULL;
+  td_model *m = NULL;
+  td_kv_pool *self = NULL, *cross = NULL;
+  td_status s = td_backend_create(&bo, &b);
+  if (s != TD_OK) goto out;
+  if (c->comm) td_backend_set_comm(b, c->comm);
+  td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 4, .max_logits = 64, .max_enc_tokens = 128,
+                      .max_enc_seqs = 2, .tp_rank = c->rank, .tp_size = c->tp};
+  if ((s = td_model_load(fx->dir, b, &mo, &m)) != TD_OK) goto out;
+  td_kv_layout sl = td_model_self_layout(m);
+  c->cl = td_model_cross_layout(m);
+  if ((s = td_kv_pool_create(b, &sl, NBLK, &self)) != TD_OK || (s = td_kv_pool_create(b, &c->cl, NBLK, &cross)) != TD_OK)
+    goto out;
+  td_model_set_pools(m, td_kv_pool_memory(self), td_kv_pool_memory(cross));
+  const fx_request *q = &fx->req[c->req];
+  int L = q->enc_len, ncb = (L + BS - 1) / BS;
+  int32_t cb[32], sb[32], slots[256], tok[256], pos[256], rows[256];
+  for (int i = 0; i < ncb; i++) cb[i] = 3 + i; /* fixed ids: identical on every rank */
+  for (int t = 0; t < L; t++) slots[t] = cb[t / BS] * BS + t % BS;
+  td_encode_input in = {.n_seqs = 1, .lens = &q->n_input, .tokens = q->input_ids, .cross_slots = slots,
+                        .features = fx->features ? fx->features + (size_t)c->req * fx->mels * fx->frames : NULL};
+  if ((s = td_model_encode(m, &in, NULL)) != TD_OK) goto out;
+  c->cross_bytes = td_kv_pool_block_bytes(cross) * (size_t)ncb;
+  c->cross = malloc(c->cross_bytes);
+  memcpy(c->cross, (char *)td_kv_pool_memory(cross) + td_kv_pool_block_bytes(cross) * 3, c->cross_bytes);
+  int n = q->n_prompt + q->n_greedy - 1, nsb = (n + BS - 1) / BS;
+  memcpy(tok, q->prompt, sizeof(int32_t) * (size_t)q->n_prompt);
+  memcpy(tok + q->n_prompt, q->greedy, sizeof(int32_t) * (size_t)(q->n_greedy - 1));
+  for (int i = 0; i < nsb; i++) sb[i] = 40 + i;
+  for (int t = 0; t < n; t++) {
+    pos[t] = t;
+    slots[t] = sb[t / BS] * BS + t % BS;
+    rows[t] = t;
+  }
+  int32_t qs[2] = {0, n}, ctx = n, clen = L;
+  td_step_input st = {.n_seqs = 1, .n_tokens = n, .tokens = tok, .positions = pos, .q_start = qs, .ctx_len = &ctx,
+                      .slots = slots, .block_table = sb, .block_stride = nsb, .cross_len = &clen,
+                      .cross_table = cb, .cross_stride = ncb, .n_logits = n, .logit_rows = rows};
+  const float *lg;
+  if ((s = td_model_step(m, &st, &lg)) != TD_OK) goto out;
+  c->logits = malloc(sizeof(float) * (size_t)n * fx->vocab);
+  memcpy(c->logits, lg, sizeof(float) * (size_t)n * fx->vocab);
+out:
+  if (s != TD_OK) {
+    fail(c, s);
+    if (c->comm) td_comm_abort(c->comm);
+  }
+  td_kv_pool_destroy(self);
+  td_kv_pool_destroy(cross);
+  td_model_destroy(m);
+  td_backend_destroy(b);
+  return NULL;
+}
+
+static void run_ranks(const fixture *fx, int tp, int req, rank_ctx *ctx) {
+  td_comm *comms[MAXTP] = {0};
+  if (tp > 1) cr_assert(td_comm_create_threads(tp, comms) == TD_OK);
+  pthread_t th[MAXTP];
+  for (int r = 0; r < tp; r++) {
+    ctx[r] = (rank_ctx){.fx = fx, .rank = r, .tp = tp, .comm = comms[r], .req = req};
+    pthread_create(&th[r], NULL, rank_main, &ctx[r]);
+  }
+  for (int r = 0; r < tp; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < tp; r++) {
+    cr_assert(ctx[r].status == TD_OK, "%s", ctx[r].error);
+    td_comm_destroy(comms[r]);
+  }
+}
+
+static void check_tp(const char *name, int tp) {
+  fixture fx;
+  fx_load(name, &fx);
+  for (int i = 0; i < fx.n; i++) {
+    rank_ctx one[1], many[MAXTP];
+    run_ranks(&fx, 1, i, one);
+    run_ranks(&fx, tp, i, many);
+    const fx_request *q = &fx.req[i];
+    size_t nl = (size_t)(q->n_prompt + q->n_greedy - 1) * fx.vocab;
+    double e = fx_rel_err(many[0].logits, fx.logits + q->logits_off * fx.vocab, nl);
+    cr_expect(e <= 1e-4, "%s TP=%d request %d: logits error %.3g against transformers", name, tp, i, e);
+    for (int r = 1; r < tp; r++)
+      cr_expect_arr_eq(many[r].logits, many[0].logits, sizeof(float) * nl, "%s TP=%d: rank %d logits differ", name, tp, r);
+    /* the ranks' cross KV heads recombine into the single-rank pool */
+    td_kv_layout full = one[0].cl, part = many[0].cl;
+    cr_assert_eq(part.n_heads * tp, full.n_heads);
+    int nblk = (q->enc_len + BS - 1) / BS;
+    double worst = 0;
+    for (int blk = 0; blk < nblk; blk++)
+      for (int l = 0; l < full.n_layers; l++)
+        for (int kv = 0; kv < 2; kv++)
+          for (int h = 0; h < full.n_heads; h++) {
+            int r = h / part.n_heads, hl = h % part.n_heads;
+            size_t fo = (size_t)blk * td_kv_block_elems(&full) +
+                        ((((size_t)l * 2 + kv) * full.n_heads + h) * BS) * full.head_dim;
+            size_t po = (size_t)blk * td_kv_block_elems(&part) +
+                        ((((size_t)l * 2 + kv) * part.n_heads + hl) * BS) * part.head_dim;
+            int used = q->enc_len - blk * BS < BS ? q->enc_len - blk * BS : BS; /* slots past the input are unset */
+            for (int x = 0; x < used * full.head_dim; x++) {
+              double d = fabs(one[0].cross[fo + x] - many[r].cross[po + x]);
+              worst = d > worst ? d : worst;
+            }
+          }
+    cr_expect(worst <= 1e-4, "%s TP=%d request %d: cross KV slices differ by %.3g", name, tp, i, worst);
+    for (int r = 0; r < tp; r++) {
+      free(many[r].logits);
+      free(many[r].cross);
+    }
+    free(one[0].logits);
+    free(one[0].cross);
+  }
+  fx_free(&fx);
+}
+
+Test(tensor_parallel, t5_tiny) {
+  check_tp("t5-tiny", 2);
+  check_tp("t5-tiny", 4);
+}
+Test(tensor_parallel, bart_tiny) { check_tp("bart-tiny", 2); }
+Test(tensor_parallel, whisper_tiny) { check_tp("whisper-tiny", 4); }
+Test(tensor_parallel, mbart_prenorm) { check_tp("mbart-prenorm-sharded", 2); }
+Test(tensor_parallel, bart_untied_odd_vocab_split) { check_tp("bart-untied-gelunew", 2); }
+
+Test(tensor_parallel, uneven_split_is_refused) {
+  fixture fx;
+  fx_load("mt5-silu-tied", &fx); /* 3 heads */
+  td_comm *comms[2];
+  cr_assert(td_comm_create_threads(2, comms) == TD_OK);
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b;
+  cr_assert(td_backend_create(&bo, &b) == TD_OK);
+  td_backend_set_comm(b, comms[0]);
+  td_model_opts mo = {.tp_rank = 0, .tp_size = 2};
+  td_model *m = NULL;
+  cr_expect_eq(td_model_load(fx.dir, b, &mo, &m), TD_ERR_UNSUPPORTED);
+  cr_expect(strstr(td_errmsg(), "divide by tensor parallel 2"), "%s", td_errmsg());
+  td_backend_destroy(b);
+  td_comm_destroy(comms[0]);
+  td_comm_destroy(comms[1]);
+  fx_free(&fx);
+}
+
+/* ---- an engine on rank 0; the other ranks replay its calls ---- */
+
+typedef struct chan {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  void *msgs[4096];
+  size_t lens[4096];
+  int head, tail;
+} chan;
+
+typedef struct follower {
+  const fixture *fx;
+  int rank, tp, nblocks_self, nblocks_cross;
+  td_comm *comm;
+  chan ch;
+  td_status status;
+  char error[512];
+  int replayed;
+} follower;
+
+static td_status publish(void *ctx, const void *bytes, size_t len) {
+  follower *fs = ctx; /* array of tp - 1 followers */
+  for (int r = 0; r < fs[0].tp - 1; r++) {
+    chan *c = &fs[r].ch;
+    void *copy = malloc(len);
+    if (!copy) return td_err(TD_ERR_NOMEM, "out of memory");
+    memcpy(copy, bytes, len);
+    pthread_mutex_lock(&c->mu);
+    c->msgs[c->tail % 4096] = copy;
+    c->lens[c->tail % 4096] = len;
+    c->tail++;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+  }
+  return TD_OK;
+}
+
+static void *follower_main(void *arg) {
+  follower *f = arg;
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b = NULL;
+  td_model *m = NULL;
+  td_kv_pool *self = NULL, *cross = NULL;
+  td_status s = td_backend_create(&bo, &b);
+  if (s == TD_OK) {
+    td_backend_set_comm(b, f->comm);
+    td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256,
+                        .max_enc_seqs = 8, .tp_rank = f->rank, .tp_size = f->tp};
+    s = td_model_load(f->fx->dir, b, &mo, &m);
+  }
+  if (s == TD_OK) {
+    td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
+    s = td_kv_pool_create(b, &sl, f->nblocks_self, &self);
+    if (s == TD_OK) s = td_kv_pool_create(b, &cl, f->nblocks_cross, &cross);
+    if (s == TD_OK) td_model_set_pools(m, td_kv_pool_memory(self), td_kv_pool_memory(cross));
+  }
+  for (;;) {
+    pthread_mutex_lock(&f->ch.mu);
+    while (f->ch.head == f->ch.tail) pthread_cond_wait(&f->ch.cv, &f->ch.mu);
+    void *msg = f->ch.msgs[f->ch.head % 4096];
+    size_t len = f->ch.lens[f->ch.head % 4096];
+    f->ch.head++;
+    pthread_mutex_unlock(&f->ch.mu);
+    if (!msg) break; /* the leader is done */
+    if (s == TD_OK) {
+      s = td_model_replay(m, msg, len);
+      f->replayed++;
+      if (s != TD_OK) td_comm_abort(f->comm);
+    }
+    free(msg);
+  }
+  if (s != TD_OK) {
+    f->status = s;
+    snprintf(f->error, sizeof f->error, "rank %d: %s", f->rank, td_errmsg());
+  }
+  td_kv_pool_destroy(self);
+  td_kv_pool_destroy(cross);
+  td_model_destroy(m);
+  td_backend_destroy(b);
+  return NULL;
+}
+
+typedef struct toks {
+  int32_t tok[16][64];
+  int len[16];
+  int done;
+} toks;
+
+static void on_finish(void *ctx, const td_result *r) {
+  toks *t = ctx;
+  int i = (int)(intptr_t)r->user;
+  t->len[i] = r->n_outputs ? r->outputs[0].n_tokens : -1;
+  if (r->n_outputs) memcpy(t->tok[i], r->outputs[0].tokens, sizeof(int32_t) * (size_t)t->len[i]);
+  t->done++;
+}
+
+static void check_engine_tp(const char *name, int tp) {
+  fixture fx;
+  fx_load(name, &fx);
+  td_comm *comms[MAXTP];
+  cr_assert(td_comm_create_threads(tp, comms) == TD_OK);
+  follower *fs = calloc(MAXTP, sizeof *fs);
+  pthread_t th[MAXTP];
+  for (int r = 1; r < tp; r++) {
+    follower *f = &fs[r - 1];
+    *f = (follower){.fx = &fx, .rank = r, .tp = tp, .nblocks_self = 128, .nblocks_cross = 128, .comm = comms[r]};
+    pthread_mutex_init(&f->ch.mu, NULL);
+    pthread_cond_init(&f->ch.cv, NULL);
+    pthread_create(&th[r], NULL, follower_main, f);
+  }
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b;
+  cr_assert(td_backend_create(&bo, &b) == TD_OK);
+  td_backend_set_comm(b, comms[0]);
+  td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256, .max_enc_seqs = 8,
+                      .tp_rank = 0, .tp_size = tp};
+  td_model *m;
+  td_status ls = td_model_load(fx.dir, b, &mo, &m);
+  toks got = {0};
+  td_engine *e = NULL;
+  if (ls == TD_OK) {
+    td_model_mirror mir = {.publish = publish, .ctx = fs};
+    td_model_set_mirror(m, &mir);
+    td_engine_opts eo = {.self_blocks = 128, .cross_blocks = 128, .max_running = 8, .max_step_tokens = 64};
+    td_engine_callbacks cb = {.on_finish = on_finish, .ctx = &got};
+    ls = td_engine_create(m, &eo, &cb, &e);
+  }
+  if (ls == TD_OK) {
+    for (int i = 0; i < fx.n; i++) {
+      const fx_request *q = &fx.req[i];
+      td_request r = {.id = "tp", .input_ids = q->input_ids, .n_input = q->n_input, .prompt = q->prompt,
+                      .n_prompt = q->n_prompt, .user = (void *)(intptr_t)i};
+      if (fx.features) r.features = fx.features + (size_t)i * fx.mels * fx.frames;
+      td_request_params_default(&r.params);
+      r.params.max_new_tokens = fx.max_new;
+      r.params.forced_eos = r.params.forced_bos = -1;
+      uint64_t h;
+      cr_assert(td_engine_add(e, &r, &h) == TD_OK, "%s", td_errmsg());
+    }
+    for (int k = 0; k < 500 && !td_engine_idle(e); k++)
+      if (td_engine_step(e) != TD_OK) break;
+  }
+  td_engine_destroy(e);
+  /* a NULL message ends each follower */
+  for (int r = 1; r < tp; r++) {
+    chan *c = &fs[r - 1].ch;
+    pthread_mutex_lock(&c->mu);
+    c->msgs[c->tail % 4096] = NULL;
+    c->tail++;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+  }
+  for (int r = 1; r < tp; r++) pthread_join(th[r], NULL);
+  cr_assert(ls == TD_OK, "leader: %s", td_errmsg());
+  for (int r = 1; r < tp; r++) {
+    cr_expect(fs[r - 1].status == TD_OK, "%s", fs[r - 1].error);
+    cr_expect(fs[r - 1].replayed > 0, "rank %d replayed nothing", r);
+  }
+  cr_assert_eq(got.done, fx.n, "%d of %d requests finished", got.done, fx.n);
+  for (int i = 0; i < fx.n; i++) {
+    cr_expect_eq(got.len[i], fx.req[i].n_greedy, "%s TP=%d request %d: %d tokens", name, tp, i, got.len[i]);
+    cr_expect_arr_eq(got.tok[i], fx.req[i].greedy, sizeof(int32_t) * (size_t)fx.req[i].n_greedy,
+                     "%s TP=%d request %d: tokens differ from transformers", name, tp, i);
+  }
+  td_model_destroy(m);
+  td_backend_destroy(b);
+  for (int r = 0; r < tp; r++) td_comm_destroy(comms[r]);
+  for (int r = 1; r < tp; r++) {
+    chan *c = &fs[r - 1].ch;
+    while (c->head < c->tail) free(c->msgs[c->head++ % 4096]);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+  }
+  free(fs);
+  fx_free(&fx);
+}
+
+Test(tensor_parallel, engine_on_leader_t5) { check_engine_tp("t5-tiny", 2); }
+Test(tensor_parallel, engine_on_leader_bart_tp4) { check_engine_tp("bart-tiny", 4); }
+Test(tensor_parallel, engine_on_leader_whisper) { check_engine_tp("whisper-tiny", 2); }
