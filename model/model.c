@@ -35,6 +35,8 @@ typedef struct dims {
   int eh, edh, eff; /* encoder heads, head dim, FFN width */
   int dh_, ddh, dff; /* decoder heads, head dim, FFN width */
   int v0, v1;        /* vocabulary rows of this rank's head */
+  int e0, e1, l0, l1; /* encoder and decoder layers of this pipeline stage */
+  int stage, stages;
 } dims;
 
 struct td_model {
@@ -82,6 +84,7 @@ void td_model_opts_default(td_model_opts *o) {
   if (o->max_enc_seqs <= 0) o->max_enc_seqs = 16;
   if (o->max_enc_tokens <= 0) o->max_enc_tokens = 4096;
   if (o->tp_size <= 0) o->tp_size = 1;
+  if (o->pp_size <= 0) o->pp_size = 1;
 }
 
 /* ---------------------------------------------------------------- loading */
@@ -303,8 +306,8 @@ static td_status load_attn_t5(loader *ld, const char *pre, int heads, int hd, bo
 static td_status load_t5(td_model *m, loader *ld) {
   const td_model_config *c = &m->cfg;
   char pre[256], name[256];
-  for (int i = 0; i < c->enc_layers; i++) {
-    enc_layer *L = &m->enc[i];
+  for (int i = m->d.e0; i < m->d.e1; i++) {
+    enc_layer *L = &m->enc[i - m->d.e0];
     snprintf(pre, sizeof pre, "encoder.block.%d.layer.0.SelfAttention", i);
     TD_TRY(load_attn_t5(ld, pre, c->enc_heads, c->enc_head_dim, true, &L->qkv, NULL, NULL, &L->o));
     snprintf(name, sizeof name, "encoder.block.%d.layer.0.layer_norm", i);
@@ -314,8 +317,8 @@ static td_status load_t5(td_model *m, loader *ld) {
     snprintf(name, sizeof name, "encoder.block.%d.layer.1.layer_norm", i);
     TD_TRY(load_norm(ld, name, c->d_model, &L->ln_ffn));
   }
-  for (int i = 0; i < c->dec_layers; i++) {
-    dec_layer *L = &m->dec[i];
+  for (int i = m->d.l0; i < m->d.l1; i++) {
+    dec_layer *L = &m->dec[i - m->d.l0];
     snprintf(pre, sizeof pre, "decoder.block.%d.layer.0.SelfAttention", i);
     TD_TRY(load_attn_t5(ld, pre, c->dec_heads, c->dec_head_dim, true, &L->qkv, NULL, NULL, &L->o));
     snprintf(name, sizeof name, "decoder.block.%d.layer.0.layer_norm", i);
@@ -382,8 +385,8 @@ static td_status load_ffn_bart(loader *ld, const char *pre, int ff, lin *wi, lin
 static td_status load_bart(td_model *m, loader *ld, const char *P) {
   const td_model_config *c = &m->cfg;
   char pre[256], name[256];
-  for (int i = 0; i < c->enc_layers; i++) {
-    enc_layer *L = &m->enc[i];
+  for (int i = m->d.e0; i < m->d.e1; i++) {
+    enc_layer *L = &m->enc[i - m->d.e0];
     snprintf(pre, sizeof pre, "%sencoder.layers.%d.self_attn", P, i);
     TD_TRY(load_attn_bart(ld, pre, c->enc_heads, c->enc_head_dim, true, &L->qkv, NULL, NULL, &L->o));
     snprintf(name, sizeof name, "%sencoder.layers.%d.self_attn_layer_norm", P, i);
@@ -393,8 +396,8 @@ static td_status load_bart(td_model *m, loader *ld, const char *P) {
     snprintf(name, sizeof name, "%sencoder.layers.%d.final_layer_norm", P, i);
     TD_TRY(load_norm(ld, name, c->d_model, &L->ln_ffn));
   }
-  for (int i = 0; i < c->dec_layers; i++) {
-    dec_layer *L = &m->dec[i];
+  for (int i = m->d.l0; i < m->d.l1; i++) {
+    dec_layer *L = &m->dec[i - m->d.l0];
     snprintf(pre, sizeof pre, "%sdecoder.layers.%d.self_attn", P, i);
     TD_TRY(load_attn_bart(ld, pre, c->dec_heads, c->dec_head_dim, true, &L->qkv, NULL, NULL, &L->o));
     snprintf(name, sizeof name, "%sdecoder.layers.%d.self_attn_layer_norm", P, i);
@@ -605,12 +608,31 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
                dir, c->enc_heads, c->dec_heads, c->enc_ffn, c->dec_ffn, tp);
     goto fail;
   }
+  int pp = m->opts.pp_size;
+  if (m->opts.pp_rank < 0 || m->opts.pp_rank >= pp || (pp > 1 && tp > 1)) {
+    s = td_err(TD_ERR_UNSUPPORTED, "pipeline stage %d of %d with tensor parallel %d: a worker group is either "
+               "tensor- or pipeline-parallel", m->opts.pp_rank, pp, tp);
+    goto fail;
+  }
+  if (pp > c->dec_layers) {
+    s = td_err(TD_ERR_UNSUPPORTED, "%s: %d pipeline stages for %d decoder layers", dir, pp, c->dec_layers);
+    goto fail;
+  }
+  if (pp > 1 && td_comm_world(td_backend_comm(b)) != pp) {
+    s = td_err(TD_ERR_INVALID, "pipeline parallel %d needs a communicator of %d ranks attached to the backend", pp, pp);
+    goto fail;
+  }
   if (tp > 1 && td_comm_world(td_backend_comm(b)) != tp) {
     s = td_err(TD_ERR_INVALID, "tensor parallel %d needs a communicator of %d ranks attached to the backend", tp, tp);
     goto fail;
   }
   m->d = (dims){.d = c->d_model, .vocab = c->vocab_size, .eh = c->enc_heads / tp, .edh = c->enc_head_dim,
-                .eff = c->enc_ffn / tp, .dh_ = c->dec_heads / tp, .ddh = c->dec_head_dim, .dff = c->dec_ffn / tp};
+                .eff = c->enc_ffn / tp, .dh_ = c->dec_heads / tp, .ddh = c->dec_head_dim, .dff = c->dec_ffn / tp,
+                .stage = m->opts.pp_rank, .stages = pp};
+  m->d.e0 = c->enc_layers * m->d.stage / pp;
+  m->d.e1 = c->enc_layers * (m->d.stage + 1) / pp;
+  m->d.l0 = c->dec_layers * m->d.stage / pp;
+  m->d.l1 = c->dec_layers * (m->d.stage + 1) / pp;
   m->max_src = m->opts.max_source_len > 0 && m->opts.max_source_len < c->max_source_len ? m->opts.max_source_len
                                                                                         : c->max_source_len;
   m->max_tgt = m->opts.max_target_len > 0 && m->opts.max_target_len < c->max_target_len ? m->opts.max_target_len
@@ -623,8 +645,8 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
   m->self_stride = (m->max_tgt + bs - 1) / bs;
   m->cross_stride = (m->max_src + bs - 1) / bs;
   if (c->family == TD_FAMILY_WHISPER && m->opts.max_enc_tokens < m->max_src) m->opts.max_enc_tokens = m->max_src;
-  m->enc = calloc((size_t)c->enc_layers, sizeof *m->enc);
-  m->dec = calloc((size_t)c->dec_layers, sizeof *m->dec);
+  m->enc = calloc((size_t)(m->d.e1 - m->d.e0) + 1, sizeof *m->enc);
+  m->dec = calloc((size_t)(m->d.l1 - m->d.l0) + 1, sizeof *m->dec);
   if (!m->enc || !m->dec) {
     s = td_err(TD_ERR_NOMEM, "out of memory");
     goto fail;
@@ -652,7 +674,7 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
   if (s != TD_OK) goto fail;
   s = alloc_scratch(m);
   if (s != TD_OK) goto fail;
-  if (td_backend_has_graphs(b) && !m->opts.no_graphs)
+  if (td_backend_has_graphs(b) && !m->opts.no_graphs && m->opts.pp_size == 1)
     for (int bk = 1; bk <= m->opts.max_seqs && m->n_buckets < 16; bk *= 2) m->buckets[m->n_buckets++] = bk;
   if (m->n_buckets && m->buckets[m->n_buckets - 1] < m->opts.max_seqs && m->n_buckets < 16)
     m->buckets[m->n_buckets++] = m->opts.max_seqs;
@@ -686,7 +708,7 @@ void td_model_destroy(td_model *m) {
   for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) td_free(b, scratch[i]);
   td_host_free(b, m->meta_host);
   for (int i = 0; i < m->n_buckets; i++) td_graph_destroy(b, m->graphs[i]);
-  for (int i = 0; m->enc && i < m->cfg.enc_layers; i++) {
+  for (int i = 0; m->enc && i < m->d.e1 - m->d.e0; i++) {
     enc_layer *L = &m->enc[i];
     free_norm(b, &L->ln_attn);
     free_norm(b, &L->ln_ffn);
@@ -695,7 +717,7 @@ void td_model_destroy(td_model *m) {
     free_lin(b, &L->wi);
     free_lin(b, &L->wo);
   }
-  for (int i = 0; m->dec && i < m->cfg.dec_layers; i++) {
+  for (int i = 0; m->dec && i < m->d.l1 - m->d.l0; i++) {
     dec_layer *L = &m->dec[i];
     free_norm(b, &L->ln_self);
     free_norm(b, &L->ln_cross);
@@ -731,10 +753,10 @@ int td_model_max_source_len(const td_model *m) { return m->max_src; }
 int td_model_max_target_len(const td_model *m) { return m->max_tgt; }
 
 td_kv_layout td_model_self_layout(const td_model *m) {
-  return (td_kv_layout){m->cfg.dec_layers, m->d.dh_, m->d.ddh, m->opts.block_size};
+  return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size};
 }
 td_kv_layout td_model_cross_layout(const td_model *m) {
-  return (td_kv_layout){m->cfg.dec_layers, m->d.dh_, m->d.ddh, m->opts.block_size};
+  return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size};
 }
 
 int td_model_encoder_out_len(const td_model *m, int input_len) {
@@ -829,7 +851,10 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   const int32_t *dtok = m->meta_dev, *dpos = m->meta_dev + E, *dcu = m->meta_dev + 2 * E,
                 *dslots = m->meta_dev + 2 * E + B + 1;
 
-  if (whisper) {
+  bool first = d->stage == 0, last = d->stage == d->stages - 1;
+  if (!first) {
+    TD_TRY(td_recv(b, m->e_h, TD_BUF_ACT, (size_t)E * d->d, d->stage - 1));
+  } else if (whisper) {
     int F = 2 * m->max_src, mels = c->num_mel_bins;
     TD_TRY(td_upload(b, TD_BUF_ACT, m->w_feat, in->features, (size_t)B * mels * F));
     TD_TRY(td_im2col1d(b, m->w_feat, m->w_col1, B, mels, F, 3, 1, 1, true));
@@ -844,7 +869,7 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   }
   td_relbias eb = {m->enc_lut, c->rel_max_distance};
   const td_relbias *bias = m->enc_lut ? &eb : NULL;
-  for (int l = 0; l < c->enc_layers; l++) {
+  for (int l = 0; l < d->e1 - d->e0; l++) {
     const enc_layer *L = &m->enc[l];
     const void *src = m->e_h;
     if (c->pre_norm) {
@@ -863,14 +888,22 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
     TD_TRY(ffn(m, &L->wi, &L->wo, src, m->e_h, m->e_ff, m->e_ff1, E));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, m->e_h, m->e_h, E));
   }
+  /* pipeline: the last stage's output goes to every stage's cross KV */
+  if (!last) TD_TRY(td_send(b, m->e_h, TD_BUF_ACT, (size_t)E * d->d, d->stage + 1));
   const void *eo = m->e_h;
-  if (c->final_norm) {
+  if (last && c->final_norm) {
     TD_TRY(norm(m, &m->enc_final, m->e_h, m->e_x, E));
+    eo = m->e_x;
+  }
+  if (last)
+    for (int st = 0; st < d->stages - 1; st++) TD_TRY(td_send(b, eo, TD_BUF_ACT, (size_t)E * d->d, st));
+  else {
+    TD_TRY(td_recv(b, m->e_x, TD_BUF_ACT, (size_t)E * d->d, d->stages - 1));
     eo = m->e_x;
   }
   td_kv_layout cl = td_model_cross_layout(m);
   int hd = d->dh_ * d->ddh;
-  for (int l = 0; l < c->dec_layers; l++) {
+  for (int l = 0; l < d->l1 - d->l0; l++) {
     TD_TRY(linear(m, &m->dec[l].ckv, eo, m->e_qkv, E, TD_ACT_NONE, 0));
     TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * td_buf_elem_size(b, TD_BUF_ACT), 2 * hd,
                        m->cross_pool, &cl, l, dslots, E));
@@ -903,18 +936,84 @@ static step_layout layout_for(const td_model *m, int T, int S, int NL) {
 
 typedef struct step_bounds {
   int T, S, NL, max_q, max_ctx, max_cross;
+  const int32_t *hq_start; /* host copy of q_start (pipeline micro-batches) */
 } step_bounds;
 
+static void *rows_at(const td_model *m, const void *p, int row, int width) {
+  return (char *)p + (size_t)row * (size_t)width * td_buf_elem_size(m->b, TD_BUF_ACT);
+}
+
+/* This stage's decoder layers over query rows [t0, t1) of sequences
+ * [s0, s1) (row offsets in the metadata are absolute). */
+static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, const td_paged_meta *cross_all,
+                                const int32_t *dslots, int s0, int s1, int t0, int t1) {
+  const td_model_config *c = &m->cfg;
+  const dims *d = &m->d;
+  td_backend *b = m->b;
+  int T = t1 - t0, hd = d->dh_ * d->ddh;
+  size_t es = td_buf_elem_size(b, TD_BUF_ACT);
+  td_paged_meta self_m = *self_all, cross_m = *cross_all;
+  self_m.n_seqs = cross_m.n_seqs = s1 - s0;
+  self_m.n_tokens = cross_m.n_tokens = T;
+  self_m.q_start += s0;
+  self_m.ctx_len += s0;
+  self_m.block_table += (size_t)s0 * m->self_stride;
+  cross_m.q_start += s0;
+  cross_m.ctx_len += s0;
+  cross_m.block_table += (size_t)s0 * m->cross_stride;
+  void *h = rows_at(m, m->d_h, t0, d->d), *x = rows_at(m, m->d_x, t0, d->d);
+  void *qkv = rows_at(m, m->d_qkv, t0, 3 * hd), *att = rows_at(m, m->d_attn, t0, hd), *q = rows_at(m, m->d_q, t0, hd);
+  int g = c->gated_ffn ? 2 : 1;
+  void *ff = rows_at(m, m->d_ff, t0, d->dff * g), *ff1 = rows_at(m, m->d_ff1, t0, c->gated_ffn ? d->dff : 0);
+  td_relbias db = {m->dec_lut, c->rel_max_distance};
+  const td_relbias *bias = m->dec_lut ? &db : NULL;
+  td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
+  for (int l = 0; l < d->l1 - d->l0; l++) {
+    const dec_layer *L = &m->dec[l];
+    const void *src = h;
+    if (c->pre_norm) {
+      TD_TRY(norm(m, &L->ln_self, h, x, T));
+      src = x;
+    }
+    TD_TRY(linear(m, &L->qkv, src, qkv, T, TD_ACT_NONE, 0));
+    TD_TRY(td_kv_write(b, (const char *)qkv + (size_t)hd * es, (const char *)qkv + (size_t)2 * hd * es, 3 * hd,
+                       m->self_pool, &sl, l, dslots + t0, T));
+    /* attention reads q rows at the metadata's absolute offsets */
+    TD_TRY(td_attn_paged(b, m->d_qkv, 3 * hd, m->d_attn, m->self_pool, &sl, l, &self_m, c->dec_attn_scale, true,
+                         bias));
+    TD_TRY(row_parallel(m, &L->o, att, h, T));
+    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_self, h, h, T));
+    src = h;
+    if (c->pre_norm) {
+      TD_TRY(norm(m, &L->ln_cross, h, x, T));
+      src = x;
+    }
+    TD_TRY(linear(m, &L->cq, src, q, T, TD_ACT_NONE, 0));
+    TD_TRY(td_attn_paged(b, m->d_q, hd, m->d_attn, m->cross_pool, &cl, l, &cross_m, c->dec_attn_scale, false, NULL));
+    TD_TRY(row_parallel(m, &L->co, att, h, T));
+    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_cross, h, h, T));
+    src = h;
+    if (c->pre_norm) {
+      TD_TRY(norm(m, &L->ln_ffn, h, x, T));
+      src = x;
+    }
+    TD_TRY(ffn(m, &L->wi, &L->wo, src, h, ff, ff1, T));
+    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, h, h, T));
+  }
+  return TD_OK;
+}
+
 /* The decoder over staged metadata: it only enqueues work, so it can be
- * captured in a graph. */
+ * captured in a graph. With pipeline stages the step's sequences go
+ * through in micro-batches, so that every stage has work. */
 static td_status decoder_forward(td_model *m, const step_layout *ly, const step_bounds *sb) {
   const td_model_config *c = &m->cfg;
   const dims *d = &m->d;
   td_backend *b = m->b;
-  int T = sb->T, NL = sb->NL;
+  int T = sb->T, NL = sb->NL, S = sb->S;
   const int32_t *D = m->meta_dev;
   const int32_t *dtok = D + ly->tok, *dpos = D + ly->pos, *dslots = D + ly->slots, *drows = D + ly->rows;
-  td_paged_meta self_m = {.n_seqs = sb->S, .n_tokens = T, .max_q = sb->max_q, .max_ctx = sb->max_ctx,
+  td_paged_meta self_m = {.n_seqs = S, .n_tokens = T, .max_q = sb->max_q, .max_ctx = sb->max_ctx,
                           .q_start = D + ly->qs, .ctx_len = D + ly->ctx, .block_table = D + ly->tab,
                           .max_blocks = m->self_stride};
   td_paged_meta cross_m = self_m;
@@ -922,47 +1021,22 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
   cross_m.ctx_len = D + ly->clen;
   cross_m.block_table = D + ly->ctab;
   cross_m.max_blocks = m->cross_stride;
-
-  TD_TRY(td_embed(b, dtok, dpos, m->dec_tok, c->pos_kind == TD_POS_RELATIVE ? NULL : m->dec_pos, c->embed_scale,
-                  m->d_h, T, d->d));
-  if (c->layernorm_embedding) TD_TRY(norm(m, &m->dec_ln_emb, m->d_h, m->d_h, T));
-  td_relbias db = {m->dec_lut, c->rel_max_distance};
-  const td_relbias *bias = m->dec_lut ? &db : NULL;
-  td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
-  int hd = d->dh_ * d->ddh;
-  size_t es = td_buf_elem_size(b, TD_BUF_ACT);
-  for (int l = 0; l < c->dec_layers; l++) {
-    const dec_layer *L = &m->dec[l];
-    const void *src = m->d_h;
-    if (c->pre_norm) {
-      TD_TRY(norm(m, &L->ln_self, m->d_h, m->d_x, T));
-      src = m->d_x;
-    }
-    TD_TRY(linear(m, &L->qkv, src, m->d_qkv, T, TD_ACT_NONE, 0));
-    TD_TRY(td_kv_write(b, (const char *)m->d_qkv + (size_t)hd * es, (const char *)m->d_qkv + (size_t)2 * hd * es,
-                       3 * hd, m->self_pool, &sl, l, dslots, T));
-    TD_TRY(td_attn_paged(b, m->d_qkv, 3 * hd, m->d_attn, m->self_pool, &sl, l, &self_m, c->dec_attn_scale, true,
-                         bias));
-    TD_TRY(row_parallel(m, &L->o, m->d_attn, m->d_h, T));
-    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_self, m->d_h, m->d_h, T));
-    src = m->d_h;
-    if (c->pre_norm) {
-      TD_TRY(norm(m, &L->ln_cross, m->d_h, m->d_x, T));
-      src = m->d_x;
-    }
-    TD_TRY(linear(m, &L->cq, src, m->d_q, T, TD_ACT_NONE, 0));
-    TD_TRY(td_attn_paged(b, m->d_q, hd, m->d_attn, m->cross_pool, &cl, l, &cross_m, c->dec_attn_scale, false, NULL));
-    TD_TRY(row_parallel(m, &L->co, m->d_attn, m->d_h, T));
-    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_cross, m->d_h, m->d_h, T));
-    src = m->d_h;
-    if (c->pre_norm) {
-      TD_TRY(norm(m, &L->ln_ffn, m->d_h, m->d_x, T));
-      src = m->d_x;
-    }
-    TD_TRY(ffn(m, &L->wi, &L->wo, src, m->d_h, m->d_ff, m->d_ff1, T));
-    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, m->d_h, m->d_h, T));
+  bool first = d->stage == 0, last = d->stage == d->stages - 1;
+  if (first) {
+    TD_TRY(td_embed(b, dtok, dpos, m->dec_tok, c->pos_kind == TD_POS_RELATIVE ? NULL : m->dec_pos, c->embed_scale,
+                    m->d_h, T, d->d));
+    if (c->layernorm_embedding) TD_TRY(norm(m, &m->dec_ln_emb, m->d_h, m->d_h, T));
   }
-  if (NL) {
+  int M = d->stages > 1 ? (S < d->stages ? S : d->stages) : 1;
+  for (int mb = 0; mb < M; mb++) {
+    int s0 = S * mb / M, s1 = S * (mb + 1) / M;
+    int t0 = M == 1 ? 0 : sb->hq_start[s0], t1 = M == 1 ? T : sb->hq_start[s1];
+    void *h = rows_at(m, m->d_h, t0, d->d);
+    if (!first) TD_TRY(td_recv(b, h, TD_BUF_ACT, (size_t)(t1 - t0) * d->d, d->stage - 1));
+    TD_TRY(decoder_layers(m, &self_m, &cross_m, dslots, s0, s1, t0, t1));
+    if (!last) TD_TRY(td_send(b, h, TD_BUF_ACT, (size_t)(t1 - t0) * d->d, d->stage + 1));
+  }
+  if (NL && last) {
     TD_TRY(td_gather_rows(b, m->d_h, drows, m->d_lx, NL, d->d));
     if (c->final_norm) TD_TRY(norm(m, &m->dec_final, m->d_lx, m->d_lx, NL));
     int per = d->v1 - d->v0;
@@ -975,6 +1049,11 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
       TD_TRY(td_allgather(b, m->logits_part, m->logits_all, TD_BUF_F32, (size_t)NL * per));
       TD_TRY(td_unshard_cols(b, m->logits_all, m->logits, m->opts.tp_size, NL, per, d->vocab));
     }
+  }
+  /* the leader (stage 0) samples */
+  if (NL && d->stages > 1) {
+    if (last) TD_TRY(td_send(b, m->logits, TD_BUF_F32, (size_t)NL * d->vocab, 0));
+    if (first) TD_TRY(td_recv(b, m->logits, TD_BUF_F32, (size_t)NL * d->vocab, d->stages - 1));
   }
   return TD_OK;
 }
@@ -1069,7 +1148,8 @@ td_status td_model_step(td_model *m, const td_step_input *in, const float **logi
     }
     TD_TRY(td_graph_launch(b, m->graphs[gi]));
   } else {
-    step_bounds sb = {.T = T, .S = S, .NL = NL, .max_q = max_q, .max_ctx = max_ctx, .max_cross = max_cross};
+    step_bounds sb = {.T = T, .S = S, .NL = NL, .max_q = max_q, .max_ctx = max_ctx, .max_cross = max_cross,
+                      .hq_start = in->q_start};
     TD_TRY(decoder_forward(m, &L, &sb));
   }
   *logits = m->logits;

@@ -24,6 +24,7 @@ typedef struct td_model_opts {
   int max_source_len;      /* 0: the model's own limit */
   int max_target_len;      /* 0: the model's own limit */
   int tp_rank, tp_size;    /* tensor-parallel slice (1 = whole model) */
+  int pp_rank, pp_size;    /* pipeline stage: this rank's share of the layers */
   bool no_graphs;          /* run decode steps eagerly even where graphs exist */
 } td_model_opts;
 

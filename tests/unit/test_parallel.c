@@ -22,6 +22,7 @@
 typedef struct rank_ctx {
   const fixture *fx;
   int rank, tp;
+  bool pipeline; /* ranks are pipeline stages, not tensor slices */
   td_comm *comm;
   td_status status;
   char error[512];
@@ -49,7 +50,14 @@ static void *rank_main(void *arg) {
   if (s != TD_OK) goto out;
   if (c->comm) td_backend_set_comm(b, c->comm);
   td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 4, .max_logits = 64, .max_enc_tokens = 128,
-                      .max_enc_seqs = 2, .tp_rank = c->rank, .tp_size = c->tp};
+                      .max_enc_seqs = 2};
+  if (c->pipeline) {
+    mo.pp_rank = c->rank;
+    mo.pp_size = c->tp;
+  } else {
+    mo.tp_rank = c->rank;
+    mo.tp_size = c->tp;
+  }
   if ((s = td_model_load(fx->dir, b, &mo, &m)) != TD_OK) goto out;
   td_kv_layout sl = td_model_self_layout(m);
   c->cl = td_model_cross_layout(m);
@@ -96,12 +104,12 @@ out:
   return NULL;
 }
 
-static void run_ranks(const fixture *fx, int tp, int req, rank_ctx *ctx) {
+static void run_ranks(const fixture *fx, int tp, bool pipeline, int req, rank_ctx *ctx) {
   td_comm *comms[MAXTP] = {0};
   if (tp > 1) cr_assert(td_comm_create_threads(tp, comms) == TD_OK);
   pthread_t th[MAXTP];
   for (int r = 0; r < tp; r++) {
-    ctx[r] = (rank_ctx){.fx = fx, .rank = r, .tp = tp, .comm = comms[r], .req = req};
+    ctx[r] = (rank_ctx){.fx = fx, .rank = r, .tp = tp, .pipeline = pipeline, .comm = comms[r], .req = req};
     pthread_create(&th[r], NULL, rank_main, &ctx[r]);
   }
   for (int r = 0; r < tp; r++) pthread_join(th[r], NULL);
@@ -111,23 +119,54 @@ static void run_ranks(const fixture *fx, int tp, int req, rank_ctx *ctx) {
   }
 }
 
-static void check_tp(const char *name, int tp) {
+static void check_par(const char *name, int tp, bool pp) {
   fixture fx;
   fx_load(name, &fx);
   for (int i = 0; i < fx.n; i++) {
     rank_ctx one[1], many[MAXTP];
-    run_ranks(&fx, 1, i, one);
-    run_ranks(&fx, tp, i, many);
+    run_ranks(&fx, 1, false, i, one);
+    run_ranks(&fx, tp, pp, i, many);
     const fx_request *q = &fx.req[i];
     size_t nl = (size_t)(q->n_prompt + q->n_greedy - 1) * fx.vocab;
     double e = fx_rel_err(many[0].logits, fx.logits + q->logits_off * fx.vocab, nl);
     cr_expect(e <= 1e-4, "%s TP=%d request %d: logits error %.3g against transformers", name, tp, i, e);
-    for (int r = 1; r < tp; r++)
+    for (int r = 1; r < tp && !pp; r++)
       cr_expect_arr_eq(many[r].logits, many[0].logits, sizeof(float) * nl, "%s TP=%d: rank %d logits differ", name, tp, r);
-    /* the ranks' cross KV heads recombine into the single-rank pool */
     td_kv_layout full = one[0].cl, part = many[0].cl;
-    cr_assert_eq(part.n_heads * tp, full.n_heads);
     int nblk = (q->enc_len + BS - 1) / BS;
+    if (pp) {
+      /* the stages' cross KV layers recombine into the single-stage pool */
+      double worst = 0;
+      int l0 = 0;
+      for (int r = 0; r < tp; r++) {
+        td_kv_layout sl = many[r].cl;
+        for (int blk = 0; blk < nblk; blk++)
+          for (int l = 0; l < sl.n_layers; l++)
+            for (int kv = 0; kv < 2; kv++)
+              for (int h = 0; h < sl.n_heads; h++) {
+                size_t fo = (size_t)blk * td_kv_block_elems(&full) +
+                            ((((size_t)(l0 + l) * 2 + kv) * full.n_heads + h) * BS) * full.head_dim;
+                size_t po = (size_t)blk * td_kv_block_elems(&sl) + ((((size_t)l * 2 + kv) * sl.n_heads + h) * BS) * sl.head_dim;
+                int used = q->enc_len - blk * BS < BS ? q->enc_len - blk * BS : BS;
+                for (int x = 0; x < used * full.head_dim; x++) {
+                  double dd = fabs(one[0].cross[fo + x] - many[r].cross[po + x]);
+                  worst = dd > worst ? dd : worst;
+                }
+              }
+        l0 += sl.n_layers;
+      }
+      cr_expect_eq(l0, full.n_layers, "%s PP=%d: stages hold %d of %d layers", name, tp, l0, full.n_layers);
+      cr_expect(worst <= 1e-4, "%s PP=%d request %d: cross KV layers differ by %.3g", name, tp, i, worst);
+      for (int r = 0; r < tp; r++) {
+        free(many[r].logits);
+        free(many[r].cross);
+      }
+      free(one[0].logits);
+      free(one[0].cross);
+      continue;
+    }
+    /* the ranks' cross KV heads recombine into the single-rank pool */
+    cr_assert_eq(part.n_heads * tp, full.n_heads);
     double worst = 0;
     for (int blk = 0; blk < nblk; blk++)
       for (int l = 0; l < full.n_layers; l++)
@@ -156,13 +195,18 @@ static void check_tp(const char *name, int tp) {
 }
 
 Test(tensor_parallel, t5_tiny) {
-  check_tp("t5-tiny", 2);
-  check_tp("t5-tiny", 4);
+  check_par("t5-tiny", 2, false);
+  check_par("t5-tiny", 4, false);
 }
-Test(tensor_parallel, bart_tiny) { check_tp("bart-tiny", 2); }
-Test(tensor_parallel, whisper_tiny) { check_tp("whisper-tiny", 4); }
-Test(tensor_parallel, mbart_prenorm) { check_tp("mbart-prenorm-sharded", 2); }
-Test(tensor_parallel, bart_untied_odd_vocab_split) { check_tp("bart-untied-gelunew", 2); }
+Test(tensor_parallel, bart_tiny) { check_par("bart-tiny", 2, false); }
+Test(tensor_parallel, whisper_tiny) { check_par("whisper-tiny", 4, false); }
+Test(tensor_parallel, mbart_prenorm) { check_par("mbart-prenorm-sharded", 2, false); }
+Test(tensor_parallel, bart_untied_odd_vocab_split) { check_par("bart-untied-gelunew", 2, false); }
+Test(pipeline_parallel, t5_tiny) { check_par("t5-tiny", 2, true); }
+Test(pipeline_parallel, mbart) { check_par("mbart-prenorm-sharded", 2, true); }
+Test(pipeline_parallel, t5v11) { check_par("t5v11-gated-untied", 2, true); }
+Test(pipeline_parallel, bart_three_stages_one_encoder_layer) { check_par("bart-untied-gelunew", 3, true); }
+Test(pipeline_parallel, whisper_128mel) { check_par("whisper-128mel", 2, true); }
 
 Test(tensor_parallel, uneven_split_is_refused) {
   fixture fx;
@@ -196,6 +240,7 @@ typedef struct chan {
 typedef struct follower {
   const fixture *fx;
   int rank, tp, nblocks_self, nblocks_cross;
+  bool pipeline;
   td_comm *comm;
   chan ch;
   td_status status;
@@ -230,7 +275,14 @@ static void *follower_main(void *arg) {
   if (s == TD_OK) {
     td_backend_set_comm(b, f->comm);
     td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256,
-                        .max_enc_seqs = 8, .tp_rank = f->rank, .tp_size = f->tp};
+                        .max_enc_seqs = 8};
+    if (f->pipeline) {
+      mo.pp_rank = f->rank;
+      mo.pp_size = f->tp;
+    } else {
+      mo.tp_rank = f->rank;
+      mo.tp_size = f->tp;
+    }
     s = td_model_load(f->fx->dir, b, &mo, &m);
   }
   if (s == TD_OK) {
@@ -279,7 +331,7 @@ static void on_finish(void *ctx, const td_result *r) {
   t->done++;
 }
 
-static void check_engine_tp(const char *name, int tp) {
+static void check_engine_par(const char *name, int tp, bool pp) {
   fixture fx;
   fx_load(name, &fx);
   td_comm *comms[MAXTP];
@@ -288,7 +340,8 @@ static void check_engine_tp(const char *name, int tp) {
   pthread_t th[MAXTP];
   for (int r = 1; r < tp; r++) {
     follower *f = &fs[r - 1];
-    *f = (follower){.fx = &fx, .rank = r, .tp = tp, .nblocks_self = 128, .nblocks_cross = 128, .comm = comms[r]};
+    *f = (follower){.fx = &fx, .rank = r, .tp = tp, .nblocks_self = 128, .nblocks_cross = 128, .comm = comms[r],
+                    .pipeline = pp};
     pthread_mutex_init(&f->ch.mu, NULL);
     pthread_cond_init(&f->ch.cv, NULL);
     pthread_create(&th[r], NULL, follower_main, f);
@@ -297,8 +350,11 @@ static void check_engine_tp(const char *name, int tp) {
   td_backend *b;
   cr_assert(td_backend_create(&bo, &b) == TD_OK);
   td_backend_set_comm(b, comms[0]);
-  td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256, .max_enc_seqs = 8,
-                      .tp_rank = 0, .tp_size = tp};
+  td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256, .max_enc_seqs = 8};
+  if (pp)
+    mo.pp_size = tp;
+  else
+    mo.tp_size = tp;
   td_model *m;
   td_status ls = td_model_load(fx.dir, b, &mo, &m);
   toks got = {0};
@@ -360,6 +416,9 @@ static void check_engine_tp(const char *name, int tp) {
   fx_free(&fx);
 }
 
-Test(tensor_parallel, engine_on_leader_t5) { check_engine_tp("t5-tiny", 2); }
-Test(tensor_parallel, engine_on_leader_bart_tp4) { check_engine_tp("bart-tiny", 4); }
-Test(tensor_parallel, engine_on_leader_whisper) { check_engine_tp("whisper-tiny", 2); }
+Test(tensor_parallel, engine_on_leader_t5) { check_engine_par("t5-tiny", 2, false); }
+Test(tensor_parallel, engine_on_leader_bart_tp4) { check_engine_par("bart-tiny", 4, false); }
+Test(tensor_parallel, engine_on_leader_whisper) { check_engine_par("whisper-tiny", 2, false); }
+Test(pipeline_parallel, engine_on_first_stage_t5) { check_engine_par("t5-tiny", 2, true); }
+Test(pipeline_parallel, engine_on_first_stage_mbart) { check_engine_par("mbart-prenorm-sharded", 2, true); }
+Test(pipeline_parallel, engine_three_stages_one_encoder_layer) { check_engine_par("bart-untied-gelunew", 3, true); }
