@@ -7,6 +7,7 @@
 #
 #   deploy/local.sh [--model DIR] [--device cpu|cuda] [--port N] [--run-dir DIR]
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
+#                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model="$root/tests/data/t5-tiny"
@@ -16,6 +17,7 @@ run_dir=""
 encoders=1 prefills=1 decodes=1
 demo=0
 block_size=16
+decode_tp=1 decode_pp=1
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -26,6 +28,8 @@ while (($#)); do
     --prefills) prefills=$2; shift 2 ;;
     --decodes) decodes=$2; shift 2 ;;
     --block-size) block_size=$2; shift 2 ;;
+    --decode-tp) decode_tp=$2; shift 2 ;;
+    --decode-pp) decode_pp=$2; shift 2 ;;
     --demo) demo=1; shift ;;
     -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -34,6 +38,7 @@ done
 [[ -f $model/config.json ]] || { echo "local.sh: no config.json in $model" >&2; exit 2; }
 model=$(cd "$model" && pwd)
 ((decodes >= 1)) || { echo "local.sh: at least one decode worker is needed" >&2; exit 2; }
+((decode_tp == 1 || decode_pp == 1)) || { echo "local.sh: a decode group is tensor- or pipeline-parallel" >&2; exit 2; }
 
 bin="${TANDEM_BIN:-$root/build/bin}"
 if [[ -z ${TANDEM_BIN:-} ]]; then
@@ -97,11 +102,25 @@ done
 for ((i = 0; i < prefills; i++)); do
   start "prefill-$i" "$bin/tandem-worker" "${common[@]}" --role prefill --id "prefill-$i" --gpu "$(next_gpu)"
 done
+group_size=$((decode_tp * decode_pp))
+((group_size > 1 && encoders == 0)) && { echo "local.sh: decode groups need encoder workers" >&2; exit 2; }
 for ((i = 0; i < decodes; i++)); do
   # without encoders, decode workers encode for themselves
   roles=decode
   ((encoders == 0)) && roles=encode,decode
-  start "decode-$i" "$bin/tandem-worker" "${common[@]}" --role "$roles" --id "decode-$i" --gpu "$(next_gpu)"
+  if ((group_size == 1)); then
+    start "decode-$i" "$bin/tandem-worker" "${common[@]}" --role "$roles" --id "decode-$i" --gpu "$(next_gpu)"
+    continue
+  fi
+  # a group: one process a rank; rank 0 serves, the NCCL (or CPU) bootstrap goes through the router
+  par=(--tp "$decode_tp")
+  ((decode_pp > 1)) && par=(--pp "$decode_pp")
+  for ((r = 0; r < group_size; r++)); do
+    name="decode-$i"
+    ((r > 0)) && name="decode-$i-rank$r"
+    start "$name" "$bin/tandem-worker" "${common[@]}" --role decode --id "$name" --gpu "$(next_gpu)" \
+      --group "decode-$i" "${par[@]}" --rank "$r"
+  done
 done
 
 # serving once every worker has registered

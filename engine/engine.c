@@ -337,6 +337,19 @@ static void group_fail(td_engine *e, group *g, td_status s, const char *msg) {
 
 /* ------------------------------------------------------------ create */
 
+static td_status copy_via_model(void *ctx, const int32_t *pairs, int n_pairs) {
+  return td_model_copy_self_blocks(ctx, pairs, n_pairs);
+}
+
+void td_engine_default_blocks(const td_model *m, const td_engine_opts *o, int *self_blocks, int *cross_blocks) {
+  const td_model_opts *mo = td_model_get_opts(m);
+  int bs = mo->block_size;
+  int run = o->max_running > 0 && o->max_running <= mo->max_seqs ? o->max_running : mo->max_seqs;
+  int ss = (td_model_max_target_len(m) + bs - 1) / bs, cs = (td_model_max_source_len(m) + bs - 1) / bs;
+  *self_blocks = o->self_blocks > 0 ? o->self_blocks : run * (ss + 1);
+  *cross_blocks = o->cross_blocks > 0 ? o->cross_blocks : run * cs;
+}
+
 td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_engine_callbacks *cb, td_engine **out) {
   *out = NULL;
   td_engine *e = calloc(1, sizeof *e);
@@ -359,8 +372,7 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (o->max_step_tokens <= 0 || o->max_step_tokens > mo->max_tokens) o->max_step_tokens = mo->max_tokens;
   if (o->max_enc_tokens <= 0 || o->max_enc_tokens > mo->max_enc_tokens) o->max_enc_tokens = mo->max_enc_tokens;
   if (o->max_queue <= 0) o->max_queue = 4096;
-  if (o->self_blocks <= 0) o->self_blocks = o->max_running * (e->self_stride + 1);
-  if (o->cross_blocks <= 0) o->cross_blocks = o->max_running * e->cross_stride;
+  td_engine_default_blocks(m, o, &o->self_blocks, &o->cross_blocks);
   e->max_rows = mo->max_logits;
   e->next_handle = 1;
   td_status s;
@@ -369,6 +381,8 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (s == TD_OK) s = td_kv_pool_create(e->b, &cl, o->cross_blocks, &e->cross);
   if (s != TD_OK) goto fail;
   td_model_set_pools(m, td_kv_pool_memory(e->self), td_kv_pool_memory(e->cross));
+  /* copy-on-write goes through the model, so that follower ranks copy too */
+  td_kv_pool_set_copier(e->self, copy_via_model, m);
   e->ext_self = calloc((size_t)o->self_blocks, sizeof *e->ext_self);
   e->ext_cross = calloc((size_t)o->cross_blocks, sizeof *e->ext_cross);
   if (!e->ext_self || !e->ext_cross) {

@@ -118,6 +118,10 @@ typedef struct td_engine_stats {
   td_kv_pool_stats self, cross;
 } td_engine_stats;
 
+/* The pool sizes td_engine_create picks for opts left at zero (followers of
+ * a worker group size their pools the same way). */
+void td_engine_default_blocks(const td_model *m, const td_engine_opts *opts, int *self_blocks, int *cross_blocks);
+
 /* The engine allocates its pools on the model's backend and binds them. */
 td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_engine_callbacks *cb, td_engine **out);
 void td_engine_destroy(td_engine *e);

@@ -200,6 +200,18 @@ void td_comm_destroy(td_comm *c);
 int td_comm_rank(const td_comm *c);
 int td_comm_world(const td_comm *c);
 
+/* Communicators between processes over ZeroMQ (CPU backend): each rank
+ * binds (td_comm_zmq_bind), the endpoints are exchanged (through the
+ * router), then each rank connects to all. Waits longer than timeout_ms,
+ * or td_comm_abort from another thread, end an op with TD_ERR_PEER. */
+typedef struct td_comm_zmq_boot td_comm_zmq_boot;
+td_status td_comm_zmq_bind(const char *host, td_comm_zmq_boot **out);
+const char *td_comm_zmq_endpoint(const td_comm_zmq_boot *boot);
+void td_comm_zmq_boot_free(td_comm_zmq_boot *boot);
+/* Takes boot over (freed on failure too). */
+td_status td_comm_zmq_connect(td_comm_zmq_boot *boot, int rank, int world, const char *const *endpoints,
+                              int timeout_ms, td_comm **out);
+
 /* Attaches (or detaches with NULL) a communicator to a backend. */
 void td_backend_set_comm(td_backend *b, td_comm *c);
 td_comm *td_backend_comm(const td_backend *b);

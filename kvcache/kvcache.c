@@ -24,7 +24,14 @@ struct td_kv_pool {
   int n_free;
   reservation *res;  /* uthash by id */
   uint64_t next_res;
+  td_kv_copier copier;
+  void *copier_ctx;
 };
+
+void td_kv_pool_set_copier(td_kv_pool *p, td_kv_copier fn, void *ctx) {
+  p->copier = fn;
+  p->copier_ctx = ctx;
+}
 
 int td_kv_pool_blocks_for_bytes(const td_backend *b, const td_kv_layout *l, size_t bytes) {
   size_t per = td_kv_block_elems(l) * td_buf_elem_size(b, TD_BUF_ACT);
@@ -144,9 +151,9 @@ td_status td_kv_make_private(td_kv_pool *p, int32_t *id, bool *copied) {
   if (p->refs[old] == 1) return TD_OK;
   int32_t fresh;
   TD_TRY(td_kv_alloc(p, 1, &fresh));
-  if (p->b) {
+  if (p->b || p->copier) {
     int32_t pair[2] = {old, fresh};
-    td_status s = td_kv_copy_blocks(p->b, p->mem, &p->layout, pair, 1);
+    td_status s = p->copier ? p->copier(p->copier_ctx, pair, 1) : td_kv_copy_blocks(p->b, p->mem, &p->layout, pair, 1);
     if (s != TD_OK) {
       (void)td_kv_unref(p, fresh);
       return s;

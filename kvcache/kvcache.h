@@ -46,6 +46,12 @@ int td_kv_refcount(const td_kv_pool *p, int32_t id);
 /* Whether an open reservation holds the block. */
 bool td_kv_is_reserved(const td_kv_pool *p, int32_t id);
 
+/* How make_private copies a block (default: td_kv_copy_blocks on the
+ * pool's backend). A model with follower ranks sets one that also tells
+ * them. */
+typedef td_status (*td_kv_copier)(void *ctx, const int32_t *pairs, int n_pairs);
+void td_kv_pool_set_copier(td_kv_pool *p, td_kv_copier fn, void *ctx);
+
 /* Copy-on-write: if *id is shared, replaces it by a fresh private copy
  * (copying the block's contents in backend memory) and drops one reference
  * to the old one. *copied tells whether a copy was made. */

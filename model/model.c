@@ -1158,7 +1158,7 @@ td_status td_model_step(td_model *m, const td_step_input *in, const float **logi
 
 /* ---------------------------------------------------------------- mirror */
 
-enum { MIRROR_ENCODE = 1, MIRROR_STEP = 2, MIRROR_MAGIC = 0x54444d52 };
+enum { MIRROR_ENCODE = 1, MIRROR_STEP = 2, MIRROR_COPY = 3, MIRROR_MAGIC = 0x54444d52 };
 
 typedef struct mbuf {
   uint8_t *p;
@@ -1273,7 +1273,35 @@ static td_status publish_step(td_model *m, const td_step_input *in) {
   return s;
 }
 
+static td_status replay_aligned(td_model *m, const void *bytes, size_t len);
+
+td_status td_model_copy_self_blocks(td_model *m, const int32_t *pairs, int n_pairs) {
+  if (!m->self_pool) return td_err(TD_ERR_INVALID, "copy: no self-attention pool set");
+  if (m->mirror.publish) {
+    mbuf b = {0};
+    put_i32(&b, MIRROR_MAGIC);
+    put_i32(&b, MIRROR_COPY);
+    put_arr(&b, pairs, 2 * n_pairs);
+    td_status s = b.oom ? td_err(TD_ERR_NOMEM, "mirror: out of memory") : m->mirror.publish(m->mirror.ctx, b.p, b.n);
+    free(b.p);
+    TD_TRY(s);
+  }
+  td_kv_layout sl = td_model_self_layout(m);
+  return td_kv_copy_blocks(m->b, m->self_pool, &sl, pairs, n_pairs);
+}
+
 td_status td_model_replay(td_model *m, const void *bytes, size_t len) {
+  if (!((uintptr_t)bytes & 3)) return replay_aligned(m, bytes, len);
+  /* the arrays are read in place: give them their alignment */
+  void *copy = malloc(len ? len : 1);
+  if (!copy) return td_err(TD_ERR_NOMEM, "out of memory");
+  memcpy(copy, bytes, len);
+  td_status s = replay_aligned(m, copy, len);
+  free(copy);
+  return s;
+}
+
+static td_status replay_aligned(td_model *m, const void *bytes, size_t len) {
   rbuf r = {bytes, len, 0, false};
   if (get_i32(&r) != MIRROR_MAGIC) return td_err(TD_ERR_FORMAT, "mirror: not a model call");
   int kind = get_i32(&r);
@@ -1290,6 +1318,13 @@ td_status td_model_replay(td_model *m, const void *bytes, size_t len) {
     in.cross_slots = get_arr(&r, 4, &n);
     if (r.bad) return td_err(TD_ERR_FORMAT, "mirror: truncated encode");
     return td_model_encode(m, &in, NULL);
+  }
+  if (kind == MIRROR_COPY) {
+    const int32_t *pairs = get_arr(&r, 4, &n);
+    if (r.bad || n % 2) return td_err(TD_ERR_FORMAT, "mirror: truncated copy");
+    td_kv_layout sl = td_model_self_layout(m);
+    TD_TRY(td_kv_copy_blocks(m->b, m->self_pool, &sl, pairs, n / 2));
+    return td_sync(m->b);
   }
   if (kind != MIRROR_STEP) return td_err(TD_ERR_FORMAT, "mirror: unknown call %d", kind);
   td_step_input in = {0};

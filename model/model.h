@@ -94,6 +94,8 @@ typedef struct td_model_mirror {
   void *ctx;
 } td_model_mirror;
 void td_model_set_mirror(td_model *m, const td_model_mirror *mirror);
+/* Copies self-attention blocks (copy-on-write), on every rank. */
+td_status td_model_copy_self_blocks(td_model *m, const int32_t *pairs, int n_pairs);
 /* Runs the call described by bytes from the leader's mirror. */
 td_status td_model_replay(td_model *m, const void *bytes, size_t len);
 

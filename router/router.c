@@ -60,8 +60,26 @@ typedef struct rreq {
   UT_hash_handle hc;   /* by ckey */
 } rreq;
 
+/* A worker group's rendezvous (GroupJoin / GroupInfo). */
+#define MAX_GROUP 16
+typedef struct group_rv {
+  char name[128];
+  int world;
+  char *endpoints[MAX_GROUP];
+  uint8_t ids[MAX_GROUP][TD_WIRE_MAX_ID];
+  size_t id_lens[MAX_GROUP];
+  uint8_t nccl_id[256];
+  size_t nccl_len;
+  int joined;
+  bool complete;
+  int64_t created;
+  int64_t seen[MAX_GROUP]; /* followers' last heartbeat */
+  UT_hash_handle hh;
+} group_rv;
+
 struct td_router {
   td_router_opts o;
+  group_rv *groups;
   void *ctx, *csock, *wsock;
   worker *workers;
   rreq *by_rid, *by_ckey;
@@ -326,6 +344,95 @@ static void on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK;
   m.ack = &ack;
   (void)send_worker(r, w, &m);
+}
+
+/* ------------------------------------------------------------ groups */
+
+static void group_free(group_rv *g) {
+  for (int i = 0; i < MAX_GROUP; i++) free(g->endpoints[i]);
+  free(g);
+}
+
+static void group_reply(td_router *r, const uint8_t *id, size_t id_len, const group_rv *g, const char *error) {
+  Tandem__Cluster__GroupInfo gi = TANDEM__CLUSTER__GROUP_INFO__INIT;
+  gi.group = (char *)(g ? g->name : "");
+  gi.ok = !error;
+  gi.error = (char *)(error ? error : "");
+  if (g && !error) {
+    gi.world = (uint32_t)g->world;
+    gi.endpoints = (char **)g->endpoints;
+    gi.n_endpoints = (size_t)g->world;
+    gi.nccl_id.data = (uint8_t *)g->nccl_id;
+    gi.nccl_id.len = g->nccl_len;
+  }
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO;
+  m.group_info = &gi;
+  (void)td_wire_send(r->wsock, id, id_len, &m.base);
+}
+
+static void on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j) {
+  const char *name = j->group ? j->group : "";
+  if (!name[0] || strlen(name) >= 128 || j->world < 1 || j->world > MAX_GROUP || j->rank >= j->world ||
+      !j->endpoint || !j->endpoint[0]) {
+    group_reply(r, id, id_len, NULL, "bad group join (name, world 1..16, rank < world, endpoint)");
+    return;
+  }
+  group_rv *g = NULL;
+  HASH_FIND_STR(r->groups, name, g);
+  /* a finished rendezvous, or a rank that joins twice, starts over (a restart) */
+  if (g && (g->complete || g->endpoints[j->rank] || g->world != (int)j->world)) {
+    HASH_DEL(r->groups, g);
+    group_free(g);
+    g = NULL;
+  }
+  if (!g) {
+    g = calloc(1, sizeof *g);
+    if (!g) return;
+    snprintf(g->name, sizeof g->name, "%s", name);
+    g->world = (int)j->world;
+    g->created = now();
+    HASH_ADD_STR(r->groups, name, g);
+  }
+  g->endpoints[j->rank] = strdup(j->endpoint);
+  memcpy(g->ids[j->rank], id, id_len);
+  g->id_lens[j->rank] = id_len;
+  if (j->rank == 0 && j->nccl_id.len && j->nccl_id.len <= sizeof g->nccl_id) {
+    memcpy(g->nccl_id, j->nccl_id.data, j->nccl_id.len);
+    g->nccl_len = j->nccl_id.len;
+  }
+  if (++g->joined < g->world) return;
+  g->complete = true;
+  for (int k = 0; k < g->world; k++) g->seen[k] = now();
+  TD_INFO("worker group %s: %d ranks joined", g->name, g->world);
+  for (int k = 0; k < g->world; k++) group_reply(r, g->ids[k], g->id_lens[k], g, NULL);
+}
+
+/* The group whose follower rank has this identity, or NULL. */
+static group_rv *group_of_follower(td_router *r, const uint8_t *id, size_t id_len, int *rank) {
+  group_rv *g, *gt;
+  HASH_ITER(hh, r->groups, g, gt) {
+    for (int k = 1; k < g->world; k++)
+      if (g->id_lens[k] == id_len && !memcmp(g->ids[k], id, id_len)) {
+        *rank = k;
+        return g;
+      }
+  }
+  return NULL;
+}
+
+/* A rank of a complete group died: the group leaves the pool. */
+static void group_failed(td_router *r, group_rv *g, const char *why) {
+  TD_WARN("worker group %s failed: %s", g->name, why);
+  group_reply(r, g->ids[0], g->id_lens[0], g, why);
+  char wid[TD_WIRE_MAX_ID + 1];
+  memcpy(wid, g->ids[0], g->id_lens[0]);
+  wid[g->id_lens[0]] = 0;
+  worker *w = find_worker(r, wid);
+  if (w) worker_gone(r, w, why);
+  HASH_DEL(r->groups, g);
+  group_free(g);
 }
 
 /* ------------------------------------------------------------ placement */
@@ -890,7 +997,13 @@ static void on_worker(td_router *r) {
     return;
   }
   worker *w = find_worker(r, wid);
-  if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER) {
+  int frank = 0;
+  group_rv *fg = w ? NULL : group_of_follower(r, f.id, f.id_len, &frank);
+  if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN) {
+    on_group_join(r, f.id, f.id_len, m->group_join);
+  } else if (fg) {
+    fg->seen[frank] = now(); /* a follower's heartbeat */
+  } else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER) {
     on_register(r, f.id, f.id_len, m->register_);
   } else if (!w) {
     /* unknown (e.g. the router restarted): ask it to register */
@@ -1014,6 +1127,24 @@ static void timers(td_router *r) {
       req_retry(r, q, why);
     }
   }
+  group_rv *g, *gt;
+  HASH_ITER(hh, r->groups, g, gt) {
+    if (g->complete) {
+      for (int k = 1; k < g->world; k++)
+        if (t - g->seen[k] > (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
+          char why[160];
+          snprintf(why, sizeof why, "rank %d of group %s is silent", k, g->name);
+          group_failed(r, g, why);
+          break;
+        }
+      continue;
+    }
+    if (!g->complete && t - g->created > 120000) {
+      TD_WARN("worker group %s: %d of %d ranks joined in 120 s; dropped", g->name, g->joined, g->world);
+      HASH_DEL(r->groups, g);
+      group_free(g);
+    }
+  }
   /* placement, first come first served */
   while (r->n_queue > 0) {
     rreq *head = r->queue[0];
@@ -1086,6 +1217,11 @@ void td_router_destroy(td_router *r) {
     HASH_DEL(r->workers, w);
     free(w->desc);
     free(w);
+  }
+  group_rv *g, *gt;
+  HASH_ITER(hh, r->groups, g, gt) {
+    HASH_DEL(r->groups, g);
+    group_free(g);
   }
   free(r->queue);
   if (r->csock) zmq_close(r->csock);

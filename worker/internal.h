@@ -20,6 +20,7 @@ typedef enum cmd_kind {
   CMD_ADD,            /* a request for the engine */
   CMD_CANCEL,         /* end everything of rid */
   CMD_RELEASE_BLOCKS, /* blocks handed over earlier */
+  CMD_WRITE_KV,       /* arrived KV bytes (whole-model blocks) into the pools */
 } cmd_kind;
 
 typedef enum wrole { ROLE_ENCODE, ROLE_PREFILL, ROLE_DECODE } wrole;
@@ -31,10 +32,12 @@ typedef struct cmd {
   int n_cross, n_self;
   uint64_t cross_res, self_res;
   bool cross;       /* CMD_RELEASE_BLOCKS: which pool */
-  int32_t *blocks;  /* CMD_RELEASE_BLOCKS (owned) */
+  int32_t *blocks;  /* CMD_RELEASE_BLOCKS, CMD_WRITE_KV (owned) */
   int n_blocks;
+  uint8_t *data;    /* CMD_WRITE_KV: n_blocks whole-model blocks (owned) */
   /* CMD_ADD */
   td_request req;
+  char id[256]; /* req.id points here */
   int32_t *owned_i32[4]; /* arrays the request points into */
   float *owned_f32;
   struct cmd *next;
@@ -62,6 +65,8 @@ typedef struct wev {
   int n_outputs;
   int32_t *blocks; /* handed-over blocks */
   int n_blocks;
+  uint8_t *host;   /* their bytes, copied to host memory */
+  size_t block_bytes;
   double ms;
   struct wev *next;
 } wev;
@@ -85,6 +90,8 @@ typedef struct job {
   int32_t *out_blocks;
   int n_out;
   bool out_cross;
+  uint8_t *out_host; /* their bytes */
+  size_t out_bb;
   int pushes_pending;
   bool push_failed;
   char push_error[256];
@@ -93,33 +100,28 @@ typedef struct job {
   UT_hash_handle hh;
 } job;
 
-/* ---- KV transport (host memory; peers identified by descriptor bytes) ---- */
+/* ---- KV transport (peers identified by descriptor bytes) ---- */
 typedef struct xfer xfer;
-typedef struct xfer_pool {
-  void *mem;
-  size_t block_bytes;
-  int n_blocks;
-} xfer_pool;
-/* accept: whether blocks [n] of a reservation may be written now;
- * arrived: they were written. */
 typedef struct xfer_hooks {
+  /* whether n blocks of block_bytes each may be written into a reservation now */
   bool (*accept)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, const int32_t *blocks, int n,
-                 char *why, size_t cap);
+                 size_t block_bytes, char *why, size_t cap);
+  /* their bytes: data[i] holds block blocks[i] */
+  void (*deliver)(void *ctx, bool cross, const int32_t *blocks, int n, const void *const *data, size_t block_bytes);
   void (*arrived)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, int n);
   /* a push finished: ok, or the error */
   void (*pushed)(void *ctx, uint64_t rid, int role, bool ok, const char *error);
   void *ctx;
 } xfer_hooks;
 
-td_status xfer_create(const char *host, const xfer_pool *cross, const xfer_pool *self, const xfer_hooks *hooks,
-                      int timeout_ms, xfer **out);
+td_status xfer_create(const char *host, const xfer_hooks *hooks, int timeout_ms, xfer **out);
 void xfer_destroy(xfer *x);
 /* This worker's descriptor: what peers need to push here. */
 const char *xfer_desc(const xfer *x);
-/* Sends blocks src (of the local cross or self pool) into the peer's
- * reserved blocks dst; `pushed` reports the outcome. */
+/* Sends n blocks (src[i]: block_bytes each, valid until `pushed`) into the
+ * peer's reserved blocks dst; `pushed` reports the outcome. */
 td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer, size_t peer_len, uint64_t reservation,
-                    bool cross, const int32_t *src, const int32_t *dst, int n);
+                    bool cross, const void *const *src, size_t block_bytes, const int32_t *dst, int n);
 /* Poll items (ZeroMQ sockets) and progress. */
 int xfer_poll_items(xfer *x, void *items, int cap);
 void xfer_progress(xfer *x);

@@ -18,7 +18,8 @@ static void usage(FILE *f) {
           "usage: tandem-worker --router tcp://HOST:PORT --model DIR [--role encode,prefill,decode]\n"
           "                     [--id NAME] [--device cpu|cuda] [--gpu N] [--block-size N]\n"
           "                     [--kv-blocks N] [--cross-blocks N] [--max-batch N] [--max-tokens N]\n"
-          "                     [--threads N] [--host ADDR] [--reservation-ttl-ms N] [--log-level LEVEL]\n");
+          "                     [--threads N] [--host ADDR] [--reservation-ttl-ms N] [--log-level LEVEL]\n"
+          "                     [--group NAME (--tp N | --pp N) --rank R]   (rank 0 serves, others follow)\n");
 }
 
 int main(int argc, char **argv) {
@@ -31,6 +32,8 @@ int main(int argc, char **argv) {
       {"max-tokens", required_argument, 0, 'T'}, {"threads", required_argument, 0, 't'},
       {"host", required_argument, 0, 'H'},       {"reservation-ttl-ms", required_argument, 0, 'x'},
       {"log-level", required_argument, 0, 'l'},  {"help", no_argument, 0, 'h'},
+      {"group", required_argument, 0, 'G'},      {"tp", required_argument, 0, 'P'},
+      {"pp", required_argument, 0, 'S'},         {"rank", required_argument, 0, 'K'},
       {0, 0, 0, 0}};
   td_worker_opts o = {.device = TD_BACKEND_CPU};
   const char *roles = "encode,prefill,decode";
@@ -38,7 +41,7 @@ int main(int argc, char **argv) {
   snprintf(idbuf, sizeof idbuf, "worker-%d", (int)getpid());
   o.id = idbuf;
   int c;
-  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:", opts, NULL)) != -1) {
     switch (c) {
       case 'r': o.router = optarg; break;
       case 'm': o.model_dir = optarg; break;
@@ -68,6 +71,10 @@ int main(int argc, char **argv) {
         }
         td_log_set_level((td_log_level)td_log_parse_level(optarg));
         break;
+      case 'G': o.group = optarg; break;
+      case 'P': o.tp = atoi(optarg); break;
+      case 'S': o.pp = atoi(optarg); break;
+      case 'K': o.rank = atoi(optarg); break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -84,6 +91,12 @@ int main(int argc, char **argv) {
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
+  if (o.rank > 0) {
+    td_worker_opts_default(&o);
+    td_status fs = td_worker_follow(&o, &stop_flag);
+    if (fs != TD_OK && !stop_flag) fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
+    return fs == TD_OK || stop_flag ? 0 : 1;
+  }
   td_worker *w;
   if (td_worker_create(&o, &w) != TD_OK) {
     fprintf(stderr, "tandem-worker: %s\n", td_errmsg());

@@ -8,6 +8,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "worker/group.h"
 #include "worker/internal.h"
 
 /* compute-side record of a request the engine runs */
@@ -48,7 +49,7 @@ struct td_worker {
   /* model facts for registration */
   td_model_config cfg;
   int max_src, max_tgt, frames, block_size, self_blocks, cross_blocks, max_running;
-  xfer_pool pool_cross, pool_self;
+  size_t full_bb; /* bytes of a whole-model KV block: what peers push */
   /* main thread */
   xfer *x;
   job *jobs;
@@ -58,7 +59,69 @@ struct td_worker {
   uint64_t hb_seq;
   bool draining;
   int64_t drain_deadline;
+  /* rank 0 of a tensor / pipeline parallel group */
+  int world;
+  group_info gi;
+  td_comm_zmq_boot *boot;
+  uint8_t nccl_id[TD_NCCL_ID_BYTES];
+  void *msock; /* mirror to the followers: the compute thread's once it runs */
+  td_comm *comm;
+  int64_t last_mirror_hb;
+  bool group_failed;
 };
+
+/* ------------------------------------------------------------ group mirror */
+
+static td_status mirror_publish(void *ctx, const void *bytes, size_t len) {
+  td_worker *w = ctx;
+  char *buf = malloc(len + 1);
+  if (!buf) return td_err(TD_ERR_NOMEM, "out of memory");
+  buf[0] = 'R';
+  memcpy(buf + 1, bytes, len);
+  td_status s = TD_OK;
+  for (int r = 1; r < w->world && s == TD_OK; r++) {
+    char id[32];
+    snprintf(id, sizeof id, "f-%d", r);
+    if (zmq_send(w->msock, id, strlen(id), ZMQ_SNDMORE) < 0 || zmq_send(w->msock, buf, len + 1, 0) < 0)
+      s = td_err(TD_ERR_PEER, "mirror to rank %d: %s", r, zmq_strerror(zmq_errno()));
+  }
+  free(buf);
+  w->last_mirror_hb = td_now_ms();
+  return s;
+}
+
+static void mirror_all(td_worker *w, const char *what) {
+  for (int r = 1; r < w->world; r++) {
+    char id[32];
+    snprintf(id, sizeof id, "f-%d", r);
+    zmq_send(w->msock, id, strlen(id), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(w->msock, what, 1, ZMQ_DONTWAIT);
+  }
+}
+
+/* Followers' messages (hello, heartbeats); a heartbeat to them when idle. */
+static int mirror_tick(td_worker *w) {
+  int hellos = 0;
+  for (;;) {
+    zmq_msg_t id, body;
+    zmq_msg_init(&id);
+    zmq_msg_init(&body);
+    if (zmq_msg_recv(&id, w->msock, ZMQ_DONTWAIT) < 0) {
+      zmq_msg_close(&id);
+      zmq_msg_close(&body);
+      break;
+    }
+    zmq_msg_recv(&body, w->msock, 0);
+    if (zmq_msg_size(&body) && ((char *)zmq_msg_data(&body))[0] == 'Y') hellos++;
+    zmq_msg_close(&id);
+    zmq_msg_close(&body);
+  }
+  if (td_now_ms() - w->last_mirror_hb > 200) {
+    mirror_all(w, "H");
+    w->last_mirror_hb = td_now_ms();
+  }
+  return hellos;
+}
 
 /* ------------------------------------------------------------ queues */
 
@@ -75,6 +138,7 @@ cmd *w_cmd(cmd_kind kind, uint64_t rid, wrole r) {
 static void cmd_free(cmd *c) {
   if (!c) return;
   free(c->blocks);
+  free(c->data);
   for (int i = 0; i < 4; i++) free(c->owned_i32[i]);
   free(c->owned_f32);
   free(c);
@@ -116,6 +180,7 @@ static void ev_free(wev *e) {
   }
   free(e->outputs);
   free(e->blocks);
+  free(e->host);
   free(e);
 }
 
@@ -178,10 +243,21 @@ static void on_finish(void *ctx, const td_result *r) {
       e->outputs[e->n_outputs++] = so;
     }
     if (r->n_blocks) {
+      /* the blocks' bytes, in host memory for the transport */
+      td_kv_pool *pool = c->role == ROLE_ENCODE ? td_engine_cross_pool(w->e) : td_engine_self_pool(w->e);
+      size_t bb = td_kv_pool_block_bytes(pool);
       e->blocks = malloc(sizeof(int32_t) * (size_t)r->n_blocks);
-      if (e->blocks) {
+      e->host = malloc(bb * (size_t)r->n_blocks);
+      if (e->blocks && e->host) {
         memcpy(e->blocks, r->blocks, sizeof(int32_t) * (size_t)r->n_blocks);
         e->n_blocks = r->n_blocks;
+        e->block_bytes = bb;
+        for (int i = 0; i < r->n_blocks; i++)
+          (void)td_copy_d2h(w->b, e->host + (size_t)i * bb, (uint8_t *)td_kv_pool_memory(pool) + (size_t)r->blocks[i] * bb,
+                            bb);
+        if (td_sync(w->b) != TD_OK) e->status = TD_ERR_CUDA;
+      } else {
+        e->status = td_err(TD_ERR_NOMEM, "out of memory");
       }
     }
     ev_push(w, e);
@@ -273,6 +349,50 @@ static void compute_cancel(td_worker *w, uint64_t rid) {
   }
 }
 
+/* Arrived whole-model blocks: this rank's part into its pool, the other
+ * ranks' parts to them through the mirror (before any step that reads
+ * them, since the mirror keeps order). */
+static void compute_write_kv(td_worker *w, cmd *c) {
+  td_kv_pool *pool = c->cross ? td_engine_cross_pool(w->e) : td_engine_self_pool(w->e);
+  size_t bb = td_kv_pool_block_bytes(pool), es = td_buf_elem_size(w->b, TD_BUF_ACT);
+  int L = w->cfg.dec_layers, H = w->cfg.dec_heads;
+  size_t slot_bytes = (size_t)w->block_size * w->cfg.dec_head_dim * es;
+  int tp = w->o.tp > 1 ? w->o.tp : 1, pp = w->o.pp > 1 ? w->o.pp : 1;
+  uint8_t *part = malloc(w->full_bb);
+  uint8_t *msg = NULL;
+  if (!part) return;
+  for (int r = 0; r < w->world; r++) {
+    int l0, l1, h0, h1;
+    group_rank_range(r, tp, pp, L, H, &l0, &l1, &h0, &h1);
+    size_t rb = (size_t)(l1 - l0) * 2 * (size_t)(h1 - h0) * slot_bytes;
+    if (r > 0) {
+      free(msg);
+      msg = malloc(1 + 1 + 4 + (size_t)c->n_blocks * (4 + rb));
+      if (!msg) break;
+      msg[0] = 'K';
+      msg[1] = c->cross;
+      memcpy(msg + 2, &c->n_blocks, 4);
+      memcpy(msg + 6, c->blocks, sizeof(int32_t) * (size_t)c->n_blocks);
+    }
+    for (int i = 0; i < c->n_blocks; i++) {
+      const uint8_t *full = c->data + (size_t)i * w->full_bb;
+      uint8_t *dst = r == 0 ? part : msg + 6 + (size_t)c->n_blocks * 4 + (size_t)i * rb;
+      group_slice_block(full, dst, L, H, slot_bytes, l0, l1, h0, h1);
+      if (r == 0 && c->blocks[i] >= 0 && c->blocks[i] < td_kv_pool_get_stats(pool).n_blocks)
+        (void)td_copy_h2d(w->b, (uint8_t *)td_kv_pool_memory(pool) + (size_t)c->blocks[i] * bb, part, bb);
+      if (r == 0) (void)td_sync(w->b); /* part is reused */
+    }
+    if (r > 0) {
+      char id[32];
+      snprintf(id, sizeof id, "f-%d", r);
+      zmq_send(w->msock, id, strlen(id), ZMQ_SNDMORE);
+      zmq_send(w->msock, msg, 6 + (size_t)c->n_blocks * (4 + rb), 0);
+    }
+  }
+  free(msg);
+  free(part);
+}
+
 static void compute_handle(td_worker *w, cmd *c) {
   switch (c->kind) {
     case CMD_RESERVE: compute_reserve(w, c); break;
@@ -283,6 +403,7 @@ static void compute_handle(td_worker *w, cmd *c) {
     case CMD_ADD: compute_add(w, c); break;
     case CMD_CANCEL: compute_cancel(w, c->rid); break;
     case CMD_RELEASE_BLOCKS: td_engine_release(w->e, c->cross, c->blocks, c->n_blocks); break;
+    case CMD_WRITE_KV: compute_write_kv(w, c); break;
   }
 }
 
@@ -291,7 +412,41 @@ static td_status compute_init(td_worker *w) {
   TD_TRY(td_backend_create(&bo, &w->b));
   td_model_opts mo = {.block_size = w->o.block_size, .max_seqs = w->o.max_batch, .max_tokens = w->o.max_tokens,
                       .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = 16};
+  if (w->world > 1) {
+    char comm_ep[256], mirror_ep[256];
+    group_split_leader(w->gi.endpoints[0], comm_ep, sizeof comm_ep, mirror_ep, sizeof mirror_ep);
+    if (w->o.device == TD_BACKEND_CPU) {
+      const char *eps[16];
+      for (int r = 0; r < w->world; r++) eps[r] = r ? w->gi.endpoints[r] : comm_ep;
+      td_status s = td_comm_zmq_connect(w->boot, 0, w->world, eps, 30000, &w->comm);
+      w->boot = NULL;
+      TD_TRY(s);
+    } else {
+      TD_TRY(td_comm_create_nccl(w->b, w->nccl_id, 0, w->world, &w->comm));
+    }
+    td_backend_set_comm(w->b, w->comm);
+    if (w->o.tp > 1) {
+      mo.tp_size = w->o.tp;
+    } else {
+      mo.pp_size = w->o.pp;
+    }
+  }
   TD_TRY(td_model_load(w->o.model_dir, w->b, &mo, &w->m));
+  if (w->world > 1) {
+    /* every follower says hello on the mirror before the first call */
+    int hellos = 0;
+    int64_t end = td_now_ms() + 60000;
+    while (hellos < w->world - 1 && td_now_ms() < end) {
+      zmq_pollitem_t it = {.socket = w->msock, .events = ZMQ_POLLIN};
+      zmq_poll(&it, 1, 100);
+      hellos += mirror_tick(w);
+    }
+    if (hellos < w->world - 1)
+      return td_err(TD_ERR_TIMEOUT, "group %s: %d of %d followers reached the mirror", w->o.group, hellos,
+                    w->world - 1);
+    td_model_mirror mir = {.publish = mirror_publish, .ctx = w};
+    td_model_set_mirror(w->m, &mir);
+  }
   td_engine_opts eo = {.self_blocks = w->o.self_blocks, .cross_blocks = w->o.cross_blocks,
                        .max_running = w->o.max_batch, .max_step_tokens = w->o.max_tokens};
   td_engine_callbacks cb = {.on_token = on_token, .on_finish = on_finish, .ctx = w};
@@ -305,9 +460,8 @@ static td_status compute_init(td_worker *w) {
   w->self_blocks = st.self.n_blocks;
   w->cross_blocks = st.cross.n_blocks;
   w->max_running = w->o.max_batch;
-  td_kv_pool *cp = td_engine_cross_pool(w->e), *sp = td_engine_self_pool(w->e);
-  w->pool_cross = (xfer_pool){td_kv_pool_memory(cp), td_kv_pool_block_bytes(cp), w->cross_blocks};
-  w->pool_self = (xfer_pool){td_kv_pool_memory(sp), td_kv_pool_block_bytes(sp), w->self_blocks};
+  td_kv_layout full = {w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size};
+  w->full_bb = td_kv_block_elems(&full) * td_buf_elem_size(w->b, TD_BUF_ACT);
   return TD_OK;
 }
 
@@ -340,7 +494,11 @@ static void *compute_main(void *arg) {
       cmd_free(list);
       list = next;
     }
-    if (stop) break;
+    if (stop) {
+      if (w->world > 1) mirror_all(w, "S");
+      break;
+    }
+    if (w->world > 1) mirror_tick(w);
     if (!td_engine_idle(w->e) && td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
     td_engine_stats st = td_engine_get_stats(w->e);
     pthread_mutex_lock(&w->mu);
@@ -381,6 +539,7 @@ void w_job_drop(td_worker *w, job *j) {
   free(j->cross_ids);
   free(j->self_ids);
   free(j->out_blocks);
+  free(j->out_host);
   free(j);
 }
 
@@ -442,7 +601,8 @@ cmd *w_add_cmd(td_worker *w, job *j) {
   cmd *c = w_cmd(CMD_ADD, j->rid, j->role);
   if (!c) return NULL;
   td_request *r = &c->req;
-  r->id = sp->client_id;
+  snprintf(c->id, sizeof c->id, "%s", sp->client_id ? sp->client_id : "");
+  r->id = c->id;
   c->owned_i32[0] = dup_i32(sp->input_ids, sp->n_input_ids);
   c->owned_i32[1] = dup_i32(sp->decoder_prompt, sp->n_decoder_prompt);
   c->owned_i32[2] = dup_i32(sp->stop_token_ids, sp->n_stop_token_ids);
@@ -515,8 +675,9 @@ static void send_register(td_worker *w) {
   in.roles = roles;
   in.n_roles = nr;
   in.model = &mi;
-  in.tp = 1;
-  in.pp = 1;
+  in.tp = (uint32_t)(w->o.tp > 1 ? w->o.tp : 1);
+  in.pp = (uint32_t)(w->o.pp > 1 ? w->o.pp : 1);
+  in.group = (char *)(w->o.group ? w->o.group : "");
   in.block_size = (uint32_t)w->block_size;
   in.self_blocks = (uint32_t)w->self_blocks;
   in.cross_blocks = (uint32_t)w->cross_blocks;
@@ -649,6 +810,15 @@ static bool on_router(td_worker *w, volatile sig_atomic_t *stop) {
       break;
     case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DRAIN:
       *stop = SIGTERM;
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO:
+      if (!m->group_info->ok && w->world > 1) {
+        TD_ERROR("the group failed: %s", m->group_info->error ? m->group_info->error : "?");
+        w->group_failed = true;
+        if (w->comm) td_comm_abort(w->comm);
+        cancel_all(w, "the worker group failed");
+        *stop = SIGTERM;
+      }
       break;
     case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_SHUTDOWN:
       TD_INFO("the router is shutting down");
@@ -795,9 +965,14 @@ static void drain_events(td_worker *w) {
 
 /* ------------------------------------------------------------ transfers */
 
-static bool x_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n, char *why,
-                     size_t cap) {
+static bool x_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n,
+                     size_t block_bytes, char *why, size_t cap) {
   td_worker *w = ctx;
+  if (block_bytes != w->full_bb) {
+    snprintf(why, cap, "blocks of %zu bytes, this model's are %zu (another model or block size?)", block_bytes,
+             w->full_bb);
+    return false;
+  }
   job *j = w_job_find(w, rid, ROLE_DECODE);
   if (!j || (cross ? j->cross_res : j->self_res) != res) j = w_job_find(w, rid, ROLE_PREFILL);
   if (!j || !j->reserved || j->added || (cross ? j->cross_res : j->self_res) != res) {
@@ -820,6 +995,25 @@ static bool x_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const in
     }
   }
   return true;
+}
+
+static void x_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const void *const *data, size_t bb) {
+  td_worker *w = ctx;
+  cmd *c = w_cmd(CMD_WRITE_KV, 0, ROLE_DECODE);
+  if (!c) return;
+  c->cross = cross;
+  c->blocks = malloc(sizeof(int32_t) * (size_t)n);
+  c->data = malloc(bb * (size_t)n);
+  if (!c->blocks || !c->data) {
+    free(c->blocks);
+    free(c->data);
+    free(c);
+    return;
+  }
+  memcpy(c->blocks, blocks, sizeof(int32_t) * (size_t)n);
+  for (int i = 0; i < n; i++) memcpy(c->data + (size_t)i * bb, data[i], bb);
+  c->n_blocks = n;
+  w_post(w, c);
 }
 
 static void x_arrived(void *ctx, uint64_t rid, uint64_t res, bool cross, int n) {
@@ -873,12 +1067,7 @@ static void timers(td_worker *w, volatile sig_atomic_t *stop) {
 
 /* ------------------------------------------------------------ lifecycle */
 
-td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
-  *out = NULL;
-  td_worker *w = calloc(1, sizeof *w);
-  if (!w) return td_err(TD_ERR_NOMEM, "out of memory");
-  w->o = *opts;
-  td_worker_opts *o = &w->o;
+void td_worker_opts_default(td_worker_opts *o) {
   if (!o->block_size) o->block_size = 16;
   if (!o->max_batch) o->max_batch = 32;
   if (!o->max_tokens) o->max_tokens = 512;
@@ -888,6 +1077,15 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
   if (!o->decode && !o->prefill && !o->self_blocks) o->self_blocks = 2 * o->max_batch;
   if (!o->transfer_timeout_ms) o->transfer_timeout_ms = 10000;
   if (!o->listen_host) o->listen_host = "127.0.0.1";
+}
+
+td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
+  *out = NULL;
+  td_worker *w = calloc(1, sizeof *w);
+  if (!w) return td_err(TD_ERR_NOMEM, "out of memory");
+  w->o = *opts;
+  td_worker_opts *o = &w->o;
+  td_worker_opts_default(o);
   snprintf(w->id, sizeof w->id, "%s", o->id);
   w->hb_ms = 500;
   w->dead_after = 6;
@@ -899,6 +1097,55 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
   if (w->efd < 0) {
     s = td_err(TD_ERR_IO, "eventfd: %s", strerror(errno));
     goto fail;
+  }
+  w->zctx = zmq_ctx_new();
+  w->rsock = w->zctx ? zmq_socket(w->zctx, ZMQ_DEALER) : NULL;
+  if (!w->rsock) {
+    s = td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+    goto fail;
+  }
+  td_wire_setup_socket(w->rsock);
+  zmq_setsockopt(w->rsock, ZMQ_ROUTING_ID, w->id, strlen(w->id));
+  if (zmq_connect(w->rsock, o->router) != 0) {
+    s = td_err(TD_ERR_INVALID, "cannot connect to the router at %s: %s", o->router, zmq_strerror(zmq_errno()));
+    goto fail;
+  }
+  w->world = o->tp > 1 ? o->tp : o->pp > 1 ? o->pp : 1;
+  if (w->world > 1) {
+    if (o->encode || o->prefill) {
+      s = td_err(TD_ERR_UNSUPPORTED, "worker groups run the decode role only (encoders and prefill workers are "
+                 "single-rank; their KV is re-sliced for the group on arrival)");
+      goto fail;
+    }
+    if (!o->group || o->rank != 0 || (o->tp > 1 && o->pp > 1)) {
+      s = td_err(TD_ERR_INVALID, "a group leader needs --group, rank 0 and either --tp or --pp");
+      goto fail;
+    }
+    char comm_ep[256] = "-", ep[600];
+    if (o->device == TD_BACKEND_CPU) {
+      if ((s = td_comm_zmq_bind(o->listen_host, &w->boot)) != TD_OK) goto fail;
+      snprintf(comm_ep, sizeof comm_ep, "%s", td_comm_zmq_endpoint(w->boot));
+    } else if ((s = td_comm_nccl_id(w->nccl_id)) != TD_OK) {
+      goto fail;
+    }
+    w->msock = zmq_socket(w->zctx, ZMQ_ROUTER);
+    char mep[300], bound[256];
+    snprintf(mep, sizeof mep, "tcp://%s:*", o->listen_host);
+    int linger = 0, hwm = 0;
+    if (w->msock) {
+      zmq_setsockopt(w->msock, ZMQ_LINGER, &linger, sizeof linger);
+      zmq_setsockopt(w->msock, ZMQ_SNDHWM, &hwm, sizeof hwm);
+    }
+    size_t bl = sizeof bound;
+    if (!w->msock || zmq_bind(w->msock, mep) != 0 || zmq_getsockopt(w->msock, ZMQ_LAST_ENDPOINT, bound, &bl) != 0) {
+      s = td_err(TD_ERR_NETWORK, "cannot bind the group mirror on %s", mep);
+      goto fail;
+    }
+    snprintf(ep, sizeof ep, "%s|%s", comm_ep, bound);
+    TD_INFO("group %s: waiting for %d ranks", o->group, w->world);
+    s = group_rendezvous(w->rsock, o->group, 0, w->world, ep, o->device == TD_BACKEND_CPU ? NULL : w->nccl_id,
+                         o->device == TD_BACKEND_CPU ? 0 : TD_NCCL_ID_BYTES, 120000, NULL, &w->gi);
+    if (s != TD_OK) goto fail;
   }
   if (pthread_create(&w->thread, NULL, compute_main, w) != 0) {
     s = td_err(TD_ERR_INTERNAL, "cannot start the compute thread");
@@ -912,21 +1159,9 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
     s = td_err(w->init_status, "%s", w->init_error);
     goto fail;
   }
-  xfer_hooks hooks = {.accept = x_accept, .arrived = x_arrived, .pushed = x_pushed, .ctx = w};
-  s = xfer_create(o->listen_host, &w->pool_cross, &w->pool_self, &hooks, o->transfer_timeout_ms, &w->x);
+  xfer_hooks hooks = {.accept = x_accept, .deliver = x_deliver, .arrived = x_arrived, .pushed = x_pushed, .ctx = w};
+  s = xfer_create(o->listen_host, &hooks, o->transfer_timeout_ms, &w->x);
   if (s != TD_OK) goto fail;
-  w->zctx = zmq_ctx_new();
-  w->rsock = w->zctx ? zmq_socket(w->zctx, ZMQ_DEALER) : NULL;
-  if (!w->rsock) {
-    s = td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
-    goto fail;
-  }
-  td_wire_setup_socket(w->rsock);
-  zmq_setsockopt(w->rsock, ZMQ_ROUTING_ID, w->id, strlen(w->id));
-  if (zmq_connect(w->rsock, o->router) != 0) {
-    s = td_err(TD_ERR_INVALID, "cannot connect to the router at %s: %s", o->router, zmq_strerror(zmq_errno()));
-    goto fail;
-  }
   *out = w;
   return TD_OK;
 fail:
@@ -961,7 +1196,7 @@ td_status td_worker_run(td_worker *w, volatile sig_atomic_t *stop) {
   m.deregister = &d;
   w_send(w, &m);
   TD_INFO("worker %s stopped", w->id);
-  return TD_OK;
+  return w->group_failed ? td_err(TD_ERR_PEER, "the worker group failed") : TD_OK;
 }
 
 void td_worker_destroy(td_worker *w) {
@@ -999,10 +1234,16 @@ void td_worker_destroy(td_worker *w) {
     free(c);
   }
   xfer_destroy(w->x);
+  if (w->msock) zmq_close(w->msock);
+  w->msock = NULL;
   if (w->rsock) zmq_close(w->rsock);
   if (w->zctx) zmq_ctx_term(w->zctx);
   td_model_destroy(w->m);
+  if (w->b) td_backend_set_comm(w->b, NULL);
+  td_comm_destroy(w->comm);
   td_backend_destroy(w->b);
+  td_comm_zmq_boot_free(w->boot);
+  group_info_free(&w->gi);
   if (w->efd >= 0) close(w->efd);
   pthread_mutex_destroy(&w->mu);
   pthread_cond_destroy(&w->cv);

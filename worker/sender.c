@@ -60,8 +60,15 @@ void w_push_all(td_worker *w, job *j, Tandem__Cluster__KvTarget **targets, size_
                t->n_blocks, j->n_out);
       continue;
     }
-    td_status s = xfer_push(w_xfer(w), j->rid, j->role, t->desc.data, t->desc.len, t->reservation, j->out_cross,
-                            j->out_blocks, t->blocks, j->n_out);
+    const void *src[4096];
+    if (j->n_out > 4096 || !j->out_host) {
+      j->push_failed = true;
+      snprintf(j->push_error, sizeof j->push_error, "%d blocks to push", j->n_out);
+      continue;
+    }
+    for (int b = 0; b < j->n_out; b++) src[b] = j->out_host + (size_t)b * j->out_bb;
+    td_status s = xfer_push(w_xfer(w), j->rid, j->role, t->desc.data, t->desc.len, t->reservation, j->out_cross, src,
+                            j->out_bb, t->blocks, j->n_out);
     if (s == TD_OK) {
       j->pushes_pending++;
     } else if (!j->push_failed) {

@@ -31,8 +31,20 @@ typedef struct td_worker_opts {
   int transfer_timeout_ms; /* a KV push with no answer fails */
   const char *transfer;    /* "zmq" (host memory) or "ucx" */
   const char *listen_host; /* address peers reach this worker's KV endpoint at */
+  /* A tensor- or pipeline-parallel group: one process per rank; rank 0
+   * serves, the others replay its model calls (td_worker_follow). */
+  const char *group;
+  int tp, pp;              /* group size along one of them (the other 1) */
+  int rank;
 } td_worker_opts;
 
+/* A follower rank of a worker group: joins the group through the router,
+ * loads its slice of the model and replays the leader's calls until the
+ * leader stops (or dies, or *stop). */
+td_status td_worker_follow(const td_worker_opts *opts, volatile sig_atomic_t *stop);
+
+/* Fills unset fields (what every rank of a group must agree on). */
+void td_worker_opts_default(td_worker_opts *o);
 td_status td_worker_create(const td_worker_opts *opts, td_worker **out);
 /* Serves until *stop; SIGTERM-style stop drains: no new work, running work
  * finishes (or is handed back), then deregisters. */

@@ -29,7 +29,6 @@ typedef struct pending {
 struct xfer {
   void *ctx, *rx;
   char desc[300];
-  xfer_pool cross, self;
   xfer_hooks hooks;
   int timeout_ms;
   peer peers[MAX_PEERS];
@@ -39,13 +38,10 @@ struct xfer {
   uint64_t next_push;
 };
 
-td_status xfer_create(const char *host, const xfer_pool *cross, const xfer_pool *self, const xfer_hooks *hooks,
-                      int timeout_ms, xfer **out) {
+td_status xfer_create(const char *host, const xfer_hooks *hooks, int timeout_ms, xfer **out) {
   *out = NULL;
   xfer *x = calloc(1, sizeof *x);
   if (!x) return td_err(TD_ERR_NOMEM, "out of memory");
-  x->cross = *cross;
-  x->self = *self;
   x->hooks = *hooks;
   x->timeout_ms = timeout_ms;
   x->next_push = 1;
@@ -121,10 +117,7 @@ static peer *get_peer(xfer *x, const uint8_t *desc, size_t len) {
 }
 
 td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer_desc, size_t peer_len, uint64_t reservation,
-                    bool cross, const int32_t *src, const int32_t *dst, int n) {
-  const xfer_pool *pool = cross ? &x->cross : &x->self;
-  for (int i = 0; i < n; i++)
-    if (src[i] < 0 || src[i] >= pool->n_blocks) return td_err(TD_ERR_INVALID, "KV push of block %d", src[i]);
+                    bool cross, const void *const *src, size_t block_bytes, const int32_t *dst, int n) {
   peer *p = get_peer(x, peer_desc, peer_len);
   if (!p) return TD_ERR_INVALID;
   if (x->n_pend == x->cap_pend) {
@@ -141,7 +134,7 @@ td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer_desc, s
   h.cross = cross;
   h.blocks = (int32_t *)dst;
   h.n_blocks = (size_t)n;
-  h.block_bytes = pool->block_bytes;
+  h.block_bytes = block_bytes;
   h.push_id = x->next_push++;
   size_t hl = protobuf_c_message_get_packed_size(&h.base);
   zmq_msg_t m;
@@ -152,9 +145,9 @@ td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer_desc, s
     return td_err(TD_ERR_NETWORK, "KV push: %s", zmq_strerror(zmq_errno()));
   }
   for (int i = 0; i < n; i++) {
-    /* zero copy: the blocks stay allocated until the push is answered */
+    /* zero copy: the bytes stay until the push is answered */
     zmq_msg_t b;
-    zmq_msg_init_data(&b, (char *)pool->mem + (size_t)src[i] * pool->block_bytes, pool->block_bytes, NULL, NULL);
+    zmq_msg_init_data(&b, (void *)src[i], block_bytes, NULL, NULL);
     if (zmq_msg_send(&b, p->sock, i + 1 < n ? ZMQ_SNDMORE : 0) < 0) {
       zmq_msg_close(&b);
       return td_err(TD_ERR_NETWORK, "KV push: %s", zmq_strerror(zmq_errno()));
@@ -209,22 +202,18 @@ static void receive_one(xfer *x) {
   }
   Tandem__Cluster__KvPush *h = tandem__cluster__kv_push__unpack(NULL, zmq_msg_size(&hd), zmq_msg_data(&hd));
   char why[256] = "";
-  bool ok = h && h->version == TD_PROTOCOL_VERSION;
+  bool ok = h && h->version == TD_PROTOCOL_VERSION && h->n_blocks <= 65536;
   if (!ok) snprintf(why, sizeof why, h ? "KV push of protocol version %u" : "malformed KV push", h ? h->version : 0);
-  const xfer_pool *pool = h && h->cross ? &x->cross : &x->self;
-  if (ok && h->block_bytes != pool->block_bytes) {
-    snprintf(why, sizeof why, "block size %llu bytes, this worker's is %zu", (unsigned long long)h->block_bytes,
-             pool->block_bytes);
-    ok = false;
-  }
-  for (size_t i = 0; ok && i < h->n_blocks; i++)
-    if (h->blocks[i] < 0 || h->blocks[i] >= pool->n_blocks) {
-      snprintf(why, sizeof why, "block %d does not exist here", h->blocks[i]);
-      ok = false;
-    }
   if (ok)
-    ok = x->hooks.accept(x->hooks.ctx, h->rid, h->reservation, h->cross, h->blocks, (int)h->n_blocks, why, sizeof why);
-  size_t got = 0;
+    ok = x->hooks.accept(x->hooks.ctx, h->rid, h->reservation, h->cross, h->blocks, (int)h->n_blocks,
+                         (size_t)h->block_bytes, why, sizeof why);
+  size_t n = ok ? h->n_blocks : 0, got = 0;
+  zmq_msg_t *frames = n ? calloc(n, sizeof *frames) : NULL;
+  const void **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;
+  if (n && (!frames || !ptrs)) {
+    ok = false;
+    snprintf(why, sizeof why, "out of memory");
+  }
   while (more(x->rx)) {
     zmq_msg_t b;
     zmq_msg_init(&b);
@@ -232,19 +221,27 @@ static void receive_one(xfer *x) {
       zmq_msg_close(&b);
       break;
     }
-    if (ok && got < h->n_blocks && zmq_msg_size(&b) == pool->block_bytes) {
-      memcpy((char *)pool->mem + (size_t)h->blocks[got] * pool->block_bytes, zmq_msg_data(&b), pool->block_bytes);
-    } else if (ok) {
-      snprintf(why, sizeof why, "KV push frame %zu has %zu bytes", got, zmq_msg_size(&b));
+    if (ok && got < n && zmq_msg_size(&b) == h->block_bytes) {
+      zmq_msg_init(&frames[got]); /* kept until delivered */
+      zmq_msg_move(&frames[got], &b);
+      zmq_msg_close(&b);
+      ptrs[got] = zmq_msg_data(&frames[got]);
+    } else {
+      if (ok) snprintf(why, sizeof why, "KV push frame %zu has %zu bytes", got, zmq_msg_size(&b));
       ok = false;
+      zmq_msg_close(&b);
     }
     got++;
-    zmq_msg_close(&b);
   }
-  if (ok && got != h->n_blocks) {
-    snprintf(why, sizeof why, "KV push announced %zu blocks, carried %zu", h->n_blocks, got);
+  if (ok && got != n) {
+    snprintf(why, sizeof why, "KV push announced %zu blocks, carried %zu", n, got);
     ok = false;
   }
+  if (ok) x->hooks.deliver(x->hooks.ctx, h->cross, h->blocks, (int)n, ptrs, (size_t)h->block_bytes);
+  for (size_t i = 0; i < got && i < n; i++)
+    if (ptrs && ptrs[i]) zmq_msg_close(&frames[i]);
+  free(frames);
+  free(ptrs);
   if (h) {
     ack(x, &id, h->push_id, ok, ok ? NULL : why);
     if (ok) x->hooks.arrived(x->hooks.ctx, h->rid, h->reservation, h->cross, (int)h->n_blocks);

@@ -72,6 +72,23 @@ int cluster_add_worker(cluster *c, const char *name, const char *roles, int bloc
   return c->n - 1;
 }
 
+int cluster_add_group(cluster *c, const char *name, const char *par, int world, int block_size) {
+  char bin[600], bs[16], ws[8], rk[8], id[64];
+  snprintf(bin, sizeof bin, "%s/tandem-worker", TD_BIN_DIR);
+  snprintf(bs, sizeof bs, "%d", block_size ? block_size : 4);
+  snprintf(ws, sizeof ws, "%d", world);
+  int first = c->n;
+  for (int r = 0; r < world; r++) {
+    snprintf(rk, sizeof rk, "%d", r);
+    snprintf(id, sizeof id, r ? "%s-rank%d" : "%s", name, r);
+    char *argv[] = {bin, "--router", c->worker_ep, "--model", c->model, "--role", "decode", "--id", id, "--block-size",
+                    bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256", "--group", (char *)name,
+                    (char *)par, ws, "--rank", rk, NULL};
+    spawn(c, id, argv);
+  }
+  return first;
+}
+
 void cluster_start(cluster *c, const cluster_opts *o) {
   memset(c, 0, sizeof *c);
   snprintf(c->dir, sizeof c->dir, "/tmp/td-cluster-XXXXXX");
@@ -104,7 +121,11 @@ void cluster_start(cluster *c, const cluster_opts *o) {
   }
   for (int i = 0; i < o->decodes; i++) {
     snprintf(name, sizeof name, "decode-%d", i);
-    cluster_add_worker(c, name, o->encoders ? "decode" : "encode,decode", o->block_size);
+    if (o->group_tp > 1 || o->group_pp > 1)
+      cluster_add_group(c, name, o->group_tp > 1 ? "--tp" : "--pp", o->group_tp > 1 ? o->group_tp : o->group_pp,
+                        o->block_size);
+    else
+      cluster_add_worker(c, name, o->encoders ? "decode" : "encode,decode", o->block_size);
   }
   c->encoders = o->encoders ? o->encoders : o->decodes;
   c->prefills = o->prefills;

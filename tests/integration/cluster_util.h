@@ -29,6 +29,7 @@ typedef struct cluster {
 typedef struct cluster_opts {
   const char *model;
   int encoders, prefills, decodes;
+  int group_tp, group_pp; /* decode workers as groups of this many ranks */
   int prefill_threshold; /* 0: router default */
   int block_size;
   const char *router_extra; /* extra router flags, space separated */
@@ -37,6 +38,9 @@ typedef struct cluster_opts {
 void cluster_start(cluster *c, const cluster_opts *o);
 /* Starts one more worker; returns its index. */
 int cluster_add_worker(cluster *c, const char *name, const char *roles, int block_size);
+/* Starts a decode group of `world` ranks ("--tp" or "--pp"); returns the
+ * index of rank 0. */
+int cluster_add_group(cluster *c, const char *name, const char *par, int world, int block_size);
 /* SIGTERM everything; true when every process exited cleanly in time. */
 bool cluster_stop(cluster *c);
 void cluster_kill(cluster *c, int idx);

@@ -108,12 +108,12 @@ static void expect_same(const outcome *got, const outcome *want, int n, const ch
   }
 }
 
-static void check_topology(const char *model, int enc, int pre, int dec, int clients) {
+static void check_topology_groups(const char *model, int enc, int pre, int dec, int clients, int gtp, int gpp) {
   fixture fx;
   fx_load(model, &fx);
   cluster c;
   cluster_opts o = {.model = fx.dir, .encoders = enc, .prefills = pre, .decodes = dec, .prefill_threshold = 2,
-                    .block_size = 4};
+                    .block_size = 4, .group_tp = gtp, .group_pp = gpp};
   cluster_start(&c, &o);
   char path[600];
   snprintf(path, sizeof path, "%s/requests.jsonl", c.dir);
@@ -131,6 +131,19 @@ static void check_topology(const char *model, int enc, int pre, int dec, int cli
   free(want);
   free(got);
   fx_free(&fx);
+}
+
+static void check_topology(const char *model, int enc, int pre, int dec, int clients) {
+  check_topology_groups(model, enc, pre, dec, clients, 1, 1);
+}
+
+Test(cluster, tensor_parallel_decode_group_matches_generate, .timeout = 600) {
+  check_topology_groups("t5-tiny", 1, 1, 1, 3, 2, 1);
+  check_topology_groups("bart-tiny", 1, 0, 1, 3, 4, 1);
+}
+
+Test(cluster, pipeline_parallel_decode_group_matches_generate, .timeout = 600) {
+  check_topology_groups("mbart-prenorm-sharded", 1, 1, 1, 3, 1, 2);
 }
 
 Test(cluster, encoder_prefill_decode_match_generate, .timeout = 600) {
@@ -253,6 +266,24 @@ static void *killer(void *arg) {
       for (int i = 0; i < h.n_workers; i++)
         if (!strcmp(h.workers[i].id, k->c->p[k->victim].name) && h.workers[i].running > 0) {
           cluster_kill(k->c, k->victim);
+          k->killed = true;
+          return NULL;
+        }
+    usleep(20000);
+  }
+  return NULL;
+}
+
+/* Kills the rank after k->victim (a follower) once the leader k->victim runs work. */
+static void *killer_rank(void *arg) {
+  kill_ctx *k = arg;
+  int64_t end = td_now_ms() + 20000;
+  while (td_now_ms() < end) {
+    td_client_health h;
+    if (cluster_health(k->c, &h))
+      for (int i = 0; i < h.n_workers; i++)
+        if (!strcmp(h.workers[i].id, k->c->p[k->victim].name) && h.workers[i].running > 0) {
+          cluster_kill(k->c, k->victim + 1);
           k->killed = true;
           return NULL;
         }
@@ -485,3 +516,46 @@ Test(cluster, local_sh_demo, .timeout = 300) {
   snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
   cr_expect(system(cmd) == 0);
 }
+
+Test(cluster, group_rank_death_takes_the_group_out, .timeout = 300) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  /* a TP=2 group and a plain decode worker */
+  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1});
+  int g0 = cluster_add_group(&c, "grp", "--tp", 2, 4);
+  cr_assert(cluster_wait_ready(&c, 1, 0, 2, 30000), "the group did not join");
+  char path[600];
+  snprintf(path, sizeof path, "%s/long.jsonl", c.dir);
+  long_requests(path, 10, 200);
+  td_json_request reqs[10];
+  cr_assert_eq(load_requests(path, reqs, 10), 10);
+  outcome want[10], got[10];
+  generate_reference(fx.dir, path, 4, want, 10);
+  /* kill the follower rank once the group's leader runs work */
+  kill_ctx k = {&c, g0, false};
+  pthread_t th;
+  pthread_create(&th, NULL, killer_rank, &k);
+  run_requests(c.client_ep, reqs, 10, true, 60000, got);
+  pthread_join(th, NULL);
+  cr_expect(k.killed, "the group never ran work");
+  for (int i = 0; i < 10; i++) {
+    cr_expect(got[i].done && got[i].status == TD_OK, "%s: %s", got[i].id, got[i].error);
+    cr_expect_arr_eq(got[i].tok[0], want[i].tok[0], sizeof(int32_t) * (size_t)want[i].len[0], "%s: tokens differ",
+                     got[i].id);
+  }
+  /* the leader left with its follower: only the plain decode worker is listed */
+  cr_expect(cluster_wait_ready(&c, 1, 0, 1, 10000), "the group is still in the pool");
+  int st = 0;
+  int64_t end = td_now_ms() + 15000;
+  pid_t r = 0;
+  while (td_now_ms() < end && (r = waitpid(c.p[g0].pid, &st, WNOHANG)) == 0) usleep(50000);
+  cr_expect_eq(r, c.p[g0].pid, "the group leader did not exit");
+  if (r == c.p[g0].pid) c.p[g0].exited = true;
+  char why[256] = "";
+  cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "blocks held: %s", why);
+  cluster_stop(&c);
+  for (int i = 0; i < 10; i++) td_json_request_free(&reqs[i]);
+  fx_free(&fx);
+}
+

@@ -321,6 +321,10 @@ typedef struct toks {
   int32_t tok[16][64];
   int len[16];
   int done;
+  /* beam search: every returned sequence */
+  int32_t btok[16][4][64];
+  int blen[16][4], nout[16];
+  double score[16][4];
 } toks;
 
 static void on_finish(void *ctx, const td_result *r) {
@@ -328,10 +332,16 @@ static void on_finish(void *ctx, const td_result *r) {
   int i = (int)(intptr_t)r->user;
   t->len[i] = r->n_outputs ? r->outputs[0].n_tokens : -1;
   if (r->n_outputs) memcpy(t->tok[i], r->outputs[0].tokens, sizeof(int32_t) * (size_t)t->len[i]);
+  t->nout[i] = r->n_outputs < 4 ? r->n_outputs : 4;
+  for (int k = 0; k < t->nout[i]; k++) {
+    t->blen[i][k] = r->outputs[k].n_tokens;
+    memcpy(t->btok[i][k], r->outputs[k].tokens, sizeof(int32_t) * (size_t)r->outputs[k].n_tokens);
+    t->score[i][k] = r->outputs[k].score;
+  }
   t->done++;
 }
 
-static void check_engine_par(const char *name, int tp, bool pp) {
+static void check_engine_par(const char *name, int tp, bool pp, bool beam) {
   fixture fx;
   fx_load(name, &fx);
   td_comm *comms[MAXTP];
@@ -375,6 +385,13 @@ static void check_engine_par(const char *name, int tp, bool pp) {
       td_request_params_default(&r.params);
       r.params.max_new_tokens = fx.max_new;
       r.params.forced_eos = r.params.forced_bos = -1;
+      if (beam) { /* as beam_reference.json was made */
+        td_request_params_default(&r.params);
+        r.params.max_new_tokens = 10;
+        r.params.num_beams = 4;
+        r.params.num_return_sequences = 4;
+        r.params.early_stopping = 1;
+      }
       uint64_t h;
       cr_assert(td_engine_add(e, &r, &h) == TD_OK, "%s", td_errmsg());
     }
@@ -398,7 +415,18 @@ static void check_engine_par(const char *name, int tp, bool pp) {
     cr_expect(fs[r - 1].replayed > 0, "rank %d replayed nothing", r);
   }
   cr_assert_eq(got.done, fx.n, "%d of %d requests finished", got.done, fx.n);
-  for (int i = 0; i < fx.n; i++) {
+  for (int i = 0; beam && i < fx.n; i++) {
+    const fx_beam *ref = &fx.beam[i];
+    cr_expect_eq(got.nout[i], ref->n_seq);
+    for (int k = 0; k < got.nout[i] && k < ref->n_seq; k++) {
+      cr_expect_eq(got.blen[i][k], ref->seq_len[k]);
+      cr_expect_arr_eq(got.btok[i][k], ref->seq[k], sizeof(int32_t) * (size_t)ref->seq_len[k],
+                       "%s %s=%d request %d beam %d differs", name, pp ? "PP" : "TP", tp, i, k);
+      cr_expect(fabs(got.score[i][k] - ref->score[k]) <= 1e-4 * (1 + fabs(ref->score[k])),
+                "%s request %d beam %d: score %.6f, reference %.6f", name, i, k, got.score[i][k], ref->score[k]);
+    }
+  }
+  for (int i = 0; !beam && i < fx.n; i++) {
     cr_expect_eq(got.len[i], fx.req[i].n_greedy, "%s TP=%d request %d: %d tokens", name, tp, i, got.len[i]);
     cr_expect_arr_eq(got.tok[i], fx.req[i].greedy, sizeof(int32_t) * (size_t)fx.req[i].n_greedy,
                      "%s TP=%d request %d: tokens differ from transformers", name, tp, i);
@@ -416,9 +444,11 @@ static void check_engine_par(const char *name, int tp, bool pp) {
   fx_free(&fx);
 }
 
-Test(tensor_parallel, engine_on_leader_t5) { check_engine_par("t5-tiny", 2, false); }
-Test(tensor_parallel, engine_on_leader_bart_tp4) { check_engine_par("bart-tiny", 4, false); }
-Test(tensor_parallel, engine_on_leader_whisper) { check_engine_par("whisper-tiny", 2, false); }
-Test(pipeline_parallel, engine_on_first_stage_t5) { check_engine_par("t5-tiny", 2, true); }
-Test(pipeline_parallel, engine_on_first_stage_mbart) { check_engine_par("mbart-prenorm-sharded", 2, true); }
-Test(pipeline_parallel, engine_three_stages_one_encoder_layer) { check_engine_par("bart-untied-gelunew", 3, true); }
+Test(tensor_parallel, engine_on_leader_t5) { check_engine_par("t5-tiny", 2, false, false); }
+Test(tensor_parallel, engine_on_leader_bart_tp4) { check_engine_par("bart-tiny", 4, false, false); }
+Test(tensor_parallel, engine_on_leader_whisper) { check_engine_par("whisper-tiny", 2, false, false); }
+Test(tensor_parallel, beam_search_copies_blocks_on_every_rank) { check_engine_par("t5-tiny", 2, false, true); }
+Test(pipeline_parallel, engine_on_first_stage_t5) { check_engine_par("t5-tiny", 2, true, false); }
+Test(pipeline_parallel, engine_on_first_stage_mbart) { check_engine_par("mbart-prenorm-sharded", 2, true, false); }
+Test(pipeline_parallel, engine_three_stages_one_encoder_layer) { check_engine_par("bart-untied-gelunew", 3, true, false); }
+Test(pipeline_parallel, beam_search_bart) { check_engine_par("bart-tiny", 2, true, true); }

@@ -1,0 +1,36 @@
+/* Worker groups: what the runtime and the follower loop share. Internal. */
+#ifndef TD_WORKER_GROUP_H
+#define TD_WORKER_GROUP_H
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/engine.h"
+#include "proto/wire.h"
+#include "worker/worker.h"
+
+typedef struct group_info {
+  int world;
+  char *endpoints[16];
+  uint8_t nccl_id[TD_NCCL_ID_BYTES];
+  bool has_nccl_id;
+} group_info;
+
+/* Joins `group` as `rank` through the router socket and waits for every
+ * rank's endpoint. */
+td_status group_rendezvous(void *rsock, const char *group, int rank, int world, const char *endpoint,
+                           const uint8_t *nccl_id, size_t nccl_len, int timeout_ms, volatile sig_atomic_t *stop,
+                           group_info *out);
+void group_info_free(group_info *g);
+/* rank 0's endpoint carries two: "COMM|MIRROR". */
+void group_split_leader(const char *ep, char *comm, size_t ccap, char *mirror, size_t mcap);
+
+/* Copies the part of a whole-model KV block ([L][K|V][H][slot_bytes]) that
+ * holds layers [l0, l1) and heads [h0, h1) into dst (the same layout, cut). */
+void group_slice_block(const uint8_t *full, uint8_t *dst, int L, int H, size_t slot_bytes, int l0, int l1, int h0,
+                       int h1);
+/* The layers and heads rank r of a group holds (tp or pp ranks). */
+void group_rank_range(int r, int tp, int pp, int L, int H, int *l0, int *l1, int *h0, int *h1);
+
+#endif
