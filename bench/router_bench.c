@@ -1,0 +1,212 @@
+/* The router alone: requests per second and the latency it adds, with
+ * workers that answer every job at once (no model).
+ *   bench-router [--requests N] [--no-record] */
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench_util.h"
+#include "client/client.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "proto/wire.h"
+#include "router/router.h"
+
+static volatile sig_atomic_t stop_router, stop_workers;
+
+typedef struct rctx {
+  td_router *r;
+} rctx;
+
+static void *router_thread(void *arg) {
+  td_router_run(((rctx *)arg)->r, &stop_router);
+  return NULL;
+}
+
+typedef struct wctx {
+  const char *ep;
+  char id[32];
+  long answered;
+} wctx;
+
+static void wsend(void *s, Tandem__Cluster__WorkerMessage *m) {
+  m->version = TD_PROTOCOL_VERSION;
+  (void)td_wire_send(s, NULL, 0, &m->base);
+}
+
+/* A decode worker that encodes "locally" and finishes every request with one token at once. */
+static void *worker_thread(void *arg) {
+  wctx *w = arg;
+  void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
+  td_wire_setup_socket(s);
+  zmq_setsockopt(s, ZMQ_ROUTING_ID, w->id, strlen(w->id));
+  zmq_connect(s, w->ep);
+  Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
+  mi.model_type = "t5";
+  mi.vocab_size = 32128;
+  mi.max_source_len = 512;
+  mi.max_target_len = 512;
+  Tandem__Cluster__Role roles[2] = {TANDEM__CLUSTER__ROLE__ROLE_ENCODE, TANDEM__CLUSTER__ROLE__ROLE_DECODE};
+  Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;
+  in.worker_id = w->id;
+  in.roles = roles;
+  in.n_roles = 2;
+  in.model = &mi;
+  in.block_size = 16;
+  in.self_blocks = 1 << 20;
+  in.cross_blocks = 1 << 20;
+  in.max_running = 1 << 16;
+  Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
+  reg.info = &in;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
+  m.register_ = &reg;
+  wsend(s, &m);
+  int64_t last_hb = 0;
+  int32_t tok = 5;
+  while (!stop_workers) {
+    if (td_now_ms() - last_hb > 200) {
+      Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
+      Tandem__Cluster__WorkerMessage hm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+      hm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT;
+      hm.heartbeat = &hb;
+      wsend(s, &hm);
+      last_hb = td_now_ms();
+    }
+    zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+    if (zmq_poll(&it, 1, 50) <= 0) continue;
+    for (;;) {
+      td_wire_frame f;
+      if (td_wire_recv(s, false, false, &f) != TD_OK) break;
+      Tandem__Cluster__RouterMessage *rm;
+      uint32_t ver;
+      if (td_wire_unpack_router(&f, &rm, &ver) == TD_OK) {
+        if (rm->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE) {
+          Tandem__SequenceOutput o = TANDEM__SEQUENCE_OUTPUT__INIT;
+          o.tokens = &tok;
+          o.n_tokens = 1;
+          o.finish_reason = TANDEM__FINISH_REASON__FINISH_LENGTH;
+          Tandem__SequenceOutput *op = &o;
+          Tandem__Cluster__Finished fin = TANDEM__CLUSTER__FINISHED__INIT;
+          fin.rid = rm->decode->req->rid;
+          fin.outputs = &op;
+          fin.n_outputs = 1;
+          Tandem__Cluster__WorkerMessage fm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+          fm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED;
+          fm.finished = &fin;
+          wsend(s, &fm);
+          w->answered++;
+        }
+        tandem__cluster__router_message__free_unpacked(rm, NULL);
+      }
+      td_wire_frame_free(&f);
+    }
+  }
+  zmq_close(s);
+  zmq_ctx_term(ctx);
+  return NULL;
+}
+
+typedef struct lat {
+  int64_t *sent;
+  double *ms;
+  int done;
+} lat;
+
+static void on_result(void *ctx, const td_result *r) {
+  lat *l = ctx;
+  int i = atoi(r->id);
+  l->ms[i] = (double)(td_now_ns() - l->sent[i]) * 1e-6;
+  l->done++;
+}
+
+static int cmp_d(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Sends n requests keeping `inflight` outstanding; returns requests/s. */
+static double run(const char *ep, int n, int inflight, double *p50, double *p99) {
+  td_client *c;
+  *p50 = *p99 = 0;
+  if (td_client_connect(ep, &c) != TD_OK) return -1;
+  lat l = {calloc((size_t)n, sizeof(int64_t)), calloc((size_t)n, sizeof(double)), 0};
+  td_client_events ev = {.on_result = on_result, .ctx = &l};
+  int32_t ids[32];
+  for (int i = 0; i < 32; i++) ids[i] = 100 + i;
+  td_json_request q;
+  memset(&q, 0, sizeof q);
+  td_request_params_default(&q.params);
+  q.params.max_new_tokens = 1;
+  q.input_ids = ids;
+  q.n_input = 32;
+  int64_t t0 = td_now_ns();
+  int sent = 0;
+  while (l.done < n) {
+    while (sent < n && sent - l.done < inflight) {
+      snprintf(q.id, sizeof q.id, "%d", sent);
+      l.sent[sent] = td_now_ns();
+      if (td_client_generate(c, &q, false, 60000) != TD_OK) break;
+      sent++;
+    }
+    td_client_poll(c, 10, &ev);
+  }
+  double secs = (double)(td_now_ns() - t0) * 1e-9;
+  qsort(l.ms, (size_t)n, sizeof(double), cmp_d);
+  *p50 = l.ms[n / 2];
+  *p99 = l.ms[(int)(n * 0.99)];
+  free(l.sent);
+  free(l.ms);
+  td_client_close(c);
+  return n / secs;
+}
+
+int main(int argc, char **argv) {
+  int n = 20000;
+  bool record = true;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--requests") && i + 1 < argc) n = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--no-record")) record = false;
+  }
+  td_log_set_level(TD_LOG_WARN);
+  td_router_opts o = {.client_endpoint = "tcp://127.0.0.1:7390", .worker_endpoint = "tcp://127.0.0.1:7391",
+                      .max_queue = 1 << 20, .max_in_flight = 1 << 20};
+  rctx rc;
+  if (td_router_create(&o, &rc.r) != TD_OK) {
+    fprintf(stderr, "router: %s\n", td_errmsg());
+    return 1;
+  }
+  pthread_t rt, wt[2];
+  pthread_create(&rt, NULL, router_thread, &rc);
+  wctx w[2] = {{.ep = o.worker_endpoint}, {.ep = o.worker_endpoint}};
+  for (int i = 0; i < 2; i++) {
+    snprintf(w[i].id, sizeof w[i].id, "fake-%d", i);
+    pthread_create(&wt[i], NULL, worker_thread, &w[i]);
+  }
+  usleep(500000);
+  td_sbuf t = {0};
+  td_sbuf_printf(&t, "Router alone (tandem-router in-process, 2 decode workers that answer each job at once, one client "
+                     "over loopback TCP, requests of 32 input tokens): throughput at several concurrencies and the "
+                     "round-trip latency (client -> router -> worker -> router -> client).\n\n");
+  td_sbuf_printf(&t, "| requests in flight | requests/s | p50 ms | p99 ms |\n|---|---|---|---|\n");
+  printf("%10s %12s %8s %8s\n", "in flight", "requests/s", "p50 ms", "p99 ms");
+  int levels[] = {1, 8, 64, 512};
+  for (int k = 0; k < 4; k++) {
+    double p50 = 0, p99 = 0;
+    int cnt = levels[k] == 1 ? (n / 10 > 500 ? n / 10 : 500) : n;
+    double rps = run(o.client_endpoint, cnt, levels[k], &p50, &p99);
+    printf("%10d %12.0f %8.3f %8.3f\n", levels[k], rps, p50, p99);
+    td_sbuf_printf(&t, "| %d | %.0f | %.3f | %.3f |\n", levels[k], rps, p50, p99);
+  }
+  stop_workers = 1;
+  for (int i = 0; i < 2; i++) pthread_join(wt[i], NULL);
+  stop_router = 1;
+  pthread_join(rt, NULL);
+  td_router_destroy(rc.r);
+  if (record) td_bench_record("Router throughput and added latency (bench-router)", td_bench_cpu_name(), t.s);
+  td_sbuf_free(&t);
+  return 0;
+}
