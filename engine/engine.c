@@ -1102,14 +1102,7 @@ td_status td_engine_step(td_engine *e) {
   const float *lg = NULL;
   td_status s = td_model_step(e->m, &in, &lg);
   e->st.steps++;
-  if (s != TD_OK) {
-    char msg[1024];
-    snprintf(msg, sizeof msg, "%s", td_errmsg());
-    for (int i = 0; i < n_sched; i++) group_fail(e, sched_g[i], s, msg);
-    free(ordered);
-    free(ouse);
-    return TD_OK;
-  }
+  if (s != TD_OK) goto failed;
   float *logits = (float *)lg;
   /* all_logits: prompt rows first (in order), then the sample row, before sampling edits it */
   for (int i = 0; i < n_sched; i++) {
@@ -1157,14 +1150,7 @@ td_status td_engine_step(td_engine *e) {
     if (s == TD_OK) s = td_copy_d2h(e->b, e->h_vals, e->d_vals, sizeof(float) * (size_t)n_beam_rows * k);
   }
   if (s == TD_OK) s = td_sync(e->b);
-  if (s != TD_OK) {
-    char msg[1024];
-    snprintf(msg, sizeof msg, "%s", td_errmsg());
-    for (int i = 0; i < n_sched; i++) group_fail(e, sched_g[i], s, msg);
-    free(ordered);
-    free(ouse);
-    return TD_OK;
-  }
+  if (s != TD_OK) goto failed;
   /* apply results per group */
   for (int i = 0; i < n_sched; i++) {
     group *g = sched_g[i];
@@ -1219,6 +1205,15 @@ td_status td_engine_step(td_engine *e) {
   free(ordered);
   free(ouse);
   return TD_OK;
+failed: {
+  /* the step's requests fail; the engine goes on */
+  char msg[1024];
+  snprintf(msg, sizeof msg, "%s", td_errmsg());
+  for (int i = 0; i < n_sched; i++) group_fail(e, sched_g[i], s, msg);
+  free(ordered);
+  free(ouse);
+  return TD_OK;
+}
 }
 
 td_status td_engine_check(const td_engine *e) {

@@ -140,6 +140,8 @@ void w_job_drop(td_worker *w, job *j);
 void w_send(td_worker *w, Tandem__Cluster__WorkerMessage *m);
 void w_send_failed(td_worker *w, uint64_t rid, td_status code, const char *msg, bool retryable);
 void w_send_reserved(td_worker *w, job *j);
+/* Gives the job's handed-over blocks back to the engine. */
+void w_release_out_blocks(td_worker *w, job *j);
 xfer *w_xfer(td_worker *w);
 int w_ttl_ms(td_worker *w);
 bool w_draining(td_worker *w);

@@ -584,6 +584,17 @@ void w_send_reserved(td_worker *w, job *j) {
   w_send(w, &m);
 }
 
+void w_release_out_blocks(td_worker *w, job *j) {
+  if (!j->out_blocks) return;
+  cmd *c = w_cmd(CMD_RELEASE_BLOCKS, j->rid, j->role);
+  if (!c) return;
+  c->cross = j->out_cross;
+  c->blocks = j->out_blocks;
+  c->n_blocks = j->n_out;
+  j->out_blocks = NULL;
+  w_post(w, c);
+}
+
 xfer *w_xfer(td_worker *w) { return w->x; }
 int w_ttl_ms(td_worker *w) { return w->o.reservation_ttl_ms; }
 bool w_draining(td_worker *w) { return w->draining; }
@@ -730,16 +741,7 @@ static void cancel_rid(td_worker *w, uint64_t rid) {
         w_post(w, c);
       }
     }
-    if (j->out_blocks) {
-      cmd *c = w_cmd(CMD_RELEASE_BLOCKS, rid, (wrole)r);
-      if (c) {
-        c->cross = j->out_cross;
-        c->blocks = j->out_blocks;
-        c->n_blocks = j->n_out;
-        j->out_blocks = NULL;
-        w_post(w, c);
-      }
-    }
+    w_release_out_blocks(w, j);
     w_job_drop(w, j);
   }
   w_post(w, w_cmd(CMD_CANCEL, rid, ROLE_DECODE));

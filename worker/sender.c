@@ -8,16 +8,7 @@
 
 /* All pushes of a sender job are over: report and free its blocks. */
 static void sender_finish(td_worker *w, job *j) {
-  if (j->out_blocks) {
-    cmd *c = w_cmd(CMD_RELEASE_BLOCKS, j->rid, j->role);
-    if (c) {
-      c->cross = j->out_cross;
-      c->blocks = j->out_blocks;
-      c->n_blocks = j->n_out;
-      j->out_blocks = NULL;
-      w_post(w, c);
-    }
-  }
+  w_release_out_blocks(w, j);
   if (j->push_failed) {
     w_send_failed(w, j->rid, TD_ERR_PEER, j->push_error, true);
   } else if (j->role == ROLE_ENCODE) {

@@ -163,6 +163,22 @@ def t5v11_gated(out):
           {"start": 0, "eos": 1}, 6, 12, 11, save_dtype=torch.bfloat16)
 
 
+def t5_gated_untied_head(out):
+    # transformers 5.17's T5Config turns tie_word_embeddings back on; untie
+    # after construction so that lm_head is its own tensor in the file.
+    cfg = tf.T5Config(vocab_size=211, d_model=32, d_kv=8, d_ff=40, num_layers=2,
+                      num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                      relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
+                      decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, dropout_rate=0.0)
+    model = tf.T5ForConditionalGeneration(cfg)
+    model.config.tie_word_embeddings = False
+    model.config.scale_decoder_outputs = False
+    model.lm_head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = {} if isinstance(model._tied_weights_keys, dict) else []
+    build(out, "t5-gated-untied-head", "t5", model, {}, {"start": 0, "eos": 1}, 4, 10, 17)
+
+
 def mt5_silu(out):
     cfg = tf.MT5Config(vocab_size=301, d_model=40, d_kv=10, d_ff=56, num_layers=2,
                        num_decoder_layers=3, num_heads=3, relative_attention_num_buckets=24,
@@ -222,7 +238,7 @@ def whisper_128(out):
           {"start": 1, "eos": 2}, 3, 10, 16, beam=False)
 
 
-BUILDERS = {"t5v11-gated-untied": t5v11_gated, "mt5-silu-tied": mt5_silu,
+BUILDERS = {"t5-gated-untied-head": t5_gated_untied_head, "t5v11-gated-untied": t5v11_gated, "mt5-silu-tied": mt5_silu,
             "mbart-prenorm-sharded": mbart_prenorm, "marian-sinusoidal": marian_sinus,
             "bart-untied-gelunew": bart_untied, "whisper-128mel": whisper_128}
 

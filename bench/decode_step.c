@@ -1,0 +1,314 @@
+/* The decode step and the encoder on a GPU, on a model of Flan-T5-large
+ * shape with random bf16 weights, against the memory floor (bytes read /
+ * measured copy bandwidth) and the matrix floor (FLOPs / measured cuBLAS
+ * bf16 rate).
+ *   bench-decode-step [--tp N | --pp N] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
+ *                     [--steps N] [--shape flan-t5-large|bart-large] [--no-record]
+ * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench_util.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "kvcache/kvcache.h"
+#include "model/model.h"
+#include "random_model.h"
+
+typedef struct cfg {
+  int tp, pp, world;
+  int batches[8], n_batches;
+  int enc_len, ctx, steps;
+  const char *dir;
+  td_random_shape shape;
+  uint8_t nccl_id[TD_NCCL_ID_BYTES];
+} cfg;
+
+typedef struct rank {
+  const cfg *c;
+  int r;
+  td_status st;
+  char err[512];
+  /* rank 0's measurements */
+  double copy_gbs, gemm_tflops, enc_ms, step_ms[8];
+  double weight_bytes;
+} rank;
+
+static double ms_since(int64_t t0) { return (double)(td_now_ns() - t0) * 1e-6; }
+
+static int cmp_d(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Ceilings measured on this device: device copy and a large bf16 GEMM. */
+static td_status ceilings(td_backend *b, double *gbs, double *tflops) {
+  size_t n = (size_t)1 << 29; /* 1 GiB of bf16 */
+  void *x = NULL, *y = NULL;
+  TD_TRY(td_alloc(b, TD_BUF_ACT, n, &x));
+  TD_TRY(td_alloc(b, TD_BUF_ACT, n, &y));
+  float *h = malloc(sizeof(float) * 4096);
+  for (int i = 0; i < 4096; i++) h[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+  for (size_t off = 0; off < n; off += 4096) TD_TRY(td_upload(b, TD_BUF_ACT, (char *)x + off * 2, h, 4096));
+  TD_TRY(td_copy_d2d(b, y, x, n * 2));
+  TD_TRY(td_sync(b));
+  int64_t t0 = td_now_ns();
+  for (int i = 0; i < 10; i++) TD_TRY(td_copy_d2d(b, i % 2 ? x : y, i % 2 ? y : x, n * 2));
+  TD_TRY(td_sync(b));
+  *gbs = 10.0 * 2 * (double)n * 2 / (ms_since(t0) * 1e-3) / 1e9; /* read + write */
+  int M = 8192;
+  t0 = 0;
+  double best = 1e30;
+  for (int i = 0; i < 6; i++) {
+    TD_TRY(td_sync(b));
+    int64_t s = td_now_ns();
+    TD_TRY(td_gemm(b, x, (char *)x + (size_t)M * M * 2, NULL, y, M, M, M, TD_ACT_NONE, 0));
+    TD_TRY(td_sync(b));
+    double ms = ms_since(s);
+    if (i > 0 && ms < best) best = ms;
+  }
+  *tflops = 2.0 * M * M * (double)M / (best * 1e-3) / 1e12;
+  free(h);
+  td_free(b, x);
+  td_free(b, y);
+  return TD_OK;
+}
+
+static void *rank_main(void *arg) {
+  rank *rk = arg;
+  const cfg *c = rk->c;
+  td_backend *b = NULL;
+  td_comm *comm = NULL;
+  td_model *m = NULL;
+  td_kv_pool *self = NULL, *cross = NULL;
+  int32_t *buf = NULL;
+  td_status s;
+  int maxb = 0;
+  for (int i = 0; i < c->n_batches; i++) maxb = c->batches[i] > maxb ? c->batches[i] : maxb;
+  td_backend_opts bo = {.kind = TD_BACKEND_CUDA, .device = rk->r};
+  if ((s = td_backend_create(&bo, &b)) != TD_OK) goto out;
+  if (c->world > 1) {
+    if ((s = td_comm_create_nccl(b, c->nccl_id, rk->r, c->world, &comm)) != TD_OK) goto out;
+    td_backend_set_comm(b, comm);
+  }
+  if (rk->r == 0 && (s = ceilings(b, &rk->copy_gbs, &rk->gemm_tflops)) != TD_OK) goto out;
+  int bs = 16;
+  td_model_opts mo = {.block_size = bs, .max_seqs = maxb, .max_tokens = maxb * c->ctx, .max_logits = maxb,
+                      .max_enc_tokens = maxb * c->enc_len, .max_enc_seqs = maxb, .max_source_len = c->enc_len,
+                      .max_target_len = c->ctx + c->steps + 16};
+  if (c->tp > 1) {
+    mo.tp_rank = rk->r;
+    mo.tp_size = c->tp;
+  }
+  if (c->pp > 1) {
+    mo.pp_rank = rk->r;
+    mo.pp_size = c->pp;
+  }
+  if ((s = td_model_load(c->dir, b, &mo, &m)) != TD_OK) goto out;
+  int ncb = (c->enc_len + bs - 1) / bs, nsb = (c->ctx + c->steps + bs) / bs + 1;
+  td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
+  if ((s = td_kv_pool_create(b, &sl, maxb * nsb, &self)) != TD_OK) goto out;
+  if ((s = td_kv_pool_create(b, &cl, maxb * ncb, &cross)) != TD_OK) goto out;
+  td_model_set_pools(m, td_kv_pool_memory(self), td_kv_pool_memory(cross));
+  const td_model_config *mc = td_model_get_config(m);
+  int E = maxb * c->enc_len, T = maxb * c->ctx;
+  buf = malloc(sizeof(int32_t) * (size_t)(6 * E + 8 * T + 16 * maxb * (ncb + nsb) + 64));
+  int32_t *lens = buf, *toks = lens + maxb, *slots = toks + E;
+  for (int i = 0; i < maxb; i++) lens[i] = c->enc_len;
+  for (int i = 0; i < E; i++) toks[i] = 3 + (int32_t)((i * 2654435761u) % (uint32_t)(mc->vocab_size - 3));
+  for (int sq = 0; sq < maxb; sq++)
+    for (int t = 0; t < c->enc_len; t++) slots[sq * c->enc_len + t] = (sq * ncb + t / bs) * bs + t % bs;
+  td_encode_input ei = {.n_seqs = maxb, .lens = lens, .tokens = toks, .cross_slots = slots};
+  /* encoder: one warm-up, then the median of three */
+  double enc[3];
+  for (int it = 0; it < 4; it++) {
+    int64_t t0 = td_now_ns();
+    if ((s = td_model_encode(m, &ei, NULL)) != TD_OK) goto out;
+    if (it) enc[it - 1] = ms_since(t0);
+  }
+  qsort(enc, 3, sizeof *enc, cmp_d);
+  rk->enc_ms = enc[1];
+  /* decoder prompts of ctx tokens fill the self KV */
+  int32_t *qs = slots + E, *ctx = qs + maxb + 1, *clen = ctx + maxb, *tab = clen + maxb, *ctab = tab + maxb * nsb,
+          *pos = ctab + maxb * ncb, *dtok = pos + T, *dslots = dtok + T, *rows = dslots + T;
+  for (int sq = 0; sq < maxb; sq++) {
+    for (int k = 0; k < nsb; k++) tab[sq * nsb + k] = sq * nsb + k;
+    for (int k = 0; k < ncb; k++) ctab[sq * ncb + k] = sq * ncb + k;
+    clen[sq] = c->enc_len;
+  }
+  int P = c->ctx;
+  qs[0] = 0;
+  for (int sq = 0; sq < maxb; sq++) {
+    qs[sq + 1] = qs[sq] + P;
+    ctx[sq] = P;
+    rows[sq] = qs[sq + 1] - 1;
+    for (int t = 0; t < P; t++) {
+      int row = sq * P + t;
+      dtok[row] = 3 + (row * 7919) % 1000;
+      pos[row] = t;
+      dslots[row] = tab[sq * nsb + t / bs] * bs + t % bs;
+    }
+  }
+  td_step_input pi = {.n_seqs = maxb, .n_tokens = maxb * P, .tokens = dtok, .positions = pos, .q_start = qs,
+                      .ctx_len = ctx, .slots = dslots, .block_table = tab, .block_stride = nsb, .cross_len = clen,
+                      .cross_table = ctab, .cross_stride = ncb, .n_logits = maxb, .logit_rows = rows};
+  const float *lg;
+  if ((s = td_model_step(m, &pi, &lg)) != TD_OK || (s = td_sync(b)) != TD_OK) goto out;
+  /* decode steps: every sequence one token at position ctx (graph replay) */
+  for (int bi = 0; bi < c->n_batches; bi++) {
+    int B = c->batches[bi];
+    for (int sq = 0; sq < B; sq++) {
+      qs[sq] = sq;
+      ctx[sq] = P + 1;
+      dtok[sq] = 5 + sq;
+      pos[sq] = P;
+      dslots[sq] = tab[sq * nsb + P / bs] * bs + P % bs;
+      rows[sq] = sq;
+    }
+    qs[B] = B;
+    td_step_input di = {.n_seqs = B, .n_tokens = B, .tokens = dtok, .positions = pos, .q_start = qs, .ctx_len = ctx,
+                        .slots = dslots, .block_table = tab, .block_stride = nsb, .cross_len = clen,
+                        .cross_table = ctab, .cross_stride = ncb, .n_logits = B, .logit_rows = rows};
+    double *t = malloc(sizeof(double) * (size_t)c->steps);
+    for (int it = 0; it < c->steps + 3; it++) {
+      int64_t t0 = td_now_ns();
+      if ((s = td_model_step(m, &di, &lg)) != TD_OK || (s = td_sync(b)) != TD_OK) {
+        free(t);
+        goto out;
+      }
+      if (it >= 3) t[it - 3] = ms_since(t0);
+    }
+    qsort(t, (size_t)c->steps, sizeof *t, cmp_d);
+    rk->step_ms[bi] = t[c->steps / 2];
+    free(t);
+  }
+out:
+  if (s != TD_OK) {
+    rk->st = s;
+    snprintf(rk->err, sizeof rk->err, "rank %d: %s", rk->r, td_errmsg());
+    if (comm) td_comm_abort(comm);
+  }
+  free(buf);
+  td_kv_pool_destroy(self);
+  td_kv_pool_destroy(cross);
+  td_model_destroy(m);
+  if (b) td_backend_set_comm(b, NULL);
+  td_comm_destroy(comm);
+  td_backend_destroy(b);
+  return NULL;
+}
+
+int main(int argc, char **argv) {
+  cfg c = {.tp = 1, .pp = 1, .enc_len = 512, .ctx = 64, .steps = 50};
+  int defb[3] = {1, 16, 64};
+  memcpy(c.batches, defb, sizeof defb);
+  c.n_batches = 3;
+  bool record = true;
+  const char *shape = "flan-t5-large";
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--tp") && i + 1 < argc) c.tp = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--pp") && i + 1 < argc) c.pp = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--enc-len") && i + 1 < argc) c.enc_len = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--ctx") && i + 1 < argc) c.ctx = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--steps") && i + 1 < argc) c.steps = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
+    else if (!strcmp(argv[i], "--no-record")) record = false;
+    else if (!strcmp(argv[i], "--batches") && i + 1 < argc) {
+      c.n_batches = 0;
+      for (char *t = strtok(argv[++i], ","); t && c.n_batches < 8; t = strtok(NULL, ",")) c.batches[c.n_batches++] = atoi(t);
+    }
+  }
+  td_log_set_level(TD_LOG_WARN);
+  c.world = c.tp * c.pp;
+  if (!strcmp(shape, "bart-large"))
+    c.shape = (td_random_shape){.model_type = "bart", .d_model = 1024, .enc_layers = 12, .dec_layers = 12, .heads = 16,
+                                .head_dim = 64, .ffn = 4096, .vocab = 50265, .bf16 = true, .max_positions = 1024};
+  else
+    c.shape = (td_random_shape){.model_type = "t5", .d_model = 1024, .enc_layers = 24, .dec_layers = 24, .heads = 16,
+                                .head_dim = 64, .ffn = 2816, .vocab = 32128, .gated = true, .bf16 = true,
+                                .max_positions = 1024};
+  char dir[] = "/tmp/td-bench-model-XXXXXX";
+  if (!mkdtemp(dir)) return 1;
+  c.dir = dir;
+  int64_t t0 = td_now_ns();
+  if (td_random_model_write(dir, &c.shape, 7)) {
+    fprintf(stderr, "cannot write the model\n");
+    return 1;
+  }
+  fprintf(stderr, "wrote a random %s checkpoint in %.1f s\n", shape, ms_since(t0) / 1000);
+  if (c.world > 1 && td_comm_nccl_id(c.nccl_id) != TD_OK) {
+    fprintf(stderr, "%s\n", td_errmsg());
+    return 1;
+  }
+  rank rk[8] = {0};
+  pthread_t th[8];
+  for (int r = 0; r < c.world; r++) {
+    rk[r] = (rank){.c = &c, .r = r};
+    pthread_create(&th[r], NULL, rank_main, &rk[r]);
+  }
+  for (int r = 0; r < c.world; r++) pthread_join(th[r], NULL);
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  if (system(cmd)) fprintf(stderr, "could not remove %s\n", dir);
+  for (int r = 0; r < c.world; r++)
+    if (rk[r].st != TD_OK) {
+      fprintf(stderr, "%s\n", rk[r].err);
+      return 1;
+    }
+  /* floors */
+  const td_random_shape *sh = &c.shape;
+  double d = sh->d_model, hd = (double)sh->heads * sh->head_dim, ff = sh->ffn, Ld = sh->dec_layers, Le = sh->enc_layers;
+  double ffw = sh->gated ? 3 * d * ff : 2 * d * ff;
+  double dec_w = Ld * (4 * d * hd + 2 * d * hd + ffw) * 2 + (double)sh->vocab * d * 2; /* excludes cross K/V weights */
+  double kv_tok = Ld * 2 * hd * 2;                                                     /* bytes per token per sequence */
+  double gbs = rk[0].copy_gbs, tf = rk[0].gemm_tflops;
+  double enc_tokens = (double)c.batches[c.n_batches - 1] * c.enc_len;
+  for (int i = 0; i < c.n_batches; i++)
+    if (c.batches[i] > 0) enc_tokens = enc_tokens > c.batches[i] * (double)c.enc_len ? enc_tokens : c.batches[i] * (double)c.enc_len;
+  double enc_flops = enc_tokens * (Le * (2 * (4 * d * hd + ffw) + 4 * c.enc_len * hd) + Ld * 2 * 2 * d * hd);
+  const char *dev = td_backend_cuda_available() ? "GPU" : "?";
+  FILE *p = popen("nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1", "r");
+  char devname[128] = "";
+  if (p) {
+    if (fgets(devname, sizeof devname, p)) devname[strcspn(devname, "\n")] = 0;
+    pclose(p);
+  }
+  if (devname[0]) dev = devname;
+  td_sbuf t = {0};
+  td_sbuf_printf(&t, "%s shape (d_model %d, %d+%d layers, %d heads of %d, %sFFN %d, vocab %d), random bf16 weights; "
+                     "encoder input %d tokens, decoder context %d tokens; %s%s%d. Ceilings measured in the same run: "
+                     "device copy %.0f GB/s (read + write), cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s.\n\n",
+                 shape, sh->d_model, sh->enc_layers, sh->dec_layers, sh->heads, sh->head_dim, sh->gated ? "gated " : "",
+                 sh->ffn, sh->vocab, c.enc_len, c.ctx, c.tp > 1 ? "tensor parallel " : c.pp > 1 ? "pipeline stages " : "GPUs ",
+                 "", c.world, gbs, tf);
+  td_sbuf_printf(&t, "| batch | step ms | tokens/s | bytes read GB | floor ms | x floor |\n|---|---|---|---|---|---|\n");
+  printf("%6s %9s %10s %9s %9s %8s\n", "batch", "step ms", "tokens/s", "bytes GB", "floor ms", "x floor");
+  for (int i = 0; i < c.n_batches; i++) {
+    int B = c.batches[i];
+    double bytes = dec_w + (double)B * (c.enc_len + c.ctx + 1) * kv_tok;
+    double floor_ms = bytes / (gbs * 1e9) * 1e3 / c.world;
+    double ms = rk[0].step_ms[i];
+    printf("%6d %9.3f %10.0f %9.3f %9.3f %8.2f\n", B, ms, B / (ms * 1e-3), bytes / 1e9, floor_ms, ms / floor_ms);
+    td_sbuf_printf(&t, "| %d | %.3f | %.0f | %.3f | %.3f | %.2f |\n", B, ms, B / (ms * 1e-3), bytes / 1e9, floor_ms,
+                   ms / floor_ms);
+  }
+  double enc_floor = enc_flops / (tf * 1e12) * 1e3 / c.world;
+  printf("encoder %g tokens (with cross-KV projection): %.2f ms, %.0f TFLOP/s = %.0f%% of the GEMM rate\n", enc_tokens,
+         rk[0].enc_ms, enc_flops / (rk[0].enc_ms * 1e-3) / 1e12, 100 * enc_floor / rk[0].enc_ms);
+  td_sbuf_printf(&t, "\nEncoder forward of %.0f tokens plus the cross-attention K/V projection of every decoder layer: "
+                     "%.2f ms, %.0f TFLOP/s per GPU, %.0f%% of the measured GEMM rate.\n",
+                 enc_tokens, rk[0].enc_ms, enc_flops / (rk[0].enc_ms * 1e-3) / 1e12 / c.world,
+                 100 * enc_floor / rk[0].enc_ms);
+  if (record) {
+    char title[128];
+    snprintf(title, sizeof title, "Decode step and encoder, %s, %s=%d (bench-decode-step)", shape,
+             c.pp > 1 ? "PP" : "TP", c.pp > 1 ? c.pp : c.tp);
+    td_bench_record(title, dev, t.s);
+  }
+  td_sbuf_free(&t);
+  return 0;
+}
