@@ -43,6 +43,9 @@ void encoder_on_done(td_worker *w, job *j, wev *e) {
   j->n_out = e->n_blocks;
   j->out_cross = true;
   e->blocks = NULL;
+  j->out_host = e->host;
+  j->out_bb = e->block_bytes;
+  e->host = NULL;
   j->compute_ms = e->ms;
   w_push_all(w, j, j->msg->encode->targets, j->msg->encode->n_targets);
 }

@@ -58,6 +58,9 @@ void prefill_on_done(td_worker *w, job *j, wev *e) {
   j->n_out = e->n_blocks;
   j->out_cross = false;
   e->blocks = NULL;
+  j->out_host = e->host;
+  j->out_bb = e->block_bytes;
+  e->host = NULL;
   j->compute_ms = e->ms;
   Tandem__Cluster__KvTarget *t = j->msg->prefill->self_target;
   w_push_all(w, j, &t, 1);
