@@ -1,0 +1,308 @@
+/* CUDA runtime (C API) and NCCL calls of the transfer engine. */
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+#ifdef TD_KVX_HAVE_NCCL
+#include <nccl.h>
+#endif
+
+#include "kvtransfer/gpu.h"
+
+struct kvx_gpu {
+  int device;
+  cudaStream_t s[KVX_S_COUNT];
+  cudaEvent_t *free_ev; /* pool of events: creating them costs microseconds */
+  int n_free, cap_free;
+};
+
+static td_status cuda_fail(cudaError_t e, const char *what) {
+  return td_err(TD_ERR_CUDA, "KV transfer: %s: %s", what, cudaGetErrorString(e));
+}
+#define CK(expr, what)                         \
+  do {                                         \
+    cudaError_t e_ = (expr);                   \
+    if (e_ != cudaSuccess) return cuda_fail(e_, what); \
+  } while (0)
+
+bool kvx_gpu_compiled(void) { return true; }
+bool kvx_nccl_compiled(void) {
+#ifdef TD_KVX_HAVE_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+td_status kvx_gpu_create(int device, kvx_gpu **out) {
+  *out = NULL;
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) return cuda_fail(e, "no CUDA device");
+  if (device < 0 || device >= n) return td_err(TD_ERR_INVALID, "KV transfer: CUDA device %d of %d", device, n);
+  kvx_gpu *g = calloc(1, sizeof *g);
+  if (!g) return td_err(TD_ERR_NOMEM, "out of memory");
+  g->device = device;
+  e = cudaSetDevice(device);
+  for (int i = 0; i < KVX_S_COUNT && e == cudaSuccess; i++) e = cudaStreamCreateWithFlags(&g->s[i], cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    kvx_gpu_destroy(g);
+    return cuda_fail(e, "creating streams");
+  }
+  *out = g;
+  return TD_OK;
+}
+
+void kvx_gpu_destroy(kvx_gpu *g) {
+  if (!g) return;
+  cudaSetDevice(g->device);
+  for (int i = 0; i < KVX_S_COUNT; i++)
+    if (g->s[i]) {
+      cudaStreamSynchronize(g->s[i]);
+      cudaStreamDestroy(g->s[i]);
+    }
+  for (int i = 0; i < g->n_free; i++) cudaEventDestroy(g->free_ev[i]);
+  free(g->free_ev);
+  free(g);
+}
+
+td_status kvx_gpu_host_alloc(kvx_gpu *g, size_t bytes, void **out) {
+  *out = NULL;
+  cudaSetDevice(g->device);
+  CK(cudaHostAlloc(out, bytes, cudaHostAllocPortable), "pinned host allocation");
+  return TD_OK;
+}
+
+void kvx_gpu_host_free(kvx_gpu *g, void *p) {
+  if (p) cudaFreeHost(p);
+}
+
+td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes) {
+  struct cudaPointerAttributes a;
+  cudaError_t e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_fail(e, "pool pointer");
+  }
+  if (a.type != cudaMemoryTypeDevice || a.device != g->device)
+    return td_err(TD_ERR_INVALID, "KV transfer: %p is not device memory of CUDA device %d", p, g->device);
+  return TD_OK;
+}
+
+td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes) {
+  enum cudaMemcpyKind kind = stream == KVX_S_D2H ? cudaMemcpyDeviceToHost
+                             : stream == KVX_S_H2D ? cudaMemcpyHostToDevice
+                                                   : cudaMemcpyDefault;
+  CK(cudaMemcpyAsync(dst, src, bytes, kind, g->s[stream]), "cudaMemcpyAsync");
+  return TD_OK;
+}
+
+td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes) {
+  cudaSetDevice(g->device);
+  CK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+  return TD_OK;
+}
+
+td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) {
+  CK(cudaStreamWaitEvent(g->s[stream], (cudaEvent_t)event, 0), "waiting for the KV's ready event");
+  return TD_OK;
+}
+
+td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event) {
+  *event = NULL;
+  cudaEvent_t ev;
+  if (g->n_free > 0) {
+    ev = g->free_ev[--g->n_free];
+  } else {
+    CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  cudaError_t e = cudaEventRecord(ev, g->s[stream]);
+  if (e != cudaSuccess) {
+    cudaEventDestroy(ev);
+    return cuda_fail(e, "cudaEventRecord");
+  }
+  *event = ev;
+  return TD_OK;
+}
+
+int kvx_gpu_query(kvx_gpu *g, void *event) {
+  cudaError_t e = cudaEventQuery((cudaEvent_t)event);
+  if (e == cudaSuccess) return 1;
+  if (e == cudaErrorNotReady) return 0;
+  cuda_fail(e, "copy failed");
+  return -1;
+}
+
+void kvx_gpu_release(kvx_gpu *g, void *event) {
+  if (!event) return;
+  if (g->n_free == g->cap_free) {
+    int cap = g->cap_free ? 2 * g->cap_free : 32;
+    cudaEvent_t *p = realloc(g->free_ev, sizeof *p * (size_t)cap);
+    if (!p) {
+      cudaEventDestroy((cudaEvent_t)event);
+      return;
+    }
+    g->free_ev = p;
+    g->cap_free = cap;
+  }
+  g->free_ev[g->n_free++] = (cudaEvent_t)event;
+}
+
+/* ---- NCCL ---- */
+
+#ifdef TD_KVX_HAVE_NCCL
+
+struct kvx_nccl {
+  kvx_gpu *g;
+  ncclComm_t comm;
+  int rank;
+  bool ready, failed;
+  kvx_nccl_op *enqueuing; /* a group whose ncclGroupEnd answered in-progress */
+};
+
+struct kvx_nccl_op {
+  kvx_nccl *c;
+  cudaEvent_t ev; /* recorded once the group is enqueued */
+  bool failed;
+};
+
+static td_status nccl_fail(ncclResult_t r, const char *what) {
+  return td_err(TD_ERR_NETWORK, "KV transfer: NCCL %s: %s", what, ncclGetErrorString(r));
+}
+
+td_status kvx_nccl_unique_id(uint8_t id[KVX_NCCL_ID_BYTES]) {
+  ncclUniqueId u;
+  ncclResult_t r = ncclGetUniqueId(&u);
+  if (r != ncclSuccess) return nccl_fail(r, "ncclGetUniqueId");
+  memcpy(id, u.internal, KVX_NCCL_ID_BYTES);
+  return TD_OK;
+}
+
+td_status kvx_nccl_create(kvx_gpu *g, const uint8_t id[KVX_NCCL_ID_BYTES], int rank, kvx_nccl **out) {
+  *out = NULL;
+  kvx_nccl *c = calloc(1, sizeof *c);
+  if (!c) return td_err(TD_ERR_NOMEM, "out of memory");
+  c->g = g;
+  c->rank = rank;
+  ncclUniqueId u;
+  memcpy(u.internal, id, KVX_NCCL_ID_BYTES);
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0; /* initialisation proceeds while the worker's loop runs */
+  cudaSetDevice(g->device);
+  ncclResult_t r = ncclCommInitRankConfig(&c->comm, 2, u, rank, &cfg);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    free(c);
+    return nccl_fail(r, "ncclCommInitRankConfig");
+  }
+  *out = c;
+  return TD_OK;
+}
+
+int kvx_nccl_poll(kvx_nccl *c) {
+  if (c->failed) return -1;
+  ncclResult_t st = ncclSuccess;
+  ncclResult_t r = ncclCommGetAsyncError(c->comm, &st);
+  if (r != ncclSuccess) st = r;
+  if (st == ncclInProgress) return 0;
+  if (st != ncclSuccess) {
+    c->failed = true;
+    if (c->enqueuing) c->enqueuing->failed = true;
+    nccl_fail(st, "communicator");
+    return -1;
+  }
+  c->ready = true;
+  if (c->enqueuing) {
+    kvx_nccl_op *op = c->enqueuing;
+    c->enqueuing = NULL;
+    cudaSetDevice(c->g->device);
+    if (cudaEventCreateWithFlags(&op->ev, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventRecord(op->ev, c->g->s[KVX_S_NCCL]) != cudaSuccess)
+      op->failed = true;
+  }
+  return 1;
+}
+
+bool kvx_nccl_idle(kvx_nccl *c) { return c->ready && !c->failed && !c->enqueuing; }
+
+td_status kvx_nccl_post(kvx_nccl *c, bool send, void *base, const td_kvx_slice *pieces, int n, kvx_nccl_op **out) {
+  *out = NULL;
+  if (!kvx_nccl_idle(c)) return td_err(TD_ERR_INTERNAL, "KV transfer: NCCL communicator busy");
+  kvx_nccl_op *op = calloc(1, sizeof *op);
+  if (!op) return td_err(TD_ERR_NOMEM, "out of memory");
+  op->c = c;
+  cudaSetDevice(c->g->device);
+  int peer = 1 - c->rank;
+  ncclResult_t r = ncclGroupStart();
+  for (int i = 0; i < n && (r == ncclSuccess || r == ncclInProgress); i++) {
+    char *p = (char *)base + (send ? pieces[i].src_off : pieces[i].dst_off);
+    r = send ? ncclSend(p, pieces[i].len, ncclUint8, peer, c->comm, c->g->s[KVX_S_NCCL])
+             : ncclRecv(p, pieces[i].len, ncclUint8, peer, c->comm, c->g->s[KVX_S_NCCL]);
+  }
+  ncclResult_t re = ncclGroupEnd();
+  if ((r != ncclSuccess && r != ncclInProgress) || (re != ncclSuccess && re != ncclInProgress)) {
+    free(op);
+    c->failed = true;
+    return nccl_fail(r != ncclSuccess && r != ncclInProgress ? r : re, send ? "ncclSend" : "ncclRecv");
+  }
+  /* Non-blocking communicators: the group is enqueued once the async state
+   * leaves ncclInProgress (kvx_nccl_poll records the event then). */
+  c->enqueuing = op;
+  kvx_nccl_poll(c);
+  *out = op;
+  return TD_OK;
+}
+
+int kvx_nccl_op_poll(kvx_nccl_op *op) {
+  if (op->failed) return -1;
+  if (!op->ev) {
+    int r = op->c ? kvx_nccl_poll(op->c) : -1;
+    if (r < 0 || op->failed) return -1;
+    if (!op->ev) return 0;
+  }
+  cudaError_t e = cudaEventQuery(op->ev);
+  if (e == cudaSuccess) return 1;
+  if (e != cudaErrorNotReady) {
+    cuda_fail(e, "NCCL transfer");
+    return -1;
+  }
+  /* A transfer stuck behind a dead peer shows up as an async error. */
+  if (op->c && kvx_nccl_poll(op->c) < 0) return -1;
+  return 0;
+}
+
+void kvx_nccl_op_free(kvx_nccl_op *op) {
+  if (!op) return;
+  if (op->c && op->c->enqueuing == op) op->c->enqueuing = NULL;
+  if (op->ev) cudaEventDestroy(op->ev);
+  free(op);
+}
+
+void kvx_nccl_abort(kvx_nccl *c) {
+  if (!c) return;
+  cudaSetDevice(c->g->device);
+  ncclCommAbort(c->comm);
+  free(c);
+}
+
+#else /* CUDA without NCCL */
+
+static td_status no_nccl(void) { return td_err(TD_ERR_UNSUPPORTED, "KV transfer: this build has no NCCL"); }
+td_status kvx_nccl_unique_id(uint8_t id[KVX_NCCL_ID_BYTES]) { return no_nccl(); }
+td_status kvx_nccl_create(kvx_gpu *g, const uint8_t id[KVX_NCCL_ID_BYTES], int rank, kvx_nccl **out) {
+  *out = NULL;
+  return no_nccl();
+}
+int kvx_nccl_poll(kvx_nccl *c) {
+  no_nccl();
+  return -1;
+}
+bool kvx_nccl_idle(kvx_nccl *c) { return false; }
+td_status kvx_nccl_post(kvx_nccl *c, bool send, void *base, const td_kvx_slice *pieces, int n, kvx_nccl_op **op) {
+  *op = NULL;
+  return no_nccl();
+}
+int kvx_nccl_op_poll(kvx_nccl_op *op) { return -1; }
+void kvx_nccl_op_free(kvx_nccl_op *op) {}
+void kvx_nccl_abort(kvx_nccl *c) {}
+
+#endif

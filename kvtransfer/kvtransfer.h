@@ -1,0 +1,232 @@
+/* KV transfer: moves paged KV blocks from an encoder / prefill worker (the
+ * sender) into blocks that a decode worker reserved (the receiver), over UCX
+ * (one-sided puts into registered pools; GPU pools staged through pinned
+ * host buffers when the UCX build has no CUDA support) or NCCL (GPU to GPU
+ * send/recv on a per-pair communicator).
+ *
+ * Protocol (docs/kvtransfer.md): the sender asks (REQ), the receiver checks
+ * the reservation through the application's authorize callback and grants
+ * (GRANT) or refuses (DENY); only then does data move. Granted blocks stay
+ * pinned (td_kvx_reservation_busy) until the transfer completes, fails, is
+ * cancelled or the sender dies; every grant ends with exactly one recv event.
+ *
+ * Not thread-safe: one owner thread per engine. Callbacks run only inside
+ * td_kvx_progress, td_kvx_disconnect and td_kvx_destroy; they may post and
+ * cancel but must not destroy the engine. */
+#ifndef TD_KVTRANSFER_KVTRANSFER_H
+#define TD_KVTRANSFER_KVTRANSFER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+#include "kernels/ops.h"
+
+typedef struct td_kvx td_kvx;
+typedef struct td_kvx_peer td_kvx_peer;
+
+#define TD_KVX_MAX_POOLS 16
+#define TD_KVX_DESC_VERSION 1
+
+typedef enum td_kvx_mem { TD_KVX_MEM_HOST = 0, TD_KVX_MEM_CUDA = 1 } td_kvx_mem;
+typedef enum td_kvx_transport { TD_KVX_AUTO = 0, TD_KVX_UCX = 1, TD_KVX_NCCL = 2 } td_kvx_transport;
+
+/* ---- geometry and re-slicing (pure functions) ---- */
+
+/* Where a rank's blocks sit in the model: the layout of its blocks
+ * ([layer][K|V][head][slot][head_dim], layout.n_layers == layer1 - layer0,
+ * layout.n_heads == head1 - head0) and the element size in bytes. */
+typedef struct td_kvx_geom {
+  td_kv_layout layout;
+  int elem_size;      /* 4: CPU float32, 2: CUDA bf16 */
+  int layer0, layer1; /* [layer0, layer1) of the model's decoder layers */
+  int head0, head1;   /* [head0, head1) of the model's KV heads */
+} td_kvx_geom;
+
+/* A byte range copied from a source block to a destination block. */
+typedef struct td_kvx_slice {
+  uint64_t src_off, dst_off, len;
+} td_kvx_slice;
+
+/* Bytes of one block; 0 when g is not a valid geometry. */
+size_t td_kvx_block_bytes(const td_kvx_geom *g);
+td_status td_kvx_geom_check(const td_kvx_geom *g);
+/* The byte ranges of a src block that belong in a dst block: for every
+ * layer and head both hold, the [slot][head_dim] sub-slabs, merged where
+ * contiguous on both sides (one slice when both hold the same ranges).
+ * *n = 0 when they share nothing. block_size, head_dim and elem_size must
+ * match. At most cap slices; TD_ERR_INVALID when more are needed. */
+td_status td_kvx_slice_plan(const td_kvx_geom *src, const td_kvx_geom *dst, td_kvx_slice *out, int cap, int *n);
+/* Expands a slice plan over block pairs into pool byte offsets
+ * (block * block_bytes + slice offset), merging runs contiguous on both
+ * sides (contiguous block runs become one copy). *out is malloc'ed. */
+td_status td_kvx_plan_copies(const td_kvx_geom *src, const td_kvx_geom *dst, const int32_t *src_blocks,
+                             const int32_t *dst_blocks, int n_blocks, td_kvx_slice **out, int *n);
+
+/* ---- engine ---- */
+
+/* Receiver side: may the peer write request_id's data into these reserved
+ * blocks? Return TD_OK to grant (the blocks must stay untouched until the
+ * matching recv event; e.g. td_kv_reservation_valid and td_kv_ref), or an
+ * error with td_err's message: it is sent back to the sender. */
+typedef struct td_kvx_grant_req {
+  uint64_t peer_uuid, request_id, reservation_id;
+  uint32_t pool_id;
+  const int32_t *blocks;
+  int n_blocks;
+  uint64_t bytes;
+} td_kvx_grant_req;
+typedef td_status (*td_kvx_authorize_fn)(void *ctx, const td_kvx_grant_req *r);
+
+/* Receiver side: the end of a granted transfer (exactly once per grant);
+ * from now on nothing writes into the blocks. */
+typedef struct td_kvx_recv_event {
+  td_status status; /* TD_OK: all bytes arrived; else why it ended */
+  const char *message;
+  uint64_t peer_uuid, request_id, reservation_id;
+  uint32_t pool_id;
+  const int32_t *blocks;
+  int n_blocks;
+  uint64_t bytes; /* bytes written into the blocks */
+} td_kvx_recv_event;
+typedef void (*td_kvx_recv_fn)(void *ctx, const td_kvx_recv_event *ev);
+
+/* A peer failed or vanished: peer is the handle from td_kvx_connect (still
+ * to be disconnected), or NULL for a peer that connected to us. */
+typedef void (*td_kvx_peer_fn)(void *ctx, td_kvx_peer *peer, uint64_t peer_uuid, td_status status, const char *msg);
+
+/* Sender side: the end of a posted transfer. After it the source blocks
+ * are no longer read. */
+typedef void (*td_kvx_done_fn)(void *arg, uint64_t xfer_id, td_status status, const char *msg);
+
+typedef enum td_kvx_local_path {
+  TD_KVX_LOCAL_AUTO = 0, /* TANDEM_KVX_LOCAL env (on|off), default on */
+  TD_KVX_LOCAL_ON,
+  TD_KVX_LOCAL_OFF,
+} td_kvx_local_path;
+
+typedef struct td_kvx_opts {
+  const char *name;          /* for logs */
+  int cuda_device;           /* device of the GPU pools; -1: no GPU */
+  int timeout_ms;            /* default per-transfer timeout; 0: 30000 */
+  int staging_slots;         /* pinned staging buffers per side; 0: 8 */
+  size_t staging_slot_bytes; /* 0: 4 MiB */
+  bool force_staged;         /* stage GPU pools even if UCX supports CUDA */
+  /* Same-host peers: puts on a second endpoint without UCX error handling,
+   * so UCX may pick shared memory / CMA (UCX 1.13 offers only tcp and
+   * RDMA with peer-failure handling); failures still surface through the
+   * control endpoint. */
+  td_kvx_local_path local_path;
+  td_kvx_authorize_fn authorize; /* NULL: refuse every transfer */
+  td_kvx_recv_fn on_recv;
+  td_kvx_peer_fn on_peer;
+  void *ctx;
+} td_kvx_opts;
+
+td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out);
+/* Cancels everything (callbacks fire with TD_ERR_CANCELLED), closes the
+ * peers and frees the engine. */
+void td_kvx_destroy(td_kvx *k);
+uint64_t td_kvx_uuid(const td_kvx *k);
+/* Whether this engine moves GPU pools directly through UCX (the UCX build
+ * reports CUDA memory and force_staged is off) rather than staged. */
+bool td_kvx_cuda_direct(const td_kvx *k);
+bool td_kvx_nccl_available(const td_kvx *k);
+
+/* A local pool: base pointer, block count and geometry. Register before
+ * td_kvx_export; the memory must outlive the registration. */
+typedef struct td_kvx_pool_desc {
+  uint32_t pool_id; /* chosen by the application, unique per engine */
+  td_kvx_mem mem;
+  void *base;
+  int n_blocks;
+  td_kvx_geom geom;
+} td_kvx_pool_desc;
+td_status td_kvx_register_pool(td_kvx *k, const td_kvx_pool_desc *d);
+/* TD_ERR_INVALID while transfers use the pool. */
+td_status td_kvx_unregister_pool(td_kvx *k, uint32_t pool_id);
+
+/* The engine's descriptor: transport address, memory keys and pool
+ * geometry, as bytes for the control plane. *bytes is malloc'ed. */
+td_status td_kvx_export(td_kvx *k, uint8_t **bytes, size_t *len);
+
+typedef struct td_kvx_pool_info {
+  uint32_t pool_id;
+  td_kvx_mem mem;
+  bool direct; /* remote puts land in the pool itself (else staged) */
+  int n_blocks;
+  td_kvx_geom geom;
+} td_kvx_pool_info;
+typedef struct td_kvx_desc_info {
+  uint16_t version;
+  uint64_t uuid;
+  bool staging; /* has staging buffers for GPU pools */
+  bool nccl;    /* can receive over NCCL */
+  int n_pools;
+  td_kvx_pool_info pools[TD_KVX_MAX_POOLS];
+} td_kvx_desc_info;
+/* Validates descriptor bytes (TD_ERR_FORMAT, TD_ERR_VERSION) and reports
+ * what the peer holds, e.g. to pick the receiver ranks of a block. */
+td_status td_kvx_desc_parse(const void *bytes, size_t len, td_kvx_desc_info *out);
+
+/* Connects to the engine that exported the descriptor. Failures of the
+ * link surface later as a peer event. */
+td_status td_kvx_connect(td_kvx *k, const void *bytes, size_t len, td_kvx_peer **out);
+/* Cancels the peer's transfers (their callbacks fire with
+ * TD_ERR_CANCELLED once their copies stopped) and releases the handle. */
+void td_kvx_disconnect(td_kvx_peer *p);
+/* TD_OK while usable, else why not (TD_ERR_PEER ...). */
+td_status td_kvx_peer_status(const td_kvx_peer *p);
+uint64_t td_kvx_peer_uuid(const td_kvx_peer *p);
+const td_kvx_desc_info *td_kvx_peer_info(const td_kvx_peer *p);
+
+/* A batch of block copies for one request. The receiver pool's geometry
+ * may differ from the source's (other layer / head ranges): only what the
+ * receiver holds is sent. */
+typedef struct td_kvx_xfer {
+  uint64_t request_id;
+  uint64_t reservation_id;   /* the receiver's reservation */
+  uint32_t src_pool;         /* local pool id */
+  uint32_t dst_pool;         /* the peer's pool id */
+  const int32_t *src_blocks; /* n_blocks source blocks, copied; */
+  const int32_t *dst_blocks; /* the reserved destination of each */
+  int n_blocks;
+  int timeout_ms;             /* 0: the engine's default */
+  td_kvx_transport transport; /* AUTO: NCCL for GPU to GPU when both have it */
+  void *cuda_ready_event;     /* optional cudaEvent_t the copies wait for */
+} td_kvx_xfer;
+/* Posts a transfer; cb fires once from td_kvx_progress. */
+td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *x, td_kvx_done_fn cb, void *arg, uint64_t *xfer_id);
+/* Stops a transfer: its callback fires with TD_ERR_CANCELLED once no copy
+ * is in flight. TD_ERR_NOT_FOUND when it already ended. */
+td_status td_kvx_cancel(td_kvx *k, uint64_t xfer_id);
+
+/* Makes progress without blocking; returns how much work was done (0 when
+ * idle). */
+int td_kvx_progress(td_kvx *k);
+/* A file descriptor that turns readable when td_kvx_progress has work. */
+int td_kvx_fd(const td_kvx *k);
+/* Prepares to sleep on td_kvx_fd: false when there is work to do now
+ * (call td_kvx_progress again instead of sleeping). */
+bool td_kvx_arm(td_kvx *k);
+/* Progress, arm and poll for at most timeout_ms. */
+void td_kvx_wait(td_kvx *k, int timeout_ms);
+
+/* Whether a granted transfer still writes into the reservation's blocks. */
+bool td_kvx_reservation_busy(const td_kvx *k, uint64_t reservation_id);
+
+typedef struct td_kvx_stats {
+  int peers;       /* connected by us, including failed ones */
+  int rpeers;      /* connected to us */
+  int xfers;       /* posted, not ended */
+  int grants;      /* granted, not ended */
+  int ops;         /* UCX / CUDA operations in flight */
+  int orphan_ops;  /* of failed peers, never completed */
+  uint64_t bytes_sent, bytes_received;
+  uint64_t xfers_ok, xfers_failed, grants_ok, grants_failed;
+  bool local_path; /* some peer uses the same-host data endpoint */
+} td_kvx_stats;
+td_kvx_stats td_kvx_get_stats(const td_kvx *k);
+
+#endif

@@ -1,0 +1,100 @@
+/* Internal: little-endian encoding with bounds checks, the descriptor
+ * format and the protocol's message types. Not part of the public API
+ * (tests include it to forge malformed bytes). */
+#ifndef TD_KVTRANSFER_WIRE_H
+#define TD_KVTRANSFER_WIRE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvtransfer/kvtransfer.h"
+
+#define KVX_DESC_MAGIC 0x584b4454u /* "TDKX" */
+#define KVX_MSG_MAGIC 0x4d4b4454u  /* "TDKM" */
+#define KVX_MSG_VERSION 1
+#define KVX_MAX_ADDR (64u << 10)
+#define KVX_MAX_RKEY (16u << 10)
+#define KVX_MAX_MSG_BLOCKS (1 << 20)
+
+/* Descriptor capability bits. */
+enum { KVX_CAP_NCCL = 1u << 0, KVX_CAP_CUDA_DIRECT = 1u << 1 };
+
+typedef struct kvx_wbuf {
+  uint8_t *p;
+  size_t len, cap;
+  bool oom;
+} kvx_wbuf;
+
+void kvx_w_bytes(kvx_wbuf *w, const void *b, size_t n);
+void kvx_w_u8(kvx_wbuf *w, uint8_t v);
+void kvx_w_u16(kvx_wbuf *w, uint16_t v);
+void kvx_w_u32(kvx_wbuf *w, uint32_t v);
+void kvx_w_u64(kvx_wbuf *w, uint64_t v);
+void kvx_w_i32(kvx_wbuf *w, int32_t v);
+
+typedef struct kvx_rbuf {
+  const uint8_t *p;
+  size_t len, pos;
+  bool bad;
+} kvx_rbuf;
+
+const uint8_t *kvx_r_bytes(kvx_rbuf *r, size_t n);
+uint8_t kvx_r_u8(kvx_rbuf *r);
+uint16_t kvx_r_u16(kvx_rbuf *r);
+uint32_t kvx_r_u32(kvx_rbuf *r);
+uint64_t kvx_r_u64(kvx_rbuf *r);
+int32_t kvx_r_i32(kvx_rbuf *r);
+
+uint32_t kvx_crc32(const void *p, size_t n);
+
+typedef struct kvx_desc_pool {
+  td_kvx_pool_info info;
+  uint64_t base;
+  const uint8_t *rkey; /* points into the decoded bytes */
+  uint32_t rkey_len;
+} kvx_desc_pool;
+
+typedef struct kvx_desc {
+  uint16_t version;
+  uint32_t caps;
+  uint64_t uuid, host_id;
+  uint32_t pid;
+  const uint8_t *addr;
+  uint32_t addr_len;
+  bool staging;
+  uint64_t stg_base, stg_slot_bytes;
+  uint32_t stg_slots;
+  const uint8_t *stg_rkey;
+  uint32_t stg_rkey_len;
+  int n_pools;
+  kvx_desc_pool pools[TD_KVX_MAX_POOLS];
+} kvx_desc;
+
+/* *out is malloc'ed. */
+td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len);
+/* Pointers in *d refer to bytes. */
+td_status kvx_desc_decode(const void *bytes, size_t len, kvx_desc *d);
+
+/* How a transfer's data moves (REQ's mode byte). */
+enum { KVX_MODE_PUT = 1, KVX_MODE_AM = 2, KVX_MODE_NCCL = 3 };
+
+/* Message types (one UCX active message id, type in the header). */
+enum {
+  KVX_MSG_HELLO = 1, /* connector -> peer: its worker address */
+  KVX_MSG_REQ,       /* sender -> receiver: may I write these blocks? */
+  KVX_MSG_GRANT,     /* receiver -> sender: yes (+ staging slots / NCCL seq) */
+  KVX_MSG_DENY,      /* receiver -> sender: no, with status and reason */
+  KVX_MSG_CHUNK,     /* sender -> receiver: a staging slot holds these pieces */
+  KVX_MSG_CREDIT,    /* receiver -> sender: staging slot free again */
+  KVX_MSG_DONE,      /* sender -> receiver: all puts are remotely complete */
+  KVX_MSG_ACK,       /* receiver -> sender: the transfer's verdict */
+  KVX_MSG_ABORT,     /* sender -> receiver: stopped; nothing more will be written */
+  KVX_MSG_REVOKE,    /* receiver -> sender: stop (timeout, bad data, failure) */
+  KVX_MSG_NCCL_ID,   /* sender -> receiver: NCCL unique id of a pair communicator */
+  KVX_MSG_BYE,       /* connector -> peer: disconnecting */
+  KVX_MSG_NCCL_ABORT, /* either way: the pair's NCCL communicator was aborted */
+  KVX_MSG_TYPES
+};
+
+#endif
