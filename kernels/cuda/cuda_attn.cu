@@ -1,0 +1,693 @@
+/* Attention on tensor cores (mma.sync m16n8k16 bf16, float32 accumulation,
+ * online softmax in the exp2 domain), FlashAttention-2 style:
+ *
+ *  - dense: packed variable-length sequences (cu_seqlens), 128 query rows
+ *    per block for head_dim 64 (8 warps x 16 rows; 64 for head_dim 128),
+ *    K/V tiles of 64 keys in a cp.async pipeline; ceil(max_len / rows)
+ *    blocks per sequence, those past its real length exit at once.
+ *  - paged: queries of a sequence (16 rows per block) over K/V gathered from
+ *    paged blocks through the block table, 3 cp.async stages; the 4 warps
+ *    split each 64-key tile and merge their softmax states at the end, so
+ *    decode (1 query row) keeps every warp loading. When few blocks would
+ *    run, the keys are split over gridDim.z (flash-decoding); the last
+ *    block of each (query tile, head) to finish (arrival counter) merges
+ *    the partials by their log-sum-exp. Real lengths come from device
+ *    ctx_len / q_start: the grid is sized from the host bounds max_q /
+ *    max_ctx, and blocks beyond what the real lengths need exit at once.
+ *
+ * The T5 relative bias is looked up per score from the head's LUT (copied
+ * to shared memory), never materialised. head_dim 64 and 128 take these
+ * kernels; other head sizes or unaligned buffers take a simple warp-per-row
+ * kernel with the same semantics. */
+#include <math.h>
+
+#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/cuda_ptx.cuh"
+
+#define LOG2E 1.4426950408889634f
+/* The bias table goes to shared memory pre-scaled by log2(e) and padded
+ * with LUT_PAD saturated entries each side, so that a row's 64 keys of a
+ * tile index it without clamping. */
+enum { LUT_CAP = 1024, BN = 64, LUT_PAD = 64 };
+
+struct AttnArgs {
+  int H;
+  float scale_log2; /* scale * log2(e) */
+  const float *lut; /* relative bias table, NULL without */
+  int md;
+  int causal;
+  bf16 *out;
+  int n_tokens;
+  /* dense */
+  const bf16 *qkv;
+  const int32_t *cu;
+  int n_seqs;
+  /* paged */
+  const bf16 *q;
+  int ldq;
+  const bf16 *pool;
+  size_t block_elems, layer_off;
+  int bs;
+  const int32_t *q_start, *ctx_len, *block_table;
+  int max_blocks;
+  int qtiles; /* query tiles per sequence (generic kernel: query rows per sequence) */
+  int n_splits;
+  float *part_o, *part_lse;
+  int *counters; /* split-KV arrival counters, one per (query tile, head) */
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float lut_at(const float *L, int md, int rel) {
+  rel = rel < -md ? -md : rel > md ? md : rel;
+  return L[rel + md];
+}
+
+/* ------------------------------------------------------------ tiled kernel */
+
+/* Tile configurations: head size, warps along queries (WM) and keys (WN),
+ * cp.async stages, blocks per SM the registers must allow. */
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
+struct Cfg {};
+typedef Cfg<64, 8, 1, 3, 2, false> Dense64;  /* 128 query rows a block */
+typedef Cfg<64, 4, 1, 2, 3, false> Dense64s; /* 64 rows (TANDEM_CUDA_DENSE64=4) */
+typedef Cfg<128, 4, 1, 2, 2, false> Dense128;
+typedef Cfg<64, 1, 4, 2, 4, true> Paged64;
+typedef Cfg<128, 1, 4, 3, 2, true> Paged128;
+
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
+__host__ __device__ constexpr size_t attn_smem_base(Cfg<DH, WM, WN, STAGES, MINB, PAGED>) {
+  return (size_t)(16 * WM + 2 * STAGES * BN) * (DH + 8) * sizeof(bf16);
+}
+
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
+__global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs a) {
+  td_pdl_start();
+  constexpr int BM = 16 * WM, SROW = DH + 8, NTH = 32 * WM * WN;
+  constexpr int KW = BN / WN; /* keys per warp per tile */
+  constexpr int NT = KW / 8;  /* n8 tiles of S per warp */
+  constexpr int KS = KW / 16; /* k16 steps of P.V per warp */
+  constexpr int DT = DH / 8;  /* n8 tiles of O */
+  constexpr int DK = DH / 16; /* k16 steps of Q.K */
+  constexpr int CH = DH / 8;  /* 16-byte chunks per row */
+  static_assert(WM == 1 || WN == 1, "warps split queries or keys");
+  __shared__ int is_last;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16 *Qs = (bf16 *)smem_raw;
+  bf16 *Ks = Qs + BM * SROW;
+  bf16 *Vs = Ks + STAGES * BN * SROW;
+  float *lut_s = (float *)(Vs + STAGES * BN * SROW);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / WN, wn = warp % WN;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int h = blockIdx.y, H = a.H;
+
+  /* ---- what this block computes */
+  int qlen, q0, pos_off, kbeg, kend, eff = 1;
+  size_t row0;
+  const int32_t *table = nullptr;
+  if (!PAGED) {
+    int s = blockIdx.x / a.qtiles, start = a.cu[s];
+    q0 = (blockIdx.x % a.qtiles) * BM;
+    qlen = min(a.cu[s + 1], a.n_tokens) - start;
+    if (start < 0 || q0 >= qlen) return;
+    row0 = (size_t)start;
+    pos_off = 0;
+    kbeg = 0;
+    kend = a.causal ? min(qlen, q0 + BM) : qlen;
+  } else {
+    int s = blockIdx.x / a.qtiles;
+    q0 = (blockIdx.x % a.qtiles) * BM;
+    int qs = a.q_start[s];
+    qlen = min(a.q_start[s + 1], a.n_tokens) - qs;
+    if (qs < 0 || q0 >= qlen) return;
+    row0 = (size_t)qs;
+    int ctx = a.ctx_len[s];
+    int nk = min(max(ctx, 0), a.max_blocks * a.bs);
+    pos_off = ctx - qlen;
+    int kmax = a.causal ? min(nk, max(pos_off + min(q0 + BM, qlen), 0)) : nk;
+    /* splits actually used: no more than the real keys need (the host
+     * sized the grid from bounds) */
+    eff = min(a.n_splits, max(1, (kmax + BN - 1) / BN));
+    if ((int)blockIdx.z >= eff) return;
+    int chunk = ((kmax + eff - 1) / eff + BN - 1) / BN * BN;
+    kbeg = blockIdx.z * chunk;
+    kend = min(kmax, kbeg + chunk);
+    table = a.block_table + (size_t)s * a.max_blocks;
+  }
+  const int n_tiles = kend > kbeg ? (kend - kbeg + BN - 1) / BN : 0;
+  const size_t qkv_row = (size_t)3 * H * DH;
+
+  /* ---- relative bias table of this head */
+  const float *L = nullptr; /* global table when too large for shared memory */
+  const int md = a.md;
+  const bool lut_sh = a.lut && 2 * md + 1 + 2 * LUT_PAD <= LUT_CAP;
+  if (a.lut) {
+    const float *src = a.lut + (size_t)h * (2 * md + 1);
+    if (lut_sh) {
+      if (n_tiles > 0)
+        for (int i = tid; i < 2 * md + 1 + 2 * LUT_PAD; i += NTH)
+          lut_s[i] = src[min(max(i - LUT_PAD, 0), 2 * md)] * LOG2E;
+    } else {
+      L = src;
+    }
+  }
+
+  /* ---- loads (none for an empty split) */
+  for (int c = tid; c < (n_tiles > 0 ? BM * CH : 0); c += NTH) {
+    int r = c / CH, cc = c % CH, qi = q0 + r;
+    bool v = qi < qlen;
+    size_t row = row0 + (v ? qi : 0);
+    const bf16 *src = PAGED ? a.q + row * a.ldq + (size_t)h * DH + cc * 8 : a.qkv + row * qkv_row + (size_t)h * DH + cc * 8;
+    cp_async16(Qs + r * SROW + cc * 8, src, v);
+  }
+  /* dense: this thread's K rows advance by BN rows a tile (NTH is a multiple of CH) */
+  const bf16 *kdense = PAGED ? nullptr : a.qkv + (row0 + kbeg + tid / CH) * qkv_row + (size_t)(H + h) * DH + (tid % CH) * 8;
+  auto load_kv = [&](int kt, int st) {
+    int key0 = kbeg + kt * BN;
+    bf16 *ks = Ks + st * BN * SROW, *vs = Vs + st * BN * SROW;
+    if (!PAGED) {
+      const bf16 *kp = kdense + (size_t)kt * BN * qkv_row;
+#pragma unroll
+      for (int i = 0; i < BN * CH / NTH; i++) {
+        int r = tid / CH + i * (NTH / CH);
+        bool v = key0 + r < kend;
+        const bf16 *src = v ? kp + (size_t)i * (NTH / CH) * qkv_row : a.qkv;
+        cp_async16(ks + r * SROW + (tid % CH) * 8, src, v);
+        cp_async16(vs + r * SROW + (tid % CH) * 8, v ? src + (size_t)H * DH : a.qkv, v);
+      }
+    } else { /* paged: each row through the block table */
+      for (int c = tid; c < BN * CH; c += NTH) {
+        int r = c / CH, cc = c % CH, j = key0 + r;
+        bool v = j < kend;
+        int jj = v ? j : kbeg;
+        int blk = table[jj / a.bs];
+        const bf16 *kp =
+            a.pool + (size_t)blk * a.block_elems + a.layer_off + ((size_t)h * a.bs + jj % a.bs) * DH + cc * 8;
+        cp_async16(ks + r * SROW + cc * 8, kp, v);
+        cp_async16(vs + r * SROW + cc * 8, kp + (size_t)H * a.bs * DH, v);
+      }
+    }
+  };
+  if (n_tiles > 0) load_kv(0, 0);
+  cp_async_commit(); /* group 0: Q and tile 0 */
+#pragma unroll
+  for (int st = 1; st < STAGES - 1; st++) {
+    if (st < n_tiles) load_kv(st, st);
+    cp_async_commit();
+  }
+
+  float o[DT][4];
+#pragma unroll
+  for (int d = 0; d < DT; d++) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
+  int qpos_r[2];
+  qpos_r[0] = pos_off + q0 + wm * 16 + g;
+  qpos_r[1] = qpos_r[0] + 8;
+  const int qpos_min = pos_off + q0;
+  uint32_t qf[DK][4];
+
+  for (int kt = 0; kt < n_tiles; kt++) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (kt + STAGES - 1 < n_tiles) load_kv(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
+    cp_async_commit();
+    if (kt == 0) {
+#pragma unroll
+      for (int dk = 0; dk < DK; dk++)
+        ldsm_x4(qf[dk][0], qf[dk][1], qf[dk][2], qf[dk][3],
+                Qs + (wm * 16 + (lane & 15)) * SROW + dk * 16 + (lane >> 4) * 8);
+    }
+    const bf16 *ks = Ks + (kt % STAGES) * BN * SROW, *vs = Vs + (kt % STAGES) * BN * SROW;
+
+    /* S = Q K^T for this warp's keys */
+    float sc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+    for (int dk = 0; dk < DK; dk++) {
+#pragma unroll
+      for (int jn = 0; jn < NT / 2; jn++) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(b0, b1, b2, b3,
+                ks + (wn * KW + jn * 16 + (lane & 7) + ((lane >> 4) << 3)) * SROW + dk * 16 + ((lane >> 3) & 1) * 8);
+        mma16816(sc[2 * jn], qf[dk], b0, b1);
+        mma16816(sc[2 * jn + 1], qf[dk], b2, b3);
+      }
+    }
+
+    /* scale, bias, masks (log2 domain) */
+    const int tile0 = kbeg + kt * BN, key0 = tile0 + wn * KW;
+    const bool need_mask = tile0 + BN > kend || (a.causal && tile0 + BN - 1 > qpos_min);
+    /* bias of row r at key key0 + 8 j + 2 t4 + e: one shared load from brow[r],
+     * or a constant where the whole row of the tile saturates */
+    const float *brow[2] = {nullptr, nullptr};
+    float bconst[2] = {0.0f, 0.0f};
+    if (lut_sh) {
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        int base = key0 + 2 * t4 - qpos_r[r];
+        if (base + KW - 1 < -md) bconst[r] = lut_s[LUT_PAD];
+        else if (base > md) bconst[r] = lut_s[LUT_PAD + 2 * md];
+        else brow[r] = lut_s + base + md + LUT_PAD;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        int r = e >> 1;
+        float b = 0.0f;
+        if (lut_sh) b = brow[r] ? brow[r][j * 8 + (e & 1)] : bconst[r];
+        else if (L) b = lut_at(L, md, key0 + j * 8 + 2 * t4 + (e & 1) - qpos_r[r]) * LOG2E;
+        sc[j][e] = fmaf(sc[j][e], a.scale_log2, b);
+      }
+    if (need_mask) { /* block-uniform: only the tiles that cross an end */
+#pragma unroll
+      for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          int key = key0 + j * 8 + 2 * t4 + (e & 1);
+          if (key >= kend || (a.causal && key > qpos_r[e >> 1])) sc[j][e] = -INFINITY;
+        }
+    }
+
+    /* online softmax; a thread holds rows g and g+8, a quad shares a row */
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      float mx = m_r[r];
+#pragma unroll
+      for (int j = 0; j < NT; j++) mx = fmaxf(mx, fmaxf(sc[j][2 * r], sc[j][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      float mu = mx == -INFINITY ? 0.0f : mx;
+      alpha[r] = fast_exp2(m_r[r] - mu);
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NT; j++) {
+        float p0 = fast_exp2(sc[j][2 * r] - mu), p1 = fast_exp2(sc[j][2 * r + 1] - mu);
+        sc[j][2 * r] = p0;
+        sc[j][2 * r + 1] = p1;
+        sum += p0 + p1;
+      }
+      l_r[r] = l_r[r] * alpha[r] + sum;
+      m_r[r] = mx;
+    }
+    /* once the row maxima settle, alpha is 1: skip the rescale */
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+      for (int d = 0; d < DT; d++) {
+        o[d][0] *= alpha[0];
+        o[d][1] *= alpha[0];
+        o[d][2] *= alpha[1];
+        o[d][3] *= alpha[1];
+      }
+    }
+
+    /* O += P V */
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+      uint32_t pa[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]), pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
+                        pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                        pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < DH / 16; dp++) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_t(b0, b1, b2, b3,
+                  vs + (wn * KW + kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SROW + dp * 16 + (lane >> 4) * 8);
+        mma16816(o[2 * dp], pa, b0, b1);
+        mma16816(o[2 * dp + 1], pa, b2, b3);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 1);
+    l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
+  }
+
+  if (WN == 1) {
+    /* each warp owns its 16 rows: stage bf16 in its rows of Qs, then 16-byte stores */
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      float inv = l_r[r] > 0.0f ? 1.0f / l_r[r] : 0.0f;
+      bf16 *dst = Qs + (wm * 16 + g + 8 * r) * SROW + 2 * t4;
+#pragma unroll
+      for (int d = 0; d < DT; d++)
+        *(__nv_bfloat162 *)(dst + d * 8) = __floats2bfloat162_rn(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+    }
+    __syncwarp();
+    for (int c = lane; c < 16 * CH; c += 32) {
+      int r = c / CH, cc = c % CH, qi = q0 + wm * 16 + r;
+      if (qi < qlen)
+        *(uint4 *)(a.out + ((row0 + qi) * H + h) * DH + cc * 8) = *(const uint4 *)(Qs + (wm * 16 + r) * SROW + cc * 8);
+    }
+    return;
+  }
+
+  /* WN > 1: merge the warps' softmax states through shared memory */
+  constexpr int OSTR = DH + 4;
+  __syncthreads(); /* everyone is done with the K/V stages */
+  float *red_m = (float *)Ks, *red_l = red_m + WN * BM, *ored = red_l + WN * BM;
+  if (t4 == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      red_m[wn * BM + wm * 16 + g + 8 * r] = m_r[r];
+      red_l[wn * BM + wm * 16 + g + 8 * r] = l_r[r];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    int row = wm * 16 + g + 8 * r;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WN; w++) M = fmaxf(M, red_m[w * BM + row]);
+    float own = m_r[r] == -INFINITY ? 0.0f : exp2f(m_r[r] - M);
+    float *dst = ored + (size_t)(wn * BM + row) * OSTR + 2 * t4;
+#pragma unroll
+    for (int d = 0; d < DT; d++) {
+      dst[d * 8] = o[d][2 * r] * own;
+      dst[d * 8 + 1] = o[d][2 * r + 1] * own;
+    }
+  }
+  __syncthreads();
+  const bool split = eff > 1;
+  for (int c = tid; c < BM * (DH / 4); c += NTH) {
+    int row = c / (DH / 4), d = (c % (DH / 4)) * 4, qi = q0 + row;
+    if (qi >= qlen) continue;
+    float M = -INFINITY, Lsum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WN; w++) M = fmaxf(M, red_m[w * BM + row]);
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < WN; w++) {
+        float mw = red_m[w * BM + row];
+        if (mw != -INFINITY) Lsum += red_l[w * BM + row] * exp2f(mw - M);
+      }
+    }
+    float inv = Lsum > 0.0f ? 1.0f / Lsum : 0.0f;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < WN; w++) {
+      float4 p = *(const float4 *)(ored + (size_t)(w * BM + row) * OSTR + d);
+      v.x += p.x;
+      v.y += p.y;
+      v.z += p.z;
+      v.w += p.w;
+    }
+    v.x *= inv;
+    v.y *= inv;
+    v.z *= inv;
+    v.w *= inv;
+    size_t grow = (row0 + qi) * H + h;
+    if (split) {
+      size_t pi = grow * a.n_splits + blockIdx.z;
+      *(float4 *)(a.part_o + pi * DH + d) = v;
+      if (d == 0) a.part_lse[pi] = Lsum > 0.0f ? M + log2f(Lsum) : -INFINITY;
+    } else {
+      __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi2 = __floats2bfloat162_rn(v.z, v.w);
+      uint2 u;
+      u.x = *(uint32_t *)&lo;
+      u.y = *(uint32_t *)&hi2;
+      *(uint2 *)(a.out + grow * DH + d) = u;
+    }
+  }
+  if (!split) return;
+  /* the last split block of this (query tile, head) merges the partials */
+  __threadfence();
+  __syncthreads();
+  int *cnt = a.counters + (size_t)blockIdx.x * H + h;
+  if (tid == 0) is_last = atomicAdd(cnt, 1) == eff - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  for (int c = tid; c < BM * (DH / 4); c += NTH) {
+    int row = c / (DH / 4), d = (c % (DH / 4)) * 4, qi = q0 + row;
+    if (qi >= qlen) continue;
+    size_t grow = (row0 + qi) * H + h, pi = grow * a.n_splits;
+    float M = -INFINITY;
+    for (int z = 0; z < eff; z++) M = fmaxf(M, __ldcg(a.part_lse + pi + z));
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float wsum = 0.0f;
+    if (M != -INFINITY)
+      for (int z = 0; z < eff; z++) {
+        float w = exp2f(__ldcg(a.part_lse + pi + z) - M);
+        if (w > 0.0f) {
+          float4 p = __ldcg((const float4 *)(a.part_o + (pi + z) * DH + d));
+          v.x += w * p.x;
+          v.y += w * p.y;
+          v.z += w * p.z;
+          v.w += w * p.w;
+          wsum += w;
+        }
+      }
+    float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * inv, v.y * inv), hi2 = __floats2bfloat162_rn(v.z * inv, v.w * inv);
+    uint2 u;
+    u.x = *(uint32_t *)&lo;
+    u.y = *(uint32_t *)&hi2;
+    *(uint2 *)(a.out + grow * DH + d) = u;
+  }
+  if (tid == 0) *cnt = 0;
+}
+
+/* ------------------------------------------------------------ generic kernel */
+
+enum { GEN_MAX_DH = 256 };
+
+/* One warp per (query row, head): any head size up to 256, any alignment. */
+__global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int DH, bool paged) {
+  td_pdl_start();
+  __shared__ float qsh[4][GEN_MAX_DH];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = blockIdx.y, H = a.H;
+  int rid = blockIdx.x * 4 + warp;
+  int qi, qlen, kend, qpos;
+  size_t row0;
+  const int32_t *table = nullptr;
+  if (!paged) {
+    if (rid >= a.n_tokens) return;
+    int lo = 0, hi = a.n_seqs - 1;
+    while (lo < hi) { /* last s with cu[s] <= rid */
+      int mid = (lo + hi + 1) >> 1;
+      if (a.cu[mid] <= rid) lo = mid;
+      else hi = mid - 1;
+    }
+    row0 = (size_t)a.cu[lo];
+    qlen = a.cu[lo + 1] - a.cu[lo];
+    qi = rid - a.cu[lo];
+    if (qi >= qlen) return;
+    qpos = qi;
+    kend = a.causal ? qi + 1 : qlen;
+  } else {
+    int s = rid / a.qtiles;
+    qi = rid % a.qtiles;
+    if (s >= a.n_seqs) return;
+    int qs = a.q_start[s];
+    qlen = min(a.q_start[s + 1], a.n_tokens) - qs;
+    if (qs < 0 || qi >= qlen) return;
+    row0 = (size_t)qs;
+    int ctx = a.ctx_len[s];
+    int nk = min(max(ctx, 0), a.max_blocks * a.bs);
+    qpos = ctx - qlen + qi;
+    kend = a.causal ? min(nk, qpos + 1) : nk;
+    table = a.block_table + (size_t)s * a.max_blocks;
+  }
+  size_t qkv_row = (size_t)3 * H * DH;
+  const bf16 *qp = paged ? a.q + (row0 + qi) * a.ldq + (size_t)h * DH : a.qkv + (row0 + qi) * qkv_row + (size_t)h * DH;
+  for (int d = lane; d < DH; d += 32) qsh[warp][d] = __bfloat162float(qp[d]);
+  __syncwarp();
+  const float *L = a.lut ? a.lut + (size_t)h * (2 * a.md + 1) : nullptr;
+  float m = -INFINITY, l = 0.0f, acc[GEN_MAX_DH / 32];
+#pragma unroll
+  for (int i = 0; i < GEN_MAX_DH / 32; i++) acc[i] = 0.0f;
+  for (int c0 = 0; c0 < kend; c0 += 32) {
+    int j = c0 + lane;
+    float sc = -INFINITY;
+    if (j < kend) {
+      const bf16 *kp = paged ? a.pool + (size_t)table[j / a.bs] * a.block_elems + a.layer_off +
+                                   ((size_t)h * a.bs + j % a.bs) * DH
+                             : a.qkv + (row0 + j) * qkv_row + (size_t)(H + h) * DH;
+      float dot = 0.0f;
+      for (int d = 0; d < DH; d++) dot += qsh[warp][d] * __bfloat162float(kp[d]);
+      sc = dot * a.scale_log2;
+      if (L) sc += lut_at(L, a.md, j - qpos) * LOG2E;
+    }
+    float cmax = sc;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
+    float nm = fmaxf(m, cmax), mu = nm == -INFINITY ? 0.0f : nm;
+    float alpha = exp2f(m - mu), p = j < kend ? exp2f(sc - mu) : 0.0f, ps = p;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+    l = l * alpha + ps;
+    m = nm;
+#pragma unroll
+    for (int i = 0; i < GEN_MAX_DH / 32; i++) acc[i] *= alpha;
+    int cnt = min(32, kend - c0);
+    for (int kk = 0; kk < cnt; kk++) {
+      float pk = __shfl_sync(0xffffffffu, p, kk);
+      int jj = c0 + kk;
+      const bf16 *vp = paged ? a.pool + (size_t)table[jj / a.bs] * a.block_elems + a.layer_off +
+                                   ((size_t)(H + h) * a.bs + jj % a.bs) * DH
+                             : a.qkv + (row0 + jj) * qkv_row + (size_t)(2 * H + h) * DH;
+#pragma unroll
+      for (int i = 0; i < GEN_MAX_DH / 32; i++) {
+        int d = lane + 32 * i;
+        if (d < DH) acc[i] += pk * __bfloat162float(vp[d]);
+      }
+    }
+  }
+  float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  bf16 *op = a.out + ((row0 + qi) * H + h) * DH;
+#pragma unroll
+  for (int i = 0; i < GEN_MAX_DH / 32; i++) {
+    int d = lane + 32 * i;
+    if (d < DH) op[d] = __float2bfloat16_rn(acc[i] * inv);
+  }
+}
+
+/* ------------------------------------------------------------ launchers */
+
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
+static td_status set_smem(td_cuda *c, Cfg<DH, WM, WN, STAGES, MINB, PAGED> cfg) {
+  size_t bytes = attn_smem_base(cfg) + LUT_CAP * sizeof(float);
+  if (bytes > c->smem_optin)
+    return td_err(TD_ERR_UNSUPPORTED, "attention: needs %zu bytes of shared memory, the device allows %zu", bytes,
+                  c->smem_optin);
+  TD_CU_CHECK(cudaFuncSetAttribute(attn_kernel<DH, WM, WN, STAGES, MINB, PAGED>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+              "attention init");
+  return TD_OK;
+}
+
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
+static void launch(Cfg<DH, WM, WN, STAGES, MINB, PAGED> cfg, dim3 grid, size_t lut, const td_cuda *c,
+                   const AttnArgs &a) {
+  (void)td_launch(c, attn_kernel<DH, WM, WN, STAGES, MINB, PAGED>, grid, 32 * WM * WN, attn_smem_base(cfg) + lut, a);
+}
+
+td_status td_cu_attn_init(td_cuda *c) {
+  TD_TRY(set_smem(c, Dense64()));
+  TD_TRY(set_smem(c, Dense64s()));
+  TD_TRY(set_smem(c, Dense128()));
+  TD_TRY(set_smem(c, Paged64()));
+  TD_TRY(set_smem(c, Paged128()));
+  return TD_OK;
+}
+
+static size_t lut_bytes(const td_relbias *bias) {
+  size_t n = bias ? (size_t)(2 * bias->max_distance + 1 + 2 * LUT_PAD) : 0;
+  return n && n <= LUT_CAP ? n * sizeof(float) : 0;
+}
+
+td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
+                           int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
+                           const td_relbias *bias) {
+  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  if (head_dim > GEN_MAX_DH)
+    return td_err(TD_ERR_UNSUPPORTED, "attn_dense: head_dim %d (at most %d)", head_dim, GEN_MAX_DH);
+  if (heads > 65535) return td_err(TD_ERR_UNSUPPORTED, "attn_dense: %d heads", heads);
+  AttnArgs a = {};
+  a.H = heads;
+  a.scale_log2 = scale * LOG2E;
+  a.lut = bias ? bias->lut : nullptr;
+  a.md = bias ? bias->max_distance : 0;
+  a.causal = causal;
+  a.out = (bf16 *)out;
+  a.n_tokens = n_tokens;
+  a.qkv = (const bf16 *)qkv;
+  a.cu = cu_seqlens;
+  a.n_seqs = n_seqs;
+  bool fast = (head_dim == 64 || head_dim == 128) && td_aligned16(qkv) && td_aligned16(out);
+  if (fast) {
+    /* block rows: 16 per warp along queries; the tile map uses the same count */
+    bool wide = head_dim == 64 && c->dense64_warps != 4;
+    int bm = wide ? 128 : 64, len = max_len < 1 || max_len > n_tokens ? n_tokens : max_len;
+    a.qtiles = (len + bm - 1) / bm; /* query tiles per sequence: max_len bounds every length */
+    dim3 grid((unsigned)((long)n_seqs * a.qtiles), (unsigned)heads);
+    if (wide) launch(Dense64(), grid, lut_bytes(bias), c, a);
+    else if (head_dim == 64) launch(Dense64s(), grid, lut_bytes(bias), c, a);
+    else launch(Dense128(), grid, lut_bytes(bias), c, a);
+  } else {
+    dim3 grid((unsigned)((n_tokens + 3) / 4), (unsigned)heads);
+    (void)td_launch(c, attn_generic_kernel, grid, 128, 0, a, head_dim, false);
+  }
+  TD_CU_LAUNCHED("attn_dense");
+  return TD_OK;
+}
+
+td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool,
+                           const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
+                           const td_relbias *bias) {
+  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  int H = l->n_heads, dh = l->head_dim, bs = l->block_size;
+  if (dh > GEN_MAX_DH) return td_err(TD_ERR_UNSUPPORTED, "attn_paged: head_dim %d (at most %d)", dh, GEN_MAX_DH);
+  if (H > 65535) return td_err(TD_ERR_UNSUPPORTED, "attn_paged: %d heads", H);
+  if ((long)m->max_blocks * bs > 2147483647L) return td_err(TD_ERR_INVALID, "attn_paged: block table too wide");
+  /* host bounds only size the grid; clamp them to what the buffers allow */
+  int max_q = m->max_q < 1 ? 1 : m->max_q > m->n_tokens ? m->n_tokens : m->max_q;
+  int max_ctx = m->max_ctx < 1 || m->max_ctx > m->max_blocks * bs ? m->max_blocks * bs : m->max_ctx;
+  AttnArgs a = {};
+  a.H = H;
+  a.scale_log2 = scale * LOG2E;
+  a.lut = bias ? bias->lut : nullptr;
+  a.md = bias ? bias->max_distance : 0;
+  a.causal = causal;
+  a.out = (bf16 *)out;
+  a.n_tokens = m->n_tokens;
+  a.n_seqs = m->n_seqs;
+  a.q = (const bf16 *)q;
+  a.ldq = ldq;
+  a.pool = (const bf16 *)pool;
+  a.block_elems = td_kv_block_elems(l);
+  a.layer_off = (size_t)layer * 2 * H * bs * dh;
+  a.bs = bs;
+  a.q_start = m->q_start;
+  a.ctx_len = m->ctx_len;
+  a.block_table = m->block_table;
+  a.max_blocks = m->max_blocks;
+  a.n_splits = 1;
+  bool fast = (dh == 64 || dh == 128) && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(out) && td_aligned16(pool);
+  if (!fast) {
+    a.qtiles = max_q;
+    long rows = (long)m->n_seqs * max_q;
+    dim3 grid((unsigned)((rows + 3) / 4), (unsigned)H);
+    (void)td_launch(c, attn_generic_kernel, grid, 128, 0, a, dh, true);
+    TD_CU_LAUNCHED("attn_paged");
+    return TD_OK;
+  }
+  a.qtiles = (max_q + 15) / 16;
+  long base = (long)m->n_seqs * a.qtiles * H;
+  /* flash-decoding when few blocks would run: split the keys so that the
+   * GPU fills; each (query tile, head) merges its splits in its last block */
+  int splits = 1;
+  if (base < 2L * c->sm_count && base <= TD_CU_ATTN_COUNTERS) {
+    splits = (int)((2L * c->sm_count + base - 1) / base);
+    int by_ctx = (max_ctx + BN - 1) / BN;
+    splits = splits > by_ctx ? by_ctx : splits;
+    splits = splits > 64 ? 64 : splits < 1 ? 1 : splits;
+    size_t per = (size_t)m->n_tokens * H * (dh + 1) * sizeof(float);
+    while (splits > 1 && per * splits > TD_CU_SPLIT_BYTES) splits--;
+  }
+  a.n_splits = splits;
+  a.part_o = c->split;
+  a.part_lse = c->split + (size_t)m->n_tokens * H * splits * dh;
+  a.counters = c->counters + TD_CU_GEMM_COUNTERS;
+  dim3 grid((unsigned)(m->n_seqs * a.qtiles), (unsigned)H, (unsigned)splits);
+  if (dh == 64) launch(Paged64(), grid, lut_bytes(bias), c, a);
+  else launch(Paged128(), grid, lut_bytes(bias), c, a);
+  TD_CU_LAUNCHED("attn_paged");
+  return TD_OK;
+}

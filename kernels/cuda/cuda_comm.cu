@@ -1,0 +1,179 @@
+/* NCCL communicators for the CUDA backend (tensor and pipeline
+ * parallelism): collectives and point-to-point on the backend's stream, so
+ * they order with the ops around them and can be captured in a CUDA graph.
+ * One rank per GPU. Built without NCCL (nccl.h / libnccl not found), the
+ * calls answer TD_ERR_UNSUPPORTED. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_internal.h"
+
+#ifdef TD_HAVE_NCCL
+#include <nccl.h>
+
+typedef struct nccl_comm {
+  ncclComm_t comm;
+  int device;
+} nccl_comm;
+
+static td_status nccl_fail(const char *what, ncclResult_t r) {
+  return td_err(r == ncclRemoteError || r == ncclSystemError ? TD_ERR_PEER : TD_ERR_CUDA, "nccl %s: %s", what,
+                ncclGetErrorString(r));
+}
+
+#define TD_NCCL(call, what)                          \
+  do {                                               \
+    ncclResult_t td_r_ = (call);                     \
+    if (td_r_ != ncclSuccess) return nccl_fail(what, td_r_); \
+  } while (0)
+
+static ncclDataType_t nccl_type(const td_backend *b, td_buf_type t) {
+  return t == TD_BUF_ACT ? ncclBfloat16 : t == TD_BUF_F32 ? ncclFloat32 : ncclInt32;
+}
+
+static td_status need_cuda(const td_backend *b, const char *op) {
+  return b->kind == TD_BACKEND_CUDA ? TD_OK : td_err(TD_ERR_INVALID, "nccl %s: the backend is not CUDA", op);
+}
+
+static td_status n_allreduce(td_comm *c, td_backend *b, void *buf, td_buf_type t, size_t n) {
+  if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
+  TD_TRY(need_cuda(b, "allreduce"));
+  nccl_comm *nc = (nccl_comm *)c->impl;
+  TD_NCCL(ncclAllReduce(buf, buf, n, nccl_type(b, t), ncclSum, nc->comm, td_cu(b)->stream), "allreduce");
+  return TD_OK;
+}
+
+static td_status n_allgather(td_comm *c, td_backend *b, const void *send, void *recv, td_buf_type t, size_t n) {
+  if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
+  TD_TRY(need_cuda(b, "allgather"));
+  nccl_comm *nc = (nccl_comm *)c->impl;
+  TD_NCCL(ncclAllGather(send, recv, n, nccl_type(b, t), nc->comm, td_cu(b)->stream), "allgather");
+  return TD_OK;
+}
+
+static td_status n_send(td_comm *c, td_backend *b, const void *buf, td_buf_type t, size_t n, int peer) {
+  if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
+  TD_TRY(need_cuda(b, "send"));
+  nccl_comm *nc = (nccl_comm *)c->impl;
+  TD_NCCL(ncclSend(buf, n, nccl_type(b, t), peer, nc->comm, td_cu(b)->stream), "send");
+  return TD_OK;
+}
+
+static td_status n_recv(td_comm *c, td_backend *b, void *buf, td_buf_type t, size_t n, int peer) {
+  if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
+  TD_TRY(need_cuda(b, "recv"));
+  nccl_comm *nc = (nccl_comm *)c->impl;
+  TD_NCCL(ncclRecv(buf, n, nccl_type(b, t), peer, nc->comm, td_cu(b)->stream), "recv");
+  return TD_OK;
+}
+
+static void n_abort(td_comm *c) {
+  nccl_comm *nc = (nccl_comm *)c->impl;
+  if (nc->comm) (void)ncclCommAbort(nc->comm);
+  nc->comm = NULL;
+  free(nc);
+  free(c);
+}
+
+static void n_destroy(td_comm *c) {
+  nccl_comm *nc = (nccl_comm *)c->impl;
+  if (nc->comm) {
+    (void)cudaSetDevice(nc->device);
+    (void)ncclCommDestroy(nc->comm);
+  }
+  free(nc);
+  free(c);
+}
+
+static td_comm_vt nccl_vt;
+
+/* NCCL connects peers lazily, on the first operation that needs them, and
+ * connecting is not allowed while a stream is being captured: so every
+ * connection a step may use (collectives, and point to point with each
+ * peer) is made here, and graphs captured later only replay. */
+static td_status warm_up(td_backend *b, nccl_comm *nc, int rank, int world) {
+  if (world == 1) return TD_OK;
+  td_cuda *cu = td_cu(b);
+  int32_t *buf = NULL;
+  TD_CU_CHECK(cudaMalloc((void **)&buf, sizeof(int32_t) * (size_t)(2 * world + 2)), "nccl warm-up");
+  TD_CU_CHECK(cudaMemsetAsync(buf, 0, sizeof(int32_t) * (size_t)(2 * world + 2), cu->stream), "nccl warm-up");
+  ncclResult_t r = ncclAllReduce(buf, buf, 1, ncclInt32, ncclSum, nc->comm, cu->stream);
+  if (r == ncclSuccess) r = ncclAllGather(buf, buf + 2, 1, ncclInt32, nc->comm, cu->stream);
+  if (r == ncclSuccess) r = ncclGroupStart();
+  for (int p = 0; p < world && r == ncclSuccess; p++) {
+    if (p == rank) continue;
+    r = ncclSend(buf + 1, 1, ncclInt32, p, nc->comm, cu->stream);
+    if (r == ncclSuccess) r = ncclRecv(buf + 2 + world + p, 1, ncclInt32, p, nc->comm, cu->stream);
+  }
+  if (r == ncclSuccess) r = ncclGroupEnd();
+  cudaError_t e = cudaStreamSynchronize(cu->stream);
+  (void)cudaFree(buf);
+  if (r != ncclSuccess) return nccl_fail("warm-up", r);
+  if (e != cudaSuccess) return td_err(TD_ERR_CUDA, "nccl warm-up: %s", cudaGetErrorString(e));
+  return TD_OK;
+}
+
+extern "C" td_status td_comm_nccl_id(uint8_t id[TD_NCCL_ID_BYTES]) {
+  static_assert(sizeof(ncclUniqueId) == TD_NCCL_ID_BYTES, "NCCL id size");
+  ncclUniqueId u;
+  TD_NCCL(ncclGetUniqueId(&u), "unique id");
+  memcpy(id, &u, sizeof u);
+  return TD_OK;
+}
+
+/* Blocks until all `world` ranks have joined with the same id. */
+extern "C" td_status td_comm_create_nccl(td_backend *b, const uint8_t id[TD_NCCL_ID_BYTES], int rank, int world,
+                                         td_comm **out) {
+  *out = NULL;
+  TD_TRY(need_cuda(b, "communicator"));
+  if (world < 1 || rank < 0 || rank >= world)
+    return td_err(TD_ERR_INVALID, "nccl communicator: rank %d of %d", rank, world);
+  nccl_vt.allreduce = n_allreduce;
+  nccl_vt.allgather = n_allgather;
+  nccl_vt.send = n_send;
+  nccl_vt.recv = n_recv;
+  nccl_vt.abort = n_abort;
+  nccl_vt.destroy = n_destroy;
+  td_comm *c = (td_comm *)calloc(1, sizeof *c);
+  nccl_comm *nc = (nccl_comm *)calloc(1, sizeof *nc);
+  if (!c || !nc) {
+    free(c);
+    free(nc);
+    return td_err(TD_ERR_NOMEM, "nccl communicator: out of memory");
+  }
+  nc->device = td_cu(b)->device;
+  ncclUniqueId u;
+  memcpy(&u, id, sizeof u);
+  cudaError_t e = cudaSetDevice(nc->device);
+  ncclResult_t r = e == cudaSuccess ? ncclCommInitRank(&nc->comm, world, u, rank) : ncclUnhandledCudaError;
+  if (r != ncclSuccess) {
+    free(c);
+    free(nc);
+    return nccl_fail("communicator", r);
+  }
+  c->vt = &nccl_vt;
+  c->rank = rank;
+  c->world = world;
+  c->impl = nc;
+  td_status s = warm_up(b, nc, rank, world);
+  if (s != TD_OK) {
+    n_abort(c);
+    return s;
+  }
+  *out = c;
+  return TD_OK;
+}
+
+#else
+
+extern "C" td_status td_comm_nccl_id(uint8_t id[TD_NCCL_ID_BYTES]) {
+  return td_err(TD_ERR_UNSUPPORTED, "this build has no NCCL (nccl.h or libnccl was not found)");
+}
+
+extern "C" td_status td_comm_create_nccl(td_backend *b, const uint8_t id[TD_NCCL_ID_BYTES], int rank, int world,
+                                         td_comm **out) {
+  *out = NULL;
+  return td_err(TD_ERR_UNSUPPORTED, "this build has no NCCL (nccl.h or libnccl was not found)");
+}
+
+#endif

@@ -1,0 +1,359 @@
+/* GEMMs through cuBLASLt: y[m,n] = act(x[m,k] W[n,k]^T + bias) (+ y).
+ * Row-major y is column-major y^T = W x^T, so A = W (transposed), B = x,
+ * D = y with leading dimension n: the "TN" layout Hopper kernels favour.
+ * Bias and activation go into the cuBLASLt epilogue when it has the exact
+ * function (ReLU; GELU, which cuBLASLt computes with the tanh formula);
+ * exact GELU, SiLU and quick GELU get a fused bias+activation pass.
+ * Plans (descriptors + heuristic algorithm) are cached per shape, so the
+ * heuristic runs once per shape, never on the replay path.
+ *
+ * Decode GEMMs of a few rows are weight streaming: there a "skinny"
+ * tensor-core kernel reads W once with 16-byte cp.async loads (below);
+ * more rows go to cuBLASLt. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/cuda_ptx.cuh"
+
+extern "C" {
+#include "kernels/act.h"
+}
+
+enum { MODE_LT = 0, MODE_LT_POST = 1, MODE_FALLBACK = 2 };
+
+typedef struct td_gemm_plan {
+  bool used;
+  /* key */
+  int m, n, k, act;
+  unsigned flags;
+  bool bias;
+  unsigned align; /* log2 alignments of x, w, y, bias */
+  /* plan */
+  int mode;
+  bool lt_bias;
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatmulAlgo_t algo;
+} td_gemm_plan;
+
+static unsigned align_log2(const void *p) {
+  uintptr_t a = (uintptr_t)p;
+  unsigned l = 0;
+  while (l < 8 && !(a & ((uintptr_t)1 << l))) l++;
+  return l; /* 8 means 256 bytes or more (or NULL) */
+}
+
+static void plan_release(td_gemm_plan *p) {
+  if (p->op) cublasLtMatmulDescDestroy(p->op);
+  if (p->la) cublasLtMatrixLayoutDestroy(p->la);
+  if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
+  if (p->lc) cublasLtMatrixLayoutDestroy(p->lc);
+  memset(p, 0, sizeof *p);
+}
+
+static td_status skinny_init(td_cuda *c);
+
+td_status td_cu_gemm_init(td_cuda *c) {
+  c->plans = (td_gemm_plan *)calloc(TD_CU_GEMM_CACHE, sizeof(td_gemm_plan));
+  if (!c->plans) return td_err(TD_ERR_NOMEM, "cuda gemm: plan cache");
+  return skinny_init(c);
+}
+
+void td_cu_gemm_destroy(td_cuda *c) {
+  if (!c->plans) return;
+  for (int i = 0; i < TD_CU_GEMM_CACHE; i++)
+    if (c->plans[i].used) plan_release(&c->plans[i]);
+  free(c->plans);
+  c->plans = NULL;
+}
+
+/* Builds descriptors for one epilogue and asks the heuristic; false when
+ * cuBLASLt has no algorithm for it (descriptors released). */
+static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_bias, const float *bias) {
+  cudaDataType_t out = (p->flags & TD_GEMM_OUT_F32) ? CUDA_R_32F : CUDA_R_16BF;
+  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  bool ok = cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) ==
+                CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) ==
+                CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) ==
+                CUBLAS_STATUS_SUCCESS;
+  if (ok && lt_bias) {
+    int32_t bt = CUDA_R_32F; /* our biases are float32 whatever the output type */
+    ok = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt) ==
+             CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias) ==
+             CUBLAS_STATUS_SUCCESS;
+  }
+  ok = ok && cublasLtMatrixLayoutCreate(&p->la, CUDA_R_16BF, p->k, p->n, p->k) == CUBLAS_STATUS_SUCCESS &&
+       cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_16BF, p->k, p->m, p->k) == CUBLAS_STATUS_SUCCESS &&
+       cublasLtMatrixLayoutCreate(&p->lc, out, p->n, p->m, p->n) == CUBLAS_STATUS_SUCCESS;
+  cublasLtMatmulPreference_t pref = NULL;
+  int found = 0;
+  cublasLtMatmulHeuristicResult_t res;
+  memset(&res, 0, sizeof res);
+  if (ok && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
+    uint64_t ws = TD_CU_LT_WORKSPACE;
+    /* alignments in bytes of x (B), w (A), y (C and D), capped at 256 */
+    uint32_t ax = 1u << ((p->align >> 0) & 15), aw = 1u << ((p->align >> 4) & 15),
+             ay = 1u << ((p->align >> 8) & 15);
+    ok = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) ==
+             CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &aw, sizeof aw) ==
+             CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &ax, sizeof ax) ==
+             CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &ay, sizeof ay) ==
+             CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ay, sizeof ay) ==
+             CUBLAS_STATUS_SUCCESS;
+    ok = ok && cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &res, &found) ==
+                   CUBLAS_STATUS_SUCCESS &&
+         found > 0 && res.state == CUBLAS_STATUS_SUCCESS;
+    cublasLtMatmulPreferenceDestroy(pref);
+  } else {
+    ok = false;
+  }
+  if (!ok) {
+    td_gemm_plan keep = *p;
+    plan_release(p);
+    /* keep the key, drop the descriptors */
+    p->m = keep.m, p->n = keep.n, p->k = keep.k, p->act = keep.act, p->flags = keep.flags, p->bias = keep.bias,
+    p->align = keep.align;
+    return false;
+  }
+  p->algo = res.algo;
+  p->lt_bias = lt_bias;
+  return true;
+}
+
+static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned flags, const void *x,
+                              const void *w, const float *bias, const void *y) {
+  unsigned align = align_log2(x) | align_log2(w) << 4 | align_log2(y) << 8 | (bias ? align_log2(bias) : 8) << 12;
+  uint64_t h = (uint64_t)m * 0x9E3779B97F4A7C15ull ^ (uint64_t)n * 0xC2B2AE3D27D4EB4Full ^
+               (uint64_t)k * 0x165667B19E3779F9ull ^ ((uint64_t)act << 40 | (uint64_t)flags << 48 |
+                                                      (uint64_t)(bias != NULL) << 56 | (uint64_t)align << 20);
+  h ^= h >> 29;
+  td_gemm_plan *p = &c->plans[h % TD_CU_GEMM_CACHE];
+  if (p->used && p->m == m && p->n == n && p->k == k && p->act == act && p->flags == flags &&
+      p->bias == (bias != NULL) && p->align == align)
+    return p;
+  if (p->used) plan_release(p);
+  p->used = true;
+  p->m = m, p->n = n, p->k = k, p->act = act, p->flags = flags, p->bias = bias != NULL, p->align = align;
+  cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+  switch (act) {
+    case TD_ACT_NONE: epi = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT; break;
+    case TD_ACT_RELU: epi = bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU; break;
+    case TD_ACT_GELU_TANH: epi = bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU; break;
+    default: epi = CUBLASLT_EPILOGUE_DEFAULT; break; /* erf GELU, SiLU, quick GELU: our own pass */
+  }
+  bool post = epi == CUBLASLT_EPILOGUE_DEFAULT && (bias || act != TD_ACT_NONE);
+  bool lt_bias = bias && epi != CUBLASLT_EPILOGUE_DEFAULT;
+  if (lt_try(c, p, epi, lt_bias, bias)) {
+    p->mode = post ? MODE_LT_POST : MODE_LT;
+  } else if (epi != CUBLASLT_EPILOGUE_DEFAULT && lt_try(c, p, CUBLASLT_EPILOGUE_DEFAULT, false, NULL)) {
+    p->mode = MODE_LT_POST;
+  } else {
+    p->mode = MODE_FALLBACK;
+  }
+  p->used = true;
+  if (c->verbose)
+    fprintf(stderr, "tandem cuda gemm plan m=%d n=%d k=%d act=%d flags=%u bias=%d align=%03x: %s\n", m, n, k, act,
+            flags, bias != NULL, align,
+            p->mode == MODE_LT ? "cuBLASLt, fused epilogue"
+                               : p->mode == MODE_LT_POST ? "cuBLASLt + bias/activation pass" : "fallback kernel");
+  return p;
+}
+
+/* y = act(y + bias) over [m, n]. */
+template <typename T>
+__global__ void bias_act_kernel(T *y, const float *__restrict__ bias, int m, int n, int act) {
+  td_pdl_start();
+  size_t total = (size_t)m * n;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+    float v = (float)y[i];
+    if (bias) v += bias[i % n];
+    y[i] = (T)td_act_apply(act, v);
+  }
+}
+
+/* Any alignment, any size; only used where cuBLASLt declines. */
+template <typename T>
+__global__ void gemm_fallback_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w,
+                                     const float *__restrict__ bias, T *y, int m, int n, int k, int act,
+                                     bool accum) {
+  td_pdl_start();
+  __shared__ float xs[16][17], ws[16][17];
+  int tx = threadIdx.x, ty = threadIdx.y;
+  int row = blockIdx.y * 16 + ty, col = blockIdx.x * 16 + tx;
+  float acc = 0.0f;
+  for (int k0 = 0; k0 < k; k0 += 16) {
+    int xr = blockIdx.y * 16 + ty, wr = blockIdx.x * 16 + ty, kc = k0 + tx;
+    xs[ty][tx] = xr < m && kc < k ? __bfloat162float(x[(size_t)xr * k + kc]) : 0.0f;
+    ws[ty][tx] = wr < n && kc < k ? __bfloat162float(w[(size_t)wr * k + kc]) : 0.0f;
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < 16; q++) acc += xs[ty][q] * ws[tx][q];
+    __syncthreads();
+  }
+  if (row < m && col < n) {
+    T *o = y + (size_t)row * n + col;
+    if (bias) acc += bias[col];
+    if (accum) acc += (float)*o;
+    *o = (T)td_act_apply(act, acc);
+  }
+}
+
+
+/* ------------------------------------------------------------ skinny GEMM */
+
+/* m <= 16 rows (decode): 16 output columns per block, the 4 warps split K
+ * and each streams its quarter of the 16 weight rows through its own
+ * cp.async pipeline (no block barrier in the loop); the warps' sums meet
+ * in shared memory in a fixed order. */
+enum { SK_NT = 16, SK_KC = 64, SK_STAGES = 4, SK_ROW = SK_KC + 8, SK_WARPS = 4 };
+constexpr size_t SK_SMEM = (size_t)SK_WARPS * SK_STAGES * 2 * 16 * SK_ROW * sizeof(bf16);
+
+template <bool F32>
+__global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const bf16 *__restrict__ x,
+                                                               const bf16 *__restrict__ w,
+                                                               const float *__restrict__ bias, void *y, int m,
+                                                               int n, int k, int act, bool accum, int kq) {
+  td_pdl_start();
+  extern __shared__ __align__(16) unsigned char sk_smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  /* this warp's stages: [stage][W 16 rows | x 16 rows][SK_ROW] */
+  bf16 *mine = (bf16 *)sk_smem + (size_t)warp * SK_STAGES * 2 * 16 * SK_ROW;
+  const int n0 = blockIdx.x * SK_NT;
+  const int kb = warp * kq, ke = min(k, kb + kq);
+  const int nst = ke > kb ? (ke - kb + SK_KC - 1) / SK_KC : 0;
+  auto load = [&](int st, int buf) {
+    int k0 = kb + st * SK_KC;
+    bf16 *ws = mine + (size_t)buf * 2 * 16 * SK_ROW, *xs = ws + 16 * SK_ROW;
+#pragma unroll
+    for (int i = 0; i < 4; i++) { /* 16 rows x 8 chunks of W, then of x */
+      int c = lane + 32 * i, r = c >> 3, kk = k0 + (c & 7) * 8;
+      bool vw = n0 + r < n && kk < ke, vx = r < m && kk < ke;
+      cp_async16(ws + r * SK_ROW + (c & 7) * 8, vw ? w + (size_t)(n0 + r) * k + kk : w, vw);
+      cp_async16(xs + r * SK_ROW + (c & 7) * 8, vx ? x + (size_t)r * k + kk : x, vx);
+    }
+  };
+#pragma unroll
+  for (int st = 0; st < SK_STAGES - 1; st++) {
+    if (st < nst) load(st, st);
+    cp_async_commit();
+  }
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  for (int st = 0; st < nst; st++) {
+    cp_async_wait<SK_STAGES - 2>();
+    __syncwarp();
+    if (st + SK_STAGES - 1 < nst) load(st + SK_STAGES - 1, (st + SK_STAGES - 1) % SK_STAGES);
+    cp_async_commit();
+    const bf16 *ws = mine + (size_t)(st % SK_STAGES) * 2 * 16 * SK_ROW, *xs = ws + 16 * SK_ROW;
+#pragma unroll
+    for (int ks = 0; ks < SK_KC / 16; ks++) {
+      uint32_t b0, b1, b2, b3, a[4];
+      ldsm_x4(b0, b1, b2, b3, ws + ((lane & 7) + ((lane >> 4) << 3)) * SK_ROW + ks * 16 + ((lane >> 3) & 1) * 8);
+      ldsm_x4(a[0], a[1], a[2], a[3], xs + (lane & 15) * SK_ROW + ks * 16 + (lane >> 4) * 8);
+      mma16816(acc[0], a, b0, b1);
+      mma16816(acc[1], a, b2, b3);
+    }
+    __syncwarp(); /* the stage is rewritten by the next iteration's load */
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  float *red = (float *)sk_smem; /* [warp][16 rows][16 cols] */
+#pragma unroll
+  for (int j = 0; j < 2; j++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * 16 + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < 16 * SK_NT; i += 32 * SK_WARPS) {
+    int row = i / SK_NT, col = n0 + i % SK_NT;
+    if (row >= m || col >= n) continue;
+    float v = red[i];
+#pragma unroll
+    for (int q = 1; q < SK_WARPS; q++) v += red[q * 256 + i];
+    size_t o = (size_t)row * n + col;
+    if (bias) v += bias[col];
+    if (F32) {
+      float *Y = (float *)y;
+      if (accum) v += Y[o];
+      Y[o] = td_act_apply(act, v);
+    } else {
+      bf16 *Y = (bf16 *)y;
+      if (accum) v += __bfloat162float(Y[o]);
+      Y[o] = __float2bfloat16_rn(td_act_apply(act, v));
+    }
+  }
+}
+
+static td_status skinny_gemm(td_cuda *c, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
+                             int act, unsigned flags) {
+  int kq = ((k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
+  unsigned grid = (unsigned)((n + SK_NT - 1) / SK_NT);
+  bool accum = flags & TD_GEMM_ACCUM;
+  if (flags & TD_GEMM_OUT_F32)
+    (void)td_launch(c, skinny_kernel<true>, grid, 32 * SK_WARPS, SK_SMEM, (const bf16 *)x, (const bf16 *)w, bias, y, m, n,
+                                                                     k, act, accum, kq);
+  else
+    (void)td_launch(c, skinny_kernel<false>, grid, 32 * SK_WARPS, SK_SMEM, (const bf16 *)x, (const bf16 *)w, bias, y, m,
+                                                                      n, k, act, accum, kq);
+  TD_CU_LAUNCHED("gemm (skinny)");
+  return TD_OK;
+}
+
+static td_status skinny_init(td_cuda *c) {
+  TD_CU_CHECK(cudaFuncSetAttribute(skinny_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SK_SMEM),
+              "gemm init");
+  TD_CU_CHECK(cudaFuncSetAttribute(skinny_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SK_SMEM),
+              "gemm init");
+  return TD_OK;
+}
+
+td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
+                     td_act act, unsigned flags) {
+  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  if ((unsigned)act > TD_ACT_QUICK_GELU) return td_err(TD_ERR_INVALID, "gemm: unknown activation %d", (int)act);
+  if (flags & ~(unsigned)(TD_GEMM_ACCUM | TD_GEMM_OUT_F32)) return td_err(TD_ERR_INVALID, "gemm: unknown flags %#x", flags);
+  bool f32 = flags & TD_GEMM_OUT_F32;
+  /* measured on H100 (docs/cuda.md): ahead of cuBLASLt up to 8 rows, and up
+   * to 16 while the weight is narrow enough that re-reading x stays cheap */
+  if (c->skinny && (m <= 8 || (m <= 16 && n <= 2048)) && k % 8 == 0 && td_aligned16(x) && td_aligned16(w))
+    return skinny_gemm(c, x, w, bias, y, m, n, k, act, flags);
+  td_gemm_plan *p = plan_get(c, m, n, k, act, flags, x, w, bias, y);
+  if (p->mode == MODE_FALLBACK) {
+    dim3 grid((n + 15) / 16, (m + 15) / 16), blk(16, 16);
+    if (grid.y > 65535) return td_err(TD_ERR_UNSUPPORTED, "gemm: %d rows need cuBLASLt, which declined", m);
+    if (f32)
+      (void)td_launch(c, gemm_fallback_kernel<float>, grid, blk, 0, (const bf16 *)x, (const bf16 *)w, bias, (float *)y, m,
+                                                               n, k, act, flags & TD_GEMM_ACCUM);
+    else
+      (void)td_launch(c, gemm_fallback_kernel<bf16>, grid, blk, 0, (const bf16 *)x, (const bf16 *)w, bias, (bf16 *)y, m,
+                                                              n, k, act, flags & TD_GEMM_ACCUM);
+    TD_CU_LAUNCHED("gemm (fallback)");
+    return TD_OK;
+  }
+  if (p->lt_bias &&
+      cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias) !=
+          CUBLAS_STATUS_SUCCESS)
+    return td_err(TD_ERR_CUDA, "gemm: cannot set the bias pointer");
+  float alpha = 1.0f, beta = (flags & TD_GEMM_ACCUM) ? 1.0f : 0.0f;
+  cublasStatus_t st = cublasLtMatmul(c->lt, p->op, &alpha, w, p->la, x, p->lb, &beta, y, p->lc, y, p->lc, &p->algo,
+                                     c->lt_ws, TD_CU_LT_WORKSPACE, c->stream);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    return td_err(TD_ERR_CUDA, "gemm: cublasLtMatmul failed (status %d) for m=%d n=%d k=%d", (int)st, m, n, k);
+  if (p->mode == MODE_LT_POST) {
+    size_t total = (size_t)m * n;
+    if (f32) (void)td_launch(c, bias_act_kernel<float>, td_blocks(total, 256), 256, 0, (float *)y, bias, m, n, act);
+    else (void)td_launch(c, bias_act_kernel<bf16>, td_blocks(total, 256), 256, 0, (bf16 *)y, bias, m, n, act);
+    TD_CU_LAUNCHED("gemm bias/activation");
+  }
+  return TD_OK;
+}
+

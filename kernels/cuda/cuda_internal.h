@@ -1,0 +1,145 @@
+/* Shared state and helpers of the CUDA backend (CUDA C++ translation units
+ * only). One backend = one device, one stream, one cuBLASLt handle with its
+ * workspace, and scratch buffers sized once at creation. Not thread-safe:
+ * one owner thread per backend, like the rest of the ops interface. */
+#ifndef TD_KERNELS_CUDA_INTERNAL_H
+#define TD_KERNELS_CUDA_INTERNAL_H
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+extern "C" {
+#include "kernels/backend_impl.h"
+}
+
+typedef __nv_bfloat16 bf16;
+
+/* Sizes fixed at creation (docs/cuda.md lists them). */
+enum {
+  TD_CU_LT_WORKSPACE = 32 << 20,     /* cuBLASLt workspace (Hopper recommends 32 MiB) */
+  TD_CU_STAGE_BYTES = 32 << 20,      /* upload/download conversion staging */
+  TD_CU_SPLIT_BYTES = 32 << 20,      /* split-KV partial outputs of attn_paged */
+  TD_CU_GEMM_CACHE = 512,            /* cached cuBLASLt plans (direct mapped) */
+  TD_CU_PART_BYTES = 16 << 20,       /* split-K partial sums of the skinny GEMM */
+  TD_CU_GEMM_COUNTERS = 8192,        /* arrival counters: skinny GEMM column tiles */
+  TD_CU_ATTN_COUNTERS = 65536,       /* arrival counters: split-KV attention groups */
+};
+
+struct td_gemm_plan;
+
+typedef struct td_cuda {
+  int device;
+  int sm_count;
+  int cc_major, cc_minor;
+  size_t smem_optin; /* max dynamic shared memory per block */
+  cudaStream_t stream;
+  cublasLtHandle_t lt;
+  void *lt_ws;
+  float *stage;       /* TD_CU_STAGE_BYTES of device memory */
+  float *split;       /* TD_CU_SPLIT_BYTES of device memory */
+  float *part;        /* TD_CU_PART_BYTES of device memory */
+  int *counters;      /* GEMM then attention arrival counters, zero between launches */
+  int skinny;         /* small-m GEMMs on our kernel (TANDEM_CUDA_SKINNY=0: cuBLASLt) */
+  int dense64_warps;  /* dense attention, head_dim 64: 8 warps x 16 rows, or 4 (TANDEM_CUDA_DENSE64=4) */
+  int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */
+  struct td_gemm_plan *plans;
+  int verbose;        /* TANDEM_CUDA_VERBOSE=1: print GEMM plan choices */
+} td_cuda;
+
+static inline td_cuda *td_cu(td_backend *b) { return (td_cuda *)b->impl; }
+
+#define TD_CU_CHECK(call, what)                                                                     \
+  do {                                                                                              \
+    cudaError_t td_e_ = (call);                                                                     \
+    if (td_e_ != cudaSuccess)                                                                       \
+      return td_err(TD_ERR_CUDA, "%s: %s failed: %s", (what), #call, cudaGetErrorString(td_e_));    \
+  } while (0)
+
+/* After every kernel launch: configuration errors surface here. */
+#define TD_CU_LAUNCHED(what)                                                                        \
+  do {                                                                                              \
+    cudaError_t td_e_ = cudaGetLastError();                                                         \
+    if (td_e_ != cudaSuccess) return td_err(TD_ERR_CUDA, "%s: launch failed: %s", (what), cudaGetErrorString(td_e_)); \
+  } while (0)
+
+/* Makes the backend's device current on the calling thread (ops may come
+ * from a thread other than the one that created the backend). */
+static inline void td_cu_bind(const td_cuda *c) {
+  int d = -1;
+  if (cudaGetDevice(&d) != cudaSuccess || d != c->device) (void)cudaSetDevice(c->device);
+}
+
+static inline bool td_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+static inline unsigned td_blocks(size_t n, unsigned per) {
+  size_t g = (n + per - 1) / per;
+  return (unsigned)(g > 65535u * 32u ? 65535u * 32u : g); /* kernels stride over the rest */
+}
+
+/* Programmatic dependent launch: a kernel launched with it may be scheduled
+ * while the previous kernel in the stream finishes. Every kernel of this
+ * backend therefore starts with td_pdl_start(): wait until the previous
+ * grid has completed and its memory is visible (a no-op without PDL), then
+ * let the next kernel be scheduled as soon as all our blocks are resident. */
+__device__ __forceinline__ void td_pdl_start() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+/* cluster > 0: thread-block clusters of that many blocks along x. */
+template <typename... KArgs, typename... Args>
+static inline cudaError_t td_launch_ex(const td_cuda *c, int cluster, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                                       size_t smem, Args... args) {
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (c->pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 0) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = (unsigned)cluster;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = c->stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+template <typename... KArgs, typename... Args>
+static inline cudaError_t td_launch(const td_cuda *c, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                    Args... args) {
+  return td_launch_ex(c, 0, kernel, grid, block, smem, args...);
+}
+
+/* Per-file entry points. */
+td_status td_cu_gemm_init(td_cuda *c);
+void td_cu_gemm_destroy(td_cuda *c);
+td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
+                     td_act act, unsigned flags);
+
+td_status td_cu_attn_init(td_cuda *c);
+td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
+                           int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
+                           const td_relbias *bias);
+td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool,
+                           const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
+                           const td_relbias *bias);
+
+td_status td_cu_sample_init(td_cuda *c);
+td_status td_cu_sample(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,
+                       const int32_t *bans, int32_t *tokens, float *logprobs);
+td_status td_cu_topk_logprobs(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,
+                              const int32_t *bans, int k, int32_t *ids, float *vals);
+
+/* Largest k topk_logprobs accepts on the GPU. */
+#define TD_CU_TOPK_MAX 1024
+
+#endif

@@ -1,0 +1,382 @@
+/* Every fixture model on the CUDA backend (bf16) against the Hugging Face
+ * float32 references: encoder output, teacher-forced logits of the whole
+ * decoder sequence as one prompt chunk, then token-by-token decoding
+ * through the paged cache, greedy. Errors are max |out - ref| / max |ref|
+ * (fixture.c).
+ *
+ * What bf16 costs depends on the model: a fixture with large activations
+ * (Marian scales N(0,1) embeddings by sqrt(d_model), so attention is nearly
+ * one-hot) loses more to bf16 alone. So each request is also run on the CPU
+ * backend with every activation rounded to bf16 after each op and the
+ * attention probabilities rounded to bf16 as flash attention does, and the
+ * GPU must stay within max(TOL, 4x that error): the two round in different
+ * places (the GPU's GEMMs add before rounding, its small-head attention
+ * keeps float32 probabilities), and on an ill-conditioned fixture the two
+ * errors differ by that much (Marian: 0.195 against 0.057 on one request). A greedy token may
+ * differ from the reference only where the reference's own margin between
+ * the two tokens is within the GPU's measured logit error (a near tie). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <criterion/criterion.h>
+
+#include "common/half.h"
+#include "kernels/backend_impl.h"
+#include "kvcache/kvcache.h"
+#include "model/model.h"
+#include "tests/unit/fixture.h"
+
+#define TOL 3e-2
+
+/* ---- the CPU backend with bf16 activation storage */
+static const td_backend_vt *cpu_vt;
+static td_backend_vt emu_vt;
+
+static void round_bf16(void *p, size_t n) {
+  float *f = p;
+  for (size_t i = 0; i < n; i++) f[i] = td_bf16_to_f32(td_f32_to_bf16(f[i]));
+}
+static td_status emu_upload(td_backend *b, td_buf_type t, void *d, const float *s, size_t n) {
+  TD_TRY(cpu_vt->upload(b, t, d, s, n));
+  if (t == TD_BUF_ACT) round_bf16(d, n);
+  return TD_OK;
+}
+static td_status emu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
+                          td_act a, unsigned f) {
+  TD_TRY(cpu_vt->gemm(b, x, w, bias, y, m, n, k, a, f));
+  if (!(f & TD_GEMM_OUT_F32)) round_bf16(y, (size_t)m * n);
+  return TD_OK;
+}
+static td_status emu_norm(td_backend *b, const void *x, const float *w, const float *bi, void *y, int m, int n, float e,
+                          bool r) {
+  TD_TRY(cpu_vt->norm(b, x, w, bi, y, m, n, e, r));
+  round_bf16(y, (size_t)m * n);
+  return TD_OK;
+}
+static td_status emu_gated(td_backend *b, const void *x, void *y, int m, int f, td_act a) {
+  TD_TRY(cpu_vt->gated_act(b, x, y, m, f, a));
+  round_bf16(y, (size_t)m * f);
+  return TD_OK;
+}
+static td_status emu_embed(td_backend *b, const int32_t *ids, const int32_t *ps, const void *t, const void *p, float s,
+                           void *y, int n, int d) {
+  TD_TRY(cpu_vt->embed(b, ids, ps, t, p, s, y, n, d));
+  round_bf16(y, (size_t)n * d);
+  return TD_OK;
+}
+static td_status emu_add_pos(td_backend *b, void *y, const void *pos, int ns, int len, int d) {
+  TD_TRY(cpu_vt->add_pos(b, y, pos, ns, len, d));
+  round_bf16(y, (size_t)ns * len * d);
+  return TD_OK;
+}
+/* Attention as the GPU computes it: exp(s - max) rounded to bf16 before it
+ * weighs V, the normaliser summed from the unrounded values. */
+static float *emu_s;
+static int emu_cap;
+
+static void emu_row(const float *q, int nk, int dh, float scale, const float *bias_row, int bias_off, int md,
+                    const float *(*key)(void *, int), const float *(*val)(void *, int), void *ctx, float *o) {
+  if (nk > emu_cap) {
+    emu_cap = nk * 2;
+    emu_s = realloc(emu_s, sizeof(float) * (size_t)emu_cap);
+  }
+  float mx = -INFINITY;
+  for (int j = 0; j < nk; j++) {
+    const float *k = key(ctx, j);
+    float d = 0.0f;
+    for (int e = 0; e < dh; e++) d += q[e] * k[e];
+    d *= scale;
+    if (bias_row) {
+      int rel = j - bias_off;
+      rel = rel < -md ? -md : rel > md ? md : rel;
+      d += bias_row[rel + md];
+    }
+    emu_s[j] = d;
+    mx = d > mx ? d : mx;
+  }
+  memset(o, 0, sizeof(float) * (size_t)dh);
+  if (nk <= 0) return;
+  double l = 0.0;
+  for (int j = 0; j < nk; j++) {
+    float p = expf(emu_s[j] - mx);
+    l += p;
+    float pb = td_bf16_to_f32(td_f32_to_bf16(p));
+    const float *v = val(ctx, j);
+    for (int e = 0; e < dh; e++) o[e] += pb * v[e];
+  }
+  for (int e = 0; e < dh; e++) o[e] = (float)(o[e] / l);
+}
+
+typedef struct dense_ctx {
+  const float *base;
+  size_t row;
+  int koff, voff;
+} dense_ctx;
+static const float *dense_k(void *c, int j) {
+  dense_ctx *d = c;
+  return d->base + (size_t)j * d->row + d->koff;
+}
+static const float *dense_v(void *c, int j) {
+  dense_ctx *d = c;
+  return d->base + (size_t)j * d->row + d->voff;
+}
+
+static td_status emu_dense(td_backend *b, const void *qkv, void *o, const int32_t *cu, int ns, int nt, int ml, int H,
+                           int dh, float sc, bool c, const td_relbias *bi) {
+  const float *Q = qkv;
+  size_t row = (size_t)3 * H * dh;
+  for (int s = 0; s < ns; s++)
+    for (int h = 0; h < H; h++)
+      for (int i = 0; i < cu[s + 1] - cu[s]; i++) {
+        dense_ctx d = {Q + (size_t)cu[s] * row, row, (H + h) * dh, (2 * H + h) * dh};
+        int nk = c ? i + 1 : cu[s + 1] - cu[s];
+        emu_row(Q + (size_t)(cu[s] + i) * row + (size_t)h * dh, nk, dh, sc,
+                bi ? bi->lut + (size_t)h * (2 * bi->max_distance + 1) : NULL, i, bi ? bi->max_distance : 0, dense_k,
+                dense_v, &d, (float *)o + ((size_t)(cu[s] + i) * H + h) * dh);
+      }
+  round_bf16(o, (size_t)nt * H * dh);
+  return TD_OK;
+}
+
+typedef struct paged_ctx {
+  const float *pool;
+  const td_kv_layout *l;
+  const int32_t *table;
+  int layer, h;
+} paged_ctx;
+static const float *paged_at(paged_ctx *p, int j, int kv) {
+  const td_kv_layout *l = p->l;
+  size_t be = td_kv_block_elems(l);
+  return p->pool + (size_t)p->table[j / l->block_size] * be +
+         ((((size_t)p->layer * 2 + kv) * l->n_heads + p->h) * l->block_size + j % l->block_size) * l->head_dim;
+}
+static const float *paged_k(void *c, int j) { return paged_at(c, j, 0); }
+static const float *paged_v(void *c, int j) { return paged_at(c, j, 1); }
+
+static td_status emu_paged(td_backend *b, const void *q, int ldq, void *o, const void *pool, const td_kv_layout *l,
+                           int layer, const td_paged_meta *m, float sc, bool c, const td_relbias *bi) {
+  int H = l->n_heads, dh = l->head_dim;
+  for (int s = 0; s < m->n_seqs; s++) {
+    int q0 = m->q_start[s], qn = m->q_start[s + 1] - q0, ctx = m->ctx_len[s];
+    for (int i = 0; i < qn; i++) {
+      int pos = ctx - qn + i, nk = c ? pos + 1 : ctx;
+      for (int h = 0; h < H; h++) {
+        paged_ctx pc = {pool, l, m->block_table + (size_t)s * m->max_blocks, layer, h};
+        emu_row((const float *)q + (size_t)(q0 + i) * ldq + (size_t)h * dh, nk, dh, sc,
+                bi ? bi->lut + (size_t)h * (2 * bi->max_distance + 1) : NULL, pos, bi ? bi->max_distance : 0, paged_k,
+                paged_v, &pc, (float *)o + ((size_t)(q0 + i) * H + h) * dh);
+      }
+    }
+  }
+  round_bf16(o, (size_t)m->n_tokens * H * dh);
+  return TD_OK;
+}
+
+typedef struct rig {
+  td_backend *b;
+  td_model *m;
+  td_kv_pool *self, *cross;
+  int bs;
+  float *logits; /* host copy of one step's logits */
+} rig;
+
+static void rig_open(rig *r, const char *dir, int bs, int vocab, bool emulate) {
+  td_backend_opts bo = {.kind = emulate ? TD_BACKEND_CPU : TD_BACKEND_CUDA, .device = 0};
+  cr_assert(td_backend_create(&bo, &r->b) == TD_OK, "%s", td_errmsg());
+  if (emulate) {
+    cpu_vt = r->b->vt;
+    emu_vt = *cpu_vt;
+    emu_vt.upload = emu_upload;
+    emu_vt.gemm = emu_gemm;
+    emu_vt.norm = emu_norm;
+    emu_vt.gated_act = emu_gated;
+    emu_vt.embed = emu_embed;
+    emu_vt.add_pos = emu_add_pos;
+    emu_vt.attn_dense = emu_dense;
+    emu_vt.attn_paged = emu_paged;
+    r->b->vt = &emu_vt;
+  }
+  td_model_opts mo = {.block_size = bs, .max_tokens = 128, .max_seqs = 8, .max_logits = 128,
+                      .max_enc_tokens = 256, .max_enc_seqs = 4};
+  cr_assert(td_model_load(dir, r->b, &mo, &r->m) == TD_OK, "%s", td_errmsg());
+  td_kv_layout sl = td_model_self_layout(r->m), cl = td_model_cross_layout(r->m);
+  cr_assert(td_kv_pool_create(r->b, &sl, 64, &r->self) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_kv_pool_create(r->b, &cl, 64, &r->cross) == TD_OK, "%s", td_errmsg());
+  td_model_set_pools(r->m, td_kv_pool_memory(r->self), td_kv_pool_memory(r->cross));
+  r->bs = bs;
+  r->logits = malloc(sizeof(float) * 128 * (size_t)vocab);
+}
+
+static void rig_close(rig *r) {
+  td_kv_pool_destroy(r->self);
+  td_kv_pool_destroy(r->cross);
+  td_model_destroy(r->m);
+  td_backend_destroy(r->b);
+  free(r->logits);
+}
+
+static const float *step(rig *r, const td_step_input *st, int vocab) {
+  const float *lg;
+  cr_assert(td_model_step(r->m, st, &lg) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_download(r->b, TD_BUF_F32, lg, r->logits, (size_t)st->n_logits * vocab) == TD_OK, "%s",
+            td_errmsg());
+  return r->logits;
+}
+
+static int argmax(const float *v, int n) {
+  int best = 0;
+  for (int i = 1; i < n; i++)
+    if (v[i] > v[best]) best = i;
+  return best;
+}
+
+typedef struct meas {
+  double enc, tf, inc;   /* errors against the reference */
+  int32_t tokens[64];    /* greedy tokens of the incremental run */
+  double margin_ok[64];  /* max |logit error| of that step */
+  int n_tokens;
+} meas;
+
+/* Runs request i on the rig: encoder, teacher forcing, incremental greedy. */
+static void measure(rig *r, const fixture *fx, int i, meas *out) {
+  const fx_request *q = &fx->req[i];
+  int V = fx->vocab, d = fx->d_model, bs = r->bs;
+  int32_t cross_blocks[64], self_blocks[64];
+  float *enc = malloc(sizeof(float) * (size_t)q->enc_len * d);
+  int L = q->enc_len, ncb = (L + bs - 1) / bs;
+  cr_assert(td_kv_alloc(r->cross, ncb, cross_blocks) == TD_OK);
+  int32_t *cs = malloc(sizeof(int32_t) * (size_t)L);
+  for (int t = 0; t < L; t++) cs[t] = cross_blocks[t / bs] * bs + t % bs;
+  td_encode_input in = {.n_seqs = 1, .lens = &q->n_input, .tokens = q->input_ids,
+                        .features = fx->features ? fx->features + (size_t)i * fx->mels * fx->frames : NULL,
+                        .cross_slots = cs};
+  cr_assert(td_model_encode(r->m, &in, enc) == TD_OK, "%s", td_errmsg());
+  out->enc = fx_rel_err(enc, fx->enc_out + q->enc_off * d, (size_t)L * d);
+  free(enc);
+  free(cs);
+
+  /* teacher forcing: the whole sequence as one chunk */
+  int n = q->n_prompt + q->n_greedy - 1;
+  int32_t *tok = malloc(sizeof(int32_t) * (size_t)n * 4);
+  int32_t *pos = tok + n, *slots = pos + n, *rows = slots + n;
+  memcpy(tok, q->prompt, sizeof(int32_t) * (size_t)q->n_prompt);
+  memcpy(tok + q->n_prompt, q->greedy, sizeof(int32_t) * (size_t)(q->n_greedy - 1));
+  int nsb = (n + bs - 1) / bs;
+  cr_assert(td_kv_alloc(r->self, nsb, self_blocks) == TD_OK);
+  for (int t = 0; t < n; t++) {
+    pos[t] = t;
+    slots[t] = self_blocks[t / bs] * bs + t % bs;
+    rows[t] = t;
+  }
+  int32_t qs[2] = {0, n}, ctx = n, clen = L;
+  td_step_input st = {.n_seqs = 1, .n_tokens = n, .tokens = tok, .positions = pos, .q_start = qs,
+                      .ctx_len = &ctx, .slots = slots, .block_table = self_blocks, .block_stride = nsb,
+                      .cross_len = &clen, .cross_table = cross_blocks, .cross_stride = ncb,
+                      .n_logits = n, .logit_rows = rows};
+  const float *lg = step(r, &st, V);
+  const float *ref = fx->logits + q->logits_off * V;
+  out->tf = fx_rel_err(lg, ref, (size_t)n * V);
+  td_kv_unref_all(r->self, self_blocks, nsb);
+
+  /* incremental: the prompt, then one token a step, fed the reference tokens */
+  cr_assert(td_kv_alloc(r->self, nsb + 1, self_blocks) == TD_OK);
+  int P = q->n_prompt;
+  for (int t = 0; t < P; t++) slots[t] = self_blocks[t / bs] * bs + t % bs;
+  int32_t last = P - 1, zero = 0;
+  qs[1] = P;
+  ctx = P;
+  st.n_tokens = P;
+  st.tokens = q->prompt;
+  st.block_stride = nsb + 1;
+  st.n_logits = 1;
+  st.logit_rows = &last;
+  out->inc = 0.0;
+  out->n_tokens = q->n_greedy < 64 ? q->n_greedy : 64;
+  for (int k = 0; k < out->n_tokens; k++) {
+    lg = step(r, &st, V);
+    const float *rr = ref + (size_t)(P - 1 + k) * V;
+    double ek = fx_rel_err(lg, rr, (size_t)V), mabs = 0.0;
+    for (int j = 0; j < V; j++) mabs = fabs(lg[j] - rr[j]) > mabs ? fabs(lg[j] - rr[j]) : mabs;
+    out->inc = ek > out->inc ? ek : out->inc;
+    out->tokens[k] = argmax(lg, V);
+    out->margin_ok[k] = mabs;
+    if (k + 1 == out->n_tokens) break;
+    int32_t p = P + k;
+    tok[0] = q->greedy[k];
+    pos[0] = p;
+    slots[0] = self_blocks[p / bs] * bs + p % bs;
+    qs[1] = 1;
+    ctx = p + 1;
+    st.n_tokens = 1;
+    st.tokens = tok;
+    st.positions = pos;
+    st.slots = slots;
+    st.logit_rows = &zero;
+  }
+  td_kv_unref_all(r->self, self_blocks, nsb + 1);
+  td_kv_unref_all(r->cross, cross_blocks, ncb);
+  free(tok);
+}
+
+static void check_model(const char *name, int bs) {
+  fixture fx;
+  fx_load(name, &fx);
+  rig g, e;
+  rig_open(&g, fx.dir, bs, fx.vocab, false);
+  rig_open(&e, fx.dir, bs, fx.vocab, true);
+  int V = fx.vocab;
+  double w[6] = {0};
+  int ties = 0;
+  for (int i = 0; i < fx.n; i++) {
+    meas mg, me;
+    measure(&g, &fx, i, &mg);
+    measure(&e, &fx, i, &me);
+    double te = TOL > 4 * me.enc ? TOL : 4 * me.enc, tt = TOL > 4 * me.tf ? TOL : 4 * me.tf;
+    double ti = me.inc > me.tf ? me.inc : me.tf;
+    ti = TOL > 4 * ti ? TOL : 4 * ti;
+    cr_expect(mg.enc <= te, "%s request %d: encoder output error %.3g (bf16 emulated on the CPU: %.3g)", name, i, mg.enc,
+              me.enc);
+    cr_expect(mg.tf <= tt, "%s request %d: teacher-forced logits error %.3g (bf16 emulated on the CPU: %.3g)", name, i,
+              mg.tf, me.tf);
+    cr_expect(mg.inc <= ti, "%s request %d: incremental logits error %.3g (bf16 emulated on the CPU: %.3g)", name, i,
+              mg.inc, me.inc);
+    const float *ref = fx.logits + fx.req[i].logits_off * V;
+    for (int k = 0; k < mg.n_tokens; k++) {
+      int want = fx.req[i].greedy[k], got = mg.tokens[k];
+      if (got == want) continue;
+      const float *rr = ref + (size_t)(fx.req[i].n_prompt - 1 + k) * V;
+      double margin = (double)rr[want] - rr[got];
+      ties++;
+      cr_expect(margin <= 2.0 * mg.margin_ok[k],
+                "%s request %d: greedy token %d is %d, reference %d, whose margin %.3g exceeds the logit error %.3g",
+                name, i, k, got, want, margin, mg.margin_ok[k]);
+    }
+    double v[6] = {mg.enc, mg.tf, mg.inc, me.enc, me.tf, me.inc};
+    for (int j = 0; j < 6; j++) w[j] = v[j] > w[j] ? v[j] : w[j];
+  }
+  fprintf(stderr,
+          "cuda model %-22s bs=%-2d enc %.2e tf %.2e inc %.2e | bf16-emulating CPU: enc %.2e tf %.2e inc %.2e | "
+          "near-tie flips %d\n",
+          name, bs, w[0], w[1], w[2], w[3], w[4], w[5], ties);
+  rig_close(&g);
+  rig_close(&e);
+  fx_free(&fx);
+}
+
+#define MODEL_TEST(id, name) \
+  Test(model_cuda, id, .timeout = 300) { \
+    check_model(name, 4);    \
+    check_model(name, 16);   \
+  }
+
+MODEL_TEST(t5_tiny, "t5-tiny")
+MODEL_TEST(bart_tiny, "bart-tiny")
+MODEL_TEST(whisper_tiny, "whisper-tiny")
+MODEL_TEST(t5v11_gated, "t5v11-gated-untied")
+MODEL_TEST(mt5_silu, "mt5-silu-tied")
+MODEL_TEST(mbart_prenorm, "mbart-prenorm-sharded")
+MODEL_TEST(marian_sinusoidal, "marian-sinusoidal")
+MODEL_TEST(bart_untied, "bart-untied-gelunew")
+MODEL_TEST(whisper_128mel, "whisper-128mel")

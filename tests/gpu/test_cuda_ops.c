@@ -1,0 +1,877 @@
+/* The CUDA backend against the CPU reference, op by op, on fresh random
+ * inputs (seed printed; TD_TEST_SEED=N repeats a run) at several sizes,
+ * odd ones included. Outputs are poisoned with NaN before each run, so an
+ * element the kernel does not write fails; NaN never passes. Also: graph
+ * capture + replay equals eager execution, and the GPU sampler follows the
+ * CPU sampler (argmax exact, draws inside the allowed set, same seed same
+ * token). Built in CI, run on the GPU machine. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/half.h"
+#include "common/status.h"
+#include "kernels/ops.h"
+
+#define TOL 1e-2
+
+static td_backend *G, *C;
+static uint64_t rs;
+
+static uint64_t next64(void) {
+  uint64_t z = (rs += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+static float urand(void) { return (float)((double)(next64() >> 40) / 16777216.0) * 2.0f - 1.0f; }
+static int irand(int n) { return (int)(next64() % (uint64_t)n); }
+static float bfr(float x) { return td_bf16_to_f32(td_f32_to_bf16(x)); }
+
+static void setup(void) {
+  const char *s = getenv("TD_TEST_SEED");
+  rs = s ? strtoull(s, NULL, 10) : ((uint64_t)time(NULL) * 1000003u) ^ (uint64_t)getpid();
+  fprintf(stderr, "seed %llu\n", (unsigned long long)rs);
+  td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0}, co = {.kind = TD_BACKEND_CPU};
+  cr_assert(td_backend_create(&go, &G) == TD_OK, "cuda backend: %s", td_errmsg());
+  cr_assert(td_backend_create(&co, &C) == TD_OK, "cpu backend: %s", td_errmsg());
+}
+
+static void teardown(void) {
+  td_backend_destroy(G);
+  td_backend_destroy(C);
+}
+
+TestSuite(cuda, .init = setup, .fini = teardown, .timeout = 600);
+
+/* random bf16-representable values in [-scale, scale) */
+static float *rnd(size_t n, float scale) {
+  float *a = malloc(sizeof(float) * (n ? n : 1));
+  cr_assert(a);
+  for (size_t i = 0; i < n; i++) a[i] = bfr(urand() * scale);
+  return a;
+}
+
+/* The same buffer on both backends. */
+typedef struct pair {
+  void *g, *c;
+  size_t n;
+  td_buf_type t;
+} pair;
+
+static void put(pair *p, const void *h) {
+  cr_assert(td_upload(G, p->t, p->g, h, p->n) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_upload(C, p->t, p->c, h, p->n) == TD_OK, "%s", td_errmsg());
+}
+
+static void poison(pair *p) {
+  float *nan = malloc(sizeof(float) * (p->n ? p->n : 1));
+  for (size_t i = 0; i < p->n; i++) nan[i] = NAN;
+  if (p->t == TD_BUF_I32) memset(nan, 0x7f, sizeof(float) * p->n);
+  put(p, nan);
+  free(nan);
+}
+
+static void poison_gpu(pair *p) {
+  float *nan = malloc(sizeof(float) * (p->n ? p->n : 1));
+  for (size_t i = 0; i < p->n; i++) nan[i] = NAN;
+  cr_assert(td_upload(G, p->t, p->g, nan, p->n) == TD_OK, "%s", td_errmsg());
+  free(nan);
+}
+
+/* h NULL: poisoned */
+static pair mk(td_buf_type t, const void *h, size_t n) {
+  pair p = {NULL, NULL, n, t};
+  cr_assert(td_alloc(G, t, n, &p.g) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_alloc(C, t, n, &p.c) == TD_OK, "%s", td_errmsg());
+  if (h) put(&p, h);
+  else poison(&p);
+  return p;
+}
+
+static void drop(pair *p) {
+  td_free(G, p->g);
+  td_free(C, p->c);
+}
+
+static float *get(td_backend *b, const pair *p, bool gpu) {
+  float *h = malloc(sizeof(float) * (p->n ? p->n : 1));
+  cr_assert(td_sync(b) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_download(b, p->t, gpu ? p->g : p->c, h, p->n) == TD_OK, "%s", td_errmsg());
+  return h;
+}
+
+/* ||out - ref|| / ||ref||; any NaN or infinity in out where ref is finite fails */
+static double relerr(const float *out, const float *ref, size_t n) {
+  double num = 0.0, den = 0.0;
+  for (size_t i = 0; i < n; i++) {
+    if (!isfinite(out[i])) {
+      if (isfinite(ref[i]) || isnan(out[i]) || out[i] != ref[i]) return INFINITY;
+      continue;
+    }
+    double d = (double)out[i] - ref[i];
+    num += d * d;
+    den += (double)ref[i] * ref[i];
+  }
+  if (den == 0.0) return num == 0.0 ? 0.0 : INFINITY;
+  return sqrt(num / den);
+}
+
+static double compare(const pair *p, size_t n) {
+  float *o = get(G, p, true), *r = get(C, p, false);
+  double e = relerr(o, r, n ? n : p->n);
+  free(o);
+  free(r);
+  return e;
+}
+
+#define RUN2(call_g, call_c)                                                  \
+  do {                                                                        \
+    cr_assert((call_g) == TD_OK, "cuda: %s", td_errmsg());                    \
+    cr_assert((call_c) == TD_OK, "cpu: %s", td_errmsg());                     \
+  } while (0)
+
+/* ---------------------------------------------------------------- memory */
+
+Test(cuda, memory_roundtrip) {
+  size_t n = 1000003;
+  float *h = rnd(n, 100.0f), *back = malloc(sizeof(float) * n);
+  void *d;
+  cr_assert(td_alloc(G, TD_BUF_ACT, n, &d) == TD_OK);
+  cr_assert(td_upload(G, TD_BUF_ACT, d, h, n) == TD_OK);
+  cr_assert(td_download(G, TD_BUF_ACT, d, back, n) == TD_OK);
+  cr_expect(memcmp(h, back, sizeof(float) * n) == 0, "bf16 round trip of bf16 values is exact");
+  /* copies through pinned memory */
+  void *pin, *d2;
+  cr_assert(td_host_alloc(G, n * 2, &pin) == TD_OK);
+  cr_assert(td_alloc(G, TD_BUF_ACT, n, &d2) == TD_OK);
+  cr_assert(td_copy_d2h(G, pin, d, n * 2) == TD_OK);
+  cr_assert(td_copy_h2d(G, d2, pin, n * 2) == TD_OK);
+  void *d3;
+  cr_assert(td_alloc(G, TD_BUF_ACT, n, &d3) == TD_OK);
+  cr_assert(td_copy_d2d(G, d3, d2, n * 2) == TD_OK);
+  cr_assert(td_sync(G) == TD_OK);
+  memset(back, 0, sizeof(float) * n);
+  cr_assert(td_download(G, TD_BUF_ACT, d3, back, n) == TD_OK);
+  cr_expect(memcmp(h, back, sizeof(float) * n) == 0, "copies keep the data");
+  /* raw 4-byte types */
+  int32_t iv[7] = {1, -2, 3, 2147483647, -2147483647, 0, 42}, ib[7];
+  cr_assert(td_alloc(G, TD_BUF_I32, 7, &d2) == TD_OK);
+  cr_assert(td_upload(G, TD_BUF_I32, d2, (const float *)iv, 7) == TD_OK);
+  cr_assert(td_download(G, TD_BUF_I32, d2, (float *)ib, 7) == TD_OK);
+  cr_expect(memcmp(iv, ib, sizeof iv) == 0);
+  cr_expect(td_buf_elem_size(G, TD_BUF_ACT) == 2 && td_buf_elem_size(G, TD_BUF_F32) == 4);
+  cr_expect(td_backend_has_graphs(G));
+  td_free(G, d);
+  td_free(G, d2);
+  td_free(G, d3);
+  td_host_free(G, pin);
+  free(h);
+  free(back);
+}
+
+/* ---------------------------------------------------------------- GEMM */
+
+static void gemm_case(int m, int n, int k, td_act act, unsigned flags, bool with_bias) {
+  td_buf_type yt = (flags & TD_GEMM_OUT_F32) ? TD_BUF_F32 : TD_BUF_ACT;
+  float *x = rnd((size_t)m * k, 1.0f), *w = rnd((size_t)n * k, 1.7f / sqrtf((float)k)),
+        *b = with_bias ? rnd(n, 0.5f) : NULL, *y0 = rnd((size_t)m * n, 1.0f);
+  pair X = mk(TD_BUF_ACT, x, (size_t)m * k), W = mk(TD_BUF_ACT, w, (size_t)n * k);
+  pair B = {0};
+  if (with_bias) B = mk(TD_BUF_F32, b, n);
+  pair Y = mk(yt, (flags & TD_GEMM_ACCUM) ? y0 : NULL, (size_t)m * n);
+  RUN2(td_gemm(G, X.g, W.g, with_bias ? B.g : NULL, Y.g, m, n, k, act, flags),
+       td_gemm(C, X.c, W.c, with_bias ? B.c : NULL, Y.c, m, n, k, act, flags));
+  double e = compare(&Y, 0);
+  cr_expect(e <= TOL, "gemm m=%d n=%d k=%d act=%d flags=%u bias=%d: error %.3g", m, n, k, act, flags, with_bias, e);
+  drop(&X);
+  drop(&W);
+  drop(&Y);
+  if (with_bias) drop(&B);
+  free(x);
+  free(w);
+  free(b);
+  free(y0);
+}
+
+Test(cuda, gemm) {
+  static const struct {
+    td_act act;
+    unsigned flags;
+    bool bias;
+  } cfg[] = {
+      {TD_ACT_NONE, 0, true},          {TD_ACT_NONE, 0, false},
+      {TD_ACT_RELU, 0, true},          {TD_ACT_RELU, 0, false},
+      {TD_ACT_GELU_TANH, 0, true},     {TD_ACT_GELU_TANH, 0, false},
+      {TD_ACT_GELU, 0, true},          {TD_ACT_SILU, 0, false},
+      {TD_ACT_QUICK_GELU, 0, true},    {TD_ACT_NONE, TD_GEMM_ACCUM, false},
+      {TD_ACT_NONE, TD_GEMM_ACCUM, true}, {TD_ACT_NONE, TD_GEMM_OUT_F32, true},
+      {TD_ACT_NONE, TD_GEMM_OUT_F32 | TD_GEMM_ACCUM, false}, {TD_ACT_GELU, TD_GEMM_OUT_F32, true},
+  };
+  static const int small[][3] = {{1, 64, 64}, {7, 301, 40}, {33, 3072, 1024}, {130, 513, 96}, {5, 1000, 333},
+                                 {64, 56, 40}, {3, 17, 10}};
+  for (size_t s = 0; s < sizeof small / sizeof small[0]; s++)
+    for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++)
+      gemm_case(small[s][0], small[s][1], small[s][2], cfg[c].act, cfg[c].flags, cfg[c].bias);
+  /* every row-tile variant of the decode kernels (m <= 8; 8 < m <= 64 in 16, 32, 64 rows) */
+  static const int dec[][3] = {{12, 1024, 2816}, {16, 5632, 1024}, {24, 1000, 512}, {40, 3072, 1024}, {9, 96, 64}};
+  for (size_t s = 0; s < sizeof dec / sizeof dec[0]; s++) {
+    gemm_case(dec[s][0], dec[s][1], dec[s][2], TD_ACT_NONE, TD_GEMM_ACCUM, true);
+    gemm_case(dec[s][0], dec[s][1], dec[s][2], TD_ACT_GELU, TD_GEMM_OUT_F32, true);
+    gemm_case(dec[s][0], dec[s][1], dec[s][2], TD_ACT_RELU, 0, false);
+  }
+  gemm_case(512, 1024, 2816, TD_ACT_NONE, TD_GEMM_ACCUM, false);
+  gemm_case(300, 5632, 1024, TD_ACT_NONE, 0, false);
+  gemm_case(1000, 4096, 1024, TD_ACT_GELU, 0, true);
+  gemm_case(64, 32128, 1024, TD_ACT_NONE, TD_GEMM_OUT_F32, false);
+  gemm_case(3, 32128, 1024, TD_ACT_NONE, TD_GEMM_OUT_F32, true);
+}
+
+/* ---------------------------------------------------------------- norms, activations */
+
+static void norm_case(int m, int n, bool rms, bool with_bias, bool inplace) {
+  float *x = rnd((size_t)m * n, 2.0f), *w = rnd(n, 0.2f), *b = rnd(n, 0.3f);
+  for (size_t i = 0; i < (size_t)m * n; i++) x[i] = bfr(x[i] + 0.7f); /* a mean to remove */
+  for (int i = 0; i < n; i++) w[i] += 1.0f;
+  pair X = mk(TD_BUF_ACT, x, (size_t)m * n), W = mk(TD_BUF_F32, w, n), B = mk(TD_BUF_F32, b, n);
+  pair Y = inplace ? X : mk(TD_BUF_ACT, NULL, (size_t)m * n);
+  RUN2(td_norm(G, X.g, W.g, with_bias ? B.g : NULL, Y.g, m, n, 1e-6f, rms),
+       td_norm(C, X.c, W.c, with_bias ? B.c : NULL, Y.c, m, n, 1e-6f, rms));
+  double e = compare(&Y, 0);
+  cr_expect(e <= TOL, "norm m=%d n=%d rms=%d bias=%d inplace=%d: error %.3g", m, n, rms, with_bias, inplace, e);
+  drop(&X);
+  drop(&W);
+  drop(&B);
+  if (!inplace) drop(&Y);
+  free(x);
+  free(w);
+  free(b);
+}
+
+Test(cuda, norm) {
+  static const int sz[][2] = {{1, 64}, {17, 1024}, {300, 1280}, {5, 40}, {3, 1001}, {2048, 512}, {2, 8200}};
+  for (size_t s = 0; s < sizeof sz / sizeof sz[0]; s++)
+    for (int v = 0; v < 6; v++) norm_case(sz[s][0], sz[s][1], v & 1, v & 2, v >= 4);
+}
+
+Test(cuda, gated_act) {
+  static const int sz[][2] = {{3, 2816}, {17, 36}, {1, 7}, {100, 1024}};
+  static const td_act acts[] = {TD_ACT_RELU, TD_ACT_GELU, TD_ACT_GELU_TANH, TD_ACT_SILU, TD_ACT_QUICK_GELU,
+                                TD_ACT_NONE};
+  for (size_t s = 0; s < sizeof sz / sizeof sz[0]; s++)
+    for (size_t a = 0; a < sizeof acts / sizeof acts[0]; a++) {
+      int m = sz[s][0], f = sz[s][1];
+      float *x = rnd((size_t)m * 2 * f, 3.0f);
+      pair X = mk(TD_BUF_ACT, x, (size_t)m * 2 * f), Y = mk(TD_BUF_ACT, NULL, (size_t)m * f);
+      RUN2(td_gated_act(G, X.g, Y.g, m, f, acts[a]), td_gated_act(C, X.c, Y.c, m, f, acts[a]));
+      double e = compare(&Y, 0);
+      cr_expect(e <= TOL, "gated_act m=%d f=%d act=%d: error %.3g", m, f, acts[a], e);
+      drop(&X);
+      drop(&Y);
+      free(x);
+    }
+}
+
+/* ---------------------------------------------------------------- embedding and rows */
+
+Test(cuda, embed_rows_im2col) {
+  static const int cfg[][3] = {{300, 64, 37}, {32128, 1024, 5}, {301, 40, 1}, {50, 1280, 129}};
+  for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+    int V = cfg[c][0], d = cfg[c][1], n = cfg[c][2], P = 60;
+    float *tok = rnd((size_t)V * d, 1.0f), *pos = rnd((size_t)P * d, 1.0f);
+    int32_t *ids = malloc(sizeof(int32_t) * n * 2), *ps = ids + n;
+    for (int i = 0; i < n; i++) {
+      ids[i] = irand(V);
+      ps[i] = irand(P);
+    }
+    pair T = mk(TD_BUF_ACT, tok, (size_t)V * d), Pp = mk(TD_BUF_ACT, pos, (size_t)P * d);
+    pair I = mk(TD_BUF_I32, ids, n), Q = mk(TD_BUF_I32, ps, n);
+    for (int with_pos = 0; with_pos < 2; with_pos++) {
+      float scale = with_pos ? 1.0f : sqrtf((float)d);
+      pair Y = mk(TD_BUF_ACT, NULL, (size_t)n * d);
+      RUN2(td_embed(G, I.g, Q.g, T.g, with_pos ? Pp.g : NULL, scale, Y.g, n, d),
+           td_embed(C, I.c, Q.c, T.c, with_pos ? Pp.c : NULL, scale, Y.c, n, d));
+      double e = compare(&Y, 0);
+      cr_expect(e <= TOL, "embed V=%d d=%d n=%d pos=%d: error %.3g", V, d, n, with_pos, e);
+      /* add_pos over n_seqs x len rows of Y */
+      int len = n >= 4 ? 4 : 1, ns = n / len;
+      RUN2(td_add_pos(G, Y.g, Pp.g, ns, len, d), td_add_pos(C, Y.c, Pp.c, ns, len, d));
+      e = compare(&Y, 0);
+      cr_expect(e <= TOL, "add_pos n_seqs=%d len=%d d=%d: error %.3g", ns, len, d, e);
+      /* gather rows of the table */
+      pair Z = mk(TD_BUF_ACT, NULL, (size_t)n * d);
+      RUN2(td_gather_rows(G, T.g, I.g, Z.g, n, d), td_gather_rows(C, T.c, I.c, Z.c, n, d));
+      e = compare(&Z, 0);
+      cr_expect(e == 0.0, "gather_rows d=%d n=%d: error %.3g", d, n, e);
+      drop(&Y);
+      drop(&Z);
+    }
+    drop(&T);
+    drop(&Pp);
+    drop(&I);
+    drop(&Q);
+    free(tok);
+    free(pos);
+    free(ids);
+  }
+  static const int ic[][7] = {/* batch, c, t_in, k, stride, pad, channels_first */
+                              {2, 80, 64, 3, 1, 1, 1},
+                              {1, 64, 64, 3, 2, 1, 0},
+                              {3, 5, 9, 3, 2, 0, 1},
+                              {2, 7, 11, 4, 3, 2, 0}};
+  for (size_t c = 0; c < sizeof ic / sizeof ic[0]; c++) {
+    int B = ic[c][0], ch = ic[c][1], t = ic[c][2], k = ic[c][3], st = ic[c][4], pd = ic[c][5];
+    int to = (t + 2 * pd - k) / st + 1;
+    float *x = rnd((size_t)B * ch * t, 1.0f);
+    pair X = mk(TD_BUF_ACT, x, (size_t)B * ch * t), Y = mk(TD_BUF_ACT, NULL, (size_t)B * to * ch * k);
+    RUN2(td_im2col1d(G, X.g, Y.g, B, ch, t, k, st, pd, ic[c][6]), td_im2col1d(C, X.c, Y.c, B, ch, t, k, st, pd, ic[c][6]));
+    double e = compare(&Y, 0);
+    cr_expect(e == 0.0, "im2col1d case %zu: error %.3g", c, e);
+    drop(&X);
+    drop(&Y);
+    free(x);
+  }
+}
+
+/* ---------------------------------------------------------------- dense attention */
+
+static void dense_case(int H, int dh, const int *lens, int ns, bool causal, int md, float scale) {
+  int32_t *cu = malloc(sizeof(int32_t) * (ns + 1));
+  cu[0] = 0;
+  int max_len = 0;
+  for (int s = 0; s < ns; s++) {
+    cu[s + 1] = cu[s] + lens[s];
+    max_len = lens[s] > max_len ? lens[s] : max_len;
+  }
+  int T = cu[ns];
+  size_t nq = (size_t)T * 3 * H * dh;
+  float *qkv = rnd(nq, 2.0f), *lut = md ? rnd((size_t)H * (2 * md + 1), 3.0f) : NULL;
+  pair Q = mk(TD_BUF_ACT, qkv, nq), O = mk(TD_BUF_ACT, NULL, (size_t)T * H * dh), CU = mk(TD_BUF_I32, cu, ns + 1);
+  pair L = {0};
+  if (md) L = mk(TD_BUF_F32, lut, (size_t)H * (2 * md + 1));
+  td_relbias bg = {md ? L.g : NULL, md}, bc = {md ? L.c : NULL, md};
+  RUN2(td_attn_dense(G, Q.g, O.g, CU.g, ns, T, max_len, H, dh, scale, causal, md ? &bg : NULL),
+       td_attn_dense(C, Q.c, O.c, CU.c, ns, T, max_len, H, dh, scale, causal, md ? &bc : NULL));
+  double e = compare(&O, 0);
+  cr_expect(e <= TOL, "attn_dense H=%d dh=%d seqs=%d tokens=%d causal=%d md=%d: error %.3g", H, dh, ns, T, causal,
+            md, e);
+  drop(&Q);
+  drop(&O);
+  drop(&CU);
+  if (md) drop(&L);
+  free(qkv);
+  free(lut);
+  free(cu);
+}
+
+Test(cuda, attn_dense) {
+  int a[] = {512, 1, 200, 77}, b[] = {65, 130, 3}, c[] = {1000}, d[] = {5, 33}, e[] = {7, 1, 12}, f[] = {64, 64, 64},
+      g[] = {129, 17, 300, 2, 63};
+  dense_case(16, 64, a, 4, false, 128, 1.0f);
+  dense_case(4, 128, b, 3, true, 0, 1.0f / sqrtf(128.0f));
+  dense_case(3, 64, c, 1, true, 20, 1.0f);
+  dense_case(4, 16, d, 2, false, 128, 1.0f);
+  dense_case(3, 10, e, 3, true, 0, 0.3f);
+  dense_case(2, 128, f, 3, false, 0, 0.125f);
+  dense_case(5, 64, g, 5, false, 0, 0.125f);
+  dense_case(5, 128, g, 5, true, 2000, 1.0f); /* LUT larger than the shared-memory copy */
+  dense_case(2, 48, g, 5, false, 10, 0.2f);
+}
+
+/* ---------------------------------------------------------------- paged KV */
+
+typedef struct paged_rig {
+  td_kv_layout l;
+  int n_blocks;
+  pair pool;
+  float *pool_h;
+} paged_rig;
+
+static void rig_pool(paged_rig *r, int layers, int H, int dh, int bs, int n_blocks) {
+  r->l = (td_kv_layout){layers, H, dh, bs};
+  r->n_blocks = n_blocks;
+  size_t n = td_kv_block_elems(&r->l) * n_blocks;
+  r->pool_h = rnd(n, 2.0f);
+  r->pool = mk(TD_BUF_ACT, r->pool_h, n);
+}
+
+static void rig_drop(paged_rig *r) {
+  drop(&r->pool);
+  free(r->pool_h);
+}
+
+Test(cuda, kv_write_copy) {
+  static const int cfg[][4] = {{64, 16, 16, 37}, {128, 4, 32, 5}, {10, 3, 5, 23}, {64, 2, 7, 1}};
+  for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+    int dh = cfg[c][0], H = cfg[c][1], bs = cfg[c][2], n = cfg[c][3], nb = 9;
+    paged_rig r;
+    rig_pool(&r, 3, H, dh, bs, nb);
+    int ld = 3 * H * dh;
+    float *rows = rnd((size_t)n * ld, 1.0f);
+    pair R = mk(TD_BUF_ACT, rows, (size_t)n * ld);
+    /* distinct slots, some rows skipped */
+    int total = nb * bs;
+    int32_t *perm = malloc(sizeof(int32_t) * total), *slots = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < total; i++) perm[i] = i;
+    for (int i = total - 1; i > 0; i--) {
+      int j = irand(i + 1), t = perm[i];
+      perm[i] = perm[j];
+      perm[j] = t;
+    }
+    for (int i = 0; i < n; i++) slots[i] = i % 5 == 3 ? -1 : perm[i % total];
+    pair S = mk(TD_BUF_I32, slots, n);
+    size_t eg = td_buf_elem_size(G, TD_BUF_ACT), ec = td_buf_elem_size(C, TD_BUF_ACT);
+    const char *kg = (const char *)R.g + (size_t)H * dh * eg, *kc = (const char *)R.c + (size_t)H * dh * ec;
+    RUN2(td_kv_write(G, kg, kg + (size_t)H * dh * eg, ld, r.pool.g, &r.l, 1, S.g, n),
+         td_kv_write(C, kc, kc + (size_t)H * dh * ec, ld, r.pool.c, &r.l, 1, S.c, n));
+    double e = compare(&r.pool, 0);
+    cr_expect(e == 0.0, "kv_write dh=%d H=%d bs=%d n=%d: error %.3g", dh, H, bs, n, e);
+    int32_t pairs[6] = {0, 5, 3, 1, 7, 8};
+    RUN2(td_kv_copy_blocks(G, r.pool.g, &r.l, pairs, 3), td_kv_copy_blocks(C, r.pool.c, &r.l, pairs, 3));
+    e = compare(&r.pool, 0);
+    cr_expect(e == 0.0, "kv_copy_blocks: error %.3g", e);
+    drop(&R);
+    drop(&S);
+    rig_drop(&r);
+    free(rows);
+    free(perm);
+    free(slots);
+  }
+}
+
+typedef struct paged_cfg {
+  int H, dh, bs, n_seqs;
+  bool causal;
+  int md;
+  int q_max;    /* query rows per sequence: 1 (decode) .. q_max */
+  int ctx_max;  /* keys per sequence: up to ctx_max (+ queries when causal) */
+  bool pad;     /* every 4th sequence is a padding row (ctx_len 0) */
+  bool strided; /* q rows inside a [., 3, H, dh] buffer */
+  int slack;    /* how far max_q / max_ctx exceed the real lengths */
+} paged_cfg;
+
+static void paged_case(const paged_cfg *p) {
+  int S = p->n_seqs, H = p->H, dh = p->dh, bs = p->bs;
+  int32_t *qs = malloc(sizeof(int32_t) * (S + 1)), *ctx = malloc(sizeof(int32_t) * S);
+  qs[0] = 0;
+  int max_q = 0, max_ctx = 0, max_nb = 1, total_nb = 0;
+  for (int s = 0; s < S; s++) {
+    int ql = 1 + irand(p->q_max);
+    int c = 1 + irand(p->ctx_max);
+    if (p->causal) c = c - 1 + ql;
+    if (p->pad && s % 4 == 3) {
+      ql = 1;
+      c = 0;
+    }
+    qs[s + 1] = qs[s] + ql;
+    ctx[s] = c;
+    int nb = (c + bs - 1) / bs;
+    max_nb = nb > max_nb ? nb : max_nb;
+    total_nb += nb;
+    max_q = ql > max_q ? ql : max_q;
+    max_ctx = c > max_ctx ? c : max_ctx;
+  }
+  int T = qs[S], stride = max_nb + 1, n_blocks = total_nb + 3;
+  paged_rig r;
+  rig_pool(&r, 3, H, dh, bs, n_blocks);
+  int32_t *perm = malloc(sizeof(int32_t) * n_blocks), *tab = malloc(sizeof(int32_t) * S * stride);
+  for (int i = 0; i < n_blocks; i++) perm[i] = i;
+  for (int i = n_blocks - 1; i > 0; i--) {
+    int j = irand(i + 1), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  for (int s = 0, next = 0; s < S; s++) {
+    int nb = (ctx[s] + bs - 1) / bs;
+    for (int i = 0; i < stride; i++) tab[s * stride + i] = i < nb ? perm[next++] : -1; /* -1: never read */
+  }
+  int ldq = p->strided ? 3 * H * dh : H * dh;
+  float *q = rnd((size_t)T * ldq, 2.0f), *lut = p->md ? rnd((size_t)H * (2 * p->md + 1), 3.0f) : NULL;
+  pair Q = mk(TD_BUF_ACT, q, (size_t)T * ldq), O = mk(TD_BUF_ACT, NULL, (size_t)T * H * dh);
+  pair QS = mk(TD_BUF_I32, qs, S + 1), CT = mk(TD_BUF_I32, ctx, S), TB = mk(TD_BUF_I32, tab, (size_t)S * stride);
+  pair L = {0};
+  if (p->md) L = mk(TD_BUF_F32, lut, (size_t)H * (2 * p->md + 1));
+  td_relbias bg = {p->md ? L.g : NULL, p->md}, bc = {p->md ? L.c : NULL, p->md};
+  td_paged_meta mg = {S, T, max_q + p->slack, max_ctx + p->slack, QS.g, CT.g, TB.g, stride};
+  td_paged_meta mc = {S, T, max_q, max_ctx, QS.c, CT.c, TB.c, stride};
+  float scale = 1.0f / sqrtf((float)dh);
+  RUN2(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mg, scale, p->causal, p->md ? &bg : NULL),
+       td_attn_paged(C, Q.c, ldq, O.c, r.pool.c, &r.l, 2, &mc, scale, p->causal, p->md ? &bc : NULL));
+  double e = compare(&O, 0);
+  cr_expect(e <= TOL,
+            "attn_paged H=%d dh=%d bs=%d seqs=%d tokens=%d causal=%d md=%d max_q=%d max_ctx=%d slack=%d: error %.3g",
+            H, dh, bs, S, T, p->causal, p->md, max_q, max_ctx, p->slack, e);
+  /* exact bounds give the same answer */
+  if (p->slack) {
+    poison_gpu(&O);
+    mg.max_q = max_q;
+    mg.max_ctx = max_ctx;
+    cr_assert(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mg, scale, p->causal, p->md ? &bg : NULL) == TD_OK,
+              "%s", td_errmsg());
+    e = compare(&O, 0);
+    cr_expect(e <= TOL, "attn_paged with exact bounds: error %.3g", e);
+  }
+  drop(&Q);
+  drop(&O);
+  drop(&QS);
+  drop(&CT);
+  drop(&TB);
+  if (p->md) drop(&L);
+  rig_drop(&r);
+  free(q);
+  free(lut);
+  free(perm);
+  free(tab);
+  free(qs);
+  free(ctx);
+}
+
+Test(cuda, attn_paged) {
+  static const paged_cfg cfg[] = {
+      /* H dh bs seqs causal md q_max ctx_max pad strided slack */
+      {16, 64, 16, 1, false, 0, 1, 512, false, false, 100},   /* decode cross, batch 1: split-KV */
+      {16, 64, 16, 5, false, 0, 1, 512, true, false, 7},      /* odd batch, padding rows */
+      {16, 64, 16, 64, false, 0, 1, 512, false, false, 0},    /* batch 64: one block per (seq, head) */
+      {16, 64, 16, 64, true, 128, 1, 70, true, true, 33},     /* decode self with T5 bias */
+      {16, 64, 32, 3, true, 128, 40, 90, false, true, 25},    /* prompt chunks */
+      {4, 128, 16, 7, true, 0, 20, 300, true, true, 3},       /* head_dim 128 */
+      {4, 128, 16, 1, false, 0, 1, 2000, false, false, 0},    /* long cross, many splits */
+      {8, 128, 5, 9, false, 16, 3, 77, false, false, 1},      /* odd block size */
+      {4, 16, 4, 5, true, 128, 6, 30, true, true, 5},         /* small head: generic kernel */
+      {3, 10, 3, 4, false, 0, 2, 20, false, false, 2},        /* odd head size */
+      {2, 64, 16, 2, true, 3000, 100, 200, false, false, 9},  /* LUT in global memory */
+  };
+  for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) paged_case(&cfg[c]);
+}
+
+/* ---------------------------------------------------------------- sampling */
+
+typedef struct hc {
+  double v;
+  int id;
+} hc;
+
+static int hc_cmp(const void *a, const void *b) {
+  const hc *x = a, *y = b;
+  if (x->v != y->v) return x->v > y->v ? -1 : 1;
+  return x->id - y->id;
+}
+
+/* How many of the sorted candidates the CPU sampler keeps (processed row). */
+static int kept_set(const float *x, int V, const td_sample_row *r, hc *c) {
+  float mx = -INFINITY;
+  for (int j = 0; j < V; j++) mx = x[j] > mx ? x[j] : mx;
+  float inv_t = 1.0f / r->temperature;
+  for (int j = 0; j < V; j++) c[j] = (hc){(x[j] - mx) * inv_t, j};
+  qsort(c, V, sizeof *c, hc_cmp);
+  int keep = r->top_k > 0 && r->top_k < V ? r->top_k : V;
+  if (r->top_p < 1.0f) {
+    double tot = 0.0, acc = 0.0;
+    for (int j = 0; j < keep; j++) tot += exp(c[j].v);
+    int k = 0;
+    while (k < keep) {
+      acc += exp(c[k].v) / tot;
+      k++;
+      if (acc >= r->top_p) break;
+    }
+    keep = k;
+  }
+  /* tolerate rounding at the edge of the nucleus */
+  return keep < V ? keep + 1 : keep;
+}
+
+static void sample_case(int V, int n) {
+  size_t N = (size_t)n * V;
+  float *x = malloc(sizeof(float) * N);
+  for (size_t i = 0; i < N; i++) x[i] = urand() * 6.0f;
+  td_sample_row *rows = calloc(n, sizeof *rows);
+  int32_t bans[5] = {0, 7, V - 1, 3, 12345 % V};
+  for (int i = 0; i < n; i++) {
+    td_sample_row *r = &rows[i];
+    r->forced = -1;
+    r->top_p = 1.0f;
+    r->seed = next64();
+    r->stream = (uint32_t)irand(4);
+    r->step = (uint32_t)irand(1000);
+    switch (i % 10) {
+      case 0: break;                                            /* greedy */
+      case 1: r->ban_start = 1, r->ban_count = 4; break;         /* greedy, banned tokens */
+      case 2: r->forced = i % V; break;                          /* forced */
+      case 3: r->temperature = 0.8f, r->top_k = 50; break;
+      case 4: r->temperature = 1.0f, r->top_p = 0.9f; break;
+      case 5: r->temperature = 1.3f, r->top_k = 2000, r->top_p = 0.95f; break;
+      case 6: r->temperature = 1.0f; break;                      /* full distribution */
+      case 7: r->temperature = 0.5f, r->top_k = 1; break;
+      case 8: r->temperature = 2.0f, r->top_p = 0.3f, r->ban_start = 0, r->ban_count = 5; break;
+      case 9: r->temperature = 0.7f, r->top_k = 1500; break;
+    }
+    if (i % 10 == 0 && i % 20 == 0) /* ties: argmax takes the lowest id */
+      for (int j = 0; j < V; j++) x[(size_t)i * V + j] = (float)(j % 7 == 3 ? 2 : j % 3);
+  }
+  pair X = mk(TD_BUF_F32, x, N), R = mk(TD_BUF_F32, rows, n * sizeof *rows / 4), B = mk(TD_BUF_I32, bans, 5);
+  pair TK = mk(TD_BUF_I32, NULL, n), LP = mk(TD_BUF_F32, NULL, n);
+  RUN2(td_sample(G, X.g, n, V, R.g, B.g, TK.g, LP.g), td_sample(C, X.c, n, V, R.c, B.c, TK.c, LP.c));
+  /* processed logits match */
+  double e = compare(&X, 0);
+  cr_expect(e <= 1e-7, "sample V=%d: processed logits differ (%.3g)", V, e);
+  int32_t *tg = (int32_t *)get(G, &TK, true), *tc = (int32_t *)get(C, &TK, false);
+  float *lg = get(G, &LP, true), *lc = get(C, &LP, false), *xp = get(C, &X, false);
+  hc *cand = malloc(sizeof *cand * V);
+  int sampled = 0, agree = 0;
+  for (int i = 0; i < n; i++) {
+    const td_sample_row *r = &rows[i];
+    cr_expect(tg[i] >= 0 && tg[i] < V, "row %d: token %d outside the vocabulary", i, tg[i]);
+    if (tg[i] < 0 || tg[i] >= V) continue;
+    if (r->temperature <= 0.0f || r->forced >= 0) {
+      cr_expect_eq(tg[i], tc[i], "V=%d row %d: argmax %d, CPU %d", V, i, tg[i], tc[i]);
+    } else {
+      int keep = kept_set(xp + (size_t)i * V, V, r, cand), ok = 0;
+      for (int j = 0; j < keep && !ok; j++) ok = cand[j].id == tg[i];
+      cr_expect(ok, "V=%d row %d: sampled token %d is outside the %d allowed", V, i, tg[i], keep);
+      sampled++;
+      agree += tg[i] == tc[i];
+    }
+    float d = fabsf(lg[i] - lc[i]);
+    cr_expect(d <= 1e-3f + 1e-4f * fabsf(lc[i]), "V=%d row %d: logprob %g, CPU %g", V, i, lg[i], lc[i]);
+  }
+  cr_expect(agree * 10 >= sampled * 9, "V=%d: only %d of %d draws match the CPU sampler", V, agree, sampled);
+  fprintf(stderr, "sample V=%d: %d of %d draws equal the CPU's\n", V, agree, sampled);
+  /* same seed, same token */
+  put(&X, x);
+  poison(&TK);
+  cr_assert(td_sample(G, X.g, n, V, R.g, B.g, TK.g, NULL) == TD_OK, "%s", td_errmsg());
+  int32_t *t2 = (int32_t *)get(G, &TK, true);
+  cr_expect(memcmp(t2, tg, sizeof(int32_t) * n) == 0, "V=%d: a second draw with the same seeds differs", V);
+  drop(&X);
+  drop(&R);
+  drop(&B);
+  drop(&TK);
+  drop(&LP);
+  free(x);
+  free(rows);
+  free(tg);
+  free(tc);
+  free(t2);
+  free(lg);
+  free(lc);
+  free(xp);
+  free(cand);
+}
+
+Test(cuda, sample) {
+  sample_case(32128, 80);
+  sample_case(1001, 61);
+  sample_case(7, 20);
+}
+
+static void topk_case(int V, int n, int k) {
+  size_t N = (size_t)n * V;
+  float *x = malloc(sizeof(float) * N);
+  for (size_t i = 0; i < N; i++) x[i] = urand() * 8.0f;
+  td_sample_row *rows = calloc(n, sizeof *rows);
+  int32_t bans[3] = {1, 2, V / 2};
+  for (int i = 0; i < n; i++) {
+    rows[i].forced = i % 5 == 4 ? (i * 31) % V : -1;
+    rows[i].top_p = 1.0f;
+    if (i % 3 == 1) rows[i].ban_count = 3;
+  }
+  pair X = mk(TD_BUF_F32, x, N), R = mk(TD_BUF_F32, rows, n * sizeof *rows / 4), B = mk(TD_BUF_I32, bans, 3);
+  pair I = mk(TD_BUF_I32, NULL, (size_t)n * k), Vv = mk(TD_BUF_F32, NULL, (size_t)n * k);
+  RUN2(td_topk_logprobs(G, X.g, n, V, R.g, B.g, k, I.g, Vv.g), td_topk_logprobs(C, X.c, n, V, R.c, B.c, k, I.c, Vv.c));
+  double ex = compare(&X, 0);
+  cr_expect(ex <= 1e-5, "topk V=%d: rows left as processed log-probs differ (%.3g)", V, ex);
+  int32_t *ig = (int32_t *)get(G, &I, true), *ic = (int32_t *)get(C, &I, false);
+  float *vg = get(G, &Vv, true), *vc = get(C, &Vv, false);
+  int bad = 0;
+  for (size_t i = 0; i < (size_t)n * k; i++) {
+    bool same = ig[i] == ic[i] && (vg[i] == vc[i] || fabsf(vg[i] - vc[i]) <= 1e-4f + 1e-5f * fabsf(vc[i]));
+    if (!same && bad++ < 5)
+      cr_expect(same, "topk V=%d k=%d entry %zu: (%d, %g), CPU (%d, %g)", V, k, i, ig[i], vg[i], ic[i], vc[i]);
+  }
+  cr_expect(bad == 0, "topk V=%d k=%d: %d entries differ", V, k, bad);
+  drop(&X);
+  drop(&R);
+  drop(&B);
+  drop(&I);
+  drop(&Vv);
+  free(x);
+  free(rows);
+  free(ig);
+  free(ic);
+  free(vg);
+  free(vc);
+}
+
+Test(cuda, topk_logprobs) {
+  topk_case(32128, 9, 8);
+  topk_case(32128, 3, 1024);
+  topk_case(1001, 11, 64);
+  topk_case(5, 4, 5);
+  topk_case(50000, 2, 1);
+}
+
+/* ---------------------------------------------------------------- graphs */
+
+typedef struct step_bufs {
+  void *tok, *h, *x, *qkv, *att, *logits, *pool;
+  void *wemb, *wqkv, *wo, *whead, *nw, *lut;
+  void *ids, *qs, *ctx, *tab, *slots, *rows, *bans, *out_tok, *out_lp;
+} step_bufs;
+
+enum { GS = 5, GD = 256, GH = 4, GDH = 64, GV = 1001, GBS = 16, GNB = 40, GSTRIDE = 8 };
+
+static td_status run_step(step_bufs *s, const td_kv_layout *l) {
+  td_paged_meta m = {GS, GS, 1, GSTRIDE * GBS, s->qs, s->ctx, s->tab, GSTRIDE};
+  td_relbias rb = {s->lut, 16};
+  TD_TRY(td_embed(G, s->ids, s->ids, s->wemb, NULL, 2.0f, s->h, GS, GD));
+  TD_TRY(td_norm(G, s->h, s->nw, NULL, s->x, GS, GD, 1e-6f, true));
+  TD_TRY(td_gemm(G, s->x, s->wqkv, NULL, s->qkv, GS, 3 * GD, GD, TD_ACT_NONE, 0));
+  TD_TRY(td_kv_write(G, (char *)s->qkv + GD * 2, (char *)s->qkv + 2 * GD * 2, 3 * GD, s->pool, l, 0, s->slots, GS));
+  TD_TRY(td_attn_paged(G, s->qkv, 3 * GD, s->att, s->pool, l, 0, &m, 0.125f, true, &rb));
+  TD_TRY(td_gemm(G, s->att, s->wo, NULL, s->h, GS, GD, GD, TD_ACT_NONE, TD_GEMM_ACCUM));
+  TD_TRY(td_gemm(G, s->h, s->whead, NULL, s->logits, GS, GV, GD, TD_ACT_NONE, TD_GEMM_OUT_F32));
+  return td_sample(G, s->logits, GS, GV, s->rows, s->bans, s->out_tok, s->out_lp);
+}
+
+static void set_meta(step_bufs *s, void *pin, int variant) {
+  int32_t *h = pin;
+  int32_t *ids = h, *qs = ids + GS, *ctx = qs + GS + 1, *tab = ctx + GS, *slots = tab + GS * GSTRIDE;
+  td_sample_row *rows = (td_sample_row *)(slots + GS + 1);
+  qs[0] = 0;
+  for (int i = 0; i < GS; i++) {
+    ids[i] = irand(GV);
+    qs[i + 1] = i + 1;
+    ctx[i] = 1 + irand(GSTRIDE * GBS);
+    if (variant && i == 2) ctx[i] = 0; /* padding row */
+    for (int b = 0; b < GSTRIDE; b++) tab[i * GSTRIDE + b] = i * GSTRIDE + b;
+    slots[i] = ctx[i] ? i * GSTRIDE * GBS + ctx[i] - 1 : -1;
+    rows[i] = (td_sample_row){.temperature = i % 2 ? 0.9f : 0.0f, .top_k = 40, .top_p = 0.95f, .forced = -1,
+                              .seed = next64(), .step = (uint32_t)variant};
+  }
+  cr_assert(td_copy_h2d(G, s->ids, ids, sizeof(int32_t) * GS) == TD_OK);
+  cr_assert(td_copy_h2d(G, s->qs, qs, sizeof(int32_t) * (GS + 1)) == TD_OK);
+  cr_assert(td_copy_h2d(G, s->ctx, ctx, sizeof(int32_t) * GS) == TD_OK);
+  cr_assert(td_copy_h2d(G, s->tab, tab, sizeof(int32_t) * GS * GSTRIDE) == TD_OK);
+  cr_assert(td_copy_h2d(G, s->slots, slots, sizeof(int32_t) * GS) == TD_OK);
+  cr_assert(td_copy_h2d(G, s->rows, rows, sizeof(td_sample_row) * GS) == TD_OK);
+  cr_assert(td_sync(G) == TD_OK);
+}
+
+static void *galloc(td_buf_type t, size_t n, float scale) {
+  void *p;
+  cr_assert(td_alloc(G, t, n, &p) == TD_OK, "%s", td_errmsg());
+  if (scale > 0.0f) {
+    float *h = rnd(n, scale);
+    cr_assert(td_upload(G, t, p, h, n) == TD_OK, "%s", td_errmsg());
+    free(h);
+  }
+  return p;
+}
+
+static void snapshot(step_bufs *s, float *logits, int32_t *tok) {
+  cr_assert(td_sync(G) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_download(G, TD_BUF_F32, s->logits, logits, (size_t)GS * GV) == TD_OK);
+  cr_assert(td_download(G, TD_BUF_I32, s->out_tok, (float *)tok, GS) == TD_OK);
+}
+
+Test(cuda, graph_replay) {
+  td_kv_layout l = {1, GH, GDH, GBS};
+  step_bufs s;
+  s.wemb = galloc(TD_BUF_ACT, (size_t)GV * GD, 1.0f);
+  s.wqkv = galloc(TD_BUF_ACT, (size_t)3 * GD * GD, 0.1f);
+  s.wo = galloc(TD_BUF_ACT, (size_t)GD * GD, 0.1f);
+  s.whead = galloc(TD_BUF_ACT, (size_t)GV * GD, 0.1f);
+  s.nw = galloc(TD_BUF_F32, GD, 1.0f);
+  s.lut = galloc(TD_BUF_F32, GH * 33, 1.0f);
+  s.pool = galloc(TD_BUF_ACT, td_kv_block_elems(&l) * GNB, 1.0f);
+  s.h = galloc(TD_BUF_ACT, (size_t)GS * GD, 0.0f);
+  s.x = galloc(TD_BUF_ACT, (size_t)GS * GD, 0.0f);
+  s.qkv = galloc(TD_BUF_ACT, (size_t)GS * 3 * GD, 0.0f);
+  s.att = galloc(TD_BUF_ACT, (size_t)GS * GD, 0.0f);
+  s.logits = galloc(TD_BUF_F32, (size_t)GS * GV, 0.0f);
+  s.ids = galloc(TD_BUF_I32, GS, 0.0f);
+  s.qs = galloc(TD_BUF_I32, GS + 1, 0.0f);
+  s.ctx = galloc(TD_BUF_I32, GS, 0.0f);
+  s.tab = galloc(TD_BUF_I32, GS * GSTRIDE, 0.0f);
+  s.slots = galloc(TD_BUF_I32, GS, 0.0f);
+  s.rows = galloc(TD_BUF_I32, sizeof(td_sample_row) * GS / 4, 0.0f);
+  s.bans = galloc(TD_BUF_I32, 4, 0.0f);
+  s.out_tok = galloc(TD_BUF_I32, GS, 0.0f);
+  s.out_lp = galloc(TD_BUF_F32, GS, 0.0f);
+  void *pin;
+  cr_assert(td_host_alloc(G, 4096, &pin) == TD_OK);
+  float *le = malloc(sizeof(float) * GS * GV), *lr = malloc(sizeof(float) * GS * GV);
+  int32_t te[GS], tr[GS];
+
+  for (int variant = 0; variant < 2; variant++) {
+    set_meta(&s, pin, variant);
+    cr_assert(run_step(&s, &l) == TD_OK, "eager: %s", td_errmsg());
+    snapshot(&s, le, te);
+    td_graph *g = NULL;
+    if (variant == 0) {
+      cr_assert(td_graph_begin(G) == TD_OK, "%s", td_errmsg());
+      td_status st = run_step(&s, &l);
+      td_status st2 = td_graph_end(G, &g);
+      cr_assert(st == TD_OK && st2 == TD_OK, "capture: %s", td_errmsg());
+      /* replay twice: the graph reads the metadata buffers as they are now */
+      for (int rep = 0; rep < 2; rep++) {
+        cr_assert(td_graph_launch(G, g) == TD_OK, "%s", td_errmsg());
+        snapshot(&s, lr, tr);
+        cr_expect(memcmp(le, lr, sizeof(float) * GS * GV) == 0, "replay %d: logits differ from eager", rep);
+        cr_expect(memcmp(te, tr, sizeof te) == 0, "replay %d: tokens differ from eager", rep);
+      }
+      /* new metadata at the same addresses, then replay against eager */
+      set_meta(&s, pin, 1);
+      cr_assert(td_graph_launch(G, g) == TD_OK, "%s", td_errmsg());
+      snapshot(&s, lr, tr);
+      cr_assert(run_step(&s, &l) == TD_OK, "eager: %s", td_errmsg());
+      snapshot(&s, le, te);
+      cr_expect(memcmp(le, lr, sizeof(float) * GS * GV) == 0, "replay with new metadata: logits differ from eager");
+      cr_expect(memcmp(te, tr, sizeof te) == 0, "replay with new metadata: tokens differ from eager");
+      td_graph_destroy(G, g);
+    }
+  }
+  /* an op that fails during capture leaves the stream usable */
+  cr_assert(td_graph_begin(G) == TD_OK);
+  cr_expect(td_upload(G, TD_BUF_F32, s.logits, le, 4) != TD_OK, "synchronous upload refused while capturing");
+  td_graph *g = NULL;
+  (void)td_graph_end(G, &g);
+  td_graph_destroy(G, g);
+  cr_assert(run_step(&s, &l) == TD_OK, "after a failed capture: %s", td_errmsg());
+  cr_assert(td_sync(G) == TD_OK, "%s", td_errmsg());
+  free(le);
+  free(lr);
+  td_host_free(G, pin);
+}
+
+Test(cuda, rejects_bad_shapes) {
+  void *p;
+  cr_assert(td_alloc(G, TD_BUF_F32, 64, &p) == TD_OK);
+  cr_expect(td_topk_logprobs(G, p, 1, 4096, p, NULL, 2000, p, p) != TD_OK, "k above the GPU limit");
+  cr_expect(td_attn_dense(G, p, p, p, 1, 1, 1, 1, 512, 1.0f, false, NULL) != TD_OK, "head_dim above 256");
+  cr_expect(td_gemm(G, p, p, NULL, p, 1, 1, 1, (td_act)99, 0) != TD_OK, "unknown activation");
+  td_backend *b2;
+  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = 99};
+  cr_expect(td_backend_create(&o, &b2) != TD_OK, "missing device");
+  td_free(G, p);
+}
+
+Test(cuda, unshard_cols) {
+  static const int cfg[][4] = {{2, 5, 16032, 32064}, {4, 3, 80, 301}, {1, 7, 33, 33}};
+  for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+    int tp = cfg[c][0], rows = cfg[c][1], per = cfg[c][2], cols = cfg[c][3];
+    float *parts = rnd((size_t)tp * rows * per, 5.0f);
+    pair P = mk(TD_BUF_F32, parts, (size_t)tp * rows * per), O = mk(TD_BUF_F32, NULL, (size_t)rows * cols);
+    RUN2(td_unshard_cols(G, P.g, O.g, tp, rows, per, cols), td_unshard_cols(C, P.c, O.c, tp, rows, per, cols));
+    double e = compare(&O, 0);
+    cr_expect(e == 0.0, "unshard_cols tp=%d rows=%d per=%d cols=%d: error %.3g", tp, rows, per, cols, e);
+    drop(&P);
+    drop(&O);
+    free(parts);
+  }
+}
