@@ -68,6 +68,7 @@ struct td_kvx_peer {
   bool rma; /* data_ep has RMA lanes; else data goes as active messages */
   ucp_rkey_h rkeys[TD_KVX_MAX_POOLS];
   ucp_rkey_h stg_rkey;
+  uint8_t *stg_ptr; /* the peer's staging mapped here (same host): D2H lands in it */
   td_status status;
   char msg[KVX_TEXT];
   bool closed; /* the application disconnected */
@@ -120,7 +121,7 @@ typedef struct kvx_xfer {
   td_kvx_slice *items;
   int n_items;
   uint64_t total;
-  bool nccl, am, src_staged, dst_staged;
+  bool nccl, am, src_staged, dst_staged, direct_stage;
   void *ready_ev;
   bool ready_done;
   xstate st;
@@ -230,6 +231,7 @@ struct td_kvx {
   int n_slots;
   uint8_t *send_stg, *recv_stg;
   ucp_mem_h send_memh, recv_memh;
+  bool recv_ucx_alloc; /* receive staging allocated by UCX (shared memory) */
   void *recv_rkey;
   size_t recv_rkey_len;
   int *send_free, *recv_free;
@@ -606,10 +608,33 @@ static td_status ensure_staging(td_kvx *k) {
   void *sp = NULL, *rp = NULL;
   if ((s = kvx_gpu_host_alloc(k->gpu, bytes, &sp)) != TD_OK) return s;
   k->send_stg = sp;
-  if ((s = kvx_gpu_host_alloc(k->gpu, bytes, &rp)) != TD_OK) return s;
-  k->recv_stg = rp;
   if ((s = ucx_map(k, k->send_stg, bytes, false, &k->send_memh)) != TD_OK) return s;
-  if ((s = ucx_map(k, k->recv_stg, bytes, false, &k->recv_memh)) != TD_OK) return s;
+  /* Receive staging from UCX: shared memory where it can, so a same-host
+   * sender maps it (ucp_rkey_ptr) and copies device-to-host straight in. */
+  ucp_mem_map_params_t mp;
+  memset(&mp, 0, sizeof mp);
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  mp.length = bytes;
+  mp.flags = UCP_MEM_MAP_ALLOCATE;
+  if (ucp_mem_map(k->ctx, &mp, &k->recv_memh) == UCS_OK) {
+    ucp_mem_attr_t ma;
+    memset(&ma, 0, sizeof ma);
+    ma.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    if (ucp_mem_query(k->recv_memh, &ma) == UCS_OK && ma.length >= bytes &&
+        kvx_gpu_host_register(k->gpu, ma.address, bytes) == TD_OK) {
+      k->recv_stg = ma.address;
+      k->recv_ucx_alloc = true;
+    } else {
+      TD_WARN("kvx %s: UCX-allocated staging unusable (%s); using pinned memory", k->name, td_errmsg());
+      ucp_mem_unmap(k->ctx, k->recv_memh);
+      k->recv_memh = NULL;
+    }
+  }
+  if (!k->recv_stg) {
+    if ((s = kvx_gpu_host_alloc(k->gpu, bytes, &rp)) != TD_OK) return s;
+    k->recv_stg = rp;
+    if ((s = ucx_map(k, k->recv_stg, bytes, false, &k->recv_memh)) != TD_OK) return s;
+  }
   ucs_status_t us = ucp_rkey_pack(k->ctx, k->recv_memh, &k->recv_rkey, &k->recv_rkey_len);
   if (us != UCS_OK) return td_err(TD_ERR_NETWORK, "KV transfer: packing the staging key: %s", ucs_str(us));
   for (int i = 0; i < k->n_slots; i++) {
@@ -900,6 +925,16 @@ td_status td_kvx_connect(td_kvx *k, const void *bytes, size_t len, td_kvx_peer *
       goto fail;
     }
   }
+  if (p->local && p->stg_rkey && k->gpu) {
+    void *ptr = NULL;
+    size_t stg_bytes = (size_t)p->desc.stg_slots * p->desc.stg_slot_bytes;
+    if (ucp_rkey_ptr(p->stg_rkey, p->desc.stg_base, &ptr) == UCS_OK) {
+      if (kvx_gpu_host_register(k->gpu, ptr, stg_bytes) == TD_OK)
+        p->stg_ptr = ptr;
+      else
+        TD_WARN("kvx %s: cannot pin the peer's mapped staging (%s); staging with puts", k->name, td_errmsg());
+    }
+  }
   kvx_wbuf w;
   msg_begin(k, &w, KVX_MSG_HELLO, 0);
   kvx_w_u32(&w, (uint32_t)k->addr_len);
@@ -907,8 +942,9 @@ td_status td_kvx_connect(td_kvx *k, const void *bytes, size_t len, td_kvx_peer *
   send_msg(k, p->ep, &w);
   DL_APPEND(k->peers, p);
   k->st.peers++;
-  TD_DEBUG("kvx %s: connected to %016" PRIx64 " (%s)", k->name, p->desc.uuid,
-           p->local ? "same-host puts" : p->rma ? "puts on the control endpoint" : "data as active messages");
+  TD_DEBUG("kvx %s: connected to %016" PRIx64 " (%s%s)", k->name, p->desc.uuid,
+           p->local ? "same-host puts" : p->rma ? "puts on the control endpoint" : "data as active messages",
+           p->stg_ptr ? ", staging mapped" : "");
   *out = p;
   return TD_OK;
 fail:
@@ -941,6 +977,8 @@ static void peer_maybe_release(td_kvx_peer *p) {
     msg_begin(k, &w, KVX_MSG_BYE, 0);
     send_msg(k, p->ep, &w);
   }
+  if (p->stg_ptr) kvx_gpu_host_unregister(k->gpu, p->stg_ptr);
+  p->stg_ptr = NULL;
   for (int i = 0; i < TD_KVX_MAX_POOLS; i++)
     if (p->rkeys[i]) ucp_rkey_destroy(p->rkeys[i]);
   if (p->stg_rkey) ucp_rkey_destroy(p->stg_rkey);
@@ -1101,6 +1139,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   x->am = am;
   x->src_staged = src_staged;
   x->dst_staged = dst_staged;
+  x->direct_stage = src_staged && dst_staged && p->stg_ptr;
   x->ready_ev = q->cuda_ready_event;
   x->timeout_ms = q->timeout_ms > 0 ? q->timeout_ms : k->o.timeout_ms;
   x->deadline = td_now_ms() + x->timeout_ms;
@@ -1352,7 +1391,14 @@ static int pump_ucx(kvx_xfer *x) {
       if (r == 0) continue;
       kvx_gpu_release(k->gpu, ch->ev);
       ch->ev = NULL;
-      chunk_puts(x, ch);
+      if (x->direct_stage) {
+        /* Already in the receiver's slot: only the message is left. */
+        ch->state = CH_FLUSHED;
+        x->bytes_put += ch->bytes;
+        k->st.bytes_sent += ch->bytes;
+      } else {
+        chunk_puts(x, ch);
+      }
       work++;
     }
     if (ch->state == CH_PUT && ch->pending == 0) {
@@ -1389,10 +1435,10 @@ static int pump_ucx(kvx_xfer *x) {
   }
   while (x->ci < x->n_items) {
     if (x->dst_staged && x->n_rfree == 0) break;
-    if (x->src_staged && k->n_send_free == 0) break;
+    if (x->src_staged && !x->direct_stage && k->n_send_free == 0) break;
     if (!x->src_staged && !x->dst_staged && x->n_chunks >= KVX_DIRECT_WINDOW) break;
     uint64_t cap = (x->src_staged || x->dst_staged) ? UINT64_MAX : KVX_MAX_PUT;
-    if (x->src_staged && k->slot_bytes < cap) cap = k->slot_bytes;
+    if (x->src_staged && !x->direct_stage && k->slot_bytes < cap) cap = k->slot_bytes;
     if (x->dst_staged && x->peer->desc.stg_slot_bytes < cap) cap = x->peer->desc.stg_slot_bytes;
     kvx_chunk *c = chunk_build(x, cap);
     if (!c) {
@@ -1403,8 +1449,13 @@ static int pump_ucx(kvx_xfer *x) {
     x->n_chunks++;
     if (x->dst_staged) c->rslot = x->rfree[--x->n_rfree];
     if (x->src_staged) {
-      c->lslot = k->send_free[--k->n_send_free];
-      uint8_t *dst = k->send_stg + (size_t)c->lslot * k->slot_bytes;
+      uint8_t *dst;
+      if (x->direct_stage) {
+        dst = x->peer->stg_ptr + (size_t)c->rslot * x->peer->desc.stg_slot_bytes;
+      } else {
+        c->lslot = k->send_free[--k->n_send_free];
+        dst = k->send_stg + (size_t)c->lslot * k->slot_bytes;
+      }
       td_status s = TD_OK;
       for (int i = 0; i < c->n && s == TD_OK; i++) {
         s = kvx_gpu_copy(k->gpu, KVX_S_D2H, dst, (uint8_t *)x->pool->d.base + c->pc[i].src_off, c->pc[i].len);
@@ -2480,9 +2531,10 @@ void td_kvx_destroy(td_kvx *k) {
   if (k->gpu) kvx_gpu_destroy(k->gpu); /* waits for the streams before staging goes */
   if (k->recv_rkey) ucp_rkey_buffer_release(k->recv_rkey);
   if (k->send_memh) ucp_mem_unmap(k->ctx, k->send_memh);
-  if (k->recv_memh) ucp_mem_unmap(k->ctx, k->recv_memh);
+  if (k->recv_ucx_alloc) kvx_gpu_host_unregister(NULL, k->recv_stg);
+  if (k->recv_memh) ucp_mem_unmap(k->ctx, k->recv_memh); /* frees UCX-allocated staging */
   if (k->send_stg) kvx_gpu_host_free(NULL, k->send_stg);
-  if (k->recv_stg) kvx_gpu_host_free(NULL, k->recv_stg);
+  if (k->recv_stg && !k->recv_ucx_alloc) kvx_gpu_host_free(NULL, k->recv_stg);
   free(k->send_free);
   free(k->recv_free);
   if (k->ctx) ucp_cleanup(k->ctx);

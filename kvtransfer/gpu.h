@@ -24,6 +24,9 @@ td_status kvx_gpu_create(int device, kvx_gpu **out);
 void kvx_gpu_destroy(kvx_gpu *g);
 td_status kvx_gpu_host_alloc(kvx_gpu *g, size_t bytes, void **out);
 void kvx_gpu_host_free(kvx_gpu *g, void *p);
+/* Pins existing host memory for asynchronous copies (cudaHostRegister). */
+td_status kvx_gpu_host_register(kvx_gpu *g, void *p, size_t bytes);
+void kvx_gpu_host_unregister(kvx_gpu *g, void *p);
 /* Whether [p, p + bytes) is device memory of the engine's device. */
 td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes);
 /* Asynchronous copy on a stream (its direction decides the copy kind). */

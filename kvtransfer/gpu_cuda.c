@@ -77,6 +77,16 @@ void kvx_gpu_host_free(kvx_gpu *g, void *p) {
   if (p) cudaFreeHost(p);
 }
 
+td_status kvx_gpu_host_register(kvx_gpu *g, void *p, size_t bytes) {
+  cudaSetDevice(g->device);
+  CK(cudaHostRegister(p, bytes, cudaHostRegisterPortable), "cudaHostRegister");
+  return TD_OK;
+}
+
+void kvx_gpu_host_unregister(kvx_gpu *g, void *p) {
+  if (p) cudaHostUnregister(p);
+}
+
 td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes) {
   struct cudaPointerAttributes a;
   cudaError_t e = cudaPointerGetAttributes(&a, p);

@@ -15,6 +15,8 @@ td_status kvx_gpu_host_alloc(kvx_gpu *g, size_t bytes, void **out) {
   return NO_CUDA;
 }
 void kvx_gpu_host_free(kvx_gpu *g, void *p) {}
+td_status kvx_gpu_host_register(kvx_gpu *g, void *p, size_t bytes) { return NO_CUDA; }
+void kvx_gpu_host_unregister(kvx_gpu *g, void *p) {}
 td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes) { return NO_CUDA; }
 td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes) { return NO_CUDA; }
 td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes) { return NO_CUDA; }

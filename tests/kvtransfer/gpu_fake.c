@@ -33,6 +33,8 @@ td_status kvx_gpu_host_alloc(kvx_gpu *g, size_t bytes, void **out) {
   return TD_OK;
 }
 void kvx_gpu_host_free(kvx_gpu *g, void *p) { free(p); }
+td_status kvx_gpu_host_register(kvx_gpu *g, void *p, size_t bytes) { return TD_OK; }
+void kvx_gpu_host_unregister(kvx_gpu *g, void *p) {}
 td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes) { return TD_OK; }
 td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes) {
   memcpy(dst, src, bytes);

@@ -104,6 +104,12 @@ static void run_all_directions(td_kvx_local_path local) {
 
 Test(kvx_staged, every_direction_with_puts, .timeout = 120) { run_all_directions(TD_KVX_LOCAL_AUTO); }
 Test(kvx_staged, every_direction_with_messages, .timeout = 120) { run_all_directions(TD_KVX_LOCAL_OFF); }
+/* Without shared memory UCX cannot map the peer's staging: puts (CMA)
+ * carry every chunk through the local staging slots. */
+Test(kvx_staged, every_direction_without_mapping, .timeout = 120) {
+  setenv("UCX_TLS", "tcp,cma", 1);
+  run_all_directions(TD_KVX_LOCAL_AUTO);
+}
 
 Test(kvx_staged, resliced_gpu_to_gpu, .timeout = 120) {
   td_kvx_geom sg = kt_geom(0, 4, 0, 8, 8, 4, 2), rg = kt_geom(2, 4, 0, 4, 8, 4, 2);
