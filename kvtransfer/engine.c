@@ -842,6 +842,7 @@ td_status td_kvx_export(td_kvx *k, uint8_t **bytes, size_t *len) {
   d.uuid = k->uuid;
   d.host_id = k->host_id;
   d.pid = (uint32_t)getpid();
+  d.gpu_id = k->gpu ? kvx_gpu_uid(k->gpu) ^ k->host_id : 0;
   d.addr = (const uint8_t *)k->addr;
   d.addr_len = (uint32_t)k->addr_len;
   if (k->recv_stg) {
@@ -1097,7 +1098,9 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   } else if (q->transport == TD_KVX_UCX) {
     nccl = false;
   } else {
-    nccl = both_gpu && td_kvx_nccl_available(k) && p->info.nccl;
+    /* NCCL cannot pair two ranks on one GPU. */
+    uint64_t mine = kvx_gpu_uid(k->gpu) ^ k->host_id;
+    nccl = both_gpu && td_kvx_nccl_available(k) && p->info.nccl && p->desc.gpu_id != mine;
   }
   bool am = !nccl && !p->rma;
   bool src_staged = pool->d.mem == TD_KVX_MEM_CUDA && !pool->direct && !nccl;
@@ -1192,6 +1195,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
 
   pool->users++;
   p->n_xfers++;
+  if (nccl) k->st.nccl_xfers++;
   HASH_ADD(hh, k->xfers, id, sizeof x->id, x);
   if (xfer_id) *xfer_id = x->id;
   TD_DEBUG("kvx %s: transfer %" PRIu64 " (request %" PRIu64 "): %d blocks, %d copies, %" PRIu64 " bytes via %s%s%s",

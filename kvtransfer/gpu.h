@@ -21,6 +21,8 @@ typedef struct kvx_gpu kvx_gpu;
 enum { KVX_S_D2H = 0, KVX_S_H2D = 1, KVX_S_NCCL = 2, KVX_S_COUNT };
 
 td_status kvx_gpu_create(int device, kvx_gpu **out);
+/* Identifies the device on its host (hash of the PCI bus id); 0 for NULL. */
+uint64_t kvx_gpu_uid(kvx_gpu *g);
 void kvx_gpu_destroy(kvx_gpu *g);
 td_status kvx_gpu_host_alloc(kvx_gpu *g, size_t bytes, void **out);
 void kvx_gpu_host_free(kvx_gpu *g, void *p);

@@ -53,6 +53,15 @@ td_status kvx_gpu_create(int device, kvx_gpu **out) {
   return TD_OK;
 }
 
+uint64_t kvx_gpu_uid(kvx_gpu *g) {
+  if (!g) return 0;
+  char bus[64] = {0};
+  if (cudaDeviceGetPCIBusId(bus, (int)sizeof bus - 1, g->device) != cudaSuccess) return (uint64_t)g->device + 1;
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const char *p = bus; *p; p++) h = (h ^ (uint8_t)*p) * 0x100000001b3ull;
+  return h;
+}
+
 void kvx_gpu_destroy(kvx_gpu *g) {
   if (!g) return;
   cudaSetDevice(g->device);
@@ -100,6 +109,7 @@ td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes) {
 }
 
 td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes) {
+  cudaSetDevice(g->device); /* streams and events belong to the engine's device */
   enum cudaMemcpyKind kind = stream == KVX_S_D2H ? cudaMemcpyDeviceToHost
                              : stream == KVX_S_H2D ? cudaMemcpyHostToDevice
                                                    : cudaMemcpyDefault;
@@ -114,12 +124,14 @@ td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes
 }
 
 td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) {
+  cudaSetDevice(g->device);
   CK(cudaStreamWaitEvent(g->s[stream], (cudaEvent_t)event, 0), "waiting for the KV's ready event");
   return TD_OK;
 }
 
 td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event) {
   *event = NULL;
+  cudaSetDevice(g->device);
   cudaEvent_t ev;
   if (g->n_free > 0) {
     ev = g->free_ev[--g->n_free];

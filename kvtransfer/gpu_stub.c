@@ -10,6 +10,7 @@ td_status kvx_gpu_create(int device, kvx_gpu **out) {
   return NO_CUDA;
 }
 void kvx_gpu_destroy(kvx_gpu *g) {}
+uint64_t kvx_gpu_uid(kvx_gpu *g) { return 0; }
 td_status kvx_gpu_host_alloc(kvx_gpu *g, size_t bytes, void **out) {
   *out = NULL;
   return NO_CUDA;

@@ -225,6 +225,7 @@ typedef struct td_kvx_stats {
   int orphan_ops;  /* of failed peers, never completed */
   uint64_t bytes_sent, bytes_received;
   uint64_t xfers_ok, xfers_failed, grants_ok, grants_failed;
+  uint64_t nccl_xfers; /* posted over NCCL */
   bool local_path; /* some peer uses the same-host data endpoint */
 } td_kvx_stats;
 td_kvx_stats td_kvx_get_stats(const td_kvx *k);

@@ -88,7 +88,7 @@ uint32_t kvx_crc32(const void *data, size_t n) {
 }
 
 /* Layout: magic u32, version u16, caps u32, uuid u64, host_id u64, pid u32,
- * addr (u32 len + bytes), staging u8 [base u64, slot_bytes u64, slots u32,
+ * gpu_id u64, addr (u32 len + bytes), staging u8 [base u64, slot_bytes u64, slots u32,
  * rkey], n_pools u32, pools, crc32 u32 of everything before it. */
 td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len) {
   *out = NULL;
@@ -100,6 +100,7 @@ td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len) {
   kvx_w_u64(&w, d->uuid);
   kvx_w_u64(&w, d->host_id);
   kvx_w_u32(&w, d->pid);
+  kvx_w_u64(&w, d->gpu_id);
   kvx_w_u32(&w, d->addr_len);
   kvx_w_bytes(&w, d->addr, d->addr_len);
   kvx_w_u8(&w, d->staging ? 1 : 0);
@@ -161,6 +162,7 @@ td_status kvx_desc_decode(const void *bytes, size_t len, kvx_desc *d) {
   d->uuid = kvx_r_u64(&r);
   d->host_id = kvx_r_u64(&r);
   d->pid = kvx_r_u32(&r);
+  d->gpu_id = kvx_r_u64(&r);
   d->addr_len = kvx_r_u32(&r);
   if (r.bad || d->addr_len == 0 || d->addr_len > KVX_MAX_ADDR) return BAD("transport address of %u bytes", d->addr_len);
   d->addr = kvx_r_bytes(&r, d->addr_len);

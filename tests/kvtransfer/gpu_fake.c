@@ -26,6 +26,7 @@ td_status kvx_gpu_create(int device, kvx_gpu **out) {
   return TD_OK;
 }
 void kvx_gpu_destroy(kvx_gpu *g) { free(g); }
+uint64_t kvx_gpu_uid(kvx_gpu *g) { return g ? (uint64_t)g->device + 1 : 0; }
 td_status kvx_gpu_host_alloc(kvx_gpu *g, size_t bytes, void **out) {
   *out = NULL;
   if (posix_memalign(out, 4096, bytes) != 0) return td_err(TD_ERR_NOMEM, "out of memory");

@@ -15,6 +15,7 @@ static kvx_desc sample(void) {
   d.uuid = 0x1122334455667788ull;
   d.host_id = 42;
   d.pid = 1234;
+  d.gpu_id = 99;
   d.addr = addr;
   d.addr_len = sizeof addr;
   d.staging = true;
@@ -45,6 +46,7 @@ Test(kvx_desc, round_trip) {
   cr_assert_eq(kvx_desc_encode(&d, &b, &n), TD_OK);
   cr_assert_eq(kvx_desc_decode(b, n, &e), TD_OK, "%s", td_errmsg());
   cr_assert_eq(e.uuid, d.uuid);
+  cr_assert_eq(e.gpu_id, 99);
   cr_assert_eq(e.addr_len, d.addr_len);
   cr_assert_eq(memcmp(e.addr, addr, sizeof addr), 0);
   cr_assert(e.staging);
@@ -143,9 +145,9 @@ Test(kvx_desc, bad_fields) {
   /* Lengths that point past the end. */
   d = sample();
   cr_assert_eq(kvx_desc_encode(&d, &b, &n), TD_OK);
-  /* addr_len sits after magic(4) version(2) caps(4) uuid(8) host(8) pid(4). */
-  b[30] = 0xff;
-  b[31] = 0xff;
+  /* addr_len sits after magic(4) version(2) caps(4) uuid(8) host(8) pid(4) gpu(8). */
+  b[38] = 0xff;
+  b[39] = 0xff;
   fix_crc(b, n);
   cr_assert_eq(kvx_desc_decode(b, n, &e), TD_ERR_FORMAT);
   free(b);
