@@ -44,6 +44,8 @@ typedef struct td_backend_vt {
   td_status (*graph_end)(td_backend *b, td_graph **out);
   td_status (*graph_launch)(td_backend *b, td_graph *g);
   void (*graph_destroy)(td_backend *b, td_graph *g);
+  /* NULL: norm, GEMM and gated activation as separate ops (ops.c) */
+  td_status (*gemm_ex)(td_backend *b, const td_gemm_args *a);
   /* NULL: the CPU loop in ops.c */
   td_status (*unshard_cols)(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols);
 } td_backend_vt;

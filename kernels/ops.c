@@ -71,6 +71,25 @@ td_status td_gemm(td_backend *b, const void *x, const void *w, const float *bias
   return b->vt->gemm(b, x, w, bias, y, m, n, k, act, flags);
 }
 
+td_status td_gemm_ex(td_backend *b, const td_gemm_args *a) {
+  if (!a) return bad("gemm_ex", "no arguments");
+  bool glu = a->flags & TD_GEMM_GLU;
+  if (a->m < 0 || a->n <= 0 || a->k <= 0 || !a->x || !a->w || !a->y) return bad("gemm_ex", "bad sizes or buffers");
+  if ((a->flags & TD_GEMM_ACCUM) && (a->act != TD_ACT_NONE || glu)) return bad("gemm_ex", "accumulate with an activation");
+  if (glu && ((a->n & 1) || !a->scratch_glu || (a->flags & TD_GEMM_OUT_F32))) return bad("gemm_ex", "GLU needs an even n, scratch and bf16/f32 activations");
+  if (a->norm_w && !a->scratch_norm) return bad("gemm_ex", "a fused norm needs scratch_norm");
+  if (a->m == 0) return TD_OK;
+  if (b->vt->gemm_ex) return b->vt->gemm_ex(b, a);
+  const void *x = a->x;
+  if (a->norm_w) {
+    TD_TRY(td_norm(b, a->x, a->norm_w, a->norm_b, a->scratch_norm, a->m, a->k, a->norm_eps, a->norm_rms));
+    x = a->scratch_norm;
+  }
+  if (!glu) return td_gemm(b, x, a->w, a->bias, a->y, a->m, a->n, a->k, a->act, a->flags);
+  TD_TRY(td_gemm(b, x, a->w, a->bias, a->scratch_glu, a->m, a->n, a->k, TD_ACT_NONE, 0));
+  return td_gated_act(b, a->scratch_glu, a->y, a->m, a->n / 2, a->act);
+}
+
 td_status td_norm(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n, float eps,
                   bool rms) {
   if (m < 0 || n <= 0 || !x || !w || !y) return bad("norm", "bad sizes or null buffer");

@@ -69,6 +69,28 @@ enum {
  * TD_ACT_NONE with TD_GEMM_ACCUM. */
 td_status td_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
                   td_act act, unsigned flags);
+/* The GEMM with what surrounds it in a layer, for backends that fuse:
+ * y = act(norm(x) W^T + bias), where norm (when norm_w != NULL) is the
+ * row norm of td_norm; with TD_GEMM_GLU, W is [W_a; W_b] (n rows, n/2 each)
+ * and y[m, n/2] = act(x W_a^T + b_a) * (x W_b^T + b_b). A backend without
+ * the fusion runs td_norm into scratch_norm ([m, k]) and the GEMM into
+ * scratch_glu ([m, n]) then td_gated_act; the scratch pointers must be
+ * given either way. TD_GEMM_ACCUM excludes act and GLU. */
+enum { TD_GEMM_GLU = 1u << 2 };
+typedef struct td_gemm_args {
+  const void *x, *w;
+  const float *bias;
+  void *y;
+  int m, n, k;
+  td_act act;
+  unsigned flags;
+  const float *norm_w, *norm_b;
+  float norm_eps;
+  bool norm_rms;
+  void *scratch_norm, *scratch_glu;
+} td_gemm_args;
+td_status td_gemm_ex(td_backend *b, const td_gemm_args *a);
+
 /* y = LayerNorm(x) * w + bias, or RMSNorm(x) * w when rms (bias ignored).
  * Rows of n; x == y allowed. */
 td_status td_norm(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n,

@@ -793,15 +793,24 @@ static td_status row_parallel(td_model *m, const lin *l, const void *x, void *h,
   return tp ? td_allreduce_sum(m->b, h, TD_BUF_ACT, (size_t)rows * m->d.d) : TD_OK;
 }
 
-/* h += FFN(src) */
-static td_status ffn(td_model *m, const lin *wi, const lin *wo, const void *src, void *h, void *ff, void *ff1,
-                     int rows) {
+/* y = act(norm(x) W^T + b), the norm fused where the backend can (pre-norm
+ * layers pass n; post-norm NULL). xn: scratch for the normalised rows. */
+static td_status norm_linear(td_model *m, const norm_w *n, const lin *l, const void *x, void *y, void *xn, int rows,
+                             td_act act, unsigned flags, void *glu_scratch) {
+  td_gemm_args a = {.x = x, .w = l->w, .bias = l->b, .y = y, .m = rows, .n = l->out, .k = l->in, .act = act,
+                    .flags = flags, .norm_w = n ? n->w : NULL, .norm_b = n ? n->b : NULL, .norm_eps = m->cfg.norm_eps,
+                    .norm_rms = m->cfg.rmsnorm, .scratch_norm = xn, .scratch_glu = glu_scratch};
+  return td_gemm_ex(m->b, &a);
+}
+
+/* h += FFN(norm(h)) (pre-norm, n given) or FFN(h) (post-norm, n NULL). */
+static td_status ffn(td_model *m, const norm_w *n, const lin *wi, const lin *wo, void *h, void *xn, void *ff,
+                     void *ff1, int rows) {
   if (m->cfg.gated_ffn) {
-    TD_TRY(linear(m, wi, src, ff, rows, TD_ACT_NONE, 0));
-    TD_TRY(td_gated_act(m->b, ff, ff1, rows, wi->out / 2, m->cfg.act));
+    TD_TRY(norm_linear(m, n, wi, h, ff1, xn, rows, m->cfg.act, TD_GEMM_GLU, ff));
     return row_parallel(m, wo, ff1, h, rows);
   }
-  TD_TRY(linear(m, wi, src, ff, rows, m->cfg.act, 0));
+  TD_TRY(norm_linear(m, n, wi, h, ff, xn, rows, m->cfg.act, 0, NULL));
   return row_parallel(m, wo, ff, h, rows);
 }
 
@@ -871,21 +880,11 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   const td_relbias *bias = m->enc_lut ? &eb : NULL;
   for (int l = 0; l < d->e1 - d->e0; l++) {
     const enc_layer *L = &m->enc[l];
-    const void *src = m->e_h;
-    if (c->pre_norm) {
-      TD_TRY(norm(m, &L->ln_attn, m->e_h, m->e_x, E));
-      src = m->e_x;
-    }
-    TD_TRY(linear(m, &L->qkv, src, m->e_qkv, E, TD_ACT_NONE, 0));
+    TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_attn : NULL, &L->qkv, m->e_h, m->e_qkv, m->e_x, E, TD_ACT_NONE, 0, NULL));
     TD_TRY(td_attn_dense(b, m->e_qkv, m->e_attn, dcu, B, E, max_len, d->eh, d->edh, c->enc_attn_scale, false, bias));
     TD_TRY(row_parallel(m, &L->o, m->e_attn, m->e_h, E));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_attn, m->e_h, m->e_h, E));
-    src = m->e_h;
-    if (c->pre_norm) {
-      TD_TRY(norm(m, &L->ln_ffn, m->e_h, m->e_x, E));
-      src = m->e_x;
-    }
-    TD_TRY(ffn(m, &L->wi, &L->wo, src, m->e_h, m->e_ff, m->e_ff1, E));
+    TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, m->e_h, m->e_x, m->e_ff, m->e_ff1, E));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, m->e_h, m->e_h, E));
   }
   /* pipeline: the last stage's output goes to every stage's cross KV */
@@ -970,12 +969,7 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
   td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
   for (int l = 0; l < d->l1 - d->l0; l++) {
     const dec_layer *L = &m->dec[l];
-    const void *src = h;
-    if (c->pre_norm) {
-      TD_TRY(norm(m, &L->ln_self, h, x, T));
-      src = x;
-    }
-    TD_TRY(linear(m, &L->qkv, src, qkv, T, TD_ACT_NONE, 0));
+    TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_self : NULL, &L->qkv, h, qkv, x, T, TD_ACT_NONE, 0, NULL));
     TD_TRY(td_kv_write(b, (const char *)qkv + (size_t)hd * es, (const char *)qkv + (size_t)2 * hd * es, 3 * hd,
                        m->self_pool, &sl, l, dslots + t0, T));
     /* attention reads q rows at the metadata's absolute offsets */
@@ -983,21 +977,11 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
                          bias));
     TD_TRY(row_parallel(m, &L->o, att, h, T));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_self, h, h, T));
-    src = h;
-    if (c->pre_norm) {
-      TD_TRY(norm(m, &L->ln_cross, h, x, T));
-      src = x;
-    }
-    TD_TRY(linear(m, &L->cq, src, q, T, TD_ACT_NONE, 0));
+    TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_cross : NULL, &L->cq, h, q, x, T, TD_ACT_NONE, 0, NULL));
     TD_TRY(td_attn_paged(b, m->d_q, hd, m->d_attn, m->cross_pool, &cl, l, &cross_m, c->dec_attn_scale, false, NULL));
     TD_TRY(row_parallel(m, &L->co, att, h, T));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_cross, h, h, T));
-    src = h;
-    if (c->pre_norm) {
-      TD_TRY(norm(m, &L->ln_ffn, h, x, T));
-      src = x;
-    }
-    TD_TRY(ffn(m, &L->wi, &L->wo, src, h, ff, ff1, T));
+    TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, h, x, ff, ff1, T));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, h, h, T));
   }
   return TD_OK;

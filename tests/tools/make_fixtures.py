@@ -174,8 +174,11 @@ def t5_gated_untied_head(out):
     model.config.tie_word_embeddings = False
     model.config.scale_decoder_outputs = False
     model.lm_head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-    if hasattr(model, "_tied_weights_keys"):
-        model._tied_weights_keys = {} if isinstance(model._tied_weights_keys, dict) else []
+    keys = getattr(model, "_tied_weights_keys", None)
+    if isinstance(keys, dict):
+        model._tied_weights_keys = {k: v for k, v in keys.items() if "lm_head" not in k}
+    elif keys:
+        model._tied_weights_keys = [k for k in keys if "lm_head" not in k]
     build(out, "t5-gated-untied-head", "t5", model, {}, {"start": 0, "eos": 1}, 4, 10, 17)
 
 

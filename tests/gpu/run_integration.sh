@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Whole-system checks on a GPU machine, from the repository root, with the
+# programs packed by device-pack (tandem-generate, tandem-router, tandem-worker,
+# tandem-client, bench-decode-step):
+#   tests/gpu/run_integration.sh PACKDIR OUTDIR [generate] [cluster] [bench] [fixtures]
+set -u
+pack=$1 out=$2
+shift 2
+steps=${*:-generate cluster bench}
+source "$pack/env.sh"
+mkdir -p "$out"
+nvidia-smi -L | tee "$out/device.txt"
+summary=()
+run() { # name timeout command...
+  local name=$1 t=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$t" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name: rc=$rc in $((SECONDS - t0)) s")
+  tail -n 20 "$out/$name.log"
+}
+generate() {
+  # every fixture through tandem-generate --device cuda: tokens and logits against transformers
+  local tmp=$out/gen
+  mkdir -p "$tmp"
+  for m in tests/data/*/; do
+    m=${m%/}
+    [[ -f $m/reference.json ]] || continue
+    name=$(basename "$m")
+    python3 - "$m" "$tmp/$name.jsonl" <<'PY'
+import json, sys, os
+m, path = sys.argv[1], sys.argv[2]
+ref = json.load(open(f"{m}/reference.json"))
+cfg = json.load(open(f"{m}/config.json"))
+with open(path, "w") as f:
+    for i, r in enumerate(ref["requests"]):
+        line = {"id": f"r{i}", "decoder_prompt": r["decoder_prompt"], "max_new_tokens": len(r["greedy_tokens"]),
+                "forced_bos_token_id": None, "forced_eos_token_id": None}
+        if "input_ids" in r:
+            line["input_ids"] = r["input_ids"]
+        else:
+            mels, frames = cfg["num_mel_bins"], 2 * cfg["max_source_positions"]
+            import numpy as np
+            feats = np.fromfile(f"{m}/input_features.f32", dtype="<f4").reshape(-1, mels, frames)
+            fp = f"{path}.{i}.f32"
+            feats[i].tofile(fp)
+            line["input_features"] = os.path.abspath(fp)
+        f.write(json.dumps(line) + "\n")
+PY
+    tandem-generate --model "$m" --requests "$tmp/$name.jsonl" --device cuda --logits-out "$tmp/$name.logits" \
+      --block-size 16 >"$tmp/$name.out" 2>"$tmp/$name.err"
+    echo "$name rc=$?"
+    python3 - "$m" "$tmp/$name.out" "$tmp/$name.logits" <<'PY'
+import json, sys
+import numpy as np
+m, outp, lgp = sys.argv[1:4]
+ref = json.load(open(f"{m}/reference.json"))
+V = json.load(open(f"{m}/config.json"))["vocab_size"]
+got = [json.loads(l) for l in open(outp)]
+rl = np.fromfile(f"{m}/ref_logits.f32", dtype="<f4").reshape(-1, V)
+gl = np.fromfile(lgp, dtype="<f4").reshape(-1, V)
+off, worst, same, n = 0, 0.0, 0, 0
+for r, g in zip(ref["requests"], got):
+    rows = len(r["decoder_prompt"]) + len(r["greedy_tokens"]) - 1
+    e = np.abs(gl[off:off + rows] - rl[off:off + rows]).max() / np.abs(rl[off:off + rows]).max()
+    worst = max(worst, e)
+    toks = g["outputs"][0]["tokens"]
+    same += toks == r["greedy_tokens"]
+    n += 1
+    off += rows
+print(f"  {m.split('/')[-1]}: logits max|diff|/max|ref| {worst:.3g}, greedy tokens equal {same}/{n}")
+PY
+  done
+}
+export -f generate
+export out
+for s in $steps; do
+  case $s in
+    generate) run generate 300 bash -c generate ;;
+    cluster) run cluster 200 env TANDEM_BIN="$pack/bin" deploy/local.sh --device cuda --demo --run-dir "$out/run" ;;
+    bench) run bench 400 bench-decode-step --batches 1,16,64 ;;
+    bench-bart) run bench-bart 300 bench-decode-step --shape bart-large --batches 1,64 ;;
+    fixtures) run fixtures 200 sh -c "mkdir -p /tmp/fx2 && PYTHONUNBUFFERED=1 python3 tests/tools/make_fixtures.py /tmp/fx2 t5-gated-untied-head && tar -C /tmp/fx2 -czf $out/fixtures2.tgz ." ;;
+  esac
+done
+cp bench/RESULTS.md "$out/RESULTS.md" 2>/dev/null
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
