@@ -29,7 +29,7 @@
 #define KVX_MAX_PUT ((uint64_t)8 << 20) /* bounds a put so cancellation is prompt */
 #define KVX_DIRECT_WINDOW 4             /* direct chunks in flight per transfer */
 #define KVX_CHUNK_PIECES 128
-#define KVX_GRANT_SLOTS 4               /* staging slots one grant may hold */
+#define KVX_GRANT_SLOTS 8               /* staging slots one grant may hold */
 #define KVX_STOP_GRACE_MS 3000          /* a stopping transfer's flush must end by then */
 #define KVX_GRANT_GRACE_MS 2000
 #define KVX_TEXT 256
@@ -65,7 +65,8 @@ struct td_kvx_peer {
   ucp_ep_h ep;      /* control: UCP_ERR_HANDLING_MODE_PEER */
   ucp_ep_h data_ep; /* puts: == ep, or a same-host endpoint without error handling */
   bool local;
-  bool rma; /* data_ep has RMA lanes; else data goes as active messages */
+  bool rma;  /* data_ep has RMA lanes; else data goes as active messages */
+  bool fast; /* data_ep carries messages over shared memory: CHUNK / DONE go there */
   ucp_rkey_h rkeys[TD_KVX_MAX_POOLS];
   ucp_rkey_h stg_rkey;
   uint8_t *stg_ptr; /* the peer's staging mapped here (same host): D2H lands in it */
@@ -83,7 +84,8 @@ typedef struct kvx_rpeer {
   uint64_t uuid;
   td_kvx *k;
   ep_owner *own;
-  ucp_ep_h ep; /* back channel for replies */
+  ucp_ep_h ep;      /* back channel for replies */
+  ucp_ep_h fast_ep; /* same host: shared-memory messages (GRANT, CREDIT, ACK) */
   int conns;
   int n_grants;
   bool failed;
@@ -205,6 +207,7 @@ typedef struct kvx_op {
   kvx_chunk *ch;
   td_kvx_peer *peer; /* data operations hold the peer (its memory keys) */
   ep_owner *own;     /* close operations free it */
+  ucp_ep_h ep;       /* messages: where they were sent */
   void *req;
   void *buf;
   struct kvx_op *prev, *next;
@@ -412,6 +415,18 @@ static void orphan_ops(td_kvx *k, kvx_xfer *x) {
   x->ops = 0;
 }
 
+/* Messages still queued to a failed peer may never complete (a
+ * shared-memory lane has no error handling): count them as orphans. */
+static void orphan_msgs(td_kvx *k, ucp_ep_h a, ucp_ep_h b) {
+  kvx_op *op;
+  DL_FOREACH(k->ops, op) {
+    if (op->kind == OP_AM && !op->orphan && op->ep && (op->ep == a || op->ep == b)) {
+      op->orphan = true;
+      k->n_orphans++;
+    }
+  }
+}
+
 static void close_ep(td_kvx *k, ucp_ep_h ep, bool force, ep_owner *own) {
   if (!ep) return;
   if (own) own->closing = true;
@@ -468,6 +483,7 @@ static void send_msg(td_kvx *k, ucp_ep_h ep, kvx_wbuf *w) {
     return;
   }
   op->buf = w->p;
+  op->ep = ep;
   ucp_request_param_t p = op_param(op);
   p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = UCP_AM_SEND_FLAG_EAGER; /* the receiver handles whole messages only */
@@ -578,6 +594,30 @@ static bool ep_has_rma(ucp_ep_h ep) {
   return rma;
 }
 
+/* Whether the endpoint's active-message lane is shared memory. In-transfer
+ * messages then go there (a microsecond instead of a tcp round through
+ * the kernel); UCX error handling does not cover such a lane, so failures
+ * are still detected on the control endpoint, and a message lost to a
+ * dead peer is harmless. */
+static bool ep_am_is_shm(ucp_ep_h ep) {
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  if (!f) return false;
+  ucp_ep_print_info(ep, f);
+  fclose(f);
+  bool shm = false;
+  for (char *line = buf; line && *line;) {
+    char *nl = strchr(line, '\n');
+    if (nl) *nl = 0;
+    if (strstr(line, "lane[") && strstr(line, " am "))
+      shm = strstr(line, "sysv/") || strstr(line, "posix/") || strstr(line, "xpmem/");
+    line = nl ? nl + 1 : NULL;
+  }
+  free(buf);
+  return shm;
+}
+
 /* ---------------------------------------------------------------- staging */
 
 static td_status ucx_map(td_kvx *k, void *base, size_t bytes, bool cuda, ucp_mem_h *memh) {
@@ -655,9 +695,9 @@ td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out) {
   snprintf(k->name, sizeof k->name, "%s", opts->name ? opts->name : "kvx");
   k->o.name = k->name;
   if (k->o.timeout_ms <= 0) k->o.timeout_ms = 30000;
-  k->n_slots = k->o.staging_slots > 0 ? k->o.staging_slots : 8;
+  k->n_slots = k->o.staging_slots > 0 ? k->o.staging_slots : 16;
   if (k->n_slots > 1024) k->n_slots = 1024;
-  k->slot_bytes = k->o.staging_slot_bytes >= 4096 ? k->o.staging_slot_bytes : (4u << 20);
+  k->slot_bytes = k->o.staging_slot_bytes >= 4096 ? k->o.staging_slot_bytes : (2u << 20);
   k->uuid = random_u64();
   k->host_id = host_identity();
   k->next_xid = 1;
@@ -899,6 +939,7 @@ td_status td_kvx_connect(td_kvx *k, const void *bytes, size_t len, td_kvx_peer *
         p->data_ep = dep;
         p->local = true;
         p->rma = true;
+        p->fast = ep_am_is_shm(dep);
         k->st.local_path = true;
       } else {
         close_ep(k, dep, false, NULL); /* no CMA / shared memory after all */
@@ -940,12 +981,13 @@ td_status td_kvx_connect(td_kvx *k, const void *bytes, size_t len, td_kvx_peer *
   msg_begin(k, &w, KVX_MSG_HELLO, 0);
   kvx_w_u32(&w, (uint32_t)k->addr_len);
   kvx_w_bytes(&w, k->addr, k->addr_len);
+  kvx_w_u64(&w, k->host_id);
   send_msg(k, p->ep, &w);
   DL_APPEND(k->peers, p);
   k->st.peers++;
-  TD_DEBUG("kvx %s: connected to %016" PRIx64 " (%s%s)", k->name, p->desc.uuid,
+  TD_DEBUG("kvx %s: connected to %016" PRIx64 " (%s%s%s)", k->name, p->desc.uuid,
            p->local ? "same-host puts" : p->rma ? "puts on the control endpoint" : "data as active messages",
-           p->stg_ptr ? ", staging mapped" : "");
+           p->stg_ptr ? ", staging mapped" : "", p->fast ? ", shared-memory messages" : "");
   *out = p;
   return TD_OK;
 fail:
@@ -1427,7 +1469,7 @@ static int pump_ucx(kvx_xfer *x) {
         kvx_w_u64(&w, ch->pc[i].dst_off);
         kvx_w_u64(&w, ch->pc[i].len);
       }
-      send_msg(k, x->peer->ep, &w);
+      send_msg(k, x->peer->fast ? x->peer->data_ep : x->peer->ep, &w);
       ch->state = CH_DONE;
       work++;
     }
@@ -1460,11 +1502,16 @@ static int pump_ucx(kvx_xfer *x) {
         c->lslot = k->send_free[--k->n_send_free];
         dst = k->send_stg + (size_t)c->lslot * k->slot_bytes;
       }
-      td_status s = TD_OK;
-      for (int i = 0; i < c->n && s == TD_OK; i++) {
-        s = kvx_gpu_copy(k->gpu, KVX_S_D2H, dst, (uint8_t *)x->pool->d.base + c->pc[i].src_off, c->pc[i].len);
+      void *dsts[KVX_CHUNK_PIECES];
+      const void *srcs[KVX_CHUNK_PIECES];
+      size_t sizes[KVX_CHUNK_PIECES];
+      for (int i = 0; i < c->n; i++) {
+        dsts[i] = dst;
+        srcs[i] = (uint8_t *)x->pool->d.base + c->pc[i].src_off;
+        sizes[i] = c->pc[i].len;
         dst += c->pc[i].len;
       }
+      td_status s = kvx_gpu_copy_many(k->gpu, KVX_S_D2H, dsts, srcs, sizes, (size_t)c->n);
       if (s == TD_OK) s = kvx_gpu_record(k->gpu, KVX_S_D2H, &c->ev);
       if (s != TD_OK) {
         c->state = CH_DONE;
@@ -1490,7 +1537,7 @@ static int pump_ucx(kvx_xfer *x) {
     kvx_wbuf w;
     msg_begin(k, &w, KVX_MSG_DONE, x->id);
     kvx_w_u64(&w, x->total);
-    send_msg(k, x->peer->ep, &w);
+    send_msg(k, x->peer->fast ? x->peer->data_ep : x->peer->ep, &w);
     x->done_sent = true;
     x->st = XS_FINISH;
     work++;
@@ -1735,8 +1782,11 @@ static void rpeer_fail(kvx_rpeer *rp, td_status s, const char *msg, bool event) 
   HASH_ITER(hh, k->grants, g, tmp) {
     if (g->rp == rp) grant_end(g, s != TD_OK ? s : TD_ERR_CANCELLED, msg);
   }
+  if (s != TD_OK) orphan_msgs(k, rp->ep, rp->fast_ep);
   close_ep(k, rp->ep, s != TD_OK, rp->own);
+  close_ep(k, rp->fast_ep, false, NULL); /* no error handling: cannot be forced */
   rp->ep = NULL;
+  rp->fast_ep = NULL;
   rp->own = NULL;
   if (event && k->o.on_peer) k->o.on_peer(k->o.ctx, NULL, rp->uuid, s, msg);
   rpeer_maybe_free(rp);
@@ -1750,7 +1800,8 @@ static int cmp_i32(const void *a, const void *b) {
 static void handle_hello(td_kvx *k, uint64_t uuid, kvx_rbuf *r) {
   uint32_t n = kvx_r_u32(r);
   const uint8_t *addr = (n > 0 && n <= KVX_MAX_ADDR) ? kvx_r_bytes(r, n) : NULL;
-  if (!addr) {
+  uint64_t host = kvx_r_u64(r);
+  if (!addr || r->bad) {
     TD_WARN("kvx %s: malformed HELLO from %016" PRIx64, k->name, uuid);
     return;
   }
@@ -1777,9 +1828,20 @@ static void handle_hello(td_kvx *k, uint64_t uuid, kvx_rbuf *r) {
     free(rp);
     return;
   }
+  if (k->local_ok && host == k->host_id && uuid != k->uuid) {
+    ucp_ep_h fep = NULL;
+    if (make_ep(k, addr, false, NULL, &fep) == TD_OK) {
+      if (ep_am_is_shm(fep))
+        rp->fast_ep = fep;
+      else
+        close_ep(k, fep, false, NULL);
+    } else {
+      td_err_clear();
+    }
+  }
   HASH_ADD(hh, k->rpeers, uuid, sizeof rp->uuid, rp);
   k->st.rpeers++;
-  TD_DEBUG("kvx %s: peer %016" PRIx64 " connected", k->name, uuid);
+  TD_DEBUG("kvx %s: peer %016" PRIx64 " connected%s", k->name, uuid, rp->fast_ep ? " (shared-memory replies)" : "");
 }
 
 static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
@@ -1899,14 +1961,14 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
     msg_begin(k, &w, KVX_MSG_GRANT, xid);
     kvx_w_u64(&w, g->seq);
     kvx_w_u32(&w, 0);
-    send_msg(k, rp->ep, &w);
+    send_msg(k, rp->fast_ep ? rp->fast_ep : rp->ep, &w);
   } else if (!staged) {
     g->gst = G_ACTIVE;
     kvx_wbuf w;
     msg_begin(k, &w, KVX_MSG_GRANT, xid);
     kvx_w_u64(&w, 0);
     kvx_w_u32(&w, 0);
-    send_msg(k, rp->ep, &w);
+    send_msg(k, rp->fast_ep ? rp->fast_ep : rp->ep, &w);
   }
   TD_DEBUG("kvx %s: granted request %" PRIu64 " from %016" PRIx64 ": %u blocks, %" PRIu64 " bytes", k->name,
            request_id, rp->uuid, n, total);
@@ -1935,17 +1997,22 @@ static void handle_chunk(td_kvx *k, kvx_grant *g, kvx_rbuf *r) {
   }
   uint8_t *src = k->recv_stg + (size_t)slot * k->slot_bytes;
   uint64_t packed = 0, bytes = 0;
-  td_status s = TD_OK;
-  for (uint32_t i = 0; i < n && s == TD_OK; i++) {
+  void *dsts[KVX_CHUNK_PIECES];
+  const void *srcs[KVX_CHUNK_PIECES];
+  size_t sizes[KVX_CHUNK_PIECES];
+  for (uint32_t i = 0; i < n; i++) {
     uint64_t off = kvx_r_u64(r), len = kvx_r_u64(r);
     if (r->bad || !grant_covers(g, off, len) || packed + len > k->slot_bytes) {
       grant_revoke(g, TD_ERR_FORMAT, "chunk writes outside the granted blocks");
       return;
     }
-    s = kvx_gpu_copy(k->gpu, KVX_S_H2D, (uint8_t *)g->pool->d.base + off, src + packed, len);
+    dsts[i] = (uint8_t *)g->pool->d.base + off;
+    srcs[i] = src + packed;
+    sizes[i] = len;
     packed += len;
     bytes += len;
   }
+  td_status s = kvx_gpu_copy_many(k->gpu, KVX_S_H2D, dsts, srcs, sizes, n);
   kvx_h2d *h = calloc(1, sizeof *h);
   if (s == TD_OK && !h) s = td_err(TD_ERR_NOMEM, "out of memory");
   if (s == TD_OK) s = kvx_gpu_record(k->gpu, KVX_S_H2D, &h->ev);
@@ -1977,7 +2044,7 @@ static int pump_h2d(td_kvx *k) {
         kvx_wbuf w;
         msg_begin(k, &w, KVX_MSG_CREDIT, g->key.xid);
         kvx_w_u32(&w, (uint32_t)h->slot);
-        send_msg(k, g->rp->ep, &w);
+        send_msg(k, g->rp->fast_ep ? g->rp->fast_ep : g->rp->ep, &w);
       }
     }
     kvx_gpu_release(k->gpu, h->ev);
@@ -2031,7 +2098,7 @@ static int pump_grants(td_kvx *k) {
           kvx_w_u64(&w, 0);
           kvx_w_u32(&w, (uint32_t)g->n_slots);
           for (int i = 0; i < g->n_slots; i++) kvx_w_u32(&w, (uint32_t)g->slots[i]);
-          send_msg(k, g->rp->ep, &w);
+          send_msg(k, g->rp->fast_ep ? g->rp->fast_ep : g->rp->ep, &w);
           g->gst = G_ACTIVE;
           work++;
         }
@@ -2045,7 +2112,7 @@ static int pump_grants(td_kvx *k) {
             work++;
           } else if (r == 1) {
             g->received = g->total;
-            send_status(k, g->rp->ep, KVX_MSG_ACK, g->key.xid, TD_OK, "");
+            send_status(k, g->rp->fast_ep ? g->rp->fast_ep : g->rp->ep, KVX_MSG_ACK, g->key.xid, TD_OK, "");
             grant_end(g, TD_OK, "");
             work++;
           }
@@ -2059,12 +2126,12 @@ static int pump_grants(td_kvx *k) {
           /* Data messages may trail DONE; a counted grant waits for them. */
           if (!g->staged && !g->am) g->received = g->total; /* direct puts are flushed before DONE */
           if (g->received == g->total) {
-            send_status(k, g->rp->ep, KVX_MSG_ACK, g->key.xid, TD_OK, "");
+            send_status(k, g->rp->fast_ep ? g->rp->fast_ep : g->rp->ep, KVX_MSG_ACK, g->key.xid, TD_OK, "");
             grant_end(g, TD_OK, "");
           } else {
             char m[KVX_TEXT];
             snprintf(m, sizeof m, "received %" PRIu64 " of %" PRIu64 " bytes", g->received, g->total);
-            send_status(k, g->rp->ep, KVX_MSG_ACK, g->key.xid, TD_ERR_NETWORK, m);
+            send_status(k, g->rp->fast_ep ? g->rp->fast_ep : g->rp->ep, KVX_MSG_ACK, g->key.xid, TD_ERR_NETWORK, m);
             grant_end(g, TD_ERR_NETWORK, m);
           }
           work++;
@@ -2287,6 +2354,7 @@ again:;
     snprintf(p->msg, sizeof p->msg, "peer %016" PRIx64 " failed: %s", p->desc.uuid, ucs_str(p->own->failed));
     TD_WARN("kvx %s: %s", k->name, p->msg);
     peer_nccl_abort(p, TD_ERR_PEER, p->msg, false);
+    orphan_msgs(k, p->ep, p->data_ep);
     kvx_xfer *x, *tmp;
     HASH_ITER(hh, k->xfers, x, tmp) {
       if (x->peer != p) continue;

@@ -33,6 +33,9 @@ void kvx_gpu_host_unregister(kvx_gpu *g, void *p);
 td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes);
 /* Asynchronous copy on a stream (its direction decides the copy kind). */
 td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes);
+/* n asynchronous copies on a stream, contiguous neighbours merged, issued
+ * as one batch where the runtime has cudaMemcpyBatchAsync. */
+td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n);
 /* Synchronous host-to-device copy from pageable memory. */
 td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes);
 /* Makes a stream wait for an application event (cudaEvent_t). */

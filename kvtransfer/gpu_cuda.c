@@ -11,6 +11,7 @@
 
 struct kvx_gpu {
   int device;
+  bool no_batch; /* cudaMemcpyBatchAsync refused once: copy one by one */
   cudaStream_t s[KVX_S_COUNT];
   cudaEvent_t *free_ev; /* pool of events: creating them costs microseconds */
   int n_free, cap_free;
@@ -120,6 +121,39 @@ td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_
 td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes) {
   cudaSetDevice(g->device);
   CK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+  return TD_OK;
+}
+
+td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
+  /* Merge neighbours (the caller's arrays are scratch). */
+  size_t m = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (m > 0 && (char *)dsts[m - 1] + sizes[m - 1] == (char *)dsts[i] &&
+        (const char *)srcs[m - 1] + sizes[m - 1] == (const char *)srcs[i]) {
+      sizes[m - 1] += sizes[i];
+      continue;
+    }
+    dsts[m] = dsts[i];
+    srcs[m] = srcs[i];
+    sizes[m] = sizes[i];
+    m++;
+  }
+  if (m == 1) return kvx_gpu_copy(g, stream, dsts[0], srcs[0], sizes[0]);
+  cudaSetDevice(g->device);
+#if CUDART_VERSION >= 12080
+  if (!g->no_batch && m > 1) {
+    /* Many small scattered copies cost microseconds each to issue. */
+    struct cudaMemcpyAttributes attr;
+    memset(&attr, 0, sizeof attr);
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t idx = 0;
+    cudaError_t e = cudaMemcpyBatchAsync(dsts, srcs, sizes, m, &attr, &idx, 1, g->s[stream]);
+    if (e == cudaSuccess) return TD_OK;
+    cudaGetLastError();
+    g->no_batch = true;
+  }
+#endif
+  for (size_t i = 0; i < m; i++) TD_TRY(kvx_gpu_copy(g, stream, dsts[i], srcs[i], sizes[i]));
   return TD_OK;
 }
 

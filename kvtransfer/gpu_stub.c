@@ -20,6 +20,9 @@ td_status kvx_gpu_host_register(kvx_gpu *g, void *p, size_t bytes) { return NO_C
 void kvx_gpu_host_unregister(kvx_gpu *g, void *p) {}
 td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes) { return NO_CUDA; }
 td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes) { return NO_CUDA; }
+td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
+  return NO_CUDA;
+}
 td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes) { return NO_CUDA; }
 td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) { return NO_CUDA; }
 td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event) {

@@ -41,6 +41,10 @@ td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_
   memcpy(dst, src, bytes);
   return TD_OK;
 }
+td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
+  for (size_t i = 0; i < n; i++) memcpy(dsts[i], srcs[i], sizes[i]);
+  return TD_OK;
+}
 td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes) {
   memcpy(dst, src, bytes);
   return TD_OK;

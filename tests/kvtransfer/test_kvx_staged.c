@@ -297,3 +297,61 @@ static void run_child(bool hang) {
 
 Test(kvx_staged, two_processes, .timeout = 120) { run_child(false); }
 Test(kvx_staged, receiver_killed_waiting_for_credits, .timeout = 120) { run_child(true); }
+
+/* The sender dies mid staged transfer while the receiver still copies
+ * chunks out and returns credits (to a dead process): the grant ends with
+ * a peer failure, nothing crashes, the slots come back. */
+Test(kvx_staged, sender_killed_mid_transfer, .timeout = 120) {
+  td_kvx_geom g = kt_geom(0, 2, 0, 4, 16, 8, 2);
+  int up[2], down[2];
+  cr_assert_eq(pipe(up), 0);
+  cr_assert_eq(pipe(down), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(up[0]);
+    close(down[1]);
+    side s;
+    side_open(&s, "stg-child-tx", g, TD_KVX_LOCAL_AUTO, 21);
+    uint64_t len;
+    if (!read_full(down[0], &len, 8, NULL, 30000) || len > (1u << 20)) _exit(50);
+    uint8_t *desc = malloc(len);
+    if (!read_full(down[0], desc, len, NULL, 10000)) _exit(51);
+    td_kvx_peer *p;
+    if (td_kvx_connect(s.k, desc, len, &p) != TD_OK) _exit(52);
+    int32_t ids[NB];
+    for (int i = 0; i < NB; i++) ids[i] = i;
+    td_kvx_xfer x = {9, 0, GPU, GPU, ids, ids, NB, 30000, TD_KVX_UCX, NULL};
+    kt_done d = {0};
+    if (td_kvx_post(p, &x, kt_done_cb, &d, NULL) != TD_OK) _exit(53);
+    int64_t end = td_now_ms() + 30000;
+    while (td_kvx_get_stats(s.k).bytes_sent == 0 && td_now_ms() < end) td_kvx_progress(s.k);
+    if (write(up[1], "S", 1) != 1) _exit(54);
+    for (;;) pause();
+  }
+  close(up[1]);
+  close(down[0]);
+  side r;
+  side_open(&r, "stg-parent-rx", g, TD_KVX_LOCAL_AUTO, 22);
+  uint8_t *desc;
+  size_t n;
+  cr_assert_eq(td_kvx_export(r.k, &desc, &n), TD_OK);
+  uint64_t len = n;
+  cr_assert_eq(write(down[1], &len, 8), 8);
+  cr_assert_eq(write(down[1], desc, n), (ssize_t)n);
+  free(desc);
+  char c;
+  cr_assert(read_full(up[0], &c, 1, r.k, 30000));
+  kill(pid, SIGKILL);
+  waitpid(pid, NULL, 0);
+  td_kvx *ks[1] = {r.k};
+  cr_assert(kt_drive(ks, 1, &r.rx.events, 20000), "grant never ended");
+  cr_assert_eq(r.rx.last_status, TD_ERR_PEER, "%s: %s", td_status_str(r.rx.last_status), r.rx.last_msg);
+  td_kvx_stats st = td_kvx_get_stats(r.k);
+  cr_assert_eq(st.grants, 0);
+  cr_assert_eq(st.rpeers, 0);
+  cr_assert_leq(st.ops, st.orphan_ops);
+  side_close(&r);
+  close(up[0]);
+  close(down[1]);
+}
