@@ -332,11 +332,11 @@ static bool move(tx *t, child *c, td_kvx_peer *p, uint32_t sp, uint32_t dp, td_k
     src[i] = (i * 5 + 2) % NB;
     dst[i] = (i * 37 + 11) % NB; /* 37 is coprime with 512 */
   }
-  td_kvx_xfer x = {(uint64_t)(1000 + sp * 10 + dp), 0, sp, dp, src, dst, n, 30000, tr, NULL};
+  td_kvx_xfer x = {(uint64_t)(1000 + sp * 10 + dp), 0, sp, dp, src, dst, n, 15000, tr, NULL};
   done d = {0};
   int64_t t0 = td_now_ns();
   CHECK(td_kvx_post(p, &x, done_cb, &d, NULL) == TD_OK, "post: %s", td_errmsg());
-  CHECK(wait_done(t, &d, 60000), "no completion");
+  CHECK(wait_done(t, &d, 25000), "no completion");
   double ms = (double)(td_now_ns() - t0) / 1e6;
   CHECK(d.st == TD_OK, "transfer: %s: %s", td_status_str(d.st), d.msg);
   td_status st;
