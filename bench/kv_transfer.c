@@ -25,6 +25,9 @@
 #ifdef TD_KVX_BENCH_CUDA
 #include <cuda_runtime_api.h>
 #endif
+#ifdef TD_KVX_BENCH_NCCL
+#include <nccl.h>
+#endif
 
 #include "common/clock.h"
 #include "common/log.h"
@@ -365,6 +368,45 @@ static double time_copy(void *dst, const void *src, size_t n, enum cudaMemcpyKin
 }
 #endif
 
+#ifdef TD_KVX_BENCH_NCCL
+/* NCCL's own send/recv between GPU 0 and GPU 1 (one process, two
+ * communicators): the NCCL path's peak without our protocol. */
+static double peak_nccl(size_t n) {
+  ncclComm_t comms[2];
+  int devs[2] = {0, 1};
+  if (ncclCommInitAll(comms, 2, devs) != ncclSuccess) return 0;
+  void *b[2] = {NULL, NULL};
+  cudaStream_t s[2];
+  for (int i = 0; i < 2; i++) {
+    cudaSetDevice(i);
+    cudaMalloc(&b[i], n);
+    cudaStreamCreate(&s[i]);
+  }
+  double best = 1e30;
+  for (int r = 0; r < 6; r++) {
+    int64_t t0 = td_now_ns();
+    ncclGroupStart();
+    ncclSend(b[0], n, ncclUint8, 1, comms[0], s[0]);
+    ncclRecv(b[1], n, ncclUint8, 0, comms[1], s[1]);
+    ncclGroupEnd();
+    for (int i = 0; i < 2; i++) {
+      cudaSetDevice(i);
+      cudaStreamSynchronize(s[i]);
+    }
+    double t = (double)(td_now_ns() - t0) / 1e9;
+    if (r > 0 && t < best) best = t; /* the first one sets up the connection */
+  }
+  for (int i = 0; i < 2; i++) {
+    ncclCommDestroy(comms[i]);
+    cudaSetDevice(i);
+    cudaFree(b[i]);
+    cudaStreamDestroy(s[i]);
+  }
+  cudaSetDevice(0);
+  return (double)n / best / 1e9;
+}
+#endif
+
 static void git_commit(char *out, size_t cap) {
   snprintf(out, cap, "unknown");
   FILE *f = popen("git rev-parse --short HEAD 2>/dev/null", "r");
@@ -428,7 +470,7 @@ int main(int argc, char **argv) {
   int ngpu = 0;
   char device[256];
   cpu_name(device, sizeof device);
-  double p_memcpy = peak_memcpy(), p_d2h = 0, p_h2d = 0, p_peer = 0, p_staged = 0;
+  double p_memcpy = peak_memcpy(), p_d2h = 0, p_h2d = 0, p_peer = 0, p_staged = 0, p_nccl = 0;
   printf("peak memcpy (one thread, %zu MB): %.2f GB/s\n", g_max_bytes >> 20, p_memcpy);
 #ifdef TD_KVX_BENCH_CUDA
   if (cudaGetDeviceCount(&ngpu) != cudaSuccess) ngpu = 0;
@@ -457,6 +499,10 @@ int main(int argc, char **argv) {
       p_peer = time_copy(d1, d, g_max_bytes, cudaMemcpyDefault, 1, 0);
       printf("peak cudaMemcpyPeer GPU0 -> GPU1: %.2f GB/s\n", p_peer);
       cudaFree(d1);
+#ifdef TD_KVX_BENCH_NCCL
+      p_nccl = peak_nccl(g_max_bytes);
+      printf("peak NCCL send/recv GPU0 -> GPU1 (one process): %.2f GB/s\n", p_nccl);
+#endif
     }
     cudaFreeHost(h);
     cudaFree(d);
@@ -509,7 +555,7 @@ int main(int argc, char **argv) {
   measure_path("UCX host->host", k, p0, KIND_HOST, KIND_HOST, TD_KVX_UCX, p_memcpy, quick);
   measure_path("UCX host->host tcp", ktcp, p0tcp, KIND_HOST, KIND_HOST, TD_KVX_UCX, p_memcpy, true);
   if (ngpu > 0) measure_path("UCX GPU->GPU staged", k, p0, KIND_GPU, KIND_GPU, TD_KVX_UCX, p_staged, quick);
-  if (p1) measure_path("NCCL GPU0->GPU1", k, p1, KIND_GPU, KIND_GPU, TD_KVX_NCCL, p_peer, quick);
+  if (p1) measure_path("NCCL GPU0->GPU1", k, p1, KIND_GPU, KIND_GPU, TD_KVX_NCCL, p_nccl > 0 ? p_nccl : p_peer, quick);
 
   td_kvx_disconnect(p0);
   td_kvx_disconnect(p0tcp);
@@ -553,7 +599,9 @@ int main(int argc, char **argv) {
     fprintf(f, "\n## kv_transfer — %s, %s, commit %s\n\n", when, device, commit);
     fprintf(f, "Peaks measured in this run: memcpy (one thread) %.2f GB/s", p_memcpy);
     if (ngpu > 0) fprintf(f, "; pinned D2H %.2f GB/s, H2D %.2f GB/s (staged path peak = the lower)", p_d2h, p_h2d);
-    if (ngpu > 1) fprintf(f, "; cudaMemcpyPeer GPU0->GPU1 %.2f GB/s", p_peer);
+    if (ngpu > 1)
+      fprintf(f, "; cudaMemcpyPeer GPU0->GPU1 %.2f GB/s; NCCL send/recv GPU0->GPU1 in one process %.2f GB/s (the NCCL "
+                 "path's peak)", p_peer, p_nccl);
     fprintf(f, ". Staging: %d slots of %zu MiB. Time from post to the sender's callback (after the receiver's "
                "acknowledgement), median; destinations scattered (one copy per block).\n\n",
             g_slots, g_slot_bytes >> 20);

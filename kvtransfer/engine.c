@@ -66,7 +66,8 @@ struct td_kvx_peer {
   ucp_ep_h data_ep; /* puts: == ep, or a same-host endpoint without error handling */
   bool local;
   bool rma;  /* data_ep has RMA lanes; else data goes as active messages */
-  bool fast; /* data_ep carries messages over shared memory: CHUNK / DONE go there */
+  bool fast;  /* data_ep carries messages over shared memory: CHUNK / DONE go there */
+  bool known; /* the receiver answered once: it has our HELLO, REQ may go fast too */
   ucp_rkey_h rkeys[TD_KVX_MAX_POOLS];
   ucp_rkey_h stg_rkey;
   uint8_t *stg_ptr; /* the peer's staging mapped here (same host): D2H lands in it */
@@ -138,7 +139,7 @@ typedef struct kvx_xfer {
   char ack_msg[KVX_TEXT];
   int ci; /* cursor: item and offset in it */
   uint64_t coff;
-  uint64_t bytes_put;
+  uint64_t bytes_put, issued;
   int rslots[KVX_GRANT_SLOTS];
   int n_rslots;
   int rfree[KVX_GRANT_SLOTS];
@@ -1191,6 +1192,8 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   x->cb = cb;
   x->arg = arg;
   x->st = XS_WAIT_GRANT;
+  /* Same endpoint for NCCL_ID and REQ: the id must arrive first. */
+  ucp_ep_h req_ep = (p->fast && p->known) ? p->data_ep : p->ep;
 
   if (nccl && !p->nccl) {
     /* Communicators are made on demand per pair; the unique id travels on
@@ -1210,7 +1213,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
     msg_begin(k, &w, KVX_MSG_NCCL_ID, 0);
     kvx_w_u32(&w, p->nccl_gen);
     kvx_w_bytes(&w, id, KVX_NCCL_ID_BYTES);
-    send_msg(k, p->ep, &w);
+    send_msg(k, req_ep, &w);
   }
   kvx_wbuf w;
   msg_begin(k, &w, KVX_MSG_REQ, x->id);
@@ -1233,7 +1236,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   kvx_w_i32(&w, g->head1);
   kvx_w_u32(&w, (uint32_t)x->n_blocks);
   for (int i = 0; i < 2 * x->n_blocks; i++) kvx_w_i32(&w, x->blocks[i]);
-  send_msg(k, p->ep, &w);
+  send_msg(k, req_ep, &w);
 
   pool->users++;
   p->n_xfers++;
@@ -1486,11 +1489,17 @@ static int pump_ucx(kvx_xfer *x) {
     uint64_t cap = (x->src_staged || x->dst_staged) ? UINT64_MAX : KVX_MAX_PUT;
     if (x->src_staged && !x->direct_stage && k->slot_bytes < cap) cap = k->slot_bytes;
     if (x->dst_staged && x->peer->desc.stg_slot_bytes < cap) cap = x->peer->desc.stg_slot_bytes;
+    if (x->src_staged || x->dst_staged) {
+      /* Small first chunks: the receiver starts copying out sooner. */
+      uint64_t ramp = x->issued < ((uint64_t)256 << 10) ? ((uint64_t)256 << 10) : x->issued;
+      if (ramp < cap) cap = ramp;
+    }
     kvx_chunk *c = chunk_build(x, cap);
     if (!c) {
       xfer_stop(x, TD_ERR_NOMEM, "out of memory", true);
       return 1;
     }
+    x->issued += c->bytes;
     DL_APPEND(x->chunks, c);
     x->n_chunks++;
     if (x->dst_staged) c->rslot = x->rfree[--x->n_rfree];
@@ -1545,6 +1554,52 @@ static int pump_ucx(kvx_xfer *x) {
   return work;
 }
 
+/* NCCL moves a transfer as one byte stream (the plan's pieces in order):
+ * straight from / into the pool when this side's pieces are contiguous,
+ * else through a device bounce buffer with one batched gather / scatter. */
+static td_status nccl_side(kvx_gpu *g, bool send, uint8_t *base, const td_kvx_slice *it, int n, uint64_t total,
+                           void **buf, kvx_copies *cp) {
+  memset(cp, 0, sizeof *cp);
+  bool contig = true;
+  for (int i = 1; i < n && contig; i++) {
+    uint64_t prev = send ? it[i - 1].src_off : it[i - 1].dst_off, cur = send ? it[i].src_off : it[i].dst_off;
+    contig = prev + it[i - 1].len == cur;
+  }
+  if (contig) {
+    *buf = base + (send ? it[0].src_off : it[0].dst_off);
+    return TD_OK;
+  }
+  void *b;
+  TD_TRY(kvx_gpu_bounce(g, send ? 0 : 1, total, &b));
+  cp->dsts = malloc(sizeof(void *) * (size_t)n);
+  cp->srcs = malloc(sizeof(void *) * (size_t)n);
+  cp->sizes = malloc(sizeof(size_t) * (size_t)n);
+  if (!cp->dsts || !cp->srcs || !cp->sizes) {
+    free(cp->dsts);
+    free(cp->srcs);
+    free(cp->sizes);
+    memset(cp, 0, sizeof *cp);
+    return td_err(TD_ERR_NOMEM, "out of memory");
+  }
+  uint64_t packed = 0;
+  for (int i = 0; i < n; i++) {
+    cp->dsts[i] = send ? (uint8_t *)b + packed : base + it[i].dst_off;
+    cp->srcs[i] = send ? base + it[i].src_off : (const uint8_t *)b + packed;
+    cp->sizes[i] = it[i].len;
+    packed += it[i].len;
+  }
+  cp->n = (size_t)n;
+  *buf = b;
+  return TD_OK;
+}
+
+static void copies_release(kvx_copies *cp) {
+  free(cp->dsts);
+  free(cp->srcs);
+  free(cp->sizes);
+  memset(cp, 0, sizeof *cp);
+}
+
 static int pump_nccl_send(kvx_xfer *x) {
   td_kvx *k = x->k;
   td_kvx_peer *p = x->peer;
@@ -1561,8 +1616,15 @@ static int pump_nccl_send(kvx_xfer *x) {
     /* Sends go in the order the receiver queued its receives. */
     if (r == 0 || !kvx_nccl_idle(p->nccl) || p->nccl_next_seq != x->seq) return 0;
     td_status s = TD_OK;
+    void *buf = NULL;
+    kvx_copies cp;
+    memset(&cp, 0, sizeof cp);
     if (x->ready_ev) s = kvx_gpu_wait(k->gpu, KVX_S_NCCL, x->ready_ev);
-    if (s == TD_OK) s = kvx_nccl_post(p->nccl, true, x->pool->d.base, x->items, x->n_items, &x->nop);
+    if (s == TD_OK) s = nccl_side(k->gpu, true, x->pool->d.base, x->items, x->n_items, x->total, &buf, &cp);
+    if (s == TD_ERR_OVERLOADED) return 0; /* bounce buffer grows once the stream drains */
+    if (s == TD_OK && cp.n) s = kvx_gpu_copy_many(k->gpu, KVX_S_NCCL, cp.dsts, cp.srcs, cp.sizes, cp.n); /* gather */
+    copies_release(&cp);
+    if (s == TD_OK) s = kvx_nccl_post(p->nccl, true, buf, x->total, NULL, &x->nop);
     if (s != TD_OK) {
       peer_nccl_abort(p, s, td_errmsg(), true);
       return 1;
@@ -2080,7 +2142,13 @@ static int pump_grants(td_kvx *k) {
             break;
           }
           if (r == 0 || !kvx_nccl_idle(rp->nccl) || rp->nccl_seq_post != g->seq) break;
-          if (kvx_nccl_post(rp->nccl, false, g->pool->d.base, g->items, g->n_items, &g->nop) != TD_OK) {
+          void *buf = NULL;
+          kvx_copies cp;
+          td_status s = nccl_side(k->gpu, false, g->pool->d.base, g->items, g->n_items, g->total, &buf, &cp);
+          if (s == TD_ERR_OVERLOADED) break; /* bounce buffer grows once the stream drains */
+          if (s == TD_OK) s = kvx_nccl_post(rp->nccl, false, buf, g->total, &cp, &g->nop);
+          copies_release(&cp);
+          if (s != TD_OK) {
             rpeer_nccl_abort(rp, TD_ERR_NETWORK, td_errmsg(), true);
             work++;
             break;
@@ -2258,6 +2326,7 @@ static void handle_msg(td_kvx *k, const uint8_t *data, size_t len) {
   }
   kvx_xfer *x = msg_xfer(k, uuid, xid);
   if (!x) return; /* a transfer that already ended */
+  x->peer->known = true;
   switch (type) {
     case KVX_MSG_GRANT: {
       uint64_t seq = kvx_r_u64(&r);

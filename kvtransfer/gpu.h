@@ -55,9 +55,20 @@ td_status kvx_nccl_create(kvx_gpu *g, const uint8_t id[KVX_NCCL_ID_BYTES], int r
 int kvx_nccl_poll(kvx_nccl *c);
 /* Whether a new group may be posted (no enqueue in progress). */
 bool kvx_nccl_idle(kvx_nccl *c);
-/* One group of sends (or receives) of the pieces at base + offset (src_off
- * for sends, dst_off for receives) to / from the other rank. */
-td_status kvx_nccl_post(kvx_nccl *c, bool send, void *base, const td_kvx_slice *pieces, int n, kvx_nccl_op **op);
+/* Copies run on the NCCL stream once a receive is enqueued (scatter out of
+ * a bounce buffer). */
+typedef struct kvx_copies {
+  void **dsts;
+  const void **srcs;
+  size_t *sizes;
+  size_t n;
+} kvx_copies;
+/* One send (or receive) of bytes at buf to / from the other rank; after,
+ * when non-NULL, is copied and run after the receive, before completion. */
+td_status kvx_nccl_post(kvx_nccl *c, bool send, void *buf, size_t bytes, const kvx_copies *after, kvx_nccl_op **op);
+/* A device buffer of at least bytes (0: send bounce, 1: receive bounce).
+ * Growing needs an idle NCCL stream: TD_ERR_OVERLOADED means "later". */
+td_status kvx_gpu_bounce(kvx_gpu *g, int which, size_t bytes, void **out);
 /* 1: done, 0: pending, -1: failed. */
 int kvx_nccl_op_poll(kvx_nccl_op *op);
 void kvx_nccl_op_free(kvx_nccl_op *op);

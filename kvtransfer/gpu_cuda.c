@@ -12,6 +12,9 @@
 struct kvx_gpu {
   int device;
   bool no_batch; /* cudaMemcpyBatchAsync refused once: copy one by one */
+  int nccl_enqueuing; /* groups of any communicator not yet on the stream */
+  void *bounce[2];
+  size_t bounce_cap[2];
   cudaStream_t s[KVX_S_COUNT];
   cudaEvent_t *free_ev; /* pool of events: creating them costs microseconds */
   int n_free, cap_free;
@@ -72,6 +75,8 @@ void kvx_gpu_destroy(kvx_gpu *g) {
       cudaStreamDestroy(g->s[i]);
     }
   for (int i = 0; i < g->n_free; i++) cudaEventDestroy(g->free_ev[i]);
+  for (int i = 0; i < 2; i++)
+    if (g->bounce[i]) cudaFree(g->bounce[i]);
   free(g->free_ev);
   free(g);
 }
@@ -157,6 +162,28 @@ td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **sr
   return TD_OK;
 }
 
+td_status kvx_gpu_bounce(kvx_gpu *g, int which, size_t bytes, void **out) {
+  *out = NULL;
+  if (g->bounce_cap[which] < bytes) {
+    cudaSetDevice(g->device);
+    /* Earlier groups may still use the old buffer; never wait for them
+     * (one may be stuck behind a dead peer): ask again later. */
+    if (g->bounce[which]) {
+      cudaError_t q = cudaStreamQuery(g->s[KVX_S_NCCL]);
+      if (q == cudaErrorNotReady) return TD_ERR_OVERLOADED;
+      if (q != cudaSuccess) return cuda_fail(q, "NCCL stream");
+    }
+    if (g->bounce[which]) cudaFree(g->bounce[which]);
+    g->bounce[which] = NULL;
+    g->bounce_cap[which] = 0;
+    size_t cap = (bytes + ((size_t)64 << 20) - 1) & ~(((size_t)64 << 20) - 1);
+    CK(cudaMalloc(&g->bounce[which], cap), "NCCL bounce buffer");
+    g->bounce_cap[which] = cap;
+  }
+  *out = g->bounce[which];
+  return TD_OK;
+}
+
 td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) {
   cudaSetDevice(g->device);
   CK(cudaStreamWaitEvent(g->s[stream], (cudaEvent_t)event, 0), "waiting for the KV's ready event");
@@ -220,7 +247,14 @@ struct kvx_nccl_op {
   kvx_nccl *c;
   cudaEvent_t ev; /* recorded once the group is enqueued */
   bool failed;
+  kvx_copies after; /* owned copy */
 };
+
+static void set_enqueuing(kvx_nccl *c, kvx_nccl_op *op) {
+  if (c->enqueuing && !op) c->g->nccl_enqueuing--;
+  if (!c->enqueuing && op) c->g->nccl_enqueuing++;
+  c->enqueuing = op;
+}
 
 static td_status nccl_fail(ncclResult_t r, const char *what) {
   return td_err(TD_ERR_NETWORK, "KV transfer: NCCL %s: %s", what, ncclGetErrorString(r));
@@ -269,8 +303,12 @@ int kvx_nccl_poll(kvx_nccl *c) {
   c->ready = true;
   if (c->enqueuing) {
     kvx_nccl_op *op = c->enqueuing;
-    c->enqueuing = NULL;
+    set_enqueuing(c, NULL);
     cudaSetDevice(c->g->device);
+    /* The receive is on the stream now: its scatter goes behind it. */
+    if (op->after.n && kvx_gpu_copy_many(c->g, KVX_S_NCCL, op->after.dsts, op->after.srcs, op->after.sizes,
+                                         op->after.n) != TD_OK)
+      op->failed = true;
     if (cudaEventCreateWithFlags(&op->ev, cudaEventDisableTiming) != cudaSuccess ||
         cudaEventRecord(op->ev, c->g->s[KVX_S_NCCL]) != cudaSuccess)
       op->failed = true;
@@ -278,31 +316,55 @@ int kvx_nccl_poll(kvx_nccl *c) {
   return 1;
 }
 
-bool kvx_nccl_idle(kvx_nccl *c) { return c->ready && !c->failed && !c->enqueuing; }
+/* Idle also across communicators: they share the engine's NCCL stream and
+ * bounce buffers, and a group still being enqueued has no stream place. */
+bool kvx_nccl_idle(kvx_nccl *c) { return c->ready && !c->failed && !c->enqueuing && c->g->nccl_enqueuing == 0; }
 
-td_status kvx_nccl_post(kvx_nccl *c, bool send, void *base, const td_kvx_slice *pieces, int n, kvx_nccl_op **out) {
+static void copies_free(kvx_copies *a) {
+  free(a->dsts);
+  free(a->srcs);
+  free(a->sizes);
+  memset(a, 0, sizeof *a);
+}
+
+td_status kvx_nccl_post(kvx_nccl *c, bool send, void *buf, size_t bytes, const kvx_copies *after, kvx_nccl_op **out) {
   *out = NULL;
   if (!kvx_nccl_idle(c)) return td_err(TD_ERR_INTERNAL, "KV transfer: NCCL communicator busy");
   kvx_nccl_op *op = calloc(1, sizeof *op);
   if (!op) return td_err(TD_ERR_NOMEM, "out of memory");
   op->c = c;
+  if (after && after->n) {
+    op->after.dsts = malloc(sizeof(void *) * after->n);
+    op->after.srcs = malloc(sizeof(void *) * after->n);
+    op->after.sizes = malloc(sizeof(size_t) * after->n);
+    if (!op->after.dsts || !op->after.srcs || !op->after.sizes) {
+      copies_free(&op->after);
+      free(op);
+      return td_err(TD_ERR_NOMEM, "out of memory");
+    }
+    memcpy(op->after.dsts, after->dsts, sizeof(void *) * after->n);
+    memcpy(op->after.srcs, after->srcs, sizeof(void *) * after->n);
+    memcpy(op->after.sizes, after->sizes, sizeof(size_t) * after->n);
+    op->after.n = after->n;
+  }
   cudaSetDevice(c->g->device);
   int peer = 1 - c->rank;
+  /* One operation per transfer: many small p2p operations in a group run
+   * far below the link's bandwidth. */
   ncclResult_t r = ncclGroupStart();
-  for (int i = 0; i < n && (r == ncclSuccess || r == ncclInProgress); i++) {
-    char *p = (char *)base + (send ? pieces[i].src_off : pieces[i].dst_off);
-    r = send ? ncclSend(p, pieces[i].len, ncclUint8, peer, c->comm, c->g->s[KVX_S_NCCL])
-             : ncclRecv(p, pieces[i].len, ncclUint8, peer, c->comm, c->g->s[KVX_S_NCCL]);
-  }
+  if (r == ncclSuccess || r == ncclInProgress)
+    r = send ? ncclSend(buf, bytes, ncclUint8, peer, c->comm, c->g->s[KVX_S_NCCL])
+             : ncclRecv(buf, bytes, ncclUint8, peer, c->comm, c->g->s[KVX_S_NCCL]);
   ncclResult_t re = ncclGroupEnd();
   if ((r != ncclSuccess && r != ncclInProgress) || (re != ncclSuccess && re != ncclInProgress)) {
+    copies_free(&op->after);
     free(op);
     c->failed = true;
     return nccl_fail(r != ncclSuccess && r != ncclInProgress ? r : re, send ? "ncclSend" : "ncclRecv");
   }
   /* Non-blocking communicators: the group is enqueued once the async state
    * leaves ncclInProgress (kvx_nccl_poll records the event then). */
-  c->enqueuing = op;
+  set_enqueuing(c, op);
   kvx_nccl_poll(c);
   *out = op;
   return TD_OK;
@@ -328,13 +390,15 @@ int kvx_nccl_op_poll(kvx_nccl_op *op) {
 
 void kvx_nccl_op_free(kvx_nccl_op *op) {
   if (!op) return;
-  if (op->c && op->c->enqueuing == op) op->c->enqueuing = NULL;
+  if (op->c && op->c->enqueuing == op) set_enqueuing(op->c, NULL);
   if (op->ev) cudaEventDestroy(op->ev);
+  copies_free(&op->after);
   free(op);
 }
 
 void kvx_nccl_abort(kvx_nccl *c) {
   if (!c) return;
+  if (c->enqueuing) set_enqueuing(c, NULL);
   cudaSetDevice(c->g->device);
   ncclCommAbort(c->comm);
   free(c);
@@ -353,7 +417,7 @@ int kvx_nccl_poll(kvx_nccl *c) {
   return -1;
 }
 bool kvx_nccl_idle(kvx_nccl *c) { return false; }
-td_status kvx_nccl_post(kvx_nccl *c, bool send, void *base, const td_kvx_slice *pieces, int n, kvx_nccl_op **op) {
+td_status kvx_nccl_post(kvx_nccl *c, bool send, void *buf, size_t bytes, const kvx_copies *after, kvx_nccl_op **op) {
   *op = NULL;
   return no_nccl();
 }

@@ -72,8 +72,12 @@ int kvx_nccl_poll(kvx_nccl *c) {
   return -1;
 }
 bool kvx_nccl_idle(kvx_nccl *c) { return false; }
-td_status kvx_nccl_post(kvx_nccl *c, bool send, void *base, const td_kvx_slice *pieces, int n, kvx_nccl_op **op) {
+td_status kvx_nccl_post(kvx_nccl *c, bool send, void *buf, size_t bytes, const kvx_copies *after, kvx_nccl_op **op) {
   *op = NULL;
+  return no_nccl();
+}
+td_status kvx_gpu_bounce(kvx_gpu *g, int which, size_t bytes, void **out) {
+  *out = NULL;
   return no_nccl();
 }
 int kvx_nccl_op_poll(kvx_nccl_op *op) { return -1; }
