@@ -47,8 +47,8 @@ static const char *bs_name(int i) { return i == 0 ? "64 KiB" : "1.5 MiB"; }
 static uint32_t pool_id(int kind, int bs) { return (uint32_t)(kind * 10 + bs); }
 
 static size_t g_max_bytes = (size_t)256 << 20;
-static int g_slots = 16;
-static size_t g_slot_bytes = (size_t)2 << 20;
+static int g_slots = 8;
+static size_t g_slot_bytes = (size_t)4 << 20;
 
 static void wr(int fd, const void *p, size_t n) {
   const uint8_t *b = p;

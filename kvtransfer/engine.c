@@ -696,9 +696,9 @@ td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out) {
   snprintf(k->name, sizeof k->name, "%s", opts->name ? opts->name : "kvx");
   k->o.name = k->name;
   if (k->o.timeout_ms <= 0) k->o.timeout_ms = 30000;
-  k->n_slots = k->o.staging_slots > 0 ? k->o.staging_slots : 16;
+  k->n_slots = k->o.staging_slots > 0 ? k->o.staging_slots : 8;
   if (k->n_slots > 1024) k->n_slots = 1024;
-  k->slot_bytes = k->o.staging_slot_bytes >= 4096 ? k->o.staging_slot_bytes : (2u << 20);
+  k->slot_bytes = k->o.staging_slot_bytes >= 4096 ? k->o.staging_slot_bytes : (4u << 20);
   k->uuid = random_u64();
   k->host_id = host_identity();
   k->next_xid = 1;
