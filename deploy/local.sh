@@ -92,15 +92,18 @@ start() { # name, command...
 start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep"
 threads=1
 common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads")
-gpu=0
+gpu=-1
 ngpu=1
 [[ $device == cuda ]] && ngpu=$(nvidia-smi -L | wc -l)
-next_gpu() { local g=$gpu; gpu=$(((gpu + 1) % ngpu)); echo $g; }
+# round robin over the GPUs (no subshell: the counter must survive)
+next_gpu() { gpu=$(((gpu + 1) % ngpu)); }
 for ((i = 0; i < encoders; i++)); do
-  start "encoder-$i" "$bin/tandem-worker" "${common[@]}" --role encode --id "encoder-$i" --gpu "$(next_gpu)"
+  next_gpu
+  start "encoder-$i" "$bin/tandem-worker" "${common[@]}" --role encode --id "encoder-$i" --gpu "$gpu"
 done
 for ((i = 0; i < prefills; i++)); do
-  start "prefill-$i" "$bin/tandem-worker" "${common[@]}" --role prefill --id "prefill-$i" --gpu "$(next_gpu)"
+  next_gpu
+  start "prefill-$i" "$bin/tandem-worker" "${common[@]}" --role prefill --id "prefill-$i" --gpu "$gpu"
 done
 group_size=$((decode_tp * decode_pp))
 ((group_size > 1 && encoders == 0)) && { echo "local.sh: decode groups need encoder workers" >&2; exit 2; }
@@ -109,7 +112,8 @@ for ((i = 0; i < decodes; i++)); do
   roles=decode
   ((encoders == 0)) && roles=encode,decode
   if ((group_size == 1)); then
-    start "decode-$i" "$bin/tandem-worker" "${common[@]}" --role "$roles" --id "decode-$i" --gpu "$(next_gpu)"
+    next_gpu
+    start "decode-$i" "$bin/tandem-worker" "${common[@]}" --role "$roles" --id "decode-$i" --gpu "$gpu"
     continue
   fi
   # a group: one process a rank; rank 0 serves, the NCCL (or CPU) bootstrap goes through the router
@@ -118,7 +122,9 @@ for ((i = 0; i < decodes; i++)); do
   for ((r = 0; r < group_size; r++)); do
     name="decode-$i"
     ((r > 0)) && name="decode-$i-rank$r"
-    start "$name" "$bin/tandem-worker" "${common[@]}" --role decode --id "$name" --gpu "$(next_gpu)" \
+    # a group's ranks need one GPU each
+    next_gpu
+    start "$name" "$bin/tandem-worker" "${common[@]}" --role decode --id "$name" --gpu "$gpu" \
       --group "decode-$i" "${par[@]}" --rank "$r"
   done
 done

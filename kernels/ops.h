@@ -216,7 +216,8 @@ td_status td_comm_create_threads(int world, td_comm **comms);
 td_status td_comm_nccl_id(uint8_t id[TD_NCCL_ID_BYTES]);
 td_status td_comm_create_nccl(td_backend *b, const uint8_t id[TD_NCCL_ID_BYTES], int rank, int world,
                               td_comm **out);
-/* Ends outstanding collectives with an error (a peer died) and frees. */
+/* Ends outstanding and later collectives with an error (a peer died); may
+ * be called from another thread. td_comm_destroy still frees. */
 void td_comm_abort(td_comm *c);
 void td_comm_destroy(td_comm *c);
 int td_comm_rank(const td_comm *c);

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cuda/cuda_allreduce.h"
 #include "kernels/cuda/cuda_internal.h"
 
 #ifdef TD_HAVE_NCCL
@@ -14,6 +15,8 @@
 typedef struct nccl_comm {
   ncclComm_t comm;
   int device;
+  td_cu_allreduce *ar; /* small all-reduces over P2P, when every rank has it */
+  bool aborted;
 } nccl_comm;
 
 static td_status nccl_fail(const char *what, ncclResult_t r) {
@@ -39,6 +42,8 @@ static td_status n_allreduce(td_comm *c, td_backend *b, void *buf, td_buf_type t
   if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
   TD_TRY(need_cuda(b, "allreduce"));
   nccl_comm *nc = (nccl_comm *)c->impl;
+  if (nc->aborted) return td_err(TD_ERR_PEER, "allreduce: the communicator was aborted");
+  if (td_cu_allreduce_fits(nc->ar, t, n)) return td_cu_allreduce_run(b, nc->ar, buf, n);
   TD_NCCL(ncclAllReduce(buf, buf, n, nccl_type(b, t), ncclSum, nc->comm, td_cu(b)->stream), "allreduce");
   return TD_OK;
 }
@@ -67,22 +72,44 @@ static td_status n_recv(td_comm *c, td_backend *b, void *buf, td_buf_type t, siz
   return TD_OK;
 }
 
+/* Unblocks pending collectives (a peer died); td_comm_destroy frees. */
 static void n_abort(td_comm *c) {
   nccl_comm *nc = (nccl_comm *)c->impl;
+  if (nc->aborted) return;
+  nc->aborted = true;
   if (nc->comm) (void)ncclCommAbort(nc->comm);
-  nc->comm = NULL;
-  free(nc);
-  free(c);
 }
 
 static void n_destroy(td_comm *c) {
   nccl_comm *nc = (nccl_comm *)c->impl;
-  if (nc->comm) {
-    (void)cudaSetDevice(nc->device);
-    (void)ncclCommDestroy(nc->comm);
-  }
+  (void)cudaSetDevice(nc->device);
+  if (nc->comm && !nc->aborted) (void)ncclCommDestroy(nc->comm);
+  td_cu_allreduce_destroy(nc->ar);
   free(nc);
   free(c);
+}
+
+typedef struct gather_ctx {
+  td_backend *b;
+  nccl_comm *nc;
+  int world;
+} gather_ctx;
+
+/* Host bytes from every rank, through an NCCL all-gather. */
+static td_status gather_bytes(void *ctx, const void *send, void *recv, size_t bytes) {
+  gather_ctx *g = (gather_ctx *)ctx;
+  td_cuda *cu = td_cu(g->b);
+  uint8_t *d = NULL;
+  TD_CU_CHECK(cudaMalloc((void **)&d, bytes * (size_t)(g->world + 1)), "allreduce set-up");
+  cudaError_t e = cudaMemcpy(d, send, bytes, cudaMemcpyHostToDevice);
+  ncclResult_t r = e == cudaSuccess ? ncclAllGather(d, d + bytes, bytes, ncclUint8, g->nc->comm, cu->stream)
+                                    : ncclUnhandledCudaError;
+  if (r == ncclSuccess) e = cudaStreamSynchronize(cu->stream);
+  if (r == ncclSuccess && e == cudaSuccess) e = cudaMemcpy(recv, d + bytes, bytes * (size_t)g->world, cudaMemcpyDeviceToHost);
+  (void)cudaFree(d);
+  if (r != ncclSuccess) return nccl_fail("allreduce set-up", r);
+  if (e != cudaSuccess) return td_err(TD_ERR_CUDA, "allreduce set-up: %s", cudaGetErrorString(e));
+  return TD_OK;
 }
 
 static td_comm_vt nccl_vt;
@@ -156,8 +183,11 @@ extern "C" td_status td_comm_create_nccl(td_backend *b, const uint8_t id[TD_NCCL
   c->world = world;
   c->impl = nc;
   td_status s = warm_up(b, nc, rank, world);
+  gather_ctx g = {b, nc, world};
+  if (s == TD_OK) s = td_cu_allreduce_create(b, rank, world, gather_bytes, &g, &nc->ar);
   if (s != TD_OK) {
     n_abort(c);
+    n_destroy(c);
     return s;
   }
   *out = c;

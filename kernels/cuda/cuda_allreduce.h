@@ -1,0 +1,20 @@
+/* The one-shot P2P all-reduce of the CUDA backend (cuda_allreduce.cu),
+ * used by the NCCL communicator for small messages. Internal. */
+#ifndef TD_KERNELS_CUDA_ALLREDUCE_H
+#define TD_KERNELS_CUDA_ALLREDUCE_H
+
+#include "kernels/cuda/cuda_internal.h"
+
+typedef struct td_cu_allreduce td_cu_allreduce;
+/* recv[r * bytes ...] = rank r's send (every rank), on the host. */
+typedef td_status (*td_cu_gather)(void *ctx, const void *send, void *recv, size_t bytes);
+
+/* NULL in *out (and TD_OK) when it cannot be used: then NCCL does all. */
+td_status td_cu_allreduce_create(td_backend *b, int rank, int world, td_cu_gather gather, void *gctx,
+                                 td_cu_allreduce **out);
+void td_cu_allreduce_destroy(td_cu_allreduce *a);
+bool td_cu_allreduce_fits(const td_cu_allreduce *a, td_buf_type t, size_t n);
+/* In place, on the backend's stream. */
+td_status td_cu_allreduce_run(td_backend *b, td_cu_allreduce *a, void *buf, size_t n);
+
+#endif

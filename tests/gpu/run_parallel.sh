@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Tensor / pipeline parallel checks and benchmarks on a machine with 2+ GPUs:
+#   tests/gpu/run_parallel.sh PACKDIR OUTDIR [steps...]
+# steps: cluster comm parallel tp1 tp2 tp2-nccl pp2 (default: all)
+set -u
+pack=$1 out=$2
+shift 2
+steps=${*:-cluster comm parallel tp1 tp2 tp2-nccl pp2}
+source "$pack/env.sh"
+mkdir -p "$out"
+nvidia-smi -L | tee "$out/device.txt"
+summary=()
+run() { # name timeout command...
+  local name=$1 t=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$t" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name: rc=$rc in $((SECONDS - t0)) s")
+  tail -n 12 "$out/$name.log"
+}
+for s in $steps; do
+  case $s in
+    cluster)
+      run cluster-tp2 120 env TANDEM_BIN="$pack/bin" deploy/local.sh --device cuda --decode-tp 2 --demo --run-dir /tmp/run-tp2
+      tar -C /tmp -czf "$out/run-tp2.tgz" run-tp2 ;;
+    comm) run comm 60 test_cuda_comm --verbose ;;
+    parallel) run parallel 200 test_cuda_parallel --jobs 1 --verbose ;;
+    tp1) run bench-tp1 120 bench-decode-step --batches 1,16,64 ;;
+    tp2) run bench-tp2 120 bench-decode-step --tp 2 --batches 1,16,64 ;;
+    tp2-nccl) run bench-tp2-nccl 120 env TANDEM_CUDA_CUSTOM_ALLREDUCE=0 bench-decode-step --tp 2 --batches 1,64 --no-record ;;
+    pp2) run bench-pp2 120 bench-decode-step --pp 2 --batches 1,16,64 ;;
+  esac
+done
+cp bench/RESULTS.md "$out/RESULTS.md"
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
