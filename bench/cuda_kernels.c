@@ -10,7 +10,7 @@
  * figure comes from cache. Prints a table and appends it, with date,
  * device and commit, to bench/RESULTS.md (or --results FILE).
  *
- *   bench_cuda_kernels [--results FILE] [--commit ID] [--quick] */
+ *   bench_cuda_kernels [--results FILE] [--commit ID] [--quick] [--only SUBSTR] */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -135,6 +135,7 @@ static int n_rows;
 static double BW, RATE; /* bytes/s, FLOP/s */
 
 static void add(const char *what, const char *shape, double t, double bytes, double flops) {
+  if (n_rows == (int)(sizeof rows / sizeof rows[0])) n_rows--; /* full: the last row is overwritten */
   row *r = &rows[n_rows++];
   snprintf(r->what, sizeof r->what, "%s", what);
   snprintf(r->shape, sizeof r->shape, "%s", shape);
@@ -246,6 +247,47 @@ static void bench_gemm(const char *what, int m, int n, int k, unsigned flags) {
   td_free(B, y);
 }
 
+/* td_gemm_ex as the model calls it: RMSNorm fused, GLU (gated GELU) for the
+ * FFN input projection. */
+typedef struct gex_ctx {
+  void *x, **w, *y, *xn, *glu, *nw;
+  int nwc, m, n, k, calls;
+  bool norm, glu_on;
+} gex_ctx;
+static td_status gex_work(void *p) {
+  gex_ctx *c = p;
+  for (int i = 0; i < c->calls; i++) {
+    td_gemm_args a = {.x = c->x, .w = c->w[i % c->nwc], .y = c->y, .m = c->m, .n = c->n, .k = c->k,
+                      .act = c->glu_on ? TD_ACT_GELU_TANH : TD_ACT_NONE, .flags = c->glu_on ? TD_GEMM_GLU : 0,
+                      .norm_w = c->norm ? c->nw : NULL, .norm_eps = 1e-6f, .norm_rms = true, .scratch_norm = c->xn,
+                      .scratch_glu = c->glu};
+    TD_TRY(td_gemm_ex(B, &a));
+  }
+  return TD_OK;
+}
+
+static void bench_gemm_ex(const char *what, int m, int n, int k, bool norm, bool glu) {
+  if (skip(what)) return;
+  size_t wsz = (size_t)n * k * 2;
+  int nw = (int)(150e6 / wsz) + 1;
+  nw = nw > 64 ? 64 : nw;
+  void *wl[64];
+  for (int i = 0; i < nw; i++) wl[i] = act((size_t)n * k);
+  gex_ctx g = {act((size_t)m * k), wl, act((size_t)m * n), act((size_t)m * k), act((size_t)m * n), f32(k, 1.0f),
+               nw, m, n, k, nw < 8 ? 8 : nw, norm, glu};
+  double t = time_work(gex_work, &g) / g.calls;
+  double bytes = (double)wsz + (double)m * k * 2 + (double)m * (glu ? n / 2 : n) * 2;
+  char shape[48];
+  snprintf(shape, sizeof shape, "m=%d n=%d k=%d", m, n, k);
+  add(what, shape, t, bytes, 2.0 * m * (double)n * k);
+  for (int i = 0; i < nw; i++) td_free(B, wl[i]);
+  td_free(B, g.x);
+  td_free(B, g.y);
+  td_free(B, g.xn);
+  td_free(B, g.glu);
+  td_free(B, g.nw);
+}
+
 /* ------------------------------------------------------------ bandwidth kernels */
 
 typedef struct ew_ctx {
@@ -336,8 +378,9 @@ static void paged_setup(paged_ctx *c, int batch, int ctx, int bound, bool causal
     cl[s] = ctx;
     for (int i = 0; i < stride; i++) tab[(size_t)s * stride + i] = i < nb ? s * nb + i : 0;
   }
+  /* cross-attention K/V are static within a step (kv_static) */
   c->m = (td_paged_meta){batch, batch, 1, bound, i32(qs, batch + 1), i32(cl, batch), i32(tab, (size_t)batch * stride),
-                         stride};
+                         stride, !causal};
   c->causal = causal;
   free(qs);
   free(cl);
@@ -380,6 +423,7 @@ typedef struct layer_w {
 
 typedef struct step_ctx {
   int batch;
+  bool unfused; /* norm, GEMM, gated activation and KV write as separate ops */
   layer_w L[LAYERS];
   void *head, *fnorm, *lut;
   paged_ctx self, cross;
@@ -391,7 +435,26 @@ static td_status step_work(void *p) {
   int Bn = c->batch;
   td_relbias rb = {c->lut, 128};
   TD_TRY(td_embed(B, c->ids, c->ids, c->head, NULL, 1.0f, c->h, Bn, D));
-  for (int l = 0; l < LAYERS; l++) {
+  for (int l = 0; l < LAYERS && !c->unfused; l++) { /* as model.c calls the ops */
+    layer_w *w = &c->L[l];
+    td_gemm_args qa = {.x = c->h, .w = w->qkv, .y = c->qkv, .m = Bn, .n = 3 * D, .k = D, .norm_w = w->n1,
+                       .norm_eps = 1e-6f, .norm_rms = true, .scratch_norm = c->x, .kv_pool = c->self.pool,
+                       .kv_layout = &c->self.l, .kv_layer = l, .kv_col = D, .kv_slots = c->slots};
+    TD_TRY(td_gemm_ex(B, &qa));
+    TD_TRY(td_attn_paged(B, c->qkv, 3 * D, c->att, c->self.pool, &c->self.l, l, &c->self.m, 1.0f, true, &rb));
+    TD_TRY(td_gemm(B, c->att, w->o, NULL, c->h, Bn, D, D, TD_ACT_NONE, TD_GEMM_ACCUM));
+    td_gemm_args ca = {.x = c->h, .w = w->cq, .y = c->q, .m = Bn, .n = D, .k = D, .norm_w = w->n2, .norm_eps = 1e-6f,
+                       .norm_rms = true, .scratch_norm = c->x};
+    TD_TRY(td_gemm_ex(B, &ca));
+    TD_TRY(td_attn_paged(B, c->q, D, c->att, c->cross.pool, &c->cross.l, l, &c->cross.m, 1.0f, false, NULL));
+    TD_TRY(td_gemm(B, c->att, w->co, NULL, c->h, Bn, D, D, TD_ACT_NONE, TD_GEMM_ACCUM));
+    td_gemm_args fa = {.x = c->h, .w = w->wi, .y = c->ff1, .m = Bn, .n = 2 * FF, .k = D, .act = TD_ACT_GELU_TANH,
+                       .flags = TD_GEMM_GLU, .norm_w = w->n3, .norm_eps = 1e-6f, .norm_rms = true,
+                       .scratch_norm = c->x, .scratch_glu = c->ff};
+    TD_TRY(td_gemm_ex(B, &fa));
+    TD_TRY(td_gemm(B, c->ff1, w->wo, NULL, c->h, Bn, D, FF, TD_ACT_NONE, TD_GEMM_ACCUM));
+  }
+  for (int l = 0; l < LAYERS && c->unfused; l++) {
     layer_w *w = &c->L[l];
     TD_TRY(td_norm(B, c->h, w->n1, NULL, c->x, Bn, D, 1e-6f, true));
     TD_TRY(td_gemm(B, c->x, w->qkv, NULL, c->qkv, Bn, 3 * D, D, TD_ACT_NONE, 0));
@@ -561,6 +624,12 @@ static void variants(step_ctx *step) {
   }
   td_backend_destroy(B);
   if (step) {
+    step->unfused = true;
+    bench_step(step, 1, 64);
+    snprintf(rows[n_rows - 1].what, sizeof rows[0].what, "alt: decode step, unfused ops");
+    bench_step(step, 64, 64);
+    snprintf(rows[n_rows - 1].what, sizeof rows[0].what, "alt: decode step, unfused ops");
+    step->unfused = false;
     B = alt_backend("TANDEM_CUDA_PDL", "0");
     bench_step(step, 1, 64);
     snprintf(rows[n_rows - 1].what, sizeof rows[0].what, "alt: decode step, no PDL");
@@ -649,6 +718,8 @@ int main(int argc, char **argv) {
     bench_gemm("gemm decode ffn in", m, 2 * FF, D, 0);
     bench_gemm("gemm decode ffn out", m, D, FF, 0);
     bench_gemm("gemm decode lm head f32", m, VOCAB, D, TD_GEMM_OUT_F32);
+    bench_gemm_ex("gemm_ex decode qkv+rms", m, 3 * D, D, true, false);
+    bench_gemm_ex("gemm_ex decode ffn in+rms+glu", m, 2 * FF, D, true, true);
   }
   bench_ew("rmsnorm", 32768, D, false);
   bench_ew("gated gelu", 32768, FF, true);

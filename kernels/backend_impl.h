@@ -50,6 +50,11 @@ typedef struct td_backend_vt {
   td_status (*unshard_cols)(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols);
 } td_backend_vt;
 
+/* td_gemm_ex as separate ops (norm, GEMM, gated activation, KV write): what
+ * ops.c runs when a backend has no gemm_ex, and what a backend's gemm_ex
+ * falls back to for shapes it does not fuse. Arguments already checked. */
+td_status td_gemm_ex_unfused(td_backend *b, const td_gemm_args *a);
+
 /* A communicator's implementation. */
 typedef struct td_comm_vt {
   td_status (*allreduce)(td_comm *c, td_backend *b, void *buf, td_buf_type t, size_t n);

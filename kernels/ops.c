@@ -78,16 +78,34 @@ td_status td_gemm_ex(td_backend *b, const td_gemm_args *a) {
   if ((a->flags & TD_GEMM_ACCUM) && (a->act != TD_ACT_NONE || glu)) return bad("gemm_ex", "accumulate with an activation");
   if (glu && ((a->n & 1) || !a->scratch_glu || (a->flags & TD_GEMM_OUT_F32))) return bad("gemm_ex", "GLU needs an even n, scratch and bf16/f32 activations");
   if (a->norm_w && !a->scratch_norm) return bad("gemm_ex", "a fused norm needs scratch_norm");
+  if (a->kv_pool) {
+    const td_kv_layout *l = a->kv_layout;
+    if (glu || (a->flags & TD_GEMM_OUT_F32) || !l || l->n_layers <= 0 || l->n_heads <= 0 || l->head_dim <= 0 ||
+        l->block_size <= 0 || a->kv_layer < 0 || a->kv_layer >= l->n_layers || !a->kv_slots || a->kv_col < 0 ||
+        a->kv_col + 2 * l->n_heads * l->head_dim > a->n)
+      return bad("gemm_ex", "bad KV write (layout, columns, slots, or with GLU / float32 output)");
+  }
   if (a->m == 0) return TD_OK;
   if (b->vt->gemm_ex) return b->vt->gemm_ex(b, a);
+  return td_gemm_ex_unfused(b, a);
+}
+
+td_status td_gemm_ex_unfused(td_backend *b, const td_gemm_args *a) {
+  bool glu = a->flags & TD_GEMM_GLU;
   const void *x = a->x;
   if (a->norm_w) {
     TD_TRY(td_norm(b, a->x, a->norm_w, a->norm_b, a->scratch_norm, a->m, a->k, a->norm_eps, a->norm_rms));
     x = a->scratch_norm;
   }
-  if (!glu) return td_gemm(b, x, a->w, a->bias, a->y, a->m, a->n, a->k, a->act, a->flags);
-  TD_TRY(td_gemm(b, x, a->w, a->bias, a->scratch_glu, a->m, a->n, a->k, TD_ACT_NONE, 0));
-  return td_gated_act(b, a->scratch_glu, a->y, a->m, a->n / 2, a->act);
+  if (glu) {
+    TD_TRY(td_gemm(b, x, a->w, a->bias, a->scratch_glu, a->m, a->n, a->k, TD_ACT_NONE, 0));
+    return td_gated_act(b, a->scratch_glu, a->y, a->m, a->n / 2, a->act);
+  }
+  TD_TRY(td_gemm(b, x, a->w, a->bias, a->y, a->m, a->n, a->k, a->act, a->flags));
+  if (!a->kv_pool) return TD_OK;
+  size_t es = td_buf_elem_size(b, TD_BUF_ACT), hd = (size_t)a->kv_layout->n_heads * a->kv_layout->head_dim;
+  const char *k = (const char *)a->y + (size_t)a->kv_col * es;
+  return td_kv_write(b, k, k + hd * es, a->n, a->kv_pool, a->kv_layout, a->kv_layer, a->kv_slots, a->m);
 }
 
 td_status td_norm(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n, float eps,

@@ -66,7 +66,9 @@ enum {
   TD_GEMM_OUT_F32 = 1u << 1, /* y is TD_BUF_F32 instead of TD_BUF_ACT */
 };
 /* y[m,n] = act(x[m,k] W[n,k]^T + bias[n]); bias may be NULL. act must be
- * TD_ACT_NONE with TD_GEMM_ACCUM. */
+ * TD_ACT_NONE with TD_GEMM_ACCUM. W is a model constant: a backend may start
+ * reading it before the previous op on the stream has finished, so no op may
+ * write it (upload weights with td_upload). The same holds for td_gemm_ex. */
 td_status td_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
                   td_act act, unsigned flags);
 /* The GEMM with what surrounds it in a layer, for backends that fuse:
@@ -77,6 +79,7 @@ td_status td_gemm(td_backend *b, const void *x, const void *w, const float *bias
  * scratch_glu ([m, n]) then td_gated_act; the scratch pointers must be
  * given either way. TD_GEMM_ACCUM excludes act and GLU. */
 enum { TD_GEMM_GLU = 1u << 2 };
+struct td_kv_layout;
 typedef struct td_gemm_args {
   const void *x, *w;
   const float *bias;
@@ -88,6 +91,15 @@ typedef struct td_gemm_args {
   float norm_eps;
   bool norm_rms;
   void *scratch_norm, *scratch_glu;
+  /* Optional (kv_pool != NULL): also writes columns [kv_col, kv_col + 2 hd)
+   * of y (hd = heads * head_dim of kv_layout) into the paged pool, as
+   * td_kv_write(y + kv_col, y + kv_col + hd, ld n) would: K then V rows of
+   * layer kv_layer at kv_slots[i] (negative: row skipped). Not with GLU or
+   * TD_GEMM_OUT_F32. Saves the separate KV write of a QKV projection. */
+  void *kv_pool;
+  const struct td_kv_layout *kv_layout;
+  int kv_layer, kv_col;
+  const int32_t *kv_slots;
 } td_gemm_args;
 td_status td_gemm_ex(td_backend *b, const td_gemm_args *a);
 
@@ -148,6 +160,10 @@ typedef struct td_paged_meta {
   const int32_t *ctx_len;     /* device [n_seqs]: KV length, queries included */
   const int32_t *block_table; /* device [n_seqs, max_blocks] */
   int max_blocks;
+  /* true when the pool's K/V and this metadata were not written by the op
+   * just before on the stream (cross-attention over encoder KV): the
+   * backend may start reading them before that op has finished. */
+  bool kv_static;
 } td_paged_meta;
 
 /* out[n_tokens, heads, head_dim] = softmax(scale q K^T + bias) V. Query i

@@ -795,11 +795,17 @@ static td_status row_parallel(td_model *m, const lin *l, const void *x, void *h,
 
 /* y = act(norm(x) W^T + b), the norm fused where the backend can (pre-norm
  * layers pass n; post-norm NULL). xn: scratch for the normalised rows. */
-static td_status norm_linear(td_model *m, const norm_w *n, const lin *l, const void *x, void *y, void *xn, int rows,
-                             td_act act, unsigned flags, void *glu_scratch) {
+static td_gemm_args norm_linear_args(td_model *m, const norm_w *n, const lin *l, const void *x, void *y, void *xn,
+                                     int rows, td_act act, unsigned flags, void *glu_scratch) {
   td_gemm_args a = {.x = x, .w = l->w, .bias = l->b, .y = y, .m = rows, .n = l->out, .k = l->in, .act = act,
                     .flags = flags, .norm_w = n ? n->w : NULL, .norm_b = n ? n->b : NULL, .norm_eps = m->cfg.norm_eps,
                     .norm_rms = m->cfg.rmsnorm, .scratch_norm = xn, .scratch_glu = glu_scratch};
+  return a;
+}
+
+static td_status norm_linear(td_model *m, const norm_w *n, const lin *l, const void *x, void *y, void *xn, int rows,
+                             td_act act, unsigned flags, void *glu_scratch) {
+  td_gemm_args a = norm_linear_args(m, n, l, x, y, xn, rows, act, flags, glu_scratch);
   return td_gemm_ex(m->b, &a);
 }
 
@@ -950,7 +956,6 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
   const dims *d = &m->d;
   td_backend *b = m->b;
   int T = t1 - t0, hd = d->dh_ * d->ddh;
-  size_t es = td_buf_elem_size(b, TD_BUF_ACT);
   td_paged_meta self_m = *self_all, cross_m = *cross_all;
   self_m.n_seqs = cross_m.n_seqs = s1 - s0;
   self_m.n_tokens = cross_m.n_tokens = T;
@@ -969,9 +974,15 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
   td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
   for (int l = 0; l < d->l1 - d->l0; l++) {
     const dec_layer *L = &m->dec[l];
-    TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_self : NULL, &L->qkv, h, qkv, x, T, TD_ACT_NONE, 0, NULL));
-    TD_TRY(td_kv_write(b, (const char *)qkv + (size_t)hd * es, (const char *)qkv + (size_t)2 * hd * es, 3 * hd,
-                       m->self_pool, &sl, l, dslots + t0, T));
+    /* the projection also writes the new K/V rows into the self pool */
+    td_gemm_args qa =
+        norm_linear_args(m, c->pre_norm ? &L->ln_self : NULL, &L->qkv, h, qkv, x, T, TD_ACT_NONE, 0, NULL);
+    qa.kv_pool = m->self_pool;
+    qa.kv_layout = &sl;
+    qa.kv_layer = l;
+    qa.kv_col = hd;
+    qa.kv_slots = dslots + t0;
+    TD_TRY(td_gemm_ex(b, &qa));
     /* attention reads q rows at the metadata's absolute offsets */
     TD_TRY(td_attn_paged(b, m->d_qkv, 3 * hd, m->d_attn, m->self_pool, &sl, l, &self_m, c->dec_attn_scale, true,
                          bias));
@@ -1005,6 +1016,7 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
   cross_m.ctx_len = D + ly->clen;
   cross_m.block_table = D + ly->ctab;
   cross_m.max_blocks = m->cross_stride;
+  cross_m.kv_static = true; /* the encoder wrote the cross KV, not the op before */
   bool first = d->stage == 0, last = d->stage == d->stages - 1;
   if (first) {
     TD_TRY(td_embed(b, dtok, dpos, m->dec_tok, c->pos_kind == TD_POS_RELATIVE ? NULL : m->dec_pos, c->embed_scale,

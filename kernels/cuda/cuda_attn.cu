@@ -54,6 +54,7 @@ struct AttnArgs {
   int n_splits;
   float *part_o, *part_lse;
   int *counters; /* split-KV arrival counters, one per (query tile, head) */
+  int kv_static;  /* paged: K/V and metadata may be read before the previous kernel ends */
 };
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -86,7 +87,10 @@ __host__ __device__ constexpr size_t attn_smem_base(Cfg<DH, WM, WN, STAGES, MINB
 
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
 __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs a) {
-  td_pdl_start();
+  /* static K/V (cross-attention): the first tiles stream in before waiting
+   * for the previous kernel, which produces only Q */
+  const bool early = PAGED && a.kv_static;
+  if (!early) td_pdl_start();
   constexpr int BM = 16 * WM, SROW = DH + 8, NTH = 32 * WM * WN;
   constexpr int KW = BN / WN; /* keys per warp per tile */
   constexpr int NT = KW / 8;  /* n8 tiles of S per warp */
@@ -159,13 +163,16 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   }
 
   /* ---- loads (none for an empty split) */
-  for (int c = tid; c < (n_tiles > 0 ? BM * CH : 0); c += NTH) {
-    int r = c / CH, cc = c % CH, qi = q0 + r;
-    bool v = qi < qlen;
-    size_t row = row0 + (v ? qi : 0);
-    const bf16 *src = PAGED ? a.q + row * a.ldq + (size_t)h * DH + cc * 8 : a.qkv + row * qkv_row + (size_t)h * DH + cc * 8;
-    cp_async16(Qs + r * SROW + cc * 8, src, v);
-  }
+  auto load_q = [&]() {
+    for (int c = tid; c < (n_tiles > 0 ? BM * CH : 0); c += NTH) {
+      int r = c / CH, cc = c % CH, qi = q0 + r;
+      bool v = qi < qlen;
+      size_t row = row0 + (v ? qi : 0);
+      const bf16 *src =
+          PAGED ? a.q + row * a.ldq + (size_t)h * DH + cc * 8 : a.qkv + row * qkv_row + (size_t)h * DH + cc * 8;
+      cp_async16(Qs + r * SROW + cc * 8, src, v);
+    }
+  };
   /* dense: this thread's K rows advance by BN rows a tile (NTH is a multiple of CH) */
   const bf16 *kdense = PAGED ? nullptr : a.qkv + (row0 + kbeg + tid / CH) * qkv_row + (size_t)(H + h) * DH + (tid % CH) * 8;
   auto load_kv = [&](int kt, int st) {
@@ -194,12 +201,26 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
       }
     }
   };
-  if (n_tiles > 0) load_kv(0, 0);
-  cp_async_commit(); /* group 0: Q and tile 0 */
+  if (early) {
+    /* groups 0 .. STAGES-2: tiles; then Q after the wait (the loop's first
+     * iteration waits for everything) */
 #pragma unroll
-  for (int st = 1; st < STAGES - 1; st++) {
-    if (st < n_tiles) load_kv(st, st);
+    for (int st = 0; st < STAGES - 1; st++) {
+      if (st < n_tiles) load_kv(st, st);
+      cp_async_commit();
+    }
+    td_pdl_start();
+    load_q();
     cp_async_commit();
+  } else {
+    load_q();
+    if (n_tiles > 0) load_kv(0, 0);
+    cp_async_commit(); /* group 0: Q and tile 0 */
+#pragma unroll
+    for (int st = 1; st < STAGES - 1; st++) {
+      if (st < n_tiles) load_kv(st, st);
+      cp_async_commit();
+    }
   }
 
   float o[DT][4];
@@ -213,7 +234,8 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   uint32_t qf[DK][4];
 
   for (int kt = 0; kt < n_tiles; kt++) {
-    cp_async_wait<STAGES - 2>();
+    if (early && kt == 0) cp_async_wait<0>();
+    else cp_async_wait<STAGES - 2>();
     __syncthreads();
     if (kt + STAGES - 1 < n_tiles) load_kv(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
     cp_async_commit();
@@ -658,6 +680,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
   a.ctx_len = m->ctx_len;
   a.block_table = m->block_table;
   a.max_blocks = m->max_blocks;
+  a.kv_static = m->kv_static;
   a.n_splits = 1;
   bool fast = (dh == 64 || dh == 128) && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(out) && td_aligned16(pool);
   if (!fast) {

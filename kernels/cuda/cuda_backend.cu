@@ -607,6 +607,7 @@ static void vt_init(void) {
   v->graph_launch = cu_graph_launch;
   v->graph_destroy = cu_graph_destroy;
   v->unshard_cols = cu_unshard_cols;
+  v->gemm_ex = td_cu_gemm_ex;
 }
 
 static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) {
@@ -641,6 +642,8 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   TD_CU_CHECK(cudaStreamSynchronize(c->stream), "cuda backend");
   const char *v = getenv("TANDEM_CUDA_VERBOSE");
   c->verbose = v && *v && *v != '0';
+  v = getenv("TANDEM_CUDA_AUTOTUNE");
+  c->autotune = v && *v && *v != '0';
   v = getenv("TANDEM_CUDA_SKINNY");
   c->skinny = !(v && *v == '0');
   v = getenv("TANDEM_CUDA_DENSE64");

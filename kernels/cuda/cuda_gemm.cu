@@ -58,7 +58,8 @@ static td_status skinny_init(td_cuda *c);
 td_status td_cu_gemm_init(td_cuda *c) {
   c->plans = (td_gemm_plan *)calloc(TD_CU_GEMM_CACHE, sizeof(td_gemm_plan));
   if (!c->plans) return td_err(TD_ERR_NOMEM, "cuda gemm: plan cache");
-  return skinny_init(c);
+  TD_TRY(skinny_init(c));
+  return td_cu_skf_init(c);
 }
 
 void td_cu_gemm_destroy(td_cuda *c) {
@@ -71,7 +72,10 @@ void td_cu_gemm_destroy(td_cuda *c) {
 
 /* Builds descriptors for one epilogue and asks the heuristic; false when
  * cuBLASLt has no algorithm for it (descriptors released). */
-static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_bias, const float *bias) {
+enum { LT_CANDIDATES = 8 };
+
+static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_bias, const float *bias,
+                   cublasLtMatmulHeuristicResult_t *res, int *n_res) {
   cudaDataType_t out = (p->flags & TD_GEMM_OUT_F32) ? CUDA_R_32F : CUDA_R_16BF;
   cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
   bool ok = cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
@@ -93,8 +97,7 @@ static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_
        cublasLtMatrixLayoutCreate(&p->lc, out, p->n, p->m, p->n) == CUBLAS_STATUS_SUCCESS;
   cublasLtMatmulPreference_t pref = NULL;
   int found = 0;
-  cublasLtMatmulHeuristicResult_t res;
-  memset(&res, 0, sizeof res);
+  memset(res, 0, sizeof *res * LT_CANDIDATES);
   if (ok && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
     uint64_t ws = TD_CU_LT_WORKSPACE;
     /* alignments in bytes of x (B), w (A), y (C and D), capped at 256 */
@@ -110,9 +113,10 @@ static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_
              CUBLAS_STATUS_SUCCESS &&
          cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &ay, sizeof ay) ==
              CUBLAS_STATUS_SUCCESS;
-    ok = ok && cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &res, &found) ==
-                   CUBLAS_STATUS_SUCCESS &&
-         found > 0 && res.state == CUBLAS_STATUS_SUCCESS;
+    ok = ok &&
+         cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->la, p->lb, p->lc, p->lc, pref, LT_CANDIDATES, res, &found) ==
+             CUBLAS_STATUS_SUCCESS &&
+         found > 0 && res[0].state == CUBLAS_STATUS_SUCCESS;
     cublasLtMatmulPreferenceDestroy(pref);
   } else {
     ok = false;
@@ -125,13 +129,61 @@ static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_
     p->align = keep.align;
     return false;
   }
-  p->algo = res.algo;
+  p->algo = res[0].algo;
   p->lt_bias = lt_bias;
+  *n_res = found;
   return true;
 }
 
+static bool capturing_stream(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone;
+}
+
+/* TANDEM_CUDA_AUTOTUNE=1: large GEMMs time the heuristic's candidates once
+ * on their own operands (a synchronisation on the plan's first use, never
+ * while capturing) and keep the fastest. Not for TD_GEMM_ACCUM, whose
+ * output the timing runs would change. */
+static void lt_autotune(td_cuda *c, td_gemm_plan *p, const cublasLtMatmulHeuristicResult_t *res, int found,
+                        const void *x, const void *w, void *y) {
+  cudaEvent_t e0 = NULL, e1 = NULL;
+  if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (e0) cudaEventDestroy(e0);
+    return;
+  }
+  float alpha = 1.0f, beta = 0.0f, best = 1e30f;
+  int bi = 0;
+  for (int i = 0; i < found; i++) {
+    if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > TD_CU_LT_WORKSPACE) continue;
+    bool ok = true;
+    for (int r = 0; r < 4 && ok; r++) { /* one warm-up, three timed */
+      if (r == 1) ok = cudaEventRecord(e0, c->stream) == cudaSuccess;
+      ok = ok && cublasLtMatmul(c->lt, p->op, &alpha, w, p->la, x, p->lb, &beta, y, p->lc, y, p->lc, &res[i].algo,
+                                c->lt_ws, TD_CU_LT_WORKSPACE, c->stream) == CUBLAS_STATUS_SUCCESS;
+    }
+    float ms = 0.0f;
+    ok = ok && cudaEventRecord(e1, c->stream) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess &&
+         cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess;
+    if (!ok) {
+      (void)cudaGetLastError();
+      (void)cudaStreamSynchronize(c->stream);
+      continue;
+    }
+    if (c->verbose)
+      fprintf(stderr, "tandem cuda gemm m=%d n=%d k=%d candidate %d: %.1f us\n", p->m, p->n, p->k, i, ms * 1e3f / 3);
+    if (ms < best) {
+      best = ms;
+      bi = i;
+    }
+  }
+  p->algo = res[bi].algo;
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
 static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned flags, const void *x,
-                              const void *w, const float *bias, const void *y) {
+                              const void *w, const float *bias, void *y) {
   unsigned align = align_log2(x) | align_log2(w) << 4 | align_log2(y) << 8 | (bias ? align_log2(bias) : 8) << 12;
   uint64_t h = (uint64_t)m * 0x9E3779B97F4A7C15ull ^ (uint64_t)n * 0xC2B2AE3D27D4EB4Full ^
                (uint64_t)k * 0x165667B19E3779F9ull ^ ((uint64_t)act << 40 | (uint64_t)flags << 48 |
@@ -153,14 +205,19 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
   }
   bool post = epi == CUBLASLT_EPILOGUE_DEFAULT && (bias || act != TD_ACT_NONE);
   bool lt_bias = bias && epi != CUBLASLT_EPILOGUE_DEFAULT;
-  if (lt_try(c, p, epi, lt_bias, bias)) {
+  cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
+  int found = 0;
+  if (lt_try(c, p, epi, lt_bias, bias, res, &found)) {
     p->mode = post ? MODE_LT_POST : MODE_LT;
-  } else if (epi != CUBLASLT_EPILOGUE_DEFAULT && lt_try(c, p, CUBLASLT_EPILOGUE_DEFAULT, false, NULL)) {
+  } else if (epi != CUBLASLT_EPILOGUE_DEFAULT && lt_try(c, p, CUBLASLT_EPILOGUE_DEFAULT, false, NULL, res, &found)) {
     p->mode = MODE_LT_POST;
   } else {
     p->mode = MODE_FALLBACK;
   }
   p->used = true;
+  if (p->mode != MODE_FALLBACK && c->autotune && found > 1 && !(flags & TD_GEMM_ACCUM) &&
+      (double)m * n * k >= 1e10 && !capturing_stream(c->stream))
+    lt_autotune(c, p, res, found, x, w, y);
   if (c->verbose)
     fprintf(stderr, "tandem cuda gemm plan m=%d n=%d k=%d act=%d flags=%u bias=%d align=%03x: %s\n", m, n, k, act,
             flags, bias != NULL, align,
@@ -223,7 +280,6 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const bf16 *__res
                                                                const bf16 *__restrict__ w,
                                                                const float *__restrict__ bias, void *y, int m,
                                                                int n, int k, int act, bool accum, int kq) {
-  td_pdl_start();
   extern __shared__ __align__(16) unsigned char sk_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
   /* this warp's stages: [stage][W 16 rows | x 16 rows][SK_ROW] */
@@ -231,27 +287,49 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const bf16 *__res
   const int n0 = blockIdx.x * SK_NT;
   const int kb = warp * kq, ke = min(k, kb + kq);
   const int nst = ke > kb ? (ke - kb + SK_KC - 1) / SK_KC : 0;
-  auto load = [&](int st, int buf) {
+  auto load_w = [&](int st, int buf) {
     int k0 = kb + st * SK_KC;
-    bf16 *ws = mine + (size_t)buf * 2 * 16 * SK_ROW, *xs = ws + 16 * SK_ROW;
+    bf16 *ws = mine + (size_t)buf * 2 * 16 * SK_ROW;
 #pragma unroll
-    for (int i = 0; i < 4; i++) { /* 16 rows x 8 chunks of W, then of x */
+    for (int i = 0; i < 4; i++) { /* 16 rows x 8 chunks */
       int c = lane + 32 * i, r = c >> 3, kk = k0 + (c & 7) * 8;
-      bool vw = n0 + r < n && kk < ke, vx = r < m && kk < ke;
+      bool vw = n0 + r < n && kk < ke;
       cp_async16(ws + r * SK_ROW + (c & 7) * 8, vw ? w + (size_t)(n0 + r) * k + kk : w, vw);
-      cp_async16(xs + r * SK_ROW + (c & 7) * 8, vx ? x + (size_t)r * k + kk : x, vx);
     }
   };
+  auto load_x = [&](int st, int buf) {
+    int k0 = kb + st * SK_KC;
+    bf16 *xs = mine + (size_t)buf * 2 * 16 * SK_ROW + 16 * SK_ROW;
+#pragma unroll
+    for (int i = 0; i < 4; i++) { /* rows >= m are left as they are: their outputs are never stored */
+      int c = lane + 32 * i, r = c >> 3, kk = k0 + (c & 7) * 8;
+      bool vx = kk < ke;
+      if (r < m) cp_async16(xs + r * SK_ROW + (c & 7) * 8, vx ? x + (size_t)r * k + kk : x, vx);
+    }
+  };
+  /* W is a model constant: its first stages stream while the previous
+   * kernel drains; x (its output) only after the wait. Groups: W0..W2,
+   * X0..X2, then one per stage, so waiting for all but the newest
+   * STAGES-2 groups still finds stage st complete. */
 #pragma unroll
   for (int st = 0; st < SK_STAGES - 1; st++) {
-    if (st < nst) load(st, st);
+    if (st < nst) load_w(st, st);
+    cp_async_commit();
+  }
+  td_pdl_start();
+#pragma unroll
+  for (int st = 0; st < SK_STAGES - 1; st++) {
+    if (st < nst) load_x(st, st);
     cp_async_commit();
   }
   float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
   for (int st = 0; st < nst; st++) {
     cp_async_wait<SK_STAGES - 2>();
     __syncwarp();
-    if (st + SK_STAGES - 1 < nst) load(st + SK_STAGES - 1, (st + SK_STAGES - 1) % SK_STAGES);
+    if (st + SK_STAGES - 1 < nst) {
+      load_w(st + SK_STAGES - 1, (st + SK_STAGES - 1) % SK_STAGES);
+      load_x(st + SK_STAGES - 1, (st + SK_STAGES - 1) % SK_STAGES);
+    }
     cp_async_commit();
     const bf16 *ws = mine + (size_t)(st % SK_STAGES) * 2 * 16 * SK_ROW, *xs = ws + 16 * SK_ROW;
 #pragma unroll

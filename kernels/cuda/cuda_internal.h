@@ -44,8 +44,10 @@ typedef struct td_cuda {
   int skinny;         /* small-m GEMMs on our kernel (TANDEM_CUDA_SKINNY=0: cuBLASLt) */
   int dense64_warps;  /* dense attention, head_dim 64: 8 warps x 16 rows, or 4 (TANDEM_CUDA_DENSE64=4) */
   int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */
+  int fuse, fuse_mask; /* td_gemm_ex on the fused decode kernel: up to this many rows, these fusions (TANDEM_CUDA_FUSE) */
   struct td_gemm_plan *plans;
   int verbose;        /* TANDEM_CUDA_VERBOSE=1: print GEMM plan choices */
+  int autotune;       /* TANDEM_CUDA_AUTOTUNE=1: time cuBLASLt's candidates for large GEMMs */
 } td_cuda;
 
 static inline td_cuda *td_cu(td_backend *b) { return (td_cuda *)b->impl; }
@@ -124,6 +126,10 @@ td_status td_cu_gemm_init(td_cuda *c);
 void td_cu_gemm_destroy(td_cuda *c);
 td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
                      td_act act, unsigned flags);
+
+/* cuda_gemm_ex.cu: td_gemm_ex (fused on the decode kernel for m <= 16) */
+td_status td_cu_skf_init(td_cuda *c);
+td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *a);
 
 td_status td_cu_attn_init(td_cuda *c);
 td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,

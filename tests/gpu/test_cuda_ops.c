@@ -444,6 +444,149 @@ Test(cuda, kv_write_copy) {
   }
 }
 
+/* ---------------------------------------------------------------- gemm_ex */
+
+typedef struct gex_cfg {
+  int m, n, k;
+  int norm; /* 0 none, 1 RMSNorm, 2 LayerNorm */
+  bool glu, bias;
+  td_act act;
+  unsigned flags;
+  int kv_dh, kv_bs; /* > 0: fused KV write of H = n / 3 / kv_dh heads at column n / 3 */
+} gex_cfg;
+
+/* The fused op against the CPU's separate ops. The fused KV write must put
+ * exactly the GPU's own output columns into the slots and touch nothing
+ * else of the pool. */
+static const char *gex_mode = "default";
+
+static void gemm_ex_case(const gex_cfg *p) {
+  int m = p->m, n = p->n, k = p->k, ny = p->glu ? n / 2 : n;
+  unsigned flags = p->flags | (p->glu ? TD_GEMM_GLU : 0);
+  td_buf_type yt = (flags & TD_GEMM_OUT_F32) ? TD_BUF_F32 : TD_BUF_ACT;
+  float *x = rnd((size_t)m * k, 1.0f), *w = rnd((size_t)n * k, 1.7f / sqrtf((float)k)), *b = rnd(n, 0.5f),
+        *y0 = rnd((size_t)m * ny, 1.0f), *nw = rnd(k, 0.2f), *nb = rnd(k, 0.3f);
+  for (size_t i = 0; i < (size_t)m * k; i++) x[i] = bfr(x[i] + 0.4f); /* a mean for LayerNorm to remove */
+  for (int i = 0; i < k; i++) nw[i] += 1.0f;
+  pair X = mk(TD_BUF_ACT, x, (size_t)m * k), W = mk(TD_BUF_ACT, w, (size_t)n * k), B = mk(TD_BUF_F32, b, n);
+  pair NW = mk(TD_BUF_F32, nw, k), NB = mk(TD_BUF_F32, nb, k);
+  pair XN = mk(TD_BUF_ACT, NULL, (size_t)m * k), GL = mk(TD_BUF_ACT, NULL, (size_t)m * n);
+  pair Y = mk(yt, (flags & TD_GEMM_ACCUM) ? y0 : NULL, (size_t)m * ny);
+  td_gemm_args ag = {.x = X.g, .w = W.g, .bias = p->bias ? B.g : NULL, .y = Y.g, .m = m, .n = n, .k = k,
+                     .act = p->act, .flags = flags, .norm_w = p->norm ? NW.g : NULL, .norm_b = NB.g,
+                     .norm_eps = 1e-5f, .norm_rms = p->norm == 1, .scratch_norm = XN.g, .scratch_glu = GL.g};
+  td_gemm_args ac = ag;
+  ac.x = X.c, ac.w = W.c, ac.bias = p->bias ? B.c : NULL, ac.y = Y.c, ac.norm_w = p->norm ? NW.c : NULL;
+  ac.norm_b = NB.c, ac.scratch_norm = XN.c, ac.scratch_glu = GL.c;
+  paged_rig r = {0};
+  pair S = {0};
+  int32_t *slots = NULL;
+  int hd = n / 3, H = p->kv_dh ? hd / p->kv_dh : 0;
+  if (p->kv_dh) {
+    int nb_blocks = (m + p->kv_bs - 1) / p->kv_bs + 3, total = nb_blocks * p->kv_bs;
+    rig_pool(&r, 2, H, p->kv_dh, p->kv_bs, nb_blocks);
+    int32_t *perm = malloc(sizeof(int32_t) * total);
+    slots = malloc(sizeof(int32_t) * m);
+    for (int i = 0; i < total; i++) perm[i] = i;
+    for (int i = total - 1; i > 0; i--) {
+      int j = irand(i + 1), t = perm[i];
+      perm[i] = perm[j];
+      perm[j] = t;
+    }
+    for (int i = 0; i < m; i++) slots[i] = i % 7 == 5 ? -1 : perm[i];
+    S = mk(TD_BUF_I32, slots, m);
+    free(perm);
+    ag.kv_pool = r.pool.g, ag.kv_layout = &r.l, ag.kv_layer = 1, ag.kv_col = hd, ag.kv_slots = S.g;
+    ac.kv_pool = r.pool.c, ac.kv_layout = &r.l, ac.kv_layer = 1, ac.kv_col = hd, ac.kv_slots = S.c;
+  }
+  RUN2(td_gemm_ex(G, &ag), td_gemm_ex(C, &ac));
+  double e = compare(&Y, 0);
+  cr_expect(e <= TOL, "gemm_ex (%s) m=%d n=%d k=%d norm=%d glu=%d bias=%d act=%d flags=%u kv=%d: error %.3g",
+            gex_mode, m, n, k, p->norm, p->glu, p->bias, p->act, flags, p->kv_dh, e);
+  if (p->kv_dh) {
+    float *yg = get(G, &Y, true), *pg = get(G, &r.pool, true);
+    size_t be = td_kv_block_elems(&r.l), hs = (size_t)p->kv_bs * p->kv_dh;
+    bool *hit = calloc(r.pool.n, sizeof(bool));
+    int bad_rows = 0;
+    for (int i = 0; i < m; i++) {
+      if (slots[i] < 0) continue;
+      size_t base = (size_t)(slots[i] / p->kv_bs) * be + (size_t)1 * 2 * H * hs /* layer 1 */ +
+                    (size_t)(slots[i] % p->kv_bs) * p->kv_dh;
+      for (int kv = 0; kv < 2; kv++)
+        for (int c = 0; c < hd; c++) {
+          size_t at = base + (size_t)kv * H * hs + (size_t)(c / p->kv_dh) * hs + c % p->kv_dh;
+          hit[at] = true;
+          if (pg[at] != yg[(size_t)i * n + hd + kv * hd + c]) bad_rows++;
+        }
+    }
+    size_t stray = 0;
+    for (size_t i = 0; i < r.pool.n; i++)
+      if (!hit[i] && memcmp(&pg[i], &r.pool_h[i], sizeof(float)) != 0) stray++;
+    cr_expect(bad_rows == 0 && stray == 0, "gemm_ex (%s) KV write m=%d dh=%d bs=%d: %d wrong values, %zu stray writes",
+              gex_mode, m, p->kv_dh, p->kv_bs, bad_rows, stray);
+    double ep = compare(&r.pool, 0);
+    cr_expect(ep <= TOL, "gemm_ex KV pool vs CPU: error %.3g", ep);
+    free(hit);
+    free(yg);
+    free(pg);
+    drop(&S);
+    rig_drop(&r);
+    free(slots);
+  }
+  pair *ps[] = {&X, &W, &B, &NW, &NB, &XN, &GL, &Y};
+  for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++) drop(ps[i]);
+  free(x);
+  free(w);
+  free(b);
+  free(y0);
+  free(nw);
+  free(nb);
+}
+
+Test(cuda, gemm_ex) {
+  static const gex_cfg cfg[] = {
+      /* m n k norm glu bias act flags kv_dh kv_bs */
+      {1, 3072, 1024, 1, false, false, TD_ACT_NONE, 0, 64, 16},       /* decode QKV + KV write, batch 1 */
+      {17, 3072, 1024, 1, false, false, TD_ACT_NONE, 0, 64, 16},
+      {64, 3072, 1024, 1, false, true, TD_ACT_NONE, 0, 64, 16},
+      {5, 5632, 1024, 1, true, false, TD_ACT_GELU_TANH, 0, 0, 0},     /* gated FFN input */
+      {33, 5632, 1024, 1, true, true, TD_ACT_GELU_TANH, 0, 0, 0},
+      {64, 5632, 1024, 1, true, false, TD_ACT_GELU_TANH, 0, 0, 0},
+      {16, 1024, 1024, 1, false, false, TD_ACT_NONE, 0, 0, 0},        /* cross-attention query */
+      {3, 1000, 200, 2, false, true, TD_ACT_SILU, 0, 0, 0},           /* LayerNorm, fused up to 16 rows */
+      {16, 514, 1280, 2, true, true, TD_ACT_GELU, 0, 0, 0},           /* n / 2 odd */
+      {40, 512, 256, 2, false, true, TD_ACT_NONE, 0, 0, 0},           /* LayerNorm over 16 rows: separate ops */
+      {64, 1024, 2816, 0, false, false, TD_ACT_NONE, TD_GEMM_ACCUM, 0, 0}, /* residual add */
+      {7, 1001, 96, 0, false, true, TD_ACT_GELU, TD_GEMM_OUT_F32, 0, 0},
+      {50, 96, 64, 1, false, true, TD_ACT_RELU, 0, 0, 0},
+      {1, 24, 40, 1, true, false, TD_ACT_GELU_TANH, 0, 0, 0},
+      {9, 256, 576, 1, false, false, TD_ACT_NONE, 0, 0, 0},           /* 3 K splits: uneven column owners */
+      {5, 512, 576, 1, true, true, TD_ACT_GELU_TANH, 0, 0, 0},
+      {48, 300, 2816, 0, false, true, TD_ACT_NONE, TD_GEMM_ACCUM | TD_GEMM_OUT_F32, 0, 0},
+      {65, 768, 512, 1, true, false, TD_ACT_GELU_TANH, 0, 0, 0},      /* over 64 rows: separate ops */
+      {3, 100, 36, 1, false, false, TD_ACT_NONE, 0, 0, 0},            /* k % 8 != 0: separate ops */
+      {12, 90, 64, 1, false, false, TD_ACT_NONE, 0, 10, 5},           /* odd head size and block size */
+      {70, 384, 128, 0, false, true, TD_ACT_NONE, 0, 64, 16},         /* KV write after cuBLASLt */
+  };
+  /* the backend's default fusions, then every fusion up to 16 rows */
+  for (int pass = 0; pass < 2; pass++) {
+    td_backend *saved = G, *alt = NULL;
+    if (pass == 1) {
+      td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
+      setenv("TANDEM_CUDA_FUSE", "16,7", 1);
+      cr_assert(td_backend_create(&go, &alt) == TD_OK, "cuda backend: %s", td_errmsg());
+      unsetenv("TANDEM_CUDA_FUSE");
+      G = alt;
+      gex_mode = "all fused";
+    }
+    for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) gemm_ex_case(&cfg[c]);
+    if (alt) {
+      G = saved;
+      td_backend_destroy(alt);
+    }
+  }
+}
+
 typedef struct paged_cfg {
   int H, dh, bs, n_seqs;
   bool causal;
@@ -497,8 +640,10 @@ static void paged_case(const paged_cfg *p) {
   pair L = {0};
   if (p->md) L = mk(TD_BUF_F32, lut, (size_t)H * (2 * p->md + 1));
   td_relbias bg = {p->md ? L.g : NULL, p->md}, bc = {p->md ? L.c : NULL, p->md};
-  td_paged_meta mg = {S, T, max_q + p->slack, max_ctx + p->slack, QS.g, CT.g, TB.g, stride};
-  td_paged_meta mc = {S, T, max_q, max_ctx, QS.c, CT.c, TB.c, stride};
+  /* cross-attention (static K/V) may read the pool before the previous
+   * kernel ends: that path on the GPU, the plain one on the re-run below */
+  td_paged_meta mg = {S, T, max_q + p->slack, max_ctx + p->slack, QS.g, CT.g, TB.g, stride, !p->causal};
+  td_paged_meta mc = {S, T, max_q, max_ctx, QS.c, CT.c, TB.c, stride, false};
   float scale = 1.0f / sqrtf((float)dh);
   RUN2(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mg, scale, p->causal, p->md ? &bg : NULL),
        td_attn_paged(C, Q.c, ldq, O.c, r.pool.c, &r.l, 2, &mc, scale, p->causal, p->md ? &bc : NULL));
@@ -511,6 +656,7 @@ static void paged_case(const paged_cfg *p) {
     poison_gpu(&O);
     mg.max_q = max_q;
     mg.max_ctx = max_ctx;
+    mg.kv_static = false;
     cr_assert(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mg, scale, p->causal, p->md ? &bg : NULL) == TD_OK,
               "%s", td_errmsg());
     e = compare(&O, 0);
@@ -726,12 +872,14 @@ typedef struct step_bufs {
 enum { GS = 5, GD = 256, GH = 4, GDH = 64, GV = 1001, GBS = 16, GNB = 40, GSTRIDE = 8 };
 
 static td_status run_step(step_bufs *s, const td_kv_layout *l) {
-  td_paged_meta m = {GS, GS, 1, GSTRIDE * GBS, s->qs, s->ctx, s->tab, GSTRIDE};
+  td_paged_meta m = {GS, GS, 1, GSTRIDE * GBS, s->qs, s->ctx, s->tab, GSTRIDE, false};
   td_relbias rb = {s->lut, 16};
   TD_TRY(td_embed(G, s->ids, s->ids, s->wemb, NULL, 2.0f, s->h, GS, GD));
-  TD_TRY(td_norm(G, s->h, s->nw, NULL, s->x, GS, GD, 1e-6f, true));
-  TD_TRY(td_gemm(G, s->x, s->wqkv, NULL, s->qkv, GS, 3 * GD, GD, TD_ACT_NONE, 0));
-  TD_TRY(td_kv_write(G, (char *)s->qkv + GD * 2, (char *)s->qkv + 2 * GD * 2, 3 * GD, s->pool, l, 0, s->slots, GS));
+  /* norm, QKV projection and KV write in one op */
+  td_gemm_args qa = {.x = s->h, .w = s->wqkv, .y = s->qkv, .m = GS, .n = 3 * GD, .k = GD, .norm_w = s->nw,
+                     .norm_eps = 1e-6f, .norm_rms = true, .scratch_norm = s->x, .kv_pool = s->pool, .kv_layout = l,
+                     .kv_layer = 0, .kv_col = GD, .kv_slots = s->slots};
+  TD_TRY(td_gemm_ex(G, &qa));
   TD_TRY(td_attn_paged(G, s->qkv, 3 * GD, s->att, s->pool, l, 0, &m, 0.125f, true, &rb));
   TD_TRY(td_gemm(G, s->att, s->wo, NULL, s->h, GS, GD, GD, TD_ACT_NONE, TD_GEMM_ACCUM));
   TD_TRY(td_gemm(G, s->h, s->whead, NULL, s->logits, GS, GV, GD, TD_ACT_NONE, TD_GEMM_OUT_F32));

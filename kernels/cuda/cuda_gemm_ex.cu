@@ -1,0 +1,321 @@
+/* td_gemm_ex on the GPU: a decode GEMM (m <= 16 rows) that can fuse the
+ * row norm, the gated activation (GLU) and the KV write of a QKV projection
+ * ("skf"); whatever it does not fuse runs as its own op.
+ *
+ * Same layout as the skinny kernel of cuda_gemm.cu (16 W rows per block,
+ * the 4 warps split K, each streaming its share of W through its own
+ * 4-stage cp.async ring, sums meeting in shared memory in a fixed order),
+ * with three changes:
+ *  - x is staged whole in shared memory once per block (m <= 16 rows,
+ *    columns >= k zero), so a fused norm is applied there in place, exactly
+ *    as td_norm computes it (full-row statistics, x * inv * w in bf16);
+ *  - W is a model constant, so each warp requests its first stages before
+ *    griddepcontrol.wait: they stream while the previous kernel drains;
+ *  - the epilogue does bias, activation, GLU (a block's 16 W rows are
+ *    8 rows of W_a and the same 8 of W_b, giving 8 outputs), and the KV
+ *    write of a QKV projection into the paged pool.
+ *
+ * What is fused by default was measured on H100 (docs/cuda.md): GLU up to
+ * 8 rows (FFN input at one row 6.7 us against 8.4 for GEMM + gated
+ * activation). The in-kernel norm measured no faster than the norm kernel
+ * overlapped with the GEMM's weight prefetch (each block renormalises
+ * every row: serial work after the wait), the KV write no better than its
+ * own kernel, and 16 rows lose to cuBLASLt (x re-read per 16 columns).
+ * TANDEM_CUDA_FUSE=ROWS,MASK selects others (tests run them all).
+ *
+ * Tried and dropped (measured): a split-K variant for up to 64 rows whose
+ * blocks exchanged partials through distributed shared memory in
+ * clusters; 1.2x slower at one row and 3-5x slower at 64 (the remote
+ * stores of the partial tiles dominate). */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/cuda_ptx.cuh"
+
+extern "C" {
+#include "kernels/act.h"
+}
+
+enum { SF_KC = 64, SF_ROW = SF_KC + 8, SF_STAGES = 4, SF_WARPS = 4, SF_MAXM = 16 };
+enum { SF_NORM_NONE = 0, SF_NORM_RMS = 1, SF_NORM_LN = 2 };
+enum { SF_FUSE_NORM = 1, SF_FUSE_GLU = 2, SF_FUSE_KV = 4 };
+/* defaults (TANDEM_CUDA_FUSE): measured on H100, docs/cuda.md */
+enum { SF_DEF_ROWS = 8, SF_DEF_MASK = SF_FUSE_GLU };
+constexpr size_t SF_RING = (size_t)SF_WARPS * SF_STAGES * 16 * SF_ROW * sizeof(bf16);
+
+struct SfArgs {
+  const bf16 *x, *w;
+  const float *bias;
+  bf16 *y;
+  int m, n, k; /* n: rows of W (both halves with GLU) */
+  int ldy;     /* columns of y: n, or n / 2 with GLU */
+  int act, accum, glu, norm;
+  const float *nw, *nb;
+  float eps;
+  int kq, xs; /* K per warp; staged row length of x */
+  /* fused KV write (pool != NULL) */
+  bf16 *pool;
+  const int32_t *slots;
+  int kv_col, kv_hd, kv_dh, kv_bs, kv_H;
+  size_t kv_block_elems, kv_layer_off;
+};
+
+__device__ __forceinline__ float sf_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+union sf_bf16x8 {
+  uint4 u;
+  __nv_bfloat162 h[4];
+};
+
+__global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
+  extern __shared__ __align__(16) unsigned char sf_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const int XS = a.xs;
+  bf16 *ring = (bf16 *)sf_raw, *mine = ring + (size_t)warp * SF_STAGES * 16 * SF_ROW;
+  bf16 *xs = (bf16 *)(sf_raw + SF_RING);
+  const int half = a.n / 2;
+  const int kb = warp * a.kq, ke = min(a.k, kb + a.kq);
+  const int nst = ke > kb ? (ke - kb + SF_KC - 1) / SF_KC : 0;
+  /* tile row r -> W row (GLU: rows 0-7 of W_a, 8-15 the same rows of W_b) */
+  auto w_row = [&](int r, bool &ok) -> int {
+    if (a.glu) {
+      int j = blockIdx.x * 8 + (r & 7);
+      ok = j < half;
+      return r < 8 ? j : half + j;
+    }
+    int j = blockIdx.x * 16 + r;
+    ok = j < a.n;
+    return j;
+  };
+  auto load_w = [&](int st, int buf) {
+    int k0 = kb + st * SF_KC;
+    bf16 *ws = mine + (size_t)buf * 16 * SF_ROW;
+#pragma unroll
+    for (int i = 0; i < 4; i++) { /* 16 rows x 8 chunks */
+      int c = lane + 32 * i, r = c >> 3, kk = k0 + (c & 7) * 8;
+      bool ok;
+      int wr = w_row(r, ok);
+      ok = ok && kk < ke;
+      cp_async16(ws + r * SF_ROW + (c & 7) * 8, ok ? a.w + (size_t)wr * a.k + kk : a.w, ok);
+    }
+  };
+
+  /* W does not depend on the previous kernel: request it before waiting */
+#pragma unroll
+  for (int st = 0; st < SF_STAGES - 1; st++) {
+    if (st < nst) load_w(st, st);
+    cp_async_commit();
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  /* x, whole: m rows of XS - 8 columns, zeros past k (W is zero there, and
+   * 0 * garbage could be NaN). Rows m..15 stay unwritten: an MMA row of
+   * the output depends only on its own row of x, and those are not stored. */
+  const int pieces = (XS - 8) / 8;
+  for (int c = threadIdx.x; c < a.m * pieces; c += 32 * SF_WARPS) {
+    int r = c / pieces, q = c % pieces, col = q * 8;
+    bool ok = col < a.k;
+    cp_async16(xs + r * XS + col, ok ? a.x + (size_t)r * a.k + col : a.x, ok);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  /* the norm in place, as td_norm: full-row statistics, x * inv * w */
+  if (a.norm != SF_NORM_NONE) {
+    for (int r = warp; r < a.m; r += SF_WARPS) {
+      bf16 *xr = xs + r * XS;
+      float mean = 0.0f;
+      if (a.norm == SF_NORM_LN) {
+        float s = 0.0f;
+        for (int i = lane * 8; i < a.k; i += 256) {
+          sf_bf16x8 v;
+          v.u = *(const uint4 *)(xr + i);
+#pragma unroll
+          for (int j = 0; j < 4; j++) {
+            float2 f = __bfloat1622float2(v.h[j]);
+            s += f.x + f.y;
+          }
+        }
+        mean = sf_warp_sum(s) / (float)a.k;
+      }
+      float s2 = 0.0f;
+      for (int i = lane * 8; i < a.k; i += 256) {
+        sf_bf16x8 v;
+        v.u = *(const uint4 *)(xr + i);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          float2 f = __bfloat1622float2(v.h[j]);
+          s2 += (f.x - mean) * (f.x - mean) + (f.y - mean) * (f.y - mean);
+        }
+      }
+      float inv = rsqrtf(sf_warp_sum(s2) / (float)a.k + a.eps);
+      for (int i = lane * 8; i < a.k; i += 256) {
+        sf_bf16x8 v;
+        v.u = *(const uint4 *)(xr + i);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          float2 f = __bfloat1622float2(v.h[j]);
+          float p0 = (f.x - mean) * inv * __ldg(a.nw + i + 2 * j);
+          float p1 = (f.y - mean) * inv * __ldg(a.nw + i + 2 * j + 1);
+          if (a.norm == SF_NORM_LN && a.nb) {
+            p0 += __ldg(a.nb + i + 2 * j);
+            p1 += __ldg(a.nb + i + 2 * j + 1);
+          }
+          v.h[j] = __floats2bfloat162_rn(p0, p1);
+        }
+        *(uint4 *)(xr + i) = v.u;
+      }
+    }
+    __syncthreads();
+  }
+
+  /* each warp: its K range, W through its ring, no block barrier */
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  for (int st = 0; st < nst; st++) {
+    cp_async_wait<SF_STAGES - 2>();
+    __syncwarp();
+    if (st + SF_STAGES - 1 < nst) load_w(st + SF_STAGES - 1, (st + SF_STAGES - 1) % SF_STAGES);
+    cp_async_commit();
+    const bf16 *ws = mine + (size_t)(st % SF_STAGES) * 16 * SF_ROW;
+    const int k0 = kb + st * SF_KC;
+#pragma unroll
+    for (int ks = 0; ks < SF_KC / 16; ks++) {
+      uint32_t b0, b1, b2, b3, af[4];
+      ldsm_x4(b0, b1, b2, b3, ws + ((lane & 7) + ((lane >> 4) << 3)) * SF_ROW + ks * 16 + ((lane >> 3) & 1) * 8);
+      ldsm_x4(af[0], af[1], af[2], af[3], xs + (lane & 15) * XS + k0 + ks * 16 + (lane >> 4) * 8);
+      mma16816(acc[0], af, b0, b1);
+      mma16816(acc[1], af, b2, b3);
+    }
+    __syncwarp(); /* the stage is rewritten by the next iteration's load */
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  float *red = (float *)sf_raw; /* [warp][16 rows][16 cols], over the rings */
+#pragma unroll
+  for (int j = 0; j < 2; j++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * 16 + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
+  __syncthreads();
+
+  const int oc = a.glu ? 8 : 16; /* outputs of this block per row */
+  for (int i = threadIdx.x; i < a.m * oc; i += 32 * SF_WARPS) {
+    int row = i / oc, c = i % oc, j = blockIdx.x * oc + c;
+    if (j >= a.ldy) continue;
+    float v = 0.0f, vb = 0.0f;
+#pragma unroll
+    for (int q = 0; q < SF_WARPS; q++) {
+      v += red[(q * 16 + row) * 16 + c];
+      if (a.glu) vb += red[(q * 16 + row) * 16 + 8 + c];
+    }
+    if (a.glu) {
+      if (a.bias) {
+        v += __ldg(a.bias + j);
+        vb += __ldg(a.bias + half + j);
+      }
+      v = td_act_apply(a.act, v) * vb;
+    } else {
+      if (a.bias) v += __ldg(a.bias + j);
+      v = td_act_apply(a.act, v);
+    }
+    size_t o = (size_t)row * a.ldy + j;
+    if (a.accum) v += __bfloat162float(a.y[o]);
+    bf16 hv = __float2bfloat16_rn(v);
+    a.y[o] = hv;
+    if (a.pool && j >= a.kv_col && j < a.kv_col + 2 * a.kv_hd) {
+      int slot = __ldg(a.slots + row);
+      if (slot >= 0) {
+        int u = j - a.kv_col, which = u / a.kv_hd, e = u % a.kv_hd, hh = e / a.kv_dh, d = e % a.kv_dh;
+        size_t dst = (size_t)(slot / a.kv_bs) * a.kv_block_elems + a.kv_layer_off +
+                     ((size_t)(which * a.kv_H + hh) * a.kv_bs + slot % a.kv_bs) * a.kv_dh + d;
+        a.pool[dst] = hv;
+      }
+    }
+  }
+}
+
+/* ------------------------------------------------------------ host side */
+
+td_status td_cu_skf_init(td_cuda *c) {
+  /* TANDEM_CUDA_FUSE=ROWS[,MASK]: the fused kernel for up to ROWS <= 16 rows
+   * (0: td_gemm_ex as separate ops), fusing what MASK names: 1 the norm,
+   * 2 GLU, 4 the KV write (what is not fused runs as its own op). */
+  const char *v = getenv("TANDEM_CUDA_FUSE");
+  c->fuse = SF_DEF_ROWS;
+  c->fuse_mask = SF_DEF_MASK;
+  if (v && *v) {
+    int rows = SF_DEF_ROWS, mask = SF_DEF_MASK;
+    if (sscanf(v, "%d,%d", &rows, &mask) < 1) rows = SF_DEF_ROWS;
+    c->fuse = rows < 0 ? 0 : rows > SF_MAXM ? SF_MAXM : rows;
+    c->fuse_mask = mask & (SF_FUSE_NORM | SF_FUSE_GLU | SF_FUSE_KV);
+  }
+  TD_CU_CHECK(cudaFuncSetAttribute(skf_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)c->smem_optin),
+              "gemm init (fused decode kernel)");
+  return TD_OK;
+}
+
+td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
+  td_cuda *c = td_cu(b);
+  td_cu_bind(c);
+  if ((unsigned)ga->act > TD_ACT_QUICK_GELU)
+    return td_err(TD_ERR_INVALID, "gemm_ex: unknown activation %d", (int)ga->act);
+  bool glu = ga->flags & TD_GEMM_GLU;
+  int k = ga->k, mask = c->fuse_mask;
+  int kq = ((k + SF_WARPS - 1) / SF_WARPS + 15) / 16 * 16;
+  /* the last warp's chunks may read past k: stage (and zero) that far */
+  int xs = 3 * kq + (kq + SF_KC - 1) / SF_KC * SF_KC + 8;
+  size_t smem = SF_RING + (size_t)16 * xs * sizeof(bf16);
+  bool fuse_norm = ga->norm_w && (mask & SF_FUSE_NORM), fuse_kv = ga->kv_pool && (mask & SF_FUSE_KV);
+  bool worth = (glu && (mask & SF_FUSE_GLU)) || fuse_norm || fuse_kv;
+  if (!worth || (glu && !(mask & SF_FUSE_GLU)) || ga->m > c->fuse || (ga->flags & (TD_GEMM_OUT_F32 | TD_GEMM_ACCUM)) ||
+      k % 8 != 0 || !td_aligned16(ga->x) || !td_aligned16(ga->w) || smem > c->smem_optin ||
+      (ga->norm_w && !fuse_norm && !td_aligned16(ga->scratch_norm)))
+    return td_gemm_ex_unfused(b, ga);
+  const void *x = ga->x;
+  if (ga->norm_w && !fuse_norm) { /* the norm as its own kernel (measured faster at one row) */
+    TD_TRY(td_norm(b, ga->x, ga->norm_w, ga->norm_b, ga->scratch_norm, ga->m, k, ga->norm_eps, ga->norm_rms));
+    x = ga->scratch_norm;
+  }
+  SfArgs a = {};
+  a.x = (const bf16 *)x;
+  a.w = (const bf16 *)ga->w;
+  a.bias = ga->bias;
+  a.y = (bf16 *)ga->y;
+  a.m = ga->m, a.n = ga->n, a.k = k;
+  a.ldy = glu ? ga->n / 2 : ga->n;
+  a.act = (int)ga->act;
+  a.glu = glu;
+  a.norm = !fuse_norm ? SF_NORM_NONE : ga->norm_rms ? SF_NORM_RMS : SF_NORM_LN;
+  a.nw = ga->norm_w;
+  a.nb = ga->norm_rms ? NULL : ga->norm_b;
+  a.eps = ga->norm_eps;
+  a.kq = kq;
+  a.xs = xs;
+  const td_kv_layout *l = ga->kv_layout;
+  if (fuse_kv) {
+    a.pool = (bf16 *)ga->kv_pool;
+    a.slots = ga->kv_slots;
+    a.kv_col = ga->kv_col;
+    a.kv_H = l->n_heads;
+    a.kv_dh = l->head_dim;
+    a.kv_hd = l->n_heads * l->head_dim;
+    a.kv_bs = l->block_size;
+    a.kv_block_elems = td_kv_block_elems(l);
+    a.kv_layer_off = (size_t)ga->kv_layer * 2 * l->n_heads * l->block_size * l->head_dim;
+  }
+  unsigned grid = glu ? (unsigned)((ga->n / 2 + 7) / 8) : (unsigned)((ga->n + 15) / 16);
+  (void)td_launch(c, skf_kernel, grid, 32 * SF_WARPS, smem, a);
+  TD_CU_LAUNCHED("gemm_ex (fused decode kernel)");
+  if (ga->kv_pool && !fuse_kv) {
+    size_t hd = (size_t)l->n_heads * l->head_dim;
+    const bf16 *kp = (const bf16 *)ga->y + ga->kv_col;
+    return td_kv_write(b, kp, kp + hd, ga->n, ga->kv_pool, l, ga->kv_layer, ga->kv_slots, ga->m);
+  }
+  return TD_OK;
+}
