@@ -51,9 +51,19 @@ static td_status ceilings(td_backend *b, double *gbs, double *tflops) {
   void *x = NULL, *y = NULL;
   TD_TRY(td_alloc(b, TD_BUF_ACT, n, &x));
   TD_TRY(td_alloc(b, TD_BUF_ACT, n, &y));
-  float *h = malloc(sizeof(float) * 4096);
-  for (int i = 0; i < 4096; i++) h[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
-  for (size_t off = 0; off < n; off += 4096) TD_TRY(td_upload(b, TD_BUF_ACT, (char *)x + off * 2, h, 4096));
+  /* random data throughout: repeating patterns toggle fewer bits, draw less
+   * power and let the GEMM run at clocks real weights never see */
+  size_t chunk = (size_t)1 << 20;
+  float *h = malloc(sizeof(float) * chunk);
+  if (!h) return td_err(TD_ERR_NOMEM, "out of memory");
+  uint64_t st = 0x9e3779b97f4a7c15ull;
+  for (size_t off = 0; off < n; off += chunk) {
+    for (size_t i = 0; i < chunk; i++) {
+      st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+      h[i] = (float)(st >> 40) / (float)(1 << 24) - 0.5f;
+    }
+    TD_TRY(td_upload(b, TD_BUF_ACT, (char *)x + off * 2, h, chunk));
+  }
   TD_TRY(td_copy_d2d(b, y, x, n * 2));
   TD_TRY(td_sync(b));
   int64_t t0 = td_now_ns();
@@ -63,12 +73,13 @@ static td_status ceilings(td_backend *b, double *gbs, double *tflops) {
   int M = 8192;
   t0 = 0;
   double best = 1e30;
-  for (int i = 0; i < 6; i++) {
+  /* sustained, as the encoder is measured: 4 back-to-back GEMMs per sample */
+  for (int i = 0; i < 4; i++) {
     TD_TRY(td_sync(b));
     int64_t s = td_now_ns();
-    TD_TRY(td_gemm(b, x, (char *)x + (size_t)M * M * 2, NULL, y, M, M, M, TD_ACT_NONE, 0));
+    for (int k = 0; k < 4; k++) TD_TRY(td_gemm(b, x, (char *)x + (size_t)M * M * 2, NULL, y, M, M, M, TD_ACT_NONE, 0));
     TD_TRY(td_sync(b));
-    double ms = ms_since(s);
+    double ms = ms_since(s) / 4;
     if (i > 0 && ms < best) best = ms;
   }
   *tflops = 2.0 * M * M * (double)M / (best * 1e-3) / 1e12;
@@ -281,7 +292,7 @@ int main(int argc, char **argv) {
   td_sbuf t = {0};
   td_sbuf_printf(&t, "%s shape (d_model %d, %d+%d layers, %d heads of %d, %sFFN %d, vocab %d), random bf16 weights; "
                      "encoder input %d tokens, decoder context %d tokens; %s%s%d. Ceilings measured in the same run: "
-                     "device copy %.0f GB/s (read + write), cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s.\n\n",
+                     "device copy %.0f GB/s (read + write), cuBLAS bf16 GEMM 8192^3 on random data %.0f TFLOP/s.\n\n",
                  shape, sh->d_model, sh->enc_layers, sh->dec_layers, sh->heads, sh->head_dim, sh->gated ? "gated " : "",
                  sh->ffn, sh->vocab, c.enc_len, c.ctx, c.tp > 1 ? "tensor parallel " : c.pp > 1 ? "pipeline stages " : "GPUs ",
                  "", c.world, gbs, tf);
