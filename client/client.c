@@ -201,6 +201,11 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
         cw->running = (int)x->running;
         cw->queued = (int)x->queued;
         cw->jobs = (int)x->jobs;
+        cw->kv_in_ucx = x->kv_in_ucx;
+        cw->kv_in_zmq = x->kv_in_zmq;
+        cw->kv_out_ucx = x->kv_out_ucx;
+        cw->kv_out_zmq = x->kv_out_zmq;
+        cw->kv_pushing = (int)x->kv_pushing;
       }
       c->have_health = true;
       break;

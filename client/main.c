@@ -99,11 +99,27 @@ int main(int argc, char **argv) {
   if (health) {
     td_client_health h;
     int rc = td_client_health_check(cl, timeout ? timeout : 5000, &h);
-    if (rc == TD_OK)
+    if (rc == TD_OK) {
+      cJSON *ws = cJSON_CreateArray();
+      for (int i = 0; ws && i < h.n_workers; i++) {
+        const td_client_worker *x = &h.workers[i];
+        cJSON *wj = cJSON_CreateObject();
+        cJSON_AddStringToObject(wj, "id", x->id);
+        cJSON_AddNumberToObject(wj, "running", x->running);
+        cJSON_AddNumberToObject(wj, "kv_in_ucx", (double)x->kv_in_ucx);
+        cJSON_AddNumberToObject(wj, "kv_in_zmq", (double)x->kv_in_zmq);
+        cJSON_AddNumberToObject(wj, "kv_out_ucx", (double)x->kv_out_ucx);
+        cJSON_AddNumberToObject(wj, "kv_out_zmq", (double)x->kv_out_zmq);
+        cJSON_AddItemToArray(ws, wj);
+      }
+      char *wtxt = ws ? cJSON_PrintUnformatted(ws) : NULL;
       printf("{\"serving\": %s, \"encoders\": %d, \"prefills\": %d, \"decoders\": %d, \"in_flight\": %d, "
-             "\"queued\": %d}\n",
-             h.serving ? "true" : "false", h.encoders, h.prefills, h.decoders, h.in_flight, h.queued);
-    else
+             "\"queued\": %d, \"workers\": %s}\n",
+             h.serving ? "true" : "false", h.encoders, h.prefills, h.decoders, h.in_flight, h.queued,
+             wtxt ? wtxt : "[]");
+      free(wtxt);
+      cJSON_Delete(ws);
+    } else
       fprintf(stderr, "tandem-client: %s\n", td_errmsg());
     td_client_close(cl);
     return rc == TD_OK && h.serving ? 0 : 1;

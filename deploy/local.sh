@@ -8,6 +8,7 @@
 #   deploy/local.sh [--model DIR] [--device cpu|cuda] [--port N] [--run-dir DIR]
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
 #                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks)
+#                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model="$root/tests/data/t5-tiny"
@@ -18,6 +19,7 @@ encoders=1 prefills=1 decodes=1
 demo=0
 block_size=16
 decode_tp=1 decode_pp=1
+kv_transport=auto
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -30,8 +32,9 @@ while (($#)); do
     --block-size) block_size=$2; shift 2 ;;
     --decode-tp) decode_tp=$2; shift 2 ;;
     --decode-pp) decode_pp=$2; shift 2 ;;
+    --kv-transport) kv_transport=$2; shift 2 ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -39,6 +42,8 @@ done
 model=$(cd "$model" && pwd)
 ((decodes >= 1)) || { echo "local.sh: at least one decode worker is needed" >&2; exit 2; }
 ((decode_tp == 1 || decode_pp == 1)) || { echo "local.sh: a decode group is tensor- or pipeline-parallel" >&2; exit 2; }
+[[ $kv_transport == auto || $kv_transport == ucx || $kv_transport == zmq ]] ||
+  { echo "local.sh: --kv-transport must be auto, ucx or zmq" >&2; exit 2; }
 
 bin="${TANDEM_BIN:-$root/build/bin}"
 if [[ -z ${TANDEM_BIN:-} ]]; then
@@ -91,7 +96,8 @@ start() { # name, command...
 
 start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep"
 threads=1
-common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads")
+common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
+        --kv-transport "$kv_transport")
 gpu=-1
 ngpu=1
 [[ $device == cuda ]] && ngpu=$(nvidia-smi -L | wc -l)
@@ -107,6 +113,8 @@ for ((i = 0; i < prefills; i++)); do
 done
 group_size=$((decode_tp * decode_pp))
 ((group_size > 1 && encoders == 0)) && { echo "local.sh: decode groups need encoder workers" >&2; exit 2; }
+[[ $group_size -gt 1 && $kv_transport == ucx ]] &&
+  { echo "local.sh: decode groups take KV over ZeroMQ (the leader re-slices it): use --kv-transport auto" >&2; exit 2; }
 for ((i = 0; i < decodes; i++)); do
   # without encoders, decode workers encode for themselves
   roles=decode

@@ -27,6 +27,7 @@ void encoder_on_job(td_worker *w, Tandem__Cluster__RouterMessage *m) {
   }
   c->req.encode_only = true;
   c->req.enc_len = 0;
+  c->host_copy = w_kv_host_copy(w, ej->targets, ej->n_targets, true);
   j->added = true;
   w_post(w, c);
 }

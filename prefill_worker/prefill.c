@@ -42,6 +42,7 @@ void prefill_on_arrival(td_worker *w, job *j) {
   c->req.params.num_beams = c->req.params.n = 1;
   c->req.params.num_return_sequences = 0;
   c->req.params.temperature = 0;
+  c->host_copy = w_kv_host_copy(w, &j->msg->prefill->self_target, 1, false);
   j->added = true;
   w_post(w, c);
 }

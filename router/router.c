@@ -809,6 +809,11 @@ static void on_client(td_router *r) {
           x->jobs = (uint32_t)w->jobs;
           x->draining = w->draining;
           x->device = w->device;
+          x->kv_in_ucx = w->load.kv_in_ucx;
+          x->kv_in_zmq = w->load.kv_in_zmq;
+          x->kv_out_ucx = w->load.kv_out_ucx;
+          x->kv_out_zmq = w->load.kv_out_zmq;
+          x->kv_pushing = w->load.kv_pushing;
           wp[k] = x;
           k++;
         }

@@ -35,6 +35,7 @@ typedef struct cmd {
   int32_t *blocks;  /* CMD_RELEASE_BLOCKS, CMD_WRITE_KV (owned) */
   int n_blocks;
   uint8_t *data;    /* CMD_WRITE_KV: n_blocks whole-model blocks (owned) */
+  bool host_copy;   /* CMD_ADD: hand over the blocks' bytes in host memory (a ZeroMQ push) */
   /* CMD_ADD */
   td_request req;
   char id[256]; /* req.id points here */
@@ -127,6 +128,74 @@ int xfer_poll_items(xfer *x, void *items, int cap);
 void xfer_progress(xfer *x);
 /* Drops pending pushes of rid (a cancel); their hooks never fire. */
 void xfer_forget(xfer *x, uint64_t rid);
+int xfer_pending(const xfer *x);
+
+/* ---- KV over the kvtransfer module (UCX) between single-rank workers:
+ * the engine's pools are registered, blocks go straight from the sender's
+ * pool into the receiver's reserved blocks (worker/xfer_ucx.c) ---- */
+typedef struct uxfer uxfer;
+typedef struct uxfer_hooks {
+  /* receiver: whether the blocks of the reservation may be written now */
+  bool (*accept)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, const int32_t *blocks, int n, char *why,
+                 size_t cap);
+  /* receiver: n blocks landed in the pool */
+  void (*arrived)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, int n);
+  /* sender: a push of n blocks finished: ok, or the error */
+  void (*pushed)(void *ctx, uint64_t rid, int role, bool ok, const char *error, int n);
+  /* sender: blocks of forgotten pushes are no longer read (the array is the callee's) */
+  void (*release)(void *ctx, bool cross, int32_t *blocks, int n);
+  void *ctx;
+} uxfer_hooks;
+
+typedef struct uxfer_opts {
+  const char *name;
+  bool cuda;  /* pools in GPU memory of `device` (else host memory) */
+  int device;
+  int timeout_ms;
+  int elem_size; /* bytes of a KV element (float32 on the CPU, bf16 on CUDA) */
+  int layers, heads; /* the whole decoder: single-rank workers only */
+  td_kv_layout cross_layout, self_layout;
+  void *cross_base, *self_base; /* the engine's pools (compute thread's; only their memory is used here) */
+  int cross_blocks, self_blocks;
+} uxfer_opts;
+
+td_status uxfer_create(const uxfer_opts *o, const uxfer_hooks *hooks, uxfer **out);
+/* Cancels every transfer (no hook fires); before the pools are freed. */
+void uxfer_destroy(uxfer *u);
+/* The kvtransfer descriptor (pools, UCX address) for peers. */
+const uint8_t *uxfer_desc(const uxfer *u, size_t *len);
+/* Whether blocks can go to the receiver with this kvtransfer descriptor
+ * over UCX (same block geometry; connects); *why says why not. */
+bool uxfer_route(uxfer *u, const char *peer_id, const uint8_t *desc, size_t len, bool cross, char *why, size_t cap);
+/* Posts n blocks from this worker's pool (src, read until `pushed`) into
+ * the receiver's reserved blocks dst. */
+td_status uxfer_push(uxfer *u, uint64_t rid, int role, const char *peer_id, const uint8_t *desc, size_t len,
+                     uint64_t reservation, bool cross, const int32_t *src, const int32_t *dst, int n);
+/* Cancels the pushes of (rid, role); their hooks never fire. When some
+ * still run and blocks is set, takes the blocks array and hands it to
+ * `release` once none reads them; returns whether it took it. */
+bool uxfer_forget(uxfer *u, uint64_t rid, int role, bool cross, int32_t *blocks, int n);
+/* Whether a granted transfer still writes into the reservation's blocks. */
+bool uxfer_busy(const uxfer *u, uint64_t reservation);
+int uxfer_pushing(const uxfer *u);
+/* Poll loop: a descriptor, arm before sleeping (false: do not sleep), progress. */
+int uxfer_fd(const uxfer *u);
+bool uxfer_arm(uxfer *u);
+void uxfer_progress(uxfer *u);
+
+/* How a sender's blocks reach one target. */
+typedef enum kv_path { KV_NONE, KV_ZMQ, KV_UCX } kv_path;
+typedef struct kv_route {
+  kv_path path;
+  char zmq[300];          /* KV_ZMQ: the receiver's ZeroMQ descriptor */
+  const uint8_t *kvx;     /* KV_UCX: its kvtransfer descriptor (in d) */
+  size_t kvx_len;
+  char why[512];          /* KV_ZMQ: why not UCX; KV_NONE: why not at all */
+  Tandem__Cluster__TransferDesc *d; /* the target's descriptor, unpacked */
+} kv_route;
+/* Decides (and logs once per receiver and path) how blocks reach t. */
+void w_kv_route(td_worker *w, const Tandem__Cluster__KvTarget *t, bool cross, kv_route *r);
+void kv_route_free(kv_route *r);
 
 /* ---- the runtime, as role handlers see it ---- */
 typedef struct td_worker td_worker;
@@ -143,6 +212,10 @@ void w_send_reserved(td_worker *w, job *j);
 /* Gives the job's handed-over blocks back to the engine. */
 void w_release_out_blocks(td_worker *w, job *j);
 xfer *w_xfer(td_worker *w);
+uxfer *w_uxfer(td_worker *w); /* NULL: ZeroMQ only */
+/* Whether a sender needs its blocks in host memory: some target is pushed
+ * over ZeroMQ (decided before the compute thread hands the blocks over). */
+bool w_kv_host_copy(td_worker *w, Tandem__Cluster__KvTarget *const *targets, size_t n, bool cross);
 int w_ttl_ms(td_worker *w);
 bool w_draining(td_worker *w);
 const td_worker_opts *w_opts(td_worker *w);

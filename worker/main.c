@@ -19,6 +19,8 @@ static void usage(FILE *f) {
           "                     [--id NAME] [--device cpu|cuda] [--gpu N] [--block-size N]\n"
           "                     [--kv-blocks N] [--cross-blocks N] [--max-batch N] [--max-tokens N]\n"
           "                     [--threads N] [--host ADDR] [--reservation-ttl-ms N] [--log-level LEVEL]\n"
+          "                     [--kv-transport auto|ucx|zmq]   (how KV blocks go to other workers; auto: UCX\n"
+          "                                                      where both sides can, else ZeroMQ)\n"
           "                     [--group NAME (--tp N | --pp N) --rank R]   (rank 0 serves, others follow)\n");
 }
 
@@ -34,14 +36,14 @@ int main(int argc, char **argv) {
       {"log-level", required_argument, 0, 'l'},  {"help", no_argument, 0, 'h'},
       {"group", required_argument, 0, 'G'},      {"tp", required_argument, 0, 'P'},
       {"pp", required_argument, 0, 'S'},         {"rank", required_argument, 0, 'K'},
-      {0, 0, 0, 0}};
+      {"kv-transport", required_argument, 0, 'X'}, {0, 0, 0, 0}};
   td_worker_opts o = {.device = TD_BACKEND_CPU};
   const char *roles = "encode,prefill,decode";
   char idbuf[64];
   snprintf(idbuf, sizeof idbuf, "worker-%d", (int)getpid());
   o.id = idbuf;
   int c;
-  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:", opts, NULL)) != -1) {
     switch (c) {
       case 'r': o.router = optarg; break;
       case 'm': o.model_dir = optarg; break;
@@ -75,6 +77,13 @@ int main(int argc, char **argv) {
       case 'P': o.tp = atoi(optarg); break;
       case 'S': o.pp = atoi(optarg); break;
       case 'K': o.rank = atoi(optarg); break;
+      case 'X':
+        if (strcmp(optarg, "auto") && strcmp(optarg, "ucx") && strcmp(optarg, "zmq")) {
+          fprintf(stderr, "tandem-worker: --kv-transport must be auto, ucx or zmq\n");
+          return 2;
+        }
+        o.transfer = optarg;
+        break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }

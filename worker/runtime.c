@@ -17,8 +17,25 @@ typedef struct creq {
   wrole role;
   uint64_t handle;
   int64_t t_start;
+  bool host_copy; /* its handed-over blocks also go to host memory (a ZeroMQ push) */
   UT_hash_handle hh;
 } creq;
+
+/* Reservations of cancelled requests that a granted UCX transfer still
+ * writes: given back after its recv event. */
+typedef struct dres {
+  uint64_t rid;
+  wrole role;
+  uint64_t cross_res, self_res;
+  struct dres *next;
+} dres;
+
+/* The KV path last logged for a receiver (once per peer and path). */
+typedef struct kvlog {
+  char id[TD_WIRE_MAX_ID + 1];
+  kv_path path;
+  UT_hash_handle hh;
+} kvlog;
 
 typedef struct load_snap {
   int queued, running, free_self, free_cross;
@@ -50,8 +67,15 @@ struct td_worker {
   td_model_config cfg;
   int max_src, max_tgt, frames, block_size, self_blocks, cross_blocks, max_running;
   size_t full_bb; /* bytes of a whole-model KV block: what peers push */
+  uxfer_opts pools; /* the engine's pools for UCX: set by compute_init, read after `ready` */
   /* main thread */
   xfer *x;
+  uxfer *ux;          /* NULL: ZeroMQ only (--kv-transport zmq, a group, or UCX did not start) */
+  uint8_t *desc;      /* TransferDesc: every way to push here */
+  size_t desc_len;
+  dres *deferred;
+  kvlog *kvlogs;
+  uint64_t kv_in_ucx, kv_in_zmq, kv_out_ucx, kv_out_zmq; /* blocks */
   job *jobs;
   bool registered;
   int hb_ms, dead_after;
@@ -243,18 +267,19 @@ static void on_finish(void *ctx, const td_result *r) {
       e->outputs[e->n_outputs++] = so;
     }
     if (r->n_blocks) {
-      /* the blocks' bytes, in host memory for the transport */
+      /* the blocks, and their bytes in host memory when ZeroMQ pushes them */
       td_kv_pool *pool = c->role == ROLE_ENCODE ? td_engine_cross_pool(w->e) : td_engine_self_pool(w->e);
       size_t bb = td_kv_pool_block_bytes(pool);
       e->blocks = malloc(sizeof(int32_t) * (size_t)r->n_blocks);
-      e->host = malloc(bb * (size_t)r->n_blocks);
-      if (e->blocks && e->host) {
+      e->host = c->host_copy ? malloc(bb * (size_t)r->n_blocks) : NULL;
+      if (e->blocks && (e->host || !c->host_copy)) {
         memcpy(e->blocks, r->blocks, sizeof(int32_t) * (size_t)r->n_blocks);
         e->n_blocks = r->n_blocks;
         e->block_bytes = bb;
-        for (int i = 0; i < r->n_blocks; i++)
+        for (int i = 0; e->host && i < r->n_blocks; i++)
           (void)td_copy_d2h(w->b, e->host + (size_t)i * bb, (uint8_t *)td_kv_pool_memory(pool) + (size_t)r->blocks[i] * bb,
                             bb);
+        /* UCX reads the pool itself: the blocks must be complete before the main thread sees them */
         if (td_sync(w->b) != TD_OK) e->status = TD_ERR_CUDA;
       } else {
         e->status = td_err(TD_ERR_NOMEM, "out of memory");
@@ -324,6 +349,7 @@ static void compute_add(td_worker *w, cmd *c) {
     cr->rid = c->rid;
     cr->role = c->role;
     cr->t_start = td_now_ms();
+    cr->host_copy = c->host_copy;
     r.user = cr;
     s = td_engine_add(w->e, &r, &cr->handle);
   }
@@ -459,9 +485,19 @@ static td_status compute_init(td_worker *w) {
   td_engine_stats st = td_engine_get_stats(w->e);
   w->self_blocks = st.self.n_blocks;
   w->cross_blocks = st.cross.n_blocks;
+  /* heartbeats before the first command report the pools as they are (read after `ready`) */
+  w->load = (load_snap){0, 0, st.self.n_free, st.cross.n_free};
   w->max_running = w->o.max_batch;
   td_kv_layout full = {w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size};
   w->full_bb = td_kv_block_elems(&full) * td_buf_elem_size(w->b, TD_BUF_ACT);
+  /* the pools stay this thread's; the main thread registers their memory with UCX */
+  td_kv_pool *cp = td_engine_cross_pool(w->e), *sp = td_engine_self_pool(w->e);
+  w->pools = (uxfer_opts){.cuda = w->o.device == TD_BACKEND_CUDA, .device = w->o.device_id,
+                          .elem_size = (int)td_buf_elem_size(w->b, TD_BUF_ACT), .layers = w->cfg.dec_layers,
+                          .heads = w->cfg.dec_heads, .cross_layout = td_model_cross_layout(w->m),
+                          .self_layout = td_model_self_layout(w->m), .cross_base = td_kv_pool_memory(cp),
+                          .self_base = td_kv_pool_memory(sp), .cross_blocks = st.cross.n_blocks,
+                          .self_blocks = st.self.n_blocks};
   return TD_OK;
 }
 
@@ -562,10 +598,9 @@ void w_send_failed(td_worker *w, uint64_t rid, td_status code, const char *msg, 
 
 void w_send_reserved(td_worker *w, job *j) {
   Tandem__Cluster__KvTarget cross = TANDEM__CLUSTER__KV_TARGET__INIT, self = TANDEM__CLUSTER__KV_TARGET__INIT;
-  const char *desc = xfer_desc(w->x);
   cross.worker_id = self.worker_id = w->id;
-  cross.desc.data = self.desc.data = (uint8_t *)desc;
-  cross.desc.len = self.desc.len = strlen(desc);
+  cross.desc.data = self.desc.data = w->desc;
+  cross.desc.len = self.desc.len = w->desc_len;
   cross.reservation = j->cross_res;
   cross.blocks = j->cross_ids;
   cross.n_blocks = (size_t)j->n_cross;
@@ -596,6 +631,7 @@ void w_release_out_blocks(td_worker *w, job *j) {
 }
 
 xfer *w_xfer(td_worker *w) { return w->x; }
+uxfer *w_uxfer(td_worker *w) { return w->ux; }
 int w_ttl_ms(td_worker *w) { return w->o.reservation_ttl_ms; }
 bool w_draining(td_worker *w) { return w->draining; }
 const td_worker_opts *w_opts(td_worker *w) { return &w->o; }
@@ -693,9 +729,8 @@ static void send_register(td_worker *w) {
   in.self_blocks = (uint32_t)w->self_blocks;
   in.cross_blocks = (uint32_t)w->cross_blocks;
   in.max_running = (uint32_t)w->max_running;
-  const char *desc = xfer_desc(w->x);
-  in.transfer_desc.data = (uint8_t *)desc;
-  in.transfer_desc.len = strlen(desc);
+  in.transfer_desc.data = w->desc;
+  in.transfer_desc.len = w->desc_len;
   in.device = (char *)td_backend_name(w->b);
   in.pid = (uint32_t)getpid();
   Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
@@ -717,6 +752,11 @@ static void send_heartbeat(td_worker *w) {
   ld.free_self_blocks = (uint32_t)l.free_self;
   ld.free_cross_blocks = (uint32_t)l.free_cross;
   ld.draining = w->draining;
+  ld.kv_in_ucx = w->kv_in_ucx;
+  ld.kv_in_zmq = w->kv_in_zmq;
+  ld.kv_out_ucx = w->kv_out_ucx;
+  ld.kv_out_zmq = w->kv_out_zmq;
+  ld.kv_pushing = (uint32_t)(xfer_pending(w->x) + (w->ux ? uxfer_pushing(w->ux) : 0));
   Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
   hb.load = &ld;
   hb.seq = ++w->hb_seq;
@@ -727,20 +767,53 @@ static void send_heartbeat(td_worker *w) {
   w->last_hb_sent = td_now_ms();
 }
 
+static bool res_busy(td_worker *w, uint64_t cross_res, uint64_t self_res) {
+  return w->ux && (uxfer_busy(w->ux, cross_res) || uxfer_busy(w->ux, self_res));
+}
+
+static void post_release_res(td_worker *w, uint64_t rid, wrole r, uint64_t cross_res, uint64_t self_res) {
+  cmd *c = w_cmd(CMD_RELEASE_RES, rid, r);
+  if (c) {
+    c->cross_res = cross_res;
+    c->self_res = self_res;
+    w_post(w, c);
+  }
+}
+
+/* Gives reservations back, once no granted UCX transfer writes them. */
+static void release_res(td_worker *w, uint64_t rid, wrole r, uint64_t cross_res, uint64_t self_res) {
+  if (res_busy(w, cross_res, self_res)) {
+    dres *d = calloc(1, sizeof *d);
+    if (!d) return; /* lost rather than handed out while written */
+    *d = (dres){rid, r, cross_res, self_res, w->deferred};
+    w->deferred = d;
+    return;
+  }
+  post_release_res(w, rid, r, cross_res, self_res);
+}
+
+static void release_deferred(td_worker *w) {
+  for (dres **pp = &w->deferred; *pp;) {
+    dres *d = *pp;
+    if (res_busy(w, d->cross_res, d->self_res)) {
+      pp = &d->next;
+      continue;
+    }
+    *pp = d->next;
+    post_release_res(w, d->rid, d->role, d->cross_res, d->self_res);
+    free(d);
+  }
+}
+
 /* Ends every part of rid on this worker. */
 static void cancel_rid(td_worker *w, uint64_t rid) {
   xfer_forget(w->x, rid);
   for (int r = 0; r < 3; r++) {
     job *j = w_job_find(w, rid, (wrole)r);
     if (!j) continue;
-    if (!j->added && (j->cross_res || j->self_res)) {
-      cmd *c = w_cmd(CMD_RELEASE_RES, rid, (wrole)r);
-      if (c) {
-        c->cross_res = j->cross_res;
-        c->self_res = j->self_res;
-        w_post(w, c);
-      }
-    }
+    if (!j->added && (j->cross_res || j->self_res)) release_res(w, rid, (wrole)r, j->cross_res, j->self_res);
+    /* blocks that UCX still reads go back when the cancelled transfers stopped */
+    if (w->ux && uxfer_forget(w->ux, rid, r, j->out_cross, j->out_blocks, j->n_out)) j->out_blocks = NULL;
     w_release_out_blocks(w, j);
     w_job_drop(w, j);
   }
@@ -967,14 +1040,10 @@ static void drain_events(td_worker *w) {
 
 /* ------------------------------------------------------------ transfers */
 
-static bool x_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n,
-                     size_t block_bytes, char *why, size_t cap) {
-  td_worker *w = ctx;
-  if (block_bytes != w->full_bb) {
-    snprintf(why, cap, "blocks of %zu bytes, this model's are %zu (another model or block size?)", block_bytes,
-             w->full_bb);
-    return false;
-  }
+/* Whether a sender may write these blocks of request rid's reservation
+ * now: the same check for both transports, before any byte moves. */
+static bool reservation_ok(td_worker *w, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n,
+                           char *why, size_t cap) {
   job *j = w_job_find(w, rid, ROLE_DECODE);
   if (!j || (cross ? j->cross_res : j->self_res) != res) j = w_job_find(w, rid, ROLE_PREFILL);
   if (!j || !j->reserved || j->added || (cross ? j->cross_res : j->self_res) != res) {
@@ -999,6 +1068,17 @@ static bool x_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const in
   return true;
 }
 
+static bool x_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n,
+                     size_t block_bytes, char *why, size_t cap) {
+  td_worker *w = ctx;
+  if (block_bytes != w->full_bb) {
+    snprintf(why, cap, "blocks of %zu bytes, this model's are %zu (another model, block size or device?)", block_bytes,
+             w->full_bb);
+    return false;
+  }
+  return reservation_ok(w, rid, res, cross, blocks, n, why, cap);
+}
+
 static void x_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const void *const *data, size_t bb) {
   td_worker *w = ctx;
   cmd *c = w_cmd(CMD_WRITE_KV, 0, ROLE_DECODE);
@@ -1018,11 +1098,10 @@ static void x_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const
   w_post(w, c);
 }
 
-static void x_arrived(void *ctx, uint64_t rid, uint64_t res, bool cross, int n) {
-  td_worker *w = ctx;
+static void arrival(td_worker *w, uint64_t rid, uint64_t res, bool cross, int n) {
   job *j = w_job_find(w, rid, ROLE_DECODE);
   if (!j || (cross ? j->cross_res : j->self_res) != res) j = w_job_find(w, rid, ROLE_PREFILL);
-  if (!j) return;
+  if (!j || (cross ? j->cross_res : j->self_res) != res) return; /* cancelled meanwhile */
   if (cross)
     j->cross_got += n;
   else
@@ -1033,10 +1112,149 @@ static void x_arrived(void *ctx, uint64_t rid, uint64_t res, bool cross, int n) 
     prefill_on_arrival(w, j);
 }
 
+static void x_arrived(void *ctx, uint64_t rid, uint64_t res, bool cross, int n) {
+  td_worker *w = ctx;
+  w->kv_in_zmq += (uint64_t)n;
+  arrival(w, rid, res, cross, n);
+}
+
 static void x_pushed(void *ctx, uint64_t rid, int r, bool ok, const char *error) {
   td_worker *w = ctx;
   job *j = w_job_find(w, rid, (wrole)r);
+  if (!j) return;
+  if (ok) w->kv_out_zmq += (uint64_t)j->n_out;
+  sender_on_pushed(w, j, ok, error);
+}
+
+static bool u_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n, char *why,
+                     size_t cap) {
+  return reservation_ok(ctx, rid, res, cross, blocks, n, why, cap);
+}
+
+/* The blocks are in the pool already: no CMD_WRITE_KV. */
+static void u_arrived(void *ctx, uint64_t rid, uint64_t res, bool cross, int n) {
+  td_worker *w = ctx;
+  w->kv_in_ucx += (uint64_t)n;
+  arrival(w, rid, res, cross, n);
+}
+
+static void u_pushed(void *ctx, uint64_t rid, int r, bool ok, const char *error, int n) {
+  td_worker *w = ctx;
+  if (ok) w->kv_out_ucx += (uint64_t)n;
+  job *j = w_job_find(w, rid, (wrole)r);
   if (j) sender_on_pushed(w, j, ok, error);
+}
+
+static void u_release(void *ctx, bool cross, int32_t *blocks, int n) {
+  td_worker *w = ctx;
+  cmd *c = w_cmd(CMD_RELEASE_BLOCKS, 0, cross ? ROLE_ENCODE : ROLE_PREFILL);
+  if (!c) {
+    free(blocks);
+    return;
+  }
+  c->cross = cross;
+  c->blocks = blocks;
+  c->n_blocks = n;
+  w_post(w, c);
+}
+
+static void kv_log_path(td_worker *w, const char *peer, const kv_route *r) {
+  kvlog *l = NULL;
+  HASH_FIND_STR(w->kvlogs, peer, l);
+  if (l && l->path == r->path) return;
+  if (!l && strlen(peer) <= TD_WIRE_MAX_ID && (l = calloc(1, sizeof *l)) != NULL) {
+    snprintf(l->id, sizeof l->id, "%s", peer);
+    HASH_ADD_STR(w->kvlogs, id, l);
+  }
+  if (l) l->path = r->path;
+  if (r->path == KV_UCX)
+    TD_INFO("KV to %s: over UCX, straight into its pool", peer);
+  else if (r->path == KV_ZMQ)
+    TD_INFO("KV to %s: over ZeroMQ (%s)", peer, r->why);
+  else
+    TD_WARN("KV to %s: no way: %s", peer, r->why);
+}
+
+void kv_route_free(kv_route *r) {
+  if (r->d) tandem__cluster__transfer_desc__free_unpacked(r->d, NULL);
+  r->d = NULL;
+}
+
+void w_kv_route(td_worker *w, const Tandem__Cluster__KvTarget *t, bool cross, kv_route *r) {
+  memset(r, 0, sizeof *r);
+  r->path = KV_NONE;
+  const char *peer = t->worker_id ? t->worker_id : "?";
+  const uint8_t *b = t->desc.data;
+  size_t len = t->desc.len;
+  char why[400] = "";
+  if (len > 4 && !memcmp(b, "zmq:", 4)) {
+    /* a bare ZeroMQ endpoint (a worker from before TransferDesc) */
+    if (len < sizeof r->zmq) memcpy(r->zmq, b, len);
+    snprintf(why, sizeof why, "it offers ZeroMQ only");
+  } else {
+    r->d = tandem__cluster__transfer_desc__unpack(NULL, len, b);
+    if (!r->d || r->d->version != TD_PROTOCOL_VERSION) {
+      if (r->d)
+        snprintf(r->why, sizeof r->why, "its KV descriptor has protocol version %u, this worker's %u", r->d->version,
+                 TD_PROTOCOL_VERSION);
+      else
+        snprintf(r->why, sizeof r->why, "its KV descriptor is malformed");
+      kv_route_free(r);
+      kv_log_path(w, peer, r);
+      return;
+    }
+    snprintf(r->zmq, sizeof r->zmq, "%s", r->d->zmq ? r->d->zmq : "");
+    if (!strcmp(w->o.transfer, "zmq"))
+      snprintf(why, sizeof why, "--kv-transport zmq here");
+    else if (!w->ux)
+      snprintf(why, sizeof why, "this worker has no UCX engine");
+    else if (r->d->ranks > 1)
+      snprintf(why, sizeof why, "it is a TP/PP group, whose leader re-slices the blocks");
+    else if (!r->d->kvx.len)
+      snprintf(why, sizeof why, "it offers no UCX (--kv-transport zmq there)");
+    else if (uxfer_route(w->ux, peer, r->d->kvx.data, r->d->kvx.len, cross, why, sizeof why))
+      r->path = KV_UCX;
+  }
+  if (r->path == KV_UCX) {
+    r->kvx = r->d->kvx.data;
+    r->kvx_len = r->d->kvx.len;
+  } else if (!strcmp(w->o.transfer, "ucx")) {
+    snprintf(r->why, sizeof r->why, "--kv-transport ucx, but %s", why);
+  } else if (!r->zmq[0]) {
+    snprintf(r->why, sizeof r->why, "no ZeroMQ endpoint, and %s", why);
+  } else {
+    r->path = KV_ZMQ;
+    snprintf(r->why, sizeof r->why, "%s", why);
+  }
+  kv_log_path(w, peer, r);
+}
+
+bool w_kv_host_copy(td_worker *w, Tandem__Cluster__KvTarget *const *targets, size_t n, bool cross) {
+  bool host = false;
+  for (size_t i = 0; i < n && !host; i++) {
+    kv_route r;
+    w_kv_route(w, targets[i], cross, &r);
+    host = r.path != KV_UCX;
+    kv_route_free(&r);
+  }
+  return host;
+}
+
+static td_status build_desc(td_worker *w) {
+  Tandem__Cluster__TransferDesc d = TANDEM__CLUSTER__TRANSFER_DESC__INIT;
+  d.version = TD_PROTOCOL_VERSION;
+  d.zmq = (char *)xfer_desc(w->x);
+  if (w->ux) {
+    size_t len;
+    d.kvx.data = (uint8_t *)uxfer_desc(w->ux, &len);
+    d.kvx.len = len;
+  }
+  d.ranks = (uint32_t)w->world;
+  w->desc_len = tandem__cluster__transfer_desc__get_packed_size(&d);
+  w->desc = malloc(w->desc_len + 1);
+  if (!w->desc) return td_err(TD_ERR_NOMEM, "out of memory");
+  tandem__cluster__transfer_desc__pack(&d, w->desc);
+  return TD_OK;
 }
 
 /* ------------------------------------------------------------ timers */
@@ -1052,7 +1270,8 @@ static void timers(td_worker *w, volatile sig_atomic_t *stop) {
   }
   job *j, *tmp;
   HASH_ITER(hh, w->jobs, j, tmp) {
-    if (j->reserved && !j->added && t > j->expires) {
+    /* a granted UCX transfer keeps writing until its recv event: wait for it */
+    if (j->reserved && !j->added && t > j->expires && !res_busy(w, j->cross_res, j->self_res)) {
       TD_WARN("request %llu: KV did not arrive in time", (unsigned long long)j->rid);
       uint64_t rid = j->rid;
       cancel_rid(w, rid);
@@ -1079,6 +1298,7 @@ void td_worker_opts_default(td_worker_opts *o) {
   if (!o->decode && !o->prefill && !o->self_blocks) o->self_blocks = 2 * o->max_batch;
   if (!o->transfer_timeout_ms) o->transfer_timeout_ms = 10000;
   if (!o->listen_host) o->listen_host = "127.0.0.1";
+  if (!o->transfer) o->transfer = "auto";
 }
 
 td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
@@ -1089,6 +1309,7 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
   td_worker_opts *o = &w->o;
   td_worker_opts_default(o);
   snprintf(w->id, sizeof w->id, "%s", o->id);
+  bool ucx_only = !strcmp(o->transfer, "ucx"), zmq_only = !strcmp(o->transfer, "zmq");
   w->hb_ms = 500;
   w->dead_after = 6;
   w->efd = -1;
@@ -1096,6 +1317,10 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
   pthread_mutex_init(&w->mu, NULL);
   pthread_cond_init(&w->cv, NULL);
   td_status s = TD_OK;
+  if (!ucx_only && !zmq_only && strcmp(o->transfer, "auto")) {
+    s = td_err(TD_ERR_INVALID, "KV transport %s: auto, ucx or zmq", o->transfer);
+    goto fail;
+  }
   if (w->efd < 0) {
     s = td_err(TD_ERR_IO, "eventfd: %s", strerror(errno));
     goto fail;
@@ -1114,6 +1339,11 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
   }
   w->world = o->tp > 1 ? o->tp : o->pp > 1 ? o->pp : 1;
   if (w->world > 1) {
+    if (ucx_only) {
+      s = td_err(TD_ERR_UNSUPPORTED, "--kv-transport ucx: a TP/PP group takes KV over ZeroMQ (its leader re-slices "
+                 "whole-model blocks for the ranks)");
+      goto fail;
+    }
     if (o->encode || o->prefill) {
       s = td_err(TD_ERR_UNSUPPORTED, "worker groups run the decode role only (encoders and prefill workers are "
                  "single-rank; their KV is re-sliced for the group on arrival)");
@@ -1164,6 +1394,18 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
   xfer_hooks hooks = {.accept = x_accept, .deliver = x_deliver, .arrived = x_arrived, .pushed = x_pushed, .ctx = w};
   s = xfer_create(o->listen_host, &hooks, o->transfer_timeout_ms, &w->x);
   if (s != TD_OK) goto fail;
+  /* A group's ranks hold slices: blocks for it go through the leader's
+   * re-slicing (ZeroMQ), so only single-rank workers register pools. */
+  if (!zmq_only && w->world == 1) {
+    uxfer_opts uo = w->pools;
+    uo.name = w->id;
+    uo.timeout_ms = o->transfer_timeout_ms;
+    uxfer_hooks uh = {.accept = u_accept, .arrived = u_arrived, .pushed = u_pushed, .release = u_release, .ctx = w};
+    s = uxfer_create(&uo, &uh, &w->ux);
+    if (s != TD_OK && ucx_only) goto fail;
+    if (s != TD_OK) TD_WARN("KV over ZeroMQ only: UCX did not start: %s", td_errmsg());
+  }
+  if ((s = build_desc(w)) != TD_OK) goto fail;
   *out = w;
   return TD_OK;
 fail:
@@ -1172,21 +1414,32 @@ fail:
 }
 
 td_status td_worker_run(td_worker *w, volatile sig_atomic_t *stop) {
-  TD_INFO("worker %s (%s%s%s) on %s, KV endpoint %s", w->id, w->o.encode ? "encode " : "", w->o.prefill ? "prefill " : "",
-          w->o.decode ? "decode" : "", td_backend_name(w->b), xfer_desc(w->x));
+  TD_INFO("worker %s (%s%s%s) on %s, KV endpoint %s%s", w->id, w->o.encode ? "encode " : "",
+          w->o.prefill ? "prefill " : "", w->o.decode ? "decode" : "", td_backend_name(w->b), xfer_desc(w->x),
+          w->ux ? " and UCX" : "");
   send_register(w);
   w->last_router_msg = td_now_ms();
   for (;;) {
-    zmq_pollitem_t items[8];
+    zmq_pollitem_t items[16];
     items[0] = (zmq_pollitem_t){.socket = w->rsock, .events = ZMQ_POLLIN};
     items[1] = (zmq_pollitem_t){.fd = w->efd, .events = ZMQ_POLLIN};
-    int n = 2 + xfer_poll_items(w->x, items + 2, 6);
-    int rc = zmq_poll(items, n, 20);
+    int n = 2 + xfer_poll_items(w->x, items + 2, 13);
+    int timeout = 20;
+    if (w->ux) {
+      items[n++] = (zmq_pollitem_t){.fd = uxfer_fd(w->ux), .events = ZMQ_POLLIN};
+      /* last before sleeping; work that signals no descriptor (GPU copies) means no sleep */
+      if (!uxfer_arm(w->ux)) timeout = 0;
+    }
+    int rc = zmq_poll(items, n, timeout);
     if (rc < 0 && zmq_errno() != EINTR) return td_err(TD_ERR_NETWORK, "zmq poll: %s", zmq_strerror(zmq_errno()));
     for (int k = 0; k < 1024 && on_router(w, stop); k++) {
     }
     drain_events(w);
     xfer_progress(w->x);
+    if (w->ux) {
+      uxfer_progress(w->ux);
+      release_deferred(w);
+    }
     timers(w, stop);
     if (w->draining && (HASH_COUNT(w->jobs) == 0 || td_now_ms() > w->drain_deadline)) break;
   }
@@ -1203,6 +1456,21 @@ td_status td_worker_run(td_worker *w, volatile sig_atomic_t *stop) {
 
 void td_worker_destroy(td_worker *w) {
   if (!w) return;
+  /* UCX first: it stops what still moves while the pools it registered
+   * exist (the engine frees them below); its callbacks touch no job now */
+  uxfer_destroy(w->ux);
+  w->ux = NULL;
+  while (w->deferred) {
+    dres *d = w->deferred;
+    w->deferred = d->next;
+    free(d);
+  }
+  kvlog *kl, *klt;
+  HASH_ITER(hh, w->kvlogs, kl, klt) {
+    HASH_DEL(w->kvlogs, kl);
+    free(kl);
+  }
+  free(w->desc);
   if (w->thread_started) {
     pthread_mutex_lock(&w->mu);
     w->stop_compute = true;

@@ -41,7 +41,9 @@ void sender_on_pushed(td_worker *w, job *j, bool ok, const char *error) {
   if (j->pushes_pending <= 0) sender_finish(w, j);
 }
 
-/* Pushes the job's blocks to each target; finishes when none could start. */
+/* Pushes the job's blocks to each target (over UCX straight from the pool
+ * where both sides can, else the host copy over ZeroMQ); finishes when
+ * none could start. */
 void w_push_all(td_worker *w, job *j, Tandem__Cluster__KvTarget **targets, size_t n_targets) {
   for (size_t i = 0; i < n_targets; i++) {
     Tandem__Cluster__KvTarget *t = targets[i];
@@ -51,15 +53,27 @@ void w_push_all(td_worker *w, job *j, Tandem__Cluster__KvTarget **targets, size_
                t->n_blocks, j->n_out);
       continue;
     }
-    const void *src[4096];
-    if (j->n_out > 4096 || !j->out_host) {
+    if (j->n_out > 4096 || !j->out_blocks) {
       j->push_failed = true;
       snprintf(j->push_error, sizeof j->push_error, "%d blocks to push", j->n_out);
       continue;
     }
-    for (int b = 0; b < j->n_out; b++) src[b] = j->out_host + (size_t)b * j->out_bb;
-    td_status s = xfer_push(w_xfer(w), j->rid, j->role, t->desc.data, t->desc.len, t->reservation, j->out_cross, src,
-                            j->out_bb, t->blocks, j->n_out);
+    kv_route r;
+    w_kv_route(w, t, j->out_cross, &r);
+    td_status s;
+    if (r.path == KV_UCX) {
+      s = uxfer_push(w_uxfer(w), j->rid, j->role, t->worker_id, r.kvx, r.kvx_len, t->reservation, j->out_cross,
+                     j->out_blocks, t->blocks, j->n_out);
+    } else if (r.path == KV_ZMQ && j->out_host) {
+      const void *src[4096];
+      for (int b = 0; b < j->n_out; b++) src[b] = j->out_host + (size_t)b * j->out_bb;
+      s = xfer_push(w_xfer(w), j->rid, j->role, (const uint8_t *)r.zmq, strlen(r.zmq), t->reservation, j->out_cross,
+                    src, j->out_bb, t->blocks, j->n_out);
+    } else {
+      /* no host copy was made when the job came: UCX looked possible then */
+      s = td_err(TD_ERR_UNSUPPORTED, "%s", r.path == KV_ZMQ ? "the blocks are not in host memory" : r.why);
+    }
+    kv_route_free(&r);
     if (s == TD_OK) {
       j->pushes_pending++;
     } else if (!j->push_failed) {
@@ -69,4 +83,3 @@ void w_push_all(td_worker *w, job *j, Tandem__Cluster__KvTarget **targets, size_
   }
   if (j->pushes_pending == 0) sender_finish(w, j);
 }
-

@@ -29,7 +29,9 @@ typedef struct td_worker_opts {
   int threads;             /* CPU BLAS threads */
   int reservation_ttl_ms;  /* unclaimed reservations expire */
   int transfer_timeout_ms; /* a KV push with no answer fails */
-  const char *transfer;    /* "zmq" (host memory) or "ucx" */
+  /* KV pushes to other workers: "auto" (UCX straight between the pools
+   * where both sides can, else ZeroMQ), "ucx" (UCX or fail) or "zmq" */
+  const char *transfer;
   const char *listen_host; /* address peers reach this worker's KV endpoint at */
   /* A tensor- or pipeline-parallel group: one process per rank; rank 0
    * serves, the others replay its model calls (td_worker_follow). */

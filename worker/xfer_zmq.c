@@ -291,3 +291,5 @@ void xfer_forget(xfer *x, uint64_t rid) {
   for (int p = x->n_pend - 1; p >= 0; p--)
     if (x->pend[p].rid == rid) x->pend[p] = x->pend[--x->n_pend];
 }
+
+int xfer_pending(const xfer *x) { return x->n_pend; }

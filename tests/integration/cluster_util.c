@@ -62,18 +62,30 @@ static pid_t spawn(cluster *c, const char *name, char *const argv[]) {
   return pid;
 }
 
+/* Appends space-separated flags to argv[*a] (at most cap entries); they
+ * point into buf. */
+static void add_flags(char *buf, size_t cap_buf, const char *flags, char **argv, int *a, int cap) {
+  if (!flags || !*flags) return;
+  snprintf(buf, cap_buf, "%s", flags);
+  char *save = NULL;
+  for (char *t = strtok_r(buf, " ", &save); t && *a < cap; t = strtok_r(NULL, " ", &save)) argv[(*a)++] = t;
+}
+
 int cluster_add_worker(cluster *c, const char *name, const char *roles, int block_size) {
-  char bin[600], bs[16];
+  char bin[600], bs[16], extra[256];
   snprintf(bin, sizeof bin, "%s/tandem-worker", TD_BIN_DIR);
   snprintf(bs, sizeof bs, "%d", block_size ? block_size : 4);
-  char *argv[] = {bin, "--router", c->worker_ep, "--model", c->model, "--role", (char *)roles, "--id", (char *)name,
-                  "--block-size", bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256", NULL};
+  char *argv[32] = {bin, "--router", c->worker_ep, "--model", c->model, "--role", (char *)roles, "--id", (char *)name,
+                    "--block-size", bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256"};
+  int a = 17;
+  add_flags(extra, sizeof extra, strcmp(name, c->extra_worker) ? c->worker_extra : c->extra_flags, argv, &a, 31);
+  argv[a] = NULL;
   spawn(c, name, argv);
   return c->n - 1;
 }
 
 int cluster_add_group(cluster *c, const char *name, const char *par, int world, int block_size) {
-  char bin[600], bs[16], ws[8], rk[8], id[64];
+  char bin[600], bs[16], ws[8], rk[8], id[64], extra[256];
   snprintf(bin, sizeof bin, "%s/tandem-worker", TD_BIN_DIR);
   snprintf(bs, sizeof bs, "%d", block_size ? block_size : 4);
   snprintf(ws, sizeof ws, "%d", world);
@@ -81,9 +93,12 @@ int cluster_add_group(cluster *c, const char *name, const char *par, int world, 
   for (int r = 0; r < world; r++) {
     snprintf(rk, sizeof rk, "%d", r);
     snprintf(id, sizeof id, r ? "%s-rank%d" : "%s", name, r);
-    char *argv[] = {bin, "--router", c->worker_ep, "--model", c->model, "--role", "decode", "--id", id, "--block-size",
-                    bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256", "--group", (char *)name,
-                    (char *)par, ws, "--rank", rk, NULL};
+    char *argv[40] = {bin, "--router", c->worker_ep, "--model", c->model, "--role", "decode", "--id", id,
+                      "--block-size", bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256", "--group",
+                      (char *)name, (char *)par, ws, "--rank", rk};
+    int a = 23;
+    add_flags(extra, sizeof extra, strcmp(name, c->extra_worker) ? c->worker_extra : c->extra_flags, argv, &a, 39);
+    argv[a] = NULL;
     spawn(c, id, argv);
   }
   return first;
@@ -94,6 +109,9 @@ void cluster_start(cluster *c, const cluster_opts *o) {
   snprintf(c->dir, sizeof c->dir, "/tmp/td-cluster-XXXXXX");
   cr_assert(mkdtemp(c->dir));
   snprintf(c->model, sizeof c->model, "%s", o->model);
+  snprintf(c->worker_extra, sizeof c->worker_extra, "%s", o->worker_extra ? o->worker_extra : "");
+  snprintf(c->extra_worker, sizeof c->extra_worker, "%s", o->extra_worker ? o->extra_worker : "");
+  snprintf(c->extra_flags, sizeof c->extra_flags, "%s", o->extra_flags ? o->extra_flags : "");
   int port = free_port_pair();
   snprintf(c->client_ep, sizeof c->client_ep, "tcp://127.0.0.1:%d", port);
   snprintf(c->worker_ep, sizeof c->worker_ep, "tcp://127.0.0.1:%d", port + 1);
@@ -140,6 +158,45 @@ bool cluster_health(cluster *c, td_client_health *h) {
   bool ok = td_client_health_check(cl, 1000, h) == TD_OK;
   td_client_close(cl);
   return ok;
+}
+
+bool cluster_kv_count(cluster *c, const char *prefix, int timeout_ms, kv_count *out) {
+  int64_t end = td_now_ms() + timeout_ms;
+  kv_count last_all = {0};
+  int stable = 0;
+  memset(out, 0, sizeof *out);
+  while (td_now_ms() < end) {
+    td_client_health h;
+    if (cluster_health(c, &h)) {
+      kv_count all = {0}, mine = {0};
+      for (int i = 0; i < h.n_workers; i++) {
+        const td_client_worker *w = &h.workers[i];
+        kv_count k = {w->kv_in_ucx, w->kv_in_zmq, w->kv_out_ucx, w->kv_out_zmq};
+        all.in_ucx += k.in_ucx, all.in_zmq += k.in_zmq, all.out_ucx += k.out_ucx, all.out_zmq += k.out_zmq;
+        if (!prefix || !strncmp(w->id, prefix, strlen(prefix)))
+          mine.in_ucx += k.in_ucx, mine.in_zmq += k.in_zmq, mine.out_ucx += k.out_ucx, mine.out_zmq += k.out_zmq;
+      }
+      bool settled = all.in_ucx == all.out_ucx && all.in_zmq == all.out_zmq && all.in_ucx + all.in_zmq > 0;
+      stable = settled && !memcmp(&all, &last_all, sizeof all) ? stable + 1 : 0;
+      last_all = all;
+      *out = mine;
+      if (stable >= 2) return true; /* heartbeats come every 200 ms */
+    }
+    usleep(200000);
+  }
+  return false;
+}
+
+bool cluster_log_has(cluster *c, const char *name, const char *text) {
+  char path[600];
+  snprintf(path, sizeof path, "%s/%s.log", c->dir, name);
+  FILE *f = fopen(path, "r");
+  if (!f) return false;
+  char line[4096];
+  bool found = false;
+  while (!found && fgets(line, sizeof line, f)) found = strstr(line, text) != NULL;
+  fclose(f);
+  return found;
 }
 
 bool cluster_wait_ready(cluster *c, int encoders, int prefills, int decodes, int timeout_ms) {

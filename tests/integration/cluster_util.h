@@ -24,6 +24,8 @@ typedef struct cluster {
   proc p[MAX_PROCS];
   int n;
   int encoders, prefills, decodes;
+  char worker_extra[256];           /* flags for every worker */
+  char extra_worker[64], extra_flags[256]; /* ... but this one gets these */
 } cluster;
 
 typedef struct cluster_opts {
@@ -33,6 +35,9 @@ typedef struct cluster_opts {
   int prefill_threshold; /* 0: router default */
   int block_size;
   const char *router_extra; /* extra router flags, space separated */
+  const char *worker_extra; /* extra flags of every worker, space separated */
+  const char *extra_worker; /* a worker (e.g. "prefill-0") that gets extra_flags instead */
+  const char *extra_flags;
 } cluster_opts;
 
 void cluster_start(cluster *c, const cluster_opts *o);
@@ -47,6 +52,15 @@ void cluster_kill(cluster *c, int idx);
 /* Waits until the router reports the given worker counts. */
 bool cluster_wait_ready(cluster *c, int encoders, int prefills, int decodes, int timeout_ms);
 bool cluster_health(cluster *c, td_client_health *h);
+/* KV blocks moved over UCX and ZeroMQ by the workers whose id starts with
+ * prefix (NULL: all), once the heartbeats show every pushed block arrived
+ * (and nothing changes for a few heartbeats). */
+typedef struct kv_count {
+  uint64_t in_ucx, in_zmq, out_ucx, out_zmq;
+} kv_count;
+bool cluster_kv_count(cluster *c, const char *prefix, int timeout_ms, kv_count *out);
+/* Whether the log of process `name` holds `text`. */
+bool cluster_log_has(cluster *c, const char *name, const char *text);
 /* Waits until every live worker holds no blocks and nothing is in flight. */
 bool cluster_wait_idle(cluster *c, int timeout_ms, char *why, size_t cap);
 

@@ -108,29 +108,68 @@ static void expect_same(const outcome *got, const outcome *want, int n, const ch
   }
 }
 
-static void check_topology_groups(const char *model, int enc, int pre, int dec, int clients, int gtp, int gpp) {
+/* Which transport the workers whose id starts with `prefix` received KV
+ * blocks over: 1 some, 0 none, -1 either. */
+typedef struct kv_want {
+  const char *prefix;
+  int in_ucx, in_zmq;
+} kv_want;
+
+static void expect_kv(cluster *c, const kv_want *want, int n_want, const char *what) {
+  for (int i = 0; i < n_want; i++) {
+    kv_count k;
+    cr_expect(cluster_kv_count(c, want[i].prefix, 10000, &k), "%s: the KV counters did not settle", what);
+    const char *who = want[i].prefix ? want[i].prefix : "the workers";
+    if (want[i].in_ucx >= 0)
+      cr_expect(want[i].in_ucx ? k.in_ucx > 0 : k.in_ucx == 0, "%s: %s received %llu KV blocks over UCX (want %s)",
+                what, who, (unsigned long long)k.in_ucx, want[i].in_ucx ? "some" : "none");
+    if (want[i].in_zmq >= 0)
+      cr_expect(want[i].in_zmq ? k.in_zmq > 0 : k.in_zmq == 0, "%s: %s received %llu KV blocks over ZeroMQ (want %s)",
+                what, who, (unsigned long long)k.in_zmq, want[i].in_zmq ? "some" : "none");
+  }
+}
+
+/* Runs greedy, beam and sampled requests of a fixture through the cluster
+ * and checks the tokens against tandem-generate and the KV transports
+ * against `want`; the results go to got_out (MAXQ entries) when set. */
+static int run_topology(const char *model, cluster_opts o, int clients, const kv_want *want, int n_want,
+                        outcome *got_out) {
   fixture fx;
   fx_load(model, &fx);
   cluster c;
-  cluster_opts o = {.model = fx.dir, .encoders = enc, .prefills = pre, .decodes = dec, .prefill_threshold = 2,
-                    .block_size = 4, .group_tp = gtp, .group_pp = gpp};
+  o.model = fx.dir;
+  o.prefill_threshold = 2;
+  o.block_size = 4;
   cluster_start(&c, &o);
   char path[600];
   snprintf(path, sizeof path, "%s/requests.jsonl", c.dir);
   int n = write_mixed(&fx, path, fx.max_new);
   td_json_request reqs[MAXQ];
   cr_assert_eq(load_requests(path, reqs, MAXQ), n);
-  outcome *want = calloc(MAXQ, sizeof *want), *got = calloc(MAXQ, sizeof *got);
-  generate_reference(fx.dir, path, 4, want, n);
+  outcome *ref = calloc(MAXQ, sizeof *ref), *got = calloc(MAXQ, sizeof *got);
+  generate_reference(fx.dir, path, 4, ref, n);
   run_concurrent(c.client_ep, reqs, n, clients, false, got);
-  expect_same(got, want, n, model);
+  expect_same(got, ref, n, model);
+  expect_kv(&c, want, n_want, model);
   char why[256] = "";
   cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "%s: blocks held after all requests: %s", model, why);
   cr_expect(cluster_stop(&c), "%s: processes did not stop cleanly (logs in %s)", model, c.dir);
+  if (got_out) memcpy(got_out, got, sizeof *got * MAXQ);
   for (int i = 0; i < n; i++) td_json_request_free(&reqs[i]);
-  free(want);
+  free(ref);
   free(got);
   fx_free(&fx);
+  return n;
+}
+
+/* Single-rank workers on the default transport: every block goes over UCX. */
+static const kv_want all_ucx[] = {{NULL, 1, 0}};
+
+static void check_topology_groups(const char *model, int enc, int pre, int dec, int clients, int gtp, int gpp) {
+  cluster_opts o = {.encoders = enc, .prefills = pre, .decodes = dec, .group_tp = gtp, .group_pp = gpp};
+  /* a group takes its KV over ZeroMQ (the leader re-slices); a prefill worker over UCX */
+  const kv_want groups[] = {{"decode-", 0, 1}, {"prefill-", pre ? 1 : -1, 0}};
+  run_topology(model, o, clients, gtp > 1 || gpp > 1 ? groups : all_ucx, gtp > 1 || gpp > 1 ? 2 : 1, NULL);
 }
 
 static void check_topology(const char *model, int enc, int pre, int dec, int clients) {
@@ -154,6 +193,35 @@ Test(cluster, encoder_prefill_decode_match_generate, .timeout = 600) {
 Test(cluster, two_encoders_two_decoders_match_generate, .timeout = 600) {
   check_topology("t5-tiny", 2, 0, 2, 6);
   check_topology("marian-sinusoidal", 2, 0, 2, 6);
+}
+
+/* --kv-transport zmq: the same cluster moves every block over ZeroMQ and
+ * gives the same tokens as the default (UCX). */
+Test(cluster, kv_transport_zmq_gives_identical_tokens, .timeout = 600) {
+  outcome *ucx = calloc(MAXQ, sizeof *ucx), *zmq = calloc(MAXQ, sizeof *zmq);
+  cluster_opts o = {.encoders = 1, .prefills = 1, .decodes = 1};
+  int n = run_topology("t5-tiny", o, 4, all_ucx, 1, ucx);
+  o.worker_extra = "--kv-transport zmq";
+  const kv_want none_ucx[] = {{NULL, 0, 1}};
+  cr_assert_eq(run_topology("t5-tiny", o, 4, none_ucx, 1, zmq), n);
+  expect_same(zmq, ucx, n, "zmq against ucx");
+  free(ucx);
+  free(zmq);
+}
+
+/* One worker on ZeroMQ, the others on auto: each pair takes the path both
+ * sides can (a decode worker gets cross KV over UCX and prompt KV over
+ * ZeroMQ, or the other way round). */
+Test(cluster, mixed_kv_transports, .timeout = 600) {
+  cluster_opts o = {.encoders = 1, .prefills = 1, .decodes = 1, .extra_worker = "prefill-0",
+                    .extra_flags = "--kv-transport zmq"};
+  /* encoder -> prefill: ZeroMQ (no UCX there); encoder -> decode: UCX; prefill -> decode: ZeroMQ */
+  const kv_want prefill_zmq[] = {{"decode-", 1, 1}, {"prefill-", 0, 1}};
+  run_topology("bart-tiny", o, 3, prefill_zmq, 2, NULL);
+  o.extra_worker = "encoder-0";
+  /* encoder -> prefill and decode: ZeroMQ; prefill -> decode: UCX */
+  const kv_want encoder_zmq[] = {{"decode-", 1, 1}, {"prefill-", 0, 1}};
+  run_topology("bart-tiny", o, 3, encoder_zmq, 2, NULL);
 }
 
 Test(cluster, streaming_in_order, .timeout = 300) {
@@ -329,6 +397,13 @@ Test(cluster, decode_worker_killed_mid_request, .timeout = 300) {
   }
   cr_expect(ok >= 1, "no request survived");
   cr_expect(td_now_ms() - t0 < 60000, "requests took too long after the failure");
+  /* the encoder's blocks went over UCX (the default) */
+  td_client_health h;
+  uint64_t enc_ucx = 0;
+  if (cluster_health(&c, &h))
+    for (int i = 0; i < h.n_workers; i++)
+      if (!strcmp(h.workers[i].id, "encoder-0")) enc_ucx = h.workers[i].kv_out_ucx;
+  cr_expect(enc_ucx > 0, "the encoder pushed no KV over UCX");
   /* the router keeps serving */
   outcome again[1];
   run_requests(c.client_ep, reqs, 1, false, 30000, again);
@@ -337,6 +412,160 @@ Test(cluster, decode_worker_killed_mid_request, .timeout = 300) {
   cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "survivors hold blocks: %s", why);
   cr_expect(cluster_stop(&c));
   for (int i = 0; i < 12; i++) td_json_request_free(&reqs[i]);
+  fx_free(&fx);
+}
+
+static td_client_worker worker_status(cluster *c, const char *id) {
+  td_client_health h;
+  td_client_worker none = {0};
+  if (cluster_health(c, &h))
+    for (int i = 0; i < h.n_workers; i++)
+      if (!strcmp(h.workers[i].id, id)) return h.workers[i];
+  return none;
+}
+
+static int proc_index(cluster *c, const char *name) {
+  for (int i = 0; i < c->n; i++)
+    if (!strcmp(c->p[i].name, name)) return i;
+  cr_assert_fail("no process %s", name);
+  return -1;
+}
+
+typedef struct start_arg {
+  pthread_t *th;
+  client_job *cj;
+} start_arg;
+
+static void start_client(void *arg) {
+  start_arg *a = arg;
+  pthread_create(a->th, NULL, client_thread, a->cj);
+}
+
+/* Holds the encoder while requests sent by start(arg) make decode-0
+ * reserve blocks, then stops decode-0 and lets the encoder go on: its UCX
+ * transfers to decode-0 wait for a grant that cannot come. */
+static void stall_kv_to_decode0(cluster *c, void (*start)(void *), void *arg) {
+  int enc = proc_index(c, "encoder-0"), d0i = proc_index(c, "decode-0");
+  kill(c->p[enc].pid, SIGSTOP);
+  start(arg);
+  int64_t end = td_now_ms() + 10000;
+  td_client_worker d0 = {0};
+  while (td_now_ms() < end) {
+    d0 = worker_status(c, "decode-0");
+    if (d0.free_cross_blocks > 0 && d0.free_cross_blocks < d0.cross_blocks) break;
+    usleep(20000);
+  }
+  cr_expect(d0.free_cross_blocks > 0 && d0.free_cross_blocks < d0.cross_blocks, "decode-0 reserved nothing");
+  /* its main thread sends the reservations to the router (it has them already) */
+  usleep(500000);
+  kill(c->p[d0i].pid, SIGSTOP);
+  kill(c->p[enc].pid, SIGCONT);
+  td_client_worker e0 = {0};
+  end = td_now_ms() + 10000;
+  while (td_now_ms() < end && (e0 = worker_status(c, "encoder-0")).kv_pushing == 0) usleep(20000);
+  cr_expect(e0.kv_pushing > 0, "the encoder has no KV push in flight");
+}
+
+/* A decode worker dies while the encoder's UCX transfers to it wait for
+ * their grant: the encoder learns it from UCX (not from a timeout), the
+ * router retries, every request completes on the other decode worker. */
+Test(cluster, decode_worker_killed_while_kv_in_flight_over_ucx, .timeout = 300) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  /* the router notices a silent worker only after 5 s: what ends the
+   * transfers is UCX's failure report */
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .decodes = 2, .router_extra = "--dead-after 25"};
+  cluster_start(&c, &o);
+  char path[600];
+  snprintf(path, sizeof path, "%s/inflight.jsonl", c.dir);
+  long_requests(path, 8, 20);
+  td_json_request reqs[8];
+  cr_assert_eq(load_requests(path, reqs, 8), 8);
+  outcome want[8], got[8];
+  generate_reference(fx.dir, path, 4, want, 8);
+  int victim = proc_index(&c, "decode-0");
+  client_job cj = {c.client_ep, reqs, 8, got, false};
+  pthread_t th;
+  stall_kv_to_decode0(&c, start_client, &(start_arg){&th, &cj});
+  int64_t t_kill = td_now_ms();
+  cluster_kill(&c, victim);
+  pthread_join(th, NULL);
+  for (int i = 0; i < 8; i++) {
+    cr_expect(got[i].done && got[i].status == TD_OK, "%s: %s", got[i].id, got[i].error);
+    cr_expect_arr_eq(got[i].tok[0], want[i].tok[0], sizeof(int32_t) * (size_t)want[i].len[0], "%s: tokens differ",
+                     got[i].id);
+  }
+  cr_expect(td_now_ms() - t_kill < 30000, "requests took %lld ms after the kill", (long long)(td_now_ms() - t_kill));
+  /* UCX reported the dead receiver: the pushes failed and were retried */
+  cr_expect(cluster_log_has(&c, "encoder-0", "KV receiver decode-0 failed"), "the encoder saw no UCX peer failure");
+  cr_expect(cluster_log_has(&c, "router", "retrying: KV push failed"), "no request was retried after a failed push");
+  td_client_worker e0 = worker_status(&c, "encoder-0");
+  cr_expect(e0.kv_out_ucx > 0, "the encoder pushed no KV over UCX");
+  char why[256] = "";
+  cr_expect(cluster_wait_idle(&c, 8000, why, sizeof why), "survivors hold blocks: %s", why);
+  cr_expect(cluster_stop(&c));
+  for (int i = 0; i < 8; i++) td_json_request_free(&reqs[i]);
+  fx_free(&fx);
+}
+
+typedef struct send_arg {
+  td_client *cl;
+  td_json_request *reqs;
+  int n;
+} send_arg;
+
+static void send_all(void *arg) {
+  send_arg *a = arg;
+  for (int i = 0; i < a->n; i++) cr_assert(td_client_generate(a->cl, &a->reqs[i], false, 60000) == TD_OK);
+}
+
+static void count_result(void *ctx, const td_result *r) {
+  int *n = ctx;
+  if (r->status == TD_ERR_CANCELLED || r->status == TD_OK) (*n)++;
+}
+
+/* Requests cancelled while their KV waits in UCX transfers: the transfers
+ * are cancelled, the encoder gets its blocks back once they stopped, the
+ * stalled receiver refuses or drops what comes late, and every block of
+ * every worker is free again. */
+Test(cluster, cancel_while_kv_in_flight_over_ucx_frees_every_block, .timeout = 300) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .decodes = 1, .router_extra = "--dead-after 25"};
+  cluster_start(&c, &o);
+  char path[600];
+  snprintf(path, sizeof path, "%s/cancel.jsonl", c.dir);
+  long_requests(path, 4, 20);
+  td_json_request reqs[4];
+  cr_assert_eq(load_requests(path, reqs, 4), 4);
+  td_client *cl;
+  cr_assert(td_client_connect(c.client_ep, &cl) == TD_OK);
+  stall_kv_to_decode0(&c, send_all, &(send_arg){cl, reqs, 4});
+  for (int i = 0; i < 4; i++) cr_assert(td_client_cancel(cl, reqs[i].id) == TD_OK);
+  int ended = 0;
+  td_client_events ev = {.on_result = count_result, .ctx = &ended};
+  int64_t end = td_now_ms() + 20000;
+  while (td_client_pending(cl) > 0 && td_now_ms() < end) td_client_poll(cl, 50, &ev);
+  cr_expect_eq(ended, 4, "%d of 4 requests ended as cancelled", ended);
+  /* the cancelled transfers end without the receiver */
+  end = td_now_ms() + 10000;
+  td_client_worker e0 = {0};
+  while (td_now_ms() < end && (e0 = worker_status(&c, "encoder-0")).kv_pushing > 0) usleep(50000);
+  cr_expect_eq(e0.kv_pushing, 0, "the encoder still has %d pushes", e0.kv_pushing);
+  kill(c.p[proc_index(&c, "decode-0")].pid, SIGCONT);
+  char why[256] = "";
+  cr_expect(cluster_wait_idle(&c, 10000, why, sizeof why), "blocks held after the cancel: %s", why);
+  /* and the pair still works */
+  outcome again[1];
+  run_requests(c.client_ep, reqs, 1, false, 30000, again);
+  cr_expect(again[0].done && again[0].status == TD_OK, "after the cancel: %s", again[0].error);
+  kv_count k;
+  cr_expect(cluster_kv_count(&c, "decode-0", 10000, &k) && k.in_ucx > 0, "decode-0 received nothing over UCX");
+  td_client_close(cl);
+  cr_expect(cluster_stop(&c));
+  for (int i = 0; i < 4; i++) td_json_request_free(&reqs[i]);
   fx_free(&fx);
 }
 
