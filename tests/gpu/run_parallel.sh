@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Tensor / pipeline parallel checks and benchmarks on a machine with 2+ GPUs:
 #   tests/gpu/run_parallel.sh PACKDIR OUTDIR [steps...]
-# steps: cluster comm parallel tp1 tp2 tp2-nccl pp2 (default: all)
+# steps: cluster1 cluster comm parallel tp1 tp2 tp2-nccl pp2 fixtures (default: all but fixtures)
 set -u
 pack=$1 out=$2
 shift 2
-steps=${*:-cluster comm parallel tp1 tp2 tp2-nccl pp2}
+steps=${*:-cluster1 cluster comm parallel tp1 tp2 tp2-nccl pp2}
 source "$pack/env.sh"
 mkdir -p "$out"
 nvidia-smi -L | tee "$out/device.txt"
@@ -21,6 +21,9 @@ run() { # name timeout command...
 }
 for s in $steps; do
   case $s in
+    cluster1)
+      run cluster-1gpu 120 env TANDEM_BIN="$pack/bin" deploy/local.sh --device cuda --demo --run-dir /tmp/run-1gpu
+      tar -C /tmp -czf "$out/run-1gpu.tgz" run-1gpu ;;
     cluster)
       run cluster-tp2 120 env TANDEM_BIN="$pack/bin" deploy/local.sh --device cuda --decode-tp 2 --demo --run-dir /tmp/run-tp2
       tar -C /tmp -czf "$out/run-tp2.tgz" run-tp2 ;;
@@ -30,6 +33,9 @@ for s in $steps; do
     tp2) run bench-tp2 120 bench-decode-step --tp 2 --batches 1,16,64 ;;
     tp2-nccl) run bench-tp2-nccl 120 env TANDEM_CUDA_CUSTOM_ALLREDUCE=0 bench-decode-step --tp 2 --batches 1,64 --no-record ;;
     pp2) run bench-pp2 120 bench-decode-step --pp 2 --batches 1,16,64 ;;
+    fixtures)
+      run fixtures 120 sh -c "mkdir -p /tmp/fx2 && PYTHONUNBUFFERED=1 python3 tests/tools/make_fixtures.py /tmp/fx2 t5-gated-untied-head"
+      tar -C /tmp -czf "$out/fixtures.tgz" fx2 ;;
   esac
 done
 cp bench/RESULTS.md "$out/RESULTS.md"
