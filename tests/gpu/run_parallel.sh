@@ -18,6 +18,8 @@ run() { # name timeout command...
   local rc=$?
   summary+=("$name: rc=$rc in $((SECONDS - t0)) s")
   tail -n 12 "$out/$name.log"
+  cp bench/RESULTS.md "$out/RESULTS.md"
+  printf '%s\n' "${summary[@]}" >"$out/summary.txt"
 }
 for s in $steps; do
   case $s in
