@@ -25,6 +25,7 @@ enum { MODE_LT = 0, MODE_LT_POST = 1, MODE_FALLBACK = 2 };
 
 typedef struct td_gemm_plan {
   bool used;
+  uint64_t stamp; /* last use, for eviction within a set */
   /* key */
   int m, n, k, act;
   unsigned flags;
@@ -188,12 +189,24 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
   uint64_t h = (uint64_t)m * 0x9E3779B97F4A7C15ull ^ (uint64_t)n * 0xC2B2AE3D27D4EB4Full ^
                (uint64_t)k * 0x165667B19E3779F9ull ^ ((uint64_t)act << 40 | (uint64_t)flags << 48 |
                                                       (uint64_t)(bias != NULL) << 56 | (uint64_t)align << 20);
-  h ^= h >> 29;
-  td_gemm_plan *p = &c->plans[h % TD_CU_GEMM_CACHE];
-  if (p->used && p->m == m && p->n == n && p->k == k && p->act == act && p->flags == flags &&
-      p->bias == (bias != NULL) && p->align == align)
-    return p;
+  /* a full mix: n and k are often multiples of 512, which left the low
+   * bits that pick the set to m alone */
+  h ^= h >> 30, h *= 0xBF58476D1CE4E5B9ull, h ^= h >> 27, h *= 0x94D049BB133111EBull, h ^= h >> 31;
+  /* set-associative: a direct-mapped cache let two hot shapes evict each
+   * other on every call, re-running the heuristic (eager pipeline steps
+   * ran several times slower) */
+  td_gemm_plan *set = &c->plans[(h % (TD_CU_GEMM_CACHE / TD_CU_GEMM_WAYS)) * TD_CU_GEMM_WAYS], *p = set;
+  for (int i = 0; i < TD_CU_GEMM_WAYS; i++) {
+    td_gemm_plan *q = &set[i];
+    if (q->used && q->m == m && q->n == n && q->k == k && q->act == act && q->flags == flags &&
+        q->bias == (bias != NULL) && q->align == align) {
+      q->stamp = ++c->plan_clock;
+      return q;
+    }
+    if (!q->used ? p->used : p->used && q->stamp < p->stamp) p = q;
+  }
   if (p->used) plan_release(p);
+  p->stamp = ++c->plan_clock;
   p->used = true;
   p->m = m, p->n = n, p->k = k, p->act = act, p->flags = flags, p->bias = bias != NULL, p->align = align;
   cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;

@@ -21,7 +21,8 @@ enum {
   TD_CU_LT_WORKSPACE = 32 << 20,     /* cuBLASLt workspace (Hopper recommends 32 MiB) */
   TD_CU_STAGE_BYTES = 32 << 20,      /* upload/download conversion staging */
   TD_CU_SPLIT_BYTES = 32 << 20,      /* split-KV partial outputs of attn_paged */
-  TD_CU_GEMM_CACHE = 512,            /* cached cuBLASLt plans (direct mapped) */
+  TD_CU_GEMM_CACHE = 1024,           /* cached cuBLASLt plans */
+  TD_CU_GEMM_WAYS = 8,               /* ways per set (least recently used evicted) */
   TD_CU_PART_BYTES = 16 << 20,       /* split-K partial sums of the skinny GEMM */
   TD_CU_GEMM_COUNTERS = 8192,        /* arrival counters: skinny GEMM column tiles */
   TD_CU_ATTN_COUNTERS = 65536,       /* arrival counters: split-KV attention groups */
@@ -46,6 +47,7 @@ typedef struct td_cuda {
   int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */
   int fuse, fuse_mask; /* td_gemm_ex on the fused decode kernel: up to this many rows, these fusions (TANDEM_CUDA_FUSE) */
   struct td_gemm_plan *plans;
+  uint64_t plan_clock;
   int verbose;        /* TANDEM_CUDA_VERBOSE=1: print GEMM plan choices */
   int autotune;       /* TANDEM_CUDA_AUTOTUNE=1: time cuBLASLt's candidates for large GEMMs */
 } td_cuda;
