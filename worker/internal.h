@@ -119,7 +119,7 @@ td_status xfer_create(const char *host, const xfer_hooks *hooks, int timeout_ms,
 void xfer_destroy(xfer *x);
 /* This worker's descriptor: what peers need to push here. */
 const char *xfer_desc(const xfer *x);
-/* Sends n blocks (src[i]: block_bytes each, valid until `pushed`) into the
+/* Sends n blocks (src[i]: block_bytes each, copied) into the
  * peer's reserved blocks dst; `pushed` reports the outcome. */
 td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer, size_t peer_len, uint64_t reservation,
                     bool cross, const void *const *src, size_t block_bytes, const int32_t *dst, int n);

@@ -1,6 +1,5 @@
 /* KV pushes over ZeroMQ between workers whose pools are in host memory:
- * [KvPush header][one frame per block, sent from the pool without a
- * copy], answered by a KvAck once the receiver has checked the reservation
+ * [KvPush header][one frame per block, owned by the message], answered by a KvAck once the receiver has checked the reservation
  * and copied the blocks in. A push with no answer within the timeout fails
  * (the peer died or vanished). */
 #include <errno.h>
@@ -145,9 +144,11 @@ td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer_desc, s
     return td_err(TD_ERR_NETWORK, "KV push: %s", zmq_strerror(zmq_errno()));
   }
   for (int i = 0; i < n; i++) {
-    /* zero copy: the bytes stay until the push is answered */
+    /* copied: a push that times out or is forgotten leaves its frames
+     * queued on the socket after the job freed its buffer */
     zmq_msg_t b;
-    zmq_msg_init_data(&b, (void *)src[i], block_bytes, NULL, NULL);
+    if (zmq_msg_init_size(&b, block_bytes) != 0) return td_err(TD_ERR_NOMEM, "out of memory");
+    memcpy(zmq_msg_data(&b), src[i], block_bytes);
     if (zmq_msg_send(&b, p->sock, i + 1 < n ? ZMQ_SNDMORE : 0) < 0) {
       zmq_msg_close(&b);
       return td_err(TD_ERR_NETWORK, "KV push: %s", zmq_strerror(zmq_errno()));
