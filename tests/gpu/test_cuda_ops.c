@@ -122,6 +122,23 @@ static double relerr(const float *out, const float *ref, size_t n) {
   return sqrt(num / den);
 }
 
+/* After a failed comparison of an [m, n] output: where it went wrong. */
+static void explain(const pair *p, int m, int n) {
+  float *o = get(G, p, true), *r = get(C, p, false);
+  int shown = 0, bad = 0;
+  for (int i = 0; i < m; i++)
+    for (int j = 0; j < n; j++) {
+      float d = fabsf(o[(size_t)i * n + j] - r[(size_t)i * n + j]);
+      if (!(d <= 0.02f * (1.0f + fabsf(r[(size_t)i * n + j])))) {
+        if (shown++ < 6) fprintf(stderr, "  [%d, %d]: gpu %g, cpu %g\n", i, j, o[(size_t)i * n + j], r[(size_t)i * n + j]);
+        bad++;
+      }
+    }
+  fprintf(stderr, "  %d of %d elements off\n", bad, m * n);
+  free(o);
+  free(r);
+}
+
 static double compare(const pair *p, size_t n) {
   float *o = get(G, p, true), *r = get(C, p, false);
   double e = relerr(o, r, n ? n : p->n);
@@ -189,6 +206,7 @@ static void gemm_case(int m, int n, int k, td_act act, unsigned flags, bool with
        td_gemm(C, X.c, W.c, with_bias ? B.c : NULL, Y.c, m, n, k, act, flags));
   double e = compare(&Y, 0);
   cr_expect(e <= TOL, "gemm m=%d n=%d k=%d act=%d flags=%u bias=%d: error %.3g", m, n, k, act, flags, with_bias, e);
+  if (!(e <= TOL)) explain(&Y, m, n);
   drop(&X);
   drop(&W);
   drop(&Y);
@@ -224,6 +242,15 @@ Test(cuda, gemm) {
     gemm_case(dec[s][0], dec[s][1], dec[s][2], TD_ACT_NONE, TD_GEMM_ACCUM, true);
     gemm_case(dec[s][0], dec[s][1], dec[s][2], TD_ACT_GELU, TD_GEMM_OUT_F32, true);
     gemm_case(dec[s][0], dec[s][1], dec[s][2], TD_ACT_RELU, 0, false);
+  }
+  /* decode batch sizes: k not a multiple of 64, narrow and wide n; m 0: a
+   * random batch size up to 64 */
+  static const int mid[][3] = {{64, 5632, 1024}, {50, 1000, 2816}, {31, 3072, 1024}, {17, 96, 8},
+                               {63, 33, 1000}, {48, 20000, 256}, {0, 1024, 1024}};
+  for (size_t s = 0; s < sizeof mid / sizeof mid[0]; s++) {
+    int m = mid[s][0] ? mid[s][0] : 1 + irand(64);
+    gemm_case(m, mid[s][1], mid[s][2], TD_ACT_NONE, TD_GEMM_ACCUM, true);
+    gemm_case(m, mid[s][1], mid[s][2], TD_ACT_SILU, 0, s & 1);
   }
   gemm_case(512, 1024, 2816, TD_ACT_NONE, TD_GEMM_ACCUM, false);
   gemm_case(300, 5632, 1024, TD_ACT_NONE, 0, false);
@@ -567,18 +594,26 @@ Test(cuda, gemm_ex) {
       {3, 100, 36, 1, false, false, TD_ACT_NONE, 0, 0, 0},            /* k % 8 != 0: separate ops */
       {12, 90, 64, 1, false, false, TD_ACT_NONE, 0, 10, 5},           /* odd head size and block size */
       {70, 384, 128, 0, false, true, TD_ACT_NONE, 0, 64, 16},         /* KV write after cuBLASLt */
+      {37, 2050, 1000, 1, true, true, TD_ACT_GELU_TANH, 0, 0, 0},     /* n / 2 odd, k % 64 != 0 */
+      {20, 1536, 512, 1, false, true, TD_ACT_NONE, TD_GEMM_ACCUM, 32, 7}, /* KV write with a residual */
+      {64, 1024, 2816, 1, false, false, TD_ACT_RELU, 0, 0, 0},
+      {3001, 1030, 512, 1, true, true, TD_ACT_GELU_TANH, 0, 0, 0},   /* encoder-sized */
+      {1500, 768, 384, 2, false, true, TD_ACT_GELU, 0, 0, 0},
+      {700, 384, 256, 1, false, false, TD_ACT_NONE, 0, 32, 16}, /* KV write of many rows */
   };
   /* the backend's default fusions, then every fusion up to 16 rows */
+  static const char *env[][2] = {{NULL, NULL}, {"TANDEM_CUDA_FUSE", "16,7"}};
+  static const char *modes[] = {"default", "all fused"};
   for (int pass = 0; pass < 2; pass++) {
     td_backend *saved = G, *alt = NULL;
-    if (pass == 1) {
+    if (pass > 0) {
       td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
-      setenv("TANDEM_CUDA_FUSE", "16,7", 1);
+      setenv(env[pass][0], env[pass][1], 1);
       cr_assert(td_backend_create(&go, &alt) == TD_OK, "cuda backend: %s", td_errmsg());
-      unsetenv("TANDEM_CUDA_FUSE");
+      unsetenv(env[pass][0]);
       G = alt;
-      gex_mode = "all fused";
     }
+    gex_mode = modes[pass];
     for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) gemm_ex_case(&cfg[c]);
     if (alt) {
       G = saved;
