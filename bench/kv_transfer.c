@@ -6,7 +6,11 @@
  * it to a results file (bench/RESULTS.md by default).
  *
  *   kv_transfer [--quick] [--max-mb N] [--results FILE] [--no-append]
- *               [--commit SHA] [--slots N] [--slot-mb N]
+ *               [--commit SHA] [--slots N] [--slot-mb N] [--nccl-chunk-kb N]
+ *               [--only host|tcp|staged|nccl]
+ *
+ * --nccl-chunk-kb: the NCCL pipeline's largest chunk on both sides (the
+ * engine's default when absent); --only: measure one path.
  *
  * Receivers are separate processes (this program re-executed), one per
  * GPU in use. Time is from td_kvx_post to the sender's callback, which
@@ -49,6 +53,7 @@ static uint32_t pool_id(int kind, int bs) { return (uint32_t)(kind * 10 + bs); }
 static size_t g_max_bytes = (size_t)256 << 20;
 static int g_slots = 8;
 static size_t g_slot_bytes = (size_t)4 << 20;
+static size_t g_nccl_chunk; /* 0: the engine's default */
 
 static void wr(int fd, const void *p, size_t n) {
   const uint8_t *b = p;
@@ -135,6 +140,7 @@ static int receiver(int device, int in, int out) {
   o.authorize = grant_all;
   o.staging_slots = g_slots;
   o.staging_slot_bytes = g_slot_bytes;
+  o.nccl_chunk_bytes = g_nccl_chunk;
 #ifdef TD_KVX_BENCH_CUDA
   if (device >= 0 && cudaSetDevice(device) != cudaSuccess) return 40;
 #endif
@@ -182,14 +188,16 @@ static child spawn(int device) {
   if (pid == 0) {
     close(up[0]);
     close(down[1]);
-    char a[6][32];
+    char a[7][32];
     snprintf(a[0], 32, "%d", device);
     snprintf(a[1], 32, "%d", down[0]);
     snprintf(a[2], 32, "%d", up[1]);
     snprintf(a[3], 32, "%zu", g_max_bytes);
     snprintf(a[4], 32, "%d", g_slots);
     snprintf(a[5], 32, "%zu", g_slot_bytes);
-    execl("/proc/self/exe", "bench_kv_transfer", "--receiver", a[0], a[1], a[2], a[3], a[4], a[5], (char *)NULL);
+    snprintf(a[6], 32, "%zu", g_nccl_chunk);
+    execl("/proc/self/exe", "bench_kv_transfer", "--receiver", a[0], a[1], a[2], a[3], a[4], a[5], a[6],
+          (char *)NULL);
     _exit(99);
   }
   close(up[1]);
@@ -435,14 +443,15 @@ static void cpu_name(char *out, size_t cap) {
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   signal(SIGPIPE, SIG_IGN);
-  if (argc == 8 && !strcmp(argv[1], "--receiver")) {
+  if (argc == 9 && !strcmp(argv[1], "--receiver")) {
     g_max_bytes = strtoull(argv[5], NULL, 10);
     g_slots = atoi(argv[6]);
     g_slot_bytes = strtoull(argv[7], NULL, 10);
+    g_nccl_chunk = strtoull(argv[8], NULL, 10);
     return receiver(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
   }
   bool quick = false, append = true;
-  const char *results = "bench/RESULTS.md";
+  const char *results = "bench/RESULTS.md", *only = NULL;
   char commit[64] = "";
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) {
@@ -459,9 +468,15 @@ int main(int argc, char **argv) {
       g_slots = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--slot-mb") && i + 1 < argc) {
       g_slot_bytes = strtoull(argv[++i], NULL, 10) << 20;
+    } else if (!strcmp(argv[i], "--nccl-chunk-kb") && i + 1 < argc) {
+      g_nccl_chunk = strtoull(argv[++i], NULL, 10) << 10;
+    } else if (!strcmp(argv[i], "--only") && i + 1 < argc &&
+               (!strcmp(argv[i + 1], "host") || !strcmp(argv[i + 1], "tcp") || !strcmp(argv[i + 1], "staged") ||
+                !strcmp(argv[i + 1], "nccl"))) {
+      only = argv[++i];
     } else {
       fprintf(stderr, "usage: %s [--quick] [--max-mb N] [--results FILE] [--no-append] [--commit SHA] [--slots N] "
-                      "[--slot-mb N]\n", argv[0]);
+                      "[--slot-mb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl]\n", argv[0]);
       return 2;
     }
   }
@@ -519,6 +534,7 @@ int main(int argc, char **argv) {
   o.cuda_device = ngpu > 0 ? 0 : -1;
   o.staging_slots = g_slots;
   o.staging_slot_bytes = g_slot_bytes;
+  o.nccl_chunk_bytes = g_nccl_chunk;
   td_kvx *k = NULL, *ktcp = NULL;
   td_kvx_opts ot = o;
   ot.name = "bench-tx-tcp";
@@ -552,10 +568,13 @@ int main(int argc, char **argv) {
   if (ngpu >= 2) p1 = connect_to(k, &rx1);
 
   printf("\n%-22s %-8s %11s %12s %13s\n", "path", "block", "size", "median", "bandwidth");
-  measure_path("UCX host->host", k, p0, KIND_HOST, KIND_HOST, TD_KVX_UCX, p_memcpy, quick);
-  measure_path("UCX host->host tcp", ktcp, p0tcp, KIND_HOST, KIND_HOST, TD_KVX_UCX, p_memcpy, true);
-  if (ngpu > 0) measure_path("UCX GPU->GPU staged", k, p0, KIND_GPU, KIND_GPU, TD_KVX_UCX, p_staged, quick);
-  if (p1) measure_path("NCCL GPU0->GPU1", k, p1, KIND_GPU, KIND_GPU, TD_KVX_NCCL, p_nccl > 0 ? p_nccl : p_peer, quick);
+#define WANT(name) (!only || !strcmp(only, name))
+  if (WANT("host")) measure_path("UCX host->host", k, p0, KIND_HOST, KIND_HOST, TD_KVX_UCX, p_memcpy, quick);
+  if (WANT("tcp")) measure_path("UCX host->host tcp", ktcp, p0tcp, KIND_HOST, KIND_HOST, TD_KVX_UCX, p_memcpy, true);
+  if (ngpu > 0 && WANT("staged"))
+    measure_path("UCX GPU->GPU staged", k, p0, KIND_GPU, KIND_GPU, TD_KVX_UCX, p_staged, quick);
+  if (p1 && WANT("nccl"))
+    measure_path("NCCL GPU0->GPU1", k, p1, KIND_GPU, KIND_GPU, TD_KVX_NCCL, p_nccl > 0 ? p_nccl : p_peer, quick);
 
   td_kvx_disconnect(p0);
   td_kvx_disconnect(p0tcp);
@@ -602,6 +621,7 @@ int main(int argc, char **argv) {
     if (ngpu > 1)
       fprintf(f, "; cudaMemcpyPeer GPU0->GPU1 %.2f GB/s; NCCL send/recv GPU0->GPU1 in one process %.2f GB/s (the NCCL "
                  "path's peak)", p_peer, p_nccl);
+    if (g_nccl_chunk) fprintf(f, ". NCCL chunks up to %zu KiB", g_nccl_chunk >> 10);
     fprintf(f, ". Staging: %d slots of %zu MiB. Time from post to the sender's callback (after the receiver's "
                "acknowledgement), median; destinations scattered (one copy per block).\n\n",
             g_slots, g_slot_bytes >> 20);

@@ -33,6 +33,13 @@
 #define KVX_STOP_GRACE_MS 3000          /* a stopping transfer's flush must end by then */
 #define KVX_GRANT_GRACE_MS 2000
 #define KVX_TEXT 256
+#define KVX_NCCL_WINDOW 6 /* chunks of one NCCL transfer in flight */
+#define KVX_NCCL_SLOTS KVX_NCCL_WINDOW /* device bounce slots per direction */
+/* Chunks per NCCL group: a group's slots come back only when all of it is
+ * done, so two groups alternate (one moves while the other is scattered
+ * and posted again). */
+#define KVX_NCCL_GROUP (KVX_NCCL_WINDOW / 2)
+#define KVX_NCCL_CHUNK ((uint64_t)8 << 20) /* default largest chunk; to be tuned on the GPU machine */
 
 /* ---------------------------------------------------------------- types */
 
@@ -110,6 +117,32 @@ typedef struct kvx_chunk {
   struct kvx_chunk *prev, *next;
 } kvx_chunk;
 
+/* One chunk of an NCCL transfer's byte stream. */
+typedef struct kvx_nchunk {
+  int slot; /* bounce slot, -1: straight from / into the pool */
+  uint64_t len;
+  uint8_t *buf;      /* what NCCL sends from / receives into */
+  void *ev;          /* sender: gather done; receiver: scatter (or a stopped receive) done */
+  kvx_nccl_op *op;   /* the group holding its send / receive, until seen complete */
+  td_kvx_slice *pc;  /* receiver: the pieces to scatter out of the slot */
+  int n_pc;
+} kvx_nchunk;
+
+/* One side of an NCCL transfer: the byte stream (the plan's pieces in
+ * order) cut by kvx_chunk_len into chunks that are gathered, sent,
+ * received and scattered in a pipeline (docs/kvtransfer.md). Chunks
+ * [done, post) are in flight, [post, prep) gathered and not yet sent. */
+typedef struct kvx_nstream {
+  uint64_t first, max; /* chunking: proposed in REQ, settled by GRANT */
+  uint64_t prep, post, done;
+  uint64_t prep_bytes;
+  int ci; /* plan cursor: item and offset in it */
+  uint64_t coff;
+  bool started, all_posted;
+  int64_t drain_deadline; /* a stopped receiver waits this long for its copies */
+  kvx_nchunk ring[KVX_NCCL_WINDOW];
+} kvx_nstream;
+
 typedef enum { XS_WAIT_GRANT, XS_RUN, XS_FINISH, XS_STOPPING } xstate;
 
 typedef struct kvx_xfer {
@@ -147,9 +180,9 @@ typedef struct kvx_xfer {
   kvx_chunk *chunks;
   int n_chunks;
   int ops;
-  bool seq_set, nccl_posted;
+  bool seq_set;
   uint64_t seq;
-  kvx_nccl_op *nop;
+  kvx_nstream *ns;
   td_kvx_done_fn cb;
   void *arg;
   UT_hash_handle hh;
@@ -184,7 +217,7 @@ typedef struct kvx_grant {
   char emsg[KVX_TEXT];
   int64_t deadline, hard_deadline;
   uint64_t seq;
-  kvx_nccl_op *nop;
+  kvx_nstream *ns;
   UT_hash_handle hh;
   struct kvx_grant *dnext;
 } kvx_grant;
@@ -240,6 +273,13 @@ struct td_kvx {
   size_t recv_rkey_len;
   int *send_free, *recv_free;
   int n_send_free, n_recv_free;
+  uint64_t nccl_chunk; /* largest NCCL chunk this engine sends or receives */
+  uint8_t *nb[2];      /* NCCL bounce slots (0: send, 1: receive), made on first use */
+  int nb_free[2][KVX_NCCL_SLOTS];
+  int n_nb_free[2];
+  void **sc_d; /* scratch lists for gather / scatter launches */
+  const void **sc_s;
+  size_t *sc_n, sc_cap;
   kvx_pool *pools;
   td_kvx_peer *peers;
   kvx_rpeer *rpeers, *rzombies;
@@ -699,6 +739,9 @@ td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out) {
   k->n_slots = k->o.staging_slots > 0 ? k->o.staging_slots : 8;
   if (k->n_slots > 1024) k->n_slots = 1024;
   k->slot_bytes = k->o.staging_slot_bytes >= 4096 ? k->o.staging_slot_bytes : (4u << 20);
+  k->nccl_chunk = k->o.nccl_chunk_bytes ? k->o.nccl_chunk_bytes : KVX_NCCL_CHUNK;
+  if (k->nccl_chunk < 4096) k->nccl_chunk = 4096;
+  if (k->nccl_chunk > KVX_NCCL_MAX_CHUNK) k->nccl_chunk = KVX_NCCL_MAX_CHUNK;
   k->uuid = random_u64();
   k->host_id = host_identity();
   k->next_xid = 1;
@@ -1039,6 +1082,111 @@ static void peer_maybe_release(td_kvx_peer *p) {
   free(p);
 }
 
+/* ---------------------------------------------------------------- NCCL chunks */
+
+/* The bounce slots of one direction (0: send, 1: receive), allocated on
+ * first use and kept until destroy: cudaFree synchronises the device, which
+ * a send stuck behind a dead peer would hang. */
+static td_status nccl_ring(td_kvx *k, int side) {
+  if (k->nb[side]) return TD_OK;
+  void *p = NULL;
+  TD_TRY(kvx_gpu_dev_alloc(k->gpu, (size_t)k->nccl_chunk * KVX_NCCL_SLOTS, &p));
+  k->nb[side] = p;
+  for (int i = 0; i < KVX_NCCL_SLOTS; i++) k->nb_free[side][i] = KVX_NCCL_SLOTS - 1 - i;
+  k->n_nb_free[side] = KVX_NCCL_SLOTS;
+  return TD_OK;
+}
+
+static td_status scratch(td_kvx *k, size_t n) {
+  if (n <= k->sc_cap) return TD_OK;
+  size_t cap = n < 256 ? 256 : n;
+  free(k->sc_d);
+  free(k->sc_s);
+  free(k->sc_n);
+  k->sc_d = malloc(sizeof(void *) * cap);
+  k->sc_s = malloc(sizeof(void *) * cap);
+  k->sc_n = malloc(sizeof(size_t) * cap);
+  k->sc_cap = (k->sc_d && k->sc_s && k->sc_n) ? cap : 0;
+  return k->sc_cap ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
+}
+
+static kvx_nstream *nstream_new(uint64_t first, uint64_t max) {
+  kvx_nstream *ns = calloc(1, sizeof *ns);
+  if (!ns) return NULL;
+  ns->first = first;
+  ns->max = max;
+  for (int i = 0; i < KVX_NCCL_WINDOW; i++) ns->ring[i].slot = -1;
+  return ns;
+}
+
+/* Clears the group op of chunks [c, end) that share chunk c's (a group
+ * covers consecutive chunks) and returns it, to be freed once. */
+static kvx_nccl_op *nstream_take_op(kvx_nstream *ns, uint64_t c, uint64_t end) {
+  kvx_nccl_op *op = ns->ring[c % KVX_NCCL_WINDOW].op;
+  for (; c < end && ns->ring[c % KVX_NCCL_WINDOW].op == op; c++) ns->ring[c % KVX_NCCL_WINDOW].op = NULL;
+  return op;
+}
+
+/* Frees the sends / receives in flight (their communicator is about to be
+ * aborted). A receive stopped so may write for a moment longer: the
+ * receiver waits for an event queued behind it before the slot or the
+ * blocks are used again. */
+static void nstream_drop_ops(td_kvx *k, kvx_nstream *ns, bool recv) {
+  if (!ns) return;
+  for (uint64_t c = ns->done; c < ns->post; c++) {
+    kvx_nchunk *e = &ns->ring[c % KVX_NCCL_WINDOW];
+    if (!e->op) continue;
+    if (recv)
+      for (uint64_t d = c; d < ns->post && ns->ring[d % KVX_NCCL_WINDOW].op == e->op; d++) {
+        kvx_nchunk *f = &ns->ring[d % KVX_NCCL_WINDOW];
+        if (!f->ev && kvx_gpu_record(k->gpu, KVX_S_NCCL_RX, &f->ev) != TD_OK) {
+          f->ev = NULL;
+          td_err_clear();
+        }
+      }
+    kvx_nccl_op_free(nstream_take_op(ns, c, ns->post));
+  }
+}
+
+/* Whether no copy (or stopped receive) of the stream's chunks is pending. */
+static bool nstream_quiet(td_kvx *k, kvx_nstream *ns) {
+  if (!ns) return true;
+  for (uint64_t c = ns->done; c < ns->prep; c++) {
+    kvx_nchunk *e = &ns->ring[c % KVX_NCCL_WINDOW];
+    if (e->ev && kvx_gpu_query(k->gpu, e->ev) == 0) return false;
+  }
+  return true;
+}
+
+/* Releases what the unfinished chunks hold and frees the stream. */
+static void nstream_free(td_kvx *k, kvx_nstream *ns, int side) {
+  if (!ns) return;
+  for (uint64_t c = ns->done; c < ns->prep; c++) {
+    kvx_nchunk *e = &ns->ring[c % KVX_NCCL_WINDOW];
+    if (e->op) kvx_nccl_op_free(nstream_take_op(ns, c, ns->prep));
+    if (e->ev) kvx_gpu_release(k->gpu, e->ev);
+    if (e->slot >= 0) k->nb_free[side][k->n_nb_free[side]++] = e->slot;
+    free(e->pc);
+  }
+  free(ns);
+}
+
+/* The pieces of a stream's next chunk (*pc, malloc'ed), from the plan's
+ * cursor, which is not advanced: *ci / *coff get the cursor after it. */
+static td_status nstream_pieces(const kvx_nstream *ns, const td_kvx_slice *items, int n_items, uint64_t total,
+                                td_kvx_slice **pc, uint64_t *len, int *n, int *ci, uint64_t *coff) {
+  *len = kvx_chunk_len(total, ns->first, ns->max, ns->prep, ns->prep_bytes);
+  *n = kvx_plan_count(items, n_items, ns->ci, ns->coff, *len);
+  if (*len == 0 || *n == 0)
+    return td_err(TD_ERR_INTERNAL, "KV transfer: NCCL chunk %" PRIu64 " beyond the plan", ns->prep);
+  *pc = malloc(sizeof **pc * (size_t)*n);
+  if (!*pc) return td_err(TD_ERR_NOMEM, "out of memory");
+  *ci = ns->ci;
+  *coff = ns->coff;
+  kvx_plan_take(items, n_items, ci, coff, *len, *pc);
+  return TD_OK;
+}
+
 /* ---------------------------------------------------------------- sender */
 
 static void xfer_stop(kvx_xfer *x, td_status s, const char *msg, bool notify);
@@ -1061,8 +1209,11 @@ static void xfer_finish(kvx_xfer *x, td_status s, const char *msg) {
     free(ch->pc);
     free(ch);
   }
-  if (x->nop) kvx_nccl_op_free(x->nop);
-  x->nop = NULL;
+  /* Gathers always finish: wait for them before their slots go back. */
+  while (!nstream_quiet(k, x->ns)) {
+  }
+  nstream_free(k, x->ns, 0);
+  x->ns = NULL;
   x->pool->users--; /* peer->n_xfers drops once the callback ran */
   if (s == TD_OK)
     k->st.xfers_ok++;
@@ -1087,9 +1238,7 @@ static void peer_nccl_abort(td_kvx_peer *p, td_status s, const char *why, bool t
   }
   kvx_xfer *x, *tmp;
   HASH_ITER(hh, k->xfers, x, tmp) {
-    if (x->peer != p || !x->nccl) continue;
-    if (x->nop) kvx_nccl_op_free(x->nop);
-    x->nop = NULL;
+    if (x->peer == p && x->nccl) nstream_drop_ops(k, x->ns, false);
   }
   kvx_nccl_abort(p->nccl);
   p->nccl = NULL;
@@ -1150,6 +1299,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   bool dst_staged = !dp->info.direct && !nccl && !am;
   if ((src_staged && !k->send_stg) || (dst_staged && !p->stg_rkey))
     return td_err(TD_ERR_INTERNAL, "KV transfer: staged path without staging buffers");
+  if (nccl) TD_TRY(nccl_ring(k, 0));
   td_kvx_slice *items = NULL;
   int n_items = 0;
   TD_TRY(td_kvx_plan_copies(&pool->d.geom, &dp->info.geom, q->src_blocks, q->dst_blocks, q->n_blocks, &items,
@@ -1161,12 +1311,17 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   }
   kvx_xfer *x = calloc(1, sizeof *x);
   int32_t *blocks = malloc(sizeof(int32_t) * 2 * (size_t)q->n_blocks);
-  if (!x || !blocks) {
+  /* Proposed chunking (the receiver may lower it in GRANT): a smaller
+   * first chunk, so the first gather is short. */
+  kvx_nstream *ns = nccl ? nstream_new(k->nccl_chunk / 4, k->nccl_chunk) : NULL;
+  if (!x || !blocks || (nccl && !ns)) {
     free(x);
     free(blocks);
     free(items);
+    free(ns);
     return td_err(TD_ERR_NOMEM, "out of memory");
   }
+  x->ns = ns;
   memcpy(blocks, q->src_blocks, sizeof(int32_t) * (size_t)q->n_blocks);
   memcpy(blocks + q->n_blocks, q->dst_blocks, sizeof(int32_t) * (size_t)q->n_blocks);
   x->id = k->next_xid++;
@@ -1204,6 +1359,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
     if (s != TD_OK) {
       free(x->items);
       free(x->blocks);
+      free(x->ns);
       free(x);
       return s;
     }
@@ -1224,6 +1380,8 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   kvx_w_u32(&w, nccl ? p->nccl_gen : 0);
   kvx_w_u32(&w, (uint32_t)x->timeout_ms);
   kvx_w_u64(&w, x->total);
+  kvx_w_u64(&w, ns ? ns->first : 0);
+  kvx_w_u64(&w, ns ? ns->max : 0);
   const td_kvx_geom *g = &pool->d.geom;
   kvx_w_u16(&w, (uint16_t)g->elem_size);
   kvx_w_i32(&w, g->layout.n_layers);
@@ -1489,11 +1647,8 @@ static int pump_ucx(kvx_xfer *x) {
     uint64_t cap = (x->src_staged || x->dst_staged) ? UINT64_MAX : KVX_MAX_PUT;
     if (x->src_staged && !x->direct_stage && k->slot_bytes < cap) cap = k->slot_bytes;
     if (x->dst_staged && x->peer->desc.stg_slot_bytes < cap) cap = x->peer->desc.stg_slot_bytes;
-    if (x->src_staged || x->dst_staged) {
-      /* Small first chunks: the receiver starts copying out sooner. */
-      uint64_t ramp = x->issued < ((uint64_t)256 << 10) ? ((uint64_t)256 << 10) : x->issued;
-      if (ramp < cap) cap = ramp;
-    }
+    /* Small first and last chunks: the pipeline fills and drains sooner. */
+    if (x->src_staged || x->dst_staged) cap = kvx_stage_chunk_cap(x->issued, x->total, cap);
     kvx_chunk *c = chunk_build(x, cap);
     if (!c) {
       xfer_stop(x, TD_ERR_NOMEM, "out of memory", true);
@@ -1554,102 +1709,151 @@ static int pump_ucx(kvx_xfer *x) {
   return work;
 }
 
-/* NCCL moves a transfer as one byte stream (the plan's pieces in order):
- * straight from / into the pool when this side's pieces are contiguous,
- * else through a device bounce buffer with one batched gather / scatter. */
-static td_status nccl_side(kvx_gpu *g, bool send, uint8_t *base, const td_kvx_slice *it, int n, uint64_t total,
-                           void **buf, kvx_copies *cp) {
-  memset(cp, 0, sizeof *cp);
-  bool contig = true;
-  for (int i = 1; i < n && contig; i++) {
-    uint64_t prev = send ? it[i - 1].src_off : it[i - 1].dst_off, cur = send ? it[i].src_off : it[i].dst_off;
-    contig = prev + it[i - 1].len == cur;
-  }
-  if (contig) {
-    *buf = base + (send ? it[0].src_off : it[0].dst_off);
+/* Prepares the sender's next chunk: straight from the pool when its pieces
+ * are contiguous there, else gathered into a bounce slot by one kernel
+ * launch. *made stays false while no slot is free. */
+static td_status nccl_prepare(kvx_xfer *x, bool *made) {
+  td_kvx *k = x->k;
+  kvx_nstream *ns = x->ns;
+  *made = false;
+  td_kvx_slice *pc = NULL;
+  uint64_t len, coff;
+  int n, ci;
+  TD_TRY(nstream_pieces(ns, x->items, x->n_items, x->total, &pc, &len, &n, &ci, &coff));
+  kvx_nchunk *e = &ns->ring[ns->prep % KVX_NCCL_WINDOW];
+  memset(e, 0, sizeof *e);
+  e->slot = -1;
+  e->len = len;
+  uint8_t *base = x->pool->d.base;
+  td_status s = TD_OK;
+  if (kvx_pieces_contiguous(pc, n, true)) {
+    e->buf = base + pc[0].src_off;
+  } else if (k->n_nb_free[0] == 0) {
+    free(pc);
     return TD_OK;
+  } else if ((s = scratch(k, (size_t)n)) == TD_OK) {
+    e->slot = k->nb_free[0][--k->n_nb_free[0]];
+    e->buf = k->nb[0] + (size_t)e->slot * k->nccl_chunk;
+    uint64_t packed = 0;
+    for (int i = 0; i < n; i++) {
+      k->sc_d[i] = e->buf + packed;
+      k->sc_s[i] = base + pc[i].src_off;
+      k->sc_n[i] = pc[i].len;
+      packed += pc[i].len;
+    }
+    s = kvx_gpu_copy_d2d(k->gpu, KVX_S_GATHER, k->sc_d, k->sc_s, k->sc_n, (size_t)n);
+    if (s == TD_OK) s = kvx_gpu_record(k->gpu, KVX_S_GATHER, &e->ev);
+    if (s != TD_OK) {
+      k->nb_free[0][k->n_nb_free[0]++] = e->slot;
+      e->slot = -1;
+    }
   }
-  void *b;
-  TD_TRY(kvx_gpu_bounce(g, send ? 0 : 1, total, &b));
-  cp->dsts = malloc(sizeof(void *) * (size_t)n);
-  cp->srcs = malloc(sizeof(void *) * (size_t)n);
-  cp->sizes = malloc(sizeof(size_t) * (size_t)n);
-  if (!cp->dsts || !cp->srcs || !cp->sizes) {
-    free(cp->dsts);
-    free(cp->srcs);
-    free(cp->sizes);
-    memset(cp, 0, sizeof *cp);
-    return td_err(TD_ERR_NOMEM, "out of memory");
-  }
-  uint64_t packed = 0;
-  for (int i = 0; i < n; i++) {
-    cp->dsts[i] = send ? (uint8_t *)b + packed : base + it[i].dst_off;
-    cp->srcs[i] = send ? base + it[i].src_off : (const uint8_t *)b + packed;
-    cp->sizes[i] = it[i].len;
-    packed += it[i].len;
-  }
-  cp->n = (size_t)n;
-  *buf = b;
+  free(pc);
+  if (s != TD_OK) return s;
+  ns->ci = ci;
+  ns->coff = coff;
+  ns->prep++;
+  ns->prep_bytes += len;
+  *made = true;
   return TD_OK;
 }
 
-static void copies_release(kvx_copies *cp) {
-  free(cp->dsts);
-  free(cp->srcs);
-  free(cp->sizes);
-  memset(cp, 0, sizeof *cp);
-}
-
+/* The sender's NCCL pipeline: chunk i + 1 is gathered (gather stream) while
+ * chunk i is sent (NCCL stream, after waiting for its gather), with up to
+ * KVX_NCCL_WINDOW chunks in flight. */
 static int pump_nccl_send(kvx_xfer *x) {
   td_kvx *k = x->k;
   td_kvx_peer *p = x->peer;
+  kvx_nstream *ns = x->ns;
   if (!p->nccl) {
     xfer_stop(x, TD_ERR_NETWORK, "NCCL communicator gone", true);
     return 1;
   }
-  if (!x->nccl_posted) {
-    int r = kvx_nccl_poll(p->nccl);
-    if (r < 0) {
-      peer_nccl_abort(p, TD_ERR_NETWORK, td_errmsg(), true);
-      return 1;
-    }
-    /* Sends go in the order the receiver queued its receives. */
-    if (r == 0 || !kvx_nccl_idle(p->nccl) || p->nccl_next_seq != x->seq) return 0;
-    td_status s = TD_OK;
-    void *buf = NULL;
-    kvx_copies cp;
-    memset(&cp, 0, sizeof cp);
-    if (x->ready_ev) s = kvx_gpu_wait(k->gpu, KVX_S_NCCL, x->ready_ev);
-    if (s == TD_OK) s = nccl_side(k->gpu, true, x->pool->d.base, x->items, x->n_items, x->total, &buf, &cp);
-    if (s == TD_ERR_OVERLOADED) return 0; /* bounce buffer grows once the stream drains */
-    if (s == TD_OK && cp.n) s = kvx_gpu_copy_many(k->gpu, KVX_S_NCCL, cp.dsts, cp.srcs, cp.sizes, cp.n); /* gather */
-    copies_release(&cp);
-    if (s == TD_OK) s = kvx_nccl_post(p->nccl, true, buf, x->total, NULL, &x->nop);
-    if (s != TD_OK) {
-      peer_nccl_abort(p, s, td_errmsg(), true);
-      return 1;
-    }
-    p->nccl_next_seq++;
-    x->nccl_posted = true;
-    x->bytes_put = x->total;
-    return 1;
-  }
-  int r = kvx_nccl_op_poll(x->nop);
-  if (r < 0) {
+  /* While a group is being launched, the rest goes on (but no posting). */
+  if (kvx_nccl_poll(p->nccl) < 0) {
     peer_nccl_abort(p, TD_ERR_NETWORK, td_errmsg(), true);
     return 1;
   }
-  if (r == 0) return 0;
-  kvx_nccl_op_free(x->nop);
-  x->nop = NULL;
-  k->st.bytes_sent += x->total;
-  kvx_wbuf w;
-  msg_begin(k, &w, KVX_MSG_DONE, x->id);
-  kvx_w_u64(&w, x->total);
-  send_msg(k, p->ep, &w);
-  x->done_sent = true;
-  x->st = XS_FINISH;
-  return 1;
+  if (!kvx_nccl_ready(p->nccl)) return 0;
+  int work = 0;
+  /* Groups complete in order; their slots go back. */
+  while (ns->done < ns->post) {
+    int q = kvx_nccl_op_poll(ns->ring[ns->done % KVX_NCCL_WINDOW].op);
+    if (q < 0) {
+      peer_nccl_abort(p, TD_ERR_NETWORK, td_errmsg(), true);
+      return 1;
+    }
+    if (q == 0) break;
+    kvx_nccl_op_free(nstream_take_op(ns, ns->done, ns->post));
+    for (; ns->done < ns->post && !ns->ring[ns->done % KVX_NCCL_WINDOW].op; ns->done++) {
+      kvx_nchunk *e = &ns->ring[ns->done % KVX_NCCL_WINDOW];
+      if (e->ev) kvx_gpu_release(k->gpu, e->ev);
+      e->ev = NULL;
+      if (e->slot >= 0) k->nb_free[0][k->n_nb_free[0]++] = e->slot;
+      e->slot = -1;
+      work++;
+    }
+  }
+  /* Only the transfer whose turn it is takes slots and posts (the receiver
+   * queues its receives in grant order); the next one starts once all of
+   * this one's sends are posted. */
+  if (!ns->all_posted && p->nccl_next_seq == x->seq) {
+    if (!ns->started) {
+      ns->started = true;
+      td_status s = TD_OK;
+      if (x->ready_ev) s = kvx_gpu_wait(k->gpu, KVX_S_GATHER, x->ready_ev);
+      if (x->ready_ev && s == TD_OK) s = kvx_gpu_wait(k->gpu, KVX_S_NCCL, x->ready_ev);
+      if (s != TD_OK) {
+        xfer_stop(x, s, td_errmsg(), true);
+        return 1;
+      }
+    }
+    /* Gather and post alternately: the first chunk goes alone, and the
+     * chunks gathered while a group is being launched go together. */
+    for (bool more = true; more;) {
+      more = false;
+      if (ns->prep_bytes < x->total && ns->prep - ns->done < KVX_NCCL_WINDOW) {
+        td_status s = nccl_prepare(x, &more);
+        if (s != TD_OK) {
+          xfer_stop(x, s, td_errmsg(), true);
+          return 1;
+        }
+      }
+      if (ns->post < ns->prep && kvx_nccl_idle(p->nccl)) {
+        kvx_nccl_buf b[KVX_NCCL_GROUP];
+        int n = 0;
+        for (uint64_t c = ns->post; c < ns->prep && n < KVX_NCCL_GROUP; c++) {
+          kvx_nchunk *e = &ns->ring[c % KVX_NCCL_WINDOW];
+          b[n++] = (kvx_nccl_buf){e->buf, e->len, e->ev};
+        }
+        kvx_nccl_op *op = NULL;
+        td_status s = kvx_nccl_post(p->nccl, true, b, n, &op);
+        if (s != TD_OK) {
+          peer_nccl_abort(p, s, td_errmsg(), true);
+          return 1;
+        }
+        for (int i = 0; i < n; i++, ns->post++) ns->ring[ns->post % KVX_NCCL_WINDOW].op = op;
+        more = true;
+      }
+      work += more;
+    }
+    if (ns->prep_bytes == x->total && ns->post == ns->prep) {
+      ns->all_posted = true;
+      p->nccl_next_seq++;
+      x->bytes_put = x->total;
+    }
+  }
+  if (ns->all_posted && ns->done == ns->post) {
+    k->st.bytes_sent += x->total;
+    kvx_wbuf w;
+    msg_begin(k, &w, KVX_MSG_DONE, x->id);
+    kvx_w_u64(&w, x->total);
+    send_msg(k, p->fast ? p->data_ep : p->ep, &w);
+    x->done_sent = true;
+    x->st = XS_FINISH;
+    work++;
+  }
+  return work;
 }
 
 /* A stopping transfer ends once nothing of it is in flight and its puts
@@ -1677,7 +1881,7 @@ static int pump_stop(kvx_xfer *x) {
     }
     return work;
   }
-  if (x->n_chunks > 0 || x->ops > 0) return work;
+  if (x->n_chunks > 0 || x->ops > 0 || !nstream_quiet(k, x->ns)) return work;
   if (x->bytes_put > 0 && !x->nccl && !x->stop_flush_issued) {
     x->stop_flush_issued = true;
     flush_data(x, FL_STOP, NULL);
@@ -1752,11 +1956,23 @@ static void grant_end(kvx_grant *g, td_status s, const char *msg) {
   g->est = s;
   set_text(g->emsg, msg);
   g->gst = G_ENDING;
-  if (g->nop) {
-    /* Only a communicator abort stops a queued receive. */
-    kvx_nccl_op_free(g->nop);
-    g->nop = NULL;
+  if (g->ns) {
+    /* Only a communicator abort stops a queued receive (it was aborted
+     * when any is left here). */
+    nstream_drop_ops(g->k, g->ns, true);
+    g->ns->drain_deadline = td_now_ms() + KVX_GRANT_GRACE_MS;
   }
+}
+
+/* Whether the grant's NCCL copies (and stopped receives) are over, so its
+ * blocks and slots may go back. A receive that an aborted communicator
+ * does not stop is given up on after a grace period. */
+static bool grant_drained(kvx_grant *g) {
+  if (!g->ns || nstream_quiet(g->k, g->ns)) return true;
+  if (td_now_ms() <= g->ns->drain_deadline) return false;
+  TD_WARN("kvx %s: grant %016" PRIx64 "/%" PRIu64 ": NCCL copies still pending after %d ms; releasing the blocks",
+          g->k->name, g->key.uuid, g->key.xid, KVX_GRANT_GRACE_MS);
+  return true;
 }
 
 static void grant_finalize(kvx_grant *g) {
@@ -1764,6 +1980,8 @@ static void grant_finalize(kvx_grant *g) {
   HASH_DEL(k->grants, g);
   for (int i = 0; i < g->n_slots; i++) k->recv_free[k->n_recv_free++] = g->slots[i];
   g->n_slots = 0;
+  nstream_free(k, g->ns, 1);
+  g->ns = NULL;
   g->pool->users--;
   g->rp->n_grants--;
   if (g->est == TD_OK) {
@@ -1816,10 +2034,7 @@ static void rpeer_nccl_abort(kvx_rpeer *rp, td_status s, const char *why, bool t
   }
   kvx_grant *g, *tmp;
   HASH_ITER(hh, k->grants, g, tmp) {
-    if (g->rp == rp && g->nccl && g->nop) {
-      kvx_nccl_op_free(g->nop);
-      g->nop = NULL;
-    }
+    if (g->rp == rp && g->nccl) nstream_drop_ops(k, g->ns, true);
   }
   kvx_nccl_abort(rp->nccl);
   rp->nccl = NULL;
@@ -1913,6 +2128,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   uint8_t transport = kvx_r_u8(r);
   uint32_t gen = kvx_r_u32(r), timeout_ms = kvx_r_u32(r);
   uint64_t total = kvx_r_u64(r);
+  uint64_t ck_first = kvx_r_u64(r), ck_max = kvx_r_u64(r);
   td_kvx_geom sg;
   memset(&sg, 0, sizeof sg);
   sg.elem_size = kvx_r_u16(r);
@@ -1971,11 +2187,21 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   if (!why[0] && transport != KVX_MODE_PUT && !nccl && !am) snprintf(why, sizeof why, "unknown data mode %u", transport);
   if (!why[0] && nccl && (pool->d.mem != TD_KVX_MEM_CUDA || !rp->nccl || rp->nccl_gen != gen))
     snprintf(why, sizeof why, "no NCCL communicator for this transfer");
+  if (!why[0] && nccl && !kvx_chunking_valid(ck_first, ck_max))
+    snprintf(why, sizeof why, "NCCL chunks of %" PRIu64 " / %" PRIu64 " bytes", ck_first, ck_max);
+  if (!why[0] && nccl && nccl_ring(k, 1) != TD_OK) snprintf(why, sizeof why, "%s", td_errmsg());
+  /* The chunking both sides use: the sender's, within our slots. */
+  kvx_nstream *ns = NULL;
+  if (!why[0] && nccl) {
+    uint64_t mx = ck_max < k->nccl_chunk ? ck_max : k->nccl_chunk;
+    if (!(ns = nstream_new(ck_first < mx ? ck_first : mx, mx))) snprintf(why, sizeof why, "receiver out of memory");
+  }
   if (!why[0] && staged && !k->recv_stg) snprintf(why, sizeof why, "no staging buffers");
   if (why[0]) {
     free(items);
     free(blocks);
     free(g);
+    free(ns);
     send_status(k, rp->ep, KVX_MSG_DENY, xid, TD_ERR_INVALID, why);
     return;
   }
@@ -1993,6 +2219,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
     free(items);
     free(blocks);
     free(g);
+    free(ns);
     send_status(k, rp->ep, KVX_MSG_DENY, xid, s, why);
     return;
   }
@@ -2010,6 +2237,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   g->n_items = n_items;
   g->total = total;
   g->nccl = nccl;
+  g->ns = ns;
   g->am = am;
   g->staged = staged;
   g->deadline = td_now_ms() + (int64_t)timeout_ms + KVX_GRANT_GRACE_MS;
@@ -2023,6 +2251,8 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
     msg_begin(k, &w, KVX_MSG_GRANT, xid);
     kvx_w_u64(&w, g->seq);
     kvx_w_u32(&w, 0);
+    kvx_w_u64(&w, ns->first);
+    kvx_w_u64(&w, ns->max);
     send_msg(k, rp->fast_ep ? rp->fast_ep : rp->ep, &w);
   } else if (!staged) {
     g->gst = G_ACTIVE;
@@ -2117,6 +2347,163 @@ static int pump_h2d(td_kvx *k) {
   return work;
 }
 
+/* Prepares the receiver's next chunk: straight into the pool when its
+ * pieces are contiguous there, else into a bounce slot (scattered once
+ * received). *made stays false while no slot is free. */
+static td_status nccl_prepare_recv(kvx_grant *g, bool *made) {
+  td_kvx *k = g->k;
+  kvx_nstream *ns = g->ns;
+  *made = false;
+  td_kvx_slice *pc = NULL;
+  uint64_t len, coff;
+  int n, ci;
+  TD_TRY(nstream_pieces(ns, g->items, g->n_items, g->total, &pc, &len, &n, &ci, &coff));
+  kvx_nchunk *e = &ns->ring[ns->prep % KVX_NCCL_WINDOW];
+  memset(e, 0, sizeof *e);
+  e->slot = -1;
+  e->len = len;
+  if (kvx_pieces_contiguous(pc, n, false)) {
+    e->buf = (uint8_t *)g->pool->d.base + pc[0].dst_off;
+    free(pc);
+  } else if (k->n_nb_free[1] == 0) {
+    free(pc);
+    return TD_OK;
+  } else {
+    e->slot = k->nb_free[1][--k->n_nb_free[1]];
+    e->buf = k->nb[1] + (size_t)e->slot * k->nccl_chunk;
+    e->pc = pc;
+    e->n_pc = n;
+  }
+  ns->ci = ci;
+  ns->coff = coff;
+  ns->prep++;
+  ns->prep_bytes += len;
+  *made = true;
+  return TD_OK;
+}
+
+/* Copies a received slot out into the pool (scatter stream). */
+static td_status nccl_scatter(kvx_grant *g, kvx_nchunk *e) {
+  td_kvx *k = g->k;
+  TD_TRY(scratch(k, (size_t)e->n_pc));
+  uint8_t *base = g->pool->d.base;
+  uint64_t packed = 0;
+  for (int i = 0; i < e->n_pc; i++) {
+    k->sc_d[i] = base + e->pc[i].dst_off;
+    k->sc_s[i] = e->buf + packed;
+    k->sc_n[i] = e->pc[i].len;
+    packed += e->pc[i].len;
+  }
+  TD_TRY(kvx_gpu_copy_d2d(k->gpu, KVX_S_SCATTER, k->sc_d, k->sc_s, k->sc_n, (size_t)e->n_pc));
+  return kvx_gpu_record(k->gpu, KVX_S_SCATTER, &e->ev);
+}
+
+/* The receiver's NCCL pipeline: chunk i - 1 is scattered (scatter stream)
+ * while chunk i is received (NCCL receive stream), with up to
+ * KVX_NCCL_WINDOW receives queued. */
+static int pump_nccl_recv(kvx_grant *g) {
+  td_kvx *k = g->k;
+  kvx_rpeer *rp = g->rp;
+  kvx_nstream *ns = g->ns;
+  if (!rp->nccl) {
+    grant_revoke(g, TD_ERR_NETWORK, "NCCL communicator gone");
+    return 1;
+  }
+  /* While a group is being launched, the rest goes on (but no posting). */
+  if (kvx_nccl_poll(rp->nccl) < 0) {
+    rpeer_nccl_abort(rp, TD_ERR_NETWORK, td_errmsg(), true);
+    return 1;
+  }
+  if (!kvx_nccl_ready(rp->nccl)) return 0;
+  int work = 0;
+  /* Groups complete in order; a slot is scattered as soon as it is in. */
+  for (uint64_t c = ns->done; c < ns->post;) {
+    kvx_nchunk *e = &ns->ring[c % KVX_NCCL_WINDOW];
+    if (!e->op) {
+      c++;
+      continue;
+    }
+    int q = kvx_nccl_op_poll(e->op);
+    if (q < 0) {
+      rpeer_nccl_abort(rp, TD_ERR_NETWORK, td_errmsg(), true);
+      return 1;
+    }
+    if (q == 0) break;
+    uint64_t first = c;
+    kvx_nccl_op *op = e->op;
+    for (; c < ns->post && ns->ring[c % KVX_NCCL_WINDOW].op == op; c++) {}
+    kvx_nccl_op_free(nstream_take_op(ns, first, c));
+    for (uint64_t d = first; d < c; d++) {
+      kvx_nchunk *f = &ns->ring[d % KVX_NCCL_WINDOW];
+      td_status s = f->slot >= 0 ? nccl_scatter(g, f) : TD_OK;
+      if (s != TD_OK) {
+        grant_revoke(g, s, td_errmsg());
+        return 1;
+      }
+    }
+    work++;
+  }
+  while (ns->done < ns->post) {
+    kvx_nchunk *e = &ns->ring[ns->done % KVX_NCCL_WINDOW];
+    if (e->op) break;
+    if (e->ev) {
+      int q = kvx_gpu_query(k->gpu, e->ev);
+      if (q == 0) break;
+      if (q < 0) {
+        grant_revoke(g, TD_ERR_CUDA, td_errmsg());
+        return 1;
+      }
+      kvx_gpu_release(k->gpu, e->ev);
+      e->ev = NULL;
+    }
+    if (e->slot >= 0) k->nb_free[1][k->n_nb_free[1]++] = e->slot;
+    e->slot = -1;
+    free(e->pc);
+    e->pc = NULL;
+    g->received += e->len;
+    ns->done++;
+    work++;
+  }
+  /* The chunks there are slots for go in one group. */
+  if (!ns->all_posted && kvx_nccl_idle(rp->nccl)) {
+    bool made = true;
+    while (made && ns->prep_bytes < g->total && ns->prep - ns->done < KVX_NCCL_WINDOW &&
+           ns->prep - ns->post < KVX_NCCL_GROUP) {
+      td_status s = nccl_prepare_recv(g, &made);
+      if (s != TD_OK) {
+        rpeer_nccl_abort(rp, s, td_errmsg(), true);
+        return 1;
+      }
+    }
+    if (ns->post < ns->prep) {
+      kvx_nccl_buf b[KVX_NCCL_GROUP];
+      int n = 0;
+      for (uint64_t c = ns->post; c < ns->prep; c++) {
+        kvx_nchunk *e = &ns->ring[c % KVX_NCCL_WINDOW];
+        b[n++] = (kvx_nccl_buf){e->buf, e->len, NULL};
+      }
+      kvx_nccl_op *op = NULL;
+      td_status s = kvx_nccl_post(rp->nccl, false, b, n, &op);
+      if (s != TD_OK) {
+        rpeer_nccl_abort(rp, s, td_errmsg(), true);
+        return 1;
+      }
+      for (; ns->post < ns->prep; ns->post++) ns->ring[ns->post % KVX_NCCL_WINDOW].op = op;
+      work++;
+    }
+    if (ns->prep_bytes == g->total) {
+      ns->all_posted = true;
+      rp->nccl_seq_post++;
+    }
+  }
+  if (ns->all_posted && ns->done == ns->post) {
+    send_status(k, rp->fast_ep ? rp->fast_ep : rp->ep, KVX_MSG_ACK, g->key.xid, TD_OK, "");
+    grant_end(g, TD_OK, "");
+    work++;
+  }
+  return work;
+}
+
 static int pump_grants(td_kvx *k) {
   int work = 0;
   int64_t now = td_now_ms();
@@ -2141,21 +2528,11 @@ static int pump_grants(td_kvx *k) {
             work++;
             break;
           }
-          if (r == 0 || !kvx_nccl_idle(rp->nccl) || rp->nccl_seq_post != g->seq) break;
-          void *buf = NULL;
-          kvx_copies cp;
-          td_status s = nccl_side(k->gpu, false, g->pool->d.base, g->items, g->n_items, g->total, &buf, &cp);
-          if (s == TD_ERR_OVERLOADED) break; /* bounce buffer grows once the stream drains */
-          if (s == TD_OK) s = kvx_nccl_post(rp->nccl, false, buf, g->total, &cp, &g->nop);
-          copies_release(&cp);
-          if (s != TD_OK) {
-            rpeer_nccl_abort(rp, TD_ERR_NETWORK, td_errmsg(), true);
-            work++;
-            break;
-          }
-          rp->nccl_seq_post++;
+          /* Receives are queued in grant order: this grant's turn comes
+           * once the one before posted all of its. */
+          if (!kvx_nccl_ready(rp->nccl) || rp->nccl_seq_post != g->seq) break;
           g->gst = G_ACTIVE;
-          work++;
+          work += 1 + pump_nccl_recv(g);
         } else if (!slots_taken) {
           slots_taken = true;
           if (k->n_recv_free == 0) break;
@@ -2173,17 +2550,7 @@ static int pump_grants(td_kvx *k) {
         break;
       case G_ACTIVE:
         if (g->nccl) {
-          if (!g->nop) break;
-          int r = kvx_nccl_op_poll(g->nop);
-          if (r < 0) {
-            rpeer_nccl_abort(g->rp, TD_ERR_NETWORK, td_errmsg(), true);
-            work++;
-          } else if (r == 1) {
-            g->received = g->total;
-            send_status(k, g->rp->fast_ep ? g->rp->fast_ep : g->rp->ep, KVX_MSG_ACK, g->key.xid, TD_OK, "");
-            grant_end(g, TD_OK, "");
-            work++;
-          }
+          work += pump_nccl_recv(g);
         } else if (g->data_err != TD_OK) {
           grant_revoke(g, g->data_err, "data outside the granted blocks, or a failed copy");
           work++;
@@ -2215,7 +2582,7 @@ static int pump_grants(td_kvx *k) {
       default:
         break;
     }
-    if (g->gst == G_ENDING && g->h2d == 0) {
+    if (g->gst == G_ENDING && g->h2d == 0 && grant_drained(g)) {
       grant_finalize(g);
       work++;
     }
@@ -2340,6 +2707,13 @@ static void handle_msg(td_kvx *k, const uint8_t *data, size_t len) {
         uint32_t s = kvx_r_u32(&r);
         if (s >= x->peer->desc.stg_slots) r.bad = true;
         x->rslots[i] = x->rfree[i] = (int)s;
+      }
+      if (x->nccl) {
+        /* The receiver's chunking: ours or smaller, never larger than our slots. */
+        uint64_t first = kvx_r_u64(&r), max = kvx_r_u64(&r);
+        if (!kvx_chunking_valid(first, max) || max > x->ns->max) r.bad = true;
+        x->ns->first = first;
+        x->ns->max = max;
       }
       if (r.bad) {
         xfer_stop(x, TD_ERR_FORMAT, "malformed grant", true);
@@ -2521,14 +2895,14 @@ static bool gpu_busy(td_kvx *k) {
   if (k->h2ds) return true;
   kvx_xfer *x, *tmp;
   HASH_ITER(hh, k->xfers, x, tmp) {
-    if (x->nccl && x->st == XS_RUN) return true;
+    if (x->nccl && (x->st == XS_RUN || (x->st == XS_STOPPING && x->ns))) return true;
     kvx_chunk *ch;
     DL_FOREACH(x->chunks, ch) if (ch->state == CH_D2H) return true;
     if (x->ready_ev && !x->ready_done && x->st == XS_RUN) return true;
   }
   kvx_grant *g, *gtmp;
   HASH_ITER(hh, k->grants, g, gtmp) {
-    if (g->nccl && (g->gst == G_PENDING || g->gst == G_ACTIVE)) return true;
+    if (g->nccl && (g->gst == G_PENDING || g->gst == G_ACTIVE || g->gst == G_ENDING)) return true;
   }
   return false;
 }
@@ -2622,6 +2996,8 @@ void td_kvx_destroy(td_kvx *k) {
     }
     HASH_ITER(hh, k->grants, g, gtmp) {
       if (g->gst != G_ENDING) grant_end(g, g->gst == G_CLOSING ? g->est : TD_ERR_CANCELLED, "receiver shutting down");
+      while (!grant_drained(g)) {
+      }
       grant_finalize(g);
     }
     run_callbacks(k);
@@ -2669,6 +3045,10 @@ void td_kvx_destroy(td_kvx *k) {
     HASH_DEL(k->pools, pl);
     pool_free(k, pl);
   }
+  for (int i = 0; i < 2; i++) kvx_gpu_dev_free(k->gpu, k->nb[i]); /* communicators are gone */
+  free(k->sc_d);
+  free(k->sc_s);
+  free(k->sc_n);
   if (k->gpu) kvx_gpu_destroy(k->gpu); /* waits for the streams before staging goes */
   if (k->recv_rkey) ucp_rkey_buffer_release(k->recv_rkey);
   if (k->send_memh) ucp_mem_unmap(k->ctx, k->send_memh);

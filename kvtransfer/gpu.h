@@ -15,10 +15,19 @@
 bool kvx_gpu_compiled(void);
 bool kvx_nccl_compiled(void);
 
-/* One per engine: the device and three streams (device-to-host,
- * host-to-device, NCCL), so staging directions overlap. */
+/* One per engine: the device and its streams, so that staging directions,
+ * NCCL sends, NCCL receives and the NCCL path's gather and scatter
+ * overlap. */
 typedef struct kvx_gpu kvx_gpu;
-enum { KVX_S_D2H = 0, KVX_S_H2D = 1, KVX_S_NCCL = 2, KVX_S_COUNT };
+enum {
+  KVX_S_D2H = 0,
+  KVX_S_H2D,
+  KVX_S_NCCL,    /* sends (sender communicators) */
+  KVX_S_NCCL_RX, /* receives: a stalled send never blocks them */
+  KVX_S_GATHER,
+  KVX_S_SCATTER,
+  KVX_S_COUNT
+};
 
 td_status kvx_gpu_create(int device, kvx_gpu **out);
 /* Identifies the device on its host (hash of the PCI bus id); 0 for NULL. */
@@ -36,6 +45,13 @@ td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_
 /* n asynchronous copies on a stream, contiguous neighbours merged, issued
  * as one batch where the runtime has cudaMemcpyBatchAsync. */
 td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n);
+/* n device-to-device copies on a stream, contiguous neighbours merged, by
+ * the gather kernel (gather.h): one launch per KVX_GATHER_PIECES pieces,
+ * any sizes and alignments. The caller's arrays are scratch. */
+td_status kvx_gpu_copy_d2d(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n);
+/* Device memory of the engine's device (the NCCL bounce slots). */
+td_status kvx_gpu_dev_alloc(kvx_gpu *g, size_t bytes, void **out);
+void kvx_gpu_dev_free(kvx_gpu *g, void *p);
 /* Synchronous host-to-device copy from pageable memory. */
 td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes);
 /* Makes a stream wait for an application event (cudaEvent_t). */
@@ -53,22 +69,22 @@ td_status kvx_nccl_unique_id(uint8_t id[KVX_NCCL_ID_BYTES]);
 td_status kvx_nccl_create(kvx_gpu *g, const uint8_t id[KVX_NCCL_ID_BYTES], int rank, kvx_nccl **out);
 /* 1: ready, 0: still initialising or enqueuing, -1: failed (td_err set). */
 int kvx_nccl_poll(kvx_nccl *c);
-/* Whether a new group may be posted (no enqueue in progress). */
+/* Whether it is initialised (groups may still be being launched). */
+bool kvx_nccl_ready(kvx_nccl *c);
+/* Whether a new group may be posted (no launch in progress). */
 bool kvx_nccl_idle(kvx_nccl *c);
-/* Copies run on the NCCL stream once a receive is enqueued (scatter out of
- * a bounce buffer). */
-typedef struct kvx_copies {
-  void **dsts;
-  const void **srcs;
-  size_t *sizes;
-  size_t n;
-} kvx_copies;
-/* One send (or receive) of bytes at buf to / from the other rank; after,
- * when non-NULL, is copied and run after the receive, before completion. */
-td_status kvx_nccl_post(kvx_nccl *c, bool send, void *buf, size_t bytes, const kvx_copies *after, kvx_nccl_op **op);
-/* A device buffer of at least bytes (0: send bounce, 1: receive bounce).
- * Growing needs an idle NCCL stream: TD_ERR_OVERLOADED means "later". */
-td_status kvx_gpu_bounce(kvx_gpu *g, int which, size_t bytes, void **out);
+/* One buffer of a group: bytes at buf, moved after the stream waited for
+ * wait (a kvx_gpu_record event, e.g. the gather into buf; may be NULL). */
+typedef struct kvx_nccl_buf {
+  void *buf;
+  size_t bytes;
+  void *wait;
+} kvx_nccl_buf;
+/* One group of n sends (or receives) to / from the other rank, in order,
+ * on the NCCL send (receive) stream. A non-blocking communicator launches
+ * every group from a new thread (tens of microseconds), and nothing else
+ * may be posted meanwhile: buffers ready together go in one group. */
+td_status kvx_nccl_post(kvx_nccl *c, bool send, const kvx_nccl_buf *b, int n, kvx_nccl_op **op);
 /* 1: done, 0: pending, -1: failed. */
 int kvx_nccl_op_poll(kvx_nccl_op *op);
 void kvx_nccl_op_free(kvx_nccl_op *op);

@@ -7,14 +7,15 @@
 #include <nccl.h>
 #endif
 
+#include "kvtransfer/gather.h"
 #include "kvtransfer/gpu.h"
 
 struct kvx_gpu {
   int device;
   bool no_batch; /* cudaMemcpyBatchAsync refused once: copy one by one */
   int nccl_enqueuing; /* groups of any communicator not yet on the stream */
-  void *bounce[2];
-  size_t bounce_cap[2];
+  unsigned gather_blocks; /* thread blocks of a gather launch: a few per SM */
+  kvx_gtable *table;      /* scratch for gather launches (24 KiB) */
   cudaStream_t s[KVX_S_COUNT];
   cudaEvent_t *free_ev; /* pool of events: creating them costs microseconds */
   int n_free, cap_free;
@@ -47,7 +48,16 @@ td_status kvx_gpu_create(int device, kvx_gpu **out) {
   kvx_gpu *g = calloc(1, sizeof *g);
   if (!g) return td_err(TD_ERR_NOMEM, "out of memory");
   g->device = device;
+  g->table = malloc(sizeof *g->table);
+  if (!g->table) {
+    free(g);
+    return td_err(TD_ERR_NOMEM, "out of memory");
+  }
   e = cudaSetDevice(device);
+  int sms = 0;
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  /* Four blocks per SM saturate HBM and leave room for NCCL's kernels. */
+  g->gather_blocks = sms > 0 ? 4u * (unsigned)sms : 256u;
   for (int i = 0; i < KVX_S_COUNT && e == cudaSuccess; i++) e = cudaStreamCreateWithFlags(&g->s[i], cudaStreamNonBlocking);
   if (e != cudaSuccess) {
     kvx_gpu_destroy(g);
@@ -75,9 +85,8 @@ void kvx_gpu_destroy(kvx_gpu *g) {
       cudaStreamDestroy(g->s[i]);
     }
   for (int i = 0; i < g->n_free; i++) cudaEventDestroy(g->free_ev[i]);
-  for (int i = 0; i < 2; i++)
-    if (g->bounce[i]) cudaFree(g->bounce[i]);
   free(g->free_ev);
+  free(g->table);
   free(g);
 }
 
@@ -162,26 +171,40 @@ td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **sr
   return TD_OK;
 }
 
-td_status kvx_gpu_bounce(kvx_gpu *g, int which, size_t bytes, void **out) {
-  *out = NULL;
-  if (g->bounce_cap[which] < bytes) {
-    cudaSetDevice(g->device);
-    /* Earlier groups may still use the old buffer; never wait for them
-     * (one may be stuck behind a dead peer): ask again later. */
-    if (g->bounce[which]) {
-      cudaError_t q = cudaStreamQuery(g->s[KVX_S_NCCL]);
-      if (q == cudaErrorNotReady) return TD_ERR_OVERLOADED;
-      if (q != cudaSuccess) return cuda_fail(q, "NCCL stream");
+td_status kvx_gpu_copy_d2d(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
+  size_t m = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (sizes[i] == 0) continue;
+    if (m > 0 && (char *)dsts[m - 1] + sizes[m - 1] == (char *)dsts[i] &&
+        (const char *)srcs[m - 1] + sizes[m - 1] == (const char *)srcs[i]) {
+      sizes[m - 1] += sizes[i];
+      continue;
     }
-    if (g->bounce[which]) cudaFree(g->bounce[which]);
-    g->bounce[which] = NULL;
-    g->bounce_cap[which] = 0;
-    size_t cap = (bytes + ((size_t)64 << 20) - 1) & ~(((size_t)64 << 20) - 1);
-    CK(cudaMalloc(&g->bounce[which], cap), "NCCL bounce buffer");
-    g->bounce_cap[which] = cap;
+    dsts[m] = dsts[i];
+    srcs[m] = srcs[i];
+    sizes[m] = sizes[i];
+    m++;
   }
-  *out = g->bounce[which];
+  cudaSetDevice(g->device);
+  size_t i = 0, off = 0;
+  while (kvx_gtable_fill(g->table, dsts, (const void *const *)srcs, sizes, m, &i, &off) > 0) {
+    cudaError_t e = (cudaError_t)kvx_gather_launch(g->table, g->gather_blocks, g->s[stream]);
+    if (e != cudaSuccess) return cuda_fail(e, "gather kernel");
+  }
   return TD_OK;
+}
+
+td_status kvx_gpu_dev_alloc(kvx_gpu *g, size_t bytes, void **out) {
+  *out = NULL;
+  cudaSetDevice(g->device);
+  CK(cudaMalloc(out, bytes), "NCCL bounce buffer");
+  return TD_OK;
+}
+
+void kvx_gpu_dev_free(kvx_gpu *g, void *p) {
+  if (!p) return;
+  cudaSetDevice(g->device);
+  cudaFree(p);
 }
 
 td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) {
@@ -245,9 +268,10 @@ struct kvx_nccl {
 
 struct kvx_nccl_op {
   kvx_nccl *c;
-  cudaEvent_t ev; /* recorded once the group is enqueued */
+  kvx_gpu *g;
+  int stream;
+  void *ev; /* pooled event, recorded once the group is enqueued */
   bool failed;
-  kvx_copies after; /* owned copy */
 };
 
 static void set_enqueuing(kvx_nccl *c, kvx_nccl_op *op) {
@@ -304,60 +328,43 @@ int kvx_nccl_poll(kvx_nccl *c) {
   if (c->enqueuing) {
     kvx_nccl_op *op = c->enqueuing;
     set_enqueuing(c, NULL);
-    cudaSetDevice(c->g->device);
-    /* The receive is on the stream now: its scatter goes behind it. */
-    if (op->after.n && kvx_gpu_copy_many(c->g, KVX_S_NCCL, op->after.dsts, op->after.srcs, op->after.sizes,
-                                         op->after.n) != TD_OK)
-      op->failed = true;
-    if (cudaEventCreateWithFlags(&op->ev, cudaEventDisableTiming) != cudaSuccess ||
-        cudaEventRecord(op->ev, c->g->s[KVX_S_NCCL]) != cudaSuccess)
-      op->failed = true;
+    /* The group is on the stream now: its completion event goes behind. */
+    if (kvx_gpu_record(c->g, op->stream, &op->ev) != TD_OK) op->failed = true;
   }
   return 1;
 }
 
-/* Idle also across communicators: they share the engine's NCCL stream and
- * bounce buffers, and a group still being enqueued has no stream place. */
+/* Idle also across communicators: a group still being enqueued has no
+ * place on its stream yet, so nothing may be queued behind it. */
 bool kvx_nccl_idle(kvx_nccl *c) { return c->ready && !c->failed && !c->enqueuing && c->g->nccl_enqueuing == 0; }
+bool kvx_nccl_ready(kvx_nccl *c) { return c->ready && !c->failed; }
 
-static void copies_free(kvx_copies *a) {
-  free(a->dsts);
-  free(a->srcs);
-  free(a->sizes);
-  memset(a, 0, sizeof *a);
-}
-
-td_status kvx_nccl_post(kvx_nccl *c, bool send, void *buf, size_t bytes, const kvx_copies *after, kvx_nccl_op **out) {
+td_status kvx_nccl_post(kvx_nccl *c, bool send, const kvx_nccl_buf *b, int n, kvx_nccl_op **out) {
   *out = NULL;
   if (!kvx_nccl_idle(c)) return td_err(TD_ERR_INTERNAL, "KV transfer: NCCL communicator busy");
   kvx_nccl_op *op = calloc(1, sizeof *op);
   if (!op) return td_err(TD_ERR_NOMEM, "out of memory");
   op->c = c;
-  if (after && after->n) {
-    op->after.dsts = malloc(sizeof(void *) * after->n);
-    op->after.srcs = malloc(sizeof(void *) * after->n);
-    op->after.sizes = malloc(sizeof(size_t) * after->n);
-    if (!op->after.dsts || !op->after.srcs || !op->after.sizes) {
-      copies_free(&op->after);
-      free(op);
-      return td_err(TD_ERR_NOMEM, "out of memory");
-    }
-    memcpy(op->after.dsts, after->dsts, sizeof(void *) * after->n);
-    memcpy(op->after.srcs, after->srcs, sizeof(void *) * after->n);
-    memcpy(op->after.sizes, after->sizes, sizeof(size_t) * after->n);
-    op->after.n = after->n;
-  }
+  op->g = c->g;
+  op->stream = send ? KVX_S_NCCL : KVX_S_NCCL_RX;
+  cudaStream_t st = c->g->s[op->stream];
   cudaSetDevice(c->g->device);
+  for (int i = 0; i < n; i++) {
+    cudaError_t e = b[i].wait ? cudaStreamWaitEvent(st, (cudaEvent_t)b[i].wait, 0) : cudaSuccess;
+    if (e != cudaSuccess) {
+      free(op);
+      return cuda_fail(e, "NCCL stream waiting for a gather");
+    }
+  }
   int peer = 1 - c->rank;
-  /* One operation per transfer: many small p2p operations in a group run
-   * far below the link's bandwidth. */
+  /* A few large operations per group: thousands of small ones in one group
+   * ran at a third of the link's speed. */
   ncclResult_t r = ncclGroupStart();
-  if (r == ncclSuccess || r == ncclInProgress)
-    r = send ? ncclSend(buf, bytes, ncclUint8, peer, c->comm, c->g->s[KVX_S_NCCL])
-             : ncclRecv(buf, bytes, ncclUint8, peer, c->comm, c->g->s[KVX_S_NCCL]);
+  for (int i = 0; i < n && (r == ncclSuccess || r == ncclInProgress); i++)
+    r = send ? ncclSend(b[i].buf, b[i].bytes, ncclUint8, peer, c->comm, st)
+             : ncclRecv(b[i].buf, b[i].bytes, ncclUint8, peer, c->comm, st);
   ncclResult_t re = ncclGroupEnd();
   if ((r != ncclSuccess && r != ncclInProgress) || (re != ncclSuccess && re != ncclInProgress)) {
-    copies_free(&op->after);
     free(op);
     c->failed = true;
     return nccl_fail(r != ncclSuccess && r != ncclInProgress ? r : re, send ? "ncclSend" : "ncclRecv");
@@ -377,7 +384,7 @@ int kvx_nccl_op_poll(kvx_nccl_op *op) {
     if (r < 0 || op->failed) return -1;
     if (!op->ev) return 0;
   }
-  cudaError_t e = cudaEventQuery(op->ev);
+  cudaError_t e = cudaEventQuery((cudaEvent_t)op->ev);
   if (e == cudaSuccess) return 1;
   if (e != cudaErrorNotReady) {
     cuda_fail(e, "NCCL transfer");
@@ -391,8 +398,7 @@ int kvx_nccl_op_poll(kvx_nccl_op *op) {
 void kvx_nccl_op_free(kvx_nccl_op *op) {
   if (!op) return;
   if (op->c && op->c->enqueuing == op) set_enqueuing(op->c, NULL);
-  if (op->ev) cudaEventDestroy(op->ev);
-  copies_free(&op->after);
+  if (op->ev) kvx_gpu_release(op->g, op->ev);
   free(op);
 }
 
@@ -417,7 +423,8 @@ int kvx_nccl_poll(kvx_nccl *c) {
   return -1;
 }
 bool kvx_nccl_idle(kvx_nccl *c) { return false; }
-td_status kvx_nccl_post(kvx_nccl *c, bool send, void *buf, size_t bytes, const kvx_copies *after, kvx_nccl_op **op) {
+bool kvx_nccl_ready(kvx_nccl *c) { return false; }
+td_status kvx_nccl_post(kvx_nccl *c, bool send, const kvx_nccl_buf *b, int n, kvx_nccl_op **op) {
   *op = NULL;
   return no_nccl();
 }

@@ -23,6 +23,14 @@ td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_
 td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
   return NO_CUDA;
 }
+td_status kvx_gpu_copy_d2d(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
+  return NO_CUDA;
+}
+td_status kvx_gpu_dev_alloc(kvx_gpu *g, size_t bytes, void **out) {
+  *out = NULL;
+  return NO_CUDA;
+}
+void kvx_gpu_dev_free(kvx_gpu *g, void *p) {}
 td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes) { return NO_CUDA; }
 td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) { return NO_CUDA; }
 td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event) {
@@ -44,12 +52,9 @@ int kvx_nccl_poll(kvx_nccl *c) {
   return -1;
 }
 bool kvx_nccl_idle(kvx_nccl *c) { return false; }
-td_status kvx_nccl_post(kvx_nccl *c, bool send, void *buf, size_t bytes, const kvx_copies *after, kvx_nccl_op **op) {
+bool kvx_nccl_ready(kvx_nccl *c) { return false; }
+td_status kvx_nccl_post(kvx_nccl *c, bool send, const kvx_nccl_buf *b, int n, kvx_nccl_op **op) {
   *op = NULL;
-  return NO_CUDA;
-}
-td_status kvx_gpu_bounce(kvx_gpu *g, int which, size_t bytes, void **out) {
-  *out = NULL;
   return NO_CUDA;
 }
 int kvx_nccl_op_poll(kvx_nccl_op *op) {

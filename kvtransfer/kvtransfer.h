@@ -113,6 +113,9 @@ typedef struct td_kvx_opts {
   int staging_slots;         /* pinned staging buffers per side; 0: 8 */
   size_t staging_slot_bytes; /* 0: 4 MiB (measured best on H100 / H200) */
   bool force_staged;         /* stage GPU pools even if UCX supports CUDA */
+  /* NCCL: the largest chunk of a transfer's byte stream (the pipeline's
+   * step; 4 device bounce slots of this size per direction); 0: 8 MiB. */
+  size_t nccl_chunk_bytes;
   /* Same-host peers: puts on a second endpoint without UCX error handling,
    * so UCX may pick shared memory / CMA (UCX 1.13 offers only tcp and
    * RDMA with peer-failure handling); failures still surface through the

@@ -1,8 +1,10 @@
 /* Re-slicing plans: which bytes of a source block go where in a destination
- * block when the two ranks hold different layer / head ranges. */
+ * block when the two ranks hold different layer / head ranges; and how a
+ * transfer's byte stream is cut into chunks. */
 #include <stdlib.h>
 
 #include "kvtransfer/kvtransfer.h"
+#include "kvtransfer/wire.h"
 
 #define KVX_MAX_DIM (1 << 16)
 
@@ -108,4 +110,71 @@ td_status td_kvx_plan_copies(const td_kvx_geom *s, const td_kvx_geom *d, const i
   *out = c;
   *n = k;
   return TD_OK;
+}
+
+/* ---- byte-stream chunking (declared in wire.h: internal) ---- */
+
+bool kvx_chunking_valid(uint64_t first, uint64_t max) { return first > 0 && first <= max && max <= KVX_NCCL_MAX_CHUNK; }
+
+uint64_t kvx_chunk_len(uint64_t total, uint64_t first, uint64_t max, uint64_t index, uint64_t done) {
+  if (done >= total || first == 0 || max == 0) return 0;
+  uint64_t left = total - done;
+  uint64_t len = first;
+  for (uint64_t i = 0; i < index && len < max; i++) len <<= 1; /* no overflow: len < max before */
+  if (len > max) len = max;
+  if (len >= left) return left;
+  /* A small tail costs a whole NCCL operation: merge it when it fits. */
+  if (left - len < first && left <= max) return left;
+  return len;
+}
+
+int kvx_plan_count(const td_kvx_slice *items, int n_items, int ci, uint64_t coff, uint64_t len) {
+  int n = 0;
+  while (len > 0 && ci < n_items) {
+    uint64_t l = items[ci].len - coff;
+    if (l > len) l = len;
+    len -= l;
+    n++;
+    ci++;
+    coff = 0;
+  }
+  return n;
+}
+
+int kvx_plan_take(const td_kvx_slice *items, int n_items, int *ci, uint64_t *coff, uint64_t len, td_kvx_slice *out) {
+  int n = 0;
+  while (len > 0 && *ci < n_items) {
+    const td_kvx_slice *it = &items[*ci];
+    uint64_t l = it->len - *coff;
+    if (l > len) l = len;
+    out[n++] = (td_kvx_slice){it->src_off + *coff, it->dst_off + *coff, l};
+    len -= l;
+    *coff += l;
+    if (*coff == it->len) {
+      (*ci)++;
+      *coff = 0;
+    }
+  }
+  return n;
+}
+
+bool kvx_pieces_contiguous(const td_kvx_slice *pc, int n, bool src) {
+  for (int i = 1; i < n; i++) {
+    uint64_t prev = src ? pc[i - 1].src_off : pc[i - 1].dst_off, cur = src ? pc[i].src_off : pc[i].dst_off;
+    if (prev + pc[i - 1].len != cur) return false;
+  }
+  return true;
+}
+
+uint64_t kvx_stage_chunk_cap(uint64_t issued, uint64_t total, uint64_t slot) {
+  const uint64_t small = (uint64_t)256 << 10;
+  uint64_t cap = slot;
+  uint64_t up = issued < small ? small : issued;
+  if (up < cap) cap = up;
+  /* Half of what is left: the chunks after it shrink too, so the copy
+   * out of the last one is short. */
+  uint64_t left = total > issued ? total - issued : 0;
+  uint64_t down = left / 2 < small ? left : left / 2;
+  if (down < cap) cap = down;
+  return cap > 0 ? cap : small;
 }

@@ -12,7 +12,7 @@
 
 #define KVX_DESC_MAGIC 0x584b4454u /* "TDKX" */
 #define KVX_MSG_MAGIC 0x4d4b4454u  /* "TDKM" */
-#define KVX_MSG_VERSION 1
+#define KVX_MSG_VERSION 2 /* 2: NCCL chunking in REQ */
 #define KVX_MAX_ADDR (64u << 10)
 #define KVX_MAX_RKEY (16u << 10)
 #define KVX_MAX_MSG_BLOCKS (1 << 20)
@@ -76,6 +76,36 @@ typedef struct kvx_desc {
 td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len);
 /* Pointers in *d refer to bytes. */
 td_status kvx_desc_decode(const void *bytes, size_t len, kvx_desc *d);
+
+/* ---- byte-stream chunking (pure functions, plan.c) ---- */
+
+/* NCCL moves a transfer's byte stream (the plan's pieces in order) in
+ * chunks; both sides must cut it identically, since every send must match a
+ * receive of the same size. The sender picks (first, max) and sends them in
+ * REQ; both then call kvx_chunk_len with the same arguments. Chunk i is
+ * min(max, first << i) bytes, the last one what is left, and a remainder
+ * smaller than first joins the chunk before it where that stays within max.
+ * done: bytes of the chunks before this one. 0 once done == total. */
+#define KVX_NCCL_MAX_CHUNK ((uint64_t)64 << 20)
+uint64_t kvx_chunk_len(uint64_t total, uint64_t first, uint64_t max, uint64_t index, uint64_t done);
+/* Whether (first, max) is acceptable from a peer: 0 < first <= max <=
+ * KVX_NCCL_MAX_CHUNK. */
+bool kvx_chunking_valid(uint64_t first, uint64_t max);
+/* Pieces covering the next len bytes of a plan's byte stream from the
+ * cursor (item *ci, offset *coff in it): kvx_plan_count counts them,
+ * kvx_plan_take writes them to out (offsets as in items) and advances the
+ * cursor. Stops early at the end of the plan. */
+int kvx_plan_count(const td_kvx_slice *items, int n_items, int ci, uint64_t coff, uint64_t len);
+int kvx_plan_take(const td_kvx_slice *items, int n_items, int *ci, uint64_t *coff, uint64_t len, td_kvx_slice *out);
+/* Whether pieces are contiguous on the source (src true) or destination
+ * side, so that side needs no bounce buffer. */
+bool kvx_pieces_contiguous(const td_kvx_slice *pc, int n, bool src);
+/* Staged UCX: the size limit of the next chunk, given the bytes issued so
+ * far, the transfer's total and the slot size. Chunks start at 256 KiB
+ * and double (the receiver starts copying out sooner), and shrink again
+ * towards the end (the last chunk's host-to-device copy is not overlapped
+ * with anything). */
+uint64_t kvx_stage_chunk_cap(uint64_t issued, uint64_t total, uint64_t slot);
 
 /* How a transfer's data moves (REQ's mode byte). */
 enum { KVX_MODE_PUT = 1, KVX_MODE_AM = 2, KVX_MODE_NCCL = 3 };

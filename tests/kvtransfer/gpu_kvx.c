@@ -1,10 +1,16 @@
 /* GPU checks of kvtransfer, run on the GPU machine (not in CI):
+ *   gpu_kvx gather   GPU 0: the gather / scatter kernel against a CPU
+ *                    reference on random pieces (odd sizes, unaligned
+ *                    offsets, many small and a few large), and its speed
  *   gpu_kvx staged   two processes on GPU 0: UCX staged path (GPU->GPU,
  *                    host->GPU, GPU->host, re-sliced), receiver killed
  *                    while the sender waits for staging credits
- *   gpu_kvx nccl     sender on GPU 0, receiver on GPU 1: NCCL transfers
- *                    (plain and re-sliced), a receiver that stops answering
- *                    (timeout + ncclCommAbort), then recovery with a new one
+ *   gpu_kvx nccl     the gather checks, then sender on GPU 0, receiver on
+ *                    GPU 1: chunked NCCL transfers (64 KiB and 1.5 MiB
+ *                    blocks, scattered and contiguous, re-sliced, small
+ *                    chunks), a receiver that stops answering (timeout +
+ *                    ncclCommAbort), then recovery with a new one
+ *   gpu_kvx all      all of the above
  * Prints PASS / FAIL lines; exits with the number of failures. */
 #include <errno.h>
 #include <inttypes.h>
@@ -20,9 +26,12 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "kvtransfer/gather.h"
+#include "kvtransfer/gpu.h"
 #include "kvtransfer/kvtransfer.h"
 
-enum { HOST = 1, GPU = 2, GPU_SLICE = 3, NB = 512 };
+/* BIG: Flan-T5-large cross-attention blocks (1.5 MiB), NB_BIG of them. */
+enum { HOST = 1, GPU = 2, GPU_SLICE = 3, BIG = 4, NB = 512, NB_BIG = 64 };
 
 static int failures;
 #define CHECK(cond, ...)                         \
@@ -47,6 +56,15 @@ static const td_kvx_geom *slice_geom(void) {
   static td_kvx_geom g;
   g = geom(1, 2, 4, 8);
   return &g;
+}
+static const td_kvx_geom *big_geom(void) {
+  static td_kvx_geom g;
+  g = geom(0, 24, 0, 16);
+  return &g;
+}
+static int pool_blocks(uint32_t pool) { return pool == BIG ? NB_BIG : NB; }
+static const td_kvx_geom *pool_geom(uint32_t pool) {
+  return pool == BIG ? big_geom() : pool == GPU_SLICE ? slice_geom() : full_geom();
 }
 
 static uint64_t fnv(const void *p, size_t n) {
@@ -120,7 +138,7 @@ static void rx_event(void *ctx, const td_kvx_recv_event *ev) {
 
 /* Commands: 'H' pool n ids -> n hashes; 'X' hang after the next grant;
  * 'Q' quit. */
-static int receiver(int device, int in, int out) {
+static int receiver(int device, size_t chunk, int in, int out) {
   rxapp a = {0};
   a.out = out;
   td_log_set_name("gpu-rx");
@@ -131,21 +149,27 @@ static int receiver(int device, int in, int out) {
   o.authorize = rx_authorize;
   o.on_recv = rx_event;
   o.ctx = &a;
+  o.nccl_chunk_bytes = chunk;
   if (cudaSetDevice(device) != cudaSuccess) return 40;
   if (td_kvx_create(&o, &a.k) != TD_OK) {
     fprintf(stderr, "receiver: %s\n", td_errmsg());
     return 41;
   }
   size_t bb = td_kvx_block_bytes(full_geom()), sbb = td_kvx_block_bytes(slice_geom());
+  size_t bbb = td_kvx_block_bytes(big_geom());
   uint8_t *host = calloc(NB, bb);
-  void *gpu = NULL, *gsl = NULL;
-  if (cudaMalloc(&gpu, bb * NB) != cudaSuccess || cudaMalloc(&gsl, sbb * NB) != cudaSuccess) return 42;
+  void *gpu = NULL, *gsl = NULL, *gbig = NULL;
+  if (cudaMalloc(&gpu, bb * NB) != cudaSuccess || cudaMalloc(&gsl, sbb * NB) != cudaSuccess ||
+      cudaMalloc(&gbig, bbb * NB_BIG) != cudaSuccess)
+    return 42;
   cudaMemset(gpu, 0, bb * NB);
   cudaMemset(gsl, 0, sbb * NB);
-  td_kvx_pool_desc pd[3] = {{HOST, TD_KVX_MEM_HOST, host, NB, *full_geom()},
+  cudaMemset(gbig, 0, bbb * NB_BIG);
+  td_kvx_pool_desc pd[4] = {{HOST, TD_KVX_MEM_HOST, host, NB, *full_geom()},
                             {GPU, TD_KVX_MEM_CUDA, gpu, NB, *full_geom()},
-                            {GPU_SLICE, TD_KVX_MEM_CUDA, gsl, NB, *slice_geom()}};
-  for (int i = 0; i < 3; i++)
+                            {GPU_SLICE, TD_KVX_MEM_CUDA, gsl, NB, *slice_geom()},
+                            {BIG, TD_KVX_MEM_CUDA, gbig, NB_BIG, *big_geom()}};
+  for (int i = 0; i < 4; i++)
     if (td_kvx_register_pool(a.k, &pd[i]) != TD_OK) {
       fprintf(stderr, "receiver: %s\n", td_errmsg());
       return 43;
@@ -157,7 +181,7 @@ static int receiver(int device, int in, int out) {
   wr(out, &len, 8);
   wr(out, desc, n);
   free(desc);
-  uint8_t *tmp = malloc(bb);
+  uint8_t *tmp = malloc(bbb);
   for (;;) {
     td_kvx_progress(a.k);
     if (a.hang_next && a.grants > 0) {
@@ -180,12 +204,13 @@ static int receiver(int device, int in, int out) {
       if (!rd(in, &pool, 4, NULL, 5000) || !rd(in, &cnt, 4, NULL, 5000) || cnt > NB) return 46;
       int32_t ids[NB];
       if (!rd(in, ids, 4 * cnt, NULL, 5000)) return 47;
-      size_t b = pool == GPU_SLICE ? sbb : bb;
+      size_t b = td_kvx_block_bytes(pool_geom(pool));
+      uint8_t *base = pool == GPU ? gpu : pool == BIG ? gbig : gsl;
       for (uint32_t i = 0; i < cnt; i++) {
         if (pool == HOST)
           memcpy(tmp, host + (size_t)ids[i] * b, b);
         else
-          cudaMemcpy(tmp, (uint8_t *)(pool == GPU ? gpu : gsl) + (size_t)ids[i] * b, b, cudaMemcpyDeviceToHost);
+          cudaMemcpy(tmp, base + (size_t)ids[i] * b, b, cudaMemcpyDeviceToHost);
         uint64_t h = fnv(tmp, b);
         wr(out, &h, 8);
       }
@@ -194,6 +219,7 @@ static int receiver(int device, int in, int out) {
   td_kvx_destroy(a.k);
   cudaFree(gpu);
   cudaFree(gsl);
+  cudaFree(gbig);
   free(host);
   free(tmp);
   return 0;
@@ -206,7 +232,7 @@ typedef struct child {
 
 /* CUDA and UCX are not fork-safe once initialised: the receiver is a
  * fresh exec of this program. */
-static child spawn(int device) {
+static child spawn(int device, size_t chunk) {
   int up[2], down[2];
   if (pipe(up) || pipe(down)) exit(2);
   fflush(NULL);
@@ -214,11 +240,12 @@ static child spawn(int device) {
   if (pid == 0) {
     close(up[0]);
     close(down[1]);
-    char dev[16], in[16], out[16];
+    char dev[16], ck[32], in[16], out[16];
     snprintf(dev, sizeof dev, "%d", device);
+    snprintf(ck, sizeof ck, "%zu", chunk);
     snprintf(in, sizeof in, "%d", down[0]);
     snprintf(out, sizeof out, "%d", up[1]);
-    execl("/proc/self/exe", "gpu_kvx", "--receiver", dev, in, out, (char *)NULL);
+    execl("/proc/self/exe", "gpu_kvx", "--receiver", dev, ck, in, out, (char *)NULL);
     _exit(99);
   }
   close(up[1]);
@@ -230,9 +257,9 @@ static child spawn(int device) {
 
 typedef struct tx {
   td_kvx *k;
-  uint8_t *host, *hsrc; /* hsrc: host copy of the GPU pool's contents */
-  void *gpu;
-  size_t bb;
+  uint8_t *host, *hsrc, *hbig; /* hsrc, hbig: host copies of the GPU pools' contents */
+  void *gpu, *big;
+  size_t bb, bbb;
   int peer_events;
 } tx;
 
@@ -267,15 +294,21 @@ static void tx_open(tx *t, int device) {
     exit(1);
   }
   t->bb = td_kvx_block_bytes(full_geom());
+  t->bbb = td_kvx_block_bytes(big_geom());
   t->host = malloc(t->bb * NB);
   t->hsrc = malloc(t->bb * NB);
+  t->hbig = malloc(t->bbb * NB_BIG);
   fill(t->host, t->bb * NB, 1);
   fill(t->hsrc, t->bb * NB, 2);
-  if (cudaMalloc(&t->gpu, t->bb * NB) != cudaSuccess) exit(3);
+  fill(t->hbig, t->bbb * NB_BIG, 3);
+  if (cudaMalloc(&t->gpu, t->bb * NB) != cudaSuccess || cudaMalloc(&t->big, t->bbb * NB_BIG) != cudaSuccess) exit(3);
   cudaMemcpy(t->gpu, t->hsrc, t->bb * NB, cudaMemcpyHostToDevice);
+  cudaMemcpy(t->big, t->hbig, t->bbb * NB_BIG, cudaMemcpyHostToDevice);
   td_kvx_pool_desc h = {HOST, TD_KVX_MEM_HOST, t->host, NB, *full_geom()};
   td_kvx_pool_desc d = {GPU, TD_KVX_MEM_CUDA, t->gpu, NB, *full_geom()};
-  if (td_kvx_register_pool(t->k, &h) != TD_OK || td_kvx_register_pool(t->k, &d) != TD_OK) {
+  td_kvx_pool_desc b = {BIG, TD_KVX_MEM_CUDA, t->big, NB_BIG, *big_geom()};
+  if (td_kvx_register_pool(t->k, &h) != TD_OK || td_kvx_register_pool(t->k, &d) != TD_OK ||
+      td_kvx_register_pool(t->k, &b) != TD_OK) {
     printf("FAIL pools: %s\n", td_errmsg());
     exit(1);
   }
@@ -284,8 +317,10 @@ static void tx_open(tx *t, int device) {
 static void tx_close(tx *t) {
   td_kvx_destroy(t->k);
   cudaFree(t->gpu);
+  cudaFree(t->big);
   free(t->host);
   free(t->hsrc);
+  free(t->hbig);
 }
 
 static td_kvx_peer *tx_connect(tx *t, child *c) {
@@ -324,13 +359,16 @@ static bool hashes(tx *t, child *c, uint32_t pool, const int32_t *ids, uint32_t 
   return rd(c->in, out, 8 * n, t->k, 30000);
 }
 
-/* Moves n scattered blocks from a local pool to the child's pool and
- * checks every destination block's bytes. */
-static bool move(tx *t, child *c, td_kvx_peer *p, uint32_t sp, uint32_t dp, td_kvx_transport tr, int n) {
+/* Moves n blocks from a local pool to the child's pool and checks every
+ * destination block's bytes: scattered sources and destinations, or both
+ * in order (contiguous: no gather or scatter on either side). */
+static bool move_ex(tx *t, child *c, td_kvx_peer *p, uint32_t sp, uint32_t dp, td_kvx_transport tr, int n,
+                    bool contiguous) {
   static int32_t src[NB], dst[NB];
+  int nb = pool_blocks(dp);
   for (int i = 0; i < n; i++) {
-    src[i] = (i * 5 + 2) % NB;
-    dst[i] = (i * 37 + 11) % NB; /* 37 is coprime with 512 */
+    src[i] = contiguous ? i : (i * 5 + 2) % nb;
+    dst[i] = contiguous ? nb - n + i : (i * 37 + 11) % nb; /* 5 and 37 are coprime with 512 and 64 */
   }
   td_kvx_xfer x = {(uint64_t)(1000 + sp * 10 + dp), 0, sp, dp, src, dst, n, 15000, tr, NULL};
   done d = {0};
@@ -343,15 +381,15 @@ static bool move(tx *t, child *c, td_kvx_peer *p, uint32_t sp, uint32_t dp, td_k
   uint64_t bytes;
   CHECK(wait_event(t, c, &st, &bytes), "no receiver event");
   CHECK(st == TD_OK, "receiver status %s", td_status_str(st));
-  const td_kvx_geom *rg = dp == GPU_SLICE ? slice_geom() : full_geom();
-  size_t rbb = td_kvx_block_bytes(rg);
+  const td_kvx_geom *rg = pool_geom(dp);
+  size_t rbb = td_kvx_block_bytes(rg), sbb = td_kvx_block_bytes(pool_geom(sp));
   CHECK(bytes == rbb * (size_t)n, "receiver got %" PRIu64 " bytes", bytes);
   uint64_t *h = malloc(8 * (size_t)n);
   CHECK(hashes(t, c, dp, dst, (uint32_t)n, h), "no hashes");
-  const uint8_t *sbase = sp == HOST ? t->host : t->hsrc;
+  const uint8_t *sbase = sp == HOST ? t->host : sp == BIG ? t->hbig : t->hsrc;
   uint8_t *want = malloc(rbb);
   for (int i = 0; i < n; i++) {
-    const uint8_t *sb = sbase + (size_t)src[i] * t->bb;
+    const uint8_t *sb = sbase + (size_t)src[i] * sbb;
     if (dp == GPU_SLICE) {
       td_kvx_slice sl[16];
       int ns = 0;
@@ -372,6 +410,10 @@ static bool move(tx *t, child *c, td_kvx_peer *p, uint32_t sp, uint32_t dp, td_k
   printf("  %d blocks, %.1f MB in %.2f ms (%.2f GB/s, first-call costs included)\n", n, (double)bytes / 1e6, ms,
          (double)bytes / ms / 1e6);
   return true;
+}
+
+static bool move(tx *t, child *c, td_kvx_peer *p, uint32_t sp, uint32_t dp, td_kvx_transport tr, int n) {
+  return move_ex(t, c, p, sp, dp, tr, n, false);
 }
 
 static void report(const char *name, bool ok) {
@@ -425,7 +467,7 @@ static bool stalled(tx *t, child *c, td_kvx_peer *p, td_kvx_transport tr, int ti
 static void run_staged(void) {
   tx t;
   tx_open(&t, 0);
-  child c = spawn(0);
+  child c = spawn(0, 0);
   td_kvx_peer *p = tx_connect(&t, &c);
   report("staged: connect", p != NULL);
   if (!p) return;
@@ -440,7 +482,7 @@ static void run_staged(void) {
   report("staged: GPU -> GPU re-sliced (layers [1,2), heads [4,8))", move(&t, &c, p, GPU, GPU_SLICE, TD_KVX_UCX, 300));
   quit(&c);
   td_kvx_disconnect(p);
-  child c2 = spawn(0);
+  child c2 = spawn(0, 0);
   td_kvx_peer *p2 = tx_connect(&t, &c2);
   report("staged: receiver killed while the sender waits for credits",
          p2 && stalled(&t, &c2, p2, TD_KVX_UCX, 60000, true, TD_ERR_PEER));
@@ -459,12 +501,18 @@ static void run_nccl(void) {
   tx t;
   tx_open(&t, 0);
   report("nccl: compiled in", td_kvx_nccl_available(t.k));
-  child c = spawn(1);
+  child c = spawn(1, 0);
   td_kvx_peer *p = tx_connect(&t, &c);
   report("nccl: connect", p != NULL);
   if (!p) return;
+  /* Default chunking (8 MiB, first 2 MiB): 300 x 64 KiB = 4 chunks, 60 x
+   * 1.5 MiB = 13 chunks; scattered: gather and scatter through the slots. */
   report("nccl: GPU0 -> GPU1 (communicator made on demand)", move(&t, &c, p, GPU, GPU, TD_KVX_NCCL, 300));
   report("nccl: GPU0 -> GPU1 again (warm)", move(&t, &c, p, GPU, GPU, TD_KVX_NCCL, 500));
+  report("nccl: 1.5 MiB blocks, scattered", move(&t, &c, p, BIG, BIG, TD_KVX_NCCL, 60));
+  report("nccl: 1.5 MiB blocks, contiguous (no bounce)", move_ex(&t, &c, p, BIG, BIG, TD_KVX_NCCL, 50, true));
+  report("nccl: 64 KiB blocks, contiguous (no bounce)", move_ex(&t, &c, p, GPU, GPU, TD_KVX_NCCL, 400, true));
+  report("nccl: one block", move(&t, &c, p, GPU, GPU, TD_KVX_NCCL, 1));
   uint64_t before = td_kvx_get_stats(t.k).nccl_xfers;
   bool ok = move(&t, &c, p, GPU, GPU, TD_KVX_AUTO, 200);
   report("nccl: AUTO picks NCCL between two GPUs", ok && td_kvx_get_stats(t.k).nccl_xfers == before + 1);
@@ -472,14 +520,19 @@ static void run_nccl(void) {
   report("nccl: UCX staged between the two GPUs too", move(&t, &c, p, GPU, GPU, TD_KVX_UCX, 200));
   quit(&c);
   td_kvx_disconnect(p);
-  child c2 = spawn(1);
+  child c2 = spawn(1, 0);
   td_kvx_peer *p2 = tx_connect(&t, &c2);
   report("nccl: receiver stops answering -> timeout, communicator aborted",
          p2 && stalled(&t, &c2, p2, TD_KVX_NCCL, 2000, false, TD_ERR_TIMEOUT));
   if (p2) td_kvx_disconnect(p2);
-  child c3 = spawn(1);
+  /* A receiver with 96 KiB chunks: the grant lowers the sender's; pieces of
+   * 64 KiB blocks straddle chunks, slots cycle many times. */
+  child c3 = spawn(1, 96 << 10);
   td_kvx_peer *p3 = tx_connect(&t, &c3);
   report("nccl: a new receiver works after the abort", p3 && move(&t, &c3, p3, GPU, GPU, TD_KVX_NCCL, 100));
+  report("nccl: small chunks, 64 KiB blocks", p3 && move(&t, &c3, p3, GPU, GPU, TD_KVX_NCCL, 300));
+  report("nccl: small chunks, 1.5 MiB blocks", p3 && move(&t, &c3, p3, BIG, BIG, TD_KVX_NCCL, 20));
+  report("nccl: small chunks, re-sliced", p3 && move(&t, &c3, p3, GPU, GPU_SLICE, TD_KVX_NCCL, 200));
   if (p3) {
     quit(&c3);
     td_kvx_disconnect(p3);
@@ -487,12 +540,153 @@ static void run_nccl(void) {
   tx_close(&t);
 }
 
+/* ---- the gather / scatter kernel against the CPU reference ---- */
+
+static uint64_t rnd(uint64_t *x) {
+  *x ^= *x << 13;
+  *x ^= *x >> 7;
+  *x ^= *x << 17;
+  return *x;
+}
+
+/* Random pieces (disjoint destinations, shuffled order) copied by
+ * kvx_gpu_copy_d2d on the device and by memcpy on host copies. */
+static bool gather_case(kvx_gpu *g, uint64_t seed, int n, size_t small_max, int large_every, size_t large,
+                        bool aligned) {
+  size_t *len = malloc(sizeof(size_t) * (size_t)n), *so = malloc(sizeof(size_t) * (size_t)n),
+         *dof = malloc(sizeof(size_t) * (size_t)n);
+  size_t cap = 4096;
+  for (int i = 0; i < n; i++) {
+    len[i] = large_every && i % large_every == 1 ? large + rnd(&seed) % 99 : 1 + rnd(&seed) % small_max;
+    if (aligned) len[i] = (len[i] + 15) & ~(size_t)15;
+    cap += len[i] + 32;
+  }
+  size_t a = 0, b = 0;
+  for (int i = 0; i < n; i++) {
+    size_t ga = aligned ? 0 : rnd(&seed) % 31, gb = aligned ? 0 : rnd(&seed) % 29;
+    so[i] = a + ga;
+    dof[n - 1 - i] = b + gb;
+    a += ga + len[i];
+    b += gb + len[n - 1 - i];
+  }
+  uint8_t *hs = malloc(cap), *hd = malloc(cap), *got = malloc(cap);
+  fill(hs, cap, seed);
+  fill(hd, cap, seed + 1);
+  void *ds = NULL, *dd = NULL;
+  CHECK(cudaMalloc(&ds, cap) == cudaSuccess && cudaMalloc(&dd, cap) == cudaSuccess, "cudaMalloc %zu", cap);
+  cudaMemcpy(ds, hs, cap, cudaMemcpyHostToDevice);
+  cudaMemcpy(dd, hd, cap, cudaMemcpyHostToDevice);
+  void **dsts = malloc(sizeof(void *) * (size_t)n);
+  const void **srcs = malloc(sizeof(void *) * (size_t)n);
+  size_t *sizes = malloc(sizeof(size_t) * (size_t)n);
+  for (int i = 0; i < n; i++) {
+    dsts[i] = (uint8_t *)dd + dof[i];
+    srcs[i] = (uint8_t *)ds + so[i];
+    sizes[i] = len[i];
+    memcpy(hd + dof[i], hs + so[i], len[i]); /* the reference */
+  }
+  void *ev = NULL;
+  td_status st = kvx_gpu_copy_d2d(g, KVX_S_GATHER, dsts, srcs, sizes, (size_t)n);
+  if (st == TD_OK) st = kvx_gpu_record(g, KVX_S_GATHER, &ev);
+  int q = 0;
+  while (st == TD_OK && (q = kvx_gpu_query(g, ev)) == 0) {
+  }
+  kvx_gpu_release(g, ev);
+  bool ok = st == TD_OK && q == 1;
+  if (!ok) printf("  check failed: gather: %s\n", td_errmsg());
+  cudaMemcpy(got, dd, cap, cudaMemcpyDeviceToHost);
+  size_t bad = cap;
+  for (size_t i = 0; ok && i < cap; i++)
+    if (got[i] != hd[i]) bad = i;
+  if (ok && bad != cap) {
+    printf("  check failed: seed %llu: byte %zu differs (%u, expected %u)\n", (unsigned long long)seed, bad, got[bad],
+           hd[bad]);
+    ok = false;
+  }
+  cudaFree(ds);
+  cudaFree(dd);
+  free(hs);
+  free(hd);
+  free(got);
+  free(dsts);
+  free(srcs);
+  free(sizes);
+  free(len);
+  free(so);
+  free(dof);
+  return ok;
+}
+
+/* Gather speed: n pieces of piece bytes, scattered over a buffer twice
+ * the size, into one contiguous buffer (the NCCL sender's gather). */
+static void gather_speed(kvx_gpu *g, size_t piece, int n) {
+  size_t total = piece * (size_t)n;
+  void *src = NULL, *dst = NULL;
+  if (cudaMalloc(&src, 2 * total) != cudaSuccess || cudaMalloc(&dst, total) != cudaSuccess) return;
+  void **dsts = malloc(sizeof(void *) * (size_t)n);
+  const void **srcs = malloc(sizeof(void *) * (size_t)n);
+  size_t *sizes = malloc(sizeof(size_t) * (size_t)n);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  float best = 1e30f;
+  for (int r = 0; r < 6; r++) {
+    for (int i = 0; i < n; i++) {
+      dsts[i] = (uint8_t *)dst + (size_t)i * piece;
+      srcs[i] = (uint8_t *)src + (size_t)((i * 7) % (2 * n)) * piece;
+      sizes[i] = piece;
+    }
+    cudaDeviceSynchronize();
+    cudaEventRecord(e0, NULL);
+    kvx_gpu_wait(g, KVX_S_GATHER, e0);
+    kvx_gpu_copy_d2d(g, KVX_S_GATHER, dsts, srcs, sizes, (size_t)n);
+    void *ev = NULL;
+    kvx_gpu_record(g, KVX_S_GATHER, &ev);
+    cudaStreamWaitEvent(NULL, (cudaEvent_t)ev, 0);
+    cudaEventRecord(e1, NULL);
+    cudaEventSynchronize(e1);
+    kvx_gpu_release(g, ev);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (r > 0 && ms < best) best = ms;
+  }
+  printf("  gather of %d x %zu KiB (%.1f MB): %.1f us, %.0f GB/s copied (read + write: %.0f GB/s of HBM)\n", n,
+         piece >> 10, (double)total / 1e6, best * 1e3, (double)total / best / 1e6, 2.0 * (double)total / best / 1e6);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(src);
+  cudaFree(dst);
+  free(dsts);
+  free(srcs);
+  free(sizes);
+}
+
+static void run_gather(void) {
+  kvx_gpu *g = NULL;
+  if (cudaSetDevice(0) != cudaSuccess || kvx_gpu_create(0, &g) != TD_OK) {
+    report("gather: device", false);
+    return;
+  }
+  report("gather: one piece, 5 bytes", gather_case(g, 1, 1, 5, 0, 0, false));
+  report("gather: odd sizes, unaligned offsets", gather_case(g, 2, 300, 5000, 0, 0, false));
+  report("gather: many small pieces (several launches)", gather_case(g, 3, 5000, 200, 0, 0, false));
+  report("gather: a few large pieces among small ones", gather_case(g, 4, 200, 3000, 40, (size_t)3 << 20, false));
+  report("gather: 16-byte aligned, 64 KiB .. 1.5 MiB", gather_case(g, 5, 120, (size_t)1536 << 10, 0, 0, true));
+  report("gather: pieces over 1 GiB split", gather_case(g, 6, 3, 100, 2, ((size_t)1 << 30) + 4097, false));
+  gather_speed(g, (size_t)64 << 10, 256);
+  gather_speed(g, (size_t)1536 << 10, 11);
+  gather_speed(g, (size_t)1536 << 10, 171);
+  kvx_gpu_destroy(g);
+}
+
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   signal(SIGPIPE, SIG_IGN);
   const char *what = argc > 1 ? argv[1] : "all";
-  if (!strcmp(what, "--receiver") && argc == 5) return receiver(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
+  if (!strcmp(what, "--receiver") && argc == 6)
+    return receiver(atoi(argv[2]), (size_t)strtoull(argv[3], NULL, 10), atoi(argv[4]), atoi(argv[5]));
   td_log_set_name("gpu-tx");
+  if (!strcmp(what, "gather") || !strcmp(what, "nccl") || !strcmp(what, "all")) run_gather();
   if (!strcmp(what, "staged") || !strcmp(what, "all")) run_staged();
   if (!strcmp(what, "nccl") || !strcmp(what, "all")) run_nccl();
   printf("%d failure(s)\n", failures);

@@ -2,6 +2,7 @@
 # kvtransfer on the GPU machine: the GPU checks, then the benchmark.
 #   tests/kvtransfer/gpu_run.sh PACKDIR staged|nccl|all COMMIT [bench args...]
 # PACKDIR comes from ../shared/tools/device-pack (gpu_kvx, bench_kv_transfer).
+# gpu_kvx modes: gather (one GPU), staged (one GPU), nccl (gather + two GPUs), all.
 # Logs and the benchmark's results section are written to $OUT.
 set -u
 pack=$1; what=$2; commit=$3; shift 3

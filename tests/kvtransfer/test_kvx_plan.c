@@ -1,9 +1,13 @@
-/* Re-slicing plans: a rank's slices recombine into the full block. */
+/* Re-slicing plans: a rank's slices recombine into the full block. Byte
+ * stream chunking (NCCL, staged) and the gather kernel's piece tables. */
 #include <criterion/criterion.h>
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvtransfer/gather.h"
 #include "kvtransfer/kvtransfer.h"
+#include "kvtransfer/wire.h"
 
 static td_kvx_geom geom(int l0, int l1, int h0, int h1, int head_dim, int slots, int elem) {
   td_kvx_geom g = {{l1 - l0, h1 - h0, head_dim, slots}, elem, l0, l1, h0, h1};
@@ -208,4 +212,224 @@ Test(kvx_plan, copies_coalesce_contiguous_runs) {
   int32_t badsrc[] = {-1};
   cr_assert_eq(td_kvx_plan_copies(&g, &g, badsrc, dst, 1, &c, &n), TD_ERR_INVALID);
   cr_assert_null(c);
+}
+
+/* ---- byte-stream chunking ---- */
+
+static uint64_t nominal_len(uint64_t first, uint64_t max, uint64_t i) {
+  uint64_t l = first;
+  while (i-- > 0 && l < max) l *= 2;
+  return l < max ? l : max;
+}
+
+static uint64_t rnd64(uint64_t *x) {
+  *x ^= *x << 13;
+  *x ^= *x >> 7;
+  *x ^= *x << 17;
+  return *x;
+}
+
+/* Chunks cover the stream exactly, stay within max, start at first and
+ * double, and depend on nothing but (total, first, max). */
+Test(kvx_plan, nccl_chunks_cover_the_stream) {
+  uint64_t seed = 7;
+  for (int t = 0; t < 20000; t++) {
+    uint64_t max = 1 + rnd64(&seed) % KVX_NCCL_MAX_CHUNK, first = 1 + rnd64(&seed) % max;
+    if (t % 5 == 1) first = max = KVX_NCCL_MAX_CHUNK; /* the largest: no shift overflows */
+    uint64_t big = (uint64_t)300 << 20 < 5000 * max ? (uint64_t)300 << 20 : 5000 * max;
+    uint64_t total = t % 3 == 0 ? rnd64(&seed) % (64 * max + 1) : rnd64(&seed) % big;
+    if (t < 64) { /* edges */
+      total = (uint64_t)t;
+      first = 1 + (uint64_t)t % 3;
+      max = 4;
+    }
+    cr_assert(kvx_chunking_valid(first, max));
+    uint64_t done = 0, i = 0;
+    for (;; i++) {
+      uint64_t len = kvx_chunk_len(total, first, max, i, done);
+      if (len == 0) break;
+      cr_assert_eq(len, kvx_chunk_len(total, first, max, i, done)); /* both sides get the same */
+      cr_assert_leq(len, max, "chunk %" PRIu64 ": %" PRIu64 " > max %" PRIu64, i, len, max);
+      uint64_t nominal = nominal_len(first, max, i);
+      bool last = done + len == total;
+      if (!last) cr_assert_eq(len, nominal, "chunk %" PRIu64 " of %" PRIu64 " (%" PRIu64 "/%" PRIu64 ")", i, total, first, max);
+      else cr_assert(len <= nominal || total - done < nominal + first, "tail chunk %" PRIu64, len);
+      /* A tail smaller than first never stands alone when it could merge. */
+      if (last && i > 0) {
+        uint64_t prev = nominal_len(first, max, i - 1);
+        cr_assert(len >= first || len + prev > max, "tail of %" PRIu64 " after %" PRIu64, len, prev);
+      }
+      done += len;
+      cr_assert(i < 100000);
+    }
+    cr_assert_eq(done, total);
+    cr_assert_eq(kvx_chunk_len(total, first, max, i + 1, done), 0);
+  }
+  cr_assert(!kvx_chunking_valid(0, 4));
+  cr_assert(!kvx_chunking_valid(8, 4));
+  cr_assert(!kvx_chunking_valid(4, KVX_NCCL_MAX_CHUNK + 1));
+  cr_assert(kvx_chunking_valid(KVX_NCCL_MAX_CHUNK, KVX_NCCL_MAX_CHUNK));
+  /* The defaults: 2 MiB, 4 MiB, 8 MiB, 8 MiB ... */
+  uint64_t m = (uint64_t)8 << 20;
+  cr_assert_eq(kvx_chunk_len((uint64_t)64 << 20, m / 4, m, 0, 0), m / 4);
+  cr_assert_eq(kvx_chunk_len((uint64_t)64 << 20, m / 4, m, 1, m / 4), m / 2);
+  cr_assert_eq(kvx_chunk_len((uint64_t)64 << 20, m / 4, m, 5, (uint64_t)30 << 20), m);
+}
+
+/* Chunks cut over a transfer plan: the pieces of consecutive chunks,
+ * concatenated, are the plan's byte stream; a side's pieces of a chunk are
+ * contiguous exactly when its offsets follow each other. */
+Test(kvx_plan, chunks_over_a_plan) {
+  td_kvx_geom s = geom(0, 4, 0, 8, 16, 4, 2), d = geom(1, 3, 2, 6, 16, 4, 2);
+  int32_t src[40], dst[40];
+  for (int i = 0; i < 40; i++) {
+    src[i] = i;
+    dst[i] = (i * 7 + 3) % 41;
+  }
+  td_kvx_slice *items = NULL;
+  int n = 0;
+  cr_assert_eq(td_kvx_plan_copies(&s, &d, src, dst, 40, &items, &n), TD_OK);
+  uint64_t total = 0;
+  for (int i = 0; i < n; i++) total += items[i].len;
+  uint64_t firsts[] = {1, 100, 512, 4096}, maxes[] = {1, 3000, 4096, 1 << 20};
+  for (int a = 0; a < 4; a++)
+    for (int b = 0; b < 4; b++) {
+      if (firsts[a] > maxes[b]) continue;
+      int ci = 0, item = 0;
+      uint64_t coff = 0, done = 0, in_item = 0;
+      for (uint64_t c = 0;; c++) {
+        uint64_t len = kvx_chunk_len(total, firsts[a], maxes[b], c, done);
+        if (!len) break;
+        int cnt = kvx_plan_count(items, n, ci, coff, len);
+        td_kvx_slice *pc = malloc(sizeof *pc * (size_t)cnt);
+        int got = kvx_plan_take(items, n, &ci, &coff, len, pc);
+        cr_assert_eq(got, cnt);
+        uint64_t sum = 0;
+        for (int i = 0; i < got; i++) {
+          /* Piece i continues the plan where the previous one stopped. */
+          cr_assert_lt(item, n);
+          cr_assert_eq(pc[i].src_off, items[item].src_off + in_item);
+          cr_assert_eq(pc[i].dst_off, items[item].dst_off + in_item);
+          in_item += pc[i].len;
+          if (in_item == items[item].len) {
+            item++;
+            in_item = 0;
+          }
+          sum += pc[i].len;
+        }
+        cr_assert_eq(sum, len);
+        bool cs = true, cd = true;
+        for (int i = 1; i < got; i++) {
+          cs &= pc[i - 1].src_off + pc[i - 1].len == pc[i].src_off;
+          cd &= pc[i - 1].dst_off + pc[i - 1].len == pc[i].dst_off;
+        }
+        cr_assert_eq(kvx_pieces_contiguous(pc, got, true), cs);
+        cr_assert_eq(kvx_pieces_contiguous(pc, got, false), cd);
+        free(pc);
+        done += len;
+      }
+      cr_assert_eq(done, total);
+      cr_assert_eq(ci, n);
+      cr_assert_eq(item, n);
+    }
+  free(items);
+}
+
+/* Staged chunks: 256 KiB first, doubling up to the slot, shrinking again
+ * at the end so the last host-to-device copy is short. */
+Test(kvx_plan, staged_chunks_ramp_up_and_down) {
+  uint64_t slot = (uint64_t)4 << 20, k256 = (uint64_t)256 << 10;
+  uint64_t totals[] = {1, 100000, (uint64_t)1 << 20, (uint64_t)16 << 20, ((uint64_t)16 << 20) + 12345,
+                       (uint64_t)256 << 20};
+  for (int t = 0; t < 6; t++) {
+    uint64_t total = totals[t], issued = 0, last = 0;
+    int n = 0;
+    while (issued < total) {
+      uint64_t cap = kvx_stage_chunk_cap(issued, total, slot);
+      cr_assert_gt(cap, 0);
+      cr_assert_leq(cap, slot);
+      if (issued == 0) cr_assert_leq(cap, k256);
+      last = total - issued < cap ? total - issued : cap;
+      issued += last;
+      n++;
+      cr_assert_lt(n, 10000);
+    }
+    cr_assert_leq(last, 2 * k256, "total %" PRIu64 ": last chunk %" PRIu64, total, last);
+  }
+  /* Small slots bound everything. */
+  cr_assert_eq(kvx_stage_chunk_cap((uint64_t)1 << 20, (uint64_t)64 << 20, 40 << 10), 40 << 10);
+}
+
+/* ---- the gather kernel's piece tables, run by the CPU reference ---- */
+
+static void gather_case(uint64_t seed, int n, size_t max_len, bool aligned) {
+  size_t cap = 0, nonzero = 0;
+  size_t *len = malloc(sizeof *len * (size_t)n), *so = malloc(sizeof *so * (size_t)n), *dof = malloc(sizeof *dof * (size_t)n);
+  for (int i = 0; i < n; i++) {
+    len[i] = i % 17 == 5 ? 0 : 1 + rnd64(&seed) % max_len;
+    if (i % 50 == 7) len[i] = 3 * KVX_GATHER_TILE + 5; /* a few long ones */
+    cap += len[i] + 64;
+    nonzero += len[i] > 0;
+  }
+  uint8_t *src = malloc(cap), *dst = malloc(cap), *want = malloc(cap);
+  for (size_t i = 0; i < cap; i++) src[i] = (uint8_t)rnd64(&seed);
+  memset(dst, 0xA5, cap);
+  memcpy(want, dst, cap);
+  /* Pieces in a shuffled order, disjoint on both sides, odd offsets. */
+  size_t a = 0, b = 0;
+  for (int i = 0; i < n; i++) {
+    size_t ga = aligned ? 0 : rnd64(&seed) % 17, gb = aligned ? 0 : rnd64(&seed) % 23;
+    so[i] = a + ga;
+    dof[n - 1 - i] = b + gb;
+    a += ga + len[i] + (aligned ? (16 - len[i] % 16) % 16 : 0);
+    b += gb + len[n - 1 - i] + (aligned ? (16 - len[n - 1 - i] % 16) % 16 : 0);
+  }
+  void **d = malloc(sizeof(void *) * (size_t)n);
+  const void **s = malloc(sizeof(void *) * (size_t)n);
+  for (int i = 0; i < n; i++) {
+    d[i] = dst + dof[i];
+    s[i] = src + so[i];
+    memcpy(want + dof[i], src + so[i], len[i]);
+  }
+  kvx_gtable *t = malloc(sizeof *t);
+  size_t i = 0, off = 0;
+  int tables = 0;
+  uint32_t got;
+  while ((got = kvx_gtable_fill(t, d, s, len, (size_t)n, &i, &off)) > 0) {
+    cr_assert_leq(got, KVX_GATHER_PIECES);
+    uint64_t tiles = 0;
+    for (uint32_t k = 0; k < got; k++) {
+      cr_assert_gt(t->p[k].len, 0);
+      cr_assert_eq(t->p[k].tile0, tiles);
+      tiles += (t->p[k].len + KVX_GATHER_TILE - 1) / KVX_GATHER_TILE;
+    }
+    cr_assert_eq(t->tiles, tiles);
+    /* Every tile finds the piece that holds it. */
+    for (uint32_t tile = 0; tile < t->tiles; tile += 1 + tile / 7) {
+      uint32_t k = kvx_gtable_find(t->p, t->n, tile);
+      cr_assert_leq(t->p[k].tile0, tile);
+      cr_assert(k + 1 == t->n || t->p[k + 1].tile0 > tile);
+    }
+    kvx_gtable_run_cpu(t);
+    tables++;
+  }
+  cr_assert_eq((size_t)tables, (nonzero + KVX_GATHER_PIECES - 1) / KVX_GATHER_PIECES);
+  cr_assert_eq(memcmp(dst, want, cap), 0, "seed %" PRIu64 ": gathered bytes differ", seed);
+  free(t);
+  free(d);
+  free(s);
+  free(src);
+  free(dst);
+  free(want);
+  free(len);
+  free(so);
+  free(dof);
+}
+
+Test(kvx_plan, gather_tables_match_memcpy) {
+  gather_case(1, 1, 100, false);
+  gather_case(2, 37, 5000, false);           /* odd sizes, unaligned offsets */
+  gather_case(3, 2500, 300, false);          /* many small pieces: three tables */
+  gather_case(4, 200, 3 * KVX_GATHER_TILE, true); /* aligned, several tiles each */
+  gather_case(5, KVX_GATHER_PIECES, 64, false);   /* exactly one full table */
 }
