@@ -1709,6 +1709,27 @@ static int pump_ucx(kvx_xfer *x) {
   return work;
 }
 
+/* The next chunk of a stream: its pieces and its ring entry (reset). */
+static td_status nchunk_next(kvx_nstream *ns, const td_kvx_slice *items, int n_items, uint64_t total,
+                             kvx_nchunk **out, td_kvx_slice **pc, int *n, int *ci, uint64_t *coff) {
+  uint64_t len;
+  TD_TRY(nstream_pieces(ns, items, n_items, total, pc, &len, n, ci, coff));
+  kvx_nchunk *e = &ns->ring[ns->prep % KVX_NCCL_WINDOW];
+  memset(e, 0, sizeof *e);
+  e->slot = -1;
+  e->len = len;
+  *out = e;
+  return TD_OK;
+}
+
+/* The chunk is ready to post: the stream moves past it. */
+static void nchunk_made(kvx_nstream *ns, const kvx_nchunk *e, int ci, uint64_t coff) {
+  ns->ci = ci;
+  ns->coff = coff;
+  ns->prep++;
+  ns->prep_bytes += e->len;
+}
+
 /* Prepares the sender's next chunk: straight from the pool when its pieces
  * are contiguous there, else gathered into a bounce slot by one kernel
  * launch. *made stays false while no slot is free. */
@@ -1717,13 +1738,10 @@ static td_status nccl_prepare(kvx_xfer *x, bool *made) {
   kvx_nstream *ns = x->ns;
   *made = false;
   td_kvx_slice *pc = NULL;
-  uint64_t len, coff;
+  uint64_t coff;
   int n, ci;
-  TD_TRY(nstream_pieces(ns, x->items, x->n_items, x->total, &pc, &len, &n, &ci, &coff));
-  kvx_nchunk *e = &ns->ring[ns->prep % KVX_NCCL_WINDOW];
-  memset(e, 0, sizeof *e);
-  e->slot = -1;
-  e->len = len;
+  kvx_nchunk *e;
+  TD_TRY(nchunk_next(ns, x->items, x->n_items, x->total, &e, &pc, &n, &ci, &coff));
   uint8_t *base = x->pool->d.base;
   td_status s = TD_OK;
   if (kvx_pieces_contiguous(pc, n, true)) {
@@ -1750,10 +1768,7 @@ static td_status nccl_prepare(kvx_xfer *x, bool *made) {
   }
   free(pc);
   if (s != TD_OK) return s;
-  ns->ci = ci;
-  ns->coff = coff;
-  ns->prep++;
-  ns->prep_bytes += len;
+  nchunk_made(ns, e, ci, coff);
   *made = true;
   return TD_OK;
 }
@@ -2355,13 +2370,10 @@ static td_status nccl_prepare_recv(kvx_grant *g, bool *made) {
   kvx_nstream *ns = g->ns;
   *made = false;
   td_kvx_slice *pc = NULL;
-  uint64_t len, coff;
+  uint64_t coff;
   int n, ci;
-  TD_TRY(nstream_pieces(ns, g->items, g->n_items, g->total, &pc, &len, &n, &ci, &coff));
-  kvx_nchunk *e = &ns->ring[ns->prep % KVX_NCCL_WINDOW];
-  memset(e, 0, sizeof *e);
-  e->slot = -1;
-  e->len = len;
+  kvx_nchunk *e;
+  TD_TRY(nchunk_next(ns, g->items, g->n_items, g->total, &e, &pc, &n, &ci, &coff));
   if (kvx_pieces_contiguous(pc, n, false)) {
     e->buf = (uint8_t *)g->pool->d.base + pc[0].dst_off;
     free(pc);
@@ -2374,10 +2386,7 @@ static td_status nccl_prepare_recv(kvx_grant *g, bool *made) {
     e->pc = pc;
     e->n_pc = n;
   }
-  ns->ci = ci;
-  ns->coff = coff;
-  ns->prep++;
-  ns->prep_bytes += len;
+  nchunk_made(ns, e, ci, coff);
   *made = true;
   return TD_OK;
 }
