@@ -619,17 +619,24 @@ static td_status make_ep(td_kvx *k, const void *addr, bool peer_mode, ep_owner *
   return TD_OK;
 }
 
+/* UCX's description of an endpoint's lanes (malloc'd; NULL when it
+ * cannot be captured). */
+static char *ep_info(ucp_ep_h ep) {
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  if (!f) return NULL;
+  ucp_ep_print_info(ep, f);
+  fclose(f);
+  return buf;
+}
+
 /* Whether UCX gave the endpoint RMA lanes. Without them (tcp) UCX 1.13
  * emulates puts with messages whose completion, acknowledged by the
  * target, aborts the target process when the origin dies; data then goes
  * as our own active messages instead. */
 static bool ep_has_rma(ucp_ep_h ep) {
-  char *buf = NULL;
-  size_t len = 0;
-  FILE *f = open_memstream(&buf, &len);
-  if (!f) return false;
-  ucp_ep_print_info(ep, f);
-  fclose(f);
+  char *buf = ep_info(ep);
   bool rma = buf && strstr(buf, "rma_bw#") != NULL;
   free(buf);
   return rma;
@@ -641,12 +648,7 @@ static bool ep_has_rma(ucp_ep_h ep) {
  * are still detected on the control endpoint, and a message lost to a
  * dead peer is harmless. */
 static bool ep_am_is_shm(ucp_ep_h ep) {
-  char *buf = NULL;
-  size_t len = 0;
-  FILE *f = open_memstream(&buf, &len);
-  if (!f) return false;
-  ucp_ep_print_info(ep, f);
-  fclose(f);
+  char *buf = ep_info(ep);
   bool shm = false;
   for (char *line = buf; line && *line;) {
     char *nl = strchr(line, '\n');
