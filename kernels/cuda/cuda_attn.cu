@@ -578,6 +578,139 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
   }
 }
 
+/* Decode attention, one query per sequence, head_dim 64: two warps per
+ * (sequence, head) taking alternate 32-key chunks, their softmax states
+ * merged through shared memory at the end; 4 pairs per block. Lanes own keys for the scores (each
+ * lane loads its key's K and V rows at once: one memory round trip per
+ * 32 keys) and output dims for PV, which a butterfly reduce-scatter over
+ * the lanes' p * V rows gives (lane l ends with dims 2l, 2l + 1). Online
+ * softmax over 32-key chunks in the exp2 domain. For batches whose
+ * (sequence, head) pairs fill the GPU; the tiled kernel splits the keys
+ * when they do not. */
+enum { DW_WARPS = 8, DW_SPLIT = 2, DW_PAIRS = DW_WARPS / DW_SPLIT };
+static_assert(DW_SPLIT == 2, "the merge at the end joins two warps");
+union dw_bf16x8 {
+  uint4 u;
+  __nv_bfloat162 h[4];
+};
+
+/* One step of the reduce-scatter: a lane keeps the half of its HALF * 2
+ * values selected by its bit HALF / 2, summed with its partner's. */
+template <int HALF>
+__device__ __forceinline__ void dw_rs_step(float (&v)[64], int lane) {
+  const bool up = (lane & (HALF / 2)) != 0;
+#pragma unroll
+  for (int i = 0; i < HALF; i++) {
+    const float send = up ? v[i] : v[i + HALF], keep = up ? v[i + HALF] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, HALF / 2);
+  }
+}
+
+__global__ void __launch_bounds__(32 * DW_WARPS) attn_decode_warp_kernel(const AttnArgs a) {
+  __shared__ float qsh[DW_PAIRS][64];
+  __shared__ float4 mrg[DW_PAIRS][32];
+  td_pdl_start();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, H = a.H;
+  const int pw = warp % DW_PAIRS, sub = warp / DW_PAIRS; /* which pair, which half of its chunks */
+  const long gp = (long)blockIdx.x * DW_PAIRS + pw;
+  const int s = (int)(gp / H), h = (int)(gp % H);
+  bool live = s < a.n_seqs;
+  int qs = 0, kend = 0, qpos = 0;
+  if (live) {
+    qs = a.q_start[s];
+    const int qlen = min(a.q_start[s + 1], a.n_tokens) - qs;
+    live = qs >= 0 && qlen > 0;
+    const int ctx = a.ctx_len[s], nk = min(max(ctx, 0), a.max_blocks * a.bs);
+    qpos = ctx - qlen; /* the sequence's one query (host bound max_q == 1) */
+    kend = live ? (a.causal ? min(nk, qpos + 1) : nk) : 0;
+  }
+  if (live && sub == 0) {
+    const bf16 *qp = a.q + (size_t)qs * a.ldq + (size_t)h * 64;
+    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)(qp + 2 * lane));
+    qsh[pw][2 * lane] = f.x * a.scale_log2;
+    qsh[pw][2 * lane + 1] = f.y * a.scale_log2;
+  }
+  __syncthreads();
+  const int32_t *table = live ? a.block_table + (size_t)s * a.max_blocks : a.block_table;
+  const float *L = a.lut ? a.lut + (size_t)h * (2 * a.md + 1) : nullptr;
+  const size_t vstride = (size_t)H * a.bs * 64;
+  const int warp_q = pw; /* q row in shared memory */
+  float m = -INFINITY, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
+  for (int c0 = sub * 32; c0 < kend; c0 += 32 * DW_SPLIT) {
+    const int j = c0 + lane;
+    const bool valid = j < kend;
+    uint4 kr[8], vr[8];
+    float sc = -INFINITY;
+    if (valid) {
+      const bf16 *kp = a.pool + (size_t)table[j / a.bs] * a.block_elems + a.layer_off +
+                       ((size_t)h * a.bs + j % a.bs) * 64;
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        kr[i] = *((const uint4 *)kp + i);
+        vr[i] = *((const uint4 *)(kp + vstride) + i);
+      }
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        dw_bf16x8 k2;
+        k2.u = kr[i];
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+          float2 f = __bfloat1622float2(k2.h[t]);
+          dot += qsh[warp_q][i * 8 + 2 * t] * f.x + qsh[warp_q][i * 8 + 2 * t + 1] * f.y;
+        }
+      }
+      sc = dot;
+      if (L) sc += lut_at(L, a.md, j - qpos) * LOG2E;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; i++) vr[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    float cmax = sc;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
+    const float nm = fmaxf(m, cmax), alpha = m == -INFINITY ? 0.0f : fast_exp2(m - nm);
+    const float p = valid ? fast_exp2(sc - nm) : 0.0f;
+    float ps = p;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+    l = l * alpha + ps;
+    m = nm;
+    float v[64];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      dw_bf16x8 v2;
+      v2.u = vr[i];
+#pragma unroll
+      for (int t = 0; t < 4; t++) {
+        float2 f = __bfloat1622float2(v2.h[t]);
+        v[i * 8 + 2 * t] = p * f.x;
+        v[i * 8 + 2 * t + 1] = p * f.y;
+      }
+    }
+    dw_rs_step<32>(v, lane);
+    dw_rs_step<16>(v, lane);
+    dw_rs_step<8>(v, lane);
+    dw_rs_step<4>(v, lane);
+    dw_rs_step<2>(v, lane);
+    o0 = o0 * alpha + v[0];
+    o1 = o1 * alpha + v[1];
+  }
+  /* the second warp's state joins the first's */
+  if (sub == 1) mrg[pw][lane] = make_float4(m, l, o0, o1);
+  __syncthreads();
+  if (sub == 1 || !live) return;
+  const float4 o = mrg[pw][lane];
+  const float nm = fmaxf(m, o.x);
+  const float a0 = m == -INFINITY ? 0.0f : fast_exp2(m - nm), a1 = o.x == -INFINITY ? 0.0f : fast_exp2(o.x - nm);
+  l = l * a0 + o.y * a1;
+  o0 = o0 * a0 + o.z * a1;
+  o1 = o1 * a0 + o.w * a1;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  bf16 *op = a.out + ((size_t)qs * H + h) * 64 + 2 * lane;
+  *(__nv_bfloat162 *)op = __floats2bfloat162_rn(o0 * inv, o1 * inv);
+}
+
 /* ------------------------------------------------------------ launchers */
 
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
@@ -688,6 +821,14 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
     long rows = (long)m->n_seqs * max_q;
     dim3 grid((unsigned)((rows + 3) / 4), (unsigned)H);
     (void)td_launch(c, attn_generic_kernel, grid, 128, 0, a, dh, true);
+    TD_CU_LAUNCHED("attn_paged");
+    return TD_OK;
+  }
+  /* decode over self KV with enough (sequence, head) pairs: a warp each */
+  if (dh == 64 && max_q == 1 && !m->kv_static && c->decode_warp > 0 &&
+      (long)m->n_seqs * H >= (long)c->decode_warp && ldq % 2 == 0) {
+    long pairs = (long)m->n_seqs * H;
+    (void)td_launch(c, attn_decode_warp_kernel, (unsigned)((pairs + DW_PAIRS - 1) / DW_PAIRS), 32 * DW_WARPS, 0, a);
     TD_CU_LAUNCHED("attn_paged");
     return TD_OK;
   }

@@ -648,6 +648,8 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->skinny = !(v && *v == '0');
   v = getenv("TANDEM_CUDA_DENSE64");
   c->dense64_warps = v && atoi(v) == 4 ? 4 : 8;
+  v = getenv("TANDEM_CUDA_DECATTN");
+  c->decode_warp = v && *v ? atoi(v) : 256;
   v = getenv("TANDEM_CUDA_PDL");
   c->pdl = !(v && *v == '0');
   TD_TRY(td_cu_gemm_init(c));

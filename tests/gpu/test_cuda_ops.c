@@ -726,6 +726,8 @@ Test(cuda, attn_paged) {
       {4, 16, 4, 5, true, 128, 6, 30, true, true, 5},         /* small head: generic kernel */
       {3, 10, 3, 4, false, 0, 2, 20, false, false, 2},        /* odd head size */
       {2, 64, 16, 2, true, 3000, 100, 200, false, false, 9},  /* LUT in global memory */
+      {16, 64, 5, 17, true, 20, 1, 300, false, false, 11},    /* decode self, warp per (seq, head), odd blocks */
+      {16, 64, 16, 33, false, 0, 1, 200, true, false, 5},     /* decode cross: warp kernel on the re-run */
   };
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) paged_case(&cfg[c]);
 }
