@@ -634,7 +634,6 @@ __global__ void __launch_bounds__(32 * DW_WARPS) attn_decode_warp_kernel(const A
   const int32_t *table = live ? a.block_table + (size_t)s * a.max_blocks : a.block_table;
   const float *L = a.lut ? a.lut + (size_t)h * (2 * a.md + 1) : nullptr;
   const size_t vstride = (size_t)H * a.bs * 64;
-  const int warp_q = pw; /* q row in shared memory */
   float m = -INFINITY, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
   for (int c0 = sub * 32; c0 < kend; c0 += 32 * DW_SPLIT) {
     const int j = c0 + lane;
@@ -657,7 +656,7 @@ __global__ void __launch_bounds__(32 * DW_WARPS) attn_decode_warp_kernel(const A
 #pragma unroll
         for (int t = 0; t < 4; t++) {
           float2 f = __bfloat1622float2(k2.h[t]);
-          dot += qsh[warp_q][i * 8 + 2 * t] * f.x + qsh[warp_q][i * 8 + 2 * t + 1] * f.y;
+          dot += qsh[pw][i * 8 + 2 * t] * f.x + qsh[pw][i * 8 + 2 * t + 1] * f.y;
         }
       }
       sc = dot;
