@@ -26,8 +26,9 @@
 
 #define LOG2E 1.4426950408889634f
 /* The bias table goes to shared memory pre-scaled by log2(e) and padded
- * with LUT_PAD saturated entries each side, so that a row's 64 keys of a
- * tile index it without clamping. */
+ * with LUT_PAD saturated entries each side, so that a row's keys of a tile
+ * read it from one clamped start without per-key checks; a second copy
+ * shifted by one entry lets every row read key pairs as aligned float2. */
 enum { LUT_CAP = 1024, BN = 64, LUT_PAD = 64 };
 
 struct AttnArgs {
@@ -72,20 +73,25 @@ __device__ __forceinline__ float lut_at(const float *L, int md, int rel) {
 
 /* Tile configurations: head size, warps along queries (WM) and keys (WN),
  * cp.async stages, blocks per SM the registers must allow. */
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
 struct Cfg {};
-typedef Cfg<64, 8, 1, 3, 2, false> Dense64;  /* 128 query rows a block */
-typedef Cfg<64, 4, 1, 2, 3, false> Dense64s; /* 64 rows (TANDEM_CUDA_DENSE64=4) */
-typedef Cfg<128, 4, 1, 2, 2, false> Dense128;
-typedef Cfg<64, 1, 4, 2, 4, true> Paged64;
-typedef Cfg<128, 1, 4, 3, 2, true> Paged128;
+typedef Cfg<64, 8, 1, 3, 2, false, true> Dense64w;  /* 128 query rows, wgmma (two warpgroups) */
+typedef Cfg<64, 8, 1, 3, 2, false, false> Dense64;  /* 128 rows, mma.sync (TANDEM_CUDA_DENSE64=8) */
+typedef Cfg<64, 4, 1, 2, 3, false, false> Dense64s; /* 64 rows (TANDEM_CUDA_DENSE64=4) */
+typedef Cfg<128, 4, 1, 2, 2, false, false> Dense128;
+typedef Cfg<64, 1, 4, 2, 4, true, false> Paged64;
+typedef Cfg<128, 1, 4, 3, 2, true, false> Paged128;
 
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
-__host__ __device__ constexpr size_t attn_smem_base(Cfg<DH, WM, WN, STAGES, MINB, PAGED>) {
-  return (size_t)(16 * WM + 2 * STAGES * BN) * (DH + 8) * sizeof(bf16);
+/* wgmma variant: K/V tiles of 64 x 64 in the 128-byte swizzle (8 KiB,
+ * 1024-byte aligned, after an alignment pad), then Q and the bias table */
+enum { WG_TILE = BN * 64 * 2, WG_PAD = 1024 };
+
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
+__host__ __device__ constexpr size_t attn_smem_base(Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG>) {
+  return WG ? (size_t)WG_PAD + 2 * STAGES * WG_TILE + (size_t)16 * WM * (DH + 8) * sizeof(bf16) : (size_t)(16 * WM + 2 * STAGES * BN) * (DH + 8) * sizeof(bf16);
 }
 
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
 __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs a) {
   /* static K/V (cross-attention): the first tiles stream in before waiting
    * for the previous kernel, which produces only Q */
@@ -99,12 +105,25 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   constexpr int DK = DH / 16; /* k16 steps of Q.K */
   constexpr int CH = DH / 8;  /* 16-byte chunks per row */
   static_assert(WM == 1 || WN == 1, "warps split queries or keys");
+  static_assert(!WG || (DH == 64 && WN == 1 && WM % 4 == 0 && !PAGED), "wgmma: dense, head_dim 64, warpgroups of rows");
   __shared__ int is_last;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16 *Qs = (bf16 *)smem_raw;
-  bf16 *Ks = Qs + BM * SROW;
-  bf16 *Vs = Ks + STAGES * BN * SROW;
-  float *lut_s = (float *)(Vs + STAGES * BN * SROW);
+  bf16 *Qs, *Ks, *Vs;
+  float *lut_s;
+  constexpr int KVST = WG ? BN * 64 : BN * SROW; /* elements per K or V stage */
+  if (WG) { /* swizzled 64 x 64 K/V tiles first, 1024-byte aligned in the shared window */
+    Ks = (bf16 *)(smem_raw + ((WG_PAD - (smem_u32(smem_raw) & (WG_PAD - 1))) & (WG_PAD - 1)));
+    Vs = Ks + STAGES * KVST;
+    Qs = Vs + STAGES * KVST;
+    lut_s = (float *)(Qs + BM * SROW);
+  } else {
+    Qs = (bf16 *)smem_raw;
+    Ks = Qs + BM * SROW;
+    Vs = Ks + STAGES * BN * SROW;
+    lut_s = (float *)(Vs + STAGES * BN * SROW);
+  }
+  /* row r, 16-byte chunk cc of a K/V tile */
+  auto kv_at = [](int r, int cc) { return WG ? r * 64 + ((cc ^ (r & 7)) << 3) : r * SROW + cc * 8; };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
@@ -150,13 +169,16 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   /* ---- relative bias table of this head */
   const float *L = nullptr; /* global table when too large for shared memory */
   const int md = a.md;
-  const bool lut_sh = a.lut && 2 * md + 1 + 2 * LUT_PAD <= LUT_CAP;
+  const int lut_n = 2 * md + 1 + 2 * LUT_PAD, lut_n2 = (lut_n + 1) & ~1; /* entries; second copy's offset */
+  const bool lut_sh = a.lut && lut_n <= LUT_CAP;
   if (a.lut) {
     const float *src = a.lut + (size_t)h * (2 * md + 1);
     if (lut_sh) {
       if (n_tiles > 0)
-        for (int i = tid; i < 2 * md + 1 + 2 * LUT_PAD; i += NTH)
-          lut_s[i] = src[min(max(i - LUT_PAD, 0), 2 * md)] * LOG2E;
+        for (int i = tid; i < lut_n2 + lut_n; i += NTH) {
+          int k = i < lut_n ? i : i < lut_n2 ? lut_n - 1 : i - lut_n2 + 1;
+          lut_s[i] = src[min(max(k - LUT_PAD, 0), 2 * md)] * LOG2E;
+        }
     } else {
       L = src;
     }
@@ -177,7 +199,7 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   const bf16 *kdense = PAGED ? nullptr : a.qkv + (row0 + kbeg + tid / CH) * qkv_row + (size_t)(H + h) * DH + (tid % CH) * 8;
   auto load_kv = [&](int kt, int st) {
     int key0 = kbeg + kt * BN;
-    bf16 *ks = Ks + st * BN * SROW, *vs = Vs + st * BN * SROW;
+    bf16 *ks = Ks + st * KVST, *vs = Vs + st * KVST;
     if (!PAGED) {
       const bf16 *kp = kdense + (size_t)kt * BN * qkv_row;
 #pragma unroll
@@ -185,8 +207,8 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
         int r = tid / CH + i * (NTH / CH);
         bool v = key0 + r < kend;
         const bf16 *src = v ? kp + (size_t)i * (NTH / CH) * qkv_row : a.qkv;
-        cp_async16(ks + r * SROW + (tid % CH) * 8, src, v);
-        cp_async16(vs + r * SROW + (tid % CH) * 8, v ? src + (size_t)H * DH : a.qkv, v);
+        cp_async16(ks + kv_at(r, tid % CH), src, v);
+        cp_async16(vs + kv_at(r, tid % CH), v ? src + (size_t)H * DH : a.qkv, v);
       }
     } else { /* paged: each row through the block table */
       for (int c = tid; c < BN * CH; c += NTH) {
@@ -236,23 +258,37 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   for (int kt = 0; kt < n_tiles; kt++) {
     if (early && kt == 0) cp_async_wait<0>();
     else cp_async_wait<STAGES - 2>();
+    if (WG) fence_proxy_async();
     __syncthreads();
     if (kt + STAGES - 1 < n_tiles) load_kv(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
     cp_async_commit();
-    if (kt == 0) {
+    /* wgmma: reloaded per tile (ptxas does not keep register A operands
+     * that are only conditionally loaded live across the loop) */
+    if (WG || kt == 0) {
 #pragma unroll
       for (int dk = 0; dk < DK; dk++)
         ldsm_x4(qf[dk][0], qf[dk][1], qf[dk][2], qf[dk][3],
                 Qs + (wm * 16 + (lane & 15)) * SROW + dk * 16 + (lane >> 4) * 8);
     }
-    const bf16 *ks = Ks + (kt % STAGES) * BN * SROW, *vs = Vs + (kt % STAGES) * BN * SROW;
+    const bf16 *ks = Ks + (kt % STAGES) * KVST, *vs = Vs + (kt % STAGES) * KVST;
 
     /* S = Q K^T for this warp's keys */
     float sc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+    if (WG) {
+      float(&s32)[32] = *reinterpret_cast<float(*)[32]>(&sc[0][0]);
+      wg_hold(s32);
+      wg_hold(qf);
+      wg_fence();
 #pragma unroll
-    for (int dk = 0; dk < DK; dk++) {
+      for (int dk = 0; dk < DK; dk++) wgmma64_rs<0>(s32, qf[dk], wg_desc_sw128(ks + dk * 16, 16, 1024), 1);
+      wg_commit();
+      wg_wait<0>();
+      wg_hold(s32);
+    }
+#pragma unroll
+    for (int dk = 0; dk < (WG ? 0 : DK); dk++) {
 #pragma unroll
       for (int jn = 0; jn < NT / 2; jn++) {
         uint32_t b0, b1, b2, b3;
@@ -266,29 +302,37 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
     /* scale, bias, masks (log2 domain) */
     const int tile0 = kbeg + kt * BN, key0 = tile0 + wn * KW;
     const bool need_mask = tile0 + BN > kend || (a.causal && tile0 + BN - 1 > qpos_min);
-    /* bias of row r at key key0 + 8 j + 2 t4 + e: one shared load from brow[r],
-     * or a constant where the whole row of the tile saturates */
-    const float *brow[2] = {nullptr, nullptr};
-    float bconst[2] = {0.0f, 0.0f};
+    /* bias of row r at key key0 + 8 j + 2 t4 + e: brow[r][8 j + e]. The
+     * start is clamped into the padding, which holds the saturated values
+     * (a row's offsets stay below LUT_PAD), and taken from the copy where
+     * it is even, so each key pair is one float2 load. */
     if (lut_sh) {
+      const float *brow[2];
 #pragma unroll
       for (int r = 0; r < 2; r++) {
-        int base = key0 + 2 * t4 - qpos_r[r];
-        if (base + KW - 1 < -md) bconst[r] = lut_s[LUT_PAD];
-        else if (base > md) bconst[r] = lut_s[LUT_PAD + 2 * md];
-        else brow[r] = lut_s + base + md + LUT_PAD;
+        int st = min(max(key0 + 2 * t4 - qpos_r[r] + md + LUT_PAD, 0), 2 * md + LUT_PAD + 1);
+        brow[r] = (st & 1) ? lut_s + lut_n2 + st - 1 : lut_s + st;
       }
+#pragma unroll
+      for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+          float2 b = *(const float2 *)(brow[r] + j * 8);
+          sc[j][2 * r] = fmaf(sc[j][2 * r], a.scale_log2, b.x);
+          sc[j][2 * r + 1] = fmaf(sc[j][2 * r + 1], a.scale_log2, b.y);
+        }
+    } else if (L) {
+#pragma unroll
+      for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+          sc[j][e] = fmaf(sc[j][e], a.scale_log2, lut_at(L, md, key0 + j * 8 + 2 * t4 + (e & 1) - qpos_r[e >> 1]) * LOG2E);
+    } else {
+#pragma unroll
+      for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) sc[j][e] *= a.scale_log2;
     }
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        int r = e >> 1;
-        float b = 0.0f;
-        if (lut_sh) b = brow[r] ? brow[r][j * 8 + (e & 1)] : bconst[r];
-        else if (L) b = lut_at(L, md, key0 + j * 8 + 2 * t4 + (e & 1) - qpos_r[r]) * LOG2E;
-        sc[j][e] = fmaf(sc[j][e], a.scale_log2, b);
-      }
     if (need_mask) { /* block-uniform: only the tiles that cross an end */
 #pragma unroll
       for (int j = 0; j < NT; j++)
@@ -333,8 +377,27 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
     }
 
     /* O += P V */
+    if (WG) {
+      uint32_t pa[KS][4];
 #pragma unroll
-    for (int kk = 0; kk < KS; kk++) {
+      for (int kk = 0; kk < KS; kk++) {
+        pa[kk][0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
+        pa[kk][1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
+        pa[kk][2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+        pa[kk][3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      }
+      float(&o32)[32] = *reinterpret_cast<float(*)[32]>(&o[0][0]);
+      wg_hold(o32);
+      wg_hold(pa);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < KS; kk++) wgmma64_rs<1>(o32, pa[kk], wg_desc_sw128(vs + kk * 16 * 64, 1024, 1024), 1);
+      wg_commit();
+      wg_wait<0>();
+      wg_hold(o32);
+    }
+#pragma unroll
+    for (int kk = 0; kk < (WG ? 0 : KS); kk++) {
       uint32_t pa[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]), pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
                         pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
                         pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
@@ -712,25 +775,26 @@ __global__ void __launch_bounds__(32 * DW_WARPS) attn_decode_warp_kernel(const A
 
 /* ------------------------------------------------------------ launchers */
 
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
-static td_status set_smem(td_cuda *c, Cfg<DH, WM, WN, STAGES, MINB, PAGED> cfg) {
-  size_t bytes = attn_smem_base(cfg) + LUT_CAP * sizeof(float);
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
+static td_status set_smem(td_cuda *c, Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG> cfg) {
+  size_t bytes = attn_smem_base(cfg) + 2 * LUT_CAP * sizeof(float);
   if (bytes > c->smem_optin)
     return td_err(TD_ERR_UNSUPPORTED, "attention: needs %zu bytes of shared memory, the device allows %zu", bytes,
                   c->smem_optin);
-  TD_CU_CHECK(cudaFuncSetAttribute(attn_kernel<DH, WM, WN, STAGES, MINB, PAGED>,
+  TD_CU_CHECK(cudaFuncSetAttribute(attn_kernel<DH, WM, WN, STAGES, MINB, PAGED, WG>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
               "attention init");
   return TD_OK;
 }
 
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED>
-static void launch(Cfg<DH, WM, WN, STAGES, MINB, PAGED> cfg, dim3 grid, size_t lut, const td_cuda *c,
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
+static void launch(Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG> cfg, dim3 grid, size_t lut, const td_cuda *c,
                    const AttnArgs &a) {
-  (void)td_launch(c, attn_kernel<DH, WM, WN, STAGES, MINB, PAGED>, grid, 32 * WM * WN, attn_smem_base(cfg) + lut, a);
+  (void)td_launch(c, attn_kernel<DH, WM, WN, STAGES, MINB, PAGED, WG>, grid, 32 * WM * WN, attn_smem_base(cfg) + lut, a);
 }
 
 td_status td_cu_attn_init(td_cuda *c) {
+  TD_TRY(set_smem(c, Dense64w()));
   TD_TRY(set_smem(c, Dense64()));
   TD_TRY(set_smem(c, Dense64s()));
   TD_TRY(set_smem(c, Dense128()));
@@ -741,7 +805,7 @@ td_status td_cu_attn_init(td_cuda *c) {
 
 static size_t lut_bytes(const td_relbias *bias) {
   size_t n = bias ? (size_t)(2 * bias->max_distance + 1 + 2 * LUT_PAD) : 0;
-  return n && n <= LUT_CAP ? n * sizeof(float) : 0;
+  return n && n <= LUT_CAP ? (2 * n + (n & 1)) * sizeof(float) : 0; /* two copies, the second at an even offset */
 }
 
 td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
@@ -770,7 +834,8 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
     int bm = wide ? 128 : 64, len = max_len < 1 || max_len > n_tokens ? n_tokens : max_len;
     a.qtiles = (len + bm - 1) / bm; /* query tiles per sequence: max_len bounds every length */
     dim3 grid((unsigned)((long)n_seqs * a.qtiles), (unsigned)heads);
-    if (wide) launch(Dense64(), grid, lut_bytes(bias), c, a);
+    if (wide && c->dense64_warps == 0) launch(Dense64w(), grid, lut_bytes(bias), c, a);
+    else if (wide) launch(Dense64(), grid, lut_bytes(bias), c, a);
     else if (head_dim == 64) launch(Dense64s(), grid, lut_bytes(bias), c, a);
     else launch(Dense128(), grid, lut_bytes(bias), c, a);
   } else {

@@ -647,7 +647,7 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   v = getenv("TANDEM_CUDA_SKINNY");
   c->skinny = !(v && *v == '0');
   v = getenv("TANDEM_CUDA_DENSE64");
-  c->dense64_warps = v && atoi(v) == 4 ? 4 : 8;
+  c->dense64_warps = v && (atoi(v) == 4 || atoi(v) == 8) ? atoi(v) : 0;
   v = getenv("TANDEM_CUDA_DECATTN");
   c->decode_warp = v && *v ? atoi(v) : 256;
   v = getenv("TANDEM_CUDA_PDL");

@@ -44,7 +44,8 @@ typedef struct td_cuda {
   int *counters;      /* GEMM then attention arrival counters, zero between launches */
   int skinny;         /* small-m GEMMs on our kernel (TANDEM_CUDA_SKINNY=0: cuBLASLt) */
   int decode_warp;    /* paged decode over self KV on a warp per (sequence, head) from this many pairs (TANDEM_CUDA_DECATTN; 0: off) */
-  int dense64_warps;  /* dense attention, head_dim 64: 8 warps x 16 rows, or 4 (TANDEM_CUDA_DENSE64=4) */
+  int dense64_warps;  /* dense attention, head_dim 64: 0 wgmma on 2 warpgroups, 8 mma.sync warps x 16 rows
+                         (TANDEM_CUDA_DENSE64=8), or 4 (=4) */
   int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */
   int fuse, fuse_mask; /* td_gemm_ex on the fused decode kernel: up to this many rows, these fusions (TANDEM_CUDA_FUSE) */
   struct td_gemm_plan *plans;

@@ -1,5 +1,5 @@
-/* Inline PTX used by the tensor-core kernels (sm_80+ instructions that
- * Hopper runs: cp.async, ldmatrix, mma.sync m16n8k16 bf16). */
+/* Inline PTX used by the tensor-core kernels: cp.async, ldmatrix, mma.sync
+ * m16n8k16 bf16 (sm_80+), and Hopper's wgmma (sm_90a). */
 #ifndef TD_KERNELS_CUDA_PTX_CUH
 #define TD_KERNELS_CUDA_PTX_CUH
 
@@ -43,6 +43,52 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *(uint32_t *)&v;
+}
+
+/* ---- Hopper warpgroup MMA (sm_90a): wgmma.mma_async m64n64k16, A from
+ * registers (the mma.sync m16n8k16 A fragment of each warp's 16 rows), B
+ * from shared memory through a descriptor. The f32 accumulators use the
+ * mma.sync C fragment layout, n8 tile j in d[4j .. 4j + 3]. */
+
+/* Descriptor of a 128-byte-swizzled shared-memory operand: rows of 128
+ * bytes whose 16-byte chunk c sits at chunk c ^ (row & 7), 8-row groups
+ * 1024 bytes apart, the tile 1024-byte aligned. */
+__device__ __forceinline__ uint64_t wg_desc_sw128(const void *p, uint32_t lbo, uint32_t sbo) {
+  uint64_t a = smem_u32(p);
+  return ((a & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* Pins accumulator / fragment registers in program order: called before
+ * wg_fence (writes to them land before the fence, as wgmma requires) and
+ * after wg_wait (reads happen after the wait). */
+__device__ __forceinline__ void wg_hold(float (&d)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_hold(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; i++)
+#pragma unroll
+    for (int j = 0; j < 4; j++) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+/* sync: shared-memory writes of the generic proxy (st, cp.async) become
+ * visible to wgmma's reads (async proxy) */
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+/* d (+)= a * B; TB: B stored N-major (transposed); acc: 0 overwrites d */
+template <int TB>
+__device__ __forceinline__ void wgmma64_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TB));
 }
 
 #endif
