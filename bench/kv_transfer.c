@@ -6,8 +6,8 @@
  * it to a results file (bench/RESULTS.md by default).
  *
  *   kv_transfer [--quick] [--max-mb N] [--results FILE] [--no-append]
- *               [--commit SHA] [--slots N] [--slot-mb N] [--nccl-chunk-kb N]
- *               [--only host|tcp|staged|nccl]
+ *               [--commit SHA] [--slots N] [--slot-mb N] [--stage-chunk-kb N]
+ *               [--nccl-chunk-kb N] [--only host|tcp|staged|nccl]
  *
  * --nccl-chunk-kb: the NCCL pipeline's largest chunk on both sides (the
  * engine's default when absent); --only: measure one path.
@@ -53,6 +53,7 @@ static uint32_t pool_id(int kind, int bs) { return (uint32_t)(kind * 10 + bs); }
 static size_t g_max_bytes = (size_t)256 << 20;
 static int g_slots = 8;
 static size_t g_slot_bytes = (size_t)4 << 20;
+static size_t g_stage_chunk; /* --stage-chunk-kb: the sender's steady staged chunk; 0: the engine's default */
 static size_t g_nccl_chunk; /* 0: the engine's default */
 
 static void wr(int fd, const void *p, size_t n) {
@@ -374,6 +375,27 @@ static double time_copy(void *dst, const void *src, size_t n, enum cudaMemcpyKin
   }
   return (double)n / best / 1e9;
 }
+
+/* Device-to-host and host-to-device at once on two streams (what a
+ * pipelined staged transfer does on one link): GB/s per direction. */
+static double time_bidir(void *h_dst, const void *d_src, void *d_dst, const void *h_src, size_t n) {
+  cudaStream_t s0, s1;
+  cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking);
+  double best = 1e30;
+  for (int r = 0; r < 5; r++) {
+    cudaDeviceSynchronize();
+    int64_t t0 = td_now_ns();
+    cudaMemcpyAsync(h_dst, d_src, n, cudaMemcpyDeviceToHost, s0);
+    cudaMemcpyAsync(d_dst, h_src, n, cudaMemcpyHostToDevice, s1);
+    cudaDeviceSynchronize();
+    double t = (double)(td_now_ns() - t0) / 1e9;
+    if (t < best) best = t;
+  }
+  cudaStreamDestroy(s0);
+  cudaStreamDestroy(s1);
+  return (double)n / best / 1e9;
+}
 #endif
 
 #ifdef TD_KVX_BENCH_NCCL
@@ -468,6 +490,8 @@ int main(int argc, char **argv) {
       g_slots = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--slot-mb") && i + 1 < argc) {
       g_slot_bytes = strtoull(argv[++i], NULL, 10) << 20;
+    } else if (!strcmp(argv[i], "--stage-chunk-kb") && i + 1 < argc) {
+      g_stage_chunk = strtoull(argv[++i], NULL, 10) << 10;
     } else if (!strcmp(argv[i], "--nccl-chunk-kb") && i + 1 < argc) {
       g_nccl_chunk = strtoull(argv[++i], NULL, 10) << 10;
     } else if (!strcmp(argv[i], "--only") && i + 1 < argc &&
@@ -476,7 +500,7 @@ int main(int argc, char **argv) {
       only = argv[++i];
     } else {
       fprintf(stderr, "usage: %s [--quick] [--max-mb N] [--results FILE] [--no-append] [--commit SHA] [--slots N] "
-                      "[--slot-mb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl]\n", argv[0]);
+                      "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl]\n", argv[0]);
       return 2;
     }
   }
@@ -485,7 +509,7 @@ int main(int argc, char **argv) {
   int ngpu = 0;
   char device[256];
   cpu_name(device, sizeof device);
-  double p_memcpy = peak_memcpy(), p_d2h = 0, p_h2d = 0, p_peer = 0, p_staged = 0, p_nccl = 0;
+  double p_memcpy = peak_memcpy(), p_d2h = 0, p_h2d = 0, p_bidir = 0, p_peer = 0, p_staged = 0, p_nccl = 0;
   printf("peak memcpy (one thread, %zu MB): %.2f GB/s\n", g_max_bytes >> 20, p_memcpy);
 #ifdef TD_KVX_BENCH_CUDA
   if (cudaGetDeviceCount(&ngpu) != cudaSuccess) ngpu = 0;
@@ -503,6 +527,11 @@ int main(int argc, char **argv) {
     p_h2d = time_copy(d, h, g_max_bytes, cudaMemcpyHostToDevice, -1, -1);
     p_staged = p_d2h < p_h2d ? p_d2h : p_h2d;
     printf("peak pinned D2H %.2f GB/s, H2D %.2f GB/s (staged path peak %.2f)\n", p_d2h, p_h2d, p_staged);
+    {
+      size_t half = g_max_bytes / 2;
+      p_bidir = time_bidir(h, d, (uint8_t *)d + half, (uint8_t *)h + half, half);
+      printf("pinned D2H and H2D at once: %.2f GB/s each\n", p_bidir);
+    }
     if (ngpu >= 2) {
       void *d1 = NULL;
       cudaSetDevice(1);
@@ -534,6 +563,7 @@ int main(int argc, char **argv) {
   o.cuda_device = ngpu > 0 ? 0 : -1;
   o.staging_slots = g_slots;
   o.staging_slot_bytes = g_slot_bytes;
+  o.staging_chunk_bytes = g_stage_chunk;
   o.nccl_chunk_bytes = g_nccl_chunk;
   td_kvx *k = NULL, *ktcp = NULL;
   td_kvx_opts ot = o;
@@ -617,14 +647,16 @@ int main(int argc, char **argv) {
     strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", gmtime(&now));
     fprintf(f, "\n## kv_transfer — %s, %s, commit %s\n\n", when, device, commit);
     fprintf(f, "Peaks measured in this run: memcpy (one thread) %.2f GB/s", p_memcpy);
-    if (ngpu > 0) fprintf(f, "; pinned D2H %.2f GB/s, H2D %.2f GB/s (staged path peak = the lower)", p_d2h, p_h2d);
+    if (ngpu > 0)
+      fprintf(f, "; pinned D2H %.2f GB/s, H2D %.2f GB/s (staged path peak = the lower); both at once %.2f GB/s each",
+              p_d2h, p_h2d, p_bidir);
     if (ngpu > 1)
       fprintf(f, "; cudaMemcpyPeer GPU0->GPU1 %.2f GB/s; NCCL send/recv GPU0->GPU1 in one process %.2f GB/s (the NCCL "
                  "path's peak)", p_peer, p_nccl);
     if (g_nccl_chunk) fprintf(f, ". NCCL chunks up to %zu KiB", g_nccl_chunk >> 10);
-    fprintf(f, ". Staging: %d slots of %zu MiB. Time from post to the sender's callback (after the receiver's "
-               "acknowledgement), median; destinations scattered (one copy per block).\n\n",
-            g_slots, g_slot_bytes >> 20);
+    fprintf(f, ". Staging: %d slots of %zu MiB, chunks up to %s. Time from post to the sender's callback (after the "
+               "receiver's acknowledgement), median; destinations scattered (one copy per block).\n\n",
+            g_slots, g_slot_bytes >> 20, g_stage_chunk ? "--stage-chunk-kb" : "the engine's default");
     fprintf(f, "| path | block | MB | ms | GB/s | %% of path peak |\n|---|---|---:|---:|---:|---:|\n");
     for (int i = 0; i < n_rows; i++)
       fprintf(f, "| %s | %s | %.1f | %.3f | %.2f | %.0f |\n", rows[i].path, bs_name(rows[i].bs), rows[i].mb, rows[i].ms,

@@ -264,7 +264,7 @@ struct td_kvx {
   bool cuda_mem, local_ok;
   int efd, tfd, epfd;
   kvx_gpu *gpu;
-  size_t slot_bytes;
+  size_t slot_bytes, stage_chunk;
   int n_slots;
   uint8_t *send_stg, *recv_stg;
   ucp_mem_h send_memh, recv_memh;
@@ -294,7 +294,22 @@ struct td_kvx {
   bool fail_pending, destroying;
   uint64_t next_xid;
   td_kvx_stats st;
+  struct kvx_tr *trace; /* TANDEM_KVX_TRACE=1 */
+  int n_trace;
 };
+
+/* TANDEM_KVX_TRACE=1: when each protocol step of a transfer happened, kept
+ * in memory (no I/O on the data path) and printed at destroy. Both sides
+ * read CLOCK_MONOTONIC, so two processes on one host line up. */
+typedef struct kvx_tr {
+  int64_t ns;
+  uint64_t xid, a;
+  const char *ev;
+} kvx_tr;
+enum { KVX_TRACE_CAP = 1 << 16 };
+static void tr(td_kvx *k, uint64_t xid, const char *ev, uint64_t a) {
+  if (k->trace && k->n_trace < KVX_TRACE_CAP) k->trace[k->n_trace++] = (kvx_tr){td_now_ns(), xid, a, ev};
+}
 
 /* ---------------------------------------------------------------- utilities */
 
@@ -741,6 +756,7 @@ td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out) {
   k->n_slots = k->o.staging_slots > 0 ? k->o.staging_slots : 8;
   if (k->n_slots > 1024) k->n_slots = 1024;
   k->slot_bytes = k->o.staging_slot_bytes >= 4096 ? k->o.staging_slot_bytes : (4u << 20);
+  k->stage_chunk = k->o.staging_chunk_bytes >= 4096 ? k->o.staging_chunk_bytes : (2u << 20);
   k->nccl_chunk = k->o.nccl_chunk_bytes ? k->o.nccl_chunk_bytes : KVX_NCCL_CHUNK;
   if (k->nccl_chunk < 4096) k->nccl_chunk = 4096;
   if (k->nccl_chunk > KVX_NCCL_MAX_CHUNK) k->nccl_chunk = KVX_NCCL_MAX_CHUNK;
@@ -748,6 +764,8 @@ td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out) {
   k->host_id = host_identity();
   k->next_xid = 1;
   k->efd = k->tfd = k->epfd = -1;
+  const char *tv = getenv("TANDEM_KVX_TRACE");
+  if (tv && *tv && *tv != '0') k->trace = malloc(sizeof *k->trace * KVX_TRACE_CAP); /* NULL: no trace */
   td_status s = TD_OK;
 
   if (k->o.cuda_device >= 0) {
@@ -1349,6 +1367,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   x->cb = cb;
   x->arg = arg;
   x->st = XS_WAIT_GRANT;
+  tr(k, x->id, "post", x->total);
   /* Same endpoint for NCCL_ID and REQ: the id must arrive first. */
   ucp_ep_h req_ep = (p->fast && p->known) ? p->data_ep : p->ep;
 
@@ -1600,6 +1619,7 @@ static int pump_ucx(kvx_xfer *x) {
       if (r == 0) continue;
       kvx_gpu_release(k->gpu, ch->ev);
       ch->ev = NULL;
+      tr(k, x->id, "d2h_done", ch->bytes);
       if (x->direct_stage) {
         /* Already in the receiver's slot: only the message is left. */
         ch->state = CH_FLUSHED;
@@ -1633,6 +1653,7 @@ static int pump_ucx(kvx_xfer *x) {
         kvx_w_u64(&w, ch->pc[i].len);
       }
       send_msg(k, x->peer->fast ? x->peer->data_ep : x->peer->ep, &w);
+      tr(k, x->id, "chunk", ch->bytes);
       ch->state = CH_DONE;
       work++;
     }
@@ -1650,7 +1671,7 @@ static int pump_ucx(kvx_xfer *x) {
     if (x->src_staged && !x->direct_stage && k->slot_bytes < cap) cap = k->slot_bytes;
     if (x->dst_staged && x->peer->desc.stg_slot_bytes < cap) cap = x->peer->desc.stg_slot_bytes;
     /* Small first and last chunks: the pipeline fills and drains sooner. */
-    if (x->src_staged || x->dst_staged) cap = kvx_stage_chunk_cap(x->issued, x->total, cap);
+    if (x->src_staged || x->dst_staged) cap = kvx_stage_chunk_cap(x->issued, x->total, cap, k->stage_chunk);
     kvx_chunk *c = chunk_build(x, cap);
     if (!c) {
       xfer_stop(x, TD_ERR_NOMEM, "out of memory", true);
@@ -1679,6 +1700,7 @@ static int pump_ucx(kvx_xfer *x) {
       }
       td_status s = kvx_gpu_copy_many(k->gpu, KVX_S_D2H, dsts, srcs, sizes, (size_t)c->n);
       if (s == TD_OK) s = kvx_gpu_record(k->gpu, KVX_S_D2H, &c->ev);
+      tr(k, x->id, "d2h", c->bytes);
       if (s != TD_OK) {
         c->state = CH_DONE;
         xfer_stop(x, s, td_errmsg(), true);
@@ -1704,6 +1726,7 @@ static int pump_ucx(kvx_xfer *x) {
     msg_begin(k, &w, KVX_MSG_DONE, x->id);
     kvx_w_u64(&w, x->total);
     send_msg(k, x->peer->fast ? x->peer->data_ep : x->peer->ep, &w);
+    tr(k, x->id, "done", 0);
     x->done_sent = true;
     x->st = XS_FINISH;
     work++;
@@ -2330,6 +2353,7 @@ static void handle_chunk(td_kvx *k, kvx_grant *g, kvx_rbuf *r) {
     grant_revoke(g, s, td_errmsg());
     return;
   }
+  tr(k, g->key.xid, "r_chunk", bytes);
   h->g = g;
   h->slot = (int)slot;
   h->bytes = bytes;
@@ -2349,6 +2373,7 @@ static int pump_h2d(td_kvx *k) {
       grant_revoke(g, TD_ERR_CUDA, td_errmsg());
     } else {
       g->received += h->bytes;
+      tr(k, g->key.xid, "r_h2d_done", h->bytes);
       if (g->gst == G_ACTIVE) {
         kvx_wbuf w;
         msg_begin(k, &w, KVX_MSG_CREDIT, g->key.xid);
@@ -2555,6 +2580,7 @@ static int pump_grants(td_kvx *k) {
           kvx_w_u32(&w, (uint32_t)g->n_slots);
           for (int i = 0; i < g->n_slots; i++) kvx_w_u32(&w, (uint32_t)g->slots[i]);
           send_msg(k, g->rp->fast_ep ? g->rp->fast_ep : g->rp->ep, &w);
+          tr(k, g->key.xid, "r_grant", (uint64_t)g->n_slots);
           g->gst = G_ACTIVE;
           work++;
         }
@@ -2573,6 +2599,7 @@ static int pump_grants(td_kvx *k) {
           if (!g->staged && !g->am) g->received = g->total; /* direct puts are flushed before DONE */
           if (g->received == g->total) {
             send_status(k, g->rp->fast_ep ? g->rp->fast_ep : g->rp->ep, KVX_MSG_ACK, g->key.xid, TD_OK, "");
+            tr(k, g->key.xid, "r_ack", 0);
             grant_end(g, TD_OK, "");
           } else {
             char m[KVX_TEXT];
@@ -2645,6 +2672,7 @@ static void handle_msg(td_kvx *k, const uint8_t *data, size_t len) {
     kvx_grant *g = NULL;
     switch (type) {
       case KVX_MSG_REQ:
+        tr(k, xid, "r_req", 0);
         handle_req(k, rp, xid, &r);
         break;
       case KVX_MSG_CHUNK:
@@ -2657,6 +2685,7 @@ static void handle_msg(td_kvx *k, const uint8_t *data, size_t len) {
             grant_revoke(g, TD_ERR_FORMAT, "sender's total does not match the grant");
           else
             g->done_rx = true;
+          tr(k, xid, "r_done", 0);
         }
         break;
       case KVX_MSG_ABORT:
@@ -2731,6 +2760,7 @@ static void handle_msg(td_kvx *k, const uint8_t *data, size_t len) {
         break;
       }
       x->n_rslots = x->n_rfree = (int)n;
+      tr(k, xid, "grant", n);
       x->seq = seq;
       x->seq_set = x->nccl;
       x->st = XS_RUN;
@@ -2758,6 +2788,7 @@ static void handle_msg(td_kvx *k, const uint8_t *data, size_t len) {
       for (int i = 0; i < x->n_rslots; i++) ok |= (uint32_t)x->rslots[i] == s;
       for (int i = 0; i < x->n_rfree; i++) ok &= (uint32_t)x->rfree[i] != s;
       if (ok && !r.bad && x->n_rfree < KVX_GRANT_SLOTS) x->rfree[x->n_rfree++] = (int)s;
+      tr(k, xid, "credit", s);
       break;
     }
     case KVX_MSG_ACK: {
@@ -2767,6 +2798,7 @@ static void handle_msg(td_kvx *k, const uint8_t *data, size_t len) {
       /* NCCL: the receive may complete before the send is seen complete. */
       if (x->st == XS_STOPPING || x->st == XS_WAIT_GRANT) break;
       x->acked = true;
+      tr(k, xid, "ack", (uint64_t)s);
       x->ack_st = s;
       snprintf(x->ack_msg, KVX_TEXT, "%s", s == TD_OK ? "" : text);
       break;
@@ -2858,6 +2890,7 @@ static int run_callbacks(td_kvx *k) {
       kvx_xfer *x = k->xdone;
       k->xdone = x->dnext;
       td_kvx_peer *p = x->peer;
+      tr(k, x->id, "cb", 0);
       if (x->cb) x->cb(x->arg, x->id, x->fst, x->fmsg);
       free(x->items);
       free(x->blocks);
@@ -3072,5 +3105,9 @@ void td_kvx_destroy(td_kvx *k) {
   if (k->ctx) ucp_cleanup(k->ctx);
   if (k->tfd >= 0) close(k->tfd);
   if (k->epfd >= 0) close(k->epfd);
+  for (int i = 0; i < k->n_trace; i++)
+    fprintf(stderr, "kvx-trace %s %lld %" PRIu64 " %s %" PRIu64 "\n", k->name, (long long)k->trace[i].ns,
+            k->trace[i].xid, k->trace[i].ev, k->trace[i].a);
+  free(k->trace);
   free(k);
 }

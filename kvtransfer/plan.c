@@ -166,9 +166,9 @@ bool kvx_pieces_contiguous(const td_kvx_slice *pc, int n, bool src) {
   return true;
 }
 
-uint64_t kvx_stage_chunk_cap(uint64_t issued, uint64_t total, uint64_t slot) {
+uint64_t kvx_stage_chunk_cap(uint64_t issued, uint64_t total, uint64_t slot, uint64_t steady) {
   const uint64_t small = (uint64_t)256 << 10;
-  uint64_t cap = slot;
+  uint64_t cap = steady > 0 && steady < slot ? steady : slot;
   uint64_t up = issued < small ? small : issued;
   if (up < cap) cap = up;
   /* Half of what is left: the chunks after it shrink too, so the copy

@@ -101,11 +101,14 @@ int kvx_plan_take(const td_kvx_slice *items, int n_items, int *ci, uint64_t *cof
  * side, so that side needs no bounce buffer. */
 bool kvx_pieces_contiguous(const td_kvx_slice *pc, int n, bool src);
 /* Staged UCX: the size limit of the next chunk, given the bytes issued so
- * far, the transfer's total and the slot size. Chunks start at 256 KiB
- * and double (the receiver starts copying out sooner), and shrink again
- * towards the end (the last chunk's host-to-device copy is not overlapped
- * with anything). */
-uint64_t kvx_stage_chunk_cap(uint64_t issued, uint64_t total, uint64_t slot);
+ * far, the transfer's total, the slot size and the steady chunk size.
+ * Chunks start at 256 KiB and double up to the steady size (the receiver
+ * starts copying out sooner), stay there, and shrink again towards the end
+ * (the last chunk's host-to-device copy is not overlapped with anything).
+ * A steady size well below the slot keeps the receiver's copies in step
+ * with the sender's: device-to-host copies complete in order, so one large
+ * chunk holds back every copy-out behind it. */
+uint64_t kvx_stage_chunk_cap(uint64_t issued, uint64_t total, uint64_t slot, uint64_t steady);
 
 /* How a transfer's data moves (REQ's mode byte). */
 enum { KVX_MODE_PUT = 1, KVX_MODE_AM = 2, KVX_MODE_NCCL = 3 };

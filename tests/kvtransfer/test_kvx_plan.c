@@ -335,29 +335,37 @@ Test(kvx_plan, chunks_over_a_plan) {
   free(items);
 }
 
-/* Staged chunks: 256 KiB first, doubling up to the slot, shrinking again
- * at the end so the last host-to-device copy is short. */
+/* Staged chunks: 256 KiB first, doubling up to the steady size (never
+ * above the slot), shrinking again at the end so the last host-to-device
+ * copy is short. */
 Test(kvx_plan, staged_chunks_ramp_up_and_down) {
   uint64_t slot = (uint64_t)4 << 20, k256 = (uint64_t)256 << 10;
   uint64_t totals[] = {1, 100000, (uint64_t)1 << 20, (uint64_t)16 << 20, ((uint64_t)16 << 20) + 12345,
                        (uint64_t)256 << 20};
-  for (int t = 0; t < 6; t++) {
-    uint64_t total = totals[t], issued = 0, last = 0;
-    int n = 0;
-    while (issued < total) {
-      uint64_t cap = kvx_stage_chunk_cap(issued, total, slot);
-      cr_assert_gt(cap, 0);
-      cr_assert_leq(cap, slot);
-      if (issued == 0) cr_assert_leq(cap, k256);
-      last = total - issued < cap ? total - issued : cap;
-      issued += last;
-      n++;
-      cr_assert_lt(n, 10000);
+  uint64_t steadies[] = {0, (uint64_t)1 << 20, (uint64_t)3 << 20, (uint64_t)8 << 20};
+  for (int sv = 0; sv < 4; sv++)
+    for (int t = 0; t < 6; t++) {
+      uint64_t total = totals[t], issued = 0, last = 0, steady = steadies[sv], top = 0;
+      uint64_t bound = steady > 0 && steady < slot ? steady : slot;
+      int n = 0;
+      while (issued < total) {
+        uint64_t cap = kvx_stage_chunk_cap(issued, total, slot, steady);
+        cr_assert_gt(cap, 0);
+        cr_assert_leq(cap, bound);
+        if (issued == 0) cr_assert_leq(cap, k256);
+        last = total - issued < cap ? total - issued : cap;
+        top = last > top ? last : top;
+        issued += last;
+        n++;
+        cr_assert_lt(n, 10000);
+      }
+      cr_assert_leq(last, 2 * k256, "total %" PRIu64 ": last chunk %" PRIu64, total, last);
+      if (total >= (uint64_t)64 << 20) cr_assert_eq(top, bound, "a long transfer reaches the steady size");
     }
-    cr_assert_leq(last, 2 * k256, "total %" PRIu64 ": last chunk %" PRIu64, total, last);
-  }
   /* Small slots bound everything. */
-  cr_assert_eq(kvx_stage_chunk_cap((uint64_t)1 << 20, (uint64_t)64 << 20, 40 << 10), 40 << 10);
+  cr_assert_eq(kvx_stage_chunk_cap((uint64_t)1 << 20, (uint64_t)64 << 20, 40 << 10, 0), 40 << 10);
+  cr_assert_eq(kvx_stage_chunk_cap((uint64_t)8 << 20, (uint64_t)64 << 20, slot, (uint64_t)1 << 20),
+               (uint64_t)1 << 20);
 }
 
 /* ---- the gather kernel's piece tables, run by the CPU reference ---- */
