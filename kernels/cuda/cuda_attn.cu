@@ -333,14 +333,18 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
 #pragma unroll
         for (int e = 0; e < 4; e++) sc[j][e] *= a.scale_log2;
     }
-    if (need_mask) { /* block-uniform: only the tiles that cross an end */
+    /* block-uniform: only the tiles that cross an end; a per-row key limit
+     * (one compare per score), and a branch rather than predicated code
+     * that every tile would pay for */
+    if (__builtin_expect(need_mask, 0)) {
+      int lim[2];
+#pragma unroll
+      for (int r = 0; r < 2; r++) lim[r] = (a.causal ? min(kend, qpos_r[r] + 1) : kend) - (key0 + 2 * t4);
 #pragma unroll
       for (int j = 0; j < NT; j++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-          int key = key0 + j * 8 + 2 * t4 + (e & 1);
-          if (key >= kend || (a.causal && key > qpos_r[e >> 1])) sc[j][e] = -INFINITY;
-        }
+        for (int e = 0; e < 4; e++)
+          if (j * 8 + (e & 1) >= lim[e >> 1]) sc[j][e] = -INFINITY;
     }
 
     /* online softmax; a thread holds rows g and g+8, a quad shares a row */

@@ -410,6 +410,30 @@ Test(cuda, attn_dense) {
   dense_case(2, 48, g, 5, false, 10, 0.2f);
 }
 
+/* head_dim 64 on each of its kernels: wgmma (default), mma.sync with 128
+ * and with 64 query rows a block (TANDEM_CUDA_DENSE64=8 / 4, read when a
+ * backend is created); bias in shared memory, in global memory, none. */
+Test(cuda, attn_dense_head64_kernels) {
+  int a[] = {512, 1, 200, 77}, c[] = {1000}, g[] = {129, 17, 300, 2, 63}, h[] = {64, 65, 191};
+  const char *modes[] = {NULL, "8", "4"};
+  td_backend *def = G;
+  for (int m = 0; m < 3; m++) {
+    if (modes[m]) {
+      setenv("TANDEM_CUDA_DENSE64", modes[m], 1);
+      td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
+      cr_assert(td_backend_create(&go, &G) == TD_OK, "cuda backend: %s", td_errmsg());
+      unsetenv("TANDEM_CUDA_DENSE64");
+    }
+    dense_case(16, 64, a, 4, false, 128, 0.125f);
+    dense_case(3, 64, c, 1, true, 20, 1.0f);
+    dense_case(5, 64, g, 5, true, 2000, 1.0f); /* LUT read from global memory */
+    dense_case(2, 64, h, 3, true, 0, 0.125f);
+    dense_case(4, 64, h, 3, false, 7, 1.0f);
+    if (modes[m]) td_backend_destroy(G);
+    G = def;
+  }
+}
+
 /* ---------------------------------------------------------------- paged KV */
 
 typedef struct paged_rig {
