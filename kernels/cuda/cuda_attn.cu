@@ -645,17 +645,18 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
   }
 }
 
-/* Decode attention, one query per sequence, head_dim 64: two warps per
- * (sequence, head) taking alternate 32-key chunks, their softmax states
- * merged through shared memory at the end; 4 pairs per block. Lanes own keys for the scores (each
- * lane loads its key's K and V rows at once: one memory round trip per
- * 32 keys) and output dims for PV, which a butterfly reduce-scatter over
- * the lanes' p * V rows gives (lane l ends with dims 2l, 2l + 1). Online
- * softmax over 32-key chunks in the exp2 domain. For batches whose
- * (sequence, head) pairs fill the GPU; the tiled kernel splits the keys
- * when they do not. */
-enum { DW_WARPS = 8, DW_SPLIT = 2, DW_PAIRS = DW_WARPS / DW_SPLIT };
-static_assert(DW_SPLIT == 2, "the merge at the end joins two warps");
+/* Decode attention, one query per sequence, head_dim 64: SPLIT warps per
+ * (sequence, head) taking interleaved 32-key chunks, their softmax states
+ * merged through shared memory at the end; PAIRS pairs per block. Lanes own
+ * keys for the scores (each lane loads its key's K and V rows at once: one
+ * memory round trip per 32 keys) and output dims for PV, which a butterfly
+ * reduce-scatter over the lanes' p * V rows gives (lane l ends with dims
+ * 2l, 2l + 1). Online softmax over 32-key chunks in the exp2 domain. Two
+ * warps a pair when the pairs fill the GPU; up to 16 when few pairs have
+ * long contexts (small-batch cross-attention), where the tiled kernel
+ * would split the keys over blocks and merge through global memory. With
+ * static K/V (kv_static) each warp's first chunk is loaded before waiting
+ * for the previous kernel, which produces only the query. */
 union dw_bf16x8 {
   uint4 u;
   __nv_bfloat162 h[4];
@@ -673,13 +674,17 @@ __device__ __forceinline__ void dw_rs_step(float (&v)[64], int lane) {
   }
 }
 
-__global__ void __launch_bounds__(32 * DW_WARPS) attn_decode_warp_kernel(const AttnArgs a) {
-  __shared__ float qsh[DW_PAIRS][64];
-  __shared__ float4 mrg[DW_PAIRS][32];
-  td_pdl_start();
+/* at most 128 registers: two blocks of 8 warps an SM */
+template <int SPLIT, int PAIRS, bool EARLY>
+__global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)) attn_decode_warp_kernel(const AttnArgs a) {
+  static_assert(SPLIT >= 2 && SPLIT * PAIRS <= 16, "warps per block");
+  __shared__ float qsh[PAIRS][64];
+  __shared__ float4 mrg[PAIRS][SPLIT - 1][32];
+  constexpr bool early = EARLY; /* kv_static: the first chunk loads before the wait */
+  if (!early) td_pdl_start();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, H = a.H;
-  const int pw = warp % DW_PAIRS, sub = warp / DW_PAIRS; /* which pair, which half of its chunks */
-  const long gp = (long)blockIdx.x * DW_PAIRS + pw;
+  const int pw = warp % PAIRS, sub = warp / PAIRS; /* which pair, which of its chunk streams */
+  const long gp = (long)blockIdx.x * PAIRS + pw;
   const int s = (int)(gp / H), h = (int)(gp % H);
   bool live = s < a.n_seqs;
   int qs = 0, kend = 0, qpos = 0;
@@ -691,23 +696,12 @@ __global__ void __launch_bounds__(32 * DW_WARPS) attn_decode_warp_kernel(const A
     qpos = ctx - qlen; /* the sequence's one query (host bound max_q == 1) */
     kend = live ? (a.causal ? min(nk, qpos + 1) : nk) : 0;
   }
-  if (live && sub == 0) {
-    const bf16 *qp = a.q + (size_t)qs * a.ldq + (size_t)h * 64;
-    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)(qp + 2 * lane));
-    qsh[pw][2 * lane] = f.x * a.scale_log2;
-    qsh[pw][2 * lane + 1] = f.y * a.scale_log2;
-  }
-  __syncthreads();
   const int32_t *table = live ? a.block_table + (size_t)s * a.max_blocks : a.block_table;
   const float *L = a.lut ? a.lut + (size_t)h * (2 * a.md + 1) : nullptr;
   const size_t vstride = (size_t)H * a.bs * 64;
-  float m = -INFINITY, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
-  for (int c0 = sub * 32; c0 < kend; c0 += 32 * DW_SPLIT) {
-    const int j = c0 + lane;
-    const bool valid = j < kend;
-    uint4 kr[8], vr[8];
-    float sc = -INFINITY;
-    if (valid) {
+  uint4 kr[8], vr[8];
+  auto load = [&](int j) {
+    if (j < kend) {
       const bf16 *kp = a.pool + (size_t)table[j / a.bs] * a.block_elems + a.layer_off +
                        ((size_t)h * a.bs + j % a.bs) * 64;
 #pragma unroll
@@ -715,6 +709,29 @@ __global__ void __launch_bounds__(32 * DW_WARPS) attn_decode_warp_kernel(const A
         kr[i] = *((const uint4 *)kp + i);
         vr[i] = *((const uint4 *)(kp + vstride) + i);
       }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; i++) kr[i] = vr[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  if (early) {
+    load(sub * 32 + lane);
+    td_pdl_start();
+  }
+  if (live && sub == 0) {
+    const bf16 *qp = a.q + (size_t)qs * a.ldq + (size_t)h * 64;
+    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)(qp + 2 * lane));
+    qsh[pw][2 * lane] = f.x * a.scale_log2;
+    qsh[pw][2 * lane + 1] = f.y * a.scale_log2;
+  }
+  __syncthreads();
+  float m = -INFINITY, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
+  for (int c0 = sub * 32; c0 < kend; c0 += 32 * SPLIT) {
+    const int j = c0 + lane;
+    const bool valid = j < kend;
+    if (!early || c0 != sub * 32) load(j);
+    float sc = -INFINITY;
+    if (valid) {
       float dot = 0.0f;
 #pragma unroll
       for (int i = 0; i < 8; i++) {
@@ -728,9 +745,6 @@ __global__ void __launch_bounds__(32 * DW_WARPS) attn_decode_warp_kernel(const A
       }
       sc = dot;
       if (L) sc += lut_at(L, a.md, j - qpos) * LOG2E;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; i++) vr[i] = make_uint4(0u, 0u, 0u, 0u);
     }
     float cmax = sc;
 #pragma unroll
@@ -762,16 +776,21 @@ __global__ void __launch_bounds__(32 * DW_WARPS) attn_decode_warp_kernel(const A
     o0 = o0 * alpha + v[0];
     o1 = o1 * alpha + v[1];
   }
-  /* the second warp's state joins the first's */
-  if (sub == 1) mrg[pw][lane] = make_float4(m, l, o0, o1);
+  /* the other warps' states join the first's */
+  if (sub > 0) mrg[pw][sub - 1][lane] = make_float4(m, l, o0, o1);
   __syncthreads();
-  if (sub == 1 || !live) return;
-  const float4 o = mrg[pw][lane];
-  const float nm = fmaxf(m, o.x);
-  const float a0 = m == -INFINITY ? 0.0f : fast_exp2(m - nm), a1 = o.x == -INFINITY ? 0.0f : fast_exp2(o.x - nm);
-  l = l * a0 + o.y * a1;
-  o0 = o0 * a0 + o.z * a1;
-  o1 = o1 * a0 + o.w * a1;
+  if (sub > 0 || !live) return;
+#pragma unroll
+  for (int w = 0; w < SPLIT - 1; w++) {
+    const float4 o = mrg[pw][w][lane];
+    const float nm = fmaxf(m, o.x);
+    if (nm == -INFINITY) continue;
+    const float a0 = m == -INFINITY ? 0.0f : fast_exp2(m - nm), a1 = o.x == -INFINITY ? 0.0f : fast_exp2(o.x - nm);
+    l = l * a0 + o.y * a1;
+    o0 = o0 * a0 + o.z * a1;
+    o1 = o1 * a0 + o.w * a1;
+    m = nm;
+  }
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
   bf16 *op = a.out + ((size_t)qs * H + h) * 64 + 2 * lane;
   *(__nv_bfloat162 *)op = __floats2bfloat162_rn(o0 * inv, o1 * inv);
@@ -892,13 +911,32 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
     TD_CU_LAUNCHED("attn_paged");
     return TD_OK;
   }
-  /* decode over self KV with enough (sequence, head) pairs: a warp each */
-  if (dh == 64 && max_q == 1 && !m->kv_static && c->decode_warp > 0 &&
-      (long)m->n_seqs * H >= (long)c->decode_warp && ldq % 2 == 0) {
-    long pairs = (long)m->n_seqs * H;
-    (void)td_launch(c, attn_decode_warp_kernel, (unsigned)((pairs + DW_PAIRS - 1) / DW_PAIRS), 32 * DW_WARPS, 0, a);
-    TD_CU_LAUNCHED("attn_paged");
-    return TD_OK;
+  /* decode, one query per sequence, on warps: over self KV with enough
+   * (sequence, head) pairs, two warps a pair; with fewer pairs, 2-8 warps
+   * a pair by the context bound, and 16 for longer contexts when the pairs
+   * are few enough (c->decode_small; beyond, the tiled kernel's key splits
+   * fill the GPU better) */
+  long pairs = (long)m->n_seqs * H;
+  if (dh == 64 && max_q == 1 && ldq % 2 == 0 && c->decode_warp > 0) {
+    unsigned n2 = (unsigned)((pairs + 3) / 4), n4 = (unsigned)((pairs + 1) / 2), n1 = (unsigned)pairs;
+    bool st = m->kv_static, small = c->decode_small > 0 && pairs < (long)c->decode_warp, done = true;
+    if (!st && pairs >= (long)c->decode_warp)
+      (void)td_launch(c, attn_decode_warp_kernel<2, 4, false>, n2, 256, 0, a);
+    else if (small && max_ctx <= 64)
+      (void)td_launch(c, st ? attn_decode_warp_kernel<2, 4, true> : attn_decode_warp_kernel<2, 4, false>, n2, 256, 0, a);
+    else if (small && max_ctx <= 128)
+      (void)td_launch(c, st ? attn_decode_warp_kernel<4, 2, true> : attn_decode_warp_kernel<4, 2, false>, n4, 256, 0, a);
+    else if (small && max_ctx <= 256)
+      (void)td_launch(c, st ? attn_decode_warp_kernel<8, 1, true> : attn_decode_warp_kernel<8, 1, false>, n1, 256, 0, a);
+    else if (small && pairs <= c->decode_small)
+      (void)td_launch(c, st ? attn_decode_warp_kernel<16, 1, true> : attn_decode_warp_kernel<16, 1, false>, n1, 512, 0,
+                      a);
+    else
+      done = false;
+    if (done) {
+      TD_CU_LAUNCHED("attn_paged");
+      return TD_OK;
+    }
   }
   a.qtiles = (max_q + 15) / 16;
   long base = (long)m->n_seqs * a.qtiles * H;

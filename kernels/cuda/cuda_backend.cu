@@ -650,6 +650,8 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->dense64_warps = v && (atoi(v) == 4 || atoi(v) == 8) ? atoi(v) : 0;
   v = getenv("TANDEM_CUDA_DECATTN");
   c->decode_warp = v && *v ? atoi(v) : 256;
+  v = getenv("TANDEM_CUDA_DECATTN_SMALL");
+  c->decode_small = v && *v ? atoi(v) : 64;
   v = getenv("TANDEM_CUDA_PDL");
   c->pdl = !(v && *v == '0');
   TD_TRY(td_cu_gemm_init(c));

@@ -44,6 +44,8 @@ typedef struct td_cuda {
   int *counters;      /* GEMM then attention arrival counters, zero between launches */
   int skinny;         /* small-m GEMMs on our kernel (TANDEM_CUDA_SKINNY=0: cuBLASLt) */
   int decode_warp;    /* paged decode over self KV on a warp per (sequence, head) from this many pairs (TANDEM_CUDA_DECATTN; 0: off) */
+  int decode_small;   /* fewer pairs than that: 2-8 warps a pair by context (<= 256 keys); 16 for longer contexts
+                         up to this many pairs (TANDEM_CUDA_DECATTN_SMALL=N, default 64; 0: the tiled kernel) */
   int dense64_warps;  /* dense attention, head_dim 64: 0 wgmma on 2 warpgroups, 8 mma.sync warps x 16 rows
                          (TANDEM_CUDA_DENSE64=8), or 4 (=4) */
   int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */

@@ -752,6 +752,12 @@ Test(cuda, attn_paged) {
       {2, 64, 16, 2, true, 3000, 100, 200, false, false, 9},  /* LUT in global memory */
       {16, 64, 5, 17, true, 20, 1, 300, false, false, 11},    /* decode self, warp per (seq, head), odd blocks */
       {16, 64, 16, 33, false, 0, 1, 200, true, false, 5},     /* decode cross: warp kernel on the re-run */
+      /* small batches on warps: 2, 4, 8, 16 warps a (seq, head) by the context bound */
+      {16, 64, 16, 2, true, 128, 1, 60, false, true, 3},      /* self with T5 bias, short context */
+      {8, 64, 7, 3, false, 0, 1, 120, false, false, 2},       /* odd block size */
+      {8, 64, 16, 2, true, 0, 1, 250, false, false, 0},
+      {16, 64, 5, 3, true, 20, 1, 300, true, false, 11},      /* odd blocks, padding row, bias */
+      {16, 64, 16, 1, false, 0, 1, 1500, false, false, 0},    /* several chunks a warp (Whisper-length cross) */
   };
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) paged_case(&cfg[c]);
 }
