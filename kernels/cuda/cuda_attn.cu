@@ -88,7 +88,8 @@ enum { WG_TILE = BN * 64 * 2, WG_PAD = 1024 };
 
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
 __host__ __device__ constexpr size_t attn_smem_base(Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG>) {
-  return WG ? (size_t)WG_PAD + 2 * STAGES * WG_TILE + (size_t)16 * WM * (DH + 8) * sizeof(bf16) : (size_t)(16 * WM + 2 * STAGES * BN) * (DH + 8) * sizeof(bf16);
+  return WG ? (size_t)WG_PAD + 2 * STAGES * WG_TILE + (size_t)16 * WM * (DH + 8) * sizeof(bf16)
+            : (size_t)(16 * WM + 2 * STAGES * BN) * (DH + 8) * sizeof(bf16);
 }
 
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
