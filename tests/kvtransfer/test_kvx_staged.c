@@ -7,6 +7,8 @@
 
 #include "kvx_testutil.h"
 
+#include <criterion/redirect.h>
+
 enum { HOST = 1, GPU = 2, NB = 48 };
 
 typedef struct side {
@@ -104,6 +106,57 @@ static void run_all_directions(td_kvx_local_path local) {
 
 Test(kvx_staged, every_direction_with_puts, .timeout = 120) { run_all_directions(TD_KVX_LOCAL_AUTO); }
 Test(kvx_staged, every_direction_with_messages, .timeout = 120) { run_all_directions(TD_KVX_LOCAL_OFF); }
+/* TANDEM_KVX_TRACE=1: each protocol step of a staged transfer is recorded
+ * on both sides and printed at destroy, in time order per engine; the
+ * copies' records add up to the transfer. */
+static const char *trace_events[] = {"post", "grant", "d2h", "d2h_done", "chunk", "credit", "done", "ack", "cb",
+                                     "r_req", "r_grant", "r_chunk", "r_h2d_done", "r_done", "r_ack"};
+enum { N_TRACE_EVENTS = sizeof trace_events / sizeof trace_events[0] };
+
+Test(kvx_staged, trace_records_each_step, .init = cr_redirect_stderr, .timeout = 120) {
+  setenv("TANDEM_KVX_TRACE", "1", 1);
+  td_kvx_geom g = kt_geom(0, 2, 0, 4, 16, 8, 2);
+  side s, r;
+  side_open(&s, "trace-s", g, TD_KVX_LOCAL_AUTO, 1);
+  side_open(&r, "trace-r", g, TD_KVX_LOCAL_AUTO, 100);
+  unsetenv("TANDEM_KVX_TRACE");
+  td_kvx_peer *p = link_to(&s, &r);
+  move(&s, &r, p, GPU, GPU);
+  uint64_t total = (uint64_t)30 * s.bb;
+  td_kvx_disconnect(p);
+  side_close(&s);
+  side_close(&r);
+  fflush(stderr);
+  FILE *f = cr_get_redirected_stderr();
+  char line[512], who[64], ev[32];
+  long long ns, last[2] = {0, 0};
+  unsigned long long xid, arg;
+  int seen[N_TRACE_EVENTS] = {0};
+  uint64_t d2h = 0, h2d = 0;
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, "kvx-trace ", 10) != 0) continue;
+    cr_assert_eq(sscanf(line + 10, "%63s %lld %llu %31s %llu", who, &ns, &xid, ev, &arg), 5, "bad record: %s", line);
+    int side_i = !strcmp(who, "trace-r");
+    cr_assert(side_i || !strcmp(who, "trace-s"), "record of an unknown engine: %s", line);
+    cr_assert_geq(ns, last[side_i], "records out of time order: %s", line);
+    last[side_i] = ns;
+    int e = -1;
+    for (int i = 0; i < N_TRACE_EVENTS; i++)
+      if (!strcmp(ev, trace_events[i])) e = i;
+    cr_assert_geq(e, 0, "unknown event: %s", line);
+    cr_assert_eq(side_i, e >= 9, "event on the wrong side: %s", line);
+    seen[e]++;
+    if (!strcmp(ev, "post")) cr_assert_eq(arg, total);
+    if (!strcmp(ev, "d2h")) d2h += arg;
+    if (!strcmp(ev, "r_h2d_done")) h2d += arg;
+  }
+  for (int i = 0; i < N_TRACE_EVENTS; i++) cr_assert_gt(seen[i], 0, "no %s record", trace_events[i]);
+  cr_assert_eq(seen[0], 1);
+  cr_assert_eq(seen[8], 1);
+  cr_assert_eq(d2h, total);
+  cr_assert_eq(h2d, total);
+}
+
 /* Without shared memory UCX cannot map the peer's staging: puts (CMA)
  * carry every chunk through the local staging slots. */
 Test(kvx_staged, every_direction_without_mapping, .timeout = 120) {
