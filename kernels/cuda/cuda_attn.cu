@@ -817,6 +817,14 @@ static void launch(Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG> cfg, dim3 grid, size
   (void)td_launch(c, attn_kernel<DH, WM, WN, STAGES, MINB, PAGED, WG>, grid, 32 * WM * WN, attn_smem_base(cfg) + lut, a);
 }
 
+/* decode warp kernel: PAIRS (sequence, head) pairs a block */
+template <int SPLIT, int PAIRS>
+static void launch_dw(const td_cuda *c, bool kv_static, long pairs, const AttnArgs &a) {
+  unsigned blocks = (unsigned)((pairs + PAIRS - 1) / PAIRS);
+  (void)td_launch(c, kv_static ? attn_decode_warp_kernel<SPLIT, PAIRS, true> : attn_decode_warp_kernel<SPLIT, PAIRS, false>,
+                  blocks, 32 * SPLIT * PAIRS, 0, a);
+}
+
 td_status td_cu_attn_init(td_cuda *c) {
   TD_TRY(set_smem(c, Dense64w()));
   TD_TRY(set_smem(c, Dense64()));
@@ -919,21 +927,13 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
    * fill the GPU better) */
   long pairs = (long)m->n_seqs * H;
   if (dh == 64 && max_q == 1 && ldq % 2 == 0 && c->decode_warp > 0) {
-    unsigned n2 = (unsigned)((pairs + 3) / 4), n4 = (unsigned)((pairs + 1) / 2), n1 = (unsigned)pairs;
     bool st = m->kv_static, small = c->decode_small > 0 && pairs < (long)c->decode_warp, done = true;
-    if (!st && pairs >= (long)c->decode_warp)
-      (void)td_launch(c, attn_decode_warp_kernel<2, 4, false>, n2, 256, 0, a);
-    else if (small && max_ctx <= 64)
-      (void)td_launch(c, st ? attn_decode_warp_kernel<2, 4, true> : attn_decode_warp_kernel<2, 4, false>, n2, 256, 0, a);
-    else if (small && max_ctx <= 128)
-      (void)td_launch(c, st ? attn_decode_warp_kernel<4, 2, true> : attn_decode_warp_kernel<4, 2, false>, n4, 256, 0, a);
-    else if (small && max_ctx <= 256)
-      (void)td_launch(c, st ? attn_decode_warp_kernel<8, 1, true> : attn_decode_warp_kernel<8, 1, false>, n1, 256, 0, a);
-    else if (small && pairs <= c->decode_small)
-      (void)td_launch(c, st ? attn_decode_warp_kernel<16, 1, true> : attn_decode_warp_kernel<16, 1, false>, n1, 512, 0,
-                      a);
-    else
-      done = false;
+    if (!st && pairs >= (long)c->decode_warp) launch_dw<2, 4>(c, false, pairs, a);
+    else if (small && max_ctx <= 64) launch_dw<2, 4>(c, st, pairs, a);
+    else if (small && max_ctx <= 128) launch_dw<4, 2>(c, st, pairs, a);
+    else if (small && max_ctx <= 256) launch_dw<8, 1>(c, st, pairs, a);
+    else if (small && pairs <= c->decode_small) launch_dw<16, 1>(c, st, pairs, a);
+    else done = false;
     if (done) {
       TD_CU_LAUNCHED("attn_paged");
       return TD_OK;
