@@ -313,6 +313,28 @@ static void bench_ew(const char *what, int m, int n, bool gated) {
   td_free(B, c.w);
 }
 
+/* The cost of one dependent kernel boundary: a chain of row norms, each
+ * reading the previous one's output (one 1 x 1024 row). */
+typedef struct hop_ctx {
+  void *a, *b, *w;
+  int n;
+} hop_ctx;
+static td_status hop_work(void *p) {
+  hop_ctx *c = p;
+  for (int i = 0; i < c->n; i++)
+    TD_TRY(td_norm(B, i % 2 ? c->b : c->a, c->w, NULL, i % 2 ? c->a : c->b, 1, D, 1e-6f, true));
+  return TD_OK;
+}
+
+static void bench_hop(void) {
+  if (skip("hop")) return;
+  hop_ctx c = {act(D), act(D), f32(D, 1.0f), 240};
+  add("hop: dependent rmsnorm", "1 x 1024, chain of 240", time_work(hop_work, &c) / c.n, 4.0 * D, 0.0);
+  td_free(B, c.a);
+  td_free(B, c.b);
+  td_free(B, c.w);
+}
+
 /* ------------------------------------------------------------ attention */
 
 typedef struct dense_ctx {
@@ -721,6 +743,7 @@ int main(int argc, char **argv) {
     bench_gemm_ex("gemm_ex decode qkv+rms", m, 3 * D, D, true, false);
     bench_gemm_ex("gemm_ex decode ffn in+rms+glu", m, 2 * FF, D, true, true);
   }
+  bench_hop();
   bench_ew("rmsnorm", 32768, D, false);
   bench_ew("gated gelu", 32768, FF, true);
   bench_ew("rmsnorm", 64, D, false);

@@ -4,17 +4,25 @@
  * bf16 rate).
  *   bench-decode-step [--tp N | --pp N] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
  *                     [--steps N] [--shape flan-t5-large|bart-large] [--no-record]
- * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL. */
+ *                     [--model-dir DIR] [--trace BATCH]
+ * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
+ * --model-dir keeps the random checkpoint in DIR (written there once, then
+ * reused), so that runs under different settings load the same weights.
+ * --trace prints the kernel timeline of one decode step at that batch
+ * (CUPTI; builds without it say so). */
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "bench_util.h"
 #include "common/clock.h"
 #include "common/log.h"
+#include "kernel_trace.h"
 #include "kvcache/kvcache.h"
 #include "model/model.h"
 #include "random_model.h"
@@ -23,6 +31,7 @@ typedef struct cfg {
   int tp, pp, world;
   int batches[8], n_batches;
   int enc_len, ctx, steps;
+  int trace; /* batch whose step is traced, 0: none */
   const char *dir;
   td_random_shape shape;
   uint8_t nccl_id[TD_NCCL_ID_BYTES];
@@ -196,6 +205,13 @@ static void *rank_main(void *arg) {
     qsort(t, (size_t)c->steps, sizeof *t, cmp_d);
     rk->step_ms[bi] = t[c->steps / 2];
     free(t);
+    if (c->trace == B && rk->r == 0) {
+      td_ktrace_discard();
+      if ((s = td_model_step(m, &di, &lg)) != TD_OK || (s = td_sync(b)) != TD_OK) goto out;
+      char title[64];
+      snprintf(title, sizeof title, "decode step, batch %d", B);
+      td_ktrace_end(stdout, title);
+    }
   }
 out:
   if (s != TD_OK) {
@@ -219,7 +235,7 @@ int main(int argc, char **argv) {
   memcpy(c.batches, defb, sizeof defb);
   c.n_batches = 3;
   bool record = true;
-  const char *shape = "flan-t5-large";
+  const char *shape = "flan-t5-large", *keep = NULL;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--tp") && i + 1 < argc) c.tp = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--pp") && i + 1 < argc) c.pp = atoi(argv[++i]);
@@ -228,6 +244,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--steps") && i + 1 < argc) c.steps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--shape") && i + 1 < argc) shape = argv[++i];
     else if (!strcmp(argv[i], "--no-record")) record = false;
+    else if (!strcmp(argv[i], "--model-dir") && i + 1 < argc) keep = argv[++i];
+    else if (!strcmp(argv[i], "--trace") && i + 1 < argc) c.trace = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--batches") && i + 1 < argc) {
       c.n_batches = 0;
       for (char *t = strtok(argv[++i], ","); t && c.n_batches < 8; t = strtok(NULL, ",")) c.batches[c.n_batches++] = atoi(t);
@@ -242,18 +260,30 @@ int main(int argc, char **argv) {
     c.shape = (td_random_shape){.model_type = "t5", .d_model = 1024, .enc_layers = 24, .dec_layers = 24, .heads = 16,
                                 .head_dim = 64, .ffn = 2816, .vocab = 32128, .gated = true, .bf16 = true,
                                 .max_positions = 1024};
-  char dir[] = "/tmp/td-bench-model-XXXXXX";
-  if (!mkdtemp(dir)) return 1;
+  char dir[512] = "/tmp/td-bench-model-XXXXXX", probe[600];
+  if (keep) snprintf(dir, sizeof dir, "%s", keep);
+  else if (!mkdtemp(dir)) return 1;
   c.dir = dir;
-  int64_t t0 = td_now_ns();
-  if (td_random_model_write(dir, &c.shape, 7)) {
-    fprintf(stderr, "cannot write the model\n");
-    return 1;
+  snprintf(probe, sizeof probe, "%s/model.safetensors", dir);
+  if (!keep || access(probe, R_OK) != 0) {
+    int64_t t0 = td_now_ns();
+    if (keep && mkdir(dir, 0755) != 0 && errno != EEXIST) {
+      fprintf(stderr, "cannot create %s: %s\n", dir, strerror(errno));
+      return 1;
+    }
+    if (td_random_model_write(dir, &c.shape, 7)) {
+      fprintf(stderr, "cannot write the model\n");
+      return 1;
+    }
+    fprintf(stderr, "wrote a random %s checkpoint in %.1f s\n", shape, ms_since(t0) / 1000);
   }
-  fprintf(stderr, "wrote a random %s checkpoint in %.1f s\n", shape, ms_since(t0) / 1000);
   if (c.world > 1 && td_comm_nccl_id(c.nccl_id) != TD_OK) {
     fprintf(stderr, "%s\n", td_errmsg());
     return 1;
+  }
+  if (c.trace && (c.world > 1 || td_ktrace_begin() != 0)) {
+    fprintf(stderr, "--trace: %s\n", c.world > 1 ? "one GPU only" : "no kernel tracing here (CUPTI)");
+    c.trace = 0;
   }
   rank rk[8] = {0};
   pthread_t th[8];
@@ -262,9 +292,11 @@ int main(int argc, char **argv) {
     pthread_create(&th[r], NULL, rank_main, &rk[r]);
   }
   for (int r = 0; r < c.world; r++) pthread_join(th[r], NULL);
-  char cmd[128];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-  if (system(cmd)) fprintf(stderr, "could not remove %s\n", dir);
+  if (!keep) {
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd)) fprintf(stderr, "could not remove %s\n", dir);
+  }
   for (int r = 0; r < c.world; r++)
     if (rk[r].st != TD_OK) {
       fprintf(stderr, "%s\n", rk[r].err);

@@ -1,2 +1,12 @@
-add_executable(bench-decode-step ${CMAKE_CURRENT_LIST_DIR}/decode_step.c)
+add_executable(bench-decode-step ${CMAKE_CURRENT_LIST_DIR}/decode_step.c ${CMAKE_CURRENT_LIST_DIR}/kernel_trace.c)
 target_link_libraries(bench-decode-step PRIVATE td_model td_kvcache td_bench_util Threads::Threads m)
+# --trace (a kernel timeline of one decode step) needs CUPTI, part of the CUDA toolkit
+if(TANDEM_HAVE_CUDA)
+  find_path(TD_CUPTI_INCLUDE cupti.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${CUDAToolkit_ROOT}/extras/CUPTI/include)
+  find_library(TD_CUPTI_LIBRARY cupti HINTS ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_ROOT}/extras/CUPTI/lib64)
+  if(TD_CUPTI_INCLUDE AND TD_CUPTI_LIBRARY)
+    target_include_directories(bench-decode-step PRIVATE ${TD_CUPTI_INCLUDE})
+    target_compile_definitions(bench-decode-step PRIVATE TD_HAVE_CUPTI=1)
+    target_link_libraries(bench-decode-step PRIVATE ${TD_CUPTI_LIBRARY} CUDA::cuda_driver)
+  endif()
+endif()

@@ -77,7 +77,8 @@ td_status td_gemm_ex(td_backend *b, const td_gemm_args *a) {
   if (a->m < 0 || a->n <= 0 || a->k <= 0 || !a->x || !a->w || !a->y) return bad("gemm_ex", "bad sizes or buffers");
   if ((a->flags & TD_GEMM_ACCUM) && (a->act != TD_ACT_NONE || glu)) return bad("gemm_ex", "accumulate with an activation");
   if (glu && ((a->n & 1) || !a->scratch_glu || (a->flags & TD_GEMM_OUT_F32))) return bad("gemm_ex", "GLU needs an even n, scratch and bf16/f32 activations");
-  if (a->norm_w && !a->scratch_norm) return bad("gemm_ex", "a fused norm needs scratch_norm");
+  if ((a->norm_w || a->norm_plain) && !a->scratch_norm) return bad("gemm_ex", "a fused norm needs scratch_norm");
+  if (a->norm_plain && (a->norm_w || a->norm_b || !a->norm_rms)) return bad("gemm_ex", "a plain norm is RMS without weights");
   if (a->kv_pool) {
     const td_kv_layout *l = a->kv_layout;
     if (glu || (a->flags & TD_GEMM_OUT_F32) || !l || l->n_layers <= 0 || l->n_heads <= 0 || l->head_dim <= 0 ||
@@ -93,7 +94,7 @@ td_status td_gemm_ex(td_backend *b, const td_gemm_args *a) {
 td_status td_gemm_ex_unfused(td_backend *b, const td_gemm_args *a) {
   bool glu = a->flags & TD_GEMM_GLU;
   const void *x = a->x;
-  if (a->norm_w) {
+  if (a->norm_w || a->norm_plain) {
     TD_TRY(td_norm(b, a->x, a->norm_w, a->norm_b, a->scratch_norm, a->m, a->k, a->norm_eps, a->norm_rms));
     x = a->scratch_norm;
   }
@@ -110,7 +111,7 @@ td_status td_gemm_ex_unfused(td_backend *b, const td_gemm_args *a) {
 
 td_status td_norm(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n, float eps,
                   bool rms) {
-  if (m < 0 || n <= 0 || !x || !w || !y) return bad("norm", "bad sizes or null buffer");
+  if (m < 0 || n <= 0 || !x || !y) return bad("norm", "bad sizes or null buffer");
   if (m == 0) return TD_OK;
   return b->vt->norm(b, x, w, bias, y, m, n, eps, rms);
 }

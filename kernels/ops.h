@@ -90,6 +90,10 @@ typedef struct td_gemm_args {
   const float *norm_w, *norm_b;
   float norm_eps;
   bool norm_rms;
+  /* RMS-normalise x with no weight (norm_w and norm_b NULL, norm_rms set):
+   * for a model that folded the norm's weight into W's columns. A backend
+   * may then scale x W^T by each row's 1 / rms instead of normalising x. */
+  bool norm_plain;
   void *scratch_norm, *scratch_glu;
   /* Optional (kv_pool != NULL): also writes columns [kv_col, kv_col + 2 hd)
    * of y (hd = heads * head_dim of kv_layout) into the paged pool, as
@@ -104,7 +108,7 @@ typedef struct td_gemm_args {
 td_status td_gemm_ex(td_backend *b, const td_gemm_args *a);
 
 /* y = LayerNorm(x) * w + bias, or RMSNorm(x) * w when rms (bias ignored).
- * Rows of n; x == y allowed. */
+ * Rows of n; x == y allowed; w NULL means a weight of 1. */
 td_status td_norm(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n,
                   float eps, bool rms);
 /* y[m,f] = act(x[:, :f]) * x[:, f:] for x[m, 2f]. */

@@ -17,6 +17,7 @@ typedef struct lin {
 
 typedef struct norm_w {
   float *w, *b; /* TD_BUF_F32; b NULL for RMSNorm */
+  bool folded;  /* RMSNorm whose weight is folded into the next layer's W: that GEMM normalises plainly */
 } norm_w;
 
 typedef struct enc_layer {
@@ -97,6 +98,7 @@ typedef struct loader {
   int rank, tp;
   float *tmp, *tmp2;
   size_t cap, cap2;
+  const float *fold; /* the next load_lin scales W's input columns by this (then clears it) */
 } loader;
 
 static td_status fit(float **buf, size_t *cap, size_t n) {
@@ -169,6 +171,8 @@ static td_status load_lin(loader *ld, int n_parts, const char *const *wnames, co
     return td_err(TD_ERR_UNSUPPORTED, "%s: tensor \"%s\" has %d columns, not divisible by tensor parallel %d",
                   ld->dir, wnames[0], in, tp);
   int in_local = sp == SPLIT_COLS ? in / tp : in;
+  const float *fold = ld->fold;
+  ld->fold = NULL;
   TD_TRY(fit(&ld->tmp2, &ld->cap2, (size_t)out_rows * in_local + (size_t)out_rows));
   float *w = ld->tmp2, *bias = ld->tmp2 + (size_t)out_rows * in_local;
   bool any_bias = false;
@@ -182,8 +186,12 @@ static td_status load_lin(loader *ld, int n_parts, const char *const *wnames, co
       r0 = r * nr;
     }
     int c0 = sp == SPLIT_COLS ? r * in_local : 0;
-    for (int k = 0; k < nr; k++)
-      memcpy(w + (size_t)(row + k) * in_local, ld->tmp + (size_t)(r0 + k) * in + c0, sizeof(float) * (size_t)in_local);
+    for (int k = 0; k < nr; k++) {
+      float *wr = w + (size_t)(row + k) * in_local;
+      memcpy(wr, ld->tmp + (size_t)(r0 + k) * in + c0, sizeof(float) * (size_t)in_local);
+      if (fold)
+        for (int j = 0; j < in_local; j++) wr[j] *= fold[c0 + j];
+    }
     const td_tensor_info *bt = bnames && bnames[i] ? find(ld, bnames[i], false) : NULL;
     if (bt && !(sp == SPLIT_COLS && r != 0)) {
       int64_t bshape[1] = {rows[i]};
@@ -317,21 +325,47 @@ static td_status load_t5(td_model *m, loader *ld) {
     snprintf(name, sizeof name, "encoder.block.%d.layer.1.layer_norm", i);
     TD_TRY(load_norm(ld, name, c->d_model, &L->ln_ffn));
   }
-  for (int i = m->d.l0; i < m->d.l1; i++) {
+  /* The decoder's pre-norms are RMSNorms right before a linear layer:
+   * their weights go into that layer's W (norm(x) W^T = (x / rms(x))
+   * (W diag(w))^T), so a decode GEMM normalises by scaling its output.
+   * TANDEM_NORM_FOLD=0 keeps them apart. */
+  const char *nf = getenv("TANDEM_NORM_FOLD");
+  bool fold = c->pre_norm && c->rmsnorm && !(nf && *nf == '0');
+  float *fw = fold ? malloc(sizeof(float) * (size_t)c->d_model) : NULL;
+  if (fold && !fw) return td_err(TD_ERR_NOMEM, "out of memory");
+  td_status st = TD_OK;
+  for (int i = m->d.l0; i < m->d.l1 && st == TD_OK; i++) {
     dec_layer *L = &m->dec[i - m->d.l0];
-    snprintf(pre, sizeof pre, "decoder.block.%d.layer.0.SelfAttention", i);
-    TD_TRY(load_attn_t5(ld, pre, c->dec_heads, c->dec_head_dim, true, &L->qkv, NULL, NULL, &L->o));
-    snprintf(name, sizeof name, "decoder.block.%d.layer.0.layer_norm", i);
-    TD_TRY(load_norm(ld, name, c->d_model, &L->ln_self));
-    snprintf(pre, sizeof pre, "decoder.block.%d.layer.1.EncDecAttention", i);
-    TD_TRY(load_attn_t5(ld, pre, c->dec_heads, c->dec_head_dim, false, NULL, &L->cq, &L->ckv, &L->co));
-    snprintf(name, sizeof name, "decoder.block.%d.layer.1.layer_norm", i);
-    TD_TRY(load_norm(ld, name, c->d_model, &L->ln_cross));
-    snprintf(pre, sizeof pre, "decoder.block.%d.layer.2", i);
-    TD_TRY(load_ffn_t5(ld, pre, c->dec_ffn, &L->wi, &L->wo));
-    snprintf(name, sizeof name, "decoder.block.%d.layer.2.layer_norm", i);
-    TD_TRY(load_norm(ld, name, c->d_model, &L->ln_ffn));
+    static const char *const subs[3] = {"0", "1", "2"};
+    norm_w *ln[3] = {&L->ln_self, &L->ln_cross, &L->ln_ffn};
+    for (int j = 0; j < 3 && st == TD_OK; j++) {
+      snprintf(name, sizeof name, "decoder.block.%d.layer.%s.layer_norm", i, subs[j]);
+      st = load_norm(ld, name, c->d_model, ln[j]);
+      if (st == TD_OK && fold) {
+        int64_t shape[1] = {c->d_model};
+        snprintf(pre, sizeof pre, "%s.weight", name);
+        st = read_f32(ld, pre, 1, shape);
+        if (st != TD_OK) break;
+        memcpy(fw, ld->tmp, sizeof(float) * (size_t)c->d_model);
+        ln[j]->folded = true;
+        ld->fold = fw;
+      }
+      if (st != TD_OK) break;
+      if (j == 0) {
+        snprintf(pre, sizeof pre, "decoder.block.%d.layer.0.SelfAttention", i);
+        st = load_attn_t5(ld, pre, c->dec_heads, c->dec_head_dim, true, &L->qkv, NULL, NULL, &L->o);
+      } else if (j == 1) {
+        snprintf(pre, sizeof pre, "decoder.block.%d.layer.1.EncDecAttention", i);
+        st = load_attn_t5(ld, pre, c->dec_heads, c->dec_head_dim, false, NULL, &L->cq, &L->ckv, &L->co);
+      } else {
+        snprintf(pre, sizeof pre, "decoder.block.%d.layer.2", i);
+        st = load_ffn_t5(ld, pre, c->dec_ffn, &L->wi, &L->wo);
+      }
+      ld->fold = NULL;
+    }
   }
+  free(fw);
+  TD_TRY(st);
   TD_TRY(load_norm(ld, "encoder.final_layer_norm", c->d_model, &m->enc_final));
   TD_TRY(load_norm(ld, "decoder.final_layer_norm", c->d_model, &m->dec_final));
   int tp = ld->tp;
@@ -797,9 +831,11 @@ static td_status row_parallel(td_model *m, const lin *l, const void *x, void *h,
  * layers pass n; post-norm NULL). xn: scratch for the normalised rows. */
 static td_gemm_args norm_linear_args(td_model *m, const norm_w *n, const lin *l, const void *x, void *y, void *xn,
                                      int rows, td_act act, unsigned flags, void *glu_scratch) {
+  bool plain = n && n->folded;
   td_gemm_args a = {.x = x, .w = l->w, .bias = l->b, .y = y, .m = rows, .n = l->out, .k = l->in, .act = act,
-                    .flags = flags, .norm_w = n ? n->w : NULL, .norm_b = n ? n->b : NULL, .norm_eps = m->cfg.norm_eps,
-                    .norm_rms = m->cfg.rmsnorm, .scratch_norm = xn, .scratch_glu = glu_scratch};
+                    .flags = flags, .norm_w = n && !plain ? n->w : NULL, .norm_b = n && !plain ? n->b : NULL,
+                    .norm_eps = m->cfg.norm_eps, .norm_rms = m->cfg.rmsnorm, .norm_plain = plain, .scratch_norm = xn,
+                    .scratch_glu = glu_scratch};
   return a;
 }
 

@@ -64,7 +64,7 @@ static td_status cpu_norm(td_backend *b, const void *x, const float *w, const fl
     var /= n;
     float inv = (float)(1.0 / sqrt(var + eps));
     for (int j = 0; j < n; j++) {
-      float v = (float)(xr[j] - mean) * inv * w[j];
+      float v = (float)(xr[j] - mean) * inv * (w ? w[j] : 1.0f);
       yr[j] = rms || !bias ? v : v + bias[j];
     }
   }

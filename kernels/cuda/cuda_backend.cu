@@ -199,7 +199,11 @@ __global__ void norm_kernel(const bf16 *x, const float *__restrict__ w, const fl
 #pragma unroll
       for (int j = 0; j < 4; j++) {
         float2 f = __bfloat1622float2(v.h[j]);
-        float a = (f.x - mean) * inv * w[i + 2 * j], c = (f.y - mean) * inv * w[i + 2 * j + 1];
+        float a = (f.x - mean) * inv, c = (f.y - mean) * inv;
+        if (w) {
+          a *= w[i + 2 * j];
+          c *= w[i + 2 * j + 1];
+        }
         if (!RMS && bias) {
           a += bias[i + 2 * j];
           c += bias[i + 2 * j + 1];
@@ -210,7 +214,7 @@ __global__ void norm_kernel(const bf16 *x, const float *__restrict__ w, const fl
     }
   } else {
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      float v = (__bfloat162float(xr[i]) - mean) * inv * w[i];
+      float v = (__bfloat162float(xr[i]) - mean) * inv * (w ? w[i] : 1.0f);
       if (!RMS && bias) v += bias[i];
       yr[i] = __float2bfloat16_rn(v);
     }

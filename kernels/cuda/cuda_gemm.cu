@@ -281,30 +281,72 @@ __global__ void gemm_fallback_kernel(const bf16 *__restrict__ x, const bf16 *__r
 
 /* ------------------------------------------------------------ skinny GEMM */
 
-/* m <= 16 rows (decode): 16 output columns per block, the 4 warps split K
- * and each streams its quarter of the 16 weight rows through its own
- * cp.async pipeline (no block barrier in the loop); the warps' sums meet
- * in shared memory in a fixed order. */
-enum { SK_NT = 16, SK_KC = 64, SK_STAGES = 4, SK_ROW = SK_KC + 8, SK_WARPS = 4 };
-constexpr size_t SK_SMEM = (size_t)SK_WARPS * SK_STAGES * 2 * 16 * SK_ROW * sizeof(bf16);
+/* m <= 16 rows (decode): NT output columns per block, the 4 warps split K
+ * and each streams its quarter of the NT weight rows through its own
+ * cp.async ring of S stages (no block barrier in the loop); the warps'
+ * sums meet in shared memory in a fixed order. S - 1 stages of W are
+ * requested before the PDL wait, so the ring is sized to hold a warp's
+ * whole share of W where that fits (S = 5 up to k = 1024, 12 up to 2816):
+ * with launches running ahead (td_pdl_start) the weights then arrive
+ * while earlier kernels run. After the wait, the residual (ACCUM) and the
+ * bias are loaded at once, beside x, not after the products.
+ *
+ * NORM (td_gemm_ex with norm_plain): the model folded the RMSNorm weight
+ * into W, so norm(x) W^T = (x W^T) / rms(x): each warp sums the squares of
+ * the x it streams anyway, and the epilogue scales by 1 / rms. No pass
+ * over x before the products, no separate norm kernel.
+ * KV (pool != NULL): the epilogue also stores the K/V columns of a QKV
+ * projection into the paged pool (no separate KV write).
+ *
+ * NT = 16 columns a block (8, doubling the blocks of narrow matrices so
+ * that more SMs stream W, measured slower on H100: docs/cuda.md). */
+enum { SK_KC = 64, SK_ROW = SK_KC + 8, SK_WARPS = 4, SK_S_SMALL = 5, SK_S_LARGE = 12 };
+constexpr size_t sk_smem_bytes(int stages, int nt) {
+  return (size_t)SK_WARPS * stages * (nt + 16) * SK_ROW * sizeof(bf16);
+}
 
-template <bool F32>
-__global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const bf16 *__restrict__ x,
-                                                               const bf16 *__restrict__ w,
-                                                               const float *__restrict__ bias, void *y, int m,
-                                                               int n, int k, int act, bool accum, int kq) {
+/* The plain norm's sums of squares from the MMA's A fragments: a lane
+ * holds 4 values of x row g (= lane / 4) and 4 of row g + 8 per k16 step,
+ * and the 4 lanes of a g cover the step's 16 columns. */
+__device__ __forceinline__ void sk_square_sums(const uint32_t (&af)[4], float &ss, float &ss8) {
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)&af[i]);
+    float q = f.x * f.x + f.y * f.y;
+    if (i & 1) ss8 += q;
+    else ss += q;
+  }
+}
+/* this warp's sums of rows 0..15 over its K range, into out[16] */
+__device__ __forceinline__ void sk_square_sums_store(float *out, float ss, float ss8, int lane) {
+  ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+  ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+  ss8 += __shfl_xor_sync(0xffffffffu, ss8, 1);
+  ss8 += __shfl_xor_sync(0xffffffffu, ss8, 2);
+  if (!(lane & 3)) {
+    out[lane >> 2] = ss;
+    out[(lane >> 2) + 8] = ss8;
+  }
+}
+
+template <bool F32, int SK_STAGES, bool NORM>
+__global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_args a) {
+  constexpr int NT = 16;
   extern __shared__ __align__(16) unsigned char sk_smem[];
+  constexpr int STAGE = (NT + 16) * SK_ROW; /* [W NT rows | x 16 rows][SK_ROW] */
+  constexpr int PER = 16 * NT / (32 * SK_WARPS); /* outputs per thread in the epilogue */
+  const bf16 *__restrict__ x = a.x, *__restrict__ w = a.w;
+  const int m = a.m, n = a.n, k = a.k, kq = a.kq;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
-  /* this warp's stages: [stage][W 16 rows | x 16 rows][SK_ROW] */
-  bf16 *mine = (bf16 *)sk_smem + (size_t)warp * SK_STAGES * 2 * 16 * SK_ROW;
-  const int n0 = blockIdx.x * SK_NT;
+  bf16 *mine = (bf16 *)sk_smem + (size_t)warp * SK_STAGES * STAGE;
+  const int n0 = blockIdx.x * NT;
   const int kb = warp * kq, ke = min(k, kb + kq);
   const int nst = ke > kb ? (ke - kb + SK_KC - 1) / SK_KC : 0;
   auto load_w = [&](int st, int buf) {
     int k0 = kb + st * SK_KC;
-    bf16 *ws = mine + (size_t)buf * 2 * 16 * SK_ROW;
+    bf16 *ws = mine + (size_t)buf * STAGE;
 #pragma unroll
-    for (int i = 0; i < 4; i++) { /* 16 rows x 8 chunks */
+    for (int i = 0; i < NT / 4; i++) { /* NT rows x 8 chunks */
       int c = lane + 32 * i, r = c >> 3, kk = k0 + (c & 7) * 8;
       bool vw = n0 + r < n && kk < ke;
       cp_async16(ws + r * SK_ROW + (c & 7) * 8, vw ? w + (size_t)(n0 + r) * k + kk : w, vw);
@@ -312,7 +354,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const bf16 *__res
   };
   auto load_x = [&](int st, int buf) {
     int k0 = kb + st * SK_KC;
-    bf16 *xs = mine + (size_t)buf * 2 * 16 * SK_ROW + 16 * SK_ROW;
+    bf16 *xs = mine + (size_t)buf * STAGE + NT * SK_ROW;
 #pragma unroll
     for (int i = 0; i < 4; i++) { /* rows >= m are left as they are: their outputs are never stored */
       int c = lane + 32 * i, r = c >> 3, kk = k0 + (c & 7) * 8;
@@ -320,14 +362,20 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const bf16 *__res
       if (r < m) cp_async16(xs + r * SK_ROW + (c & 7) * 8, vx ? x + (size_t)r * k + kk : x, vx);
     }
   };
-  /* W is a model constant: its first stages stream while the previous
-   * kernel drains; x (its output) only after the wait. Groups: W0..W2,
-   * X0..X2, then one per stage, so waiting for all but the newest
-   * STAGES-2 groups still finds stage st complete. */
+  /* W is a model constant: its first stages stream while earlier kernels
+   * run; x (the previous kernel's output) only after the wait. Groups:
+   * W0..W(S-2), X0..X(S-2), then one per stage, so waiting for all but the
+   * newest S-2 groups still finds stage st complete. */
 #pragma unroll
   for (int st = 0; st < SK_STAGES - 1; st++) {
     if (st < nst) load_w(st, st);
     cp_async_commit();
+  }
+  float pb[PER], pr[PER]; /* bias and residual of this thread's outputs, read early */
+#pragma unroll
+  for (int t = 0; t < PER; t++) {
+    int i = threadIdx.x + t * 32 * SK_WARPS, col = n0 + i % NT;
+    pb[t] = a.bias && col < n ? __ldg(a.bias + col) : 0.0f;
   }
   td_pdl_start();
 #pragma unroll
@@ -335,7 +383,17 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const bf16 *__res
     if (st < nst) load_x(st, st);
     cp_async_commit();
   }
+#pragma unroll
+  for (int t = 0; t < PER; t++) {
+    int i = threadIdx.x + t * 32 * SK_WARPS, row = i / NT, col = n0 + i % NT;
+    pr[t] = 0.0f;
+    if (a.accum && row < m && col < n) {
+      size_t o = (size_t)row * n + col;
+      pr[t] = F32 ? ((const float *)a.y)[o] : __bfloat162float(((const bf16 *)a.y)[o]);
+    }
+  }
   float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  float ss = 0.0f, ss8 = 0.0f; /* NORM: squares of x rows g and g + 8 in this lane's A fragments */
   for (int st = 0; st < nst; st++) {
     cp_async_wait<SK_STAGES - 2>();
     __syncwarp();
@@ -344,66 +402,293 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const bf16 *__res
       load_x(st + SK_STAGES - 1, (st + SK_STAGES - 1) % SK_STAGES);
     }
     cp_async_commit();
-    const bf16 *ws = mine + (size_t)(st % SK_STAGES) * 2 * 16 * SK_ROW, *xs = ws + 16 * SK_ROW;
+    const bf16 *ws = mine + (size_t)(st % SK_STAGES) * STAGE, *xs = ws + NT * SK_ROW;
 #pragma unroll
     for (int ks = 0; ks < SK_KC / 16; ks++) {
-      uint32_t b0, b1, b2, b3, a[4];
+      uint32_t b0, b1, b2, b3, af[4];
       ldsm_x4(b0, b1, b2, b3, ws + ((lane & 7) + ((lane >> 4) << 3)) * SK_ROW + ks * 16 + ((lane >> 3) & 1) * 8);
-      ldsm_x4(a[0], a[1], a[2], a[3], xs + (lane & 15) * SK_ROW + ks * 16 + (lane >> 4) * 8);
-      mma16816(acc[0], a, b0, b1);
-      mma16816(acc[1], a, b2, b3);
+      ldsm_x4(af[0], af[1], af[2], af[3], xs + (lane & 15) * SK_ROW + ks * 16 + (lane >> 4) * 8);
+      mma16816(acc[0], af, b0, b1);
+      mma16816(acc[1], af, b2, b3);
+      if (NORM) sk_square_sums(af, ss, ss8);
     }
     __syncwarp(); /* the stage is rewritten by the next iteration's load */
   }
   cp_async_wait<0>();
   __syncthreads();
-  float *red = (float *)sk_smem; /* [warp][16 rows][16 cols] */
+  float *red = (float *)sk_smem;              /* [warp][16 rows][NT cols] */
+  float *ssq = red + SK_WARPS * 16 * NT;      /* [warp][16 rows] */
 #pragma unroll
-  for (int j = 0; j < 2; j++)
+  for (int j = 0; j < NT / 8; j++)
 #pragma unroll
-    for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * 16 + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
+    for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * NT + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
+  if (NORM) sk_square_sums_store(ssq + warp * 16, ss, ss8, lane);
   __syncthreads();
-  for (int i = threadIdx.x; i < 16 * SK_NT; i += 32 * SK_WARPS) {
-    int row = i / SK_NT, col = n0 + i % SK_NT;
+#pragma unroll
+  for (int t = 0; t < PER; t++) {
+    int i = threadIdx.x + t * 32 * SK_WARPS, row = i / NT, col = n0 + i % NT;
     if (row >= m || col >= n) continue;
     float v = red[i];
 #pragma unroll
-    for (int q = 1; q < SK_WARPS; q++) v += red[q * 256 + i];
+    for (int q = 1; q < SK_WARPS; q++) v += red[q * 16 * NT + i];
+    if (NORM) {
+      float s2 = ssq[row];
+#pragma unroll
+      for (int q = 1; q < SK_WARPS; q++) s2 += ssq[q * 16 + row];
+      v *= rsqrtf(s2 / (float)k + a.eps);
+    }
+    v = td_act_apply(a.act, v + pb[t]) + pr[t];
     size_t o = (size_t)row * n + col;
-    if (bias) v += bias[col];
     if (F32) {
-      float *Y = (float *)y;
-      if (accum) v += Y[o];
-      Y[o] = td_act_apply(act, v);
+      ((float *)a.y)[o] = v;
     } else {
-      bf16 *Y = (bf16 *)y;
-      if (accum) v += __bfloat162float(Y[o]);
-      Y[o] = __float2bfloat16_rn(td_act_apply(act, v));
+      bf16 hv = __float2bfloat16_rn(v);
+      ((bf16 *)a.y)[o] = hv;
+      if (a.pool && col >= a.kv_col && col < a.kv_col + 2 * a.kv_hd) {
+        int slot = __ldg(a.slots + row);
+        if (slot >= 0) {
+          int u = col - a.kv_col, which = u / a.kv_hd, e = u % a.kv_hd, hh = e / a.kv_dh, d = e % a.kv_dh;
+          size_t dst = (size_t)(slot / a.kv_bs) * a.kv_block_elems + a.kv_layer_off +
+                       ((size_t)(which * a.kv_H + hh) * a.kv_bs + slot % a.kv_bs) * a.kv_dh + d;
+          a.pool[dst] = hv;
+        }
+      }
     }
   }
 }
 
-static td_status skinny_gemm(td_cuda *c, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
-                             int act, unsigned flags) {
+/* Whole-W variant (the default where it fits): a block's 16 W rows come
+ * in as one bulk copy each (the TMA engine, one thread issuing 16
+ * instructions, completing on an mbarrier), all requested before the PDL
+ * wait; x is staged whole after it. One SM moves far more bytes at once
+ * this way than through per-thread cp.async (measured on H100: see
+ * docs/cuda.md), and the block needs no pipeline: it waits for its W once.
+ * Also does GLU (tile rows 0-7 from W_a, 8-15 the same rows of W_b), the
+ * plain norm and the KV write, as the kernels above. */
+constexpr size_t SKB_MAX_SMEM = 160 << 10;
+static inline int skb_ld(int kq) { return 4 * kq + 8; }
+static inline size_t skb_smem(int m, int kq) {
+  return 128 + (size_t)(16 + m) * skb_ld(kq) * sizeof(bf16) + (size_t)SK_WARPS * 16 * (16 + 1) * sizeof(float);
+}
+
+template <bool F32, bool NORM, bool GLU>
+__global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args a) {
+  extern __shared__ __align__(128) unsigned char sb[];
+  constexpr int PER = 16 * 16 / (32 * SK_WARPS); /* epilogue outputs per thread (16 columns) */
+  const int m = a.m, n = a.n, k = a.k, kq = a.kq, KP = 4 * kq, LD = KP + 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  uint64_t *bar = (uint64_t *)sb;
+  bf16 *ws = (bf16 *)(sb + 128);               /* [16][LD] */
+  bf16 *xs = ws + 16 * LD;                     /* [m][LD] */
+  float *ssq = (float *)(xs + (size_t)m * LD); /* [warp][16] */
+  float *red = ssq + SK_WARPS * 16;            /* [warp][16][16] */
+  const int half = n / 2, oc = GLU ? 8 : 16, ldy = GLU ? half : n;
+  auto w_row = [&](int r, bool &ok) -> int {
+    if (GLU) {
+      int j = blockIdx.x * 8 + (r & 7);
+      ok = j < half;
+      return r < 8 ? j : half + j;
+    }
+    int j = blockIdx.x * 16 + r;
+    ok = j < n;
+    return j;
+  };
+  if (threadIdx.x == 0) {
+    mbar_init(bar, 1);
+    uint32_t bytes = 0;
+    for (int r = 0; r < 16; r++) {
+      bool ok;
+      (void)w_row(r, ok);
+      bytes += ok ? (uint32_t)k * 2u : 0u;
+    }
+    mbar_arrive_tx(bar, bytes);
+    for (int r = 0; r < 16; r++) {
+      bool ok;
+      int wr = w_row(r, ok);
+      if (ok) bulk_g2s(ws + (size_t)r * LD, a.w + (size_t)wr * k, (uint32_t)k * 2u, bar);
+    }
+  }
+  /* columns k..KP of W: zeros (x is zero there too, and 0 * garbage could be NaN) */
+  for (int i = threadIdx.x; i < 16 * (KP - k); i += 32 * SK_WARPS)
+    ws[(i / (KP - k)) * LD + k + i % (KP - k)] = __float2bfloat16_rn(0.0f);
+  float pb[PER], pb2[PER], pr[PER]; /* bias (GLU: both halves) and residual of this thread's outputs */
+#pragma unroll
+  for (int t = 0; t < PER; t++) {
+    int c = (threadIdx.x + t * 32 * SK_WARPS) % oc, j = blockIdx.x * oc + c;
+    pb[t] = a.bias && j < ldy ? __ldg(a.bias + j) : 0.0f;
+    pb2[t] = GLU && a.bias && j < ldy ? __ldg(a.bias + half + j) : 0.0f;
+  }
+  td_pdl_start();
+#pragma unroll
+  for (int t = 0; t < PER; t++) {
+    int i = threadIdx.x + t * 32 * SK_WARPS, row = i / oc, j = blockIdx.x * oc + i % oc;
+    pr[t] = 0.0f;
+    if (!GLU && a.accum && row < m && j < ldy) {
+      size_t o = (size_t)row * ldy + j;
+      pr[t] = F32 ? ((const float *)a.y)[o] : __bfloat162float(((const bf16 *)a.y)[o]);
+    }
+  }
+  const int pieces = KP / 8;
+  for (int c = threadIdx.x; c < m * pieces; c += 32 * SK_WARPS) {
+    int r = c / pieces, col = (c % pieces) * 8;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (col < k) v = *(const uint4 *)(a.x + (size_t)r * k + col);
+    *(uint4 *)(xs + (size_t)r * LD + col) = v;
+  }
+  __syncthreads();
+  const int kb = warp * kq;
+  mbar_wait(bar, 0);
+  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  float ss = 0.0f, ss8 = 0.0f; /* NORM: squares of x rows g and g + 8 in this lane's A fragments */
+  const int xr = (lane & 15) < m ? (lane & 15) : 0; /* only m rows staged; MMA rows past m are not stored */
+  const bf16 *wp = ws + ((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8;
+  const bf16 *xp = xs + (size_t)xr * LD + (lane >> 4) * 8;
+#pragma unroll 4
+  for (int k0 = kb; k0 < kb + kq; k0 += 16) {
+    uint32_t b0, b1, b2, b3, af[4];
+    ldsm_x4(b0, b1, b2, b3, wp + k0);
+    ldsm_x4(af[0], af[1], af[2], af[3], xp + k0);
+    mma16816(acc[0], af, b0, b1);
+    mma16816(acc[1], af, b2, b3);
+    if (NORM) sk_square_sums(af, ss, ss8);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; j++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * 16 + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
+  if (NORM) sk_square_sums_store(ssq + warp * 16, ss, ss8, lane);
+  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < PER; t++) {
+    int i = threadIdx.x + t * 32 * SK_WARPS, row = i / oc, c = i % oc, j = blockIdx.x * oc + c;
+    if (row >= m || j >= ldy) continue;
+    float v = 0.0f, vb = 0.0f;
+#pragma unroll
+    for (int q = 0; q < SK_WARPS; q++) {
+      v += red[(q * 16 + row) * 16 + c];
+      if (GLU) vb += red[(q * 16 + row) * 16 + 8 + c];
+    }
+    if (NORM) {
+      float s2 = 0.0f;
+#pragma unroll
+      for (int q = 0; q < SK_WARPS; q++) s2 += ssq[q * 16 + row];
+      float inv = rsqrtf(s2 / (float)k + a.eps);
+      v *= inv;
+      vb *= inv;
+    }
+    if (GLU) v = td_act_apply(a.act, v + pb[t]) * (vb + pb2[t]);
+    else v = td_act_apply(a.act, v + pb[t]) + pr[t];
+    size_t o = (size_t)row * ldy + j;
+    if (F32) {
+      ((float *)a.y)[o] = v;
+    } else {
+      bf16 hv = __float2bfloat16_rn(v);
+      ((bf16 *)a.y)[o] = hv;
+      if (!GLU && a.pool && j >= a.kv_col && j < a.kv_col + 2 * a.kv_hd) {
+        int slot = __ldg(a.slots + row);
+        if (slot >= 0) {
+          int u = j - a.kv_col, which = u / a.kv_hd, e = u % a.kv_hd, hh = e / a.kv_dh, d = e % a.kv_dh;
+          size_t dst = (size_t)(slot / a.kv_bs) * a.kv_block_elems + a.kv_layer_off +
+                       ((size_t)(which * a.kv_H + hh) * a.kv_bs + slot % a.kv_bs) * a.kv_dh + d;
+          a.pool[dst] = hv;
+        }
+      }
+    }
+  }
+}
+
+template <bool F32, bool NORM, bool GLU>
+static void skb_launch(td_cuda *c, const td_skinny_args &a, size_t smem) {
+  unsigned grid = GLU ? (unsigned)((a.n / 2 + 7) / 8) : (unsigned)((a.n + 15) / 16);
+  (void)td_launch(c, skb_kernel<F32, NORM, GLU>, grid, 32 * SK_WARPS, smem, a);
+}
+
+template <bool F32, int S, bool NORM>
+static void skinny_launch(td_cuda *c, const td_skinny_args &a) {
+  unsigned grid = (unsigned)((a.n + 15) / 16);
+  (void)td_launch(c, skinny_kernel<F32, S, NORM>, grid, 32 * SK_WARPS, sk_smem_bytes(S, 16), a);
+}
+
+template <bool NORM>
+static void skinny_launch_all(td_cuda *c, bool f32, bool large, const td_skinny_args &a) {
+  if (f32 && large) skinny_launch<true, SK_S_LARGE, NORM>(c, a);
+  else if (f32) skinny_launch<true, SK_S_SMALL, NORM>(c, a);
+  else if (large) skinny_launch<false, SK_S_LARGE, NORM>(c, a);
+  else skinny_launch<false, SK_S_SMALL, NORM>(c, a);
+}
+
+bool td_cu_skinny_bulk(const td_cuda *c, int m, int k) {
   int kq = ((k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
-  unsigned grid = (unsigned)((n + SK_NT - 1) / SK_NT);
-  bool accum = flags & TD_GEMM_ACCUM;
-  if (flags & TD_GEMM_OUT_F32)
-    (void)td_launch(c, skinny_kernel<true>, grid, 32 * SK_WARPS, SK_SMEM, (const bf16 *)x, (const bf16 *)w, bias, y, m, n,
-                                                                     k, act, accum, kq);
-  else
-    (void)td_launch(c, skinny_kernel<false>, grid, 32 * SK_WARPS, SK_SMEM, (const bf16 *)x, (const bf16 *)w, bias, y, m,
-                                                                      n, k, act, accum, kq);
+  /* beyond 8 rows, staging x whole before the products costs more than the ring's pipelining (H100) */
+  return c->skinny_bulk && m <= 8 && skb_smem(m, kq) <= SKB_MAX_SMEM && skb_smem(m, kq) <= c->smem_optin;
+}
+
+td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu) {
+  a->kq = ((a->k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
+  if (td_cu_skinny_bulk(c, a->m, a->k)) {
+    size_t smem = skb_smem(a->m, a->kq);
+    if (glu && norm) skb_launch<false, true, true>(c, *a, smem);
+    else if (glu) skb_launch<false, false, true>(c, *a, smem);
+    else if (f32 && norm) skb_launch<true, true, false>(c, *a, smem);
+    else if (f32) skb_launch<true, false, false>(c, *a, smem);
+    else if (norm) skb_launch<false, true, false>(c, *a, smem);
+    else skb_launch<false, false, false>(c, *a, smem);
+    TD_CU_LAUNCHED("gemm (skinny, bulk copies)");
+    return TD_OK;
+  }
+  if (glu) return td_err(TD_ERR_UNSUPPORTED, "gemm: GLU on the skinny kernel needs its bulk-copy variant");
+  bool large = (a->kq + SK_KC - 1) / SK_KC > SK_S_SMALL - 1;
+  if (norm) skinny_launch_all<true>(c, f32, large, *a);
+  else skinny_launch_all<false>(c, f32, large, *a);
   TD_CU_LAUNCHED("gemm (skinny)");
   return TD_OK;
 }
 
-static td_status skinny_init(td_cuda *c) {
-  TD_CU_CHECK(cudaFuncSetAttribute(skinny_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SK_SMEM),
-              "gemm init");
-  TD_CU_CHECK(cudaFuncSetAttribute(skinny_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SK_SMEM),
+static td_status skinny_gemm(td_cuda *c, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
+                             int act, unsigned flags) {
+  td_skinny_args a = {};
+  a.x = (const bf16 *)x;
+  a.w = (const bf16 *)w;
+  a.bias = bias;
+  a.y = y;
+  a.m = m, a.n = n, a.k = k, a.act = act;
+  a.accum = (flags & TD_GEMM_ACCUM) != 0;
+  return td_cu_skinny(c, &a, (flags & TD_GEMM_OUT_F32) != 0, false, false);
+}
+
+template <bool F32, int S, bool NORM>
+static td_status skinny_attr(void) {
+  TD_CU_CHECK(cudaFuncSetAttribute(skinny_kernel<F32, S, NORM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)sk_smem_bytes(S, 16)),
               "gemm init");
   return TD_OK;
+}
+
+template <bool F32, bool NORM, bool GLU>
+static td_status skb_attr(void) {
+  TD_CU_CHECK(cudaFuncSetAttribute(skb_kernel<F32, NORM, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)SKB_MAX_SMEM),
+              "gemm init");
+  return TD_OK;
+}
+
+static td_status skinny_init(td_cuda *c) {
+  const char *v = getenv("TANDEM_CUDA_SKINNY_BULK");
+  c->skinny_bulk = !(v && *v == '0');
+  TD_TRY((skb_attr<false, false, false>()));
+  TD_TRY((skb_attr<false, true, false>()));
+  TD_TRY((skb_attr<true, false, false>()));
+  TD_TRY((skb_attr<true, true, false>()));
+  TD_TRY((skb_attr<false, false, true>()));
+  TD_TRY((skb_attr<false, true, true>()));
+  TD_TRY((skinny_attr<false, SK_S_SMALL, false>()));
+  TD_TRY((skinny_attr<false, SK_S_SMALL, true>()));
+  TD_TRY((skinny_attr<true, SK_S_SMALL, false>()));
+  TD_TRY((skinny_attr<true, SK_S_SMALL, true>()));
+  TD_TRY((skinny_attr<false, SK_S_LARGE, false>()));
+  TD_TRY((skinny_attr<false, SK_S_LARGE, true>()));
+  TD_TRY((skinny_attr<true, SK_S_LARGE, false>()));
+  return skinny_attr<true, SK_S_LARGE, true>();
 }
 
 td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,

@@ -10,7 +10,8 @@
  *    columns >= k zero), so a fused norm is applied there in place, exactly
  *    as td_norm computes it (full-row statistics, x * inv * w in bf16);
  *  - W is a model constant, so each warp requests its first stages before
- *    griddepcontrol.wait: they stream while the previous kernel drains;
+ *    griddepcontrol.wait: they stream while earlier kernels run (a ring of
+ *    5 stages holds a warp's whole share at k = 1024);
  *  - the epilogue does bias, activation, GLU (a block's 16 W rows are
  *    8 rows of W_a and the same 8 of W_b, giving 8 outputs), and the KV
  *    write of a QKV projection into the paged pool.
@@ -37,11 +38,11 @@ extern "C" {
 #include "kernels/act.h"
 }
 
-enum { SF_KC = 64, SF_ROW = SF_KC + 8, SF_STAGES = 4, SF_WARPS = 4, SF_MAXM = 16 };
-enum { SF_NORM_NONE = 0, SF_NORM_RMS = 1, SF_NORM_LN = 2 };
+enum { SF_KC = 64, SF_ROW = SF_KC + 8, SF_STAGES = 5, SF_WARPS = 4, SF_MAXM = 16 };
+enum { SF_NORM_NONE = 0, SF_NORM_RMS = 1, SF_NORM_LN = 2, SF_NORM_PLAIN = 3 };
 enum { SF_FUSE_NORM = 1, SF_FUSE_GLU = 2, SF_FUSE_KV = 4 };
 /* defaults (TANDEM_CUDA_FUSE): measured on H100, docs/cuda.md */
-enum { SF_DEF_ROWS = 8, SF_DEF_MASK = SF_FUSE_GLU };
+enum { SF_DEF_ROWS = 8, SF_DEF_MASK = SF_FUSE_GLU | SF_FUSE_NORM | SF_FUSE_KV };
 constexpr size_t SF_RING = (size_t)SF_WARPS * SF_STAGES * 16 * SF_ROW * sizeof(bf16);
 
 struct SfArgs {
@@ -111,24 +112,45 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
     if (st < nst) load_w(st, st);
     cp_async_commit();
   }
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  td_pdl_start();
 
   /* x, whole: m rows of XS - 8 columns, zeros past k (W is zero there, and
    * 0 * garbage could be NaN). Rows m..15 stay unwritten: an MMA row of
-   * the output depends only on its own row of x, and those are not stored. */
+   * the output depends only on its own row of x, and those are not stored.
+   * Plain loads, not cp.async: waiting for a cp.async group waits for every
+   * older one too, i.e. for all of the W prefetch, before the norm. */
   const int pieces = (XS - 8) / 8;
   for (int c = threadIdx.x; c < a.m * pieces; c += 32 * SF_WARPS) {
     int r = c / pieces, q = c % pieces, col = q * 8;
-    bool ok = col < a.k;
-    cp_async16(xs + r * XS + col, ok ? a.x + (size_t)r * a.k + col : a.x, ok);
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (col < a.k) v = *(const uint4 *)(a.x + (size_t)r * a.k + col);
+    *(uint4 *)(xs + r * XS + col) = v;
   }
-  cp_async_commit();
-  cp_async_wait<0>();
   __syncthreads();
 
+  /* only m rows of x are staged: MMA rows past m read row 0 (never stored) */
+  const int xrow = (lane & 15) < a.m ? (lane & 15) : 0;
+  /* plain RMSNorm (weight folded into W): the epilogue scales by 1 / rms;
+   * each warp sums the squares of its K range of each row */
+  float *ssq = (float *)(sf_raw + SF_RING + (size_t)a.m * XS * sizeof(bf16)); /* [warp][row], after x */
+  if (a.norm == SF_NORM_PLAIN) {
+    for (int r = 0; r < a.m; r++) {
+      float s2 = 0.0f;
+      for (int i = kb + lane * 8; i < ke; i += 256) {
+        sf_bf16x8 v;
+        v.u = *(const uint4 *)(xs + r * XS + i);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          float2 f = __bfloat1622float2(v.h[j]);
+          s2 += f.x * f.x + f.y * f.y;
+        }
+      }
+      s2 = sf_warp_sum(s2);
+      if (lane == 0) ssq[warp * SF_MAXM + r] = s2;
+    }
+  }
   /* the norm in place, as td_norm: full-row statistics, x * inv * w */
-  if (a.norm != SF_NORM_NONE) {
+  if (a.norm == SF_NORM_RMS || a.norm == SF_NORM_LN) {
     for (int r = warp; r < a.m; r += SF_WARPS) {
       bf16 *xr = xs + r * XS;
       float mean = 0.0f;
@@ -189,7 +211,7 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
     for (int ks = 0; ks < SF_KC / 16; ks++) {
       uint32_t b0, b1, b2, b3, af[4];
       ldsm_x4(b0, b1, b2, b3, ws + ((lane & 7) + ((lane >> 4) << 3)) * SF_ROW + ks * 16 + ((lane >> 3) & 1) * 8);
-      ldsm_x4(af[0], af[1], af[2], af[3], xs + (lane & 15) * XS + k0 + ks * 16 + (lane >> 4) * 8);
+      ldsm_x4(af[0], af[1], af[2], af[3], xs + xrow * XS + k0 + ks * 16 + (lane >> 4) * 8);
       mma16816(acc[0], af, b0, b1);
       mma16816(acc[1], af, b2, b3);
     }
@@ -213,6 +235,14 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
     for (int q = 0; q < SF_WARPS; q++) {
       v += red[(q * 16 + row) * 16 + c];
       if (a.glu) vb += red[(q * 16 + row) * 16 + 8 + c];
+    }
+    if (a.norm == SF_NORM_PLAIN) {
+      float s2 = 0.0f;
+#pragma unroll
+      for (int q = 0; q < SF_WARPS; q++) s2 += ssq[q * SF_MAXM + row];
+      float inv = rsqrtf(s2 / (float)a.k + a.eps);
+      v *= inv;
+      vb *= inv;
     }
     if (a.glu) {
       if (a.bias) {
@@ -260,6 +290,51 @@ td_status td_cu_skf_init(td_cuda *c) {
   return TD_OK;
 }
 
+static void kv_args(const td_gemm_args *ga, bf16 **pool, const int32_t **slots, int *col, int *hd, int *dh, int *bs,
+                    int *H, size_t *block_elems, size_t *layer_off) {
+  const td_kv_layout *l = ga->kv_layout;
+  *pool = (bf16 *)ga->kv_pool;
+  *slots = ga->kv_slots;
+  *col = ga->kv_col;
+  *H = l->n_heads;
+  *dh = l->head_dim;
+  *hd = l->n_heads * l->head_dim;
+  *bs = l->block_size;
+  *block_elems = td_kv_block_elems(l);
+  *layer_off = (size_t)ga->kv_layer * 2 * l->n_heads * l->block_size * l->head_dim;
+}
+
+/* The separate KV write of a QKV projection whose kernel did not store it. */
+static td_status kv_after(td_backend *b, const td_gemm_args *ga) {
+  const td_kv_layout *l = ga->kv_layout;
+  size_t hd = (size_t)l->n_heads * l->head_dim;
+  const bf16 *kp = (const bf16 *)ga->y + ga->kv_col;
+  return td_kv_write(b, kp, kp + hd, ga->n, ga->kv_pool, l, ga->kv_layer, ga->kv_slots, ga->m);
+}
+
+/* Without GLU: the skinny kernel, with the plain norm and the KV write in
+ * it where the policy says so; what it leaves out runs as its own op. */
+static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse_norm, bool fuse_kv, bool glu) {
+  td_cuda *c = td_cu(b);
+  const void *x = ga->x;
+  if (ga->norm_plain && !fuse_norm) {
+    TD_TRY(td_norm(b, ga->x, NULL, NULL, ga->scratch_norm, ga->m, ga->k, ga->norm_eps, true));
+    x = ga->scratch_norm;
+  }
+  td_skinny_args a = {};
+  a.x = (const bf16 *)x;
+  a.w = (const bf16 *)ga->w;
+  a.bias = ga->bias;
+  a.y = ga->y;
+  a.m = ga->m, a.n = ga->n, a.k = ga->k, a.act = (int)ga->act;
+  a.eps = ga->norm_eps;
+  if (fuse_kv)
+    kv_args(ga, &a.pool, &a.slots, &a.kv_col, &a.kv_hd, &a.kv_dh, &a.kv_bs, &a.kv_H, &a.kv_block_elems,
+            &a.kv_layer_off);
+  TD_TRY(td_cu_skinny(c, &a, false, fuse_norm, glu));
+  return ga->kv_pool && !fuse_kv ? kv_after(b, ga) : TD_OK;
+}
+
 td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
   td_cuda *c = td_cu(b);
   td_cu_bind(c);
@@ -267,18 +342,31 @@ td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
     return td_err(TD_ERR_INVALID, "gemm_ex: unknown activation %d", (int)ga->act);
   bool glu = ga->flags & TD_GEMM_GLU;
   int k = ga->k, mask = c->fuse_mask;
+  bool eligible = ga->m <= c->fuse && !(ga->flags & (TD_GEMM_OUT_F32 | TD_GEMM_ACCUM)) && k % 8 == 0 &&
+                  td_aligned16(ga->x) && td_aligned16(ga->w) &&
+                  (!(ga->norm_w || ga->norm_plain) || td_aligned16(ga->scratch_norm));
+  bool fuse_kv = ga->kv_pool && (mask & SF_FUSE_KV);
+  if (!eligible || (glu && !(mask & SF_FUSE_GLU))) return td_gemm_ex_unfused(b, ga);
+  /* a plain norm (weight folded into W) costs the kernel next to nothing */
+  if (!glu && !ga->norm_w) {
+    bool fuse_norm = ga->norm_plain && (mask & SF_FUSE_NORM);
+    if (!fuse_norm && !fuse_kv) return td_gemm_ex_unfused(b, ga);
+    return gemm_ex_skinny(b, ga, fuse_norm, fuse_kv, false);
+  }
+  /* GLU with a plain norm or none: the bulk-copy skinny kernel where it fits */
+  if (glu && !ga->norm_w && td_cu_skinny_bulk(c, ga->m, k))
+    return gemm_ex_skinny(b, ga, ga->norm_plain && (mask & SF_FUSE_NORM), false, true);
+  /* GLU, or a weighted norm: the kernel that stages x whole */
+  bool fuse_norm = (ga->norm_w || ga->norm_plain) && (mask & SF_FUSE_NORM);
+  if (!glu && !fuse_norm && !fuse_kv) return td_gemm_ex_unfused(b, ga);
   int kq = ((k + SF_WARPS - 1) / SF_WARPS + 15) / 16 * 16;
   /* the last warp's chunks may read past k: stage (and zero) that far */
   int xs = 3 * kq + (kq + SF_KC - 1) / SF_KC * SF_KC + 8;
-  size_t smem = SF_RING + (size_t)16 * xs * sizeof(bf16);
-  bool fuse_norm = ga->norm_w && (mask & SF_FUSE_NORM), fuse_kv = ga->kv_pool && (mask & SF_FUSE_KV);
-  bool worth = (glu && (mask & SF_FUSE_GLU)) || fuse_norm || fuse_kv;
-  if (!worth || (glu && !(mask & SF_FUSE_GLU)) || ga->m > c->fuse || (ga->flags & (TD_GEMM_OUT_F32 | TD_GEMM_ACCUM)) ||
-      k % 8 != 0 || !td_aligned16(ga->x) || !td_aligned16(ga->w) || smem > c->smem_optin ||
-      (ga->norm_w && !fuse_norm && !td_aligned16(ga->scratch_norm)))
-    return td_gemm_ex_unfused(b, ga);
+  /* x for m rows only (more blocks resident at once), the plain norm's sums */
+  size_t smem = SF_RING + (size_t)ga->m * xs * sizeof(bf16) + (size_t)SF_WARPS * SF_MAXM * sizeof(float);
+  if (smem > c->smem_optin) return td_gemm_ex_unfused(b, ga);
   const void *x = ga->x;
-  if (ga->norm_w && !fuse_norm) { /* the norm as its own kernel (measured faster at one row) */
+  if ((ga->norm_w || ga->norm_plain) && !fuse_norm) { /* the norm as its own kernel */
     TD_TRY(td_norm(b, ga->x, ga->norm_w, ga->norm_b, ga->scratch_norm, ga->m, k, ga->norm_eps, ga->norm_rms));
     x = ga->scratch_norm;
   }
@@ -291,31 +379,17 @@ td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
   a.ldy = glu ? ga->n / 2 : ga->n;
   a.act = (int)ga->act;
   a.glu = glu;
-  a.norm = !fuse_norm ? SF_NORM_NONE : ga->norm_rms ? SF_NORM_RMS : SF_NORM_LN;
+  a.norm = !fuse_norm ? SF_NORM_NONE : ga->norm_plain ? SF_NORM_PLAIN : ga->norm_rms ? SF_NORM_RMS : SF_NORM_LN;
   a.nw = ga->norm_w;
   a.nb = ga->norm_rms ? NULL : ga->norm_b;
   a.eps = ga->norm_eps;
   a.kq = kq;
   a.xs = xs;
-  const td_kv_layout *l = ga->kv_layout;
-  if (fuse_kv) {
-    a.pool = (bf16 *)ga->kv_pool;
-    a.slots = ga->kv_slots;
-    a.kv_col = ga->kv_col;
-    a.kv_H = l->n_heads;
-    a.kv_dh = l->head_dim;
-    a.kv_hd = l->n_heads * l->head_dim;
-    a.kv_bs = l->block_size;
-    a.kv_block_elems = td_kv_block_elems(l);
-    a.kv_layer_off = (size_t)ga->kv_layer * 2 * l->n_heads * l->block_size * l->head_dim;
-  }
+  if (fuse_kv)
+    kv_args(ga, &a.pool, &a.slots, &a.kv_col, &a.kv_hd, &a.kv_dh, &a.kv_bs, &a.kv_H, &a.kv_block_elems,
+            &a.kv_layer_off);
   unsigned grid = glu ? (unsigned)((ga->n / 2 + 7) / 8) : (unsigned)((ga->n + 15) / 16);
   (void)td_launch(c, skf_kernel, grid, 32 * SF_WARPS, smem, a);
   TD_CU_LAUNCHED("gemm_ex (fused decode kernel)");
-  if (ga->kv_pool && !fuse_kv) {
-    size_t hd = (size_t)l->n_heads * l->head_dim;
-    const bf16 *kp = (const bf16 *)ga->y + ga->kv_col;
-    return td_kv_write(b, kp, kp + hd, ga->n, ga->kv_pool, l, ga->kv_layer, ga->kv_slots, ga->m);
-  }
-  return TD_OK;
+  return ga->kv_pool && !fuse_kv ? kv_after(b, ga) : TD_OK;
 }

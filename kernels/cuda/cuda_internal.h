@@ -42,6 +42,7 @@ typedef struct td_cuda {
   float *split;       /* TD_CU_SPLIT_BYTES of device memory */
   float *part;        /* TD_CU_PART_BYTES of device memory */
   int *counters;      /* GEMM then attention arrival counters, zero between launches */
+  int skinny_bulk;    /* the skinny GEMM's W by bulk copies where it fits (TANDEM_CUDA_SKINNY_BULK=0: cp.async ring) */
   int skinny;         /* small-m GEMMs on our kernel (TANDEM_CUDA_SKINNY=0: cuBLASLt) */
   int decode_warp;    /* paged decode over self KV on a warp per (sequence, head) from this many pairs (TANDEM_CUDA_DECATTN; 0: off) */
   int decode_small;   /* fewer pairs than that: 2-8 warps a pair by context (<= 256 keys); 16 for longer contexts
@@ -86,13 +87,27 @@ static inline unsigned td_blocks(size_t n, unsigned per) {
 }
 
 /* Programmatic dependent launch: a kernel launched with it may be scheduled
- * while the previous kernel in the stream finishes. Every kernel of this
- * backend therefore starts with td_pdl_start(): wait until the previous
- * grid has completed and its memory is visible (a no-op without PDL), then
- * let the next kernel be scheduled as soon as all our blocks are resident. */
+ * while the previous kernel in the stream runs. Every kernel of this
+ * backend calls td_pdl_start() before it touches anything an earlier
+ * kernel writes: it lets the next kernel be scheduled as soon as all our
+ * blocks are resident, then waits until the previous grid has completed
+ * and its memory is visible (a no-op without PDL). Triggering before the
+ * wait lets launches run ahead down the stream as far as free SM
+ * resources allow, each kernel prefetching its weights before its own
+ * wait; the chain of waits still orders every dependent access, and no
+ * kernel writes global memory before its wait. TD_PDL_EARLY=0 (build
+ * option TANDEM_PDL_EARLY=OFF) triggers after the wait instead. */
+#ifndef TD_PDL_EARLY
+#define TD_PDL_EARLY 1
+#endif
 __device__ __forceinline__ void td_pdl_start() {
+#if TD_PDL_EARLY
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#else
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 /* cluster > 0: thread-block clusters of that many blocks along x. */
@@ -132,6 +147,25 @@ td_status td_cu_gemm_init(td_cuda *c);
 void td_cu_gemm_destroy(td_cuda *c);
 td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
                      td_act act, unsigned flags);
+
+/* The skinny decode GEMM (cuda_gemm.cu) with what it can fuse: a plain
+ * RMSNorm (norm: scale by 1 / rms(x)), the KV write of a QKV projection
+ * (pool != NULL; bf16 output only). kq is set by td_cu_skinny. */
+typedef struct td_skinny_args {
+  const bf16 *x, *w;
+  const float *bias;
+  void *y;
+  int m, n, k, kq, act;
+  bool accum;
+  float eps;
+  bf16 *pool;
+  const int32_t *slots;
+  int kv_col, kv_hd, kv_dh, kv_bs, kv_H;
+  size_t kv_block_elems, kv_layer_off;
+} td_skinny_args;
+td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu);
+/* whether td_cu_skinny takes the bulk-copy kernel (the only one with GLU) for m rows of k */
+bool td_cu_skinny_bulk(const td_cuda *c, int m, int k);
 
 /* cuda_gemm_ex.cu: td_gemm_ex (fused on the decode kernel for m <= 16) */
 td_status td_cu_skf_init(td_cuda *c);

@@ -259,18 +259,50 @@ Test(cuda, gemm) {
   gemm_case(3, 32128, 1024, TD_ACT_NONE, TD_GEMM_OUT_F32, true);
 }
 
+/* The decode GEMM's two kernels (W by bulk copies, W through a cp.async
+ * ring) at decode row counts, odd widths, k from 8 to beyond what the bulk
+ * variant holds in shared memory. */
+Test(cuda, gemm_skinny_kernels) {
+  static const int nk[][2] = {{1024, 1024}, {3072, 1024}, {1000, 2816}, {301, 40}, {17, 8},
+                              {96, 64},     {5632, 1024}, {40, 8200},   {33, 1000}};
+  static const int ms[] = {1, 2, 5, 8, 13, 16};
+  for (int pass = 0; pass < 2; pass++) {
+    td_backend *saved = G, *alt = NULL;
+    if (pass == 1) {
+      td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
+      setenv("TANDEM_CUDA_SKINNY_BULK", "0", 1);
+      cr_assert(td_backend_create(&go, &alt) == TD_OK, "cuda backend: %s", td_errmsg());
+      unsetenv("TANDEM_CUDA_SKINNY_BULK");
+      G = alt;
+    }
+    for (size_t i = 0; i < sizeof nk / sizeof nk[0]; i++)
+      for (size_t j = 0; j < sizeof ms / sizeof ms[0]; j++) {
+        int m = ms[j], n = nk[i][0], k = nk[i][1];
+        if (m > 8 && n > 2048) continue; /* cuBLASLt's */
+        gemm_case(m, n, k, TD_ACT_NONE, TD_GEMM_ACCUM, j & 1);
+        gemm_case(m, n, k, TD_ACT_GELU_TANH, 0, true);
+        gemm_case(m, n, k, TD_ACT_NONE, TD_GEMM_OUT_F32, j & 1);
+      }
+    if (alt) {
+      G = saved;
+      td_backend_destroy(alt);
+    }
+  }
+}
+
 /* ---------------------------------------------------------------- norms, activations */
 
-static void norm_case(int m, int n, bool rms, bool with_bias, bool inplace) {
+static void norm_case(int m, int n, bool rms, bool with_bias, bool inplace, bool no_weight) {
   float *x = rnd((size_t)m * n, 2.0f), *w = rnd(n, 0.2f), *b = rnd(n, 0.3f);
   for (size_t i = 0; i < (size_t)m * n; i++) x[i] = bfr(x[i] + 0.7f); /* a mean to remove */
   for (int i = 0; i < n; i++) w[i] += 1.0f;
   pair X = mk(TD_BUF_ACT, x, (size_t)m * n), W = mk(TD_BUF_F32, w, n), B = mk(TD_BUF_F32, b, n);
   pair Y = inplace ? X : mk(TD_BUF_ACT, NULL, (size_t)m * n);
-  RUN2(td_norm(G, X.g, W.g, with_bias ? B.g : NULL, Y.g, m, n, 1e-6f, rms),
-       td_norm(C, X.c, W.c, with_bias ? B.c : NULL, Y.c, m, n, 1e-6f, rms));
+  RUN2(td_norm(G, X.g, no_weight ? NULL : W.g, with_bias ? B.g : NULL, Y.g, m, n, 1e-6f, rms),
+       td_norm(C, X.c, no_weight ? NULL : W.c, with_bias ? B.c : NULL, Y.c, m, n, 1e-6f, rms));
   double e = compare(&Y, 0);
-  cr_expect(e <= TOL, "norm m=%d n=%d rms=%d bias=%d inplace=%d: error %.3g", m, n, rms, with_bias, inplace, e);
+  cr_expect(e <= TOL, "norm m=%d n=%d rms=%d bias=%d inplace=%d no_weight=%d: error %.3g", m, n, rms, with_bias,
+            inplace, no_weight, e);
   drop(&X);
   drop(&W);
   drop(&B);
@@ -283,7 +315,7 @@ static void norm_case(int m, int n, bool rms, bool with_bias, bool inplace) {
 Test(cuda, norm) {
   static const int sz[][2] = {{1, 64}, {17, 1024}, {300, 1280}, {5, 40}, {3, 1001}, {2048, 512}, {2, 8200}};
   for (size_t s = 0; s < sizeof sz / sizeof sz[0]; s++)
-    for (int v = 0; v < 6; v++) norm_case(sz[s][0], sz[s][1], v & 1, v & 2, v >= 4);
+    for (int v = 0; v < 8; v++) norm_case(sz[s][0], sz[s][1], v & 1, v & 2, v == 4 || v == 5, v >= 6);
 }
 
 Test(cuda, gated_act) {
@@ -499,7 +531,7 @@ Test(cuda, kv_write_copy) {
 
 typedef struct gex_cfg {
   int m, n, k;
-  int norm; /* 0 none, 1 RMSNorm, 2 LayerNorm */
+  int norm; /* 0 none, 1 RMSNorm, 2 LayerNorm, 3 RMSNorm without weight (norm_plain) */
   bool glu, bias;
   td_act act;
   unsigned flags;
@@ -524,11 +556,14 @@ static void gemm_ex_case(const gex_cfg *p) {
   pair XN = mk(TD_BUF_ACT, NULL, (size_t)m * k), GL = mk(TD_BUF_ACT, NULL, (size_t)m * n);
   pair Y = mk(yt, (flags & TD_GEMM_ACCUM) ? y0 : NULL, (size_t)m * ny);
   td_gemm_args ag = {.x = X.g, .w = W.g, .bias = p->bias ? B.g : NULL, .y = Y.g, .m = m, .n = n, .k = k,
-                     .act = p->act, .flags = flags, .norm_w = p->norm ? NW.g : NULL, .norm_b = NB.g,
-                     .norm_eps = 1e-5f, .norm_rms = p->norm == 1, .scratch_norm = XN.g, .scratch_glu = GL.g};
+                     .act = p->act, .flags = flags, .norm_w = p->norm == 1 || p->norm == 2 ? NW.g : NULL,
+                     .norm_b = p->norm == 3 ? NULL : NB.g, .norm_eps = 1e-5f,
+                     .norm_rms = p->norm == 1 || p->norm == 3, .norm_plain = p->norm == 3, .scratch_norm = XN.g,
+                     .scratch_glu = GL.g};
   td_gemm_args ac = ag;
-  ac.x = X.c, ac.w = W.c, ac.bias = p->bias ? B.c : NULL, ac.y = Y.c, ac.norm_w = p->norm ? NW.c : NULL;
-  ac.norm_b = NB.c, ac.scratch_norm = XN.c, ac.scratch_glu = GL.c;
+  ac.x = X.c, ac.w = W.c, ac.bias = p->bias ? B.c : NULL, ac.y = Y.c;
+  ac.norm_w = p->norm == 1 || p->norm == 2 ? NW.c : NULL, ac.norm_b = p->norm == 3 ? NULL : NB.c;
+  ac.scratch_norm = XN.c, ac.scratch_glu = GL.c;
   paged_rig r = {0};
   pair S = {0};
   int32_t *slots = NULL;
@@ -624,11 +659,23 @@ Test(cuda, gemm_ex) {
       {3001, 1030, 512, 1, true, true, TD_ACT_GELU_TANH, 0, 0, 0},   /* encoder-sized */
       {1500, 768, 384, 2, false, true, TD_ACT_GELU, 0, 0, 0},
       {700, 384, 256, 1, false, false, TD_ACT_NONE, 0, 32, 16}, /* KV write of many rows */
+      /* the decoder's folded RMSNorms: scaled by 1 / rms inside the GEMM */
+      {1, 3072, 1024, 3, false, false, TD_ACT_NONE, 0, 64, 16},       /* decode QKV + KV write, batch 1 */
+      {4, 3072, 1024, 3, false, true, TD_ACT_NONE, 0, 64, 16},
+      {1, 1024, 1024, 3, false, false, TD_ACT_NONE, 0, 0, 0},         /* cross-attention query */
+      {8, 5632, 1024, 3, true, false, TD_ACT_GELU_TANH, 0, 0, 0},     /* gated FFN input */
+      {1, 5632, 1024, 3, true, true, TD_ACT_GELU_TANH, 0, 0, 0},
+      {5, 1000, 200, 3, false, true, TD_ACT_SILU, 0, 0, 0},           /* odd n, k % 64 != 0 */
+      {13, 90, 64, 3, false, false, TD_ACT_NONE, 0, 10, 5},           /* odd head and block size */
+      {16, 514, 1280, 3, true, true, TD_ACT_GELU, 0, 0, 0},           /* n / 2 odd */
+      {3, 100, 36, 3, false, false, TD_ACT_NONE, 0, 0, 0},            /* k % 8 != 0: separate ops */
+      {40, 512, 256, 3, true, false, TD_ACT_GELU_TANH, 0, 0, 0},      /* over 16 rows: separate ops */
+      {2, 1024, 2816, 3, false, false, TD_ACT_NONE, 0, 0, 0},         /* the deep ring (k = 2816) */
   };
   /* the backend's default fusions, then every fusion up to 16 rows */
-  static const char *env[][2] = {{NULL, NULL}, {"TANDEM_CUDA_FUSE", "16,7"}};
-  static const char *modes[] = {"default", "all fused"};
-  for (int pass = 0; pass < 2; pass++) {
+  static const char *env[][2] = {{NULL, NULL}, {"TANDEM_CUDA_FUSE", "16,7"}, {"TANDEM_CUDA_SKINNY_BULK", "0"}};
+  static const char *modes[] = {"default", "all fused", "cp.async ring"};
+  for (int pass = 0; pass < 3; pass++) {
     td_backend *saved = G, *alt = NULL;
     if (pass > 0) {
       td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};

@@ -166,3 +166,13 @@ MODEL_TEST(marian_sinusoidal, "marian-sinusoidal")
 MODEL_TEST(bart_untied, "bart-untied-gelunew")
 MODEL_TEST(whisper_128mel, "whisper-128mel")
 MODEL_TEST(t5_untied_head, "t5-gated-untied-head")
+
+/* T5 decoders fold their RMSNorm weights into the next linear layer at
+ * load; with the fold off (the norm applied as its own op) the model must
+ * match the same references. */
+Test(model_cpu, t5_norm_unfolded) {
+  setenv("TANDEM_NORM_FOLD", "0", 1);
+  check_model("t5v11-gated-untied", 4);
+  check_model("t5-tiny", 3);
+  unsetenv("TANDEM_NORM_FOLD");
+}
