@@ -259,8 +259,8 @@ static td_status gex_work(void *p) {
   for (int i = 0; i < c->calls; i++) {
     td_gemm_args a = {.x = c->x, .w = c->w[i % c->nwc], .y = c->y, .m = c->m, .n = c->n, .k = c->k,
                       .act = c->glu_on ? TD_ACT_GELU_TANH : TD_ACT_NONE, .flags = c->glu_on ? TD_GEMM_GLU : 0,
-                      .norm_w = c->norm ? c->nw : NULL, .norm_eps = 1e-6f, .norm_rms = true, .scratch_norm = c->xn,
-                      .scratch_glu = c->glu};
+                      .norm_plain = c->norm, .norm_eps = 1e-6f, .norm_rms = true, .scratch_norm = c->xn,
+                      .scratch_glu = c->glu}; /* the model's folded norm */
     TD_TRY(td_gemm_ex(B, &a));
   }
   return TD_OK;
@@ -457,21 +457,21 @@ static td_status step_work(void *p) {
   int Bn = c->batch;
   td_relbias rb = {c->lut, 128};
   TD_TRY(td_embed(B, c->ids, c->ids, c->head, NULL, 1.0f, c->h, Bn, D));
-  for (int l = 0; l < LAYERS && !c->unfused; l++) { /* as model.c calls the ops */
+  for (int l = 0; l < LAYERS && !c->unfused; l++) { /* as model.c calls the ops (norm weights folded into W) */
     layer_w *w = &c->L[l];
-    td_gemm_args qa = {.x = c->h, .w = w->qkv, .y = c->qkv, .m = Bn, .n = 3 * D, .k = D, .norm_w = w->n1,
+    td_gemm_args qa = {.x = c->h, .w = w->qkv, .y = c->qkv, .m = Bn, .n = 3 * D, .k = D, .norm_plain = true,
                        .norm_eps = 1e-6f, .norm_rms = true, .scratch_norm = c->x, .kv_pool = c->self.pool,
                        .kv_layout = &c->self.l, .kv_layer = l, .kv_col = D, .kv_slots = c->slots};
     TD_TRY(td_gemm_ex(B, &qa));
     TD_TRY(td_attn_paged(B, c->qkv, 3 * D, c->att, c->self.pool, &c->self.l, l, &c->self.m, 1.0f, true, &rb));
     TD_TRY(td_gemm(B, c->att, w->o, NULL, c->h, Bn, D, D, TD_ACT_NONE, TD_GEMM_ACCUM));
-    td_gemm_args ca = {.x = c->h, .w = w->cq, .y = c->q, .m = Bn, .n = D, .k = D, .norm_w = w->n2, .norm_eps = 1e-6f,
-                       .norm_rms = true, .scratch_norm = c->x};
+    td_gemm_args ca = {.x = c->h, .w = w->cq, .y = c->q, .m = Bn, .n = D, .k = D, .norm_plain = true,
+                       .norm_eps = 1e-6f, .norm_rms = true, .scratch_norm = c->x};
     TD_TRY(td_gemm_ex(B, &ca));
     TD_TRY(td_attn_paged(B, c->q, D, c->att, c->cross.pool, &c->cross.l, l, &c->cross.m, 1.0f, false, NULL));
     TD_TRY(td_gemm(B, c->att, w->co, NULL, c->h, Bn, D, D, TD_ACT_NONE, TD_GEMM_ACCUM));
     td_gemm_args fa = {.x = c->h, .w = w->wi, .y = c->ff1, .m = Bn, .n = 2 * FF, .k = D, .act = TD_ACT_GELU_TANH,
-                       .flags = TD_GEMM_GLU, .norm_w = w->n3, .norm_eps = 1e-6f, .norm_rms = true,
+                       .flags = TD_GEMM_GLU, .norm_plain = true, .norm_eps = 1e-6f, .norm_rms = true,
                        .scratch_norm = c->x, .scratch_glu = c->ff};
     TD_TRY(td_gemm_ex(B, &fa));
     TD_TRY(td_gemm(B, c->ff1, w->wo, NULL, c->h, Bn, D, FF, TD_ACT_NONE, TD_GEMM_ACCUM));
@@ -645,6 +645,7 @@ static void variants(step_ctx *step) {
     bench_gemm("alt: cuBLASLt decode ffn out", ms[i], D, FF, 0);
   }
   td_backend_destroy(B);
+  B = main_b;
   if (step) {
     step->unfused = true;
     bench_step(step, 1, 64);
