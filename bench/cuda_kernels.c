@@ -400,9 +400,9 @@ static void paged_setup(paged_ctx *c, int batch, int ctx, int bound, bool causal
     cl[s] = ctx;
     for (int i = 0; i < stride; i++) tab[(size_t)s * stride + i] = i < nb ? s * nb + i : 0;
   }
-  /* cross-attention K/V are static within a step (kv_static) */
+  /* cross-attention K/V are static within a step (kv_static), self-attention's keys before the query too */
   c->m = (td_paged_meta){batch, batch, 1, bound, i32(qs, batch + 1), i32(cl, batch), i32(tab, (size_t)batch * stride),
-                         stride, !causal};
+                         stride, !causal, causal};
   c->causal = causal;
   free(qs);
   free(cl);

@@ -164,10 +164,15 @@ typedef struct td_paged_meta {
   const int32_t *ctx_len;     /* device [n_seqs]: KV length, queries included */
   const int32_t *block_table; /* device [n_seqs, max_blocks] */
   int max_blocks;
-  /* true when the pool's K/V and this metadata were not written by the op
-   * just before on the stream (cross-attention over encoder KV): the
-   * backend may start reading them before that op has finished. */
+  /* true when the pool's K/V and this metadata were not written by any op
+   * since the last copy, upload or sync on this backend (cross-attention
+   * over the encoder's KV, the step's metadata uploaded at its start): the
+   * backend may start reading them before earlier ops have finished. */
   bool kv_static;
+  /* the same for the K/V at positions before each sequence's first query
+   * only (self-attention: earlier steps wrote those; this step writes the
+   * rest, possibly in the op just before) */
+  bool kv_static_past;
 } td_paged_meta;
 
 /* out[n_tokens, heads, head_dim] = softmax(scale q K^T + bias) V. Query i

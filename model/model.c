@@ -1047,12 +1047,14 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
   td_paged_meta self_m = {.n_seqs = S, .n_tokens = T, .max_q = sb->max_q, .max_ctx = sb->max_ctx,
                           .q_start = D + ly->qs, .ctx_len = D + ly->ctx, .block_table = D + ly->tab,
                           .max_blocks = m->self_stride};
+  self_m.kv_static_past = true; /* earlier steps wrote the keys before this step's queries */
   td_paged_meta cross_m = self_m;
   cross_m.max_ctx = sb->max_cross;
   cross_m.ctx_len = D + ly->clen;
   cross_m.block_table = D + ly->ctab;
   cross_m.max_blocks = m->cross_stride;
-  cross_m.kv_static = true; /* the encoder wrote the cross KV, not the op before */
+  cross_m.kv_static_past = false;
+  cross_m.kv_static = true; /* the encoder wrote the cross KV before this step's metadata upload */
   bool first = d->stage == 0, last = d->stage == d->stages - 1;
   if (first) {
     TD_TRY(td_embed(b, dtok, dpos, m->dec_tok, c->pos_kind == TD_POS_RELATIVE ? NULL : m->dec_pos, c->embed_scale,

@@ -56,6 +56,7 @@ struct AttnArgs {
   float *part_o, *part_lse;
   int *counters; /* split-KV arrival counters, one per (query tile, head) */
   int kv_static;  /* paged: K/V and metadata may be read before the previous kernel ends */
+  int kv_past;    /* paged: so may the metadata and the K/V before each sequence's query (decode warp kernel) */
 };
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -657,7 +658,9 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
  * long contexts (small-batch cross-attention), where the tiled kernel
  * would split the keys over blocks and merge through global memory. With
  * static K/V (kv_static) each warp's first chunk is loaded before waiting
- * for the previous kernel, which produces only the query. */
+ * for the previous kernel, which produces only the query; with
+ * kv_static_past (causal self-attention) too, the query's own key, which
+ * the previous kernel wrote, read again after the wait. */
 union dw_bf16x8 {
   uint4 u;
   __nv_bfloat162 h[4];
@@ -718,6 +721,8 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
   if (early) {
     load(sub * 32 + lane);
     td_pdl_start();
+    /* kv_static_past: the query's own key was just written; read it again */
+    if (!a.kv_static && sub * 32 + lane == qpos) load(qpos);
   }
   if (live && sub == 0) {
     const bf16 *qp = a.q + (size_t)qs * a.ldq + (size_t)h * 64;
@@ -910,6 +915,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
   a.block_table = m->block_table;
   a.max_blocks = m->max_blocks;
   a.kv_static = m->kv_static;
+  a.kv_past = m->kv_static_past;
   a.n_splits = 1;
   bool fast = (dh == 64 || dh == 128) && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(out) && td_aligned16(pool);
   if (!fast) {
@@ -927,8 +933,10 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
    * fill the GPU better) */
   long pairs = (long)m->n_seqs * H;
   if (dh == 64 && max_q == 1 && ldq % 2 == 0 && c->decode_warp > 0) {
-    bool st = m->kv_static, small = c->decode_small > 0 && pairs < (long)c->decode_warp, done = true;
-    if (!st && pairs >= (long)c->decode_warp) launch_dw<2, 4>(c, false, pairs, a);
+    /* early loads: all of a static K/V, or the keys before the query (causal self-attention) */
+    bool st = m->kv_static || (m->kv_static_past && a.causal), done = true;
+    bool small = c->decode_small > 0 && pairs < (long)c->decode_warp;
+    if (!m->kv_static && pairs >= (long)c->decode_warp) launch_dw<2, 4>(c, st, pairs, a);
     else if (small && max_ctx <= 64) launch_dw<2, 4>(c, st, pairs, a);
     else if (small && max_ctx <= 128) launch_dw<4, 2>(c, st, pairs, a);
     else if (small && max_ctx <= 256) launch_dw<8, 1>(c, st, pairs, a);

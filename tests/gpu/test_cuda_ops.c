@@ -748,8 +748,8 @@ static void paged_case(const paged_cfg *p) {
   td_relbias bg = {p->md ? L.g : NULL, p->md}, bc = {p->md ? L.c : NULL, p->md};
   /* cross-attention (static K/V) may read the pool before the previous
    * kernel ends: that path on the GPU, the plain one on the re-run below */
-  td_paged_meta mg = {S, T, max_q + p->slack, max_ctx + p->slack, QS.g, CT.g, TB.g, stride, !p->causal};
-  td_paged_meta mc = {S, T, max_q, max_ctx, QS.c, CT.c, TB.c, stride, false};
+  td_paged_meta mg = {S, T, max_q + p->slack, max_ctx + p->slack, QS.g, CT.g, TB.g, stride, !p->causal, p->causal};
+  td_paged_meta mc = {S, T, max_q, max_ctx, QS.c, CT.c, TB.c, stride, false, false};
   float scale = 1.0f / sqrtf((float)dh);
   RUN2(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mg, scale, p->causal, p->md ? &bg : NULL),
        td_attn_paged(C, Q.c, ldq, O.c, r.pool.c, &r.l, 2, &mc, scale, p->causal, p->md ? &bc : NULL));
@@ -757,6 +757,34 @@ static void paged_case(const paged_cfg *p) {
   cr_expect(e <= TOL,
             "attn_paged H=%d dh=%d bs=%d seqs=%d tokens=%d causal=%d md=%d max_q=%d max_ctx=%d slack=%d: error %.3g",
             H, dh, bs, S, T, p->causal, p->md, max_q, max_ctx, p->slack, e);
+  /* decode self-attention right after this step's KV write, as the model
+   * runs it: the earlier keys may load before the write has finished, the
+   * query's own key (stale in the pool until then) must not */
+  if (p->causal && p->q_max == 1) {
+    int hd = H * dh;
+    int32_t *sl = malloc(sizeof(int32_t) * S);
+    for (int s = 0; s < S; s++) {
+      int qp = ctx[s] - 1;
+      sl[s] = ctx[s] > 0 ? tab[s * stride + qp / bs] * bs + qp % bs : -1;
+    }
+    float *nk = rnd((size_t)S * 2 * hd, 2.0f);
+    pair N = mk(TD_BUF_ACT, nk, (size_t)S * 2 * hd), SL = mk(TD_BUF_I32, sl, S);
+    size_t eg = td_buf_elem_size(G, TD_BUF_ACT), ec = td_buf_elem_size(C, TD_BUF_ACT);
+    td_paged_meta mp = mg;
+    mp.kv_static = false;
+    mp.kv_static_past = true;
+    poison_gpu(&O);
+    RUN2(td_kv_write(G, N.g, (char *)N.g + hd * eg, 2 * hd, r.pool.g, &r.l, 2, SL.g, S),
+         td_kv_write(C, N.c, (char *)N.c + hd * ec, 2 * hd, r.pool.c, &r.l, 2, SL.c, S));
+    RUN2(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mp, scale, true, p->md ? &bg : NULL),
+         td_attn_paged(C, Q.c, ldq, O.c, r.pool.c, &r.l, 2, &mc, scale, true, p->md ? &bc : NULL));
+    e = compare(&O, 0);
+    cr_expect(e <= TOL, "attn_paged right after the step's KV write (kv_static_past) seqs=%d: error %.3g", S, e);
+    drop(&N);
+    drop(&SL);
+    free(nk);
+    free(sl);
+  }
   /* exact bounds give the same answer */
   if (p->slack) {
     poison_gpu(&O);
@@ -986,7 +1014,7 @@ typedef struct step_bufs {
 enum { GS = 5, GD = 256, GH = 4, GDH = 64, GV = 1001, GBS = 16, GNB = 40, GSTRIDE = 8 };
 
 static td_status run_step(step_bufs *s, const td_kv_layout *l) {
-  td_paged_meta m = {GS, GS, 1, GSTRIDE * GBS, s->qs, s->ctx, s->tab, GSTRIDE, false};
+  td_paged_meta m = {GS, GS, 1, GSTRIDE * GBS, s->qs, s->ctx, s->tab, GSTRIDE, false, true};
   td_relbias rb = {s->lut, 16};
   TD_TRY(td_embed(G, s->ids, s->ids, s->wemb, NULL, 2.0f, s->h, GS, GD));
   /* norm, QKV projection and KV write in one op */
