@@ -56,6 +56,12 @@ const char *td_bench_cpu_name(void) {
 const char *td_bench_commit(void) {
   static char c[64];
   if (c[0]) return c;
+  /* TD_COMMIT first: a copy of the tree elsewhere (a GPU machine) may carry a stale .git */
+  const char *e = getenv("TD_COMMIT");
+  if (e && *e) {
+    snprintf(c, sizeof c, "%s", e);
+    return c;
+  }
   FILE *p = popen("git -C " TD_SOURCE_DIR " rev-parse --short HEAD 2>/dev/null", "r");
   if (p) {
     if (fgets(c, sizeof c, p)) c[strcspn(c, "\n")] = 0;
