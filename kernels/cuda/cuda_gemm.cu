@@ -8,8 +8,8 @@
  * heuristic runs once per shape, never on the replay path.
  *
  * Decode GEMMs of a few rows are weight streaming: there a "skinny"
- * tensor-core kernel reads W once with 16-byte cp.async loads (below);
- * more rows go to cuBLASLt. */
+ * tensor-core kernel reads W once, by bulk copies (TMA) or through a
+ * cp.async ring (below); more rows go to cuBLASLt. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

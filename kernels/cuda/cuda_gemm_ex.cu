@@ -1,28 +1,25 @@
-/* td_gemm_ex on the GPU: a decode GEMM (m <= 16 rows) that can fuse the
- * row norm, the gated activation (GLU) and the KV write of a QKV projection
- * ("skf"); whatever it does not fuse runs as its own op.
+/* td_gemm_ex on the GPU: the decode GEMM (m <= 8 rows by default) with
+ * what surrounds it in a layer fused: the gated activation (GLU), the KV
+ * write of a QKV projection, and the row norm; whatever is not fused runs
+ * as its own op.
  *
- * Same layout as the skinny kernel of cuda_gemm.cu (16 W rows per block,
- * the 4 warps split K, each streaming its share of W through its own
- * 4-stage cp.async ring, sums meeting in shared memory in a fixed order),
- * with three changes:
- *  - x is staged whole in shared memory once per block (m <= 16 rows,
- *    columns >= k zero), so a fused norm is applied there in place, exactly
- *    as td_norm computes it (full-row statistics, x * inv * w in bf16);
- *  - W is a model constant, so each warp requests its first stages before
- *    griddepcontrol.wait: they stream while earlier kernels run (a ring of
- *    5 stages holds a warp's whole share at k = 1024);
- *  - the epilogue does bias, activation, GLU (a block's 16 W rows are
- *    8 rows of W_a and the same 8 of W_b, giving 8 outputs), and the KV
- *    write of a QKV projection into the paged pool.
+ * Which kernel: without a weighted norm, the skinny kernels of
+ * cuda_gemm.cu (td_cu_skinny: W by bulk copies, or through a cp.async
+ * ring), which take the plain norm (the model folded the RMSNorm weight
+ * into W: scale by 1 / rms(x), sums of squares from the MMA fragments),
+ * the KV write, and GLU on the bulk variant. With a weighted norm (or GLU
+ * where the bulk variant does not fit), "skf" below: the skinny layout
+ * with x staged whole in shared memory per block (m rows, columns >= k
+ * zero), so the norm is applied there in place, exactly as td_norm
+ * computes it; its W stages are requested before the PDL wait too.
  *
- * What is fused by default was measured on H100 (docs/cuda.md): GLU up to
- * 8 rows (FFN input at one row 6.7 us against 8.4 for GEMM + gated
- * activation). The in-kernel norm measured no faster than the norm kernel
- * overlapped with the GEMM's weight prefetch (each block renormalises
- * every row: serial work after the wait), the KV write no better than its
- * own kernel, and 16 rows lose to cuBLASLt (x re-read per 16 columns).
- * TANDEM_CUDA_FUSE=ROWS,MASK selects others (tests run them all).
+ * Defaults (TANDEM_CUDA_FUSE=ROWS,MASK, measured on H100, docs/cuda.md):
+ * 8 rows, all three fusions (decode step at batch 1: KV write fused
+ * 0.922 -> 0.898 ms, then with W by bulk copies the plain norm fused
+ * 0.845 -> 0.822). The
+ * in-place weighted norm of skf measured slower than a norm kernel (every
+ * block renormalises every row after the wait), and beyond 8 rows these
+ * kernels lose to cuBLASLt (x re-read per 16 columns).
  *
  * Tried and dropped (measured): a split-K variant for up to 64 rows whose
  * blocks exchanged partials through distributed shared memory in
