@@ -336,10 +336,9 @@ static td_status load_t5(td_model *m, loader *ld) {
   td_status st = TD_OK;
   for (int i = m->d.l0; i < m->d.l1 && st == TD_OK; i++) {
     dec_layer *L = &m->dec[i - m->d.l0];
-    static const char *const subs[3] = {"0", "1", "2"};
     norm_w *ln[3] = {&L->ln_self, &L->ln_cross, &L->ln_ffn};
     for (int j = 0; j < 3 && st == TD_OK; j++) {
-      snprintf(name, sizeof name, "decoder.block.%d.layer.%s.layer_norm", i, subs[j]);
+      snprintf(name, sizeof name, "decoder.block.%d.layer.%d.layer_norm", i, j);
       st = load_norm(ld, name, c->d_model, ln[j]);
       if (st == TD_OK && fold) {
         int64_t shape[1] = {c->d_model};

@@ -305,30 +305,6 @@ constexpr size_t sk_smem_bytes(int stages, int nt) {
   return (size_t)SK_WARPS * stages * (nt + 16) * SK_ROW * sizeof(bf16);
 }
 
-/* The plain norm's sums of squares from the MMA's A fragments: a lane
- * holds 4 values of x row g (= lane / 4) and 4 of row g + 8 per k16 step,
- * and the 4 lanes of a g cover the step's 16 columns. */
-__device__ __forceinline__ void sk_square_sums(const uint32_t (&af)[4], float &ss, float &ss8) {
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)&af[i]);
-    float q = f.x * f.x + f.y * f.y;
-    if (i & 1) ss8 += q;
-    else ss += q;
-  }
-}
-/* this warp's sums of rows 0..15 over its K range, into out[16] */
-__device__ __forceinline__ void sk_square_sums_store(float *out, float ss, float ss8, int lane) {
-  ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-  ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-  ss8 += __shfl_xor_sync(0xffffffffu, ss8, 1);
-  ss8 += __shfl_xor_sync(0xffffffffu, ss8, 2);
-  if (!(lane & 3)) {
-    out[lane >> 2] = ss;
-    out[(lane >> 2) + 8] = ss8;
-  }
-}
-
 template <bool F32, int SK_STAGES, bool NORM>
 __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_args a) {
   constexpr int NT = 16;
@@ -410,7 +386,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
       ldsm_x4(af[0], af[1], af[2], af[3], xs + (lane & 15) * SK_ROW + ks * 16 + (lane >> 4) * 8);
       mma16816(acc[0], af, b0, b1);
       mma16816(acc[1], af, b2, b3);
-      if (NORM) sk_square_sums(af, ss, ss8);
+      if (NORM) sq_sums_add(af, ss, ss8);
     }
     __syncwarp(); /* the stage is rewritten by the next iteration's load */
   }
@@ -422,7 +398,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
   for (int j = 0; j < NT / 8; j++)
 #pragma unroll
     for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * NT + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
-  if (NORM) sk_square_sums_store(ssq + warp * 16, ss, ss8, lane);
+  if (NORM) sq_sums_store(ssq + warp * 16, ss, ss8, lane);
   __syncthreads();
 #pragma unroll
   for (int t = 0; t < PER; t++) {
@@ -444,15 +420,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
     } else {
       bf16 hv = __float2bfloat16_rn(v);
       ((bf16 *)a.y)[o] = hv;
-      if (a.pool && col >= a.kv_col && col < a.kv_col + 2 * a.kv_hd) {
-        int slot = __ldg(a.slots + row);
-        if (slot >= 0) {
-          int u = col - a.kv_col, which = u / a.kv_hd, e = u % a.kv_hd, hh = e / a.kv_dh, d = e % a.kv_dh;
-          size_t dst = (size_t)(slot / a.kv_bs) * a.kv_block_elems + a.kv_layer_off +
-                       ((size_t)(which * a.kv_H + hh) * a.kv_bs + slot % a.kv_bs) * a.kv_dh + d;
-          a.pool[dst] = hv;
-        }
-      }
+      td_kv_store(a.kv, row, col, hv);
     }
   }
 }
@@ -550,13 +518,13 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
     ldsm_x4(af[0], af[1], af[2], af[3], xp + k0);
     mma16816(acc[0], af, b0, b1);
     mma16816(acc[1], af, b2, b3);
-    if (NORM) sk_square_sums(af, ss, ss8);
+    if (NORM) sq_sums_add(af, ss, ss8);
   }
 #pragma unroll
   for (int j = 0; j < 2; j++)
 #pragma unroll
     for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * 16 + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
-  if (NORM) sk_square_sums_store(ssq + warp * 16, ss, ss8, lane);
+  if (NORM) sq_sums_store(ssq + warp * 16, ss, ss8, lane);
   __syncthreads();
 #pragma unroll
   for (int t = 0; t < PER; t++) {
@@ -584,15 +552,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
     } else {
       bf16 hv = __float2bfloat16_rn(v);
       ((bf16 *)a.y)[o] = hv;
-      if (!GLU && a.pool && j >= a.kv_col && j < a.kv_col + 2 * a.kv_hd) {
-        int slot = __ldg(a.slots + row);
-        if (slot >= 0) {
-          int u = j - a.kv_col, which = u / a.kv_hd, e = u % a.kv_hd, hh = e / a.kv_dh, d = e % a.kv_dh;
-          size_t dst = (size_t)(slot / a.kv_bs) * a.kv_block_elems + a.kv_layer_off +
-                       ((size_t)(which * a.kv_H + hh) * a.kv_bs + slot % a.kv_bs) * a.kv_dh + d;
-          a.pool[dst] = hv;
-        }
-      }
+      if (!GLU) td_kv_store(a.kv, row, j, hv);
     }
   }
 }

@@ -52,11 +52,7 @@ struct SfArgs {
   const float *nw, *nb;
   float eps;
   int kq, xs; /* K per warp; staged row length of x */
-  /* fused KV write (pool != NULL) */
-  bf16 *pool;
-  const int32_t *slots;
-  int kv_col, kv_hd, kv_dh, kv_bs, kv_H;
-  size_t kv_block_elems, kv_layer_off;
+  td_kv_dest kv; /* fused KV write (kv.pool != NULL) */
 };
 
 __device__ __forceinline__ float sf_warp_sum(float v) {
@@ -127,25 +123,10 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
 
   /* only m rows of x are staged: MMA rows past m read row 0 (never stored) */
   const int xrow = (lane & 15) < a.m ? (lane & 15) : 0;
-  /* plain RMSNorm (weight folded into W): the epilogue scales by 1 / rms;
-   * each warp sums the squares of its K range of each row */
+  /* plain RMSNorm (weight folded into W): the epilogue scales by 1 / rms,
+   * the sums of squares from the MMA fragments */
   float *ssq = (float *)(sf_raw + SF_RING + (size_t)a.m * XS * sizeof(bf16)); /* [warp][row], after x */
-  if (a.norm == SF_NORM_PLAIN) {
-    for (int r = 0; r < a.m; r++) {
-      float s2 = 0.0f;
-      for (int i = kb + lane * 8; i < ke; i += 256) {
-        sf_bf16x8 v;
-        v.u = *(const uint4 *)(xs + r * XS + i);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-          float2 f = __bfloat1622float2(v.h[j]);
-          s2 += f.x * f.x + f.y * f.y;
-        }
-      }
-      s2 = sf_warp_sum(s2);
-      if (lane == 0) ssq[warp * SF_MAXM + r] = s2;
-    }
-  }
+  float ss = 0.0f, ss8 = 0.0f;
   /* the norm in place, as td_norm: full-row statistics, x * inv * w */
   if (a.norm == SF_NORM_RMS || a.norm == SF_NORM_LN) {
     for (int r = warp; r < a.m; r += SF_WARPS) {
@@ -211,9 +192,11 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
       ldsm_x4(af[0], af[1], af[2], af[3], xs + xrow * XS + k0 + ks * 16 + (lane >> 4) * 8);
       mma16816(acc[0], af, b0, b1);
       mma16816(acc[1], af, b2, b3);
+      if (a.norm == SF_NORM_PLAIN) sq_sums_add(af, ss, ss8);
     }
     __syncwarp(); /* the stage is rewritten by the next iteration's load */
   }
+  if (a.norm == SF_NORM_PLAIN) sq_sums_store(ssq + warp * SF_MAXM, ss, ss8, lane);
   cp_async_wait<0>();
   __syncthreads();
   float *red = (float *)sf_raw; /* [warp][16 rows][16 cols], over the rings */
@@ -255,15 +238,7 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
     if (a.accum) v += __bfloat162float(a.y[o]);
     bf16 hv = __float2bfloat16_rn(v);
     a.y[o] = hv;
-    if (a.pool && j >= a.kv_col && j < a.kv_col + 2 * a.kv_hd) {
-      int slot = __ldg(a.slots + row);
-      if (slot >= 0) {
-        int u = j - a.kv_col, which = u / a.kv_hd, e = u % a.kv_hd, hh = e / a.kv_dh, d = e % a.kv_dh;
-        size_t dst = (size_t)(slot / a.kv_bs) * a.kv_block_elems + a.kv_layer_off +
-                     ((size_t)(which * a.kv_H + hh) * a.kv_bs + slot % a.kv_bs) * a.kv_dh + d;
-        a.pool[dst] = hv;
-      }
-    }
+    td_kv_store(a.kv, row, j, hv);
   }
 }
 
@@ -287,18 +262,19 @@ td_status td_cu_skf_init(td_cuda *c) {
   return TD_OK;
 }
 
-static void kv_args(const td_gemm_args *ga, bf16 **pool, const int32_t **slots, int *col, int *hd, int *dh, int *bs,
-                    int *H, size_t *block_elems, size_t *layer_off) {
+static td_kv_dest kv_dest(const td_gemm_args *ga) {
   const td_kv_layout *l = ga->kv_layout;
-  *pool = (bf16 *)ga->kv_pool;
-  *slots = ga->kv_slots;
-  *col = ga->kv_col;
-  *H = l->n_heads;
-  *dh = l->head_dim;
-  *hd = l->n_heads * l->head_dim;
-  *bs = l->block_size;
-  *block_elems = td_kv_block_elems(l);
-  *layer_off = (size_t)ga->kv_layer * 2 * l->n_heads * l->block_size * l->head_dim;
+  td_kv_dest d = {};
+  d.pool = (bf16 *)ga->kv_pool;
+  d.slots = ga->kv_slots;
+  d.col = ga->kv_col;
+  d.H = l->n_heads;
+  d.dh = l->head_dim;
+  d.hd = l->n_heads * l->head_dim;
+  d.bs = l->block_size;
+  d.block_elems = td_kv_block_elems(l);
+  d.layer_off = (size_t)ga->kv_layer * 2 * l->n_heads * l->block_size * l->head_dim;
+  return d;
 }
 
 /* The separate KV write of a QKV projection whose kernel did not store it. */
@@ -325,9 +301,7 @@ static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse
   a.y = ga->y;
   a.m = ga->m, a.n = ga->n, a.k = ga->k, a.act = (int)ga->act;
   a.eps = ga->norm_eps;
-  if (fuse_kv)
-    kv_args(ga, &a.pool, &a.slots, &a.kv_col, &a.kv_hd, &a.kv_dh, &a.kv_bs, &a.kv_H, &a.kv_block_elems,
-            &a.kv_layer_off);
+  if (fuse_kv) a.kv = kv_dest(ga);
   TD_TRY(td_cu_skinny(c, &a, false, fuse_norm, glu));
   return ga->kv_pool && !fuse_kv ? kv_after(b, ga) : TD_OK;
 }
@@ -382,9 +356,7 @@ td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
   a.eps = ga->norm_eps;
   a.kq = kq;
   a.xs = xs;
-  if (fuse_kv)
-    kv_args(ga, &a.pool, &a.slots, &a.kv_col, &a.kv_hd, &a.kv_dh, &a.kv_bs, &a.kv_H, &a.kv_block_elems,
-            &a.kv_layer_off);
+  if (fuse_kv) a.kv = kv_dest(ga);
   unsigned grid = glu ? (unsigned)((ga->n / 2 + 7) / 8) : (unsigned)((ga->n + 15) / 16);
   (void)td_launch(c, skf_kernel, grid, 32 * SF_WARPS, smem, a);
   TD_CU_LAUNCHED("gemm_ex (fused decode kernel)");

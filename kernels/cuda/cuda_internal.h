@@ -148,9 +148,28 @@ void td_cu_gemm_destroy(td_cuda *c);
 td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
                      td_act act, unsigned flags);
 
+/* Where a QKV projection's K/V columns [col, col + 2 hd) also go: the
+ * paged pool's slots (pool NULL: nowhere). Filled by td_cu_kv_dest. */
+typedef struct td_kv_dest {
+  bf16 *pool;
+  const int32_t *slots;
+  int col, hd, dh, bs, H;
+  size_t block_elems, layer_off;
+} td_kv_dest;
+
+/* Output (row, col) of a GEMM epilogue into the pool, as td_kv_write stores it. */
+__device__ __forceinline__ void td_kv_store(const td_kv_dest &d, int row, int col, bf16 v) {
+  if (!d.pool || col < d.col || col >= d.col + 2 * d.hd) return;
+  int slot = __ldg(d.slots + row);
+  if (slot < 0) return;
+  int u = col - d.col, which = u / d.hd, e = u % d.hd, hh = e / d.dh, dd = e % d.dh;
+  d.pool[(size_t)(slot / d.bs) * d.block_elems + d.layer_off + ((size_t)(which * d.H + hh) * d.bs + slot % d.bs) * d.dh +
+         dd] = v;
+}
+
 /* The skinny decode GEMM (cuda_gemm.cu) with what it can fuse: a plain
  * RMSNorm (norm: scale by 1 / rms(x)), the KV write of a QKV projection
- * (pool != NULL; bf16 output only). kq is set by td_cu_skinny. */
+ * (kv.pool != NULL; bf16 output only). kq is set by td_cu_skinny. */
 typedef struct td_skinny_args {
   const bf16 *x, *w;
   const float *bias;
@@ -158,10 +177,7 @@ typedef struct td_skinny_args {
   int m, n, k, kq, act;
   bool accum;
   float eps;
-  bf16 *pool;
-  const int32_t *slots;
-  int kv_col, kv_hd, kv_dh, kv_bs, kv_H;
-  size_t kv_block_elems, kv_layer_off;
+  td_kv_dest kv;
 } td_skinny_args;
 td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu);
 /* whether td_cu_skinny takes the bulk-copy kernel (the only one with GLU) for m rows of k */

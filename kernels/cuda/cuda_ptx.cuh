@@ -67,6 +67,31 @@ __device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint32_t by
                : "memory");
 }
 
+/* Sums of squares of x's rows from the mma.sync A fragments (a plain
+ * RMSNorm folded into a GEMM): per k16 step a lane holds 4 values of row
+ * g = lane / 4 and 4 of row g + 8, and the 4 lanes of a g cover the
+ * step's 16 columns. */
+__device__ __forceinline__ void sq_sums_add(const uint32_t (&af)[4], float &ss, float &ss8) {
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)&af[i]);
+    float q = f.x * f.x + f.y * f.y;
+    if (i & 1) ss8 += q;
+    else ss += q;
+  }
+}
+/* this warp's sums of rows 0..15 over its K range, into out[16] */
+__device__ __forceinline__ void sq_sums_store(float *out, float ss, float ss8, int lane) {
+  ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+  ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+  ss8 += __shfl_xor_sync(0xffffffffu, ss8, 1);
+  ss8 += __shfl_xor_sync(0xffffffffu, ss8, 2);
+  if (!(lane & 3)) {
+    out[lane >> 2] = ss;
+    out[(lane >> 2) + 8] = ss8;
+  }
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *(uint32_t *)&v;
