@@ -95,8 +95,10 @@ static inline unsigned td_blocks(size_t n, unsigned per) {
  * wait lets launches run ahead down the stream as far as free SM
  * resources allow, each kernel prefetching its weights before its own
  * wait; the chain of waits still orders every dependent access, and no
- * kernel writes global memory before its wait. TD_PDL_EARLY=0 (build
- * option TANDEM_PDL_EARLY=OFF) triggers after the wait instead. */
+ * kernel writes global memory before its wait. Before its wait a kernel
+ * reads only model constants and what ops.h declares unwritten since the
+ * last copy on the stream (kv_static). Building with -DTD_PDL_EARLY=0 in
+ * CMAKE_CUDA_FLAGS triggers after the wait instead. */
 #ifndef TD_PDL_EARLY
 #define TD_PDL_EARLY 1
 #endif
