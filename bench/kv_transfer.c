@@ -268,7 +268,14 @@ typedef struct row {
   const char *path;
   int bs;
   double mb, ms, gbs, pct;
+  double pipe; /* staged path: the bare CUDA pipeline of the same bytes (GB/s), 0 elsewhere */
 } row;
+
+/* The staged path's ceiling on this link: D2H of each chunk into pinned
+ * memory, then its H2D on a second stream as soon as it landed, no
+ * protocol and no second process (NULL where there is no GPU). */
+static double (*g_pipe)(size_t bytes);
+static size_t pipe_chunk = (size_t)2 << 20; /* the engine's steady staged chunk */
 
 static row rows[256];
 static int n_rows;
@@ -315,8 +322,11 @@ static void measure_path(const char *name, td_kvx *k, td_kvx_peer *p, int kind_s
       rw->ms = med * 1e3;
       rw->gbs = bytes / med / 1e9;
       rw->pct = peak > 0 ? 100.0 * rw->gbs / peak : 0;
-      printf("%-22s %-8s %8.1f MB %9.3f ms %8.2f GB/s %6.1f%% of peak\n", name, bs_name(b), rw->mb, rw->ms, rw->gbs,
+      rw->pipe = tr == TD_KVX_UCX && kind_s == KIND_GPU && g_pipe ? g_pipe((size_t)bytes) : 0;
+      printf("%-22s %-8s %8.1f MB %9.3f ms %8.2f GB/s %6.1f%% of peak", name, bs_name(b), rw->mb, rw->ms, rw->gbs,
              rw->pct);
+      if (rw->pipe > 0) printf(" %6.1f%% of the bare pipeline (%.2f GB/s)", 100.0 * rw->gbs / rw->pipe, rw->pipe);
+      printf("\n");
       fflush(stdout);
     }
   }
@@ -392,6 +402,36 @@ static double time_bidir(void *h_dst, const void *d_src, void *d_dst, const void
     double t = (double)(td_now_ns() - t0) / 1e9;
     if (t < best) best = t;
   }
+  cudaStreamDestroy(s0);
+  cudaStreamDestroy(s1);
+  return (double)n / best / 1e9;
+}
+
+static void *pipe_d0, *pipe_d1, *pipe_h;
+static double time_pipe(size_t n) {
+  cudaStream_t s0, s1;
+  cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking);
+  cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking);
+  size_t nc = (n + pipe_chunk - 1) / pipe_chunk;
+  cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * nc);
+  for (size_t i = 0; i < nc; i++) cudaEventCreateWithFlags(&ev[i], cudaEventDisableTiming);
+  double best = 1e30;
+  for (int r = 0; r < 5; r++) {
+    cudaDeviceSynchronize();
+    int64_t t0 = td_now_ns();
+    for (size_t i = 0; i < nc; i++) {
+      size_t off = i * pipe_chunk, len = n - off < pipe_chunk ? n - off : pipe_chunk;
+      cudaMemcpyAsync((uint8_t *)pipe_h + off, (const uint8_t *)pipe_d0 + off, len, cudaMemcpyDeviceToHost, s0);
+      cudaEventRecord(ev[i], s0);
+      cudaStreamWaitEvent(s1, ev[i], 0);
+      cudaMemcpyAsync((uint8_t *)pipe_d1 + off, (const uint8_t *)pipe_h + off, len, cudaMemcpyHostToDevice, s1);
+    }
+    cudaDeviceSynchronize();
+    double t = (double)(td_now_ns() - t0) / 1e9;
+    if (t < best) best = t;
+  }
+  for (size_t i = 0; i < nc; i++) cudaEventDestroy(ev[i]);
+  free(ev);
   cudaStreamDestroy(s0);
   cudaStreamDestroy(s1);
   return (double)n / best / 1e9;
@@ -532,6 +572,12 @@ int main(int argc, char **argv) {
       p_bidir = time_bidir(h, d, (uint8_t *)d + half, (uint8_t *)h + half, half);
       printf("pinned D2H and H2D at once: %.2f GB/s each\n", p_bidir);
     }
+    if (cudaMalloc(&pipe_d0, g_max_bytes) == cudaSuccess && cudaMalloc(&pipe_d1, g_max_bytes) == cudaSuccess &&
+        cudaHostAlloc(&pipe_h, g_max_bytes, cudaHostAllocPortable) == cudaSuccess) {
+      if (g_stage_chunk) pipe_chunk = g_stage_chunk;
+      g_pipe = time_pipe;
+    }
+    cudaGetLastError();
     if (ngpu >= 2) {
       void *d1 = NULL;
       cudaSetDevice(1);
@@ -654,13 +700,20 @@ int main(int argc, char **argv) {
       fprintf(f, "; cudaMemcpyPeer GPU0->GPU1 %.2f GB/s; NCCL send/recv GPU0->GPU1 in one process %.2f GB/s (the NCCL "
                  "path's peak)", p_peer, p_nccl);
     if (g_nccl_chunk) fprintf(f, ". NCCL chunks up to %zu KiB", g_nccl_chunk >> 10);
+    if (g_pipe)
+      fprintf(f, ". Bare pipeline: the same bytes as D2H chunks of %zu KiB, each followed by its H2D on a second "
+                 "stream, one process, no protocol (the staged path's ceiling on this link)", pipe_chunk >> 10);
     fprintf(f, ". Staging: %d slots of %zu MiB, chunks up to %s. Time from post to the sender's callback (after the "
                "receiver's acknowledgement), median; destinations scattered (one copy per block).\n\n",
             g_slots, g_slot_bytes >> 20, g_stage_chunk ? "--stage-chunk-kb" : "the engine's default");
-    fprintf(f, "| path | block | MB | ms | GB/s | %% of path peak |\n|---|---|---:|---:|---:|---:|\n");
-    for (int i = 0; i < n_rows; i++)
-      fprintf(f, "| %s | %s | %.1f | %.3f | %.2f | %.0f |\n", rows[i].path, bs_name(rows[i].bs), rows[i].mb, rows[i].ms,
+    fprintf(f, "| path | block | MB | ms | GB/s | %% of path peak | bare pipeline GB/s | %% of it |\n"
+               "|---|---|---:|---:|---:|---:|---:|---:|\n");
+    for (int i = 0; i < n_rows; i++) {
+      fprintf(f, "| %s | %s | %.1f | %.3f | %.2f | %.0f |", rows[i].path, bs_name(rows[i].bs), rows[i].mb, rows[i].ms,
               rows[i].gbs, rows[i].pct);
+      if (rows[i].pipe > 0) fprintf(f, " %.2f | %.0f |\n", rows[i].pipe, 100.0 * rows[i].gbs / rows[i].pipe);
+      else fprintf(f, " - | - |\n");
+    }
     fprintf(f, "\nLatency, one 64 KiB block (median):");
     for (int i = 0; i < n_lat; i++) fprintf(f, "%s %s %.1f us", i ? ";" : "", lat_path[i], lat_us[i]);
     fprintf(f, ".\n");
@@ -672,6 +725,9 @@ int main(int argc, char **argv) {
   }
   free(host);
 #ifdef TD_KVX_BENCH_CUDA
+  if (pipe_d0) cudaFree(pipe_d0);
+  if (pipe_d1) cudaFree(pipe_d1);
+  if (pipe_h) cudaFreeHost(pipe_h);
   if (gpu) cudaFree(gpu);
 #endif
   return 0;
