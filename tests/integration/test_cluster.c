@@ -326,22 +326,18 @@ typedef struct kill_ctx {
 
 static void *killer(void *arg) {
   kill_ctx *k = arg;
-  /* wait until the victim holds work, then kill it. The router's own
-   * count of requests it gave the worker (jobs) moves at once; the
-   * worker's running count only with its next heartbeat (200 ms), after
-   * which an optimised build may already have finished every request. */
+  /* wait until the victim holds work, then kill it */
   int64_t end = td_now_ms() + 20000;
   while (td_now_ms() < end) {
     td_client_health h;
     if (cluster_health(k->c, &h))
       for (int i = 0; i < h.n_workers; i++)
-        if (!strcmp(h.workers[i].id, k->c->p[k->victim].name) &&
-            (h.workers[i].running > 0 || h.workers[i].jobs > 0)) {
+        if (!strcmp(h.workers[i].id, k->c->p[k->victim].name) && h.workers[i].running > 0) {
           cluster_kill(k->c, k->victim);
           k->killed = true;
           return NULL;
         }
-    usleep(2000);
+    usleep(20000);
   }
   return NULL;
 }
@@ -354,13 +350,12 @@ static void *killer_rank(void *arg) {
     td_client_health h;
     if (cluster_health(k->c, &h))
       for (int i = 0; i < h.n_workers; i++)
-        if (!strcmp(h.workers[i].id, k->c->p[k->victim].name) &&
-            (h.workers[i].running > 0 || h.workers[i].jobs > 0)) {
+        if (!strcmp(h.workers[i].id, k->c->p[k->victim].name) && h.workers[i].running > 0) {
           cluster_kill(k->c, k->victim + 1);
           k->killed = true;
           return NULL;
         }
-    usleep(2000);
+    usleep(20000);
   }
   return NULL;
 }
