@@ -265,6 +265,61 @@ static void run_receiver_killed(td_kvx_local_path local) {
 Test(kvx_proc, receiver_killed_mid_transfer, .timeout = 120) { run_receiver_killed(TD_KVX_LOCAL_AUTO); }
 Test(kvx_proc, receiver_killed_mid_transfer_tcp_only, .timeout = 120) { run_receiver_killed(TD_KVX_LOCAL_OFF); }
 
+/* The receiver dies between publishing its descriptor and the sender's
+ * connect: the connect is refused, or a transfer ends with an error in
+ * bounded time; nothing hangs, nothing stays behind (LeakSanitizer checks
+ * this process at exit), and no shared-memory path is set up to a
+ * process that is gone. */
+Test(kvx_proc, connect_to_a_receiver_that_is_gone, .timeout = 120) {
+  td_kvx_geom g = kt_geom(0, 8, 0, 8, 64, 16, 4);
+  child c = spawn_receiver(RX_HANG_AFTER_GRANT, g, 8, TD_KVX_LOCAL_AUTO);
+  kt_rx rx = {0};
+  td_kvx_opts o = kt_opts("tx-late", &rx);
+  td_kvx *k;
+  cr_assert_eq(td_kvx_create(&o, &k), TD_OK, "%s", td_errmsg());
+  size_t bb = td_kvx_block_bytes(&g);
+  void *mem = calloc(NBLK, bb);
+  td_kvx_pool_desc pd = {POOL, TD_KVX_MEM_HOST, mem, NBLK, g};
+  cr_assert_eq(td_kvx_register_pool(k, &pd), TD_OK, "%s", td_errmsg());
+  uint64_t len, res;
+  int32_t dst[8], src[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  cr_assert(read_all(c.rd, &len, 8, NULL, 60000), "receiver did not start");
+  cr_assert_lt(len, 1u << 20);
+  uint8_t *desc = malloc(len);
+  cr_assert(read_all(c.rd, desc, len, NULL, 10000));
+  cr_assert(read_all(c.rd, &res, 8, NULL, 10000));
+  cr_assert(read_all(c.rd, dst, sizeof dst, NULL, 10000));
+  kill(c.pid, SIGKILL);
+  int ws;
+  waitpid(c.pid, &ws, 0);
+  td_kvx_peer *peer = NULL;
+  td_status cs = td_kvx_connect(k, desc, len, &peer);
+  free(desc);
+  if (cs == TD_OK) {
+    cr_assert(!td_kvx_get_stats(k).local_path, "a shared-memory endpoint to a process that is gone");
+    td_kvx_xfer x = {9, res, POOL, POOL, src, dst, 8, 10000, TD_KVX_UCX, NULL};
+    kt_done d = {0};
+    td_status ps = td_kvx_post(peer, &x, kt_done_cb, &d, NULL);
+    if (ps == TD_OK) {
+      td_kvx *ks[1] = {k};
+      cr_assert(kt_drive(ks, 1, &d.calls, 20000), "no end to a transfer to a dead receiver");
+      cr_assert_neq(d.status, TD_OK);
+    } else {
+      td_err_clear();
+    }
+    td_kvx_disconnect(peer);
+  } else {
+    cr_assert_eq(cs, TD_ERR_NETWORK, "%s: %s", td_status_str(cs), td_errmsg());
+    td_err_clear();
+  }
+  td_kvx_stats st = td_kvx_get_stats(k);
+  cr_assert_eq(st.xfers, 0);
+  td_kvx_destroy(k);
+  free(mem);
+  close(c.rd);
+  close(c.wr);
+}
+
 /* The sender process dies after its transfer was granted: the receiver
  * ends the grant with a peer failure and the blocks are unpinned. */
 Test(kvx_proc, sender_killed_mid_transfer, .timeout = 120) {
