@@ -57,6 +57,7 @@ struct AttnArgs {
   int *counters; /* split-KV arrival counters, one per (query tile, head) */
   int kv_static;  /* paged: K/V and metadata may be read before the previous kernel ends */
   int kv_past;    /* paged: so may the metadata and the K/V before each sequence's query (decode warp kernel) */
+  int pdl_late;   /* decode warp kernel: trigger the next launch after the wait */
 };
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -685,7 +686,7 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
   __shared__ float qsh[PAIRS][64];
   __shared__ float4 mrg[PAIRS][SPLIT - 1][32];
   constexpr bool early = EARLY; /* kv_static: the first chunk loads before the wait */
-  if (!early) td_pdl_start();
+  if (!early) td_pdl_start_if(a.pdl_late);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, H = a.H;
   const int pw = warp % PAIRS, sub = warp / PAIRS; /* which pair, which of its chunk streams */
   const long gp = (long)blockIdx.x * PAIRS + pw;
@@ -720,7 +721,7 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
   };
   if (early) {
     load(sub * 32 + lane);
-    td_pdl_start();
+    td_pdl_start_if(a.pdl_late);
     /* kv_static_past: the query's own key was just written; read it again */
     if (!a.kv_static && sub * 32 + lane == qpos) load(qpos);
   }
@@ -916,6 +917,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
   a.max_blocks = m->max_blocks;
   a.kv_static = m->kv_static;
   a.kv_past = m->kv_static_past;
+  a.pdl_late = c->pdl_late > 0 && (c->pdl_late & 1) != 0;
   a.n_splits = 1;
   bool fast = (dh == 64 || dh == 128) && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(out) && td_aligned16(pool);
   if (!fast) {

@@ -658,6 +658,8 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->decode_small = v && *v ? atoi(v) : 64;
   v = getenv("TANDEM_CUDA_PDL");
   c->pdl = !(v && *v == '0');
+  v = getenv("TANDEM_CUDA_PDL_LATE");
+  c->pdl_late = v && *v ? atoi(v) : -1; /* -1: the measured default (cuda_gemm.cu, td_cu_skinny) */
   TD_TRY(td_cu_gemm_init(c));
   TD_TRY(td_cu_attn_init(c));
   TD_TRY(td_cu_sample_init(c));

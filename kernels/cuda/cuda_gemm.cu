@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
     int i = threadIdx.x + t * 32 * SK_WARPS, col = n0 + i % NT;
     pb[t] = a.bias && col < n ? __ldg(a.bias + col) : 0.0f;
   }
-  td_pdl_start();
+  td_pdl_start_if(a.late);
 #pragma unroll
   for (int st = 0; st < SK_STAGES - 1; st++) {
     if (st < nst) load_x(st, st);
@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
     pb[t] = a.bias && j < ldy ? __ldg(a.bias + j) : 0.0f;
     pb2[t] = GLU && a.bias && j < ldy ? __ldg(a.bias + half + j) : 0.0f;
   }
-  td_pdl_start();
+  td_pdl_start_if(a.late);
 #pragma unroll
   for (int t = 0; t < PER; t++) {
     int i = threadIdx.x + t * 32 * SK_WARPS, row = i / oc, j = blockIdx.x * oc + i % oc;
@@ -585,6 +585,12 @@ bool td_cu_skinny_bulk(const td_cuda *c, int m, int k) {
 
 td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu) {
   a->kq = ((a->k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
+  /* which skinny GEMMs let the launches behind them start only after their
+   * own wait (measured on H100, docs/cuda.md): the normed ones (QKV, cross
+   * q, FFN in), and at 1-2 rows every one. Deeper run-ahead let later
+   * kernels' weight prefetches crowd the running kernel's memory traffic. */
+  const int pl = c->pdl_late;
+  a->late = pl < 0 ? norm || a->m <= 2 : (pl & 2) != 0 || (norm ? (pl & 4) : (pl & 8)) != 0;
   if (td_cu_skinny_bulk(c, a->m, a->k)) {
     size_t smem = skb_smem(a->m, a->kq);
     if (glu && norm) skb_launch<false, true, true>(c, *a, smem);

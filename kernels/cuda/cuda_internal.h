@@ -50,6 +50,8 @@ typedef struct td_cuda {
   int dense64_warps;  /* dense attention, head_dim 64: 0 wgmma on 2 warpgroups, 8 mma.sync warps x 16 rows
                          (TANDEM_CUDA_DENSE64=8), or 4 (=4) */
   int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */
+  int pdl_late;       /* kernels that trigger after their wait (TANDEM_CUDA_PDL_LATE=MASK: 1 decode attention, 2 every
+                         skinny GEMM, 4 the normed ones, 8 the others; unset: -1, the default policy) */
   int fuse, fuse_mask; /* td_gemm_ex on the fused decode kernel: up to this many rows, these fusions (TANDEM_CUDA_FUSE) */
   struct td_gemm_plan *plans;
   uint64_t plan_clock;
@@ -112,6 +114,16 @@ __device__ __forceinline__ void td_pdl_start() {
 #endif
 }
 
+/* late: trigger after the wait, so that the launches behind this kernel
+ * (and their weight prefetches) wait until it runs (TANDEM_CUDA_PDL_LATE). */
+__device__ __forceinline__ void td_pdl_start_if(bool late) {
+  if (late) {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  } else {
+    td_pdl_start();
+  }
+}
 /* cluster > 0: thread-block clusters of that many blocks along x. */
 template <typename... KArgs, typename... Args>
 static inline cudaError_t td_launch_ex(const td_cuda *c, int cluster, void (*kernel)(KArgs...), dim3 grid, dim3 block,
@@ -177,7 +189,7 @@ typedef struct td_skinny_args {
   const float *bias;
   void *y;
   int m, n, k, kq, act;
-  bool accum;
+  bool accum, late;
   float eps;
   td_kv_dest kv;
 } td_skinny_args;
