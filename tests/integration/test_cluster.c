@@ -361,14 +361,12 @@ static void *killer_rank(void *arg) {
   int64_t end = td_now_ms() + 20000;
   while (td_now_ms() < end) {
     td_client_health h;
-    if (cluster_health(k->c, &h))
-      for (int i = 0; i < h.n_workers; i++)
-        if (!strcmp(h.workers[i].id, k->c->p[k->victim].name) && h.workers[i].running > 0) {
-          cluster_kill(k->c, k->victim + 1);
-          k->killed = true;
-          return NULL;
-        }
-    usleep(20000);
+    if (cluster_health(k->c, &h) && holds_work(&h, k->c->p[k->victim].name)) {
+      cluster_kill(k->c, k->victim + 1);
+      k->killed = true;
+      return NULL;
+    }
+    usleep(2000);
   }
   return NULL;
 }
