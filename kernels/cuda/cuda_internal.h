@@ -104,26 +104,14 @@ static inline unsigned td_blocks(size_t n, unsigned per) {
 #ifndef TD_PDL_EARLY
 #define TD_PDL_EARLY 1
 #endif
-__device__ __forceinline__ void td_pdl_start() {
-#if TD_PDL_EARLY
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#else
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 /* late: trigger after the wait, so that the launches behind this kernel
  * (and their weight prefetches) wait until it runs (TANDEM_CUDA_PDL_LATE). */
 __device__ __forceinline__ void td_pdl_start_if(bool late) {
-  if (late) {
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  } else {
-    td_pdl_start();
-  }
+  if (!late) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (late) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
+__device__ __forceinline__ void td_pdl_start() { td_pdl_start_if(!TD_PDL_EARLY); }
 /* cluster > 0: thread-block clusters of that many blocks along x. */
 template <typename... KArgs, typename... Args>
 static inline cudaError_t td_launch_ex(const td_cuda *c, int cluster, void (*kernel)(KArgs...), dim3 grid, dim3 block,

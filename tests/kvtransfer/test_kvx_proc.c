@@ -144,7 +144,9 @@ typedef struct sender {
   int32_t dst[NBLK];
 } sender;
 
-static void sender_open(sender *s, child *c, td_kvx_geom g, int nres, td_kvx_local_path local) {
+/* The sender's engine and pool, and the receiver's descriptor (malloc'd),
+ * reservation and blocks, not yet connected. */
+static uint8_t *sender_prepare(sender *s, child *c, td_kvx_geom g, int nres, td_kvx_local_path local, uint64_t *len) {
   memset(s, 0, sizeof *s);
   td_kvx_opts o = kt_opts("tx-proc", &s->rx);
   o.local_path = local;
@@ -154,13 +156,18 @@ static void sender_open(sender *s, child *c, td_kvx_geom g, int nres, td_kvx_loc
   kt_fill_random(s->mem, bb * NBLK, (uint64_t)getpid());
   td_kvx_pool_desc pd = {POOL, TD_KVX_MEM_HOST, s->mem, NBLK, g};
   cr_assert_eq(td_kvx_register_pool(s->k, &pd), TD_OK, "%s", td_errmsg());
-  uint64_t len;
-  cr_assert(read_all(c->rd, &len, 8, NULL, 60000), "receiver did not start");
-  cr_assert_lt(len, 1u << 20);
-  uint8_t *desc = malloc(len);
-  cr_assert(read_all(c->rd, desc, len, NULL, 10000));
+  cr_assert(read_all(c->rd, len, 8, NULL, 60000), "receiver did not start");
+  cr_assert_lt(*len, 1u << 20);
+  uint8_t *desc = malloc(*len);
+  cr_assert(read_all(c->rd, desc, *len, NULL, 10000));
   cr_assert(read_all(c->rd, &s->res, 8, NULL, 10000));
   cr_assert(read_all(c->rd, s->dst, sizeof(int32_t) * (size_t)nres, NULL, 10000));
+  return desc;
+}
+
+static void sender_open(sender *s, child *c, td_kvx_geom g, int nres, td_kvx_local_path local) {
+  uint64_t len;
+  uint8_t *desc = sender_prepare(s, c, g, nres, local, &len);
   cr_assert_eq(td_kvx_connect(s->k, desc, len, &s->peer), TD_OK, "%s", td_errmsg());
   free(desc);
 }
@@ -273,49 +280,35 @@ Test(kvx_proc, receiver_killed_mid_transfer_tcp_only, .timeout = 120) { run_rece
 Test(kvx_proc, connect_to_a_receiver_that_is_gone, .timeout = 120) {
   td_kvx_geom g = kt_geom(0, 8, 0, 8, 64, 16, 4);
   child c = spawn_receiver(RX_HANG_AFTER_GRANT, g, 8, TD_KVX_LOCAL_AUTO);
-  kt_rx rx = {0};
-  td_kvx_opts o = kt_opts("tx-late", &rx);
-  td_kvx *k;
-  cr_assert_eq(td_kvx_create(&o, &k), TD_OK, "%s", td_errmsg());
-  size_t bb = td_kvx_block_bytes(&g);
-  void *mem = calloc(NBLK, bb);
-  td_kvx_pool_desc pd = {POOL, TD_KVX_MEM_HOST, mem, NBLK, g};
-  cr_assert_eq(td_kvx_register_pool(k, &pd), TD_OK, "%s", td_errmsg());
-  uint64_t len, res;
-  int32_t dst[8], src[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-  cr_assert(read_all(c.rd, &len, 8, NULL, 60000), "receiver did not start");
-  cr_assert_lt(len, 1u << 20);
-  uint8_t *desc = malloc(len);
-  cr_assert(read_all(c.rd, desc, len, NULL, 10000));
-  cr_assert(read_all(c.rd, &res, 8, NULL, 10000));
-  cr_assert(read_all(c.rd, dst, sizeof dst, NULL, 10000));
+  sender s;
+  uint64_t len;
+  uint8_t *desc = sender_prepare(&s, &c, g, 8, TD_KVX_LOCAL_AUTO, &len);
   kill(c.pid, SIGKILL);
   int ws;
   waitpid(c.pid, &ws, 0);
-  td_kvx_peer *peer = NULL;
-  td_status cs = td_kvx_connect(k, desc, len, &peer);
+  td_status cs = td_kvx_connect(s.k, desc, len, &s.peer);
   free(desc);
   if (cs == TD_OK) {
-    cr_assert(!td_kvx_get_stats(k).local_path, "a shared-memory endpoint to a process that is gone");
-    td_kvx_xfer x = {9, res, POOL, POOL, src, dst, 8, 10000, TD_KVX_UCX, NULL};
+    cr_assert(!td_kvx_get_stats(s.k).local_path, "a shared-memory endpoint to a process that is gone");
+    int32_t src[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    td_kvx_xfer x = {9, s.res, POOL, POOL, src, s.dst, 8, 10000, TD_KVX_UCX, NULL};
     kt_done d = {0};
-    td_status ps = td_kvx_post(peer, &x, kt_done_cb, &d, NULL);
+    td_status ps = td_kvx_post(s.peer, &x, kt_done_cb, &d, NULL);
     if (ps == TD_OK) {
-      td_kvx *ks[1] = {k};
+      td_kvx *ks[1] = {s.k};
       cr_assert(kt_drive(ks, 1, &d.calls, 20000), "no end to a transfer to a dead receiver");
       cr_assert_neq(d.status, TD_OK);
     } else {
       td_err_clear();
     }
-    td_kvx_disconnect(peer);
+    td_kvx_disconnect(s.peer);
   } else {
     cr_assert_eq(cs, TD_ERR_NETWORK, "%s: %s", td_status_str(cs), td_errmsg());
     td_err_clear();
   }
-  td_kvx_stats st = td_kvx_get_stats(k);
-  cr_assert_eq(st.xfers, 0);
-  td_kvx_destroy(k);
-  free(mem);
+  cr_assert_eq(td_kvx_get_stats(s.k).xfers, 0);
+  td_kvx_destroy(s.k);
+  free(s.mem);
   close(c.rd);
   close(c.wr);
 }
