@@ -660,6 +660,8 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->pdl = !(v && *v == '0');
   v = getenv("TANDEM_CUDA_PDL_LATE");
   c->pdl_late = v && *v ? atoi(v) : -1; /* -1: the measured default (cuda_gemm.cu, td_cu_skinny) */
+  v = getenv("TANDEM_CUDA_WEIGHT_HINT");
+  c->weight_hint = !(v && *v == '0');
   TD_TRY(td_cu_gemm_init(c));
   TD_TRY(td_cu_attn_init(c));
   TD_TRY(td_cu_sample_init(c));

@@ -470,10 +470,15 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
       bytes += ok ? (uint32_t)k * 2u : 0u;
     }
     mbar_arrive_tx(bar, bytes);
+    /* W is read once a step: evict it first, so that it does not push
+     * activations and prefetched K/V out of L2 */
+    const uint64_t pol = a.hint ? l2_evict_first() : 0;
     for (int r = 0; r < 16; r++) {
       bool ok;
       int wr = w_row(r, ok);
-      if (ok) bulk_g2s(ws + (size_t)r * LD, a.w + (size_t)wr * k, (uint32_t)k * 2u, bar);
+      if (!ok) continue;
+      if (a.hint) bulk_g2s_hint(ws + (size_t)r * LD, a.w + (size_t)wr * k, (uint32_t)k * 2u, bar, pol);
+      else bulk_g2s(ws + (size_t)r * LD, a.w + (size_t)wr * k, (uint32_t)k * 2u, bar);
     }
   }
   /* columns k..KP of W: zeros (x is zero there too, and 0 * garbage could be NaN) */
@@ -591,6 +596,7 @@ td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool 
    * kernels' weight prefetches crowd the running kernel's memory traffic. */
   const int pl = c->pdl_late;
   a->late = pl < 0 ? norm || a->m <= 2 : (pl & 2) != 0 || (norm ? (pl & 4) : (pl & 8)) != 0;
+  a->hint = c->weight_hint != 0;
   if (td_cu_skinny_bulk(c, a->m, a->k)) {
     size_t smem = skb_smem(a->m, a->kq);
     if (glu && norm) skb_launch<false, true, true>(c, *a, smem);

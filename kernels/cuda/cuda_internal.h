@@ -52,6 +52,7 @@ typedef struct td_cuda {
   int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */
   int pdl_late;       /* kernels that trigger after their wait (TANDEM_CUDA_PDL_LATE=MASK: 1 decode attention, 2 every
                          skinny GEMM, 4 the normed ones, 8 the others; unset: -1, the default policy) */
+  int weight_hint;    /* skinny GEMM weights read with an L2 evict-first policy (TANDEM_CUDA_WEIGHT_HINT=0: off) */
   int fuse, fuse_mask; /* td_gemm_ex on the fused decode kernel: up to this many rows, these fusions (TANDEM_CUDA_FUSE) */
   struct td_gemm_plan *plans;
   uint64_t plan_clock;
@@ -177,7 +178,7 @@ typedef struct td_skinny_args {
   const float *bias;
   void *y;
   int m, n, k, kq, act;
-  bool accum, late;
+  bool accum, late, hint; /* hint: W with an L2 evict-first policy */
   float eps;
   td_kv_dest kv;
 } td_skinny_args;
