@@ -1,15 +1,17 @@
 /* The decode step and the encoder on a GPU, on a model of Flan-T5-large
- * shape with random bf16 weights, against the memory floor (bytes read /
+ * (or BART-large, Whisper-large-v3) shape with random bf16 weights, against the memory floor (bytes read /
  * measured copy bandwidth) and the matrix floor (FLOPs / measured cuBLAS
  * bf16 rate).
  *   bench-decode-step [--tp N | --pp N] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
- *                     [--steps N] [--shape flan-t5-large|bart-large] [--no-record]
+ *                     [--steps N] [--shape flan-t5-large|bart-large|whisper-large-v3] [--no-record]
  *                     [--model-dir DIR] [--trace BATCH]
  * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
  * --model-dir keeps the random checkpoint in DIR (written there once, then
  * reused), so that runs under different settings load the same weights.
  * --trace prints the kernel timeline of one decode step at that batch
- * (CUPTI; builds without it say so). */
+ * (CUPTI; builds without it say so). Whisper's encoder input is 30 s of
+ * synthetic mel features (3000 frames, 1500 encoder positions: --enc-len
+ * is fixed at 1500). */
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -106,6 +108,7 @@ static void *rank_main(void *arg) {
   td_model *m = NULL;
   td_kv_pool *self = NULL, *cross = NULL;
   int32_t *buf = NULL;
+  float *feat = NULL;
   td_status s;
   int maxb = 0;
   for (int i = 0; i < c->n_batches; i++) maxb = c->batches[i] > maxb ? c->batches[i] : maxb;
@@ -143,6 +146,15 @@ static void *rank_main(void *arg) {
   for (int sq = 0; sq < maxb; sq++)
     for (int t = 0; t < c->enc_len; t++) slots[sq * c->enc_len + t] = (sq * ncb + t / bs) * bs + t % bs;
   td_encode_input ei = {.n_seqs = maxb, .lens = lens, .tokens = toks, .cross_slots = slots};
+  size_t n_feat = c->shape.mels ? (size_t)maxb * c->shape.mels * 2 * c->enc_len : 0;
+  if (n_feat) { /* Whisper: mel-like features in [-1, 1] */
+    if (!(feat = malloc(sizeof(float) * n_feat))) {
+      s = td_err(TD_ERR_NOMEM, "out of memory");
+      goto out;
+    }
+    for (size_t i = 0; i < n_feat; i++) feat[i] = (float)((i * 2654435761u) % 2001u) / 1000.0f - 1.0f;
+    ei.features = feat;
+  }
   /* encoder: one warm-up, then the median of three */
   double enc[3];
   for (int it = 0; it < 4; it++) {
@@ -219,6 +231,7 @@ out:
     snprintf(rk->err, sizeof rk->err, "rank %d: %s", rk->r, td_errmsg());
     if (comm) td_comm_abort(comm);
   }
+  free(feat);
   free(buf);
   td_kv_pool_destroy(self);
   td_kv_pool_destroy(cross);
@@ -253,13 +266,22 @@ int main(int argc, char **argv) {
   }
   td_log_set_level(TD_LOG_WARN);
   c.world = c.tp * c.pp;
-  if (!strcmp(shape, "bart-large"))
+  if (!strcmp(shape, "bart-large")) {
     c.shape = (td_random_shape){.model_type = "bart", .d_model = 1024, .enc_layers = 12, .dec_layers = 12, .heads = 16,
                                 .head_dim = 64, .ffn = 4096, .vocab = 50265, .bf16 = true, .max_positions = 1024};
-  else
+  } else if (!strcmp(shape, "whisper-large-v3")) {
+    c.shape = (td_random_shape){.model_type = "whisper", .d_model = 1280, .enc_layers = 32, .dec_layers = 32,
+                                .heads = 20, .head_dim = 64, .ffn = 5120, .vocab = 51866, .bf16 = true,
+                                .max_positions = 1500, .mels = 128, .max_target = 448};
+    c.enc_len = 1500; /* 30 s of audio: every Whisper input */
+  } else if (!strcmp(shape, "flan-t5-large")) {
     c.shape = (td_random_shape){.model_type = "t5", .d_model = 1024, .enc_layers = 24, .dec_layers = 24, .heads = 16,
                                 .head_dim = 64, .ffn = 2816, .vocab = 32128, .gated = true, .bf16 = true,
                                 .max_positions = 1024};
+  } else {
+    fprintf(stderr, "--shape: flan-t5-large, bart-large or whisper-large-v3, not %s\n", shape);
+    return 2;
+  }
   char dir[512] = "/tmp/td-bench-model-XXXXXX", probe[600];
   if (keep) snprintf(dir, sizeof dir, "%s", keep);
   else if (!mkdtemp(dir)) return 1;
@@ -313,6 +335,8 @@ int main(int argc, char **argv) {
   for (int i = 0; i < c.n_batches; i++)
     if (c.batches[i] > 0) enc_tokens = enc_tokens > c.batches[i] * (double)c.enc_len ? enc_tokens : c.batches[i] * (double)c.enc_len;
   double enc_flops = enc_tokens * (Le * (2 * (4 * d * hd + ffw) + 4 * c.enc_len * hd) + Ld * 2 * 2 * d * hd);
+  if (sh->mels) /* the convolutions: 2 * enc_len frames of 3 x mels taps, then enc_len of 3 x d */
+    enc_flops += enc_tokens * (2.0 * 2 * d * 3 * sh->mels + 2.0 * d * 3 * d);
   const char *dev = td_backend_cuda_available() ? "GPU" : "?";
   FILE *p = popen("nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1", "r");
   char devname[128] = "";

@@ -14,8 +14,8 @@
 
 typedef struct tensor {
   char name[160];
-  int64_t rows, cols; /* cols 0: 1-D */
-  int kind;           /* 0 matrix, 1 embedding, 2 norm, 3 bias */
+  int64_t rows, cols, depth; /* cols 0: 1-D; depth > 0: 3-D (a convolution's kernel taps) */
+  int kind;                  /* 0 matrix, 1 embedding, 2 norm, 3 bias */
 } tensor;
 
 typedef struct list {
@@ -36,6 +36,7 @@ static void add(list *l, int kind, int64_t rows, int64_t cols, const char *fmt, 
   va_end(ap);
   t->rows = rows;
   t->cols = cols;
+  t->depth = 0;
   t->kind = kind;
 }
 
@@ -111,6 +112,45 @@ static void bart_tensors(list *l, const td_random_shape *s) {
   }
 }
 
+/* Whisper: convolutions over the mel frames, stored position tables, the
+ * decoder's own token table (the head tied to it), pre-norm layers whose
+ * k projections have no bias. */
+static void whisper_tensors(list *l, const td_random_shape *s) {
+  int d = s->d_model;
+  add(l, 0, d, s->mels, "model.encoder.conv1.weight");
+  l->t[l->n - 1].depth = 3;
+  add(l, 3, d, 0, "model.encoder.conv1.bias");
+  add(l, 0, d, d, "model.encoder.conv2.weight");
+  l->t[l->n - 1].depth = 3;
+  add(l, 3, d, 0, "model.encoder.conv2.bias");
+  add(l, 1, s->max_positions, d, "model.encoder.embed_positions.weight");
+  add(l, 1, s->max_target, d, "model.decoder.embed_positions.weight");
+  add(l, 1, s->vocab, d, "model.decoder.embed_tokens.weight");
+  for (int e = 0; e < 2; e++) {
+    const char *st = e ? "decoder" : "encoder";
+    for (int i = 0; i < (e ? s->dec_layers : s->enc_layers); i++) {
+      for (int a = 0; a < (e ? 2 : 1); a++) {
+        const char *an = a ? "encoder_attn" : "self_attn";
+        const char *p[4] = {"q_proj", "k_proj", "v_proj", "out_proj"};
+        for (int k = 0; k < 4; k++) {
+          add(l, 0, d, d, "model.%s.layers.%d.%s.%s.weight", st, i, an, p[k]);
+          if (k != 1) add(l, 3, d, 0, "model.%s.layers.%d.%s.%s.bias", st, i, an, p[k]);
+        }
+        add(l, 2, d, 0, "model.%s.layers.%d.%s_layer_norm.weight", st, i, an);
+        add(l, 3, d, 0, "model.%s.layers.%d.%s_layer_norm.bias", st, i, an);
+      }
+      add(l, 0, s->ffn, d, "model.%s.layers.%d.fc1.weight", st, i);
+      add(l, 3, s->ffn, 0, "model.%s.layers.%d.fc1.bias", st, i);
+      add(l, 0, d, s->ffn, "model.%s.layers.%d.fc2.weight", st, i);
+      add(l, 3, d, 0, "model.%s.layers.%d.fc2.bias", st, i);
+      add(l, 2, d, 0, "model.%s.layers.%d.final_layer_norm.weight", st, i);
+      add(l, 3, d, 0, "model.%s.layers.%d.final_layer_norm.bias", st, i);
+    }
+    add(l, 2, d, 0, "model.%s.layer_norm.weight", st);
+    add(l, 3, d, 0, "model.%s.layer_norm.bias", st);
+  }
+}
+
 static int write_json(const char *path, cJSON *o) {
   char *s = cJSON_Print(o);
   FILE *f = fopen(path, "w");
@@ -127,7 +167,7 @@ static int write_json(const char *path, cJSON *o) {
 
 int td_random_model_write(const char *dir, const td_random_shape *s, unsigned seed) {
   mkdir(dir, 0755);
-  bool t5 = !strcmp(s->model_type, "t5");
+  bool t5 = !strcmp(s->model_type, "t5"), whisper = !strcmp(s->model_type, "whisper");
   char p[1024];
   cJSON *c = cJSON_CreateObject();
   cJSON_AddStringToObject(c, "model_type", s->model_type);
@@ -152,11 +192,18 @@ int td_random_model_write(const char *dir, const td_random_shape *s, unsigned se
     cJSON_AddNumberToObject(c, "decoder_attention_heads", s->heads);
     cJSON_AddNumberToObject(c, "encoder_ffn_dim", s->ffn);
     cJSON_AddNumberToObject(c, "decoder_ffn_dim", s->ffn);
-    cJSON_AddNumberToObject(c, "max_position_embeddings", s->max_positions);
     cJSON_AddStringToObject(c, "activation_function", "gelu");
-    cJSON_AddNumberToObject(c, "decoder_start_token_id", 2);
-    cJSON_AddNumberToObject(c, "pad_token_id", 1);
-    cJSON_AddNumberToObject(c, "eos_token_id", 2);
+    if (whisper) {
+      cJSON_AddNumberToObject(c, "num_mel_bins", s->mels);
+      cJSON_AddNumberToObject(c, "max_source_positions", s->max_positions);
+      cJSON_AddNumberToObject(c, "max_target_positions", s->max_target);
+    } else {
+      cJSON_AddNumberToObject(c, "max_position_embeddings", s->max_positions);
+    }
+    /* Whisper: the multilingual tokenizer's <|startoftranscript|>, <|endoftext|> */
+    cJSON_AddNumberToObject(c, "decoder_start_token_id", whisper ? 50258 : 2);
+    cJSON_AddNumberToObject(c, "pad_token_id", whisper ? 50256 : 1);
+    cJSON_AddNumberToObject(c, "eos_token_id", whisper ? 50257 : 2);
   }
   snprintf(p, sizeof p, "%s/config.json", dir);
   int rc = write_json(p, c);
@@ -165,6 +212,8 @@ int td_random_model_write(const char *dir, const td_random_shape *s, unsigned se
   list l = {0};
   if (t5)
     t5_tensors(&l, s);
+  else if (whisper)
+    whisper_tensors(&l, s);
   else
     bart_tensors(&l, s);
   int es = s->bf16 ? 2 : 4;
@@ -172,12 +221,13 @@ int td_random_model_write(const char *dir, const td_random_shape *s, unsigned se
   size_t off = 0;
   for (int i = 0; i < l.n; i++) {
     tensor *t = &l.t[i];
-    size_t n = (size_t)t->rows * (size_t)(t->cols ? t->cols : 1);
+    size_t n = (size_t)t->rows * (size_t)(t->cols ? t->cols : 1) * (size_t)(t->depth ? t->depth : 1);
     cJSON *e = cJSON_AddObjectToObject(h, t->name);
     cJSON_AddStringToObject(e, "dtype", s->bf16 ? "BF16" : "F32");
     cJSON *sh = cJSON_AddArrayToObject(e, "shape");
     cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)t->rows));
     if (t->cols) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)t->cols));
+    if (t->depth) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)t->depth));
     cJSON *o = cJSON_AddArrayToObject(e, "data_offsets");
     cJSON_AddItemToArray(o, cJSON_CreateNumber((double)off));
     cJSON_AddItemToArray(o, cJSON_CreateNumber((double)(off + n * es)));
@@ -203,8 +253,8 @@ int td_random_model_write(const char *dir, const td_random_shape *s, unsigned se
   unsigned char *buf = malloc(cap * 4);
   for (int i = 0; i < l.n; i++) {
     tensor *t = &l.t[i];
-    size_t n = (size_t)t->rows * (size_t)(t->cols ? t->cols : 1);
-    float scale = t->kind == 0 ? 1.0f / sqrtf((float)t->cols) : 1.0f;
+    size_t n = (size_t)t->rows * (size_t)(t->cols ? t->cols : 1) * (size_t)(t->depth ? t->depth : 1);
+    float scale = t->kind == 0 ? 1.0f / sqrtf((float)t->cols * (float)(t->depth ? t->depth : 1)) : 1.0f;
     for (size_t done = 0; done < n;) {
       size_t k = n - done < cap ? n - done : cap;
       for (size_t j = 0; j < k; j++) {
@@ -226,7 +276,8 @@ int td_random_model_write(const char *dir, const td_random_shape *s, unsigned se
   snprintf(p, sizeof p, "%s/generation_config.json", dir);
   f = fopen(p, "w");
   if (!f) return -1;
-  fprintf(f, "{\"decoder_start_token_id\": %d, \"eos_token_id\": %d}\n", t5 ? 0 : 2, t5 ? 1 : 2);
+  fprintf(f, "{\"decoder_start_token_id\": %d, \"eos_token_id\": %d}\n", t5 ? 0 : whisper ? 50258 : 2,
+          t5 ? 1 : whisper ? 50257 : 2);
   fclose(f);
   return 0;
 }
