@@ -931,8 +931,10 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
   /* decode, one query per sequence, on warps: over self KV with enough
    * (sequence, head) pairs, two warps a pair; with fewer pairs, 2-8 warps
    * a pair by the context bound, and 16 for longer contexts when the pairs
-   * are few enough (c->decode_small; beyond, the tiled kernel's key splits
-   * fill the GPU better) */
+   * are neither too many nor too few and the context not too long
+   * (c->decode_small*): elsewhere the tiled kernel's key splits spread the
+   * K/V over more SMs (H100: 16 pairs over 512 keys, 20 or 40 over 1500,
+   * faster split; 48-64 over 512 faster on warps; docs/cuda.md) */
   long pairs = (long)m->n_seqs * H;
   if (dh == 64 && max_q == 1 && ldq % 2 == 0 && c->decode_warp > 0) {
     /* early loads: all of a static K/V, or the keys before the query (causal self-attention) */
@@ -942,7 +944,8 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
     else if (small && max_ctx <= 64) launch_dw<2, 4>(c, st, pairs, a);
     else if (small && max_ctx <= 128) launch_dw<4, 2>(c, st, pairs, a);
     else if (small && max_ctx <= 256) launch_dw<8, 1>(c, st, pairs, a);
-    else if (small && pairs <= c->decode_small) launch_dw<16, 1>(c, st, pairs, a);
+    else if (small && pairs <= c->decode_small && pairs >= c->decode_small_min && max_ctx <= c->decode_small_ctx)
+      launch_dw<16, 1>(c, st, pairs, a);
     else done = false;
     if (done) {
       TD_CU_LAUNCHED("attn_paged");

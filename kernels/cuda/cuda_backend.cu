@@ -655,7 +655,11 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   v = getenv("TANDEM_CUDA_DECATTN");
   c->decode_warp = v && *v ? atoi(v) : 256;
   v = getenv("TANDEM_CUDA_DECATTN_SMALL");
-  c->decode_small = v && *v ? atoi(v) : 64;
+  c->decode_small = 64;
+  c->decode_small_min = 33;
+  c->decode_small_ctx = 1024;
+  if (v && *v && sscanf(v, "%d,%d,%d", &c->decode_small, &c->decode_small_min, &c->decode_small_ctx) < 1)
+    c->decode_small = 64;
   v = getenv("TANDEM_CUDA_PDL");
   c->pdl = !(v && *v == '0');
   v = getenv("TANDEM_CUDA_PDL_LATE");
