@@ -78,7 +78,8 @@ td_status td_gemm_ex(td_backend *b, const td_gemm_args *a) {
   if ((a->flags & TD_GEMM_ACCUM) && (a->act != TD_ACT_NONE || glu)) return bad("gemm_ex", "accumulate with an activation");
   if (glu && ((a->n & 1) || !a->scratch_glu || (a->flags & TD_GEMM_OUT_F32))) return bad("gemm_ex", "GLU needs an even n, scratch and bf16/f32 activations");
   if ((a->norm_w || a->norm_plain) && !a->scratch_norm) return bad("gemm_ex", "a fused norm needs scratch_norm");
-  if (a->norm_plain && (a->norm_w || a->norm_b || !a->norm_rms)) return bad("gemm_ex", "a plain norm is RMS without weights");
+  if (a->norm_plain && (a->norm_w || a->norm_b)) return bad("gemm_ex", "a plain norm has no weights");
+  if (a->norm_plain && !a->norm_rms && !a->norm_wsum) return bad("gemm_ex", "a plain LayerNorm needs W's row sums");
   if (a->kv_pool) {
     const td_kv_layout *l = a->kv_layout;
     if (glu || (a->flags & TD_GEMM_OUT_F32) || !l || l->n_layers <= 0 || l->n_heads <= 0 || l->head_dim <= 0 ||

@@ -90,10 +90,14 @@ typedef struct td_gemm_args {
   const float *norm_w, *norm_b;
   float norm_eps;
   bool norm_rms;
-  /* RMS-normalise x with no weight (norm_w and norm_b NULL, norm_rms set):
-   * for a model that folded the norm's weight into W's columns. A backend
-   * may then scale x W^T by each row's 1 / rms instead of normalising x. */
+  /* Normalise x with no weight (norm_w and norm_b NULL), RMS (norm_rms)
+   * or LayerNorm: for a model that folded the norm's weight into W's
+   * columns (and a LayerNorm's bias into the GEMM bias). A backend may then
+   * scale x W^T by each row's 1 / rms instead of normalising x; for a
+   * LayerNorm, (x - mean) W^T = x W^T - mean * norm_wsum, with norm_wsum
+   * [n] the row sums of W as stored (required with a plain LayerNorm). */
   bool norm_plain;
+  const float *norm_wsum;
   void *scratch_norm, *scratch_glu;
   /* Optional (kv_pool != NULL): also writes columns [kv_col, kv_col + 2 hd)
    * of y (hd = heads * head_dim of kv_layout) into the paged pool, as

@@ -6,18 +6,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/half.h"
 #include "common/log.h"
 #include "model/safetensors.h"
 
 typedef struct lin {
-  void *w;  /* TD_BUF_ACT [out, in] */
-  float *b; /* TD_BUF_F32 [out] or NULL */
+  void *w;     /* TD_BUF_ACT [out, in] */
+  float *b;    /* TD_BUF_F32 [out] or NULL */
+  float *wsum; /* TD_BUF_F32 [out]: row sums of w as stored, when a LayerNorm is folded into it; else NULL */
   int out, in;
 } lin;
 
 typedef struct norm_w {
   float *w, *b; /* TD_BUF_F32; b NULL for RMSNorm */
-  bool folded;  /* RMSNorm whose weight is folded into the next layer's W: that GEMM normalises plainly */
+  bool folded;  /* norm whose weight (and bias) is folded into the next layer: that GEMM normalises plainly */
 } norm_w;
 
 typedef struct enc_layer {
@@ -98,7 +100,8 @@ typedef struct loader {
   int rank, tp;
   float *tmp, *tmp2;
   size_t cap, cap2;
-  const float *fold; /* the next load_lin scales W's input columns by this (then clears it) */
+  const float *fold;   /* the next load_lin scales W's input columns by this (then clears it) */
+  const float *fold_b; /* ... and adds W times this to its bias, and keeps W's row sums (a LayerNorm's bias) */
 } loader;
 
 static td_status fit(float **buf, size_t *cap, size_t n) {
@@ -171,10 +174,10 @@ static td_status load_lin(loader *ld, int n_parts, const char *const *wnames, co
     return td_err(TD_ERR_UNSUPPORTED, "%s: tensor \"%s\" has %d columns, not divisible by tensor parallel %d",
                   ld->dir, wnames[0], in, tp);
   int in_local = sp == SPLIT_COLS ? in / tp : in;
-  const float *fold = ld->fold;
-  ld->fold = NULL;
-  TD_TRY(fit(&ld->tmp2, &ld->cap2, (size_t)out_rows * in_local + (size_t)out_rows));
-  float *w = ld->tmp2, *bias = ld->tmp2 + (size_t)out_rows * in_local;
+  const float *fold = ld->fold, *fold_b = ld->fold_b;
+  ld->fold = ld->fold_b = NULL;
+  TD_TRY(fit(&ld->tmp2, &ld->cap2, (size_t)out_rows * in_local + 2 * (size_t)out_rows));
+  float *w = ld->tmp2, *bias = ld->tmp2 + (size_t)out_rows * in_local, *fb = bias + out_rows;
   bool any_bias = false;
   int row = 0;
   for (int i = 0; i < n_parts; i++) {
@@ -189,6 +192,10 @@ static td_status load_lin(loader *ld, int n_parts, const char *const *wnames, co
     for (int k = 0; k < nr; k++) {
       float *wr = w + (size_t)(row + k) * in_local;
       memcpy(wr, ld->tmp + (size_t)(r0 + k) * in + c0, sizeof(float) * (size_t)in_local);
+      double wb = 0.0; /* (x_hat g + beta) W^T = x_hat (W diag(g))^T + W beta */
+      if (fold_b)
+        for (int j = 0; j < in_local; j++) wb += (double)wr[j] * fold_b[c0 + j];
+      fb[row + k] = (float)wb;
       if (fold)
         for (int j = 0; j < in_local; j++) wr[j] *= fold[c0 + j];
     }
@@ -205,8 +212,20 @@ static td_status load_lin(loader *ld, int n_parts, const char *const *wnames, co
   }
   out->out = out_rows;
   out->in = in_local;
+  out->b = out->wsum = NULL;
+  if (fold_b) { /* the bias gains W beta; the row sums are of W as a bf16 backend holds it */
+    for (int k = 0; k < out_rows; k++) {
+      double s = 0.0;
+      const float *wr = w + (size_t)k * in_local;
+      bool bf16 = td_buf_elem_size(ld->b, TD_BUF_ACT) == 2;
+      for (int j = 0; j < in_local; j++) s += bf16 ? td_bf16_to_f32(td_f32_to_bf16(wr[j])) : wr[j];
+      bias[k] += fb[k];
+      fb[k] = (float)s;
+    }
+    any_bias = true;
+    TD_TRY(upload_new(ld, TD_BUF_F32, fb, (size_t)out_rows, (void **)&out->wsum));
+  }
   TD_TRY(upload_new(ld, TD_BUF_ACT, w, (size_t)out_rows * in_local, &out->w));
-  out->b = NULL;
   if (any_bias) TD_TRY(upload_new(ld, TD_BUF_F32, bias, (size_t)out_rows, (void **)&out->b));
   return TD_OK;
 }
@@ -415,6 +434,52 @@ static td_status load_ffn_bart(loader *ld, const char *pre, int ff, lin *wi, lin
   return load_lin1(ld, w2, b2, d, ff, SPLIT_COLS, wo);
 }
 
+/* A decoder pre-norm LayerNorm right before a linear layer: loaded, and
+ * with fw / fb (scratch for its weight and bias) folded into that layer,
+ * the next load_lin: LayerNorm(x) W^T + b = x_hat (W diag(g))^T + (b + W
+ * beta), x_hat the plainly normalised x. */
+static td_status load_norm_fold(loader *ld, const char *prefix, int n, norm_w *out, float *fw, float *fb) {
+  TD_TRY(load_norm(ld, prefix, n, out));
+  if (!fw) return TD_OK;
+  char name[256];
+  int64_t shape[1] = {n};
+  snprintf(name, sizeof name, "%s.weight", prefix);
+  TD_TRY(read_f32(ld, name, 1, shape));
+  memcpy(fw, ld->tmp, sizeof(float) * (size_t)n);
+  snprintf(name, sizeof name, "%s.bias", prefix);
+  TD_TRY(read_f32(ld, name, 1, shape));
+  memcpy(fb, ld->tmp, sizeof(float) * (size_t)n);
+  out->folded = true;
+  ld->fold = fw;
+  ld->fold_b = fb;
+  return TD_OK;
+}
+
+static td_status load_bart_decoder(td_model *m, loader *ld, const char *P, float *fw, float *fb) {
+  const td_model_config *c = &m->cfg;
+  char pre[256], name[256];
+  for (int i = m->d.l0; i < m->d.l1; i++) {
+    dec_layer *L = &m->dec[i - m->d.l0];
+    /* pre-norm: each norm is loaded (and folded) before the layer it feeds */
+    snprintf(name, sizeof name, "%sdecoder.layers.%d.self_attn_layer_norm", P, i);
+    if (fw) TD_TRY(load_norm_fold(ld, name, c->d_model, &L->ln_self, fw, fb));
+    snprintf(pre, sizeof pre, "%sdecoder.layers.%d.self_attn", P, i);
+    TD_TRY(load_attn_bart(ld, pre, c->dec_heads, c->dec_head_dim, true, &L->qkv, NULL, NULL, &L->o));
+    if (!fw) TD_TRY(load_norm(ld, name, c->d_model, &L->ln_self));
+    snprintf(name, sizeof name, "%sdecoder.layers.%d.encoder_attn_layer_norm", P, i);
+    if (fw) TD_TRY(load_norm_fold(ld, name, c->d_model, &L->ln_cross, fw, fb));
+    snprintf(pre, sizeof pre, "%sdecoder.layers.%d.encoder_attn", P, i);
+    TD_TRY(load_attn_bart(ld, pre, c->dec_heads, c->dec_head_dim, false, NULL, &L->cq, &L->ckv, &L->co));
+    if (!fw) TD_TRY(load_norm(ld, name, c->d_model, &L->ln_cross));
+    snprintf(name, sizeof name, "%sdecoder.layers.%d.final_layer_norm", P, i);
+    if (fw) TD_TRY(load_norm_fold(ld, name, c->d_model, &L->ln_ffn, fw, fb));
+    snprintf(pre, sizeof pre, "%sdecoder.layers.%d", P, i);
+    TD_TRY(load_ffn_bart(ld, pre, c->dec_ffn, &L->wi, &L->wo));
+    if (!fw) TD_TRY(load_norm(ld, name, c->d_model, &L->ln_ffn));
+  }
+  return TD_OK;
+}
+
 static td_status load_bart(td_model *m, loader *ld, const char *P) {
   const td_model_config *c = &m->cfg;
   char pre[256], name[256];
@@ -429,21 +494,17 @@ static td_status load_bart(td_model *m, loader *ld, const char *P) {
     snprintf(name, sizeof name, "%sencoder.layers.%d.final_layer_norm", P, i);
     TD_TRY(load_norm(ld, name, c->d_model, &L->ln_ffn));
   }
-  for (int i = m->d.l0; i < m->d.l1; i++) {
-    dec_layer *L = &m->dec[i - m->d.l0];
-    snprintf(pre, sizeof pre, "%sdecoder.layers.%d.self_attn", P, i);
-    TD_TRY(load_attn_bart(ld, pre, c->dec_heads, c->dec_head_dim, true, &L->qkv, NULL, NULL, &L->o));
-    snprintf(name, sizeof name, "%sdecoder.layers.%d.self_attn_layer_norm", P, i);
-    TD_TRY(load_norm(ld, name, c->d_model, &L->ln_self));
-    snprintf(pre, sizeof pre, "%sdecoder.layers.%d.encoder_attn", P, i);
-    TD_TRY(load_attn_bart(ld, pre, c->dec_heads, c->dec_head_dim, false, NULL, &L->cq, &L->ckv, &L->co));
-    snprintf(name, sizeof name, "%sdecoder.layers.%d.encoder_attn_layer_norm", P, i);
-    TD_TRY(load_norm(ld, name, c->d_model, &L->ln_cross));
-    snprintf(pre, sizeof pre, "%sdecoder.layers.%d", P, i);
-    TD_TRY(load_ffn_bart(ld, pre, c->dec_ffn, &L->wi, &L->wo));
-    snprintf(name, sizeof name, "%sdecoder.layers.%d.final_layer_norm", P, i);
-    TD_TRY(load_norm(ld, name, c->d_model, &L->ln_ffn));
-  }
+  /* Pre-norm LayerNorms of the decoder go into the linear layers they
+   * feed, as T5's RMSNorms do (load_t5); TANDEM_NORM_FOLD=0 keeps them
+   * apart. Post-norm models normalise the residual itself: nothing to fold. */
+  const char *nf = getenv("TANDEM_NORM_FOLD");
+  bool fold = c->pre_norm && !c->rmsnorm && !(nf && *nf == '0');
+  float *fw = fold ? malloc(sizeof(float) * 2 * (size_t)c->d_model) : NULL;
+  if (fold && !fw) return td_err(TD_ERR_NOMEM, "out of memory");
+  td_status st = load_bart_decoder(m, ld, P, fw, fw ? fw + c->d_model : NULL);
+  ld->fold = ld->fold_b = NULL;
+  free(fw);
+  TD_TRY(st);
   if (c->layernorm_embedding) {
     snprintf(name, sizeof name, "%sencoder.layernorm_embedding", P);
     TD_TRY(load_norm(ld, name, c->d_model, &m->enc_ln_emb));
@@ -725,6 +786,7 @@ fail:
 static void free_lin(td_backend *b, lin *l) {
   td_free(b, l->w);
   td_free(b, l->b);
+  td_free(b, l->wsum);
 }
 
 static void free_norm(td_backend *b, norm_w *n) {
@@ -833,7 +895,8 @@ static td_gemm_args norm_linear_args(td_model *m, const norm_w *n, const lin *l,
   bool plain = n && n->folded;
   td_gemm_args a = {.x = x, .w = l->w, .bias = l->b, .y = y, .m = rows, .n = l->out, .k = l->in, .act = act,
                     .flags = flags, .norm_w = n && !plain ? n->w : NULL, .norm_b = n && !plain ? n->b : NULL,
-                    .norm_eps = m->cfg.norm_eps, .norm_rms = m->cfg.rmsnorm, .norm_plain = plain, .scratch_norm = xn,
+                    .norm_eps = m->cfg.norm_eps, .norm_rms = m->cfg.rmsnorm, .norm_plain = plain,
+                    .norm_wsum = plain ? l->wsum : NULL, .scratch_norm = xn,
                     .scratch_glu = glu_scratch};
   return a;
 }

@@ -294,7 +294,9 @@ __global__ void gemm_fallback_kernel(const bf16 *__restrict__ x, const bf16 *__r
  * NORM (td_gemm_ex with norm_plain): the model folded the RMSNorm weight
  * into W, so norm(x) W^T = (x W^T) / rms(x): each warp sums the squares of
  * the x it streams anyway, and the epilogue scales by 1 / rms. No pass
- * over x before the products, no separate norm kernel.
+ * over x before the products, no separate norm kernel. A folded LayerNorm
+ * (wsum != NULL): the warps also sum x, and the epilogue computes
+ * (x W^T - mean * wsum) / std, wsum holding W's row sums.
  * KV (pool != NULL): the epilogue also stores the K/V columns of a QKV
  * projection into the paged pool (no separate KV write).
  *
@@ -303,6 +305,21 @@ __global__ void gemm_fallback_kernel(const bf16 *__restrict__ x, const bf16 *__r
 enum { SK_KC = 64, SK_ROW = SK_KC + 8, SK_WARPS = 4, SK_S_SMALL = 5, SK_S_LARGE = 12 };
 constexpr size_t sk_smem_bytes(int stages, int nt) {
   return (size_t)SK_WARPS * stages * (nt + 16) * SK_ROW * sizeof(bf16);
+}
+
+/* A plain norm's statistics of x row `row` from the warps' sums (fixed
+ * order): RMS (s1q NULL: mean 0) or LayerNorm (mean from the sums of x,
+ * variance E[x^2] - mean^2). */
+__device__ __forceinline__ void plain_norm(const float *ssq, const float *s1q, int row, int k, float eps, float &mean,
+                                           float &inv) {
+  float s2 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int q = 0; q < SK_WARPS; q++) {
+    s2 += ssq[q * 16 + row];
+    if (s1q) s1 += s1q[q * 16 + row];
+  }
+  mean = s1 / (float)k;
+  inv = rsqrtf(fmaxf(s2 / (float)k - mean * mean, 0.0f) + eps);
 }
 
 template <bool F32, int SK_STAGES, bool NORM>
@@ -347,11 +364,12 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
     if (st < nst) load_w(st, st);
     cp_async_commit();
   }
-  float pb[PER], pr[PER]; /* bias and residual of this thread's outputs, read early */
+  float pb[PER], pr[PER], pw[PER]; /* bias, residual and W row sum (LayerNorm) of this thread's outputs, read early */
 #pragma unroll
   for (int t = 0; t < PER; t++) {
     int i = threadIdx.x + t * 32 * SK_WARPS, col = n0 + i % NT;
     pb[t] = a.bias && col < n ? __ldg(a.bias + col) : 0.0f;
+    pw[t] = NORM && a.wsum && col < n ? __ldg(a.wsum + col) : 0.0f;
   }
   td_pdl_start_if(a.late);
 #pragma unroll
@@ -369,7 +387,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
     }
   }
   float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-  float ss = 0.0f, ss8 = 0.0f; /* NORM: squares of x rows g and g + 8 in this lane's A fragments */
+  float ss = 0.0f, ss8 = 0.0f, s1 = 0.0f, s18 = 0.0f; /* NORM: squares (and sums) of x rows g, g + 8 in this lane's A fragments */
   for (int st = 0; st < nst; st++) {
     cp_async_wait<SK_STAGES - 2>();
     __syncwarp();
@@ -387,6 +405,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
       mma16816(acc[0], af, b0, b1);
       mma16816(acc[1], af, b2, b3);
       if (NORM) sq_sums_add(af, ss, ss8);
+      if (NORM && a.wsum) x_sums_add(af, s1, s18);
     }
     __syncwarp(); /* the stage is rewritten by the next iteration's load */
   }
@@ -394,11 +413,13 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
   __syncthreads();
   float *red = (float *)sk_smem;              /* [warp][16 rows][NT cols] */
   float *ssq = red + SK_WARPS * 16 * NT;      /* [warp][16 rows] */
+  float *s1q = ssq + SK_WARPS * 16;           /* [warp][16 rows] (LayerNorm) */
 #pragma unroll
   for (int j = 0; j < NT / 8; j++)
 #pragma unroll
     for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * NT + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
   if (NORM) sq_sums_store(ssq + warp * 16, ss, ss8, lane);
+  if (NORM && a.wsum) sq_sums_store(s1q + warp * 16, s1, s18, lane);
   __syncthreads();
 #pragma unroll
   for (int t = 0; t < PER; t++) {
@@ -408,10 +429,9 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
 #pragma unroll
     for (int q = 1; q < SK_WARPS; q++) v += red[q * 16 * NT + i];
     if (NORM) {
-      float s2 = ssq[row];
-#pragma unroll
-      for (int q = 1; q < SK_WARPS; q++) s2 += ssq[q * 16 + row];
-      v *= rsqrtf(s2 / (float)k + a.eps);
+      float mean, inv;
+      plain_norm(ssq, a.wsum ? s1q : nullptr, row, k, a.eps, mean, inv);
+      v = (v - mean * pw[t]) * inv;
     }
     v = td_act_apply(a.act, v + pb[t]) + pr[t];
     size_t o = (size_t)row * n + col;
@@ -436,7 +456,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
 constexpr size_t SKB_MAX_SMEM = 160 << 10;
 static inline int skb_ld(int kq) { return 4 * kq + 8; }
 static inline size_t skb_smem(int m, int kq) {
-  return 128 + (size_t)(16 + m) * skb_ld(kq) * sizeof(bf16) + (size_t)SK_WARPS * 16 * (16 + 1) * sizeof(float);
+  return 128 + (size_t)(16 + m) * skb_ld(kq) * sizeof(bf16) + (size_t)SK_WARPS * 16 * (16 + 2) * sizeof(float);
 }
 
 template <bool F32, bool NORM, bool GLU>
@@ -449,7 +469,8 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
   bf16 *ws = (bf16 *)(sb + 128);               /* [16][LD] */
   bf16 *xs = ws + 16 * LD;                     /* [m][LD] */
   float *ssq = (float *)(xs + (size_t)m * LD); /* [warp][16] */
-  float *red = ssq + SK_WARPS * 16;            /* [warp][16][16] */
+  float *s1q = ssq + SK_WARPS * 16;            /* [warp][16] (LayerNorm) */
+  float *red = s1q + SK_WARPS * 16;            /* [warp][16][16] */
   const int half = n / 2, oc = GLU ? 8 : 16, ldy = GLU ? half : n;
   auto w_row = [&](int r, bool &ok) -> int {
     if (GLU) {
@@ -484,12 +505,15 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
   /* columns k..KP of W: zeros (x is zero there too, and 0 * garbage could be NaN) */
   for (int i = threadIdx.x; i < 16 * (KP - k); i += 32 * SK_WARPS)
     ws[(i / (KP - k)) * LD + k + i % (KP - k)] = __float2bfloat16_rn(0.0f);
-  float pb[PER], pb2[PER], pr[PER]; /* bias (GLU: both halves) and residual of this thread's outputs */
+  /* bias, W row sums (LayerNorm; GLU: both halves) and residual of this thread's outputs */
+  float pb[PER], pb2[PER], pr[PER], pw[PER], pw2[PER];
 #pragma unroll
   for (int t = 0; t < PER; t++) {
     int c = (threadIdx.x + t * 32 * SK_WARPS) % oc, j = blockIdx.x * oc + c;
     pb[t] = a.bias && j < ldy ? __ldg(a.bias + j) : 0.0f;
     pb2[t] = GLU && a.bias && j < ldy ? __ldg(a.bias + half + j) : 0.0f;
+    pw[t] = NORM && a.wsum && j < ldy ? __ldg(a.wsum + j) : 0.0f;
+    pw2[t] = GLU && NORM && a.wsum && j < ldy ? __ldg(a.wsum + half + j) : 0.0f;
   }
   td_pdl_start_if(a.late);
 #pragma unroll
@@ -512,7 +536,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
   const int kb = warp * kq;
   mbar_wait(bar, 0);
   float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-  float ss = 0.0f, ss8 = 0.0f; /* NORM: squares of x rows g and g + 8 in this lane's A fragments */
+  float ss = 0.0f, ss8 = 0.0f, s1 = 0.0f, s18 = 0.0f; /* NORM: squares (and sums) of x rows g, g + 8 in this lane's A fragments */
   const int xr = (lane & 15) < m ? (lane & 15) : 0; /* only m rows staged; MMA rows past m are not stored */
   const bf16 *wp = ws + ((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8;
   const bf16 *xp = xs + (size_t)xr * LD + (lane >> 4) * 8;
@@ -524,12 +548,14 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
     mma16816(acc[0], af, b0, b1);
     mma16816(acc[1], af, b2, b3);
     if (NORM) sq_sums_add(af, ss, ss8);
+    if (NORM && a.wsum) x_sums_add(af, s1, s18);
   }
 #pragma unroll
   for (int j = 0; j < 2; j++)
 #pragma unroll
     for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * 16 + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
   if (NORM) sq_sums_store(ssq + warp * 16, ss, ss8, lane);
+  if (NORM && a.wsum) sq_sums_store(s1q + warp * 16, s1, s18, lane);
   __syncthreads();
 #pragma unroll
   for (int t = 0; t < PER; t++) {
@@ -542,12 +568,10 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
       if (GLU) vb += red[(q * 16 + row) * 16 + 8 + c];
     }
     if (NORM) {
-      float s2 = 0.0f;
-#pragma unroll
-      for (int q = 0; q < SK_WARPS; q++) s2 += ssq[q * 16 + row];
-      float inv = rsqrtf(s2 / (float)k + a.eps);
-      v *= inv;
-      vb *= inv;
+      float mean, inv;
+      plain_norm(ssq, a.wsum ? s1q : nullptr, row, k, a.eps, mean, inv);
+      v = (v - mean * pw[t]) * inv;
+      vb = (vb - mean * pw2[t]) * inv;
     }
     if (GLU) v = td_act_apply(a.act, v + pb[t]) * (vb + pb2[t]);
     else v = td_act_apply(a.act, v + pb[t]) + pr[t];

@@ -291,7 +291,7 @@ static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse
   td_cuda *c = td_cu(b);
   const void *x = ga->x;
   if (ga->norm_plain && !fuse_norm) {
-    TD_TRY(td_norm(b, ga->x, NULL, NULL, ga->scratch_norm, ga->m, ga->k, ga->norm_eps, true));
+    TD_TRY(td_norm(b, ga->x, NULL, NULL, ga->scratch_norm, ga->m, ga->k, ga->norm_eps, ga->norm_rms));
     x = ga->scratch_norm;
   }
   td_skinny_args a = {};
@@ -301,6 +301,7 @@ static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse
   a.y = ga->y;
   a.m = ga->m, a.n = ga->n, a.k = ga->k, a.act = (int)ga->act;
   a.eps = ga->norm_eps;
+  a.wsum = fuse_norm && !ga->norm_rms ? ga->norm_wsum : NULL;
   if (fuse_kv) a.kv = kv_dest(ga);
   TD_TRY(td_cu_skinny(c, &a, false, fuse_norm, glu));
   return ga->kv_pool && !fuse_kv ? kv_after(b, ga) : TD_OK;
@@ -327,8 +328,9 @@ td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
   /* GLU with a plain norm or none: the bulk-copy skinny kernel where it fits */
   if (glu && !ga->norm_w && td_cu_skinny_bulk(c, ga->m, k))
     return gemm_ex_skinny(b, ga, ga->norm_plain && (mask & SF_FUSE_NORM), false, true);
-  /* GLU, or a weighted norm: the kernel that stages x whole */
-  bool fuse_norm = (ga->norm_w || ga->norm_plain) && (mask & SF_FUSE_NORM);
+  /* GLU, or a weighted norm: the kernel that stages x whole (its plain
+   * norm is RMS only: a plain LayerNorm runs as its own kernel there) */
+  bool fuse_norm = (ga->norm_w || (ga->norm_plain && ga->norm_rms)) && (mask & SF_FUSE_NORM);
   if (!glu && !fuse_norm && !fuse_kv) return td_gemm_ex_unfused(b, ga);
   int kq = ((k + SF_WARPS - 1) / SF_WARPS + 15) / 16 * 16;
   /* the last warp's chunks may read past k: stage (and zero) that far */

@@ -182,6 +182,7 @@ typedef struct td_skinny_args {
   void *y;
   int m, n, k, kq, act;
   bool accum, late, hint; /* hint: W with an L2 evict-first policy */
+  const float *wsum;      /* with norm: a folded LayerNorm, W's row sums (NULL: RMS) */
   float eps;
   td_kv_dest kv;
 } td_skinny_args;

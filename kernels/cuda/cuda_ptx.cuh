@@ -95,6 +95,15 @@ __device__ __forceinline__ void sq_sums_add(const uint32_t (&af)[4], float &ss, 
     else ss += q;
   }
 }
+/* The same for the sums of x (a folded LayerNorm's mean); stored as above. */
+__device__ __forceinline__ void x_sums_add(const uint32_t (&af)[4], float &s, float &s8) {
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)&af[i]);
+    if (i & 1) s8 += f.x + f.y;
+    else s += f.x + f.y;
+  }
+}
 /* this warp's sums of rows 0..15 over its K range, into out[16] */
 __device__ __forceinline__ void sq_sums_store(float *out, float ss, float ss8, int lane) {
   ss += __shfl_xor_sync(0xffffffffu, ss, 1);

@@ -531,7 +531,8 @@ Test(cuda, kv_write_copy) {
 
 typedef struct gex_cfg {
   int m, n, k;
-  int norm; /* 0 none, 1 RMSNorm, 2 LayerNorm, 3 RMSNorm without weight (norm_plain) */
+  int norm; /* 0 none, 1 RMSNorm, 2 LayerNorm, 3 RMSNorm without weight (norm_plain), 4 LayerNorm without
+               weight and bias (norm_plain, with W's row sums) */
   bool glu, bias;
   td_act act;
   unsigned flags;
@@ -553,16 +554,22 @@ static void gemm_ex_case(const gex_cfg *p) {
   for (int i = 0; i < k; i++) nw[i] += 1.0f;
   pair X = mk(TD_BUF_ACT, x, (size_t)m * k), W = mk(TD_BUF_ACT, w, (size_t)n * k), B = mk(TD_BUF_F32, b, n);
   pair NW = mk(TD_BUF_F32, nw, k), NB = mk(TD_BUF_F32, nb, k);
+  float *ws = calloc((size_t)n, sizeof(float)); /* W's row sums (w is bf16-representable) */
+  for (int j = 0; j < n; j++)
+    for (int i = 0; i < k; i++) ws[j] += w[(size_t)j * k + i];
+  pair WS = mk(TD_BUF_F32, ws, n);
+  bool plain = p->norm == 3 || p->norm == 4;
   pair XN = mk(TD_BUF_ACT, NULL, (size_t)m * k), GL = mk(TD_BUF_ACT, NULL, (size_t)m * n);
   pair Y = mk(yt, (flags & TD_GEMM_ACCUM) ? y0 : NULL, (size_t)m * ny);
   td_gemm_args ag = {.x = X.g, .w = W.g, .bias = p->bias ? B.g : NULL, .y = Y.g, .m = m, .n = n, .k = k,
                      .act = p->act, .flags = flags, .norm_w = p->norm == 1 || p->norm == 2 ? NW.g : NULL,
-                     .norm_b = p->norm == 3 ? NULL : NB.g, .norm_eps = 1e-5f,
-                     .norm_rms = p->norm == 1 || p->norm == 3, .norm_plain = p->norm == 3, .scratch_norm = XN.g,
-                     .scratch_glu = GL.g};
+                     .norm_b = plain ? NULL : NB.g, .norm_eps = 1e-5f,
+                     .norm_rms = p->norm == 1 || p->norm == 3, .norm_plain = plain,
+                     .norm_wsum = p->norm == 4 ? WS.g : NULL, .scratch_norm = XN.g, .scratch_glu = GL.g};
   td_gemm_args ac = ag;
   ac.x = X.c, ac.w = W.c, ac.bias = p->bias ? B.c : NULL, ac.y = Y.c;
-  ac.norm_w = p->norm == 1 || p->norm == 2 ? NW.c : NULL, ac.norm_b = p->norm == 3 ? NULL : NB.c;
+  ac.norm_w = p->norm == 1 || p->norm == 2 ? NW.c : NULL, ac.norm_b = plain ? NULL : NB.c;
+  ac.norm_wsum = p->norm == 4 ? WS.c : NULL;
   ac.scratch_norm = XN.c, ac.scratch_glu = GL.c;
   paged_rig r = {0};
   pair S = {0};
@@ -619,8 +626,9 @@ static void gemm_ex_case(const gex_cfg *p) {
     rig_drop(&r);
     free(slots);
   }
-  pair *ps[] = {&X, &W, &B, &NW, &NB, &XN, &GL, &Y};
+  pair *ps[] = {&X, &W, &B, &NW, &NB, &XN, &GL, &Y, &WS};
   for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++) drop(ps[i]);
+  free(ws);
   free(x);
   free(w);
   free(b);
@@ -671,6 +679,17 @@ Test(cuda, gemm_ex) {
       {3, 100, 36, 3, false, false, TD_ACT_NONE, 0, 0, 0},            /* k % 8 != 0: separate ops */
       {40, 512, 256, 3, true, false, TD_ACT_GELU_TANH, 0, 0, 0},      /* over 16 rows: separate ops */
       {2, 1024, 2816, 3, false, false, TD_ACT_NONE, 0, 0, 0},         /* the deep ring (k = 2816) */
+      /* folded LayerNorms (Whisper, mBART): (x W^T - mean * row sums) / std inside the GEMM */
+      {1, 3840, 1280, 4, false, true, TD_ACT_NONE, 0, 64, 16},        /* decode QKV + KV write, batch 1 */
+      {4, 3072, 1024, 4, false, true, TD_ACT_NONE, 0, 64, 16},
+      {1, 1280, 1280, 4, false, true, TD_ACT_NONE, 0, 0, 0},          /* cross-attention query */
+      {2, 5120, 1280, 4, false, true, TD_ACT_GELU, 0, 0, 0},          /* FFN input */
+      {8, 5632, 1024, 4, true, true, TD_ACT_GELU_TANH, 0, 0, 0},      /* gated */
+      {5, 1000, 200, 4, false, true, TD_ACT_SILU, 0, 0, 0},           /* odd n, k % 64 != 0 */
+      {3, 100, 36, 4, false, true, TD_ACT_NONE, 0, 0, 0},             /* k % 8 != 0: separate ops */
+      {40, 512, 256, 4, true, true, TD_ACT_GELU_TANH, 0, 0, 0},       /* over 16 rows: separate ops */
+      {16, 514, 1280, 4, true, true, TD_ACT_GELU, 0, 0, 0},           /* GLU beyond the bulk kernel: norm apart */
+      {2, 1280, 5120, 4, false, true, TD_ACT_NONE, 0, 0, 0},          /* the deep ring (k = 5120) */
   };
   /* the backend's default fusions, then every fusion up to 16 rows */
   static const char *env[][2] = {{NULL, NULL}, {"TANDEM_CUDA_FUSE", "16,7"}, {"TANDEM_CUDA_SKINNY_BULK", "0"}};

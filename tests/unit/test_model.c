@@ -167,12 +167,34 @@ MODEL_TEST(bart_untied, "bart-untied-gelunew")
 MODEL_TEST(whisper_128mel, "whisper-128mel")
 MODEL_TEST(t5_untied_head, "t5-gated-untied-head")
 
-/* T5 decoders fold their RMSNorm weights into the next linear layer at
- * load; with the fold off (the norm applied as its own op) the model must
- * match the same references. */
-Test(model_cpu, t5_norm_unfolded) {
+/* Pre-norm decoders fold their norms into the next linear layer at load
+ * (T5's RMSNorm weights; Whisper's and mBART's LayerNorm weights and
+ * biases); with the fold off (the norm applied as its own op) the model
+ * must match the same references. */
+Test(model_cpu, norm_unfolded) {
   setenv("TANDEM_NORM_FOLD", "0", 1);
   check_model("t5v11-gated-untied", 4);
   check_model("t5-tiny", 3);
+  check_model("whisper-tiny", 4);
+  check_model("mbart-prenorm-sharded", 3);
   unsetenv("TANDEM_NORM_FOLD");
+}
+
+/* A plain LayerNorm (weights folded into W) cannot be fused without W's
+ * row sums: td_gemm_ex says so on every backend. */
+Test(model_cpu, gemm_ex_plain_layernorm_needs_row_sums) {
+  td_backend *b = NULL;
+  td_backend_opts o = {.kind = TD_BACKEND_CPU};
+  cr_assert(td_backend_create(&o, &b) == TD_OK, "%s", td_errmsg());
+  void *p = NULL;
+  cr_assert(td_alloc(b, TD_BUF_F32, 256, &p) == TD_OK, "%s", td_errmsg());
+  td_gemm_args a = {.x = p, .w = p, .y = p, .m = 1, .n = 8, .k = 8, .norm_plain = true, .norm_rms = false,
+                    .norm_eps = 1e-5f, .scratch_norm = p, .scratch_glu = p};
+  cr_expect(td_gemm_ex(b, &a) != TD_OK, "a plain LayerNorm without row sums");
+  cr_expect(strstr(td_errmsg(), "row sums") != NULL, "%s", td_errmsg());
+  a.norm_wsum = p;
+  a.norm_w = p;
+  cr_expect(td_gemm_ex(b, &a) != TD_OK, "a plain norm with a weight");
+  td_free(b, p);
+  td_backend_destroy(b);
 }
