@@ -934,7 +934,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
    * are neither too many nor too few and the context not too long
    * (c->decode_small*): elsewhere the tiled kernel's key splits spread the
    * K/V over more SMs (H100: 16 pairs over 512 keys, 20 or 40 over 1500,
-   * faster split; 48-64 over 512 faster on warps; docs/cuda.md) */
+   * faster split; 32-64 over 512 as fast or faster on warps; docs/cuda.md) */
   long pairs = (long)m->n_seqs * H;
   if (dh == 64 && max_q == 1 && ldq % 2 == 0 && c->decode_warp > 0) {
     /* early loads: all of a static K/V, or the keys before the query (causal self-attention) */
