@@ -81,6 +81,29 @@ static void t5_tensors(list *l, const td_random_shape *s) {
   if (s->gated) add(l, 0, s->vocab, d, "lm_head.weight");
 }
 
+/* One BART-layout layer (BART, Whisper): attention (and cross-attention
+ * in the decoder) with their norms, then the FFN and its norm; Whisper's
+ * k projections have no bias. */
+static void bart_layer_tensors(list *l, const td_random_shape *s, const char *st, int i, bool cross, bool k_bias) {
+  int d = s->d_model;
+  for (int a = 0; a < (cross ? 2 : 1); a++) {
+    const char *an = a ? "encoder_attn" : "self_attn";
+    const char *p[4] = {"q_proj", "k_proj", "v_proj", "out_proj"};
+    for (int k = 0; k < 4; k++) {
+      add(l, 0, d, d, "model.%s.layers.%d.%s.%s.weight", st, i, an, p[k]);
+      if (k != 1 || k_bias) add(l, 3, d, 0, "model.%s.layers.%d.%s.%s.bias", st, i, an, p[k]);
+    }
+    add(l, 2, d, 0, "model.%s.layers.%d.%s_layer_norm.weight", st, i, an);
+    add(l, 3, d, 0, "model.%s.layers.%d.%s_layer_norm.bias", st, i, an);
+  }
+  add(l, 0, s->ffn, d, "model.%s.layers.%d.fc1.weight", st, i);
+  add(l, 3, s->ffn, 0, "model.%s.layers.%d.fc1.bias", st, i);
+  add(l, 0, d, s->ffn, "model.%s.layers.%d.fc2.weight", st, i);
+  add(l, 3, d, 0, "model.%s.layers.%d.fc2.bias", st, i);
+  add(l, 2, d, 0, "model.%s.layers.%d.final_layer_norm.weight", st, i);
+  add(l, 3, d, 0, "model.%s.layers.%d.final_layer_norm.bias", st, i);
+}
+
 static void bart_tensors(list *l, const td_random_shape *s) {
   int d = s->d_model;
   add(l, 1, s->vocab, d, "model.shared.weight");
@@ -91,24 +114,7 @@ static void bart_tensors(list *l, const td_random_shape *s) {
     add(l, 1, s->max_positions + 2, d, "model.%s.embed_positions.weight", st);
     add(l, 2, d, 0, "model.%s.layernorm_embedding.weight", st);
     add(l, 3, d, 0, "model.%s.layernorm_embedding.bias", st);
-    for (int i = 0; i < L; i++) {
-      for (int a = 0; a < (e ? 2 : 1); a++) {
-        const char *an = a ? "encoder_attn" : "self_attn";
-        const char *p[4] = {"q_proj", "k_proj", "v_proj", "out_proj"};
-        for (int k = 0; k < 4; k++) {
-          add(l, 0, d, d, "model.%s.layers.%d.%s.%s.weight", st, i, an, p[k]);
-          add(l, 3, d, 0, "model.%s.layers.%d.%s.%s.bias", st, i, an, p[k]);
-        }
-        add(l, 2, d, 0, "model.%s.layers.%d.%s_layer_norm.weight", st, i, an);
-        add(l, 3, d, 0, "model.%s.layers.%d.%s_layer_norm.bias", st, i, an);
-      }
-      add(l, 0, s->ffn, d, "model.%s.layers.%d.fc1.weight", st, i);
-      add(l, 3, s->ffn, 0, "model.%s.layers.%d.fc1.bias", st, i);
-      add(l, 0, d, s->ffn, "model.%s.layers.%d.fc2.weight", st, i);
-      add(l, 3, d, 0, "model.%s.layers.%d.fc2.bias", st, i);
-      add(l, 2, d, 0, "model.%s.layers.%d.final_layer_norm.weight", st, i);
-      add(l, 3, d, 0, "model.%s.layers.%d.final_layer_norm.bias", st, i);
-    }
+    for (int i = 0; i < L; i++) bart_layer_tensors(l, s, st, i, e == 1, true);
   }
 }
 
@@ -128,24 +134,7 @@ static void whisper_tensors(list *l, const td_random_shape *s) {
   add(l, 1, s->vocab, d, "model.decoder.embed_tokens.weight");
   for (int e = 0; e < 2; e++) {
     const char *st = e ? "decoder" : "encoder";
-    for (int i = 0; i < (e ? s->dec_layers : s->enc_layers); i++) {
-      for (int a = 0; a < (e ? 2 : 1); a++) {
-        const char *an = a ? "encoder_attn" : "self_attn";
-        const char *p[4] = {"q_proj", "k_proj", "v_proj", "out_proj"};
-        for (int k = 0; k < 4; k++) {
-          add(l, 0, d, d, "model.%s.layers.%d.%s.%s.weight", st, i, an, p[k]);
-          if (k != 1) add(l, 3, d, 0, "model.%s.layers.%d.%s.%s.bias", st, i, an, p[k]);
-        }
-        add(l, 2, d, 0, "model.%s.layers.%d.%s_layer_norm.weight", st, i, an);
-        add(l, 3, d, 0, "model.%s.layers.%d.%s_layer_norm.bias", st, i, an);
-      }
-      add(l, 0, s->ffn, d, "model.%s.layers.%d.fc1.weight", st, i);
-      add(l, 3, s->ffn, 0, "model.%s.layers.%d.fc1.bias", st, i);
-      add(l, 0, d, s->ffn, "model.%s.layers.%d.fc2.weight", st, i);
-      add(l, 3, d, 0, "model.%s.layers.%d.fc2.bias", st, i);
-      add(l, 2, d, 0, "model.%s.layers.%d.final_layer_norm.weight", st, i);
-      add(l, 3, d, 0, "model.%s.layers.%d.final_layer_norm.bias", st, i);
-    }
+    for (int i = 0; i < (e ? s->dec_layers : s->enc_layers); i++) bart_layer_tensors(l, s, st, i, e == 1, false);
     add(l, 2, d, 0, "model.%s.layer_norm.weight", st);
     add(l, 3, d, 0, "model.%s.layer_norm.bias", st);
   }
