@@ -152,6 +152,30 @@ static td_status load_norm(loader *ld, const char *prefix, int n, norm_w *out) {
   return TD_OK;
 }
 
+/* A decoder pre-norm right before a linear layer: loaded, and with fw
+ * (scratch for its weight) folded into that layer, the next load_lin:
+ * RMSNorm(x) W^T = (x / rms(x)) (W diag(g))^T; a LayerNorm's bias too (fb:
+ * scratch for it), LayerNorm(x) W^T + b = x_hat (W diag(g))^T + (b + W
+ * beta), x_hat the plainly normalised x. */
+static td_status load_norm_fold(loader *ld, const char *prefix, int n, norm_w *out, float *fw, float *fb) {
+  TD_TRY(load_norm(ld, prefix, n, out));
+  if (!fw) return TD_OK;
+  char name[256];
+  int64_t shape[1] = {n};
+  snprintf(name, sizeof name, "%s.weight", prefix);
+  TD_TRY(read_f32(ld, name, 1, shape));
+  memcpy(fw, ld->tmp, sizeof(float) * (size_t)n);
+  if (fb) {
+    snprintf(name, sizeof name, "%s.bias", prefix);
+    TD_TRY(read_f32(ld, name, 1, shape));
+    memcpy(fb, ld->tmp, sizeof(float) * (size_t)n);
+  }
+  out->folded = true;
+  ld->fold = fw;
+  ld->fold_b = fb;
+  return TD_OK;
+}
+
 typedef enum split { SPLIT_NONE, SPLIT_ROWS, SPLIT_COLS } split;
 
 /* A linear layer whose weight is the row-concatenation of parts
@@ -214,10 +238,10 @@ static td_status load_lin(loader *ld, int n_parts, const char *const *wnames, co
   out->in = in_local;
   out->b = out->wsum = NULL;
   if (fold_b) { /* the bias gains W beta; the row sums are of W as a bf16 backend holds it */
+    bool bf16 = td_buf_elem_size(ld->b, TD_BUF_ACT) == 2;
     for (int k = 0; k < out_rows; k++) {
       double s = 0.0;
       const float *wr = w + (size_t)k * in_local;
-      bool bf16 = td_buf_elem_size(ld->b, TD_BUF_ACT) == 2;
       for (int j = 0; j < in_local; j++) s += bf16 ? td_bf16_to_f32(td_f32_to_bf16(wr[j])) : wr[j];
       bias[k] += fb[k];
       fb[k] = (float)s;
@@ -358,16 +382,7 @@ static td_status load_t5(td_model *m, loader *ld) {
     norm_w *ln[3] = {&L->ln_self, &L->ln_cross, &L->ln_ffn};
     for (int j = 0; j < 3 && st == TD_OK; j++) {
       snprintf(name, sizeof name, "decoder.block.%d.layer.%d.layer_norm", i, j);
-      st = load_norm(ld, name, c->d_model, ln[j]);
-      if (st == TD_OK && fold) {
-        int64_t shape[1] = {c->d_model};
-        snprintf(pre, sizeof pre, "%s.weight", name);
-        st = read_f32(ld, pre, 1, shape);
-        if (st != TD_OK) break;
-        memcpy(fw, ld->tmp, sizeof(float) * (size_t)c->d_model);
-        ln[j]->folded = true;
-        ld->fold = fw;
-      }
+      st = load_norm_fold(ld, name, c->d_model, ln[j], fw, NULL);
       if (st != TD_OK) break;
       if (j == 0) {
         snprintf(pre, sizeof pre, "decoder.block.%d.layer.0.SelfAttention", i);
@@ -434,48 +449,24 @@ static td_status load_ffn_bart(loader *ld, const char *pre, int ff, lin *wi, lin
   return load_lin1(ld, w2, b2, d, ff, SPLIT_COLS, wo);
 }
 
-/* A decoder pre-norm LayerNorm right before a linear layer: loaded, and
- * with fw / fb (scratch for its weight and bias) folded into that layer,
- * the next load_lin: LayerNorm(x) W^T + b = x_hat (W diag(g))^T + (b + W
- * beta), x_hat the plainly normalised x. */
-static td_status load_norm_fold(loader *ld, const char *prefix, int n, norm_w *out, float *fw, float *fb) {
-  TD_TRY(load_norm(ld, prefix, n, out));
-  if (!fw) return TD_OK;
-  char name[256];
-  int64_t shape[1] = {n};
-  snprintf(name, sizeof name, "%s.weight", prefix);
-  TD_TRY(read_f32(ld, name, 1, shape));
-  memcpy(fw, ld->tmp, sizeof(float) * (size_t)n);
-  snprintf(name, sizeof name, "%s.bias", prefix);
-  TD_TRY(read_f32(ld, name, 1, shape));
-  memcpy(fb, ld->tmp, sizeof(float) * (size_t)n);
-  out->folded = true;
-  ld->fold = fw;
-  ld->fold_b = fb;
-  return TD_OK;
-}
-
 static td_status load_bart_decoder(td_model *m, loader *ld, const char *P, float *fw, float *fb) {
   const td_model_config *c = &m->cfg;
   char pre[256], name[256];
   for (int i = m->d.l0; i < m->d.l1; i++) {
     dec_layer *L = &m->dec[i - m->d.l0];
-    /* pre-norm: each norm is loaded (and folded) before the layer it feeds */
+    /* each norm is loaded (and with fw folded) before the layer it feeds */
     snprintf(name, sizeof name, "%sdecoder.layers.%d.self_attn_layer_norm", P, i);
-    if (fw) TD_TRY(load_norm_fold(ld, name, c->d_model, &L->ln_self, fw, fb));
+    TD_TRY(load_norm_fold(ld, name, c->d_model, &L->ln_self, fw, fb));
     snprintf(pre, sizeof pre, "%sdecoder.layers.%d.self_attn", P, i);
     TD_TRY(load_attn_bart(ld, pre, c->dec_heads, c->dec_head_dim, true, &L->qkv, NULL, NULL, &L->o));
-    if (!fw) TD_TRY(load_norm(ld, name, c->d_model, &L->ln_self));
     snprintf(name, sizeof name, "%sdecoder.layers.%d.encoder_attn_layer_norm", P, i);
-    if (fw) TD_TRY(load_norm_fold(ld, name, c->d_model, &L->ln_cross, fw, fb));
+    TD_TRY(load_norm_fold(ld, name, c->d_model, &L->ln_cross, fw, fb));
     snprintf(pre, sizeof pre, "%sdecoder.layers.%d.encoder_attn", P, i);
     TD_TRY(load_attn_bart(ld, pre, c->dec_heads, c->dec_head_dim, false, NULL, &L->cq, &L->ckv, &L->co));
-    if (!fw) TD_TRY(load_norm(ld, name, c->d_model, &L->ln_cross));
     snprintf(name, sizeof name, "%sdecoder.layers.%d.final_layer_norm", P, i);
-    if (fw) TD_TRY(load_norm_fold(ld, name, c->d_model, &L->ln_ffn, fw, fb));
+    TD_TRY(load_norm_fold(ld, name, c->d_model, &L->ln_ffn, fw, fb));
     snprintf(pre, sizeof pre, "%sdecoder.layers.%d", P, i);
     TD_TRY(load_ffn_bart(ld, pre, c->dec_ffn, &L->wi, &L->wo));
-    if (!fw) TD_TRY(load_norm(ld, name, c->d_model, &L->ln_ffn));
   }
   return TD_OK;
 }
