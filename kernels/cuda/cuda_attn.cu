@@ -650,11 +650,15 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
 
 /* Decode attention, one query per sequence, head_dim 64: SPLIT warps per
  * (sequence, head) taking interleaved 32-key chunks, their softmax states
- * merged through shared memory at the end; PAIRS pairs per block. Lanes own
- * keys for the scores (each lane loads its key's K and V rows at once: one
- * memory round trip per 32 keys) and output dims for PV, which a butterfly
- * reduce-scatter over the lanes' p * V rows gives (lane l ends with dims
- * 2l, 2l + 1). Online softmax over 32-key chunks in the exp2 domain. Two
+ * merged through shared memory at the end; PAIRS pairs per block. Within a
+ * chunk, lane l holds dims 8 (l % 8) .. + 8 of keys 4 i + l / 8 (i < 8),
+ * so that each load instruction of the warp reads four whole 128-byte key
+ * rows (one key row a lane made every instruction touch 32 lines, and the
+ * L1 replays kept the self-attention at batch 64 near a third of the DRAM
+ * rate, ncu on H100). A key's score is summed over its 8 lanes (3
+ * shuffles), p V over the 4 lanes of a dim group (2 shuffles a dim); each
+ * lane keeps its 8 dims of q in registers, so no block barrier precedes
+ * the products. Online softmax over 32-key chunks in the exp2 domain. Two
  * warps a pair when the pairs fill the GPU; up to 16 when few pairs have
  * long contexts (small-batch cross-attention), where the tiled kernel
  * would split the keys over blocks and merge through global memory. With
@@ -667,27 +671,15 @@ union dw_bf16x8 {
   __nv_bfloat162 h[4];
 };
 
-/* One step of the reduce-scatter: a lane keeps the half of its HALF * 2
- * values selected by its bit HALF / 2, summed with its partner's. */
-template <int HALF>
-__device__ __forceinline__ void dw_rs_step(float (&v)[64], int lane) {
-  const bool up = (lane & (HALF / 2)) != 0;
-#pragma unroll
-  for (int i = 0; i < HALF; i++) {
-    const float send = up ? v[i] : v[i + HALF], keep = up ? v[i + HALF] : v[i];
-    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, HALF / 2);
-  }
-}
-
 /* at most 128 registers: two blocks of 8 warps an SM */
 template <int SPLIT, int PAIRS, bool EARLY>
 __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)) attn_decode_warp_kernel(const AttnArgs a) {
   static_assert(SPLIT >= 2 && SPLIT * PAIRS <= 16, "warps per block");
-  __shared__ float qsh[PAIRS][64];
-  __shared__ float4 mrg[PAIRS][SPLIT - 1][32];
+  __shared__ float4 mrg[PAIRS][SPLIT][8][3]; /* per warp and dim group: o[8], then m, l */
   constexpr bool early = EARLY; /* kv_static: the first chunk loads before the wait */
   if (!early) td_pdl_start_if(a.pdl_late);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, H = a.H;
+  const int cg = lane & 7, kq = lane >> 3; /* dim group, key within four */
   const int pw = warp % PAIRS, sub = warp / PAIRS; /* which pair, which of its chunk streams */
   const long gp = (long)blockIdx.x * PAIRS + pw;
   const int s = (int)(gp / H), h = (int)(gp % H);
@@ -704,103 +696,163 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
   const int32_t *table = live ? a.block_table + (size_t)s * a.max_blocks : a.block_table;
   const float *L = a.lut ? a.lut + (size_t)h * (2 * a.md + 1) : nullptr;
   const size_t vstride = (size_t)H * a.bs * 64;
+  const bf16 *head = a.pool + a.layer_off + (size_t)h * a.bs * 64 + cg * 8;
   uint4 kr[8], vr[8];
-  auto load = [&](int j) {
-    if (j < kend) {
-      const bf16 *kp = a.pool + (size_t)table[j / a.bs] * a.block_elems + a.layer_off +
-                       ((size_t)h * a.bs + j % a.bs) * 64;
+  auto key_at = [&](int j) { return head + (size_t)table[j / a.bs] * a.block_elems + (size_t)(j % a.bs) * 64; };
+  auto load = [&](int c0) {
+    int j = c0 + kq, b = j / a.bs, r = j % a.bs; /* key 4 i + kq: block b, row r */
 #pragma unroll
-      for (int i = 0; i < 8; i++) {
-        kr[i] = *((const uint4 *)kp + i);
-        vr[i] = *((const uint4 *)(kp + vstride) + i);
+    for (int i = 0; i < 8; i++) {
+      if (j < kend) {
+        const bf16 *kp = head + (size_t)table[b] * a.block_elems + (size_t)r * 64;
+        kr[i] = *(const uint4 *)kp;
+        vr[i] = *(const uint4 *)(kp + vstride);
+      } else {
+        kr[i] = vr[i] = make_uint4(0u, 0u, 0u, 0u);
       }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; i++) kr[i] = vr[i] = make_uint4(0u, 0u, 0u, 0u);
+      j += 4;
+      r += 4;
+      while (r >= a.bs) {
+        r -= a.bs;
+        b++;
+      }
     }
   };
   if (early) {
-    load(sub * 32 + lane);
+    load(sub * 32);
     td_pdl_start_if(a.pdl_late);
     /* kv_static_past: the query's own key was just written; read it again */
-    if (!a.kv_static && sub * 32 + lane == qpos) load(qpos);
-  }
-  if (live && sub == 0) {
-    const bf16 *qp = a.q + (size_t)qs * a.ldq + (size_t)h * 64;
-    float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)(qp + 2 * lane));
-    qsh[pw][2 * lane] = f.x * a.scale_log2;
-    qsh[pw][2 * lane + 1] = f.y * a.scale_log2;
-  }
-  __syncthreads();
-  float m = -INFINITY, l = 0.0f, o0 = 0.0f, o1 = 0.0f;
-  for (int c0 = sub * 32; c0 < kend; c0 += 32 * SPLIT) {
-    const int j = c0 + lane;
-    const bool valid = j < kend;
-    if (!early || c0 != sub * 32) load(j);
-    float sc = -INFINITY;
-    if (valid) {
-      float dot = 0.0f;
+    const int d = qpos - sub * 32;
+    if (!a.kv_static && d >= 0 && d < 32 && (d & 3) == kq && qpos < kend) {
+      const bf16 *kp = key_at(qpos);
+      const uint4 nk = *(const uint4 *)kp, nv = *(const uint4 *)(kp + vstride);
 #pragma unroll
-      for (int i = 0; i < 8; i++) {
-        dw_bf16x8 k2;
-        k2.u = kr[i];
-#pragma unroll
-        for (int t = 0; t < 4; t++) {
-          float2 f = __bfloat1622float2(k2.h[t]);
-          dot += qsh[pw][i * 8 + 2 * t] * f.x + qsh[pw][i * 8 + 2 * t + 1] * f.y;
-        }
+      for (int i = 0; i < 8; i++) { /* selects: a dynamic index would put kr / vr in local memory */
+        const bool hit = i == d >> 2;
+        kr[i] = hit ? nk : kr[i];
+        vr[i] = hit ? nv : vr[i];
       }
-      sc = dot;
-      if (L) sc += lut_at(L, a.md, j - qpos) * LOG2E;
     }
-    float cmax = sc;
+  }
+  float qf[8]; /* this lane's dims of q, scaled into the exp2 domain */
+  {
+    dw_bf16x8 qv;
+    qv.u = live ? *(const uint4 *)(a.q + (size_t)qs * a.ldq + (size_t)h * 64 + cg * 8) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
-    const float nm = fmaxf(m, cmax), alpha = m == -INFINITY ? 0.0f : fast_exp2(m - nm);
-    const float p = valid ? fast_exp2(sc - nm) : 0.0f;
-    float ps = p;
+    for (int t = 0; t < 4; t++) {
+      float2 f = __bfloat1622float2(qv.h[t]);
+      qf[2 * t] = f.x * a.scale_log2;
+      qf[2 * t + 1] = f.y * a.scale_log2;
+    }
+  }
+  float m = -INFINITY, l = 0.0f, o[8];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
-    l = l * alpha + ps;
-    m = nm;
-    float v[64];
+  for (int e = 0; e < 8; e++) o[e] = 0.0f;
+  for (int c0 = sub * 32; c0 < kend; c0 += 32 * SPLIT) {
+    if (!early || c0 != sub * 32) load(c0);
+    float sc[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) {
+      dw_bf16x8 k2;
+      k2.u = kr[i];
+      float dot = 0.0f;
+#pragma unroll
+      for (int t = 0; t < 4; t++) {
+        float2 f = __bfloat1622float2(k2.h[t]);
+        dot = fmaf(qf[2 * t], f.x, dot);
+        dot = fmaf(qf[2 * t + 1], f.y, dot);
+      }
+      sc[i] = dot;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+#pragma unroll
+      for (int x = 1; x < 8; x <<= 1) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], x);
+    float cmax = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      const int j = c0 + 4 * i + kq;
+      sc[i] = j < kend ? (L ? sc[i] + lut_at(L, a.md, j - qpos) * LOG2E : sc[i]) : -INFINITY;
+      cmax = fmaxf(cmax, sc[i]);
+    }
+    cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 8));
+    cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 16));
+    /* the chunk starts below kend, so cmax is finite */
+    const float alpha = m == -INFINITY ? 0.0f : fast_exp2(m - fmaxf(m, cmax));
+    m = fmaxf(m, cmax);
+    float ps = 0.0f, acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+      const float p = sc[i] == -INFINITY ? 0.0f : fast_exp2(sc[i] - m);
+      ps += p;
       dw_bf16x8 v2;
       v2.u = vr[i];
 #pragma unroll
       for (int t = 0; t < 4; t++) {
         float2 f = __bfloat1622float2(v2.h[t]);
-        v[i * 8 + 2 * t] = p * f.x;
-        v[i * 8 + 2 * t + 1] = p * f.y;
+        acc[2 * t] = fmaf(p, f.x, acc[2 * t]);
+        acc[2 * t + 1] = fmaf(p, f.y, acc[2 * t + 1]);
       }
     }
-    dw_rs_step<32>(v, lane);
-    dw_rs_step<16>(v, lane);
-    dw_rs_step<8>(v, lane);
-    dw_rs_step<4>(v, lane);
-    dw_rs_step<2>(v, lane);
-    o0 = o0 * alpha + v[0];
-    o1 = o1 * alpha + v[1];
-  }
-  /* the other warps' states join the first's */
-  if (sub > 0) mrg[pw][sub - 1][lane] = make_float4(m, l, o0, o1);
-  __syncthreads();
-  if (sub > 0 || !live) return;
+    ps += __shfl_xor_sync(0xffffffffu, ps, 8);
+    ps += __shfl_xor_sync(0xffffffffu, ps, 16);
+    l = l * alpha + ps;
 #pragma unroll
-  for (int w = 0; w < SPLIT - 1; w++) {
-    const float4 o = mrg[pw][w][lane];
-    const float nm = fmaxf(m, o.x);
-    if (nm == -INFINITY) continue;
-    const float a0 = m == -INFINITY ? 0.0f : fast_exp2(m - nm), a1 = o.x == -INFINITY ? 0.0f : fast_exp2(o.x - nm);
-    l = l * a0 + o.y * a1;
-    o0 = o0 * a0 + o.z * a1;
-    o1 = o1 * a0 + o.w * a1;
-    m = nm;
+    for (int e = 0; e < 8; e++) {
+      acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 8);
+      acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 16);
+      o[e] = o[e] * alpha + acc[e];
+    }
   }
+  /* every warp's state to shared memory (lanes 0-7: a dim group each);
+   * the first warp's lanes merge warps kq, kq + 4, ... and then their
+   * four partial states by shuffles: at 16 warps a pair four steps and two
+   * exchanges on the critical path instead of fifteen steps */
+  if (kq == 0) {
+    float4 *d = mrg[pw][sub][cg];
+    d[0] = make_float4(o[0], o[1], o[2], o[3]);
+    d[1] = make_float4(o[4], o[5], o[6], o[7]);
+    d[2] = make_float4(m, l, 0.0f, 0.0f);
+  }
+  __syncthreads();
+  if (sub > 0) return;
+  auto join = [&](float om, float ol, const float (&oo)[8]) {
+    const float nm = fmaxf(m, om);
+    const float a0 = m == -INFINITY ? 0.0f : fast_exp2(m - nm), a1 = om == -INFINITY ? 0.0f : fast_exp2(om - nm);
+    l = l * a0 + ol * a1;
+#pragma unroll
+    for (int e = 0; e < 8; e++) o[e] = o[e] * a0 + oo[e] * a1;
+    m = nm;
+  };
+  m = -INFINITY;
+  l = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; e++) o[e] = 0.0f;
+#pragma unroll
+  for (int w = 0; w < SPLIT; w += 4) {
+    if (w + kq < SPLIT) {
+      const float4 *d = mrg[pw][w + kq][cg];
+      const float4 x0 = d[0], x1 = d[1], x2 = d[2];
+      const float oo[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      join(x2.x, x2.y, oo);
+    }
+  }
+#pragma unroll
+  for (int x = 8; x < 32; x <<= 1) {
+    float oo[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) oo[e] = __shfl_xor_sync(0xffffffffu, o[e], x);
+    const float om = __shfl_xor_sync(0xffffffffu, m, x), ol = __shfl_xor_sync(0xffffffffu, l, x);
+    join(om, ol, oo);
+  }
+  if (!live || kq != 0) return;
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-  bf16 *op = a.out + ((size_t)qs * H + h) * 64 + 2 * lane;
-  *(__nv_bfloat162 *)op = __floats2bfloat162_rn(o0 * inv, o1 * inv);
+  dw_bf16x8 ov;
+#pragma unroll
+  for (int t = 0; t < 4; t++) ov.h[t] = __floats2bfloat162_rn(o[2 * t] * inv, o[2 * t + 1] * inv);
+  *(uint4 *)(a.out + ((size_t)qs * H + h) * 64 + cg * 8) = ov.u;
 }
 
 /* ------------------------------------------------------------ launchers */
@@ -933,8 +985,9 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
    * a pair by the context bound, and 16 for longer contexts when the pairs
    * are neither too many nor too few and the context not too long
    * (c->decode_small*): elsewhere the tiled kernel's key splits spread the
-   * K/V over more SMs (H100: 16 pairs over 512 keys, 20 or 40 over 1500,
-   * faster split; 32-64 over 512 as fast or faster on warps; docs/cuda.md) */
+   * K/V over more SMs (H100: 20 or 40 pairs over 1500 keys faster split;
+   * 16-64 over 512 faster on warps since their merge is by shuffles;
+   * docs/cuda.md) */
   long pairs = (long)m->n_seqs * H;
   if (dh == 64 && max_q == 1 && ldq % 2 == 0 && c->decode_warp > 0) {
     /* early loads: all of a static K/V, or the keys before the query (causal self-attention) */

@@ -656,7 +656,7 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->decode_warp = v && *v ? atoi(v) : 256;
   v = getenv("TANDEM_CUDA_DECATTN_SMALL");
   c->decode_small = 64;
-  c->decode_small_min = 32;
+  c->decode_small_min = 16;
   c->decode_small_ctx = 1024;
   if (v && *v && sscanf(v, "%d,%d,%d", &c->decode_small, &c->decode_small_min, &c->decode_small_ctx) < 1)
     c->decode_small = 64;

@@ -48,7 +48,7 @@ typedef struct td_cuda {
   int decode_small;   /* fewer pairs than that: 2-8 warps a pair by context (<= 256 keys); 16 for longer contexts
                          up to this many pairs (TANDEM_CUDA_DECATTN_SMALL=N[,MIN[,CTX]], default 64; 0: the tiled
                          kernel) */
-  int decode_small_min, decode_small_ctx; /* ... and from MIN pairs, contexts up to CTX (default 32, 1024): fewer
+  int decode_small_min, decode_small_ctx; /* ... and from MIN pairs, contexts up to CTX (default 16, 1024): fewer
                          pairs or longer contexts take the tiled kernel's key splits */
   int dense64_warps;  /* dense attention, head_dim 64: 0 wgmma on 2 warpgroups, 8 mma.sync warps x 16 rows
                          (TANDEM_CUDA_DENSE64=8), or 4 (=4) */
