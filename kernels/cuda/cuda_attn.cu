@@ -653,9 +653,9 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
  * merged through shared memory at the end; PAIRS pairs per block. Within a
  * chunk, lane l holds dims 8 (l % 8) .. + 8 of keys 4 i + l / 8 (i < 8),
  * so that each load instruction of the warp reads four whole 128-byte key
- * rows (one key row a lane made every instruction touch 32 lines, and the
- * L1 replays kept the self-attention at batch 64 near a third of the DRAM
- * rate, ncu on H100). A key's score is summed over its 8 lanes (3
+ * rows (with one key row a lane, every instruction touched 32 lines, and
+ * the self-attention at batch 64 ran at a third of the DRAM rate, ncu on
+ * H100). A key's score is summed over its 8 lanes (3
  * shuffles), p V over the 4 lanes of a dim group (2 shuffles a dim); each
  * lane keeps its 8 dims of q in registers, so no block barrier precedes
  * the products. Online softmax over 32-key chunks in the exp2 domain. Two
@@ -989,7 +989,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
    * 16-64 over 512 faster on warps since their merge is by shuffles;
    * docs/cuda.md) */
   long pairs = (long)m->n_seqs * H;
-  if (dh == 64 && max_q == 1 && ldq % 2 == 0 && c->decode_warp > 0) {
+  if (dh == 64 && max_q == 1 && c->decode_warp > 0) { /* fast: ldq % 8 == 0, q, out, pool 16-byte aligned */
     /* early loads: all of a static K/V, or the keys before the query (causal self-attention) */
     bool st = m->kv_static || (m->kv_static_past && a.causal), done = true;
     bool small = c->decode_small > 0 && pairs < (long)c->decode_warp;
