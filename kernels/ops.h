@@ -162,7 +162,7 @@ td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void 
 
 /* Sequences whose queries attend to paged KV. */
 typedef struct td_paged_meta {
-  int n_seqs, n_tokens; /* host: query rows and sequences */
+  int n_seqs, n_tokens; /* host: sequences, and the rows of q and out (q_start's values lie in [0, n_tokens]) */
   int max_q, max_ctx;   /* host: bounds on query and context lengths */
   const int32_t *q_start;     /* device [n_seqs + 1]: query row offsets */
   const int32_t *ctx_len;     /* device [n_seqs]: KV length, queries included */

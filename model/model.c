@@ -1038,7 +1038,9 @@ static void *rows_at(const td_model *m, const void *p, int row, int width) {
 }
 
 /* This stage's decoder layers over query rows [t0, t1) of sequences
- * [s0, s1) (row offsets in the metadata are absolute). */
+ * [s0, s1). Row offsets in the metadata stay absolute, so n_tokens, which
+ * bounds them, is t1 (with t1 - t0 the GPU's attention would take a later
+ * micro-batch's rows for padding). */
 static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, const td_paged_meta *cross_all,
                                 const int32_t *dslots, int s0, int s1, int t0, int t1) {
   const td_model_config *c = &m->cfg;
@@ -1047,7 +1049,7 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
   int T = t1 - t0, hd = d->dh_ * d->ddh;
   td_paged_meta self_m = *self_all, cross_m = *cross_all;
   self_m.n_seqs = cross_m.n_seqs = s1 - s0;
-  self_m.n_tokens = cross_m.n_tokens = T;
+  self_m.n_tokens = cross_m.n_tokens = t1;
   self_m.q_start += s0;
   self_m.ctx_len += s0;
   self_m.block_table += (size_t)s0 * m->self_stride;

@@ -671,6 +671,150 @@ union dw_bf16x8 {
   __nv_bfloat162 h[4];
 };
 
+/* this lane's dims of the query (cg: dim group), scaled into the exp2 domain */
+__device__ __forceinline__ void dw_load_q(float (&qf)[8], const bf16 *q, bool live, float scale_log2) {
+  dw_bf16x8 qv;
+  qv.u = live ? *(const uint4 *)q : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int t = 0; t < 4; t++) {
+    float2 f = __bfloat1622float2(qv.h[t]);
+    qf[2 * t] = f.x * scale_log2;
+    qf[2 * t + 1] = f.y * scale_log2;
+  }
+}
+
+/* One chunk of 4 N keys starting at c0 (which is below kend): lane (cg, kq)
+ * holds dims 8 cg of keys c0 + 4 i + kq in kr / vr (zeros past kend); the
+ * online softmax state (m, l, o) advances over them. */
+template <int N>
+__device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)[N], int c0, int kq, int kend, int qpos,
+                                         const float (&qf)[8], const float *L, int md, float &m, float &l, float (&o)[8]) {
+  float sc[N];
+#pragma unroll
+  for (int i = 0; i < N; i++) {
+    dw_bf16x8 k2;
+    k2.u = kr[i];
+    float dot = 0.0f;
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+      float2 f = __bfloat1622float2(k2.h[t]);
+      dot = fmaf(qf[2 * t], f.x, dot);
+      dot = fmaf(qf[2 * t + 1], f.y, dot);
+    }
+    sc[i] = dot;
+  }
+#pragma unroll
+  for (int i = 0; i < N; i++)
+#pragma unroll
+    for (int x = 1; x < 8; x <<= 1) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], x);
+  float cmax = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < N; i++) {
+    const int j = c0 + 4 * i + kq;
+    sc[i] = j < kend ? (L ? sc[i] + lut_at(L, md, j - qpos) * LOG2E : sc[i]) : -INFINITY;
+    cmax = fmaxf(cmax, sc[i]);
+  }
+  cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 8));
+  cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 16));
+  /* the chunk starts below kend, so cmax is finite */
+  const float alpha = m == -INFINITY ? 0.0f : fast_exp2(m - fmaxf(m, cmax));
+  m = fmaxf(m, cmax);
+  float ps = 0.0f, acc[8];
+#pragma unroll
+  for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; i++) {
+    const float p = sc[i] == -INFINITY ? 0.0f : fast_exp2(sc[i] - m);
+    ps += p;
+    dw_bf16x8 v2;
+    v2.u = vr[i];
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+      float2 f = __bfloat1622float2(v2.h[t]);
+      acc[2 * t] = fmaf(p, f.x, acc[2 * t]);
+      acc[2 * t + 1] = fmaf(p, f.y, acc[2 * t + 1]);
+    }
+  }
+  ps += __shfl_xor_sync(0xffffffffu, ps, 8);
+  ps += __shfl_xor_sync(0xffffffffu, ps, 16);
+  l = l * alpha + ps;
+#pragma unroll
+  for (int e = 0; e < 8; e++) {
+    acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 8);
+    acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 16);
+    o[e] = o[e] * alpha + acc[e];
+  }
+}
+
+/* The SPLIT warps of a pair merge their softmax states and write the
+ * output (dst: the pair's row, this lane's dim group). Every warp writes
+ * its state to shared memory (lanes 0-7: a dim group each); the first
+ * warp's lanes merge warps kq, kq + 4, ... and then their four partial
+ * states by shuffles: at 16 warps a pair four steps and two exchanges on
+ * the critical path instead of fifteen steps. Called by every thread of
+ * the block (one block barrier). */
+template <int SPLIT>
+__device__ __forceinline__ void dw_finish(float4 (*mrg)[8][3], int sub, int cg, int kq, float m, float l,
+                                          float (&o)[8], bool live, bf16 *dst) {
+  if (kq == 0) {
+    float4 *d = mrg[sub][cg];
+    d[0] = make_float4(o[0], o[1], o[2], o[3]);
+    d[1] = make_float4(o[4], o[5], o[6], o[7]);
+    d[2] = make_float4(m, l, 0.0f, 0.0f);
+  }
+  __syncthreads();
+  if (sub > 0) return;
+  auto join = [&](float om, float ol, const float (&oo)[8]) {
+    const float nm = fmaxf(m, om);
+    const float a0 = m == -INFINITY ? 0.0f : fast_exp2(m - nm), a1 = om == -INFINITY ? 0.0f : fast_exp2(om - nm);
+    l = l * a0 + ol * a1;
+#pragma unroll
+    for (int e = 0; e < 8; e++) o[e] = o[e] * a0 + oo[e] * a1;
+    m = nm;
+  };
+  m = -INFINITY;
+  l = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; e++) o[e] = 0.0f;
+#pragma unroll
+  for (int w = 0; w < SPLIT; w += 4) {
+    if (w + kq < SPLIT) {
+      const float4 *d = mrg[w + kq][cg];
+      const float4 x0 = d[0], x1 = d[1], x2 = d[2];
+      const float oo[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      join(x2.x, x2.y, oo);
+    }
+  }
+#pragma unroll
+  for (int x = 8; x < 32; x <<= 1) {
+    float oo[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) oo[e] = __shfl_xor_sync(0xffffffffu, o[e], x);
+    const float om = __shfl_xor_sync(0xffffffffu, m, x), ol = __shfl_xor_sync(0xffffffffu, l, x);
+    join(om, ol, oo);
+  }
+  if (!live || kq != 0) return;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  dw_bf16x8 ov;
+#pragma unroll
+  for (int t = 0; t < 4; t++) ov.h[t] = __floats2bfloat162_rn(o[2 * t] * inv, o[2 * t + 1] * inv);
+  *(uint4 *)dst = ov.u;
+}
+
+/* A decode pair's sequence bounds: the query row qs, its position qpos and
+ * the keys it sees (kend); live is false for padding rows. */
+__device__ __forceinline__ bool dw_bounds(const AttnArgs &a, int s, int &qs, int &qpos, int &kend) {
+  qs = qpos = kend = 0;
+  if (s >= a.n_seqs) return false;
+  qs = a.q_start[s];
+  const int qlen = min(a.q_start[s + 1], a.n_tokens) - qs;
+  const bool live = qs >= 0 && qlen > 0;
+  const int ctx = a.ctx_len[s], nk = min(max(ctx, 0), a.max_blocks * a.bs);
+  qpos = ctx - qlen; /* the sequence's one query (host bound max_q == 1) */
+  kend = live ? (a.causal ? min(nk, qpos + 1) : nk) : 0;
+  return live;
+}
+
 /* at most 128 registers: two blocks of 8 warps an SM */
 template <int SPLIT, int PAIRS, bool EARLY>
 __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)) attn_decode_warp_kernel(const AttnArgs a) {
@@ -683,16 +827,8 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
   const int pw = warp % PAIRS, sub = warp / PAIRS; /* which pair, which of its chunk streams */
   const long gp = (long)blockIdx.x * PAIRS + pw;
   const int s = (int)(gp / H), h = (int)(gp % H);
-  bool live = s < a.n_seqs;
-  int qs = 0, kend = 0, qpos = 0;
-  if (live) {
-    qs = a.q_start[s];
-    const int qlen = min(a.q_start[s + 1], a.n_tokens) - qs;
-    live = qs >= 0 && qlen > 0;
-    const int ctx = a.ctx_len[s], nk = min(max(ctx, 0), a.max_blocks * a.bs);
-    qpos = ctx - qlen; /* the sequence's one query (host bound max_q == 1) */
-    kend = live ? (a.causal ? min(nk, qpos + 1) : nk) : 0;
-  }
+  int qs, qpos, kend;
+  const bool live = dw_bounds(a, s, qs, qpos, kend);
   const int32_t *table = live ? a.block_table + (size_t)s * a.max_blocks : a.block_table;
   const float *L = a.lut ? a.lut + (size_t)h * (2 * a.md + 1) : nullptr;
   const size_t vstride = (size_t)H * a.bs * 64;
@@ -734,125 +870,88 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
       }
     }
   }
-  float qf[8]; /* this lane's dims of q, scaled into the exp2 domain */
-  {
-    dw_bf16x8 qv;
-    qv.u = live ? *(const uint4 *)(a.q + (size_t)qs * a.ldq + (size_t)h * 64 + cg * 8) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int t = 0; t < 4; t++) {
-      float2 f = __bfloat1622float2(qv.h[t]);
-      qf[2 * t] = f.x * a.scale_log2;
-      qf[2 * t + 1] = f.y * a.scale_log2;
-    }
-  }
+  float qf[8];
+  dw_load_q(qf, a.q + (size_t)qs * a.ldq + (size_t)h * 64 + cg * 8, live, a.scale_log2);
   float m = -INFINITY, l = 0.0f, o[8];
 #pragma unroll
   for (int e = 0; e < 8; e++) o[e] = 0.0f;
   for (int c0 = sub * 32; c0 < kend; c0 += 32 * SPLIT) {
     if (!early || c0 != sub * 32) load(c0);
-    float sc[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-      dw_bf16x8 k2;
-      k2.u = kr[i];
-      float dot = 0.0f;
-#pragma unroll
-      for (int t = 0; t < 4; t++) {
-        float2 f = __bfloat1622float2(k2.h[t]);
-        dot = fmaf(qf[2 * t], f.x, dot);
-        dot = fmaf(qf[2 * t + 1], f.y, dot);
-      }
-      sc[i] = dot;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; i++)
-#pragma unroll
-      for (int x = 1; x < 8; x <<= 1) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], x);
-    float cmax = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-      const int j = c0 + 4 * i + kq;
-      sc[i] = j < kend ? (L ? sc[i] + lut_at(L, a.md, j - qpos) * LOG2E : sc[i]) : -INFINITY;
-      cmax = fmaxf(cmax, sc[i]);
-    }
-    cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 8));
-    cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 16));
-    /* the chunk starts below kend, so cmax is finite */
-    const float alpha = m == -INFINITY ? 0.0f : fast_exp2(m - fmaxf(m, cmax));
-    m = fmaxf(m, cmax);
-    float ps = 0.0f, acc[8];
-#pragma unroll
-    for (int e = 0; e < 8; e++) acc[e] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-      const float p = sc[i] == -INFINITY ? 0.0f : fast_exp2(sc[i] - m);
-      ps += p;
-      dw_bf16x8 v2;
-      v2.u = vr[i];
-#pragma unroll
-      for (int t = 0; t < 4; t++) {
-        float2 f = __bfloat1622float2(v2.h[t]);
-        acc[2 * t] = fmaf(p, f.x, acc[2 * t]);
-        acc[2 * t + 1] = fmaf(p, f.y, acc[2 * t + 1]);
-      }
-    }
-    ps += __shfl_xor_sync(0xffffffffu, ps, 8);
-    ps += __shfl_xor_sync(0xffffffffu, ps, 16);
-    l = l * alpha + ps;
-#pragma unroll
-    for (int e = 0; e < 8; e++) {
-      acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 8);
-      acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 16);
-      o[e] = o[e] * alpha + acc[e];
-    }
+    dw_chunk(kr, vr, c0, kq, kend, qpos, qf, L, a.md, m, l, o);
   }
-  /* every warp's state to shared memory (lanes 0-7: a dim group each);
-   * the first warp's lanes merge warps kq, kq + 4, ... and then their
-   * four partial states by shuffles: at 16 warps a pair four steps and two
-   * exchanges on the critical path instead of fifteen steps */
-  if (kq == 0) {
-    float4 *d = mrg[pw][sub][cg];
-    d[0] = make_float4(o[0], o[1], o[2], o[3]);
-    d[1] = make_float4(o[4], o[5], o[6], o[7]);
-    d[2] = make_float4(m, l, 0.0f, 0.0f);
-  }
-  __syncthreads();
-  if (sub > 0) return;
-  auto join = [&](float om, float ol, const float (&oo)[8]) {
-    const float nm = fmaxf(m, om);
-    const float a0 = m == -INFINITY ? 0.0f : fast_exp2(m - nm), a1 = om == -INFINITY ? 0.0f : fast_exp2(om - nm);
-    l = l * a0 + ol * a1;
-#pragma unroll
-    for (int e = 0; e < 8; e++) o[e] = o[e] * a0 + oo[e] * a1;
-    m = nm;
+  dw_finish<SPLIT>(mrg[pw], sub, cg, kq, m, l, o, live, a.out + ((size_t)qs * H + h) * 64 + cg * 8);
+}
+
+/* Decode attention fed by bulk copies (the TMA engine), for many pairs
+ * over long static contexts (cross-attention at large batch): one
+ * (sequence, head) pair a block of W warps; warp w takes the key stages
+ * w, w + W, ... of BULK_NK keys, each warp with NS stages in flight in
+ * its own NS slots and mbarriers (no block barrier before the merge).
+ * A stage's K and V rows of a paged block are one contiguous copy each
+ * (one 2 KB copy at block size 16). The tiled kernel's 16-byte cp.async
+ * gathers reached ~2.45 TB/s on the H100 here. With static K/V (kv_static)
+ * the first stages are requested before waiting for the query. */
+enum { BULK_NK = 16 };
+
+template <int W, int NS, bool EARLY>
+__global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs a) {
+  static_assert(W >= 2 && W <= 4 && NS >= 2, "bulk decode attention shape");
+  __shared__ __align__(128) bf16 ring[W][NS][2][BULK_NK * 64]; /* warp, slot, K / V */
+  __shared__ uint64_t bar[W][NS];
+  __shared__ float4 mrg[W][8][3];
+  if (!EARLY) td_pdl_start_if(a.pdl_late);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, H = a.H;
+  const int cg = lane & 7, kq = lane >> 3;
+  const int s = (int)(blockIdx.x / (unsigned)H), h = (int)(blockIdx.x % (unsigned)H);
+  int qs, qpos, kend;
+  const bool live = dw_bounds(a, s, qs, qpos, kend);
+  const int32_t *table = live ? a.block_table + (size_t)s * a.max_blocks : a.block_table;
+  const float *L = a.lut ? a.lut + (size_t)h * (2 * a.md + 1) : nullptr;
+  const size_t vstride = (size_t)H * a.bs * 64;
+  const bf16 *head = a.pool + a.layer_off + (size_t)h * a.bs * 64;
+  const int nst = (kend + BULK_NK - 1) / BULK_NK;
+  if (lane == 0)
+    for (int i = 0; i < NS; i++) mbar_init(&bar[warp][i], 1);
+  __syncwarp();
+  /* lane 0: stage t's K and V rows into the slot, one copy per paged block */
+  auto issue = [&](int t, int slot) {
+    const int k0 = t * BULK_NK, k1 = min(k0 + BULK_NK, kend);
+    mbar_arrive_tx(&bar[warp][slot], (uint32_t)(k1 - k0) * 256u);
+    for (int j = k0; j < k1;) {
+      const int b = j / a.bs, r = j - b * a.bs, n = min(a.bs - r, k1 - j);
+      const bf16 *src = head + (size_t)table[b] * a.block_elems + (size_t)r * 64;
+      bulk_g2s(&ring[warp][slot][0][(j - k0) * 64], src, (uint32_t)n * 128u, &bar[warp][slot]);
+      bulk_g2s(&ring[warp][slot][1][(j - k0) * 64], src + vstride, (uint32_t)n * 128u, &bar[warp][slot]);
+      j += n;
+    }
   };
-  m = -INFINITY;
-  l = 0.0f;
+  if (lane == 0)
+    for (int i = 0; i < NS && warp + i * W < nst; i++) issue(warp + i * W, i);
+  if (EARLY) td_pdl_start_if(a.pdl_late);
+  float qf[8];
+  dw_load_q(qf, a.q + (size_t)qs * a.ldq + (size_t)h * 64 + cg * 8, live, a.scale_log2);
+  float m = -INFINITY, l = 0.0f, o[8];
 #pragma unroll
   for (int e = 0; e < 8; e++) o[e] = 0.0f;
+  for (int t = warp, use = 0, slot = 0; t < nst; t += W, use++, slot = slot + 1 == NS ? 0 : slot + 1) {
+    const int c0 = t * BULK_NK;
+    mbar_wait(&bar[warp][slot], (unsigned)(use / NS) & 1u);
+    uint4 kr[BULK_NK / 4], vr[BULK_NK / 4];
 #pragma unroll
-  for (int w = 0; w < SPLIT; w += 4) {
-    if (w + kq < SPLIT) {
-      const float4 *d = mrg[pw][w + kq][cg];
-      const float4 x0 = d[0], x1 = d[1], x2 = d[2];
-      const float oo[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-      join(x2.x, x2.y, oo);
+    for (int i = 0; i < BULK_NK / 4; i++) {
+      const int r = 4 * i + kq;
+      const bool in = c0 + r < kend; /* rows past kend were not copied */
+      kr[i] = in ? *(const uint4 *)&ring[warp][slot][0][r * 64 + cg * 8] : make_uint4(0u, 0u, 0u, 0u);
+      vr[i] = in ? *(const uint4 *)&ring[warp][slot][1][r * 64 + cg * 8] : make_uint4(0u, 0u, 0u, 0u);
     }
+    __syncwarp();
+    if (lane == 0 && t + NS * W < nst) {
+      fence_proxy_async(); /* the lanes' reads of the slot before the copy engine's writes */
+      issue(t + NS * W, slot);
+    }
+    dw_chunk(kr, vr, c0, kq, kend, qpos, qf, L, a.md, m, l, o);
   }
-#pragma unroll
-  for (int x = 8; x < 32; x <<= 1) {
-    float oo[8];
-#pragma unroll
-    for (int e = 0; e < 8; e++) oo[e] = __shfl_xor_sync(0xffffffffu, o[e], x);
-    const float om = __shfl_xor_sync(0xffffffffu, m, x), ol = __shfl_xor_sync(0xffffffffu, l, x);
-    join(om, ol, oo);
-  }
-  if (!live || kq != 0) return;
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-  dw_bf16x8 ov;
-#pragma unroll
-  for (int t = 0; t < 4; t++) ov.h[t] = __floats2bfloat162_rn(o[2 * t] * inv, o[2 * t + 1] * inv);
-  *(uint4 *)(a.out + ((size_t)qs * H + h) * 64 + cg * 8) = ov.u;
+  dw_finish<W>(mrg, warp, cg, kq, m, l, o, live, a.out + ((size_t)qs * H + h) * 64 + cg * 8);
 }
 
 /* ------------------------------------------------------------ launchers */
@@ -881,6 +980,23 @@ static void launch_dw(const td_cuda *c, bool kv_static, long pairs, const AttnAr
   unsigned blocks = (unsigned)((pairs + PAIRS - 1) / PAIRS);
   (void)td_launch(c, kv_static ? attn_decode_warp_kernel<SPLIT, PAIRS, true> : attn_decode_warp_kernel<SPLIT, PAIRS, false>,
                   blocks, 32 * SPLIT * PAIRS, 0, a);
+}
+
+/* bulk-copy decode attention: a pair a block; two warps (16 KB of slots,
+ * eight blocks an SM) when the pairs would not all be resident with four
+ * (32 KB, six an SM), so that they run in one wave (TANDEM_CUDA_DECATTN_BULK's
+ * third field picks one: 1 four warps x 2 slots, 2 two x 2, 3 two x 3) */
+template <int W, int NS>
+static void launch_bulk_as(const td_cuda *c, bool kv_static, long pairs, const AttnArgs &a) {
+  (void)td_launch(c, kv_static ? attn_decode_bulk_kernel<W, NS, true> : attn_decode_bulk_kernel<W, NS, false>,
+                  (unsigned)pairs, 32 * W, 0, a);
+}
+
+static void launch_bulk(const td_cuda *c, bool kv_static, long pairs, const AttnArgs &a) {
+  int shape = c->decode_bulk_shape ? c->decode_bulk_shape : pairs > 6L * c->sm_count ? 2 : 1;
+  if (shape == 2) launch_bulk_as<2, 2>(c, kv_static, pairs, a);
+  else if (shape == 3) launch_bulk_as<2, 3>(c, kv_static, pairs, a);
+  else launch_bulk_as<4, 2>(c, kv_static, pairs, a);
 }
 
 td_status td_cu_attn_init(td_cuda *c) {
@@ -993,7 +1109,12 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
     /* early loads: all of a static K/V, or the keys before the query (causal self-attention) */
     bool st = m->kv_static || (m->kv_static_past && a.causal), done = true;
     bool small = c->decode_small > 0 && pairs < (long)c->decode_warp;
-    if (!m->kv_static && pairs >= (long)c->decode_warp) launch_dw<2, 4>(c, st, pairs, a);
+    /* many pairs over static K/V: a pair a block, K/V by bulk copies (the
+     * kv_static_past re-read of the query's own key is the warp kernels') */
+    if (c->decode_bulk > 0 && pairs >= c->decode_bulk && (m->kv_static || c->decode_bulk_all) &&
+        pairs <= 2147483647L)
+      launch_bulk(c, m->kv_static, pairs, a);
+    else if (!m->kv_static && pairs >= (long)c->decode_warp) launch_dw<2, 4>(c, st, pairs, a);
     else if (small && max_ctx <= 64) launch_dw<2, 4>(c, st, pairs, a);
     else if (small && max_ctx <= 128) launch_dw<4, 2>(c, st, pairs, a);
     else if (small && max_ctx <= 256) launch_dw<8, 1>(c, st, pairs, a);

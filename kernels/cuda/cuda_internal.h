@@ -50,6 +50,9 @@ typedef struct td_cuda {
                          kernel) */
   int decode_small_min, decode_small_ctx; /* ... and from MIN pairs, contexts up to CTX (default 16, 1024): fewer
                          pairs or longer contexts take the tiled kernel's key splits */
+  int decode_bulk, decode_bulk_all, decode_bulk_shape; /* decode attention over static K/V (cross) fed by bulk
+                         copies from this many pairs, with ALL over every K/V, in block shape SHAPE (0: by the pair
+                         count; cuda_attn.cu) (TANDEM_CUDA_DECATTN_BULK=MIN[,ALL[,SHAPE]]; 0: off) */
   int dense64_warps;  /* dense attention, head_dim 64: 0 wgmma on 2 warpgroups, 8 mma.sync warps x 16 rows
                          (TANDEM_CUDA_DENSE64=8), or 4 (=4) */
   int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */

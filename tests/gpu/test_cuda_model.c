@@ -27,6 +27,7 @@
 #include "kvcache/kvcache.h"
 #include "model/model.h"
 #include "tests/unit/fixture.h"
+#include "tests/unit/fx_batch.h"
 
 #define TOL 3e-2
 
@@ -380,3 +381,27 @@ MODEL_TEST(mbart_prenorm, "mbart-prenorm-sharded")
 MODEL_TEST(marian_sinusoidal, "marian-sinusoidal")
 MODEL_TEST(bart_untied, "bart-untied-gelunew")
 MODEL_TEST(whisper_128mel, "whisper-128mel")
+
+static const float *gpu_step(void *ctx, const td_step_input *st) {
+  rig *r = ctx;
+  return step(r, st, td_model_get_config(r->m)->vocab_size);
+}
+
+/* Decode steps over several sequences at once (graph replay of a padded
+ * bucket) against the references. */
+Test(model_cuda, batched_decode, .timeout = 300) {
+  static const char *models[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "mbart-prenorm-sharded"};
+  for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+    fixture fx;
+    fx_load(models[i], &fx);
+    rig r;
+    rig_open(&r, fx.dir, 16, fx.vocab, false);
+    fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 16, gpu_step, &r, 2.0);
+    cr_expect(res.steps > 0, "%s: no batched steps", models[i]);
+    cr_expect(res.worst <= TOL && res.flips == 0, "%s: %d batched steps, logits error %.3g, %d greedy flips",
+              models[i], res.steps, res.worst, res.flips);
+    fprintf(stderr, "cuda batched %-22s %d steps, error %.2e\n", models[i], res.steps, res.worst);
+    rig_close(&r);
+    fx_free(&fx);
+  }
+}

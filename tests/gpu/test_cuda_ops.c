@@ -723,6 +723,8 @@ typedef struct paged_cfg {
   int slack;    /* how far max_q / max_ctx exceed the real lengths */
 } paged_cfg;
 
+static const char *paged_mode = "default";
+
 static void paged_case(const paged_cfg *p) {
   int S = p->n_seqs, H = p->H, dh = p->dh, bs = p->bs;
   int32_t *qs = malloc(sizeof(int32_t) * (S + 1)), *ctx = malloc(sizeof(int32_t) * S);
@@ -774,8 +776,8 @@ static void paged_case(const paged_cfg *p) {
        td_attn_paged(C, Q.c, ldq, O.c, r.pool.c, &r.l, 2, &mc, scale, p->causal, p->md ? &bc : NULL));
   double e = compare(&O, 0);
   cr_expect(e <= TOL,
-            "attn_paged H=%d dh=%d bs=%d seqs=%d tokens=%d causal=%d md=%d max_q=%d max_ctx=%d slack=%d: error %.3g",
-            H, dh, bs, S, T, p->causal, p->md, max_q, max_ctx, p->slack, e);
+            "attn_paged (%s) H=%d dh=%d bs=%d seqs=%d tokens=%d causal=%d md=%d max_q=%d max_ctx=%d slack=%d: error %.3g",
+            paged_mode, H, dh, bs, S, T, p->causal, p->md, max_q, max_ctx, p->slack, e);
   /* decode self-attention right after this step's KV write, as the model
    * runs it: the earlier keys may load before the write has finished, the
    * query's own key (stale in the pool until then) must not */
@@ -798,7 +800,8 @@ static void paged_case(const paged_cfg *p) {
     RUN2(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mp, scale, true, p->md ? &bg : NULL),
          td_attn_paged(C, Q.c, ldq, O.c, r.pool.c, &r.l, 2, &mc, scale, true, p->md ? &bc : NULL));
     e = compare(&O, 0);
-    cr_expect(e <= TOL, "attn_paged right after the step's KV write (kv_static_past) seqs=%d: error %.3g", S, e);
+    cr_expect(e <= TOL, "attn_paged (%s) right after the step's KV write (kv_static_past) seqs=%d: error %.3g",
+              paged_mode, S, e);
     drop(&N);
     drop(&SL);
     free(nk);
@@ -813,7 +816,7 @@ static void paged_case(const paged_cfg *p) {
     cr_assert(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mg, scale, p->causal, p->md ? &bg : NULL) == TD_OK,
               "%s", td_errmsg());
     e = compare(&O, 0);
-    cr_expect(e <= TOL, "attn_paged with exact bounds: error %.3g", e);
+    cr_expect(e <= TOL, "attn_paged (%s) with exact bounds: error %.3g", paged_mode, e);
   }
   drop(&Q);
   drop(&O);
@@ -852,8 +855,28 @@ Test(cuda, attn_paged) {
       {8, 64, 16, 2, true, 0, 1, 250, false, false, 0},
       {16, 64, 5, 3, true, 20, 1, 300, true, false, 11},      /* odd blocks, padding row, bias */
       {16, 64, 16, 1, false, 0, 1, 1500, false, false, 0},    /* several chunks a warp (Whisper-length cross) */
+      {16, 64, 32, 20, false, 0, 1, 700, true, false, 0},    /* block size over the bulk kernel's stage */
+      {4, 64, 64, 9, true, 50, 1, 400, false, false, 0},      /* causal, bias, blocks of 64 */
   };
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) paged_case(&cfg[c]);
+  /* every decode case again on the bulk-copy kernel in each block shape
+   * (from one pair, static K/V or not) */
+  static const char *bulk[][2] = {{"1,1,1", "bulk copies, 4 warps x 2"}, {"1,1,2", "bulk copies, 2 warps x 2"},
+                                  {"1,1,3", "bulk copies, 2 warps x 3"}};
+  for (int v = 0; v < 3; v++) {
+    td_backend *saved = G, *alt = NULL;
+    td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
+    setenv("TANDEM_CUDA_DECATTN_BULK", bulk[v][0], 1);
+    cr_assert(td_backend_create(&go, &alt) == TD_OK, "cuda backend: %s", td_errmsg());
+    unsetenv("TANDEM_CUDA_DECATTN_BULK");
+    G = alt;
+    paged_mode = bulk[v][1];
+    for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++)
+      if (cfg[c].q_max == 1) paged_case(&cfg[c]);
+    paged_mode = "default";
+    G = saved;
+    td_backend_destroy(alt);
+  }
 }
 
 /* ---------------------------------------------------------------- sampling */

@@ -10,6 +10,7 @@
 #include "fixture.h"
 #include "kvcache/kvcache.h"
 #include "model/model.h"
+#include "tests/unit/fx_batch.h"
 
 #define TOL 1e-4
 
@@ -197,4 +198,27 @@ Test(model_cpu, gemm_ex_plain_layernorm_needs_row_sums) {
   cr_expect(td_gemm_ex(b, &a) != TD_OK, "a plain norm with a weight");
   td_free(b, p);
   td_backend_destroy(b);
+}
+
+static const float *cpu_step(void *ctx, const td_step_input *st) {
+  const float *lg = NULL;
+  cr_assert(td_model_step(ctx, st, &lg) == TD_OK, "%s", td_errmsg());
+  return lg;
+}
+
+/* Decode steps over several sequences at once against the references. */
+Test(model_cpu, batched_decode) {
+  static const char *models[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "mbart-prenorm-sharded"};
+  for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+    fixture fx;
+    fx_load(models[i], &fx);
+    rig r;
+    rig_open(&r, fx.dir, 4);
+    fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 4, cpu_step, r.m, 0.0);
+    cr_expect(res.steps > 0, "%s: no batched steps", models[i]);
+    cr_expect(res.worst <= TOL && res.flips == 0, "%s: %d batched steps, logits error %.3g, %d greedy flips",
+              models[i], res.steps, res.worst, res.flips);
+    rig_close(&r);
+    fx_free(&fx);
+  }
 }
