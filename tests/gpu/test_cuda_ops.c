@@ -594,8 +594,11 @@ static void gemm_ex_case(const gex_cfg *p) {
   }
   RUN2(td_gemm_ex(G, &ag), td_gemm_ex(C, &ac));
   double e = compare(&Y, 0);
-  cr_expect(e <= TOL, "gemm_ex (%s) m=%d n=%d k=%d norm=%d glu=%d bias=%d act=%d flags=%u kv=%d: error %.3g",
-            gex_mode, m, n, k, p->norm, p->glu, p->bias, p->act, flags, p->kv_dh, e);
+  /* the relative error of a few outputs is a small sample of bf16 roundings:
+   * 12 outputs (m 1, n 24, GLU) exceeded 1e-2 in 0.5 % of simulated draws */
+  double tol = TOL * fmax(1.0, sqrt(64.0 / ((double)m * ny)));
+  cr_expect(e <= tol, "gemm_ex (%s) m=%d n=%d k=%d norm=%d glu=%d bias=%d act=%d flags=%u kv=%d: error %.3g (tolerance %.3g)",
+            gex_mode, m, n, k, p->norm, p->glu, p->bias, p->act, flags, p->kv_dh, e, tol);
   if (p->kv_dh) {
     float *yg = get(G, &Y, true), *pg = get(G, &r.pool, true);
     size_t be = td_kv_block_elems(&r.l), hs = (size_t)p->kv_bs * p->kv_dh;
