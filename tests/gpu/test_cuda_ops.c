@@ -682,6 +682,11 @@ Test(cuda, gemm_ex) {
       {3, 100, 36, 3, false, false, TD_ACT_NONE, 0, 0, 0},            /* k % 8 != 0: separate ops */
       {40, 512, 256, 3, true, false, TD_ACT_GELU_TANH, 0, 0, 0},      /* over 16 rows: separate ops */
       {2, 1024, 2816, 3, false, false, TD_ACT_NONE, 0, 0, 0},         /* the deep ring (k = 2816) */
+      /* beyond the fused rows: cuBLASLt, the 1 / rms scaling in the GLU or KV-write kernel after it */
+      {64, 3072, 1024, 3, false, false, TD_ACT_NONE, 0, 64, 16},      /* decode QKV + KV write, batch 64 */
+      {64, 5632, 1024, 3, true, false, TD_ACT_GELU_TANH, 0, 0, 0},    /* gated FFN input, batch 64 */
+      {33, 1536, 512, 3, false, false, TD_ACT_NONE, 0, 32, 7},        /* odd rows and block size */
+      {20, 2064, 520, 3, true, false, TD_ACT_SILU, 0, 0, 0},
       /* folded LayerNorms (Whisper, mBART): (x W^T - mean * row sums) / std inside the GEMM */
       {1, 3840, 1280, 4, false, true, TD_ACT_NONE, 0, 64, 16},        /* decode QKV + KV write, batch 1 */
       {4, 3072, 1024, 4, false, true, TD_ACT_NONE, 0, 64, 16},
