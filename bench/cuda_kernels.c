@@ -402,7 +402,7 @@ static void paged_setup(paged_ctx *c, int batch, int ctx, int bound, bool causal
   }
   /* cross-attention K/V are static within a step (kv_static), self-attention's keys before the query too */
   c->m = (td_paged_meta){batch, batch, 1, bound, i32(qs, batch + 1), i32(cl, batch), i32(tab, (size_t)batch * stride),
-                         stride, !causal, causal};
+                         stride, !causal, causal, NULL, 0, 0.0f};
   c->causal = causal;
   free(qs);
   free(cl);

@@ -180,6 +180,8 @@ td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const 
       m->n_tokens < 0 || m->max_blocks <= 0 || !m->q_start || !m->ctx_len || !m->block_table)
     return bad("attn_paged", "bad layout, metadata or buffers");
   if (bias && (!bias->lut || bias->max_distance <= 0)) return bad("attn_paged", "bad relative bias");
+  if (m->q_norm && (m->q_norm_dim <= 0 || !(m->q_norm_eps >= 0.0f)))
+    return bad("attn_paged", "a query norm needs a positive row width and a non-negative epsilon");
   if (m->n_seqs == 0 || m->n_tokens == 0) return TD_OK;
   return b->vt->attn_paged(b, q, ldq, out, pool, l, layer, m, scale, causal, bias);
 }

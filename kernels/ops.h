@@ -177,6 +177,13 @@ typedef struct td_paged_meta {
    * only (self-attention: earlier steps wrote those; this step writes the
    * rest, possibly in the op just before) */
   bool kv_static_past;
+  /* NULL, or device rows [n_tokens, q_norm_dim] (the input of the query's
+   * projection) whose 1 / rms(row) (eps q_norm_eps) scales each query row:
+   * a plain RMSNorm before that projection, its weight folded into the
+   * projection's W, applied here instead of by a kernel before it */
+  const void *q_norm;
+  int q_norm_dim;
+  float q_norm_eps;
 } td_paged_meta;
 
 /* out[n_tokens, heads, head_dim] = softmax(scale q K^T + bias) V. Query i

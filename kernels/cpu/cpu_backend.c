@@ -235,11 +235,16 @@ static td_status cpu_attn_paged(td_backend *b, const void *q, int ldq, void *out
     for (int i = 0; i < qn; i++) {
       int pos = ctx - qn + i;
       int nk = causal ? pos + 1 : ctx;
+      float qs = scale;
+      if (m->q_norm) { /* the query's projection input, normalised: 1 / rms of its row scales q */
+        const float *xr = (const float *)m->q_norm + (size_t)(q0 + i) * m->q_norm_dim;
+        qs = scale / sqrtf(dot(xr, xr, m->q_norm_dim) / (float)m->q_norm_dim + m->q_norm_eps);
+      }
       for (int h = 0; h < H; h++) {
         const float *qr = (const float *)q + (size_t)(q0 + i) * ldq + (size_t)h * dh;
         for (int j = 0; j < nk; j++) {
           const float *kk = P + kv_offset(l, table[j / bs], layer, 0, h, j % bs);
-          sc.s[j] = dot(qr, kk, dh) * scale + (bias ? rel_bias(bias, h, j - pos) : 0.0f);
+          sc.s[j] = dot(qr, kk, dh) * qs + (bias ? rel_bias(bias, h, j - pos) : 0.0f);
         }
         float *o = (float *)out + (size_t)(q0 + i) * H * dh + (size_t)h * dh;
         memset(o, 0, sizeof *o * (size_t)dh);

@@ -58,6 +58,9 @@ struct AttnArgs {
   int kv_static;  /* paged: K/V and metadata may be read before the previous kernel ends */
   int kv_past;    /* paged: so may the metadata and the K/V before each sequence's query (decode warp kernel) */
   int pdl_late;   /* decode warp kernel: trigger the next launch after the wait */
+  const bf16 *qn; /* decode warp and bulk kernels: rows whose 1 / rms scales q (td_paged_meta.q_norm), or NULL */
+  int qn_dim;
+  float qn_eps;
 };
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -671,10 +674,29 @@ union dw_bf16x8 {
   __nv_bfloat162 h[4];
 };
 
-/* this lane's dims of the query (cg: dim group), scaled into the exp2 domain */
-__device__ __forceinline__ void dw_load_q(float (&qf)[8], const bf16 *q, bool live, float scale_log2) {
+/* this lane's dims of the query (cg: dim group), scaled into the exp2
+ * domain, and with a query norm by 1 / rms of the row qs of a.qn (the whole
+ * warp reads it: rows of qn_dim % 8 == 0, 16-byte aligned) */
+__device__ __forceinline__ void dw_load_q(float (&qf)[8], const AttnArgs &a, int qs, int h, int cg, bool live) {
+  float scale_log2 = a.scale_log2;
+  if (a.qn && live) {
+    const bf16 *x = a.qn + (size_t)qs * a.qn_dim;
+    float ss = 0.0f;
+    for (int j = (threadIdx.x & 31) * 8; j < a.qn_dim; j += 256) {
+      dw_bf16x8 v;
+      v.u = *(const uint4 *)(x + j);
+#pragma unroll
+      for (int t = 0; t < 4; t++) {
+        float2 f = __bfloat1622float2(v.h[t]);
+        ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    scale_log2 *= rsqrtf(ss / (float)a.qn_dim + a.qn_eps);
+  }
   dw_bf16x8 qv;
-  qv.u = live ? *(const uint4 *)q : make_uint4(0u, 0u, 0u, 0u);
+  qv.u = live ? *(const uint4 *)(a.q + (size_t)qs * a.ldq + (size_t)h * 64 + cg * 8) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
   for (int t = 0; t < 4; t++) {
     float2 f = __bfloat1622float2(qv.h[t]);
@@ -871,7 +893,7 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
     }
   }
   float qf[8];
-  dw_load_q(qf, a.q + (size_t)qs * a.ldq + (size_t)h * 64 + cg * 8, live, a.scale_log2);
+  dw_load_q(qf, a, qs, h, cg, live);
   float m = -INFINITY, l = 0.0f, o[8];
 #pragma unroll
   for (int e = 0; e < 8; e++) o[e] = 0.0f;
@@ -929,7 +951,7 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
     for (int i = 0; i < NS && warp + i * W < nst; i++) issue(warp + i * W, i);
   if (EARLY) td_pdl_start_if(a.pdl_late);
   float qf[8];
-  dw_load_q(qf, a.q + (size_t)qs * a.ldq + (size_t)h * 64 + cg * 8, live, a.scale_log2);
+  dw_load_q(qf, a, qs, h, cg, live);
   float m = -INFINITY, l = 0.0f, o[8];
 #pragma unroll
   for (int e = 0; e < 8; e++) o[e] = 0.0f;
@@ -952,6 +974,31 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
     dw_chunk(kr, vr, c0, kq, kend, qpos, qf, L, a.md, m, l, o);
   }
   dw_finish<W>(mrg, warp, cg, kq, m, l, o, live, a.out + ((size_t)qs * H + h) * 64 + cg * 8);
+}
+
+/* The query norm where the attention kernel does not apply it: q rows
+ * scaled by 1 / rms of their qn rows into out (one block a row). */
+__global__ void __launch_bounds__(256) q_norm_kernel(const bf16 *__restrict__ q, int ldq, const bf16 *__restrict__ qn,
+                                                     int dim, float eps, bf16 *__restrict__ out, int width) {
+  __shared__ float part[8];
+  td_pdl_start();
+  const int row = blockIdx.x;
+  const bf16 *x = qn + (size_t)row * dim;
+  float ss = 0.0f;
+  for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+    const float v = __bfloat162float(x[j]);
+    ss = fmaf(v, v, ss);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float tot = 0.0f;
+#pragma unroll
+  for (int w = 0; w < 8; w++) tot += part[w];
+  const float r = rsqrtf(tot / (float)dim + eps);
+  for (int j = threadIdx.x; j < width; j += blockDim.x)
+    out[(size_t)row * width + j] = __float2bfloat16_rn(__bfloat162float(q[(size_t)row * ldq + j]) * r);
 }
 
 /* ------------------------------------------------------------ launchers */
@@ -1088,6 +1135,48 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
   a.pdl_late = c->pdl_late > 0 && (c->pdl_late & 1) != 0;
   a.n_splits = 1;
   bool fast = (dh == 64 || dh == 128) && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(out) && td_aligned16(pool);
+  /* decode, one query per sequence, on warps: over self KV with enough
+   * (sequence, head) pairs, two warps a pair; with fewer pairs, 2-8 warps
+   * a pair by the context bound, and 16 for longer contexts when the pairs
+   * are neither too many nor too few and the context not too long
+   * (c->decode_small*): elsewhere the tiled kernel's key splits spread the
+   * K/V over more SMs (H100: 20 or 40 pairs over 1500 keys faster split;
+   * 16-64 over 512 faster on warps since their merge is by shuffles;
+   * docs/cuda.md). Many pairs over static K/V: a pair a block, K/V by bulk
+   * copies (the kv_static_past re-read of the query's own key is the warp
+   * kernels'). */
+  enum { DEC_NONE, DEC_BULK, DEC_W2P4, DEC_W4P2, DEC_W8, DEC_W16 } dec = DEC_NONE;
+  long pairs = (long)m->n_seqs * H;
+  if (fast && dh == 64 && max_q == 1 && c->decode_warp > 0) {
+    bool small = c->decode_small > 0 && pairs < (long)c->decode_warp;
+    if (c->decode_bulk > 0 && pairs >= c->decode_bulk && (m->kv_static || c->decode_bulk_all) && pairs <= 2147483647L)
+      dec = DEC_BULK;
+    else if (!m->kv_static && pairs >= (long)c->decode_warp) dec = DEC_W2P4;
+    else if (small && max_ctx <= 64) dec = DEC_W2P4;
+    else if (small && max_ctx <= 128) dec = DEC_W4P2;
+    else if (small && max_ctx <= 256) dec = DEC_W8;
+    else if (small && pairs <= c->decode_small && pairs >= c->decode_small_min && max_ctx <= c->decode_small_ctx)
+      dec = DEC_W16;
+  }
+  /* the query norm: in the decode kernels (aligned rows), else q scaled into
+   * the staging buffer first (used otherwise only by synchronous copies) */
+  if (m->q_norm && dec != DEC_NONE && m->q_norm_dim % 8 == 0 && td_aligned16(m->q_norm)) {
+    a.qn = (const bf16 *)m->q_norm;
+    a.qn_dim = m->q_norm_dim;
+    a.qn_eps = m->q_norm_eps;
+  } else if (m->q_norm) {
+    int width = H * dh;
+    if ((size_t)m->n_tokens * width * sizeof(bf16) > TD_CU_STAGE_BYTES)
+      return td_err(TD_ERR_UNSUPPORTED, "attn_paged: %d query rows of %d too many for the query norm", m->n_tokens,
+                    width);
+    bf16 *qs = (bf16 *)c->stage;
+    (void)td_launch(c, q_norm_kernel, (unsigned)m->n_tokens, 256, 0, (const bf16 *)q, ldq, (const bf16 *)m->q_norm,
+                    m->q_norm_dim, m->q_norm_eps, qs, width);
+    TD_CU_LAUNCHED("attn_paged (query norm)");
+    a.q = qs;
+    a.ldq = ldq = width;
+    fast = (dh == 64 || dh == 128) && ldq % 8 == 0 && td_aligned16(out) && td_aligned16(pool);
+  }
   if (!fast) {
     a.qtiles = max_q;
     long rows = (long)m->n_seqs * max_q;
@@ -1096,35 +1185,16 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
     TD_CU_LAUNCHED("attn_paged");
     return TD_OK;
   }
-  /* decode, one query per sequence, on warps: over self KV with enough
-   * (sequence, head) pairs, two warps a pair; with fewer pairs, 2-8 warps
-   * a pair by the context bound, and 16 for longer contexts when the pairs
-   * are neither too many nor too few and the context not too long
-   * (c->decode_small*): elsewhere the tiled kernel's key splits spread the
-   * K/V over more SMs (H100: 20 or 40 pairs over 1500 keys faster split;
-   * 16-64 over 512 faster on warps since their merge is by shuffles;
-   * docs/cuda.md) */
-  long pairs = (long)m->n_seqs * H;
-  if (dh == 64 && max_q == 1 && c->decode_warp > 0) { /* fast: ldq % 8 == 0, q, out, pool 16-byte aligned */
+  if (dec != DEC_NONE) {
     /* early loads: all of a static K/V, or the keys before the query (causal self-attention) */
-    bool st = m->kv_static || (m->kv_static_past && a.causal), done = true;
-    bool small = c->decode_small > 0 && pairs < (long)c->decode_warp;
-    /* many pairs over static K/V: a pair a block, K/V by bulk copies (the
-     * kv_static_past re-read of the query's own key is the warp kernels') */
-    if (c->decode_bulk > 0 && pairs >= c->decode_bulk && (m->kv_static || c->decode_bulk_all) &&
-        pairs <= 2147483647L)
-      launch_bulk(c, m->kv_static, pairs, a);
-    else if (!m->kv_static && pairs >= (long)c->decode_warp) launch_dw<2, 4>(c, st, pairs, a);
-    else if (small && max_ctx <= 64) launch_dw<2, 4>(c, st, pairs, a);
-    else if (small && max_ctx <= 128) launch_dw<4, 2>(c, st, pairs, a);
-    else if (small && max_ctx <= 256) launch_dw<8, 1>(c, st, pairs, a);
-    else if (small && pairs <= c->decode_small && pairs >= c->decode_small_min && max_ctx <= c->decode_small_ctx)
-      launch_dw<16, 1>(c, st, pairs, a);
-    else done = false;
-    if (done) {
-      TD_CU_LAUNCHED("attn_paged");
-      return TD_OK;
-    }
+    bool st = m->kv_static || (m->kv_static_past && a.causal);
+    if (dec == DEC_BULK) launch_bulk(c, m->kv_static, pairs, a);
+    else if (dec == DEC_W2P4) launch_dw<2, 4>(c, st, pairs, a);
+    else if (dec == DEC_W4P2) launch_dw<4, 2>(c, st, pairs, a);
+    else if (dec == DEC_W8) launch_dw<8, 1>(c, st, pairs, a);
+    else launch_dw<16, 1>(c, st, pairs, a);
+    TD_CU_LAUNCHED("attn_paged");
+    return TD_OK;
   }
   a.qtiles = (max_q + 15) / 16;
   long base = (long)m->n_seqs * a.qtiles * H;

@@ -732,6 +732,7 @@ typedef struct paged_cfg {
 } paged_cfg;
 
 static const char *paged_mode = "default";
+static int paged_qn_dim; /* > 0: every case with a query norm over rows this wide */
 
 static void paged_case(const paged_cfg *p) {
   int S = p->n_seqs, H = p->H, dh = p->dh, bs = p->bs;
@@ -777,8 +778,19 @@ static void paged_case(const paged_cfg *p) {
   td_relbias bg = {p->md ? L.g : NULL, p->md}, bc = {p->md ? L.c : NULL, p->md};
   /* cross-attention (static K/V) may read the pool before the previous
    * kernel ends: that path on the GPU, the plain one on the re-run below */
-  td_paged_meta mg = {S, T, max_q + p->slack, max_ctx + p->slack, QS.g, CT.g, TB.g, stride, !p->causal, p->causal};
-  td_paged_meta mc = {S, T, max_q, max_ctx, QS.c, CT.c, TB.c, stride, false, false};
+  td_paged_meta mg = {S, T, max_q + p->slack, max_ctx + p->slack, QS.g, CT.g, TB.g, stride, !p->causal, p->causal,
+                      NULL, 0, 0.0f};
+  td_paged_meta mc = {S, T, max_q, max_ctx, QS.c, CT.c, TB.c, stride, false, false, NULL, 0, 0.0f};
+  /* the query norm: 1 / rms of these rows scales each query */
+  pair QN = {0};
+  float *qn = NULL;
+  if (paged_qn_dim) {
+    qn = rnd((size_t)T * paged_qn_dim, 1.5f);
+    QN = mk(TD_BUF_ACT, qn, (size_t)T * paged_qn_dim);
+    mg.q_norm = QN.g, mc.q_norm = QN.c;
+    mg.q_norm_dim = mc.q_norm_dim = paged_qn_dim;
+    mg.q_norm_eps = mc.q_norm_eps = 1e-6f;
+  }
   float scale = 1.0f / sqrtf((float)dh);
   RUN2(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mg, scale, p->causal, p->md ? &bg : NULL),
        td_attn_paged(C, Q.c, ldq, O.c, r.pool.c, &r.l, 2, &mc, scale, p->causal, p->md ? &bc : NULL));
@@ -825,6 +837,10 @@ static void paged_case(const paged_cfg *p) {
               "%s", td_errmsg());
     e = compare(&O, 0);
     cr_expect(e <= TOL, "attn_paged (%s) with exact bounds: error %.3g", paged_mode, e);
+  }
+  if (paged_qn_dim) {
+    drop(&QN);
+    free(qn);
   }
   drop(&Q);
   drop(&O);
@@ -885,6 +901,19 @@ Test(cuda, attn_paged) {
     G = saved;
     td_backend_destroy(alt);
   }
+  /* the query norm, in the decode kernels (rows of 1024) and applied
+   * before the others (and where rows of 100 are not 16-byte aligned) */
+  static const struct {
+    int dim;
+    const char *mode;
+  } qn[] = {{1024, "query norm over 1024"}, {100, "query norm over 100"}};
+  for (int v = 0; v < 2; v++) {
+    paged_qn_dim = qn[v].dim;
+    paged_mode = qn[v].mode;
+    for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) paged_case(&cfg[c]);
+  }
+  paged_qn_dim = 0;
+  paged_mode = "default";
 }
 
 /* ---------------------------------------------------------------- sampling */
@@ -1064,7 +1093,7 @@ typedef struct step_bufs {
 enum { GS = 5, GD = 256, GH = 4, GDH = 64, GV = 1001, GBS = 16, GNB = 40, GSTRIDE = 8 };
 
 static td_status run_step(step_bufs *s, const td_kv_layout *l) {
-  td_paged_meta m = {GS, GS, 1, GSTRIDE * GBS, s->qs, s->ctx, s->tab, GSTRIDE, false, true};
+  td_paged_meta m = {GS, GS, 1, GSTRIDE * GBS, s->qs, s->ctx, s->tab, GSTRIDE, false, true, NULL, 0, 0.0f};
   td_relbias rb = {s->lut, 16};
   TD_TRY(td_embed(G, s->ids, s->ids, s->wemb, NULL, 2.0f, s->h, GS, GD));
   /* norm, QKV projection and KV write in one op */
