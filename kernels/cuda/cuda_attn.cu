@@ -669,33 +669,18 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
  * for the previous kernel, which produces only the query; with
  * kv_static_past (causal self-attention) too, the query's own key, which
  * the previous kernel wrote, read again after the wait. */
-union dw_bf16x8 {
-  uint4 u;
-  __nv_bfloat162 h[4];
-};
-
 /* this lane's dims of the query (cg: dim group), scaled into the exp2
  * domain, and with a query norm by 1 / rms of the row qs of a.qn (the whole
  * warp reads it: rows of qn_dim % 8 == 0, 16-byte aligned) */
 __device__ __forceinline__ void dw_load_q(float (&qf)[8], const AttnArgs &a, int qs, int h, int cg, bool live) {
   float scale_log2 = a.scale_log2;
   if (a.qn && live) {
-    const bf16 *x = a.qn + (size_t)qs * a.qn_dim;
-    float ss = 0.0f;
-    for (int j = (threadIdx.x & 31) * 8; j < a.qn_dim; j += 256) {
-      dw_bf16x8 v;
-      v.u = *(const uint4 *)(x + j);
-#pragma unroll
-      for (int t = 0; t < 4; t++) {
-        float2 f = __bfloat1622float2(v.h[t]);
-        ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
-      }
-    }
+    float ss = td_sumsq8(a.qn + (size_t)qs * a.qn_dim, a.qn_dim, (threadIdx.x & 31) * 8, 256);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     scale_log2 *= rsqrtf(ss / (float)a.qn_dim + a.qn_eps);
   }
-  dw_bf16x8 qv;
+  td_bf16x8 qv;
   qv.u = live ? *(const uint4 *)(a.q + (size_t)qs * a.ldq + (size_t)h * 64 + cg * 8) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
   for (int t = 0; t < 4; t++) {
@@ -714,7 +699,7 @@ __device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)
   float sc[N];
 #pragma unroll
   for (int i = 0; i < N; i++) {
-    dw_bf16x8 k2;
+    td_bf16x8 k2;
     k2.u = kr[i];
     float dot = 0.0f;
 #pragma unroll
@@ -748,7 +733,7 @@ __device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)
   for (int i = 0; i < N; i++) {
     const float p = sc[i] == -INFINITY ? 0.0f : fast_exp2(sc[i] - m);
     ps += p;
-    dw_bf16x8 v2;
+    td_bf16x8 v2;
     v2.u = vr[i];
 #pragma unroll
     for (int t = 0; t < 4; t++) {
@@ -817,7 +802,7 @@ __device__ __forceinline__ void dw_finish(float4 (*mrg)[8][3], int sub, int cg, 
   }
   if (!live || kq != 0) return;
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-  dw_bf16x8 ov;
+  td_bf16x8 ov;
 #pragma unroll
   for (int t = 0; t < 4; t++) ov.h[t] = __floats2bfloat162_rn(o[2 * t] * inv, o[2 * t + 1] * inv);
   *(uint4 *)dst = ov.u;

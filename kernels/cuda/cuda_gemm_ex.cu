@@ -295,25 +295,10 @@ static td_status kv_after(td_backend *b, const td_gemm_args *ga) {
  * scales each row by 1 / rms(x): the norm kernel before the GEMM goes.
  * H100, Flan-T5-large decode step: batch 16 / 32 / 64 1.407-1.418 /
  * 1.835-1.842 / 2.480-2.487 -> 1.355-1.364 / 1.781-1.783 / 2.428-2.436 ms. */
-union sr_bf16x8 {
-  uint4 u;
-  __nv_bfloat162 h[4];
-};
-
 /* 1 / rms of row x[0, k) (k % 8 == 0, 16-byte aligned), for every thread of the block */
 __device__ float sr_inv_rms(const bf16 *x, int k, float eps) {
   __shared__ float part[32];
-  float ss = 0.0f;
-  for (int j = threadIdx.x * 8; j < k; j += blockDim.x * 8) {
-    sr_bf16x8 v;
-    v.u = *(const uint4 *)(x + j);
-#pragma unroll
-    for (int t = 0; t < 4; t++) {
-      float2 f = __bfloat1622float2(v.h[t]);
-      ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
-    }
-  }
-  ss = sf_warp_sum(ss);
+  const float ss = sf_warp_sum(td_sumsq8(x, k, threadIdx.x * 8, blockDim.x * 8));
   if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
   __syncthreads();
   float tot = 0.0f;
@@ -329,7 +314,7 @@ __global__ void __launch_bounds__(256) sr_gated_kernel(const bf16 *__restrict__ 
   const float r = sr_inv_rms(x + (size_t)row * k, k, eps);
   const bf16 *a = g + (size_t)row * 2 * f;
   for (int j = (blockIdx.x * blockDim.x + threadIdx.x) * 8; j < f; j += gridDim.x * blockDim.x * 8) {
-    sr_bf16x8 va, vb, vo;
+    td_bf16x8 va, vb, vo;
     va.u = *(const uint4 *)(a + j);
     vb.u = *(const uint4 *)(a + f + j);
 #pragma unroll
@@ -351,7 +336,7 @@ __global__ void __launch_bounds__(256) sr_kv_kernel(bf16 *__restrict__ y, int n,
   const int slot = d.slots[row];
   bf16 *yr = y + (size_t)row * n;
   for (int j = threadIdx.x * 8; j < n; j += blockDim.x * 8) {
-    sr_bf16x8 v;
+    td_bf16x8 v;
     v.u = *(const uint4 *)(yr + j);
 #pragma unroll
     for (int t = 0; t < 4; t++) {

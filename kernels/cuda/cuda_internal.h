@@ -151,6 +151,28 @@ static inline cudaError_t td_launch(const td_cuda *c, void (*kernel)(KArgs...), 
   return td_launch_ex(c, 0, kernel, grid, block, smem, args...);
 }
 
+/* Eight bf16 values as one 16-byte load. */
+union td_bf16x8 {
+  uint4 u;
+  __nv_bfloat162 h[4];
+};
+
+/* This thread's share of the sum of squares of x[0, n): the 8 values at
+ * j, j + step, ... (n % 8 == 0, x 16-byte aligned). */
+__device__ __forceinline__ float td_sumsq8(const bf16 *x, int n, int j, int step) {
+  float ss = 0.0f;
+  for (; j < n; j += step) {
+    td_bf16x8 v;
+    v.u = *(const uint4 *)(x + j);
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+      float2 f = __bfloat1622float2(v.h[t]);
+      ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
+    }
+  }
+  return ss;
+}
+
 /* Per-file entry points. */
 td_status td_cu_gemm_init(td_cuda *c);
 void td_cu_gemm_destroy(td_cuda *c);
