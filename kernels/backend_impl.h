@@ -46,6 +46,8 @@ typedef struct td_backend_vt {
   void (*graph_destroy)(td_backend *b, td_graph *g);
   /* NULL: norm, GEMM and gated activation as separate ops (ops.c) */
   td_status (*gemm_ex)(td_backend *b, const td_gemm_args *a);
+  /* td_backend_fused_norm_rows; NULL: 0 */
+  int (*fused_norm_rows)(const td_backend *b);
   /* NULL: the CPU loop in ops.c */
   td_status (*unshard_cols)(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols);
 } td_backend_vt;

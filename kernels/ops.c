@@ -92,6 +92,8 @@ td_status td_gemm_ex(td_backend *b, const td_gemm_args *a) {
   return td_gemm_ex_unfused(b, a);
 }
 
+int td_backend_fused_norm_rows(const td_backend *b) { return b->vt->fused_norm_rows ? b->vt->fused_norm_rows(b) : 0; }
+
 td_status td_gemm_ex_unfused(td_backend *b, const td_gemm_args *a) {
   bool glu = a->flags & TD_GEMM_GLU;
   const void *x = a->x;

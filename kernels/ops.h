@@ -111,6 +111,12 @@ typedef struct td_gemm_args {
 } td_gemm_args;
 td_status td_gemm_ex(td_backend *b, const td_gemm_args *a);
 
+/* Decode rows up to which td_gemm_ex applies a plain norm (norm_plain)
+ * inside the projection at no cost; beyond them a caller may leave a query
+ * projection's plain RMSNorm to the attention instead (td_paged_meta.q_norm).
+ * 0: never inside. */
+int td_backend_fused_norm_rows(const td_backend *b);
+
 /* y = LayerNorm(x) * w + bias, or RMSNorm(x) * w when rms (bias ignored).
  * Rows of n; x == y allowed; w NULL means a weight of 1. */
 td_status td_norm(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n,

@@ -75,8 +75,9 @@ struct td_model {
   int buckets[16];
   int n_buckets;
   td_graph *graphs[16];
-  /* decode query rows from which the cross query's folded RMSNorm is left
-   * to the attention (td_paged_meta.q_norm; TANDEM_QNORM_ROWS overrides) */
+  /* decode steps of more rows leave the cross query's folded RMSNorm to
+   * the attention (td_paged_meta.q_norm): the backend's
+   * td_backend_fused_norm_rows, or TANDEM_QNORM_ROWS */
   int q_norm_rows;
   td_model_mirror mirror;
 };
@@ -766,13 +767,8 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
     for (int bk = 1; bk <= m->opts.max_seqs && m->n_buckets < 16; bk *= 2) m->buckets[m->n_buckets++] = bk;
   if (m->n_buckets && m->buckets[m->n_buckets - 1] < m->opts.max_seqs && m->n_buckets < 16)
     m->buckets[m->n_buckets++] = m->opts.max_seqs;
-  /* the CUDA backend fuses a plain norm into decode projections of up to 8
-   * rows, and up to 16 the projection runs on its skinny kernel, where
-   * leaving the norm to the attention measured slower (H100, Flan-T5-large
-   * batch 16: 1.33-1.35 -> 1.40-1.41 ms; the attention's K/V stream then
-   * starts a kernel earlier, beside latency-bound ones) */
   const char *qr = getenv("TANDEM_QNORM_ROWS");
-  m->q_norm_rows = qr && *qr ? atoi(qr) : 16;
+  m->q_norm_rows = qr && *qr ? atoi(qr) : td_backend_fused_norm_rows(b);
   s = td_sync(b);
   if (s != TD_OK) goto fail;
   TD_INFO("loaded %s (%s, d_model %d, %d+%d layers, vocab %d) on %s", dir, c->model_type, c->d_model, c->enc_layers,
@@ -1090,9 +1086,9 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
     TD_TRY(row_parallel(m, &L->o, att, h, T));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_self, h, h, T));
     /* a folded RMSNorm before the cross query commutes with its projection:
-     * in decode steps beyond q_norm_rows rows (where the GPU's projection is
-     * cuBLASLt's, which cannot take it) the attention scales each query by
-     * 1 / rms(h) instead of a norm kernel running first */
+     * in decode steps beyond the rows where the backend's projection takes
+     * it at no cost, the attention scales each query by 1 / rms(h) instead
+     * of a norm running before the projection */
     td_paged_meta cm = cross_m;
     if (c->pre_norm && c->rmsnorm && L->ln_cross.folded && !L->cq.b && T > m->q_norm_rows && cross_m.max_q == 1) {
       TD_TRY(td_gemm(b, h, L->cq.w, NULL, q, T, L->cq.out, L->cq.in, TD_ACT_NONE, 0));

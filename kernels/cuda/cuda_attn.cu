@@ -675,9 +675,7 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
 __device__ __forceinline__ void dw_load_q(float (&qf)[8], const AttnArgs &a, int qs, int h, int cg, bool live) {
   float scale_log2 = a.scale_log2;
   if (a.qn && live) {
-    float ss = td_sumsq8(a.qn + (size_t)qs * a.qn_dim, a.qn_dim, (threadIdx.x & 31) * 8, 256);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float ss = td_warp_sum(td_sumsq8(a.qn + (size_t)qs * a.qn_dim, a.qn_dim, (threadIdx.x & 31) * 8, 256));
     scale_log2 *= rsqrtf(ss / (float)a.qn_dim + a.qn_eps);
   }
   td_bf16x8 qv;
@@ -965,7 +963,7 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
  * scaled by 1 / rms of their qn rows into out (one block a row). */
 __global__ void __launch_bounds__(256) q_norm_kernel(const bf16 *__restrict__ q, int ldq, const bf16 *__restrict__ qn,
                                                      int dim, float eps, bf16 *__restrict__ out, int width) {
-  __shared__ float part[8];
+  __shared__ float red[32];
   td_pdl_start();
   const int row = blockIdx.x;
   const bf16 *x = qn + (size_t)row * dim;
@@ -974,14 +972,7 @@ __global__ void __launch_bounds__(256) q_norm_kernel(const bf16 *__restrict__ q,
     const float v = __bfloat162float(x[j]);
     ss = fmaf(v, v, ss);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float tot = 0.0f;
-#pragma unroll
-  for (int w = 0; w < 8; w++) tot += part[w];
-  const float r = rsqrtf(tot / (float)dim + eps);
+  const float r = rsqrtf(td_block_sum(ss, red) / (float)dim + eps);
   for (int j = threadIdx.x; j < width; j += blockDim.x)
     out[(size_t)row * width + j] = __float2bfloat16_rn(__bfloat162float(q[(size_t)row * ldq + j]) * r);
 }

@@ -16,27 +16,6 @@ extern "C" {
 
 /* ------------------------------------------------------------ helpers */
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-/* Sum over the block; every thread gets the result. red holds 32 floats. */
-__device__ float block_sum(float v, float *red) {
-  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
-  __syncthreads(); /* red may still be read by a previous call */
-  if (lane == 0) red[w] = v;
-  __syncthreads();
-  v = lane < nw ? red[lane] : 0.0f;
-  return warp_sum(v);
-}
-
-union bf16x8 {
-  uint4 u;
-  __nv_bfloat162 h[4];
-};
 
 /* ------------------------------------------------------------ conversions */
 
@@ -162,7 +141,7 @@ __global__ void norm_kernel(const bf16 *x, const float *__restrict__ w, const fl
   float s = 0.0f;
   if (VEC) {
     for (int i = threadIdx.x * 8; i < n; i += blockDim.x * 8) {
-      bf16x8 v;
+      td_bf16x8 v;
       v.u = *(const uint4 *)(xr + i);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
@@ -173,11 +152,11 @@ __global__ void norm_kernel(const bf16 *x, const float *__restrict__ w, const fl
   } else {
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += __bfloat162float(xr[i]);
   }
-  float mean = RMS ? 0.0f : block_sum(s, red) / (float)n;
+  float mean = RMS ? 0.0f : td_block_sum(s, red) / (float)n;
   float s2 = 0.0f;
   if (VEC) {
     for (int i = threadIdx.x * 8; i < n; i += blockDim.x * 8) {
-      bf16x8 v;
+      td_bf16x8 v;
       v.u = *(const uint4 *)(xr + i);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
@@ -191,10 +170,10 @@ __global__ void norm_kernel(const bf16 *x, const float *__restrict__ w, const fl
       s2 += d * d;
     }
   }
-  float inv = rsqrtf(block_sum(s2, red) / (float)n + eps);
+  float inv = rsqrtf(td_block_sum(s2, red) / (float)n + eps);
   if (VEC) {
     for (int i = threadIdx.x * 8; i < n; i += blockDim.x * 8) {
-      bf16x8 v, o;
+      td_bf16x8 v, o;
       v.u = *(const uint4 *)(xr + i);
 #pragma unroll
       for (int j = 0; j < 4; j++) {
@@ -253,7 +232,7 @@ __global__ void gated_kernel(const bf16 *__restrict__ x, bf16 *__restrict__ y, i
     const bf16 *a = x + r * 2 * f + cidx, *g = a + f;
     bf16 *o = y + r * f + cidx;
     if (VEC) {
-      bf16x8 va, vg, vo;
+      td_bf16x8 va, vg, vo;
       va.u = *(const uint4 *)a;
       vg.u = *(const uint4 *)g;
 #pragma unroll
@@ -292,7 +271,7 @@ __global__ void embed_kernel(const int32_t *__restrict__ ids, const int32_t *__r
   bf16 *o = y + (size_t)i * d;
   if (vec) {
     for (int j = threadIdx.x * 8; j < d; j += blockDim.x * 8) {
-      bf16x8 vt, vp, vo;
+      td_bf16x8 vt, vp, vo;
       vp.u = make_uint4(0, 0, 0, 0);
       vt.u = *(const uint4 *)(t + j);
       if (p) vp.u = *(const uint4 *)(p + j);
@@ -342,7 +321,7 @@ __global__ void add_pos_kernel(bf16 *__restrict__ y, const bf16 *__restrict__ po
   const bf16 *p = pos + (size_t)t * d;
   if (vec) {
     for (int j = threadIdx.x * 8; j < d; j += blockDim.x * 8) {
-      bf16x8 vo, vp;
+      td_bf16x8 vo, vp;
       vo.u = *(const uint4 *)(o + j);
       vp.u = *(const uint4 *)(p + j);
 #pragma unroll
@@ -612,6 +591,7 @@ static void vt_init(void) {
   v->graph_destroy = cu_graph_destroy;
   v->unshard_cols = cu_unshard_cols;
   v->gemm_ex = td_cu_gemm_ex;
+  v->fused_norm_rows = td_cu_fused_norm_rows;
 }
 
 static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) {

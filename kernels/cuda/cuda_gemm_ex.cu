@@ -55,11 +55,6 @@ struct SfArgs {
   td_kv_dest kv; /* fused KV write (kv.pool != NULL) */
 };
 
-__device__ __forceinline__ float sf_warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 union sf_bf16x8 {
   uint4 u;
@@ -143,7 +138,7 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
             s += f.x + f.y;
           }
         }
-        mean = sf_warp_sum(s) / (float)a.k;
+        mean = td_warp_sum(s) / (float)a.k;
       }
       float s2 = 0.0f;
       for (int i = lane * 8; i < a.k; i += 256) {
@@ -155,7 +150,7 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
           s2 += (f.x - mean) * (f.x - mean) + (f.y - mean) * (f.y - mean);
         }
       }
-      float inv = rsqrtf(sf_warp_sum(s2) / (float)a.k + a.eps);
+      float inv = rsqrtf(td_warp_sum(s2) / (float)a.k + a.eps);
       for (int i = lane * 8; i < a.k; i += 256) {
         sf_bf16x8 v;
         v.u = *(const uint4 *)(xr + i);
@@ -297,13 +292,8 @@ static td_status kv_after(td_backend *b, const td_gemm_args *ga) {
  * 1.835-1.842 / 2.480-2.487 -> 1.355-1.364 / 1.781-1.783 / 2.428-2.436 ms. */
 /* 1 / rms of row x[0, k) (k % 8 == 0, 16-byte aligned), for every thread of the block */
 __device__ float sr_inv_rms(const bf16 *x, int k, float eps) {
-  __shared__ float part[32];
-  const float ss = sf_warp_sum(td_sumsq8(x, k, threadIdx.x * 8, blockDim.x * 8));
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float tot = 0.0f;
-  for (int w = 0; w < (int)(blockDim.x + 31) / 32; w++) tot += part[w];
-  return rsqrtf(tot / (float)k + eps);
+  __shared__ float red[32];
+  return rsqrtf(td_block_sum(td_sumsq8(x, k, threadIdx.x * 8, blockDim.x * 8), red) / (float)k + eps);
 }
 
 /* y[row] = act(r a) * (r b) over g = [a | b] (2 f columns), r = 1 / rms(x[row]); grid (column chunks, rows) */
@@ -345,11 +335,7 @@ __global__ void __launch_bounds__(256) sr_kv_kernel(bf16 *__restrict__ y, int n,
     }
     *(uint4 *)(yr + j) = v.u;
     const int u = j - d.col;
-    if (slot >= 0 && u >= 0 && u < 2 * d.hd) {
-      const int which = u / d.hd, e = u % d.hd, hh = e / d.dh, dd = e % d.dh;
-      *(uint4 *)(d.pool + (size_t)(slot / d.bs) * d.block_elems + d.layer_off +
-                 ((size_t)(which * d.H + hh) * d.bs + slot % d.bs) * d.dh + dd) = v.u;
-    }
+    if (slot >= 0 && u >= 0 && u < 2 * d.hd) *(uint4 *)td_kv_at(d, slot, u) = v.u;
   }
 }
 
@@ -406,6 +392,17 @@ static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse
   if (fuse_kv) a.kv = kv_dest(ga);
   TD_TRY(td_cu_skinny(c, &a, false, fuse_norm, glu));
   return ga->kv_pool && !fuse_kv ? kv_after(b, ga) : TD_OK;
+}
+
+/* Up to 8 rows the fused kernel takes a plain norm; up to 16 the projection
+ * still runs on a skinny kernel (td_cu_gemm) where leaving the cross query's
+ * norm to the attention measured slower (H100, Flan-T5-large batch 16:
+ * 1.33-1.35 -> 1.40-1.41 ms: the attention's K/V stream then starts a kernel
+ * earlier, beside latency-bound ones); beyond, cuBLASLt's GEMM cannot take
+ * it. */
+int td_cu_fused_norm_rows(const td_backend *b) {
+  const td_cuda *c = (const td_cuda *)b->impl;
+  return c->skinny ? 16 : c->fuse;
 }
 
 td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {

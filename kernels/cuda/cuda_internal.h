@@ -151,6 +151,23 @@ static inline cudaError_t td_launch(const td_cuda *c, void (*kernel)(KArgs...), 
   return td_launch_ex(c, 0, kernel, grid, block, smem, args...);
 }
 
+__device__ __forceinline__ float td_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+/* Sum over the block; every thread gets the result. red holds 32 floats. */
+__device__ __forceinline__ float td_block_sum(float v, float *red) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = td_warp_sum(v);
+  __syncthreads(); /* red may still be read by a previous call */
+  if (lane == 0) red[w] = v;
+  __syncthreads();
+  v = lane < nw ? red[lane] : 0.0f;
+  return td_warp_sum(v);
+}
+
 /* Eight bf16 values as one 16-byte load. */
 union td_bf16x8 {
   uint4 u;
@@ -174,6 +191,7 @@ __device__ __forceinline__ float td_sumsq8(const bf16 *x, int n, int j, int step
 }
 
 /* Per-file entry points. */
+int td_cu_fused_norm_rows(const td_backend *b);
 td_status td_cu_gemm_init(td_cuda *c);
 void td_cu_gemm_destroy(td_cuda *c);
 td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
@@ -188,14 +206,19 @@ typedef struct td_kv_dest {
   size_t block_elems, layer_off;
 } td_kv_dest;
 
+/* Where K/V column u (of 2 hd: K then V) of a row with this slot goes in the pool. */
+__device__ __forceinline__ bf16 *td_kv_at(const td_kv_dest &d, int slot, int u) {
+  int which = u / d.hd, e = u % d.hd, hh = e / d.dh, dd = e % d.dh;
+  return d.pool + (size_t)(slot / d.bs) * d.block_elems + d.layer_off +
+         ((size_t)(which * d.H + hh) * d.bs + slot % d.bs) * d.dh + dd;
+}
+
 /* Output (row, col) of a GEMM epilogue into the pool, as td_kv_write stores it. */
 __device__ __forceinline__ void td_kv_store(const td_kv_dest &d, int row, int col, bf16 v) {
   if (!d.pool || col < d.col || col >= d.col + 2 * d.hd) return;
   int slot = __ldg(d.slots + row);
   if (slot < 0) return;
-  int u = col - d.col, which = u / d.hd, e = u % d.hd, hh = e / d.dh, dd = e % d.dh;
-  d.pool[(size_t)(slot / d.bs) * d.block_elems + d.layer_off + ((size_t)(which * d.H + hh) * d.bs + slot % d.bs) * d.dh +
-         dd] = v;
+  *td_kv_at(d, slot, col - d.col) = v;
 }
 
 /* The skinny decode GEMM (cuda_gemm.cu) with what it can fuse: a plain
