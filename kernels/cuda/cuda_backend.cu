@@ -645,6 +645,8 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->decode_bulk_all = c->decode_bulk_shape = 0;
   if (v && *v && sscanf(v, "%d,%d,%d", &c->decode_bulk, &c->decode_bulk_all, &c->decode_bulk_shape) < 1)
     c->decode_bulk = 128;
+  v = getenv("TANDEM_CUDA_DECATTN_CARVE");
+  c->decode_bulk_carve = v && *v ? atoi(v) : 75;
   v = getenv("TANDEM_CUDA_PDL");
   c->pdl = !(v && *v == '0');
   v = getenv("TANDEM_CUDA_PDL_LATE");

@@ -50,6 +50,7 @@ typedef struct td_cuda {
                          kernel) */
   int decode_small_min, decode_small_ctx; /* ... and from MIN pairs, contexts up to CTX (default 16, 1024): fewer
                          pairs or longer contexts take the tiled kernel's key splits */
+  int decode_bulk_carve; /* its L1 carveout up to three blocks an SM (TANDEM_CUDA_DECATTN_CARVE=PCT, default 75; -1: none) */
   int decode_bulk, decode_bulk_all, decode_bulk_shape; /* decode attention over static K/V (cross) fed by bulk
                          copies from this many pairs, with ALL over every K/V, in block shape SHAPE (0: by the pair
                          count; cuda_attn.cu) (TANDEM_CUDA_DECATTN_BULK=MIN[,ALL[,SHAPE]]; 0: off) */
@@ -119,12 +120,17 @@ __device__ __forceinline__ void td_pdl_start_if(bool late) {
   if (late) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 __device__ __forceinline__ void td_pdl_start() { td_pdl_start_if(!TD_PDL_EARLY); }
-/* cluster > 0: thread-block clusters of that many blocks along x. */
+/* cluster > 0: thread-block clusters of that many blocks along x; carveout
+ * >= 0: the preferred shared-memory share of L1 in percent. */
 template <typename... KArgs, typename... Args>
-static inline cudaError_t td_launch_ex(const td_cuda *c, int cluster, void (*kernel)(KArgs...), dim3 grid, dim3 block,
-                                       size_t smem, Args... args) {
-  cudaLaunchAttribute attr[2];
+static inline cudaError_t td_launch_ex(const td_cuda *c, int cluster, int carveout, void (*kernel)(KArgs...), dim3 grid,
+                                       dim3 block, size_t smem, Args... args) {
+  cudaLaunchAttribute attr[3];
   unsigned n = 0;
+  if (carveout >= 0) { /* percent of the L1 / shared memory split for shared memory */
+    attr[n].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
+    attr[n++].val.sharedMemCarveout = (unsigned)carveout;
+  }
   if (c->pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
@@ -148,7 +154,7 @@ static inline cudaError_t td_launch_ex(const td_cuda *c, int cluster, void (*ker
 template <typename... KArgs, typename... Args>
 static inline cudaError_t td_launch(const td_cuda *c, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                                     Args... args) {
-  return td_launch_ex(c, 0, kernel, grid, block, smem, args...);
+  return td_launch_ex(c, 0, -1, kernel, grid, block, smem, args...);
 }
 
 __device__ __forceinline__ float td_warp_sum(float v) {
