@@ -647,6 +647,7 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
     c->decode_bulk = 128;
   v = getenv("TANDEM_CUDA_DECATTN_CARVE");
   c->decode_bulk_carve = v && *v ? atoi(v) : 75;
+  c->decode_bulk_carve = c->decode_bulk_carve > 100 ? 100 : c->decode_bulk_carve < 0 ? -1 : c->decode_bulk_carve;
   v = getenv("TANDEM_CUDA_PDL");
   c->pdl = !(v && *v == '0');
   v = getenv("TANDEM_CUDA_PDL_LATE");

@@ -127,7 +127,7 @@ static inline cudaError_t td_launch_ex(const td_cuda *c, int cluster, int carveo
                                        dim3 block, size_t smem, Args... args) {
   cudaLaunchAttribute attr[3];
   unsigned n = 0;
-  if (carveout >= 0) { /* percent of the L1 / shared memory split for shared memory */
+  if (carveout >= 0) {
     attr[n].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
     attr[n++].val.sharedMemCarveout = (unsigned)carveout;
   }
