@@ -4,12 +4,13 @@
  * bf16 rate).
  *   bench-decode-step [--tp N | --pp N] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
  *                     [--steps N] [--shape flan-t5-large|bart-large|whisper-large-v3] [--no-record]
- *                     [--model-dir DIR] [--trace BATCH]
+ *                     [--model-dir DIR] [--trace BATCH] [--block-size N]
  * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
  * --model-dir keeps the random checkpoint in DIR (written there once, then
  * reused), so that runs under different settings load the same weights.
  * --trace prints the kernel timeline of one decode step at that batch
- * (CUPTI; builds without it say so). Whisper's encoder input is 30 s of
+ * (CUPTI; builds without it say so). --block-size: tokens a paged KV block
+ * (default 16). Whisper's encoder input is 30 s of
  * synthetic mel features (3000 frames, 1500 encoder positions: --enc-len
  * is fixed at 1500). */
 #include <errno.h>
@@ -34,6 +35,7 @@ typedef struct cfg {
   int batches[8], n_batches;
   int enc_len, ctx, steps;
   int trace; /* batch whose step is traced, 0: none */
+  int block_size; /* tokens a paged KV block */
   const char *dir;
   td_random_shape shape;
   uint8_t nccl_id[TD_NCCL_ID_BYTES];
@@ -119,7 +121,7 @@ static void *rank_main(void *arg) {
     td_backend_set_comm(b, comm);
   }
   if (rk->r == 0 && (s = ceilings(b, &rk->copy_gbs, &rk->gemm_tflops)) != TD_OK) goto out;
-  int bs = 16;
+  int bs = c->block_size;
   td_model_opts mo = {.block_size = bs, .max_seqs = maxb, .max_tokens = maxb * c->ctx, .max_logits = maxb,
                       .max_enc_tokens = maxb * c->enc_len, .max_enc_seqs = maxb, .max_source_len = c->enc_len,
                       .max_target_len = c->ctx + c->steps + 16};
@@ -243,7 +245,7 @@ out:
 }
 
 int main(int argc, char **argv) {
-  cfg c = {.tp = 1, .pp = 1, .enc_len = 512, .ctx = 64, .steps = 50};
+  cfg c = {.tp = 1, .pp = 1, .enc_len = 512, .ctx = 64, .steps = 50, .block_size = 16};
   int defb[3] = {1, 16, 64};
   memcpy(c.batches, defb, sizeof defb);
   c.n_batches = 3;
@@ -259,6 +261,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--no-record")) record = false;
     else if (!strcmp(argv[i], "--model-dir") && i + 1 < argc) keep = argv[++i];
     else if (!strcmp(argv[i], "--trace") && i + 1 < argc) c.trace = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) c.block_size = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--batches") && i + 1 < argc) {
       c.n_batches = 0;
       for (char *t = strtok(argv[++i], ","); t && c.n_batches < 8; t = strtok(NULL, ",")) c.batches[c.n_batches++] = atoi(t);
@@ -266,6 +269,10 @@ int main(int argc, char **argv) {
   }
   td_log_set_level(TD_LOG_WARN);
   c.world = c.tp * c.pp;
+  if (c.block_size < 1 || c.block_size > 1024) {
+    fprintf(stderr, "--block-size: 1 to 1024 tokens, not %d\n", c.block_size);
+    return 2;
+  }
   if (!strcmp(shape, "bart-large")) {
     c.shape = (td_random_shape){.model_type = "bart", .d_model = 1024, .enc_layers = 12, .dec_layers = 12, .heads = 16,
                                 .head_dim = 64, .ffn = 4096, .vocab = 50265, .bf16 = true, .max_positions = 1024};
@@ -347,10 +354,10 @@ int main(int argc, char **argv) {
   if (devname[0]) dev = devname;
   td_sbuf t = {0};
   td_sbuf_printf(&t, "%s shape (d_model %d, %d+%d layers, %d heads of %d, %sFFN %d, vocab %d), random bf16 weights; "
-                     "encoder input %d tokens, decoder context %d tokens; %s%s%d. Ceilings measured in the same run: "
+                     "encoder input %d tokens, decoder context %d tokens, KV blocks of %d tokens; %s%s%d. Ceilings measured in the same run: "
                      "device copy %.0f GB/s (read + write), cuBLAS bf16 GEMM 8192^3 on random data %.0f TFLOP/s.\n\n",
                  shape, sh->d_model, sh->enc_layers, sh->dec_layers, sh->heads, sh->head_dim, sh->gated ? "gated " : "",
-                 sh->ffn, sh->vocab, c.enc_len, c.ctx, c.tp > 1 ? "tensor parallel " : c.pp > 1 ? "pipeline stages " : "GPUs ",
+                 sh->ffn, sh->vocab, c.enc_len, c.ctx, c.block_size, c.tp > 1 ? "tensor parallel " : c.pp > 1 ? "pipeline stages " : "GPUs ",
                  "", c.world, gbs, tf);
   td_sbuf_printf(&t, "| batch | step ms | tokens/s | bytes read GB | floor ms | x floor |\n|---|---|---|---|---|---|\n");
   printf("%6s %9s %10s %9s %9s %8s\n", "batch", "step ms", "tokens/s", "bytes GB", "floor ms", "x floor");
