@@ -390,22 +390,19 @@ static const float *gpu_step(void *ctx, const td_step_input *st) {
 /* Decode steps over several sequences at once (graph replay of a padded
  * bucket) against the references. */
 Test(model_cuda, batched_decode, .timeout = 300) {
-  static const char *models[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "mbart-prenorm-sharded"};
   /* also with the cross query's norm left to the attention from 2 rows (TANDEM_QNORM_ROWS) */
   static const char *qn_rows[] = {NULL, "1"};
   for (size_t v = 0; v < 2; v++)
-  for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
+  for (size_t i = 0; i < FX_BATCH_MODELS; i++) {
     fixture fx;
-    fx_load(models[i], &fx);
+    fx_load(fx_batch_models[i], &fx);
     rig r;
     if (qn_rows[v]) setenv("TANDEM_QNORM_ROWS", qn_rows[v], 1);
     rig_open(&r, fx.dir, 16, fx.vocab, false);
     unsetenv("TANDEM_QNORM_ROWS");
     fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 16, gpu_step, &r, 2.0);
-    cr_expect(res.steps > 0, "%s: no batched steps", models[i]);
-    cr_expect(res.worst <= TOL && res.flips == 0, "%s (query norm from %s rows): %d batched steps, logits error %.3g, %d greedy flips",
-              models[i], qn_rows[v] ? qn_rows[v] : "default", res.steps, res.worst, res.flips);
-    fprintf(stderr, "cuda batched %-22s %d steps, error %.2e\n", models[i], res.steps, res.worst);
+    fx_batch_expect(fx_batch_models[i], qn_rows[v], res, TOL);
+    fprintf(stderr, "cuda batched %-22s %d steps, error %.2e\n", fx_batch_models[i], res.steps, res.worst);
     rig_close(&r);
     fx_free(&fx);
   }

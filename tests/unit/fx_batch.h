@@ -110,4 +110,17 @@ static fx_batch_result fx_batched_decode(const fixture *fx, td_model *m, td_kv_p
   return res;
 }
 
+/* The fixtures both backends decode in batches. */
+static const char *const fx_batch_models[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "mbart-prenorm-sharded"};
+enum { FX_BATCH_MODELS = sizeof fx_batch_models / sizeof fx_batch_models[0] };
+
+/* A batched run's verdict: steps ran, every row within tol, no greedy flip
+ * (qn_rows: the TANDEM_QNORM_ROWS it ran under, NULL for the default). */
+static void fx_batch_expect(const char *model, const char *qn_rows, fx_batch_result res, double tol) {
+  cr_expect(res.steps > 0, "%s: no batched steps", model);
+  cr_expect(res.worst <= tol && res.flips == 0,
+            "%s (query norm from %s rows): %d batched steps, logits error %.3g, %d greedy flips", model,
+            qn_rows ? qn_rows : "default", res.steps, res.worst, res.flips);
+}
+
 #endif
