@@ -696,7 +696,7 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
   bool f32 = flags & TD_GEMM_OUT_F32;
   /* measured on H100 (docs/cuda.md): ahead of cuBLASLt up to 8 rows, and up
    * to 16 while the weight is narrow enough that re-reading x stays cheap */
-  if (c->skinny && (m <= 8 || (m <= 16 && n <= 2048)) && k % 8 == 0 && td_aligned16(x) && td_aligned16(w))
+  if (c->skinny && (m <= 8 || (m <= c->skinny_rows && n <= 2048)) && k % 8 == 0 && td_aligned16(x) && td_aligned16(w))
     return skinny_gemm(c, x, w, bias, y, m, n, k, act, flags);
   td_gemm_plan *p = plan_get(c, m, n, k, act, flags, x, w, bias, y);
   if (p->mode == MODE_FALLBACK) {

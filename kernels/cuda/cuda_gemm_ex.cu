@@ -402,7 +402,7 @@ static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse
  * it. */
 int td_cu_fused_norm_rows(const td_backend *b) {
   const td_cuda *c = (const td_cuda *)b->impl;
-  return c->skinny ? 16 : c->fuse;
+  return c->skinny && c->skinny_rows > c->fuse ? c->skinny_rows : c->fuse;
 }
 
 td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
