@@ -1224,17 +1224,28 @@ Test(cuda, graph_replay) {
  * input before its predecessor finished would see NaN. Replay must equal
  * eager bit for bit, and eager the CPU reference. (It caught programmatic
  * edges into cuBLASLt's kernels: docs/cuda.md, decode pass 8.) */
-static void lt_chain(int m, int d, int f, pair *X, pair *NW, pair *W1, pair *W2, pair *W3, pair *W4, pair *H, pair *A,
-                     pair *B, pair *GA, pair *O, bool gpu) {
+typedef struct lt_bufs {
+  pair x, nw, w1, w2, w3, w4; /* inputs */
+  pair h, a, b, ga, o;        /* intermediates and output (a) */
+} lt_bufs;
+
+static void lt_chain(lt_bufs *t, int m, int d, int f, bool gpu) {
   td_backend *b = gpu ? G : C;
-#define P(q) (gpu ? (q)->g : (q)->c)
-  cr_assert(td_norm(b, P(X), P(NW), NULL, P(H), m, d, 1e-6f, true) == TD_OK, "%s", td_errmsg());
-  cr_assert(td_gemm(b, P(H), P(W1), NULL, P(A), m, d, d, TD_ACT_NONE, 0) == TD_OK, "%s", td_errmsg());
-  cr_assert(td_gemm(b, P(A), P(W2), NULL, P(B), m, 2 * f, d, TD_ACT_NONE, 0) == TD_OK, "%s", td_errmsg());
-  cr_assert(td_gated_act(b, P(B), P(GA), m, f, TD_ACT_GELU_TANH) == TD_OK, "%s", td_errmsg());
-  cr_assert(td_gemm(b, P(GA), P(W3), NULL, P(O), m, d, f, TD_ACT_NONE, 0) == TD_OK, "%s", td_errmsg());
-  cr_assert(td_gemm(b, P(O), P(W4), NULL, P(A), m, d, d, TD_ACT_NONE, TD_GEMM_ACCUM) == TD_OK, "%s", td_errmsg());
+#define P(q) (gpu ? t->q.g : t->q.c)
+  cr_assert(td_norm(b, P(x), P(nw), NULL, P(h), m, d, 1e-6f, true) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_gemm(b, P(h), P(w1), NULL, P(a), m, d, d, TD_ACT_NONE, 0) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_gemm(b, P(a), P(w2), NULL, P(b), m, 2 * f, d, TD_ACT_NONE, 0) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_gated_act(b, P(b), P(ga), m, f, TD_ACT_GELU_TANH) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_gemm(b, P(ga), P(w3), NULL, P(o), m, d, f, TD_ACT_NONE, 0) == TD_OK, "%s", td_errmsg());
+  cr_assert(td_gemm(b, P(o), P(w4), NULL, P(a), m, d, d, TD_ACT_NONE, TD_GEMM_ACCUM) == TD_OK, "%s", td_errmsg());
 #undef P
+}
+
+static pair mk_rnd(td_buf_type ty, size_t n, float scale) {
+  float *h = rnd(n, scale);
+  pair p = mk(ty, h, n);
+  free(h);
+  return p;
 }
 
 Test(cuda, graph_cublaslt_chain) {
@@ -1242,31 +1253,34 @@ Test(cuda, graph_cublaslt_chain) {
   const int d = 1024, f = 2816;
   for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
     int m = rows[r];
-    float *hx = rnd((size_t)m * d, 2.0f), *hnw = rnd(d, 1.0f), *hw1 = rnd((size_t)d * d, 0.05f),
-          *hw2 = rnd((size_t)2 * f * d, 0.05f), *hw3 = rnd((size_t)d * f, 0.03f), *hw4 = rnd((size_t)d * d, 0.05f);
-    pair X = mk(TD_BUF_ACT, hx, (size_t)m * d), NW = mk(TD_BUF_F32, hnw, d), W1 = mk(TD_BUF_ACT, hw1, (size_t)d * d),
-         W2 = mk(TD_BUF_ACT, hw2, (size_t)2 * f * d), W3 = mk(TD_BUF_ACT, hw3, (size_t)d * f),
-         W4 = mk(TD_BUF_ACT, hw4, (size_t)d * d), H = mk(TD_BUF_ACT, NULL, (size_t)m * d),
-         A = mk(TD_BUF_ACT, NULL, (size_t)m * d), B = mk(TD_BUF_ACT, NULL, (size_t)m * 2 * f),
-         GA = mk(TD_BUF_ACT, NULL, (size_t)m * f), O = mk(TD_BUF_ACT, NULL, (size_t)m * d);
-    lt_chain(m, d, f, &X, &NW, &W1, &W2, &W3, &W4, &H, &A, &B, &GA, &O, false);
-    lt_chain(m, d, f, &X, &NW, &W1, &W2, &W3, &W4, &H, &A, &B, &GA, &O, true);
-    double e = compare(&A, 0);
+    lt_bufs t = {
+        .x = mk_rnd(TD_BUF_ACT, (size_t)m * d, 2.0f),
+        .nw = mk_rnd(TD_BUF_F32, d, 1.0f),
+        .w1 = mk_rnd(TD_BUF_ACT, (size_t)d * d, 0.05f),
+        .w2 = mk_rnd(TD_BUF_ACT, (size_t)2 * f * d, 0.05f),
+        .w3 = mk_rnd(TD_BUF_ACT, (size_t)d * f, 0.03f),
+        .w4 = mk_rnd(TD_BUF_ACT, (size_t)d * d, 0.05f),
+        .h = mk(TD_BUF_ACT, NULL, (size_t)m * d),
+        .a = mk(TD_BUF_ACT, NULL, (size_t)m * d),
+        .b = mk(TD_BUF_ACT, NULL, (size_t)m * 2 * f),
+        .ga = mk(TD_BUF_ACT, NULL, (size_t)m * f),
+        .o = mk(TD_BUF_ACT, NULL, (size_t)m * d),
+    };
+    lt_chain(&t, m, d, f, false);
+    lt_chain(&t, m, d, f, true);
+    double e = compare(&t.a, 0);
     /* five bf16-rounded steps in a row */
     cr_expect(e <= 3 * TOL, "chain m=%d eager: error %.3g against the CPU", m, e);
-    float *eager = get(G, &A, true);
+    float *eager = get(G, &t.a, true);
     td_graph *g = NULL;
     cr_assert(td_graph_begin(G) == TD_OK, "%s", td_errmsg());
-    lt_chain(m, d, f, &X, &NW, &W1, &W2, &W3, &W4, &H, &A, &B, &GA, &O, true);
+    lt_chain(&t, m, d, f, true);
     cr_assert(td_graph_end(G, &g) == TD_OK, "capture: %s", td_errmsg());
+    pair *mid[] = {&t.h, &t.b, &t.ga, &t.o, &t.a};
     for (int rep = 0; rep < 4; rep++) {
-      poison_gpu(&H);
-      poison_gpu(&B);
-      poison_gpu(&GA);
-      poison_gpu(&O);
-      poison_gpu(&A);
+      for (size_t i = 0; i < sizeof mid / sizeof mid[0]; i++) poison_gpu(mid[i]);
       cr_assert(td_graph_launch(G, g) == TD_OK, "%s", td_errmsg());
-      float *out = get(G, &A, true);
+      float *out = get(G, &t.a, true);
       size_t diff = 0;
       for (size_t i = 0; i < (size_t)m * d; i++) diff += memcmp(&out[i], &eager[i], sizeof(float)) != 0;
       cr_expect(diff == 0, "chain m=%d replay %d: %zu of %d outputs differ from eager", m, rep, diff, m * d);
@@ -1274,14 +1288,8 @@ Test(cuda, graph_cublaslt_chain) {
     }
     td_graph_destroy(G, g);
     free(eager);
-    pair *all[] = {&X, &NW, &W1, &W2, &W3, &W4, &H, &A, &B, &GA, &O};
+    pair *all[] = {&t.x, &t.nw, &t.w1, &t.w2, &t.w3, &t.w4, &t.h, &t.a, &t.b, &t.ga, &t.o};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) drop(all[i]);
-    free(hx);
-    free(hnw);
-    free(hw1);
-    free(hw2);
-    free(hw3);
-    free(hw4);
   }
 }
 
