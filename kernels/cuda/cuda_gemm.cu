@@ -386,7 +386,11 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
       pr[t] = F32 ? ((const float *)a.y)[o] : __bfloat162float(((const bf16 *)a.y)[o]);
     }
   }
-  float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  /* one accumulator chain per k step of a stage: with a single chain every
+   * dependent mma.sync of the K loop is on the critical path (H100, 12-16
+   * rows: FFN out 5.8 -> 5.4 us; the same in skb_kernel measured slower,
+   * docs/cuda.md pass 10) */
+  float acc[SK_KC / 16][2][4] = {};
   float ss = 0.0f, ss8 = 0.0f, s1 = 0.0f, s18 = 0.0f; /* NORM: squares (and sums) of x rows g, g + 8 in this lane's A fragments */
   for (int st = 0; st < nst; st++) {
     cp_async_wait<SK_STAGES - 2>();
@@ -402,13 +406,19 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
       uint32_t b0, b1, b2, b3, af[4];
       ldsm_x4(b0, b1, b2, b3, ws + ((lane & 7) + ((lane >> 4) << 3)) * SK_ROW + ks * 16 + ((lane >> 3) & 1) * 8);
       ldsm_x4(af[0], af[1], af[2], af[3], xs + (lane & 15) * SK_ROW + ks * 16 + (lane >> 4) * 8);
-      mma16816(acc[0], af, b0, b1);
-      mma16816(acc[1], af, b2, b3);
+      mma16816(acc[ks][0], af, b0, b1);
+      mma16816(acc[ks][1], af, b2, b3);
       if (NORM) sq_sums_add(af, ss, ss8);
       if (NORM && a.wsum) x_sums_add(af, s1, s18);
     }
     __syncwarp(); /* the stage is rewritten by the next iteration's load */
   }
+#pragma unroll
+  for (int c = 1; c < SK_KC / 16; c++)
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[0][j][e] += acc[c][j][e];
   cp_async_wait<0>();
   __syncthreads();
   float *red = (float *)sk_smem;              /* [warp][16 rows][NT cols] */
@@ -417,7 +427,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
 #pragma unroll
   for (int j = 0; j < NT / 8; j++)
 #pragma unroll
-    for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * NT + j * 8 + 2 * t4 + (e & 1)] = acc[j][e];
+    for (int e = 0; e < 4; e++) red[(warp * 16 + g + 8 * (e >> 1)) * NT + j * 8 + 2 * t4 + (e & 1)] = acc[0][j][e];
   if (NORM) sq_sums_store(ssq + warp * 16, ss, ss8, lane);
   if (NORM && a.wsum) sq_sums_store(s1q + warp * 16, s1, s18, lane);
   __syncthreads();
