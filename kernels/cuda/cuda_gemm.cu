@@ -616,6 +616,121 @@ static void skinny_launch_all(td_cuda *c, bool f32, bool large, const td_skinny_
   else skinny_launch<false, SK_S_SMALL, NORM>(c, a);
 }
 
+/* --------------------------------------------------- a warp per column */
+
+/* One row (decode at batch 1): a warp per output column holds its W row in
+ * registers, loaded before the PDL wait, and reads x straight from global
+ * (the block's other warps hit L1); the dot product, and a plain norm's
+ * sums over the x it reads anyway, are reduced by shuffles. No shared
+ * memory, no block barrier, no MMA padding of one row to sixteen: after
+ * the wait a column costs one L2 round trip for x, the products and five
+ * shuffles. Early trigger: the launch behind it can only start once
+ * registers free up, which bounds the run-ahead by itself. Measured on
+ * H100 (docs/cuda.md, decode pass 11): Flan-T5-large batch 1 0.70 -> 0.62
+ * ms with it for every GEMM of k <= 1024; the FFN output (k = 2816) and
+ * the LM head stay on the bulk-copy kernel, which was faster there (W in
+ * registers for k = 2816 takes 120 registers a thread and keeps the next
+ * kernels out; W in shared memory by bulk copies was slower in every
+ * placement tried). V: 16-byte pieces of a W row per lane (k <= 256 V);
+ * GLU: rows j and n / 2 + j, V = 4 only (two rows of 8 pieces spill). */
+enum { GV_WARPS = 8 };
+
+static inline int gemv_v(int k) { return k <= 1024 ? 4 : k <= 2048 ? 8 : 0; }
+
+__device__ __forceinline__ void dot8(const uint4 &xv, const uint4 &wv, float &acc) {
+  const __nv_bfloat162 *xa = (const __nv_bfloat162 *)&xv, *wa = (const __nv_bfloat162 *)&wv;
+#pragma unroll
+  for (int j = 0; j < 4; j++) {
+    float2 fx = __bfloat1622float2(xa[j]), fw = __bfloat1622float2(wa[j]);
+    acc = fmaf(fx.x, fw.x, fmaf(fx.y, fw.y, acc));
+  }
+}
+
+/* three blocks an SM (80 registers): a 352-block FFN input resident in one wave */
+template <int V, bool GLU, bool NORM>
+__global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 ? 3 : 2) gemv_kernel(const td_skinny_args a, bool f32) {
+  const int lane = threadIdx.x & 31, k = a.k, half = a.n / 2, ldy = GLU ? half : a.n;
+  const int j = blockIdx.x * GV_WARPS + (threadIdx.x >> 5);
+  if (j >= ldy) return; /* an exited warp counts as triggered */
+  const uint64_t pol = a.hint ? l2_evict_first() : 0;
+  const bf16 *wr = a.w + (size_t)j * k, *wr2 = a.w + (size_t)(half + j) * k;
+  uint4 w[V], w2[GLU ? V : 1];
+#pragma unroll
+  for (int i = 0; i < V; i++) {
+    const int c = (lane + 32 * i) * 8;
+    w[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (GLU) w2[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (c < k) {
+      w[i] = a.hint ? ldg_hint(wr + c, pol) : __ldg((const uint4 *)(wr + c));
+      if (GLU) w2[i] = a.hint ? ldg_hint(wr2 + c, pol) : __ldg((const uint4 *)(wr2 + c));
+    }
+  }
+  float pb = 0.0f, pb2 = 0.0f, pw = 0.0f, pw2 = 0.0f;
+  if (lane == 0) {
+    if (a.bias) pb = __ldg(a.bias + j), pb2 = GLU ? __ldg(a.bias + half + j) : 0.0f;
+    if (NORM && a.wsum) pw = __ldg(a.wsum + j), pw2 = GLU ? __ldg(a.wsum + half + j) : 0.0f;
+  }
+  td_pdl_start_if(a.late);
+  float acc = 0.0f, acc2 = 0.0f, ss = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < V; i++) {
+    const int c = (lane + 32 * i) * 8;
+    const uint4 xv = c < k ? *(const uint4 *)(a.x + c) : make_uint4(0u, 0u, 0u, 0u);
+    dot8(xv, w[i], acc);
+    if (GLU) dot8(xv, w2[i], acc2);
+    if (NORM) {
+      dot8(xv, xv, ss);
+      const __nv_bfloat162 *xa = (const __nv_bfloat162 *)&xv;
+#pragma unroll
+      for (int q = 0; q < 4; q++) {
+        float2 f = __bfloat1622float2(xa[q]);
+        s1 += f.x + f.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (GLU) acc2 += __shfl_xor_sync(0xffffffffu, acc2, o);
+    if (NORM) ss += __shfl_xor_sync(0xffffffffu, ss, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+  }
+  if (lane) return;
+  float v = acc, vb = acc2;
+  if (NORM) {
+    const float mean = a.wsum ? s1 / (float)k : 0.0f;
+    const float inv = rsqrtf(fmaxf(ss / (float)k - mean * mean, 0.0f) + a.eps);
+    v = (v - mean * pw) * inv;
+    vb = (vb - mean * pw2) * inv;
+  }
+  if (GLU) {
+    v = td_act_apply(a.act, v + pb) * (vb + pb2);
+  } else {
+    float r = 0.0f;
+    if (a.accum) r = f32 ? ((const float *)a.y)[j] : __bfloat162float(((const bf16 *)a.y)[j]);
+    v = td_act_apply(a.act, v + pb) + r;
+  }
+  if (f32) {
+    ((float *)a.y)[j] = v;
+  } else {
+    bf16 hv = __float2bfloat16_rn(v);
+    ((bf16 *)a.y)[j] = hv;
+    if (!GLU) td_kv_store(a.kv, 0, j, hv);
+  }
+}
+
+template <int V, bool GLU>
+static void gemv_launch(td_cuda *c, const td_skinny_args &a, bool f32, bool norm) {
+  unsigned cols = (unsigned)(GLU ? a.n / 2 : a.n), grid = (cols + GV_WARPS - 1) / GV_WARPS;
+  if (norm) (void)td_launch(c, gemv_kernel<V, GLU, true>, grid, 32 * GV_WARPS, 0, a, f32);
+  else (void)td_launch(c, gemv_kernel<V, GLU, false>, grid, 32 * GV_WARPS, 0, a, f32);
+}
+
+/* whether td_cu_skinny takes the warp-per-column kernel */
+static bool gemv_fits(const td_cuda *c, int m, int n, int k, bool glu) {
+  const int v = gemv_v(k);
+  return m == 1 && v > 0 && v <= c->gemv_maxv && (!glu || v <= 4) && (glu ? n / 2 : n) <= c->gemv_maxn;
+}
+
 bool td_cu_skinny_bulk(const td_cuda *c, int m, int k) {
   int kq = ((k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
   /* beyond 8 rows, staging x whole before the products costs more than the ring's pipelining (H100) */
@@ -627,10 +742,19 @@ td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool 
   /* which skinny GEMMs let the launches behind them start only after their
    * own wait (measured on H100, docs/cuda.md): the normed ones (QKV, cross
    * q, FFN in), and at 1-2 rows every one. Deeper run-ahead let later
-   * kernels' weight prefetches crowd the running kernel's memory traffic. */
+   * kernels' weight prefetches crowd the running kernel's memory traffic.
+   * The warp-per-column kernel triggers early (its registers bound it). */
   const int pl = c->pdl_late;
-  a->late = pl < 0 ? norm || a->m <= 2 : (pl & 2) != 0 || (norm ? (pl & 4) : (pl & 8)) != 0;
+  const bool gemv = gemv_fits(c, a->m, a->n, a->k, glu);
+  a->late = pl < 0 ? !gemv && (norm || a->m <= 2) : (pl & 2) != 0 || (norm ? (pl & 4) : (pl & 8)) != 0;
   a->hint = c->weight_hint != 0;
+  if (gemv) {
+    if (gemv_v(a->k) == 8) gemv_launch<8, false>(c, *a, f32, norm);
+    else if (glu) gemv_launch<4, true>(c, *a, f32, norm);
+    else gemv_launch<4, false>(c, *a, f32, norm);
+    TD_CU_LAUNCHED("gemm (a warp per column)");
+    return TD_OK;
+  }
   if (td_cu_skinny_bulk(c, a->m, a->k)) {
     size_t smem = skb_smem(a->m, a->kq);
     if (glu && norm) skb_launch<false, true, true>(c, *a, smem);

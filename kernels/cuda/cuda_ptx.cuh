@@ -82,6 +82,16 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
   return p;
 }
 
+/* 16 bytes of a model constant through the read-only path, with an L2
+ * cache policy */
+__device__ __forceinline__ uint4 ldg_hint(const void *p, uint64_t policy) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
+
 /* Sums of squares of x's rows from the mma.sync A fragments (a plain
  * RMSNorm folded into a GEMM): per k16 step a lane holds 4 values of row
  * g = lane / 4 and 4 of row g + 8, and the 4 lanes of a g cover the

@@ -259,20 +259,29 @@ Test(cuda, gemm) {
   gemm_case(3, 32128, 1024, TD_ACT_NONE, TD_GEMM_OUT_F32, true);
 }
 
-/* The decode GEMM's two kernels (W by bulk copies, W through a cp.async
- * ring) at decode row counts, odd widths, k from 8 to beyond what the bulk
- * variant holds in shared memory. */
+/* The decode GEMM's three kernels (a warp per column, W by bulk copies, W
+ * through a cp.async ring) at decode row counts, odd widths, k from 8 to
+ * beyond what the bulk variant holds in shared memory and the warp kernel
+ * in registers. */
 Test(cuda, gemm_skinny_kernels) {
-  static const int nk[][2] = {{1024, 1024}, {3072, 1024}, {1000, 2816}, {301, 40}, {17, 8},
-                              {96, 64},     {5632, 1024}, {40, 8200},   {33, 1000}};
+  static const int nk[][2] = {{1024, 1024}, {3072, 1024}, {1000, 2816}, {301, 40}, {17, 8},   {96, 64},
+                              {5632, 1024}, {40, 8200},   {33, 1000},   {9, 5120},  {70, 1288}, {3, 3080}};
   static const int ms[] = {1, 2, 5, 8, 13, 16};
-  for (int pass = 0; pass < 2; pass++) {
+  /* default; the warp kernel at every k and width it takes; the bulk and the ring kernels at
+   * every row count */
+  static const char *env[][2][2] = {{{NULL, NULL}, {NULL, NULL}},
+                                    {{"TANDEM_CUDA_GEMV", "8,100000"}, {NULL, NULL}},
+                                    {{"TANDEM_CUDA_GEMV", "0"}, {NULL, NULL}},
+                                    {{"TANDEM_CUDA_GEMV", "0"}, {"TANDEM_CUDA_SKINNY_BULK", "0"}}};
+  for (int pass = 0; pass < 4; pass++) {
     td_backend *saved = G, *alt = NULL;
-    if (pass == 1) {
+    if (pass > 0) {
       td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
-      setenv("TANDEM_CUDA_SKINNY_BULK", "0", 1);
+      for (int e = 0; e < 2; e++)
+        if (env[pass][e][0]) setenv(env[pass][e][0], env[pass][e][1], 1);
       cr_assert(td_backend_create(&go, &alt) == TD_OK, "cuda backend: %s", td_errmsg());
-      unsetenv("TANDEM_CUDA_SKINNY_BULK");
+      for (int e = 0; e < 2; e++)
+        if (env[pass][e][0]) unsetenv(env[pass][e][0]);
       G = alt;
     }
     for (size_t i = 0; i < sizeof nk / sizeof nk[0]; i++)
@@ -698,11 +707,20 @@ Test(cuda, gemm_ex) {
       {40, 512, 256, 4, true, true, TD_ACT_GELU_TANH, 0, 0, 0},       /* over 16 rows: separate ops */
       {16, 514, 1280, 4, true, true, TD_ACT_GELU, 0, 0, 0},           /* GLU beyond the bulk kernel: norm apart */
       {2, 1280, 5120, 4, false, true, TD_ACT_NONE, 0, 0, 0},          /* the deep ring (k = 5120) */
+      /* one row on both sides of the warp-per-column kernel's limits (k, GLU) */
+      {1, 4098, 2048, 3, true, true, TD_ACT_GELU_TANH, 0, 0, 0},      /* GLU, 8 pieces a lane, n / 2 odd */
+      {1, 1000, 2816, 3, false, false, TD_ACT_NONE, 0, 0, 0},
+      {1, 1288, 5120, 4, false, true, TD_ACT_GELU, 0, 0, 0},
+      {1, 1536, 1288, 3, false, true, TD_ACT_NONE, 0, 64, 16},        /* KV write, k % 256 != 0 */
   };
   /* the backend's default fusions, then every fusion up to 16 rows */
-  static const char *env[][2] = {{NULL, NULL}, {"TANDEM_CUDA_FUSE", "16,7"}, {"TANDEM_CUDA_SKINNY_BULK", "0"}};
-  static const char *modes[] = {"default", "all fused", "cp.async ring"};
-  for (int pass = 0; pass < 3; pass++) {
+  static const char *env[][2] = {{NULL, NULL},
+                                 {"TANDEM_CUDA_FUSE", "16,7"},
+                                 {"TANDEM_CUDA_SKINNY_BULK", "0"},
+                                 {"TANDEM_CUDA_GEMV", "8,100000"},
+                                 {"TANDEM_CUDA_GEMV", "0"}};
+  static const char *modes[] = {"default", "all fused", "cp.async ring", "warp kernel to k = 2048", "no warp kernel"};
+  for (int pass = 0; pass < 5; pass++) {
     td_backend *saved = G, *alt = NULL;
     if (pass > 0) {
       td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
