@@ -634,8 +634,9 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->skinny_rows = v && *v ? atoi(v) : 16;
   c->skinny_rows = c->skinny_rows < 8 ? 8 : c->skinny_rows > 16 ? 16 : c->skinny_rows;
   v = getenv("TANDEM_CUDA_GEMV");
-  c->gemv_maxv = 8, c->gemv_maxn = 8192;
-  if (v && *v) (void)sscanf(v, "%d,%d", &c->gemv_maxv, &c->gemv_maxn);
+  c->gemv_maxv = 8, c->gemv_maxn = 8192, c->gemv_rows = 2, c->gemv_rows_n = 8192;
+  if (v && *v) (void)sscanf(v, "%d,%d,%d,%d", &c->gemv_maxv, &c->gemv_maxn, &c->gemv_rows, &c->gemv_rows_n);
+  if (c->gemv_maxv <= 0) c->gemv_rows = 0; /* "0": the warp kernel off */
   v = getenv("TANDEM_CUDA_DENSE64");
   c->dense64_warps = v && (atoi(v) == 4 || atoi(v) == 8) ? atoi(v) : 0;
   v = getenv("TANDEM_CUDA_DECATTN");

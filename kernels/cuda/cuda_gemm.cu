@@ -618,13 +618,13 @@ static void skinny_launch_all(td_cuda *c, bool f32, bool large, const td_skinny_
 
 /* --------------------------------------------------- a warp per column */
 
-/* One row (decode at batch 1): a warp per output column holds its W row in
- * registers, loaded before the PDL wait, and reads x straight from global
- * (the block's other warps hit L1); the dot product, and a plain norm's
- * sums over the x it reads anyway, are reduced by shuffles. No shared
- * memory, no block barrier, no MMA padding of one row to sixteen: after
- * the wait a column costs one L2 round trip for x, the products and five
- * shuffles. Early trigger: the launch behind it can only start once
+/* One or two rows (decode at batch 1-2): a warp per output column holds
+ * its W row in registers, loaded before the PDL wait, and reads x
+ * straight from global (the block's other warps hit L1); the dot
+ * product, and a plain norm's sums over the x it reads anyway, are
+ * reduced by shuffles. No shared memory, no block barrier, no MMA
+ * padding of one row to sixteen: after the wait a column costs one L2
+ * round trip for x, the products and five shuffles. Early trigger: the launch behind it can only start once
  * registers free up, which bounds the run-ahead by itself. Measured on
  * H100 (docs/cuda.md, decode pass 11): Flan-T5-large batch 1 0.70 -> 0.62
  * ms with it for every GEMM of k <= 1024, Whisper's k = 1280 -1.4 %. The
@@ -647,9 +647,14 @@ __device__ __forceinline__ void dot8(const uint4 &xv, const uint4 &wv, float &ac
   }
 }
 
-/* three blocks an SM (80 registers): a 352-block FFN input resident in one wave */
-template <int V, bool GLU, bool NORM>
-__global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 ? 3 : 2) gemv_kernel(const td_skinny_args a, bool f32) {
+/* R rows (1, 2 or 4): every row's x requested at once, one accumulator
+ * per row (batch 2 0.772-0.778 -> 0.725-0.728 ms; at 3-4 rows within 1 %,
+ * so by default up to 2). Three blocks an SM (80 registers) up to 2 rows:
+ * a 352-block FFN input resident in one wave. The gated FFN input takes
+ * two W rows, which at 2 rows would need two waves: one row only. */
+template <int V, int R, bool GLU, bool NORM>
+__global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 && R <= 2 ? 3 : 2)
+    gemv_kernel(const td_skinny_args a, bool f32) {
   const int lane = threadIdx.x & 31, k = a.k, half = a.n / 2, ldy = GLU ? half : a.n;
   const int j = blockIdx.x * GV_WARPS + (threadIdx.x >> 5);
   if (j >= ldy) return; /* an exited warp counts as triggered */
@@ -666,69 +671,85 @@ __global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 ? 3 : 2) gemv_kernel(con
       if (GLU) w2[i] = a.hint ? ldg_hint(wr2 + c, pol) : __ldg((const uint4 *)(wr2 + c));
     }
   }
+  /* lane r runs row r's epilogue */
   float pb = 0.0f, pb2 = 0.0f, pw = 0.0f, pw2 = 0.0f;
-  if (lane == 0) {
+  if (lane < R) {
     if (a.bias) pb = __ldg(a.bias + j), pb2 = GLU ? __ldg(a.bias + half + j) : 0.0f;
     if (NORM && a.wsum) pw = __ldg(a.wsum + j), pw2 = GLU ? __ldg(a.wsum + half + j) : 0.0f;
   }
   td_pdl_start_if(a.late);
-  float acc = 0.0f, acc2 = 0.0f, ss = 0.0f, s1 = 0.0f;
+  const int m = a.m;
+  float acc[R], acc2[R], ss[R], s1[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = acc2[r] = ss[r] = s1[r] = 0.0f;
 #pragma unroll
   for (int i = 0; i < V; i++) {
     const int c = (lane + 32 * i) * 8;
-    const uint4 xv = c < k ? *(const uint4 *)(a.x + c) : make_uint4(0u, 0u, 0u, 0u);
-    dot8(xv, w[i], acc);
-    if (GLU) dot8(xv, w2[i], acc2);
-    if (NORM) {
-      dot8(xv, xv, ss);
-      const __nv_bfloat162 *xa = (const __nv_bfloat162 *)&xv;
 #pragma unroll
-      for (int q = 0; q < 4; q++) {
-        float2 f = __bfloat1622float2(xa[q]);
-        s1 += f.x + f.y;
+    for (int r = 0; r < R; r++) {
+      const uint4 xv = c < k && r < m ? *(const uint4 *)(a.x + (size_t)r * k + c) : make_uint4(0u, 0u, 0u, 0u);
+      dot8(xv, w[i], acc[r]);
+      if (GLU) dot8(xv, w2[i], acc2[r]);
+      if (NORM) {
+        dot8(xv, xv, ss[r]);
+        const __nv_bfloat162 *xa = (const __nv_bfloat162 *)&xv;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+          float2 f = __bfloat1622float2(xa[q]);
+          s1[r] += f.x + f.y;
+        }
       }
     }
   }
 #pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (GLU) acc2 += __shfl_xor_sync(0xffffffffu, acc2, o);
-    if (NORM) ss += __shfl_xor_sync(0xffffffffu, ss, o), s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-  }
-  if (lane) return;
-  float v = acc, vb = acc2;
+  for (int o = 16; o; o >>= 1)
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+      if (GLU) acc2[r] += __shfl_xor_sync(0xffffffffu, acc2[r], o);
+      if (NORM) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o), s1[r] += __shfl_xor_sync(0xffffffffu, s1[r], o);
+    }
+  if (lane >= R || lane >= m) return;
+  const int row = lane;
+  float v = acc[0], vb = acc2[0], q2 = ss[0], q1 = s1[0];
+#pragma unroll
+  for (int r = 1; r < R; r++)
+    if (row == r) v = acc[r], vb = acc2[r], q2 = ss[r], q1 = s1[r];
   if (NORM) {
-    const float mean = a.wsum ? s1 / (float)k : 0.0f;
-    const float inv = rsqrtf(fmaxf(ss / (float)k - mean * mean, 0.0f) + a.eps);
+    const float mean = a.wsum ? q1 / (float)k : 0.0f;
+    const float inv = rsqrtf(fmaxf(q2 / (float)k - mean * mean, 0.0f) + a.eps);
     v = (v - mean * pw) * inv;
     vb = (vb - mean * pw2) * inv;
   }
+  const size_t o = (size_t)row * ldy + j;
   if (GLU) {
     v = td_act_apply(a.act, v + pb) * (vb + pb2);
   } else {
     float r = 0.0f;
-    if (a.accum) r = f32 ? ((const float *)a.y)[j] : __bfloat162float(((const bf16 *)a.y)[j]);
+    if (a.accum) r = f32 ? ((const float *)a.y)[o] : __bfloat162float(((const bf16 *)a.y)[o]);
     v = td_act_apply(a.act, v + pb) + r;
   }
   if (f32) {
-    ((float *)a.y)[j] = v;
+    ((float *)a.y)[o] = v;
   } else {
     bf16 hv = __float2bfloat16_rn(v);
-    ((bf16 *)a.y)[j] = hv;
-    if (!GLU) td_kv_store(a.kv, 0, j, hv);
+    ((bf16 *)a.y)[o] = hv;
+    if (!GLU) td_kv_store(a.kv, row, j, hv);
   }
 }
 
-template <int V, bool GLU>
+template <int V, int R, bool GLU>
 static void gemv_launch(td_cuda *c, const td_skinny_args &a, bool f32, bool norm) {
   unsigned cols = (unsigned)(GLU ? a.n / 2 : a.n), grid = (cols + GV_WARPS - 1) / GV_WARPS;
-  if (norm) (void)td_launch(c, gemv_kernel<V, GLU, true>, grid, 32 * GV_WARPS, 0, a, f32);
-  else (void)td_launch(c, gemv_kernel<V, GLU, false>, grid, 32 * GV_WARPS, 0, a, f32);
+  if (norm) (void)td_launch(c, gemv_kernel<V, R, GLU, true>, grid, 32 * GV_WARPS, 0, a, f32);
+  else (void)td_launch(c, gemv_kernel<V, R, GLU, false>, grid, 32 * GV_WARPS, 0, a, f32);
 }
 
 /* whether td_cu_skinny takes the warp-per-column kernel */
 static bool gemv_fits(const td_cuda *c, int m, int n, int k, bool glu) {
   const int v = gemv_v(k);
+  if (m > 1) /* several rows: k <= 1024, no GLU, up to rows_n outputs */
+    return m <= c->gemv_rows && m <= 4 && v == 4 && !glu && n <= c->gemv_rows_n;
   return m == 1 && v > 0 && v <= c->gemv_maxv && (!glu || v <= 4) && (glu ? n / 2 : n) <= c->gemv_maxn;
 }
 
@@ -750,9 +771,11 @@ td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool 
   a->late = pl < 0 ? !gemv && (norm || a->m <= 2) : (pl & 2) != 0 || (norm ? (pl & 4) : (pl & 8)) != 0;
   a->hint = c->weight_hint != 0;
   if (gemv) {
-    if (gemv_v(a->k) == 8) gemv_launch<8, false>(c, *a, f32, norm);
-    else if (glu) gemv_launch<4, true>(c, *a, f32, norm);
-    else gemv_launch<4, false>(c, *a, f32, norm);
+    if (a->m > 2) gemv_launch<4, 4, false>(c, *a, f32, norm);
+    else if (a->m == 2) gemv_launch<4, 2, false>(c, *a, f32, norm);
+    else if (gemv_v(a->k) == 8) gemv_launch<8, 1, false>(c, *a, f32, norm);
+    else if (glu) gemv_launch<4, 1, true>(c, *a, f32, norm);
+    else gemv_launch<4, 1, false>(c, *a, f32, norm);
     TD_CU_LAUNCHED("gemm (a warp per column)");
     return TD_OK;
   }

@@ -45,8 +45,10 @@ typedef struct td_cuda {
   int skinny_bulk;    /* the skinny GEMM's W by bulk copies where it fits (TANDEM_CUDA_SKINNY_BULK=0: cp.async ring) */
   int skinny;         /* small-m GEMMs on our kernel (TANDEM_CUDA_SKINNY=0: cuBLASLt) */
   int skinny_rows;    /* ... beyond 8 rows up to this many where W has at most 2048 rows (TANDEM_CUDA_SKINNY_ROWS, 8-16) */
-  int gemv_maxv, gemv_maxn; /* one-row GEMMs on a warp per output column for k up to 256 MAXV (0: off, 4 or 8)
-                         and up to MAXN output columns (TANDEM_CUDA_GEMV=MAXV[,MAXN], default 8,8192) */
+  int gemv_maxv, gemv_maxn, gemv_rows, gemv_rows_n; /* one-row GEMMs on a warp per output column for k up to
+                         256 MAXV (0: off, 4 or 8) and up to MAXN output columns; 2-ROWS rows (ROWS <= 4) for k <=
+                         1024 and up to ROWSN outputs, no GLU (TANDEM_CUDA_GEMV=MAXV[,MAXN[,ROWS[,ROWSN]]], default
+                         8,8192,2,8192) */
   int decode_warp;    /* paged decode over self KV on a warp per (sequence, head) from this many pairs (TANDEM_CUDA_DECATTN; 0: off) */
   int decode_small;   /* fewer pairs than that: 2-8 warps a pair by context (<= 256 keys); 16 for longer contexts
                          up to this many pairs (TANDEM_CUDA_DECATTN_SMALL=N[,MIN[,CTX]], default 64; 0: the tiled

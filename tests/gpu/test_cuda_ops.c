@@ -270,7 +270,7 @@ Test(cuda, gemm_skinny_kernels) {
   /* default; the warp kernel at every k and width it takes; the bulk and the ring kernels at
    * every row count */
   static const char *env[][2][2] = {{{NULL, NULL}, {NULL, NULL}},
-                                    {{"TANDEM_CUDA_GEMV", "8,100000"}, {NULL, NULL}},
+                                    {{"TANDEM_CUDA_GEMV", "8,100000,4,100000"}, {NULL, NULL}},
                                     {{"TANDEM_CUDA_GEMV", "0"}, {NULL, NULL}},
                                     {{"TANDEM_CUDA_GEMV", "0"}, {"TANDEM_CUDA_SKINNY_BULK", "0"}}};
   for (int pass = 0; pass < 4; pass++) {
@@ -717,9 +717,9 @@ Test(cuda, gemm_ex) {
   static const char *env[][2] = {{NULL, NULL},
                                  {"TANDEM_CUDA_FUSE", "16,7"},
                                  {"TANDEM_CUDA_SKINNY_BULK", "0"},
-                                 {"TANDEM_CUDA_GEMV", "8,100000"},
+                                 {"TANDEM_CUDA_GEMV", "8,100000,4,100000"},
                                  {"TANDEM_CUDA_GEMV", "0"}};
-  static const char *modes[] = {"default", "all fused", "cp.async ring", "warp kernel to k = 2048", "no warp kernel"};
+  static const char *modes[] = {"default", "all fused", "cp.async ring", "warp kernel to k = 2048 and 4 rows", "no warp kernel"};
   for (int pass = 0; pass < 5; pass++) {
     td_backend *saved = G, *alt = NULL;
     if (pass > 0) {
