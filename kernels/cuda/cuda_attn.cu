@@ -1125,12 +1125,14 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
    * 16-64 over 512 faster on warps since their merge is by shuffles;
    * docs/cuda.md). Many pairs over static K/V: a pair a block, K/V by bulk
    * copies (the kv_static_past re-read of the query's own key is the warp
-   * kernels'). */
+   * kernels'); over self K/V too up to decode_bulk_all pairs (H100: batch
+   * 12-16 faster, 64 slower). */
   enum { DEC_NONE, DEC_BULK, DEC_W2P4, DEC_W4P2, DEC_W8, DEC_W16 } dec = DEC_NONE;
   long pairs = (long)m->n_seqs * H;
   if (fast && dh == 64 && max_q == 1 && c->decode_warp > 0) {
     bool small = c->decode_small > 0 && pairs < (long)c->decode_warp;
-    if (c->decode_bulk > 0 && pairs >= c->decode_bulk && (m->kv_static || c->decode_bulk_all) && pairs <= 2147483647L)
+    if (c->decode_bulk > 0 && pairs >= c->decode_bulk && (m->kv_static || pairs <= c->decode_bulk_all) &&
+        pairs <= 2147483647L)
       dec = DEC_BULK;
     else if (!m->kv_static && pairs >= (long)c->decode_warp) dec = DEC_W2P4;
     else if (small && max_ctx <= 64) dec = DEC_W2P4;

@@ -648,8 +648,7 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   if (v && *v && sscanf(v, "%d,%d,%d", &c->decode_small, &c->decode_small_min, &c->decode_small_ctx) < 1)
     c->decode_small = 64;
   v = getenv("TANDEM_CUDA_DECATTN_BULK");
-  c->decode_bulk = 128;
-  c->decode_bulk_all = c->decode_bulk_shape = 0;
+  c->decode_bulk = 128, c->decode_bulk_all = 256, c->decode_bulk_shape = 0;
   if (v && *v && sscanf(v, "%d,%d,%d", &c->decode_bulk, &c->decode_bulk_all, &c->decode_bulk_shape) < 1)
     c->decode_bulk = 128;
   v = getenv("TANDEM_CUDA_DECATTN_CARVE");

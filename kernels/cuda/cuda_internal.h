@@ -57,8 +57,9 @@ typedef struct td_cuda {
                          pairs or longer contexts take the tiled kernel's key splits */
   int decode_bulk_carve; /* its L1 carveout up to three blocks an SM (TANDEM_CUDA_DECATTN_CARVE=PCT, default 75; -1: none) */
   int decode_bulk, decode_bulk_all, decode_bulk_shape; /* decode attention over static K/V (cross) fed by bulk
-                         copies from this many pairs, with ALL over every K/V, in block shape SHAPE (0: by the pair
-                         count; cuda_attn.cu) (TANDEM_CUDA_DECATTN_BULK=MIN[,ALL[,SHAPE]]; 0: off) */
+                         copies from this many pairs, and over any K/V (self) up to ALL pairs, in block shape SHAPE
+                         (0: by the pair count; cuda_attn.cu) (TANDEM_CUDA_DECATTN_BULK=MIN[,ALL[,SHAPE]], default
+                         128,256,0; 0: off) */
   int dense64_warps;  /* dense attention, head_dim 64: 0 wgmma on 2 warpgroups, 8 mma.sync warps x 16 rows
                          (TANDEM_CUDA_DENSE64=8), or 4 (=4) */
   int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */

@@ -903,8 +903,9 @@ Test(cuda, attn_paged) {
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) paged_case(&cfg[c]);
   /* every decode case again on the bulk-copy kernel in each block shape
    * (from one pair, static K/V or not) */
-  static const char *bulk[][2] = {{"1,1,1", "bulk copies, 4 warps x 2"}, {"1,1,2", "bulk copies, 2 warps x 2"},
-                                  {"1,1,3", "bulk copies, 2 warps x 3"}};
+  static const char *bulk[][2] = {{"1,2000000000,1", "bulk copies, 4 warps x 2"},
+                                  {"1,2000000000,2", "bulk copies, 2 warps x 2"},
+                                  {"1,2000000000,3", "bulk copies, 2 warps x 3"}};
   for (int v = 0; v < 3; v++) {
     td_backend *saved = G, *alt = NULL;
     td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
