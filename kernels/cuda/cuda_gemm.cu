@@ -322,6 +322,22 @@ __device__ __forceinline__ void plain_norm(const float *ssq, const float *s1q, i
   inv = rsqrtf(fmaxf(s2 / (float)k - mean * mean, 0.0f) + eps);
 }
 
+/* The skinny kernels' output at o (row, col): float32, or bf16 with the
+ * KV write of a QKV projection; and the residual there (ACCUM). */
+__device__ __forceinline__ void sk_store(const td_skinny_args &a, bool f32, bool kv, int row, int col, size_t o,
+                                         float v) {
+  if (f32) {
+    ((float *)a.y)[o] = v;
+  } else {
+    bf16 hv = __float2bfloat16_rn(v);
+    ((bf16 *)a.y)[o] = hv;
+    if (kv) td_kv_store(a.kv, row, col, hv);
+  }
+}
+__device__ __forceinline__ float sk_residual(const td_skinny_args &a, bool f32, size_t o) {
+  return f32 ? ((const float *)a.y)[o] : __bfloat162float(((const bf16 *)a.y)[o]);
+}
+
 template <bool F32, int SK_STAGES, bool NORM>
 __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_args a) {
   constexpr int NT = 16;
@@ -382,8 +398,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
     int i = threadIdx.x + t * 32 * SK_WARPS, row = i / NT, col = n0 + i % NT;
     pr[t] = 0.0f;
     if (a.accum && row < m && col < n) {
-      size_t o = (size_t)row * n + col;
-      pr[t] = F32 ? ((const float *)a.y)[o] : __bfloat162float(((const bf16 *)a.y)[o]);
+      pr[t] = sk_residual(a, F32, (size_t)row * n + col);
     }
   }
   /* one accumulator chain per k step of a stage: with a single chain every
@@ -444,14 +459,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
       v = (v - mean * pw[t]) * inv;
     }
     v = td_act_apply(a.act, v + pb[t]) + pr[t];
-    size_t o = (size_t)row * n + col;
-    if (F32) {
-      ((float *)a.y)[o] = v;
-    } else {
-      bf16 hv = __float2bfloat16_rn(v);
-      ((bf16 *)a.y)[o] = hv;
-      td_kv_store(a.kv, row, col, hv);
-    }
+    sk_store(a, F32, true, row, col, (size_t)row * n + col, v);
   }
 }
 
@@ -530,10 +538,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
   for (int t = 0; t < PER; t++) {
     int i = threadIdx.x + t * 32 * SK_WARPS, row = i / oc, j = blockIdx.x * oc + i % oc;
     pr[t] = 0.0f;
-    if (!GLU && a.accum && row < m && j < ldy) {
-      size_t o = (size_t)row * ldy + j;
-      pr[t] = F32 ? ((const float *)a.y)[o] : __bfloat162float(((const bf16 *)a.y)[o]);
-    }
+    if (!GLU && a.accum && row < m && j < ldy) pr[t] = sk_residual(a, F32, (size_t)row * ldy + j);
   }
   const int pieces = KP / 8;
   for (int c = threadIdx.x; c < m * pieces; c += 32 * SK_WARPS) {
@@ -585,14 +590,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
     }
     if (GLU) v = td_act_apply(a.act, v + pb[t]) * (vb + pb2[t]);
     else v = td_act_apply(a.act, v + pb[t]) + pr[t];
-    size_t o = (size_t)row * ldy + j;
-    if (F32) {
-      ((float *)a.y)[o] = v;
-    } else {
-      bf16 hv = __float2bfloat16_rn(v);
-      ((bf16 *)a.y)[o] = hv;
-      if (!GLU) td_kv_store(a.kv, row, j, hv);
-    }
+    sk_store(a, F32, !GLU, row, j, (size_t)row * ldy + j, v);
   }
 }
 
@@ -722,20 +720,9 @@ __global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 && R <= 2 ? 3 : 2)
     vb = (vb - mean * pw2) * inv;
   }
   const size_t o = (size_t)row * ldy + j;
-  if (GLU) {
-    v = td_act_apply(a.act, v + pb) * (vb + pb2);
-  } else {
-    float r = 0.0f;
-    if (a.accum) r = f32 ? ((const float *)a.y)[o] : __bfloat162float(((const bf16 *)a.y)[o]);
-    v = td_act_apply(a.act, v + pb) + r;
-  }
-  if (f32) {
-    ((float *)a.y)[o] = v;
-  } else {
-    bf16 hv = __float2bfloat16_rn(v);
-    ((bf16 *)a.y)[o] = hv;
-    if (!GLU) td_kv_store(a.kv, row, j, hv);
-  }
+  if (GLU) v = td_act_apply(a.act, v + pb) * (vb + pb2);
+  else v = td_act_apply(a.act, v + pb) + (a.accum ? sk_residual(a, f32, o) : 0.0f);
+  sk_store(a, f32, !GLU, row, j, o, v);
 }
 
 template <int V, int R, bool GLU>
