@@ -617,21 +617,21 @@ static void skinny_launch_all(td_cuda *c, bool f32, bool large, const td_skinny_
 /* --------------------------------------------------- a warp per column */
 
 /* One or two rows (decode at batch 1-2): a warp per output column holds
- * its W row in registers, loaded before the PDL wait, and reads x
- * straight from global (the block's other warps hit L1); the dot
- * product, and a plain norm's sums over the x it reads anyway, are
- * reduced by shuffles. No shared memory, no block barrier, no MMA
- * padding of one row to sixteen: after the wait a column costs one L2
- * round trip for x, the products and five shuffles. Early trigger: the launch behind it can only start once
- * registers free up, which bounds the run-ahead by itself. Measured on
- * H100 (docs/cuda.md, decode pass 11): Flan-T5-large batch 1 0.70 -> 0.62
- * ms with it for every GEMM of k <= 1024, Whisper's k = 1280 -1.4 %. The
- * FFN output (k = 2816) and the LM head stay on the bulk-copy kernel,
- * faster there: W in registers for k = 2816 takes 120 registers a thread
- * and keeps the next kernels out, and W in shared memory by bulk copies
- * was slower in every placement tried. V: 16-byte pieces of a W row per
- * lane (k <= 256 V); GLU: rows j and n / 2 + j, V = 4 only (two rows of 8
- * pieces spill). */
+ * its W row in registers, loaded before the PDL wait, and reads x straight
+ * from global (the block's other warps hit L1); the dot product, and a
+ * plain norm's sums over the x it reads anyway, are reduced by shuffles.
+ * No shared memory, no block barrier, no MMA padding of one row to
+ * sixteen: after the wait a column costs one L2 round trip for x, the
+ * products and five shuffles. Early trigger: the launch behind it can only
+ * start once registers free up, which bounds the run-ahead by itself.
+ * Measured on H100 (docs/cuda.md, decode pass 11): Flan-T5-large batch 1
+ * 0.70 -> 0.62 ms with it for every GEMM of k <= 1024, Whisper's k = 1280
+ * -1.4 %. The FFN output (k = 2816) and the LM head stay on the bulk-copy
+ * kernel, faster there: W in registers for k = 2816 takes 120 registers a
+ * thread and keeps the next kernels out, and W in shared memory by bulk
+ * copies was slower in every placement tried. V: 16-byte pieces of a W row
+ * per lane (k <= 256 V); GLU: rows j and n / 2 + j, V = 4 only (two rows
+ * of 8 pieces spill). */
 enum { GV_WARPS = 8 };
 
 static inline int gemv_v(int k) { return k <= 1024 ? 4 : k <= 2048 ? 8 : 0; }
