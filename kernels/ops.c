@@ -188,6 +188,13 @@ td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const 
   return b->vt->attn_paged(b, q, ldq, out, pool, l, layer, m, scale, causal, bias);
 }
 
+td_status td_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const td_paged_meta *m) {
+  if (!layout_ok(l, layer) || !pool || !m || !m->ctx_len || !m->block_table || m->n_seqs < 0)
+    return bad("kv_prefetch", "bad arguments");
+  if (!b->vt->kv_prefetch || m->n_seqs == 0) return TD_OK;
+  return b->vt->kv_prefetch(b, pool, l, layer, m);
+}
+
 td_status td_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs) {
   if (!layout_ok(l, 0) || !pool || n_pairs < 0 || (n_pairs && !pairs)) return bad("kv_copy_blocks", "bad arguments");
   if (n_pairs == 0) return TD_OK;

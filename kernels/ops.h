@@ -203,6 +203,14 @@ td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const 
  * (src, dst) block ids. */
 td_status td_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs);
 
+/* A hint that the K/V of `layer` in pool at the positions below m's ctx_len
+ * (block_table, max_blocks, n_seqs as for td_attn_paged) will be read soon:
+ * a backend may start moving them closer once the work enqueued so far has
+ * completed (CUDA, inside a graph capture: into L2 from a branch beside
+ * the stream, joined at the capture's end). Results never depend on it; a
+ * backend without it ignores it. */
+td_status td_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const td_paged_meta *m);
+
 /* ---- sampling ---- */
 /* What to do with one row of logits. Rows live in backend memory. */
 typedef struct td_sample_row {

@@ -1069,6 +1069,11 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
   td_relbias db = {m->dec_lut, c->rel_max_distance};
   const td_relbias *bias = m->dec_lut ? &db : NULL;
   td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
+  /* decode: each layer's self K/V is requested into L2 beside the GEMMs
+   * before its attention (td_kv_prefetch, a hint) */
+  int nl = d->l1 - d->l0;
+  bool pf = self_m.max_q == 1;
+  if (pf) TD_TRY(td_kv_prefetch(b, m->self_pool, &sl, 0, &self_m));
   for (int l = 0; l < d->l1 - d->l0; l++) {
     const dec_layer *L = &m->dec[l];
     /* the projection also writes the new K/V rows into the self pool */
@@ -1103,6 +1108,7 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_cross, h, h, T));
     TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, h, x, ff, ff1, T));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, h, h, T));
+    if (pf && l + 1 < nl) TD_TRY(td_kv_prefetch(b, m->self_pool, &sl, l + 1, &self_m));
   }
   return TD_OK;
 }

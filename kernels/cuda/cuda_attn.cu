@@ -894,8 +894,9 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
  * its own NS slots and mbarriers (no block barrier before the merge).
  * A stage's K and V rows of a paged block are one contiguous copy each
  * (one 2 KB copy at block size 16). The tiled kernel's 16-byte cp.async
- * gathers reached ~2.45 TB/s on the H100 here. With static K/V (kv_static)
- * the first stages are requested before waiting for the query. */
+ * gathers reached ~2.45 TB/s on the H100 here. With static K/V (kv_static),
+ * or the keys before the query (kv_static_past, causal), the first stages
+ * are requested before waiting for the query. */
 enum { BULK_NK = 16 };
 
 template <int W, int NS, bool EARLY>
@@ -918,15 +919,18 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
   if (lane == 0)
     for (int i = 0; i < NS; i++) mbar_init(&bar[warp][i], 1);
   __syncwarp();
-  /* lane 0: stage t's K and V rows into the slot, one copy per paged block */
+  /* lane 0: stage t's K and V rows into the slot, one copy per paged block;
+   * read once a step, so evicted from L2 first (H100, Flan-T5-large batch
+   * 16: 1.295-1.309 -> 1.281-1.297 ms; 32 and 64 even) */
+  const uint64_t pol = l2_evict_first();
   auto issue = [&](int t, int slot) {
     const int k0 = t * BULK_NK, k1 = min(k0 + BULK_NK, kend);
     mbar_arrive_tx(&bar[warp][slot], (uint32_t)(k1 - k0) * 256u);
     for (int j = k0; j < k1;) {
       const int b = j / a.bs, r = j - b * a.bs, n = min(a.bs - r, k1 - j);
       const bf16 *src = head + (size_t)table[b] * a.block_elems + (size_t)r * 64;
-      bulk_g2s(&ring[warp][slot][0][(j - k0) * 64], src, (uint32_t)n * 128u, &bar[warp][slot]);
-      bulk_g2s(&ring[warp][slot][1][(j - k0) * 64], src + vstride, (uint32_t)n * 128u, &bar[warp][slot]);
+      bulk_g2s_hint(&ring[warp][slot][0][(j - k0) * 64], src, (uint32_t)n * 128u, &bar[warp][slot], pol);
+      bulk_g2s_hint(&ring[warp][slot][1][(j - k0) * 64], src + vstride, (uint32_t)n * 128u, &bar[warp][slot], pol);
       j += n;
     }
   };
@@ -935,6 +939,17 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
   if (EARLY) td_pdl_start_if(a.pdl_late);
   float qf[8];
   dw_load_q(qf, a, qs, h, cg, live);
+  /* kv_static_past: the stage copied before the wait may hold a stale row
+   * at the query's own position, which the kernel before wrote; the lanes
+   * that hold that row read it again */
+  const int qt = qpos / BULK_NK;
+  const bool fix = EARLY && !a.kv_static && qpos < kend && qt < nst && qt % W == warp && (qpos & 3) == kq;
+  uint4 nk = make_uint4(0u, 0u, 0u, 0u), nv = nk;
+  if (fix) {
+    const bf16 *kp = head + (size_t)table[qpos / a.bs] * a.block_elems + (size_t)(qpos % a.bs) * 64 + cg * 8;
+    nk = *(const uint4 *)kp;
+    nv = *(const uint4 *)(kp + vstride);
+  }
   float m = -INFINITY, l = 0.0f, o[8];
 #pragma unroll
   for (int e = 0; e < 8; e++) o[e] = 0.0f;
@@ -948,6 +963,14 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
       const bool in = c0 + r < kend; /* rows past kend were not copied */
       kr[i] = in ? *(const uint4 *)&ring[warp][slot][0][r * 64 + cg * 8] : make_uint4(0u, 0u, 0u, 0u);
       vr[i] = in ? *(const uint4 *)&ring[warp][slot][1][r * 64 + cg * 8] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    if (fix && t == qt) {
+#pragma unroll
+      for (int i = 0; i < BULK_NK / 4; i++) { /* selects: a dynamic index would put kr / vr in local memory */
+        const bool hit = c0 + 4 * i + kq == qpos;
+        kr[i] = hit ? nk : kr[i];
+        vr[i] = hit ? nv : vr[i];
+      }
     }
     __syncwarp();
     if (lane == 0 && t + NS * W < nst) {
@@ -1010,21 +1033,21 @@ static void launch_dw(const td_cuda *c, bool kv_static, long pairs, const AttnAr
  * (32 KB, six an SM), so that they run in one wave (TANDEM_CUDA_DECATTN_BULK's
  * third field picks one: 1 four warps x 2 slots, 2 two x 2, 3 two x 3) */
 template <int W, int NS>
-static void launch_bulk_as(const td_cuda *c, bool kv_static, long pairs, int carveout, const AttnArgs &a) {
+static void launch_bulk_as(const td_cuda *c, bool early, long pairs, int carveout, const AttnArgs &a) {
   (void)td_launch_ex(c, 0, carveout,
-                     kv_static ? attn_decode_bulk_kernel<W, NS, true> : attn_decode_bulk_kernel<W, NS, false>,
+                     early ? attn_decode_bulk_kernel<W, NS, true> : attn_decode_bulk_kernel<W, NS, false>,
                      (unsigned)pairs, 32 * W, 0, a);
 }
 
-static void launch_bulk(const td_cuda *c, bool kv_static, long pairs, const AttnArgs &a) {
+static void launch_bulk(const td_cuda *c, bool early, long pairs, const AttnArgs &a) {
   int shape = c->decode_bulk_shape ? c->decode_bulk_shape : pairs > 6L * c->sm_count ? 2 : 1;
   /* up to three blocks an SM, a 75 % shared-memory carveout holds them and
    * measured faster there (H100, Flan-T5-large batch 8: 1.080-1.090 ->
    * 1.028-1.038 ms; 25 % slower, no effect at other batches) */
   int carve = c->decode_bulk_carve >= 0 && shape == 1 && pairs <= 3L * c->sm_count ? c->decode_bulk_carve : -1;
-  if (shape == 2) launch_bulk_as<2, 2>(c, kv_static, pairs, -1, a);
-  else if (shape == 3) launch_bulk_as<2, 3>(c, kv_static, pairs, -1, a);
-  else launch_bulk_as<4, 2>(c, kv_static, pairs, carve, a);
+  if (shape == 2) launch_bulk_as<2, 2>(c, early, pairs, -1, a);
+  else if (shape == 3) launch_bulk_as<2, 3>(c, early, pairs, -1, a);
+  else launch_bulk_as<4, 2>(c, early, pairs, carve, a);
 }
 
 td_status td_cu_attn_init(td_cuda *c) {
@@ -1169,9 +1192,13 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
     return TD_OK;
   }
   if (dec != DEC_NONE) {
-    /* early loads: all of a static K/V, or the keys before the query (causal self-attention) */
+    /* early loads: all of a static K/V, or the keys before the query (causal
+     * self-attention); on the bulk kernel up to decode_bulk_early pairs (H100,
+     * Flan-T5-large batch 8, 128 pairs: 1.078-1.084 -> 1.042-1.046 ms; at
+     * batch 12 and 16 slower, 1.213-1.219 -> 1.277-1.280 and 1.281-1.284 ->
+     * 1.323-1.334: there they crowd the QKV GEMM's weight stream) */
     bool st = m->kv_static || (m->kv_static_past && a.causal);
-    if (dec == DEC_BULK) launch_bulk(c, m->kv_static, pairs, a);
+    if (dec == DEC_BULK) launch_bulk(c, m->kv_static || (st && pairs <= c->decode_bulk_early), pairs, a);
     else if (dec == DEC_W2P4) launch_dw<2, 4>(c, st, pairs, a);
     else if (dec == DEC_W4P2) launch_dw<4, 2>(c, st, pairs, a);
     else if (dec == DEC_W8) launch_dw<8, 1>(c, st, pairs, a);

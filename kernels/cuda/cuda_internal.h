@@ -36,6 +36,10 @@ typedef struct td_cuda {
   int cc_major, cc_minor;
   size_t smem_optin; /* max dynamic shared memory per block */
   cudaStream_t stream;
+  cudaStream_t aux;              /* hint branch of a capture (td_kv_prefetch) */
+  cudaEvent_t aux_fork, aux_join;
+  bool aux_pending;
+  int kvpf_seqs;                 /* td_kv_prefetch from this many sequences (TANDEM_CUDA_KVPF; 0: off) */
   cublasLtHandle_t lt;
   void *lt_ws;
   float *stage;       /* TD_CU_STAGE_BYTES of device memory */
@@ -56,10 +60,11 @@ typedef struct td_cuda {
   int decode_small_min, decode_small_ctx; /* ... and from MIN pairs, contexts up to CTX (default 16, 1024): fewer
                          pairs or longer contexts take the tiled kernel's key splits */
   int decode_bulk_carve; /* its L1 carveout up to three blocks an SM (TANDEM_CUDA_DECATTN_CARVE=PCT, default 75; -1: none) */
-  int decode_bulk, decode_bulk_all, decode_bulk_shape; /* decode attention over static K/V (cross) fed by bulk
-                         copies from this many pairs, and over any K/V (self) up to ALL pairs, in block shape SHAPE
-                         (0: by the pair count; cuda_attn.cu) (TANDEM_CUDA_DECATTN_BULK=MIN[,ALL[,SHAPE]], default
-                         128,256,0; 0: off) */
+  int decode_bulk, decode_bulk_all, decode_bulk_shape, decode_bulk_early; /* decode attention over static K/V
+                         (cross) fed by bulk copies from this many pairs, and over any K/V (self) up to ALL pairs, in
+                         block shape SHAPE (0: by the pair count; cuda_attn.cu), the self-attention's past keys copied
+                         before the wait up to EARLY pairs (TANDEM_CUDA_DECATTN_BULK=MIN[,ALL[,SHAPE[,EARLY]]],
+                         default 128,256,0,128; 0: off) */
   int dense64_warps;  /* dense attention, head_dim 64: 0 wgmma on 2 warpgroups, 8 mma.sync warps x 16 rows
                          (TANDEM_CUDA_DENSE64=8), or 4 (=4) */
   int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */

@@ -902,10 +902,11 @@ Test(cuda, attn_paged) {
   };
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) paged_case(&cfg[c]);
   /* every decode case again on the bulk-copy kernel in each block shape
-   * (from one pair, static K/V or not) */
-  static const char *bulk[][2] = {{"1,2000000000,1", "bulk copies, 4 warps x 2"},
-                                  {"1,2000000000,2", "bulk copies, 2 warps x 2"},
-                                  {"1,2000000000,3", "bulk copies, 2 warps x 3"}};
+   * (from one pair, static K/V or not; the self K/V before the query
+   * copied before the wait, or not) */
+  static const char *bulk[][2] = {{"1,2000000000,1,2000000000", "bulk copies, 4 warps x 2"},
+                                  {"1,2000000000,2,2000000000", "bulk copies, 2 warps x 2"},
+                                  {"1,2000000000,3,0", "bulk copies, 2 warps x 3, self K/V after the wait"}};
   for (int v = 0; v < 3; v++) {
     td_backend *saved = G, *alt = NULL;
     td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
@@ -1115,6 +1116,8 @@ static td_status run_step(step_bufs *s, const td_kv_layout *l) {
   td_paged_meta m = {GS, GS, 1, GSTRIDE * GBS, s->qs, s->ctx, s->tab, GSTRIDE, false, true, NULL, 0, 0.0f};
   td_relbias rb = {s->lut, 16};
   TD_TRY(td_embed(G, s->ids, s->ids, s->wemb, NULL, 2.0f, s->h, GS, GD));
+  /* a hint: inside a capture, a branch beside the stream */
+  TD_TRY(td_kv_prefetch(G, s->pool, l, 0, &m));
   /* norm, QKV projection and KV write in one op */
   td_gemm_args qa = {.x = s->h, .w = s->wqkv, .y = s->qkv, .m = GS, .n = 3 * GD, .k = GD, .norm_w = s->nw,
                      .norm_eps = 1e-6f, .norm_rms = true, .scratch_norm = s->x, .kv_pool = s->pool, .kv_layout = l,
@@ -1168,6 +1171,12 @@ static void snapshot(step_bufs *s, float *logits, int32_t *tok) {
 }
 
 Test(cuda, graph_replay) {
+  /* a backend that takes td_kv_prefetch from one sequence */
+  td_backend *saved = G;
+  td_backend_opts go = {.kind = TD_BACKEND_CUDA, .device = 0};
+  setenv("TANDEM_CUDA_KVPF", "1", 1);
+  cr_assert(td_backend_create(&go, &G) == TD_OK, "cuda backend: %s", td_errmsg());
+  unsetenv("TANDEM_CUDA_KVPF");
   td_kv_layout l = {1, GH, GDH, GBS};
   step_bufs s;
   s.wemb = galloc(TD_BUF_ACT, (size_t)GV * GD, 1.0f);
@@ -1235,6 +1244,11 @@ Test(cuda, graph_replay) {
   free(le);
   free(lr);
   td_host_free(G, pin);
+  void *bufs[] = {s.wemb, s.wqkv, s.wo, s.whead, s.nw, s.lut, s.pool, s.h, s.x, s.qkv, s.att, s.logits,
+                  s.ids, s.qs, s.ctx, s.tab, s.slots, s.rows, s.bans, s.out_tok, s.out_lp};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) td_free(G, bufs[i]);
+  td_backend_destroy(G);
+  G = saved;
 }
 
 /* A layer-like chain at 17-64 rows, where cuBLASLt's kernels run between

@@ -200,6 +200,28 @@ Test(model_cpu, gemm_ex_plain_layernorm_needs_row_sums) {
   td_backend_destroy(b);
 }
 
+/* td_kv_prefetch is a hint: bad arguments are refused, good ones change
+ * nothing on a backend without it. */
+Test(model_cpu, kv_prefetch_hint) {
+  td_backend *b = NULL;
+  td_backend_opts o = {.kind = TD_BACKEND_CPU};
+  cr_assert(td_backend_create(&o, &b) == TD_OK, "%s", td_errmsg());
+  void *p = NULL;
+  cr_assert(td_alloc(b, TD_BUF_I32, 64, &p) == TD_OK, "%s", td_errmsg());
+  td_kv_layout l = {2, 2, 8, 4};
+  td_paged_meta m = {.n_seqs = 1, .n_tokens = 1, .max_q = 1, .max_ctx = 4, .q_start = p, .ctx_len = p,
+                     .block_table = p, .max_blocks = 1};
+  cr_expect(td_kv_prefetch(b, p, &l, 1, &m) == TD_OK, "%s", td_errmsg());
+  cr_expect(td_kv_prefetch(b, p, &l, 2, &m) == TD_ERR_INVALID, "layer past the layout");
+  cr_expect(strstr(td_errmsg(), "kv_prefetch") != NULL, "%s", td_errmsg());
+  cr_expect(td_kv_prefetch(b, NULL, &l, 0, &m) == TD_ERR_INVALID, "no pool");
+  cr_expect(td_kv_prefetch(b, p, &l, 0, NULL) == TD_ERR_INVALID, "no metadata");
+  m.block_table = NULL;
+  cr_expect(td_kv_prefetch(b, p, &l, 0, &m) == TD_ERR_INVALID, "no block table");
+  td_free(b, p);
+  td_backend_destroy(b);
+}
+
 static const float *cpu_step(void *ctx, const td_step_input *st) {
   const float *lg = NULL;
   cr_assert(td_model_step(ctx, st, &lg) == TD_OK, "%s", td_errmsg());
