@@ -498,16 +498,19 @@ static td_status cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_lay
   td_cu_bind(c);
   /* only on a capture's branch (joined at its end): eagerly it would be a
    * node in the chain */
-  if (c->kvpf_seqs <= 0 || m->n_seqs < c->kvpf_seqs || !capturing(c) || !td_aligned16(pool)) return TD_OK;
+  if (c->kvpf_seqs <= 0 || m->n_seqs < c->kvpf_seqs || m->max_blocks <= 0 || !capturing(c)) return TD_OK;
   size_t bytes = (size_t)2 * l->n_heads * l->block_size * l->head_dim * sizeof(bf16);
+  size_t layer_off = (size_t)layer * 2 * l->n_heads * l->block_size * l->head_dim;
+  /* bulk prefetches take 16-byte aligned addresses and sizes */
+  if (!td_aligned16(pool) || bytes % 16 || bytes > 0xffffffffu || td_kv_block_elems(l) * sizeof(bf16) % 16 ||
+      layer_off * sizeof(bf16) % 16)
+    return TD_OK;
   TD_CU_CHECK(cudaEventRecord(c->aux_fork, c->stream), "kv_prefetch");
   TD_CU_CHECK(cudaStreamWaitEvent(c->aux, c->aux_fork, 0), "kv_prefetch");
   long items = (long)m->n_seqs * m->max_blocks;
   unsigned grid = (unsigned)((items + 127) / 128 > 4 ? 4 : (items + 127) / 128);
-  kv_prefetch_kernel<<<grid, 128, 0, c->aux>>>((const bf16 *)pool, td_kv_block_elems(l),
-                                               (size_t)layer * 2 * l->n_heads * l->block_size * l->head_dim,
-                                               (uint32_t)bytes, l->block_size, m->ctx_len, m->block_table,
-                                               m->max_blocks, m->n_seqs);
+  kv_prefetch_kernel<<<grid, 128, 0, c->aux>>>((const bf16 *)pool, td_kv_block_elems(l), layer_off, (uint32_t)bytes,
+                                               l->block_size, m->ctx_len, m->block_table, m->max_blocks, m->n_seqs);
   TD_CU_LAUNCHED("kv_prefetch");
   c->aux_pending = true;
   return TD_OK;
