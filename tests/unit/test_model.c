@@ -181,14 +181,21 @@ Test(model_cpu, norm_unfolded) {
   unsetenv("TANDEM_NORM_FOLD");
 }
 
-/* A plain LayerNorm (weights folded into W) cannot be fused without W's
- * row sums: td_gemm_ex says so on every backend. */
-Test(model_cpu, gemm_ex_plain_layernorm_needs_row_sums) {
+/* A CPU backend and one buffer of n elements of type t on it. */
+static td_backend *cpu_with_buffer(td_buf_type t, size_t n, void **p) {
   td_backend *b = NULL;
   td_backend_opts o = {.kind = TD_BACKEND_CPU};
   cr_assert(td_backend_create(&o, &b) == TD_OK, "%s", td_errmsg());
-  void *p = NULL;
-  cr_assert(td_alloc(b, TD_BUF_F32, 256, &p) == TD_OK, "%s", td_errmsg());
+  *p = NULL;
+  cr_assert(td_alloc(b, t, n, p) == TD_OK, "%s", td_errmsg());
+  return b;
+}
+
+/* A plain LayerNorm (weights folded into W) cannot be fused without W's
+ * row sums: td_gemm_ex says so on every backend. */
+Test(model_cpu, gemm_ex_plain_layernorm_needs_row_sums) {
+  void *p;
+  td_backend *b = cpu_with_buffer(TD_BUF_F32, 256, &p);
   td_gemm_args a = {.x = p, .w = p, .y = p, .m = 1, .n = 8, .k = 8, .norm_plain = true, .norm_rms = false,
                     .norm_eps = 1e-5f, .scratch_norm = p, .scratch_glu = p};
   cr_expect(td_gemm_ex(b, &a) != TD_OK, "a plain LayerNorm without row sums");
@@ -203,11 +210,8 @@ Test(model_cpu, gemm_ex_plain_layernorm_needs_row_sums) {
 /* td_kv_prefetch is a hint: bad arguments are refused, good ones change
  * nothing on a backend without it. */
 Test(model_cpu, kv_prefetch_hint) {
-  td_backend *b = NULL;
-  td_backend_opts o = {.kind = TD_BACKEND_CPU};
-  cr_assert(td_backend_create(&o, &b) == TD_OK, "%s", td_errmsg());
-  void *p = NULL;
-  cr_assert(td_alloc(b, TD_BUF_I32, 64, &p) == TD_OK, "%s", td_errmsg());
+  void *p;
+  td_backend *b = cpu_with_buffer(TD_BUF_I32, 64, &p);
   td_kv_layout l = {2, 2, 8, 4};
   td_paged_meta m = {.n_seqs = 1, .n_tokens = 1, .max_q = 1, .max_ctx = 4, .q_start = p, .ctx_len = p,
                      .block_table = p, .max_blocks = 1};
