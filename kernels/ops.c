@@ -189,7 +189,7 @@ td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const 
 }
 
 td_status td_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const td_paged_meta *m) {
-  if (!layout_ok(l, layer) || !pool || !m || !m->ctx_len || !m->block_table || m->n_seqs < 0)
+  if (!layout_ok(l, layer) || !pool || !m || !m->ctx_len || !m->block_table || m->n_seqs < 0 || m->max_blocks <= 0)
     return bad("kv_prefetch", "bad arguments");
   if (!b->vt->kv_prefetch || m->n_seqs == 0) return TD_OK;
   return b->vt->kv_prefetch(b, pool, l, layer, m);

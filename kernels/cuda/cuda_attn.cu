@@ -751,6 +751,18 @@ __device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)
   }
 }
 
+/* kv_static_past: the query's own K/V row (nk, nv), which the kernel
+ * before wrote, in place of row i of kr / vr as loaded before the wait
+ * (selects: a dynamic index would put kr / vr in local memory) */
+template <int N>
+__device__ __forceinline__ void dw_own_row(uint4 (&kr)[N], uint4 (&vr)[N], int i, uint4 nk, uint4 nv) {
+#pragma unroll
+  for (int j = 0; j < N; j++) {
+    kr[j] = j == i ? nk : kr[j];
+    vr[j] = j == i ? nv : vr[j];
+  }
+}
+
 /* The SPLIT warps of a pair merge their softmax states and write the
  * output (dst: the pair's row, this lane's dim group). Every warp writes
  * its state to shared memory (lanes 0-7: a dim group each); the first
@@ -866,13 +878,7 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
     const int d = qpos - sub * 32;
     if (!a.kv_static && d >= 0 && d < 32 && (d & 3) == kq && qpos < kend) {
       const bf16 *kp = key_at(qpos);
-      const uint4 nk = *(const uint4 *)kp, nv = *(const uint4 *)(kp + vstride);
-#pragma unroll
-      for (int i = 0; i < 8; i++) { /* selects: a dynamic index would put kr / vr in local memory */
-        const bool hit = i == d >> 2;
-        kr[i] = hit ? nk : kr[i];
-        vr[i] = hit ? nv : vr[i];
-      }
+      dw_own_row(kr, vr, d >> 2, *(const uint4 *)kp, *(const uint4 *)(kp + vstride));
     }
   }
   float qf[8];
@@ -940,12 +946,11 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
   float qf[8];
   dw_load_q(qf, a, qs, h, cg, live);
   /* kv_static_past: the stage copied before the wait may hold a stale row
-   * at the query's own position, which the kernel before wrote; the lanes
-   * that hold that row read it again */
+   * at the query's own position; the lanes that hold that row read it again */
   const int qt = qpos / BULK_NK;
   const bool fix = EARLY && !a.kv_static && qpos < kend && qt < nst && qt % W == warp && (qpos & 3) == kq;
   uint4 nk = make_uint4(0u, 0u, 0u, 0u), nv = nk;
-  if (fix) {
+  if (fix) { /* requested now, used when its stage arrives */
     const bf16 *kp = head + (size_t)table[qpos / a.bs] * a.block_elems + (size_t)(qpos % a.bs) * 64 + cg * 8;
     nk = *(const uint4 *)kp;
     nv = *(const uint4 *)(kp + vstride);
@@ -964,14 +969,7 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
       kr[i] = in ? *(const uint4 *)&ring[warp][slot][0][r * 64 + cg * 8] : make_uint4(0u, 0u, 0u, 0u);
       vr[i] = in ? *(const uint4 *)&ring[warp][slot][1][r * 64 + cg * 8] : make_uint4(0u, 0u, 0u, 0u);
     }
-    if (fix && t == qt) {
-#pragma unroll
-      for (int i = 0; i < BULK_NK / 4; i++) { /* selects: a dynamic index would put kr / vr in local memory */
-        const bool hit = c0 + 4 * i + kq == qpos;
-        kr[i] = hit ? nk : kr[i];
-        vr[i] = hit ? nv : vr[i];
-      }
-    }
+    if (fix && t == qt) dw_own_row(kr, vr, (qpos - c0) >> 2, nk, nv);
     __syncwarp();
     if (lane == 0 && t + NS * W < nst) {
       fence_proxy_async(); /* the lanes' reads of the slot before the copy engine's writes */

@@ -498,7 +498,7 @@ static td_status cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_lay
   td_cu_bind(c);
   /* only on a capture's branch (joined at its end): eagerly it would be a
    * node in the chain */
-  if (c->kvpf_seqs <= 0 || m->n_seqs < c->kvpf_seqs || m->max_blocks <= 0 || !capturing(c)) return TD_OK;
+  if (c->kvpf_seqs <= 0 || m->n_seqs < c->kvpf_seqs || !capturing(c)) return TD_OK;
   size_t bytes = (size_t)2 * l->n_heads * l->block_size * l->head_dim * sizeof(bf16);
   size_t layer_off = (size_t)layer * 2 * l->n_heads * l->block_size * l->head_dim;
   /* bulk prefetches take 16-byte aligned addresses and sizes */

@@ -220,6 +220,9 @@ Test(model_cpu, kv_prefetch_hint) {
   cr_expect(strstr(td_errmsg(), "kv_prefetch") != NULL, "%s", td_errmsg());
   cr_expect(td_kv_prefetch(b, NULL, &l, 0, &m) == TD_ERR_INVALID, "no pool");
   cr_expect(td_kv_prefetch(b, p, &l, 0, NULL) == TD_ERR_INVALID, "no metadata");
+  m.max_blocks = 0;
+  cr_expect(td_kv_prefetch(b, p, &l, 0, &m) == TD_ERR_INVALID, "no blocks a sequence");
+  m.max_blocks = 1;
   m.block_table = NULL;
   cr_expect(td_kv_prefetch(b, p, &l, 0, &m) == TD_ERR_INVALID, "no block table");
   td_free(b, p);
