@@ -33,6 +33,10 @@ typedef struct td_backend_vt {
   td_status (*attn_paged)(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                           const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
                           const td_relbias *bias);
+  td_status (*attn_states)(td_backend *b, const void *q, int ldq, void *out, const void *pool,
+                           const td_kv_layout *l, int heads, const td_paged_meta *m, float scale);
+  td_status (*gemm_heads)(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m,
+                          int heads, int n, int k, bool w_t);
   td_status (*kv_prefetch)(td_backend *b, const void *pool, const td_kv_layout *l, int layer,
                            const struct td_paged_meta *m);
   td_status (*kv_copy_blocks)(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs,

@@ -188,6 +188,27 @@ td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const 
   return b->vt->attn_paged(b, q, ldq, out, pool, l, layer, m, scale, causal, bias);
 }
 
+td_status td_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
+                         int heads, const td_paged_meta *m, float scale) {
+  if (!layout_ok(l, 0) || l->n_layers != 1 || l->n_heads != 1 || heads <= 0 || !m || !q || !out || !pool ||
+      (long)ldq < (long)heads * 2 * l->head_dim || m->n_seqs < 0 || m->n_tokens < 0 || m->max_blocks <= 0 ||
+      !m->q_start || !m->ctx_len || !m->block_table)
+    return bad("attn_states", "bad layout, heads, metadata or buffers");
+  if (m->q_norm && (m->q_norm_dim <= 0 || !(m->q_norm_eps >= 0.0f)))
+    return bad("attn_states", "a query norm needs a positive row width and a non-negative epsilon");
+  if (m->n_seqs == 0 || m->n_tokens == 0) return TD_OK;
+  if (!b->vt->attn_states) return td_err(TD_ERR_UNSUPPORTED, "attn_states: not on this backend");
+  return b->vt->attn_states(b, q, ldq, out, pool, l, heads, m, scale);
+}
+
+td_status td_gemm_heads(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int heads,
+                        int n, int k, bool w_t) {
+  if (m < 0 || heads <= 0 || n <= 0 || k <= 0 || !x || !w || !y) return bad("gemm_heads", "bad sizes or buffers");
+  if (m == 0) return TD_OK;
+  if (!b->vt->gemm_heads) return td_err(TD_ERR_UNSUPPORTED, "gemm_heads: not on this backend");
+  return b->vt->gemm_heads(b, x, w, bias, y, m, heads, n, k, w_t);
+}
+
 td_status td_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const td_paged_meta *m) {
   if (!layout_ok(l, layer) || !pool || !m || !m->ctx_len || !m->block_table || m->n_seqs < 0 || m->max_blocks <= 0)
     return bad("kv_prefetch", "bad arguments");

@@ -199,6 +199,29 @@ typedef struct td_paged_meta {
 td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
                         int layer, const td_paged_meta *m, float scale, bool causal, const td_relbias *bias);
 
+/* Attention over encoder states instead of per-layer cross K/V. The pool
+ * (a "states" cross pool: l->n_layers == 1, l->n_heads == 1) holds one row
+ * E_j of width D = 2 * l->head_dim per slot, columns [0, D / 2) in the K
+ * plane and [D / 2, D) in the V plane. For each query row r of a sequence
+ * and head h < heads:
+ *   out[r, h, :] = sum_j softmax_j(scale * q[r, h, :] . E_j) E_j
+ * over the sequence's ctx_len states (no mask). q [n_tokens, heads * D]
+ * with row stride ldq, out [n_tokens, heads * D] dense. With
+ * q[r, h] = W_k,h^T q_h (td_gemm_heads) the scores are q_h . k_j, and
+ * W_v,h out[r, h] is the head's cross-attention output (the K bias cancels
+ * in the softmax, the V bias adds after the projection). m->q_norm as for
+ * td_attn_paged; kv_static_past is ignored. */
+td_status td_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
+                         int heads, const td_paged_meta *m, float scale);
+
+/* Per-head products, for h < heads:
+ *   y[:, h*n, (h+1)*n) = x[:, h*k, (h+1)*k) W_h (+ bias[h*n, (h+1)*n))
+ * with W_h = w + h*k*n as [k, n] rows, or with w_t W_h^T and W_h = w + h*n*k
+ * as [n, k] rows. x [m, heads * k], y [m, heads * n], dense rows of
+ * TD_BUF_ACT; w TD_BUF_ACT, bias TD_BUF_F32 or NULL. */
+td_status td_gemm_heads(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int heads,
+                        int n, int k, bool w_t);
+
 /* Copies whole blocks within a pool (copy-on-write); pairs are host
  * (src, dst) block ids. */
 td_status td_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs);

@@ -67,6 +67,7 @@ struct td_model {
   /* scratch */
   void *e_h, *e_x, *e_qkv, *e_attn, *e_ff, *e_ff1, *w_col1, *w_c1, *w_col2, *w_feat;
   void *d_h, *d_x, *d_qkv, *d_attn, *d_q, *d_ff, *d_ff1, *d_lx;
+  void *d_qs, *d_us; /* cross_states: per-head queries and mixes over the states [T, heads, d] */
   float *logits;                    /* [max_logits, vocab] */
   float *logits_part, *logits_all; /* tensor parallel: this rank's columns, all ranks' */
   int32_t *meta_dev, *meta_host;
@@ -652,6 +653,8 @@ static td_status alloc_scratch(td_model *m) {
       {&m->d_ff, TD_BUF_ACT, T * d->dff * g},
       {&m->d_ff1, TD_BUF_ACT, c->gated_ffn ? T * d->dff : 1},
       {&m->d_lx, TD_BUF_ACT, L * d->d},
+      {&m->d_qs, TD_BUF_ACT, o->cross_states ? T * d->dh_ * (size_t)d->d : 1},
+      {&m->d_us, TD_BUF_ACT, o->cross_states ? T * d->dh_ * (size_t)d->d : 1},
       {(void **)&m->logits, TD_BUF_F32, L * (size_t)d->vocab},
       {(void **)&m->logits_part, TD_BUF_F32, o->tp_size > 1 ? L * (size_t)(d->v1 - d->v0) : 1},
       {(void **)&m->logits_all, TD_BUF_F32, o->tp_size > 1 ? L * (size_t)(d->v1 - d->v0) * o->tp_size : 1},
@@ -730,6 +733,10 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
     if (m->opts.max_source_len > 0) m->max_src = m->opts.max_source_len;
     if (m->opts.max_target_len > 0) m->max_tgt = m->opts.max_target_len;
   }
+  if (m->opts.cross_states && c->d_model % 2) {
+    s = td_err(TD_ERR_UNSUPPORTED, "%s: cross states need an even d_model (%d)", dir, c->d_model);
+    goto fail;
+  }
   int bs = m->opts.block_size;
   m->self_stride = (m->max_tgt + bs - 1) / bs;
   m->cross_stride = (m->max_src + bs - 1) / bs;
@@ -795,7 +802,7 @@ void td_model_destroy(td_model *m) {
   if (!m) return;
   td_backend *b = m->b;
   void *scratch[] = {m->e_h, m->e_x, m->e_qkv, m->e_attn, m->e_ff, m->e_ff1, m->w_col1, m->w_c1, m->w_col2,
-                     m->w_feat, m->d_h, m->d_x, m->d_qkv, m->d_attn, m->d_q, m->d_ff, m->d_ff1, m->d_lx,
+                     m->w_feat, m->d_h, m->d_x, m->d_qkv, m->d_attn, m->d_q, m->d_ff, m->d_ff1, m->d_lx, m->d_qs, m->d_us,
                      m->logits, m->logits_part, m->logits_all, m->meta_dev};
   for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) td_free(b, scratch[i]);
   td_host_free(b, m->meta_host);
@@ -848,6 +855,7 @@ td_kv_layout td_model_self_layout(const td_model *m) {
   return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size};
 }
 td_kv_layout td_model_cross_layout(const td_model *m) {
+  if (m->opts.cross_states) return (td_kv_layout){1, 1, m->d.d / 2, m->opts.block_size};
   return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size};
 }
 
@@ -1003,7 +1011,10 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   }
   td_kv_layout cl = td_model_cross_layout(m);
   int hd = d->dh_ * d->ddh;
-  for (int l = 0; l < d->l1 - d->l0; l++) {
+  if (m->opts.cross_states)
+    TD_TRY(td_kv_write(b, eo, (const char *)eo + (size_t)(d->d / 2) * td_buf_elem_size(b, TD_BUF_ACT), d->d,
+                       m->cross_pool, &cl, 0, dslots, E));
+  for (int l = 0; l < d->l1 - d->l0 && !m->opts.cross_states; l++) {
     TD_TRY(linear(m, &m->dec[l].ckv, eo, m->e_qkv, E, TD_ACT_NONE, 0));
     TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * td_buf_elem_size(b, TD_BUF_ACT), 2 * hd,
                        m->cross_pool, &cl, l, dslots, E));
@@ -1103,7 +1114,19 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
     } else {
       TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_cross : NULL, &L->cq, h, q, x, T, TD_ACT_NONE, 0, NULL));
     }
-    TD_TRY(td_attn_paged(b, m->d_q, hd, m->d_attn, m->cross_pool, &cl, l, &cm, c->dec_attn_scale, false, NULL));
+    if (m->opts.cross_states) {
+      /* q . k_j = (W_k,h^T q_h) . E_j, and W_v,h (sum_j p_j E_j) + b_v the
+       * head's output (the K bias shifts a head's scores alike) */
+      size_t es = td_buf_elem_size(b, TD_BUF_ACT);
+      int wd = d->dh_ * d->d;
+      const char *wk = L->ckv.w, *wv = wk + (size_t)hd * d->d * es;
+      TD_TRY(td_gemm_heads(b, q, wk, NULL, rows_at(m, m->d_qs, t0, wd), T, d->dh_, d->d, d->ddh, false));
+      TD_TRY(td_attn_states(b, m->d_qs, wd, m->d_us, m->cross_pool, &cl, d->dh_, &cm, c->dec_attn_scale));
+      TD_TRY(td_gemm_heads(b, rows_at(m, m->d_us, t0, wd), wv, L->ckv.b ? L->ckv.b + hd : NULL, att, T, d->dh_,
+                           d->ddh, d->d, true));
+    } else {
+      TD_TRY(td_attn_paged(b, m->d_q, hd, m->d_attn, m->cross_pool, &cl, l, &cm, c->dec_attn_scale, false, NULL));
+    }
     TD_TRY(row_parallel(m, &L->co, att, h, T));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_cross, h, h, T));
     TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, h, x, ff, ff1, T));

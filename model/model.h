@@ -26,6 +26,13 @@ typedef struct td_model_opts {
   int tp_rank, tp_size;    /* tensor-parallel slice (1 = whole model) */
   int pp_rank, pp_size;    /* pipeline stage: this rank's share of the layers */
   bool no_graphs;          /* run decode steps eagerly even where graphs exist */
+  /* The cross pool caches each sequence's encoder states once (d_model
+   * values a position) instead of every decoder layer's K and V (2 x heads
+   * x head_dim a layer): num_layers x less memory and half the bytes a
+   * decode step reads; each layer then projects the query by W_k and the
+   * attention's mix by W_v per head (td_attn_states). Every process that
+   * shares a model's cross blocks must agree on it. */
+  bool cross_states;
 } td_model_opts;
 
 /* Fills unset (zero) fields with defaults. */

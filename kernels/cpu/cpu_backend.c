@@ -261,6 +261,66 @@ static td_status cpu_attn_paged(td_backend *b, const void *q, int ldq, void *out
   return TD_OK;
 }
 
+static td_status cpu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
+                                 const td_kv_layout *l, int heads, const td_paged_meta *m, float scale) {
+  const float *P = pool;
+  int half = l->head_dim, D = 2 * half, bs = l->block_size;
+  attn_scratch sc = {0};
+  float *e = malloc(sizeof(float) * (size_t)D);
+  if (!e) return td_err(TD_ERR_NOMEM, "attn_states: scratch");
+  for (int s = 0; s < m->n_seqs; s++) {
+    int q0 = m->q_start[s], qn = m->q_start[s + 1] - q0, ctx = m->ctx_len[s];
+    const int32_t *table = m->block_table + (size_t)s * m->max_blocks;
+    td_status st = scratch_fit(&sc, ctx > 0 ? ctx : 1);
+    if (st != TD_OK) {
+      free(e);
+      free(sc.s);
+      return st;
+    }
+    for (int i = 0; i < qn; i++) {
+      float qs = scale;
+      if (m->q_norm) {
+        const float *xr = (const float *)m->q_norm + (size_t)(q0 + i) * m->q_norm_dim;
+        qs = scale / sqrtf(dot(xr, xr, m->q_norm_dim) / (float)m->q_norm_dim + m->q_norm_eps);
+      }
+      for (int h = 0; h < heads; h++) {
+        const float *qr = (const float *)q + (size_t)(q0 + i) * ldq + (size_t)h * D;
+        for (int j = 0; j < ctx; j++) {
+          const float *ek = P + kv_offset(l, table[j / bs], 0, 0, 0, j % bs);
+          const float *ev = P + kv_offset(l, table[j / bs], 0, 1, 0, j % bs);
+          sc.s[j] = (dot(qr, ek, half) + dot(qr + half, ev, half)) * qs;
+        }
+        float *o = (float *)out + ((size_t)(q0 + i) * heads + h) * D;
+        memset(o, 0, sizeof *o * (size_t)D);
+        if (ctx <= 0) continue;
+        softmax_inplace(sc.s, ctx);
+        for (int j = 0; j < ctx; j++) {
+          memcpy(e, P + kv_offset(l, table[j / bs], 0, 0, 0, j % bs), sizeof(float) * (size_t)half);
+          memcpy(e + half, P + kv_offset(l, table[j / bs], 0, 1, 0, j % bs), sizeof(float) * (size_t)half);
+          for (int c = 0; c < D; c++) o[c] += sc.s[j] * e[c];
+        }
+      }
+    }
+  }
+  free(e);
+  free(sc.s);
+  return TD_OK;
+}
+
+static td_status cpu_gemm_heads(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m,
+                                int heads, int n, int k, bool w_t) {
+  for (int h = 0; h < heads; h++) {
+    const float *X = (const float *)x + (size_t)h * k, *W = (const float *)w + (size_t)h * k * n;
+    float *Y = (float *)y + (size_t)h * n;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, w_t ? CblasTrans : CblasNoTrans, m, n, k, 1.0f, X, heads * k, W,
+                w_t ? k : n, 0.0f, Y, heads * n);
+    if (bias)
+      for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) Y[(size_t)i * heads * n + j] += bias[(size_t)h * n + j];
+  }
+  return TD_OK;
+}
+
 static td_status cpu_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs,
                                     int n_pairs) {
   size_t be = td_kv_block_elems(l);
@@ -292,6 +352,8 @@ static const td_backend_vt cpu_vt = {
     .attn_dense = cpu_attn_dense,
     .kv_write = cpu_kv_write,
     .attn_paged = cpu_attn_paged,
+    .attn_states = cpu_attn_states,
+    .gemm_heads = cpu_gemm_heads,
     .kv_copy_blocks = cpu_kv_copy_blocks,
     .sample = td_cpu_sample,
     .topk_logprobs = td_cpu_topk_logprobs,

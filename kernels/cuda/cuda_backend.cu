@@ -584,6 +584,7 @@ static void cu_destroy(td_backend *b) {
     (void)cudaSetDevice(c->device);
     if (c->stream) (void)cudaStreamSynchronize(c->stream);
     td_cu_gemm_destroy(c);
+    td_cu_states_destroy(c);
     if (c->lt) cublasLtDestroy(c->lt);
     if (c->lt_ws) (void)cudaFree(c->lt_ws);
     if (c->stage) (void)cudaFree(c->stage);
@@ -638,6 +639,8 @@ static void vt_init(void) {
   v->attn_dense = td_cu_attn_dense;
   v->kv_write = cu_kv_write;
   v->attn_paged = td_cu_attn_paged;
+  v->attn_states = td_cu_attn_states;
+  v->gemm_heads = td_cu_gemm_heads;
   v->kv_copy_blocks = cu_kv_copy_blocks;
   v->kv_prefetch = cu_kv_prefetch;
   v->sample = td_cu_sample;
@@ -725,6 +728,7 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->weight_hint = !(v && *v == '0');
   TD_TRY(td_cu_gemm_init(c));
   TD_TRY(td_cu_attn_init(c));
+  TD_TRY(td_cu_states_init(c));
   TD_TRY(td_cu_sample_init(c));
   return TD_OK;
 }

@@ -73,6 +73,7 @@ typedef struct td_cuda {
   int weight_hint;    /* skinny GEMM weights read with an L2 evict-first policy (TANDEM_CUDA_WEIGHT_HINT=0: off) */
   int fuse, fuse_mask; /* td_gemm_ex on the fused decode kernel: up to this many rows, these fusions (TANDEM_CUDA_FUSE) */
   struct td_gemm_plan *plans;
+  void *heads_plans;  /* td_gemm_heads' cuBLASLt plans (cuda_states.cu) */
   uint64_t plan_clock;
   int verbose;        /* TANDEM_CUDA_VERBOSE=1: print GEMM plan choices */
   int autotune;       /* TANDEM_CUDA_AUTOTUNE=1: time cuBLASLt's candidates for large GEMMs */
@@ -266,6 +267,14 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
 td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                            const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
                            const td_relbias *bias);
+
+/* cuda_states.cu: attention over encoder states and the per-head products */
+td_status td_cu_states_init(td_cuda *c);
+void td_cu_states_destroy(td_cuda *c);
+td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
+                            const td_kv_layout *l, int heads, const td_paged_meta *m, float scale);
+td_status td_cu_gemm_heads(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int heads,
+                           int n, int k, bool w_t);
 
 td_status td_cu_sample_init(td_cuda *c);
 td_status td_cu_sample(td_backend *b, float *logits, int n, int vocab, const td_sample_row *rows,

@@ -183,6 +183,9 @@ typedef struct rig {
   float *logits; /* host copy of one step's logits */
 } rig;
 
+/* rig_open's models cache encoder states (td_model_opts.cross_states) */
+static bool rig_states;
+
 static void rig_open(rig *r, const char *dir, int bs, int vocab, bool emulate) {
   td_backend_opts bo = {.kind = emulate ? TD_BACKEND_CPU : TD_BACKEND_CUDA, .device = 0};
   cr_assert(td_backend_create(&bo, &r->b) == TD_OK, "%s", td_errmsg());
@@ -200,7 +203,7 @@ static void rig_open(rig *r, const char *dir, int bs, int vocab, bool emulate) {
     r->b->vt = &emu_vt;
   }
   td_model_opts mo = {.block_size = bs, .max_tokens = 128, .max_seqs = 8, .max_logits = 128,
-                      .max_enc_tokens = 256, .max_enc_seqs = 4};
+                      .max_enc_tokens = 256, .max_enc_seqs = 4, .cross_states = rig_states};
   cr_assert(td_model_load(dir, r->b, &mo, &r->m) == TD_OK, "%s", td_errmsg());
   td_kv_layout sl = td_model_self_layout(r->m), cl = td_model_cross_layout(r->m);
   cr_assert(td_kv_pool_create(r->b, &sl, 64, &r->self) == TD_OK, "%s", td_errmsg());
@@ -382,6 +385,16 @@ MODEL_TEST(marian_sinusoidal, "marian-sinusoidal")
 MODEL_TEST(bart_untied, "bart-untied-gelunew")
 MODEL_TEST(whisper_128mel, "whisper-128mel")
 
+/* The cross pool of encoder states on every fixture family */
+Test(model_cuda, cross_states, .timeout = 300) {
+  static const char *names[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "t5v11-gated-untied", "mt5-silu-tied",
+                                "mbart-prenorm-sharded", "marian-sinusoidal", "bart-untied-gelunew",
+                                "whisper-128mel"};
+  rig_states = true;
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) check_model(names[i], i % 2 ? 4 : 16);
+  rig_states = false;
+}
+
 static const float *gpu_step(void *ctx, const td_step_input *st) {
   rig *r = ctx;
   return step(r, st, td_model_get_config(r->m)->vocab_size);
@@ -406,4 +419,24 @@ Test(model_cuda, batched_decode, .timeout = 300) {
     rig_close(&r);
     fx_free(&fx);
   }
+}
+
+Test(model_cuda, batched_decode_cross_states, .timeout = 300) {
+  static const char *qn_rows[] = {NULL, "1"};
+  rig_states = true;
+  for (size_t v = 0; v < 2; v++)
+  for (size_t i = 0; i < FX_BATCH_MODELS; i++) {
+    fixture fx;
+    fx_load(fx_batch_models[i], &fx);
+    rig r;
+    if (qn_rows[v]) setenv("TANDEM_QNORM_ROWS", qn_rows[v], 1);
+    rig_open(&r, fx.dir, 16, fx.vocab, false);
+    unsetenv("TANDEM_QNORM_ROWS");
+    fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 16, gpu_step, &r, 2.0);
+    fx_batch_expect(fx_batch_models[i], qn_rows[v], res, TOL);
+    fprintf(stderr, "cuda batched (states) %-22s %d steps, error %.2e\n", fx_batch_models[i], res.steps, res.worst);
+    rig_close(&r);
+    fx_free(&fx);
+  }
+  rig_states = false;
 }

@@ -936,6 +936,148 @@ Test(cuda, attn_paged) {
   paged_mode = "default";
 }
 
+/* ---------------------------------------------------------- encoder states */
+
+typedef struct states_cfg {
+  int heads, D, bs, n_seqs;
+  int q_max;   /* query rows per sequence: 1 .. q_max */
+  int ctx_max; /* states per sequence: 1 .. ctx_max */
+  bool pad;    /* every 4th sequence has no states (ctx_len 0) */
+  int qn_dim;  /* > 0: a query norm over rows this wide */
+  int ldq_pad; /* q rows wider than heads * D by this */
+} states_cfg;
+
+/* td_attn_states against the CPU on fresh inputs; on the GPU as the model
+ * runs it (static states: the tensor-core kernel where D allows) and with
+ * the states not declared static (the generic kernel) */
+static void states_case(const states_cfg *p, const char *mode) {
+  int S = p->n_seqs, Hq = p->heads, D = p->D, bs = p->bs;
+  int32_t *qs = malloc(sizeof(int32_t) * (S + 1)), *ctx = malloc(sizeof(int32_t) * S);
+  qs[0] = 0;
+  int max_q = 0, max_ctx = 0, max_nb = 1, total_nb = 0;
+  for (int s = 0; s < S; s++) {
+    int ql = 1 + irand(p->q_max), c = 1 + irand(p->ctx_max);
+    if (s == 0) c = p->ctx_max; /* the longest case always present */
+    if (p->pad && s % 4 == 3) c = 0;
+    qs[s + 1] = qs[s] + ql;
+    ctx[s] = c;
+    int nb = (c + bs - 1) / bs;
+    max_nb = nb > max_nb ? nb : max_nb;
+    total_nb += nb;
+    max_q = ql > max_q ? ql : max_q;
+    max_ctx = c > max_ctx ? c : max_ctx;
+  }
+  int T = qs[S], stride = max_nb + 1, n_blocks = total_nb + 3;
+  paged_rig r;
+  rig_pool(&r, 1, 1, D / 2, bs, n_blocks);
+  int32_t *perm = malloc(sizeof(int32_t) * n_blocks), *tab = malloc(sizeof(int32_t) * S * stride);
+  for (int i = 0; i < n_blocks; i++) perm[i] = i;
+  for (int i = n_blocks - 1; i > 0; i--) {
+    int j = irand(i + 1), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  for (int s = 0, next = 0; s < S; s++) {
+    int nb = (ctx[s] + bs - 1) / bs;
+    for (int i = 0; i < stride; i++) tab[s * stride + i] = i < nb ? perm[next++] : -1;
+  }
+  int ldq = Hq * D + p->ldq_pad;
+  float *q = rnd((size_t)T * ldq, 2.0f);
+  pair Q = mk(TD_BUF_ACT, q, (size_t)T * ldq), O = mk(TD_BUF_ACT, NULL, (size_t)T * Hq * D);
+  pair QS = mk(TD_BUF_I32, qs, S + 1), CT = mk(TD_BUF_I32, ctx, S), TB = mk(TD_BUF_I32, tab, (size_t)S * stride);
+  td_paged_meta mg = {S, T, max_q, max_ctx, QS.g, CT.g, TB.g, stride, true, false, NULL, 0, 0.0f};
+  td_paged_meta mc = {S, T, max_q, max_ctx, QS.c, CT.c, TB.c, stride, false, false, NULL, 0, 0.0f};
+  pair QN = {0};
+  float *qn = NULL;
+  if (p->qn_dim) {
+    qn = rnd((size_t)T * p->qn_dim, 1.5f);
+    QN = mk(TD_BUF_ACT, qn, (size_t)T * p->qn_dim);
+    mg.q_norm = QN.g, mc.q_norm = QN.c;
+    mg.q_norm_dim = mc.q_norm_dim = p->qn_dim;
+    mg.q_norm_eps = mc.q_norm_eps = 1e-6f;
+  }
+  float scale = 1.0f / sqrtf((float)D);
+  RUN2(td_attn_states(G, Q.g, ldq, O.g, r.pool.g, &r.l, Hq, &mg, scale),
+       td_attn_states(C, Q.c, ldq, O.c, r.pool.c, &r.l, Hq, &mc, scale));
+  double e = compare(&O, 0);
+  cr_expect(e <= TOL, "attn_states (%s) heads=%d D=%d bs=%d seqs=%d tokens=%d max_ctx=%d qn=%d: error %.3g", mode,
+            Hq, D, bs, S, T, max_ctx, p->qn_dim, e);
+  if (!(e <= TOL)) explain(&O, T * Hq, D);
+  poison_gpu(&O);
+  mg.kv_static = false;
+  cr_assert(td_attn_states(G, Q.g, ldq, O.g, r.pool.g, &r.l, Hq, &mg, scale) == TD_OK, "%s", td_errmsg());
+  e = compare(&O, 0);
+  cr_expect(e <= TOL, "attn_states (%s, not static) heads=%d D=%d seqs=%d: error %.3g", mode, Hq, D, S, e);
+  if (p->qn_dim) {
+    drop(&QN);
+    free(qn);
+  }
+  drop(&Q);
+  drop(&O);
+  drop(&QS);
+  drop(&CT);
+  drop(&TB);
+  rig_drop(&r);
+  free(q);
+  free(perm);
+  free(tab);
+  free(qs);
+  free(ctx);
+}
+
+Test(cuda, attn_states) {
+  static const states_cfg cfg[] = {
+      /* heads D bs seqs q_max ctx_max pad qn ldq_pad */
+      {16, 1024, 16, 64, 1, 512, false, 0, 0},  /* Flan-T5-large, batch 64 */
+      {16, 1024, 16, 3, 1, 512, true, 1024, 0}, /* few sequences: many splits; the query norm */
+      {16, 1024, 16, 5, 3, 77, false, 0, 8},    /* prompt rows: 48 pairs a sequence */
+      {20, 1280, 16, 7, 1, 1500, false, 0, 0},  /* Whisper-large: two groups of 16 pairs */
+      {8, 512, 4, 9, 2, 33, true, 512, 0},      /* T5-small: 8 heads, padded pairs */
+      {12, 768, 3, 4, 1, 250, false, 0, 0},     /* block size 3: rows cross blocks */
+      {1, 1024, 16, 2, 1, 1, false, 0, 0},      /* one head, one state */
+      {4, 96, 5, 6, 2, 41, true, 0, 0},         /* a width the generic kernel takes */
+      {3, 40, 2, 3, 3, 9, false, 40, 0},
+  };
+  static const char *splits[] = {NULL, "1", "3"};
+  for (size_t v = 0; v < 3; v++) {
+    if (splits[v]) setenv("TANDEM_CUDA_STATES_SPLITS", splits[v], 1);
+    for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) states_case(&cfg[i], splits[v] ? splits[v] : "default");
+    unsetenv("TANDEM_CUDA_STATES_SPLITS");
+  }
+  setenv("TANDEM_CUDA_STATES_GENERIC", "1", 1);
+  for (size_t i = 0; i < 5; i++) states_case(&cfg[i], "generic");
+  unsetenv("TANDEM_CUDA_STATES_GENERIC");
+}
+
+static void heads_case(int m, int heads, int n, int k, bool w_t, bool bias) {
+  float *x = rnd((size_t)m * heads * k, 1.0f), *w = rnd((size_t)heads * n * k, 0.5f);
+  float *bh = bias ? rnd((size_t)heads * n, 1.0f) : NULL;
+  pair X = mk(TD_BUF_ACT, x, (size_t)m * heads * k), W = mk(TD_BUF_ACT, w, (size_t)heads * n * k);
+  pair Y = mk(TD_BUF_ACT, NULL, (size_t)m * heads * n), B = {0};
+  if (bias) B = mk(TD_BUF_F32, bh, (size_t)heads * n);
+  RUN2(td_gemm_heads(G, X.g, W.g, bias ? B.g : NULL, Y.g, m, heads, n, k, w_t),
+       td_gemm_heads(C, X.c, W.c, bias ? B.c : NULL, Y.c, m, heads, n, k, w_t));
+  double e = compare(&Y, 0);
+  cr_expect(e <= TOL, "gemm_heads m=%d heads=%d n=%d k=%d w_t=%d bias=%d: error %.3g", m, heads, n, k, w_t, bias, e);
+  drop(&X);
+  drop(&W);
+  drop(&Y);
+  if (bias) drop(&B);
+  free(x);
+  free(w);
+  free(bh);
+}
+
+Test(cuda, gemm_heads) {
+  heads_case(64, 16, 1024, 64, false, false); /* the query into state space */
+  heads_case(64, 16, 64, 1024, true, true);   /* the mix back to a head, V bias */
+  heads_case(1, 16, 1024, 64, false, false);
+  heads_case(1, 20, 64, 1280, true, true);
+  heads_case(37, 7, 40, 24, false, true);
+  heads_case(5, 3, 24, 40, true, false);
+  heads_case(130, 8, 512, 64, false, false);
+}
+
 /* ---------------------------------------------------------------- sampling */
 
 typedef struct hc {

@@ -21,11 +21,14 @@ typedef struct rig {
   int bs;
 } rig;
 
+/* rig_open's models cache encoder states (td_model_opts.cross_states) */
+static bool rig_states;
+
 static void rig_open(rig *r, const char *dir, int bs) {
   td_backend_opts bo = {.kind = TD_BACKEND_CPU};
   cr_assert(td_backend_create(&bo, &r->b) == TD_OK, "%s", td_errmsg());
   td_model_opts mo = {.block_size = bs, .max_tokens = 128, .max_seqs = 8, .max_logits = 128,
-                      .max_enc_tokens = 256, .max_enc_seqs = 4};
+                      .max_enc_tokens = 256, .max_enc_seqs = 4, .cross_states = rig_states};
   cr_assert(td_model_load(dir, r->b, &mo, &r->m) == TD_OK, "%s", td_errmsg());
   td_kv_layout sl = td_model_self_layout(r->m), cl = td_model_cross_layout(r->m);
   cr_assert(td_kv_pool_create(r->b, &sl, 64, &r->self) == TD_OK, "%s", td_errmsg());
@@ -181,6 +184,22 @@ Test(model_cpu, norm_unfolded) {
   unsetenv("TANDEM_NORM_FOLD");
 }
 
+/* The cross pool holding encoder states instead of per-layer K/V: every
+ * fixture family (T5 without biases, BART / mBART / Marian / Whisper with
+ * K and V biases, pre- and post-norm, folded norms or not) must match the
+ * same references, prompt chunks and decode rows. */
+Test(model_cpu, cross_states) {
+  rig_states = true;
+  static const char *names[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "t5v11-gated-untied", "mt5-silu-tied",
+                                "mbart-prenorm-sharded", "marian-sinusoidal", "bart-untied-gelunew",
+                                "whisper-128mel", "t5-gated-untied-head"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) check_model(names[i], i % 2 ? 3 : 4);
+  setenv("TANDEM_NORM_FOLD", "0", 1);
+  check_model("t5v11-gated-untied", 4);
+  unsetenv("TANDEM_NORM_FOLD");
+  rig_states = false;
+}
+
 /* A CPU backend and one buffer of n elements of type t on it. */
 static td_backend *cpu_with_buffer(td_buf_type t, size_t n, void **p) {
   td_backend *b = NULL;
@@ -253,4 +272,24 @@ Test(model_cpu, batched_decode) {
     rig_close(&r);
     fx_free(&fx);
   }
+}
+
+/* The same over encoder states, the query norm in the attention and not. */
+Test(model_cpu, batched_decode_cross_states) {
+  static const char *qn_rows[] = {NULL, "1000"};
+  rig_states = true;
+  for (size_t v = 0; v < 2; v++)
+  for (size_t i = 0; i < FX_BATCH_MODELS; i++) {
+    fixture fx;
+    fx_load(fx_batch_models[i], &fx);
+    rig r;
+    if (qn_rows[v]) setenv("TANDEM_QNORM_ROWS", qn_rows[v], 1);
+    rig_open(&r, fx.dir, 4);
+    unsetenv("TANDEM_QNORM_ROWS");
+    fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 4, cpu_step, r.m, 0.0);
+    fx_batch_expect(fx_batch_models[i], qn_rows[v], res, TOL);
+    rig_close(&r);
+    fx_free(&fx);
+  }
+  rig_states = false;
 }

@@ -1,0 +1,588 @@
+/* Cross-attention over encoder states (td_attn_states) and the per-head
+ * products around it (td_gemm_heads).
+ *
+ * A decode step's cross-attention reads, for each sequence, its states E
+ * (ctx x D, D = d_model) once a layer instead of K and V (2 x ctx x D):
+ * every head's query is already W_k,h^T q_h, so all heads of a sequence
+ * attend to the same rows (multi-query attention with K = V = E, head
+ * width D). One block takes 16 (row, head) pairs of a sequence (the mma
+ * M) and a range of its states; E comes in tiles of ST rows by bulk
+ * copies (a row's two halves, one per pool plane, into padded shared
+ * memory so that ldmatrix meets at most 2-way bank conflicts), requested
+ * before the PDL wait (the states are static in a step). H100, Flan-T5-large
+ * batch 64: ~40 us a layer for 64 MB of states (~1.6 TB/s; the copies alone
+ * take as long), so the mode pays from batch 128 (docs/cuda.md, pass 13). Per tile the 8 warps split the scores'
+ * reduction over D, then the mix's columns; a sequence's key ranges
+ * (splits) merge in the last block to finish. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/cuda_ptx.cuh"
+
+#define LOG2E_F 1.4426950408889634f
+
+typedef struct StatesArgs {
+  const bf16 *q, *pool, *qn;
+  bf16 *out;
+  const int32_t *q_start, *ctx_len, *block_table;
+  int ldq, heads, D, bs, max_blocks, qn_dim, max_q, groups, n_splits, tiles;
+  size_t block_elems;
+  float scale_log2, qn_eps;
+  bool late;
+  float *part; /* [seq][group][split]: 16 x D sums, then 16 m, 16 l */
+  int *counters;
+} StatesArgs;
+
+/* 1 / rms of the query norm's row, or 1 */
+__device__ __forceinline__ float states_qn(const StatesArgs &a, int row) {
+  if (!a.qn) return 1.0f;
+  const bf16 *x = a.qn + (size_t)row * a.qn_dim;
+  float ss = 0.0f;
+  for (int j = threadIdx.x & 31; j < a.qn_dim; j += 32) {
+    float v = __bfloat162float(x[j]);
+    ss = fmaf(v, v, ss);
+  }
+  ss = td_warp_sum(ss);
+  return rsqrtf(ss / (float)a.qn_dim + a.qn_eps);
+}
+
+__device__ __forceinline__ const bf16 *states_row(const StatesArgs &a, const int32_t *table, int j, int plane) {
+  const int b = j / a.bs;
+  return a.pool + (size_t)table[b] * a.block_elems + ((size_t)plane * a.bs + (j - b * a.bs)) * (a.D / 2);
+}
+
+/* Any D: a block per (row, head); warps over keys, lanes over D. */
+__global__ void __launch_bounds__(128) states_generic_kernel(const StatesArgs a) {
+  extern __shared__ float sc[]; /* [max ctx] */
+  __shared__ float red[32];
+  td_pdl_start();
+  const int s = (int)blockIdx.x / a.max_q, i = (int)blockIdx.x % a.max_q, h = (int)blockIdx.y;
+  const int q0 = a.q_start[s], qn = a.q_start[s + 1] - q0, ctx = a.ctx_len[s];
+  if (i >= qn) return;
+  const int row = q0 + i, half = a.D / 2, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int32_t *table = a.block_table + (size_t)s * a.max_blocks;
+  const bf16 *q = a.q + (size_t)row * a.ldq + (size_t)h * a.D;
+  const float qs = a.scale_log2 * states_qn(a, row);
+  for (int j = warp; j < ctx; j += 4) {
+    const bf16 *ek = states_row(a, table, j, 0), *ev = states_row(a, table, j, 1);
+    float d = 0.0f;
+    for (int c = lane; c < half; c += 32) {
+      d = fmaf(__bfloat162float(q[c]), __bfloat162float(ek[c]), d);
+      d = fmaf(__bfloat162float(q[half + c]), __bfloat162float(ev[c]), d);
+    }
+    d = td_warp_sum(d);
+    if (lane == 0) sc[j] = d * qs;
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int j = threadIdx.x; j < ctx; j += blockDim.x) mx = fmaxf(mx, sc[j]);
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+  float sum = 0.0f;
+  for (int j = threadIdx.x; j < ctx; j += blockDim.x) {
+    float p = exp2f(sc[j] - mx);
+    sc[j] = p;
+    sum += p;
+  }
+  sum = td_block_sum(sum, red); /* its barriers also publish sc */
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  bf16 *o = a.out + ((size_t)row * a.heads + h) * a.D;
+  for (int c = threadIdx.x; c < a.D; c += blockDim.x) {
+    const int plane = c >= half, cc = c - plane * half;
+    float acc = 0.0f;
+    for (int j = 0; j < ctx; j++) acc = fmaf(sc[j], __bfloat162float(states_row(a, table, j, plane)[cc]), acc);
+    o[c] = __float2bfloat16(acc * inv);
+  }
+}
+
+/* The tensor-core kernel: NT = D / 64 (each warp's mix columns in n8
+ * tiles), ST states a tile, NSTG tiles in flight. */
+enum { ST = 32, NSTG = 2, SW = 8, STATES_MAX_SPLITS = 32 };
+
+template <int NT>
+struct StatesSmem {
+  /* a plane's rows in pairs (one bulk copy of 2 rows where they share a
+   * paged block), the pairs padded by 16 bytes: 2-way conflicts at most for
+   * ldmatrix, half the copies of one a row */
+  static constexpr int D = NT * 64, HALF = D / 2, PAIR = 2 * HALF + 8;
+  static constexpr size_t Q = 16 * (size_t)(D + 8) * 2;          /* the pairs' queries, bf16 */
+  static constexpr size_t STAGE = 2 * (ST / 2) * (size_t)PAIR * 2; /* [plane][ST / 2][PAIR] bf16 */
+  static constexpr size_t RED = SW * 16 * ST * 4;                /* per-warp partial scores */
+  static constexpr size_t P = 16 * (ST + 8) * 2;                 /* probabilities, bf16 */
+  static constexpr size_t STATS = 3 * 16 * 4;                    /* m, l, alpha */
+  static constexpr size_t BYTES = Q + NSTG * STAGE + RED + P + STATS + NSTG * 8;
+};
+
+template <int NT>
+__global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs a) {
+  using L = StatesSmem<NT>;
+  constexpr int D = L::D, HALF = L::HALF, PAIR = L::PAIR, KW = D / SW; /* each warp's score slice of D */
+  constexpr int PLANE = (ST / 2) * PAIR, SSTAGE = 2 * PLANE;
+  auto erow = [](int r) { return (r >> 1) * PAIR + (r & 1) * HALF; }; /* row r of a plane */
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16 *qs = (bf16 *)smem;
+  bf16 *stage = (bf16 *)(smem + L::Q);
+  float *red = (float *)(smem + L::Q + NSTG * L::STAGE);
+  bf16 *ps = (bf16 *)((char *)red + L::RED);
+  float *st_m = (float *)((char *)ps + L::P), *st_l = st_m + 16, *st_a = st_l + 16;
+  uint64_t *bar = (uint64_t *)(st_m + 48);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int sg = (int)blockIdx.x, split = (int)blockIdx.y;
+  const int s = sg / a.groups, g = sg % a.groups;
+  const int ctx = a.ctx_len[s];
+  const int32_t *table = a.block_table + (size_t)s * a.max_blocks;
+  const int nt = (ctx + ST - 1) / ST;
+  const int t0 = (int)((long)nt * split / a.n_splits), t1 = (int)((long)nt * (split + 1) / a.n_splits);
+  if (tid == 0)
+    for (int i = 0; i < NSTG; i++) mbar_init(&bar[i], 1);
+  if (tid < 16) {
+    st_m[tid] = -INFINITY;
+    st_l[tid] = 0.0f;
+  }
+  __syncthreads();
+  /* every thread: tile t's rows into stage buffer b, one copy a row and
+   * plane, by lanes 0 and 1 of each group of 8 (spread over the warps: a
+   * warp issues its bulk copies one after another) */
+  const uint64_t pol = l2_evict_first();
+  auto issue = [&](int t, int b) {
+    const int k0 = t * ST, n = min(ST, ctx - k0), r = 2 * (tid >> 3), pl = tid & 7;
+    if (tid == 0) mbar_arrive_tx(&bar[b], (uint32_t)n * (uint32_t)D * 2u);
+    if (r < n && pl < 2) {
+      bf16 *dst = stage + (size_t)b * SSTAGE + (size_t)pl * PLANE + erow(r);
+      const bf16 *src = states_row(a, table, k0 + r, pl);
+      const bool two = r + 1 < n && (k0 + r) / a.bs == (k0 + r + 1) / a.bs;
+      bulk_g2s_hint(dst, src, (two ? 2u : 1u) * HALF * 2u, &bar[b], pol);
+      if (r + 1 < n && !two) bulk_g2s_hint(dst + HALF, states_row(a, table, k0 + r + 1, pl), HALF * 2, &bar[b], pol);
+    }
+  };
+  for (int i = 0; i < NSTG && t0 + i < t1; i++) issue(t0 + i, i);
+  td_pdl_start_if(a.late);
+  /* the 16 pairs' queries: pair p = g * 16 + r is row q0 + p / heads, head p % heads */
+  const int q0 = a.q_start[s], npairs = (a.q_start[s + 1] - q0) * a.heads;
+  for (int e = tid; e < 16 * (D / 8); e += 32 * SW) {
+    const int r = e / (D / 8), c = (e % (D / 8)) * 8, p = g * 16 + r;
+    const bool in = p < npairs;
+    const bf16 *src = in ? a.q + (size_t)(q0 + p / a.heads) * a.ldq + (size_t)(p % a.heads) * D + c : a.q;
+    cp_async16(qs + (size_t)r * (D + 8) + c, src, in);
+  }
+  cp_async_commit();
+  /* score scale of each pair row (the query norm's 1 / rms), warp w rows 2w, 2w + 1 */
+  float *st_q = red; /* borrowed until the first tile's partials */
+  for (int r = 2 * warp; r < 2 * warp + 2; r++) {
+    const int p = g * 16 + r;
+    const float f = p < npairs ? states_qn(a, q0 + p / a.heads) : 0.0f;
+    if (lane == 0) st_q[r] = f * a.scale_log2;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  float rs = st_q[tid >> 4]; /* the softmax phase's row: tid / 16 */
+  __syncthreads();
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  const int lr = lane & 7, lm = lane >> 3;
+  for (int t = t0, use = 0; t < t1; t++, use++) {
+    const int b = use % NSTG;
+    const bf16 *E = stage + (size_t)b * SSTAGE;
+    mbar_wait(&bar[b], (unsigned)(use / NSTG) & 1u);
+    const int nval = min(ST, ctx - t * ST);
+    if (nval < ST) { /* rows past the states were not copied: zero them (0 x stale NaN is NaN) */
+      for (int e = tid; e < 2 * (ST - nval) * (HALF / 8); e += 32 * SW) {
+        const int pl = e / ((ST - nval) * (HALF / 8)), rem = e % ((ST - nval) * (HALF / 8));
+        const int r = nval + rem / (HALF / 8), c = (rem % (HALF / 8)) * 8;
+        *(uint4 *)((bf16 *)E + (size_t)pl * PLANE + erow(r) + c) = make_uint4(0u, 0u, 0u, 0u);
+      }
+      __syncthreads();
+    }
+    /* scores: warp w sums over D columns [w KW, (w + 1) KW) */
+    float sacc[ST / 8][4];
+#pragma unroll
+    for (int j = 0; j < ST / 8; j++) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KW; kk += 16) {
+      const int k = warp * KW + kk, pl = k >= HALF, kc = k - pl * HALF;
+      uint32_t af[4];
+      ldsm_x4(af[0], af[1], af[2], af[3], qs + (size_t)(lr + (lm & 1) * 8) * (D + 8) + k + (lm >> 1) * 8);
+#pragma unroll
+      for (int j = 0; j < ST / 8; j += 2) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(b0, b1, b2, b3, E + (size_t)pl * PLANE + erow(j * 8 + (lm >> 1) * 8 + lr) + kc + (lm & 1) * 8);
+        mma16816(sacc[j], af, b0, b1);
+        mma16816(sacc[j + 1], af, b2, b3);
+      }
+    }
+    {
+      float *rw = red + (size_t)warp * 16 * ST;
+      const int gr = lane >> 2, gc = (lane & 3) * 2;
+#pragma unroll
+      for (int j = 0; j < ST / 8; j++) {
+        *(float2 *)&rw[gr * ST + j * 8 + gc] = make_float2(sacc[j][0], sacc[j][1]);
+        *(float2 *)&rw[(gr + 8) * ST + j * 8 + gc] = make_float2(sacc[j][2], sacc[j][3]);
+      }
+    }
+    __syncthreads();
+    { /* softmax over the tile: thread tid takes row tid / 16, columns 2 (tid % 16) + {0, 1} */
+      const int r = tid >> 4, c = (tid & 15) * 2;
+      float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+      for (int w = 0; w < SW; w++) {
+        float2 f = *(const float2 *)&red[((size_t)w * 16 + r) * ST + c];
+        v0 += f.x;
+        v1 += f.y;
+      }
+      v0 = c < nval ? v0 * rs : -INFINITY;
+      v1 = c + 1 < nval ? v1 * rs : -INFINITY;
+      float mx = fmaxf(v0, v1);
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float mo = st_m[r], mn = fmaxf(mo, mx);
+      const float p0 = mn == -INFINITY ? 0.0f : exp2f(v0 - mn), p1 = mn == -INFINITY ? 0.0f : exp2f(v1 - mn);
+      float sum = p0 + p1;
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      *(uint32_t *)&ps[r * (ST + 8) + c] = pack_bf16(p0, p1);
+      __syncwarp();
+      if ((tid & 15) == 0) {
+        const float al = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
+        st_a[r] = al;
+        st_l[r] = st_l[r] * al + sum;
+        st_m[r] = mn;
+      }
+    }
+    __syncthreads();
+    { /* mix: warp w owns columns [w D / 8, (w + 1) D / 8), all in one plane */
+      const int gr = lane >> 2;
+      const float a0 = st_a[gr], a1 = st_a[gr + 8];
+#pragma unroll
+      for (int j = 0; j < NT; j++) {
+        acc[j][0] *= a0;
+        acc[j][1] *= a0;
+        acc[j][2] *= a1;
+        acc[j][3] *= a1;
+      }
+      const int c0 = warp * (D / SW), pl = c0 >= HALF, cc0 = c0 - pl * HALF;
+#pragma unroll
+      for (int kk = 0; kk < ST; kk += 16) {
+        uint32_t af[4];
+        ldsm_x4(af[0], af[1], af[2], af[3], ps + (size_t)(lr + (lm & 1) * 8) * (ST + 8) + kk + (lm >> 1) * 8);
+#pragma unroll
+        for (int j = 0; j < NT; j += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(b0, b1, b2, b3,
+                    E + (size_t)pl * PLANE + erow(kk + (lm & 1) * 8 + lr) + cc0 + j * 8 + (lm >> 1) * 8);
+          mma16816(acc[j], af, b0, b1);
+          if (j + 1 < NT) mma16816(acc[j + 1], af, b2, b3);
+        }
+      }
+    }
+    __syncthreads(); /* every warp is done with the stage and the probabilities */
+    if (t + NSTG < t1) {
+      fence_proxy_async(); /* this thread's reads of the stage before the copy engine's writes */
+      issue(t + NSTG, b);
+    }
+  }
+
+  /* out: this block's sums (one split) or the merge of every split's */
+  const int gr = lane >> 2, gc = (lane & 3) * 2, c0 = warp * (D / SW);
+  auto out_at = [&](int r) -> bf16 * {
+    const int p = g * 16 + r;
+    return p < npairs ? a.out + ((size_t)(q0 + p / a.heads) * a.heads + p % a.heads) * D : nullptr;
+  };
+  if (a.n_splits == 1) {
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+      const int r = gr + 8 * hr;
+      bf16 *o = out_at(r);
+      const float l = st_l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+      if (o)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+          *(uint32_t *)&o[c0 + j * 8 + gc] = pack_bf16(acc[j][2 * hr] * inv, acc[j][2 * hr + 1] * inv);
+    }
+    return;
+  }
+  const size_t per = 16 * (size_t)D + 32;
+  float *mine = a.part + ((size_t)sg * a.n_splits + split) * per;
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    const int r = gr + 8 * hr;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+      *(float2 *)&mine[(size_t)r * D + c0 + j * 8 + gc] = make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
+  }
+  if (tid < 16) {
+    mine[16 * (size_t)D + tid] = st_m[tid];
+    mine[16 * (size_t)D + 16 + tid] = st_l[tid];
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int last;
+  if (tid == 0) {
+    const int prev = atomicAdd(&a.counters[sg], 1);
+    last = prev == a.n_splits - 1;
+    if (last) a.counters[sg] = 0; /* ready for the next launch */
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  /* merge: per row the splits' weights exp2(m_k - M) / L, then each thread
+   * sums its NT float4 of the 16 x D outputs over the splits (the loads of
+   * a split independent, so one L2 round trip a split) */
+  const float *all = a.part + (size_t)sg * a.n_splits * per;
+  float *wk = red; /* [16][n_splits], n_splits <= STATES_MAX_SPLITS */
+  if (tid < 16) {
+    float M = -INFINITY, Ls = 0.0f;
+    for (int k = 0; k < a.n_splits; k++) M = fmaxf(M, __ldcg(&all[k * per + 16 * (size_t)D + tid]));
+    for (int k = 0; k < a.n_splits; k++) {
+      const float mk = __ldcg(&all[k * per + 16 * (size_t)D + tid]);
+      const float w = mk == -INFINITY ? 0.0f : exp2f(mk - M);
+      wk[tid * a.n_splits + k] = w;
+      Ls += w * __ldcg(&all[k * per + 16 * (size_t)D + 16 + tid]);
+    }
+    const float inv = Ls > 0.0f ? 1.0f / Ls : 0.0f;
+    for (int k = 0; k < a.n_splits; k++) wk[tid * a.n_splits + k] *= inv;
+  }
+  __syncthreads();
+  float4 m4[NT];
+#pragma unroll
+  for (int i = 0; i < NT; i++) m4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int k = 0; k < a.n_splits; k++) {
+    const float *pk = all + k * per;
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+      const int e = tid + i * 32 * SW, r = e / (D / 4);
+      const float w = wk[r * a.n_splits + k];
+      const float4 f = __ldcg((const float4 *)pk + e);
+      m4[i].x = fmaf(w, f.x, m4[i].x);
+      m4[i].y = fmaf(w, f.y, m4[i].y);
+      m4[i].z = fmaf(w, f.z, m4[i].z);
+      m4[i].w = fmaf(w, f.w, m4[i].w);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NT; i++) {
+    const int e = tid + i * 32 * SW, r = e / (D / 4), c = (e % (D / 4)) * 4;
+    bf16 *o = out_at(r);
+    if (o) *(uint2 *)&o[c] = make_uint2(pack_bf16(m4[i].x, m4[i].y), pack_bf16(m4[i].z, m4[i].w));
+  }
+}
+
+template <int NT>
+static td_status states_prepare(const td_cuda *c) {
+  TD_CU_CHECK(cudaFuncSetAttribute(states_mma_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)StatesSmem<NT>::BYTES),
+              "attn_states");
+  return TD_OK;
+}
+
+template <int NT>
+static void states_launch(const td_cuda *c, dim3 grid, const StatesArgs &a) {
+  (void)td_launch(c, states_mma_kernel<NT>, grid, 32 * SW, StatesSmem<NT>::BYTES, a);
+}
+
+/* one entry per D the tensor-core kernel takes (NT = D / 64) */
+#define TD_STATES_SHAPES(X) X(8) X(12) X(16) X(20)
+
+td_status td_cu_states_init(td_cuda *c) {
+#define TD_STATES_PREP(nt) \
+  if (StatesSmem<nt>::BYTES <= c->smem_optin) TD_TRY(states_prepare<nt>(c));
+  TD_STATES_SHAPES(TD_STATES_PREP)
+#undef TD_STATES_PREP
+  return TD_OK;
+}
+
+td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
+                            const td_kv_layout *l, int heads, const td_paged_meta *m, float scale) {
+  td_cuda *c = td_cu(b);
+  td_cu_bind(c);
+  int D = 2 * l->head_dim, bs = l->block_size;
+  if ((long)m->max_blocks * bs > 2147483647L) return td_err(TD_ERR_INVALID, "attn_states: block table too wide");
+  int max_q = m->max_q < 1 ? 1 : m->max_q > m->n_tokens ? m->n_tokens : m->max_q;
+  int max_ctx = m->max_ctx < 1 || m->max_ctx > m->max_blocks * bs ? m->max_blocks * bs : m->max_ctx;
+  StatesArgs a = {};
+  a.q = (const bf16 *)q;
+  a.pool = (const bf16 *)pool;
+  a.out = (bf16 *)out;
+  a.q_start = m->q_start;
+  a.ctx_len = m->ctx_len;
+  a.block_table = m->block_table;
+  a.ldq = ldq;
+  a.heads = heads;
+  a.D = D;
+  a.bs = bs;
+  a.max_blocks = m->max_blocks;
+  a.max_q = max_q;
+  a.block_elems = td_kv_block_elems(l);
+  a.scale_log2 = scale * LOG2E_F;
+  a.late = c->pdl_late > 0 && (c->pdl_late & 1) != 0;
+  if (m->q_norm) {
+    a.qn = (const bf16 *)m->q_norm;
+    a.qn_dim = m->q_norm_dim;
+    a.qn_eps = m->q_norm_eps;
+  }
+  int NT = D / 64;
+  bool fast = D % 64 == 0 && (NT == 8 || NT == 12 || NT == 16 || NT == 20) && ldq % 8 == 0 && td_aligned16(q) &&
+              td_aligned16(pool) && td_aligned16(out) && m->kv_static && getenv("TANDEM_CUDA_STATES_GENERIC") == NULL;
+#define TD_STATES_FITS(nt) \
+  if (NT == nt && StatesSmem<nt>::BYTES > c->smem_optin) fast = false;
+  TD_STATES_SHAPES(TD_STATES_FITS)
+#undef TD_STATES_FITS
+  if (!fast) {
+    size_t sm = (size_t)max_ctx * sizeof(float);
+    if (sm > c->smem_optin) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %d states", max_ctx);
+    if (sm > 48 * 1024)
+      TD_CU_CHECK(cudaFuncSetAttribute(states_generic_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm),
+                  "attn_states");
+    dim3 grid((unsigned)(m->n_seqs * max_q), (unsigned)heads);
+    (void)td_launch(c, states_generic_kernel, grid, 128, sm, a);
+    TD_CU_LAUNCHED("attn_states");
+    return TD_OK;
+  }
+  a.groups = (max_q * heads + 15) / 16;
+  long base = (long)m->n_seqs * a.groups;
+  if (base > 2147483647L) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %ld blocks", base);
+  /* key splits so that the blocks fill the GPU once (one block an SM) */
+  int tiles = (max_ctx + ST - 1) / ST, splits = 1;
+  const char *ov = getenv("TANDEM_CUDA_STATES_SPLITS");
+  if (ov && *ov) splits = atoi(ov);
+  else if (base < c->sm_count) splits = (int)(c->sm_count / base);
+  splits = splits > tiles ? tiles : splits > STATES_MAX_SPLITS ? STATES_MAX_SPLITS : splits < 1 ? 1 : splits;
+  size_t per = (16 * (size_t)D + 32) * sizeof(float);
+  while (splits > 1 && (per * splits * base > TD_CU_SPLIT_BYTES || base > TD_CU_ATTN_COUNTERS)) splits--;
+  a.n_splits = splits;
+  a.part = c->split;
+  a.counters = c->counters + TD_CU_GEMM_COUNTERS;
+  dim3 grid((unsigned)base, (unsigned)splits);
+#define TD_STATES_GO(nt) \
+  if (NT == nt) states_launch<nt>(c, grid, a);
+  TD_STATES_SHAPES(TD_STATES_GO)
+#undef TD_STATES_GO
+  TD_CU_LAUNCHED("attn_states");
+  return TD_OK;
+}
+
+/* ---- td_gemm_heads: one strided-batched cuBLASLt matmul over the heads.
+ * Row-major y_h = x_h W_h is column-major y_h^T = W_h^T x_h^T: A = W_h
+ * ([k, n] rows: column-major n x k, no transpose; w_t: [n, k] rows,
+ * transposed), B = x_h^T (k x m, leading dimension heads k), C = y_h^T
+ * (n x m, leading dimension heads n). Plans are cached per shape. */
+enum { HEADS_PLANS = 32 };
+typedef struct td_heads_plan {
+  int m, heads, n, k;
+  bool w_t, used;
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatmulAlgo_t algo;
+} td_heads_plan;
+
+__global__ void heads_bias_kernel(bf16 *y, const float *__restrict__ bias, int m, int w) {
+  td_pdl_start();
+  size_t n = (size_t)m * w;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    y[i] = __float2bfloat16(__bfloat162float(y[i]) + bias[i % w]);
+}
+
+static void heads_plan_free(td_heads_plan *p) {
+  if (p->op) cublasLtMatmulDescDestroy(p->op);
+  if (p->la) cublasLtMatrixLayoutDestroy(p->la);
+  if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
+  if (p->lc) cublasLtMatrixLayoutDestroy(p->lc);
+  memset(p, 0, sizeof *p);
+}
+
+void td_cu_states_destroy(td_cuda *c) {
+  td_heads_plan *ps = (td_heads_plan *)c->heads_plans;
+  if (!ps) return;
+  for (int i = 0; i < HEADS_PLANS; i++) heads_plan_free(&ps[i]);
+  free(ps);
+  c->heads_plans = NULL;
+}
+
+static bool heads_layout(cublasLtMatrixLayout_t *l, uint64_t rows, uint64_t cols, int64_t ld, int batch,
+                         int64_t stride) {
+  int32_t bc = batch;
+  return cublasLtMatrixLayoutCreate(l, CUDA_R_16BF, rows, cols, ld) == CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc) ==
+             CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride) ==
+             CUBLAS_STATUS_SUCCESS;
+}
+
+static td_status heads_plan_get(td_cuda *c, int m, int heads, int n, int k, bool w_t, td_heads_plan **out) {
+  if (!c->heads_plans) {
+    c->heads_plans = calloc(HEADS_PLANS, sizeof(td_heads_plan));
+    if (!c->heads_plans) return td_err(TD_ERR_NOMEM, "gemm_heads: plans");
+  }
+  td_heads_plan *ps = (td_heads_plan *)c->heads_plans, *slot = NULL;
+  for (int i = 0; i < HEADS_PLANS; i++) {
+    td_heads_plan *p = &ps[i];
+    if (p->used && p->m == m && p->heads == heads && p->n == n && p->k == k && p->w_t == w_t) {
+      *out = p;
+      return TD_OK;
+    }
+    if (!p->used && !slot) slot = p;
+  }
+  if (!slot) { /* full: start over (shapes are few: two a model and row count) */
+    for (int i = 0; i < HEADS_PLANS; i++) heads_plan_free(&ps[i]);
+    slot = &ps[0];
+  }
+  td_heads_plan *p = slot;
+  memset(p, 0, sizeof *p);
+  p->m = m;
+  p->heads = heads;
+  p->n = n;
+  p->k = k;
+  p->w_t = w_t;
+  cublasOperation_t ta = w_t ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  bool ok = cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) ==
+                CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) ==
+                CUBLAS_STATUS_SUCCESS;
+  ok = ok && (w_t ? heads_layout(&p->la, (uint64_t)k, (uint64_t)n, k, heads, (int64_t)n * k)
+                  : heads_layout(&p->la, (uint64_t)n, (uint64_t)k, n, heads, (int64_t)n * k));
+  ok = ok && heads_layout(&p->lb, (uint64_t)k, (uint64_t)m, (int64_t)heads * k, heads, k);
+  ok = ok && heads_layout(&p->lc, (uint64_t)n, (uint64_t)m, (int64_t)heads * n, heads, n);
+  cublasLtMatmulPreference_t pref = NULL;
+  size_t ws = TD_CU_LT_WORKSPACE;
+  ok = ok && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS &&
+       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws) ==
+           CUBLAS_STATUS_SUCCESS;
+  cublasLtMatmulHeuristicResult_t res;
+  int found = 0;
+  ok = ok && cublasLtMatmulAlgoGetHeuristic(c->lt, p->op, p->la, p->lb, p->lc, p->lc, pref, 1, &res, &found) ==
+                 CUBLAS_STATUS_SUCCESS &&
+       found > 0;
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  if (!ok) {
+    heads_plan_free(p);
+    return td_err(TD_ERR_CUDA, "gemm_heads: no cuBLASLt plan for %d rows, %d heads, %d x %d", m, heads, n, k);
+  }
+  p->algo = res.algo;
+  p->used = true;
+  *out = p;
+  return TD_OK;
+}
+
+td_status td_cu_gemm_heads(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int heads,
+                           int n, int k, bool w_t) {
+  td_cuda *c = td_cu(b);
+  td_cu_bind(c);
+  td_heads_plan *p = NULL;
+  TD_TRY(heads_plan_get(c, m, heads, n, k, w_t, &p));
+  const float alpha = 1.0f, beta = 0.0f;
+  cublasStatus_t st = cublasLtMatmul(c->lt, p->op, &alpha, w, p->la, x, p->lb, &beta, y, p->lc, y, p->lc, &p->algo,
+                                     c->lt_ws, TD_CU_LT_WORKSPACE, c->stream);
+  if (st != CUBLAS_STATUS_SUCCESS) return td_err(TD_ERR_CUDA, "gemm_heads: cuBLASLt status %d", (int)st);
+  if (bias) {
+    int wd = heads * n;
+    (void)td_launch(c, heads_bias_kernel, td_blocks((size_t)m * wd, 256), 256, 0, (bf16 *)y, bias, m, wd);
+    TD_CU_LAUNCHED("gemm_heads bias");
+  }
+  return TD_OK;
+}
