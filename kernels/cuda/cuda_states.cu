@@ -27,7 +27,7 @@ typedef struct StatesArgs {
   const bf16 *q, *pool, *qn;
   bf16 *out;
   const int32_t *q_start, *ctx_len, *block_table;
-  int ldq, heads, D, bs, max_blocks, qn_dim, max_q, groups, n_splits, tiles;
+  int ldq, heads, D, bs, max_blocks, qn_dim, max_q, max_ctx, groups, n_splits, tiles;
   size_t block_elems;
   float scale_log2, qn_eps;
   bool late;
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(128) states_generic_kernel(const StatesArgs a)
   __shared__ float red[32];
   td_pdl_start();
   const int s = (int)blockIdx.x / a.max_q, i = (int)blockIdx.x % a.max_q, h = (int)blockIdx.y;
-  const int q0 = a.q_start[s], qn = a.q_start[s + 1] - q0, ctx = a.ctx_len[s];
+  const int q0 = a.q_start[s], qn = a.q_start[s + 1] - q0, ctx = min(a.ctx_len[s], a.max_ctx);
   if (i >= qn) return;
   const int row = q0 + i, half = a.D / 2, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int32_t *table = a.block_table + (size_t)s * a.max_blocks;
@@ -417,6 +417,7 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
   a.bs = bs;
   a.max_blocks = m->max_blocks;
   a.max_q = max_q;
+  a.max_ctx = max_ctx;
   a.block_elems = td_kv_block_elems(l);
   a.scale_log2 = scale * LOG2E_F;
   a.late = c->pdl_late > 0 && (c->pdl_late & 1) != 0;
@@ -433,7 +434,7 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
   TD_STATES_SHAPES(TD_STATES_FITS)
 #undef TD_STATES_FITS
   if (!fast) {
-    size_t sm = (size_t)max_ctx * sizeof(float);
+    size_t sm = ((size_t)max_ctx + 8) * sizeof(float);
     if (sm > c->smem_optin) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %d states", max_ctx);
     if (sm > 48 * 1024)
       TD_CU_CHECK(cudaFuncSetAttribute(states_generic_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm),
