@@ -402,28 +402,14 @@ static const float *gpu_step(void *ctx, const td_step_input *st) {
 
 /* Decode steps over several sequences at once (graph replay of a padded
  * bucket) against the references. */
-Test(model_cuda, batched_decode, .timeout = 300) {
-  /* also with the cross query's norm left to the attention from 2 rows (TANDEM_QNORM_ROWS) */
-  static const char *qn_rows[] = {NULL, "1"};
-  for (size_t v = 0; v < 2; v++)
-  for (size_t i = 0; i < FX_BATCH_MODELS; i++) {
-    fixture fx;
-    fx_load(fx_batch_models[i], &fx);
-    rig r;
-    if (qn_rows[v]) setenv("TANDEM_QNORM_ROWS", qn_rows[v], 1);
-    rig_open(&r, fx.dir, 16, fx.vocab, false);
-    unsetenv("TANDEM_QNORM_ROWS");
-    fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 16, gpu_step, &r, 2.0);
-    fx_batch_expect(fx_batch_models[i], qn_rows[v], res, TOL);
-    fprintf(stderr, "cuda batched %-22s %d steps, error %.2e\n", fx_batch_models[i], res.steps, res.worst);
-    rig_close(&r);
-    fx_free(&fx);
-  }
-}
 
-Test(model_cuda, batched_decode_cross_states, .timeout = 300) {
+/* Decode steps over several sequences at once (graph replay of a padded
+ * bucket) against the references, also with the cross query's norm left to
+ * the attention from 2 rows (TANDEM_QNORM_ROWS), over per-layer K/V or
+ * encoder states. */
+static void batched_decode(bool states) {
   static const char *qn_rows[] = {NULL, "1"};
-  rig_states = true;
+  rig_states = states;
   for (size_t v = 0; v < 2; v++)
   for (size_t i = 0; i < FX_BATCH_MODELS; i++) {
     fixture fx;
@@ -434,9 +420,13 @@ Test(model_cuda, batched_decode_cross_states, .timeout = 300) {
     unsetenv("TANDEM_QNORM_ROWS");
     fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 16, gpu_step, &r, 2.0);
     fx_batch_expect(fx_batch_models[i], qn_rows[v], res, TOL);
-    fprintf(stderr, "cuda batched (states) %-22s %d steps, error %.2e\n", fx_batch_models[i], res.steps, res.worst);
+    fprintf(stderr, "cuda batched%s %-22s %d steps, error %.2e\n", states ? " (states)" : "", fx_batch_models[i],
+            res.steps, res.worst);
     rig_close(&r);
     fx_free(&fx);
   }
   rig_states = false;
 }
+
+Test(model_cuda, batched_decode, .timeout = 300) { batched_decode(false); }
+Test(model_cuda, batched_decode_cross_states, .timeout = 300) { batched_decode(true); }

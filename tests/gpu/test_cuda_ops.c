@@ -738,6 +738,25 @@ Test(cuda, gemm_ex) {
   }
 }
 
+/* Block tables [S, stride] of the pool's blocks in random order, enough
+ * for ctx[s] slots of each sequence; -1 past them (never read). */
+static int32_t *shuffled_tables(const int32_t *ctx, int S, int bs, int stride, int n_blocks) {
+  int32_t *perm = malloc(sizeof(int32_t) * n_blocks), *tab = malloc(sizeof(int32_t) * S * stride);
+  cr_assert(perm && tab);
+  for (int i = 0; i < n_blocks; i++) perm[i] = i;
+  for (int i = n_blocks - 1; i > 0; i--) {
+    int j = irand(i + 1), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  for (int s = 0, next = 0; s < S; s++) {
+    int nb = (ctx[s] + bs - 1) / bs;
+    for (int i = 0; i < stride; i++) tab[s * stride + i] = i < nb ? perm[next++] : -1;
+  }
+  free(perm);
+  return tab;
+}
+
 typedef struct paged_cfg {
   int H, dh, bs, n_seqs;
   bool causal;
@@ -776,17 +795,7 @@ static void paged_case(const paged_cfg *p) {
   int T = qs[S], stride = max_nb + 1, n_blocks = total_nb + 3;
   paged_rig r;
   rig_pool(&r, 3, H, dh, bs, n_blocks);
-  int32_t *perm = malloc(sizeof(int32_t) * n_blocks), *tab = malloc(sizeof(int32_t) * S * stride);
-  for (int i = 0; i < n_blocks; i++) perm[i] = i;
-  for (int i = n_blocks - 1; i > 0; i--) {
-    int j = irand(i + 1), t = perm[i];
-    perm[i] = perm[j];
-    perm[j] = t;
-  }
-  for (int s = 0, next = 0; s < S; s++) {
-    int nb = (ctx[s] + bs - 1) / bs;
-    for (int i = 0; i < stride; i++) tab[s * stride + i] = i < nb ? perm[next++] : -1; /* -1: never read */
-  }
+  int32_t *tab = shuffled_tables(ctx, S, bs, stride, n_blocks);
   int ldq = p->strided ? 3 * H * dh : H * dh;
   float *q = rnd((size_t)T * ldq, 2.0f), *lut = p->md ? rnd((size_t)H * (2 * p->md + 1), 3.0f) : NULL;
   pair Q = mk(TD_BUF_ACT, q, (size_t)T * ldq), O = mk(TD_BUF_ACT, NULL, (size_t)T * H * dh);
@@ -869,7 +878,6 @@ static void paged_case(const paged_cfg *p) {
   rig_drop(&r);
   free(q);
   free(lut);
-  free(perm);
   free(tab);
   free(qs);
   free(ctx);
@@ -970,17 +978,7 @@ static void states_case(const states_cfg *p, const char *mode) {
   int T = qs[S], stride = max_nb + 1, n_blocks = total_nb + 3;
   paged_rig r;
   rig_pool(&r, 1, 1, D / 2, bs, n_blocks);
-  int32_t *perm = malloc(sizeof(int32_t) * n_blocks), *tab = malloc(sizeof(int32_t) * S * stride);
-  for (int i = 0; i < n_blocks; i++) perm[i] = i;
-  for (int i = n_blocks - 1; i > 0; i--) {
-    int j = irand(i + 1), t = perm[i];
-    perm[i] = perm[j];
-    perm[j] = t;
-  }
-  for (int s = 0, next = 0; s < S; s++) {
-    int nb = (ctx[s] + bs - 1) / bs;
-    for (int i = 0; i < stride; i++) tab[s * stride + i] = i < nb ? perm[next++] : -1;
-  }
+  int32_t *tab = shuffled_tables(ctx, S, bs, stride, n_blocks);
   int ldq = Hq * D + p->ldq_pad;
   float *q = rnd((size_t)T * ldq, 2.0f);
   pair Q = mk(TD_BUF_ACT, q, (size_t)T * ldq), O = mk(TD_BUF_ACT, NULL, (size_t)T * Hq * D);
@@ -1019,7 +1017,6 @@ static void states_case(const states_cfg *p, const char *mode) {
   drop(&TB);
   rig_drop(&r);
   free(q);
-  free(perm);
   free(tab);
   free(qs);
   free(ctx);

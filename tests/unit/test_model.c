@@ -255,29 +255,14 @@ static const float *cpu_step(void *ctx, const td_step_input *st) {
 }
 
 /* Decode steps over several sequences at once against the references. */
-Test(model_cpu, batched_decode) {
-  /* the cross query's norm in the attention (the CPU's default) and before
-   * the projection (TANDEM_QNORM_ROWS above the rows) */
-  static const char *qn_rows[] = {NULL, "1000"};
-  for (size_t v = 0; v < 2; v++)
-  for (size_t i = 0; i < FX_BATCH_MODELS; i++) {
-    fixture fx;
-    fx_load(fx_batch_models[i], &fx);
-    rig r;
-    if (qn_rows[v]) setenv("TANDEM_QNORM_ROWS", qn_rows[v], 1);
-    rig_open(&r, fx.dir, 4);
-    unsetenv("TANDEM_QNORM_ROWS");
-    fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 4, cpu_step, r.m, 0.0);
-    fx_batch_expect(fx_batch_models[i], qn_rows[v], res, TOL);
-    rig_close(&r);
-    fx_free(&fx);
-  }
-}
 
-/* The same over encoder states, the query norm in the attention and not. */
-Test(model_cpu, batched_decode_cross_states) {
+/* Decode steps over several sequences at once against the references: the
+ * cross query's norm in the attention (the CPU's default) and before the
+ * projection (TANDEM_QNORM_ROWS above the rows), over per-layer K/V or
+ * encoder states. */
+static void batched_decode(bool states) {
   static const char *qn_rows[] = {NULL, "1000"};
-  rig_states = true;
+  rig_states = states;
   for (size_t v = 0; v < 2; v++)
   for (size_t i = 0; i < FX_BATCH_MODELS; i++) {
     fixture fx;
@@ -293,3 +278,6 @@ Test(model_cpu, batched_decode_cross_states) {
   }
   rig_states = false;
 }
+
+Test(model_cpu, batched_decode) { batched_decode(false); }
+Test(model_cpu, batched_decode_cross_states) { batched_decode(true); }
