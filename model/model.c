@@ -1011,13 +1011,15 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   }
   td_kv_layout cl = td_model_cross_layout(m);
   int hd = d->dh_ * d->ddh;
-  if (m->opts.cross_states)
+  if (m->opts.cross_states) { /* the states once, split over the pool's K and V planes */
     TD_TRY(td_kv_write(b, eo, (const char *)eo + (size_t)(d->d / 2) * td_buf_elem_size(b, TD_BUF_ACT), d->d,
                        m->cross_pool, &cl, 0, dslots, E));
-  for (int l = 0; l < d->l1 - d->l0 && !m->opts.cross_states; l++) {
-    TD_TRY(linear(m, &m->dec[l].ckv, eo, m->e_qkv, E, TD_ACT_NONE, 0));
-    TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * td_buf_elem_size(b, TD_BUF_ACT), 2 * hd,
-                       m->cross_pool, &cl, l, dslots, E));
+  } else {
+    for (int l = 0; l < d->l1 - d->l0; l++) {
+      TD_TRY(linear(m, &m->dec[l].ckv, eo, m->e_qkv, E, TD_ACT_NONE, 0));
+      TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * td_buf_elem_size(b, TD_BUF_ACT), 2 * hd,
+                         m->cross_pool, &cl, l, dslots, E));
+    }
   }
   if (enc_out) TD_TRY(td_download(b, TD_BUF_ACT, eo, enc_out, (size_t)E * d->d));
   return td_sync(b);

@@ -27,7 +27,7 @@ typedef struct StatesArgs {
   const bf16 *q, *pool, *qn;
   bf16 *out;
   const int32_t *q_start, *ctx_len, *block_table;
-  int ldq, heads, D, bs, max_blocks, qn_dim, max_q, max_ctx, groups, n_splits, tiles;
+  int ldq, heads, D, bs, max_blocks, qn_dim, max_q, max_ctx, groups, n_splits;
   size_t block_elems;
   float scale_log2, qn_eps;
   bool late;
