@@ -436,6 +436,87 @@ static void bench_paged(int batch, int ctx, bool causal) {
   paged_free(&c);
 }
 
+/* td_attn_states as a decode step calls it: every layer over its own copy
+ * of the states (so that L2 never holds them), one query row a sequence. */
+typedef struct states_ctx {
+  void *q, *out, *pool;
+  td_kv_layout l;
+  td_paged_meta m[LAYERS];
+} states_ctx;
+static td_status states_work(void *p) {
+  states_ctx *c = p;
+  for (int layer = 0; layer < LAYERS; layer++)
+    TD_TRY(td_attn_states(B, c->q, NH * D, c->out, c->pool, &c->l, NH, &c->m[layer], 0.125f));
+  return TD_OK;
+}
+
+static void bench_states(int batch, int ctx) {
+  const char *what = "attn_states decode";
+  if (skip(what)) return;
+  states_ctx c = {0};
+  int nb = (ctx + BS - 1) / BS;
+  c.l = (td_kv_layout){1, 1, D / 2, BS};
+  c.pool = act(td_kv_block_elems(&c.l) * (size_t)batch * nb * LAYERS);
+  c.q = act((size_t)batch * NH * D);
+  c.out = act((size_t)batch * NH * D);
+  int32_t *qs = malloc(sizeof(int32_t) * (batch + 1)), *cl = malloc(sizeof(int32_t) * batch),
+          *tab = malloc(sizeof(int32_t) * (size_t)batch * nb);
+  for (int s = 0; s <= batch; s++) qs[s] = s;
+  for (int s = 0; s < batch; s++) cl[s] = ctx;
+  void *dqs = i32(qs, batch + 1), *dcl = i32(cl, batch);
+  for (int layer = 0; layer < LAYERS; layer++) {
+    for (int s = 0; s < batch; s++)
+      for (int i = 0; i < nb; i++) tab[(size_t)s * nb + i] = (layer * batch + s) * nb + i;
+    c.m[layer] = (td_paged_meta){batch, batch, 1, ctx, dqs, dcl, i32(tab, (size_t)batch * nb), nb, true, false,
+                                 NULL, 0, 0.0f};
+  }
+  double t = time_work(states_work, &c) / LAYERS;
+  double bytes = (double)batch * ctx * D * 2 + (double)batch * NH * D * 2 * 2;
+  char shape[48];
+  snprintf(shape, sizeof shape, "batch %d, ctx %d, D %d", batch, ctx, D);
+  add(what, shape, t, bytes, 4.0 * batch * NH * (double)ctx * D);
+  for (int layer = 0; layer < LAYERS; layer++) td_free(B, (void *)c.m[layer].block_table);
+  td_free(B, dqs);
+  td_free(B, dcl);
+  td_free(B, c.pool);
+  td_free(B, c.q);
+  td_free(B, c.out);
+  free(qs);
+  free(cl);
+  free(tab);
+}
+
+/* td_gemm_heads both ways round the states (W_k into state space, W_v back),
+ * each layer's weights its own */
+typedef struct heads_ctx {
+  void *x, *y, *w[LAYERS];
+  int m, n, k;
+  bool w_t;
+} heads_ctx;
+static td_status heads_work(void *p) {
+  heads_ctx *c = p;
+  for (int layer = 0; layer < LAYERS; layer++)
+    TD_TRY(td_gemm_heads(B, c->x, c->w[layer], NULL, c->y, c->m, NH, c->n, c->k, c->w_t));
+  return TD_OK;
+}
+
+static void bench_heads(int m, bool back) {
+  const char *what = back ? "gemm_heads W_v" : "gemm_heads W_k";
+  if (skip(what)) return;
+  heads_ctx c = {.m = m, .n = back ? DH : D, .k = back ? D : DH, .w_t = back};
+  c.x = act((size_t)m * NH * c.k);
+  c.y = act((size_t)m * NH * c.n);
+  for (int layer = 0; layer < LAYERS; layer++) c.w[layer] = act((size_t)NH * DH * D);
+  double t = time_work(heads_work, &c) / LAYERS;
+  double bytes = (double)NH * DH * D * 2 + (double)m * NH * (c.k + c.n) * 2;
+  char shape[48];
+  snprintf(shape, sizeof shape, "m=%d heads=%d n=%d k=%d", m, NH, c.n, c.k);
+  add(what, shape, t, bytes, 2.0 * m * NH * (double)DH * D);
+  for (int layer = 0; layer < LAYERS; layer++) td_free(B, c.w[layer]);
+  td_free(B, c.x);
+  td_free(B, c.y);
+}
+
 /* ------------------------------------------------------------ whole passes */
 
 typedef struct layer_w {
@@ -734,6 +815,12 @@ int main(int argc, char **argv) {
   static const int batches[] = {1, 16, 64};
   for (int i = 0; i < 3; i++) bench_paged(batches[i], ENC_LEN, false);
   for (int i = 0; i < 3; i++) bench_paged(batches[i], 64, true);
+  static const int sbatches[] = {1, 4, 16, 64, 128};
+  for (int i = 0; i < 5; i++) bench_states(sbatches[i], ENC_LEN);
+  for (int i = 0; i < 3; i++) {
+    bench_heads(batches[i], false);
+    bench_heads(batches[i], true);
+  }
   for (int i = 0; i < 3; i++) {
     int m = batches[i];
     bench_gemm("gemm decode qkv", m, 3 * D, D, 0);

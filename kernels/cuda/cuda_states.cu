@@ -9,17 +9,22 @@
  * M) and a range of its states; E comes in tiles of ST rows by bulk
  * copies (a row's two halves, one per pool plane, into padded shared
  * memory so that ldmatrix meets at most 2-way bank conflicts), requested
- * before the PDL wait (the states are static in a step). H100, Flan-T5-large
- * batch 64: ~40 us a layer for 64 MB of states (~1.6 TB/s; the copies alone
- * take as long), so the mode pays from batch 128 (docs/cuda.md, pass 13). Per tile the 8 warps split the scores'
- * reduction over D, then the mix's columns; a sequence's key ranges
- * (splits) merge in the last block to finish. */
+ * before the PDL wait (the states are static in a step). Per tile the 8
+ * warps split the scores' reduction over D, then the mix's columns. A
+ * group's key ranges (splits) run as one thread-block cluster and merge
+ * through distributed shared memory: H100, Flan-T5-large, 512 states,
+ * batch 1 13 us (19.8 with the merge through global memory by the last
+ * block), batch 64 34 us for 64 MB (~2.1 TB/s; one SM's bulk copies stream
+ * ~23 GB/s, so fewer blocks than SMs cannot reach the copy rate;
+ * docs/cuda.md, passes 13-14). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/cuda_ptx.cuh"
+
+#include <cooperative_groups.h>
 
 #define LOG2E_F 1.4426950408889634f
 
@@ -31,8 +36,6 @@ typedef struct StatesArgs {
   size_t block_elems;
   float scale_log2, qn_eps;
   bool late;
-  float *part; /* [seq][group][split]: 16 x D sums, then 16 m, 16 l */
-  int *counters;
 } StatesArgs;
 
 /* 1 / rms of the query norm's row, or 1 */
@@ -101,9 +104,9 @@ __global__ void __launch_bounds__(128) states_generic_kernel(const StatesArgs a)
 
 /* The tensor-core kernel: NT = D / 64 (each warp's mix columns in n8
  * tiles), ST states a tile, NSTG tiles in flight. */
-enum { ST = 32, NSTG = 2, SW = 8, STATES_MAX_SPLITS = 32 };
+enum { ST = 32, NSTG = 2, SW = 8, STATES_MAX_SPLITS = 16 };
 
-template <int NT>
+template <int NT, int ST, int NSTG>
 struct StatesSmem {
   /* a plane's rows in pairs (one bulk copy of 2 rows where they share a
    * paged block), the pairs padded by 16 bytes: 2-way conflicts at most for
@@ -115,11 +118,15 @@ struct StatesSmem {
   static constexpr size_t P = 16 * (ST + 8) * 2;                 /* probabilities, bf16 */
   static constexpr size_t STATS = 3 * 16 * 4;                    /* m, l, alpha */
   static constexpr size_t BYTES = Q + NSTG * STAGE + RED + P + STATS + NSTG * 8;
+  /* after the last tile the stages hold the block's partial sums for the
+   * cluster's merge: [16][D + 4] fp32, then 16 x STATES_MAX_SPLITS weights */
+  static constexpr int PST = D + 4;
+  static_assert(NSTG * STAGE >= (16 * (size_t)PST + 16 * STATES_MAX_SPLITS) * 4, "merge buffer");
 };
 
-template <int NT>
+template <int NT, int ST, int NSTG>
 __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs a) {
-  using L = StatesSmem<NT>;
+  using L = StatesSmem<NT, ST, NSTG>;
   constexpr int D = L::D, HALF = L::HALF, PAIR = L::PAIR, KW = D / SW; /* each warp's score slice of D */
   constexpr int PLANE = (ST / 2) * PAIR, SSTAGE = 2 * PLANE;
   auto erow = [](int r) { return (r >> 1) * PAIR + (r & 1) * HALF; }; /* row r of a plane */
@@ -131,7 +138,8 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   float *st_m = (float *)((char *)ps + L::P), *st_l = st_m + 16, *st_a = st_l + 16;
   uint64_t *bar = (uint64_t *)(st_m + 48);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
-  const int sg = (int)blockIdx.x, split = (int)blockIdx.y;
+  /* a cluster of n_splits blocks per group, each a range of the states */
+  const int sg = (int)blockIdx.x / a.n_splits, split = (int)blockIdx.x % a.n_splits;
   const int s = sg / a.groups, g = sg % a.groups;
   const int ctx = a.ctx_len[s];
   const int32_t *table = a.block_table + (size_t)s * a.max_blocks;
@@ -226,26 +234,34 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
       }
     }
     __syncthreads();
-    { /* softmax over the tile: thread tid takes row tid / 16, columns 2 (tid % 16) + {0, 1} */
-      const int r = tid >> 4, c = (tid & 15) * 2;
-      float v0 = 0.0f, v1 = 0.0f;
+    { /* softmax over the tile: thread tid takes row tid / 16, columns CPT (tid % 16) + [0, CPT) */
+      constexpr int CPT = ST / 16;
+      const int r = tid >> 4, c = (tid & 15) * CPT;
+      float v[CPT];
 #pragma unroll
-      for (int w = 0; w < SW; w++) {
-        float2 f = *(const float2 *)&red[((size_t)w * 16 + r) * ST + c];
-        v0 += f.x;
-        v1 += f.y;
+      for (int i = 0; i < CPT; i++) v[i] = 0.0f;
+#pragma unroll
+      for (int w = 0; w < SW; w++)
+#pragma unroll
+        for (int i = 0; i < CPT; i++) v[i] += red[((size_t)w * 16 + r) * ST + c + i];
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < CPT; i++) {
+        v[i] = c + i < nval ? v[i] * rs : -INFINITY;
+        mx = fmaxf(mx, v[i]);
       }
-      v0 = c < nval ? v0 * rs : -INFINITY;
-      v1 = c + 1 < nval ? v1 * rs : -INFINITY;
-      float mx = fmaxf(v0, v1);
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       const float mo = st_m[r], mn = fmaxf(mo, mx);
-      const float p0 = mn == -INFINITY ? 0.0f : exp2f(v0 - mn), p1 = mn == -INFINITY ? 0.0f : exp2f(v1 - mn);
-      float sum = p0 + p1;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < CPT; i++) {
+        v[i] = mn == -INFINITY ? 0.0f : exp2f(v[i] - mn);
+        sum += v[i];
+        ps[r * (ST + 8) + c + i] = __float2bfloat16(v[i]);
+      }
 #pragma unroll
       for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      *(uint32_t *)&ps[r * (ST + 8) + c] = pack_bf16(p0, p1);
       __syncwarp();
       if ((tid & 15) == 0) {
         const float al = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
@@ -287,7 +303,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
     }
   }
 
-  /* out: this block's sums (one split) or the merge of every split's */
+  /* out: this block's sums (one split) or the merge of the cluster's */
   const int gr = lane >> 2, gc = (lane & 3) * 2, c0 = warp * (D / SW);
   auto out_at = [&](int r) -> bf16 * {
     const int p = g * 16 + r;
@@ -306,95 +322,73 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
     }
     return;
   }
-  const size_t per = 16 * (size_t)D + 32;
-  float *mine = a.part + ((size_t)sg * a.n_splits + split) * per;
+  /* every block's partial sums into its stages (all its copies have landed),
+   * then block k of the cluster merges columns [k D / S, (k + 1) D / S) of
+   * all 16 rows from every block's shared memory */
+  namespace cg = cooperative_groups;
+  cg::cluster_group cl = cg::this_cluster();
+  const int S = a.n_splits;
+  float *mine = (float *)stage, *wk = mine + 16 * L::PST; /* wk [16][S]: merge weights, 1 / L folded in */
 #pragma unroll
   for (int hr = 0; hr < 2; hr++) {
     const int r = gr + 8 * hr;
 #pragma unroll
     for (int j = 0; j < NT; j++)
-      *(float2 *)&mine[(size_t)r * D + c0 + j * 8 + gc] = make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
+      *(float2 *)&mine[r * L::PST + c0 + j * 8 + gc] = make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
   }
-  if (tid < 16) {
-    mine[16 * (size_t)D + tid] = st_m[tid];
-    mine[16 * (size_t)D + 16 + tid] = st_l[tid];
-  }
-  __threadfence();
-  __syncthreads();
-  __shared__ int last;
-  if (tid == 0) {
-    const int prev = atomicAdd(&a.counters[sg], 1);
-    last = prev == a.n_splits - 1;
-    if (last) a.counters[sg] = 0; /* ready for the next launch */
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  /* merge: per row the splits' weights exp2(m_k - M) / L, then each thread
-   * sums its NT float4 of the 16 x D outputs over the splits (the loads of
-   * a split independent, so one L2 round trip a split) */
-  const float *all = a.part + (size_t)sg * a.n_splits * per;
-  float *wk = red; /* [16][n_splits], n_splits <= STATES_MAX_SPLITS */
+  cl.sync(); /* the partials and every block's m, l visible to the cluster */
   if (tid < 16) {
     float M = -INFINITY, Ls = 0.0f;
-    for (int k = 0; k < a.n_splits; k++) M = fmaxf(M, __ldcg(&all[k * per + 16 * (size_t)D + tid]));
-    for (int k = 0; k < a.n_splits; k++) {
-      const float mk = __ldcg(&all[k * per + 16 * (size_t)D + tid]);
+    for (int k = 0; k < S; k++) M = fmaxf(M, *cl.map_shared_rank(st_m + tid, k));
+    for (int k = 0; k < S; k++) {
+      const float mk = *cl.map_shared_rank(st_m + tid, k);
       const float w = mk == -INFINITY ? 0.0f : exp2f(mk - M);
-      wk[tid * a.n_splits + k] = w;
-      Ls += w * __ldcg(&all[k * per + 16 * (size_t)D + 16 + tid]);
+      wk[tid * S + k] = w;
+      Ls += w * *cl.map_shared_rank(st_l + tid, k);
     }
     const float inv = Ls > 0.0f ? 1.0f / Ls : 0.0f;
-    for (int k = 0; k < a.n_splits; k++) wk[tid * a.n_splits + k] *= inv;
+    for (int k = 0; k < S; k++) wk[tid * S + k] *= inv;
   }
   __syncthreads();
-  float4 m4[NT];
-#pragma unroll
-  for (int i = 0; i < NT; i++) m4[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int k = 0; k < a.n_splits; k++) {
-    const float *pk = all + k * per;
-#pragma unroll
-    for (int i = 0; i < NT; i++) {
-      const int e = tid + i * 32 * SW, r = e / (D / 4);
-      const float w = wk[r * a.n_splits + k];
-      const float4 f = __ldcg((const float4 *)pk + e);
-      m4[i].x = fmaf(w, f.x, m4[i].x);
-      m4[i].y = fmaf(w, f.y, m4[i].y);
-      m4[i].z = fmaf(w, f.z, m4[i].z);
-      m4[i].w = fmaf(w, f.w, m4[i].w);
+  const int cw = D / S, n4 = 16 * (cw / 4); /* this block's float4s: 16 rows x cw / 4 */
+  for (int e = tid; e < n4; e += 32 * SW) {
+    const int r = e / (cw / 4), c = split * cw + (e % (cw / 4)) * 4;
+    float4 m4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int k = 0; k < S; k++) {
+      const float w = wk[r * S + k];
+      const float4 f = *(const float4 *)cl.map_shared_rank(mine + r * L::PST + c, k);
+      m4.x = fmaf(w, f.x, m4.x);
+      m4.y = fmaf(w, f.y, m4.y);
+      m4.z = fmaf(w, f.z, m4.z);
+      m4.w = fmaf(w, f.w, m4.w);
     }
-  }
-#pragma unroll
-  for (int i = 0; i < NT; i++) {
-    const int e = tid + i * 32 * SW, r = e / (D / 4), c = (e % (D / 4)) * 4;
     bf16 *o = out_at(r);
-    if (o) *(uint2 *)&o[c] = make_uint2(pack_bf16(m4[i].x, m4[i].y), pack_bf16(m4[i].z, m4[i].w));
+    if (o) *(uint2 *)&o[c] = make_uint2(pack_bf16(m4.x, m4.y), pack_bf16(m4.z, m4.w));
   }
+  cl.sync(); /* no block leaves while another still reads its shared memory */
 }
+
+/* The tensor-core kernel for one D (NT = D / 64), and how many of its
+ * clusters of 1, 2, 4 and 8 blocks the GPU holds at once. */
+typedef struct states_cfg {
+  int nt;
+  size_t bytes;
+  const void *fn;
+  void (*launch)(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a);
+} states_cfg;
 
 template <int NT>
-static td_status states_prepare(const td_cuda *c) {
-  TD_CU_CHECK(cudaFuncSetAttribute(states_mma_kernel<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)StatesSmem<NT>::BYTES),
-              "attn_states");
-  return TD_OK;
+static void states_launch(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a) {
+  (void)td_launch_ex(c, cluster, -1, states_mma_kernel<NT, ST, NSTG>, grid, 32 * SW, StatesSmem<NT, ST, NSTG>::BYTES,
+                     a);
 }
 
-template <int NT>
-static void states_launch(const td_cuda *c, dim3 grid, const StatesArgs &a) {
-  (void)td_launch(c, states_mma_kernel<NT>, grid, 32 * SW, StatesSmem<NT>::BYTES, a);
-}
+#define TD_STATES_CFG(nt) \
+  {nt, StatesSmem<nt, ST, NSTG>::BYTES, (const void *)states_mma_kernel<nt, ST, NSTG>, states_launch<nt>},
+static const states_cfg STATES_CFGS[] = {TD_STATES_CFG(8) TD_STATES_CFG(12) TD_STATES_CFG(16) TD_STATES_CFG(20)};
+#undef TD_STATES_CFG
+enum { STATES_NCFG = (int)(sizeof STATES_CFGS / sizeof STATES_CFGS[0]), STATES_CLUSTERS = 4 };
 
-/* one entry per D the tensor-core kernel takes (NT = D / 64) */
-#define TD_STATES_SHAPES(X) X(8) X(12) X(16) X(20)
-
-td_status td_cu_states_init(td_cuda *c) {
-#define TD_STATES_PREP(nt) \
-  if (StatesSmem<nt>::BYTES <= c->smem_optin) TD_TRY(states_prepare<nt>(c));
-  TD_STATES_SHAPES(TD_STATES_PREP)
-#undef TD_STATES_PREP
-  return TD_OK;
-}
 
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                             const td_kv_layout *l, int heads, const td_paged_meta *m, float scale) {
@@ -426,13 +420,12 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
     a.qn_dim = m->q_norm_dim;
     a.qn_eps = m->q_norm_eps;
   }
-  int NT = D / 64;
-  bool fast = D % 64 == 0 && (NT == 8 || NT == 12 || NT == 16 || NT == 20) && ldq % 8 == 0 && td_aligned16(q) &&
-              td_aligned16(pool) && td_aligned16(out) && m->kv_static && getenv("TANDEM_CUDA_STATES_GENERIC") == NULL;
-#define TD_STATES_FITS(nt) \
-  if (NT == nt && StatesSmem<nt>::BYTES > c->smem_optin) fast = false;
-  TD_STATES_SHAPES(TD_STATES_FITS)
-#undef TD_STATES_FITS
+  int ci = STATES_NCFG;
+  for (int i = 0; i < STATES_NCFG; i++)
+    if (D == STATES_CFGS[i].nt * 64 && STATES_CFGS[i].bytes <= c->smem_optin) ci = i;
+  const states_cfg *cfg = ci < STATES_NCFG ? &STATES_CFGS[ci] : NULL;
+  bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(pool) && td_aligned16(out) && m->kv_static &&
+              getenv("TANDEM_CUDA_STATES_GENERIC") == NULL;
   if (!fast) {
     size_t sm = ((size_t)max_ctx + 8) * sizeof(float);
     if (sm > c->smem_optin) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %d states", max_ctx);
@@ -446,23 +439,21 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
   }
   a.groups = (max_q * heads + 15) / 16;
   long base = (long)m->n_seqs * a.groups;
-  if (base > 2147483647L) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %ld blocks", base);
-  /* key splits so that the blocks fill the GPU once (one block an SM) */
+  /* key splits: a cluster of that many blocks a group, merged in shared
+   * memory; the most (a power of two, at most 8) that still fit the GPU in
+   * one wave */
   int tiles = (max_ctx + ST - 1) / ST, splits = 1;
   const char *ov = getenv("TANDEM_CUDA_STATES_SPLITS");
-  if (ov && *ov) splits = atoi(ov);
-  else if (base < c->sm_count) splits = (int)(c->sm_count / base);
-  splits = splits > tiles ? tiles : splits > STATES_MAX_SPLITS ? STATES_MAX_SPLITS : splits < 1 ? 1 : splits;
-  size_t per = (16 * (size_t)D + 32) * sizeof(float);
-  while (splits > 1 && (per * splits * base > TD_CU_SPLIT_BYTES || base > TD_CU_ATTN_COUNTERS)) splits--;
+  if (ov && *ov) {
+    int want = atoi(ov);
+    while (splits * 2 <= want && splits * 2 <= STATES_MAX_SPLITS && splits * 2 <= tiles) splits *= 2;
+  } else {
+    for (int k = 1; k < STATES_CLUSTERS; k++)
+      if ((1 << k) <= tiles && base * (1 << k) <= c->sm_count && base <= c->states_clusters[ci][k]) splits = 1 << k;
+  }
+  if (base * splits > 2147483647L) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %ld blocks", base * splits);
   a.n_splits = splits;
-  a.part = c->split;
-  a.counters = c->counters + TD_CU_GEMM_COUNTERS;
-  dim3 grid((unsigned)base, (unsigned)splits);
-#define TD_STATES_GO(nt) \
-  if (NT == nt) states_launch<nt>(c, grid, a);
-  TD_STATES_SHAPES(TD_STATES_GO)
-#undef TD_STATES_GO
+  cfg->launch(c, dim3((unsigned)(base * splits)), splits, a);
   TD_CU_LAUNCHED("attn_states");
   return TD_OK;
 }
@@ -570,10 +561,156 @@ static td_status heads_plan_get(td_cuda *c, int m, int heads, int n, int k, bool
   return TD_OK;
 }
 
+/* The per-head products on tensor cores, for n % 64 == 0 and k % 16 == 0:
+ * a block per (64 output columns, head, 64 rows) and, where that leaves
+ * SMs idle, per K range: S blocks a cluster, their fp32 partials summed
+ * in shared memory. W is requested before the PDL wait and the kernel
+ * lets the next launch start at once, so that the states kernel after the
+ * first product issues its copies during it (cuBLASLt's kernels do neither). */
+enum { HB = 64, HEADS_MAX_KS = 256, HEADS_PST = HB + 4, HEADS_SPLIT_ROWS = 4 };
+
+static size_t heads_smem(bool w_t, int ks) {
+  size_t tiles = ((size_t)HB * (ks + 8) + (w_t ? (size_t)HB * (ks + 8) : (size_t)ks * (HB + 8))) * 2;
+  size_t part = (size_t)HB * HEADS_PST * 4;
+  return tiles > part ? tiles : part;
+}
+
+template <bool WT>
+__global__ void __launch_bounds__(128) heads_mma_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w,
+                                                        const float *__restrict__ bias, bf16 *__restrict__ y, int m,
+                                                        int heads, int n, int k, int S) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int KS = k / S, LD = KS + 8, LDW = WT ? KS + 8 : HB + 8;
+  bf16 *xs = (bf16 *)smem, *ws = xs + HB * LD;
+  const int rank = (int)blockIdx.x % S, c0 = ((int)blockIdx.x / S) * HB, h = (int)blockIdx.y, r0 = (int)blockIdx.z * HB;
+  const int k0 = rank * KS, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const bf16 *W = w + (size_t)h * n * k;
+  if (WT) /* W_h [n, k]: rows c0 + [0, 64), columns k0 + [0, KS) */
+    for (int e = tid; e < HB * (KS / 8); e += 128) {
+      const int r = e / (KS / 8), cc = (e % (KS / 8)) * 8;
+      cp_async16(ws + r * LDW + cc, W + (size_t)(c0 + r) * k + k0 + cc, true);
+    }
+  else /* W_h [k, n]: rows k0 + [0, KS), columns c0 + [0, 64) */
+    for (int e = tid; e < KS * (HB / 8); e += 128) {
+      const int r = e / (HB / 8), cc = (e % (HB / 8)) * 8;
+      cp_async16(ws + r * LDW + cc, W + (size_t)(k0 + r) * n + c0 + cc, true);
+    }
+  cp_async_commit();
+  td_pdl_start();
+  const size_t ldx = (size_t)heads * k, ldy = (size_t)heads * n;
+  for (int e = tid; e < HB * (KS / 8); e += 128) {
+    const int r = e / (KS / 8), cc = (e % (KS / 8)) * 8;
+    const bool in = r0 + r < m;
+    cp_async16(xs + r * LD + cc, in ? x + (size_t)(r0 + r) * ldx + (size_t)h * k + k0 + cc : x, in);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  float acc[HB / 8][4];
+#pragma unroll
+  for (int j = 0; j < HB / 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  const int lr = lane & 7, lm = lane >> 3;
+  if (r0 + warp * 16 < m)
+    for (int kk = 0; kk < KS; kk += 16) {
+      uint32_t af[4];
+      ldsm_x4(af[0], af[1], af[2], af[3], xs + (warp * 16 + lr + (lm & 1) * 8) * LD + kk + (lm >> 1) * 8);
+#pragma unroll
+      for (int j = 0; j < HB / 8; j += 2) {
+        uint32_t b0, b1, b2, b3;
+        if (WT)
+          ldsm_x4(b0, b1, b2, b3, ws + (j * 8 + (lm >> 1) * 8 + lr) * LDW + kk + (lm & 1) * 8);
+        else
+          ldsm_x4_t(b0, b1, b2, b3, ws + (kk + (lm & 1) * 8 + lr) * LDW + j * 8 + (lm >> 1) * 8);
+        mma16816(acc[j], af, b0, b1);
+        mma16816(acc[j + 1], af, b2, b3);
+      }
+    }
+  const int gr = lane >> 2, gc = (lane & 3) * 2;
+  if (S == 1) {
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+      const int row = r0 + warp * 16 + gr + 8 * hr;
+      if (row >= m) continue;
+#pragma unroll
+      for (int j = 0; j < HB / 8; j++) {
+        const int col = c0 + j * 8 + gc;
+        float v0 = acc[j][2 * hr], v1 = acc[j][2 * hr + 1];
+        if (bias) {
+          v0 += bias[(size_t)h * n + col];
+          v1 += bias[(size_t)h * n + col + 1];
+        }
+        *(uint32_t *)&y[(size_t)row * ldy + (size_t)h * n + col] = pack_bf16(v0, v1);
+      }
+    }
+    return;
+  }
+  /* split K: partials into shared memory, then rank r sums rows
+   * [r 64 / S, (r + 1) 64 / S) over the cluster */
+  namespace cg = cooperative_groups;
+  cg::cluster_group cl = cg::this_cluster();
+  __syncthreads(); /* every warp is done with the tiles */
+  float *part = (float *)smem;
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++)
+#pragma unroll
+    for (int j = 0; j < HB / 8; j++)
+      *(float2 *)&part[(warp * 16 + gr + 8 * hr) * HEADS_PST + j * 8 + gc] =
+          make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
+  cl.sync();
+  const int rows = HB / S;
+  for (int e = tid; e < rows * (HB / 4); e += 128) {
+    const int rr = rank * rows + e / (HB / 4), cc = (e % (HB / 4)) * 4, row = r0 + rr;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int q = 0; q < S; q++) {
+      const float4 f = *(const float4 *)cl.map_shared_rank(part + rr * HEADS_PST + cc, q);
+      v.x += f.x;
+      v.y += f.y;
+      v.z += f.z;
+      v.w += f.w;
+    }
+    if (row < m) {
+      const int col = c0 + cc;
+      if (bias) {
+        const float *bb = bias + (size_t)h * n + col;
+        v.x += bb[0];
+        v.y += bb[1];
+        v.z += bb[2];
+        v.w += bb[3];
+      }
+      *(uint2 *)&y[(size_t)row * ldy + (size_t)h * n + col] = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+    }
+  }
+  cl.sync(); /* no block leaves while another still reads its partials */
+}
+
 td_status td_cu_gemm_heads(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int heads,
                            int n, int k, bool w_t) {
   td_cuda *c = td_cu(b);
   td_cu_bind(c);
+  if (n % HB == 0 && k % 16 == 0 && td_aligned16(x) && td_aligned16(w) && td_aligned16(y) &&
+      getenv("TANDEM_CUDA_HEADS_LT") == NULL) {
+    /* K split over a cluster while the blocks would leave SMs idle, each
+     * range a multiple of 16 and at most HEADS_MAX_KS; split only at a few
+     * rows (H100, Flan-T5-large's W_v product: the split kernel wins at 1-4
+     * rows, loses to cuBLASLt's from 16; docs/cuda.md, pass 14) */
+    long blocks = (long)(n / HB) * heads * ((m + HB - 1) / HB);
+    int S = 1;
+    while (S < 8 && k % (32 * S) == 0 && blocks * S * 2 <= c->sm_count) S *= 2;
+    while (k / S > HEADS_MAX_KS && S < 8 && k % (32 * S) == 0) S *= 2;
+    if (k / S <= HEADS_MAX_KS && (S == 1 || m <= HEADS_SPLIT_ROWS) && (m + HB - 1) / HB <= 65535 &&
+        heads <= 65535) {
+      dim3 grid((unsigned)(n / HB * S), (unsigned)heads, (unsigned)((m + HB - 1) / HB));
+      size_t sm = heads_smem(w_t, k / S);
+      if (w_t)
+        (void)td_launch_ex(c, S, -1, heads_mma_kernel<true>, grid, 128, sm, (const bf16 *)x, (const bf16 *)w, bias,
+                           (bf16 *)y, m, heads, n, k, S);
+      else
+        (void)td_launch_ex(c, S, -1, heads_mma_kernel<false>, grid, 128, sm, (const bf16 *)x, (const bf16 *)w, bias,
+                           (bf16 *)y, m, heads, n, k, S);
+      TD_CU_LAUNCHED("gemm_heads");
+      return TD_OK;
+    }
+  }
   td_heads_plan *p = NULL;
   TD_TRY(heads_plan_get(c, m, heads, n, k, w_t, &p));
   const float alpha = 1.0f, beta = 0.0f;
@@ -584,6 +721,38 @@ td_status td_cu_gemm_heads(td_backend *b, const void *x, const void *w, const fl
     int wd = heads * n;
     (void)td_launch(c, heads_bias_kernel, td_blocks((size_t)m * wd, 256), 256, 0, (bf16 *)y, bias, m, wd);
     TD_CU_LAUNCHED("gemm_heads bias");
+  }
+  return TD_OK;
+}
+
+td_status td_cu_states_init(td_cuda *c) {
+  const size_t h1 = heads_smem(true, HEADS_MAX_KS), h2 = heads_smem(false, HEADS_MAX_KS);
+  const int hsm = (int)(h1 > h2 ? h1 : h2);
+  TD_CU_CHECK(cudaFuncSetAttribute(heads_mma_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, hsm),
+              "gemm_heads");
+  TD_CU_CHECK(cudaFuncSetAttribute(heads_mma_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, hsm),
+              "gemm_heads");
+  for (int i = 0; i < STATES_NCFG; i++) {
+    const states_cfg *s = &STATES_CFGS[i];
+    if (s->bytes > c->smem_optin) continue;
+    TD_CU_CHECK(cudaFuncSetAttribute(s->fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s->bytes),
+                "attn_states");
+    TD_CU_CHECK(cudaFuncSetAttribute(s->fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "attn_states");
+    for (int k = 0; k < STATES_CLUSTERS; k++) {
+      cudaLaunchConfig_t lc = {};
+      cudaLaunchAttribute at;
+      at.id = cudaLaunchAttributeClusterDimension;
+      at.val.clusterDim.x = 1u << k;
+      at.val.clusterDim.y = at.val.clusterDim.z = 1;
+      lc.gridDim = dim3(1u << k);
+      lc.blockDim = dim3(32 * SW);
+      lc.dynamicSmemBytes = s->bytes;
+      lc.attrs = &at;
+      lc.numAttrs = 1;
+      int n = 0;
+      TD_CU_CHECK(cudaOccupancyMaxActiveClusters(&n, s->fn, &lc), "attn_states");
+      c->states_clusters[i][k] = n;
+    }
   }
   return TD_OK;
 }

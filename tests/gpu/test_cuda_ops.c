@@ -1035,8 +1035,8 @@ Test(cuda, attn_states) {
       {4, 96, 5, 6, 2, 41, true, 0, 0},         /* a width the generic kernel takes */
       {3, 40, 2, 3, 3, 9, false, 40, 0},
   };
-  static const char *splits[] = {NULL, "1", "3"};
-  for (size_t v = 0; v < 3; v++) {
+  static const char *splits[] = {NULL, "1", "2", "16"}; /* 16: a non-portable cluster */
+  for (size_t v = 0; v < 4; v++) {
     if (splits[v]) setenv("TANDEM_CUDA_STATES_SPLITS", splits[v], 1);
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) states_case(&cfg[i], splits[v] ? splits[v] : "default");
     unsetenv("TANDEM_CUDA_STATES_SPLITS");
@@ -1066,13 +1066,22 @@ static void heads_case(int m, int heads, int n, int k, bool w_t, bool bias) {
 }
 
 Test(cuda, gemm_heads) {
-  heads_case(64, 16, 1024, 64, false, false); /* the query into state space */
-  heads_case(64, 16, 64, 1024, true, true);   /* the mix back to a head, V bias */
-  heads_case(1, 16, 1024, 64, false, false);
-  heads_case(1, 20, 64, 1280, true, true);
-  heads_case(37, 7, 40, 24, false, true);
-  heads_case(5, 3, 24, 40, true, false);
-  heads_case(130, 8, 512, 64, false, false);
+  /* the tensor-core kernel (n % 64 == 0, k % 16 == 0; split K over a
+   * cluster where blocks are few), then every case on cuBLASLt */
+  for (int lt = 0; lt < 2; lt++) {
+    if (lt) setenv("TANDEM_CUDA_HEADS_LT", "1", 1);
+    heads_case(64, 16, 1024, 64, false, false); /* the query into state space */
+    heads_case(64, 16, 64, 1024, true, true);   /* the mix back to a head, V bias */
+    heads_case(1, 16, 1024, 64, false, false);
+    heads_case(1, 20, 64, 1280, true, true); /* K over a cluster of 8 blocks */
+    heads_case(37, 7, 40, 24, false, true); /* widths only cuBLASLt takes */
+    heads_case(5, 3, 24, 40, true, false);
+    heads_case(130, 8, 512, 64, false, false); /* three row tiles */
+    heads_case(77, 5, 128, 48, false, true);
+    heads_case(3, 4, 192, 512, true, true);
+    heads_case(200, 2, 64, 16, true, false);
+    unsetenv("TANDEM_CUDA_HEADS_LT");
+  }
 }
 
 /* ---------------------------------------------------------------- sampling */
