@@ -9,6 +9,7 @@
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
 #                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
+#                   [--cross-states]                  (cross pools hold encoder states: router and every worker)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model="$root/tests/data/t5-tiny"
@@ -20,6 +21,7 @@ demo=0
 block_size=16
 decode_tp=1 decode_pp=1
 kv_transport=auto
+cross_states=()
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -33,8 +35,9 @@ while (($#)); do
     --decode-tp) decode_tp=$2; shift 2 ;;
     --decode-pp) decode_pp=$2; shift 2 ;;
     --kv-transport) kv_transport=$2; shift 2 ;;
+    --cross-states) cross_states=(--cross-states); shift ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -94,10 +97,10 @@ start() { # name, command...
   echo $! >"$run_dir/$name.pid"
 }
 
-start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep"
+start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" ${cross_states[@]+"${cross_states[@]}"}
 threads=1
 common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
-        --kv-transport "$kv_transport")
+        --kv-transport "$kv_transport" ${cross_states[@]+"${cross_states[@]}"})
 gpu=-1
 ngpu=1
 [[ $device == cuda ]] && ngpu=$(nvidia-smi -L | wc -l)

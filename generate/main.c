@@ -46,7 +46,9 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: tandem-generate --model DIR --requests FILE.jsonl [--device cpu|cuda]\n"
           "                       [--logits-out FILE] [--block-size N] [--kv-blocks N] [--cross-blocks N]\n"
-          "                       [--max-batch N] [--max-tokens N] [--threads N]\n");
+          "                       [--max-batch N] [--max-tokens N] [--threads N]\n"
+          "                       [--cross-states]   (the cross pool holds each sequence's encoder states\n"
+          "                                           instead of every decoder layer's K/V)\n");
 }
 
 static int read_requests(const char *path, app *a) {
@@ -92,11 +94,13 @@ int main(int argc, char **argv) {
       {"block-size", required_argument, 0, 'b'}, {"kv-blocks", required_argument, 0, 'k'},
       {"cross-blocks", required_argument, 0, 'c'}, {"max-batch", required_argument, 0, 'B'},
       {"max-tokens", required_argument, 0, 'T'}, {"threads", required_argument, 0, 't'},
-      {"help", no_argument, 0, 'h'},             {0, 0, 0, 0}};
+      {"cross-states", no_argument, 0, 'C'},     {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0}};
   const char *model_dir = NULL, *req_path = NULL, *device = "cpu", *logits_path = NULL;
   int block_size = 16, kv_blocks = 0, cross_blocks = 0, max_batch = 64, max_tokens = 1024, threads = 0;
+  bool cross_states = false;
   int c;
-  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:Ch", opts, NULL)) != -1) {
     switch (c) {
       case 'm': model_dir = optarg; break;
       case 'r': req_path = optarg; break;
@@ -108,6 +112,7 @@ int main(int argc, char **argv) {
       case 'B': max_batch = atoi(optarg); break;
       case 'T': max_tokens = atoi(optarg); break;
       case 't': threads = atoi(optarg); break;
+      case 'C': cross_states = true; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -135,7 +140,7 @@ int main(int argc, char **argv) {
     goto out;
   }
   td_model_opts mo = {.block_size = block_size, .max_seqs = max_batch, .max_tokens = max_tokens,
-                      .max_logits = logits_path ? max_tokens : 0};
+                      .max_logits = logits_path ? max_tokens : 0, .cross_states = cross_states};
   if (td_model_load(model_dir, b, &mo, &m) != TD_OK) {
     fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
     rc = 2;

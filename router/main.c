@@ -20,10 +20,11 @@ int main(int argc, char **argv) {
       {"timeout-ms", required_argument, 0, 't'},      {"stage-timeout-ms", required_argument, 0, 's'},
       {"max-attempts", required_argument, 0, 'a'},    {"prefill-threshold", required_argument, 0, 'p'},
       {"model-name", required_argument, 0, 'n'},      {"log-level", required_argument, 0, 'l'},
-      {"help", no_argument, 0, 'h'},                  {0, 0, 0, 0}};
+      {"cross-states", no_argument, 0, 'C'},          {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0}};
   td_router_opts o = {.client_endpoint = "tcp://127.0.0.1:7000", .worker_endpoint = "tcp://127.0.0.1:7001"};
   int c;
-  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:n:l:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:n:l:Ch", opts, NULL)) != -1) {
     switch (c) {
       case 'c': o.client_endpoint = optarg; break;
       case 'w': o.worker_endpoint = optarg; break;
@@ -36,6 +37,7 @@ int main(int argc, char **argv) {
       case 'a': o.max_attempts = atoi(optarg); break;
       case 'p': o.prefill_threshold = atoi(optarg); break;
       case 'n': o.model_name = optarg; break;
+      case 'C': o.cross_states = true; break;
       case 'l':
         if (td_log_parse_level(optarg) < 0) {
           fprintf(stderr, "tandem-router: unknown log level %s\n", optarg);
@@ -48,7 +50,9 @@ int main(int argc, char **argv) {
                 "usage: tandem-router [--client-endpoint tcp://HOST:PORT] [--worker-endpoint tcp://HOST:PORT]\n"
                 "                     [--heartbeat-ms N] [--dead-after N] [--max-queue N] [--max-in-flight N]\n"
                 "                     [--timeout-ms N] [--stage-timeout-ms N] [--max-attempts N]\n"
-                "                     [--prefill-threshold N] [--model-name NAME] [--log-level LEVEL]\n");
+                "                     [--prefill-threshold N] [--model-name NAME] [--log-level LEVEL]\n"
+                "                     [--cross-states]   (the cluster's cross pools hold encoder states; every\n"
+                "                                         worker must be started with it too)\n");
         return c == 'h' ? 0 : 2;
     }
   }

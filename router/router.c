@@ -72,6 +72,9 @@ typedef struct group_rv {
   size_t nccl_len;
   int joined;
   bool complete;
+  /* a rank was refused: the group cannot form; every rank hears why once */
+  char *error;
+  bool told[MAX_GROUP];
   int64_t created;
   int64_t seen[MAX_GROUP]; /* followers' last heartbeat */
   UT_hash_handle hh;
@@ -271,11 +274,21 @@ static bool model_matches(td_router *r, const Tandem__ModelInfo *m, char *why, s
   return true;
 }
 
+/* Workers exchange cross blocks, whose layout the mode sets: every one
+ * must run the router's. */
+static bool cross_mode_matches(const td_router *r, bool states, char *why, size_t cap) {
+  if (states == r->o.cross_states) return true;
+  snprintf(why, cap, "cross pool mode differs: the worker runs %s --cross-states (%s), the router %s (%s); the router "
+           "and every worker must agree", states ? "with" : "without", states ? "encoder states" : "per-layer K/V",
+           r->o.cross_states ? "with" : "without", r->o.cross_states ? "encoder states" : "per-layer K/V");
+  return false;
+}
+
 static void on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__Register *reg) {
   Tandem__Cluster__RegisterAck ack = TANDEM__CLUSTER__REGISTER_ACK__INIT;
   ack.heartbeat_ms = (uint32_t)r->o.heartbeat_ms;
   ack.dead_after = (uint32_t)r->o.dead_after;
-  char why[256] = "";
+  char why[512] = "";
   Tandem__Cluster__WorkerInfo *in = reg ? reg->info : NULL;
   char wid[TD_WIRE_MAX_ID + 1];
   memcpy(wid, id, id_len);
@@ -289,6 +302,7 @@ static void on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__
     snprintf(why, sizeof why, "no roles");
     ok = false;
   }
+  if (ok) ok = cross_mode_matches(r, in->cross_states, why, sizeof why);
   if (!ok) {
     TD_WARN("refused worker %s: %s", wid, why);
     ack.accepted = false;
@@ -350,6 +364,7 @@ static void on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__
 
 static void group_free(group_rv *g) {
   for (int i = 0; i < MAX_GROUP; i++) free(g->endpoints[i]);
+  free(g->error);
   free(g);
 }
 
@@ -381,6 +396,45 @@ static void on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem
   }
   group_rv *g = NULL;
   HASH_FIND_STR(r->groups, name, g);
+  char why[512];
+  bool refused = !cross_mode_matches(r, j->cross_states, why, sizeof why);
+  /* a failed rendezvous that this rank heard of already, or a running group, starts over (a restart) */
+  if (g && ((g->error && (g->told[j->rank] || g->world != (int)j->world)) || (refused && g->complete))) {
+    HASH_DEL(r->groups, g);
+    group_free(g);
+    g = NULL;
+  }
+  if (refused || (g && g->error)) {
+    /* the other ranks cannot form the group either: those waiting hear why now, the others
+     * when they join (rather than waiting for a rank that never comes) */
+    if (refused) TD_WARN("refused rank %u of worker group %s: %s", j->rank, name, why);
+    group_reply(r, id, id_len, NULL, refused ? why : g->error);
+    if (!g && (g = calloc(1, sizeof *g)) != NULL) {
+      snprintf(g->name, sizeof g->name, "%s", name);
+      g->world = (int)j->world;
+      g->created = now();
+      HASH_ADD_STR(r->groups, name, g);
+    }
+    if (!g) return;
+    g->told[j->rank] = true;
+    if (!g->error) {
+      char other[700];
+      snprintf(other, sizeof other, "rank %u of group %s was refused: %s", j->rank, name, why);
+      g->error = strdup(other);
+      for (int k = 0; k < g->world; k++)
+        if (g->endpoints[k] && !g->told[k]) {
+          group_reply(r, g->ids[k], g->id_lens[k], NULL, other);
+          g->told[k] = true;
+        }
+    }
+    bool all = true;
+    for (int k = 0; k < g->world; k++) all &= g->told[k];
+    if (all) {
+      HASH_DEL(r->groups, g);
+      group_free(g);
+    }
+    return;
+  }
   /* a finished rendezvous, or a rank that joins twice, starts over (a restart) */
   if (g && (g->complete || g->endpoints[j->rank] || g->world != (int)j->world)) {
     HASH_DEL(r->groups, g);
@@ -1236,7 +1290,8 @@ void td_router_destroy(td_router *r) {
 }
 
 td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
-  TD_INFO("router serving clients on %s, workers on %s", r->o.client_endpoint, r->o.worker_endpoint);
+  TD_INFO("router serving clients on %s, workers on %s; cross pools hold %s", r->o.client_endpoint,
+          r->o.worker_endpoint, r->o.cross_states ? "encoder states (--cross-states)" : "per-layer K/V");
   while (!*stop) {
     zmq_pollitem_t items[2] = {{.socket = r->csock, .events = ZMQ_POLLIN},
                                {.socket = r->wsock, .events = ZMQ_POLLIN}};

@@ -8,6 +8,7 @@
 #define TD_ROUTER_ROUTER_H
 
 #include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "common/status.h"
@@ -26,6 +27,9 @@ typedef struct td_router_opts {
   int max_attempts;            /* a request is tried on this many worker sets (default 3) */
   int prefill_threshold;       /* decoder prompts this long go to a prefill worker (default 16) */
   const char *model_name;      /* served name (default: the workers' model type) */
+  /* The cluster's cross pools hold encoder states (td_model_opts.cross_states):
+   * workers exchange cross blocks, so one whose mode differs is refused. */
+  bool cross_states;
 } td_router_opts;
 
 td_status td_router_create(const td_router_opts *opts, td_router **out);

@@ -19,8 +19,8 @@ void group_info_free(group_info *g) {
 }
 
 td_status group_rendezvous(void *rsock, const char *group, int rank, int world, const char *endpoint,
-                           const uint8_t *nccl_id, size_t nccl_len, int timeout_ms, volatile sig_atomic_t *stop,
-                           group_info *out) {
+                           const uint8_t *nccl_id, size_t nccl_len, bool cross_states, int timeout_ms,
+                           volatile sig_atomic_t *stop, group_info *out) {
   memset(out, 0, sizeof *out);
   Tandem__Cluster__GroupJoin j = TANDEM__CLUSTER__GROUP_JOIN__INIT;
   j.group = (char *)group;
@@ -29,6 +29,7 @@ td_status group_rendezvous(void *rsock, const char *group, int rank, int world, 
   j.endpoint = (char *)endpoint;
   j.nccl_id.data = (uint8_t *)nccl_id;
   j.nccl_id.len = nccl_len;
+  j.cross_states = cross_states;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
   m.version = TD_PROTOCOL_VERSION;
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN;
@@ -94,8 +95,9 @@ void group_slice_block(const uint8_t *full, uint8_t *dst, int L, int H, size_t s
     }
 }
 
-void group_rank_range(int r, int tp, int pp, int L, int H, int *l0, int *l1, int *h0, int *h1) {
+void group_rank_range(int r, int tp, int pp, bool whole, int L, int H, int *l0, int *l1, int *h0, int *h1) {
   *l0 = 0, *l1 = L, *h0 = 0, *h1 = H;
+  if (whole) return;
   if (tp > 1) {
     *h0 = H * r / tp;
     *h1 = H * (r + 1) / tp;
@@ -105,7 +107,8 @@ void group_rank_range(int r, int tp, int pp, int L, int H, int *l0, int *l1, int
   }
 }
 
-/* A 'K' mirror message: [cross][n][ids][bytes of n blocks]. */
+/* A 'K' mirror message: [cross][n][ids][bytes of n blocks], each block this
+ * rank's slice (the whole block for encoder states): its pool's block size. */
 static td_status write_mirrored_kv(td_backend *b, td_kv_pool *self, td_kv_pool *cross, const uint8_t *p, size_t len) {
   if (len < 5) return td_err(TD_ERR_FORMAT, "mirror: short KV message");
   bool is_cross = p[0] != 0;
@@ -181,7 +184,8 @@ td_status td_worker_follow(const td_worker_opts *o, volatile sig_atomic_t *stop)
     if ((s = td_comm_zmq_bind(o->listen_host, &boot)) != TD_OK) goto out;
     ep = td_comm_zmq_endpoint(boot);
   }
-  if ((s = group_rendezvous(rsock, o->group, o->rank, world, ep, NULL, 0, 120000, stop, &gi)) != TD_OK) goto out;
+  if ((s = group_rendezvous(rsock, o->group, o->rank, world, ep, NULL, 0, o->cross_states, 120000, stop, &gi)) != TD_OK)
+    goto out;
   td_backend_opts bo = {.kind = o->device, .device = o->device_id, .threads = o->threads};
   if ((s = td_backend_create(&bo, &b)) != TD_OK) goto out;
   char comm_ep[256], mirror_ep[256];
@@ -198,7 +202,7 @@ td_status td_worker_follow(const td_worker_opts *o, volatile sig_atomic_t *stop)
   if (s != TD_OK) goto out;
   td_backend_set_comm(b, comm);
   td_model_opts mo = {.block_size = o->block_size, .max_seqs = o->max_batch, .max_tokens = o->max_tokens,
-                      .max_enc_tokens = o->max_enc_tokens, .max_enc_seqs = 16};
+                      .max_enc_tokens = o->max_enc_tokens, .max_enc_seqs = 16, .cross_states = o->cross_states};
   if (o->tp > 1) {
     mo.tp_rank = o->rank;
     mo.tp_size = o->tp;

@@ -153,10 +153,11 @@ typedef struct uxfer_opts {
   int device;
   int timeout_ms;
   int elem_size; /* bytes of a KV element (float32 on the CPU, bf16 on CUDA) */
-  int layers, heads; /* the whole decoder: single-rank workers only */
+  /* the whole decoder's (single-rank workers only); cross: encoder states in --cross-states */
   td_kv_layout cross_layout, self_layout;
   void *cross_base, *self_base; /* the engine's pools (compute thread's; only their memory is used here) */
   int cross_blocks, self_blocks;
+  size_t cross_block_bytes, self_block_bytes; /* the pools' own: what the layouts must give */
 } uxfer_opts;
 
 td_status uxfer_create(const uxfer_opts *o, const uxfer_hooks *hooks, uxfer **out);

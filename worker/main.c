@@ -21,7 +21,8 @@ static void usage(FILE *f) {
           "                     [--threads N] [--host ADDR] [--reservation-ttl-ms N] [--log-level LEVEL]\n"
           "                     [--kv-transport auto|ucx|zmq]   (how KV blocks go to other workers; auto: UCX\n"
           "                                                      where both sides can, else ZeroMQ)\n"
-          "                     [--group NAME (--tp N | --pp N) --rank R]   (rank 0 serves, others follow)\n");
+          "                     [--group NAME (--tp N | --pp N) --rank R]   (rank 0 serves, others follow)\n"
+          "                     [--cross-states]   (the cross pool holds encoder states: as the router)\n");
 }
 
 int main(int argc, char **argv) {
@@ -36,14 +37,15 @@ int main(int argc, char **argv) {
       {"log-level", required_argument, 0, 'l'},  {"help", no_argument, 0, 'h'},
       {"group", required_argument, 0, 'G'},      {"tp", required_argument, 0, 'P'},
       {"pp", required_argument, 0, 'S'},         {"rank", required_argument, 0, 'K'},
-      {"kv-transport", required_argument, 0, 'X'}, {0, 0, 0, 0}};
+      {"kv-transport", required_argument, 0, 'X'}, {"cross-states", no_argument, 0, 'C'},
+      {0, 0, 0, 0}};
   td_worker_opts o = {.device = TD_BACKEND_CPU};
   const char *roles = "encode,prefill,decode";
   char idbuf[64];
   snprintf(idbuf, sizeof idbuf, "worker-%d", (int)getpid());
   o.id = idbuf;
   int c;
-  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:C", opts, NULL)) != -1) {
     switch (c) {
       case 'r': o.router = optarg; break;
       case 'm': o.model_dir = optarg; break;
@@ -84,6 +86,7 @@ int main(int argc, char **argv) {
         }
         o.transfer = optarg;
         break;
+      case 'C': o.cross_states = true; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }

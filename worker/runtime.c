@@ -66,7 +66,9 @@ struct td_worker {
   /* model facts for registration */
   td_model_config cfg;
   int max_src, max_tgt, frames, block_size, self_blocks, cross_blocks, max_running;
-  size_t full_bb; /* bytes of a whole-model KV block: what peers push */
+  /* whole-model KV blocks, what peers push (cross: encoder states in --cross-states) */
+  td_kv_layout full_self, full_cross;
+  size_t full_self_bb, full_cross_bb;
   uxfer_opts pools; /* the engine's pools for UCX: set by compute_init, read after `ready` */
   /* main thread */
   xfer *x;
@@ -92,6 +94,7 @@ struct td_worker {
   td_comm *comm;
   int64_t last_mirror_hb;
   bool group_failed;
+  char refused[512]; /* the router refused this worker: why */
 };
 
 /* ------------------------------------------------------------ group mirror */
@@ -377,19 +380,23 @@ static void compute_cancel(td_worker *w, uint64_t rid) {
 
 /* Arrived whole-model blocks: this rank's part into its pool, the other
  * ranks' parts to them through the mirror (before any step that reads
- * them, since the mirror keeps order). */
+ * them, since the mirror keeps order). Encoder states are not split by
+ * heads or layers: every rank takes the whole block. */
 static void compute_write_kv(td_worker *w, cmd *c) {
   td_kv_pool *pool = c->cross ? td_engine_cross_pool(w->e) : td_engine_self_pool(w->e);
   size_t bb = td_kv_pool_block_bytes(pool), es = td_buf_elem_size(w->b, TD_BUF_ACT);
-  int L = w->cfg.dec_layers, H = w->cfg.dec_heads;
-  size_t slot_bytes = (size_t)w->block_size * w->cfg.dec_head_dim * es;
+  const td_kv_layout *fl = c->cross ? &w->full_cross : &w->full_self;
+  size_t full_bb = c->cross ? w->full_cross_bb : w->full_self_bb;
+  bool whole = c->cross && w->o.cross_states;
+  int L = fl->n_layers, H = fl->n_heads;
+  size_t slot_bytes = (size_t)fl->block_size * fl->head_dim * es;
   int tp = w->o.tp > 1 ? w->o.tp : 1, pp = w->o.pp > 1 ? w->o.pp : 1;
-  uint8_t *part = malloc(w->full_bb);
+  uint8_t *part = malloc(full_bb);
   uint8_t *msg = NULL;
   if (!part) return;
   for (int r = 0; r < w->world; r++) {
     int l0, l1, h0, h1;
-    group_rank_range(r, tp, pp, L, H, &l0, &l1, &h0, &h1);
+    group_rank_range(r, tp, pp, whole, L, H, &l0, &l1, &h0, &h1);
     size_t rb = (size_t)(l1 - l0) * 2 * (size_t)(h1 - h0) * slot_bytes;
     if (r > 0) {
       free(msg);
@@ -401,7 +408,7 @@ static void compute_write_kv(td_worker *w, cmd *c) {
       memcpy(msg + 6, c->blocks, sizeof(int32_t) * (size_t)c->n_blocks);
     }
     for (int i = 0; i < c->n_blocks; i++) {
-      const uint8_t *full = c->data + (size_t)i * w->full_bb;
+      const uint8_t *full = c->data + (size_t)i * full_bb;
       uint8_t *dst = r == 0 ? part : msg + 6 + (size_t)c->n_blocks * 4 + (size_t)i * rb;
       group_slice_block(full, dst, L, H, slot_bytes, l0, l1, h0, h1);
       if (r == 0 && c->blocks[i] >= 0 && c->blocks[i] < td_kv_pool_get_stats(pool).n_blocks)
@@ -437,7 +444,8 @@ static td_status compute_init(td_worker *w) {
   td_backend_opts bo = {.kind = w->o.device, .device = w->o.device_id, .threads = w->o.threads};
   TD_TRY(td_backend_create(&bo, &w->b));
   td_model_opts mo = {.block_size = w->o.block_size, .max_seqs = w->o.max_batch, .max_tokens = w->o.max_tokens,
-                      .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = 16};
+                      .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = 16,
+                      .cross_states = w->o.cross_states};
   if (w->world > 1) {
     char comm_ep[256], mirror_ep[256];
     group_split_leader(w->gi.endpoints[0], comm_ep, sizeof comm_ep, mirror_ep, sizeof mirror_ep);
@@ -488,16 +496,20 @@ static td_status compute_init(td_worker *w) {
   /* heartbeats before the first command report the pools as they are (read after `ready`) */
   w->load = (load_snap){0, 0, st.self.n_free, st.cross.n_free};
   w->max_running = w->o.max_batch;
-  td_kv_layout full = {w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size};
-  w->full_bb = td_kv_block_elems(&full) * td_buf_elem_size(w->b, TD_BUF_ACT);
+  size_t es = td_buf_elem_size(w->b, TD_BUF_ACT);
+  w->full_self = (td_kv_layout){w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size};
+  /* encoder states are whole on every rank: the model's own layout */
+  w->full_cross = w->o.cross_states ? td_model_cross_layout(w->m) : w->full_self;
+  w->full_self_bb = td_kv_block_elems(&w->full_self) * es;
+  w->full_cross_bb = td_kv_block_elems(&w->full_cross) * es;
   /* the pools stay this thread's; the main thread registers their memory with UCX */
   td_kv_pool *cp = td_engine_cross_pool(w->e), *sp = td_engine_self_pool(w->e);
   w->pools = (uxfer_opts){.cuda = w->o.device == TD_BACKEND_CUDA, .device = w->o.device_id,
-                          .elem_size = (int)td_buf_elem_size(w->b, TD_BUF_ACT), .layers = w->cfg.dec_layers,
-                          .heads = w->cfg.dec_heads, .cross_layout = td_model_cross_layout(w->m),
+                          .elem_size = (int)es, .cross_layout = td_model_cross_layout(w->m),
                           .self_layout = td_model_self_layout(w->m), .cross_base = td_kv_pool_memory(cp),
                           .self_base = td_kv_pool_memory(sp), .cross_blocks = st.cross.n_blocks,
-                          .self_blocks = st.self.n_blocks};
+                          .self_blocks = st.self.n_blocks, .cross_block_bytes = td_kv_pool_block_bytes(cp),
+                          .self_block_bytes = td_kv_pool_block_bytes(sp)};
   return TD_OK;
 }
 
@@ -733,6 +745,7 @@ static void send_register(td_worker *w) {
   in.transfer_desc.len = w->desc_len;
   in.device = (char *)td_backend_name(w->b);
   in.pid = (uint32_t)getpid();
+  in.cross_states = w->o.cross_states;
   Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
   reg.info = &in;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
@@ -859,8 +872,11 @@ static bool on_router(td_worker *w, volatile sig_atomic_t *stop) {
         cancel_all(w, "the router does not know this worker");
         send_register(w);
       } else {
-        TD_ERROR("the router refused this worker: %s", m->ack->reason ? m->ack->reason : "?");
-        *stop = SIGTERM;
+        /* nothing to drain or deregister: td_worker_run returns the reason */
+        snprintf(w->refused, sizeof w->refused, "%s", m->ack->reason && m->ack->reason[0] ? m->ack->reason : "?");
+        TD_ERROR("the router refused this worker: %s", w->refused);
+        w->registered = false;
+        cancel_all(w, "the router refused this worker");
       }
       break;
     case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT:
@@ -1071,9 +1087,10 @@ static bool reservation_ok(td_worker *w, uint64_t rid, uint64_t res, bool cross,
 static bool x_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n,
                      size_t block_bytes, char *why, size_t cap) {
   td_worker *w = ctx;
-  if (block_bytes != w->full_bb) {
-    snprintf(why, cap, "blocks of %zu bytes, this model's are %zu (another model, block size or device?)", block_bytes,
-             w->full_bb);
+  size_t want = cross ? w->full_cross_bb : w->full_self_bb;
+  if (block_bytes != want) {
+    snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "
+             "--cross-states?)", cross ? "cross" : "self", block_bytes, want);
     return false;
   }
   return reservation_ok(w, rid, res, cross, blocks, n, why, cap);
@@ -1376,7 +1393,7 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
     snprintf(ep, sizeof ep, "%s|%s", comm_ep, bound);
     TD_INFO("group %s: waiting for %d ranks", o->group, w->world);
     s = group_rendezvous(w->rsock, o->group, 0, w->world, ep, o->device == TD_BACKEND_CPU ? NULL : w->nccl_id,
-                         o->device == TD_BACKEND_CPU ? 0 : TD_NCCL_ID_BYTES, 120000, NULL, &w->gi);
+                         o->device == TD_BACKEND_CPU ? 0 : TD_NCCL_ID_BYTES, o->cross_states, 120000, NULL, &w->gi);
     if (s != TD_OK) goto fail;
   }
   if (pthread_create(&w->thread, NULL, compute_main, w) != 0) {
@@ -1440,9 +1457,11 @@ td_status td_worker_run(td_worker *w, volatile sig_atomic_t *stop) {
       uxfer_progress(w->ux);
       release_deferred(w);
     }
+    if (w->refused[0]) break;
     timers(w, stop);
     if (w->draining && (HASH_COUNT(w->jobs) == 0 || td_now_ms() > w->drain_deadline)) break;
   }
+  if (w->refused[0]) return td_err(TD_ERR_INVALID, "the router refused this worker: %s", w->refused);
   if (HASH_COUNT(w->jobs)) cancel_all(w, "drain deadline passed");
   Tandem__Cluster__Deregister d = TANDEM__CLUSTER__DEREGISTER__INIT;
   d.reason = "drained";

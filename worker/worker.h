@@ -38,6 +38,9 @@ typedef struct td_worker_opts {
   const char *group;
   int tp, pp;              /* group size along one of them (the other 1) */
   int rank;
+  /* The cross pool holds encoder states (td_model_opts.cross_states); the
+   * router refuses a worker whose mode differs from the cluster's. */
+  bool cross_states;
 } td_worker_opts;
 
 /* A follower rank of a worker group: joins the group through the router,

@@ -274,8 +274,16 @@ td_status uxfer_create(const uxfer_opts *o, const uxfer_hooks *hooks, uxfer **ou
   for (int i = 0; s == TD_OK && i < 2; i++) {
     bool cross = i == 0;
     td_kvx_geom *g = &u->geom[i];
-    *g = (td_kvx_geom){.layout = cross ? o->cross_layout : o->self_layout, .elem_size = o->elem_size, .layer0 = 0,
-                       .layer1 = o->layers, .head0 = 0, .head1 = o->heads};
+    /* the pool holds its layout's whole range (encoder states: one slab, not the decoder's layers and heads) */
+    const td_kv_layout *l = cross ? &o->cross_layout : &o->self_layout;
+    *g = (td_kvx_geom){.layout = *l, .elem_size = o->elem_size, .layer0 = 0, .layer1 = l->n_layers, .head0 = 0,
+                       .head1 = l->n_heads};
+    size_t bb = cross ? o->cross_block_bytes : o->self_block_bytes;
+    if (td_kvx_block_bytes(g) != bb) {
+      s = td_err(TD_ERR_INTERNAL, "%s pool: blocks of %zu bytes, its UCX geometry gives %zu",
+                 cross ? "cross" : "self", bb, td_kvx_block_bytes(g));
+      break;
+    }
     td_kvx_pool_desc pd = {.pool_id = pool_id(cross), .mem = o->cuda ? TD_KVX_MEM_CUDA : TD_KVX_MEM_HOST,
                            .base = cross ? o->cross_base : o->self_base,
                            .n_blocks = cross ? o->cross_blocks : o->self_blocks, .geom = *g};

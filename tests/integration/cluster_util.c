@@ -97,7 +97,8 @@ int cluster_add_group(cluster *c, const char *name, const char *par, int world, 
                       "--block-size", bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256", "--group",
                       (char *)name, (char *)par, ws, "--rank", rk};
     int a = 23;
-    add_flags(extra, sizeof extra, strcmp(name, c->extra_worker) ? c->worker_extra : c->extra_flags, argv, &a, 39);
+    bool other = !strcmp(name, c->extra_worker) || !strcmp(id, c->extra_worker); /* the group, or this rank */
+    add_flags(extra, sizeof extra, other ? c->extra_flags : c->worker_extra, argv, &a, 39);
     argv[a] = NULL;
     spawn(c, id, argv);
   }

@@ -25,7 +25,7 @@ typedef struct cluster {
   int n;
   int encoders, prefills, decodes;
   char worker_extra[256];           /* flags for every worker */
-  char extra_worker[64], extra_flags[256]; /* ... but this one gets these */
+  char extra_worker[64], extra_flags[256]; /* ... but this one (a worker, group or group rank) gets these */
 } cluster;
 
 typedef struct cluster_opts {

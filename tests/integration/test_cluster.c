@@ -224,6 +224,32 @@ Test(cluster, mixed_kv_transports, .timeout = 600) {
   run_topology("bart-tiny", o, 3, encoder_zmq, 2, NULL);
 }
 
+/* --cross-states on the router and every worker (the cross pools hold
+ * encoder states): the tokens of tandem-generate without it, over UCX
+ * (the pools' own geometry) and over ZeroMQ (the receivers check and write
+ * the states' block size). */
+Test(cluster, cross_states_match_generate, .timeout = 600) {
+  cluster_opts o = {.encoders = 1, .prefills = 1, .decodes = 1, .router_extra = "--cross-states",
+                    .worker_extra = "--cross-states"};
+  run_topology("t5-tiny", o, 4, all_ucx, 1, NULL);
+  run_topology("whisper-tiny", o, 4, all_ucx, 1, NULL);
+  o.worker_extra = "--cross-states --kv-transport zmq";
+  const kv_want none_ucx[] = {{NULL, 0, 1}};
+  run_topology("bart-tiny", o, 4, none_ucx, 1, NULL);
+}
+
+/* Decode groups in --cross-states: the leader hands every rank the whole
+ * states (not a slice of heads or layers) and slices the prompt KV. */
+Test(cluster, cross_states_decode_groups_match_generate, .timeout = 600) {
+  const kv_want groups[] = {{"decode-", 0, 1}, {"prefill-", 1, 0}};
+  cluster_opts o = {.encoders = 1, .prefills = 1, .decodes = 1, .group_tp = 2, .router_extra = "--cross-states",
+                    .worker_extra = "--cross-states"};
+  run_topology("t5-tiny", o, 3, groups, 2, NULL);
+  o.group_tp = 0;
+  o.group_pp = 2;
+  run_topology("mbart-prenorm-sharded", o, 3, groups, 2, NULL);
+}
+
 Test(cluster, streaming_in_order, .timeout = 300) {
   fixture fx;
   fx_load("t5-tiny", &fx);
@@ -720,12 +746,14 @@ Test(cluster, malformed_and_foreign_messages, .timeout = 300) {
   fx_free(&fx);
 }
 
-Test(cluster, local_sh_demo, .timeout = 300) {
+/* deploy/local.sh --demo with `flags`; with `router_says`, the router's log must hold it. */
+static void local_sh_demo(const char *flags, const char *router_says) {
   char dir[] = "/tmp/td-local-XXXXXX";
   cr_assert(mkdtemp(dir));
   char cmd[2048];
-  snprintf(cmd, sizeof cmd, "TANDEM_BIN=%s %s/deploy/local.sh --demo --run-dir %s/run --block-size 4 > %s/out.txt 2> %s/err.txt",
-           TD_BIN_DIR, TD_SOURCE_DIR, dir, dir, dir);
+  snprintf(cmd, sizeof cmd,
+           "TANDEM_BIN=%s %s/deploy/local.sh --demo --run-dir %s/run --block-size 4 %s > %s/out.txt 2> %s/err.txt",
+           TD_BIN_DIR, TD_SOURCE_DIR, dir, flags, dir, dir);
   int rc = system(cmd);
   cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "local.sh --demo exited %d", rc);
   char p[600];
@@ -753,8 +781,24 @@ Test(cluster, local_sh_demo, .timeout = 300) {
     fclose(f);
     cr_expect(kill(pid, 0) != 0, "%s (pid %d) is still running", names[i], pid);
   }
+  if (router_says) {
+    snprintf(p, sizeof p, "%s/run/router.log", dir);
+    f = fopen(p, "r");
+    cr_assert(f, "no router.log");
+    bool found = false;
+    while (!found && fgets(line, sizeof line, f)) found = strstr(line, router_says) != NULL;
+    fclose(f);
+    cr_expect(found, "the router's log lacks \"%s\"", router_says);
+  }
   snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
   cr_expect(system(cmd) == 0);
+}
+
+Test(cluster, local_sh_demo, .timeout = 300) { local_sh_demo("", NULL); }
+
+/* --cross-states reaches the router and every worker (a worker without it would be refused) */
+Test(cluster, local_sh_demo_cross_states, .timeout = 300) {
+  local_sh_demo("--cross-states", "cross pools hold encoder states");
 }
 
 Test(cluster, group_rank_death_takes_the_group_out, .timeout = 300) {
@@ -799,3 +843,83 @@ Test(cluster, group_rank_death_takes_the_group_out, .timeout = 300) {
   fx_free(&fx);
 }
 
+/* ---- workers that disagree with the router's cross pool mode ---- */
+
+/* Waits for process idx to exit: its exit status, or -1 (still running,
+ * or killed by a signal). */
+static int wait_exit(cluster *c, int idx, int timeout_ms) {
+  int st = 0;
+  int64_t end = td_now_ms() + timeout_ms;
+  pid_t r = 0;
+  while (td_now_ms() < end && (r = waitpid(c->p[idx].pid, &st, WNOHANG)) == 0) usleep(50000);
+  if (r != c->p[idx].pid) return -1;
+  c->p[idx].exited = true;
+  c->p[idx].status = st;
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* A decode worker, a TP=2 decode group and a group with one rank in the
+ * other mode than the router's are refused with a clear error and exit
+ * with status 1 (no crash, no hang: the rank in the right mode hears why,
+ * whichever joined first); the workers in the router's mode keep serving. */
+static void check_mode_refused(bool router_states) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  const char *mode = router_states ? "--cross-states" : "";
+  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1, .router_extra = mode,
+                                    .worker_extra = mode});
+  snprintf(c.extra_flags, sizeof c.extra_flags, "%s", router_states ? "" : "--cross-states");
+  snprintf(c.extra_worker, sizeof c.extra_worker, "decode-other");
+  int w = cluster_add_worker(&c, "decode-other", "decode", 4);
+  snprintf(c.extra_worker, sizeof c.extra_worker, "grp-other");
+  int g = cluster_add_group(&c, "grp-other", "--tp", 2, 4);
+  snprintf(c.extra_worker, sizeof c.extra_worker, "grp-mixed-rank1");
+  int m = cluster_add_group(&c, "grp-mixed", "--tp", 2, 4);
+  const int idx[5] = {w, g, g + 1, m, m + 1};
+  for (int k = 0; k < 5; k++) {
+    const char *name = c.p[idx[k]].name;
+    int st = wait_exit(&c, idx[k], 30000);
+    cr_expect_eq(st, 1, "%s (router %s --cross-states): exit status %d, want 1 (logs in %s)", name,
+                 router_states ? "with" : "without", st, c.dir);
+    cr_expect(cluster_log_has(&c, name, "cross pool mode differs: the worker runs"), "%s: no clear refusal in its log",
+              name);
+    cr_expect(cluster_log_has(&c, name, "the router and every worker must agree"), "%s: the log lacks the remedy",
+              name);
+    cr_expect(!cluster_log_has(&c, name, "Sanitizer"), "%s: a sanitizer report", name);
+  }
+  cr_expect(cluster_log_has(&c, "decode-other", "the router refused this worker"));
+  cr_expect(cluster_log_has(&c, "grp-other", "the router refused the join"));
+  cr_expect(cluster_log_has(&c, "grp-mixed", "the router refused the join"));
+  cr_expect(cluster_log_has(&c, "router", "refused worker decode-other"));
+  /* the workers in the router's mode serve the reference tokens */
+  char path[600];
+  snprintf(path, sizeof path, "%s/ok.jsonl", c.dir);
+  fx_write_requests(&fx, path, "\"forced_eos_token_id\": null");
+  td_json_request reqs[8];
+  int nr = load_requests(path, reqs, 8);
+  cr_assert(nr > 0);
+  outcome out[8];
+  run_requests(c.client_ep, reqs, nr, false, 30000, out);
+  for (int i = 0; i < nr; i++) {
+    cr_expect(out[i].done && out[i].status == TD_OK, "%s: %s", out[i].id, out[i].error);
+    cr_expect_eq(out[i].len[0], fx.req[i].n_greedy, "%s: %d tokens", out[i].id, out[i].len[0]);
+    cr_expect_arr_eq(out[i].tok[0], fx.req[i].greedy, sizeof(int32_t) * (size_t)fx.req[i].n_greedy,
+                     "%s: tokens differ from transformers", out[i].id);
+    td_json_request_free(&reqs[i]);
+  }
+  td_client_health h;
+  cr_expect(cluster_health(&c, &h) && h.decoders == 1 && h.n_workers == 2, "refused workers are listed");
+  for (int i = 0; i < h.n_workers; i++)
+    cr_expect(strcmp(h.workers[i].id, "decode-other") && strncmp(h.workers[i].id, "grp-other", 9),
+              "%s is listed", h.workers[i].id);
+  char why[256] = "";
+  cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "blocks held: %s", why);
+  cr_expect(cluster_stop(&c), "processes did not stop cleanly (logs in %s)", c.dir);
+  fx_free(&fx);
+}
+
+Test(cluster, worker_in_another_cross_mode_is_refused, .timeout = 300) {
+  check_mode_refused(true);
+  check_mode_refused(false);
+}

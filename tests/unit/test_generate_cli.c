@@ -49,14 +49,18 @@ static void free_lines(char **l, int n) {
   free(l);
 }
 
-static void check_model(const char *name) {
+/* The fixture's requests through tandem-generate with `flags`: tokens and
+ * logits against the references. With out_toks set, each request's tokens
+ * go there (16 requests of up to 64) and their counts to n_toks. */
+static void check_model_flags(const char *name, const char *flags, int32_t (*out_toks)[64], int *n_toks) {
   fixture fx;
   fx_load(name, &fx);
   char req[512], lg[512], args[1600];
   snprintf(req, sizeof req, "%s/%s.jsonl", dir, name);
   snprintf(lg, sizeof lg, "%s/%s.logits", dir, name);
   fx_write_requests(&fx, req, "\"forced_bos_token_id\": null, \"forced_eos_token_id\": null");
-  snprintf(args, sizeof args, "--model %s --requests %s --logits-out %s --block-size 4 --max-batch 8", fx.dir, req, lg);
+  snprintf(args, sizeof args, "--model %s --requests %s --logits-out %s --block-size 4 --max-batch 8 %s", fx.dir, req,
+           lg, flags);
   char **lines;
   int n;
   int rc = run_gen(args, &lines, &n);
@@ -73,6 +77,11 @@ static void check_model(const char *name) {
     cr_assert_eq(cJSON_GetArraySize(toks), fx.req[i].n_greedy, "%s request %d: token count", name, i);
     for (int t = 0; t < fx.req[i].n_greedy; t++)
       cr_expect_eq(cJSON_GetArrayItem(toks, t)->valueint, fx.req[i].greedy[t], "%s request %d token %d", name, i, t);
+    if (out_toks) {
+      cr_assert(i < 16 && cJSON_GetArraySize(toks) <= 64);
+      n_toks[i] = cJSON_GetArraySize(toks);
+      for (int t = 0; t < n_toks[i]; t++) out_toks[i][t] = cJSON_GetArrayItem(toks, t)->valueint;
+    }
     const char *fr = cJSON_GetObjectItem(out0, "finish_reason")->valuestring;
     bool ends_eos = fx.req[i].greedy[fx.req[i].n_greedy - 1] == fx.eos;
     cr_expect_str_eq(fr, ends_eos ? "stop" : "length");
@@ -87,15 +96,34 @@ static void check_model(const char *name) {
     size_t r = (size_t)(fx.req[i].n_prompt + fx.req[i].n_greedy - 1);
     double e = fx_rel_err(got + fx.req[i].logits_off * fx.vocab, fx.logits + fx.req[i].logits_off * fx.vocab,
                           r * fx.vocab);
-    cr_expect(e <= 1e-4, "%s request %d: logits error %.3g", name, i, e);
+    cr_expect(e <= 1e-4, "%s %s request %d: logits error %.3g", name, flags, i, e);
   }
   free(got);
   free_lines(lines, n);
   fx_free(&fx);
 }
 
+static void check_model(const char *name) { check_model_flags(name, "", NULL, NULL); }
+
 Test(generate_cli, all_fixture_models) {
   for (int i = 0; i < fx_n_models; i++) check_model(fx_models[i]);
+}
+
+/* --cross-states (the cross pool holds encoder states): the same greedy
+ * tokens as per-layer K/V, request by request, on every fixture. */
+Test(generate_cli, cross_states_gives_the_same_tokens) {
+  for (int m = 0; m < fx_n_models; m++) {
+    static int32_t plain[16][64], states[16][64];
+    int n_plain[16] = {0}, n_states[16] = {0};
+    check_model_flags(fx_models[m], "", plain, n_plain);
+    check_model_flags(fx_models[m], "--cross-states", states, n_states);
+    for (int i = 0; i < 16; i++) {
+      cr_expect_eq(n_states[i], n_plain[i], "%s request %d: %d tokens with --cross-states, %d without", fx_models[m], i,
+                   n_states[i], n_plain[i]);
+      cr_expect_arr_eq(states[i], plain[i], sizeof(int32_t) * (size_t)n_plain[i],
+                       "%s request %d: tokens differ with --cross-states", fx_models[m], i);
+    }
+  }
 }
 
 Test(generate_cli, bad_requests_get_errors_and_others_run) {

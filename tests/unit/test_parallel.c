@@ -64,6 +64,7 @@ typedef struct rank_ctx {
   const fixture *fx;
   int rank, tp;
   bool pipeline; /* ranks are pipeline stages, not tensor slices */
+  bool states;   /* the cross pool holds encoder states (td_model_opts.cross_states) */
   td_comm *comm;
   td_status status;
   char error[512];
@@ -89,7 +90,7 @@ static void *rank_main(void *arg) {
   td_status s = rank_backend(c->rank, c->tp, &c->comm, &b);
   if (s != TD_OK) goto out;
   td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 4, .max_logits = 64, .max_enc_tokens = 128,
-                      .max_enc_seqs = 2};
+                      .max_enc_seqs = 2, .cross_states = c->states};
   if (c->pipeline) {
     mo.pp_rank = c->rank;
     mo.pp_size = c->tp;
@@ -148,12 +149,13 @@ out:
   return NULL;
 }
 
-static void run_ranks(const fixture *fx, int tp, bool pipeline, int req, rank_ctx *ctx) {
+static void run_ranks(const fixture *fx, int tp, bool pipeline, bool states, int req, rank_ctx *ctx) {
   td_comm *comms[MAXTP];
   make_comms(tp, comms);
   pthread_t th[MAXTP];
   for (int r = 0; r < tp; r++) {
-    ctx[r] = (rank_ctx){.fx = fx, .rank = r, .tp = tp, .pipeline = pipeline, .comm = comms[r], .req = req};
+    ctx[r] = (rank_ctx){.fx = fx, .rank = r, .tp = tp, .pipeline = pipeline, .states = states, .comm = comms[r],
+                        .req = req};
     pthread_create(&th[r], NULL, rank_main, &ctx[r]);
   }
   for (int r = 0; r < tp; r++) pthread_join(th[r], NULL);
@@ -165,14 +167,48 @@ static void run_ranks(const fixture *fx, int tp, bool pipeline, int req, rank_ct
   }
 }
 
-static void check_par(const char *name, int tp, bool pp) {
+static void free_ranks(rank_ctx *ctx, int n) {
+  for (int r = 0; r < n; r++) {
+    free(ctx[r].logits);
+    free(ctx[r].cross);
+  }
+}
+
+/* Encoder states (states) are not split: every rank's cross blocks equal
+ * the single rank's, K plane and V plane, in the slots the input fills. */
+static void check_states_everywhere(const char *name, int tp, bool pp, int req, int enc_len, const rank_ctx *one,
+                                    const rank_ctx *many) {
+  td_kv_layout full = one[0].cl;
+  int nblk = (enc_len + BS - 1) / BS;
+  for (int r = 0; r < tp; r++) {
+    const td_kv_layout *l = &many[r].cl;
+    cr_assert(l->n_layers == full.n_layers && l->n_heads == full.n_heads && l->head_dim == full.head_dim,
+              "%s %s=%d rank %d: cross layout %dx%dx%d, one rank's %dx%dx%d", name, pp ? "PP" : "TP", tp, r,
+              l->n_layers, l->n_heads, l->head_dim, full.n_layers, full.n_heads, full.head_dim);
+    double worst = 0, big = 1e-30;
+    for (int blk = 0; blk < nblk; blk++)
+      for (int kv = 0; kv < 2; kv++) {
+        size_t o = (size_t)blk * td_kv_block_elems(&full) + (size_t)kv * BS * full.head_dim;
+        int used = enc_len - blk * BS < BS ? enc_len - blk * BS : BS;
+        for (int x = 0; x < used * full.head_dim; x++) {
+          double d = fabs(one[0].cross[o + x] - many[r].cross[o + x]);
+          worst = d > worst ? d : worst;
+          big = fabs(one[0].cross[o + x]) > big ? fabs(one[0].cross[o + x]) : big;
+        }
+      }
+    cr_expect(worst / big <= TOL, "%s %s=%d request %d rank %d: encoder states differ by %.3g", name, pp ? "PP" : "TP",
+              tp, req, r, worst / big);
+  }
+}
+
+static void check_par_mode(const char *name, int tp, bool pp, bool states) {
   if (!enough_devices(tp)) cr_skip_test("%d ranks need %d GPUs", tp, tp);
   fixture fx;
   fx_load(name, &fx);
   for (int i = 0; i < fx.n; i++) {
     rank_ctx one[1], many[MAXTP];
-    run_ranks(&fx, 1, false, i, one);
-    run_ranks(&fx, tp, pp, i, many);
+    run_ranks(&fx, 1, false, states, i, one);
+    run_ranks(&fx, tp, pp, states, i, many);
     const fx_request *q = &fx.req[i];
     size_t nl = (size_t)(q->n_prompt + q->n_greedy - 1) * fx.vocab;
     double e = fx_rel_err(many[0].logits, fx.logits + q->logits_off * fx.vocab, nl);
@@ -181,6 +217,12 @@ static void check_par(const char *name, int tp, bool pp) {
       cr_expect_arr_eq(many[r].logits, many[0].logits, sizeof(float) * nl, "%s TP=%d: rank %d logits differ", name, tp, r);
     td_kv_layout full = one[0].cl, part = many[0].cl;
     int nblk = (q->enc_len + BS - 1) / BS;
+    if (states) {
+      check_states_everywhere(name, tp, pp, i, q->enc_len, one, many);
+      free_ranks(many, tp);
+      free_ranks(one, 1);
+      continue;
+    }
     if (pp) {
       /* the stages' cross KV layers recombine into the single-stage pool */
       double worst = 0, big = 1e-30;
@@ -205,12 +247,8 @@ static void check_par(const char *name, int tp, bool pp) {
       }
       cr_expect_eq(l0, full.n_layers, "%s PP=%d: stages hold %d of %d layers", name, tp, l0, full.n_layers);
       cr_expect(worst / big <= TOL, "%s PP=%d request %d: cross KV layers differ by %.3g", name, tp, i, worst / big);
-      for (int r = 0; r < tp; r++) {
-        free(many[r].logits);
-        free(many[r].cross);
-      }
-      free(one[0].logits);
-      free(one[0].cross);
+      free_ranks(many, tp);
+      free_ranks(one, 1);
       continue;
     }
     /* the ranks' cross KV heads recombine into the single-rank pool */
@@ -233,15 +271,13 @@ static void check_par(const char *name, int tp, bool pp) {
             }
           }
     cr_expect(worst / big <= TOL, "%s TP=%d request %d: cross KV slices differ by %.3g", name, tp, i, worst / big);
-    for (int r = 0; r < tp; r++) {
-      free(many[r].logits);
-      free(many[r].cross);
-    }
-    free(one[0].logits);
-    free(one[0].cross);
+    free_ranks(many, tp);
+    free_ranks(one, 1);
   }
   fx_free(&fx);
 }
+
+static void check_par(const char *name, int tp, bool pp) { check_par_mode(name, tp, pp, false); }
 
 Test(tensor_parallel, t5_tiny) {
   check_par("t5-tiny", 2, false);
@@ -256,6 +292,16 @@ Test(pipeline_parallel, mbart) { check_par("mbart-prenorm-sharded", 2, true); }
 Test(pipeline_parallel, t5v11) { check_par("t5v11-gated-untied", 2, true); }
 Test(pipeline_parallel, bart_three_stages_one_encoder_layer) { check_par("bart-untied-gelunew", 3, true); }
 Test(pipeline_parallel, whisper_128mel) { check_par("whisper-128mel", 2, true); }
+/* Encoder states in the cross pool: whole on every rank, logits as transformers' */
+Test(tensor_parallel, cross_states) {
+  check_par_mode("t5-tiny", 2, false, true);
+  check_par_mode("whisper-tiny", 2, false, true);
+  check_par_mode("bart-tiny", 4, false, true); /* last: skipped with fewer than 4 GPUs */
+}
+Test(pipeline_parallel, cross_states) {
+  check_par_mode("mbart-prenorm-sharded", 2, true, true);
+  check_par_mode("bart-untied-gelunew", 3, true, true);
+}
 
 #ifndef TD_PARALLEL_CUDA
 Test(tensor_parallel, uneven_split_is_refused) {
@@ -291,7 +337,7 @@ typedef struct chan {
 typedef struct follower {
   const fixture *fx;
   int rank, tp, nblocks_self, nblocks_cross;
-  bool pipeline;
+  bool pipeline, states;
   td_comm *comm;
   chan ch;
   td_status status;
@@ -324,7 +370,7 @@ static void *follower_main(void *arg) {
   td_status s = rank_backend(f->rank, f->tp, &f->comm, &b);
   if (s == TD_OK) {
     td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256, .max_logits = 64,
-                        .max_enc_seqs = 8};
+                        .max_enc_seqs = 8, .cross_states = f->states};
     if (f->pipeline) {
       mo.pp_rank = f->rank;
       mo.pp_size = f->tp;
@@ -439,7 +485,7 @@ static void on_finish_logits(void *ctx, const td_result *r) {
 
 /* Runs the requests through an engine on rank 0 of `world` ranks (followers
  * replay its calls) and collects the outputs. */
-static void run_engine(const char *dir, int world, bool pp, bool beam, const reqset *rs, toks *got) {
+static void run_engine(const char *dir, int world, bool pp, bool states, bool beam, const reqset *rs, toks *got) {
   memset(got, 0, sizeof *got);
   td_comm *comms[MAXTP];
   make_comms(world, comms);
@@ -450,7 +496,7 @@ static void run_engine(const char *dir, int world, bool pp, bool beam, const req
   for (int r = 1; r < world; r++) {
     follower *f = &fs[r - 1];
     *f = (follower){.fx = &shim, .rank = r, .tp = world, .nblocks_self = 256, .nblocks_cross = 256,
-                    .comm = comms[r], .pipeline = pp};
+                    .comm = comms[r], .pipeline = pp, .states = states};
     pthread_mutex_init(&f->ch.mu, NULL);
     pthread_cond_init(&f->ch.cv, NULL);
     pthread_create(&th[r], NULL, follower_main, f);
@@ -459,7 +505,7 @@ static void run_engine(const char *dir, int world, bool pp, bool beam, const req
   td_comm *leader_comm = comms[0];
   cr_assert(rank_backend(0, world, &leader_comm, &b) == TD_OK, "%s", td_errmsg());
   td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256, .max_enc_seqs = 8,
-                      .max_logits = 64};
+                      .max_logits = 64, .cross_states = states};
   if (pp)
     mo.pp_size = world;
   else
@@ -564,13 +610,13 @@ static void same_greedy(const char *what, const reqset *rs, const toks *want, co
 }
 #endif
 
-static void check_engine_par(const char *name, int tp, bool pp, bool beam) {
+static void check_engine_mode(const char *name, int tp, bool pp, bool beam, bool states) {
   if (!enough_devices(tp)) cr_skip_test("%d ranks need %d GPUs", tp, tp);
   fixture fx;
   fx_load(name, &fx);
   reqset rs = fixture_reqs(&fx);
   toks got;
-  run_engine(fx.dir, tp, pp, beam, &rs, &got);
+  run_engine(fx.dir, tp, pp, states, beam, &rs, &got);
 #ifdef TD_PARALLEL_CUDA
   /* bf16: the reference is one GPU */
   if (beam) {
@@ -579,9 +625,9 @@ static void check_engine_par(const char *name, int tp, bool pp, bool beam) {
     cr_skip_test("beam search on GPUs is compared on the CPU build");
   }
   toks one;
-  run_engine(fx.dir, 1, false, false, &rs, &one);
+  run_engine(fx.dir, 1, false, states, false, &rs, &one);
   char what[96];
-  snprintf(what, sizeof what, "%s %s=%d against one GPU", name, pp ? "PP" : "TP", tp);
+  snprintf(what, sizeof what, "%s %s=%d%s against one GPU", name, pp ? "PP" : "TP", tp, states ? " (states)" : "");
   same_greedy(what, &rs, &one, &got);
   free_toks(&one);
 #else
@@ -605,6 +651,8 @@ static void check_engine_par(const char *name, int tp, bool pp, bool beam) {
   free_toks(&got);
   fx_free(&fx);
 }
+
+static void check_engine_par(const char *name, int tp, bool pp, bool beam) { check_engine_mode(name, tp, pp, beam, false); }
 
 #ifdef TD_PARALLEL_CUDA
 #include "random_model.h"
@@ -630,8 +678,8 @@ static void check_large(bool pp) {
     rs.n_prompt[i] = 1;
   }
   toks one, two;
-  run_engine(dir, 1, false, false, &rs, &one);
-  run_engine(dir, 2, pp, false, &rs, &two);
+  run_engine(dir, 1, false, false, false, &rs, &one);
+  run_engine(dir, 2, pp, false, false, &rs, &two);
   same_greedy(pp ? "Flan-T5-large shape PP=2 against one GPU" : "Flan-T5-large shape TP=2 against one GPU", &rs, &one,
               &two);
   free_toks(&one);
@@ -652,3 +700,13 @@ Test(pipeline_parallel, engine_on_first_stage_t5) { check_engine_par("t5-tiny", 
 Test(pipeline_parallel, engine_on_first_stage_mbart) { check_engine_par("mbart-prenorm-sharded", 2, true, false); }
 Test(pipeline_parallel, engine_three_stages_one_encoder_layer) { check_engine_par("bart-untied-gelunew", 3, true, false); }
 Test(pipeline_parallel, beam_search_bart) { check_engine_par("bart-tiny", 2, true, true); }
+/* The cross pool of encoder states on every rank: transformers' tokens and beams */
+Test(tensor_parallel, engine_on_leader_cross_states) {
+  check_engine_mode("t5-tiny", 2, false, false, true);
+  check_engine_mode("whisper-tiny", 2, false, false, true);
+  check_engine_mode("t5-tiny", 2, false, true, true);
+}
+Test(pipeline_parallel, engine_cross_states) {
+  check_engine_mode("bart-untied-gelunew", 3, true, false, true);
+  check_engine_mode("bart-tiny", 2, true, true, true);
+}
