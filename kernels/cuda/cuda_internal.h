@@ -133,6 +133,14 @@ __device__ __forceinline__ void td_pdl_start_if(bool late) {
   if (late) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 __device__ __forceinline__ void td_pdl_start() { td_pdl_start_if(!TD_PDL_EARLY); }
+/* Thread-block clusters of `cluster` blocks along x. */
+static inline cudaLaunchAttribute td_cluster_attr(int cluster) {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = (unsigned)cluster;
+  a.val.clusterDim.y = a.val.clusterDim.z = 1;
+  return a;
+}
 /* cluster > 0: thread-block clusters of that many blocks along x; carveout
  * >= 0: the preferred shared-memory share of L1 in percent. */
 template <typename... KArgs, typename... Args>
@@ -148,12 +156,7 @@ static inline cudaError_t td_launch_ex(const td_cuda *c, int cluster, int carveo
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (cluster > 0) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = (unsigned)cluster;
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
-  }
+  if (cluster > 0) attr[n++] = td_cluster_attr(cluster);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

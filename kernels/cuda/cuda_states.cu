@@ -740,10 +740,7 @@ td_status td_cu_states_init(td_cuda *c) {
     TD_CU_CHECK(cudaFuncSetAttribute(s->fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "attn_states");
     for (int k = 0; k < STATES_CLUSTERS; k++) {
       cudaLaunchConfig_t lc = {};
-      cudaLaunchAttribute at;
-      at.id = cudaLaunchAttributeClusterDimension;
-      at.val.clusterDim.x = 1u << k;
-      at.val.clusterDim.y = at.val.clusterDim.z = 1;
+      cudaLaunchAttribute at = td_cluster_attr(1 << k);
       lc.gridDim = dim3(1u << k);
       lc.blockDim = dim3(32 * SW);
       lc.dynamicSmemBytes = s->bytes;
