@@ -113,10 +113,10 @@ int main(int argc, char **argv) {
         cJSON_AddItemToArray(ws, wj);
       }
       char *wtxt = ws ? cJSON_PrintUnformatted(ws) : NULL;
-      printf("{\"serving\": %s, \"encoders\": %d, \"prefills\": %d, \"decoders\": %d, \"in_flight\": %d, "
-             "\"queued\": %d, \"workers\": %s}\n",
-             h.serving ? "true" : "false", h.encoders, h.prefills, h.decoders, h.in_flight, h.queued,
-             wtxt ? wtxt : "[]");
+      printf("{\"serving\": %s, \"cross\": \"%s\", \"encoders\": %d, \"prefills\": %d, \"decoders\": %d, "
+             "\"in_flight\": %d, \"queued\": %d, \"workers\": %s}\n",
+             h.serving ? "true" : "false", h.cross_states ? "states" : "kv", h.encoders, h.prefills, h.decoders,
+             h.in_flight, h.queued, wtxt ? wtxt : "[]");
       free(wtxt);
       cJSON_Delete(ws);
     } else

@@ -842,6 +842,7 @@ static void on_client(td_router *r) {
       h.serving = h.decoders > 0;
       h.in_flight = (uint32_t)r->in_flight;
       h.queued = (uint32_t)r->n_queue;
+      h.cross_states = r->o.cross_states;
       size_t nw = HASH_COUNT(r->workers), k = 0;
       Tandem__WorkerStatus *ws = calloc(nw + 1, sizeof *ws);
       Tandem__WorkerStatus **wp = calloc(nw + 1, sizeof *wp);

@@ -141,6 +141,12 @@ static int run_topology(const char *model, cluster_opts o, int clients, const kv
   o.prefill_threshold = 2;
   o.block_size = 4;
   cluster_start(&c, &o);
+  /* the health answer names the cross pools' mode */
+  td_client_health h;
+  cr_expect(cluster_health(&c, &h), "%s: no health answer", model);
+  const bool states = o.router_extra && strstr(o.router_extra, "--cross-states");
+  cr_expect_eq(h.cross_states, states, "%s: health says cross_states %d, the router runs with %d", model,
+               h.cross_states, states);
   char path[600];
   snprintf(path, sizeof path, "%s/requests.jsonl", c.dir);
   int n = write_mixed(&fx, path, fx.max_new);
