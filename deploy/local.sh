@@ -141,7 +141,9 @@ for ((i = 0; i < decodes; i++)); do
 done
 
 # serving once every worker has registered, in the cross mode asked for
-want="\"cross\": \"$( ((${#cross_states[@]})) && echo states || echo kv)\", \"encoders\": $((encoders > 0 ? encoders : decodes)), \"prefills\": $prefills, \"decoders\": $decodes"
+mode=kv
+if ((${#cross_states[@]})); then mode=states; fi
+want="\"cross\": \"$mode\", \"encoders\": $((encoders > 0 ? encoders : decodes)), \"prefills\": $prefills, \"decoders\": $decodes"
 for _ in $(seq 300); do
   for pid in "${pids[@]}"; do
     kill -0 "$pid" 2>/dev/null || { echo "local.sh: a process exited during start-up; logs in $run_dir" >&2; exit 1; }
