@@ -757,6 +757,21 @@ static int32_t *shuffled_tables(const int32_t *ctx, int S, int bs, int stride, i
   return tab;
 }
 
+/* A batch's paged extents as its sequences are drawn: sequence s gets ql
+ * query rows (q_start prefix sums in qs) and c keys in blocks of bs. */
+typedef struct seq_extents {
+  int max_q, max_ctx, max_nb, total_nb;
+} seq_extents;
+static void seq_add(seq_extents *x, int32_t *qs, int32_t *ctx, int s, int ql, int c, int bs) {
+  qs[s + 1] = qs[s] + ql;
+  ctx[s] = c;
+  int nb = (c + bs - 1) / bs;
+  x->max_nb = nb > x->max_nb ? nb : x->max_nb;
+  x->total_nb += nb;
+  x->max_q = ql > x->max_q ? ql : x->max_q;
+  x->max_ctx = c > x->max_ctx ? c : x->max_ctx;
+}
+
 typedef struct paged_cfg {
   int H, dh, bs, n_seqs;
   bool causal;
@@ -775,7 +790,7 @@ static void paged_case(const paged_cfg *p) {
   int S = p->n_seqs, H = p->H, dh = p->dh, bs = p->bs;
   int32_t *qs = malloc(sizeof(int32_t) * (S + 1)), *ctx = malloc(sizeof(int32_t) * S);
   qs[0] = 0;
-  int max_q = 0, max_ctx = 0, max_nb = 1, total_nb = 0;
+  seq_extents x = {0, 0, 1, 0};
   for (int s = 0; s < S; s++) {
     int ql = 1 + irand(p->q_max);
     int c = 1 + irand(p->ctx_max);
@@ -784,15 +799,9 @@ static void paged_case(const paged_cfg *p) {
       ql = 1;
       c = 0;
     }
-    qs[s + 1] = qs[s] + ql;
-    ctx[s] = c;
-    int nb = (c + bs - 1) / bs;
-    max_nb = nb > max_nb ? nb : max_nb;
-    total_nb += nb;
-    max_q = ql > max_q ? ql : max_q;
-    max_ctx = c > max_ctx ? c : max_ctx;
+    seq_add(&x, qs, ctx, s, ql, c, bs);
   }
-  int T = qs[S], stride = max_nb + 1, n_blocks = total_nb + 3;
+  int T = qs[S], stride = x.max_nb + 1, n_blocks = x.total_nb + 3, max_q = x.max_q, max_ctx = x.max_ctx;
   paged_rig r;
   rig_pool(&r, 3, H, dh, bs, n_blocks);
   int32_t *tab = shuffled_tables(ctx, S, bs, stride, n_blocks);
@@ -962,20 +971,14 @@ static void states_case(const states_cfg *p, const char *mode) {
   int S = p->n_seqs, Hq = p->heads, D = p->D, bs = p->bs;
   int32_t *qs = malloc(sizeof(int32_t) * (S + 1)), *ctx = malloc(sizeof(int32_t) * S);
   qs[0] = 0;
-  int max_q = 0, max_ctx = 0, max_nb = 1, total_nb = 0;
+  seq_extents x = {0, 0, 1, 0};
   for (int s = 0; s < S; s++) {
     int ql = 1 + irand(p->q_max), c = 1 + irand(p->ctx_max);
     if (s == 0) c = p->ctx_max; /* the longest case always present */
     if (p->pad && s % 4 == 3) c = 0;
-    qs[s + 1] = qs[s] + ql;
-    ctx[s] = c;
-    int nb = (c + bs - 1) / bs;
-    max_nb = nb > max_nb ? nb : max_nb;
-    total_nb += nb;
-    max_q = ql > max_q ? ql : max_q;
-    max_ctx = c > max_ctx ? c : max_ctx;
+    seq_add(&x, qs, ctx, s, ql, c, bs);
   }
-  int T = qs[S], stride = max_nb + 1, n_blocks = total_nb + 3;
+  int T = qs[S], stride = x.max_nb + 1, n_blocks = x.total_nb + 3, max_q = x.max_q, max_ctx = x.max_ctx;
   paged_rig r;
   rig_pool(&r, 1, 1, D / 2, bs, n_blocks);
   int32_t *tab = shuffled_tables(ctx, S, bs, stride, n_blocks);
