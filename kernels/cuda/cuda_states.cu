@@ -8,16 +8,14 @@
  * width D). One block takes 16 (row, head) pairs of a sequence (the mma
  * M) and a range of its states; E comes in tiles of ST rows by bulk
  * copies (a row's two halves, one per pool plane, into padded shared
- * memory so that ldmatrix meets at most 2-way bank conflicts), requested
- * before the PDL wait (the states are static in a step). Per tile the 8
- * warps split the scores' reduction over D, then the mix's columns. A
- * group's key ranges (splits) run as one thread-block cluster and merge
- * through distributed shared memory: H100, Flan-T5-large, 512 states,
- * batch 1 13 us (19.8 with the merge through global memory by the last
- * block), batch 64 34 us for 64 MB (~2.1 TB/s). There the tile arithmetic
- * (~2.5 us a tile of 32 states: its phases run in lock-step over the 8
- * warps) holds it as much as the copies (28.6 us alone); docs/cuda.md,
- * passes 13-15. */
+ * memory; the mma takes the states in an order whose ldmatrix rows meet
+ * no bank conflicts), requested before the PDL wait (the states are
+ * static in a step). Per tile the 8 or 16 warps split the scores'
+ * reduction over D (the query's A fragments held in registers), then the
+ * mix's columns. A group's key ranges (splits) run as one thread-block
+ * cluster and merge through distributed shared memory: H100,
+ * Flan-T5-large, 512 states, batch 1 11 us, batch 64 31 us for 64 MB
+ * (the copies alone 28.6); docs/cuda.md, passes 13-16. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -103,38 +101,46 @@ __global__ void __launch_bounds__(128) states_generic_kernel(const StatesArgs a)
   }
 }
 
-/* The tensor-core kernel: NT = D / 64 (each warp's mix columns in n8
- * tiles), ST states a tile, NSTG tiles in flight. */
-enum { ST = 32, NSTG = 2, SW = 8, STATES_MAX_SPLITS = 16 };
+/* The tensor-core kernel: D = 64 NT, ST states a tile, NSTG tiles in
+ * flight, SW warps. */
+enum { ST = 32, NSTG = 2, STATES_MAX_SPLITS = 16 };
 
-template <int NT, int ST, int NSTG>
+template <int NT, int ST, int NSTG, int SW>
 struct StatesSmem {
   /* a plane's rows in pairs (one bulk copy of 2 rows where they share a
-   * paged block), the pairs padded by 16 bytes: 2-way conflicts at most for
-   * ldmatrix, half the copies of one a row */
+   * paged block: half the copies of one a row), the pairs padded by 16
+   * bytes */
   static constexpr int D = NT * 64, HALF = D / 2, PAIR = 2 * HALF + 8;
-  static constexpr size_t Q = 16 * (size_t)(D + 8) * 2;          /* the pairs' queries, bf16 */
   static constexpr size_t STAGE = 2 * (ST / 2) * (size_t)PAIR * 2; /* [plane][ST / 2][PAIR] bf16 */
-  static constexpr size_t RED = SW * 16 * ST * 4;                /* per-warp partial scores */
+  /* per-warp partial scores, rows padded by 8 floats: a warp's stores of
+   * 4 rows at a time meet no bank conflicts */
+  static constexpr int RST = ST + 8;
+  static constexpr size_t RED = SW * 16 * (size_t)RST * 4;
   static constexpr size_t P = 16 * (ST + 8) * 2;                 /* probabilities, bf16 */
   static constexpr size_t STATS = 3 * 16 * 4;                    /* m, l, alpha */
-  static constexpr size_t BYTES = Q + NSTG * STAGE + RED + P + STATS + NSTG * 8;
+  static constexpr size_t BYTES = NSTG * STAGE + RED + P + STATS + NSTG * 8;
   /* after the last tile the stages hold the block's partial sums for the
    * cluster's merge: [16][D + 4] fp32, then 16 x STATES_MAX_SPLITS weights */
   static constexpr int PST = D + 4;
   static_assert(NSTG * STAGE >= (16 * (size_t)PST + 16 * STATES_MAX_SPLITS) * 4, "merge buffer");
 };
 
-template <int NT, int ST, int NSTG>
+template <int NT, int ST, int NSTG, int SW>
 __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs a) {
-  using L = StatesSmem<NT, ST, NSTG>;
+  using L = StatesSmem<NT, ST, NSTG, SW>;
+  static_assert(SW == 8 || SW == 16, "warps a block");
+  constexpr int TPR = 2 * SW, RPW = 16 / SW; /* softmax threads a row; query-scale rows a warp */
   constexpr int D = L::D, HALF = L::HALF, PAIR = L::PAIR, KW = D / SW; /* each warp's score slice of D */
   constexpr int PLANE = (ST / 2) * PAIR, SSTAGE = 2 * PLANE;
   auto erow = [](int r) { return (r >> 1) * PAIR + (r & 1) * HALF; }; /* row r of a plane */
+  /* the mma's state order: 8-row group g of a 16-row span takes its even
+   * (g even) or odd states, one a pair, so an ldmatrix's 8 rows fall in 8
+   * bank groups (consecutive states share a pair's bank group) */
+  auto perm = [](int x) { return (x & ~15) + ((x >> 3) & 1) + 2 * (x & 7); };
+  static_assert(ST % 16 == 0, "tile of whole 16-state spans");
   extern __shared__ __align__(128) unsigned char smem[];
-  bf16 *qs = (bf16 *)smem;
-  bf16 *stage = (bf16 *)(smem + L::Q);
-  float *red = (float *)(smem + L::Q + NSTG * L::STAGE);
+  bf16 *stage = (bf16 *)smem;
+  float *red = (float *)(smem + NSTG * L::STAGE);
   bf16 *ps = (bf16 *)((char *)red + L::RED);
   float *st_m = (float *)((char *)ps + L::P), *st_l = st_m + 16, *st_a = st_l + 16;
   uint64_t *bar = (uint64_t *)(st_m + 48);
@@ -172,28 +178,36 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   td_pdl_start_if(a.late);
   /* the 16 pairs' queries: pair p = g * 16 + r is row q0 + p / heads, head p % heads */
   const int q0 = a.q_start[s], npairs = (a.q_start[s + 1] - q0) * a.heads;
-  for (int e = tid; e < 16 * (D / 8); e += 32 * SW) {
-    const int r = e / (D / 8), c = (e % (D / 8)) * 8, p = g * 16 + r;
-    const bool in = p < npairs;
-    const bf16 *src = in ? a.q + (size_t)(q0 + p / a.heads) * a.ldq + (size_t)(p % a.heads) * D + c : a.q;
-    cp_async16(qs + (size_t)r * (D + 8) + c, src, in);
+  /* straight into the mma A fragments of this warp's slice of D */
+  uint32_t qf[KW / 16][4];
+  {
+    const int gr = lane >> 2, gc = (lane & 3) * 2, p0 = g * 16 + gr, p1 = p0 + 8;
+    const bf16 *s0 = p0 < npairs ? a.q + (size_t)(q0 + p0 / a.heads) * a.ldq + (size_t)(p0 % a.heads) * D : nullptr;
+    const bf16 *s1 = p1 < npairs ? a.q + (size_t)(q0 + p1 / a.heads) * a.ldq + (size_t)(p1 % a.heads) * D : nullptr;
+#pragma unroll
+    for (int i = 0; i < KW / 16; i++) {
+      const int k = warp * KW + i * 16 + gc;
+      qf[i][0] = s0 ? *(const uint32_t *)(s0 + k) : 0u;
+      qf[i][1] = s1 ? *(const uint32_t *)(s1 + k) : 0u;
+      qf[i][2] = s0 ? *(const uint32_t *)(s0 + k + 8) : 0u;
+      qf[i][3] = s1 ? *(const uint32_t *)(s1 + k + 8) : 0u;
+    }
   }
-  cp_async_commit();
-  /* score scale of each pair row (the query norm's 1 / rms), warp w rows 2w, 2w + 1 */
+  /* score scale of each pair row (the query norm's 1 / rms), warp w rows RPW w + [0, RPW) */
   float *st_q = red; /* borrowed until the first tile's partials */
-  for (int r = 2 * warp; r < 2 * warp + 2; r++) {
+  for (int r = RPW * warp; r < RPW * warp + RPW; r++) {
     const int p = g * 16 + r;
     const float f = p < npairs ? states_qn(a, q0 + p / a.heads) : 0.0f;
     if (lane == 0) st_q[r] = f * a.scale_log2;
   }
-  cp_async_wait<0>();
   __syncthreads();
-  float rs = st_q[tid >> 4]; /* the softmax phase's row: tid / 16 */
+  float rs = st_q[tid / TPR]; /* the softmax phase's row */
   __syncthreads();
 
-  float acc[NT][4];
+  constexpr int MT = D / SW / 8; /* each warp's mix columns in n8 tiles */
+  float acc[MT][4];
 #pragma unroll
-  for (int j = 0; j < NT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const int lr = lane & 7, lm = lane >> 3;
   for (int t = t0, use = 0; t < t1; t++, use++) {
     const int b = use % NSTG;
@@ -215,44 +229,53 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
 #pragma unroll
     for (int kk = 0; kk < KW; kk += 16) {
       const int k = warp * KW + kk, pl = k >= HALF, kc = k - pl * HALF;
-      uint32_t af[4];
-      ldsm_x4(af[0], af[1], af[2], af[3], qs + (size_t)(lr + (lm & 1) * 8) * (D + 8) + k + (lm >> 1) * 8);
 #pragma unroll
       for (int j = 0; j < ST / 8; j += 2) {
         uint32_t b0, b1, b2, b3;
-        ldsm_x4(b0, b1, b2, b3, E + (size_t)pl * PLANE + erow(j * 8 + (lm >> 1) * 8 + lr) + kc + (lm & 1) * 8);
-        mma16816(sacc[j], af, b0, b1);
-        mma16816(sacc[j + 1], af, b2, b3);
+        ldsm_x4(b0, b1, b2, b3, E + (size_t)pl * PLANE + erow(perm(j * 8 + (lm >> 1) * 8 + lr)) + kc + (lm & 1) * 8);
+        mma16816(sacc[j], qf[kk / 16], b0, b1);
+        mma16816(sacc[j + 1], qf[kk / 16], b2, b3);
       }
     }
     {
-      float *rw = red + (size_t)warp * 16 * ST;
+      float *rw = red + (size_t)warp * 16 * L::RST;
       const int gr = lane >> 2, gc = (lane & 3) * 2;
 #pragma unroll
       for (int j = 0; j < ST / 8; j++) {
-        *(float2 *)&rw[gr * ST + j * 8 + gc] = make_float2(sacc[j][0], sacc[j][1]);
-        *(float2 *)&rw[(gr + 8) * ST + j * 8 + gc] = make_float2(sacc[j][2], sacc[j][3]);
+        *(float2 *)&rw[gr * L::RST + j * 8 + gc] = make_float2(sacc[j][0], sacc[j][1]);
+        *(float2 *)&rw[(gr + 8) * L::RST + j * 8 + gc] = make_float2(sacc[j][2], sacc[j][3]);
       }
     }
     __syncthreads();
-    { /* softmax over the tile: thread tid takes row tid / 16, columns CPT (tid % 16) + [0, CPT) */
-      constexpr int CPT = ST / 16;
-      const int r = tid >> 4, c = (tid & 15) * CPT;
+    { /* softmax over the tile: thread tid takes row tid / TPR, columns CPT (tid % TPR) + [0, CPT) */
+      constexpr int CPT = ST / TPR;
+      const int r = tid / TPR, c = (tid % TPR) * CPT;
       float v[CPT];
 #pragma unroll
       for (int i = 0; i < CPT; i++) v[i] = 0.0f;
 #pragma unroll
-      for (int w = 0; w < SW; w++)
+      for (int w = 0; w < SW; w++) {
+        const float *rr = red + ((size_t)w * 16 + r) * L::RST + c;
+        if constexpr (CPT % 2 == 0) { /* float2: a half-warp a row, no bank conflicts */
 #pragma unroll
-        for (int i = 0; i < CPT; i++) v[i] += red[((size_t)w * 16 + r) * ST + c + i];
+          for (int i = 0; i < CPT; i += 2) {
+            const float2 f = *(const float2 *)&rr[i];
+            v[i] += f.x;
+            v[i + 1] += f.y;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < CPT; i++) v[i] += rr[i];
+        }
+      }
       float mx = -INFINITY;
 #pragma unroll
       for (int i = 0; i < CPT; i++) {
-        v[i] = c + i < nval ? v[i] * rs : -INFINITY;
+        v[i] = perm(c + i) < nval ? v[i] * rs : -INFINITY;
         mx = fmaxf(mx, v[i]);
       }
 #pragma unroll
-      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      for (int o = TPR / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       const float mo = st_m[r], mn = fmaxf(mo, mx);
       float sum = 0.0f;
 #pragma unroll
@@ -262,9 +285,9 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
         ps[r * (ST + 8) + c + i] = __float2bfloat16(v[i]);
       }
 #pragma unroll
-      for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      for (int o = TPR / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       __syncwarp();
-      if ((tid & 15) == 0) {
+      if (tid % TPR == 0) {
         const float al = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
         st_a[r] = al;
         st_l[r] = st_l[r] * al + sum;
@@ -272,11 +295,11 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
       }
     }
     __syncthreads();
-    { /* mix: warp w owns columns [w D / 8, (w + 1) D / 8), all in one plane */
+    { /* mix: warp w owns columns [w D / SW, (w + 1) D / SW), all in one plane */
       const int gr = lane >> 2;
       const float a0 = st_a[gr], a1 = st_a[gr + 8];
 #pragma unroll
-      for (int j = 0; j < NT; j++) {
+      for (int j = 0; j < MT; j++) {
         acc[j][0] *= a0;
         acc[j][1] *= a0;
         acc[j][2] *= a1;
@@ -288,12 +311,12 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
         uint32_t af[4];
         ldsm_x4(af[0], af[1], af[2], af[3], ps + (size_t)(lr + (lm & 1) * 8) * (ST + 8) + kk + (lm >> 1) * 8);
 #pragma unroll
-        for (int j = 0; j < NT; j += 2) {
+        for (int j = 0; j < MT; j += 2) {
           uint32_t b0, b1, b2, b3;
           ldsm_x4_t(b0, b1, b2, b3,
-                    E + (size_t)pl * PLANE + erow(kk + (lm & 1) * 8 + lr) + cc0 + j * 8 + (lm >> 1) * 8);
+                    E + (size_t)pl * PLANE + erow(perm(kk + (lm & 1) * 8 + lr)) + cc0 + j * 8 + (lm >> 1) * 8);
           mma16816(acc[j], af, b0, b1);
-          if (j + 1 < NT) mma16816(acc[j + 1], af, b2, b3);
+          if (j + 1 < MT) mma16816(acc[j + 1], af, b2, b3);
         }
       }
     }
@@ -318,7 +341,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
       const float l = st_l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
       if (o)
 #pragma unroll
-        for (int j = 0; j < NT; j++)
+        for (int j = 0; j < MT; j++)
           *(uint32_t *)&o[c0 + j * 8 + gc] = pack_bf16(acc[j][2 * hr] * inv, acc[j][2 * hr + 1] * inv);
     }
     return;
@@ -334,7 +357,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   for (int hr = 0; hr < 2; hr++) {
     const int r = gr + 8 * hr;
 #pragma unroll
-    for (int j = 0; j < NT; j++)
+    for (int j = 0; j < MT; j++)
       *(float2 *)&mine[r * L::PST + c0 + j * 8 + gc] = make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
   }
   cl.sync(); /* the partials and every block's m, l visible to the cluster */
@@ -372,23 +395,27 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
 /* The tensor-core kernel for one D (NT = D / 64), and how many of its
  * clusters of 1, 2, 4 and 8 blocks the GPU holds at once. */
 typedef struct states_cfg {
-  int nt;
+  int nt, sw;
   size_t bytes;
   const void *fn;
   void (*launch)(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a);
 } states_cfg;
 
-template <int NT>
+template <int NT, int SW>
 static void states_launch(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a) {
-  (void)td_launch_ex(c, cluster, -1, states_mma_kernel<NT, ST, NSTG>, grid, 32 * SW, StatesSmem<NT, ST, NSTG>::BYTES,
-                     a);
+  (void)td_launch_ex(c, cluster, -1, states_mma_kernel<NT, ST, NSTG, SW>, grid, 32 * SW,
+                     StatesSmem<NT, ST, NSTG, SW>::BYTES, a);
 }
 
-#define TD_STATES_CFG(nt) \
-  {nt, StatesSmem<nt, ST, NSTG>::BYTES, (const void *)states_mma_kernel<nt, ST, NSTG>, states_launch<nt>},
-static const states_cfg STATES_CFGS[] = {TD_STATES_CFG(8) TD_STATES_CFG(12) TD_STATES_CFG(16) TD_STATES_CFG(20)};
+#define TD_STATES_CFG(nt, sw) \
+  {nt, sw, StatesSmem<nt, ST, NSTG, sw>::BYTES, (const void *)states_mma_kernel<nt, ST, NSTG, sw>, states_launch<nt, sw>},
+static const states_cfg STATES_CFGS[] = {TD_STATES_CFG(8, 8) TD_STATES_CFG(12, 8) TD_STATES_CFG(16, 8) TD_STATES_CFG(20, 8)
+                                             TD_STATES_CFG(8, 16) TD_STATES_CFG(12, 16) TD_STATES_CFG(16, 16)
+                                                 TD_STATES_CFG(20, 16)};
 #undef TD_STATES_CFG
 enum { STATES_NCFG = (int)(sizeof STATES_CFGS / sizeof STATES_CFGS[0]), STATES_CLUSTERS = 4 };
+static_assert(STATES_NCFG <= (int)(sizeof(((td_cuda *)0)->states_clusters) / sizeof(((td_cuda *)0)->states_clusters[0])),
+              "a states_clusters row per kernel");
 
 
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
@@ -421,9 +448,12 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
     a.qn_dim = m->q_norm_dim;
     a.qn_eps = m->q_norm_eps;
   }
-  int ci = STATES_NCFG;
+  /* the kernels for this D with 8 and 16 warps */
+  int c8 = STATES_NCFG, c16 = STATES_NCFG;
   for (int i = 0; i < STATES_NCFG; i++)
-    if (D == STATES_CFGS[i].nt * 64 && STATES_CFGS[i].bytes <= c->smem_optin) ci = i;
+    if (D == STATES_CFGS[i].nt * 64 && STATES_CFGS[i].bytes <= c->smem_optin) *(STATES_CFGS[i].sw == 8 ? &c8 : &c16) = i;
+  if (c8 == STATES_NCFG) c8 = c16;
+  int ci = c8;
   const states_cfg *cfg = ci < STATES_NCFG ? &STATES_CFGS[ci] : NULL;
   bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(pool) && td_aligned16(out) && m->kv_static &&
               getenv("TANDEM_CUDA_STATES_GENERIC") == NULL;
@@ -452,6 +482,15 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
     for (int k = 1; k < STATES_CLUSTERS; k++)
       if ((1 << k) <= tiles && base * (1 << k) <= c->sm_count && base <= c->states_clusters[ci][k]) splits = 1 << k;
   }
+  /* 16 warps where each block streams a quarter or more of a sequence's
+   * states (its shorter phases then pay); 8 warps where the splits are
+   * more: their blocks fit beside the W_k product's blocks and start
+   * copying during it (H100, Flan-T5-large: docs/cuda.md, pass 16) */
+  const char *wv = getenv("TANDEM_CUDA_STATES_WARPS");
+  int lg = 0;
+  while ((1 << lg) < splits) lg++;
+  bool w16 = wv && *wv ? atoi(wv) == 16 : splits <= 2;
+  if (w16 && c16 < STATES_NCFG && lg < STATES_CLUSTERS && base <= c->states_clusters[c16][lg]) cfg = &STATES_CFGS[c16];
   if (base * splits > 2147483647L) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %ld blocks", base * splits);
   a.n_splits = splits;
   cfg->launch(c, dim3((unsigned)(base * splits)), splits, a);
@@ -743,7 +782,7 @@ td_status td_cu_states_init(td_cuda *c) {
       cudaLaunchConfig_t lc = {};
       cudaLaunchAttribute at = td_cluster_attr(1 << k);
       lc.gridDim = dim3(1u << k);
-      lc.blockDim = dim3(32 * SW);
+      lc.blockDim = dim3(32 * (unsigned)s->sw);
       lc.dynamicSmemBytes = s->bytes;
       lc.attrs = &at;
       lc.numAttrs = 1;
