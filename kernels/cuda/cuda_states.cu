@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   cl.sync(); /* no block leaves while another still reads its shared memory */
 }
 
-/* The tensor-core kernel for one D (NT = D / 64), and how many of its
- * clusters of 1, 2, 4 and 8 blocks the GPU holds at once. */
+/* The tensor-core kernel for one D (NT = D / 64) and warp count, and how
+ * many of its clusters of 1, 2, 4 and 8 blocks the GPU holds at once. */
 typedef struct states_cfg {
   int nt, sw;
   size_t bytes;
@@ -452,8 +452,7 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
   int c8 = STATES_NCFG, c16 = STATES_NCFG;
   for (int i = 0; i < STATES_NCFG; i++)
     if (D == STATES_CFGS[i].nt * 64 && STATES_CFGS[i].bytes <= c->smem_optin) *(STATES_CFGS[i].sw == 8 ? &c8 : &c16) = i;
-  if (c8 == STATES_NCFG) c8 = c16;
-  int ci = c8;
+  int ci = c8 < STATES_NCFG ? c8 : c16;
   const states_cfg *cfg = ci < STATES_NCFG ? &STATES_CFGS[ci] : NULL;
   bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(pool) && td_aligned16(out) && m->kv_static &&
               getenv("TANDEM_CUDA_STATES_GENERIC") == NULL;
