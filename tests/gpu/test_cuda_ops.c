@@ -757,6 +757,18 @@ static int32_t *shuffled_tables(const int32_t *ctx, int S, int bs, int stride, i
   return tab;
 }
 
+/* the paged and states tests' buffers: the query norm's rows (when
+ * given), the queries, the output and the metadata */
+static void io_drop(pair *qn_rows, float *qn, pair *q, pair *o, pair *qs, pair *ct, pair *tb) {
+  if (qn_rows) drop(qn_rows);
+  free(qn);
+  drop(q);
+  drop(o);
+  drop(qs);
+  drop(ct);
+  drop(tb);
+}
+
 /* A batch's paged extents as its sequences are drawn: sequence s gets ql
  * query rows (q_start prefix sums in qs) and c keys in blocks of bs. */
 typedef struct seq_extents {
@@ -874,15 +886,7 @@ static void paged_case(const paged_cfg *p) {
     e = compare(&O, 0);
     cr_expect(e <= TOL, "attn_paged (%s) with exact bounds: error %.3g", paged_mode, e);
   }
-  if (paged_qn_dim) {
-    drop(&QN);
-    free(qn);
-  }
-  drop(&Q);
-  drop(&O);
-  drop(&QS);
-  drop(&CT);
-  drop(&TB);
+  io_drop(paged_qn_dim ? &QN : NULL, qn, &Q, &O, &QS, &CT, &TB);
   if (p->md) drop(&L);
   rig_drop(&r);
   free(q);
@@ -1009,15 +1013,7 @@ static void states_case(const states_cfg *p, const char *mode) {
   cr_assert(td_attn_states(G, Q.g, ldq, O.g, r.pool.g, &r.l, Hq, &mg, scale) == TD_OK, "%s", td_errmsg());
   e = compare(&O, 0);
   cr_expect(e <= TOL, "attn_states (%s, not static) heads=%d D=%d seqs=%d: error %.3g", mode, Hq, D, S, e);
-  if (p->qn_dim) {
-    drop(&QN);
-    free(qn);
-  }
-  drop(&Q);
-  drop(&O);
-  drop(&QS);
-  drop(&CT);
-  drop(&TB);
+  io_drop(p->qn_dim ? &QN : NULL, qn, &Q, &O, &QS, &CT, &TB);
   rig_drop(&r);
   free(q);
   free(tab);
