@@ -47,10 +47,7 @@ static unsigned align_log2(const void *p) {
 }
 
 static void plan_release(td_gemm_plan *p) {
-  if (p->op) cublasLtMatmulDescDestroy(p->op);
-  if (p->la) cublasLtMatrixLayoutDestroy(p->la);
-  if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
-  if (p->lc) cublasLtMatrixLayoutDestroy(p->lc);
+  td_cu_lt_release(p->op, p->la, p->lb, p->lc);
   memset(p, 0, sizeof *p);
 }
 

@@ -260,6 +260,15 @@ td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool 
 /* whether td_cu_skinny takes the bulk-copy kernel (the only one with GLU) for m rows of k */
 bool td_cu_skinny_bulk(const td_cuda *c, int m, int k);
 
+/* A cuBLASLt plan's descriptors (any of them NULL) */
+static inline void td_cu_lt_release(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
+                                    cublasLtMatrixLayout_t lc) {
+  if (op) cublasLtMatmulDescDestroy(op);
+  if (la) cublasLtMatrixLayoutDestroy(la);
+  if (lb) cublasLtMatrixLayoutDestroy(lb);
+  if (lc) cublasLtMatrixLayoutDestroy(lc);
+}
+
 /* cuda_gemm_ex.cu: td_gemm_ex (fused on the decode kernel for m <= 16) */
 td_status td_cu_skf_init(td_cuda *c);
 td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *a);

@@ -519,10 +519,7 @@ __global__ void heads_bias_kernel(bf16 *y, const float *__restrict__ bias, int m
 }
 
 static void heads_plan_free(td_heads_plan *p) {
-  if (p->op) cublasLtMatmulDescDestroy(p->op);
-  if (p->la) cublasLtMatrixLayoutDestroy(p->la);
-  if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
-  if (p->lc) cublasLtMatrixLayoutDestroy(p->lc);
+  td_cu_lt_release(p->op, p->la, p->lb, p->lc);
   memset(p, 0, sizeof *p);
 }
 
