@@ -6,6 +6,8 @@
 # prints the results and stops.
 #
 #   deploy/local.sh [--model DIR] [--device cpu|cuda] [--port N] [--run-dir DIR]
+#                   (--port N: the router on N and N + 1; without it, a free pair below
+#                   the ephemeral range, picked again if taken before the router binds)
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
 #                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
@@ -58,15 +60,21 @@ if [[ -z $device ]]; then
 fi
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-if [[ -z $port ]]; then
+# Ports below the kernel's ephemeral range, which any outgoing connection
+# on the machine may take between the probe and the router's bind.
+pick_port() {
+  local lo=32768 p
+  read -r lo _ </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || true
+  ((lo > 12000)) || lo=32768
   for _ in $(seq 200); do
-    p=$((20000 + RANDOM % 40000))
-    if port_free "$p" && port_free $((p + 1)); then port=$p; break; fi
+    p=$((10000 + RANDOM % (lo - 10002)))
+    if port_free "$p" && port_free $((p + 1)); then port=$p; return 0; fi
   done
-  [[ -n $port ]] || { echo "local.sh: no free port found" >&2; exit 1; }
-fi
-client_ep="tcp://127.0.0.1:$port"
-worker_ep="tcp://127.0.0.1:$((port + 1))"
+  echo "local.sh: no free port found" >&2
+  exit 1
+}
+port_given=$port
+[[ -n $port ]] || pick_port
 run_dir=${run_dir:-"$root/run/local-$(date +%Y%m%d-%H%M%S)-$$"}
 mkdir -p "$run_dir"
 run_dir=$(cd "$run_dir" && pwd)
@@ -97,7 +105,26 @@ start() { # name, command...
   echo $! >"$run_dir/$name.pid"
 }
 
-start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" ${cross_states[@]+"${cross_states[@]}"}
+# the router first; a port taken since the probe means another pick
+for attempt in 1 2 3 4 5; do
+  client_ep="tcp://127.0.0.1:$port"
+  worker_ep="tcp://127.0.0.1:$((port + 1))"
+  start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" ${cross_states[@]+"${cross_states[@]}"}
+  rpid=${pids[-1]}
+  for _ in $(seq 100); do
+    grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
+    kill -0 "$rpid" 2>/dev/null || break
+    sleep 0.05
+  done
+  grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
+  kill -0 "$rpid" 2>/dev/null && break # still starting: the health wait below decides
+  unset 'pids[-1]'
+  if [[ -n $port_given ]] || ! grep -q "Address already in use" "$run_dir/router.log" || ((attempt == 5)); then
+    echo "local.sh: the router did not start; logs in $run_dir" >&2
+    exit 1
+  fi
+  pick_port
+done
 threads=1
 common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
         --kv-transport "$kv_transport" ${cross_states[@]+"${cross_states[@]}"})
