@@ -439,7 +439,7 @@ static void bench_paged(int batch, int ctx, bool causal) {
 /* td_attn_states as a decode step calls it: every layer over its own copy
  * of the states (so that L2 never holds them), one query row a sequence. */
 typedef struct states_ctx {
-  void *q, *out, *pool;
+  void *q, *out, *pool, *qn;
   td_kv_layout l;
   td_paged_meta m[LAYERS];
 } states_ctx;
@@ -459,6 +459,7 @@ static void bench_states(int batch, int ctx) {
   c.pool = act(td_kv_block_elems(&c.l) * (size_t)batch * nb * LAYERS);
   c.q = act((size_t)batch * NH * D);
   c.out = act((size_t)batch * NH * D);
+  c.qn = act((size_t)batch * D); /* the cross query's norm, left to the kernel as in a step */
   int32_t *qs = malloc(sizeof(int32_t) * (batch + 1)), *cl = malloc(sizeof(int32_t) * batch),
           *tab = malloc(sizeof(int32_t) * (size_t)batch * nb);
   for (int s = 0; s <= batch; s++) qs[s] = s;
@@ -468,7 +469,7 @@ static void bench_states(int batch, int ctx) {
     for (int s = 0; s < batch; s++)
       for (int i = 0; i < nb; i++) tab[(size_t)s * nb + i] = (layer * batch + s) * nb + i;
     c.m[layer] = (td_paged_meta){batch, batch, 1, ctx, dqs, dcl, i32(tab, (size_t)batch * nb), nb, true, false,
-                                 NULL, 0, 0.0f};
+                                 c.qn, D, 1e-6f};
   }
   double t = time_work(states_work, &c) / LAYERS;
   double bytes = (double)batch * ctx * D * 2 + (double)batch * NH * D * 2 * 2;
@@ -481,6 +482,7 @@ static void bench_states(int batch, int ctx) {
   td_free(B, c.pool);
   td_free(B, c.q);
   td_free(B, c.out);
+  td_free(B, c.qn);
   free(qs);
   free(cl);
   free(tab);

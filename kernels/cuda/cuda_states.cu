@@ -12,10 +12,11 @@
  * no bank conflicts), requested before the PDL wait (the states are
  * static in a step). Per tile the 8 or 16 warps split the scores'
  * reduction over D (the query's A fragments held in registers), then the
- * mix's columns. A group's key ranges (splits) run as one thread-block
- * cluster and merge through distributed shared memory: H100,
- * Flan-T5-large, 512 states, batch 1 11 us, batch 64 31 us for 64 MB
- * (the copies alone 28.6); docs/cuda.md, passes 13-16. */
+ * mix's columns; with 16 warps, where three stages fit, one group of 8
+ * takes the scores while the other mixes the tile before. A group's key
+ * ranges (splits) run as one thread-block cluster and merge through
+ * distributed shared memory: H100, Flan-T5-large, 512 states, batch 1
+ * 11 us, batch 64 30.7 us for 64 MB; docs/cuda.md, passes 13-16 and 20. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,17 +35,36 @@ typedef struct StatesArgs {
   int ldq, heads, D, bs, max_blocks, qn_dim, max_q, max_ctx, groups, n_splits;
   size_t block_elems;
   float scale_log2, qn_eps;
-  bool late;
+  bool late, qn_vec;
 } StatesArgs;
 
-/* 1 / rms of the query norm's row, or 1 */
+/* 1 / rms of the query norm's row, or 1 (one warp). Rows of whole 16-byte
+ * vectors are read four vectors a lane at a time, so that a row of 1024
+ * takes one memory round trip, not one a 32 columns. */
 __device__ __forceinline__ float states_qn(const StatesArgs &a, int row) {
   if (!a.qn) return 1.0f;
   const bf16 *x = a.qn + (size_t)row * a.qn_dim;
+  const int lane = threadIdx.x & 31;
   float ss = 0.0f;
-  for (int j = threadIdx.x & 31; j < a.qn_dim; j += 32) {
-    float v = __bfloat162float(x[j]);
-    ss = fmaf(v, v, ss);
+  if (a.qn_vec) {
+    for (int j0 = lane * 8; j0 < a.qn_dim; j0 += 4 * 256) {
+      td_bf16x8 v[4];
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+        v[i].u = j0 + i * 256 < a.qn_dim ? *(const uint4 *)(x + j0 + i * 256) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+          const float2 f = __bfloat1622float2(v[i].h[t]);
+          ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
+        }
+    }
+  } else {
+    for (int j = lane; j < a.qn_dim; j += 32) {
+      const float v = __bfloat162float(x[j]);
+      ss = fmaf(v, v, ss);
+    }
   }
   ss = td_warp_sum(ss);
   return rsqrtf(ss / (float)a.qn_dim + a.qn_eps);
@@ -101,6 +121,117 @@ __global__ void __launch_bounds__(128) states_generic_kernel(const StatesArgs a)
   }
 }
 
+/* Pieces both tensor-core kernels share. Stage layout: [plane][ST / 2]
+ * pairs of rows of HALF columns, each pair padded to PAIR (see StatesSmem). */
+template <int HALF, int PAIR>
+__device__ __forceinline__ int states_erow(int r) { return (r >> 1) * PAIR + (r & 1) * HALF; }
+
+/* Tile t of ST states into a stage by bulk copies, one a row and plane (two
+ * rows where they share a paged block), by threads lt < 4 ST of the issuing
+ * group (lanes 0 and 1 of each 8); lt 0 arms the stage's barrier. */
+template <int ST, int HALF, int PAIR>
+__device__ __forceinline__ void states_issue(const StatesArgs &a, const int32_t *table, int ctx, int t, bf16 *stage,
+                                             uint64_t *bar, uint64_t pol, int lt) {
+  constexpr int PLANE = (ST / 2) * PAIR;
+  const int k0 = t * ST, n = min(ST, ctx - k0), r = 2 * (lt >> 3), pl = lt & 7;
+  if (lt == 0) mbar_arrive_tx(bar, (uint32_t)n * (uint32_t)(2 * HALF) * 2u);
+  if (r < n && pl < 2) {
+    bf16 *dst = stage + (size_t)pl * PLANE + states_erow<HALF, PAIR>(r);
+    const bf16 *src = states_row(a, table, k0 + r, pl);
+    const bool two = r + 1 < n && (k0 + r) / a.bs == (k0 + r + 1) / a.bs;
+    bulk_g2s_hint(dst, src, (two ? 2u : 1u) * HALF * 2u, bar, pol);
+    if (r + 1 < n && !two) bulk_g2s_hint(dst + HALF, states_row(a, table, k0 + r + 1, pl), HALF * 2, bar, pol);
+  }
+}
+
+/* The 16 pairs' queries (pair p = g * 16 + r is row q0 + p / heads, head
+ * p % heads), columns [k0, k0 + KW), straight into mma A fragments. */
+template <int KW, int D>
+__device__ __forceinline__ void states_load_q(uint32_t (&qf)[KW / 16][4], const StatesArgs &a, int g, int q0, int npairs,
+                                              int k0) {
+  const int lane = threadIdx.x & 31, gr = lane >> 2, gc = (lane & 3) * 2, p0 = g * 16 + gr, p1 = p0 + 8;
+  const bf16 *s0 = p0 < npairs ? a.q + (size_t)(q0 + p0 / a.heads) * a.ldq + (size_t)(p0 % a.heads) * D : nullptr;
+  const bf16 *s1 = p1 < npairs ? a.q + (size_t)(q0 + p1 / a.heads) * a.ldq + (size_t)(p1 % a.heads) * D : nullptr;
+#pragma unroll
+  for (int i = 0; i < KW / 16; i++) {
+    const int k = k0 + i * 16 + gc;
+    qf[i][0] = s0 ? *(const uint32_t *)(s0 + k) : 0u;
+    qf[i][1] = s1 ? *(const uint32_t *)(s1 + k) : 0u;
+    qf[i][2] = s0 ? *(const uint32_t *)(s0 + k + 8) : 0u;
+    qf[i][3] = s1 ? *(const uint32_t *)(s1 + k + 8) : 0u;
+  }
+}
+
+/* A warp's accumulators (16 rows x 8 MT columns from c0): the output,
+ * normalised by l, when the block holds the whole key range, else its
+ * partial sums into mine ([16][PST] fp32) for the cluster's merge. */
+template <int MT, int PST, typename OutAt>
+__device__ __forceinline__ void states_store(const float (&acc)[MT][4], bool whole, OutAt out_at, const float *st_l,
+                                             float *mine, int c0) {
+  const int lane = threadIdx.x & 31, gr = lane >> 2, gc = (lane & 3) * 2;
+#pragma unroll
+  for (int hr = 0; hr < 2; hr++) {
+    const int r = gr + 8 * hr;
+    if (whole) {
+      bf16 *o = out_at(r);
+      const float l = st_l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+      if (o)
+#pragma unroll
+        for (int j = 0; j < MT; j++)
+          *(uint32_t *)&o[c0 + j * 8 + gc] = pack_bf16(acc[j][2 * hr] * inv, acc[j][2 * hr + 1] * inv);
+    } else {
+#pragma unroll
+      for (int j = 0; j < MT; j++)
+        *(float2 *)&mine[r * PST + c0 + j * 8 + gc] = make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
+    }
+  }
+}
+
+/* A group's key splits merged across its cluster: every block has left its
+ * partial sums in mine ([16][PST] fp32); block `split` of S writes columns
+ * [split D / S, (split + 1) D / S) of all 16 rows. Each block's (m, l) is
+ * pushed into every block's table ml ([S][16]) by posted stores, so the
+ * weights read local memory only. Every thread of the block calls it. */
+template <int D, int PST, int NTHR, typename OutAt>
+__device__ __forceinline__ void states_merge(float *mine, float *wk, float2 *ml, const float *st_m, const float *st_l,
+                                             int S, int split, OutAt out_at) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cl = cg::this_cluster();
+  const int tid = threadIdx.x;
+  if (tid < 16)
+    for (int k = 0; k < S; k++) *cl.map_shared_rank(ml + split * 16 + tid, k) = make_float2(st_m[tid], st_l[tid]);
+  cl.sync(); /* the partials and every block's m, l visible to the cluster */
+  if (tid < 16) { /* wk [16][S]: merge weights, 1 / L folded in */
+    float M = -INFINITY, Ls = 0.0f;
+    for (int k = 0; k < S; k++) M = fmaxf(M, ml[k * 16 + tid].x);
+    for (int k = 0; k < S; k++) {
+      const float2 f = ml[k * 16 + tid];
+      const float w = f.x == -INFINITY ? 0.0f : exp2f(f.x - M);
+      wk[tid * S + k] = w;
+      Ls += w * f.y;
+    }
+    const float inv = Ls > 0.0f ? 1.0f / Ls : 0.0f;
+    for (int k = 0; k < S; k++) wk[tid * S + k] *= inv;
+  }
+  __syncthreads();
+  const int cw = D / S, n4 = 16 * (cw / 4); /* this block's float4s: 16 rows x cw / 4 */
+  for (int e = tid; e < n4; e += NTHR) {
+    const int r = e / (cw / 4), c = split * cw + (e % (cw / 4)) * 4;
+    float4 m4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int k = 0; k < S; k++) {
+      const float w = wk[r * S + k];
+      const float4 f = *(const float4 *)cl.map_shared_rank(mine + r * PST + c, k);
+      m4.x = fmaf(w, f.x, m4.x);
+      m4.y = fmaf(w, f.y, m4.y);
+      m4.z = fmaf(w, f.z, m4.z);
+      m4.w = fmaf(w, f.w, m4.w);
+    }
+    bf16 *o = out_at(r);
+    if (o) *(uint2 *)&o[c] = make_uint2(pack_bf16(m4.x, m4.y), pack_bf16(m4.z, m4.w));
+  }
+  cl.sync(); /* no block leaves while another still reads its shared memory */
+}
+
 /* The tensor-core kernel: D = 64 NT, ST states a tile, NSTG tiles in
  * flight, SW warps. */
 enum { ST = 32, NSTG = 2, STATES_MAX_SPLITS = 16 };
@@ -118,7 +249,8 @@ struct StatesSmem {
   static constexpr size_t RED = SW * 16 * (size_t)RST * 4;
   static constexpr size_t P = 16 * (ST + 8) * 2;                 /* probabilities, bf16 */
   static constexpr size_t STATS = 3 * 16 * 4;                    /* m, l, alpha */
-  static constexpr size_t BYTES = NSTG * STAGE + RED + P + STATS + NSTG * 8;
+  static constexpr size_t ML = STATES_MAX_SPLITS * 16 * 8;       /* every split's (m, l), pushed before the merge */
+  static constexpr size_t BYTES = NSTG * STAGE + RED + P + STATS + ML + NSTG * 8;
   /* after the last tile the stages hold the block's partial sums for the
    * cluster's merge: [16][D + 4] fp32, then 16 x STATES_MAX_SPLITS weights */
   static constexpr int PST = D + 4;
@@ -132,7 +264,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   constexpr int TPR = 2 * SW, RPW = 16 / SW; /* softmax threads a row; query-scale rows a warp */
   constexpr int D = L::D, HALF = L::HALF, PAIR = L::PAIR, KW = D / SW; /* each warp's score slice of D */
   constexpr int PLANE = (ST / 2) * PAIR, SSTAGE = 2 * PLANE;
-  auto erow = [](int r) { return (r >> 1) * PAIR + (r & 1) * HALF; }; /* row r of a plane */
+  auto erow = [](int r) { return states_erow<HALF, PAIR>(r); }; /* row r of a plane */
   /* the mma's state order: 8-row group g of a 16-row span takes its even
    * (g even) or odd states, one a pair, so an ldmatrix's 8 rows fall in 8
    * bank groups (consecutive states share a pair's bank group) */
@@ -143,7 +275,8 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   float *red = (float *)(smem + NSTG * L::STAGE);
   bf16 *ps = (bf16 *)((char *)red + L::RED);
   float *st_m = (float *)((char *)ps + L::P), *st_l = st_m + 16, *st_a = st_l + 16;
-  uint64_t *bar = (uint64_t *)(st_m + 48);
+  float2 *ml = (float2 *)(st_m + 48); /* [split][16] */
+  uint64_t *bar = (uint64_t *)((char *)ml + L::ML);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   /* a cluster of n_splits blocks per group, each a range of the states */
   const int sg = (int)blockIdx.x / a.n_splits, split = (int)blockIdx.x % a.n_splits;
@@ -159,40 +292,17 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
     st_l[tid] = 0.0f;
   }
   __syncthreads();
-  /* every thread: tile t's rows into stage buffer b, one copy a row and
-   * plane, by lanes 0 and 1 of each group of 8 (spread over the warps: a
-   * warp issues its bulk copies one after another) */
+  /* tile t into stage buffer b by every thread that has copies to issue
+   * (spread over the warps: a warp issues its bulk copies one after another) */
   const uint64_t pol = l2_evict_first();
   auto issue = [&](int t, int b) {
-    const int k0 = t * ST, n = min(ST, ctx - k0), r = 2 * (tid >> 3), pl = tid & 7;
-    if (tid == 0) mbar_arrive_tx(&bar[b], (uint32_t)n * (uint32_t)D * 2u);
-    if (r < n && pl < 2) {
-      bf16 *dst = stage + (size_t)b * SSTAGE + (size_t)pl * PLANE + erow(r);
-      const bf16 *src = states_row(a, table, k0 + r, pl);
-      const bool two = r + 1 < n && (k0 + r) / a.bs == (k0 + r + 1) / a.bs;
-      bulk_g2s_hint(dst, src, (two ? 2u : 1u) * HALF * 2u, &bar[b], pol);
-      if (r + 1 < n && !two) bulk_g2s_hint(dst + HALF, states_row(a, table, k0 + r + 1, pl), HALF * 2, &bar[b], pol);
-    }
+    states_issue<ST, HALF, PAIR>(a, table, ctx, t, stage + (size_t)b * SSTAGE, &bar[b], pol, tid);
   };
   for (int i = 0; i < NSTG && t0 + i < t1; i++) issue(t0 + i, i);
   td_pdl_start_if(a.late);
-  /* the 16 pairs' queries: pair p = g * 16 + r is row q0 + p / heads, head p % heads */
   const int q0 = a.q_start[s], npairs = (a.q_start[s + 1] - q0) * a.heads;
-  /* straight into the mma A fragments of this warp's slice of D */
-  uint32_t qf[KW / 16][4];
-  {
-    const int gr = lane >> 2, gc = (lane & 3) * 2, p0 = g * 16 + gr, p1 = p0 + 8;
-    const bf16 *s0 = p0 < npairs ? a.q + (size_t)(q0 + p0 / a.heads) * a.ldq + (size_t)(p0 % a.heads) * D : nullptr;
-    const bf16 *s1 = p1 < npairs ? a.q + (size_t)(q0 + p1 / a.heads) * a.ldq + (size_t)(p1 % a.heads) * D : nullptr;
-#pragma unroll
-    for (int i = 0; i < KW / 16; i++) {
-      const int k = warp * KW + i * 16 + gc;
-      qf[i][0] = s0 ? *(const uint32_t *)(s0 + k) : 0u;
-      qf[i][1] = s1 ? *(const uint32_t *)(s1 + k) : 0u;
-      qf[i][2] = s0 ? *(const uint32_t *)(s0 + k + 8) : 0u;
-      qf[i][3] = s1 ? *(const uint32_t *)(s1 + k + 8) : 0u;
-    }
-  }
+  uint32_t qf[KW / 16][4]; /* this warp's slice of D */
+  states_load_q<KW, D>(qf, a, g, q0, npairs, warp * KW);
   /* score scale of each pair row (the query norm's 1 / rms), warp w rows RPW w + [0, RPW) */
   float *st_q = red; /* borrowed until the first tile's partials */
   for (int r = RPW * warp; r < RPW * warp + RPW; r++) {
@@ -328,74 +438,241 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   }
 
   /* out: this block's sums (one split) or the merge of the cluster's */
-  const int gr = lane >> 2, gc = (lane & 3) * 2, c0 = warp * (D / SW);
+  const int c0 = warp * (D / SW);
   auto out_at = [&](int r) -> bf16 * {
     const int p = g * 16 + r;
     return p < npairs ? a.out + ((size_t)(q0 + p / a.heads) * a.heads + p % a.heads) * D : nullptr;
   };
-  if (a.n_splits == 1) {
-#pragma unroll
-    for (int hr = 0; hr < 2; hr++) {
-      const int r = gr + 8 * hr;
-      bf16 *o = out_at(r);
-      const float l = st_l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
-      if (o)
-#pragma unroll
-        for (int j = 0; j < MT; j++)
-          *(uint32_t *)&o[c0 + j * 8 + gc] = pack_bf16(acc[j][2 * hr] * inv, acc[j][2 * hr + 1] * inv);
+  /* the output, or the partial sums into the stages (all copies have
+   * landed) and the cluster's merge */
+  float *mine = (float *)stage;
+  states_store<MT, L::PST>(acc, a.n_splits == 1, out_at, st_l, mine, c0);
+  if (a.n_splits == 1) return;
+  states_merge<D, L::PST, 32 * SW>(mine, mine + 16 * L::PST, ml, st_m, st_l, a.n_splits, split, out_at);
+}
+
+/* The same product with the phases on separate warps, where the policy
+ * takes 16 warps and three stages fit (D <= 1024; TANDEM_CUDA_STATES_WS=0:
+ * the kernel above): warps 0-7 take the scores and the softmax of tile u
+ * while warps 8-15 mix tile u - 1, the probabilities handed over through
+ * two buffers and mbarriers, each group on its own named barrier, so that
+ * neither waits for the other's phase and a third stage fits in the
+ * shared memory the first kernel's 16 warps of partial scores took. The
+ * mix group refills the stage it has finished. D = 64 NT, 512 threads.
+ * H100, Flan-T5-large, 512 states: batch 64 31.7 -> 30.7 us alone, the
+ * step 2.243-2.261 -> 2.211-2.215 ms (docs/cuda.md, pass 20). */
+template <int NT>
+struct StatesWsSmem {
+  static constexpr int ST = 32, NSTG = 3, D = NT * 64, HALF = D / 2, PAIR = 2 * HALF + 8, RST = ST + 8;
+  static constexpr size_t STAGE = 2 * (ST / 2) * (size_t)PAIR * 2;
+  static constexpr size_t RED = 8 * 16 * (size_t)RST * 4;
+  static constexpr size_t P = 2 * 16 * (ST + 8) * 2;              /* two buffers */
+  static constexpr size_t STATS = (16 + 16 + 32 + 16) * 4;        /* m, l, alpha [2][16], query scale */
+  static constexpr size_t ML = STATES_MAX_SPLITS * 16 * 8;
+  static constexpr size_t BARS = (NSTG + 4) * 8;                  /* full[NSTG], pfull[2], pempty[2] */
+  static constexpr size_t BYTES = NSTG * STAGE + RED + P + STATS + ML + BARS;
+  static constexpr int PST = D + 4;
+  static_assert(NSTG * STAGE >= (16 * (size_t)PST + 16 * STATES_MAX_SPLITS) * 4, "merge buffer");
+};
+
+/* Barriers that the two warp groups reach from different code: the
+ * non-aligned form (bar.sync, __syncthreads, require every thread of the
+ * block at the same instruction) */
+__device__ __forceinline__ void named_sync(int id) { asm volatile("barrier.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
+
+/* 120 registers (512 threads): a block then fits beside one of the self
+ * K/V prefetch's 4 blocks (td_kv_prefetch), which otherwise keep 4 SMs
+ * from the states kernel's 128 blocks at batch 64 (step 2.211-2.231 ->
+ * 2.201-2.210 ms). */
+template <int NT>
+__global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
+  using L = StatesWsSmem<NT>;
+  constexpr int ST = L::ST, NSTG = L::NSTG, D = L::D, HALF = L::HALF, PAIR = L::PAIR, RST = L::RST;
+  constexpr int KW = D / 8, MT = D / 8 / 8, PLANE = (ST / 2) * PAIR, SSTAGE = 2 * PLANE, PB = 16 * (ST + 8);
+  auto erow = [](int r) { return states_erow<HALF, PAIR>(r); };
+  auto perm = [](int x) { return (x & ~15) + ((x >> 3) & 1) + 2 * (x & 7); };
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16 *stage = (bf16 *)smem;
+  float *red = (float *)(smem + NSTG * L::STAGE);
+  bf16 *ps = (bf16 *)((char *)red + L::RED);
+  float *st_m = (float *)((char *)ps + L::P), *st_l = st_m + 16, *st_a = st_l + 16, *st_q = st_a + 32;
+  float2 *ml = (float2 *)(st_q + 16);
+  uint64_t *full = (uint64_t *)((char *)ml + L::ML), *pfull = full + NSTG, *pempty = pfull + 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const bool sw = warp < 8;
+  const int sg = (int)blockIdx.x / a.n_splits, split = (int)blockIdx.x % a.n_splits;
+  const int s = sg / a.groups, g = sg % a.groups;
+  const int ctx = a.ctx_len[s];
+  const int32_t *table = a.block_table + (size_t)s * a.max_blocks;
+  const int nt = (ctx + ST - 1) / ST;
+  const int t0 = (int)((long)nt * split / a.n_splits), t1 = (int)((long)nt * (split + 1) / a.n_splits);
+  if (tid == 0) {
+    for (int i = 0; i < NSTG; i++) mbar_init(&full[i], 1);
+    for (int i = 0; i < 2; i++) {
+      mbar_init(&pfull[i], 1);
+      mbar_init(&pempty[i], 1);
     }
-    return;
   }
-  /* every block's partial sums into its stages (all its copies have landed),
-   * then block k of the cluster merges columns [k D / S, (k + 1) D / S) of
-   * all 16 rows from every block's shared memory */
-  namespace cg = cooperative_groups;
-  cg::cluster_group cl = cg::this_cluster();
-  const int S = a.n_splits;
-  float *mine = (float *)stage, *wk = mine + 16 * L::PST; /* wk [16][S]: merge weights, 1 / L folded in */
-#pragma unroll
-  for (int hr = 0; hr < 2; hr++) {
-    const int r = gr + 8 * hr;
-#pragma unroll
-    for (int j = 0; j < MT; j++)
-      *(float2 *)&mine[r * L::PST + c0 + j * 8 + gc] = make_float2(acc[j][2 * hr], acc[j][2 * hr + 1]);
-  }
-  cl.sync(); /* the partials and every block's m, l visible to the cluster */
   if (tid < 16) {
-    float M = -INFINITY, Ls = 0.0f;
-    for (int k = 0; k < S; k++) M = fmaxf(M, *cl.map_shared_rank(st_m + tid, k));
-    for (int k = 0; k < S; k++) {
-      const float mk = *cl.map_shared_rank(st_m + tid, k);
-      const float w = mk == -INFINITY ? 0.0f : exp2f(mk - M);
-      wk[tid * S + k] = w;
-      Ls += w * *cl.map_shared_rank(st_l + tid, k);
-    }
-    const float inv = Ls > 0.0f ? 1.0f / Ls : 0.0f;
-    for (int k = 0; k < S; k++) wk[tid * S + k] *= inv;
+    st_m[tid] = -INFINITY;
+    st_l[tid] = 0.0f;
   }
   __syncthreads();
-  const int cw = D / S, n4 = 16 * (cw / 4); /* this block's float4s: 16 rows x cw / 4 */
-  for (int e = tid; e < n4; e += 32 * SW) {
-    const int r = e / (cw / 4), c = split * cw + (e % (cw / 4)) * 4;
-    float4 m4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int k = 0; k < S; k++) {
-      const float w = wk[r * S + k];
-      const float4 f = *(const float4 *)cl.map_shared_rank(mine + r * L::PST + c, k);
-      m4.x = fmaf(w, f.x, m4.x);
-      m4.y = fmaf(w, f.y, m4.y);
-      m4.z = fmaf(w, f.z, m4.z);
-      m4.w = fmaf(w, f.w, m4.w);
+  const uint64_t pol = l2_evict_first();
+  /* tile t into stage b by threads lt < 128 of a group */
+  auto issue = [&](int t, int b, int lt) {
+    states_issue<ST, HALF, PAIR>(a, table, ctx, t, stage + (size_t)b * SSTAGE, &full[b], pol, lt);
+  };
+  /* two tiles at once, the third once the first has landed: requested
+   * together, the first's bytes would share the start's DRAM queue with it
+   * (H100, Flan-T5-large batch 64: the step 2.251-2.263 -> 2.207-2.229 ms) */
+  constexpr int first = 2;
+  if (tid < 128)
+    for (int i = 0; i < first && t0 + i < t1; i++) issue(t0 + i, i, tid);
+  td_pdl_start_if(a.late);
+  const int q0 = a.q_start[s], npairs = (a.q_start[s + 1] - q0) * a.heads;
+  const int gr = lane >> 2, gc = (lane & 3) * 2, lr = lane & 7, lm = lane >> 3;
+  auto out_at = [&](int r) -> bf16 * {
+    const int p = g * 16 + r;
+    return p < npairs ? a.out + ((size_t)(q0 + p / a.heads) * a.heads + p % a.heads) * D : nullptr;
+  };
+  float *mine = (float *)stage;
+  if (sw) {
+    /* scores and softmax: warp w sums over D columns [w KW, (w + 1) KW) */
+    uint32_t qf[KW / 16][4];
+    states_load_q<KW, D>(qf, a, g, q0, npairs, warp * KW);
+    for (int r = 2 * warp; r < 2 * warp + 2; r++) {
+      const int p = g * 16 + r;
+      const float f = p < npairs ? states_qn(a, q0 + p / a.heads) : 0.0f;
+      if (lane == 0) st_q[r] = f * a.scale_log2;
     }
-    bf16 *o = out_at(r);
-    if (o) *(uint2 *)&o[c] = make_uint2(pack_bf16(m4.x, m4.y), pack_bf16(m4.z, m4.w));
+    named_sync(1);
+    const int sr = tid / 16, scol = (tid % 16) * 2; /* the softmax's row and two columns */
+    const float rs = st_q[sr];
+    for (int t = t0, u = 0; t < t1; t++, u++) {
+      const int b = u % NSTG;
+      const bf16 *E = stage + (size_t)b * SSTAGE;
+      mbar_wait(&full[b], (unsigned)(u / NSTG) & 1u);
+      const int nval = min(ST, ctx - t * ST);
+      if (nval < ST) { /* rows past the states were not copied: zero them (read by both groups) */
+        for (int e = tid; e < 2 * (ST - nval) * (HALF / 8); e += 256) {
+          const int pl = e / ((ST - nval) * (HALF / 8)), rem = e % ((ST - nval) * (HALF / 8));
+          const int r = nval + rem / (HALF / 8), c = (rem % (HALF / 8)) * 8;
+          *(uint4 *)((bf16 *)E + (size_t)pl * PLANE + erow(r) + c) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        named_sync(1);
+      }
+      float sacc[ST / 8][4];
+#pragma unroll
+      for (int j = 0; j < ST / 8; j++) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < KW; kk += 16) {
+        const int k = warp * KW + kk, pl = k >= HALF, kc = k - pl * HALF;
+#pragma unroll
+        for (int j = 0; j < ST / 8; j += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(b0, b1, b2, b3, E + (size_t)pl * PLANE + erow(perm(j * 8 + (lm >> 1) * 8 + lr)) + kc + (lm & 1) * 8);
+          mma16816(sacc[j], qf[kk / 16], b0, b1);
+          mma16816(sacc[j + 1], qf[kk / 16], b2, b3);
+        }
+      }
+      {
+        float *rw = red + (size_t)warp * 16 * RST;
+#pragma unroll
+        for (int j = 0; j < ST / 8; j++) {
+          *(float2 *)&rw[gr * RST + j * 8 + gc] = make_float2(sacc[j][0], sacc[j][1]);
+          *(float2 *)&rw[(gr + 8) * RST + j * 8 + gc] = make_float2(sacc[j][2], sacc[j][3]);
+        }
+      }
+      named_sync(1);
+      if (u >= 2) mbar_wait(&pempty[u & 1], (unsigned)((u >> 1) - 1) & 1u); /* the mix of tile u - 2 is done */
+      {
+        float v0 = 0.0f, v1 = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+          const float2 f = *(const float2 *)&red[((size_t)w * 16 + sr) * RST + scol];
+          v0 += f.x;
+          v1 += f.y;
+        }
+        v0 = perm(scol) < nval ? v0 * rs : -INFINITY;
+        v1 = perm(scol + 1) < nval ? v1 * rs : -INFINITY;
+        float mx = fmaxf(v0, v1);
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float mo = st_m[sr], mn = fmaxf(mo, mx);
+        v0 = mn == -INFINITY ? 0.0f : exp2f(v0 - mn);
+        v1 = mn == -INFINITY ? 0.0f : exp2f(v1 - mn);
+        *(uint32_t *)&ps[(u & 1) * PB + sr * (ST + 8) + scol] = pack_bf16(v0, v1);
+        float sum = v0 + v1;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (tid % 16 == 0) {
+          const float al = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
+          st_a[(u & 1) * 16 + sr] = al;
+          st_l[sr] = st_l[sr] * al + sum;
+          st_m[sr] = mn;
+        }
+      }
+      named_sync(1); /* the partials read, the probabilities written */
+      if (tid == 0) mbar_arrive(&pfull[u & 1]);
+    }
+    block_sync(); /* every tile consumed; m, l final (the mix group meets it below) */
+  } else {
+    /* mix: warp 8 + w owns columns [w D / 8, (w + 1) D / 8), all in one plane */
+    const int mw = warp - 8, c0 = mw * (D / 8), pl = c0 >= HALF, cc0 = c0 - pl * HALF;
+    float acc[MT][4];
+#pragma unroll
+    for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    if (t0 + first < t1 && tid - 256 < 128) {
+      mbar_wait(&full[0], 0u);
+      for (int i = first; i < NSTG && t0 + i < t1; i++) issue(t0 + i, i, tid - 256);
+    }
+    for (int t = t0, u = 0; t < t1; t++, u++) {
+      const int b = u % NSTG;
+      const bf16 *E = stage + (size_t)b * SSTAGE;
+      mbar_wait(&pfull[u & 1], (unsigned)(u >> 1) & 1u);
+      const float a0 = st_a[(u & 1) * 16 + gr], a1 = st_a[(u & 1) * 16 + gr + 8];
+#pragma unroll
+      for (int j = 0; j < MT; j++) {
+        acc[j][0] *= a0;
+        acc[j][1] *= a0;
+        acc[j][2] *= a1;
+        acc[j][3] *= a1;
+      }
+      const bf16 *P = ps + (u & 1) * PB;
+#pragma unroll
+      for (int kk = 0; kk < ST; kk += 16) {
+        uint32_t af[4];
+        ldsm_x4(af[0], af[1], af[2], af[3], P + (size_t)(lr + (lm & 1) * 8) * (ST + 8) + kk + (lm >> 1) * 8);
+#pragma unroll
+        for (int j = 0; j < MT; j += 2) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(b0, b1, b2, b3,
+                    E + (size_t)pl * PLANE + erow(perm(kk + (lm & 1) * 8 + lr)) + cc0 + j * 8 + (lm >> 1) * 8);
+          mma16816(acc[j], af, b0, b1);
+          mma16816(acc[j + 1], af, b2, b3);
+        }
+      }
+      named_sync(2); /* the group is done with the stage and the probabilities */
+      if (tid == 256) mbar_arrive(&pempty[u & 1]);
+      if (t + NSTG < t1 && tid - 256 < 128) {
+        fence_proxy_async();
+        issue(t + NSTG, b, tid - 256);
+      }
+    }
+    block_sync(); /* every tile consumed; m, l final */
+    states_store<MT, L::PST>(acc, a.n_splits == 1, out_at, st_l, mine, c0);
   }
-  cl.sync(); /* no block leaves while another still reads its shared memory */
+  if (a.n_splits == 1) return;
+  states_merge<D, L::PST, 512>(mine, mine + 16 * L::PST, ml, st_m, st_l, a.n_splits, split, out_at);
 }
 
 /* The tensor-core kernel for one D (NT = D / 64) and warp count, and how
  * many of its clusters of 1, 2, 4 and 8 blocks the GPU holds at once. */
 typedef struct states_cfg {
   int nt, sw;
+  bool ws; /* states_ws_kernel (16 warps in two groups) */
   size_t bytes;
   const void *fn;
   void (*launch)(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a);
@@ -407,11 +684,20 @@ static void states_launch(const td_cuda *c, dim3 grid, int cluster, const States
                      StatesSmem<NT, ST, NSTG, SW>::BYTES, a);
 }
 
+template <int NT>
+static void states_ws_launch(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a) {
+  (void)td_launch_ex(c, cluster, -1, states_ws_kernel<NT>, grid, 512, StatesWsSmem<NT>::BYTES, a);
+}
+#define TD_STATES_WS(nt) \
+  {nt, 16, true, StatesWsSmem<nt>::BYTES, (const void *)states_ws_kernel<nt>, states_ws_launch<nt>},
+
 #define TD_STATES_CFG(nt, sw) \
-  {nt, sw, StatesSmem<nt, ST, NSTG, sw>::BYTES, (const void *)states_mma_kernel<nt, ST, NSTG, sw>, states_launch<nt, sw>},
+  {nt, sw, false, StatesSmem<nt, ST, NSTG, sw>::BYTES, (const void *)states_mma_kernel<nt, ST, NSTG, sw>, \
+   states_launch<nt, sw>},
 static const states_cfg STATES_CFGS[] = {TD_STATES_CFG(8, 8) TD_STATES_CFG(12, 8) TD_STATES_CFG(16, 8) TD_STATES_CFG(20, 8)
                                              TD_STATES_CFG(8, 16) TD_STATES_CFG(12, 16) TD_STATES_CFG(16, 16)
-                                                 TD_STATES_CFG(20, 16)};
+                                                 TD_STATES_CFG(20, 16)
+                                                     TD_STATES_WS(8) TD_STATES_WS(12) TD_STATES_WS(16)};
 #undef TD_STATES_CFG
 enum { STATES_NCFG = (int)(sizeof STATES_CFGS / sizeof STATES_CFGS[0]), STATES_CLUSTERS = 4 };
 static_assert(STATES_NCFG <= (int)(sizeof(((td_cuda *)0)->states_clusters) / sizeof(((td_cuda *)0)->states_clusters[0])),
@@ -447,11 +733,13 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
     a.qn = (const bf16 *)m->q_norm;
     a.qn_dim = m->q_norm_dim;
     a.qn_eps = m->q_norm_eps;
+    a.qn_vec = m->q_norm_dim % 8 == 0 && td_aligned16(m->q_norm);
   }
-  /* the kernels for this D with 8 and 16 warps */
-  int c8 = STATES_NCFG, c16 = STATES_NCFG;
+  /* the kernels for this D with 8 and 16 warps, and the warp-specialised one */
+  int c8 = STATES_NCFG, c16 = STATES_NCFG, cws = STATES_NCFG;
   for (int i = 0; i < STATES_NCFG; i++)
-    if (D == STATES_CFGS[i].nt * 64 && STATES_CFGS[i].bytes <= c->smem_optin) *(STATES_CFGS[i].sw == 8 ? &c8 : &c16) = i;
+    if (D == STATES_CFGS[i].nt * 64 && STATES_CFGS[i].bytes <= c->smem_optin)
+      *(STATES_CFGS[i].ws ? &cws : STATES_CFGS[i].sw == 8 ? &c8 : &c16) = i;
   int ci = c8 < STATES_NCFG ? c8 : c16;
   const states_cfg *cfg = ci < STATES_NCFG ? &STATES_CFGS[ci] : NULL;
   bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(pool) && td_aligned16(out) && m->kv_static &&
@@ -489,6 +777,10 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
   int lg = 0;
   while ((1 << lg) < splits) lg++;
   bool w16 = wv && *wv ? atoi(wv) == 16 : splits <= 2;
+  /* of the 16-warp kernels, the warp-specialised one where its three stages
+   * fit (D <= 1024; TANDEM_CUDA_STATES_WS=0: the other) */
+  const char *wsv = getenv("TANDEM_CUDA_STATES_WS");
+  if (cws < STATES_NCFG && !(wsv && *wsv == '0')) c16 = cws;
   if (w16 && c16 < STATES_NCFG && lg < STATES_CLUSTERS && base <= c->states_clusters[c16][lg]) cfg = &STATES_CFGS[c16];
   if (base * splits > 2147483647L) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %ld blocks", base * splits);
   a.n_splits = splits;

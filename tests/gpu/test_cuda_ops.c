@@ -1033,19 +1033,25 @@ Test(cuda, attn_states) {
       {1, 1024, 16, 2, 1, 1, false, 0, 0},      /* one head, one state */
       {4, 96, 5, 6, 2, 41, true, 0, 0},         /* a width the generic kernel takes */
       {3, 40, 2, 3, 3, 9, false, 40, 0},
+      {16, 1024, 16, 2, 1, 64, false, 1003, 0}, /* norm rows not of whole vectors */
   };
   /* splits (16: a non-portable cluster) by the policy's warps, then each
-   * warp count forced */
-  static const char *splits[] = {NULL, "1", "2", "16", NULL, "1", "4", NULL, "2", "8"};
-  static const char *warps[] = {NULL, NULL, NULL, NULL, "8", "8", "8", "16", "16", "16"};
+   * warp count forced; 16 warps are the warp-specialised kernel where it
+   * fits, the other one under ws 0 */
+  static const char *splits[] = {NULL, "1", "2", "16", NULL, "1", "4", NULL, "2", "8", "1", "2"};
+  static const char *warps[] = {NULL, NULL, NULL, NULL, "8", "8", "8", "16", "16", "16", "16", "16"};
+  static const char *ws[] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, "0", "0"};
   for (size_t v = 0; v < sizeof splits / sizeof splits[0]; v++) {
-    char mode[32];
-    snprintf(mode, sizeof mode, "splits %s, warps %s", splits[v] ? splits[v] : "-", warps[v] ? warps[v] : "-");
+    char mode[48];
+    snprintf(mode, sizeof mode, "splits %s, warps %s, ws %s", splits[v] ? splits[v] : "-", warps[v] ? warps[v] : "-",
+             ws[v] ? ws[v] : "-");
     if (splits[v]) setenv("TANDEM_CUDA_STATES_SPLITS", splits[v], 1);
     if (warps[v]) setenv("TANDEM_CUDA_STATES_WARPS", warps[v], 1);
+    if (ws[v]) setenv("TANDEM_CUDA_STATES_WS", ws[v], 1);
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) states_case(&cfg[i], mode);
     unsetenv("TANDEM_CUDA_STATES_SPLITS");
     unsetenv("TANDEM_CUDA_STATES_WARPS");
+    unsetenv("TANDEM_CUDA_STATES_WS");
   }
   setenv("TANDEM_CUDA_STATES_GENERIC", "1", 1);
   for (size_t i = 0; i < 5; i++) states_case(&cfg[i], "generic");
