@@ -126,6 +126,105 @@ __global__ void __launch_bounds__(128) states_generic_kernel(const StatesArgs a)
 template <int HALF, int PAIR>
 __device__ __forceinline__ int states_erow(int r) { return (r >> 1) * PAIR + (r & 1) * HALF; }
 
+/* The mma's state order within a tile: 8-row group g of a 16-row span
+ * takes its even (g even) or odd states, one a pair, so an ldmatrix's 8
+ * rows fall in 8 bank groups (consecutive states share a pair's bank
+ * group). */
+__device__ __forceinline__ int states_perm(int x) { return (x & ~15) + ((x >> 3) & 1) + 2 * (x & 7); }
+
+/* Rows [nval, ST) of a stage were not copied: zeroed (0 x stale NaN is
+ * NaN) by threads tid of nthr. */
+template <int ST, int HALF, int PAIR>
+__device__ __forceinline__ void states_zero_tail(bf16 *E, int nval, int tid, int nthr) {
+  constexpr int PLANE = (ST / 2) * PAIR;
+  for (int e = tid; e < 2 * (ST - nval) * (HALF / 8); e += nthr) {
+    const int pl = e / ((ST - nval) * (HALF / 8)), rem = e % ((ST - nval) * (HALF / 8));
+    const int r = nval + rem / (HALF / 8), c = (rem % (HALF / 8)) * 8;
+    *(uint4 *)(E + (size_t)pl * PLANE + states_erow<HALF, PAIR>(r) + c) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+/* A warp's partial scores of a tile over D columns [k0, k0 + KW), into its
+ * rows of red ([16][RST] fp32). */
+template <int ST, int KW, int HALF, int PAIR, int RST>
+__device__ __forceinline__ void states_scores(const bf16 *E, const uint32_t (&qf)[KW / 16][4], int k0, float *rw) {
+  constexpr int PLANE = (ST / 2) * PAIR;
+  const int lane = threadIdx.x & 31, lr = lane & 7, lm = lane >> 3, gr = lane >> 2, gc = (lane & 3) * 2;
+  float sacc[ST / 8][4];
+#pragma unroll
+  for (int j = 0; j < ST / 8; j++) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < KW; kk += 16) {
+    const int k = k0 + kk, pl = k >= HALF, kc = k - pl * HALF;
+#pragma unroll
+    for (int j = 0; j < ST / 8; j += 2) {
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4(b0, b1, b2, b3,
+              E + (size_t)pl * PLANE + states_erow<HALF, PAIR>(states_perm(j * 8 + (lm >> 1) * 8 + lr)) + kc + (lm & 1) * 8);
+      mma16816(sacc[j], qf[kk / 16], b0, b1);
+      mma16816(sacc[j + 1], qf[kk / 16], b2, b3);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < ST / 8; j++) {
+    *(float2 *)&rw[gr * RST + j * 8 + gc] = make_float2(sacc[j][0], sacc[j][1]);
+    *(float2 *)&rw[(gr + 8) * RST + j * 8 + gc] = make_float2(sacc[j][2], sacc[j][3]);
+  }
+}
+
+/* A warp's mix of a tile: its accumulators (16 rows x 8 MT columns from
+ * c0, within one plane) rescaled by alpha (per row), then += P E over the
+ * tile's states (P [16][ST + 8] bf16). */
+template <int ST, int MT, int HALF, int PAIR>
+__device__ __forceinline__ void states_mix(float (&acc)[MT][4], const bf16 *E, const bf16 *P, const float *alpha, int c0) {
+  constexpr int PLANE = (ST / 2) * PAIR;
+  const int lane = threadIdx.x & 31, lr = lane & 7, lm = lane >> 3, gr = lane >> 2;
+  const float a0 = alpha[gr], a1 = alpha[gr + 8];
+#pragma unroll
+  for (int j = 0; j < MT; j++) {
+    acc[j][0] *= a0;
+    acc[j][1] *= a0;
+    acc[j][2] *= a1;
+    acc[j][3] *= a1;
+  }
+  const int pl = c0 >= HALF, cc0 = c0 - pl * HALF;
+#pragma unroll
+  for (int kk = 0; kk < ST; kk += 16) {
+    uint32_t af[4];
+    ldsm_x4(af[0], af[1], af[2], af[3], P + (size_t)(lr + (lm & 1) * 8) * (ST + 8) + kk + (lm >> 1) * 8);
+#pragma unroll
+    for (int j = 0; j < MT; j += 2) {
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4_t(b0, b1, b2, b3,
+                E + (size_t)pl * PLANE + states_erow<HALF, PAIR>(states_perm(kk + (lm & 1) * 8 + lr)) + cc0 + j * 8 +
+                    (lm >> 1) * 8);
+      mma16816(acc[j], af, b0, b1);
+      if (j + 1 < MT) mma16816(acc[j + 1], af, b2, b3);
+    }
+  }
+}
+
+/* This block's part: a cluster of n_splits blocks per group of 16 pairs
+ * (sequence s, group g), block `split` taking tiles [t0, t1) of ST states. */
+struct StatesBlock {
+  int split, s, g, ctx, t0, t1;
+  const int32_t *table;
+};
+template <int ST>
+__device__ __forceinline__ StatesBlock states_block(const StatesArgs &a) {
+  StatesBlock k;
+  const int sg = (int)blockIdx.x / a.n_splits;
+  k.split = (int)blockIdx.x % a.n_splits;
+  k.s = sg / a.groups;
+  k.g = sg % a.groups;
+  k.ctx = a.ctx_len[k.s];
+  k.table = a.block_table + (size_t)k.s * a.max_blocks;
+  const int nt = (k.ctx + ST - 1) / ST;
+  k.t0 = (int)((long)nt * k.split / a.n_splits);
+  k.t1 = (int)((long)nt * (k.split + 1) / a.n_splits);
+  return k;
+}
+
 /* Tile t of ST states into a stage by bulk copies, one a row and plane (two
  * rows where they share a paged block), by threads lt < 4 ST of the issuing
  * group (lanes 0 and 1 of each 8); lt 0 arms the stage's barrier. */
@@ -264,11 +363,6 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   constexpr int TPR = 2 * SW, RPW = 16 / SW; /* softmax threads a row; query-scale rows a warp */
   constexpr int D = L::D, HALF = L::HALF, PAIR = L::PAIR, KW = D / SW; /* each warp's score slice of D */
   constexpr int PLANE = (ST / 2) * PAIR, SSTAGE = 2 * PLANE;
-  auto erow = [](int r) { return states_erow<HALF, PAIR>(r); }; /* row r of a plane */
-  /* the mma's state order: 8-row group g of a 16-row span takes its even
-   * (g even) or odd states, one a pair, so an ldmatrix's 8 rows fall in 8
-   * bank groups (consecutive states share a pair's bank group) */
-  auto perm = [](int x) { return (x & ~15) + ((x >> 3) & 1) + 2 * (x & 7); };
   static_assert(ST % 16 == 0, "tile of whole 16-state spans");
   extern __shared__ __align__(128) unsigned char smem[];
   bf16 *stage = (bf16 *)smem;
@@ -278,13 +372,9 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   float2 *ml = (float2 *)(st_m + 48); /* [split][16] */
   uint64_t *bar = (uint64_t *)((char *)ml + L::ML);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
-  /* a cluster of n_splits blocks per group, each a range of the states */
-  const int sg = (int)blockIdx.x / a.n_splits, split = (int)blockIdx.x % a.n_splits;
-  const int s = sg / a.groups, g = sg % a.groups;
-  const int ctx = a.ctx_len[s];
-  const int32_t *table = a.block_table + (size_t)s * a.max_blocks;
-  const int nt = (ctx + ST - 1) / ST;
-  const int t0 = (int)((long)nt * split / a.n_splits), t1 = (int)((long)nt * (split + 1) / a.n_splits);
+  const StatesBlock kb = states_block<ST>(a);
+  const int split = kb.split, s = kb.s, g = kb.g, ctx = kb.ctx, t0 = kb.t0, t1 = kb.t1;
+  const int32_t *table = kb.table;
   if (tid == 0)
     for (int i = 0; i < NSTG; i++) mbar_init(&bar[i], 1);
   if (tid < 16) {
@@ -318,44 +408,17 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   float acc[MT][4];
 #pragma unroll
   for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  const int lr = lane & 7, lm = lane >> 3;
   for (int t = t0, use = 0; t < t1; t++, use++) {
     const int b = use % NSTG;
     const bf16 *E = stage + (size_t)b * SSTAGE;
     mbar_wait(&bar[b], (unsigned)(use / NSTG) & 1u);
     const int nval = min(ST, ctx - t * ST);
-    if (nval < ST) { /* rows past the states were not copied: zero them (0 x stale NaN is NaN) */
-      for (int e = tid; e < 2 * (ST - nval) * (HALF / 8); e += 32 * SW) {
-        const int pl = e / ((ST - nval) * (HALF / 8)), rem = e % ((ST - nval) * (HALF / 8));
-        const int r = nval + rem / (HALF / 8), c = (rem % (HALF / 8)) * 8;
-        *(uint4 *)((bf16 *)E + (size_t)pl * PLANE + erow(r) + c) = make_uint4(0u, 0u, 0u, 0u);
-      }
+    if (nval < ST) {
+      states_zero_tail<ST, HALF, PAIR>((bf16 *)E, nval, tid, 32 * SW);
       __syncthreads();
     }
     /* scores: warp w sums over D columns [w KW, (w + 1) KW) */
-    float sacc[ST / 8][4];
-#pragma unroll
-    for (int j = 0; j < ST / 8; j++) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < KW; kk += 16) {
-      const int k = warp * KW + kk, pl = k >= HALF, kc = k - pl * HALF;
-#pragma unroll
-      for (int j = 0; j < ST / 8; j += 2) {
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4(b0, b1, b2, b3, E + (size_t)pl * PLANE + erow(perm(j * 8 + (lm >> 1) * 8 + lr)) + kc + (lm & 1) * 8);
-        mma16816(sacc[j], qf[kk / 16], b0, b1);
-        mma16816(sacc[j + 1], qf[kk / 16], b2, b3);
-      }
-    }
-    {
-      float *rw = red + (size_t)warp * 16 * L::RST;
-      const int gr = lane >> 2, gc = (lane & 3) * 2;
-#pragma unroll
-      for (int j = 0; j < ST / 8; j++) {
-        *(float2 *)&rw[gr * L::RST + j * 8 + gc] = make_float2(sacc[j][0], sacc[j][1]);
-        *(float2 *)&rw[(gr + 8) * L::RST + j * 8 + gc] = make_float2(sacc[j][2], sacc[j][3]);
-      }
-    }
+    states_scores<ST, KW, HALF, PAIR, L::RST>(E, qf, warp * KW, red + (size_t)warp * 16 * L::RST);
     __syncthreads();
     { /* softmax over the tile: thread tid takes row tid / TPR, columns CPT (tid % TPR) + [0, CPT) */
       constexpr int CPT = ST / TPR;
@@ -381,7 +444,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
       float mx = -INFINITY;
 #pragma unroll
       for (int i = 0; i < CPT; i++) {
-        v[i] = perm(c + i) < nval ? v[i] * rs : -INFINITY;
+        v[i] = states_perm(c + i) < nval ? v[i] * rs : -INFINITY;
         mx = fmaxf(mx, v[i]);
       }
 #pragma unroll
@@ -405,31 +468,8 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
       }
     }
     __syncthreads();
-    { /* mix: warp w owns columns [w D / SW, (w + 1) D / SW), all in one plane */
-      const int gr = lane >> 2;
-      const float a0 = st_a[gr], a1 = st_a[gr + 8];
-#pragma unroll
-      for (int j = 0; j < MT; j++) {
-        acc[j][0] *= a0;
-        acc[j][1] *= a0;
-        acc[j][2] *= a1;
-        acc[j][3] *= a1;
-      }
-      const int c0 = warp * (D / SW), pl = c0 >= HALF, cc0 = c0 - pl * HALF;
-#pragma unroll
-      for (int kk = 0; kk < ST; kk += 16) {
-        uint32_t af[4];
-        ldsm_x4(af[0], af[1], af[2], af[3], ps + (size_t)(lr + (lm & 1) * 8) * (ST + 8) + kk + (lm >> 1) * 8);
-#pragma unroll
-        for (int j = 0; j < MT; j += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(b0, b1, b2, b3,
-                    E + (size_t)pl * PLANE + erow(perm(kk + (lm & 1) * 8 + lr)) + cc0 + j * 8 + (lm >> 1) * 8);
-          mma16816(acc[j], af, b0, b1);
-          if (j + 1 < MT) mma16816(acc[j + 1], af, b2, b3);
-        }
-      }
-    }
+    /* mix: warp w owns columns [w D / SW, (w + 1) D / SW), all in one plane */
+    states_mix<ST, MT, HALF, PAIR>(acc, E, ps, st_a, warp * (D / SW));
     __syncthreads(); /* every warp is done with the stage and the probabilities */
     if (t + NSTG < t1) {
       fence_proxy_async(); /* this thread's reads of the stage before the copy engine's writes */
@@ -490,8 +530,6 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
   using L = StatesWsSmem<NT>;
   constexpr int ST = L::ST, NSTG = L::NSTG, D = L::D, HALF = L::HALF, PAIR = L::PAIR, RST = L::RST;
   constexpr int KW = D / 8, MT = D / 8 / 8, PLANE = (ST / 2) * PAIR, SSTAGE = 2 * PLANE, PB = 16 * (ST + 8);
-  auto erow = [](int r) { return states_erow<HALF, PAIR>(r); };
-  auto perm = [](int x) { return (x & ~15) + ((x >> 3) & 1) + 2 * (x & 7); };
   extern __shared__ __align__(128) unsigned char smem[];
   bf16 *stage = (bf16 *)smem;
   float *red = (float *)(smem + NSTG * L::STAGE);
@@ -501,12 +539,9 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
   uint64_t *full = (uint64_t *)((char *)ml + L::ML), *pfull = full + NSTG, *pempty = pfull + 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
   const bool sw = warp < 8;
-  const int sg = (int)blockIdx.x / a.n_splits, split = (int)blockIdx.x % a.n_splits;
-  const int s = sg / a.groups, g = sg % a.groups;
-  const int ctx = a.ctx_len[s];
-  const int32_t *table = a.block_table + (size_t)s * a.max_blocks;
-  const int nt = (ctx + ST - 1) / ST;
-  const int t0 = (int)((long)nt * split / a.n_splits), t1 = (int)((long)nt * (split + 1) / a.n_splits);
+  const StatesBlock kb = states_block<ST>(a);
+  const int split = kb.split, s = kb.s, g = kb.g, ctx = kb.ctx, t0 = kb.t0, t1 = kb.t1;
+  const int32_t *table = kb.table;
   if (tid == 0) {
     for (int i = 0; i < NSTG; i++) mbar_init(&full[i], 1);
     for (int i = 0; i < 2; i++) {
@@ -532,7 +567,6 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
     for (int i = 0; i < first && t0 + i < t1; i++) issue(t0 + i, i, tid);
   td_pdl_start_if(a.late);
   const int q0 = a.q_start[s], npairs = (a.q_start[s + 1] - q0) * a.heads;
-  const int gr = lane >> 2, gc = (lane & 3) * 2, lr = lane & 7, lm = lane >> 3;
   auto out_at = [&](int r) -> bf16 * {
     const int p = g * 16 + r;
     return p < npairs ? a.out + ((size_t)(q0 + p / a.heads) * a.heads + p % a.heads) * D : nullptr;
@@ -555,36 +589,11 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
       const bf16 *E = stage + (size_t)b * SSTAGE;
       mbar_wait(&full[b], (unsigned)(u / NSTG) & 1u);
       const int nval = min(ST, ctx - t * ST);
-      if (nval < ST) { /* rows past the states were not copied: zero them (read by both groups) */
-        for (int e = tid; e < 2 * (ST - nval) * (HALF / 8); e += 256) {
-          const int pl = e / ((ST - nval) * (HALF / 8)), rem = e % ((ST - nval) * (HALF / 8));
-          const int r = nval + rem / (HALF / 8), c = (rem % (HALF / 8)) * 8;
-          *(uint4 *)((bf16 *)E + (size_t)pl * PLANE + erow(r) + c) = make_uint4(0u, 0u, 0u, 0u);
-        }
+      if (nval < ST) { /* (read by both groups) */
+        states_zero_tail<ST, HALF, PAIR>((bf16 *)E, nval, tid, 256);
         named_sync(1);
       }
-      float sacc[ST / 8][4];
-#pragma unroll
-      for (int j = 0; j < ST / 8; j++) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < KW; kk += 16) {
-        const int k = warp * KW + kk, pl = k >= HALF, kc = k - pl * HALF;
-#pragma unroll
-        for (int j = 0; j < ST / 8; j += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4(b0, b1, b2, b3, E + (size_t)pl * PLANE + erow(perm(j * 8 + (lm >> 1) * 8 + lr)) + kc + (lm & 1) * 8);
-          mma16816(sacc[j], qf[kk / 16], b0, b1);
-          mma16816(sacc[j + 1], qf[kk / 16], b2, b3);
-        }
-      }
-      {
-        float *rw = red + (size_t)warp * 16 * RST;
-#pragma unroll
-        for (int j = 0; j < ST / 8; j++) {
-          *(float2 *)&rw[gr * RST + j * 8 + gc] = make_float2(sacc[j][0], sacc[j][1]);
-          *(float2 *)&rw[(gr + 8) * RST + j * 8 + gc] = make_float2(sacc[j][2], sacc[j][3]);
-        }
-      }
+      states_scores<ST, KW, HALF, PAIR, RST>(E, qf, warp * KW, red + (size_t)warp * 16 * RST);
       named_sync(1);
       if (u >= 2) mbar_wait(&pempty[u & 1], (unsigned)((u >> 1) - 1) & 1u); /* the mix of tile u - 2 is done */
       {
@@ -595,8 +604,8 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
           v0 += f.x;
           v1 += f.y;
         }
-        v0 = perm(scol) < nval ? v0 * rs : -INFINITY;
-        v1 = perm(scol + 1) < nval ? v1 * rs : -INFINITY;
+        v0 = states_perm(scol) < nval ? v0 * rs : -INFINITY;
+        v1 = states_perm(scol + 1) < nval ? v1 * rs : -INFINITY;
         float mx = fmaxf(v0, v1);
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -620,7 +629,7 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
     block_sync(); /* every tile consumed; m, l final (the mix group meets it below) */
   } else {
     /* mix: warp 8 + w owns columns [w D / 8, (w + 1) D / 8), all in one plane */
-    const int mw = warp - 8, c0 = mw * (D / 8), pl = c0 >= HALF, cc0 = c0 - pl * HALF;
+    const int c0 = (warp - 8) * (D / 8);
     float acc[MT][4];
 #pragma unroll
     for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -632,28 +641,7 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
       const int b = u % NSTG;
       const bf16 *E = stage + (size_t)b * SSTAGE;
       mbar_wait(&pfull[u & 1], (unsigned)(u >> 1) & 1u);
-      const float a0 = st_a[(u & 1) * 16 + gr], a1 = st_a[(u & 1) * 16 + gr + 8];
-#pragma unroll
-      for (int j = 0; j < MT; j++) {
-        acc[j][0] *= a0;
-        acc[j][1] *= a0;
-        acc[j][2] *= a1;
-        acc[j][3] *= a1;
-      }
-      const bf16 *P = ps + (u & 1) * PB;
-#pragma unroll
-      for (int kk = 0; kk < ST; kk += 16) {
-        uint32_t af[4];
-        ldsm_x4(af[0], af[1], af[2], af[3], P + (size_t)(lr + (lm & 1) * 8) * (ST + 8) + kk + (lm >> 1) * 8);
-#pragma unroll
-        for (int j = 0; j < MT; j += 2) {
-          uint32_t b0, b1, b2, b3;
-          ldsm_x4_t(b0, b1, b2, b3,
-                    E + (size_t)pl * PLANE + erow(perm(kk + (lm & 1) * 8 + lr)) + cc0 + j * 8 + (lm >> 1) * 8);
-          mma16816(acc[j], af, b0, b1);
-          mma16816(acc[j + 1], af, b2, b3);
-        }
-      }
+      states_mix<ST, MT, HALF, PAIR>(acc, E, ps + (u & 1) * PB, st_a + (u & 1) * 16, c0);
       named_sync(2); /* the group is done with the stage and the probabilities */
       if (tid == 256) mbar_arrive(&pempty[u & 1]);
       if (t + NSTG < t1 && tid - 256 < 128) {
