@@ -292,15 +292,16 @@ __device__ __forceinline__ void states_store(const float (&acc)[MT][4], bool who
  * pushed into every block's table ml ([S][16]) by posted stores, so the
  * weights read local memory only. Every thread of the block calls it. */
 template <int D, int PST, int NTHR, typename OutAt>
-__device__ __forceinline__ void states_merge(float *mine, float *wk, float2 *ml, const float *st_m, const float *st_l,
-                                             int S, int split, OutAt out_at) {
+__device__ __forceinline__ void states_merge(float *mine, float2 *ml, const float *st_m, const float *st_l, int S,
+                                             int split, OutAt out_at) {
+  float *wk = mine + 16 * PST; /* [16][S]: merge weights, 1 / L folded in */
   namespace cg = cooperative_groups;
   cg::cluster_group cl = cg::this_cluster();
   const int tid = threadIdx.x;
   if (tid < 16)
     for (int k = 0; k < S; k++) *cl.map_shared_rank(ml + split * 16 + tid, k) = make_float2(st_m[tid], st_l[tid]);
   cl.sync(); /* the partials and every block's m, l visible to the cluster */
-  if (tid < 16) { /* wk [16][S]: merge weights, 1 / L folded in */
+  if (tid < 16) {
     float M = -INFINITY, Ls = 0.0f;
     for (int k = 0; k < S; k++) M = fmaxf(M, ml[k * 16 + tid].x);
     for (int k = 0; k < S; k++) {
@@ -488,7 +489,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   float *mine = (float *)stage;
   states_store<MT, L::PST>(acc, a.n_splits == 1, out_at, st_l, mine, c0);
   if (a.n_splits == 1) return;
-  states_merge<D, L::PST, 32 * SW>(mine, mine + 16 * L::PST, ml, st_m, st_l, a.n_splits, split, out_at);
+  states_merge<D, L::PST, 32 * SW>(mine, ml, st_m, st_l, a.n_splits, split, out_at);
 }
 
 /* The same product with the phases on separate warps, where the policy
@@ -653,7 +654,7 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
     states_store<MT, L::PST>(acc, a.n_splits == 1, out_at, st_l, mine, c0);
   }
   if (a.n_splits == 1) return;
-  states_merge<D, L::PST, 512>(mine, mine + 16 * L::PST, ml, st_m, st_l, a.n_splits, split, out_at);
+  states_merge<D, L::PST, 512>(mine, ml, st_m, st_l, a.n_splits, split, out_at);
 }
 
 /* The tensor-core kernel for one D (NT = D / 64) and warp count, and how
