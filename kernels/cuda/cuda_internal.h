@@ -74,7 +74,7 @@ typedef struct td_cuda {
   int fuse, fuse_mask; /* td_gemm_ex on the fused decode kernel: up to this many rows, these fusions (TANDEM_CUDA_FUSE) */
   struct td_gemm_plan *plans;
   void *heads_plans;  /* td_gemm_heads' cuBLASLt plans (cuda_states.cu) */
-  int states_clusters[12][4]; /* attn_states: co-resident clusters of 1, 2, 4, 8 blocks per kernel (D, warps) */
+  int states_clusters[16][4]; /* attn_states: co-resident clusters of 1, 2, 4, 8 blocks per kernel (D, warps) */
   uint64_t plan_clock;
   int verbose;        /* TANDEM_CUDA_VERBOSE=1: print GEMM plan choices */
   int autotune;       /* TANDEM_CUDA_AUTOTUNE=1: time cuBLASLt's candidates for large GEMMs */

@@ -61,6 +61,41 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned phase) {
       "r"(phase)
       : "memory");
 }
+/* ---- distributed shared memory between the blocks of a cluster */
+/* this block's shared address p as the same variable in block `rank` */
+__device__ __forceinline__ uint32_t dsmem_map(const void *p, unsigned rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
+  return r;
+}
+/* 16 bytes into another block's shared memory (addresses from dsmem_map),
+ * completing on that block's barrier's transaction count */
+__device__ __forceinline__ void st_async16(uint32_t dst, float4 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   dst),
+               "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+               "r"(__float_as_uint(v.w)), "r"(bar)
+               : "memory");
+}
+/* a local barrier's phase, with what the cluster wrote before completing it */
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t *bar, unsigned phase) {
+  asm volatile(
+      "{\n.reg .pred p;\nTD_MBAR_WAITC%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra TD_MBAR_WAITC%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(phase)
+      : "memory");
+}
+/* initialised barriers visible to the cluster's other blocks */
+__device__ __forceinline__ void fence_mbar_init_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+/* the cluster barrier in halves, from divergent code (every thread of the
+ * cluster arrives once; a thread waits before it arrives again or uses
+ * what the arrival published) */
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
+
 /* bytes (a multiple of 16, both addresses 16-byte aligned) from global to
  * this block's shared memory; completes on bar's transaction count */
 __device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {

@@ -15,8 +15,10 @@
  * mix's columns; with 16 warps, where three stages fit, one group of 8
  * takes the scores while the other mixes the tile before. A group's key
  * ranges (splits) run as one thread-block cluster and merge through
- * distributed shared memory: H100, Flan-T5-large, 512 states, batch 1
- * 11 us, batch 64 30.7 us for 64 MB; docs/cuda.md, passes 13-16 and 20. */
+ * distributed shared memory; where that would be two splits, a cluster
+ * of two blocks splits D instead and exchanges partial scores, with no
+ * merge: H100, Flan-T5-large, 512 states, batch 1 11 us, batch 64 27.4 us
+ * for 64 MB; docs/cuda.md, passes 13-16, 20 and 21. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,12 +134,12 @@ __device__ __forceinline__ int states_erow(int r) { return (r >> 1) * PAIR + (r 
  * group). */
 __device__ __forceinline__ int states_perm(int x) { return (x & ~15) + ((x >> 3) & 1) + 2 * (x & 7); }
 
-/* Rows [nval, ST) of a stage were not copied: zeroed (0 x stale NaN is
- * NaN) by threads tid of nthr. */
-template <int ST, int HALF, int PAIR>
+/* Rows [nval, ST) of a stage (of PLANES planes) were not copied: zeroed
+ * (0 x stale NaN is NaN) by threads tid of nthr. */
+template <int ST, int HALF, int PAIR, int PLANES = 2>
 __device__ __forceinline__ void states_zero_tail(bf16 *E, int nval, int tid, int nthr) {
   constexpr int PLANE = (ST / 2) * PAIR;
-  for (int e = tid; e < 2 * (ST - nval) * (HALF / 8); e += nthr) {
+  for (int e = tid; e < PLANES * (ST - nval) * (HALF / 8); e += nthr) {
     const int pl = e / ((ST - nval) * (HALF / 8)), rem = e % ((ST - nval) * (HALF / 8));
     const int r = nval + rem / (HALF / 8), c = (rem % (HALF / 8)) * 8;
     *(uint4 *)(E + (size_t)pl * PLANE + states_erow<HALF, PAIR>(r) + c) = make_uint4(0u, 0u, 0u, 0u);
@@ -227,19 +229,21 @@ __device__ __forceinline__ StatesBlock states_block(const StatesArgs &a) {
 
 /* Tile t of ST states into a stage by bulk copies, one a row and plane (two
  * rows where they share a paged block), by threads lt < 4 ST of the issuing
- * group (lanes 0 and 1 of each 8); lt 0 arms the stage's barrier. */
-template <int ST, int HALF, int PAIR>
+ * group (lanes 0 and 1 of each 8) for both planes, lt < 2 ST (lane 0 of
+ * each 4) for plane `plane0` alone; lt 0 arms the stage's barrier. */
+template <int ST, int HALF, int PAIR, int PLANES = 2>
 __device__ __forceinline__ void states_issue(const StatesArgs &a, const int32_t *table, int ctx, int t, bf16 *stage,
-                                             uint64_t *bar, uint64_t pol, int lt) {
-  constexpr int PLANE = (ST / 2) * PAIR;
-  const int k0 = t * ST, n = min(ST, ctx - k0), r = 2 * (lt >> 3), pl = lt & 7;
-  if (lt == 0) mbar_arrive_tx(bar, (uint32_t)n * (uint32_t)(2 * HALF) * 2u);
-  if (r < n && pl < 2) {
+                                             uint64_t *bar, uint64_t pol, int lt, int plane0 = 0) {
+  constexpr int PLANE = (ST / 2) * PAIR, SH = PLANES == 2 ? 3 : 2;
+  const int k0 = t * ST, n = min(ST, ctx - k0), r = 2 * (lt >> SH), pl = lt & ((1 << SH) - 1);
+  if (lt == 0) mbar_arrive_tx(bar, (uint32_t)n * (uint32_t)(PLANES * HALF) * 2u);
+  if (r < n && pl < PLANES) {
     bf16 *dst = stage + (size_t)pl * PLANE + states_erow<HALF, PAIR>(r);
-    const bf16 *src = states_row(a, table, k0 + r, pl);
+    const bf16 *src = states_row(a, table, k0 + r, plane0 + pl);
     const bool two = r + 1 < n && (k0 + r) / a.bs == (k0 + r + 1) / a.bs;
     bulk_g2s_hint(dst, src, (two ? 2u : 1u) * HALF * 2u, bar, pol);
-    if (r + 1 < n && !two) bulk_g2s_hint(dst + HALF, states_row(a, table, k0 + r + 1, pl), HALF * 2, bar, pol);
+    if (r + 1 < n && !two)
+      bulk_g2s_hint(dst + HALF, states_row(a, table, k0 + r + 1, plane0 + pl), HALF * 2, bar, pol);
   }
 }
 
@@ -290,7 +294,9 @@ __device__ __forceinline__ void states_store(const float (&acc)[MT][4], bool who
  * partial sums in mine ([16][PST] fp32); block `split` of S writes columns
  * [split D / S, (split + 1) D / S) of all 16 rows. Each block's (m, l) is
  * pushed into every block's table ml ([S][16]) by posted stores, so the
- * weights read local memory only. Every thread of the block calls it. */
+ * weights read local memory only; those stores may only target a block
+ * known to have started, so every thread of the block arrives on the
+ * cluster barrier at the start (cluster_arrive) and calls this. */
 template <int D, int PST, int NTHR, typename OutAt>
 __device__ __forceinline__ void states_merge(float *mine, float2 *ml, const float *st_m, const float *st_l, int S,
                                              int split, OutAt out_at) {
@@ -298,6 +304,7 @@ __device__ __forceinline__ void states_merge(float *mine, float2 *ml, const floa
   namespace cg = cooperative_groups;
   cg::cluster_group cl = cg::this_cluster();
   const int tid = threadIdx.x;
+  cluster_wait(); /* every block of the cluster has started (the kernel's cluster_arrive) */
   if (tid < 16)
     for (int k = 0; k < S; k++) *cl.map_shared_rank(ml + split * 16 + tid, k) = make_float2(st_m[tid], st_l[tid]);
   cl.sync(); /* the partials and every block's m, l visible to the cluster */
@@ -383,6 +390,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
     st_l[tid] = 0.0f;
   }
   __syncthreads();
+  if (a.n_splits > 1) cluster_arrive(); /* waited for in states_merge */
   /* tile t into stage buffer b by every thread that has copies to issue
    * (spread over the warps: a warp issues its bulk copies one after another) */
   const uint64_t pol = l2_evict_first();
@@ -555,6 +563,7 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
     st_l[tid] = 0.0f;
   }
   __syncthreads();
+  if (a.n_splits > 1) cluster_arrive(); /* waited for in states_merge */
   const uint64_t pol = l2_evict_first();
   /* tile t into stage b by threads lt < 128 of a group */
   auto issue = [&](int t, int b, int lt) {
@@ -657,11 +666,182 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
   states_merge<D, L::PST, 512>(mine, ml, st_m, st_l, a.n_splits, split, out_at);
 }
 
+/* The same two groups with D split instead of the keys: a cluster of two
+ * blocks a group of 16 pairs, block p holding pool plane p (columns
+ * [p D / 2, (p + 1) D / 2)) of every state, so that both blocks stream
+ * the whole key range and no partial sums are merged. A tile is 64 states
+ * of one plane (the bytes of the kernel above's 32 of both); warps 0-7
+ * take its partial scores (two halves of the states by four quarters of
+ * the plane), sum them, and exchange the 16 x 64 sums with the other
+ * block by st.async, so that both add the same two numbers and agree on
+ * the softmax bit for bit; warps 8-15 mix the tile before over their
+ * eighth of the plane, and each block writes its half of the columns. */
+template <int NT>
+struct StatesPlSmem {
+  static constexpr int ST = 64, NSTG = 3, D = NT * 64, HALF = D / 2, PAIR = 2 * HALF + 8, RST = ST + 8;
+  static constexpr size_t STAGE = (ST / 2) * (size_t)PAIR * 2; /* one plane: [ST / 2][PAIR] bf16 */
+  static constexpr size_t RED = 4 * 16 * (size_t)RST * 4;      /* [quarter][16][RST] fp32 */
+  static constexpr size_t P = 2 * 16 * (ST + 8) * 2;            /* two buffers */
+  static constexpr size_t XB = 2 * 16 * (size_t)ST * 4;         /* the other plane's sums, two buffers */
+  static constexpr size_t STATS = (16 + 16 + 32 + 16) * 4;      /* m, l, alpha [2][16], query scale */
+  static constexpr size_t BARS = (NSTG + 6) * 8;                /* full[NSTG], pfull[2], pempty[2], xfull[2] */
+  static constexpr size_t BYTES = NSTG * STAGE + RED + P + XB + STATS + BARS;
+};
+
+template <int NT>
+__global__ void __maxnreg__(120) states_pl_kernel(const StatesArgs a) {
+  using L = StatesPlSmem<NT>;
+  constexpr int ST = L::ST, NSTG = L::NSTG, HALF = L::HALF, PAIR = L::PAIR, RST = L::RST;
+  constexpr int KW = HALF / 4, MT = HALF / 8 / 8, PB = 16 * (ST + 8);
+  static_assert(KW % 16 == 0 && MT >= 1, "plane width");
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16 *stage = (bf16 *)smem;
+  float *red = (float *)(smem + NSTG * L::STAGE);
+  bf16 *ps = (bf16 *)((char *)red + L::RED);
+  float *xb = (float *)((char *)ps + L::P);
+  float *st_m = (float *)((char *)xb + L::XB), *st_l = st_m + 16, *st_a = st_l + 16, *st_q = st_a + 32;
+  uint64_t *full = (uint64_t *)(st_q + 16), *pfull = full + NSTG, *pempty = pfull + 2, *xfull = pempty + 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const bool sw = warp < 8;
+  const int sg = (int)blockIdx.x >> 1, plane = (int)blockIdx.x & 1, s = sg / a.groups, g = sg % a.groups;
+  const int ctx = a.ctx_len[s], t1 = (ctx + ST - 1) / ST;
+  const int32_t *table = a.block_table + (size_t)s * a.max_blocks;
+  if (tid == 0) {
+    for (int i = 0; i < NSTG; i++) mbar_init(&full[i], 1);
+    for (int i = 0; i < 2; i++) {
+      mbar_init(&pfull[i], 1);
+      mbar_init(&pempty[i], 1);
+      mbar_init(&xfull[i], 1);
+    }
+    fence_mbar_init_cluster();
+  }
+  if (tid < 16) {
+    st_m[tid] = -INFINITY;
+    st_l[tid] = 0.0f;
+  }
+  __syncthreads();
+  cluster_arrive(); /* the other block's barriers are ready once this completes */
+  const uint64_t pol = l2_evict_first();
+  auto issue = [&](int t, int b, int lt) {
+    states_issue<ST, HALF, PAIR, 1>(a, table, ctx, t, stage + (size_t)b * (L::STAGE / 2), &full[b], pol, lt, plane);
+  };
+  constexpr int first = 2; /* the third once the first has landed (see states_ws_kernel) */
+  if (tid < 128)
+    for (int i = 0; i < first && i < t1; i++) issue(i, i, tid);
+  td_pdl_start_if(a.late);
+  const int q0 = a.q_start[s], npairs = (a.q_start[s + 1] - q0) * a.heads;
+  if (sw) {
+    /* warp w: states [32 (w & 1), +32) of a tile over plane columns [KW (w >> 1), +KW) */
+    const int sh = warp & 1, qt = warp >> 1;
+    uint32_t qf[KW / 16][4];
+    states_load_q<KW, L::D>(qf, a, g, q0, npairs, plane * HALF + qt * KW);
+    for (int r = 2 * warp; r < 2 * warp + 2; r++) {
+      const int p = g * 16 + r;
+      const float f = p < npairs ? states_qn(a, q0 + p / a.heads) : 0.0f;
+      if (lane == 0) st_q[r] = f * a.scale_log2;
+    }
+    named_sync(1);
+    const int sr = tid / 16, scol = (tid % 16) * 4; /* the softmax's row and four columns */
+    const float rs = st_q[sr];
+    const uint32_t rxb = dsmem_map(xb + sr * ST + scol, (unsigned)(plane ^ 1));
+    const uint32_t rxf = dsmem_map(xfull, (unsigned)(plane ^ 1));
+    cluster_wait();
+    for (int t = 0, u = 0; t < t1; t++, u++) {
+      const int b = u % NSTG, x = u & 1;
+      const bf16 *E = stage + (size_t)b * (L::STAGE / 2);
+      mbar_wait(&full[b], (unsigned)(u / NSTG) & 1u);
+      const int nval = min(ST, ctx - t * ST);
+      if (nval < ST) { /* (read by both groups) */
+        states_zero_tail<ST, HALF, PAIR, 1>((bf16 *)E, nval, tid, 256);
+        named_sync(1);
+      }
+      states_scores<32, KW, HALF, PAIR, RST>(E + (size_t)sh * 16 * PAIR, qf, qt * KW,
+                                             red + (size_t)qt * 16 * RST + sh * 32);
+      named_sync(1);
+      float4 v = *(const float4 *)&red[sr * RST + scol];
+#pragma unroll
+      for (int q = 1; q < 4; q++) {
+        const float4 f = *(const float4 *)&red[((size_t)q * 16 + sr) * RST + scol];
+        v.x += f.x;
+        v.y += f.y;
+        v.z += f.z;
+        v.w += f.w;
+      }
+      st_async16(rxb + (uint32_t)(x * 16 * ST * 4), v, rxf + (uint32_t)(x * 8));
+      if (tid == 0) mbar_arrive_tx(&xfull[x], 16 * ST * 4);
+      if (u >= 2) mbar_wait(&pempty[x], (unsigned)((u >> 1) - 1) & 1u); /* the mix of tile u - 2 is done */
+      mbar_wait_cluster(&xfull[x], (unsigned)(u >> 1) & 1u);
+      {
+        const float4 o = *(const float4 *)&xb[x * 16 * ST + sr * ST + scol];
+        float vv[4] = {v.x + o.x, v.y + o.y, v.z + o.z, v.w + o.w}; /* the other block adds o + v: the same */
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          vv[i] = states_perm(scol + i) < nval ? vv[i] * rs : -INFINITY;
+          mx = fmaxf(mx, vv[i]);
+        }
+#pragma unroll
+        for (int o2 = 8; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+        const float mo = st_m[sr], mn = fmaxf(mo, mx);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          vv[i] = mn == -INFINITY ? 0.0f : exp2f(vv[i] - mn);
+          sum += vv[i];
+        }
+        *(uint2 *)&ps[x * PB + sr * (ST + 8) + scol] = make_uint2(pack_bf16(vv[0], vv[1]), pack_bf16(vv[2], vv[3]));
+#pragma unroll
+        for (int o2 = 8; o2 > 0; o2 >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+        if (tid % 16 == 0) {
+          const float al = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
+          st_a[x * 16 + sr] = al;
+          st_l[sr] = st_l[sr] * al + sum;
+          st_m[sr] = mn;
+        }
+      }
+      named_sync(1); /* the partials and the other block's sums read, the probabilities written */
+      if (tid == 0) mbar_arrive(&pfull[x]);
+    }
+    block_sync(); /* every tile consumed; l final */
+  } else {
+    /* mix: warp 8 + w owns plane columns [w HALF / 8, (w + 1) HALF / 8) */
+    const int c0 = (warp - 8) * (HALF / 8);
+    float acc[MT][4];
+#pragma unroll
+    for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    if (first < t1 && tid - 256 < 128) {
+      mbar_wait(&full[0], 0u);
+      for (int i = first; i < NSTG && i < t1; i++) issue(i, i, tid - 256);
+    }
+    for (int t = 0, u = 0; t < t1; t++, u++) {
+      const int b = u % NSTG;
+      const bf16 *E = stage + (size_t)b * (L::STAGE / 2);
+      mbar_wait(&pfull[u & 1], (unsigned)(u >> 1) & 1u);
+      states_mix<ST, MT, HALF, PAIR>(acc, E, ps + (u & 1) * PB, st_a + (u & 1) * 16, c0);
+      named_sync(2); /* the group is done with the stage and the probabilities */
+      if (tid == 256) mbar_arrive(&pempty[u & 1]);
+      if (t + NSTG < t1 && tid - 256 < 128) {
+        fence_proxy_async();
+        issue(t + NSTG, b, tid - 256);
+      }
+    }
+    cluster_wait(); /* (completed long ago: pairs this group's arrival) */
+    block_sync();
+    auto out_at = [&](int r) -> bf16 * {
+      const int p = g * 16 + r;
+      return p < npairs ? a.out + ((size_t)(q0 + p / a.heads) * a.heads + p % a.heads) * L::D + plane * HALF
+                        : nullptr;
+    };
+    states_store<MT, 0>(acc, true, out_at, st_l, nullptr, c0);
+  }
+}
+
 /* The tensor-core kernel for one D (NT = D / 64) and warp count, and how
  * many of its clusters of 1, 2, 4 and 8 blocks the GPU holds at once. */
 typedef struct states_cfg {
   int nt, sw;
   bool ws; /* states_ws_kernel (16 warps in two groups) */
+  bool pl; /* states_pl_kernel (the same, D split over a cluster of two) */
   size_t bytes;
   const void *fn;
   void (*launch)(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a);
@@ -677,17 +857,26 @@ template <int NT>
 static void states_ws_launch(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a) {
   (void)td_launch_ex(c, cluster, -1, states_ws_kernel<NT>, grid, 512, StatesWsSmem<NT>::BYTES, a);
 }
+template <int NT>
+static void states_pl_launch(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a) {
+  (void)td_launch_ex(c, cluster, -1, states_pl_kernel<NT>, grid, 512, StatesPlSmem<NT>::BYTES, a);
+}
 #define TD_STATES_WS(nt) \
-  {nt, 16, true, StatesWsSmem<nt>::BYTES, (const void *)states_ws_kernel<nt>, states_ws_launch<nt>},
+  {nt, 16, true, false, StatesWsSmem<nt>::BYTES, (const void *)states_ws_kernel<nt>, states_ws_launch<nt>},
+#define TD_STATES_PL(nt) \
+  {nt, 16, true, true, StatesPlSmem<nt>::BYTES, (const void *)states_pl_kernel<nt>, states_pl_launch<nt>},
 
 #define TD_STATES_CFG(nt, sw) \
-  {nt, sw, false, StatesSmem<nt, ST, NSTG, sw>::BYTES, (const void *)states_mma_kernel<nt, ST, NSTG, sw>, \
+  {nt, sw, false, false, StatesSmem<nt, ST, NSTG, sw>::BYTES, (const void *)states_mma_kernel<nt, ST, NSTG, sw>, \
    states_launch<nt, sw>},
 static const states_cfg STATES_CFGS[] = {TD_STATES_CFG(8, 8) TD_STATES_CFG(12, 8) TD_STATES_CFG(16, 8) TD_STATES_CFG(20, 8)
                                              TD_STATES_CFG(8, 16) TD_STATES_CFG(12, 16) TD_STATES_CFG(16, 16)
                                                  TD_STATES_CFG(20, 16)
-                                                     TD_STATES_WS(8) TD_STATES_WS(12) TD_STATES_WS(16)};
+                                                     TD_STATES_WS(8) TD_STATES_WS(12) TD_STATES_WS(16)
+                                                         TD_STATES_PL(8) TD_STATES_PL(12) TD_STATES_PL(16)};
 #undef TD_STATES_CFG
+#undef TD_STATES_WS
+#undef TD_STATES_PL
 enum { STATES_NCFG = (int)(sizeof STATES_CFGS / sizeof STATES_CFGS[0]), STATES_CLUSTERS = 4 };
 static_assert(STATES_NCFG <= (int)(sizeof(((td_cuda *)0)->states_clusters) / sizeof(((td_cuda *)0)->states_clusters[0])),
               "a states_clusters row per kernel");
@@ -725,10 +914,10 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
     a.qn_vec = m->q_norm_dim % 8 == 0 && td_aligned16(m->q_norm);
   }
   /* the kernels for this D with 8 and 16 warps, and the warp-specialised one */
-  int c8 = STATES_NCFG, c16 = STATES_NCFG, cws = STATES_NCFG;
+  int c8 = STATES_NCFG, c16 = STATES_NCFG, cws = STATES_NCFG, cpl = STATES_NCFG;
   for (int i = 0; i < STATES_NCFG; i++)
     if (D == STATES_CFGS[i].nt * 64 && STATES_CFGS[i].bytes <= c->smem_optin)
-      *(STATES_CFGS[i].ws ? &cws : STATES_CFGS[i].sw == 8 ? &c8 : &c16) = i;
+      *(STATES_CFGS[i].pl ? &cpl : STATES_CFGS[i].ws ? &cws : STATES_CFGS[i].sw == 8 ? &c8 : &c16) = i;
   int ci = c8 < STATES_NCFG ? c8 : c16;
   const states_cfg *cfg = ci < STATES_NCFG ? &STATES_CFGS[ci] : NULL;
   bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(pool) && td_aligned16(out) && m->kv_static &&
@@ -772,6 +961,16 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
   if (cws < STATES_NCFG && !(wsv && *wsv == '0')) c16 = cws;
   if (w16 && c16 < STATES_NCFG && lg < STATES_CLUSTERS && base <= c->states_clusters[c16][lg]) cfg = &STATES_CFGS[c16];
   if (base * splits > 2147483647L) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %ld blocks", base * splits);
+  /* two key splits on the warp-specialised kernel: D split instead, no
+   * merge (TANDEM_CUDA_STATES_PLANES=0: the key splits) */
+  const char *plv = getenv("TANDEM_CUDA_STATES_PLANES");
+  if (cfg == &STATES_CFGS[cws] && splits == 2 && cpl < STATES_NCFG && !(plv && *plv == '0') &&
+      base <= c->states_clusters[cpl][1]) {
+    a.n_splits = 1;
+    STATES_CFGS[cpl].launch(c, dim3((unsigned)(base * 2)), 2, a);
+    TD_CU_LAUNCHED("attn_states");
+    return TD_OK;
+  }
   a.n_splits = splits;
   cfg->launch(c, dim3((unsigned)(base * splits)), splits, a);
   TD_CU_LAUNCHED("attn_states");
