@@ -78,13 +78,18 @@ __device__ __forceinline__ void st_async16(uint32_t dst, float4 v, uint32_t bar)
                : "memory");
 }
 /* a local barrier's phase, with what the cluster wrote before completing it */
+__device__ __forceinline__ bool mbar_test_cluster(uint64_t *bar, unsigned phase) {
+  uint32_t done;
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+               "selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done)
+               : "r"(smem_u32(bar)), "r"(phase)
+               : "memory");
+  return done != 0;
+}
 __device__ __forceinline__ void mbar_wait_cluster(uint64_t *bar, unsigned phase) {
-  asm volatile(
-      "{\n.reg .pred p;\nTD_MBAR_WAITC%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra TD_MBAR_WAITC%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(phase)
-      : "memory");
+  while (!mbar_test_cluster(bar, phase)) {
+  }
 }
 /* initialised barriers visible to the cluster's other blocks */
 __device__ __forceinline__ void fence_mbar_init_cluster() {

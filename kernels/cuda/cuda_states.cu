@@ -265,6 +265,17 @@ __device__ __forceinline__ void states_load_q(uint32_t (&qf)[KW / 16][4], const 
   }
 }
 
+/* The score scale (the query norm's 1 / rms times scale_log2) of pair rows
+ * [rpw w, rpw (w + 1)) by warp w, into st_q. */
+__device__ __forceinline__ void states_qscale(const StatesArgs &a, int g, int q0, int npairs, float *st_q, int rpw) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int r = rpw * warp; r < rpw * warp + rpw; r++) {
+    const int p = g * 16 + r;
+    const float f = p < npairs ? states_qn(a, q0 + p / a.heads) : 0.0f;
+    if (lane == 0) st_q[r] = f * a.scale_log2;
+  }
+}
+
 /* A warp's accumulators (16 rows x 8 MT columns from c0): the output,
  * normalised by l, when the block holds the whole key range, else its
  * partial sums into mine ([16][PST] fp32) for the cluster's merge. */
@@ -379,7 +390,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   float *st_m = (float *)((char *)ps + L::P), *st_l = st_m + 16, *st_a = st_l + 16;
   float2 *ml = (float2 *)(st_m + 48); /* [split][16] */
   uint64_t *bar = (uint64_t *)((char *)ml + L::ML);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   const StatesBlock kb = states_block<ST>(a);
   const int split = kb.split, s = kb.s, g = kb.g, ctx = kb.ctx, t0 = kb.t0, t1 = kb.t1;
   const int32_t *table = kb.table;
@@ -404,11 +415,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   states_load_q<KW, D>(qf, a, g, q0, npairs, warp * KW);
   /* score scale of each pair row (the query norm's 1 / rms), warp w rows RPW w + [0, RPW) */
   float *st_q = red; /* borrowed until the first tile's partials */
-  for (int r = RPW * warp; r < RPW * warp + RPW; r++) {
-    const int p = g * 16 + r;
-    const float f = p < npairs ? states_qn(a, q0 + p / a.heads) : 0.0f;
-    if (lane == 0) st_q[r] = f * a.scale_log2;
-  }
+  states_qscale(a, g, q0, npairs, st_q, RPW);
   __syncthreads();
   float rs = st_q[tid / TPR]; /* the softmax phase's row */
   __syncthreads();
@@ -530,6 +537,33 @@ struct StatesWsSmem {
 __device__ __forceinline__ void named_sync(int id) { asm volatile("barrier.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
 
+/* The mix group's part of the warp-specialised kernels (threads 256-511):
+ * stages FIRST.. requested once the first has landed, then per tile the
+ * wait for its probabilities, the mix, and the refill of the stage it
+ * frees (issue(t, stage, thread of 128)); stages sstage elements apart. */
+template <int ST, int MT, int HALF, int PAIR, int NSTG, int FIRST, typename Issue>
+__device__ __forceinline__ void states_mix_loop(float (&acc)[MT][4], const bf16 *stage, size_t sstage, int t0, int t1,
+                                                const bf16 *ps, const float *st_a, int c0, uint64_t *full,
+                                                uint64_t *pfull, uint64_t *pempty, Issue issue) {
+  constexpr int PB = 16 * (ST + 8);
+  const int tid = threadIdx.x;
+  if (t0 + FIRST < t1 && tid - 256 < 128) {
+    mbar_wait(&full[0], 0u);
+    for (int i = FIRST; i < NSTG && t0 + i < t1; i++) issue(t0 + i, i, tid - 256);
+  }
+  for (int t = t0, u = 0; t < t1; t++, u++) {
+    const int b = u % NSTG;
+    mbar_wait(&pfull[u & 1], (unsigned)(u >> 1) & 1u);
+    states_mix<ST, MT, HALF, PAIR>(acc, stage + (size_t)b * sstage, ps + (u & 1) * PB, st_a + (u & 1) * 16, c0);
+    named_sync(2); /* the group is done with the stage and the probabilities */
+    if (tid == 256) mbar_arrive(&pempty[u & 1]);
+    if (t + NSTG < t1 && tid - 256 < 128) {
+      fence_proxy_async();
+      issue(t + NSTG, b, tid - 256);
+    }
+  }
+}
+
 /* 120 registers (512 threads): a block then fits beside one of the self
  * K/V prefetch's 4 blocks (td_kv_prefetch), which otherwise keep 4 SMs
  * from the states kernel's 128 blocks at batch 64 (step 2.211-2.231 ->
@@ -546,7 +580,7 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
   float *st_m = (float *)((char *)ps + L::P), *st_l = st_m + 16, *st_a = st_l + 16, *st_q = st_a + 32;
   float2 *ml = (float2 *)(st_q + 16);
   uint64_t *full = (uint64_t *)((char *)ml + L::ML), *pfull = full + NSTG, *pempty = pfull + 2;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   const bool sw = warp < 8;
   const StatesBlock kb = states_block<ST>(a);
   const int split = kb.split, s = kb.s, g = kb.g, ctx = kb.ctx, t0 = kb.t0, t1 = kb.t1;
@@ -586,11 +620,7 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
     /* scores and softmax: warp w sums over D columns [w KW, (w + 1) KW) */
     uint32_t qf[KW / 16][4];
     states_load_q<KW, D>(qf, a, g, q0, npairs, warp * KW);
-    for (int r = 2 * warp; r < 2 * warp + 2; r++) {
-      const int p = g * 16 + r;
-      const float f = p < npairs ? states_qn(a, q0 + p / a.heads) : 0.0f;
-      if (lane == 0) st_q[r] = f * a.scale_log2;
-    }
+    states_qscale(a, g, q0, npairs, st_q, 2);
     named_sync(1);
     const int sr = tid / 16, scol = (tid % 16) * 2; /* the softmax's row and two columns */
     const float rs = st_q[sr];
@@ -643,22 +673,7 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
     float acc[MT][4];
 #pragma unroll
     for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    if (t0 + first < t1 && tid - 256 < 128) {
-      mbar_wait(&full[0], 0u);
-      for (int i = first; i < NSTG && t0 + i < t1; i++) issue(t0 + i, i, tid - 256);
-    }
-    for (int t = t0, u = 0; t < t1; t++, u++) {
-      const int b = u % NSTG;
-      const bf16 *E = stage + (size_t)b * SSTAGE;
-      mbar_wait(&pfull[u & 1], (unsigned)(u >> 1) & 1u);
-      states_mix<ST, MT, HALF, PAIR>(acc, E, ps + (u & 1) * PB, st_a + (u & 1) * 16, c0);
-      named_sync(2); /* the group is done with the stage and the probabilities */
-      if (tid == 256) mbar_arrive(&pempty[u & 1]);
-      if (t + NSTG < t1 && tid - 256 < 128) {
-        fence_proxy_async();
-        issue(t + NSTG, b, tid - 256);
-      }
-    }
+    states_mix_loop<ST, MT, HALF, PAIR, NSTG, first>(acc, stage, SSTAGE, t0, t1, ps, st_a, c0, full, pfull, pempty, issue);
     block_sync(); /* every tile consumed; m, l final */
     states_store<MT, L::PST>(acc, a.n_splits == 1, out_at, st_l, mine, c0);
   }
@@ -701,7 +716,7 @@ __global__ void __maxnreg__(120) states_pl_kernel(const StatesArgs a) {
   float *xb = (float *)((char *)ps + L::P);
   float *st_m = (float *)((char *)xb + L::XB), *st_l = st_m + 16, *st_a = st_l + 16, *st_q = st_a + 32;
   uint64_t *full = (uint64_t *)(st_q + 16), *pfull = full + NSTG, *pempty = pfull + 2, *xfull = pempty + 2;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   const bool sw = warp < 8;
   const int sg = (int)blockIdx.x >> 1, plane = (int)blockIdx.x & 1, s = sg / a.groups, g = sg % a.groups;
   const int ctx = a.ctx_len[s], t1 = (ctx + ST - 1) / ST;
@@ -735,11 +750,7 @@ __global__ void __maxnreg__(120) states_pl_kernel(const StatesArgs a) {
     const int sh = warp & 1, qt = warp >> 1;
     uint32_t qf[KW / 16][4];
     states_load_q<KW, L::D>(qf, a, g, q0, npairs, plane * HALF + qt * KW);
-    for (int r = 2 * warp; r < 2 * warp + 2; r++) {
-      const int p = g * 16 + r;
-      const float f = p < npairs ? states_qn(a, q0 + p / a.heads) : 0.0f;
-      if (lane == 0) st_q[r] = f * a.scale_log2;
-    }
+    states_qscale(a, g, q0, npairs, st_q, 2);
     named_sync(1);
     const int sr = tid / 16, scol = (tid % 16) * 4; /* the softmax's row and four columns */
     const float rs = st_q[sr];
@@ -809,22 +820,8 @@ __global__ void __maxnreg__(120) states_pl_kernel(const StatesArgs a) {
     float acc[MT][4];
 #pragma unroll
     for (int j = 0; j < MT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    if (first < t1 && tid - 256 < 128) {
-      mbar_wait(&full[0], 0u);
-      for (int i = first; i < NSTG && i < t1; i++) issue(i, i, tid - 256);
-    }
-    for (int t = 0, u = 0; t < t1; t++, u++) {
-      const int b = u % NSTG;
-      const bf16 *E = stage + (size_t)b * (L::STAGE / 2);
-      mbar_wait(&pfull[u & 1], (unsigned)(u >> 1) & 1u);
-      states_mix<ST, MT, HALF, PAIR>(acc, E, ps + (u & 1) * PB, st_a + (u & 1) * 16, c0);
-      named_sync(2); /* the group is done with the stage and the probabilities */
-      if (tid == 256) mbar_arrive(&pempty[u & 1]);
-      if (t + NSTG < t1 && tid - 256 < 128) {
-        fence_proxy_async();
-        issue(t + NSTG, b, tid - 256);
-      }
-    }
+    states_mix_loop<ST, MT, HALF, PAIR, NSTG, first>(acc, stage, L::STAGE / 2, 0, t1, ps, st_a, c0, full, pfull, pempty,
+                                                   issue);
     cluster_wait(); /* (completed long ago: pairs this group's arrival) */
     block_sync();
     auto out_at = [&](int r) -> bf16 * {
