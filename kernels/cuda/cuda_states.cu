@@ -301,6 +301,20 @@ __device__ __forceinline__ void states_store(const float (&acc)[MT][4], bool who
   }
 }
 
+/* The start every tensor-core kernel shares once thread 0 has initialised
+ * its barriers: the 16 rows' running max and sum reset, the barriers
+ * published to the block, and where the block exchanges with its cluster,
+ * its arrival on the cluster barrier that the first remote access waits
+ * for (states_merge, the plane kernel's exchange). */
+__device__ __forceinline__ void states_start(float *st_m, float *st_l, bool cluster) {
+  if (threadIdx.x < 16) {
+    st_m[threadIdx.x] = -INFINITY;
+    st_l[threadIdx.x] = 0.0f;
+  }
+  __syncthreads();
+  if (cluster) cluster_arrive();
+}
+
 /* A group's key splits merged across its cluster: every block has left its
  * partial sums in mine ([16][PST] fp32); block `split` of S writes columns
  * [split D / S, (split + 1) D / S) of all 16 rows. Each block's (m, l) is
@@ -396,12 +410,7 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
   const int32_t *table = kb.table;
   if (tid == 0)
     for (int i = 0; i < NSTG; i++) mbar_init(&bar[i], 1);
-  if (tid < 16) {
-    st_m[tid] = -INFINITY;
-    st_l[tid] = 0.0f;
-  }
-  __syncthreads();
-  if (a.n_splits > 1) cluster_arrive(); /* waited for in states_merge */
+  states_start(st_m, st_l, a.n_splits > 1);
   /* tile t into stage buffer b by every thread that has copies to issue
    * (spread over the warps: a warp issues its bulk copies one after another) */
   const uint64_t pol = l2_evict_first();
@@ -592,12 +601,7 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
       mbar_init(&pempty[i], 1);
     }
   }
-  if (tid < 16) {
-    st_m[tid] = -INFINITY;
-    st_l[tid] = 0.0f;
-  }
-  __syncthreads();
-  if (a.n_splits > 1) cluster_arrive(); /* waited for in states_merge */
+  states_start(st_m, st_l, a.n_splits > 1);
   const uint64_t pol = l2_evict_first();
   /* tile t into stage b by threads lt < 128 of a group */
   auto issue = [&](int t, int b, int lt) {
@@ -730,12 +734,7 @@ __global__ void __maxnreg__(120) states_pl_kernel(const StatesArgs a) {
     }
     fence_mbar_init_cluster();
   }
-  if (tid < 16) {
-    st_m[tid] = -INFINITY;
-    st_l[tid] = 0.0f;
-  }
-  __syncthreads();
-  cluster_arrive(); /* the other block's barriers are ready once this completes */
+  states_start(st_m, st_l, true); /* the other block's barriers are ready once its arrival completes */
   const uint64_t pol = l2_evict_first();
   auto issue = [&](int t, int b, int lt) {
     states_issue<ST, HALF, PAIR, 1>(a, table, ctx, t, stage + (size_t)b * (L::STAGE / 2), &full[b], pol, lt, plane);
@@ -961,14 +960,10 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
   /* two key splits on the warp-specialised kernel: D split instead, no
    * merge (TANDEM_CUDA_STATES_PLANES=0: the key splits) */
   const char *plv = getenv("TANDEM_CUDA_STATES_PLANES");
-  if (cfg == &STATES_CFGS[cws] && splits == 2 && cpl < STATES_NCFG && !(plv && *plv == '0') &&
-      base <= c->states_clusters[cpl][1]) {
-    a.n_splits = 1;
-    STATES_CFGS[cpl].launch(c, dim3((unsigned)(base * 2)), 2, a);
-    TD_CU_LAUNCHED("attn_states");
-    return TD_OK;
-  }
-  a.n_splits = splits;
+  const bool planes = cws < STATES_NCFG && cfg == &STATES_CFGS[cws] && splits == 2 && cpl < STATES_NCFG &&
+                      !(plv && *plv == '0') && base <= c->states_clusters[cpl][1];
+  if (planes) cfg = &STATES_CFGS[cpl];
+  a.n_splits = planes ? 1 : splits; /* the plane kernel's cluster of two holds every key */
   cfg->launch(c, dim3((unsigned)(base * splits)), splits, a);
   TD_CU_LAUNCHED("attn_states");
   return TD_OK;

@@ -1039,28 +1039,30 @@ Test(cuda, attn_states) {
    * warp count forced; 16 warps are the warp-specialised kernel where it
    * fits, the other one under ws 0; two splits of the warp-specialised
    * kernel are its plane split, the key splits under planes 0 */
-  static const char *splits[] = {NULL, "1", "2", "16", NULL, "1", "4", NULL, "2", "8", "1", "2", "2"};
-  static const char *warps[] = {NULL, NULL, NULL, NULL, "8", "8", "8", "16", "16", "16", "16", "16", "16"};
-  static const char *ws[] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, "0", "0", NULL};
-  static const char *planes[] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, "0"};
+  static const struct {
+    const char *splits, *warps, *ws, *planes;
+  } var[] = {
+      {NULL, NULL, NULL, NULL}, {"1", NULL, NULL, NULL}, {"2", NULL, NULL, NULL}, {"16", NULL, NULL, NULL},
+      {NULL, "8", NULL, NULL},  {"1", "8", NULL, NULL},  {"4", "8", NULL, NULL},  {NULL, "16", NULL, NULL},
+      {"2", "16", NULL, NULL},  {"8", "16", NULL, NULL}, {"1", "16", "0", NULL},  {"2", "16", "0", NULL},
+      {"2", "16", NULL, "0"},
+  };
+  static const char *const env[] = {"TANDEM_CUDA_STATES_SPLITS", "TANDEM_CUDA_STATES_WARPS", "TANDEM_CUDA_STATES_WS",
+                                    "TANDEM_CUDA_STATES_PLANES"};
   /* TD_TEST_STATES_VARIANT=v, TD_TEST_STATES_CASE=i: that variant or case
    * alone (racecheck takes minutes a case) */
   const char *only = getenv("TD_TEST_STATES_VARIANT"), *one = getenv("TD_TEST_STATES_CASE");
-  for (size_t v = 0; v < sizeof splits / sizeof splits[0]; v++) {
+  for (size_t v = 0; v < sizeof var / sizeof var[0]; v++) {
     if (only && *only && (size_t)atoi(only) != v) continue;
+    const char *val[] = {var[v].splits, var[v].warps, var[v].ws, var[v].planes};
     char mode[64];
-    snprintf(mode, sizeof mode, "splits %s, warps %s, ws %s, planes %s", splits[v] ? splits[v] : "-",
-             warps[v] ? warps[v] : "-", ws[v] ? ws[v] : "-", planes[v] ? planes[v] : "-");
-    if (splits[v]) setenv("TANDEM_CUDA_STATES_SPLITS", splits[v], 1);
-    if (warps[v]) setenv("TANDEM_CUDA_STATES_WARPS", warps[v], 1);
-    if (ws[v]) setenv("TANDEM_CUDA_STATES_WS", ws[v], 1);
-    if (planes[v]) setenv("TANDEM_CUDA_STATES_PLANES", planes[v], 1);
+    snprintf(mode, sizeof mode, "splits %s, warps %s, ws %s, planes %s", val[0] ? val[0] : "-",
+             val[1] ? val[1] : "-", val[2] ? val[2] : "-", val[3] ? val[3] : "-");
+    for (int k = 0; k < 4; k++)
+      if (val[k]) setenv(env[k], val[k], 1);
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++)
       if (!(one && *one) || (size_t)atoi(one) == i) states_case(&cfg[i], mode);
-    unsetenv("TANDEM_CUDA_STATES_SPLITS");
-    unsetenv("TANDEM_CUDA_STATES_WARPS");
-    unsetenv("TANDEM_CUDA_STATES_WS");
-    unsetenv("TANDEM_CUDA_STATES_PLANES");
+    for (int k = 0; k < 4; k++) unsetenv(env[k]);
   }
   setenv("TANDEM_CUDA_STATES_GENERIC", "1", 1);
   for (size_t i = 0; i < 5; i++) states_case(&cfg[i], "generic");
