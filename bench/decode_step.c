@@ -4,15 +4,19 @@
  * bf16 rate).
  *   bench-decode-step [--tp N | --pp N] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
  *                     [--steps N] [--shape flan-t5-large|bart-large|whisper-large-v3] [--no-record]
- *                     [--model-dir DIR] [--trace BATCH] [--block-size N] [--cross-states]
+ *                     [--model-dir DIR] [--trace BATCH] [--block-size N]
+ *                     [--cross-mode auto|kv|states|dual] [--states-rows N]
  * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
  * --model-dir keeps the random checkpoint in DIR (written there once, then
  * reused), so that runs under different settings load the same weights.
  * --trace prints the kernel timeline of one decode step at that batch
  * (CUPTI; builds without it say so). --block-size: tokens a paged KV block
- * (default 16). --cross-states: the cross pool caches encoder states
- * (td_model_opts.cross_states); the table then gives both floors, the
- * per-layer K/V one and the one of the bytes that mode reads. Whisper's encoder input is 30 s of
+ * (default 16). --cross-mode: what the cross pool caches
+ * (td_model_opts.cross_mode; default auto, i.e. dual: steps of at least
+ * --states-rows rows, the backend's choice by default, attend over the
+ * states); the table names each step's path and gives both floors, the
+ * per-layer K/V one and the one of the bytes that path reads (--cross-states:
+ * --cross-mode states). Whisper's encoder input is 30 s of
  * synthetic mel features (3000 frames, 1500 encoder positions: --enc-len
  * is fixed at 1500). */
 #include <errno.h>
@@ -38,7 +42,8 @@ typedef struct cfg {
   int enc_len, ctx, steps;
   int trace; /* batch whose step is traced, 0: none */
   int block_size; /* tokens a paged KV block */
-  bool cross_states;
+  td_cross_mode cross_mode;
+  int states_rows; /* td_model_opts.states_rows */
   const char *dir;
   td_random_shape shape;
   uint8_t nccl_id[TD_NCCL_ID_BYTES];
@@ -52,6 +57,9 @@ typedef struct rank {
   /* rank 0's measurements */
   double copy_gbs, gemm_tflops, enc_ms, step_ms[8];
   double weight_bytes;
+  int states_rows; /* the model's: steps of this many rows attend over the states */
+  bool enc_kv;     /* the encoder projects every layer's cross K/V */
+  td_cross_mode mode; /* as the model resolved it */
 } rank;
 
 static double ms_since(int64_t t0) { return (double)(td_now_ns() - t0) * 1e-6; }
@@ -127,7 +135,8 @@ static void *rank_main(void *arg) {
   int bs = c->block_size;
   td_model_opts mo = {.block_size = bs, .max_seqs = maxb, .max_tokens = maxb * c->ctx, .max_logits = maxb,
                       .max_enc_tokens = maxb * c->enc_len, .max_enc_seqs = maxb, .max_source_len = c->enc_len,
-                      .max_target_len = c->ctx + c->steps + 16, .cross_states = c->cross_states};
+                      .max_target_len = c->ctx + c->steps + 16, .cross_mode = c->cross_mode,
+                      .states_rows = c->states_rows};
   if (c->tp > 1) {
     mo.tp_rank = rk->r;
     mo.tp_size = c->tp;
@@ -139,6 +148,9 @@ static void *rank_main(void *arg) {
   if ((s = td_model_load(c->dir, b, &mo, &m)) != TD_OK) goto out;
   int ncb = (c->enc_len + bs - 1) / bs, nsb = (c->ctx + c->steps + bs) / bs + 1;
   td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
+  rk->states_rows = td_model_states_rows(m);
+  rk->enc_kv = cl.n_layers > 0;
+  rk->mode = td_model_get_opts(m)->cross_mode;
   if ((s = td_kv_pool_create(b, &sl, maxb * nsb, &self)) != TD_OK) goto out;
   if ((s = td_kv_pool_create(b, &cl, maxb * ncb, &cross)) != TD_OK) goto out;
   td_model_set_pools(m, td_kv_pool_memory(self), td_kv_pool_memory(cross));
@@ -265,7 +277,16 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--model-dir") && i + 1 < argc) keep = argv[++i];
     else if (!strcmp(argv[i], "--trace") && i + 1 < argc) c.trace = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) c.block_size = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--cross-states")) c.cross_states = true;
+    else if (!strcmp(argv[i], "--cross-states")) c.cross_mode = TD_CROSS_STATES;
+    else if (!strcmp(argv[i], "--states-rows") && i + 1 < argc) c.states_rows = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--cross-mode") && i + 1 < argc) {
+      int cm = td_cross_mode_parse(argv[++i]);
+      if (cm < 0) {
+        fprintf(stderr, "--cross-mode: auto, kv, states or dual, not %s\n", argv[i]);
+        return 2;
+      }
+      c.cross_mode = (td_cross_mode)cm;
+    }
     else if (!strcmp(argv[i], "--batches") && i + 1 < argc) {
       c.n_batches = 0;
       for (char *t = strtok(argv[++i], ","); t && c.n_batches < 8; t = strtok(NULL, ",")) c.batches[c.n_batches++] = atoi(t);
@@ -346,7 +367,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < c.n_batches; i++)
     if (c.batches[i] > 0) enc_tokens = enc_tokens > c.batches[i] * (double)c.enc_len ? enc_tokens : c.batches[i] * (double)c.enc_len;
   double enc_flops = enc_tokens * (Le * (2 * (4 * d * hd + ffw) + 4 * c.enc_len * hd) +
-                                   (c.cross_states ? 0.0 : Ld * 2 * 2 * d * hd));
+                                   (rk[0].enc_kv ? Ld * 2 * 2 * d * hd : 0.0));
   if (sh->mels) /* the convolutions: 2 * enc_len frames of 3 x mels taps, then enc_len of 3 x d */
     enc_flops += enc_tokens * (2.0 * 2 * d * 3 * sh->mels + 2.0 * d * 3 * d);
   const char *dev = td_backend_cuda_available() ? "GPU" : "?";
@@ -364,47 +385,44 @@ int main(int argc, char **argv) {
                  shape, sh->d_model, sh->enc_layers, sh->dec_layers, sh->heads, sh->head_dim, sh->gated ? "gated " : "",
                  sh->ffn, sh->vocab, c.enc_len, c.ctx, c.block_size, c.tp > 1 ? "tensor parallel " : c.pp > 1 ? "pipeline stages " : "GPUs ",
                  "", c.world, gbs, tf);
-  if (c.cross_states) {
-    /* what this mode reads: also W_k and W_v of every layer, the encoder
-     * states once a layer instead of the K/V */
-    td_sbuf_printf(&t, "Cross pool of encoder states (--cross-states).\n\n| batch | step ms | tokens/s | K/V floor ms | "
-                       "x K/V floor | bytes read GB | floor ms | x floor |\n|---|---|---|---|---|---|---|---|\n");
-    printf("%6s %9s %10s %9s %8s %9s %9s %8s\n", "batch", "step ms", "tokens/s", "KV fl ms", "x KV fl", "bytes GB",
-           "floor ms", "x floor");
-  } else {
-    td_sbuf_printf(&t, "| batch | step ms | tokens/s | bytes read GB | floor ms | x floor |\n|---|---|---|---|---|---|\n");
-    printf("%6s %9s %10s %9s %9s %8s\n", "batch", "step ms", "tokens/s", "bytes GB", "floor ms", "x floor");
-  }
+  /* the K/V floor: the issue's, every layer's cross K/V read; the path's
+   * own: over the states, also W_k and W_v of every layer and the states
+   * once a layer instead of the K/V */
+  const char *mode = td_cross_mode_name(rk[0].mode);
+  td_sbuf_printf(&t, "Cross pool mode %s.\n\n| batch | path | step ms | tokens/s | K/V floor ms | x K/V floor | "
+                     "bytes read GB | floor ms | x floor |\n|---|---|---|---|---|---|---|---|---|\n", mode);
+  printf("cross pool mode %s\n%6s %6s %9s %10s %9s %8s %9s %9s %8s\n", mode, "batch", "path", "step ms", "tokens/s",
+         "KV fl ms", "x KV fl", "bytes GB", "floor ms", "x floor");
   for (int i = 0; i < c.n_batches; i++) {
     int B = c.batches[i];
+    bool states = B >= rk[0].states_rows;
     double bytes = dec_w + (double)B * (c.enc_len + c.ctx + 1) * kv_tok;
     double floor_ms = bytes / (gbs * 1e9) * 1e3 / c.world;
     double ms = rk[0].step_ms[i];
-    if (c.cross_states) {
-      double sb = dec_w + Ld * 2 * d * hd * 2 + (double)B * (c.ctx + 1) * kv_tok + (double)B * c.enc_len * Ld * d * 2;
-      double sf = sb / (gbs * 1e9) * 1e3 / c.world;
-      printf("%6d %9.3f %10.0f %9.3f %8.2f %9.3f %9.3f %8.2f\n", B, ms, B / (ms * 1e-3), floor_ms, ms / floor_ms,
-             sb / 1e9, sf, ms / sf);
-      td_sbuf_printf(&t, "| %d | %.3f | %.0f | %.3f | %.2f | %.3f | %.3f | %.2f |\n", B, ms, B / (ms * 1e-3), floor_ms,
-                     ms / floor_ms, sb / 1e9, sf, ms / sf);
-      continue;
-    }
-    printf("%6d %9.3f %10.0f %9.3f %9.3f %8.2f\n", B, ms, B / (ms * 1e-3), bytes / 1e9, floor_ms, ms / floor_ms);
-    td_sbuf_printf(&t, "| %d | %.3f | %.0f | %.3f | %.3f | %.2f |\n", B, ms, B / (ms * 1e-3), bytes / 1e9, floor_ms,
-                   ms / floor_ms);
+    double sb = states ? dec_w + Ld * 2 * d * hd * 2 + (double)B * (c.ctx + 1) * kv_tok + (double)B * c.enc_len * Ld * d * 2
+                       : bytes;
+    double sf = sb / (gbs * 1e9) * 1e3 / c.world;
+    const char *path = states ? "states" : "kv";
+    printf("%6d %6s %9.3f %10.0f %9.3f %8.2f %9.3f %9.3f %8.2f\n", B, path, ms, B / (ms * 1e-3), floor_ms,
+           ms / floor_ms, sb / 1e9, sf, ms / sf);
+    td_sbuf_printf(&t, "| %d | %s | %.3f | %.0f | %.3f | %.2f | %.3f | %.3f | %.2f |\n", B, path, ms, B / (ms * 1e-3),
+                   floor_ms, ms / floor_ms, sb / 1e9, sf, ms / sf);
   }
   double enc_floor = enc_flops / (tf * 1e12) * 1e3 / c.world;
-  printf("encoder %g tokens (%s): %.2f ms, %.0f TFLOP/s = %.0f%% of the GEMM rate\n", enc_tokens, c.cross_states ? "states into the cross pool" : "with cross-KV projection",
+  printf("encoder %g tokens (%s): %.2f ms, %.0f TFLOP/s = %.0f%% of the GEMM rate\n", enc_tokens,
+         rk[0].enc_kv ? "with cross-KV projection" : "states into the cross pool",
          rk[0].enc_ms, enc_flops / (rk[0].enc_ms * 1e-3) / 1e12, 100 * enc_floor / rk[0].enc_ms);
   td_sbuf_printf(&t, "\nEncoder forward of %.0f tokens%s: "
                      "%.2f ms, %.0f TFLOP/s per GPU, %.0f%% of the measured GEMM rate.\n",
-                 enc_tokens, c.cross_states ? "" : " plus the cross-attention K/V projection of every decoder layer",
+                 enc_tokens, rk[0].enc_kv ? " plus the cross-attention K/V projection of every decoder layer" : "",
                  rk[0].enc_ms, enc_flops / (rk[0].enc_ms * 1e-3) / 1e12 / c.world,
                  100 * enc_floor / rk[0].enc_ms);
   if (record) {
     char title[128];
     snprintf(title, sizeof title, "Decode step and encoder, %s, %s=%d%s (bench-decode-step)", shape,
-             c.pp > 1 ? "PP" : "TP", c.pp > 1 ? c.pp : c.tp, c.cross_states ? ", cross states" : "");
+             c.pp > 1 ? "PP" : "TP", c.pp > 1 ? c.pp : c.tp, rk[0].mode == TD_CROSS_KV ? ""
+                                                            : rk[0].mode == TD_CROSS_STATES ? ", cross states"
+                                                                                            : ", cross dual");
     td_bench_record(title, dev, t.s);
   }
   td_sbuf_free(&t);

@@ -33,7 +33,7 @@ typedef struct td_client_worker {
 
 typedef struct td_client_health {
   bool serving;
-  bool cross_states; /* the cluster's cross pools hold encoder states */
+  char cross_mode[16]; /* what the cluster's cross pools hold (td_cross_mode's name) */
   int encoders, prefills, decoders, in_flight, queued;
   int n_workers;
   td_client_worker workers[64];

@@ -115,7 +115,7 @@ int main(int argc, char **argv) {
       char *wtxt = ws ? cJSON_PrintUnformatted(ws) : NULL;
       printf("{\"serving\": %s, \"cross\": \"%s\", \"encoders\": %d, \"prefills\": %d, \"decoders\": %d, "
              "\"in_flight\": %d, \"queued\": %d, \"workers\": %s}\n",
-             h.serving ? "true" : "false", h.cross_states ? "states" : "kv", h.encoders, h.prefills, h.decoders,
+             h.serving ? "true" : "false", h.cross_mode, h.encoders, h.prefills, h.decoders,
              h.in_flight, h.queued, wtxt ? wtxt : "[]");
       free(wtxt);
       cJSON_Delete(ws);

@@ -11,7 +11,8 @@
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
 #                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
-#                   [--cross-states]                  (cross pools hold encoder states: router and every worker)
+#                   [--cross-mode auto|kv|states|dual] (what the cross pools hold: router and every
+#                                                     worker; auto: dual, --cross-states: states)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model="$root/tests/data/t5-tiny"
@@ -23,7 +24,7 @@ demo=0
 block_size=16
 decode_tp=1 decode_pp=1
 kv_transport=auto
-cross_states=()
+cross_mode=auto
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -37,9 +38,10 @@ while (($#)); do
     --decode-tp) decode_tp=$2; shift 2 ;;
     --decode-pp) decode_pp=$2; shift 2 ;;
     --kv-transport) kv_transport=$2; shift 2 ;;
-    --cross-states) cross_states=(--cross-states); shift ;;
+    --cross-states) cross_mode=states; shift ;;
+    --cross-mode) cross_mode=$2; shift 2 ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -49,6 +51,8 @@ model=$(cd "$model" && pwd)
 ((decode_tp == 1 || decode_pp == 1)) || { echo "local.sh: a decode group is tensor- or pipeline-parallel" >&2; exit 2; }
 [[ $kv_transport == auto || $kv_transport == ucx || $kv_transport == zmq ]] ||
   { echo "local.sh: --kv-transport must be auto, ucx or zmq" >&2; exit 2; }
+[[ $cross_mode == auto || $cross_mode == kv || $cross_mode == states || $cross_mode == dual ]] ||
+  { echo "local.sh: --cross-mode must be auto, kv, states or dual" >&2; exit 2; }
 
 bin="${TANDEM_BIN:-$root/build/bin}"
 if [[ -z ${TANDEM_BIN:-} ]]; then
@@ -109,7 +113,7 @@ start() { # name, command...
 for attempt in 1 2 3 4 5; do
   client_ep="tcp://127.0.0.1:$port"
   worker_ep="tcp://127.0.0.1:$((port + 1))"
-  start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" ${cross_states[@]+"${cross_states[@]}"}
+  start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode"
   rpid=${pids[-1]}
   for _ in $(seq 100); do
     grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
@@ -127,7 +131,7 @@ for attempt in 1 2 3 4 5; do
 done
 threads=1
 common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
-        --kv-transport "$kv_transport" ${cross_states[@]+"${cross_states[@]}"})
+        --kv-transport "$kv_transport" --cross-mode "$cross_mode")
 gpu=-1
 ngpu=1
 [[ $device == cuda ]] && ngpu=$(nvidia-smi -L | wc -l)
@@ -168,9 +172,7 @@ for ((i = 0; i < decodes; i++)); do
 done
 
 # serving once every worker has registered, in the cross mode asked for
-mode=kv
-if ((${#cross_states[@]})); then mode=states; fi
-want="\"cross\": \"$mode\", \"encoders\": $((encoders > 0 ? encoders : decodes)), \"prefills\": $prefills, \"decoders\": $decodes"
+want="\"cross\": \"$cross_mode\", \"encoders\": $((encoders > 0 ? encoders : decodes)), \"prefills\": $prefills, \"decoders\": $decodes"
 for _ in $(seq 300); do
   for pid in "${pids[@]}"; do
     kill -0 "$pid" 2>/dev/null || { echo "local.sh: a process exited during start-up; logs in $run_dir" >&2; exit 1; }

@@ -47,8 +47,10 @@ static void usage(FILE *f) {
           "usage: tandem-generate --model DIR --requests FILE.jsonl [--device cpu|cuda]\n"
           "                       [--logits-out FILE] [--block-size N] [--kv-blocks N] [--cross-blocks N]\n"
           "                       [--max-batch N] [--max-tokens N] [--threads N]\n"
-          "                       [--cross-states]   (the cross pool holds each sequence's encoder states\n"
-          "                                           instead of every decoder layer's K/V)\n");
+          "                       [--cross-mode auto|kv|states|dual] [--states-rows N]\n"
+          "                         (what the cross pool holds: every decoder layer's K/V, each sequence's\n"
+          "                          encoder states, or both, steps of N rows or more then attending over\n"
+          "                          the states; auto: dual; --cross-states: states)\n");
 }
 
 static int read_requests(const char *path, app *a) {
@@ -95,12 +97,14 @@ int main(int argc, char **argv) {
       {"cross-blocks", required_argument, 0, 'c'}, {"max-batch", required_argument, 0, 'B'},
       {"max-tokens", required_argument, 0, 'T'}, {"threads", required_argument, 0, 't'},
       {"cross-states", no_argument, 0, 'C'},     {"help", no_argument, 0, 'h'},
+      {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'R'},
       {0, 0, 0, 0}};
   const char *model_dir = NULL, *req_path = NULL, *device = "cpu", *logits_path = NULL;
   int block_size = 16, kv_blocks = 0, cross_blocks = 0, max_batch = 64, max_tokens = 1024, threads = 0;
-  bool cross_states = false;
+  td_cross_mode cross_mode = TD_CROSS_AUTO;
+  int states_rows = 0;
   int c;
-  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:Ch", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:ChM:R:", opts, NULL)) != -1) {
     switch (c) {
       case 'm': model_dir = optarg; break;
       case 'r': req_path = optarg; break;
@@ -112,7 +116,15 @@ int main(int argc, char **argv) {
       case 'B': max_batch = atoi(optarg); break;
       case 'T': max_tokens = atoi(optarg); break;
       case 't': threads = atoi(optarg); break;
-      case 'C': cross_states = true; break;
+      case 'C': cross_mode = TD_CROSS_STATES; break;
+      case 'M':
+        if (td_cross_mode_parse(optarg) < 0) {
+          fprintf(stderr, "tandem-generate: --cross-mode %s: want auto, kv, states or dual\n", optarg);
+          return 2;
+        }
+        cross_mode = (td_cross_mode)td_cross_mode_parse(optarg);
+        break;
+      case 'R': states_rows = atoi(optarg); break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -140,7 +152,8 @@ int main(int argc, char **argv) {
     goto out;
   }
   td_model_opts mo = {.block_size = block_size, .max_seqs = max_batch, .max_tokens = max_tokens,
-                      .max_logits = logits_path ? max_tokens : 0, .cross_states = cross_states};
+                      .max_logits = logits_path ? max_tokens : 0, .cross_mode = cross_mode,
+                      .states_rows = states_rows};
   if (td_model_load(model_dir, b, &mo, &m) != TD_OK) {
     fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
     rc = 2;

@@ -52,6 +52,8 @@ typedef struct td_backend_vt {
   void (*graph_destroy)(td_backend *b, td_graph *g);
   /* NULL: norm, GEMM and gated activation as separate ops (ops.c) */
   td_status (*gemm_ex)(td_backend *b, const td_gemm_args *a);
+  /* td_attn_states_rows; NULL: INT_MAX */
+  int (*states_rows)(const td_backend *b, int D);
   /* td_backend_fused_norm_rows; NULL: 0 */
   int (*fused_norm_rows)(const td_backend *b);
   /* NULL: the CPU loop in ops.c */

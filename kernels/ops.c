@@ -1,3 +1,5 @@
+#include <limits.h>
+
 #include "kernels/ops.h"
 
 #include <stdlib.h>
@@ -27,7 +29,19 @@ const char *td_backend_name(const td_backend *b) { return b->name; }
 size_t td_buf_elem_size(const td_backend *b, td_buf_type t) { return t == TD_BUF_ACT ? b->act_size : 4; }
 
 size_t td_kv_block_elems(const td_kv_layout *l) {
-  return (size_t)l->n_layers * 2 * (size_t)l->n_heads * (size_t)l->block_size * (size_t)l->head_dim;
+  return (size_t)l->n_layers * 2 * (size_t)l->n_heads * (size_t)l->block_size * (size_t)l->head_dim +
+         (size_t)l->block_size * (size_t)l->states;
+}
+
+td_kv_span td_kv_layer_span(const td_kv_layout *l, int layer) {
+  size_t off = (size_t)layer * 2 * (size_t)l->n_heads * (size_t)l->block_size * (size_t)l->head_dim;
+  if (layer == l->n_layers) return (td_kv_span){off, 1, l->states / 2};
+  return (td_kv_span){off, l->n_heads, l->head_dim};
+}
+
+bool td_kv_layout_valid(const td_kv_layout *l) {
+  return l && l->n_layers >= 0 && l->n_heads > 0 && l->head_dim > 0 && l->block_size > 0 && l->states >= 0 &&
+         l->states % 2 == 0 && (l->n_layers > 0 || l->states > 0);
 }
 
 td_status td_alloc(td_backend *b, td_buf_type t, size_t n, void **out) {
@@ -82,14 +96,18 @@ td_status td_gemm_ex(td_backend *b, const td_gemm_args *a) {
   if (a->norm_plain && !a->norm_rms && !a->norm_wsum) return bad("gemm_ex", "a plain LayerNorm needs W's row sums");
   if (a->kv_pool) {
     const td_kv_layout *l = a->kv_layout;
-    if (glu || (a->flags & TD_GEMM_OUT_F32) || !l || l->n_layers <= 0 || l->n_heads <= 0 || l->head_dim <= 0 ||
-        l->block_size <= 0 || a->kv_layer < 0 || a->kv_layer >= l->n_layers || !a->kv_slots || a->kv_col < 0 ||
+    if (glu || (a->flags & TD_GEMM_OUT_F32) || !td_kv_layout_valid(l) || a->kv_layer < 0 ||
+        a->kv_layer >= l->n_layers || !a->kv_slots || a->kv_col < 0 ||
         a->kv_col + 2 * l->n_heads * l->head_dim > a->n)
       return bad("gemm_ex", "bad KV write (layout, columns, slots, or with GLU / float32 output)");
   }
   if (a->m == 0) return TD_OK;
   if (b->vt->gemm_ex) return b->vt->gemm_ex(b, a);
   return td_gemm_ex_unfused(b, a);
+}
+
+int td_attn_states_rows(const td_backend *b, int D) {
+  return b->vt->states_rows && D > 0 ? b->vt->states_rows(b, D) : INT_MAX;
 }
 
 int td_backend_fused_norm_rows(const td_backend *b) { return b->vt->fused_norm_rows ? b->vt->fused_norm_rows(b) : 0; }
@@ -163,22 +181,26 @@ td_status td_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t
                            bias);
 }
 
-static bool layout_ok(const td_kv_layout *l, int layer) {
-  return l && l->n_layers > 0 && l->n_heads > 0 && l->head_dim > 0 && l->block_size > 0 && layer >= 0 &&
-         layer < l->n_layers;
+/* a K/V layer of l, or (tail) its states tail */
+static bool layout_ok(const td_kv_layout *l, int layer, bool tail) {
+  return td_kv_layout_valid(l) && layer >= 0 &&
+         (layer < l->n_layers || (tail && layer == l->n_layers && l->states > 0));
 }
 
 td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                       int layer, const int32_t *slots, int n) {
-  if (!layout_ok(l, layer) || n < 0 || !k || !v || !pool || !slots || ld < l->n_heads * l->head_dim)
+  if (!layout_ok(l, layer, true) || n < 0 || !k || !v || !pool || !slots)
     return bad("kv_write", "bad layout, sizes or buffers");
+  td_kv_span sp = td_kv_layer_span(l, layer);
+  if (ld < sp.heads * sp.dim)
+    return td_err(TD_ERR_INVALID, "kv_write: row stride %d under the layer's %d columns", ld, sp.heads * sp.dim);
   if (n == 0) return TD_OK;
   return b->vt->kv_write(b, k, v, ld, pool, l, layer, slots, n);
 }
 
 td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
                         int layer, const td_paged_meta *m, float scale, bool causal, const td_relbias *bias) {
-  if (!layout_ok(l, layer) || !m || !q || !out || !pool || ldq < l->n_heads * l->head_dim || m->n_seqs < 0 ||
+  if (!layout_ok(l, layer, false) || !m || !q || !out || !pool || ldq < l->n_heads * l->head_dim || m->n_seqs < 0 ||
       m->n_tokens < 0 || m->max_blocks <= 0 || !m->q_start || !m->ctx_len || !m->block_table)
     return bad("attn_paged", "bad layout, metadata or buffers");
   if (bias && (!bias->lut || bias->max_distance <= 0)) return bad("attn_paged", "bad relative bias");
@@ -190,8 +212,8 @@ td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const 
 
 td_status td_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
                          int heads, const td_paged_meta *m, float scale) {
-  if (!layout_ok(l, 0) || l->n_layers != 1 || l->n_heads != 1 || heads <= 0 || !m || !q || !out || !pool ||
-      (long)ldq < (long)heads * 2 * l->head_dim || m->n_seqs < 0 || m->n_tokens < 0 || m->max_blocks <= 0 ||
+  if (!td_kv_layout_valid(l) || l->states <= 0 || heads <= 0 || !m || !q || !out || !pool ||
+      (long)ldq < (long)heads * l->states || m->n_seqs < 0 || m->n_tokens < 0 || m->max_blocks <= 0 ||
       !m->q_start || !m->ctx_len || !m->block_table)
     return bad("attn_states", "bad layout, heads, metadata or buffers");
   if (m->q_norm && (m->q_norm_dim <= 0 || !(m->q_norm_eps >= 0.0f)))
@@ -210,14 +232,14 @@ td_status td_gemm_heads(td_backend *b, const void *x, const void *w, const float
 }
 
 td_status td_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const td_paged_meta *m) {
-  if (!layout_ok(l, layer) || !pool || !m || !m->ctx_len || !m->block_table || m->n_seqs < 0 || m->max_blocks <= 0)
+  if (!layout_ok(l, layer, false) || !pool || !m || !m->ctx_len || !m->block_table || m->n_seqs < 0 || m->max_blocks <= 0)
     return bad("kv_prefetch", "bad arguments");
   if (!b->vt->kv_prefetch || m->n_seqs == 0) return TD_OK;
   return b->vt->kv_prefetch(b, pool, l, layer, m);
 }
 
 td_status td_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs) {
-  if (!layout_ok(l, 0) || !pool || n_pairs < 0 || (n_pairs && !pairs)) return bad("kv_copy_blocks", "bad arguments");
+  if (!td_kv_layout_valid(l) || !pool || n_pairs < 0 || (n_pairs && !pairs)) return bad("kv_copy_blocks", "bad arguments");
   if (n_pairs == 0) return TD_OK;
   return b->vt->kv_copy_blocks(b, pool, l, pairs, n_pairs);
 }

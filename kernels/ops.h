@@ -154,15 +154,32 @@ td_status td_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t
                         int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
                         const td_relbias *bias);
 
-/* Paged KV pools: [block][layer][K|V][head][slot][head_dim]. */
+/* Paged KV pools: [block][layer][K|V][head][slot][head_dim], then, where
+ * states > 0, the block's encoder states [K|V][slot][states / 2] (each
+ * state's first half in the K plane, its second in V): the cross pool's
+ * "states tail", which every rank holds whole. n_layers may be 0 where
+ * states > 0 (a pool of states only). */
 typedef struct td_kv_layout {
   int n_layers, n_heads, head_dim, block_size;
+  int states;
 } td_kv_layout;
 size_t td_kv_block_elems(const td_kv_layout *l);
+/* Where layer `layer` of a block sits: its offset in elements, its heads
+ * and their width; layer == n_layers is the states tail (one head of width
+ * states / 2). Each plane is [heads][slot][dim]. */
+typedef struct td_kv_span {
+  size_t off;
+  int heads, dim;
+} td_kv_span;
+td_kv_span td_kv_layer_span(const td_kv_layout *l, int layer);
+/* A layout whose fields are in range; layers >= 0 and (n_layers > 0 or
+ * states > 0), states even. */
+bool td_kv_layout_valid(const td_kv_layout *l);
 
 /* Writes rows i < n of k and v (row stride ld elements, heads*head_dim
  * wide) into the pool at global slots slots[i] = block * block_size + slot;
- * a negative slot skips the row. */
+ * a negative slot skips the row. layer == l->n_layers writes the states
+ * tail: k and v are then each state's two halves (states / 2 wide). */
 td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                       int layer, const int32_t *slots, int n);
 
@@ -199,10 +216,10 @@ typedef struct td_paged_meta {
 td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
                         int layer, const td_paged_meta *m, float scale, bool causal, const td_relbias *bias);
 
-/* Attention over encoder states instead of per-layer cross K/V. The pool
- * (a "states" cross pool: l->n_layers == 1, l->n_heads == 1) holds one row
- * E_j of width D = 2 * l->head_dim per slot, columns [0, D / 2) in the K
- * plane and [D / 2, D) in the V plane. For each query row r of a sequence
+/* Attention over encoder states instead of per-layer cross K/V. The pool's
+ * states tail (l->states = D > 0) holds one row E_j per slot, columns
+ * [0, D / 2) in its K plane and [D / 2, D) in its V plane. For each query
+ * row r of a sequence
  * and head h < heads:
  *   out[r, h, :] = sum_j softmax_j(scale * q[r, h, :] . E_j) E_j
  * over the sequence's ctx_len states (no mask). q [n_tokens, heads * D]
@@ -213,6 +230,11 @@ td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const 
  * td_attn_paged; kv_static_past is ignored. */
 td_status td_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
                          int heads, const td_paged_meta *m, float scale);
+/* The fewest query rows from which a decode step's cross-attention over
+ * states of width D (td_attn_states between its two per-head products)
+ * beats the per-layer K/V path on this backend; INT_MAX where it never
+ * does (the CPU: its arithmetic is d_model / head_dim times the K/V path's). */
+int td_attn_states_rows(const td_backend *b, int D);
 
 /* Per-head products, for h < heads:
  *   y[:, h*n, (h+1)*n) = x[:, h*k, (h+1)*k) W_h (+ bias[h*n, (h+1)*n))

@@ -41,9 +41,10 @@ int td_kv_pool_blocks_for_bytes(const td_backend *b, const td_kv_layout *l, size
 
 td_status td_kv_pool_create(td_backend *b, const td_kv_layout *l, int n_blocks, td_kv_pool **out) {
   *out = NULL;
-  if (n_blocks <= 0 || l->n_layers <= 0 || l->n_heads <= 0 || l->head_dim <= 0 || l->block_size <= 0)
-    return td_err(TD_ERR_INVALID, "KV pool: %d blocks of %d layers x %d heads x %d dims x %d slots is not a pool",
-                  n_blocks, l->n_layers, l->n_heads, l->head_dim, l->block_size);
+  if (n_blocks <= 0 || !td_kv_layout_valid(l))
+    return td_err(TD_ERR_INVALID,
+                  "KV pool: %d blocks of %d layers x %d heads x %d dims x %d slots with %d-wide states is not a pool",
+                  n_blocks, l->n_layers, l->n_heads, l->head_dim, l->block_size, l->states);
   td_kv_pool *p = calloc(1, sizeof *p);
   if (!p) return td_err(TD_ERR_NOMEM, "out of memory");
   p->b = b;

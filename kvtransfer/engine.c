@@ -1409,6 +1409,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   kvx_w_i32(&w, g->layout.n_heads);
   kvx_w_i32(&w, g->layout.head_dim);
   kvx_w_i32(&w, g->layout.block_size);
+  kvx_w_i32(&w, g->layout.states);
   kvx_w_i32(&w, g->layer0);
   kvx_w_i32(&w, g->layer1);
   kvx_w_i32(&w, g->head0);
@@ -2176,6 +2177,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   sg.layout.n_heads = kvx_r_i32(r);
   sg.layout.head_dim = kvx_r_i32(r);
   sg.layout.block_size = kvx_r_i32(r);
+  sg.layout.states = kvx_r_i32(r);
   sg.layer0 = kvx_r_i32(r);
   sg.layer1 = kvx_r_i32(r);
   sg.head0 = kvx_r_i32(r);

@@ -27,7 +27,7 @@ typedef struct td_kvx td_kvx;
 typedef struct td_kvx_peer td_kvx_peer;
 
 #define TD_KVX_MAX_POOLS 16
-#define TD_KVX_DESC_VERSION 1
+#define TD_KVX_DESC_VERSION 2 /* 2: the layout's states tail */
 
 typedef enum td_kvx_mem { TD_KVX_MEM_HOST = 0, TD_KVX_MEM_CUDA = 1 } td_kvx_mem;
 typedef enum td_kvx_transport { TD_KVX_AUTO = 0, TD_KVX_UCX = 1, TD_KVX_NCCL = 2 } td_kvx_transport;
@@ -36,7 +36,8 @@ typedef enum td_kvx_transport { TD_KVX_AUTO = 0, TD_KVX_UCX = 1, TD_KVX_NCCL = 2
 
 /* Where a rank's blocks sit in the model: the layout of its blocks
  * ([layer][K|V][head][slot][head_dim], layout.n_layers == layer1 - layer0,
- * layout.n_heads == head1 - head0) and the element size in bytes. */
+ * layout.n_heads == head1 - head0, then the states tail, which every rank
+ * holds whole) and the element size in bytes. */
 typedef struct td_kvx_geom {
   td_kv_layout layout;
   int elem_size;      /* 4: CPU float32, 2: CUDA bf16 */
@@ -53,10 +54,11 @@ typedef struct td_kvx_slice {
 size_t td_kvx_block_bytes(const td_kvx_geom *g);
 td_status td_kvx_geom_check(const td_kvx_geom *g);
 /* The byte ranges of a src block that belong in a dst block: for every
- * layer and head both hold, the [slot][head_dim] sub-slabs, merged where
- * contiguous on both sides (one slice when both hold the same ranges).
- * *n = 0 when they share nothing. block_size, head_dim and elem_size must
- * match. At most cap slices; TD_ERR_INVALID when more are needed. */
+ * layer and head both hold, the [slot][head_dim] sub-slabs, and the states
+ * tail, merged where contiguous on both sides (one slice when both hold the
+ * same ranges). *n = 0 when they share nothing. block_size, head_dim,
+ * states and elem_size must match. At most cap slices; TD_ERR_INVALID when
+ * more are needed. */
 td_status td_kvx_slice_plan(const td_kvx_geom *src, const td_kvx_geom *dst, td_kvx_slice *out, int cap, int *n);
 /* Expands a slice plan over block pairs into pool byte offsets
  * (block * block_bytes + slice offset), merging runs contiguous on both

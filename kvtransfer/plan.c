@@ -10,10 +10,11 @@
 
 td_status td_kvx_geom_check(const td_kvx_geom *g) {
   const td_kv_layout *l = &g->layout;
-  if (l->n_layers <= 0 || l->n_heads <= 0 || l->head_dim <= 0 || l->block_size <= 0 || l->n_layers > KVX_MAX_DIM ||
-      l->n_heads > KVX_MAX_DIM || l->head_dim > KVX_MAX_DIM || l->block_size > KVX_MAX_DIM)
-    return td_err(TD_ERR_INVALID, "KV geometry: %d layers x %d heads x %d dims x %d slots is not a block layout",
-                  l->n_layers, l->n_heads, l->head_dim, l->block_size);
+  if (!td_kv_layout_valid(l) || l->n_layers > KVX_MAX_DIM || l->n_heads > KVX_MAX_DIM || l->head_dim > KVX_MAX_DIM ||
+      l->block_size > KVX_MAX_DIM || l->states > KVX_MAX_DIM)
+    return td_err(TD_ERR_INVALID,
+                  "KV geometry: %d layers x %d heads x %d dims x %d slots with %d-wide states is not a block layout",
+                  l->n_layers, l->n_heads, l->head_dim, l->block_size, l->states);
   if (g->elem_size != 1 && g->elem_size != 2 && g->elem_size != 4 && g->elem_size != 8)
     return td_err(TD_ERR_INVALID, "KV geometry: element size %d", g->elem_size);
   /* 64-bit: ranges come from the wire. */
@@ -37,14 +38,15 @@ td_status td_kvx_slice_plan(const td_kvx_geom *s, const td_kvx_geom *d, td_kvx_s
   TD_TRY(td_kvx_geom_check(s));
   TD_TRY(td_kvx_geom_check(d));
   if (s->layout.block_size != d->layout.block_size || s->layout.head_dim != d->layout.head_dim ||
-      s->elem_size != d->elem_size)
+      s->layout.states != d->layout.states || s->elem_size != d->elem_size)
     return td_err(TD_ERR_INVALID,
-                  "KV re-slicing: blocks differ in slots (%d vs %d), head_dim (%d vs %d) or element size (%d vs %d)",
-                  s->layout.block_size, d->layout.block_size, s->layout.head_dim, d->layout.head_dim, s->elem_size,
-                  d->elem_size);
+                  "KV re-slicing: blocks differ in slots (%d vs %d), head_dim (%d vs %d), states (%d vs %d) or "
+                  "element size (%d vs %d)",
+                  s->layout.block_size, d->layout.block_size, s->layout.head_dim, d->layout.head_dim,
+                  s->layout.states, d->layout.states, s->elem_size, d->elem_size);
   int l0 = imax(s->layer0, d->layer0), l1 = imin(s->layer1, d->layer1);
   int h0 = imax(s->head0, d->head0), h1 = imin(s->head1, d->head1);
-  if (l0 >= l1 || h0 >= h1) return TD_OK;
+  if (h0 >= h1) l1 = l0; /* no K/V in common; the states tail still is */
   /* One head's [slot][head_dim] sub-slab. */
   uint64_t unit = (uint64_t)s->layout.block_size * (uint64_t)s->layout.head_dim * (uint64_t)s->elem_size;
   uint64_t len = (uint64_t)(h1 - h0) * unit;
@@ -61,6 +63,16 @@ td_status td_kvx_slice_plan(const td_kvx_geom *s, const td_kvx_geom *d, td_kvx_s
       out[k++] = (td_kvx_slice){so, dof, len};
     }
   }
+  if (s->layout.states > 0) {
+    uint64_t tail = (uint64_t)s->layout.block_size * (uint64_t)s->layout.states * (uint64_t)s->elem_size;
+    uint64_t so = td_kvx_block_bytes(s) - tail, dof = td_kvx_block_bytes(d) - tail;
+    if (k > 0 && out[k - 1].src_off + out[k - 1].len == so && out[k - 1].dst_off + out[k - 1].len == dof) {
+      out[k - 1].len += tail;
+    } else {
+      if (k == cap) return td_err(TD_ERR_INVALID, "KV re-slicing: more than %d slices", cap);
+      out[k++] = (td_kvx_slice){so, dof, tail};
+    }
+  }
   *n = k;
   return TD_OK;
 }
@@ -73,8 +85,8 @@ td_status td_kvx_plan_copies(const td_kvx_geom *s, const td_kvx_geom *d, const i
     return td_err(TD_ERR_INVALID, "KV transfer plan: %d blocks", n_blocks);
   TD_TRY(td_kvx_geom_check(s));
   TD_TRY(td_kvx_geom_check(d));
-  /* At most 2 slices per layer. */
-  int cap = 2 * imin(s->layout.n_layers, d->layout.n_layers);
+  /* At most 2 slices per layer, and the states tail. */
+  int cap = 2 * imin(s->layout.n_layers, d->layout.n_layers) + 1;
   td_kvx_slice *sl = malloc(sizeof *sl * (size_t)cap);
   if (!sl) return td_err(TD_ERR_NOMEM, "out of memory");
   int ns = 0;

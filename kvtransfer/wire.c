@@ -124,6 +124,7 @@ td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len) {
     kvx_w_i32(&w, g->layout.n_heads);
     kvx_w_i32(&w, g->layout.head_dim);
     kvx_w_i32(&w, g->layout.block_size);
+    kvx_w_i32(&w, g->layout.states);
     kvx_w_i32(&w, g->layer0);
     kvx_w_i32(&w, g->layer1);
     kvx_w_i32(&w, g->head0);
@@ -194,6 +195,7 @@ td_status kvx_desc_decode(const void *bytes, size_t len, kvx_desc *d) {
     g->layout.n_heads = kvx_r_i32(&r);
     g->layout.head_dim = kvx_r_i32(&r);
     g->layout.block_size = kvx_r_i32(&r);
+    g->layout.states = kvx_r_i32(&r);
     g->layer0 = kvx_r_i32(&r);
     g->layer1 = kvx_r_i32(&r);
     g->head0 = kvx_r_i32(&r);

@@ -80,6 +80,9 @@ struct td_model {
    * the attention (td_paged_meta.q_norm): the backend's
    * td_backend_fused_norm_rows, or TANDEM_QNORM_ROWS */
   int q_norm_rows;
+  /* steps of at least this many rows attend over the cross pool's states
+   * (0 in STATES, INT_MAX in KV) */
+  int states_rows;
   td_model_mirror mirror;
 };
 
@@ -653,8 +656,8 @@ static td_status alloc_scratch(td_model *m) {
       {&m->d_ff, TD_BUF_ACT, T * d->dff * g},
       {&m->d_ff1, TD_BUF_ACT, c->gated_ffn ? T * d->dff : 1},
       {&m->d_lx, TD_BUF_ACT, L * d->d},
-      {&m->d_qs, TD_BUF_ACT, o->cross_states ? T * d->dh_ * (size_t)d->d : 1},
-      {&m->d_us, TD_BUF_ACT, o->cross_states ? T * d->dh_ * (size_t)d->d : 1},
+      {&m->d_qs, TD_BUF_ACT, m->states_rows <= (int)T ? T * d->dh_ * (size_t)d->d : 1},
+      {&m->d_us, TD_BUF_ACT, m->states_rows <= (int)T ? T * d->dh_ * (size_t)d->d : 1},
       {(void **)&m->logits, TD_BUF_F32, L * (size_t)d->vocab},
       {(void **)&m->logits_part, TD_BUF_F32, o->tp_size > 1 ? L * (size_t)(d->v1 - d->v0) : 1},
       {(void **)&m->logits_all, TD_BUF_F32, o->tp_size > 1 ? L * (size_t)(d->v1 - d->v0) * o->tp_size : 1},
@@ -733,10 +736,20 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
     if (m->opts.max_source_len > 0) m->max_src = m->opts.max_source_len;
     if (m->opts.max_target_len > 0) m->max_tgt = m->opts.max_target_len;
   }
-  if (m->opts.cross_states && c->d_model % 2) {
+  if (m->opts.cross_mode == TD_CROSS_AUTO) m->opts.cross_mode = c->d_model % 2 ? TD_CROSS_KV : TD_CROSS_DUAL;
+  if (m->opts.cross_mode < TD_CROSS_AUTO || m->opts.cross_mode > TD_CROSS_DUAL) {
+    s = td_err(TD_ERR_INVALID, "cross pool mode %d", (int)m->opts.cross_mode);
+    goto fail;
+  }
+  if (m->opts.cross_mode != TD_CROSS_KV && c->d_model % 2) {
     s = td_err(TD_ERR_UNSUPPORTED, "%s: cross states need an even d_model (%d)", dir, c->d_model);
     goto fail;
   }
+  /* the fewest rows that take the states path */
+  m->states_rows = m->opts.cross_mode == TD_CROSS_STATES ? 0
+                   : m->opts.cross_mode == TD_CROSS_KV || m->opts.states_rows < 0 ? INT_MAX
+                   : m->opts.states_rows > 0 ? m->opts.states_rows
+                                             : td_attn_states_rows(b, c->d_model);
   int bs = m->opts.block_size;
   m->self_stride = (m->max_tgt + bs - 1) / bs;
   m->cross_stride = (m->max_src + bs - 1) / bs;
@@ -851,12 +864,15 @@ td_backend *td_model_backend(const td_model *m) { return m->b; }
 int td_model_max_source_len(const td_model *m) { return m->max_src; }
 int td_model_max_target_len(const td_model *m) { return m->max_tgt; }
 
+int td_model_states_rows(const td_model *m) { return m->states_rows; }
+
 td_kv_layout td_model_self_layout(const td_model *m) {
-  return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size};
+  return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size, 0};
 }
 td_kv_layout td_model_cross_layout(const td_model *m) {
-  if (m->opts.cross_states) return (td_kv_layout){1, 1, m->d.d / 2, m->opts.block_size};
-  return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size};
+  td_cross_mode cm = m->opts.cross_mode;
+  return (td_kv_layout){cm == TD_CROSS_STATES ? 0 : m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size,
+                        cm == TD_CROSS_KV ? 0 : m->d.d};
 }
 
 int td_model_encoder_out_len(const td_model *m, int input_len) {
@@ -1011,16 +1027,14 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   }
   td_kv_layout cl = td_model_cross_layout(m);
   int hd = d->dh_ * d->ddh;
-  if (m->opts.cross_states) { /* the states once, split over the pool's K and V planes */
-    TD_TRY(td_kv_write(b, eo, (const char *)eo + (size_t)(d->d / 2) * td_buf_elem_size(b, TD_BUF_ACT), d->d,
-                       m->cross_pool, &cl, 0, dslots, E));
-  } else {
-    for (int l = 0; l < d->l1 - d->l0; l++) {
-      TD_TRY(linear(m, &m->dec[l].ckv, eo, m->e_qkv, E, TD_ACT_NONE, 0));
-      TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * td_buf_elem_size(b, TD_BUF_ACT), 2 * hd,
-                         m->cross_pool, &cl, l, dslots, E));
-    }
+  for (int l = 0; l < cl.n_layers; l++) {
+    TD_TRY(linear(m, &m->dec[l].ckv, eo, m->e_qkv, E, TD_ACT_NONE, 0));
+    TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * td_buf_elem_size(b, TD_BUF_ACT), 2 * hd,
+                       m->cross_pool, &cl, l, dslots, E));
   }
+  if (cl.states) /* the states once, split over the tail's K and V planes */
+    TD_TRY(td_kv_write(b, eo, (const char *)eo + (size_t)(d->d / 2) * td_buf_elem_size(b, TD_BUF_ACT), d->d,
+                       m->cross_pool, &cl, cl.n_layers, dslots, E));
   if (enc_out) TD_TRY(td_download(b, TD_BUF_ACT, eo, enc_out, (size_t)E * d->d));
   return td_sync(b);
 }
@@ -1085,7 +1099,7 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
   /* decode: each layer's self K/V is requested into L2 beside the GEMMs
    * before its attention (td_kv_prefetch, a hint) */
   int nl = d->l1 - d->l0;
-  bool pf = self_m.max_q == 1;
+  bool pf = self_m.max_q == 1, states = T >= m->states_rows;
   if (pf) TD_TRY(td_kv_prefetch(b, m->self_pool, &sl, 0, &self_m));
   for (int l = 0; l < d->l1 - d->l0; l++) {
     const dec_layer *L = &m->dec[l];
@@ -1116,7 +1130,7 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
     } else {
       TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_cross : NULL, &L->cq, h, q, x, T, TD_ACT_NONE, 0, NULL));
     }
-    if (m->opts.cross_states) {
+    if (states) {
       /* q . k_j = (W_k,h^T q_h) . E_j, and W_v,h (sum_j p_j E_j) + b_v the
        * head's output (the K bias shifts a head's scores alike) */
       size_t es = td_buf_elem_size(b, TD_BUF_ACT);

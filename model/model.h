@@ -9,10 +9,12 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "common/cross_mode.h"
 #include "kernels/ops.h"
 #include "model/config.h"
 
 typedef struct td_model td_model;
+
 
 typedef struct td_model_opts {
   int block_size;          /* KV slots per block */
@@ -26,13 +28,13 @@ typedef struct td_model_opts {
   int tp_rank, tp_size;    /* tensor-parallel slice (1 = whole model) */
   int pp_rank, pp_size;    /* pipeline stage: this rank's share of the layers */
   bool no_graphs;          /* run decode steps eagerly even where graphs exist */
-  /* The cross pool caches each sequence's encoder states once (d_model
-   * values a position) instead of every decoder layer's K and V (2 x heads
-   * x head_dim a layer): num_layers x less memory and half the bytes a
-   * decode step reads; each layer then projects the query by W_k and the
-   * attention's mix by W_v per head (td_attn_states). Every process that
-   * shares a model's cross blocks must agree on it. */
-  bool cross_states;
+  /* What the cross pool caches of each sequence (every process that
+   * shares a model's cross blocks must agree): see td_cross_mode. */
+  td_cross_mode cross_mode;
+  /* TD_CROSS_DUAL: steps of at least this many rows attend over the states,
+   * smaller ones over the per-layer K/V (0: the backend's choice,
+   * td_attn_states_rows; -1: never) */
+  int states_rows;
 } td_model_opts;
 
 /* Fills unset (zero) fields with defaults. */
@@ -47,6 +49,9 @@ const td_model_opts *td_model_get_opts(const td_model *m);
 td_backend *td_model_backend(const td_model *m);
 int td_model_max_source_len(const td_model *m);
 int td_model_max_target_len(const td_model *m);
+/* The fewest rows of a step that attend over the cross pool's states
+ * (0 in TD_CROSS_STATES; INT_MAX where no step does). */
+int td_model_states_rows(const td_model *m);
 /* Decoder self-attention and cross-attention pool layouts. */
 td_kv_layout td_model_self_layout(const td_model *m);
 td_kv_layout td_model_cross_layout(const td_model *m);

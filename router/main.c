@@ -20,11 +20,12 @@ int main(int argc, char **argv) {
       {"timeout-ms", required_argument, 0, 't'},      {"stage-timeout-ms", required_argument, 0, 's'},
       {"max-attempts", required_argument, 0, 'a'},    {"prefill-threshold", required_argument, 0, 'p'},
       {"model-name", required_argument, 0, 'n'},      {"log-level", required_argument, 0, 'l'},
-      {"cross-states", no_argument, 0, 'C'},          {"help", no_argument, 0, 'h'},
+      {"cross-states", no_argument, 0, 'C'},          {"cross-mode", required_argument, 0, 'x'},
+      {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   td_router_opts o = {.client_endpoint = "tcp://127.0.0.1:7000", .worker_endpoint = "tcp://127.0.0.1:7001"};
   int c;
-  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:n:l:Ch", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:n:l:Cx:h", opts, NULL)) != -1) {
     switch (c) {
       case 'c': o.client_endpoint = optarg; break;
       case 'w': o.worker_endpoint = optarg; break;
@@ -37,7 +38,14 @@ int main(int argc, char **argv) {
       case 'a': o.max_attempts = atoi(optarg); break;
       case 'p': o.prefill_threshold = atoi(optarg); break;
       case 'n': o.model_name = optarg; break;
-      case 'C': o.cross_states = true; break;
+      case 'C': o.cross_mode = TD_CROSS_STATES; break;
+      case 'x':
+        if (td_cross_mode_parse(optarg) < 0) {
+          fprintf(stderr, "tandem-router: --cross-mode %s: want auto, kv, states or dual\n", optarg);
+          return 2;
+        }
+        o.cross_mode = (td_cross_mode)td_cross_mode_parse(optarg);
+        break;
       case 'l':
         if (td_log_parse_level(optarg) < 0) {
           fprintf(stderr, "tandem-router: unknown log level %s\n", optarg);
@@ -51,8 +59,8 @@ int main(int argc, char **argv) {
                 "                     [--heartbeat-ms N] [--dead-after N] [--max-queue N] [--max-in-flight N]\n"
                 "                     [--timeout-ms N] [--stage-timeout-ms N] [--max-attempts N]\n"
                 "                     [--prefill-threshold N] [--model-name NAME] [--log-level LEVEL]\n"
-                "                     [--cross-states]   (the cluster's cross pools hold encoder states; every\n"
-                "                                         worker must be started with it too)\n");
+                "                     [--cross-mode auto|kv|states|dual]  (what the cross pools hold; every\n"
+                "                                         worker must run the same; --cross-states: states)\n");
         return c == 'h' ? 0 : 2;
     }
   }

@@ -276,11 +276,11 @@ static bool model_matches(td_router *r, const Tandem__ModelInfo *m, char *why, s
 
 /* Workers exchange cross blocks, whose layout the mode sets: every one
  * must run the router's. */
-static bool cross_mode_matches(const td_router *r, bool states, char *why, size_t cap) {
-  if (states == r->o.cross_states) return true;
-  snprintf(why, cap, "cross pool mode differs: the worker runs %s --cross-states (%s), the router %s (%s); the router "
-           "and every worker must agree", states ? "with" : "without", states ? "encoder states" : "per-layer K/V",
-           r->o.cross_states ? "with" : "without", r->o.cross_states ? "encoder states" : "per-layer K/V");
+static bool cross_mode_matches(const td_router *r, const char *mode, char *why, size_t cap) {
+  int m = td_cross_mode_parse(mode && *mode ? mode : "auto");
+  if (m == (int)r->o.cross_mode) return true;
+  snprintf(why, cap, "cross pool mode differs: the worker runs --cross-mode %s, the router --cross-mode %s; the router "
+           "and every worker must agree", mode && *mode ? mode : "auto", td_cross_mode_name(r->o.cross_mode));
   return false;
 }
 
@@ -302,7 +302,7 @@ static void on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__
     snprintf(why, sizeof why, "no roles");
     ok = false;
   }
-  if (ok) ok = cross_mode_matches(r, in->cross_states, why, sizeof why);
+  if (ok) ok = cross_mode_matches(r, in->cross_mode, why, sizeof why);
   if (!ok) {
     TD_WARN("refused worker %s: %s", wid, why);
     ack.accepted = false;
@@ -397,7 +397,7 @@ static void on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem
   group_rv *g = NULL;
   HASH_FIND_STR(r->groups, name, g);
   char why[512];
-  bool refused = !cross_mode_matches(r, j->cross_states, why, sizeof why);
+  bool refused = !cross_mode_matches(r, j->cross_mode, why, sizeof why);
   /* a failed rendezvous that this rank heard of already, or a running group, starts over (a restart) */
   if (g && ((g->error && (g->told[j->rank] || g->world != (int)j->world)) || (refused && g->complete))) {
     HASH_DEL(r->groups, g);
@@ -842,7 +842,7 @@ static void on_client(td_router *r) {
       h.serving = h.decoders > 0;
       h.in_flight = (uint32_t)r->in_flight;
       h.queued = (uint32_t)r->n_queue;
-      h.cross_states = r->o.cross_states;
+      h.cross_mode = (char *)td_cross_mode_name(r->o.cross_mode);
       size_t nw = HASH_COUNT(r->workers), k = 0;
       Tandem__WorkerStatus *ws = calloc(nw + 1, sizeof *ws);
       Tandem__WorkerStatus **wp = calloc(nw + 1, sizeof *wp);
@@ -1291,8 +1291,8 @@ void td_router_destroy(td_router *r) {
 }
 
 td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
-  TD_INFO("router serving clients on %s, workers on %s; cross pools hold %s", r->o.client_endpoint,
-          r->o.worker_endpoint, r->o.cross_states ? "encoder states (--cross-states)" : "per-layer K/V");
+  TD_INFO("router serving clients on %s, workers on %s; cross pool mode %s", r->o.client_endpoint,
+          r->o.worker_endpoint, td_cross_mode_name(r->o.cross_mode));
   while (!*stop) {
     zmq_pollitem_t items[2] = {{.socket = r->csock, .events = ZMQ_POLLIN},
                                {.socket = r->wsock, .events = ZMQ_POLLIN}};

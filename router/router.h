@@ -11,6 +11,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/cross_mode.h"
 #include "common/status.h"
 
 typedef struct td_router td_router;
@@ -27,9 +28,9 @@ typedef struct td_router_opts {
   int max_attempts;            /* a request is tried on this many worker sets (default 3) */
   int prefill_threshold;       /* decoder prompts this long go to a prefill worker (default 16) */
   const char *model_name;      /* served name (default: the workers' model type) */
-  /* The cluster's cross pools hold encoder states (td_model_opts.cross_states):
-   * workers exchange cross blocks, so one whose mode differs is refused. */
-  bool cross_states;
+  /* What the cluster's cross pools hold (td_model_opts.cross_mode): workers
+   * exchange cross blocks, so one whose mode differs is refused. */
+  td_cross_mode cross_mode;
 } td_router_opts;
 
 td_status td_router_create(const td_router_opts *opts, td_router **out);

@@ -19,7 +19,7 @@ void group_info_free(group_info *g) {
 }
 
 td_status group_rendezvous(void *rsock, const char *group, int rank, int world, const char *endpoint,
-                           const uint8_t *nccl_id, size_t nccl_len, bool cross_states, int timeout_ms,
+                           const uint8_t *nccl_id, size_t nccl_len, td_cross_mode cross_mode, int timeout_ms,
                            volatile sig_atomic_t *stop, group_info *out) {
   memset(out, 0, sizeof *out);
   Tandem__Cluster__GroupJoin j = TANDEM__CLUSTER__GROUP_JOIN__INIT;
@@ -29,7 +29,7 @@ td_status group_rendezvous(void *rsock, const char *group, int rank, int world, 
   j.endpoint = (char *)endpoint;
   j.nccl_id.data = (uint8_t *)nccl_id;
   j.nccl_id.len = nccl_len;
-  j.cross_states = cross_states;
+  j.cross_mode = (char *)td_cross_mode_name(cross_mode);
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
   m.version = TD_PROTOCOL_VERSION;
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN;
@@ -85,19 +85,22 @@ void group_split_leader(const char *ep, char *comm, size_t ccap, char *mirror, s
   snprintf(mirror, mcap, "%s", bar ? bar + 1 : "");
 }
 
-void group_slice_block(const uint8_t *full, uint8_t *dst, int L, int H, size_t slot_bytes, int l0, int l1, int h0,
-                       int h1) {
-  size_t run = (size_t)(h1 - h0) * slot_bytes;
+size_t group_slice_block(const uint8_t *full, uint8_t *dst, const td_kv_layout *fl, size_t es, int l0, int l1, int h0,
+                         int h1) {
+  size_t slot_bytes = (size_t)fl->block_size * fl->head_dim * es, run = (size_t)(h1 - h0) * slot_bytes;
+  uint8_t *d0 = dst;
   for (int l = l0; l < l1; l++)
     for (int kv = 0; kv < 2; kv++) {
-      memcpy(dst, full + (((size_t)l * 2 + kv) * H + h0) * slot_bytes, run);
+      memcpy(dst, full + (((size_t)l * 2 + kv) * fl->n_heads + h0) * slot_bytes, run);
       dst += run;
     }
+  size_t tail = (size_t)fl->block_size * fl->states * es; /* the states, whole */
+  memcpy(dst, full + td_kv_block_elems(fl) * es - tail, tail);
+  return (size_t)(dst - d0) + tail;
 }
 
-void group_rank_range(int r, int tp, int pp, bool whole, int L, int H, int *l0, int *l1, int *h0, int *h1) {
+void group_rank_range(int r, int tp, int pp, int L, int H, int *l0, int *l1, int *h0, int *h1) {
   *l0 = 0, *l1 = L, *h0 = 0, *h1 = H;
-  if (whole) return;
   if (tp > 1) {
     *h0 = H * r / tp;
     *h1 = H * (r + 1) / tp;
@@ -108,7 +111,7 @@ void group_rank_range(int r, int tp, int pp, bool whole, int L, int H, int *l0, 
 }
 
 /* A 'K' mirror message: [cross][n][ids][bytes of n blocks], each block this
- * rank's slice (the whole block for encoder states): its pool's block size. */
+ * rank's slice (with the states tail whole): its pool's block size. */
 static td_status write_mirrored_kv(td_backend *b, td_kv_pool *self, td_kv_pool *cross, const uint8_t *p, size_t len) {
   if (len < 5) return td_err(TD_ERR_FORMAT, "mirror: short KV message");
   bool is_cross = p[0] != 0;
@@ -184,7 +187,7 @@ td_status td_worker_follow(const td_worker_opts *o, volatile sig_atomic_t *stop)
     if ((s = td_comm_zmq_bind(o->listen_host, &boot)) != TD_OK) goto out;
     ep = td_comm_zmq_endpoint(boot);
   }
-  if ((s = group_rendezvous(rsock, o->group, o->rank, world, ep, NULL, 0, o->cross_states, 120000, stop, &gi)) != TD_OK)
+  if ((s = group_rendezvous(rsock, o->group, o->rank, world, ep, NULL, 0, o->cross_mode, 120000, stop, &gi)) != TD_OK)
     goto out;
   td_backend_opts bo = {.kind = o->device, .device = o->device_id, .threads = o->threads};
   if ((s = td_backend_create(&bo, &b)) != TD_OK) goto out;
@@ -202,7 +205,8 @@ td_status td_worker_follow(const td_worker_opts *o, volatile sig_atomic_t *stop)
   if (s != TD_OK) goto out;
   td_backend_set_comm(b, comm);
   td_model_opts mo = {.block_size = o->block_size, .max_seqs = o->max_batch, .max_tokens = o->max_tokens,
-                      .max_enc_tokens = o->max_enc_tokens, .max_enc_seqs = 16, .cross_states = o->cross_states};
+                      .max_enc_tokens = o->max_enc_tokens, .max_enc_seqs = 16, .cross_mode = o->cross_mode,
+                      .states_rows = o->states_rows};
   if (o->tp > 1) {
     mo.tp_rank = o->rank;
     mo.tp_size = o->tp;

@@ -18,22 +18,22 @@ typedef struct group_info {
 } group_info;
 
 /* Joins `group` as `rank` through the router socket and waits for every
- * rank's endpoint (the router refuses a rank whose cross_states differs
+ * rank's endpoint (the router refuses a rank whose cross_mode differs
  * from its own). */
 td_status group_rendezvous(void *rsock, const char *group, int rank, int world, const char *endpoint,
-                           const uint8_t *nccl_id, size_t nccl_len, bool cross_states, int timeout_ms,
+                           const uint8_t *nccl_id, size_t nccl_len, td_cross_mode cross_mode, int timeout_ms,
                            volatile sig_atomic_t *stop, group_info *out);
 void group_info_free(group_info *g);
 /* rank 0's endpoint carries two: "COMM|MIRROR". */
 void group_split_leader(const char *ep, char *comm, size_t ccap, char *mirror, size_t mcap);
 
-/* Copies the part of a whole-model KV block ([L][K|V][H][slot_bytes]) that
- * holds layers [l0, l1) and heads [h0, h1) into dst (the same layout, cut). */
-void group_slice_block(const uint8_t *full, uint8_t *dst, int L, int H, size_t slot_bytes, int l0, int l1, int h0,
-                       int h1);
+/* Copies the part of a whole-model KV block (layout fl, elements of es
+ * bytes) that holds layers [l0, l1) and heads [h0, h1) into dst (the same
+ * layout, cut), and its states tail whole; returns the bytes written. */
+size_t group_slice_block(const uint8_t *full, uint8_t *dst, const td_kv_layout *fl, size_t es, int l0, int l1, int h0,
+                         int h1);
 /* The layers and heads of a block of L layers x H heads that rank r of a
- * group holds (tp or pp ranks); every rank holds all of a block that is
- * not split (`whole`: encoder states, the same on every rank). */
-void group_rank_range(int r, int tp, int pp, bool whole, int L, int H, int *l0, int *l1, int *h0, int *h1);
+ * group holds (tp or pp ranks); the states tail is every rank's. */
+void group_rank_range(int r, int tp, int pp, int L, int H, int *l0, int *l1, int *h0, int *h1);
 
 #endif

@@ -153,7 +153,7 @@ typedef struct uxfer_opts {
   int device;
   int timeout_ms;
   int elem_size; /* bytes of a KV element (float32 on the CPU, bf16 on CUDA) */
-  /* the whole decoder's (single-rank workers only); cross: encoder states in --cross-states */
+  /* the whole decoder's (single-rank workers only); cross: with its states tail per --cross-mode */
   td_kv_layout cross_layout, self_layout;
   void *cross_base, *self_base; /* the engine's pools (compute thread's; only their memory is used here) */
   int cross_blocks, self_blocks;

@@ -22,7 +22,10 @@ static void usage(FILE *f) {
           "                     [--kv-transport auto|ucx|zmq]   (how KV blocks go to other workers; auto: UCX\n"
           "                                                      where both sides can, else ZeroMQ)\n"
           "                     [--group NAME (--tp N | --pp N) --rank R]   (rank 0 serves, others follow)\n"
-          "                     [--cross-states]   (the cross pool holds encoder states: as the router)\n");
+          "                     [--cross-mode auto|kv|states|dual]  (what the cross pool holds: as the\n"
+          "                                         router; --cross-states: states)\n"
+          "                     [--states-rows N]  (dual: steps of N rows or more attend over the states;\n"
+          "                                         default: the backend's choice, -1: never)\n");
 }
 
 int main(int argc, char **argv) {
@@ -38,6 +41,7 @@ int main(int argc, char **argv) {
       {"group", required_argument, 0, 'G'},      {"tp", required_argument, 0, 'P'},
       {"pp", required_argument, 0, 'S'},         {"rank", required_argument, 0, 'K'},
       {"kv-transport", required_argument, 0, 'X'}, {"cross-states", no_argument, 0, 'C'},
+      {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'W'},
       {0, 0, 0, 0}};
   td_worker_opts o = {.device = TD_BACKEND_CPU};
   const char *roles = "encode,prefill,decode";
@@ -45,7 +49,7 @@ int main(int argc, char **argv) {
   snprintf(idbuf, sizeof idbuf, "worker-%d", (int)getpid());
   o.id = idbuf;
   int c;
-  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:C", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:CM:W:", opts, NULL)) != -1) {
     switch (c) {
       case 'r': o.router = optarg; break;
       case 'm': o.model_dir = optarg; break;
@@ -86,7 +90,15 @@ int main(int argc, char **argv) {
         }
         o.transfer = optarg;
         break;
-      case 'C': o.cross_states = true; break;
+      case 'C': o.cross_mode = TD_CROSS_STATES; break;
+      case 'M':
+        if (td_cross_mode_parse(optarg) < 0) {
+          fprintf(stderr, "tandem-worker: --cross-mode %s: want auto, kv, states or dual\n", optarg);
+          return 2;
+        }
+        o.cross_mode = (td_cross_mode)td_cross_mode_parse(optarg);
+        break;
+      case 'W': o.states_rows = atoi(optarg); break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }

@@ -66,7 +66,7 @@ struct td_worker {
   /* model facts for registration */
   td_model_config cfg;
   int max_src, max_tgt, frames, block_size, self_blocks, cross_blocks, max_running;
-  /* whole-model KV blocks, what peers push (cross: encoder states in --cross-states) */
+  /* whole-model KV blocks, what peers push (cross: with the states tail per --cross-mode) */
   td_kv_layout full_self, full_cross;
   size_t full_self_bb, full_cross_bb;
   uxfer_opts pools; /* the engine's pools for UCX: set by compute_init, read after `ready` */
@@ -380,24 +380,23 @@ static void compute_cancel(td_worker *w, uint64_t rid) {
 
 /* Arrived whole-model blocks: this rank's part into its pool, the other
  * ranks' parts to them through the mirror (before any step that reads
- * them, since the mirror keeps order). Encoder states are not split by
- * heads or layers: every rank takes the whole block. */
+ * them, since the mirror keeps order). A cross block's states tail is not
+ * split by heads or layers: every rank takes all of it. */
 static void compute_write_kv(td_worker *w, cmd *c) {
   td_kv_pool *pool = c->cross ? td_engine_cross_pool(w->e) : td_engine_self_pool(w->e);
   size_t bb = td_kv_pool_block_bytes(pool), es = td_buf_elem_size(w->b, TD_BUF_ACT);
   const td_kv_layout *fl = c->cross ? &w->full_cross : &w->full_self;
   size_t full_bb = c->cross ? w->full_cross_bb : w->full_self_bb;
-  bool whole = c->cross && w->o.cross_states;
   int L = fl->n_layers, H = fl->n_heads;
-  size_t slot_bytes = (size_t)fl->block_size * fl->head_dim * es;
   int tp = w->o.tp > 1 ? w->o.tp : 1, pp = w->o.pp > 1 ? w->o.pp : 1;
   uint8_t *part = malloc(full_bb);
   uint8_t *msg = NULL;
   if (!part) return;
   for (int r = 0; r < w->world; r++) {
     int l0, l1, h0, h1;
-    group_rank_range(r, tp, pp, whole, L, H, &l0, &l1, &h0, &h1);
-    size_t rb = (size_t)(l1 - l0) * 2 * (size_t)(h1 - h0) * slot_bytes;
+    group_rank_range(r, tp, pp, L, H, &l0, &l1, &h0, &h1);
+    td_kv_layout rl = {l1 - l0, h1 - h0, fl->head_dim, fl->block_size, fl->states};
+    size_t rb = td_kv_block_elems(&rl) * es;
     if (r > 0) {
       free(msg);
       msg = malloc(1 + 1 + 4 + (size_t)c->n_blocks * (4 + rb));
@@ -410,7 +409,7 @@ static void compute_write_kv(td_worker *w, cmd *c) {
     for (int i = 0; i < c->n_blocks; i++) {
       const uint8_t *full = c->data + (size_t)i * full_bb;
       uint8_t *dst = r == 0 ? part : msg + 6 + (size_t)c->n_blocks * 4 + (size_t)i * rb;
-      group_slice_block(full, dst, L, H, slot_bytes, l0, l1, h0, h1);
+      (void)group_slice_block(full, dst, fl, es, l0, l1, h0, h1);
       if (r == 0 && c->blocks[i] >= 0 && c->blocks[i] < td_kv_pool_get_stats(pool).n_blocks)
         (void)td_copy_h2d(w->b, (uint8_t *)td_kv_pool_memory(pool) + (size_t)c->blocks[i] * bb, part, bb);
       if (r == 0) (void)td_sync(w->b); /* part is reused */
@@ -445,7 +444,7 @@ static td_status compute_init(td_worker *w) {
   TD_TRY(td_backend_create(&bo, &w->b));
   td_model_opts mo = {.block_size = w->o.block_size, .max_seqs = w->o.max_batch, .max_tokens = w->o.max_tokens,
                       .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = 16,
-                      .cross_states = w->o.cross_states};
+                      .cross_mode = w->o.cross_mode, .states_rows = w->o.states_rows};
   if (w->world > 1) {
     char comm_ep[256], mirror_ep[256];
     group_split_leader(w->gi.endpoints[0], comm_ep, sizeof comm_ep, mirror_ep, sizeof mirror_ep);
@@ -497,9 +496,12 @@ static td_status compute_init(td_worker *w) {
   w->load = (load_snap){0, 0, st.self.n_free, st.cross.n_free};
   w->max_running = w->o.max_batch;
   size_t es = td_buf_elem_size(w->b, TD_BUF_ACT);
-  w->full_self = (td_kv_layout){w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size};
-  /* encoder states are whole on every rank: the model's own layout */
-  w->full_cross = w->o.cross_states ? td_model_cross_layout(w->m) : w->full_self;
+  w->full_self = (td_kv_layout){w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size, 0};
+  /* the whole decoder's K/V (none in STATES), the states tail as the model's */
+  td_kv_layout mcl = td_model_cross_layout(w->m);
+  w->full_cross = w->full_self;
+  if (mcl.n_layers == 0) w->full_cross.n_layers = 0;
+  w->full_cross.states = mcl.states;
   w->full_self_bb = td_kv_block_elems(&w->full_self) * es;
   w->full_cross_bb = td_kv_block_elems(&w->full_cross) * es;
   /* the pools stay this thread's; the main thread registers their memory with UCX */
@@ -745,7 +747,7 @@ static void send_register(td_worker *w) {
   in.transfer_desc.len = w->desc_len;
   in.device = (char *)td_backend_name(w->b);
   in.pid = (uint32_t)getpid();
-  in.cross_states = w->o.cross_states;
+  in.cross_mode = (char *)td_cross_mode_name(w->o.cross_mode);
   Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
   reg.info = &in;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
@@ -1090,7 +1092,7 @@ static bool x_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const in
   size_t want = cross ? w->full_cross_bb : w->full_self_bb;
   if (block_bytes != want) {
     snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "
-             "--cross-states?)", cross ? "cross" : "self", block_bytes, want);
+             "--cross-mode?)", cross ? "cross" : "self", block_bytes, want);
     return false;
   }
   return reservation_ok(w, rid, res, cross, blocks, n, why, cap);
@@ -1393,7 +1395,7 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
     snprintf(ep, sizeof ep, "%s|%s", comm_ep, bound);
     TD_INFO("group %s: waiting for %d ranks", o->group, w->world);
     s = group_rendezvous(w->rsock, o->group, 0, w->world, ep, o->device == TD_BACKEND_CPU ? NULL : w->nccl_id,
-                         o->device == TD_BACKEND_CPU ? 0 : TD_NCCL_ID_BYTES, o->cross_states, 120000, NULL, &w->gi);
+                         o->device == TD_BACKEND_CPU ? 0 : TD_NCCL_ID_BYTES, o->cross_mode, 120000, NULL, &w->gi);
     if (s != TD_OK) goto fail;
   }
   if (pthread_create(&w->thread, NULL, compute_main, w) != 0) {

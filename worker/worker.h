@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <stdbool.h>
 
+#include "common/cross_mode.h"
 #include "common/status.h"
 #include "kernels/ops.h"
 
@@ -38,9 +39,10 @@ typedef struct td_worker_opts {
   const char *group;
   int tp, pp;              /* group size along one of them (the other 1) */
   int rank;
-  /* The cross pool holds encoder states (td_model_opts.cross_states); the
-   * router refuses a worker whose mode differs from the cluster's. */
-  bool cross_states;
+  /* What the cross pool holds (td_model_opts.cross_mode); the router
+   * refuses a worker whose mode differs from the cluster's. */
+  td_cross_mode cross_mode;
+  int states_rows; /* td_model_opts.states_rows (every rank of a group the same) */
 } td_worker_opts;
 
 /* A follower rank of a worker group: joins the group through the router,

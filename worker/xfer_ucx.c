@@ -129,13 +129,15 @@ static void on_done(void *arg, uint64_t xfer_id, td_status s, const char *msg) {
 static bool geom_equal(const td_kvx_geom *a, const td_kvx_geom *b) {
   return a->layout.n_layers == b->layout.n_layers && a->layout.n_heads == b->layout.n_heads &&
          a->layout.head_dim == b->layout.head_dim && a->layout.block_size == b->layout.block_size &&
+         a->layout.states == b->layout.states &&
          a->elem_size == b->elem_size && a->layer0 == b->layer0 && a->layer1 == b->layer1 && a->head0 == b->head0 &&
          a->head1 == b->head1;
 }
 
 static void geom_text(const td_kvx_geom *g, char *out, size_t cap) {
-  snprintf(out, cap, "%d layers x %d heads x %d dims, %d-token blocks of %d-byte elements", g->layout.n_layers,
-           g->layout.n_heads, g->layout.head_dim, g->layout.block_size, g->elem_size);
+  snprintf(out, cap, "%d layers x %d heads x %d dims and %d-wide states, %d-token blocks of %d-byte elements",
+           g->layout.n_layers, g->layout.n_heads, g->layout.head_dim, g->layout.states, g->layout.block_size,
+           g->elem_size);
 }
 
 /* The connected peer for a receiver's descriptor; NULL with td_err. */
@@ -274,7 +276,7 @@ td_status uxfer_create(const uxfer_opts *o, const uxfer_hooks *hooks, uxfer **ou
   for (int i = 0; s == TD_OK && i < 2; i++) {
     bool cross = i == 0;
     td_kvx_geom *g = &u->geom[i];
-    /* the pool holds its layout's whole range (encoder states: one slab, not the decoder's layers and heads) */
+    /* the pool holds its layout's whole range (single-rank workers only) */
     const td_kv_layout *l = cross ? &o->cross_layout : &o->self_layout;
     *g = (td_kvx_geom){.layout = *l, .elem_size = o->elem_size, .layer0 = 0, .layer1 = l->n_layers, .head0 = 0,
                        .head1 = l->n_heads};

@@ -201,22 +201,25 @@ static td_status cpu_attn_dense(td_backend *b, const void *qkv, void *out, const
   return TD_OK;
 }
 
+/* layer == n_layers: the states tail */
 static inline size_t kv_offset(const td_kv_layout *l, int block, int layer, int kv, int h, int slot) {
-  return (size_t)block * td_kv_block_elems(l) +
-         ((((size_t)layer * 2 + kv) * l->n_heads + h) * l->block_size + slot) * l->head_dim;
+  td_kv_span sp = td_kv_layer_span(l, layer);
+  return (size_t)block * td_kv_block_elems(l) + sp.off +
+         (((size_t)kv * sp.heads + h) * l->block_size + slot) * sp.dim;
 }
 
 static td_status cpu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool,
                               const td_kv_layout *l, int layer, const int32_t *slots, int n) {
   float *P = pool;
+  td_kv_span sp = td_kv_layer_span(l, layer);
   for (int i = 0; i < n; i++) {
     if (slots[i] < 0) continue;
     int blk = slots[i] / l->block_size, slot = slots[i] % l->block_size;
-    for (int h = 0; h < l->n_heads; h++) {
-      memcpy(P + kv_offset(l, blk, layer, 0, h, slot), (const float *)k + (size_t)i * ld + (size_t)h * l->head_dim,
-             sizeof(float) * (size_t)l->head_dim);
-      memcpy(P + kv_offset(l, blk, layer, 1, h, slot), (const float *)v + (size_t)i * ld + (size_t)h * l->head_dim,
-             sizeof(float) * (size_t)l->head_dim);
+    for (int h = 0; h < sp.heads; h++) {
+      memcpy(P + kv_offset(l, blk, layer, 0, h, slot), (const float *)k + (size_t)i * ld + (size_t)h * sp.dim,
+             sizeof(float) * (size_t)sp.dim);
+      memcpy(P + kv_offset(l, blk, layer, 1, h, slot), (const float *)v + (size_t)i * ld + (size_t)h * sp.dim,
+             sizeof(float) * (size_t)sp.dim);
     }
   }
   return TD_OK;
@@ -264,7 +267,7 @@ static td_status cpu_attn_paged(td_backend *b, const void *q, int ldq, void *out
 static td_status cpu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                                  const td_kv_layout *l, int heads, const td_paged_meta *m, float scale) {
   const float *P = pool;
-  int half = l->head_dim, D = 2 * half, bs = l->block_size;
+  int half = l->states / 2, D = l->states, bs = l->block_size, tail = l->n_layers;
   attn_scratch sc = {0};
   float *e = malloc(sizeof(float) * (size_t)D);
   if (!e) return td_err(TD_ERR_NOMEM, "attn_states: scratch");
@@ -286,8 +289,8 @@ static td_status cpu_attn_states(td_backend *b, const void *q, int ldq, void *ou
       for (int h = 0; h < heads; h++) {
         const float *qr = (const float *)q + (size_t)(q0 + i) * ldq + (size_t)h * D;
         for (int j = 0; j < ctx; j++) {
-          const float *ek = P + kv_offset(l, table[j / bs], 0, 0, 0, j % bs);
-          const float *ev = P + kv_offset(l, table[j / bs], 0, 1, 0, j % bs);
+          const float *ek = P + kv_offset(l, table[j / bs], tail, 0, 0, j % bs);
+          const float *ev = P + kv_offset(l, table[j / bs], tail, 1, 0, j % bs);
           sc.s[j] = (dot(qr, ek, half) + dot(qr + half, ev, half)) * qs;
         }
         float *o = (float *)out + ((size_t)(q0 + i) * heads + h) * D;
@@ -295,8 +298,8 @@ static td_status cpu_attn_states(td_backend *b, const void *q, int ldq, void *ou
         if (ctx <= 0) continue;
         softmax_inplace(sc.s, ctx);
         for (int j = 0; j < ctx; j++) {
-          memcpy(e, P + kv_offset(l, table[j / bs], 0, 0, 0, j % bs), sizeof(float) * (size_t)half);
-          memcpy(e + half, P + kv_offset(l, table[j / bs], 0, 1, 0, j % bs), sizeof(float) * (size_t)half);
+          memcpy(e, P + kv_offset(l, table[j / bs], tail, 0, 0, j % bs), sizeof(float) * (size_t)half);
+          memcpy(e + half, P + kv_offset(l, table[j / bs], tail, 1, 0, j % bs), sizeof(float) * (size_t)half);
           for (int c = 0; c < D; c++) o[c] += sc.s[j] * e[c];
         }
       }

@@ -407,7 +407,7 @@ static td_status cu_im2col1d(td_backend *b, const void *x, void *y, int batch, i
 /* One block per row; K and V rows of heads*head_dim go to their slots. */
 template <bool VEC>
 __global__ void kv_write_kernel(const bf16 *__restrict__ k, const bf16 *__restrict__ v, int ld, bf16 *pool,
-                                size_t block_elems, int layer, int H, int dh, int bs,
+                                size_t block_elems, size_t layer_off, int H, int dh, int bs,
                                 const int32_t *__restrict__ slots) {
   td_pdl_start();
   int i = blockIdx.x;
@@ -415,7 +415,7 @@ __global__ void kv_write_kernel(const bf16 *__restrict__ k, const bf16 *__restri
   if (slot < 0) return;
   int blk = slot / bs, sl = slot % bs;
   size_t head_stride = (size_t)bs * dh;
-  bf16 *kb = pool + (size_t)blk * block_elems + (size_t)layer * 2 * H * head_stride + (size_t)sl * dh;
+  bf16 *kb = pool + (size_t)blk * block_elems + layer_off + (size_t)sl * dh;
   bf16 *vb = kb + (size_t)H * head_stride;
   const bf16 *kr = k + (size_t)i * ld, *vr = v + (size_t)i * ld;
   int per = VEC ? 8 : 1, cols = dh / per, total = H * cols;
@@ -436,17 +436,18 @@ static td_status cu_kv_write(td_backend *b, const void *k, const void *v, int ld
                              int layer, const int32_t *slots, int n) {
   td_cu_bind(td_cu(b));
   td_cuda *c = td_cu(b);
-  int H = l->n_heads, dh = l->head_dim;
+  td_kv_span sp = td_kv_layer_span(l, layer); /* a K/V layer or the states tail */
+  int H = sp.heads, dh = sp.dim;
   bool vec = dh % 8 == 0 && ld % 8 == 0 && td_aligned16(k) && td_aligned16(v) && td_aligned16(pool);
   int work = H * dh / (vec ? 8 : 1);
   int threads = work >= 256 ? 256 : (work + 31) / 32 * 32;
   size_t be = td_kv_block_elems(l);
   if (vec)
     (void)td_launch(c, kv_write_kernel<true>, n, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool, be,
-                                                         layer, H, dh, l->block_size, slots);
+                                                         sp.off, H, dh, l->block_size, slots);
   else
     (void)td_launch(c, kv_write_kernel<false>, n, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool, be,
-                                                          layer, H, dh, l->block_size, slots);
+                                                          sp.off, H, dh, l->block_size, slots);
   TD_CU_LAUNCHED("kv_write");
   return TD_OK;
 }
@@ -640,6 +641,7 @@ static void vt_init(void) {
   v->kv_write = cu_kv_write;
   v->attn_paged = td_cu_attn_paged;
   v->attn_states = td_cu_attn_states;
+  v->states_rows = td_cu_states_rows;
   v->gemm_heads = td_cu_gemm_heads;
   v->kv_copy_blocks = cu_kv_copy_blocks;
   v->kv_prefetch = cu_kv_prefetch;

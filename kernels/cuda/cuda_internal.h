@@ -284,6 +284,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
 /* cuda_states.cu: attention over encoder states and the per-head products */
 td_status td_cu_states_init(td_cuda *c);
 void td_cu_states_destroy(td_cuda *c);
+int td_cu_states_rows(const td_backend *b, int D);
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                             const td_kv_layout *l, int heads, const td_paged_meta *m, float scale);
 td_status td_cu_gemm_heads(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int heads,

@@ -19,6 +19,7 @@
  * of two blocks splits D instead and exchanges partial scores, with no
  * merge: H100, Flan-T5-large, 512 states, batch 1 11 us, batch 64 27.4 us
  * for 64 MB; docs/cuda.md, passes 13-16, 20 and 21. */
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -878,17 +879,28 @@ static_assert(STATES_NCFG <= (int)(sizeof(((td_cuda *)0)->states_clusters) / siz
               "a states_clusters row per kernel");
 
 
+/* H100, Flan-T5-large shape (docs/cuda.md, pass 22): where a tensor-core
+ * kernel takes D the states path loses at 32 rows (1.80 against 1.72 ms)
+ * and wins from 48 (2.01 against 2.09; the 64-row graph bucket 2.16
+ * against 2.36); the generic kernel never pays */
+int td_cu_states_rows(const td_backend *b, int D) {
+  const td_cuda *c = td_cu((td_backend *)b);
+  for (int i = 0; i < STATES_NCFG; i++)
+    if (D == STATES_CFGS[i].nt * 64 && STATES_CFGS[i].bytes <= c->smem_optin) return 48;
+  return INT_MAX;
+}
+
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                             const td_kv_layout *l, int heads, const td_paged_meta *m, float scale) {
   td_cuda *c = td_cu(b);
   td_cu_bind(c);
-  int D = 2 * l->head_dim, bs = l->block_size;
+  int D = l->states, bs = l->block_size;
   if ((long)m->max_blocks * bs > 2147483647L) return td_err(TD_ERR_INVALID, "attn_states: block table too wide");
   int max_q = m->max_q < 1 ? 1 : m->max_q > m->n_tokens ? m->n_tokens : m->max_q;
   int max_ctx = m->max_ctx < 1 || m->max_ctx > m->max_blocks * bs ? m->max_blocks * bs : m->max_ctx;
   StatesArgs a = {};
   a.q = (const bf16 *)q;
-  a.pool = (const bf16 *)pool;
+  a.pool = (const bf16 *)pool + td_kv_layer_span(l, l->n_layers).off; /* the states tail */
   a.out = (bf16 *)out;
   a.q_start = m->q_start;
   a.ctx_len = m->ctx_len;
@@ -916,7 +928,8 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
       *(STATES_CFGS[i].pl ? &cpl : STATES_CFGS[i].ws ? &cws : STATES_CFGS[i].sw == 8 ? &c8 : &c16) = i;
   int ci = c8 < STATES_NCFG ? c8 : c16;
   const states_cfg *cfg = ci < STATES_NCFG ? &STATES_CFGS[ci] : NULL;
-  bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(pool) && td_aligned16(out) && m->kv_static &&
+  bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(a.pool) && a.block_elems % 8 == 0 && td_aligned16(out) &&
+              m->kv_static &&
               getenv("TANDEM_CUDA_STATES_GENERIC") == NULL;
   if (!fast) {
     size_t sm = ((size_t)max_ctx + 8) * sizeof(float);

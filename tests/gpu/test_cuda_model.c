@@ -183,8 +183,10 @@ typedef struct rig {
   float *logits; /* host copy of one step's logits */
 } rig;
 
-/* rig_open's models cache encoder states (td_model_opts.cross_states) */
-static bool rig_states;
+/* rig_open's models' cross pool mode and the rows from which their steps
+ * attend over the states (td_model_opts.cross_mode, states_rows) */
+static td_cross_mode rig_mode;
+static int rig_states_rows;
 
 static void rig_open(rig *r, const char *dir, int bs, int vocab, bool emulate) {
   td_backend_opts bo = {.kind = emulate ? TD_BACKEND_CPU : TD_BACKEND_CUDA, .device = 0};
@@ -203,7 +205,8 @@ static void rig_open(rig *r, const char *dir, int bs, int vocab, bool emulate) {
     r->b->vt = &emu_vt;
   }
   td_model_opts mo = {.block_size = bs, .max_tokens = 128, .max_seqs = 8, .max_logits = 128,
-                      .max_enc_tokens = 256, .max_enc_seqs = 4, .cross_states = rig_states};
+                      .max_enc_tokens = 256, .max_enc_seqs = 4, .cross_mode = rig_mode,
+                      .states_rows = rig_states_rows};
   cr_assert(td_model_load(dir, r->b, &mo, &r->m) == TD_OK, "%s", td_errmsg());
   td_kv_layout sl = td_model_self_layout(r->m), cl = td_model_cross_layout(r->m);
   cr_assert(td_kv_pool_create(r->b, &sl, 64, &r->self) == TD_OK, "%s", td_errmsg());
@@ -390,9 +393,20 @@ Test(model_cuda, cross_states, .timeout = 300) {
   static const char *names[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "t5v11-gated-untied", "mt5-silu-tied",
                                 "mbart-prenorm-sharded", "marian-sinusoidal", "bart-untied-gelunew",
                                 "whisper-128mel"};
-  rig_states = true;
+  rig_mode = TD_CROSS_STATES;
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) check_model(names[i], i % 2 ? 4 : 16);
-  rig_states = false;
+  rig_mode = TD_CROSS_AUTO;
+}
+
+/* Both in the cross pool: steps of two rows or more over the states, single
+ * rows over the K/V */
+Test(model_cuda, cross_dual, .timeout = 300) {
+  static const char *names[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "mbart-prenorm-sharded", "marian-sinusoidal"};
+  rig_mode = TD_CROSS_DUAL;
+  rig_states_rows = 2;
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) check_model(names[i], i % 2 ? 4 : 16);
+  rig_mode = TD_CROSS_AUTO;
+  rig_states_rows = 0;
 }
 
 static const float *gpu_step(void *ctx, const td_step_input *st) {
@@ -407,9 +421,10 @@ static const float *gpu_step(void *ctx, const td_step_input *st) {
  * bucket) against the references, also with the cross query's norm left to
  * the attention from 2 rows (TANDEM_QNORM_ROWS), over per-layer K/V or
  * encoder states. */
-static void batched_decode(bool states) {
+static void batched_decode(td_cross_mode mode, int states_rows) {
   static const char *qn_rows[] = {NULL, "1"};
-  rig_states = states;
+  rig_mode = mode;
+  rig_states_rows = states_rows;
   for (size_t v = 0; v < 2; v++)
   for (size_t i = 0; i < FX_BATCH_MODELS; i++) {
     fixture fx;
@@ -420,13 +435,15 @@ static void batched_decode(bool states) {
     unsetenv("TANDEM_QNORM_ROWS");
     fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 16, gpu_step, &r, 2.0);
     fx_batch_expect(fx_batch_models[i], qn_rows[v], res, TOL);
-    fprintf(stderr, "cuda batched%s %-22s %d steps, error %.2e\n", states ? " (states)" : "", fx_batch_models[i],
+    fprintf(stderr, "cuda batched (%s) %-22s %d steps, error %.2e\n", td_cross_mode_name(mode), fx_batch_models[i],
             res.steps, res.worst);
     rig_close(&r);
     fx_free(&fx);
   }
-  rig_states = false;
+  rig_mode = TD_CROSS_AUTO;
+  rig_states_rows = 0;
 }
 
-Test(model_cuda, batched_decode, .timeout = 300) { batched_decode(false); }
-Test(model_cuda, batched_decode_cross_states, .timeout = 300) { batched_decode(true); }
+Test(model_cuda, batched_decode, .timeout = 300) { batched_decode(TD_CROSS_KV, 0); }
+Test(model_cuda, batched_decode_cross_states, .timeout = 300) { batched_decode(TD_CROSS_STATES, 0); }
+Test(model_cuda, batched_decode_cross_dual, .timeout = 300) { batched_decode(TD_CROSS_DUAL, 3); }

@@ -484,8 +484,8 @@ typedef struct paged_rig {
   float *pool_h;
 } paged_rig;
 
-static void rig_pool(paged_rig *r, int layers, int H, int dh, int bs, int n_blocks) {
-  r->l = (td_kv_layout){layers, H, dh, bs};
+static void rig_pool(paged_rig *r, int layers, int H, int dh, int bs, int states, int n_blocks) {
+  r->l = (td_kv_layout){layers, H, dh, bs, states};
   r->n_blocks = n_blocks;
   size_t n = td_kv_block_elems(&r->l) * n_blocks;
   r->pool_h = rnd(n, 2.0f);
@@ -502,7 +502,8 @@ Test(cuda, kv_write_copy) {
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
     int dh = cfg[c][0], H = cfg[c][1], bs = cfg[c][2], n = cfg[c][3], nb = 9;
     paged_rig r;
-    rig_pool(&r, 3, H, dh, bs, nb);
+    int states = c % 2 ? 0 : 2 * dh; /* a states tail after the 3 layers */
+    rig_pool(&r, 3, H, dh, bs, states, nb);
     int ld = 3 * H * dh;
     float *rows = rnd((size_t)n * ld, 1.0f);
     pair R = mk(TD_BUF_ACT, rows, (size_t)n * ld);
@@ -521,8 +522,11 @@ Test(cuda, kv_write_copy) {
     const char *kg = (const char *)R.g + (size_t)H * dh * eg, *kc = (const char *)R.c + (size_t)H * dh * ec;
     RUN2(td_kv_write(G, kg, kg + (size_t)H * dh * eg, ld, r.pool.g, &r.l, 1, S.g, n),
          td_kv_write(C, kc, kc + (size_t)H * dh * ec, ld, r.pool.c, &r.l, 1, S.c, n));
+    if (states) /* layer 3: the tail, each row's two halves */
+      RUN2(td_kv_write(G, R.g, (const char *)R.g + (size_t)(states / 2) * eg, ld, r.pool.g, &r.l, 3, S.g, n),
+           td_kv_write(C, R.c, (const char *)R.c + (size_t)(states / 2) * ec, ld, r.pool.c, &r.l, 3, S.c, n));
     double e = compare(&r.pool, 0);
-    cr_expect(e == 0.0, "kv_write dh=%d H=%d bs=%d n=%d: error %.3g", dh, H, bs, n, e);
+    cr_expect(e == 0.0, "kv_write dh=%d H=%d bs=%d n=%d states=%d: error %.3g", dh, H, bs, n, states, e);
     int32_t pairs[6] = {0, 5, 3, 1, 7, 8};
     RUN2(td_kv_copy_blocks(G, r.pool.g, &r.l, pairs, 3), td_kv_copy_blocks(C, r.pool.c, &r.l, pairs, 3));
     e = compare(&r.pool, 0);
@@ -586,7 +590,7 @@ static void gemm_ex_case(const gex_cfg *p) {
   int hd = n / 3, H = p->kv_dh ? hd / p->kv_dh : 0;
   if (p->kv_dh) {
     int nb_blocks = (m + p->kv_bs - 1) / p->kv_bs + 3, total = nb_blocks * p->kv_bs;
-    rig_pool(&r, 2, H, p->kv_dh, p->kv_bs, nb_blocks);
+    rig_pool(&r, 2, H, p->kv_dh, p->kv_bs, m % 2 ? 64 : 0, nb_blocks);
     int32_t *perm = malloc(sizeof(int32_t) * total);
     slots = malloc(sizeof(int32_t) * m);
     for (int i = 0; i < total; i++) perm[i] = i;
@@ -815,7 +819,7 @@ static void paged_case(const paged_cfg *p) {
   }
   int T = qs[S], stride = x.max_nb + 1, n_blocks = x.total_nb + 3, max_q = x.max_q, max_ctx = x.max_ctx;
   paged_rig r;
-  rig_pool(&r, 3, H, dh, bs, n_blocks);
+  rig_pool(&r, 3, H, dh, bs, 16, n_blocks);
   int32_t *tab = shuffled_tables(ctx, S, bs, stride, n_blocks);
   int ldq = p->strided ? 3 * H * dh : H * dh;
   float *q = rnd((size_t)T * ldq, 2.0f), *lut = p->md ? rnd((size_t)H * (2 * p->md + 1), 3.0f) : NULL;
@@ -984,7 +988,8 @@ static void states_case(const states_cfg *p, const char *mode) {
   }
   int T = qs[S], stride = x.max_nb + 1, n_blocks = x.total_nb + 3, max_q = x.max_q, max_ctx = x.max_ctx;
   paged_rig r;
-  rig_pool(&r, 1, 1, D / 2, bs, n_blocks);
+  /* a pool of states only, or the states tail after two layers' K/V (dual) */
+  rig_pool(&r, S % 2 ? 0 : 2, 2, 8, bs, D, n_blocks);
   int32_t *tab = shuffled_tables(ctx, S, bs, stride, n_blocks);
   int ldq = Hq * D + p->ldq_pad;
   float *q = rnd((size_t)T * ldq, 2.0f);
@@ -1348,7 +1353,7 @@ Test(cuda, graph_replay) {
   setenv("TANDEM_CUDA_KVPF", "1", 1);
   cr_assert(td_backend_create(&go, &G) == TD_OK, "cuda backend: %s", td_errmsg());
   unsetenv("TANDEM_CUDA_KVPF");
-  td_kv_layout l = {1, GH, GDH, GBS};
+  td_kv_layout l = {1, GH, GDH, GBS, 0};
   step_bufs s;
   s.wemb = galloc(TD_BUF_ACT, (size_t)GV * GD, 1.0f);
   s.wqkv = galloc(TD_BUF_ACT, (size_t)3 * GD * GD, 0.1f);

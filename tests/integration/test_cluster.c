@@ -144,9 +144,11 @@ static int run_topology(const char *model, cluster_opts o, int clients, const kv
   /* the health answer names the cross pools' mode */
   td_client_health h;
   cr_expect(cluster_health(&c, &h), "%s: no health answer", model);
-  const bool states = o.router_extra && strstr(o.router_extra, "--cross-states");
-  cr_expect_eq(h.cross_states, states, "%s: health says cross_states %d, the router runs with %d", model,
-               h.cross_states, states);
+  const char *mode = "auto", *cm = o.router_extra ? strstr(o.router_extra, "--cross-mode ") : NULL;
+  char want_mode[16] = "";
+  if (o.router_extra && strstr(o.router_extra, "--cross-states")) mode = "states";
+  if (cm && sscanf(cm + strlen("--cross-mode "), "%15s", want_mode) == 1) mode = want_mode;
+  cr_expect_str_eq(h.cross_mode, mode, "%s: health says cross mode %s, the router runs %s", model, h.cross_mode, mode);
   char path[600];
   snprintf(path, sizeof path, "%s/requests.jsonl", c.dir);
   int n = write_mixed(&fx, path, fx.max_new);
@@ -242,6 +244,23 @@ Test(cluster, cross_states_match_generate, .timeout = 600) {
   o.worker_extra = "--cross-states --kv-transport zmq";
   const kv_want none_ucx[] = {{NULL, 0, 1}};
   run_topology("bart-tiny", o, 4, none_ucx, 1, NULL);
+}
+
+/* --cross-mode dual with the steps of two rows or more over the states and
+ * single rows over the K/V: the cross blocks carry both, over UCX, over
+ * ZeroMQ and into a TP group's ranks (each its K/V heads and the whole
+ * states); the tokens are tandem-generate's. */
+Test(cluster, cross_dual_match_generate, .timeout = 600) {
+  cluster_opts o = {.encoders = 1, .prefills = 1, .decodes = 1, .router_extra = "--cross-mode dual",
+                    .worker_extra = "--cross-mode dual --states-rows 2"};
+  run_topology("t5-tiny", o, 4, all_ucx, 1, NULL);
+  o.worker_extra = "--cross-mode dual --states-rows 2 --kv-transport zmq";
+  const kv_want none_ucx[] = {{NULL, 0, 1}};
+  run_topology("whisper-tiny", o, 4, none_ucx, 1, NULL);
+  const kv_want groups[] = {{"decode-", 0, 1}, {"prefill-", 1, 0}};
+  o.worker_extra = "--cross-mode dual --states-rows 2";
+  o.group_tp = 2;
+  run_topology("bart-tiny", o, 3, groups, 2, NULL);
 }
 
 /* Decode groups in --cross-states: the leader hands every rank the whole
@@ -804,7 +823,7 @@ Test(cluster, local_sh_demo, .timeout = 300) { local_sh_demo("", NULL); }
 
 /* --cross-states reaches the router and every worker (a worker without it would be refused) */
 Test(cluster, local_sh_demo_cross_states, .timeout = 300) {
-  local_sh_demo("--cross-states", "cross pools hold encoder states");
+  local_sh_demo("--cross-states", "cross pool mode states");
 }
 
 Test(cluster, group_rank_death_takes_the_group_out, .timeout = 300) {

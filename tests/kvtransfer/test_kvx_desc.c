@@ -30,6 +30,7 @@ static kvx_desc sample(void) {
   d.pools[0].rkey = rkey_a;
   d.pools[0].rkey_len = sizeof rkey_a;
   d.pools[1].info = (td_kvx_pool_info){9, TD_KVX_MEM_CUDA, false, 50, kt_geom(2, 4, 4, 8, 64, 16, 2)};
+  d.pools[1].info.geom.layout.states = 128; /* a states tail */
   d.pools[1].base = 0x7000000ull;
   return d;
 }
@@ -58,6 +59,8 @@ Test(kvx_desc, round_trip) {
   cr_assert_eq(e.pools[1].info.mem, TD_KVX_MEM_CUDA);
   cr_assert_not(e.pools[1].info.direct);
   cr_assert_eq(e.pools[1].info.geom.head0, 4);
+  cr_assert_eq(e.pools[0].info.geom.layout.states, 0);
+  cr_assert_eq(e.pools[1].info.geom.layout.states, 128);
   td_kvx_desc_info info;
   cr_assert_eq(td_kvx_desc_parse(b, n, &info), TD_OK);
   cr_assert(info.nccl);
@@ -141,6 +144,8 @@ Test(kvx_desc, bad_fields) {
   CHECK(d.addr_len = 0, "empty address");
   CHECK(d.pools[0].info.mem = (td_kvx_mem)5, "memory kind");
   CHECK(d.pools[0].info.geom.layout.block_size = -16, "negative slots");
+  CHECK(d.pools[1].info.geom.layout.states = 127, "odd states width");
+  CHECK(d.pools[1].info.geom.layout.states = -2, "negative states width");
 #undef CHECK
   /* Lengths that point past the end. */
   d = sample();

@@ -10,7 +10,12 @@
 #include "kvtransfer/wire.h"
 
 static td_kvx_geom geom(int l0, int l1, int h0, int h1, int head_dim, int slots, int elem) {
-  td_kvx_geom g = {{l1 - l0, h1 - h0, head_dim, slots}, elem, l0, l1, h0, h1};
+  td_kvx_geom g = {{l1 - l0, h1 - h0, head_dim, slots, 0}, elem, l0, l1, h0, h1};
+  return g;
+}
+
+static td_kvx_geom with_states(td_kvx_geom g, int states) {
+  g.layout.states = states;
   return g;
 }
 
@@ -109,6 +114,50 @@ Test(kvx_plan, tp_slices_are_per_layer_and_kv) {
   cr_assert_eq(sl[0].src_off, 2 * 8 * unit);
   cr_assert_eq(sl[0].dst_off, 0);
   cr_assert_eq(sl[0].len, 2 * 2 * 8 * unit);
+}
+
+/* The states tail: every rank's whole, after its K/V slices; a pool of
+ * states only (no layers) is the tail alone; the widths must agree. */
+Test(kvx_plan, states_tail_is_every_ranks) {
+  const int L = 3, H = 4, D = 8, S = 4, E = 2, W = 6;
+  td_kvx_geom full = with_states(geom(0, L, 0, H, D, S, E), W);
+  size_t fbytes = td_kvx_block_bytes(&full), tail = (size_t)S * W * E;
+  cr_assert_eq(fbytes, (size_t)L * 2 * H * S * D * E + tail);
+  uint8_t *src = random_block(fbytes, 11);
+  for (int tp = 1; tp <= 4; tp *= 2)
+    for (int pp = 1; pp <= 3; pp += 2)
+      for (int i = 0; i < pp; i++)
+        for (int j = 0; j < tp; j++) {
+          td_kvx_geom r = with_states(geom(i * L / pp, (i + 1) * L / pp, j * H / tp, (j + 1) * H / tp, D, S, E), W);
+          size_t rb = td_kvx_block_bytes(&r);
+          uint8_t *got = calloc(1, rb), *want = calloc(1, rb);
+          apply(&full, &r, src, got, NULL);
+          expect_slice(&full, src, &r, want);
+          memcpy(want + rb - tail, src + fbytes - tail, tail);
+          cr_assert_eq(memcmp(got, want, rb), 0, "tp %d pp %d rank (%d, %d)", tp, pp, i, j);
+          free(got);
+          free(want);
+        }
+  /* states only: the tail, one slice, from the full block's end */
+  td_kvx_geom so = with_states(geom(0, 0, 0, H, D, S, E), W);
+  td_kvx_slice sl[8];
+  int n = 0;
+  cr_assert_eq(td_kvx_block_bytes(&so), tail);
+  cr_assert_eq(td_kvx_slice_plan(&full, &so, sl, 8, &n), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(n, 1);
+  cr_assert_eq(sl[0].src_off, fbytes - tail);
+  cr_assert_eq(sl[0].dst_off, 0);
+  cr_assert_eq(sl[0].len, tail);
+  /* other layers and heads still share the tail */
+  td_kvx_geom other = with_states(geom(L, L + 2, H, 2 * H, D, S, E), W);
+  cr_assert_eq(td_kvx_slice_plan(&full, &other, sl, 8, &n), TD_OK);
+  cr_assert_eq(n, 1);
+  /* a different width, an odd one, or a layout with neither */
+  td_kvx_geom w2 = with_states(full, W + 2);
+  cr_assert_eq(td_kvx_slice_plan(&full, &w2, sl, 8, &n), TD_ERR_INVALID);
+  cr_assert_eq(td_kvx_block_bytes(&(td_kvx_geom){with_states(full, W + 1).layout, E, 0, L, 0, H}), 0);
+  cr_assert_eq(td_kvx_block_bytes(&(td_kvx_geom){geom(0, 0, 0, H, D, S, E).layout, E, 0, 0, 0, H}), 0);
+  free(src);
 }
 
 /* A full sender feeds every rank of a TP x PP receiver; the ranks' blocks

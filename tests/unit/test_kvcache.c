@@ -10,7 +10,7 @@
 #define NB 37
 
 Test(kvcache, random_operations_keep_invariants) {
-  td_kv_layout l = {2, 2, 4, 3};
+  td_kv_layout l = {2, 2, 4, 3, 0};
   td_kv_pool *p;
   cr_assert(td_kv_pool_create(NULL, &l, NB, &p) == TD_OK);
   /* holders: each owns a list of block ids (one reference per entry) */
@@ -99,7 +99,7 @@ Test(kvcache, copy_on_write_copies_contents) {
   td_backend_opts bo = {.kind = TD_BACKEND_CPU};
   td_backend *b;
   cr_assert(td_backend_create(&bo, &b) == TD_OK);
-  td_kv_layout l = {3, 2, 5, 4};
+  td_kv_layout l = {3, 2, 5, 4, 0};
   td_kv_pool *p;
   cr_assert(td_kv_pool_create(b, &l, 6, &p) == TD_OK);
   size_t be = td_kv_block_elems(&l);
@@ -124,7 +124,7 @@ Test(kvcache, copy_on_write_copies_contents) {
 }
 
 Test(kvcache, reservations_expire_and_refuse) {
-  td_kv_layout l = {1, 1, 1, 1};
+  td_kv_layout l = {1, 1, 1, 1, 0};
   td_kv_pool *p;
   cr_assert(td_kv_pool_create(NULL, &l, 4, &p) == TD_OK);
   uint64_t r;
@@ -141,4 +141,67 @@ Test(kvcache, reservations_expire_and_refuse) {
   cr_expect(td_kv_reservation_claim(p, r, ids, 4, &n) == TD_ERR_NOT_FOUND);
   cr_expect_eq(td_kv_pool_num_free(p), 4);
   td_kv_pool_destroy(p);
+}
+
+/* A block with a states tail: [layer][K|V][head][slot][dim] then
+ * [K|V][slot][states / 2]. td_kv_write puts layer n_layers's rows there,
+ * each row's halves in the two planes, and nothing else moves; layouts
+ * without a tail, odd widths and pools of nothing are refused. */
+Test(kvcache, states_tail_layout_and_writes) {
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b;
+  cr_assert(td_backend_create(&bo, &b) == TD_OK);
+  const int L = 2, H = 3, dh = 4, bs = 5, W = 6, NBK = 3;
+  td_kv_layout l = {L, H, dh, bs, W};
+  cr_assert_eq(td_kv_block_elems(&l), (size_t)L * 2 * H * bs * dh + (size_t)bs * W);
+  td_kv_span sp = td_kv_layer_span(&l, L), s1 = td_kv_layer_span(&l, 1);
+  cr_expect(sp.off == (size_t)L * 2 * H * bs * dh && sp.heads == 1 && sp.dim == W / 2, "tail span %zu %d %d", sp.off,
+            sp.heads, sp.dim);
+  cr_expect(s1.off == (size_t)2 * H * bs * dh && s1.heads == H && s1.dim == dh, "layer 1 span %zu %d %d", s1.off,
+            s1.heads, s1.dim);
+  td_kv_pool *p;
+  cr_assert(td_kv_pool_create(b, &l, NBK, &p) == TD_OK, "%s", td_errmsg());
+  float *mem = td_kv_pool_memory(p);
+  size_t be = td_kv_block_elems(&l), total = be * NBK;
+  for (size_t i = 0; i < total; i++) mem[i] = -1.0f;
+  /* rows of W values into slots 7 (block 1, slot 2) and 11 (block 2, slot 1); one row skipped */
+  enum { N = 3 };
+  float rows[N][8];
+  for (int i = 0; i < N; i++)
+    for (int c = 0; c < 8; c++) rows[i][c] = (float)(100 * i + c);
+  int32_t slots[N] = {7, -1, 11};
+  float *dev = NULL;
+  int32_t *dslots = NULL;
+  cr_assert(td_alloc(b, TD_BUF_ACT, sizeof rows / sizeof(float), (void **)&dev) == TD_OK);
+  cr_assert(td_alloc(b, TD_BUF_I32, N, (void **)&dslots) == TD_OK);
+  memcpy(dev, rows, sizeof rows);
+  memcpy(dslots, slots, sizeof slots);
+  cr_assert(td_kv_write(b, dev, dev + W / 2, 8, mem, &l, L, dslots, N) == TD_OK, "%s", td_errmsg());
+  size_t changed = 0;
+  for (size_t i = 0; i < total; i++) changed += mem[i] != -1.0f;
+  cr_expect_eq(changed, (size_t)2 * W, "%zu elements changed, want %d", changed, 2 * W);
+  for (int i = 0; i < N; i += 2) {
+    int blk = slots[i] / bs, sl = slots[i] % bs;
+    for (int kv = 0; kv < 2; kv++)
+      for (int c = 0; c < W / 2; c++)
+        cr_expect_eq(mem[(size_t)blk * be + sp.off + ((size_t)kv * bs + sl) * (W / 2) + c], rows[i][kv * (W / 2) + c],
+                     "row %d plane %d column %d", i, kv, c);
+  }
+  cr_expect(td_kv_write(b, dev, dev, 2, mem, &l, L, dslots, N) == TD_ERR_INVALID, "a row stride under states / 2");
+  td_kv_layout plain = {L, H, dh, bs, 0};
+  cr_expect(td_kv_write(b, dev, dev, 8, mem, &plain, L, dslots, N) == TD_ERR_INVALID, "a tail the layout lacks");
+  int32_t pairs[2] = {1, 0};
+  cr_assert(td_kv_copy_blocks(b, mem, &l, pairs, 1) == TD_OK);
+  cr_expect_arr_eq(mem, mem + be, be * sizeof(float), "a block copy moves its tail too");
+  td_kv_pool *bad = NULL;
+  td_kv_layout odd = {L, H, dh, bs, 5}, none = {0, H, dh, bs, 0}, only = {0, H, dh, bs, W};
+  cr_expect(td_kv_pool_create(b, &odd, 2, &bad) == TD_ERR_INVALID, "an odd states width");
+  cr_expect(td_kv_pool_create(b, &none, 2, &bad) == TD_ERR_INVALID, "no layers and no states");
+  cr_expect(td_kv_pool_create(b, &only, 2, &bad) == TD_OK, "a pool of states only: %s", td_errmsg());
+  cr_expect_eq(td_kv_pool_block_bytes(bad), (size_t)bs * W * sizeof(float));
+  td_kv_pool_destroy(bad);
+  td_free(b, dev);
+  td_free(b, dslots);
+  td_kv_pool_destroy(p);
+  td_backend_destroy(b);
 }

@@ -1,6 +1,7 @@
 /* The CPU model against the Hugging Face fixtures: encoder output, logits
  * of every decoder position (teacher forced, as one prompt chunk and token
  * by token through the paged cache), and greedy tokens. */
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,14 +22,17 @@ typedef struct rig {
   int bs;
 } rig;
 
-/* rig_open's models cache encoder states (td_model_opts.cross_states) */
-static bool rig_states;
+/* rig_open's models' cross pool mode and the rows from which their steps
+ * attend over the states (td_model_opts.cross_mode, states_rows) */
+static td_cross_mode rig_mode;
+static int rig_states_rows;
 
 static void rig_open(rig *r, const char *dir, int bs) {
   td_backend_opts bo = {.kind = TD_BACKEND_CPU};
   cr_assert(td_backend_create(&bo, &r->b) == TD_OK, "%s", td_errmsg());
   td_model_opts mo = {.block_size = bs, .max_tokens = 128, .max_seqs = 8, .max_logits = 128,
-                      .max_enc_tokens = 256, .max_enc_seqs = 4, .cross_states = rig_states};
+                      .max_enc_tokens = 256, .max_enc_seqs = 4, .cross_mode = rig_mode,
+                      .states_rows = rig_states_rows};
   cr_assert(td_model_load(dir, r->b, &mo, &r->m) == TD_OK, "%s", td_errmsg());
   td_kv_layout sl = td_model_self_layout(r->m), cl = td_model_cross_layout(r->m);
   cr_assert(td_kv_pool_create(r->b, &sl, 64, &r->self) == TD_OK, "%s", td_errmsg());
@@ -189,7 +193,7 @@ Test(model_cpu, norm_unfolded) {
  * K and V biases, pre- and post-norm, folded norms or not) must match the
  * same references, prompt chunks and decode rows. */
 Test(model_cpu, cross_states) {
-  rig_states = true;
+  rig_mode = TD_CROSS_STATES;
   static const char *names[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "t5v11-gated-untied", "mt5-silu-tied",
                                 "mbart-prenorm-sharded", "marian-sinusoidal", "bart-untied-gelunew",
                                 "whisper-128mel", "t5-gated-untied-head"};
@@ -197,7 +201,47 @@ Test(model_cpu, cross_states) {
   setenv("TANDEM_NORM_FOLD", "0", 1);
   check_model("t5v11-gated-untied", 4);
   unsetenv("TANDEM_NORM_FOLD");
-  rig_states = false;
+  rig_mode = TD_CROSS_AUTO;
+}
+
+/* Both in the cross pool (the default where d_model is even): steps of two
+ * rows or more attend over the states, single rows over the K/V, so that
+ * one request's prompt chunks and decode rows cross between the two
+ * paths; every fixture family must still match its references. */
+Test(model_cpu, cross_dual) {
+  rig_mode = TD_CROSS_DUAL;
+  rig_states_rows = 2;
+  static const char *names[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "mbart-prenorm-sharded", "marian-sinusoidal",
+                                "t5-gated-untied-head"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) check_model(names[i], i % 2 ? 3 : 4);
+  rig_mode = TD_CROSS_AUTO;
+  rig_states_rows = 0;
+}
+
+/* The cross layout each mode gives, and AUTO as DUAL (where d_model is
+ * even) on a backend where the states never pay: every step takes the K/V. */
+Test(model_cpu, cross_layouts) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  static const td_cross_mode modes[] = {TD_CROSS_AUTO, TD_CROSS_KV, TD_CROSS_STATES, TD_CROSS_DUAL};
+  for (size_t i = 0; i < 4; i++) {
+    rig_mode = modes[i];
+    rig r;
+    rig_open(&r, fx.dir, 4);
+    const td_model_config *c = td_model_get_config(r.m);
+    td_kv_layout cl = td_model_cross_layout(r.m);
+    td_cross_mode got = td_model_get_opts(r.m)->cross_mode;
+    cr_expect_eq(got, modes[i] == TD_CROSS_AUTO ? TD_CROSS_DUAL : modes[i], "mode %s resolved to %s",
+                 td_cross_mode_name(modes[i]), td_cross_mode_name(got));
+    cr_expect_eq(cl.n_layers, got == TD_CROSS_STATES ? 0 : c->dec_layers, "%s: %d layers", td_cross_mode_name(got),
+                 cl.n_layers);
+    cr_expect_eq(cl.states, got == TD_CROSS_KV ? 0 : c->d_model, "%s: states %d", td_cross_mode_name(got), cl.states);
+    cr_expect_eq(td_model_states_rows(r.m), got == TD_CROSS_STATES ? 0 : INT_MAX, "%s: states from %d rows",
+                 td_cross_mode_name(got), td_model_states_rows(r.m));
+    rig_close(&r);
+  }
+  rig_mode = TD_CROSS_AUTO;
+  fx_free(&fx);
 }
 
 /* A CPU backend and one buffer of n elements of type t on it. */
@@ -231,7 +275,7 @@ Test(model_cpu, gemm_ex_plain_layernorm_needs_row_sums) {
 Test(model_cpu, kv_prefetch_hint) {
   void *p;
   td_backend *b = cpu_with_buffer(TD_BUF_I32, 64, &p);
-  td_kv_layout l = {2, 2, 8, 4};
+  td_kv_layout l = {2, 2, 8, 4, 0};
   td_paged_meta m = {.n_seqs = 1, .n_tokens = 1, .max_q = 1, .max_ctx = 4, .q_start = p, .ctx_len = p,
                      .block_table = p, .max_blocks = 1};
   cr_expect(td_kv_prefetch(b, p, &l, 1, &m) == TD_OK, "%s", td_errmsg());
@@ -260,9 +304,10 @@ static const float *cpu_step(void *ctx, const td_step_input *st) {
  * cross query's norm in the attention (the CPU's default) and before the
  * projection (TANDEM_QNORM_ROWS above the rows), over per-layer K/V or
  * encoder states. */
-static void batched_decode(bool states) {
+static void batched_decode(td_cross_mode mode, int states_rows) {
   static const char *qn_rows[] = {NULL, "1000"};
-  rig_states = states;
+  rig_mode = mode;
+  rig_states_rows = states_rows;
   for (size_t v = 0; v < 2; v++)
   for (size_t i = 0; i < FX_BATCH_MODELS; i++) {
     fixture fx;
@@ -276,8 +321,11 @@ static void batched_decode(bool states) {
     rig_close(&r);
     fx_free(&fx);
   }
-  rig_states = false;
+  rig_mode = TD_CROSS_AUTO;
+  rig_states_rows = 0;
 }
 
-Test(model_cpu, batched_decode) { batched_decode(false); }
-Test(model_cpu, batched_decode_cross_states) { batched_decode(true); }
+Test(model_cpu, batched_decode) { batched_decode(TD_CROSS_KV, 0); }
+Test(model_cpu, batched_decode_cross_states) { batched_decode(TD_CROSS_STATES, 0); }
+/* dual: the larger steps over the states, the smaller over the K/V */
+Test(model_cpu, batched_decode_cross_dual) { batched_decode(TD_CROSS_DUAL, 3); }

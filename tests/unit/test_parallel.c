@@ -60,11 +60,14 @@ static td_status rank_backend(int rank, int world, td_comm **comm, td_backend **
   return TD_OK;
 }
 
+/* td_model_opts.states_rows of every rank the tests start */
+static int par_states_rows;
+
 typedef struct rank_ctx {
   const fixture *fx;
   int rank, tp;
   bool pipeline; /* ranks are pipeline stages, not tensor slices */
-  bool states;   /* the cross pool holds encoder states (td_model_opts.cross_states) */
+  td_cross_mode mode; /* what the cross pool holds (td_model_opts.cross_mode) */
   td_comm *comm;
   td_status status;
   char error[512];
@@ -90,7 +93,8 @@ static void *rank_main(void *arg) {
   td_status s = rank_backend(c->rank, c->tp, &c->comm, &b);
   if (s != TD_OK) goto out;
   td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 4, .max_logits = 64, .max_enc_tokens = 128,
-                      .max_enc_seqs = 2, .cross_states = c->states};
+                      .max_enc_seqs = 2, .cross_mode = c->mode,
+                      .states_rows = par_states_rows};
   if (c->pipeline) {
     mo.pp_rank = c->rank;
     mo.pp_size = c->tp;
@@ -149,12 +153,12 @@ out:
   return NULL;
 }
 
-static void run_ranks(const fixture *fx, int tp, bool pipeline, bool states, int req, rank_ctx *ctx) {
+static void run_ranks(const fixture *fx, int tp, bool pipeline, td_cross_mode mode, int req, rank_ctx *ctx) {
   td_comm *comms[MAXTP];
   make_comms(tp, comms);
   pthread_t th[MAXTP];
   for (int r = 0; r < tp; r++) {
-    ctx[r] = (rank_ctx){.fx = fx, .rank = r, .tp = tp, .pipeline = pipeline, .states = states, .comm = comms[r],
+    ctx[r] = (rank_ctx){.fx = fx, .rank = r, .tp = tp, .pipeline = pipeline, .mode = mode, .comm = comms[r],
                         .req = req};
     pthread_create(&th[r], NULL, rank_main, &ctx[r]);
   }
@@ -174,24 +178,25 @@ static void free_ranks(rank_ctx *ctx, int n) {
   }
 }
 
-/* Encoder states (states) are not split: every rank's cross blocks equal
- * the single rank's, K plane and V plane, in the slots the input fills. */
+/* The states tail is not split: every rank's equals the single rank's, K
+ * plane and V plane, in the slots the input fills. */
 static void check_states_everywhere(const char *name, int tp, bool pp, int req, int enc_len, const rank_ctx *one,
                                     const rank_ctx *many) {
   td_kv_layout full = one[0].cl;
-  int nblk = (enc_len + BS - 1) / BS;
+  int nblk = (enc_len + BS - 1) / BS, half = full.states / 2;
   for (int r = 0; r < tp; r++) {
     const td_kv_layout *l = &many[r].cl;
-    cr_assert(l->n_layers == full.n_layers && l->n_heads == full.n_heads && l->head_dim == full.head_dim,
-              "%s %s=%d rank %d: cross layout %dx%dx%d, one rank's %dx%dx%d", name, pp ? "PP" : "TP", tp, r,
-              l->n_layers, l->n_heads, l->head_dim, full.n_layers, full.n_heads, full.head_dim);
+    cr_assert(l->states == full.states, "%s %s=%d rank %d: states %d wide, one rank's %d", name, pp ? "PP" : "TP", tp,
+              r, l->states, full.states);
     double worst = 0, big = 1e-30;
     for (int blk = 0; blk < nblk; blk++)
       for (int kv = 0; kv < 2; kv++) {
-        size_t o = (size_t)blk * td_kv_block_elems(&full) + (size_t)kv * BS * full.head_dim;
+        size_t o = (size_t)blk * td_kv_block_elems(&full) + td_kv_layer_span(&full, full.n_layers).off +
+                   (size_t)kv * BS * half;
+        size_t p = (size_t)blk * td_kv_block_elems(l) + td_kv_layer_span(l, l->n_layers).off + (size_t)kv * BS * half;
         int used = enc_len - blk * BS < BS ? enc_len - blk * BS : BS;
-        for (int x = 0; x < used * full.head_dim; x++) {
-          double d = fabs(one[0].cross[o + x] - many[r].cross[o + x]);
+        for (int x = 0; x < used * half; x++) {
+          double d = fabs(one[0].cross[o + x] - many[r].cross[p + x]);
           worst = d > worst ? d : worst;
           big = fabs(one[0].cross[o + x]) > big ? fabs(one[0].cross[o + x]) : big;
         }
@@ -201,14 +206,14 @@ static void check_states_everywhere(const char *name, int tp, bool pp, int req, 
   }
 }
 
-static void check_par_mode(const char *name, int tp, bool pp, bool states) {
+static void check_par_mode(const char *name, int tp, bool pp, td_cross_mode mode) {
   if (!enough_devices(tp)) cr_skip_test("%d ranks need %d GPUs", tp, tp);
   fixture fx;
   fx_load(name, &fx);
   for (int i = 0; i < fx.n; i++) {
     rank_ctx one[1], many[MAXTP];
-    run_ranks(&fx, 1, false, states, i, one);
-    run_ranks(&fx, tp, pp, states, i, many);
+    run_ranks(&fx, 1, false, mode, i, one);
+    run_ranks(&fx, tp, pp, mode, i, many);
     const fx_request *q = &fx.req[i];
     size_t nl = (size_t)(q->n_prompt + q->n_greedy - 1) * fx.vocab;
     double e = fx_rel_err(many[0].logits, fx.logits + q->logits_off * fx.vocab, nl);
@@ -217,8 +222,8 @@ static void check_par_mode(const char *name, int tp, bool pp, bool states) {
       cr_expect_arr_eq(many[r].logits, many[0].logits, sizeof(float) * nl, "%s TP=%d: rank %d logits differ", name, tp, r);
     td_kv_layout full = one[0].cl, part = many[0].cl;
     int nblk = (q->enc_len + BS - 1) / BS;
-    if (states) {
-      check_states_everywhere(name, tp, pp, i, q->enc_len, one, many);
+    if (full.states) check_states_everywhere(name, tp, pp, i, q->enc_len, one, many);
+    if (full.n_layers == 0) {
       free_ranks(many, tp);
       free_ranks(one, 1);
       continue;
@@ -277,7 +282,7 @@ static void check_par_mode(const char *name, int tp, bool pp, bool states) {
   fx_free(&fx);
 }
 
-static void check_par(const char *name, int tp, bool pp) { check_par_mode(name, tp, pp, false); }
+static void check_par(const char *name, int tp, bool pp) { check_par_mode(name, tp, pp, TD_CROSS_KV); }
 
 Test(tensor_parallel, t5_tiny) {
   check_par("t5-tiny", 2, false);
@@ -294,13 +299,26 @@ Test(pipeline_parallel, bart_three_stages_one_encoder_layer) { check_par("bart-u
 Test(pipeline_parallel, whisper_128mel) { check_par("whisper-128mel", 2, true); }
 /* Encoder states in the cross pool: whole on every rank, logits as transformers' */
 Test(tensor_parallel, cross_states) {
-  check_par_mode("t5-tiny", 2, false, true);
-  check_par_mode("whisper-tiny", 2, false, true);
-  check_par_mode("bart-tiny", 4, false, true); /* last: skipped with fewer than 4 GPUs */
+  check_par_mode("t5-tiny", 2, false, TD_CROSS_STATES);
+  check_par_mode("whisper-tiny", 2, false, TD_CROSS_STATES);
+  check_par_mode("bart-tiny", 4, false, TD_CROSS_STATES); /* last: skipped with fewer than 4 GPUs */
 }
 Test(pipeline_parallel, cross_states) {
-  check_par_mode("mbart-prenorm-sharded", 2, true, true);
-  check_par_mode("bart-untied-gelunew", 3, true, true);
+  check_par_mode("mbart-prenorm-sharded", 2, true, TD_CROSS_STATES);
+  check_par_mode("bart-untied-gelunew", 3, true, TD_CROSS_STATES);
+}
+/* Both: each rank's K/V slice and the whole states; the step over the states */
+Test(tensor_parallel, cross_dual) {
+  par_states_rows = 1;
+  check_par_mode("t5-tiny", 2, false, TD_CROSS_DUAL);
+  check_par_mode("whisper-tiny", 2, false, TD_CROSS_DUAL);
+  par_states_rows = 0;
+}
+Test(pipeline_parallel, cross_dual) {
+  par_states_rows = 1;
+  check_par_mode("mbart-prenorm-sharded", 2, true, TD_CROSS_DUAL);
+  check_par_mode("bart-untied-gelunew", 3, true, TD_CROSS_DUAL);
+  par_states_rows = 0;
 }
 
 #ifndef TD_PARALLEL_CUDA
@@ -337,7 +355,8 @@ typedef struct chan {
 typedef struct follower {
   const fixture *fx;
   int rank, tp, nblocks_self, nblocks_cross;
-  bool pipeline, states;
+  bool pipeline;
+  td_cross_mode mode;
   td_comm *comm;
   chan ch;
   td_status status;
@@ -370,7 +389,8 @@ static void *follower_main(void *arg) {
   td_status s = rank_backend(f->rank, f->tp, &f->comm, &b);
   if (s == TD_OK) {
     td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256, .max_logits = 64,
-                        .max_enc_seqs = 8, .cross_states = f->states};
+                        .max_enc_seqs = 8, .cross_mode = f->mode,
+                        .states_rows = par_states_rows};
     if (f->pipeline) {
       mo.pp_rank = f->rank;
       mo.pp_size = f->tp;
@@ -485,7 +505,8 @@ static void on_finish_logits(void *ctx, const td_result *r) {
 
 /* Runs the requests through an engine on rank 0 of `world` ranks (followers
  * replay its calls) and collects the outputs. */
-static void run_engine(const char *dir, int world, bool pp, bool states, bool beam, const reqset *rs, toks *got) {
+static void run_engine(const char *dir, int world, bool pp, td_cross_mode mode, bool beam, const reqset *rs,
+                       toks *got) {
   memset(got, 0, sizeof *got);
   td_comm *comms[MAXTP];
   make_comms(world, comms);
@@ -496,7 +517,7 @@ static void run_engine(const char *dir, int world, bool pp, bool states, bool be
   for (int r = 1; r < world; r++) {
     follower *f = &fs[r - 1];
     *f = (follower){.fx = &shim, .rank = r, .tp = world, .nblocks_self = 256, .nblocks_cross = 256,
-                    .comm = comms[r], .pipeline = pp, .states = states};
+                    .comm = comms[r], .pipeline = pp, .mode = mode};
     pthread_mutex_init(&f->ch.mu, NULL);
     pthread_cond_init(&f->ch.cv, NULL);
     pthread_create(&th[r], NULL, follower_main, f);
@@ -505,7 +526,7 @@ static void run_engine(const char *dir, int world, bool pp, bool states, bool be
   td_comm *leader_comm = comms[0];
   cr_assert(rank_backend(0, world, &leader_comm, &b) == TD_OK, "%s", td_errmsg());
   td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256, .max_enc_seqs = 8,
-                      .max_logits = 64, .cross_states = states};
+                      .max_logits = 64, .cross_mode = mode, .states_rows = par_states_rows};
   if (pp)
     mo.pp_size = world;
   else
@@ -610,13 +631,13 @@ static void same_greedy(const char *what, const reqset *rs, const toks *want, co
 }
 #endif
 
-static void check_engine_mode(const char *name, int tp, bool pp, bool beam, bool states) {
+static void check_engine_mode(const char *name, int tp, bool pp, bool beam, td_cross_mode mode) {
   if (!enough_devices(tp)) cr_skip_test("%d ranks need %d GPUs", tp, tp);
   fixture fx;
   fx_load(name, &fx);
   reqset rs = fixture_reqs(&fx);
   toks got;
-  run_engine(fx.dir, tp, pp, states, beam, &rs, &got);
+  run_engine(fx.dir, tp, pp, mode, beam, &rs, &got);
 #ifdef TD_PARALLEL_CUDA
   /* bf16: the reference is one GPU */
   if (beam) {
@@ -625,9 +646,9 @@ static void check_engine_mode(const char *name, int tp, bool pp, bool beam, bool
     cr_skip_test("beam search on GPUs is compared on the CPU build");
   }
   toks one;
-  run_engine(fx.dir, 1, false, states, false, &rs, &one);
+  run_engine(fx.dir, 1, false, mode, false, &rs, &one);
   char what[96];
-  snprintf(what, sizeof what, "%s %s=%d%s against one GPU", name, pp ? "PP" : "TP", tp, states ? " (states)" : "");
+  snprintf(what, sizeof what, "%s %s=%d (%s) against one GPU", name, pp ? "PP" : "TP", tp, td_cross_mode_name(mode));
   same_greedy(what, &rs, &one, &got);
   free_toks(&one);
 #else
@@ -652,7 +673,7 @@ static void check_engine_mode(const char *name, int tp, bool pp, bool beam, bool
   fx_free(&fx);
 }
 
-static void check_engine_par(const char *name, int tp, bool pp, bool beam) { check_engine_mode(name, tp, pp, beam, false); }
+static void check_engine_par(const char *name, int tp, bool pp, bool beam) { check_engine_mode(name, tp, pp, beam, TD_CROSS_KV); }
 
 #ifdef TD_PARALLEL_CUDA
 #include "random_model.h"
@@ -702,11 +723,23 @@ Test(pipeline_parallel, engine_three_stages_one_encoder_layer) { check_engine_pa
 Test(pipeline_parallel, beam_search_bart) { check_engine_par("bart-tiny", 2, true, true); }
 /* The cross pool of encoder states on every rank: transformers' tokens and beams */
 Test(tensor_parallel, engine_on_leader_cross_states) {
-  check_engine_mode("t5-tiny", 2, false, false, true);
-  check_engine_mode("whisper-tiny", 2, false, false, true);
-  check_engine_mode("t5-tiny", 2, false, true, true);
+  check_engine_mode("t5-tiny", 2, false, false, TD_CROSS_STATES);
+  check_engine_mode("whisper-tiny", 2, false, false, TD_CROSS_STATES);
+  check_engine_mode("t5-tiny", 2, false, true, TD_CROSS_STATES);
 }
 Test(pipeline_parallel, engine_cross_states) {
-  check_engine_mode("bart-untied-gelunew", 3, true, false, true);
-  check_engine_mode("bart-tiny", 2, true, true, true);
+  check_engine_mode("bart-untied-gelunew", 3, true, false, TD_CROSS_STATES);
+  check_engine_mode("bart-tiny", 2, true, true, TD_CROSS_STATES);
+}
+/* Both, the steps of two rows or more over the states */
+Test(tensor_parallel, engine_on_leader_cross_dual) {
+  par_states_rows = 2;
+  check_engine_mode("t5-tiny", 2, false, false, TD_CROSS_DUAL);
+  check_engine_mode("t5-tiny", 2, false, true, TD_CROSS_DUAL);
+  par_states_rows = 0;
+}
+Test(pipeline_parallel, engine_cross_dual) {
+  par_states_rows = 2;
+  check_engine_mode("bart-tiny", 2, true, true, TD_CROSS_DUAL);
+  par_states_rows = 0;
 }

@@ -1,0 +1,26 @@
+/* The cross pool's mode: what it holds of each encoder position. Every
+ * process that shares a model's cross blocks (router, encoder, prefill and
+ * decode workers) must run the same one. */
+#ifndef TD_COMMON_CROSS_MODE_H
+#define TD_COMMON_CROSS_MODE_H
+
+/* What a cross pool holds of each encoder position:
+ * - KV: every decoder layer's cross K and V (2 x heads x head_dim a layer);
+ * - STATES: the encoder states once (d_model values), the pool's states
+ *   tail: num_layers x less memory and half the bytes a large decode step
+ *   reads; each layer then projects the query by W_k and the attention's mix
+ *   by W_v per head (td_attn_states), which costs more at few rows;
+ * - DUAL: both (1 / num_layers more memory than KV): each step takes the
+ *   path that is faster at its row count (td_model_opts.states_rows).
+ * AUTO (zero) is DUAL where d_model is even, else KV. */
+typedef enum td_cross_mode {
+  TD_CROSS_AUTO = 0,
+  TD_CROSS_KV = 1,
+  TD_CROSS_STATES = 2,
+  TD_CROSS_DUAL = 3,
+} td_cross_mode;
+/* "kv", "states", "dual" (and "auto"); -1 for anything else */
+int td_cross_mode_parse(const char *s);
+const char *td_cross_mode_name(td_cross_mode m);
+
+#endif
