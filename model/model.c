@@ -67,7 +67,7 @@ struct td_model {
   /* scratch */
   void *e_h, *e_x, *e_qkv, *e_attn, *e_ff, *e_ff1, *w_col1, *w_c1, *w_col2, *w_feat;
   void *d_h, *d_x, *d_qkv, *d_attn, *d_q, *d_ff, *d_ff1, *d_lx;
-  void *d_qs, *d_us; /* cross_states: per-head queries and mixes over the states [T, heads, d] */
+  void *d_qs, *d_us; /* the states path: per-head queries and mixes over the states [T, heads, d] */
   float *logits;                    /* [max_logits, vocab] */
   float *logits_part, *logits_all; /* tensor parallel: this rank's columns, all ranks' */
   int32_t *meta_dev, *meta_host;

@@ -14,7 +14,7 @@
 #include "common/status.h"
 #include "tandem.pb-c.h"
 
-#define TD_PROTOCOL_VERSION 1u
+#define TD_PROTOCOL_VERSION 2u /* 2: cross_mode replaces cross_states */
 #define TD_WIRE_MAX_MSG (64 << 20) /* larger messages drop the peer's connection */
 #define TD_WIRE_MAX_ID 255
 

@@ -736,7 +736,7 @@ Test(cluster, malformed_and_foreign_messages, .timeout = 300) {
   cr_assert(zmq_connect(w, c.worker_ep) == 0);
   Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
   Tandem__Cluster__WorkerMessage wm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
-  wm.version = 2;
+  wm.version = TD_PROTOCOL_VERSION + 1;
   wm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
   wm.register_ = &reg;
   n = tandem__cluster__worker_message__pack(&wm, buf);
