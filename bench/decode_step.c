@@ -280,12 +280,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--cross-states")) c.cross_mode = TD_CROSS_STATES;
     else if (!strcmp(argv[i], "--states-rows") && i + 1 < argc) c.states_rows = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--cross-mode") && i + 1 < argc) {
-      int cm = td_cross_mode_parse(argv[++i]);
-      if (cm < 0) {
-        fprintf(stderr, "--cross-mode: auto, kv, states or dual, not %s\n", argv[i]);
+      if (td_cross_mode_parse(argv[++i], &c.cross_mode) != TD_OK) {
+        fprintf(stderr, "%s\n", td_errmsg());
         return 2;
       }
-      c.cross_mode = (td_cross_mode)cm;
     }
     else if (!strcmp(argv[i], "--batches") && i + 1 < argc) {
       c.n_batches = 0;

@@ -11,8 +11,11 @@ const char *td_cross_mode_name(td_cross_mode m) {
   }
 }
 
-int td_cross_mode_parse(const char *s) {
+td_status td_cross_mode_parse(const char *s, td_cross_mode *out) {
   for (int i = TD_CROSS_AUTO; s && i <= TD_CROSS_DUAL; i++)
-    if (strcmp(s, td_cross_mode_name((td_cross_mode)i)) == 0) return i;
-  return -1;
+    if (strcmp(s, td_cross_mode_name((td_cross_mode)i)) == 0) {
+      *out = (td_cross_mode)i;
+      return TD_OK;
+    }
+  return td_err(TD_ERR_INVALID, "--cross-mode %s: want auto, kv, states or dual", s ? s : "(none)");
 }

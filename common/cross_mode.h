@@ -4,6 +4,8 @@
 #ifndef TD_COMMON_CROSS_MODE_H
 #define TD_COMMON_CROSS_MODE_H
 
+#include "common/status.h"
+
 /* What a cross pool holds of each encoder position:
  * - KV: every decoder layer's cross K and V (2 x heads x head_dim a layer);
  * - STATES: the encoder states once (d_model values), the pool's states
@@ -19,8 +21,9 @@ typedef enum td_cross_mode {
   TD_CROSS_STATES = 2,
   TD_CROSS_DUAL = 3,
 } td_cross_mode;
-/* "kv", "states", "dual" (and "auto"); -1 for anything else */
-int td_cross_mode_parse(const char *s);
+/* "auto", "kv", "states" or "dual" into *out; else TD_ERR_INVALID naming
+ * the choices (for a --cross-mode argument) */
+td_status td_cross_mode_parse(const char *s, td_cross_mode *out);
 const char *td_cross_mode_name(td_cross_mode m);
 
 #endif

@@ -118,12 +118,9 @@ int main(int argc, char **argv) {
       case 't': threads = atoi(optarg); break;
       case 'C': cross_mode = TD_CROSS_STATES; break;
       case 'M':
-        if (td_cross_mode_parse(optarg) < 0) {
-          fprintf(stderr, "tandem-generate: --cross-mode %s: want auto, kv, states or dual\n", optarg);
-          return 2;
-        }
-        cross_mode = (td_cross_mode)td_cross_mode_parse(optarg);
-        break;
+        if (td_cross_mode_parse(optarg, &cross_mode) == TD_OK) break;
+        fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
+        return 2;
       case 'R': states_rows = atoi(optarg); break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;

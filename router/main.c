@@ -40,12 +40,9 @@ int main(int argc, char **argv) {
       case 'n': o.model_name = optarg; break;
       case 'C': o.cross_mode = TD_CROSS_STATES; break;
       case 'x':
-        if (td_cross_mode_parse(optarg) < 0) {
-          fprintf(stderr, "tandem-router: --cross-mode %s: want auto, kv, states or dual\n", optarg);
-          return 2;
-        }
-        o.cross_mode = (td_cross_mode)td_cross_mode_parse(optarg);
-        break;
+        if (td_cross_mode_parse(optarg, &o.cross_mode) == TD_OK) break;
+        fprintf(stderr, "tandem-router: %s\n", td_errmsg());
+        return 2;
       case 'l':
         if (td_log_parse_level(optarg) < 0) {
           fprintf(stderr, "tandem-router: unknown log level %s\n", optarg);

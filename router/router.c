@@ -277,8 +277,8 @@ static bool model_matches(td_router *r, const Tandem__ModelInfo *m, char *why, s
 /* Workers exchange cross blocks, whose layout the mode sets: every one
  * must run the router's. */
 static bool cross_mode_matches(const td_router *r, const char *mode, char *why, size_t cap) {
-  int m = td_cross_mode_parse(mode && *mode ? mode : "auto");
-  if (m == (int)r->o.cross_mode) return true;
+  td_cross_mode m;
+  if (td_cross_mode_parse(mode && *mode ? mode : "auto", &m) == TD_OK && m == r->o.cross_mode) return true;
   snprintf(why, cap, "cross pool mode differs: the worker runs --cross-mode %s, the router --cross-mode %s; the router "
            "and every worker must agree", mode && *mode ? mode : "auto", td_cross_mode_name(r->o.cross_mode));
   return false;

@@ -92,12 +92,9 @@ int main(int argc, char **argv) {
         break;
       case 'C': o.cross_mode = TD_CROSS_STATES; break;
       case 'M':
-        if (td_cross_mode_parse(optarg) < 0) {
-          fprintf(stderr, "tandem-worker: --cross-mode %s: want auto, kv, states or dual\n", optarg);
-          return 2;
-        }
-        o.cross_mode = (td_cross_mode)td_cross_mode_parse(optarg);
-        break;
+        if (td_cross_mode_parse(optarg, &o.cross_mode) == TD_OK) break;
+        fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
+        return 2;
       case 'W': o.states_rows = atoi(optarg); break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;

@@ -109,21 +109,44 @@ Test(generate_cli, all_fixture_models) {
   for (int i = 0; i < fx_n_models; i++) check_model(fx_models[i]);
 }
 
-/* --cross-states (the cross pool holds encoder states): the same greedy
- * tokens as per-layer K/V, request by request, on every fixture. */
-Test(generate_cli, cross_states_gives_the_same_tokens) {
+/* Every cross pool mode (the default, auto, is dual with every step over
+ * the K/V on the CPU): the same greedy tokens request by request, on every
+ * fixture, also with the states path from two rows in dual. */
+Test(generate_cli, cross_modes_give_the_same_tokens) {
+  static const char *modes[] = {"--cross-states", "--cross-mode kv", "--cross-mode dual --states-rows 2"};
   for (int m = 0; m < fx_n_models; m++) {
-    static int32_t plain[16][64], states[16][64];
-    int n_plain[16] = {0}, n_states[16] = {0};
+    static int32_t plain[16][64], other[16][64];
+    int n_plain[16] = {0};
     check_model_flags(fx_models[m], "", plain, n_plain);
-    check_model_flags(fx_models[m], "--cross-states", states, n_states);
-    for (int i = 0; i < 16; i++) {
-      cr_expect_eq(n_states[i], n_plain[i], "%s request %d: %d tokens with --cross-states, %d without", fx_models[m], i,
-                   n_states[i], n_plain[i]);
-      cr_expect_arr_eq(states[i], plain[i], sizeof(int32_t) * (size_t)n_plain[i],
-                       "%s request %d: tokens differ with --cross-states", fx_models[m], i);
+    for (int k = 0; k < 3; k++) {
+      int n_other[16] = {0};
+      check_model_flags(fx_models[m], modes[k], other, n_other);
+      for (int i = 0; i < 16; i++) {
+        cr_expect_eq(n_other[i], n_plain[i], "%s request %d: %d tokens with %s, %d without", fx_models[m], i,
+                     n_other[i], modes[k], n_plain[i]);
+        cr_expect_arr_eq(other[i], plain[i], sizeof(int32_t) * (size_t)n_plain[i], "%s request %d: tokens differ with %s",
+                         fx_models[m], i, modes[k]);
+      }
     }
   }
+}
+
+/* An unknown --cross-mode is refused before anything loads */
+Test(generate_cli, unknown_cross_mode_is_refused) {
+  char **lines;
+  int n;
+  int rc = run_gen("--model /nonexistent --requests - --cross-mode fast", &lines, &n);
+  cr_expect_eq(rc, 2, "exit status %d", rc);
+  cr_expect_eq(n, 0);
+  free_lines(lines, n);
+  char path[600], msg[512] = "";
+  snprintf(path, sizeof path, "%s/stderr.txt", dir);
+  FILE *f = fopen(path, "r");
+  cr_assert(f);
+  size_t got = fread(msg, 1, sizeof msg - 1, f);
+  msg[got] = 0;
+  fclose(f);
+  cr_expect(strstr(msg, "--cross-mode fast: want auto, kv, states or dual"), "%s", msg);
 }
 
 Test(generate_cli, bad_requests_get_errors_and_others_run) {
