@@ -742,7 +742,8 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
     goto fail;
   }
   if (m->opts.cross_mode != TD_CROSS_KV && c->d_model % 2) {
-    s = td_err(TD_ERR_UNSUPPORTED, "%s: cross states need an even d_model (%d)", dir, c->d_model);
+    s = td_err(TD_ERR_UNSUPPORTED, "%s: cross states need an even d_model (%d); use --cross-mode kv", dir,
+               c->d_model);
     goto fail;
   }
   /* the fewest rows that take the states path */

@@ -85,10 +85,9 @@ void group_split_leader(const char *ep, char *comm, size_t ccap, char *mirror, s
   snprintf(mirror, mcap, "%s", bar ? bar + 1 : "");
 }
 
-size_t group_slice_block(const uint8_t *full, uint8_t *dst, const td_kv_layout *fl, size_t es, int l0, int l1, int h0,
-                         int h1) {
+void group_slice_block(const uint8_t *full, uint8_t *dst, const td_kv_layout *fl, size_t es, int l0, int l1, int h0,
+                       int h1) {
   size_t slot_bytes = (size_t)fl->block_size * fl->head_dim * es, run = (size_t)(h1 - h0) * slot_bytes;
-  uint8_t *d0 = dst;
   for (int l = l0; l < l1; l++)
     for (int kv = 0; kv < 2; kv++) {
       memcpy(dst, full + (((size_t)l * 2 + kv) * fl->n_heads + h0) * slot_bytes, run);
@@ -96,7 +95,6 @@ size_t group_slice_block(const uint8_t *full, uint8_t *dst, const td_kv_layout *
     }
   size_t tail = (size_t)fl->block_size * fl->states * es; /* the states, whole */
   memcpy(dst, full + td_kv_block_elems(fl) * es - tail, tail);
-  return (size_t)(dst - d0) + tail;
 }
 
 void group_rank_range(int r, int tp, int pp, int L, int H, int *l0, int *l1, int *h0, int *h1) {

@@ -29,9 +29,9 @@ void group_split_leader(const char *ep, char *comm, size_t ccap, char *mirror, s
 
 /* Copies the part of a whole-model KV block (layout fl, elements of es
  * bytes) that holds layers [l0, l1) and heads [h0, h1) into dst (the same
- * layout, cut), and its states tail whole; returns the bytes written. */
-size_t group_slice_block(const uint8_t *full, uint8_t *dst, const td_kv_layout *fl, size_t es, int l0, int l1, int h0,
-                         int h1);
+ * layout, cut), and its states tail whole. */
+void group_slice_block(const uint8_t *full, uint8_t *dst, const td_kv_layout *fl, size_t es, int l0, int l1, int h0,
+                       int h1);
 /* The layers and heads of a block of L layers x H heads that rank r of a
  * group holds (tp or pp ranks); the states tail is every rank's. */
 void group_rank_range(int r, int tp, int pp, int L, int H, int *l0, int *l1, int *h0, int *h1);

@@ -409,7 +409,7 @@ static void compute_write_kv(td_worker *w, cmd *c) {
     for (int i = 0; i < c->n_blocks; i++) {
       const uint8_t *full = c->data + (size_t)i * full_bb;
       uint8_t *dst = r == 0 ? part : msg + 6 + (size_t)c->n_blocks * 4 + (size_t)i * rb;
-      (void)group_slice_block(full, dst, fl, es, l0, l1, h0, h1);
+      group_slice_block(full, dst, fl, es, l0, l1, h0, h1);
       if (r == 0 && c->blocks[i] >= 0 && c->blocks[i] < td_kv_pool_get_stats(pool).n_blocks)
         (void)td_copy_h2d(w->b, (uint8_t *)td_kv_pool_memory(pool) + (size_t)c->blocks[i] * bb, part, bb);
       if (r == 0) (void)td_sync(w->b); /* part is reused */

@@ -1136,7 +1136,8 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
   a.kv_past = m->kv_static_past;
   a.pdl_late = c->pdl_late > 0 && (c->pdl_late & 1) != 0;
   a.n_splits = 1;
-  bool fast = (dh == 64 || dh == 128) && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(out) && td_aligned16(pool);
+  bool fast = (dh == 64 || dh == 128) && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(out) && td_aligned16(pool) &&
+              a.block_elems % 8 == 0; /* every block 16-byte aligned (a states tail may not keep it) */
   /* decode, one query per sequence, on warps: over self KV with enough
    * (sequence, head) pairs, two warps a pair; with fewer pairs, 2-8 warps
    * a pair by the context bound, and 16 for longer contexts when the pairs

@@ -438,7 +438,8 @@ static td_status cu_kv_write(td_backend *b, const void *k, const void *v, int ld
   td_cuda *c = td_cu(b);
   td_kv_span sp = td_kv_layer_span(l, layer); /* a K/V layer or the states tail */
   int H = sp.heads, dh = sp.dim;
-  bool vec = dh % 8 == 0 && ld % 8 == 0 && td_aligned16(k) && td_aligned16(v) && td_aligned16(pool);
+  bool vec = dh % 8 == 0 && ld % 8 == 0 && td_kv_block_elems(l) % 8 == 0 && td_aligned16(k) && td_aligned16(v) &&
+             td_aligned16(pool);
   int work = H * dh / (vec ? 8 : 1);
   int threads = work >= 256 ? 256 : (work + 31) / 32 * 32;
   size_t be = td_kv_block_elems(l);

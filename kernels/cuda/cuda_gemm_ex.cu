@@ -350,7 +350,7 @@ static bool rms_after_fits(const td_cuda *c, const td_gemm_args *ga) {
   if (glu) return td_aligned16(ga->scratch_glu);
   const td_kv_layout *l = ga->kv_layout;
   return ga->kv_pool && ga->act == TD_ACT_NONE && l->head_dim % 8 == 0 && ga->kv_col % 8 == 0 &&
-         td_aligned16(ga->kv_pool);
+         td_kv_block_elems(l) % 8 == 0 && td_aligned16(ga->kv_pool);
 }
 
 static td_status rms_after(td_backend *b, const td_gemm_args *ga) {
@@ -415,7 +415,8 @@ td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
   bool eligible = ga->m <= c->fuse && !(ga->flags & (TD_GEMM_OUT_F32 | TD_GEMM_ACCUM)) && k % 8 == 0 &&
                   td_aligned16(ga->x) && td_aligned16(ga->w) &&
                   (!(ga->norm_w || ga->norm_plain) || td_aligned16(ga->scratch_norm));
-  bool fuse_kv = ga->kv_pool && (mask & SF_FUSE_KV);
+  /* the fused stores are 16-byte: every block must start aligned */
+  bool fuse_kv = ga->kv_pool && (mask & SF_FUSE_KV) && td_kv_block_elems(ga->kv_layout) % 8 == 0;
   if (!eligible && rms_after_fits(c, ga)) return rms_after(b, ga);
   if (!eligible || (glu && !(mask & SF_FUSE_GLU))) return td_gemm_ex_unfused(b, ga);
   /* a plain norm (weight folded into W) costs the kernel next to nothing */

@@ -928,8 +928,8 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
       *(STATES_CFGS[i].pl ? &cpl : STATES_CFGS[i].ws ? &cws : STATES_CFGS[i].sw == 8 ? &c8 : &c16) = i;
   int ci = c8 < STATES_NCFG ? c8 : c16;
   const states_cfg *cfg = ci < STATES_NCFG ? &STATES_CFGS[ci] : NULL;
-  bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(a.pool) && a.block_elems % 8 == 0 && td_aligned16(out) &&
-              m->kv_static &&
+  bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(a.pool) && a.block_elems % 8 == 0 &&
+              td_aligned16(out) && m->kv_static &&
               getenv("TANDEM_CUDA_STATES_GENERIC") == NULL;
   if (!fast) {
     size_t sm = ((size_t)max_ctx + 8) * sizeof(float);
