@@ -58,8 +58,7 @@ typedef struct rank {
   double copy_gbs, gemm_tflops, enc_ms, step_ms[8];
   double weight_bytes;
   int states_rows; /* the model's: steps of this many rows attend over the states */
-  bool enc_kv;     /* the encoder projects every layer's cross K/V */
-  td_cross_mode mode; /* as the model resolved it */
+  td_cross_mode mode; /* as the model resolved it (STATES: the encoder projects no cross K/V) */
 } rank;
 
 static double ms_since(int64_t t0) { return (double)(td_now_ns() - t0) * 1e-6; }
@@ -149,7 +148,6 @@ static void *rank_main(void *arg) {
   int ncb = (c->enc_len + bs - 1) / bs, nsb = (c->ctx + c->steps + bs) / bs + 1;
   td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
   rk->states_rows = td_model_states_rows(m);
-  rk->enc_kv = cl.n_layers > 0;
   rk->mode = td_model_get_opts(m)->cross_mode;
   if ((s = td_kv_pool_create(b, &sl, maxb * nsb, &self)) != TD_OK) goto out;
   if ((s = td_kv_pool_create(b, &cl, maxb * ncb, &cross)) != TD_OK) goto out;
@@ -365,7 +363,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < c.n_batches; i++)
     if (c.batches[i] > 0) enc_tokens = enc_tokens > c.batches[i] * (double)c.enc_len ? enc_tokens : c.batches[i] * (double)c.enc_len;
   double enc_flops = enc_tokens * (Le * (2 * (4 * d * hd + ffw) + 4 * c.enc_len * hd) +
-                                   (rk[0].enc_kv ? Ld * 2 * 2 * d * hd : 0.0));
+                                   (rk[0].mode != TD_CROSS_STATES ? Ld * 2 * 2 * d * hd : 0.0));
   if (sh->mels) /* the convolutions: 2 * enc_len frames of 3 x mels taps, then enc_len of 3 x d */
     enc_flops += enc_tokens * (2.0 * 2 * d * 3 * sh->mels + 2.0 * d * 3 * d);
   const char *dev = td_backend_cuda_available() ? "GPU" : "?";
@@ -408,11 +406,11 @@ int main(int argc, char **argv) {
   }
   double enc_floor = enc_flops / (tf * 1e12) * 1e3 / c.world;
   printf("encoder %g tokens (%s): %.2f ms, %.0f TFLOP/s = %.0f%% of the GEMM rate\n", enc_tokens,
-         rk[0].enc_kv ? "with cross-KV projection" : "states into the cross pool",
+         rk[0].mode != TD_CROSS_STATES ? "with cross-KV projection" : "states into the cross pool",
          rk[0].enc_ms, enc_flops / (rk[0].enc_ms * 1e-3) / 1e12, 100 * enc_floor / rk[0].enc_ms);
   td_sbuf_printf(&t, "\nEncoder forward of %.0f tokens%s: "
                      "%.2f ms, %.0f TFLOP/s per GPU, %.0f%% of the measured GEMM rate.\n",
-                 enc_tokens, rk[0].enc_kv ? " plus the cross-attention K/V projection of every decoder layer" : "",
+                 enc_tokens, rk[0].mode != TD_CROSS_STATES ? " plus the cross-attention K/V projection of every decoder layer" : "",
                  rk[0].enc_ms, enc_flops / (rk[0].enc_ms * 1e-3) / 1e12 / c.world,
                  100 * enc_floor / rk[0].enc_ms);
   if (record) {

@@ -185,8 +185,7 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
     case TANDEM__SERVER_MESSAGE__BODY_HEALTH:
       c->health = (td_client_health){.serving = m->health->serving, .encoders = (int)m->health->encoders,
                                      .prefills = (int)m->health->prefills, .decoders = (int)m->health->decoders,
-                                     .in_flight = (int)m->health->in_flight, .queued = (int)m->health->queued,
-                                     };
+                                     .in_flight = (int)m->health->in_flight, .queued = (int)m->health->queued};
       snprintf(c->health.cross_mode, sizeof c->health.cross_mode, "%s",
                m->health->cross_mode && *m->health->cross_mode ? m->health->cross_mode : "auto");
       for (size_t i = 0; i < m->health->n_workers && i < 64; i++) {

@@ -31,6 +31,19 @@ size_t td_kvx_block_bytes(const td_kvx_geom *g) {
 }
 
 static int imax(int a, int b) { return a > b ? a : b; }
+
+/* Appends a byte range, merged into the last one where both sides follow
+ * on; false when that needs a slice past cap. */
+static bool slice_push(td_kvx_slice *out, int *k, int cap, uint64_t so, uint64_t dof, uint64_t len) {
+  td_kvx_slice *last = *k > 0 ? &out[*k - 1] : NULL;
+  if (last && last->src_off + last->len == so && last->dst_off + last->len == dof) {
+    last->len += len;
+    return true;
+  }
+  if (*k == cap) return false;
+  out[(*k)++] = (td_kvx_slice){so, dof, len};
+  return true;
+}
 static int imin(int a, int b) { return a < b ? a : b; }
 
 td_status td_kvx_slice_plan(const td_kvx_geom *s, const td_kvx_geom *d, td_kvx_slice *out, int cap, int *n) {
@@ -55,23 +68,14 @@ td_status td_kvx_slice_plan(const td_kvx_geom *s, const td_kvx_geom *d, td_kvx_s
     for (int kv = 0; kv < 2; kv++) {
       uint64_t so = ((uint64_t)((l - s->layer0) * 2 + kv) * (uint64_t)s->layout.n_heads + (uint64_t)(h0 - s->head0)) * unit;
       uint64_t dof = ((uint64_t)((l - d->layer0) * 2 + kv) * (uint64_t)d->layout.n_heads + (uint64_t)(h0 - d->head0)) * unit;
-      if (k > 0 && out[k - 1].src_off + out[k - 1].len == so && out[k - 1].dst_off + out[k - 1].len == dof) {
-        out[k - 1].len += len;
-        continue;
-      }
-      if (k == cap) return td_err(TD_ERR_INVALID, "KV re-slicing: more than %d slices", cap);
-      out[k++] = (td_kvx_slice){so, dof, len};
+      if (!slice_push(out, &k, cap, so, dof, len))
+        return td_err(TD_ERR_INVALID, "KV re-slicing: more than %d slices", cap);
     }
   }
   if (s->layout.states > 0) {
     uint64_t tail = (uint64_t)s->layout.block_size * (uint64_t)s->layout.states * (uint64_t)s->elem_size;
-    uint64_t so = td_kvx_block_bytes(s) - tail, dof = td_kvx_block_bytes(d) - tail;
-    if (k > 0 && out[k - 1].src_off + out[k - 1].len == so && out[k - 1].dst_off + out[k - 1].len == dof) {
-      out[k - 1].len += tail;
-    } else {
-      if (k == cap) return td_err(TD_ERR_INVALID, "KV re-slicing: more than %d slices", cap);
-      out[k++] = (td_kvx_slice){so, dof, tail};
-    }
+    if (!slice_push(out, &k, cap, td_kvx_block_bytes(s) - tail, td_kvx_block_bytes(d) - tail, tail))
+      return td_err(TD_ERR_INVALID, "KV re-slicing: more than %d slices", cap);
   }
   *n = k;
   return TD_OK;
@@ -111,11 +115,7 @@ td_status td_kvx_plan_copies(const td_kvx_geom *s, const td_kvx_geom *d, const i
     for (int i = 0; i < ns; i++) {
       uint64_t so = (uint64_t)src_blocks[b] * sbb + sl[i].src_off;
       uint64_t dof = (uint64_t)dst_blocks[b] * dbb + sl[i].dst_off;
-      if (k > 0 && c[k - 1].src_off + c[k - 1].len == so && c[k - 1].dst_off + c[k - 1].len == dof) {
-        c[k - 1].len += sl[i].len;
-      } else {
-        c[k++] = (td_kvx_slice){so, dof, sl[i].len};
-      }
+      (void)slice_push(c, &k, n_blocks * ns, so, dof, sl[i].len); /* c holds a slice per block and piece */
     }
   }
   free(sl);

@@ -277,10 +277,11 @@ static bool model_matches(td_router *r, const Tandem__ModelInfo *m, char *why, s
 /* Workers exchange cross blocks, whose layout the mode sets: every one
  * must run the router's. */
 static bool cross_mode_matches(const td_router *r, const char *mode, char *why, size_t cap) {
+  const char *wm = mode && *mode ? mode : "auto";
   td_cross_mode m;
-  if (td_cross_mode_parse(mode && *mode ? mode : "auto", &m) == TD_OK && m == r->o.cross_mode) return true;
+  if (td_cross_mode_parse(wm, &m) == TD_OK && m == r->o.cross_mode) return true;
   snprintf(why, cap, "cross pool mode differs: the worker runs --cross-mode %s, the router --cross-mode %s; the router "
-           "and every worker must agree", mode && *mode ? mode : "auto", td_cross_mode_name(r->o.cross_mode));
+           "and every worker must agree", wm, td_cross_mode_name(r->o.cross_mode));
   return false;
 }
 

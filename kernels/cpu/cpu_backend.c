@@ -201,25 +201,34 @@ static td_status cpu_attn_dense(td_backend *b, const void *qkv, void *out, const
   return TD_OK;
 }
 
-/* layer == n_layers: the states tail */
-static inline size_t kv_offset(const td_kv_layout *l, int block, int layer, int kv, int h, int slot) {
+/* Where one layer (layer == n_layers: the states tail) of every block
+ * sits, worked out once an op rather than at every key. */
+typedef struct kv_at {
+  size_t block_elems, off;
+  int heads, dim, bs;
+} kv_at;
+
+static kv_at kv_at_layer(const td_kv_layout *l, int layer) {
   td_kv_span sp = td_kv_layer_span(l, layer);
-  return (size_t)block * td_kv_block_elems(l) + sp.off +
-         (((size_t)kv * sp.heads + h) * l->block_size + slot) * sp.dim;
+  return (kv_at){td_kv_block_elems(l), sp.off, sp.heads, sp.dim, l->block_size};
+}
+
+static inline size_t kv_offset(const kv_at *a, int block, int kv, int h, int slot) {
+  return (size_t)block * a->block_elems + a->off + (((size_t)kv * a->heads + h) * a->bs + slot) * a->dim;
 }
 
 static td_status cpu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool,
                               const td_kv_layout *l, int layer, const int32_t *slots, int n) {
   float *P = pool;
-  td_kv_span sp = td_kv_layer_span(l, layer);
+  kv_at at = kv_at_layer(l, layer);
   for (int i = 0; i < n; i++) {
     if (slots[i] < 0) continue;
     int blk = slots[i] / l->block_size, slot = slots[i] % l->block_size;
-    for (int h = 0; h < sp.heads; h++) {
-      memcpy(P + kv_offset(l, blk, layer, 0, h, slot), (const float *)k + (size_t)i * ld + (size_t)h * sp.dim,
-             sizeof(float) * (size_t)sp.dim);
-      memcpy(P + kv_offset(l, blk, layer, 1, h, slot), (const float *)v + (size_t)i * ld + (size_t)h * sp.dim,
-             sizeof(float) * (size_t)sp.dim);
+    for (int h = 0; h < at.heads; h++) {
+      memcpy(P + kv_offset(&at, blk, 0, h, slot), (const float *)k + (size_t)i * ld + (size_t)h * at.dim,
+             sizeof(float) * (size_t)at.dim);
+      memcpy(P + kv_offset(&at, blk, 1, h, slot), (const float *)v + (size_t)i * ld + (size_t)h * at.dim,
+             sizeof(float) * (size_t)at.dim);
     }
   }
   return TD_OK;
@@ -230,6 +239,7 @@ static td_status cpu_attn_paged(td_backend *b, const void *q, int ldq, void *out
                                 const td_relbias *bias) {
   const float *P = pool;
   int H = l->n_heads, dh = l->head_dim, bs = l->block_size;
+  kv_at at = kv_at_layer(l, layer);
   attn_scratch sc = {0};
   for (int s = 0; s < m->n_seqs; s++) {
     int q0 = m->q_start[s], qn = m->q_start[s + 1] - q0, ctx = m->ctx_len[s];
@@ -246,7 +256,7 @@ static td_status cpu_attn_paged(td_backend *b, const void *q, int ldq, void *out
       for (int h = 0; h < H; h++) {
         const float *qr = (const float *)q + (size_t)(q0 + i) * ldq + (size_t)h * dh;
         for (int j = 0; j < nk; j++) {
-          const float *kk = P + kv_offset(l, table[j / bs], layer, 0, h, j % bs);
+          const float *kk = P + kv_offset(&at, table[j / bs], 0, h, j % bs);
           sc.s[j] = dot(qr, kk, dh) * qs + (bias ? rel_bias(bias, h, j - pos) : 0.0f);
         }
         float *o = (float *)out + (size_t)(q0 + i) * H * dh + (size_t)h * dh;
@@ -254,7 +264,7 @@ static td_status cpu_attn_paged(td_backend *b, const void *q, int ldq, void *out
         if (nk <= 0) continue;
         softmax_inplace(sc.s, nk);
         for (int j = 0; j < nk; j++) {
-          const float *v = P + kv_offset(l, table[j / bs], layer, 1, h, j % bs);
+          const float *v = P + kv_offset(&at, table[j / bs], 1, h, j % bs);
           for (int e = 0; e < dh; e++) o[e] += sc.s[j] * v[e];
         }
       }
@@ -267,7 +277,8 @@ static td_status cpu_attn_paged(td_backend *b, const void *q, int ldq, void *out
 static td_status cpu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                                  const td_kv_layout *l, int heads, const td_paged_meta *m, float scale) {
   const float *P = pool;
-  int half = l->states / 2, D = l->states, bs = l->block_size, tail = l->n_layers;
+  int half = l->states / 2, D = l->states, bs = l->block_size;
+  kv_at at = kv_at_layer(l, l->n_layers); /* the states tail */
   attn_scratch sc = {0};
   float *e = malloc(sizeof(float) * (size_t)D);
   if (!e) return td_err(TD_ERR_NOMEM, "attn_states: scratch");
@@ -289,8 +300,8 @@ static td_status cpu_attn_states(td_backend *b, const void *q, int ldq, void *ou
       for (int h = 0; h < heads; h++) {
         const float *qr = (const float *)q + (size_t)(q0 + i) * ldq + (size_t)h * D;
         for (int j = 0; j < ctx; j++) {
-          const float *ek = P + kv_offset(l, table[j / bs], tail, 0, 0, j % bs);
-          const float *ev = P + kv_offset(l, table[j / bs], tail, 1, 0, j % bs);
+          const float *ek = P + kv_offset(&at, table[j / bs], 0, 0, j % bs);
+          const float *ev = P + kv_offset(&at, table[j / bs], 1, 0, j % bs);
           sc.s[j] = (dot(qr, ek, half) + dot(qr + half, ev, half)) * qs;
         }
         float *o = (float *)out + ((size_t)(q0 + i) * heads + h) * D;
@@ -298,8 +309,8 @@ static td_status cpu_attn_states(td_backend *b, const void *q, int ldq, void *ou
         if (ctx <= 0) continue;
         softmax_inplace(sc.s, ctx);
         for (int j = 0; j < ctx; j++) {
-          memcpy(e, P + kv_offset(l, table[j / bs], tail, 0, 0, j % bs), sizeof(float) * (size_t)half);
-          memcpy(e + half, P + kv_offset(l, table[j / bs], tail, 1, 0, j % bs), sizeof(float) * (size_t)half);
+          memcpy(e, P + kv_offset(&at, table[j / bs], 0, 0, j % bs), sizeof(float) * (size_t)half);
+          memcpy(e + half, P + kv_offset(&at, table[j / bs], 1, 0, j % bs), sizeof(float) * (size_t)half);
           for (int c = 0; c < D; c++) o[c] += sc.s[j] * e[c];
         }
       }
