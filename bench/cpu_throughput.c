@@ -9,6 +9,7 @@
 #include "bench_util.h"
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/settings.h"
 #include "engine/engine.h"
 #include "random_model.h"
 
@@ -65,6 +66,12 @@ out:
 }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "bench: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   bool quick = false, record = true;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = true;

@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "common/half.h"
+#include "common/settings.h"
 #include "common/status.h"
 #include "kernels/ops.h"
 
@@ -776,6 +777,12 @@ static void write_results(const char *path, const char *commit) {
 }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "bench: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   const char *results = "bench/RESULTS.md", *commit = getenv("TD_COMMIT");
   if (!commit) commit = TD_GIT_COMMIT;
   for (int i = 1; i < argc; i++) {

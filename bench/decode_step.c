@@ -31,6 +31,7 @@
 #include "bench_util.h"
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/settings.h"
 #include "kernel_trace.h"
 #include "kvcache/kvcache.h"
 #include "model/model.h"
@@ -258,6 +259,12 @@ out:
 }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "bench: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   cfg c = {.tp = 1, .pp = 1, .enc_len = 512, .ctx = 64, .steps = 50, .block_size = 16};
   int defb[3] = {1, 16, 64};
   memcpy(c.batches, defb, sizeof defb);

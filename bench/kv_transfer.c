@@ -35,6 +35,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/settings.h"
 #include "kvtransfer/kvtransfer.h"
 
 enum { KIND_HOST = 1, KIND_GPU = 2, N_BS = 2 };
@@ -503,6 +504,12 @@ static void cpu_name(char *out, size_t cap) {
 }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "bench: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   setvbuf(stdout, NULL, _IOLBF, 0);
   signal(SIGPIPE, SIG_IGN);
   if (argc == 9 && !strcmp(argv[1], "--receiver")) {

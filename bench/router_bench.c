@@ -12,6 +12,7 @@
 #include "client/client.h"
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/settings.h"
 #include "proto/wire.h"
 #include "router/router.h"
 
@@ -165,6 +166,12 @@ static double run(const char *ep, int n, int inflight, double *p50, double *p99)
 }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "bench: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   int n = 20000;
   bool record = true;
   for (int i = 1; i < argc; i++) {

@@ -14,6 +14,7 @@
 #include "client/client.h"
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/settings.h"
 
 typedef struct slot {
   td_json_request req;
@@ -63,6 +64,12 @@ static void on_result(void *ctx, const td_result *r) {
 }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "tandem-client: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   td_log_set_name("client");
   static const struct option opts[] = {{"router", required_argument, 0, 'r'}, {"requests", required_argument, 0, 'q'},
                                        {"stream", no_argument, 0, 's'},       {"timeout-ms", required_argument, 0, 't'},

@@ -9,7 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static int level = -1;
+static int level = TD_LOG_INFO;
 static char name[32] = "tandem";
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -20,13 +20,7 @@ int td_log_parse_level(const char *s) {
   return -1;
 }
 
-td_log_level td_log_get_level(void) {
-  if (level < 0) {
-    int l = td_log_parse_level(getenv("TANDEM_LOG"));
-    level = l < 0 ? TD_LOG_INFO : l;
-  }
-  return (td_log_level)level;
-}
+td_log_level td_log_get_level(void) { return (td_log_level)level; }
 
 void td_log_set_level(td_log_level l) { level = (int)l; }
 

@@ -1,5 +1,5 @@
-/* Levelled logging to stderr. The level comes from TANDEM_LOG
- * (debug|info|warn|error|off; default info) unless set explicitly. */
+/* Levelled logging to stderr. The level is info until set (main sets it
+ * from TANDEM_LOG through td_settings_apply, or from --log-level). */
 #ifndef TD_COMMON_LOG_H
 #define TD_COMMON_LOG_H
 

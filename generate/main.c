@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/settings.h"
 #include "engine/engine.h"
 #include "engine/jsonio.h"
 
@@ -89,6 +90,12 @@ static int read_requests(const char *path, app *a) {
 }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   td_log_set_name("generate");
   static const struct option opts[] = {
       {"model", required_argument, 0, 'm'},      {"requests", required_argument, 0, 'r'},

@@ -6,12 +6,19 @@
 #include <string.h>
 
 #include "common/log.h"
+#include "common/settings.h"
 #include "router/router.h"
 
 static volatile sig_atomic_t stop_flag;
 static void on_signal(int sig) { stop_flag = sig; }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "tandem-router: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   td_log_set_name("router");
   static const struct option opts[] = {
       {"client-endpoint", required_argument, 0, 'c'}, {"worker-endpoint", required_argument, 0, 'w'},

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "common/log.h"
+#include "common/settings.h"
 #include "worker/worker.h"
 
 static volatile sig_atomic_t stop_flag;
@@ -29,6 +30,12 @@ static void usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   static const struct option opts[] = {
       {"router", required_argument, 0, 'r'},     {"model", required_argument, 0, 'm'},
       {"role", required_argument, 0, 'R'},       {"id", required_argument, 0, 'i'},

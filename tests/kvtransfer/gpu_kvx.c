@@ -26,6 +26,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/settings.h"
 #include "kvtransfer/gather.h"
 #include "kvtransfer/gpu.h"
 #include "kvtransfer/kvtransfer.h"
@@ -680,6 +681,12 @@ static void run_gather(void) {
 }
 
 int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "gpu_kvx: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
   setvbuf(stdout, NULL, _IOLBF, 0);
   signal(SIGPIPE, SIG_IGN);
   const char *what = argc > 1 ? argv[1] : "all";

@@ -1,0 +1,39 @@
+/* Every default and timeout of the system in one place: what options fall
+ * back to when unset (0), and the fixed limits that admission checks. A
+ * default changed here changes it for the router, the workers, the group
+ * ranks and tandem-generate alike. */
+#ifndef TD_COMMON_DEFAULTS_H
+#define TD_COMMON_DEFAULTS_H
+
+/* ---- KV cache and batching ---- */
+#define TD_DEFAULT_BLOCK_SIZE 16        /* token slots a KV block */
+#define TD_DEFAULT_MAX_SEQS 64          /* sequences a decode step (engine, tandem-generate) */
+#define TD_DEFAULT_WORKER_MAX_BATCH 32  /* sequences a decode step on a worker */
+#define TD_DEFAULT_MAX_TOKENS 1024      /* decoder rows a step (engine) */
+#define TD_DEFAULT_WORKER_MAX_TOKENS 512 /* decoder rows a step on a worker */
+#define TD_DEFAULT_MAX_ENC_TOKENS 4096  /* encoder tokens a batch */
+#define TD_DEFAULT_MAX_ENC_SEQS 16      /* encoder sequences a batch */
+#define TD_DEFAULT_ENGINE_QUEUE 4096    /* requests waiting in one engine */
+
+/* ---- router ---- */
+#define TD_DEFAULT_HEARTBEAT_MS 500      /* both ways */
+#define TD_DEFAULT_DEAD_AFTER 6          /* missed heartbeats before a peer is dead */
+#define TD_DEFAULT_MAX_QUEUE 1024        /* requests waiting for placement */
+#define TD_DEFAULT_MAX_IN_FLIGHT 4096    /* requests placed, not finished */
+#define TD_DEFAULT_REQUEST_TIMEOUT_MS 600000 /* a request's deadline when the client gives none */
+#define TD_DEFAULT_STAGE_TIMEOUT_MS 60000    /* reserve / encode / prefill stages */
+#define TD_DEFAULT_MAX_ATTEMPTS 3        /* worker sets a request is tried on */
+#define TD_DEFAULT_PREFILL_THRESHOLD 16  /* decoder prompts this long go to a prefill worker */
+
+/* ---- workers and groups ---- */
+#define TD_DEFAULT_RESERVATION_TTL_MS 30000 /* reserved KV blocks that nothing fills expire */
+#define TD_DEFAULT_TRANSFER_TIMEOUT_MS 10000 /* a KV push with no answer fails */
+#define TD_DEFAULT_KVX_TIMEOUT_MS 30000      /* a kvtransfer transfer's own deadline */
+#define TD_DEFAULT_DRAIN_MS 30000            /* a draining worker's last wait for its requests */
+#define TD_DEFAULT_REGISTER_RETRY_MS 1000    /* an unregistered worker asks again */
+#define TD_GROUP_JOIN_TIMEOUT_MS 120000      /* every rank of a group joined through the router */
+#define TD_GROUP_CONNECT_TIMEOUT_MS 30000    /* a group's communicator connected */
+#define TD_GROUP_MIRROR_TIMEOUT_MS 60000     /* every follower reached the leader's mirror */
+#define TD_DEFAULT_LISTEN_HOST "127.0.0.1"
+
+#endif

@@ -1,0 +1,61 @@
+/* Settings from the environment: read once, parsed strictly. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+
+#include "common/log.h"
+#include "common/settings.h"
+
+static void clear(void) {
+  const char *vars[] = {"TANDEM_LOG", "TANDEM_NORM_FOLD", "TANDEM_QNORM_ROWS", "TANDEM_KVX_LOCAL", "TANDEM_KVX_TRACE",
+                        "UCX_TLS"};
+  for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) unsetenv(vars[i]);
+}
+
+Test(settings, unset_means_defaults, .init = clear) {
+  td_settings s;
+  cr_assert_eq(td_settings_from_env(&s), TD_OK);
+  cr_assert_eq(s.log_level, -1);
+  cr_assert_eq(s.model.norm_fold, 0);
+  cr_assert_eq(s.model.qnorm_rows, 0);
+  cr_assert_eq(s.kvx.local_path, 0);
+  cr_assert_not(s.kvx.trace);
+  cr_assert_str_empty(s.kvx.ucx_tls);
+}
+
+Test(settings, values_parse, .init = clear) {
+  setenv("TANDEM_LOG", "warn", 1);
+  setenv("TANDEM_NORM_FOLD", "0", 1);
+  setenv("TANDEM_QNORM_ROWS", "0", 1);
+  setenv("TANDEM_KVX_LOCAL", "off", 1);
+  setenv("TANDEM_KVX_TRACE", "1", 1);
+  setenv("UCX_TLS", "tcp", 1);
+  td_settings s;
+  cr_assert_eq(td_settings_from_env(&s), TD_OK);
+  cr_assert_eq(s.log_level, TD_LOG_WARN);
+  cr_assert_eq(s.model.norm_fold, TD_OFF);
+  cr_assert_eq(s.model.qnorm_rows, -1, "0 rows: never fused");
+  cr_assert_eq(s.kvx.local_path, TD_OFF);
+  cr_assert(s.kvx.trace);
+  cr_assert_str_eq(s.kvx.ucx_tls, "tcp");
+  td_settings_apply(&s);
+  cr_assert_eq(td_log_get_level(), TD_LOG_WARN);
+  td_log_set_level(TD_LOG_INFO);
+  setenv("TANDEM_QNORM_ROWS", "8", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_OK);
+  cr_assert_eq(s.model.qnorm_rows, 8);
+}
+
+Test(settings, bad_values_are_refused_by_name, .init = clear) {
+  td_settings s;
+  setenv("TANDEM_LOG", "loud", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "TANDEM_LOG"));
+  unsetenv("TANDEM_LOG");
+  setenv("TANDEM_NORM_FOLD", "maybe", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "TANDEM_NORM_FOLD"));
+  unsetenv("TANDEM_NORM_FOLD");
+  setenv("TANDEM_QNORM_ROWS", "12abc", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "TANDEM_QNORM_ROWS"));
+}
