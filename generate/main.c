@@ -137,7 +137,7 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  td_backend_opts bo = {.kind = TD_BACKEND_CPU, .threads = threads};
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU, .threads = threads, .cuda = settings.cuda};
   if (!strcmp(device, "cuda"))
     bo.kind = TD_BACKEND_CUDA;
   else if (strcmp(device, "cpu")) {
@@ -157,7 +157,7 @@ int main(int argc, char **argv) {
   }
   td_model_opts mo = {.block_size = block_size, .max_seqs = max_batch, .max_tokens = max_tokens,
                       .max_logits = logits_path ? max_tokens : 0, .cross_mode = cross_mode,
-                      .states_rows = states_rows};
+                      .states_rows = states_rows, .tuning = settings.model};
   if (td_model_load(model_dir, b, &mo, &m) != TD_OK) {
     fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
     rc = 2;

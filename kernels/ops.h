@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/settings.h"
 #include "common/status.h"
 #include "model/config.h"
 
@@ -31,6 +32,7 @@ typedef struct td_backend_opts {
   td_backend_kind kind;
   int device;  /* CUDA device ordinal */
   int threads; /* CPU BLAS threads; 0 = library default */
+  td_cuda_tuning cuda; /* kernel variants and switches (common/settings.h; zero: measured defaults) */
 } td_backend_opts;
 
 typedef enum td_buf_type { TD_BUF_ACT, TD_BUF_F32, TD_BUF_I32 } td_buf_type;

@@ -294,7 +294,7 @@ struct td_kvx {
   bool fail_pending, destroying;
   uint64_t next_xid;
   td_kvx_stats st;
-  struct kvx_tr *trace; /* TANDEM_KVX_TRACE=1 */
+  struct kvx_tr *trace; /* td_kvx_opts.trace */
   int n_trace;
 };
 
@@ -360,12 +360,8 @@ static bool cma_allowed(void) {
 
 static bool local_path_wanted(const td_kvx_opts *o) {
   if (o->local_path == TD_KVX_LOCAL_OFF) return false;
-  if (o->local_path == TD_KVX_LOCAL_AUTO) {
-    const char *e = getenv("TANDEM_KVX_LOCAL");
-    if (e && (strcmp(e, "off") == 0 || strcmp(e, "0") == 0 || strcmp(e, "no") == 0)) return false;
-  }
   /* A UCX_TLS without shared-memory transports leaves nothing to gain. */
-  const char *tls = getenv("UCX_TLS");
+  const char *tls = o->ucx_tls && *o->ucx_tls ? o->ucx_tls : NULL;
   if (tls && !strstr(tls, "sm") && !strstr(tls, "posix") && !strstr(tls, "sysv") && !strstr(tls, "cma") &&
       !strstr(tls, "all"))
     return false;
@@ -764,8 +760,7 @@ td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out) {
   k->host_id = host_identity();
   k->next_xid = 1;
   k->efd = k->tfd = k->epfd = -1;
-  const char *tv = getenv("TANDEM_KVX_TRACE");
-  if (tv && *tv && *tv != '0') k->trace = malloc(sizeof *k->trace * KVX_TRACE_CAP); /* NULL: no trace */
+  if (k->o.trace) k->trace = malloc(sizeof *k->trace * KVX_TRACE_CAP); /* NULL: no trace */
   td_status s = TD_OK;
 
   if (k->o.cuda_device >= 0) {

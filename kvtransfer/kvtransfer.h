@@ -103,7 +103,7 @@ typedef void (*td_kvx_peer_fn)(void *ctx, td_kvx_peer *peer, uint64_t peer_uuid,
 typedef void (*td_kvx_done_fn)(void *arg, uint64_t xfer_id, td_status status, const char *msg);
 
 typedef enum td_kvx_local_path {
-  TD_KVX_LOCAL_AUTO = 0, /* TANDEM_KVX_LOCAL env (on|off), default on */
+  TD_KVX_LOCAL_AUTO = 0, /* on where shared memory can be had (ucx_tls, ptrace scope) */
   TD_KVX_LOCAL_ON,
   TD_KVX_LOCAL_OFF,
 } td_kvx_local_path;
@@ -126,6 +126,10 @@ typedef struct td_kvx_opts {
    * RDMA with peer-failure handling); failures still surface through the
    * control endpoint. */
   td_kvx_local_path local_path;
+  /* UCX_TLS as UCX reads it (NULL or "": unset): a list without a
+   * shared-memory transport leaves the local path nothing to gain. */
+  const char *ucx_tls;
+  bool trace; /* keep a per-transfer event trace, printed at destroy */
   td_kvx_authorize_fn authorize; /* NULL: refuse every transfer */
   td_kvx_recv_fn on_recv;
   td_kvx_peer_fn on_peer;

@@ -78,7 +78,7 @@ struct td_model {
   td_graph *graphs[16];
   /* decode steps of more rows leave the cross query's folded RMSNorm to
    * the attention (td_paged_meta.q_norm): the backend's
-   * td_backend_fused_norm_rows, or TANDEM_QNORM_ROWS */
+   * td_backend_fused_norm_rows, or td_model_tuning.qnorm_rows */
   int q_norm_rows;
   /* steps of at least this many rows attend over the cross pool's states
    * (0 in STATES, INT_MAX in KV) */
@@ -379,9 +379,8 @@ static td_status load_t5(td_model *m, loader *ld) {
   /* The decoder's pre-norms are RMSNorms right before a linear layer:
    * their weights go into that layer's W (norm(x) W^T = (x / rms(x))
    * (W diag(w))^T), so a decode GEMM normalises by scaling its output.
-   * TANDEM_NORM_FOLD=0 keeps them apart. */
-  const char *nf = getenv("TANDEM_NORM_FOLD");
-  bool fold = c->pre_norm && c->rmsnorm && !(nf && *nf == '0');
+   * td_model_tuning.norm_fold TD_OFF keeps them apart. */
+  bool fold = c->pre_norm && c->rmsnorm && m->opts.tuning.norm_fold != TD_OFF;
   float *fw = fold ? malloc(sizeof(float) * (size_t)c->d_model) : NULL;
   if (fold && !fw) return td_err(TD_ERR_NOMEM, "out of memory");
   td_status st = TD_OK;
@@ -494,10 +493,9 @@ static td_status load_bart(td_model *m, loader *ld, const char *P) {
     TD_TRY(load_norm(ld, name, c->d_model, &L->ln_ffn));
   }
   /* Pre-norm LayerNorms of the decoder go into the linear layers they
-   * feed, as T5's RMSNorms do (load_t5); TANDEM_NORM_FOLD=0 keeps them
+   * feed, as T5's RMSNorms do (load_t5); norm_fold TD_OFF keeps them
    * apart. Post-norm models normalise the residual itself: nothing to fold. */
-  const char *nf = getenv("TANDEM_NORM_FOLD");
-  bool fold = c->pre_norm && !c->rmsnorm && !(nf && *nf == '0');
+  bool fold = c->pre_norm && !c->rmsnorm && m->opts.tuning.norm_fold != TD_OFF;
   float *fw = fold ? malloc(sizeof(float) * 2 * (size_t)c->d_model) : NULL;
   if (fold && !fw) return td_err(TD_ERR_NOMEM, "out of memory");
   td_status st = load_bart_decoder(m, ld, P, fw, fw ? fw + c->d_model : NULL);
@@ -788,8 +786,8 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
     for (int bk = 1; bk <= m->opts.max_seqs && m->n_buckets < 16; bk *= 2) m->buckets[m->n_buckets++] = bk;
   if (m->n_buckets && m->buckets[m->n_buckets - 1] < m->opts.max_seqs && m->n_buckets < 16)
     m->buckets[m->n_buckets++] = m->opts.max_seqs;
-  const char *qr = getenv("TANDEM_QNORM_ROWS");
-  m->q_norm_rows = qr && *qr ? atoi(qr) : td_backend_fused_norm_rows(b);
+  int qr = m->opts.tuning.qnorm_rows;
+  m->q_norm_rows = qr > 0 ? qr : qr < 0 ? 0 : td_backend_fused_norm_rows(b);
   s = td_sync(b);
   if (s != TD_OK) goto fail;
   TD_INFO("loaded %s (%s, d_model %d, %d+%d layers, vocab %d) on %s", dir, c->model_type, c->d_model, c->enc_layers,

@@ -10,6 +10,7 @@
 
 #include "common/status.h"
 #include "common/cross_mode.h"
+#include "common/settings.h"
 #include "kernels/ops.h"
 #include "model/config.h"
 
@@ -35,6 +36,7 @@ typedef struct td_model_opts {
    * smaller ones over the per-layer K/V (0: the backend's choice,
    * td_attn_states_rows; -1: never) */
   int states_rows;
+  td_model_tuning tuning; /* graph choices (common/settings.h) */
 } td_model_opts;
 
 /* Fills unset (zero) fields with defaults. */

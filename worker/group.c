@@ -187,7 +187,8 @@ td_status td_worker_follow(const td_worker_opts *o, volatile sig_atomic_t *stop)
   }
   if ((s = group_rendezvous(rsock, o->group, o->rank, world, ep, NULL, 0, o->cross_mode, 120000, stop, &gi)) != TD_OK)
     goto out;
-  td_backend_opts bo = {.kind = o->device, .device = o->device_id, .threads = o->threads};
+  td_backend_opts bo = {.kind = o->device, .device = o->device_id, .threads = o->threads,
+                        .cuda = o->settings.cuda};
   if ((s = td_backend_create(&bo, &b)) != TD_OK) goto out;
   char comm_ep[256], mirror_ep[256];
   group_split_leader(gi.endpoints[0], comm_ep, sizeof comm_ep, mirror_ep, sizeof mirror_ep);
@@ -204,7 +205,7 @@ td_status td_worker_follow(const td_worker_opts *o, volatile sig_atomic_t *stop)
   td_backend_set_comm(b, comm);
   td_model_opts mo = {.block_size = o->block_size, .max_seqs = o->max_batch, .max_tokens = o->max_tokens,
                       .max_enc_tokens = o->max_enc_tokens, .max_enc_seqs = 16, .cross_mode = o->cross_mode,
-                      .states_rows = o->states_rows};
+                      .states_rows = o->states_rows, .tuning = o->settings.model};
   if (o->tp > 1) {
     mo.tp_rank = o->rank;
     mo.tp_size = o->tp;

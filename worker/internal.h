@@ -158,6 +158,7 @@ typedef struct uxfer_opts {
   void *cross_base, *self_base; /* the engine's pools (compute thread's; only their memory is used here) */
   int cross_blocks, self_blocks;
   size_t cross_block_bytes, self_block_bytes; /* the pools' own: what the layouts must give */
+  td_kvx_tuning kvx;
 } uxfer_opts;
 
 td_status uxfer_create(const uxfer_opts *o, const uxfer_hooks *hooks, uxfer **out);

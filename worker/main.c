@@ -50,7 +50,7 @@ int main(int argc, char **argv) {
       {"kv-transport", required_argument, 0, 'X'}, {"cross-states", no_argument, 0, 'C'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'W'},
       {0, 0, 0, 0}};
-  td_worker_opts o = {.device = TD_BACKEND_CPU};
+  td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings};
   const char *roles = "encode,prefill,decode";
   char idbuf[64];
   snprintf(idbuf, sizeof idbuf, "worker-%d", (int)getpid());

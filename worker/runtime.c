@@ -440,11 +440,13 @@ static void compute_handle(td_worker *w, cmd *c) {
 }
 
 static td_status compute_init(td_worker *w) {
-  td_backend_opts bo = {.kind = w->o.device, .device = w->o.device_id, .threads = w->o.threads};
+  td_backend_opts bo = {.kind = w->o.device, .device = w->o.device_id, .threads = w->o.threads,
+                        .cuda = w->o.settings.cuda};
   TD_TRY(td_backend_create(&bo, &w->b));
   td_model_opts mo = {.block_size = w->o.block_size, .max_seqs = w->o.max_batch, .max_tokens = w->o.max_tokens,
                       .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = 16,
-                      .cross_mode = w->o.cross_mode, .states_rows = w->o.states_rows};
+                      .cross_mode = w->o.cross_mode, .states_rows = w->o.states_rows,
+                      .tuning = w->o.settings.model};
   if (w->world > 1) {
     char comm_ep[256], mirror_ep[256];
     group_split_leader(w->gi.endpoints[0], comm_ep, sizeof comm_ep, mirror_ep, sizeof mirror_ep);
@@ -1419,6 +1421,7 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
     uxfer_opts uo = w->pools;
     uo.name = w->id;
     uo.timeout_ms = o->transfer_timeout_ms;
+    uo.kvx = o->settings.kvx;
     uxfer_hooks uh = {.accept = u_accept, .arrived = u_arrived, .pushed = u_pushed, .release = u_release, .ctx = w};
     s = uxfer_create(&uo, &uh, &w->ux);
     if (s != TD_OK && ucx_only) goto fail;

@@ -10,6 +10,7 @@
 #include <stdbool.h>
 
 #include "common/cross_mode.h"
+#include "common/settings.h"
 #include "common/status.h"
 #include "kernels/ops.h"
 
@@ -43,6 +44,9 @@ typedef struct td_worker_opts {
    * refuses a worker whose mode differs from the cluster's. */
   td_cross_mode cross_mode;
   int states_rows; /* td_model_opts.states_rows (every rank of a group the same) */
+  /* from the environment, read once in main: backend, model and KV
+   * transfer tuning (every rank of a group the same) */
+  td_settings settings;
 } td_worker_opts;
 
 /* A follower rank of a worker group: joins the group through the router,

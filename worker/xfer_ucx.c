@@ -271,6 +271,8 @@ td_status uxfer_create(const uxfer_opts *o, const uxfer_hooks *hooks, uxfer **ou
   if (!u) return td_err(TD_ERR_NOMEM, "out of memory");
   u->h = *hooks;
   td_kvx_opts ko = {.name = o->name, .cuda_device = o->cuda ? o->device : -1, .timeout_ms = o->timeout_ms,
+                    .local_path = o->kvx.local_path == TD_OFF ? TD_KVX_LOCAL_OFF : TD_KVX_LOCAL_AUTO,
+                    .ucx_tls = o->kvx.ucx_tls, .trace = o->kvx.trace,
                     .authorize = on_authorize, .on_recv = on_recv, .on_peer = on_peer, .ctx = u};
   td_status s = td_kvx_create(&ko, &u->k);
   for (int i = 0; s == TD_OK && i < 2; i++) {

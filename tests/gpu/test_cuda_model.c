@@ -187,6 +187,7 @@ typedef struct rig {
  * attend over the states (td_model_opts.cross_mode, states_rows) */
 static td_cross_mode rig_mode;
 static int rig_states_rows;
+static td_model_tuning rig_tuning;
 
 static void rig_open(rig *r, const char *dir, int bs, int vocab, bool emulate) {
   td_backend_opts bo = {.kind = emulate ? TD_BACKEND_CPU : TD_BACKEND_CUDA, .device = 0};
@@ -206,7 +207,7 @@ static void rig_open(rig *r, const char *dir, int bs, int vocab, bool emulate) {
   }
   td_model_opts mo = {.block_size = bs, .max_tokens = 128, .max_seqs = 8, .max_logits = 128,
                       .max_enc_tokens = 256, .max_enc_seqs = 4, .cross_mode = rig_mode,
-                      .states_rows = rig_states_rows};
+                      .states_rows = rig_states_rows, .tuning = rig_tuning};
   cr_assert(td_model_load(dir, r->b, &mo, &r->m) == TD_OK, "%s", td_errmsg());
   td_kv_layout sl = td_model_self_layout(r->m), cl = td_model_cross_layout(r->m);
   cr_assert(td_kv_pool_create(r->b, &sl, 64, &r->self) == TD_OK, "%s", td_errmsg());
@@ -419,7 +420,7 @@ static const float *gpu_step(void *ctx, const td_step_input *st) {
 
 /* Decode steps over several sequences at once (graph replay of a padded
  * bucket) against the references, also with the cross query's norm left to
- * the attention from 2 rows (TANDEM_QNORM_ROWS), over per-layer K/V or
+ * the attention from 2 rows (td_model_tuning.qnorm_rows), over per-layer K/V or
  * encoder states. */
 static void batched_decode(td_cross_mode mode, int states_rows) {
   static const char *qn_rows[] = {NULL, "1"};
@@ -430,9 +431,9 @@ static void batched_decode(td_cross_mode mode, int states_rows) {
     fixture fx;
     fx_load(fx_batch_models[i], &fx);
     rig r;
-    if (qn_rows[v]) setenv("TANDEM_QNORM_ROWS", qn_rows[v], 1);
+    rig_tuning.qnorm_rows = qn_rows[v] ? atoi(qn_rows[v]) : 0;
     rig_open(&r, fx.dir, 16, fx.vocab, false);
-    unsetenv("TANDEM_QNORM_ROWS");
+    rig_tuning.qnorm_rows = 0;
     fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 16, gpu_step, &r, 2.0);
     fx_batch_expect(fx_batch_models[i], qn_rows[v], res, TOL);
     fprintf(stderr, "cuda batched (%s) %-22s %d steps, error %.2e\n", td_cross_mode_name(mode), fx_batch_models[i],

@@ -59,7 +59,7 @@ static int receiver_main(int to_parent, int from_parent, rx_mode mode, td_kvx_ge
   td_kvx *k;
   if (td_kvx_create(&o, &k) != TD_OK) return 10;
   td_backend *cpu;
-  td_backend_opts bo = {TD_BACKEND_CPU, 0, 1};
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU, .threads = 1};
   if (td_backend_create(&bo, &cpu) != TD_OK) return 11;
   td_kv_pool *kv;
   if (td_kv_pool_create(cpu, &g.layout, NBLK, &kv) != TD_OK) return 12;
@@ -362,7 +362,7 @@ Test(kvx_proc, sender_killed_mid_transfer, .timeout = 120) {
   td_kvx *k;
   cr_assert_eq(td_kvx_create(&o, &k), TD_OK, "%s", td_errmsg());
   td_backend *cpu;
-  td_backend_opts bo = {TD_BACKEND_CPU, 0, 1};
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU, .threads = 1};
   cr_assert_eq(td_backend_create(&bo, &cpu), TD_OK);
   td_kv_pool *kv;
   cr_assert_eq(td_kv_pool_create(cpu, &g.layout, NBLK, &kv), TD_OK);

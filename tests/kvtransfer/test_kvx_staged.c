@@ -18,11 +18,17 @@ typedef struct side {
   size_t bb;
 } side;
 
+/* what the next side_open passes in td_kvx_opts.trace / ucx_tls */
+static bool g_trace;
+static const char *g_ucx_tls;
+
 static void side_open(side *s, const char *name, td_kvx_geom g, td_kvx_local_path local, uint64_t seed) {
   memset(s, 0, sizeof *s);
   td_kvx_opts o = kt_opts(name, &s->rx);
   o.cuda_device = 0;
   o.local_path = local;
+  o.trace = g_trace;
+  o.ucx_tls = g_ucx_tls;
   o.staging_slots = 3;              /* fewer slots than chunks: credits cycle */
   o.staging_slot_bytes = 40 << 10;  /* not a multiple of the block size */
   cr_assert_eq(td_kvx_create(&o, &s->k), TD_OK, "%s", td_errmsg());
@@ -106,7 +112,7 @@ static void run_all_directions(td_kvx_local_path local) {
 
 Test(kvx_staged, every_direction_with_puts, .timeout = 120) { run_all_directions(TD_KVX_LOCAL_AUTO); }
 Test(kvx_staged, every_direction_with_messages, .timeout = 120) { run_all_directions(TD_KVX_LOCAL_OFF); }
-/* TANDEM_KVX_TRACE=1: each protocol step of a staged transfer is recorded
+/* td_kvx_opts.trace: each protocol step of a staged transfer is recorded
  * on both sides and printed at destroy, in time order per engine; the
  * copies' records add up to the transfer. */
 static const char *trace_events[] = {"post", "grant", "d2h", "d2h_done", "chunk", "credit", "done", "ack", "cb",
@@ -114,12 +120,12 @@ static const char *trace_events[] = {"post", "grant", "d2h", "d2h_done", "chunk"
 enum { N_TRACE_EVENTS = sizeof trace_events / sizeof trace_events[0] };
 
 Test(kvx_staged, trace_records_each_step, .init = cr_redirect_stderr, .timeout = 120) {
-  setenv("TANDEM_KVX_TRACE", "1", 1);
+  g_trace = true;
   td_kvx_geom g = kt_geom(0, 2, 0, 4, 16, 8, 2);
   side s, r;
   side_open(&s, "trace-s", g, TD_KVX_LOCAL_AUTO, 1);
   side_open(&r, "trace-r", g, TD_KVX_LOCAL_AUTO, 100);
-  unsetenv("TANDEM_KVX_TRACE");
+  g_trace = false;
   td_kvx_peer *p = link_to(&s, &r);
   move(&s, &r, p, GPU, GPU);
   uint64_t total = (uint64_t)30 * s.bb;
@@ -160,8 +166,10 @@ Test(kvx_staged, trace_records_each_step, .init = cr_redirect_stderr, .timeout =
 /* Without shared memory UCX cannot map the peer's staging: puts (CMA)
  * carry every chunk through the local staging slots. */
 Test(kvx_staged, every_direction_without_mapping, .timeout = 120) {
-  setenv("UCX_TLS", "tcp,cma", 1);
+  setenv("UCX_TLS", "tcp,cma", 1); /* for UCX itself */
+  g_ucx_tls = "tcp,cma";
   run_all_directions(TD_KVX_LOCAL_AUTO);
+  g_ucx_tls = NULL;
 }
 
 Test(kvx_staged, resliced_gpu_to_gpu, .timeout = 120) {

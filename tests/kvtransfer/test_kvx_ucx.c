@@ -25,7 +25,7 @@ static void pair_open(pair *p, td_kvx_geom sg, td_kvx_geom rg, td_kvx_local_path
   so.local_path = ro.local_path = local;
   cr_assert_eq(td_kvx_create(&so, &p->s), TD_OK, "%s", td_errmsg());
   cr_assert_eq(td_kvx_create(&ro, &p->r), TD_OK, "%s", td_errmsg());
-  td_backend_opts bo = {TD_BACKEND_CPU, 0, 1};
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU, .threads = 1};
   cr_assert_eq(td_backend_create(&bo, &p->cpu), TD_OK, "%s", td_errmsg());
   cr_assert_eq((size_t)rg.elem_size, td_buf_elem_size(p->cpu, TD_BUF_ACT));
   cr_assert_eq(td_kv_pool_create(p->cpu, &rg.layout, NR, &p->kv), TD_OK, "%s", td_errmsg());

@@ -115,7 +115,7 @@ static const char *const fx_batch_models[] = {"t5-tiny", "bart-tiny", "whisper-t
 enum { FX_BATCH_MODELS = sizeof fx_batch_models / sizeof fx_batch_models[0] };
 
 /* A batched run's verdict: steps ran, every row within tol, no greedy flip
- * (qn_rows: the TANDEM_QNORM_ROWS it ran under, NULL for the default). */
+ * (qn_rows: the td_model_tuning.qnorm_rows it ran under, NULL for the default). */
 static void fx_batch_expect(const char *model, const char *qn_rows, fx_batch_result res, double tol) {
   cr_expect(res.steps > 0, "%s: no batched steps", model);
   cr_expect(res.worst <= tol && res.flips == 0,

@@ -26,13 +26,14 @@ typedef struct rig {
  * attend over the states (td_model_opts.cross_mode, states_rows) */
 static td_cross_mode rig_mode;
 static int rig_states_rows;
+static td_model_tuning rig_tuning;
 
 static void rig_open(rig *r, const char *dir, int bs) {
   td_backend_opts bo = {.kind = TD_BACKEND_CPU};
   cr_assert(td_backend_create(&bo, &r->b) == TD_OK, "%s", td_errmsg());
   td_model_opts mo = {.block_size = bs, .max_tokens = 128, .max_seqs = 8, .max_logits = 128,
                       .max_enc_tokens = 256, .max_enc_seqs = 4, .cross_mode = rig_mode,
-                      .states_rows = rig_states_rows};
+                      .states_rows = rig_states_rows, .tuning = rig_tuning};
   cr_assert(td_model_load(dir, r->b, &mo, &r->m) == TD_OK, "%s", td_errmsg());
   td_kv_layout sl = td_model_self_layout(r->m), cl = td_model_cross_layout(r->m);
   cr_assert(td_kv_pool_create(r->b, &sl, 64, &r->self) == TD_OK, "%s", td_errmsg());
@@ -180,12 +181,12 @@ MODEL_TEST(t5_untied_head, "t5-gated-untied-head")
  * biases); with the fold off (the norm applied as its own op) the model
  * must match the same references. */
 Test(model_cpu, norm_unfolded) {
-  setenv("TANDEM_NORM_FOLD", "0", 1);
+  rig_tuning.norm_fold = TD_OFF;
   check_model("t5v11-gated-untied", 4);
   check_model("t5-tiny", 3);
   check_model("whisper-tiny", 4);
   check_model("mbart-prenorm-sharded", 3);
-  unsetenv("TANDEM_NORM_FOLD");
+  rig_tuning.norm_fold = 0;
 }
 
 /* The cross pool holding encoder states instead of per-layer K/V: every
@@ -198,9 +199,9 @@ Test(model_cpu, cross_states) {
                                 "mbart-prenorm-sharded", "marian-sinusoidal", "bart-untied-gelunew",
                                 "whisper-128mel", "t5-gated-untied-head"};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) check_model(names[i], i % 2 ? 3 : 4);
-  setenv("TANDEM_NORM_FOLD", "0", 1);
+  rig_tuning.norm_fold = TD_OFF;
   check_model("t5v11-gated-untied", 4);
-  unsetenv("TANDEM_NORM_FOLD");
+  rig_tuning.norm_fold = 0;
   rig_mode = TD_CROSS_AUTO;
 }
 
@@ -302,7 +303,7 @@ static const float *cpu_step(void *ctx, const td_step_input *st) {
 
 /* Decode steps over several sequences at once against the references: the
  * cross query's norm in the attention (the CPU's default) and before the
- * projection (TANDEM_QNORM_ROWS above the rows), over per-layer K/V or
+ * projection (td_model_tuning.qnorm_rows above the rows), over per-layer K/V or
  * encoder states. */
 static void batched_decode(td_cross_mode mode, int states_rows) {
   static const char *qn_rows[] = {NULL, "1000"};
@@ -313,9 +314,9 @@ static void batched_decode(td_cross_mode mode, int states_rows) {
     fixture fx;
     fx_load(fx_batch_models[i], &fx);
     rig r;
-    if (qn_rows[v]) setenv("TANDEM_QNORM_ROWS", qn_rows[v], 1);
+    rig_tuning.qnorm_rows = qn_rows[v] ? atoi(qn_rows[v]) : 0;
     rig_open(&r, fx.dir, 4);
-    unsetenv("TANDEM_QNORM_ROWS");
+    rig_tuning.qnorm_rows = 0;
     fx_batch_result res = fx_batched_decode(&fx, r.m, r.self, r.cross, 4, cpu_step, r.m, 0.0);
     fx_batch_expect(fx_batch_models[i], qn_rows[v], res, TOL);
     rig_close(&r);
