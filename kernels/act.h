@@ -1,11 +1,20 @@
-/* Activation functions shared by the CPU and CUDA code. */
+/* Activation functions: the kinds the ops take (td_gemm, td_gated_act) and
+ * their definition, shared by the CPU and CUDA code. */
 #ifndef TD_KERNELS_ACT_H
 #define TD_KERNELS_ACT_H
 
 #include <math.h>
 
 #include "common/rng.h" /* TD_HD */
-#include "model/config.h"
+
+typedef enum td_act {
+  TD_ACT_NONE,
+  TD_ACT_RELU,
+  TD_ACT_GELU,      /* exact (erf) */
+  TD_ACT_GELU_TANH, /* gelu_new / gelu_fast / gelu_pytorch_tanh */
+  TD_ACT_SILU,
+  TD_ACT_QUICK_GELU,
+} td_act;
 
 TD_HD float td_act_apply(int act, float x) {
   switch (act) {

@@ -22,7 +22,7 @@
 
 #include "common/settings.h"
 #include "common/status.h"
-#include "model/config.h"
+#include "kernels/act.h"
 
 typedef struct td_backend td_backend;
 

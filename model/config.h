@@ -6,17 +6,9 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "kernels/act.h" /* td_act */
 
 typedef enum td_family { TD_FAMILY_T5, TD_FAMILY_BART, TD_FAMILY_WHISPER } td_family;
-
-typedef enum td_act {
-  TD_ACT_NONE,
-  TD_ACT_RELU,
-  TD_ACT_GELU,      /* exact (erf) */
-  TD_ACT_GELU_TANH, /* gelu_new / gelu_fast / gelu_pytorch_tanh */
-  TD_ACT_SILU,
-  TD_ACT_QUICK_GELU,
-} td_act;
 
 typedef enum td_pos_kind { TD_POS_RELATIVE, TD_POS_LEARNED, TD_POS_SINUSOIDAL } td_pos_kind;
 
