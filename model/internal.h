@@ -43,6 +43,9 @@ typedef struct dims {
   int stage, stages;
 } dims;
 
+/* decode graphs a model keeps: batch buckets 1, 2, 4, ... up to max_seqs */
+enum { MAX_GRAPHS = 16 };
+
 struct td_model {
   td_model_config cfg;
   td_gen_config gen;
@@ -74,9 +77,9 @@ struct td_model {
   int32_t *meta_dev, *meta_host;
   size_t meta_cap;
   /* decode graphs by batch bucket */
-  int buckets[16];
+  int buckets[MAX_GRAPHS];
   int n_buckets;
-  td_graph *graphs[16];
+  td_graph *graphs[MAX_GRAPHS];
   /* decode steps of more rows leave the cross query's folded RMSNorm to
    * the attention (td_paged_meta.q_norm): the backend's
    * td_backend_fused_norm_rows, or td_model_tuning.qnorm_rows */

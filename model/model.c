@@ -6,17 +6,18 @@
 #include <limits.h>
 #include <stdlib.h>
 
+#include "common/defaults.h"
 #include "common/log.h"
 #include "model/internal.h"
 
 void td_model_opts_default(td_model_opts *o) {
-  if (o->block_size <= 0) o->block_size = 16;
-  if (o->max_seqs <= 0) o->max_seqs = 64;
-  if (o->max_tokens <= 0) o->max_tokens = 1024;
+  if (o->block_size <= 0) o->block_size = TD_DEFAULT_BLOCK_SIZE;
+  if (o->max_seqs <= 0) o->max_seqs = TD_DEFAULT_MAX_SEQS;
+  if (o->max_tokens <= 0) o->max_tokens = TD_DEFAULT_MAX_TOKENS;
   if (o->max_tokens < o->max_seqs) o->max_tokens = o->max_seqs;
   if (o->max_logits <= 0) o->max_logits = o->max_seqs;
-  if (o->max_enc_seqs <= 0) o->max_enc_seqs = 16;
-  if (o->max_enc_tokens <= 0) o->max_enc_tokens = 4096;
+  if (o->max_enc_seqs <= 0) o->max_enc_seqs = TD_DEFAULT_MAX_ENC_SEQS;
+  if (o->max_enc_tokens <= 0) o->max_enc_tokens = TD_DEFAULT_MAX_ENC_TOKENS;
   if (o->tp_size <= 0) o->tp_size = 1;
   if (o->pp_size <= 0) o->pp_size = 1;
 }
@@ -158,8 +159,8 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
   s = alloc_scratch(m);
   if (s != TD_OK) goto fail;
   if (td_backend_has_graphs(b) && !m->opts.no_graphs && m->opts.pp_size == 1)
-    for (int bk = 1; bk <= m->opts.max_seqs && m->n_buckets < 16; bk *= 2) m->buckets[m->n_buckets++] = bk;
-  if (m->n_buckets && m->buckets[m->n_buckets - 1] < m->opts.max_seqs && m->n_buckets < 16)
+    for (int bk = 1; bk <= m->opts.max_seqs && m->n_buckets < MAX_GRAPHS; bk *= 2) m->buckets[m->n_buckets++] = bk;
+  if (m->n_buckets && m->buckets[m->n_buckets - 1] < m->opts.max_seqs && m->n_buckets < MAX_GRAPHS)
     m->buckets[m->n_buckets++] = m->opts.max_seqs;
   int qr = m->opts.tuning.qnorm_rows;
   m->q_norm_rows = qr > 0 ? qr : qr < 0 ? 0 : td_backend_fused_norm_rows(b);
