@@ -48,6 +48,21 @@ void td_engine_default_blocks(const td_model *m, const td_engine_opts *o, int *s
   *cross_blocks = o->cross_blocks > 0 ? o->cross_blocks : run * cs;
 }
 
+/* The widest request a step always fits: sequences, query rows (one each
+ * when decoding) and logit rows (one each when a prompt forks). */
+static void set_width(td_engine *e) {
+  e->max_width = e->o.max_running;
+  e->width_limit = "max_running, the sequences a step";
+  if (e->o.max_step_tokens < e->max_width) {
+    e->max_width = e->o.max_step_tokens;
+    e->width_limit = "max_step_tokens, the decoder rows a step";
+  }
+  if (e->max_rows < e->max_width) {
+    e->max_width = e->max_rows;
+    e->width_limit = "max_logits, the logit rows a step";
+  }
+}
+
 td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_engine_callbacks *cb, td_engine **out) {
   *out = NULL;
   td_engine *e = calloc(1, sizeof *e);
@@ -72,6 +87,7 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (o->max_queue <= 0) o->max_queue = TD_DEFAULT_ENGINE_QUEUE;
   td_engine_default_blocks(m, o, &o->self_blocks, &o->cross_blocks);
   e->max_rows = mo->max_logits;
+  set_width(e);
   e->next_handle = 1;
   td_status s;
   td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
@@ -209,6 +225,8 @@ td_status td_engine_cancel(td_engine *e, uint64_t handle) {
   eng_group_finish(e, g, TD_ERR_CANCELLED, "cancelled", TD_FINISH_CANCELLED);
   return TD_OK;
 }
+
+int td_engine_max_width(const td_engine *e) { return e->max_width; }
 
 bool td_engine_idle(const td_engine *e) { return e->wait.n == 0 && e->run.n == 0; }
 

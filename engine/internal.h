@@ -112,7 +112,7 @@ typedef struct eng_sampler {
   float *d_lp, *h_lp;
   int32_t *d_ids, *h_ids;
   float *d_vals, *h_vals;
-  int max_k;       /* top-k width of the beam rows */
+  int max_k;       /* top-k width of the beam rows: 2 x the most beams */
   float *h_logits; /* one downloaded row for all_logits */
 } eng_sampler;
 
@@ -125,6 +125,9 @@ struct td_engine {
   int bs, V, max_src, max_tgt;
   int self_stride, cross_stride;
   int max_rows;       /* logit rows a step */
+  int max_width;      /* sequences one request may run: what a step always fits */
+  const char *width_limit; /* the option that sets max_width */
+  int max_beams;
   const td_model_config *cfg;
   const td_gen_config *gen;
   uint64_t next_handle;

@@ -4,14 +4,14 @@
  * td_topk_logprobs for beam rows; the results come back to the host. */
 #include <stdlib.h>
 
+#include "common/defaults.h"
 #include "engine/internal.h"
 
 td_status eng_sampler_init(td_engine *e) {
   eng_sampler *sm = &e->smp;
   size_t R = (size_t)e->max_rows;
-  int S = e->o.max_running;
-  sm->max_k = 2 * (S < 32 ? S : 32);
-  if (sm->max_k > e->V) sm->max_k = e->V;
+  int beams = e->max_width < TD_ENGINE_MAX_BEAMS ? e->max_width : TD_ENGINE_MAX_BEAMS;
+  sm->max_k = 2 * beams < e->V ? 2 * beams : e->V;
   sm->cap_bans = e->max_rows * (1 + e->gen->n_suppress + e->gen->n_begin_suppress) + 1;
   sm->h_rows = malloc(sizeof *sm->h_rows * R);
   sm->h_tok = malloc(sizeof(int32_t) * R);

@@ -86,7 +86,9 @@ static td_status seq_grow(td_engine *e, seq *s, int chunk) {
  * `width` copies of the prompt row when it forks into samples. */
 static int group_sample_rows(const group *g) { return !g->forked && !g->beam ? g->width : g->n_s; }
 
-/* Plans chunk sizes for a group; returns false when it does not fit now. */
+/* Plans chunk sizes for a group; returns false when it does not fit now.
+ * A group alone in a step always fits: admission keeps its width within
+ * the step's sequences, tokens and logit rows. */
 static bool plan_group(td_engine *e, group *g, int tok_left, int seq_left, int row_left, int *chunks, bool *completes) {
   if (g->n_s > seq_left) return false;
   int total = 0;

@@ -1,16 +1,14 @@
-/* What a request may ask of this engine, checked at admission: bad input
- * and requests above a limit are refused before anything is queued. */
+/* What a request may ask of this engine. Every limit is checked here, at
+ * admission, and refused with an error that names it: a request that gets
+ * past this always fits one step once blocks are free (the scheduler skips
+ * nothing for good). */
 #include <math.h>
 
+#include "common/defaults.h"
 #include "engine/internal.h"
 
-td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a) {
+static td_status check_input(const td_engine *e, const td_request *r, const char *id, eng_admit *a) {
   const td_model_config *c = e->cfg;
-  const td_request_params *p = &r->params;
-  const char *id = r->id ? r->id : "";
-  *a = (eng_admit){.whisper = c->family == TD_FAMILY_WHISPER, .ext_cross = r->cross_blocks != NULL};
-  if (e->wait.n + e->run.n >= e->o.max_queue)
-    return td_err(TD_ERR_OVERLOADED, "request %s: %d requests queued, the limit", id, e->o.max_queue);
   if (a->ext_cross) {
     int want = eng_blocks_for(r->enc_len, e->bs);
     if (r->enc_len <= 0 || r->enc_len > e->max_src || r->n_cross_blocks != want || r->encode_only)
@@ -31,21 +29,69 @@ td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a) {
         return td_err(TD_ERR_INVALID, "request %s: input token %d (at %d) is outside the vocabulary of %d", id,
                       r->input_ids[i], i, c->vocab_size);
   }
-  int n_prompt = a->n_prompt = r->n_prompt > 0 ? r->n_prompt : 1;
-  if (n_prompt >= e->max_tgt)
+  if (r->n_prompt < 0 || (r->n_prompt > 0 && !r->prompt))
+    return td_err(TD_ERR_INVALID, "request %s: decoder prompt of %d tokens %s", id, r->n_prompt,
+                  r->n_prompt < 0 ? "(a count, at least 0)" : "given no tokens");
+  a->n_prompt = r->n_prompt > 0 ? r->n_prompt : 1;
+  if (a->n_prompt >= e->max_tgt)
     return td_err(TD_ERR_INVALID, "request %s: decoder prompt of %d tokens leaves no room in the model's %d positions",
-                  id, n_prompt, e->max_tgt);
+                  id, a->n_prompt, e->max_tgt);
   for (int i = 0; i < r->n_prompt; i++)
     if (r->prompt[i] < 0 || r->prompt[i] >= c->vocab_size)
       return td_err(TD_ERR_INVALID, "request %s: decoder prompt token %d is outside the vocabulary of %d", id,
                     r->prompt[i], c->vocab_size);
-  if (p->temperature < 0 || !isfinite(p->temperature) || p->top_p <= 0 || !(p->top_p <= 1.0f || p->top_p > 1.0f) ||
-      p->top_k < 0)
-    return td_err(TD_ERR_INVALID, "request %s: temperature must be >= 0, top_p in (0, 1], top_k >= 0", id);
-  if (p->n < 1 || p->num_beams < 1 || p->n > e->o.max_running || p->num_beams > e->o.max_running ||
-      p->num_beams > 32)
-    return td_err(TD_ERR_INVALID, "request %s: n = %d and num_beams = %d must be between 1 and %d", id, p->n,
-                  p->num_beams, e->o.max_running < 32 ? e->o.max_running : 32);
+  return TD_OK;
+}
+
+/* Sampling parameters: out of range or not a number is refused, never clamped. */
+static td_status check_sampling(const td_request_params *p, const char *id) {
+  if (p->temperature < 0 || !isfinite(p->temperature))
+    return td_err(TD_ERR_INVALID, "request %s: temperature %g: must be a finite number >= 0", id,
+                  (double)p->temperature);
+  if (!(p->top_p > 0)) /* NaN too; above 1 is off */
+    return td_err(TD_ERR_INVALID, "request %s: top_p %g: must be in (0, 1] (>= 1: off)", id, (double)p->top_p);
+  if (p->top_k < 0) return td_err(TD_ERR_INVALID, "request %s: top_k %d: must be >= 0 (0: off)", id, p->top_k);
+  if (!isfinite(p->length_penalty))
+    return td_err(TD_ERR_INVALID, "request %s: length_penalty %g: must be a finite number", id,
+                  (double)p->length_penalty);
+  if (p->early_stopping < -1 || p->early_stopping > 1)
+    return td_err(TD_ERR_INVALID, "request %s: early_stopping %d: 1 (true), 0 (false) or -1 (never)", id,
+                  p->early_stopping);
+  if (p->num_return_sequences < 0)
+    return td_err(TD_ERR_INVALID, "request %s: num_return_sequences %d: must be >= 0 (0: one)", id,
+                  p->num_return_sequences);
+  if (p->n_stop_ids < 0 || (p->n_stop_ids > 0 && !p->stop_ids))
+    return td_err(TD_ERR_INVALID, "request %s: %d stop token ids %s", id, p->n_stop_ids,
+                  p->n_stop_ids < 0 ? "(a count, at least 0)" : "given no ids");
+  return TD_OK;
+}
+
+/* n and num_beams against what one step always fits. */
+static td_status check_width(const td_engine *e, const td_request_params *p, const char *id) {
+  if (p->n < 1) return td_err(TD_ERR_INVALID, "request %s: n %d: at least 1", id, p->n);
+  if (p->n > e->max_width)
+    return td_err(TD_ERR_INVALID, "request %s: n %d: at most %d (this engine's %s)", id, p->n, e->max_width,
+                  e->width_limit);
+  if (p->num_beams < 1) return td_err(TD_ERR_INVALID, "request %s: num_beams %d: at least 1", id, p->num_beams);
+  if (p->num_beams > TD_ENGINE_MAX_BEAMS)
+    return td_err(TD_ERR_INVALID, "request %s: num_beams %d: at most %d (this engine's limit)", id, p->num_beams,
+                  TD_ENGINE_MAX_BEAMS);
+  if (p->num_beams > e->max_width)
+    return td_err(TD_ERR_INVALID, "request %s: num_beams %d: at most %d (this engine's %s)", id, p->num_beams,
+                  e->max_width, e->width_limit);
+  return TD_OK;
+}
+
+td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a) {
+  const td_model_config *c = e->cfg;
+  const td_request_params *p = &r->params;
+  const char *id = r->id ? r->id : "";
+  *a = (eng_admit){.whisper = c->family == TD_FAMILY_WHISPER, .ext_cross = r->cross_blocks != NULL};
+  if (e->wait.n + e->run.n >= e->o.max_queue)
+    return td_err(TD_ERR_OVERLOADED, "request %s: %d requests queued, the limit", id, e->o.max_queue);
+  TD_TRY(check_input(e, r, id, a));
+  TD_TRY(check_sampling(p, id));
+  TD_TRY(check_width(e, p, id));
   a->beam = p->num_beams > 1;
   if (a->beam && (p->n > 1 || p->temperature > 0))
     return td_err(TD_ERR_UNSUPPORTED, "request %s: beam search with sampling (n or temperature) is not supported", id);
@@ -56,16 +102,28 @@ td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a) {
     return td_err(TD_ERR_INVALID, "request %s: num_return_sequences needs num_beams > 1 (use n for samples)", id);
   if (p->all_logits && (a->beam || p->n > 1))
     return td_err(TD_ERR_INVALID, "request %s: all logits are kept for single greedy or sampled requests only", id);
+  if (p->all_logits && (r->encode_only || r->prefill_only))
+    return td_err(TD_ERR_INVALID, "request %s: all logits are kept for decoding requests only", id);
+  if (p->all_logits && e->max_rows < 2)
+    return td_err(TD_ERR_INVALID, "request %s: all logits need 2 logit rows a step; this engine has %d (max_logits)",
+                  id, e->max_rows);
   if (a->beam && 2 * p->num_beams > e->smp.max_k)
-    return td_err(TD_ERR_INVALID, "request %s: num_beams %d too large for this engine", id, p->num_beams);
+    return td_err(TD_ERR_INVALID,
+                  "request %s: num_beams %d: at most %d (2 x num_beams candidates from a vocabulary of %d)", id,
+                  p->num_beams, e->smp.max_k / 2, e->V);
   for (int i = 0; i < p->n_stop_ids; i++)
     if (p->stop_ids[i] < 0 || p->stop_ids[i] >= c->vocab_size)
       return td_err(TD_ERR_INVALID, "request %s: stop token %d is outside the vocabulary", id, p->stop_ids[i]);
+  if (p->forced_bos < -2 || p->forced_eos < -2)
+    return td_err(TD_ERR_INVALID, "request %s: forced BOS %d / EOS %d: -2 (the model's), -1 (none) or a token id", id,
+                  p->forced_bos, p->forced_eos);
   a->forced_bos = p->forced_bos == -2 ? e->gen->forced_bos_token_id : p->forced_bos;
   a->forced_eos = p->forced_eos == -2 ? e->gen->forced_eos_token_id : p->forced_eos;
   if (a->forced_bos >= c->vocab_size || a->forced_eos >= c->vocab_size)
-    return td_err(TD_ERR_INVALID, "request %s: forced token outside the vocabulary", id);
-  int room = e->max_tgt - n_prompt;
+    return td_err(TD_ERR_INVALID, "request %s: forced BOS %d / EOS %d: outside the vocabulary of %d", id, a->forced_bos,
+                  a->forced_eos, c->vocab_size);
+  int n_prompt = a->n_prompt, room = e->max_tgt - n_prompt;
+  /* max_new_tokens <= 0 is documented: generation_config's max_length, or the room left */
   int max_new = p->max_new_tokens;
   if (max_new <= 0) max_new = e->gen->max_length > n_prompt ? e->gen->max_length - n_prompt : room;
   if (max_new > room) {
@@ -84,9 +142,11 @@ td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a) {
       if (td_kv_refcount(e->self, r->self_blocks[i]) <= 0)
         return td_err(TD_ERR_INVALID, "request %s: self block %d is not allocated", id, r->self_blocks[i]);
   }
-  if (r->prefill_only && (r->prefill_only > n_prompt || a->beam || p->n > 1))
-    return td_err(TD_ERR_INVALID, "request %s: prefill of %d tokens for a prompt of %d", id, r->prefill_only,
-                  n_prompt);
+  int computed = r->self_blocks ? r->n_computed : 0;
+  if (r->prefill_only < 0 ||
+      (r->prefill_only && (r->prefill_only > n_prompt || r->prefill_only <= computed || a->beam || p->n > 1)))
+    return td_err(TD_ERR_INVALID, "request %s: prefill of %d tokens for a prompt of %d (%d computed)", id,
+                  r->prefill_only, n_prompt, computed);
   if (r->encode_only && (r->prefill_only || r->self_blocks))
     return td_err(TD_ERR_INVALID, "request %s: encode_only excludes other work", id);
   a->enc_len = a->ext_cross ? r->enc_len : a->whisper ? e->max_src : r->n_input;
