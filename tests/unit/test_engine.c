@@ -1,7 +1,7 @@
 /* The engine against the fixtures: batched equals one-at-a-time, greedy
- * and beam search match transformers, tight KV budgets still finish with
- * the same tokens and leak no block; every limit is refused at admission
- * with an error naming it, and a request at the limit runs. */
+ * and beam search match transformers, tight KV budgets preempt and still
+ * finish with the same tokens and leak no block; every limit is refused
+ * at admission with an error naming it, and a request at the limit runs. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +30,7 @@ typedef struct run_ctx {
   got g[MAXR];
   int vocab;
   int tokens_streamed;
+  td_engine_stats st; /* at the end of the run */
 } run_ctx;
 
 static void on_finish(void *ctx, const td_result *r) {
@@ -116,12 +117,27 @@ static void run(const fixture *fx, const setup *su, mode md, const int *which, i
     cr_assert(++steps < 5000, "engine does not finish");
   }
   td_engine_stats st = td_engine_get_stats(e);
+  c->st = st;
   cr_expect_eq(st.self.n_free, st.self.n_blocks, "self blocks leaked: %d of %d free", st.self.n_free,
                st.self.n_blocks);
   cr_expect_eq(st.cross.n_free, st.cross.n_blocks, "cross blocks leaked");
   td_engine_destroy(e);
   td_model_destroy(m);
   td_backend_destroy(b);
+}
+
+/* The smallest self pool admission accepts for these requests: the widest
+ * one's full length. Several of them together then outgrow it, so the
+ * engine must preempt. */
+static int min_self_blocks(const fixture *fx, mode md, int bs) {
+  td_request_params p;
+  fill_params(fx, md, &p);
+  int width = p.num_beams > 1 ? p.num_beams : p.n, most = 0;
+  for (int i = 0; i < fx->n; i++) {
+    int need = width * ((fx->req[i].n_prompt + p.max_new_tokens + bs - 1) / bs + 1);
+    most = need > most ? need : most;
+  }
+  return most;
 }
 
 static void free_run(run_ctx *c) {
@@ -164,15 +180,22 @@ static void check_greedy(const char *name) {
     same_tokens(&batched, &single, i, "batched vs single");
     free_run(&single);
   }
-  /* tight budgets: few blocks, small steps (chunked prompts, preemption) */
-  setup tight = {.block_size = 2, .self_blocks = 24, .cross_blocks = 48, .max_batch = 3, .max_tokens = 5};
+  /* tight budgets: small steps (chunked prompts) and the smallest pool
+   * admission accepts, which the requests together outgrow: the engine
+   * preempts, and the tokens stay the same */
+  setup tight = {.block_size = 2, .self_blocks = min_self_blocks(&fx, GREEDY, 2), .cross_blocks = 48, .max_batch = 3,
+                 .max_tokens = 5};
   run_ctx small;
   run(&fx, &tight, GREEDY, all, fx.n, &small);
   for (int i = 0; i < fx.n; i++) same_tokens(&batched, &small, i, "tight budget");
+  cr_expect(small.st.preemptions > 0, "%s: the tight budget preempted nothing", name);
   free_run(&small);
   tight.recompute_cross = true;
   run(&fx, &tight, GREEDY, all, fx.n, &small);
   for (int i = 0; i < fx.n; i++) same_tokens(&batched, &small, i, "tight budget, cross recomputed");
+  cr_expect(small.st.preemptions > 0, "%s: the tight budget preempted nothing (cross recomputed)", name);
+  cr_expect(small.st.encodes > fx.n, "%s: %lld encodes of %d requests: no cross KV was recomputed", name,
+            (long long)small.st.encodes, fx.n);
   free_run(&small);
   free_run(&batched);
   fx_free(&fx);
@@ -210,10 +233,20 @@ static void check_beam(const char *name) {
     run(&fx, &big, BEAM, &i, 1, &single);
     same_tokens(&batched, &single, i, "beam batched vs single");
   }
+  /* small steps: prompts in chunks, two beam groups a step */
   setup tight = {.block_size = 2, .self_blocks = 48, .cross_blocks = 48, .max_batch = 8, .max_tokens = 9};
   run_ctx small;
   run(&fx, &tight, BEAM, all, fx.n, &small);
   for (int i = 0; i < fx.n; i++) same_tokens(&batched, &small, i, "beam, tight budget");
+  /* each request three times over the smallest pool admission accepts:
+   * beams share their prefixes, so it takes this many to preempt */
+  int thrice[3 * MAXR];
+  for (int i = 0; i < 3 * fx.n; i++) thrice[i] = i % fx.n;
+  setup crowded = {.block_size = 2, .self_blocks = min_self_blocks(&fx, BEAM, 2), .cross_blocks = 96,
+                   .max_batch = 24, .max_tokens = 24};
+  run(&fx, &crowded, BEAM, thrice, 3 * fx.n, &small);
+  for (int i = 0; i < fx.n; i++) same_tokens(&batched, &small, i, "beam, crowded pool");
+  cr_expect(small.st.preemptions > 0, "%s: the crowded pool preempted no beams", name);
   fx_free(&fx);
 }
 
