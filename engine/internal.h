@@ -127,7 +127,6 @@ struct td_engine {
   int max_rows;       /* logit rows a step */
   int max_width;      /* sequences one request may run: what a step always fits */
   const char *width_limit; /* the option that sets max_width */
-  int max_beams;
   const td_model_config *cfg;
   const td_gen_config *gen;
   uint64_t next_handle;
