@@ -14,6 +14,7 @@
 #define TD_DEFAULT_MAX_ENC_TOKENS 4096  /* encoder tokens a batch */
 #define TD_DEFAULT_MAX_ENC_SEQS 16      /* encoder sequences a batch */
 #define TD_DEFAULT_ENGINE_QUEUE 4096    /* requests waiting in one engine */
+#define TD_ENGINE_MAX_BEAMS 32          /* num_beams a request (the engine sizes its top-k buffers so) */
 
 /* ---- router ---- */
 #define TD_DEFAULT_HEARTBEAT_MS 500      /* both ways */

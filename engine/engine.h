@@ -19,6 +19,9 @@
 
 typedef struct td_engine td_engine;
 
+/* Zero (and, for the per-step limits, above the model's td_model_opts)
+ * takes the model's value; the pools default to max_running full-length
+ * sequences, the queue to TD_DEFAULT_ENGINE_QUEUE. */
 typedef struct td_engine_opts {
   int self_blocks;        /* decoder self-attention pool (blocks) */
   int cross_blocks;       /* cross-attention pool (blocks) */
@@ -127,8 +130,15 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
 void td_engine_destroy(td_engine *e);
 
 /* Validates and queues a request (copied). Bad input answers at once with
- * a clear error and nothing is queued. */
+ * a clear error and nothing is queued; so does a request above a limit,
+ * the error naming it: n and num_beams at most td_engine_max_width,
+ * num_beams at most TD_ENGINE_MAX_BEAMS (common/defaults.h), the KV it
+ * may need within the pools, the queue within max_queue. */
 td_status td_engine_add(td_engine *e, const td_request *r, uint64_t *handle);
+/* The most sequences (n, or num_beams) one request may run: what one step
+ * always fits, the least of max_running, max_step_tokens and the model's
+ * logit rows a step. */
+int td_engine_max_width(const td_engine *e);
 /* Ends a request now (on_finish with TD_FINISH_CANCELLED); blocks are freed. */
 td_status td_engine_cancel(td_engine *e, uint64_t handle);
 /* One iteration; returns TD_OK when idle too. Per-request failures go to

@@ -97,8 +97,10 @@ static td_status parse_obj(const cJSON *j, const char *base, const char *src, td
   p->num_return_sequences = v32;
   const cJSON *seed = cJSON_GetObjectItemCaseSensitive(j, "seed");
   if (seed) {
-    if (!cJSON_IsNumber(seed) || seed->valuedouble < 0 || seed->valuedouble != floor(seed->valuedouble))
-      return td_err(TD_ERR_INVALID, "%s: \"seed\" must be a non-negative integer", src);
+    /* a JSON number is a double: integers above 2^53 would arrive rounded */
+    if (!cJSON_IsNumber(seed) || seed->valuedouble < 0 || seed->valuedouble != floor(seed->valuedouble) ||
+        seed->valuedouble > 9007199254740992.0)
+      return td_err(TD_ERR_INVALID, "%s: \"seed\" must be an integer from 0 to 2^53", src);
     p->seed = (uint64_t)seed->valuedouble;
     p->has_seed = true;
   }

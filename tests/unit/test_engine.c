@@ -1,6 +1,7 @@
 /* The engine against the fixtures: batched equals one-at-a-time, greedy
- * and beam search match transformers, tight KV budgets still finish with
- * the same tokens and leak no block. */
+ * and beam search match transformers, tight KV budgets preempt and still
+ * finish with the same tokens and leak no block; every limit is refused
+ * at admission with an error naming it, and a request at the limit runs. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,6 +9,7 @@
 #include <criterion/criterion.h>
 
 #include "engine/engine.h"
+#include "engine/jsonio.h"
 #include "fixture.h"
 
 #define MAXR 16
@@ -28,6 +30,7 @@ typedef struct run_ctx {
   got g[MAXR];
   int vocab;
   int tokens_streamed;
+  td_engine_stats st; /* at the end of the run */
 } run_ctx;
 
 static void on_finish(void *ctx, const td_result *r) {
@@ -114,12 +117,27 @@ static void run(const fixture *fx, const setup *su, mode md, const int *which, i
     cr_assert(++steps < 5000, "engine does not finish");
   }
   td_engine_stats st = td_engine_get_stats(e);
+  c->st = st;
   cr_expect_eq(st.self.n_free, st.self.n_blocks, "self blocks leaked: %d of %d free", st.self.n_free,
                st.self.n_blocks);
   cr_expect_eq(st.cross.n_free, st.cross.n_blocks, "cross blocks leaked");
   td_engine_destroy(e);
   td_model_destroy(m);
   td_backend_destroy(b);
+}
+
+/* The smallest self pool admission accepts for these requests: the widest
+ * one's full length. Several of them together then outgrow it, so the
+ * engine must preempt. */
+static int min_self_blocks(const fixture *fx, mode md, int bs) {
+  td_request_params p;
+  fill_params(fx, md, &p);
+  int width = p.num_beams > 1 ? p.num_beams : p.n, most = 0;
+  for (int i = 0; i < fx->n; i++) {
+    int need = width * ((fx->req[i].n_prompt + p.max_new_tokens + bs - 1) / bs + 1);
+    most = need > most ? need : most;
+  }
+  return most;
 }
 
 static void free_run(run_ctx *c) {
@@ -162,15 +180,22 @@ static void check_greedy(const char *name) {
     same_tokens(&batched, &single, i, "batched vs single");
     free_run(&single);
   }
-  /* tight budgets: few blocks, small steps (chunked prompts, preemption) */
-  setup tight = {.block_size = 2, .self_blocks = 24, .cross_blocks = 48, .max_batch = 3, .max_tokens = 5};
+  /* tight budgets: small steps (chunked prompts) and the smallest pool
+   * admission accepts, which the requests together outgrow: the engine
+   * preempts, and the tokens stay the same */
+  setup tight = {.block_size = 2, .self_blocks = min_self_blocks(&fx, GREEDY, 2), .cross_blocks = 48, .max_batch = 3,
+                 .max_tokens = 5};
   run_ctx small;
   run(&fx, &tight, GREEDY, all, fx.n, &small);
   for (int i = 0; i < fx.n; i++) same_tokens(&batched, &small, i, "tight budget");
+  cr_expect(small.st.preemptions > 0, "%s: the tight budget preempted nothing", name);
   free_run(&small);
   tight.recompute_cross = true;
   run(&fx, &tight, GREEDY, all, fx.n, &small);
   for (int i = 0; i < fx.n; i++) same_tokens(&batched, &small, i, "tight budget, cross recomputed");
+  cr_expect(small.st.preemptions > 0, "%s: the tight budget preempted nothing (cross recomputed)", name);
+  cr_expect(small.st.encodes > fx.n, "%s: %lld encodes of %d requests: no cross KV was recomputed", name,
+            (long long)small.st.encodes, fx.n);
   free_run(&small);
   free_run(&batched);
   fx_free(&fx);
@@ -208,10 +233,20 @@ static void check_beam(const char *name) {
     run(&fx, &big, BEAM, &i, 1, &single);
     same_tokens(&batched, &single, i, "beam batched vs single");
   }
+  /* small steps: prompts in chunks, two beam groups a step */
   setup tight = {.block_size = 2, .self_blocks = 48, .cross_blocks = 48, .max_batch = 8, .max_tokens = 9};
   run_ctx small;
   run(&fx, &tight, BEAM, all, fx.n, &small);
   for (int i = 0; i < fx.n; i++) same_tokens(&batched, &small, i, "beam, tight budget");
+  /* each request three times over the smallest pool admission accepts:
+   * beams share their prefixes, so it takes this many to preempt */
+  int thrice[3 * MAXR];
+  for (int i = 0; i < 3 * fx.n; i++) thrice[i] = i % fx.n;
+  setup crowded = {.block_size = 2, .self_blocks = min_self_blocks(&fx, BEAM, 2), .cross_blocks = 96,
+                   .max_batch = 24, .max_tokens = 24};
+  run(&fx, &crowded, BEAM, thrice, 3 * fx.n, &small);
+  for (int i = 0; i < fx.n; i++) same_tokens(&batched, &small, i, "beam, crowded pool");
+  cr_expect(small.st.preemptions > 0, "%s: the crowded pool preempted no beams", name);
   fx_free(&fx);
 }
 
@@ -385,3 +420,228 @@ static void check_disaggregated(const char *name) {
 Test(engine_disaggregated, t5_tiny) { check_disaggregated("t5-tiny"); }
 Test(engine_disaggregated, mbart) { check_disaggregated("mbart-prenorm-sharded"); }
 Test(engine_disaggregated, whisper_128mel) { check_disaggregated("whisper-128mel"); }
+
+/* ---- limits: refused at admission with the limit named; at the limit, run ---- */
+
+typedef struct lim {
+  fixture fx;
+  td_backend *b;
+  td_model *m;
+  td_engine *e;
+  run_ctx c;
+  int finished;
+} lim;
+
+static void lim_finish(void *ctx, const td_result *r) {
+  lim *L = ctx;
+  L->finished++;
+  L->c.g[0].status = r->status;
+  L->c.g[0].n_out = r->n_outputs;
+  for (int i = 0; i < r->n_outputs && i < MAXO; i++) L->c.g[0].len[i] = r->outputs[i].n_tokens;
+}
+
+static void lim_open(lim *L, const td_model_opts *mo_in, const td_engine_opts *eo) {
+  memset(L, 0, sizeof *L);
+  fx_load("t5-tiny", &L->fx);
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  cr_assert(td_backend_create(&bo, &L->b) == TD_OK);
+  td_model_opts mo = *mo_in;
+  mo.block_size = 4;
+  cr_assert(td_model_load(L->fx.dir, L->b, &mo, &L->m) == TD_OK, "%s", td_errmsg());
+  td_engine_callbacks cb = {.on_finish = lim_finish, .ctx = L};
+  cr_assert(td_engine_create(L->m, eo, &cb, &L->e) == TD_OK, "%s", td_errmsg());
+}
+
+static void lim_close(lim *L) {
+  cr_assert(td_engine_check(L->e) == TD_OK, "%s", td_errmsg());
+  td_engine_stats st = td_engine_get_stats(L->e);
+  cr_expect_eq(st.self.n_free, st.self.n_blocks, "self blocks leaked");
+  td_engine_destroy(L->e);
+  td_model_destroy(L->m);
+  td_backend_destroy(L->b);
+  fx_free(&L->fx);
+}
+
+/* Request 0 of the fixture, greedy, a few tokens. */
+static td_request lim_request(const lim *L) {
+  const fx_request *q = &L->fx.req[0];
+  td_request r = {.id = "lim", .input_ids = q->input_ids, .n_input = q->n_input};
+  td_request_params_default(&r.params);
+  r.params.max_new_tokens = 3;
+  return r;
+}
+
+static void refused(lim *L, const td_request *r, td_status want, const char *says) {
+  uint64_t h;
+  td_status s = td_engine_add(L->e, r, &h);
+  cr_expect_eq(s, want, "status %s, expected %s (%s)", td_status_str(s), td_status_str(want), td_errmsg());
+  cr_expect(strstr(td_errmsg(), says), "error \"%s\" lacks \"%s\"", td_errmsg(), says);
+  cr_expect(td_engine_idle(L->e), "a refused request was queued");
+}
+
+/* Adds r and steps until it finishes: the request at the limit runs. */
+static void runs(lim *L, const td_request *r, int outputs) {
+  uint64_t h;
+  cr_assert(td_engine_add(L->e, r, &h) == TD_OK, "%s", td_errmsg());
+  int before = L->finished;
+  for (int i = 0; i < 1000 && L->finished == before; i++) {
+    cr_assert(td_engine_step(L->e) == TD_OK, "%s", td_errmsg());
+    cr_assert(td_engine_check(L->e) == TD_OK, "%s", td_errmsg());
+  }
+  cr_assert(L->finished > before, "the request at the limit never finished");
+  cr_expect_eq(L->c.g[0].status, TD_OK);
+  cr_expect_eq(L->c.g[0].n_out, outputs, "%d outputs, expected %d", L->c.g[0].n_out, outputs);
+}
+
+Test(engine_limits, n_and_beams_above_max_running) {
+  lim L;
+  td_model_opts mo = {.max_seqs = 8};
+  td_engine_opts eo = {.max_running = 8};
+  lim_open(&L, &mo, &eo);
+  cr_expect_eq(td_engine_max_width(L.e), 8);
+  td_request r = lim_request(&L);
+  r.params.n = 9;
+  r.params.temperature = 1.0f;
+  refused(&L, &r, TD_ERR_INVALID, "n 9: at most 8 (this engine's max_running");
+  r.params.n = 0;
+  refused(&L, &r, TD_ERR_INVALID, "n 0: at least 1");
+  r.params.n = 8;
+  runs(&L, &r, 8);
+  r = lim_request(&L);
+  r.params.num_beams = 9;
+  refused(&L, &r, TD_ERR_INVALID, "num_beams 9: at most 8 (this engine's max_running");
+  r.params.num_beams = 0;
+  refused(&L, &r, TD_ERR_INVALID, "num_beams 0: at least 1");
+  r.params.num_beams = 8;
+  r.params.num_return_sequences = 8;
+  runs(&L, &r, 8);
+  lim_close(&L);
+}
+
+/* More samples than 64 (a width the scheduler once skipped for good). */
+Test(engine_limits, n_above_64_runs) {
+  lim L;
+  td_model_opts mo = {.max_seqs = 80};
+  td_engine_opts eo = {.max_running = 80};
+  lim_open(&L, &mo, &eo);
+  td_request r = lim_request(&L);
+  r.params.n = 70;
+  r.params.temperature = 1.0f;
+  r.params.seed = 5;
+  r.params.has_seed = true;
+  runs(&L, &r, 70);
+  r.params.n = 81;
+  refused(&L, &r, TD_ERR_INVALID, "n 81: at most 80 (this engine's max_running");
+  lim_close(&L);
+}
+
+Test(engine_limits, beams_above_32) {
+  lim L;
+  td_model_opts mo = {.max_seqs = 64};
+  td_engine_opts eo = {0};
+  lim_open(&L, &mo, &eo);
+  td_request r = lim_request(&L);
+  r.params.num_beams = 40;
+  refused(&L, &r, TD_ERR_INVALID, "num_beams 40: at most 32 (this engine's limit)");
+  r.params.num_beams = 32;
+  r.params.num_return_sequences = 2;
+  runs(&L, &r, 2);
+  lim_close(&L);
+}
+
+/* The width a step always fits is also bounded by its query rows and its
+ * logit rows (a prompt forking into n samples needs n of them). */
+Test(engine_limits, width_above_step_tokens_or_logit_rows) {
+  lim L;
+  td_model_opts mo = {.max_seqs = 8};
+  td_engine_opts eo = {.max_running = 8, .max_step_tokens = 5};
+  lim_open(&L, &mo, &eo);
+  td_request r = lim_request(&L);
+  r.params.temperature = 1.0f;
+  r.params.n = 6;
+  refused(&L, &r, TD_ERR_INVALID, "n 6: at most 5 (this engine's max_step_tokens");
+  r.params.n = 5;
+  runs(&L, &r, 5);
+  lim_close(&L);
+  mo = (td_model_opts){.max_seqs = 8, .max_logits = 4};
+  eo = (td_engine_opts){.max_running = 8};
+  lim_open(&L, &mo, &eo);
+  r = lim_request(&L);
+  r.params.num_beams = 5;
+  refused(&L, &r, TD_ERR_INVALID, "num_beams 5: at most 4 (this engine's max_logits");
+  r.params.num_beams = 4;
+  runs(&L, &r, 1);
+  lim_close(&L);
+  mo = (td_model_opts){.max_seqs = 1};
+  eo = (td_engine_opts){0};
+  lim_open(&L, &mo, &eo);
+  r = lim_request(&L);
+  r.params.all_logits = true;
+  refused(&L, &r, TD_ERR_INVALID, "all logits need 2 logit rows a step; this engine has 1");
+  lim_close(&L);
+}
+
+Test(engine_limits, queue_full) {
+  lim L;
+  td_model_opts mo = {0};
+  td_engine_opts eo = {.max_queue = 1};
+  lim_open(&L, &mo, &eo);
+  td_request r = lim_request(&L);
+  uint64_t h;
+  cr_assert(td_engine_add(L.e, &r, &h) == TD_OK, "%s", td_errmsg());
+  cr_expect_eq(td_engine_add(L.e, &r, &h), TD_ERR_OVERLOADED);
+  cr_expect(strstr(td_errmsg(), "1 requests queued, the limit"), "%s", td_errmsg());
+  lim_close(&L);
+}
+
+/* Out of range or not a number: refused, never clamped or ignored. */
+Test(engine_limits, bad_parameters_refused) {
+  lim L;
+  td_model_opts mo = {0};
+  td_engine_opts eo = {0};
+  lim_open(&L, &mo, &eo);
+  const int32_t stop[1] = {5};
+  td_request r;
+#define BAD(field, value, says)              \
+  r = lim_request(&L);                       \
+  r.field = value;                           \
+  refused(&L, &r, TD_ERR_INVALID, says)
+  BAD(params.temperature, NAN, "temperature nan: must be a finite number >= 0");
+  BAD(params.temperature, INFINITY, "temperature inf");
+  BAD(params.temperature, -1.0f, "temperature -1");
+  BAD(params.top_p, NAN, "top_p nan");
+  BAD(params.top_p, 0.0f, "top_p 0");
+  BAD(params.top_k, -1, "top_k -1");
+  BAD(params.length_penalty, NAN, "length_penalty nan");
+  BAD(params.length_penalty, -INFINITY, "length_penalty -inf");
+  BAD(params.early_stopping, 2, "early_stopping 2");
+  BAD(params.num_return_sequences, -1, "num_return_sequences -1");
+  BAD(params.n_stop_ids, -1, "-1 stop token ids");
+  BAD(params.n_stop_ids, 1, "1 stop token ids given no ids");
+  BAD(params.forced_bos, -3, "forced BOS -3");
+  BAD(params.forced_eos, 100000, "outside the vocabulary");
+  BAD(n_prompt, -1, "decoder prompt of -1 tokens");
+  BAD(n_prompt, 2, "decoder prompt of 2 tokens given no tokens");
+  BAD(prefill_only, -1, "prefill of -1 tokens");
+#undef BAD
+  r = lim_request(&L);
+  r.params.stop_ids = stop;
+  r.params.n_stop_ids = 1;
+  r.prefill_only = 1;
+  r.params.all_logits = true;
+  refused(&L, &r, TD_ERR_INVALID, "all logits are kept for decoding requests only");
+  lim_close(&L);
+}
+
+/* A JSON number is a double: a seed above 2^53 would arrive rounded. */
+Test(engine_limits, json_seed_above_2_53) {
+  td_json_request j;
+  const char *ok = "{\"input_ids\": [5, 1], \"seed\": 9007199254740992}";
+  cr_expect_eq(td_json_request_parse(ok, strlen(ok), NULL, 1, &j), TD_OK, "%s", td_errmsg());
+  cr_expect_eq(j.params.seed, 9007199254740992ull);
+  td_json_request_free(&j);
+  const char *big = "{\"input_ids\": [5, 1], \"seed\": 1e19}";
+  cr_expect_eq(td_json_request_parse(big, strlen(big), NULL, 1, &j), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "\"seed\" must be an integer from 0 to 2^53"), "%s", td_errmsg());
+  td_json_request_free(&j);
+}

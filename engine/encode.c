@@ -1,0 +1,98 @@
+/* The encoder phase of a step: waiting requests, first come first served,
+ * get cross-attention blocks and one batched encoder run, then join the
+ * running set (encode_only ones finish here and hand their blocks over). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/internal.h"
+
+/* Moves the head of the queue into e->enc_batch while it fits: *n groups
+ * (set on failure too), *tokens encoder tokens. */
+static td_status admit(td_engine *e, int *n, int *tokens) {
+  int budget = e->o.max_enc_tokens, max_seqs = td_model_get_opts(e->m)->max_enc_seqs;
+  *n = *tokens = 0;
+  /* FIFO admission: the head waits rather than being overtaken. */
+  int free_self = td_kv_pool_num_free(e->self);
+  while (e->wait.n > 0 && *n < max_seqs) {
+    group *g = e->wait.v[0];
+    int need_cross = eng_blocks_for(g->enc_len, e->bs);
+    int need_self = 0;
+    for (int i = 0; i < g->n_s && !g->encode_only; i++) need_self += eng_blocks_for(g->s[i]->tok.n + 1, e->bs);
+    if (*tokens + g->enc_len > budget) break;
+    if (need_cross > td_kv_pool_num_free(e->cross) || need_self > free_self) break;
+    /* Running requests keep first claim on self blocks when they are scarce. */
+    if (!g->encode_only && e->run.n >= e->o.max_running) break;
+    TD_TRY(td_i32vec_reserve(&g->cross, need_cross));
+    TD_TRY(td_kv_alloc(e->cross, need_cross, g->cross.v));
+    g->cross.n = need_cross;
+    free_self -= need_self;
+    *tokens += g->enc_len;
+    e->enc_batch[(*n)++] = g;
+    td_ptrvec_remove(&e->wait, g);
+  }
+  return TD_OK;
+}
+
+/* One encoder run over the batch, each sequence's output into its cross blocks. */
+static td_status encode(td_engine *e, group **batch, int nb, int tokens) {
+  bool whisper = e->cfg->family == TD_FAMILY_WHISPER;
+  int32_t *lens = malloc(sizeof(int32_t) * (size_t)nb);
+  int32_t *toks = malloc(sizeof(int32_t) * (size_t)(tokens + 1));
+  int32_t *slots = malloc(sizeof(int32_t) * (size_t)tokens);
+  size_t nf = whisper ? (size_t)e->cfg->num_mel_bins * td_model_input_frames(e->m) : 0;
+  float *feats = whisper ? malloc(sizeof(float) * nf * (size_t)nb) : NULL;
+  td_status s = TD_OK;
+  if (!lens || !toks || !slots || (whisper && !feats)) {
+    s = td_err(TD_ERR_NOMEM, "encode batch: out of memory");
+  } else {
+    int k = 0;
+    for (int i = 0; i < nb; i++) {
+      group *g = batch[i];
+      lens[i] = g->n_input;
+      if (whisper)
+        memcpy(feats + nf * (size_t)i, g->features, sizeof(float) * nf);
+      else
+        memcpy(toks + k, g->input, sizeof(int32_t) * (size_t)g->n_input);
+      for (int t = 0; t < g->enc_len; t++) slots[k + t] = g->cross.v[t / e->bs] * e->bs + t % e->bs;
+      k += g->enc_len;
+    }
+    td_encode_input in = {.n_seqs = nb, .lens = lens, .tokens = toks, .features = feats, .cross_slots = slots};
+    s = td_model_encode(e->m, &in, NULL);
+  }
+  free(lens);
+  free(toks);
+  free(slots);
+  free(feats);
+  return s;
+}
+
+td_status eng_encode_phase(td_engine *e) {
+  int nb, tokens;
+  td_status as = admit(e, &nb, &tokens); /* failing, the engine fails */
+  td_status s = as == TD_OK && nb ? encode(e, e->enc_batch, nb, tokens) : as;
+  char msg[1024] = "";
+  if (s != TD_OK) snprintf(msg, sizeof msg, "%s", td_errmsg());
+  for (int i = 0; i < nb; i++) {
+    group *g = e->enc_batch[i];
+    if (s != TD_OK) { /* in no queue now: group_finish finds it in the handle table only */
+      eng_group_fail(e, g, s, msg);
+      continue;
+    }
+    e->st.encodes++;
+    if (g->encode_only) {
+      eng_group_finish(e, g, TD_OK, NULL, TD_FINISH_STOP);
+      continue;
+    }
+    g->state = G_RUNNING;
+    if (!e->o.recompute_cross) { /* the cross KV is what the decoder needs now */
+      free(g->features);
+      g->features = NULL;
+    }
+    if (td_ptrvec_insert(&e->run, e->run.n, g) != TD_OK) {
+      eng_group_fail(e, g, TD_ERR_NOMEM, "out of memory");
+      continue;
+    }
+  }
+  return as == TD_OK ? TD_OK : td_err(as, "%s", msg);
+}

@@ -1,0 +1,182 @@
+/* The engine's private state, shared by its files:
+ *   engine.c    create / destroy, add (building a request's group), cancel, stats, checks
+ *   validate.c  what a request may ask: every limit, refused at admission
+ *   group.c     sequences and groups: forks, block release, the final report
+ *   encode.c    admission of waiting requests into an encoder batch
+ *   schedule.c  building a decoder step: chunks, blocks, preemption
+ *   sample.c    sampling parameters a row, the sampler and beam top-k
+ *   beam.c      beam search: hypotheses and transformers' stopping rules
+ *   step.c      td_engine_step: the model run and applying its results */
+#ifndef TD_ENGINE_INTERNAL_H
+#define TD_ENGINE_INTERNAL_H
+
+#include <uthash.h>
+
+#include "common/vec.h"
+#include "engine/engine.h"
+
+typedef struct seq {
+  td_i32vec tok;  /* prompt + generated */
+  td_i32vec blk;  /* self-attention blocks */
+  td_f32vec lp;   /* per generated token */
+  int n_computed; /* tokens whose KV is in the cache */
+  double sum_lp;
+  int stream;
+  td_finish finish;
+} seq;
+
+/* A finished beam hypothesis. */
+typedef struct hyp {
+  int32_t *tok; /* generated tokens */
+  float *lp;
+  int n;
+  double score, sum_lp;
+} hyp;
+
+typedef enum gstate { G_WAITING, G_RUNNING } gstate;
+
+/* One request: its sequences (one, or its samples / beams once forked). */
+typedef struct group {
+  uint64_t handle;
+  char *id;
+  void *user;
+  td_request_params p;
+  int32_t *stop_ids;
+  int32_t *input;
+  int n_input;
+  float *features;
+  int enc_len;
+  int32_t *prompt;
+  int n_prompt;
+  int max_new;
+  int forced_bos, forced_eos;
+  bool beam; /* beam search */
+  int width; /* samples or beams */
+  td_i32vec cross;
+  seq **s; /* live sequences */
+  int n_s;
+  seq **done; /* finished samples */
+  int n_done;
+  hyp *hyps; /* finished beam hypotheses, at most width */
+  int n_hyps;
+  td_f32vec logits; /* all_logits */
+  int n_logit_rows;
+  gstate state;
+  bool forked; /* prompt done and split into samples / beams */
+  bool encode_only;
+  int prefill_only;
+  uint32_t step_offset;
+  /* per step */
+  bool scheduled, completes;
+  UT_hash_handle hh;
+} group;
+
+/* What a validated request asks for, as the engine will run it. */
+typedef struct eng_admit {
+  bool whisper, ext_cross, beam;
+  int n_prompt, max_new, width, enc_len;
+  int forced_bos, forced_eos;
+} eng_admit;
+
+/* What one logit row is for. */
+typedef struct row_use {
+  group *g;
+  int seq; /* index into g->s */
+} row_use;
+
+/* The decoder step being built and run; every array is sized at create. */
+typedef struct eng_batch {
+  int n_tok, n_seq;  /* query rows and sequences */
+  int n_rows;        /* sample rows: the last query row of completing sequences */
+  int n_extra;       /* all_logits rows besides the sample rows */
+  int n_sched;       /* groups in the step */
+  int n_samp, k;     /* ordered: n_samp sampled rows, then beam rows of top-k width k */
+  /* model input: [max_step_tokens] */
+  int32_t *tok, *pos, *slots;
+  /* [max_running (+ 1)] */
+  int32_t *qs, *ctx, *clen, *tab, *ctab;
+  int *chunks;       /* one group's tokens a sequence */
+  group **sched;
+  /* [max_rows] */
+  int32_t *rows, *extra_rows, *ordered;
+  row_use *use, *ouse;
+  group **extra_group;
+} eng_batch;
+
+/* Sampling buffers, on the backend (d_) and the host (h_). */
+typedef struct eng_sampler {
+  td_sample_row *d_rows, *h_rows;
+  int32_t *d_bans, *h_bans;
+  int cap_bans;
+  int32_t *d_tok, *h_tok;
+  float *d_lp, *h_lp;
+  int32_t *d_ids, *h_ids;
+  float *d_vals, *h_vals;
+  int max_k;       /* top-k width of the beam rows: 2 x the most beams */
+  float *h_logits; /* one downloaded row for all_logits */
+} eng_sampler;
+
+struct td_engine {
+  td_model *m;
+  td_backend *b;
+  td_engine_opts o;
+  td_engine_callbacks cb;
+  td_kv_pool *self, *cross;
+  int bs, V, max_src, max_tgt;
+  int self_stride, cross_stride;
+  int max_rows;       /* logit rows a step */
+  int max_width;      /* sequences one request may run: what a step always fits */
+  const char *width_limit; /* the option that sets max_width */
+  const td_model_config *cfg;
+  const td_gen_config *gen;
+  uint64_t next_handle;
+  group *by_handle;
+  td_ptrvec wait, run; /* of group */
+  group **enc_batch;   /* [max_enc_seqs] */
+  eng_batch batch;
+  eng_sampler smp;
+  int *ext_self, *ext_cross; /* references held by callers (handed-over blocks) */
+  td_engine_stats st;
+};
+
+static inline int eng_blocks_for(int tokens, int bs) { return (tokens + bs - 1) / bs; }
+
+/* validate.c */
+td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a);
+
+/* group.c */
+void eng_seq_free(td_engine *e, seq *s);
+void eng_seq_release_blocks(td_engine *e, seq *s);
+/* A copy of parent sharing its blocks (copy-on-write), plus token tok. */
+td_status eng_seq_fork(td_engine *e, const seq *parent, int32_t tok, float lp, int stream, seq **out);
+void eng_group_free(td_engine *e, group *g);
+/* Reports and frees a group that left the engine. */
+void eng_group_finish(td_engine *e, group *g, td_status status, const char *error, td_finish why);
+void eng_group_fail(td_engine *e, group *g, td_status s, const char *msg);
+bool eng_is_stop(const td_engine *e, const group *g, int32_t t);
+
+/* encode.c */
+td_status eng_encode_phase(td_engine *e);
+
+/* schedule.c */
+td_status eng_batch_init(td_engine *e);
+void eng_batch_free(eng_batch *bt);
+/* Fills e->batch with the running groups that fit this step, preempting
+ * the newest when blocks run short. An empty batch (n_tok 0) runs nothing. */
+td_status eng_schedule(td_engine *e);
+
+/* sample.c */
+td_status eng_sampler_init(td_engine *e);
+void eng_sampler_free(td_engine *e);
+/* Samples the batch's ordered rows of logits: tokens into h_tok / h_lp for
+ * the sampled rows, top-k log-probs into h_ids / h_vals for beam rows. */
+td_status eng_sample(td_engine *e, float *logits);
+
+/* beam.c */
+/* One beam-search step of g from its rows' top-k log-probs; *done when the
+ * request has finished. */
+td_status eng_beam_step(td_engine *e, group *g, const int32_t *ids, const float *vals, int k, bool *done);
+/* The best hypotheses, best first, as outputs (outs holds n_hyps). */
+int eng_beam_outputs(const td_engine *e, group *g, td_seq_output *outs);
+
+#endif

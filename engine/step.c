@@ -1,0 +1,177 @@
+/* One iteration: the encoder phase, then one decoder step over the batch
+ * that schedule.c builds: the model run, all_logits kept, sampling, and
+ * each group's results applied (tokens appended, samples forked, beams
+ * advanced, finished requests reported). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/internal.h"
+
+/* The logit rows the model returns: sampled rows first, then beam rows,
+ * then the all_logits rows; the beam rows' top-k width. */
+static void order_rows(td_engine *e) {
+  eng_batch *bt = &e->batch;
+  int w = 0;
+  bt->n_samp = 0;
+  for (int pass = 0; pass < 2; pass++)
+    for (int r = 0; r < bt->n_rows; r++)
+      if (bt->use[r].g->beam == (pass == 1)) {
+        bt->ordered[w] = bt->rows[r];
+        bt->ouse[w] = bt->use[r];
+        w++;
+        bt->n_samp += pass == 0;
+      }
+  for (int i = 0; i < bt->n_extra; i++) bt->ordered[w + i] = bt->extra_rows[i];
+  bt->k = 0;
+  for (int r = bt->n_samp; r < bt->n_rows; r++) {
+    int want = 2 * bt->ouse[r].g->width;
+    bt->k = want > bt->k ? want : bt->k;
+  }
+}
+
+static td_status run_model(td_engine *e, const float **logits) {
+  eng_batch *bt = &e->batch;
+  td_step_input in = {.n_seqs = bt->n_seq, .n_tokens = bt->n_tok, .tokens = bt->tok, .positions = bt->pos,
+                      .q_start = bt->qs, .ctx_len = bt->ctx, .slots = bt->slots, .block_table = bt->tab,
+                      .block_stride = e->self_stride, .cross_len = bt->clen, .cross_table = bt->ctab,
+                      .cross_stride = e->cross_stride, .n_logits = bt->n_rows + bt->n_extra,
+                      .logit_rows = bt->ordered};
+  td_status s = td_model_step(e->m, &in, logits);
+  e->st.steps++;
+  return s;
+}
+
+/* Downloads rows [first, first + n) of the logits into g's all_logits store. */
+static td_status keep_logits(td_engine *e, group *g, const float *logits, int first, int n) {
+  for (int r = 0; r < n; r++) {
+    TD_TRY(td_download(e->b, TD_BUF_F32, logits + (size_t)(first + r) * e->V, e->smp.h_logits, (size_t)e->V));
+    TD_TRY(td_f32vec_append(&g->logits, e->smp.h_logits, e->V));
+    g->n_logit_rows++;
+  }
+  return TD_OK;
+}
+
+/* all_logits: prompt rows first (in order), then the sample row, before
+ * sampling edits it. */
+static td_status keep_all_logits(td_engine *e, const float *logits) {
+  const eng_batch *bt = &e->batch;
+  for (int i = 0; i < bt->n_sched; i++) {
+    group *g = bt->sched[i];
+    if (!g->p.all_logits) continue;
+    int first = -1, cnt = 0;
+    for (int x = 0; x < bt->n_extra; x++)
+      if (bt->extra_group[x] == g) {
+        if (first < 0) first = bt->n_rows + x;
+        cnt++;
+      }
+    if (cnt) TD_TRY(keep_logits(e, g, logits, first, cnt));
+    if (g->completes)
+      for (int r = 0; r < bt->n_rows; r++)
+        if (bt->ouse[r].g == g) {
+          TD_TRY(keep_logits(e, g, logits, r, 1));
+          break;
+        }
+  }
+  return TD_OK;
+}
+
+/* Appends token t to live sequence i; finishes it when a stop condition holds. */
+static td_status sample_append(td_engine *e, group *g, int i, int32_t t, float lp) {
+  seq *s = g->s[i];
+  TD_TRY(td_i32vec_push(&s->tok, t));
+  TD_TRY(td_f32vec_push(&s->lp, lp));
+  s->sum_lp += lp;
+  e->st.tokens_generated++;
+  if (e->cb.on_token) e->cb.on_token(e->cb.ctx, g->handle, g->user, s->stream, t, lp);
+  int gen = s->tok.n - g->n_prompt;
+  td_finish f = eng_is_stop(e, g, t) ? TD_FINISH_STOP : gen >= g->max_new ? TD_FINISH_LENGTH : TD_FINISH_NONE;
+  if (f != TD_FINISH_NONE) {
+    s->finish = f;
+    eng_seq_release_blocks(e, s);
+    g->done[g->n_done++] = s;
+    memmove(g->s + i, g->s + i + 1, sizeof *g->s * (size_t)(g->n_s - i - 1));
+    g->n_s--;
+  }
+  return TD_OK;
+}
+
+/* A prompt done: its one sequence splits into `width` samples, whose first
+ * tokens are rows [first, first + width). */
+static td_status fork_samples(td_engine *e, group *g, int first) {
+  const eng_sampler *sm = &e->smp;
+  td_status gs = TD_OK;
+  seq *parent = g->s[0];
+  g->n_s = 0;
+  for (int r = 0; r < g->width && gs == TD_OK; r++) {
+    seq *child = NULL;
+    float lp = sm->h_lp[first + r];
+    gs = eng_seq_fork(e, parent, sm->h_tok[first + r], lp, r, &child);
+    if (gs != TD_OK) break;
+    /* eng_seq_fork appended; undo so sample_append handles stops uniformly */
+    child->tok.n--;
+    child->lp.n--;
+    child->sum_lp -= lp;
+    g->s[g->n_s++] = child;
+  }
+  eng_seq_free(e, parent);
+  g->forked = true;
+  for (int r = g->width - 1; r >= 0 && gs == TD_OK; r--)
+    gs = sample_append(e, g, r, sm->h_tok[first + r], sm->h_lp[first + r]);
+  return gs;
+}
+
+/* The step's results for one scheduled group; finishes it when done. */
+static void apply_group(td_engine *e, group *g) {
+  const eng_batch *bt = &e->batch;
+  const eng_sampler *sm = &e->smp;
+  if (g->prefill_only && g->s[0]->n_computed >= g->prefill_only) {
+    eng_group_finish(e, g, TD_OK, NULL, TD_FINISH_STOP);
+    return;
+  }
+  if (!g->completes) return;
+  td_status gs = TD_OK;
+  bool done = false;
+  int first = -1;
+  for (int r = 0; r < bt->n_rows && first < 0; r++)
+    if (bt->ouse[r].g == g) first = r;
+  if (g->beam) {
+    size_t at = (size_t)(first - bt->n_samp) * bt->k;
+    gs = eng_beam_step(e, g, sm->h_ids + at, sm->h_vals + at, bt->k, &done);
+  } else if (!g->forked && g->width > 1) {
+    gs = fork_samples(e, g, first);
+    done = g->n_s == 0;
+  } else {
+    g->forked = true;
+    for (int r = g->n_s - 1; r >= 0 && gs == TD_OK; r--)
+      gs = sample_append(e, g, r, sm->h_tok[first + r], sm->h_lp[first + r]);
+    done = g->n_s == 0;
+  }
+  if (gs != TD_OK)
+    eng_group_fail(e, g, gs, td_errmsg());
+  else if (done)
+    eng_group_finish(e, g, TD_OK, NULL, TD_FINISH_STOP);
+}
+
+td_status td_engine_step(td_engine *e) {
+  TD_TRY(eng_encode_phase(e));
+  if (e->run.n == 0) return TD_OK;
+  TD_TRY(eng_schedule(e));
+  eng_batch *bt = &e->batch;
+  if (bt->n_tok == 0) return TD_OK;
+  order_rows(e);
+  const float *lg = NULL;
+  td_status s = run_model(e, &lg);
+  float *logits = (float *)lg; /* sampling processes the rows in place */
+  if (s == TD_OK) s = keep_all_logits(e, logits);
+  if (s == TD_OK) s = eng_sample(e, logits);
+  if (s != TD_OK) {
+    /* the step's requests fail; the engine goes on */
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", td_errmsg());
+    for (int i = 0; i < bt->n_sched; i++) eng_group_fail(e, bt->sched[i], s, msg);
+    return TD_OK;
+  }
+  for (int i = 0; i < bt->n_sched; i++) apply_group(e, bt->sched[i]);
+  return TD_OK;
+}
