@@ -117,7 +117,7 @@ typedef struct lat {
   int done;
 } lat;
 
-static void on_result(void *ctx, const td_result *r) {
+static void on_result(void *ctx, const td_client_result *r) {
   lat *l = ctx;
   int i = atoi(r->id);
   l->ms[i] = (double)(td_now_ns() - l->sent[i]) * 1e-6;

@@ -130,7 +130,7 @@ td_status td_client_cancel(td_client *c, const char *id) {
   return send_client(c, &m);
 }
 
-static void finish(td_client *c, const char *id, const td_client_events *ev, const td_result *r) {
+static void finish(td_client *c, const char *id, const td_client_events *ev, const td_client_result *r) {
   pending *p = NULL;
   HASH_FIND_STR(c->pend, id, p);
   if (!p) return; /* late or unknown: already reported */
@@ -141,7 +141,7 @@ static void finish(td_client *c, const char *id, const td_client_events *ev, con
 }
 
 static void fail(td_client *c, const char *id, const td_client_events *ev, td_status s, const char *msg) {
-  td_result r = {.id = id, .status = s, .error = msg};
+  td_client_result r = {.id = id, .status = s, .error = msg};
   finish(c, id, ev, &r);
 }
 
@@ -175,7 +175,8 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
                                   .logprobs = o->n_logprobs ? o->logprobs : NULL, .score = o->score,
                                   .finish = finish_of(o->finish_reason)};
       }
-      td_result r = {.id = id, .status = TD_OK, .n_outputs = n, .outputs = outs};
+      td_client_result r = {.id = id, .status = TD_OK, .n_outputs = n, .outputs = outs,
+                            .decode_ms = g->timings ? g->timings->decode_ms : 0};
       finish(c, id, ev, &r);
       break;
     }

@@ -7,18 +7,29 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/jsonl.h"
+#include "common/request.h"
 #include "common/status.h"
-#include "engine/engine.h"
-#include "engine/jsonio.h"
 
 typedef struct td_client td_client;
+
+/* A request's end as the router reports it: the sequences (best first), or
+ * why it failed. Valid during the on_result call. */
+typedef struct td_client_result {
+  const char *id;
+  td_status status;     /* TD_OK, or the error's code */
+  const char *error;    /* status != TD_OK: the router's message */
+  int n_outputs;
+  const td_seq_output *outputs;
+  double decode_ms;     /* the decode worker's time, when it reports one */
+} td_client_result;
 
 typedef struct td_client_events {
   /* Streamed tokens of sequence `seq`, starting at output position `offset`. */
   void (*on_tokens)(void *ctx, const char *id, int seq, int offset, const int32_t *tokens, const float *logprobs,
                     int n);
   /* The final result (r->status != TD_OK for errors); valid during the call. */
-  void (*on_result)(void *ctx, const td_result *r);
+  void (*on_result)(void *ctx, const td_client_result *r);
   void *ctx;
 } td_client_events;
 

@@ -51,11 +51,12 @@ static void on_tokens(void *ctx, const char *id, int seq, int offset, const int3
   cJSON_Delete(o);
 }
 
-static void on_result(void *ctx, const td_result *r) {
+static void on_result(void *ctx, const td_client_result *r) {
   app *a = ctx;
   slot *s = find(a, r->id);
   if (!s) return;
-  s->out = td_json_result_format(r);
+  s->out = r->status == TD_OK ? td_json_result_format(r->id, r->outputs, r->n_outputs)
+                              : td_json_error_format(r->id, r->status, r->error);
   if (r->status != TD_OK) a->failed++;
   if (a->stream && s->out) {
     puts(s->out);

@@ -11,26 +11,17 @@
 #include "common/defaults.h"
 #include "engine/internal.h"
 
-const char *td_finish_name(td_finish f) {
-  switch (f) {
-    case TD_FINISH_STOP: return "stop";
-    case TD_FINISH_LENGTH: return "length";
-    case TD_FINISH_CANCELLED: return "cancelled";
-    case TD_FINISH_ERROR: return "error";
-    default: return "none";
-  }
-}
-
-void td_request_params_default(td_request_params *p) {
-  memset(p, 0, sizeof *p);
-  p->top_p = 1.0f;
-  p->n = 1;
-  p->num_beams = 1;
-  p->num_return_sequences = 0;
-  p->length_penalty = 1.0f;
-  p->early_stopping = 0;
-  p->forced_bos = -2;
-  p->forced_eos = -2;
+void td_request_from_json(const td_json_request *j, td_request *r) {
+  memset(r, 0, sizeof *r);
+  r->id = j->id;
+  r->input_ids = j->input_ids;
+  r->n_input = j->n_input;
+  r->features = j->features;
+  r->prompt = j->prompt;
+  r->n_prompt = j->n_prompt;
+  r->params = j->params;
+  r->params.stop_ids = j->stop_ids;
+  r->params.n_stop_ids = j->n_stop_ids;
 }
 
 /* ------------------------------------------------------------ create */

@@ -13,6 +13,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/jsonl.h"
+#include "common/request.h"
 #include "common/status.h"
 #include "kvcache/kvcache.h"
 #include "model/model.h"
@@ -31,31 +33,6 @@ typedef struct td_engine_opts {
   int max_queue;          /* requests waiting or running; more are refused */
   bool recompute_cross;   /* on preemption free cross KV too (re-encode later) */
 } td_engine_opts;
-
-/* Decoding parameters of a request. td_request_params_default gives "use
- * the model's defaults" for everything. */
-typedef struct td_request_params {
-  int max_new_tokens;     /* <= 0: from generation_config max_length or the model limit */
-  float temperature;      /* <= 0: greedy */
-  int top_k;              /* <= 0: off */
-  float top_p;            /* >= 1: off */
-  uint64_t seed;
-  bool has_seed;
-  int n;                  /* independent samples */
-  int num_beams;          /* > 1: beam search */
-  int num_return_sequences;
-  float length_penalty;
-  int early_stopping;     /* 1 true, 0 false (heuristic), -1 never */
-  const int32_t *stop_ids;/* finish when one of these is produced (besides EOS) */
-  int n_stop_ids;
-  bool logprobs;          /* per-token log-probabilities in the output */
-  int forced_bos;         /* -2: generation_config; -1: none; else the id */
-  int forced_eos;         /* -2: generation_config; -1: none; else the id */
-  bool ignore_eos;        /* do not stop on the model's EOS ids */
-  bool all_logits;        /* keep the logits of every decoder position (greedy, n = 1) */
-} td_request_params;
-
-void td_request_params_default(td_request_params *p);
 
 typedef struct td_request {
   const char *id;
@@ -81,17 +58,9 @@ typedef struct td_request {
   int prefill_only;             /* > 0: compute the KV of this many prompt tokens; result.blocks: self KV */
 } td_request;
 
-typedef enum td_finish { TD_FINISH_NONE, TD_FINISH_STOP, TD_FINISH_LENGTH, TD_FINISH_CANCELLED, TD_FINISH_ERROR } td_finish;
-const char *td_finish_name(td_finish f);
-
-typedef struct td_seq_output {
-  const int32_t *tokens;   /* generated tokens (prompt excluded); a stop token is the last */
-  int n_tokens;
-  const float *logprobs;   /* when asked: per token */
-  double score;            /* beam search: length-normalised log-probability */
-  double cum_logprob;
-  td_finish finish;
-} td_seq_output;
+/* A request line of the JSON-lines format as an engine request (pointers
+ * into j). */
+void td_request_from_json(const td_json_request *j, td_request *out);
 
 typedef struct td_result {
   uint64_t handle;

@@ -9,10 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/jsonl.h"
 #include "common/log.h"
 #include "common/settings.h"
 #include "engine/engine.h"
-#include "engine/jsonio.h"
 
 typedef struct slot {
   td_json_request req;
@@ -32,7 +32,8 @@ typedef struct app {
 static void on_finish(void *ctx, const td_result *r) {
   app *a = ctx;
   slot *s = &a->slots[(intptr_t)r->user];
-  s->line_out = td_json_result_format(r);
+  s->line_out = r->status == TD_OK ? td_json_result_format(r->id, r->outputs, r->n_outputs)
+                                   : td_json_error_format(r->id, r->status, r->error);
   if (r->status != TD_OK) a->failed++;
   if (r->logits && r->n_logit_rows) {
     s->logits = malloc(sizeof(float) * (size_t)r->n_logit_rows * a->vocab);
@@ -177,7 +178,7 @@ int main(int argc, char **argv) {
     slot *s = &a.slots[i];
     if (s->line_out) continue;
     td_request r;
-    td_json_request_view(&s->req, &r);
+    td_request_from_json(&s->req, &r);
     r.user = (void *)(intptr_t)i;
     r.params.all_logits = logits_path && r.params.n == 1 && r.params.num_beams == 1;
     td_status st = TD_OK;

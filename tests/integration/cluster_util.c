@@ -302,7 +302,7 @@ static void on_tokens(void *ctx, const char *id, int seq, int offset, const int3
   for (int i = 0; i < n && o->n_streamed < 256; i++) o->streamed[o->n_streamed++] = t[i];
 }
 
-static void on_result(void *ctx, const td_result *r) {
+static void on_result(void *ctx, const td_client_result *r) {
   outcome *o = find(ctx, r->id);
   if (!o) return;
   o->done = true;

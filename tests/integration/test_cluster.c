@@ -317,7 +317,7 @@ typedef struct first_tok {
 static void ft_tokens(void *ctx, const char *id, int seq, int off, const int32_t *t, const float *lp, int n) {
   ((first_tok *)ctx)->got_token = true;
 }
-static void ft_result(void *ctx, const td_result *r) {
+static void ft_result(void *ctx, const td_client_result *r) {
   first_tok *f = ctx;
   f->done = true;
   f->status = r->status;
@@ -582,7 +582,7 @@ static void send_all(void *arg) {
   for (int i = 0; i < a->n; i++) cr_assert(td_client_generate(a->cl, &a->reqs[i], false, 60000) == TD_OK);
 }
 
-static void count_result(void *ctx, const td_result *r) {
+static void count_result(void *ctx, const td_client_result *r) {
   int *n = ctx;
   if (r->status == TD_ERR_CANCELLED || r->status == TD_OK) (*n)++;
 }

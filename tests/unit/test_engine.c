@@ -9,7 +9,7 @@
 #include <criterion/criterion.h>
 
 #include "engine/engine.h"
-#include "engine/jsonio.h"
+#include "common/jsonl.h"
 #include "fixture.h"
 
 #define MAXR 16

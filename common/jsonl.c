@@ -1,4 +1,4 @@
-#include "engine/jsonio.h"
+#include "common/jsonl.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -163,32 +163,18 @@ void td_json_request_free(td_json_request *r) {
   memset(r, 0, sizeof *r);
 }
 
-void td_json_request_view(const td_json_request *j, td_request *r) {
-  memset(r, 0, sizeof *r);
-  r->id = j->id;
-  r->input_ids = j->input_ids;
-  r->n_input = j->n_input;
-  r->features = j->features;
-  r->prompt = j->prompt;
-  r->n_prompt = j->n_prompt;
-  r->params = j->params;
-  r->params.stop_ids = j->stop_ids;
-  r->params.n_stop_ids = j->n_stop_ids;
-}
-
 static char *print_free(cJSON *o) {
   char *s = o ? cJSON_PrintUnformatted(o) : NULL;
   cJSON_Delete(o);
   return s;
 }
 
-char *td_json_result_format(const td_result *r) {
-  if (r->status != TD_OK) return td_json_error_format(r->id, r->status, r->error ? r->error : td_status_str(r->status));
+char *td_json_result_format(const char *id, const td_seq_output *outputs, int n_outputs) {
   cJSON *o = cJSON_CreateObject();
-  cJSON_AddStringToObject(o, "id", r->id);
+  cJSON_AddStringToObject(o, "id", id ? id : "");
   cJSON *outs = cJSON_AddArrayToObject(o, "outputs");
-  for (int i = 0; i < r->n_outputs; i++) {
-    const td_seq_output *so = &r->outputs[i];
+  for (int i = 0; i < n_outputs; i++) {
+    const td_seq_output *so = &outputs[i];
     cJSON *e = cJSON_CreateObject();
     cJSON *toks = cJSON_AddArrayToObject(e, "tokens");
     for (int t = 0; t < so->n_tokens; t++) cJSON_AddItemToArray(toks, cJSON_CreateNumber(so->tokens[t]));

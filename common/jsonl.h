@@ -1,12 +1,13 @@
 /* The JSON-lines request and result format shared by tandem-generate and
  * tandem-client (DESIGN.md §4). */
-#ifndef TD_ENGINE_JSONIO_H
-#define TD_ENGINE_JSONIO_H
+#ifndef TD_COMMON_JSONL_H
+#define TD_COMMON_JSONL_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "engine/engine.h"
+#include "common/request.h"
+#include "common/status.h"
 
 typedef struct td_json_request {
   char id[256];
@@ -27,12 +28,9 @@ typedef struct td_json_request {
 td_status td_json_request_parse(const char *line, size_t len, const char *base_dir, int line_no,
                                 td_json_request *out);
 void td_json_request_free(td_json_request *r);
-/* A view for td_engine_add (pointers into r). */
-void td_json_request_view(const td_json_request *r, td_request *out);
-
-/* One output line (no newline), malloc'ed: {"id", "outputs": [...]} or, for a
- * failed request, {"id", "error", "code"}. */
-char *td_json_result_format(const td_result *r);
+/* One output line (no newline), malloc'ed: {"id", "outputs": [...]}, best
+ * first; td_json_error_format: {"id", "error", "code"} of a failed request. */
+char *td_json_result_format(const char *id, const td_seq_output *outputs, int n_outputs);
 char *td_json_error_format(const char *id, td_status code, const char *msg);
 
 #endif
