@@ -46,13 +46,15 @@ td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out) {
   k->o = *opts;
   snprintf(k->name, sizeof k->name, "%s", opts->name ? opts->name : "kvx");
   k->o.name = k->name;
-  if (k->o.timeout_ms <= 0) k->o.timeout_ms = 30000;
-  k->n_slots = k->o.staging_slots > 0 ? k->o.staging_slots : 8;
-  if (k->n_slots > 1024) k->n_slots = 1024;
-  k->slot_bytes = k->o.staging_slot_bytes >= 4096 ? k->o.staging_slot_bytes : (4u << 20);
-  k->stage_chunk = k->o.staging_chunk_bytes >= 4096 ? k->o.staging_chunk_bytes : (2u << 20);
-  k->nccl_chunk = k->o.nccl_chunk_bytes ? k->o.nccl_chunk_bytes : KVX_NCCL_CHUNK;
-  if (k->nccl_chunk < 4096) k->nccl_chunk = 4096;
+  if (k->o.timeout_ms <= 0) k->o.timeout_ms = TD_DEFAULT_KVX_TIMEOUT_MS;
+  k->n_slots = k->o.staging_slots > 0 ? k->o.staging_slots : TD_DEFAULT_KVX_STAGING_SLOTS;
+  if (k->n_slots > KVX_MAX_STAGING_SLOTS) k->n_slots = KVX_MAX_STAGING_SLOTS;
+  k->slot_bytes =
+      k->o.staging_slot_bytes >= KVX_MIN_CHUNK ? k->o.staging_slot_bytes : TD_DEFAULT_KVX_STAGING_SLOT_BYTES;
+  k->stage_chunk =
+      k->o.staging_chunk_bytes >= KVX_MIN_CHUNK ? k->o.staging_chunk_bytes : TD_DEFAULT_KVX_STAGING_CHUNK_BYTES;
+  k->nccl_chunk = k->o.nccl_chunk_bytes ? k->o.nccl_chunk_bytes : TD_DEFAULT_KVX_NCCL_CHUNK_BYTES;
+  if (k->nccl_chunk < KVX_MIN_CHUNK) k->nccl_chunk = KVX_MIN_CHUNK;
   if (k->nccl_chunk > KVX_NCCL_MAX_CHUNK) k->nccl_chunk = KVX_NCCL_MAX_CHUNK;
   k->uuid = random_u64();
   k->host_id = host_identity();
@@ -345,7 +347,7 @@ void td_kvx_destroy(td_kvx *k) {
     kvx_grant *g, *gtmp;
     HASH_ITER(hh, k->grants, g, gtmp) kvx_grant_revoke(g, TD_ERR_CANCELLED, "receiver shutting down");
     /* Let transfers stop cleanly for a moment, then cut. */
-    int64_t until = td_now_ms() + 500;
+    int64_t until = td_now_ms() + TD_KVX_DESTROY_STOP_MS;
     while ((HASH_COUNT(k->xfers) > 0 || k->h2ds) && td_now_ms() < until) td_kvx_progress(k);
     kvx_xfer *x, *tmp;
     HASH_ITER(hh, k->xfers, x, tmp) {
@@ -383,7 +385,7 @@ void td_kvx_destroy(td_kvx *k) {
     }
     kvx_rpeer *rp, *rtmp;
     HASH_ITER(hh, k->rpeers, rp, rtmp) kvx_rpeer_fail(rp, TD_OK, "shutting down", false);
-    until = td_now_ms() + 200;
+    until = td_now_ms() + TD_KVX_DESTROY_CLOSE_MS;
     while (k->ops && td_now_ms() < until) ucp_worker_progress(k->w);
     kvx_op *op, *otmp;
     DL_FOREACH(k->ops, op) {

@@ -14,6 +14,7 @@
 #include <utlist.h>
 
 #include "common/clock.h"
+#include "common/defaults.h"
 #include "kvtransfer/gpu.h"
 #include "kvtransfer/kvtransfer.h"
 #include "kvtransfer/wire.h"
@@ -25,8 +26,10 @@
 #define KVX_DIRECT_WINDOW 4             /* direct chunks in flight per transfer */
 #define KVX_CHUNK_PIECES 128
 #define KVX_GRANT_SLOTS 8               /* staging slots one grant may hold */
-#define KVX_STOP_GRACE_MS 3000          /* a stopping transfer's flush must end by then */
-#define KVX_GRANT_GRACE_MS 2000
+#define KVX_MAX_STAGING_SLOTS 1024
+/* Staging slot and chunk options below this take their default; an NCCL
+ * chunk option below it is raised to it. */
+#define KVX_MIN_CHUNK 4096
 #define KVX_TEXT 256
 #define KVX_NCCL_WINDOW 6 /* chunks of one NCCL transfer in flight */
 #define KVX_NCCL_SLOTS KVX_NCCL_WINDOW /* device bounce slots per direction */
@@ -34,7 +37,6 @@
  * done, so two groups alternate (one moves while the other is scattered
  * and posted again). */
 #define KVX_NCCL_GROUP (KVX_NCCL_WINDOW / 2)
-#define KVX_NCCL_CHUNK ((uint64_t)8 << 20) /* default largest chunk; to be tuned on the GPU machine */
 
 /* ---------------------------------------------------------------- types */
 

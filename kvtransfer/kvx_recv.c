@@ -45,7 +45,7 @@ void kvx_grant_end(kvx_grant *g, td_status s, const char *msg) {
     /* Only a communicator abort stops a queued receive (it was aborted
      * when any is left here). */
     kvx_nstream_drop_ops(g->k, g->ns, true);
-    g->ns->drain_deadline = td_now_ms() + KVX_GRANT_GRACE_MS;
+    g->ns->drain_deadline = td_now_ms() + TD_KVX_GRANT_GRACE_MS;
   }
 }
 
@@ -56,7 +56,7 @@ bool kvx_grant_drained(kvx_grant *g) {
   if (!g->ns || kvx_nstream_quiet(g->k, g->ns)) return true;
   if (td_now_ms() <= g->ns->drain_deadline) return false;
   TD_WARN("kvx %s: grant %016" PRIx64 "/%" PRIu64 ": NCCL copies still pending after %d ms; releasing the blocks",
-          g->k->name, g->key.uuid, g->key.xid, KVX_GRANT_GRACE_MS);
+          g->k->name, g->key.uuid, g->key.xid, TD_KVX_GRANT_GRACE_MS);
   return true;
 }
 
@@ -103,7 +103,7 @@ void kvx_grant_revoke(kvx_grant *g, td_status s, const char *msg) {
   }
   kvx_send_status(k, g->rp->ep, KVX_MSG_REVOKE, g->key.xid, s, msg);
   g->gst = G_CLOSING;
-  g->hard_deadline = td_now_ms() + 2 * KVX_GRANT_GRACE_MS;
+  g->hard_deadline = td_now_ms() + 2 * TD_KVX_GRANT_GRACE_MS;
 }
 
 void kvx_rpeer_fail(kvx_rpeer *rp, td_status s, const char *msg, bool event) {
@@ -301,7 +301,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   g->ns = ns;
   g->am = am;
   g->staged = staged;
-  g->deadline = td_now_ms() + (int64_t)timeout_ms + KVX_GRANT_GRACE_MS;
+  g->deadline = td_now_ms() + (int64_t)timeout_ms + TD_KVX_GRANT_GRACE_MS;
   HASH_ADD(hh, k->grants, key, sizeof g->key, g);
   pool->users++;
   rp->n_grants++;

@@ -51,7 +51,7 @@ void kvx_xfer_stop(kvx_xfer *x, td_status s, const char *msg, bool notify) {
   kvx_set_text(x->fmsg, msg);
   x->notify = notify;
   x->st = XS_STOPPING;
-  x->stop_deadline = td_now_ms() + KVX_STOP_GRACE_MS;
+  x->stop_deadline = td_now_ms() + TD_KVX_STOP_GRACE_MS;
   /* The receiver may have queued the matching receive: only an abort of
    * the communicator keeps the two sides in step. */
   if (x->nccl && x->peer->nccl) kvx_peer_nccl_abort(x->peer, TD_ERR_NETWORK, "NCCL communicator aborted", true);
