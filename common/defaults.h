@@ -37,4 +37,14 @@
 #define TD_GROUP_MIRROR_TIMEOUT_MS 60000     /* every follower reached the leader's mirror */
 #define TD_DEFAULT_LISTEN_HOST "127.0.0.1"
 
+/* ---- kvtransfer (td_kvx_opts left 0; the protocol's grace periods) ---- */
+#define TD_DEFAULT_KVX_STAGING_SLOTS 8                /* pinned staging slots per side */
+#define TD_DEFAULT_KVX_STAGING_SLOT_BYTES (4u << 20)  /* docs/kvtransfer.md, "Staged UCX" */
+#define TD_DEFAULT_KVX_STAGING_CHUNK_BYTES (2u << 20) /* the staged pipeline's steady chunk */
+#define TD_DEFAULT_KVX_NCCL_CHUNK_BYTES (8ull << 20)  /* the NCCL pipeline's largest chunk */
+#define TD_KVX_STOP_GRACE_MS 3000   /* a stopping transfer's flush ends by then, or the peer is failed */
+#define TD_KVX_GRANT_GRACE_MS 2000  /* a grant outlives the sender's deadline by this; a revoked one twice */
+#define TD_KVX_DESTROY_STOP_MS 500  /* td_kvx_destroy lets transfers stop cleanly this long */
+#define TD_KVX_DESTROY_CLOSE_MS 200 /* then waits this long for UCX operations to complete */
+
 #endif

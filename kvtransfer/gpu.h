@@ -1,5 +1,6 @@
-/* Internal: the CUDA runtime and NCCL calls of the transfer engine, so that
- * engine.c builds without CUDA (gpu_stub.c answers TD_ERR_UNSUPPORTED). */
+/* Internal: the CUDA runtime and NCCL calls of kvtransfer, so that the
+ * kvx_*.c files build without CUDA (gpu_stub.c answers TD_ERR_UNSUPPORTED;
+ * the tests' gpu_fake.c stands in on the CPU). */
 #ifndef TD_KVTRANSFER_GPU_H
 #define TD_KVTRANSFER_GPU_H
 
@@ -15,9 +16,9 @@
 bool kvx_gpu_compiled(void);
 bool kvx_nccl_compiled(void);
 
-/* One per engine: the device and its streams, so that staging directions,
- * NCCL sends, NCCL receives and the NCCL path's gather and scatter
- * overlap. */
+/* One per transfer context: the device and its streams, so that staging
+ * directions, NCCL sends, NCCL receives and the NCCL path's gather and
+ * scatter overlap. */
 typedef struct kvx_gpu kvx_gpu;
 enum {
   KVX_S_D2H = 0,
@@ -38,7 +39,7 @@ void kvx_gpu_host_free(kvx_gpu *g, void *p);
 /* Pins existing host memory for asynchronous copies (cudaHostRegister). */
 td_status kvx_gpu_host_register(kvx_gpu *g, void *p, size_t bytes);
 void kvx_gpu_host_unregister(kvx_gpu *g, void *p);
-/* Whether [p, p + bytes) is device memory of the engine's device. */
+/* Whether [p, p + bytes) is device memory of the context's device. */
 td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes);
 /* Asynchronous copy on a stream (its direction decides the copy kind). */
 td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes);
@@ -49,7 +50,7 @@ td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **sr
  * the gather kernel (gather.h): one launch per KVX_GATHER_PIECES pieces,
  * any sizes and alignments. The caller's arrays are scratch. */
 td_status kvx_gpu_copy_d2d(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n);
-/* Device memory of the engine's device (the NCCL bounce slots). */
+/* Device memory of the context's device (the NCCL bounce slots). */
 td_status kvx_gpu_dev_alloc(kvx_gpu *g, size_t bytes, void **out);
 void kvx_gpu_dev_free(kvx_gpu *g, void *p);
 /* Synchronous host-to-device copy from pageable memory. */

@@ -1,4 +1,4 @@
-/* CUDA runtime (C API) and NCCL calls of the transfer engine. */
+/* CUDA runtime (C API) and NCCL calls of kvtransfer (gpu.h). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -124,7 +124,7 @@ td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes) {
 }
 
 td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes) {
-  cudaSetDevice(g->device); /* streams and events belong to the engine's device */
+  cudaSetDevice(g->device); /* streams and events belong to the context's device */
   enum cudaMemcpyKind kind = stream == KVX_S_D2H ? cudaMemcpyDeviceToHost
                              : stream == KVX_S_H2D ? cudaMemcpyHostToDevice
                                                    : cudaMemcpyDefault;

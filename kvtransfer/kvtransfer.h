@@ -10,9 +10,10 @@
  * pinned (td_kvx_reservation_busy) until the transfer completes, fails, is
  * cancelled or the sender dies; every grant ends with exactly one recv event.
  *
- * Not thread-safe: one owner thread per engine. Callbacks run only inside
+ * A td_kvx is one transfer context (a UCX worker, its pools and peers).
+ * Not thread-safe: one owner thread per context. Callbacks run only inside
  * td_kvx_progress, td_kvx_disconnect and td_kvx_destroy; they may post and
- * cancel but must not destroy the engine. */
+ * cancel but must not destroy the context. */
 #ifndef TD_KVTRANSFER_KVTRANSFER_H
 #define TD_KVTRANSFER_KVTRANSFER_H
 
@@ -66,7 +67,7 @@ td_status td_kvx_slice_plan(const td_kvx_geom *src, const td_kvx_geom *dst, td_k
 td_status td_kvx_plan_copies(const td_kvx_geom *src, const td_kvx_geom *dst, const int32_t *src_blocks,
                              const int32_t *dst_blocks, int n_blocks, td_kvx_slice **out, int *n);
 
-/* ---- engine ---- */
+/* ---- the transfer context ---- */
 
 /* Receiver side: may the peer write request_id's data into these reserved
  * blocks? Return TD_OK to grant (the blocks must stay untouched until the
@@ -111,15 +112,17 @@ typedef enum td_kvx_local_path {
 typedef struct td_kvx_opts {
   const char *name;          /* for logs */
   int cuda_device;           /* device of the GPU pools; -1: no GPU */
-  int timeout_ms;            /* default per-transfer timeout; 0: 30000 */
-  int staging_slots;         /* pinned staging buffers per side; 0: 8 */
-  size_t staging_slot_bytes; /* 0: 4 MiB (measured best on H100 / H200) */
+  /* Zero fields take the TD_DEFAULT_KVX_* values of common/defaults.h;
+   * how they were chosen: docs/kvtransfer.md. */
+  int timeout_ms;            /* default per-transfer timeout */
+  int staging_slots;         /* pinned staging buffers per side */
+  size_t staging_slot_bytes;
   /* Staged chunks grow from 256 KiB to this size and shrink again at the
-   * end of a transfer; 0: 2 MiB (measured best on H100 at 16 MB). */
+   * end of a transfer. */
   size_t staging_chunk_bytes;
   bool force_staged;         /* stage GPU pools even if UCX supports CUDA */
   /* NCCL: the largest chunk of a transfer's byte stream (the pipeline's
-   * step; 4 device bounce slots of this size per direction); 0: 8 MiB. */
+   * step; 6 device bounce slots of this size per direction). */
   size_t nccl_chunk_bytes;
   /* Same-host peers: puts on a second endpoint without UCX error handling,
    * so UCX may pick shared memory / CMA (UCX 1.13 offers only tcp and
@@ -138,10 +141,10 @@ typedef struct td_kvx_opts {
 
 td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out);
 /* Cancels everything (callbacks fire with TD_ERR_CANCELLED), closes the
- * peers and frees the engine. */
+ * peers and frees the context. */
 void td_kvx_destroy(td_kvx *k);
 uint64_t td_kvx_uuid(const td_kvx *k);
-/* Whether this engine moves GPU pools directly through UCX (the UCX build
+/* Whether this context moves GPU pools directly through UCX (the UCX build
  * reports CUDA memory and force_staged is off) rather than staged. */
 bool td_kvx_cuda_direct(const td_kvx *k);
 bool td_kvx_nccl_available(const td_kvx *k);
@@ -149,7 +152,7 @@ bool td_kvx_nccl_available(const td_kvx *k);
 /* A local pool: base pointer, block count and geometry. Register before
  * td_kvx_export; the memory must outlive the registration. */
 typedef struct td_kvx_pool_desc {
-  uint32_t pool_id; /* chosen by the application, unique per engine */
+  uint32_t pool_id; /* chosen by the application, unique per context */
   td_kvx_mem mem;
   void *base;
   int n_blocks;
@@ -159,7 +162,7 @@ td_status td_kvx_register_pool(td_kvx *k, const td_kvx_pool_desc *d);
 /* TD_ERR_INVALID while transfers use the pool. */
 td_status td_kvx_unregister_pool(td_kvx *k, uint32_t pool_id);
 
-/* The engine's descriptor: transport address, memory keys and pool
+/* The context's descriptor: transport address, memory keys and pool
  * geometry, as bytes for the control plane. *bytes is malloc'ed. */
 td_status td_kvx_export(td_kvx *k, uint8_t **bytes, size_t *len);
 
@@ -182,7 +185,7 @@ typedef struct td_kvx_desc_info {
  * what the peer holds, e.g. to pick the receiver ranks of a block. */
 td_status td_kvx_desc_parse(const void *bytes, size_t len, td_kvx_desc_info *out);
 
-/* Connects to the engine that exported the descriptor. Failures of the
+/* Connects to the context that exported the descriptor. Failures of the
  * link surface later as a peer event. */
 td_status td_kvx_connect(td_kvx *k, const void *bytes, size_t len, td_kvx_peer **out);
 /* Cancels the peer's transfers (their callbacks fire with
@@ -204,7 +207,7 @@ typedef struct td_kvx_xfer {
   const int32_t *src_blocks; /* n_blocks source blocks, copied; */
   const int32_t *dst_blocks; /* the reserved destination of each */
   int n_blocks;
-  int timeout_ms;             /* 0: the engine's default */
+  int timeout_ms;             /* 0: the context's default */
   td_kvx_transport transport; /* AUTO: NCCL for GPU to GPU when both have it */
   void *cuda_ready_event;     /* optional cudaEvent_t the copies wait for */
 } td_kvx_xfer;

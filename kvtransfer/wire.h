@@ -60,7 +60,7 @@ typedef struct kvx_desc {
   uint32_t caps;
   uint64_t uuid, host_id;
   uint32_t pid;
-  uint64_t gpu_id; /* the engine's GPU (PCI bus id hash), 0: none */
+  uint64_t gpu_id; /* the context's GPU (PCI bus id hash), 0: none */
   const uint8_t *addr;
   uint32_t addr_len;
   bool staging;
