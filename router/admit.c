@@ -1,5 +1,7 @@
 /* Admission checks: a request against the served model and the fixed
- * limits, and what a valid request needs (router/policy.h). Pure. */
+ * limits, each refusal naming its limit, and what a valid request needs
+ * (router/policy.h). Pure: what depends on the registered workers is
+ * placement's (td_place_possible). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -16,7 +18,9 @@
 
 td_status td_admit_request_id(const char *id, char *msg, size_t cap) {
   size_t n = id ? strlen(id) : 0;
-  if (!n || n > TD_ROUTER_MAX_REQUEST_ID) REFUSE(TD_ERR_INVALID, "request_id must be 1 to 255 bytes");
+  if (!n) REFUSE(TD_ERR_INVALID, "request_id is empty (1 to %d bytes)", TD_ROUTER_MAX_REQUEST_ID);
+  if (n > TD_ROUTER_MAX_REQUEST_ID)
+    REFUSE(TD_ERR_INVALID, "request_id of %zu bytes exceeds %d", n, TD_ROUTER_MAX_REQUEST_ID);
   return TD_OK;
 }
 
@@ -48,15 +52,34 @@ static td_status check_input(const Tandem__ModelInfo *mi, const Tandem__Generate
   return TD_OK;
 }
 
+/* Sampling and beam parameters: one limit, one message. */
 static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *msg, size_t cap) {
   int n = sp->n ? (int)sp->n : 1, beams = sp->num_beams ? (int)sp->num_beams : 1;
-  if (sp->temperature < 0 || !isfinite(sp->temperature) || sp->top_p < 0 || sp->top_k < 0 ||
-      n > TD_ROUTER_MAX_SAMPLES || beams > TD_ROUTER_MAX_BEAMS ||
-      sp->num_return_sequences > (uint32_t)(beams > 1 ? beams : n) || (beams > 1 && (n > 1 || sp->temperature > 0)) ||
-      sp->early_stopping < -1 || sp->early_stopping > 1 || (sp->set_forced_bos && sp->forced_bos_token_id >= V) ||
-      (sp->set_forced_eos && sp->forced_eos_token_id >= V))
-    REFUSE(TD_ERR_INVALID, "invalid sampling parameters (temperature >= 0, top_p in [0, 1], top_k >= 0, n <= 64, "
-                           "num_beams <= 32, num_return_sequences <= n or num_beams, no sampling with beams)");
+  if (!(sp->temperature >= 0) || !isfinite(sp->temperature))
+    REFUSE(TD_ERR_INVALID, "temperature must be a finite number >= 0 (0: greedy), got %g", sp->temperature);
+  if (!(sp->top_p >= 0)) REFUSE(TD_ERR_INVALID, "top_p must be >= 0 (0 or >= 1: off), got %g", sp->top_p);
+  if (sp->top_k < 0) REFUSE(TD_ERR_INVALID, "top_k must be >= 0 (0: off), got %d", sp->top_k);
+  if (sp->n > TD_ROUTER_MAX_SAMPLES)
+    REFUSE(TD_ERR_INVALID, "n = %u exceeds the limit of %d samples a request", sp->n, TD_ROUTER_MAX_SAMPLES);
+  if (sp->num_beams > TD_ROUTER_MAX_BEAMS)
+    REFUSE(TD_ERR_INVALID, "num_beams = %u exceeds the limit of %d beams", sp->num_beams, TD_ROUTER_MAX_BEAMS);
+  if (beams > 1 && n > 1)
+    REFUSE(TD_ERR_INVALID, "num_beams = %d with n = %d: beam search takes no samples (n must be 1)", beams, n);
+  if (beams > 1 && sp->temperature > 0)
+    REFUSE(TD_ERR_INVALID, "num_beams = %d with temperature %g: beam search does not sample (temperature must be 0)",
+           beams, sp->temperature);
+  if (beams > 1 && sp->num_return_sequences > (uint32_t)beams)
+    REFUSE(TD_ERR_INVALID, "num_return_sequences %u exceeds num_beams %d", sp->num_return_sequences, beams);
+  if (beams == 1 && sp->num_return_sequences > (uint32_t)n)
+    REFUSE(TD_ERR_INVALID, "num_return_sequences %u exceeds n %d", sp->num_return_sequences, n);
+  if (sp->has_length_penalty && !isfinite(sp->length_penalty))
+    REFUSE(TD_ERR_INVALID, "length_penalty must be a finite number, got %g", sp->length_penalty);
+  if (sp->early_stopping < -1 || sp->early_stopping > 1)
+    REFUSE(TD_ERR_INVALID, "early_stopping must be 1 (true), 0 (false) or -1 (never), got %d", sp->early_stopping);
+  if (sp->set_forced_bos && sp->forced_bos_token_id >= V)
+    REFUSE(TD_ERR_INVALID, "forced_bos_token_id %d is outside the vocabulary of %d", sp->forced_bos_token_id, V);
+  if (sp->set_forced_eos && sp->forced_eos_token_id >= V)
+    REFUSE(TD_ERR_INVALID, "forced_eos_token_id %d is outside the vocabulary of %d", sp->forced_eos_token_id, V);
   return TD_OK;
 }
 
@@ -80,7 +103,7 @@ td_status td_admit_request(const Tandem__ModelInfo *mi, int block_size, const Ta
     if (g->stop_token_ids[i] < 0 || g->stop_token_ids[i] >= V)
       REFUSE(TD_ERR_INVALID, "stop token %d is outside the vocabulary of %d", g->stop_token_ids[i], V);
   int room = (int)mi->max_target_len - n_prompt;
-  if ((int)g->max_new_tokens > room)
+  if ((int64_t)g->max_new_tokens > room)
     REFUSE(TD_ERR_INVALID, "prompt %d + max_new_tokens %u exceeds the model's %u positions", n_prompt,
            g->max_new_tokens, mi->max_target_len);
   const Tandem__SamplingParams *sp = g->sampling;

@@ -49,12 +49,25 @@ static void group_reply(td_router *r, const uint8_t *id, size_t id_len, const gr
   (void)rtr_send_peer(r, id, id_len, &m);
 }
 
+/* A join that no group can take; each limit its own message. */
 static bool join_invalid(const Tandem__Cluster__GroupJoin *j, char *why, size_t cap) {
   const char *name = j->group ? j->group : "";
-  if (name[0] && strlen(name) < sizeof ((group_rv *)0)->name && j->world >= 1 &&
-      j->world <= TD_ROUTER_MAX_GROUP_RANKS && j->rank < j->world && j->endpoint && j->endpoint[0])
+  if (!name[0])
+    snprintf(why, cap, "bad group join: no group name");
+  else if (strlen(name) >= sizeof ((group_rv *)0)->name)
+    snprintf(why, cap, "bad group join: the group name has %zu bytes, at most %zu", strlen(name),
+             sizeof ((group_rv *)0)->name - 1);
+  else if (j->world < 1 || j->world > TD_ROUTER_MAX_GROUP_RANKS)
+    snprintf(why, cap, "bad group join: world %u, a group has 1 to %d ranks", j->world, TD_ROUTER_MAX_GROUP_RANKS);
+  else if (j->rank >= j->world)
+    snprintf(why, cap, "bad group join: rank %u of a world of %u", j->rank, j->world);
+  else if (!j->endpoint || !j->endpoint[0])
+    snprintf(why, cap, "bad group join: rank %u gave no endpoint", j->rank);
+  else if (j->nccl_id.len > sizeof ((group_rv *)0)->nccl_id)
+    snprintf(why, cap, "bad group join: an NCCL id of %zu bytes, at most %zu", j->nccl_id.len,
+             sizeof ((group_rv *)0)->nccl_id);
+  else
     return false;
-  snprintf(why, cap, "bad group join (name, world 1..16, rank < world, endpoint)");
   return true;
 }
 
@@ -111,7 +124,7 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__C
   g->endpoints[j->rank] = strdup(j->endpoint);
   memcpy(g->ids[j->rank], id, id_len);
   g->id_lens[j->rank] = id_len;
-  if (j->rank == 0 && j->nccl_id.len && j->nccl_id.len <= sizeof g->nccl_id) {
+  if (j->rank == 0 && j->nccl_id.len) {
     memcpy(g->nccl_id, j->nccl_id.data, j->nccl_id.len);
     g->nccl_len = j->nccl_id.len;
   }

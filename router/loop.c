@@ -206,6 +206,9 @@ static td_status bind_socket(td_router *r, void **sock, const char *endpoint, co
 
 td_status td_router_create(const td_router_opts *opts, td_router **out) {
   *out = NULL;
+  if (opts->max_attempts > TD_ROUTER_MAX_ATTEMPTS)
+    return td_err(TD_ERR_INVALID, "max_attempts %d exceeds %d (an attempt is numbered in a byte)", opts->max_attempts,
+                  TD_ROUTER_MAX_ATTEMPTS);
   td_router *r = calloc(1, sizeof *r);
   if (!r) return td_err(TD_ERR_NOMEM, "out of memory");
   r->o = *opts;

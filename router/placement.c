@@ -12,7 +12,7 @@ static bool fits(const td_place_worker *w, want role, const td_place_req *q) {
   switch (role) {
     case WANT_DEC:
       return w->dec && w->committed_cross + q->need_cross <= w->cross_blocks &&
-             w->jobs < TD_ROUTER_JOBS_PER_SEQ * w->max_running;
+             w->jobs < TD_ROUTER_JOBS_PER_SEQ * w->max_running && q->width <= w->max_running;
     case WANT_ENC:
       return w->enc;
     case WANT_PRE:
@@ -33,6 +33,30 @@ static int pick(const td_place_worker *const *pool, int n, want role, const td_p
       best = i;
   }
   return best;
+}
+
+bool td_place_possible(const td_place_worker *const *pool, int n, const td_place_req *q, char *why, size_t cap) {
+  int n_dec = 0, widest = 0, largest = 0;
+  for (int i = 0; i < n; i++) {
+    const td_place_worker *w = pool[i];
+    if (!w->dec) continue;
+    n_dec++;
+    if (w->max_running >= q->width && w->cross_blocks >= q->need_cross) return true;
+    if (w->max_running > widest) widest = w->max_running;
+    if (w->cross_blocks > largest) largest = w->cross_blocks;
+  }
+  if (!n_dec)
+    snprintf(why, cap, "no decode worker is registered");
+  else if (widest < q->width)
+    snprintf(why, cap, "%d sequences at once (n or num_beams) exceed every decode worker's batch: the widest runs %d "
+             "(max_running)", q->width, widest);
+  else if (largest < q->need_cross)
+    snprintf(why, cap, "the encoder output needs %d cross KV blocks; the largest decode worker's pool has %d",
+             q->need_cross, largest);
+  else
+    snprintf(why, cap, "no decode worker has both a batch of %d sequences and %d cross KV blocks", q->width,
+             q->need_cross);
+  return false;
 }
 
 /* Why no fitting worker of a role is free now. */
@@ -59,10 +83,9 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
   out->why[0] = 0;
   int d = pick(pool, n, WANT_DEC, q);
   if (d < 0) {
+    if (!td_place_possible(pool, n, q, out->why, sizeof out->why)) return TD_PLACE_NEVER;
     wait_reason(pool, n, WANT_DEC, out->why, sizeof out->why);
-    bool any = false;
-    for (int i = 0; i < n; i++) any |= pool[i]->dec;
-    return any ? TD_PLACE_WAIT : TD_PLACE_NEVER;
+    return TD_PLACE_WAIT;
   }
   bool local = pool[d]->enc;
   int e = -1, p = -1;

@@ -54,8 +54,8 @@ typedef struct td_place_req {
 
 typedef enum td_place_status {
   TD_PLACE_OK,    /* placed */
-  TD_PLACE_WAIT,  /* stay queued */
-  TD_PLACE_NEVER, /* no decode worker is registered: refuse */
+  TD_PLACE_WAIT,  /* a registered worker can run it once it has room: stay queued */
+  TD_PLACE_NEVER, /* no registered worker can run it: refuse */
 } td_place_status;
 
 typedef struct td_placement {
@@ -67,7 +67,7 @@ typedef struct td_placement {
 
 /* Chooses the workers of one request among pool[0..n) (registration order):
  * the decode worker with room for its cross KV, a place in its queue
- * (jobs < TD_ROUTER_JOBS_PER_SEQ x max_running),
+ * (jobs < TD_ROUTER_JOBS_PER_SEQ x max_running) and max_running >= width,
  * fewest jobs first, then fewest committed self blocks, then the earlier;
  * no encoder when that worker encodes too, else the encoder with the fewest
  * jobs; a prefill worker (with room for the cross KV) when the prompt has at
@@ -75,5 +75,9 @@ typedef struct td_placement {
  * encodes. Draining workers are skipped. */
 td_place_status td_place(const td_place_worker *const *pool, int n, const td_place_req *q, int prefill_threshold,
                          td_placement *out);
+
+/* Whether some registered decode worker (draining or not) could ever run
+ * the request: a batch as wide and a cross pool as large. Else why. */
+bool td_place_possible(const td_place_worker *const *pool, int n, const td_place_req *q, char *why, size_t cap);
 
 #endif

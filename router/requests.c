@@ -1,4 +1,5 @@
-/* A request's lifecycle on the router's side: admission (router/admit.c), the queue (bounded, first come first served),
+/* A request's lifecycle on the router's side: admission (every limit
+ * checked, router/admit.c), the queue (bounded, first come first served),
  * placement (router/placement.c) and the jobs sent to the chosen workers,
  * the hold a request keeps on each of them, retries on other workers,
  * cancels, deadlines and stage timeouts. */
@@ -129,7 +130,7 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
   TD_WARN("request %s (rid %llu): retrying: %s", q->cid, (unsigned long long)q->rid, why);
   if (q->multi) q->n_streamed = 0; /* samples and beams restart from the prompt */
   HASH_DELETE(hh, r->by_rid, q);
-  q->rid = (q->serial << 8) | (uint64_t)(q->attempts & 0xff);
+  q->rid = (q->serial << 8) | (uint64_t)(q->attempts & 0xff); /* attempts <= TD_ROUTER_MAX_ATTEMPTS */
   HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
   if (q->st != ST_QUEUED) r->in_flight--;
   q->st = ST_QUEUED;
@@ -235,7 +236,7 @@ bool rtr_place_queue(td_loop *l, void *ctx) {
     }
     queue_remove(r, q);
     if (st == TD_PLACE_NEVER)
-      rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, pl.why); /* rather than wait */
+      rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, pl.why); /* rather than wait forever */
     else
       start(r, q, &pl); /* a retry puts it back at the head */
   }
@@ -308,7 +309,8 @@ static char *client_key(const uint8_t *cid, size_t cid_len, const char *id) {
   return key;
 }
 
-/* Every refusal of a new request, in order; ERROR_NONE admits it. */
+/* Every refusal of a new request, in order; the request is admitted when
+ * code stays ERROR_NONE. */
 static Tandem__ErrorCode admit(td_router *r, const char *key, const Tandem__GenerateRequest *g, td_req_shape *sh,
                                char *err, size_t cap) {
   rreq *dup = NULL;
@@ -326,7 +328,12 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, const Tandem__Gene
     return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
   }
   td_status s = td_admit_request(&r->model, r->block_size, g, sh, err, cap);
-  return td_wire_error_code(s);
+  if (s != TD_OK) return td_wire_error_code(s);
+  td_place_req pr = {.need_cross = sh->need_cross, .need_self = sh->need_self, .width = sh->width,
+                     .n_prompt = sh->n_prompt};
+  if (!td_place_possible((const td_place_worker *const *)r->pool, r->n_pool, &pr, err, cap))
+    return TANDEM__ERROR_CODE__ERROR_UNAVAILABLE;
+  return TANDEM__ERROR_CODE__ERROR_NONE;
 }
 
 void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg) {

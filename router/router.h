@@ -28,7 +28,7 @@ typedef struct td_router_opts {
   int max_in_flight;           /* requests placed and not finished */
   int default_timeout_ms;      /* per request when the client gives none */
   int stage_timeout_ms;        /* reserve / encode / prefill stages */
-  int max_attempts;            /* a request is tried on this many worker sets */
+  int max_attempts;            /* a request is tried on this many worker sets (at most 255) */
   int prefill_threshold;       /* decoder prompts this long go to a prefill worker */
   const char *model_name;      /* served name (default: the workers' model type) */
   /* What the cluster's cross pools hold (td_model_opts.cross_mode): workers

@@ -109,20 +109,26 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
 static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished *fin) {
   rreq *q = rtr_req_for(r, fin->rid, w);
   if (!q || strcmp(w->id, q->dec_w)) return;
-  Tandem__SequenceOutput **outs = fin->outputs, *tmp[64], merged = TANDEM__SEQUENCE_OUTPUT__INIT;
-  size_t n_out = fin->n_outputs < 64 ? fin->n_outputs : 64;
+  Tandem__SequenceOutput **outs = fin->outputs, merged = TANDEM__SEQUENCE_OUTPUT__INIT;
+  size_t n_out = fin->n_outputs;
+  Tandem__SequenceOutput **with_prior = NULL;
   /* a resumed sequence: earlier attempts' tokens come first */
   int prior = !q->multi && n_out ? q->n_streamed - (int)outs[0]->n_tokens : 0;
   bool want_lp = q->g->sampling && q->g->sampling->logprobs;
   if (prior > 0) {
-    for (size_t i = 0; i < n_out; i++) tmp[i] = outs[i];
+    with_prior = malloc(sizeof *with_prior * n_out);
+    if (!with_prior) {
+      rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+      return;
+    }
+    for (size_t i = 0; i < n_out; i++) with_prior[i] = outs[i];
     merged = *outs[0];
     merged.tokens = q->streamed;
     merged.n_tokens = (size_t)q->n_streamed;
     merged.logprobs = want_lp ? q->streamed_lp : NULL;
     merged.n_logprobs = want_lp ? (size_t)q->n_streamed : 0;
-    tmp[0] = &merged;
-    outs = tmp;
+    with_prior[0] = &merged;
+    outs = with_prior;
   }
   Tandem__Timings tm = TANDEM__TIMINGS__INIT;
   tm.queue_ms = (double)(q->t_placed - q->t_arrival);
@@ -141,6 +147,7 @@ static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished
   sm.result = &gr;
   rtr_send_client(r, q->client, q->client_len, &sm);
   TD_DEBUG("request %s done in %.0f ms (attempts %d)", q->cid, tm.total_ms, q->attempts);
+  free(with_prior);
   rtr_req_free(r, q);
 }
 
