@@ -25,6 +25,15 @@
 #define TD_DEFAULT_STAGE_TIMEOUT_MS 60000    /* reserve / encode / prefill stages */
 #define TD_DEFAULT_MAX_ATTEMPTS 3        /* worker sets a request is tried on */
 #define TD_DEFAULT_PREFILL_THRESHOLD 16  /* decoder prompts this long go to a prefill worker */
+#define TD_DEFAULT_CLIENT_ENDPOINT "tcp://127.0.0.1:7000" /* where the router serves clients */
+#define TD_DEFAULT_WORKER_ENDPOINT "tcp://127.0.0.1:7001" /* where workers reach the router */
+#define TD_ROUTER_TICK_MS 20             /* deadlines, stage timeouts, group ranks and the stop flag checked */
+#define TD_ROUTER_JOBS_PER_SEQ 4         /* requests placed on a decode worker per sequence it runs at once */
+#define TD_ROUTER_MAX_SAMPLES 64         /* n a request: the engine schedules at most 64 sequences a group */
+#define TD_ROUTER_MAX_BEAMS 32           /* num_beams a request: the engine's beam search limit */
+#define TD_ROUTER_MAX_REQUEST_ID 255     /* bytes of a client's request id */
+#define TD_ROUTER_MAX_ATTEMPTS 255       /* max_attempts' ceiling: the attempt is a byte of the request's rid */
+#define TD_ROUTER_MAX_GROUP_RANKS 16     /* ranks of a worker group the rendezvous takes */
 
 /* ---- workers and groups ---- */
 #define TD_DEFAULT_RESERVATION_TTL_MS 30000 /* reserved KV blocks that nothing fills expire */

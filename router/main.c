@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/defaults.h"
 #include "common/log.h"
 #include "common/settings.h"
 #include "router/router.h"
@@ -30,7 +31,7 @@ int main(int argc, char **argv) {
       {"cross-states", no_argument, 0, 'C'},          {"cross-mode", required_argument, 0, 'x'},
       {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
-  td_router_opts o = {.client_endpoint = "tcp://127.0.0.1:7000", .worker_endpoint = "tcp://127.0.0.1:7001"};
+  td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
   int c;
   while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:n:l:Cx:h", opts, NULL)) != -1) {
     switch (c) {

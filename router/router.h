@@ -3,7 +3,9 @@
  * placement (decode by free blocks and queue, encoder by queue, prefill for
  * long prompts), the request lifecycle with timers for every stage,
  * streaming, cancellation, deadlines, bounded queueing and retries when a
- * worker dies. Single-threaded: td_router_run drives it. */
+ * worker dies. Single-threaded: td_router_run drives it on a td_loop.
+ * Inside: router/internal.h (shared state), router/policy.h (the pure
+ * admission and placement decisions). */
 #ifndef TD_ROUTER_ROUTER_H
 #define TD_ROUTER_ROUTER_H
 
@@ -16,26 +18,31 @@
 
 typedef struct td_router td_router;
 
+/* 0 / NULL fields take the defaults of common/defaults.h. */
 typedef struct td_router_opts {
   const char *client_endpoint; /* e.g. tcp://127.0.0.1:7000 */
   const char *worker_endpoint; /* e.g. tcp://127.0.0.1:7001 */
-  int heartbeat_ms;            /* both ways (default 500) */
-  int dead_after;              /* missed heartbeats before a worker is dead (default 6) */
-  int max_queue;               /* requests waiting for placement; beyond: "overloaded" (default 1024) */
-  int max_in_flight;           /* requests placed and not finished (default 4096) */
-  int default_timeout_ms;      /* per request when the client gives none (default 600000) */
-  int stage_timeout_ms;        /* reserve / encode / prefill stages (default 60000) */
-  int max_attempts;            /* a request is tried on this many worker sets (default 3) */
-  int prefill_threshold;       /* decoder prompts this long go to a prefill worker (default 16) */
+  int heartbeat_ms;            /* both ways */
+  int dead_after;              /* missed heartbeats before a worker is dead */
+  int max_queue;               /* requests waiting for placement; beyond: "overloaded" */
+  int max_in_flight;           /* requests placed and not finished */
+  int default_timeout_ms;      /* per request when the client gives none */
+  int stage_timeout_ms;        /* reserve / encode / prefill stages */
+  int max_attempts;            /* a request is tried on this many worker sets (at most 255) */
+  int prefill_threshold;       /* decoder prompts this long go to a prefill worker */
   const char *model_name;      /* served name (default: the workers' model type) */
   /* What the cluster's cross pools hold (td_model_opts.cross_mode): workers
    * exchange cross blocks, so one whose mode differs is refused. */
   td_cross_mode cross_mode;
+  /* A ZeroMQ context to bind in (so that inproc:// endpoints reach peers of
+   * the same process); NULL: the router's own. */
+  void *zmq_ctx;
 } td_router_opts;
 
 td_status td_router_create(const td_router_opts *opts, td_router **out);
 void td_router_destroy(td_router *r);
-/* Runs until *stop becomes non-zero; then tells workers and returns. */
+/* Runs until *stop becomes non-zero; then tells clients and workers and
+ * returns. */
 td_status td_router_run(td_router *r, volatile sig_atomic_t *stop);
 
 #endif

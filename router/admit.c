@@ -1,0 +1,118 @@
+/* Admission checks: a request against the served model and the fixed
+ * limits, each refusal naming its limit, and what a valid request needs
+ * (router/policy.h). Pure: what depends on the registered workers is
+ * placement's (td_place_possible). */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/defaults.h"
+#include "router/policy.h"
+
+#define REFUSE(st, ...)              \
+  do {                               \
+    snprintf(msg, cap, __VA_ARGS__); \
+    return st;                       \
+  } while (0)
+
+td_status td_admit_request_id(const char *id, char *msg, size_t cap) {
+  size_t n = id ? strlen(id) : 0;
+  if (!n) REFUSE(TD_ERR_INVALID, "request_id is empty (1 to %d bytes)", TD_ROUTER_MAX_REQUEST_ID);
+  if (n > TD_ROUTER_MAX_REQUEST_ID)
+    REFUSE(TD_ERR_INVALID, "request_id of %zu bytes exceeds %d", n, TD_ROUTER_MAX_REQUEST_ID);
+  return TD_OK;
+}
+
+static td_status check_input(const Tandem__ModelInfo *mi, const Tandem__GenerateRequest *g, int *enc_len, char *msg,
+                             size_t cap) {
+  int V = (int)mi->vocab_size;
+  if (mi->mel_bins > 0) {
+    size_t want = (size_t)mi->mel_bins * mi->frames;
+    if (!g->features || g->features->n_values != want)
+      REFUSE(TD_ERR_INVALID, "this model takes audio features of %u x %u floats, got %zu", mi->mel_bins, mi->frames,
+             g->features ? g->features->n_values : 0);
+    if ((g->features->mel_bins && g->features->mel_bins != mi->mel_bins) ||
+        (g->features->frames && g->features->frames != mi->frames))
+      REFUSE(TD_ERR_INVALID, "features are %u x %u, the model takes %u x %u", g->features->mel_bins,
+             g->features->frames, mi->mel_bins, mi->frames);
+    for (size_t i = 0; i < want; i++)
+      if (!isfinite(g->features->values[i])) REFUSE(TD_ERR_INVALID, "audio features contain NaN or infinity");
+    *enc_len = (int)mi->max_source_len;
+    return TD_OK;
+  }
+  if (g->features) REFUSE(TD_ERR_INVALID, "this model takes input_ids, not audio features");
+  if (!g->n_input_ids) REFUSE(TD_ERR_INVALID, "empty encoder input");
+  if (g->n_input_ids > mi->max_source_len)
+    REFUSE(TD_ERR_INVALID, "encoder input of %zu tokens exceeds the model's %u", g->n_input_ids, mi->max_source_len);
+  for (size_t i = 0; i < g->n_input_ids; i++)
+    if (g->input_ids[i] < 0 || g->input_ids[i] >= V)
+      REFUSE(TD_ERR_INVALID, "input token %d (at %zu) is outside the vocabulary of %d", g->input_ids[i], i, V);
+  *enc_len = (int)g->n_input_ids;
+  return TD_OK;
+}
+
+/* Sampling and beam parameters: one limit, one message. */
+static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *msg, size_t cap) {
+  int n = sp->n ? (int)sp->n : 1, beams = sp->num_beams ? (int)sp->num_beams : 1;
+  if (!(sp->temperature >= 0) || !isfinite(sp->temperature))
+    REFUSE(TD_ERR_INVALID, "temperature must be a finite number >= 0 (0: greedy), got %g", sp->temperature);
+  if (!(sp->top_p >= 0)) REFUSE(TD_ERR_INVALID, "top_p must be >= 0 (0 or >= 1: off), got %g", sp->top_p);
+  if (sp->top_k < 0) REFUSE(TD_ERR_INVALID, "top_k must be >= 0 (0: off), got %d", sp->top_k);
+  if (sp->n > TD_ROUTER_MAX_SAMPLES)
+    REFUSE(TD_ERR_INVALID, "n = %u exceeds the limit of %d samples a request", sp->n, TD_ROUTER_MAX_SAMPLES);
+  if (sp->num_beams > TD_ROUTER_MAX_BEAMS)
+    REFUSE(TD_ERR_INVALID, "num_beams = %u exceeds the limit of %d beams", sp->num_beams, TD_ROUTER_MAX_BEAMS);
+  if (beams > 1 && n > 1)
+    REFUSE(TD_ERR_INVALID, "num_beams = %d with n = %d: beam search takes no samples (n must be 1)", beams, n);
+  if (beams > 1 && sp->temperature > 0)
+    REFUSE(TD_ERR_INVALID, "num_beams = %d with temperature %g: beam search does not sample (temperature must be 0)",
+           beams, sp->temperature);
+  if (beams > 1 && sp->num_return_sequences > (uint32_t)beams)
+    REFUSE(TD_ERR_INVALID, "num_return_sequences %u exceeds num_beams %d", sp->num_return_sequences, beams);
+  if (beams == 1 && sp->num_return_sequences > (uint32_t)n)
+    REFUSE(TD_ERR_INVALID, "num_return_sequences %u exceeds n %d", sp->num_return_sequences, n);
+  if (sp->has_length_penalty && !isfinite(sp->length_penalty))
+    REFUSE(TD_ERR_INVALID, "length_penalty must be a finite number, got %g", sp->length_penalty);
+  if (sp->early_stopping < -1 || sp->early_stopping > 1)
+    REFUSE(TD_ERR_INVALID, "early_stopping must be 1 (true), 0 (false) or -1 (never), got %d", sp->early_stopping);
+  if (sp->set_forced_bos && sp->forced_bos_token_id >= V)
+    REFUSE(TD_ERR_INVALID, "forced_bos_token_id %d is outside the vocabulary of %d", sp->forced_bos_token_id, V);
+  if (sp->set_forced_eos && sp->forced_eos_token_id >= V)
+    REFUSE(TD_ERR_INVALID, "forced_eos_token_id %d is outside the vocabulary of %d", sp->forced_eos_token_id, V);
+  return TD_OK;
+}
+
+td_status td_admit_request(const Tandem__ModelInfo *mi, int block_size, const Tandem__GenerateRequest *g,
+                           td_req_shape *out, char *msg, size_t cap) {
+  memset(out, 0, sizeof *out);
+  int V = (int)mi->vocab_size;
+  const char *name = mi->name ? mi->name : "", *type = mi->model_type ? mi->model_type : "";
+  if (g->model && g->model[0] && strcmp(g->model, name) && strcmp(g->model, type))
+    REFUSE(TD_ERR_NOT_FOUND, "model \"%s\" is not served here (serving \"%s\")", g->model, name);
+  td_status s = check_input(mi, g, &out->enc_len, msg, cap);
+  if (s != TD_OK) return s;
+  int n_prompt = g->n_decoder_prompt ? (int)g->n_decoder_prompt : 1;
+  if (n_prompt >= (int)mi->max_target_len)
+    REFUSE(TD_ERR_INVALID, "decoder prompt of %d tokens leaves no room in the model's %u positions", n_prompt,
+           mi->max_target_len);
+  for (size_t i = 0; i < g->n_decoder_prompt; i++)
+    if (g->decoder_prompt[i] < 0 || g->decoder_prompt[i] >= V)
+      REFUSE(TD_ERR_INVALID, "decoder prompt token %d is outside the vocabulary of %d", g->decoder_prompt[i], V);
+  for (size_t i = 0; i < g->n_stop_token_ids; i++)
+    if (g->stop_token_ids[i] < 0 || g->stop_token_ids[i] >= V)
+      REFUSE(TD_ERR_INVALID, "stop token %d is outside the vocabulary of %d", g->stop_token_ids[i], V);
+  int room = (int)mi->max_target_len - n_prompt;
+  if ((int64_t)g->max_new_tokens > room)
+    REFUSE(TD_ERR_INVALID, "prompt %d + max_new_tokens %u exceeds the model's %u positions", n_prompt,
+           g->max_new_tokens, mi->max_target_len);
+  const Tandem__SamplingParams *sp = g->sampling;
+  if (sp && (s = check_sampling(sp, V, msg, cap)) != TD_OK) return s;
+  int n = sp && sp->n ? (int)sp->n : 1, beams = sp && sp->num_beams ? (int)sp->num_beams : 1;
+  out->n_prompt = n_prompt;
+  out->max_new = g->max_new_tokens ? (int)g->max_new_tokens : room;
+  out->width = beams > 1 ? beams : n;
+  out->need_cross = (out->enc_len + block_size - 1) / block_size;
+  out->need_self = out->width * ((n_prompt + out->max_new + block_size - 1) / block_size + 1);
+  return TD_OK;
+}

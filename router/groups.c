@@ -1,0 +1,188 @@
+/* The rendezvous of tensor / pipeline parallel worker groups: every rank
+ * joins with its endpoint (GroupJoin), and once all have, each gets the list
+ * (GroupInfo). Followers then heartbeat here; a silent one fails the group,
+ * whose leader (a registered worker) leaves the pool. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "router/internal.h"
+
+static void group_free(group_rv *g) {
+  for (int i = 0; i < TD_ROUTER_MAX_GROUP_RANKS; i++) free(g->endpoints[i]);
+  free(g->error);
+  free(g);
+}
+
+static void group_drop(td_router *r, group_rv *g) {
+  HASH_DEL(r->groups, g);
+  group_free(g);
+}
+
+static group_rv *group_new(td_router *r, const char *name, int world) {
+  group_rv *g = calloc(1, sizeof *g);
+  if (!g) return NULL;
+  snprintf(g->name, sizeof g->name, "%s", name);
+  g->world = world;
+  g->created = td_now_ms();
+  HASH_ADD_STR(r->groups, name, g);
+  return g;
+}
+
+static void group_reply(td_router *r, const uint8_t *id, size_t id_len, const group_rv *g, const char *error) {
+  Tandem__Cluster__GroupInfo gi = TANDEM__CLUSTER__GROUP_INFO__INIT;
+  gi.group = (char *)(g ? g->name : "");
+  gi.ok = !error;
+  gi.error = (char *)(error ? error : "");
+  if (g && !error) {
+    gi.world = (uint32_t)g->world;
+    gi.endpoints = (char **)g->endpoints;
+    gi.n_endpoints = (size_t)g->world;
+    gi.nccl_id.data = (uint8_t *)g->nccl_id;
+    gi.nccl_id.len = g->nccl_len;
+  }
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO;
+  m.group_info = &gi;
+  (void)rtr_send_peer(r, id, id_len, &m);
+}
+
+/* A join that no group can take; each limit its own message. */
+static bool join_invalid(const Tandem__Cluster__GroupJoin *j, char *why, size_t cap) {
+  const char *name = j->group ? j->group : "";
+  if (!name[0])
+    snprintf(why, cap, "bad group join: no group name");
+  else if (strlen(name) >= sizeof ((group_rv *)0)->name)
+    snprintf(why, cap, "bad group join: the group name has %zu bytes, at most %zu", strlen(name),
+             sizeof ((group_rv *)0)->name - 1);
+  else if (j->world < 1 || j->world > TD_ROUTER_MAX_GROUP_RANKS)
+    snprintf(why, cap, "bad group join: world %u, a group has 1 to %d ranks", j->world, TD_ROUTER_MAX_GROUP_RANKS);
+  else if (j->rank >= j->world)
+    snprintf(why, cap, "bad group join: rank %u of a world of %u", j->rank, j->world);
+  else if (!j->endpoint || !j->endpoint[0])
+    snprintf(why, cap, "bad group join: rank %u gave no endpoint", j->rank);
+  else if (j->nccl_id.len > sizeof ((group_rv *)0)->nccl_id)
+    snprintf(why, cap, "bad group join: an NCCL id of %zu bytes, at most %zu", j->nccl_id.len,
+             sizeof ((group_rv *)0)->nccl_id);
+  else
+    return false;
+  return true;
+}
+
+/* A rank was refused (or its group already failed): the other ranks cannot
+ * form the group either; those waiting hear why now, the others when they
+ * join (rather than waiting for a rank that never comes). */
+static void join_refused(td_router *r, const uint8_t *id, size_t id_len, const Tandem__Cluster__GroupJoin *j,
+                         group_rv *g, bool refused, const char *why) {
+  const char *name = j->group;
+  if (refused) TD_WARN("refused rank %u of worker group %s: %s", j->rank, name, why);
+  group_reply(r, id, id_len, NULL, refused ? why : g->error);
+  if (!g && !(g = group_new(r, name, (int)j->world))) return;
+  g->told[j->rank] = true;
+  if (!g->error) {
+    char other[700];
+    snprintf(other, sizeof other, "rank %u of group %s was refused: %s", j->rank, name, why);
+    g->error = strdup(other);
+    for (int k = 0; k < g->world; k++)
+      if (g->endpoints[k] && !g->told[k]) {
+        group_reply(r, g->ids[k], g->id_lens[k], NULL, other);
+        g->told[k] = true;
+      }
+  }
+  bool all = true;
+  for (int k = 0; k < g->world; k++) all &= g->told[k];
+  if (all) group_drop(r, g);
+}
+
+void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j) {
+  char why[512];
+  if (join_invalid(j, why, sizeof why)) {
+    group_reply(r, id, id_len, NULL, why);
+    return;
+  }
+  const char *name = j->group;
+  group_rv *g = NULL;
+  HASH_FIND_STR(r->groups, name, g);
+  bool refused = !rtr_cross_mode_matches(r, j->cross_mode, why, sizeof why);
+  /* a failed rendezvous that this rank heard of already, or a running group, starts over (a restart) */
+  if (g && ((g->error && (g->told[j->rank] || g->world != (int)j->world)) || (refused && g->complete))) {
+    group_drop(r, g);
+    g = NULL;
+  }
+  if (refused || (g && g->error)) {
+    join_refused(r, id, id_len, j, g, refused, why);
+    return;
+  }
+  /* a finished rendezvous, or a rank that joins twice, starts over (a restart) */
+  if (g && (g->complete || g->endpoints[j->rank] || g->world != (int)j->world)) {
+    group_drop(r, g);
+    g = NULL;
+  }
+  if (!g && !(g = group_new(r, name, (int)j->world))) return;
+  g->endpoints[j->rank] = strdup(j->endpoint);
+  memcpy(g->ids[j->rank], id, id_len);
+  g->id_lens[j->rank] = id_len;
+  if (j->rank == 0 && j->nccl_id.len) {
+    memcpy(g->nccl_id, j->nccl_id.data, j->nccl_id.len);
+    g->nccl_len = j->nccl_id.len;
+  }
+  if (++g->joined < g->world) return;
+  g->complete = true;
+  for (int k = 0; k < g->world; k++) g->seen[k] = td_now_ms();
+  TD_INFO("worker group %s: %d ranks joined", g->name, g->world);
+  for (int k = 0; k < g->world; k++) group_reply(r, g->ids[k], g->id_lens[k], g, NULL);
+}
+
+group_rv *rtr_group_of_follower(td_router *r, const uint8_t *id, size_t id_len, int *rank) {
+  group_rv *g, *gt;
+  HASH_ITER(hh, r->groups, g, gt) {
+    for (int k = 1; k < g->world; k++)
+      if (g->id_lens[k] == id_len && !memcmp(g->ids[k], id, id_len)) {
+        *rank = k;
+        return g;
+      }
+  }
+  return NULL;
+}
+
+/* A rank of a complete group died: the group leaves the pool. */
+static void group_failed(td_router *r, group_rv *g, const char *why) {
+  TD_WARN("worker group %s failed: %s", g->name, why);
+  group_reply(r, g->ids[0], g->id_lens[0], g, why);
+  char wid[TD_WIRE_MAX_ID + 1];
+  memcpy(wid, g->ids[0], g->id_lens[0]);
+  wid[g->id_lens[0]] = 0;
+  worker *w = rtr_find_worker(r, wid);
+  if (w) rtr_worker_gone(r, w, why);
+  group_drop(r, g);
+}
+
+int rtr_groups_tick(td_loop *l, void *ctx) {
+  (void)l;
+  td_router *r = ctx;
+  int64_t t = td_now_ms();
+  group_rv *g, *gt;
+  HASH_ITER(hh, r->groups, g, gt) {
+    if (g->complete) {
+      for (int k = 1; k < g->world; k++)
+        if (t - g->seen[k] > (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
+          char why[160];
+          snprintf(why, sizeof why, "rank %d of group %s is silent", k, g->name);
+          group_failed(r, g, why);
+          break;
+        }
+    } else if (t - g->created > TD_GROUP_JOIN_TIMEOUT_MS) {
+      TD_WARN("worker group %s: %d of %d ranks joined in %d s; dropped", g->name, g->joined, g->world,
+              TD_GROUP_JOIN_TIMEOUT_MS / 1000);
+      group_drop(r, g);
+    }
+  }
+  return TD_ROUTER_TICK_MS;
+}
+
+void rtr_groups_free(td_router *r) {
+  group_rv *g, *gt;
+  HASH_ITER(hh, r->groups, g, gt) group_drop(r, g);
+}

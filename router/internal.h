@@ -1,0 +1,163 @@
+/* What the router's files share: the router's state (workers, groups,
+ * requests, the queue) and the calls between its parts:
+ *   loop.c      sockets and timers on a td_loop, message dispatch, lifecycle
+ *   workers.c   the registry: registration, heartbeats, death, health
+ *   groups.c    the TP/PP group rendezvous and its ranks' liveness
+ *   requests.c  admission, the queue, placement, jobs, retries, deadlines
+ *   stream.c    a placed request's progress: reservations, stages, tokens, results
+ *   admit.c, placement.c: pure decisions (router/policy.h)
+ * Private to router/. */
+#ifndef TD_ROUTER_INTERNAL_H
+#define TD_ROUTER_INTERNAL_H
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include <uthash.h>
+
+#include "common/defaults.h"
+#include "common/evloop.h"
+#include "proto/wire.h"
+#include "router/policy.h"
+#include "router/router.h"
+
+typedef struct worker {
+  td_place_worker pl; /* first: the pool hands &w->pl to placement, which maps back */
+  char id[TD_WIRE_MAX_ID + 1];
+  size_t id_len;
+  int self_blocks;
+  char *device;
+  int64_t last_seen;
+  Tandem__Cluster__Load load;
+  UT_hash_handle hh;
+} worker;
+
+typedef enum rtr_role { RTR_DECODE, RTR_ENCODE, RTR_PREFILL } rtr_role;
+
+typedef enum stage { ST_QUEUED, ST_RESERVING, ST_ENCODING, ST_PREFILLING, ST_DECODING } stage;
+extern const char *const rtr_stage_names[];
+
+typedef struct rreq {
+  uint64_t rid;          /* (serial << 8) | attempt: changes with every attempt */
+  uint64_t serial;
+  uint8_t client[TD_WIRE_MAX_ID];
+  size_t client_len;
+  char *cid;             /* the client's request id */
+  char *ckey;            /* client identity + id, for cancel */
+  Tandem__ClientMessage *msg; /* owns the GenerateRequest */
+  Tandem__GenerateRequest *g;
+  td_req_shape sh;
+  bool multi;            /* n > 1 or beams: no resume from streamed tokens */
+  stage st;
+  int attempts;
+  char dec_w[TD_WIRE_MAX_ID + 1], enc_w[TD_WIRE_MAX_ID + 1], pre_w[TD_WIRE_MAX_ID + 1];
+  bool local_encode, with_prefill;
+  Tandem__Cluster__Reserved *dres, *pres; /* decode / prefill reservations */
+  bool encoded, prefilled;
+  /* tokens already streamed to the client (first sequence), for resuming */
+  int32_t *streamed;
+  float *streamed_lp;
+  int n_streamed, cap_streamed;
+  int64_t t_arrival, t_placed, t_stage, deadline;
+  double encode_ms, prefill_ms;
+  UT_hash_handle hh;   /* by rid */
+  UT_hash_handle hc;   /* by ckey */
+} rreq;
+
+/* A worker group's rendezvous (GroupJoin / GroupInfo). */
+typedef struct group_rv {
+  char name[128];
+  int world;
+  char *endpoints[TD_ROUTER_MAX_GROUP_RANKS];
+  uint8_t ids[TD_ROUTER_MAX_GROUP_RANKS][TD_WIRE_MAX_ID];
+  size_t id_lens[TD_ROUTER_MAX_GROUP_RANKS];
+  uint8_t nccl_id[256];
+  size_t nccl_len;
+  int joined;
+  bool complete;
+  /* a rank was refused: the group cannot form; every rank hears why once */
+  char *error;
+  bool told[TD_ROUTER_MAX_GROUP_RANKS];
+  int64_t created;
+  int64_t seen[TD_ROUTER_MAX_GROUP_RANKS]; /* followers' last heartbeat */
+  UT_hash_handle hh;
+} group_rv;
+
+struct td_router {
+  td_router_opts o;
+  void *ctx, *csock, *wsock;
+  bool own_ctx;
+  volatile sig_atomic_t *stop;    /* td_router_run's */
+  worker *workers;                /* by id */
+  td_place_worker **pool;         /* the same workers in registration order */
+  int n_pool, cap_pool;
+  group_rv *groups;
+  rreq *by_rid, *by_ckey;
+  rreq **queue;                   /* waiting for placement, first come first served */
+  int n_queue, cap_queue;
+  int in_flight;
+  uint64_t next_serial;
+  uint64_t hb_seq;
+  char wait_why[256];             /* why the queue's head waits */
+  /* the served model, from the first worker */
+  bool have_model;
+  Tandem__ModelInfo model;
+  char *model_type, *model_name;
+  int block_size;
+};
+
+/* ---- loop.c: sending */
+td_status rtr_send_worker(td_router *r, const worker *w, Tandem__Cluster__RouterMessage *m);
+/* to a peer of the worker socket that may not be registered */
+td_status rtr_send_peer(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__RouterMessage *m);
+void rtr_send_client(td_router *r, const uint8_t *id, size_t id_len, Tandem__ServerMessage *m);
+void rtr_client_error(td_router *r, const uint8_t *id, size_t id_len, const char *rid, Tandem__ErrorCode code,
+                      const char *msg);
+
+/* ---- workers.c */
+worker *rtr_find_worker(td_router *r, const char *id);
+int rtr_count_role(const td_router *r, rtr_role role);
+bool rtr_cross_mode_matches(const td_router *r, const char *mode, char *why, size_t cap);
+void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__Register *reg);
+void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat *hb);
+/* A worker left (deregistered, silent, restarted, its group failed): its
+ * requests are retried elsewhere. */
+void rtr_worker_gone(td_router *r, worker *w, const char *why);
+/* Timer: heartbeats to every worker; the silent ones are dead. */
+int rtr_heartbeat_tick(td_loop *l, void *ctx);
+void rtr_health(td_router *r, const uint8_t *id, size_t id_len);
+void rtr_workers_free(td_router *r);
+
+/* ---- groups.c */
+void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j);
+/* The group whose follower rank has this identity (*rank set), or NULL. */
+group_rv *rtr_group_of_follower(td_router *r, const uint8_t *id, size_t id_len, int *rank);
+/* Timer: silent ranks fail their group; rendezvous that never complete expire. */
+int rtr_groups_tick(td_loop *l, void *ctx);
+void rtr_groups_free(td_router *r);
+
+/* ---- requests.c */
+void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg);
+void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c);
+/* The request of this rid, or NULL (then the worker is told to let go of it). */
+rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w);
+/* Ends a request with an error to its client; workers are told to free it. */
+void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg);
+/* Gives a request another attempt on other workers, or fails it. */
+void rtr_req_retry(td_router *r, rreq *q, const char *why);
+/* Ends a request quietly (its result or error was sent). */
+void rtr_req_free(td_router *r, rreq *q);
+/* A worker's part in the request is over: its hold on the worker goes. */
+void rtr_role_done(td_router *r, rreq *q, rtr_role role);
+void rtr_send_encode(td_router *r, rreq *q);
+void rtr_send_prefill(td_router *r, rreq *q);
+/* Before sleeping: places the queue's requests, first come first served. */
+bool rtr_place_queue(td_loop *l, void *ctx);
+/* Timer: deadlines and stage timeouts. */
+int rtr_requests_tick(td_loop *l, void *ctx);
+
+/* ---- stream.c: a worker's news of a request it holds */
+void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m);
+
+#endif

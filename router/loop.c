@@ -1,0 +1,280 @@
+/* The router's loop and lifecycle: the worker and client sockets as
+ * td_loop socket events (messages dispatched to the registry, the groups,
+ * the requests), the periodic work as timers (heartbeats and worker death
+ * at the heartbeat period; deadlines, stage timeouts, group ranks and the
+ * stop flag every TD_ROUTER_TICK_MS), and placement before every sleep, so
+ * that a request is placed as soon as a message makes room or brings it. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "router/internal.h"
+
+/* Messages handled a wake-up, so that one busy socket cannot starve the
+ * other or the timers. */
+#define WORKER_BURST 4096
+#define CLIENT_BURST 1024
+
+/* ------------------------------------------------------------ sending */
+
+td_status rtr_send_peer(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__RouterMessage *m) {
+  m->version = TD_PROTOCOL_VERSION;
+  return td_wire_send(r->wsock, id, id_len, &m->base);
+}
+
+td_status rtr_send_worker(td_router *r, const worker *w, Tandem__Cluster__RouterMessage *m) {
+  td_status s = rtr_send_peer(r, (const uint8_t *)w->id, w->id_len, m);
+  if (s != TD_OK) TD_WARN("router: send to worker %s: %s", w->id, td_errmsg());
+  return s;
+}
+
+void rtr_send_client(td_router *r, const uint8_t *id, size_t id_len, Tandem__ServerMessage *m) {
+  m->version = TD_PROTOCOL_VERSION;
+  if (td_wire_send(r->csock, id, id_len, &m->base) != TD_OK) TD_DEBUG("router: client send: %s", td_errmsg());
+}
+
+void rtr_client_error(td_router *r, const uint8_t *id, size_t id_len, const char *rid, Tandem__ErrorCode code,
+                      const char *msg) {
+  Tandem__Error e = TANDEM__ERROR__INIT;
+  e.code = code;
+  e.message = (char *)msg;
+  Tandem__ServerMessage m = TANDEM__SERVER_MESSAGE__INIT;
+  m.request_id = (char *)(rid ? rid : "");
+  m.body_case = TANDEM__SERVER_MESSAGE__BODY_ERROR;
+  m.error = &e;
+  rtr_send_client(r, id, id_len, &m);
+}
+
+static void refuse_peer(td_router *r, const uint8_t *id, size_t id_len, const char *reason) {
+  Tandem__Cluster__RegisterAck ack = TANDEM__CLUSTER__REGISTER_ACK__INIT;
+  ack.accepted = false;
+  ack.reason = (char *)reason;
+  Tandem__Cluster__RouterMessage rm = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  rm.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK;
+  rm.ack = &ack;
+  (void)rtr_send_peer(r, id, id_len, &rm);
+}
+
+/* ------------------------------------------------------------ dispatch */
+
+static void on_worker_message(td_router *r) {
+  td_wire_frame f;
+  td_status s = td_wire_recv(r->wsock, true, false, &f);
+  if (s == TD_ERR_NOT_FOUND) return;
+  char wid[TD_WIRE_MAX_ID + 1];
+  memcpy(wid, f.id, f.id_len);
+  wid[f.id_len] = 0;
+  if (s != TD_OK) {
+    TD_WARN("router: bad frame from worker %s: %s", wid, td_errmsg());
+    td_wire_frame_free(&f);
+    return;
+  }
+  Tandem__Cluster__WorkerMessage *m;
+  uint32_t ver;
+  s = td_wire_unpack_worker(&f, &m, &ver);
+  if (s != TD_OK) {
+    TD_WARN("router: dropped a message from worker %s: %s", wid, td_errmsg());
+    if (s == TD_ERR_VERSION) refuse_peer(r, f.id, f.id_len, td_errmsg());
+    td_wire_frame_free(&f);
+    return;
+  }
+  worker *w = rtr_find_worker(r, wid);
+  int frank = 0;
+  group_rv *fg = w ? NULL : rtr_group_of_follower(r, f.id, f.id_len, &frank);
+  if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN) {
+    rtr_on_group_join(r, f.id, f.id_len, m->group_join);
+  } else if (fg) {
+    fg->seen[frank] = td_now_ms(); /* a follower's heartbeat */
+  } else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER) {
+    rtr_on_register(r, f.id, f.id_len, m->register_);
+  } else if (!w) {
+    refuse_peer(r, f.id, f.id_len, "unknown worker: register"); /* e.g. the router restarted */
+  } else {
+    w->last_seen = td_now_ms();
+    if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT)
+      rtr_on_heartbeat(r, w, m->heartbeat);
+    else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER)
+      rtr_worker_gone(r, w, m->deregister->reason ? m->deregister->reason : "deregistered");
+    else
+      rtr_on_progress(r, w, m);
+  }
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  td_wire_frame_free(&f);
+}
+
+static void list_models(td_router *r, const uint8_t *id, size_t id_len) {
+  Tandem__ModelList ml = TANDEM__MODEL_LIST__INIT;
+  Tandem__ModelInfo *one = &r->model;
+  if (r->have_model) {
+    ml.models = &one;
+    ml.n_models = 1;
+  }
+  Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
+  sm.request_id = "";
+  sm.body_case = TANDEM__SERVER_MESSAGE__BODY_MODELS;
+  sm.models = &ml;
+  rtr_send_client(r, id, id_len, &sm);
+}
+
+static void on_client_message(td_router *r) {
+  td_wire_frame f;
+  td_status s = td_wire_recv(r->csock, true, false, &f);
+  if (s == TD_ERR_NOT_FOUND) return;
+  if (s != TD_OK) {
+    if (f.id_len) rtr_client_error(r, f.id, f.id_len, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, td_errmsg());
+    td_wire_frame_free(&f);
+    return;
+  }
+  Tandem__ClientMessage *m;
+  uint32_t ver;
+  s = td_wire_unpack_client(&f, &m, &ver);
+  if (s != TD_OK) {
+    rtr_client_error(r, f.id, f.id_len, "",
+                     s == TD_ERR_VERSION ? TANDEM__ERROR_CODE__ERROR_VERSION : TANDEM__ERROR_CODE__ERROR_MALFORMED,
+                     td_errmsg());
+    td_wire_frame_free(&f);
+    return;
+  }
+  switch (m->body_case) {
+    case TANDEM__CLIENT_MESSAGE__BODY_GENERATE:
+      rtr_on_generate(r, f.id, f.id_len, m); /* keeps or frees the message */
+      m = NULL;
+      break;
+    case TANDEM__CLIENT_MESSAGE__BODY_CANCEL: rtr_on_cancel(r, f.id, f.id_len, m->cancel); break;
+    case TANDEM__CLIENT_MESSAGE__BODY_HEALTH: rtr_health(r, f.id, f.id_len); break;
+    case TANDEM__CLIENT_MESSAGE__BODY_LIST_MODELS: list_models(r, f.id, f.id_len); break;
+    default:
+      rtr_client_error(r, f.id, f.id_len, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, "message without a body");
+      break;
+  }
+  if (m) tandem__client_message__free_unpacked(m, NULL);
+  td_wire_frame_free(&f);
+}
+
+static bool readable(void *sock) {
+  int ev = 0;
+  size_t l = sizeof ev;
+  zmq_getsockopt(sock, ZMQ_EVENTS, &ev, &l);
+  return ev & ZMQ_POLLIN;
+}
+
+static void on_worker_socket(td_loop *l, void *ctx) {
+  (void)l;
+  td_router *r = ctx;
+  for (int k = 0; k < WORKER_BURST && readable(r->wsock); k++) on_worker_message(r);
+}
+
+static void on_client_socket(td_loop *l, void *ctx) {
+  (void)l;
+  td_router *r = ctx;
+  for (int k = 0; k < CLIENT_BURST && readable(r->csock); k++) on_client_message(r);
+}
+
+static int stop_tick(td_loop *l, void *ctx) {
+  td_router *r = ctx;
+  if (*r->stop) td_loop_stop(l);
+  return TD_ROUTER_TICK_MS;
+}
+
+/* ------------------------------------------------------------ lifecycle */
+
+static void apply_defaults(td_router_opts *o) {
+  if (!o->client_endpoint) o->client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT;
+  if (!o->worker_endpoint) o->worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT;
+  if (o->heartbeat_ms <= 0) o->heartbeat_ms = TD_DEFAULT_HEARTBEAT_MS;
+  if (o->dead_after <= 0) o->dead_after = TD_DEFAULT_DEAD_AFTER;
+  if (o->max_queue <= 0) o->max_queue = TD_DEFAULT_MAX_QUEUE;
+  if (o->max_in_flight <= 0) o->max_in_flight = TD_DEFAULT_MAX_IN_FLIGHT;
+  if (o->default_timeout_ms <= 0) o->default_timeout_ms = TD_DEFAULT_REQUEST_TIMEOUT_MS;
+  if (o->stage_timeout_ms <= 0) o->stage_timeout_ms = TD_DEFAULT_STAGE_TIMEOUT_MS;
+  if (o->max_attempts <= 0) o->max_attempts = TD_DEFAULT_MAX_ATTEMPTS;
+  if (o->prefill_threshold <= 0) o->prefill_threshold = TD_DEFAULT_PREFILL_THRESHOLD;
+}
+
+static td_status bind_socket(td_router *r, void **sock, const char *endpoint, const char *what, bool handover) {
+  *sock = zmq_socket(r->ctx, ZMQ_ROUTER);
+  if (!*sock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+  td_wire_setup_socket(*sock);
+  int on = handover;
+  if (handover) zmq_setsockopt(*sock, ZMQ_ROUTER_HANDOVER, &on, sizeof on);
+  if (zmq_bind(*sock, endpoint) != 0)
+    return td_err(TD_ERR_NETWORK, "cannot bind the %s endpoint %s: %s", what, endpoint, zmq_strerror(zmq_errno()));
+  return TD_OK;
+}
+
+td_status td_router_create(const td_router_opts *opts, td_router **out) {
+  *out = NULL;
+  if (opts->max_attempts > TD_ROUTER_MAX_ATTEMPTS)
+    return td_err(TD_ERR_INVALID, "max_attempts %d exceeds %d (an attempt is numbered in a byte)", opts->max_attempts,
+                  TD_ROUTER_MAX_ATTEMPTS);
+  td_router *r = calloc(1, sizeof *r);
+  if (!r) return td_err(TD_ERR_NOMEM, "out of memory");
+  r->o = *opts;
+  apply_defaults(&r->o);
+  r->model = (Tandem__ModelInfo)TANDEM__MODEL_INFO__INIT;
+  r->next_serial = 1;
+  r->own_ctx = !opts->zmq_ctx;
+  r->ctx = r->own_ctx ? zmq_ctx_new() : opts->zmq_ctx;
+  td_status s = r->ctx ? TD_OK : td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+  if (s == TD_OK) s = bind_socket(r, &r->csock, r->o.client_endpoint, "client", false);
+  /* a worker that reconnects with the same id takes over its identity */
+  if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", true);
+  if (s != TD_OK) {
+    td_router_destroy(r);
+    return s;
+  }
+  *out = r;
+  return TD_OK;
+}
+
+void td_router_destroy(td_router *r) {
+  if (!r) return;
+  rreq *q, *t;
+  HASH_ITER(hh, r->by_rid, q, t) rtr_req_free(r, q);
+  rtr_workers_free(r);
+  rtr_groups_free(r);
+  free(r->queue);
+  free(r->model_type);
+  free(r->model_name);
+  if (r->csock) zmq_close(r->csock);
+  if (r->wsock) zmq_close(r->wsock);
+  if (r->own_ctx && r->ctx) zmq_ctx_term(r->ctx);
+  free(r);
+}
+
+/* Tells clients and workers that the router stops. */
+static void shut_down(td_router *r) {
+  rreq *q, *t;
+  HASH_ITER(hh, r->by_rid, q, t) {
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "the router is shutting down");
+  }
+  Tandem__Cluster__Shutdown sd = TANDEM__CLUSTER__SHUTDOWN__INIT;
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_SHUTDOWN;
+  m.shutdown = &sd;
+  worker *w, *wt;
+  HASH_ITER(hh, r->workers, w, wt) { (void)rtr_send_worker(r, w, &m); }
+}
+
+td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
+  TD_INFO("router serving clients on %s, workers on %s; cross pool mode %s", r->o.client_endpoint,
+          r->o.worker_endpoint, td_cross_mode_name(r->o.cross_mode));
+  td_loop *l;
+  TD_TRY(td_loop_create(TD_ROUTER_TICK_MS, &l));
+  r->stop = stop;
+  /* workers first: their news frees capacity for new requests */
+  td_status s = td_loop_add_socket(l, r->wsock, on_worker_socket, r, NULL);
+  if (s == TD_OK) s = td_loop_add_socket(l, r->csock, on_client_socket, r, NULL);
+  if (s == TD_OK) s = td_loop_add_timer(l, 0, rtr_heartbeat_tick, r, NULL);
+  if (s == TD_OK) s = td_loop_add_timer(l, TD_ROUTER_TICK_MS, rtr_requests_tick, r, NULL);
+  if (s == TD_OK) s = td_loop_add_timer(l, TD_ROUTER_TICK_MS, rtr_groups_tick, r, NULL);
+  if (s == TD_OK) s = td_loop_add_timer(l, 0, stop_tick, r, NULL);
+  td_loop_set_before_sleep(l, rtr_place_queue, r);
+  if (s == TD_OK) s = td_loop_run(l);
+  shut_down(r);
+  td_loop_destroy(l);
+  TD_INFO("router stopped");
+  return s;
+}

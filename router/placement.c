@@ -1,0 +1,104 @@
+/* Placement: which decode, encoder and prefill workers a request goes to.
+ * Pure over the pool the router hands in (router/policy.h). */
+#include <stdio.h>
+
+#include "common/defaults.h"
+#include "router/policy.h"
+
+typedef enum want { WANT_DEC, WANT_ENC, WANT_PRE } want;
+
+static bool fits(const td_place_worker *w, want role, const td_place_req *q) {
+  if (w->draining) return false;
+  switch (role) {
+    case WANT_DEC:
+      return w->dec && w->committed_cross + q->need_cross <= w->cross_blocks &&
+             w->jobs < TD_ROUTER_JOBS_PER_SEQ * w->max_running && q->width <= w->max_running;
+    case WANT_ENC:
+      return w->enc;
+    case WANT_PRE:
+      return w->pre && w->committed_cross + q->need_cross <= w->cross_blocks;
+  }
+  return false;
+}
+
+/* The fitting worker with the fewest jobs, then the fewest committed self
+ * blocks, then the earliest registered; -1 when none fits. */
+static int pick(const td_place_worker *const *pool, int n, want role, const td_place_req *q) {
+  int best = -1;
+  for (int i = 0; i < n; i++) {
+    const td_place_worker *w = pool[i];
+    if (!fits(w, role, q)) continue;
+    if (best < 0 || w->jobs < pool[best]->jobs ||
+        (w->jobs == pool[best]->jobs && w->committed_self < pool[best]->committed_self))
+      best = i;
+  }
+  return best;
+}
+
+bool td_place_possible(const td_place_worker *const *pool, int n, const td_place_req *q, char *why, size_t cap) {
+  int n_dec = 0, widest = 0, largest = 0;
+  for (int i = 0; i < n; i++) {
+    const td_place_worker *w = pool[i];
+    if (!w->dec) continue;
+    n_dec++;
+    if (w->max_running >= q->width && w->cross_blocks >= q->need_cross) return true;
+    if (w->max_running > widest) widest = w->max_running;
+    if (w->cross_blocks > largest) largest = w->cross_blocks;
+  }
+  if (!n_dec)
+    snprintf(why, cap, "no decode worker is registered");
+  else if (widest < q->width)
+    snprintf(why, cap, "%d sequences at once (n or num_beams) exceed every decode worker's batch: the widest runs %d "
+             "(max_running)", q->width, widest);
+  else if (largest < q->need_cross)
+    snprintf(why, cap, "the encoder output needs %d cross KV blocks; the largest decode worker's pool has %d",
+             q->need_cross, largest);
+  else
+    snprintf(why, cap, "no decode worker has both a batch of %d sequences and %d cross KV blocks", q->width,
+             q->need_cross);
+  return false;
+}
+
+/* Why no fitting worker of a role is free now. */
+static void wait_reason(const td_place_worker *const *pool, int n, want role, char *why, size_t cap) {
+  static const char *const names[] = {"decode worker", "encoder", "prefill worker"};
+  int with_role = 0, live = 0;
+  for (int i = 0; i < n; i++) {
+    const td_place_worker *w = pool[i];
+    bool has = role == WANT_DEC ? w->dec : role == WANT_ENC ? w->enc : w->pre;
+    with_role += has;
+    live += has && !w->draining;
+  }
+  if (!with_role)
+    snprintf(why, cap, "no %s is registered", names[role]);
+  else if (!live)
+    snprintf(why, cap, "every %s is draining", names[role]);
+  else
+    snprintf(why, cap, "every %s that can run it is full (cross KV blocks or queue)", names[role]);
+}
+
+td_place_status td_place(const td_place_worker *const *pool, int n, const td_place_req *q, int prefill_threshold,
+                         td_placement *out) {
+  out->decode = out->encode = out->prefill = -1;
+  out->why[0] = 0;
+  int d = pick(pool, n, WANT_DEC, q);
+  if (d < 0) {
+    if (!td_place_possible(pool, n, q, out->why, sizeof out->why)) return TD_PLACE_NEVER;
+    wait_reason(pool, n, WANT_DEC, out->why, sizeof out->why);
+    return TD_PLACE_WAIT;
+  }
+  bool local = pool[d]->enc;
+  int e = -1, p = -1;
+  if (!local) {
+    e = pick(pool, n, WANT_ENC, q);
+    if (e < 0) {
+      wait_reason(pool, n, WANT_ENC, out->why, sizeof out->why);
+      return TD_PLACE_WAIT;
+    }
+  }
+  if (!local && !pool[d]->pre && q->n_prompt >= prefill_threshold) p = pick(pool, n, WANT_PRE, q);
+  out->decode = d;
+  out->encode = e;
+  out->prefill = p;
+  return TD_PLACE_OK;
+}

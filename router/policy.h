@@ -1,0 +1,83 @@
+/* The router's decisions as pure functions (no sockets, no globals, no
+ * clock): what admission refuses and what it works out of a request
+ * (router/admit.c), and which workers a request goes to (router/placement.c).
+ * Private to the router; tests call them on hand-built inputs. */
+#ifndef TD_ROUTER_POLICY_H
+#define TD_ROUTER_POLICY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "common/status.h"
+#include "tandem.pb-c.h"
+
+/* ---- admission ---- */
+
+/* What a valid request needs. */
+typedef struct td_req_shape {
+  int enc_len;    /* encoder positions */
+  int n_prompt;   /* decoder prompt tokens (>= 1: the start token when none given) */
+  int max_new;    /* tokens to generate */
+  int width;      /* sequences run together: num_beams when > 1, else n */
+  int need_cross; /* cross KV blocks (shared by the sequences) */
+  int need_self;  /* self KV blocks, for every sequence, an upper bound */
+} td_req_shape;
+
+/* A client's request id: 1 to TD_ROUTER_MAX_REQUEST_ID bytes. */
+td_status td_admit_request_id(const char *id, char *msg, size_t cap);
+
+/* Checks a request against the served model (model->name: the served name,
+ * model->model_type: its type) and the fixed limits; each refusal names the
+ * limit in msg (TD_ERR_NOT_FOUND for another model, else TD_ERR_INVALID). */
+td_status td_admit_request(const Tandem__ModelInfo *model, int block_size, const Tandem__GenerateRequest *g,
+                           td_req_shape *out, char *msg, size_t cap);
+
+/* ---- placement ---- */
+
+/* A registered worker as placement sees it. */
+typedef struct td_place_worker {
+  const char *id;
+  bool enc, pre, dec; /* roles */
+  bool draining;      /* finishing its work: nothing new goes there */
+  int cross_blocks;   /* its cross KV pool */
+  int max_running;    /* sequences its decode step runs at once */
+  int jobs;           /* requests of any stage placed there */
+  int committed_cross, committed_self; /* blocks placed requests hold or will */
+} td_place_worker;
+
+/* What this attempt of a request needs. */
+typedef struct td_place_req {
+  int need_cross, need_self;
+  int width;
+  int n_prompt; /* decoder prompt tokens this attempt feeds (resumed tokens included) */
+} td_place_req;
+
+typedef enum td_place_status {
+  TD_PLACE_OK,    /* placed */
+  TD_PLACE_WAIT,  /* a registered worker can run it once it has room: stay queued */
+  TD_PLACE_NEVER, /* no registered worker can run it: refuse */
+} td_place_status;
+
+typedef struct td_placement {
+  int decode;   /* indices into the pool */
+  int encode;   /* -1: the decode worker encodes (local encode) */
+  int prefill;  /* -1: the decode worker runs the prompt */
+  char why[256]; /* WAIT, NEVER: what is missing */
+} td_placement;
+
+/* Chooses the workers of one request among pool[0..n) (registration order):
+ * the decode worker with room for its cross KV, a place in its queue
+ * (jobs < TD_ROUTER_JOBS_PER_SEQ x max_running) and max_running >= width,
+ * fewest jobs first, then fewest committed self blocks, then the earlier;
+ * no encoder when that worker encodes too, else the encoder with the fewest
+ * jobs; a prefill worker (with room for the cross KV) when the prompt has at
+ * least prefill_threshold tokens and neither the decode worker prefills nor
+ * encodes. Draining workers are skipped. */
+td_place_status td_place(const td_place_worker *const *pool, int n, const td_place_req *q, int prefill_threshold,
+                         td_placement *out);
+
+/* Whether some registered decode worker (draining or not) could ever run
+ * the request: a batch as wide and a cross pool as large. Else why. */
+bool td_place_possible(const td_place_worker *const *pool, int n, const td_place_req *q, char *why, size_t cap);
+
+#endif

@@ -1,0 +1,422 @@
+/* A request's lifecycle on the router's side: admission (every limit
+ * checked, router/admit.c), the queue (bounded, first come first served),
+ * placement (router/placement.c) and the jobs sent to the chosen workers,
+ * the hold a request keeps on each of them, retries on other workers,
+ * cancels, deadlines and stage timeouts. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "router/internal.h"
+
+const char *const rtr_stage_names[] = {"queued", "reserving", "encoding", "prefilling", "decoding"};
+
+/* ------------------------------------------------------------ holds */
+
+/* A placed request holds a job on each of its workers, and the decode
+ * worker's (cross and self) and the prefill worker's (cross) blocks. */
+static void hold(worker *w, const rreq *q, rtr_role role, int sign) {
+  w->pl.jobs += sign;
+  if (role == RTR_DECODE) {
+    w->pl.committed_cross += sign * q->sh.need_cross;
+    w->pl.committed_self += sign * q->sh.need_self;
+  } else if (role == RTR_PREFILL) {
+    w->pl.committed_cross += sign * q->sh.need_cross;
+  }
+}
+
+static char *role_worker(rreq *q, rtr_role role) {
+  return role == RTR_DECODE ? q->dec_w : role == RTR_ENCODE ? q->enc_w : q->pre_w;
+}
+
+void rtr_role_done(td_router *r, rreq *q, rtr_role role) {
+  char *wid = role_worker(q, role);
+  worker *w = wid[0] ? rtr_find_worker(r, wid) : NULL;
+  if (w) hold(w, q, role, -1);
+  wid[0] = 0;
+}
+
+static void send_cancel(td_router *r, const char *wid, uint64_t rid) {
+  worker *w = wid[0] ? rtr_find_worker(r, wid) : NULL;
+  if (!w) return;
+  Tandem__Cluster__Cancel c = TANDEM__CLUSTER__CANCEL__INIT;
+  c.rid = rid;
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL;
+  m.cancel = &c;
+  (void)rtr_send_worker(r, w, &m);
+}
+
+/* Drops the request's holds on its workers and, with `tell`, tells each of
+ * them (once) to free whatever it keeps for the request. */
+static void release_workers(td_router *r, rreq *q, bool tell) {
+  const rtr_role roles[3] = {RTR_DECODE, RTR_ENCODE, RTR_PREFILL};
+  for (int i = 0; i < 3; i++) {
+    const char *wid = role_worker(q, roles[i]);
+    bool told = false;
+    for (int k = 0; k < i; k++) told |= !strcmp(wid, role_worker(q, roles[k]));
+    if (tell && wid[0] && !told) send_cancel(r, wid, q->rid);
+  }
+  for (int i = 0; i < 3; i++) rtr_role_done(r, q, roles[i]);
+  if (q->dres) tandem__cluster__reserved__free_unpacked(q->dres, NULL);
+  if (q->pres) tandem__cluster__reserved__free_unpacked(q->pres, NULL);
+  q->dres = q->pres = NULL;
+  q->encoded = q->prefilled = false;
+}
+
+/* ------------------------------------------------------------ the queue */
+
+static void queue_remove(td_router *r, rreq *q) {
+  for (int i = 0; i < r->n_queue; i++)
+    if (r->queue[i] == q) {
+      memmove(r->queue + i, r->queue + i + 1, sizeof *r->queue * (size_t)(r->n_queue - i - 1));
+      r->n_queue--;
+      return;
+    }
+}
+
+static td_status queue_push(td_router *r, rreq *q, bool front) {
+  if (r->n_queue == r->cap_queue) {
+    int nc = r->cap_queue ? 2 * r->cap_queue : 64;
+    rreq **p = realloc(r->queue, sizeof *p * (size_t)nc);
+    if (!p) return td_err(TD_ERR_NOMEM, "out of memory");
+    r->queue = p;
+    r->cap_queue = nc;
+  }
+  if (front) {
+    memmove(r->queue + 1, r->queue, sizeof *r->queue * (size_t)r->n_queue);
+    r->queue[0] = q;
+  } else {
+    r->queue[r->n_queue] = q;
+  }
+  r->n_queue++;
+  return TD_OK;
+}
+
+/* ------------------------------------------------------------ endings */
+
+void rtr_req_free(td_router *r, rreq *q) {
+  if (q->st != ST_QUEUED) r->in_flight--;
+  release_workers(r, q, false);
+  queue_remove(r, q);
+  HASH_DELETE(hh, r->by_rid, q);
+  HASH_DELETE(hc, r->by_ckey, q);
+  tandem__client_message__free_unpacked(q->msg, NULL);
+  free(q->cid);
+  free(q->ckey);
+  free(q->streamed);
+  free(q->streamed_lp);
+  free(q);
+}
+
+void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg) {
+  TD_INFO("request %s (rid %llu) failed in stage %s: %s", q->cid, (unsigned long long)q->rid, rtr_stage_names[q->st],
+          msg);
+  release_workers(r, q, true);
+  rtr_client_error(r, q->client, q->client_len, q->cid, code, msg);
+  rtr_req_free(r, q);
+}
+
+void rtr_req_retry(td_router *r, rreq *q, const char *why) {
+  release_workers(r, q, true);
+  if (q->attempts >= r->o.max_attempts) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "gave up after %d attempts: %s", q->attempts, why);
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, msg);
+    return;
+  }
+  TD_WARN("request %s (rid %llu): retrying: %s", q->cid, (unsigned long long)q->rid, why);
+  if (q->multi) q->n_streamed = 0; /* samples and beams restart from the prompt */
+  HASH_DELETE(hh, r->by_rid, q);
+  q->rid = (q->serial << 8) | (uint64_t)(q->attempts & 0xff); /* attempts <= TD_ROUTER_MAX_ATTEMPTS */
+  HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
+  if (q->st != ST_QUEUED) r->in_flight--;
+  q->st = ST_QUEUED;
+  if (queue_push(r, q, true) != TD_OK) rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+}
+
+rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w) {
+  rreq *q = NULL;
+  HASH_FIND(hh, r->by_rid, &rid, sizeof rid, q);
+  if (!q) send_cancel(r, w->id, rid); /* a stale attempt: make sure the worker lets go of it */
+  return q;
+}
+
+/* ------------------------------------------------------------ jobs */
+
+/* The request as workers see it; a resumed single sequence continues from
+ * its prompt plus the tokens already streamed. prompt_buf holds
+ * n_decoder_prompt + n_streamed tokens. */
+static void fill_spec(const rreq *q, Tandem__Cluster__RequestSpec *sp, int32_t *prompt_buf) {
+  const Tandem__GenerateRequest *g = q->g;
+  sp->rid = q->rid;
+  sp->input_ids = g->input_ids;
+  sp->n_input_ids = g->n_input_ids;
+  sp->features = g->features;
+  int np = 0;
+  for (size_t i = 0; i < g->n_decoder_prompt; i++) prompt_buf[np++] = g->decoder_prompt[i];
+  for (int i = 0; i < q->n_streamed; i++) prompt_buf[np++] = q->streamed[i];
+  sp->decoder_prompt = prompt_buf;
+  sp->n_decoder_prompt = (size_t)np;
+  sp->sampling = g->sampling;
+  sp->max_new_tokens = (uint32_t)(q->sh.max_new - q->n_streamed);
+  sp->stop_token_ids = g->stop_token_ids;
+  sp->n_stop_token_ids = g->n_stop_token_ids;
+  sp->enc_len = (uint32_t)q->sh.enc_len;
+  sp->step_offset = (uint32_t)q->n_streamed;
+  sp->client_id = q->cid;
+}
+
+static int32_t *prompt_buffer(const rreq *q) {
+  return malloc(sizeof(int32_t) * (q->g->n_decoder_prompt + (size_t)q->n_streamed + 1));
+}
+
+static td_place_req place_req(const rreq *q) {
+  return (td_place_req){.need_cross = q->sh.need_cross, .need_self = q->sh.need_self, .width = q->sh.width,
+                        .n_prompt = q->sh.n_prompt + (q->multi ? 0 : q->n_streamed)};
+}
+
+/* Starts a placed request: holds on its workers, the decode job. */
+static void start(td_router *r, rreq *q, const td_placement *pl) {
+  worker *d = (worker *)r->pool[pl->decode];
+  worker *e = pl->encode >= 0 ? (worker *)r->pool[pl->encode] : NULL;
+  worker *p = pl->prefill >= 0 ? (worker *)r->pool[pl->prefill] : NULL;
+  int32_t *prompt = prompt_buffer(q);
+  if (!prompt) {
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+    return;
+  }
+  q->attempts++;
+  q->local_encode = !e;
+  q->with_prefill = p != NULL;
+  snprintf(q->dec_w, sizeof q->dec_w, "%s", d->id);
+  snprintf(q->enc_w, sizeof q->enc_w, "%s", e ? e->id : "");
+  snprintf(q->pre_w, sizeof q->pre_w, "%s", p ? p->id : "");
+  hold(d, q, RTR_DECODE, 1);
+  if (e) hold(e, q, RTR_ENCODE, 1);
+  if (p) hold(p, q, RTR_PREFILL, 1);
+  q->st = q->local_encode ? ST_DECODING : ST_RESERVING;
+  q->t_placed = q->t_placed ? q->t_placed : td_now_ms();
+  q->t_stage = td_now_ms();
+  r->in_flight++;
+  Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
+  fill_spec(q, &sp, prompt);
+  Tandem__Cluster__DecodeJob dj = TANDEM__CLUSTER__DECODE_JOB__INIT;
+  dj.req = &sp;
+  dj.local_encode = q->local_encode;
+  dj.with_prefill = q->with_prefill;
+  /* the prefill worker sends all prompt KV but the last token's, which the
+   * decode worker runs itself to get the first logits */
+  dj.prefill_tokens = q->with_prefill ? (uint32_t)(place_req(q).n_prompt - 1) : 0;
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE;
+  m.decode = &dj;
+  td_status s = rtr_send_worker(r, d, &m);
+  free(prompt);
+  TD_DEBUG("request %s (rid %llu) placed: decode %s, encode %s, prefill %s", q->cid, (unsigned long long)q->rid,
+           d->id, e ? e->id : "local", p ? p->id : "-");
+  if (s != TD_OK) rtr_req_retry(r, q, "could not reach the decode worker");
+}
+
+bool rtr_place_queue(td_loop *l, void *ctx) {
+  (void)l;
+  td_router *r = ctx;
+  r->wait_why[0] = 0;
+  while (r->n_queue > 0) {
+    rreq *q = r->queue[0];
+    td_place_req pr = place_req(q);
+    td_placement pl;
+    td_place_status st =
+        td_place((const td_place_worker *const *)r->pool, r->n_pool, &pr, r->o.prefill_threshold, &pl);
+    if (st == TD_PLACE_WAIT) {
+      snprintf(r->wait_why, sizeof r->wait_why, "%s", pl.why);
+      break;
+    }
+    queue_remove(r, q);
+    if (st == TD_PLACE_NEVER)
+      rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, pl.why); /* rather than wait forever */
+    else
+      start(r, q, &pl); /* a retry puts it back at the head */
+  }
+  return true;
+}
+
+void rtr_send_encode(td_router *r, rreq *q) {
+  worker *e = rtr_find_worker(r, q->enc_w);
+  if (!e || !q->dres || !q->dres->cross || (q->with_prefill && (!q->pres || !q->pres->cross))) {
+    rtr_req_retry(r, q, "encoder or reservation lost");
+    return;
+  }
+  int32_t *prompt = prompt_buffer(q);
+  if (!prompt) {
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+    return;
+  }
+  Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
+  fill_spec(q, &sp, prompt);
+  Tandem__Cluster__KvTarget *targets[2] = {q->dres->cross, q->with_prefill ? q->pres->cross : NULL};
+  Tandem__Cluster__EncodeJob ej = TANDEM__CLUSTER__ENCODE_JOB__INIT;
+  ej.req = &sp;
+  ej.targets = targets;
+  ej.n_targets = q->with_prefill ? 2 : 1;
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE;
+  m.encode = &ej;
+  q->st = ST_ENCODING;
+  q->t_stage = td_now_ms();
+  td_status s = rtr_send_worker(r, e, &m);
+  free(prompt);
+  if (s != TD_OK) rtr_req_retry(r, q, "could not reach the encoder");
+}
+
+void rtr_send_prefill(td_router *r, rreq *q) {
+  worker *p = rtr_find_worker(r, q->pre_w);
+  if (!p || !q->dres || !q->dres->self) {
+    rtr_req_retry(r, q, "prefill worker or reservation lost");
+    return;
+  }
+  int32_t *prompt = prompt_buffer(q);
+  if (!prompt) {
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+    return;
+  }
+  Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
+  fill_spec(q, &sp, prompt);
+  Tandem__Cluster__PrefillJob pj = TANDEM__CLUSTER__PREFILL_JOB__INIT;
+  pj.req = &sp;
+  pj.self_target = q->dres->self;
+  pj.prefill_tokens = q->dres->self->tokens;
+  pj.sample_first = false;
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL;
+  m.prefill = &pj;
+  td_status s = rtr_send_worker(r, p, &m);
+  free(prompt);
+  if (s != TD_OK) rtr_req_retry(r, q, "could not reach the prefill worker");
+}
+
+/* ------------------------------------------------------------ clients */
+
+/* The key a client's request is found by: its identity (hex) and its id. */
+static char *client_key(const uint8_t *cid, size_t cid_len, const char *id) {
+  size_t klen = cid_len * 2 + strlen(id) + 2;
+  char *key = malloc(klen);
+  if (!key) return NULL;
+  for (size_t i = 0; i < cid_len; i++) snprintf(key + 2 * i, 3, "%02x", cid[i]);
+  snprintf(key + 2 * cid_len, klen - 2 * cid_len, "/%s", id);
+  return key;
+}
+
+/* Every refusal of a new request, in order; the request is admitted when
+ * code stays ERROR_NONE. */
+static Tandem__ErrorCode admit(td_router *r, const char *key, const Tandem__GenerateRequest *g, td_req_shape *sh,
+                               char *err, size_t cap) {
+  rreq *dup = NULL;
+  HASH_FIND(hc, r->by_ckey, key, strlen(key), dup);
+  if (dup) {
+    snprintf(err, cap, "request_id \"%s\" is already in flight", g->request_id);
+    return TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT;
+  }
+  if (!r->have_model || rtr_count_role(r, RTR_DECODE) == 0) {
+    snprintf(err, cap, "no decode worker is registered");
+    return TANDEM__ERROR_CODE__ERROR_UNAVAILABLE;
+  }
+  if (r->n_queue >= r->o.max_queue || r->in_flight >= r->o.max_in_flight) {
+    snprintf(err, cap, "overloaded: %d requests queued, %d in flight", r->n_queue, r->in_flight);
+    return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
+  }
+  td_status s = td_admit_request(&r->model, r->block_size, g, sh, err, cap);
+  if (s != TD_OK) return td_wire_error_code(s);
+  td_place_req pr = {.need_cross = sh->need_cross, .need_self = sh->need_self, .width = sh->width,
+                     .n_prompt = sh->n_prompt};
+  if (!td_place_possible((const td_place_worker *const *)r->pool, r->n_pool, &pr, err, cap))
+    return TANDEM__ERROR_CODE__ERROR_UNAVAILABLE;
+  return TANDEM__ERROR_CODE__ERROR_NONE;
+}
+
+void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg) {
+  Tandem__GenerateRequest *g = msg->generate;
+  const char *id = g->request_id ? g->request_id : "";
+  char err[512];
+  char *key = NULL;
+  rreq *q = NULL;
+  Tandem__ErrorCode code = TANDEM__ERROR_CODE__ERROR_NONE;
+  td_req_shape sh = {0};
+  if (td_admit_request_id(id, err, sizeof err) != TD_OK) {
+    code = TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT;
+  } else if (!(key = client_key(cid, cid_len, id))) {
+    code = TANDEM__ERROR_CODE__ERROR_INTERNAL;
+    snprintf(err, sizeof err, "out of memory");
+  } else {
+    code = admit(r, key, g, &sh, err, sizeof err);
+  }
+  if (code == TANDEM__ERROR_CODE__ERROR_NONE &&
+      (!(q = calloc(1, sizeof *q)) || !(q->cid = strdup(id)) || queue_push(r, q, false) != TD_OK)) {
+    code = TANDEM__ERROR_CODE__ERROR_INTERNAL;
+    snprintf(err, sizeof err, "out of memory");
+  }
+  if (code != TANDEM__ERROR_CODE__ERROR_NONE) {
+    rtr_client_error(r, cid, cid_len, id, code, err);
+    if (q) free(q->cid);
+    free(q);
+    free(key);
+    tandem__client_message__free_unpacked(msg, NULL);
+    return;
+  }
+  q->sh = sh;
+  q->multi = sh.width > 1;
+  q->serial = r->next_serial++;
+  q->rid = q->serial << 8;
+  memcpy(q->client, cid, cid_len);
+  q->client_len = cid_len;
+  q->ckey = key;
+  q->msg = msg;
+  q->g = g;
+  q->t_arrival = td_now_ms();
+  q->deadline = q->t_arrival + (g->timeout_ms ? (int64_t)g->timeout_ms : r->o.default_timeout_ms);
+  q->st = ST_QUEUED;
+  HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
+  HASH_ADD_KEYPTR(hc, r->by_ckey, q->ckey, strlen(q->ckey), q);
+}
+
+void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c) {
+  const char *id = c->request_id ? c->request_id : "";
+  char *key = client_key(cid, cid_len, id);
+  if (!key) return;
+  rreq *q = NULL;
+  HASH_FIND(hc, r->by_ckey, key, strlen(key), q);
+  free(key);
+  if (q)
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_CANCELLED, "cancelled by the client");
+  else
+    rtr_client_error(r, cid, cid_len, id, TANDEM__ERROR_CODE__ERROR_NOT_FOUND, "no such request in flight");
+}
+
+/* ------------------------------------------------------------ timers */
+
+int rtr_requests_tick(td_loop *l, void *ctx) {
+  (void)l;
+  td_router *r = ctx;
+  int64_t t = td_now_ms();
+  rreq *q, *tmp;
+  HASH_ITER(hh, r->by_rid, q, tmp) {
+    if (t > q->deadline) {
+      char why[320];
+      if (q->st == ST_QUEUED && r->wait_why[0])
+        snprintf(why, sizeof why, "deadline exceeded (queued: %s)", r->wait_why);
+      else
+        snprintf(why, sizeof why, "deadline exceeded");
+      rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_TIMEOUT, why);
+      continue;
+    }
+    if ((q->st == ST_RESERVING || q->st == ST_ENCODING || q->st == ST_PREFILLING) &&
+        t - q->t_stage > r->o.stage_timeout_ms) {
+      char why[128];
+      snprintf(why, sizeof why, "stage %s took more than %d ms", rtr_stage_names[q->st], r->o.stage_timeout_ms);
+      rtr_req_retry(r, q, why);
+    }
+  }
+  return TD_ROUTER_TICK_MS;
+}

@@ -1,0 +1,174 @@
+/* A placed request's progress as its workers report it: the reservations
+ * that start the encoder and prefill jobs, the end of each stage, the
+ * tokens streamed to the client (offsets continue across attempts) and the
+ * result, or a failure that is retried or reported. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "router/internal.h"
+
+static void on_reserved(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m) {
+  Tandem__Cluster__Reserved *res = m->reserved;
+  rreq *q = rtr_req_for(r, res->rid, w);
+  if (!q || q->st != ST_RESERVING) return;
+  bool from_dec = !strcmp(w->id, q->dec_w), from_pre = q->with_prefill && !strcmp(w->id, q->pre_w);
+  if (!from_dec && !from_pre) return;
+  /* keep the reservation: detach it from the message */
+  Tandem__Cluster__Reserved **slot = from_dec ? &q->dres : &q->pres;
+  if (*slot) tandem__cluster__reserved__free_unpacked(*slot, NULL);
+  *slot = res;
+  m->reserved = NULL;
+  m->body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY__NOT_SET;
+  /* with a prefill worker, it reserves next (its job names the decode worker's
+   * self blocks); the encoder goes once every cross target is known */
+  if (from_dec && q->with_prefill)
+    rtr_send_prefill(r, q);
+  else
+    rtr_send_encode(r, q);
+}
+
+static void on_encode_done(td_router *r, worker *w, const Tandem__Cluster__EncodeDone *done) {
+  rreq *q = rtr_req_for(r, done->rid, w);
+  if (!q || strcmp(w->id, q->enc_w)) return;
+  q->encoded = true;
+  q->encode_ms = done->ms;
+  rtr_role_done(r, q, RTR_ENCODE);
+  q->st = q->with_prefill && !q->prefilled ? ST_PREFILLING : ST_DECODING;
+  q->t_stage = td_now_ms();
+}
+
+static void on_prefill_done(td_router *r, worker *w, const Tandem__Cluster__PrefillDone *done) {
+  rreq *q = rtr_req_for(r, done->rid, w);
+  if (!q || !q->with_prefill || strcmp(w->id, q->pre_w)) return;
+  q->prefilled = true;
+  q->prefill_ms = done->ms;
+  rtr_role_done(r, q, RTR_PREFILL);
+  worker *d = rtr_find_worker(r, q->dec_w);
+  Tandem__Cluster__PrefillResult pr = TANDEM__CLUSTER__PREFILL_RESULT__INIT;
+  pr.rid = q->rid;
+  pr.first_token = done->first_token;
+  pr.first_logprob = done->first_logprob;
+  Tandem__Cluster__RouterMessage rm = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  rm.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL_RESULT;
+  rm.prefill_result = &pr;
+  if (d) (void)rtr_send_worker(r, d, &rm);
+  q->st = ST_DECODING;
+  q->t_stage = td_now_ms();
+}
+
+static bool push_streamed(rreq *q, int32_t tok, float lp) {
+  if (q->n_streamed == q->cap_streamed) {
+    int nc = q->cap_streamed ? 2 * q->cap_streamed : 32;
+    int32_t *a = realloc(q->streamed, sizeof *a * (size_t)nc);
+    if (!a) return false;
+    q->streamed = a;
+    float *b = realloc(q->streamed_lp, sizeof *b * (size_t)nc);
+    if (!b) return false;
+    q->streamed_lp = b;
+    q->cap_streamed = nc;
+  }
+  q->streamed[q->n_streamed] = tok;
+  q->streamed_lp[q->n_streamed] = lp;
+  q->n_streamed++;
+  return true;
+}
+
+static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t) {
+  rreq *q = rtr_req_for(r, t->rid, w);
+  if (!q || strcmp(w->id, q->dec_w)) return;
+  if (q->st < ST_DECODING) q->st = ST_DECODING;
+  /* A single sequence's tokens are kept so that another worker can resume
+   * it; its offsets continue across attempts. */
+  uint32_t off = t->offset;
+  if (!q->multi) {
+    off = (uint32_t)q->n_streamed;
+    for (size_t i = 0; i < t->n_tokens; i++)
+      if (!push_streamed(q, t->tokens[i], i < t->n_logprobs ? t->logprobs[i] : 0.0f)) {
+        rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+        return;
+      }
+  }
+  if (!q->g->stream) return;
+  Tandem__TokenChunk c = TANDEM__TOKEN_CHUNK__INIT;
+  c.sequence = t->sequence;
+  c.offset = off;
+  c.tokens = t->tokens;
+  c.n_tokens = t->n_tokens;
+  c.logprobs = t->logprobs;
+  c.n_logprobs = q->g->sampling && q->g->sampling->logprobs ? t->n_logprobs : 0;
+  Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
+  sm.request_id = q->cid;
+  sm.body_case = TANDEM__SERVER_MESSAGE__BODY_TOKENS;
+  sm.tokens = &c;
+  rtr_send_client(r, q->client, q->client_len, &sm);
+}
+
+static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished *fin) {
+  rreq *q = rtr_req_for(r, fin->rid, w);
+  if (!q || strcmp(w->id, q->dec_w)) return;
+  Tandem__SequenceOutput **outs = fin->outputs, merged = TANDEM__SEQUENCE_OUTPUT__INIT;
+  size_t n_out = fin->n_outputs;
+  Tandem__SequenceOutput **with_prior = NULL;
+  /* a resumed sequence: earlier attempts' tokens come first */
+  int prior = !q->multi && n_out ? q->n_streamed - (int)outs[0]->n_tokens : 0;
+  bool want_lp = q->g->sampling && q->g->sampling->logprobs;
+  if (prior > 0) {
+    with_prior = malloc(sizeof *with_prior * n_out);
+    if (!with_prior) {
+      rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+      return;
+    }
+    for (size_t i = 0; i < n_out; i++) with_prior[i] = outs[i];
+    merged = *outs[0];
+    merged.tokens = q->streamed;
+    merged.n_tokens = (size_t)q->n_streamed;
+    merged.logprobs = want_lp ? q->streamed_lp : NULL;
+    merged.n_logprobs = want_lp ? (size_t)q->n_streamed : 0;
+    with_prior[0] = &merged;
+    outs = with_prior;
+  }
+  Tandem__Timings tm = TANDEM__TIMINGS__INIT;
+  tm.queue_ms = (double)(q->t_placed - q->t_arrival);
+  tm.encode_ms = q->encode_ms;
+  tm.prefill_ms = q->prefill_ms;
+  tm.decode_ms = fin->decode_ms;
+  tm.total_ms = (double)(td_now_ms() - q->t_arrival);
+  tm.attempts = (uint32_t)q->attempts;
+  Tandem__GenerateResult gr = TANDEM__GENERATE_RESULT__INIT;
+  gr.outputs = outs;
+  gr.n_outputs = n_out;
+  gr.timings = &tm;
+  Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
+  sm.request_id = q->cid;
+  sm.body_case = TANDEM__SERVER_MESSAGE__BODY_RESULT;
+  sm.result = &gr;
+  rtr_send_client(r, q->client, q->client_len, &sm);
+  TD_DEBUG("request %s done in %.0f ms (attempts %d)", q->cid, tm.total_ms, q->attempts);
+  free(with_prior);
+  rtr_req_free(r, q);
+}
+
+static void on_failed(td_router *r, worker *w, const Tandem__Cluster__Failed *f) {
+  rreq *q = rtr_req_for(r, f->rid, w);
+  if (!q) return;
+  const char *msg = f->message ? f->message : "worker error";
+  if (f->retryable)
+    rtr_req_retry(r, q, msg);
+  else
+    rtr_req_fail(r, q, f->code ? f->code : TANDEM__ERROR_CODE__ERROR_INTERNAL, msg);
+}
+
+void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m) {
+  switch (m->body_case) {
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED: on_reserved(r, w, m); break;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_ENCODE_DONE: on_encode_done(r, w, m->encode_done); break;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_PREFILL_DONE: on_prefill_done(r, w, m->prefill_done); break;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS: on_tokens(r, w, m->tokens); break;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED: on_finished(r, w, m->finished); break;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED: on_failed(r, w, m->failed); break;
+    default: break;
+  }
+}

@@ -1,0 +1,279 @@
+/* The worker registry: registration (model, block size and cross mode must
+ * match the cluster's), heartbeats both ways, death after silence, the pool
+ * placement reads, the health answer. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "router/internal.h"
+
+worker *rtr_find_worker(td_router *r, const char *id) {
+  worker *w = NULL;
+  HASH_FIND_STR(r->workers, id, w);
+  return w;
+}
+
+int rtr_count_role(const td_router *r, rtr_role role) {
+  int n = 0;
+  for (int i = 0; i < r->n_pool; i++) {
+    const td_place_worker *w = r->pool[i];
+    n += role == RTR_ENCODE ? w->enc : role == RTR_PREFILL ? w->pre : w->dec;
+  }
+  return n;
+}
+
+static td_status pool_add(td_router *r, worker *w) {
+  if (r->n_pool == r->cap_pool) {
+    int nc = r->cap_pool ? 2 * r->cap_pool : 16;
+    td_place_worker **p = realloc(r->pool, sizeof *p * (size_t)nc);
+    if (!p) return td_err(TD_ERR_NOMEM, "out of memory");
+    r->pool = p;
+    r->cap_pool = nc;
+  }
+  r->pool[r->n_pool++] = &w->pl;
+  return TD_OK;
+}
+
+static void pool_remove(td_router *r, worker *w) {
+  for (int i = 0; i < r->n_pool; i++)
+    if (r->pool[i] == &w->pl) {
+      memmove(r->pool + i, r->pool + i + 1, sizeof *r->pool * (size_t)(r->n_pool - i - 1));
+      r->n_pool--;
+      return;
+    }
+}
+
+static void worker_free(worker *w) {
+  free(w->device);
+  free(w);
+}
+
+void rtr_worker_gone(td_router *r, worker *w, const char *why) {
+  TD_WARN("worker %s is gone: %s", w->id, why);
+  rreq *q, *t;
+  HASH_ITER(hh, r->by_rid, q, t) {
+    if (!strcmp(q->dec_w, w->id) || !strcmp(q->enc_w, w->id) || !strcmp(q->pre_w, w->id)) {
+      char msg[512];
+      snprintf(msg, sizeof msg, "worker %s failed (%s)", w->id, why);
+      /* its own accounting goes with it */
+      if (!strcmp(q->dec_w, w->id)) q->dec_w[0] = 0;
+      if (!strcmp(q->enc_w, w->id)) q->enc_w[0] = 0;
+      if (!strcmp(q->pre_w, w->id)) q->pre_w[0] = 0;
+      rtr_req_retry(r, q, msg);
+    }
+  }
+  HASH_DEL(r->workers, w);
+  pool_remove(r, w);
+  worker_free(w);
+}
+
+static bool model_matches(td_router *r, const Tandem__ModelInfo *m, char *why, size_t cap) {
+  if (!m) {
+    snprintf(why, cap, "registration without a model description");
+    return false;
+  }
+  if (!r->have_model) return true;
+  if (strcmp(m->model_type ? m->model_type : "", r->model_type) || m->vocab_size != r->model.vocab_size ||
+      m->max_source_len != r->model.max_source_len || m->max_target_len != r->model.max_target_len) {
+    snprintf(why, cap, "serves %s (vocab %u), the cluster serves %s (vocab %u)", m->model_type, m->vocab_size,
+             r->model_type, r->model.vocab_size);
+    return false;
+  }
+  return true;
+}
+
+/* Workers exchange cross blocks, whose layout the mode sets: every one
+ * must run the router's. */
+bool rtr_cross_mode_matches(const td_router *r, const char *mode, char *why, size_t cap) {
+  const char *wm = mode && *mode ? mode : "auto";
+  td_cross_mode m;
+  if (td_cross_mode_parse(wm, &m) == TD_OK && m == r->o.cross_mode) return true;
+  snprintf(why, cap, "cross pool mode differs: the worker runs --cross-mode %s, the router --cross-mode %s; the router "
+           "and every worker must agree", wm, td_cross_mode_name(r->o.cross_mode));
+  return false;
+}
+
+static void send_ack(td_router *r, const uint8_t *id, size_t id_len, bool accepted, const char *reason) {
+  Tandem__Cluster__RegisterAck ack = TANDEM__CLUSTER__REGISTER_ACK__INIT;
+  ack.accepted = accepted;
+  ack.reason = (char *)(reason ? reason : "");
+  ack.heartbeat_ms = (uint32_t)r->o.heartbeat_ms;
+  ack.dead_after = (uint32_t)r->o.dead_after;
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK;
+  m.ack = &ack;
+  (void)rtr_send_peer(r, id, id_len, &m);
+}
+
+/* The first worker sets the cluster's model. */
+static td_status adopt_model(td_router *r, const Tandem__Cluster__WorkerInfo *in) {
+  const Tandem__ModelInfo *m = in->model;
+  const char *name = r->o.model_name ? r->o.model_name
+                     : m->name && m->name[0] ? m->name
+                     : m->model_type ? m->model_type : "";
+  char *type = strdup(m->model_type ? m->model_type : ""), *served = strdup(name);
+  if (!type || !served) {
+    free(type);
+    free(served);
+    return td_err(TD_ERR_NOMEM, "out of memory");
+  }
+  r->model_type = type;
+  r->model_name = served;
+  r->model = *m;
+  r->model.base = (ProtobufCMessage)PROTOBUF_C_MESSAGE_INIT(&tandem__model_info__descriptor);
+  r->model.name = served;
+  r->model.model_type = type;
+  r->block_size = (int)in->block_size;
+  r->have_model = true;
+  return TD_OK;
+}
+
+void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__Register *reg) {
+  char why[512] = "";
+  Tandem__Cluster__WorkerInfo *in = reg ? reg->info : NULL;
+  char wid[TD_WIRE_MAX_ID + 1];
+  memcpy(wid, id, id_len);
+  wid[id_len] = 0;
+  bool ok = in && model_matches(r, in->model, why, sizeof why);
+  if (ok && (!in->block_size || (r->have_model && (int)in->block_size != r->block_size))) {
+    snprintf(why, sizeof why, "block size %u, the cluster uses %d", in->block_size, r->block_size);
+    ok = false;
+  }
+  if (ok && !in->n_roles) {
+    snprintf(why, sizeof why, "no roles");
+    ok = false;
+  }
+  if (ok) ok = rtr_cross_mode_matches(r, in->cross_mode, why, sizeof why);
+  if (!ok) {
+    TD_WARN("refused worker %s: %s", wid, why);
+    send_ack(r, id, id_len, false, why);
+    return;
+  }
+  worker *old = rtr_find_worker(r, wid);
+  if (old) rtr_worker_gone(r, old, "registered again (restarted)");
+  worker *w = calloc(1, sizeof *w);
+  if (!w) return;
+  memcpy(w->id, id, id_len);
+  w->id_len = id_len;
+  w->pl.id = w->id;
+  for (size_t i = 0; i < in->n_roles; i++) {
+    w->pl.enc |= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+    w->pl.pre |= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_PREFILL;
+    w->pl.dec |= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_DECODE;
+  }
+  w->self_blocks = (int)in->self_blocks;
+  w->pl.cross_blocks = (int)in->cross_blocks;
+  w->pl.max_running = in->max_running ? (int)in->max_running : 1;
+  w->device = strdup(in->device ? in->device : "");
+  w->last_seen = td_now_ms();
+  w->load = (Tandem__Cluster__Load)TANDEM__CLUSTER__LOAD__INIT;
+  w->load.free_self_blocks = (uint32_t)w->self_blocks;
+  w->load.free_cross_blocks = (uint32_t)w->pl.cross_blocks;
+  if (!w->device) {
+    TD_ERROR("worker %s: out of memory", wid);
+    worker_free(w);
+    return;
+  }
+  if ((!r->have_model && adopt_model(r, in) != TD_OK) || pool_add(r, w) != TD_OK) {
+    TD_ERROR("worker %s: %s", wid, td_errmsg());
+    worker_free(w);
+    return;
+  }
+  HASH_ADD_STR(r->workers, id, w);
+  TD_INFO("worker %s registered: %s%s%s on %s, %d self / %d cross blocks", wid, w->pl.enc ? "encode " : "",
+          w->pl.pre ? "prefill " : "", w->pl.dec ? "decode" : "", w->device, w->self_blocks, w->pl.cross_blocks);
+  send_ack(r, id, id_len, true, NULL);
+}
+
+void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat *hb) {
+  (void)r;
+  if (!hb->load) return;
+  w->load = *hb->load;
+  w->load.base = (ProtobufCMessage)PROTOBUF_C_MESSAGE_INIT(&tandem__cluster__load__descriptor);
+  if (w->load.draining && !w->pl.draining) TD_INFO("worker %s is draining", w->id);
+  w->pl.draining = w->load.draining;
+}
+
+int rtr_heartbeat_tick(td_loop *l, void *ctx) {
+  (void)l;
+  td_router *r = ctx;
+  int64_t t = td_now_ms();
+  Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
+  hb.seq = ++r->hb_seq;
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT;
+  m.heartbeat = &hb;
+  worker *w, *tmp;
+  HASH_ITER(hh, r->workers, w, tmp) {
+    if (t - w->last_seen > (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
+      char why[128];
+      snprintf(why, sizeof why, "silent for %lld ms", (long long)(t - w->last_seen));
+      rtr_worker_gone(r, w, why);
+      continue;
+    }
+    (void)rtr_send_worker(r, w, &m);
+  }
+  return r->o.heartbeat_ms;
+}
+
+void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
+  Tandem__HealthResponse h = TANDEM__HEALTH_RESPONSE__INIT;
+  h.encoders = (uint32_t)rtr_count_role(r, RTR_ENCODE);
+  h.prefills = (uint32_t)rtr_count_role(r, RTR_PREFILL);
+  h.decoders = (uint32_t)rtr_count_role(r, RTR_DECODE);
+  h.serving = h.decoders > 0;
+  h.in_flight = (uint32_t)r->in_flight;
+  h.queued = (uint32_t)r->n_queue;
+  h.cross_mode = (char *)td_cross_mode_name(r->o.cross_mode);
+  size_t nw = HASH_COUNT(r->workers), k = 0;
+  Tandem__WorkerStatus *ws = calloc(nw + 1, sizeof *ws);
+  Tandem__WorkerStatus **wp = calloc(nw + 1, sizeof *wp);
+  worker *w, *wt;
+  if (ws && wp) {
+    HASH_ITER(hh, r->workers, w, wt) {
+      Tandem__WorkerStatus *x = &ws[k];
+      tandem__worker_status__init(x);
+      x->id = w->id;
+      x->encode = w->pl.enc;
+      x->prefill = w->pl.pre;
+      x->decode = w->pl.dec;
+      x->self_blocks = (uint32_t)w->self_blocks;
+      x->free_self_blocks = w->load.free_self_blocks;
+      x->cross_blocks = (uint32_t)w->pl.cross_blocks;
+      x->free_cross_blocks = w->load.free_cross_blocks;
+      x->running = w->load.running;
+      x->queued = w->load.queued;
+      x->jobs = (uint32_t)w->pl.jobs;
+      x->draining = w->pl.draining;
+      x->device = w->device;
+      x->kv_in_ucx = w->load.kv_in_ucx;
+      x->kv_in_zmq = w->load.kv_in_zmq;
+      x->kv_out_ucx = w->load.kv_out_ucx;
+      x->kv_out_zmq = w->load.kv_out_zmq;
+      x->kv_pushing = w->load.kv_pushing;
+      wp[k++] = x;
+    }
+    h.workers = wp;
+    h.n_workers = k;
+  }
+  Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
+  sm.request_id = "";
+  sm.body_case = TANDEM__SERVER_MESSAGE__BODY_HEALTH;
+  sm.health = &h;
+  rtr_send_client(r, id, id_len, &sm);
+  free(ws);
+  free(wp);
+}
+
+void rtr_workers_free(td_router *r) {
+  worker *w, *wt;
+  HASH_ITER(hh, r->workers, w, wt) {
+    HASH_DEL(r->workers, w);
+    worker_free(w);
+  }
+  free(r->pool);
+  r->pool = NULL;
+  r->n_pool = r->cap_pool = 0;
+}

@@ -1,0 +1,246 @@
+/* Placement (router/placement.c) on hand-built worker pools: room for the
+ * cross KV, queue order, the batch width, encoder choice, local encode, the
+ * prefill threshold, draining workers, and the reason when nothing fits. */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "common/defaults.h"
+#include "router/policy.h"
+
+#define MAXW 8
+
+typedef struct pool {
+  td_place_worker w[MAXW];
+  const td_place_worker *p[MAXW];
+  int n;
+} pool;
+
+/* A worker with roles "e", "p", "d" (any mix), a large cross pool and batch. */
+static td_place_worker *add(pool *pl, const char *id, const char *roles) {
+  td_place_worker *w = &pl->w[pl->n];
+  *w = (td_place_worker){.id = id, .cross_blocks = 1000, .max_running = 32};
+  w->enc = strchr(roles, 'e') != NULL;
+  w->pre = strchr(roles, 'p') != NULL;
+  w->dec = strchr(roles, 'd') != NULL;
+  pl->p[pl->n] = w;
+  pl->n++;
+  return w;
+}
+
+static const td_place_req small = {.need_cross = 2, .need_self = 4, .width = 1, .n_prompt = 1};
+
+static td_place_status place(const pool *pl, const td_place_req *q, td_placement *out) {
+  return td_place(pl->p, pl->n, q, TD_DEFAULT_PREFILL_THRESHOLD, out);
+}
+
+static const char *who(const pool *pl, int i) { return i < 0 ? "-" : pl->w[i].id; }
+
+Test(placement, decode_worker_without_room_for_the_cross_kv_is_skipped) {
+  pool pl = {0};
+  td_place_worker *full = add(&pl, "full", "ed");
+  add(&pl, "roomy", "ed");
+  full->committed_cross = full->cross_blocks - 1; /* one block left, two needed */
+  td_placement out;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "roomy");
+  full->committed_cross = full->cross_blocks - 2; /* exactly enough */
+  full->jobs = 0;
+  pl.w[1].jobs = 1;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "full");
+}
+
+Test(placement, fewest_jobs_then_fewest_self_blocks_then_the_earlier) {
+  pool pl = {0};
+  td_place_worker *a = add(&pl, "a", "ed"), *b = add(&pl, "b", "ed"), *c = add(&pl, "c", "ed");
+  a->jobs = 3, b->jobs = 1, c->jobs = 2;
+  td_placement out;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "b", "fewest jobs");
+  a->jobs = b->jobs = c->jobs = 2;
+  a->committed_self = 50, b->committed_self = 40, c->committed_self = 10;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "c", "a tie in jobs: fewest self blocks");
+  c->committed_self = 40;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "b", "a full tie: the earlier registered");
+}
+
+Test(placement, a_full_queue_waits) {
+  pool pl = {0};
+  td_place_worker *d = add(&pl, "d", "ed");
+  d->max_running = 2;
+  d->jobs = TD_ROUTER_JOBS_PER_SEQ * 2 - 1;
+  td_placement out;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  d->jobs++;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_WAIT);
+  cr_expect(strstr(out.why, "full"), "%s", out.why);
+  cr_expect_eq(out.decode, -1);
+}
+
+Test(placement, a_group_wider_than_a_worker_batch_goes_to_a_wider_one) {
+  pool pl = {0};
+  td_place_worker *narrow = add(&pl, "narrow", "ed"), *wide = add(&pl, "wide", "ed");
+  narrow->max_running = 4;
+  wide->max_running = 16;
+  wide->jobs = 5; /* busier, but the only one that can run 8 sequences */
+  td_place_req q = small;
+  q.width = 8;
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "wide");
+  q.width = 4;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "narrow");
+}
+
+Test(placement, wider_than_every_decode_worker_is_never_placed) {
+  pool pl = {0};
+  add(&pl, "a", "ed")->max_running = 4;
+  add(&pl, "b", "ed")->max_running = 16;
+  td_place_req q = small;
+  q.width = 17;
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_NEVER);
+  cr_expect(strstr(out.why, "17 sequences") && strstr(out.why, "widest runs 16") && strstr(out.why, "max_running"),
+            "%s", out.why);
+  char why[256];
+  cr_expect(!td_place_possible(pl.p, pl.n, &q, why, sizeof why));
+  cr_expect_str_eq(why, out.why);
+  q.width = 16;
+  cr_expect(td_place_possible(pl.p, pl.n, &q, why, sizeof why));
+}
+
+Test(placement, cross_kv_larger_than_every_pool_is_never_placed) {
+  pool pl = {0};
+  add(&pl, "a", "ed")->cross_blocks = 10;
+  td_place_req q = small;
+  q.need_cross = 11;
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_NEVER);
+  cr_expect(strstr(out.why, "11 cross KV blocks") && strstr(out.why, "has 10"), "%s", out.why);
+  /* a pool large enough but full now: wait */
+  q.need_cross = 10;
+  pl.w[0].committed_cross = 1;
+  cr_expect_eq(place(&pl, &q, &out), TD_PLACE_WAIT);
+}
+
+Test(placement, width_and_cross_kv_on_different_workers_is_never_placed) {
+  pool pl = {0};
+  td_place_worker *a = add(&pl, "a", "ed"), *b = add(&pl, "b", "ed");
+  a->max_running = 8, a->cross_blocks = 4;
+  b->max_running = 2, b->cross_blocks = 100;
+  td_place_req q = {.need_cross = 10, .need_self = 8, .width = 8, .n_prompt = 1};
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_NEVER);
+  cr_expect(strstr(out.why, "both"), "%s", out.why);
+}
+
+Test(placement, encoder_by_fewest_jobs) {
+  pool pl = {0};
+  add(&pl, "dec", "d");
+  add(&pl, "enc-busy", "e")->jobs = 5;
+  add(&pl, "enc-idle", "e")->jobs = 1;
+  td_placement out;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "dec");
+  cr_expect_str_eq(who(&pl, out.encode), "enc-idle");
+  cr_expect_eq(out.prefill, -1);
+}
+
+Test(placement, a_decode_worker_that_encodes_takes_no_encoder_nor_prefill) {
+  pool pl = {0};
+  add(&pl, "both", "ed");
+  add(&pl, "enc", "e");
+  add(&pl, "pre", "p");
+  td_place_req q = small;
+  q.n_prompt = 100; /* long enough for a prefill worker */
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "both");
+  cr_expect_eq(out.encode, -1, "local encode");
+  cr_expect_eq(out.prefill, -1);
+}
+
+Test(placement, prefill_worker_from_the_threshold_on) {
+  pool pl = {0};
+  add(&pl, "dec", "d");
+  add(&pl, "enc", "e");
+  add(&pl, "pre", "p");
+  td_place_req q = small;
+  td_placement out;
+  q.n_prompt = TD_DEFAULT_PREFILL_THRESHOLD - 1;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_eq(out.prefill, -1, "a short prompt runs on the decode worker");
+  q.n_prompt = TD_DEFAULT_PREFILL_THRESHOLD;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.prefill), "pre");
+  cr_expect_eq(td_place(pl.p, pl.n, &q, TD_DEFAULT_PREFILL_THRESHOLD + 1, &out), TD_PLACE_OK);
+  cr_expect_eq(out.prefill, -1, "the threshold is the caller's");
+}
+
+Test(placement, no_prefill_worker_when_the_decode_worker_prefills_or_none_has_room) {
+  pool pl = {0};
+  add(&pl, "dec", "pd");
+  add(&pl, "enc", "e");
+  td_place_worker *pre = add(&pl, "pre", "p");
+  td_place_req q = small;
+  q.n_prompt = 100;
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_eq(out.prefill, -1, "the decode worker prefills itself");
+  pl.w[0].pre = false;
+  pre->committed_cross = pre->cross_blocks; /* no room for the cross KV it needs */
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_eq(out.prefill, -1, "a full prefill worker is passed over, not waited for");
+  pre->committed_cross = 0;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.prefill), "pre");
+}
+
+Test(placement, draining_workers_take_nothing) {
+  pool pl = {0};
+  add(&pl, "dec-draining", "ed")->draining = true;
+  add(&pl, "dec", "d");
+  add(&pl, "enc-draining", "e")->draining = true;
+  add(&pl, "enc", "e")->jobs = 9;
+  td_placement out;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "dec");
+  cr_expect_str_eq(who(&pl, out.encode), "enc");
+  pl.w[3].draining = true;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_WAIT);
+  cr_expect_str_eq(out.why, "every encoder is draining");
+  pl.w[1].draining = true;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_WAIT, "a draining worker could still run it: wait");
+  cr_expect_str_eq(out.why, "every decode worker is draining");
+}
+
+Test(placement, group_leader_is_placed_as_one_worker) {
+  /* a TP/PP group registers through its leader, with the group's batch and pools */
+  pool pl = {0};
+  td_place_worker *group = add(&pl, "group-leader", "ed");
+  group->max_running = 64;
+  add(&pl, "single", "ed")->max_running = 8;
+  td_place_req q = small;
+  q.width = 32;
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "group-leader");
+}
+
+Test(placement, no_worker_of_a_role_says_which) {
+  pool pl = {0};
+  td_placement out;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_NEVER);
+  cr_expect_str_eq(out.why, "no decode worker is registered");
+  add(&pl, "enc", "e");
+  add(&pl, "pre", "p");
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_NEVER);
+  cr_expect_str_eq(out.why, "no decode worker is registered");
+  pool only_dec = {0};
+  add(&only_dec, "dec", "d");
+  cr_assert_eq(place(&only_dec, &small, &out), TD_PLACE_WAIT, "an encoder may still register");
+  cr_expect_str_eq(out.why, "no encoder is registered");
+}

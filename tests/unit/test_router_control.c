@@ -1,0 +1,642 @@
+/* The router's control plane in one process: td_router on inproc://
+ * endpoints in a thread, fake workers and a client written here on raw
+ * sockets. Registration, placement of a Generate, tokens and results back
+ * with their offsets (across a retry too), cancel, stage timeouts,
+ * deadlines, worker death, group rendezvous, and the refusal of a request
+ * no registered decode worker can run. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/defaults.h"
+#include "common/log.h"
+#include "proto/wire.h"
+#include "router/router.h"
+
+#define WAIT_MS 3000 /* what a test waits for a message that must come */
+
+typedef struct harness {
+  void *ctx;
+  td_router *r;
+  pthread_t th;
+  volatile sig_atomic_t stop;
+  td_status run_status; /* td_router_run's, checked once it returned */
+  char cep[64], wep[64];
+  void *client;
+} harness;
+
+static void *run_router(void *arg) {
+  harness *h = arg;
+  h->run_status = td_router_run(h->r, &h->stop);
+  return NULL;
+}
+
+static void *dealer(harness *h, const char *ep, const char *id) {
+  void *s = zmq_socket(h->ctx, ZMQ_DEALER);
+  td_wire_setup_socket(s);
+  if (id) zmq_setsockopt(s, ZMQ_ROUTING_ID, id, strlen(id));
+  cr_assert_eq(zmq_connect(s, ep), 0);
+  return s;
+}
+
+/* The router on inproc endpoints with o as given (0: its defaults). */
+static void start_as_is(harness *h, td_router_opts o) {
+  memset(h, 0, sizeof *h);
+  td_log_set_level(TD_LOG_ERROR);
+  h->ctx = zmq_ctx_new();
+  snprintf(h->cep, sizeof h->cep, "inproc://router-clients");
+  snprintf(h->wep, sizeof h->wep, "inproc://router-workers");
+  o.client_endpoint = h->cep;
+  o.worker_endpoint = h->wep;
+  o.zmq_ctx = h->ctx;
+  cr_assert_eq(td_router_create(&o, &h->r), TD_OK, "%s", td_errmsg());
+  pthread_create(&h->th, NULL, run_router, h);
+  h->client = dealer(h, h->cep, NULL);
+}
+
+/* Heartbeats both ways are slow unless a test asks: a fake worker that
+ * sends none stays alive. */
+static void start(harness *h, td_router_opts o) {
+  if (!o.heartbeat_ms) o.heartbeat_ms = 1000;
+  if (!o.dead_after) o.dead_after = 30;
+  start_as_is(h, o);
+}
+
+static void finish(harness *h, void **socks, int n) {
+  h->stop = 1;
+  pthread_join(h->th, NULL);
+  cr_expect_eq(h->run_status, TD_OK, "the router's loop failed: %s", td_errmsg());
+  td_router_destroy(h->r);
+  for (int i = 0; i < n; i++) zmq_close(socks[i]);
+  zmq_close(h->client);
+  zmq_ctx_term(h->ctx);
+}
+
+/* ------------------------------------------------------------ fake workers */
+
+typedef struct fake_opts {
+  const char *roles; /* "e", "p", "d" */
+  int max_running, cross_blocks;
+  const char *cross_mode;
+  int block_size;
+} fake_opts;
+
+static void wsend(void *s, Tandem__Cluster__WorkerMessage *m) {
+  m->version = TD_PROTOCOL_VERSION;
+  cr_assert_eq(td_wire_send(s, NULL, 0, &m->base), TD_OK);
+}
+
+/* The next message from the router that is not a heartbeat, or NULL. */
+static Tandem__Cluster__RouterMessage *wrecv(void *s, int timeout_ms) {
+  int64_t end = td_now_ms() + timeout_ms;
+  for (;;) {
+    int64_t left = end - td_now_ms();
+    zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+    if (left < 0 || zmq_poll(&it, 1, (long)left) <= 0) return NULL;
+    td_wire_frame f;
+    if (td_wire_recv(s, false, false, &f) != TD_OK) continue;
+    Tandem__Cluster__RouterMessage *m = NULL;
+    uint32_t ver;
+    td_status st = td_wire_unpack_router(&f, &m, &ver);
+    td_wire_frame_free(&f);
+    cr_assert_eq(st, TD_OK);
+    if (m->body_case != TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT) return m;
+    tandem__cluster__router_message__free_unpacked(m, NULL);
+  }
+}
+
+static Tandem__Cluster__RouterMessage *wexpect(void *s, Tandem__Cluster__RouterMessage__BodyCase want,
+                                               const char *what) {
+  Tandem__Cluster__RouterMessage *m = wrecv(s, WAIT_MS);
+  cr_assert(m, "%s: nothing came", what);
+  cr_assert_eq(m->body_case, want, "%s: message %d, want %d", what, m->body_case, want);
+  return m;
+}
+
+static void wfree(Tandem__Cluster__RouterMessage *m) { tandem__cluster__router_message__free_unpacked(m, NULL); }
+
+/* Connects and registers; returns the socket and the router's answer. */
+static void *fake_register(harness *h, const char *id, fake_opts fo, Tandem__Cluster__RouterMessage **ack) {
+  void *s = dealer(h, h->wep, id);
+  Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
+  mi.model_type = "t5";
+  mi.vocab_size = 100;
+  mi.max_source_len = 64;
+  mi.max_target_len = 32;
+  Tandem__Cluster__Role roles[3];
+  size_t nr = 0;
+  if (strchr(fo.roles, 'e')) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+  if (strchr(fo.roles, 'p')) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_PREFILL;
+  if (strchr(fo.roles, 'd')) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_DECODE;
+  Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;
+  in.worker_id = (char *)id;
+  in.roles = roles;
+  in.n_roles = nr;
+  in.model = &mi;
+  in.block_size = fo.block_size ? (uint32_t)fo.block_size : 16;
+  in.self_blocks = 1000;
+  in.cross_blocks = fo.cross_blocks ? (uint32_t)fo.cross_blocks : 1000;
+  in.max_running = fo.max_running ? (uint32_t)fo.max_running : 32;
+  in.cross_mode = (char *)(fo.cross_mode ? fo.cross_mode : "auto");
+  Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
+  reg.info = &in;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
+  m.register_ = &reg;
+  wsend(s, &m);
+  *ack = wexpect(s, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK, "registration");
+  return s;
+}
+
+static void *fake_worker(harness *h, const char *id, fake_opts fo) {
+  Tandem__Cluster__RouterMessage *ack;
+  void *s = fake_register(h, id, fo, &ack);
+  cr_assert(ack->ack->accepted, "%s refused: %s", id, ack->ack->reason);
+  wfree(ack);
+  return s;
+}
+
+static void send_tokens(void *s, uint64_t rid, uint32_t offset, const int32_t *t, size_t n) {
+  Tandem__Cluster__Tokens tk = TANDEM__CLUSTER__TOKENS__INIT;
+  tk.rid = rid;
+  tk.offset = offset;
+  tk.tokens = (int32_t *)t;
+  tk.n_tokens = n;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS;
+  m.tokens = &tk;
+  wsend(s, &m);
+}
+
+static void send_finished(void *s, uint64_t rid, const int32_t *t, size_t n) {
+  Tandem__SequenceOutput o = TANDEM__SEQUENCE_OUTPUT__INIT;
+  o.tokens = (int32_t *)t;
+  o.n_tokens = n;
+  o.finish_reason = TANDEM__FINISH_REASON__FINISH_LENGTH;
+  Tandem__SequenceOutput *op = &o;
+  Tandem__Cluster__Finished fin = TANDEM__CLUSTER__FINISHED__INIT;
+  fin.rid = rid;
+  fin.outputs = &op;
+  fin.n_outputs = 1;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED;
+  m.finished = &fin;
+  wsend(s, &m);
+}
+
+static void send_body(void *s, Tandem__Cluster__WorkerMessage *m) { wsend(s, m); }
+
+/* ------------------------------------------------------------ the client */
+
+typedef struct gen {
+  const char *id;
+  int n, max_new;
+  bool stream;
+  uint32_t timeout_ms;
+} gen;
+
+static void generate(harness *h, gen q) {
+  static int32_t ids[3] = {1, 2, 3};
+  Tandem__SamplingParams sp = TANDEM__SAMPLING_PARAMS__INIT;
+  sp.n = (uint32_t)q.n;
+  sp.temperature = q.n > 1 ? 1.0f : 0.0f;
+  Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+  g.request_id = (char *)q.id;
+  g.input_ids = ids;
+  g.n_input_ids = 3;
+  g.sampling = &sp;
+  g.max_new_tokens = (uint32_t)q.max_new;
+  g.stream = q.stream;
+  g.timeout_ms = q.timeout_ms;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
+  m.generate = &g;
+  cr_assert_eq(td_wire_send(h->client, NULL, 0, &m.base), TD_OK);
+}
+
+static void cancel(harness *h, const char *id) {
+  Tandem__CancelRequest c = TANDEM__CANCEL_REQUEST__INIT;
+  c.request_id = (char *)id;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_CANCEL;
+  m.cancel = &c;
+  cr_assert_eq(td_wire_send(h->client, NULL, 0, &m.base), TD_OK);
+}
+
+static Tandem__ServerMessage *crecv(harness *h, int timeout_ms) {
+  zmq_pollitem_t it = {.socket = h->client, .events = ZMQ_POLLIN};
+  if (zmq_poll(&it, 1, timeout_ms) <= 0) return NULL;
+  td_wire_frame f;
+  cr_assert_eq(td_wire_recv(h->client, false, false, &f), TD_OK);
+  Tandem__ServerMessage *m = NULL;
+  uint32_t ver;
+  cr_assert_eq(td_wire_unpack_server(&f, &m, &ver), TD_OK);
+  td_wire_frame_free(&f);
+  return m;
+}
+
+static Tandem__ServerMessage *cexpect(harness *h, Tandem__ServerMessage__BodyCase want, const char *what) {
+  Tandem__ServerMessage *m = crecv(h, WAIT_MS);
+  cr_assert(m, "%s: nothing came to the client", what);
+  cr_assert_eq(m->body_case, want, "%s: message %d, want %d (%s)", what, m->body_case, want,
+               m->body_case == TANDEM__SERVER_MESSAGE__BODY_ERROR ? m->error->message : "");
+  return m;
+}
+
+static void cfree(Tandem__ServerMessage *m) { tandem__server_message__free_unpacked(m, NULL); }
+
+static void expect_error(harness *h, const char *id, Tandem__ErrorCode code, const char *says) {
+  Tandem__ServerMessage *m = cexpect(h, TANDEM__SERVER_MESSAGE__BODY_ERROR, id);
+  cr_expect_str_eq(m->request_id, id);
+  cr_expect_eq(m->error->code, code, "code %d, want %d: %s", m->error->code, code, m->error->message);
+  cr_expect(strstr(m->error->message, says), "\"%s\" does not say \"%s\"", m->error->message, says);
+  cfree(m);
+}
+
+static void expect_chunk(harness *h, const char *id, uint32_t offset, const int32_t *t, size_t n) {
+  Tandem__ServerMessage *m = cexpect(h, TANDEM__SERVER_MESSAGE__BODY_TOKENS, "a token chunk");
+  cr_expect_str_eq(m->request_id, id);
+  cr_expect_eq(m->tokens->offset, offset, "chunk at offset %u, want %u", m->tokens->offset, offset);
+  cr_assert_eq(m->tokens->n_tokens, n);
+  cr_expect_arr_eq(m->tokens->tokens, t, sizeof *t * n);
+  cfree(m);
+}
+
+static void expect_result(harness *h, const char *id, const int32_t *t, size_t n, uint32_t attempts) {
+  Tandem__ServerMessage *m = cexpect(h, TANDEM__SERVER_MESSAGE__BODY_RESULT, "the result");
+  cr_expect_str_eq(m->request_id, id);
+  cr_assert_eq(m->result->n_outputs, 1);
+  cr_assert_eq(m->result->outputs[0]->n_tokens, n, "%zu tokens, want %zu", m->result->outputs[0]->n_tokens, n);
+  cr_expect_arr_eq(m->result->outputs[0]->tokens, t, sizeof *t * n);
+  cr_expect_eq(m->result->timings->attempts, attempts);
+  cfree(m);
+}
+
+static void expect_quiet(harness *h, int ms) {
+  Tandem__ServerMessage *m = crecv(h, ms);
+  cr_expect(!m, "the client got message %d", m ? (int)m->body_case : 0);
+  if (m) cfree(m);
+}
+
+static Tandem__HealthResponse *health(harness *h, Tandem__ServerMessage **holder) {
+  Tandem__HealthRequest hr = TANDEM__HEALTH_REQUEST__INIT;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_HEALTH;
+  m.health = &hr;
+  cr_assert_eq(td_wire_send(h->client, NULL, 0, &m.base), TD_OK);
+  *holder = cexpect(h, TANDEM__SERVER_MESSAGE__BODY_HEALTH, "health");
+  return (*holder)->health;
+}
+
+static const fake_opts enc_dec = {.roles = "ed"};
+
+/* ------------------------------------------------------------ tests */
+
+Test(router_control, registration_refusals_and_health, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.heartbeat_ms = 700, .dead_after = 9});
+  Tandem__Cluster__RouterMessage *ack;
+  void *w = fake_register(&h, "w0", enc_dec, &ack);
+  cr_expect(ack->ack->accepted);
+  cr_expect_eq(ack->ack->heartbeat_ms, 700);
+  cr_expect_eq(ack->ack->dead_after, 9);
+  wfree(ack);
+  void *other = fake_register(&h, "w1", (fake_opts){.roles = "d", .cross_mode = "states"}, &ack);
+  cr_expect(!ack->ack->accepted);
+  cr_expect(strstr(ack->ack->reason, "cross pool mode differs"), "%s", ack->ack->reason);
+  wfree(ack);
+  void *blocks = fake_register(&h, "w2", (fake_opts){.roles = "d", .block_size = 32}, &ack);
+  cr_expect(!ack->ack->accepted);
+  cr_expect(strstr(ack->ack->reason, "block size 32, the cluster uses 16"), "%s", ack->ack->reason);
+  wfree(ack);
+  Tandem__ServerMessage *hm;
+  Tandem__HealthResponse *hr = health(&h, &hm);
+  cr_expect_eq(hr->decoders, 1);
+  cr_expect_eq(hr->encoders, 1);
+  cr_assert_eq(hr->n_workers, 1);
+  cr_expect_str_eq(hr->workers[0]->id, "w0");
+  cfree(hm);
+  void *socks[] = {w, other, blocks};
+  finish(&h, socks, 3);
+}
+
+Test(router_control, generate_is_placed_and_tokens_flow_back_with_offsets, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  generate(&h, (gen){.id = "a", .max_new = 3, .stream = true});
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  const Tandem__Cluster__RequestSpec *sp = job->decode->req;
+  cr_expect(job->decode->local_encode, "the decode worker encodes too");
+  cr_expect(!job->decode->with_prefill);
+  cr_expect_eq(sp->n_input_ids, 3);
+  cr_expect_eq(sp->max_new_tokens, 3);
+  cr_expect_eq(sp->step_offset, 0);
+  cr_expect_eq(sp->enc_len, 3);
+  cr_expect_str_eq(sp->client_id, "a");
+  uint64_t rid = sp->rid;
+  wfree(job);
+  int32_t t[3] = {7, 8, 9};
+  send_tokens(w, rid, 0, t, 1);
+  send_tokens(w, rid, 1, t + 1, 2);
+  send_finished(w, rid, t, 3);
+  expect_chunk(&h, "a", 0, t, 1);
+  expect_chunk(&h, "a", 1, t + 1, 2);
+  expect_result(&h, "a", t, 3, 1);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+Test(router_control, a_retry_resumes_the_sequence_and_its_offsets_continue, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  generate(&h, (gen){.id = "a", .max_new = 5, .stream = true});
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "first attempt");
+  uint64_t rid1 = job->decode->req->rid;
+  wfree(job);
+  int32_t t[5] = {7, 8, 9, 10, 11};
+  send_tokens(w, rid1, 0, t, 2);
+  expect_chunk(&h, "a", 0, t, 2);
+  Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
+  f.rid = rid1;
+  f.retryable = true;
+  f.message = "transfer failed";
+  Tandem__Cluster__WorkerMessage fm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  fm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED;
+  fm.failed = &f;
+  send_body(w, &fm);
+  Tandem__Cluster__RouterMessage *c = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the first's cancel");
+  cr_expect_eq(c->cancel->rid, rid1);
+  wfree(c);
+  job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "second attempt");
+  const Tandem__Cluster__RequestSpec *sp = job->decode->req;
+  uint64_t rid2 = sp->rid;
+  cr_expect_neq(rid2, rid1, "every attempt has its own rid");
+  cr_assert_eq(sp->n_decoder_prompt, 2, "the streamed tokens become the prompt");
+  cr_expect_arr_eq(sp->decoder_prompt, t, 2 * sizeof *t);
+  cr_expect_eq(sp->step_offset, 2);
+  cr_expect_eq(sp->max_new_tokens, 3);
+  wfree(job);
+  /* a late message of the first attempt is not the request's */
+  send_tokens(w, rid1, 2, t + 2, 1);
+  c = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "a stale attempt's cancel");
+  cr_expect_eq(c->cancel->rid, rid1);
+  wfree(c);
+  send_tokens(w, rid2, 0, t + 2, 3); /* the worker counts from its own start */
+  send_finished(w, rid2, t + 2, 3);
+  expect_chunk(&h, "a", 2, t + 2, 3);
+  expect_result(&h, "a", t, 5, 2);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+Test(router_control, a_cancel_reaches_the_worker, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  generate(&h, (gen){.id = "a", .max_new = 5});
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  cancel(&h, "a");
+  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_CANCELLED, "cancelled by the client");
+  Tandem__Cluster__RouterMessage *c = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the cancel");
+  cr_expect_eq(c->cancel->rid, rid);
+  wfree(c);
+  /* what the worker had on the way goes nowhere */
+  int32_t t[1] = {7};
+  send_finished(w, rid, t, 1);
+  expect_quiet(&h, 200);
+  cancel(&h, "a");
+  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_NOT_FOUND, "no such request");
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.stage_timeout_ms = 300, .max_attempts = 2});
+  void *d = fake_worker(&h, "dec", (fake_opts){.roles = "d"});
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e"});
+  generate(&h, (gen){.id = "a", .max_new = 2});
+  /* first attempt: the decode worker reserves, the encoder never reports */
+  Tandem__Cluster__RouterMessage *job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  cr_expect(!job->decode->local_encode);
+  uint64_t rid1 = job->decode->req->rid;
+  wfree(job);
+  int32_t blocks[2] = {4, 5};
+  Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
+  kt.worker_id = "dec";
+  kt.blocks = blocks;
+  kt.n_blocks = 2;
+  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
+  res.rid = rid1;
+  res.cross = &kt;
+  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+  rm.reserved = &res;
+  int64_t t0 = td_now_ms();
+  send_body(d, &rm);
+  job = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the encode job");
+  cr_expect_eq(job->encode->req->rid, rid1);
+  cr_assert_eq(job->encode->n_targets, 1);
+  cr_assert_eq(job->encode->targets[0]->n_blocks, 2);
+  cr_expect_arr_eq(job->encode->targets[0]->blocks, blocks, sizeof blocks);
+  wfree(job);
+  Tandem__Cluster__RouterMessage *c = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the encoder's cancel");
+  cr_expect_eq(c->cancel->rid, rid1);
+  cr_expect_geq(td_now_ms() - t0, 300, "the encode stage timed out early");
+  wfree(c);
+  c = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the decode worker's cancel");
+  cr_expect_eq(c->cancel->rid, rid1);
+  wfree(c);
+  /* second attempt: this time the stages end and decoding has no stage timeout */
+  job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the second attempt");
+  uint64_t rid2 = job->decode->req->rid;
+  wfree(job);
+  res.rid = rid2;
+  send_body(d, &rm);
+  wfree(wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the second encode job"));
+  Tandem__Cluster__EncodeDone ed = TANDEM__CLUSTER__ENCODE_DONE__INIT;
+  ed.rid = rid2;
+  Tandem__Cluster__WorkerMessage em = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  em.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_ENCODE_DONE;
+  em.encode_done = &ed;
+  send_body(e, &em);
+  usleep(600 * 1000);
+  int32_t t[2] = {3, 4};
+  send_finished(d, rid2, t, 2);
+  expect_result(&h, "a", t, 2, 2);
+  /* a third request whose stages never end gives up after max_attempts */
+  generate(&h, (gen){.id = "b", .max_new = 2});
+  expect_error(&h, "b", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE,
+               "gave up after 2 attempts: stage reserving took more than 300 ms");
+  void *socks[] = {d, e};
+  finish(&h, socks, 2);
+}
+
+Test(router_control, a_deadline_fails_the_request_and_frees_the_worker, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  int64_t t0 = td_now_ms();
+  generate(&h, (gen){.id = "a", .max_new = 5, .timeout_ms = 200});
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_TIMEOUT, "deadline exceeded");
+  cr_expect_geq(td_now_ms() - t0, 200);
+  Tandem__Cluster__RouterMessage *c = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the cancel");
+  cr_expect_eq(c->cancel->rid, rid);
+  wfree(c);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+Test(router_control, wider_than_every_decode_worker_is_refused_at_admission, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  /* room for one request's cross KV: a second one waits at the queue's head */
+  void *w = fake_worker(&h, "w0", (fake_opts){.roles = "ed", .max_running = 4, .cross_blocks = 1});
+  generate(&h, (gen){.id = "fits", .n = 4, .max_new = 2});
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  cr_expect_eq(job->decode->req->sampling->n, 4);
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  generate(&h, (gen){.id = "waits", .max_new = 2});
+  /* refused at once, not queued behind "waits" */
+  generate(&h, (gen){.id = "wide", .n = 8, .max_new = 2});
+  expect_error(&h, "wide", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "8 sequences at once");
+  int32_t t[2] = {1, 2};
+  send_finished(w, rid, t, 2);
+  cfree(cexpect(&h, TANDEM__SERVER_MESSAGE__BODY_RESULT, "fits"));
+  job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the waiting request, placed once there is room");
+  cr_expect_str_eq(job->decode->req->client_id, "waits");
+  wfree(job);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+Test(router_control, a_queued_request_that_no_worker_left_can_run_is_refused, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  /* "wide" runs 8 sequences but has room for one request's cross KV; "narrow" runs 2 */
+  void *wide = fake_worker(&h, "wide", (fake_opts){.roles = "ed", .max_running = 8, .cross_blocks = 1});
+  void *narrow = fake_worker(&h, "narrow", (fake_opts){.roles = "ed", .max_running = 2});
+  generate(&h, (gen){.id = "b", .n = 8, .max_new = 2});
+  wfree(wexpect(wide, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "b"));
+  generate(&h, (gen){.id = "c", .n = 8, .max_new = 2}); /* waits for a cross block on "wide" */
+  expect_quiet(&h, 200);
+  Tandem__Cluster__Deregister dr = TANDEM__CLUSTER__DEREGISTER__INIT;
+  dr.reason = "going away";
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER;
+  m.deregister = &dr;
+  send_body(wide, &m);
+  for (int i = 0; i < 2; i++) {
+    Tandem__ServerMessage *sm = cexpect(&h, TANDEM__SERVER_MESSAGE__BODY_ERROR, "b and c refused");
+    cr_expect_eq(sm->error->code, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE);
+    cr_expect_str_eq(sm->request_id, i ? "c" : "b", "b is retried first");
+    cr_expect(strstr(sm->error->message, "8 sequences at once") && strstr(sm->error->message, "widest runs 2"),
+              "%s: %s", sm->request_id, sm->error->message);
+    cfree(sm);
+  }
+  void *socks[] = {wide, narrow};
+  finish(&h, socks, 2);
+}
+
+Test(router_control, a_silent_worker_dies_and_its_request_fails_without_another, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 5});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  generate(&h, (gen){.id = "a", .max_new = 5});
+  wfree(wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job"));
+  /* w0 sends nothing more */
+  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "no decode worker is registered");
+  Tandem__ServerMessage *hm;
+  cr_expect_eq(health(&h, &hm)->decoders, 0);
+  cfree(hm);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+static void group_join(void *s, const char *group, uint32_t rank, uint32_t world) {
+  Tandem__Cluster__GroupJoin j = TANDEM__CLUSTER__GROUP_JOIN__INIT;
+  j.group = (char *)group;
+  j.rank = rank;
+  j.world = world;
+  j.endpoint = rank ? "tcp://follower" : "tcp://leader";
+  j.cross_mode = "auto";
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN;
+  m.group_join = &j;
+  wsend(s, &m);
+}
+
+Test(router_control, a_group_forms_and_a_silent_rank_takes_it_out, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 5});
+  void *bad = dealer(&h, h.wep, "bad-rank");
+  group_join(bad, "g", 0, 17);
+  Tandem__Cluster__RouterMessage *gi = wexpect(bad, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "a bad join");
+  cr_expect(!gi->group_info->ok);
+  cr_expect(strstr(gi->group_info->error, "world 17, a group has 1 to 16 ranks"), "%s", gi->group_info->error);
+  wfree(gi);
+  void *follower = dealer(&h, h.wep, "g-rank1");
+  group_join(follower, "g", 1, 2);
+  void *leader = fake_worker(&h, "g-rank0", enc_dec);
+  group_join(leader, "g", 0, 2);
+  for (int k = 0; k < 2; k++) {
+    gi = wexpect(k ? leader : follower, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the rendezvous");
+    cr_expect(gi->group_info->ok, "%s", gi->group_info->error);
+    cr_assert_eq(gi->group_info->n_endpoints, 2);
+    cr_expect_str_eq(gi->group_info->endpoints[0], "tcp://leader");
+    cr_expect_str_eq(gi->group_info->endpoints[1], "tcp://follower");
+    wfree(gi);
+  }
+  /* the leader heartbeats, the follower goes silent */
+  Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT;
+  m.heartbeat = &hb;
+  gi = NULL;
+  for (int64_t end = td_now_ms() + WAIT_MS; !gi && td_now_ms() < end;) {
+    send_body(leader, &m);
+    gi = wrecv(leader, 20);
+  }
+  cr_assert(gi, "the leader never heard of the failure");
+  cr_assert_eq(gi->body_case, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO);
+  cr_expect(strstr(gi->group_info->error, "rank 1 of group g is silent"), "%s", gi->group_info->error);
+  wfree(gi);
+  Tandem__ServerMessage *hm;
+  cr_expect_eq(health(&h, &hm)->decoders, 0, "the group's leader left the pool");
+  cfree(hm);
+  void *socks[] = {bad, follower, leader};
+  finish(&h, socks, 3);
+}
+
+Test(router_control, defaults_and_the_attempts_limit, .timeout = 30) {
+  td_router *r = NULL;
+  td_router_opts o = {.client_endpoint = "inproc://c", .worker_endpoint = "inproc://w",
+                      .max_attempts = TD_ROUTER_MAX_ATTEMPTS + 1};
+  cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "max_attempts 256 exceeds 255"), "%s", td_errmsg());
+  cr_expect(!r);
+  harness h;
+  start_as_is(&h, (td_router_opts){0});
+  Tandem__Cluster__RouterMessage *ack;
+  void *w = fake_register(&h, "w0", enc_dec, &ack);
+  cr_expect(ack->ack->accepted);
+  cr_expect_eq(ack->ack->heartbeat_ms, TD_DEFAULT_HEARTBEAT_MS);
+  cr_expect_eq(ack->ack->dead_after, TD_DEFAULT_DEAD_AFTER);
+  wfree(ack);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
