@@ -29,8 +29,7 @@
 #define TD_DEFAULT_WORKER_ENDPOINT "tcp://127.0.0.1:7001" /* where workers reach the router */
 #define TD_ROUTER_TICK_MS 20             /* deadlines, stage timeouts, group ranks and the stop flag checked */
 #define TD_ROUTER_JOBS_PER_SEQ 4         /* requests placed on a decode worker per sequence it runs at once */
-#define TD_ROUTER_MAX_SAMPLES 64         /* n a request: the engine schedules at most 64 sequences a group */
-#define TD_ROUTER_MAX_BEAMS 32           /* num_beams a request: the engine's beam search limit */
+#define TD_ROUTER_MAX_SAMPLES 64         /* n a request (the decode workers' width bounds it too) */
 #define TD_ROUTER_MAX_REQUEST_ID 255     /* bytes of a client's request id */
 #define TD_ROUTER_MAX_ATTEMPTS 255       /* max_attempts' ceiling: the attempt is a byte of the request's rid */
 #define TD_ROUTER_MAX_GROUP_RANKS 16     /* ranks of a worker group the rendezvous takes */

@@ -61,8 +61,8 @@ static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *m
   if (sp->top_k < 0) REFUSE(TD_ERR_INVALID, "top_k must be >= 0 (0: off), got %d", sp->top_k);
   if (sp->n > TD_ROUTER_MAX_SAMPLES)
     REFUSE(TD_ERR_INVALID, "n = %u exceeds the limit of %d samples a request", sp->n, TD_ROUTER_MAX_SAMPLES);
-  if (sp->num_beams > TD_ROUTER_MAX_BEAMS)
-    REFUSE(TD_ERR_INVALID, "num_beams = %u exceeds the limit of %d beams", sp->num_beams, TD_ROUTER_MAX_BEAMS);
+  if (sp->num_beams > TD_ENGINE_MAX_BEAMS)
+    REFUSE(TD_ERR_INVALID, "num_beams = %u exceeds the limit of %d beams", sp->num_beams, TD_ENGINE_MAX_BEAMS);
   if (beams > 1 && n > 1)
     REFUSE(TD_ERR_INVALID, "num_beams = %d with n = %d: beam search takes no samples (n must be 1)", beams, n);
   if (beams > 1 && sp->temperature > 0)

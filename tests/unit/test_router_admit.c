@@ -246,9 +246,9 @@ Test(admit, n_beyond_the_sample_limit) {
 Test(admit, num_beams_beyond_the_beam_limit) {
   req r;
   valid(&r);
-  r.sp.num_beams = TD_ROUTER_MAX_BEAMS;
+  r.sp.num_beams = TD_ENGINE_MAX_BEAMS;
   expect(&r, TD_OK, NULL);
-  r.sp.num_beams = TD_ROUTER_MAX_BEAMS + 1;
+  r.sp.num_beams = TD_ENGINE_MAX_BEAMS + 1;
   expect(&r, TD_ERR_INVALID, "num_beams = 33 exceeds the limit of 32 beams");
 }
 
