@@ -50,6 +50,8 @@ static void *worker_thread(void *arg) {
   mi.vocab_size = 32128;
   mi.max_source_len = 512;
   mi.max_target_len = 512;
+  Tandem__TokenId start = TANDEM__TOKEN_ID__INIT;
+  mi.decoder_start = &start;
   Tandem__Cluster__Role roles[2] = {TANDEM__CLUSTER__ROLE__ROLE_ENCODE, TANDEM__CLUSTER__ROLE__ROLE_DECODE};
   Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;
   in.worker_id = w->id;

@@ -102,6 +102,7 @@ struct td_router {
   char wait_why[256];             /* why the queue's head waits */
   /* the served model, from the first worker */
   bool have_model;
+  int32_t model_start_token; /* the model's decoder start token (a resumed prompt's first) */
   Tandem__ModelInfo model;
   char *model_type, *model_name;
   int block_size;

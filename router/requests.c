@@ -147,9 +147,10 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w) {
 /* ------------------------------------------------------------ jobs */
 
 /* The request as workers see it; a resumed single sequence continues from
- * its prompt plus the tokens already streamed. prompt_buf holds
- * n_decoder_prompt + n_streamed tokens. */
-static void fill_spec(const rreq *q, Tandem__Cluster__RequestSpec *sp, int32_t *prompt_buf) {
+ * its prompt (the model's decoder start token when it gave none) plus the
+ * tokens already streamed. prompt_buf holds n_decoder_prompt + 1 +
+ * n_streamed tokens. */
+static void fill_spec(const rreq *q, int32_t start_token, Tandem__Cluster__RequestSpec *sp, int32_t *prompt_buf) {
   const Tandem__GenerateRequest *g = q->g;
   sp->rid = q->rid;
   sp->input_ids = g->input_ids;
@@ -157,6 +158,7 @@ static void fill_spec(const rreq *q, Tandem__Cluster__RequestSpec *sp, int32_t *
   sp->features = g->features;
   int np = 0;
   for (size_t i = 0; i < g->n_decoder_prompt; i++) prompt_buf[np++] = g->decoder_prompt[i];
+  if (!g->n_decoder_prompt && q->n_streamed) prompt_buf[np++] = start_token;
   for (int i = 0; i < q->n_streamed; i++) prompt_buf[np++] = q->streamed[i];
   sp->decoder_prompt = prompt_buf;
   sp->n_decoder_prompt = (size_t)np;
@@ -202,7 +204,7 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
   q->t_stage = td_now_ms();
   r->in_flight++;
   Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
-  fill_spec(q, &sp, prompt);
+  fill_spec(q, r->model_start_token, &sp, prompt);
   Tandem__Cluster__DecodeJob dj = TANDEM__CLUSTER__DECODE_JOB__INIT;
   dj.req = &sp;
   dj.local_encode = q->local_encode;
@@ -255,7 +257,7 @@ void rtr_send_encode(td_router *r, rreq *q) {
     return;
   }
   Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
-  fill_spec(q, &sp, prompt);
+  fill_spec(q, r->model_start_token, &sp, prompt);
   Tandem__Cluster__KvTarget *targets[2] = {q->dres->cross, q->with_prefill ? q->pres->cross : NULL};
   Tandem__Cluster__EncodeJob ej = TANDEM__CLUSTER__ENCODE_JOB__INIT;
   ej.req = &sp;
@@ -283,7 +285,7 @@ void rtr_send_prefill(td_router *r, rreq *q) {
     return;
   }
   Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
-  fill_spec(q, &sp, prompt);
+  fill_spec(q, r->model_start_token, &sp, prompt);
   Tandem__Cluster__PrefillJob pj = TANDEM__CLUSTER__PREFILL_JOB__INIT;
   pj.req = &sp;
   pj.self_target = q->dres->self;

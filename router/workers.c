@@ -74,9 +74,15 @@ static bool model_matches(td_router *r, const Tandem__ModelInfo *m, char *why, s
     snprintf(why, cap, "registration without a model description");
     return false;
   }
+  if (!m->decoder_start) {
+    /* a resumed request's prompt starts with it */
+    snprintf(why, cap, "registration without the model's decoder start token");
+    return false;
+  }
   if (!r->have_model) return true;
   if (strcmp(m->model_type ? m->model_type : "", r->model_type) || m->vocab_size != r->model.vocab_size ||
-      m->max_source_len != r->model.max_source_len || m->max_target_len != r->model.max_target_len) {
+      m->max_source_len != r->model.max_source_len || m->max_target_len != r->model.max_target_len ||
+      m->decoder_start->id != r->model_start_token) {
     snprintf(why, cap, "serves %s (vocab %u), the cluster serves %s (vocab %u)", m->model_type, m->vocab_size,
              r->model_type, r->model.vocab_size);
     return false;
@@ -125,6 +131,8 @@ static td_status adopt_model(td_router *r, const Tandem__Cluster__WorkerInfo *in
   r->model.base = (ProtobufCMessage)PROTOBUF_C_MESSAGE_INIT(&tandem__model_info__descriptor);
   r->model.name = served;
   r->model.model_type = type;
+  r->model.decoder_start = NULL; /* the message is freed after registration */
+  r->model_start_token = m->decoder_start->id;
   r->block_size = (int)in->block_size;
   r->have_model = true;
   return TD_OK;

@@ -66,6 +66,7 @@ struct td_worker {
   /* model facts for registration */
   td_model_config cfg;
   int max_src, max_tgt, frames, block_size, self_blocks, cross_blocks, max_running;
+  int32_t start_token; /* the decoder's first token without a prompt */
   /* whole-model KV blocks, what peers push (cross: with the states tail per --cross-mode) */
   td_kv_layout full_self, full_cross;
   size_t full_self_bb, full_cross_bb;
@@ -490,6 +491,7 @@ static td_status compute_init(td_worker *w) {
   w->max_src = td_model_max_source_len(w->m);
   w->max_tgt = td_model_max_target_len(w->m);
   w->frames = td_model_input_frames(w->m);
+  w->start_token = td_model_get_gen(w->m)->decoder_start_token_id;
   w->block_size = td_model_get_opts(w->m)->block_size;
   td_engine_stats st = td_engine_get_stats(w->e);
   w->self_blocks = st.self.n_blocks;
@@ -728,6 +730,9 @@ static void send_register(td_worker *w) {
   mi.max_target_len = (uint32_t)w->max_tgt;
   mi.mel_bins = w->frames ? (uint32_t)w->cfg.num_mel_bins : 0;
   mi.frames = (uint32_t)w->frames;
+  Tandem__TokenId start = TANDEM__TOKEN_ID__INIT;
+  start.id = w->start_token;
+  mi.decoder_start = &start;
   Tandem__Cluster__Role roles[3];
   size_t nr = 0;
   if (w->o.encode) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_ENCODE;

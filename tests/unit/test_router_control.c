@@ -82,7 +82,10 @@ typedef struct fake_opts {
   int max_running, cross_blocks;
   const char *cross_mode;
   int block_size;
+  bool no_start_token; /* register without the model's decoder start token */
 } fake_opts;
+
+#define START_TOKEN 3 /* the fake model's decoder start token */
 
 static void wsend(void *s, Tandem__Cluster__WorkerMessage *m) {
   m->version = TD_PROTOCOL_VERSION;
@@ -126,6 +129,9 @@ static void *fake_register(harness *h, const char *id, fake_opts fo, Tandem__Clu
   mi.vocab_size = 100;
   mi.max_source_len = 64;
   mi.max_target_len = 32;
+  Tandem__TokenId start = TANDEM__TOKEN_ID__INIT;
+  start.id = START_TOKEN;
+  if (!fo.no_start_token) mi.decoder_start = &start;
   Tandem__Cluster__Role roles[3];
   size_t nr = 0;
   if (strchr(fo.roles, 'e')) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
@@ -196,6 +202,8 @@ typedef struct gen {
   int n, max_new;
   bool stream;
   uint32_t timeout_ms;
+  const int32_t *prompt; /* decoder prompt (NULL: the model's start token) */
+  int n_prompt;
 } gen;
 
 static void generate(harness *h, gen q) {
@@ -211,6 +219,8 @@ static void generate(harness *h, gen q) {
   g.max_new_tokens = (uint32_t)q.max_new;
   g.stream = q.stream;
   g.timeout_ms = q.timeout_ms;
+  g.decoder_prompt = (int32_t *)q.prompt;
+  g.n_decoder_prompt = (size_t)q.n_prompt;
   Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
   m.version = TD_PROTOCOL_VERSION;
   m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
@@ -315,6 +325,10 @@ Test(router_control, registration_refusals_and_health, .timeout = 30) {
   cr_expect(!ack->ack->accepted);
   cr_expect(strstr(ack->ack->reason, "block size 32, the cluster uses 16"), "%s", ack->ack->reason);
   wfree(ack);
+  void *nostart = fake_register(&h, "w3", (fake_opts){.roles = "d", .no_start_token = true}, &ack);
+  cr_expect(!ack->ack->accepted);
+  cr_expect(strstr(ack->ack->reason, "decoder start token"), "%s", ack->ack->reason);
+  wfree(ack);
   Tandem__ServerMessage *hm;
   Tandem__HealthResponse *hr = health(&h, &hm);
   cr_expect_eq(hr->decoders, 1);
@@ -322,8 +336,8 @@ Test(router_control, registration_refusals_and_health, .timeout = 30) {
   cr_assert_eq(hr->n_workers, 1);
   cr_expect_str_eq(hr->workers[0]->id, "w0");
   cfree(hm);
-  void *socks[] = {w, other, blocks};
-  finish(&h, socks, 3);
+  void *socks[] = {w, other, blocks, nostart};
+  finish(&h, socks, 4);
 }
 
 Test(router_control, generate_is_placed_and_tokens_flow_back_with_offsets, .timeout = 30) {
@@ -379,8 +393,10 @@ Test(router_control, a_retry_resumes_the_sequence_and_its_offsets_continue, .tim
   const Tandem__Cluster__RequestSpec *sp = job->decode->req;
   uint64_t rid2 = sp->rid;
   cr_expect_neq(rid2, rid1, "every attempt has its own rid");
-  cr_assert_eq(sp->n_decoder_prompt, 2, "the streamed tokens become the prompt");
-  cr_expect_arr_eq(sp->decoder_prompt, t, 2 * sizeof *t);
+  /* the request gave no prompt: the model's start token, then what was streamed */
+  int32_t resumed[3] = {START_TOKEN, 7, 8};
+  cr_assert_eq(sp->n_decoder_prompt, 3, "the start token and the streamed tokens become the prompt");
+  cr_expect_arr_eq(sp->decoder_prompt, resumed, sizeof resumed);
   cr_expect_eq(sp->step_offset, 2);
   cr_expect_eq(sp->max_new_tokens, 3);
   wfree(job);
@@ -393,6 +409,40 @@ Test(router_control, a_retry_resumes_the_sequence_and_its_offsets_continue, .tim
   send_finished(w, rid2, t + 2, 3);
   expect_chunk(&h, "a", 2, t + 2, 3);
   expect_result(&h, "a", t, 5, 2);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+/* A request with its own decoder prompt resumes from that prompt and the
+ * streamed tokens, with no start token added. */
+Test(router_control, a_retry_keeps_the_requests_own_prompt, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  static const int32_t own[2] = {50, 51};
+  generate(&h, (gen){.id = "p", .max_new = 4, .stream = true, .prompt = own, .n_prompt = 2});
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "first attempt");
+  uint64_t rid1 = job->decode->req->rid;
+  cr_assert_eq(job->decode->req->n_decoder_prompt, 2);
+  wfree(job);
+  int32_t t[1] = {9};
+  send_tokens(w, rid1, 0, t, 1);
+  expect_chunk(&h, "p", 0, t, 1);
+  Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
+  f.rid = rid1;
+  f.retryable = true;
+  f.message = "worker lost";
+  Tandem__Cluster__WorkerMessage fm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  fm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED;
+  fm.failed = &f;
+  send_body(w, &fm);
+  wfree(wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the first's cancel"));
+  job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "second attempt");
+  int32_t resumed[3] = {50, 51, 9};
+  cr_assert_eq(job->decode->req->n_decoder_prompt, 3);
+  cr_expect_arr_eq(job->decode->req->decoder_prompt, resumed, sizeof resumed);
+  cr_expect_eq(job->decode->req->step_offset, 1);
+  wfree(job);
   void *socks[] = {w};
   finish(&h, socks, 1);
 }
