@@ -44,6 +44,16 @@
 #define TD_GROUP_CONNECT_TIMEOUT_MS 30000    /* a group's communicator connected */
 #define TD_GROUP_MIRROR_TIMEOUT_MS 60000     /* every follower reached the leader's mirror */
 #define TD_DEFAULT_LISTEN_HOST "127.0.0.1"
+#define TD_WORKER_MAX_ROLES 4              /* roles one worker serves (td_worker_opts.roles) */
+#define TD_ENCODER_SELF_BLOCKS_PER_SEQ 2   /* an encoder-only worker's self pool: token-sized, per max_batch */
+#define TD_WORKER_EXPIRY_CHECK_MS 50       /* how often open reservations are checked for expiry */
+#define TD_WORKER_STOP_CHECK_MS 50         /* how soon a stop (SIGTERM) or a finished drain is noticed */
+#define TD_WORKER_COMPUTE_IDLE_MS 50       /* an idle compute thread looks at its queue again */
+#define TD_KV_PUSH_MAX_BLOCKS 65536        /* blocks one ZeroMQ KV push carries */
+#define TD_GROUP_MAX_RANKS 16              /* ranks of a TP / PP worker group */
+#define TD_GROUP_HEARTBEAT_MS 200          /* leader -> followers when idle; followers -> router */
+#define TD_GROUP_LEADER_DEAD_MS 5000       /* a follower gives up on a silent leader */
+#define TD_GROUP_JOIN_RESEND_MS 2000       /* a joining rank asks the router again */
 
 /* ---- kvtransfer (td_kvx_opts left 0; the protocol's grace periods) ---- */
 #define TD_DEFAULT_KVX_STAGING_SLOTS 8                /* pinned staging slots per side */

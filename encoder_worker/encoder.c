@@ -1,53 +1,46 @@
-/* The encoder role: batch encoder work across requests (the engine's encode
+/* The encode role: batch encoder work across requests (the engine's encode
  * phase), then push each request's cross-attention KV into the blocks its
- * decode (and prefill) workers reserved. */
-#include <stdlib.h>
-#include <string.h>
+ * decode (and prefill) workers reserved, and tell the router. */
+#include "encoder_worker/encoder.h"
 
-#include "common/log.h"
-#include "worker/internal.h"
-
-void encoder_on_job(td_worker *w, Tandem__Cluster__RouterMessage *m) {
-  Tandem__Cluster__EncodeJob *ej = m->encode;
-  Tandem__Cluster__RequestSpec *sp = ej->req;
-  if (!sp || w_draining(w) || !w_opts(w)->encode || !ej->n_targets || w_job_find(w, sp->rid, ROLE_ENCODE)) {
-    if (sp) w_send_failed(w, sp->rid, TD_ERR_OVERLOADED, "this worker takes no encode work now", true);
-    tandem__cluster__router_message__free_unpacked(m, NULL);
-    return;
-  }
-  job *j = w_job_new(w, sp->rid, ROLE_ENCODE, m, sp);
-  cmd *c = j ? w_add_cmd(w, j) : NULL;
-  if (!c) {
-    w_send_failed(w, sp->rid, TD_ERR_INVALID, "bad request data", false);
-    if (j)
-      w_job_drop(w, j);
-    else
-      tandem__cluster__router_message__free_unpacked(m, NULL);
-    return;
-  }
-  c->req.encode_only = true;
-  c->req.enc_len = 0;
-  c->host_copy = w_kv_host_copy(w, ej->targets, ej->n_targets, true);
-  j->added = true;
-  w_post(w, c);
+static void encode_job(td_worker *w, Tandem__Cluster__RouterMessage *m) {
+  const Tandem__Cluster__EncodeJob *ej = m->encode;
+  td_job *j = td_job_take(w, &td_role_encode, m, ej->req, ej->n_targets > 0);
+  if (!j) return;
+  td_job_run run = {.encode_only = true, .push_to = ej->targets, .n_push_to = ej->n_targets};
+  td_status s = td_job_run_request(w, j, &run);
+  if (s != TD_OK) td_job_fail(w, j, s, td_errmsg());
 }
 
-void encoder_on_done(td_worker *w, job *j, wev *e) {
-  if (e->status != TD_OK) {
-    if (e->status != TD_ERR_CANCELLED)
-      w_send_failed(w, j->rid, e->status, e->error ? e->error : "encode failed",
-                    e->status != TD_ERR_INVALID && e->status != TD_ERR_UNSUPPORTED);
-    w_job_drop(w, j);
-    return;
-  }
-  j->out_blocks = e->blocks;
-  j->n_out = e->n_blocks;
-  j->out_cross = true;
-  e->blocks = NULL;
-  j->out_host = e->host;
-  j->out_bb = e->block_bytes;
-  e->host = NULL;
-  j->compute_ms = e->ms;
-  w_push_all(w, j, j->msg->encode->targets, j->msg->encode->n_targets);
+static void encode_done(td_worker *w, td_job *j, const td_done *d) {
+  const Tandem__Cluster__EncodeJob *ej = td_job_msg(j)->encode;
+  td_job_push(w, j, ej->targets, ej->n_targets);
 }
 
+static void encode_pushed(td_worker *w, td_job *j, const char *error) {
+  if (error) {
+    td_job_fail(w, j, TD_ERR_PEER, error);
+    return;
+  }
+  Tandem__Cluster__EncodeDone d = TANDEM__CLUSTER__ENCODE_DONE__INIT;
+  d.rid = td_job_rid(j);
+  d.ms = td_job_compute_ms(j);
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_ENCODE_DONE;
+  m.encode_done = &d;
+  td_worker_send(w, &m);
+  td_job_end(w, j);
+}
+
+const td_role td_role_encode = {
+    .name = "encode",
+    .id = TANDEM__CLUSTER__ROLE__ROLE_ENCODE,
+    .job = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE,
+    .streams = false,
+    .hands_over = TD_POOL_CROSS,
+    .self_kv = false,
+    .in_group = false,
+    .on_job = encode_job,
+    .on_done = encode_done,
+    .on_pushed = encode_pushed,
+};

@@ -3,66 +3,63 @@
  * the blocks the decode worker reserved. The decode worker runs the last
  * prompt token itself, so that every decoding method takes its first
  * logits in one place. */
-#include <stdlib.h>
-#include <string.h>
+#include "prefill_worker/prefill.h"
 
-#include "worker/internal.h"
-
-void prefill_on_job(td_worker *w, Tandem__Cluster__RouterMessage *m) {
-  Tandem__Cluster__PrefillJob *pj = m->prefill;
-  Tandem__Cluster__RequestSpec *sp = pj->req;
-  if (!sp || w_draining(w) || !w_opts(w)->prefill || !pj->self_target || !pj->prefill_tokens ||
-      w_job_find(w, sp->rid, ROLE_PREFILL)) {
-    if (sp) w_send_failed(w, sp->rid, TD_ERR_OVERLOADED, "this worker takes no prefill work now", true);
-    tandem__cluster__router_message__free_unpacked(m, NULL);
-    return;
-  }
-  job *j = w_job_new(w, sp->rid, ROLE_PREFILL, m, sp);
-  cmd *c = j ? w_cmd(CMD_RESERVE, sp->rid, ROLE_PREFILL) : NULL;
-  if (!c) {
-    if (j) w_job_drop(w, j);
-    w_send_failed(w, sp->rid, TD_ERR_NOMEM, "out of memory", true);
-    return;
-  }
-  int bs = w_block_size(w);
-  c->n_cross = ((int)sp->enc_len + bs - 1) / bs;
-  w_post(w, c);
+static void prefill_job(td_worker *w, Tandem__Cluster__RouterMessage *m) {
+  const Tandem__Cluster__PrefillJob *pj = m->prefill;
+  td_job *j = td_job_take(w, &td_role_prefill, m, pj->req, pj->self_target && pj->prefill_tokens);
+  if (!j) return;
+  td_status s = td_job_reserve(w, j, (int)pj->req->enc_len, 0);
+  if (s != TD_OK) td_job_fail(w, j, s, td_errmsg());
 }
 
-void prefill_on_arrival(td_worker *w, job *j) {
-  if (j->added || !j->reserved || j->cross_got < j->n_cross) return;
-  cmd *c = w_add_cmd(w, j);
-  if (!c) {
-    w_send_failed(w, j->rid, TD_ERR_INVALID, "bad request data", false);
-    return;
-  }
-  c->cross_res = j->cross_res;
-  c->req.prefill_only = (int)j->msg->prefill->prefill_tokens;
-  /* only the prompt's KV is made here: how it is decoded does not matter */
-  c->req.params.num_beams = c->req.params.n = 1;
-  c->req.params.num_return_sequences = 0;
-  c->req.params.temperature = 0;
-  c->host_copy = w_kv_host_copy(w, &j->msg->prefill->self_target, 1, false);
-  j->added = true;
-  w_post(w, c);
+/* Only the prompt's KV is made here: how it is decoded does not matter. */
+static void one_greedy_sequence(td_request *r) {
+  r->params.num_beams = r->params.n = 1;
+  r->params.num_return_sequences = 0;
+  r->params.temperature = 0;
 }
 
-void prefill_on_done(td_worker *w, job *j, wev *e) {
-  if (e->status != TD_OK) {
-    if (e->status != TD_ERR_CANCELLED)
-      w_send_failed(w, j->rid, e->status, e->error ? e->error : "prefill failed",
-                    e->status != TD_ERR_INVALID && e->status != TD_ERR_UNSUPPORTED);
-    w_job_drop(w, j);
+static void prefill_arrival(td_worker *w, td_job *j) {
+  if (!td_job_kv_ready(j)) return;
+  const Tandem__Cluster__PrefillJob *pj = td_job_msg(j)->prefill;
+  td_job_run run = {.reserved_kv = true, .prefill_tokens = (int)pj->prefill_tokens,
+                    .push_to = &pj->self_target, .n_push_to = 1, .adjust = one_greedy_sequence};
+  td_status s = td_job_run_request(w, j, &run);
+  if (s != TD_OK) td_job_fail(w, j, s, td_errmsg());
+}
+
+static void prefill_done(td_worker *w, td_job *j, const td_done *d) {
+  const Tandem__Cluster__PrefillJob *pj = td_job_msg(j)->prefill;
+  td_job_push(w, j, &pj->self_target, 1);
+}
+
+static void prefill_pushed(td_worker *w, td_job *j, const char *error) {
+  if (error) {
+    td_job_fail(w, j, TD_ERR_PEER, error);
     return;
   }
-  j->out_blocks = e->blocks;
-  j->n_out = e->n_blocks;
-  j->out_cross = false;
-  e->blocks = NULL;
-  j->out_host = e->host;
-  j->out_bb = e->block_bytes;
-  e->host = NULL;
-  j->compute_ms = e->ms;
-  Tandem__Cluster__KvTarget *t = j->msg->prefill->self_target;
-  w_push_all(w, j, &t, 1);
+  Tandem__Cluster__PrefillDone d = TANDEM__CLUSTER__PREFILL_DONE__INIT;
+  d.rid = td_job_rid(j);
+  d.first_token = -1;
+  d.ms = td_job_compute_ms(j);
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_PREFILL_DONE;
+  m.prefill_done = &d;
+  td_worker_send(w, &m);
+  td_job_end(w, j);
 }
+
+const td_role td_role_prefill = {
+    .name = "prefill",
+    .id = TANDEM__CLUSTER__ROLE__ROLE_PREFILL,
+    .job = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL,
+    .streams = false,
+    .hands_over = TD_POOL_SELF,
+    .self_kv = true,
+    .in_group = false,
+    .on_job = prefill_job,
+    .on_arrival = prefill_arrival,
+    .on_done = prefill_done,
+    .on_pushed = prefill_pushed,
+};

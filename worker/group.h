@@ -1,4 +1,4 @@
-/* Worker groups: what the runtime and the follower loop share. Internal. */
+/* Worker groups: what the runtime and the follower share. Internal. */
 #ifndef TD_WORKER_GROUP_H
 #define TD_WORKER_GROUP_H
 
@@ -6,13 +6,14 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/defaults.h"
 #include "engine/engine.h"
 #include "proto/wire.h"
 #include "worker/worker.h"
 
 typedef struct group_info {
   int world;
-  char *endpoints[16];
+  char *endpoints[TD_GROUP_MAX_RANKS];
   uint8_t nccl_id[TD_NCCL_ID_BYTES];
   bool has_nccl_id;
 } group_info;

@@ -1,45 +1,51 @@
-/* Shared by the worker runtime and the role handlers (encoder_worker/,
- * prefill_worker/, decode_worker/). Not a public interface. */
+/* The worker runtime's own structures, shared by its files and by no role
+ * (roles see worker/role.h). Two threads meet here: the compute thread
+ * (compute.c) owns the backend, model, engine and their pools; the main
+ * thread (everything else) owns jobs, the router link and the transports.
+ * They talk through two queues only: commands in (w_post), events out
+ * (an eventfd the main loop watches). */
 #ifndef TD_WORKER_INTERNAL_H
 #define TD_WORKER_INTERNAL_H
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 
 #include <uthash.h>
 
-#include "engine/engine.h"
-#include "proto/wire.h"
-#include "worker/worker.h"
+#include "common/defaults.h"
+#include "common/evloop.h"
+#include "kvtransfer/transport.h"
+#include "worker/group.h"
+#include "worker/role.h"
 
 /* ---- main thread -> compute thread ---- */
 typedef enum cmd_kind {
   CMD_RESERVE,        /* reserve cross (n_cross) and self (n_self) blocks */
   CMD_RELEASE_RES,    /* give back reservations */
   CMD_ADD,            /* a request for the engine */
-  CMD_CANCEL,         /* end everything of rid */
+  CMD_CANCEL,         /* end the requests of rid (slot, or every slot when -1) */
   CMD_RELEASE_BLOCKS, /* blocks handed over earlier */
   CMD_WRITE_KV,       /* arrived KV bytes (whole-model blocks) into the pools */
 } cmd_kind;
 
-typedef enum wrole { ROLE_ENCODE, ROLE_PREFILL, ROLE_DECODE } wrole;
-
 typedef struct cmd {
   cmd_kind kind;
   uint64_t rid;
-  wrole role;
-  int n_cross, n_self;
+  int slot;            /* the job's role: its index in the worker's roles */
+  const td_role *role; /* CMD_ADD */
+  int n_cross, n_self; /* CMD_RESERVE; CMD_ADD: the reservations' sizes */
   uint64_t cross_res, self_res;
-  bool cross;       /* CMD_RELEASE_BLOCKS: which pool */
+  bool cross;       /* CMD_RELEASE_BLOCKS, CMD_WRITE_KV: which pool */
   int32_t *blocks;  /* CMD_RELEASE_BLOCKS, CMD_WRITE_KV (owned) */
   int n_blocks;
   uint8_t *data;    /* CMD_WRITE_KV: n_blocks whole-model blocks (owned) */
-  bool host_copy;   /* CMD_ADD: hand over the blocks' bytes in host memory (a ZeroMQ push) */
+  bool host_copy;   /* CMD_ADD: hand over the blocks' bytes in host memory too */
   /* CMD_ADD */
   td_request req;
-  char id[256]; /* req.id points here */
-  int32_t *owned_i32[4]; /* arrays the request points into */
+  char *id;              /* req.id points here */
+  int32_t *owned_i32[3]; /* arrays the request points into */
   float *owned_f32;
   struct cmd *next;
 } cmd;
@@ -50,7 +56,7 @@ typedef enum ev_kind { EV_RESERVED, EV_TOKEN, EV_DONE } ev_kind;
 typedef struct wev {
   ev_kind kind;
   uint64_t rid;
-  wrole role;
+  int slot;
   /* EV_RESERVED */
   uint64_t cross_res, self_res;
   int32_t *cross_ids, *self_ids;
@@ -66,177 +72,208 @@ typedef struct wev {
   int n_outputs;
   int32_t *blocks; /* handed-over blocks */
   int n_blocks;
+  bool blocks_cross;
   uint8_t *host;   /* their bytes, copied to host memory */
   size_t block_bytes;
   double ms;
   struct wev *next;
 } wev;
 
-/* A request's part on this worker, in the main thread. */
-typedef struct job {
-  uint64_t key;     /* rid * 4 + role */
+/* ---- a request's part on this worker for one role (main thread) ---- */
+typedef struct job_key {
   uint64_t rid;
-  wrole role;
+  uint64_t slot;
+} job_key;
+
+struct td_job {
+  job_key key;
+  uint64_t rid;
+  int slot;
+  const td_role *role;
   Tandem__Cluster__RouterMessage *msg; /* owns the request spec */
-  Tandem__Cluster__RequestSpec *spec;
+  const Tandem__Cluster__RequestSpec *spec;
   bool reserved;
   uint64_t cross_res, self_res;
   int32_t *cross_ids, *self_ids;
   int n_cross, n_self;
   int cross_got, self_got;   /* blocks arrived */
-  int self_expected;         /* 0: no prompt KV comes */
+  int self_expected;         /* prompt tokens whose KV comes; 0: none */
   bool added;                /* handed to the engine */
+  bool finished;             /* ... and its result came back */
   int64_t expires;           /* reservation deadline (ms) */
-  /* senders: blocks to push and where */
+  /* handed-over blocks to push, and their bytes when a transport copies */
   int32_t *out_blocks;
   int n_out;
   bool out_cross;
-  uint8_t *out_host; /* their bytes */
+  uint8_t *out_host;
   size_t out_bb;
   int pushes_pending;
   bool push_failed;
   char push_error[256];
-  int64_t t_start;
   double compute_ms;
   UT_hash_handle hh;
-} job;
+};
 
-/* ---- KV transport (peers identified by descriptor bytes) ---- */
-typedef struct xfer xfer;
-typedef struct xfer_hooks {
-  /* whether n blocks of block_bytes each may be written into a reservation now */
-  bool (*accept)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, const int32_t *blocks, int n,
-                 size_t block_bytes, char *why, size_t cap);
-  /* their bytes: data[i] holds block blocks[i] */
-  void (*deliver)(void *ctx, bool cross, const int32_t *blocks, int n, const void *const *data, size_t block_bytes);
-  void (*arrived)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, int n);
-  /* a push finished: ok, or the error */
-  void (*pushed)(void *ctx, uint64_t rid, int role, bool ok, const char *error);
-  void *ctx;
-} xfer_hooks;
+/* compute-side record of a request the engine runs */
+typedef struct creq {
+  uint64_t rid;
+  int slot;
+  const td_role *role;
+  uint64_t handle;
+  int64_t t_start;
+  bool host_copy;
+  UT_hash_handle hh;
+} creq;
 
-td_status xfer_create(const char *host, const xfer_hooks *hooks, int timeout_ms, xfer **out);
-void xfer_destroy(xfer *x);
-/* This worker's descriptor: what peers need to push here. */
-const char *xfer_desc(const xfer *x);
-/* Sends n blocks (src[i]: block_bytes each, copied) into the
- * peer's reserved blocks dst; `pushed` reports the outcome. */
-td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer, size_t peer_len, uint64_t reservation,
-                    bool cross, const void *const *src, size_t block_bytes, const int32_t *dst, int n);
-/* Poll items (ZeroMQ sockets) and progress. */
-int xfer_poll_items(xfer *x, void *items, int cap);
-void xfer_progress(xfer *x);
-/* Drops pending pushes of rid (a cancel); their hooks never fire. */
-void xfer_forget(xfer *x, uint64_t rid);
-int xfer_pending(const xfer *x);
+/* Reservations of ended jobs that a granted transfer still writes: given
+ * back once it is over. */
+typedef struct dres {
+  uint64_t rid;
+  int slot;
+  uint64_t cross_res, self_res;
+  struct dres *next;
+} dres;
 
-/* ---- KV over the kvtransfer module (UCX) between single-rank workers:
- * the engine's pools are registered, blocks go straight from the sender's
- * pool into the receiver's reserved blocks (worker/xfer_ucx.c) ---- */
-typedef struct uxfer uxfer;
-typedef struct uxfer_hooks {
-  /* receiver: whether the blocks of the reservation may be written now */
-  bool (*accept)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, const int32_t *blocks, int n, char *why,
-                 size_t cap);
-  /* receiver: n blocks landed in the pool */
-  void (*arrived)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, int n);
-  /* sender: a push of n blocks finished: ok, or the error */
-  void (*pushed)(void *ctx, uint64_t rid, int role, bool ok, const char *error, int n);
-  /* sender: blocks of forgotten pushes are no longer read (the array is the callee's) */
-  void (*release)(void *ctx, bool cross, int32_t *blocks, int n);
-  void *ctx;
-} uxfer_hooks;
+typedef struct kvlog kvlog;
+typedef struct tokcount tokcount;
 
-typedef struct uxfer_opts {
-  const char *name;
-  bool cuda;  /* pools in GPU memory of `device` (else host memory) */
-  int device;
-  int timeout_ms;
-  int elem_size; /* bytes of a KV element (float32 on the CPU, bf16 on CUDA) */
-  /* the whole decoder's (single-rank workers only); cross: with its states tail per --cross-mode */
-  td_kv_layout cross_layout, self_layout;
-  void *cross_base, *self_base; /* the engine's pools (compute thread's; only their memory is used here) */
-  int cross_blocks, self_blocks;
-  size_t cross_block_bytes, self_block_bytes; /* the pools' own: what the layouts must give */
-  td_kvx_tuning kvx;
-} uxfer_opts;
+typedef struct load_snap {
+  int queued, running, free_self, free_cross;
+} load_snap;
 
-td_status uxfer_create(const uxfer_opts *o, const uxfer_hooks *hooks, uxfer **out);
-/* Cancels every transfer (no hook fires); before the pools are freed. */
-void uxfer_destroy(uxfer *u);
-/* The kvtransfer descriptor (pools, UCX address) for peers. */
-const uint8_t *uxfer_desc(const uxfer *u, size_t *len);
-/* Whether blocks can go to the receiver with this kvtransfer descriptor
- * over UCX (same block geometry; connects); *why says why not. */
-bool uxfer_route(uxfer *u, const char *peer_id, const uint8_t *desc, size_t len, bool cross, char *why, size_t cap);
-/* Posts n blocks from this worker's pool (src, read until `pushed`) into
- * the receiver's reserved blocks dst. */
-td_status uxfer_push(uxfer *u, uint64_t rid, int role, const char *peer_id, const uint8_t *desc, size_t len,
-                     uint64_t reservation, bool cross, const int32_t *src, const int32_t *dst, int n);
-/* Cancels the pushes of (rid, role); their hooks never fire. When some
- * still run and blocks is set, takes the blocks array and hands it to
- * `release` once none reads them; returns whether it took it. */
-bool uxfer_forget(uxfer *u, uint64_t rid, int role, bool cross, int32_t *blocks, int n);
-/* Whether a granted transfer still writes into the reservation's blocks. */
-bool uxfer_busy(const uxfer *u, uint64_t reservation);
-int uxfer_pushing(const uxfer *u);
-/* Poll loop: a descriptor, arm before sleeping (false: do not sleep), progress. */
-int uxfer_fd(const uxfer *u);
-bool uxfer_arm(uxfer *u);
-void uxfer_progress(uxfer *u);
+struct td_worker {
+  td_worker_opts o;
+  char id[TD_WIRE_MAX_ID + 1];
+  const td_role *roles[TD_WORKER_MAX_ROLES];
+  int n_roles;
+  void *zctx, *rsock;
+  /* ---- compute thread (compute.c) ---- */
+  pthread_t thread;
+  bool thread_started;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  cmd *cmd_head, *cmd_tail;
+  wev *ev_head, *ev_tail;
+  int efd;
+  bool stop_compute;
+  bool ready;
+  td_status init_status;
+  char init_error[512];
+  load_snap load; /* under mu */
+  td_backend *b;
+  td_model *m;
+  td_engine *e;
+  creq *creqs;
+  void *msock; /* group mirror to the followers: the compute thread's once it runs */
+  td_comm *comm;
+  td_comm_zmq_boot *boot;
+  uint8_t nccl_id[TD_NCCL_ID_BYTES];
+  int64_t last_mirror_hb;
+  /* model facts, set by the compute thread before `ready` */
+  td_model_config cfg;
+  int max_src, max_tgt, frames, block_size, self_blocks, cross_blocks, max_running;
+  int32_t start_token; /* the decoder's first token without a prompt */
+  /* whole-model KV blocks, what peers push (cross: with the states tail per --cross-mode) */
+  td_kv_layout full_self, full_cross;
+  size_t full_self_bb, full_cross_bb;
+  td_kvt_opts pools; /* the engine's pools for the transports that read them */
+  /* ---- main thread ---- */
+  td_loop *loop;
+  int hb_timer, silence_timer;
+  volatile sig_atomic_t *stop;
+  td_kvt *kvt[TD_KVT_KINDS]; /* by kind; NULL: not here */
+  uint8_t *desc; /* TransferDesc: every way to push here */
+  size_t desc_len;
+  dres *deferred;
+  kvlog *kvlogs;
+  uint64_t kv_in[TD_KVT_KINDS], kv_out[TD_KVT_KINDS]; /* blocks */
+  td_job *jobs;
+  tokcount *tokcounts; /* stream.c */
+  struct {             /* consecutive tokens of one sequence, sent as one message */
+    uint64_t rid;
+    int seq, n;
+    int32_t tok[256];
+    float lp[256];
+  } run;
+  bool registered;
+  int hb_ms, dead_after;
+  int64_t last_router_msg, last_register;
+  uint64_t hb_seq;
+  bool draining;
+  int64_t drain_deadline;
+  /* rank 0 of a tensor / pipeline parallel group */
+  int world;
+  group_info gi;
+  bool group_failed;
+  char refused[512]; /* the router refused this worker: why */
+};
 
-/* How a sender's blocks reach one target. */
-typedef enum kv_path { KV_NONE, KV_ZMQ, KV_UCX } kv_path;
+/* compute.c: the compute thread and the two queues */
+td_status w_compute_start(td_worker *w);
+void w_compute_stop(td_worker *w);
+cmd *w_cmd(cmd_kind kind, uint64_t rid, int slot);
+void w_post(td_worker *w, cmd *c);
+void cmd_free(cmd *c);
+wev *w_events_take(td_worker *w);
+void ev_free(wev *e);
+load_snap w_load(td_worker *w);
+
+/* leader.c: a group leader's side, on the compute thread */
+td_status w_leader_init(td_worker *w, td_model_opts *mo);
+td_status w_leader_wait_followers(td_worker *w);
+void w_mirror_all(td_worker *w, const char *what);
+int w_mirror_tick(td_worker *w);
+void w_mirror_send(td_worker *w, int rank, const void *msg, size_t len);
+
+/* jobs.c: jobs, reservations, cancels, expiry, compute events */
+td_job *w_job_find(td_worker *w, uint64_t rid, int slot);
+/* the job whose reservation res of pool `cross` is, for request rid */
+td_job *w_job_by_reservation(td_worker *w, uint64_t rid, uint64_t res, bool cross);
+void w_job_drop(td_worker *w, td_job *j);
+void w_release_out_blocks(td_worker *w, td_job *j);
+void w_release_deferred(td_worker *w);
+bool w_res_busy(td_worker *w, uint64_t cross_res, uint64_t self_res);
+void w_cancel_rid(td_worker *w, uint64_t rid);
+void w_cancel_all(td_worker *w, const char *why);
+int w_expiry_timer(td_loop *l, void *ctx);
+void w_on_events(td_loop *l, void *ctx);
+void w_jobs_free(td_worker *w);
+int w_role_slot(const td_worker *w, const td_role *r);
+
+/* router_link.c */
+void w_send_register(td_worker *w);
+void w_send_heartbeat(td_worker *w);
+void w_send_reserved(td_worker *w, td_job *j);
+void w_send_deregister(td_worker *w, const char *reason);
+void w_on_router(td_loop *l, void *ctx);
+int w_register_timer(td_loop *l, void *ctx);
+td_status w_router_timers(td_worker *w, bool first);
+
+/* stream.c: tokens to the router, with their offset per sequence */
+void w_stream_token(td_worker *w, uint64_t rid, int seq, int32_t token, float logprob);
+void w_stream_flush(td_worker *w);
+void w_stream_forget(td_worker *w, uint64_t rid);
+void w_stream_free(td_worker *w);
+
+/* kv_route.c: which transport reaches a target */
 typedef struct kv_route {
-  kv_path path;
-  char zmq[300];          /* KV_ZMQ: the receiver's ZeroMQ descriptor */
-  const uint8_t *kvx;     /* KV_UCX: its kvtransfer descriptor (in d) */
-  size_t kvx_len;
-  char why[512];          /* KV_ZMQ: why not UCX; KV_NONE: why not at all */
+  td_kvt *t;               /* NULL: no way (why says) */
+  const uint8_t *desc;     /* the target's descriptor for t */
+  size_t desc_len;
+  char why[512];           /* ZeroMQ: why not UCX; none: why not at all */
   Tandem__Cluster__TransferDesc *d; /* the target's descriptor, unpacked */
 } kv_route;
-/* Decides (and logs once per receiver and path) how blocks reach t. */
 void w_kv_route(td_worker *w, const Tandem__Cluster__KvTarget *t, bool cross, kv_route *r);
-void kv_route_free(kv_route *r);
-
-/* ---- the runtime, as role handlers see it ---- */
-typedef struct td_worker td_worker;
-
-void w_post(td_worker *w, cmd *c);
-cmd *w_cmd(cmd_kind kind, uint64_t rid, wrole r);
-job *w_job_new(td_worker *w, uint64_t rid, wrole r, Tandem__Cluster__RouterMessage *msg,
-               Tandem__Cluster__RequestSpec *spec);
-job *w_job_find(td_worker *w, uint64_t rid, wrole r);
-void w_job_drop(td_worker *w, job *j);
-void w_send(td_worker *w, Tandem__Cluster__WorkerMessage *m);
-void w_send_failed(td_worker *w, uint64_t rid, td_status code, const char *msg, bool retryable);
-void w_send_reserved(td_worker *w, job *j);
-/* Gives the job's handed-over blocks back to the engine. */
-void w_release_out_blocks(td_worker *w, job *j);
-xfer *w_xfer(td_worker *w);
-uxfer *w_uxfer(td_worker *w); /* NULL: ZeroMQ only */
-/* Whether a sender needs its blocks in host memory: some target is pushed
- * over ZeroMQ (decided before the compute thread hands the blocks over). */
+void w_kv_route_free(kv_route *r);
 bool w_kv_host_copy(td_worker *w, Tandem__Cluster__KvTarget *const *targets, size_t n, bool cross);
-int w_ttl_ms(td_worker *w);
-bool w_draining(td_worker *w);
-const td_worker_opts *w_opts(td_worker *w);
-int w_block_size(td_worker *w);
-/* A CMD_ADD built from a request spec (arrays copied). */
-cmd *w_add_cmd(td_worker *w, job *j);
+td_status w_kv_start(td_worker *w);
+void w_kv_stop(td_worker *w);
 
-/* role handlers (main thread) */
-void encoder_on_job(td_worker *w, Tandem__Cluster__RouterMessage *m);
-void encoder_on_done(td_worker *w, job *j, wev *e);
-void prefill_on_job(td_worker *w, Tandem__Cluster__RouterMessage *m);
-void prefill_on_done(td_worker *w, job *j, wev *e);
-void prefill_on_arrival(td_worker *w, job *j);
-void decode_on_job(td_worker *w, Tandem__Cluster__RouterMessage *m);
-void decode_on_prefill_result(td_worker *w, Tandem__Cluster__PrefillResult *pr);
-void decode_on_arrival(td_worker *w, job *j);
-void decode_on_done(td_worker *w, job *j, wev *e);
-/* senders: push the job's out_blocks to targets; a push finished */
-void w_push_all(td_worker *w, job *j, Tandem__Cluster__KvTarget **targets, size_t n_targets);
-void sender_on_pushed(td_worker *w, job *j, bool ok, const char *error);
+/* kv_io.c: the transports' hooks, pushes of handed-over blocks */
+td_kvt_hooks w_kv_hooks(td_worker *w);
+void w_kv_forget(td_worker *w, td_job *j);
+bool w_kv_arm(td_loop *l, void *ctx);
+void w_kv_progress(td_loop *l, void *ctx);
+int w_kv_pushing(td_worker *w);
 
 #endif

@@ -1,5 +1,6 @@
 /* tandem-worker: one worker process with any of the encode, prefill and
- * decode roles. */
+ * decode roles: the role folders' tables, handed to the runtime in
+ * td_worker_opts.roles (the runtime links no role). */
 #include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
@@ -7,9 +8,16 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/defaults.h"
 #include "common/log.h"
 #include "common/settings.h"
+#include "decode_worker/decode.h"
+#include "encoder_worker/encoder.h"
+#include "prefill_worker/prefill.h"
 #include "worker/worker.h"
+
+/* a worker id's length: room for a group's rank suffix within TD_WIRE_MAX_ID */
+#define MAX_ID 200
 
 static volatile sig_atomic_t stop_flag;
 static void on_signal(int sig) { stop_flag = sig; }
@@ -107,10 +115,17 @@ int main(int argc, char **argv) {
       default: usage(stderr); return 2;
     }
   }
-  o.encode = strstr(roles, "encode") != NULL;
-  o.prefill = strstr(roles, "prefill") != NULL;
-  o.decode = strstr(roles, "decode") != NULL;
-  if (!o.router || !o.model_dir || !(o.encode || o.prefill || o.decode) || strlen(o.id) > 200) {
+  /* the roles this process serves: the role folders' tables */
+  static const td_role *const known[] = {&td_role_encode, &td_role_prefill, &td_role_decode};
+  const td_role *served[TD_WORKER_MAX_ROLES];
+  for (size_t i = 0; i < sizeof known / sizeof known[0] && o.n_roles < TD_WORKER_MAX_ROLES; i++)
+    if (strstr(roles, known[i]->name)) served[o.n_roles++] = known[i];
+  o.roles = served;
+  if (strlen(o.id) > MAX_ID) {
+    fprintf(stderr, "tandem-worker: --id: at most %d characters (the router's ids and a group's rank names)\n", MAX_ID);
+    return 2;
+  }
+  if (!o.router || !o.model_dir || !o.n_roles) {
     usage(stderr);
     return 2;
   }

@@ -1,8 +1,9 @@
-/* A worker process: the shared runtime (one poll loop over the router
- * connection, KV transfers and compute completions; a compute thread that
- * owns the backend, model and engine, so the loop never waits on compute
- * and heartbeats flow during long steps) and the encode / prefill / decode
- * roles on top of it. */
+/* A worker process's runtime: one event loop (common/evloop.h) over the
+ * router connection, the KV transports and compute completions; a compute
+ * thread that owns the backend, model and engine, so the loop never waits
+ * on compute and heartbeats flow during long steps. The roles it serves
+ * (encode, prefill, decode) are tables (worker/role.h) given in the
+ * options; the runtime knows them only through those. */
 #ifndef TD_WORKER_WORKER_H
 #define TD_WORKER_WORKER_H
 
@@ -15,11 +16,14 @@
 #include "kernels/ops.h"
 
 typedef struct td_worker td_worker;
+typedef struct td_role td_role;
 
 typedef struct td_worker_opts {
   const char *router;      /* the router's worker endpoint */
   const char *id;          /* unique worker id */
-  bool encode, prefill, decode;
+  /* the roles served (the role folders' tables), at most TD_WORKER_MAX_ROLES */
+  const td_role *const *roles;
+  int n_roles;
   const char *model_dir;
   td_backend_kind device;
   int device_id;

@@ -1,21 +1,26 @@
-/* KV pushes between single-rank workers over the kvtransfer module (UCX).
- * The engine's own pools are registered with td_kvx, so a sender posts
- * straight from its blocks into the blocks a receiver reserved: no host
- * copy on either side and nothing for the receiver's compute thread to
- * write. The receiver grants a transfer only while the reservation is open
- * (the accept hook) and the blocks stay the transfer's until its recv event
- * (uxfer_busy). Main thread only, like td_kvx. */
+/* The UCX KV transport (td_kvt_ucx) between single-rank workers, over
+ * td_kvx (UCX puts, staged GPU pools, NCCL). The engine's own pools are
+ * registered with td_kvx, so a sender posts straight from its blocks into
+ * the blocks a receiver reserved: no host copy on either side and nothing
+ * for the receiver's compute thread to write. The receiver grants a
+ * transfer only while the reservation is open (the accept hook) and the
+ * blocks stay the transfer's until its recv event (busy). Its descriptor
+ * is td_kvx's (pools, UCX address). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <uthash.h>
 #include <utlist.h>
 
 #include "common/log.h"
 #include "kvtransfer/kvtransfer.h"
-#include "worker/internal.h"
+#include "kvtransfer/transport.h"
+#include "proto/wire.h"
 
+/* td_kvx_progress calls a turn, so that a stream of completions cannot stall the loop */
+#define PROGRESS_BURST 64
 /* the pool ids both sides use */
 #define POOL_CROSS 1u
 #define POOL_SELF 2u
@@ -38,18 +43,23 @@ typedef struct uhold {
   int n;
 } uhold;
 
+typedef struct ux ux;
+
 typedef struct upush {
-  uxfer *u;
+  ux *u;
   uint64_t xfer_id, rid;
-  int role, n;
+  int tag, n;
   bool forgotten; /* the job is gone: report to nobody */
   uhold *hold;
   struct upush *prev, *next;
 } upush;
 
-struct uxfer {
+struct ux {
+  td_kvt *t;
   td_kvx *k;
-  uxfer_hooks h;
+  const td_kvt_hooks *h;
+  td_loop *loop;
+  int fd_ev;
   td_kvx_geom geom[2]; /* cross, self */
   uint8_t *desc;
   size_t desc_len;
@@ -64,21 +74,23 @@ static uint32_t pool_id(bool cross) { return cross ? POOL_CROSS : POOL_SELF; }
 /* ---- receiver side ---- */
 
 static td_status on_authorize(void *ctx, const td_kvx_grant_req *r) {
-  uxfer *u = ctx;
+  ux *u = ctx;
   if (u->closing) return td_err(TD_ERR_CANCELLED, "the receiving worker is shutting down");
   if (r->pool_id != POOL_CROSS && r->pool_id != POOL_SELF) return td_err(TD_ERR_INVALID, "no pool %u", r->pool_id);
   char why[256] = "";
-  if (!u->h.accept(u->h.ctx, r->request_id, r->reservation_id, r->pool_id == POOL_CROSS, r->blocks, r->n_blocks, why,
-                   sizeof why))
+  /* the geometry was matched when the sender routed: no size to check */
+  if (!u->h->accept(u->h->ctx, r->request_id, r->reservation_id, r->pool_id == POOL_CROSS, r->blocks, r->n_blocks, 0,
+                    why, sizeof why))
     return td_err(TD_ERR_INVALID, "%s", why);
   return TD_OK;
 }
 
 static void on_recv(void *ctx, const td_kvx_recv_event *ev) {
-  uxfer *u = ctx;
+  ux *u = ctx;
   if (u->closing) return;
   if (ev->status == TD_OK) {
-    u->h.arrived(u->h.ctx, ev->request_id, ev->reservation_id, ev->pool_id == POOL_CROSS, ev->n_blocks);
+    /* the blocks are in the pool already: nothing to deliver */
+    u->h->arrived(u->h->ctx, u->t, ev->request_id, ev->reservation_id, ev->pool_id == POOL_CROSS, ev->n_blocks);
   } else {
     /* the sender reports its failure to the router, which retries */
     TD_WARN("KV of request %" PRIu64 " over UCX did not arrive: %s", ev->request_id,
@@ -87,7 +99,7 @@ static void on_recv(void *ctx, const td_kvx_recv_event *ev) {
 }
 
 static void on_peer(void *ctx, td_kvx_peer *p, uint64_t uuid, td_status s, const char *msg) {
-  uxfer *u = ctx;
+  ux *u = ctx;
   if (!p) {
     TD_INFO("a KV sender (%016" PRIx64 ") went away: %s", uuid, msg ? msg : td_status_str(s));
     return;
@@ -104,25 +116,25 @@ static void on_peer(void *ctx, td_kvx_peer *p, uint64_t uuid, td_status s, const
 
 /* ---- sender side ---- */
 
-static void hold_drop(uxfer *u, uhold *h) {
+static void hold_drop(ux *u, uhold *h) {
   if (!h || --h->refs > 0) return;
   if (u->closing)
     free(h->blocks);
   else
-    u->h.release(u->h.ctx, h->cross, h->blocks, h->n); /* takes the array */
+    u->h->release(u->h->ctx, h->cross, h->blocks, h->n); /* takes the array */
   free(h);
 }
 
 static void on_done(void *arg, uint64_t xfer_id, td_status s, const char *msg) {
   upush *p = arg;
-  uxfer *u = p->u;
+  ux *u = p->u;
   DL_DELETE(u->pushes, p);
   u->n_pushes--;
   if (p->forgotten || u->closing)
     hold_drop(u, p->hold);
   else
-    u->h.pushed(u->h.ctx, p->rid, p->role, s == TD_OK, s == TD_OK ? NULL : (msg && *msg ? msg : td_status_str(s)),
-                p->n);
+    u->h->pushed(u->h->ctx, u->t, p->rid, p->tag, p->n, s == TD_OK,
+                 s == TD_OK ? NULL : (msg && *msg ? msg : td_status_str(s)));
   free(p);
 }
 
@@ -141,7 +153,7 @@ static void geom_text(const td_kvx_geom *g, char *out, size_t cap) {
 }
 
 /* The connected peer for a receiver's descriptor; NULL with td_err. */
-static td_kvx_peer *get_peer(uxfer *u, const char *id, const uint8_t *desc, size_t len, uint64_t uuid) {
+static td_kvx_peer *get_peer(ux *u, const char *id, const uint8_t *desc, size_t len, uint64_t uuid) {
   upeer *e = NULL;
   HASH_FIND_STR(u->peers, id, e);
   if (e && e->uuid == uuid && td_kvx_peer_status(e->p) == TD_OK) return e->p;
@@ -169,7 +181,9 @@ static td_kvx_peer *get_peer(uxfer *u, const char *id, const uint8_t *desc, size
   return e->p;
 }
 
-bool uxfer_route(uxfer *u, const char *peer_id, const uint8_t *desc, size_t len, bool cross, char *why, size_t cap) {
+static bool ux_route(td_kvt *t, const char *peer_id, const uint8_t *desc, size_t len, bool cross, char *why,
+                     size_t cap) {
+  ux *u = t->ctx;
   td_kvx_desc_info info;
   if (td_kvx_desc_parse(desc, len, &info) != TD_OK) {
     snprintf(why, cap, "its UCX descriptor is unreadable (%s)", td_errmsg());
@@ -198,22 +212,23 @@ bool uxfer_route(uxfer *u, const char *peer_id, const uint8_t *desc, size_t len,
   return true;
 }
 
-td_status uxfer_push(uxfer *u, uint64_t rid, int role, const char *peer_id, const uint8_t *desc, size_t len,
-                     uint64_t reservation, bool cross, const int32_t *src, const int32_t *dst, int n) {
+static td_status ux_push(td_kvt *t, const td_kvt_push *q) {
+  ux *u = t->ctx;
+  if (q->n > 0 && !q->src_blocks) return td_err(TD_ERR_INVALID, "UCX push without source blocks");
   td_kvx_desc_info info;
-  TD_TRY(td_kvx_desc_parse(desc, len, &info));
-  td_kvx_peer *peer = get_peer(u, peer_id, desc, len, info.uuid);
+  TD_TRY(td_kvx_desc_parse(q->peer_desc, q->peer_desc_len, &info));
+  td_kvx_peer *peer = get_peer(u, q->peer_id, q->peer_desc, q->peer_desc_len, info.uuid);
   if (!peer) return TD_ERR_NETWORK;
   upush *p = calloc(1, sizeof *p);
   if (!p) return td_err(TD_ERR_NOMEM, "out of memory");
   p->u = u;
-  p->rid = rid;
-  p->role = role;
-  p->n = n;
+  p->rid = q->rid;
+  p->tag = q->tag;
+  p->n = q->n;
   /* The blocks were finished before the compute thread reported them
    * (it synchronises its stream first): no ready event is needed. */
-  td_kvx_xfer x = {.request_id = rid, .reservation_id = reservation, .src_pool = pool_id(cross),
-                   .dst_pool = pool_id(cross), .src_blocks = src, .dst_blocks = dst, .n_blocks = n,
+  td_kvx_xfer x = {.request_id = q->rid, .reservation_id = q->reservation, .src_pool = pool_id(q->cross),
+                   .dst_pool = pool_id(q->cross), .src_blocks = q->src_blocks, .dst_blocks = q->dst, .n_blocks = q->n,
                    .transport = TD_KVX_AUTO};
   td_status s = td_kvx_post(peer, &x, on_done, p, &p->xfer_id);
   if (s != TD_OK) {
@@ -225,12 +240,13 @@ td_status uxfer_push(uxfer *u, uint64_t rid, int role, const char *peer_id, cons
   return TD_OK;
 }
 
-bool uxfer_forget(uxfer *u, uint64_t rid, int role, bool cross, int32_t *blocks, int n) {
+static bool ux_forget(td_kvt *t, uint64_t rid, int tag, bool cross, int32_t *blocks, int n) {
+  ux *u = t->ctx;
   uhold *h = NULL;
   bool took = false;
   upush *p;
   DL_FOREACH(u->pushes, p) {
-    if (p->rid != rid || p->role != role || p->forgotten) continue;
+    if (p->rid != rid || p->tag != tag || p->forgotten) continue;
     if (blocks && !took) {
       took = true;
       h = calloc(1, sizeof *h);
@@ -248,67 +264,48 @@ bool uxfer_forget(uxfer *u, uint64_t rid, int role, bool cross, int32_t *blocks,
   return took;
 }
 
-bool uxfer_busy(const uxfer *u, uint64_t reservation) {
-  return reservation && td_kvx_reservation_busy(u->k, reservation);
+static bool ux_busy(const td_kvt *t, uint64_t reservation) {
+  const ux *u = t->ctx;
+  return td_kvx_reservation_busy(u->k, reservation);
 }
 
-int uxfer_pushing(const uxfer *u) { return u->n_pushes; }
-int uxfer_fd(const uxfer *u) { return td_kvx_fd(u->k); }
-bool uxfer_arm(uxfer *u) { return td_kvx_arm(u->k); }
-void uxfer_progress(uxfer *u) {
-  for (int i = 0; i < 64 && td_kvx_progress(u->k) > 0; i++) {
+static int ux_pending(const td_kvt *t) { return ((const ux *)t->ctx)->n_pushes; }
+static bool ux_arm(td_kvt *t) { return td_kvx_arm(((ux *)t->ctx)->k); }
+
+static void ux_progress(td_kvt *t) {
+  ux *u = t->ctx;
+  for (int i = 0; i < PROGRESS_BURST && td_kvx_progress(u->k) > 0; i++) {
   }
 }
 
-const uint8_t *uxfer_desc(const uxfer *u, size_t *len) {
+static void on_readable(td_loop *l, void *ctx) {
+  (void)l;
+  ux_progress(ctx);
+}
+
+static td_status ux_watch(td_kvt *t, td_loop *l) {
+  ux *u = t->ctx;
+  if (u->loop) td_loop_remove(u->loop, u->fd_ev);
+  u->fd_ev = 0;
+  u->loop = l;
+  return l ? td_loop_add_fd(l, td_kvx_fd(u->k), on_readable, t, &u->fd_ev) : TD_OK;
+}
+
+static const uint8_t *ux_desc(const td_kvt *t, size_t *len) {
+  const ux *u = t->ctx;
   *len = u->desc_len;
   return u->desc;
 }
 
-td_status uxfer_create(const uxfer_opts *o, const uxfer_hooks *hooks, uxfer **out) {
-  *out = NULL;
-  uxfer *u = calloc(1, sizeof *u);
-  if (!u) return td_err(TD_ERR_NOMEM, "out of memory");
-  u->h = *hooks;
-  td_kvx_opts ko = {.name = o->name, .cuda_device = o->cuda ? o->device : -1, .timeout_ms = o->timeout_ms,
-                    .local_path = o->kvx.local_path == TD_OFF ? TD_KVX_LOCAL_OFF : TD_KVX_LOCAL_AUTO,
-                    .ucx_tls = o->kvx.ucx_tls, .trace = o->kvx.trace,
-                    .authorize = on_authorize, .on_recv = on_recv, .on_peer = on_peer, .ctx = u};
-  td_status s = td_kvx_create(&ko, &u->k);
-  for (int i = 0; s == TD_OK && i < 2; i++) {
-    bool cross = i == 0;
-    td_kvx_geom *g = &u->geom[i];
-    /* the pool holds its layout's whole range (single-rank workers only) */
-    const td_kv_layout *l = cross ? &o->cross_layout : &o->self_layout;
-    *g = (td_kvx_geom){.layout = *l, .elem_size = o->elem_size, .layer0 = 0, .layer1 = l->n_layers, .head0 = 0,
-                       .head1 = l->n_heads};
-    size_t bb = cross ? o->cross_block_bytes : o->self_block_bytes;
-    if (td_kvx_block_bytes(g) != bb) {
-      s = td_err(TD_ERR_INTERNAL, "%s pool: blocks of %zu bytes, its UCX geometry gives %zu",
-                 cross ? "cross" : "self", bb, td_kvx_block_bytes(g));
-      break;
-    }
-    td_kvx_pool_desc pd = {.pool_id = pool_id(cross), .mem = o->cuda ? TD_KVX_MEM_CUDA : TD_KVX_MEM_HOST,
-                           .base = cross ? o->cross_base : o->self_base,
-                           .n_blocks = cross ? o->cross_blocks : o->self_blocks, .geom = *g};
-    s = td_kvx_register_pool(u->k, &pd);
-  }
-  if (s == TD_OK) s = td_kvx_export(u->k, &u->desc, &u->desc_len);
-  if (s != TD_OK) {
-    uxfer_destroy(u);
-    return s;
-  }
-  *out = u;
-  return TD_OK;
-}
-
-void uxfer_destroy(uxfer *u) {
+static void ux_destroy(td_kvt *t) {
+  ux *u = t->ctx;
   if (!u) return;
+  (void)ux_watch(t, NULL);
   u->closing = true;
   /* cancels what still runs; the callbacks free their records */
   td_kvx_destroy(u->k);
-  upeer *e, *t;
-  HASH_ITER(hh, u->peers, e, t) {
+  upeer *e, *et;
+  HASH_ITER(hh, u->peers, e, et) {
     HASH_DEL(u->peers, e);
     free(e);
   }
@@ -319,4 +316,55 @@ void uxfer_destroy(uxfer *u) {
   }
   free(u->desc);
   free(u);
+  t->ctx = NULL;
 }
+
+static td_status ux_create(td_kvt *t, const td_kvt_opts *o) {
+  ux *u = calloc(1, sizeof *u);
+  if (!u) return td_err(TD_ERR_NOMEM, "out of memory");
+  t->ctx = u;
+  u->t = t;
+  u->h = &t->hooks;
+  td_kvx_opts ko = {.name = o->name, .cuda_device = o->cuda ? o->device : -1, .timeout_ms = o->timeout_ms,
+                    .local_path = o->kvx.local_path == TD_OFF ? TD_KVX_LOCAL_OFF : TD_KVX_LOCAL_AUTO,
+                    .ucx_tls = o->kvx.ucx_tls, .trace = o->kvx.trace,
+                    .authorize = on_authorize, .on_recv = on_recv, .on_peer = on_peer, .ctx = u};
+  td_status s = td_kvx_create(&ko, &u->k);
+  for (int i = 0; s == TD_OK && i < 2; i++) {
+    bool cross = i == 0;
+    td_kvx_geom *g = &u->geom[i];
+    /* the pool holds its layout's whole range (single-rank workers only) */
+    const td_kvt_pool *pool = cross ? &o->cross : &o->self;
+    const td_kv_layout *l = &pool->layout;
+    *g = (td_kvx_geom){.layout = *l, .elem_size = o->elem_size, .layer0 = 0, .layer1 = l->n_layers, .head0 = 0,
+                       .head1 = l->n_heads};
+    if (td_kvx_block_bytes(g) != pool->block_bytes) {
+      s = td_err(TD_ERR_INTERNAL, "%s pool: blocks of %zu bytes, its UCX geometry gives %zu",
+                 cross ? "cross" : "self", pool->block_bytes, td_kvx_block_bytes(g));
+      break;
+    }
+    td_kvx_pool_desc pd = {.pool_id = pool_id(cross), .mem = o->cuda ? TD_KVX_MEM_CUDA : TD_KVX_MEM_HOST,
+                           .base = pool->base, .n_blocks = pool->n_blocks, .geom = *g};
+    s = td_kvx_register_pool(u->k, &pd);
+  }
+  if (s == TD_OK) s = td_kvx_export(u->k, &u->desc, &u->desc_len);
+  if (s != TD_OK) ux_destroy(t);
+  return s;
+}
+
+const td_kvt_i td_kvt_ucx = {
+    .name = "ucx",
+    .kind = TD_KVT_UCX,
+    .host_copy = false,
+    .create = ux_create,
+    .destroy = ux_destroy,
+    .desc = ux_desc,
+    .route = ux_route,
+    .push = ux_push,
+    .forget = ux_forget,
+    .busy = ux_busy,
+    .pending = ux_pending,
+    .watch = ux_watch,
+    .arm = ux_arm,
+    .progress = ux_progress,
+};

@@ -1,85 +1,122 @@
-/* KV pushes over ZeroMQ between workers whose pools are in host memory:
- * [KvPush header][one frame per block, owned by the message], answered by a KvAck once the receiver has checked the reservation
- * and copied the blocks in. A push with no answer within the timeout fails
- * (the peer died or vanished). */
+/* The ZeroMQ KV transport (td_kvt_zmq): pushes host copies of the blocks,
+ * [KvPush header][one frame per block], answered by a KvAck once the
+ * receiver has checked the reservation (the accept hook) and handed the
+ * bytes over (the deliver hook). A push with no answer within the timeout
+ * fails (the peer died or vanished). Its descriptor is "zmq:ENDPOINT". */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/clock.h"
+#include "common/defaults.h"
 #include "common/log.h"
-#include "worker/internal.h"
+#include "kvtransfer/transport.h"
+#include "proto/wire.h"
 
+/* connections kept to receivers; the oldest is closed for a new one */
 #define MAX_PEERS 64
+/* messages handled per socket and turn, so that one busy peer cannot stall the loop */
+#define BURST 256
 #define DESC_PREFIX "zmq:"
 
 typedef struct peer {
   char ep[256];
   void *sock;
+  int ev; /* its loop event (0: none) */
 } peer;
 
 typedef struct pending {
   uint64_t push_id, rid;
-  int role;
+  int tag, n;
   int64_t deadline;
 } pending;
 
-struct xfer {
+typedef struct zx {
+  td_kvt *t;
   void *ctx, *rx;
+  int rx_ev;
+  td_loop *loop;
   char desc[300];
-  xfer_hooks hooks;
   int timeout_ms;
   peer peers[MAX_PEERS];
   int n_peers;
   pending *pend;
   int n_pend, cap_pend;
   uint64_t next_push;
-};
+} zx;
 
-td_status xfer_create(const char *host, const xfer_hooks *hooks, int timeout_ms, xfer **out) {
-  *out = NULL;
-  xfer *x = calloc(1, sizeof *x);
+static void on_readable(td_loop *l, void *ctx) {
+  (void)l;
+  td_kvt_progress(ctx);
+}
+
+static void zx_destroy(td_kvt *t) {
+  zx *x = t->ctx;
+  if (!x) return;
+  (void)t->iface->watch(t, NULL);
+  for (int i = 0; i < x->n_peers; i++) zmq_close(x->peers[i].sock);
+  if (x->rx) zmq_close(x->rx);
+  if (x->ctx) zmq_ctx_term(x->ctx);
+  free(x->pend);
+  free(x);
+  t->ctx = NULL;
+}
+
+static td_status zx_create(td_kvt *t, const td_kvt_opts *o) {
+  zx *x = calloc(1, sizeof *x);
   if (!x) return td_err(TD_ERR_NOMEM, "out of memory");
-  x->hooks = *hooks;
-  x->timeout_ms = timeout_ms;
+  t->ctx = x;
+  x->t = t;
+  x->timeout_ms = o->timeout_ms > 0 ? o->timeout_ms : TD_DEFAULT_TRANSFER_TIMEOUT_MS;
   x->next_push = 1;
   x->ctx = zmq_ctx_new();
   x->rx = x->ctx ? zmq_socket(x->ctx, ZMQ_ROUTER) : NULL;
   if (!x->rx) {
-    xfer_destroy(x);
-    return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+    td_status s = td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+    zx_destroy(t);
+    return s;
   }
   td_wire_setup_socket(x->rx);
   int64_t max = -1; /* KV messages are as large as the blocks */
   zmq_setsockopt(x->rx, ZMQ_MAXMSGSIZE, &max, sizeof max);
   char ep[300];
-  snprintf(ep, sizeof ep, "tcp://%s:*", host);
+  snprintf(ep, sizeof ep, "tcp://%s:*", o->listen_host ? o->listen_host : TD_DEFAULT_LISTEN_HOST);
   if (zmq_bind(x->rx, ep) != 0) {
     td_status s = td_err(TD_ERR_NETWORK, "cannot bind the KV endpoint %s: %s", ep, zmq_strerror(zmq_errno()));
-    xfer_destroy(x);
+    zx_destroy(t);
     return s;
   }
   char last[256];
   size_t ll = sizeof last;
   zmq_getsockopt(x->rx, ZMQ_LAST_ENDPOINT, last, &ll);
   snprintf(x->desc, sizeof x->desc, DESC_PREFIX "%s", last);
-  *out = x;
   return TD_OK;
 }
 
-void xfer_destroy(xfer *x) {
-  if (!x) return;
-  for (int i = 0; i < x->n_peers; i++) zmq_close(x->peers[i].sock);
-  if (x->rx) zmq_close(x->rx);
-  if (x->ctx) zmq_ctx_term(x->ctx);
-  free(x->pend);
-  free(x);
+static const uint8_t *zx_desc(const td_kvt *t, size_t *len) {
+  const zx *x = t->ctx;
+  *len = strlen(x->desc);
+  return (const uint8_t *)x->desc;
 }
 
-const char *xfer_desc(const xfer *x) { return x->desc; }
+static td_status zx_watch(td_kvt *t, td_loop *l) {
+  zx *x = t->ctx;
+  if (x->loop) {
+    td_loop_remove(x->loop, x->rx_ev);
+    for (int i = 0; i < x->n_peers; i++) td_loop_remove(x->loop, x->peers[i].ev);
+  }
+  x->rx_ev = 0;
+  for (int i = 0; i < x->n_peers; i++) x->peers[i].ev = 0;
+  x->loop = l;
+  if (!l) return TD_OK;
+  TD_TRY(td_loop_add_socket(l, x->rx, on_readable, t, &x->rx_ev));
+  for (int i = 0; i < x->n_peers; i++) TD_TRY(td_loop_add_socket(l, x->peers[i].sock, on_readable, t, &x->peers[i].ev));
+  return TD_OK;
+}
 
-static peer *get_peer(xfer *x, const uint8_t *desc, size_t len) {
+/* The connection to a receiver's "zmq:ENDPOINT"; NULL with td_err. */
+static peer *get_peer(zx *x, const uint8_t *desc, size_t len) {
   size_t pl = strlen(DESC_PREFIX);
   if (len <= pl || len >= sizeof x->peers[0].ep + pl || memcmp(desc, DESC_PREFIX, pl)) {
     td_err(TD_ERR_INVALID, "KV descriptor is not a ZeroMQ endpoint");
@@ -92,12 +129,13 @@ static peer *get_peer(xfer *x, const uint8_t *desc, size_t len) {
     if (!strcmp(x->peers[i].ep, ep)) return &x->peers[i];
   if (x->n_peers == MAX_PEERS) {
     /* recycle the oldest connection */
+    if (x->loop) td_loop_remove(x->loop, x->peers[0].ev);
     zmq_close(x->peers[0].sock);
     memmove(x->peers, x->peers + 1, sizeof *x->peers * (MAX_PEERS - 1));
     x->n_peers--;
   }
   peer *p = &x->peers[x->n_peers];
-  p->sock = zmq_socket(x->ctx, ZMQ_DEALER);
+  *p = (peer){.sock = zmq_socket(x->ctx, ZMQ_DEALER)};
   if (!p->sock) {
     td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
     return NULL;
@@ -110,14 +148,22 @@ static peer *get_peer(xfer *x, const uint8_t *desc, size_t len) {
     zmq_close(p->sock);
     return NULL;
   }
+  if (x->loop && td_loop_add_socket(x->loop, p->sock, on_readable, x->t, &p->ev) != TD_OK) {
+    zmq_close(p->sock);
+    return NULL;
+  }
   snprintf(p->ep, sizeof p->ep, "%s", ep);
   x->n_peers++;
   return p;
 }
 
-td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer_desc, size_t peer_len, uint64_t reservation,
-                    bool cross, const void *const *src, size_t block_bytes, const int32_t *dst, int n) {
-  peer *p = get_peer(x, peer_desc, peer_len);
+static td_status zx_push(td_kvt *t, const td_kvt_push *q) {
+  zx *x = t->ctx;
+  if (q->n > TD_KV_PUSH_MAX_BLOCKS)
+    return td_err(TD_ERR_INVALID, "a KV push carries at most %d blocks over ZeroMQ, this one %d", TD_KV_PUSH_MAX_BLOCKS,
+                  q->n);
+  if (q->n > 0 && !q->src_host) return td_err(TD_ERR_INVALID, "the blocks are not in host memory");
+  peer *p = get_peer(x, q->peer_desc, q->peer_desc_len);
   if (!p) return TD_ERR_INVALID;
   if (x->n_pend == x->cap_pend) {
     int nc = x->cap_pend ? 2 * x->cap_pend : 32;
@@ -128,42 +174,34 @@ td_status xfer_push(xfer *x, uint64_t rid, int role, const uint8_t *peer_desc, s
   }
   Tandem__Cluster__KvPush h = TANDEM__CLUSTER__KV_PUSH__INIT;
   h.version = TD_PROTOCOL_VERSION;
-  h.rid = rid;
-  h.reservation = reservation;
-  h.cross = cross;
-  h.blocks = (int32_t *)dst;
-  h.n_blocks = (size_t)n;
-  h.block_bytes = block_bytes;
+  h.rid = q->rid;
+  h.reservation = q->reservation;
+  h.cross = q->cross;
+  h.blocks = (int32_t *)q->dst;
+  h.n_blocks = (size_t)q->n;
+  h.block_bytes = q->block_bytes;
   h.push_id = x->next_push++;
   size_t hl = protobuf_c_message_get_packed_size(&h.base);
   zmq_msg_t m;
   if (zmq_msg_init_size(&m, hl) != 0) return td_err(TD_ERR_NOMEM, "out of memory");
   protobuf_c_message_pack(&h.base, zmq_msg_data(&m));
-  if (zmq_msg_send(&m, p->sock, n ? ZMQ_SNDMORE : 0) < 0) {
+  if (zmq_msg_send(&m, p->sock, q->n ? ZMQ_SNDMORE : 0) < 0) {
     zmq_msg_close(&m);
     return td_err(TD_ERR_NETWORK, "KV push: %s", zmq_strerror(zmq_errno()));
   }
-  for (int i = 0; i < n; i++) {
+  for (int i = 0; i < q->n; i++) {
     /* copied: a push that times out or is forgotten leaves its frames
      * queued on the socket after the job freed its buffer */
     zmq_msg_t b;
-    if (zmq_msg_init_size(&b, block_bytes) != 0) return td_err(TD_ERR_NOMEM, "out of memory");
-    memcpy(zmq_msg_data(&b), src[i], block_bytes);
-    if (zmq_msg_send(&b, p->sock, i + 1 < n ? ZMQ_SNDMORE : 0) < 0) {
+    if (zmq_msg_init_size(&b, q->block_bytes) != 0) return td_err(TD_ERR_NOMEM, "out of memory");
+    memcpy(zmq_msg_data(&b), q->src_host + (size_t)i * q->block_bytes, q->block_bytes);
+    if (zmq_msg_send(&b, p->sock, i + 1 < q->n ? ZMQ_SNDMORE : 0) < 0) {
       zmq_msg_close(&b);
       return td_err(TD_ERR_NETWORK, "KV push: %s", zmq_strerror(zmq_errno()));
     }
   }
-  x->pend[x->n_pend++] = (pending){h.push_id, rid, role, td_now_ms() + x->timeout_ms};
+  x->pend[x->n_pend++] = (pending){h.push_id, q->rid, q->tag, q->n, td_now_ms() + x->timeout_ms};
   return TD_OK;
-}
-
-int xfer_poll_items(xfer *x, void *items, int cap) {
-  zmq_pollitem_t *it = items;
-  int n = 0;
-  if (n < cap) it[n++] = (zmq_pollitem_t){.socket = x->rx, .events = ZMQ_POLLIN};
-  for (int i = 0; i < x->n_peers && n < cap; i++) it[n++] = (zmq_pollitem_t){.socket = x->peers[i].sock, .events = ZMQ_POLLIN};
-  return n;
 }
 
 static bool more(void *s) {
@@ -173,7 +211,7 @@ static bool more(void *s) {
   return v != 0;
 }
 
-static void ack(xfer *x, const zmq_msg_t *id, uint64_t push_id, bool ok, const char *err) {
+static void ack(zx *x, const zmq_msg_t *id, uint64_t push_id, bool ok, const char *err) {
   Tandem__Cluster__KvAck a = TANDEM__CLUSTER__KV_ACK__INIT;
   a.version = TD_PROTOCOL_VERSION;
   a.push_id = push_id;
@@ -188,7 +226,8 @@ static void ack(xfer *x, const zmq_msg_t *id, uint64_t push_id, bool ok, const c
 }
 
 /* One incoming push: [identity][header][blocks...]. */
-static void receive_one(xfer *x) {
+static void receive_one(zx *x) {
+  const td_kvt_hooks *hk = &x->t->hooks;
   zmq_msg_t id, hd;
   zmq_msg_init(&id);
   if (zmq_msg_recv(&id, x->rx, ZMQ_DONTWAIT) < 0) {
@@ -203,11 +242,17 @@ static void receive_one(xfer *x) {
   }
   Tandem__Cluster__KvPush *h = tandem__cluster__kv_push__unpack(NULL, zmq_msg_size(&hd), zmq_msg_data(&hd));
   char why[256] = "";
-  bool ok = h && h->version == TD_PROTOCOL_VERSION && h->n_blocks <= 65536;
-  if (!ok) snprintf(why, sizeof why, h ? "KV push of protocol version %u" : "malformed KV push", h ? h->version : 0);
+  bool ok = h && h->version == TD_PROTOCOL_VERSION;
+  if (!ok)
+    snprintf(why, sizeof why, h ? "KV push of protocol version %u" : "malformed KV push", h ? h->version : 0);
+  if (ok && h->n_blocks > TD_KV_PUSH_MAX_BLOCKS) {
+    snprintf(why, sizeof why, "a KV push carries at most %d blocks over ZeroMQ, this one %zu", TD_KV_PUSH_MAX_BLOCKS,
+             h->n_blocks);
+    ok = false;
+  }
   if (ok)
-    ok = x->hooks.accept(x->hooks.ctx, h->rid, h->reservation, h->cross, h->blocks, (int)h->n_blocks,
-                         (size_t)h->block_bytes, why, sizeof why);
+    ok = hk->accept(hk->ctx, h->rid, h->reservation, h->cross, h->blocks, (int)h->n_blocks, (size_t)h->block_bytes,
+                    why, sizeof why);
   size_t n = ok ? h->n_blocks : 0, got = 0;
   zmq_msg_t *frames = n ? calloc(n, sizeof *frames) : NULL;
   const void **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;
@@ -238,29 +283,33 @@ static void receive_one(xfer *x) {
     snprintf(why, sizeof why, "KV push announced %zu blocks, carried %zu", n, got);
     ok = false;
   }
-  if (ok) x->hooks.deliver(x->hooks.ctx, h->cross, h->blocks, (int)n, ptrs, (size_t)h->block_bytes);
+  if (ok) hk->deliver(hk->ctx, h->cross, h->blocks, (int)n, ptrs, (size_t)h->block_bytes);
   for (size_t i = 0; i < got && i < n; i++)
     if (ptrs && ptrs[i]) zmq_msg_close(&frames[i]);
   free(frames);
   free(ptrs);
   if (h) {
     ack(x, &id, h->push_id, ok, ok ? NULL : why);
-    if (ok) x->hooks.arrived(x->hooks.ctx, h->rid, h->reservation, h->cross, (int)h->n_blocks);
-    else TD_WARN("refused a KV push for request %llu: %s", (unsigned long long)h->rid, why);
+    if (ok)
+      hk->arrived(hk->ctx, x->t, h->rid, h->reservation, h->cross, (int)h->n_blocks);
+    else
+      TD_WARN("refused a KV push for request %llu: %s", (unsigned long long)h->rid, why);
     tandem__cluster__kv_push__free_unpacked(h, NULL);
   }
   zmq_msg_close(&hd);
   zmq_msg_close(&id);
 }
 
-static void finish_push(xfer *x, int i, bool ok, const char *err) {
+static void finish_push(zx *x, int i, bool ok, const char *err) {
   pending p = x->pend[i];
   x->pend[i] = x->pend[--x->n_pend];
-  x->hooks.pushed(x->hooks.ctx, p.rid, p.role, ok, err);
+  const td_kvt_hooks *hk = &x->t->hooks;
+  hk->pushed(hk->ctx, x->t, p.rid, p.tag, p.n, ok, err);
 }
 
-void xfer_progress(xfer *x) {
-  for (int k = 0; k < 256; k++) {
+static void zx_progress(td_kvt *t) {
+  zx *x = t->ctx;
+  for (int k = 0; k < BURST; k++) {
     int ev = 0;
     size_t l = sizeof ev;
     zmq_getsockopt(x->rx, ZMQ_EVENTS, &ev, &l);
@@ -268,7 +317,7 @@ void xfer_progress(xfer *x) {
     receive_one(x);
   }
   for (int i = 0; i < x->n_peers; i++) {
-    for (int k = 0; k < 256; k++) {
+    for (int k = 0; k < BURST; k++) {
       uint8_t buf[600];
       int n = zmq_recv(x->peers[i].sock, buf, sizeof buf, ZMQ_DONTWAIT);
       if (n < 0) break;
@@ -283,14 +332,44 @@ void xfer_progress(xfer *x) {
       tandem__cluster__kv_ack__free_unpacked(a, NULL);
     }
   }
-  int64_t t = td_now_ms();
+  int64_t now = td_now_ms();
   for (int p = x->n_pend - 1; p >= 0; p--)
-    if (t > x->pend[p].deadline) finish_push(x, p, false, "no answer from the receiving worker (dead or gone)");
+    if (now > x->pend[p].deadline) finish_push(x, p, false, "no answer from the receiving worker (dead or gone)");
 }
 
-void xfer_forget(xfer *x, uint64_t rid) {
+/* The blocks were copied when pushed: nothing to hold. */
+static bool zx_forget(td_kvt *t, uint64_t rid, int tag, bool cross, int32_t *blocks, int n) {
+  zx *x = t->ctx;
   for (int p = x->n_pend - 1; p >= 0; p--)
-    if (x->pend[p].rid == rid) x->pend[p] = x->pend[--x->n_pend];
+    if (x->pend[p].rid == rid && x->pend[p].tag == tag) x->pend[p] = x->pend[--x->n_pend];
+  return false;
 }
 
-int xfer_pending(const xfer *x) { return x->n_pend; }
+static bool zx_busy(const td_kvt *t, uint64_t reservation) { return false; }
+static int zx_pending(const td_kvt *t) { return ((const zx *)t->ctx)->n_pend; }
+static bool zx_arm(td_kvt *t) { return true; }
+
+static bool zx_route(td_kvt *t, const char *peer_id, const uint8_t *desc, size_t len, bool cross, char *why,
+                     size_t cap) {
+  size_t pl = strlen(DESC_PREFIX);
+  if (len > pl && len < sizeof ((zx *)t->ctx)->peers[0].ep + pl && !memcmp(desc, DESC_PREFIX, pl)) return true;
+  snprintf(why, cap, "no ZeroMQ endpoint");
+  return false;
+}
+
+const td_kvt_i td_kvt_zmq = {
+    .name = "zmq",
+    .kind = TD_KVT_ZMQ,
+    .host_copy = true,
+    .create = zx_create,
+    .destroy = zx_destroy,
+    .desc = zx_desc,
+    .route = zx_route,
+    .push = zx_push,
+    .forget = zx_forget,
+    .busy = zx_busy,
+    .pending = zx_pending,
+    .watch = zx_watch,
+    .arm = zx_arm,
+    .progress = zx_progress,
+};

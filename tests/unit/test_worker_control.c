@@ -1,0 +1,507 @@
+/* The worker's control plane in-process: a real td_worker (t5-tiny on the
+ * CPU, on a thread) against a fake router on a loopback ZeroMQ socket, and
+ * a fake KV receiver. Registration and the heartbeat period the ack names,
+ * reservation expiry, a refused job that no pool could hold, a cancel
+ * while a push waits for its answer, token offsets per sequence. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "decode_worker/decode.h"
+#include "encoder_worker/encoder.h"
+#include "proto/wire.h"
+#include "worker/worker.h"
+
+#define BS 16
+#define CROSS_BLOCKS 8
+
+typedef Tandem__Cluster__WorkerMessage wmsg;
+
+/* ---------------------------------------------------------------- fake router */
+
+typedef struct fake {
+  void *zctx, *sock;
+  char ep[128];
+  uint8_t id[TD_WIRE_MAX_ID];
+  size_t id_len;
+} fake;
+
+static void bind_router(void *zctx, void **sock, char *ep, size_t cap) {
+  *sock = zmq_socket(zctx, ZMQ_ROUTER);
+  cr_assert_not_null(*sock);
+  int linger = 0;
+  zmq_setsockopt(*sock, ZMQ_LINGER, &linger, sizeof linger);
+  int64_t max = -1;
+  zmq_setsockopt(*sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
+  cr_assert_eq(zmq_bind(*sock, "tcp://127.0.0.1:*"), 0);
+  size_t len = cap;
+  zmq_getsockopt(*sock, ZMQ_LAST_ENDPOINT, ep, &len);
+}
+
+/* The next message from the worker (NULL when none came in time). */
+static wmsg *fake_recv(fake *f, int timeout_ms) {
+  zmq_pollitem_t it = {.socket = f->sock, .events = ZMQ_POLLIN};
+  if (zmq_poll(&it, 1, timeout_ms) <= 0) return NULL;
+  td_wire_frame fr;
+  if (td_wire_recv(f->sock, true, false, &fr) != TD_OK) return NULL;
+  memcpy(f->id, fr.id, fr.id_len);
+  f->id_len = fr.id_len;
+  wmsg *m = NULL;
+  uint32_t ver;
+  cr_assert_eq(td_wire_unpack_worker(&fr, &m, &ver), TD_OK, "a malformed message from the worker");
+  td_wire_frame_free(&fr);
+  return m;
+}
+
+/* The next message of `body` (heartbeats and others skipped), or NULL. */
+static wmsg *fake_expect(fake *f, Tandem__Cluster__WorkerMessage__BodyCase body, int timeout_ms) {
+  int64_t end = td_now_ms() + timeout_ms;
+  for (int64_t left; (left = end - td_now_ms()) > 0;) {
+    wmsg *m = fake_recv(f, (int)left);
+    if (!m) return NULL;
+    if (m->body_case == body) return m;
+    tandem__cluster__worker_message__free_unpacked(m, NULL);
+  }
+  return NULL;
+}
+
+static void fake_send(fake *f, Tandem__Cluster__RouterMessage *m) {
+  m->version = TD_PROTOCOL_VERSION;
+  cr_assert_eq(td_wire_send(f->sock, f->id, f->id_len, &m->base), TD_OK);
+}
+
+static void send_ack(fake *f, uint32_t heartbeat_ms) {
+  Tandem__Cluster__RegisterAck a = TANDEM__CLUSTER__REGISTER_ACK__INIT;
+  a.accepted = true;
+  a.heartbeat_ms = heartbeat_ms;
+  a.dead_after = 1000; /* the test may be slow to answer: never call the router silent */
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK;
+  m.ack = &a;
+  fake_send(f, &m);
+}
+
+static void send_cancel(fake *f, uint64_t rid) {
+  Tandem__Cluster__Cancel c = TANDEM__CLUSTER__CANCEL__INIT;
+  c.rid = rid;
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL;
+  m.cancel = &c;
+  fake_send(f, &m);
+}
+
+/* ---------------------------------------------------------------- a worker on a thread */
+
+typedef struct wrun {
+  fake f;
+  td_worker *w;
+  pthread_t th;
+  volatile sig_atomic_t stop;
+  td_status s;
+  wmsg *reg; /* its registration */
+} wrun;
+
+static void *run_main(void *arg) {
+  wrun *r = arg;
+  r->s = td_worker_run(r->w, &r->stop);
+  return NULL;
+}
+
+static char model_dir[600];
+
+/* Starts a worker with these roles and answers its registration with an
+ * ack naming heartbeat_ms. */
+static void worker_start(wrun *r, const td_role *const *roles, int n_roles, const char *transfer, int ttl_ms,
+                         uint32_t heartbeat_ms) {
+  memset(r, 0, sizeof *r);
+  snprintf(model_dir, sizeof model_dir, "%s/t5-tiny", TD_TEST_DATA);
+  r->f.zctx = zmq_ctx_new();
+  bind_router(r->f.zctx, &r->f.sock, r->f.ep, sizeof r->f.ep);
+  td_worker_opts o = {.router = r->f.ep, .id = "w-test", .roles = roles, .n_roles = n_roles, .model_dir = model_dir,
+                      .device = TD_BACKEND_CPU, .block_size = BS, .cross_blocks = CROSS_BLOCKS, .self_blocks = 16,
+                      .max_batch = 4, .threads = 1, .reservation_ttl_ms = ttl_ms, .transfer = transfer,
+                      .transfer_timeout_ms = 20000};
+  cr_assert_eq(td_worker_create(&o, &r->w), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(pthread_create(&r->th, NULL, run_main, r), 0);
+  r->reg = fake_expect(&r->f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER, 10000);
+  cr_assert_not_null(r->reg, "no registration");
+  send_ack(&r->f, heartbeat_ms);
+}
+
+static void worker_stop(wrun *r) {
+  Tandem__Cluster__Shutdown sd = TANDEM__CLUSTER__SHUTDOWN__INIT;
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_SHUTDOWN;
+  m.shutdown = &sd;
+  fake_send(&r->f, &m); /* drops what is left, so the drain ends at once */
+  r->stop = SIGTERM;
+  pthread_join(r->th, NULL);
+  cr_expect_eq(r->s, TD_OK, "%s", td_errmsg());
+  wmsg *d = fake_expect(&r->f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER, 2000);
+  cr_expect_not_null(d, "no deregistration");
+  if (d) tandem__cluster__worker_message__free_unpacked(d, NULL);
+  td_worker_destroy(r->w);
+  tandem__cluster__worker_message__free_unpacked(r->reg, NULL);
+  zmq_close(r->f.sock);
+  zmq_ctx_term(r->f.zctx);
+}
+
+/* The next heartbeat whose load satisfies ok (NULL: any), or NULL. */
+static wmsg *heartbeat_where(fake *f, bool (*ok)(const Tandem__Cluster__Load *), int timeout_ms) {
+  int64_t end = td_now_ms() + timeout_ms;
+  for (int64_t left; (left = end - td_now_ms()) > 0;) {
+    wmsg *m = fake_expect(f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT, (int)left);
+    if (!m) return NULL;
+    if (!ok || (m->heartbeat->load && ok(m->heartbeat->load))) return m;
+    tandem__cluster__worker_message__free_unpacked(m, NULL);
+  }
+  return NULL;
+}
+
+static bool cross_pool_free(const Tandem__Cluster__Load *l) { return l->free_cross_blocks == CROSS_BLOCKS; }
+static bool one_block_reserved(const Tandem__Cluster__Load *l) { return l->free_cross_blocks == CROSS_BLOCKS - 1; }
+static bool one_pushing(const Tandem__Cluster__Load *l) { return l->kv_pushing == 1; }
+static bool nothing_pushing(const Tandem__Cluster__Load *l) {
+  return l->kv_pushing == 0 && l->free_cross_blocks == CROSS_BLOCKS;
+}
+
+/* ---------------------------------------------------------------- jobs */
+
+static int32_t input_ids[] = {10, 5, 9, 1};
+static int32_t prompt[] = {0};
+
+typedef struct job_msg {
+  Tandem__Cluster__RouterMessage m;
+  Tandem__Cluster__RequestSpec sp;
+  Tandem__SamplingParams sa;
+  Tandem__Cluster__DecodeJob dj;
+  Tandem__Cluster__EncodeJob ej;
+  Tandem__Cluster__KvTarget t;
+  Tandem__Cluster__KvTarget *ts[1];
+  int32_t dst[4];
+} job_msg;
+
+static void spec_init(job_msg *x, uint64_t rid, uint32_t enc_len) {
+  memset(x, 0, sizeof *x);
+  tandem__cluster__router_message__init(&x->m);
+  tandem__cluster__request_spec__init(&x->sp);
+  tandem__sampling_params__init(&x->sa);
+  x->sp.rid = rid;
+  x->sp.input_ids = input_ids;
+  x->sp.n_input_ids = 4;
+  x->sp.decoder_prompt = prompt;
+  x->sp.n_decoder_prompt = 1;
+  x->sp.max_new_tokens = 6;
+  x->sp.enc_len = enc_len;
+  x->sp.client_id = "test";
+}
+
+static void send_decode(fake *f, uint64_t rid, uint32_t enc_len, bool local_encode, int n_samples) {
+  job_msg x;
+  spec_init(&x, rid, enc_len);
+  tandem__cluster__decode_job__init(&x.dj);
+  if (n_samples > 1) {
+    x.sa.n = (uint32_t)n_samples;
+    x.sa.temperature = 1.0f;
+    x.sa.seed = 7;
+    x.sa.has_seed = true;
+    x.sa.ignore_eos = true;
+    x.sp.sampling = &x.sa;
+  }
+  x.dj.req = &x.sp;
+  x.dj.local_encode = local_encode;
+  x.m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE;
+  x.m.decode = &x.dj;
+  fake_send(f, &x.m);
+}
+
+static uint64_t failed_rid(const wmsg *m) { return m->failed->rid; }
+
+/* ---------------------------------------------------------------- tests */
+
+Test(worker_control, registers_and_heartbeats_at_the_acked_period, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "auto", 0, 40);
+  Tandem__Cluster__WorkerInfo *in = r.reg->register_->info;
+  cr_expect_str_eq(in->worker_id, "w-test");
+  cr_assert_eq(in->n_roles, 1);
+  cr_expect_eq(in->roles[0], TANDEM__CLUSTER__ROLE__ROLE_DECODE);
+  cr_expect_eq(in->block_size, BS);
+  cr_expect_eq(in->cross_blocks, CROSS_BLOCKS);
+  Tandem__Cluster__TransferDesc *d = tandem__cluster__transfer_desc__unpack(NULL, in->transfer_desc.len,
+                                                                             in->transfer_desc.data);
+  cr_assert_not_null(d, "the transfer descriptor does not unpack");
+  cr_expect_eq(d->version, TD_PROTOCOL_VERSION);
+  cr_expect(!strncmp(d->zmq, "zmq:tcp://127.0.0.1:", 20), "zmq endpoint %s", d->zmq);
+  cr_expect_gt(d->kvx.len, 0, "no UCX descriptor with --kv-transport auto");
+  cr_expect_eq(d->ranks, 1);
+  tandem__cluster__transfer_desc__free_unpacked(d, NULL);
+  /* every 40 ms from the ack on: within the default period (500 ms), several */
+  int64_t t0 = td_now_ms();
+  int n = 0;
+  uint64_t seq = 0;
+  for (int64_t left; (left = t0 + 400 - td_now_ms()) > 0;) {
+    wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT, (int)left);
+    if (!m) break;
+    cr_expect_gt(m->heartbeat->seq, seq);
+    seq = m->heartbeat->seq;
+    n++;
+    tandem__cluster__worker_message__free_unpacked(m, NULL);
+  }
+  cr_expect_geq(n, 5, "%d heartbeats in 400 ms at a 40 ms period", n);
+  worker_stop(&r);
+}
+
+Test(worker_control, unclaimed_reservation_expires_with_a_clear_failure, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 300, 100);
+  send_decode(&r.f, 21, 20, false, 1);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "nothing reserved");
+  cr_expect_eq(m->reserved->rid, 21);
+  cr_expect_eq(m->reserved->cross->n_blocks, 2);
+  cr_expect_null(m->reserved->self);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  int64_t t0 = td_now_ms();
+  m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
+  cr_assert_not_null(m, "the reservation never expired");
+  cr_expect_geq(td_now_ms() - t0, 200, "expired before its time");
+  cr_expect_eq(failed_rid(m), 21);
+  cr_expect_eq(m->failed->code, TANDEM__ERROR_CODE__ERROR_TIMEOUT);
+  cr_expect(m->failed->retryable);
+  cr_expect(strstr(m->failed->message, "did not arrive before the reservation expired"), "%s", m->failed->message);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  m = heartbeat_where(&r.f, cross_pool_free, 5000);
+  cr_expect_not_null(m, "the expired reservation's blocks did not come back");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  worker_stop(&r);
+}
+
+Test(worker_control, job_larger_than_the_pool_is_refused_naming_it, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  send_decode(&r.f, 31, CROSS_BLOCKS * BS + 1, false, 1);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
+  cr_assert_not_null(m, "an over-limit job was not refused");
+  cr_expect_eq(failed_rid(m), 31);
+  cr_expect(strstr(m->failed->message, "cross pool holds 8"), "%s", m->failed->message);
+  cr_expect(m->failed->retryable, "a worker with a larger pool may take it");
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  /* the refused job is gone: the same request fits when it is smaller */
+  send_decode(&r.f, 31, BS, false, 1);
+  m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "the request's earlier, refused job still blocks it");
+  cr_expect_eq(m->reserved->rid, 31);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  m = heartbeat_where(&r.f, one_block_reserved, 5000);
+  cr_assert_not_null(m, "the reservation does not show");
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_cancel(&r.f, 31);
+  m = heartbeat_where(&r.f, cross_pool_free, 5000);
+  cr_expect_not_null(m, "the cancelled reservation's blocks did not come back");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  worker_stop(&r);
+}
+
+Test(worker_control, job_for_a_role_not_served_is_refused, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  job_msg x;
+  spec_init(&x, 41, 4);
+  tandem__cluster__encode_job__init(&x.ej);
+  x.ej.req = &x.sp;
+  x.m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE;
+  x.m.encode = &x.ej;
+  fake_send(&r.f, &x.m);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
+  cr_assert_not_null(m);
+  cr_expect_eq(failed_rid(m), 41);
+  cr_expect_eq(m->failed->code, TANDEM__ERROR_CODE__ERROR_OVERLOADED);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  worker_stop(&r);
+}
+
+Test(worker_control, token_offsets_count_per_sequence, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  enum { N = 3 };
+  send_decode(&r.f, 51, 4, true, N);
+  int32_t got[N][64];
+  int n_got[N] = {0};
+  wmsg *fin = NULL;
+  while (!fin) {
+    wmsg *m = fake_recv(&r.f, 10000);
+    cr_assert_not_null(m, "no result");
+    if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS) {
+      Tandem__Cluster__Tokens *t = m->tokens;
+      cr_assert_eq(t->rid, 51);
+      cr_assert_lt(t->sequence, N);
+      int s = (int)t->sequence;
+      cr_expect_eq(t->offset, n_got[s], "sequence %d: offset %u after %d tokens", s, t->offset, n_got[s]);
+      cr_assert_leq(n_got[s] + (int)t->n_tokens, 64);
+      memcpy(got[s] + n_got[s], t->tokens, sizeof(int32_t) * t->n_tokens);
+      n_got[s] += (int)t->n_tokens;
+    } else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED) {
+      fin = m;
+      continue;
+    } else {
+      cr_assert_neq(m->body_case, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, "failed: %s", m->failed->message);
+    }
+    tandem__cluster__worker_message__free_unpacked(m, NULL);
+  }
+  cr_assert_eq(fin->finished->n_outputs, N);
+  /* every output is one streamed sequence, token for token */
+  bool used[N] = {false};
+  for (int o = 0; o < N; o++) {
+    const Tandem__SequenceOutput *so = fin->finished->outputs[o];
+    cr_expect_eq(so->n_tokens, 6);
+    bool found = false;
+    for (int s = 0; s < N && !found; s++)
+      if (!used[s] && n_got[s] == (int)so->n_tokens && !memcmp(got[s], so->tokens, sizeof(int32_t) * so->n_tokens))
+        used[s] = found = true;
+    cr_expect(found, "output %d was not streamed as one sequence", o);
+  }
+  tandem__cluster__worker_message__free_unpacked(fin, NULL);
+  worker_stop(&r);
+}
+
+/* ---------------------------------------------------------------- a push and a cancel */
+
+typedef struct receiver {
+  void *sock;
+  char ep[128];
+} receiver;
+
+/* One KvPush: its identity, header and block frames; checks the framing. */
+static Tandem__Cluster__KvPush *receive_push(receiver *k, zmq_msg_t *id, size_t *n_frames, size_t *frame_bytes) {
+  zmq_pollitem_t it = {.socket = k->sock, .events = ZMQ_POLLIN};
+  if (zmq_poll(&it, 1, 10000) <= 0) return NULL;
+  zmq_msg_init(id);
+  cr_assert_geq(zmq_msg_recv(id, k->sock, 0), 0);
+  zmq_msg_t hd;
+  zmq_msg_init(&hd);
+  cr_assert_geq(zmq_msg_recv(&hd, k->sock, 0), 0);
+  Tandem__Cluster__KvPush *h = tandem__cluster__kv_push__unpack(NULL, zmq_msg_size(&hd), zmq_msg_data(&hd));
+  zmq_msg_close(&hd);
+  *n_frames = 0;
+  int more = 1;
+  size_t l = sizeof more;
+  for (zmq_getsockopt(k->sock, ZMQ_RCVMORE, &more, &l); more; zmq_getsockopt(k->sock, ZMQ_RCVMORE, &more, &l)) {
+    zmq_msg_t b;
+    zmq_msg_init(&b);
+    zmq_msg_recv(&b, k->sock, 0);
+    *frame_bytes = zmq_msg_size(&b);
+    (*n_frames)++;
+    zmq_msg_close(&b);
+  }
+  return h;
+}
+
+static void send_kv_ack(receiver *k, zmq_msg_t *id, uint64_t push_id) {
+  Tandem__Cluster__KvAck a = TANDEM__CLUSTER__KV_ACK__INIT;
+  a.version = TD_PROTOCOL_VERSION;
+  a.push_id = push_id;
+  a.ok = true;
+  a.error = "";
+  uint8_t buf[256];
+  size_t n = protobuf_c_message_pack(&a.base, buf);
+  zmq_send(k->sock, zmq_msg_data(id), zmq_msg_size(id), ZMQ_SNDMORE);
+  zmq_send(k->sock, buf, n, 0);
+  zmq_msg_close(id);
+}
+
+static void send_encode(fake *f, uint64_t rid, const uint8_t *desc, size_t len) {
+  job_msg x;
+  spec_init(&x, rid, 4);
+  tandem__cluster__encode_job__init(&x.ej);
+  tandem__cluster__kv_target__init(&x.t);
+  x.t.worker_id = "fake-decode";
+  x.t.desc.data = (uint8_t *)desc;
+  x.t.desc.len = len;
+  x.t.reservation = 70 + rid;
+  x.dst[0] = 3;
+  x.t.blocks = x.dst;
+  x.t.n_blocks = 1;
+  x.t.tokens = 4;
+  x.ts[0] = &x.t;
+  x.ej.req = &x.sp;
+  x.ej.targets = x.ts;
+  x.ej.n_targets = 1;
+  x.m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE;
+  x.m.encode = &x.ej;
+  fake_send(f, &x.m);
+}
+
+Test(worker_control, cancel_while_a_push_waits_for_its_answer, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_encode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  receiver k;
+  bind_router(r.f.zctx, &k.sock, k.ep, sizeof k.ep);
+  char zep[160];
+  snprintf(zep, sizeof zep, "zmq:%s", k.ep);
+  Tandem__Cluster__TransferDesc d = TANDEM__CLUSTER__TRANSFER_DESC__INIT;
+  d.version = TD_PROTOCOL_VERSION;
+  d.zmq = zep;
+  d.ranks = 1;
+  uint8_t desc[256];
+  size_t dlen = tandem__cluster__transfer_desc__pack(&d, desc);
+
+  /* the push arrives as the wire says: header, one frame a block */
+  send_encode(&r.f, 61, desc, dlen);
+  zmq_msg_t id;
+  size_t frames = 0, fbytes = 0;
+  Tandem__Cluster__KvPush *h = receive_push(&k, &id, &frames, &fbytes);
+  cr_assert_not_null(h, "no KV push");
+  cr_expect_eq(h->version, TD_PROTOCOL_VERSION);
+  cr_expect_eq(h->rid, 61);
+  cr_expect_eq(h->reservation, 131);
+  cr_expect(h->cross);
+  cr_assert_eq(h->n_blocks, 1);
+  cr_expect_eq(h->blocks[0], 3);
+  cr_expect_eq(frames, 1);
+  cr_expect_eq(fbytes, h->block_bytes);
+  /* cancelled before the answer (a heartbeat after the one that shows the
+   * push pending shows the cancel done): the late answer reports nothing */
+  wmsg *m = heartbeat_where(&r.f, one_pushing, 5000);
+  cr_assert_not_null(m, "the push is not pending");
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_cancel(&r.f, 61);
+  m = heartbeat_where(&r.f, nothing_pushing, 5000);
+  cr_expect_not_null(m, "the cancelled push is still pending or holds its blocks");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_kv_ack(&k, &id, h->push_id);
+  tandem__cluster__kv_push__free_unpacked(h, NULL);
+
+  /* the same again, answered: now the encoder reports done */
+  send_encode(&r.f, 62, desc, dlen);
+  h = receive_push(&k, &id, &frames, &fbytes);
+  cr_assert_not_null(h, "no second KV push");
+  send_kv_ack(&k, &id, h->push_id);
+  tandem__cluster__kv_push__free_unpacked(h, NULL);
+  for (;;) {
+    m = fake_recv(&r.f, 5000);
+    cr_assert_not_null(m, "no EncodeDone for the answered push");
+    if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_ENCODE_DONE) break;
+    cr_expect_neq(m->body_case, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, "failed: %s", m->failed->message);
+    tandem__cluster__worker_message__free_unpacked(m, NULL);
+  }
+  cr_expect_eq(m->encode_done->rid, 62, "the cancelled request was reported done");
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  m = heartbeat_where(&r.f, nothing_pushing, 5000);
+  cr_assert_not_null(m);
+  cr_expect_eq(m->heartbeat->load->kv_out_zmq, 1, "blocks counted as pushed: %llu",
+               (unsigned long long)m->heartbeat->load->kv_out_zmq);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  zmq_close(k.sock);
+  worker_stop(&r);
+}

@@ -1,0 +1,501 @@
+/* The compute thread: it owns the backend, the model, the engine and the
+ * engine's KV pools, takes commands from the main thread (w_post: reserve,
+ * add, cancel, release, write arrived KV) and answers with events (blocks
+ * reserved, a token, a request done) that the main loop reads when the
+ * eventfd turns readable. Nothing else in the runtime touches the engine,
+ * so the main loop never waits on compute. A group leader also feeds its
+ * followers from this thread (leader.c; arrived KV sliced per rank here). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "worker/internal.h"
+
+/* ------------------------------------------------------------ queues */
+
+cmd *w_cmd(cmd_kind kind, uint64_t rid, int slot) {
+  cmd *c = calloc(1, sizeof *c);
+  if (c) {
+    c->kind = kind;
+    c->rid = rid;
+    c->slot = slot;
+  }
+  return c;
+}
+
+void cmd_free(cmd *c) {
+  if (!c) return;
+  free(c->blocks);
+  free(c->data);
+  free(c->id);
+  for (int i = 0; i < 3; i++) free(c->owned_i32[i]);
+  free(c->owned_f32);
+  free(c);
+}
+
+void w_post(td_worker *w, cmd *c) {
+  if (!c) return;
+  pthread_mutex_lock(&w->mu);
+  if (w->cmd_tail)
+    w->cmd_tail->next = c;
+  else
+    w->cmd_head = c;
+  w->cmd_tail = c;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+static void ev_push(td_worker *w, wev *e) {
+  pthread_mutex_lock(&w->mu);
+  if (w->ev_tail)
+    w->ev_tail->next = e;
+  else
+    w->ev_head = e;
+  w->ev_tail = e;
+  pthread_mutex_unlock(&w->mu);
+  uint64_t one = 1;
+  if (write(w->efd, &one, sizeof one) < 0) TD_DEBUG("eventfd write: %s", strerror(errno));
+}
+
+wev *w_events_take(td_worker *w) {
+  uint64_t cnt;
+  if (read(w->efd, &cnt, sizeof cnt) < 0 && errno != EAGAIN) TD_DEBUG("eventfd read: %s", strerror(errno));
+  pthread_mutex_lock(&w->mu);
+  wev *list = w->ev_head;
+  w->ev_head = w->ev_tail = NULL;
+  pthread_mutex_unlock(&w->mu);
+  return list;
+}
+
+void ev_free(wev *e) {
+  if (!e) return;
+  free(e->cross_ids);
+  free(e->self_ids);
+  free(e->error);
+  for (int i = 0; i < e->n_outputs; i++) {
+    free(e->outputs[i]->tokens);
+    free(e->outputs[i]->logprobs);
+    free(e->outputs[i]);
+  }
+  free(e->outputs);
+  free(e->blocks);
+  free(e->host);
+  free(e);
+}
+
+load_snap w_load(td_worker *w) {
+  pthread_mutex_lock(&w->mu);
+  load_snap l = w->load;
+  pthread_mutex_unlock(&w->mu);
+  return l;
+}
+
+/* ------------------------------------------------------------ engine callbacks */
+
+static void on_token(void *ctx, uint64_t handle, void *user, int seq, int32_t token, float logprob) {
+  td_worker *w = ctx;
+  creq *c = user;
+  if (!c->role->streams) return;
+  wev *e = calloc(1, sizeof *e);
+  if (!e) return;
+  e->kind = EV_TOKEN;
+  e->rid = c->rid;
+  e->slot = c->slot;
+  e->seq = seq;
+  e->token = token;
+  e->logprob = logprob;
+  ev_push(w, e);
+}
+
+static Tandem__FinishReason finish_code(td_finish f) {
+  switch (f) {
+    case TD_FINISH_STOP: return TANDEM__FINISH_REASON__FINISH_STOP;
+    case TD_FINISH_LENGTH: return TANDEM__FINISH_REASON__FINISH_LENGTH;
+    case TD_FINISH_CANCELLED: return TANDEM__FINISH_REASON__FINISH_CANCELLED;
+    case TD_FINISH_ERROR: return TANDEM__FINISH_REASON__FINISH_ERROR;
+    default: return TANDEM__FINISH_REASON__FINISH_NONE;
+  }
+}
+
+static void copy_outputs(wev *e, const td_result *r) {
+  if (r->n_outputs) e->outputs = calloc((size_t)r->n_outputs, sizeof *e->outputs);
+  for (int i = 0; e->outputs && i < r->n_outputs; i++) {
+    const td_seq_output *o = &r->outputs[i];
+    Tandem__SequenceOutput *so = malloc(sizeof *so);
+    if (!so) break;
+    tandem__sequence_output__init(so);
+    so->tokens = malloc(sizeof(int32_t) * (size_t)(o->n_tokens + 1));
+    if (so->tokens) memcpy(so->tokens, o->tokens, sizeof(int32_t) * (size_t)o->n_tokens);
+    so->n_tokens = so->tokens ? (size_t)o->n_tokens : 0;
+    if (o->logprobs) {
+      so->logprobs = malloc(sizeof(float) * (size_t)(o->n_tokens + 1));
+      if (so->logprobs) {
+        memcpy(so->logprobs, o->logprobs, sizeof(float) * (size_t)o->n_tokens);
+        so->n_logprobs = (size_t)o->n_tokens;
+      }
+    }
+    so->score = o->score;
+    so->finish_reason = finish_code(o->finish);
+    e->outputs[e->n_outputs++] = so;
+  }
+}
+
+/* The blocks a finished request hands over, and their bytes in host memory
+ * when a transport that copies pushes them. */
+static void hand_over(td_worker *w, creq *c, wev *e, const td_result *r) {
+  bool cross = c->role->hands_over == TD_POOL_CROSS;
+  td_kv_pool *pool = cross ? td_engine_cross_pool(w->e) : td_engine_self_pool(w->e);
+  size_t bb = td_kv_pool_block_bytes(pool);
+  e->blocks = malloc(sizeof(int32_t) * (size_t)r->n_blocks);
+  e->host = c->host_copy ? malloc(bb * (size_t)r->n_blocks) : NULL;
+  if (!e->blocks || (!e->host && c->host_copy)) {
+    e->status = td_err(TD_ERR_NOMEM, "out of memory");
+    return;
+  }
+  memcpy(e->blocks, r->blocks, sizeof(int32_t) * (size_t)r->n_blocks);
+  e->n_blocks = r->n_blocks;
+  e->blocks_cross = cross;
+  e->block_bytes = bb;
+  for (int i = 0; e->host && i < r->n_blocks; i++)
+    (void)td_copy_d2h(w->b, e->host + (size_t)i * bb, (uint8_t *)td_kv_pool_memory(pool) + (size_t)r->blocks[i] * bb,
+                      bb);
+  /* UCX reads the pool itself: the blocks must be complete before the main thread sees them */
+  if (td_sync(w->b) != TD_OK) e->status = TD_ERR_CUDA;
+}
+
+static void on_finish(void *ctx, const td_result *r) {
+  td_worker *w = ctx;
+  creq *c = r->user;
+  wev *e = calloc(1, sizeof *e);
+  if (e) {
+    e->kind = EV_DONE;
+    e->rid = c->rid;
+    e->slot = c->slot;
+    e->status = r->status;
+    e->error = r->error ? strdup(r->error) : NULL;
+    e->ms = (double)(td_now_ms() - c->t_start);
+    copy_outputs(e, r);
+    if (r->n_blocks && c->role->hands_over != TD_POOL_NONE) hand_over(w, c, e, r);
+    ev_push(w, e);
+  }
+  HASH_DEL(w->creqs, c);
+  free(c);
+}
+
+/* ------------------------------------------------------------ commands */
+
+static void done_error(td_worker *w, uint64_t rid, int slot, td_status s, const char *msg) {
+  wev *e = calloc(1, sizeof *e);
+  if (!e) return;
+  e->kind = EV_DONE;
+  e->rid = rid;
+  e->slot = slot;
+  e->status = s;
+  e->error = strdup(msg);
+  ev_push(w, e);
+}
+
+static void compute_reserve(td_worker *w, cmd *c) {
+  wev *e = calloc(1, sizeof *e);
+  if (!e) {
+    done_error(w, c->rid, c->slot, TD_ERR_NOMEM, "out of memory");
+    return;
+  }
+  e->kind = EV_RESERVED;
+  e->rid = c->rid;
+  e->slot = c->slot;
+  e->cross_ids = calloc((size_t)c->n_cross + 1, sizeof(int32_t));
+  e->self_ids = calloc((size_t)c->n_self + 1, sizeof(int32_t));
+  td_status s = e->cross_ids && e->self_ids ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
+  /* the main thread expires reservations itself (it knows about transfers in flight) */
+  if (s == TD_OK && c->n_cross)
+    s = td_kv_reserve(td_engine_cross_pool(w->e), c->n_cross, INT64_MAX, &e->cross_res, e->cross_ids);
+  if (s == TD_OK && c->n_self) {
+    s = td_kv_reserve(td_engine_self_pool(w->e), c->n_self, INT64_MAX, &e->self_res, e->self_ids);
+    if (s != TD_OK && c->n_cross) (void)td_kv_reservation_release(td_engine_cross_pool(w->e), e->cross_res);
+  }
+  if (s != TD_OK) {
+    ev_free(e);
+    done_error(w, c->rid, c->slot, s, td_errmsg());
+    return;
+  }
+  e->n_cross = c->n_cross;
+  e->n_self = c->n_self;
+  ev_push(w, e);
+}
+
+/* Claims a reservation's blocks into a buffer of its own size. */
+static td_status claim(td_kv_pool *p, uint64_t res, int expected, int32_t **ids, int *n) {
+  *ids = malloc(sizeof **ids * (size_t)(expected > 0 ? expected : 1));
+  if (!*ids) return td_err(TD_ERR_NOMEM, "out of memory");
+  return td_kv_reservation_claim(p, res, *ids, expected, n);
+}
+
+static void compute_add(td_worker *w, cmd *c) {
+  int32_t *cross = NULL, *self = NULL;
+  int nc = 0, ns = 0;
+  td_status s = TD_OK;
+  td_request r = c->req;
+  if (c->cross_res) {
+    s = claim(td_engine_cross_pool(w->e), c->cross_res, c->n_cross, &cross, &nc);
+    r.cross_blocks = cross;
+    r.n_cross_blocks = nc;
+  }
+  if (s == TD_OK && c->self_res) {
+    s = claim(td_engine_self_pool(w->e), c->self_res, c->n_self, &self, &ns);
+    r.self_blocks = self;
+    r.n_self_blocks = ns;
+  }
+  creq *cr = calloc(1, sizeof *cr);
+  if (s == TD_OK && !cr) s = td_err(TD_ERR_NOMEM, "out of memory");
+  if (s == TD_OK) {
+    cr->rid = c->rid;
+    cr->slot = c->slot;
+    cr->role = c->role;
+    cr->t_start = td_now_ms();
+    cr->host_copy = c->host_copy;
+    r.user = cr;
+    s = td_engine_add(w->e, &r, &cr->handle);
+  }
+  if (s != TD_OK) {
+    /* the claimed blocks are ours to free */
+    td_kv_unref_all(td_engine_cross_pool(w->e), cross, nc);
+    td_kv_unref_all(td_engine_self_pool(w->e), self, ns);
+    free(cr);
+    done_error(w, c->rid, c->slot, s, td_errmsg());
+  } else {
+    HASH_ADD(hh, w->creqs, rid, sizeof cr->rid, cr);
+  }
+  free(cross);
+  free(self);
+}
+
+static void compute_cancel(td_worker *w, uint64_t rid, int slot) {
+  creq *c, *t;
+  for (bool again = true; again;) {
+    again = false;
+    HASH_ITER(hh, w->creqs, c, t) {
+      if (c->rid != rid || (slot >= 0 && c->slot != slot)) continue;
+      (void)td_engine_cancel(w->e, c->handle); /* on_finish frees c */
+      again = true;
+      break;
+    }
+  }
+}
+
+/* Arrived whole-model blocks: this rank's part into its pool, the other
+ * ranks' parts to them through the mirror (before any step that reads
+ * them, since the mirror keeps order). A cross block's states tail is not
+ * split by heads or layers: every rank takes all of it. */
+static void compute_write_kv(td_worker *w, cmd *c) {
+  td_kv_pool *pool = c->cross ? td_engine_cross_pool(w->e) : td_engine_self_pool(w->e);
+  size_t bb = td_kv_pool_block_bytes(pool), es = td_buf_elem_size(w->b, TD_BUF_ACT);
+  const td_kv_layout *fl = c->cross ? &w->full_cross : &w->full_self;
+  size_t full_bb = c->cross ? w->full_cross_bb : w->full_self_bb;
+  int L = fl->n_layers, H = fl->n_heads;
+  int tp = w->o.tp > 1 ? w->o.tp : 1, pp = w->o.pp > 1 ? w->o.pp : 1;
+  uint8_t *part = malloc(full_bb);
+  uint8_t *msg = NULL;
+  if (!part) {
+    TD_ERROR("out of memory writing %d arrived KV blocks", c->n_blocks);
+    return;
+  }
+  for (int r = 0; r < w->world; r++) {
+    int l0, l1, h0, h1;
+    group_rank_range(r, tp, pp, L, H, &l0, &l1, &h0, &h1);
+    td_kv_layout rl = {l1 - l0, h1 - h0, fl->head_dim, fl->block_size, fl->states};
+    size_t rb = td_kv_block_elems(&rl) * es;
+    if (r > 0) {
+      free(msg);
+      msg = malloc(1 + 1 + 4 + (size_t)c->n_blocks * (4 + rb));
+      if (!msg) {
+        TD_ERROR("out of memory forwarding %d KV blocks to rank %d", c->n_blocks, r);
+        break;
+      }
+      msg[0] = 'K';
+      msg[1] = c->cross;
+      memcpy(msg + 2, &c->n_blocks, 4);
+      memcpy(msg + 6, c->blocks, sizeof(int32_t) * (size_t)c->n_blocks);
+    }
+    for (int i = 0; i < c->n_blocks; i++) {
+      const uint8_t *full = c->data + (size_t)i * full_bb;
+      uint8_t *dst = r == 0 ? part : msg + 6 + (size_t)c->n_blocks * 4 + (size_t)i * rb;
+      group_slice_block(full, dst, fl, es, l0, l1, h0, h1);
+      if (r == 0 && c->blocks[i] >= 0 && c->blocks[i] < td_kv_pool_get_stats(pool).n_blocks)
+        (void)td_copy_h2d(w->b, (uint8_t *)td_kv_pool_memory(pool) + (size_t)c->blocks[i] * bb, part, bb);
+      if (r == 0) (void)td_sync(w->b); /* part is reused */
+    }
+    if (r > 0) w_mirror_send(w, r, msg, 6 + (size_t)c->n_blocks * (4 + rb));
+  }
+  free(msg);
+  free(part);
+}
+
+static void compute_handle(td_worker *w, cmd *c) {
+  switch (c->kind) {
+    case CMD_RESERVE: compute_reserve(w, c); break;
+    case CMD_RELEASE_RES:
+      if (c->cross_res) (void)td_kv_reservation_release(td_engine_cross_pool(w->e), c->cross_res);
+      if (c->self_res) (void)td_kv_reservation_release(td_engine_self_pool(w->e), c->self_res);
+      break;
+    case CMD_ADD: compute_add(w, c); break;
+    case CMD_CANCEL: compute_cancel(w, c->rid, c->slot); break;
+    case CMD_RELEASE_BLOCKS: td_engine_release(w->e, c->cross, c->blocks, c->n_blocks); break;
+    case CMD_WRITE_KV: compute_write_kv(w, c); break;
+  }
+}
+
+/* ------------------------------------------------------------ the thread */
+
+static void model_facts(td_worker *w) {
+  w->cfg = *td_model_get_config(w->m);
+  w->max_src = td_model_max_source_len(w->m);
+  w->max_tgt = td_model_max_target_len(w->m);
+  w->frames = td_model_input_frames(w->m);
+  w->start_token = td_model_get_gen(w->m)->decoder_start_token_id;
+  w->block_size = td_model_get_opts(w->m)->block_size;
+  td_engine_stats st = td_engine_get_stats(w->e);
+  w->self_blocks = st.self.n_blocks;
+  w->cross_blocks = st.cross.n_blocks;
+  /* heartbeats before the first command report the pools as they are (read after `ready`) */
+  w->load = (load_snap){0, 0, st.self.n_free, st.cross.n_free};
+  w->max_running = w->o.max_batch;
+  size_t es = td_buf_elem_size(w->b, TD_BUF_ACT);
+  w->full_self = (td_kv_layout){w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size, 0};
+  /* the whole decoder's K/V (none in STATES), the states tail as the model's */
+  td_kv_layout mcl = td_model_cross_layout(w->m);
+  w->full_cross = w->full_self;
+  if (mcl.n_layers == 0) w->full_cross.n_layers = 0;
+  w->full_cross.states = mcl.states;
+  w->full_self_bb = td_kv_block_elems(&w->full_self) * es;
+  w->full_cross_bb = td_kv_block_elems(&w->full_cross) * es;
+  /* the pools stay this thread's; the main thread registers their memory with UCX */
+  td_kv_pool *cp = td_engine_cross_pool(w->e), *sp = td_engine_self_pool(w->e);
+  w->pools.cuda = w->o.device == TD_BACKEND_CUDA;
+  w->pools.device = w->o.device_id;
+  w->pools.elem_size = (int)es;
+  w->pools.cross = (td_kvt_pool){td_model_cross_layout(w->m), td_kv_pool_memory(cp), st.cross.n_blocks,
+                                 td_kv_pool_block_bytes(cp)};
+  w->pools.self = (td_kvt_pool){td_model_self_layout(w->m), td_kv_pool_memory(sp), st.self.n_blocks,
+                                td_kv_pool_block_bytes(sp)};
+}
+
+static td_status compute_init(td_worker *w) {
+  td_backend_opts bo = {.kind = w->o.device, .device = w->o.device_id, .threads = w->o.threads,
+                        .cuda = w->o.settings.cuda};
+  TD_TRY(td_backend_create(&bo, &w->b));
+  td_model_opts mo = {.block_size = w->o.block_size, .max_seqs = w->o.max_batch, .max_tokens = w->o.max_tokens,
+                      .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = TD_DEFAULT_MAX_ENC_SEQS,
+                      .cross_mode = w->o.cross_mode, .states_rows = w->o.states_rows,
+                      .tuning = w->o.settings.model};
+  if (w->world > 1) TD_TRY(w_leader_init(w, &mo));
+  TD_TRY(td_model_load(w->o.model_dir, w->b, &mo, &w->m));
+  if (w->world > 1) TD_TRY(w_leader_wait_followers(w));
+  td_engine_opts eo = {.self_blocks = w->o.self_blocks, .cross_blocks = w->o.cross_blocks,
+                       .max_running = w->o.max_batch, .max_step_tokens = w->o.max_tokens};
+  td_engine_callbacks cb = {.on_token = on_token, .on_finish = on_finish, .ctx = w};
+  TD_TRY(td_engine_create(w->m, &eo, &cb, &w->e));
+  model_facts(w);
+  return TD_OK;
+}
+
+static void *compute_main(void *arg) {
+  td_worker *w = arg;
+  td_status s = compute_init(w);
+  pthread_mutex_lock(&w->mu);
+  w->init_status = s;
+  if (s != TD_OK) snprintf(w->init_error, sizeof w->init_error, "%s", td_errmsg());
+  w->ready = true;
+  pthread_cond_broadcast(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+  if (s != TD_OK) return NULL;
+  for (;;) {
+    pthread_mutex_lock(&w->mu);
+    while (!w->cmd_head && !w->stop_compute && td_engine_idle(w->e)) {
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_nsec += TD_WORKER_COMPUTE_IDLE_MS * 1000000L;
+      if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+      pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+    }
+    cmd *list = w->cmd_head;
+    w->cmd_head = w->cmd_tail = NULL;
+    bool stop = w->stop_compute;
+    pthread_mutex_unlock(&w->mu);
+    while (list) {
+      cmd *next = list->next;
+      compute_handle(w, list);
+      cmd_free(list);
+      list = next;
+    }
+    if (stop) {
+      if (w->world > 1) w_mirror_all(w, "S");
+      break;
+    }
+    if (w->world > 1) w_mirror_tick(w);
+    if (!td_engine_idle(w->e) && td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
+    td_engine_stats st = td_engine_get_stats(w->e);
+    pthread_mutex_lock(&w->mu);
+    w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free};
+    pthread_mutex_unlock(&w->mu);
+  }
+  return NULL;
+}
+
+td_status w_compute_start(td_worker *w) {
+  if (pthread_create(&w->thread, NULL, compute_main, w) != 0)
+    return td_err(TD_ERR_INTERNAL, "cannot start the compute thread");
+  w->thread_started = true;
+  pthread_mutex_lock(&w->mu);
+  while (!w->ready) pthread_cond_wait(&w->cv, &w->mu);
+  pthread_mutex_unlock(&w->mu);
+  if (w->init_status != TD_OK) return td_err(w->init_status, "%s", w->init_error);
+  return TD_OK;
+}
+
+/* Stops the thread, then frees what it owned (the engine reports what it
+ * still runs as events: freed by the caller after). */
+void w_compute_stop(td_worker *w) {
+  if (w->thread_started) {
+    pthread_mutex_lock(&w->mu);
+    w->stop_compute = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    pthread_join(w->thread, NULL);
+    w->thread_started = false;
+  }
+  td_engine_destroy(w->e);
+  w->e = NULL;
+  creq *c, *ct;
+  HASH_ITER(hh, w->creqs, c, ct) {
+    HASH_DEL(w->creqs, c);
+    free(c);
+  }
+  while (w->cmd_head) {
+    cmd *c2 = w->cmd_head;
+    w->cmd_head = c2->next;
+    cmd_free(c2);
+  }
+  w->cmd_tail = NULL;
+  while (w->ev_head) {
+    wev *e = w->ev_head;
+    w->ev_head = e->next;
+    ev_free(e);
+  }
+  w->ev_tail = NULL;
+  if (w->msock) zmq_close(w->msock);
+  w->msock = NULL;
+  td_model_destroy(w->m);
+  w->m = NULL;
+  if (w->b) td_backend_set_comm(w->b, NULL);
+  td_comm_destroy(w->comm);
+  w->comm = NULL;
+  td_backend_destroy(w->b);
+  w->b = NULL;
+  td_comm_zmq_boot_free(w->boot);
+  w->boot = NULL;
+}

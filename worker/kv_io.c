@@ -1,0 +1,190 @@
+/* KV in and out, on the main thread: the one hook set every transport
+ * calls (a push is checked against its reservation before any byte is
+ * written, the same check for every transport; bytes a transport brings
+ * go to the compute thread; arrivals go to the job's role), and the push
+ * of a job's handed-over blocks to the workers that reserved them, with
+ * its role told once every push ended. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "worker/internal.h"
+
+/* ------------------------------------------------------------ receiving */
+
+static bool k_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n,
+                     size_t block_bytes, char *why, size_t cap) {
+  td_worker *w = ctx;
+  size_t want = cross ? w->full_cross_bb : w->full_self_bb;
+  if (block_bytes && block_bytes != want) {
+    snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "
+             "--cross-mode?)", cross ? "cross" : "self", block_bytes, want);
+    return false;
+  }
+  td_job *j = w_job_by_reservation(w, rid, res, cross);
+  if (!j || !j->reserved || j->added) {
+    snprintf(why, cap, "reservation %llu of request %llu is not open here", (unsigned long long)res,
+             (unsigned long long)rid);
+    return false;
+  }
+  if (td_now_ms() > j->expires) {
+    snprintf(why, cap, "reservation %llu expired", (unsigned long long)res);
+    return false;
+  }
+  const int32_t *have = cross ? j->cross_ids : j->self_ids;
+  int nh = cross ? j->n_cross : j->n_self;
+  for (int i = 0; i < n; i++) {
+    bool ok = false;
+    for (int k = 0; k < nh && !ok; k++) ok = have[k] == blocks[i];
+    if (!ok) {
+      snprintf(why, cap, "block %d is not in reservation %llu", blocks[i], (unsigned long long)res);
+      return false;
+    }
+  }
+  return true;
+}
+
+static void k_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const void *const *data, size_t bb) {
+  td_worker *w = ctx;
+  cmd *c = w_cmd(CMD_WRITE_KV, 0, -1);
+  if (c) {
+    c->cross = cross;
+    c->blocks = malloc(sizeof(int32_t) * (size_t)n);
+    c->data = malloc(bb * (size_t)n);
+  }
+  if (!c || !c->blocks || !c->data) {
+    TD_ERROR("out of memory taking %d arrived KV blocks", n);
+    cmd_free(c);
+    return;
+  }
+  memcpy(c->blocks, blocks, sizeof(int32_t) * (size_t)n);
+  for (int i = 0; i < n; i++) memcpy(c->data + (size_t)i * bb, data[i], bb);
+  c->n_blocks = n;
+  w_post(w, c);
+}
+
+static void k_arrived(void *ctx, const td_kvt *t, uint64_t rid, uint64_t res, bool cross, int n) {
+  td_worker *w = ctx;
+  w->kv_in[td_kvt_get_kind(t)] += (uint64_t)n;
+  td_job *j = w_job_by_reservation(w, rid, res, cross);
+  if (!j) return; /* cancelled meanwhile */
+  if (cross)
+    j->cross_got += n;
+  else
+    j->self_got += n;
+  if (j->role->on_arrival) j->role->on_arrival(w, j);
+}
+
+/* ------------------------------------------------------------ sending */
+
+/* Every push of the job ended: its blocks go back, its role reports. */
+static void pushes_over(td_worker *w, td_job *j) {
+  w_release_out_blocks(w, j);
+  j->role->on_pushed(w, j, j->push_failed ? j->push_error : NULL);
+}
+
+static void k_pushed(void *ctx, const td_kvt *t, uint64_t rid, int tag, int n, bool ok, const char *error) {
+  td_worker *w = ctx;
+  if (ok) w->kv_out[td_kvt_get_kind(t)] += (uint64_t)n;
+  td_job *j = w_job_find(w, rid, tag);
+  if (!j) return;
+  j->pushes_pending--;
+  if (!ok && !j->push_failed) {
+    j->push_failed = true;
+    snprintf(j->push_error, sizeof j->push_error, "KV push failed: %s", error ? error : "?");
+  }
+  if (j->pushes_pending <= 0) pushes_over(w, j);
+}
+
+static void k_release(void *ctx, bool cross, int32_t *blocks, int n) {
+  td_worker *w = ctx;
+  cmd *c = w_cmd(CMD_RELEASE_BLOCKS, 0, -1);
+  if (!c) {
+    free(blocks);
+    return;
+  }
+  c->cross = cross;
+  c->blocks = blocks;
+  c->n_blocks = n;
+  w_post(w, c);
+}
+
+td_kvt_hooks w_kv_hooks(td_worker *w) {
+  return (td_kvt_hooks){.accept = k_accept, .deliver = k_deliver, .arrived = k_arrived, .pushed = k_pushed,
+                        .release = k_release, .ctx = w};
+}
+
+static void push_failed(td_job *j, const char *fmt, const char *a, const char *b) {
+  if (j->push_failed) return;
+  j->push_failed = true;
+  snprintf(j->push_error, sizeof j->push_error, fmt, a, b);
+}
+
+void td_job_push(td_worker *w, td_job *j, Tandem__Cluster__KvTarget *const *targets, size_t n_targets) {
+  for (size_t i = 0; i < n_targets; i++) {
+    const Tandem__Cluster__KvTarget *t = targets[i];
+    if ((int)t->n_blocks != j->n_out) {
+      char got[64];
+      snprintf(got, sizeof got, "%zu blocks for %d", t->n_blocks, j->n_out);
+      push_failed(j, "target %s reserved %s", t->worker_id, got);
+      continue;
+    }
+    if (!j->out_blocks || j->n_out <= 0) {
+      push_failed(j, "no blocks to push to %s%s", t->worker_id, "");
+      continue;
+    }
+    kv_route r;
+    w_kv_route(w, t, j->out_cross, &r);
+    td_status s;
+    if (!r.t)
+      s = td_err(TD_ERR_UNSUPPORTED, "%s", r.why);
+    else if (td_kvt_host_copy(r.t) && !j->out_host) /* no copy was made when the job came: UCX looked possible then */
+      s = td_err(TD_ERR_UNSUPPORTED, "the blocks are not in host memory");
+    else
+      s = td_kvt_push_blocks(r.t, &(td_kvt_push){.rid = j->rid, .tag = j->slot, .peer_id = t->worker_id,
+                                                  .peer_desc = r.desc, .peer_desc_len = r.desc_len,
+                                                  .reservation = t->reservation, .cross = j->out_cross,
+                                                  .dst = t->blocks, .n = j->n_out, .src_blocks = j->out_blocks,
+                                                  .src_host = j->out_host, .block_bytes = j->out_bb});
+    w_kv_route_free(&r);
+    if (s == TD_OK)
+      j->pushes_pending++;
+    else
+      push_failed(j, "KV push to %s: %s", t->worker_id, td_errmsg());
+  }
+  if (j->pushes_pending == 0) pushes_over(w, j);
+}
+
+/* A job ends: its pushes are forgotten (no hook fires for them); a
+ * transport that still reads its blocks takes them. */
+void w_kv_forget(td_worker *w, td_job *j) {
+  for (int k = 0; k < TD_KVT_KINDS; k++)
+    if (w->kvt[k] && td_kvt_forget(w->kvt[k], j->rid, j->slot, j->out_cross, j->out_blocks, j->n_out))
+      j->out_blocks = NULL;
+}
+
+int w_kv_pushing(td_worker *w) {
+  int n = 0;
+  for (int k = 0; k < TD_KVT_KINDS; k++)
+    if (w->kvt[k]) n += td_kvt_pending(w->kvt[k]);
+  return n;
+}
+
+/* Before sleeping: the transports armed (false: one has work that signals no descriptor). */
+bool w_kv_arm(td_loop *l, void *ctx) {
+  td_worker *w = ctx;
+  bool sleep = true;
+  for (int k = 0; k < TD_KVT_KINDS; k++)
+    if (w->kvt[k] && !td_kvt_arm(w->kvt[k])) sleep = false;
+  return sleep;
+}
+
+/* After sleeping: the transports progress; reservations their transfers released go back. */
+void w_kv_progress(td_loop *l, void *ctx) {
+  td_worker *w = ctx;
+  for (int k = 0; k < TD_KVT_KINDS; k++)
+    if (w->kvt[k]) td_kvt_progress(w->kvt[k]);
+  w_release_deferred(w);
+}

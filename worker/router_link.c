@@ -1,0 +1,267 @@
+/* The link to the router, on the main thread: registration (and its
+ * retry), heartbeats at the period the router's ack names, the router's
+ * silence, and its messages: jobs go to the role whose table takes them,
+ * cancels, drains and shutdowns to the runtime. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "worker/internal.h"
+
+/* messages read from the router a turn, so that timers and transfers keep their turn */
+#define ROUTER_BURST 1024
+
+void td_worker_send(td_worker *w, Tandem__Cluster__WorkerMessage *m) {
+  m->version = TD_PROTOCOL_VERSION;
+  if (td_wire_send(w->rsock, NULL, 0, &m->base) != TD_OK) TD_WARN("send to router: %s", td_errmsg());
+}
+
+void td_worker_send_failed(td_worker *w, uint64_t rid, td_status code, const char *msg, bool retryable) {
+  Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
+  f.rid = rid;
+  f.code = td_wire_error_code(code);
+  f.message = (char *)msg;
+  f.retryable = retryable;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED;
+  m.failed = &f;
+  td_worker_send(w, &m);
+}
+
+void w_send_reserved(td_worker *w, td_job *j) {
+  Tandem__Cluster__KvTarget cross = TANDEM__CLUSTER__KV_TARGET__INIT, self = TANDEM__CLUSTER__KV_TARGET__INIT;
+  cross.worker_id = self.worker_id = w->id;
+  cross.desc.data = self.desc.data = w->desc;
+  cross.desc.len = self.desc.len = w->desc_len;
+  cross.reservation = j->cross_res;
+  cross.blocks = j->cross_ids;
+  cross.n_blocks = (size_t)j->n_cross;
+  cross.tokens = j->spec->enc_len;
+  self.reservation = j->self_res;
+  self.blocks = j->self_ids;
+  self.n_blocks = (size_t)j->n_self;
+  self.tokens = (uint32_t)j->self_expected;
+  Tandem__Cluster__Reserved r = TANDEM__CLUSTER__RESERVED__INIT;
+  r.rid = j->rid;
+  r.cross = &cross;
+  if (j->n_self) r.self = &self;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+  m.reserved = &r;
+  td_worker_send(w, &m);
+}
+
+void w_send_register(td_worker *w) {
+  Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
+  mi.name = "";
+  mi.model_type = w->cfg.model_type;
+  mi.vocab_size = (uint32_t)w->cfg.vocab_size;
+  mi.max_source_len = (uint32_t)w->max_src;
+  mi.max_target_len = (uint32_t)w->max_tgt;
+  mi.mel_bins = w->frames ? (uint32_t)w->cfg.num_mel_bins : 0;
+  mi.frames = (uint32_t)w->frames;
+  Tandem__TokenId start = TANDEM__TOKEN_ID__INIT;
+  start.id = w->start_token;
+  mi.decoder_start = &start;
+  Tandem__Cluster__Role roles[TD_WORKER_MAX_ROLES];
+  for (int i = 0; i < w->n_roles; i++) roles[i] = w->roles[i]->id;
+  Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;
+  in.worker_id = w->id;
+  in.roles = roles;
+  in.n_roles = (size_t)w->n_roles;
+  in.model = &mi;
+  in.tp = (uint32_t)(w->o.tp > 1 ? w->o.tp : 1);
+  in.pp = (uint32_t)(w->o.pp > 1 ? w->o.pp : 1);
+  in.group = (char *)(w->o.group ? w->o.group : "");
+  in.block_size = (uint32_t)w->block_size;
+  in.self_blocks = (uint32_t)w->self_blocks;
+  in.cross_blocks = (uint32_t)w->cross_blocks;
+  in.max_running = (uint32_t)w->max_running;
+  in.transfer_desc.data = w->desc;
+  in.transfer_desc.len = w->desc_len;
+  in.device = (char *)td_backend_name(w->b);
+  in.pid = (uint32_t)getpid();
+  in.cross_mode = (char *)td_cross_mode_name(w->o.cross_mode);
+  Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
+  reg.info = &in;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
+  m.register_ = &reg;
+  td_worker_send(w, &m);
+  w->last_register = td_now_ms();
+}
+
+void w_send_heartbeat(td_worker *w) {
+  load_snap l = w_load(w);
+  Tandem__Cluster__Load ld = TANDEM__CLUSTER__LOAD__INIT;
+  ld.queued = (uint32_t)l.queued;
+  ld.running = (uint32_t)l.running;
+  ld.free_self_blocks = (uint32_t)l.free_self;
+  ld.free_cross_blocks = (uint32_t)l.free_cross;
+  ld.draining = w->draining;
+  ld.kv_in_ucx = w->kv_in[TD_KVT_UCX];
+  ld.kv_in_zmq = w->kv_in[TD_KVT_ZMQ];
+  ld.kv_out_ucx = w->kv_out[TD_KVT_UCX];
+  ld.kv_out_zmq = w->kv_out[TD_KVT_ZMQ];
+  ld.kv_pushing = (uint32_t)w_kv_pushing(w);
+  Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
+  hb.load = &ld;
+  hb.seq = ++w->hb_seq;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT;
+  m.heartbeat = &hb;
+  td_worker_send(w, &m);
+}
+
+void w_send_deregister(td_worker *w, const char *reason) {
+  Tandem__Cluster__Deregister d = TANDEM__CLUSTER__DEREGISTER__INIT;
+  d.reason = (char *)reason;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER;
+  m.deregister = &d;
+  td_worker_send(w, &m);
+}
+
+/* ------------------------------------------------------------ timers */
+
+static int heartbeat_timer(td_loop *l, void *ctx) {
+  td_worker *w = ctx;
+  if (w->registered) w_send_heartbeat(w);
+  return w->hb_ms;
+}
+
+static int silence_timer(td_loop *l, void *ctx) {
+  td_worker *w = ctx;
+  int64_t quiet = td_now_ms() - w->last_router_msg;
+  if (w->registered && quiet > (int64_t)w->hb_ms * w->dead_after) {
+    TD_WARN("no word from the router for %lld ms", (long long)quiet);
+    w->registered = false;
+    w_cancel_all(w, "the router is silent");
+  }
+  return w->hb_ms;
+}
+
+int w_register_timer(td_loop *l, void *ctx) {
+  td_worker *w = ctx;
+  if (!w->registered && td_now_ms() - w->last_register >= TD_DEFAULT_REGISTER_RETRY_MS) w_send_register(w);
+  return TD_DEFAULT_REGISTER_RETRY_MS;
+}
+
+/* (Re)arms the heartbeat and silence timers at the period of hb_ms; first:
+ * the first heartbeat goes now. */
+td_status w_router_timers(td_worker *w, bool first) {
+  if (w->hb_timer) td_loop_remove(w->loop, w->hb_timer);
+  if (w->silence_timer) td_loop_remove(w->loop, w->silence_timer);
+  w->hb_timer = w->silence_timer = 0;
+  TD_TRY(td_loop_add_timer(w->loop, first ? 0 : w->hb_ms, heartbeat_timer, w, &w->hb_timer));
+  return td_loop_add_timer(w->loop, w->hb_ms, silence_timer, w, &w->silence_timer);
+}
+
+/* ------------------------------------------------------------ messages */
+
+static void on_ack(td_worker *w, const Tandem__Cluster__RegisterAck *a) {
+  if (a->accepted) {
+    bool was = w->registered;
+    if (!was) TD_INFO("registered with the router");
+    w->registered = true;
+    int hb = a->heartbeat_ms ? (int)a->heartbeat_ms : w->hb_ms;
+    if (a->dead_after) w->dead_after = (int)a->dead_after;
+    if (!was || hb != w->hb_ms) {
+      w->hb_ms = hb;
+      if (w_router_timers(w, !was) != TD_OK) TD_ERROR("heartbeat timer: %s", td_errmsg());
+    }
+  } else if (a->reason && strstr(a->reason, "unknown worker")) {
+    w->registered = false;
+    w_cancel_all(w, "the router does not know this worker");
+    w_send_register(w);
+  } else {
+    /* nothing to drain or deregister: td_worker_run returns the reason */
+    snprintf(w->refused, sizeof w->refused, "%s", a->reason && a->reason[0] ? a->reason : "?");
+    TD_ERROR("the router refused this worker: %s", w->refused);
+    w->registered = false;
+    w_cancel_all(w, "the router refused this worker");
+    td_loop_stop(w->loop);
+  }
+}
+
+/* The request a job message is about: to refuse a job that no role here takes. */
+static const Tandem__Cluster__RequestSpec *job_spec(const Tandem__Cluster__RouterMessage *m) {
+  switch (m->body_case) {
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE: return m->decode->req;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL: return m->prefill->req;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE: return m->encode->req;
+    default: return NULL;
+  }
+}
+
+/* Jobs and notices, to the role whose table takes them; returns whether
+ * the role kept m. */
+static bool to_role(td_worker *w, Tandem__Cluster__RouterMessage *m) {
+  for (int i = 0; i < w->n_roles; i++) {
+    const td_role *r = w->roles[i];
+    if (r->job == m->body_case) {
+      r->on_job(w, m);
+      return true;
+    }
+    if (r->notice && r->notice == m->body_case && r->on_notice) {
+      r->on_notice(w, m);
+      return false;
+    }
+  }
+  const Tandem__Cluster__RequestSpec *sp = job_spec(m);
+  if (sp) td_worker_send_failed(w, sp->rid, TD_ERR_OVERLOADED, "this worker serves no role that takes this job", true);
+  return false;
+}
+
+/* One message; false when none was waiting. */
+static bool router_message(td_worker *w) {
+  td_wire_frame f;
+  td_status s = td_wire_recv(w->rsock, false, false, &f);
+  if (s == TD_ERR_NOT_FOUND) return false;
+  if (s != TD_OK) {
+    td_wire_frame_free(&f);
+    return true;
+  }
+  Tandem__Cluster__RouterMessage *m;
+  uint32_t ver;
+  s = td_wire_unpack_router(&f, &m, &ver);
+  td_wire_frame_free(&f);
+  if (s != TD_OK) {
+    TD_ERROR("message from the router dropped: %s", td_errmsg());
+    return true;
+  }
+  w->last_router_msg = td_now_ms();
+  bool kept = false;
+  switch (m->body_case) {
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK: on_ack(w, m->ack); break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT: break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL: w_cancel_rid(w, m->cancel->rid); break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DRAIN: *w->stop = SIGTERM; break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO:
+      if (!m->group_info->ok && w->world > 1) {
+        TD_ERROR("the group failed: %s", m->group_info->error ? m->group_info->error : "?");
+        w->group_failed = true;
+        if (w->comm) td_comm_abort(w->comm);
+        w_cancel_all(w, "the worker group failed");
+        *w->stop = SIGTERM;
+      }
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_SHUTDOWN:
+      TD_INFO("the router is shutting down");
+      w_cancel_all(w, "router shutdown");
+      w->registered = false;
+      break;
+    default: kept = to_role(w, m); break;
+  }
+  if (!kept) tandem__cluster__router_message__free_unpacked(m, NULL);
+  return true;
+}
+
+void w_on_router(td_loop *l, void *ctx) {
+  td_worker *w = ctx;
+  for (int k = 0; k < ROUTER_BURST && !w->refused[0] && router_message(w); k++) {
+  }
+}
