@@ -127,7 +127,8 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, msg);
     return;
   }
-  TD_WARN("request %s (rid %llu): retrying: %s", q->cid, (unsigned long long)q->rid, why);
+  TD_WARN("request %s (rid %llu): retrying: %s (%s)", q->cid, (unsigned long long)q->rid, why,
+          q->multi ? "from the start" : q->n_streamed ? "after the tokens streamed" : "nothing streamed yet");
   if (q->multi) q->n_streamed = 0; /* samples and beams restart from the prompt */
   HASH_DELETE(hh, r->by_rid, q);
   q->rid = (q->serial << 8) | (uint64_t)(q->attempts & 0xff); /* attempts <= TD_ROUTER_MAX_ATTEMPTS */

@@ -360,13 +360,13 @@ Test(cluster, cancel_and_deadline_free_every_block, .timeout = 300) {
 
 /* ---- a decode worker dies ---- */
 
-/* Every other request gives no decoder prompt (the model's start token):
+/* Three requests of four give no decoder prompt (the model's start token):
  * a resumed one must continue after that token. */
 static void long_requests(const char *path, int n, int max_new) {
   FILE *f = fopen(path, "w");
   for (int i = 0; i < n; i++) {
     char prompt[64] = "";
-    if (i % 2 == 0) snprintf(prompt, sizeof prompt, "\"decoder_prompt\": [0, %d], ", 60 + i);
+    if (i % 4 == 0) snprintf(prompt, sizeof prompt, "\"decoder_prompt\": [0, %d], ", 60 + i);
     fprintf(f, "{\"id\": \"k%d\", \"input_ids\": [%d, %d, 9, 1], %s\"max_new_tokens\": %d, \"ignore_eos\": true}\n", i,
             3 + i, 40 + 2 * i, prompt, max_new);
   }
@@ -426,15 +426,17 @@ static void *killer_rank(void *arg) {
   return NULL;
 }
 
-Test(cluster, decode_worker_killed_mid_request, .timeout = 300) {
+/* Marian: absolute (sinusoidal) positions, so that a resumed prompt that
+ * lost its start token would shift every position and change the tokens. */
+static void decode_worker_killed(int prefills) {
   fixture fx;
-  fx_load("t5-tiny", &fx);
+  fx_load("marian-sinusoidal", &fx);
   cluster c;
-  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 0, .decodes = 2};
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = prefills, .decodes = 2};
   cluster_start(&c, &o);
   char path[600];
   snprintf(path, sizeof path, "%s/long.jsonl", c.dir);
-  long_requests(path, 12, 250);
+  long_requests(path, 12, 120);
   td_json_request reqs[12];
   cr_assert_eq(load_requests(path, reqs, 12), 12);
   outcome want[12], got[12];
@@ -450,7 +452,8 @@ Test(cluster, decode_worker_killed_mid_request, .timeout = 300) {
   pthread_join(th, NULL);
   cr_expect(k.killed, "decode-0 never held work");
   /* every request survives: the killed worker's resume on decode-1 from
-   * their prompt (the start token) and the tokens already streamed */
+   * their prompt (the start token) and the tokens already streamed (with a
+   * prefill worker, a resumed prompt long enough goes through it) */
   for (int i = 0; i < 12; i++) {
     cr_expect(got[i].done, "%s: no answer", got[i].id);
     cr_expect_eq(got[i].status, TD_OK, "%s failed: %s", got[i].id, got[i].error);
@@ -477,6 +480,9 @@ Test(cluster, decode_worker_killed_mid_request, .timeout = 300) {
   for (int i = 0; i < 12; i++) td_json_request_free(&reqs[i]);
   fx_free(&fx);
 }
+
+Test(cluster, decode_worker_killed_mid_request, .timeout = 300) { decode_worker_killed(0); }
+Test(cluster, decode_worker_killed_mid_request_with_prefill, .timeout = 300) { decode_worker_killed(1); }
 
 static td_client_worker worker_status(cluster *c, const char *id) {
   td_client_health h;
