@@ -81,8 +81,8 @@ __device__ __forceinline__ float lut_at(const float *L, int md, int rel) {
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
 struct Cfg {};
 typedef Cfg<64, 8, 1, 3, 2, false, true> Dense64w;  /* 128 query rows, wgmma (two warpgroups) */
-typedef Cfg<64, 8, 1, 3, 2, false, false> Dense64;  /* 128 rows, mma.sync (TANDEM_CUDA_DENSE64=8) */
-typedef Cfg<64, 4, 1, 2, 3, false, false> Dense64s; /* 64 rows (TANDEM_CUDA_DENSE64=4) */
+typedef Cfg<64, 8, 1, 3, 2, false, false> Dense64;  /* 128 rows, mma.sync (td_cuda_tuning.dense64_warps 8) */
+typedef Cfg<64, 4, 1, 2, 3, false, false> Dense64s; /* 64 rows (dense64_warps 4) */
 typedef Cfg<128, 4, 1, 2, 2, false, false> Dense128;
 typedef Cfg<64, 1, 4, 2, 4, true, false> Paged64;
 typedef Cfg<128, 1, 4, 3, 2, true, false> Paged128;
@@ -1028,8 +1028,8 @@ static void launch_dw(const td_cuda *c, bool kv_static, long pairs, const AttnAr
 
 /* bulk-copy decode attention: a pair a block; two warps (16 KB of slots,
  * eight blocks an SM) when the pairs would not all be resident with four
- * (32 KB, six an SM), so that they run in one wave (TANDEM_CUDA_DECATTN_BULK's
- * third field picks one: 1 four warps x 2 slots, 2 two x 2, 3 two x 3) */
+ * (32 KB, six an SM), so that they run in one wave (the tuning's
+ * decode_bulk_shape picks one: 1 four warps x 2 slots, 2 two x 2, 3 two x 3) */
 template <int W, int NS>
 static void launch_bulk_as(const td_cuda *c, bool early, long pairs, int carveout, const AttnArgs &a) {
   (void)td_launch_ex(c, 0, carveout,
@@ -1038,11 +1038,11 @@ static void launch_bulk_as(const td_cuda *c, bool early, long pairs, int carveou
 }
 
 static void launch_bulk(const td_cuda *c, bool early, long pairs, const AttnArgs &a) {
-  int shape = c->decode_bulk_shape ? c->decode_bulk_shape : pairs > 6L * c->sm_count ? 2 : 1;
+  int shape = c->tune.decode_bulk_shape ? c->tune.decode_bulk_shape : pairs > 6L * c->sm_count ? 2 : 1;
   /* up to three blocks an SM, a 75 % shared-memory carveout holds them and
    * measured faster there (H100, Flan-T5-large batch 8: 1.080-1.090 ->
    * 1.028-1.038 ms; 25 % slower, no effect at other batches) */
-  int carve = c->decode_bulk_carve >= 0 && shape == 1 && pairs <= 3L * c->sm_count ? c->decode_bulk_carve : -1;
+  int carve = c->tune.decode_bulk_carve >= 0 && shape == 1 && pairs <= 3L * c->sm_count ? c->tune.decode_bulk_carve : -1;
   if (shape == 2) launch_bulk_as<2, 2>(c, early, pairs, -1, a);
   else if (shape == 3) launch_bulk_as<2, 3>(c, early, pairs, -1, a);
   else launch_bulk_as<4, 2>(c, early, pairs, carve, a);
@@ -1085,11 +1085,11 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
   bool fast = (head_dim == 64 || head_dim == 128) && td_aligned16(qkv) && td_aligned16(out);
   if (fast) {
     /* block rows: 16 per warp along queries; the tile map uses the same count */
-    bool wide = head_dim == 64 && c->dense64_warps != 4;
+    bool wide = head_dim == 64 && c->tune.dense64_warps != 4;
     int bm = wide ? 128 : 64, len = max_len < 1 || max_len > n_tokens ? n_tokens : max_len;
     a.qtiles = (len + bm - 1) / bm; /* query tiles per sequence: max_len bounds every length */
     dim3 grid((unsigned)((long)n_seqs * a.qtiles), (unsigned)heads);
-    if (wide && c->dense64_warps == 0) launch(Dense64w(), grid, lut_bytes(bias), c, a);
+    if (wide && c->tune.dense64_warps == 0) launch(Dense64w(), grid, lut_bytes(bias), c, a);
     else if (wide) launch(Dense64(), grid, lut_bytes(bias), c, a);
     else if (head_dim == 64) launch(Dense64s(), grid, lut_bytes(bias), c, a);
     else launch(Dense128(), grid, lut_bytes(bias), c, a);
@@ -1134,7 +1134,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
   a.max_blocks = m->max_blocks;
   a.kv_static = m->kv_static;
   a.kv_past = m->kv_static_past;
-  a.pdl_late = c->pdl_late > 0 && (c->pdl_late & 1) != 0;
+  a.pdl_late = c->tune.pdl_late > 0 && (c->tune.pdl_late & 1) != 0;
   a.n_splits = 1;
   bool fast = (dh == 64 || dh == 128) && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(out) && td_aligned16(pool) &&
               a.block_elems % 8 == 0; /* every block 16-byte aligned (a states tail may not keep it) */
@@ -1142,7 +1142,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
    * (sequence, head) pairs, two warps a pair; with fewer pairs, 2-8 warps
    * a pair by the context bound, and 16 for longer contexts when the pairs
    * are neither too many nor too few and the context not too long
-   * (c->decode_small*): elsewhere the tiled kernel's key splits spread the
+   * (c->tune.decode_small*): elsewhere the tiled kernel's key splits spread the
    * K/V over more SMs (H100: 20 or 40 pairs over 1500 keys faster split;
    * 16-64 over 512 faster on warps since their merge is by shuffles;
    * docs/cuda.md). Many pairs over static K/V: a pair a block, K/V by bulk
@@ -1151,16 +1151,16 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
    * 12-16 faster, 64 slower). */
   enum { DEC_NONE, DEC_BULK, DEC_W2P4, DEC_W4P2, DEC_W8, DEC_W16 } dec = DEC_NONE;
   long pairs = (long)m->n_seqs * H;
-  if (fast && dh == 64 && max_q == 1 && c->decode_warp > 0) {
-    bool small = c->decode_small > 0 && pairs < (long)c->decode_warp;
-    if (c->decode_bulk > 0 && pairs >= c->decode_bulk && (m->kv_static || pairs <= c->decode_bulk_all) &&
+  if (fast && dh == 64 && max_q == 1 && c->tune.decode_warp > 0) {
+    bool small = c->tune.decode_small > 0 && pairs < (long)c->tune.decode_warp;
+    if (c->tune.decode_bulk > 0 && pairs >= c->tune.decode_bulk && (m->kv_static || pairs <= c->tune.decode_bulk_all) &&
         pairs <= 2147483647L)
       dec = DEC_BULK;
-    else if (!m->kv_static && pairs >= (long)c->decode_warp) dec = DEC_W2P4;
+    else if (!m->kv_static && pairs >= (long)c->tune.decode_warp) dec = DEC_W2P4;
     else if (small && max_ctx <= 64) dec = DEC_W2P4;
     else if (small && max_ctx <= 128) dec = DEC_W4P2;
     else if (small && max_ctx <= 256) dec = DEC_W8;
-    else if (small && pairs <= c->decode_small && pairs >= c->decode_small_min && max_ctx <= c->decode_small_ctx)
+    else if (small && pairs <= c->tune.decode_small && pairs >= c->tune.decode_small_min && max_ctx <= c->tune.decode_small_ctx)
       dec = DEC_W16;
   }
   /* the query norm: in the decode kernels (aligned rows), else q scaled into
@@ -1197,7 +1197,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
      * batch 12 and 16 slower, 1.213-1.219 -> 1.277-1.280 and 1.281-1.284 ->
      * 1.323-1.334: there they crowd the QKV GEMM's weight stream) */
     bool st = m->kv_static || (m->kv_static_past && a.causal);
-    if (dec == DEC_BULK) launch_bulk(c, m->kv_static || (st && pairs <= c->decode_bulk_early), pairs, a);
+    if (dec == DEC_BULK) launch_bulk(c, m->kv_static || (st && pairs <= c->tune.decode_bulk_early), pairs, a);
     else if (dec == DEC_W2P4) launch_dw<2, 4>(c, st, pairs, a);
     else if (dec == DEC_W4P2) launch_dw<4, 2>(c, st, pairs, a);
     else if (dec == DEC_W8) launch_dw<8, 1>(c, st, pairs, a);

@@ -500,7 +500,7 @@ static td_status cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_lay
   td_cu_bind(c);
   /* only on a capture's branch (joined at its end): eagerly it would be a
    * node in the chain */
-  if (c->kvpf_seqs <= 0 || m->n_seqs < c->kvpf_seqs || !capturing(c)) return TD_OK;
+  if (c->tune.kvpf_seqs <= 0 || m->n_seqs < c->tune.kvpf_seqs || !capturing(c)) return TD_OK;
   size_t bytes = (size_t)2 * l->n_heads * l->block_size * l->head_dim * sizeof(bf16);
   size_t layer_off = (size_t)layer * 2 * l->n_heads * l->block_size * l->head_dim;
   /* bulk prefetches take 16-byte aligned addresses and sizes */
@@ -618,6 +618,12 @@ static td_status cu_unshard_cols(td_backend *b, const float *parts, float *out, 
 }
 
 /* Filled field by field: entries this file does not know stay NULL. */
+/* td_backend_set_cuda_tuning: every launch reads c->tune */
+static td_status cu_set_cuda_tuning(td_backend *b, const td_cuda_tuning *t) {
+  td_cu_tune_resolve(t, &td_cu(b)->tune);
+  return TD_OK;
+}
+
 static td_backend_vt cuda_vt;
 
 static void vt_init(void) {
@@ -655,6 +661,7 @@ static void vt_init(void) {
   v->unshard_cols = cu_unshard_cols;
   v->gemm_ex = td_cu_gemm_ex;
   v->fused_norm_rows = td_cu_fused_norm_rows;
+  v->set_cuda_tuning = cu_set_cuda_tuning;
 }
 
 static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) {
@@ -670,6 +677,7 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->cc_major = p.major;
   c->cc_minor = p.minor;
   c->smem_optin = p.sharedMemPerBlockOptin;
+  td_cu_tune_resolve(&opts->cuda, &c->tune);
   snprintf(b->name, sizeof b->name, "cuda:%d (%.120s)", c->device, p.name);
   if (p.major != 9)
     return td_err(TD_ERR_UNSUPPORTED, "cuda backend: %s has compute capability %d.%d; this build holds sm_90a code only",
@@ -690,45 +698,6 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   TD_TRY(cu_alloc(b, nc, (void **)&c->counters));
   TD_CU_CHECK(cudaMemsetAsync(c->counters, 0, nc, c->stream), "cuda backend");
   TD_CU_CHECK(cudaStreamSynchronize(c->stream), "cuda backend");
-  const char *v = getenv("TANDEM_CUDA_VERBOSE");
-  c->verbose = v && *v && *v != '0';
-  v = getenv("TANDEM_CUDA_AUTOTUNE");
-  c->autotune = v && *v && *v != '0';
-  v = getenv("TANDEM_CUDA_SKINNY");
-  c->skinny = !(v && *v == '0');
-  v = getenv("TANDEM_CUDA_SKINNY_ROWS");
-  c->skinny_rows = v && *v ? atoi(v) : 16;
-  c->skinny_rows = c->skinny_rows < 8 ? 8 : c->skinny_rows > 16 ? 16 : c->skinny_rows;
-  v = getenv("TANDEM_CUDA_GEMV");
-  c->gemv_maxv = 8, c->gemv_maxn = 8192, c->gemv_rows = 2, c->gemv_rows_n = 8192;
-  if (v && *v) (void)sscanf(v, "%d,%d,%d,%d", &c->gemv_maxv, &c->gemv_maxn, &c->gemv_rows, &c->gemv_rows_n);
-  if (c->gemv_maxv <= 0) c->gemv_rows = 0; /* "0": the warp kernel off */
-  v = getenv("TANDEM_CUDA_DENSE64");
-  c->dense64_warps = v && (atoi(v) == 4 || atoi(v) == 8) ? atoi(v) : 0;
-  v = getenv("TANDEM_CUDA_DECATTN");
-  c->decode_warp = v && *v ? atoi(v) : 256;
-  v = getenv("TANDEM_CUDA_DECATTN_SMALL");
-  c->decode_small = 64;
-  c->decode_small_min = 16;
-  c->decode_small_ctx = 1024;
-  if (v && *v && sscanf(v, "%d,%d,%d", &c->decode_small, &c->decode_small_min, &c->decode_small_ctx) < 1)
-    c->decode_small = 64;
-  v = getenv("TANDEM_CUDA_DECATTN_BULK");
-  c->decode_bulk = 128, c->decode_bulk_all = 256, c->decode_bulk_shape = 0, c->decode_bulk_early = 128;
-  if (v && *v &&
-      sscanf(v, "%d,%d,%d,%d", &c->decode_bulk, &c->decode_bulk_all, &c->decode_bulk_shape, &c->decode_bulk_early) < 1)
-    c->decode_bulk = 128;
-  v = getenv("TANDEM_CUDA_DECATTN_CARVE");
-  c->decode_bulk_carve = v && *v ? atoi(v) : 75;
-  c->decode_bulk_carve = c->decode_bulk_carve > 100 ? 100 : c->decode_bulk_carve < 0 ? -1 : c->decode_bulk_carve;
-  v = getenv("TANDEM_CUDA_KVPF");
-  c->kvpf_seqs = v && *v ? atoi(v) : 32;
-  v = getenv("TANDEM_CUDA_PDL");
-  c->pdl = !(v && *v == '0');
-  v = getenv("TANDEM_CUDA_PDL_LATE");
-  c->pdl_late = v && *v ? atoi(v) : -1; /* -1: the measured default (cuda_gemm.cu, td_cu_skinny) */
-  v = getenv("TANDEM_CUDA_WEIGHT_HINT");
-  c->weight_hint = !(v && *v == '0');
   TD_TRY(td_cu_gemm_init(c));
   TD_TRY(td_cu_attn_init(c));
   TD_TRY(td_cu_states_init(c));

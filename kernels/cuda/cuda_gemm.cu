@@ -138,7 +138,7 @@ static bool capturing_stream(cudaStream_t s) {
   return cudaStreamIsCapturing(s, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone;
 }
 
-/* TANDEM_CUDA_AUTOTUNE=1: large GEMMs time the heuristic's candidates once
+/* td_cuda_tuning.autotune: large GEMMs time the heuristic's candidates once
  * on their own operands (a synchronisation on the plan's first use, never
  * while capturing) and keep the fastest. Not for TD_GEMM_ACCUM, whose
  * output the timing runs would change. */
@@ -168,7 +168,7 @@ static void lt_autotune(td_cuda *c, td_gemm_plan *p, const cublasLtMatmulHeurist
       (void)cudaStreamSynchronize(c->stream);
       continue;
     }
-    if (c->verbose)
+    if (c->tune.verbose)
       fprintf(stderr, "tandem cuda gemm m=%d n=%d k=%d candidate %d: %.1f us\n", p->m, p->n, p->k, i, ms * 1e3f / 3);
     if (ms < best) {
       best = ms;
@@ -225,10 +225,10 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
     p->mode = MODE_FALLBACK;
   }
   p->used = true;
-  if (p->mode != MODE_FALLBACK && c->autotune && found > 1 && !(flags & TD_GEMM_ACCUM) &&
+  if (p->mode != MODE_FALLBACK && c->tune.autotune && found > 1 && !(flags & TD_GEMM_ACCUM) &&
       (double)m * n * k >= 1e10 && !capturing_stream(c->stream))
     lt_autotune(c, p, res, found, x, w, y);
-  if (c->verbose)
+  if (c->tune.verbose)
     fprintf(stderr, "tandem cuda gemm plan m=%d n=%d k=%d act=%d flags=%u bias=%d align=%03x: %s\n", m, n, k, act,
             flags, bias != NULL, align,
             p->mode == MODE_LT ? "cuBLASLt, fused epilogue"
@@ -733,14 +733,14 @@ static void gemv_launch(td_cuda *c, const td_skinny_args &a, bool f32, bool norm
 static bool gemv_fits(const td_cuda *c, int m, int n, int k, bool glu) {
   const int v = gemv_v(k);
   if (m > 1) /* several rows: k <= 1024, no GLU, up to rows_n outputs */
-    return m <= c->gemv_rows && m <= 4 && v == 4 && !glu && n <= c->gemv_rows_n;
-  return m == 1 && v > 0 && v <= c->gemv_maxv && (!glu || v <= 4) && (glu ? n / 2 : n) <= c->gemv_maxn;
+    return m <= c->tune.gemv_rows && m <= 4 && v == 4 && !glu && n <= c->tune.gemv_rows_n;
+  return m == 1 && v > 0 && v <= c->tune.gemv_maxv && (!glu || v <= 4) && (glu ? n / 2 : n) <= c->tune.gemv_maxn;
 }
 
 bool td_cu_skinny_bulk(const td_cuda *c, int m, int k) {
   int kq = ((k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
   /* beyond 8 rows, staging x whole before the products costs more than the ring's pipelining (H100) */
-  return c->skinny_bulk && m <= 8 && skb_smem(m, kq) <= SKB_MAX_SMEM && skb_smem(m, kq) <= c->smem_optin;
+  return c->tune.skinny_bulk && m <= 8 && skb_smem(m, kq) <= SKB_MAX_SMEM && skb_smem(m, kq) <= c->smem_optin;
 }
 
 td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu) {
@@ -750,10 +750,10 @@ td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool 
    * q, FFN in), and at 1-2 rows every one. Deeper run-ahead let later
    * kernels' weight prefetches crowd the running kernel's memory traffic.
    * The warp-per-column kernel triggers early (its registers bound it). */
-  const int pl = c->pdl_late;
+  const int pl = c->tune.pdl_late;
   const bool gemv = gemv_fits(c, a->m, a->n, a->k, glu);
   a->late = pl < 0 ? !gemv && (norm || a->m <= 2) : (pl & 2) != 0 || (norm ? (pl & 4) : (pl & 8)) != 0;
-  a->hint = c->weight_hint != 0;
+  a->hint = c->tune.weight_hint != 0;
   if (gemv) {
     if (a->m > 2) gemv_launch<4, 4, false>(c, *a, f32, norm);
     else if (a->m == 2) gemv_launch<4, 2, false>(c, *a, f32, norm);
@@ -811,8 +811,6 @@ static td_status skb_attr(void) {
 }
 
 static td_status skinny_init(td_cuda *c) {
-  const char *v = getenv("TANDEM_CUDA_SKINNY_BULK");
-  c->skinny_bulk = !(v && *v == '0');
   TD_TRY((skb_attr<false, false, false>()));
   TD_TRY((skb_attr<false, true, false>()));
   TD_TRY((skb_attr<true, false, false>()));
@@ -838,7 +836,7 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
   bool f32 = flags & TD_GEMM_OUT_F32;
   /* measured on H100 (docs/cuda.md): ahead of cuBLASLt up to 8 rows, and up
    * to 16 while the weight is narrow enough that re-reading x stays cheap */
-  if (c->skinny && (m <= 8 || (m <= c->skinny_rows && n <= 2048)) && k % 8 == 0 && td_aligned16(x) && td_aligned16(w))
+  if (c->tune.skinny && (m <= 8 || (m <= c->tune.skinny_rows && n <= 2048)) && k % 8 == 0 && td_aligned16(x) && td_aligned16(w))
     return skinny_gemm(c, x, w, bias, y, m, n, k, act, flags);
   td_gemm_plan *p = plan_get(c, m, n, k, act, flags, x, w, bias, y);
   if (p->mode == MODE_FALLBACK) {

@@ -13,7 +13,7 @@
  * zero), so the norm is applied there in place, exactly as td_norm
  * computes it; its W stages are requested before the PDL wait too.
  *
- * Defaults (TANDEM_CUDA_FUSE=ROWS,MASK, measured on H100, docs/cuda.md):
+ * Defaults (td_cuda_tuning.fuse_rows / fuse_mask, measured on H100, docs/cuda.md):
  * 8 rows, all three fusions (decode step at batch 1: KV write fused
  * 0.922 -> 0.898 ms, then with W by bulk copies the plain norm fused
  * 0.845 -> 0.822). The
@@ -38,8 +38,9 @@ extern "C" {
 enum { SF_KC = 64, SF_ROW = SF_KC + 8, SF_STAGES = 5, SF_WARPS = 4, SF_MAXM = 16 };
 enum { SF_NORM_NONE = 0, SF_NORM_RMS = 1, SF_NORM_LN = 2, SF_NORM_PLAIN = 3 };
 enum { SF_FUSE_NORM = 1, SF_FUSE_GLU = 2, SF_FUSE_KV = 4, SF_RMS_AFTER = 8 };
-/* defaults (TANDEM_CUDA_FUSE): measured on H100, docs/cuda.md */
-enum { SF_DEF_ROWS = 8, SF_DEF_MASK = SF_FUSE_GLU | SF_FUSE_NORM | SF_FUSE_KV | SF_RMS_AFTER };
+/* the tuning's fuse rows and mask (td_cuda_tuning.fuse_rows / fuse_mask) are these */
+static_assert((int)SF_MAXM == (int)TD_CU_FUSE_MAX_ROWS && (SF_FUSE_NORM | SF_FUSE_GLU | SF_FUSE_KV | SF_RMS_AFTER) == 15,
+              "fused kernel rows and fusions");
 constexpr size_t SF_RING = (size_t)SF_WARPS * SF_STAGES * 16 * SF_ROW * sizeof(bf16);
 
 struct SfArgs {
@@ -240,19 +241,6 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
 /* ------------------------------------------------------------ host side */
 
 td_status td_cu_skf_init(td_cuda *c) {
-  /* TANDEM_CUDA_FUSE=ROWS[,MASK]: the fused kernel for up to ROWS <= 16 rows
-   * (0: td_gemm_ex as separate ops), fusing what MASK names: 1 the norm,
-   * 2 GLU, 4 the KV write (what is not fused runs as its own op); 8: beyond
-   * ROWS, a plain RMSNorm applied after the GEMM (rms_after below). */
-  const char *v = getenv("TANDEM_CUDA_FUSE");
-  c->fuse = SF_DEF_ROWS;
-  c->fuse_mask = SF_DEF_MASK;
-  if (v && *v) {
-    int rows = SF_DEF_ROWS, mask = SF_DEF_MASK;
-    if (sscanf(v, "%d,%d", &rows, &mask) < 1) rows = SF_DEF_ROWS;
-    c->fuse = rows < 0 ? 0 : rows > SF_MAXM ? SF_MAXM : rows;
-    c->fuse_mask = mask & (SF_FUSE_NORM | SF_FUSE_GLU | SF_FUSE_KV | SF_RMS_AFTER);
-  }
   TD_CU_CHECK(cudaFuncSetAttribute(skf_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)c->smem_optin),
               "gemm init (fused decode kernel)");
   return TD_OK;
@@ -343,7 +331,7 @@ __global__ void __launch_bounds__(256) sr_kv_kernel(bf16 *__restrict__ y, int n,
  * RMSNorm, no bias, and a GLU or a KV write (no activation) after it. */
 static bool rms_after_fits(const td_cuda *c, const td_gemm_args *ga) {
   bool glu = ga->flags & TD_GEMM_GLU;
-  if (!(c->fuse_mask & SF_RMS_AFTER) || ga->m <= c->fuse || !ga->norm_plain || !ga->norm_rms || ga->norm_w ||
+  if (!(c->tune.fuse_mask & SF_RMS_AFTER) || ga->m <= c->tune.fuse || !ga->norm_plain || !ga->norm_rms || ga->norm_w ||
       ga->bias || (ga->flags & (TD_GEMM_ACCUM | TD_GEMM_OUT_F32)) || ga->k % 8 || ga->n % 16 ||
       !td_aligned16(ga->x) || !td_aligned16(ga->y))
     return false;
@@ -402,7 +390,7 @@ static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse
  * it. */
 int td_cu_fused_norm_rows(const td_backend *b) {
   const td_cuda *c = (const td_cuda *)b->impl;
-  return c->skinny && c->skinny_rows > c->fuse ? c->skinny_rows : c->fuse;
+  return c->tune.skinny && c->tune.skinny_rows > c->tune.fuse ? c->tune.skinny_rows : c->tune.fuse;
 }
 
 td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
@@ -411,8 +399,8 @@ td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
   if ((unsigned)ga->act > TD_ACT_QUICK_GELU)
     return td_err(TD_ERR_INVALID, "gemm_ex: unknown activation %d", (int)ga->act);
   bool glu = ga->flags & TD_GEMM_GLU;
-  int k = ga->k, mask = c->fuse_mask;
-  bool eligible = ga->m <= c->fuse && !(ga->flags & (TD_GEMM_OUT_F32 | TD_GEMM_ACCUM)) && k % 8 == 0 &&
+  int k = ga->k, mask = c->tune.fuse_mask;
+  bool eligible = ga->m <= c->tune.fuse && !(ga->flags & (TD_GEMM_OUT_F32 | TD_GEMM_ACCUM)) && k % 8 == 0 &&
                   td_aligned16(ga->x) && td_aligned16(ga->w) &&
                   (!(ga->norm_w || ga->norm_plain) || td_aligned16(ga->scratch_norm));
   /* the fused stores are 16-byte: every block must start aligned */

@@ -518,8 +518,8 @@ __global__ void __launch_bounds__(32 * SW, 1) states_mma_kernel(const StatesArgs
 }
 
 /* The same product with the phases on separate warps, where the policy
- * takes 16 warps and three stages fit (D <= 1024; TANDEM_CUDA_STATES_WS=0:
- * the kernel above): warps 0-7 take the scores and the softmax of tile u
+ * takes 16 warps and three stages fit (D <= 1024; td_cuda_tuning.states_ws
+ * off: the kernel above): warps 0-7 take the scores and the softmax of tile u
  * while warps 8-15 mix tile u - 1, the probabilities handed over through
  * two buffers and mbarriers, each group on its own named barrier, so that
  * neither waits for the other's phase and a third stage fits in the
@@ -914,7 +914,7 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
   a.max_ctx = max_ctx;
   a.block_elems = td_kv_block_elems(l);
   a.scale_log2 = scale * LOG2E_F;
-  a.late = c->pdl_late > 0 && (c->pdl_late & 1) != 0;
+  a.late = c->tune.pdl_late > 0 && (c->tune.pdl_late & 1) != 0;
   if (m->q_norm) {
     a.qn = (const bf16 *)m->q_norm;
     a.qn_dim = m->q_norm_dim;
@@ -929,8 +929,7 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
   int ci = c8 < STATES_NCFG ? c8 : c16;
   const states_cfg *cfg = ci < STATES_NCFG ? &STATES_CFGS[ci] : NULL;
   bool fast = cfg && ldq % 8 == 0 && td_aligned16(q) && td_aligned16(a.pool) && a.block_elems % 8 == 0 &&
-              td_aligned16(out) && m->kv_static &&
-              getenv("TANDEM_CUDA_STATES_GENERIC") == NULL;
+              td_aligned16(out) && m->kv_static && !c->tune.states_generic;
   if (!fast) {
     size_t sm = ((size_t)max_ctx + 8) * sizeof(float);
     if (sm > c->smem_optin) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %d states", max_ctx);
@@ -948,9 +947,8 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
    * memory; the most (a power of two, at most 8) that still fit the GPU in
    * one wave */
   int tiles = (max_ctx + ST - 1) / ST, splits = 1;
-  const char *ov = getenv("TANDEM_CUDA_STATES_SPLITS");
-  if (ov && *ov) {
-    int want = atoi(ov);
+  if (c->tune.states_splits > 0) {
+    int want = c->tune.states_splits;
     while (splits * 2 <= want && splits * 2 <= STATES_MAX_SPLITS && splits * 2 <= tiles) splits *= 2;
   } else {
     for (int k = 1; k < STATES_CLUSTERS; k++)
@@ -960,21 +958,18 @@ td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, co
    * states (its shorter phases then pay); 8 warps where the splits are
    * more: their blocks fit beside the W_k product's blocks and start
    * copying during it (H100, Flan-T5-large: docs/cuda.md, pass 16) */
-  const char *wv = getenv("TANDEM_CUDA_STATES_WARPS");
   int lg = 0;
   while ((1 << lg) < splits) lg++;
-  bool w16 = wv && *wv ? atoi(wv) == 16 : splits <= 2;
+  bool w16 = c->tune.states_warps ? c->tune.states_warps == 16 : splits <= 2;
   /* of the 16-warp kernels, the warp-specialised one where its three stages
-   * fit (D <= 1024; TANDEM_CUDA_STATES_WS=0: the other) */
-  const char *wsv = getenv("TANDEM_CUDA_STATES_WS");
-  if (cws < STATES_NCFG && !(wsv && *wsv == '0')) c16 = cws;
+   * fit (D <= 1024; the tuning's states_ws off: the other) */
+  if (cws < STATES_NCFG && c->tune.states_ws) c16 = cws;
   if (w16 && c16 < STATES_NCFG && lg < STATES_CLUSTERS && base <= c->states_clusters[c16][lg]) cfg = &STATES_CFGS[c16];
   if (base * splits > 2147483647L) return td_err(TD_ERR_UNSUPPORTED, "attn_states: %ld blocks", base * splits);
   /* two key splits on the warp-specialised kernel: D split instead, no
-   * merge (TANDEM_CUDA_STATES_PLANES=0: the key splits) */
-  const char *plv = getenv("TANDEM_CUDA_STATES_PLANES");
+   * merge (the tuning's states_planes off: the key splits) */
   const bool planes = cws < STATES_NCFG && cfg == &STATES_CFGS[cws] && splits == 2 && cpl < STATES_NCFG &&
-                      !(plv && *plv == '0') && base <= c->states_clusters[cpl][1];
+                      c->tune.states_planes && base <= c->states_clusters[cpl][1];
   if (planes) cfg = &STATES_CFGS[cpl];
   a.n_splits = planes ? 1 : splits; /* the plane kernel's cluster of two holds every key */
   cfg->launch(c, dim3((unsigned)(base * splits)), splits, a);
@@ -1208,8 +1203,7 @@ td_status td_cu_gemm_heads(td_backend *b, const void *x, const void *w, const fl
                            int n, int k, bool w_t) {
   td_cuda *c = td_cu(b);
   td_cu_bind(c);
-  if (n % HB == 0 && k % 16 == 0 && td_aligned16(x) && td_aligned16(w) && td_aligned16(y) &&
-      getenv("TANDEM_CUDA_HEADS_LT") == NULL) {
+  if (n % HB == 0 && k % 16 == 0 && td_aligned16(x) && td_aligned16(w) && td_aligned16(y) && !c->tune.heads_lt) {
     /* K split over a cluster while the blocks would leave SMs idle, each
      * range a multiple of 16 and at most HEADS_MAX_KS; split only at a few
      * rows (H100, Flan-T5-large's W_v product: the split kernel wins at 1-4
