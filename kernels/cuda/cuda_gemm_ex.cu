@@ -4,7 +4,7 @@
  * as its own op.
  *
  * Which kernel: without a weighted norm, the skinny kernels of
- * cuda_gemm.cu (td_cu_skinny: W by bulk copies, or through a cp.async
+ * cuda_gemm_skinny.cu (td_cu_skinny: W by bulk copies, or through a cp.async
  * ring), which take the plain norm (the model folded the RMSNorm weight
  * into W: scale by 1 / rms(x), sums of squares from the MMA fragments),
  * the KV write, and GLU on the bulk variant. With a weighted norm (or GLU
@@ -13,13 +13,11 @@
  * zero), so the norm is applied there in place, exactly as td_norm
  * computes it; its W stages are requested before the PDL wait too.
  *
- * Defaults (td_cuda_tuning.fuse_rows / fuse_mask, measured on H100, docs/cuda.md):
- * 8 rows, all three fusions (decode step at batch 1: KV write fused
- * 0.922 -> 0.898 ms, then with W by bulk copies the plain norm fused
- * 0.845 -> 0.822). The
- * in-place weighted norm of skf measured slower than a norm kernel (every
- * block renormalises every row after the wait), and beyond 8 rows these
- * kernels lose to cuBLASLt (x re-read per 16 columns).
+ * Defaults (td_cuda_tuning.fuse_rows / fuse_mask, measured: docs/cuda.md):
+ * 8 rows, all three fusions. The in-place weighted norm of skf measured
+ * slower than a norm kernel (every block renormalises every row after the
+ * wait), and beyond 8 rows these kernels lose to cuBLASLt (x re-read per
+ * 16 columns).
  *
  * Tried and dropped (measured): a split-K variant for up to 64 rows whose
  * blocks exchanged partials through distributed shared memory in
@@ -39,7 +37,8 @@ enum { SF_KC = 64, SF_ROW = SF_KC + 8, SF_STAGES = 5, SF_WARPS = 4, SF_MAXM = 16
 enum { SF_NORM_NONE = 0, SF_NORM_RMS = 1, SF_NORM_LN = 2, SF_NORM_PLAIN = 3 };
 enum { SF_FUSE_NORM = 1, SF_FUSE_GLU = 2, SF_FUSE_KV = 4, SF_RMS_AFTER = 8 };
 /* the tuning's fuse rows and mask (td_cuda_tuning.fuse_rows / fuse_mask) are these */
-static_assert((int)SF_MAXM == (int)TD_CU_FUSE_MAX_ROWS && (SF_FUSE_NORM | SF_FUSE_GLU | SF_FUSE_KV | SF_RMS_AFTER) == 15,
+static_assert((int)SF_MAXM == (int)TD_CU_FUSE_MAX_ROWS &&
+                  (SF_FUSE_NORM | SF_FUSE_GLU | SF_FUSE_KV | SF_RMS_AFTER) == 15,
               "fused kernel rows and fusions");
 constexpr size_t SF_RING = (size_t)SF_WARPS * SF_STAGES * 16 * SF_ROW * sizeof(bf16);
 
@@ -275,9 +274,8 @@ static td_status kv_after(td_backend *b, const td_gemm_args *ga) {
  * norm: a plain RMSNorm (its weight folded into W) commutes with it,
  * norm(x) W^T = (x W^T) / rms(x), so the GEMM runs on x itself and the
  * kernel that follows it anyway (the gated activation, the KV write)
- * scales each row by 1 / rms(x): the norm kernel before the GEMM goes.
- * H100, Flan-T5-large decode step: batch 16 / 32 / 64 1.407-1.418 /
- * 1.835-1.842 / 2.480-2.487 -> 1.355-1.364 / 1.781-1.783 / 2.428-2.436 ms. */
+ * scales each row by 1 / rms(x): the norm kernel before the GEMM goes
+ * (measured: docs/cuda.md). */
 /* 1 / rms of row x[0, k) (k % 8 == 0, 16-byte aligned), for every thread of the block */
 __device__ float sr_inv_rms(const bf16 *x, int k, float eps) {
   __shared__ float red[32];
@@ -384,10 +382,9 @@ static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse
 
 /* Up to 8 rows the fused kernel takes a plain norm; up to 16 the projection
  * still runs on a skinny kernel (td_cu_gemm) where leaving the cross query's
- * norm to the attention measured slower (H100, Flan-T5-large batch 16:
- * 1.33-1.35 -> 1.40-1.41 ms: the attention's K/V stream then starts a kernel
- * earlier, beside latency-bound ones); beyond, cuBLASLt's GEMM cannot take
- * it. */
+ * norm to the attention measured slower (the attention's K/V stream then
+ * starts a kernel earlier, beside latency-bound ones; docs/cuda.md);
+ * beyond, cuBLASLt's GEMM cannot take it. */
 int td_cu_fused_norm_rows(const td_backend *b) {
   const td_cuda *c = (const td_cuda *)b->impl;
   return c->tune.skinny && c->tune.skinny_rows > c->tune.fuse ? c->tune.skinny_rows : c->tune.fuse;

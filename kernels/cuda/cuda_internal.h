@@ -36,7 +36,7 @@ typedef struct td_cuda {
   int *counters;      /* GEMM then attention arrival counters, zero between launches */
   td_cu_tune tune;    /* the tuning in force (td_backend_opts.cuda; td_backend_set_cuda_tuning) */
   struct td_gemm_plan *plans;
-  void *heads_plans;  /* td_gemm_heads' cuBLASLt plans (cuda_states.cu) */
+  void *heads_plans;  /* td_gemm_heads' cuBLASLt plans (cuda_gemm_heads.cu) */
   int states_clusters[16][4]; /* attn_states: co-resident clusters of 1, 2, 4, 8 blocks per kernel (D, warps) */
   uint64_t plan_clock;
 } td_cuda;
@@ -62,6 +62,12 @@ static inline td_cuda *td_cu(td_backend *b) { return (td_cuda *)b->impl; }
 static inline void td_cu_bind(const td_cuda *c) {
   int d = -1;
   if (cudaGetDevice(&d) != cudaSuccess || d != c->device) (void)cudaSetDevice(c->device);
+}
+
+/* Whether the backend's stream is capturing a graph. */
+static inline bool td_cu_capturing(const td_cuda *c) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(c->stream, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
 }
 
 static inline bool td_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
@@ -204,7 +210,7 @@ __device__ __forceinline__ void td_kv_store(const td_kv_dest &d, int row, int co
   *td_kv_at(d, slot, col - d.col) = v;
 }
 
-/* The skinny decode GEMM (cuda_gemm.cu) with what it can fuse: a plain
+/* The skinny decode GEMM (cuda_gemm_skinny.cu) with what it can fuse: a plain
  * RMSNorm (norm: scale by 1 / rms(x)), the KV write of a QKV projection
  * (kv.pool != NULL; bf16 output only). kq is set by td_cu_skinny. */
 typedef struct td_skinny_args {
@@ -217,6 +223,7 @@ typedef struct td_skinny_args {
   float eps;
   td_kv_dest kv;
 } td_skinny_args;
+td_status td_cu_skinny_init(td_cuda *c);
 td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu);
 /* whether td_cu_skinny takes the bulk-copy kernel (the only one with GLU) for m rows of k */
 bool td_cu_skinny_bulk(const td_cuda *c, int m, int k);
@@ -230,11 +237,20 @@ static inline void td_cu_lt_release(cublasLtMatmulDesc_t op, cublasLtMatrixLayou
   if (lc) cublasLtMatrixLayoutDestroy(lc);
 }
 
+/* cuda_kv.cu: the paged pools' ops */
+td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
+                         int layer, const int32_t *slots, int n);
+td_status td_cu_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs);
+td_status td_cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer,
+                            const td_paged_meta *m);
+
 /* cuda_gemm_ex.cu: td_gemm_ex (fused on the decode kernel for m <= 16) */
 td_status td_cu_skf_init(td_cuda *c);
 td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *a);
 
-td_status td_cu_attn_init(td_cuda *c);
+/* attention: cuda_attn.cuh lists the files */
+td_status td_cu_attn_dense_init(td_cuda *c);
+td_status td_cu_attn_paged_init(td_cuda *c);
 td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
                            int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
                            const td_relbias *bias);
@@ -242,12 +258,14 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
                            const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
                            const td_relbias *bias);
 
-/* cuda_states.cu: attention over encoder states and the per-head products */
+/* cuda_states.cu: attention over encoder states (cuda_states.cuh lists the files) */
 td_status td_cu_states_init(td_cuda *c);
-void td_cu_states_destroy(td_cuda *c);
 int td_cu_states_rows(const td_backend *b, int D);
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                             const td_kv_layout *l, int heads, const td_paged_meta *m, float scale);
+/* cuda_gemm_heads.cu: the per-head products around it */
+td_status td_cu_heads_init(td_cuda *c);
+void td_cu_heads_destroy(td_cuda *c);
 td_status td_cu_gemm_heads(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int heads,
                            int n, int k, bool w_t);
 
