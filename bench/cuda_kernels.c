@@ -10,7 +10,12 @@
  * figure comes from cache. Prints a table and appends it, with date,
  * device and commit, to bench/RESULTS.md (or --results FILE).
  *
- *   bench_cuda_kernels [--results FILE] [--commit ID] [--quick] [--only SUBSTR] */
+ *   bench_cuda_kernels [--results FILE] [--commit ID] [--quick] [--only SUBSTR]
+ *
+ * The environment's CUDA tuning (TANDEM_CUDA_*, read once in main) applies
+ * to every row; the alternatives at the end change one field of it. One
+ * program over ~800 lines: each benchmark is a short function over the
+ * shared setup, timing and table above them. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
