@@ -53,15 +53,10 @@ const char *td_bench_cpu_name(void) {
   return name;
 }
 
-const char *td_bench_commit(void) {
+const char *td_bench_commit(const td_bench_out *o) {
+  if (o->commit && *o->commit) return o->commit;
   static char c[64];
   if (c[0]) return c;
-  /* TD_COMMIT first: a copy of the tree elsewhere (a GPU machine) may carry a stale .git */
-  const char *e = getenv("TD_COMMIT");
-  if (e && *e) {
-    snprintf(c, sizeof c, "%s", e);
-    return c;
-  }
   FILE *p = popen("git -C " TD_SOURCE_DIR " rev-parse --short HEAD 2>/dev/null", "r");
   if (p) {
     if (fgets(c, sizeof c, p)) c[strcspn(c, "\n")] = 0;
@@ -71,10 +66,10 @@ const char *td_bench_commit(void) {
   return c;
 }
 
-int td_bench_record(const char *title, const char *device, const char *body) {
-  const char *path = getenv("TD_RESULTS");
+int td_bench_record(const td_bench_out *o, const char *title, const char *device, const char *body) {
+  const char *path = o->results;
   char def[1024];
-  if (!path) {
+  if (!path || !*path) {
     snprintf(def, sizeof def, "%s/bench/RESULTS.md", TD_SOURCE_DIR);
     path = def;
   }
@@ -88,7 +83,7 @@ int td_bench_record(const char *title, const char *device, const char *body) {
   gmtime_r(&t, &tm);
   char date[32];
   strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", &tm);
-  fprintf(f, "\n## %s\n\n%s · %s · commit %s\n\n%s\n", title, date, device, td_bench_commit(), body);
+  fprintf(f, "\n## %s\n\n%s · %s · commit %s\n\n%s\n", title, date, device, td_bench_commit(o), body);
   fclose(f);
   printf("appended to %s\n", path);
   return 0;

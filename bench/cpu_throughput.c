@@ -20,7 +20,7 @@ typedef struct res {
 
 static void on_finish(void *ctx, const td_result *r) { (void)ctx, (void)r; }
 
-static int run(const char *dir, int batch, int in_len, int new_tokens, res *out) {
+static int run(const char *dir, const td_model_tuning *tuning, int batch, int in_len, int new_tokens, res *out) {
   td_backend_opts bo = {.kind = TD_BACKEND_CPU};
   td_backend *b = NULL;
   td_model *m = NULL;
@@ -28,7 +28,8 @@ static int run(const char *dir, int batch, int in_len, int new_tokens, res *out)
   int rc = -1;
   if (td_backend_create(&bo, &b) != TD_OK) goto out;
   td_model_opts mo = {.block_size = 16, .max_seqs = batch, .max_tokens = batch * in_len > 512 ? batch * in_len : 512,
-                      .max_enc_tokens = batch * 1500 > 4096 ? batch * 1500 : 4096, .max_enc_seqs = batch};
+                      .max_enc_tokens = batch * 1500 > 4096 ? batch * 1500 : 4096, .max_enc_seqs = batch,
+                      .tuning = *tuning};
   if (td_model_load(dir, b, &mo, &m) != TD_OK) goto out;
   const td_model_config *c = td_model_get_config(m);
   td_engine_opts eo = {.max_running = batch};
@@ -72,6 +73,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   td_settings_apply(&settings);
+  const td_bench_out out = {.results = getenv("TD_RESULTS"), .commit = getenv("TD_COMMIT")};
   bool quick = false, record = true;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = true;
@@ -101,7 +103,7 @@ int main(int argc, char **argv) {
       int batch = batches[bi];
       if (mi == 3 && batch > 16 && quick) continue;
       res r;
-      if (run(models[mi].dir, batch, 32, 32, &r)) return 1;
+      if (run(models[mi].dir, &settings.model, batch, 32, 32, &r)) return 1;
       double tps = r.tokens / r.secs;
       printf("%-26s %6d %9.3f %8ld %10.1f\n", models[mi].name, batch, r.secs, r.tokens, tps);
       td_sbuf_printf(&t, "| %s | %d | %.3f | %ld | %.1f |\n", models[mi].name, batch, r.secs, r.tokens, tps);
@@ -110,7 +112,7 @@ int main(int argc, char **argv) {
   char cmd[256];
   snprintf(cmd, sizeof cmd, "rm -rf %s", small);
   if (system(cmd)) fprintf(stderr, "could not remove %s\n", small);
-  if (record) td_bench_record("CPU engine throughput (bench-cpu-throughput)", td_bench_cpu_name(), t.s);
+  if (record) td_bench_record(&out, "CPU engine throughput (bench-cpu-throughput)", td_bench_cpu_name(), t.s);
   td_sbuf_free(&t);
   return 0;
 }

@@ -10,7 +10,12 @@
  * figure comes from cache. Prints a table and appends it, with date,
  * device and commit, to bench/RESULTS.md (or --results FILE).
  *
- *   bench_cuda_kernels [--results FILE] [--commit ID] [--quick] [--only SUBSTR] */
+ *   bench_cuda_kernels [--results FILE] [--commit ID] [--quick] [--only SUBSTR]
+ *
+ * The environment's CUDA tuning (TANDEM_CUDA_*, read once in main) applies
+ * to every row; the alternatives at the end change one field of it. One
+ * program over ~800 lines: each benchmark is a short function over the
+ * shared setup, timing and table above them. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -703,24 +708,27 @@ static void bench_encoder(int n_seqs, int len) {
 
 /* The alternatives the backend can be switched to, for comparison: GEMMs
  * of m <= 16 on cuBLASLt, dense attention head_dim 64 on 64-row tiles,
- * and the decode step without programmatic dependent launch. */
-static td_backend *alt_backend(const char *var, const char *val) {
-  setenv(var, val, 1);
+ * and the decode step without programmatic dependent launch: a backend
+ * each, with main's tuning and that change. */
+static td_backend *alt_backend(const td_cuda_tuning *t) {
   td_backend *alt;
-  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = 0};
+  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = 0, .cuda = *t};
   CHECK(td_backend_create(&o, &alt));
-  unsetenv(var);
   return alt;
 }
 
-static void variants(step_ctx *step) {
+static void variants(step_ctx *step, const td_cuda_tuning *base) {
   td_backend *main_b = B;
-  B = alt_backend("TANDEM_CUDA_DENSE64", "4");
+  td_cuda_tuning t = *base;
+  t.dense64_warps = 4;
+  B = alt_backend(&t);
   printf("-- alternatives\n");
   bench_dense(64, 512, false, true);
   snprintf(rows[n_rows - 1].what, sizeof rows[0].what, "alt: attn_dense 64-row tiles");
   td_backend_destroy(B);
-  B = alt_backend("TANDEM_CUDA_SKINNY", "0");
+  t = *base;
+  t.skinny = TD_OFF;
+  B = alt_backend(&t);
   static const int ms[] = {1, 16, 64};
   for (int i = 0; i < 3; i++) {
     bench_gemm("alt: cuBLASLt decode qkv", ms[i], 3 * D, D, 0);
@@ -737,7 +745,9 @@ static void variants(step_ctx *step) {
     bench_step(step, 64, 64);
     snprintf(rows[n_rows - 1].what, sizeof rows[0].what, "alt: decode step, unfused ops");
     step->unfused = false;
-    B = alt_backend("TANDEM_CUDA_PDL", "0");
+    t = *base;
+    t.pdl = TD_OFF;
+    B = alt_backend(&t);
     bench_step(step, 1, 64);
     snprintf(rows[n_rows - 1].what, sizeof rows[0].what, "alt: decode step, no PDL");
     bench_step(step, 64, 64);
@@ -795,7 +805,7 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = 0};
+  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = 0, .cuda = settings.cuda};
   CHECK(td_backend_create(&o, &B));
   printf("%s, commit %s\n", td_backend_name(B), commit);
   /* random bf16 source, N(0,1)/32-ish: weights and activations stay finite */
@@ -859,7 +869,7 @@ int main(int argc, char **argv) {
   }
   bench_encoder(64, 512);
   if (!only) {
-    variants(step);
+    variants(step, &settings.cuda);
     write_results(results, commit);
   }
   if (step) {

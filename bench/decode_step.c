@@ -48,6 +48,8 @@ typedef struct cfg {
   const char *dir;
   td_random_shape shape;
   uint8_t nccl_id[TD_NCCL_ID_BYTES];
+  td_cuda_tuning cuda;   /* main's settings (TANDEM_CUDA_*) */
+  td_model_tuning model; /* ... and the model's */
 } cfg;
 
 typedef struct rank {
@@ -125,7 +127,7 @@ static void *rank_main(void *arg) {
   td_status s;
   int maxb = 0;
   for (int i = 0; i < c->n_batches; i++) maxb = c->batches[i] > maxb ? c->batches[i] : maxb;
-  td_backend_opts bo = {.kind = TD_BACKEND_CUDA, .device = rk->r};
+  td_backend_opts bo = {.kind = TD_BACKEND_CUDA, .device = rk->r, .cuda = c->cuda};
   if ((s = td_backend_create(&bo, &b)) != TD_OK) goto out;
   if (c->world > 1) {
     if ((s = td_comm_create_nccl(b, c->nccl_id, rk->r, c->world, &comm)) != TD_OK) goto out;
@@ -136,7 +138,7 @@ static void *rank_main(void *arg) {
   td_model_opts mo = {.block_size = bs, .max_seqs = maxb, .max_tokens = maxb * c->ctx, .max_logits = maxb,
                       .max_enc_tokens = maxb * c->enc_len, .max_enc_seqs = maxb, .max_source_len = c->enc_len,
                       .max_target_len = c->ctx + c->steps + 16, .cross_mode = c->cross_mode,
-                      .states_rows = c->states_rows};
+                      .states_rows = c->states_rows, .tuning = c->model};
   if (c->tp > 1) {
     mo.tp_rank = rk->r;
     mo.tp_size = c->tp;
@@ -266,6 +268,9 @@ int main(int argc, char **argv) {
   }
   td_settings_apply(&settings);
   cfg c = {.tp = 1, .pp = 1, .enc_len = 512, .ctx = 64, .steps = 50, .block_size = 16};
+  c.cuda = settings.cuda;
+  c.model = settings.model;
+  const td_bench_out out = {.results = getenv("TD_RESULTS"), .commit = getenv("TD_COMMIT")};
   int defb[3] = {1, 16, 64};
   memcpy(c.batches, defb, sizeof defb);
   c.n_batches = 3;
@@ -426,7 +431,7 @@ int main(int argc, char **argv) {
              c.pp > 1 ? "PP" : "TP", c.pp > 1 ? c.pp : c.tp, rk[0].mode == TD_CROSS_KV ? ""
                                                             : rk[0].mode == TD_CROSS_STATES ? ", cross states"
                                                                                             : ", cross dual");
-    td_bench_record(title, dev, t.s);
+    td_bench_record(&out, title, dev, t.s);
   }
   td_sbuf_free(&t);
   return 0;

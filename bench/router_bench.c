@@ -215,7 +215,8 @@ int main(int argc, char **argv) {
   stop_router = 1;
   pthread_join(rt, NULL);
   td_router_destroy(rc.r);
-  if (record) td_bench_record("Router throughput and added latency (bench-router)", td_bench_cpu_name(), t.s);
+  const td_bench_out out = {.results = getenv("TD_RESULTS"), .commit = getenv("TD_COMMIT")};
+  if (record) td_bench_record(&out, "Router throughput and added latency (bench-router)", td_bench_cpu_name(), t.s);
   td_sbuf_free(&t);
   return 0;
 }

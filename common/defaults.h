@@ -65,4 +65,23 @@
 #define TD_KVX_DESTROY_STOP_MS 500  /* td_kvx_destroy lets transfers stop cleanly this long */
 #define TD_KVX_DESTROY_CLOSE_MS 200 /* then waits this long for UCX operations to complete */
 
+/* ---- CUDA backend tuning (td_cuda_tuning's zero values; measured on
+ * H100, docs/cuda.md) ---- */
+#define TD_CUDA_DEFAULT_SKINNY_ROWS 16     /* few-row GEMMs on the skinny kernel up to this many rows */
+#define TD_CUDA_DEFAULT_GEMV_MAXV 8        /* one-row GEMMs on a warp a column: k up to 256 x this */
+#define TD_CUDA_DEFAULT_GEMV_MAXN 8192     /* ... and up to this many columns */
+#define TD_CUDA_DEFAULT_GEMV_ROWS 2        /* rows the warp kernel takes at k <= 1024 */
+#define TD_CUDA_DEFAULT_GEMV_ROWS_N 8192   /* ... up to this many columns */
+#define TD_CUDA_DEFAULT_FUSE_ROWS 8        /* td_gemm_ex on the fused decode kernel up to this many rows */
+#define TD_CUDA_DEFAULT_FUSE_MASK 15       /* ... fusing the norm, GLU, the KV write; RMS after beyond */
+#define TD_CUDA_DEFAULT_DECODE_WARP 256    /* decode attention on 2 warps a pair from this many pairs */
+#define TD_CUDA_DEFAULT_DECODE_SMALL 64    /* 16 warps a pair up to this many pairs */
+#define TD_CUDA_DEFAULT_DECODE_SMALL_MIN 16 /* ... from this many */
+#define TD_CUDA_DEFAULT_DECODE_SMALL_CTX 1024 /* ... for contexts up to this long */
+#define TD_CUDA_DEFAULT_DECODE_BULK 128    /* decode attention by bulk copies from this many pairs */
+#define TD_CUDA_DEFAULT_DECODE_BULK_ALL 256 /* ... over self K/V up to this many */
+#define TD_CUDA_DEFAULT_DECODE_BULK_EARLY 128 /* ... its self K/V copied before the wait up to this many */
+#define TD_CUDA_DEFAULT_DECODE_BULK_CARVE 75 /* its shared-memory share of L1, percent */
+#define TD_CUDA_DEFAULT_KVPF_SEQS 32       /* td_kv_prefetch from this many sequences */
+
 #endif

@@ -17,10 +17,57 @@
 #define TD_ON 1
 #define TD_OFF (-1)
 
-/* CUDA backend tuning (kernels/cuda): which kernel variant an op takes and
- * where the measured switches sit. TANDEM_CUDA_* variables. */
+/* CUDA backend tuning (kernels/cuda, docs/cuda.md): which kernel variant an
+ * op takes and where the measured switches sit, TANDEM_CUDA_* variables.
+ * Switches are TD_ON / TD_OFF; counts, sizes and masks are 0 for the
+ * default (common/defaults.h), TD_OFF for none (the variable set to 0),
+ * else the value. The backend takes them when it is created. */
 typedef struct td_cuda_tuning {
-  int placeholder; /* filled in by the CUDA backend's settings */
+  int verbose;  /* TANDEM_CUDA_VERBOSE: print GEMM plan choices (default off) */
+  int autotune; /* TANDEM_CUDA_AUTOTUNE: time cuBLASLt's candidates for large GEMMs (default off) */
+  int pdl;      /* TANDEM_CUDA_PDL: programmatic dependent launch (default on) */
+  int pdl_late; /* TANDEM_CUDA_PDL_LATE=MASK: kernels that trigger the next launch after their wait: 1 decode
+                   attention, 2 every skinny GEMM, 4 the normed ones, 8 the others (0: the default policy) */
+  /* GEMMs */
+  int skinny;      /* TANDEM_CUDA_SKINNY: few-row GEMMs on the skinny kernel (TD_OFF: cuBLASLt) */
+  int skinny_rows; /* TANDEM_CUDA_SKINNY_ROWS: ... beyond 8 rows up to this many (8-16) where W has <= 2048 rows */
+  int skinny_bulk; /* TANDEM_CUDA_SKINNY_BULK: its W by bulk copies where it fits (TD_OFF: the cp.async ring) */
+  int weight_hint; /* TANDEM_CUDA_WEIGHT_HINT: skinny GEMM weights read with an L2 evict-first policy */
+  /* TANDEM_CUDA_GEMV=MAXV[,MAXN[,ROWS[,ROWSN]]]: one-row GEMMs on a warp an output column for k up to 256
+   * MAXV (4 or 8; TD_OFF: the warp kernel off) and up to MAXN columns; 2 to ROWS (<= 4) rows for k <= 1024
+   * and up to ROWSN columns, no GLU */
+  int gemv_maxv, gemv_maxn, gemv_rows, gemv_rows_n;
+  /* TANDEM_CUDA_FUSE=ROWS[,MASK]: td_gemm_ex on the fused decode kernel up to ROWS (<= 16; TD_OFF: never)
+   * rows, fusing what MASK names: 1 the norm, 2 GLU, 4 the KV write; 8: beyond ROWS, a plain RMSNorm
+   * applied after the GEMM */
+  int fuse_rows, fuse_mask;
+  /* attention */
+  int dense64_warps; /* TANDEM_CUDA_DENSE64: dense attention at head_dim 64 on wgmma (0), or on mma.sync with
+                        8 warps (128 query rows a block) or 4 (64 rows) */
+  int decode_warp;   /* TANDEM_CUDA_DECATTN=N: paged decode over self K/V on warps from N (sequence, head)
+                        pairs (TD_OFF: the decode kernels off) */
+  /* TANDEM_CUDA_DECATTN_SMALL=N[,MIN[,CTX]]: fewer pairs than that: 2-8 warps a pair by context (<= 256
+   * keys), 16 for longer contexts up to N pairs (TD_OFF: the tiled kernel), from MIN pairs, contexts up to
+   * CTX */
+  int decode_small, decode_small_min, decode_small_ctx;
+  /* TANDEM_CUDA_DECATTN_BULK=MIN[,ALL[,SHAPE[,EARLY]]]: decode attention fed by bulk copies over static K/V
+   * from MIN pairs (TD_OFF: off), over self K/V up to ALL pairs, in block shape SHAPE (0: by the pair
+   * count; 1 four warps x 2 slots, 2 two x 2, 3 two x 3), the self K/V's past keys copied before the wait
+   * up to EARLY pairs */
+  int decode_bulk, decode_bulk_all, decode_bulk_shape, decode_bulk_early;
+  int decode_bulk_carve; /* TANDEM_CUDA_DECATTN_CARVE=PCT: its preferred shared-memory share of L1, in percent
+                            (TD_OFF: no preference) */
+  int kvpf_seqs;         /* TANDEM_CUDA_KVPF=N: td_kv_prefetch from N sequences (TD_OFF: never) */
+  /* attention over encoder states, per-head products */
+  int states_generic; /* TANDEM_CUDA_STATES_GENERIC: the generic kernel always (default off) */
+  int states_splits;  /* TANDEM_CUDA_STATES_SPLITS=N: key splits, the largest power of two up to N (0: the
+                         policy's) */
+  int states_warps;   /* TANDEM_CUDA_STATES_WARPS: 8 or 16 warps a block (0: the policy's) */
+  int states_ws;      /* TANDEM_CUDA_STATES_WS: the warp-specialised kernel for 16 warps (default on) */
+  int states_planes;  /* TANDEM_CUDA_STATES_PLANES: two key splits as a split of D (default on) */
+  int heads_lt;       /* TANDEM_CUDA_HEADS_LT: td_gemm_heads on cuBLASLt always (default off) */
+  /* collectives */
+  int custom_allreduce; /* TANDEM_CUDA_CUSTOM_ALLREDUCE: the one-shot all-reduce over peer memory (default on) */
 } td_cuda_tuning;
 
 /* Model graph choices (model/). */

@@ -38,6 +38,12 @@ typedef struct td_backend_opts {
 typedef enum td_buf_type { TD_BUF_ACT, TD_BUF_F32, TD_BUF_I32 } td_buf_type;
 
 td_status td_backend_create(const td_backend_opts *opts, td_backend **out);
+/* For tests and benchmarks only: replaces a CUDA backend's tuning, as
+ * td_backend_opts.cuda set it at creation, so that one backend runs several
+ * kernel variants in turn. Ops launched from then on read it; graphs
+ * captured before keep what they captured. TD_ERR_UNSUPPORTED on other
+ * backends. */
+td_status td_backend_set_cuda_tuning(td_backend *b, const td_cuda_tuning *t);
 void td_backend_destroy(td_backend *b);
 td_backend_kind td_backend_get_kind(const td_backend *b);
 /* "cpu" or "cuda:0 (NVIDIA H100 80GB HBM3)". */

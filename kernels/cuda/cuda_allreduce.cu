@@ -153,8 +153,8 @@ td_status td_cu_allreduce_create(td_backend *b, int rank, int world, td_cu_gathe
                                  td_cu_allreduce **out) {
   *out = NULL;
   if (world < 2 || world > AR_MAX_WORLD) return TD_OK;
-  if (getenv("TANDEM_CUDA_CUSTOM_ALLREDUCE") && !strcmp(getenv("TANDEM_CUDA_CUSTOM_ALLREDUCE"), "0")) return TD_OK;
   td_cuda *c = td_cu(b);
+  if (!c->tune.custom_allreduce) return TD_OK;
   td_cu_bind(c);
   td_cu_allreduce *a = (td_cu_allreduce *)calloc(1, sizeof *a);
   if (!a) return td_err(TD_ERR_NOMEM, "allreduce: out of memory");

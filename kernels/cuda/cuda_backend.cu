@@ -1,6 +1,8 @@
 /* The CUDA backend: device memory, copies, graphs and the small bandwidth
- * kernels (norms, activations, embedding, gathers, KV writes). GEMMs live
- * in cuda_gemm.cu, attention in cuda_attn.cu, sampling in cuda_sample.cu.
+ * kernels (norms, activations, embedding, gathers). GEMMs live in
+ * cuda_gemm.cu and cuda_gemm_ex.cu, attention in cuda_attn_*.cu and
+ * cuda_states*.cu, the paged pools' ops in cuda_kv.cu, sampling in
+ * cuda_sample.cu, the tuning and launch policy in cuda_policy.c.
  * Activations are bf16 with float32 math; every launcher checks its shapes
  * and the launch, and never allocates or synchronises. */
 #include <math.h>
@@ -33,11 +35,6 @@ __global__ void bf16_to_f32_kernel(const bf16 *__restrict__ s, float *__restrict
 }
 
 /* ------------------------------------------------------------ memory */
-
-static bool capturing(td_cuda *c) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(c->stream, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
-}
 
 static td_status cu_alloc(td_backend *b, size_t bytes, void **out) {
   td_cu_bind(td_cu(b));
@@ -76,7 +73,7 @@ static void cu_host_free(td_backend *b, void *p) {
 static td_status cu_upload(td_backend *b, td_buf_type t, void *dst, const float *src, size_t n) {
   td_cu_bind(td_cu(b));
   td_cuda *c = td_cu(b);
-  if (capturing(c)) return td_err(TD_ERR_INVALID, "upload: synchronous copy during graph capture");
+  if (td_cu_capturing(c)) return td_err(TD_ERR_INVALID, "upload: synchronous copy during graph capture");
   if (t != TD_BUF_ACT) {
     TD_CU_CHECK(cudaMemcpyAsync(dst, src, n * 4, cudaMemcpyHostToDevice, c->stream), "upload");
     TD_CU_CHECK(cudaStreamSynchronize(c->stream), "upload");
@@ -97,7 +94,7 @@ static td_status cu_upload(td_backend *b, td_buf_type t, void *dst, const float 
 static td_status cu_download(td_backend *b, td_buf_type t, const void *src, float *dst, size_t n) {
   td_cu_bind(td_cu(b));
   td_cuda *c = td_cu(b);
-  if (capturing(c)) return td_err(TD_ERR_INVALID, "download: synchronous copy during graph capture");
+  if (td_cu_capturing(c)) return td_err(TD_ERR_INVALID, "download: synchronous copy during graph capture");
   if (t != TD_BUF_ACT) {
     TD_CU_CHECK(cudaMemcpyAsync(dst, src, n * 4, cudaMemcpyDeviceToHost, c->stream), "download");
     TD_CU_CHECK(cudaStreamSynchronize(c->stream), "download");
@@ -402,122 +399,6 @@ static td_status cu_im2col1d(td_backend *b, const void *x, void *y, int batch, i
   return TD_OK;
 }
 
-/* ------------------------------------------------------------ paged KV */
-
-/* One block per row; K and V rows of heads*head_dim go to their slots. */
-template <bool VEC>
-__global__ void kv_write_kernel(const bf16 *__restrict__ k, const bf16 *__restrict__ v, int ld, bf16 *pool,
-                                size_t block_elems, size_t layer_off, int H, int dh, int bs,
-                                const int32_t *__restrict__ slots) {
-  td_pdl_start();
-  int i = blockIdx.x;
-  int slot = slots[i];
-  if (slot < 0) return;
-  int blk = slot / bs, sl = slot % bs;
-  size_t head_stride = (size_t)bs * dh;
-  bf16 *kb = pool + (size_t)blk * block_elems + layer_off + (size_t)sl * dh;
-  bf16 *vb = kb + (size_t)H * head_stride;
-  const bf16 *kr = k + (size_t)i * ld, *vr = v + (size_t)i * ld;
-  int per = VEC ? 8 : 1, cols = dh / per, total = H * cols;
-  for (int e = threadIdx.x; e < total; e += blockDim.x) {
-    int h = e / cols, cc = (e % cols) * per;
-    size_t src = (size_t)h * dh + cc, dst = (size_t)h * head_stride + cc;
-    if (VEC) {
-      *(uint4 *)(kb + dst) = *(const uint4 *)(kr + src);
-      *(uint4 *)(vb + dst) = *(const uint4 *)(vr + src);
-    } else {
-      kb[dst] = kr[src];
-      vb[dst] = vr[src];
-    }
-  }
-}
-
-static td_status cu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
-                             int layer, const int32_t *slots, int n) {
-  td_cu_bind(td_cu(b));
-  td_cuda *c = td_cu(b);
-  td_kv_span sp = td_kv_layer_span(l, layer); /* a K/V layer or the states tail */
-  int H = sp.heads, dh = sp.dim;
-  bool vec = dh % 8 == 0 && ld % 8 == 0 && td_kv_block_elems(l) % 8 == 0 && td_aligned16(k) && td_aligned16(v) &&
-             td_aligned16(pool);
-  int work = H * dh / (vec ? 8 : 1);
-  int threads = work >= 256 ? 256 : (work + 31) / 32 * 32;
-  size_t be = td_kv_block_elems(l);
-  if (vec)
-    (void)td_launch(c, kv_write_kernel<true>, n, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool, be,
-                                                         sp.off, H, dh, l->block_size, slots);
-  else
-    (void)td_launch(c, kv_write_kernel<false>, n, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool, be,
-                                                          sp.off, H, dh, l->block_size, slots);
-  TD_CU_LAUNCHED("kv_write");
-  return TD_OK;
-}
-
-static td_status cu_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs,
-                                   int n_pairs) {
-  td_cu_bind(td_cu(b));
-  td_cuda *c = td_cu(b);
-  size_t bytes = td_kv_block_elems(l) * sizeof(bf16);
-  for (int i = 0; i < n_pairs; i++) {
-    if (pairs[2 * i] < 0 || pairs[2 * i + 1] < 0)
-      return td_err(TD_ERR_INVALID, "kv_copy_blocks: negative block id in pair %d", i);
-    if (pairs[2 * i] == pairs[2 * i + 1]) continue;
-    TD_CU_CHECK(cudaMemcpyAsync((char *)pool + (size_t)pairs[2 * i + 1] * bytes,
-                                (const char *)pool + (size_t)pairs[2 * i] * bytes, bytes, cudaMemcpyDeviceToDevice,
-                                c->stream),
-                "kv_copy_blocks");
-  }
-  return TD_OK;
-}
-
-/* ------------------------------------------------------------ hints */
-
-/* td_kv_prefetch: one bulk L2 prefetch per (sequence, paged block): the
- * layer's K and V rows of every head lie together in a block. A block's
- * prefetches drain through its SM's copy engine, so the few blocks bound
- * the rate: ~0.8 TB/s, which the latency-bound GEMMs beside it can spare.
- * H100, Flan-T5-large, the self K/V of the next layer requested after the
- * FFN: batch 32 1.745-1.760 -> 1.723-1.735 ms, 64 2.401-2.417 ->
- * 2.359-2.374 (the self-attention's critical path 10.3 -> 7.7 us a layer);
- * spread over 24-132 blocks it slowed the QKV GEMM beside it (64: 2.47-2.49);
- * issued after the cross-attention, or the cross o, 1 % less gained; batch
- * 16 even (hence from 32 sequences). */
-__global__ void __launch_bounds__(128) kv_prefetch_kernel(const bf16 *pool, size_t block_elems, size_t layer_off,
-                                                          uint32_t bytes, int bs, const int32_t *ctx_len,
-                                                          const int32_t *table, int max_blocks, int n_seqs) {
-  const long items = (long)n_seqs * max_blocks;
-  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < items; i += (long)gridDim.x * blockDim.x) {
-    const int s = (int)(i / max_blocks), j = (int)(i % max_blocks);
-    if ((long)j * bs >= ctx_len[s]) continue;
-    const int32_t blk = table[i];
-    if (blk >= 0) bulk_prefetch_l2(pool + (size_t)blk * block_elems + layer_off, bytes);
-  }
-}
-
-static td_status cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer,
-                                const td_paged_meta *m) {
-  td_cuda *c = td_cu(b);
-  td_cu_bind(c);
-  /* only on a capture's branch (joined at its end): eagerly it would be a
-   * node in the chain */
-  if (c->kvpf_seqs <= 0 || m->n_seqs < c->kvpf_seqs || !capturing(c)) return TD_OK;
-  size_t bytes = (size_t)2 * l->n_heads * l->block_size * l->head_dim * sizeof(bf16);
-  size_t layer_off = (size_t)layer * 2 * l->n_heads * l->block_size * l->head_dim;
-  /* bulk prefetches take 16-byte aligned addresses and sizes */
-  if (!td_aligned16(pool) || bytes % 16 || bytes > 0xffffffffu || td_kv_block_elems(l) * sizeof(bf16) % 16 ||
-      layer_off * sizeof(bf16) % 16)
-    return TD_OK;
-  TD_CU_CHECK(cudaEventRecord(c->aux_fork, c->stream), "kv_prefetch");
-  TD_CU_CHECK(cudaStreamWaitEvent(c->aux, c->aux_fork, 0), "kv_prefetch");
-  long items = (long)m->n_seqs * m->max_blocks;
-  unsigned grid = (unsigned)((items + 127) / 128 > 4 ? 4 : (items + 127) / 128);
-  kv_prefetch_kernel<<<grid, 128, 0, c->aux>>>((const bf16 *)pool, td_kv_block_elems(l), layer_off, (uint32_t)bytes,
-                                               l->block_size, m->ctx_len, m->block_table, m->max_blocks, m->n_seqs);
-  TD_CU_LAUNCHED("kv_prefetch");
-  c->aux_pending = true;
-  return TD_OK;
-}
-
 /* ------------------------------------------------------------ graphs */
 
 struct td_graph {
@@ -527,7 +408,7 @@ struct td_graph {
 static td_status cu_graph_begin(td_backend *b) {
   td_cu_bind(td_cu(b));
   td_cuda *c = td_cu(b);
-  if (capturing(c)) return td_err(TD_ERR_INVALID, "graph_begin: a capture is already open");
+  if (td_cu_capturing(c)) return td_err(TD_ERR_INVALID, "graph_begin: a capture is already open");
   TD_CU_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal), "graph_begin");
   return TD_OK;
 }
@@ -586,7 +467,7 @@ static void cu_destroy(td_backend *b) {
     (void)cudaSetDevice(c->device);
     if (c->stream) (void)cudaStreamSynchronize(c->stream);
     td_cu_gemm_destroy(c);
-    td_cu_states_destroy(c);
+    td_cu_heads_destroy(c);
     if (c->lt) cublasLtDestroy(c->lt);
     if (c->lt_ws) (void)cudaFree(c->lt_ws);
     if (c->stage) (void)cudaFree(c->stage);
@@ -618,6 +499,12 @@ static td_status cu_unshard_cols(td_backend *b, const float *parts, float *out, 
 }
 
 /* Filled field by field: entries this file does not know stay NULL. */
+/* td_backend_set_cuda_tuning: every launch reads c->tune */
+static td_status cu_set_cuda_tuning(td_backend *b, const td_cuda_tuning *t) {
+  td_cu_tune_resolve(t, &td_cu(b)->tune);
+  return TD_OK;
+}
+
 static td_backend_vt cuda_vt;
 
 static void vt_init(void) {
@@ -639,13 +526,13 @@ static void vt_init(void) {
   v->gather_rows = cu_gather_rows;
   v->im2col1d = cu_im2col1d;
   v->attn_dense = td_cu_attn_dense;
-  v->kv_write = cu_kv_write;
+  v->kv_write = td_cu_kv_write;
   v->attn_paged = td_cu_attn_paged;
   v->attn_states = td_cu_attn_states;
   v->states_rows = td_cu_states_rows;
   v->gemm_heads = td_cu_gemm_heads;
-  v->kv_copy_blocks = cu_kv_copy_blocks;
-  v->kv_prefetch = cu_kv_prefetch;
+  v->kv_copy_blocks = td_cu_kv_copy_blocks;
+  v->kv_prefetch = td_cu_kv_prefetch;
   v->sample = td_cu_sample;
   v->topk_logprobs = td_cu_topk_logprobs;
   v->graph_begin = cu_graph_begin;
@@ -655,6 +542,7 @@ static void vt_init(void) {
   v->unshard_cols = cu_unshard_cols;
   v->gemm_ex = td_cu_gemm_ex;
   v->fused_norm_rows = td_cu_fused_norm_rows;
+  v->set_cuda_tuning = cu_set_cuda_tuning;
 }
 
 static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) {
@@ -670,6 +558,7 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   c->cc_major = p.major;
   c->cc_minor = p.minor;
   c->smem_optin = p.sharedMemPerBlockOptin;
+  td_cu_tune_resolve(&opts->cuda, &c->tune);
   snprintf(b->name, sizeof b->name, "cuda:%d (%.120s)", c->device, p.name);
   if (p.major != 9)
     return td_err(TD_ERR_UNSUPPORTED, "cuda backend: %s has compute capability %d.%d; this build holds sm_90a code only",
@@ -690,47 +579,10 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   TD_TRY(cu_alloc(b, nc, (void **)&c->counters));
   TD_CU_CHECK(cudaMemsetAsync(c->counters, 0, nc, c->stream), "cuda backend");
   TD_CU_CHECK(cudaStreamSynchronize(c->stream), "cuda backend");
-  const char *v = getenv("TANDEM_CUDA_VERBOSE");
-  c->verbose = v && *v && *v != '0';
-  v = getenv("TANDEM_CUDA_AUTOTUNE");
-  c->autotune = v && *v && *v != '0';
-  v = getenv("TANDEM_CUDA_SKINNY");
-  c->skinny = !(v && *v == '0');
-  v = getenv("TANDEM_CUDA_SKINNY_ROWS");
-  c->skinny_rows = v && *v ? atoi(v) : 16;
-  c->skinny_rows = c->skinny_rows < 8 ? 8 : c->skinny_rows > 16 ? 16 : c->skinny_rows;
-  v = getenv("TANDEM_CUDA_GEMV");
-  c->gemv_maxv = 8, c->gemv_maxn = 8192, c->gemv_rows = 2, c->gemv_rows_n = 8192;
-  if (v && *v) (void)sscanf(v, "%d,%d,%d,%d", &c->gemv_maxv, &c->gemv_maxn, &c->gemv_rows, &c->gemv_rows_n);
-  if (c->gemv_maxv <= 0) c->gemv_rows = 0; /* "0": the warp kernel off */
-  v = getenv("TANDEM_CUDA_DENSE64");
-  c->dense64_warps = v && (atoi(v) == 4 || atoi(v) == 8) ? atoi(v) : 0;
-  v = getenv("TANDEM_CUDA_DECATTN");
-  c->decode_warp = v && *v ? atoi(v) : 256;
-  v = getenv("TANDEM_CUDA_DECATTN_SMALL");
-  c->decode_small = 64;
-  c->decode_small_min = 16;
-  c->decode_small_ctx = 1024;
-  if (v && *v && sscanf(v, "%d,%d,%d", &c->decode_small, &c->decode_small_min, &c->decode_small_ctx) < 1)
-    c->decode_small = 64;
-  v = getenv("TANDEM_CUDA_DECATTN_BULK");
-  c->decode_bulk = 128, c->decode_bulk_all = 256, c->decode_bulk_shape = 0, c->decode_bulk_early = 128;
-  if (v && *v &&
-      sscanf(v, "%d,%d,%d,%d", &c->decode_bulk, &c->decode_bulk_all, &c->decode_bulk_shape, &c->decode_bulk_early) < 1)
-    c->decode_bulk = 128;
-  v = getenv("TANDEM_CUDA_DECATTN_CARVE");
-  c->decode_bulk_carve = v && *v ? atoi(v) : 75;
-  c->decode_bulk_carve = c->decode_bulk_carve > 100 ? 100 : c->decode_bulk_carve < 0 ? -1 : c->decode_bulk_carve;
-  v = getenv("TANDEM_CUDA_KVPF");
-  c->kvpf_seqs = v && *v ? atoi(v) : 32;
-  v = getenv("TANDEM_CUDA_PDL");
-  c->pdl = !(v && *v == '0');
-  v = getenv("TANDEM_CUDA_PDL_LATE");
-  c->pdl_late = v && *v ? atoi(v) : -1; /* -1: the measured default (cuda_gemm.cu, td_cu_skinny) */
-  v = getenv("TANDEM_CUDA_WEIGHT_HINT");
-  c->weight_hint = !(v && *v == '0');
   TD_TRY(td_cu_gemm_init(c));
-  TD_TRY(td_cu_attn_init(c));
+  TD_TRY(td_cu_attn_dense_init(c));
+  TD_TRY(td_cu_attn_paged_init(c));
+  TD_TRY(td_cu_heads_init(c));
   TD_TRY(td_cu_states_init(c));
   TD_TRY(td_cu_sample_init(c));
   return TD_OK;

@@ -4,7 +4,7 @@
  * as its own op.
  *
  * Which kernel: without a weighted norm, the skinny kernels of
- * cuda_gemm.cu (td_cu_skinny: W by bulk copies, or through a cp.async
+ * cuda_gemm_skinny.cu (td_cu_skinny: W by bulk copies, or through a cp.async
  * ring), which take the plain norm (the model folded the RMSNorm weight
  * into W: scale by 1 / rms(x), sums of squares from the MMA fragments),
  * the KV write, and GLU on the bulk variant. With a weighted norm (or GLU
@@ -13,13 +13,11 @@
  * zero), so the norm is applied there in place, exactly as td_norm
  * computes it; its W stages are requested before the PDL wait too.
  *
- * Defaults (TANDEM_CUDA_FUSE=ROWS,MASK, measured on H100, docs/cuda.md):
- * 8 rows, all three fusions (decode step at batch 1: KV write fused
- * 0.922 -> 0.898 ms, then with W by bulk copies the plain norm fused
- * 0.845 -> 0.822). The
- * in-place weighted norm of skf measured slower than a norm kernel (every
- * block renormalises every row after the wait), and beyond 8 rows these
- * kernels lose to cuBLASLt (x re-read per 16 columns).
+ * Defaults (td_cuda_tuning.fuse_rows / fuse_mask, measured: docs/cuda.md):
+ * 8 rows, all three fusions. The in-place weighted norm of skf measured
+ * slower than a norm kernel (every block renormalises every row after the
+ * wait), and beyond 8 rows these kernels lose to cuBLASLt (x re-read per
+ * 16 columns).
  *
  * Tried and dropped (measured): a split-K variant for up to 64 rows whose
  * blocks exchanged partials through distributed shared memory in
@@ -38,8 +36,10 @@ extern "C" {
 enum { SF_KC = 64, SF_ROW = SF_KC + 8, SF_STAGES = 5, SF_WARPS = 4, SF_MAXM = 16 };
 enum { SF_NORM_NONE = 0, SF_NORM_RMS = 1, SF_NORM_LN = 2, SF_NORM_PLAIN = 3 };
 enum { SF_FUSE_NORM = 1, SF_FUSE_GLU = 2, SF_FUSE_KV = 4, SF_RMS_AFTER = 8 };
-/* defaults (TANDEM_CUDA_FUSE): measured on H100, docs/cuda.md */
-enum { SF_DEF_ROWS = 8, SF_DEF_MASK = SF_FUSE_GLU | SF_FUSE_NORM | SF_FUSE_KV | SF_RMS_AFTER };
+/* the tuning's fuse rows and mask (td_cuda_tuning.fuse_rows / fuse_mask) are these */
+static_assert((int)SF_MAXM == (int)TD_CU_FUSE_MAX_ROWS &&
+                  (SF_FUSE_NORM | SF_FUSE_GLU | SF_FUSE_KV | SF_RMS_AFTER) == 15,
+              "fused kernel rows and fusions");
 constexpr size_t SF_RING = (size_t)SF_WARPS * SF_STAGES * 16 * SF_ROW * sizeof(bf16);
 
 struct SfArgs {
@@ -240,19 +240,6 @@ __global__ void __launch_bounds__(32 * SF_WARPS) skf_kernel(const SfArgs a) {
 /* ------------------------------------------------------------ host side */
 
 td_status td_cu_skf_init(td_cuda *c) {
-  /* TANDEM_CUDA_FUSE=ROWS[,MASK]: the fused kernel for up to ROWS <= 16 rows
-   * (0: td_gemm_ex as separate ops), fusing what MASK names: 1 the norm,
-   * 2 GLU, 4 the KV write (what is not fused runs as its own op); 8: beyond
-   * ROWS, a plain RMSNorm applied after the GEMM (rms_after below). */
-  const char *v = getenv("TANDEM_CUDA_FUSE");
-  c->fuse = SF_DEF_ROWS;
-  c->fuse_mask = SF_DEF_MASK;
-  if (v && *v) {
-    int rows = SF_DEF_ROWS, mask = SF_DEF_MASK;
-    if (sscanf(v, "%d,%d", &rows, &mask) < 1) rows = SF_DEF_ROWS;
-    c->fuse = rows < 0 ? 0 : rows > SF_MAXM ? SF_MAXM : rows;
-    c->fuse_mask = mask & (SF_FUSE_NORM | SF_FUSE_GLU | SF_FUSE_KV | SF_RMS_AFTER);
-  }
   TD_CU_CHECK(cudaFuncSetAttribute(skf_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)c->smem_optin),
               "gemm init (fused decode kernel)");
   return TD_OK;
@@ -287,9 +274,8 @@ static td_status kv_after(td_backend *b, const td_gemm_args *ga) {
  * norm: a plain RMSNorm (its weight folded into W) commutes with it,
  * norm(x) W^T = (x W^T) / rms(x), so the GEMM runs on x itself and the
  * kernel that follows it anyway (the gated activation, the KV write)
- * scales each row by 1 / rms(x): the norm kernel before the GEMM goes.
- * H100, Flan-T5-large decode step: batch 16 / 32 / 64 1.407-1.418 /
- * 1.835-1.842 / 2.480-2.487 -> 1.355-1.364 / 1.781-1.783 / 2.428-2.436 ms. */
+ * scales each row by 1 / rms(x): the norm kernel before the GEMM goes
+ * (measured: docs/cuda.md). */
 /* 1 / rms of row x[0, k) (k % 8 == 0, 16-byte aligned), for every thread of the block */
 __device__ float sr_inv_rms(const bf16 *x, int k, float eps) {
   __shared__ float red[32];
@@ -343,7 +329,7 @@ __global__ void __launch_bounds__(256) sr_kv_kernel(bf16 *__restrict__ y, int n,
  * RMSNorm, no bias, and a GLU or a KV write (no activation) after it. */
 static bool rms_after_fits(const td_cuda *c, const td_gemm_args *ga) {
   bool glu = ga->flags & TD_GEMM_GLU;
-  if (!(c->fuse_mask & SF_RMS_AFTER) || ga->m <= c->fuse || !ga->norm_plain || !ga->norm_rms || ga->norm_w ||
+  if (!(c->tune.fuse_mask & SF_RMS_AFTER) || ga->m <= c->tune.fuse || !ga->norm_plain || !ga->norm_rms || ga->norm_w ||
       ga->bias || (ga->flags & (TD_GEMM_ACCUM | TD_GEMM_OUT_F32)) || ga->k % 8 || ga->n % 16 ||
       !td_aligned16(ga->x) || !td_aligned16(ga->y))
     return false;
@@ -396,13 +382,12 @@ static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse
 
 /* Up to 8 rows the fused kernel takes a plain norm; up to 16 the projection
  * still runs on a skinny kernel (td_cu_gemm) where leaving the cross query's
- * norm to the attention measured slower (H100, Flan-T5-large batch 16:
- * 1.33-1.35 -> 1.40-1.41 ms: the attention's K/V stream then starts a kernel
- * earlier, beside latency-bound ones); beyond, cuBLASLt's GEMM cannot take
- * it. */
+ * norm to the attention measured slower (the attention's K/V stream then
+ * starts a kernel earlier, beside latency-bound ones; docs/cuda.md);
+ * beyond, cuBLASLt's GEMM cannot take it. */
 int td_cu_fused_norm_rows(const td_backend *b) {
   const td_cuda *c = (const td_cuda *)b->impl;
-  return c->skinny && c->skinny_rows > c->fuse ? c->skinny_rows : c->fuse;
+  return c->tune.skinny && c->tune.skinny_rows > c->tune.fuse ? c->tune.skinny_rows : c->tune.fuse;
 }
 
 td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
@@ -411,8 +396,8 @@ td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
   if ((unsigned)ga->act > TD_ACT_QUICK_GELU)
     return td_err(TD_ERR_INVALID, "gemm_ex: unknown activation %d", (int)ga->act);
   bool glu = ga->flags & TD_GEMM_GLU;
-  int k = ga->k, mask = c->fuse_mask;
-  bool eligible = ga->m <= c->fuse && !(ga->flags & (TD_GEMM_OUT_F32 | TD_GEMM_ACCUM)) && k % 8 == 0 &&
+  int k = ga->k, mask = c->tune.fuse_mask;
+  bool eligible = ga->m <= c->tune.fuse && !(ga->flags & (TD_GEMM_OUT_F32 | TD_GEMM_ACCUM)) && k % 8 == 0 &&
                   td_aligned16(ga->x) && td_aligned16(ga->w) &&
                   (!(ga->norm_w || ga->norm_plain) || td_aligned16(ga->scratch_norm));
   /* the fused stores are 16-byte: every block must start aligned */

@@ -13,20 +13,9 @@
 extern "C" {
 #include "kernels/backend_impl.h"
 }
+#include "kernels/cuda/cuda_policy.h"
 
 typedef __nv_bfloat16 bf16;
-
-/* Sizes fixed at creation (docs/cuda.md lists them). */
-enum {
-  TD_CU_LT_WORKSPACE = 32 << 20,     /* cuBLASLt workspace (Hopper recommends 32 MiB) */
-  TD_CU_STAGE_BYTES = 32 << 20,      /* upload/download conversion staging */
-  TD_CU_SPLIT_BYTES = 32 << 20,      /* split-KV partial outputs of attn_paged */
-  TD_CU_GEMM_CACHE = 1024,           /* cached cuBLASLt plans */
-  TD_CU_GEMM_WAYS = 8,               /* ways per set (least recently used evicted) */
-  TD_CU_PART_BYTES = 16 << 20,       /* split-K partial sums of the skinny GEMM */
-  TD_CU_GEMM_COUNTERS = 8192,        /* arrival counters: skinny GEMM column tiles */
-  TD_CU_ATTN_COUNTERS = 65536,       /* arrival counters: split-KV attention groups */
-};
 
 struct td_gemm_plan;
 
@@ -39,45 +28,17 @@ typedef struct td_cuda {
   cudaStream_t aux;              /* hint branch of a capture (td_kv_prefetch) */
   cudaEvent_t aux_fork, aux_join;
   bool aux_pending;
-  int kvpf_seqs;                 /* td_kv_prefetch from this many sequences (TANDEM_CUDA_KVPF; 0: off) */
   cublasLtHandle_t lt;
   void *lt_ws;
   float *stage;       /* TD_CU_STAGE_BYTES of device memory */
   float *split;       /* TD_CU_SPLIT_BYTES of device memory */
   float *part;        /* TD_CU_PART_BYTES of device memory */
   int *counters;      /* GEMM then attention arrival counters, zero between launches */
-  int skinny_bulk;    /* the skinny GEMM's W by bulk copies where it fits (TANDEM_CUDA_SKINNY_BULK=0: cp.async ring) */
-  int skinny;         /* small-m GEMMs on our kernel (TANDEM_CUDA_SKINNY=0: cuBLASLt) */
-  int skinny_rows;    /* ... beyond 8 rows up to this many where W has at most 2048 rows (TANDEM_CUDA_SKINNY_ROWS, 8-16) */
-  int gemv_maxv, gemv_maxn, gemv_rows, gemv_rows_n; /* one-row GEMMs on a warp per output column for k up to
-                         256 MAXV (0: off, 4 or 8) and up to MAXN output columns; 2-ROWS rows (ROWS <= 4) for k <=
-                         1024 and up to ROWSN outputs, no GLU (TANDEM_CUDA_GEMV=MAXV[,MAXN[,ROWS[,ROWSN]]], default
-                         8,8192,2,8192) */
-  int decode_warp;    /* paged decode over self KV on a warp per (sequence, head) from this many pairs (TANDEM_CUDA_DECATTN; 0: off) */
-  int decode_small;   /* fewer pairs than that: 2-8 warps a pair by context (<= 256 keys); 16 for longer contexts
-                         up to this many pairs (TANDEM_CUDA_DECATTN_SMALL=N[,MIN[,CTX]], default 64; 0: the tiled
-                         kernel) */
-  int decode_small_min, decode_small_ctx; /* ... and from MIN pairs, contexts up to CTX (default 16, 1024): fewer
-                         pairs or longer contexts take the tiled kernel's key splits */
-  int decode_bulk_carve; /* its L1 carveout up to three blocks an SM (TANDEM_CUDA_DECATTN_CARVE=PCT, default 75; -1: none) */
-  int decode_bulk, decode_bulk_all, decode_bulk_shape, decode_bulk_early; /* decode attention over static K/V
-                         (cross) fed by bulk copies from this many pairs, and over any K/V (self) up to ALL pairs, in
-                         block shape SHAPE (0: by the pair count; cuda_attn.cu), the self-attention's past keys copied
-                         before the wait up to EARLY pairs (TANDEM_CUDA_DECATTN_BULK=MIN[,ALL[,SHAPE[,EARLY]]],
-                         default 128,256,0,128; 0: off) */
-  int dense64_warps;  /* dense attention, head_dim 64: 0 wgmma on 2 warpgroups, 8 mma.sync warps x 16 rows
-                         (TANDEM_CUDA_DENSE64=8), or 4 (=4) */
-  int pdl;            /* programmatic dependent launch (TANDEM_CUDA_PDL=0: off) */
-  int pdl_late;       /* kernels that trigger after their wait (TANDEM_CUDA_PDL_LATE=MASK: 1 decode attention, 2 every
-                         skinny GEMM, 4 the normed ones, 8 the others; unset: -1, the default policy) */
-  int weight_hint;    /* skinny GEMM weights read with an L2 evict-first policy (TANDEM_CUDA_WEIGHT_HINT=0: off) */
-  int fuse, fuse_mask; /* td_gemm_ex on the fused decode kernel: up to this many rows, these fusions (TANDEM_CUDA_FUSE) */
+  td_cu_tune tune;    /* the tuning in force (td_backend_opts.cuda; td_backend_set_cuda_tuning) */
   struct td_gemm_plan *plans;
-  void *heads_plans;  /* td_gemm_heads' cuBLASLt plans (cuda_states.cu) */
+  void *heads_plans;  /* td_gemm_heads' cuBLASLt plans (cuda_gemm_heads.cu) */
   int states_clusters[16][4]; /* attn_states: co-resident clusters of 1, 2, 4, 8 blocks per kernel (D, warps) */
   uint64_t plan_clock;
-  int verbose;        /* TANDEM_CUDA_VERBOSE=1: print GEMM plan choices */
-  int autotune;       /* TANDEM_CUDA_AUTOTUNE=1: time cuBLASLt's candidates for large GEMMs */
 } td_cuda;
 
 static inline td_cuda *td_cu(td_backend *b) { return (td_cuda *)b->impl; }
@@ -103,6 +64,12 @@ static inline void td_cu_bind(const td_cuda *c) {
   if (cudaGetDevice(&d) != cudaSuccess || d != c->device) (void)cudaSetDevice(c->device);
 }
 
+/* Whether the backend's stream is capturing a graph. */
+static inline bool td_cu_capturing(const td_cuda *c) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(c->stream, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+}
+
 static inline bool td_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 static inline unsigned td_blocks(size_t n, unsigned per) {
   size_t g = (n + per - 1) / per;
@@ -126,7 +93,7 @@ static inline unsigned td_blocks(size_t n, unsigned per) {
 #define TD_PDL_EARLY 1
 #endif
 /* late: trigger after the wait, so that the launches behind this kernel
- * (and their weight prefetches) wait until it runs (TANDEM_CUDA_PDL_LATE). */
+ * (and their weight prefetches) wait until it runs (td_cuda_tuning.pdl_late). */
 __device__ __forceinline__ void td_pdl_start_if(bool late) {
   if (!late) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -152,7 +119,7 @@ static inline cudaError_t td_launch_ex(const td_cuda *c, int cluster, int carveo
     attr[n].id = cudaLaunchAttributePreferredSharedMemoryCarveout;
     attr[n++].val.sharedMemCarveout = (unsigned)carveout;
   }
-  if (c->pdl) {
+  if (c->tune.pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
@@ -243,7 +210,7 @@ __device__ __forceinline__ void td_kv_store(const td_kv_dest &d, int row, int co
   *td_kv_at(d, slot, col - d.col) = v;
 }
 
-/* The skinny decode GEMM (cuda_gemm.cu) with what it can fuse: a plain
+/* The skinny decode GEMM (cuda_gemm_skinny.cu) with what it can fuse: a plain
  * RMSNorm (norm: scale by 1 / rms(x)), the KV write of a QKV projection
  * (kv.pool != NULL; bf16 output only). kq is set by td_cu_skinny. */
 typedef struct td_skinny_args {
@@ -256,6 +223,7 @@ typedef struct td_skinny_args {
   float eps;
   td_kv_dest kv;
 } td_skinny_args;
+td_status td_cu_skinny_init(td_cuda *c);
 td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu);
 /* whether td_cu_skinny takes the bulk-copy kernel (the only one with GLU) for m rows of k */
 bool td_cu_skinny_bulk(const td_cuda *c, int m, int k);
@@ -269,11 +237,20 @@ static inline void td_cu_lt_release(cublasLtMatmulDesc_t op, cublasLtMatrixLayou
   if (lc) cublasLtMatrixLayoutDestroy(lc);
 }
 
+/* cuda_kv.cu: the paged pools' ops */
+td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
+                         int layer, const int32_t *slots, int n);
+td_status td_cu_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs);
+td_status td_cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer,
+                            const td_paged_meta *m);
+
 /* cuda_gemm_ex.cu: td_gemm_ex (fused on the decode kernel for m <= 16) */
 td_status td_cu_skf_init(td_cuda *c);
 td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *a);
 
-td_status td_cu_attn_init(td_cuda *c);
+/* attention: cuda_attn.cuh lists the files */
+td_status td_cu_attn_dense_init(td_cuda *c);
+td_status td_cu_attn_paged_init(td_cuda *c);
 td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
                            int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
                            const td_relbias *bias);
@@ -281,12 +258,14 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
                            const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
                            const td_relbias *bias);
 
-/* cuda_states.cu: attention over encoder states and the per-head products */
+/* cuda_states.cu: attention over encoder states (cuda_states.cuh lists the files) */
 td_status td_cu_states_init(td_cuda *c);
-void td_cu_states_destroy(td_cuda *c);
 int td_cu_states_rows(const td_backend *b, int D);
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                             const td_kv_layout *l, int heads, const td_paged_meta *m, float scale);
+/* cuda_gemm_heads.cu: the per-head products around it */
+td_status td_cu_heads_init(td_cuda *c);
+void td_cu_heads_destroy(td_cuda *c);
 td_status td_cu_gemm_heads(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int heads,
                            int n, int k, bool w_t);
 

@@ -7,9 +7,12 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/settings.h"
 #include "kernels/ops.h"
 
 enum { N = 4099, WORLD = 2 };
+
+static td_cuda_tuning cuda_tuning; /* main's, from the environment */
 
 typedef struct rank_arg {
   int rank;
@@ -33,7 +36,7 @@ static void *rank_main(void *p) {
   td_comm *c = NULL;
   void *f = NULL, *h = NULL, *i32 = NULL, *g = NULL;
   float *x = malloc(sizeof(float) * N * WORLD), *y = malloc(sizeof(float) * N * WORLD);
-  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = a->rank};
+  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = a->rank, .cuda = cuda_tuning};
   OK(td_backend_create(&o, &b), "backend");
   OK(td_comm_create_nccl(b, a->id, a->rank, WORLD, &c), "communicator");
   td_backend_set_comm(b, c);
@@ -110,4 +113,20 @@ Test(cuda_comm, two_ranks, .timeout = 120) {
   }
   for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
   for (int r = 0; r < WORLD; r++) cr_expect(args[r].fail[0] == 0, "%s", args[r].fail);
+}
+
+/* Reads the environment once: the CUDA tuning the backends are made with. */
+int main(int argc, char *argv[]) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "%s: %s\n", argv[0], td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
+  cuda_tuning = settings.cuda;
+  struct criterion_test_set *tests = criterion_initialize();
+  int rc = 0;
+  if (criterion_handle_args(argc, argv, true)) rc = !criterion_run_all_tests(tests);
+  criterion_finalize(tests);
+  return rc;
 }

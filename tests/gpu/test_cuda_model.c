@@ -188,9 +188,10 @@ typedef struct rig {
 static td_cross_mode rig_mode;
 static int rig_states_rows;
 static td_model_tuning rig_tuning;
+static td_cuda_tuning cuda_tuning; /* main's, from the environment */
 
 static void rig_open(rig *r, const char *dir, int bs, int vocab, bool emulate) {
-  td_backend_opts bo = {.kind = emulate ? TD_BACKEND_CPU : TD_BACKEND_CUDA, .device = 0};
+  td_backend_opts bo = {.kind = emulate ? TD_BACKEND_CPU : TD_BACKEND_CUDA, .device = 0, .cuda = cuda_tuning};
   cr_assert(td_backend_create(&bo, &r->b) == TD_OK, "%s", td_errmsg());
   if (emulate) {
     cpu_vt = r->b->vt;
@@ -448,3 +449,19 @@ static void batched_decode(td_cross_mode mode, int states_rows) {
 Test(model_cuda, batched_decode, .timeout = 300) { batched_decode(TD_CROSS_KV, 0); }
 Test(model_cuda, batched_decode_cross_states, .timeout = 300) { batched_decode(TD_CROSS_STATES, 0); }
 Test(model_cuda, batched_decode_cross_dual, .timeout = 300) { batched_decode(TD_CROSS_DUAL, 3); }
+
+/* Reads the environment once: the CUDA tuning the backends are made with. */
+int main(int argc, char *argv[]) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "%s: %s\n", argv[0], td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
+  cuda_tuning = settings.cuda;
+  struct criterion_test_set *tests = criterion_initialize();
+  int rc = 0;
+  if (criterion_handle_args(argc, argv, true)) rc = !criterion_run_all_tests(tests);
+  criterion_finalize(tests);
+  return rc;
+}

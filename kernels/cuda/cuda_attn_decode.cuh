@@ -1,0 +1,188 @@
+/* Paged decode attention's shared pieces (cuda_attn_decode_warp.cu,
+ * cuda_attn_decode_bulk.cu). */
+#ifndef TD_KERNELS_CUDA_ATTN_DECODE_CUH
+#define TD_KERNELS_CUDA_ATTN_DECODE_CUH
+
+#include "kernels/cuda/cuda_attn.cuh"
+
+/* Decode attention, one query per sequence, head_dim 64: SPLIT warps per
+ * (sequence, head) taking interleaved 32-key chunks, their softmax states
+ * merged through shared memory at the end; PAIRS pairs per block. Within a
+ * chunk, lane l holds dims 8 (l % 8) .. + 8 of keys 4 i + l / 8 (i < 8),
+ * so that each load instruction of the warp reads four whole 128-byte key
+ * rows (with one key row a lane, every instruction touched 32 lines and
+ * the kernel ran far below the DRAM rate). A key's score is summed over its
+ * 8 lanes (3 shuffles), p V over the 4 lanes of a dim group (2 shuffles a dim); each
+ * lane keeps its 8 dims of q in registers, so no block barrier precedes
+ * the products. Online softmax over 32-key chunks in the exp2 domain. Two
+ * warps a pair when the pairs fill the GPU; up to 16 when few pairs have
+ * long contexts (small-batch cross-attention), where the tiled kernel
+ * would split the keys over blocks and merge through global memory. With
+ * static K/V (kv_static) each warp's first chunk is loaded before waiting
+ * for the previous kernel, which produces only the query; with
+ * kv_static_past (causal self-attention) too, the query's own key, which
+ * the previous kernel wrote, read again after the wait. */
+/* this lane's dims of the query (cg: dim group), scaled into the exp2
+ * domain, and with a query norm by 1 / rms of the row qs of a.qn (the whole
+ * warp reads it: rows of qn_dim % 8 == 0, 16-byte aligned) */
+__device__ __forceinline__ void dw_load_q(float (&qf)[8], const AttnArgs &a, int qs, int h, int cg, bool live) {
+  float scale_log2 = a.scale_log2;
+  if (a.qn && live) {
+    const float ss = td_warp_sum(td_sumsq8(a.qn + (size_t)qs * a.qn_dim, a.qn_dim, (threadIdx.x & 31) * 8, 256));
+    scale_log2 *= rsqrtf(ss / (float)a.qn_dim + a.qn_eps);
+  }
+  td_bf16x8 qv;
+  qv.u = live ? *(const uint4 *)(a.q + (size_t)qs * a.ldq + (size_t)h * 64 + cg * 8) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int t = 0; t < 4; t++) {
+    float2 f = __bfloat1622float2(qv.h[t]);
+    qf[2 * t] = f.x * scale_log2;
+    qf[2 * t + 1] = f.y * scale_log2;
+  }
+}
+
+/* One chunk of 4 N keys starting at c0 (which is below kend): lane (cg, kq)
+ * holds dims 8 cg of keys c0 + 4 i + kq in kr / vr (zeros past kend); the
+ * online softmax state (m, l, o) advances over them. */
+template <int N>
+__device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)[N], int c0, int kq, int kend, int qpos,
+                                         const float (&qf)[8], const float *L, int md, float &m, float &l, float (&o)[8]) {
+  float sc[N];
+#pragma unroll
+  for (int i = 0; i < N; i++) {
+    td_bf16x8 k2;
+    k2.u = kr[i];
+    float dot = 0.0f;
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+      float2 f = __bfloat1622float2(k2.h[t]);
+      dot = fmaf(qf[2 * t], f.x, dot);
+      dot = fmaf(qf[2 * t + 1], f.y, dot);
+    }
+    sc[i] = dot;
+  }
+#pragma unroll
+  for (int i = 0; i < N; i++)
+#pragma unroll
+    for (int x = 1; x < 8; x <<= 1) sc[i] += __shfl_xor_sync(0xffffffffu, sc[i], x);
+  float cmax = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < N; i++) {
+    const int j = c0 + 4 * i + kq;
+    sc[i] = j < kend ? (L ? sc[i] + lut_at(L, md, j - qpos) * LOG2E : sc[i]) : -INFINITY;
+    cmax = fmaxf(cmax, sc[i]);
+  }
+  cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 8));
+  cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 16));
+  /* the chunk starts below kend, so cmax is finite */
+  const float alpha = m == -INFINITY ? 0.0f : fast_exp2(m - fmaxf(m, cmax));
+  m = fmaxf(m, cmax);
+  float ps = 0.0f, acc[8];
+#pragma unroll
+  for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; i++) {
+    const float p = sc[i] == -INFINITY ? 0.0f : fast_exp2(sc[i] - m);
+    ps += p;
+    td_bf16x8 v2;
+    v2.u = vr[i];
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+      float2 f = __bfloat1622float2(v2.h[t]);
+      acc[2 * t] = fmaf(p, f.x, acc[2 * t]);
+      acc[2 * t + 1] = fmaf(p, f.y, acc[2 * t + 1]);
+    }
+  }
+  ps += __shfl_xor_sync(0xffffffffu, ps, 8);
+  ps += __shfl_xor_sync(0xffffffffu, ps, 16);
+  l = l * alpha + ps;
+#pragma unroll
+  for (int e = 0; e < 8; e++) {
+    acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 8);
+    acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 16);
+    o[e] = o[e] * alpha + acc[e];
+  }
+}
+
+/* kv_static_past: the query's own K/V row (nk, nv), which the kernel
+ * before wrote, in place of row i of kr / vr as loaded before the wait
+ * (selects: a dynamic index would put kr / vr in local memory) */
+template <int N>
+__device__ __forceinline__ void dw_own_row(uint4 (&kr)[N], uint4 (&vr)[N], int i, uint4 nk, uint4 nv) {
+#pragma unroll
+  for (int j = 0; j < N; j++) {
+    kr[j] = j == i ? nk : kr[j];
+    vr[j] = j == i ? nv : vr[j];
+  }
+}
+
+/* The SPLIT warps of a pair merge their softmax states and write the
+ * output (dst: the pair's row, this lane's dim group). Every warp writes
+ * its state to shared memory (lanes 0-7: a dim group each); the first
+ * warp's lanes merge warps kq, kq + 4, ... and then their four partial
+ * states by shuffles: at 16 warps a pair four steps and two exchanges on
+ * the critical path instead of fifteen steps. Called by every thread of
+ * the block (one block barrier). */
+template <int SPLIT>
+__device__ __forceinline__ void dw_finish(float4 (*mrg)[8][3], int sub, int cg, int kq, float m, float l,
+                                          float (&o)[8], bool live, bf16 *dst) {
+  if (kq == 0) {
+    float4 *d = mrg[sub][cg];
+    d[0] = make_float4(o[0], o[1], o[2], o[3]);
+    d[1] = make_float4(o[4], o[5], o[6], o[7]);
+    d[2] = make_float4(m, l, 0.0f, 0.0f);
+  }
+  __syncthreads();
+  if (sub > 0) return;
+  auto join = [&](float om, float ol, const float (&oo)[8]) {
+    const float nm = fmaxf(m, om);
+    const float a0 = m == -INFINITY ? 0.0f : fast_exp2(m - nm), a1 = om == -INFINITY ? 0.0f : fast_exp2(om - nm);
+    l = l * a0 + ol * a1;
+#pragma unroll
+    for (int e = 0; e < 8; e++) o[e] = o[e] * a0 + oo[e] * a1;
+    m = nm;
+  };
+  m = -INFINITY;
+  l = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; e++) o[e] = 0.0f;
+#pragma unroll
+  for (int w = 0; w < SPLIT; w += 4) {
+    if (w + kq < SPLIT) {
+      const float4 *d = mrg[w + kq][cg];
+      const float4 x0 = d[0], x1 = d[1], x2 = d[2];
+      const float oo[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      join(x2.x, x2.y, oo);
+    }
+  }
+#pragma unroll
+  for (int x = 8; x < 32; x <<= 1) {
+    float oo[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) oo[e] = __shfl_xor_sync(0xffffffffu, o[e], x);
+    const float om = __shfl_xor_sync(0xffffffffu, m, x), ol = __shfl_xor_sync(0xffffffffu, l, x);
+    join(om, ol, oo);
+  }
+  if (!live || kq != 0) return;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  td_bf16x8 ov;
+#pragma unroll
+  for (int t = 0; t < 4; t++) ov.h[t] = __floats2bfloat162_rn(o[2 * t] * inv, o[2 * t + 1] * inv);
+  *(uint4 *)dst = ov.u;
+}
+
+/* A decode pair's sequence bounds: the query row qs, its position qpos and
+ * the keys it sees (kend); live is false for padding rows. */
+__device__ __forceinline__ bool dw_bounds(const AttnArgs &a, int s, int &qs, int &qpos, int &kend) {
+  qs = qpos = kend = 0;
+  if (s >= a.n_seqs) return false;
+  qs = a.q_start[s];
+  const int qlen = min(a.q_start[s + 1], a.n_tokens) - qs;
+  const bool live = qs >= 0 && qlen > 0;
+  const int ctx = a.ctx_len[s], nk = min(max(ctx, 0), a.max_blocks * a.bs);
+  qpos = ctx - qlen; /* the sequence's one query (host bound max_q == 1) */
+  kend = live ? (a.causal ? min(nk, qpos + 1) : nk) : 0;
+  return live;
+}
+
+#endif

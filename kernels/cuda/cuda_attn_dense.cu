@@ -1,0 +1,46 @@
+/* td_attn_dense: the encoder's and the prefill's attention over packed
+ * sequences, on the tiled kernel (cuda_attn_tiled.cuh) or the generic one. */
+#include "kernels/cuda/cuda_attn_tiled.cuh"
+
+td_status td_cu_attn_dense_init(td_cuda *c) {
+  TD_TRY(set_smem(c, Dense64w()));
+  TD_TRY(set_smem(c, Dense64()));
+  TD_TRY(set_smem(c, Dense64s()));
+  return set_smem(c, Dense128());
+}
+
+td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
+                           int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
+                           const td_relbias *bias) {
+  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  if (head_dim > GEN_MAX_DH)
+    return td_err(TD_ERR_UNSUPPORTED, "attn_dense: head_dim %d (at most %d)", head_dim, GEN_MAX_DH);
+  if (heads > 65535) return td_err(TD_ERR_UNSUPPORTED, "attn_dense: %d heads", heads);
+  AttnArgs a = {};
+  a.H = heads;
+  a.scale_log2 = scale * LOG2E;
+  a.lut = bias ? bias->lut : nullptr;
+  a.md = bias ? bias->max_distance : 0;
+  a.causal = causal;
+  a.out = (bf16 *)out;
+  a.n_tokens = n_tokens;
+  a.qkv = (const bf16 *)qkv;
+  a.cu = cu_seqlens;
+  a.n_seqs = n_seqs;
+  const td_dense_plan p =
+      td_cu_dense_policy(&c->tune, head_dim, td_aligned16(qkv) && td_aligned16(out), n_tokens, max_len);
+  a.qtiles = p.qtiles; /* query tiles per sequence */
+  dim3 grid((unsigned)((long)n_seqs * a.qtiles), (unsigned)heads);
+  switch (p.kernel) {
+    case TD_DENSE_64_WGMMA: launch(Dense64w(), grid, lut_bytes(bias), c, a); break;
+    case TD_DENSE_64: launch(Dense64(), grid, lut_bytes(bias), c, a); break;
+    case TD_DENSE_64_SMALL: launch(Dense64s(), grid, lut_bytes(bias), c, a); break;
+    case TD_DENSE_128: launch(Dense128(), grid, lut_bytes(bias), c, a); break;
+    case TD_DENSE_GENERIC:
+      td_cu_attn_generic(c, dim3((unsigned)((n_tokens + 3) / 4), (unsigned)heads), a, head_dim, false);
+      break;
+  }
+  TD_CU_LAUNCHED("attn_dense");
+  return TD_OK;
+}

@@ -1,0 +1,118 @@
+/* The paged KV pools' own ops: rows written to their slots (td_kv_write),
+ * blocks copied (td_kv_copy_blocks), and the L2 prefetch hint
+ * (td_kv_prefetch). The attention reads them (cuda_attn.cuh); a QKV
+ * projection may write them itself (td_gemm_ex, td_kv_dest). */
+#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/cuda_ptx.cuh"
+
+/* ------------------------------------------------------------ paged KV */
+
+/* One block per row; K and V rows of heads*head_dim go to their slots. */
+template <bool VEC>
+__global__ void kv_write_kernel(const bf16 *__restrict__ k, const bf16 *__restrict__ v, int ld, bf16 *pool,
+                                size_t block_elems, size_t layer_off, int H, int dh, int bs,
+                                const int32_t *__restrict__ slots) {
+  td_pdl_start();
+  int i = blockIdx.x;
+  int slot = slots[i];
+  if (slot < 0) return;
+  int blk = slot / bs, sl = slot % bs;
+  size_t head_stride = (size_t)bs * dh;
+  bf16 *kb = pool + (size_t)blk * block_elems + layer_off + (size_t)sl * dh;
+  bf16 *vb = kb + (size_t)H * head_stride;
+  const bf16 *kr = k + (size_t)i * ld, *vr = v + (size_t)i * ld;
+  int per = VEC ? 8 : 1, cols = dh / per, total = H * cols;
+  for (int e = threadIdx.x; e < total; e += blockDim.x) {
+    int h = e / cols, cc = (e % cols) * per;
+    size_t src = (size_t)h * dh + cc, dst = (size_t)h * head_stride + cc;
+    if (VEC) {
+      *(uint4 *)(kb + dst) = *(const uint4 *)(kr + src);
+      *(uint4 *)(vb + dst) = *(const uint4 *)(vr + src);
+    } else {
+      kb[dst] = kr[src];
+      vb[dst] = vr[src];
+    }
+  }
+}
+
+td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
+                         int layer, const int32_t *slots, int n) {
+  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  td_kv_span sp = td_kv_layer_span(l, layer); /* a K/V layer or the states tail */
+  int H = sp.heads, dh = sp.dim;
+  bool vec = dh % 8 == 0 && ld % 8 == 0 && td_kv_block_elems(l) % 8 == 0 && td_aligned16(k) && td_aligned16(v) &&
+             td_aligned16(pool);
+  int work = H * dh / (vec ? 8 : 1);
+  int threads = work >= 256 ? 256 : (work + 31) / 32 * 32;
+  size_t be = td_kv_block_elems(l);
+  if (vec)
+    (void)td_launch(c, kv_write_kernel<true>, n, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool, be,
+                                                         sp.off, H, dh, l->block_size, slots);
+  else
+    (void)td_launch(c, kv_write_kernel<false>, n, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool, be,
+                                                          sp.off, H, dh, l->block_size, slots);
+  TD_CU_LAUNCHED("kv_write");
+  return TD_OK;
+}
+
+td_status td_cu_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs,
+                               int n_pairs) {
+  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  size_t bytes = td_kv_block_elems(l) * sizeof(bf16);
+  for (int i = 0; i < n_pairs; i++) {
+    if (pairs[2 * i] < 0 || pairs[2 * i + 1] < 0)
+      return td_err(TD_ERR_INVALID, "kv_copy_blocks: negative block id in pair %d", i);
+    if (pairs[2 * i] == pairs[2 * i + 1]) continue;
+    TD_CU_CHECK(cudaMemcpyAsync((char *)pool + (size_t)pairs[2 * i + 1] * bytes,
+                                (const char *)pool + (size_t)pairs[2 * i] * bytes, bytes, cudaMemcpyDeviceToDevice,
+                                c->stream),
+                "kv_copy_blocks");
+  }
+  return TD_OK;
+}
+
+/* ------------------------------------------------------------ hints */
+
+/* td_kv_prefetch: one bulk L2 prefetch per (sequence, paged block): the
+ * layer's K and V rows of every head lie together in a block. A block's
+ * prefetches drain through its SM's copy engine, so the few blocks (4)
+ * bound the rate to what the latency-bound GEMMs beside it can spare;
+ * spread over more blocks it slowed the QKV GEMM beside it. It pays from
+ * 32 sequences (the tuning's kvpf_seqs; measured: docs/cuda.md). */
+__global__ void __launch_bounds__(128) kv_prefetch_kernel(const bf16 *pool, size_t block_elems, size_t layer_off,
+                                                          uint32_t bytes, int bs, const int32_t *ctx_len,
+                                                          const int32_t *table, int max_blocks, int n_seqs) {
+  const long items = (long)n_seqs * max_blocks;
+  for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < items; i += (long)gridDim.x * blockDim.x) {
+    const int s = (int)(i / max_blocks), j = (int)(i % max_blocks);
+    if ((long)j * bs >= ctx_len[s]) continue;
+    const int32_t blk = table[i];
+    if (blk >= 0) bulk_prefetch_l2(pool + (size_t)blk * block_elems + layer_off, bytes);
+  }
+}
+
+td_status td_cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer,
+                            const td_paged_meta *m) {
+  td_cuda *c = td_cu(b);
+  td_cu_bind(c);
+  /* only on a capture's branch (joined at its end): eagerly it would be a
+   * node in the chain */
+  if (c->tune.kvpf_seqs <= 0 || m->n_seqs < c->tune.kvpf_seqs || !td_cu_capturing(c)) return TD_OK;
+  size_t bytes = (size_t)2 * l->n_heads * l->block_size * l->head_dim * sizeof(bf16);
+  size_t layer_off = (size_t)layer * 2 * l->n_heads * l->block_size * l->head_dim;
+  /* bulk prefetches take 16-byte aligned addresses and sizes */
+  if (!td_aligned16(pool) || bytes % 16 || bytes > 0xffffffffu || td_kv_block_elems(l) * sizeof(bf16) % 16 ||
+      layer_off * sizeof(bf16) % 16)
+    return TD_OK;
+  TD_CU_CHECK(cudaEventRecord(c->aux_fork, c->stream), "kv_prefetch");
+  TD_CU_CHECK(cudaStreamWaitEvent(c->aux, c->aux_fork, 0), "kv_prefetch");
+  long items = (long)m->n_seqs * m->max_blocks;
+  unsigned grid = (unsigned)((items + 127) / 128 > 4 ? 4 : (items + 127) / 128);
+  kv_prefetch_kernel<<<grid, 128, 0, c->aux>>>((const bf16 *)pool, td_kv_block_elems(l), layer_off, (uint32_t)bytes,
+                                               l->block_size, m->ctx_len, m->block_table, m->max_blocks, m->n_seqs);
+  TD_CU_LAUNCHED("kv_prefetch");
+  c->aux_pending = true;
+  return TD_OK;
+}

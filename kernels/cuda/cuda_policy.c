@@ -1,0 +1,183 @@
+#include "kernels/cuda/cuda_policy.h"
+
+#include <stddef.h>
+
+#include "common/defaults.h"
+
+/* td_cuda_tuning's conventions: a switch 0 takes its default; a count 0
+ * its default, below 0 (TD_OFF) none */
+static bool on(int v, bool def) { return v == 0 ? def : v > 0; }
+static int count(int v, int def) { return v == 0 ? def : v < 0 ? 0 : v; }
+
+void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
+  r->verbose = on(t->verbose, false);
+  r->autotune = on(t->autotune, false);
+  r->pdl = on(t->pdl, true);
+  r->pdl_late = t->pdl_late == 0 ? -1 : t->pdl_late < 0 ? 0 : t->pdl_late;
+  r->skinny = on(t->skinny, true);
+  r->skinny_bulk = on(t->skinny_bulk, true);
+  r->weight_hint = on(t->weight_hint, true);
+  int rows = count(t->skinny_rows, TD_CUDA_DEFAULT_SKINNY_ROWS);
+  r->skinny_rows = rows < 8 ? 8 : rows > 16 ? 16 : rows;
+  r->gemv_maxv = count(t->gemv_maxv, TD_CUDA_DEFAULT_GEMV_MAXV);
+  r->gemv_maxn = count(t->gemv_maxn, TD_CUDA_DEFAULT_GEMV_MAXN);
+  r->gemv_rows = r->gemv_maxv > 0 ? count(t->gemv_rows, TD_CUDA_DEFAULT_GEMV_ROWS) : 0;
+  r->gemv_rows_n = count(t->gemv_rows_n, TD_CUDA_DEFAULT_GEMV_ROWS_N);
+  int fuse = count(t->fuse_rows, TD_CUDA_DEFAULT_FUSE_ROWS);
+  r->fuse = fuse > TD_CU_FUSE_MAX_ROWS ? TD_CU_FUSE_MAX_ROWS : fuse;
+  r->fuse_mask = count(t->fuse_mask, TD_CUDA_DEFAULT_FUSE_MASK) & 15;
+  r->dense64_warps = t->dense64_warps == 4 || t->dense64_warps == 8 ? t->dense64_warps : 0;
+  r->decode_warp = count(t->decode_warp, TD_CUDA_DEFAULT_DECODE_WARP);
+  r->decode_small = count(t->decode_small, TD_CUDA_DEFAULT_DECODE_SMALL);
+  r->decode_small_min = count(t->decode_small_min, TD_CUDA_DEFAULT_DECODE_SMALL_MIN);
+  r->decode_small_ctx = count(t->decode_small_ctx, TD_CUDA_DEFAULT_DECODE_SMALL_CTX);
+  r->decode_bulk = count(t->decode_bulk, TD_CUDA_DEFAULT_DECODE_BULK);
+  r->decode_bulk_all = count(t->decode_bulk_all, TD_CUDA_DEFAULT_DECODE_BULK_ALL);
+  r->decode_bulk_shape = t->decode_bulk_shape > 0 ? t->decode_bulk_shape : 0;
+  r->decode_bulk_early = count(t->decode_bulk_early, TD_CUDA_DEFAULT_DECODE_BULK_EARLY);
+  int carve = t->decode_bulk_carve == 0 ? TD_CUDA_DEFAULT_DECODE_BULK_CARVE : t->decode_bulk_carve;
+  r->decode_bulk_carve = carve > 100 ? 100 : carve < 0 ? -1 : carve;
+  r->kvpf_seqs = count(t->kvpf_seqs, TD_CUDA_DEFAULT_KVPF_SEQS);
+  r->states_generic = on(t->states_generic, false);
+  r->states_ws = on(t->states_ws, true);
+  r->states_planes = on(t->states_planes, true);
+  r->states_splits = t->states_splits > 0 ? t->states_splits : 0;
+  r->states_warps = t->states_warps == 8 || t->states_warps == 16 ? t->states_warps : 0;
+  r->heads_lt = on(t->heads_lt, false);
+  r->custom_allreduce = on(t->custom_allreduce, true);
+}
+
+td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned, int n_tokens, int max_len) {
+  td_dense_plan p = {TD_DENSE_GENERIC, 0};
+  if (!aligned || (head_dim != 64 && head_dim != 128)) return p;
+  /* block rows: 16 per warp along queries; the tile map uses the same count */
+  bool wide = head_dim == 64 && t->dense64_warps != 4;
+  int bm = wide ? 128 : 64, len = max_len < 1 || max_len > n_tokens ? n_tokens : max_len;
+  p.qtiles = (len + bm - 1) / bm; /* max_len bounds every length */
+  p.kernel = wide && t->dense64_warps == 0 ? TD_DENSE_64_WGMMA
+             : wide                       ? TD_DENSE_64
+             : head_dim == 64             ? TD_DENSE_64_SMALL
+                                          : TD_DENSE_128;
+  return p;
+}
+
+/* Decode, one query a sequence, on warps: over self K/V with enough
+ * (sequence, head) pairs, two warps a pair; with fewer pairs, 2-8 warps a
+ * pair by the context bound, and 16 for longer contexts when the pairs are
+ * neither too many nor too few and the context not too long (decode_small*):
+ * elsewhere the tiled kernel's key splits spread the K/V over more SMs.
+ * Many pairs over static K/V: a pair a block, K/V by bulk copies (the
+ * kv_static_past re-read of the query's own key is the warp kernels'); over
+ * self K/V too up to decode_bulk_all pairs. Measured: docs/cuda.md. */
+static td_paged_kernel decode_kernel(const td_cu_tune *t, const td_paged_shape *s, bool fast) {
+  long pairs = (long)s->n_seqs * s->heads;
+  if (!fast || s->head_dim != 64 || s->max_q != 1 || t->decode_warp <= 0) return TD_PAGED_TILED;
+  bool small = t->decode_small > 0 && pairs < (long)t->decode_warp;
+  if (t->decode_bulk > 0 && pairs >= t->decode_bulk && (s->kv_static || pairs <= t->decode_bulk_all) &&
+      pairs <= 2147483647L)
+    return TD_PAGED_BULK;
+  if (!s->kv_static && pairs >= (long)t->decode_warp) return TD_PAGED_W2P4;
+  if (small && s->max_ctx <= 64) return TD_PAGED_W2P4;
+  if (small && s->max_ctx <= 128) return TD_PAGED_W4P2;
+  if (small && s->max_ctx <= 256) return TD_PAGED_W8;
+  if (small && pairs <= t->decode_small && pairs >= t->decode_small_min && s->max_ctx <= t->decode_small_ctx)
+    return TD_PAGED_W16;
+  return TD_PAGED_TILED;
+}
+
+td_paged_plan td_cu_paged_policy(const td_cu_tune *t, int sm_count, const td_paged_shape *s) {
+  td_paged_plan p = {0};
+  p.carve = -1;
+  p.splits = 1;
+  const int dh = s->head_dim, H = s->heads;
+  bool fast = (dh == 64 || dh == 128) && s->q_ok && s->out_ok && s->pool_ok && s->blocks_ok;
+  td_paged_kernel dec = decode_kernel(t, s, fast);
+  bool decode = dec != TD_PAGED_TILED;
+  /* the query norm: in the decode kernels (aligned rows), else q scaled
+   * into the staging buffer first, whose rows are dense and aligned */
+  p.qn_inside = s->q_norm && decode && s->q_norm_vec;
+  p.qn_before = s->q_norm && !p.qn_inside;
+  if (p.qn_before) fast = (dh == 64 || dh == 128) && H * dh % 8 == 0 && s->out_ok && s->pool_ok;
+  if (!fast) {
+    p.kernel = TD_PAGED_GENERIC;
+    p.qtiles = s->max_q;
+    return p;
+  }
+  long pairs = (long)s->n_seqs * H;
+  if (decode) {
+    p.kernel = dec;
+    /* early loads: all of a static K/V, or the keys before the query
+     * (causal self-attention); on the bulk kernel up to decode_bulk_early
+     * pairs (beyond, they crowd the QKV GEMM's weight stream) */
+    bool st = s->kv_static || (s->kv_static_past && s->causal);
+    p.early = dec == TD_PAGED_BULK ? s->kv_static || (st && pairs <= t->decode_bulk_early) : st;
+    if (dec == TD_PAGED_BULK) {
+      /* two warps (16 KB of slots, eight blocks an SM) when the pairs would
+       * not all be resident with four (32 KB, six an SM), so that they run
+       * in one wave; up to three blocks an SM, an L1 carveout holds them */
+      int shape = t->decode_bulk_shape ? t->decode_bulk_shape : pairs > 6L * sm_count ? 2 : 1;
+      p.bulk_warps = shape == 2 || shape == 3 ? 2 : 4;
+      p.bulk_slots = shape == 3 ? 3 : 2;
+      p.carve = t->decode_bulk_carve >= 0 && shape == 1 && pairs <= 3L * sm_count ? t->decode_bulk_carve : -1;
+    }
+    return p;
+  }
+  p.kernel = TD_PAGED_TILED;
+  p.qtiles = (s->max_q + 15) / 16;
+  long base = (long)s->n_seqs * p.qtiles * H;
+  /* flash-decoding when few blocks would run: split the keys so that the
+   * GPU fills; each (query tile, head) merges its splits in its last block */
+  if (base < 2L * sm_count && base <= TD_CU_ATTN_COUNTERS) {
+    int splits = (int)((2L * sm_count + base - 1) / base);
+    int by_ctx = (s->max_ctx + TD_CU_ATTN_BN - 1) / TD_CU_ATTN_BN;
+    splits = splits > by_ctx ? by_ctx : splits;
+    splits = splits > 64 ? 64 : splits < 1 ? 1 : splits;
+    size_t per = (size_t)s->n_tokens * H * (dh + 1) * sizeof(float);
+    while (splits > 1 && per * splits > TD_CU_SPLIT_BYTES) splits--;
+    p.splits = splits;
+  }
+  return p;
+}
+
+td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_states_avail *k,
+                                   const td_states_shape *s) {
+  td_states_plan p = {0};
+  p.kernel = TD_STATES_GENERIC;
+  /* 8 warps where a kernel for this D exists, else 16 */
+  td_states_kernel ci = k->has[TD_STATES_MMA8] ? TD_STATES_MMA8 : TD_STATES_MMA16;
+  if (!k->has[ci] || !s->aligned || !s->kv_static || t->states_generic) return p;
+  p.groups = (s->max_q * s->heads + 15) / 16;
+  long base = (long)s->n_seqs * p.groups;
+  /* key splits: a cluster of that many blocks a group, merged in shared
+   * memory; the most (a power of two, at most 8) that still fit the GPU in
+   * one wave */
+  int tiles = (s->max_ctx + TD_CU_STATES_TILE - 1) / TD_CU_STATES_TILE, splits = 1;
+  if (t->states_splits > 0) {
+    while (splits * 2 <= t->states_splits && splits * 2 <= TD_CU_STATES_MAX_SPLITS && splits * 2 <= tiles)
+      splits *= 2;
+  } else {
+    for (int c = 1; c < TD_CU_STATES_CLUSTERS; c++)
+      if ((1 << c) <= tiles && base * (1 << c) <= sm_count && base <= k->clusters[ci][c]) splits = 1 << c;
+  }
+  /* 16 warps where each block streams a quarter or more of a sequence's
+   * states (its shorter phases then pay); 8 warps where the splits are
+   * more: their blocks fit beside the W_k product's blocks and start
+   * copying during it */
+  int lg = 0;
+  while ((1 << lg) < splits) lg++;
+  bool w16 = t->states_warps ? t->states_warps == 16 : splits <= 2;
+  /* of the 16-warp kernels, the warp-specialised one where its three
+   * stages fit (D <= 1024) */
+  td_states_kernel c16 = k->has[TD_STATES_WS] && t->states_ws ? TD_STATES_WS : TD_STATES_MMA16;
+  td_states_kernel kern = ci;
+  if (w16 && k->has[c16] && lg < TD_CU_STATES_CLUSTERS && base <= k->clusters[c16][lg]) kern = c16;
+  /* two key splits on the warp-specialised kernel: D split instead, no merge */
+  bool planes = kern == TD_STATES_WS && splits == 2 && k->has[TD_STATES_PL] && t->states_planes &&
+                base <= k->clusters[TD_STATES_PL][1];
+  if (planes) kern = TD_STATES_PL;
+  p.kernel = kern;
+  p.blocks = base * splits;
+  p.cluster = splits;
+  p.n_splits = planes ? 1 : splits;
+  return p;
+}
