@@ -1,0 +1,501 @@
+/* bench-serve: the measure of record for serving. It sends a workload to a
+ * running cluster (through the client library) or to an engine in this
+ * process, with the same requests and arrivals, and reports throughput,
+ * time to first token, time per output token, end-to-end latency and
+ * goodput; a table on stdout, a section in bench/RESULTS.md (--record),
+ * a PNG of latency against throughput over a sweep of rates (--plot).
+ *
+ *   bench-serve (--router EP | --engine --model DIR [--device cpu|cuda])
+ *               [--workload trt|whisper|long|FILE.jsonl] [--requests N] [--seed S]
+ *               [--concurrency C | --rate R | --sweep R1,R2,...]
+ *               [--ttft-bound MS] [--tpot-bound MS] [--model DIR] [--vocab N]
+ *               [--max-batch N] [--max-tokens N] [--kv-blocks N] [--cross-blocks N]
+ *               [--cross-mode M] [--label TEXT] [--record] [--plot FILE.png] [--timeout-ms N]
+ *
+ * Arrivals: all requests at once (the default), a closed loop of C in
+ * flight, an open loop of Poisson arrivals at R requests a second, or one
+ * run per rate of a sweep. The engine target is what tandem-generate runs,
+ * driven step by step; its load time is not counted. */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <uthash.h>
+
+#include "bench_util.h"
+#include "client/client.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "common/settings.h"
+#include "engine/engine.h"
+#include "model/config.h"
+#include "model/model.h"
+#include "serve_stats.h"
+#include "serve_workload.h"
+
+#define MAX_SWEEP 16
+
+typedef struct opts {
+  const char *router, *model, *device, *workload, *label, *plot;
+  bool engine, record;
+  int n, concurrency, vocab, max_batch, max_tokens, kv_blocks, cross_blocks, timeout_ms;
+  uint64_t seed;
+  double rates[MAX_SWEEP];
+  int n_rates;
+  double ttft_bound, tpot_bound;
+  td_cross_mode cross_mode;
+} opts;
+
+/* ---------------------------------------------------------------- a run */
+
+typedef struct id_slot {
+  const char *id;
+  int index;
+  UT_hash_handle hh;
+} id_slot;
+
+typedef struct run {
+  const td_workload *w;
+  td_serve_sample *s;
+  double *arrive; /* ms from t0 (open loop) */
+  int concurrency; /* closed loop: in flight at most (0: open loop / all at once) */
+  int next, in_flight, done;
+  double t0;
+  id_slot *ids, *slots;
+} run;
+
+static double now_ms(void) { return (double)td_now_ns() / 1e6; }
+
+static td_status run_init(run *r, const td_workload *w, double rate, int concurrency, uint64_t seed) {
+  memset(r, 0, sizeof *r);
+  r->w = w;
+  r->concurrency = rate > 0 ? 0 : concurrency;
+  r->s = calloc((size_t)w->n, sizeof *r->s);
+  r->arrive = calloc((size_t)w->n, sizeof *r->arrive);
+  r->slots = calloc((size_t)w->n, sizeof *r->slots);
+  if (!r->s || !r->arrive || !r->slots) return td_err(TD_ERR_NOMEM, "out of memory");
+  td_workload_arrivals(rate, seed, w->n, r->arrive);
+  for (int i = 0; i < w->n; i++) {
+    id_slot *e = &r->slots[i], *dup = NULL;
+    HASH_FIND_STR(r->ids, w->reqs[i].id, dup);
+    if (dup) return td_err(TD_ERR_INVALID, "request id %s appears twice in the workload", w->reqs[i].id);
+    e->id = w->reqs[i].id;
+    e->index = i;
+    HASH_ADD_KEYPTR(hh, r->ids, e->id, strlen(e->id), e);
+    r->s[i].n_input = w->reqs[i].n_input; /* audio: 0 (in tok/s counts text only) */
+  }
+  return TD_OK;
+}
+
+static void run_free(run *r) {
+  HASH_CLEAR(hh, r->ids);
+  free(r->s);
+  free(r->arrive);
+  free(r->slots);
+}
+
+static int index_of(run *r, const char *id) {
+  id_slot *e = NULL;
+  HASH_FIND_STR(r->ids, id, e);
+  return e ? e->index : -1;
+}
+
+/* Whether request r->next may go now; fills its submit time. */
+static bool due(run *r, double t) {
+  if (r->next >= r->w->n) return false;
+  if (r->concurrency > 0) return r->in_flight < r->concurrency;
+  return r->arrive[r->next] <= t - r->t0;
+}
+
+/* ms until the next arrival (open loop), capped. */
+static int wait_ms(const run *r, double t, int cap) {
+  if (r->next >= r->w->n || r->concurrency > 0) return cap;
+  double d = r->t0 + r->arrive[r->next] - t;
+  return d <= 0 ? 0 : d < cap ? (int)ceil(d) : cap;
+}
+
+static void token_seen(run *r, int i, int seq) {
+  if (i < 0 || seq != 0 || r->s[i].first_ms > 0) return;
+  r->s[i].first_ms = now_ms();
+}
+
+static void result_seen(run *r, int i, bool ok, int n_out) {
+  if (i < 0 || r->s[i].done_ms > 0) return;
+  td_serve_sample *x = &r->s[i];
+  x->done_ms = now_ms();
+  x->ok = ok;
+  x->n_out = n_out;
+  if (x->first_ms <= 0 && ok && n_out > 0) x->first_ms = x->done_ms; /* one chunk carried everything */
+  r->in_flight--;
+  r->done++;
+}
+
+/* ---------------------------------------------------------------- the cluster */
+
+static void cl_tokens(void *ctx, const char *id, int seq, int offset, const int32_t *t, const float *lp, int n) {
+  run *r = ctx;
+  if (n > 0) token_seen(r, index_of(r, id), seq);
+}
+
+static void cl_result(void *ctx, const td_client_result *res) {
+  run *r = ctx;
+  int i = index_of(r, res->id);
+  bool ok = res->status == TD_OK && res->n_outputs > 0;
+  if (!ok && i >= 0 && r->s[i].done_ms <= 0)
+    TD_WARN("request %s: %s", res->id, res->error ? res->error : td_status_str(res->status));
+  result_seen(r, i, ok, ok ? res->outputs[0].n_tokens : 0);
+}
+
+static td_status run_cluster(const opts *o, run *r) {
+  td_client *c;
+  TD_TRY(td_client_connect(o->router, &c));
+  td_client_events ev = {.on_tokens = cl_tokens, .on_result = cl_result, .ctx = r};
+  td_status s = TD_OK;
+  r->t0 = now_ms();
+  double deadline = r->t0 + o->timeout_ms + 60000.0;
+  while (r->done < r->w->n && s == TD_OK) {
+    double t = now_ms();
+    while (due(r, t)) {
+      int i = r->next++;
+      r->s[i].submit_ms = r->concurrency > 0 ? t : r->t0 + r->arrive[i];
+      if ((s = td_client_generate(c, &r->w->reqs[i], true, (uint32_t)o->timeout_ms)) != TD_OK) break;
+      r->in_flight++;
+    }
+    if (s != TD_OK) break;
+    if (t > deadline) {
+      s = td_err(TD_ERR_TIMEOUT, "%d of %d requests unanswered", r->w->n - r->done, r->w->n);
+      break;
+    }
+    s = td_client_poll(c, wait_ms(r, t, 20), &ev);
+  }
+  td_client_close(c);
+  return s;
+}
+
+/* ---------------------------------------------------------------- the engine */
+
+typedef struct eng {
+  td_backend *b;
+  td_model *m;
+  td_engine *e;
+  run *r;
+} eng;
+
+static void en_token(void *ctx, uint64_t handle, void *user, int seq, int32_t token, float logprob) {
+  eng *g = ctx;
+  token_seen(g->r, (int)(intptr_t)user, seq);
+}
+
+static void en_finish(void *ctx, const td_result *res) {
+  eng *g = ctx;
+  bool ok = res->status == TD_OK && res->n_outputs > 0;
+  if (!ok) TD_WARN("request %s: %s", res->id ? res->id : "?", res->error ? res->error : td_status_str(res->status));
+  result_seen(g->r, (int)(intptr_t)res->user, ok, ok ? res->outputs[0].n_tokens : 0);
+}
+
+static td_status engine_open(const opts *o, const td_settings *st, int n_requests, eng *g, double *load_s) {
+  double t = now_ms();
+  td_backend_opts bo = {.kind = strcmp(o->device, "cuda") ? TD_BACKEND_CPU : TD_BACKEND_CUDA, .cuda = st->cuda};
+  TD_TRY(td_backend_create(&bo, &g->b));
+  td_model_opts mo = {.max_seqs = o->max_batch, .max_tokens = o->max_tokens, .cross_mode = o->cross_mode,
+                      .tuning = st->model};
+  TD_TRY(td_model_load(o->model, g->b, &mo, &g->m));
+  td_engine_opts eo = {.self_blocks = o->kv_blocks, .cross_blocks = o->cross_blocks, .max_running = o->max_batch,
+                       .max_step_tokens = o->max_tokens, .max_queue = n_requests + 1};
+  td_engine_callbacks cb = {.on_token = en_token, .on_finish = en_finish, .ctx = g};
+  TD_TRY(td_engine_create(g->m, &eo, &cb, &g->e));
+  *load_s = (now_ms() - t) / 1000.0;
+  return TD_OK;
+}
+
+static void engine_close(eng *g) {
+  td_engine_destroy(g->e);
+  td_model_destroy(g->m);
+  td_backend_destroy(g->b);
+  memset(g, 0, sizeof *g);
+}
+
+static td_status run_engine(eng *g, run *r) {
+  g->r = r;
+  r->t0 = now_ms();
+  while (r->done < r->w->n) {
+    double t = now_ms();
+    while (due(r, t)) {
+      int i = r->next++;
+      r->s[i].submit_ms = r->concurrency > 0 ? t : r->t0 + r->arrive[i];
+      td_request q;
+      td_request_from_json(&r->w->reqs[i], &q);
+      q.user = (void *)(intptr_t)i;
+      uint64_t h;
+      r->in_flight++;
+      if (td_engine_add(g->e, &q, &h) != TD_OK) {
+        TD_WARN("request %s refused: %s", r->w->reqs[i].id, td_errmsg());
+        result_seen(r, i, false, 0);
+      }
+    }
+    if (!td_engine_idle(g->e)) {
+      TD_TRY(td_engine_step(g->e));
+    } else if (r->done < r->w->n) {
+      int ms = wait_ms(r, now_ms(), 20);
+      if (ms > 0) usleep((useconds_t)ms * 1000);
+    }
+  }
+  return TD_OK;
+}
+
+/* ---------------------------------------------------------------- report */
+
+static const char *arrivals_name(const opts *o, double rate, char *buf, size_t cap) {
+  if (rate > 0)
+    snprintf(buf, cap, "Poisson %.3g/s", rate);
+  else if (o->concurrency > 0)
+    snprintf(buf, cap, "%d in flight", o->concurrency);
+  else
+    snprintf(buf, cap, "all at once");
+  return buf;
+}
+
+static void row(td_sbuf *b, const char *arr, const td_serve_summary *m) {
+  td_sbuf_printf(b,
+                 "| %s | %d/%d | %.2f | %.0f | %.0f | %.1f / %.1f / %.1f | %.2f / %.2f / %.2f | "
+                 "%.0f / %.0f / %.0f | %.2f |\n",
+                 arr, m->n_ok, m->n, m->req_s, m->out_tok_s, m->in_tok_s, m->ttft.p50, m->ttft.p90, m->ttft.p99,
+                 m->tpot.p50, m->tpot.p90, m->tpot.p99, m->e2e.p50, m->e2e.p90, m->e2e.p99, m->goodput_req_s);
+}
+
+static td_status plot(const char *png, const double *x, const td_serve_summary *m, int n, const char *title) {
+  char data[] = "/tmp/bench-serve-XXXXXX";
+  int fd = mkstemp(data);
+  if (fd < 0) return td_err(TD_ERR_IO, "plot: %s", strerror(errno));
+  FILE *f = fdopen(fd, "w");
+  for (int i = 0; i < n; i++)
+    fprintf(f, "%g %g %g %g %g\n", m[i].out_tok_s, m[i].ttft.p50, m[i].ttft.p99, m[i].e2e.p50, m[i].e2e.p99);
+  fclose(f);
+  FILE *g = popen("gnuplot 2>&1", "w");
+  if (!g) {
+    unlink(data);
+    return td_err(TD_ERR_UNSUPPORTED, "plot: gnuplot cannot be started (Debian package gnuplot-nox)");
+  }
+  fprintf(g,
+          "set terminal pngcairo size 900,600\nset output '%s'\nset title '%s'\n"
+          "set xlabel 'output tokens/s'\nset ylabel 'ms'\nset logscale y\nset key left top\nset grid\n"
+          "plot '%s' u 1:2 w lp t 'TTFT p50', '' u 1:3 w lp t 'TTFT p99', '' u 1:4 w lp t 'end-to-end p50', "
+          "'' u 1:5 w lp t 'end-to-end p99'\n",
+          png, title, data);
+  int rc = pclose(g);
+  unlink(data);
+  (void)x;
+  if (rc != 0) return td_err(TD_ERR_UNSUPPORTED, "plot: gnuplot failed (%d): is it installed (gnuplot-nox)?", rc);
+  return TD_OK;
+}
+
+/* ---------------------------------------------------------------- main */
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: bench-serve (--router EP | --engine --model DIR [--device cpu|cuda])\n"
+          "                   [--workload trt|whisper|long|FILE.jsonl] [--requests N] [--seed S]\n"
+          "                   [--concurrency C | --rate R | --sweep R1,R2,...] [--ttft-bound MS] [--tpot-bound MS]\n"
+          "                   [--model DIR] [--vocab N] [--max-batch N] [--max-tokens N] [--kv-blocks N]\n"
+          "                   [--cross-blocks N] [--cross-mode auto|kv|states|dual] [--label TEXT] [--record]\n"
+          "                   [--plot FILE.png] [--timeout-ms N]\n");
+}
+
+static int parse_rates(const char *s, opts *o) {
+  char buf[512];
+  snprintf(buf, sizeof buf, "%s", s);
+  o->n_rates = 0;
+  for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
+    char *end;
+    double v = strtod(t, &end);
+    if (*end || !(v > 0) || o->n_rates == MAX_SWEEP) return -1;
+    o->rates[o->n_rates++] = v;
+  }
+  return o->n_rates ? 0 : -1;
+}
+
+static int positive(const char *what, const char *v, int *out) {
+  char *end;
+  long x = strtol(v, &end, 10);
+  if (*end || x <= 0 || x > 100000000) {
+    fprintf(stderr, "bench-serve: %s %s: a positive integer\n", what, v);
+    return -1;
+  }
+  *out = (int)x;
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  td_settings settings;
+  if (td_settings_from_env(&settings) != TD_OK) {
+    fprintf(stderr, "bench-serve: %s\n", td_errmsg());
+    return 2;
+  }
+  td_settings_apply(&settings);
+  td_log_set_name("bench-serve");
+  const td_bench_out out = {.results = getenv("TD_RESULTS"), .commit = getenv("TD_COMMIT")};
+  static const struct option lo[] = {
+      {"router", required_argument, 0, 'r'},       {"engine", no_argument, 0, 'E'},
+      {"model", required_argument, 0, 'm'},        {"device", required_argument, 0, 'd'},
+      {"workload", required_argument, 0, 'w'},     {"requests", required_argument, 0, 'n'},
+      {"seed", required_argument, 0, 's'},         {"concurrency", required_argument, 0, 'c'},
+      {"rate", required_argument, 0, 'R'},         {"sweep", required_argument, 0, 'S'},
+      {"ttft-bound", required_argument, 0, 'T'},   {"tpot-bound", required_argument, 0, 'P'},
+      {"vocab", required_argument, 0, 'v'},        {"max-batch", required_argument, 0, 'B'},
+      {"max-tokens", required_argument, 0, 'K'},   {"kv-blocks", required_argument, 0, 'k'},
+      {"cross-blocks", required_argument, 0, 'x'}, {"cross-mode", required_argument, 0, 'M'},
+      {"label", required_argument, 0, 'l'},        {"record", no_argument, 0, 'o'},
+      {"plot", required_argument, 0, 'p'},         {"timeout-ms", required_argument, 0, 't'},
+      {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
+  opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .max_batch = 256, .max_tokens = 0,
+            .timeout_ms = 600000};
+  int c;
+  while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
+    switch (c) {
+      case 'r': o.router = optarg; break;
+      case 'E': o.engine = true; break;
+      case 'm': o.model = optarg; break;
+      case 'd': o.device = optarg; break;
+      case 'w': o.workload = optarg; break;
+      case 'n':
+        if (positive("--requests", optarg, &o.n)) return 2;
+        break;
+      case 's': o.seed = strtoull(optarg, NULL, 10); break;
+      case 'c':
+        if (positive("--concurrency", optarg, &o.concurrency)) return 2;
+        break;
+      case 'R':
+      case 'S':
+        if (parse_rates(optarg, &o) != 0) {
+          fprintf(stderr, "bench-serve: %s %s: positive rates (requests/s), at most %d\n",
+                  c == 'R' ? "--rate" : "--sweep", optarg, MAX_SWEEP);
+          return 2;
+        }
+        if (c == 'R' && o.n_rates != 1) {
+          fprintf(stderr, "bench-serve: --rate takes one rate (--sweep several)\n");
+          return 2;
+        }
+        break;
+      case 'T': o.ttft_bound = atof(optarg); break;
+      case 'P': o.tpot_bound = atof(optarg); break;
+      case 'v':
+        if (positive("--vocab", optarg, &o.vocab)) return 2;
+        break;
+      case 'B':
+        if (positive("--max-batch", optarg, &o.max_batch)) return 2;
+        break;
+      case 'K':
+        if (positive("--max-tokens", optarg, &o.max_tokens)) return 2;
+        break;
+      case 'k':
+        if (positive("--kv-blocks", optarg, &o.kv_blocks)) return 2;
+        break;
+      case 'x':
+        if (positive("--cross-blocks", optarg, &o.cross_blocks)) return 2;
+        break;
+      case 'M':
+        if (td_cross_mode_parse(optarg, &o.cross_mode) != TD_OK) {
+          fprintf(stderr, "bench-serve: %s\n", td_errmsg());
+          return 2;
+        }
+        break;
+      case 'l': o.label = optarg; break;
+      case 'o': o.record = true; break;
+      case 'p': o.plot = optarg; break;
+      case 't':
+        if (positive("--timeout-ms", optarg, &o.timeout_ms)) return 2;
+        break;
+      case 'h': usage(stdout); return 0;
+      default: usage(stderr); return 2;
+    }
+  }
+  if (!!o.router == o.engine || (o.engine && !o.model) || (o.concurrency && o.n_rates)) {
+    usage(stderr);
+    fprintf(stderr, "bench-serve: one target (--router or --engine with --model); --concurrency or rates, not both\n");
+    return 2;
+  }
+  /* the workload's shape from the model when given */
+  td_workload_opts wo = {.name = o.workload, .n = o.n, .seed = o.seed, .vocab = o.vocab};
+  if (o.model) {
+    td_model_config cfg;
+    if (td_model_config_load(o.model, &cfg) != TD_OK) {
+      fprintf(stderr, "bench-serve: %s\n", td_errmsg());
+      return 2;
+    }
+    if (!wo.vocab) wo.vocab = cfg.vocab_size;
+    wo.mel_bins = cfg.num_mel_bins;
+    wo.frames = cfg.num_mel_bins ? 2 * cfg.max_source_len : 0; /* Whisper: the conv halves the frames */
+  }
+  if (!wo.vocab) wo.vocab = 32000;
+  td_workload w;
+  if (td_workload_make(&wo, &w) != TD_OK) {
+    fprintf(stderr, "bench-serve: %s\n", td_errmsg());
+    return 2;
+  }
+  if (!o.max_tokens) o.max_tokens = o.max_batch > 512 ? o.max_batch : 512;
+  eng g = {0};
+  double load_s = 0;
+  if (o.engine && engine_open(&o, &settings, w.n, &g, &load_s) != TD_OK) {
+    fprintf(stderr, "bench-serve: %s\n", td_errmsg());
+    engine_close(&g);
+    td_workload_free(&w);
+    return 1;
+  }
+  char target[512];
+  if (o.engine)
+    snprintf(target, sizeof target, "engine in process (%s, %s; load %.1f s, not counted)", o.model,
+             td_backend_name(g.b), load_s);
+  else
+    snprintf(target, sizeof target, "cluster at %s", o.router);
+  int n_runs = o.n_rates ? o.n_rates : 1;
+  td_serve_summary sums[MAX_SWEEP];
+  double xs[MAX_SWEEP];
+  td_sbuf tab = {0};
+  td_sbuf_printf(&tab, "%s%s%s: workload %s, %d requests (%lld input, %lld output tokens asked), seed %llu\n\n",
+                 o.label ? o.label : "", o.label ? ": " : "", target, o.workload, w.n, w.input_tokens,
+                 w.output_tokens, (unsigned long long)o.seed);
+  td_sbuf_printf(&tab, "| arrivals | ok | req/s | out tok/s | in tok/s | TTFT ms p50 / p90 / p99 | "
+                       "TPOT ms p50 / p90 / p99 | end-to-end ms p50 / p90 / p99 | goodput req/s |\n"
+                       "|---|---|---|---|---|---|---|---|---|\n");
+  int rc = 0;
+  for (int k = 0; k < n_runs && rc == 0; k++) {
+    double rate = o.n_rates ? o.rates[k] : 0;
+    run r;
+    td_status s = run_init(&r, &w, rate, o.concurrency, o.seed + 7919 * (uint64_t)k);
+    if (s == TD_OK) s = o.engine ? run_engine(&g, &r) : run_cluster(&o, &r);
+    if (s == TD_OK) s = td_serve_summarize(r.s, w.n, o.ttft_bound, o.tpot_bound, &sums[k]);
+    if (s != TD_OK) {
+      fprintf(stderr, "bench-serve: %s\n", td_errmsg());
+      rc = 1;
+    } else {
+      char arr[64];
+      xs[k] = rate;
+      row(&tab, arrivals_name(&o, rate, arr, sizeof arr), &sums[k]);
+      if (sums[k].n_failed) rc = 1;
+    }
+    run_free(&r);
+  }
+  if (o.ttft_bound > 0 || o.tpot_bound > 0)
+    td_sbuf_printf(&tab, "\nGoodput: requests a second with TTFT <= %g ms and TPOT <= %g ms (0: no bound).\n",
+                   o.ttft_bound, o.tpot_bound);
+  fputs(tab.s, stdout);
+  if (rc == 0 && o.plot && plot(o.plot, xs, sums, n_runs, o.workload) != TD_OK) {
+    fprintf(stderr, "bench-serve: %s\n", td_errmsg());
+    rc = 1;
+  }
+  if (rc == 0 && o.record) {
+    char title[256];
+    snprintf(title, sizeof title, "bench-serve: %s, %s workload", o.engine ? "engine" : "cluster", o.workload);
+    if (td_bench_record(&out, title, o.engine ? td_backend_name(g.b) : td_bench_cpu_name(), tab.s) != 0) rc = 1;
+  }
+  td_sbuf_free(&tab);
+  engine_close(&g);
+  td_workload_free(&w);
+  return rc;
+}

@@ -1,0 +1,97 @@
+#include "serve_stats.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+double td_serve_percentile(const double *sorted, int n, double p) {
+  if (n <= 0) return 0;
+  if (p <= 0) return sorted[0];
+  if (p >= 100) return sorted[n - 1];
+  double rank = p / 100.0 * (n - 1);
+  int lo = (int)floor(rank);
+  double frac = rank - lo;
+  return lo + 1 < n ? sorted[lo] + frac * (sorted[lo + 1] - sorted[lo]) : sorted[lo];
+}
+
+/* Sorts v (n values) and fills its figures. */
+static void pct_of(double *v, int n, td_serve_pct *out) {
+  memset(out, 0, sizeof *out);
+  out->n = n;
+  if (!n) return;
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  double sum = 0;
+  for (int i = 0; i < n; i++) sum += v[i];
+  out->mean = sum / n;
+  out->p50 = td_serve_percentile(v, n, 50);
+  out->p90 = td_serve_percentile(v, n, 90);
+  out->p99 = td_serve_percentile(v, n, 99);
+  out->max = v[n - 1];
+}
+
+/* The request's time per output token after the first; < 0 when it has
+ * fewer than two tokens or no first-token time. */
+static double tpot_of(const td_serve_sample *s) {
+  if (s->n_out < 2 || s->first_ms <= 0) return -1;
+  return (s->done_ms - s->first_ms) / (s->n_out - 1);
+}
+
+td_status td_serve_summarize(const td_serve_sample *s, int n, double ttft_bound_ms, double tpot_bound_ms,
+                             td_serve_summary *out) {
+  memset(out, 0, sizeof *out);
+  if (n < 0) return td_err(TD_ERR_INVALID, "summary of %d samples", n);
+  for (int i = 0; i < n; i++) {
+    const td_serve_sample *x = &s[i];
+    if (x->done_ms < x->submit_ms || (x->first_ms > 0 && (x->first_ms < x->submit_ms || x->first_ms > x->done_ms)))
+      return td_err(TD_ERR_INVALID, "sample %d: times run backwards (submit %.3f, first %.3f, done %.3f)", i,
+                    x->submit_ms, x->first_ms, x->done_ms);
+  }
+  out->n = n;
+  if (!n) return TD_OK;
+  double *ttft = malloc(sizeof(double) * (size_t)n), *tpot = malloc(sizeof(double) * (size_t)n),
+         *e2e = malloc(sizeof(double) * (size_t)n);
+  if (!ttft || !tpot || !e2e) {
+    free(ttft), free(tpot), free(e2e);
+    return td_err(TD_ERR_NOMEM, "out of memory");
+  }
+  int nt = 0, np = 0, ne = 0;
+  double t0 = s[0].submit_ms, t1 = s[0].done_ms;
+  long long out_tok = 0, in_tok = 0;
+  for (int i = 0; i < n; i++) {
+    const td_serve_sample *x = &s[i];
+    if (x->submit_ms < t0) t0 = x->submit_ms;
+    if (x->done_ms > t1) t1 = x->done_ms;
+    if (!x->ok) {
+      out->n_failed++;
+      continue;
+    }
+    out->n_ok++;
+    out_tok += x->n_out;
+    in_tok += x->n_input;
+    e2e[ne++] = x->done_ms - x->submit_ms;
+    double ft = x->first_ms > 0 ? x->first_ms - x->submit_ms : -1;
+    double tp = tpot_of(x);
+    if (ft >= 0) ttft[nt++] = ft;
+    if (tp >= 0) tpot[np++] = tp;
+    bool good = (ttft_bound_ms <= 0 || (ft >= 0 && ft <= ttft_bound_ms)) &&
+                (tpot_bound_ms <= 0 || tp < 0 || tp <= tpot_bound_ms);
+    if (good) out->n_good++;
+  }
+  out->duration_s = (t1 - t0) / 1000.0;
+  if (out->duration_s > 0) {
+    out->req_s = out->n_ok / out->duration_s;
+    out->out_tok_s = (double)out_tok / out->duration_s;
+    out->in_tok_s = (double)in_tok / out->duration_s;
+    out->goodput_req_s = out->n_good / out->duration_s;
+  }
+  pct_of(ttft, nt, &out->ttft);
+  pct_of(tpot, np, &out->tpot);
+  pct_of(e2e, ne, &out->e2e);
+  free(ttft), free(tpot), free(e2e);
+  return TD_OK;
+}

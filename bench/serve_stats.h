@@ -1,0 +1,51 @@
+/* bench-serve's statistics: what a serving run measured per request, and
+ * the summary it reports (throughput, time to first token, time per output
+ * token, end-to-end latency at p50 / p90 / p99, goodput under latency
+ * bounds). Pure functions of the samples, so that tests can check them on
+ * known inputs. */
+#ifndef TD_BENCH_SERVE_STATS_H
+#define TD_BENCH_SERVE_STATS_H
+
+#include <stdbool.h>
+
+#include "common/status.h"
+
+/* One request as the load generator saw it (ms on one monotonic clock). */
+typedef struct td_serve_sample {
+  double submit_ms;  /* sent (open loop: its arrival time) */
+  double first_ms;   /* its first output token arrived (0: none) */
+  double done_ms;    /* its result arrived */
+  int n_input;       /* prompt tokens (encoder input) */
+  int n_out;         /* output tokens of its first sequence */
+  bool ok;           /* ended with a result, not an error */
+} td_serve_sample;
+
+typedef struct td_serve_pct {
+  double mean, p50, p90, p99, max;
+  int n; /* how many requests the figure is over */
+} td_serve_pct;
+
+typedef struct td_serve_summary {
+  int n, n_ok, n_failed;
+  double duration_s;   /* first submit to last result */
+  double req_s;        /* finished requests a second */
+  double out_tok_s;    /* output tokens a second */
+  double in_tok_s;     /* prompt tokens a second */
+  td_serve_pct ttft;   /* ms, successful requests */
+  td_serve_pct tpot;   /* ms per output token after the first (requests of 2+ tokens) */
+  td_serve_pct e2e;    /* ms, submit to result */
+  int n_good;          /* requests within both bounds */
+  double goodput_req_s;
+} td_serve_summary;
+
+/* The p-th percentile (0..100) of n sorted values, interpolated linearly
+ * between the closest ranks (numpy's default); 0 for n == 0. */
+double td_serve_percentile(const double *sorted, int n, double p);
+/* Summarises n samples. ttft_bound_ms / tpot_bound_ms (<= 0: no bound)
+ * define goodput: successful requests whose TTFT and TPOT are both within
+ * their bounds, a second. TD_ERR_INVALID for n < 0 or a sample whose
+ * times run backwards. */
+td_status td_serve_summarize(const td_serve_sample *s, int n, double ttft_bound_ms, double tpot_bound_ms,
+                             td_serve_summary *out);
+
+#endif

@@ -1,0 +1,123 @@
+#include "serve_workload.h"
+
+#include <errno.h>
+#include <libgen.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/rng.h"
+
+/* Uniform integer in [lo, hi] from (seed, stream, step). */
+static int uniform(uint64_t seed, uint32_t stream, uint32_t step, int lo, int hi) {
+  int v = lo + (int)(td_rand_uniform(seed, stream, step) * (float)(hi - lo + 1));
+  return v > hi ? hi : v;
+}
+
+enum { S_IN_LEN, S_OUT_LEN, S_IDS, S_FEATS, S_ARRIVAL };
+
+static td_status synth(const td_workload_opts *o, int in_lo, int in_hi, int out_lo, int out_hi, bool audio,
+                       td_workload *w) {
+  if (o->n <= 0) return td_err(TD_ERR_INVALID, "workload %s: %d requests", o->name, o->n);
+  if (!audio && o->vocab <= 4) return td_err(TD_ERR_INVALID, "workload %s: vocabulary of %d", o->name, o->vocab);
+  if (audio && (o->mel_bins <= 0 || o->frames <= 0))
+    return td_err(TD_ERR_INVALID, "workload %s: features of %d x %d", o->name, o->mel_bins, o->frames);
+  w->reqs = calloc((size_t)o->n, sizeof *w->reqs);
+  if (!w->reqs) return td_err(TD_ERR_NOMEM, "out of memory");
+  w->n = o->n;
+  for (int i = 0; i < o->n; i++) {
+    td_json_request *r = &w->reqs[i];
+    snprintf(r->id, sizeof r->id, "%s-%d", o->name, i);
+    td_request_params_default(&r->params);
+    r->params.max_new_tokens = uniform(o->seed, S_OUT_LEN, (uint32_t)i, out_lo, out_hi);
+    r->params.ignore_eos = true;
+    w->output_tokens += r->params.max_new_tokens;
+    if (audio) {
+      size_t nf = (size_t)o->mel_bins * (size_t)o->frames;
+      r->features = malloc(sizeof(float) * nf);
+      if (!r->features) return td_err(TD_ERR_NOMEM, "out of memory");
+      r->n_features = nf;
+      for (size_t k = 0; k < nf; k++)
+        r->features[k] = 2.0f * td_rand_uniform(o->seed ^ (uint64_t)i, S_FEATS, (uint32_t)k) - 1.0f;
+      w->input_tokens += o->frames / 2; /* encoder positions */
+    } else {
+      int len = uniform(o->seed, S_IN_LEN, (uint32_t)i, in_lo, in_hi);
+      r->input_ids = malloc(sizeof(int32_t) * (size_t)len);
+      if (!r->input_ids) return td_err(TD_ERR_NOMEM, "out of memory");
+      r->n_input = len;
+      for (int k = 0; k < len; k++)
+        r->input_ids[k] = uniform(o->seed ^ ((uint64_t)i << 20), S_IDS, (uint32_t)k, 4, o->vocab - 1);
+      w->input_tokens += len;
+    }
+  }
+  return TD_OK;
+}
+
+static td_status from_file(const td_workload_opts *o, td_workload *w) {
+  FILE *f = fopen(o->name, "r");
+  if (!f) return td_err(TD_ERR_INVALID, "workload %s: %s", o->name, strerror(errno));
+  char dir[4096];
+  snprintf(dir, sizeof dir, "%s", o->name);
+  const char *base = dirname(dir);
+  char *line = NULL;
+  size_t cap = 0;
+  ssize_t len;
+  int line_no = 0, n_cap = 0;
+  td_status s = TD_OK;
+  while ((o->n <= 0 || w->n < o->n) && (len = getline(&line, &cap, f)) > 0) {
+    line_no++;
+    if (len <= 1) continue;
+    if (w->n == n_cap) {
+      n_cap = n_cap ? 2 * n_cap : 64;
+      td_json_request *r = realloc(w->reqs, sizeof *r * (size_t)n_cap);
+      if (!r) {
+        s = td_err(TD_ERR_NOMEM, "out of memory");
+        break;
+      }
+      w->reqs = r;
+    }
+    td_json_request *r = &w->reqs[w->n];
+    if ((s = td_json_request_parse(line, (size_t)len, base, line_no, r)) != TD_OK) break;
+    w->n++;
+    w->input_tokens += r->n_input ? r->n_input : (long long)r->n_features;
+    w->output_tokens += r->params.max_new_tokens;
+  }
+  free(line);
+  fclose(f);
+  if (s == TD_OK && !w->n) s = td_err(TD_ERR_INVALID, "workload %s: no requests", o->name);
+  return s;
+}
+
+td_status td_workload_make(const td_workload_opts *o, td_workload *out) {
+  memset(out, 0, sizeof *out);
+  td_status s;
+  if (!strcmp(o->name, "trt"))
+    s = synth(o, 260, 440, 20, 128, false, out);
+  else if (!strcmp(o->name, "whisper"))
+    s = synth(o, 0, 0, 20, 120, true, out);
+  else if (!strcmp(o->name, "long"))
+    s = synth(o, 2000, 4000, 20, 128, false, out);
+  else
+    s = from_file(o, out);
+  if (s != TD_OK) td_workload_free(out);
+  return s;
+}
+
+void td_workload_free(td_workload *w) {
+  for (int i = 0; w->reqs && i < w->n; i++) td_json_request_free(&w->reqs[i]);
+  free(w->reqs);
+  memset(w, 0, sizeof *w);
+}
+
+void td_workload_arrivals(double rate, uint64_t seed, int n, double *t_ms) {
+  double t = 0;
+  for (int i = 0; i < n; i++) {
+    if (rate > 0) {
+      /* exponential gaps: -ln(1 - u) / rate, u in [0, 1) */
+      double u = td_rand_uniform(seed, S_ARRIVAL, (uint32_t)i);
+      t += -log(1.0 - u) / rate * 1000.0;
+    }
+    t_ms[i] = rate > 0 ? t : 0;
+  }
+}

@@ -1,0 +1,38 @@
+/* bench-serve's workloads: the requests of a run and when they arrive.
+ *   trt      input 260-440 tokens, output 20-128 (EOS ignored): the
+ *            encoder-decoder table of TensorRT-LLM's docs;
+ *   whisper  30 s of log-mel features (random), output 20-120;
+ *   long     input 2000-4000 tokens, output 20-128 (T5's long inputs);
+ *   a file   request lines of the JSON-lines format (README).
+ * Lengths are uniform in their ranges and the token ids random, both from
+ * the seed, so a run is repeatable and cluster and engine get the same
+ * requests. */
+#ifndef TD_BENCH_SERVE_WORKLOAD_H
+#define TD_BENCH_SERVE_WORKLOAD_H
+
+#include <stdint.h>
+
+#include "common/jsonl.h"
+#include "common/status.h"
+
+typedef struct td_workload_opts {
+  const char *name;    /* trt | whisper | long | a .jsonl file */
+  int n;               /* requests (a file: its first n; 0: all of it) */
+  uint64_t seed;
+  int vocab;           /* token ids in [4, vocab) */
+  int mel_bins, frames; /* whisper: the features' shape */
+} td_workload_opts;
+
+typedef struct td_workload {
+  td_json_request *reqs;
+  int n;
+  long long input_tokens, output_tokens; /* what the requests ask for (output: max_new_tokens) */
+} td_workload;
+
+td_status td_workload_make(const td_workload_opts *o, td_workload *out);
+void td_workload_free(td_workload *w);
+/* Arrival times (ms from the start) of n requests: all at 0 when rate <= 0,
+ * else a Poisson process of `rate` requests a second. */
+void td_workload_arrivals(double rate, uint64_t seed, int n, double *t_ms);
+
+#endif

@@ -1,0 +1,134 @@
+/* bench-serve's statistics on known inputs: percentiles as numpy computes
+ * them, throughput over the run's span, TTFT / TPOT / end-to-end, goodput
+ * under bounds, failures counted apart; and its workloads and arrivals. */
+#include <criterion/criterion.h>
+#include <math.h>
+
+#include "serve_stats.h"
+#include "serve_workload.h"
+
+#define NEAR(a, b) cr_assert_float_eq((a), (b), 1e-9, "%.12g != %.12g", (double)(a), (double)(b))
+
+Test(serve_stats, percentiles_interpolate_like_numpy) {
+  double v[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  NEAR(td_serve_percentile(v, 10, 50), 5.5);
+  NEAR(td_serve_percentile(v, 10, 90), 9.1);
+  NEAR(td_serve_percentile(v, 10, 99), 9.91);
+  NEAR(td_serve_percentile(v, 10, 0), 1);
+  NEAR(td_serve_percentile(v, 10, 100), 10);
+  double one[] = {42};
+  NEAR(td_serve_percentile(one, 1, 99), 42);
+  NEAR(td_serve_percentile(NULL, 0, 50), 0);
+}
+
+Test(serve_stats, a_run_of_known_requests) {
+  /* four requests over one second: three good ones and a failure */
+  td_serve_sample s[] = {
+      {.submit_ms = 0, .first_ms = 100, .done_ms = 500, .n_input = 10, .n_out = 5, .ok = true},   /* TPOT 100 */
+      {.submit_ms = 0, .first_ms = 200, .done_ms = 1000, .n_input = 20, .n_out = 9, .ok = true},  /* TPOT 100 */
+      {.submit_ms = 100, .first_ms = 400, .done_ms = 400, .n_input = 30, .n_out = 1, .ok = true}, /* no TPOT */
+      {.submit_ms = 100, .first_ms = 0, .done_ms = 300, .n_input = 40, .n_out = 0, .ok = false},
+  };
+  td_serve_summary m;
+  cr_assert_eq(td_serve_summarize(s, 4, 0, 0, &m), TD_OK);
+  cr_assert_eq(m.n, 4);
+  cr_assert_eq(m.n_ok, 3);
+  cr_assert_eq(m.n_failed, 1);
+  NEAR(m.duration_s, 1.0);
+  NEAR(m.req_s, 3.0);
+  NEAR(m.out_tok_s, 15.0);
+  NEAR(m.in_tok_s, 60.0);
+  cr_assert_eq(m.ttft.n, 3);
+  NEAR(m.ttft.p50, 200);  /* 100, 200, 300 */
+  NEAR(m.ttft.mean, 200);
+  NEAR(m.ttft.max, 300);
+  cr_assert_eq(m.tpot.n, 2);
+  NEAR(m.tpot.p50, 100);
+  cr_assert_eq(m.e2e.n, 3);
+  NEAR(m.e2e.p50, 500); /* 300, 500, 1000 */
+  NEAR(m.e2e.p90, 900);
+  cr_assert_eq(m.n_good, 3, "no bounds: every successful request is good");
+  NEAR(m.goodput_req_s, 3.0);
+}
+
+Test(serve_stats, goodput_counts_requests_within_both_bounds) {
+  td_serve_sample s[] = {
+      {.submit_ms = 0, .first_ms = 50, .done_ms = 450, .n_out = 5, .ok = true},   /* TTFT 50, TPOT 100 */
+      {.submit_ms = 0, .first_ms = 150, .done_ms = 550, .n_out = 5, .ok = true},  /* TTFT 150: too slow */
+      {.submit_ms = 0, .first_ms = 50, .done_ms = 850, .n_out = 5, .ok = true},   /* TPOT 200: too slow */
+      {.submit_ms = 0, .first_ms = 80, .done_ms = 1000, .n_out = 1, .ok = true},  /* one token: TTFT only */
+  };
+  td_serve_summary m;
+  cr_assert_eq(td_serve_summarize(s, 4, 100, 150, &m), TD_OK);
+  cr_assert_eq(m.n_good, 2);
+  NEAR(m.goodput_req_s, 2.0);
+  cr_assert_eq(td_serve_summarize(s, 4, 100, 0, &m), TD_OK);
+  cr_assert_eq(m.n_good, 3, "TTFT bound only");
+  cr_assert_eq(td_serve_summarize(s, 4, 0, 150, &m), TD_OK);
+  cr_assert_eq(m.n_good, 3, "TPOT bound only");
+}
+
+Test(serve_stats, refuses_times_that_run_backwards) {
+  td_serve_sample s[] = {{.submit_ms = 10, .first_ms = 5, .done_ms = 20, .n_out = 2, .ok = true}};
+  td_serve_summary m;
+  cr_assert_eq(td_serve_summarize(s, 1, 0, 0, &m), TD_ERR_INVALID);
+  s[0] = (td_serve_sample){.submit_ms = 10, .first_ms = 0, .done_ms = 5, .ok = false};
+  cr_assert_eq(td_serve_summarize(s, 1, 0, 0, &m), TD_ERR_INVALID);
+  cr_assert_eq(td_serve_summarize(s, -1, 0, 0, &m), TD_ERR_INVALID);
+  cr_assert_eq(td_serve_summarize(NULL, 0, 0, 0, &m), TD_OK);
+  cr_assert_eq(m.n, 0);
+}
+
+Test(serve_workload, trt_lengths_and_ids_in_range_and_repeatable) {
+  td_workload_opts o = {.name = "trt", .n = 200, .seed = 9, .vocab = 1000};
+  td_workload a, b;
+  cr_assert_eq(td_workload_make(&o, &a), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(td_workload_make(&o, &b), TD_OK);
+  cr_assert_eq(a.n, 200);
+  long long in = 0, outt = 0;
+  int lo = 1 << 30, hi = 0;
+  for (int i = 0; i < a.n; i++) {
+    const td_json_request *r = &a.reqs[i];
+    cr_assert(r->n_input >= 260 && r->n_input <= 440, "input %d", r->n_input);
+    cr_assert(r->params.max_new_tokens >= 20 && r->params.max_new_tokens <= 128);
+    cr_assert(r->params.ignore_eos);
+    for (int k = 0; k < r->n_input; k++) cr_assert(r->input_ids[k] >= 4 && r->input_ids[k] < 1000);
+    cr_assert_eq(r->n_input, b.reqs[i].n_input, "same seed, same lengths");
+    cr_assert_arr_eq(r->input_ids, b.reqs[i].input_ids, sizeof(int32_t) * (size_t)r->n_input);
+    in += r->n_input;
+    outt += r->params.max_new_tokens;
+    lo = r->n_input < lo ? r->n_input : lo;
+    hi = r->n_input > hi ? r->n_input : hi;
+  }
+  cr_assert_eq(in, a.input_tokens);
+  cr_assert_eq(outt, a.output_tokens);
+  cr_assert(lo < 280 && hi > 420, "lengths spread over the range: %d..%d", lo, hi);
+  td_workload_free(&a);
+  td_workload_free(&b);
+}
+
+Test(serve_workload, whisper_features_and_refusals) {
+  td_workload_opts o = {.name = "whisper", .n = 3, .seed = 1, .mel_bins = 8, .frames = 30};
+  td_workload w;
+  cr_assert_eq(td_workload_make(&o, &w), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(w.reqs[2].n_features, 240);
+  cr_assert_null(w.reqs[2].input_ids);
+  td_workload_free(&w);
+  o.mel_bins = 0;
+  cr_assert_eq(td_workload_make(&o, &w), TD_ERR_INVALID, "whisper needs the features' shape");
+  td_workload_opts t = {.name = "trt", .n = 0, .vocab = 100};
+  cr_assert_eq(td_workload_make(&t, &w), TD_ERR_INVALID);
+  td_workload_opts f = {.name = "/nonexistent/requests.jsonl", .n = 4};
+  cr_assert_eq(td_workload_make(&f, &w), TD_ERR_INVALID);
+}
+
+Test(serve_workload, poisson_arrivals_have_the_rate) {
+  enum { N = 20000 };
+  static double t[N];
+  td_workload_arrivals(50.0, 3, N, t);
+  for (int i = 1; i < N; i++) cr_assert_geq(t[i], t[i - 1]);
+  double rate = (N - 1) / ((t[N - 1] - t[0]) / 1000.0);
+  cr_assert(fabs(rate - 50.0) < 2.0, "measured rate %.2f", rate);
+  td_workload_arrivals(0, 3, 5, t);
+  for (int i = 0; i < 5; i++) cr_assert_eq(t[i], 0, "rate 0: all at once");
+}
