@@ -546,7 +546,7 @@ static td_status step_work(void *p) {
   int Bn = c->batch;
   td_relbias rb = {c->lut, 128};
   TD_TRY(td_embed(B, c->ids, c->ids, c->head, NULL, 1.0f, c->h, Bn, D));
-  for (int l = 0; l < LAYERS && !c->unfused; l++) { /* as model.c calls the ops (norm weights folded into W) */
+  for (int l = 0; l < LAYERS && !c->unfused; l++) { /* as model/forward.c calls the ops (norm weights folded into W) */
     layer_w *w = &c->L[l];
     td_gemm_args qa = {.x = c->h, .w = w->qkv, .y = c->qkv, .m = Bn, .n = 3 * D, .k = D, .norm_plain = true,
                        .norm_eps = 1e-6f, .norm_rms = true, .scratch_norm = c->x, .kv_pool = c->self.pool,

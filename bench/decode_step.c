@@ -393,9 +393,9 @@ int main(int argc, char **argv) {
                  shape, sh->d_model, sh->enc_layers, sh->dec_layers, sh->heads, sh->head_dim, sh->gated ? "gated " : "",
                  sh->ffn, sh->vocab, c.enc_len, c.ctx, c.block_size, c.tp > 1 ? "tensor parallel " : c.pp > 1 ? "pipeline stages " : "GPUs ",
                  "", c.world, gbs, tf);
-  /* the K/V floor: the issue's, every layer's cross K/V read; the path's
-   * own: over the states, also W_k and W_v of every layer and the states
-   * once a layer instead of the K/V */
+  /* the K/V floor (the one the targets are set against): every layer's
+   * cross K/V read; the path's own: over the states, also W_k and W_v of
+   * every layer and the states once a layer instead of the K/V */
   const char *mode = td_cross_mode_name(rk[0].mode);
   td_sbuf_printf(&t, "Cross pool mode %s.\n\n| batch | path | step ms | tokens/s | K/V floor ms | x K/V floor | "
                      "bytes read GB | floor ms | x floor |\n|---|---|---|---|---|---|---|---|---|\n", mode);

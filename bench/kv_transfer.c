@@ -10,7 +10,7 @@
  *               [--nccl-chunk-kb N] [--only host|tcp|staged|nccl]
  *
  * --nccl-chunk-kb: the NCCL pipeline's largest chunk on both sides (the
- * engine's default when absent); --only: measure one path.
+ * transfer context's default when absent); --only: measure one path.
  *
  * Receivers are separate processes (this program re-executed), one per
  * GPU in use. Time is from td_kvx_post to the sender's callback, which
@@ -54,8 +54,8 @@ static uint32_t pool_id(int kind, int bs) { return (uint32_t)(kind * 10 + bs); }
 static size_t g_max_bytes = (size_t)256 << 20;
 static int g_slots = 8;
 static size_t g_slot_bytes = (size_t)4 << 20;
-static size_t g_stage_chunk; /* --stage-chunk-kb: the sender's steady staged chunk; 0: the engine's default */
-static size_t g_nccl_chunk; /* 0: the engine's default */
+static size_t g_stage_chunk; /* --stage-chunk-kb: the sender's steady staged chunk; 0: the context's default */
+static size_t g_nccl_chunk; /* 0: the context's default */
 
 static void wr(int fd, const void *p, size_t n) {
   const uint8_t *b = p;
@@ -276,7 +276,7 @@ typedef struct row {
  * memory, then its H2D on a second stream as soon as it landed, no
  * protocol and no second process (NULL where there is no GPU). */
 static double (*g_pipe)(size_t bytes);
-static size_t pipe_chunk = (size_t)2 << 20; /* the engine's steady staged chunk */
+static size_t pipe_chunk = (size_t)2 << 20; /* the context's steady staged chunk */
 
 static row rows[256];
 static int n_rows;

@@ -65,8 +65,8 @@
 #define TD_KVX_DESTROY_STOP_MS 500  /* td_kvx_destroy lets transfers stop cleanly this long */
 #define TD_KVX_DESTROY_CLOSE_MS 200 /* then waits this long for UCX operations to complete */
 
-/* ---- CUDA backend tuning (td_cuda_tuning's zero values; measured on
- * H100, docs/cuda.md) ---- */
+/* ---- CUDA backend tuning (td_cuda_tuning's zero values; measured best on
+ * H100: docs/cuda.md, "Tuning knobs") ---- */
 #define TD_CUDA_DEFAULT_SKINNY_ROWS 16     /* few-row GEMMs on the skinny kernel up to this many rows */
 #define TD_CUDA_DEFAULT_GEMV_MAXV 8        /* one-row GEMMs on a warp a column: k up to 256 x this */
 #define TD_CUDA_DEFAULT_GEMV_MAXN 8192     /* ... and up to this many columns */

@@ -358,7 +358,8 @@ td_status kvx_nccl_post(kvx_nccl *c, bool send, const kvx_nccl_buf *b, int n, kv
   }
   int peer = 1 - c->rank;
   /* A few large operations per group: thousands of small ones in one group
-   * ran at a third of the link's speed. */
+   * ran far below the link's speed (docs/history/kvtransfer.md, "Measured,
+   * pass by pass"). */
   ncclResult_t r = ncclGroupStart();
   for (int i = 0; i < n && (r == ncclSuccess || r == ncclInProgress); i++)
     r = send ? ncclSend(b[i].buf, b[i].bytes, ncclUint8, peer, c->comm, st)

@@ -131,8 +131,9 @@ typedef struct kvx_nchunk {
 
 /* One side of an NCCL transfer: the byte stream (the plan's pieces in
  * order) cut by kvx_chunk_len into chunks that are gathered, sent,
- * received and scattered in a pipeline (docs/kvtransfer.md). Chunks
- * [done, post) are in flight, [post, prep) gathered and not yet sent. */
+ * received and scattered in a pipeline (docs/kvtransfer.md, "NCCL
+ * pipeline"). Chunks [done, post) are in flight, [post, prep) gathered and
+ * not yet sent. */
 typedef struct kvx_nstream {
   uint64_t first, max; /* chunking: proposed in REQ, settled by GRANT */
   uint64_t prep, post, done;

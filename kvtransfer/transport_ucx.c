@@ -26,7 +26,7 @@
 #define POOL_SELF 2u
 
 /* A receiver we push to, by worker id (a restarted worker comes back with
- * another engine uuid: reconnect then). */
+ * another td_kvx context uuid: reconnect then). */
 typedef struct upeer {
   char id[TD_WIRE_MAX_ID + 1];
   uint64_t uuid;

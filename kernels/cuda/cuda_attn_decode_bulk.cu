@@ -5,9 +5,9 @@
  * its own NS slots and mbarriers (no block barrier before the merge).
  * A stage's K and V rows of a paged block are one contiguous copy each
  * (one 2 KB copy at block size 16), faster than the tiled kernel's 16-byte
- * cp.async gathers (docs/cuda.md). With static K/V (kv_static),
- * or the keys before the query (kv_static_past, causal), the first stages
- * are requested before waiting for the query. */
+ * cp.async gathers (docs/cuda.md, "Decode by bulk copies"). With static
+ * K/V (kv_static), or the keys before the query (kv_static_past, causal),
+ * the first stages are requested before waiting for the query. */
 #include "kernels/cuda/cuda_attn_decode.cuh"
 
 enum { BULK_NK = 16 };
@@ -33,7 +33,8 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
     for (int i = 0; i < NS; i++) mbar_init(&bar[warp][i], 1);
   __syncwarp();
   /* lane 0: stage t's K and V rows into the slot, one copy per paged block;
-   * read once a step, so evicted from L2 first (measured: docs/cuda.md) */
+   * read once a step, so evicted from L2 first (docs/cuda.md, "Decode by
+   * bulk copies") */
   const uint64_t pol = l2_evict_first();
   auto issue = [&](int t, int slot) {
     const int k0 = t * BULK_NK, k1 = min(k0 + BULK_NK, kend);

@@ -293,8 +293,8 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
   if ((unsigned)act > TD_ACT_QUICK_GELU) return td_err(TD_ERR_INVALID, "gemm: unknown activation %d", (int)act);
   if (flags & ~(unsigned)(TD_GEMM_ACCUM | TD_GEMM_OUT_F32)) return td_err(TD_ERR_INVALID, "gemm: unknown flags %#x", flags);
   bool f32 = flags & TD_GEMM_OUT_F32;
-  /* measured on H100 (docs/cuda.md): ahead of cuBLASLt up to 8 rows, and up
-   * to 16 while the weight is narrow enough that re-reading x stays cheap */
+  /* ahead of cuBLASLt up to 8 rows, and up to 16 while the weight is narrow
+   * enough that re-reading x stays cheap (docs/cuda.md, "GEMMs") */
   if (c->tune.skinny && (m <= 8 || (m <= c->tune.skinny_rows && n <= 2048)) && k % 8 == 0 && td_aligned16(x) && td_aligned16(w))
     return skinny_gemm(c, x, w, bias, y, m, n, k, act, flags);
   td_gemm_plan *p = plan_get(c, m, n, k, act, flags, x, w, bias, y);

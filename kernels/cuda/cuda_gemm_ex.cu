@@ -13,16 +13,16 @@
  * zero), so the norm is applied there in place, exactly as td_norm
  * computes it; its W stages are requested before the PDL wait too.
  *
- * Defaults (td_cuda_tuning.fuse_rows / fuse_mask, measured: docs/cuda.md):
- * 8 rows, all three fusions. The in-place weighted norm of skf measured
- * slower than a norm kernel (every block renormalises every row after the
- * wait), and beyond 8 rows these kernels lose to cuBLASLt (x re-read per
- * 16 columns).
+ * Defaults (td_cuda_tuning.fuse_rows / fuse_mask; docs/cuda.md, "Fused
+ * decode GEMM"): 8 rows, all three fusions. The in-place weighted norm of
+ * skf measured slower than a norm kernel (every block renormalises every
+ * row after the wait), and beyond 8 rows these kernels lose to cuBLASLt
+ * (x re-read per 16 columns).
  *
- * Tried and dropped (measured): a split-K variant for up to 64 rows whose
- * blocks exchanged partials through distributed shared memory in
- * clusters; 1.2x slower at one row and 3-5x slower at 64 (the remote
- * stores of the partial tiles dominate). */
+ * Tried and dropped: a split-K variant for up to 64 rows whose blocks
+ * exchanged partials through distributed shared memory in clusters,
+ * slower than cuBLASLt at every row count (the remote stores of the
+ * partial tiles dominate; docs/cuda.md, "Tried and dropped"). */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -275,7 +275,7 @@ static td_status kv_after(td_backend *b, const td_gemm_args *ga) {
  * norm(x) W^T = (x W^T) / rms(x), so the GEMM runs on x itself and the
  * kernel that follows it anyway (the gated activation, the KV write)
  * scales each row by 1 / rms(x): the norm kernel before the GEMM goes
- * (measured: docs/cuda.md). */
+ * (docs/history/cuda-passes.md, pass 6). */
 /* 1 / rms of row x[0, k) (k % 8 == 0, 16-byte aligned), for every thread of the block */
 __device__ float sr_inv_rms(const bf16 *x, int k, float eps) {
   __shared__ float red[32];
@@ -383,8 +383,9 @@ static td_status gemm_ex_skinny(td_backend *b, const td_gemm_args *ga, bool fuse
 /* Up to 8 rows the fused kernel takes a plain norm; up to 16 the projection
  * still runs on a skinny kernel (td_cu_gemm) where leaving the cross query's
  * norm to the attention measured slower (the attention's K/V stream then
- * starts a kernel earlier, beside latency-bound ones; docs/cuda.md);
- * beyond, cuBLASLt's GEMM cannot take it. */
+ * starts a kernel earlier, beside latency-bound ones:
+ * docs/history/cuda-passes.md, pass 6); beyond, cuBLASLt's GEMM cannot
+ * take it. */
 int td_cu_fused_norm_rows(const td_backend *b) {
   const td_cuda *c = (const td_cuda *)b->impl;
   return c->tune.skinny && c->tune.skinny_rows > c->tune.fuse ? c->tune.skinny_rows : c->tune.fuse;

@@ -115,7 +115,7 @@ static td_status heads_plan_get(td_cuda *c, int m, int heads, int n, int k, bool
  * SMs idle, per K range: S blocks a cluster, their fp32 partials summed
  * in shared memory. W is requested before the PDL wait and the kernel
  * lets the next launch start at once (cuBLASLt's kernels do neither;
- * measured: docs/cuda.md). */
+ * docs/cuda.md, "Per-head products"). */
 enum { HB = 64, HEADS_MAX_KS = 256, HEADS_PST = HB + 4, HEADS_SPLIT_ROWS = 4 };
 
 static size_t heads_smem(bool w_t, int ks) {
@@ -239,7 +239,7 @@ td_status td_cu_gemm_heads(td_backend *b, const void *x, const void *w, const fl
   if (n % HB == 0 && k % 16 == 0 && td_aligned16(x) && td_aligned16(w) && td_aligned16(y) && !c->tune.heads_lt) {
     /* K split over a cluster while the blocks would leave SMs idle, each
      * range a multiple of 16 and at most HEADS_MAX_KS; split only at a few
-     * rows, where it beats cuBLASLt's (docs/cuda.md) */
+     * rows, where it beats cuBLASLt's (docs/cuda.md, "Per-head products") */
     long blocks = (long)(n / HB) * heads * ((m + HB - 1) / HB);
     int S = 1;
     while (S < 8 && k % (32 * S) == 0 && blocks * S * 2 <= c->sm_count) S *= 2;

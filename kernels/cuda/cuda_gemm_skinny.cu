@@ -32,7 +32,7 @@ extern "C" {
  * projection into the paged pool (no separate KV write).
  *
  * NT = 16 columns a block (8, doubling the blocks of narrow matrices so
- * that more SMs stream W, measured slower on H100: docs/cuda.md). */
+ * that more SMs stream W, was slower: docs/cuda.md, "Tried and dropped"). */
 enum { SK_KC = 64, SK_ROW = SK_KC + 8, SK_WARPS = 4, SK_S_SMALL = 5, SK_S_LARGE = 12 };
 constexpr size_t sk_smem_bytes(int stages, int nt) {
   return (size_t)SK_WARPS * stages * (nt + 16) * SK_ROW * sizeof(bf16);
@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
   }
   /* one accumulator chain per k step of a stage: with a single chain every
    * dependent mma.sync of the K loop is on the critical path (faster at
-   * 12-16 rows; the same in skb_kernel measured slower: docs/cuda.md) */
+   * 12-16 rows; the same in skb_kernel was slower: docs/cuda.md, "Tried and
+   * dropped") */
   float acc[SK_KC / 16][2][4] = {};
   float ss = 0.0f, ss8 = 0.0f, s1 = 0.0f, s18 = 0.0f; /* NORM: squares (and sums) of x rows g, g + 8 in this lane's A fragments */
   for (int st = 0; st < nst; st++) {
@@ -197,8 +198,8 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skinny_kernel(const td_skinny_a
  * in as one bulk copy each (the TMA engine, one thread issuing 16
  * instructions, completing on an mbarrier), all requested before the PDL
  * wait; x is staged whole after it. One SM moves far more bytes at once
- * this way than through per-thread cp.async (measured on H100: see
- * docs/cuda.md), and the block needs no pipeline: it waits for its W once.
+ * this way than through per-thread cp.async (docs/cuda.md, "GEMMs"), and
+ * the block needs no pipeline: it waits for its W once.
  * Also does GLU (tile rows 0-7 from W_a, 8-15 the same rows of W_b), the
  * plain norm and the KV write, as the kernels above. */
 constexpr size_t SKB_MAX_SMEM = 160 << 10;
@@ -354,10 +355,11 @@ static void skinny_launch_all(td_cuda *c, bool f32, bool large, const td_skinny_
  * sixteen: after the wait a column costs one L2 round trip for x, the
  * products and five shuffles. Early trigger: the launch behind it can only
  * start once registers free up, which bounds the run-ahead by itself.
- * Faster for every GEMM of k <= 1024 (docs/cuda.md). The FFN output
- * (k = 2816) and the LM head stay on the bulk-copy kernel, faster there: W in registers for k = 2816 takes 120 registers a
- * thread and keeps the next kernels out, and W in shared memory by bulk
- * copies was slower in every placement tried. V: 16-byte pieces of a W row
+ * Faster for every GEMM of k <= 1024 (docs/cuda.md, "GEMMs"). The FFN
+ * output (k = 2816) and the LM head stay on the bulk-copy kernel, faster
+ * there: W in registers for k = 2816 takes 120 registers a thread and
+ * keeps the next kernels out, and W in shared memory by bulk copies was
+ * slower in every placement tried. V: 16-byte pieces of a W row
  * per lane (k <= 256 V); GLU: rows j and n / 2 + j, V = 4 only (two rows
  * of 8 pieces spill). */
 enum { GV_WARPS = 8 };
@@ -469,17 +471,19 @@ static bool gemv_fits(const td_cuda *c, int m, int n, int k, bool glu) {
 
 bool td_cu_skinny_bulk(const td_cuda *c, int m, int k) {
   int kq = ((k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
-  /* beyond 8 rows, staging x whole before the products costs more than the ring's pipelining (H100) */
+  /* beyond 8 rows, staging x whole before the products costs more than the
+   * ring's pipelining (docs/cuda.md, "GEMMs") */
   return c->tune.skinny_bulk && m <= 8 && skb_smem(m, kq) <= SKB_MAX_SMEM && skb_smem(m, kq) <= c->smem_optin;
 }
 
 td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu) {
   a->kq = ((a->k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
   /* which skinny GEMMs let the launches behind them start only after their
-   * own wait (measured on H100, docs/cuda.md): the normed ones (QKV, cross
-   * q, FFN in), and at 1-2 rows every one. Deeper run-ahead let later
-   * kernels' weight prefetches crowd the running kernel's memory traffic.
-   * The warp-per-column kernel triggers early (its registers bound it). */
+   * own wait (docs/cuda.md, "Programmatic dependent launch and the
+   * run-ahead"): the normed ones (QKV, cross q, FFN in), and at 1-2 rows
+   * every one. Deeper run-ahead let later kernels' weight prefetches crowd
+   * the running kernel's memory traffic. The warp-per-column kernel
+   * triggers early (its registers bound it). */
   const int pl = c->tune.pdl_late;
   const bool gemv = gemv_fits(c, a->m, a->n, a->k, glu);
   a->late = pl < 0 ? !gemv && (norm || a->m <= 2) : (pl & 2) != 0 || (norm ? (pl & 4) : (pl & 8)) != 0;

@@ -187,7 +187,8 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
                      td_act act, unsigned flags);
 
 /* Where a QKV projection's K/V columns [col, col + 2 hd) also go: the
- * paged pool's slots (pool NULL: nowhere). Filled by td_cu_kv_dest. */
+ * paged pool's slots (pool NULL: nowhere). Filled by kv_dest
+ * (cuda_gemm_ex.cu). */
 typedef struct td_kv_dest {
   bf16 *pool;
   const int32_t *slots;

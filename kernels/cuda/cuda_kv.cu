@@ -80,7 +80,8 @@ td_status td_cu_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l,
  * prefetches drain through its SM's copy engine, so the few blocks (4)
  * bound the rate to what the latency-bound GEMMs beside it can spare;
  * spread over more blocks it slowed the QKV GEMM beside it. It pays from
- * 32 sequences (the tuning's kvpf_seqs; measured: docs/cuda.md). */
+ * 32 sequences (the tuning's kvpf_seqs; docs/cuda.md, "The query norm and
+ * the next layer's K/V"). */
 __global__ void __launch_bounds__(128) kv_prefetch_kernel(const bf16 *pool, size_t block_elems, size_t layer_off,
                                                           uint32_t bytes, int bs, const int32_t *ctx_len,
                                                           const int32_t *table, int max_blocks, int n_seqs) {

@@ -68,7 +68,8 @@ td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned
  * elsewhere the tiled kernel's key splits spread the K/V over more SMs.
  * Many pairs over static K/V: a pair a block, K/V by bulk copies (the
  * kv_static_past re-read of the query's own key is the warp kernels'); over
- * self K/V too up to decode_bulk_all pairs. Measured: docs/cuda.md. */
+ * self K/V too up to decode_bulk_all pairs. Why each bound sits where it
+ * does: docs/cuda.md, "The decode policy". */
 static td_paged_kernel decode_kernel(const td_cu_tune *t, const td_paged_shape *s, bool fast) {
   long pairs = (long)s->n_seqs * s->heads;
   if (!fast || s->head_dim != 64 || s->max_q != 1 || t->decode_warp <= 0) return TD_PAGED_TILED;

@@ -16,7 +16,7 @@ extern "C" {
 
 #include "common/settings.h"
 
-/* Sizes fixed at creation (docs/cuda.md lists them). */
+/* Sizes fixed at creation (docs/cuda.md, "Limits", lists them). */
 enum {
   TD_CU_LT_WORKSPACE = 32 << 20,     /* cuBLASLt workspace (Hopper recommends 32 MiB) */
   TD_CU_STAGE_BYTES = 32 << 20,      /* upload/download conversion staging */

@@ -104,9 +104,9 @@ td_status td_cu_states_init(td_cuda *c) {
   return TD_OK;
 }
 
-/* Where a tensor-core kernel takes D, the states path loses at 32 rows and
- * wins from 48 (H100, Flan-T5-large; docs/cuda.md); the generic kernel
- * never pays */
+/* Where a tensor-core kernel takes D, the states path from 48 rows: the
+ * crossover measured on H100 with Flan-T5-large (docs/cuda.md,
+ * "Cross-attention over encoder states"); the generic kernel never pays */
 int td_cu_states_rows(const td_backend *b, int D) {
   const td_cuda *c = td_cu((td_backend *)b);
   for (int i = 0; i < STATES_NCFG; i++)

@@ -16,7 +16,7 @@
  * ranges (splits) run as one thread-block cluster and merge through
  * distributed shared memory; where that would be two splits, a cluster
  * of two blocks splits D instead and exchanges partial scores, with no
- * merge (docs/cuda.md).
+ * merge (docs/cuda.md, "Cross-attention over encoder states").
  *
  * Files: this header (the arguments and the pieces the tensor-core kernels
  * share), cuda_states_mma.cu (8 or 16 warps), cuda_states_ws.cu (16 warps

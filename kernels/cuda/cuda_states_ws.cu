@@ -9,7 +9,7 @@
  * neither waits for the other's phase and a third stage fits in the
  * shared memory the first kernel's 16 warps of partial scores took. The
  * mix group refills the stage it has finished. D = 64 NT, 512 threads
- * (measured: docs/cuda.md). */
+ * (docs/cuda.md, "Cross-attention over encoder states"). */
 template <int NT>
 struct StatesWsSmem {
   static constexpr int ST = 32, NSTG = 3, D = NT * 64, HALF = D / 2, PAIR = 2 * HALF + 8, RST = ST + 8;
@@ -26,7 +26,8 @@ struct StatesWsSmem {
 
 /* 120 registers (512 threads): a block then fits beside one of the self
  * K/V prefetch's 4 blocks (td_kv_prefetch), which otherwise keep 4 SMs
- * from the states kernel's 128 blocks at batch 64 (docs/cuda.md). */
+ * from the states kernel's 128 blocks at batch 64
+ * (docs/history/cuda-passes.md, pass 20). */
 template <int NT>
 __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
   using L = StatesWsSmem<NT>;
@@ -59,7 +60,7 @@ __global__ void __maxnreg__(120) states_ws_kernel(const StatesArgs a) {
   };
   /* two tiles at once, the third once the first has landed: requested
    * together, the first's bytes would share the start's DRAM queue with it
-   * (docs/cuda.md) */
+   * (docs/history/cuda-passes.md, pass 20) */
   constexpr int first = 2;
   if (tid < 128)
     for (int i = 0; i < first && t0 + i < t1; i++) issue(t0 + i, i, tid);
