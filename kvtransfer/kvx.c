@@ -111,7 +111,7 @@ td_status td_kvx_register_pool(td_kvx *k, const td_kvx_pool_desc *d) {
     s = kvx_ucx_map(k, d->base, p->bytes, false, &p->memh);
   } else if (d->mem == TD_KVX_MEM_CUDA) {
     if (!k->gpu) {
-      s = td_err(TD_ERR_UNSUPPORTED, "KV transfer: GPU pool %u on an engine without a CUDA device", d->pool_id);
+      s = td_err(TD_ERR_UNSUPPORTED, "KV transfer: GPU pool %u in a context without a CUDA device", d->pool_id);
     } else if ((s = kvx_gpu_check_device_ptr(k->gpu, d->base, p->bytes)) == TD_OK) {
       if (td_kvx_cuda_direct(k)) {
         p->direct = true;
@@ -341,7 +341,7 @@ void td_kvx_destroy(td_kvx *k) {
     DL_FOREACH_SAFE(k->peers, p, ptmp) {
       kvx_xfer *x, *tmp;
       HASH_ITER(hh, k->xfers, x, tmp) {
-        if (x->peer == p) kvx_xfer_stop(x, TD_ERR_CANCELLED, "engine shutting down", true);
+        if (x->peer == p) kvx_xfer_stop(x, TD_ERR_CANCELLED, "context shutting down", true);
       }
     }
     kvx_grant *g, *gtmp;
@@ -352,7 +352,7 @@ void td_kvx_destroy(td_kvx *k) {
     kvx_xfer *x, *tmp;
     HASH_ITER(hh, k->xfers, x, tmp) {
       kvx_orphan_ops(k, x);
-      kvx_xfer_finish(x, x->st == XS_STOPPING ? x->fst : TD_ERR_CANCELLED, "engine shutting down");
+      kvx_xfer_finish(x, x->st == XS_STOPPING ? x->fst : TD_ERR_CANCELLED, "context shutting down");
     }
     kvx_h2d *h, *htmp;
     DL_FOREACH_SAFE(k->h2ds, h, htmp) {

@@ -60,7 +60,7 @@ void kvx_xfer_stop(kvx_xfer *x, td_status s, const char *msg, bool notify) {
 td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, void *arg, uint64_t *xfer_id) {
   td_kvx *k = p->k;
   if (xfer_id) *xfer_id = 0;
-  if (k->destroying) return td_err(TD_ERR_INVALID, "KV transfer: engine shutting down");
+  if (k->destroying) return td_err(TD_ERR_INVALID, "KV transfer: context shutting down");
   if (p->closed) return td_err(TD_ERR_INVALID, "KV transfer: peer disconnected");
   if (p->status != TD_OK) return td_err(p->status, "KV transfer: peer %016" PRIx64 ": %s", p->desc.uuid, p->msg);
   if (!q || q->n_blocks <= 0 || q->n_blocks > KVX_MAX_MSG_BLOCKS || !q->src_blocks || !q->dst_blocks)
