@@ -68,6 +68,8 @@ typedef struct run {
   int next, in_flight, done;
   double t0;
   id_slot *ids, *slots;
+  td_client_timings stages; /* the cluster's per-stage times, summed over successful requests */
+  int n_staged;
 } run;
 
 static double now_ms(void) { return (double)td_now_ns() / 1e6; }
@@ -149,6 +151,14 @@ static void cl_result(void *ctx, const td_client_result *res) {
   bool ok = res->status == TD_OK && res->n_outputs > 0;
   if (!ok && i >= 0 && r->s[i].done_ms <= 0)
     TD_WARN("request %s: %s", res->id, res->error ? res->error : td_status_str(res->status));
+  if (ok && i >= 0 && r->s[i].done_ms <= 0) {
+    const td_client_timings *t = &res->timings;
+    td_client_timings *a = &r->stages;
+    a->queue_ms += t->queue_ms, a->reserve_ms += t->reserve_ms, a->encode_ms += t->encode_ms;
+    a->transfer_ms += t->transfer_ms, a->prefill_ms += t->prefill_ms, a->first_token_ms += t->first_token_ms;
+    a->decode_ms += t->decode_ms, a->total_ms += t->total_ms, a->attempts += t->attempts;
+    r->n_staged++;
+  }
   result_seen(r, i, ok, ok ? res->outputs[0].n_tokens : 0);
 }
 
@@ -463,6 +473,11 @@ int main(int argc, char **argv) {
   td_sbuf_printf(&tab, "| arrivals | ok | req/s | out tok/s | in tok/s | TTFT ms p50 / p90 / p99 | "
                        "TPOT ms p50 / p90 / p99 | end-to-end ms p50 / p90 / p99 | goodput req/s |\n"
                        "|---|---|---|---|---|---|---|---|---|\n");
+  td_sbuf stages = {0};
+  if (!o.engine)
+    td_sbuf_printf(&stages, "\nWhere the time went, as the router saw it (mean ms a request; transfer: the "
+                            "encoder's wait and KV push):\n\n| arrivals | queue | reserve | encode | transfer | "
+                            "prefill | first token | decode | total | attempts |\n|---|---|---|---|---|---|---|---|---|---|\n");
   int rc = 0;
   for (int k = 0; k < n_runs && rc == 0; k++) {
     double rate = o.n_rates ? o.rates[k] : 0;
@@ -477,6 +492,13 @@ int main(int argc, char **argv) {
       char arr[64];
       xs[k] = rate;
       row(&tab, arrivals_name(&o, rate, arr, sizeof arr), &sums[k]);
+      if (!o.engine && r.n_staged) {
+        const td_client_timings *a = &r.stages;
+        double d = r.n_staged;
+        td_sbuf_printf(&stages, "| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f |\n", arr,
+                       a->queue_ms / d, a->reserve_ms / d, a->encode_ms / d, a->transfer_ms / d, a->prefill_ms / d,
+                       a->first_token_ms / d, a->decode_ms / d, a->total_ms / d, a->attempts / d);
+      }
       if (sums[k].n_failed) rc = 1;
     }
     run_free(&r);
@@ -484,6 +506,8 @@ int main(int argc, char **argv) {
   if (o.ttft_bound > 0 || o.tpot_bound > 0)
     td_sbuf_printf(&tab, "\nGoodput: requests a second with TTFT <= %g ms and TPOT <= %g ms (0: no bound).\n",
                    o.ttft_bound, o.tpot_bound);
+  if (stages.s) td_sbuf_printf(&tab, "%s", stages.s);
+  td_sbuf_free(&stages);
   fputs(tab.s, stdout);
   if (rc == 0 && o.plot && plot(o.plot, xs, sums, n_runs, o.workload) != TD_OK) {
     fprintf(stderr, "bench-serve: %s\n", td_errmsg());

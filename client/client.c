@@ -175,8 +175,14 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
                                   .logprobs = o->n_logprobs ? o->logprobs : NULL, .score = o->score,
                                   .finish = finish_of(o->finish_reason)};
       }
-      td_client_result r = {.id = id, .status = TD_OK, .n_outputs = n, .outputs = outs,
-                            .decode_ms = g->timings ? g->timings->decode_ms : 0};
+      td_client_result r = {.id = id, .status = TD_OK, .n_outputs = n, .outputs = outs};
+      const Tandem__Timings *tm = g->timings;
+      if (tm)
+        r.timings = (td_client_timings){.queue_ms = tm->queue_ms, .reserve_ms = tm->reserve_ms,
+                                        .encode_ms = tm->encode_ms, .transfer_ms = tm->transfer_ms,
+                                        .prefill_ms = tm->prefill_ms, .first_token_ms = tm->first_token_ms,
+                                        .decode_ms = tm->decode_ms, .total_ms = tm->total_ms,
+                                        .attempts = (int)tm->attempts};
       finish(c, id, ev, &r);
       break;
     }

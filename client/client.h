@@ -13,6 +13,17 @@
 
 typedef struct td_client td_client;
 
+/* Where a request's time went, as the router saw it (ms; 0: the stage did
+ * not run): queue (arrival to placement), reserve (to the decode worker's
+ * reservation), encode (the encoder's compute), transfer (the encoder's
+ * wait and KV push), prefill (compute), first token (placement to the
+ * first token at the router), decode (the decode worker's, admission to
+ * result), total (arrival to result). */
+typedef struct td_client_timings {
+  double queue_ms, reserve_ms, encode_ms, transfer_ms, prefill_ms, first_token_ms, decode_ms, total_ms;
+  int attempts;
+} td_client_timings;
+
 /* A request's end as the router reports it: the sequences (best first), or
  * why it failed. Valid during the on_result call. */
 typedef struct td_client_result {
@@ -21,7 +32,7 @@ typedef struct td_client_result {
   const char *error;    /* status != TD_OK: the router's message */
   int n_outputs;
   const td_seq_output *outputs;
-  double decode_ms;     /* the decode worker's time, when it reports one */
+  td_client_timings timings; /* where the time went (zeros for a failed request) */
 } td_client_result;
 
 typedef struct td_client_events {

@@ -60,6 +60,7 @@ typedef struct rreq {
   float *streamed_lp;
   int n_streamed, cap_streamed;
   int64_t t_arrival, t_placed, t_stage, deadline;
+  int64_t t_reserved, t_encode_sent, t_encoded, t_first; /* stage times for Timings (0: not yet) */
   double encode_ms, prefill_ms;
   UT_hash_handle hh;   /* by rid */
   UT_hash_handle hc;   /* by ckey */

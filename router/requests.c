@@ -203,6 +203,9 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
   q->st = q->local_encode ? ST_DECODING : ST_RESERVING;
   q->t_placed = q->t_placed ? q->t_placed : td_now_ms();
   q->t_stage = td_now_ms();
+  /* this attempt's stages (the first token stays the request's first) */
+  q->t_reserved = q->t_encode_sent = q->t_encoded = 0;
+  q->encode_ms = q->prefill_ms = 0;
   r->in_flight++;
   Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
   fill_spec(q, r->model_start_token, &sp, prompt);
@@ -268,7 +271,7 @@ void rtr_send_encode(td_router *r, rreq *q) {
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE;
   m.encode = &ej;
   q->st = ST_ENCODING;
-  q->t_stage = td_now_ms();
+  q->t_stage = q->t_encode_sent = td_now_ms();
   td_status s = rtr_send_worker(r, e, &m);
   free(prompt);
   if (s != TD_OK) rtr_req_retry(r, q, "could not reach the encoder");

@@ -18,6 +18,7 @@ static void on_reserved(td_router *r, worker *w, Tandem__Cluster__WorkerMessage 
   if (!from_dec && !from_pre) return;
   /* keep the reservation: detach it from the message */
   Tandem__Cluster__Reserved **slot = from_dec ? &q->dres : &q->pres;
+  if (from_dec) q->t_reserved = td_now_ms();
   if (*slot) tandem__cluster__reserved__free_unpacked(*slot, NULL);
   *slot = res;
   m->reserved = NULL;
@@ -35,6 +36,7 @@ static void on_encode_done(td_router *r, worker *w, const Tandem__Cluster__Encod
   if (!q || strcmp(w->id, q->enc_w)) return;
   q->encoded = true;
   q->encode_ms = done->ms;
+  q->t_encoded = td_now_ms();
   rtr_role_done(r, q, RTR_ENCODE);
   q->st = q->with_prefill && !q->prefilled ? ST_PREFILLING : ST_DECODING;
   q->t_stage = td_now_ms();
@@ -80,6 +82,7 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   rreq *q = rtr_req_for(r, t->rid, w);
   if (!q || strcmp(w->id, q->dec_w)) return;
   if (q->st < ST_DECODING) q->st = ST_DECODING;
+  if (!q->t_first && t->n_tokens) q->t_first = td_now_ms();
   /* A single sequence's tokens are kept so that another worker can resume
    * it; its offsets continue across attempts. */
   uint32_t off = t->offset;
@@ -136,6 +139,12 @@ static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished
   tm.prefill_ms = q->prefill_ms;
   tm.decode_ms = fin->decode_ms;
   tm.total_ms = (double)(td_now_ms() - q->t_arrival);
+  if (q->t_reserved) tm.reserve_ms = (double)(q->t_reserved - q->t_placed);
+  if (q->t_encode_sent && q->t_encoded) {
+    double wait_push = (double)(q->t_encoded - q->t_encode_sent) - q->encode_ms;
+    tm.transfer_ms = wait_push > 0 ? wait_push : 0;
+  }
+  if (q->t_first) tm.first_token_ms = (double)(q->t_first - q->t_placed);
   tm.attempts = (uint32_t)q->attempts;
   Tandem__GenerateResult gr = TANDEM__GENERATE_RESULT__INIT;
   gr.outputs = outs;
