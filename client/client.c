@@ -208,6 +208,7 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
         cw->cross_blocks = (int)x->cross_blocks;
         cw->free_cross_blocks = (int)x->free_cross_blocks;
         cw->running = (int)x->running;
+        cw->max_running = (int)x->max_running;
         cw->queued = (int)x->queued;
         cw->jobs = (int)x->jobs;
         cw->kv_in_ucx = x->kv_in_ucx;

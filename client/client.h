@@ -47,7 +47,7 @@ typedef struct td_client_events {
 typedef struct td_client_worker {
   char id[64];
   bool encode, prefill, decode, draining;
-  int self_blocks, free_self_blocks, cross_blocks, free_cross_blocks, running, queued, jobs;
+  int self_blocks, free_self_blocks, cross_blocks, free_cross_blocks, running, max_running, queued, jobs;
   /* KV blocks received / pushed over UCX (kvtransfer) and ZeroMQ; pushes in flight */
   uint64_t kv_in_ucx, kv_in_zmq, kv_out_ucx, kv_out_zmq;
   int kv_pushing;

@@ -114,6 +114,13 @@ int main(int argc, char **argv) {
         cJSON *wj = cJSON_CreateObject();
         cJSON_AddStringToObject(wj, "id", x->id);
         cJSON_AddNumberToObject(wj, "running", x->running);
+        cJSON_AddNumberToObject(wj, "max_running", x->max_running);
+        cJSON_AddNumberToObject(wj, "queued", x->queued);
+        cJSON_AddNumberToObject(wj, "jobs", x->jobs);
+        cJSON_AddNumberToObject(wj, "self_blocks", x->self_blocks);
+        cJSON_AddNumberToObject(wj, "free_self_blocks", x->free_self_blocks);
+        cJSON_AddNumberToObject(wj, "cross_blocks", x->cross_blocks);
+        cJSON_AddNumberToObject(wj, "free_cross_blocks", x->free_cross_blocks);
         cJSON_AddNumberToObject(wj, "kv_in_ucx", (double)x->kv_in_ucx);
         cJSON_AddNumberToObject(wj, "kv_in_zmq", (double)x->kv_in_zmq);
         cJSON_AddNumberToObject(wj, "kv_out_ucx", (double)x->kv_out_ucx);

@@ -13,6 +13,11 @@
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
 #                   [--cross-mode auto|kv|states|dual] (what the cross pools hold: router and every
 #                                                     worker; auto: dual, --cross-states: states)
+#                   [--max-batch N]                   (sequences a decode step, every worker; default:
+#                                                     256 on a GPU, 32 on the CPU)
+#                   [--gpu-memory-fraction F]         (of each GPU, for the workers on it together,
+#                                                     split by role: decode 3 parts, encode and
+#                                                     prefill 1; default 0.9)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model="$root/tests/data/t5-tiny"
@@ -25,6 +30,8 @@ block_size=16
 decode_tp=1 decode_pp=1
 kv_transport=auto
 cross_mode=auto
+max_batch=""
+mem_fraction=0.9
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -40,8 +47,10 @@ while (($#)); do
     --kv-transport) kv_transport=$2; shift 2 ;;
     --cross-states) cross_mode=states; shift ;;
     --cross-mode) cross_mode=$2; shift 2 ;;
+    --max-batch) max_batch=$2; shift 2 ;;
+    --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -53,6 +62,9 @@ model=$(cd "$model" && pwd)
   { echo "local.sh: --kv-transport must be auto, ucx or zmq" >&2; exit 2; }
 [[ $cross_mode == auto || $cross_mode == kv || $cross_mode == states || $cross_mode == dual ]] ||
   { echo "local.sh: --cross-mode must be auto, kv, states or dual" >&2; exit 2; }
+[[ -z $max_batch || $max_batch =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --max-batch must be a positive integer" >&2; exit 2; }
+awk -v f="$mem_fraction" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 1 && f ~ /^[0-9.]+$/) }' ||
+  { echo "local.sh: --gpu-memory-fraction must be in (0, 1]" >&2; exit 2; }
 
 bin="${TANDEM_BIN:-$root/build/bin}"
 if [[ -z ${TANDEM_BIN:-} ]]; then
@@ -132,43 +144,48 @@ done
 threads=1
 common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
         --kv-transport "$kv_transport" --cross-mode "$cross_mode")
-gpu=-1
 ngpu=1
 [[ $device == cuda ]] && ngpu=$(nvidia-smi -L | wc -l)
-# round robin over the GPUs (no subshell: the counter must survive)
-next_gpu() { gpu=$(((gpu + 1) % ngpu)); }
-for ((i = 0; i < encoders; i++)); do
-  next_gpu
-  start "encoder-$i" "$bin/tandem-worker" "${common[@]}" --role encode --id "encoder-$i" --gpu "$gpu"
-done
-for ((i = 0; i < prefills; i++)); do
-  next_gpu
-  start "prefill-$i" "$bin/tandem-worker" "${common[@]}" --role prefill --id "prefill-$i" --gpu "$gpu"
-done
+[[ -n $max_batch ]] && common+=(--max-batch "$max_batch")
 group_size=$((decode_tp * decode_pp))
 ((group_size > 1 && encoders == 0)) && { echo "local.sh: decode groups need encoder workers" >&2; exit 2; }
 [[ $group_size -gt 1 && $kv_transport == ucx ]] &&
   { echo "local.sh: decode groups take KV over ZeroMQ (the leader re-slices it): use --kv-transport auto" >&2; exit 2; }
+# The plan: each worker's name, GPU (round robin), memory weight and flags;
+# the workers on one GPU then share --gpu-memory-fraction by weight.
+w_name=() w_gpu=() w_weight=() w_args=()
+gpu=-1
+next_gpu() { gpu=$(((gpu + 1) % ngpu)); }
+plan() { # name weight flags...
+  next_gpu
+  w_name+=("$1"); w_gpu+=("$gpu"); w_weight+=("$2"); shift 2; w_args+=("$*")
+}
+for ((i = 0; i < encoders; i++)); do plan "encoder-$i" 1 --role encode; done
+for ((i = 0; i < prefills; i++)); do plan "prefill-$i" 1 --role prefill; done
 for ((i = 0; i < decodes; i++)); do
   # without encoders, decode workers encode for themselves
   roles=decode
   ((encoders == 0)) && roles=encode,decode
   if ((group_size == 1)); then
-    next_gpu
-    start "decode-$i" "$bin/tandem-worker" "${common[@]}" --role "$roles" --id "decode-$i" --gpu "$gpu"
+    plan "decode-$i" 3 --role "$roles"
     continue
   fi
-  # a group: one process a rank; rank 0 serves, the NCCL (or CPU) bootstrap goes through the router
-  par=(--tp "$decode_tp")
-  ((decode_pp > 1)) && par=(--pp "$decode_pp")
+  # a group: one process a rank (one GPU each); rank 0 serves, the NCCL (or CPU) bootstrap goes through the router
+  par="--tp $decode_tp"
+  ((decode_pp > 1)) && par="--pp $decode_pp"
   for ((r = 0; r < group_size; r++)); do
     name="decode-$i"
     ((r > 0)) && name="decode-$i-rank$r"
-    # a group's ranks need one GPU each
-    next_gpu
-    start "$name" "$bin/tandem-worker" "${common[@]}" --role decode --id "$name" --gpu "$gpu" \
-      --group "decode-$i" "${par[@]}" --rank "$r"
+    plan "$name" 3 --role decode --group "decode-$i" $par --rank "$r"
   done
+done
+for ((k = 0; k < ${#w_name[@]}; k++)); do
+  total=0
+  for ((j = 0; j < ${#w_name[@]}; j++)); do ((w_gpu[j] == w_gpu[k])) && total=$((total + w_weight[j])); done
+  share=$(awk -v f="$mem_fraction" -v w="${w_weight[k]}" -v t="$total" 'BEGIN { printf "%.4f", f * w / t }')
+  # shellcheck disable=SC2086
+  start "${w_name[k]}" "$bin/tandem-worker" "${common[@]}" --id "${w_name[k]}" --gpu "${w_gpu[k]}" \
+    --gpu-memory-fraction "$share" ${w_args[k]}
 done
 
 # serving once every worker has registered, in the cross mode asked for

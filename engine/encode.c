@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/clock.h"
 #include "engine/internal.h"
 
 /* Moves the head of the queue into e->enc_batch while it fits: *n groups
@@ -58,7 +59,11 @@ static td_status encode(td_engine *e, group **batch, int nb, int tokens) {
       k += g->enc_len;
     }
     td_encode_input in = {.n_seqs = nb, .lens = lens, .tokens = toks, .features = feats, .cross_slots = slots};
+    int64_t t0 = td_now_ns();
     s = td_model_encode(e->m, &in, NULL);
+    /* timed: wait for the device (the next step would wait for it anyway) */
+    if (s == TD_OK && e->o.time_encoder) s = td_sync(e->b);
+    if (s == TD_OK && e->o.time_encoder) e->st.encode_ms += (double)(td_now_ns() - t0) / 1e6;
   }
   free(lens);
   free(toks);

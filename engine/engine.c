@@ -4,6 +4,7 @@
  * step does is in step.c; see internal.h for the map of the files. */
 #include "engine/engine.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -37,6 +38,78 @@ void td_engine_default_blocks(const td_model *m, const td_engine_opts *o, int *s
   int ss = (td_model_max_target_len(m) + bs - 1) / bs, cs = (td_model_max_source_len(m) + bs - 1) / bs;
   *self_blocks = o->self_blocks > 0 ? o->self_blocks : run * (ss + 1);
   *cross_blocks = o->cross_blocks > 0 ? o->cross_blocks : run * cs;
+}
+
+td_status td_engine_plan_pools(const td_pool_plan *p, int *self_blocks, int *cross_blocks) {
+  *self_blocks = *cross_blocks = 0;
+  if (p->self_per_seq <= 0 || p->cross_per_seq < 0 || !p->self_block_bytes || (p->cross_per_seq && !p->cross_block_bytes))
+    return td_err(TD_ERR_INVALID, "pool plan: blocks of %zu / %zu bytes, %d / %d a sequence", p->self_block_bytes,
+                  p->cross_block_bytes, p->self_per_seq, p->cross_per_seq);
+  double per_seq = (double)p->self_per_seq * (double)p->self_block_bytes +
+               (double)p->cross_per_seq * (double)p->cross_block_bytes;
+  double n = p->budget > 0 ? floor(p->budget / per_seq) : 0;
+  if (n < 1)
+    return td_err(TD_ERR_NO_BLOCKS,
+                  "KV pools: %.0f MiB left for them holds no sequence at the model's longest (%.1f MiB: %d self "
+                  "blocks of %.2f MiB, %d cross blocks of %.2f MiB); raise --gpu-memory-fraction or give "
+                  "--kv-blocks and --cross-blocks",
+                  p->budget / 1048576.0, per_seq / 1048576.0, p->self_per_seq, p->self_block_bytes / 1048576.0,
+                  p->cross_per_seq, p->cross_block_bytes / 1048576.0);
+  /* block ids are int32: at most INT32_MAX blocks a pool */
+  double cap = 2147483647.0 / (p->self_per_seq > p->cross_per_seq ? p->self_per_seq : p->cross_per_seq);
+  if (n > cap) n = cap;
+  *self_blocks = (int)(n * p->self_per_seq);
+  *cross_blocks = (int)(n * p->cross_per_seq);
+  return TD_OK;
+}
+
+td_status td_engine_memory_budget(td_backend *b, double fraction, double *budget) {
+  *budget = 0;
+  if (!(fraction > 0 && fraction <= 1))
+    return td_err(TD_ERR_INVALID, "gpu_memory_fraction %g: in (0, 1]", fraction);
+  td_backend_memory mem;
+  TD_TRY(td_backend_memory_info(b, &mem));
+  double share = fraction * (double)mem.total - (double)mem.allocated - (double)TD_GPU_RESERVE_BYTES;
+  double free_now = (double)mem.free - (double)TD_GPU_HEADROOM_BYTES;
+  *budget = share < free_now ? share : free_now;
+  if (*budget < 0) *budget = 0;
+  return TD_OK;
+}
+
+/* Pools from the device's memory (opts.gpu_memory_fraction), when asked and
+ * the backend can tell: the pools left at zero share what the fraction
+ * leaves after the weights, the workspace and any pool given a size; else
+ * the model's defaults. */
+static td_status size_pools(td_engine *e, td_engine_opts *o) {
+  if (o->gpu_memory_fraction > 0 && (!o->self_blocks || !o->cross_blocks)) {
+    double budget;
+    td_status s = td_engine_memory_budget(e->b, o->gpu_memory_fraction, &budget);
+    if (s == TD_OK) {
+      td_kv_layout sl = td_model_self_layout(e->m), cl = td_model_cross_layout(e->m);
+      size_t es = td_buf_elem_size(e->b, TD_BUF_ACT);
+      td_pool_plan p = {.budget = budget, .self_block_bytes = td_kv_block_elems(&sl) * es,
+                        .cross_block_bytes = td_kv_block_elems(&cl) * es, .self_per_seq = e->self_stride + 1,
+                        .cross_per_seq = e->cross_stride};
+      if (!o->self_blocks && !o->cross_blocks) return td_engine_plan_pools(&p, &o->self_blocks, &o->cross_blocks);
+      /* one pool given a size: it takes its bytes, the other the rest */
+      bool self_given = o->self_blocks > 0;
+      double rest = budget - (self_given ? (double)o->self_blocks * (double)p.self_block_bytes
+                                         : (double)o->cross_blocks * (double)p.cross_block_bytes);
+      size_t bb = self_given ? p.cross_block_bytes : p.self_block_bytes;
+      int per_seq = self_given ? p.cross_per_seq : p.self_per_seq;
+      double n = rest > 0 ? fmin(floor(rest / (double)bb), 2147483647.0) : 0;
+      if (n < per_seq)
+        return td_err(TD_ERR_NO_BLOCKS,
+                      "KV pools: %.0f MiB left for the %s pool holds no sequence at the model's longest (%d blocks "
+                      "of %.2f MiB); raise --gpu-memory-fraction or give both pool sizes",
+                      (rest > 0 ? rest : 0) / 1048576.0, self_given ? "cross" : "self", per_seq, bb / 1048576.0);
+      *(self_given ? &o->cross_blocks : &o->self_blocks) = (int)n;
+      return TD_OK;
+    }
+    if (s != TD_ERR_UNSUPPORTED) return s;
+  }
+  td_engine_default_blocks(e->m, o, &o->self_blocks, &o->cross_blocks);
+  return TD_OK;
 }
 
 /* The widest request a step always fits: sequences, query rows (one each
@@ -76,11 +149,14 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (o->max_step_tokens <= 0 || o->max_step_tokens > mo->max_tokens) o->max_step_tokens = mo->max_tokens;
   if (o->max_enc_tokens <= 0 || o->max_enc_tokens > mo->max_enc_tokens) o->max_enc_tokens = mo->max_enc_tokens;
   if (o->max_queue <= 0) o->max_queue = TD_DEFAULT_ENGINE_QUEUE;
-  td_engine_default_blocks(m, o, &o->self_blocks, &o->cross_blocks);
+  td_status s = size_pools(e, o);
+  if (s != TD_OK) {
+    free(e);
+    return s;
+  }
   e->max_rows = mo->max_logits;
   set_width(e);
   e->next_handle = 1;
-  td_status s;
   td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
   s = td_kv_pool_create(e->b, &sl, o->self_blocks, &e->self);
   if (s == TD_OK) s = td_kv_pool_create(e->b, &cl, o->cross_blocks, &e->cross);

@@ -31,6 +31,11 @@ typedef struct td_engine_opts {
   int max_step_tokens;    /* decoder rows per step */
   int max_enc_tokens;     /* encoder tokens per step */
   int max_queue;          /* requests waiting or running; more are refused */
+  /* > 0, on a GPU, with self_blocks and cross_blocks left at zero: the pools
+   * take what this share of the device's memory leaves after the weights
+   * and workspace (td_engine_plan_pools), as vLLM's gpu_memory_utilization */
+  double gpu_memory_fraction;
+  bool time_encoder;      /* wait for each encoder run and count its time (stats.encode_ms) */
   bool recompute_cross;   /* on preemption free cross KV too (re-encode later) */
 } td_engine_opts;
 
@@ -87,12 +92,30 @@ typedef struct td_engine_callbacks {
 typedef struct td_engine_stats {
   int waiting, running, preempted;
   int64_t steps, encodes, preemptions, tokens_generated, prompt_tokens;
+  double encode_ms; /* encoder runs, waited for (opts.time_encoder) */
   td_kv_pool_stats self, cross;
 } td_engine_stats;
 
-/* The pool sizes td_engine_create picks for opts left at zero (followers of
- * a worker group size their pools the same way). */
+/* The pool sizes td_engine_create picks for opts left at zero from the
+ * model alone: max_running sequences at the model's longest (followers of a
+ * worker group size their pools the same way). */
 void td_engine_default_blocks(const td_model *m, const td_engine_opts *opts, int *self_blocks, int *cross_blocks);
+
+/* Pools sized from memory: a budget of bytes split between the two pools
+ * in the proportion of one sequence at the model's longest (its cross
+ * blocks and its self blocks). TD_ERR_NO_BLOCKS, naming the sizes, when the
+ * budget holds no such sequence. */
+typedef struct td_pool_plan {
+  double budget;                    /* bytes the two pools may take */
+  size_t self_block_bytes, cross_block_bytes;
+  int self_per_seq, cross_per_seq;  /* blocks of one sequence at the model's longest */
+} td_pool_plan;
+td_status td_engine_plan_pools(const td_pool_plan *p, int *self_blocks, int *cross_blocks);
+/* The budget on a device for a share of its memory (gpu_memory_fraction):
+ * share x total, less what the backend already holds and a reserve for
+ * what it does not count (context, libraries, graphs), and never more than
+ * is free now. TD_ERR_UNSUPPORTED on the CPU. */
+td_status td_engine_memory_budget(td_backend *b, double fraction, double *budget);
 
 /* The engine allocates its pools on the model's backend and binds them. */
 td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_engine_callbacks *cb, td_engine **out);

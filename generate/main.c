@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/clock.h"
+#include "common/defaults.h"
 #include "common/jsonl.h"
 #include "common/log.h"
 #include "common/settings.h"
@@ -106,13 +108,14 @@ int main(int argc, char **argv) {
       {"max-tokens", required_argument, 0, 'T'}, {"threads", required_argument, 0, 't'},
       {"cross-states", no_argument, 0, 'C'},     {"help", no_argument, 0, 'h'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'R'},
-      {0, 0, 0, 0}};
+      {"gpu-memory-fraction", required_argument, 0, 'F'}, {0, 0, 0, 0}};
   const char *model_dir = NULL, *req_path = NULL, *device = "cpu", *logits_path = NULL;
-  int block_size = 16, kv_blocks = 0, cross_blocks = 0, max_batch = 64, max_tokens = 1024, threads = 0;
+  int block_size = 16, kv_blocks = 0, cross_blocks = 0, max_batch = 0, max_tokens = 1024, threads = 0;
+  double mem_fraction = TD_DEFAULT_GPU_MEMORY_FRACTION;
   td_cross_mode cross_mode = TD_CROSS_AUTO;
   int states_rows = 0;
   int c;
-  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:ChM:R:", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:ChM:R:F:", opts, NULL)) != -1) {
     switch (c) {
       case 'm': model_dir = optarg; break;
       case 'r': req_path = optarg; break;
@@ -130,10 +133,22 @@ int main(int argc, char **argv) {
         fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
         return 2;
       case 'R': states_rows = atoi(optarg); break;
+      case 'F': {
+        char *end;
+        mem_fraction = strtod(optarg, &end);
+        if (*end || !(mem_fraction > 0 && mem_fraction <= 1)) {
+          fprintf(stderr, "tandem-generate: --gpu-memory-fraction %s: in (0, 1]\n", optarg);
+          return 2;
+        }
+        break;
+      }
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
   }
+  /* a GPU runs many sequences at once: its pools come from its memory */
+  if (!max_batch) max_batch = strcmp(device, "cuda") ? TD_DEFAULT_MAX_SEQS : TD_DEFAULT_GPU_MAX_BATCH;
+  if (max_tokens < max_batch) max_tokens = max_batch;
   if (!model_dir || !req_path || block_size <= 0 || max_batch <= 0 || max_tokens <= 0 || kv_blocks < 0) {
     usage(stderr);
     return 2;
@@ -151,6 +166,7 @@ int main(int argc, char **argv) {
   td_backend *b = NULL;
   td_model *m = NULL;
   td_engine *e = NULL;
+  int64_t t_load = td_now_ns();
   if (td_backend_create(&bo, &b) != TD_OK) {
     fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
     rc = 2;
@@ -167,13 +183,19 @@ int main(int argc, char **argv) {
   a.vocab = td_model_get_config(m)->vocab_size;
   size_t n_feat = (size_t)td_model_get_config(m)->num_mel_bins * td_model_input_frames(m);
   td_engine_opts eo = {.self_blocks = kv_blocks, .cross_blocks = cross_blocks, .max_running = max_batch,
-                       .max_step_tokens = max_tokens, .max_queue = a.n + 1};
+                       .max_step_tokens = max_tokens, .max_queue = a.n + 1, .gpu_memory_fraction = mem_fraction,
+                       .time_encoder = true};
   td_engine_callbacks cb = {.on_finish = on_finish, .ctx = &a};
   if (td_engine_create(m, &eo, &cb, &e) != TD_OK) {
     fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
     rc = 2;
     goto out;
   }
+  double load_s = (double)(td_now_ns() - t_load) / 1e9;
+  td_engine_stats st0 = td_engine_get_stats(e);
+  fprintf(stderr, "tandem-generate: loaded in %.2f s on %s; %d sequences a step; pools %d self + %d cross blocks\n",
+          load_s, td_backend_name(b), max_batch, st0.self.n_blocks, st0.cross.n_blocks);
+  int64_t t_run = td_now_ns();
   for (int i = 0; i < a.n; i++) {
     slot *s = &a.slots[i];
     if (s->line_out) continue;
@@ -201,6 +223,13 @@ int main(int argc, char **argv) {
       break;
     }
   }
+  double run_s = (double)(td_now_ns() - t_run) / 1e9;
+  td_engine_stats st = td_engine_get_stats(e);
+  fprintf(stderr,
+          "tandem-generate: %d requests in %.2f s (load not counted): %lld output tokens, %.0f tokens/s; "
+          "encoder %.2f s for %lld requests; %lld steps, %lld preemptions\n",
+          a.n, run_s, (long long)st.tokens_generated, run_s > 0 ? (double)st.tokens_generated / run_s : 0.0,
+          st.encode_ms / 1000.0, (long long)st.encodes, (long long)st.steps, (long long)st.preemptions);
   FILE *lf = NULL;
   if (logits_path && !(lf = fopen(logits_path, "wb"))) {
     fprintf(stderr, "tandem-generate: %s: %s\n", logits_path, strerror(errno));

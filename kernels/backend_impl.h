@@ -58,6 +58,8 @@ typedef struct td_backend_vt {
   int (*fused_norm_rows)(const td_backend *b);
   /* td_backend_set_cuda_tuning; NULL: TD_ERR_UNSUPPORTED */
   td_status (*set_cuda_tuning)(td_backend *b, const td_cuda_tuning *t);
+  /* td_backend_memory_info; NULL: TD_ERR_UNSUPPORTED */
+  td_status (*memory)(td_backend *b, td_backend_memory *out);
   /* NULL: the CPU loop in ops.c */
   td_status (*unshard_cols)(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols);
 } td_backend_vt;

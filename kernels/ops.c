@@ -19,6 +19,12 @@ td_status td_backend_create(const td_backend_opts *opts, td_backend **out) {
   return td_err(TD_ERR_INVALID, "unknown backend kind %d", (int)opts->kind);
 }
 
+td_status td_backend_memory_info(td_backend *b, td_backend_memory *out) {
+  *out = (td_backend_memory){0};
+  if (!b->vt->memory) return td_err(TD_ERR_UNSUPPORTED, "memory info: %s sizes its pools from the model", b->name);
+  return b->vt->memory(b, out);
+}
+
 td_status td_backend_set_cuda_tuning(td_backend *b, const td_cuda_tuning *t) {
   if (!b->vt->set_cuda_tuning)
     return td_err(TD_ERR_UNSUPPORTED, "set_cuda_tuning: %s is not a CUDA backend", b->name);

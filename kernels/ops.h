@@ -44,6 +44,14 @@ td_status td_backend_create(const td_backend_opts *opts, td_backend **out);
  * captured before keep what they captured. TD_ERR_UNSUPPORTED on other
  * backends. */
 td_status td_backend_set_cuda_tuning(td_backend *b, const td_cuda_tuning *t);
+/* Device memory as the backend sees it: the device's total and free bytes,
+ * and what this backend holds (td_alloc'ed buffers and its workspace), so
+ * that KV pools can take what is left of its share. CPU backends:
+ * TD_ERR_UNSUPPORTED (their pools are sized from the model). */
+typedef struct td_backend_memory {
+  size_t total, free, allocated;
+} td_backend_memory;
+td_status td_backend_memory_info(td_backend *b, td_backend_memory *out);
 void td_backend_destroy(td_backend *b);
 td_backend_kind td_backend_get_kind(const td_backend *b);
 /* "cpu" or "cuda:0 (NVIDIA H100 80GB HBM3)". */

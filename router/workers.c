@@ -252,6 +252,7 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
       x->cross_blocks = (uint32_t)w->pl.cross_blocks;
       x->free_cross_blocks = w->load.free_cross_blocks;
       x->running = w->load.running;
+      x->max_running = (uint32_t)w->pl.max_running;
       x->queued = w->load.queued;
       x->jobs = (uint32_t)w->pl.jobs;
       x->draining = w->pl.draining;

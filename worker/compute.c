@@ -395,8 +395,10 @@ static td_status compute_init(td_worker *w) {
   if (w->world > 1) TD_TRY(w_leader_init(w, &mo));
   TD_TRY(td_model_load(w->o.model_dir, w->b, &mo, &w->m));
   if (w->world > 1) TD_TRY(w_leader_wait_followers(w));
+  /* a group's followers size their pools from the model alone: its leader too, so that block ids agree */
   td_engine_opts eo = {.self_blocks = w->o.self_blocks, .cross_blocks = w->o.cross_blocks,
-                       .max_running = w->o.max_batch, .max_step_tokens = w->o.max_tokens};
+                       .max_running = w->o.max_batch, .max_step_tokens = w->o.max_tokens,
+                       .gpu_memory_fraction = w->world == 1 ? w->o.gpu_memory_fraction : 0};
   td_engine_callbacks cb = {.on_token = on_token, .on_finish = on_finish, .ctx = w};
   TD_TRY(td_engine_create(w->m, &eo, &cb, &w->e));
   model_facts(w);

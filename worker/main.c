@@ -34,7 +34,9 @@ static void usage(FILE *f) {
           "                     [--cross-mode auto|kv|states|dual]  (what the cross pool holds: as the\n"
           "                                         router; --cross-states: states)\n"
           "                     [--states-rows N]  (dual: steps of N rows or more attend over the states;\n"
-          "                                         default: the backend's choice, -1: never)\n");
+          "                                         default: the backend's choice, -1: never)\n"
+          "                     [--gpu-memory-fraction F]  (a GPU worker's share of its device: weights and\n"
+          "                                         pools; default 0.9; split it between workers on one GPU)\n");
 }
 
 int main(int argc, char **argv) {
@@ -57,14 +59,14 @@ int main(int argc, char **argv) {
       {"pp", required_argument, 0, 'S'},         {"rank", required_argument, 0, 'K'},
       {"kv-transport", required_argument, 0, 'X'}, {"cross-states", no_argument, 0, 'C'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'W'},
-      {0, 0, 0, 0}};
+      {"gpu-memory-fraction", required_argument, 0, 'F'}, {0, 0, 0, 0}};
   td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings};
   const char *roles = "encode,prefill,decode";
   char idbuf[64];
   snprintf(idbuf, sizeof idbuf, "worker-%d", (int)getpid());
   o.id = idbuf;
   int c;
-  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:CM:W:", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:CM:W:F:", opts, NULL)) != -1) {
     switch (c) {
       case 'r': o.router = optarg; break;
       case 'm': o.model_dir = optarg; break;
@@ -83,6 +85,15 @@ int main(int argc, char **argv) {
       case 'k': o.self_blocks = atoi(optarg); break;
       case 'c': o.cross_blocks = atoi(optarg); break;
       case 'B': o.max_batch = atoi(optarg); break;
+      case 'F': {
+        char *end;
+        o.gpu_memory_fraction = strtod(optarg, &end);
+        if (*end || !(o.gpu_memory_fraction > 0 && o.gpu_memory_fraction <= 1)) {
+          fprintf(stderr, "tandem-worker: --gpu-memory-fraction %s: in (0, 1]\n", optarg);
+          return 2;
+        }
+        break;
+      }
       case 'T': o.max_tokens = atoi(optarg); break;
       case 't': o.threads = atoi(optarg); break;
       case 'H': o.listen_host = optarg; break;

@@ -24,7 +24,10 @@ static bool has_self_kv(const td_worker_opts *o) {
 
 void td_worker_opts_default(td_worker_opts *o) {
   if (!o->block_size) o->block_size = TD_DEFAULT_BLOCK_SIZE;
-  if (!o->max_batch) o->max_batch = TD_DEFAULT_WORKER_MAX_BATCH;
+  if (!o->max_batch) o->max_batch = o->device == TD_BACKEND_CUDA ? TD_DEFAULT_GPU_MAX_BATCH : TD_DEFAULT_WORKER_MAX_BATCH;
+  if (o->max_tokens && o->max_tokens < o->max_batch) o->max_tokens = o->max_batch;
+  if (!o->max_tokens && o->max_batch > TD_DEFAULT_WORKER_MAX_TOKENS) o->max_tokens = o->max_batch;
+  if (o->gpu_memory_fraction <= 0) o->gpu_memory_fraction = TD_DEFAULT_GPU_MEMORY_FRACTION;
   if (!o->max_tokens) o->max_tokens = TD_DEFAULT_WORKER_MAX_TOKENS;
   if (!o->max_enc_tokens) o->max_enc_tokens = TD_DEFAULT_MAX_ENC_TOKENS;
   if (!o->reservation_ttl_ms) o->reservation_ttl_ms = TD_DEFAULT_RESERVATION_TTL_MS;
@@ -174,6 +177,9 @@ td_status td_worker_run(td_worker *w, volatile sig_atomic_t *stop) {
   const uint8_t *zd = td_kvt_desc(w->kvt[TD_KVT_ZMQ], &zl);
   TD_INFO("worker %s (%s) on %s, KV endpoint %.*s%s", w->id, roles, td_backend_name(w->b), (int)zl, (const char *)zd,
           w->kvt[TD_KVT_UCX] ? " and UCX" : "");
+  TD_INFO("pools: %d self blocks (%.0f MiB), %d cross blocks (%.0f MiB); %d sequences a step", w->self_blocks,
+          w->full_self_bb * (double)w->self_blocks / 1048576.0 / w->world, w->cross_blocks,
+          w->full_cross_bb * (double)w->cross_blocks / 1048576.0 / w->world, w->max_running);
   TD_TRY(loop_events(w));
   w_send_register(w);
   w->last_router_msg = td_now_ms();

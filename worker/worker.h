@@ -29,7 +29,12 @@ typedef struct td_worker_opts {
   int device_id;
   int block_size;
   int self_blocks, cross_blocks; /* 0: sized from max_batch */
-  int max_batch;           /* sequences in a decode step */
+  int max_batch;           /* sequences in a decode step (0: TD_DEFAULT_GPU_MAX_BATCH on a GPU, else
+                              TD_DEFAULT_WORKER_MAX_BATCH) */
+  /* on a GPU, a single-rank worker's pools left at zero take what this share
+   * of the device leaves after its weights (0: TD_DEFAULT_GPU_MEMORY_FRACTION;
+   * several workers on one GPU each take their part) */
+  double gpu_memory_fraction;
   int max_tokens;          /* decoder rows in a step */
   int max_enc_tokens;
   int threads;             /* CPU BLAS threads */

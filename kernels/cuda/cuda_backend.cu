@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <uthash.h>
+
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/cuda_ptx.cuh"
 
@@ -36,21 +38,54 @@ __global__ void bf16_to_f32_kernel(const bf16 *__restrict__ s, float *__restrict
 
 /* ------------------------------------------------------------ memory */
 
+/* What this backend holds, so that KV pools can be sized from what is left
+ * of its share of the device (td_backend_memory_info). */
+struct cu_block {
+  void *p;
+  size_t bytes;
+  UT_hash_handle hh;
+};
+
 static td_status cu_alloc(td_backend *b, size_t bytes, void **out) {
-  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  td_cu_bind(c);
+  struct cu_block *k = (struct cu_block *)calloc(1, sizeof *k);
+  if (!k) return td_err(TD_ERR_NOMEM, "out of memory");
   cudaError_t e = cudaMalloc(out, bytes);
   if (e != cudaSuccess) {
     *out = NULL;
+    free(k);
     (void)cudaGetLastError();
     return td_err(TD_ERR_NOMEM, "cuda: cannot allocate %zu bytes of device memory: %s", bytes,
                   cudaGetErrorString(e));
   }
+  k->p = *out;
+  k->bytes = bytes;
+  HASH_ADD_PTR(c->blocks, p, k);
+  c->allocated += bytes;
   return TD_OK;
 }
 
 static void cu_free(td_backend *b, void *p) {
-  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  td_cu_bind(c);
+  struct cu_block *k = NULL;
+  HASH_FIND_PTR(c->blocks, &p, k);
+  if (k) {
+    c->allocated -= k->bytes;
+    HASH_DEL(c->blocks, k);
+    free(k);
+  }
   (void)cudaFree(p);
+}
+
+static td_status cu_memory(td_backend *b, td_backend_memory *out) {
+  td_cuda *c = td_cu(b);
+  td_cu_bind(c);
+  size_t fr = 0, tot = 0;
+  TD_CU_CHECK(cudaMemGetInfo(&fr, &tot), "memory info");
+  *out = (td_backend_memory){.total = tot, .free = fr, .allocated = c->allocated};
+  return TD_OK;
 }
 
 static td_status cu_host_alloc(td_backend *b, size_t bytes, void **out) {
@@ -474,6 +509,11 @@ static void cu_destroy(td_backend *b) {
     if (c->split) (void)cudaFree(c->split);
     if (c->part) (void)cudaFree(c->part);
     if (c->counters) (void)cudaFree(c->counters);
+    struct cu_block *k, *kt;
+    HASH_ITER(hh, c->blocks, k, kt) {
+      HASH_DEL(c->blocks, k);
+      free(k);
+    }
     if (c->aux_join) (void)cudaEventDestroy(c->aux_join);
     if (c->aux_fork) (void)cudaEventDestroy(c->aux_fork);
     if (c->aux) (void)cudaStreamDestroy(c->aux);
@@ -543,6 +583,7 @@ static void vt_init(void) {
   v->gemm_ex = td_cu_gemm_ex;
   v->fused_norm_rows = td_cu_fused_norm_rows;
   v->set_cuda_tuning = cu_set_cuda_tuning;
+  v->memory = cu_memory;
 }
 
 static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) {
