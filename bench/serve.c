@@ -31,6 +31,7 @@
 #include "bench_util.h"
 #include "client/client.h"
 #include "common/clock.h"
+#include "common/defaults.h"
 #include "common/log.h"
 #include "common/settings.h"
 #include "engine/engine.h"
@@ -44,7 +45,8 @@
 typedef struct opts {
   const char *router, *model, *device, *workload, *label, *plot;
   bool engine, record;
-  int n, concurrency, vocab, max_batch, max_tokens, kv_blocks, cross_blocks, timeout_ms;
+  int n, concurrency, vocab, max_batch, max_tokens, kv_blocks, cross_blocks, timeout_ms, max_enc_tokens, max_enc_seqs;
+  double mem_fraction;
   uint64_t seed;
   double rates[MAX_SWEEP];
   int n_rates;
@@ -213,11 +215,17 @@ static td_status engine_open(const opts *o, const td_settings *st, int n_request
   double t = now_ms();
   td_backend_opts bo = {.kind = strcmp(o->device, "cuda") ? TD_BACKEND_CPU : TD_BACKEND_CUDA, .cuda = st->cuda};
   TD_TRY(td_backend_create(&bo, &g->b));
+  bool gpu = bo.kind == TD_BACKEND_CUDA;
   td_model_opts mo = {.max_seqs = o->max_batch, .max_tokens = o->max_tokens, .cross_mode = o->cross_mode,
-                      .tuning = st->model};
+                      .tuning = st->model,
+                      .max_enc_tokens = o->max_enc_tokens ? o->max_enc_tokens
+                                        : gpu ? TD_DEFAULT_GPU_MAX_ENC_TOKENS : TD_DEFAULT_MAX_ENC_TOKENS,
+                      .max_enc_seqs = o->max_enc_seqs ? o->max_enc_seqs
+                                      : gpu ? TD_DEFAULT_GPU_MAX_ENC_SEQS : TD_DEFAULT_MAX_ENC_SEQS};
   TD_TRY(td_model_load(o->model, g->b, &mo, &g->m));
   td_engine_opts eo = {.self_blocks = o->kv_blocks, .cross_blocks = o->cross_blocks, .max_running = o->max_batch,
-                       .max_step_tokens = o->max_tokens, .max_queue = n_requests + 1};
+                       .max_step_tokens = o->max_tokens, .max_queue = n_requests + 1,
+                       .gpu_memory_fraction = o->mem_fraction > 0 ? o->mem_fraction : TD_DEFAULT_GPU_MEMORY_FRACTION};
   td_engine_callbacks cb = {.on_token = en_token, .on_finish = en_finish, .ctx = g};
   TD_TRY(td_engine_create(g->m, &eo, &cb, &g->e));
   *load_s = (now_ms() - t) / 1000.0;
@@ -314,7 +322,8 @@ static void usage(FILE *f) {
           "                   [--concurrency C | --rate R | --sweep R1,R2,...] [--ttft-bound MS] [--tpot-bound MS]\n"
           "                   [--model DIR] [--vocab N] [--max-batch N] [--max-tokens N] [--kv-blocks N]\n"
           "                   [--cross-blocks N] [--cross-mode auto|kv|states|dual] [--label TEXT] [--record]\n"
-          "                   [--plot FILE.png] [--timeout-ms N]\n");
+          "                   [--plot FILE.png] [--timeout-ms N] [--max-enc-tokens N] [--max-enc-seqs N]\n"
+          "                   [--gpu-memory-fraction F]\n");
 }
 
 static int parse_rates(const char *s, opts *o) {
@@ -362,8 +371,10 @@ int main(int argc, char **argv) {
       {"cross-blocks", required_argument, 0, 'x'}, {"cross-mode", required_argument, 0, 'M'},
       {"label", required_argument, 0, 'l'},        {"record", no_argument, 0, 'o'},
       {"plot", required_argument, 0, 'p'},         {"timeout-ms", required_argument, 0, 't'},
+      {"max-enc-tokens", required_argument, 0, 'e'}, {"max-enc-seqs", required_argument, 0, 'q'},
+      {"gpu-memory-fraction", required_argument, 0, 'F'},
       {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
-  opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .max_batch = 256, .max_tokens = 0,
+  opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .max_batch = 0, .max_tokens = 0,
             .timeout_ms = 600000};
   int c;
   while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -421,6 +432,19 @@ int main(int argc, char **argv) {
       case 't':
         if (positive("--timeout-ms", optarg, &o.timeout_ms)) return 2;
         break;
+      case 'e':
+        if (positive("--max-enc-tokens", optarg, &o.max_enc_tokens)) return 2;
+        break;
+      case 'q':
+        if (positive("--max-enc-seqs", optarg, &o.max_enc_seqs)) return 2;
+        break;
+      case 'F':
+        o.mem_fraction = atof(optarg);
+        if (!(o.mem_fraction > 0 && o.mem_fraction <= 1)) {
+          fprintf(stderr, "bench-serve: --gpu-memory-fraction %s: in (0, 1]\n", optarg);
+          return 2;
+        }
+        break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -448,6 +472,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "bench-serve: %s\n", td_errmsg());
     return 2;
   }
+  if (!o.max_batch) o.max_batch = strcmp(o.device, "cuda") ? TD_DEFAULT_MAX_SEQS : TD_DEFAULT_GPU_MAX_BATCH;
   if (!o.max_tokens) o.max_tokens = o.max_batch > 512 ? o.max_batch : 512;
   eng g = {0};
   double load_s = 0;

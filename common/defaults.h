@@ -16,6 +16,8 @@
 #define TD_DEFAULT_ENGINE_QUEUE 4096    /* requests waiting in one engine */
 #define TD_DEFAULT_GPU_MEMORY_FRACTION 0.9 /* of a GPU's memory a worker (weights, workspace, KV pools) takes */
 #define TD_DEFAULT_GPU_MAX_BATCH 256     /* sequences a decode step on a GPU (pools sized from memory) */
+#define TD_DEFAULT_GPU_MAX_ENC_TOKENS 32768 /* encoder tokens a batch on a GPU: few, large encoder runs (bench/RESULTS.md, bench-serve) */
+#define TD_DEFAULT_GPU_MAX_ENC_SEQS 128  /* encoder sequences a batch on a GPU */
 #define TD_GPU_RESERVE_BYTES (1ull << 30) /* what a GPU backend holds beyond its own count: context, cuBLAS, graphs, NCCL */
 #define TD_GPU_HEADROOM_BYTES (256ull << 20) /* left free on the device when pools are sized */
 #define TD_ENGINE_MAX_BEAMS 32          /* num_beams a request (the engine sizes its top-k buffers so) */

@@ -162,6 +162,7 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (s == TD_OK) s = td_kv_pool_create(e->b, &cl, o->cross_blocks, &e->cross);
   if (s != TD_OK) goto fail;
   td_model_set_pools(m, td_kv_pool_memory(e->self), td_kv_pool_memory(e->cross));
+  if ((s = td_model_capture_graphs(m)) != TD_OK) goto fail;
   /* copy-on-write goes through the model, so that follower ranks copy too */
   td_kv_pool_set_copier(e->self, copy_via_model, m);
   e->ext_self = calloc((size_t)o->self_blocks, sizeof *e->ext_self);

@@ -51,6 +51,8 @@ static void usage(FILE *f) {
           "usage: tandem-generate --model DIR --requests FILE.jsonl [--device cpu|cuda]\n"
           "                       [--logits-out FILE] [--block-size N] [--kv-blocks N] [--cross-blocks N]\n"
           "                       [--max-batch N] [--max-tokens N] [--threads N]\n"
+          "                       [--max-enc-tokens N] [--max-enc-seqs N]  (an encoder batch)\n"
+          "                       [--gpu-memory-fraction F]  (the pools take what F of the GPU leaves; 0.9)\n"
           "                       [--cross-mode auto|kv|states|dual] [--states-rows N]\n"
           "                         (what the cross pool holds: every decoder layer's K/V, each sequence's\n"
           "                          encoder states, or both, steps of N rows or more then attending over\n"
@@ -108,14 +110,16 @@ int main(int argc, char **argv) {
       {"max-tokens", required_argument, 0, 'T'}, {"threads", required_argument, 0, 't'},
       {"cross-states", no_argument, 0, 'C'},     {"help", no_argument, 0, 'h'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'R'},
-      {"gpu-memory-fraction", required_argument, 0, 'F'}, {0, 0, 0, 0}};
+      {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
+      {"max-enc-seqs", required_argument, 0, 'Q'}, {0, 0, 0, 0}};
   const char *model_dir = NULL, *req_path = NULL, *device = "cpu", *logits_path = NULL;
   int block_size = 16, kv_blocks = 0, cross_blocks = 0, max_batch = 0, max_tokens = 1024, threads = 0;
   double mem_fraction = TD_DEFAULT_GPU_MEMORY_FRACTION;
+  int max_enc_tokens = 0, max_enc_seqs = 0;
   td_cross_mode cross_mode = TD_CROSS_AUTO;
   int states_rows = 0;
   int c;
-  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:ChM:R:F:", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:ChM:R:F:E:Q:", opts, NULL)) != -1) {
     switch (c) {
       case 'm': model_dir = optarg; break;
       case 'r': req_path = optarg; break;
@@ -133,6 +137,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
         return 2;
       case 'R': states_rows = atoi(optarg); break;
+      case 'E': max_enc_tokens = atoi(optarg); break;
+      case 'Q': max_enc_seqs = atoi(optarg); break;
       case 'F': {
         char *end;
         mem_fraction = strtod(optarg, &end);
@@ -149,6 +155,9 @@ int main(int argc, char **argv) {
   /* a GPU runs many sequences at once: its pools come from its memory */
   if (!max_batch) max_batch = strcmp(device, "cuda") ? TD_DEFAULT_MAX_SEQS : TD_DEFAULT_GPU_MAX_BATCH;
   if (max_tokens < max_batch) max_tokens = max_batch;
+  bool gpu = !strcmp(device, "cuda");
+  if (!max_enc_tokens) max_enc_tokens = gpu ? TD_DEFAULT_GPU_MAX_ENC_TOKENS : TD_DEFAULT_MAX_ENC_TOKENS;
+  if (!max_enc_seqs) max_enc_seqs = gpu ? TD_DEFAULT_GPU_MAX_ENC_SEQS : TD_DEFAULT_MAX_ENC_SEQS;
   if (!model_dir || !req_path || block_size <= 0 || max_batch <= 0 || max_tokens <= 0 || kv_blocks < 0) {
     usage(stderr);
     return 2;
@@ -174,7 +183,8 @@ int main(int argc, char **argv) {
   }
   td_model_opts mo = {.block_size = block_size, .max_seqs = max_batch, .max_tokens = max_tokens,
                       .max_logits = logits_path ? max_tokens : 0, .cross_mode = cross_mode,
-                      .states_rows = states_rows, .tuning = settings.model};
+                      .states_rows = states_rows, .tuning = settings.model, .max_enc_tokens = max_enc_tokens,
+                      .max_enc_seqs = max_enc_seqs};
   if (td_model_load(model_dir, b, &mo, &m) != TD_OK) {
     fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
     rc = 2;

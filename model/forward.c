@@ -324,6 +324,37 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
   return TD_OK;
 }
 
+/* The decode step of bucket gi as a graph, captured once with bounds that
+ * hold for any step (it reads its metadata at fixed addresses: L). */
+static td_status capture(td_model *m, int gi, const step_layout *L) {
+  if (m->graphs[gi]) return TD_OK;
+  int B = m->buckets[gi];
+  step_bounds gb = {.T = B, .S = B, .NL = B, .max_q = 1, .max_ctx = m->self_stride * m->opts.block_size,
+                    .max_cross = m->cross_stride * m->opts.block_size};
+  TD_TRY(td_graph_begin(m->b));
+  td_status cs = decoder_forward(m, L, &gb);
+  td_graph *g = NULL;
+  td_status es = td_graph_end(m->b, &g);
+  if (cs != TD_OK || es != TD_OK) {
+    td_graph_destroy(m->b, g);
+    return cs != TD_OK ? cs : es;
+  }
+  m->graphs[gi] = g;
+  return TD_OK;
+}
+
+td_status td_model_capture_graphs(td_model *m) {
+  if (!m->self_pool || !m->cross_pool) return td_err(TD_ERR_INVALID, "capture: KV pools not set");
+  /* a group's ranks capture as their steps come, in the same order */
+  if (m->opts.tp_size > 1 || m->opts.pp_size > 1) return TD_OK;
+  for (int gi = 0; gi < m->n_buckets; gi++) {
+    int B = m->buckets[gi];
+    step_layout L = layout_for(m, B, B, B);
+    TD_TRY(capture(m, gi, &L));
+  }
+  return TD_OK;
+}
+
 td_status td_model_step(td_model *m, const td_step_input *in, const float **logits) {
   const td_model_config *c = &m->cfg;
   td_backend *b = m->b;
@@ -398,20 +429,7 @@ td_status td_model_step(td_model *m, const td_step_input *in, const float **logi
   }
   TD_TRY(td_copy_h2d(b, m->meta_dev, hm, L.total * sizeof(int32_t)));
   if (gi >= 0) {
-    if (!m->graphs[gi]) {
-      /* captured once per bucket, with bounds that hold for any step */
-      step_bounds gb = {.T = B, .S = B, .NL = B, .max_q = 1, .max_ctx = m->self_stride * o->block_size,
-                        .max_cross = m->cross_stride * o->block_size};
-      TD_TRY(td_graph_begin(b));
-      td_status cs = decoder_forward(m, &L, &gb);
-      td_graph *g = NULL;
-      td_status es = td_graph_end(b, &g);
-      if (cs != TD_OK || es != TD_OK) {
-        td_graph_destroy(b, g);
-        return cs != TD_OK ? cs : es;
-      }
-      m->graphs[gi] = g;
-    }
+    TD_TRY(capture(m, gi, &L));
     TD_TRY(td_graph_launch(b, m->graphs[gi]));
   } else {
     step_bounds sb = {.T = T, .S = S, .NL = NL, .max_q = max_q, .max_ctx = max_ctx, .max_cross = max_cross,

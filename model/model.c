@@ -259,6 +259,12 @@ int td_model_input_frames(const td_model *m) {
 }
 
 void td_model_set_pools(td_model *m, void *self_pool, void *cross_pool) {
+  /* captured steps hold the pools' addresses: other pools, other graphs */
+  if (self_pool != m->self_pool || cross_pool != m->cross_pool)
+    for (int i = 0; i < m->n_buckets; i++) {
+      td_graph_destroy(m->b, m->graphs[i]);
+      m->graphs[i] = NULL;
+    }
   m->self_pool = self_pool;
   m->cross_pool = cross_pool;
 }

@@ -65,6 +65,11 @@ int td_model_input_frames(const td_model *m);
 
 /* The pools the model reads and writes (backend memory). */
 void td_model_set_pools(td_model *m, void *self_pool, void *cross_pool);
+/* Captures the decode step of every batch bucket now (after the pools are
+ * set: the graphs hold their addresses), so that no request pays for a
+ * capture; a no-op without graphs and for TP / PP ranks, which capture as
+ * their steps come. */
+td_status td_model_capture_graphs(td_model *m);
 
 typedef struct td_encode_input {
   int n_seqs;

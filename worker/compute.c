@@ -49,14 +49,27 @@ void w_post(td_worker *w, cmd *c) {
   pthread_mutex_unlock(&w->mu);
 }
 
+/* Events wait on the compute thread's own list and go to the main thread
+ * together (ev_flush): a step's tokens cost one lock and one eventfd write,
+ * not one each. */
 static void ev_push(td_worker *w, wev *e) {
+  if (w->pend_tail)
+    w->pend_tail->next = e;
+  else
+    w->pend_head = e;
+  w->pend_tail = e;
+}
+
+static void ev_flush(td_worker *w) {
+  if (!w->pend_head) return;
   pthread_mutex_lock(&w->mu);
   if (w->ev_tail)
-    w->ev_tail->next = e;
+    w->ev_tail->next = w->pend_head;
   else
-    w->ev_head = e;
-  w->ev_tail = e;
+    w->ev_head = w->pend_head;
+  w->ev_tail = w->pend_tail;
   pthread_mutex_unlock(&w->mu);
+  w->pend_head = w->pend_tail = NULL;
   uint64_t one = 1;
   if (write(w->efd, &one, sizeof one) < 0) TD_DEBUG("eventfd write: %s", strerror(errno));
 }
@@ -389,7 +402,7 @@ static td_status compute_init(td_worker *w) {
                         .cuda = w->o.settings.cuda};
   TD_TRY(td_backend_create(&bo, &w->b));
   td_model_opts mo = {.block_size = w->o.block_size, .max_seqs = w->o.max_batch, .max_tokens = w->o.max_tokens,
-                      .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = TD_DEFAULT_MAX_ENC_SEQS,
+                      .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = w->o.max_enc_seqs,
                       .cross_mode = w->o.cross_mode, .states_rows = w->o.states_rows,
                       .tuning = w->o.settings.model};
   if (w->world > 1) TD_TRY(w_leader_init(w, &mo));
@@ -434,12 +447,14 @@ static void *compute_main(void *arg) {
       cmd_free(list);
       list = next;
     }
+    ev_flush(w);
     if (stop) {
       if (w->world > 1) w_mirror_all(w, "S");
       break;
     }
     if (w->world > 1) w_mirror_tick(w);
     if (!td_engine_idle(w->e) && td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
+    ev_flush(w);
     td_engine_stats st = td_engine_get_stats(w->e);
     pthread_mutex_lock(&w->mu);
     w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free};
@@ -483,6 +498,7 @@ void w_compute_stop(td_worker *w) {
     cmd_free(c2);
   }
   w->cmd_tail = NULL;
+  ev_flush(w); /* what the engine reported as it went */
   while (w->ev_head) {
     wev *e = w->ev_head;
     w->ev_head = e->next;

@@ -207,7 +207,7 @@ static td_status join(follower *f) {
   TD_TRY(s);
   td_backend_set_comm(f->b, f->comm);
   td_model_opts mo = {.block_size = o->block_size, .max_seqs = o->max_batch, .max_tokens = o->max_tokens,
-                      .max_enc_tokens = o->max_enc_tokens, .max_enc_seqs = TD_DEFAULT_MAX_ENC_SEQS,
+                      .max_enc_tokens = o->max_enc_tokens, .max_enc_seqs = o->max_enc_seqs,
                       .cross_mode = o->cross_mode, .states_rows = o->states_rows, .tuning = o->settings.model};
   if (o->tp > 1) {
     mo.tp_rank = o->rank;

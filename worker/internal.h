@@ -154,6 +154,7 @@ struct td_worker {
   pthread_cond_t cv;
   cmd *cmd_head, *cmd_tail;
   wev *ev_head, *ev_tail;
+  wev *pend_head, *pend_tail; /* the compute thread's, not yet handed over (ev_flush) */
   int efd;
   bool stop_compute;
   bool ready;

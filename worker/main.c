@@ -27,6 +27,7 @@ static void usage(FILE *f) {
           "usage: tandem-worker --router tcp://HOST:PORT --model DIR [--role encode,prefill,decode]\n"
           "                     [--id NAME] [--device cpu|cuda] [--gpu N] [--block-size N]\n"
           "                     [--kv-blocks N] [--cross-blocks N] [--max-batch N] [--max-tokens N]\n"
+          "                     [--max-enc-tokens N] [--max-enc-seqs N]  (an encoder batch)\n"
           "                     [--threads N] [--host ADDR] [--reservation-ttl-ms N] [--log-level LEVEL]\n"
           "                     [--kv-transport auto|ucx|zmq]   (how KV blocks go to other workers; auto: UCX\n"
           "                                                      where both sides can, else ZeroMQ)\n"
@@ -59,14 +60,15 @@ int main(int argc, char **argv) {
       {"pp", required_argument, 0, 'S'},         {"rank", required_argument, 0, 'K'},
       {"kv-transport", required_argument, 0, 'X'}, {"cross-states", no_argument, 0, 'C'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'W'},
-      {"gpu-memory-fraction", required_argument, 0, 'F'}, {0, 0, 0, 0}};
+      {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
+      {"max-enc-seqs", required_argument, 0, 'Q'}, {0, 0, 0, 0}};
   td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings};
   const char *roles = "encode,prefill,decode";
   char idbuf[64];
   snprintf(idbuf, sizeof idbuf, "worker-%d", (int)getpid());
   o.id = idbuf;
   int c;
-  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:CM:W:F:", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:CM:W:F:E:Q:", opts, NULL)) != -1) {
     switch (c) {
       case 'r': o.router = optarg; break;
       case 'm': o.model_dir = optarg; break;
@@ -85,6 +87,8 @@ int main(int argc, char **argv) {
       case 'k': o.self_blocks = atoi(optarg); break;
       case 'c': o.cross_blocks = atoi(optarg); break;
       case 'B': o.max_batch = atoi(optarg); break;
+      case 'E': o.max_enc_tokens = atoi(optarg); break;
+      case 'Q': o.max_enc_seqs = atoi(optarg); break;
       case 'F': {
         char *end;
         o.gpu_memory_fraction = strtod(optarg, &end);

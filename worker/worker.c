@@ -29,7 +29,9 @@ void td_worker_opts_default(td_worker_opts *o) {
   if (!o->max_tokens && o->max_batch > TD_DEFAULT_WORKER_MAX_TOKENS) o->max_tokens = o->max_batch;
   if (o->gpu_memory_fraction <= 0) o->gpu_memory_fraction = TD_DEFAULT_GPU_MEMORY_FRACTION;
   if (!o->max_tokens) o->max_tokens = TD_DEFAULT_WORKER_MAX_TOKENS;
-  if (!o->max_enc_tokens) o->max_enc_tokens = TD_DEFAULT_MAX_ENC_TOKENS;
+  bool gpu = o->device == TD_BACKEND_CUDA;
+  if (!o->max_enc_tokens) o->max_enc_tokens = gpu ? TD_DEFAULT_GPU_MAX_ENC_TOKENS : TD_DEFAULT_MAX_ENC_TOKENS;
+  if (!o->max_enc_seqs) o->max_enc_seqs = gpu ? TD_DEFAULT_GPU_MAX_ENC_SEQS : TD_DEFAULT_MAX_ENC_SEQS;
   if (!o->reservation_ttl_ms) o->reservation_ttl_ms = TD_DEFAULT_RESERVATION_TTL_MS;
   /* a worker whose roles keep no self KV (an encoder) only stages cross KV: its self pool can be token-sized */
   if (o->n_roles && !has_self_kv(o) && !o->self_blocks) o->self_blocks = TD_ENCODER_SELF_BLOCKS_PER_SEQ * o->max_batch;

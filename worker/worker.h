@@ -36,7 +36,9 @@ typedef struct td_worker_opts {
    * several workers on one GPU each take their part) */
   double gpu_memory_fraction;
   int max_tokens;          /* decoder rows in a step */
-  int max_enc_tokens;
+  int max_enc_tokens;      /* encoder tokens a batch (0: TD_DEFAULT_GPU_MAX_ENC_TOKENS on a GPU, else
+                              TD_DEFAULT_MAX_ENC_TOKENS) */
+  int max_enc_seqs;        /* encoder sequences a batch (0: likewise) */
   int threads;             /* CPU BLAS threads */
   int reservation_ttl_ms;  /* unclaimed reservations expire */
   int transfer_timeout_ms; /* a KV push with no answer fails */
