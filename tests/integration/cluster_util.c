@@ -331,6 +331,12 @@ void run_requests(const char *endpoint, td_json_request *reqs, int n, bool strea
   td_client_close(cl);
 }
 
+void *client_thread(void *arg) {
+  client_job *j = arg;
+  run_requests(j->ep, j->reqs, j->n, j->stream, 60000, j->out);
+  return NULL;
+}
+
 int load_requests(const char *path, td_json_request *reqs, int cap) {
   FILE *f = fopen(path, "r");
   cr_assert(f, "cannot open %s", path);

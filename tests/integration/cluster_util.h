@@ -81,6 +81,15 @@ typedef struct outcome {
 
 /* Sends reqs (parsed request lines) and waits for all results. */
 void run_requests(const char *endpoint, td_json_request *reqs, int n, bool stream, int timeout_ms, outcome *out);
+/* run_requests on a thread (pthread_create(..., client_thread, &job)), 60 s a request. */
+typedef struct client_job {
+  const char *ep;
+  td_json_request *reqs;
+  int n;
+  outcome *out;
+  bool stream;
+} client_job;
+void *client_thread(void *arg);
 /* Parses a JSONL file (or string lines) into requests; returns the count. */
 int load_requests(const char *path, td_json_request *reqs, int cap);
 /* Runs tandem-generate over path into outcomes (tokens only). */
