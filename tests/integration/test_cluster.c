@@ -90,6 +90,8 @@ static void expect_same(const outcome *got, const outcome *want, int n, const ch
                    got[i].len[k], want[i].len[k]);
       cr_expect_arr_eq(got[i].tok[k], want[i].tok[k], sizeof(int32_t) * (size_t)want[i].len[k],
                        "%s %s output %d: tokens differ from tandem-generate", what, got[i].id, k);
+      cr_expect_eq(got[i].finish[k], want[i].finish[k], "%s %s output %d: finish reason %s, tandem-generate's %s",
+                   what, got[i].id, k, td_finish_name(got[i].finish[k]), td_finish_name(want[i].finish[k]));
     }
   }
 }
@@ -282,6 +284,7 @@ Test(cluster, streaming_in_order, .timeout = 300) {
   for (int i = 0; i < 8; i++) {
     cr_expect(got[i].done && got[i].status == TD_OK, "%s: %s", got[i].id, got[i].error);
     cr_expect(got[i].order_ok, "%s: chunks out of order", got[i].id);
+    cr_expect_eq(got[i].len[0], 40, "%s: %d tokens, asked for 40", got[i].id, got[i].len[0]);
     cr_expect_eq(got[i].n_streamed, got[i].len[0], "%s: streamed %d tokens, result has %d", got[i].id,
                  got[i].n_streamed, got[i].len[0]);
     cr_expect_arr_eq(got[i].streamed, got[i].tok[0], sizeof(int32_t) * (size_t)got[i].len[0], "%s: streamed tokens differ",
@@ -292,7 +295,12 @@ Test(cluster, streaming_in_order, .timeout = 300) {
   fx_free(&fx);
 }
 
-/* deploy/local.sh --demo with `flags`; with `router_says`, the router's log must hold it. */
+/* deploy/local.sh --demo with `flags` on its default model (t5-tiny): every
+ * request of its demo file comes back in order, with as many outputs as it
+ * asks for, each max_new_tokens long ("length") or ending on EOS ("stop"),
+ * with tandem-generate's tokens and finish reasons for the same file (the
+ * sampled request has a seed); with `router_says`, the router's log must
+ * hold it. */
 static void local_sh_demo(const char *flags, const char *router_says) {
   char dir[] = "/tmp/td-local-XXXXXX";
   cr_assert(mkdtemp(dir));
@@ -307,15 +315,41 @@ static void local_sh_demo(const char *flags, const char *router_says) {
   FILE *f = fopen(p, "r");
   cr_assert(f);
   char line[8192];
-  int results = 0;
-  bool router_line = false;
-  while (fgets(line, sizeof line, f)) {
-    if (!strncmp(line, "router tcp://", 13)) router_line = true;
-    if (strstr(line, "\"outputs\"")) results++;
-  }
+  bool router_line = fgets(line, sizeof line, f) && !strncmp(line, "router tcp://", 13);
+  cr_expect(router_line, "no \"router tcp://...\" line first");
+  outcome got[8], want[8];
+  int n_got = read_results(f, got, 8);
   fclose(f);
-  cr_expect(router_line, "no \"router tcp://...\" line");
-  cr_expect_eq(results, 4, "%d demo results", results);
+  /* the demo's requests, and what tandem-generate makes of them */
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  snprintf(p, sizeof p, "%s/run/demo.jsonl", dir);
+  td_json_request reqs[8];
+  int n = load_requests(p, reqs, 8);
+  cr_assert_eq(n, 4, "the demo sends %d requests, not greedy, beam, sampled and long-prompt ones", n);
+  cr_assert_eq(n_got, n, "%d demo results for %d requests", n_got, n);
+  generate_reference(fx.dir, p, 4, want, n);
+  for (int i = 0; i < n; i++) {
+    const td_request_params *q = &reqs[i].params;
+    int outputs = q->num_beams > 1 ? (q->num_return_sequences > 0 ? q->num_return_sequences : 1) : q->n;
+    cr_expect_str_eq(got[i].id, reqs[i].id, "result %d", i);
+    cr_expect_eq(got[i].status, TD_OK, "%s: %s", got[i].id, got[i].error);
+    cr_expect_eq(got[i].n_out, outputs, "%s: %d outputs, asked for %d", got[i].id, got[i].n_out, outputs);
+    for (int k = 0; k < got[i].n_out && k < 8; k++) {
+      int len = got[i].len[k];
+      bool eos = len > 0 && got[i].tok[k][len - 1] == fx.eos;
+      if (got[i].finish[k] == TD_FINISH_STOP)
+        cr_expect(eos && len <= q->max_new_tokens, "%s output %d: \"stop\" after %d tokens, not on EOS", got[i].id, k,
+                  len);
+      else
+        cr_expect(got[i].finish[k] == TD_FINISH_LENGTH && len == q->max_new_tokens,
+                  "%s output %d: \"%s\" after %d tokens, max_new_tokens %d", got[i].id, k,
+                  td_finish_name(got[i].finish[k]), len, q->max_new_tokens);
+    }
+    td_json_request_free(&reqs[i]);
+  }
+  expect_same(got, want, n, flags[0] ? flags : "local.sh --demo");
+  fx_free(&fx);
   /* every process it started is gone */
   const char *names[] = {"router", "encoder-0", "prefill-0", "decode-0"};
   for (int i = 0; i < 4; i++) {
@@ -403,7 +437,7 @@ static void check_mode_refused(bool router_states) {
   fx_write_requests(&fx, path, "\"forced_eos_token_id\": null");
   td_json_request reqs[8];
   int nr = load_requests(path, reqs, 8);
-  cr_assert(nr > 0);
+  cr_assert_eq(nr, fx.n, "%d of the fixture's %d requests", nr, fx.n);
   outcome out[8];
   run_requests(c.client_ep, reqs, nr, false, 30000, out);
   for (int i = 0; i < nr; i++) {
