@@ -16,6 +16,22 @@
 #include "common/clock.h"
 #include "proto/wire.h"
 
+static td_client_worker worker_status(cluster *c, const char *id) {
+  td_client_health h;
+  td_client_worker none = {0};
+  if (cluster_health(c, &h))
+    for (int i = 0; i < h.n_workers; i++)
+      if (!strcmp(h.workers[i].id, id)) return h.workers[i];
+  return none;
+}
+
+static int proc_index(cluster *c, const char *name) {
+  for (int i = 0; i < c->n; i++)
+    if (!strcmp(c->p[i].name, name)) return i;
+  cr_assert_fail("no process %s", name);
+  return -1;
+}
+
 /* ---- cancel, deadlines ---- */
 
 typedef struct first_tok {
@@ -37,7 +53,9 @@ Test(faults, cancel_and_deadline_free_every_block, .timeout = 300) {
   fixture fx;
   fx_load("t5-tiny", &fx);
   cluster c;
-  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 1, .decodes = 1, .prefill_threshold = 3};
+  /* decode-0 is stopped for a moment below: the router must not give up on it */
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 1, .decodes = 1, .prefill_threshold = 3,
+                    .router_extra = "--dead-after 25"};
   cluster_start(&c, &o);
   td_client *cl;
   cr_assert(td_client_connect(c.client_ep, &cl) == TD_OK);
@@ -51,9 +69,13 @@ Test(faults, cancel_and_deadline_free_every_block, .timeout = 300) {
   int64_t end = td_now_ms() + 20000;
   while (!ft.got_token && !ft.done && td_now_ms() < end) td_client_poll(cl, 50, &ev);
   cr_assert(ft.got_token, "no token streamed");
+  /* with decode-0 stopped the request cannot finish before the cancel */
+  pid_t d0 = c.p[proc_index(&c, "decode-0")].pid;
+  kill(d0, SIGSTOP);
   cr_assert(td_client_cancel(cl, "long") == TD_OK);
   while (!ft.done && td_now_ms() < end) td_client_poll(cl, 50, &ev);
-  cr_expect(ft.done && (ft.status == TD_ERR_CANCELLED || ft.status == TD_OK), "cancel: status %s", td_status_str(ft.status));
+  kill(d0, SIGCONT);
+  cr_expect(ft.done && ft.status == TD_ERR_CANCELLED, "cancel: status %s", td_status_str(ft.status));
   /* a deadline too short to finish in */
   snprintf(r.id, sizeof r.id, "late");
   ft = (first_tok){0};
@@ -194,22 +216,6 @@ static void decode_worker_killed(int prefills) {
 Test(faults, decode_worker_killed_mid_request, .timeout = 300) { decode_worker_killed(0); }
 Test(faults, decode_worker_killed_mid_request_with_prefill, .timeout = 300) { decode_worker_killed(1); }
 
-static td_client_worker worker_status(cluster *c, const char *id) {
-  td_client_health h;
-  td_client_worker none = {0};
-  if (cluster_health(c, &h))
-    for (int i = 0; i < h.n_workers; i++)
-      if (!strcmp(h.workers[i].id, id)) return h.workers[i];
-  return none;
-}
-
-static int proc_index(cluster *c, const char *name) {
-  for (int i = 0; i < c->n; i++)
-    if (!strcmp(c->p[i].name, name)) return i;
-  cr_assert_fail("no process %s", name);
-  return -1;
-}
-
 typedef struct start_arg {
   pthread_t *th;
   client_job *cj;
@@ -272,6 +278,7 @@ Test(faults, decode_worker_killed_while_kv_in_flight_over_ucx, .timeout = 300) {
   pthread_join(th, NULL);
   for (int i = 0; i < 8; i++) {
     cr_expect(got[i].done && got[i].status == TD_OK, "%s: %s", got[i].id, got[i].error);
+    cr_expect_eq(got[i].len[0], want[i].len[0], "%s: %d tokens, want %d", got[i].id, got[i].len[0], want[i].len[0]);
     cr_expect_arr_eq(got[i].tok[0], want[i].tok[0], sizeof(int32_t) * (size_t)want[i].len[0], "%s: tokens differ",
                      got[i].id);
   }
@@ -301,7 +308,7 @@ static void send_all(void *arg) {
 
 static void count_result(void *ctx, const td_client_result *r) {
   int *n = ctx;
-  if (r->status == TD_ERR_CANCELLED || r->status == TD_OK) (*n)++;
+  if (r->status == TD_ERR_CANCELLED) (*n)++;
 }
 
 /* Requests cancelled while their KV waits in UCX transfers: the transfers
@@ -348,6 +355,8 @@ Test(faults, cancel_while_kv_in_flight_over_ucx_frees_every_block, .timeout = 30
   fx_free(&fx);
 }
 
+/* SIGTERM while decode-1 runs requests: it finishes them (the router
+ * retries none elsewhere), exits with status 0 and leaves the pool. */
 Test(faults, sigterm_drains_a_decode_worker, .timeout = 300) {
   fixture fx;
   fx_load("t5-tiny", &fx);
@@ -356,28 +365,45 @@ Test(faults, sigterm_drains_a_decode_worker, .timeout = 300) {
   cluster_start(&c, &o);
   char path[600];
   snprintf(path, sizeof path, "%s/drain.jsonl", c.dir);
-  long_requests(path, 8, 200);
+  long_requests(path, 8, 500);
   td_json_request reqs[8];
   cr_assert_eq(load_requests(path, reqs, 8), 8);
-  int victim = -1;
-  for (int i = 0; i < c.n; i++)
-    if (!strcmp(c.p[i].name, "decode-1")) victim = i;
-  td_client *cl;
-  cr_assert(td_client_connect(c.client_ep, &cl) == TD_OK);
+  int victim = proc_index(&c, "decode-1");
   outcome got[8];
-  memset(got, 0, sizeof got);
-  for (int i = 0; i < 8; i++) cr_assert(td_client_generate(cl, &reqs[i], false, 60000) == TD_OK);
-  usleep(100000);
+  client_job cj = {c.client_ep, reqs, 8, got, false};
+  pthread_t th;
+  pthread_create(&th, NULL, client_thread, &cj);
+  /* once every request is placed and those on decode-1 are in its engine
+   * (its heartbeat every 200 ms), so that none reaches it after the stop */
+  bool busy = false;
+  int64_t end = td_now_ms() + 20000;
+  while (!busy && td_now_ms() < end) {
+    td_client_health h;
+    if (cluster_health(&c, &h))
+      for (int i = 0; i < h.n_workers; i++)
+        if (!strcmp(h.workers[i].id, "decode-1")) {
+          const td_client_worker *w = &h.workers[i];
+          busy = h.queued == 0 && w->jobs > 0 && w->running + w->queued == w->jobs;
+        }
+    if (!busy) usleep(2000);
+  }
+  cr_expect(busy, "decode-1 never ran its requests");
   kill(c.p[victim].pid, SIGTERM);
-  td_client_close(cl);
   /* it finishes its work and exits by itself */
   int st = 0;
-  int64_t end = td_now_ms() + 30000;
+  end = td_now_ms() + 30000;
   pid_t r = 0;
   while (td_now_ms() < end && (r = waitpid(c.p[victim].pid, &st, WNOHANG)) == 0) usleep(50000);
   cr_expect_eq(r, c.p[victim].pid, "decode-1 did not exit after SIGTERM");
   c.p[victim].exited = true;
   cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "decode-1 exit status %d", st);
+  pthread_join(th, NULL);
+  for (int i = 0; i < 8; i++) {
+    cr_expect(got[i].done && got[i].status == TD_OK, "%s: %s", got[i].id, got[i].error);
+    cr_expect_eq(got[i].len[0], 500, "%s: %d tokens", got[i].id, got[i].len[0]);
+  }
+  cr_expect(!cluster_log_has(&c, "router", "retrying"), "a request was retried: decode-1 dropped work (logs in %s)",
+            c.dir);
   cr_expect(cluster_wait_ready(&c, 1, 0, 1, 5000), "the router still lists the drained worker");
   cr_expect(cluster_stop(&c));
   for (int i = 0; i < 8; i++) td_json_request_free(&reqs[i]);
@@ -475,10 +501,12 @@ Test(faults, malformed_and_foreign_messages, .timeout = 300) {
   fx_write_requests(&fx, path, "\"forced_eos_token_id\": null");
   td_json_request reqs[8];
   int nr = load_requests(path, reqs, 8);
+  cr_assert_eq(nr, fx.n, "%d of the fixture's %d requests", nr, fx.n);
   outcome out[8];
   run_requests(c.client_ep, reqs, nr, false, 30000, out);
   for (int i = 0; i < nr; i++) {
     cr_expect(out[i].done && out[i].status == TD_OK, "%s: %s", out[i].id, out[i].error);
+    cr_expect_eq(out[i].len[0], fx.req[i].n_greedy, "%s: %d tokens", out[i].id, out[i].len[0]);
     cr_expect_arr_eq(out[i].tok[0], fx.req[i].greedy, sizeof(int32_t) * (size_t)fx.req[i].n_greedy);
     td_json_request_free(&reqs[i]);
   }
@@ -512,6 +540,7 @@ Test(faults, group_rank_death_takes_the_group_out, .timeout = 300) {
   cr_expect(k.killed, "the group never ran work");
   for (int i = 0; i < 10; i++) {
     cr_expect(got[i].done && got[i].status == TD_OK, "%s: %s", got[i].id, got[i].error);
+    cr_expect_eq(got[i].len[0], want[i].len[0], "%s: %d tokens, want %d", got[i].id, got[i].len[0], want[i].len[0]);
     cr_expect_arr_eq(got[i].tok[0], want[i].tok[0], sizeof(int32_t) * (size_t)want[i].len[0], "%s: tokens differ",
                      got[i].id);
   }
@@ -525,7 +554,7 @@ Test(faults, group_rank_death_takes_the_group_out, .timeout = 300) {
   if (r == c.p[g0].pid) c.p[g0].exited = true;
   char why[256] = "";
   cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "blocks held: %s", why);
-  cluster_stop(&c);
+  cr_expect(cluster_stop(&c), "processes did not stop cleanly (logs in %s)", c.dir);
   for (int i = 0; i < 10; i++) td_json_request_free(&reqs[i]);
   fx_free(&fx);
 }
