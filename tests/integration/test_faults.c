@@ -76,11 +76,14 @@ Test(faults, cancel_and_deadline_free_every_block, .timeout = 300) {
   while (!ft.done && td_now_ms() < end) td_client_poll(cl, 50, &ev);
   kill(d0, SIGCONT);
   cr_expect(ft.done && ft.status == TD_ERR_CANCELLED, "cancel: status %s", td_status_str(ft.status));
-  /* a deadline too short to finish in */
+  /* a deadline too short to finish in (decode-0 stopped: an optimised
+   * build can finish the 500 tokens within 30 ms) */
   snprintf(r.id, sizeof r.id, "late");
   ft = (first_tok){0};
+  kill(d0, SIGSTOP);
   cr_assert(td_client_generate(cl, &r, false, 30) == TD_OK);
   while (!ft.done && td_now_ms() < end) td_client_poll(cl, 50, &ev);
+  kill(d0, SIGCONT);
   cr_expect(ft.done && ft.status == TD_ERR_TIMEOUT, "deadline: status %s", td_status_str(ft.status));
   td_client_close(cl);
   td_json_request_free(&r);
@@ -355,40 +358,46 @@ Test(faults, cancel_while_kv_in_flight_over_ucx_frees_every_block, .timeout = 30
   fx_free(&fx);
 }
 
-/* SIGTERM while decode-1 runs requests: it finishes them (the router
- * retries none elsewhere), exits with status 0 and leaves the pool. */
+/* SIGTERM while decode-1 holds requests: it finishes them (the router
+ * retries none elsewhere), exits with status 0 and leaves the pool. The
+ * encoder is stopped until then, so that decode-1 holds every request of
+ * its share (an optimised build could finish them between two looks). */
 Test(faults, sigterm_drains_a_decode_worker, .timeout = 300) {
   fixture fx;
   fx_load("t5-tiny", &fx);
   cluster c;
-  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 0, .decodes = 2};
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = 0, .decodes = 2, .router_extra = "--dead-after 25"};
   cluster_start(&c, &o);
   char path[600];
   snprintf(path, sizeof path, "%s/drain.jsonl", c.dir);
   long_requests(path, 8, 500);
   td_json_request reqs[8];
   cr_assert_eq(load_requests(path, reqs, 8), 8);
-  int victim = proc_index(&c, "decode-1");
+  int victim = proc_index(&c, "decode-1"), enc = proc_index(&c, "encoder-0");
+  kill(c.p[enc].pid, SIGSTOP);
   outcome got[8];
   client_job cj = {c.client_ep, reqs, 8, got, false};
   pthread_t th;
   pthread_create(&th, NULL, client_thread, &cj);
-  /* once every request is placed and those on decode-1 are in its engine
-   * (its heartbeat every 200 ms), so that none reaches it after the stop */
-  bool busy = false;
-  int64_t end = td_now_ms() + 20000;
-  while (!busy && td_now_ms() < end) {
+  /* every request placed and decode-1 holding blocks for its share (its
+   * heartbeat every 200 ms) */
+  bool held = false;
+  int64_t end = td_now_ms() + 10000;
+  while (!held && td_now_ms() < end) {
     td_client_health h;
     if (cluster_health(&c, &h))
       for (int i = 0; i < h.n_workers; i++)
         if (!strcmp(h.workers[i].id, "decode-1")) {
           const td_client_worker *w = &h.workers[i];
-          busy = h.queued == 0 && w->jobs > 0 && w->running + w->queued == w->jobs;
+          held = h.queued == 0 && w->jobs > 0 && w->free_cross_blocks < w->cross_blocks;
         }
-    if (!busy) usleep(2000);
+    if (!held) usleep(20000);
   }
-  cr_expect(busy, "decode-1 never ran its requests");
+  cr_expect(held, "decode-1 reserved nothing");
+  /* the rest of its share's jobs land (as in stall_kv_to_decode0) */
+  usleep(500000);
   kill(c.p[victim].pid, SIGTERM);
+  kill(c.p[enc].pid, SIGCONT);
   /* it finishes its work and exits by itself */
   int st = 0;
   end = td_now_ms() + 30000;
@@ -402,8 +411,10 @@ Test(faults, sigterm_drains_a_decode_worker, .timeout = 300) {
     cr_expect(got[i].done && got[i].status == TD_OK, "%s: %s", got[i].id, got[i].error);
     cr_expect_eq(got[i].len[0], 500, "%s: %d tokens", got[i].id, got[i].len[0]);
   }
-  cr_expect(!cluster_log_has(&c, "router", "retrying"), "a request was retried: decode-1 dropped work (logs in %s)",
-            c.dir);
+  cr_expect(cluster_log_has(&c, "decode-1", "draining: finishing") &&
+                !cluster_log_has(&c, "decode-1", "draining: finishing 0 requests"),
+            "decode-1 had nothing to drain");
+  cr_expect(!cluster_log_has(&c, "router", "retrying"), "a request was retried: decode-1 dropped work");
   cr_expect(cluster_wait_ready(&c, 1, 0, 1, 5000), "the router still lists the drained worker");
   cr_expect(cluster_stop(&c));
   for (int i = 0; i < 8; i++) td_json_request_free(&reqs[i]);
