@@ -299,7 +299,7 @@ static void on_tokens(void *ctx, const char *id, int seq, int offset, const int3
   outcome *o = find(ctx, id);
   if (!o || seq != 0) return;
   if (offset != o->n_streamed) o->order_ok = false;
-  for (int i = 0; i < n && o->n_streamed < 256; i++) o->streamed[o->n_streamed++] = t[i];
+  for (int i = 0; i < n && o->n_streamed < OUT_TOKENS; i++) o->streamed[o->n_streamed++] = t[i];
 }
 
 static void on_result(void *ctx, const td_client_result *r) {
@@ -310,8 +310,9 @@ static void on_result(void *ctx, const td_client_result *r) {
   snprintf(o->error, sizeof o->error, "%s", r->error ? r->error : "");
   o->n_out = r->n_outputs;
   for (int i = 0; i < r->n_outputs && i < 8; i++) {
-    o->len[i] = r->outputs[i].n_tokens < 256 ? r->outputs[i].n_tokens : 256;
+    o->len[i] = r->outputs[i].n_tokens < OUT_TOKENS ? r->outputs[i].n_tokens : OUT_TOKENS;
     memcpy(o->tok[i], r->outputs[i].tokens, sizeof(int32_t) * (size_t)o->len[i]);
+    o->finish[i] = r->outputs[i].finish;
   }
 }
 
@@ -329,6 +330,12 @@ void run_requests(const char *endpoint, td_json_request *reqs, int n, bool strea
   int64_t end = td_now_ms() + timeout_ms + 10000;
   while (td_client_pending(cl) > 0 && td_now_ms() < end) td_client_poll(cl, 100, &ev);
   td_client_close(cl);
+}
+
+void *client_thread(void *arg) {
+  client_job *j = arg;
+  run_requests(j->ep, j->reqs, j->n, j->stream, 60000, j->out);
+  return NULL;
 }
 
 int load_requests(const char *path, td_json_request *reqs, int cap) {
@@ -353,33 +360,49 @@ int load_requests(const char *path, td_json_request *reqs, int cap) {
   return n;
 }
 
+static td_finish finish_of(const char *name) {
+  for (td_finish f = TD_FINISH_NONE; f <= TD_FINISH_ERROR; f++)
+    if (name && !strcmp(name, td_finish_name(f))) return f;
+  return TD_FINISH_NONE;
+}
+
+int read_results(FILE *f, outcome *out, int cap) {
+  char *line = NULL;
+  size_t lcap = 0;
+  int i = 0;
+  while (i < cap && getline(&line, &lcap, f) > 0) {
+    if (line[0] != '{') continue;
+    outcome *o = &out[i++];
+    memset(o, 0, sizeof *o);
+    cJSON *j = cJSON_Parse(line);
+    cr_assert(j, "bad result line %s", line);
+    cJSON *id = cJSON_GetObjectItem(j, "id"), *outs = cJSON_GetObjectItem(j, "outputs"),
+          *err = cJSON_GetObjectItem(j, "error");
+    cr_assert(cJSON_IsString(id), "a result without an id: %s", line);
+    snprintf(o->id, sizeof o->id, "%s", id->valuestring);
+    o->done = true;
+    o->status = outs ? TD_OK : TD_ERR_INVALID;
+    if (cJSON_IsString(err)) snprintf(o->error, sizeof o->error, "%s", err->valuestring);
+    o->n_out = outs ? cJSON_GetArraySize(outs) : 0;
+    for (int k = 0; k < o->n_out && k < 8; k++) {
+      cJSON *e = cJSON_GetArrayItem(outs, k), *t = cJSON_GetObjectItem(e, "tokens");
+      o->len[k] = cJSON_GetArraySize(t) < OUT_TOKENS ? cJSON_GetArraySize(t) : OUT_TOKENS;
+      for (int x = 0; x < o->len[k]; x++) o->tok[k][x] = cJSON_GetArrayItem(t, x)->valueint;
+      o->finish[k] = finish_of(cJSON_GetStringValue(cJSON_GetObjectItem(e, "finish_reason")));
+    }
+    cJSON_Delete(j);
+  }
+  free(line);
+  return i;
+}
+
 void generate_reference(const char *model, const char *path, int block_size, outcome *out, int n) {
   char cmd[1600];
   snprintf(cmd, sizeof cmd, "%s/tandem-generate --model %s --requests %s --block-size %d 2>/dev/null", TD_BIN_DIR,
            model, path, block_size);
   FILE *p = popen(cmd, "r");
   cr_assert(p);
-  char *line = NULL;
-  size_t cap = 0;
-  int i = 0;
-  while (getline(&line, &cap, p) > 0 && i < n) {
-    outcome *o = &out[i++];
-    memset(o, 0, sizeof *o);
-    cJSON *j = cJSON_Parse(line);
-    cr_assert(j, "bad tandem-generate line %s", line);
-    snprintf(o->id, sizeof o->id, "%s", cJSON_GetObjectItem(j, "id")->valuestring);
-    o->done = true;
-    cJSON *outs = cJSON_GetObjectItem(j, "outputs");
-    o->status = outs ? TD_OK : TD_ERR_INVALID;
-    o->n_out = outs ? cJSON_GetArraySize(outs) : 0;
-    for (int k = 0; k < o->n_out && k < 8; k++) {
-      cJSON *t = cJSON_GetObjectItem(cJSON_GetArrayItem(outs, k), "tokens");
-      o->len[k] = cJSON_GetArraySize(t) < 256 ? cJSON_GetArraySize(t) : 256;
-      for (int x = 0; x < o->len[k] && x < 256; x++) o->tok[k][x] = cJSON_GetArrayItem(t, x)->valueint;
-    }
-    cJSON_Delete(j);
-  }
-  free(line);
+  int i = read_results(p, out, n);
   pclose(p);
   cr_assert_eq(i, n, "tandem-generate gave %d results for %d requests", i, n);
 }

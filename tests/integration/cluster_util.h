@@ -4,6 +4,7 @@
 #define TD_TESTS_CLUSTER_UTIL_H
 
 #include <stdbool.h>
+#include <stdio.h>
 #include <sys/types.h>
 
 #include "client/client.h"
@@ -64,26 +65,42 @@ bool cluster_log_has(cluster *c, const char *name, const char *text);
 /* Waits until every live worker holds no blocks and nothing is in flight. */
 bool cluster_wait_idle(cluster *c, int timeout_ms, char *why, size_t cap);
 
-/* Results of many requests sent over one client. */
+/* Results of many requests sent over one client; tokens past OUT_TOKENS
+ * are dropped. */
+#define OUT_TOKENS 512
 typedef struct outcome {
   char id[64];
   bool done;
   td_status status;
   char error[256];
   int n_out;
-  int32_t tok[8][256];
+  int32_t tok[8][OUT_TOKENS];
   int len[8];
+  td_finish finish[8];
   /* streamed chunks of sequence 0 */
-  int32_t streamed[256];
+  int32_t streamed[OUT_TOKENS];
   int n_streamed;
   bool order_ok;
 } outcome;
 
 /* Sends reqs (parsed request lines) and waits for all results. */
 void run_requests(const char *endpoint, td_json_request *reqs, int n, bool stream, int timeout_ms, outcome *out);
+/* run_requests on a thread (pthread_create(..., client_thread, &job)), 60 s a request. */
+typedef struct client_job {
+  const char *ep;
+  td_json_request *reqs;
+  int n;
+  outcome *out;
+  bool stream;
+} client_job;
+void *client_thread(void *arg);
 /* Parses a JSONL file (or string lines) into requests; returns the count. */
 int load_requests(const char *path, td_json_request *reqs, int cap);
-/* Runs tandem-generate over path into outcomes (tokens only). */
+/* Reads result lines (JSON lines beginning with '{'; others skipped) into
+ * outcomes: id, status (TD_OK or the line's error), tokens, finish reasons.
+ * Returns the count. */
+int read_results(FILE *f, outcome *out, int cap);
+/* Runs tandem-generate over path into outcomes (n of them, all read). */
 void generate_reference(const char *model, const char *path, int block_size, outcome *out, int n);
 
 #endif

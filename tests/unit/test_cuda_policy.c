@@ -334,7 +334,7 @@ Test(cuda_policy, states_tuned_and_generic) {
   cr_assert_eq(td_cu_states_policy(&r, SMS, &none, &s).kernel, TD_STATES_GENERIC, "no kernel for this D");
   k.has[TD_STATES_MMA8] = false;
   p = td_cu_states_policy(&r, SMS, &k, &s);
-  cr_assert(p.kernel == TD_STATES_MMA16 || p.kernel == TD_STATES_WS, "without an 8-warp kernel, 16 warps");
+  cr_assert(p.kernel == TD_STATES_MMA16 && p.n_splits == 8, "without an 8-warp kernel, its splits on 16 warps");
 }
 
 /* ---------------------------------------------------------------- the backend hook */
