@@ -37,6 +37,9 @@ void cmd_free(cmd *c) {
   free(c);
 }
 
+/* Commands queue up during a turn of the main loop and wake the compute
+ * thread once, before the loop sleeps (w_wake_compute): the requests of a
+ * burst reach the engine together and are encoded in one batch. */
 void w_post(td_worker *w, cmd *c) {
   if (!c) return;
   pthread_mutex_lock(&w->mu);
@@ -45,6 +48,14 @@ void w_post(td_worker *w, cmd *c) {
   else
     w->cmd_head = c;
   w->cmd_tail = c;
+  pthread_mutex_unlock(&w->mu);
+  w->cmd_unsignalled = true;
+}
+
+void w_wake_compute(td_worker *w) {
+  if (!w->cmd_unsignalled) return;
+  w->cmd_unsignalled = false;
+  pthread_mutex_lock(&w->mu);
   pthread_cond_signal(&w->cv);
   pthread_mutex_unlock(&w->mu);
 }

@@ -155,6 +155,7 @@ struct td_worker {
   cmd *cmd_head, *cmd_tail;
   wev *ev_head, *ev_tail;
   wev *pend_head, *pend_tail; /* the compute thread's, not yet handed over (ev_flush) */
+  bool cmd_unsignalled;       /* main thread: commands posted since the compute thread was woken */
   int efd;
   bool stop_compute;
   bool ready;
@@ -215,6 +216,9 @@ void w_compute_stop(td_worker *w);
 cmd *w_cmd(cmd_kind kind, uint64_t rid, int slot);
 void w_post(td_worker *w, cmd *c);
 void cmd_free(cmd *c);
+/* Wakes the compute thread for the commands posted since it was last woken
+ * (the main loop calls it before sleeping). */
+void w_wake_compute(td_worker *w);
 wev *w_events_take(td_worker *w);
 void ev_free(wev *e);
 load_snap w_load(td_worker *w);

@@ -172,9 +172,11 @@ int w_kv_pushing(td_worker *w) {
   return n;
 }
 
-/* Before sleeping: the transports armed (false: one has work that signals no descriptor). */
+/* Before sleeping: the compute thread woken for the turn's commands, the transports armed
+ * (false: one has work that signals no descriptor). */
 bool w_kv_arm(td_loop *l, void *ctx) {
   td_worker *w = ctx;
+  w_wake_compute(w);
   bool sleep = true;
   for (int k = 0; k < TD_KVT_KINDS; k++)
     if (w->kvt[k] && !td_kvt_arm(w->kvt[k])) sleep = false;
