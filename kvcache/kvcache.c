@@ -22,6 +22,8 @@ struct td_kv_pool {
   uint8_t *reserved; /* block held by a reservation */
   int32_t *free_ids; /* stack of free blocks */
   int n_free;
+  int n_shared;      /* blocks with refs > 1, kept as they change: stats are read every step */
+  int n_reserved;    /* blocks with reserved set */
   reservation *res;  /* uthash by id */
   uint64_t next_res;
   td_kv_copier copier;
@@ -100,12 +102,8 @@ size_t td_kv_pool_block_bytes(const td_kv_pool *p) {
 int td_kv_pool_num_free(const td_kv_pool *p) { return p->n_free; }
 
 td_kv_pool_stats td_kv_pool_get_stats(const td_kv_pool *p) {
-  td_kv_pool_stats st = {.n_blocks = p->n_blocks, .n_free = p->n_free, .n_reservations = (int)HASH_COUNT(p->res)};
-  for (int i = 0; i < p->n_blocks; i++) {
-    st.n_shared += p->refs[i] > 1;
-    st.n_reserved += p->reserved[i];
-  }
-  return st;
+  return (td_kv_pool_stats){.n_blocks = p->n_blocks, .n_free = p->n_free, .n_reservations = (int)HASH_COUNT(p->res),
+                            .n_shared = p->n_shared, .n_reserved = p->n_reserved};
 }
 
 static bool valid_id(const td_kv_pool *p, int32_t id) { return id >= 0 && id < p->n_blocks; }
@@ -124,13 +122,15 @@ td_status td_kv_alloc(td_kv_pool *p, int n, int32_t *ids) {
 
 td_status td_kv_ref(td_kv_pool *p, int32_t id) {
   if (!valid_id(p, id) || p->refs[id] <= 0) return td_err(TD_ERR_INVALID, "KV ref of unallocated block %d", id);
-  p->refs[id]++;
+  if (++p->refs[id] == 2) p->n_shared++;
   return TD_OK;
 }
 
 td_status td_kv_unref(td_kv_pool *p, int32_t id) {
   if (!valid_id(p, id) || p->refs[id] <= 0) return td_err(TD_ERR_INVALID, "KV unref of unallocated block %d", id);
-  if (--p->refs[id] == 0) {
+  if (--p->refs[id] == 1) p->n_shared--;
+  if (p->refs[id] == 0) {
+    if (p->reserved[id]) p->n_reserved--;
     p->reserved[id] = 0;
     p->free_ids[p->n_free++] = id;
   }
@@ -160,7 +160,7 @@ td_status td_kv_make_private(td_kv_pool *p, int32_t *id, bool *copied) {
       return s;
     }
   }
-  p->refs[old]--;
+  if (--p->refs[old] == 1) p->n_shared--;
   *id = fresh;
   *copied = true;
   return TD_OK;
@@ -181,6 +181,7 @@ td_status td_kv_reserve(td_kv_pool *p, int n, int64_t expires_ms, uint64_t *res_
     return s;
   }
   for (int i = 0; i < n; i++) p->reserved[r->ids[i]] = 1;
+  p->n_reserved += n; /* fresh blocks: none was reserved */
   r->id = p->next_res++;
   r->n = n;
   r->expires_ms = expires_ms;
@@ -210,6 +211,7 @@ bool td_kv_reservation_valid(const td_kv_pool *p, uint64_t res_id, const int32_t
 static void drop_res(td_kv_pool *p, reservation *r, bool free_blocks) {
   HASH_DEL(p->res, r);
   for (int i = 0; i < r->n; i++) {
+    if (p->reserved[r->ids[i]]) p->n_reserved--;
     p->reserved[r->ids[i]] = 0;
     if (free_blocks) (void)td_kv_unref(p, r->ids[i]);
   }
@@ -259,16 +261,21 @@ td_status td_kv_pool_check(const td_kv_pool *p) {
     else
       on_free[id] = 1;
   }
-  int in_use = 0;
+  int in_use = 0, shared = 0;
   for (int i = 0; i < p->n_blocks && s == TD_OK; i++) {
     if (p->refs[i] < 0) s = td_err(TD_ERR_INTERNAL, "KV pool: block %d has refcount %d", i, p->refs[i]);
     if (p->refs[i] == 0 && !on_free[i]) s = td_err(TD_ERR_INTERNAL, "KV pool: block %d leaked", i);
     in_use += p->refs[i] > 0;
+    shared += p->refs[i] > 1;
   }
+  if (s == TD_OK && shared != p->n_shared)
+    s = td_err(TD_ERR_INTERNAL, "KV pool: %d shared blocks, the count says %d", shared, p->n_shared);
   if (s == TD_OK && in_use + p->n_free != p->n_blocks)
     s = td_err(TD_ERR_INTERNAL, "KV pool: %d in use + %d free != %d", in_use, p->n_free, p->n_blocks);
   int reserved = 0;
   for (int i = 0; i < p->n_blocks; i++) reserved += p->reserved[i];
+  if (s == TD_OK && reserved != p->n_reserved)
+    s = td_err(TD_ERR_INTERNAL, "KV pool: %d reserved flags, the count says %d", reserved, p->n_reserved);
   int in_res = 0;
   const reservation *r;
   for (r = p->res; r && s == TD_OK; r = r->hh.next) {

@@ -81,12 +81,17 @@ Test(kvcache, random_operations_keep_invariants) {
     for (int g = 0; g < H; g++)
       for (int i = 0; i < n_held[g]; i++) expect[held[g][i]]++;
     td_kv_pool_stats st = td_kv_pool_get_stats(p);
-    int in_use = 0;
+    int in_use = 0, shared = 0, reserved = 0;
     for (int b = 0; b < NB; b++) {
       if (expect[b]) cr_assert_eq(td_kv_refcount(p, b), expect[b], "block %d", b);
       in_use += td_kv_refcount(p, b) > 0;
+      shared += td_kv_refcount(p, b) > 1;
+      reserved += td_kv_is_reserved(p, b);
     }
     cr_assert_eq(st.n_free, NB - in_use);
+    /* the stats' counts are kept as blocks change, not recounted: they must agree */
+    cr_assert_eq(st.n_shared, shared, "iteration %d", it);
+    cr_assert_eq(st.n_reserved, reserved, "iteration %d", it);
   }
   for (int g = 0; g < H; g++) td_kv_unref_all(p, held[g], n_held[g]);
   for (int k = 0; k < n_res; k++) cr_assert(td_kv_reservation_release(p, res[k]) == TD_OK);
