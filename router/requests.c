@@ -176,6 +176,15 @@ static int32_t *prompt_buffer(const rreq *q) {
   return malloc(sizeof(int32_t) * (q->g->n_decoder_prompt + (size_t)q->n_streamed + 1));
 }
 
+/* The spec of a job for this attempt; returns the prompt buffer it points
+ * into (the caller frees it after sending), NULL when out of memory. */
+static int32_t *spec_of(const td_router *r, const rreq *q, Tandem__Cluster__RequestSpec *sp) {
+  int32_t *prompt = prompt_buffer(q);
+  tandem__cluster__request_spec__init(sp);
+  if (prompt) fill_spec(q, r->model_start_token, sp, prompt);
+  return prompt;
+}
+
 static td_place_req place_req(const rreq *q) {
   return (td_place_req){.need_cross = q->sh.need_cross, .need_self = q->sh.need_self, .width = q->sh.width,
                         .n_prompt = q->sh.n_prompt + (q->multi ? 0 : q->n_streamed)};
@@ -255,13 +264,12 @@ void rtr_send_encode(td_router *r, rreq *q) {
     rtr_req_retry(r, q, "encoder or reservation lost");
     return;
   }
-  int32_t *prompt = prompt_buffer(q);
+  Tandem__Cluster__RequestSpec sp;
+  int32_t *prompt = spec_of(r, q, &sp);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
   }
-  Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
-  fill_spec(q, r->model_start_token, &sp, prompt);
   Tandem__Cluster__KvTarget *targets[2] = {q->dres->cross, q->with_prefill ? q->pres->cross : NULL};
   Tandem__Cluster__EncodeJob ej = TANDEM__CLUSTER__ENCODE_JOB__INIT;
   ej.req = &sp;
@@ -283,13 +291,12 @@ void rtr_send_prefill(td_router *r, rreq *q) {
     rtr_req_retry(r, q, "prefill worker or reservation lost");
     return;
   }
-  int32_t *prompt = prompt_buffer(q);
+  Tandem__Cluster__RequestSpec sp;
+  int32_t *prompt = spec_of(r, q, &sp);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
   }
-  Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
-  fill_spec(q, r->model_start_token, &sp, prompt);
   Tandem__Cluster__PrefillJob pj = TANDEM__CLUSTER__PREFILL_JOB__INIT;
   pj.req = &sp;
   pj.self_target = q->dres->self;
