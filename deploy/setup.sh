@@ -7,8 +7,14 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 what=${1:-release}
 
-packages=(build-essential cmake pkg-config libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
-          libucx-dev libcriterion-dev libopenblas-dev libcjson-dev uthash-dev)
+# one package a line: the parts of the project add theirs
+packages=(
+  build-essential cmake pkg-config
+  libzmq3-dev libprotobuf-c-dev protobuf-c-compiler libucx-dev   # cluster
+  libcriterion-dev                                                # tests
+  libopenblas-dev                                                 # CPU GEMM
+  libcjson-dev uthash-dev                                         # JSON, hash tables
+)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
