@@ -46,6 +46,8 @@
 #define TD_DEFAULT_KVX_TIMEOUT_MS 30000      /* a kvtransfer transfer's own deadline */
 #define TD_DEFAULT_DRAIN_MS 30000            /* a draining worker's last wait for its requests */
 #define TD_DEFAULT_REGISTER_RETRY_MS 1000    /* an unregistered worker asks again */
+#define TD_WORKER_BURST_GAP_US 500           /* a burst of requests has ended after this long without one */
+#define TD_WORKER_BURST_MAX_US 4000          /* an idle engine waits for a burst this long at most */
 #define TD_GROUP_JOIN_TIMEOUT_MS 120000      /* every rank of a group joined through the router */
 #define TD_GROUP_CONNECT_TIMEOUT_MS 30000    /* a group's communicator connected */
 #define TD_GROUP_MIRROR_TIMEOUT_MS 60000     /* every follower reached the leader's mirror */

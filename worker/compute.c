@@ -429,6 +429,34 @@ static td_status compute_init(td_worker *w) {
   return TD_OK;
 }
 
+/* Waits on the command queue's condition for at most us microseconds
+ * (w->mu held). */
+static void timed_wait(td_worker *w, long us) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_nsec += us * 1000L;
+  while (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+  pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+}
+
+/* Takes and runs the queued commands; returns how many were requests for
+ * the engine. */
+static int run_commands(td_worker *w) {
+  pthread_mutex_lock(&w->mu);
+  cmd *list = w->cmd_head;
+  w->cmd_head = w->cmd_tail = NULL;
+  pthread_mutex_unlock(&w->mu);
+  int added = 0;
+  while (list) {
+    cmd *next = list->next;
+    added += list->kind == CMD_ADD;
+    compute_handle(w, list);
+    cmd_free(list);
+    list = next;
+  }
+  return added;
+}
+
 static void *compute_main(void *arg) {
   td_worker *w = arg;
   td_status s = compute_init(w);
@@ -441,23 +469,26 @@ static void *compute_main(void *arg) {
   if (s != TD_OK) return NULL;
   for (;;) {
     pthread_mutex_lock(&w->mu);
-    while (!w->cmd_head && !w->stop_compute && td_engine_idle(w->e)) {
-      struct timespec ts;
-      clock_gettime(CLOCK_REALTIME, &ts);
-      ts.tv_nsec += TD_WORKER_COMPUTE_IDLE_MS * 1000000L;
-      if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
-      pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+    while (!w->cmd_head && !w->stop_compute && td_engine_idle(w->e)) timed_wait(w, TD_WORKER_COMPUTE_IDLE_MS * 1000L);
+    bool was_idle = td_engine_idle(w->e);
+    pthread_mutex_unlock(&w->mu);
+    int added = run_commands(w);
+    /* A burst of requests on an idle engine: wait while more keep coming (a
+     * short gap ends it), so that they are encoded as one batch; a lone
+     * request starts at once. */
+    if (was_idle && added >= 2) {
+      int64_t end = td_now_ns() + TD_WORKER_BURST_MAX_US * 1000LL;
+      while (td_now_ns() < end) {
+        pthread_mutex_lock(&w->mu);
+        if (!w->cmd_head && !w->stop_compute) timed_wait(w, TD_WORKER_BURST_GAP_US);
+        bool more = w->cmd_head != NULL;
+        pthread_mutex_unlock(&w->mu);
+        if (!more || !run_commands(w)) break;
+      }
     }
-    cmd *list = w->cmd_head;
-    w->cmd_head = w->cmd_tail = NULL;
+    pthread_mutex_lock(&w->mu);
     bool stop = w->stop_compute;
     pthread_mutex_unlock(&w->mu);
-    while (list) {
-      cmd *next = list->next;
-      compute_handle(w, list);
-      cmd_free(list);
-      list = next;
-    }
     ev_flush(w);
     if (stop) {
       if (w->world > 1) w_mirror_all(w, "S");
