@@ -73,6 +73,16 @@
 #define TD_KVX_DESTROY_STOP_MS 500  /* td_kvx_destroy lets transfers stop cleanly this long */
 #define TD_KVX_DESTROY_CLOSE_MS 200 /* then waits this long for UCX operations to complete */
 
+/* ---- front end: audio (td_audio_limits left 0; docs/audio.md) ---- */
+#define TD_DEFAULT_AUDIO_MAX_SECONDS 3600.0 /* longest audio decoded (an hour of 16 kHz floats: 230 MB) */
+#define TD_AUDIO_MAX_CHANNELS 64            /* more is no recording a person makes */
+#define TD_AUDIO_MIN_RATE 1000              /* Hz; below it nothing of speech is left */
+#define TD_AUDIO_MAX_RATE 768000            /* Hz; the highest rate audio interfaces record */
+#define TD_AUDIO_MAX_SAMPLE_ABS 1e6         /* |sample| (full scale is 1): keeps every power finite in float32 */
+#define TD_MEL_DEFAULT_WINDOW_SECONDS 30    /* WhisperFeatureExtractor's chunk_length */
+#define TD_MEL_MAX_WINDOW_SECONDS 600       /* a preprocessor_config.json asking more is refused */
+#define TD_MEL_MAX_MELS 256                 /* feature_size (Whisper: 80 or 128) */
+
 /* ---- CUDA backend tuning (td_cuda_tuning's zero values; measured best on
  * H100: docs/cuda.md, "Tuning knobs") ---- */
 #define TD_CUDA_DEFAULT_SKINNY_ROWS 16     /* few-row GEMMs on the skinny kernel up to this many rows */

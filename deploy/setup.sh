@@ -14,6 +14,7 @@ packages=(
   libcriterion-dev                                                # tests
   libopenblas-dev                                                 # CPU GEMM
   libcjson-dev uthash-dev                                         # JSON, hash tables
+  libsndfile1-dev libsoxr-dev libkissfft-dev                      # audio: decoding, resampling, FFT
 )
 missing=()
 for p in "${packages[@]}"; do
