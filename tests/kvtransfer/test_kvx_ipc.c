@@ -223,10 +223,14 @@ Test(kvx_ipc, many_chunks_polled, .timeout = 120) {
   side_close(&r);
 }
 
-/* A transfer stopped while its copies are in flight (cancel, or its
- * deadline while the loop was busy elsewhere): the stop waits for the
- * copies, then ABORT; the receiver's event comes after the last write. */
-static void stop_mid_copy(bool cancel) {
+/* A transfer stopped while its copies are in flight (cancel, a
+ * disconnect, or its deadline while the loop was busy elsewhere): the stop
+ * waits for the copies, then ABORT; the receiver's event comes after the
+ * last write, and the mapping goes after the copies. */
+typedef enum { CANCEL, DISCONNECT, DEADLINE } stop_how;
+
+static void stop_mid_copy(stop_how how) {
+  bool cancel = how != DEADLINE;
   td_kvx_geom g = kt_geom(0, 1, 0, 1, 16, 8, 2);
   side s, r;
   side_open(&s, "ipc-s", g, 600, (sopts){0}, 3);
@@ -248,8 +252,10 @@ static void stop_mid_copy(bool cancel) {
   int64_t end = td_now_ms() + 5000;
   while (td_kvx_get_stats(s.k).ipc_chunks == 0 && td_now_ms() < end) td_kvx_progress(s.k);
   cr_assert_gt(td_kvx_get_stats(s.k).ipc_chunks, 0, "no copy in flight");
-  if (cancel)
+  if (how == CANCEL)
     cr_assert_eq(td_kvx_cancel(s.k, id), TD_OK);
+  else if (how == DISCONNECT)
+    td_kvx_disconnect(p);
   else
     usleep(400 * 1000); /* past the deadline, copies still pending */
   td_kvx *ks[2] = {s.k, r.k};
@@ -258,11 +264,11 @@ static void stop_mid_copy(bool cancel) {
   cr_assert(kt_drive(ks, 2, &r.rx.events, 20000));
   cr_assert_eq(r.rx.last_status, cancel ? TD_ERR_CANCELLED : TD_ERR_TIMEOUT, "%s", r.rx.last_msg);
   cr_assert_not(td_kvx_reservation_busy(r.k, 0));
-  cr_assert_eq(td_kvx_get_stats(s.k).ops, 0);
+  cr_assert_eq(td_kvx_get_stats(s.k).ipc_chunks, 0);
   /* Nothing lands after the event: not while the sender winds down, not
    * when its context (and the fake's queued copies) go. */
   for (int i = 0; i < 50; i++) td_kvx_progress(s.k);
-  td_kvx_disconnect(p);
+  if (how != DISCONNECT) td_kvx_disconnect(p);
   cr_assert_eq(kvx_fake_ipc_mapped(), 0);
   side_close(&s);
   cr_assert_eq(memcmp(r.snap, r.mem, r.bb * 600), 0, "written after the recv event");
@@ -270,8 +276,55 @@ static void stop_mid_copy(bool cancel) {
   side_close(&r);
 }
 
-Test(kvx_ipc, cancel_mid_copy, .timeout = 120) { stop_mid_copy(true); }
-Test(kvx_ipc, timeout_mid_copy, .timeout = 120) { stop_mid_copy(false); }
+Test(kvx_ipc, cancel_mid_copy, .timeout = 120) { stop_mid_copy(CANCEL); }
+Test(kvx_ipc, disconnect_mid_copy, .timeout = 120) { stop_mid_copy(DISCONNECT); }
+Test(kvx_ipc, timeout_mid_copy, .timeout = 120) { stop_mid_copy(DEADLINE); }
+
+/* The receiver authorises IPC writes too: a sender whose descriptor (a
+ * forged one here) maps another pool's allocation for a pool the receiver
+ * never exported is denied, and nothing is written. */
+Test(kvx_ipc, receiver_refuses_ipc_into_a_pool_it_did_not_export, .timeout = 120) {
+  td_kvx_geom g = kt_geom(0, 2, 0, 4, 16, 8, 2);
+  side s, r;
+  side_open(&s, "ipc-s", g, 16, (sopts){0}, 13);
+  side_open(&r, "ipc-r", g, 16, (sopts){0}, 14);
+  uint8_t *other = malloc(r.bb * 16);
+  kt_fill_random(other, r.bb * 16, 15);
+  td_kvx_pool_desc d2 = {GPU2, TD_KVX_MEM_CUDA, other, 16, g};
+  cr_assert_eq(td_kvx_register_pool(r.k, &d2), TD_OK, "%s", td_errmsg());
+  size_t n;
+  uint8_t *desc = export_of(&r, &n), *forged;
+  kvx_desc kd;
+  cr_assert_eq(kvx_desc_decode(desc, n, &kd), TD_OK);
+  int shared = kd.pools[0].info.pool_id == GPU ? 0 : 1;
+  cr_assert(kd.pools[shared].info.ipc);
+  cr_assert_not(kd.pools[1 - shared].info.ipc);
+  kd.pools[1 - shared].info.ipc = true;
+  kd.pools[1 - shared].ipc_handle = kd.pools[shared].ipc_handle;
+  kd.pools[1 - shared].ipc_off = kd.pools[shared].ipc_off;
+  cr_assert_eq(kvx_desc_encode(&kd, &forged, &n), TD_OK);
+  td_kvx_peer *p;
+  cr_assert_eq(td_kvx_connect(s.k, forged, n, &p), TD_OK, "%s", td_errmsg());
+  free(desc);
+  free(forged);
+  uint8_t *before = malloc(r.bb * 16);
+  memcpy(before, r.mem, r.bb * 16);
+  int32_t ids[4] = {0, 5, 9, 12};
+  td_kvx_xfer x = {8, 0, GPU, GPU2, ids, ids, 4, 20000, TD_KVX_IPC, NULL};
+  kt_done d = {0};
+  cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
+  td_kvx *ks[2] = {s.k, r.k};
+  cr_assert(kt_drive(ks, 2, &d.calls, 20000));
+  cr_assert_eq(d.status, TD_ERR_INVALID, "%s: %s", td_status_str(d.status), d.msg);
+  cr_assert(strstr(d.msg, "no CUDA IPC into pool"), "%s", d.msg);
+  cr_assert_eq(r.rx.grants, 0);
+  cr_assert_eq(memcmp(before, r.mem, r.bb * 16), 0, "written without a grant");
+  free(before);
+  td_kvx_disconnect(p);
+  side_close(&s);
+  side_close(&r);
+  free(other);
+}
 
 /* The application's ready event: the copies wait for the work that
  * produced the source blocks (here a queued device copy on another
