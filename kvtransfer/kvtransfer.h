@@ -251,6 +251,7 @@ typedef struct td_kvx_stats {
   uint64_t xfers_ok, xfers_failed, grants_ok, grants_failed;
   uint64_t nccl_xfers; /* posted over NCCL */
   uint64_t ipc_xfers;  /* posted over CUDA IPC */
+  uint64_t ipc_blocks; /* blocks of CUDA IPC transfers that ended well */
   bool local_path; /* some peer uses the same-host data endpoint */
 } td_kvx_stats;
 td_kvx_stats td_kvx_get_stats(const td_kvx *k);

@@ -39,6 +39,7 @@ void kvx_xfer_finish(kvx_xfer *x, td_status s, const char *msg) {
     k->st.xfers_ok++;
   else
     k->st.xfers_failed++;
+  if (s == TD_OK && x->ipc) k->st.ipc_blocks += (uint64_t)x->n_blocks;
   x->dnext = k->xdone;
   k->xdone = x;
   TD_DEBUG("kvx %s: transfer %" PRIu64 " (request %" PRIu64 ") ended: %s %s", k->name, x->id, x->request_id,

@@ -319,6 +319,11 @@ static void ux_destroy(td_kvt *t) {
   t->ctx = NULL;
 }
 
+static uint64_t ux_ipc_blocks(const td_kvt *t) {
+  const ux *u = t->ctx;
+  return td_kvx_get_stats(u->k).ipc_blocks;
+}
+
 static td_status ux_create(td_kvt *t, const td_kvt_opts *o) {
   ux *u = calloc(1, sizeof *u);
   if (!u) return td_err(TD_ERR_NOMEM, "out of memory");
@@ -368,4 +373,5 @@ const td_kvt_i td_kvt_ucx = {
     .watch = ux_watch,
     .arm = ux_arm,
     .progress = ux_progress,
+    .ipc_blocks = ux_ipc_blocks,
 };

@@ -172,6 +172,7 @@ Test(kvx_ipc, every_geometry_in_one_process, .timeout = 120) {
     move(&s, &cases[c].s, &r, &cases[c].r, p, TD_KVX_IPC, src + 20, dst + 20, 10);
     td_kvx_stats st = td_kvx_get_stats(s.k);
     cr_assert_eq(st.ipc_xfers, 2, "case %zu: %" PRIu64 " IPC transfers", c, st.ipc_xfers);
+    cr_assert_eq(st.ipc_blocks, 40);
     cr_assert_eq(st.nccl_xfers, 0);
     cr_assert_eq(st.xfers_ok, 2);
     cr_assert_eq(td_kvx_get_stats(r.k).grants_ok, 2);
