@@ -37,9 +37,10 @@
  * done, so two groups alternate (one moves while the other is scattered
  * and posted again). */
 #define KVX_NCCL_GROUP (KVX_NCCL_WINDOW / 2)
-/* CUDA IPC: copies issued per chunk (at most KVX_CHUNK_PIECES pieces) and
- * chunks in flight per transfer; a cancel waits for at most these. */
+/* CUDA IPC: a chunk's copies (one batch, one event) and the chunks in
+ * flight per transfer; a cancel waits for at most these. */
 #define KVX_IPC_CHUNK ((uint64_t)16 << 20)
+#define KVX_IPC_PIECES 1024
 #define KVX_IPC_WINDOW 4
 
 /* ---------------------------------------------------------------- types */
@@ -370,6 +371,8 @@ int kvx_pump_h2d(td_kvx *k);
 
 /* ---- kvx_nccl.c: NCCL streams, bounce slots, both pipelines ---- */
 td_status kvx_bounce_ring(td_kvx *k, int side);
+/* Grows the scratch lists k->sc_d / sc_s / sc_n to n entries. */
+td_status kvx_scratch(td_kvx *k, size_t n);
 kvx_nstream *kvx_nstream_new(uint64_t first, uint64_t max);
 void kvx_nstream_drop_ops(td_kvx *k, kvx_nstream *ns, bool recv);
 bool kvx_nstream_quiet(td_kvx *k, kvx_nstream *ns);
@@ -396,9 +399,8 @@ int kvx_pump_xfers(td_kvx *k);
 void kvx_sender_msg(kvx_xfer *x, unsigned type, uint64_t xid, kvx_rbuf *r);
 
 /* ---- kvx_put.c: the UCX data path of a transfer ---- */
-/* The next run of pieces of the plan: at most max_bytes and
- * KVX_CHUNK_PIECES pieces. */
-kvx_chunk *kvx_chunk_build(kvx_xfer *x, uint64_t max_bytes);
+/* The next run of pieces of the plan: at most max_bytes and max_pieces. */
+kvx_chunk *kvx_chunk_build(kvx_xfer *x, uint64_t max_bytes, int max_pieces);
 int kvx_pump_ucx(kvx_xfer *x);
 void kvx_flush_data(kvx_xfer *x, int kind, kvx_chunk *ch);
 void kvx_chunk_free(kvx_xfer *x, kvx_chunk *ch);

@@ -125,23 +125,24 @@ int kvx_pump_ipc(kvx_xfer *x) {
   }
   const uint8_t *src = x->pool->d.base;
   while (x->ci < x->n_items && x->n_chunks < KVX_IPC_WINDOW) {
-    kvx_chunk *c = kvx_chunk_build(x, KVX_IPC_CHUNK);
-    if (!c) {
+    kvx_chunk *c = kvx_chunk_build(x, KVX_IPC_CHUNK, KVX_IPC_PIECES);
+    if (!c || kvx_scratch(k, KVX_IPC_PIECES) != TD_OK) {
+      if (c) {
+        free(c->pc);
+        free(c);
+      }
       kvx_xfer_stop(x, TD_ERR_NOMEM, "out of memory", true);
       return 1;
     }
-    void *dsts[KVX_CHUNK_PIECES];
-    const void *srcs[KVX_CHUNK_PIECES];
-    size_t sizes[KVX_CHUNK_PIECES];
     for (int i = 0; i < c->n; i++) {
-      dsts[i] = x->ipc_dst + c->pc[i].dst_off;
-      srcs[i] = src + c->pc[i].src_off;
-      sizes[i] = c->pc[i].len;
+      k->sc_d[i] = x->ipc_dst + c->pc[i].dst_off;
+      k->sc_s[i] = src + c->pc[i].src_off;
+      k->sc_n[i] = c->pc[i].len;
     }
     x->issued += c->bytes;
     DL_APPEND(x->chunks, c);
     x->n_chunks++;
-    td_status s = kvx_gpu_copy_many(k->gpu, KVX_S_IPC, dsts, srcs, sizes, (size_t)c->n);
+    td_status s = kvx_gpu_copy_many(k->gpu, KVX_S_IPC, k->sc_d, k->sc_s, k->sc_n, (size_t)c->n);
     if (s == TD_OK) s = kvx_gpu_record(k->gpu, KVX_S_IPC, &c->ev);
     if (s != TD_OK) {
       /* Without an event nothing tells when its copies end: closing the

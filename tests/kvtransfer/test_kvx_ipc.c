@@ -188,18 +188,18 @@ Test(kvx_ipc, every_geometry_in_one_process, .timeout = 120) {
 /* Many small scattered pieces: several chunks in flight, polled (the
  * context must not sleep meanwhile), then more issued as they complete. */
 Test(kvx_ipc, many_chunks_polled, .timeout = 120) {
-  td_kvx_geom g = kt_geom(0, 1, 0, 1, 16, 8, 2); /* 512-byte blocks */
+  td_kvx_geom g = kt_geom(0, 1, 0, 1, 16, 8, 2); /* 512-byte blocks: chunks of 1024 pieces */
   side s, r;
-  side_open(&s, "ipc-s", g, 1200, (sopts){0}, 1);
-  side_open(&r, "ipc-r", g, 1200, (sopts){0}, 2);
+  side_open(&s, "ipc-s", g, 7001, (sopts){0}, 1);
+  side_open(&r, "ipc-r", g, 7001, (sopts){0}, 2);
   td_kvx_peer *p = link_to(&s, &r);
-  static int32_t src[1000], dst[1000];
-  for (int i = 0; i < 1000; i++) {
-    src[i] = (i * 7) % 1200;
-    dst[i] = (i * 11) % 1200; /* every piece apart: 1000 copies, 8 chunks */
+  static int32_t src[6000], dst[6000];
+  for (int i = 0; i < 6000; i++) {
+    src[i] = (i * 7) % 7001;
+    dst[i] = (i * 11) % 7001; /* every piece apart: 6000 copies, 6 chunks */
   }
-  uint8_t *want = expected(&s, &g, &r, &g, src, dst, 1000);
-  td_kvx_xfer x = {1, 0, GPU, GPU, src, dst, 1000, 20000, TD_KVX_IPC, NULL};
+  uint8_t *want = expected(&s, &g, &r, &g, src, dst, 6000);
+  td_kvx_xfer x = {1, 0, GPU, GPU, src, dst, 6000, 20000, TD_KVX_IPC, NULL};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   int most = 0;
@@ -217,7 +217,7 @@ Test(kvx_ipc, many_chunks_polled, .timeout = 120) {
   cr_assert_leq(most, 4, "more chunks in flight than the window");
   td_kvx *ks[2] = {s.k, r.k};
   cr_assert(kt_drive(ks, 2, &r.rx.events, 5000));
-  cr_assert_eq(memcmp(r.mem, want, r.bb * 1200), 0);
+  cr_assert_eq(memcmp(r.mem, want, r.bb * 7001), 0);
   free(want);
   td_kvx_disconnect(p);
   side_close(&s);
@@ -501,7 +501,7 @@ static bool read_full(int fd, void *p, size_t n, td_kvx *k, int ms) {
   return n == 0;
 }
 
-enum { PNB = 600 };
+enum { PNB = 3000, PN = 2500 /* pieces: 3 chunks */ };
 
 /* The child: a receiver with a shareable pool; sends its descriptor, then
  * either its pool after the recv event, or 'G' once it granted and hangs. */
@@ -572,12 +572,12 @@ Test(kvx_ipc, two_processes, .timeout = 120) {
   side s;
   side_open(&s, "ipc-parent", g, PNB, (sopts){0}, 32);
   td_kvx_peer *p = connect_child(&s, &c);
-  static int32_t src[500], dst[500];
-  for (int i = 0; i < 500; i++) {
-    src[i] = (i * 3) % PNB;
-    dst[i] = (i * 7 + 1) % PNB;
+  static int32_t src[PN], dst[PN];
+  for (int i = 0; i < PN; i++) {
+    src[i] = (i * 7) % PNB;
+    dst[i] = (i * 11 + 1) % PNB;
   }
-  td_kvx_xfer x = {6, 0, GPU, GPU, src, dst, 500, 30000, TD_KVX_AUTO, NULL};
+  td_kvx_xfer x = {6, 0, GPU, GPU, src, dst, PN, 30000, TD_KVX_AUTO, NULL};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   td_kvx *ks[1] = {s.k};
@@ -586,7 +586,7 @@ Test(kvx_ipc, two_processes, .timeout = 120) {
   cr_assert_eq(td_kvx_get_stats(s.k).ipc_xfers, 1);
   uint8_t *got = malloc(s.bb * PNB);
   cr_assert(read_full(c.rd, got, s.bb * PNB, s.k, 30000));
-  for (int i = 0; i < 500; i++)
+  for (int i = 0; i < PN; i++)
     cr_assert_eq(memcmp(got + (size_t)dst[i] * s.bb, s.mem + (size_t)src[i] * s.bb, s.bb), 0, "block %d", i);
   free(got);
   cr_assert_eq(write(c.wr, "q", 1), 1);
@@ -609,16 +609,16 @@ Test(kvx_ipc, receiver_killed_mid_copy, .timeout = 120) {
   side s;
   side_open(&s, "ipc-parent", g, PNB, (sopts){0}, 33);
   td_kvx_peer *p = connect_child(&s, &c);
-  static int32_t ids[500];
-  for (int i = 0; i < 500; i++) ids[i] = (i * 7) % PNB;
-  td_kvx_xfer x = {7, 0, GPU, GPU, ids, ids, 500, 30000, TD_KVX_IPC, NULL};
+  static int32_t ids[PN];
+  for (int i = 0; i < PN; i++) ids[i] = (i * 7) % PNB;
+  td_kvx_xfer x = {7, 0, GPU, GPU, ids, ids, PN, 30000, TD_KVX_IPC, NULL};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   /* Progress until the grant arrived and the copies were issued, not a
    * poll more; the receiver says when it granted and hangs. */
   int64_t end = td_now_ms() + 30000;
   while (td_kvx_get_stats(s.k).ipc_chunks == 0 && td_now_ms() < end) td_kvx_progress(s.k);
-  cr_assert_eq(td_kvx_get_stats(s.k).ipc_chunks, 4, "copies in flight: %d", td_kvx_get_stats(s.k).ipc_chunks);
+  cr_assert_eq(td_kvx_get_stats(s.k).ipc_chunks, 3, "copies in flight: %d", td_kvx_get_stats(s.k).ipc_chunks);
   char gch;
   cr_assert(read_full(c.rd, &gch, 1, NULL, 30000), "receiver never granted");
   cr_assert_eq(kvx_fake_ipc_mapped(), 1);
@@ -629,7 +629,7 @@ Test(kvx_ipc, receiver_killed_mid_copy, .timeout = 120) {
   cr_assert(kt_drive(ks, 1, &d.calls, 20000), "no error after the receiver died");
   cr_assert_eq(d.status, TD_ERR_PEER, "%s: %s", td_status_str(d.status), d.msg);
   td_kvx_stats st = td_kvx_get_stats(s.k);
-  cr_assert_lt(st.bytes_sent, (uint64_t)500 * s.bb, "the copies had all completed before the failure");
+  cr_assert_lt(st.bytes_sent, (uint64_t)PN * s.bb, "the copies had all completed before the failure");
   cr_assert_eq(st.xfers, 0);
   cr_assert_leq(st.ops, st.orphan_ops);
   cr_assert_eq(kvx_fake_ipc_mapped(), 0, "the dead receiver's pool is still mapped");
