@@ -548,7 +548,8 @@ int main(int argc, char **argv) {
       only = argv[++i];
     } else {
       fprintf(stderr, "usage: %s [--quick] [--max-mb N] [--results FILE] [--no-append] [--commit SHA] [--slots N] "
-                      "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc]\n", argv[0]);
+                      "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc]\n",
+              argv[0]);
       return 2;
     }
   }

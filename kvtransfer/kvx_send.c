@@ -1,8 +1,8 @@
 /* The sender's side of a transfer: td_kvx_post (checks, the plan, the
  * data path's choice, REQ), cancel and disconnect, stopping and finishing,
  * the per-transfer pump that drives the UCX (kvx_put.c), CUDA IPC
- * (kvx_ipc.c) or NCCL (kvx_nccl.c) data path, and the receiver's answers (GRANT, DENY, CREDIT,
- * ACK, REVOKE). */
+ * (kvx_ipc.c) or NCCL (kvx_nccl.c) data path, and the receiver's answers
+ * (GRANT, DENY, CREDIT, ACK, REVOKE). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
