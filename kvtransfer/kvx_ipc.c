@@ -59,8 +59,8 @@ bool kvx_ipc_usable(td_kvx_peer *p, const kvx_pool *src, int dpi, char *why) {
     uint64_t need = dp->ipc_off + td_kvx_block_bytes(&dp->info.geom) * (uint64_t)dp->info.n_blocks;
     if (s == TD_OK && size && need > size) {
       kvx_gpu_ipc_close(k->gpu, base);
-      s = td_err(TD_ERR_FORMAT, "its pool %u (%" PRIu64 " bytes up to) lies outside the allocation it exported (%zu)",
-                 dp->info.pool_id, need, size);
+      s = td_err(TD_ERR_FORMAT, "it ends at byte %" PRIu64 ", outside the allocation it exported (%zu bytes)", need,
+                 size);
     }
     if (s != TD_OK) {
       char m[KVX_TEXT];
