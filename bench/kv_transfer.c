@@ -2,12 +2,13 @@
  * transfer size and block size, for each transport and memory kind this
  * machine has, next to the peak of the same path measured in the same run
  * (memcpy for host puts, pinned cudaMemcpy D2H / H2D for the staged GPU
- * path, cudaMemcpyPeer for NCCL between GPUs). Prints a table and appends
+ * path, cudaMemcpy device to device for CUDA IPC on one GPU,
+ * cudaMemcpyPeer for CUDA IPC and NCCL between GPUs). Prints a table and appends
  * it to a results file (bench/RESULTS.md by default).
  *
  *   kv_transfer [--quick] [--max-mb N] [--results FILE] [--no-append]
  *               [--commit SHA] [--slots N] [--slot-mb N] [--stage-chunk-kb N]
- *               [--nccl-chunk-kb N] [--only host|tcp|staged|nccl]
+ *               [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc]
  *
  * --nccl-chunk-kb: the NCCL pipeline's largest chunk on both sides (the
  * transfer context's default when absent); --only: measure one path.
@@ -543,11 +544,12 @@ int main(int argc, char **argv) {
       g_nccl_chunk = strtoull(argv[++i], NULL, 10) << 10;
     } else if (!strcmp(argv[i], "--only") && i + 1 < argc &&
                (!strcmp(argv[i + 1], "host") || !strcmp(argv[i + 1], "tcp") || !strcmp(argv[i + 1], "staged") ||
-                !strcmp(argv[i + 1], "nccl"))) {
+                !strcmp(argv[i + 1], "nccl") || !strcmp(argv[i + 1], "ipc"))) {
       only = argv[++i];
     } else {
       fprintf(stderr, "usage: %s [--quick] [--max-mb N] [--results FILE] [--no-append] [--commit SHA] [--slots N] "
-                      "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl]\n", argv[0]);
+                      "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc]\n",
+              argv[0]);
       return 2;
     }
   }
@@ -556,7 +558,7 @@ int main(int argc, char **argv) {
   int ngpu = 0;
   char device[256];
   cpu_name(device, sizeof device);
-  double p_memcpy = peak_memcpy(), p_d2h = 0, p_h2d = 0, p_bidir = 0, p_peer = 0, p_staged = 0, p_nccl = 0;
+  double p_memcpy = peak_memcpy(), p_d2h = 0, p_h2d = 0, p_bidir = 0, p_peer = 0, p_staged = 0, p_nccl = 0, p_d2d = 0;
   printf("peak memcpy (one thread, %zu MB): %.2f GB/s\n", g_max_bytes >> 20, p_memcpy);
 #ifdef TD_KVX_BENCH_CUDA
   if (cudaGetDeviceCount(&ngpu) != cudaSuccess) ngpu = 0;
@@ -583,6 +585,13 @@ int main(int argc, char **argv) {
         cudaHostAlloc(&pipe_h, g_max_bytes, cudaHostAllocPortable) == cudaSuccess) {
       if (g_stage_chunk) pipe_chunk = g_stage_chunk;
       g_pipe = time_pipe;
+    }
+    cudaGetLastError();
+    void *d2 = NULL;
+    if (cudaMalloc(&d2, g_max_bytes) == cudaSuccess) {
+      p_d2d = time_copy(d2, d, g_max_bytes, cudaMemcpyDeviceToDevice, -1, -1);
+      printf("peak cudaMemcpy device to device on GPU 0: %.2f GB/s (CUDA IPC on one GPU)\n", p_d2d);
+      cudaFree(d2);
     }
     cudaGetLastError();
     if (ngpu >= 2) {
@@ -658,6 +667,10 @@ int main(int argc, char **argv) {
     measure_path("UCX GPU->GPU staged", k, p0, KIND_GPU, KIND_GPU, TD_KVX_UCX, p_staged, quick);
   if (p1 && WANT("nccl"))
     measure_path("NCCL GPU0->GPU1", k, p1, KIND_GPU, KIND_GPU, TD_KVX_NCCL, p_nccl > 0 ? p_nccl : p_peer, quick);
+  /* CUDA IPC: the receiver's pool mapped here, device-to-device copies. */
+  if (ngpu > 0 && WANT("ipc"))
+    measure_path("IPC GPU->GPU one GPU", k, p0, KIND_GPU, KIND_GPU, TD_KVX_IPC, p_d2d, quick);
+  if (p1 && WANT("ipc")) measure_path("IPC GPU0->GPU1", k, p1, KIND_GPU, KIND_GPU, TD_KVX_IPC, p_peer, quick);
 
   td_kvx_disconnect(p0);
   td_kvx_disconnect(p0tcp);
@@ -669,9 +682,11 @@ int main(int argc, char **argv) {
 
   /* Target: >= 80% of the path's peak from 16 MB up. */
   printf("\n");
-  const char *paths[] = {"UCX host->host", "UCX host->host tcp", "UCX GPU->GPU staged", "NCCL GPU0->GPU1"};
-  char verdict[4][160];
-  for (int pi = 0; pi < 4; pi++) {
+  const char *paths[] = {"UCX host->host",  "UCX host->host tcp",   "UCX GPU->GPU staged",
+                         "NCCL GPU0->GPU1", "IPC GPU->GPU one GPU", "IPC GPU0->GPU1"};
+  enum { N_PATHS = sizeof paths / sizeof paths[0] };
+  char verdict[N_PATHS][160];
+  for (int pi = 0; pi < N_PATHS; pi++) {
     double lo = 1e9;
     int cnt = 0;
     for (int i = 0; i < n_rows; i++)
@@ -701,11 +716,12 @@ int main(int argc, char **argv) {
     fprintf(f, "\n## kv_transfer — %s, %s, commit %s\n\n", when, device, commit);
     fprintf(f, "Peaks measured in this run: memcpy (one thread) %.2f GB/s", p_memcpy);
     if (ngpu > 0)
-      fprintf(f, "; pinned D2H %.2f GB/s, H2D %.2f GB/s (staged path peak = the lower); both at once %.2f GB/s each",
-              p_d2h, p_h2d, p_bidir);
+      fprintf(f, "; pinned D2H %.2f GB/s, H2D %.2f GB/s (staged path peak = the lower); both at once %.2f GB/s each; "
+                 "cudaMemcpy device to device %.2f GB/s (the IPC path's peak on one GPU)",
+              p_d2h, p_h2d, p_bidir, p_d2d);
     if (ngpu > 1)
-      fprintf(f, "; cudaMemcpyPeer GPU0->GPU1 %.2f GB/s; NCCL send/recv GPU0->GPU1 in one process %.2f GB/s (the NCCL "
-                 "path's peak)", p_peer, p_nccl);
+      fprintf(f, "; cudaMemcpyPeer GPU0->GPU1 %.2f GB/s (the IPC path's peak between GPUs); NCCL send/recv "
+                 "GPU0->GPU1 in one process %.2f GB/s (the NCCL path's peak)", p_peer, p_nccl);
     if (g_nccl_chunk) fprintf(f, ". NCCL chunks up to %zu KiB", g_nccl_chunk >> 10);
     if (g_pipe)
       fprintf(f, ". Bare pipeline: the same bytes as D2H chunks of %zu KiB, each followed by its H2D on a second "
@@ -724,7 +740,7 @@ int main(int argc, char **argv) {
     fprintf(f, "\nLatency, one 64 KiB block (median):");
     for (int i = 0; i < n_lat; i++) fprintf(f, "%s %s %.1f us", i ? ";" : "", lat_path[i], lat_us[i]);
     fprintf(f, ".\n");
-    for (int pi = 0; pi < 4; pi++)
+    for (int pi = 0; pi < N_PATHS; pi++)
       if (verdict[pi][0]) fprintf(f, "\n- %s", verdict[pi]);
     fprintf(f, "\n");
     fclose(f);

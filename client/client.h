@@ -50,6 +50,7 @@ typedef struct td_client_worker {
   int self_blocks, free_self_blocks, cross_blocks, free_cross_blocks, running, max_running, queued, jobs;
   /* KV blocks received / pushed over UCX (kvtransfer) and ZeroMQ; pushes in flight */
   uint64_t kv_in_ucx, kv_in_zmq, kv_out_ucx, kv_out_zmq;
+  uint64_t kv_out_ipc; /* of kv_out_ucx: over CUDA IPC */
   int kv_pushing;
 } td_client_worker;
 

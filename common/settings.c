@@ -126,6 +126,7 @@ td_status td_settings_from_env(td_settings *s) {
   if (qr && s->model.qnorm_rows <= 0) s->model.qnorm_rows = -1; /* 0 rows: never fused */
   /* kvtransfer */
   TD_TRY(env_switch("TANDEM_KVX_LOCAL", &s->kvx.local_path));
+  TD_TRY(env_switch("TANDEM_KVX_IPC", &s->kvx.ipc));
   int trace = 0;
   TD_TRY(env_switch("TANDEM_KVX_TRACE", &trace));
   s->kvx.trace = trace == TD_ON;

@@ -79,6 +79,7 @@ typedef struct td_model_tuning {
 /* KV transfer (kvtransfer/). */
 typedef struct td_kvx_tuning {
   int local_path;      /* TANDEM_KVX_LOCAL (on|off): same-host data endpoint (TD_OFF: never) */
+  int ipc;             /* TANDEM_KVX_IPC (on|off): CUDA IPC between GPU pools of one host (TD_OFF: never) */
   bool trace;          /* TANDEM_KVX_TRACE: keep a per-transfer event trace */
   char ucx_tls[256];   /* UCX_TLS as UCX will read it ("" unset): whether shared memory can be had */
 } td_kvx_tuning;

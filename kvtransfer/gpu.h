@@ -12,6 +12,8 @@
 #include "kvtransfer/kvtransfer.h"
 
 #define KVX_NCCL_ID_BYTES 128
+#define KVX_IPC_HANDLE_BYTES 64 /* cudaIpcMemHandle_t */
+#define KVX_DEV_ID_MAX 64       /* a device's identity, with its NUL */
 
 bool kvx_gpu_compiled(void);
 bool kvx_nccl_compiled(void);
@@ -27,6 +29,7 @@ enum {
   KVX_S_NCCL_RX, /* receives: a stalled send never blocks them */
   KVX_S_GATHER,
   KVX_S_SCATTER,
+  KVX_S_IPC, /* device-to-device copies into a peer's mapped pool */
   KVX_S_COUNT
 };
 
@@ -41,7 +44,8 @@ td_status kvx_gpu_host_register(kvx_gpu *g, void *p, size_t bytes);
 void kvx_gpu_host_unregister(kvx_gpu *g, void *p);
 /* Whether [p, p + bytes) is device memory of the context's device. */
 td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes);
-/* Asynchronous copy on a stream (its direction decides the copy kind). */
+/* Asynchronous copy on a stream (its direction decides the copy kind;
+ * KVX_S_IPC: device to device, also into a peer's mapped memory). */
 td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes);
 /* n asynchronous copies on a stream, contiguous neighbours merged, issued
  * as one batch where the runtime has cudaMemcpyBatchAsync. */
@@ -62,6 +66,25 @@ td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event);
 /* 1: done, 0: pending, -1: failed (td_err set). */
 int kvx_gpu_query(kvx_gpu *g, void *event);
 void kvx_gpu_release(kvx_gpu *g, void *event);
+
+/* CUDA IPC between processes of one host (docs/kvtransfer.md, "CUDA IPC").
+ * The device's identity on its host (its PCI bus id), as peers name it. */
+td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_MAX]);
+/* Exports the allocation holding [p, p + bytes): its handle and p's offset
+ * in it. TD_ERR_UNSUPPORTED for memory that cannot be shared. */
+td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_BYTES],
+                             uint64_t *offset);
+/* TD_OK when this context's device may copy into memory of the device a
+ * peer named (kvx_gpu_dev_id), else why not. */
+td_status kvx_gpu_ipc_reach(kvx_gpu *g, const char *dev_id);
+/* Maps a peer's exported allocation for this context's device: *base is
+ * its start, *size its length (0: unknown). A handle opened twice in one
+ * process, or exported by this process, maps once. */
+td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES], void **base, size_t *size);
+/* Unmaps it. No copy into it may be in flight: the caller waited for
+ * their events (CUDA also synchronises the IPC stream first, for copies
+ * whose event could not be recorded). */
+void kvx_gpu_ipc_close(kvx_gpu *g, void *base);
 
 /* A two-rank NCCL communicator, created without blocking. */
 typedef struct kvx_nccl kvx_nccl;

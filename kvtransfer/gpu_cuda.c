@@ -1,7 +1,9 @@
 /* CUDA runtime (C API) and NCCL calls of kvtransfer (gpu.h). */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda.h> /* driver types of cuMemGetAddressRange, reached through the runtime */
 #include <cuda_runtime_api.h>
 #ifdef TD_KVX_HAVE_NCCL
 #include <nccl.h>
@@ -252,6 +254,177 @@ void kvx_gpu_release(kvx_gpu *g, void *event) {
     g->cap_free = cap;
   }
   g->free_ev[g->n_free++] = (cudaEvent_t)event;
+}
+
+/* ---- CUDA IPC ---- */
+
+_Static_assert(sizeof(cudaIpcMemHandle_t) == KVX_IPC_HANDLE_BYTES, "IPC handle size");
+
+td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_MAX]) {
+  out[0] = 0;
+  CK(cudaDeviceGetPCIBusId(out, KVX_DEV_ID_MAX - 1, g->device), "cudaDeviceGetPCIBusId");
+  return TD_OK;
+}
+
+/* cuMemGetAddressRange through the runtime (no link to libcuda): the
+ * allocation that holds a pointer, since a handle names a whole
+ * allocation and opens at its start. NULL where the runtime is too old. */
+typedef CUresult (*range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
+static range_fn g_range;
+static pthread_once_t g_range_once = PTHREAD_ONCE_INIT;
+static void range_init(void) {
+#if CUDART_VERSION >= 12050
+  void *f = NULL;
+  enum cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+      q == cudaDriverEntryPointSuccess)
+    g_range = (range_fn)f;
+  cudaGetLastError();
+#endif
+}
+static bool alloc_range(const void *p, uint8_t **base, size_t *size) {
+  pthread_once(&g_range_once, range_init);
+  CUdeviceptr b = 0;
+  size_t n = 0;
+  if (!g_range || g_range(&b, &n, (CUdeviceptr)(uintptr_t)p) != CUDA_SUCCESS) return false;
+  *base = (uint8_t *)(uintptr_t)b;
+  *size = n;
+  return true;
+}
+
+/* Mappings of this process, shared by its contexts: a handle opened twice
+ * in one process fails, and one this process exported cannot be opened
+ * here at all (its memory is used as it is). */
+typedef struct ipc_map {
+  uint8_t h[KVX_IPC_HANDLE_BYTES];
+  int device;   /* -1: exported by this process */
+  uint8_t *base;
+  size_t size;
+  int refs;
+  bool local;
+  struct ipc_map *next;
+} ipc_map;
+static ipc_map *g_maps;
+static pthread_mutex_t g_ipc_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static ipc_map *map_find(const uint8_t *h, int device) {
+  for (ipc_map *m = g_maps; m; m = m->next)
+    if (m->device == device && !memcmp(m->h, h, KVX_IPC_HANDLE_BYTES)) return m;
+  return NULL;
+}
+
+td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_BYTES],
+                             uint64_t *offset) {
+  cudaSetDevice(g->device);
+  uint8_t *base = p;
+  size_t size = 0;
+  if (alloc_range(p, &base, &size) && (uint8_t *)p + bytes > base + size)
+    return td_err(TD_ERR_INVALID, "KV transfer: pool %p (%zu bytes) overruns its allocation", p, bytes);
+  cudaIpcMemHandle_t h;
+  cudaError_t e = cudaIpcGetMemHandle(&h, base);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return td_err(TD_ERR_UNSUPPORTED, "KV transfer: cudaIpcGetMemHandle: %s", cudaGetErrorString(e));
+  }
+  memcpy(handle, &h, KVX_IPC_HANDLE_BYTES);
+  *offset = (uint64_t)((uint8_t *)p - base);
+  pthread_mutex_lock(&g_ipc_mu);
+  ipc_map *m = map_find(handle, -1);
+  if (!m && (m = calloc(1, sizeof *m))) {
+    memcpy(m->h, handle, KVX_IPC_HANDLE_BYTES);
+    m->device = -1;
+    m->base = base;
+    m->size = size;
+    m->next = g_maps;
+    g_maps = m;
+  }
+  pthread_mutex_unlock(&g_ipc_mu);
+  return TD_OK;
+}
+
+td_status kvx_gpu_ipc_reach(kvx_gpu *g, const char *dev_id) {
+  int peer = -1;
+  cudaError_t e = cudaDeviceGetByPCIBusId(&peer, dev_id);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return td_err(TD_ERR_UNSUPPORTED, "the peer's GPU %s is not visible here: %s", dev_id, cudaGetErrorString(e));
+  }
+  if (peer == g->device) return TD_OK;
+  int can = 0;
+  e = cudaDeviceCanAccessPeer(&can, g->device, peer);
+  if (e != cudaSuccess || !can) {
+    cudaGetLastError();
+    return td_err(TD_ERR_UNSUPPORTED, "no peer access from GPU %d to GPU %d (%s)", g->device, peer, dev_id);
+  }
+  return TD_OK;
+}
+
+td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES], void **base, size_t *size) {
+  *base = NULL;
+  *size = 0;
+  td_status s = TD_OK;
+  pthread_mutex_lock(&g_ipc_mu);
+  ipc_map *m = map_find(handle, g->device);
+  if (!m) {
+    ipc_map *own = map_find(handle, -1);
+    m = calloc(1, sizeof *m);
+    if (!m) {
+      s = td_err(TD_ERR_NOMEM, "out of memory");
+    } else if (own) {
+      m->base = own->base;
+      m->size = own->size;
+      m->local = true;
+    } else {
+      cudaSetDevice(g->device);
+      cudaIpcMemHandle_t h;
+      memcpy(&h, handle, KVX_IPC_HANDLE_BYTES);
+      void *p = NULL;
+      cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        s = cuda_fail(e, "cudaIpcOpenMemHandle");
+      } else {
+        uint8_t *rb = NULL;
+        size_t rs = 0;
+        m->base = p;
+        m->size = alloc_range(p, &rb, &rs) && rb == (uint8_t *)p ? rs : 0;
+      }
+    }
+    if (s == TD_OK) {
+      memcpy(m->h, handle, KVX_IPC_HANDLE_BYTES);
+      m->device = g->device;
+      m->next = g_maps;
+      g_maps = m;
+    } else {
+      free(m);
+      m = NULL;
+    }
+  }
+  if (m) {
+    m->refs++;
+    *base = m->base;
+    *size = m->size;
+  }
+  pthread_mutex_unlock(&g_ipc_mu);
+  return s;
+}
+
+void kvx_gpu_ipc_close(kvx_gpu *g, void *base) {
+  cudaSetDevice(g->device);
+  cudaStreamSynchronize(g->s[KVX_S_IPC]); /* any copy whose event could not be recorded */
+  pthread_mutex_lock(&g_ipc_mu);
+  for (ipc_map **pp = &g_maps; *pp; pp = &(*pp)->next) {
+    ipc_map *m = *pp;
+    if (m->device != g->device || m->base != base) continue;
+    if (--m->refs == 0) {
+      if (!m->local) cudaIpcCloseMemHandle(m->base);
+      cudaGetLastError();
+      *pp = m->next;
+      free(m);
+    }
+    break;
+  }
+  pthread_mutex_unlock(&g_ipc_mu);
 }
 
 /* ---- NCCL ---- */

@@ -1,4 +1,4 @@
-/* Built when CMake found no CUDA: GPU pools and NCCL are unsupported. */
+/* Built when CMake found no CUDA: GPU pools, CUDA IPC and NCCL are unsupported. */
 #include "kvtransfer/gpu.h"
 
 #define NO_CUDA td_err(TD_ERR_UNSUPPORTED, "KV transfer: this build has no CUDA")
@@ -42,6 +42,21 @@ int kvx_gpu_query(kvx_gpu *g, void *event) {
   return -1;
 }
 void kvx_gpu_release(kvx_gpu *g, void *event) {}
+td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_MAX]) {
+  out[0] = 0;
+  return NO_CUDA;
+}
+td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_BYTES],
+                             uint64_t *offset) {
+  return NO_CUDA;
+}
+td_status kvx_gpu_ipc_reach(kvx_gpu *g, const char *dev_id) { return NO_CUDA; }
+td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES], void **base, size_t *size) {
+  *base = NULL;
+  *size = 0;
+  return NO_CUDA;
+}
+void kvx_gpu_ipc_close(kvx_gpu *g, void *base) {}
 td_status kvx_nccl_unique_id(uint8_t id[KVX_NCCL_ID_BYTES]) { return NO_CUDA; }
 td_status kvx_nccl_create(kvx_gpu *g, const uint8_t id[KVX_NCCL_ID_BYTES], int rank, kvx_nccl **out) {
   *out = NULL;

@@ -1,8 +1,9 @@
 /* KV transfer: moves paged KV blocks from an encoder / prefill worker (the
  * sender) into blocks that a decode worker reserved (the receiver), over UCX
  * (one-sided puts into registered pools; GPU pools staged through pinned
- * host buffers when the UCX build has no CUDA support) or NCCL (GPU to GPU
- * send/recv on a per-pair communicator).
+ * host buffers when the UCX build has no CUDA support), CUDA IPC (GPU pools
+ * of one host: device-to-device copies into the receiver's mapped pool) or
+ * NCCL (GPU to GPU send/recv on a per-pair communicator).
  *
  * Protocol (docs/kvtransfer.md): the sender asks (REQ), the receiver checks
  * the reservation through the application's authorize callback and grants
@@ -28,10 +29,12 @@ typedef struct td_kvx td_kvx;
 typedef struct td_kvx_peer td_kvx_peer;
 
 #define TD_KVX_MAX_POOLS 16
-#define TD_KVX_DESC_VERSION 2 /* 2: the layout's states tail */
+#define TD_KVX_DESC_VERSION 3 /* 2: the layout's states tail; 3: CUDA IPC handles (2 is still read) */
 
 typedef enum td_kvx_mem { TD_KVX_MEM_HOST = 0, TD_KVX_MEM_CUDA = 1 } td_kvx_mem;
-typedef enum td_kvx_transport { TD_KVX_AUTO = 0, TD_KVX_UCX = 1, TD_KVX_NCCL = 2 } td_kvx_transport;
+/* AUTO: CUDA IPC for GPU to GPU on one host where both sides can, else
+ * NCCL between two GPUs, else UCX (docs/kvtransfer.md, "Data paths"). */
+typedef enum td_kvx_transport { TD_KVX_AUTO = 0, TD_KVX_UCX = 1, TD_KVX_NCCL = 2, TD_KVX_IPC = 3 } td_kvx_transport;
 
 /* ---- geometry and re-slicing (pure functions) ---- */
 
@@ -121,6 +124,9 @@ typedef struct td_kvx_opts {
    * end of a transfer. */
   size_t staging_chunk_bytes;
   bool force_staged;         /* stage GPU pools even if UCX supports CUDA */
+  /* No CUDA IPC: GPU pools export no handle and transfers never map a
+   * peer's pool (TANDEM_KVX_IPC=off). */
+  bool no_ipc;
   /* NCCL: the largest chunk of a transfer's byte stream (the pipeline's
    * step; 6 device bounce slots of this size per direction). */
   size_t nccl_chunk_bytes;
@@ -172,12 +178,14 @@ typedef struct td_kvx_pool_info {
   bool direct; /* remote puts land in the pool itself (else staged) */
   int n_blocks;
   td_kvx_geom geom;
+  bool ipc; /* a GPU pool that same-host peers may map (CUDA IPC) */
 } td_kvx_pool_info;
 typedef struct td_kvx_desc_info {
   uint16_t version;
   uint64_t uuid;
   bool staging; /* has staging buffers for GPU pools */
   bool nccl;    /* can receive over NCCL */
+  bool ipc;     /* exports CUDA IPC handles of its GPU pools */
   int n_pools;
   td_kvx_pool_info pools[TD_KVX_MAX_POOLS];
 } td_kvx_desc_info;
@@ -208,7 +216,7 @@ typedef struct td_kvx_xfer {
   const int32_t *dst_blocks; /* the reserved destination of each */
   int n_blocks;
   int timeout_ms;             /* 0: the context's default */
-  td_kvx_transport transport; /* AUTO: NCCL for GPU to GPU when both have it */
+  td_kvx_transport transport; /* AUTO: IPC, then NCCL for GPU to GPU where both have it */
   void *cuda_ready_event;     /* optional cudaEvent_t the copies wait for */
 } td_kvx_xfer;
 /* Posts a transfer; cb fires once from td_kvx_progress. */
@@ -236,11 +244,14 @@ typedef struct td_kvx_stats {
   int rpeers;      /* connected to us */
   int xfers;       /* posted, not ended */
   int grants;      /* granted, not ended */
-  int ops;         /* UCX / CUDA operations in flight */
+  int ops;         /* UCX / CUDA operations in flight (IPC chunks included) */
+  int ipc_chunks;  /* chunks of CUDA IPC copies in flight */
   int orphan_ops;  /* of failed peers, never completed */
   uint64_t bytes_sent, bytes_received;
   uint64_t xfers_ok, xfers_failed, grants_ok, grants_failed;
   uint64_t nccl_xfers; /* posted over NCCL */
+  uint64_t ipc_xfers;  /* posted over CUDA IPC */
+  uint64_t ipc_blocks; /* blocks of CUDA IPC transfers that ended well */
   bool local_path; /* some peer uses the same-host data endpoint */
 } td_kvx_stats;
 td_kvx_stats td_kvx_get_stats(const td_kvx *k);

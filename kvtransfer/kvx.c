@@ -70,11 +70,15 @@ td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out) {
       goto fail;
     }
     if ((s = kvx_gpu_create(k->o.cuda_device, &k->gpu)) != TD_OK) goto fail;
+    bool id = kvx_gpu_dev_id(k->gpu, k->dev_id) == TD_OK;
+    if (!id && !k->o.no_ipc) TD_WARN("kvx %s: no CUDA IPC: %s", k->name, td_errmsg());
+    td_err_clear();
+    k->ipc = id && !k->o.no_ipc;
   }
   if ((s = kvx_ucx_open(k)) != TD_OK) goto fail;
-  TD_INFO("kvx %s: uuid %016" PRIx64 ", UCX CUDA memory %s, same-host data path %s, GPU %s, NCCL %s", k->name,
-          k->uuid, k->cuda_mem ? "yes" : "no", k->local_ok ? "on" : "off", k->gpu ? "yes" : "no",
-          (k->gpu && kvx_nccl_compiled()) ? "yes" : "no");
+  TD_INFO("kvx %s: uuid %016" PRIx64 ", UCX CUDA memory %s, same-host data path %s, GPU %s, NCCL %s, CUDA IPC %s",
+          k->name, k->uuid, k->cuda_mem ? "yes" : "no", k->local_ok ? "on" : "off", k->gpu ? k->dev_id : "no",
+          (k->gpu && kvx_nccl_compiled()) ? "yes" : "no", k->ipc ? "on" : "off");
   *out = k;
   return TD_OK;
 fail:
@@ -119,6 +123,13 @@ td_status td_kvx_register_pool(td_kvx *k, const td_kvx_pool_desc *d) {
       } else {
         s = kvx_ensure_staging(k);
       }
+      /* Same-host peers may map it (CUDA IPC); memory that cannot be
+       * shared still moves by the other paths. */
+      if (s == TD_OK && k->ipc) {
+        p->ipc = kvx_gpu_ipc_export(k->gpu, d->base, p->bytes, p->ipc_handle, &p->ipc_off) == TD_OK;
+        if (!p->ipc) TD_INFO("kvx %s: pool %u not exported for CUDA IPC: %s", k->name, d->pool_id, td_errmsg());
+        td_err_clear();
+      }
     }
   } else {
     s = td_err(TD_ERR_INVALID, "KV transfer: pool %u: memory kind %d", d->pool_id, (int)d->mem);
@@ -135,8 +146,9 @@ td_status td_kvx_register_pool(td_kvx *k, const td_kvx_pool_desc *d) {
     return s;
   }
   HASH_ADD(hh, k->pools, id, sizeof p->id, p);
-  TD_DEBUG("kvx %s: pool %u: %d blocks of %" PRIu64 " bytes in %s memory (%s)", k->name, p->id, d->n_blocks,
-           p->block_bytes, d->mem == TD_KVX_MEM_CUDA ? "GPU" : "host", p->direct ? "direct" : "staged");
+  TD_DEBUG("kvx %s: pool %u: %d blocks of %" PRIu64 " bytes in %s memory (%s%s)", k->name, p->id, d->n_blocks,
+           p->block_bytes, d->mem == TD_KVX_MEM_CUDA ? "GPU" : "host", p->direct ? "direct" : "staged",
+           p->ipc ? ", CUDA IPC" : "");
   return TD_OK;
 }
 
@@ -173,6 +185,8 @@ td_status td_kvx_export(td_kvx *k, uint8_t **bytes, size_t *len) {
     d.stg_rkey = k->recv_rkey;
     d.stg_rkey_len = (uint32_t)k->recv_rkey_len;
   }
+  d.ipc = k->ipc;
+  snprintf(d.dev_id, sizeof d.dev_id, "%s", k->dev_id);
   kvx_pool *p, *tmp;
   HASH_ITER(hh, k->pools, p, tmp) {
     kvx_desc_pool *dp = &d.pools[d.n_pools++];
@@ -184,6 +198,9 @@ td_status td_kvx_export(td_kvx *k, uint8_t **bytes, size_t *len) {
     dp->base = (uint64_t)(uintptr_t)p->d.base;
     dp->rkey = p->rkey;
     dp->rkey_len = (uint32_t)p->rkey_len;
+    dp->info.ipc = p->ipc;
+    dp->ipc_off = p->ipc_off;
+    dp->ipc_handle = p->ipc_handle;
   }
   return kvx_desc_encode(&d, bytes, len);
 }
@@ -298,6 +315,7 @@ void kvx_peer_maybe_release(td_kvx_peer *p) {
   }
   if (p->stg_ptr) kvx_gpu_host_unregister(k->gpu, p->stg_ptr);
   p->stg_ptr = NULL;
+  kvx_ipc_unmap(p);
   for (int i = 0; i < TD_KVX_MAX_POOLS; i++)
     if (p->rkeys[i]) ucp_rkey_destroy(p->rkeys[i]);
   if (p->stg_rkey) ucp_rkey_destroy(p->stg_rkey);
@@ -330,6 +348,12 @@ td_kvx_stats td_kvx_get_stats(const td_kvx *k) {
   s.orphan_ops = k->n_orphans;
   kvx_h2d *h;
   DL_FOREACH(k->h2ds, h) s.ops++;
+  kvx_xfer *x, *tmp;
+  HASH_ITER(hh, k->xfers, x, tmp) {
+    kvx_chunk *ch;
+    DL_FOREACH(x->chunks, ch) if (ch->state == CH_IPC) s.ipc_chunks++;
+  }
+  s.ops += s.ipc_chunks;
   return s;
 }
 

@@ -90,6 +90,8 @@ again:;
       else
         kvx_xfer_finish(x, TD_ERR_PEER, p->msg);
     }
+    /* Its copies were waited for: the dead peer's memory goes back now. */
+    kvx_ipc_unmap(p);
     if (p->data_ep == p->ep) {
       /* The failed endpoint completed its operations; keys go before it. */
       for (int i = 0; i < TD_KVX_MAX_POOLS; i++) {
@@ -173,14 +175,14 @@ int td_kvx_progress(td_kvx *k) {
   return work;
 }
 
-/* Work that no file descriptor signals: CUDA copies and NCCL groups. */
+/* Work that no file descriptor signals: CUDA copies (staged, IPC) and NCCL groups. */
 static bool gpu_busy(td_kvx *k) {
   if (k->h2ds) return true;
   kvx_xfer *x, *tmp;
   HASH_ITER(hh, k->xfers, x, tmp) {
     if (x->nccl && (x->st == XS_RUN || (x->st == XS_STOPPING && x->ns))) return true;
     kvx_chunk *ch;
-    DL_FOREACH(x->chunks, ch) if (ch->state == CH_D2H) return true;
+    DL_FOREACH(x->chunks, ch) if (ch->state == CH_D2H || ch->state == CH_IPC) return true;
     if (x->ready_ev && !x->ready_done && x->st == XS_RUN) return true;
   }
   kvx_grant *g, *gtmp;

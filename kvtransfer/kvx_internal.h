@@ -37,6 +37,11 @@
  * done, so two groups alternate (one moves while the other is scattered
  * and posted again). */
 #define KVX_NCCL_GROUP (KVX_NCCL_WINDOW / 2)
+/* CUDA IPC: a chunk's copies (one batch, one event) and the chunks in
+ * flight per transfer; a cancel waits for at most these. */
+#define KVX_IPC_CHUNK ((uint64_t)16 << 20)
+#define KVX_IPC_PIECES 1024
+#define KVX_IPC_WINDOW 4
 
 /* ---------------------------------------------------------------- types */
 
@@ -46,6 +51,9 @@ typedef struct kvx_pool {
   td_kvx_pool_desc d;
   uint64_t block_bytes, bytes;
   bool direct; /* remote puts land in it (host, or CUDA with UCX CUDA support) */
+  bool ipc;    /* exported for CUDA IPC: handle of its allocation, its offset there */
+  uint8_t ipc_handle[KVX_IPC_HANDLE_BYTES];
+  uint64_t ipc_off;
   ucp_mem_h memh;
   void *rkey;
   size_t rkey_len;
@@ -84,12 +92,17 @@ struct td_kvx_peer {
   kvx_nccl *nccl;
   uint32_t nccl_gen;
   uint64_t nccl_next_seq; /* the next granted sequence number to post */
+  /* CUDA IPC (kvx_ipc.c): the peer's pools mapped here on first use. */
+  int ipc_reach;                       /* 0: not checked, 1: its device is reachable, -1: IPC is off for it */
+  int8_t ipc_state[TD_KVX_MAX_POOLS];  /* 0: not mapped yet, 1: mapped, -1: cannot be */
+  uint8_t *ipc_base[TD_KVX_MAX_POOLS]; /* the mapped allocation */
+  bool ipc_logged;                     /* why IPC is off for it, said once */
   struct td_kvx_peer *prev, *next;
 };
 
 /* Receiver side: a peer that connected to us (its HELLO). */
 typedef struct kvx_rpeer {
-  uint64_t uuid;
+  uint64_t uuid, host_id;
   td_kvx *k;
   kvx_ep_owner *own;
   ucp_ep_h ep;      /* back channel for replies */
@@ -105,7 +118,7 @@ typedef struct kvx_rpeer {
 } kvx_rpeer;
 
 /* A chunk of a UCX transfer (kvx_put.c) and its state. */
-enum { CH_D2H, CH_PUT, CH_FLUSH, CH_FLUSHED, CH_DONE };
+enum { CH_D2H, CH_PUT, CH_FLUSH, CH_FLUSHED, CH_DONE, CH_IPC /* device copies into the mapped pool */ };
 
 typedef struct kvx_chunk {
   int state;
@@ -160,7 +173,8 @@ typedef struct kvx_xfer {
   td_kvx_slice *items;
   int n_items;
   uint64_t total;
-  bool nccl, am, src_staged, dst_staged, direct_stage;
+  bool nccl, am, ipc, src_staged, dst_staged, direct_stage;
+  uint8_t *ipc_dst; /* ipc: the receiver's pool, mapped here */
   void *ready_ev;
   bool ready_done;
   xstate st;
@@ -211,7 +225,7 @@ typedef struct kvx_grant {
   td_kvx_slice *items; /* the plan, for NCCL */
   int n_items;
   uint64_t total, received;
-  bool nccl, staged, am, done_rx;
+  bool nccl, staged, am, ipc, done_rx;
   td_status data_err; /* set by the data handler, acted on by the pump */
   int gst;
   int slots[KVX_GRANT_SLOTS];
@@ -269,6 +283,8 @@ struct td_kvx {
   ucp_address_t *addr;
   size_t addr_len;
   bool cuda_mem, local_ok;
+  bool ipc;                    /* CUDA IPC on: a GPU and not no_ipc */
+  char dev_id[KVX_DEV_ID_MAX]; /* the GPU's identity on this host */
   int efd, tfd, epfd;
   kvx_gpu *gpu;
   size_t slot_bytes, stage_chunk;
@@ -355,6 +371,8 @@ int kvx_pump_h2d(td_kvx *k);
 
 /* ---- kvx_nccl.c: NCCL streams, bounce slots, both pipelines ---- */
 td_status kvx_bounce_ring(td_kvx *k, int side);
+/* Grows the scratch lists k->sc_d / sc_s / sc_n to n entries. */
+td_status kvx_scratch(td_kvx *k, size_t n);
 kvx_nstream *kvx_nstream_new(uint64_t first, uint64_t max);
 void kvx_nstream_drop_ops(td_kvx *k, kvx_nstream *ns, bool recv);
 bool kvx_nstream_quiet(td_kvx *k, kvx_nstream *ns);
@@ -364,6 +382,15 @@ int kvx_pump_nccl_recv(kvx_grant *g);
 void kvx_peer_nccl_abort(td_kvx_peer *p, td_status s, const char *why, bool tell);
 void kvx_rpeer_nccl_abort(kvx_rpeer *rp, td_status s, const char *why, bool tell);
 
+/* ---- kvx_ipc.c: CUDA IPC into a same-host peer's GPU pools ---- */
+/* Whether a transfer from src into the peer's pool dpi can go over CUDA
+ * IPC, mapping the pool on first use; *why (KVX_TEXT) says why not. Says
+ * once per peer in the log why IPC is off for it. */
+bool kvx_ipc_usable(td_kvx_peer *p, const kvx_pool *src, int dpi, char *why);
+int kvx_pump_ipc(kvx_xfer *x);
+/* Unmaps the peer's pools: none of its transfers has a copy in flight. */
+void kvx_ipc_unmap(td_kvx_peer *p);
+
 /* ---- kvx_send.c: a posted transfer's life on the sender ---- */
 void kvx_xfer_stop(kvx_xfer *x, td_status s, const char *msg, bool notify);
 void kvx_xfer_finish(kvx_xfer *x, td_status s, const char *msg);
@@ -372,6 +399,8 @@ int kvx_pump_xfers(td_kvx *k);
 void kvx_sender_msg(kvx_xfer *x, unsigned type, uint64_t xid, kvx_rbuf *r);
 
 /* ---- kvx_put.c: the UCX data path of a transfer ---- */
+/* The next run of pieces of the plan: at most max_bytes and max_pieces. */
+kvx_chunk *kvx_chunk_build(kvx_xfer *x, uint64_t max_bytes, int max_pieces);
 int kvx_pump_ucx(kvx_xfer *x);
 void kvx_flush_data(kvx_xfer *x, int kind, kvx_chunk *ch);
 void kvx_chunk_free(kvx_xfer *x, kvx_chunk *ch);

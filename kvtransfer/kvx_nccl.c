@@ -23,7 +23,7 @@ td_status kvx_bounce_ring(td_kvx *k, int side) {
   return TD_OK;
 }
 
-static td_status scratch(td_kvx *k, size_t n) {
+td_status kvx_scratch(td_kvx *k, size_t n) {
   if (n <= k->sc_cap) return TD_OK;
   size_t cap = n < 256 ? 256 : n;
   free(k->sc_d);
@@ -175,7 +175,7 @@ static td_status nccl_prepare(kvx_xfer *x, bool *made) {
   } else if (k->n_nb_free[0] == 0) {
     free(pc);
     return TD_OK;
-  } else if ((s = scratch(k, (size_t)n)) == TD_OK) {
+  } else if ((s = kvx_scratch(k, (size_t)n)) == TD_OK) {
     e->slot = k->nb_free[0][--k->n_nb_free[0]];
     e->buf = k->nb[0] + (size_t)e->slot * k->nccl_chunk;
     uint64_t packed = 0;
@@ -353,7 +353,7 @@ static td_status nccl_prepare_recv(kvx_grant *g, bool *made) {
 /* Copies a received slot out into the pool (scatter stream). */
 static td_status nccl_scatter(kvx_grant *g, kvx_nchunk *e) {
   td_kvx *k = g->k;
-  TD_TRY(scratch(k, (size_t)e->n_pc));
+  TD_TRY(kvx_scratch(k, (size_t)e->n_pc));
   uint8_t *base = g->pool->d.base;
   uint64_t packed = 0;
   for (int i = 0; i < e->n_pc; i++) {

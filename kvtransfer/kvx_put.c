@@ -9,17 +9,16 @@
 #include "common/log.h"
 #include "kvtransfer/kvx_internal.h"
 
-/* Takes the next run of pieces from the transfer's plan. */
-static kvx_chunk *chunk_build(kvx_xfer *x, uint64_t max_bytes) {
+kvx_chunk *kvx_chunk_build(kvx_xfer *x, uint64_t max_bytes, int max_pieces) {
   kvx_chunk *ch = calloc(1, sizeof *ch);
   if (!ch) return NULL;
-  ch->pc = malloc(sizeof *ch->pc * KVX_CHUNK_PIECES);
+  ch->pc = malloc(sizeof *ch->pc * (size_t)max_pieces);
   if (!ch->pc) {
     free(ch);
     return NULL;
   }
   ch->lslot = ch->rslot = -1;
-  while (x->ci < x->n_items && ch->n < KVX_CHUNK_PIECES && ch->bytes < max_bytes) {
+  while (x->ci < x->n_items && ch->n < max_pieces && ch->bytes < max_bytes) {
     const td_kvx_slice *it = &x->items[x->ci];
     uint64_t len = it->len - x->coff;
     if (len > max_bytes - ch->bytes) len = max_bytes - ch->bytes;
@@ -233,7 +232,7 @@ int kvx_pump_ucx(kvx_xfer *x) {
     if (x->dst_staged && x->peer->desc.stg_slot_bytes < cap) cap = x->peer->desc.stg_slot_bytes;
     /* Small first and last chunks: the pipeline fills and drains sooner. */
     if (x->src_staged || x->dst_staged) cap = kvx_stage_chunk_cap(x->issued, x->total, cap, k->stage_chunk);
-    kvx_chunk *c = chunk_build(x, cap);
+    kvx_chunk *c = kvx_chunk_build(x, cap, KVX_CHUNK_PIECES);
     if (!c) {
       kvx_xfer_stop(x, TD_ERR_NOMEM, "out of memory", true);
       return 1;

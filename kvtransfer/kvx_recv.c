@@ -155,6 +155,7 @@ void kvx_handle_hello(td_kvx *k, uint64_t uuid, kvx_rbuf *r) {
   }
   own->k = k;
   rp->uuid = uuid;
+  rp->host_id = host;
   rp->k = k;
   rp->own = own;
   rp->conns = 1;
@@ -242,10 +243,13 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   for (int i = 0; i < n_items; i++) mine += items[i].len;
   if (!why[0] && mine != total)
     snprintf(why, sizeof why, "sender plans %" PRIu64 " bytes, receiver %" PRIu64, total, mine);
-  bool nccl = transport == KVX_MODE_NCCL, am = transport == KVX_MODE_AM;
-  bool staged = !nccl && !am && !pool->direct;
-  if (!why[0] && transport != KVX_MODE_PUT && !nccl && !am)
+  bool nccl = transport == KVX_MODE_NCCL, am = transport == KVX_MODE_AM, ipc = transport == KVX_MODE_IPC;
+  bool staged = !nccl && !am && !ipc && !pool->direct;
+  if (!why[0] && transport != KVX_MODE_PUT && !nccl && !am && !ipc)
     snprintf(why, sizeof why, "unknown data mode %u", transport);
+  /* IPC writes need our handle, which we export only for GPU pools. */
+  if (!why[0] && ipc && (!pool->ipc || rp->host_id != k->host_id))
+    snprintf(why, sizeof why, "no CUDA IPC into pool %u from this peer", dst_pool);
   if (!why[0] && nccl && (pool->d.mem != TD_KVX_MEM_CUDA || !rp->nccl || rp->nccl_gen != gen))
     snprintf(why, sizeof why, "no NCCL communicator for this transfer");
   if (!why[0] && nccl && !kvx_chunking_valid(ck_first, ck_max))
@@ -300,6 +304,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   g->nccl = nccl;
   g->ns = ns;
   g->am = am;
+  g->ipc = ipc;
   g->staged = staged;
   g->deadline = td_now_ms() + (int64_t)timeout_ms + TD_KVX_GRANT_GRACE_MS;
   HASH_ADD(hh, k->grants, key, sizeof g->key, g);
@@ -394,7 +399,8 @@ int kvx_pump_grants(td_kvx *k) {
           work++;
         } else if (g->done_rx && g->h2d == 0 && (!(g->staged || g->am) || g->received == g->total)) {
           /* Data messages may trail DONE; a counted grant waits for them. */
-          if (!g->staged && !g->am) g->received = g->total; /* direct puts are flushed before DONE */
+          /* Direct puts are flushed before DONE, IPC copies completed. */
+          if (!g->staged && !g->am) g->received = g->total;
           if (g->received == g->total) {
             kvx_send_status(k, g->rp->fast_ep ? g->rp->fast_ep : g->rp->ep, KVX_MSG_ACK, g->key.xid, TD_OK, "");
             kvx_trace(k, g->key.xid, "r_ack", 0);

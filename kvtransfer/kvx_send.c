@@ -1,8 +1,8 @@
 /* The sender's side of a transfer: td_kvx_post (checks, the plan, the
  * data path's choice, REQ), cancel and disconnect, stopping and finishing,
- * the per-transfer pump that drives the UCX (kvx_put.c) or NCCL
- * (kvx_nccl.c) data path, and the receiver's answers (GRANT, DENY, CREDIT,
- * ACK, REVOKE). */
+ * the per-transfer pump that drives the UCX (kvx_put.c), CUDA IPC
+ * (kvx_ipc.c) or NCCL (kvx_nccl.c) data path, and the receiver's answers
+ * (GRANT, DENY, CREDIT, ACK, REVOKE). */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +39,7 @@ void kvx_xfer_finish(kvx_xfer *x, td_status s, const char *msg) {
     k->st.xfers_ok++;
   else
     k->st.xfers_failed++;
+  if (s == TD_OK && x->ipc) k->st.ipc_blocks += (uint64_t)x->n_blocks;
   x->dnext = k->xdone;
   k->xdone = x;
   TD_DEBUG("kvx %s: transfer %" PRIu64 " (request %" PRIu64 ") ended: %s %s", k->name, x->id, x->request_id,
@@ -78,23 +79,31 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
       return td_err(TD_ERR_INVALID, "KV transfer: block pair %d (%d -> %d) outside the pools (%d, %d blocks)", i,
                     q->src_blocks[i], q->dst_blocks[i], pool->d.n_blocks, dp->info.n_blocks);
   }
-  bool nccl;
+  bool nccl = false, ipc = false;
   bool both_gpu = pool->d.mem == TD_KVX_MEM_CUDA && dp->info.mem == TD_KVX_MEM_CUDA;
+  char why[KVX_TEXT];
   if (q->transport == TD_KVX_NCCL) {
     if (!both_gpu) return td_err(TD_ERR_INVALID, "KV transfer: NCCL moves GPU pools only");
     if (!td_kvx_nccl_available(k) || !p->info.nccl)
       return td_err(TD_ERR_UNSUPPORTED, "KV transfer: NCCL is not available on both sides");
     nccl = true;
-  } else if (q->transport == TD_KVX_UCX) {
-    nccl = false;
-  } else {
-    /* NCCL cannot pair two ranks on one GPU. */
+  } else if (q->transport == TD_KVX_IPC) {
+    if (!both_gpu) return td_err(TD_ERR_INVALID, "KV transfer: CUDA IPC moves GPU pools only");
+    if (!kvx_ipc_usable(p, pool, dpi, why))
+      return td_err(TD_ERR_UNSUPPORTED, "KV transfer: no CUDA IPC into the peer's pool %u: %s", q->dst_pool, why);
+    ipc = true;
+  } else if (q->transport == TD_KVX_AUTO) {
+    /* IPC copies straight into the peer's pool on one host; NCCL cannot
+     * pair two ranks on one GPU. */
+    ipc = both_gpu && kvx_ipc_usable(p, pool, dpi, why);
     uint64_t mine = kvx_gpu_uid(k->gpu) ^ k->host_id;
-    nccl = both_gpu && td_kvx_nccl_available(k) && p->info.nccl && p->desc.gpu_id != mine;
+    nccl = !ipc && both_gpu && td_kvx_nccl_available(k) && p->info.nccl && p->desc.gpu_id != mine;
+  } else if (q->transport != TD_KVX_UCX) {
+    return td_err(TD_ERR_INVALID, "KV transfer: transport %d", (int)q->transport);
   }
-  bool am = !nccl && !p->rma;
-  bool src_staged = pool->d.mem == TD_KVX_MEM_CUDA && !pool->direct && !nccl;
-  bool dst_staged = !dp->info.direct && !nccl && !am;
+  bool am = !nccl && !ipc && !p->rma;
+  bool src_staged = pool->d.mem == TD_KVX_MEM_CUDA && !pool->direct && !nccl && !ipc;
+  bool dst_staged = !dp->info.direct && !nccl && !am && !ipc;
   if ((src_staged && !k->send_stg) || (dst_staged && !p->stg_rkey))
     return td_err(TD_ERR_INTERNAL, "KV transfer: staged path without staging buffers");
   if (nccl) TD_TRY(kvx_bounce_ring(k, 0));
@@ -135,6 +144,8 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   x->n_items = n_items;
   for (int i = 0; i < n_items; i++) x->total += items[i].len;
   x->nccl = nccl;
+  x->ipc = ipc;
+  if (ipc) x->ipc_dst = p->ipc_base[dpi] + dp->ipc_off;
   x->am = am;
   x->src_staged = src_staged;
   x->dst_staged = dst_staged;
@@ -175,7 +186,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   kvx_w_u64(&w, x->request_id);
   kvx_w_u64(&w, x->res_id);
   kvx_w_u32(&w, q->dst_pool);
-  kvx_w_u8(&w, nccl ? KVX_MODE_NCCL : am ? KVX_MODE_AM : KVX_MODE_PUT);
+  kvx_w_u8(&w, nccl ? KVX_MODE_NCCL : ipc ? KVX_MODE_IPC : am ? KVX_MODE_AM : KVX_MODE_PUT);
   kvx_w_u32(&w, nccl ? p->nccl_gen : 0);
   kvx_w_u32(&w, (uint32_t)x->timeout_ms);
   kvx_w_u64(&w, x->total);
@@ -199,11 +210,12 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   pool->users++;
   p->n_xfers++;
   if (nccl) k->st.nccl_xfers++;
+  if (ipc) k->st.ipc_xfers++;
   HASH_ADD(hh, k->xfers, id, sizeof x->id, x);
   if (xfer_id) *xfer_id = x->id;
   TD_DEBUG("kvx %s: transfer %" PRIu64 " (request %" PRIu64 "): %d blocks, %d copies, %" PRIu64 " bytes via %s%s%s",
            k->name, x->id, x->request_id, x->n_blocks, n_items, x->total,
-           nccl ? "NCCL" : am ? "UCX active messages" : "UCX puts",
+           nccl ? "NCCL" : ipc ? "CUDA IPC" : am ? "UCX active messages" : "UCX puts",
            src_staged ? ", staged source" : "", dst_staged ? ", staged destination" : "");
   return TD_OK;
 }
@@ -234,7 +246,7 @@ static int pump_stop(kvx_xfer *x) {
   kvx_chunk *ch, *tmp;
   int work = 0;
   DL_FOREACH_SAFE(x->chunks, ch, tmp) {
-    if (ch->state == CH_D2H) {
+    if (ch->state == CH_D2H || ch->state == CH_IPC) {
       if (kvx_gpu_query(k->gpu, ch->ev) == 0) continue;
       kvx_chunk_free(x, ch);
       work++;
@@ -253,7 +265,7 @@ static int pump_stop(kvx_xfer *x) {
     return work;
   }
   if (x->n_chunks > 0 || x->ops > 0 || !kvx_nstream_quiet(k, x->ns)) return work;
-  if (x->bytes_put > 0 && !x->nccl && !x->stop_flush_issued) {
+  if (x->bytes_put > 0 && !x->nccl && !x->ipc && !x->stop_flush_issued) {
     x->stop_flush_issued = true;
     kvx_flush_data(x, FL_STOP, NULL);
     return work + 1;
@@ -277,7 +289,7 @@ int kvx_pump_xfers(td_kvx *k) {
     }
     switch (x->st) {
       case XS_RUN:
-        work += x->nccl ? kvx_pump_nccl_send(x) : kvx_pump_ucx(x);
+        work += x->nccl ? kvx_pump_nccl_send(x) : x->ipc ? kvx_pump_ipc(x) : kvx_pump_ucx(x);
         break;
       case XS_FINISH:
         if (x->acked) {

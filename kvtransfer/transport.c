@@ -46,3 +46,4 @@ int td_kvt_pending(const td_kvt *t) { return t->iface->pending(t); }
 td_status td_kvt_watch(td_kvt *t, td_loop *l) { return t->iface->watch(t, l); }
 bool td_kvt_arm(td_kvt *t) { return t->iface->arm(t); }
 void td_kvt_progress(td_kvt *t) { t->iface->progress(t); }
+uint64_t td_kvt_ipc_blocks(const td_kvt *t) { return t->iface->ipc_blocks ? t->iface->ipc_blocks(t) : 0; }

@@ -102,6 +102,7 @@ typedef struct td_kvt_i {
   td_status (*watch)(td_kvt *t, td_loop *l);
   bool (*arm)(td_kvt *t);
   void (*progress)(td_kvt *t);
+  uint64_t (*ipc_blocks)(const td_kvt *t); /* of its pushed blocks, those over CUDA IPC; NULL: none */
 } td_kvt_i;
 
 struct td_kvt {
@@ -143,5 +144,8 @@ td_status td_kvt_watch(td_kvt *t, td_loop *l);
 bool td_kvt_arm(td_kvt *t);
 /* Receives, completes and times out what it can, without blocking. */
 void td_kvt_progress(td_kvt *t);
+/* Blocks it pushed over CUDA IPC (td_kvt_ucx between GPU pools of one
+ * host), counted among its pushed blocks too. */
+uint64_t td_kvt_ipc_blocks(const td_kvt *t);
 
 #endif

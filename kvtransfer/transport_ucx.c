@@ -319,6 +319,11 @@ static void ux_destroy(td_kvt *t) {
   t->ctx = NULL;
 }
 
+static uint64_t ux_ipc_blocks(const td_kvt *t) {
+  const ux *u = t->ctx;
+  return td_kvx_get_stats(u->k).ipc_blocks;
+}
+
 static td_status ux_create(td_kvt *t, const td_kvt_opts *o) {
   ux *u = calloc(1, sizeof *u);
   if (!u) return td_err(TD_ERR_NOMEM, "out of memory");
@@ -327,6 +332,7 @@ static td_status ux_create(td_kvt *t, const td_kvt_opts *o) {
   u->h = &t->hooks;
   td_kvx_opts ko = {.name = o->name, .cuda_device = o->cuda ? o->device : -1, .timeout_ms = o->timeout_ms,
                     .local_path = o->kvx.local_path == TD_OFF ? TD_KVX_LOCAL_OFF : TD_KVX_LOCAL_AUTO,
+                    .no_ipc = o->kvx.ipc == TD_OFF,
                     .ucx_tls = o->kvx.ucx_tls, .trace = o->kvx.trace,
                     .authorize = on_authorize, .on_recv = on_recv, .on_peer = on_peer, .ctx = u};
   td_status s = td_kvx_create(&ko, &u->k);
@@ -367,4 +373,5 @@ const td_kvt_i td_kvt_ucx = {
     .watch = ux_watch,
     .arm = ux_arm,
     .progress = ux_progress,
+    .ipc_blocks = ux_ipc_blocks,
 };

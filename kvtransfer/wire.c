@@ -89,13 +89,19 @@ uint32_t kvx_crc32(const void *data, size_t n) {
 
 /* Layout: magic u32, version u16, caps u32, uuid u64, host_id u64, pid u32,
  * gpu_id u64, addr (u32 len + bytes), staging u8 [base u64, slot_bytes u64, slots u32,
- * rkey], n_pools u32, pools, crc32 u32 of everything before it. */
+ * rkey], [version 3: ipc u8 [device id: u8 len + bytes]], n_pools u32, pools
+ * (each [version 3: ipc u8 [offset u64, handle]]), crc32 u32 of everything
+ * before it. */
 td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len) {
   *out = NULL;
   *len = 0;
+  uint16_t version = d->version ? d->version : TD_KVX_DESC_VERSION;
+  if (version != 2 && version != TD_KVX_DESC_VERSION)
+    return td_err(TD_ERR_VERSION, "KV transfer descriptor: cannot write version %u", (unsigned)version);
+  bool v3 = version >= 3;
   kvx_wbuf w = {0};
   kvx_w_u32(&w, KVX_DESC_MAGIC);
-  kvx_w_u16(&w, TD_KVX_DESC_VERSION);
+  kvx_w_u16(&w, version);
   kvx_w_u32(&w, d->caps);
   kvx_w_u64(&w, d->uuid);
   kvx_w_u64(&w, d->host_id);
@@ -110,6 +116,14 @@ td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len) {
     kvx_w_u32(&w, d->stg_slots);
     kvx_w_u32(&w, d->stg_rkey_len);
     kvx_w_bytes(&w, d->stg_rkey, d->stg_rkey_len);
+  }
+  if (v3) {
+    kvx_w_u8(&w, d->ipc ? 1 : 0);
+    if (d->ipc) {
+      size_t n = strnlen(d->dev_id, KVX_DEV_ID_LEN);
+      kvx_w_u8(&w, (uint8_t)n);
+      kvx_w_bytes(&w, d->dev_id, n);
+    }
   }
   kvx_w_u32(&w, (uint32_t)d->n_pools);
   for (int i = 0; i < d->n_pools; i++) {
@@ -132,6 +146,13 @@ td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len) {
     kvx_w_u64(&w, p->base);
     kvx_w_u32(&w, p->rkey_len);
     kvx_w_bytes(&w, p->rkey, p->rkey_len);
+    if (v3) {
+      kvx_w_u8(&w, p->info.ipc ? 1 : 0);
+      if (p->info.ipc) {
+        kvx_w_u64(&w, p->ipc_off);
+        kvx_w_bytes(&w, p->ipc_handle, KVX_IPC_HANDLE_LEN);
+      }
+    }
   }
   if (!w.oom) kvx_w_u32(&w, kvx_crc32(w.p, w.len));
   if (w.oom) {
@@ -151,9 +172,10 @@ td_status kvx_desc_decode(const void *bytes, size_t len, kvx_desc *d) {
   kvx_rbuf r = {.p = bytes, .len = len};
   if (kvx_r_u32(&r) != KVX_DESC_MAGIC) return BAD("bad magic (not a descriptor)");
   d->version = kvx_r_u16(&r);
-  if (d->version != TD_KVX_DESC_VERSION)
-    return td_err(TD_ERR_VERSION, "KV transfer descriptor: version %u, this build reads version %u",
+  if (d->version != 2 && d->version != TD_KVX_DESC_VERSION)
+    return td_err(TD_ERR_VERSION, "KV transfer descriptor: version %u, this build reads versions 2 and %u",
                   (unsigned)d->version, (unsigned)TD_KVX_DESC_VERSION);
+  bool v3 = d->version >= 3;
   /* The checksum catches truncation and corruption before any field is trusted. */
   uint32_t crc = kvx_crc32(bytes, len - 4);
   kvx_rbuf tail = {.p = (const uint8_t *)bytes + len - 4, .len = 4};
@@ -180,6 +202,18 @@ td_status kvx_desc_decode(const void *bytes, size_t len, kvx_desc *d) {
       return BAD("staging area of %u slots of %llu bytes, key of %u bytes", d->stg_slots,
                  (unsigned long long)d->stg_slot_bytes, d->stg_rkey_len);
     d->stg_rkey = kvx_r_bytes(&r, d->stg_rkey_len);
+  }
+  uint8_t ipc = v3 ? kvx_r_u8(&r) : 0;
+  if (ipc > 1) return BAD("IPC flag %u", ipc);
+  d->ipc = ipc;
+  if (d->ipc) {
+    uint8_t n = kvx_r_u8(&r);
+    const uint8_t *id = n > 0 && n <= KVX_DEV_ID_LEN ? kvx_r_bytes(&r, n) : NULL;
+    if (!id) return BAD("device identity of %u bytes", n);
+    for (uint8_t i = 0; i < n; i++)
+      if (id[i] < 0x21 || id[i] > 0x7e) return BAD("device identity with byte 0x%02x", id[i]);
+    memcpy(d->dev_id, id, n);
+    d->dev_id[n] = 0;
   }
   uint32_t np = kvx_r_u32(&r);
   if (r.bad || np > TD_KVX_MAX_POOLS) return BAD("%u pools (at most %d)", np, TD_KVX_MAX_POOLS);
@@ -214,6 +248,18 @@ td_status kvx_desc_decode(const void *bytes, size_t len, kvx_desc *d) {
       return BAD("pool %u: memory key of %u bytes", p->info.pool_id, p->rkey_len);
     if (!direct && !d->staging) return BAD("pool %u is staged but the peer has no staging area", p->info.pool_id);
     p->rkey = p->rkey_len ? kvx_r_bytes(&r, p->rkey_len) : NULL;
+    uint8_t pipc = v3 ? kvx_r_u8(&r) : 0;
+    if (pipc > 1 || (pipc && (!d->ipc || mem != TD_KVX_MEM_CUDA)))
+      return BAD("pool %u: IPC flag %u (%s memory, context IPC %d)", p->info.pool_id, pipc,
+                 mem == TD_KVX_MEM_CUDA ? "GPU" : "host", d->ipc);
+    p->info.ipc = pipc;
+    if (pipc) {
+      p->ipc_off = kvx_r_u64(&r);
+      p->ipc_handle = kvx_r_bytes(&r, KVX_IPC_HANDLE_LEN);
+      if (r.bad) return BAD("pool %u truncated", i);
+      if (p->ipc_off > (1ull << 48) - bb * (uint64_t)p->info.n_blocks)
+        return BAD("pool %u at offset %llu of its allocation", p->info.pool_id, (unsigned long long)p->ipc_off);
+    }
     for (int j = 0; j < i; j++)
       if (d->pools[j].info.pool_id == p->info.pool_id) return BAD("pool id %u appears twice", p->info.pool_id);
   }
@@ -230,6 +276,7 @@ td_status td_kvx_desc_parse(const void *bytes, size_t len, td_kvx_desc_info *out
   out->uuid = d.uuid;
   out->staging = d.staging;
   out->nccl = (d.caps & KVX_CAP_NCCL) != 0;
+  out->ipc = d.ipc;
   out->n_pools = d.n_pools;
   for (int i = 0; i < d.n_pools; i++) out->pools[i] = d.pools[i].info;
   return TD_OK;

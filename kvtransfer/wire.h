@@ -48,15 +48,20 @@ int32_t kvx_r_i32(kvx_rbuf *r);
 
 uint32_t kvx_crc32(const void *p, size_t n);
 
+#define KVX_IPC_HANDLE_LEN 64 /* cudaIpcMemHandle_t */
+#define KVX_DEV_ID_LEN 63     /* the longest device identity (a PCI bus id or GPU UUID) */
+
 typedef struct kvx_desc_pool {
-  td_kvx_pool_info info;
+  td_kvx_pool_info info; /* info.ipc: a handle follows */
   uint64_t base;
   const uint8_t *rkey; /* points into the decoded bytes */
   uint32_t rkey_len;
+  uint64_t ipc_off;          /* the pool's offset in the exported allocation */
+  const uint8_t *ipc_handle; /* KVX_IPC_HANDLE_LEN bytes, into the decoded bytes */
 } kvx_desc_pool;
 
 typedef struct kvx_desc {
-  uint16_t version;
+  uint16_t version; /* encode: 0 writes TD_KVX_DESC_VERSION; 2 the layout without IPC */
   uint32_t caps;
   uint64_t uuid, host_id;
   uint32_t pid;
@@ -68,6 +73,8 @@ typedef struct kvx_desc {
   uint32_t stg_slots;
   const uint8_t *stg_rkey;
   uint32_t stg_rkey_len;
+  bool ipc;                         /* version 3: GPU pools exported for CUDA IPC */
+  char dev_id[KVX_DEV_ID_LEN + 1];  /* their device (printable, NUL-terminated) */
   int n_pools;
   kvx_desc_pool pools[TD_KVX_MAX_POOLS];
 } kvx_desc;
@@ -111,7 +118,7 @@ bool kvx_pieces_contiguous(const td_kvx_slice *pc, int n, bool src);
 uint64_t kvx_stage_chunk_cap(uint64_t issued, uint64_t total, uint64_t slot, uint64_t steady);
 
 /* How a transfer's data moves (REQ's mode byte). */
-enum { KVX_MODE_PUT = 1, KVX_MODE_AM = 2, KVX_MODE_NCCL = 3 };
+enum { KVX_MODE_PUT = 1, KVX_MODE_AM = 2, KVX_MODE_NCCL = 3, KVX_MODE_IPC = 4 };
 
 /* Message types (one UCX active message id, type in the header). */
 enum {

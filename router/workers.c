@@ -261,6 +261,7 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
       x->kv_in_zmq = w->load.kv_in_zmq;
       x->kv_out_ucx = w->load.kv_out_ucx;
       x->kv_out_zmq = w->load.kv_out_zmq;
+      x->kv_out_ipc = w->load.kv_out_ipc;
       x->kv_pushing = w->load.kv_pushing;
       wp[k++] = x;
     }

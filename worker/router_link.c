@@ -106,6 +106,7 @@ void w_send_heartbeat(td_worker *w) {
   ld.kv_in_zmq = w->kv_in[TD_KVT_ZMQ];
   ld.kv_out_ucx = w->kv_out[TD_KVT_UCX];
   ld.kv_out_zmq = w->kv_out[TD_KVT_ZMQ];
+  ld.kv_out_ipc = w->kvt[TD_KVT_UCX] ? td_kvt_ipc_blocks(w->kvt[TD_KVT_UCX]) : 0;
   ld.kv_pushing = (uint32_t)w_kv_pushing(w);
   Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
   hb.load = &ld;

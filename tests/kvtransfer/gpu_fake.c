@@ -1,20 +1,25 @@
 /* Test-only stand-in for kvtransfer/gpu_cuda.c: "device memory" is host
  * memory and copies are memcpy, so the staged pipeline (device-to-host,
- * puts into staging, CHUNK / CREDIT, host-to-device) and the NCCL pipeline
- * (gather, send / receive, scatter) run in CI without a GPU. Host copies
- * run when issued. Device-to-device copies (the gather kernel: its tables
- * and CPU reference) wait on their stream like real work: they run when an
- * event recorded behind them completes, when a send waits for such an
- * event, or when device memory is freed (cudaFree synchronises), so a slot
- * reused before its gather or scatter ran shows up as wrong bytes. Events
- * report completion only on their second query, so the engine's pending
- * paths are exercised. NCCL is faked between engines of one process
- * (below). */
+ * puts into staging, CHUNK / CREDIT, host-to-device), the NCCL pipeline
+ * (gather, send / receive, scatter) and CUDA IPC run in CI without a GPU.
+ * Host copies run when issued. Device-to-device copies (the gather kernel:
+ * its tables and CPU reference; IPC copies) wait on their stream like real
+ * work: they run when an event recorded behind them completes, when a
+ * stream waits for such an event, or when device memory is freed (cudaFree
+ * synchronises), so a slot reused before its gather or scatter ran, or a
+ * DONE sent before its copies ran, shows up as wrong bytes. Events report
+ * completion only on their second query, so the engine's pending paths are
+ * exercised. NCCL is faked between engines of one process (below); CUDA
+ * IPC between processes through memfd (further below). */
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include "gpu_fake.h"
 #include "kvtransfer/gather.h"
 #include "kvtransfer/gpu.h"
 
@@ -87,15 +92,8 @@ void kvx_gpu_host_free(kvx_gpu *g, void *p) { free(p); }
 td_status kvx_gpu_host_register(kvx_gpu *g, void *p, size_t bytes) { return TD_OK; }
 void kvx_gpu_host_unregister(kvx_gpu *g, void *p) {}
 td_status kvx_gpu_check_device_ptr(kvx_gpu *g, const void *p, size_t bytes) { return TD_OK; }
-td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes) {
-  memcpy(dst, src, bytes);
-  return TD_OK;
-}
-td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
-  for (size_t i = 0; i < n; i++) memcpy(dsts[i], srcs[i], sizes[i]);
-  return TD_OK;
-}
-td_status kvx_gpu_copy_d2d(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
+/* Queues device copies on a stream: they run with fake_flush. */
+static td_status fake_defer(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
   fake_batch *b = calloc(1, sizeof *b);
   if (b) {
     b->d = malloc(sizeof(void *) * (n + 1));
@@ -123,6 +121,17 @@ td_status kvx_gpu_copy_d2d(kvx_gpu *g, int stream, void **dsts, const void **src
   g->issued[stream]++;
   return TD_OK;
 }
+td_status kvx_gpu_copy_d2d(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
+  return fake_defer(g, stream, dsts, srcs, sizes, n);
+}
+td_status kvx_gpu_copy_many(kvx_gpu *g, int stream, void **dsts, const void **srcs, size_t *sizes, size_t n) {
+  if (stream == KVX_S_IPC) return fake_defer(g, stream, dsts, srcs, sizes, n); /* device to device */
+  for (size_t i = 0; i < n; i++) memcpy(dsts[i], srcs[i], sizes[i]);
+  return TD_OK;
+}
+td_status kvx_gpu_copy(kvx_gpu *g, int stream, void *dst, const void *src, size_t bytes) {
+  return kvx_gpu_copy_many(g, stream, &dst, &src, &bytes, 1);
+}
 td_status kvx_gpu_dev_alloc(kvx_gpu *g, size_t bytes, void **out) {
   *out = calloc(1, bytes);
   return *out ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
@@ -136,7 +145,12 @@ td_status kvx_gpu_copy_sync(kvx_gpu *g, void *dst, const void *src, size_t bytes
   memcpy(dst, src, bytes);
   return TD_OK;
 }
-td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) { return TD_OK; }
+/* The stream's later work runs after the event's: run what precedes it now. */
+td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) {
+  fake_event *e = event;
+  if (e) fake_flush(e->g, e->stream, e->seq);
+  return TD_OK;
+}
 td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event) {
   fake_event *e = calloc(1, sizeof *e);
   *event = e;
@@ -325,4 +339,143 @@ void kvx_nccl_abort(kvx_nccl *c) {
     free(l);
   }
   free(c);
+}
+
+/* ---- fake CUDA IPC ----
+ * Shareable "device memory" is a memfd mapped shared; its handle names the
+ * exporting process, the descriptor there and the file's inode, and an
+ * opener maps it from /proc/PID/fd, so a mapping works across processes as
+ * within one and, as with CUDA, stays valid after the exporter died. The
+ * handle cannot be opened once the exporter is gone (another container
+ * neither: kvx_fake_ipc_refuse). Copies into a mapping run deferred on the
+ * IPC stream; closing a mapping with one still queued is counted
+ * (kvx_fake_ipc_violations): the engine must wait for its copies first. */
+
+typedef struct fake_mem {
+  uint8_t *base;
+  size_t size;
+  int fd; /* exported allocations only */
+  uint64_t ino;
+  struct fake_mem *next;
+} fake_mem;
+
+typedef struct fake_handle {
+  char magic[8];
+  uint32_t pid;
+  int32_t fd;
+  uint64_t ino, size;
+} fake_handle;
+
+static fake_mem *g_exported, *g_mapped; /* the tests drive every context from one thread */
+static bool g_refuse;
+static int g_violations;
+
+void *kvx_fake_dev_alloc(size_t bytes) {
+  fake_mem *m = calloc(1, sizeof *m);
+  int fd = memfd_create("td-fake-gpu", MFD_CLOEXEC);
+  struct stat st;
+  void *p = MAP_FAILED;
+  if (m && fd >= 0 && ftruncate(fd, (off_t)bytes) == 0 && fstat(fd, &st) == 0)
+    p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    if (fd >= 0) close(fd);
+    free(m);
+    return NULL;
+  }
+  *m = (fake_mem){p, bytes, fd, (uint64_t)st.st_ino, g_exported};
+  g_exported = m;
+  return p;
+}
+
+void kvx_fake_dev_free(void *p) {
+  for (fake_mem **pp = &g_exported; *pp; pp = &(*pp)->next)
+    if ((*pp)->base == p) {
+      fake_mem *m = *pp;
+      *pp = m->next;
+      munmap(m->base, m->size);
+      close(m->fd);
+      free(m);
+      return;
+    }
+}
+
+void kvx_fake_ipc_refuse(bool refuse) { g_refuse = refuse; }
+int kvx_fake_ipc_violations(void) { return g_violations; }
+int kvx_fake_ipc_mapped(void) {
+  int n = 0;
+  for (fake_mem *m = g_mapped; m; m = m->next) n++;
+  return n;
+}
+
+td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_MAX]) {
+  snprintf(out, KVX_DEV_ID_MAX, "fake-gpu-%d", g->device);
+  return TD_OK;
+}
+
+td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_BYTES],
+                             uint64_t *offset) {
+  for (fake_mem *m = g_exported; m; m = m->next) {
+    if ((uint8_t *)p < m->base || (uint8_t *)p + bytes > m->base + m->size) continue;
+    fake_handle h = {"TDFAKEIP", (uint32_t)getpid(), m->fd, m->ino, m->size};
+    memset(handle, 0, KVX_IPC_HANDLE_BYTES);
+    memcpy(handle, &h, sizeof h);
+    *offset = (uint64_t)((uint8_t *)p - m->base);
+    return TD_OK;
+  }
+  return td_err(TD_ERR_UNSUPPORTED, "fake GPU: %p is not shareable device memory", p);
+}
+
+td_status kvx_gpu_ipc_reach(kvx_gpu *g, const char *dev_id) {
+  if (strncmp(dev_id, "fake-gpu-", 9) != 0)
+    return td_err(TD_ERR_UNSUPPORTED, "fake GPU: device %s is not on this host", dev_id);
+  return TD_OK;
+}
+
+td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES], void **base, size_t *size) {
+  *base = NULL;
+  *size = 0;
+  fake_handle h;
+  memcpy(&h, handle, sizeof h);
+  if (memcmp(h.magic, "TDFAKEIP", 8) != 0) return td_err(TD_ERR_INVALID, "fake GPU: not an IPC handle");
+  if (g_refuse) return td_err(TD_ERR_CUDA, "fake GPU: cudaIpcOpenMemHandle: invalid device context");
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%u/fd/%d", h.pid, h.fd);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  struct stat st;
+  if (fd < 0 || fstat(fd, &st) != 0 || (uint64_t)st.st_ino != h.ino || (uint64_t)st.st_size != h.size) {
+    if (fd >= 0) close(fd);
+    return td_err(TD_ERR_CUDA, "fake GPU: cudaIpcOpenMemHandle: the exporting process is gone");
+  }
+  void *p = mmap(NULL, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  fake_mem *m = calloc(1, sizeof *m);
+  if (p == MAP_FAILED || !m) {
+    if (p != MAP_FAILED) munmap(p, h.size);
+    free(m);
+    return td_err(TD_ERR_NOMEM, "fake GPU: mapping %llu bytes", (unsigned long long)h.size);
+  }
+  *m = (fake_mem){p, h.size, -1, h.ino, g_mapped};
+  g_mapped = m;
+  *base = p;
+  *size = h.size;
+  return TD_OK;
+}
+
+void kvx_gpu_ipc_close(kvx_gpu *g, void *base) {
+  for (fake_mem **pp = &g_mapped; *pp; pp = &(*pp)->next) {
+    fake_mem *m = *pp;
+    if (m->base != base) continue;
+    bool pending = false;
+    for (fake_batch *b = g->head[KVX_S_IPC]; b; b = b->next)
+      for (size_t i = 0; i < b->n; i++)
+        pending |= (uint8_t *)b->d[i] + b->z[i] > m->base && (uint8_t *)b->d[i] < m->base + m->size;
+    if (pending) {
+      g_violations++;
+      fake_flush(g, KVX_S_IPC, g->issued[KVX_S_IPC]); /* rather than write into an unmapped range later */
+    }
+    *pp = m->next;
+    munmap(m->base, m->size);
+    free(m);
+    return;
+  }
 }

@@ -2,6 +2,7 @@
  *   gpu_kvx gather   GPU 0: the gather / scatter kernel against a CPU
  *                    reference on random pieces (odd sizes, unaligned
  *                    offsets, many small and a few large), and its speed
+ *                    (gpu_kvx_gather.c)
  *   gpu_kvx staged   two processes on GPU 0: UCX staged path (GPU->GPU,
  *                    host->GPU, GPU->host, re-sliced), receiver killed
  *                    while the sender waits for staging credits
@@ -10,6 +11,12 @@
  *                    blocks, scattered and contiguous, re-sliced, small
  *                    chunks), a receiver that stops answering (timeout +
  *                    ncclCommAbort), then recovery with a new one
+ *   gpu_kvx ipc      CUDA IPC: two processes on GPU 0, then GPU 0 to GPU 1
+ *                    when there are two: AUTO takes it, every byte checked
+ *                    (64 KiB and 1.5 MiB blocks, scattered and contiguous,
+ *                    re-sliced, one block), UCX and NCCL still when asked,
+ *                    a sender with IPC off stages, a receiver killed mid-
+ *                    transfer (peer failure), a new receiver afterwards
  *   gpu_kvx all      all of the above
  * Prints PASS / FAIL lines; exits with the number of failures. */
 #include <errno.h>
@@ -27,22 +34,13 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/settings.h"
-#include "kvtransfer/gather.h"
+#include "gpu_kvx.h"
 #include "kvtransfer/gpu.h"
 #include "kvtransfer/kvtransfer.h"
 
 /* BIG: Flan-T5-large cross-attention blocks (1.5 MiB), NB_BIG of them. */
 enum { HOST = 1, GPU = 2, GPU_SLICE = 3, BIG = 4, NB = 512, NB_BIG = 64 };
 
-static int failures;
-#define CHECK(cond, ...)                         \
-  do {                                           \
-    if (!(cond)) {                               \
-      printf("  check failed: " __VA_ARGS__);    \
-      printf("\n");                              \
-      return false;                              \
-    }                                            \
-  } while (0)
 
 static td_kvx_geom geom(int l0, int l1, int h0, int h1) {
   td_kvx_geom g = {{l1 - l0, h1 - h0, 64, 16, 0}, 2, l0, l1, h0, h1}; /* bf16, 64 KiB when 2 x 8 heads */
@@ -75,7 +73,7 @@ static uint64_t fnv(const void *p, size_t n) {
   return h;
 }
 
-static void fill(uint8_t *p, size_t n, uint64_t seed) {
+void fill(uint8_t *p, size_t n, uint64_t seed) {
   uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
   for (size_t i = 0; i < n; i++) {
     x ^= x << 13;
@@ -281,13 +279,14 @@ static void tx_peer(void *ctx, td_kvx_peer *p, uint64_t uuid, td_status s, const
   ((tx *)ctx)->peer_events++;
 }
 
-static void tx_open(tx *t, int device) {
+static void tx_open(tx *t, int device, bool no_ipc) {
   memset(t, 0, sizeof *t);
   cudaSetDevice(device);
   td_kvx_opts o;
   memset(&o, 0, sizeof o);
   o.name = "gpu-tx";
   o.cuda_device = device;
+  o.no_ipc = no_ipc;
   o.on_peer = tx_peer;
   o.ctx = t;
   if (td_kvx_create(&o, &t->k) != TD_OK) {
@@ -417,7 +416,8 @@ static bool move(tx *t, child *c, td_kvx_peer *p, uint32_t sp, uint32_t dp, td_k
   return move_ex(t, c, p, sp, dp, tr, n, false);
 }
 
-static void report(const char *name, bool ok) {
+static int failures;
+void report(const char *name, bool ok) {
   printf("%s %s\n", ok ? "PASS" : "FAIL", name);
   fflush(stdout);
   if (!ok) failures++;
@@ -467,7 +467,7 @@ static bool stalled(tx *t, child *c, td_kvx_peer *p, td_kvx_transport tr, int ti
 
 static void run_staged(void) {
   tx t;
-  tx_open(&t, 0);
+  tx_open(&t, 0, false);
   child c = spawn(0, 0);
   td_kvx_peer *p = tx_connect(&t, &c);
   report("staged: connect", p != NULL);
@@ -475,7 +475,7 @@ static void run_staged(void) {
   printf("  UCX CUDA memory support: %s (staged path %s)\n", td_kvx_cuda_direct(t.k) ? "yes" : "no",
          td_kvx_cuda_direct(t.k) ? "not needed" : "in use");
   report("staged: GPU -> GPU", move(&t, &c, p, GPU, GPU, TD_KVX_UCX, 300));
-  report("staged: AUTO on one GPU stays on UCX",
+  report("staged: AUTO on one GPU never takes NCCL",
          move(&t, &c, p, GPU, GPU, TD_KVX_AUTO, 100) && td_kvx_get_stats(t.k).nccl_xfers == 0);
   report("staged: GPU -> GPU again (warm)", move(&t, &c, p, GPU, GPU, TD_KVX_UCX, 500));
   report("staged: host -> GPU", move(&t, &c, p, HOST, GPU, TD_KVX_UCX, 300));
@@ -500,7 +500,7 @@ static void run_nccl(void) {
     return;
   }
   tx t;
-  tx_open(&t, 0);
+  tx_open(&t, 0, true); /* IPC off: AUTO between two GPUs is NCCL's */
   report("nccl: compiled in", td_kvx_nccl_available(t.k));
   child c = spawn(1, 0);
   td_kvx_peer *p = tx_connect(&t, &c);
@@ -516,7 +516,7 @@ static void run_nccl(void) {
   report("nccl: one block", move(&t, &c, p, GPU, GPU, TD_KVX_NCCL, 1));
   uint64_t before = td_kvx_get_stats(t.k).nccl_xfers;
   bool ok = move(&t, &c, p, GPU, GPU, TD_KVX_AUTO, 200);
-  report("nccl: AUTO picks NCCL between two GPUs", ok && td_kvx_get_stats(t.k).nccl_xfers == before + 1);
+  report("nccl: AUTO picks NCCL between two GPUs (IPC off)", ok && td_kvx_get_stats(t.k).nccl_xfers == before + 1);
   report("nccl: re-sliced", move(&t, &c, p, GPU, GPU_SLICE, TD_KVX_NCCL, 300));
   report("nccl: UCX staged between the two GPUs too", move(&t, &c, p, GPU, GPU, TD_KVX_UCX, 200));
   quit(&c);
@@ -541,143 +541,110 @@ static void run_nccl(void) {
   tx_close(&t);
 }
 
-/* ---- the gather / scatter kernel against the CPU reference ---- */
-
-static uint64_t rnd(uint64_t *x) {
-  *x ^= *x << 13;
-  *x ^= *x >> 7;
-  *x ^= *x << 17;
-  return *x;
+/* The receiver killed while the sender's IPC copies into its pool are in
+ * flight (not yet seen complete, DONE not sent): the transfer ends with a
+ * peer failure after its copies, and the sender's device stays usable (the
+ * next check moves blocks again). */
+static bool ipc_killed(tx *t, child *c, td_kvx_peer *p) {
+  static int32_t ids[NB_BIG];
+  for (int i = 0; i < NB_BIG; i++) ids[i] = (i * 5) % NB_BIG;
+  td_kvx_xfer x = {78, 0, BIG, BIG, ids, ids, NB_BIG, 60000, TD_KVX_IPC, NULL};
+  done d = {0};
+  CHECK(td_kvx_post(p, &x, done_cb, &d, NULL) == TD_OK, "post: %s", td_errmsg());
+  int64_t end = td_now_ms() + 30000;
+  while (td_kvx_get_stats(t->k).ipc_chunks == 0 && !d.calls && td_now_ms() < end) td_kvx_progress(t->k);
+  CHECK(td_kvx_get_stats(t->k).ipc_chunks > 0, "no copy in flight: %s %s", td_status_str(d.st), d.msg);
+  kill(c->pid, SIGKILL);
+  waitpid(c->pid, NULL, 0);
+  int64_t t0 = td_now_ms();
+  CHECK(wait_done(t, &d, 30000), "no error reported");
+  printf("  error after %lld ms: %s: %s\n", (long long)(td_now_ms() - t0), td_status_str(d.st), d.msg);
+  CHECK(d.st == TD_ERR_PEER, "status %s", td_status_str(d.st));
+  td_kvx_stats s = td_kvx_get_stats(t->k);
+  CHECK(s.xfers == 0 && s.ipc_chunks == 0, "%d transfers, %d chunks left", s.xfers, s.ipc_chunks);
+  CHECK(cudaGetLastError() == cudaSuccess, "CUDA error on the sender");
+  close(c->in);
+  close(c->out);
+  return true;
 }
 
-/* Random pieces (disjoint destinations, shuffled order) copied by
- * kvx_gpu_copy_d2d on the device and by memcpy on host copies. */
-static bool gather_case(kvx_gpu *g, uint64_t seed, int n, size_t small_max, int large_every, size_t large,
-                        bool aligned) {
-  size_t *len = malloc(sizeof(size_t) * (size_t)n), *so = malloc(sizeof(size_t) * (size_t)n),
-         *dof = malloc(sizeof(size_t) * (size_t)n);
-  size_t cap = 4096;
-  for (int i = 0; i < n; i++) {
-    len[i] = large_every && i % large_every == 1 ? large + rnd(&seed) % 99 : 1 + rnd(&seed) % small_max;
-    if (aligned) len[i] = (len[i] + 15) & ~(size_t)15;
-    cap += len[i] + 32;
+/* CUDA IPC to a receiver on `device`: the checks of one pair. */
+static void ipc_pair(tx *t, int device) {
+  char what[160];
+  const char *where = device == 0 ? "one GPU" : "GPU0 -> GPU1";
+  child c = spawn(device, 0);
+  td_kvx_peer *p = tx_connect(t, &c);
+  const td_kvx_desc_info *info = p ? td_kvx_peer_info(p) : NULL;
+  snprintf(what, sizeof what, "ipc %s: the receiver exports its GPU pools", where);
+  report(what, info && info->ipc && info->n_pools == 4);
+  if (!p) return;
+  td_kvx_stats st0 = td_kvx_get_stats(t->k);
+  snprintf(what, sizeof what, "ipc %s: AUTO takes CUDA IPC (first transfer maps the pool)", where);
+  bool ok = move(t, &c, p, GPU, GPU, TD_KVX_AUTO, 300);
+  td_kvx_stats st = td_kvx_get_stats(t->k);
+  report(what, ok && st.ipc_xfers == st0.ipc_xfers + 1 && st.nccl_xfers == st0.nccl_xfers);
+  snprintf(what, sizeof what, "ipc %s: again (warm), 500 blocks", where);
+  report(what, move(t, &c, p, GPU, GPU, TD_KVX_IPC, 500));
+  snprintf(what, sizeof what, "ipc %s: 1.5 MiB blocks, scattered", where);
+  report(what, move(t, &c, p, BIG, BIG, TD_KVX_IPC, 60));
+  snprintf(what, sizeof what, "ipc %s: 1.5 MiB blocks, contiguous", where);
+  report(what, move_ex(t, &c, p, BIG, BIG, TD_KVX_IPC, 50, true));
+  snprintf(what, sizeof what, "ipc %s: 64 KiB blocks, contiguous", where);
+  report(what, move_ex(t, &c, p, GPU, GPU, TD_KVX_IPC, 400, true));
+  snprintf(what, sizeof what, "ipc %s: one block", where);
+  report(what, move(t, &c, p, GPU, GPU, TD_KVX_IPC, 1));
+  snprintf(what, sizeof what, "ipc %s: re-sliced (layers [1,2), heads [4,8))", where);
+  report(what, move(t, &c, p, GPU, GPU_SLICE, TD_KVX_IPC, 300));
+  st0 = td_kvx_get_stats(t->k);
+  snprintf(what, sizeof what, "ipc %s: staged UCX when asked", where);
+  ok = move(t, &c, p, GPU, GPU, TD_KVX_UCX, 200);
+  report(what, ok && td_kvx_get_stats(t->k).ipc_xfers == st0.ipc_xfers);
+  if (device != 0 && td_kvx_nccl_available(t->k)) {
+    snprintf(what, sizeof what, "ipc %s: NCCL when asked", where);
+    ok = move(t, &c, p, GPU, GPU, TD_KVX_NCCL, 200);
+    report(what, ok && td_kvx_get_stats(t->k).nccl_xfers == st0.nccl_xfers + 1);
   }
-  size_t a = 0, b = 0;
-  for (int i = 0; i < n; i++) {
-    size_t ga = aligned ? 0 : rnd(&seed) % 31, gb = aligned ? 0 : rnd(&seed) % 29;
-    so[i] = a + ga;
-    dof[n - 1 - i] = b + gb;
-    a += ga + len[i];
-    b += gb + len[n - 1 - i];
+  quit(&c);
+  td_kvx_disconnect(p);
+  child c2 = spawn(device, 0);
+  td_kvx_peer *p2 = tx_connect(t, &c2);
+  snprintf(what, sizeof what, "ipc %s: receiver killed with copies into its pool in flight", where);
+  report(what, p2 && ipc_killed(t, &c2, p2));
+  if (p2) td_kvx_disconnect(p2);
+  child c3 = spawn(device, 0);
+  td_kvx_peer *p3 = tx_connect(t, &c3);
+  snprintf(what, sizeof what, "ipc %s: a new receiver afterwards", where);
+  report(what, p3 && move(t, &c3, p3, BIG, BIG, TD_KVX_IPC, 64) && move(t, &c3, p3, GPU, GPU, TD_KVX_IPC, 300));
+  if (p3) {
+    quit(&c3);
+    td_kvx_disconnect(p3);
   }
-  uint8_t *hs = malloc(cap), *hd = malloc(cap), *got = malloc(cap);
-  fill(hs, cap, seed);
-  fill(hd, cap, seed + 1);
-  void *ds = NULL, *dd = NULL;
-  CHECK(cudaMalloc(&ds, cap) == cudaSuccess && cudaMalloc(&dd, cap) == cudaSuccess, "cudaMalloc %zu", cap);
-  cudaMemcpy(ds, hs, cap, cudaMemcpyHostToDevice);
-  cudaMemcpy(dd, hd, cap, cudaMemcpyHostToDevice);
-  void **dsts = malloc(sizeof(void *) * (size_t)n);
-  const void **srcs = malloc(sizeof(void *) * (size_t)n);
-  size_t *sizes = malloc(sizeof(size_t) * (size_t)n);
-  for (int i = 0; i < n; i++) {
-    dsts[i] = (uint8_t *)dd + dof[i];
-    srcs[i] = (uint8_t *)ds + so[i];
-    sizes[i] = len[i];
-    memcpy(hd + dof[i], hs + so[i], len[i]); /* the reference */
-  }
-  void *ev = NULL;
-  td_status st = kvx_gpu_copy_d2d(g, KVX_S_GATHER, dsts, srcs, sizes, (size_t)n);
-  if (st == TD_OK) st = kvx_gpu_record(g, KVX_S_GATHER, &ev);
-  int q = 0;
-  while (st == TD_OK && (q = kvx_gpu_query(g, ev)) == 0) {
-  }
-  kvx_gpu_release(g, ev);
-  bool ok = st == TD_OK && q == 1;
-  if (!ok) printf("  check failed: gather: %s\n", td_errmsg());
-  cudaMemcpy(got, dd, cap, cudaMemcpyDeviceToHost);
-  size_t bad = cap;
-  for (size_t i = 0; ok && i < cap; i++)
-    if (got[i] != hd[i]) bad = i;
-  if (ok && bad != cap) {
-    printf("  check failed: seed %llu: byte %zu differs (%u, expected %u)\n", (unsigned long long)seed, bad, got[bad],
-           hd[bad]);
-    ok = false;
-  }
-  cudaFree(ds);
-  cudaFree(dd);
-  free(hs);
-  free(hd);
-  free(got);
-  free(dsts);
-  free(srcs);
-  free(sizes);
-  free(len);
-  free(so);
-  free(dof);
-  return ok;
 }
 
-/* Gather speed: n pieces of piece bytes, scattered over a buffer twice
- * the size, into one contiguous buffer (the NCCL sender's gather). */
-static void gather_speed(kvx_gpu *g, size_t piece, int n) {
-  size_t total = piece * (size_t)n;
-  void *src = NULL, *dst = NULL;
-  if (cudaMalloc(&src, 2 * total) != cudaSuccess || cudaMalloc(&dst, total) != cudaSuccess) return;
-  void **dsts = malloc(sizeof(void *) * (size_t)n);
-  const void **srcs = malloc(sizeof(void *) * (size_t)n);
-  size_t *sizes = malloc(sizeof(size_t) * (size_t)n);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  float best = 1e30f;
-  for (int r = 0; r < 6; r++) {
-    for (int i = 0; i < n; i++) {
-      dsts[i] = (uint8_t *)dst + (size_t)i * piece;
-      srcs[i] = (uint8_t *)src + (size_t)((i * 7) % (2 * n)) * piece;
-      sizes[i] = piece;
-    }
-    cudaDeviceSynchronize();
-    cudaEventRecord(e0, NULL);
-    kvx_gpu_wait(g, KVX_S_GATHER, e0);
-    kvx_gpu_copy_d2d(g, KVX_S_GATHER, dsts, srcs, sizes, (size_t)n);
-    void *ev = NULL;
-    kvx_gpu_record(g, KVX_S_GATHER, &ev);
-    cudaStreamWaitEvent(NULL, (cudaEvent_t)ev, 0);
-    cudaEventRecord(e1, NULL);
-    cudaEventSynchronize(e1);
-    kvx_gpu_release(g, ev);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    if (r > 0 && ms < best) best = ms;
+static void run_ipc(void) {
+  int n = 0;
+  cudaGetDeviceCount(&n);
+  tx t;
+  tx_open(&t, 0, false);
+  ipc_pair(&t, 0);
+  if (n >= 2)
+    ipc_pair(&t, 1);
+  else
+    printf("SKIP ipc GPU0 -> GPU1: %d GPU(s)\n", n);
+  report("ipc: peer failure events (one a killed receiver)", t.peer_events == (n >= 2 ? 2 : 1));
+  tx_close(&t);
+  /* IPC switched off on the sender: AUTO stages on one GPU. */
+  tx_open(&t, 0, true);
+  child c = spawn(0, 0);
+  td_kvx_peer *p = tx_connect(&t, &c);
+  bool ok = p && move(&t, &c, p, GPU, GPU, TD_KVX_AUTO, 100);
+  td_kvx_stats st = td_kvx_get_stats(t.k);
+  report("ipc off (TANDEM_KVX_IPC=off): AUTO on one GPU stages", ok && st.ipc_xfers == 0 && st.nccl_xfers == 0);
+  if (p) {
+    quit(&c);
+    td_kvx_disconnect(p);
   }
-  printf("  gather of %d x %zu KiB (%.1f MB): %.1f us, %.0f GB/s copied (read + write: %.0f GB/s of HBM)\n", n,
-         piece >> 10, (double)total / 1e6, best * 1e3, (double)total / best / 1e6, 2.0 * (double)total / best / 1e6);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaFree(src);
-  cudaFree(dst);
-  free(dsts);
-  free(srcs);
-  free(sizes);
-}
-
-static void run_gather(void) {
-  kvx_gpu *g = NULL;
-  if (cudaSetDevice(0) != cudaSuccess || kvx_gpu_create(0, &g) != TD_OK) {
-    report("gather: device", false);
-    return;
-  }
-  report("gather: one piece, 5 bytes", gather_case(g, 1, 1, 5, 0, 0, false));
-  report("gather: odd sizes, unaligned offsets", gather_case(g, 2, 300, 5000, 0, 0, false));
-  report("gather: many small pieces (several launches)", gather_case(g, 3, 5000, 200, 0, 0, false));
-  report("gather: a few large pieces among small ones", gather_case(g, 4, 200, 3000, 40, (size_t)3 << 20, false));
-  report("gather: 16-byte aligned, 64 KiB .. 1.5 MiB", gather_case(g, 5, 120, (size_t)1536 << 10, 0, 0, true));
-  report("gather: pieces over 1 GiB split", gather_case(g, 6, 3, 100, 2, ((size_t)1 << 30) + 4097, false));
-  gather_speed(g, (size_t)64 << 10, 256);
-  gather_speed(g, (size_t)1536 << 10, 11);
-  gather_speed(g, (size_t)1536 << 10, 171);
-  kvx_gpu_destroy(g);
+  tx_close(&t);
 }
 
 int main(int argc, char **argv) {
@@ -696,6 +663,7 @@ int main(int argc, char **argv) {
   if (!strcmp(what, "gather") || !strcmp(what, "nccl") || !strcmp(what, "all")) run_gather();
   if (!strcmp(what, "staged") || !strcmp(what, "all")) run_staged();
   if (!strcmp(what, "nccl") || !strcmp(what, "all")) run_nccl();
+  if (!strcmp(what, "ipc") || !strcmp(what, "all")) run_ipc();
   printf("%d failure(s)\n", failures);
   return failures;
 }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # kvtransfer on the GPU machine: the GPU checks, then the benchmark.
-#   tests/kvtransfer/gpu_run.sh PACKDIR staged|nccl|all COMMIT [bench args...]
+#   tests/kvtransfer/gpu_run.sh PACKDIR staged|nccl|ipc|all COMMIT [bench args...]
 # PACKDIR comes from ../shared/tools/device-pack (gpu_kvx, bench_kv_transfer).
-# gpu_kvx modes: gather (one GPU), staged (one GPU), nccl (gather + two GPUs), all.
+# gpu_kvx modes: gather (one GPU), staged (one GPU), nccl (gather + two GPUs),
+# ipc (CUDA IPC on one GPU, and between two when present), all.
+# Bench args, e.g. --only ipc: one path of bench_kv_transfer.
 # Logs and the benchmark's results section are written to $OUT.
 set -u
 pack=$1; what=$2; commit=$3; shift 3

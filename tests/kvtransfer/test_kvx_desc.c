@@ -3,7 +3,10 @@
 #include "kvx_testutil.h"
 #include "kvtransfer/wire.h"
 
-static uint8_t rkey_a[24], rkey_s[16], addr[40];
+static uint8_t rkey_a[24], rkey_s[16], addr[40], ipc_h[KVX_IPC_HANDLE_LEN];
+/* the context's IPC flag: after magic .. gpu_id (38), the address (4 + 40),
+ * the staging flag (1) and area (8 + 8 + 4 + 4 + 16) */
+enum { IPC_FLAG_AT = 123 };
 
 static kvx_desc sample(void) {
   kvx_desc d;
@@ -25,13 +28,19 @@ static kvx_desc sample(void) {
   d.stg_rkey = rkey_s;
   d.stg_rkey_len = sizeof rkey_s;
   d.n_pools = 2;
-  d.pools[0].info = (td_kvx_pool_info){7, TD_KVX_MEM_HOST, true, 100, kt_geom(0, 4, 0, 8, 64, 16, 4)};
+  d.pools[0].info = (td_kvx_pool_info){7, TD_KVX_MEM_HOST, true, 100, kt_geom(0, 4, 0, 8, 64, 16, 4), false};
   d.pools[0].base = 0x600000ull;
   d.pools[0].rkey = rkey_a;
   d.pools[0].rkey_len = sizeof rkey_a;
-  d.pools[1].info = (td_kvx_pool_info){9, TD_KVX_MEM_CUDA, false, 50, kt_geom(2, 4, 4, 8, 64, 16, 2)};
+  d.pools[1].info = (td_kvx_pool_info){9, TD_KVX_MEM_CUDA, false, 50, kt_geom(2, 4, 4, 8, 64, 16, 2), true};
   d.pools[1].info.geom.layout.states = 128; /* a states tail */
   d.pools[1].base = 0x7000000ull;
+  /* CUDA IPC: the device (an odd length) and the GPU pool's handle */
+  d.ipc = true;
+  snprintf(d.dev_id, sizeof d.dev_id, "0000:65:00.0x");
+  for (size_t i = 0; i < sizeof ipc_h; i++) ipc_h[i] = (uint8_t)(i * 13 + 5);
+  d.pools[1].ipc_handle = ipc_h;
+  d.pools[1].ipc_off = 4096 + 3;
   return d;
 }
 
@@ -61,11 +70,61 @@ Test(kvx_desc, round_trip) {
   cr_assert_eq(e.pools[1].info.geom.head0, 4);
   cr_assert_eq(e.pools[0].info.geom.layout.states, 0);
   cr_assert_eq(e.pools[1].info.geom.layout.states, 128);
+  cr_assert(e.ipc);
+  cr_assert_str_eq(e.dev_id, "0000:65:00.0x");
+  cr_assert_not(e.pools[0].info.ipc);
+  cr_assert_null(e.pools[0].ipc_handle);
+  cr_assert(e.pools[1].info.ipc);
+  cr_assert_eq(e.pools[1].ipc_off, 4099);
+  cr_assert_eq(memcmp(e.pools[1].ipc_handle, ipc_h, sizeof ipc_h), 0);
   td_kvx_desc_info info;
   cr_assert_eq(td_kvx_desc_parse(b, n, &info), TD_OK);
   cr_assert(info.nccl);
+  cr_assert(info.ipc);
+  cr_assert_eq(info.version, TD_KVX_DESC_VERSION);
   cr_assert_eq(info.n_pools, 2);
   cr_assert_eq(info.pools[1].geom.layer0, 2);
+  cr_assert(info.pools[1].ipc);
+  cr_assert_not(info.pools[0].ipc);
+  /* Without IPC: no device, no handles. */
+  d.ipc = false;
+  d.pools[1].info.ipc = false;
+  uint8_t *b2 = NULL;
+  size_t n2 = 0;
+  cr_assert_eq(kvx_desc_encode(&d, &b2, &n2), TD_OK);
+  cr_assert_eq(n2, n - 1 - 13 - 8 - KVX_IPC_HANDLE_LEN);
+  cr_assert_eq(kvx_desc_decode(b2, n2, &e), TD_OK, "%s", td_errmsg());
+  cr_assert_not(e.ipc);
+  cr_assert_not(e.pools[1].info.ipc);
+  free(b2);
+  free(b);
+}
+
+/* Version 2 (before CUDA IPC) is still read: the same layout without the
+ * IPC fields, so a peer of that build gets the other paths. */
+Test(kvx_desc, version_2_without_ipc) {
+  kvx_desc d = sample(), e;
+  d.version = 2;
+  uint8_t *b = NULL, *b3 = NULL;
+  size_t n = 0, n3 = 0;
+  cr_assert_eq(kvx_desc_encode(&d, &b, &n), TD_OK);
+  d.version = 0;
+  cr_assert_eq(kvx_desc_encode(&d, &b3, &n3), TD_OK);
+  /* flag, length, 13 bytes; a flag per pool, offset and handle */
+  cr_assert_eq(n, n3 - 1 - 1 - 13 - 1 - 1 - 8 - KVX_IPC_HANDLE_LEN, "IPC fields left in version 2");
+  cr_assert_eq(kvx_desc_decode(b, n, &e), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(e.version, 2);
+  cr_assert_not(e.ipc);
+  cr_assert_not(e.pools[1].info.ipc);
+  cr_assert_eq(e.pools[1].info.geom.layout.states, 128);
+  td_kvx_desc_info info;
+  cr_assert_eq(td_kvx_desc_parse(b, n, &info), TD_OK);
+  cr_assert_eq(info.version, 2);
+  cr_assert_not(info.ipc);
+  for (size_t len = 0; len < n; len++) cr_assert_eq(kvx_desc_decode(b, len, &e), TD_ERR_FORMAT, "length %zu", len);
+  free(b3);
+  d.version = 1;
+  cr_assert_eq(kvx_desc_encode(&d, &b3, &n3), TD_ERR_VERSION);
   free(b);
 }
 
@@ -109,6 +168,9 @@ Test(kvx_desc, version_mismatch) {
   fix_crc(b, n);
   cr_assert_eq(kvx_desc_decode(b, n, &e), TD_ERR_VERSION);
   cr_assert(strstr(td_errmsg(), "version"));
+  b[4] = 1;
+  fix_crc(b, n);
+  cr_assert_eq(kvx_desc_decode(b, n, &e), TD_ERR_VERSION);
   free(b);
 }
 
@@ -146,7 +208,42 @@ Test(kvx_desc, bad_fields) {
   CHECK(d.pools[0].info.geom.layout.block_size = -16, "negative slots");
   CHECK(d.pools[1].info.geom.layout.states = 127, "odd states width");
   CHECK(d.pools[1].info.geom.layout.states = -2, "negative states width");
+  CHECK((d.pools[0].info.ipc = true, d.pools[0].ipc_handle = ipc_h), "IPC handle of a host pool");
+  CHECK(d.ipc = false, "IPC handle without the context's device");
+  CHECK(d.dev_id[0] = 0, "empty device identity");
+  CHECK(d.dev_id[4] = ' ', "device identity with a space");
+  CHECK(d.dev_id[2] = (char)0xc3, "device identity not ASCII");
+  CHECK(d.pools[1].ipc_off = 1ull << 48, "pool past 2^48 in its allocation");
+  CHECK(d.pools[1].ipc_off = UINT64_MAX - 100, "offset wrapping around");
 #undef CHECK
+  /* Flags and lengths forged in the bytes. */
+  static const struct {
+    size_t at;
+    uint8_t v;
+    const char *what;
+  } forged[] = {{IPC_FLAG_AT, 2, "IPC flag 2"},
+                {IPC_FLAG_AT + 1, 0, "device identity of 0 bytes"},
+                {IPC_FLAG_AT + 1, KVX_DEV_ID_LEN + 1, "device identity too long"},
+                {IPC_FLAG_AT + 1, 200, "device identity past the end"}};
+  for (size_t i = 0; i < sizeof forged / sizeof forged[0]; i++) {
+    d = sample();
+    cr_assert_eq(kvx_desc_encode(&d, &b, &n), TD_OK);
+    cr_assert_eq(b[IPC_FLAG_AT], 1);
+    cr_assert_eq(b[IPC_FLAG_AT + 1], 13);
+    b[forged[i].at] = forged[i].v;
+    fix_crc(b, n);
+    cr_assert_eq(kvx_desc_decode(b, n, &e), TD_ERR_FORMAT, "%s accepted", forged[i].what);
+    free(b);
+  }
+  /* The GPU pool's IPC flag: the last pool ends with flag, offset, handle. */
+  d = sample();
+  cr_assert_eq(kvx_desc_encode(&d, &b, &n), TD_OK);
+  size_t pf = n - 4 - KVX_IPC_HANDLE_LEN - 8 - 1;
+  cr_assert_eq(b[pf], 1);
+  b[pf] = 2;
+  fix_crc(b, n);
+  cr_assert_eq(kvx_desc_decode(b, n, &e), TD_ERR_FORMAT, "pool IPC flag 2 accepted");
+  free(b);
   /* Lengths that point past the end. */
   d = sample();
   cr_assert_eq(kvx_desc_encode(&d, &b, &n), TD_OK);

@@ -7,7 +7,7 @@
 
 static void clear(void) {
   const char *vars[] = {"TANDEM_LOG", "TANDEM_NORM_FOLD", "TANDEM_QNORM_ROWS", "TANDEM_KVX_LOCAL", "TANDEM_KVX_TRACE",
-                        "UCX_TLS"};
+                        "TANDEM_KVX_IPC", "UCX_TLS"};
   for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) unsetenv(vars[i]);
 }
 
@@ -18,6 +18,7 @@ Test(settings, unset_means_defaults, .init = clear) {
   cr_assert_eq(s.model.norm_fold, 0);
   cr_assert_eq(s.model.qnorm_rows, 0);
   cr_assert_eq(s.kvx.local_path, 0);
+  cr_assert_eq(s.kvx.ipc, 0);
   cr_assert_not(s.kvx.trace);
   cr_assert_str_empty(s.kvx.ucx_tls);
 }
@@ -28,6 +29,7 @@ Test(settings, values_parse, .init = clear) {
   setenv("TANDEM_QNORM_ROWS", "0", 1);
   setenv("TANDEM_KVX_LOCAL", "off", 1);
   setenv("TANDEM_KVX_TRACE", "1", 1);
+  setenv("TANDEM_KVX_IPC", "off", 1);
   setenv("UCX_TLS", "tcp", 1);
   td_settings s;
   cr_assert_eq(td_settings_from_env(&s), TD_OK);
@@ -35,6 +37,7 @@ Test(settings, values_parse, .init = clear) {
   cr_assert_eq(s.model.norm_fold, TD_OFF);
   cr_assert_eq(s.model.qnorm_rows, -1, "0 rows: never fused");
   cr_assert_eq(s.kvx.local_path, TD_OFF);
+  cr_assert_eq(s.kvx.ipc, TD_OFF);
   cr_assert(s.kvx.trace);
   cr_assert_str_eq(s.kvx.ucx_tls, "tcp");
   td_settings_apply(&s);
@@ -58,4 +61,8 @@ Test(settings, bad_values_are_refused_by_name, .init = clear) {
   setenv("TANDEM_QNORM_ROWS", "12abc", 1);
   cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
   cr_assert(strstr(td_errmsg(), "TANDEM_QNORM_ROWS"));
+  unsetenv("TANDEM_QNORM_ROWS");
+  setenv("TANDEM_KVX_IPC", "sometimes", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "TANDEM_KVX_IPC"));
 }
