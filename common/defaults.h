@@ -71,6 +71,11 @@
 #define TD_KVX_DESTROY_STOP_MS 500  /* td_kvx_destroy lets transfers stop cleanly this long */
 #define TD_KVX_DESTROY_CLOSE_MS 200 /* then waits this long for UCX operations to complete */
 
+/* ---- front end: tokenizer ---- */
+#define TD_TOKENIZER_MAX_TEXT_BYTES (16u << 20) /* text one encode call takes */
+#define TD_TOKENIZER_MAX_FILE_BYTES (256u << 20) /* tokenizer.json and friends (multilingual vocabularies run to tens of MB) */
+#define TD_TOKENIZER_MAX_VOCAB (1 << 24)        /* token ids a tokenizer may name */
+
 /* ---- CUDA backend tuning (td_cuda_tuning's zero values; measured best on
  * H100: docs/cuda.md, "Tuning knobs") ---- */
 #define TD_CUDA_DEFAULT_SKINNY_ROWS 16     /* few-row GEMMs on the skinny kernel up to this many rows */

@@ -14,6 +14,7 @@ packages=(
   libcriterion-dev                                                # tests
   libopenblas-dev                                                 # CPU GEMM
   libcjson-dev uthash-dev                                         # JSON, hash tables
+  libpcre2-dev libutf8proc-dev libsentencepiece-dev               # tokenizers
 )
 missing=()
 for p in "${packages[@]}"; do
