@@ -1,5 +1,6 @@
 /* Tokenizers against transformers' own outputs: every case file under
- * tests/data/tokenizers/NAME/cases.json (NAME/ is a checkpoint folder),
+ * tests/data/tokenizers/NAME/cases*.json (NAME/ is a checkpoint folder;
+ * tests/tools/make_tokenizer_fixtures.py writes cases.transformers.json),
  * streaming decode equal to one-shot decode, and clear errors for bad ids,
  * bad text and bad tokenizer files.
  *
@@ -101,9 +102,9 @@ static void check_decode(const td_tokenizer *t, const char *name, const int32_t 
 
 static int hexval(char c) { return c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10; }
 
-static int run_cases(const char *name) {
-  char path[512];
-  snprintf(path, sizeof path, "%s/%s/cases.json", TOK_DIR, name);
+static int run_cases(const char *name, const char *file) {
+  char path[768];
+  snprintf(path, sizeof path, "%s/%s/%s", TOK_DIR, name, file);
   char *json = slurp(path, NULL);
   if (!json) return 0;
   cJSON *root = cJSON_Parse(json);
@@ -173,9 +174,19 @@ Test(tokenizer, every_case_file) {
   int files = 0, cases = 0;
   while ((e = readdir(d))) {
     if (e->d_name[0] == '.') continue;
-    int k = run_cases(e->d_name);
-    if (k) files++;
-    cases += k;
+    char sub[512];
+    snprintf(sub, sizeof sub, "%s/%s", TOK_DIR, e->d_name);
+    DIR *sd = opendir(sub);
+    struct dirent *f;
+    while (sd && (f = readdir(sd))) {
+      size_t l = strlen(f->d_name);
+      if (strncmp(f->d_name, "cases", 5) || l < 5 || strcmp(f->d_name + l - 5, ".json")) continue;
+      cr_log_info("%s/%s", e->d_name, f->d_name);
+      int k = run_cases(e->d_name, f->d_name);
+      if (k) files++;
+      cases += k;
+    }
+    if (sd) closedir(sd);
   }
   closedir(d);
   cr_assert_geq(files, 4, "case files found: %d", files);
@@ -185,7 +196,7 @@ Test(tokenizer, every_case_file) {
 /* Random ids (byte-level pieces of characters, special tokens, anything):
  * the stream always equals the one-shot decode and never changes text. */
 Test(tokenizer, streaming_equals_one_shot_on_random_ids) {
-  static const char *names[] = {"bytelevel-bpe", "metaspace-unigram", "toy-numbers-t5", "whisper-large-v3"};
+  static const char *names[] = {"bytelevel-bpe", "metaspace-unigram", "toy-numbers-t5", "whisper-large-v3", "marian-local"};
   uint64_t r = 42;
   for (size_t k = 0; k < sizeof names / sizeof *names; k++) {
     td_tokenizer *t = load(names[k]);
@@ -411,7 +422,7 @@ Test(tokenizer, truncated_and_corrupted_files_never_crash) {
 
 /* Any bytes as text: encode, then decode what came out. */
 Test(tokenizer, random_bytes_encode_and_decode) {
-  static const char *names[] = {"bytelevel-bpe", "metaspace-unigram", "toy-numbers-t5", "whisper-large-v3"};
+  static const char *names[] = {"bytelevel-bpe", "metaspace-unigram", "toy-numbers-t5", "whisper-large-v3", "marian-local"};
   uint64_t r = 99;
   for (size_t k = 0; k < sizeof names / sizeof *names; k++) {
     td_tokenizer *t = load(names[k]);
