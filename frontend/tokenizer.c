@@ -115,12 +115,17 @@ static td_status hf_index(hf *h) {
     h->text[a->id] = a->norm ? a->norm : a->content;
     h->len[a->id] = a->norm ? a->norm_n : a->n;
   }
-  for (int32_t id = 0; id < h->size; id++) { /* special: the token's text is a special token's content */
-    if (!h->text[id]) continue;
-    for (size_t i = 0; i < h->nadded && !h->special[id]; i++)
-      h->special[id] = h->added[i].special && h->added[i].n == h->len[id] && !memcmp(h->added[i].content, h->text[id], h->len[id]);
+  tk_trie *sp = tk_trie_new(); /* special: the token's text is a special token's content */
+  if (!sp) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
+  td_status st = TD_OK;
+  for (size_t i = 0; st == TD_OK && i < h->nadded; i++)
+    if (h->added[i].special) st = tk_trie_add(sp, h->added[i].content, h->added[i].n, 1);
+  for (int32_t id = 0; st == TD_OK && id < h->size; id++) {
+    int32_t v = 0;
+    if (h->text[id] && h->len[id]) h->special[id] = tk_trie_longest(sp, h->text[id], h->len[id], &v) == h->len[id];
   }
-  return TD_OK;
+  tk_trie_free(sp);
+  return st;
 }
 
 static td_status opt_component(const cJSON *root, const char *key, td_status (*parse)(const cJSON *, void **),

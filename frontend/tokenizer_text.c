@@ -351,7 +351,7 @@ struct tk_regex {
 td_status tk_regex_new(const char *pat, size_t len, bool literal, const char *what, tk_regex **out) {
   int err = 0;
   PCRE2_SIZE off = 0;
-  uint32_t flags = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+  uint32_t flags = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP); /* LITERAL takes no UCP */
   pcre2_code *code = pcre2_compile((PCRE2_SPTR)pat, len, flags, &err, &off, NULL);
   if (!code) {
     PCRE2_UCHAR msg[160];
