@@ -14,7 +14,9 @@ large-v3), marian (MarianTokenizer: two SentencePiece models trained here and
 a joint vocab.json). Default: all four. marian-local (not by default) needs
 only sentencepiece: the same kind of Marian folder, its cases computed by
 following MarianTokenizer's steps with sentencepiece itself (cases.json),
-so the spm path is tested where transformers is absent.
+so the spm path is tested where transformers is absent; precompiled-local
+(sentencepiece only, not by default) checks the Precompiled normalizer
+against sentencepiece's own nmt_nfkc normalization.
 
 Each family gets a folder OUT/<name>/ holding the checkpoint files Tandem
 reads (tokenizer.json + tokenizer_config.json, or Marian's source.spm,
@@ -70,6 +72,7 @@ TEXTS = [
     "", "Hello world", "The quick brown fox jumps over the lazy dog.",
     "naïve café résumé Ångström", "Größe façade crème brûlée", "e\u0301 a\u0300 n\u0303 (combining marks)",
     "ﬁ ligature, ① circled, Ｆｕｌｌｗｉｄｔｈ, ½ fraction, ㎞",  # NFKC / charsmap territory
+    "\u1100\u1161 jamo, \uff76\uff9e kana, e\u0301\u0302 two marks",  # graphemes the charsmap rule treats apart
     "日本語のテキスト", "中文测试", "한국어 텍스트", "Привет мир", "مرحبا بالعالم", "שלום עולם", "ภาษาไทย",
     "🌶️ 🙂👍🏽 👨‍👩‍👧 🇫🇷", "emoji🙂inside", "  leading spaces", "trailing spaces   ", "a\t\tb\n\nc",
     "multiple     spaces    here", "\u3000ideographic space", "non\u00a0breaking", "zero\u200bwidth",
@@ -339,8 +342,81 @@ def make_marian_local(args, work):
     print(f"marian-local: {len(vocab)} pieces, {len(cs)} cases -> {d}")
 
 
+def spm_charsmap(model_path):
+    """NormalizerSpec.precompiled_charsmap of a .model file (protobuf read by hand: field 3, then 2)."""
+    def fields(b):
+        i = 0
+        while i < len(b):
+            key, i = varint(b, i)
+            f, wt = key >> 3, key & 7
+            if wt == 0:
+                v, i = varint(b, i)
+            elif wt == 1:
+                v, i = b[i:i + 8], i + 8
+            elif wt == 2:
+                n, i = varint(b, i)
+                v, i = b[i:i + n], i + n
+            elif wt == 5:
+                v, i = b[i:i + 4], i + 4
+            else:
+                raise ValueError("unexpected wire type")
+            yield f, v
+
+    def varint(b, i):
+        v = s = 0
+        while True:
+            c = b[i]
+            i += 1
+            v |= (c & 0x7F) << s
+            s += 7
+            if c < 0x80:
+                return v, i
+
+    with open(model_path, "rb") as f:
+        model = f.read()
+    spec = next(v for f, v in fields(model) if f == 3)
+    return next(v for f, v in fields(spec) if f == 2)
+
+
+def make_precompiled_local(args, work):
+    """The nmt_nfkc charsmap alone (a Precompiled normalizer, bytes out through
+    ByteLevel), against sentencepiece's own normalization of the same texts."""
+    from base64 import b64encode
+    d = os.path.join(args.out, "precompiled-nmt-nfkc")
+    os.makedirs(d, exist_ok=True)
+    model = train_spm(work, "charsmap", 120, CORPUS, pad_id=-1, eos_id=1, unk_id=2, bos_id=-1)
+    sp = spm.SentencePieceProcessor(model_file=model)
+    enc = bytes_to_unicode()
+    tok = {"version": "1.0", "added_tokens": [],
+           "normalizer": {"type": "Precompiled", "precompiled_charsmap": b64encode(spm_charsmap(model)).decode()},
+           "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+           "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                               "use_regex": False},
+           "model": {"type": "BPE", "vocab": {enc[b]: b for b in range(256)}, "merges": []}}
+    with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tok, f, ensure_ascii=False)
+    # not here: graphemes of 6 bytes or more (Hangul jamo, halfwidth kana with
+    # voicing), graphemes of several marks, and white space alone, where
+    # tokenizers' per-grapheme rule and sentencepiece part ways; the
+    # transformers cases cover those
+    texts = ["\ufb01ne", "\u2460\u2461", "\uff26\uff55\uff4c\uff4c", "\u00bd", "\u338e", "caf\u00e9", "cafe\u0301",
+             "\u212b", "\u2122", "\u2026", "x\u00a0y", "a\u3000b", "A\u030a", "\u00c5", "\ufe64", "\u2474",
+             "\u33a1", "a\u2000b", "\ud55c\uad6d\uc5b4", "\u65e5\u672c", "\u0130", "\uff76"]
+    cs = []
+    for t in texts:
+        norm = "".join(sp.encode(t, out_type=str))  # the pieces cover the normalized text
+        norm = norm[1:] if norm.startswith("\u2581") else norm
+        norm = norm.replace("\u2581", " ")
+        cs.append({"text": t, "ids": list(norm.encode("utf-8"))})
+    doc = {"source": "tests/tools/make_tokenizer_fixtures.py precompiled-local: sentencepiece's own nmt_nfkc "
+                     f"normalization of each text as its ids (one a byte) ({versions()})", "cases": cs}
+    with open(os.path.join(d, "cases.json"), "w", encoding="utf-8") as f:
+        json.dump(doc, f, ensure_ascii=False, indent=0)
+    print(f"precompiled-local: {len(cs)} cases -> {d}")
+
+
 FAMILIES = {"t5": make_t5, "bart": make_bart, "whisper": make_whisper, "marian": make_marian,
-            "marian-local": make_marian_local}
+            "marian-local": make_marian_local, "precompiled-local": make_precompiled_local}
 
 
 def main():
@@ -350,8 +426,9 @@ def main():
     ap.add_argument("families", nargs="*", default=["t5", "bart", "whisper", "marian"])
     args = ap.parse_args()
     print(versions())
-    if transformers is None and set(args.families) - {"marian-local"}:
-        sys.exit("transformers and tokenizers are needed for " + " ".join(sorted(set(args.families) - {"marian-local"})))
+    local = {"marian-local", "precompiled-local"}
+    if transformers is None and set(args.families) - local:
+        sys.exit("transformers and tokenizers are needed for " + " ".join(sorted(set(args.families) - local)))
     failed = []
     for fam in args.families:
         with tempfile.TemporaryDirectory() as work:
