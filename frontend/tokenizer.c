@@ -128,14 +128,11 @@ static td_status hf_index(hf *h) {
   return st;
 }
 
-static td_status opt_component(const cJSON *root, const char *key, td_status (*parse)(const cJSON *, void **),
-                               void **out) {
+/* An optional component: absent or null is none. */
+static const cJSON *present(const cJSON *root, const char *key) {
   const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
-  if (!j || cJSON_IsNull(j)) return TD_OK;
-  return parse(j, out);
+  return j && !cJSON_IsNull(j) ? j : NULL;
 }
-
-#define OPT(root, key, fn, out) opt_component(root, key, (td_status(*)(const cJSON *, void **))(fn), (void **)(out))
 
 td_status tk_hf_load(const char *json, size_t len, td_tokenizer *t) {
   if (tk_utf8_valid_prefix(json, len) != len) return td_err(TD_ERR_FORMAT, "tokenizer.json is not UTF-8");
@@ -148,10 +145,11 @@ td_status tk_hf_load(const char *json, size_t len, td_tokenizer *t) {
   if (st == TD_OK && !cJSON_IsObject(root)) st = td_err(TD_ERR_FORMAT, "tokenizer.json is not a JSON object");
   /* truncation and padding are not read: transformers' encode of one text ignores them too */
   if (st == TD_OK) st = tk_model_parse(cJSON_GetObjectItemCaseSensitive(root, "model"), &h->model);
-  if (st == TD_OK) st = OPT(root, "normalizer", tk_norm_parse, &h->norm);
-  if (st == TD_OK) st = OPT(root, "pre_tokenizer", tk_pretok_parse, &h->pre);
-  if (st == TD_OK) st = OPT(root, "post_processor", tk_post_parse, &h->post);
-  if (st == TD_OK) st = OPT(root, "decoder", tk_dec_parse, &h->dec);
+  const cJSON *j;
+  if (st == TD_OK && (j = present(root, "normalizer"))) st = tk_norm_parse(j, &h->norm);
+  if (st == TD_OK && (j = present(root, "pre_tokenizer"))) st = tk_pretok_parse(j, &h->pre);
+  if (st == TD_OK && (j = present(root, "post_processor"))) st = tk_post_parse(j, &h->post);
+  if (st == TD_OK && (j = present(root, "decoder"))) st = tk_dec_parse(j, &h->dec);
   if (st == TD_OK) st = parse_added(h, cJSON_GetObjectItemCaseSensitive(root, "added_tokens"));
   if (st == TD_OK) st = hf_index(h);
   cJSON_Delete(root);
