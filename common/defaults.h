@@ -83,6 +83,11 @@
 #define TD_MEL_MAX_WINDOW_SECONDS 600       /* a preprocessor_config.json asking more is refused */
 #define TD_MEL_MAX_MELS 256                 /* feature_size (Whisper: 80 or 128) */
 
+/* ---- front end: tokenizer ---- */
+#define TD_TOKENIZER_MAX_TEXT_BYTES (16u << 20) /* text one encode call takes */
+#define TD_TOKENIZER_MAX_FILE_BYTES (256u << 20) /* tokenizer.json and friends (multilingual vocabularies run to tens of MB) */
+#define TD_TOKENIZER_MAX_VOCAB (1 << 24)        /* token ids a tokenizer may name */
+
 /* ---- CUDA backend tuning (td_cuda_tuning's zero values; measured best on
  * H100: docs/cuda.md, "Tuning knobs") ---- */
 #define TD_CUDA_DEFAULT_SKINNY_ROWS 16     /* few-row GEMMs on the skinny kernel up to this many rows */

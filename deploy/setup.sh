@@ -15,6 +15,7 @@ packages=(
   libopenblas-dev                                                 # CPU GEMM
   libcjson-dev uthash-dev                                         # JSON, hash tables
   libsndfile1-dev libsoxr-dev libkissfft-dev                      # audio: decoding, resampling, FFT
+  libpcre2-dev libutf8proc-dev libsentencepiece-dev               # tokenizers
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,77 @@
+/* Tokenizers loaded unchanged from a checkpoint folder: Hugging Face
+ * `tokenizer.json` (normalizers, pre-tokenizers, BPE / Unigram / WordLevel,
+ * post-processors, decoders, added tokens), or Marian's SentencePiece pair
+ * (`source.spm`, `target.spm`, `vocab.json`). Encoding and decoding give the
+ * ids and text transformers' tokenizers give.
+ *
+ * Text in is UTF-8; invalid sequences are replaced by U+FFFD as Python's
+ * bytes.decode("utf-8", "replace") does (what a caller of transformers has
+ * to do first), unless the tokenizer was loaded with strict_utf8. Every call
+ * is thread-safe on one loaded tokenizer (nothing in it changes after load).
+ * Errors return a td_status with the reason in td_errmsg(). */
+#ifndef TD_FRONTEND_TOKENIZER_H
+#define TD_FRONTEND_TOKENIZER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/status.h"
+
+typedef struct td_tokenizer td_tokenizer;
+
+typedef struct td_tokenizer_opts {
+  bool strict_utf8;       /* invalid UTF-8 text is refused instead of replaced */
+  size_t max_text_bytes;  /* 0: TD_TOKENIZER_MAX_TEXT_BYTES; longer text is refused */
+  size_t max_file_bytes;  /* 0: TD_TOKENIZER_MAX_FILE_BYTES; larger tokenizer files are refused */
+} td_tokenizer_opts;
+
+/* Loads DIR/tokenizer.json (with DIR/tokenizer_config.json when present),
+ * else DIR/source.spm + DIR/target.spm + DIR/vocab.json (Marian). opts may
+ * be NULL. */
+td_status td_tokenizer_load(const char *dir, const td_tokenizer_opts *opts, td_tokenizer **out);
+/* From the text of a tokenizer.json and, optionally (NULL), of a
+ * tokenizer_config.json; len bytes each, no NUL needed. */
+td_status td_tokenizer_from_json(const char *json, size_t len, const char *config, size_t config_len,
+                                 const td_tokenizer_opts *opts, td_tokenizer **out);
+void td_tokenizer_destroy(td_tokenizer *t);
+
+/* ids: one past the largest id (model vocabulary and added tokens). */
+int32_t td_tokenizer_vocab_size(const td_tokenizer *t);
+/* The id of a token's text (model vocabulary or added token), or -1. */
+int32_t td_tokenizer_token_to_id(const td_tokenizer *t, const char *token);
+/* The text of id, or NULL when no token has it. Valid while t lives. */
+const char *td_tokenizer_id_to_token(const td_tokenizer *t, int32_t id);
+bool td_tokenizer_is_special(const td_tokenizer *t, int32_t id);
+/* The clean-up of spaces decoding applies (tokenizer_config.json's
+ * clean_up_tokenization_spaces; false when absent). */
+bool td_tokenizer_cleans_up_spaces(const td_tokenizer *t);
+
+/* Text (len bytes) to ids; add_special applies the post-processor (the
+ * special tokens transformers adds by default). *ids is malloc'ed (NULL when
+ * *n is 0); free() it. */
+td_status td_tokenizer_encode(const td_tokenizer *t, const char *text, size_t len, bool add_special,
+                              int32_t **ids, size_t *n);
+/* Ids to text as transformers' decode(ids, skip_special_tokens) does. An id
+ * no token has is an error naming it. *text is malloc'ed and NUL-terminated
+ * (*len excludes the NUL); free() it. */
+td_status td_tokenizer_decode(const td_tokenizer *t, const int32_t *ids, size_t n, bool skip_special,
+                              char **text, size_t *len);
+
+/* Streaming detokenizer: ids in one at a time, text out only once it is
+ * final (never half a UTF-8 character, never a change to text already
+ * given). The pieces given by push and finish, concatenated, equal
+ * td_tokenizer_decode of all the ids. */
+typedef struct td_detok td_detok;
+
+td_status td_detok_create(const td_tokenizer *t, bool skip_special, td_detok **out);
+void td_detok_destroy(td_detok *d);
+/* Adds one id; *piece (valid until the next call on d) gets the new final
+ * text, possibly "" (then *len is 0). A bad id is refused and leaves d as it
+ * was. */
+td_status td_detok_push(td_detok *d, int32_t id, const char **piece, size_t *len);
+/* No more ids: the text held back (an incomplete character, a space that
+ * clean-up might remove) is given as it decodes now. */
+td_status td_detok_finish(td_detok *d, const char **piece, size_t *len);
+
+#endif
