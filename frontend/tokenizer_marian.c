@@ -1,7 +1,8 @@
 /* Marian checkpoints: source.spm cuts the text into pieces, vocab.json gives
  * their ids (unknown pieces: <unk>), </s> ends the sequence; decoding maps
- * ids back through vocab.json and joins the pieces with target.spm, special
- * tokens kept apart, as transformers' MarianTokenizer does. */
+ * ids back through vocab.json and joins the pieces with source.spm (the
+ * vocabulary is joint), special tokens kept apart, as transformers 5's
+ * MarianTokenizer does (models/marian/tokenization_marian.py). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,7 +25,6 @@ typedef struct marian {
   int32_t size, unk, eos;
   char *special[3]; /* eos, unk, pad */
   tk_trie *special_trie;
-  tk_regex *lang_re;
 } marian;
 
 static void marian_destroy(td_tokenizer *t) {
@@ -38,7 +38,6 @@ static void marian_destroy(td_tokenizer *t) {
   free(m->by_id);
   for (int i = 0; i < 3; i++) free(m->special[i]);
   tk_trie_free(m->special_trie);
-  tk_regex_free(m->lang_re);
   free(m);
 }
 
@@ -124,31 +123,27 @@ static td_status push(int32_t **v, size_t *n, size_t *cap, int32_t id) {
   return TD_OK;
 }
 
-/* MarianTokenizer._tokenize: a leading >>lang<< code is a token of its own,
- * every >>...<< is cut from the text, source.spm cuts the rest. */
+/* MarianTokenizer.remove_language_code + _tokenize: a chunk that starts with
+ * ">>" has its text up to the first "<<" as one token (a >>lang<< code);
+ * source.spm cuts the rest as it is, spaces and later ">>..<<" included. */
 static td_status tokenize_chunk(const marian *m, const char *s, size_t n, int32_t **v, size_t *nv, size_t *cap) {
-  tk_segs segs = {0};
-  tk_buf rest = {0};
-  td_status st = tk_regex_segments(m->lang_re, s, n, &segs);
-  for (size_t i = 0; st == TD_OK && i < segs.n; i++) {
-    const tk_seg *g = &segs.v[i];
-    if (g->match && g->s == 0) {
-      int32_t id = lookup(m, s, g->e);
-      st = push(v, nv, cap, id >= 0 ? id : m->unk);
-    } else if (!g->match) {
-      st = tk_buf_add(&rest, s + g->s, g->e - g->s);
-    }
+  td_status st = TD_OK;
+  const char *end = n >= 2 && !memcmp(s, ">>", 2) ? memmem(s, n, "<<", 2) : NULL;
+  if (end) {
+    size_t k = (size_t)(end - s) + 2;
+    int32_t id = lookup(m, s, k);
+    st = push(v, nv, cap, id >= 0 ? id : m->unk);
+    s += k;
+    n -= k;
   }
   char **pieces = NULL;
   size_t np = 0;
-  if (st == TD_OK) st = tk_spm_encode(m->src, rest.p ? rest.p : "", rest.n, &pieces, &np);
+  if (st == TD_OK) st = tk_spm_encode(m->src, s, n, &pieces, &np);
   for (size_t i = 0; st == TD_OK && i < np; i++) {
     int32_t id = lookup(m, pieces[i], strlen(pieces[i]));
     st = push(v, nv, cap, id >= 0 ? id : m->unk);
   }
   tk_spm_pieces_free(pieces, np);
-  free(segs.v);
-  tk_buf_free(&rest);
   return st;
 }
 
@@ -181,8 +176,9 @@ static td_status marian_encode(const td_tokenizer *t, const char *text, size_t l
   return TD_OK;
 }
 
-/* convert_tokens_to_string: target.spm joins runs of pieces; a special
- * token goes in as itself followed by a space; ▁ becomes a space; stripped. */
+/* convert_tokens_to_string: source.spm joins runs of pieces (_decode's
+ * use_source_tokenizer is `not separate_vocabs`); a special token goes in as
+ * itself followed by a space; ▁ becomes a space; stripped. */
 static td_status marian_decode(const td_tokenizer *t, const int32_t *ids, size_t n, bool skip_special, tk_buf *out) {
   const marian *m = t->impl;
   const char **run = malloc((n + 1) * sizeof *run);
@@ -199,7 +195,7 @@ static td_status marian_decode(const td_tokenizer *t, const int32_t *ids, size_t
       continue;
     }
     part.n = 0;
-    st = tk_spm_decode(m->tgt, run, nr, &part);
+    st = tk_spm_decode(m->src, run, nr, &part);
     nr = 0;
     if (st == TD_OK) st = tk_buf_add(&all, part.p ? part.p : "", part.n);
     if (st == TD_OK && tok) st = tk_buf_add(&all, tok, strlen(tok));
@@ -252,8 +248,10 @@ static bool marian_is_special(const td_tokenizer *t, int32_t id) {
 static const tk_ops marian_ops = {"marian", marian_encode, marian_decode, marian_vocab_size, marian_token_to_id,
                                   marian_id_to_token, marian_is_special, marian_destroy};
 
-/* The special tokens' texts: tokenizer_config.json's when it names them. */
-static td_status special_names(marian *m, const char *dir, size_t max) {
+/* The special tokens' texts: tokenizer_config.json's when it names them.
+ * separate_vocabs (decoding through target_vocab.json and target.spm) is
+ * not read here, so it is refused rather than decoded wrongly. */
+static td_status read_config(marian *m, const char *dir, size_t max) {
   static const char *keys[3] = {"eos_token", "unk_token", "pad_token"}, *dflt[3] = {"</s>", "<unk>", "<pad>"};
   char path[4096];
   snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
@@ -266,6 +264,10 @@ static td_status special_names(marian *m, const char *dir, size_t max) {
     TD_TRY(read_all(path, max, &json, &len));
     root = cJSON_ParseWithLength(json, len);
     free(json);
+  }
+  if (tk_jbool(root, "separate_vocabs", false)) {
+    cJSON_Delete(root);
+    return td_err(TD_ERR_FORMAT, "%s: separate_vocabs (a target_vocab.json) is not supported", path);
   }
   for (int i = 0; i < 3; i++) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, keys[i]);
@@ -288,11 +290,11 @@ td_status tk_marian_load(const char *dir, td_tokenizer *t) {
   char path[4096];
   snprintf(path, sizeof path, "%s/source.spm", dir);
   TD_TRY(tk_spm_load(path, &m->src));
-  snprintf(path, sizeof path, "%s/target.spm", dir);
+  snprintf(path, sizeof path, "%s/target.spm", dir); /* decodes nothing with a joint vocabulary; loaded as transformers does */
   TD_TRY(tk_spm_load(path, &m->tgt));
   snprintf(path, sizeof path, "%s/vocab.json", dir);
   TD_TRY(load_vocab(m, path, t->opts.max_file_bytes));
-  TD_TRY(special_names(m, dir, t->opts.max_file_bytes));
+  TD_TRY(read_config(m, dir, t->opts.max_file_bytes));
   m->eos = lookup(m, m->special[0], strlen(m->special[0]));
   m->unk = lookup(m, m->special[1], strlen(m->special[1]));
   if (m->eos < 0 || m->unk < 0)
@@ -302,5 +304,5 @@ td_status tk_marian_load(const char *dir, td_tokenizer *t) {
     int32_t id = lookup(m, m->special[i], strlen(m->special[i]));
     if (id >= 0) TD_TRY(tk_trie_add(m->special_trie, m->special[i], strlen(m->special[i]), id));
   }
-  return tk_regex_new(">>.+<<", 6, false, "Marian language code", &m->lang_re);
+  return TD_OK;
 }

@@ -13,10 +13,12 @@ multilingual.tiktoken through convert_tiktoken_to_hf, 51,866 tokens as
 large-v3), marian (MarianTokenizer: two SentencePiece models trained here and
 a joint vocab.json). Default: all four. marian-local (not by default) needs
 only sentencepiece: the same kind of Marian folder, its cases computed by
-following MarianTokenizer's steps with sentencepiece itself (cases.json),
-so the spm path is tested where transformers is absent; precompiled-local
-(sentencepiece only, not by default) checks the Precompiled normalizer
-against sentencepiece's own nmt_nfkc normalization.
+following transformers 5's MarianTokenizer steps with sentencepiece itself
+(cases.json), so the spm path is tested where transformers is absent
+(--keep-models: new cases for the models already there, as retraining is not
+byte-reproducible); precompiled-local (sentencepiece only, not by default)
+checks the Precompiled normalizer against sentencepiece's own nmt_nfkc
+normalization.
 
 Each family gets a folder OUT/<name>/ holding the checkpoint files Tandem
 reads (tokenizer.json + tokenizer_config.json, or Marian's source.spm,
@@ -89,7 +91,8 @@ SPECIAL_TEXTS = {
     "bart": ["<s>Hello</s>", "a <mask> b", "a<mask>b", "<pad><unk>", "Hello <mask>!"],
     "whisper": ["<|endoftext|>", "<|en|>Hello", "text <|0.00|> time <|1.50|>", "<|startoftranscript|><|de|><|translate|>",
                 "<|notimestamps|> plain"],
-    "marian": ["Hello</s>", ">>de<< Hello world", "a <unk> b", ">>fr<< >>de<< two codes", "<pad>x"],
+    "marian": ["Hello</s>", ">>de<< Hello world", "a <unk> b", ">>fr<< >>de<< two codes", "<pad>x",
+               "a >>de<< b", " >>de<< lead", ">>de<<fr<< x<<", ">>de no end", ">>zz<< unknown", "x</s>>>fr<<y"],
 }
 
 
@@ -286,23 +289,28 @@ def make_marian_local(args, work):
     import re
     d = os.path.join(args.out, "marian-local")
     os.makedirs(d, exist_ok=True)
-    src = train_spm(work, "source", 200, CORPUS, pad_id=-1, eos_id=1, unk_id=2, bos_id=-1)
-    tgt = train_spm(work, "target", 180, CORPUS.lower(), pad_id=-1, eos_id=1, unk_id=2, bos_id=-1)
-    vocab = {"</s>": 0, "<unk>": 1, ">>de<<": 2, ">>fr<<": 3}
-    sp_src, sp_tgt = spm.SentencePieceProcessor(model_file=src), spm.SentencePieceProcessor(model_file=tgt)
-    for p in (sp_src, sp_tgt):
-        for i in range(p.get_piece_size()):
-            vocab.setdefault(p.id_to_piece(i), len(vocab))
-    vocab["<pad>"] = len(vocab)
-    shutil.copy(src, os.path.join(d, "source.spm"))
-    shutil.copy(tgt, os.path.join(d, "target.spm"))
-    with open(os.path.join(d, "vocab.json"), "w", encoding="utf-8") as f:
-        json.dump(vocab, f, ensure_ascii=False)
+    files = [os.path.join(d, f) for f in ("source.spm", "target.spm", "vocab.json")]
+    if args.keep_models and all(map(os.path.exists, files)):  # new cases for the models already there
+        sp_src, sp_tgt = (spm.SentencePieceProcessor(model_file=f) for f in files[:2])
+        with open(files[2], encoding="utf-8") as f:
+            vocab = json.load(f)
+    else:  # a rerun of training gives other bytes, so new models
+        src = train_spm(work, "source", 200, CORPUS, pad_id=-1, eos_id=1, unk_id=2, bos_id=-1)
+        tgt = train_spm(work, "target", 180, CORPUS.lower(), pad_id=-1, eos_id=1, unk_id=2, bos_id=-1)
+        vocab = {"</s>": 0, "<unk>": 1, ">>de<<": 2, ">>fr<<": 3}
+        sp_src, sp_tgt = spm.SentencePieceProcessor(model_file=src), spm.SentencePieceProcessor(model_file=tgt)
+        for p in (sp_src, sp_tgt):
+            for i in range(p.get_piece_size()):
+                vocab.setdefault(p.id_to_piece(i), len(vocab))
+        vocab["<pad>"] = len(vocab)
+        shutil.copy(src, files[0])
+        shutil.copy(tgt, files[1])
+        with open(files[2], "w", encoding="utf-8") as f:
+            json.dump(vocab, f, ensure_ascii=False)
     inv = {i: t for t, i in vocab.items()}
     specials = ["</s>", "<unk>", "<pad>"]
-    lang = re.compile(">>.+<<")
 
-    def encode(text):  # PreTrainedTokenizer.tokenize + MarianTokenizer._tokenize + </s>
+    def encode(text):  # transformers 5: PythonBackend.tokenize + MarianTokenizer._tokenize + </s>
         ids = []
         for chunk in re.split("(" + "|".join(map(re.escape, specials)) + ")", text):
             if not chunk:
@@ -310,22 +318,23 @@ def make_marian_local(args, work):
             if chunk in specials:
                 ids.append(vocab[chunk])
                 continue
-            m = lang.match(chunk)
-            pieces = ([m.group(0)] if m else []) + sp_src.encode(lang.sub("", chunk), out_type=str)
-            ids += [vocab.get(p, vocab["<unk>"]) for p in pieces]
+            code = []  # remove_language_code: only at the start, up to the first "<<"
+            if chunk.startswith(">>") and (end := chunk.find("<<")) != -1:
+                code, chunk = [chunk[:end + 2]], chunk[end + 2:]
+            ids += [vocab.get(p, vocab["<unk>"]) for p in code + sp_src.encode(chunk, out_type=str)]
         return ids + [vocab["</s>"]]
 
-    def decode(ids, skip):  # convert_ids_to_tokens + convert_tokens_to_string
+    def decode(ids, skip):  # convert_ids_to_tokens + convert_tokens_to_string, source spm (joint vocab)
         out, run = "", []
         for t in (inv[i] for i in ids):
             if t in specials:
                 if skip:
                     continue
-                out += sp_tgt.decode_pieces(run) + t + " "
+                out += sp_src.decode_pieces(run) + t + " "
                 run = []
             else:
                 run.append(t)
-        return (out + sp_tgt.decode_pieces(run)).replace("\u2581", " ").strip()
+        return (out + sp_src.decode_pieces(run)).replace("\u2581", " ").strip()
 
     cs = []
     for text in TEXTS + SPECIAL_TEXTS["marian"]:
@@ -335,8 +344,8 @@ def make_marian_local(args, work):
     for k in range(30):
         ids = [rng.randrange(len(vocab)) for _ in range(1 + k % 20)]
         cs.append({"decode_ids": ids, "decoded": decode(ids, False), "decoded_skip": decode(ids, True)})
-    doc = {"source": "tests/tools/make_tokenizer_fixtures.py marian-local: MarianTokenizer's steps followed with "
-                     f"sentencepiece's Python binding, not transformers ({versions()})", "cases": cs}
+    doc = {"source": "tests/tools/make_tokenizer_fixtures.py marian-local: transformers 5's MarianTokenizer steps "
+                     f"followed with sentencepiece's Python binding, not transformers ({versions()})", "cases": cs}
     with open(os.path.join(d, "cases.json"), "w", encoding="utf-8") as f:
         json.dump(doc, f, ensure_ascii=False, indent=0)
     print(f"marian-local: {len(vocab)} pieces, {len(cs)} cases -> {d}")
@@ -423,6 +432,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--assets", required=True, help="folder with gpt2.tiktoken and multilingual.tiktoken")
     ap.add_argument("--out", required=True, help="tests/data/tokenizers")
+    ap.add_argument("--keep-models", action="store_true",
+                    help="marian-local: new cases for the source.spm, target.spm and vocab.json already in OUT")
     ap.add_argument("families", nargs="*", default=["t5", "bart", "whisper", "marian"])
     args = ap.parse_args()
     print(versions())

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 #include <criterion/criterion.h>
@@ -379,6 +380,42 @@ Test(tokenizer, bad_files_get_errors_naming_the_part) {
     cr_expect(strstr(td_errmsg(), bad[i].says), "case %zu: \"%s\" does not say %s", i, td_errmsg(), bad[i].says);
   }
   cr_assert_eq(td_tokenizer_load("/nonexistent-dir", NULL, &t), TD_ERR_NOT_FOUND);
+}
+
+/* A Marian folder whose tokenizer_config.json says separate_vocabs decodes
+ * through target_vocab.json, which is not read: refused at load. */
+Test(tokenizer, marian_separate_vocabs_is_refused) {
+  char dir[] = "/tmp/td-marian-XXXXXX", src[512], dst[600];
+  cr_assert(mkdtemp(dir));
+  static const char *files[] = {"source.spm", "target.spm", "vocab.json"};
+  for (size_t i = 0; i < 3; i++) {
+    snprintf(src, sizeof src, "%s/marian-spm/%s", TOK_DIR, files[i]);
+    snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
+    cr_assert_eq(symlink(src, dst), 0);
+  }
+  snprintf(dst, sizeof dst, "%s/tokenizer_config.json", dir);
+  for (int sep = 1; sep >= 0; sep--) {
+    FILE *f = fopen(dst, "w");
+    cr_assert(f);
+    fprintf(f, "{\"separate_vocabs\": %s}", sep ? "true" : "false");
+    fclose(f);
+    td_tokenizer *t = NULL;
+    td_status st = td_tokenizer_load(dir, NULL, &t);
+    if (sep) {
+      cr_expect_eq(st, TD_ERR_FORMAT);
+      cr_expect(strstr(td_errmsg(), "separate_vocabs"), "\"%s\" does not name separate_vocabs", td_errmsg());
+    } else {
+      cr_expect_eq(st, TD_OK, "%s", td_errmsg());
+      td_tokenizer_destroy(t);
+    }
+  }
+  for (size_t i = 0; i < 3; i++) {
+    snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
+    unlink(dst);
+  }
+  snprintf(dst, sizeof dst, "%s/tokenizer_config.json", dir);
+  unlink(dst);
+  rmdir(dir);
 }
 
 /* Every prefix of real files, and single-byte corruptions of them: an error
