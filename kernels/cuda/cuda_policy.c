@@ -98,7 +98,7 @@ td_paged_plan td_cu_paged_policy(const td_cu_tune *t, int sm_count, const td_pag
    * into the staging buffer first, whose rows are dense and aligned */
   p.qn_inside = s->q_norm && decode && s->q_norm_vec;
   p.qn_before = s->q_norm && !p.qn_inside;
-  if (p.qn_before) fast = (dh == 64 || dh == 128) && H * dh % 8 == 0 && s->out_ok && s->pool_ok;
+  if (p.qn_before) fast = (dh == 64 || dh == 128) && H * dh % 8 == 0 && s->out_ok && s->pool_ok && s->blocks_ok;
   if (!fast) {
     p.kernel = TD_PAGED_GENERIC;
     p.qtiles = s->max_q;

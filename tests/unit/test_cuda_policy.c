@@ -264,6 +264,9 @@ Test(cuda_policy, paged_query_norm) {
   s.q_ok = false;
   p = td_cu_paged_policy(&r, SMS, &s);
   cr_assert(p.kernel == TD_PAGED_TILED && p.qn_before, "the staged rows are aligned: the tiled kernel");
+  s.blocks_ok = false;
+  p = td_cu_paged_policy(&r, SMS, &s);
+  cr_assert(p.kernel == TD_PAGED_GENERIC && p.qn_before, "staged rows, blocks not 16-byte aligned: generic");
 }
 
 /* ---------------------------------------------------------------- td_attn_states */
