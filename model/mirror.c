@@ -150,6 +150,24 @@ td_status td_model_replay(td_model *m, const void *bytes, size_t len) {
   return s;
 }
 
+/* Whether an encode call's arrays hold what td_model_encode reads: counts
+ * as mirror_publish_encode writes them. */
+static bool encode_counts_ok(const td_model *m, const td_encode_input *in, int n_lens, int n_tok, int nf,
+                             int n_slots) {
+  if (in->n_seqs < 0) return false;
+  if (m->cfg.family == TD_FAMILY_WHISPER)
+    return n_lens == 0 && n_tok == 0 &&
+           (int64_t)nf == (int64_t)in->n_seqs * m->cfg.num_mel_bins * 2 * m->max_src &&
+           (int64_t)n_slots == (int64_t)in->n_seqs * m->max_src;
+  if (n_lens != in->n_seqs || nf != 0) return false;
+  int64_t E = 0;
+  for (int s = 0; s < in->n_seqs; s++) {
+    if (in->lens[s] < 0) return false;
+    E += in->lens[s];
+  }
+  return E == n_tok && E == n_slots;
+}
+
 static td_status replay_aligned(td_model *m, const void *bytes, size_t len) {
   rbuf r = {bytes, len, 0, false};
   if (get_i32(&r) != MIRROR_MAGIC) return td_err(TD_ERR_FORMAT, "mirror: not a model call");
@@ -157,15 +175,19 @@ static td_status replay_aligned(td_model *m, const void *bytes, size_t len) {
   int n;
   if (kind == MIRROR_ENCODE) {
     td_encode_input in = {0};
+    int n_lens, n_tok, n_slots;
     in.n_seqs = get_i32(&r);
-    in.lens = get_arr(&r, 4, &n);
-    in.tokens = get_arr(&r, 4, &n);
+    in.lens = get_arr(&r, 4, &n_lens);
+    in.tokens = get_arr(&r, 4, &n_tok);
     int nf = get_i32(&r);
     if (nf < 0 || r.off + (size_t)nf * 4 > r.n) return td_err(TD_ERR_FORMAT, "mirror: truncated encode");
     in.features = nf ? (const float *)(r.p + r.off) : NULL;
     r.off += (size_t)nf * 4;
-    in.cross_slots = get_arr(&r, 4, &n);
+    in.cross_slots = get_arr(&r, 4, &n_slots);
     if (r.bad) return td_err(TD_ERR_FORMAT, "mirror: truncated encode");
+    if (!encode_counts_ok(m, &in, n_lens, n_tok, nf, n_slots))
+      return td_err(TD_ERR_FORMAT, "mirror: encode of %d sequences with arrays of %d, %d, %d and %d values",
+                    in.n_seqs, n_lens, n_tok, nf, n_slots);
     return td_model_encode(m, &in, NULL);
   }
   if (kind == MIRROR_COPY) {
@@ -181,16 +203,20 @@ static td_status replay_aligned(td_model *m, const void *bytes, size_t len) {
   in.n_tokens = get_i32(&r);
   in.block_stride = get_i32(&r);
   in.cross_stride = get_i32(&r);
-  in.tokens = get_arr(&r, 4, &n);
-  in.positions = get_arr(&r, 4, &n);
-  in.q_start = get_arr(&r, 4, &n);
-  in.ctx_len = get_arr(&r, 4, &n);
-  in.slots = get_arr(&r, 4, &n);
-  in.block_table = get_arr(&r, 4, &n);
-  in.cross_len = get_arr(&r, 4, &n);
-  in.cross_table = get_arr(&r, 4, &n);
+  /* each array's count against what td_model_step reads of it */
+  int64_t S = in.n_seqs, T = in.n_tokens, want[8] = {T, T, S + 1, S, T, S * in.block_stride, S, S * in.cross_stride};
+  const int32_t **arrs[8] = {&in.tokens, &in.positions, &in.q_start, &in.ctx_len,
+                             &in.slots, &in.block_table, &in.cross_len, &in.cross_table};
+  bool counts_ok = true;
+  for (int i = 0; i < 8; i++) {
+    *arrs[i] = get_arr(&r, 4, &n);
+    counts_ok &= n == want[i];
+  }
   in.logit_rows = get_arr(&r, 4, &in.n_logits);
   if (r.bad) return td_err(TD_ERR_FORMAT, "mirror: truncated step");
+  if (!counts_ok)
+    return td_err(TD_ERR_FORMAT, "mirror: step arrays do not match %d sequences, %d tokens, tables of %d and %d",
+                  in.n_seqs, in.n_tokens, in.block_stride, in.cross_stride);
   const float *lg;
   TD_TRY(td_model_step(m, &in, &lg));
   return td_sync(m->b);

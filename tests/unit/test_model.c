@@ -293,6 +293,70 @@ Test(model_cpu, kv_prefetch_hint) {
   td_backend_destroy(b);
 }
 
+/* The last call a model published to its followers (td_model_set_mirror). */
+typedef struct captured {
+  void *bytes;
+  size_t len;
+} captured;
+
+static td_status capture_call(void *ctx, const void *bytes, size_t len) {
+  captured *c = ctx;
+  free(c->bytes);
+  c->bytes = malloc(len);
+  cr_assert(c->bytes);
+  memcpy(c->bytes, bytes, len);
+  c->len = len;
+  return TD_OK;
+}
+
+/* Replays c with the int32 at index i of its bytes set to v. */
+static td_status replay_with(rig *r, const captured *c, int i, int32_t v) {
+  int32_t *p = malloc(c->len);
+  cr_assert(p && (size_t)(i + 1) * 4 <= c->len);
+  memcpy(p, c->bytes, c->len);
+  p[i] = v;
+  td_status s = td_model_replay(r->m, p, c->len);
+  free(p);
+  return s;
+}
+
+/* A follower replays what the leader published; a call whose arrays do
+ * not hold what its counts say is refused before anything reads them. */
+Test(model_cpu, mirror_replay_checks_counts) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  rig r;
+  rig_open(&r, fx.dir, 4);
+  captured enc = {0}, step = {0};
+  td_model_mirror mir = {capture_call, &enc};
+  td_model_set_mirror(r.m, &mir);
+  int32_t cross_blocks[64], self_block;
+  int ncb = encode(&r, &fx, 0, cross_blocks, NULL);
+  mir.ctx = &step;
+  td_model_set_mirror(r.m, &mir);
+  cr_assert(td_kv_alloc(r.self, 1, &self_block) == TD_OK);
+  int32_t tok = 0, pos = 0, qs[2] = {0, 1}, ctx = 1, slot = self_block * 4, clen = fx.req[0].enc_len, row = 0;
+  td_step_input st = {.n_seqs = 1, .n_tokens = 1, .tokens = &tok, .positions = &pos, .q_start = qs,
+                      .ctx_len = &ctx, .slots = &slot, .block_table = &self_block, .block_stride = 1,
+                      .cross_len = &clen, .cross_table = cross_blocks, .cross_stride = ncb,
+                      .n_logits = 1, .logit_rows = &row};
+  const float *lg;
+  cr_assert(td_model_step(r.m, &st, &lg) == TD_OK, "%s", td_errmsg());
+  td_model_set_mirror(r.m, NULL);
+  cr_expect(td_model_replay(r.m, enc.bytes, enc.len) == TD_OK, "%s", td_errmsg());
+  cr_expect(td_model_replay(r.m, step.bytes, step.len) == TD_OK, "%s", td_errmsg());
+  /* the header: magic, kind, then the encode's n_seqs / the step's S, T, block and cross table widths */
+  cr_expect_eq(replay_with(&r, &enc, 2, 2), TD_ERR_FORMAT, "an encode of 2 sequences, 1 length: %s", td_errmsg());
+  cr_expect_eq(replay_with(&r, &step, 3, 2), TD_ERR_FORMAT, "a step of 2 tokens, 1 token id: %s", td_errmsg());
+  cr_expect_eq(replay_with(&r, &step, 5, ncb + 1), TD_ERR_FORMAT, "a cross table wider than its values: %s",
+               td_errmsg());
+  cr_expect(strstr(td_errmsg(), "mirror: step arrays"), "%s", td_errmsg());
+  free(enc.bytes);
+  free(step.bytes);
+  rig_close(&r);
+  fx_free(&fx);
+}
+
 static const float *cpu_step(void *ctx, const td_step_input *st) {
   const float *lg = NULL;
   cr_assert(td_model_step(ctx, st, &lg) == TD_OK, "%s", td_errmsg());
