@@ -68,6 +68,7 @@ typedef struct group {
   uint32_t step_offset;
   /* per step */
   bool scheduled, completes;
+  int row0; /* completes: its first row of the ordered sample rows (order_rows) */
   UT_hash_handle hh;
 } group;
 

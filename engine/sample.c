@@ -66,11 +66,7 @@ td_status eng_sample(td_engine *e, float *logits) {
   int n_bans = 0;
   for (int r = 0; r < n_rows; r++) {
     group *g = bt->ouse[r].g;
-    int stream = g->s[bt->ouse[r].seq]->stream;
-    if (!g->forked && !g->beam) {
-      stream = 0;
-      for (int q = 0; q < r; q++) stream += bt->ouse[q].g == g;
-    }
+    int stream = !g->forked && !g->beam ? r - g->row0 : g->s[bt->ouse[r].seq]->stream;
     sm->h_rows[r] = make_row(e, g, g->s[bt->ouse[r].seq], stream, &n_bans);
   }
   TD_TRY(td_copy_h2d(e->b, sm->d_rows, sm->h_rows, sizeof(td_sample_row) * (size_t)n_rows));

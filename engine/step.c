@@ -9,7 +9,9 @@
 #include "engine/internal.h"
 
 /* The logit rows the model returns: sampled rows first, then beam rows,
- * then the all_logits rows; the beam rows' top-k width. */
+ * then the all_logits rows; the beam rows' top-k width. A group's rows
+ * stay together (add_group adds them in a run), so each group's first row
+ * is where its run starts. */
 static void order_rows(td_engine *e) {
   eng_batch *bt = &e->batch;
   int w = 0;
@@ -17,6 +19,7 @@ static void order_rows(td_engine *e) {
   for (int pass = 0; pass < 2; pass++)
     for (int r = 0; r < bt->n_rows; r++)
       if (bt->use[r].g->beam == (pass == 1)) {
+        if (w == 0 || bt->ouse[w - 1].g != bt->use[r].g) bt->use[r].g->row0 = w;
         bt->ordered[w] = bt->rows[r];
         bt->ouse[w] = bt->use[r];
         w++;
@@ -66,12 +69,7 @@ static td_status keep_all_logits(td_engine *e, const float *logits) {
         cnt++;
       }
     if (cnt) TD_TRY(keep_logits(e, g, logits, first, cnt));
-    if (g->completes)
-      for (int r = 0; r < bt->n_rows; r++)
-        if (bt->ouse[r].g == g) {
-          TD_TRY(keep_logits(e, g, logits, r, 1));
-          break;
-        }
+    if (g->completes) TD_TRY(keep_logits(e, g, logits, g->row0, 1));
   }
   return TD_OK;
 }
@@ -132,9 +130,7 @@ static void apply_group(td_engine *e, group *g) {
   if (!g->completes) return;
   td_status gs = TD_OK;
   bool done = false;
-  int first = -1;
-  for (int r = 0; r < bt->n_rows && first < 0; r++)
-    if (bt->ouse[r].g == g) first = r;
+  int first = g->row0;
   if (g->beam) {
     size_t at = (size_t)(first - bt->n_samp) * bt->k;
     gs = eng_beam_step(e, g, sm->h_ids + at, sm->h_vals + at, bt->k, &done);
