@@ -65,9 +65,9 @@ static bool beams_done(const group *g, double best_running, int gen_len) {
 }
 
 td_status eng_beam_step(td_engine *e, group *g, const int32_t *ids, const float *vals, int k, bool *done) {
-  int B = g->width, m = g->n_s;
+  int B = g->width, m = g->n_s, n_next = 0;
   cand *c = malloc(sizeof *c * (size_t)m * k);
-  seq **next = calloc((size_t)B + 1, sizeof *next);
+  seq **next = calloc((size_t)B + 1, sizeof *next); /* the forks, until g takes them */
   td_status st = TD_OK;
   if (!c || !next) {
     st = td_err(TD_ERR_NOMEM, "out of memory");
@@ -82,7 +82,6 @@ td_status eng_beam_step(td_engine *e, group *g, const int32_t *ids, const float 
     }
   qsort(c, (size_t)nc, sizeof *c, cand_cmp);
   int gen_len = g->s[0]->tok.n - g->n_prompt + 1;
-  int n_next = 0;
   for (int r = 0; r < nc && r < 2 * B && n_next < B; r++) {
     if (eng_is_stop(e, g, c[r].tok)) {
       if (r >= B) continue;
@@ -99,9 +98,10 @@ td_status eng_beam_step(td_engine *e, group *g, const int32_t *ids, const float 
   for (int i = 0; i < m; i++) eng_seq_free(e, g->s[i]);
   for (int i = 0; i < n_next; i++) g->s[i] = next[i];
   g->n_s = n_next;
+  n_next = 0;
   g->forked = true;
   bool finished = false;
-  if (n_next == 0) {
+  if (g->n_s == 0) {
     finished = true;
   } else if (gen_len >= g->max_new) {
     /* out of room: the running beams become hypotheses */
@@ -113,6 +113,7 @@ td_status eng_beam_step(td_engine *e, group *g, const int32_t *ids, const float 
   }
   *done = finished;
 out:
+  for (int i = 0; i < n_next; i++) eng_seq_free(e, next[i]); /* failed before g took them */
   free(c);
   free(next);
   return st;

@@ -43,16 +43,16 @@ void eng_batch_free(eng_batch *bt) {
 }
 
 /* Frees a group's self KV so it recomputes later (and its cross KV when so
- * configured, which sends it back to the encoder queue). */
+ * configured, which sends it back to the encoder queue; short of memory for
+ * that, it keeps its cross KV and stays running). */
 static void preempt(td_engine *e, group *g) {
   for (int i = 0; i < g->n_s; i++) eng_seq_release_blocks(e, g->s[i]);
   e->st.preemptions++;
-  if (e->o.recompute_cross && (g->input || g->features)) {
+  if (e->o.recompute_cross && (g->input || g->features) && td_ptrvec_insert(&e->wait, 0, g) == TD_OK) {
     td_kv_unref_all(e->cross, g->cross.v, g->cross.n);
     g->cross.n = 0;
     td_ptrvec_remove(&e->run, g);
     g->state = G_WAITING;
-    (void)td_ptrvec_insert(&e->wait, 0, g);
   }
   TD_DEBUG("preempted request %s", g->id);
 }
