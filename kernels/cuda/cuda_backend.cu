@@ -538,13 +538,13 @@ static td_status cu_unshard_cols(td_backend *b, const float *parts, float *out, 
   return TD_OK;
 }
 
-/* Filled field by field: entries this file does not know stay NULL. */
 /* td_backend_set_cuda_tuning: every launch reads c->tune */
 static td_status cu_set_cuda_tuning(td_backend *b, const td_cuda_tuning *t) {
   td_cu_tune_resolve(t, &td_cu(b)->tune);
   return TD_OK;
 }
 
+/* Filled field by field: entries this file does not know stay NULL. */
 static td_backend_vt cuda_vt;
 
 static void vt_init(void) {

@@ -40,7 +40,7 @@ typedef struct td_cuda {
   int states_clusters[16][4]; /* attn_states: co-resident clusters of 1, 2, 4, 8 blocks per kernel (D, warps) */
   uint64_t plan_clock;
   struct cu_block *blocks; /* td_alloc'ed device memory: pointer -> bytes (td_backend_memory_info) */
-  size_t allocated;        /* bytes in blocks, plus the workspace above */
+  size_t allocated;        /* bytes in blocks (the workspaces above included) */
 } td_cuda;
 
 static inline td_cuda *td_cu(td_backend *b) { return (td_cuda *)b->impl; }
