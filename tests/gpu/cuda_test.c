@@ -6,6 +6,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "gpu_main.h"
+
 td_backend *G, *C;
 uint64_t rs;
 td_cuda_tuning cuda_base;
@@ -142,19 +144,8 @@ void rig_drop(paged_rig *r) {
 }
 
 int main(int argc, char *argv[]) {
-  td_settings settings;
-  if (td_settings_from_env(&settings) != TD_OK) {
-    fprintf(stderr, "test_cuda_ops: %s\n", td_errmsg());
-    return 2;
-  }
-  td_settings_apply(&settings);
-  cuda_base = settings.cuda;
   seed_env = getenv("TD_TEST_SEED");
   states_variant = getenv("TD_TEST_STATES_VARIANT");
   states_case_only = getenv("TD_TEST_STATES_CASE");
-  struct criterion_test_set *tests = criterion_initialize();
-  int rc = 0;
-  if (criterion_handle_args(argc, argv, true)) rc = !criterion_run_all_tests(tests);
-  criterion_finalize(tests);
-  return rc;
+  return td_gpu_test_main(argc, argv, &cuda_base);
 }

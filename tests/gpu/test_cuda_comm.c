@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/settings.h"
+#include "gpu_main.h"
 #include "kernels/ops.h"
 
 enum { N = 4099, WORLD = 2 };
@@ -115,18 +116,4 @@ Test(cuda_comm, two_ranks, .timeout = 120) {
   for (int r = 0; r < WORLD; r++) cr_expect(args[r].fail[0] == 0, "%s", args[r].fail);
 }
 
-/* Reads the environment once: the CUDA tuning the backends are made with. */
-int main(int argc, char *argv[]) {
-  td_settings settings;
-  if (td_settings_from_env(&settings) != TD_OK) {
-    fprintf(stderr, "%s: %s\n", argv[0], td_errmsg());
-    return 2;
-  }
-  td_settings_apply(&settings);
-  cuda_tuning = settings.cuda;
-  struct criterion_test_set *tests = criterion_initialize();
-  int rc = 0;
-  if (criterion_handle_args(argc, argv, true)) rc = !criterion_run_all_tests(tests);
-  criterion_finalize(tests);
-  return rc;
-}
+int main(int argc, char *argv[]) { return td_gpu_test_main(argc, argv, &cuda_tuning); }

@@ -28,6 +28,7 @@
 #include "model/model.h"
 #include "tests/unit/fixture.h"
 #include "tests/unit/fx_batch.h"
+#include "gpu_main.h"
 
 #define TOL 3e-2
 
@@ -450,18 +451,4 @@ Test(model_cuda, batched_decode, .timeout = 300) { batched_decode(TD_CROSS_KV, 0
 Test(model_cuda, batched_decode_cross_states, .timeout = 300) { batched_decode(TD_CROSS_STATES, 0); }
 Test(model_cuda, batched_decode_cross_dual, .timeout = 300) { batched_decode(TD_CROSS_DUAL, 3); }
 
-/* Reads the environment once: the CUDA tuning the backends are made with. */
-int main(int argc, char *argv[]) {
-  td_settings settings;
-  if (td_settings_from_env(&settings) != TD_OK) {
-    fprintf(stderr, "%s: %s\n", argv[0], td_errmsg());
-    return 2;
-  }
-  td_settings_apply(&settings);
-  cuda_tuning = settings.cuda;
-  struct criterion_test_set *tests = criterion_initialize();
-  int rc = 0;
-  if (criterion_handle_args(argc, argv, true)) rc = !criterion_run_all_tests(tests);
-  criterion_finalize(tests);
-  return rc;
-}
+int main(int argc, char *argv[]) { return td_gpu_test_main(argc, argv, &cuda_tuning); }
