@@ -35,7 +35,7 @@ void td_engine_default_blocks(const td_model *m, const td_engine_opts *o, int *s
   const td_model_opts *mo = td_model_get_opts(m);
   int bs = mo->block_size;
   int run = o->max_running > 0 && o->max_running <= mo->max_seqs ? o->max_running : mo->max_seqs;
-  int ss = (td_model_max_target_len(m) + bs - 1) / bs, cs = (td_model_max_source_len(m) + bs - 1) / bs;
+  int ss = eng_blocks_for(td_model_max_target_len(m), bs), cs = eng_blocks_for(td_model_max_source_len(m), bs);
   *self_blocks = o->self_blocks > 0 ? o->self_blocks : run * (ss + 1);
   *cross_blocks = o->cross_blocks > 0 ? o->cross_blocks : run * cs;
 }
@@ -142,8 +142,8 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   e->V = e->cfg->vocab_size;
   e->max_src = td_model_max_source_len(m);
   e->max_tgt = td_model_max_target_len(m);
-  e->self_stride = (e->max_tgt + e->bs - 1) / e->bs;
-  e->cross_stride = (e->max_src + e->bs - 1) / e->bs;
+  e->self_stride = eng_blocks_for(e->max_tgt, e->bs);
+  e->cross_stride = eng_blocks_for(e->max_src, e->bs);
   td_engine_opts *o = &e->o;
   if (o->max_running <= 0 || o->max_running > mo->max_seqs) o->max_running = mo->max_seqs;
   if (o->max_step_tokens <= 0 || o->max_step_tokens > mo->max_tokens) o->max_step_tokens = mo->max_tokens;
@@ -309,6 +309,19 @@ td_engine_stats td_engine_get_stats(const td_engine *e) {
 
 /* ------------------------------------------------------------ blocks */
 
+/* Each block's holders (refs: the groups'; ext: the caller's) and its
+ * reservation against its reference count. */
+static td_status check_holders(const td_kv_pool *p, int *refs, const int *ext, const char *which) {
+  int n = td_kv_pool_get_stats(p).n_blocks;
+  for (int i = 0; i < n; i++) {
+    refs[i] += ext[i] + td_kv_is_reserved(p, i);
+    if (refs[i] != td_kv_refcount(p, i))
+      return td_err(TD_ERR_INTERNAL, "%s block %d: %d holders, refcount %d", which, i, refs[i],
+                    td_kv_refcount(p, i));
+  }
+  return TD_OK;
+}
+
 td_status td_engine_check(const td_engine *e) {
   TD_TRY(td_kv_pool_check(e->self));
   TD_TRY(td_kv_pool_check(e->cross));
@@ -327,16 +340,8 @@ td_status td_engine_check(const td_engine *e) {
         for (int b = 0; b < g->s[k]->blk.n; b++) refs[g->s[k]->blk.v[b]]++;
       for (int b = 0; b < g->cross.n; b++) crefs[g->cross.v[b]]++;
     }
-  td_status s = TD_OK;
-  for (int i = 0; i < ss.n_blocks && s == TD_OK; i++) {
-    refs[i] += e->ext_self[i] + td_kv_is_reserved(e->self, i);
-    if (refs[i] != td_kv_refcount(e->self, i))
-      s = td_err(TD_ERR_INTERNAL, "self block %d: %d holders, refcount %d", i, refs[i], td_kv_refcount(e->self, i));
-  }
-  for (int i = 0; i < cs.n_blocks && s == TD_OK; i++)
-    if ((crefs[i] += e->ext_cross[i] + td_kv_is_reserved(e->cross, i)) != td_kv_refcount(e->cross, i))
-      s = td_err(TD_ERR_INTERNAL, "cross block %d: %d holders, refcount %d", i, crefs[i],
-                 td_kv_refcount(e->cross, i));
+  td_status s = check_holders(e->self, refs, e->ext_self, "self");
+  if (s == TD_OK) s = check_holders(e->cross, crefs, e->ext_cross, "cross");
   free(refs);
   free(crefs);
   return s;
