@@ -131,11 +131,6 @@ static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_
   return true;
 }
 
-static bool capturing_stream(cudaStream_t s) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(s, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone;
-}
-
 /* td_cuda_tuning.autotune: large GEMMs time the heuristic's candidates once
  * on their own operands (a synchronisation on the plan's first use, never
  * while capturing) and keep the fastest. Not for TD_GEMM_ACCUM, whose
@@ -224,7 +219,7 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
   }
   p->used = true;
   if (p->mode != MODE_FALLBACK && c->tune.autotune && found > 1 && !(flags & TD_GEMM_ACCUM) &&
-      (double)m * n * k >= 1e10 && !capturing_stream(c->stream))
+      (double)m * n * k >= 1e10 && !td_cu_capturing(c))
     lt_autotune(c, p, res, found, x, w, y);
   if (c->tune.verbose)
     fprintf(stderr, "tandem cuda gemm plan m=%d n=%d k=%d act=%d flags=%u bias=%d align=%03x: %s\n", m, n, k, act,
