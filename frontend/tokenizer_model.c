@@ -146,14 +146,17 @@ static td_status parse_bpe(tk_model *m, const cJSON *j) {
   size_t plen = m->prefix ? strlen(m->prefix) : 0;
   int rank = 0;
   const cJSON *e;
-  char *cat = NULL;
+  tk_buf cat = {0};
+  td_status st = TD_OK;
   cJSON_ArrayForEach(e, mg) {
     const char *a, *b;
     size_t alen, blen;
     if (cJSON_IsString(e)) { /* "a b" */
       const char *sp = strchr(e->valuestring, ' ');
-      if (!sp || strchr(sp + 1, ' '))
-        return td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d \"%s\" is not two tokens", rank, e->valuestring);
+      if (!sp || strchr(sp + 1, ' ')) {
+        st = td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d \"%s\" is not two tokens", rank, e->valuestring);
+        break;
+      }
       a = e->valuestring;
       alen = (size_t)(sp - a);
       b = sp + 1;
@@ -165,23 +168,20 @@ static td_status parse_bpe(tk_model *m, const cJSON *j) {
       alen = strlen(a);
       blen = strlen(b);
     } else {
-      return td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d is neither \"a b\" nor [\"a\", \"b\"]", rank);
+      st = td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d is neither \"a b\" nor [\"a\", \"b\"]", rank);
+      break;
     }
     vent *ea = find(m, a, alen), *eb = find(m, b, blen);
-    if (!ea || !eb || blen < plen)
-      return td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d: a token is not in the vocabulary", rank);
-    char *c = realloc(cat, alen + blen + 1);
-    if (!c) {
-      free(cat);
-      return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
+    if (!ea || !eb || blen < plen) {
+      st = td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d: a token is not in the vocabulary", rank);
+      break;
     }
-    cat = c;
-    memcpy(cat, a, alen);
-    memcpy(cat + alen, b + plen, blen - plen);
-    vent *en = find(m, cat, alen + blen - plen);
+    cat.n = 0;
+    if ((st = tk_buf_add(&cat, a, alen)) != TD_OK || (st = tk_buf_add(&cat, b + plen, blen - plen)) != TD_OK) break;
+    vent *en = find(m, cat.p, cat.n);
     if (!en) {
-      free(cat);
-      return td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d: the merged token is not in the vocabulary", rank);
+      st = td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d: the merged token is not in the vocabulary", rank);
+      break;
     }
     uint64_t pair = (uint64_t)(uint32_t)ea->id << 32 | (uint32_t)eb->id;
     merge_ent *old = NULL;
@@ -192,8 +192,8 @@ static td_status parse_bpe(tk_model *m, const cJSON *j) {
     HASH_ADD(hh, m->merges, pair, sizeof me->pair, me);
     rank++;
   }
-  free(cat);
-  return TD_OK;
+  tk_buf_free(&cat);
+  return st;
 }
 
 static td_status parse_unigram(tk_model *m, const cJSON *j) {
