@@ -85,26 +85,24 @@ static td_status hf_index(hf *h) {
   if (!h->raw_trie || !h->norm_trie) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
   h->size = tk_model_size(h->model);
   tk_buf b = {0};
-  for (size_t i = 0; i < h->nadded; i++) {
+  td_status st = TD_OK;
+  for (size_t i = 0; st == TD_OK && i < h->nadded; i++) {
     added *a = &h->added[i];
     if (a->id + 1 > h->size) h->size = a->id + 1;
     if (a->normalized && h->norm) {
-      td_status st = tk_norm_apply(h->norm, a->content, a->n, &b);
+      st = tk_norm_apply(h->norm, a->content, a->n, &b);
       if (st == TD_OK && (b.n != a->n || memcmp(b.p, a->content, b.n)) && !(a->norm = strndup(b.p, b.n)))
         st = td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-      if (st != TD_OK) {
-        tk_buf_free(&b);
-        return st;
-      }
+      if (st != TD_OK) break;
       a->norm_n = b.n;
     }
-    if (a->normalized) {
-      if (a->norm ? a->norm_n : a->n) TD_TRY(tk_trie_add(h->norm_trie, a->norm ? a->norm : a->content, a->norm ? a->norm_n : a->n, (int32_t)i));
-    } else {
-      TD_TRY(tk_trie_add(h->raw_trie, a->content, a->n, (int32_t)i));
-    }
+    const char *key = a->norm ? a->norm : a->content; /* normalized text is matched by what it became */
+    size_t len = a->norm ? a->norm_n : a->n;
+    if (!a->normalized) st = tk_trie_add(h->raw_trie, a->content, a->n, (int32_t)i);
+    else if (len) st = tk_trie_add(h->norm_trie, key, len, (int32_t)i);
   }
   tk_buf_free(&b);
+  if (st != TD_OK) return st;
   h->text = calloc((size_t)h->size + 1, sizeof *h->text);
   h->len = calloc((size_t)h->size + 1, sizeof *h->len);
   h->special = calloc((size_t)h->size + 1, sizeof *h->special);
@@ -117,7 +115,6 @@ static td_status hf_index(hf *h) {
   }
   tk_trie *sp = tk_trie_new(); /* special: the token's text is a special token's content */
   if (!sp) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-  td_status st = TD_OK;
   for (size_t i = 0; st == TD_OK && i < h->nadded; i++)
     if (h->added[i].special) st = tk_trie_add(sp, h->added[i].content, h->added[i].n, 1);
   for (int32_t id = 0; st == TD_OK && id < h->size; id++) {
