@@ -12,31 +12,6 @@
 
 #define WHISPER_TIMESTAMP_RE "<\\|(\\d+\\.\\d+)\\|>" /* WhisperTokenizer.timestamp_pat */
 
-static td_status slurp(const char *path, size_t max, char **out, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return td_err(TD_ERR_IO, "cannot open %s", path);
-  struct stat sb;
-  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    fclose(f);
-    return td_err(TD_ERR_IO, "%s is not a regular file", path);
-  }
-  if ((uint64_t)sb.st_size > max) {
-    fclose(f);
-    return td_err(TD_ERR_INVALID, "%s: %lld bytes, over the limit of %zu", path, (long long)sb.st_size, max);
-  }
-  char *b = malloc((size_t)sb.st_size + 1);
-  size_t n = b ? fread(b, 1, (size_t)sb.st_size, f) : 0;
-  fclose(f);
-  if (!b || n != (size_t)sb.st_size) {
-    free(b);
-    return b ? td_err(TD_ERR_IO, "cannot read %s", path) : td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-  }
-  b[n] = 0;
-  *out = b;
-  *len = n;
-  return TD_OK;
-}
-
 static bool is_file(const char *path) {
   struct stat sb;
   return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
@@ -105,12 +80,12 @@ td_status td_tokenizer_load(const char *dir, const td_tokenizer_opts *opts, td_t
   snprintf(cpath, sizeof cpath, "%s/tokenizer_config.json", dir);
   char *cfg = NULL;
   size_t clen = 0;
-  if (is_file(cpath)) TD_TRY(slurp(cpath, o.max_file_bytes, &cfg, &clen));
+  if (is_file(cpath)) TD_TRY(tk_read_file(cpath, o.max_file_bytes, &cfg, &clen));
   td_status st;
   if (is_file(path)) {
     char *json = NULL;
     size_t len = 0;
-    st = slurp(path, o.max_file_bytes, &json, &len);
+    st = tk_read_file(path, o.max_file_bytes, &json, &len);
     if (st == TD_OK) st = td_tokenizer_from_json(json, len, cfg, clen, &o, out);
     free(json);
     if (st != TD_OK) td_err_ctx(st, "%s: ", path);
@@ -123,7 +98,7 @@ td_status td_tokenizer_load(const char *dir, const td_tokenizer_opts *opts, td_t
       st = td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
     } else {
       set_opts(t, &o);
-      st = tk_marian_load(dir, t);
+      st = tk_marian_load(dir, cfg, clen, t);
       if (st == TD_OK) st = apply_config(t, cfg, clen);
       if (st == TD_OK) *out = t;
       else td_tokenizer_destroy(t);

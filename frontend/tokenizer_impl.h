@@ -25,6 +25,9 @@ void tk_buf_free(tk_buf *b);
 /* NUL-terminates and hands the bytes over (*len excludes the NUL). */
 td_status tk_buf_take(tk_buf *b, char **out, size_t *len);
 
+/* A regular file of at most max bytes, whole and NUL-terminated (*len excludes the NUL). */
+td_status tk_read_file(const char *path, size_t max, char **out, size_t *len);
+
 /* Decodes the code point at s[0, n) (valid UTF-8 assumed); returns its length. */
 size_t tk_utf8_next(const char *s, size_t n, uint32_t *cp);
 size_t tk_utf8_len(uint8_t lead);
@@ -172,11 +175,13 @@ struct td_tokenizer {
 
 extern const tk_ops tk_hf_ops;
 td_status tk_hf_load(const char *json, size_t len, td_tokenizer *t);
-td_status tk_marian_load(const char *dir, td_tokenizer *t);
+/* config: tokenizer_config.json's text (NULL: none). */
+td_status tk_marian_load(const char *dir, const char *config, size_t config_len, td_tokenizer *t);
 
 /* ---- SentencePiece (tokenizer_spm.cc: a C face on libsentencepiece) ---- */
 typedef struct tk_spm tk_spm;
-td_status tk_spm_load(const char *path, tk_spm **out);
+/* From a model file's bytes; path names it in errors. */
+td_status tk_spm_load(const char *bytes, size_t len, const char *path, tk_spm **out);
 void tk_spm_free(tk_spm *s);
 /* Pieces of text, as SentencePieceProcessor::Encode(text, out_type=str). */
 td_status tk_spm_encode(const tk_spm *s, const char *text, size_t len, char ***pieces, size_t *n);

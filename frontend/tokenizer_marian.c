@@ -47,27 +47,10 @@ static int32_t lookup(const marian *m, const char *s, size_t n) {
   return e ? e->id : -1;
 }
 
-static td_status read_all(const char *path, size_t max, char **out, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return td_err(TD_ERR_IO, "cannot open %s", path);
-  tk_buf b = {0};
-  char chunk[65536];
-  size_t k;
-  td_status st = TD_OK;
-  while (st == TD_OK && (k = fread(chunk, 1, sizeof chunk, f)) > 0) {
-    if (b.n + k > max) st = td_err(TD_ERR_INVALID, "%s: over the limit of %zu bytes", path, max);
-    else st = tk_buf_add(&b, chunk, k);
-  }
-  fclose(f);
-  if (st == TD_OK) st = tk_buf_take(&b, out, len);
-  tk_buf_free(&b);
-  return st;
-}
-
 static td_status load_vocab(marian *m, const char *path, size_t max) {
   char *json;
   size_t len;
-  TD_TRY(read_all(path, max, &json, &len));
+  TD_TRY(tk_read_file(path, max, &json, &len));
   cJSON *root = tk_utf8_valid_prefix(json, len) == len ? cJSON_ParseWithLength(json, len) : NULL;
   free(json);
   if (!cJSON_IsObject(root)) {
@@ -251,23 +234,12 @@ static const tk_ops marian_ops = {"marian", marian_encode, marian_decode, marian
 /* The special tokens' texts: tokenizer_config.json's when it names them.
  * separate_vocabs (decoding through target_vocab.json and target.spm) is
  * not read here, so it is refused rather than decoded wrongly. */
-static td_status read_config(marian *m, const char *dir, size_t max) {
+static td_status read_config(marian *m, const char *dir, const char *config, size_t config_len) {
   static const char *keys[3] = {"eos_token", "unk_token", "pad_token"}, *dflt[3] = {"</s>", "<unk>", "<pad>"};
-  char path[4096];
-  snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-  cJSON *root = NULL;
-  FILE *f = fopen(path, "rb");
-  if (f) {
-    fclose(f);
-    char *json;
-    size_t len;
-    TD_TRY(read_all(path, max, &json, &len));
-    root = cJSON_ParseWithLength(json, len);
-    free(json);
-  }
+  cJSON *root = config ? cJSON_ParseWithLength(config, config_len) : NULL; /* a bad one is refused by the caller */
   if (tk_jbool(root, "separate_vocabs", false)) {
     cJSON_Delete(root);
-    return td_err(TD_ERR_FORMAT, "%s: separate_vocabs (a target_vocab.json) is not supported", path);
+    return td_err(TD_ERR_FORMAT, "%s/tokenizer_config.json: separate_vocabs (a target_vocab.json) is not supported", dir);
   }
   for (int i = 0; i < 3; i++) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, keys[i]);
@@ -281,20 +253,30 @@ static td_status read_config(marian *m, const char *dir, size_t max) {
   return TD_OK;
 }
 
-td_status tk_marian_load(const char *dir, td_tokenizer *t) {
+/* DIR/NAME through libsentencepiece, refused over the file limit as every tokenizer file is. */
+static td_status load_spm(const char *dir, const char *name, size_t max, tk_spm **out) {
+  char path[4096], *bytes;
+  size_t len;
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  TD_TRY(tk_read_file(path, max, &bytes, &len));
+  td_status st = tk_spm_load(bytes, len, path, out);
+  free(bytes);
+  return st;
+}
+
+td_status tk_marian_load(const char *dir, const char *config, size_t config_len, td_tokenizer *t) {
   marian *m = calloc(1, sizeof *m);
   if (!m) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
   t->impl = m;
   t->ops = &marian_ops;
   t->strip_tail = true;
+  size_t max = t->opts.max_file_bytes;
+  TD_TRY(load_spm(dir, "source.spm", max, &m->src));
+  TD_TRY(load_spm(dir, "target.spm", max, &m->tgt)); /* decodes nothing with a joint vocabulary; loaded as transformers does */
   char path[4096];
-  snprintf(path, sizeof path, "%s/source.spm", dir);
-  TD_TRY(tk_spm_load(path, &m->src));
-  snprintf(path, sizeof path, "%s/target.spm", dir); /* decodes nothing with a joint vocabulary; loaded as transformers does */
-  TD_TRY(tk_spm_load(path, &m->tgt));
   snprintf(path, sizeof path, "%s/vocab.json", dir);
-  TD_TRY(load_vocab(m, path, t->opts.max_file_bytes));
-  TD_TRY(read_config(m, dir, t->opts.max_file_bytes));
+  TD_TRY(load_vocab(m, path, max));
+  TD_TRY(read_config(m, dir, config, config_len));
   m->eos = lookup(m, m->special[0], strlen(m->special[0]));
   m->unk = lookup(m, m->special[1], strlen(m->special[1]));
   if (m->eos < 0 || m->unk < 0)

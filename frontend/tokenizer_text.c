@@ -8,8 +8,10 @@
  * still change). Character classes come from utf8proc (Unicode tables in C). */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <utf8proc.h>
 
 #include "frontend/tokenizer_impl.h"
@@ -58,6 +60,31 @@ td_status tk_buf_take(tk_buf *b, char **out, size_t *len) {
   *out = b->p;
   if (len) *len = b->n;
   *b = (tk_buf){0};
+  return TD_OK;
+}
+
+td_status tk_read_file(const char *path, size_t max, char **out, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return td_err(TD_ERR_IO, "cannot open %s", path);
+  struct stat sb;
+  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    fclose(f);
+    return td_err(TD_ERR_IO, "%s is not a regular file", path);
+  }
+  if ((uint64_t)sb.st_size > max) {
+    fclose(f);
+    return td_err(TD_ERR_INVALID, "%s: %lld bytes, over the limit of %zu", path, (long long)sb.st_size, max);
+  }
+  char *b = malloc((size_t)sb.st_size + 1);
+  size_t n = b ? fread(b, 1, (size_t)sb.st_size, f) : 0;
+  fclose(f);
+  if (!b || n != (size_t)sb.st_size) {
+    free(b);
+    return b ? td_err(TD_ERR_IO, "cannot read %s", path) : td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
+  }
+  b[n] = 0;
+  *out = b;
+  *len = n;
   return TD_OK;
 }
 

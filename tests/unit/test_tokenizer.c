@@ -424,6 +424,19 @@ Test(tokenizer, marian_separate_vocabs_is_refused) {
   rmdir(dir);
 }
 
+/* The file limit holds for every file a Marian folder has, its SentencePiece models too. */
+Test(tokenizer, marian_files_over_the_limit_are_refused) {
+  char dir[512];
+  snprintf(dir, sizeof dir, "%s/marian-local", TOK_DIR);
+  td_tokenizer *t = NULL;
+  td_tokenizer_opts o = {.max_file_bytes = 100000}; /* over vocab.json, under source.spm */
+  cr_assert_eq(td_tokenizer_load(dir, &o, &t), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "source.spm") && strstr(td_errmsg(), "limit"), "%s", td_errmsg());
+  o.max_file_bytes = 0;
+  cr_assert_eq(td_tokenizer_load(dir, &o, &t), TD_OK, "%s", td_errmsg());
+  td_tokenizer_destroy(t);
+}
+
 /* Every prefix of real files, and single-byte corruptions of them: an error
  * or a tokenizer that works, never a crash (ASan watches). */
 Test(tokenizer, truncated_and_corrupted_files_never_crash) {
