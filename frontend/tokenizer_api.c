@@ -17,10 +17,11 @@ static bool is_file(const char *path) {
   return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
-static void set_opts(td_tokenizer *t, const td_tokenizer_opts *o) {
-  if (o) t->opts = *o;
-  if (!t->opts.max_text_bytes) t->opts.max_text_bytes = TD_TOKENIZER_MAX_TEXT_BYTES;
-  if (!t->opts.max_file_bytes) t->opts.max_file_bytes = TD_TOKENIZER_MAX_FILE_BYTES;
+static td_tokenizer_opts with_defaults(const td_tokenizer_opts *o) {
+  td_tokenizer_opts r = o ? *o : (td_tokenizer_opts){0};
+  if (!r.max_text_bytes) r.max_text_bytes = TD_TOKENIZER_MAX_TEXT_BYTES;
+  if (!r.max_file_bytes) r.max_file_bytes = TD_TOKENIZER_MAX_FILE_BYTES;
+  return r;
 }
 
 /* tokenizer_config.json: the clean-up flag and the class (Whisper decodes its own way). */
@@ -57,7 +58,7 @@ td_status td_tokenizer_from_json(const char *json, size_t len, const char *confi
   if (!json || !out) return td_err(TD_ERR_INVALID, "tokenizer: no tokenizer.json text");
   td_tokenizer *t = calloc(1, sizeof *t);
   if (!t) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-  set_opts(t, opts);
+  t->opts = with_defaults(opts);
   td_status st = len > t->opts.max_file_bytes
                      ? td_err(TD_ERR_INVALID, "tokenizer.json: %zu bytes, over the limit of %zu", len, t->opts.max_file_bytes)
                      : tk_hf_load(json, len, t);
@@ -72,9 +73,7 @@ td_status td_tokenizer_from_json(const char *json, size_t len, const char *confi
 
 td_status td_tokenizer_load(const char *dir, const td_tokenizer_opts *opts, td_tokenizer **out) {
   if (!dir || !out) return td_err(TD_ERR_INVALID, "tokenizer: no folder");
-  td_tokenizer_opts o = {0};
-  if (opts) o = *opts;
-  if (!o.max_file_bytes) o.max_file_bytes = TD_TOKENIZER_MAX_FILE_BYTES;
+  td_tokenizer_opts o = with_defaults(opts);
   char path[4096], cpath[4096];
   snprintf(path, sizeof path, "%s/tokenizer.json", dir);
   snprintf(cpath, sizeof cpath, "%s/tokenizer_config.json", dir);
@@ -97,7 +96,7 @@ td_status td_tokenizer_load(const char *dir, const td_tokenizer_opts *opts, td_t
     } else if (!(t = calloc(1, sizeof *t))) {
       st = td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
     } else {
-      set_opts(t, &o);
+      t->opts = o;
       st = tk_marian_load(dir, cfg, clen, t);
       if (st == TD_OK) st = apply_config(t, cfg, clen);
       if (st == TD_OK) *out = t;
