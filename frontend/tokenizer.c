@@ -233,8 +233,7 @@ static td_status hf_encode(const td_tokenizer *t, const char *text, size_t len, 
   const hf *h = t->impl;
   tk_pieces ps = {0};
   tk_buf b = {0};
-  int32_t *v = NULL;
-  size_t nv = 0, cap = 0;
+  tk_ids v = {0};
   td_status st = TD_OK;
   if (len) st = tk_pieces_push(&ps, text, len, -1, true);
   if (st == TD_OK) st = split_added(h, h->raw_trie, &ps);
@@ -255,24 +254,17 @@ static td_status hf_encode(const td_tokenizer *t, const char *text, size_t len, 
   }
   if (st == TD_OK) st = split_added(h, h->norm_trie, &ps);
   if (st == TD_OK && h->pre) st = tk_pretok_apply(h->pre, &ps);
-  for (size_t i = 0; st == TD_OK && i < ps.n; i++) {
-    if (ps.v[i].id >= 0) {
-      int32_t *x = nv == cap ? realloc(v, (cap = cap ? cap * 2 : 64) * sizeof *v) : v;
-      if (!x) st = td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-      else (v = x)[nv++] = ps.v[i].id;
-    } else if (ps.v[i].n) {
-      st = tk_model_tokenize(h->model, ps.v[i].s, ps.v[i].n, &v, &nv, &cap);
-    }
-  }
-  if (st == TD_OK && add_special && h->post) st = tk_post_apply(h->post, &v, &nv);
+  for (size_t i = 0; st == TD_OK && i < ps.n; i++)
+    st = ps.v[i].id >= 0 ? tk_ids_push(&v, ps.v[i].id) : tk_model_tokenize(h->model, ps.v[i].s, ps.v[i].n, &v);
+  if (st == TD_OK && add_special && h->post) st = tk_post_apply(h->post, &v);
   tk_pieces_free(&ps);
   tk_buf_free(&b);
   if (st != TD_OK) {
-    free(v);
+    free(v.v);
     return st;
   }
-  *ids = v;
-  *n = nv;
+  *ids = v.v;
+  *n = v.n;
   return TD_OK;
 }
 

@@ -177,8 +177,7 @@ td_status td_tokenizer_decode(const td_tokenizer *t, const int32_t *ids, size_t 
 struct td_detok {
   const td_tokenizer *t;
   bool skip;
-  int32_t *ids;
-  size_t n, cap;
+  tk_ids ids;
   tk_buf given, piece, full, cand;
 };
 
@@ -194,7 +193,7 @@ td_status td_detok_create(const td_tokenizer *t, bool skip_special, td_detok **o
 
 void td_detok_destroy(td_detok *d) {
   if (!d) return;
-  free(d->ids);
+  free(d->ids.v);
   tk_buf_free(&d->given);
   tk_buf_free(&d->piece);
   tk_buf_free(&d->full);
@@ -231,19 +230,13 @@ td_status td_detok_push(td_detok *d, int32_t id, const char **piece, size_t *len
   if (!d || !piece) return td_err(TD_ERR_INVALID, "tokenizer: detok: bad arguments");
   const td_tokenizer *t = d->t;
   TD_TRY(check_id(t, id));
-  if (d->n == d->cap) {
-    size_t cap = d->cap ? d->cap * 2 : 64;
-    int32_t *v = realloc(d->ids, cap * sizeof *v);
-    if (!v) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-    d->ids = v;
-    d->cap = cap;
-  }
-  d->ids[d->n++] = id;
-  size_t k = d->n; /* ids[0, k) decode to text that is final but for its tail */
-  while (k > 0 && (byte_token(t, d->ids[k - 1]) || (d->skip && t->ops->is_special(t, d->ids[k - 1])))) k--;
-  td_status st = decode_text(t, d->ids, k, d->skip, &d->cand);
+  TD_TRY(tk_ids_push(&d->ids, id));
+  const int32_t *ids = d->ids.v;
+  size_t k = d->ids.n; /* ids[0, k) decode to text that is final but for its tail */
+  while (k > 0 && (byte_token(t, ids[k - 1]) || (d->skip && t->ops->is_special(t, ids[k - 1])))) k--;
+  td_status st = decode_text(t, ids, k, d->skip, &d->cand);
   if (st != TD_OK) {
-    d->n--;
+    d->ids.n--;
     return st;
   }
   size_t h = d->cand.n;
@@ -266,7 +259,7 @@ td_status td_detok_push(td_detok *d, int32_t id, const char **piece, size_t *len
 
 td_status td_detok_finish(td_detok *d, const char **piece, size_t *len) {
   if (!d || !piece) return td_err(TD_ERR_INVALID, "tokenizer: detok: bad arguments");
-  TD_TRY(decode_text(d->t, d->ids, d->n, d->skip, &d->full));
+  TD_TRY(decode_text(d->t, d->ids.v, d->ids.n, d->skip, &d->full));
   if (d->full.n < d->given.n || memcmp(d->full.p, d->given.p ? d->given.p : "", d->given.n))
     return td_err(TD_ERR_INTERNAL, "tokenizer: streaming decode would change text already given");
   return give(d, &d->full, d->full.n, piece, len);

@@ -16,8 +16,7 @@ typedef enum { PP_TEMPLATE, PP_PAIR, PP_NOOP, PP_SEQUENCE } post_kind;
 
 struct tk_post {
   post_kind kind;
-  int32_t *tmpl; /* TEMPLATE: ids, -1 where the sequence goes */
-  size_t ntmpl;
+  tk_ids tmpl; /* TEMPLATE: ids, -1 where the sequence goes */
   tk_post **seq;
   size_t nseq;
 };
@@ -26,16 +25,8 @@ void tk_post_free(tk_post *p) {
   if (!p) return;
   for (size_t i = 0; i < p->nseq; i++) tk_post_free(p->seq[i]);
   free(p->seq);
-  free(p->tmpl);
+  free(p->tmpl.v);
   free(p);
-}
-
-static td_status tmpl_push(tk_post *p, int32_t id) {
-  int32_t *v = realloc(p->tmpl, (p->ntmpl + 1) * sizeof *v);
-  if (!v) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-  p->tmpl = v;
-  p->tmpl[p->ntmpl++] = id;
-  return TD_OK;
 }
 
 static bool valid_id(const cJSON *v) {
@@ -53,7 +44,7 @@ static td_status parse_template(tk_post *p, const cJSON *j) {
     const cJSON *sp = cJSON_GetObjectItemCaseSensitive(it, "SpecialToken");
     if (cJSON_IsObject(seq)) {
       const char *id = tk_jstr(seq, "id");
-      if (id && !strcmp(id, "A")) TD_TRY(tmpl_push(p, -1));
+      if (id && !strcmp(id, "A")) TD_TRY(tk_ids_push(&p->tmpl, -1));
       continue; /* "B" has no place in a single sequence */
     }
     const char *name = cJSON_IsObject(sp) ? tk_jstr(sp, "id") : NULL;
@@ -65,7 +56,7 @@ static td_status parse_template(tk_post *p, const cJSON *j) {
     const cJSON *v;
     cJSON_ArrayForEach(v, ids) {
       if (!valid_id(v)) return td_err(TD_ERR_FORMAT, "tokenizer.json: TemplateProcessing: \"%s\" has a bad id", name);
-      TD_TRY(tmpl_push(p, (int32_t)v->valuedouble));
+      TD_TRY(tk_ids_push(&p->tmpl, (int32_t)v->valuedouble));
     }
   }
   return TD_OK;
@@ -78,9 +69,9 @@ static td_status parse_pair(tk_post *p, const cJSON *j, const char *type) {
       !valid_id(cJSON_GetArrayItem(sep, 1)))
     return td_err(TD_ERR_FORMAT, "tokenizer.json: %s needs cls and sep as [token, id]", type);
   p->kind = PP_TEMPLATE;
-  TD_TRY(tmpl_push(p, (int32_t)cJSON_GetArrayItem(cls, 1)->valuedouble));
-  TD_TRY(tmpl_push(p, -1));
-  return tmpl_push(p, (int32_t)cJSON_GetArrayItem(sep, 1)->valuedouble);
+  TD_TRY(tk_ids_push(&p->tmpl, (int32_t)cJSON_GetArrayItem(cls, 1)->valuedouble));
+  TD_TRY(tk_ids_push(&p->tmpl, -1));
+  return tk_ids_push(&p->tmpl, (int32_t)cJSON_GetArrayItem(sep, 1)->valuedouble);
 }
 
 td_status tk_post_parse(const cJSON *j, tk_post **out) {
@@ -118,24 +109,23 @@ td_status tk_post_parse(const cJSON *j, tk_post **out) {
   return TD_OK;
 }
 
-td_status tk_post_apply(const tk_post *p, int32_t **ids, size_t *n) {
+td_status tk_post_apply(const tk_post *p, tk_ids *ids) {
   if (p->kind == PP_SEQUENCE) {
-    for (size_t i = 0; i < p->nseq; i++) TD_TRY(tk_post_apply(p->seq[i], ids, n));
+    for (size_t i = 0; i < p->nseq; i++) TD_TRY(tk_post_apply(p->seq[i], ids));
     return TD_OK;
   }
   if (p->kind != PP_TEMPLATE) return TD_OK;
   size_t total = 0;
-  for (size_t i = 0; i < p->ntmpl; i++) total += p->tmpl[i] < 0 ? *n : 1;
+  for (size_t i = 0; i < p->tmpl.n; i++) total += p->tmpl.v[i] < 0 ? ids->n : 1;
   int32_t *v = malloc((total + 1) * sizeof *v);
   if (!v) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
   size_t k = 0;
-  for (size_t i = 0; i < p->ntmpl; i++) {
-    if (p->tmpl[i] >= 0) v[k++] = p->tmpl[i];
-    else if (*n) memcpy(v + k, *ids, *n * sizeof *v), k += *n;
+  for (size_t i = 0; i < p->tmpl.n; i++) {
+    if (p->tmpl.v[i] >= 0) v[k++] = p->tmpl.v[i];
+    else if (ids->n) memcpy(v + k, ids->v, ids->n * sizeof *v), k += ids->n;
   }
-  free(*ids);
-  *ids = v;
-  *n = k;
+  free(ids->v);
+  *ids = (tk_ids){v, k, total + 1};
   return TD_OK;
 }
 

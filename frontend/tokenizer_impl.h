@@ -25,6 +25,13 @@ void tk_buf_free(tk_buf *b);
 /* NUL-terminates and hands the bytes over (*len excludes the NUL). */
 td_status tk_buf_take(tk_buf *b, char **out, size_t *len);
 
+/* Token ids as they are produced. */
+typedef struct tk_ids {
+  int32_t *v;
+  size_t n, cap;
+} tk_ids;
+td_status tk_ids_push(tk_ids *a, int32_t id);
+
 /* A regular file of at most max bytes, whole and NUL-terminated (*len excludes the NUL). */
 td_status tk_read_file(const char *path, size_t max, char **out, size_t *len);
 
@@ -127,15 +134,14 @@ int32_t tk_model_size(const tk_model *m); /* one past the largest id */
 int32_t tk_model_token_to_id(const tk_model *m, const char *s, size_t n);
 const char *tk_model_id_to_token(const tk_model *m, int32_t id, size_t *len);
 /* Appends the ids of one pre-tokenized piece. */
-td_status tk_model_tokenize(const tk_model *m, const char *s, size_t n, int32_t **ids, size_t *nids, size_t *cap);
+td_status tk_model_tokenize(const tk_model *m, const char *s, size_t n, tk_ids *ids);
 
 /* ---- post-processors and decoders (tokenizer_decode.c) ---- */
 typedef struct tk_post tk_post;
-/* tok resolves token texts to ids (Roberta / Bert give both). */
 td_status tk_post_parse(const cJSON *j, tk_post **out);
 void tk_post_free(tk_post *p);
-/* Replaces *ids (n) with the single-sequence output. */
-td_status tk_post_apply(const tk_post *p, int32_t **ids, size_t *n);
+/* Replaces ids with the single-sequence output. */
+td_status tk_post_apply(const tk_post *p, tk_ids *ids);
 
 typedef struct tk_dec tk_dec;
 td_status tk_dec_parse(const cJSON *j, tk_dec **out);

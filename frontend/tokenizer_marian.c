@@ -94,28 +94,16 @@ static bool is_special_text(const marian *m, const char *s, size_t n) {
   return false;
 }
 
-static td_status push(int32_t **v, size_t *n, size_t *cap, int32_t id) {
-  if (*n == *cap) {
-    size_t c = *cap ? *cap * 2 : 64;
-    int32_t *x = realloc(*v, c * sizeof *x);
-    if (!x) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-    *v = x;
-    *cap = c;
-  }
-  (*v)[(*n)++] = id;
-  return TD_OK;
-}
-
 /* MarianTokenizer.remove_language_code + _tokenize: a chunk that starts with
  * ">>" has its text up to the first "<<" as one token (a >>lang<< code);
  * source.spm cuts the rest as it is, spaces and later ">>..<<" included. */
-static td_status tokenize_chunk(const marian *m, const char *s, size_t n, int32_t **v, size_t *nv, size_t *cap) {
+static td_status tokenize_chunk(const marian *m, const char *s, size_t n, tk_ids *v) {
   td_status st = TD_OK;
   const char *end = n >= 2 && !memcmp(s, ">>", 2) ? memmem(s, n, "<<", 2) : NULL;
   if (end) {
     size_t k = (size_t)(end - s) + 2;
     int32_t id = lookup(m, s, k);
-    st = push(v, nv, cap, id >= 0 ? id : m->unk);
+    st = tk_ids_push(v, id >= 0 ? id : m->unk);
     s += k;
     n -= k;
   }
@@ -124,7 +112,7 @@ static td_status tokenize_chunk(const marian *m, const char *s, size_t n, int32_
   if (st == TD_OK) st = tk_spm_encode(m->src, s, n, &pieces, &np);
   for (size_t i = 0; st == TD_OK && i < np; i++) {
     int32_t id = lookup(m, pieces[i], strlen(pieces[i]));
-    st = push(v, nv, cap, id >= 0 ? id : m->unk);
+    st = tk_ids_push(v, id >= 0 ? id : m->unk);
   }
   tk_spm_pieces_free(pieces, np);
   return st;
@@ -133,8 +121,8 @@ static td_status tokenize_chunk(const marian *m, const char *s, size_t n, int32_
 static td_status marian_encode(const td_tokenizer *t, const char *text, size_t len, bool add_special, int32_t **ids,
                                size_t *n) {
   const marian *m = t->impl;
-  int32_t *v = NULL;
-  size_t nv = 0, cap = 0, from = 0, pos = 0;
+  tk_ids v = {0};
+  size_t from = 0, pos = 0;
   td_status st = TD_OK;
   while (st == TD_OK && pos < len) { /* special tokens in the text stay whole */
     int32_t idx = -1;
@@ -143,19 +131,19 @@ static td_status marian_encode(const td_tokenizer *t, const char *text, size_t l
       pos += tk_utf8_len((uint8_t)text[pos]);
       continue;
     }
-    if (from < pos) st = tokenize_chunk(m, text + from, pos - from, &v, &nv, &cap);
-    if (st == TD_OK) st = push(&v, &nv, &cap, idx);
+    if (from < pos) st = tokenize_chunk(m, text + from, pos - from, &v);
+    if (st == TD_OK) st = tk_ids_push(&v, idx);
     pos += k;
     from = pos;
   }
-  if (st == TD_OK && from < len) st = tokenize_chunk(m, text + from, len - from, &v, &nv, &cap);
-  if (st == TD_OK && add_special) st = push(&v, &nv, &cap, m->eos);
+  if (st == TD_OK && from < len) st = tokenize_chunk(m, text + from, len - from, &v);
+  if (st == TD_OK && add_special) st = tk_ids_push(&v, m->eos);
   if (st != TD_OK) {
-    free(v);
+    free(v.v);
     return st;
   }
-  *ids = v;
-  *n = nv;
+  *ids = v.v;
+  *n = v.n;
   return TD_OK;
 }
 

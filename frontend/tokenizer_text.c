@@ -63,6 +63,18 @@ td_status tk_buf_take(tk_buf *b, char **out, size_t *len) {
   return TD_OK;
 }
 
+td_status tk_ids_push(tk_ids *a, int32_t id) {
+  if (a->n == a->cap) {
+    size_t cap = a->cap ? a->cap * 2 : 64;
+    int32_t *v = realloc(a->v, cap * sizeof *v);
+    if (!v) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
+    a->v = v;
+    a->cap = cap;
+  }
+  a->v[a->n++] = id;
+  return TD_OK;
+}
+
 td_status tk_read_file(const char *path, size_t max, char **out, size_t *len) {
   FILE *f = fopen(path, "rb");
   if (!f) return td_err(TD_ERR_IO, "cannot open %s", path);
