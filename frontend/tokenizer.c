@@ -181,8 +181,7 @@ static td_status split_added(const hf *h, const tk_trie *trie, tk_pieces *ps) {
         uint32_t cp;
         bool before = false, after = false;
         if (start > 0) {
-          size_t q = start - 1;
-          while (q > 0 && ((uint8_t)s[q] & 0xC0) == 0x80) q--;
+          size_t q = tk_utf8_prev(s, 0, start);
           tk_utf8_next(s + q, start - q, &cp);
           before = tk_is_word(cp);
         }
@@ -192,27 +191,8 @@ static td_status split_added(const hf *h, const tk_trie *trie, tk_pieces *ps) {
         }
         if (before || after) continue;
       }
-      if (a->lstrip) {
-        size_t q = start;
-        while (q > from) {
-          size_t r = q - 1;
-          while (r > from && ((uint8_t)s[r] & 0xC0) == 0x80) r--;
-          uint32_t cp;
-          tk_utf8_next(s + r, q - r, &cp);
-          if (!tk_is_whitespace(cp)) break;
-          q = r;
-        }
-        start = q;
-      }
-      if (a->rstrip) {
-        while (stop < n) {
-          uint32_t cp;
-          size_t k = tk_utf8_next(s + stop, n - stop, &cp);
-          if (!tk_is_whitespace(cp)) break;
-          stop += k;
-        }
-        pos = stop;
-      }
+      if (a->lstrip) start = tk_trim_space(s, from, start);
+      if (a->rstrip) pos = stop = tk_skip_space(s, stop, n);
       if (from < start) st = tk_pieces_push(&out, s + from, start - from, -1, pc->at_start && from == 0);
       if (st == TD_OK) st = tk_pieces_push(&out, s + start, stop - start, a->id, false);
       from = stop;

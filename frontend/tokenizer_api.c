@@ -246,14 +246,7 @@ td_status td_detok_push(td_detok *d, int32_t id, const char **piece, size_t *len
     size_t p = tk_regex_partial_start(t->timestamp_re, d->cand.p, h);
     if (p < h) h = p;
   }
-  while (t->strip_tail && h > 0) { /* the decode strips trailing white space */
-    size_t p = h - 1;
-    while (p > 0 && ((uint8_t)d->cand.p[p] & 0xC0) == 0x80) p--;
-    uint32_t cp;
-    tk_utf8_next(d->cand.p + p, h - p, &cp);
-    if (!tk_is_whitespace(cp)) break;
-    h = p;
-  }
+  if (t->strip_tail) h = tk_trim_space(d->cand.p, 0, h); /* the decode strips trailing white space */
   return give(d, &d->cand, h, piece, len);
 }
 

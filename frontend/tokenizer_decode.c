@@ -412,8 +412,7 @@ static td_status dec_one(const tk_dec *d, toks *t) {
           a += l, cnt++;
         }
         for (cnt = 0; cnt < d->stop && e > a; cnt++) {
-          size_t p = e - 1;
-          while (p > a && ((uint8_t)s[p] & 0xC0) == 0x80) p--;
+          size_t p = tk_utf8_prev(s, a, e);
           uint32_t cp;
           tk_utf8_next(s + p, e - p, &cp);
           if (cp != d->ch) break;

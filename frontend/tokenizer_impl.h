@@ -38,6 +38,11 @@ td_status tk_read_file(const char *path, size_t max, char **out, size_t *len);
 /* Decodes the code point at s[0, n) (valid UTF-8 assumed); returns its length. */
 size_t tk_utf8_next(const char *s, size_t n, uint32_t *cp);
 size_t tk_utf8_len(uint8_t lead);
+/* Where the code point ending at s[at) begins (lo < at; not before lo). */
+size_t tk_utf8_prev(const char *s, size_t lo, size_t at);
+/* s[a, e) without its leading / trailing white space: the new a / e. */
+size_t tk_skip_space(const char *s, size_t a, size_t e);
+size_t tk_trim_space(const char *s, size_t a, size_t e);
 /* Length of the longest valid UTF-8 prefix. */
 size_t tk_utf8_valid_prefix(const char *s, size_t n);
 /* Invalid sequences replaced by U+FFFD, one per maximal subpart (as Rust's

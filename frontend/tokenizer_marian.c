@@ -176,28 +176,13 @@ static td_status marian_decode(const td_tokenizer *t, const int32_t *ids, size_t
   out->n = 0;
   /* ▁ -> space, then strip() */
   const char *s = all.p ? all.p : "";
-  size_t a = 0, e = all.n;
   tk_buf sp = {0};
-  for (size_t i = 0; st == TD_OK && i < e;) {
-    if (i + 3 <= e && !memcmp(s + i, "\xE2\x96\x81", 3)) st = tk_buf_addc(&sp, ' '), i += 3;
+  for (size_t i = 0; st == TD_OK && i < all.n;) {
+    if (i + 3 <= all.n && !memcmp(s + i, "\xE2\x96\x81", 3)) st = tk_buf_addc(&sp, ' '), i += 3;
     else st = tk_buf_add(&sp, s + i, 1), i++;
   }
   s = sp.p ? sp.p : "";
-  e = sp.n;
-  while (st == TD_OK && a < e) {
-    uint32_t cp;
-    size_t k = tk_utf8_next(s + a, e - a, &cp);
-    if (!tk_is_whitespace(cp)) break;
-    a += k;
-  }
-  while (st == TD_OK && e > a) {
-    size_t p = e - 1;
-    while (p > a && ((uint8_t)s[p] & 0xC0) == 0x80) p--;
-    uint32_t cp;
-    tk_utf8_next(s + p, e - p, &cp);
-    if (!tk_is_whitespace(cp)) break;
-    e = p;
-  }
+  size_t a = tk_skip_space(s, 0, sp.n), e = tk_trim_space(s, a, sp.n);
   if (st == TD_OK) st = tk_buf_add(out, s + a, e - a);
   tk_buf_free(&all);
   tk_buf_free(&part);

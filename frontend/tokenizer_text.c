@@ -121,6 +121,33 @@ size_t tk_utf8_next(const char *s, size_t n, uint32_t *cp) {
   return (size_t)k;
 }
 
+size_t tk_utf8_prev(const char *s, size_t lo, size_t at) {
+  size_t p = at - 1;
+  while (p > lo && ((uint8_t)s[p] & 0xC0) == 0x80) p--;
+  return p;
+}
+
+size_t tk_skip_space(const char *s, size_t a, size_t e) {
+  while (a < e) {
+    uint32_t cp;
+    size_t k = tk_utf8_next(s + a, e - a, &cp);
+    if (!tk_is_whitespace(cp)) break;
+    a += k;
+  }
+  return a;
+}
+
+size_t tk_trim_space(const char *s, size_t a, size_t e) {
+  while (e > a) {
+    size_t p = tk_utf8_prev(s, a, e);
+    uint32_t cp;
+    tk_utf8_next(s + p, e - p, &cp);
+    if (!tk_is_whitespace(cp)) break;
+    e = p;
+  }
+  return e;
+}
+
 /* Length of the valid sequence at s (0: invalid), and of its maximal
  * invalid subpart in *bad (Unicode's "substitution of maximal subparts"). */
 static size_t utf8_seq(const uint8_t *s, size_t n, size_t *bad) {
