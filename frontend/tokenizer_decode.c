@@ -274,22 +274,23 @@ static td_status replace_all(const char *s, size_t n, const char *pat, const cha
   return tk_buf_add(out, "", 0);
 }
 
-static td_status wordpiece_cleanup(tk_buf *b) {
-  static const char *const pats[][2] = {{" .", "."},   {" ?", "?"},   {" !", "!"},         {" ,", ","},
-                                        {" ' ", "'"},  {" n't", "n't"}, {" 'm", "'m"},     {" do not", " don't"},
-                                        {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
+/* Each pair's first string replaced by its second, pair after pair. */
+static td_status replace_each(tk_buf *b, const char *const (*pats)[2], size_t n) {
   tk_buf o = {0};
-  for (size_t i = 0; i < sizeof pats / sizeof *pats; i++) {
-    TD_TRY(replace_all(b->p ? b->p : "", b->n, pats[i][0], pats[i][1], &o));
+  td_status st = TD_OK;
+  for (size_t i = 0; i < n; i++) {
+    if ((st = replace_all(b->p ? b->p : "", b->n, pats[i][0], pats[i][1], &o)) != TD_OK) break;
     tk_buf t = *b;
     *b = o;
     o = t;
   }
   tk_buf_free(&o);
-  return TD_OK;
+  return st;
 }
 
-static td_status dec_one(const tk_dec *d, toks *t);
+static const char *const wordpiece_pats[][2] = {{" .", "."},    {" ?", "?"},     {" !", "!"},    {" ,", ","},
+                                                {" ' ", "'"},   {" n't", "n't"}, {" 'm", "'m"}, {" do not", " don't"},
+                                                {" 's", "'s"},  {" 've", "'ve"}, {" 're", "'re"}};
 
 /* u8::from_str_radix(s, 16) on two bytes: an optional '+', then hex digits. */
 static int hex_byte(const char *s) {
@@ -425,7 +426,7 @@ static td_status dec_one(const tk_dec *d, toks *t) {
         else if (i != 0) {
           if ((st = tk_buf_addc(&b, ' ')) == TD_OK) st = tk_buf_add(&b, s, x->n);
         } else st = tk_buf_add(&b, s, x->n);
-        if (st == TD_OK && d->cleanup) st = wordpiece_cleanup(&b);
+        if (st == TD_OK && d->cleanup) st = replace_each(&b, wordpiece_pats, sizeof wordpiece_pats / sizeof *wordpiece_pats);
       } else if (d->kind == D_BPE) {
         st = replace_all(s, x->n, d->str, i + 1 == t->n ? "" : " ", &b);
       }
@@ -467,21 +468,7 @@ static const char *const cleanup_pats[][2] = {{" .", "."},    {" ?", "?"},    {"
                                               {" ' ", "'"},   {" n't", "n't"}, {" 'm", "'m"}, {" 's", "'s"},
                                               {" 've", "'ve"}, {" 're", "'re"}};
 
-td_status tk_cleanup_spaces(tk_buf *b) {
-  tk_buf o = {0};
-  for (size_t i = 0; i < sizeof cleanup_pats / sizeof *cleanup_pats; i++) {
-    td_status st = replace_all(b->p ? b->p : "", b->n, cleanup_pats[i][0], cleanup_pats[i][1], &o);
-    if (st != TD_OK) {
-      tk_buf_free(&o);
-      return st;
-    }
-    tk_buf t = *b;
-    *b = o;
-    o = t;
-  }
-  tk_buf_free(&o);
-  return TD_OK;
-}
+td_status tk_cleanup_spaces(tk_buf *b) { return replace_each(b, cleanup_pats, sizeof cleanup_pats / sizeof *cleanup_pats); }
 
 size_t tk_cleanup_holdback(const char *s, size_t n) {
   size_t best = 0;
