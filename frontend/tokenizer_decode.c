@@ -311,7 +311,8 @@ static int hex_byte(const char *s) {
 static td_status dec_bytefallback(toks *t) {
   toks o = {0};
   td_status st = TD_OK;
-  if (!(o.v = calloc(t->n * 3 + 1, sizeof *o.v))) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
+  /* at most one output a token: a valid run of bytes becomes one, an invalid one a U+FFFD a byte */
+  if (!(o.v = calloc(t->n + 1, sizeof *o.v))) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
   tk_buf bytes = {0};
   for (size_t i = 0; st == TD_OK && i <= t->n; i++) {
     const tk_buf *b = i < t->n ? &t->v[i] : NULL;
@@ -326,13 +327,6 @@ static td_status dec_bytefallback(toks *t) {
         o.v[o.n++] = bytes;
         bytes = (tk_buf){0};
       } else {
-        /* one U+FFFD a byte: the output list can grow past t->n, so grow it */
-        tk_buf *nv = realloc(o.v, (o.n + bytes.n + t->n + 1) * sizeof *nv);
-        if (!nv) {
-          st = td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-          break;
-        }
-        o.v = nv;
         for (size_t k = 0; st == TD_OK && k < bytes.n; k++) {
           o.v[o.n] = (tk_buf){0};
           st = tk_buf_add(&o.v[o.n++], "\xEF\xBF\xBD", 3);
