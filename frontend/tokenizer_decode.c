@@ -8,8 +8,6 @@
 #include "common/defaults.h"
 #include "frontend/tokenizer_impl.h"
 
-td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out);
-
 /* ---- post-processors ---- */
 
 typedef enum { PP_TEMPLATE, PP_PAIR, PP_NOOP, PP_SEQUENCE } post_kind;

@@ -85,6 +85,8 @@ td_status tk_regex_segments(const tk_regex *r, const char *s, size_t n, tk_segs 
 size_t tk_regex_partial_start(const tk_regex *r, const char *s, size_t n);
 /* Every match of r in s replaced by rep. */
 td_status tk_regex_replace(const tk_regex *r, const char *s, size_t n, const char *rep, size_t rep_len, tk_buf *out);
+/* Replace's and Split's {"String": ...} or {"Regex": ...} (tokenizer_norm.c). */
+td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out);
 
 /* SplitDelimiterBehavior */
 typedef enum tk_split { TK_REMOVED, TK_ISOLATED, TK_MERGED_PREV, TK_MERGED_NEXT, TK_CONTIGUOUS } tk_split;

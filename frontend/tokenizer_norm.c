@@ -298,8 +298,6 @@ static td_status apply_one(const tk_norm *n, const char *s, size_t len, tk_buf *
 
 td_status tk_norm_apply(const tk_norm *n, const char *s, size_t len, tk_buf *out) { return apply_one(n, s, len, out); }
 
-/* Replace's and Split's {"String": ...} or {"Regex": ...}. */
-td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out);
 td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out) {
   const char *s = tk_jstr(j, "String"), *r = tk_jstr(j, "Regex");
   if (!s && !r) return td_err(TD_ERR_FORMAT, "tokenizer.json: %s: pattern is neither String nor Regex", what);

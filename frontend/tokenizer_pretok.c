@@ -25,8 +25,6 @@ struct tk_pretok {
   size_t nseq;
 };
 
-td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out);
-
 #define BYTELEVEL_RE "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
 
 /* ---- the byte map ---- */
