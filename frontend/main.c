@@ -52,15 +52,6 @@ static bool parse_args(int argc, char **argv, bool decode, cli *c) {
   return c->dir != NULL;
 }
 
-static td_tokenizer *load(const cli *c) {
-  td_tokenizer *t = NULL;
-  if (td_tokenizer_load(c->dir, NULL, &t) != TD_OK) {
-    fprintf(stderr, "tandem-frontend: %s\n", td_errmsg());
-    return NULL;
-  }
-  return t;
-}
-
 static size_t read_line(char **line, size_t *cap) {
   ssize_t n = getline(line, cap, stdin);
   if (n < 0) return (size_t)-1;
@@ -68,49 +59,57 @@ static size_t read_line(char **line, size_t *cap) {
   return (size_t)n;
 }
 
-static int run_encode(int argc, char **argv) {
-  cli cl;
-  if (!parse_args(argc, argv, false, &cl)) return 2;
-  const cli *c = &cl;
-  td_tokenizer *t = load(c);
-  if (!t) return 2;
+/* One line of stdin: false when it failed (its error printed). */
+typedef bool (*line_fn)(const cli *c, const td_tokenizer *t, const char *line, size_t n, size_t lineno);
+
+/* encode's and decode's frame: arguments, the tokenizer, every line of stdin. */
+static int each_line(int argc, char **argv, bool decode, line_fn one) {
+  cli c;
+  if (!parse_args(argc, argv, decode, &c)) return 2;
+  td_tokenizer *t = NULL;
+  if (td_tokenizer_load(c.dir, NULL, &t) != TD_OK) {
+    fprintf(stderr, "tandem-frontend: %s\n", td_errmsg());
+    return 2;
+  }
   char *line = NULL;
   size_t cap = 0, n, lineno = 0;
   int rc = 0;
-  while ((n = read_line(&line, &cap)) != (size_t)-1) {
-    lineno++;
-    const char *text = line;
-    size_t len = n;
-    cJSON *j = NULL;
-    if (c->json) {
-      j = cJSON_ParseWithLength(line, n);
-      if (!cJSON_IsString(j)) {
-        fprintf(stderr, "tandem-frontend: line %zu: not a JSON string\n", lineno);
-        puts("null");
-        cJSON_Delete(j);
-        rc = 1;
-        continue;
-      }
-      text = j->valuestring;
-      len = strlen(text);
-    }
-    int32_t *ids = NULL;
-    size_t k = 0;
-    if (td_tokenizer_encode(t, text, len, c->special, &ids, &k) != TD_OK) {
-      fprintf(stderr, "tandem-frontend: line %zu: %s\n", lineno, td_errmsg());
-      puts("null");
-      rc = 1;
-    } else {
-      putchar('[');
-      for (size_t i = 0; i < k; i++) printf(i ? ", %d" : "%d", ids[i]);
-      puts("]");
-    }
-    free(ids);
-    cJSON_Delete(j);
-  }
+  while ((n = read_line(&line, &cap)) != (size_t)-1)
+    if (!one(&c, t, line, n, ++lineno)) rc = 1;
   free(line);
   td_tokenizer_destroy(t);
   return rc;
+}
+
+static bool encode_line(const cli *c, const td_tokenizer *t, const char *line, size_t n, size_t lineno) {
+  const char *text = line;
+  size_t len = n;
+  cJSON *j = NULL;
+  if (c->json) {
+    j = cJSON_ParseWithLength(line, n);
+    if (!cJSON_IsString(j)) {
+      fprintf(stderr, "tandem-frontend: line %zu: not a JSON string\n", lineno);
+      puts("null");
+      cJSON_Delete(j);
+      return false;
+    }
+    text = j->valuestring;
+    len = strlen(text);
+  }
+  int32_t *ids = NULL;
+  size_t k = 0;
+  bool ok = td_tokenizer_encode(t, text, len, c->special, &ids, &k) == TD_OK;
+  if (!ok) {
+    fprintf(stderr, "tandem-frontend: line %zu: %s\n", lineno, td_errmsg());
+    puts("null");
+  } else {
+    putchar('[');
+    for (size_t i = 0; i < k; i++) printf(i ? ", %d" : "%d", ids[i]);
+    puts("]");
+  }
+  free(ids);
+  cJSON_Delete(j);
+  return ok;
 }
 
 static void print_text(const cli *c, const char *s) {
@@ -131,7 +130,7 @@ static td_status stream_decode(const td_tokenizer *t, bool skip, const int32_t *
   TD_TRY(td_detok_create(t, skip, &d));
   size_t cap = 64, len = 0;
   char *s = malloc(cap);
-  td_status st = s ? TD_OK : TD_ERR_NOMEM;
+  td_status st = s ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
   for (int i = 0; st == TD_OK && i <= n; i++) {
     const char *piece;
     size_t k;
@@ -141,7 +140,7 @@ static td_status stream_decode(const td_tokenizer *t, bool skip, const int32_t *
       while (len + k + 1 > cap) cap *= 2;
       char *x = realloc(s, cap);
       if (!x) {
-        st = TD_ERR_NOMEM;
+        st = td_err(TD_ERR_NOMEM, "out of memory");
         break;
       }
       s = x;
@@ -159,50 +158,39 @@ static td_status stream_decode(const td_tokenizer *t, bool skip, const int32_t *
   return TD_OK;
 }
 
-static int run_decode(int argc, char **argv) {
-  cli cl;
-  if (!parse_args(argc, argv, true, &cl)) return 2;
-  const cli *c = &cl;
-  td_tokenizer *t = load(c);
-  if (!t) return 2;
-  char *line = NULL;
-  size_t cap = 0, n, lineno = 0;
-  int rc = 0;
-  while ((n = read_line(&line, &cap)) != (size_t)-1) {
-    lineno++;
-    cJSON *j = cJSON_ParseWithLength(line, n);
-    int cnt = cJSON_IsArray(j) ? cJSON_GetArraySize(j) : -1;
-    int32_t *ids = cnt >= 0 ? malloc(((size_t)cnt + 1) * sizeof *ids) : NULL;
-    const char *err = cnt < 0 ? "not a JSON array" : ids ? NULL : "out of memory";
-    const cJSON *e;
-    int k = 0;
-    cJSON *arr = cnt >= 0 ? j : (cJSON *)NULL;
-    cJSON_ArrayForEach(e, arr) {
-      if (err) break;
-      if (!cJSON_IsNumber(e) || e->valuedouble != (double)(int32_t)e->valuedouble) err = "an id is not a 32-bit integer";
-      else ids[k++] = (int32_t)e->valuedouble;
-    }
-    char *text = NULL;
-    if (!err) {
-      td_status st = c->stream ? stream_decode(t, c->skip, ids, k, &text)
-                               : td_tokenizer_decode(t, ids, (size_t)k, c->skip, &text, NULL);
-      if (st != TD_OK) err = td_errmsg();
-    }
-    if (err) {
-      fprintf(stderr, "tandem-frontend: line %zu: %s\n", lineno, err);
-      puts(c->json ? "null" : "");
-      rc = 1;
-    } else {
-      print_text(c, text);
-    }
-    free(text);
-    free(ids);
-    cJSON_Delete(j);
+static bool decode_line(const cli *c, const td_tokenizer *t, const char *line, size_t n, size_t lineno) {
+  cJSON *j = cJSON_ParseWithLength(line, n);
+  int cnt = cJSON_IsArray(j) ? cJSON_GetArraySize(j) : -1;
+  int32_t *ids = cnt >= 0 ? malloc(((size_t)cnt + 1) * sizeof *ids) : NULL;
+  const char *err = cnt < 0 ? "not a JSON array" : ids ? NULL : "out of memory";
+  const cJSON *e;
+  int k = 0;
+  cJSON *arr = cnt >= 0 ? j : (cJSON *)NULL;
+  cJSON_ArrayForEach(e, arr) {
+    if (err) break;
+    if (!cJSON_IsNumber(e) || e->valuedouble != (double)(int32_t)e->valuedouble) err = "an id is not a 32-bit integer";
+    else ids[k++] = (int32_t)e->valuedouble;
   }
-  free(line);
-  td_tokenizer_destroy(t);
-  return rc;
+  char *text = NULL;
+  if (!err) {
+    td_status st = c->stream ? stream_decode(t, c->skip, ids, k, &text)
+                             : td_tokenizer_decode(t, ids, (size_t)k, c->skip, &text, NULL);
+    if (st != TD_OK) err = td_errmsg();
+  }
+  if (err) {
+    fprintf(stderr, "tandem-frontend: line %zu: %s\n", lineno, err);
+    puts(c->json ? "null" : "");
+  } else {
+    print_text(c, text);
+  }
+  free(text);
+  free(ids);
+  cJSON_Delete(j);
+  return !err;
 }
+
+static int run_encode(int argc, char **argv) { return each_line(argc, argv, false, encode_line); }
+static int run_decode(int argc, char **argv) { return each_line(argc, argv, true, decode_line); }
 
 static const subcommand subcommands[] = {
     {"encode", "encode --tokenizer DIR [--no-special] [--json]", run_encode},

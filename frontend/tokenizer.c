@@ -85,26 +85,24 @@ static td_status hf_index(hf *h) {
   if (!h->raw_trie || !h->norm_trie) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
   h->size = tk_model_size(h->model);
   tk_buf b = {0};
-  for (size_t i = 0; i < h->nadded; i++) {
+  td_status st = TD_OK;
+  for (size_t i = 0; st == TD_OK && i < h->nadded; i++) {
     added *a = &h->added[i];
     if (a->id + 1 > h->size) h->size = a->id + 1;
     if (a->normalized && h->norm) {
-      td_status st = tk_norm_apply(h->norm, a->content, a->n, &b);
+      st = tk_norm_apply(h->norm, a->content, a->n, &b);
       if (st == TD_OK && (b.n != a->n || memcmp(b.p, a->content, b.n)) && !(a->norm = strndup(b.p, b.n)))
         st = td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-      if (st != TD_OK) {
-        tk_buf_free(&b);
-        return st;
-      }
+      if (st != TD_OK) break;
       a->norm_n = b.n;
     }
-    if (a->normalized) {
-      if (a->norm ? a->norm_n : a->n) TD_TRY(tk_trie_add(h->norm_trie, a->norm ? a->norm : a->content, a->norm ? a->norm_n : a->n, (int32_t)i));
-    } else {
-      TD_TRY(tk_trie_add(h->raw_trie, a->content, a->n, (int32_t)i));
-    }
+    const char *key = a->norm ? a->norm : a->content; /* normalized text is matched by what it became */
+    size_t len = a->norm ? a->norm_n : a->n;
+    if (!a->normalized) st = tk_trie_add(h->raw_trie, a->content, a->n, (int32_t)i);
+    else if (len) st = tk_trie_add(h->norm_trie, key, len, (int32_t)i);
   }
   tk_buf_free(&b);
+  if (st != TD_OK) return st;
   h->text = calloc((size_t)h->size + 1, sizeof *h->text);
   h->len = calloc((size_t)h->size + 1, sizeof *h->len);
   h->special = calloc((size_t)h->size + 1, sizeof *h->special);
@@ -117,7 +115,6 @@ static td_status hf_index(hf *h) {
   }
   tk_trie *sp = tk_trie_new(); /* special: the token's text is a special token's content */
   if (!sp) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-  td_status st = TD_OK;
   for (size_t i = 0; st == TD_OK && i < h->nadded; i++)
     if (h->added[i].special) st = tk_trie_add(sp, h->added[i].content, h->added[i].n, 1);
   for (int32_t id = 0; st == TD_OK && id < h->size; id++) {
@@ -184,8 +181,7 @@ static td_status split_added(const hf *h, const tk_trie *trie, tk_pieces *ps) {
         uint32_t cp;
         bool before = false, after = false;
         if (start > 0) {
-          size_t q = start - 1;
-          while (q > 0 && ((uint8_t)s[q] & 0xC0) == 0x80) q--;
+          size_t q = tk_utf8_prev(s, 0, start);
           tk_utf8_next(s + q, start - q, &cp);
           before = tk_is_word(cp);
         }
@@ -195,27 +191,8 @@ static td_status split_added(const hf *h, const tk_trie *trie, tk_pieces *ps) {
         }
         if (before || after) continue;
       }
-      if (a->lstrip) {
-        size_t q = start;
-        while (q > from) {
-          size_t r = q - 1;
-          while (r > from && ((uint8_t)s[r] & 0xC0) == 0x80) r--;
-          uint32_t cp;
-          tk_utf8_next(s + r, q - r, &cp);
-          if (!tk_is_whitespace(cp)) break;
-          q = r;
-        }
-        start = q;
-      }
-      if (a->rstrip) {
-        while (stop < n) {
-          uint32_t cp;
-          size_t k = tk_utf8_next(s + stop, n - stop, &cp);
-          if (!tk_is_whitespace(cp)) break;
-          stop += k;
-        }
-        pos = stop;
-      }
+      if (a->lstrip) start = tk_trim_space(s, from, start);
+      if (a->rstrip) pos = stop = tk_skip_space(s, stop, n);
       if (from < start) st = tk_pieces_push(&out, s + from, start - from, -1, pc->at_start && from == 0);
       if (st == TD_OK) st = tk_pieces_push(&out, s + start, stop - start, a->id, false);
       from = stop;
@@ -236,8 +213,7 @@ static td_status hf_encode(const td_tokenizer *t, const char *text, size_t len, 
   const hf *h = t->impl;
   tk_pieces ps = {0};
   tk_buf b = {0};
-  int32_t *v = NULL;
-  size_t nv = 0, cap = 0;
+  tk_ids v = {0};
   td_status st = TD_OK;
   if (len) st = tk_pieces_push(&ps, text, len, -1, true);
   if (st == TD_OK) st = split_added(h, h->raw_trie, &ps);
@@ -258,24 +234,17 @@ static td_status hf_encode(const td_tokenizer *t, const char *text, size_t len, 
   }
   if (st == TD_OK) st = split_added(h, h->norm_trie, &ps);
   if (st == TD_OK && h->pre) st = tk_pretok_apply(h->pre, &ps);
-  for (size_t i = 0; st == TD_OK && i < ps.n; i++) {
-    if (ps.v[i].id >= 0) {
-      int32_t *x = nv == cap ? realloc(v, (cap = cap ? cap * 2 : 64) * sizeof *v) : v;
-      if (!x) st = td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-      else (v = x)[nv++] = ps.v[i].id;
-    } else if (ps.v[i].n) {
-      st = tk_model_tokenize(h->model, ps.v[i].s, ps.v[i].n, &v, &nv, &cap);
-    }
-  }
-  if (st == TD_OK && add_special && h->post) st = tk_post_apply(h->post, &v, &nv);
+  for (size_t i = 0; st == TD_OK && i < ps.n; i++)
+    st = ps.v[i].id >= 0 ? tk_ids_push(&v, ps.v[i].id) : tk_model_tokenize(h->model, ps.v[i].s, ps.v[i].n, &v);
+  if (st == TD_OK && add_special && h->post) st = tk_post_apply(h->post, &v);
   tk_pieces_free(&ps);
   tk_buf_free(&b);
   if (st != TD_OK) {
-    free(v);
+    free(v.v);
     return st;
   }
-  *ids = v;
-  *n = nv;
+  *ids = v.v;
+  *n = v.n;
   return TD_OK;
 }
 

@@ -12,40 +12,16 @@
 
 #define WHISPER_TIMESTAMP_RE "<\\|(\\d+\\.\\d+)\\|>" /* WhisperTokenizer.timestamp_pat */
 
-static td_status slurp(const char *path, size_t max, char **out, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return td_err(TD_ERR_IO, "cannot open %s", path);
-  struct stat sb;
-  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-    fclose(f);
-    return td_err(TD_ERR_IO, "%s is not a regular file", path);
-  }
-  if ((uint64_t)sb.st_size > max) {
-    fclose(f);
-    return td_err(TD_ERR_INVALID, "%s: %lld bytes, over the limit of %zu", path, (long long)sb.st_size, max);
-  }
-  char *b = malloc((size_t)sb.st_size + 1);
-  size_t n = b ? fread(b, 1, (size_t)sb.st_size, f) : 0;
-  fclose(f);
-  if (!b || n != (size_t)sb.st_size) {
-    free(b);
-    return b ? td_err(TD_ERR_IO, "cannot read %s", path) : td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-  }
-  b[n] = 0;
-  *out = b;
-  *len = n;
-  return TD_OK;
-}
-
 static bool is_file(const char *path) {
   struct stat sb;
   return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
-static void set_opts(td_tokenizer *t, const td_tokenizer_opts *o) {
-  if (o) t->opts = *o;
-  if (!t->opts.max_text_bytes) t->opts.max_text_bytes = TD_TOKENIZER_MAX_TEXT_BYTES;
-  if (!t->opts.max_file_bytes) t->opts.max_file_bytes = TD_TOKENIZER_MAX_FILE_BYTES;
+static td_tokenizer_opts with_defaults(const td_tokenizer_opts *o) {
+  td_tokenizer_opts r = o ? *o : (td_tokenizer_opts){0};
+  if (!r.max_text_bytes) r.max_text_bytes = TD_TOKENIZER_MAX_TEXT_BYTES;
+  if (!r.max_file_bytes) r.max_file_bytes = TD_TOKENIZER_MAX_FILE_BYTES;
+  return r;
 }
 
 /* tokenizer_config.json: the clean-up flag and the class (Whisper decodes its own way). */
@@ -82,7 +58,7 @@ td_status td_tokenizer_from_json(const char *json, size_t len, const char *confi
   if (!json || !out) return td_err(TD_ERR_INVALID, "tokenizer: no tokenizer.json text");
   td_tokenizer *t = calloc(1, sizeof *t);
   if (!t) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-  set_opts(t, opts);
+  t->opts = with_defaults(opts);
   td_status st = len > t->opts.max_file_bytes
                      ? td_err(TD_ERR_INVALID, "tokenizer.json: %zu bytes, over the limit of %zu", len, t->opts.max_file_bytes)
                      : tk_hf_load(json, len, t);
@@ -97,20 +73,18 @@ td_status td_tokenizer_from_json(const char *json, size_t len, const char *confi
 
 td_status td_tokenizer_load(const char *dir, const td_tokenizer_opts *opts, td_tokenizer **out) {
   if (!dir || !out) return td_err(TD_ERR_INVALID, "tokenizer: no folder");
-  td_tokenizer_opts o = {0};
-  if (opts) o = *opts;
-  if (!o.max_file_bytes) o.max_file_bytes = TD_TOKENIZER_MAX_FILE_BYTES;
+  td_tokenizer_opts o = with_defaults(opts);
   char path[4096], cpath[4096];
   snprintf(path, sizeof path, "%s/tokenizer.json", dir);
   snprintf(cpath, sizeof cpath, "%s/tokenizer_config.json", dir);
   char *cfg = NULL;
   size_t clen = 0;
-  if (is_file(cpath)) TD_TRY(slurp(cpath, o.max_file_bytes, &cfg, &clen));
+  if (is_file(cpath)) TD_TRY(tk_read_file(cpath, o.max_file_bytes, &cfg, &clen));
   td_status st;
   if (is_file(path)) {
     char *json = NULL;
     size_t len = 0;
-    st = slurp(path, o.max_file_bytes, &json, &len);
+    st = tk_read_file(path, o.max_file_bytes, &json, &len);
     if (st == TD_OK) st = td_tokenizer_from_json(json, len, cfg, clen, &o, out);
     free(json);
     if (st != TD_OK) td_err_ctx(st, "%s: ", path);
@@ -122,8 +96,8 @@ td_status td_tokenizer_load(const char *dir, const td_tokenizer_opts *opts, td_t
     } else if (!(t = calloc(1, sizeof *t))) {
       st = td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
     } else {
-      set_opts(t, &o);
-      st = tk_marian_load(dir, t);
+      t->opts = o;
+      st = tk_marian_load(dir, cfg, clen, t);
       if (st == TD_OK) st = apply_config(t, cfg, clen);
       if (st == TD_OK) *out = t;
       else td_tokenizer_destroy(t);
@@ -203,8 +177,7 @@ td_status td_tokenizer_decode(const td_tokenizer *t, const int32_t *ids, size_t 
 struct td_detok {
   const td_tokenizer *t;
   bool skip;
-  int32_t *ids;
-  size_t n, cap;
+  tk_ids ids;
   tk_buf given, piece, full, cand;
 };
 
@@ -220,7 +193,7 @@ td_status td_detok_create(const td_tokenizer *t, bool skip_special, td_detok **o
 
 void td_detok_destroy(td_detok *d) {
   if (!d) return;
-  free(d->ids);
+  free(d->ids.v);
   tk_buf_free(&d->given);
   tk_buf_free(&d->piece);
   tk_buf_free(&d->full);
@@ -257,19 +230,13 @@ td_status td_detok_push(td_detok *d, int32_t id, const char **piece, size_t *len
   if (!d || !piece) return td_err(TD_ERR_INVALID, "tokenizer: detok: bad arguments");
   const td_tokenizer *t = d->t;
   TD_TRY(check_id(t, id));
-  if (d->n == d->cap) {
-    size_t cap = d->cap ? d->cap * 2 : 64;
-    int32_t *v = realloc(d->ids, cap * sizeof *v);
-    if (!v) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-    d->ids = v;
-    d->cap = cap;
-  }
-  d->ids[d->n++] = id;
-  size_t k = d->n; /* ids[0, k) decode to text that is final but for its tail */
-  while (k > 0 && (byte_token(t, d->ids[k - 1]) || (d->skip && t->ops->is_special(t, d->ids[k - 1])))) k--;
-  td_status st = decode_text(t, d->ids, k, d->skip, &d->cand);
+  TD_TRY(tk_ids_push(&d->ids, id));
+  const int32_t *ids = d->ids.v;
+  size_t k = d->ids.n; /* ids[0, k) decode to text that is final but for its tail */
+  while (k > 0 && (byte_token(t, ids[k - 1]) || (d->skip && t->ops->is_special(t, ids[k - 1])))) k--;
+  td_status st = decode_text(t, ids, k, d->skip, &d->cand);
   if (st != TD_OK) {
-    d->n--;
+    d->ids.n--;
     return st;
   }
   size_t h = d->cand.n;
@@ -279,20 +246,13 @@ td_status td_detok_push(td_detok *d, int32_t id, const char **piece, size_t *len
     size_t p = tk_regex_partial_start(t->timestamp_re, d->cand.p, h);
     if (p < h) h = p;
   }
-  while (t->strip_tail && h > 0) { /* the decode strips trailing white space */
-    size_t p = h - 1;
-    while (p > 0 && ((uint8_t)d->cand.p[p] & 0xC0) == 0x80) p--;
-    uint32_t cp;
-    tk_utf8_next(d->cand.p + p, h - p, &cp);
-    if (!tk_is_whitespace(cp)) break;
-    h = p;
-  }
+  if (t->strip_tail) h = tk_trim_space(d->cand.p, 0, h); /* the decode strips trailing white space */
   return give(d, &d->cand, h, piece, len);
 }
 
 td_status td_detok_finish(td_detok *d, const char **piece, size_t *len) {
   if (!d || !piece) return td_err(TD_ERR_INVALID, "tokenizer: detok: bad arguments");
-  TD_TRY(decode_text(d->t, d->ids, d->n, d->skip, &d->full));
+  TD_TRY(decode_text(d->t, d->ids.v, d->ids.n, d->skip, &d->full));
   if (d->full.n < d->given.n || memcmp(d->full.p, d->given.p ? d->given.p : "", d->given.n))
     return td_err(TD_ERR_INTERNAL, "tokenizer: streaming decode would change text already given");
   return give(d, &d->full, d->full.n, piece, len);

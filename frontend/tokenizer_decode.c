@@ -8,16 +8,13 @@
 #include "common/defaults.h"
 #include "frontend/tokenizer_impl.h"
 
-td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out);
-
 /* ---- post-processors ---- */
 
 typedef enum { PP_TEMPLATE, PP_PAIR, PP_NOOP, PP_SEQUENCE } post_kind;
 
 struct tk_post {
   post_kind kind;
-  int32_t *tmpl; /* TEMPLATE: ids, -1 where the sequence goes */
-  size_t ntmpl;
+  tk_ids tmpl; /* TEMPLATE: ids, -1 where the sequence goes */
   tk_post **seq;
   size_t nseq;
 };
@@ -26,16 +23,8 @@ void tk_post_free(tk_post *p) {
   if (!p) return;
   for (size_t i = 0; i < p->nseq; i++) tk_post_free(p->seq[i]);
   free(p->seq);
-  free(p->tmpl);
+  free(p->tmpl.v);
   free(p);
-}
-
-static td_status tmpl_push(tk_post *p, int32_t id) {
-  int32_t *v = realloc(p->tmpl, (p->ntmpl + 1) * sizeof *v);
-  if (!v) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-  p->tmpl = v;
-  p->tmpl[p->ntmpl++] = id;
-  return TD_OK;
 }
 
 static bool valid_id(const cJSON *v) {
@@ -53,7 +42,7 @@ static td_status parse_template(tk_post *p, const cJSON *j) {
     const cJSON *sp = cJSON_GetObjectItemCaseSensitive(it, "SpecialToken");
     if (cJSON_IsObject(seq)) {
       const char *id = tk_jstr(seq, "id");
-      if (id && !strcmp(id, "A")) TD_TRY(tmpl_push(p, -1));
+      if (id && !strcmp(id, "A")) TD_TRY(tk_ids_push(&p->tmpl, -1));
       continue; /* "B" has no place in a single sequence */
     }
     const char *name = cJSON_IsObject(sp) ? tk_jstr(sp, "id") : NULL;
@@ -65,7 +54,7 @@ static td_status parse_template(tk_post *p, const cJSON *j) {
     const cJSON *v;
     cJSON_ArrayForEach(v, ids) {
       if (!valid_id(v)) return td_err(TD_ERR_FORMAT, "tokenizer.json: TemplateProcessing: \"%s\" has a bad id", name);
-      TD_TRY(tmpl_push(p, (int32_t)v->valuedouble));
+      TD_TRY(tk_ids_push(&p->tmpl, (int32_t)v->valuedouble));
     }
   }
   return TD_OK;
@@ -78,9 +67,9 @@ static td_status parse_pair(tk_post *p, const cJSON *j, const char *type) {
       !valid_id(cJSON_GetArrayItem(sep, 1)))
     return td_err(TD_ERR_FORMAT, "tokenizer.json: %s needs cls and sep as [token, id]", type);
   p->kind = PP_TEMPLATE;
-  TD_TRY(tmpl_push(p, (int32_t)cJSON_GetArrayItem(cls, 1)->valuedouble));
-  TD_TRY(tmpl_push(p, -1));
-  return tmpl_push(p, (int32_t)cJSON_GetArrayItem(sep, 1)->valuedouble);
+  TD_TRY(tk_ids_push(&p->tmpl, (int32_t)cJSON_GetArrayItem(cls, 1)->valuedouble));
+  TD_TRY(tk_ids_push(&p->tmpl, -1));
+  return tk_ids_push(&p->tmpl, (int32_t)cJSON_GetArrayItem(sep, 1)->valuedouble);
 }
 
 td_status tk_post_parse(const cJSON *j, tk_post **out) {
@@ -118,24 +107,23 @@ td_status tk_post_parse(const cJSON *j, tk_post **out) {
   return TD_OK;
 }
 
-td_status tk_post_apply(const tk_post *p, int32_t **ids, size_t *n) {
+td_status tk_post_apply(const tk_post *p, tk_ids *ids) {
   if (p->kind == PP_SEQUENCE) {
-    for (size_t i = 0; i < p->nseq; i++) TD_TRY(tk_post_apply(p->seq[i], ids, n));
+    for (size_t i = 0; i < p->nseq; i++) TD_TRY(tk_post_apply(p->seq[i], ids));
     return TD_OK;
   }
   if (p->kind != PP_TEMPLATE) return TD_OK;
   size_t total = 0;
-  for (size_t i = 0; i < p->ntmpl; i++) total += p->tmpl[i] < 0 ? *n : 1;
+  for (size_t i = 0; i < p->tmpl.n; i++) total += p->tmpl.v[i] < 0 ? ids->n : 1;
   int32_t *v = malloc((total + 1) * sizeof *v);
   if (!v) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
   size_t k = 0;
-  for (size_t i = 0; i < p->ntmpl; i++) {
-    if (p->tmpl[i] >= 0) v[k++] = p->tmpl[i];
-    else if (*n) memcpy(v + k, *ids, *n * sizeof *v), k += *n;
+  for (size_t i = 0; i < p->tmpl.n; i++) {
+    if (p->tmpl.v[i] >= 0) v[k++] = p->tmpl.v[i];
+    else if (ids->n) memcpy(v + k, ids->v, ids->n * sizeof *v), k += ids->n;
   }
-  free(*ids);
-  *ids = v;
-  *n = k;
+  free(ids->v);
+  *ids = (tk_ids){v, k, total + 1};
   return TD_OK;
 }
 
@@ -284,22 +272,23 @@ static td_status replace_all(const char *s, size_t n, const char *pat, const cha
   return tk_buf_add(out, "", 0);
 }
 
-static td_status wordpiece_cleanup(tk_buf *b) {
-  static const char *const pats[][2] = {{" .", "."},   {" ?", "?"},   {" !", "!"},         {" ,", ","},
-                                        {" ' ", "'"},  {" n't", "n't"}, {" 'm", "'m"},     {" do not", " don't"},
-                                        {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
+/* Each pair's first string replaced by its second, pair after pair. */
+static td_status replace_each(tk_buf *b, const char *const (*pats)[2], size_t n) {
   tk_buf o = {0};
-  for (size_t i = 0; i < sizeof pats / sizeof *pats; i++) {
-    TD_TRY(replace_all(b->p ? b->p : "", b->n, pats[i][0], pats[i][1], &o));
+  td_status st = TD_OK;
+  for (size_t i = 0; i < n; i++) {
+    if ((st = replace_all(b->p ? b->p : "", b->n, pats[i][0], pats[i][1], &o)) != TD_OK) break;
     tk_buf t = *b;
     *b = o;
     o = t;
   }
   tk_buf_free(&o);
-  return TD_OK;
+  return st;
 }
 
-static td_status dec_one(const tk_dec *d, toks *t);
+static const char *const wordpiece_pats[][2] = {{" .", "."},    {" ?", "?"},     {" !", "!"},    {" ,", ","},
+                                                {" ' ", "'"},   {" n't", "n't"}, {" 'm", "'m"}, {" do not", " don't"},
+                                                {" 's", "'s"},  {" 've", "'ve"}, {" 're", "'re"}};
 
 /* u8::from_str_radix(s, 16) on two bytes: an optional '+', then hex digits. */
 static int hex_byte(const char *s) {
@@ -320,7 +309,8 @@ static int hex_byte(const char *s) {
 static td_status dec_bytefallback(toks *t) {
   toks o = {0};
   td_status st = TD_OK;
-  if (!(o.v = calloc(t->n * 3 + 1, sizeof *o.v))) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
+  /* at most one output a token: a valid run of bytes becomes one, an invalid one a U+FFFD a byte */
+  if (!(o.v = calloc(t->n + 1, sizeof *o.v))) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
   tk_buf bytes = {0};
   for (size_t i = 0; st == TD_OK && i <= t->n; i++) {
     const tk_buf *b = i < t->n ? &t->v[i] : NULL;
@@ -335,13 +325,6 @@ static td_status dec_bytefallback(toks *t) {
         o.v[o.n++] = bytes;
         bytes = (tk_buf){0};
       } else {
-        /* one U+FFFD a byte: the output list can grow past t->n, so grow it */
-        tk_buf *nv = realloc(o.v, (o.n + bytes.n + t->n + 1) * sizeof *nv);
-        if (!nv) {
-          st = td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-          break;
-        }
-        o.v = nv;
         for (size_t k = 0; st == TD_OK && k < bytes.n; k++) {
           o.v[o.n] = (tk_buf){0};
           st = tk_buf_add(&o.v[o.n++], "\xEF\xBF\xBD", 3);
@@ -422,8 +405,7 @@ static td_status dec_one(const tk_dec *d, toks *t) {
           a += l, cnt++;
         }
         for (cnt = 0; cnt < d->stop && e > a; cnt++) {
-          size_t p = e - 1;
-          while (p > a && ((uint8_t)s[p] & 0xC0) == 0x80) p--;
+          size_t p = tk_utf8_prev(s, a, e);
           uint32_t cp;
           tk_utf8_next(s + p, e - p, &cp);
           if (cp != d->ch) break;
@@ -436,7 +418,7 @@ static td_status dec_one(const tk_dec *d, toks *t) {
         else if (i != 0) {
           if ((st = tk_buf_addc(&b, ' ')) == TD_OK) st = tk_buf_add(&b, s, x->n);
         } else st = tk_buf_add(&b, s, x->n);
-        if (st == TD_OK && d->cleanup) st = wordpiece_cleanup(&b);
+        if (st == TD_OK && d->cleanup) st = replace_each(&b, wordpiece_pats, sizeof wordpiece_pats / sizeof *wordpiece_pats);
       } else if (d->kind == D_BPE) {
         st = replace_all(s, x->n, d->str, i + 1 == t->n ? "" : " ", &b);
       }
@@ -478,21 +460,7 @@ static const char *const cleanup_pats[][2] = {{" .", "."},    {" ?", "?"},    {"
                                               {" ' ", "'"},   {" n't", "n't"}, {" 'm", "'m"}, {" 's", "'s"},
                                               {" 've", "'ve"}, {" 're", "'re"}};
 
-td_status tk_cleanup_spaces(tk_buf *b) {
-  tk_buf o = {0};
-  for (size_t i = 0; i < sizeof cleanup_pats / sizeof *cleanup_pats; i++) {
-    td_status st = replace_all(b->p ? b->p : "", b->n, cleanup_pats[i][0], cleanup_pats[i][1], &o);
-    if (st != TD_OK) {
-      tk_buf_free(&o);
-      return st;
-    }
-    tk_buf t = *b;
-    *b = o;
-    o = t;
-  }
-  tk_buf_free(&o);
-  return TD_OK;
-}
+td_status tk_cleanup_spaces(tk_buf *b) { return replace_each(b, cleanup_pats, sizeof cleanup_pats / sizeof *cleanup_pats); }
 
 size_t tk_cleanup_holdback(const char *s, size_t n) {
   size_t best = 0;

@@ -25,9 +25,24 @@ void tk_buf_free(tk_buf *b);
 /* NUL-terminates and hands the bytes over (*len excludes the NUL). */
 td_status tk_buf_take(tk_buf *b, char **out, size_t *len);
 
+/* Token ids as they are produced. */
+typedef struct tk_ids {
+  int32_t *v;
+  size_t n, cap;
+} tk_ids;
+td_status tk_ids_push(tk_ids *a, int32_t id);
+
+/* A regular file of at most max bytes, whole and NUL-terminated (*len excludes the NUL). */
+td_status tk_read_file(const char *path, size_t max, char **out, size_t *len);
+
 /* Decodes the code point at s[0, n) (valid UTF-8 assumed); returns its length. */
 size_t tk_utf8_next(const char *s, size_t n, uint32_t *cp);
 size_t tk_utf8_len(uint8_t lead);
+/* Where the code point ending at s[at) begins (lo < at; not before lo). */
+size_t tk_utf8_prev(const char *s, size_t lo, size_t at);
+/* s[a, e) without its leading / trailing white space: the new a / e. */
+size_t tk_skip_space(const char *s, size_t a, size_t e);
+size_t tk_trim_space(const char *s, size_t a, size_t e);
 /* Length of the longest valid UTF-8 prefix. */
 size_t tk_utf8_valid_prefix(const char *s, size_t n);
 /* Invalid sequences replaced by U+FFFD, one per maximal subpart (as Rust's
@@ -70,6 +85,8 @@ td_status tk_regex_segments(const tk_regex *r, const char *s, size_t n, tk_segs 
 size_t tk_regex_partial_start(const tk_regex *r, const char *s, size_t n);
 /* Every match of r in s replaced by rep. */
 td_status tk_regex_replace(const tk_regex *r, const char *s, size_t n, const char *rep, size_t rep_len, tk_buf *out);
+/* Replace's and Split's {"String": ...} or {"Regex": ...} (tokenizer_norm.c). */
+td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out);
 
 /* SplitDelimiterBehavior */
 typedef enum tk_split { TK_REMOVED, TK_ISOLATED, TK_MERGED_PREV, TK_MERGED_NEXT, TK_CONTIGUOUS } tk_split;
@@ -124,15 +141,14 @@ int32_t tk_model_size(const tk_model *m); /* one past the largest id */
 int32_t tk_model_token_to_id(const tk_model *m, const char *s, size_t n);
 const char *tk_model_id_to_token(const tk_model *m, int32_t id, size_t *len);
 /* Appends the ids of one pre-tokenized piece. */
-td_status tk_model_tokenize(const tk_model *m, const char *s, size_t n, int32_t **ids, size_t *nids, size_t *cap);
+td_status tk_model_tokenize(const tk_model *m, const char *s, size_t n, tk_ids *ids);
 
 /* ---- post-processors and decoders (tokenizer_decode.c) ---- */
 typedef struct tk_post tk_post;
-/* tok resolves token texts to ids (Roberta / Bert give both). */
 td_status tk_post_parse(const cJSON *j, tk_post **out);
 void tk_post_free(tk_post *p);
-/* Replaces *ids (n) with the single-sequence output. */
-td_status tk_post_apply(const tk_post *p, int32_t **ids, size_t *n);
+/* Replaces ids with the single-sequence output. */
+td_status tk_post_apply(const tk_post *p, tk_ids *ids);
 
 typedef struct tk_dec tk_dec;
 td_status tk_dec_parse(const cJSON *j, tk_dec **out);
@@ -172,11 +188,13 @@ struct td_tokenizer {
 
 extern const tk_ops tk_hf_ops;
 td_status tk_hf_load(const char *json, size_t len, td_tokenizer *t);
-td_status tk_marian_load(const char *dir, td_tokenizer *t);
+/* config: tokenizer_config.json's text (NULL: none). */
+td_status tk_marian_load(const char *dir, const char *config, size_t config_len, td_tokenizer *t);
 
 /* ---- SentencePiece (tokenizer_spm.cc: a C face on libsentencepiece) ---- */
 typedef struct tk_spm tk_spm;
-td_status tk_spm_load(const char *path, tk_spm **out);
+/* From a model file's bytes; path names it in errors. */
+td_status tk_spm_load(const char *bytes, size_t len, const char *path, tk_spm **out);
 void tk_spm_free(tk_spm *s);
 /* Pieces of text, as SentencePieceProcessor::Encode(text, out_type=str). */
 td_status tk_spm_encode(const tk_spm *s, const char *text, size_t len, char ***pieces, size_t *n);

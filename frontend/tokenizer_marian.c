@@ -47,27 +47,10 @@ static int32_t lookup(const marian *m, const char *s, size_t n) {
   return e ? e->id : -1;
 }
 
-static td_status read_all(const char *path, size_t max, char **out, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return td_err(TD_ERR_IO, "cannot open %s", path);
-  tk_buf b = {0};
-  char chunk[65536];
-  size_t k;
-  td_status st = TD_OK;
-  while (st == TD_OK && (k = fread(chunk, 1, sizeof chunk, f)) > 0) {
-    if (b.n + k > max) st = td_err(TD_ERR_INVALID, "%s: over the limit of %zu bytes", path, max);
-    else st = tk_buf_add(&b, chunk, k);
-  }
-  fclose(f);
-  if (st == TD_OK) st = tk_buf_take(&b, out, len);
-  tk_buf_free(&b);
-  return st;
-}
-
 static td_status load_vocab(marian *m, const char *path, size_t max) {
   char *json;
   size_t len;
-  TD_TRY(read_all(path, max, &json, &len));
+  TD_TRY(tk_read_file(path, max, &json, &len));
   cJSON *root = tk_utf8_valid_prefix(json, len) == len ? cJSON_ParseWithLength(json, len) : NULL;
   free(json);
   if (!cJSON_IsObject(root)) {
@@ -111,28 +94,16 @@ static bool is_special_text(const marian *m, const char *s, size_t n) {
   return false;
 }
 
-static td_status push(int32_t **v, size_t *n, size_t *cap, int32_t id) {
-  if (*n == *cap) {
-    size_t c = *cap ? *cap * 2 : 64;
-    int32_t *x = realloc(*v, c * sizeof *x);
-    if (!x) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-    *v = x;
-    *cap = c;
-  }
-  (*v)[(*n)++] = id;
-  return TD_OK;
-}
-
 /* MarianTokenizer.remove_language_code + _tokenize: a chunk that starts with
  * ">>" has its text up to the first "<<" as one token (a >>lang<< code);
  * source.spm cuts the rest as it is, spaces and later ">>..<<" included. */
-static td_status tokenize_chunk(const marian *m, const char *s, size_t n, int32_t **v, size_t *nv, size_t *cap) {
+static td_status tokenize_chunk(const marian *m, const char *s, size_t n, tk_ids *v) {
   td_status st = TD_OK;
   const char *end = n >= 2 && !memcmp(s, ">>", 2) ? memmem(s, n, "<<", 2) : NULL;
   if (end) {
     size_t k = (size_t)(end - s) + 2;
     int32_t id = lookup(m, s, k);
-    st = push(v, nv, cap, id >= 0 ? id : m->unk);
+    st = tk_ids_push(v, id >= 0 ? id : m->unk);
     s += k;
     n -= k;
   }
@@ -141,7 +112,7 @@ static td_status tokenize_chunk(const marian *m, const char *s, size_t n, int32_
   if (st == TD_OK) st = tk_spm_encode(m->src, s, n, &pieces, &np);
   for (size_t i = 0; st == TD_OK && i < np; i++) {
     int32_t id = lookup(m, pieces[i], strlen(pieces[i]));
-    st = push(v, nv, cap, id >= 0 ? id : m->unk);
+    st = tk_ids_push(v, id >= 0 ? id : m->unk);
   }
   tk_spm_pieces_free(pieces, np);
   return st;
@@ -150,8 +121,8 @@ static td_status tokenize_chunk(const marian *m, const char *s, size_t n, int32_
 static td_status marian_encode(const td_tokenizer *t, const char *text, size_t len, bool add_special, int32_t **ids,
                                size_t *n) {
   const marian *m = t->impl;
-  int32_t *v = NULL;
-  size_t nv = 0, cap = 0, from = 0, pos = 0;
+  tk_ids v = {0};
+  size_t from = 0, pos = 0;
   td_status st = TD_OK;
   while (st == TD_OK && pos < len) { /* special tokens in the text stay whole */
     int32_t idx = -1;
@@ -160,19 +131,19 @@ static td_status marian_encode(const td_tokenizer *t, const char *text, size_t l
       pos += tk_utf8_len((uint8_t)text[pos]);
       continue;
     }
-    if (from < pos) st = tokenize_chunk(m, text + from, pos - from, &v, &nv, &cap);
-    if (st == TD_OK) st = push(&v, &nv, &cap, idx);
+    if (from < pos) st = tokenize_chunk(m, text + from, pos - from, &v);
+    if (st == TD_OK) st = tk_ids_push(&v, idx);
     pos += k;
     from = pos;
   }
-  if (st == TD_OK && from < len) st = tokenize_chunk(m, text + from, len - from, &v, &nv, &cap);
-  if (st == TD_OK && add_special) st = push(&v, &nv, &cap, m->eos);
+  if (st == TD_OK && from < len) st = tokenize_chunk(m, text + from, len - from, &v);
+  if (st == TD_OK && add_special) st = tk_ids_push(&v, m->eos);
   if (st != TD_OK) {
-    free(v);
+    free(v.v);
     return st;
   }
-  *ids = v;
-  *n = nv;
+  *ids = v.v;
+  *n = v.n;
   return TD_OK;
 }
 
@@ -205,28 +176,13 @@ static td_status marian_decode(const td_tokenizer *t, const int32_t *ids, size_t
   out->n = 0;
   /* ▁ -> space, then strip() */
   const char *s = all.p ? all.p : "";
-  size_t a = 0, e = all.n;
   tk_buf sp = {0};
-  for (size_t i = 0; st == TD_OK && i < e;) {
-    if (i + 3 <= e && !memcmp(s + i, "\xE2\x96\x81", 3)) st = tk_buf_addc(&sp, ' '), i += 3;
+  for (size_t i = 0; st == TD_OK && i < all.n;) {
+    if (i + 3 <= all.n && !memcmp(s + i, "\xE2\x96\x81", 3)) st = tk_buf_addc(&sp, ' '), i += 3;
     else st = tk_buf_add(&sp, s + i, 1), i++;
   }
   s = sp.p ? sp.p : "";
-  e = sp.n;
-  while (st == TD_OK && a < e) {
-    uint32_t cp;
-    size_t k = tk_utf8_next(s + a, e - a, &cp);
-    if (!tk_is_whitespace(cp)) break;
-    a += k;
-  }
-  while (st == TD_OK && e > a) {
-    size_t p = e - 1;
-    while (p > a && ((uint8_t)s[p] & 0xC0) == 0x80) p--;
-    uint32_t cp;
-    tk_utf8_next(s + p, e - p, &cp);
-    if (!tk_is_whitespace(cp)) break;
-    e = p;
-  }
+  size_t a = tk_skip_space(s, 0, sp.n), e = tk_trim_space(s, a, sp.n);
   if (st == TD_OK) st = tk_buf_add(out, s + a, e - a);
   tk_buf_free(&all);
   tk_buf_free(&part);
@@ -251,23 +207,12 @@ static const tk_ops marian_ops = {"marian", marian_encode, marian_decode, marian
 /* The special tokens' texts: tokenizer_config.json's when it names them.
  * separate_vocabs (decoding through target_vocab.json and target.spm) is
  * not read here, so it is refused rather than decoded wrongly. */
-static td_status read_config(marian *m, const char *dir, size_t max) {
+static td_status read_config(marian *m, const char *dir, const char *config, size_t config_len) {
   static const char *keys[3] = {"eos_token", "unk_token", "pad_token"}, *dflt[3] = {"</s>", "<unk>", "<pad>"};
-  char path[4096];
-  snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-  cJSON *root = NULL;
-  FILE *f = fopen(path, "rb");
-  if (f) {
-    fclose(f);
-    char *json;
-    size_t len;
-    TD_TRY(read_all(path, max, &json, &len));
-    root = cJSON_ParseWithLength(json, len);
-    free(json);
-  }
+  cJSON *root = config ? cJSON_ParseWithLength(config, config_len) : NULL; /* a bad one is refused by the caller */
   if (tk_jbool(root, "separate_vocabs", false)) {
     cJSON_Delete(root);
-    return td_err(TD_ERR_FORMAT, "%s: separate_vocabs (a target_vocab.json) is not supported", path);
+    return td_err(TD_ERR_FORMAT, "%s/tokenizer_config.json: separate_vocabs (a target_vocab.json) is not supported", dir);
   }
   for (int i = 0; i < 3; i++) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, keys[i]);
@@ -281,20 +226,30 @@ static td_status read_config(marian *m, const char *dir, size_t max) {
   return TD_OK;
 }
 
-td_status tk_marian_load(const char *dir, td_tokenizer *t) {
+/* DIR/NAME through libsentencepiece, refused over the file limit as every tokenizer file is. */
+static td_status load_spm(const char *dir, const char *name, size_t max, tk_spm **out) {
+  char path[4096], *bytes;
+  size_t len;
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  TD_TRY(tk_read_file(path, max, &bytes, &len));
+  td_status st = tk_spm_load(bytes, len, path, out);
+  free(bytes);
+  return st;
+}
+
+td_status tk_marian_load(const char *dir, const char *config, size_t config_len, td_tokenizer *t) {
   marian *m = calloc(1, sizeof *m);
   if (!m) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
   t->impl = m;
   t->ops = &marian_ops;
   t->strip_tail = true;
+  size_t max = t->opts.max_file_bytes;
+  TD_TRY(load_spm(dir, "source.spm", max, &m->src));
+  TD_TRY(load_spm(dir, "target.spm", max, &m->tgt)); /* decodes nothing with a joint vocabulary; loaded as transformers does */
   char path[4096];
-  snprintf(path, sizeof path, "%s/source.spm", dir);
-  TD_TRY(tk_spm_load(path, &m->src));
-  snprintf(path, sizeof path, "%s/target.spm", dir); /* decodes nothing with a joint vocabulary; loaded as transformers does */
-  TD_TRY(tk_spm_load(path, &m->tgt));
   snprintf(path, sizeof path, "%s/vocab.json", dir);
-  TD_TRY(load_vocab(m, path, t->opts.max_file_bytes));
-  TD_TRY(read_config(m, dir, t->opts.max_file_bytes));
+  TD_TRY(load_vocab(m, path, max));
+  TD_TRY(read_config(m, dir, config, config_len));
   m->eos = lookup(m, m->special[0], strlen(m->special[0]));
   m->unk = lookup(m, m->special[1], strlen(m->special[1]));
   if (m->eos < 0 || m->unk < 0)

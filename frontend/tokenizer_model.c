@@ -146,14 +146,17 @@ static td_status parse_bpe(tk_model *m, const cJSON *j) {
   size_t plen = m->prefix ? strlen(m->prefix) : 0;
   int rank = 0;
   const cJSON *e;
-  char *cat = NULL;
+  tk_buf cat = {0};
+  td_status st = TD_OK;
   cJSON_ArrayForEach(e, mg) {
     const char *a, *b;
     size_t alen, blen;
     if (cJSON_IsString(e)) { /* "a b" */
       const char *sp = strchr(e->valuestring, ' ');
-      if (!sp || strchr(sp + 1, ' '))
-        return td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d \"%s\" is not two tokens", rank, e->valuestring);
+      if (!sp || strchr(sp + 1, ' ')) {
+        st = td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d \"%s\" is not two tokens", rank, e->valuestring);
+        break;
+      }
       a = e->valuestring;
       alen = (size_t)(sp - a);
       b = sp + 1;
@@ -165,23 +168,20 @@ static td_status parse_bpe(tk_model *m, const cJSON *j) {
       alen = strlen(a);
       blen = strlen(b);
     } else {
-      return td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d is neither \"a b\" nor [\"a\", \"b\"]", rank);
+      st = td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d is neither \"a b\" nor [\"a\", \"b\"]", rank);
+      break;
     }
     vent *ea = find(m, a, alen), *eb = find(m, b, blen);
-    if (!ea || !eb || blen < plen)
-      return td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d: a token is not in the vocabulary", rank);
-    char *c = realloc(cat, alen + blen + 1);
-    if (!c) {
-      free(cat);
-      return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
+    if (!ea || !eb || blen < plen) {
+      st = td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d: a token is not in the vocabulary", rank);
+      break;
     }
-    cat = c;
-    memcpy(cat, a, alen);
-    memcpy(cat + alen, b + plen, blen - plen);
-    vent *en = find(m, cat, alen + blen - plen);
+    cat.n = 0;
+    if ((st = tk_buf_add(&cat, a, alen)) != TD_OK || (st = tk_buf_add(&cat, b + plen, blen - plen)) != TD_OK) break;
+    vent *en = find(m, cat.p, cat.n);
     if (!en) {
-      free(cat);
-      return td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d: the merged token is not in the vocabulary", rank);
+      st = td_err(TD_ERR_FORMAT, "tokenizer.json: BPE merge %d: the merged token is not in the vocabulary", rank);
+      break;
     }
     uint64_t pair = (uint64_t)(uint32_t)ea->id << 32 | (uint32_t)eb->id;
     merge_ent *old = NULL;
@@ -192,8 +192,8 @@ static td_status parse_bpe(tk_model *m, const cJSON *j) {
     HASH_ADD(hh, m->merges, pair, sizeof me->pair, me);
     rank++;
   }
-  free(cat);
-  return TD_OK;
+  tk_buf_free(&cat);
+  return st;
 }
 
 static td_status parse_unigram(tk_model *m, const cJSON *j) {
@@ -269,18 +269,6 @@ td_status tk_model_parse(const cJSON *j, tk_model **out) {
 
 /* ---- tokenizing ---- */
 
-static td_status push_id(int32_t **ids, size_t *n, size_t *cap, int32_t id) {
-  if (*n == *cap) {
-    size_t c = *cap ? *cap * 2 : 64;
-    int32_t *v = realloc(*ids, c * sizeof *v);
-    if (!v) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
-    *ids = v;
-    *cap = c;
-  }
-  (*ids)[(*n)++] = id;
-  return TD_OK;
-}
-
 /* <0xAB> tokens for each byte of s; false when one is missing. */
 static bool byte_tokens(const tk_model *m, const char *s, size_t n, int32_t *out) {
   for (size_t i = 0; i < n; i++) {
@@ -339,10 +327,10 @@ static const merge_ent *merge_of(const tk_model *m, int32_t a, int32_t b) {
   return e;
 }
 
-static td_status bpe_tokenize(const tk_model *m, const char *w, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
+static td_status bpe_tokenize(const tk_model *m, const char *w, size_t n, tk_ids *ids) {
   if (m->ignore_merges) {
     vent *e = find(m, w, n);
-    if (e) return push_id(ids, nids, cap, e->id);
+    if (e) return tk_ids_push(ids, e->id);
   }
   size_t plen = m->prefix ? strlen(m->prefix) : 0, slen = m->suffix ? strlen(m->suffix) : 0;
   /* at most one symbol a byte, plus room for byte fallback of prefix / suffix */
@@ -407,7 +395,7 @@ static td_status bpe_tokenize(const tk_model *m, const char *w, size_t n, int32_
       h_push(heap, &nh, (hitem){me->rank, top.pos, me->id});
   }
   for (size_t i = 0; st == TD_OK && i < ns; i++)
-    if (sy[i].len) st = push_id(ids, nids, cap, sy[i].id);
+    if (sy[i].len) st = tk_ids_push(ids, sy[i].id);
   free(sy);
   free(heap);
   free(tmp);
@@ -438,7 +426,7 @@ static void uni_visit(size_t len, int32_t id, void *p) {
   if (len == c->mblen) c->single = true;
 }
 
-static td_status unigram_tokenize(const tk_model *m, const char *s, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
+static td_status unigram_tokenize(const tk_model *m, const char *s, size_t n, tk_ids *ids) {
   node *best = malloc((n + 1) * sizeof *best);
   size_t *ends = malloc((n + 1) * sizeof *ends);
   int32_t *bt = malloc((n + 1) * sizeof *bt);
@@ -479,13 +467,13 @@ static td_status unigram_tokenize(const tk_model *m, const char *s, size_t n, in
   for (size_t k = np; st == TD_OK && k-- > 0;) {
     size_t e = ends[k], b = k + 1 < np ? ends[k + 1] : 0;
     vent *v = find(m, s + b, e - b);
-    if (v) st = push_id(ids, nids, cap, v->id);
+    if (v) st = tk_ids_push(ids, v->id);
     else if (m->byte_fallback && byte_tokens(m, s + b, e - b, bt)) {
-      for (size_t i = 0; st == TD_OK && i < e - b; i++) st = push_id(ids, nids, cap, bt[i]);
+      for (size_t i = 0; st == TD_OK && i < e - b; i++) st = tk_ids_push(ids, bt[i]);
     } else if (m->unk < 0) {
       st = td_err(TD_ERR_FORMAT, "tokenizer.json: Unigram needs an unk_id for text outside its vocabulary");
     } else {
-      st = push_id(ids, nids, cap, m->unk);
+      st = tk_ids_push(ids, m->unk);
     }
   }
   free(best);
@@ -494,16 +482,16 @@ static td_status unigram_tokenize(const tk_model *m, const char *s, size_t n, in
   return st;
 }
 
-td_status tk_model_tokenize(const tk_model *m, const char *s, size_t n, int32_t **ids, size_t *nids, size_t *cap) {
+td_status tk_model_tokenize(const tk_model *m, const char *s, size_t n, tk_ids *ids) {
   if (!n) return TD_OK;
   switch (m->kind) {
-  case M_BPE: return bpe_tokenize(m, s, n, ids, nids, cap);
-  case M_UNIGRAM: return unigram_tokenize(m, s, n, ids, nids, cap);
+  case M_BPE: return bpe_tokenize(m, s, n, ids);
+  case M_UNIGRAM: return unigram_tokenize(m, s, n, ids);
   case M_WORDLEVEL: {
     vent *e = find(m, s, n);
-    if (e) return push_id(ids, nids, cap, e->id);
+    if (e) return tk_ids_push(ids, e->id);
     if (m->unk < 0) return td_err(TD_ERR_FORMAT, "tokenizer.json: WordLevel unk_token is missing from the vocabulary");
-    return push_id(ids, nids, cap, m->unk);
+    return tk_ids_push(ids, m->unk);
   }
   }
   return td_err(TD_ERR_INTERNAL, "tokenizer: bad model");

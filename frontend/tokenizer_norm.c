@@ -225,21 +225,7 @@ static td_status apply_one(const tk_norm *n, const char *s, size_t len, tk_buf *
   case N_NFKD: return unicode_form(s, len, UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT, out);
   case N_LOWER: return lowercase(s, len, out);
   case N_STRIP: {
-    size_t a = 0, b = len;
-    while (n->left && a < b) {
-      uint32_t cp;
-      size_t k = tk_utf8_next(s + a, b - a, &cp);
-      if (!tk_is_whitespace(cp)) break;
-      a += k;
-    }
-    while (n->right && b > a) {
-      size_t p = b - 1;
-      while (p > a && ((uint8_t)s[p] & 0xC0) == 0x80) p--;
-      uint32_t cp;
-      tk_utf8_next(s + p, b - p, &cp);
-      if (!tk_is_whitespace(cp)) break;
-      b = p;
-    }
+    size_t a = n->left ? tk_skip_space(s, 0, len) : 0, b = n->right ? tk_trim_space(s, a, len) : len;
     return tk_buf_add(out, s + a, b - a);
   }
   case N_STRIP_ACCENTS:
@@ -312,8 +298,6 @@ static td_status apply_one(const tk_norm *n, const char *s, size_t len, tk_buf *
 
 td_status tk_norm_apply(const tk_norm *n, const char *s, size_t len, tk_buf *out) { return apply_one(n, s, len, out); }
 
-/* Replace's and Split's {"String": ...} or {"Regex": ...}. */
-td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out);
 td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out) {
   const char *s = tk_jstr(j, "String"), *r = tk_jstr(j, "Regex");
   if (!s && !r) return td_err(TD_ERR_FORMAT, "tokenizer.json: %s: pattern is neither String nor Regex", what);

@@ -25,31 +25,26 @@ struct tk_pretok {
   size_t nseq;
 };
 
-td_status tk_pattern_parse(const cJSON *j, const char *what, tk_regex **out);
-
 #define BYTELEVEL_RE "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
 
 /* ---- the byte map ---- */
 
+/* bytes_to_unicode(): printable bytes stand for themselves; the 68 others
+ * (0x00-0x20, 0x7F-0xA0, 0xAD), in order, for U+0100 onwards. */
+static bool printable(uint32_t b) { return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF); }
+
 uint32_t tk_byte_to_char(uint8_t b) {
-  if ((b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE) return b;
-  uint32_t n = 0; /* the others, in order, from U+0100 */
-  for (unsigned x = 0; x < b; x++)
-    if (!((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE)) n++;
-  return 256 + n;
+  if (printable(b)) return b;
+  if (b <= 0x20) return 0x100 + b;
+  if (b <= 0xA0) return 0x100 + 33 + (b - 0x7F);
+  return 0x100 + 67;
 }
 
 int tk_char_to_byte(uint32_t cp) {
-  static int16_t table[324];
-  static int ready;
-  if (!__atomic_load_n(&ready, __ATOMIC_ACQUIRE)) { /* idempotent: racing builders write the same values */
-    int16_t t[324];
-    for (int i = 0; i < 324; i++) t[i] = -1;
-    for (int b = 0; b < 256; b++) t[tk_byte_to_char((uint8_t)b)] = (int16_t)b;
-    for (int i = 0; i < 324; i++) __atomic_store_n(&table[i], t[i], __ATOMIC_RELAXED);
-    __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
-  }
-  return cp < 324 ? table[cp] : -1;
+  if (cp < 0x100) return printable(cp) ? (int)cp : -1;
+  if (cp < 0x100 + 33) return (int)(cp - 0x100);
+  if (cp < 0x100 + 67) return (int)(cp - 0x100 - 33 + 0x7F);
+  return cp == 0x100 + 67 ? 0xAD : -1;
 }
 
 /* ---- pieces ---- */

@@ -17,10 +17,10 @@ struct tk_spm {
   sentencepiece::SentencePieceProcessor sp;
 };
 
-extern "C" td_status tk_spm_load(const char *path, tk_spm **out) {
+extern "C" td_status tk_spm_load(const char *bytes, size_t len, const char *path, tk_spm **out) {
   try {
     tk_spm *s = new tk_spm;
-    auto st = s->sp.Load(path);
+    auto st = s->sp.LoadFromSerializedProto(std::string_view(bytes, len));
     if (!st.ok()) {
       delete s;
       return td_err(TD_ERR_FORMAT, "%s: not a SentencePiece model: %s", path, st.ToString().c_str());

@@ -8,8 +8,10 @@
  * still change). Character classes come from utf8proc (Unicode tables in C). */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <utf8proc.h>
 
 #include "frontend/tokenizer_impl.h"
@@ -61,6 +63,43 @@ td_status tk_buf_take(tk_buf *b, char **out, size_t *len) {
   return TD_OK;
 }
 
+td_status tk_ids_push(tk_ids *a, int32_t id) {
+  if (a->n == a->cap) {
+    size_t cap = a->cap ? a->cap * 2 : 64;
+    int32_t *v = realloc(a->v, cap * sizeof *v);
+    if (!v) return td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
+    a->v = v;
+    a->cap = cap;
+  }
+  a->v[a->n++] = id;
+  return TD_OK;
+}
+
+td_status tk_read_file(const char *path, size_t max, char **out, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return td_err(TD_ERR_IO, "cannot open %s", path);
+  struct stat sb;
+  if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    fclose(f);
+    return td_err(TD_ERR_IO, "%s is not a regular file", path);
+  }
+  if ((uint64_t)sb.st_size > max) {
+    fclose(f);
+    return td_err(TD_ERR_INVALID, "%s: %lld bytes, over the limit of %zu", path, (long long)sb.st_size, max);
+  }
+  char *b = malloc((size_t)sb.st_size + 1);
+  size_t n = b ? fread(b, 1, (size_t)sb.st_size, f) : 0;
+  fclose(f);
+  if (!b || n != (size_t)sb.st_size) {
+    free(b);
+    return b ? td_err(TD_ERR_IO, "cannot read %s", path) : td_err(TD_ERR_NOMEM, "tokenizer: out of memory");
+  }
+  b[n] = 0;
+  *out = b;
+  *len = n;
+  return TD_OK;
+}
+
 /* ---- UTF-8 ---- */
 
 size_t tk_utf8_len(uint8_t c) {
@@ -80,6 +119,33 @@ size_t tk_utf8_next(const char *s, size_t n, uint32_t *cp) {
   }
   *cp = (uint32_t)c;
   return (size_t)k;
+}
+
+size_t tk_utf8_prev(const char *s, size_t lo, size_t at) {
+  size_t p = at - 1;
+  while (p > lo && ((uint8_t)s[p] & 0xC0) == 0x80) p--;
+  return p;
+}
+
+size_t tk_skip_space(const char *s, size_t a, size_t e) {
+  while (a < e) {
+    uint32_t cp;
+    size_t k = tk_utf8_next(s + a, e - a, &cp);
+    if (!tk_is_whitespace(cp)) break;
+    a += k;
+  }
+  return a;
+}
+
+size_t tk_trim_space(const char *s, size_t a, size_t e) {
+  while (e > a) {
+    size_t p = tk_utf8_prev(s, a, e);
+    uint32_t cp;
+    tk_utf8_next(s + p, e - p, &cp);
+    if (!tk_is_whitespace(cp)) break;
+    e = p;
+  }
+  return e;
 }
 
 /* Length of the valid sequence at s (0: invalid), and of its maximal

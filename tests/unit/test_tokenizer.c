@@ -349,6 +349,10 @@ Test(tokenizer, bad_ids_are_refused_by_value) {
   td_tokenizer_destroy(t);
 }
 
+/* LeakSanitizer, in the sanitizer tree: its report at exit does not fail a
+ * Criterion test, so a test that must not leak asks it directly. */
+int __lsan_do_recoverable_leak_check(void) __attribute__((weak));
+
 static td_status from_text(const char *json, td_tokenizer **t) {
   return td_tokenizer_from_json(json, strlen(json), NULL, 0, NULL, t);
 }
@@ -368,6 +372,7 @@ Test(tokenizer, bad_files_get_errors_naming_the_part) {
       {"{\"model\": {\"type\": \"WordLevel\", \"vocab\": {\"a\": -3}}}", "range"},
       {"{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [\"a b\"]}}", "merge"},
       {"{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [7]}}", "merge"},
+      {"{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\", \"a c\"]}}", "merge 1"},
       {"{\"model\": {\"type\": \"Unigram\", \"vocab\": [[\"a\"]]}}", "Unigram"},
       {"{\"model\": {\"type\": \"WordLevel\", \"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"(\"}, \"behavior\": \"Isolated\"}}", "pattern"},
       {"{\"model\": {\"type\": \"WordLevel\", \"vocab\": {\"a\": 0}}, \"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"String\": \" \"}, \"behavior\": \"Sideways\"}}", "Sideways"},
@@ -379,6 +384,7 @@ Test(tokenizer, bad_files_get_errors_naming_the_part) {
     cr_expect_neq(from_text(bad[i].json, &t), TD_OK, "case %zu accepted", i);
     cr_expect(strstr(td_errmsg(), bad[i].says), "case %zu: \"%s\" does not say %s", i, td_errmsg(), bad[i].says);
   }
+  if (__lsan_do_recoverable_leak_check) cr_expect_eq(__lsan_do_recoverable_leak_check(), 0, "a refused file leaked");
   cr_assert_eq(td_tokenizer_load("/nonexistent-dir", NULL, &t), TD_ERR_NOT_FOUND);
 }
 
@@ -416,6 +422,19 @@ Test(tokenizer, marian_separate_vocabs_is_refused) {
   snprintf(dst, sizeof dst, "%s/tokenizer_config.json", dir);
   unlink(dst);
   rmdir(dir);
+}
+
+/* The file limit holds for every file a Marian folder has, its SentencePiece models too. */
+Test(tokenizer, marian_files_over_the_limit_are_refused) {
+  char dir[512];
+  snprintf(dir, sizeof dir, "%s/marian-local", TOK_DIR);
+  td_tokenizer *t = NULL;
+  td_tokenizer_opts o = {.max_file_bytes = 100000}; /* over vocab.json, under source.spm */
+  cr_assert_eq(td_tokenizer_load(dir, &o, &t), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "source.spm") && strstr(td_errmsg(), "limit"), "%s", td_errmsg());
+  o.max_file_bytes = 0;
+  cr_assert_eq(td_tokenizer_load(dir, &o, &t), TD_OK, "%s", td_errmsg());
+  td_tokenizer_destroy(t);
 }
 
 /* Every prefix of real files, and single-byte corruptions of them: an error
