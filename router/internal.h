@@ -18,6 +18,7 @@
 
 #include "common/defaults.h"
 #include "common/evloop.h"
+#include "common/vec.h"
 #include "proto/wire.h"
 #include "router/policy.h"
 #include "router/router.h"
@@ -55,10 +56,10 @@ typedef struct rreq {
   bool local_encode, with_prefill;
   Tandem__Cluster__Reserved *dres, *pres; /* decode / prefill reservations */
   bool encoded, prefilled;
-  /* tokens already streamed to the client (first sequence), for resuming */
-  int32_t *streamed;
-  float *streamed_lp;
-  int n_streamed, cap_streamed;
+  /* tokens already streamed to the client (first sequence) and their
+   * log-probabilities, for resuming */
+  td_i32vec streamed;
+  td_f32vec streamed_lp;
   int64_t t_arrival, t_placed, t_stage, deadline;
   int64_t t_reserved, t_encode_sent, t_encoded, t_first; /* stage times for Timings (0: not yet) */
   double encode_ms, prefill_ms;
@@ -95,8 +96,7 @@ struct td_router {
   int n_pool, cap_pool;
   group_rv *groups;
   rreq *by_rid, *by_ckey;
-  rreq **queue;                   /* waiting for placement, first come first served */
-  int n_queue, cap_queue;
+  td_ptrvec queue;                /* rreq waiting for placement, first come first served */
   int in_flight;
   uint64_t next_serial;
   uint64_t hb_seq;

@@ -235,7 +235,7 @@ void td_router_destroy(td_router *r) {
   HASH_ITER(hh, r->by_rid, q, t) rtr_req_free(r, q);
   rtr_workers_free(r);
   rtr_groups_free(r);
-  free(r->queue);
+  td_ptrvec_free(&r->queue);
   free(r->model_type);
   free(r->model_name);
   if (r->csock) zmq_close(r->csock);
