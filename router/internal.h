@@ -161,5 +161,8 @@ int rtr_requests_tick(td_loop *l, void *ctx);
 
 /* ---- stream.c: a worker's news of a request it holds */
 void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m);
+/* Sends the request's result (a single sequence's earlier attempts' tokens
+ * first) and ends it. */
+void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms);
 
 #endif

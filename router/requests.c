@@ -90,8 +90,29 @@ void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg
   rtr_req_free(r, q);
 }
 
+/* The finish of a single sequence whose every token reached the router:
+ * its length reached, or a stop token it asked for last; else NONE. */
+static Tandem__FinishReason streamed_to_the_end(const rreq *q) {
+  if (q->multi || !q->streamed.n) return TANDEM__FINISH_REASON__FINISH_NONE;
+  int32_t last = q->streamed.v[q->streamed.n - 1];
+  for (size_t i = 0; i < q->g->n_stop_token_ids; i++)
+    if (q->g->stop_token_ids[i] == last) return TANDEM__FINISH_REASON__FINISH_STOP;
+  return q->streamed.n >= q->sh.max_new ? TANDEM__FINISH_REASON__FINISH_LENGTH : TANDEM__FINISH_REASON__FINISH_NONE;
+}
+
 void rtr_req_retry(td_router *r, rreq *q, const char *why) {
   release_workers(r, q, true);
+  /* nothing is left to generate: another attempt would ask for 0 tokens,
+   * which a worker reads as "the model's limit" */
+  Tandem__SequenceOutput done = TANDEM__SEQUENCE_OUTPUT__INIT;
+  done.finish_reason = streamed_to_the_end(q);
+  if (done.finish_reason != TANDEM__FINISH_REASON__FINISH_NONE) {
+    TD_INFO("request %s (rid %llu): every token was streamed before %s; it ends with them", q->cid,
+            (unsigned long long)q->rid, why);
+    Tandem__SequenceOutput *outs = &done;
+    rtr_req_result(r, q, &outs, 1, 0);
+    return;
+  }
   if (q->attempts >= r->o.max_attempts) {
     char msg[512];
     snprintf(msg, sizeof msg, "gave up after %d attempts: %s", q->attempts, why);

@@ -93,11 +93,8 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   rtr_send_client(r, q->client, q->client_len, &sm);
 }
 
-static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished *fin) {
-  rreq *q = rtr_req_for(r, fin->rid, w);
-  if (!q || strcmp(w->id, q->dec_w)) return;
-  Tandem__SequenceOutput **outs = fin->outputs, merged = TANDEM__SEQUENCE_OUTPUT__INIT;
-  size_t n_out = fin->n_outputs;
+void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms) {
+  Tandem__SequenceOutput merged = TANDEM__SEQUENCE_OUTPUT__INIT;
   Tandem__SequenceOutput **with_prior = NULL;
   /* a resumed sequence: earlier attempts' tokens come first */
   int prior = !q->multi && n_out ? q->streamed.n - (int)outs[0]->n_tokens : 0;
@@ -121,7 +118,7 @@ static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished
   tm.queue_ms = (double)(q->t_placed - q->t_arrival);
   tm.encode_ms = q->encode_ms;
   tm.prefill_ms = q->prefill_ms;
-  tm.decode_ms = fin->decode_ms;
+  tm.decode_ms = decode_ms;
   tm.total_ms = (double)(td_now_ms() - q->t_arrival);
   if (q->t_reserved) tm.reserve_ms = (double)(q->t_reserved - q->t_placed);
   if (q->t_encode_sent && q->t_encoded) {
@@ -142,6 +139,12 @@ static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished
   TD_DEBUG("request %s done in %.0f ms (attempts %d)", q->cid, tm.total_ms, q->attempts);
   free(with_prior);
   rtr_req_free(r, q);
+}
+
+static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished *fin) {
+  rreq *q = rtr_req_for(r, fin->rid, w);
+  if (!q || strcmp(w->id, q->dec_w)) return;
+  rtr_req_result(r, q, fin->outputs, fin->n_outputs, fin->decode_ms);
 }
 
 static void on_failed(td_router *r, worker *w, const Tandem__Cluster__Failed *f) {
