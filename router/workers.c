@@ -145,6 +145,11 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
   memcpy(wid, id, id_len);
   wid[id_len] = 0;
   bool ok = in && model_matches(r, in->model, why, sizeof why);
+  /* workers are found by their identity as a string (and "" means none) */
+  if (ok && (!id_len || memchr(id, 0, id_len))) {
+    snprintf(why, sizeof why, "the worker's identity is not a string (set ZMQ_ROUTING_ID to its id)");
+    ok = false;
+  }
   if (ok && (!in->block_size || (r->have_model && (int)in->block_size != r->block_size))) {
     snprintf(why, sizeof why, "block size %u, the cluster uses %d", in->block_size, r->block_size);
     ok = false;

@@ -492,6 +492,24 @@ Test(router_control, a_retry_after_the_last_token_ends_the_request, .timeout = 3
   finish(&h, socks, 1);
 }
 
+/* A ROUTER identity is bytes; the router keys workers by a string, so a
+ * peer whose identity is empty or holds a zero byte (a socket without a
+ * routing id gets one that starts with zero) is refused, not registered. */
+Test(router_control, a_worker_without_a_string_identity_is_refused, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  Tandem__Cluster__RouterMessage *ack;
+  void *anon = fake_register(&h, NULL, enc_dec, &ack);
+  cr_expect(!ack->ack->accepted, "a peer without a routing id was registered");
+  cr_expect(strstr(ack->ack->reason, "identity"), "%s", ack->ack->reason);
+  wfree(ack);
+  Tandem__ServerMessage *hm;
+  cr_expect_eq(health(&h, &hm)->n_workers, 0);
+  cfree(hm);
+  void *socks[] = {anon};
+  finish(&h, socks, 1);
+}
+
 Test(router_control, a_cancel_reaches_the_worker, .timeout = 30) {
   harness h;
   start(&h, (td_router_opts){0});
