@@ -71,18 +71,18 @@ typedef struct rreq {
 typedef struct group_rv {
   char name[128];
   int world;
-  char *endpoints[TD_ROUTER_MAX_GROUP_RANKS];
-  uint8_t ids[TD_ROUTER_MAX_GROUP_RANKS][TD_WIRE_MAX_ID];
-  size_t id_lens[TD_ROUTER_MAX_GROUP_RANKS];
+  char *endpoints[TD_GROUP_MAX_RANKS];
+  uint8_t ids[TD_GROUP_MAX_RANKS][TD_WIRE_MAX_ID];
+  size_t id_lens[TD_GROUP_MAX_RANKS];
   uint8_t nccl_id[256];
   size_t nccl_len;
   int joined;
   bool complete;
   /* a rank was refused: the group cannot form; every rank hears why once */
   char *error;
-  bool told[TD_ROUTER_MAX_GROUP_RANKS];
+  bool told[TD_GROUP_MAX_RANKS];
   int64_t created;
-  int64_t seen[TD_ROUTER_MAX_GROUP_RANKS]; /* followers' last heartbeat */
+  int64_t seen[TD_GROUP_MAX_RANKS]; /* followers' last heartbeat */
   UT_hash_handle hh;
 } group_rv;
 
