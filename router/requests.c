@@ -127,7 +127,8 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
   HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
   if (q->st != ST_QUEUED) r->in_flight--;
   q->st = ST_QUEUED;
-  if (td_ptrvec_insert(&r->queue, 0, q) != TD_OK) rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+  if (td_ptrvec_insert(&r->queue, 0, q) != TD_OK)
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
 }
 
 rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w) {
@@ -139,21 +140,24 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w) {
 
 /* ------------------------------------------------------------ jobs */
 
-/* The request as workers see it; a resumed single sequence continues from
- * its prompt (the model's decoder start token when it gave none) plus the
- * tokens already streamed. prompt_buf holds n_decoder_prompt + 1 +
- * streamed tokens. */
-static void fill_spec(const rreq *q, int32_t start_token, Tandem__Cluster__RequestSpec *sp, int32_t *prompt_buf) {
+/* The spec of a job for this attempt: a resumed single sequence continues
+ * from its prompt (the model's decoder start token when it gave none) plus
+ * the tokens already streamed. Returns the prompt buffer the spec points
+ * into (the caller frees it after sending), NULL when out of memory. */
+static int32_t *spec_of(const td_router *r, const rreq *q, Tandem__Cluster__RequestSpec *sp) {
   const Tandem__GenerateRequest *g = q->g;
+  int32_t *prompt = malloc(sizeof(int32_t) * (g->n_decoder_prompt + (size_t)q->streamed.n + 1));
+  tandem__cluster__request_spec__init(sp);
+  if (!prompt) return NULL;
+  int np = 0;
+  for (size_t i = 0; i < g->n_decoder_prompt; i++) prompt[np++] = g->decoder_prompt[i];
+  if (!g->n_decoder_prompt && q->streamed.n) prompt[np++] = r->model_start_token;
+  for (int i = 0; i < q->streamed.n; i++) prompt[np++] = q->streamed.v[i];
   sp->rid = q->rid;
   sp->input_ids = g->input_ids;
   sp->n_input_ids = g->n_input_ids;
   sp->features = g->features;
-  int np = 0;
-  for (size_t i = 0; i < g->n_decoder_prompt; i++) prompt_buf[np++] = g->decoder_prompt[i];
-  if (!g->n_decoder_prompt && q->streamed.n) prompt_buf[np++] = start_token;
-  for (int i = 0; i < q->streamed.n; i++) prompt_buf[np++] = q->streamed.v[i];
-  sp->decoder_prompt = prompt_buf;
+  sp->decoder_prompt = prompt;
   sp->n_decoder_prompt = (size_t)np;
   sp->sampling = g->sampling;
   sp->max_new_tokens = (uint32_t)(q->sh.max_new - q->streamed.n);
@@ -162,32 +166,25 @@ static void fill_spec(const rreq *q, int32_t start_token, Tandem__Cluster__Reque
   sp->enc_len = (uint32_t)q->sh.enc_len;
   sp->step_offset = (uint32_t)q->streamed.n;
   sp->client_id = q->cid;
-}
-
-static int32_t *prompt_buffer(const rreq *q) {
-  return malloc(sizeof(int32_t) * (q->g->n_decoder_prompt + (size_t)q->streamed.n + 1));
-}
-
-/* The spec of a job for this attempt; returns the prompt buffer it points
- * into (the caller frees it after sending), NULL when out of memory. */
-static int32_t *spec_of(const td_router *r, const rreq *q, Tandem__Cluster__RequestSpec *sp) {
-  int32_t *prompt = prompt_buffer(q);
-  tandem__cluster__request_spec__init(sp);
-  if (prompt) fill_spec(q, r->model_start_token, sp, prompt);
   return prompt;
 }
 
-static td_place_req place_req(const rreq *q) {
-  return (td_place_req){.need_cross = q->sh.need_cross, .need_self = q->sh.need_self, .width = q->sh.width,
-                        .n_prompt = q->sh.n_prompt + (q->multi ? 0 : q->streamed.n)};
+/* What placement needs of a request whose resumed attempt feeds `resumed`
+ * streamed tokens after its prompt. */
+static td_place_req place_req(const td_req_shape *sh, int resumed) {
+  return (td_place_req){.need_cross = sh->need_cross, .need_self = sh->need_self, .width = sh->width,
+                        .n_prompt = sh->n_prompt + resumed};
 }
+
+static td_place_req attempt_req(const rreq *q) { return place_req(&q->sh, q->multi ? 0 : q->streamed.n); }
 
 /* Starts a placed request: holds on its workers, the decode job. */
 static void start(td_router *r, rreq *q, const td_placement *pl) {
   worker *d = (worker *)r->pool[pl->decode];
   worker *e = pl->encode >= 0 ? (worker *)r->pool[pl->encode] : NULL;
   worker *p = pl->prefill >= 0 ? (worker *)r->pool[pl->prefill] : NULL;
-  int32_t *prompt = prompt_buffer(q);
+  Tandem__Cluster__RequestSpec sp;
+  int32_t *prompt = spec_of(r, q, &sp);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
@@ -208,15 +205,13 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
   q->t_reserved = q->t_encode_sent = q->t_encoded = 0;
   q->encode_ms = q->prefill_ms = 0;
   r->in_flight++;
-  Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
-  fill_spec(q, r->model_start_token, &sp, prompt);
   Tandem__Cluster__DecodeJob dj = TANDEM__CLUSTER__DECODE_JOB__INIT;
   dj.req = &sp;
   dj.local_encode = q->local_encode;
   dj.with_prefill = q->with_prefill;
   /* the prefill worker sends all prompt KV but the last token's, which the
    * decode worker runs itself to get the first logits */
-  dj.prefill_tokens = q->with_prefill ? (uint32_t)(place_req(q).n_prompt - 1) : 0;
+  dj.prefill_tokens = q->with_prefill ? (uint32_t)(attempt_req(q).n_prompt - 1) : 0;
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE;
   m.decode = &dj;
@@ -233,7 +228,7 @@ bool rtr_place_queue(td_loop *l, void *ctx) {
   r->wait_why[0] = 0;
   while (r->queue.n > 0) {
     rreq *q = r->queue.v[0];
-    td_place_req pr = place_req(q);
+    td_place_req pr = attempt_req(q);
     td_placement pl;
     td_place_status st =
         td_place((const td_place_worker *const *)r->pool, r->n_pool, &pr, r->o.prefill_threshold, &pl);
@@ -334,8 +329,7 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, const Tandem__Gene
   }
   td_status s = td_admit_request(&r->model, r->block_size, g, sh, err, cap);
   if (s != TD_OK) return td_wire_error_code(s);
-  td_place_req pr = {.need_cross = sh->need_cross, .need_self = sh->need_self, .width = sh->width,
-                     .n_prompt = sh->n_prompt};
+  td_place_req pr = place_req(sh, 0);
   if (!td_place_possible((const td_place_worker *const *)r->pool, r->n_pool, &pr, err, cap))
     return TANDEM__ERROR_CODE__ERROR_UNAVAILABLE;
   return TANDEM__ERROR_CODE__ERROR_NONE;
