@@ -121,6 +121,8 @@ td_status td_settings_from_env(td_settings *s) {
   TD_TRY(env_switch("TANDEM_KVX_TRACE", &trace));
   s->kvx.trace = trace == TD_ON;
   const char *tls = env("UCX_TLS");
+  if (tls && strlen(tls) >= sizeof s->kvx.ucx_tls)
+    return td_err(TD_ERR_INVALID, "UCX_TLS of %zu bytes: at most %zu", strlen(tls), sizeof s->kvx.ucx_tls - 1);
   if (tls) snprintf(s->kvx.ucx_tls, sizeof s->kvx.ucx_tls, "%s", tls);
   return TD_OK;
 }
