@@ -287,11 +287,16 @@ static void row(td_sbuf *b, const char *arr, const td_serve_summary *m) {
                  m->tpot.p50, m->tpot.p90, m->tpot.p99, m->e2e.p50, m->e2e.p90, m->e2e.p99, m->goodput_req_s);
 }
 
-static td_status plot(const char *png, const double *x, const td_serve_summary *m, int n, const char *title) {
+static td_status plot(const char *png, const td_serve_summary *m, int n, const char *title) {
   char data[] = "/tmp/bench-serve-XXXXXX";
   int fd = mkstemp(data);
   if (fd < 0) return td_err(TD_ERR_IO, "plot: %s", strerror(errno));
   FILE *f = fdopen(fd, "w");
+  if (!f) {
+    close(fd);
+    unlink(data);
+    return td_err(TD_ERR_IO, "plot: %s", strerror(errno));
+  }
   for (int i = 0; i < n; i++)
     fprintf(f, "%g %g %g %g %g\n", m[i].out_tok_s, m[i].ttft.p50, m[i].ttft.p99, m[i].e2e.p50, m[i].e2e.p99);
   fclose(f);
@@ -308,7 +313,6 @@ static td_status plot(const char *png, const double *x, const td_serve_summary *
           png, title, data);
   int rc = pclose(g);
   unlink(data);
-  (void)x;
   if (rc != 0) return td_err(TD_ERR_UNSUPPORTED, "plot: gnuplot failed (%d): is it installed (gnuplot-nox)?", rc);
   return TD_OK;
 }
@@ -490,7 +494,6 @@ int main(int argc, char **argv) {
     snprintf(target, sizeof target, "cluster at %s", o.router);
   int n_runs = o.n_rates ? o.n_rates : 1;
   td_serve_summary sums[MAX_SWEEP];
-  double xs[MAX_SWEEP];
   td_sbuf tab = {0};
   td_sbuf_printf(&tab, "%s%s%s: workload %s, %d requests (%lld input, %lld output tokens asked), seed %llu\n\n",
                  o.label ? o.label : "", o.label ? ": " : "", target, o.workload, w.n, w.input_tokens,
@@ -515,7 +518,6 @@ int main(int argc, char **argv) {
       rc = 1;
     } else {
       char arr[64];
-      xs[k] = rate;
       row(&tab, arrivals_name(&o, rate, arr, sizeof arr), &sums[k]);
       if (!o.engine && r.n_staged) {
         const td_client_timings *a = &r.stages;
@@ -534,7 +536,7 @@ int main(int argc, char **argv) {
   if (stages.s) td_sbuf_printf(&tab, "%s", stages.s);
   td_sbuf_free(&stages);
   fputs(tab.s, stdout);
-  if (rc == 0 && o.plot && plot(o.plot, xs, sums, n_runs, o.workload) != TD_OK) {
+  if (rc == 0 && o.plot && plot(o.plot, sums, n_runs, o.workload) != TD_OK) {
     fprintf(stderr, "bench-serve: %s\n", td_errmsg());
     rc = 1;
   }

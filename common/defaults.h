@@ -38,7 +38,8 @@
 #define TD_ROUTER_MAX_SAMPLES 64         /* n a request (the decode workers' width bounds it too) */
 #define TD_ROUTER_MAX_REQUEST_ID 255     /* bytes of a client's request id */
 #define TD_ROUTER_MAX_ATTEMPTS 255       /* max_attempts' ceiling: the attempt is a byte of the request's rid */
-#define TD_ROUTER_MAX_GROUP_RANKS 16     /* ranks of a worker group the rendezvous takes */
+#define TD_ROUTER_WORKER_BURST 4096     /* worker messages handled a wake-up (then clients and timers) */
+#define TD_ROUTER_CLIENT_BURST 1024     /* client messages handled a wake-up */
 
 /* ---- workers and groups ---- */
 #define TD_DEFAULT_RESERVATION_TTL_MS 30000 /* reserved KV blocks that nothing fills expire */
@@ -58,7 +59,7 @@
 #define TD_WORKER_STOP_CHECK_MS 50         /* how soon a stop (SIGTERM) or a finished drain is noticed */
 #define TD_WORKER_COMPUTE_IDLE_MS 50       /* an idle compute thread looks at its queue again */
 #define TD_KV_PUSH_MAX_BLOCKS 65536        /* blocks one ZeroMQ KV push carries */
-#define TD_GROUP_MAX_RANKS 16              /* ranks of a TP / PP worker group */
+#define TD_GROUP_MAX_RANKS 16              /* ranks of a TP / PP worker group (the router's rendezvous too) */
 #define TD_GROUP_HEARTBEAT_MS 200          /* leader -> followers when idle; followers -> router */
 #define TD_GROUP_LEADER_DEAD_MS 5000       /* a follower gives up on a silent leader */
 #define TD_GROUP_JOIN_RESEND_MS 2000       /* a joining rank asks the router again */

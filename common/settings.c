@@ -25,17 +25,7 @@ static td_status env_switch(const char *name, int *out) {
   return td_err(TD_ERR_INVALID, "%s=%s: on or off", name, v);
 }
 
-static td_status env_int(const char *name, int *out) {
-  const char *v = env(name);
-  if (!v) return TD_OK;
-  char *end;
-  long x = strtol(v, &end, 10);
-  if (*end || x < -1000000000L || x > 1000000000L) return td_err(TD_ERR_INVALID, "%s=%s: an integer", name, v);
-  *out = (int)x;
-  return TD_OK;
-}
-
-/* CUDA tuning: up to n comma-separated integers of one variable (*got: how many). */
+/* Up to n comma-separated integers of one variable (*got: how many). */
 static td_status env_ints(const char *name, int n, int *vals, int *got) {
   *got = 0;
   const char *v = env(name);
@@ -121,9 +111,9 @@ td_status td_settings_from_env(td_settings *s) {
   TD_TRY(cuda_from_env(&s->cuda));
   /* model */
   TD_TRY(env_switch("TANDEM_NORM_FOLD", &s->model.norm_fold));
-  const char *qr = env("TANDEM_QNORM_ROWS");
-  TD_TRY(env_int("TANDEM_QNORM_ROWS", &s->model.qnorm_rows));
-  if (qr && s->model.qnorm_rows <= 0) s->model.qnorm_rows = -1; /* 0 rows: never fused */
+  int rows, got;
+  TD_TRY(env_ints("TANDEM_QNORM_ROWS", 1, &rows, &got));
+  if (got) s->model.qnorm_rows = rows > 0 ? rows : -1; /* 0 rows: never fused */
   /* kvtransfer */
   TD_TRY(env_switch("TANDEM_KVX_LOCAL", &s->kvx.local_path));
   TD_TRY(env_switch("TANDEM_KVX_IPC", &s->kvx.ipc));
@@ -131,6 +121,8 @@ td_status td_settings_from_env(td_settings *s) {
   TD_TRY(env_switch("TANDEM_KVX_TRACE", &trace));
   s->kvx.trace = trace == TD_ON;
   const char *tls = env("UCX_TLS");
+  if (tls && strlen(tls) >= sizeof s->kvx.ucx_tls)
+    return td_err(TD_ERR_INVALID, "UCX_TLS of %zu bytes: at most %zu", strlen(tls), sizeof s->kvx.ucx_tls - 1);
   if (tls) snprintf(s->kvx.ucx_tls, sizeof s->kvx.ucx_tls, "%s", tls);
   return TD_OK;
 }

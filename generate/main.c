@@ -89,9 +89,12 @@ static int read_requests(const char *path, app *a) {
       a->failed++;
     }
   }
+  /* every line read, or none runs: a cut file would look like a complete run */
+  bool whole = feof(f);
+  if (!whole) fprintf(stderr, "tandem-generate: %s: stopped at line %d: %s\n", path, line_no, strerror(errno));
   free(line);
   if (f != stdin) fclose(f);
-  return 0;
+  return whole ? 0 : -1;
 }
 
 int main(int argc, char **argv) {
@@ -113,7 +116,8 @@ int main(int argc, char **argv) {
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
       {"max-enc-seqs", required_argument, 0, 'Q'}, {0, 0, 0, 0}};
   const char *model_dir = NULL, *req_path = NULL, *device = "cpu", *logits_path = NULL;
-  int block_size = 16, kv_blocks = 0, cross_blocks = 0, max_batch = 0, max_tokens = 1024, threads = 0;
+  int block_size = TD_DEFAULT_BLOCK_SIZE, kv_blocks = 0, cross_blocks = 0, max_batch = 0,
+      max_tokens = TD_DEFAULT_MAX_TOKENS, threads = 0;
   double mem_fraction = TD_DEFAULT_GPU_MEMORY_FRACTION;
   int max_enc_tokens = 0, max_enc_seqs = 0;
   td_cross_mode cross_mode = TD_CROSS_AUTO;
@@ -153,22 +157,20 @@ int main(int argc, char **argv) {
     }
   }
   /* a GPU runs many sequences at once: its pools come from its memory */
-  if (!max_batch) max_batch = strcmp(device, "cuda") ? TD_DEFAULT_MAX_SEQS : TD_DEFAULT_GPU_MAX_BATCH;
-  if (max_tokens < max_batch) max_tokens = max_batch;
   bool gpu = !strcmp(device, "cuda");
+  if (!max_batch) max_batch = gpu ? TD_DEFAULT_GPU_MAX_BATCH : TD_DEFAULT_MAX_SEQS;
+  if (max_tokens < max_batch) max_tokens = max_batch;
   if (!max_enc_tokens) max_enc_tokens = gpu ? TD_DEFAULT_GPU_MAX_ENC_TOKENS : TD_DEFAULT_MAX_ENC_TOKENS;
   if (!max_enc_seqs) max_enc_seqs = gpu ? TD_DEFAULT_GPU_MAX_ENC_SEQS : TD_DEFAULT_MAX_ENC_SEQS;
   if (!model_dir || !req_path || block_size <= 0 || max_batch <= 0 || max_tokens <= 0 || kv_blocks < 0) {
     usage(stderr);
     return 2;
   }
-  td_backend_opts bo = {.kind = TD_BACKEND_CPU, .threads = threads, .cuda = settings.cuda};
-  if (!strcmp(device, "cuda"))
-    bo.kind = TD_BACKEND_CUDA;
-  else if (strcmp(device, "cpu")) {
+  if (!gpu && strcmp(device, "cpu")) {
     fprintf(stderr, "tandem-generate: --device must be cpu or cuda\n");
     return 2;
   }
+  td_backend_opts bo = {.kind = gpu ? TD_BACKEND_CUDA : TD_BACKEND_CPU, .threads = threads, .cuda = settings.cuda};
   app a = {0};
   if (read_requests(req_path, &a) != 0) return 2;
   int rc = 0;

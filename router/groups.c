@@ -11,7 +11,7 @@
 #include "router/internal.h"
 
 static void group_free(group_rv *g) {
-  for (int i = 0; i < TD_ROUTER_MAX_GROUP_RANKS; i++) free(g->endpoints[i]);
+  for (int i = 0; i < TD_GROUP_MAX_RANKS; i++) free(g->endpoints[i]);
   free(g->error);
   free(g);
 }
@@ -57,8 +57,8 @@ static bool join_invalid(const Tandem__Cluster__GroupJoin *j, char *why, size_t 
   else if (strlen(name) >= sizeof ((group_rv *)0)->name)
     snprintf(why, cap, "bad group join: the group name has %zu bytes, at most %zu", strlen(name),
              sizeof ((group_rv *)0)->name - 1);
-  else if (j->world < 1 || j->world > TD_ROUTER_MAX_GROUP_RANKS)
-    snprintf(why, cap, "bad group join: world %u, a group has 1 to %d ranks", j->world, TD_ROUTER_MAX_GROUP_RANKS);
+  else if (j->world < 1 || j->world > TD_GROUP_MAX_RANKS)
+    snprintf(why, cap, "bad group join: world %u, a group has 1 to %d ranks", j->world, TD_GROUP_MAX_RANKS);
   else if (j->rank >= j->world)
     snprintf(why, cap, "bad group join: rank %u of a world of %u", j->rank, j->world);
   else if (!j->endpoint || !j->endpoint[0])

@@ -18,6 +18,7 @@
 
 #include "common/defaults.h"
 #include "common/evloop.h"
+#include "common/vec.h"
 #include "proto/wire.h"
 #include "router/policy.h"
 #include "router/router.h"
@@ -55,10 +56,10 @@ typedef struct rreq {
   bool local_encode, with_prefill;
   Tandem__Cluster__Reserved *dres, *pres; /* decode / prefill reservations */
   bool encoded, prefilled;
-  /* tokens already streamed to the client (first sequence), for resuming */
-  int32_t *streamed;
-  float *streamed_lp;
-  int n_streamed, cap_streamed;
+  /* tokens already streamed to the client (first sequence) and their
+   * log-probabilities, for resuming */
+  td_i32vec streamed;
+  td_f32vec streamed_lp;
   int64_t t_arrival, t_placed, t_stage, deadline;
   int64_t t_reserved, t_encode_sent, t_encoded, t_first; /* stage times for Timings (0: not yet) */
   double encode_ms, prefill_ms;
@@ -70,18 +71,18 @@ typedef struct rreq {
 typedef struct group_rv {
   char name[128];
   int world;
-  char *endpoints[TD_ROUTER_MAX_GROUP_RANKS];
-  uint8_t ids[TD_ROUTER_MAX_GROUP_RANKS][TD_WIRE_MAX_ID];
-  size_t id_lens[TD_ROUTER_MAX_GROUP_RANKS];
+  char *endpoints[TD_GROUP_MAX_RANKS];
+  uint8_t ids[TD_GROUP_MAX_RANKS][TD_WIRE_MAX_ID];
+  size_t id_lens[TD_GROUP_MAX_RANKS];
   uint8_t nccl_id[256];
   size_t nccl_len;
   int joined;
   bool complete;
   /* a rank was refused: the group cannot form; every rank hears why once */
   char *error;
-  bool told[TD_ROUTER_MAX_GROUP_RANKS];
+  bool told[TD_GROUP_MAX_RANKS];
   int64_t created;
-  int64_t seen[TD_ROUTER_MAX_GROUP_RANKS]; /* followers' last heartbeat */
+  int64_t seen[TD_GROUP_MAX_RANKS]; /* followers' last heartbeat */
   UT_hash_handle hh;
 } group_rv;
 
@@ -95,8 +96,7 @@ struct td_router {
   int n_pool, cap_pool;
   group_rv *groups;
   rreq *by_rid, *by_ckey;
-  rreq **queue;                   /* waiting for placement, first come first served */
-  int n_queue, cap_queue;
+  td_ptrvec queue;                /* rreq waiting for placement, first come first served */
   int in_flight;
   uint64_t next_serial;
   uint64_t hb_seq;
@@ -161,5 +161,8 @@ int rtr_requests_tick(td_loop *l, void *ctx);
 
 /* ---- stream.c: a worker's news of a request it holds */
 void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m);
+/* Sends the request's result (a single sequence's earlier attempts' tokens
+ * first) and ends it. */
+void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms);
 
 #endif

@@ -12,11 +12,6 @@
 #include "common/log.h"
 #include "router/internal.h"
 
-/* Messages handled a wake-up, so that one busy socket cannot starve the
- * other or the timers. */
-#define WORKER_BURST 4096
-#define CLIENT_BURST 1024
-
 /* ------------------------------------------------------------ sending */
 
 td_status rtr_send_peer(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__RouterMessage *m) {
@@ -160,16 +155,18 @@ static bool readable(void *sock) {
   return ev & ZMQ_POLLIN;
 }
 
+/* A burst at most a wake-up, so that one busy socket cannot starve the
+ * other or the timers. */
 static void on_worker_socket(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
-  for (int k = 0; k < WORKER_BURST && readable(r->wsock); k++) on_worker_message(r);
+  for (int k = 0; k < TD_ROUTER_WORKER_BURST && readable(r->wsock); k++) on_worker_message(r);
 }
 
 static void on_client_socket(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
-  for (int k = 0; k < CLIENT_BURST && readable(r->csock); k++) on_client_message(r);
+  for (int k = 0; k < TD_ROUTER_CLIENT_BURST && readable(r->csock); k++) on_client_message(r);
 }
 
 static int stop_tick(td_loop *l, void *ctx) {
@@ -235,7 +232,7 @@ void td_router_destroy(td_router *r) {
   HASH_ITER(hh, r->by_rid, q, t) rtr_req_free(r, q);
   rtr_workers_free(r);
   rtr_groups_free(r);
-  free(r->queue);
+  td_ptrvec_free(&r->queue);
   free(r->model_type);
   free(r->model_name);
   if (r->csock) zmq_close(r->csock);

@@ -66,48 +66,19 @@ static void release_workers(td_router *r, rreq *q, bool tell) {
   q->encoded = q->prefilled = false;
 }
 
-/* ------------------------------------------------------------ the queue */
-
-static void queue_remove(td_router *r, rreq *q) {
-  for (int i = 0; i < r->n_queue; i++)
-    if (r->queue[i] == q) {
-      memmove(r->queue + i, r->queue + i + 1, sizeof *r->queue * (size_t)(r->n_queue - i - 1));
-      r->n_queue--;
-      return;
-    }
-}
-
-static td_status queue_push(td_router *r, rreq *q, bool front) {
-  if (r->n_queue == r->cap_queue) {
-    int nc = r->cap_queue ? 2 * r->cap_queue : 64;
-    rreq **p = realloc(r->queue, sizeof *p * (size_t)nc);
-    if (!p) return td_err(TD_ERR_NOMEM, "out of memory");
-    r->queue = p;
-    r->cap_queue = nc;
-  }
-  if (front) {
-    memmove(r->queue + 1, r->queue, sizeof *r->queue * (size_t)r->n_queue);
-    r->queue[0] = q;
-  } else {
-    r->queue[r->n_queue] = q;
-  }
-  r->n_queue++;
-  return TD_OK;
-}
-
 /* ------------------------------------------------------------ endings */
 
 void rtr_req_free(td_router *r, rreq *q) {
   if (q->st != ST_QUEUED) r->in_flight--;
   release_workers(r, q, false);
-  queue_remove(r, q);
+  td_ptrvec_remove(&r->queue, q);
   HASH_DELETE(hh, r->by_rid, q);
   HASH_DELETE(hc, r->by_ckey, q);
   tandem__client_message__free_unpacked(q->msg, NULL);
   free(q->cid);
   free(q->ckey);
-  free(q->streamed);
-  free(q->streamed_lp);
+  td_i32vec_free(&q->streamed);
+  td_f32vec_free(&q->streamed_lp);
   free(q);
 }
 
@@ -119,8 +90,29 @@ void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg
   rtr_req_free(r, q);
 }
 
+/* The finish of a single sequence whose every token reached the router:
+ * its length reached, or a stop token it asked for last; else NONE. */
+static Tandem__FinishReason streamed_to_the_end(const rreq *q) {
+  if (q->multi || !q->streamed.n) return TANDEM__FINISH_REASON__FINISH_NONE;
+  int32_t last = q->streamed.v[q->streamed.n - 1];
+  for (size_t i = 0; i < q->g->n_stop_token_ids; i++)
+    if (q->g->stop_token_ids[i] == last) return TANDEM__FINISH_REASON__FINISH_STOP;
+  return q->streamed.n >= q->sh.max_new ? TANDEM__FINISH_REASON__FINISH_LENGTH : TANDEM__FINISH_REASON__FINISH_NONE;
+}
+
 void rtr_req_retry(td_router *r, rreq *q, const char *why) {
   release_workers(r, q, true);
+  /* nothing is left to generate: another attempt would ask for 0 tokens,
+   * which a worker reads as "the model's limit" */
+  Tandem__SequenceOutput done = TANDEM__SEQUENCE_OUTPUT__INIT;
+  done.finish_reason = streamed_to_the_end(q);
+  if (done.finish_reason != TANDEM__FINISH_REASON__FINISH_NONE) {
+    TD_INFO("request %s (rid %llu): every token was streamed before %s; it ends with them", q->cid,
+            (unsigned long long)q->rid, why);
+    Tandem__SequenceOutput *outs = &done;
+    rtr_req_result(r, q, &outs, 1, 0);
+    return;
+  }
   if (q->attempts >= r->o.max_attempts) {
     char msg[512];
     snprintf(msg, sizeof msg, "gave up after %d attempts: %s", q->attempts, why);
@@ -128,14 +120,15 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
     return;
   }
   TD_WARN("request %s (rid %llu): retrying: %s (%s)", q->cid, (unsigned long long)q->rid, why,
-          q->multi ? "from the start" : q->n_streamed ? "after the tokens streamed" : "nothing streamed yet");
-  if (q->multi) q->n_streamed = 0; /* samples and beams restart from the prompt */
+          q->multi ? "from the start" : q->streamed.n ? "after the tokens streamed" : "nothing streamed yet");
+  if (q->multi) q->streamed.n = q->streamed_lp.n = 0; /* samples and beams restart from the prompt */
   HASH_DELETE(hh, r->by_rid, q);
   q->rid = (q->serial << 8) | (uint64_t)(q->attempts & 0xff); /* attempts <= TD_ROUTER_MAX_ATTEMPTS */
   HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
   if (q->st != ST_QUEUED) r->in_flight--;
   q->st = ST_QUEUED;
-  if (queue_push(r, q, true) != TD_OK) rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+  if (td_ptrvec_insert(&r->queue, 0, q) != TD_OK)
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
 }
 
 rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w) {
@@ -147,55 +140,51 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w) {
 
 /* ------------------------------------------------------------ jobs */
 
-/* The request as workers see it; a resumed single sequence continues from
- * its prompt (the model's decoder start token when it gave none) plus the
- * tokens already streamed. prompt_buf holds n_decoder_prompt + 1 +
- * n_streamed tokens. */
-static void fill_spec(const rreq *q, int32_t start_token, Tandem__Cluster__RequestSpec *sp, int32_t *prompt_buf) {
+/* The spec of a job for this attempt: a resumed single sequence continues
+ * from its prompt (the model's decoder start token when it gave none) plus
+ * the tokens already streamed. Returns the prompt buffer the spec points
+ * into (the caller frees it after sending), NULL when out of memory. */
+static int32_t *spec_of(const td_router *r, const rreq *q, Tandem__Cluster__RequestSpec *sp) {
   const Tandem__GenerateRequest *g = q->g;
+  int32_t *prompt = malloc(sizeof(int32_t) * (g->n_decoder_prompt + (size_t)q->streamed.n + 1));
+  tandem__cluster__request_spec__init(sp);
+  if (!prompt) return NULL;
+  int np = 0;
+  for (size_t i = 0; i < g->n_decoder_prompt; i++) prompt[np++] = g->decoder_prompt[i];
+  if (!g->n_decoder_prompt && q->streamed.n) prompt[np++] = r->model_start_token;
+  for (int i = 0; i < q->streamed.n; i++) prompt[np++] = q->streamed.v[i];
   sp->rid = q->rid;
   sp->input_ids = g->input_ids;
   sp->n_input_ids = g->n_input_ids;
   sp->features = g->features;
-  int np = 0;
-  for (size_t i = 0; i < g->n_decoder_prompt; i++) prompt_buf[np++] = g->decoder_prompt[i];
-  if (!g->n_decoder_prompt && q->n_streamed) prompt_buf[np++] = start_token;
-  for (int i = 0; i < q->n_streamed; i++) prompt_buf[np++] = q->streamed[i];
-  sp->decoder_prompt = prompt_buf;
+  sp->decoder_prompt = prompt;
   sp->n_decoder_prompt = (size_t)np;
   sp->sampling = g->sampling;
-  sp->max_new_tokens = (uint32_t)(q->sh.max_new - q->n_streamed);
+  sp->max_new_tokens = (uint32_t)(q->sh.max_new - q->streamed.n);
   sp->stop_token_ids = g->stop_token_ids;
   sp->n_stop_token_ids = g->n_stop_token_ids;
   sp->enc_len = (uint32_t)q->sh.enc_len;
-  sp->step_offset = (uint32_t)q->n_streamed;
+  sp->step_offset = (uint32_t)q->streamed.n;
   sp->client_id = q->cid;
-}
-
-static int32_t *prompt_buffer(const rreq *q) {
-  return malloc(sizeof(int32_t) * (q->g->n_decoder_prompt + (size_t)q->n_streamed + 1));
-}
-
-/* The spec of a job for this attempt; returns the prompt buffer it points
- * into (the caller frees it after sending), NULL when out of memory. */
-static int32_t *spec_of(const td_router *r, const rreq *q, Tandem__Cluster__RequestSpec *sp) {
-  int32_t *prompt = prompt_buffer(q);
-  tandem__cluster__request_spec__init(sp);
-  if (prompt) fill_spec(q, r->model_start_token, sp, prompt);
   return prompt;
 }
 
-static td_place_req place_req(const rreq *q) {
-  return (td_place_req){.need_cross = q->sh.need_cross, .need_self = q->sh.need_self, .width = q->sh.width,
-                        .n_prompt = q->sh.n_prompt + (q->multi ? 0 : q->n_streamed)};
+/* What placement needs of a request whose resumed attempt feeds `resumed`
+ * streamed tokens after its prompt. */
+static td_place_req place_req(const td_req_shape *sh, int resumed) {
+  return (td_place_req){.need_cross = sh->need_cross, .need_self = sh->need_self, .width = sh->width,
+                        .n_prompt = sh->n_prompt + resumed};
 }
+
+static td_place_req attempt_req(const rreq *q) { return place_req(&q->sh, q->multi ? 0 : q->streamed.n); }
 
 /* Starts a placed request: holds on its workers, the decode job. */
 static void start(td_router *r, rreq *q, const td_placement *pl) {
   worker *d = (worker *)r->pool[pl->decode];
   worker *e = pl->encode >= 0 ? (worker *)r->pool[pl->encode] : NULL;
   worker *p = pl->prefill >= 0 ? (worker *)r->pool[pl->prefill] : NULL;
-  int32_t *prompt = prompt_buffer(q);
+  Tandem__Cluster__RequestSpec sp;
+  int32_t *prompt = spec_of(r, q, &sp);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
@@ -216,15 +205,13 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
   q->t_reserved = q->t_encode_sent = q->t_encoded = 0;
   q->encode_ms = q->prefill_ms = 0;
   r->in_flight++;
-  Tandem__Cluster__RequestSpec sp = TANDEM__CLUSTER__REQUEST_SPEC__INIT;
-  fill_spec(q, r->model_start_token, &sp, prompt);
   Tandem__Cluster__DecodeJob dj = TANDEM__CLUSTER__DECODE_JOB__INIT;
   dj.req = &sp;
   dj.local_encode = q->local_encode;
   dj.with_prefill = q->with_prefill;
   /* the prefill worker sends all prompt KV but the last token's, which the
    * decode worker runs itself to get the first logits */
-  dj.prefill_tokens = q->with_prefill ? (uint32_t)(place_req(q).n_prompt - 1) : 0;
+  dj.prefill_tokens = q->with_prefill ? (uint32_t)(attempt_req(q).n_prompt - 1) : 0;
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE;
   m.decode = &dj;
@@ -239,9 +226,9 @@ bool rtr_place_queue(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
   r->wait_why[0] = 0;
-  while (r->n_queue > 0) {
-    rreq *q = r->queue[0];
-    td_place_req pr = place_req(q);
+  while (r->queue.n > 0) {
+    rreq *q = r->queue.v[0];
+    td_place_req pr = attempt_req(q);
     td_placement pl;
     td_place_status st =
         td_place((const td_place_worker *const *)r->pool, r->n_pool, &pr, r->o.prefill_threshold, &pl);
@@ -249,7 +236,7 @@ bool rtr_place_queue(td_loop *l, void *ctx) {
       snprintf(r->wait_why, sizeof r->wait_why, "%s", pl.why);
       break;
     }
-    queue_remove(r, q);
+    td_ptrvec_remove(&r->queue, q);
     if (st == TD_PLACE_NEVER)
       rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, pl.why); /* rather than wait forever */
     else
@@ -336,14 +323,13 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, const Tandem__Gene
     snprintf(err, cap, "no decode worker is registered");
     return TANDEM__ERROR_CODE__ERROR_UNAVAILABLE;
   }
-  if (r->n_queue >= r->o.max_queue || r->in_flight >= r->o.max_in_flight) {
-    snprintf(err, cap, "overloaded: %d requests queued, %d in flight", r->n_queue, r->in_flight);
+  if (r->queue.n >= r->o.max_queue || r->in_flight >= r->o.max_in_flight) {
+    snprintf(err, cap, "overloaded: %d requests queued, %d in flight", r->queue.n, r->in_flight);
     return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
   }
   td_status s = td_admit_request(&r->model, r->block_size, g, sh, err, cap);
   if (s != TD_OK) return td_wire_error_code(s);
-  td_place_req pr = {.need_cross = sh->need_cross, .need_self = sh->need_self, .width = sh->width,
-                     .n_prompt = sh->n_prompt};
+  td_place_req pr = place_req(sh, 0);
   if (!td_place_possible((const td_place_worker *const *)r->pool, r->n_pool, &pr, err, cap))
     return TANDEM__ERROR_CODE__ERROR_UNAVAILABLE;
   return TANDEM__ERROR_CODE__ERROR_NONE;
@@ -366,7 +352,7 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
     code = admit(r, key, g, &sh, err, sizeof err);
   }
   if (code == TANDEM__ERROR_CODE__ERROR_NONE &&
-      (!(q = calloc(1, sizeof *q)) || !(q->cid = strdup(id)) || queue_push(r, q, false) != TD_OK)) {
+      (!(q = calloc(1, sizeof *q)) || !(q->cid = strdup(id)) || td_ptrvec_insert(&r->queue, r->queue.n, q) != TD_OK)) {
     code = TANDEM__ERROR_CODE__ERROR_INTERNAL;
     snprintf(err, sizeof err, "out of memory");
   }

@@ -61,23 +61,6 @@ static void on_prefill_done(td_router *r, worker *w, const Tandem__Cluster__Pref
   q->t_stage = td_now_ms();
 }
 
-static bool push_streamed(rreq *q, int32_t tok, float lp) {
-  if (q->n_streamed == q->cap_streamed) {
-    int nc = q->cap_streamed ? 2 * q->cap_streamed : 32;
-    int32_t *a = realloc(q->streamed, sizeof *a * (size_t)nc);
-    if (!a) return false;
-    q->streamed = a;
-    float *b = realloc(q->streamed_lp, sizeof *b * (size_t)nc);
-    if (!b) return false;
-    q->streamed_lp = b;
-    q->cap_streamed = nc;
-  }
-  q->streamed[q->n_streamed] = tok;
-  q->streamed_lp[q->n_streamed] = lp;
-  q->n_streamed++;
-  return true;
-}
-
 static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t) {
   rreq *q = rtr_req_for(r, t->rid, w);
   if (!q || strcmp(w->id, q->dec_w)) return;
@@ -87,9 +70,10 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
    * it; its offsets continue across attempts. */
   uint32_t off = t->offset;
   if (!q->multi) {
-    off = (uint32_t)q->n_streamed;
+    off = (uint32_t)q->streamed.n;
     for (size_t i = 0; i < t->n_tokens; i++)
-      if (!push_streamed(q, t->tokens[i], i < t->n_logprobs ? t->logprobs[i] : 0.0f)) {
+      if (td_i32vec_push(&q->streamed, t->tokens[i]) != TD_OK ||
+          td_f32vec_push(&q->streamed_lp, i < t->n_logprobs ? t->logprobs[i] : 0.0f) != TD_OK) {
         rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
         return;
       }
@@ -109,14 +93,11 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   rtr_send_client(r, q->client, q->client_len, &sm);
 }
 
-static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished *fin) {
-  rreq *q = rtr_req_for(r, fin->rid, w);
-  if (!q || strcmp(w->id, q->dec_w)) return;
-  Tandem__SequenceOutput **outs = fin->outputs, merged = TANDEM__SEQUENCE_OUTPUT__INIT;
-  size_t n_out = fin->n_outputs;
+void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms) {
+  Tandem__SequenceOutput merged = TANDEM__SEQUENCE_OUTPUT__INIT;
   Tandem__SequenceOutput **with_prior = NULL;
   /* a resumed sequence: earlier attempts' tokens come first */
-  int prior = !q->multi && n_out ? q->n_streamed - (int)outs[0]->n_tokens : 0;
+  int prior = !q->multi && n_out ? q->streamed.n - (int)outs[0]->n_tokens : 0;
   bool want_lp = q->g->sampling && q->g->sampling->logprobs;
   if (prior > 0) {
     with_prior = malloc(sizeof *with_prior * n_out);
@@ -126,10 +107,10 @@ static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished
     }
     for (size_t i = 0; i < n_out; i++) with_prior[i] = outs[i];
     merged = *outs[0];
-    merged.tokens = q->streamed;
-    merged.n_tokens = (size_t)q->n_streamed;
-    merged.logprobs = want_lp ? q->streamed_lp : NULL;
-    merged.n_logprobs = want_lp ? (size_t)q->n_streamed : 0;
+    merged.tokens = q->streamed.v;
+    merged.n_tokens = (size_t)q->streamed.n;
+    merged.logprobs = want_lp ? q->streamed_lp.v : NULL;
+    merged.n_logprobs = want_lp ? (size_t)q->streamed_lp.n : 0;
     with_prior[0] = &merged;
     outs = with_prior;
   }
@@ -137,7 +118,7 @@ static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished
   tm.queue_ms = (double)(q->t_placed - q->t_arrival);
   tm.encode_ms = q->encode_ms;
   tm.prefill_ms = q->prefill_ms;
-  tm.decode_ms = fin->decode_ms;
+  tm.decode_ms = decode_ms;
   tm.total_ms = (double)(td_now_ms() - q->t_arrival);
   if (q->t_reserved) tm.reserve_ms = (double)(q->t_reserved - q->t_placed);
   if (q->t_encode_sent && q->t_encoded) {
@@ -158,6 +139,12 @@ static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished
   TD_DEBUG("request %s done in %.0f ms (attempts %d)", q->cid, tm.total_ms, q->attempts);
   free(with_prior);
   rtr_req_free(r, q);
+}
+
+static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished *fin) {
+  rreq *q = rtr_req_for(r, fin->rid, w);
+  if (!q || strcmp(w->id, q->dec_w)) return;
+  rtr_req_result(r, q, fin->outputs, fin->n_outputs, fin->decode_ms);
 }
 
 static void on_failed(td_router *r, worker *w, const Tandem__Cluster__Failed *f) {

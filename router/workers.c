@@ -145,6 +145,11 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
   memcpy(wid, id, id_len);
   wid[id_len] = 0;
   bool ok = in && model_matches(r, in->model, why, sizeof why);
+  /* workers are found by their identity as a string (and "" means none) */
+  if (ok && (!id_len || memchr(id, 0, id_len))) {
+    snprintf(why, sizeof why, "the worker's identity is not a string (set ZMQ_ROUTING_ID to its id)");
+    ok = false;
+  }
   if (ok && (!in->block_size || (r->have_model && (int)in->block_size != r->block_size))) {
     snprintf(why, sizeof why, "block size %u, the cluster uses %d", in->block_size, r->block_size);
     ok = false;
@@ -233,7 +238,7 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
   h.decoders = (uint32_t)rtr_count_role(r, RTR_DECODE);
   h.serving = h.decoders > 0;
   h.in_flight = (uint32_t)r->in_flight;
-  h.queued = (uint32_t)r->n_queue;
+  h.queued = (uint32_t)r->queue.n;
   h.cross_mode = (char *)td_cross_mode_name(r->o.cross_mode);
   size_t nw = HASH_COUNT(r->workers), k = 0;
   Tandem__WorkerStatus *ws = calloc(nw + 1, sizeof *ws);

@@ -15,6 +15,7 @@
 #include <cjson/cJSON.h>
 #include <criterion/criterion.h>
 
+#include "../unit/fixture.h"
 #include "common/clock.h"
 
 static int free_port_pair(void) {
@@ -405,4 +406,22 @@ void generate_reference(const char *model, const char *path, int block_size, out
   int i = read_results(p, out, n);
   pclose(p);
   cr_assert_eq(i, n, "tandem-generate gave %d results for %d requests", i, n);
+}
+
+void expect_fixture_greedy(cluster *c, const fixture *fx) {
+  char path[600];
+  snprintf(path, sizeof path, "%s/ok.jsonl", c->dir);
+  fx_write_requests(fx, path, "\"forced_eos_token_id\": null");
+  td_json_request reqs[8];
+  int nr = load_requests(path, reqs, 8);
+  cr_assert_eq(nr, fx->n, "%d of the fixture's %d requests", nr, fx->n);
+  outcome out[8];
+  run_requests(c->client_ep, reqs, nr, false, 30000, out);
+  for (int i = 0; i < nr; i++) {
+    cr_expect(out[i].done && out[i].status == TD_OK, "%s: %s", out[i].id, out[i].error);
+    cr_expect_eq(out[i].len[0], fx->req[i].n_greedy, "%s: %d tokens", out[i].id, out[i].len[0]);
+    cr_expect_arr_eq(out[i].tok[0], fx->req[i].greedy, sizeof(int32_t) * (size_t)fx->req[i].n_greedy,
+                     "%s: tokens differ from transformers", out[i].id);
+    td_json_request_free(&reqs[i]);
+  }
 }

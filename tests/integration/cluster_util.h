@@ -102,5 +102,9 @@ int load_requests(const char *path, td_json_request *reqs, int cap);
 int read_results(FILE *f, outcome *out, int cap);
 /* Runs tandem-generate over path into outcomes (n of them, all read). */
 void generate_reference(const char *model, const char *path, int block_size, outcome *out, int n);
+/* The fixture's requests (greedy, up to 8) through the cluster: each
+ * gives transformers' tokens. */
+struct fixture;
+void expect_fixture_greedy(cluster *c, const struct fixture *fx);
 
 #endif

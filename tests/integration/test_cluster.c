@@ -432,21 +432,7 @@ static void check_mode_refused(bool router_states) {
   cr_expect(cluster_log_has(&c, "grp-mixed", "the router refused the join"));
   cr_expect(cluster_log_has(&c, "router", "refused worker decode-other"));
   /* the workers in the router's mode serve the reference tokens */
-  char path[600];
-  snprintf(path, sizeof path, "%s/ok.jsonl", c.dir);
-  fx_write_requests(&fx, path, "\"forced_eos_token_id\": null");
-  td_json_request reqs[8];
-  int nr = load_requests(path, reqs, 8);
-  cr_assert_eq(nr, fx.n, "%d of the fixture's %d requests", nr, fx.n);
-  outcome out[8];
-  run_requests(c.client_ep, reqs, nr, false, 30000, out);
-  for (int i = 0; i < nr; i++) {
-    cr_expect(out[i].done && out[i].status == TD_OK, "%s: %s", out[i].id, out[i].error);
-    cr_expect_eq(out[i].len[0], fx.req[i].n_greedy, "%s: %d tokens", out[i].id, out[i].len[0]);
-    cr_expect_arr_eq(out[i].tok[0], fx.req[i].greedy, sizeof(int32_t) * (size_t)fx.req[i].n_greedy,
-                     "%s: tokens differ from transformers", out[i].id);
-    td_json_request_free(&reqs[i]);
-  }
+  expect_fixture_greedy(&c, &fx);
   td_client_health h;
   cr_expect(cluster_health(&c, &h) && h.decoders == 1 && h.n_workers == 2, "refused workers are listed");
   for (int i = 0; i < h.n_workers; i++)

@@ -149,6 +149,19 @@ Test(generate_cli, unknown_cross_mode_is_refused) {
   cr_expect(strstr(msg, "--cross-mode fast: want auto, kv, states or dual"), "%s", msg);
 }
 
+/* A request file that cannot be read to its end (here a directory) is an
+ * error, not a run of the requests read before it stopped. */
+Test(generate_cli, an_unreadable_request_file_is_refused) {
+  char args[600];
+  snprintf(args, sizeof args, "--model %s/t5-tiny --requests %s", TD_TEST_DATA, dir);
+  char **lines;
+  int n;
+  int rc = run_gen(args, &lines, &n);
+  cr_expect_eq(rc, 2, "exit status %d", rc);
+  cr_expect_eq(n, 0);
+  free_lines(lines, n);
+}
+
 Test(generate_cli, bad_requests_get_errors_and_others_run) {
   char req[512], args[1200];
   snprintf(req, sizeof req, "%s/bad.jsonl", dir);

@@ -195,6 +195,18 @@ static void send_finished(void *s, uint64_t rid, const int32_t *t, size_t n) {
 
 static void send_body(void *s, Tandem__Cluster__WorkerMessage *m) { wsend(s, m); }
 
+/* The worker gave up on an attempt that another may take. */
+static void send_retryable(void *s, uint64_t rid, const char *why) {
+  Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
+  f.rid = rid;
+  f.retryable = true;
+  f.message = (char *)why;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED;
+  m.failed = &f;
+  wsend(s, &m);
+}
+
 /* ------------------------------------------------------------ the client */
 
 typedef struct gen {
@@ -204,6 +216,8 @@ typedef struct gen {
   uint32_t timeout_ms;
   const int32_t *prompt; /* decoder prompt (NULL: the model's start token) */
   int n_prompt;
+  const int32_t *stop; /* stop_token_ids */
+  int n_stop;
 } gen;
 
 static void generate(harness *h, gen q) {
@@ -221,6 +235,8 @@ static void generate(harness *h, gen q) {
   g.timeout_ms = q.timeout_ms;
   g.decoder_prompt = (int32_t *)q.prompt;
   g.n_decoder_prompt = (size_t)q.n_prompt;
+  g.stop_token_ids = (int32_t *)q.stop;
+  g.n_stop_token_ids = (size_t)q.n_stop;
   Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
   m.version = TD_PROTOCOL_VERSION;
   m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
@@ -378,14 +394,7 @@ Test(router_control, a_retry_resumes_the_sequence_and_its_offsets_continue, .tim
   int32_t t[5] = {7, 8, 9, 10, 11};
   send_tokens(w, rid1, 0, t, 2);
   expect_chunk(&h, "a", 0, t, 2);
-  Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
-  f.rid = rid1;
-  f.retryable = true;
-  f.message = "transfer failed";
-  Tandem__Cluster__WorkerMessage fm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
-  fm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED;
-  fm.failed = &f;
-  send_body(w, &fm);
+  send_retryable(w, rid1, "transfer failed");
   Tandem__Cluster__RouterMessage *c = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the first's cancel");
   cr_expect_eq(c->cancel->rid, rid1);
   wfree(c);
@@ -428,14 +437,7 @@ Test(router_control, a_retry_keeps_the_requests_own_prompt, .timeout = 30) {
   int32_t t[1] = {9};
   send_tokens(w, rid1, 0, t, 1);
   expect_chunk(&h, "p", 0, t, 1);
-  Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
-  f.rid = rid1;
-  f.retryable = true;
-  f.message = "worker lost";
-  Tandem__Cluster__WorkerMessage fm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
-  fm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED;
-  fm.failed = &f;
-  send_body(w, &fm);
+  send_retryable(w, rid1, "worker lost");
   wfree(wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the first's cancel"));
   job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "second attempt");
   int32_t resumed[3] = {50, 51, 9};
@@ -444,6 +446,67 @@ Test(router_control, a_retry_keeps_the_requests_own_prompt, .timeout = 30) {
   cr_expect_eq(job->decode->req->step_offset, 1);
   wfree(job);
   void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+/* A sequence whose every token was streamed before its worker failed is
+ * done: it ends with those tokens (at its length, or at a stop token it
+ * asked for) instead of going to another worker with nothing left to
+ * generate. */
+Test(router_control, a_retry_after_the_last_token_ends_the_request, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  static const int32_t stop[1] = {9};
+  const gen reqs[2] = {{.id = "len", .max_new = 2, .stream = true},
+                       {.id = "stop", .max_new = 5, .stream = true, .stop = stop, .n_stop = 1}};
+  const char *ids[2] = {"len", "stop"};
+  int32_t t[2][2] = {{7, 8}, {7, 9}};
+  Tandem__FinishReason want[2] = {TANDEM__FINISH_REASON__FINISH_LENGTH, TANDEM__FINISH_REASON__FINISH_STOP};
+  for (int k = 0; k < 2; k++) {
+    generate(&h, reqs[k]);
+    Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, ids[k]);
+    uint64_t rid = job->decode->req->rid;
+    cr_expect_str_eq(job->decode->req->client_id, ids[k]);
+    wfree(job);
+    send_tokens(w, rid, 0, t[k], 2);
+    expect_chunk(&h, ids[k], 0, t[k], 2);
+    send_retryable(w, rid, "worker lost");
+    Tandem__ServerMessage *m = cexpect(&h, TANDEM__SERVER_MESSAGE__BODY_RESULT, ids[k]);
+    cr_expect_str_eq(m->request_id, ids[k]);
+    cr_assert_eq(m->result->n_outputs, 1);
+    cr_assert_eq(m->result->outputs[0]->n_tokens, 2);
+    cr_expect_arr_eq(m->result->outputs[0]->tokens, t[k], sizeof t[k]);
+    cr_expect_eq(m->result->outputs[0]->finish_reason, want[k], "%s: finish %d", ids[k],
+                 m->result->outputs[0]->finish_reason);
+    cr_expect_eq(m->result->timings->attempts, 1);
+    cfree(m);
+    Tandem__Cluster__RouterMessage *c = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the cancel");
+    cr_expect_eq(c->cancel->rid, rid);
+    wfree(c);
+  }
+  Tandem__Cluster__RouterMessage *more = wrecv(w, 200);
+  cr_expect(!more, "a finished request went to a worker again (message %d)", more ? (int)more->body_case : 0);
+  if (more) wfree(more);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+/* A ROUTER identity is bytes; the router keys workers by a string, so a
+ * peer whose identity is empty or holds a zero byte (a socket without a
+ * routing id gets one that starts with zero) is refused, not registered. */
+Test(router_control, a_worker_without_a_string_identity_is_refused, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  Tandem__Cluster__RouterMessage *ack;
+  void *anon = fake_register(&h, NULL, enc_dec, &ack);
+  cr_expect(!ack->ack->accepted, "a peer without a routing id was registered");
+  cr_expect(strstr(ack->ack->reason, "identity"), "%s", ack->ack->reason);
+  wfree(ack);
+  Tandem__ServerMessage *hm;
+  cr_expect_eq(health(&h, &hm)->n_workers, 0);
+  cfree(hm);
+  void *socks[] = {anon};
   finish(&h, socks, 1);
 }
 

@@ -1,6 +1,7 @@
 /* Settings from the environment: read once, parsed strictly. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/log.h"
 #include "common/settings.h"
@@ -65,4 +66,12 @@ Test(settings, bad_values_are_refused_by_name, .init = clear) {
   setenv("TANDEM_KVX_IPC", "sometimes", 1);
   cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
   cr_assert(strstr(td_errmsg(), "TANDEM_KVX_IPC"));
+  unsetenv("TANDEM_KVX_IPC");
+  /* longer than td_kvx_tuning holds: refused, not cut (a cut list names other transports) */
+  char tls[sizeof s.kvx.ucx_tls + 8];
+  memset(tls, 'x', sizeof tls - 1);
+  tls[sizeof tls - 1] = 0;
+  setenv("UCX_TLS", tls, 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "UCX_TLS"), "%s", td_errmsg());
 }
