@@ -18,7 +18,7 @@ static bool k_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const in
                      size_t block_bytes, char *why, size_t cap) {
   td_worker *w = ctx;
   size_t want = cross ? w->full_cross_bb : w->full_self_bb;
-  if (block_bytes && block_bytes != want) {
+  if (block_bytes != want) {
     snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "
              "--cross-mode?)", cross ? "cross" : "self", block_bytes, want);
     return false;

@@ -2,7 +2,8 @@
  * CPU, on a thread) against a fake router on a loopback ZeroMQ socket, and
  * a fake KV receiver. Registration and the heartbeat period the ack names,
  * reservation expiry, a refused job that no pool could hold, a cancel
- * while a push waits for its answer, token offsets per sequence. */
+ * while a push waits for its answer, token offsets per sequence, a push
+ * of blocks of the wrong size refused. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <signal.h>
@@ -503,5 +504,54 @@ Test(worker_control, cancel_while_a_push_waits_for_its_answer, .timeout = 60) {
                (unsigned long long)m->heartbeat->load->kv_out_zmq);
   tandem__cluster__worker_message__free_unpacked(m, NULL);
   zmq_close(k.sock);
+  worker_stop(&r);
+}
+
+/* ---------------------------------------------------------------- a push refused */
+
+/* A KvPush whose header says its blocks have 0 bytes: nothing matches this
+ * model's blocks, so it is refused before a byte is written (0 must not
+ * pass the size check as "unchecked"). */
+Test(worker_control, zmq_push_of_empty_blocks_is_refused, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  send_decode(&r.f, 81, 4, false, 1);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "nothing reserved");
+  const Tandem__Cluster__KvTarget *t = m->reserved->cross;
+  cr_assert_eq(t->n_blocks, 1);
+  Tandem__Cluster__TransferDesc *d = tandem__cluster__transfer_desc__unpack(NULL, t->desc.len, t->desc.data);
+  cr_assert(d && d->zmq && !strncmp(d->zmq, "zmq:", 4));
+  void *s = zmq_socket(r.f.zctx, ZMQ_DEALER);
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert_eq(zmq_connect(s, d->zmq + 4), 0);
+  Tandem__Cluster__KvPush h = TANDEM__CLUSTER__KV_PUSH__INIT;
+  h.version = TD_PROTOCOL_VERSION;
+  h.rid = 81;
+  h.reservation = t->reservation;
+  h.cross = true;
+  h.blocks = t->blocks;
+  h.n_blocks = 1;
+  h.block_bytes = 0;
+  h.push_id = 9;
+  uint8_t buf[256];
+  size_t n = protobuf_c_message_pack(&h.base, buf);
+  cr_assert_eq(zmq_send(s, buf, n, ZMQ_SNDMORE), (int)n);
+  cr_assert_eq(zmq_send(s, "", 0, 0), 0);
+  zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+  cr_assert_gt(zmq_poll(&it, 1, 10000), 0, "no answer to the push");
+  int got = zmq_recv(s, buf, sizeof buf, 0);
+  cr_assert_gt(got, 0);
+  Tandem__Cluster__KvAck *a = tandem__cluster__kv_ack__unpack(NULL, (size_t)got, buf);
+  cr_assert_not_null(a);
+  cr_expect_eq(a->push_id, 9);
+  cr_expect(!a->ok, "a push of 0-byte blocks was taken");
+  cr_expect(a->error && strstr(a->error, "blocks of 0 bytes"), "%s", a->error ? a->error : "(no error)");
+  tandem__cluster__kv_ack__free_unpacked(a, NULL);
+  zmq_close(s);
+  tandem__cluster__transfer_desc__free_unpacked(d, NULL);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
   worker_stop(&r);
 }
