@@ -394,6 +394,8 @@ void kvx_ipc_unmap(td_kvx_peer *p);
 /* ---- kvx_send.c: a posted transfer's life on the sender ---- */
 void kvx_xfer_stop(kvx_xfer *x, td_status s, const char *msg, bool notify);
 void kvx_xfer_finish(kvx_xfer *x, td_status s, const char *msg);
+/* DONE to the receiver once every byte of the transfer is in place. */
+void kvx_xfer_send_done(kvx_xfer *x);
 int kvx_pump_xfers(td_kvx *k);
 /* GRANT, DENY, CREDIT, ACK, REVOKE for one of our transfers. */
 void kvx_sender_msg(kvx_xfer *x, unsigned type, uint64_t xid, kvx_rbuf *r);
