@@ -52,7 +52,7 @@ typedef struct kvx_pool {
   uint64_t block_bytes, bytes;
   bool direct; /* remote puts land in it (host, or CUDA with UCX CUDA support) */
   bool ipc;    /* exported for CUDA IPC: handle of its allocation, its offset there */
-  uint8_t ipc_handle[KVX_IPC_HANDLE_BYTES];
+  uint8_t ipc_handle[KVX_IPC_HANDLE_LEN];
   uint64_t ipc_off;
   ucp_mem_h memh;
   void *rkey;
@@ -284,7 +284,7 @@ struct td_kvx {
   size_t addr_len;
   bool cuda_mem, local_ok;
   bool ipc;                    /* CUDA IPC on: a GPU and not no_ipc */
-  char dev_id[KVX_DEV_ID_MAX]; /* the GPU's identity on this host */
+  char dev_id[KVX_DEV_ID_LEN + 1]; /* the GPU's identity on this host */
   int efd, tfd, epfd;
   kvx_gpu *gpu;
   size_t slot_bytes, stage_chunk;

@@ -407,17 +407,17 @@ int kvx_fake_ipc_mapped(void) {
   return n;
 }
 
-td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_MAX]) {
-  snprintf(out, KVX_DEV_ID_MAX, "fake-gpu-%d", g->device);
+td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_LEN + 1]) {
+  snprintf(out, KVX_DEV_ID_LEN + 1, "fake-gpu-%d", g->device);
   return TD_OK;
 }
 
-td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_BYTES],
+td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_LEN],
                              uint64_t *offset) {
   for (fake_mem *m = g_exported; m; m = m->next) {
     if ((uint8_t *)p < m->base || (uint8_t *)p + bytes > m->base + m->size) continue;
     fake_handle h = {"TDFAKEIP", (uint32_t)getpid(), m->fd, m->ino, m->size};
-    memset(handle, 0, KVX_IPC_HANDLE_BYTES);
+    memset(handle, 0, KVX_IPC_HANDLE_LEN);
     memcpy(handle, &h, sizeof h);
     *offset = (uint64_t)((uint8_t *)p - m->base);
     return TD_OK;
@@ -431,7 +431,7 @@ td_status kvx_gpu_ipc_reach(kvx_gpu *g, const char *dev_id) {
   return TD_OK;
 }
 
-td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES], void **base, size_t *size) {
+td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_LEN], void **base, size_t *size) {
   *base = NULL;
   *size = 0;
   fake_handle h;
