@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/clock.h"
 #include "kvcache/kvcache.h"
@@ -102,6 +103,23 @@ static inline bool kt_drive(td_kvx **ks, int n, const int *flag, int timeout_ms)
     if (armed) poll(pf, (nfds_t)np, 20);
   }
   return true;
+}
+
+/* Reads n bytes from a pipe within ms, progressing k (when given) meanwhile. */
+static inline bool kt_read_full(int fd, void *p, size_t n, td_kvx *k, int ms) {
+  uint8_t *b = p;
+  int64_t end = td_now_ms() + ms;
+  while (n && td_now_ms() < end) {
+    if (k) td_kvx_progress(k);
+    struct pollfd pf = {fd, POLLIN, 0};
+    if (poll(&pf, 1, 1) > 0) {
+      ssize_t got = read(fd, b, n);
+      if (got <= 0) return false;
+      b += got;
+      n -= (size_t)got;
+    }
+  }
+  return n == 0;
 }
 
 static inline void kt_fill_random(void *p, size_t n, uint64_t seed) {

@@ -485,22 +485,6 @@ Test(kvx_ipc, pool_outside_its_allocation, .init = cr_redirect_stderr, .timeout 
 
 /* ---- two processes (fork): the receiver is the child ---- */
 
-static bool read_full(int fd, void *p, size_t n, td_kvx *k, int ms) {
-  uint8_t *b = p;
-  int64_t end = td_now_ms() + ms;
-  while (n && td_now_ms() < end) {
-    if (k) td_kvx_progress(k);
-    struct pollfd pf = {fd, POLLIN, 0};
-    if (poll(&pf, 1, 1) > 0) {
-      ssize_t got = read(fd, b, n);
-      if (got <= 0) return false;
-      b += got;
-      n -= (size_t)got;
-    }
-  }
-  return n == 0;
-}
-
 enum { PNB = 3000, PN = 2500 /* pieces: 3 chunks */ };
 
 /* The child: a receiver with a shareable pool; sends its descriptor, then
@@ -556,10 +540,10 @@ static child spawn(bool hang) {
 
 static td_kvx_peer *connect_child(side *s, child *c) {
   uint64_t len;
-  cr_assert(read_full(c->rd, &len, 8, NULL, 30000), "child did not start");
+  cr_assert(kt_read_full(c->rd, &len, 8, NULL, 30000), "child did not start");
   cr_assert_lt(len, 1u << 20);
   uint8_t *desc = malloc(len);
-  cr_assert(read_full(c->rd, desc, len, NULL, 10000));
+  cr_assert(kt_read_full(c->rd, desc, len, NULL, 10000));
   td_kvx_peer *p;
   cr_assert_eq(td_kvx_connect(s->k, desc, len, &p), TD_OK, "%s", td_errmsg());
   free(desc);
@@ -585,7 +569,7 @@ Test(kvx_ipc, two_processes, .timeout = 120) {
   cr_assert_eq(d.status, TD_OK, "%s", d.msg);
   cr_assert_eq(td_kvx_get_stats(s.k).ipc_xfers, 1);
   uint8_t *got = malloc(s.bb * PNB);
-  cr_assert(read_full(c.rd, got, s.bb * PNB, s.k, 30000));
+  cr_assert(kt_read_full(c.rd, got, s.bb * PNB, s.k, 30000));
   for (int i = 0; i < PN; i++)
     cr_assert_eq(memcmp(got + (size_t)dst[i] * s.bb, s.mem + (size_t)src[i] * s.bb, s.bb), 0, "block %d", i);
   free(got);
@@ -620,7 +604,7 @@ Test(kvx_ipc, receiver_killed_mid_copy, .timeout = 120) {
   while (td_kvx_get_stats(s.k).ipc_chunks == 0 && td_now_ms() < end) td_kvx_progress(s.k);
   cr_assert_eq(td_kvx_get_stats(s.k).ipc_chunks, 3, "copies in flight: %d", td_kvx_get_stats(s.k).ipc_chunks);
   char gch;
-  cr_assert(read_full(c.rd, &gch, 1, NULL, 30000), "receiver never granted");
+  cr_assert(kt_read_full(c.rd, &gch, 1, NULL, 30000), "receiver never granted");
   cr_assert_eq(kvx_fake_ipc_mapped(), 1);
   kill(c.pid, SIGKILL);
   waitpid(c.pid, NULL, 0);
