@@ -311,6 +311,33 @@ Test(worker_control, job_larger_than_the_pool_is_refused_naming_it, .timeout = 6
   worker_stop(&r);
 }
 
+/* Token counts past what an int holds (the router's message is trusted
+ * for nothing): refused naming them, never wrapped into a small or
+ * negative reservation. */
+Test(worker_control, job_with_token_counts_past_int_is_refused, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  send_decode(&r.f, 35, 0x7fffffffu, false, 1);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
+  cr_assert_not_null(m, "an over-limit job was not refused");
+  cr_expect_eq(failed_rid(m), 35);
+  cr_expect(strstr(m->failed->message, "needs 134217728 cross-attention blocks"), "%s", m->failed->message);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_decode(&r.f, 36, 0x80000000u, false, 1);
+  m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
+  cr_assert_not_null(m, "a job of a negative token count was not refused");
+  cr_expect_eq(failed_rid(m), 36);
+  cr_expect_eq(m->failed->code, TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT);
+  cr_expect(!m->failed->retryable);
+  cr_expect(strstr(m->failed->message, "encoder and 0 prompt tokens"), "%s", m->failed->message);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  m = heartbeat_where(&r.f, cross_pool_free, 5000);
+  cr_expect_not_null(m, "a refused job holds blocks");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  worker_stop(&r);
+}
+
 Test(worker_control, job_for_a_role_not_served_is_refused, .timeout = 60) {
   static const td_role *const roles[] = {&td_role_decode};
   wrun r;
