@@ -112,19 +112,8 @@ static uint8_t *expected(const side *s, const td_kvx_geom *sg, const side *r, co
 static void move(side *s, const td_kvx_geom *sg, side *r, const td_kvx_geom *rg, td_kvx_peer *p,
                  td_kvx_transport tr, const int32_t *src, const int32_t *dst, int n) {
   uint8_t *want = expected(s, sg, r, rg, src, dst, n);
-  int before = r->rx.events;
   td_kvx_xfer x = {77, 0, GPU, GPU, src, dst, n, 20000, tr, NULL};
-  kt_done d = {0};
-  cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
-  td_kvx *ks[2] = {s->k, r->k};
-  cr_assert(kt_drive(ks, 2, &d.calls, 20000), "no completion");
-  cr_assert_eq(d.status, TD_OK, "%s", d.msg);
-  int64_t end = td_now_ms() + 5000;
-  while (r->rx.events == before && td_now_ms() < end) {
-    td_kvx_progress(s->k);
-    td_kvx_progress(r->k);
-  }
-  cr_assert_eq(r->rx.last_status, TD_OK, "%s", r->rx.last_msg);
+  kt_move(s->k, r->k, &r->rx, p, &x, "move");
   for (size_t b = 0; b < (size_t)r->nb; b++)
     cr_assert_eq(memcmp(r->mem + b * r->bb, want + b * r->bb, r->bb), 0, "receiver block %zu differs", b);
   cr_assert_eq(memcmp(r->snap, r->mem, r->bb * (size_t)r->nb), 0, "written after the recv event");

@@ -72,19 +72,10 @@ static void move(side *s, side *r, td_kvx_peer *p, uint32_t sp, uint32_t rp) {
   /* Distinct destinations. */
   for (int i = 0; i < n; i++)
     for (int j = 0; j < i; j++) cr_assert_neq(dst[i], dst[j]);
-  int before = r->rx.events;
   td_kvx_xfer x = {100 + sp * 10 + rp, 0, sp, rp, src, dst, n, 20000, TD_KVX_UCX, NULL};
-  kt_done d = {0};
-  cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
-  td_kvx *ks[2] = {s->k, r->k};
-  cr_assert(kt_drive(ks, 2, &d.calls, 20000), "no completion");
-  cr_assert_eq(d.status, TD_OK, "%u -> %u: %s", sp, rp, d.msg);
-  int64_t end = td_now_ms() + 5000;
-  while (r->rx.events == before && td_now_ms() < end) {
-    td_kvx_progress(s->k);
-    td_kvx_progress(r->k);
-  }
-  cr_assert_eq(r->rx.last_status, TD_OK, "%s", r->rx.last_msg);
+  char what[32];
+  snprintf(what, sizeof what, "%u -> %u", sp, rp);
+  kt_move(s->k, r->k, &r->rx, p, &x, what);
   cr_assert_eq(r->rx.last_bytes, (uint64_t)n * r->bb);
   const uint8_t *sb = sp == HOST ? s->host : s->gpu, *rb = rp == HOST ? r->host : r->gpu;
   for (int i = 0; i < n; i++)
