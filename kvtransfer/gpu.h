@@ -64,6 +64,9 @@ td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event);
 td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event);
 /* 1: done, 0: pending, -1: failed (td_err set). */
 int kvx_gpu_query(kvx_gpu *g, void *event);
+/* Waits until the work queued on a stream so far has run: copies whose
+ * event could not be recorded. */
+void kvx_gpu_sync(kvx_gpu *g, int stream);
 void kvx_gpu_release(kvx_gpu *g, void *event);
 
 /* CUDA IPC between processes of one host (docs/kvtransfer.md, "CUDA IPC").

@@ -256,6 +256,11 @@ void kvx_gpu_release(kvx_gpu *g, void *event) {
   g->free_ev[g->n_free++] = (cudaEvent_t)event;
 }
 
+void kvx_gpu_sync(kvx_gpu *g, int stream) {
+  cudaSetDevice(g->device);
+  if (cudaStreamSynchronize(g->s[stream]) != cudaSuccess) cudaGetLastError();
+}
+
 /* ---- CUDA IPC ---- */
 
 _Static_assert(sizeof(cudaIpcMemHandle_t) == KVX_IPC_HANDLE_LEN, "IPC handle size");

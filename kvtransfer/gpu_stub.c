@@ -42,6 +42,7 @@ int kvx_gpu_query(kvx_gpu *g, void *event) {
   return -1;
 }
 void kvx_gpu_release(kvx_gpu *g, void *event) {}
+void kvx_gpu_sync(kvx_gpu *g, int stream) {}
 td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_LEN + 1]) {
   out[0] = 0;
   return NO_CUDA;

@@ -145,8 +145,9 @@ int kvx_pump_ipc(kvx_xfer *x) {
     td_status s = kvx_gpu_copy_many(k->gpu, KVX_S_IPC, k->sc_d, k->sc_s, k->sc_n, (size_t)c->n);
     if (s == TD_OK) s = kvx_gpu_record(k->gpu, KVX_S_IPC, &c->ev);
     if (s != TD_OK) {
-      /* Without an event nothing tells when its copies end: closing the
-       * mapping synchronises the stream (gpu.h). */
+      /* Without an event nothing tells when its copies end: wait for them
+       * here, so that the ABORT that follows never precedes a write. */
+      kvx_gpu_sync(k->gpu, KVX_S_IPC);
       c->state = CH_DONE;
       kvx_xfer_stop(x, s, td_errmsg(), true);
       return 1;

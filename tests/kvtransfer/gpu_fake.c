@@ -151,7 +151,14 @@ td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) {
   if (e) fake_flush(e->g, e->stream, e->seq);
   return TD_OK;
 }
+static int g_fail_record = -1;
+void kvx_fake_fail_record(int stream) { g_fail_record = stream; }
+void kvx_gpu_sync(kvx_gpu *g, int stream) { fake_flush(g, stream, g->issued[stream]); }
 td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event) {
+  if (stream == g_fail_record) {
+    *event = NULL;
+    return td_err(TD_ERR_CUDA, "fake GPU: cudaEventRecord failed");
+  }
   fake_event *e = calloc(1, sizeof *e);
   *event = e;
   if (!e) return td_err(TD_ERR_NOMEM, "out of memory");

@@ -266,6 +266,37 @@ static void stop_mid_copy(stop_how how) {
   side_close(&r);
 }
 
+/* A chunk's copies issued but its event not recorded: the transfer fails,
+ * and its ABORT (so the receiver's event) still comes after those copies. */
+Test(kvx_ipc, failed_event_record, .timeout = 120) {
+  td_kvx_geom g = kt_geom(0, 1, 0, 1, 16, 8, 2);
+  side s, r;
+  side_open(&s, "ipc-s", g, 600, (sopts){0}, 5);
+  side_open(&r, "ipc-r", g, 600, (sopts){0}, 6);
+  td_kvx_peer *p = link_to(&s, &r);
+  static int32_t src[500], dst[500];
+  for (int i = 0; i < 500; i++) {
+    src[i] = i;
+    dst[i] = (i * 7) % 600;
+  }
+  kvx_fake_fail_record(KVX_S_IPC);
+  td_kvx_xfer x = {3, 0, GPU, GPU, src, dst, 500, 20000, TD_KVX_IPC, NULL};
+  kt_done d = {0};
+  cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
+  td_kvx *ks[2] = {s.k, r.k};
+  cr_assert(kt_drive(ks, 2, &d.calls, 20000));
+  kvx_fake_fail_record(-1);
+  cr_assert_eq(d.status, TD_ERR_CUDA, "%s", d.msg);
+  cr_assert(kt_drive(ks, 2, &r.rx.events, 20000));
+  cr_assert_neq(r.rx.last_status, TD_OK);
+  td_kvx_disconnect(p);
+  for (int i = 0; i < 50; i++) td_kvx_progress(s.k);
+  side_close(&s);
+  cr_assert_eq(kvx_fake_ipc_violations(), 0, "a mapping closed under a copy");
+  cr_assert_eq(memcmp(r.snap, r.mem, r.bb * 600), 0, "written after the recv event");
+  side_close(&r);
+}
+
 Test(kvx_ipc, cancel_mid_copy, .timeout = 120) { stop_mid_copy(CANCEL); }
 Test(kvx_ipc, disconnect_mid_copy, .timeout = 120) { stop_mid_copy(DISCONNECT); }
 Test(kvx_ipc, timeout_mid_copy, .timeout = 120) { stop_mid_copy(DEADLINE); }
