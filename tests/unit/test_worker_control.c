@@ -2,8 +2,8 @@
  * CPU, on a thread) against a fake router on a loopback ZeroMQ socket, and
  * a fake KV receiver. Registration and the heartbeat period the ack names,
  * reservation expiry, a refused job that no pool could hold, a cancel
- * while a push waits for its answer, token offsets per sequence, a push
- * of blocks of the wrong size refused. */
+ * while a push waits for its answer, token offsets per sequence, token
+ * counts past an int and a push of blocks of the wrong size refused. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <signal.h>
