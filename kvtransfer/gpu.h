@@ -10,10 +10,9 @@
 
 #include "common/status.h"
 #include "kvtransfer/kvtransfer.h"
+#include "kvtransfer/wire.h" /* KVX_IPC_HANDLE_LEN, KVX_DEV_ID_LEN: as the descriptor carries them */
 
 #define KVX_NCCL_ID_BYTES 128
-#define KVX_IPC_HANDLE_BYTES 64 /* cudaIpcMemHandle_t */
-#define KVX_DEV_ID_MAX 64       /* a device's identity, with its NUL */
 
 bool kvx_gpu_compiled(void);
 bool kvx_nccl_compiled(void);
@@ -65,14 +64,17 @@ td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event);
 td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event);
 /* 1: done, 0: pending, -1: failed (td_err set). */
 int kvx_gpu_query(kvx_gpu *g, void *event);
+/* Waits until the work queued on a stream so far has run: copies whose
+ * event could not be recorded. */
+void kvx_gpu_sync(kvx_gpu *g, int stream);
 void kvx_gpu_release(kvx_gpu *g, void *event);
 
 /* CUDA IPC between processes of one host (docs/kvtransfer.md, "CUDA IPC").
  * The device's identity on its host (its PCI bus id), as peers name it. */
-td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_MAX]);
+td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_LEN + 1]);
 /* Exports the allocation holding [p, p + bytes): its handle and p's offset
  * in it. TD_ERR_UNSUPPORTED for memory that cannot be shared. */
-td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_BYTES],
+td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_LEN],
                              uint64_t *offset);
 /* TD_OK when this context's device may copy into memory of the device a
  * peer named (kvx_gpu_dev_id), else why not. */
@@ -80,7 +82,7 @@ td_status kvx_gpu_ipc_reach(kvx_gpu *g, const char *dev_id);
 /* Maps a peer's exported allocation for this context's device: *base is
  * its start, *size its length (0: unknown). A handle opened twice in one
  * process, or exported by this process, maps once. */
-td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES], void **base, size_t *size);
+td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_LEN], void **base, size_t *size);
 /* Unmaps it. No copy into it may be in flight: the caller waited for
  * their events (CUDA also synchronises the IPC stream first, for copies
  * whose event could not be recorded). */

@@ -256,13 +256,18 @@ void kvx_gpu_release(kvx_gpu *g, void *event) {
   g->free_ev[g->n_free++] = (cudaEvent_t)event;
 }
 
+void kvx_gpu_sync(kvx_gpu *g, int stream) {
+  cudaSetDevice(g->device);
+  if (cudaStreamSynchronize(g->s[stream]) != cudaSuccess) cudaGetLastError();
+}
+
 /* ---- CUDA IPC ---- */
 
-_Static_assert(sizeof(cudaIpcMemHandle_t) == KVX_IPC_HANDLE_BYTES, "IPC handle size");
+_Static_assert(sizeof(cudaIpcMemHandle_t) == KVX_IPC_HANDLE_LEN, "IPC handle size");
 
-td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_MAX]) {
+td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_LEN + 1]) {
   out[0] = 0;
-  CK(cudaDeviceGetPCIBusId(out, KVX_DEV_ID_MAX - 1, g->device), "cudaDeviceGetPCIBusId");
+  CK(cudaDeviceGetPCIBusId(out, KVX_DEV_ID_LEN, g->device), "cudaDeviceGetPCIBusId");
   return TD_OK;
 }
 
@@ -296,7 +301,7 @@ static bool alloc_range(const void *p, uint8_t **base, size_t *size) {
  * in one process fails, and one this process exported cannot be opened
  * here at all (its memory is used as it is). */
 typedef struct ipc_map {
-  uint8_t h[KVX_IPC_HANDLE_BYTES];
+  uint8_t h[KVX_IPC_HANDLE_LEN];
   int device;   /* -1: exported by this process */
   uint8_t *base;
   size_t size;
@@ -309,11 +314,11 @@ static pthread_mutex_t g_ipc_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static ipc_map *map_find(const uint8_t *h, int device) {
   for (ipc_map *m = g_maps; m; m = m->next)
-    if (m->device == device && !memcmp(m->h, h, KVX_IPC_HANDLE_BYTES)) return m;
+    if (m->device == device && !memcmp(m->h, h, KVX_IPC_HANDLE_LEN)) return m;
   return NULL;
 }
 
-td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_BYTES],
+td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_LEN],
                              uint64_t *offset) {
   cudaSetDevice(g->device);
   uint8_t *base = p;
@@ -326,12 +331,12 @@ td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[K
     cudaGetLastError();
     return td_err(TD_ERR_UNSUPPORTED, "KV transfer: cudaIpcGetMemHandle: %s", cudaGetErrorString(e));
   }
-  memcpy(handle, &h, KVX_IPC_HANDLE_BYTES);
+  memcpy(handle, &h, KVX_IPC_HANDLE_LEN);
   *offset = (uint64_t)((uint8_t *)p - base);
   pthread_mutex_lock(&g_ipc_mu);
   ipc_map *m = map_find(handle, -1);
   if (!m && (m = calloc(1, sizeof *m))) {
-    memcpy(m->h, handle, KVX_IPC_HANDLE_BYTES);
+    memcpy(m->h, handle, KVX_IPC_HANDLE_LEN);
     m->device = -1;
     m->base = base;
     m->size = size;
@@ -359,7 +364,7 @@ td_status kvx_gpu_ipc_reach(kvx_gpu *g, const char *dev_id) {
   return TD_OK;
 }
 
-td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES], void **base, size_t *size) {
+td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_LEN], void **base, size_t *size) {
   *base = NULL;
   *size = 0;
   td_status s = TD_OK;
@@ -377,7 +382,7 @@ td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES
     } else {
       cudaSetDevice(g->device);
       cudaIpcMemHandle_t h;
-      memcpy(&h, handle, KVX_IPC_HANDLE_BYTES);
+      memcpy(&h, handle, KVX_IPC_HANDLE_LEN);
       void *p = NULL;
       cudaError_t e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
       if (e != cudaSuccess) {
@@ -391,7 +396,7 @@ td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES
       }
     }
     if (s == TD_OK) {
-      memcpy(m->h, handle, KVX_IPC_HANDLE_BYTES);
+      memcpy(m->h, handle, KVX_IPC_HANDLE_LEN);
       m->device = g->device;
       m->next = g_maps;
       g_maps = m;

@@ -42,16 +42,17 @@ int kvx_gpu_query(kvx_gpu *g, void *event) {
   return -1;
 }
 void kvx_gpu_release(kvx_gpu *g, void *event) {}
-td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_MAX]) {
+void kvx_gpu_sync(kvx_gpu *g, int stream) {}
+td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_LEN + 1]) {
   out[0] = 0;
   return NO_CUDA;
 }
-td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_BYTES],
+td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_LEN],
                              uint64_t *offset) {
   return NO_CUDA;
 }
 td_status kvx_gpu_ipc_reach(kvx_gpu *g, const char *dev_id) { return NO_CUDA; }
-td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES], void **base, size_t *size) {
+td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_LEN], void **base, size_t *size) {
   *base = NULL;
   *size = 0;
   return NO_CUDA;

@@ -52,7 +52,7 @@ typedef struct kvx_pool {
   uint64_t block_bytes, bytes;
   bool direct; /* remote puts land in it (host, or CUDA with UCX CUDA support) */
   bool ipc;    /* exported for CUDA IPC: handle of its allocation, its offset there */
-  uint8_t ipc_handle[KVX_IPC_HANDLE_BYTES];
+  uint8_t ipc_handle[KVX_IPC_HANDLE_LEN];
   uint64_t ipc_off;
   ucp_mem_h memh;
   void *rkey;
@@ -284,7 +284,7 @@ struct td_kvx {
   size_t addr_len;
   bool cuda_mem, local_ok;
   bool ipc;                    /* CUDA IPC on: a GPU and not no_ipc */
-  char dev_id[KVX_DEV_ID_MAX]; /* the GPU's identity on this host */
+  char dev_id[KVX_DEV_ID_LEN + 1]; /* the GPU's identity on this host */
   int efd, tfd, epfd;
   kvx_gpu *gpu;
   size_t slot_bytes, stage_chunk;
@@ -394,6 +394,8 @@ void kvx_ipc_unmap(td_kvx_peer *p);
 /* ---- kvx_send.c: a posted transfer's life on the sender ---- */
 void kvx_xfer_stop(kvx_xfer *x, td_status s, const char *msg, bool notify);
 void kvx_xfer_finish(kvx_xfer *x, td_status s, const char *msg);
+/* DONE to the receiver once every byte of the transfer is in place. */
+void kvx_xfer_send_done(kvx_xfer *x);
 int kvx_pump_xfers(td_kvx *k);
 /* GRANT, DENY, CREDIT, ACK, REVOKE for one of our transfers. */
 void kvx_sender_msg(kvx_xfer *x, unsigned type, uint64_t xid, kvx_rbuf *r);

@@ -145,8 +145,9 @@ int kvx_pump_ipc(kvx_xfer *x) {
     td_status s = kvx_gpu_copy_many(k->gpu, KVX_S_IPC, k->sc_d, k->sc_s, k->sc_n, (size_t)c->n);
     if (s == TD_OK) s = kvx_gpu_record(k->gpu, KVX_S_IPC, &c->ev);
     if (s != TD_OK) {
-      /* Without an event nothing tells when its copies end: closing the
-       * mapping synchronises the stream (gpu.h). */
+      /* Without an event nothing tells when its copies end: wait for them
+       * here, so that the ABORT that follows never precedes a write. */
+      kvx_gpu_sync(k->gpu, KVX_S_IPC);
       c->state = CH_DONE;
       kvx_xfer_stop(x, s, td_errmsg(), true);
       return 1;
@@ -157,13 +158,7 @@ int kvx_pump_ipc(kvx_xfer *x) {
   }
   if (x->ci == x->n_items && x->n_chunks == 0 && !x->done_sent) {
     /* Every copy completed: the bytes are in the receiver's pool. */
-    kvx_wbuf w;
-    kvx_msg_begin(k, &w, KVX_MSG_DONE, x->id);
-    kvx_w_u64(&w, x->total);
-    kvx_send_msg(k, x->peer->fast ? x->peer->data_ep : x->peer->ep, &w);
-    kvx_trace(k, x->id, "done", 0);
-    x->done_sent = true;
-    x->st = XS_FINISH;
+    kvx_xfer_send_done(x);
     work++;
   }
   return work;

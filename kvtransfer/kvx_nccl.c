@@ -286,12 +286,7 @@ int kvx_pump_nccl_send(kvx_xfer *x) {
   }
   if (ns->all_posted && ns->done == ns->post) {
     k->st.bytes_sent += x->total;
-    kvx_wbuf w;
-    kvx_msg_begin(k, &w, KVX_MSG_DONE, x->id);
-    kvx_w_u64(&w, x->total);
-    kvx_send_msg(k, p->fast ? p->data_ep : p->ep, &w);
-    x->done_sent = true;
-    x->st = XS_FINISH;
+    kvx_xfer_send_done(x);
     work++;
   }
   return work;

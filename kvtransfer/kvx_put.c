@@ -264,13 +264,7 @@ int kvx_pump_ucx(kvx_xfer *x) {
     work++;
   }
   if (x->final_flushed && !x->done_sent) {
-    kvx_wbuf w;
-    kvx_msg_begin(k, &w, KVX_MSG_DONE, x->id);
-    kvx_w_u64(&w, x->total);
-    kvx_send_msg(k, x->peer->fast ? x->peer->data_ep : x->peer->ep, &w);
-    kvx_trace(k, x->id, "done", 0);
-    x->done_sent = true;
-    x->st = XS_FINISH;
+    kvx_xfer_send_done(x);
     work++;
   }
   return work;

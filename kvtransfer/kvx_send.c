@@ -46,6 +46,19 @@ void kvx_xfer_finish(kvx_xfer *x, td_status s, const char *msg) {
            td_status_str(s), x->fmsg);
 }
 
+/* Every byte is in place (flushed, copied, or sent over NCCL): DONE, then
+ * the receiver's ACK ends the transfer. */
+void kvx_xfer_send_done(kvx_xfer *x) {
+  td_kvx_peer *p = x->peer;
+  kvx_wbuf w;
+  kvx_msg_begin(x->k, &w, KVX_MSG_DONE, x->id);
+  kvx_w_u64(&w, x->total);
+  kvx_send_msg(x->k, p->fast ? p->data_ep : p->ep, &w);
+  kvx_trace(x->k, x->id, "done", 0);
+  x->done_sent = true;
+  x->st = XS_FINISH;
+}
+
 void kvx_xfer_stop(kvx_xfer *x, td_status s, const char *msg, bool notify) {
   if (x->st == XS_STOPPING) return;
   x->fst = s;

@@ -33,8 +33,8 @@ typedef enum td_kvt_kind { TD_KVT_UCX = 0, TD_KVT_ZMQ = 1, TD_KVT_KINDS } td_kvt
 /* What the owner answers and hears: one set for every transport. */
 typedef struct td_kvt_hooks {
   /* receiver: whether n blocks may be written into the reservation now
-   * (open, unexpired, every block in it); block_bytes: the size the sender
-   * sends, 0 when the transport matched the geometry itself. *why: not. */
+   * (open, unexpired, every block in it); block_bytes: the bytes the sender
+   * writes into each block, as its push announced them. *why: not. */
   bool (*accept)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, const int32_t *blocks, int n,
                  size_t block_bytes, char *why, size_t cap);
   /* receiver, transports that bring bytes (host_copy): data[i] holds block

@@ -78,9 +78,10 @@ static td_status on_authorize(void *ctx, const td_kvx_grant_req *r) {
   if (u->closing) return td_err(TD_ERR_CANCELLED, "the receiving worker is shutting down");
   if (r->pool_id != POOL_CROSS && r->pool_id != POOL_SELF) return td_err(TD_ERR_INVALID, "no pool %u", r->pool_id);
   char why[256] = "";
-  /* the geometry was matched when the sender routed: no size to check */
-  if (!u->h->accept(u->h->ctx, r->request_id, r->reservation_id, r->pool_id == POOL_CROSS, r->blocks, r->n_blocks, 0,
-                    why, sizeof why))
+  /* r->bytes is what the sender's plan writes: whole blocks only where its geometry is ours */
+  size_t block_bytes = (size_t)(r->bytes / (uint64_t)r->n_blocks);
+  if (!u->h->accept(u->h->ctx, r->request_id, r->reservation_id, r->pool_id == POOL_CROSS, r->blocks, r->n_blocks,
+                    block_bytes, why, sizeof why))
     return td_err(TD_ERR_INVALID, "%s", why);
   return TD_OK;
 }

@@ -19,9 +19,10 @@
 /* messages handled per socket and turn, so that one busy peer cannot stall the loop */
 #define BURST 256
 #define DESC_PREFIX "zmq:"
+#define EP_MAX 256 /* a peer's endpoint, with its NUL */
 
 typedef struct peer {
-  char ep[256];
+  char ep[EP_MAX];
   void *sock;
   int ev; /* its loop event (0: none) */
 } peer;
@@ -115,16 +116,22 @@ static td_status zx_watch(td_kvt *t, td_loop *l) {
   return TD_OK;
 }
 
+/* The endpoint of a "zmq:ENDPOINT" descriptor; false when desc is not one. */
+static bool desc_endpoint(const uint8_t *desc, size_t len, char ep[EP_MAX]) {
+  size_t pl = strlen(DESC_PREFIX);
+  if (len <= pl || len >= EP_MAX + pl || memcmp(desc, DESC_PREFIX, pl)) return false;
+  memcpy(ep, desc + pl, len - pl);
+  ep[len - pl] = 0;
+  return true;
+}
+
 /* The connection to a receiver's "zmq:ENDPOINT"; NULL with td_err. */
 static peer *get_peer(zx *x, const uint8_t *desc, size_t len) {
-  size_t pl = strlen(DESC_PREFIX);
-  if (len <= pl || len >= sizeof x->peers[0].ep + pl || memcmp(desc, DESC_PREFIX, pl)) {
+  char ep[EP_MAX];
+  if (!desc_endpoint(desc, len, ep)) {
     td_err(TD_ERR_INVALID, "KV descriptor is not a ZeroMQ endpoint");
     return NULL;
   }
-  char ep[256];
-  memcpy(ep, desc + pl, len - pl);
-  ep[len - pl] = 0;
   for (int i = 0; i < x->n_peers; i++)
     if (!strcmp(x->peers[i].ep, ep)) return &x->peers[i];
   if (x->n_peers == MAX_PEERS) {
@@ -351,8 +358,8 @@ static bool zx_arm(td_kvt *t) { return true; }
 
 static bool zx_route(td_kvt *t, const char *peer_id, const uint8_t *desc, size_t len, bool cross, char *why,
                      size_t cap) {
-  size_t pl = strlen(DESC_PREFIX);
-  if (len > pl && len < sizeof ((zx *)t->ctx)->peers[0].ep + pl && !memcmp(desc, DESC_PREFIX, pl)) return true;
+  char ep[EP_MAX];
+  if (desc_endpoint(desc, len, ep)) return true;
   snprintf(why, cap, "no ZeroMQ endpoint");
   return false;
 }

@@ -300,14 +300,8 @@ static void compute_add(td_worker *w, cmd *c) {
 
 static void compute_cancel(td_worker *w, uint64_t rid, int slot) {
   creq *c, *t;
-  for (bool again = true; again;) {
-    again = false;
-    HASH_ITER(hh, w->creqs, c, t) {
-      if (c->rid != rid || (slot >= 0 && c->slot != slot)) continue;
-      (void)td_engine_cancel(w->e, c->handle); /* on_finish frees c */
-      again = true;
-      break;
-    }
+  HASH_ITER(hh, w->creqs, c, t) {
+    if (c->rid == rid && (slot < 0 || c->slot == slot)) (void)td_engine_cancel(w->e, c->handle); /* on_finish frees c */
   }
 }
 

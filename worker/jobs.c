@@ -133,22 +133,27 @@ void w_release_deferred(td_worker *w) {
   }
 }
 
-static int blocks_for(int tokens, int bs) { return (tokens + bs - 1) / bs; }
+/* in 64 bits: token counts come from the router's message */
+static int64_t blocks_for(int tokens, int bs) { return ((int64_t)tokens + bs - 1) / bs; }
 
 td_status td_job_reserve(td_worker *w, td_job *j, int cross_tokens, int self_tokens) {
-  int nc = blocks_for(cross_tokens, w->block_size), ns = blocks_for(self_tokens, w->block_size);
+  if (cross_tokens < 0 || self_tokens < 0)
+    return td_err(TD_ERR_INVALID, "request %llu: %d encoder and %d prompt tokens to reserve blocks for",
+                  (unsigned long long)j->rid, cross_tokens, self_tokens);
+  int64_t nc = blocks_for(cross_tokens, w->block_size), ns = blocks_for(self_tokens, w->block_size);
   /* what no wait makes fit is refused now, naming the pool */
   if (nc > w->cross_blocks)
-    return td_err(TD_ERR_NO_BLOCKS, "request %llu needs %d cross-attention blocks (%d encoder tokens), this worker's "
-                  "cross pool holds %d (--cross-blocks)", (unsigned long long)j->rid, nc, cross_tokens,
-                  w->cross_blocks);
+    return td_err(TD_ERR_NO_BLOCKS, "request %llu needs %lld cross-attention blocks (%d encoder tokens), this "
+                  "worker's cross pool holds %d (--cross-blocks)", (unsigned long long)j->rid, (long long)nc,
+                  cross_tokens, w->cross_blocks);
   if (ns > w->self_blocks)
-    return td_err(TD_ERR_NO_BLOCKS, "request %llu needs %d self-attention blocks (%d prompt tokens), this worker's "
-                  "self pool holds %d (--kv-blocks)", (unsigned long long)j->rid, ns, self_tokens, w->self_blocks);
+    return td_err(TD_ERR_NO_BLOCKS, "request %llu needs %lld self-attention blocks (%d prompt tokens), this "
+                  "worker's self pool holds %d (--kv-blocks)", (unsigned long long)j->rid, (long long)ns, self_tokens,
+                  w->self_blocks);
   cmd *c = w_cmd(CMD_RESERVE, j->rid, j->slot);
   if (!c) return td_err(TD_ERR_NOMEM, "out of memory");
-  c->n_cross = nc;
-  c->n_self = ns;
+  c->n_cross = (int)nc;
+  c->n_self = (int)ns;
   j->self_expected = self_tokens;
   w_post(w, c);
   return TD_OK;

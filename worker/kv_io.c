@@ -4,6 +4,7 @@
  * go to the compute thread; arrivals go to the job's role), and the push
  * of a job's handed-over blocks to the workers that reserved them, with
  * its role told once every push ended. */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,7 +19,7 @@ static bool k_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const in
                      size_t block_bytes, char *why, size_t cap) {
   td_worker *w = ctx;
   size_t want = cross ? w->full_cross_bb : w->full_self_bb;
-  if (block_bytes && block_bytes != want) {
+  if (block_bytes != want) {
     snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "
              "--cross-mode?)", cross ? "cross" : "self", block_bytes, want);
     return false;
@@ -79,6 +80,17 @@ static void k_arrived(void *ctx, const td_kvt *t, uint64_t rid, uint64_t res, bo
 
 /* ------------------------------------------------------------ sending */
 
+/* The first failed push of the job says why. */
+static void push_failed(td_job *j, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void push_failed(td_job *j, const char *fmt, ...) {
+  if (j->push_failed) return;
+  j->push_failed = true;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(j->push_error, sizeof j->push_error, fmt, ap);
+  va_end(ap);
+}
+
 /* Every push of the job ended: its blocks go back, its role reports. */
 static void pushes_over(td_worker *w, td_job *j) {
   w_release_out_blocks(w, j);
@@ -91,10 +103,7 @@ static void k_pushed(void *ctx, const td_kvt *t, uint64_t rid, int tag, int n, b
   td_job *j = w_job_find(w, rid, tag);
   if (!j) return;
   j->pushes_pending--;
-  if (!ok && !j->push_failed) {
-    j->push_failed = true;
-    snprintf(j->push_error, sizeof j->push_error, "KV push failed: %s", error ? error : "?");
-  }
+  if (!ok) push_failed(j, "KV push failed: %s", error ? error : "?");
   if (j->pushes_pending <= 0) pushes_over(w, j);
 }
 
@@ -116,23 +125,15 @@ td_kvt_hooks w_kv_hooks(td_worker *w) {
                         .release = k_release, .ctx = w};
 }
 
-static void push_failed(td_job *j, const char *fmt, const char *a, const char *b) {
-  if (j->push_failed) return;
-  j->push_failed = true;
-  snprintf(j->push_error, sizeof j->push_error, fmt, a, b);
-}
-
 void td_job_push(td_worker *w, td_job *j, Tandem__Cluster__KvTarget *const *targets, size_t n_targets) {
   for (size_t i = 0; i < n_targets; i++) {
     const Tandem__Cluster__KvTarget *t = targets[i];
     if ((int)t->n_blocks != j->n_out) {
-      char got[64];
-      snprintf(got, sizeof got, "%zu blocks for %d", t->n_blocks, j->n_out);
-      push_failed(j, "target %s reserved %s", t->worker_id, got);
+      push_failed(j, "target %s reserved %zu blocks for %d", t->worker_id, t->n_blocks, j->n_out);
       continue;
     }
     if (!j->out_blocks || j->n_out <= 0) {
-      push_failed(j, "no blocks to push to %s%s", t->worker_id, "");
+      push_failed(j, "no blocks to push to %s", t->worker_id);
       continue;
     }
     kv_route r;

@@ -15,23 +15,19 @@
 /* The KV path last logged for a receiver. */
 struct kvlog {
   char id[TD_WIRE_MAX_ID + 1];
-  const td_kvt *t;
-  bool none;
+  const td_kvt *t; /* NULL: no way */
   UT_hash_handle hh;
 };
 
 static void log_path(td_worker *w, const char *peer, const kv_route *r) {
   kvlog *l = NULL;
   HASH_FIND_STR(w->kvlogs, peer, l);
-  if (l && l->t == r->t && l->none == !r->t) return;
+  if (l && l->t == r->t) return;
   if (!l && strlen(peer) <= TD_WIRE_MAX_ID && (l = calloc(1, sizeof *l)) != NULL) {
     snprintf(l->id, sizeof l->id, "%s", peer);
     HASH_ADD_STR(w->kvlogs, id, l);
   }
-  if (l) {
-    l->t = r->t;
-    l->none = !r->t;
-  }
+  if (l) l->t = r->t;
   if (!r->t)
     TD_WARN("KV to %s: no way: %s", peer, r->why);
   else if (td_kvt_get_kind(r->t) == TD_KVT_UCX)

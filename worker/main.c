@@ -40,6 +40,23 @@ static void usage(FILE *f) {
           "                                         pools; default 0.9; split it between workers on one GPU)\n");
 }
 
+/* The roles this process serves, "encode,prefill,decode": the role folders'
+ * tables, each named exactly; -1 for a name that is none of them. */
+static int parse_roles(const char *list, const td_role *served[TD_WORKER_MAX_ROLES]) {
+  static const td_role *const known[] = {&td_role_encode, &td_role_prefill, &td_role_decode};
+  int n = 0;
+  for (const char *p = list;; p++) {
+    size_t len = strcspn(p, ",");
+    const td_role *r = NULL;
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+      if (strlen(known[i]->name) == len && !strncmp(p, known[i]->name, len)) r = known[i];
+    if (!r || n == TD_WORKER_MAX_ROLES) return -1;
+    served[n++] = r;
+    p += len;
+    if (!*p) return n;
+  }
+}
+
 int main(int argc, char **argv) {
   td_settings settings;
   if (td_settings_from_env(&settings) != TD_OK) {
@@ -130,11 +147,12 @@ int main(int argc, char **argv) {
       default: usage(stderr); return 2;
     }
   }
-  /* the roles this process serves: the role folders' tables */
-  static const td_role *const known[] = {&td_role_encode, &td_role_prefill, &td_role_decode};
   const td_role *served[TD_WORKER_MAX_ROLES];
-  for (size_t i = 0; i < sizeof known / sizeof known[0] && o.n_roles < TD_WORKER_MAX_ROLES; i++)
-    if (strstr(roles, known[i]->name)) served[o.n_roles++] = known[i];
+  o.n_roles = parse_roles(roles, served);
+  if (o.n_roles < 0) {
+    fprintf(stderr, "tandem-worker: --role %s: a list of encode, prefill and decode\n", roles);
+    return 2;
+  }
   o.roles = served;
   if (strlen(o.id) > MAX_ID) {
     fprintf(stderr, "tandem-worker: --id: at most %d characters (the router's ids and a group's rank names)\n", MAX_ID);

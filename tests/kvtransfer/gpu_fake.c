@@ -151,7 +151,14 @@ td_status kvx_gpu_wait(kvx_gpu *g, int stream, void *event) {
   if (e) fake_flush(e->g, e->stream, e->seq);
   return TD_OK;
 }
+static int g_fail_record = -1;
+void kvx_fake_fail_record(int stream) { g_fail_record = stream; }
+void kvx_gpu_sync(kvx_gpu *g, int stream) { fake_flush(g, stream, g->issued[stream]); }
 td_status kvx_gpu_record(kvx_gpu *g, int stream, void **event) {
+  if (stream == g_fail_record) {
+    *event = NULL;
+    return td_err(TD_ERR_CUDA, "fake GPU: cudaEventRecord failed");
+  }
   fake_event *e = calloc(1, sizeof *e);
   *event = e;
   if (!e) return td_err(TD_ERR_NOMEM, "out of memory");
@@ -407,17 +414,17 @@ int kvx_fake_ipc_mapped(void) {
   return n;
 }
 
-td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_MAX]) {
-  snprintf(out, KVX_DEV_ID_MAX, "fake-gpu-%d", g->device);
+td_status kvx_gpu_dev_id(kvx_gpu *g, char out[KVX_DEV_ID_LEN + 1]) {
+  snprintf(out, KVX_DEV_ID_LEN + 1, "fake-gpu-%d", g->device);
   return TD_OK;
 }
 
-td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_BYTES],
+td_status kvx_gpu_ipc_export(kvx_gpu *g, void *p, size_t bytes, uint8_t handle[KVX_IPC_HANDLE_LEN],
                              uint64_t *offset) {
   for (fake_mem *m = g_exported; m; m = m->next) {
     if ((uint8_t *)p < m->base || (uint8_t *)p + bytes > m->base + m->size) continue;
     fake_handle h = {"TDFAKEIP", (uint32_t)getpid(), m->fd, m->ino, m->size};
-    memset(handle, 0, KVX_IPC_HANDLE_BYTES);
+    memset(handle, 0, KVX_IPC_HANDLE_LEN);
     memcpy(handle, &h, sizeof h);
     *offset = (uint64_t)((uint8_t *)p - m->base);
     return TD_OK;
@@ -431,7 +438,7 @@ td_status kvx_gpu_ipc_reach(kvx_gpu *g, const char *dev_id) {
   return TD_OK;
 }
 
-td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_BYTES], void **base, size_t *size) {
+td_status kvx_gpu_ipc_open(kvx_gpu *g, const uint8_t handle[KVX_IPC_HANDLE_LEN], void **base, size_t *size) {
   *base = NULL;
   *size = 0;
   fake_handle h;

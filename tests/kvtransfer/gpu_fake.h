@@ -16,5 +16,7 @@ void kvx_fake_ipc_refuse(bool refuse);
 int kvx_fake_ipc_mapped(void);
 /* Mappings closed while a copy into them was still pending. */
 int kvx_fake_ipc_violations(void);
+/* kvx_gpu_record fails on this stream from now on (-1: on none). */
+void kvx_fake_fail_record(int stream);
 
 #endif

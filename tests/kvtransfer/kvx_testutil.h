@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/clock.h"
 #include "kvcache/kvcache.h"
@@ -102,6 +103,40 @@ static inline bool kt_drive(td_kvx **ks, int n, const int *flag, int timeout_ms)
     if (armed) poll(pf, (nfds_t)np, 20);
   }
   return true;
+}
+
+/* Posts x to peer p of sender s and drives s and receiver r (whose
+ * callbacks count into rx) until the transfer ended well on both sides. */
+static inline void kt_move(td_kvx *s, td_kvx *r, kt_rx *rx, td_kvx_peer *p, const td_kvx_xfer *x, const char *what) {
+  int before = rx->events;
+  kt_done d = {0};
+  cr_assert_eq(td_kvx_post(p, x, kt_done_cb, &d, NULL), TD_OK, "%s: %s", what, td_errmsg());
+  td_kvx *ks[2] = {s, r};
+  cr_assert(kt_drive(ks, 2, &d.calls, 20000), "%s: no completion", what);
+  cr_assert_eq(d.status, TD_OK, "%s: %s", what, d.msg);
+  int64_t end = td_now_ms() + 5000;
+  while (rx->events == before && td_now_ms() < end) {
+    td_kvx_progress(s);
+    td_kvx_progress(r);
+  }
+  cr_assert_eq(rx->last_status, TD_OK, "%s: %s", what, rx->last_msg);
+}
+
+/* Reads n bytes from a pipe within ms, progressing k (when given) meanwhile. */
+static inline bool kt_read_full(int fd, void *p, size_t n, td_kvx *k, int ms) {
+  uint8_t *b = p;
+  int64_t end = td_now_ms() + ms;
+  while (n && td_now_ms() < end) {
+    if (k) td_kvx_progress(k);
+    struct pollfd pf = {fd, POLLIN, 0};
+    if (poll(&pf, 1, 1) > 0) {
+      ssize_t got = read(fd, b, n);
+      if (got <= 0) return false;
+      b += got;
+      n -= (size_t)got;
+    }
+  }
+  return n == 0;
 }
 
 static inline void kt_fill_random(void *p, size_t n, uint64_t seed) {

@@ -112,19 +112,8 @@ static uint8_t *expected(const side *s, const td_kvx_geom *sg, const side *r, co
 static void move(side *s, const td_kvx_geom *sg, side *r, const td_kvx_geom *rg, td_kvx_peer *p,
                  td_kvx_transport tr, const int32_t *src, const int32_t *dst, int n) {
   uint8_t *want = expected(s, sg, r, rg, src, dst, n);
-  int before = r->rx.events;
   td_kvx_xfer x = {77, 0, GPU, GPU, src, dst, n, 20000, tr, NULL};
-  kt_done d = {0};
-  cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
-  td_kvx *ks[2] = {s->k, r->k};
-  cr_assert(kt_drive(ks, 2, &d.calls, 20000), "no completion");
-  cr_assert_eq(d.status, TD_OK, "%s", d.msg);
-  int64_t end = td_now_ms() + 5000;
-  while (r->rx.events == before && td_now_ms() < end) {
-    td_kvx_progress(s->k);
-    td_kvx_progress(r->k);
-  }
-  cr_assert_eq(r->rx.last_status, TD_OK, "%s", r->rx.last_msg);
+  kt_move(s->k, r->k, &r->rx, p, &x, "move");
   for (size_t b = 0; b < (size_t)r->nb; b++)
     cr_assert_eq(memcmp(r->mem + b * r->bb, want + b * r->bb, r->bb), 0, "receiver block %zu differs", b);
   cr_assert_eq(memcmp(r->snap, r->mem, r->bb * (size_t)r->nb), 0, "written after the recv event");
@@ -274,6 +263,37 @@ static void stop_mid_copy(stop_how how) {
   side_close(&s);
   cr_assert_eq(memcmp(r.snap, r.mem, r.bb * 600), 0, "written after the recv event");
   cr_assert_eq(kvx_fake_ipc_violations(), 0);
+  side_close(&r);
+}
+
+/* A chunk's copies issued but its event not recorded: the transfer fails,
+ * and its ABORT (so the receiver's event) still comes after those copies. */
+Test(kvx_ipc, failed_event_record, .timeout = 120) {
+  td_kvx_geom g = kt_geom(0, 1, 0, 1, 16, 8, 2);
+  side s, r;
+  side_open(&s, "ipc-s", g, 600, (sopts){0}, 5);
+  side_open(&r, "ipc-r", g, 600, (sopts){0}, 6);
+  td_kvx_peer *p = link_to(&s, &r);
+  static int32_t src[500], dst[500];
+  for (int i = 0; i < 500; i++) {
+    src[i] = i;
+    dst[i] = (i * 7) % 600;
+  }
+  kvx_fake_fail_record(KVX_S_IPC);
+  td_kvx_xfer x = {3, 0, GPU, GPU, src, dst, 500, 20000, TD_KVX_IPC, NULL};
+  kt_done d = {0};
+  cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
+  td_kvx *ks[2] = {s.k, r.k};
+  cr_assert(kt_drive(ks, 2, &d.calls, 20000));
+  kvx_fake_fail_record(-1);
+  cr_assert_eq(d.status, TD_ERR_CUDA, "%s", d.msg);
+  cr_assert(kt_drive(ks, 2, &r.rx.events, 20000));
+  cr_assert_neq(r.rx.last_status, TD_OK);
+  td_kvx_disconnect(p);
+  for (int i = 0; i < 50; i++) td_kvx_progress(s.k);
+  side_close(&s);
+  cr_assert_eq(kvx_fake_ipc_violations(), 0, "a mapping closed under a copy");
+  cr_assert_eq(memcmp(r.snap, r.mem, r.bb * 600), 0, "written after the recv event");
   side_close(&r);
 }
 
@@ -485,22 +505,6 @@ Test(kvx_ipc, pool_outside_its_allocation, .init = cr_redirect_stderr, .timeout 
 
 /* ---- two processes (fork): the receiver is the child ---- */
 
-static bool read_full(int fd, void *p, size_t n, td_kvx *k, int ms) {
-  uint8_t *b = p;
-  int64_t end = td_now_ms() + ms;
-  while (n && td_now_ms() < end) {
-    if (k) td_kvx_progress(k);
-    struct pollfd pf = {fd, POLLIN, 0};
-    if (poll(&pf, 1, 1) > 0) {
-      ssize_t got = read(fd, b, n);
-      if (got <= 0) return false;
-      b += got;
-      n -= (size_t)got;
-    }
-  }
-  return n == 0;
-}
-
 enum { PNB = 3000, PN = 2500 /* pieces: 3 chunks */ };
 
 /* The child: a receiver with a shareable pool; sends its descriptor, then
@@ -556,10 +560,10 @@ static child spawn(bool hang) {
 
 static td_kvx_peer *connect_child(side *s, child *c) {
   uint64_t len;
-  cr_assert(read_full(c->rd, &len, 8, NULL, 30000), "child did not start");
+  cr_assert(kt_read_full(c->rd, &len, 8, NULL, 30000), "child did not start");
   cr_assert_lt(len, 1u << 20);
   uint8_t *desc = malloc(len);
-  cr_assert(read_full(c->rd, desc, len, NULL, 10000));
+  cr_assert(kt_read_full(c->rd, desc, len, NULL, 10000));
   td_kvx_peer *p;
   cr_assert_eq(td_kvx_connect(s->k, desc, len, &p), TD_OK, "%s", td_errmsg());
   free(desc);
@@ -585,7 +589,7 @@ Test(kvx_ipc, two_processes, .timeout = 120) {
   cr_assert_eq(d.status, TD_OK, "%s", d.msg);
   cr_assert_eq(td_kvx_get_stats(s.k).ipc_xfers, 1);
   uint8_t *got = malloc(s.bb * PNB);
-  cr_assert(read_full(c.rd, got, s.bb * PNB, s.k, 30000));
+  cr_assert(kt_read_full(c.rd, got, s.bb * PNB, s.k, 30000));
   for (int i = 0; i < PN; i++)
     cr_assert_eq(memcmp(got + (size_t)dst[i] * s.bb, s.mem + (size_t)src[i] * s.bb, s.bb), 0, "block %d", i);
   free(got);
@@ -620,7 +624,7 @@ Test(kvx_ipc, receiver_killed_mid_copy, .timeout = 120) {
   while (td_kvx_get_stats(s.k).ipc_chunks == 0 && td_now_ms() < end) td_kvx_progress(s.k);
   cr_assert_eq(td_kvx_get_stats(s.k).ipc_chunks, 3, "copies in flight: %d", td_kvx_get_stats(s.k).ipc_chunks);
   char gch;
-  cr_assert(read_full(c.rd, &gch, 1, NULL, 30000), "receiver never granted");
+  cr_assert(kt_read_full(c.rd, &gch, 1, NULL, 30000), "receiver never granted");
   cr_assert_eq(kvx_fake_ipc_mapped(), 1);
   kill(c.pid, SIGKILL);
   waitpid(c.pid, NULL, 0);

@@ -72,19 +72,8 @@ static void check_blocks(side *s, side *r, uint32_t pool, const int32_t *src, co
 static void move(side *s, side *r, td_kvx_peer *p, uint32_t pool, int n, bool src_sc, bool dst_sc) {
   int32_t src[NB], dst[NB];
   ids(n, src_sc, dst_sc, src, dst);
-  int before = r->rx.events;
   td_kvx_xfer x = {7, 0, pool, pool, src, dst, n, 20000, TD_KVX_NCCL, NULL};
-  kt_done d = {0};
-  cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
-  td_kvx *ks[2] = {s->k, r->k};
-  cr_assert(kt_drive(ks, 2, &d.calls, 20000), "no completion");
-  cr_assert_eq(d.status, TD_OK, "%s", d.msg);
-  int64_t end = td_now_ms() + 5000;
-  while (r->rx.events == before && td_now_ms() < end) {
-    td_kvx_progress(s->k);
-    td_kvx_progress(r->k);
-  }
-  cr_assert_eq(r->rx.last_status, TD_OK, "%s", r->rx.last_msg);
+  kt_move(s->k, r->k, &r->rx, p, &x, "NCCL");
   cr_assert_eq(r->rx.last_bytes, (uint64_t)n * (pool == POOL ? r->bb : r->bb_b));
   check_blocks(s, r, pool, src, dst, n);
 }

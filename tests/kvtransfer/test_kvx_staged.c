@@ -72,19 +72,10 @@ static void move(side *s, side *r, td_kvx_peer *p, uint32_t sp, uint32_t rp) {
   /* Distinct destinations. */
   for (int i = 0; i < n; i++)
     for (int j = 0; j < i; j++) cr_assert_neq(dst[i], dst[j]);
-  int before = r->rx.events;
   td_kvx_xfer x = {100 + sp * 10 + rp, 0, sp, rp, src, dst, n, 20000, TD_KVX_UCX, NULL};
-  kt_done d = {0};
-  cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
-  td_kvx *ks[2] = {s->k, r->k};
-  cr_assert(kt_drive(ks, 2, &d.calls, 20000), "no completion");
-  cr_assert_eq(d.status, TD_OK, "%u -> %u: %s", sp, rp, d.msg);
-  int64_t end = td_now_ms() + 5000;
-  while (r->rx.events == before && td_now_ms() < end) {
-    td_kvx_progress(s->k);
-    td_kvx_progress(r->k);
-  }
-  cr_assert_eq(r->rx.last_status, TD_OK, "%s", r->rx.last_msg);
+  char what[32];
+  snprintf(what, sizeof what, "%u -> %u", sp, rp);
+  kt_move(s->k, r->k, &r->rx, p, &x, what);
   cr_assert_eq(r->rx.last_bytes, (uint64_t)n * r->bb);
   const uint8_t *sb = sp == HOST ? s->host : s->gpu, *rb = rp == HOST ? r->host : r->gpu;
   for (int i = 0; i < n; i++)
@@ -275,22 +266,6 @@ static int receiver_child(int wfd, int rfd, bool hang) {
   return 0;
 }
 
-static bool read_full(int fd, void *p, size_t n, td_kvx *k, int ms) {
-  uint8_t *b = p;
-  int64_t end = td_now_ms() + ms;
-  while (n && td_now_ms() < end) {
-    if (k) td_kvx_progress(k);
-    struct pollfd pf = {fd, POLLIN, 0};
-    if (poll(&pf, 1, 1) > 0) {
-      ssize_t r = read(fd, b, n);
-      if (r <= 0) return false;
-      b += r;
-      n -= (size_t)r;
-    }
-  }
-  return n == 0;
-}
-
 static void run_child(bool hang) {
   int up[2], down[2];
   cr_assert_eq(pipe(up), 0);
@@ -308,9 +283,9 @@ static void run_child(bool hang) {
   side s;
   side_open(&s, "stg-parent", g, TD_KVX_LOCAL_AUTO, 9);
   uint64_t len;
-  cr_assert(read_full(up[0], &len, 8, NULL, 60000));
+  cr_assert(kt_read_full(up[0], &len, 8, NULL, 60000));
   uint8_t *desc = malloc(len);
-  cr_assert(read_full(up[0], desc, len, NULL, 10000));
+  cr_assert(kt_read_full(up[0], desc, len, NULL, 10000));
   td_kvx_peer *p;
   cr_assert_eq(td_kvx_connect(s.k, desc, len, &p), TD_OK, "%s", td_errmsg());
   free(desc);
@@ -325,7 +300,7 @@ static void run_child(bool hang) {
   td_kvx *ks[1] = {s.k};
   if (hang) {
     char c;
-    cr_assert(read_full(up[0], &c, 1, s.k, 30000));
+    cr_assert(kt_read_full(up[0], &c, 1, s.k, 30000));
     for (int i = 0; i < 200; i++) td_kvx_progress(s.k);
     cr_assert_eq(d.calls, 0, "%s", d.msg);
     int64_t t0 = td_now_ms();
@@ -341,7 +316,7 @@ static void run_child(bool hang) {
     cr_assert(kt_drive(ks, 1, &d.calls, 30000));
     cr_assert_eq(d.status, TD_OK, "%s", d.msg);
     uint8_t *got = malloc(s.bb * NB);
-    cr_assert(read_full(up[0], got, s.bb * NB, s.k, 30000));
+    cr_assert(kt_read_full(up[0], got, s.bb * NB, s.k, 30000));
     for (int i = 0; i < NB; i++)
       cr_assert_eq(memcmp(got + (size_t)dst[i] * s.bb, s.gpu + (size_t)src[i] * s.bb, s.bb), 0, "block %d", i);
     free(got);
@@ -375,9 +350,9 @@ Test(kvx_staged, sender_killed_mid_transfer, .timeout = 120) {
     side s;
     side_open(&s, "stg-child-tx", g, TD_KVX_LOCAL_AUTO, 21);
     uint64_t len;
-    if (!read_full(down[0], &len, 8, NULL, 30000) || len > (1u << 20)) _exit(50);
+    if (!kt_read_full(down[0], &len, 8, NULL, 30000) || len > (1u << 20)) _exit(50);
     uint8_t *desc = malloc(len);
-    if (!read_full(down[0], desc, len, NULL, 10000)) _exit(51);
+    if (!kt_read_full(down[0], desc, len, NULL, 10000)) _exit(51);
     td_kvx_peer *p;
     if (td_kvx_connect(s.k, desc, len, &p) != TD_OK) _exit(52);
     int32_t ids[NB];
@@ -402,7 +377,7 @@ Test(kvx_staged, sender_killed_mid_transfer, .timeout = 120) {
   cr_assert_eq(write(down[1], desc, n), (ssize_t)n);
   free(desc);
   char c;
-  cr_assert(read_full(up[0], &c, 1, r.k, 30000));
+  cr_assert(kt_read_full(up[0], &c, 1, r.k, 30000));
   kill(pid, SIGKILL);
   waitpid(pid, NULL, 0);
   td_kvx *ks[1] = {r.k};

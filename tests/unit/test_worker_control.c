@@ -2,7 +2,8 @@
  * CPU, on a thread) against a fake router on a loopback ZeroMQ socket, and
  * a fake KV receiver. Registration and the heartbeat period the ack names,
  * reservation expiry, a refused job that no pool could hold, a cancel
- * while a push waits for its answer, token offsets per sequence. */
+ * while a push waits for its answer, token offsets per sequence, token
+ * counts past an int and a push of blocks of the wrong size refused. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <signal.h>
@@ -310,6 +311,33 @@ Test(worker_control, job_larger_than_the_pool_is_refused_naming_it, .timeout = 6
   worker_stop(&r);
 }
 
+/* Token counts past what an int holds (the router's message is trusted
+ * for nothing): refused naming them, never wrapped into a small or
+ * negative reservation. */
+Test(worker_control, job_with_token_counts_past_int_is_refused, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  send_decode(&r.f, 35, 0x7fffffffu, false, 1);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
+  cr_assert_not_null(m, "an over-limit job was not refused");
+  cr_expect_eq(failed_rid(m), 35);
+  cr_expect(strstr(m->failed->message, "needs 134217728 cross-attention blocks"), "%s", m->failed->message);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_decode(&r.f, 36, 0x80000000u, false, 1);
+  m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
+  cr_assert_not_null(m, "a job of a negative token count was not refused");
+  cr_expect_eq(failed_rid(m), 36);
+  cr_expect_eq(m->failed->code, TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT);
+  cr_expect(!m->failed->retryable);
+  cr_expect(strstr(m->failed->message, "encoder and 0 prompt tokens"), "%s", m->failed->message);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  m = heartbeat_where(&r.f, cross_pool_free, 5000);
+  cr_expect_not_null(m, "a refused job holds blocks");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  worker_stop(&r);
+}
+
 Test(worker_control, job_for_a_role_not_served_is_refused, .timeout = 60) {
   static const td_role *const roles[] = {&td_role_decode};
   wrun r;
@@ -503,5 +531,54 @@ Test(worker_control, cancel_while_a_push_waits_for_its_answer, .timeout = 60) {
                (unsigned long long)m->heartbeat->load->kv_out_zmq);
   tandem__cluster__worker_message__free_unpacked(m, NULL);
   zmq_close(k.sock);
+  worker_stop(&r);
+}
+
+/* ---------------------------------------------------------------- a push refused */
+
+/* A KvPush whose header says its blocks have 0 bytes: nothing matches this
+ * model's blocks, so it is refused before a byte is written (0 must not
+ * pass the size check as "unchecked"). */
+Test(worker_control, zmq_push_of_empty_blocks_is_refused, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  send_decode(&r.f, 81, 4, false, 1);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "nothing reserved");
+  const Tandem__Cluster__KvTarget *t = m->reserved->cross;
+  cr_assert_eq(t->n_blocks, 1);
+  Tandem__Cluster__TransferDesc *d = tandem__cluster__transfer_desc__unpack(NULL, t->desc.len, t->desc.data);
+  cr_assert(d && d->zmq && !strncmp(d->zmq, "zmq:", 4));
+  void *s = zmq_socket(r.f.zctx, ZMQ_DEALER);
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert_eq(zmq_connect(s, d->zmq + 4), 0);
+  Tandem__Cluster__KvPush h = TANDEM__CLUSTER__KV_PUSH__INIT;
+  h.version = TD_PROTOCOL_VERSION;
+  h.rid = 81;
+  h.reservation = t->reservation;
+  h.cross = true;
+  h.blocks = t->blocks;
+  h.n_blocks = 1;
+  h.block_bytes = 0;
+  h.push_id = 9;
+  uint8_t buf[256];
+  size_t n = protobuf_c_message_pack(&h.base, buf);
+  cr_assert_eq(zmq_send(s, buf, n, ZMQ_SNDMORE), (int)n);
+  cr_assert_eq(zmq_send(s, "", 0, 0), 0);
+  zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+  cr_assert_gt(zmq_poll(&it, 1, 10000), 0, "no answer to the push");
+  int got = zmq_recv(s, buf, sizeof buf, 0);
+  cr_assert_gt(got, 0);
+  Tandem__Cluster__KvAck *a = tandem__cluster__kv_ack__unpack(NULL, (size_t)got, buf);
+  cr_assert_not_null(a);
+  cr_expect_eq(a->push_id, 9);
+  cr_expect(!a->ok, "a push of 0-byte blocks was taken");
+  cr_expect(a->error && strstr(a->error, "blocks of 0 bytes"), "%s", a->error ? a->error : "(no error)");
+  tandem__cluster__kv_ack__free_unpacked(a, NULL);
+  zmq_close(s);
+  tandem__cluster__transfer_desc__free_unpacked(d, NULL);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
   worker_stop(&r);
 }
