@@ -216,6 +216,7 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
         cw->kv_out_ucx = x->kv_out_ucx;
         cw->kv_out_zmq = x->kv_out_zmq;
         cw->kv_out_ipc = x->kv_out_ipc;
+        cw->encoded = x->encoded;
         cw->kv_pushing = (int)x->kv_pushing;
       }
       c->have_health = true;

@@ -51,6 +51,7 @@ typedef struct td_client_worker {
   /* KV blocks received / pushed over UCX (kvtransfer) and ZeroMQ; pushes in flight */
   uint64_t kv_in_ucx, kv_in_zmq, kv_out_ucx, kv_out_zmq;
   uint64_t kv_out_ipc; /* of kv_out_ucx: over CUDA IPC */
+  uint64_t encoded;    /* requests its encoder ran */
   int kv_pushing;
 } td_client_worker;
 

@@ -126,6 +126,7 @@ int main(int argc, char **argv) {
         cJSON_AddNumberToObject(wj, "kv_out_ucx", (double)x->kv_out_ucx);
         cJSON_AddNumberToObject(wj, "kv_out_zmq", (double)x->kv_out_zmq);
         cJSON_AddNumberToObject(wj, "kv_out_ipc", (double)x->kv_out_ipc);
+        cJSON_AddNumberToObject(wj, "encoded", (double)x->encoded);
         cJSON_AddItemToArray(ws, wj);
       }
       char *wtxt = ws ? cJSON_PrintUnformatted(ws) : NULL;

@@ -31,6 +31,11 @@
 #define TD_DEFAULT_STAGE_TIMEOUT_MS 60000    /* reserve / encode / prefill stages */
 #define TD_DEFAULT_MAX_ATTEMPTS 3        /* worker sets a request is tried on */
 #define TD_DEFAULT_PREFILL_THRESHOLD 16  /* decoder prompts this long go to a prefill worker */
+#define TD_DEFAULT_LOCAL_ENCODE_PCT 50  /* a decode worker that also encodes takes encoder runs while fewer than
+                                           this % of its batch decode (router/placement.c) */
+#define TD_ROUTER_MAX_ENCODE_RUNS 1000  /* --encode-queue-runs at most */
+#define TD_DEFAULT_ENCODE_RUNS 3         /* an encoder's queue, in its runs: one running, one waiting, one whose
+                                            KV is on its way (router/placement.c; docs/router.md) */
 #define TD_DEFAULT_CLIENT_ENDPOINT "tcp://127.0.0.1:7000" /* where the router serves clients */
 #define TD_DEFAULT_WORKER_ENDPOINT "tcp://127.0.0.1:7001" /* where workers reach the router */
 #define TD_ROUTER_TICK_MS 20             /* deadlines, stage timeouts, group ranks and the stop flag checked */

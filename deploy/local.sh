@@ -10,6 +10,9 @@
 #                   the ephemeral range, picked again if taken before the router binds)
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
 #                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks)
+#                   [--decoders-encode [--local-encode-pct P]] (decode workers also encode, sharing the
+#                                                     encoding with the encoders while fewer than P % of
+#                                                     their batch decode; default 50)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
 #                   [--cross-mode auto|kv|states|dual] (what the cross pools hold: router and every
 #                                                     worker; auto: dual, --cross-states: states)
@@ -31,6 +34,8 @@ decode_tp=1 decode_pp=1
 kv_transport=auto
 cross_mode=auto
 max_batch=""
+decoders_encode=0
+local_encode_pct=""
 mem_fraction=0.9
 while (($#)); do
   case $1 in
@@ -44,13 +49,15 @@ while (($#)); do
     --block-size) block_size=$2; shift 2 ;;
     --decode-tp) decode_tp=$2; shift 2 ;;
     --decode-pp) decode_pp=$2; shift 2 ;;
+    --decoders-encode) decoders_encode=1; shift ;;
+    --local-encode-pct) local_encode_pct=$2; shift 2 ;;
     --kv-transport) kv_transport=$2; shift 2 ;;
     --cross-states) cross_mode=states; shift ;;
     --cross-mode) cross_mode=$2; shift 2 ;;
     --max-batch) max_batch=$2; shift 2 ;;
     --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -63,6 +70,8 @@ model=$(cd "$model" && pwd)
 [[ $cross_mode == auto || $cross_mode == kv || $cross_mode == states || $cross_mode == dual ]] ||
   { echo "local.sh: --cross-mode must be auto, kv, states or dual" >&2; exit 2; }
 [[ -z $max_batch || $max_batch =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --max-batch must be a positive integer" >&2; exit 2; }
+[[ -z $local_encode_pct || $local_encode_pct =~ ^[1-9][0-9]*$ ]] ||
+  { echo "local.sh: --local-encode-pct must be a positive integer" >&2; exit 2; }
 awk -v f="$mem_fraction" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 1 && f ~ /^[0-9.]+$/) }' ||
   { echo "local.sh: --gpu-memory-fraction must be in (0, 1]" >&2; exit 2; }
 
@@ -125,7 +134,8 @@ start() { # name, command...
 for attempt in 1 2 3 4 5; do
   client_ep="tcp://127.0.0.1:$port"
   worker_ep="tcp://127.0.0.1:$((port + 1))"
-  start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode"
+  start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode" \
+    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"}
   rpid=${pids[-1]}
   for _ in $(seq 100); do
     grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
@@ -149,6 +159,7 @@ ngpu=1
 [[ -n $max_batch ]] && common+=(--max-batch "$max_batch")
 group_size=$((decode_tp * decode_pp))
 ((group_size > 1 && encoders == 0)) && { echo "local.sh: decode groups need encoder workers" >&2; exit 2; }
+((group_size > 1 && decoders_encode)) && { echo "local.sh: --decoders-encode is for single-process decode workers" >&2; exit 2; }
 [[ $group_size -gt 1 && $kv_transport == ucx ]] &&
   { echo "local.sh: decode groups take KV over ZeroMQ (the leader re-slices it): use --kv-transport auto" >&2; exit 2; }
 # The plan: each worker's name, GPU (round robin), memory weight and flags;
@@ -163,9 +174,10 @@ plan() { # name weight flags...
 for ((i = 0; i < encoders; i++)); do plan "encoder-$i" 1 --role encode; done
 for ((i = 0; i < prefills; i++)); do plan "prefill-$i" 1 --role prefill; done
 for ((i = 0; i < decodes; i++)); do
-  # without encoders, decode workers encode for themselves
+  # without encoders, decode workers encode for themselves; with them, when
+  # asked, they take what the encoders' queues cannot (router/placement.c)
   roles=decode
-  ((encoders == 0)) && roles=encode,decode
+  ((encoders == 0 || decoders_encode)) && roles=encode,decode
   if ((group_size == 1)); then
     plan "decode-$i" 3 --role "$roles"
     continue
@@ -189,7 +201,8 @@ for ((k = 0; k < ${#w_name[@]}; k++)); do
 done
 
 # serving once every worker has registered, in the cross mode asked for
-want="\"cross\": \"$cross_mode\", \"encoders\": $((encoders > 0 ? encoders : decodes)), \"prefills\": $prefills, \"decoders\": $decodes"
+n_enc=$((encoders > 0 && !decoders_encode ? encoders : encoders + decodes))
+want="\"cross\": \"$cross_mode\", \"encoders\": $n_enc, \"prefills\": $prefills, \"decoders\": $decodes"
 for _ in $(seq 300); do
   for pid in "${pids[@]}"; do
     kill -0 "$pid" 2>/dev/null || { echo "local.sh: a process exited during start-up; logs in $run_dir" >&2; exit 1; }

@@ -54,6 +54,8 @@ typedef struct rreq {
   int attempts;
   char dec_w[TD_WIRE_MAX_ID + 1], enc_w[TD_WIRE_MAX_ID + 1], pre_w[TD_WIRE_MAX_ID + 1];
   bool local_encode, with_prefill;
+  bool local_enc_held;   /* a local encode counts in its decode worker's enc_pending */
+  bool decoding_counted; /* counted in its decode worker's `decoding` */
   Tandem__Cluster__Reserved *dres, *pres; /* decode / prefill reservations */
   bool encoded, prefilled;
   /* tokens already streamed to the client (first sequence) and their
@@ -88,6 +90,7 @@ typedef struct group_rv {
 
 struct td_router {
   td_router_opts o;
+  td_place_opts place_opts;
   void *ctx, *csock, *wsock;
   bool own_ctx;
   volatile sig_atomic_t *stop;    /* td_router_run's */
@@ -152,6 +155,11 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why);
 void rtr_req_free(td_router *r, rreq *q);
 /* A worker's part in the request is over: its hold on the worker goes. */
 void rtr_role_done(td_router *r, rreq *q, rtr_role role);
+/* A local encode is over (the first token came, or the request left the
+ * worker): its positions leave the worker's encoder queue. */
+void rtr_local_encode_done(td_router *r, rreq *q);
+/* The request's encoding is over: it counts as decoding on its decode worker. */
+void rtr_mark_decoding(td_router *r, rreq *q);
 void rtr_send_encode(td_router *r, rreq *q);
 void rtr_send_prefill(td_router *r, rreq *q);
 /* Before sleeping: places the queue's requests, first come first served. */

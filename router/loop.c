@@ -188,6 +188,8 @@ static void apply_defaults(td_router_opts *o) {
   if (o->stage_timeout_ms <= 0) o->stage_timeout_ms = TD_DEFAULT_STAGE_TIMEOUT_MS;
   if (o->max_attempts <= 0) o->max_attempts = TD_DEFAULT_MAX_ATTEMPTS;
   if (o->prefill_threshold <= 0) o->prefill_threshold = TD_DEFAULT_PREFILL_THRESHOLD;
+  if (o->encode_runs <= 0) o->encode_runs = TD_DEFAULT_ENCODE_RUNS;
+  if (o->local_encode_pct <= 0) o->local_encode_pct = TD_DEFAULT_LOCAL_ENCODE_PCT;
 }
 
 static td_status bind_socket(td_router *r, void **sock, const char *endpoint, const char *what, bool handover) {
@@ -206,10 +208,16 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
   if (opts->max_attempts > TD_ROUTER_MAX_ATTEMPTS)
     return td_err(TD_ERR_INVALID, "max_attempts %d exceeds %d (an attempt is numbered in a byte)", opts->max_attempts,
                   TD_ROUTER_MAX_ATTEMPTS);
+  if (opts->encode_runs < 0 || opts->encode_runs > TD_ROUTER_MAX_ENCODE_RUNS)
+    return td_err(TD_ERR_INVALID, "encode_runs %d is outside 1 to %d", opts->encode_runs, TD_ROUTER_MAX_ENCODE_RUNS);
+  if (opts->local_encode_pct < 0 || opts->local_encode_pct > 100)
+    return td_err(TD_ERR_INVALID, "local_encode_pct %d is outside 1 to 100", opts->local_encode_pct);
   td_router *r = calloc(1, sizeof *r);
   if (!r) return td_err(TD_ERR_NOMEM, "out of memory");
   r->o = *opts;
   apply_defaults(&r->o);
+  r->place_opts = (td_place_opts){.prefill_threshold = r->o.prefill_threshold, .encode_runs = r->o.encode_runs,
+                                  .local_encode_pct = r->o.local_encode_pct};
   r->model = (Tandem__ModelInfo)TANDEM__MODEL_INFO__INIT;
   r->next_serial = 1;
   r->own_ctx = !opts->zmq_ctx;

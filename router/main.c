@@ -27,13 +27,15 @@ int main(int argc, char **argv) {
       {"max-queue", required_argument, 0, 'q'},       {"max-in-flight", required_argument, 0, 'f'},
       {"timeout-ms", required_argument, 0, 't'},      {"stage-timeout-ms", required_argument, 0, 's'},
       {"max-attempts", required_argument, 0, 'a'},    {"prefill-threshold", required_argument, 0, 'p'},
+      {"encode-queue-runs", required_argument, 0, 'e'},
+      {"local-encode-pct", required_argument, 0, 'L'},
       {"model-name", required_argument, 0, 'n'},      {"log-level", required_argument, 0, 'l'},
       {"cross-states", no_argument, 0, 'C'},          {"cross-mode", required_argument, 0, 'x'},
       {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
   int c;
-  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:n:l:Cx:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:e:L:n:l:Cx:h", opts, NULL)) != -1) {
     switch (c) {
       case 'c': o.client_endpoint = optarg; break;
       case 'w': o.worker_endpoint = optarg; break;
@@ -45,6 +47,8 @@ int main(int argc, char **argv) {
       case 's': o.stage_timeout_ms = atoi(optarg); break;
       case 'a': o.max_attempts = atoi(optarg); break;
       case 'p': o.prefill_threshold = atoi(optarg); break;
+      case 'e': o.encode_runs = atoi(optarg); break;
+      case 'L': o.local_encode_pct = atoi(optarg); break;
       case 'n': o.model_name = optarg; break;
       case 'C': o.cross_mode = TD_CROSS_STATES; break;
       case 'x':
@@ -63,7 +67,9 @@ int main(int argc, char **argv) {
                 "usage: tandem-router [--client-endpoint tcp://HOST:PORT] [--worker-endpoint tcp://HOST:PORT]\n"
                 "                     [--heartbeat-ms N] [--dead-after N] [--max-queue N] [--max-in-flight N]\n"
                 "                     [--timeout-ms N] [--stage-timeout-ms N] [--max-attempts N]\n"
-                "                     [--prefill-threshold N] [--model-name NAME] [--log-level LEVEL]\n"
+                "                     [--prefill-threshold N] [--encode-queue-runs N] [--local-encode-pct P]\n"
+                "                     [--model-name NAME]\n"
+                "                     [--log-level LEVEL]\n"
                 "                     [--cross-mode auto|kv|states|dual]  (what the cross pools hold; every\n"
                 "                                         worker must run the same; --cross-states: states)\n");
         return c == 'h' ? 0 : 2;

@@ -1,5 +1,6 @@
 /* Placement: which decode, encoder and prefill workers a request goes to.
  * Pure over the pool the router hands in (router/policy.h). */
+#include <stdint.h>
 #include <stdio.h>
 
 #include "common/defaults.h"
@@ -73,11 +74,43 @@ static void wait_reason(const td_place_worker *const *pool, int n, want role, ch
     snprintf(why, cap, "no %s is registered", names[role]);
   else if (!live)
     snprintf(why, cap, "every %s is draining", names[role]);
+  else if (role == WANT_ENC)
+    snprintf(why, cap, "every encoder's queue is full (its encoder runs ahead)");
   else
     snprintf(why, cap, "every %s that can run it is full (cross KV blocks or queue)", names[role]);
 }
 
-td_place_status td_place(const td_place_worker *const *pool, int n, const td_place_req *q, int prefill_threshold,
+/* Whether an encoder's queue takes q's positions: nothing pending, no known
+ * run size, or within encode_runs runs. */
+static bool enc_room(const td_place_worker *w, const td_place_req *q, const td_place_opts *o) {
+  if (w->enc_pending <= 0 || w->enc_batch <= 0 || o->encode_runs <= 0) return true;
+  return (int64_t)w->enc_pending + q->enc_len <= (int64_t)o->encode_runs * w->enc_batch;
+}
+
+/* The encoder for decode worker d: d itself (-2 below means "local") or an
+ * index; -1 when every candidate is full. */
+#define LOCAL (-2)
+static int pick_encoder(const td_place_worker *const *pool, int n, int d, const td_place_req *q,
+                        const td_place_opts *o) {
+  const td_place_worker *dw = pool[d];
+  bool pure = false; /* an encoder-only worker is there to share the encoding with */
+  for (int i = 0; i < n; i++) pure |= pool[i]->enc && !pool[i]->dec && !pool[i]->draining;
+  if (dw->enc && !pure) return LOCAL;
+  int best = -1;
+  const td_place_worker *bw = NULL;
+  for (int i = 0; i < n; i++) {
+    const td_place_worker *w = pool[i];
+    if (!w->enc || w->draining || !enc_room(w, q, o)) continue;
+    /* a worker that decodes encodes only for itself when it encodes */
+    if (dw->enc && w->dec && i != d) continue;
+    if (i == d && (int64_t)w->decoding * 100 >= (int64_t)o->local_encode_pct * w->max_running) continue;
+    if (!bw || w->enc_pending < bw->enc_pending || (w->enc_pending == bw->enc_pending && bw->dec && !w->dec))
+      best = i, bw = w;
+  }
+  return best == d ? LOCAL : best;
+}
+
+td_place_status td_place(const td_place_worker *const *pool, int n, const td_place_req *q, const td_place_opts *o,
                          td_placement *out) {
   out->decode = out->encode = out->prefill = -1;
   out->why[0] = 0;
@@ -87,18 +120,17 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
     wait_reason(pool, n, WANT_DEC, out->why, sizeof out->why);
     return TD_PLACE_WAIT;
   }
-  bool local = pool[d]->enc;
-  int e = -1, p = -1;
-  if (!local) {
-    e = pick(pool, n, WANT_ENC, q);
-    if (e < 0) {
-      wait_reason(pool, n, WANT_ENC, out->why, sizeof out->why);
-      return TD_PLACE_WAIT;
-    }
+  int e = pick_encoder(pool, n, d, q, o), p = -1;
+  if (e == -1) {
+    wait_reason(pool, n, WANT_ENC, out->why, sizeof out->why);
+    return TD_PLACE_WAIT;
   }
-  if (!local && !pool[d]->pre && q->n_prompt >= prefill_threshold) p = pick(pool, n, WANT_PRE, q);
+  bool local = e == LOCAL;
+  if (local) e = -1;
+  if (!local && !pool[d]->pre && q->n_prompt >= o->prefill_threshold) p = pick(pool, n, WANT_PRE, q);
   out->decode = d;
   out->encode = e;
+  out->local_encode = local;
   out->prefill = p;
   return TD_PLACE_OK;
 }

@@ -43,6 +43,9 @@ typedef struct td_place_worker {
   int max_running;    /* sequences its decode step runs at once */
   int jobs;           /* requests of any stage placed there */
   int committed_cross, committed_self; /* blocks placed requests hold or will */
+  int enc_batch;      /* encoder positions one encoder run takes (0: unknown) */
+  int enc_pending;    /* encoder positions placed there and not yet encoded */
+  int decoding;       /* requests there whose encoding is over (decoding or prefilling) */
 } td_place_worker;
 
 /* What this attempt of a request needs. */
@@ -50,7 +53,16 @@ typedef struct td_place_req {
   int need_cross, need_self;
   int width;
   int n_prompt; /* decoder prompt tokens this attempt feeds (resumed tokens included) */
+  int enc_len;  /* encoder positions */
 } td_place_req;
+
+/* The router's placement settings. */
+typedef struct td_place_opts {
+  int prefill_threshold; /* decoder prompts this long go to a prefill worker */
+  int encode_runs;       /* an encoder's queue: at most this many of its runs (enc_batch) */
+  int local_encode_pct;  /* a decode worker that shares the encoding with encoder-only workers
+                            encodes while fewer than this % of its max_running are decoding */
+} td_place_opts;
 
 typedef enum td_place_status {
   TD_PLACE_OK,    /* placed */
@@ -60,20 +72,32 @@ typedef enum td_place_status {
 
 typedef struct td_placement {
   int decode;   /* indices into the pool */
-  int encode;   /* -1: the decode worker encodes (local encode) */
+  int encode;   /* -1: the decode worker encodes (local_encode) */
+  bool local_encode;
   int prefill;  /* -1: the decode worker runs the prompt */
   char why[256]; /* WAIT, NEVER: what is missing */
 } td_placement;
 
 /* Chooses the workers of one request among pool[0..n) (registration order):
- * the decode worker with room for its cross KV, a place in its queue
- * (jobs < TD_ROUTER_JOBS_PER_SEQ x max_running) and max_running >= width,
- * fewest jobs first, then fewest committed self blocks, then the earlier;
- * no encoder when that worker encodes too, else the encoder with the fewest
- * jobs; a prefill worker (with room for the cross KV) when the prompt has at
- * least prefill_threshold tokens and neither the decode worker prefills nor
- * encodes. Draining workers are skipped. */
-td_place_status td_place(const td_place_worker *const *pool, int n, const td_place_req *q, int prefill_threshold,
+ * - the decode worker with room for its cross KV, a place in its queue
+ *   (jobs < TD_ROUTER_JOBS_PER_SEQ x max_running) and max_running >= width,
+ *   fewest jobs first, then fewest committed self blocks, then the earlier;
+ * - the encoder: with no encoder-only worker in the pool, the decode worker
+ *   when it encodes (as before any queue bound), else an encoder with room;
+ *   with encoder-only workers, the encoder-only worker or (when it encodes
+ *   and fewer than local_encode_pct % of its max_running are decoding: an
+ *   encoder run stalls its whole decode batch, which pays only while that
+ *   batch is small) the decode worker itself whose queue has room, fewest
+ *   pending positions first, an encoder-only worker on a tie. Room: nothing pending, or the
+ *   pending positions and this request's within encode_runs x enc_batch (no
+ *   bound when enc_batch is unknown). Encoders that are all full: WAIT, so
+ *   that the queue drains to whichever encoder frees up first, and a decode
+ *   GPU that also encodes takes the share its encoder runs can take;
+ * - a prefill worker (with room for the cross KV) when the prompt has at
+ *   least prefill_threshold tokens and neither the decode worker prefills nor
+ *   encodes.
+ * Draining workers are skipped. */
+td_place_status td_place(const td_place_worker *const *pool, int n, const td_place_req *q, const td_place_opts *o,
                          td_placement *out);
 
 /* Whether some registered decode worker (draining or not) could ever run

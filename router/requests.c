@@ -19,6 +19,7 @@ const char *const rtr_stage_names[] = {"queued", "reserving", "encoding", "prefi
  * worker's (cross and self) and the prefill worker's (cross) blocks. */
 static void hold(worker *w, const rreq *q, rtr_role role, int sign) {
   w->pl.jobs += sign;
+  if (role == RTR_ENCODE) w->pl.enc_pending += sign * q->sh.enc_len;
   if (role == RTR_DECODE) {
     w->pl.committed_cross += sign * q->sh.need_cross;
     w->pl.committed_self += sign * q->sh.need_self;
@@ -31,7 +32,27 @@ static char *role_worker(rreq *q, rtr_role role) {
   return role == RTR_DECODE ? q->dec_w : role == RTR_ENCODE ? q->enc_w : q->pre_w;
 }
 
+void rtr_local_encode_done(td_router *r, rreq *q) {
+  if (!q->local_enc_held) return;
+  q->local_enc_held = false;
+  worker *w = q->dec_w[0] ? rtr_find_worker(r, q->dec_w) : NULL;
+  if (w) w->pl.enc_pending -= q->sh.enc_len;
+}
+
+void rtr_mark_decoding(td_router *r, rreq *q) {
+  worker *w = q->dec_w[0] ? rtr_find_worker(r, q->dec_w) : NULL;
+  if (q->decoding_counted || !w) return;
+  q->decoding_counted = true;
+  w->pl.decoding++;
+}
+
 void rtr_role_done(td_router *r, rreq *q, rtr_role role) {
+  if (role == RTR_DECODE) {
+    rtr_local_encode_done(r, q);
+    worker *d = q->decoding_counted && q->dec_w[0] ? rtr_find_worker(r, q->dec_w) : NULL;
+    if (d) d->pl.decoding--;
+    q->decoding_counted = false;
+  }
   char *wid = role_worker(q, role);
   worker *w = wid[0] ? rtr_find_worker(r, wid) : NULL;
   if (w) hold(w, q, role, -1);
@@ -173,7 +194,7 @@ static int32_t *spec_of(const td_router *r, const rreq *q, Tandem__Cluster__Requ
  * streamed tokens after its prompt. */
 static td_place_req place_req(const td_req_shape *sh, int resumed) {
   return (td_place_req){.need_cross = sh->need_cross, .need_self = sh->need_self, .width = sh->width,
-                        .n_prompt = sh->n_prompt + resumed};
+                        .n_prompt = sh->n_prompt + resumed, .enc_len = sh->enc_len};
 }
 
 static td_place_req attempt_req(const rreq *q) { return place_req(&q->sh, q->multi ? 0 : q->streamed.n); }
@@ -190,7 +211,7 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
     return;
   }
   q->attempts++;
-  q->local_encode = !e;
+  q->local_encode = pl->local_encode;
   q->with_prefill = p != NULL;
   snprintf(q->dec_w, sizeof q->dec_w, "%s", d->id);
   snprintf(q->enc_w, sizeof q->enc_w, "%s", e ? e->id : "");
@@ -198,6 +219,10 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
   hold(d, q, RTR_DECODE, 1);
   if (e) hold(e, q, RTR_ENCODE, 1);
   if (p) hold(p, q, RTR_PREFILL, 1);
+  if (q->local_encode) { /* until its first token: the encoder run is behind it then */
+    d->pl.enc_pending += q->sh.enc_len;
+    q->local_enc_held = true;
+  }
   q->st = q->local_encode ? ST_DECODING : ST_RESERVING;
   q->t_placed = q->t_placed ? q->t_placed : td_now_ms();
   q->t_stage = td_now_ms();
@@ -231,7 +256,7 @@ bool rtr_place_queue(td_loop *l, void *ctx) {
     td_place_req pr = attempt_req(q);
     td_placement pl;
     td_place_status st =
-        td_place((const td_place_worker *const *)r->pool, r->n_pool, &pr, r->o.prefill_threshold, &pl);
+        td_place((const td_place_worker *const *)r->pool, r->n_pool, &pr, &r->place_opts, &pl);
     if (st == TD_PLACE_WAIT) {
       snprintf(r->wait_why, sizeof r->wait_why, "%s", pl.why);
       break;

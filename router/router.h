@@ -30,6 +30,9 @@ typedef struct td_router_opts {
   int stage_timeout_ms;        /* reserve / encode / prefill stages */
   int max_attempts;            /* a request is tried on this many worker sets (at most 255) */
   int prefill_threshold;       /* decoder prompts this long go to a prefill worker */
+  int encode_runs;             /* an encoder's queue holds at most this many of its runs */
+  int local_encode_pct;        /* a decode worker that also encodes does while fewer than this % of its
+                                  batch decode (with encoder-only workers beside it) */
   const char *model_name;      /* served name (default: the workers' model type) */
   /* What the cluster's cross pools hold (td_model_opts.cross_mode): workers
    * exchange cross blocks, so one whose mode differs is refused. */

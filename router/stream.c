@@ -38,6 +38,7 @@ static void on_encode_done(td_router *r, worker *w, const Tandem__Cluster__Encod
   q->encode_ms = done->ms;
   q->t_encoded = td_now_ms();
   rtr_role_done(r, q, RTR_ENCODE);
+  rtr_mark_decoding(r, q);
   q->st = q->with_prefill && !q->prefilled ? ST_PREFILLING : ST_DECODING;
   q->t_stage = td_now_ms();
 }
@@ -66,6 +67,10 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   if (!q || strcmp(w->id, q->dec_w)) return;
   if (q->st < ST_DECODING) q->st = ST_DECODING;
   if (!q->t_first && t->n_tokens) q->t_first = td_now_ms();
+  if (t->n_tokens) {
+    rtr_local_encode_done(r, q);
+    rtr_mark_decoding(r, q);
+  }
   /* A single sequence's tokens are kept so that another worker can resume
    * it; its offsets continue across attempts. */
   uint32_t off = t->offset;

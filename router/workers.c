@@ -179,6 +179,7 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
   w->self_blocks = (int)in->self_blocks;
   w->pl.cross_blocks = (int)in->cross_blocks;
   w->pl.max_running = in->max_running ? (int)in->max_running : 1;
+  w->pl.enc_batch = in->encode_batch_tokens <= INT32_MAX ? (int)in->encode_batch_tokens : INT32_MAX;
   w->device = strdup(in->device ? in->device : "");
   w->last_seen = td_now_ms();
   w->load = (Tandem__Cluster__Load)TANDEM__CLUSTER__LOAD__INIT;
@@ -267,6 +268,7 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
       x->kv_out_ucx = w->load.kv_out_ucx;
       x->kv_out_zmq = w->load.kv_out_zmq;
       x->kv_out_ipc = w->load.kv_out_ipc;
+      x->encoded = w->load.encoded;
       x->kv_pushing = w->load.kv_pushing;
       wp[k++] = x;
     }

@@ -380,7 +380,7 @@ static void model_facts(td_worker *w) {
   w->self_blocks = st.self.n_blocks;
   w->cross_blocks = st.cross.n_blocks;
   /* heartbeats before the first command report the pools as they are (read after `ready`) */
-  w->load = (load_snap){0, 0, st.self.n_free, st.cross.n_free};
+  w->load = (load_snap){0, 0, st.self.n_free, st.cross.n_free, 0};
   w->max_running = w->o.max_batch;
   size_t es = td_buf_elem_size(w->b, TD_BUF_ACT);
   w->full_self = (td_kv_layout){w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size, 0};
@@ -492,9 +492,18 @@ static void *compute_main(void *arg) {
     if (!td_engine_idle(w->e) && td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
     ev_flush(w);
     td_engine_stats st = td_engine_get_stats(w->e);
+    bool idle = !st.waiting && !st.running;
     pthread_mutex_lock(&w->mu);
-    w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free};
+    /* the router hears of an idle worker now, not at the next heartbeat:
+     * its health never shows the last requests as still running */
+    bool news = idle && (w->load.running || w->load.queued);
+    if (news) w->idle_news = true;
+    w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free, st.encodes};
     pthread_mutex_unlock(&w->mu);
+    if (news) {
+      uint64_t one = 1;
+      if (write(w->efd, &one, sizeof one) < 0) TD_DEBUG("eventfd write: %s", strerror(errno));
+    }
   }
   return NULL;
 }

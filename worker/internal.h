@@ -139,6 +139,7 @@ typedef struct tokcount tokcount;
 
 typedef struct load_snap {
   int queued, running, free_self, free_cross;
+  int64_t encoded; /* requests encoded */
 } load_snap;
 
 struct td_worker {
@@ -162,6 +163,7 @@ struct td_worker {
   td_status init_status;
   char init_error[512];
   load_snap load; /* under mu */
+  bool idle_news; /* under mu: the engine went idle; the loop sends its load now */
   td_backend *b;
   td_model *m;
   td_engine *e;

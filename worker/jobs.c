@@ -404,4 +404,9 @@ void w_on_events(td_loop *l, void *ctx) {
     ev_free(e);
   }
   w_stream_flush(w);
+  pthread_mutex_lock(&w->mu);
+  bool idle_news = w->idle_news;
+  w->idle_news = false;
+  pthread_mutex_unlock(&w->mu);
+  if (idle_news && w->registered) w_send_heartbeat(w);
 }

@@ -80,6 +80,7 @@ void w_send_register(td_worker *w) {
   in.self_blocks = (uint32_t)w->self_blocks;
   in.cross_blocks = (uint32_t)w->cross_blocks;
   in.max_running = (uint32_t)w->max_running;
+  in.encode_batch_tokens = (uint32_t)(w->o.max_enc_tokens > 0 ? w->o.max_enc_tokens : 0);
   in.transfer_desc.data = w->desc;
   in.transfer_desc.len = w->desc_len;
   in.device = (char *)td_backend_name(w->b);
@@ -108,6 +109,7 @@ void w_send_heartbeat(td_worker *w) {
   ld.kv_out_zmq = w->kv_out[TD_KVT_ZMQ];
   ld.kv_out_ipc = w->kvt[TD_KVT_UCX] ? td_kvt_ipc_blocks(w->kvt[TD_KVT_UCX]) : 0;
   ld.kv_pushing = (uint32_t)w_kv_pushing(w);
+  ld.encoded = (uint64_t)l.encoded;
   Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
   hb.load = &ld;
   hb.seq = ++w->hb_seq;

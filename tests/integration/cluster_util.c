@@ -145,9 +145,9 @@ void cluster_start(cluster *c, const cluster_opts *o) {
       cluster_add_group(c, name, o->group_tp > 1 ? "--tp" : "--pp", o->group_tp > 1 ? o->group_tp : o->group_pp,
                         o->block_size);
     else
-      cluster_add_worker(c, name, o->encoders ? "decode" : "encode,decode", o->block_size);
+      cluster_add_worker(c, name, o->encoders && !o->decoders_encode ? "decode" : "encode,decode", o->block_size);
   }
-  c->encoders = o->encoders ? o->encoders : o->decodes;
+  c->encoders = o->encoders && !o->decoders_encode ? o->encoders : o->encoders + o->decodes;
   c->prefills = o->prefills;
   c->decodes = o->decodes;
   cr_assert(cluster_wait_ready(c, c->encoders, c->prefills, c->decodes, 30000), "cluster did not come up (logs in %s)",

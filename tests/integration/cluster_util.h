@@ -33,6 +33,8 @@ typedef struct cluster_opts {
   const char *model;
   int encoders, prefills, decodes;
   int group_tp, group_pp; /* decode workers as groups of this many ranks */
+  bool decoders_encode;   /* decode workers encode too, beside the encoders */
+  int idle_within_ms;     /* run_topology: the health must show every worker idle this soon (0: 5000) */
   int prefill_threshold; /* 0: router default */
   int block_size;
   const char *router_extra; /* extra router flags, space separated */

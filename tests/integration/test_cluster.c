@@ -148,7 +148,8 @@ static int run_topology(const char *model, cluster_opts o, int clients, const kv
   expect_same(got, ref, n, model);
   expect_kv(&c, want, n_want, model);
   char why[256] = "";
-  cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "%s: blocks held after all requests: %s", model, why);
+  cr_expect(cluster_wait_idle(&c, o.idle_within_ms ? o.idle_within_ms : 5000, why, sizeof why),
+            "%s: blocks held after all requests: %s", model, why);
   cr_expect(cluster_stop(&c), "%s: processes did not stop cleanly (logs in %s)", model, c.dir);
   if (got_out) memcpy(got_out, got, sizeof *got * MAXQ);
   for (int i = 0; i < n; i++) td_json_request_free(&reqs[i]);
@@ -189,6 +190,19 @@ Test(cluster, encoder_prefill_decode_match_generate, .timeout = 600) {
 Test(cluster, two_encoders_two_decoders_match_generate, .timeout = 600) {
   check_topology("t5-tiny", 2, 0, 2, 6);
   check_topology("marian-sinusoidal", 2, 0, 2, 6);
+}
+
+/* Decode workers that encode beside an encoder (the router shares the
+ * encoding: router/placement.c) give the same tokens; with heartbeats 3 s
+ * apart, the health shows every worker idle within 1 s of the last result
+ * (a worker that goes idle says so at once: no stale running counts). */
+Test(cluster, decoders_that_encode_beside_an_encoder_match_generate, .timeout = 600) {
+  const char *models[] = {"t5-tiny", "whisper-tiny"};
+  for (int i = 0; i < 2; i++) {
+    cluster_opts o = {.encoders = 1, .decodes = 2, .decoders_encode = true, .idle_within_ms = 1000,
+                      .router_extra = "--heartbeat-ms 3000"};
+    run_topology(models[i], o, 4, NULL, 0, NULL);
+  }
 }
 
 /* --kv-transport zmq: the same cluster moves every block over ZeroMQ and

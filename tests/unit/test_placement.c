@@ -1,6 +1,7 @@
 /* Placement (router/placement.c) on hand-built worker pools: room for the
- * cross KV, queue order, the batch width, encoder choice, local encode, the
- * prefill threshold, draining workers, and the reason when nothing fits. */
+ * cross KV, queue order, the batch width, encoder choice (pending positions,
+ * the encoder queue bound, local encode shared with encoder-only workers),
+ * the prefill threshold, draining workers, and the reason when nothing fits. */
 #include <criterion/criterion.h>
 #include <string.h>
 
@@ -30,7 +31,10 @@ static td_place_worker *add(pool *pl, const char *id, const char *roles) {
 static const td_place_req small = {.need_cross = 2, .need_self = 4, .width = 1, .n_prompt = 1};
 
 static td_place_status place(const pool *pl, const td_place_req *q, td_placement *out) {
-  return td_place(pl->p, pl->n, q, TD_DEFAULT_PREFILL_THRESHOLD, out);
+  td_place_opts o = {.prefill_threshold = TD_DEFAULT_PREFILL_THRESHOLD,
+                     .encode_runs = TD_DEFAULT_ENCODE_RUNS,
+                     .local_encode_pct = TD_DEFAULT_LOCAL_ENCODE_PCT};
+  return td_place(pl->p, pl->n, q, &o, out);
 }
 
 static const char *who(const pool *pl, int i) { return i < 0 ? "-" : pl->w[i].id; }
@@ -137,11 +141,13 @@ Test(placement, width_and_cross_kv_on_different_workers_is_never_placed) {
   cr_expect(strstr(out.why, "both"), "%s", out.why);
 }
 
-Test(placement, encoder_by_fewest_jobs) {
+Test(placement, encoder_by_fewest_pending_positions) {
   pool pl = {0};
   add(&pl, "dec", "d");
-  add(&pl, "enc-busy", "e")->jobs = 5;
-  add(&pl, "enc-idle", "e")->jobs = 1;
+  td_place_worker *busy = add(&pl, "enc-busy", "e");
+  busy->jobs = 1, busy->enc_pending = 5000;
+  td_place_worker *idle = add(&pl, "enc-idle", "e");
+  idle->jobs = 5, idle->enc_pending = 400; /* more requests, fewer positions */
   td_placement out;
   cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
   cr_expect_str_eq(who(&pl, out.decode), "dec");
@@ -149,18 +155,109 @@ Test(placement, encoder_by_fewest_jobs) {
   cr_expect_eq(out.prefill, -1);
 }
 
-Test(placement, a_decode_worker_that_encodes_takes_no_encoder_nor_prefill) {
+Test(placement, a_decode_worker_that_encodes_with_no_encoder_only_worker_encodes_itself) {
   pool pl = {0};
-  add(&pl, "both", "ed");
-  add(&pl, "enc", "e");
+  td_place_worker *a = add(&pl, "a", "ed"), *b = add(&pl, "b", "ed");
   add(&pl, "pre", "p");
+  a->enc_batch = b->enc_batch = 100;
+  a->enc_pending = 100000; /* far beyond its runs: aggregated workers keep no encoder queue bound */
+  b->jobs = 1;
   td_place_req q = small;
   q.n_prompt = 100; /* long enough for a prefill worker */
   td_placement out;
   cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
-  cr_expect_str_eq(who(&pl, out.decode), "both");
+  cr_expect_str_eq(who(&pl, out.decode), "a");
+  cr_expect(out.local_encode);
   cr_expect_eq(out.encode, -1, "local encode");
-  cr_expect_eq(out.prefill, -1);
+  cr_expect_eq(out.prefill, -1, "a local encode runs the prompt there too");
+}
+
+Test(placement, a_decode_worker_that_encodes_shares_with_encoder_only_workers) {
+  pool pl = {0};
+  td_place_worker *both = add(&pl, "both", "ed"), *enc = add(&pl, "enc", "e");
+  td_place_req q = small;
+  q.enc_len = 300;
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.encode), "enc", "a tie: the encoder-only worker");
+  cr_expect(!out.local_encode);
+  enc->enc_pending = 300;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect(out.local_encode, "fewer positions pending on the decode worker");
+  cr_expect_eq(out.encode, -1);
+  both->enc_pending = 600;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.encode), "enc");
+}
+
+Test(placement, a_decode_worker_with_a_large_decode_batch_leaves_the_encoding_to_encoders) {
+  pool pl = {0};
+  td_place_worker *both = add(&pl, "both", "ed"), *enc = add(&pl, "enc", "e");
+  enc->enc_batch = 1000;
+  enc->enc_pending = 2000; /* room for this one, more pending than the decode worker */
+  td_place_req q = small;
+  q.enc_len = 100;
+  td_placement out;
+  both->decoding = both->max_running * TD_DEFAULT_LOCAL_ENCODE_PCT / 100 - 1;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect(out.local_encode, "a small decode batch: the decode worker encodes");
+  both->decoding++;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.encode), "enc", "a large decode batch: the encoder, though busier");
+  enc->enc_pending = TD_DEFAULT_ENCODE_RUNS * 1000;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_WAIT, "and when it is full, the request waits");
+}
+
+Test(placement, another_decode_worker_never_encodes_for_one_that_encodes) {
+  pool pl = {0};
+  td_place_worker *a = add(&pl, "a", "ed"), *b = add(&pl, "b", "ed"), *e = add(&pl, "e", "e");
+  b->jobs = 1; /* the decode worker is a */
+  a->enc_pending = 900, b->enc_pending = 0, e->enc_pending = 600;
+  td_placement out;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "a");
+  cr_expect_str_eq(who(&pl, out.encode), "e");
+}
+
+Test(placement, an_encoder_queue_holds_at_most_its_runs) {
+  pool pl = {0};
+  add(&pl, "dec", "d");
+  td_place_worker *e = add(&pl, "enc", "e");
+  e->enc_batch = 1000;
+  td_place_req q = small;
+  q.enc_len = 200;
+  td_placement out;
+  e->enc_pending = TD_DEFAULT_ENCODE_RUNS * 1000 - 200; /* exactly room */
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.encode), "enc");
+  e->enc_pending++;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_WAIT);
+  cr_expect(strstr(out.why, "encoder"), "%s", out.why);
+  cr_expect_eq(out.decode, -1);
+  q.enc_len = 100000; /* larger than the bound: an idle encoder still takes it */
+  e->enc_pending = 0;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  e->enc_batch = 0; /* a run size not registered: no bound */
+  e->enc_pending = 1 << 30;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+}
+
+Test(placement, full_encoders_and_a_full_local_queue_wait_and_the_first_to_free_takes_it) {
+  pool pl = {0};
+  td_place_worker *both = add(&pl, "both", "ed"), *enc = add(&pl, "enc", "e");
+  both->enc_batch = enc->enc_batch = 1000;
+  both->enc_pending = enc->enc_pending = TD_DEFAULT_ENCODE_RUNS * 1000;
+  td_place_req q = small;
+  q.enc_len = 1;
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_WAIT);
+  both->enc_pending -= 500; /* the decode worker's first token came */
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect(out.local_encode);
+  both->enc_pending += 500;
+  enc->enc_pending -= 1000; /* the encoder finished a run */
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.encode), "enc");
 }
 
 Test(placement, prefill_worker_from_the_threshold_on) {
@@ -176,7 +273,8 @@ Test(placement, prefill_worker_from_the_threshold_on) {
   q.n_prompt = TD_DEFAULT_PREFILL_THRESHOLD;
   cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
   cr_expect_str_eq(who(&pl, out.prefill), "pre");
-  cr_expect_eq(td_place(pl.p, pl.n, &q, TD_DEFAULT_PREFILL_THRESHOLD + 1, &out), TD_PLACE_OK);
+  td_place_opts o = {.prefill_threshold = TD_DEFAULT_PREFILL_THRESHOLD + 1};
+  cr_expect_eq(td_place(pl.p, pl.n, &q, &o, &out), TD_PLACE_OK);
   cr_expect_eq(out.prefill, -1, "the threshold is the caller's");
 }
 

@@ -83,6 +83,7 @@ typedef struct fake_opts {
   const char *cross_mode;
   int block_size;
   bool no_start_token; /* register without the model's decoder start token */
+  int enc_batch;       /* encoder positions a run (0: not registered) */
 } fake_opts;
 
 #define START_TOKEN 3 /* the fake model's decoder start token */
@@ -147,6 +148,7 @@ static void *fake_register(harness *h, const char *id, fake_opts fo, Tandem__Clu
   in.cross_blocks = fo.cross_blocks ? (uint32_t)fo.cross_blocks : 1000;
   in.max_running = fo.max_running ? (uint32_t)fo.max_running : 32;
   in.cross_mode = (char *)(fo.cross_mode ? fo.cross_mode : "auto");
+  in.encode_batch_tokens = (uint32_t)fo.enc_batch;
   Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
   reg.info = &in;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
@@ -595,6 +597,43 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   finish(&h, socks, 2);
 }
 
+/* An encoder-only worker and a decode worker that encodes share a burst,
+ * each queue at most TD_DEFAULT_ENCODE_RUNS runs deep; the rest waits at
+ * the router and goes to whichever frees up first. */
+Test(router_control, encoders_share_a_burst_and_their_queues_are_bounded, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  enum { RUN = 3, RUNS = TD_DEFAULT_ENCODE_RUNS, SENT = 2 * RUNS + 1 }; /* 3 input ids: 3 positions */
+  void *both = fake_worker(&h, "both", (fake_opts){.roles = "ed", .enc_batch = RUN});
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e", .enc_batch = RUN});
+  char ids[SENT][8];
+  for (int i = 0; i < SENT; i++) {
+    snprintf(ids[i], sizeof ids[i], "r%d", i);
+    generate(&h, (gen){.id = ids[i], .max_new = 2});
+  }
+  int local = 0, remote = 0;
+  uint64_t local_rid = 0;
+  for (int i = 0; i < 2 * RUNS; i++) {
+    Tandem__Cluster__RouterMessage *job = wexpect(both, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "a decode job");
+    if (job->decode->local_encode) local++, local_rid = job->decode->req->rid;
+    else remote++;
+    wfree(job);
+  }
+  cr_expect_eq(local, RUNS, "the decode worker encodes its share");
+  cr_expect_eq(remote, RUNS, "the encoder-only worker takes the other");
+  Tandem__Cluster__RouterMessage *more = wrecv(both, 300);
+  cr_expect(!more, "a request went past two full encoder queues");
+  if (more) wfree(more);
+  /* the first token of a local request: its encoder run is over */
+  int32_t t[1] = {7};
+  send_tokens(both, local_rid, 0, t, 1);
+  Tandem__Cluster__RouterMessage *job = wexpect(both, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the last job");
+  cr_expect(job->decode->local_encode, "the decode worker's queue freed first");
+  wfree(job);
+  void *socks[] = {both, e};
+  finish(&h, socks, 2);
+}
+
 Test(router_control, a_deadline_fails_the_request_and_frees_the_worker, .timeout = 30) {
   harness h;
   start(&h, (td_router_opts){0});
@@ -735,12 +774,21 @@ Test(router_control, a_group_forms_and_a_silent_rank_takes_it_out, .timeout = 30
   finish(&h, socks, 3);
 }
 
-Test(router_control, defaults_and_the_attempts_limit, .timeout = 30) {
+Test(router_control, defaults_and_the_limits_of_the_options, .timeout = 30) {
   td_router *r = NULL;
   td_router_opts o = {.client_endpoint = "inproc://c", .worker_endpoint = "inproc://w",
                       .max_attempts = TD_ROUTER_MAX_ATTEMPTS + 1};
   cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
   cr_expect(strstr(td_errmsg(), "max_attempts 256 exceeds 255"), "%s", td_errmsg());
+  cr_expect(!r);
+  o.max_attempts = 0;
+  o.local_encode_pct = 101;
+  cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "local_encode_pct 101"), "%s", td_errmsg());
+  o.local_encode_pct = 0;
+  o.encode_runs = -1;
+  cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "encode_runs -1"), "%s", td_errmsg());
   cr_expect(!r);
   harness h;
   start_as_is(&h, (td_router_opts){0});

@@ -3,7 +3,8 @@
  * a fake KV receiver. Registration and the heartbeat period the ack names,
  * reservation expiry, a refused job that no pool could hold, a cancel
  * while a push waits for its answer, token offsets per sequence, token
- * counts past an int and a push of blocks of the wrong size refused. */
+ * counts past an int, a push of blocks of the wrong size refused, and the
+ * load reported as soon as the engine goes idle. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <signal.h>
@@ -399,6 +400,33 @@ Test(worker_control, token_offsets_count_per_sequence, .timeout = 60) {
     cr_expect(found, "output %d was not streamed as one sequence", o);
   }
   tandem__cluster__worker_message__free_unpacked(fin, NULL);
+  worker_stop(&r);
+}
+
+static bool idle_and_free(const Tandem__Cluster__Load *l) {
+  return !l->running && !l->queued && l->free_cross_blocks == CROSS_BLOCKS && l->free_self_blocks == 16;
+}
+
+/* A worker whose engine goes idle says so at once, not at its next
+ * heartbeat (60 s away here): the router's view of it is never stale. */
+Test(worker_control, going_idle_is_reported_at_once, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 60000);
+  wmsg *first = heartbeat_where(&r.f, NULL, 5000); /* the one at the ack */
+  cr_assert_not_null(first);
+  tandem__cluster__worker_message__free_unpacked(first, NULL);
+  send_decode(&r.f, 61, 4, true, 1);
+  for (bool done = false; !done;) {
+    wmsg *m = fake_recv(&r.f, 10000);
+    cr_assert_not_null(m, "no result");
+    cr_assert_neq(m->body_case, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, "failed: %s", m->failed->message);
+    done = m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED;
+    tandem__cluster__worker_message__free_unpacked(m, NULL);
+  }
+  wmsg *hb = heartbeat_where(&r.f, idle_and_free, 2000);
+  cr_expect_not_null(hb, "no load report within 2 s of going idle");
+  if (hb) tandem__cluster__worker_message__free_unpacked(hb, NULL);
   worker_stop(&r);
 }
 
