@@ -168,6 +168,9 @@ void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m)
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_ENCODE_DONE: on_encode_done(r, w, m->encode_done); break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_PREFILL_DONE: on_prefill_done(r, w, m->prefill_done); break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS: on_tokens(r, w, m->tokens); break;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS_BATCH:
+      for (size_t i = 0; i < m->tokens_batch->n_items; i++) on_tokens(r, w, m->tokens_batch->items[i]);
+      break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED: on_finished(r, w, m->finished); break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED: on_failed(r, w, m->failed); break;
     default: break;

@@ -16,6 +16,7 @@
 
 #include "common/defaults.h"
 #include "common/evloop.h"
+#include "common/vec.h"
 #include "kvtransfer/transport.h"
 #include "worker/group.h"
 #include "worker/role.h"
@@ -193,12 +194,15 @@ struct td_worker {
   uint64_t kv_in[TD_KVT_KINDS], kv_out[TD_KVT_KINDS]; /* blocks */
   td_job *jobs;
   tokcount *tokcounts; /* stream.c */
-  struct {             /* consecutive tokens of one sequence, sent as one message */
-    uint64_t rid;
-    int seq, n;
-    int32_t tok[256];
-    float lp[256];
-  } run;
+  struct {             /* a turn's tokens, sent as one message (stream.c) */
+    struct tok_run {   /* consecutive tokens of one sequence: tok / lp [at, at + n) */
+      uint64_t rid;
+      int seq, at, n;
+    } *runs;
+    int n_runs, cap_runs;
+    td_i32vec tok;
+    td_f32vec lp;
+  } out;
   bool registered;
   int hb_ms, dead_after;
   int64_t last_router_msg, last_register;

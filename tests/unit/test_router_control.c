@@ -385,6 +385,51 @@ Test(router_control, generate_is_placed_and_tokens_flow_back_with_offsets, .time
   finish(&h, socks, 1);
 }
 
+/* A worker's step of many sequences comes as one TokensBatch: each item
+ * reaches its own request, in order. */
+Test(router_control, a_batch_of_tokens_reaches_each_request, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  generate(&h, (gen){.id = "a", .max_new = 2, .stream = true});
+  generate(&h, (gen){.id = "b", .max_new = 2, .stream = true});
+  uint64_t rid[2];
+  for (int i = 0; i < 2; i++) {
+    Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "a decode job");
+    rid[i] = job->decode->req->rid;
+    cr_expect_str_eq(job->decode->req->client_id, i ? "b" : "a");
+    wfree(job);
+  }
+  int32_t ta[2] = {7, 8}, tb[2] = {5, 6};
+  Tandem__Cluster__Tokens items[4];
+  Tandem__Cluster__Tokens *ptrs[4];
+  for (int k = 0; k < 4; k++) { /* two steps of both: a, b, a, b */
+    tandem__cluster__tokens__init(&items[k]);
+    items[k].rid = rid[k % 2];
+    items[k].offset = (uint32_t)(k / 2);
+    items[k].tokens = (k % 2 ? tb : ta) + k / 2;
+    items[k].n_tokens = 1;
+    ptrs[k] = &items[k];
+  }
+  Tandem__Cluster__TokensBatch b = TANDEM__CLUSTER__TOKENS_BATCH__INIT;
+  b.items = ptrs;
+  b.n_items = 4;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS_BATCH;
+  m.tokens_batch = &b;
+  send_body(w, &m);
+  expect_chunk(&h, "a", 0, ta, 1);
+  expect_chunk(&h, "b", 0, tb, 1);
+  expect_chunk(&h, "a", 1, ta + 1, 1);
+  expect_chunk(&h, "b", 1, tb + 1, 1);
+  send_finished(w, rid[0], ta, 2);
+  expect_result(&h, "a", ta, 2, 1);
+  send_finished(w, rid[1], tb, 2);
+  expect_result(&h, "b", tb, 2, 1);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
 Test(router_control, a_retry_resumes_the_sequence_and_its_offsets_continue, .timeout = 30) {
   harness h;
   start(&h, (td_router_opts){0});

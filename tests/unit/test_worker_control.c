@@ -2,7 +2,8 @@
  * CPU, on a thread) against a fake router on a loopback ZeroMQ socket, and
  * a fake KV receiver. Registration and the heartbeat period the ack names,
  * reservation expiry, a refused job that no pool could hold, a cancel
- * while a push waits for its answer, token offsets per sequence, token
+ * while a push waits for its answer, token offsets per sequence (a step's
+ * tokens of every sequence in one message), token
  * counts past an int, a push of blocks of the wrong size refused, and the
  * load reported as soon as the engine goes idle. */
 #include <criterion/criterion.h>
@@ -365,20 +366,25 @@ Test(worker_control, token_offsets_count_per_sequence, .timeout = 60) {
   enum { N = 3 };
   send_decode(&r.f, 51, 4, true, N);
   int32_t got[N][64];
-  int n_got[N] = {0};
+  int n_got[N] = {0}, n_batches = 0;
   wmsg *fin = NULL;
   while (!fin) {
     wmsg *m = fake_recv(&r.f, 10000);
     cr_assert_not_null(m, "no result");
-    if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS) {
-      Tandem__Cluster__Tokens *t = m->tokens;
-      cr_assert_eq(t->rid, 51);
-      cr_assert_lt(t->sequence, N);
-      int s = (int)t->sequence;
-      cr_expect_eq(t->offset, n_got[s], "sequence %d: offset %u after %d tokens", s, t->offset, n_got[s]);
-      cr_assert_leq(n_got[s] + (int)t->n_tokens, 64);
-      memcpy(got[s] + n_got[s], t->tokens, sizeof(int32_t) * t->n_tokens);
-      n_got[s] += (int)t->n_tokens;
+    bool one = m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS;
+    if (one || m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS_BATCH) {
+      size_t n_items = one ? 1 : m->tokens_batch->n_items;
+      if (!one) n_batches++;
+      for (size_t k = 0; k < n_items; k++) {
+        Tandem__Cluster__Tokens *t = one ? m->tokens : m->tokens_batch->items[k];
+        cr_assert_eq(t->rid, 51);
+        cr_assert_lt(t->sequence, N);
+        int s = (int)t->sequence;
+        cr_expect_eq(t->offset, n_got[s], "sequence %d: offset %u after %d tokens", s, t->offset, n_got[s]);
+        cr_assert_leq(n_got[s] + (int)t->n_tokens, 64);
+        memcpy(got[s] + n_got[s], t->tokens, sizeof(int32_t) * t->n_tokens);
+        n_got[s] += (int)t->n_tokens;
+      }
     } else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED) {
       fin = m;
       continue;
@@ -388,6 +394,7 @@ Test(worker_control, token_offsets_count_per_sequence, .timeout = 60) {
     tandem__cluster__worker_message__free_unpacked(m, NULL);
   }
   cr_assert_eq(fin->finished->n_outputs, N);
+  cr_expect_gt(n_batches, 0, "a step of %d sequences came as one message", N);
   /* every output is one streamed sequence, token for token */
   bool used[N] = {false};
   for (int o = 0; o < N; o++) {
