@@ -34,6 +34,7 @@
 #define TD_DEFAULT_LOCAL_ENCODE_PCT 50  /* a decode worker that also encodes takes encoder runs while fewer than
                                            this % of its batch decode (router/placement.c) */
 #define TD_ROUTER_MAX_ENCODE_RUNS 1000  /* --encode-queue-runs at most */
+#define TD_ROUTER_MAX_EOS 16             /* EOS ids a model registers at most */
 #define TD_DEFAULT_ENCODE_RUNS 3         /* an encoder's queue, in its runs: one running, one waiting, one whose
                                             KV is on its way (router/placement.c; docs/router.md) */
 #define TD_DEFAULT_CLIENT_ENDPOINT "tcp://127.0.0.1:7000" /* where the router serves clients */

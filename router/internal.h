@@ -107,6 +107,8 @@ struct td_router {
   /* the served model, from the first worker */
   bool have_model;
   int32_t model_start_token; /* the model's decoder start token (a resumed prompt's first) */
+  int32_t model_eos[TD_ROUTER_MAX_EOS]; /* the tokens that end a sequence */
+  int n_model_eos;
   Tandem__ModelInfo model;
   char *model_type, *model_name;
   int block_size;

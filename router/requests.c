@@ -112,12 +112,16 @@ void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg
 }
 
 /* The finish of a single sequence whose every token reached the router:
- * its length reached, or a stop token it asked for last; else NONE. */
-static Tandem__FinishReason streamed_to_the_end(const rreq *q) {
+ * its length reached, or a stop token it asked for or the model's EOS
+ * (unless it ignores EOS) last; else NONE. */
+static Tandem__FinishReason streamed_to_the_end(const td_router *r, const rreq *q) {
   if (q->multi || !q->streamed.n) return TANDEM__FINISH_REASON__FINISH_NONE;
   int32_t last = q->streamed.v[q->streamed.n - 1];
   for (size_t i = 0; i < q->g->n_stop_token_ids; i++)
     if (q->g->stop_token_ids[i] == last) return TANDEM__FINISH_REASON__FINISH_STOP;
+  bool ignore_eos = q->g->sampling && q->g->sampling->ignore_eos;
+  for (int i = 0; i < r->n_model_eos && !ignore_eos; i++)
+    if (r->model_eos[i] == last) return TANDEM__FINISH_REASON__FINISH_STOP;
   return q->streamed.n >= q->sh.max_new ? TANDEM__FINISH_REASON__FINISH_LENGTH : TANDEM__FINISH_REASON__FINISH_NONE;
 }
 
@@ -126,7 +130,7 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
   /* nothing is left to generate: another attempt would ask for 0 tokens,
    * which a worker reads as "the model's limit" */
   Tandem__SequenceOutput done = TANDEM__SEQUENCE_OUTPUT__INIT;
-  done.finish_reason = streamed_to_the_end(q);
+  done.finish_reason = streamed_to_the_end(r, q);
   if (done.finish_reason != TANDEM__FINISH_REASON__FINISH_NONE) {
     TD_INFO("request %s (rid %llu): every token was streamed before %s; it ends with them", q->cid,
             (unsigned long long)q->rid, why);

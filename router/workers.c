@@ -79,6 +79,10 @@ static bool model_matches(td_router *r, const Tandem__ModelInfo *m, char *why, s
     snprintf(why, cap, "registration without the model's decoder start token");
     return false;
   }
+  if (m->n_eos_token_ids > TD_ROUTER_MAX_EOS) {
+    snprintf(why, cap, "%zu EOS token ids, more than %d", m->n_eos_token_ids, TD_ROUTER_MAX_EOS);
+    return false;
+  }
   if (!r->have_model) return true;
   if (strcmp(m->model_type ? m->model_type : "", r->model_type) || m->vocab_size != r->model.vocab_size ||
       m->max_source_len != r->model.max_source_len || m->max_target_len != r->model.max_target_len ||
@@ -132,6 +136,10 @@ static td_status adopt_model(td_router *r, const Tandem__Cluster__WorkerInfo *in
   r->model.name = served;
   r->model.model_type = type;
   r->model.decoder_start = NULL; /* the message is freed after registration */
+  r->model.eos_token_ids = NULL;
+  r->model.n_eos_token_ids = 0;
+  r->n_model_eos = (int)m->n_eos_token_ids;
+  memcpy(r->model_eos, m->eos_token_ids, sizeof(int32_t) * m->n_eos_token_ids);
   r->model_start_token = m->decoder_start->id;
   r->block_size = (int)in->block_size;
   r->have_model = true;

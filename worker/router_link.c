@@ -66,6 +66,9 @@ void w_send_register(td_worker *w) {
   Tandem__TokenId start = TANDEM__TOKEN_ID__INIT;
   start.id = w->start_token;
   mi.decoder_start = &start;
+  const td_gen_config *gen = td_model_get_gen(w->m);
+  mi.eos_token_ids = (int32_t *)gen->eos_ids;
+  mi.n_eos_token_ids = (size_t)gen->n_eos;
   Tandem__Cluster__Role roles[TD_WORKER_MAX_ROLES];
   for (int i = 0; i < w->n_roles; i++) roles[i] = w->roles[i]->id;
   Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;

@@ -87,6 +87,7 @@ typedef struct fake_opts {
 } fake_opts;
 
 #define START_TOKEN 3 /* the fake model's decoder start token */
+#define EOS_TOKEN 2   /* the fake model's EOS */
 
 static void wsend(void *s, Tandem__Cluster__WorkerMessage *m) {
   m->version = TD_PROTOCOL_VERSION;
@@ -133,6 +134,9 @@ static void *fake_register(harness *h, const char *id, fake_opts fo, Tandem__Clu
   Tandem__TokenId start = TANDEM__TOKEN_ID__INIT;
   start.id = START_TOKEN;
   if (!fo.no_start_token) mi.decoder_start = &start;
+  static int32_t eos[1] = {EOS_TOKEN};
+  mi.eos_token_ids = eos;
+  mi.n_eos_token_ids = 1;
   Tandem__Cluster__Role roles[3];
   size_t nr = 0;
   if (strchr(fo.roles, 'e')) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
@@ -497,20 +501,22 @@ Test(router_control, a_retry_keeps_the_requests_own_prompt, .timeout = 30) {
 }
 
 /* A sequence whose every token was streamed before its worker failed is
- * done: it ends with those tokens (at its length, or at a stop token it
- * asked for) instead of going to another worker with nothing left to
+ * done: it ends with those tokens (at its length, at a stop token it
+ * asked for, or at the model's EOS) instead of going to another worker with nothing left to
  * generate. */
 Test(router_control, a_retry_after_the_last_token_ends_the_request, .timeout = 30) {
   harness h;
   start(&h, (td_router_opts){0});
   void *w = fake_worker(&h, "w0", enc_dec);
   static const int32_t stop[1] = {9};
-  const gen reqs[2] = {{.id = "len", .max_new = 2, .stream = true},
-                       {.id = "stop", .max_new = 5, .stream = true, .stop = stop, .n_stop = 1}};
-  const char *ids[2] = {"len", "stop"};
-  int32_t t[2][2] = {{7, 8}, {7, 9}};
-  Tandem__FinishReason want[2] = {TANDEM__FINISH_REASON__FINISH_LENGTH, TANDEM__FINISH_REASON__FINISH_STOP};
-  for (int k = 0; k < 2; k++) {
+  const gen reqs[3] = {{.id = "len", .max_new = 2, .stream = true},
+                       {.id = "stop", .max_new = 5, .stream = true, .stop = stop, .n_stop = 1},
+                       {.id = "eos", .max_new = 5, .stream = true}};
+  const char *ids[3] = {"len", "stop", "eos"};
+  int32_t t[3][2] = {{7, 8}, {7, 9}, {7, EOS_TOKEN}};
+  Tandem__FinishReason want[3] = {TANDEM__FINISH_REASON__FINISH_LENGTH, TANDEM__FINISH_REASON__FINISH_STOP,
+                                  TANDEM__FINISH_REASON__FINISH_STOP};
+  for (int k = 0; k < 3; k++) {
     generate(&h, reqs[k]);
     Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, ids[k]);
     uint64_t rid = job->decode->req->rid;
