@@ -35,6 +35,8 @@
                                            this % of its batch decode (router/placement.c) */
 #define TD_ROUTER_MAX_ENCODE_RUNS 1000  /* --encode-queue-runs at most */
 #define TD_ROUTER_MAX_EOS 16             /* EOS ids a model registers at most */
+#define TD_ROUTER_ID_IN_USE "worker id in use:" /* a refusal the worker retries (worker/router_link.c) */
+#define TD_WORKER_ID_WAIT_MS 30000       /* a worker whose id is in use retries this long, then gives up */
 #define TD_DEFAULT_ENCODE_RUNS 3         /* an encoder's queue, in its runs: one running, one waiting, one whose
                                             KV is on its way (router/placement.c; docs/router.md) */
 #define TD_DEFAULT_CLIENT_ENDPOINT "tcp://127.0.0.1:7000" /* where the router serves clients */

@@ -1,8 +1,24 @@
 #include "proto/wire.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+void td_wire_set_unique_route(void *sock, const char *name) {
+  uint64_t rnd = 0;
+  if (getrandom(&rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    rnd = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30);
+  }
+  char route[128];
+  int n = snprintf(route, sizeof route, "%.64s.%d.%016llx", name, (int)getpid(), (unsigned long long)rnd);
+  zmq_setsockopt(sock, ZMQ_ROUTING_ID, route, (size_t)n);
+}
 
 void td_wire_setup_socket(void *sock) {
   int linger = 0, hwm = 100000;

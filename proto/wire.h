@@ -44,6 +44,13 @@ td_status td_wire_unpack_router(const td_wire_frame *f, Tandem__Cluster__RouterM
 /* Socket options common to every Tandem socket (linger, size limit, heartbeats). */
 void td_wire_setup_socket(void *sock);
 
+/* A connection's routing identity, unique to this process and call:
+ * "NAME.PID.RANDOM" (NAME cut to 64 bytes). A worker's id travels in its
+ * registration; its socket's identity is never reused, so that a second
+ * process claiming the same id is a registration the router can refuse,
+ * not a libzmq identity clash. */
+void td_wire_set_unique_route(void *sock, const char *name);
+
 /* Maps between status codes and the protocol's error codes. */
 Tandem__ErrorCode td_wire_error_code(td_status s);
 td_status td_wire_status(Tandem__ErrorCode c);

@@ -151,10 +151,7 @@ group_rv *rtr_group_of_follower(td_router *r, const uint8_t *id, size_t id_len, 
 static void group_failed(td_router *r, group_rv *g, const char *why) {
   TD_WARN("worker group %s failed: %s", g->name, why);
   group_reply(r, g->ids[0], g->id_lens[0], g, why);
-  char wid[TD_WIRE_MAX_ID + 1];
-  memcpy(wid, g->ids[0], g->id_lens[0]);
-  wid[g->id_lens[0]] = 0;
-  worker *w = rtr_find_worker(r, wid);
+  worker *w = rtr_find_route(r, g->ids[0], g->id_lens[0]); /* the leader registered on the socket it joined on */
   if (w) rtr_worker_gone(r, w, why);
   group_drop(r, g);
 }

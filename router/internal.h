@@ -25,13 +25,16 @@
 
 typedef struct worker {
   td_place_worker pl; /* first: the pool hands &w->pl to placement, which maps back */
-  char id[TD_WIRE_MAX_ID + 1];
+  char id[TD_WIRE_MAX_ID + 1];            /* its id (registration's worker_id) */
   size_t id_len;
+  uint8_t route[TD_WIRE_MAX_ID];          /* its connection's routing identity */
+  size_t route_len;
   int self_blocks;
   char *device;
   int64_t last_seen;
   Tandem__Cluster__Load load;
-  UT_hash_handle hh;
+  UT_hash_handle hh; /* by id */
+  UT_hash_handle hr; /* by route */
 } worker;
 
 typedef enum rtr_role { RTR_DECODE, RTR_ENCODE, RTR_PREFILL } rtr_role;
@@ -95,6 +98,7 @@ struct td_router {
   bool own_ctx;
   volatile sig_atomic_t *stop;    /* td_router_run's */
   worker *workers;                /* by id */
+  worker *by_route;               /* the same, by routing identity */
   td_place_worker **pool;         /* the same workers in registration order */
   int n_pool, cap_pool;
   group_rv *groups;
@@ -124,6 +128,7 @@ void rtr_client_error(td_router *r, const uint8_t *id, size_t id_len, const char
 
 /* ---- workers.c */
 worker *rtr_find_worker(td_router *r, const char *id);
+worker *rtr_find_route(td_router *r, const uint8_t *route, size_t len);
 int rtr_count_role(const td_router *r, rtr_role role);
 bool rtr_cross_mode_matches(const td_router *r, const char *mode, char *why, size_t cap);
 void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__Register *reg);

@@ -20,7 +20,7 @@ td_status rtr_send_peer(td_router *r, const uint8_t *id, size_t id_len, Tandem__
 }
 
 td_status rtr_send_worker(td_router *r, const worker *w, Tandem__Cluster__RouterMessage *m) {
-  td_status s = rtr_send_peer(r, (const uint8_t *)w->id, w->id_len, m);
+  td_status s = rtr_send_peer(r, w->route, w->route_len, m);
   if (s != TD_OK) TD_WARN("router: send to worker %s: %s", w->id, td_errmsg());
   return s;
 }
@@ -75,7 +75,7 @@ static void on_worker_message(td_router *r) {
     td_wire_frame_free(&f);
     return;
   }
-  worker *w = rtr_find_worker(r, wid);
+  worker *w = rtr_find_route(r, f.id, f.id_len);
   int frank = 0;
   group_rv *fg = w ? NULL : rtr_group_of_follower(r, f.id, f.id_len, &frank);
   if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN) {
@@ -224,8 +224,11 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
   r->ctx = r->own_ctx ? zmq_ctx_new() : opts->zmq_ctx;
   td_status s = r->ctx ? TD_OK : td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   if (s == TD_OK) s = bind_socket(r, &r->csock, r->o.client_endpoint, "client", false);
-  /* a worker that reconnects with the same id takes over its identity */
-  if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", true);
+  /* no ROUTER_HANDOVER: a second connection under a live identity made
+   * libzmq abort under load (stream_engine_base.cpp !_io_error); workers
+   * connect under identities never reused (td_wire_set_unique_route) and
+   * a duplicate worker id is the registration's to refuse */
+  if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", false);
   if (s != TD_OK) {
     td_router_destroy(r);
     return s;

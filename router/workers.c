@@ -15,6 +15,12 @@ worker *rtr_find_worker(td_router *r, const char *id) {
   return w;
 }
 
+worker *rtr_find_route(td_router *r, const uint8_t *route, size_t len) {
+  worker *w = NULL;
+  HASH_FIND(hr, r->by_route, route, len, w);
+  return w;
+}
+
 int rtr_count_role(const td_router *r, rtr_role role) {
   int n = 0;
   for (int i = 0; i < r->n_pool; i++) {
@@ -65,6 +71,7 @@ void rtr_worker_gone(td_router *r, worker *w, const char *why) {
     }
   }
   HASH_DEL(r->workers, w);
+  HASH_DELETE(hr, r->by_route, w);
   pool_remove(r, w);
   worker_free(w);
 }
@@ -146,16 +153,25 @@ static td_status adopt_model(td_router *r, const Tandem__Cluster__WorkerInfo *in
   return TD_OK;
 }
 
+/* Whether a registration's worker id is a usable name: 1 to
+ * TD_WIRE_MAX_ID printable ASCII bytes. */
+static bool id_ok(const char *id) {
+  size_t n = id ? strlen(id) : 0;
+  if (!n || n > TD_WIRE_MAX_ID) return false;
+  for (size_t i = 0; i < n; i++)
+    if (id[i] <= ' ' || id[i] > '~') return false;
+  return true;
+}
+
 void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__Register *reg) {
   char why[512] = "";
   Tandem__Cluster__WorkerInfo *in = reg ? reg->info : NULL;
-  char wid[TD_WIRE_MAX_ID + 1];
-  memcpy(wid, id, id_len);
-  wid[id_len] = 0;
+  /* the worker's id is the registration's; its connection's identity only routes */
+  char wid[TD_WIRE_MAX_ID + 1] = "";
+  if (in && in->worker_id) snprintf(wid, sizeof wid, "%s", in->worker_id);
   bool ok = in && model_matches(r, in->model, why, sizeof why);
-  /* workers are found by their identity as a string (and "" means none) */
-  if (ok && (!id_len || memchr(id, 0, id_len))) {
-    snprintf(why, sizeof why, "the worker's identity is not a string (set ZMQ_ROUTING_ID to its id)");
+  if (ok && (!id_ok(in->worker_id) || !id_len)) {
+    snprintf(why, sizeof why, "the worker id is not 1 to %d printable characters", TD_WIRE_MAX_ID);
     ok = false;
   }
   if (ok && (!in->block_size || (r->have_model && (int)in->block_size != r->block_size))) {
@@ -173,11 +189,26 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
     return;
   }
   worker *old = rtr_find_worker(r, wid);
+  if (old && (old->route_len != id_len || memcmp(old->route, id, id_len))) {
+    /* another connection claims a live worker's id: refused until the
+     * first falls silent (a restart waits out the old one's liveness);
+     * the worker retries on this answer */
+    int64_t silent = td_now_ms() - old->last_seen;
+    if (silent < (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
+      snprintf(why, sizeof why, "%s %s: another connection registered it and was heard from %lld ms ago",
+               TD_ROUTER_ID_IN_USE, wid, (long long)silent);
+      TD_WARN("refused worker %s: %s", wid, why);
+      send_ack(r, id, id_len, false, why);
+      return;
+    }
+  }
   if (old) rtr_worker_gone(r, old, "registered again (restarted)");
   worker *w = calloc(1, sizeof *w);
   if (!w) return;
-  memcpy(w->id, id, id_len);
-  w->id_len = id_len;
+  w->id_len = strlen(wid);
+  memcpy(w->id, wid, w->id_len);
+  memcpy(w->route, id, id_len);
+  w->route_len = id_len;
   w->pl.id = w->id;
   for (size_t i = 0; i < in->n_roles; i++) {
     w->pl.enc |= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
@@ -204,6 +235,7 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
     return;
   }
   HASH_ADD_STR(r->workers, id, w);
+  HASH_ADD(hr, r->by_route, route, w->route_len, w);
   TD_INFO("worker %s registered: %s%s%s on %s, %d self / %d cross blocks", wid, w->pl.enc ? "encode " : "",
           w->pl.pre ? "prefill " : "", w->pl.dec ? "decode" : "", w->device, w->self_blocks, w->pl.cross_blocks);
   send_ack(r, id, id_len, true, NULL);
@@ -296,6 +328,7 @@ void rtr_workers_free(td_router *r) {
   worker *w, *wt;
   HASH_ITER(hh, r->workers, w, wt) {
     HASH_DEL(r->workers, w);
+    HASH_DELETE(hr, r->by_route, w);
     worker_free(w);
   }
   free(r->pool);

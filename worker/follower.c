@@ -180,7 +180,7 @@ static td_status join(follower *f) {
   f->rsock = f->zctx ? zmq_socket(f->zctx, ZMQ_DEALER) : NULL;
   if (!f->rsock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   td_wire_setup_socket(f->rsock);
-  zmq_setsockopt(f->rsock, ZMQ_ROUTING_ID, id, strlen(id));
+  td_wire_set_unique_route(f->rsock, id);
   if (zmq_connect(f->rsock, o->router) != 0)
     return td_err(TD_ERR_INVALID, "cannot connect to the router at %s", o->router);
   const char *ep = "-";

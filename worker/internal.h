@@ -204,6 +204,7 @@ struct td_worker {
     td_f32vec lp;
   } out;
   bool registered;
+  int64_t id_wait_since; /* when the router first said this id is in use (0: never) */
   int hb_ms, dead_after;
   int64_t last_router_msg, last_register;
   uint64_t hb_seq;

@@ -168,10 +168,18 @@ td_status w_router_timers(td_worker *w, bool first) {
 
 /* ------------------------------------------------------------ messages */
 
+static int register_again(td_loop *l, void *ctx) {
+  (void)l;
+  td_worker *w = ctx;
+  if (!w->registered) w_send_register(w);
+  return TD_LOOP_DONE;
+}
+
 static void on_ack(td_worker *w, const Tandem__Cluster__RegisterAck *a) {
   if (a->accepted) {
     bool was = w->registered;
     if (!was) TD_INFO("registered with the router");
+    w->id_wait_since = 0;
     w->registered = true;
     int hb = a->heartbeat_ms ? (int)a->heartbeat_ms : w->hb_ms;
     if (a->dead_after) w->dead_after = (int)a->dead_after;
@@ -183,6 +191,17 @@ static void on_ack(td_worker *w, const Tandem__Cluster__RegisterAck *a) {
     w->registered = false;
     w_cancel_all(w, "the router does not know this worker");
     w_send_register(w);
+  } else if (a->reason && strstr(a->reason, TD_ROUTER_ID_IN_USE) &&
+             (!w->id_wait_since || td_now_ms() - w->id_wait_since < TD_WORKER_ID_WAIT_MS)) {
+    /* an old instance of this worker may still hold the id: ask again
+     * after a heartbeat period, until it has had time to fall silent */
+    if (!w->id_wait_since) {
+      w->id_wait_since = td_now_ms();
+      TD_WARN("%s; retrying for up to %d s", a->reason, TD_WORKER_ID_WAIT_MS / 1000);
+    }
+    w->registered = false;
+    if (td_loop_add_timer(w->loop, w->hb_ms, register_again, w, NULL) != TD_OK)
+      TD_ERROR("register timer: %s", td_errmsg());
   } else {
     /* nothing to drain or deregister: td_worker_run returns the reason */
     snprintf(w->refused, sizeof w->refused, "%s", a->reason && a->reason[0] ? a->reason : "?");

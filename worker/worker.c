@@ -111,7 +111,7 @@ static td_status create(td_worker *w) {
   w->rsock = w->zctx ? zmq_socket(w->zctx, ZMQ_DEALER) : NULL;
   if (!w->rsock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   td_wire_setup_socket(w->rsock);
-  zmq_setsockopt(w->rsock, ZMQ_ROUTING_ID, w->id, strlen(w->id));
+  td_wire_set_unique_route(w->rsock, w->id);
   if (zmq_connect(w->rsock, o->router) != 0)
     return td_err(TD_ERR_INVALID, "cannot connect to the router at %s: %s", o->router, zmq_strerror(zmq_errno()));
   w->world = o->tp > 1 ? o->tp : o->pp > 1 ? o->pp : 1;

@@ -14,6 +14,7 @@
 #include "../unit/fixture.h"
 #include "cluster_util.h"
 #include "common/clock.h"
+#include "common/defaults.h"
 #include "proto/wire.h"
 
 static td_client_worker worker_status(cluster *c, const char *id) {
@@ -218,6 +219,57 @@ static void decode_worker_killed(int prefills) {
 
 Test(faults, decode_worker_killed_mid_request, .timeout = 300) { decode_worker_killed(0); }
 Test(faults, decode_worker_killed_mid_request_with_prefill, .timeout = 300) { decode_worker_killed(1); }
+
+/* A second tandem-worker started with a live worker's id while requests
+ * run: refused (it waits for the id), the router keeps serving, every
+ * request gives the reference tokens. Before, ROUTER_HANDOVER let the
+ * second connection take the identity and libzmq aborted the router. */
+Test(faults, a_duplicate_worker_id_under_load_is_refused, .timeout = 300) {
+  fixture fx;
+  fx_load("marian-sinusoidal", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .decodes = 2};
+  cluster_start(&c, &o);
+  char path[600];
+  snprintf(path, sizeof path, "%s/long.jsonl", c.dir);
+  enum { N = 48 };
+  long_requests(path, N, 120);
+  static td_json_request reqs[N];
+  cr_assert_eq(load_requests(path, reqs, N), N);
+  static outcome want[N], got[N];
+  generate_reference(fx.dir, path, 4, want, N);
+  /* batches of requests run until the claimants have been refused and two
+   * batches more; a few claimants start as a restart loop would */
+  int dups[3], n_dups = 0, after = 0, batches = 0;
+  for (; batches < 40 && after < 2; batches++) {
+    memset(got, 0, sizeof got);
+    client_job cj = {.ep = c.client_ep, .reqs = reqs, .n = N, .out = got, .stream = true};
+    pthread_t th;
+    pthread_create(&th, NULL, client_thread, &cj);
+    if (n_dups < 3) {
+      usleep(20 * 1000);
+      dups[n_dups++] = cluster_add_worker(&c, "decode-0", "decode", 4);
+    }
+    pthread_join(th, NULL);
+    for (int i = 0; i < N; i++) {
+      cr_expect(got[i].done && got[i].status == TD_OK, "batch %d, %s: %s", batches, got[i].id, got[i].error);
+      if (got[i].status == TD_OK)
+        cr_expect_arr_eq(got[i].tok[0], want[i].tok[0], sizeof(int32_t) * (size_t)want[i].len[0], "%s", got[i].id);
+    }
+    if (after || cluster_log_has(&c, "router", TD_ROUTER_ID_IN_USE)) after++;
+  }
+  cr_expect_eq(after, 2, "no claimant was refused in %d batches", batches);
+  cr_log_info("claimants refused by batch %d of requests", batches - 2);
+  int router = proc_index(&c, "router");
+  cr_expect(waitpid(c.p[router].pid, NULL, WNOHANG) == 0, "the router exited");
+  td_client_health h;
+  cr_assert(cluster_health(&c, &h), "no health answer");
+  cr_expect_eq(h.decoders, 2, "a claimant took a place in the pool");
+  for (int i = 0; i < n_dups; i++) cluster_kill(&c, dups[i]);
+  cr_expect(cluster_stop(&c));
+  for (int i = 0; i < N; i++) td_json_request_free(&reqs[i]);
+  fx_free(&fx);
+}
 
 typedef struct start_arg {
   pthread_t *th;

@@ -84,6 +84,7 @@ typedef struct fake_opts {
   int block_size;
   bool no_start_token; /* register without the model's decoder start token */
   int enc_batch;       /* encoder positions a run (0: not registered) */
+  const char *route;   /* the connection's routing identity (NULL: the id) */
 } fake_opts;
 
 #define START_TOKEN 3 /* the fake model's decoder start token */
@@ -125,7 +126,7 @@ static void wfree(Tandem__Cluster__RouterMessage *m) { tandem__cluster__router_m
 
 /* Connects and registers; returns the socket and the router's answer. */
 static void *fake_register(harness *h, const char *id, fake_opts fo, Tandem__Cluster__RouterMessage **ack) {
-  void *s = dealer(h, h->wep, id);
+  void *s = dealer(h, h->wep, fo.route ? fo.route : id);
   Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
   mi.model_type = "t5";
   mi.vocab_size = 100;
@@ -553,14 +554,60 @@ Test(router_control, a_worker_without_a_string_identity_is_refused, .timeout = 3
   start(&h, (td_router_opts){0});
   Tandem__Cluster__RouterMessage *ack;
   void *anon = fake_register(&h, NULL, enc_dec, &ack);
-  cr_expect(!ack->ack->accepted, "a peer without a routing id was registered");
-  cr_expect(strstr(ack->ack->reason, "identity"), "%s", ack->ack->reason);
+  cr_expect(!ack->ack->accepted, "a worker without an id was registered");
+  cr_expect(strstr(ack->ack->reason, "worker id"), "%s", ack->ack->reason);
+  wfree(ack);
+  void *ctl = fake_register(&h, "bad\nid", (fake_opts){.roles = "ed", .route = "r-ctl"}, &ack);
+  cr_expect(!ack->ack->accepted, "a worker id with a control character was registered");
   wfree(ack);
   Tandem__ServerMessage *hm;
   cr_expect_eq(health(&h, &hm)->n_workers, 0);
   cfree(hm);
-  void *socks[] = {anon};
-  finish(&h, socks, 1);
+  void *socks[] = {anon, ctl};
+  finish(&h, socks, 2);
+}
+
+/* A second connection claiming a live worker's id is refused (the worker
+ * retries on that answer) and takes the id once the first falls silent;
+ * the first, heard again, is unknown. The router never aborts: before,
+ * ROUTER_HANDOVER let the second take the identity, and libzmq aborted. */
+Test(router_control, a_duplicate_worker_id_is_refused_while_the_first_lives, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 3});
+  Tandem__Cluster__RouterMessage *ack;
+  void *first = fake_register(&h, "w0", (fake_opts){.roles = "ed", .route = "w0.1"}, &ack);
+  cr_assert(ack->ack->accepted);
+  wfree(ack);
+  void *second = fake_register(&h, "w0", (fake_opts){.roles = "ed", .route = "w0.2"}, &ack);
+  cr_expect(!ack->ack->accepted, "a live worker's id was taken");
+  cr_expect(strstr(ack->ack->reason, TD_ROUTER_ID_IN_USE), "%s", ack->ack->reason);
+  wfree(ack);
+  /* a request still goes to the first */
+  generate(&h, (gen){.id = "a", .max_new = 2});
+  Tandem__Cluster__RouterMessage *job = wexpect(first, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the job");
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  /* the first falls silent (no heartbeats for 3 x 100 ms): it is dead,
+   * its request fails (no other decode worker), the id is free */
+  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "no decode worker");
+  void *third = fake_register(&h, "w0", (fake_opts){.roles = "ed", .route = "w0.3"}, &ack);
+  cr_expect(ack->ack->accepted, "refused after the first fell silent: %s", ack->ack->reason);
+  wfree(ack);
+  Tandem__Cluster__RouterMessage *m;
+  /* the first wakes up: unknown now */
+  int32_t t[1] = {7};
+  send_tokens(first, rid, 0, t, 1);
+  bool told = false;
+  for (int k = 0; k < 20 && !told; k++) {
+    m = wrecv(first, 200);
+    if (!m) break;
+    told = m->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK && !m->ack->accepted &&
+           strstr(m->ack->reason, "unknown worker");
+    wfree(m);
+  }
+  cr_expect(told, "the silent first connection was not told it is unknown");
+  void *socks[] = {first, second, third};
+  finish(&h, socks, 3);
 }
 
 Test(router_control, a_cancel_reaches_the_worker, .timeout = 30) {
