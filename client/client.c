@@ -107,6 +107,14 @@ td_status td_client_generate(td_client *c, const td_json_request *r, bool stream
   g.n_stop_token_ids = (size_t)r->n_stop_ids;
   g.timeout_ms = timeout_ms;
   g.stream = stream;
+  if (r->text) g.text = r->text;
+  if (r->audio) {
+    g.audio.data = r->audio;
+    g.audio.len = r->audio_len;
+  }
+  g.language = (char *)r->language;
+  g.task = (char *)r->task;
+  g.timestamps = r->timestamps;
   Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
   m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
   m.generate = &g;
@@ -160,6 +168,8 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
   switch (m->body_case) {
     case TANDEM__SERVER_MESSAGE__BODY_TOKENS: {
       Tandem__TokenChunk *t = m->tokens;
+      if (ev && ev->on_text && t->has_text && t->text)
+        ev->on_text(ev->ctx, id, (int)t->sequence, (int)t->offset, t->text);
       if (ev && ev->on_tokens)
         ev->on_tokens(ev->ctx, id, (int)t->sequence, (int)t->offset, t->tokens, t->n_logprobs ? t->logprobs : NULL,
                       (int)t->n_tokens);
@@ -173,7 +183,7 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
         Tandem__SequenceOutput *o = g->outputs[i];
         outs[n] = (td_seq_output){.tokens = o->tokens, .n_tokens = (int)o->n_tokens,
                                   .logprobs = o->n_logprobs ? o->logprobs : NULL, .score = o->score,
-                                  .finish = finish_of(o->finish_reason)};
+                                  .finish = finish_of(o->finish_reason), .text = o->has_text ? o->text : NULL};
       }
       td_client_result r = {.id = id, .status = TD_OK, .n_outputs = n, .outputs = outs};
       const Tandem__Timings *tm = g->timings;

@@ -42,6 +42,7 @@ typedef struct td_seq_output {
   double score;            /* beam search: length-normalised log-probability */
   double cum_logprob;
   td_finish finish;
+  const char *text;        /* decoded text (special tokens skipped) where a tokenizer ran; else NULL */
 } td_seq_output;
 
 #endif

@@ -74,4 +74,30 @@ td_status td_detok_push(td_detok *d, int32_t id, const char **piece, size_t *len
  * clean-up might remove) is given as it decodes now. */
 td_status td_detok_finish(td_detok *d, const char **piece, size_t *len);
 
+/* ---- Whisper's decoder prompt ---- */
+
+/* What WhisperForConditionalGeneration.generate puts before the first
+ * generated token: <|startoftranscript|>, a language token, the task token
+ * and <|notimestamps|> unless timestamps are asked for. The ids come from
+ * generation_config.json (decoder_start_token_id, lang_to_id, task_to_id,
+ * no_timestamps_token_id, is_multilingual, language, task) where it has
+ * them, else from the tokenizer's tokens. */
+typedef struct td_whisper_prompt td_whisper_prompt;
+
+#define TD_WHISPER_PROMPT_MAX 4 /* ids a prompt holds at most */
+
+/* DIR/generation_config.json (optional) and t (kept: must outlive the
+ * prompt). Refused when t has no <|startoftranscript|>: not a Whisper
+ * tokenizer. */
+td_status td_whisper_prompt_load(const char *dir, const td_tokenizer *t, td_whisper_prompt **out);
+void td_whisper_prompt_destroy(td_whisper_prompt *w);
+/* The prompt of one request into out[TD_WHISPER_PROMPT_MAX], *n set.
+ * language: a code ("en"), a token ("<|en|>") or NULL / "" for the
+ * checkpoint's default (generation_config.json's "language"); a
+ * multilingual checkpoint with neither is refused (language detection is
+ * not done here). task: "transcribe" (NULL / "": the default) or
+ * "translate". Errors name the bad value. */
+td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *language, const char *task,
+                                  bool timestamps, int32_t *out, int *n);
+
 #endif

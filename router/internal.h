@@ -63,6 +63,9 @@ typedef struct rreq {
   int64_t t_arrival, t_placed, t_stage, deadline;
   int64_t t_reserved, t_encode_sent, t_encoded, t_first; /* stage times for Timings (0: not yet) */
   double encode_ms, prefill_ms;
+  /* streamed text: one detokenizer a sequence, made at its first chunk */
+  td_detok **detok;
+  int n_detok;
   UT_hash_handle hh;   /* by rid */
   UT_hash_handle hc;   /* by ckey */
 } rreq;
@@ -158,6 +161,22 @@ void rtr_send_prefill(td_router *r, rreq *q);
 bool rtr_place_queue(td_loop *l, void *ctx);
 /* Timer: deadlines and stage timeouts. */
 int rtr_requests_tick(td_loop *l, void *ctx);
+
+/* ---- text.c: the front end at the router (text, audio, detokenizing) */
+/* Converts a request's text or audio in place into input_ids, or features
+ * and a decoder prompt, after td_admit_inputs; ERROR_NONE when it needs
+ * nothing or went well, else the code with the reason in err. */
+Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, char *err, size_t cap);
+/* The text a streamed chunk of sequence `seq` adds (malloc'ed, "" for none),
+ * or NULL without a tokenizer or when it cannot be decoded. */
+char *rtr_stream_text(td_router *r, rreq *q, uint32_t seq, const int32_t *tokens, size_t n);
+/* Sends each sequence's held-back text (a stream's end). */
+void rtr_stream_text_finish(td_router *r, rreq *q);
+/* Forgets the streamed text: sequences restart (a retry of samples / beams). */
+void rtr_stream_text_reset(rreq *q);
+/* Sets each output's text (decode, special tokens skipped) where the router
+ * has a tokenizer; *bufs (n of them) are the caller's to free. */
+void rtr_result_text(td_router *r, Tandem__SequenceOutput **outs, size_t n, char **bufs);
 
 /* ---- stream.c: a worker's news of a request it holds */
 void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m);

@@ -79,6 +79,7 @@ void rtr_req_free(td_router *r, rreq *q) {
   free(q->ckey);
   td_i32vec_free(&q->streamed);
   td_f32vec_free(&q->streamed_lp);
+  rtr_stream_text_reset(q);
   free(q);
 }
 
@@ -121,7 +122,10 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
   }
   TD_WARN("request %s (rid %llu): retrying: %s (%s)", q->cid, (unsigned long long)q->rid, why,
           q->multi ? "from the start" : q->streamed.n ? "after the tokens streamed" : "nothing streamed yet");
-  if (q->multi) q->streamed.n = q->streamed_lp.n = 0; /* samples and beams restart from the prompt */
+  if (q->multi) { /* samples and beams restart from the prompt */
+    q->streamed.n = q->streamed_lp.n = 0;
+    rtr_stream_text_reset(q);
+  }
   HASH_DELETE(hh, r->by_rid, q);
   q->rid = (q->serial << 8) | (uint64_t)(q->attempts & 0xff); /* attempts <= TD_ROUTER_MAX_ATTEMPTS */
   HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
@@ -311,7 +315,7 @@ static char *client_key(const uint8_t *cid, size_t cid_len, const char *id) {
 
 /* Every refusal of a new request, in order; the request is admitted when
  * code stays ERROR_NONE. */
-static Tandem__ErrorCode admit(td_router *r, const char *key, const Tandem__GenerateRequest *g, td_req_shape *sh,
+static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRequest *g, td_req_shape *sh,
                                char *err, size_t cap) {
   rreq *dup = NULL;
   HASH_FIND(hc, r->by_ckey, key, strlen(key), dup);
@@ -327,7 +331,13 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, const Tandem__Gene
     snprintf(err, cap, "overloaded: %d requests queued, %d in flight", r->queue.n, r->in_flight);
     return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
   }
-  td_status s = td_admit_request(&r->model, r->block_size, g, sh, err, cap);
+  td_admit_frontend fe = {.text = r->o.tokenizer != NULL, .audio = r->o.mel && r->o.whisper};
+  td_status s = td_admit_inputs(&fe, g, err, cap);
+  if (s != TD_OK) return td_wire_error_code(s);
+  /* text and audio become ids / features here, once every cheaper refusal passed */
+  Tandem__ErrorCode code = rtr_convert_input(r, g, err, cap);
+  if (code != TANDEM__ERROR_CODE__ERROR_NONE) return code;
+  s = td_admit_request(&r->model, r->block_size, g, sh, err, cap);
   if (s != TD_OK) return td_wire_error_code(s);
   td_place_req pr = place_req(sh, 0);
   if (!td_place_possible((const td_place_worker *const *)r->pool, r->n_pool, &pr, err, cap))

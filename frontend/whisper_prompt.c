@@ -1,0 +1,167 @@
+/* Whisper's decoder prompt, as WhisperForConditionalGeneration.generate
+ * builds it (tokenizer.h). */
+#include <ctype.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/json.h"
+#include "frontend/tokenizer.h"
+
+#define GEN_CONFIG_MAX_BYTES (4u << 20)
+#define MAX_LANGS 256
+
+struct td_whisper_prompt {
+  const td_tokenizer *t;
+  int32_t sot, transcribe, translate, no_ts;
+  bool multilingual;
+  int n_langs; /* generation_config's lang_to_id, when given */
+  char *lang_tok[MAX_LANGS];
+  int32_t lang_id[MAX_LANGS];
+  char language[32]; /* the default language token ("<|en|>"), or "" */
+  char task[16];     /* the default task */
+};
+
+void td_whisper_prompt_destroy(td_whisper_prompt *w) {
+  if (!w) return;
+  for (int i = 0; i < w->n_langs; i++) free(w->lang_tok[i]);
+  free(w);
+}
+
+/* "en", "EN" or "<|en|>" -> "<|en|>"; false for anything else. */
+static bool lang_token(const char *lang, char *out, size_t cap) {
+  size_t n = strlen(lang);
+  const char *code = lang;
+  if (n > 4 && !strncmp(lang, "<|", 2) && !strcmp(lang + n - 2, "|>")) {
+    code = lang + 2;
+    n -= 4;
+  }
+  if (n == 0 || n > 16) return false;
+  char low[17];
+  for (size_t i = 0; i < n; i++) {
+    if (!isalpha((unsigned char)code[i]) && code[i] != '-' && code[i] != '_') return false;
+    low[i] = (char)tolower((unsigned char)code[i]);
+  }
+  low[n] = 0;
+  snprintf(out, cap, "<|%s|>", low);
+  return true;
+}
+
+/* An optional id field: absent or null leaves *dst as it was. */
+static td_status opt_id(const cJSON *j, const char *key, const char *src, int32_t *dst) {
+  if (td_json_is_null(j, key)) return TD_OK;
+  int32_t v = -1;
+  TD_TRY(td_json_i32(j, key, false, src, &v));
+  if (v >= 0) *dst = v;
+  return TD_OK;
+}
+
+static td_status read_config(td_whisper_prompt *w, const char *dir) {
+  char path[PATH_MAX];
+  snprintf(path, sizeof path, "%s/generation_config.json", dir);
+  if (access(path, F_OK) != 0) return TD_OK;
+  cJSON *j = NULL;
+  TD_TRY(td_json_load_file(path, GEN_CONFIG_MAX_BYTES, &j));
+  td_status s = opt_id(j, "decoder_start_token_id", path, &w->sot);
+  if (s == TD_OK) s = opt_id(j, "no_timestamps_token_id", path, &w->no_ts);
+  if (s == TD_OK && !td_json_is_null(j, "is_multilingual"))
+    s = td_json_bool(j, "is_multilingual", false, path, &w->multilingual);
+  const cJSON *tasks = cJSON_GetObjectItemCaseSensitive(j, "task_to_id");
+  if (s == TD_OK && cJSON_IsObject(tasks)) s = opt_id(tasks, "transcribe", path, &w->transcribe);
+  if (s == TD_OK && cJSON_IsObject(tasks)) s = opt_id(tasks, "translate", path, &w->translate);
+  const cJSON *langs = cJSON_GetObjectItemCaseSensitive(j, "lang_to_id"), *it;
+  if (s == TD_OK && cJSON_IsObject(langs)) {
+    cJSON_ArrayForEach(it, langs) {
+      if (w->n_langs == MAX_LANGS || !cJSON_IsNumber(it) || it->valuedouble < 0 || it->valuedouble > INT32_MAX) {
+        s = td_err(TD_ERR_FORMAT, "%s: lang_to_id: \"%s\" is not a token id (or more than %d languages)", path,
+                   it->string, MAX_LANGS);
+        break;
+      }
+      if (!(w->lang_tok[w->n_langs] = strdup(it->string))) {
+        s = td_err(TD_ERR_NOMEM, "out of memory");
+        break;
+      }
+      w->lang_id[w->n_langs++] = (int32_t)it->valuedouble;
+    }
+  }
+  const cJSON *lang = cJSON_GetObjectItemCaseSensitive(j, "language");
+  if (s == TD_OK && cJSON_IsString(lang) && !lang_token(lang->valuestring, w->language, sizeof w->language))
+    s = td_err(TD_ERR_FORMAT, "%s: language \"%s\" is not a language code", path, lang->valuestring);
+  const cJSON *task = cJSON_GetObjectItemCaseSensitive(j, "task");
+  if (s == TD_OK && cJSON_IsString(task)) snprintf(w->task, sizeof w->task, "%s", task->valuestring);
+  cJSON_Delete(j);
+  return s;
+}
+
+td_status td_whisper_prompt_load(const char *dir, const td_tokenizer *t, td_whisper_prompt **out) {
+  *out = NULL;
+  td_whisper_prompt *w = calloc(1, sizeof *w);
+  if (!w) return td_err(TD_ERR_NOMEM, "out of memory");
+  w->t = t;
+  w->sot = td_tokenizer_token_to_id(t, "<|startoftranscript|>");
+  w->transcribe = td_tokenizer_token_to_id(t, "<|transcribe|>");
+  w->translate = td_tokenizer_token_to_id(t, "<|translate|>");
+  w->no_ts = td_tokenizer_token_to_id(t, "<|notimestamps|>");
+  w->multilingual = w->transcribe >= 0 && td_tokenizer_token_to_id(t, "<|en|>") >= 0;
+  td_status s = read_config(w, dir);
+  if (s == TD_OK && (td_tokenizer_token_to_id(t, "<|startoftranscript|>") < 0 || w->sot < 0))
+    s = td_err(TD_ERR_FORMAT, "%s: not a Whisper tokenizer (no <|startoftranscript|> token)", dir);
+  if (s == TD_OK && w->multilingual && (w->transcribe < 0 || w->translate < 0))
+    s = td_err(TD_ERR_FORMAT, "%s: a multilingual Whisper tokenizer without <|transcribe|> / <|translate|>", dir);
+  if (s != TD_OK) {
+    td_whisper_prompt_destroy(w);
+    return s;
+  }
+  *out = w;
+  return TD_OK;
+}
+
+/* A language token's id, or -1 when it names no language. */
+static int32_t lang_id(const td_whisper_prompt *w, const char *tok) {
+  if (w->n_langs) {
+    for (int i = 0; i < w->n_langs; i++)
+      if (!strcmp(w->lang_tok[i], tok)) return w->lang_id[i];
+    return -1;
+  }
+  /* Whisper's vocabulary lists the languages between <|startoftranscript|> and <|translate|> */
+  int32_t id = td_tokenizer_token_to_id(w->t, tok);
+  int32_t sot = td_tokenizer_token_to_id(w->t, "<|startoftranscript|>");
+  return id > sot && id < w->translate ? id : -1;
+}
+
+td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *language, const char *task,
+                                  bool timestamps, int32_t *out, int *n) {
+  *n = 0;
+  out[(*n)++] = w->sot;
+  if (!task || !*task) task = w->task[0] ? w->task : "transcribe";
+  bool translate = !strcmp(task, "translate");
+  if (!translate && strcmp(task, "transcribe"))
+    return td_err(TD_ERR_INVALID, "task \"%.32s\" is neither \"transcribe\" nor \"translate\"", task);
+  if (w->multilingual) {
+    char tok[32];
+    const char *src = language && *language ? language : NULL;
+    if (!src && !w->language[0])
+      return td_err(TD_ERR_INVALID,
+                    "no language given and the checkpoint names none: give one (e.g. \"en\"); "
+                    "language detection is not supported yet");
+    if (src && !lang_token(src, tok, sizeof tok))
+      return td_err(TD_ERR_INVALID, "language \"%.32s\" is not a Whisper language code (e.g. \"en\")", src);
+    int32_t id = lang_id(w, src ? tok : w->language);
+    if (id < 0)
+      return td_err(TD_ERR_INVALID, "language \"%.32s\" is not one this Whisper checkpoint knows",
+                    src ? src : w->language);
+    out[(*n)++] = id;
+    out[(*n)++] = translate ? w->translate : w->transcribe;
+  } else if (language && *language && strcmp(language, "en") && strcmp(language, "<|en|>")) {
+    return td_err(TD_ERR_INVALID, "language \"%.32s\": this Whisper checkpoint is English-only", language);
+  } else if (translate) {
+    return td_err(TD_ERR_INVALID, "task \"translate\": this Whisper checkpoint is English-only");
+  }
+  if (!timestamps) {
+    if (w->no_ts < 0) return td_err(TD_ERR_INVALID, "this Whisper tokenizer has no <|notimestamps|> token");
+    out[(*n)++] = w->no_ts;
+  }
+  return TD_OK;
+}

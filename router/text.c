@@ -1,0 +1,189 @@
+/* The front end at the router: a request's text becomes input_ids and its
+ * audio log-mel features and Whisper's decoder prompt at admission; results
+ * and streamed chunks get their text. All of it runs in the router's one
+ * loop, so each request's cost is bounded by the limits of common/defaults.h
+ * (TD_MAX_TEXT_BYTES, TD_MAX_AUDIO_BYTES, TD_MAX_AUDIO_SECONDS; docs/frontend.md). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/log.h"
+#include "router/internal.h"
+
+#define INVALID TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT
+#define INTERNAL TANDEM__ERROR_CODE__ERROR_INTERNAL
+
+static Tandem__ErrorCode fail(Tandem__ErrorCode code, char *err, size_t cap, const char *what) {
+  snprintf(err, cap, "%s", what);
+  return code;
+}
+
+static Tandem__ErrorCode convert_text(td_router *r, Tandem__GenerateRequest *g, char *err, size_t cap) {
+  int32_t *ids = NULL;
+  size_t n = 0;
+  /* add_special: the post-processor's tokens, as transformers' tokenizer(text) */
+  if (td_tokenizer_encode(r->o.tokenizer, g->text, strlen(g->text), true, &ids, &n) != TD_OK) {
+    snprintf(err, cap, "text: %s", td_errmsg());
+    return INVALID;
+  }
+  if (!n) return fail(INVALID, err, cap, "text: the tokenizer gives no tokens for it");
+  g->input_ids = ids;
+  g->n_input_ids = n;
+  return TANDEM__ERROR_CODE__ERROR_NONE;
+}
+
+static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g, char *err, size_t cap) {
+  const td_mel *mel = r->o.mel;
+  int n_mels = td_mel_n_mels(mel);
+  size_t frames = td_mel_window_frames(mel);
+  double window_s = (double)td_mel_window_samples(mel) / TD_AUDIO_RATE;
+  if (window_s > TD_MAX_AUDIO_SECONDS) window_s = TD_MAX_AUDIO_SECONDS;
+  if (r->have_model && (r->model.mel_bins != (uint32_t)n_mels || r->model.frames != frames)) {
+    snprintf(err, cap,
+             "the router's preprocessor_config.json gives %d x %zu features, the served model takes %u x %u "
+             "(tandem-router --tokenizer names another checkpoint)",
+             n_mels, frames, r->model.mel_bins, r->model.frames);
+    return INTERNAL;
+  }
+  int32_t prompt[TD_WHISPER_PROMPT_MAX];
+  int n_prompt = 0;
+  if (td_whisper_prompt_build(r->o.whisper, g->language, g->task, g->timestamps, prompt, &n_prompt) != TD_OK)
+    return fail(INVALID, err, cap, td_errmsg());
+  td_audio_limits lim = {.max_seconds = window_s};
+  td_audio a;
+  if (td_audio_decode_memory(g->audio.data, g->audio.len, "audio", &lim, &a) != TD_OK) {
+    const char *why = td_errmsg();
+    if (strstr(why, "s of audio"))
+      snprintf(err, cap, "%s: the model's window is %.1f s; longer audio (long-form transcription) is not supported yet",
+               why, window_s);
+    else
+      snprintf(err, cap, "%s", why);
+    return INVALID;
+  }
+  Tandem__AudioFeatures *af = malloc(sizeof *af);
+  int32_t *dp = malloc(sizeof *dp * (size_t)n_prompt);
+  float *v = malloc(sizeof *v * (size_t)n_mels * frames);
+  if (!af || !dp || !v) {
+    free(af);
+    free(dp);
+    free(v);
+    td_audio_free(&a);
+    return fail(INTERNAL, err, cap, "out of memory");
+  }
+  td_status s = td_mel_window(mel, a.samples, a.n, 0, v);
+  td_audio_free(&a);
+  if (s != TD_OK) {
+    snprintf(err, cap, "audio: %s", td_errmsg());
+    free(af);
+    free(dp);
+    free(v);
+    return INTERNAL;
+  }
+  tandem__audio_features__init(af);
+  af->mel_bins = (uint32_t)n_mels;
+  af->frames = (uint32_t)frames;
+  af->values = v;
+  af->n_values = (size_t)n_mels * frames;
+  g->features = af;
+  memcpy(dp, prompt, sizeof *dp * (size_t)n_prompt);
+  g->decoder_prompt = dp;
+  g->n_decoder_prompt = (size_t)n_prompt;
+  /* the file is not needed again: a queued request holds only its features */
+  free(g->audio.data);
+  g->audio.data = NULL;
+  g->audio.len = 0;
+  return TANDEM__ERROR_CODE__ERROR_NONE;
+}
+
+Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, char *err, size_t cap) {
+  bool text = g->text && g->text[0], audio = g->audio.len > 0;
+  if (!text && !audio) return TANDEM__ERROR_CODE__ERROR_NONE;
+  int64_t t0 = td_now_ns();
+  Tandem__ErrorCode code = text ? convert_text(r, g, err, cap) : convert_audio(r, g, err, cap);
+  TD_DEBUG("request %s: %s converted in %.2f ms", g->request_id, text ? "text" : "audio",
+           (double)(td_now_ns() - t0) / 1e6);
+  return code;
+}
+
+/* ------------------------------------------------------------ text out */
+
+char *rtr_stream_text(td_router *r, rreq *q, uint32_t seq, const int32_t *tokens, size_t n) {
+  if (!r->o.tokenizer || seq >= (uint32_t)q->sh.width) return NULL;
+  if (seq >= (uint32_t)q->n_detok) {
+    td_detok **nd = realloc(q->detok, sizeof *nd * (seq + 1));
+    if (!nd) return NULL;
+    for (uint32_t i = (uint32_t)q->n_detok; i <= seq; i++) nd[i] = NULL;
+    q->detok = nd;
+    q->n_detok = (int)seq + 1;
+  }
+  if (!q->detok[seq] && td_detok_create(r->o.tokenizer, true, &q->detok[seq]) != TD_OK) return NULL;
+  size_t len = 0, cap = 64;
+  char *out = malloc(cap);
+  if (!out) return NULL;
+  out[0] = 0;
+  for (size_t i = 0; i < n; i++) {
+    const char *piece;
+    size_t pl;
+    if (td_detok_push(q->detok[seq], tokens[i], &piece, &pl) != TD_OK) {
+      TD_DEBUG("request %s: no text for token %d: %s", q->cid, tokens[i], td_errmsg());
+      continue;
+    }
+    if (len + pl + 1 > cap) {
+      while (len + pl + 1 > cap) cap *= 2;
+      char *no = realloc(out, cap);
+      if (!no) {
+        free(out);
+        return NULL;
+      }
+      out = no;
+    }
+    memcpy(out + len, piece, pl);
+    len += pl;
+    out[len] = 0;
+  }
+  return out;
+}
+
+void rtr_stream_text_finish(td_router *r, rreq *q) {
+  for (int i = 0; i < q->n_detok; i++) {
+    const char *piece;
+    size_t pl;
+    if (!q->detok[i] || td_detok_finish(q->detok[i], &piece, &pl) != TD_OK || !pl) continue;
+    char *text = strndup(piece, pl);
+    if (!text) continue;
+    Tandem__TokenChunk c = TANDEM__TOKEN_CHUNK__INIT;
+    c.sequence = (uint32_t)i;
+    c.offset = !q->multi && i == 0 ? (uint32_t)q->streamed.n : 0;
+    c.text = text;
+    c.has_text = true;
+    Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
+    sm.request_id = q->cid;
+    sm.body_case = TANDEM__SERVER_MESSAGE__BODY_TOKENS;
+    sm.tokens = &c;
+    rtr_send_client(r, q->client, q->client_len, &sm);
+    free(text);
+  }
+}
+
+void rtr_stream_text_reset(rreq *q) {
+  for (int i = 0; i < q->n_detok; i++) td_detok_destroy(q->detok[i]);
+  free(q->detok);
+  q->detok = NULL;
+  q->n_detok = 0;
+}
+
+void rtr_result_text(td_router *r, Tandem__SequenceOutput **outs, size_t n, char **bufs) {
+  for (size_t i = 0; i < n; i++) {
+    bufs[i] = NULL;
+    size_t len;
+    if (!r->o.tokenizer) continue;
+    if (td_tokenizer_decode(r->o.tokenizer, outs[i]->tokens, outs[i]->n_tokens, true, &bufs[i], &len) != TD_OK) {
+      TD_DEBUG("a result has no text: %s", td_errmsg());
+      bufs[i] = NULL;
+      continue;
+    }
+    outs[i]->text = bufs[i];
+    outs[i]->has_text = true;
+  }
+}

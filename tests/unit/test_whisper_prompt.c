@@ -1,0 +1,116 @@
+/* Whisper's decoder prompt (td_whisper_prompt): the ids transformers'
+ * WhisperForConditionalGeneration.generate puts first, from the tokenizer
+ * or generation_config.json, and a clear refusal of every bad option. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "frontend/tokenizer.h"
+
+#define WHISPER TD_TEST_DATA "/tokenizers/whisper-large-v3"
+enum { SOT = 50258, EN = 50259, DE = 50261, TRANSLATE = 50359, TRANSCRIBE = 50360, NO_TS = 50364 };
+
+static td_tokenizer *tok;
+static char dir[64];
+
+static void setup(void) {
+  cr_assert_eq(td_tokenizer_load(WHISPER, NULL, &tok), TD_OK, "%s", td_errmsg());
+  snprintf(dir, sizeof dir, "/tmp/td-whisper-XXXXXX");
+  cr_assert(mkdtemp(dir));
+}
+
+static void teardown(void) {
+  char p[128];
+  snprintf(p, sizeof p, "%s/generation_config.json", dir);
+  unlink(p);
+  rmdir(dir);
+  td_tokenizer_destroy(tok);
+}
+
+TestSuite(whisper_prompt, .init = setup, .fini = teardown);
+
+static void gen_config(const char *text) {
+  char p[128];
+  snprintf(p, sizeof p, "%s/generation_config.json", dir);
+  FILE *f = fopen(p, "w");
+  cr_assert(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+static void expect_prompt(const td_whisper_prompt *w, const char *lang, const char *task, bool ts, const int32_t *want,
+                          int n_want) {
+  int32_t out[TD_WHISPER_PROMPT_MAX];
+  int n = -1;
+  cr_assert_eq(td_whisper_prompt_build(w, lang, task, ts, out, &n), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(n, n_want, "%s/%s: %d ids", lang, task, n);
+  for (int i = 0; i < n; i++) cr_expect_eq(out[i], want[i], "%s/%s: id %d is %d, want %d", lang, task, i, out[i], want[i]);
+}
+
+static void expect_refused(const td_whisper_prompt *w, const char *lang, const char *task, const char *says) {
+  int32_t out[TD_WHISPER_PROMPT_MAX];
+  int n;
+  cr_expect_eq(td_whisper_prompt_build(w, lang, task, false, out, &n), TD_ERR_INVALID, "%s/%s accepted", lang, task);
+  cr_expect(strstr(td_errmsg(), says), "\"%s\" does not say \"%s\"", td_errmsg(), says);
+}
+
+Test(whisper_prompt, from_the_tokenizer) {
+  td_whisper_prompt *w;
+  cr_assert_eq(td_whisper_prompt_load(dir, tok, &w), TD_OK, "%s", td_errmsg());
+  expect_prompt(w, "en", NULL, false, (int32_t[]){SOT, EN, TRANSCRIBE, NO_TS}, 4);
+  expect_prompt(w, "EN", "transcribe", false, (int32_t[]){SOT, EN, TRANSCRIBE, NO_TS}, 4);
+  expect_prompt(w, "<|de|>", "translate", false, (int32_t[]){SOT, DE, TRANSLATE, NO_TS}, 4);
+  expect_prompt(w, "de", "", true, (int32_t[]){SOT, DE, TRANSCRIBE}, 3);
+  expect_refused(w, NULL, NULL, "language detection is not supported yet");
+  expect_refused(w, "", NULL, "give one (e.g. \"en\")");
+  expect_refused(w, "xx", NULL, "not one this Whisper checkpoint knows");
+  expect_refused(w, "transcribe", NULL, "not one this Whisper checkpoint knows"); /* a token, not a language */
+  expect_refused(w, "en\"; DROP", NULL, "not a Whisper language code");
+  expect_refused(w, "\xff\xfe", NULL, "not a Whisper language code");
+  expect_refused(w, "en", "summarize", "neither \"transcribe\" nor \"translate\"");
+  td_whisper_prompt_destroy(w);
+}
+
+Test(whisper_prompt, from_generation_config) {
+  gen_config("{\"decoder_start_token_id\": 50258, \"no_timestamps_token_id\": 50364, \"is_multilingual\": true,"
+             " \"lang_to_id\": {\"<|en|>\": 50259, \"<|de|>\": 50261}, \"language\": \"de\","
+             " \"task_to_id\": {\"transcribe\": 50360, \"translate\": 50359}, \"task\": \"translate\"}");
+  td_whisper_prompt *w;
+  cr_assert_eq(td_whisper_prompt_load(dir, tok, &w), TD_OK, "%s", td_errmsg());
+  expect_prompt(w, NULL, NULL, false, (int32_t[]){SOT, DE, TRANSLATE, NO_TS}, 4); /* the checkpoint's defaults */
+  expect_prompt(w, "en", "transcribe", false, (int32_t[]){SOT, EN, TRANSCRIBE, NO_TS}, 4);
+  expect_refused(w, "fr", NULL, "not one this Whisper checkpoint knows"); /* lang_to_id lists the languages */
+  td_whisper_prompt_destroy(w);
+}
+
+Test(whisper_prompt, english_only) {
+  gen_config("{\"is_multilingual\": false}");
+  td_whisper_prompt *w;
+  cr_assert_eq(td_whisper_prompt_load(dir, tok, &w), TD_OK, "%s", td_errmsg());
+  expect_prompt(w, NULL, NULL, false, (int32_t[]){SOT, NO_TS}, 2);
+  expect_prompt(w, "en", NULL, false, (int32_t[]){SOT, NO_TS}, 2);
+  expect_refused(w, "de", NULL, "English-only");
+  expect_refused(w, NULL, "translate", "English-only");
+  td_whisper_prompt_destroy(w);
+}
+
+Test(whisper_prompt, bad_files) {
+  td_whisper_prompt *w = NULL;
+  gen_config("{\"lang_to_id\": {\"<|en|>\": \"fifty\"}}");
+  cr_expect_eq(td_whisper_prompt_load(dir, tok, &w), TD_ERR_FORMAT);
+  cr_expect(strstr(td_errmsg(), "lang_to_id"), "%s", td_errmsg());
+  gen_config("{\"no_timestamps_token_id\": \"x\"}");
+  cr_expect_neq(td_whisper_prompt_load(dir, tok, &w), TD_OK);
+  cr_expect(strstr(td_errmsg(), "no_timestamps_token_id"), "%s", td_errmsg());
+  gen_config("{not json");
+  cr_expect_neq(td_whisper_prompt_load(dir, tok, &w), TD_OK);
+  cr_expect(w == NULL);
+  td_tokenizer *t5;
+  cr_assert_eq(td_tokenizer_load(TD_TEST_DATA "/tokenizers/toy-numbers-t5", NULL, &t5), TD_OK, "%s", td_errmsg());
+  gen_config("{}");
+  cr_expect_eq(td_whisper_prompt_load(dir, t5, &w), TD_ERR_FORMAT);
+  cr_expect(strstr(td_errmsg(), "not a Whisper tokenizer"), "%s", td_errmsg());
+  td_tokenizer_destroy(t5);
+}
