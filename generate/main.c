@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/clock.h"
 #include "common/defaults.h"
@@ -15,6 +16,8 @@
 #include "common/log.h"
 #include "common/settings.h"
 #include "engine/engine.h"
+#include "frontend/audio.h"
+#include "frontend/tokenizer.h"
 
 typedef struct slot {
   td_json_request req;
@@ -24,18 +27,99 @@ typedef struct slot {
   bool added;
 } slot;
 
+/* The model folder's front end, when it has one: its tokenizer (text in,
+ * text in results) and, for Whisper, the feature extractor and prompt. */
+typedef struct frontend {
+  td_tokenizer *tok;
+  td_mel *mel;
+  td_whisper_prompt *whisper;
+} frontend;
+
 typedef struct app {
   slot *slots;
   int n;
   int vocab;
   int failed;
+  frontend fe;
 } app;
+
+static bool has_file(const char *dir, const char *name) {
+  char p[PATH_MAX];
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  return access(p, F_OK) == 0;
+}
+
+static td_status load_frontend(const char *dir, frontend *fe) {
+  if (!has_file(dir, "tokenizer.json") && !has_file(dir, "source.spm")) return TD_OK;
+  td_tokenizer_opts to = {.strict_utf8 = true}; /* bad text is refused, as the router does */
+  TD_TRY(td_tokenizer_load(dir, &to, &fe->tok));
+  if (!has_file(dir, "preprocessor_config.json")) return TD_OK;
+  td_mel_config mc = {0};
+  TD_TRY(td_mel_config_from_preprocessor(dir, &mc));
+  TD_TRY(td_mel_create(&mc, &fe->mel));
+  return td_whisper_prompt_load(dir, fe->tok, &fe->whisper);
+}
+
+static void free_frontend(frontend *fe) {
+  td_whisper_prompt_destroy(fe->whisper);
+  td_mel_destroy(fe->mel);
+  td_tokenizer_destroy(fe->tok);
+}
+
+/* A request's text or audio as ids, or features and Whisper's prompt. */
+static td_status convert(const frontend *fe, const char *model_dir, td_json_request *q) {
+  if (!q->text && !q->audio) return TD_OK;
+  if (!fe->tok)
+    return td_err(TD_ERR_INVALID, "%s input needs a tokenizer (tokenizer.json, or Marian's source.spm) in %s",
+                  q->text ? "text" : "audio", model_dir);
+  if (q->text) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    td_status st = td_tokenizer_encode(fe->tok, q->text, strlen(q->text), true, &ids, &n);
+    if (st != TD_OK) return td_err_ctx(st, "text: ");
+    if (!n) return td_err(TD_ERR_INVALID, "text: the tokenizer gives no tokens for it");
+    q->input_ids = ids;
+    q->n_input = (int)n;
+    return TD_OK;
+  }
+  if (!fe->mel || !fe->whisper)
+    return td_err(TD_ERR_INVALID, "audio input needs a Whisper checkpoint's preprocessor_config.json in %s", model_dir);
+  if (q->prompt)
+    return td_err(TD_ERR_INVALID, "audio input takes no decoder_prompt: Whisper's is built from language, task and "
+                                  "timestamps");
+  int32_t prompt[TD_WHISPER_PROMPT_MAX];
+  int np = 0;
+  TD_TRY(td_whisper_prompt_build(fe->whisper, q->language, q->task, q->timestamps, prompt, &np));
+  TD_TRY(td_mel_features_from_audio(fe->mel, q->audio, q->audio_len, "audio", &q->features, &q->n_features));
+  if (!(q->prompt = malloc(sizeof *q->prompt * (size_t)np))) return td_err(TD_ERR_NOMEM, "out of memory");
+  memcpy(q->prompt, prompt, sizeof *prompt * (size_t)np);
+  q->n_prompt = np;
+  free(q->audio);
+  q->audio = NULL;
+  q->audio_len = 0;
+  return TD_OK;
+}
 
 static void on_finish(void *ctx, const td_result *r) {
   app *a = ctx;
   slot *s = &a->slots[(intptr_t)r->user];
-  s->line_out = r->status == TD_OK ? td_json_result_format(r->id, r->outputs, r->n_outputs)
+  /* each output's text (special tokens skipped) where the folder has a tokenizer */
+  td_seq_output *outs = NULL;
+  char **texts = NULL;
+  if (r->status == TD_OK && a->fe.tok && r->n_outputs > 0 && (outs = calloc((size_t)r->n_outputs, sizeof *outs)) &&
+      (texts = calloc((size_t)r->n_outputs, sizeof *texts))) {
+    for (int i = 0; i < r->n_outputs; i++) {
+      outs[i] = r->outputs[i];
+      size_t len;
+      if (td_tokenizer_decode(a->fe.tok, outs[i].tokens, (size_t)outs[i].n_tokens, true, &texts[i], &len) == TD_OK)
+        outs[i].text = texts[i];
+    }
+  }
+  s->line_out = r->status == TD_OK ? td_json_result_format(r->id, texts ? outs : r->outputs, r->n_outputs)
                                    : td_json_error_format(r->id, r->status, r->error);
+  for (int i = 0; texts && i < r->n_outputs; i++) free(texts[i]);
+  free(texts);
+  free(outs);
   if (r->status != TD_OK) a->failed++;
   if (r->logits && r->n_logit_rows) {
     s->logits = malloc(sizeof(float) * (size_t)r->n_logit_rows * a->vocab);
@@ -192,6 +276,11 @@ int main(int argc, char **argv) {
     rc = 2;
     goto out;
   }
+  if (load_frontend(model_dir, &a.fe) != TD_OK) {
+    fprintf(stderr, "tandem-generate: %s: %s\n", model_dir, td_errmsg());
+    rc = 2;
+    goto out;
+  }
   a.vocab = td_model_get_config(m)->vocab_size;
   size_t n_feat = (size_t)td_model_get_config(m)->num_mel_bins * td_model_input_frames(m);
   td_engine_opts eo = {.self_blocks = kv_blocks, .cross_blocks = cross_blocks, .max_running = max_batch,
@@ -211,6 +300,11 @@ int main(int argc, char **argv) {
   for (int i = 0; i < a.n; i++) {
     slot *s = &a.slots[i];
     if (s->line_out) continue;
+    if (convert(&a.fe, model_dir, &s->req) != TD_OK) {
+      s->line_out = td_json_error_format(s->req.id, TD_ERR_INVALID, td_errmsg());
+      a.failed++;
+      continue;
+    }
     td_request r;
     td_request_from_json(&s->req, &r);
     r.user = (void *)(intptr_t)i;
@@ -257,6 +351,7 @@ int main(int argc, char **argv) {
   if (rc == 0 && a.failed) rc = 1;
 out:
   td_engine_destroy(e);
+  free_frontend(&a.fe);
   td_model_destroy(m);
   td_backend_destroy(b);
   for (int i = 0; i < a.n; i++) {

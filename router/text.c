@@ -37,8 +37,6 @@ static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g,
   const td_mel *mel = r->o.mel;
   int n_mels = td_mel_n_mels(mel);
   size_t frames = td_mel_window_frames(mel);
-  double window_s = (double)td_mel_window_samples(mel) / TD_AUDIO_RATE;
-  if (window_s > TD_MAX_AUDIO_SECONDS) window_s = TD_MAX_AUDIO_SECONDS;
   if (r->have_model && (r->model.mel_bins != (uint32_t)n_mels || r->model.frames != frames)) {
     snprintf(err, cap,
              "the router's preprocessor_config.json gives %d x %zu features, the served model takes %u x %u "
@@ -50,41 +48,26 @@ static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g,
   int n_prompt = 0;
   if (td_whisper_prompt_build(r->o.whisper, g->language, g->task, g->timestamps, prompt, &n_prompt) != TD_OK)
     return fail(INVALID, err, cap, td_errmsg());
-  td_audio_limits lim = {.max_seconds = window_s};
-  td_audio a;
-  if (td_audio_decode_memory(g->audio.data, g->audio.len, "audio", &lim, &a) != TD_OK) {
-    const char *why = td_errmsg();
-    if (strstr(why, "s of audio"))
-      snprintf(err, cap, "%s: the model's window is %.1f s; longer audio (long-form transcription) is not supported yet",
-               why, window_s);
-    else
-      snprintf(err, cap, "%s", why);
-    return INVALID;
-  }
   Tandem__AudioFeatures *af = malloc(sizeof *af);
   int32_t *dp = malloc(sizeof *dp * (size_t)n_prompt);
-  float *v = malloc(sizeof *v * (size_t)n_mels * frames);
-  if (!af || !dp || !v) {
+  float *v = NULL;
+  size_t nv = 0;
+  if (!af || !dp) {
     free(af);
     free(dp);
-    free(v);
-    td_audio_free(&a);
     return fail(INTERNAL, err, cap, "out of memory");
   }
-  td_status s = td_mel_window(mel, a.samples, a.n, 0, v);
-  td_audio_free(&a);
+  td_status s = td_mel_features_from_audio(mel, g->audio.data, g->audio.len, "audio", &v, &nv);
   if (s != TD_OK) {
-    snprintf(err, cap, "audio: %s", td_errmsg());
     free(af);
     free(dp);
-    free(v);
-    return INTERNAL;
+    return fail(s == TD_ERR_NOMEM || s == TD_ERR_INTERNAL ? INTERNAL : INVALID, err, cap, td_errmsg());
   }
   tandem__audio_features__init(af);
   af->mel_bins = (uint32_t)n_mels;
   af->frames = (uint32_t)frames;
   af->values = v;
-  af->n_values = (size_t)n_mels * frames;
+  af->n_values = nv;
   g->features = af;
   memcpy(dp, prompt, sizeof *dp * (size_t)n_prompt);
   g->decoder_prompt = dp;
