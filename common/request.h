@@ -23,6 +23,8 @@ typedef struct td_request_params {
   int early_stopping;     /* 1 true, 0 false (heuristic), -1 never */
   const int32_t *stop_ids;/* finish when one of these is produced (besides EOS) */
   int n_stop_ids;
+  const int32_t *allowed_ids; /* when n_allowed > 0: the only tokens that may be generated */
+  int n_allowed;              /*   (Whisper's language detection: the language tokens) */
   bool logprobs;          /* per-token log-probabilities in the output */
   int forced_bos;         /* -2: generation_config; -1: none; else the id */
   int forced_eos;         /* -2: generation_config; -1: none; else the id */

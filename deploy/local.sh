@@ -217,8 +217,19 @@ echo "logs and pid files in $run_dir" >&2
 if ((demo)); then
   req="$run_dir/demo.jsonl"
   if grep -q '"num_mel_bins"' "$model/config.json"; then
-    echo "local.sh: --demo needs a text model (Whisper takes audio: tandem-client --audio FILE --language en)" >&2
-    exit 2
+    # Whisper: the folder's .wav files as audio, the language detected
+    wavs=("$model"/*.wav)
+    if [[ ! -f ${wavs[0]} || ${#router_tok[@]} -eq 0 ]]; then
+      echo "local.sh: --demo with a Whisper model sends the .wav files of its folder (and needs its tokenizer):" \
+           "none in $model; try tandem-client --router $client_ep --audio FILE" >&2
+      exit 2
+    fi
+    for w in "${wavs[@]}"; do echo "{\"id\": \"$(basename "$w")\", \"audio\": \"$w\"}"; done >"$req"
+    rc=0
+    "$bin/tandem-client" --router "$client_ep" --requests "$req" --timeout-ms 60000 >"$run_dir/demo.out" || rc=$?
+    cat "$run_dir/demo.out"
+    sed -nE 's/^\{"id":"([^"]*)","outputs":\[\{"tokens":\[[^]]*\],"text":"([^"]*)".*/  \1  ->  \2/p' "$run_dir/demo.out"
+    exit $rc
   fi
   if ((${#router_tok[@]})); then
     # text in, text out: each id is the question, each result's "text" its answer

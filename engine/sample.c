@@ -54,14 +54,41 @@ static td_sample_row make_row(td_engine *e, group *g, const seq *s, int stream, 
   for (int i = 0; i < gen->n_suppress; i++) bans[(*n_bans)++] = gen->suppress[i];
   if (kk == 0)
     for (int i = 0; i < gen->n_begin_suppress; i++) bans[(*n_bans)++] = gen->begin_suppress[i];
+  /* an allowed list bans the rest (the backends' one mechanism for it) */
+  for (int t = 0, a = 0; g->p.n_allowed && t < e->V; t++) {
+    while (a < g->p.n_allowed && g->allowed[a] < t) a++;
+    if (a == g->p.n_allowed || g->allowed[a] != t) bans[(*n_bans)++] = t;
+  }
   r.ban_count = *n_bans - r.ban_start;
   return r;
+}
+
+/* Room for the bans of this step's rows: an allowed list can ban the whole
+ * vocabulary, so the buffers grow when such a request runs. */
+static td_status reserve_bans(td_engine *e) {
+  const eng_batch *bt = &e->batch;
+  eng_sampler *sm = &e->smp;
+  size_t need = 1;
+  for (int r = 0; r < bt->n_rows; r++) {
+    const group *g = bt->ouse[r].g;
+    need += (size_t)e->gen->n_suppress + (size_t)e->gen->n_begin_suppress + (g->p.n_allowed ? (size_t)e->V : 0);
+  }
+  if (need <= (size_t)sm->cap_bans) return TD_OK;
+  int32_t *h = realloc(sm->h_bans, sizeof(int32_t) * need);
+  if (!h) return td_err(TD_ERR_NOMEM, "engine bans: out of memory");
+  sm->h_bans = h;
+  td_free(e->b, sm->d_bans);
+  sm->d_bans = NULL;
+  TD_TRY(td_alloc(e->b, TD_BUF_I32, need, (void **)&sm->d_bans));
+  sm->cap_bans = (int)need;
+  return TD_OK;
 }
 
 td_status eng_sample(td_engine *e, float *logits) {
   const eng_batch *bt = &e->batch;
   eng_sampler *sm = &e->smp;
   int n_rows = bt->n_rows, n_samp = bt->n_samp, k = bt->k;
+  TD_TRY(reserve_bans(e));
   /* the k-th copy of a forking prompt row is sample k */
   int n_bans = 0;
   for (int r = 0; r < n_rows; r++) {

@@ -94,10 +94,15 @@ void td_whisper_prompt_destroy(td_whisper_prompt *w);
 /* The prompt of one request into out[TD_WHISPER_PROMPT_MAX], *n set.
  * language: a code ("en"), a token ("<|en|>") or NULL / "" for the
  * checkpoint's default (generation_config.json's "language"); a
- * multilingual checkpoint with neither is refused (language detection is
- * not done here). task: "transcribe" (NULL / "": the default) or
- * "translate". Errors name the bad value. */
+ * multilingual checkpoint with neither gives TD_ERR_NOT_FOUND: the caller
+ * detects the language (td_whisper_languages) or refuses. task:
+ * "transcribe" (NULL / "": the default) or "translate". Other errors
+ * (TD_ERR_INVALID) name the bad value. */
 td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *language, const char *task,
                                   bool timestamps, int32_t *out, int *n);
+/* The language tokens (*n of them; NULL and 0 for an English-only
+ * checkpoint): what transformers' detect_language takes the best of after
+ * one decoder step from <|startoftranscript|>. */
+const int32_t *td_whisper_languages(const td_whisper_prompt *w, int *n);
 
 #endif

@@ -21,12 +21,15 @@ struct td_whisper_prompt {
   char *lang_tok[MAX_LANGS];
   int32_t lang_id[MAX_LANGS];
   char language[32]; /* the default language token ("<|en|>"), or "" */
+  int32_t *langs;    /* every language token's id (lang_to_id's, else the tokenizer's) */
+  int n_all_langs;
   char task[16];     /* the default task */
 };
 
 void td_whisper_prompt_destroy(td_whisper_prompt *w) {
   if (!w) return;
   for (int i = 0; i < w->n_langs; i++) free(w->lang_tok[i]);
+  free(w->langs);
   free(w);
 }
 
@@ -110,12 +113,26 @@ td_status td_whisper_prompt_load(const char *dir, const td_tokenizer *t, td_whis
     s = td_err(TD_ERR_FORMAT, "%s: not a Whisper tokenizer (no <|startoftranscript|> token)", dir);
   if (s == TD_OK && w->multilingual && (w->transcribe < 0 || w->translate < 0))
     s = td_err(TD_ERR_FORMAT, "%s: a multilingual Whisper tokenizer without <|transcribe|> / <|translate|>", dir);
+  if (s == TD_OK && w->multilingual) {
+    /* Whisper's vocabulary lists the languages between <|startoftranscript|> and <|translate|> */
+    int32_t lo = td_tokenizer_token_to_id(t, "<|startoftranscript|>") + 1, hi = w->translate;
+    int n = w->n_langs ? w->n_langs : hi > lo ? hi - lo : 0;
+    if (!n) s = td_err(TD_ERR_FORMAT, "%s: a multilingual Whisper tokenizer without language tokens", dir);
+    else if (!(w->langs = malloc(sizeof *w->langs * (size_t)n))) s = td_err(TD_ERR_NOMEM, "out of memory");
+    for (int i = 0; s == TD_OK && i < n; i++) w->langs[i] = w->n_langs ? w->lang_id[i] : lo + i;
+    w->n_all_langs = s == TD_OK ? n : 0;
+  }
   if (s != TD_OK) {
     td_whisper_prompt_destroy(w);
     return s;
   }
   *out = w;
   return TD_OK;
+}
+
+const int32_t *td_whisper_languages(const td_whisper_prompt *w, int *n) {
+  *n = w->n_all_langs;
+  return w->n_all_langs ? w->langs : NULL;
 }
 
 /* A language token's id, or -1 when it names no language. */
@@ -143,9 +160,8 @@ td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *langua
     char tok[32];
     const char *src = language && *language ? language : NULL;
     if (!src && !w->language[0])
-      return td_err(TD_ERR_INVALID,
-                    "no language given and the checkpoint names none: give one (e.g. \"en\"); "
-                    "language detection is not supported yet");
+      return td_err(TD_ERR_NOT_FOUND,
+                    "no language given and the checkpoint names none: give one (e.g. \"en\") or detect it");
     if (src && !lang_token(src, tok, sizeof tok))
       return td_err(TD_ERR_INVALID, "language \"%.32s\" is not a Whisper language code (e.g. \"en\")", src);
     int32_t id = lang_id(w, src ? tok : w->language);

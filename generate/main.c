@@ -25,6 +25,8 @@ typedef struct slot {
   float *logits;
   int n_rows;
   bool added;
+  bool detect;  /* audio without a language: a detection step first */
+  int32_t lang; /* ... its language token (-1: none yet) */
 } slot;
 
 /* The model folder's front end, when it has one: its tokenizer (text in,
@@ -66,8 +68,17 @@ static void free_frontend(frontend *fe) {
   td_tokenizer_destroy(fe->tok);
 }
 
-/* A request's text or audio as ids, or features and Whisper's prompt. */
-static td_status convert(const frontend *fe, const char *model_dir, td_json_request *q) {
+static td_status set_prompt(td_json_request *q, const int32_t *prompt, int np) {
+  free(q->prompt);
+  if (!(q->prompt = malloc(sizeof *q->prompt * (size_t)np))) return td_err(TD_ERR_NOMEM, "out of memory");
+  memcpy(q->prompt, prompt, sizeof *prompt * (size_t)np);
+  q->n_prompt = np;
+  return TD_OK;
+}
+
+/* A request's text or audio as ids, or features and Whisper's prompt;
+ * *detect: the audio names no language (its prompt comes after detection). */
+static td_status convert(const frontend *fe, const char *model_dir, td_json_request *q, bool *detect) {
   if (!q->text && !q->audio) return TD_OK;
   if (!fe->tok)
     return td_err(TD_ERR_INVALID, "%s input needs a tokenizer (tokenizer.json, or Marian's source.spm) in %s",
@@ -89,11 +100,11 @@ static td_status convert(const frontend *fe, const char *model_dir, td_json_requ
                                   "timestamps");
   int32_t prompt[TD_WHISPER_PROMPT_MAX];
   int np = 0;
-  TD_TRY(td_whisper_prompt_build(fe->whisper, q->language, q->task, q->timestamps, prompt, &np));
+  td_status ps = td_whisper_prompt_build(fe->whisper, q->language, q->task, q->timestamps, prompt, &np);
+  *detect = ps == TD_ERR_NOT_FOUND;
+  if (ps != TD_OK && !*detect) return ps;
   TD_TRY(td_mel_features_from_audio(fe->mel, q->audio, q->audio_len, "audio", &q->features, &q->n_features));
-  if (!(q->prompt = malloc(sizeof *q->prompt * (size_t)np))) return td_err(TD_ERR_NOMEM, "out of memory");
-  memcpy(q->prompt, prompt, sizeof *prompt * (size_t)np);
-  q->n_prompt = np;
+  if (!*detect) TD_TRY(set_prompt(q, prompt, np));
   free(q->audio);
   q->audio = NULL;
   q->audio_len = 0;
@@ -103,6 +114,15 @@ static td_status convert(const frontend *fe, const char *model_dir, td_json_requ
 static void on_finish(void *ctx, const td_result *r) {
   app *a = ctx;
   slot *s = &a->slots[(intptr_t)r->user];
+  if (s->detect) { /* the language detection step: its token is the language */
+    s->detect = false;
+    s->lang = r->status == TD_OK && r->n_outputs && r->outputs[0].n_tokens ? r->outputs[0].tokens[0] : -1;
+    if (r->status != TD_OK) {
+      s->line_out = td_json_error_format(r->id, r->status, r->error);
+      a->failed++;
+    }
+    return;
+  }
   /* each output's text (special tokens skipped) where the folder has a tokenizer */
   td_seq_output *outs = NULL;
   char **texts = NULL;
@@ -297,13 +317,58 @@ int main(int argc, char **argv) {
   fprintf(stderr, "tandem-generate: loaded in %.2f s on %s; %d sequences a step; pools %d self + %d cross blocks\n",
           load_s, td_backend_name(b), max_batch, st0.self.n_blocks, st0.cross.n_blocks);
   int64_t t_run = td_now_ns();
+  /* text and audio to ids and features; audio without a language is detected
+   * first, as transformers' detect_language: one greedy step from
+   * <|startoftranscript|> over the language tokens */
+  int detecting = 0;
   for (int i = 0; i < a.n; i++) {
     slot *s = &a.slots[i];
+    s->lang = -1;
     if (s->line_out) continue;
-    if (convert(&a.fe, model_dir, &s->req) != TD_OK) {
+    if (convert(&a.fe, model_dir, &s->req, &s->detect) != TD_OK) {
       s->line_out = td_json_error_format(s->req.id, TD_ERR_INVALID, td_errmsg());
       a.failed++;
       continue;
+    }
+    if (!s->detect) continue;
+    int n_langs;
+    const int32_t *langs = td_whisper_languages(a.fe.whisper, &n_langs);
+    int32_t sot = td_model_get_gen(m)->decoder_start_token_id;
+    td_request r = {.id = s->req.id, .features = s->req.features, .prompt = &sot, .n_prompt = 1,
+                    .user = (void *)(intptr_t)i};
+    td_request_params_default(&r.params);
+    r.params.max_new_tokens = 1;
+    r.params.allowed_ids = langs;
+    r.params.n_allowed = n_langs;
+    uint64_t h;
+    if (td_engine_add(e, &r, &h) != TD_OK) {
+      s->line_out = td_json_error_format(s->req.id, TD_ERR_INVALID, td_errmsg());
+      s->detect = false;
+      a.failed++;
+      continue;
+    }
+    detecting++;
+  }
+  while (detecting && !td_engine_idle(e)) {
+    if (td_engine_step(e) != TD_OK) {
+      fprintf(stderr, "tandem-generate: engine failed: %s\n", td_errmsg());
+      rc = 1;
+      break;
+    }
+  }
+  for (int i = 0; i < a.n; i++) {
+    slot *s = &a.slots[i];
+    if (s->line_out) continue;
+    if (s->lang >= 0) { /* detected: the prompt as if the language had been given */
+      int32_t prompt[TD_WHISPER_PROMPT_MAX];
+      int np = 0;
+      const char *tok = td_tokenizer_id_to_token(a.fe.tok, s->lang);
+      if (!tok || td_whisper_prompt_build(a.fe.whisper, tok, s->req.task, s->req.timestamps, prompt, &np) != TD_OK ||
+          set_prompt(&s->req, prompt, np) != TD_OK) {
+        s->line_out = td_json_error_format(s->req.id, TD_ERR_INTERNAL, "language detection gave no language");
+        a.failed++;
+        continue;
+      }
     }
     td_request r;
     td_request_from_json(&s->req, &r);

@@ -114,6 +114,11 @@ static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *m
     REFUSE(TD_ERR_INVALID, "early_stopping must be 1 (true), 0 (false) or -1 (never), got %d", sp->early_stopping);
   if (sp->set_forced_bos && sp->forced_bos_token_id >= V)
     REFUSE(TD_ERR_INVALID, "forced_bos_token_id %d is outside the vocabulary of %d", sp->forced_bos_token_id, V);
+  if (sp->n_allowed_token_ids > (size_t)V)
+    REFUSE(TD_ERR_INVALID, "%zu allowed_token_ids exceed the vocabulary of %d", sp->n_allowed_token_ids, V);
+  for (size_t i = 0; i < sp->n_allowed_token_ids; i++)
+    if (sp->allowed_token_ids[i] < 0 || sp->allowed_token_ids[i] >= V)
+      REFUSE(TD_ERR_INVALID, "allowed token %d is outside the vocabulary of %d", sp->allowed_token_ids[i], V);
   if (sp->set_forced_eos && sp->forced_eos_token_id >= V)
     REFUSE(TD_ERR_INVALID, "forced_eos_token_id %d is outside the vocabulary of %d", sp->forced_eos_token_id, V);
   return TD_OK;

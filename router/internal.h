@@ -66,6 +66,14 @@ typedef struct rreq {
   /* streamed text: one detokenizer a sequence, made at its first chunk */
   td_detok **detok;
   int n_detok;
+  /* Whisper's language detection: a first attempt of one greedy step over the
+   * language tokens, then the request itself with the language it gave */
+  bool detecting;
+  Tandem__SamplingParams *user_sampling; /* the request's own, while detecting */
+  Tandem__SamplingParams detect_sp;
+  uint32_t user_max_new;
+  bool user_stream;
+  int free_attempts;   /* attempts max_attempts does not count (detection's) */
   UT_hash_handle hh;   /* by rid */
   UT_hash_handle hc;   /* by ckey */
 } rreq;
@@ -151,6 +159,9 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w);
 void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg);
 /* Gives a request another attempt on other workers, or fails it. */
 void rtr_req_retry(td_router *r, rreq *q, const char *why);
+/* Puts a request back at the queue's head for its next attempt (a new rid);
+ * `release`: its holds on the workers of this attempt go first. */
+void rtr_req_requeue(td_router *r, rreq *q, bool release);
 /* Ends a request quietly (its result or error was sent). */
 void rtr_req_free(td_router *r, rreq *q);
 /* A worker's part in the request is over: its hold on the worker goes. */
@@ -165,8 +176,17 @@ int rtr_requests_tick(td_loop *l, void *ctx);
 /* ---- text.c: the front end at the router (text, audio, detokenizing) */
 /* Converts a request's text or audio in place into input_ids, or features
  * and a decoder prompt, after td_admit_inputs; ERROR_NONE when it needs
- * nothing or went well, else the code with the reason in err. */
-Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, char *err, size_t cap);
+ * nothing or went well, else the code with the reason in err. *detect: the
+ * audio names no language (the prompt holds a stand-in of the same length):
+ * the request starts with language detection (rtr_detect_begin). */
+Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, bool *detect, char *err, size_t cap);
+/* Turns an admitted request into its detection step; false when it cannot. */
+bool rtr_detect_begin(td_router *r, rreq *q);
+/* The detection step's result: the request gets its language and goes back
+ * to the queue, or fails. */
+void rtr_detect_done(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out);
+/* A request that was detecting gets its own sampling back (before it is freed). */
+void rtr_detect_undo(rreq *q);
 /* The text a streamed chunk of sequence `seq` adds (malloc'ed, "" for none),
  * or NULL without a tokenizer or when it cannot be decoded. */
 char *rtr_stream_text(td_router *r, rreq *q, uint32_t seq, const int32_t *tokens, size_t n);

@@ -65,6 +65,7 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   rreq *q = rtr_req_for(r, t->rid, w);
   if (!q || strcmp(w->id, q->dec_w)) return;
   if (q->st < ST_DECODING) q->st = ST_DECODING;
+  if (q->detecting) return; /* the language token is the router's, not the client's */
   if (!q->t_first && t->n_tokens) q->t_first = td_now_ms();
   /* A single sequence's tokens are kept so that another worker can resume
    * it; its offsets continue across attempts. */
@@ -100,6 +101,10 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
 }
 
 void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms) {
+  if (q->detecting) {
+    rtr_detect_done(r, q, outs, n_out);
+    return;
+  }
   /* copies: the text set on them is ours, the worker's message keeps its own */
   Tandem__SequenceOutput *copies = calloc(n_out ? n_out : 1, sizeof *copies);
   Tandem__SequenceOutput **ptrs = calloc(n_out ? n_out : 1, sizeof *ptrs);

@@ -33,7 +33,8 @@ static Tandem__ErrorCode convert_text(td_router *r, Tandem__GenerateRequest *g, 
   return TANDEM__ERROR_CODE__ERROR_NONE;
 }
 
-static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g, char *err, size_t cap) {
+static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g, bool *detect, char *err,
+                                       size_t cap) {
   const td_mel *mel = r->o.mel;
   int n_mels = td_mel_n_mels(mel);
   size_t frames = td_mel_window_frames(mel);
@@ -46,8 +47,17 @@ static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g,
   }
   int32_t prompt[TD_WHISPER_PROMPT_MAX];
   int n_prompt = 0;
-  if (td_whisper_prompt_build(r->o.whisper, g->language, g->task, g->timestamps, prompt, &n_prompt) != TD_OK)
-    return fail(INVALID, err, cap, td_errmsg());
+  td_status ps = td_whisper_prompt_build(r->o.whisper, g->language, g->task, g->timestamps, prompt, &n_prompt);
+  if (ps == TD_ERR_NOT_FOUND) {
+    /* no language: detected by a first step; a stand-in checks the request's shape now */
+    int n_langs;
+    const int32_t *langs = td_whisper_languages(r->o.whisper, &n_langs);
+    const char *first = langs ? td_tokenizer_id_to_token(r->o.tokenizer, langs[0]) : NULL;
+    ps = first ? td_whisper_prompt_build(r->o.whisper, first, g->task, g->timestamps, prompt, &n_prompt)
+               : td_err(TD_ERR_INTERNAL, "no language token to detect from");
+    *detect = ps == TD_OK;
+  }
+  if (ps != TD_OK) return fail(INVALID, err, cap, td_errmsg());
   Tandem__AudioFeatures *af = malloc(sizeof *af);
   int32_t *dp = malloc(sizeof *dp * (size_t)n_prompt);
   float *v = NULL;
@@ -79,14 +89,82 @@ static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g,
   return TANDEM__ERROR_CODE__ERROR_NONE;
 }
 
-Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, char *err, size_t cap) {
+Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, bool *detect, char *err, size_t cap) {
+  *detect = false;
   bool text = g->text && g->text[0], audio = g->audio.len > 0;
   if (!text && !audio) return TANDEM__ERROR_CODE__ERROR_NONE;
   int64_t t0 = td_now_ns();
-  Tandem__ErrorCode code = text ? convert_text(r, g, err, cap) : convert_audio(r, g, err, cap);
+  Tandem__ErrorCode code = text ? convert_text(r, g, err, cap) : convert_audio(r, g, detect, err, cap);
   TD_DEBUG("request %s: %s converted in %.2f ms", g->request_id, text ? "text" : "audio",
            (double)(td_now_ns() - t0) / 1e6);
   return code;
+}
+
+/* ------------------------------------------------------------ language detection */
+
+/* As transformers' detect_language: one decoder step from <|startoftranscript|>,
+ * the best of the language tokens (greedy over them alone). The request then
+ * runs with that language as if the client had given it. */
+bool rtr_detect_begin(td_router *r, rreq *q) {
+  Tandem__GenerateRequest *g = q->g;
+  int n_langs;
+  const int32_t *langs = td_whisper_languages(r->o.whisper, &n_langs);
+  if (!langs || !g->n_decoder_prompt) return false;
+  q->user_sampling = g->sampling;
+  q->user_max_new = g->max_new_tokens;
+  q->user_stream = g->stream;
+  tandem__sampling_params__init(&q->detect_sp);
+  q->detect_sp.allowed_token_ids = (int32_t *)langs;
+  q->detect_sp.n_allowed_token_ids = (size_t)n_langs;
+  g->sampling = &q->detect_sp;
+  g->max_new_tokens = 1;
+  g->stream = false;
+  g->n_decoder_prompt = 1; /* <|startoftranscript|>: the stand-in's first id */
+  q->detecting = true;
+  char err[256];
+  if (td_admit_request(&r->model, r->block_size, g, &q->sh, err, sizeof err) != TD_OK) {
+    TD_WARN("request %s: language detection: %s", q->cid, err);
+    return false;
+  }
+  q->multi = false;
+  return true;
+}
+
+void rtr_detect_undo(rreq *q) {
+  if (!q->detecting) return;
+  q->g->sampling = q->user_sampling;
+  q->g->max_new_tokens = q->user_max_new;
+  q->g->stream = q->user_stream;
+  q->detecting = false;
+}
+
+void rtr_detect_done(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out) {
+  Tandem__GenerateRequest *g = q->g;
+  int32_t lang = n_out && outs[0]->n_tokens ? outs[0]->tokens[0] : -1;
+  const char *tok = lang >= 0 ? td_tokenizer_id_to_token(r->o.tokenizer, lang) : NULL;
+  rtr_detect_undo(q);
+  int32_t prompt[TD_WHISPER_PROMPT_MAX];
+  int n = 0;
+  char err[320];
+  int32_t *dp = NULL;
+  if (!tok || td_whisper_prompt_build(r->o.whisper, tok, g->task, g->timestamps, prompt, &n) != TD_OK ||
+      !(dp = malloc(sizeof *dp * (size_t)n))) {
+    snprintf(err, sizeof err, "language detection gave token %d, not a language: %s", lang, tok ? td_errmsg() : "");
+    rtr_req_fail(r, q, INTERNAL, err);
+    return;
+  }
+  memcpy(dp, prompt, sizeof *prompt * (size_t)n);
+  free(g->decoder_prompt);
+  g->decoder_prompt = dp;
+  g->n_decoder_prompt = (size_t)n;
+  if (td_admit_request(&r->model, r->block_size, g, &q->sh, err, sizeof err) != TD_OK) {
+    rtr_req_fail(r, q, INVALID, err);
+    return;
+  }
+  q->multi = q->sh.width > 1;
+  q->free_attempts++;
+  TD_DEBUG("request %s: language %s detected", q->cid, tok);
+  rtr_req_requeue(r, q, true);
 }
 
 /* ------------------------------------------------------------ text out */

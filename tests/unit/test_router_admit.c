@@ -415,3 +415,14 @@ Test(admit, text_for_an_audio_model) {
   cr_assert_eq(td_admit_request(&m, 16, &r.g, &sh, msg, sizeof msg), TD_ERR_INVALID);
   cr_expect(strstr(msg, "takes audio or audio features, not input_ids or text"), "%s", msg);
 }
+
+Test(admit, allowed_tokens_outside_the_vocabulary) {
+  req r;
+  valid(&r);
+  int32_t allowed[2] = {5, 100};
+  r.sp.allowed_token_ids = allowed;
+  r.sp.n_allowed_token_ids = 2;
+  expect(&r, TD_ERR_INVALID, "allowed token 100 is outside the vocabulary of 100");
+  allowed[1] = 99;
+  expect(&r, TD_OK, NULL);
+}

@@ -63,8 +63,17 @@ Test(whisper_prompt, from_the_tokenizer) {
   expect_prompt(w, "EN", "transcribe", false, (int32_t[]){SOT, EN, TRANSCRIBE, NO_TS}, 4);
   expect_prompt(w, "<|de|>", "translate", false, (int32_t[]){SOT, DE, TRANSLATE, NO_TS}, 4);
   expect_prompt(w, "de", "", true, (int32_t[]){SOT, DE, TRANSCRIBE}, 3);
-  expect_refused(w, NULL, NULL, "language detection is not supported yet");
-  expect_refused(w, "", NULL, "give one (e.g. \"en\")");
+  int32_t out[TD_WHISPER_PROMPT_MAX];
+  int n;
+  cr_expect_eq(td_whisper_prompt_build(w, NULL, NULL, false, out, &n), TD_ERR_NOT_FOUND, "no language: detect it");
+  cr_expect_eq(td_whisper_prompt_build(w, "", "translate", false, out, &n), TD_ERR_NOT_FOUND);
+  cr_expect(strstr(td_errmsg(), "give one (e.g. \"en\") or detect it"), "%s", td_errmsg());
+  /* the languages: the tokens between <|startoftranscript|> and <|translate|> */
+  const int32_t *langs = td_whisper_languages(w, &n);
+  cr_assert(langs);
+  cr_expect_eq(n, TRANSLATE - SOT - 1);
+  cr_expect_eq(langs[0], EN);
+  cr_expect_eq(langs[n - 1], TRANSLATE - 1);
   expect_refused(w, "xx", NULL, "not one this Whisper checkpoint knows");
   expect_refused(w, "transcribe", NULL, "not one this Whisper checkpoint knows"); /* a token, not a language */
   expect_refused(w, "en\"; DROP", NULL, "not a Whisper language code");
@@ -82,6 +91,10 @@ Test(whisper_prompt, from_generation_config) {
   expect_prompt(w, NULL, NULL, false, (int32_t[]){SOT, DE, TRANSLATE, NO_TS}, 4); /* the checkpoint's defaults */
   expect_prompt(w, "en", "transcribe", false, (int32_t[]){SOT, EN, TRANSCRIBE, NO_TS}, 4);
   expect_refused(w, "fr", NULL, "not one this Whisper checkpoint knows"); /* lang_to_id lists the languages */
+  int n;
+  const int32_t *langs = td_whisper_languages(w, &n);
+  cr_assert_eq(n, 2);
+  cr_expect(langs[0] + langs[1] == EN + DE && (langs[0] == EN || langs[0] == DE));
   td_whisper_prompt_destroy(w);
 }
 
@@ -93,6 +106,8 @@ Test(whisper_prompt, english_only) {
   expect_prompt(w, "en", NULL, false, (int32_t[]){SOT, NO_TS}, 2);
   expect_refused(w, "de", NULL, "English-only");
   expect_refused(w, NULL, "translate", "English-only");
+  int n;
+  cr_expect(td_whisper_languages(w, &n) == NULL && n == 0);
   td_whisper_prompt_destroy(w);
 }
 
