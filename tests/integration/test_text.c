@@ -365,3 +365,15 @@ Test(text, local_sh_demo_answers, .timeout = 300) {
   snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
   cr_expect(system(cmd) == 0);
 }
+
+/* tandem-client's own refusals: one input, the audio options with --audio. */
+Test(text, client_flags) {
+  const char *bad[] = {"--text seven --requests x.jsonl", "--text seven --audio x.wav", "--text seven --language en",
+                       "--requests x.jsonl --timestamps", ""};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s/tandem-client --router tcp://127.0.0.1:1 %s > /dev/null 2>&1", TD_BIN_DIR, bad[i]);
+    int rc = system(cmd);
+    cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 2, "tandem-client %s: exit %d, want 2", bad[i], rc);
+  }
+}
