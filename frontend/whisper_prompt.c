@@ -148,6 +148,14 @@ static int32_t lang_id(const td_whisper_prompt *w, const char *tok) {
   return id > sot && id < w->translate ? id : -1;
 }
 
+/* A client's value as messages quote it: printable ASCII only (the message
+ * goes back to the client, maybe into JSON). */
+static const char *shown(const char *v) {
+  for (const char *c = v; *c; c++)
+    if (*c < 0x20 || *c > 0x7e || *c == '"' || *c == '\\') return "(not a printable name)";
+  return v;
+}
+
 td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *language, const char *task,
                                   bool timestamps, int32_t *out, int *n) {
   *n = 0;
@@ -155,7 +163,7 @@ td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *langua
   if (!task || !*task) task = w->task[0] ? w->task : "transcribe";
   bool translate = !strcmp(task, "translate");
   if (!translate && strcmp(task, "transcribe"))
-    return td_err(TD_ERR_INVALID, "task \"%.32s\" is neither \"transcribe\" nor \"translate\"", task);
+    return td_err(TD_ERR_INVALID, "task \"%.32s\" is neither \"transcribe\" nor \"translate\"", shown(task));
   if (w->multilingual) {
     char tok[32];
     const char *src = language && *language ? language : NULL;
@@ -163,7 +171,7 @@ td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *langua
       return td_err(TD_ERR_NOT_FOUND,
                     "no language given and the checkpoint names none: give one (e.g. \"en\") or detect it");
     if (src && !lang_token(src, tok, sizeof tok))
-      return td_err(TD_ERR_INVALID, "language \"%.32s\" is not a Whisper language code (e.g. \"en\")", src);
+      return td_err(TD_ERR_INVALID, "language \"%.32s\" is not a Whisper language code (e.g. \"en\")", shown(src));
     int32_t id = lang_id(w, src ? tok : w->language);
     if (id < 0)
       return td_err(TD_ERR_INVALID, "language \"%.32s\" is not one this Whisper checkpoint knows",
@@ -171,7 +179,7 @@ td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *langua
     out[(*n)++] = id;
     out[(*n)++] = translate ? w->translate : w->transcribe;
   } else if (language && *language && strcmp(language, "en") && strcmp(language, "<|en|>")) {
-    return td_err(TD_ERR_INVALID, "language \"%.32s\": this Whisper checkpoint is English-only", language);
+    return td_err(TD_ERR_INVALID, "language \"%.32s\": this Whisper checkpoint is English-only", shown(language));
   } else if (translate) {
     return td_err(TD_ERR_INVALID, "task \"translate\": this Whisper checkpoint is English-only");
   }
