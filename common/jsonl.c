@@ -222,6 +222,16 @@ char *td_json_result_format(const char *id, const td_seq_output *outputs, int n_
     cJSON *toks = cJSON_AddArrayToObject(e, "tokens");
     for (int t = 0; t < so->n_tokens; t++) cJSON_AddItemToArray(toks, cJSON_CreateNumber(so->tokens[t]));
     if (so->text) cJSON_AddStringToObject(e, "text", so->text);
+    if (so->segments) {
+      cJSON *segs = cJSON_AddArrayToObject(e, "segments");
+      for (int k = 0; k < so->n_segments; k++) {
+        cJSON *g = cJSON_CreateObject();
+        cJSON_AddNumberToObject(g, "start", so->segments[k].start);
+        cJSON_AddNumberToObject(g, "end", so->segments[k].end);
+        cJSON_AddStringToObject(g, "text", so->segments[k].text ? so->segments[k].text : "");
+        cJSON_AddItemToArray(segs, g);
+      }
+    }
     cJSON_AddStringToObject(e, "finish_reason", td_finish_name(so->finish));
     cJSON_AddNumberToObject(e, "score", so->score);
     if (so->logprobs) {

@@ -114,6 +114,8 @@ td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a) {
     return td_err(TD_ERR_INVALID,
                   "request %s: num_beams %d: at most %d (2 x num_beams candidates from a vocabulary of %d)", id,
                   p->num_beams, e->smp.max_k / 2, e->V);
+  if (p->timestamp_begin < 0 || p->timestamp_begin >= c->vocab_size)
+    return td_err(TD_ERR_INVALID, "request %s: timestamp_begin %d is outside the vocabulary", id, p->timestamp_begin);
   for (int i = 0; i < p->n_allowed; i++)
     if (p->allowed_ids[i] < 0 || p->allowed_ids[i] >= c->vocab_size)
       return td_err(TD_ERR_INVALID, "request %s: allowed token %d is outside the vocabulary", id, p->allowed_ids[i]);

@@ -104,5 +104,25 @@ td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *langua
  * checkpoint): what transformers' detect_language takes the best of after
  * one decoder step from <|startoftranscript|>. */
 const int32_t *td_whisper_languages(const td_whisper_prompt *w, int *n);
+/* A request with timestamps: the first timestamp token (<|notimestamps|> + 1,
+ * as transformers' WhisperTimeStampLogitsProcessor) and generation_config.json's
+ * max_initial_timestamp_index (-1 when it names none). */
+void td_whisper_timestamp_rules(const td_whisper_prompt *w, int32_t *begin, int *max_initial);
+
+/* A stretch of transcription between two timestamps. */
+typedef struct td_whisper_segment {
+  double start, end; /* seconds */
+  char *text;
+} td_whisper_segment;
+
+/* The segments of generated ids (prompt excluded) as transformers'
+ * WhisperTokenizer._compute_offsets gives them (time precision 0.02 s,
+ * segment size 1500): from the first timestamp, a segment ends at each pair
+ * of timestamps and at the last timestamp; its text is its ids decoded
+ * without the timestamps (special tokens kept). *out is malloc'ed (NULL
+ * when *n_out is 0); td_whisper_segments_free. */
+td_status td_whisper_segments(const td_tokenizer *t, const int32_t *ids, size_t n, int32_t timestamp_begin,
+                              td_whisper_segment **out, size_t *n_out);
+void td_whisper_segments_free(td_whisper_segment *s, size_t n);
 
 #endif

@@ -24,6 +24,7 @@ struct td_whisper_prompt {
   int32_t *langs;    /* every language token's id (lang_to_id's, else the tokenizer's) */
   int n_all_langs;
   char task[16];     /* the default task */
+  int max_initial;   /* generation_config's max_initial_timestamp_index, -1 when none */
 };
 
 void td_whisper_prompt_destroy(td_whisper_prompt *w) {
@@ -92,6 +93,7 @@ static td_status read_config(td_whisper_prompt *w, const char *dir) {
   const cJSON *lang = cJSON_GetObjectItemCaseSensitive(j, "language");
   if (s == TD_OK && cJSON_IsString(lang) && !lang_token(lang->valuestring, w->language, sizeof w->language))
     s = td_err(TD_ERR_FORMAT, "%s: language \"%s\" is not a language code", path, lang->valuestring);
+  if (s == TD_OK) s = opt_id(j, "max_initial_timestamp_index", path, &w->max_initial);
   const cJSON *task = cJSON_GetObjectItemCaseSensitive(j, "task");
   if (s == TD_OK && cJSON_IsString(task)) snprintf(w->task, sizeof w->task, "%s", task->valuestring);
   cJSON_Delete(j);
@@ -108,6 +110,7 @@ td_status td_whisper_prompt_load(const char *dir, const td_tokenizer *t, td_whis
   w->translate = td_tokenizer_token_to_id(t, "<|translate|>");
   w->no_ts = td_tokenizer_token_to_id(t, "<|notimestamps|>");
   w->multilingual = w->transcribe >= 0 && td_tokenizer_token_to_id(t, "<|en|>") >= 0;
+  w->max_initial = -1;
   td_status s = read_config(w, dir);
   if (s == TD_OK && (td_tokenizer_token_to_id(t, "<|startoftranscript|>") < 0 || w->sot < 0))
     s = td_err(TD_ERR_FORMAT, "%s: not a Whisper tokenizer (no <|startoftranscript|> token)", dir);
@@ -187,5 +190,81 @@ td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *langua
     if (w->no_ts < 0) return td_err(TD_ERR_INVALID, "this Whisper tokenizer has no <|notimestamps|> token");
     out[(*n)++] = w->no_ts;
   }
+  return TD_OK;
+}
+
+void td_whisper_timestamp_rules(const td_whisper_prompt *w, int32_t *begin, int *max_initial) {
+  *begin = w->no_ts >= 0 ? w->no_ts + 1 : 0;
+  *max_initial = w->max_initial;
+}
+
+void td_whisper_segments_free(td_whisper_segment *s, size_t n) {
+  for (size_t i = 0; s && i < n; i++) free(s[i].text);
+  free(s);
+}
+
+#define TIME_PRECISION 0.02
+#define SEGMENT_SIZE 1500
+
+td_status td_whisper_segments(const td_tokenizer *t, const int32_t *ids, size_t n, int32_t tb,
+                              td_whisper_segment **out, size_t *n_out) {
+  *out = NULL;
+  *n_out = 0;
+  size_t n_ts = 0, first = n, last = n;
+  for (size_t i = 0; i < n; i++)
+    if (ids[i] >= tb) {
+      n_ts++;
+      if (first == n) first = i;
+      last = i;
+    }
+  /* the slice ends: after each pair of timestamps, and after the last one */
+  size_t *ends = malloc(sizeof *ends * (n + 1));
+  if (!ends) return td_err(TD_ERR_NOMEM, "out of memory");
+  size_t n_ends = 0;
+  for (size_t i = 0; i + 1 < n; i++)
+    if (ids[i] >= tb && ids[i + 1] >= tb) ends[n_ends++] = i + 1;
+  if (n_ends == 0 && n_ts <= 1) {
+    free(ends);
+    return TD_OK;
+  }
+  bool has_last = false;
+  for (size_t k = 0; k < n_ends; k++) has_last |= ends[k] == last + 1;
+  if (!has_last) ends[n_ends++] = last + 1;
+  td_whisper_segment *seg = calloc(n_ends, sizeof *seg);
+  int32_t *text_ids = malloc(sizeof *text_ids * (n + 1));
+  td_status s = seg && text_ids ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
+  size_t n_seg = 0, from = first;
+  long cur_max = 0, prev_len = 0;
+  for (size_t k = 0; s == TD_OK && k < n_ends; k++) {
+    size_t to = ends[k];
+    if (to > from + 1) {
+      long start = ids[from] - tb, end = ids[to - 1] - tb;
+      if (start < cur_max) { /* the next window started */
+        bool single_ending = from >= 2 && !(ids[from - 2] >= tb && ids[from - 1] >= tb);
+        prev_len += single_ending ? SEGMENT_SIZE : cur_max;
+      }
+      cur_max = end;
+      size_t m = 0;
+      for (size_t i = from; i < to; i++)
+        if (ids[i] < tb) text_ids[m++] = ids[i];
+      size_t len;
+      s = td_tokenizer_decode(t, text_ids, m, false, &seg[n_seg].text, &len);
+      if (s == TD_OK) {
+        /* as transformers computes them, to the last bit */
+        seg[n_seg].start = (double)start * TIME_PRECISION + (double)prev_len * TIME_PRECISION;
+        seg[n_seg].end = (double)end * TIME_PRECISION + (double)prev_len * TIME_PRECISION;
+        n_seg++;
+      }
+    }
+    from = to;
+  }
+  free(ends);
+  free(text_ids);
+  if (s != TD_OK) {
+    td_whisper_segments_free(seg, n_seg);
+    return s;
+  }
+  *out = seg;
+  *n_out = n_seg;
   return TD_OK;
 }

@@ -126,19 +126,43 @@ static void on_finish(void *ctx, const td_result *r) {
   /* each output's text (special tokens skipped) where the folder has a tokenizer */
   td_seq_output *outs = NULL;
   char **texts = NULL;
-  if (r->status == TD_OK && a->fe.tok && r->n_outputs > 0 && (outs = calloc((size_t)r->n_outputs, sizeof *outs)) &&
-      (texts = calloc((size_t)r->n_outputs, sizeof *texts))) {
-    for (int i = 0; i < r->n_outputs; i++) {
+  td_whisper_segment **ws = NULL;
+  size_t *nws = NULL;
+  td_text_segment **ts = NULL;
+  int32_t tb = 0;
+  int max_initial;
+  if (s->req.timestamps && a->fe.whisper) td_whisper_timestamp_rules(a->fe.whisper, &tb, &max_initial);
+  int no = r->n_outputs;
+  if (r->status == TD_OK && a->fe.tok && no > 0 && (outs = calloc((size_t)no, sizeof *outs)) &&
+      (texts = calloc((size_t)no, sizeof *texts)) && (ws = calloc((size_t)no, sizeof *ws)) &&
+      (nws = calloc((size_t)no, sizeof *nws)) && (ts = calloc((size_t)no, sizeof *ts))) {
+    for (int i = 0; i < no; i++) {
       outs[i] = r->outputs[i];
       size_t len;
       if (td_tokenizer_decode(a->fe.tok, outs[i].tokens, (size_t)outs[i].n_tokens, true, &texts[i], &len) == TD_OK)
         outs[i].text = texts[i];
+      /* audio with timestamps: transformers' segments */
+      if (tb > 0 && td_whisper_segments(a->fe.tok, outs[i].tokens, (size_t)outs[i].n_tokens, tb, &ws[i], &nws[i]) ==
+                        TD_OK &&
+          (ts[i] = calloc(nws[i] + 1, sizeof **ts))) {
+        for (size_t k = 0; k < nws[i]; k++)
+          ts[i][k] = (td_text_segment){.start = ws[i][k].start, .end = ws[i][k].end, .text = ws[i][k].text};
+        outs[i].segments = ts[i];
+        outs[i].n_segments = (int)nws[i];
+      }
     }
   }
-  s->line_out = r->status == TD_OK ? td_json_result_format(r->id, texts ? outs : r->outputs, r->n_outputs)
+  s->line_out = r->status == TD_OK ? td_json_result_format(r->id, ts ? outs : r->outputs, no)
                                    : td_json_error_format(r->id, r->status, r->error);
-  for (int i = 0; texts && i < r->n_outputs; i++) free(texts[i]);
+  for (int i = 0; i < no; i++) {
+    if (texts) free(texts[i]);
+    if (ws) td_whisper_segments_free(ws[i], nws[i]);
+    if (ts) free(ts[i]);
+  }
   free(texts);
+  free(ws);
+  free(nws);
+  free(ts);
   free(outs);
   if (r->status != TD_OK) a->failed++;
   if (r->logits && r->n_logit_rows) {
@@ -373,6 +397,8 @@ int main(int argc, char **argv) {
     td_request r;
     td_request_from_json(&s->req, &r);
     r.user = (void *)(intptr_t)i;
+    if (s->req.timestamps && a.fe.whisper)
+      td_whisper_timestamp_rules(a.fe.whisper, &r.params.timestamp_begin, &r.params.max_initial_timestamp);
     r.params.all_logits = logits_path && r.params.n == 1 && r.params.num_beams == 1;
     td_status st = TD_OK;
     if (n_feat && r.features && s->req.n_features != n_feat)

@@ -114,6 +114,10 @@ static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *m
     REFUSE(TD_ERR_INVALID, "early_stopping must be 1 (true), 0 (false) or -1 (never), got %d", sp->early_stopping);
   if (sp->set_forced_bos && sp->forced_bos_token_id >= V)
     REFUSE(TD_ERR_INVALID, "forced_bos_token_id %d is outside the vocabulary of %d", sp->forced_bos_token_id, V);
+  if (sp->timestamp_begin < 0 || sp->timestamp_begin >= V)
+    REFUSE(TD_ERR_INVALID, "timestamp_begin %d is outside the vocabulary of %d", sp->timestamp_begin, V);
+  if (sp->has_max_initial_timestamp && sp->max_initial_timestamp_index < 0)
+    REFUSE(TD_ERR_INVALID, "max_initial_timestamp_index must be >= 0, got %d", sp->max_initial_timestamp_index);
   if (sp->n_allowed_token_ids > (size_t)V)
     REFUSE(TD_ERR_INVALID, "%zu allowed_token_ids exceed the vocabulary of %d", sp->n_allowed_token_ids, V);
   for (size_t i = 0; i < sp->n_allowed_token_ids; i++)

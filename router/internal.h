@@ -194,9 +194,18 @@ char *rtr_stream_text(td_router *r, rreq *q, uint32_t seq, const int32_t *tokens
 void rtr_stream_text_finish(td_router *r, rreq *q);
 /* Forgets the streamed text: sequences restart (a retry of samples / beams). */
 void rtr_stream_text_reset(rreq *q);
+/* What rtr_result_text made for a result's outputs. */
+typedef struct rtr_result_extras {
+  size_t n;
+  char **texts;
+  Tandem__Segment **segs;      /* per output: its segments (timestamps) */
+  Tandem__Segment ***seg_ptrs;
+} rtr_result_extras;
 /* Sets each output's text (decode, special tokens skipped) where the router
- * has a tokenizer; *bufs (n of them) are the caller's to free. */
-void rtr_result_text(td_router *r, Tandem__SequenceOutput **outs, size_t n, char **bufs);
+ * has a tokenizer, and its segments when the request asked for timestamps;
+ * rtr_result_extras_free after sending. */
+void rtr_result_text(td_router *r, const rreq *q, Tandem__SequenceOutput **outs, size_t n, rtr_result_extras *x);
+void rtr_result_extras_free(rtr_result_extras *x, Tandem__SequenceOutput **outs);
 
 /* ---- stream.c: a worker's news of a request it holds */
 void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m);

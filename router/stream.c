@@ -108,11 +108,9 @@ void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t
   /* copies: the text set on them is ours, the worker's message keeps its own */
   Tandem__SequenceOutput *copies = calloc(n_out ? n_out : 1, sizeof *copies);
   Tandem__SequenceOutput **ptrs = calloc(n_out ? n_out : 1, sizeof *ptrs);
-  char **texts = calloc(n_out ? n_out : 1, sizeof *texts);
-  if (!copies || !ptrs || !texts) {
+  if (!copies || !ptrs) {
     free(copies);
     free(ptrs);
-    free(texts);
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
   }
@@ -130,7 +128,8 @@ void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t
     copies[0].n_logprobs = want_lp ? (size_t)q->streamed_lp.n : 0;
   }
   outs = ptrs;
-  rtr_result_text(r, outs, n_out, texts);
+  rtr_result_extras extras;
+  rtr_result_text(r, q, outs, n_out, &extras);
   if (q->g->stream) rtr_stream_text_finish(r, q);
   Tandem__Timings tm = TANDEM__TIMINGS__INIT;
   tm.queue_ms = (double)(q->t_placed - q->t_arrival);
@@ -155,8 +154,7 @@ void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t
   sm.result = &gr;
   rtr_send_client(r, q->client, q->client_len, &sm);
   TD_DEBUG("request %s done in %.0f ms (attempts %d)", q->cid, tm.total_ms, q->attempts);
-  for (size_t i = 0; i < n_out; i++) free(texts[i]);
-  free(texts);
+  rtr_result_extras_free(&extras, outs);
   free(ptrs);
   free(copies);
   rtr_req_free(r, q);

@@ -73,6 +73,21 @@ static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g,
     free(dp);
     return fail(s == TD_ERR_NOMEM || s == TD_ERR_INTERNAL ? INTERNAL : INVALID, err, cap, td_errmsg());
   }
+  if (g->timestamps) { /* transformers' timestamp rules act on every step */
+    if (!g->sampling) {
+      if (!(g->sampling = malloc(sizeof *g->sampling))) {
+        free(af);
+        free(dp);
+        free(v);
+        return fail(INTERNAL, err, cap, "out of memory");
+      }
+      tandem__sampling_params__init(g->sampling);
+    }
+    int max_initial;
+    td_whisper_timestamp_rules(r->o.whisper, &g->sampling->timestamp_begin, &max_initial);
+    g->sampling->has_max_initial_timestamp = max_initial >= 0;
+    g->sampling->max_initial_timestamp_index = max_initial >= 0 ? max_initial : 0;
+  }
   tandem__audio_features__init(af);
   af->mel_bins = (uint32_t)n_mels;
   af->frames = (uint32_t)frames;
@@ -234,17 +249,60 @@ void rtr_stream_text_reset(rreq *q) {
   q->n_detok = 0;
 }
 
-void rtr_result_text(td_router *r, Tandem__SequenceOutput **outs, size_t n, char **bufs) {
-  for (size_t i = 0; i < n; i++) {
-    bufs[i] = NULL;
+void rtr_result_text(td_router *r, const rreq *q, Tandem__SequenceOutput **outs, size_t n, rtr_result_extras *x) {
+  memset(x, 0, sizeof *x);
+  if (!r->o.tokenizer || !n) return;
+  x->n = n;
+  x->texts = calloc(n, sizeof *x->texts);
+  int32_t tb = q->g->sampling ? q->g->sampling->timestamp_begin : 0;
+  if (tb > 0) {
+    x->segs = calloc(n, sizeof *x->segs);
+    x->seg_ptrs = calloc(n, sizeof *x->seg_ptrs);
+  }
+  for (size_t i = 0; x->texts && i < n; i++) {
     size_t len;
-    if (!r->o.tokenizer) continue;
-    if (td_tokenizer_decode(r->o.tokenizer, outs[i]->tokens, outs[i]->n_tokens, true, &bufs[i], &len) != TD_OK) {
+    if (td_tokenizer_decode(r->o.tokenizer, outs[i]->tokens, outs[i]->n_tokens, true, &x->texts[i], &len) != TD_OK) {
       TD_DEBUG("a result has no text: %s", td_errmsg());
-      bufs[i] = NULL;
+      x->texts[i] = NULL;
       continue;
     }
-    outs[i]->text = bufs[i];
+    outs[i]->text = x->texts[i];
     outs[i]->has_text = true;
+    td_whisper_segment *ws;
+    size_t nw;
+    if (!x->segs || !x->seg_ptrs ||
+        td_whisper_segments(r->o.tokenizer, outs[i]->tokens, outs[i]->n_tokens, tb, &ws, &nw) != TD_OK)
+      continue;
+    x->segs[i] = calloc(nw ? nw : 1, sizeof **x->segs);
+    x->seg_ptrs[i] = calloc(nw ? nw : 1, sizeof **x->seg_ptrs);
+    if (!x->segs[i] || !x->seg_ptrs[i]) {
+      td_whisper_segments_free(ws, nw);
+      continue;
+    }
+    for (size_t k = 0; k < nw; k++) {
+      tandem__segment__init(&x->segs[i][k]);
+      x->segs[i][k].start = ws[k].start;
+      x->segs[i][k].end = ws[k].end;
+      x->segs[i][k].text = ws[k].text; /* kept: freed with the extras */
+      ws[k].text = NULL;
+      x->seg_ptrs[i][k] = &x->segs[i][k];
+    }
+    td_whisper_segments_free(ws, nw);
+    outs[i]->segments = x->seg_ptrs[i];
+    outs[i]->n_segments = nw;
+    outs[i]->has_segments = true;
   }
+}
+
+void rtr_result_extras_free(rtr_result_extras *x, Tandem__SequenceOutput **outs) {
+  for (size_t i = 0; i < x->n; i++) {
+    if (x->texts) free(x->texts[i]);
+    if (x->segs && x->segs[i])
+      for (size_t k = 0; k < outs[i]->n_segments; k++) free(x->segs[i][k].text);
+    if (x->segs) free(x->segs[i]);
+    if (x->seg_ptrs) free(x->seg_ptrs[i]);
+  }
+  free(x->texts);
+  free(x->segs);
+  free(x->seg_ptrs);
 }

@@ -187,6 +187,8 @@ static void copy_sampling(td_request_params *p, const Tandem__SamplingParams *s)
   p->logprobs = s->logprobs;
   if (s->set_forced_bos) p->forced_bos = s->forced_bos_token_id < 0 ? -1 : s->forced_bos_token_id;
   if (s->set_forced_eos) p->forced_eos = s->forced_eos_token_id < 0 ? -1 : s->forced_eos_token_id;
+  p->timestamp_begin = s->timestamp_begin;
+  p->max_initial_timestamp = s->has_max_initial_timestamp ? s->max_initial_timestamp_index : -1;
 }
 
 /* A CMD_ADD built from the job's spec (arrays copied). */

@@ -262,6 +262,20 @@ Test(text, whisper_audio_in_text_out, .timeout = 600) {
         cr_expect_eq(g->tok[0][t], cJSON_GetArrayItem(want, t)->valueint, "%s: token %d", wav, t);
     }
   }
+  /* timestamps: the prompt without <|notimestamps|>, transformers' timestamp rules (the
+   * first token a timestamp; this model never learnt them), segments in the result */
+  snprintf(cmd, sizeof cmd, "%s/tandem-client --router %s --audio %s/number-42.wav --timestamps --timeout-ms 60000",
+           TD_BIN_DIR, c.client_ep, WAVS);
+  FILE *p = popen(cmd, "r");
+  cr_assert(p);
+  char line[4096] = "";
+  cr_assert(fgets(line, sizeof line, p), "no result line");
+  pclose(p);
+  cJSON *j = cJSON_Parse(line), *o0 = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "outputs"), 0);
+  cr_assert(o0, "%s", line);
+  cr_expect(cJSON_GetArrayItem(cJSON_GetObjectItem(o0, "tokens"), 0)->valueint >= 50365, "%s", line);
+  cr_expect(cJSON_IsArray(cJSON_GetObjectItem(o0, "segments")), "no segments: %s", line);
+  cJSON_Delete(j);
   /* refusals: a truncated file, audio past the 4 s window, an unknown language or task, text */
   char trunc[600], longw[600];
   snprintf(trunc, sizeof trunc, "%s/trunc.wav", c.dir);

@@ -677,6 +677,54 @@ Test(engine_limits, allowed_tokens_only) {
   lim_close(&L);
 }
 
+/* Whisper's timestamp rules (any model: they are bans on ids): the first
+ * token a timestamp within max_initial, no <|notimestamps|>, never three
+ * timestamps in a row (nor two at the start), timestamps never decreasing
+ * (and only a pair's second may repeat the first). */
+Test(engine_limits, timestamp_rules) {
+  lim L;
+  td_model_opts mo = {0};
+  td_engine_opts eo = {0};
+  lim_open(&L, &mo, &eo);
+  const int32_t tb = 250, max_initial = 3;
+  for (int k = 0; k < 3; k++) {
+    td_request r = lim_request(&L);
+    r.params.timestamp_begin = tb;
+    r.params.max_initial_timestamp = max_initial;
+    r.params.max_new_tokens = 16;
+    r.params.ignore_eos = true;
+    if (k) {
+      r.params.temperature = 1.5f;
+      r.params.seed = (uint64_t)k;
+      r.params.has_seed = true;
+      r.params.n = 2;
+    }
+    runs(&L, &r, k ? 2 : 1);
+    for (int o = 0; o < L.c.g[0].n_out; o++) {
+      const int32_t *t = L.c.g[0].tok[o];
+      int n = L.c.g[0].len[o];
+      cr_assert_eq(n, 16);
+      cr_expect(t[0] >= tb && t[0] <= tb + max_initial, "run %d output %d: first token %d", k, o, t[0]);
+      cr_expect(t[1] < tb, "run %d output %d: a timestamp right after the first", k, o);
+      int32_t last = -1;
+      for (int i = 0; i < n; i++) {
+        cr_expect_neq(t[i], tb - 1, "<|notimestamps|> generated");
+        if (t[i] < tb) continue;
+        cr_expect(!(i >= 2 && t[i - 1] >= tb && t[i - 2] >= tb), "run %d output %d: three timestamps at %d", k, o, i);
+        bool closes_pair = i >= 1 && t[i - 1] >= tb && !(i >= 2 && t[i - 2] >= tb);
+        if (last >= 0)
+          cr_expect(closes_pair ? t[i] >= last : t[i] > last, "run %d output %d: timestamp %d after %d", k, o, t[i],
+                    last);
+        last = t[i];
+      }
+    }
+  }
+  td_request r = lim_request(&L);
+  r.params.timestamp_begin = 100000;
+  refused(&L, &r, TD_ERR_INVALID, "timestamp_begin 100000 is outside the vocabulary");
+  lim_close(&L);
+}
+
 /* A JSON number is a double: a seed above 2^53 would arrive rounded. */
 Test(engine_limits, json_seed_above_2_53) {
   td_json_request j;

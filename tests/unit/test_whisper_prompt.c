@@ -2,6 +2,7 @@
  * WhisperForConditionalGeneration.generate puts first, from the tokenizer
  * or generation_config.json, and a clear refusal of every bad option. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,4 +129,43 @@ Test(whisper_prompt, bad_files) {
   cr_expect_eq(td_whisper_prompt_load(dir, t5, &w), TD_ERR_FORMAT);
   cr_expect(strstr(td_errmsg(), "not a Whisper tokenizer"), "%s", td_errmsg());
   td_tokenizer_destroy(t5);
+}
+
+/* transformers' _compute_offsets on hand-made outputs: one segment, two,
+ * a new window (timestamps start again: 30 s on), none. */
+Test(whisper_prompt, segments) {
+  enum { T0 = 50365, EOT = 50257, SEVEN = 1614, FORTY_TWO = 14034 };
+  td_whisper_prompt *w;
+  cr_assert_eq(td_whisper_prompt_load(dir, tok, &w), TD_OK, "%s", td_errmsg());
+  int32_t tb;
+  int max_initial;
+  td_whisper_timestamp_rules(w, &tb, &max_initial);
+  cr_expect_eq(tb, T0, "the timestamps start after <|notimestamps|>");
+  cr_expect_eq(max_initial, -1, "none in a checkpoint without generation_config.json");
+  td_whisper_prompt_destroy(w);
+  struct {
+    int32_t ids[8];
+    size_t n;
+    size_t n_seg;
+    double se[2][2];
+    const char *text[2];
+  } cases[] = {
+      {{T0, SEVEN, T0 + 35, EOT}, 4, 1, {{0.0, 0.7}}, {" 7"}},
+      {{T0, SEVEN, T0 + 35, T0 + 35, FORTY_TWO, T0 + 85, EOT}, 7, 2, {{0.0, 0.7}, {0.7, 1.7}}, {" 7", " 42"}},
+      {{T0, SEVEN, T0 + 35, T0, FORTY_TWO, T0 + 35}, 6, 2, {{0.0, 0.7}, {30.0, 30.7}}, {" 7", " 42"}},
+      {{SEVEN, EOT}, 2, 0, {{0}}, {NULL}},
+      {{T0 + 10, SEVEN, EOT}, 3, 0, {{0}}, {NULL}},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    td_whisper_segment *s;
+    size_t n;
+    cr_assert_eq(td_whisper_segments(tok, cases[c].ids, cases[c].n, tb, &s, &n), TD_OK, "%s", td_errmsg());
+    cr_expect_eq(n, cases[c].n_seg, "case %zu: %zu segments", c, n);
+    for (size_t k = 0; k < n && k < cases[c].n_seg; k++) {
+      cr_expect(fabs(s[k].start - cases[c].se[k][0]) < 1e-9 && fabs(s[k].end - cases[c].se[k][1]) < 1e-9,
+                "case %zu segment %zu: %g-%g", c, k, s[k].start, s[k].end);
+      cr_expect_str_eq(s[k].text, cases[c].text[k], "case %zu segment %zu", c, k);
+    }
+    td_whisper_segments_free(s, n);
+  }
 }
