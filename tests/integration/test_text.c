@@ -322,6 +322,52 @@ Test(text, whisper_audio_in_text_out, .timeout = 600) {
   expect_refused(&r[4], "takes audio or audio features, not input_ids or text");
   expect_refused(&r[5], "not audio in a known format");
   for (int i = 0; i < 6; i++) td_json_request_free(&bad[i]);
+  /* any bytes in, an answer out: random audio behind each format's magic, cut and
+   * flipped real files, random text; the router keeps serving */
+  enum { NF = 48 };
+  static td_json_request fz[NF];
+  static outcome fo[NF];
+  FILE *wf = fopen(WAVS "/number-42.wav", "rb");
+  cr_assert(wf);
+  static uint8_t real[1 << 16];
+  size_t n_real = fread(real, 1, sizeof real, wf);
+  fclose(wf);
+  const char *magic[4] = {"RIFF", "fLaC", "OggS", "RIFF\x24\x00\x00\x00WAVEfmt "};
+  srand(35);
+  for (int i = 0; i < NF; i++) {
+    char id[32];
+    snprintf(id, sizeof id, "fuzz-%d", i);
+    blank(&fz[i], id);
+    size_t len = 1 + (size_t)rand() % 4096;
+    uint8_t *b = malloc(n_real + 64);
+    if (i % 3 == 2) { /* a real file, cut and with bytes flipped */
+      len = 1 + (size_t)rand() % n_real;
+      memcpy(b, real, len);
+      for (int k = 0; k < 4; k++) b[(size_t)rand() % len] ^= (uint8_t)(1 + rand() % 255);
+    } else {
+      for (size_t k = 0; k < len; k++) b[k] = (uint8_t)rand();
+      const char *m = magic[i % 4];
+      size_t ml = i % 4 == 3 ? 16 : 4;
+      if (len > ml) memcpy(b, m, ml);
+    }
+    if (i % 4 == 1) { /* as text: random bytes, NUL-terminated */
+      b[len - 1] = 0;
+      for (size_t k = 0; k + 1 < len; k++) b[k] = b[k] ? b[k] : 'x';
+      fz[i].text = (char *)b;
+    } else {
+      fz[i].audio = b;
+      fz[i].audio_len = len;
+      snprintf(fz[i].language, sizeof fz[i].language, "en");
+    }
+  }
+  run_requests(c.client_ep, fz, NF, false, 30000, fo);
+  for (int i = 0; i < NF; i++) {
+    cr_expect(fo[i].done, "%s: no answer", fo[i].id);
+    cr_expect(fo[i].status == TD_OK || fo[i].error[0], "%s: an error without a message", fo[i].id);
+    td_json_request_free(&fz[i]);
+  }
+  td_client_health h;
+  cr_expect(cluster_health(&c, &h) && h.serving, "the router stopped serving after the fuzzed requests");
   cJSON_Delete(ex);
   cr_expect(cluster_stop(&c));
 }
