@@ -107,6 +107,14 @@ td_status td_client_generate(td_client *c, const td_json_request *r, bool stream
   g.n_stop_token_ids = (size_t)r->n_stop_ids;
   g.timeout_ms = timeout_ms;
   g.stream = stream;
+  if (r->text) g.text = r->text;
+  if (r->audio) {
+    g.audio.data = r->audio;
+    g.audio.len = r->audio_len;
+  }
+  g.language = (char *)r->language;
+  g.task = (char *)r->task;
+  g.timestamps = r->timestamps;
   Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
   m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
   m.generate = &g;
@@ -160,6 +168,8 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
   switch (m->body_case) {
     case TANDEM__SERVER_MESSAGE__BODY_TOKENS: {
       Tandem__TokenChunk *t = m->tokens;
+      if (ev && ev->on_text && t->has_text && t->text)
+        ev->on_text(ev->ctx, id, (int)t->sequence, (int)t->offset, t->text);
       if (ev && ev->on_tokens)
         ev->on_tokens(ev->ctx, id, (int)t->sequence, (int)t->offset, t->tokens, t->n_logprobs ? t->logprobs : NULL,
                       (int)t->n_tokens);
@@ -168,12 +178,23 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
     case TANDEM__SERVER_MESSAGE__BODY_RESULT: {
       Tandem__GenerateResult *g = m->result;
       td_seq_output outs[64];
+      td_text_segment *segs[64] = {0};
+      static const td_text_segment none[1];
       int n = 0;
       for (size_t i = 0; i < g->n_outputs && n < 64; i++, n++) {
         Tandem__SequenceOutput *o = g->outputs[i];
         outs[n] = (td_seq_output){.tokens = o->tokens, .n_tokens = (int)o->n_tokens,
                                   .logprobs = o->n_logprobs ? o->logprobs : NULL, .score = o->score,
-                                  .finish = finish_of(o->finish_reason)};
+                                  .finish = finish_of(o->finish_reason), .text = o->has_text ? o->text : NULL};
+        if (o->has_segments && (segs[n] = calloc(o->n_segments + 1, sizeof **segs))) {
+          for (size_t k = 0; k < o->n_segments; k++)
+            segs[n][k] = (td_text_segment){.start = o->segments[k]->start, .end = o->segments[k]->end,
+                                           .text = o->segments[k]->text};
+          outs[n].segments = segs[n];
+          outs[n].n_segments = (int)o->n_segments;
+        } else if (o->has_segments) {
+          outs[n].segments = none; /* out of memory: shown as none rather than absent */
+        }
       }
       td_client_result r = {.id = id, .status = TD_OK, .n_outputs = n, .outputs = outs};
       const Tandem__Timings *tm = g->timings;
@@ -184,6 +205,7 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
                                         .decode_ms = tm->decode_ms, .total_ms = tm->total_ms,
                                         .attempts = (int)tm->attempts};
       finish(c, id, ev, &r);
+      for (int i = 0; i < n; i++) free(segs[i]);
       break;
     }
     case TANDEM__SERVER_MESSAGE__BODY_ERROR:

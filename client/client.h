@@ -39,6 +39,10 @@ typedef struct td_client_events {
   /* Streamed tokens of sequence `seq`, starting at output position `offset`. */
   void (*on_tokens)(void *ctx, const char *id, int seq, int offset, const int32_t *tokens, const float *logprobs,
                     int n);
+  /* The text streamed tokens add (the router has a tokenizer), just before
+   * their on_tokens; a chunk of no tokens carries the text held back at the end.
+   * Concatenated, a sequence's pieces are its result's text. May be NULL. */
+  void (*on_text)(void *ctx, const char *id, int seq, int offset, const char *text);
   /* The final result (r->status != TD_OK for errors); valid during the call. */
   void (*on_result)(void *ctx, const td_client_result *r);
   void *ctx;
@@ -67,7 +71,8 @@ td_status td_client_connect(const char *endpoint, td_client **out);
 void td_client_close(td_client *c);
 
 /* Sends a request (its id must be unique among this client's requests in
- * flight). timeout_ms: the router's deadline (0: its default); the client
+ * flight): its ids, features, text or audio (the router converts text and
+ * audio when it has a tokenizer). timeout_ms: the router's deadline (0: its default); the client
  * also gives up on its own at that deadline plus a grace period. */
 td_status td_client_generate(td_client *c, const td_json_request *r, bool stream, uint32_t timeout_ms);
 td_status td_client_cancel(td_client *c, const char *id);

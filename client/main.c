@@ -27,6 +27,7 @@ typedef struct app {
   int n;
   int failed;
   bool stream;
+  char *chunk_text; /* the text of the chunk on_tokens prints next */
 } app;
 
 static slot *find(app *a, const char *id) {
@@ -44,11 +45,38 @@ static void on_tokens(void *ctx, const char *id, int seq, int offset, const int3
   cJSON_AddNumberToObject(o, "offset", offset);
   cJSON *arr = cJSON_AddArrayToObject(o, "tokens");
   for (int i = 0; i < n; i++) cJSON_AddItemToArray(arr, cJSON_CreateNumber(t[i]));
+  if (a->chunk_text) cJSON_AddStringToObject(o, "text", a->chunk_text);
+  free(a->chunk_text);
+  a->chunk_text = NULL;
   char *s = cJSON_PrintUnformatted(o);
   if (s) puts(s);
   fflush(stdout);
   free(s);
   cJSON_Delete(o);
+}
+
+/* A chunk's text comes just before its tokens: kept for the tokens' line. */
+static void on_text(void *ctx, const char *id, int seq, int offset, const char *text) {
+  app *a = ctx;
+  free(a->chunk_text);
+  a->chunk_text = a->stream ? strdup(text) : NULL;
+}
+
+/* One request from the command line (--text or --audio), as a request line
+ * would give it, so that both go through the same checks. */
+static char *one_request_line(const char *text, const char *audio, const char *language, const char *task,
+                              bool timestamps, int max_new) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "id", text ? "text" : "audio");
+  if (text) cJSON_AddStringToObject(o, "text", text);
+  if (audio) cJSON_AddStringToObject(o, "audio", audio);
+  if (language) cJSON_AddStringToObject(o, "language", language);
+  if (task) cJSON_AddStringToObject(o, "task", task);
+  if (timestamps) cJSON_AddBoolToObject(o, "timestamps", true);
+  if (max_new > 0) cJSON_AddNumberToObject(o, "max_new_tokens", max_new);
+  char *s = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  return s;
 }
 
 static void on_result(void *ctx, const td_client_result *r) {
@@ -75,13 +103,22 @@ int main(int argc, char **argv) {
   static const struct option opts[] = {{"router", required_argument, 0, 'r'}, {"requests", required_argument, 0, 'q'},
                                        {"stream", no_argument, 0, 's'},       {"timeout-ms", required_argument, 0, 't'},
                                        {"max-inflight", required_argument, 0, 'm'}, {"health", no_argument, 0, 'H'},
+                                       {"text", required_argument, 0, 'x'},   {"audio", required_argument, 0, 'a'},
+                                       {"language", required_argument, 0, 'L'}, {"task", required_argument, 0, 'k'},
+                                       {"timestamps", no_argument, 0, 'S'},   {"max-new-tokens", required_argument, 0, 'n'},
                                        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
-  const char *router = NULL, *path = NULL;
-  int timeout = 0, max_inflight = 256;
-  bool stream = false, health = false;
+  const char *router = NULL, *path = NULL, *text = NULL, *audio = NULL, *language = NULL, *task = NULL;
+  int timeout = 0, max_inflight = 256, max_new = 0;
+  bool stream = false, health = false, timestamps = false;
   int c;
-  while ((c = getopt_long(argc, argv, "r:q:st:m:Hh", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "r:q:st:m:Hx:a:L:k:Sn:h", opts, NULL)) != -1) {
     switch (c) {
+      case 'x': text = optarg; break;
+      case 'a': audio = optarg; break;
+      case 'L': language = optarg; break;
+      case 'k': task = optarg; break;
+      case 'S': timestamps = true; break;
+      case 'n': max_new = atoi(optarg); break;
       case 'r': router = optarg; break;
       case 'q': path = optarg; break;
       case 's': stream = true; break;
@@ -91,12 +128,21 @@ int main(int argc, char **argv) {
       default:
         fprintf(c == 'h' ? stdout : stderr,
                 "usage: tandem-client --router ENDPOINT --requests FILE.jsonl [--stream] [--timeout-ms N]\n"
-                "                     [--max-inflight N]\n       tandem-client --router ENDPOINT --health\n");
+                "                     [--max-inflight N]\n"
+                "       tandem-client --router ENDPOINT (--text TEXT | --audio FILE [--language CODE]\n"
+                "                     [--task transcribe|translate] [--timestamps]) [--max-new-tokens N] [--stream]\n"
+                "                     (the router converts them: it needs --tokenizer)\n"
+                "       tandem-client --router ENDPOINT --health\n");
         return c == 'h' ? 0 : 2;
     }
   }
-  if (!router || (!path && !health) || max_inflight <= 0 || timeout < 0) {
-    fprintf(stderr, "tandem-client: --router and --requests are required (see --help)\n");
+  int inputs = (path != NULL) + (text != NULL) + (audio != NULL);
+  if (!router || (inputs != 1 && !health) || max_inflight <= 0 || timeout < 0) {
+    fprintf(stderr, "tandem-client: --router and one of --requests, --text and --audio are required (see --help)\n");
+    return 2;
+  }
+  if ((language || task || timestamps) && !audio) {
+    fprintf(stderr, "tandem-client: --language, --task and --timestamps go with --audio\n");
     return 2;
   }
   td_client *cl;
@@ -141,15 +187,24 @@ int main(int argc, char **argv) {
     td_client_close(cl);
     return rc == TD_OK && h.serving ? 0 : 1;
   }
-  FILE *f = strcmp(path, "-") ? fopen(path, "r") : stdin;
+  char *one = NULL;
+  if (!path) {
+    one = one_request_line(text, audio, language, task, timestamps, max_new);
+    if (!one) {
+      fprintf(stderr, "tandem-client: out of memory\n");
+      td_client_close(cl);
+      return 2;
+    }
+  }
+  FILE *f = one ? fmemopen(one, strlen(one), "r") : strcmp(path, "-") ? fopen(path, "r") : stdin;
   if (!f) {
-    fprintf(stderr, "tandem-client: %s: %s\n", path, strerror(errno));
+    fprintf(stderr, "tandem-client: %s: %s\n", path ? path : "request", strerror(errno));
     td_client_close(cl);
     return 2;
   }
   char dirbuf[PATH_MAX];
-  snprintf(dirbuf, sizeof dirbuf, "%s", path);
-  const char *base = strcmp(path, "-") ? dirname(dirbuf) : ".";
+  snprintf(dirbuf, sizeof dirbuf, "%s", path ? path : ".");
+  const char *base = path && strcmp(path, "-") ? dirname(dirbuf) : ".";
   app a = {.stream = stream};
   char *line = NULL;
   size_t cap = 0;
@@ -172,6 +227,7 @@ int main(int argc, char **argv) {
   }
   free(line);
   if (f != stdin) fclose(f);
+  free(one);
   /* ids must be unique while in flight: later duplicates get an error */
   for (int i = 0; i < a.n; i++)
     for (int j = 0; j < i && !a.s[i].out; j++)
@@ -182,7 +238,7 @@ int main(int argc, char **argv) {
   if (stream)
     for (int i = 0; i < a.n; i++)
       if (a.s[i].out) puts(a.s[i].out);
-  td_client_events ev = {.on_tokens = on_tokens, .on_result = on_result, .ctx = &a};
+  td_client_events ev = {.on_tokens = on_tokens, .on_text = on_text, .on_result = on_result, .ctx = &a};
   int next = 0;
   for (;;) {
     while (next < a.n && td_client_pending(cl) < max_inflight) {
@@ -209,6 +265,7 @@ int main(int argc, char **argv) {
     free(a.s[i].out);
   }
   free(a.s);
+  free(a.chunk_text);
   td_client_close(cl);
   return a.failed ? 1 : 0;
 }

@@ -48,6 +48,12 @@
 #define TD_ROUTER_MAX_ATTEMPTS 255       /* max_attempts' ceiling: the attempt is a byte of the request's rid */
 #define TD_ROUTER_WORKER_BURST 4096     /* worker messages handled a wake-up (then clients and timers) */
 #define TD_ROUTER_CLIENT_BURST 1024     /* client messages handled a wake-up */
+/* Text and audio are converted in the router's one loop at admission: these
+ * bound what one request costs it (docs/frontend.md). */
+#define TD_MAX_TEXT_BYTES (64u << 10)    /* a request's text (a few ms to tokenize; models take <= 1-4k tokens) */
+#define TD_MAX_AUDIO_BYTES (16u << 20)   /* a request's audio file (30 s of 48 kHz stereo 32-bit WAV: 11.5 MB) */
+#define TD_MAX_AUDIO_SECONDS 30.0        /* one Whisper window; long-form audio is not supported yet */
+#define TD_MAX_LANGUAGE_BYTES 31         /* a request's Whisper language code */
 
 /* ---- workers and groups ---- */
 #define TD_DEFAULT_RESERVATION_TTL_MS 30000 /* reserved KV blocks that nothing fills expire */

@@ -14,32 +14,70 @@
 static const char *const known[] = {"id", "input_ids", "input_features", "decoder_prompt", "max_new_tokens",
                                     "temperature", "top_k", "top_p", "seed", "n", "num_beams",
                                     "num_return_sequences", "length_penalty", "early_stopping", "stop_token_ids",
-                                    "logprobs", "forced_bos_token_id", "forced_eos_token_id", "ignore_eos"};
+                                    "logprobs", "forced_bos_token_id", "forced_eos_token_id", "ignore_eos",
+                                    "text", "audio", "language", "task", "timestamps"};
 
-static td_status read_features(const char *path, const char *base, const char *src, float **out, size_t *n) {
+/* The bytes of a file a request line names (relative to base), at most max. */
+static td_status read_file(const char *field, const char *path, const char *base, const char *src, size_t max,
+                           void **out, size_t *n) {
   char full[PATH_MAX];
   if (path[0] == '/' || !base || !*base)
     snprintf(full, sizeof full, "%s", path);
   else
     snprintf(full, sizeof full, "%s/%s", base, path);
   FILE *f = fopen(full, "rb");
-  if (!f) return td_err(TD_ERR_INVALID, "%s: input_features \"%s\": %s", src, full, strerror(errno));
+  if (!f) return td_err(TD_ERR_INVALID, "%s: %s \"%s\": %s", src, field, full, strerror(errno));
   td_status s = TD_OK;
-  fseek(f, 0, SEEK_END);
-  long sz = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  if (sz <= 0 || sz % 4 || (unsigned long)sz > MAX_FEATURE_BYTES) {
-    s = td_err(TD_ERR_INVALID, "%s: input_features \"%s\" has %ld bytes, not a float32 array", src, full, sz);
+  long sz = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+  if (sz <= 0 || (unsigned long)sz > max) {
+    s = td_err(TD_ERR_INVALID, "%s: %s \"%s\" has %ld bytes (1 to %zu accepted)", src, field, full, sz, max);
+  } else if (fseek(f, 0, SEEK_SET) != 0 || !(*out = malloc((size_t)sz))) {
+    s = td_err(TD_ERR_NOMEM, "out of memory");
+  } else if (fread(*out, 1, (size_t)sz, f) != (size_t)sz) {
+    s = td_err(TD_ERR_IO, "%s: short read of %s", src, full);
   } else {
-    *out = malloc((size_t)sz);
-    if (!*out)
-      s = td_err(TD_ERR_NOMEM, "out of memory");
-    else if (fread(*out, 1, (size_t)sz, f) != (size_t)sz)
-      s = td_err(TD_ERR_IO, "%s: short read of %s", src, full);
-    *n = (size_t)sz / 4;
+    *n = (size_t)sz;
   }
   fclose(f);
   return s;
+}
+
+static td_status read_features(const char *path, const char *base, const char *src, float **out, size_t *n) {
+  void *p = NULL;
+  size_t bytes = 0;
+  TD_TRY(read_file("input_features", path, base, src, MAX_FEATURE_BYTES, &p, &bytes));
+  *out = p;
+  if (bytes % 4) return td_err(TD_ERR_INVALID, "%s: input_features \"%s\" has %zu bytes, not a float32 array", src, path, bytes);
+  *n = bytes / 4;
+  return TD_OK;
+}
+
+/* "text", "audio" and the audio options. */
+static td_status parse_text_audio(const cJSON *j, const char *base, const char *src, td_json_request *r) {
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "text");
+  if (t) {
+    if (!cJSON_IsString(t)) return td_err(TD_ERR_INVALID, "%s: \"text\" must be a string", src);
+    size_t n = strlen(t->valuestring);
+    if (!n) return td_err(TD_ERR_INVALID, "%s: \"text\" is empty", src);
+    if (n > TD_MAX_TEXT_BYTES)
+      return td_err(TD_ERR_INVALID, "%s: \"text\" of %zu bytes exceeds the limit of %u", src, n, TD_MAX_TEXT_BYTES);
+    if (!(r->text = strdup(t->valuestring))) return td_err(TD_ERR_NOMEM, "out of memory");
+  }
+  char path[PATH_MAX] = "";
+  TD_TRY(td_json_str(j, "audio", false, src, path, sizeof path));
+  if (path[0]) {
+    void *p = NULL;
+    TD_TRY(read_file("audio", path, base, src, TD_MAX_AUDIO_BYTES, &p, &r->audio_len));
+    r->audio = p;
+  }
+  TD_TRY(td_json_str(j, "language", false, src, r->language, sizeof r->language));
+  TD_TRY(td_json_str(j, "task", false, src, r->task, sizeof r->task));
+  TD_TRY(td_json_bool(j, "timestamps", false, src, &r->timestamps));
+  if (!r->audio && (r->language[0] || r->task[0] || r->timestamps))
+    return td_err(TD_ERR_INVALID, "%s: \"language\", \"task\" and \"timestamps\" go with \"audio\"", src);
+  if (r->task[0] && strcmp(r->task, "transcribe") && strcmp(r->task, "translate"))
+    return td_err(TD_ERR_INVALID, "%s: \"task\" must be \"transcribe\" or \"translate\"", src);
+  return TD_OK;
 }
 
 static td_status parse_obj(const cJSON *j, const char *base, const char *src, td_json_request *r) {
@@ -63,8 +101,11 @@ static td_status parse_obj(const cJSON *j, const char *base, const char *src, td
   char fpath[PATH_MAX] = "";
   TD_TRY(td_json_str(j, "input_features", false, src, fpath, sizeof fpath));
   if (fpath[0]) TD_TRY(read_features(fpath, base, src, &r->features, &r->n_features));
-  if (!r->input_ids && !r->features) return td_err(TD_ERR_INVALID, "%s: needs \"input_ids\" or \"input_features\"", src);
-  if (r->input_ids && r->features) return td_err(TD_ERR_INVALID, "%s: give \"input_ids\" or \"input_features\", not both", src);
+  TD_TRY(parse_text_audio(j, base, src, r));
+  int inputs = (r->input_ids != NULL) + (r->features != NULL) + (r->text != NULL) + (r->audio != NULL);
+  if (inputs != 1)
+    return td_err(TD_ERR_INVALID, "%s: give exactly one of \"input_ids\", \"input_features\", \"text\" and \"audio\" (%s)",
+                  src, inputs ? "got several" : "got none");
   if (r->input_ids && r->n_input == 0) return td_err(TD_ERR_INVALID, "%s: \"input_ids\" is empty", src);
   TD_TRY(td_json_i32_array(j, "decoder_prompt", false, src, INT32_MIN, INT32_MAX, &r->prompt, &r->n_prompt));
   TD_TRY(td_json_i32_array(j, "stop_token_ids", false, src, INT32_MIN, INT32_MAX, &r->stop_ids, &r->n_stop_ids));
@@ -160,6 +201,8 @@ void td_json_request_free(td_json_request *r) {
   free(r->features);
   free(r->prompt);
   free(r->stop_ids);
+  free(r->text);
+  free(r->audio);
   memset(r, 0, sizeof *r);
 }
 
@@ -178,6 +221,17 @@ char *td_json_result_format(const char *id, const td_seq_output *outputs, int n_
     cJSON *e = cJSON_CreateObject();
     cJSON *toks = cJSON_AddArrayToObject(e, "tokens");
     for (int t = 0; t < so->n_tokens; t++) cJSON_AddItemToArray(toks, cJSON_CreateNumber(so->tokens[t]));
+    if (so->text) cJSON_AddStringToObject(e, "text", so->text);
+    if (so->segments) {
+      cJSON *segs = cJSON_AddArrayToObject(e, "segments");
+      for (int k = 0; k < so->n_segments; k++) {
+        cJSON *g = cJSON_CreateObject();
+        cJSON_AddNumberToObject(g, "start", so->segments[k].start);
+        cJSON_AddNumberToObject(g, "end", so->segments[k].end);
+        cJSON_AddStringToObject(g, "text", so->segments[k].text ? so->segments[k].text : "");
+        cJSON_AddItemToArray(segs, g);
+      }
+    }
     cJSON_AddStringToObject(e, "finish_reason", td_finish_name(so->finish));
     cJSON_AddNumberToObject(e, "score", so->score);
     if (so->logprobs) {

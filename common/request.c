@@ -22,4 +22,5 @@ void td_request_params_default(td_request_params *p) {
   p->early_stopping = 0;
   p->forced_bos = -2;
   p->forced_eos = -2;
+  p->max_initial_timestamp = -1;
 }

@@ -23,6 +23,10 @@ typedef struct td_request_params {
   int early_stopping;     /* 1 true, 0 false (heuristic), -1 never */
   const int32_t *stop_ids;/* finish when one of these is produced (besides EOS) */
   int n_stop_ids;
+  const int32_t *allowed_ids; /* when n_allowed > 0: the only tokens that may be generated */
+  int n_allowed;              /*   (Whisper's language detection: the language tokens) */
+  int32_t timestamp_begin;    /* > 0: Whisper's timestamp rules, timestamps from this id (<|0.00|>) on */
+  int max_initial_timestamp;  /* with them: the first timestamp's highest index; < 0: any */
   bool logprobs;          /* per-token log-probabilities in the output */
   int forced_bos;         /* -2: generation_config; -1: none; else the id */
   int forced_eos;         /* -2: generation_config; -1: none; else the id */
@@ -35,6 +39,12 @@ void td_request_params_default(td_request_params *p);
 typedef enum td_finish { TD_FINISH_NONE, TD_FINISH_STOP, TD_FINISH_LENGTH, TD_FINISH_CANCELLED, TD_FINISH_ERROR } td_finish;
 const char *td_finish_name(td_finish f);
 
+/* A stretch of a transcription between two timestamps (seconds). */
+typedef struct td_text_segment {
+  double start, end;
+  const char *text;
+} td_text_segment;
+
 typedef struct td_seq_output {
   const int32_t *tokens;   /* generated tokens (prompt excluded); a stop token is the last */
   int n_tokens;
@@ -42,6 +52,9 @@ typedef struct td_seq_output {
   double score;            /* beam search: length-normalised log-probability */
   double cum_logprob;
   td_finish finish;
+  const char *text;        /* decoded text (special tokens skipped) where a tokenizer ran; else NULL */
+  const td_text_segment *segments; /* audio with timestamps: its segments (n_segments); else NULL */
+  int n_segments;
 } td_seq_output;
 
 #endif

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Starts a whole Tandem cluster on this machine: a router and encoder,
 # prefill and decode workers (CPU unless a GPU is present), with the bundled
-# test model or --model. Prints "router tcp://HOST:PORT" once it serves.
-# Ctrl-C or SIGTERM stops every process; --demo sends sample requests,
-# prints the results and stops.
+# model (tests/data/toy-numbers-t5: number words to digits) or --model. The
+# router takes text (and, for Whisper, audio) when the model folder has a
+# tokenizer (--tokenizer DIR names another folder). Prints "router
+# tcp://HOST:PORT" once it serves. Ctrl-C or SIGTERM stops every process;
+# --demo sends sample requests, prints the results and stops.
 #
-#   deploy/local.sh [--model DIR] [--device cpu|cuda] [--port N] [--run-dir DIR]
+#   deploy/local.sh [--model DIR] [--tokenizer DIR] [--device cpu|cuda] [--port N] [--run-dir DIR]
 #                   (--port N: the router on N and N + 1; without it, a free pair below
 #                   the ephemeral range, picked again if taken before the router binds)
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
@@ -23,7 +25,8 @@
 #                                                     prefill 1; default 0.9)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-model="$root/tests/data/t5-tiny"
+model="$root/tests/data/toy-numbers-t5"
+tokenizer=""
 device=""
 port=""
 run_dir=""
@@ -40,6 +43,7 @@ mem_fraction=0.9
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
+    --tokenizer) tokenizer=$2; shift 2 ;;
     --device) device=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
     --run-dir) run_dir=$2; shift 2 ;;
@@ -57,12 +61,19 @@ while (($#)); do
     --max-batch) max_batch=$2; shift 2 ;;
     --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 [[ -f $model/config.json ]] || { echo "local.sh: no config.json in $model" >&2; exit 2; }
 model=$(cd "$model" && pwd)
+# the router converts text (and Whisper's audio) with the checkpoint's tokenizer
+if [[ -z $tokenizer && ( -f $model/tokenizer.json || -f $model/source.spm ) ]]; then tokenizer=$model; fi
+router_tok=()
+if [[ -n $tokenizer ]]; then
+  [[ -d $tokenizer ]] || { echo "local.sh: --tokenizer $tokenizer is not a folder" >&2; exit 2; }
+  router_tok=(--tokenizer "$(cd "$tokenizer" && pwd)")
+fi
 ((decodes >= 1)) || { echo "local.sh: at least one decode worker is needed" >&2; exit 2; }
 ((decode_tp == 1 || decode_pp == 1)) || { echo "local.sh: a decode group is tensor- or pipeline-parallel" >&2; exit 2; }
 [[ $kv_transport == auto || $kv_transport == ucx || $kv_transport == zmq ]] ||
@@ -135,7 +146,7 @@ for attempt in 1 2 3 4 5; do
   client_ep="tcp://127.0.0.1:$port"
   worker_ep="tcp://127.0.0.1:$((port + 1))"
   start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode" \
-    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"}
+    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} "${router_tok[@]}"
   rpid=${pids[-1]}
   for _ in $(seq 100); do
     grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
@@ -216,12 +227,39 @@ echo "router $client_ep"
 echo "logs and pid files in $run_dir" >&2
 
 if ((demo)); then
-  eos=$(grep -o '"eos_token_id": *[0-9]*' "$model/config.json" | head -1 | grep -o '[0-9]*$' || echo 1)
   req="$run_dir/demo.jsonl"
   if grep -q '"num_mel_bins"' "$model/config.json"; then
-    echo "local.sh: --demo needs a text model (Whisper takes audio features)" >&2
-    exit 2
+    # Whisper: the folder's .wav files as audio, the language detected
+    wavs=("$model"/*.wav)
+    if [[ ! -f ${wavs[0]} || ${#router_tok[@]} -eq 0 ]]; then
+      echo "local.sh: --demo with a Whisper model sends the .wav files of its folder (and needs its tokenizer):" \
+           "none in $model; try tandem-client --router $client_ep --audio FILE" >&2
+      exit 2
+    fi
+    for w in "${wavs[@]}"; do echo "{\"id\": \"$(basename "$w")\", \"audio\": \"$w\"}"; done >"$req"
+    rc=0
+    "$bin/tandem-client" --router "$client_ep" --requests "$req" --timeout-ms 60000 >"$run_dir/demo.out" || rc=$?
+    cat "$run_dir/demo.out"
+    sed -nE 's/^\{"id":"([^"]*)","outputs":\[\{"tokens":\[[^]]*\],"text":"([^"]*)".*/  \1  ->  \2/p' "$run_dir/demo.out"
+    exit $rc
   fi
+  if ((${#router_tok[@]})); then
+    # text in, text out: each id is the question, each result's "text" its answer
+    {
+      for t in "seven" "forty two" "three hundred five" "four thousand two hundred seven" "ninety thousand one" \
+               "seven hundred sixty five thousand four hundred thirty two"; do
+        echo "{\"id\": \"$t\", \"text\": \"$t\"}"
+      done
+      echo '{"id": "twelve thousand (4 beams, 2 answers)", "text": "twelve thousand", "num_beams": 4, "num_return_sequences": 2}'
+    } >"$req"
+    rc=0
+    "$bin/tandem-client" --router "$client_ep" --requests "$req" --timeout-ms 60000 >"$run_dir/demo.out" || rc=$?
+    cat "$run_dir/demo.out"
+    # the same, for a person: question -> first answer
+    sed -nE 's/^\{"id":"([^"]*)","outputs":\[\{"tokens":\[[^]]*\],"text":"([^"]*)".*/  \1  ->  \2/p' "$run_dir/demo.out"
+    exit $rc
+  fi
+  eos=$(grep -o '"eos_token_id": *[0-9]*' "$model/config.json" | head -1 | grep -o '[0-9]*$' || echo 1)
   {
     echo "{\"id\": \"demo-greedy\", \"input_ids\": [37, 42, 11, 99, 5, $eos], \"max_new_tokens\": 16}"
     echo "{\"id\": \"demo-beam\", \"input_ids\": [12, 8, 77, 31, $eos], \"num_beams\": 4, \"num_return_sequences\": 2, \"max_new_tokens\": 12}"

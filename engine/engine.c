@@ -25,6 +25,11 @@ void td_request_from_json(const td_json_request *j, td_request *r) {
   r->params.n_stop_ids = j->n_stop_ids;
 }
 
+static int cmp_i32(const void *a, const void *b) {
+  int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+  return (x > y) - (x < y);
+}
+
 /* ------------------------------------------------------------ create */
 
 static td_status copy_via_model(void *ctx, const int32_t *pairs, int n_pairs) {
@@ -234,6 +239,12 @@ static td_status group_new(td_engine *e, const td_request *r, const eng_admit *a
     g->prompt[0] = e->gen->decoder_start_token_id;
   if (p->n_stop_ids) memcpy(g->stop_ids, p->stop_ids, sizeof(int32_t) * (size_t)p->n_stop_ids);
   g->p.stop_ids = NULL;
+  if (p->n_allowed) {
+    if (!(g->allowed = malloc(sizeof(int32_t) * (size_t)p->n_allowed))) return td_err(TD_ERR_NOMEM, "out of memory");
+    memcpy(g->allowed, p->allowed_ids, sizeof(int32_t) * (size_t)p->n_allowed);
+    qsort(g->allowed, (size_t)p->n_allowed, sizeof(int32_t), cmp_i32);
+  }
+  g->p.allowed_ids = NULL;
   if (!g->p.has_seed) g->p.seed = (uint64_t)td_now_ns() ^ ((uint64_t)e->next_handle << 32);
   if (a->ext_cross) {
     /* nothing to encode */

@@ -60,6 +60,7 @@ void eng_group_free(td_engine *e, group *g) {
   td_f32vec_free(&g->logits);
   free(g->id);
   free(g->stop_ids);
+  free(g->allowed);
   free(g->input);
   free(g->features);
   free(g->prompt);

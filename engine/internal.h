@@ -42,6 +42,7 @@ typedef struct group {
   void *user;
   td_request_params p;
   int32_t *stop_ids;
+  int32_t *allowed; /* p.n_allowed ids, sorted: the only tokens it may generate */
   int32_t *input;
   int n_input;
   float *features;

@@ -63,6 +63,9 @@ static td_status check_sampling(const td_request_params *p, const char *id) {
   if (p->n_stop_ids < 0 || (p->n_stop_ids > 0 && !p->stop_ids))
     return td_err(TD_ERR_INVALID, "request %s: %d stop token ids %s", id, p->n_stop_ids,
                   p->n_stop_ids < 0 ? "(a count, at least 0)" : "given no ids");
+  if (p->n_allowed < 0 || (p->n_allowed > 0 && !p->allowed_ids))
+    return td_err(TD_ERR_INVALID, "request %s: %d allowed token ids %s", id, p->n_allowed,
+                  p->n_allowed < 0 ? "(a count, at least 0)" : "given no ids");
   return TD_OK;
 }
 
@@ -111,6 +114,11 @@ td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a) {
     return td_err(TD_ERR_INVALID,
                   "request %s: num_beams %d: at most %d (2 x num_beams candidates from a vocabulary of %d)", id,
                   p->num_beams, e->smp.max_k / 2, e->V);
+  if (p->timestamp_begin < 0 || p->timestamp_begin >= c->vocab_size)
+    return td_err(TD_ERR_INVALID, "request %s: timestamp_begin %d is outside the vocabulary", id, p->timestamp_begin);
+  for (int i = 0; i < p->n_allowed; i++)
+    if (p->allowed_ids[i] < 0 || p->allowed_ids[i] >= c->vocab_size)
+      return td_err(TD_ERR_INVALID, "request %s: allowed token %d is outside the vocabulary", id, p->allowed_ids[i]);
   for (int i = 0; i < p->n_stop_ids; i++)
     if (p->stop_ids[i] < 0 || p->stop_ids[i] >= c->vocab_size)
       return td_err(TD_ERR_INVALID, "request %s: stop token %d is outside the vocabulary", id, p->stop_ids[i]);

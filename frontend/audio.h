@@ -104,6 +104,14 @@ td_status td_mel_window(const td_mel *m, const float *samples, size_t n, size_t 
  * floor over all frames. n must exceed TD_MEL_N_FFT / 2. */
 td_status td_mel_whole(const td_mel *m, const float *samples, size_t n, float *out);
 
+/* A request's audio file (data, len bytes; name labels it in messages) as
+ * the model's input: decoded, resampled, and the features of its one window
+ * into *out ([n_mels][window frames], malloc'ed, *n floats). Audio longer
+ * than the window (or TD_MAX_AUDIO_SECONDS) is refused: long-form
+ * transcription is not supported yet. */
+td_status td_mel_features_from_audio(const td_mel *m, const void *data, size_t len, const char *name, float **out,
+                                     size_t *n);
+
 /* `tandem-frontend mel`: argv[0] is the subcommand's name. Prints its usage on
  * bad arguments (returns 2), the error on failure (returns 1). */
 int td_frontend_mel_main(int argc, char **argv);

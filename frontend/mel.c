@@ -196,3 +196,33 @@ td_status td_mel_config_from_preprocessor(const char *dir, td_mel_config *cfg) {
   cJSON_Delete(j);
   return s;
 }
+
+td_status td_mel_features_from_audio(const td_mel *m, const void *data, size_t len, const char *name, float **out,
+                                     size_t *n) {
+  *out = NULL;
+  *n = 0;
+  double window_s = (double)td_mel_window_samples(m) / TD_AUDIO_RATE;
+  if (window_s > TD_MAX_AUDIO_SECONDS) window_s = TD_MAX_AUDIO_SECONDS;
+  td_audio_limits lim = {.max_seconds = window_s};
+  td_audio a;
+  td_status s = td_audio_decode_memory(data, len, name, &lim, &a);
+  if (s != TD_OK) {
+    /* the duration refusals say "N s of audio": name what is missing */
+    if (!strstr(td_errmsg(), "s of audio")) return s;
+    char why[512];
+    snprintf(why, sizeof why, "%s", td_errmsg());
+    return td_err(s, "%s: the model's window is %.1f s; longer audio (long-form transcription) is not supported yet",
+                  why, window_s);
+  }
+  size_t count = (size_t)td_mel_n_mels(m) * td_mel_window_frames(m);
+  float *v = malloc(sizeof *v * count);
+  s = v ? td_mel_window(m, a.samples, a.n, 0, v) : td_err(TD_ERR_NOMEM, "%s: out of memory", name);
+  td_audio_free(&a);
+  if (s != TD_OK) {
+    free(v);
+    return s;
+  }
+  *out = v;
+  *n = count;
+  return TD_OK;
+}

@@ -13,6 +13,7 @@ add_library(td_tokenizer STATIC
   ${CMAKE_CURRENT_LIST_DIR}/tokenizer_text.c ${CMAKE_CURRENT_LIST_DIR}/tokenizer_norm.c
   ${CMAKE_CURRENT_LIST_DIR}/tokenizer_pretok.c ${CMAKE_CURRENT_LIST_DIR}/tokenizer_model.c
   ${CMAKE_CURRENT_LIST_DIR}/tokenizer_decode.c ${CMAKE_CURRENT_LIST_DIR}/tokenizer_marian.c
+  ${CMAKE_CURRENT_LIST_DIR}/whisper_prompt.c
   ${CMAKE_CURRENT_LIST_DIR}/tokenizer_spm.cc)
 # stdc++ by name: C programs in folders that never enabled C++ link this library
 target_link_libraries(td_tokenizer PUBLIC td_common

@@ -74,4 +74,55 @@ td_status td_detok_push(td_detok *d, int32_t id, const char **piece, size_t *len
  * clean-up might remove) is given as it decodes now. */
 td_status td_detok_finish(td_detok *d, const char **piece, size_t *len);
 
+/* ---- Whisper's decoder prompt ---- */
+
+/* What WhisperForConditionalGeneration.generate puts before the first
+ * generated token: <|startoftranscript|>, a language token, the task token
+ * and <|notimestamps|> unless timestamps are asked for. The ids come from
+ * generation_config.json (decoder_start_token_id, lang_to_id, task_to_id,
+ * no_timestamps_token_id, is_multilingual, language, task) where it has
+ * them, else from the tokenizer's tokens. */
+typedef struct td_whisper_prompt td_whisper_prompt;
+
+#define TD_WHISPER_PROMPT_MAX 4 /* ids a prompt holds at most */
+
+/* DIR/generation_config.json (optional) and t (kept: must outlive the
+ * prompt). Refused when t has no <|startoftranscript|>: not a Whisper
+ * tokenizer. */
+td_status td_whisper_prompt_load(const char *dir, const td_tokenizer *t, td_whisper_prompt **out);
+void td_whisper_prompt_destroy(td_whisper_prompt *w);
+/* The prompt of one request into out[TD_WHISPER_PROMPT_MAX], *n set.
+ * language: a code ("en"), a token ("<|en|>") or NULL / "" for the
+ * checkpoint's default (generation_config.json's "language"); a
+ * multilingual checkpoint with neither gives TD_ERR_NOT_FOUND: the caller
+ * detects the language (td_whisper_languages) or refuses. task:
+ * "transcribe" (NULL / "": the default) or "translate". Other errors
+ * (TD_ERR_INVALID) name the bad value. */
+td_status td_whisper_prompt_build(const td_whisper_prompt *w, const char *language, const char *task,
+                                  bool timestamps, int32_t *out, int *n);
+/* The language tokens (*n of them; NULL and 0 for an English-only
+ * checkpoint): what transformers' detect_language takes the best of after
+ * one decoder step from <|startoftranscript|>. */
+const int32_t *td_whisper_languages(const td_whisper_prompt *w, int *n);
+/* A request with timestamps: the first timestamp token (<|notimestamps|> + 1,
+ * as transformers' WhisperTimeStampLogitsProcessor) and generation_config.json's
+ * max_initial_timestamp_index (-1 when it names none). */
+void td_whisper_timestamp_rules(const td_whisper_prompt *w, int32_t *begin, int *max_initial);
+
+/* A stretch of transcription between two timestamps. */
+typedef struct td_whisper_segment {
+  double start, end; /* seconds */
+  char *text;
+} td_whisper_segment;
+
+/* The segments of generated ids (prompt excluded) as transformers'
+ * WhisperTokenizer._compute_offsets gives them (time precision 0.02 s,
+ * segment size 1500): from the first timestamp, a segment ends at each pair
+ * of timestamps and at the last timestamp; its text is its ids decoded
+ * without the timestamps (special tokens kept). *out is malloc'ed (NULL
+ * when *n_out is 0); td_whisper_segments_free. */
+td_status td_whisper_segments(const td_tokenizer *t, const int32_t *ids, size_t n, int32_t timestamp_begin,
+                              td_whisper_segment **out, size_t *n_out);
+void td_whisper_segments_free(td_whisper_segment *s, size_t n);
+
 #endif

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/clock.h"
 #include "common/defaults.h"
@@ -15,6 +16,8 @@
 #include "common/log.h"
 #include "common/settings.h"
 #include "engine/engine.h"
+#include "frontend/audio.h"
+#include "frontend/tokenizer.h"
 
 typedef struct slot {
   td_json_request req;
@@ -22,20 +25,145 @@ typedef struct slot {
   float *logits;
   int n_rows;
   bool added;
+  bool detect;  /* audio without a language: a detection step first */
+  int32_t lang; /* ... its language token (-1: none yet) */
 } slot;
+
+/* The model folder's front end, when it has one: its tokenizer (text in,
+ * text in results) and, for Whisper, the feature extractor and prompt. */
+typedef struct frontend {
+  td_tokenizer *tok;
+  td_mel *mel;
+  td_whisper_prompt *whisper;
+} frontend;
 
 typedef struct app {
   slot *slots;
   int n;
   int vocab;
   int failed;
+  frontend fe;
 } app;
+
+static bool has_file(const char *dir, const char *name) {
+  char p[PATH_MAX];
+  snprintf(p, sizeof p, "%s/%s", dir, name);
+  return access(p, F_OK) == 0;
+}
+
+static td_status load_frontend(const char *dir, frontend *fe) {
+  if (!has_file(dir, "tokenizer.json") && !has_file(dir, "source.spm")) return TD_OK;
+  td_tokenizer_opts to = {.strict_utf8 = true}; /* bad text is refused, as the router does */
+  TD_TRY(td_tokenizer_load(dir, &to, &fe->tok));
+  if (!has_file(dir, "preprocessor_config.json")) return TD_OK;
+  td_mel_config mc = {0};
+  TD_TRY(td_mel_config_from_preprocessor(dir, &mc));
+  TD_TRY(td_mel_create(&mc, &fe->mel));
+  return td_whisper_prompt_load(dir, fe->tok, &fe->whisper);
+}
+
+static void free_frontend(frontend *fe) {
+  td_whisper_prompt_destroy(fe->whisper);
+  td_mel_destroy(fe->mel);
+  td_tokenizer_destroy(fe->tok);
+}
+
+static td_status set_prompt(td_json_request *q, const int32_t *prompt, int np) {
+  free(q->prompt);
+  if (!(q->prompt = malloc(sizeof *q->prompt * (size_t)np))) return td_err(TD_ERR_NOMEM, "out of memory");
+  memcpy(q->prompt, prompt, sizeof *prompt * (size_t)np);
+  q->n_prompt = np;
+  return TD_OK;
+}
+
+/* A request's text or audio as ids, or features and Whisper's prompt;
+ * *detect: the audio names no language (its prompt comes after detection). */
+static td_status convert(const frontend *fe, const char *model_dir, td_json_request *q, bool *detect) {
+  if (!q->text && !q->audio) return TD_OK;
+  if (!fe->tok)
+    return td_err(TD_ERR_INVALID, "%s input needs a tokenizer (tokenizer.json, or Marian's source.spm) in %s",
+                  q->text ? "text" : "audio", model_dir);
+  if (q->text) {
+    int32_t *ids = NULL;
+    size_t n = 0;
+    td_status st = td_tokenizer_encode(fe->tok, q->text, strlen(q->text), true, &ids, &n);
+    if (st != TD_OK) return td_err_ctx(st, "text: ");
+    if (!n) return td_err(TD_ERR_INVALID, "text: the tokenizer gives no tokens for it");
+    q->input_ids = ids;
+    q->n_input = (int)n;
+    return TD_OK;
+  }
+  if (!fe->mel || !fe->whisper)
+    return td_err(TD_ERR_INVALID, "audio input needs a Whisper checkpoint's preprocessor_config.json in %s", model_dir);
+  if (q->prompt)
+    return td_err(TD_ERR_INVALID, "audio input takes no decoder_prompt: Whisper's is built from language, task and "
+                                  "timestamps");
+  int32_t prompt[TD_WHISPER_PROMPT_MAX];
+  int np = 0;
+  td_status ps = td_whisper_prompt_build(fe->whisper, q->language, q->task, q->timestamps, prompt, &np);
+  *detect = ps == TD_ERR_NOT_FOUND;
+  if (ps != TD_OK && !*detect) return ps;
+  TD_TRY(td_mel_features_from_audio(fe->mel, q->audio, q->audio_len, "audio", &q->features, &q->n_features));
+  if (!*detect) TD_TRY(set_prompt(q, prompt, np));
+  free(q->audio);
+  q->audio = NULL;
+  q->audio_len = 0;
+  return TD_OK;
+}
 
 static void on_finish(void *ctx, const td_result *r) {
   app *a = ctx;
   slot *s = &a->slots[(intptr_t)r->user];
-  s->line_out = r->status == TD_OK ? td_json_result_format(r->id, r->outputs, r->n_outputs)
+  if (s->detect) { /* the language detection step: its token is the language */
+    s->detect = false;
+    s->lang = r->status == TD_OK && r->n_outputs && r->outputs[0].n_tokens ? r->outputs[0].tokens[0] : -1;
+    if (r->status != TD_OK) {
+      s->line_out = td_json_error_format(r->id, r->status, r->error);
+      a->failed++;
+    }
+    return;
+  }
+  /* each output's text (special tokens skipped) where the folder has a tokenizer */
+  td_seq_output *outs = NULL;
+  char **texts = NULL;
+  td_whisper_segment **ws = NULL;
+  size_t *nws = NULL;
+  td_text_segment **ts = NULL;
+  int32_t tb = 0;
+  int max_initial;
+  if (s->req.timestamps && a->fe.whisper) td_whisper_timestamp_rules(a->fe.whisper, &tb, &max_initial);
+  int no = r->n_outputs;
+  if (r->status == TD_OK && a->fe.tok && no > 0 && (outs = calloc((size_t)no, sizeof *outs)) &&
+      (texts = calloc((size_t)no, sizeof *texts)) && (ws = calloc((size_t)no, sizeof *ws)) &&
+      (nws = calloc((size_t)no, sizeof *nws)) && (ts = calloc((size_t)no, sizeof *ts))) {
+    for (int i = 0; i < no; i++) {
+      outs[i] = r->outputs[i];
+      size_t len;
+      if (td_tokenizer_decode(a->fe.tok, outs[i].tokens, (size_t)outs[i].n_tokens, true, &texts[i], &len) == TD_OK)
+        outs[i].text = texts[i];
+      /* audio with timestamps: transformers' segments */
+      if (tb > 0 && td_whisper_segments(a->fe.tok, outs[i].tokens, (size_t)outs[i].n_tokens, tb, &ws[i], &nws[i]) ==
+                        TD_OK &&
+          (ts[i] = calloc(nws[i] + 1, sizeof **ts))) {
+        for (size_t k = 0; k < nws[i]; k++)
+          ts[i][k] = (td_text_segment){.start = ws[i][k].start, .end = ws[i][k].end, .text = ws[i][k].text};
+        outs[i].segments = ts[i];
+        outs[i].n_segments = (int)nws[i];
+      }
+    }
+  }
+  s->line_out = r->status == TD_OK ? td_json_result_format(r->id, ts ? outs : r->outputs, no)
                                    : td_json_error_format(r->id, r->status, r->error);
+  for (int i = 0; i < no; i++) {
+    if (texts) free(texts[i]);
+    if (ws) td_whisper_segments_free(ws[i], nws[i]);
+    if (ts) free(ts[i]);
+  }
+  free(texts);
+  free(ws);
+  free(nws);
+  free(ts);
+  free(outs);
   if (r->status != TD_OK) a->failed++;
   if (r->logits && r->n_logit_rows) {
     s->logits = malloc(sizeof(float) * (size_t)r->n_logit_rows * a->vocab);
@@ -192,6 +320,11 @@ int main(int argc, char **argv) {
     rc = 2;
     goto out;
   }
+  if (load_frontend(model_dir, &a.fe) != TD_OK) {
+    fprintf(stderr, "tandem-generate: %s: %s\n", model_dir, td_errmsg());
+    rc = 2;
+    goto out;
+  }
   a.vocab = td_model_get_config(m)->vocab_size;
   size_t n_feat = (size_t)td_model_get_config(m)->num_mel_bins * td_model_input_frames(m);
   td_engine_opts eo = {.self_blocks = kv_blocks, .cross_blocks = cross_blocks, .max_running = max_batch,
@@ -208,12 +341,64 @@ int main(int argc, char **argv) {
   fprintf(stderr, "tandem-generate: loaded in %.2f s on %s; %d sequences a step; pools %d self + %d cross blocks\n",
           load_s, td_backend_name(b), max_batch, st0.self.n_blocks, st0.cross.n_blocks);
   int64_t t_run = td_now_ns();
+  /* text and audio to ids and features; audio without a language is detected
+   * first, as transformers' detect_language: one greedy step from
+   * <|startoftranscript|> over the language tokens */
+  int detecting = 0;
+  for (int i = 0; i < a.n; i++) {
+    slot *s = &a.slots[i];
+    s->lang = -1;
+    if (s->line_out) continue;
+    if (convert(&a.fe, model_dir, &s->req, &s->detect) != TD_OK) {
+      s->line_out = td_json_error_format(s->req.id, TD_ERR_INVALID, td_errmsg());
+      a.failed++;
+      continue;
+    }
+    if (!s->detect) continue;
+    int n_langs;
+    const int32_t *langs = td_whisper_languages(a.fe.whisper, &n_langs);
+    int32_t sot = td_model_get_gen(m)->decoder_start_token_id;
+    td_request r = {.id = s->req.id, .features = s->req.features, .prompt = &sot, .n_prompt = 1,
+                    .user = (void *)(intptr_t)i};
+    td_request_params_default(&r.params);
+    r.params.max_new_tokens = 1;
+    r.params.allowed_ids = langs;
+    r.params.n_allowed = n_langs;
+    uint64_t h;
+    if (td_engine_add(e, &r, &h) != TD_OK) {
+      s->line_out = td_json_error_format(s->req.id, TD_ERR_INVALID, td_errmsg());
+      s->detect = false;
+      a.failed++;
+      continue;
+    }
+    detecting++;
+  }
+  while (detecting && !td_engine_idle(e)) {
+    if (td_engine_step(e) != TD_OK) {
+      fprintf(stderr, "tandem-generate: engine failed: %s\n", td_errmsg());
+      rc = 1;
+      break;
+    }
+  }
   for (int i = 0; i < a.n; i++) {
     slot *s = &a.slots[i];
     if (s->line_out) continue;
+    if (s->lang >= 0) { /* detected: the prompt as if the language had been given */
+      int32_t prompt[TD_WHISPER_PROMPT_MAX];
+      int np = 0;
+      const char *tok = td_tokenizer_id_to_token(a.fe.tok, s->lang);
+      if (!tok || td_whisper_prompt_build(a.fe.whisper, tok, s->req.task, s->req.timestamps, prompt, &np) != TD_OK ||
+          set_prompt(&s->req, prompt, np) != TD_OK) {
+        s->line_out = td_json_error_format(s->req.id, TD_ERR_INTERNAL, "language detection gave no language");
+        a.failed++;
+        continue;
+      }
+    }
     td_request r;
     td_request_from_json(&s->req, &r);
     r.user = (void *)(intptr_t)i;
+    if (s->req.timestamps && a.fe.whisper)
+      td_whisper_timestamp_rules(a.fe.whisper, &r.params.timestamp_begin, &r.params.max_initial_timestamp);
     r.params.all_logits = logits_path && r.params.n == 1 && r.params.num_beams == 1;
     td_status st = TD_OK;
     if (n_feat && r.features && s->req.n_features != n_feat)
@@ -257,6 +442,7 @@ int main(int argc, char **argv) {
   if (rc == 0 && a.failed) rc = 1;
 out:
   td_engine_destroy(e);
+  free_frontend(&a.fe);
   td_model_destroy(m);
   td_backend_destroy(b);
   for (int i = 0; i < a.n; i++) {

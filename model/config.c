@@ -277,23 +277,22 @@ td_status td_gen_config_load(const char *dir, const td_model_config *cfg, td_gen
   g->bos_token_id = g->forced_bos_token_id = g->forced_eos_token_id = g->max_length = -1;
   char path[PATH_MAX];
   cJSON *j = NULL;
-  snprintf(path, sizeof path, "%s/config.json", dir);
+  td_status s = TD_OK;
+  /* As transformers: generation_config.json, when present, alone gives the
+   * generation defaults (GenerationConfig.from_model_config only stands in
+   * when it is missing), so config.json's forced BOS / EOS are not merged. */
+  snprintf(path, sizeof path, "%s/generation_config.json", dir);
+  bool have_gen = access(path, F_OK) == 0;
+  if (!have_gen) snprintf(path, sizeof path, "%s/config.json", dir);
   TD_TRY(td_json_load_file(path, CONFIG_MAX_BYTES, &j));
-  td_status s = read_ids(j, path, cfg->vocab_size, g);
+  s = read_ids(j, path, cfg->vocab_size, g);
   cJSON_Delete(j);
-  j = NULL;
   if (s != TD_OK) goto fail;
   /* config.json's max_length is a legacy default, not a model property. */
-  g->max_length = -1;
-  snprintf(path, sizeof path, "%s/generation_config.json", dir);
-  if (access(path, F_OK) == 0) {
-    s = td_json_load_file(path, CONFIG_MAX_BYTES, &j);
-    if (s != TD_OK) goto fail;
-    s = read_ids(j, path, cfg->vocab_size, g);
-    cJSON_Delete(j);
-    if (s != TD_OK) goto fail;
-  }
+  if (!have_gen) g->max_length = -1;
   if (cfg->family == TD_FAMILY_T5 && g->decoder_start_token_id < 0) g->decoder_start_token_id = g->pad_token_id;
+  /* transformers' _get_decoder_start_token_id: else the BOS token */
+  if (g->decoder_start_token_id < 0) g->decoder_start_token_id = g->bos_token_id;
   const struct {
     const char *name;
     int32_t v;

@@ -63,8 +63,9 @@ typedef struct td_gen_config {
 /* Reads DIR/config.json. Unknown model types and missing or invalid fields
  * fail with a message naming the file and the field. */
 td_status td_model_config_load(const char *dir, td_model_config *cfg);
-/* Reads DIR/generation_config.json when present, with config.json's token
- * ids as defaults. Free with td_gen_config_free. */
+/* Reads DIR/generation_config.json when present, alone (as transformers:
+ * config.json's ids, forced BOS / EOS included, are not merged in); else
+ * config.json's ids. Free with td_gen_config_free. */
 td_status td_gen_config_load(const char *dir, const td_model_config *cfg, td_gen_config *gen);
 void td_gen_config_free(td_gen_config *gen);
 

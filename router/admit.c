@@ -24,11 +24,47 @@ td_status td_admit_request_id(const char *id, char *msg, size_t cap) {
   return TD_OK;
 }
 
+td_status td_admit_inputs(const td_admit_frontend *fe, const Tandem__GenerateRequest *g, char *msg, size_t cap) {
+  const char *names[4];
+  int n = 0;
+  bool text = g->text && g->text[0], audio = g->audio.len > 0;
+  if (g->n_input_ids) names[n++] = "input_ids";
+  if (g->features) names[n++] = "features";
+  if (text) names[n++] = "text";
+  if (audio) names[n++] = "audio";
+  if (n == 0) REFUSE(TD_ERR_INVALID, "no input: give one of input_ids, features, text and audio");
+  if (n > 1)
+    REFUSE(TD_ERR_INVALID, "give exactly one of input_ids, features, text and audio, not %s and %s%s", names[0],
+           names[1], n > 2 ? " and more" : "");
+  if (!audio && ((g->language && g->language[0]) || (g->task && g->task[0]) || g->timestamps))
+    REFUSE(TD_ERR_INVALID, "language, task and timestamps go with audio input only");
+  if ((text || audio) && !fe->text)
+    REFUSE(TD_ERR_INVALID, "%s input needs a tokenizer at the router (tandem-router --tokenizer DIR); "
+           "this one takes input_ids and features only", text ? "text" : "audio");
+  if (text && strlen(g->text) > TD_MAX_TEXT_BYTES)
+    REFUSE(TD_ERR_INVALID, "text of %zu bytes exceeds the limit of %u", strlen(g->text), TD_MAX_TEXT_BYTES);
+  if (audio && !fe->audio)
+    REFUSE(TD_ERR_INVALID, "audio input needs a Whisper checkpoint's preprocessor_config.json at the router "
+           "(tandem-router --tokenizer DIR); this router converts text only");
+  if (audio && g->audio.len > TD_MAX_AUDIO_BYTES)
+    REFUSE(TD_ERR_INVALID, "audio of %zu bytes exceeds the limit of %u", g->audio.len, TD_MAX_AUDIO_BYTES);
+  if (audio && g->n_decoder_prompt)
+    REFUSE(TD_ERR_INVALID, "audio input takes no decoder_prompt: the router builds Whisper's from language, task "
+           "and timestamps");
+  if (g->language && strlen(g->language) > TD_MAX_LANGUAGE_BYTES)
+    REFUSE(TD_ERR_INVALID, "language of %zu bytes exceeds the limit of %d", strlen(g->language),
+           TD_MAX_LANGUAGE_BYTES);
+  return TD_OK;
+}
+
 static td_status check_input(const Tandem__ModelInfo *mi, const Tandem__GenerateRequest *g, int *enc_len, char *msg,
                              size_t cap) {
   int V = (int)mi->vocab_size;
   if (mi->mel_bins > 0) {
     size_t want = (size_t)mi->mel_bins * mi->frames;
+    if (!g->features)
+      REFUSE(TD_ERR_INVALID, "this model (%s) takes audio or audio features, not input_ids or text",
+             mi->model_type ? mi->model_type : "Whisper");
     if (!g->features || g->features->n_values != want)
       REFUSE(TD_ERR_INVALID, "this model takes audio features of %u x %u floats, got %zu", mi->mel_bins, mi->frames,
              g->features ? g->features->n_values : 0);
@@ -78,6 +114,15 @@ static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *m
     REFUSE(TD_ERR_INVALID, "early_stopping must be 1 (true), 0 (false) or -1 (never), got %d", sp->early_stopping);
   if (sp->set_forced_bos && sp->forced_bos_token_id >= V)
     REFUSE(TD_ERR_INVALID, "forced_bos_token_id %d is outside the vocabulary of %d", sp->forced_bos_token_id, V);
+  if (sp->timestamp_begin < 0 || sp->timestamp_begin >= V)
+    REFUSE(TD_ERR_INVALID, "timestamp_begin %d is outside the vocabulary of %d", sp->timestamp_begin, V);
+  if (sp->has_max_initial_timestamp && sp->max_initial_timestamp_index < 0)
+    REFUSE(TD_ERR_INVALID, "max_initial_timestamp_index must be >= 0, got %d", sp->max_initial_timestamp_index);
+  if (sp->n_allowed_token_ids > (size_t)V)
+    REFUSE(TD_ERR_INVALID, "%zu allowed_token_ids exceed the vocabulary of %d", sp->n_allowed_token_ids, V);
+  for (size_t i = 0; i < sp->n_allowed_token_ids; i++)
+    if (sp->allowed_token_ids[i] < 0 || sp->allowed_token_ids[i] >= V)
+      REFUSE(TD_ERR_INVALID, "allowed token %d is outside the vocabulary of %d", sp->allowed_token_ids[i], V);
   if (sp->set_forced_eos && sp->forced_eos_token_id >= V)
     REFUSE(TD_ERR_INVALID, "forced_eos_token_id %d is outside the vocabulary of %d", sp->forced_eos_token_id, V);
   return TD_OK;

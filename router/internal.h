@@ -68,6 +68,17 @@ typedef struct rreq {
   int64_t t_arrival, t_placed, t_stage, deadline;
   int64_t t_reserved, t_encode_sent, t_encoded, t_first; /* stage times for Timings (0: not yet) */
   double encode_ms, prefill_ms;
+  /* streamed text: one detokenizer a sequence, made at its first chunk */
+  td_detok **detok;
+  int n_detok;
+  /* Whisper's language detection: a first attempt of one greedy step over the
+   * language tokens, then the request itself with the language it gave */
+  bool detecting;
+  Tandem__SamplingParams *user_sampling; /* the request's own, while detecting */
+  Tandem__SamplingParams detect_sp;
+  uint32_t user_max_new;
+  bool user_stream;
+  int free_attempts;   /* attempts max_attempts does not count (detection's) */
   UT_hash_handle hh;   /* by rid */
   UT_hash_handle hc;   /* by ckey */
 } rreq;
@@ -158,6 +169,9 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w);
 void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg);
 /* Gives a request another attempt on other workers, or fails it. */
 void rtr_req_retry(td_router *r, rreq *q, const char *why);
+/* Puts a request back at the queue's head for its next attempt (a new rid);
+ * `release`: its holds on the workers of this attempt go first. */
+void rtr_req_requeue(td_router *r, rreq *q, bool release);
 /* Ends a request quietly (its result or error was sent). */
 void rtr_req_free(td_router *r, rreq *q);
 /* A worker's part in the request is over: its hold on the worker goes. */
@@ -173,6 +187,40 @@ void rtr_send_prefill(td_router *r, rreq *q);
 bool rtr_place_queue(td_loop *l, void *ctx);
 /* Timer: deadlines and stage timeouts. */
 int rtr_requests_tick(td_loop *l, void *ctx);
+
+/* ---- text.c: the front end at the router (text, audio, detokenizing) */
+/* Converts a request's text or audio in place into input_ids, or features
+ * and a decoder prompt, after td_admit_inputs; ERROR_NONE when it needs
+ * nothing or went well, else the code with the reason in err. *detect: the
+ * audio names no language (the prompt holds a stand-in of the same length):
+ * the request starts with language detection (rtr_detect_begin). */
+Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, bool *detect, char *err, size_t cap);
+/* Turns an admitted request into its detection step; false when it cannot. */
+bool rtr_detect_begin(td_router *r, rreq *q);
+/* The detection step's result: the request gets its language and goes back
+ * to the queue, or fails. */
+void rtr_detect_done(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out);
+/* A request that was detecting gets its own sampling back (before it is freed). */
+void rtr_detect_undo(rreq *q);
+/* The text a streamed chunk of sequence `seq` adds (malloc'ed, "" for none),
+ * or NULL without a tokenizer or when it cannot be decoded. */
+char *rtr_stream_text(td_router *r, rreq *q, uint32_t seq, const int32_t *tokens, size_t n);
+/* Sends each sequence's held-back text (a stream's end). */
+void rtr_stream_text_finish(td_router *r, rreq *q);
+/* Forgets the streamed text: sequences restart (a retry of samples / beams). */
+void rtr_stream_text_reset(rreq *q);
+/* What rtr_result_text made for a result's outputs. */
+typedef struct rtr_result_extras {
+  size_t n;
+  char **texts;
+  Tandem__Segment **segs;      /* per output: its segments (timestamps) */
+  Tandem__Segment ***seg_ptrs;
+} rtr_result_extras;
+/* Sets each output's text (decode, special tokens skipped) where the router
+ * has a tokenizer, and its segments when the request asked for timestamps;
+ * rtr_result_extras_free after sending. */
+void rtr_result_text(td_router *r, const rreq *q, Tandem__SequenceOutput **outs, size_t n, rtr_result_extras *x);
+void rtr_result_extras_free(rtr_result_extras *x, Tandem__SequenceOutput **outs);
 
 /* ---- stream.c: a worker's news of a request it holds */
 void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m);

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/defaults.h"
 #include "common/log.h"
@@ -12,6 +13,33 @@
 
 static volatile sig_atomic_t stop_flag;
 static void on_signal(int sig) { stop_flag = sig; }
+
+/* The checkpoint's front end, read once: its tokenizer (strict UTF-8: bad
+ * text is refused, not replaced) and, for Whisper (preprocessor_config.json
+ * present), the feature extractor and the decoder prompt's ids. */
+typedef struct frontend {
+  td_tokenizer *tok;
+  td_mel *mel;
+  td_whisper_prompt *whisper;
+} frontend;
+
+static td_status load_frontend(const char *dir, frontend *fe) {
+  td_tokenizer_opts to = {.strict_utf8 = true};
+  TD_TRY(td_tokenizer_load(dir, &to, &fe->tok));
+  char path[4096];
+  snprintf(path, sizeof path, "%s/preprocessor_config.json", dir);
+  if (access(path, F_OK) != 0) return TD_OK;
+  td_mel_config mc = {0};
+  TD_TRY(td_mel_config_from_preprocessor(dir, &mc));
+  TD_TRY(td_mel_create(&mc, &fe->mel));
+  return td_whisper_prompt_load(dir, fe->tok, &fe->whisper);
+}
+
+static void free_frontend(frontend *fe) {
+  td_whisper_prompt_destroy(fe->whisper);
+  td_mel_destroy(fe->mel);
+  td_tokenizer_destroy(fe->tok);
+}
 
 int main(int argc, char **argv) {
   td_settings settings;
@@ -31,11 +59,12 @@ int main(int argc, char **argv) {
       {"local-encode-pct", required_argument, 0, 'L'},
       {"model-name", required_argument, 0, 'n'},      {"log-level", required_argument, 0, 'l'},
       {"cross-states", no_argument, 0, 'C'},          {"cross-mode", required_argument, 0, 'x'},
-      {"help", no_argument, 0, 'h'},
+      {"tokenizer", required_argument, 0, 'T'},      {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
+  const char *tokenizer_dir = NULL;
   int c;
-  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:e:L:n:l:Cx:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:e:L:n:l:Cx:T:h", opts, NULL)) != -1) {
     switch (c) {
       case 'c': o.client_endpoint = optarg; break;
       case 'w': o.worker_endpoint = optarg; break;
@@ -50,6 +79,7 @@ int main(int argc, char **argv) {
       case 'e': o.encode_runs = atoi(optarg); break;
       case 'L': o.local_encode_pct = atoi(optarg); break;
       case 'n': o.model_name = optarg; break;
+      case 'T': tokenizer_dir = optarg; break;
       case 'C': o.cross_mode = TD_CROSS_STATES; break;
       case 'x':
         if (td_cross_mode_parse(optarg, &o.cross_mode) == TD_OK) break;
@@ -68,8 +98,9 @@ int main(int argc, char **argv) {
                 "                     [--heartbeat-ms N] [--dead-after N] [--max-queue N] [--max-in-flight N]\n"
                 "                     [--timeout-ms N] [--stage-timeout-ms N] [--max-attempts N]\n"
                 "                     [--prefill-threshold N] [--encode-queue-runs N] [--local-encode-pct P]\n"
-                "                     [--model-name NAME]\n"
-                "                     [--log-level LEVEL]\n"
+                "                     [--model-name NAME] [--log-level LEVEL]\n"
+                "                     [--tokenizer DIR]  (the checkpoint's folder: text and audio requests,\n"
+                "                                         text in results; Whisper needs its preprocessor_config.json)\n"
                 "                     [--cross-mode auto|kv|states|dual]  (what the cross pools hold; every\n"
                 "                                         worker must run the same; --cross-states: states)\n");
         return c == 'h' ? 0 : 2;
@@ -79,13 +110,27 @@ int main(int argc, char **argv) {
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
+  frontend fe = {0};
+  if (tokenizer_dir) {
+    if (load_frontend(tokenizer_dir, &fe) != TD_OK) {
+      fprintf(stderr, "tandem-router: --tokenizer %s: %s\n", tokenizer_dir, td_errmsg());
+      free_frontend(&fe);
+      return 2;
+    }
+    o.tokenizer = fe.tok;
+    o.mel = fe.mel;
+    o.whisper = fe.whisper;
+    TD_INFO("tokenizer from %s: text%s requests", tokenizer_dir, fe.mel ? " and audio" : "");
+  }
   td_router *r;
   if (td_router_create(&o, &r) != TD_OK) {
     fprintf(stderr, "tandem-router: %s\n", td_errmsg());
+    free_frontend(&fe);
     return 1;
   }
   td_status s = td_router_run(r, &stop_flag);
   if (s != TD_OK) fprintf(stderr, "tandem-router: %s\n", td_errmsg());
   td_router_destroy(r);
+  free_frontend(&fe);
   return s == TD_OK ? 0 : 1;
 }

@@ -26,6 +26,18 @@ typedef struct td_req_shape {
 /* A client's request id: 1 to TD_ROUTER_MAX_REQUEST_ID bytes. */
 td_status td_admit_request_id(const char *id, char *msg, size_t cap);
 
+/* What the router can convert (router/main.c's --tokenizer). */
+typedef struct td_admit_frontend {
+  bool text;  /* a tokenizer: text in, text out */
+  bool audio; /* a Whisper checkpoint's feature extractor and prompt */
+} td_admit_frontend;
+
+/* A request's input before conversion: exactly one of input_ids, features,
+ * text and audio; text and audio within their limits and only where the
+ * router can convert them; language / task / timestamps only with audio,
+ * whose decoder prompt the router builds (so it takes none). */
+td_status td_admit_inputs(const td_admit_frontend *fe, const Tandem__GenerateRequest *g, char *msg, size_t cap);
+
 /* Checks a request against the served model (model->name: the served name,
  * model->model_type: its type) and the fixed limits; each refusal names the
  * limit in msg (TD_ERR_NOT_FOUND for another model, else TD_ERR_INVALID). */

@@ -95,11 +95,13 @@ void rtr_req_free(td_router *r, rreq *q) {
   td_ptrvec_remove(&r->queue, q);
   HASH_DELETE(hh, r->by_rid, q);
   HASH_DELETE(hc, r->by_ckey, q);
+  rtr_detect_undo(q);
   tandem__client_message__free_unpacked(q->msg, NULL);
   free(q->cid);
   free(q->ckey);
   td_i32vec_free(&q->streamed);
   td_f32vec_free(&q->streamed_lp);
+  rtr_stream_text_reset(q);
   free(q);
 }
 
@@ -138,7 +140,7 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
     rtr_req_result(r, q, &outs, 1, 0);
     return;
   }
-  if (q->attempts >= r->o.max_attempts) {
+  if (q->attempts - q->free_attempts >= r->o.max_attempts) {
     char msg[512];
     snprintf(msg, sizeof msg, "gave up after %d attempts: %s", q->attempts, why);
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, msg);
@@ -146,7 +148,15 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
   }
   TD_WARN("request %s (rid %llu): retrying: %s (%s)", q->cid, (unsigned long long)q->rid, why,
           q->multi ? "from the start" : q->streamed.n ? "after the tokens streamed" : "nothing streamed yet");
-  if (q->multi) q->streamed.n = q->streamed_lp.n = 0; /* samples and beams restart from the prompt */
+  if (q->multi) { /* samples and beams restart from the prompt */
+    q->streamed.n = q->streamed_lp.n = 0;
+    rtr_stream_text_reset(q);
+  }
+  rtr_req_requeue(r, q, false);
+}
+
+void rtr_req_requeue(td_router *r, rreq *q, bool release) {
+  if (release) release_workers(r, q, false);
   HASH_DELETE(hh, r->by_rid, q);
   q->rid = (q->serial << 8) | (uint64_t)(q->attempts & 0xff); /* attempts <= TD_ROUTER_MAX_ATTEMPTS */
   HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
@@ -340,8 +350,8 @@ static char *client_key(const uint8_t *cid, size_t cid_len, const char *id) {
 
 /* Every refusal of a new request, in order; the request is admitted when
  * code stays ERROR_NONE. */
-static Tandem__ErrorCode admit(td_router *r, const char *key, const Tandem__GenerateRequest *g, td_req_shape *sh,
-                               char *err, size_t cap) {
+static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRequest *g, td_req_shape *sh,
+                               bool *detect, char *err, size_t cap) {
   rreq *dup = NULL;
   HASH_FIND(hc, r->by_ckey, key, strlen(key), dup);
   if (dup) {
@@ -356,7 +366,13 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, const Tandem__Gene
     snprintf(err, cap, "overloaded: %d requests queued, %d in flight", r->queue.n, r->in_flight);
     return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
   }
-  td_status s = td_admit_request(&r->model, r->block_size, g, sh, err, cap);
+  td_admit_frontend fe = {.text = r->o.tokenizer != NULL, .audio = r->o.mel && r->o.whisper};
+  td_status s = td_admit_inputs(&fe, g, err, cap);
+  if (s != TD_OK) return td_wire_error_code(s);
+  /* text and audio become ids / features here, once every cheaper refusal passed */
+  Tandem__ErrorCode code = rtr_convert_input(r, g, detect, err, cap);
+  if (code != TANDEM__ERROR_CODE__ERROR_NONE) return code;
+  s = td_admit_request(&r->model, r->block_size, g, sh, err, cap);
   if (s != TD_OK) return td_wire_error_code(s);
   td_place_req pr = place_req(sh, 0);
   if (!td_place_possible((const td_place_worker *const *)r->pool, r->n_pool, &pr, err, cap))
@@ -372,13 +388,14 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
   rreq *q = NULL;
   Tandem__ErrorCode code = TANDEM__ERROR_CODE__ERROR_NONE;
   td_req_shape sh = {0};
+  bool detect = false;
   if (td_admit_request_id(id, err, sizeof err) != TD_OK) {
     code = TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT;
   } else if (!(key = client_key(cid, cid_len, id))) {
     code = TANDEM__ERROR_CODE__ERROR_INTERNAL;
     snprintf(err, sizeof err, "out of memory");
   } else {
-    code = admit(r, key, g, &sh, err, sizeof err);
+    code = admit(r, key, g, &sh, &detect, err, sizeof err);
   }
   if (code == TANDEM__ERROR_CODE__ERROR_NONE &&
       (!(q = calloc(1, sizeof *q)) || !(q->cid = strdup(id)) || td_ptrvec_insert(&r->queue, r->queue.n, q) != TD_OK)) {
@@ -407,6 +424,8 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
   q->st = ST_QUEUED;
   HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
   HASH_ADD_KEYPTR(hc, r->by_ckey, q->ckey, strlen(q->ckey), q);
+  if (detect && !rtr_detect_begin(r, q))
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "language detection could not start");
 }
 
 void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c) {

@@ -15,6 +15,8 @@
 
 #include "common/cross_mode.h"
 #include "common/status.h"
+#include "frontend/audio.h"
+#include "frontend/tokenizer.h"
 
 typedef struct td_router td_router;
 
@@ -37,6 +39,15 @@ typedef struct td_router_opts {
   /* What the cluster's cross pools hold (td_model_opts.cross_mode): workers
    * exchange cross blocks, so one whose mode differs is refused. */
   td_cross_mode cross_mode;
+  /* The front end, loaded once by router/main.c from --tokenizer DIR and
+   * borrowed (it must outlive the router); NULL: text and audio requests are
+   * refused and results carry no text. With a tokenizer, text becomes
+   * input_ids at admission and every result (and streamed chunk) carries its
+   * text; with mel and whisper too, audio becomes log-mel features and
+   * Whisper's decoder prompt (docs/frontend.md). */
+  const td_tokenizer *tokenizer;
+  const td_mel *mel;
+  const td_whisper_prompt *whisper;
   /* A ZeroMQ context to bind in (so that inproc:// endpoints reach peers of
    * the same process); NULL: the router's own. */
   void *zmq_ctx;

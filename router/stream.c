@@ -66,6 +66,7 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   rreq *q = rtr_req_for(r, t->rid, w);
   if (!q || strcmp(w->id, q->dec_w)) return;
   if (q->st < ST_DECODING) q->st = ST_DECODING;
+  if (q->detecting) return; /* the language token is the router's, not the client's */
   if (!q->t_first && t->n_tokens) q->t_first = td_now_ms();
   if (t->n_tokens) {
     rtr_local_encode_done(r, q);
@@ -91,34 +92,50 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   c.n_tokens = t->n_tokens;
   c.logprobs = t->logprobs;
   c.n_logprobs = q->g->sampling && q->g->sampling->logprobs ? t->n_logprobs : 0;
+  char *text = rtr_stream_text(r, q, t->sequence, t->tokens, t->n_tokens);
+  if (text) {
+    c.text = text;
+    c.has_text = true;
+  }
   Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
   sm.request_id = q->cid;
   sm.body_case = TANDEM__SERVER_MESSAGE__BODY_TOKENS;
   sm.tokens = &c;
   rtr_send_client(r, q->client, q->client_len, &sm);
+  free(text);
 }
 
 void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms) {
-  Tandem__SequenceOutput merged = TANDEM__SEQUENCE_OUTPUT__INIT;
-  Tandem__SequenceOutput **with_prior = NULL;
+  if (q->detecting) {
+    rtr_detect_done(r, q, outs, n_out);
+    return;
+  }
+  /* copies: the text set on them is ours, the worker's message keeps its own */
+  Tandem__SequenceOutput *copies = calloc(n_out ? n_out : 1, sizeof *copies);
+  Tandem__SequenceOutput **ptrs = calloc(n_out ? n_out : 1, sizeof *ptrs);
+  if (!copies || !ptrs) {
+    free(copies);
+    free(ptrs);
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
+    return;
+  }
+  for (size_t i = 0; i < n_out; i++) {
+    copies[i] = *outs[i];
+    ptrs[i] = &copies[i];
+  }
   /* a resumed sequence: earlier attempts' tokens come first */
   int prior = !q->multi && n_out ? q->streamed.n - (int)outs[0]->n_tokens : 0;
   bool want_lp = q->g->sampling && q->g->sampling->logprobs;
   if (prior > 0) {
-    with_prior = malloc(sizeof *with_prior * n_out);
-    if (!with_prior) {
-      rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
-      return;
-    }
-    for (size_t i = 0; i < n_out; i++) with_prior[i] = outs[i];
-    merged = *outs[0];
-    merged.tokens = q->streamed.v;
-    merged.n_tokens = (size_t)q->streamed.n;
-    merged.logprobs = want_lp ? q->streamed_lp.v : NULL;
-    merged.n_logprobs = want_lp ? (size_t)q->streamed_lp.n : 0;
-    with_prior[0] = &merged;
-    outs = with_prior;
+    copies[0].tokens = q->streamed.v;
+    copies[0].n_tokens = (size_t)q->streamed.n;
+    copies[0].logprobs = want_lp ? q->streamed_lp.v : NULL;
+    copies[0].n_logprobs = want_lp ? (size_t)q->streamed_lp.n : 0;
   }
+  outs = ptrs;
+  rtr_result_extras extras;
+  rtr_result_text(r, q, outs, n_out, &extras);
+  if (q->g->stream) rtr_stream_text_finish(r, q);
   Tandem__Timings tm = TANDEM__TIMINGS__INIT;
   tm.queue_ms = (double)(q->t_placed - q->t_arrival);
   tm.encode_ms = q->encode_ms;
@@ -142,7 +159,9 @@ void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t
   sm.result = &gr;
   rtr_send_client(r, q->client, q->client_len, &sm);
   TD_DEBUG("request %s done in %.0f ms (attempts %d)", q->cid, tm.total_ms, q->attempts);
-  free(with_prior);
+  rtr_result_extras_free(&extras, outs);
+  free(ptrs);
+  free(copies);
   rtr_req_free(r, q);
 }
 

@@ -32,7 +32,7 @@ void cmd_free(cmd *c) {
   free(c->blocks);
   free(c->data);
   free(c->id);
-  for (int i = 0; i < 3; i++) free(c->owned_i32[i]);
+  for (int i = 0; i < 4; i++) free(c->owned_i32[i]);
   free(c->owned_f32);
   free(c);
 }

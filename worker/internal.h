@@ -46,7 +46,7 @@ typedef struct cmd {
   /* CMD_ADD */
   td_request req;
   char *id;              /* req.id points here */
-  int32_t *owned_i32[3]; /* arrays the request points into */
+  int32_t *owned_i32[4]; /* arrays the request points into */
   float *owned_f32;
   struct cmd *next;
 } cmd;

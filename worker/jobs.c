@@ -187,6 +187,8 @@ static void copy_sampling(td_request_params *p, const Tandem__SamplingParams *s)
   p->logprobs = s->logprobs;
   if (s->set_forced_bos) p->forced_bos = s->forced_bos_token_id < 0 ? -1 : s->forced_bos_token_id;
   if (s->set_forced_eos) p->forced_eos = s->forced_eos_token_id < 0 ? -1 : s->forced_eos_token_id;
+  p->timestamp_begin = s->timestamp_begin;
+  p->max_initial_timestamp = s->has_max_initial_timestamp ? s->max_initial_timestamp_index : -1;
 }
 
 /* A CMD_ADD built from the job's spec (arrays copied). */
@@ -204,8 +206,11 @@ static td_status add_cmd(td_worker *w, td_job *j, cmd **out) {
   c->owned_i32[0] = dup_i32(sp->input_ids, sp->n_input_ids);
   c->owned_i32[1] = dup_i32(sp->decoder_prompt, sp->n_decoder_prompt);
   c->owned_i32[2] = dup_i32(sp->stop_token_ids, sp->n_stop_token_ids);
+  const Tandem__SamplingParams *sa = sp->sampling;
+  c->owned_i32[3] = dup_i32(sa ? sa->allowed_token_ids : NULL, sa ? sa->n_allowed_token_ids : 0);
   if (nf) c->owned_f32 = malloc(sizeof(float) * nf);
-  if (!c->id || !c->owned_i32[0] || !c->owned_i32[1] || !c->owned_i32[2] || (nf && !c->owned_f32)) {
+  if (!c->id || !c->owned_i32[0] || !c->owned_i32[1] || !c->owned_i32[2] || !c->owned_i32[3] ||
+      (nf && !c->owned_f32)) {
     cmd_free(c);
     *out = NULL;
     return td_err(TD_ERR_NOMEM, "out of memory");
@@ -225,6 +230,8 @@ static td_status add_cmd(td_worker *w, td_job *j, cmd **out) {
   p->stop_ids = c->owned_i32[2];
   p->n_stop_ids = (int)sp->n_stop_token_ids;
   if (sp->sampling) copy_sampling(p, sp->sampling);
+  p->allowed_ids = c->owned_i32[3];
+  p->n_allowed = sa ? (int)sa->n_allowed_token_ids : 0;
   r->step_offset = sp->step_offset;
   r->enc_len = (int)sp->enc_len;
   return TD_OK;

@@ -303,6 +303,13 @@ static void on_tokens(void *ctx, const char *id, int seq, int offset, const int3
   for (int i = 0; i < n && o->n_streamed < OUT_TOKENS; i++) o->streamed[o->n_streamed++] = t[i];
 }
 
+static void on_text(void *ctx, const char *id, int seq, int offset, const char *text) {
+  outcome *o = find(ctx, id);
+  if (!o || seq != 0) return;
+  size_t l = strlen(o->streamed_text);
+  snprintf(o->streamed_text + l, sizeof o->streamed_text - l, "%s", text);
+}
+
 static void on_result(void *ctx, const td_client_result *r) {
   outcome *o = find(ctx, r->id);
   if (!o) return;
@@ -314,6 +321,8 @@ static void on_result(void *ctx, const td_client_result *r) {
     o->len[i] = r->outputs[i].n_tokens < OUT_TOKENS ? r->outputs[i].n_tokens : OUT_TOKENS;
     memcpy(o->tok[i], r->outputs[i].tokens, sizeof(int32_t) * (size_t)o->len[i]);
     o->finish[i] = r->outputs[i].finish;
+    o->has_text[i] = r->outputs[i].text != NULL;
+    snprintf(o->text[i], sizeof o->text[i], "%s", r->outputs[i].text ? r->outputs[i].text : "");
   }
 }
 
@@ -327,7 +336,7 @@ void run_requests(const char *endpoint, td_json_request *reqs, int n, bool strea
   td_client *cl;
   cr_assert(td_client_connect(endpoint, &cl) == TD_OK);
   for (int i = 0; i < n; i++) cr_assert(td_client_generate(cl, &reqs[i], stream, (uint32_t)timeout_ms) == TD_OK);
-  td_client_events ev = {.on_tokens = on_tokens, .on_result = on_result, .ctx = &s};
+  td_client_events ev = {.on_tokens = on_tokens, .on_text = on_text, .on_result = on_result, .ctx = &s};
   int64_t end = td_now_ms() + timeout_ms + 10000;
   while (td_client_pending(cl) > 0 && td_now_ms() < end) td_client_poll(cl, 100, &ev);
   td_client_close(cl);
@@ -390,6 +399,9 @@ int read_results(FILE *f, outcome *out, int cap) {
       o->len[k] = cJSON_GetArraySize(t) < OUT_TOKENS ? cJSON_GetArraySize(t) : OUT_TOKENS;
       for (int x = 0; x < o->len[k]; x++) o->tok[k][x] = cJSON_GetArrayItem(t, x)->valueint;
       o->finish[k] = finish_of(cJSON_GetStringValue(cJSON_GetObjectItem(e, "finish_reason")));
+      const char *tx = cJSON_GetStringValue(cJSON_GetObjectItem(e, "text"));
+      o->has_text[k] = tx != NULL;
+      snprintf(o->text[k], sizeof o->text[k], "%s", tx ? tx : "");
     }
     cJSON_Delete(j);
   }

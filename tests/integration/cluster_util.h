@@ -83,6 +83,10 @@ typedef struct outcome {
   int32_t streamed[OUT_TOKENS];
   int n_streamed;
   bool order_ok;
+  /* each output's text (a router with a tokenizer), and the text streamed for sequence 0 */
+  bool has_text[8];
+  char text[8][256];
+  char streamed_text[512];
 } outcome;
 
 /* Sends reqs (parsed request lines) and waits for all results. */

@@ -309,7 +309,7 @@ Test(cluster, streaming_in_order, .timeout = 300) {
   fx_free(&fx);
 }
 
-/* deploy/local.sh --demo with `flags` on its default model (t5-tiny): every
+/* deploy/local.sh --demo with `flags` on t5-tiny (ids: no tokenizer): every
  * request of its demo file comes back in order, with as many outputs as it
  * asks for, each max_new_tokens long ("length") or ending on EOS ("stop"),
  * with tandem-generate's tokens and finish reasons for the same file (the
@@ -320,8 +320,9 @@ static void local_sh_demo(const char *flags, const char *router_says) {
   cr_assert(mkdtemp(dir));
   char cmd[2048];
   snprintf(cmd, sizeof cmd,
-           "TANDEM_BIN=%s %s/deploy/local.sh --demo --run-dir %s/run --block-size 4 %s > %s/out.txt 2> %s/err.txt",
-           TD_BIN_DIR, TD_SOURCE_DIR, dir, flags, dir, dir);
+           "TANDEM_BIN=%s %s/deploy/local.sh --demo --model %s/tests/data/t5-tiny --run-dir %s/run --block-size 4 %s "
+           "> %s/out.txt 2> %s/err.txt",
+           TD_BIN_DIR, TD_SOURCE_DIR, TD_SOURCE_DIR, dir, flags, dir, dir);
   int rc = system(cmd);
   cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "local.sh --demo exited %d", rc);
   char p[600];

@@ -437,7 +437,11 @@ static void lim_finish(void *ctx, const td_result *r) {
   L->finished++;
   L->c.g[0].status = r->status;
   L->c.g[0].n_out = r->n_outputs;
-  for (int i = 0; i < r->n_outputs && i < MAXO; i++) L->c.g[0].len[i] = r->outputs[i].n_tokens;
+  for (int i = 0; i < r->n_outputs && i < MAXO; i++) {
+    L->c.g[0].len[i] = r->outputs[i].n_tokens;
+    int n = r->outputs[i].n_tokens < 64 ? r->outputs[i].n_tokens : 64;
+    memcpy(L->c.g[0].tok[i], r->outputs[i].tokens, sizeof(int32_t) * (size_t)n);
+  }
 }
 
 static void lim_open(lim *L, const td_model_opts *mo_in, const td_engine_opts *eo) {
@@ -623,6 +627,13 @@ Test(engine_limits, bad_parameters_refused) {
   BAD(n_prompt, -1, "decoder prompt of -1 tokens");
   BAD(n_prompt, 2, "decoder prompt of 2 tokens given no tokens");
   BAD(prefill_only, -1, "prefill of -1 tokens");
+  BAD(params.n_allowed, -1, "-1 allowed token ids");
+  BAD(params.n_allowed, 2, "2 allowed token ids given no ids");
+  r = lim_request(&L);
+  const int32_t outside[2] = {5, 100000};
+  r.params.allowed_ids = outside;
+  r.params.n_allowed = 2;
+  refused(&L, &r, TD_ERR_INVALID, "allowed token 100000 is outside the vocabulary");
 #undef BAD
   r = lim_request(&L);
   r.params.stop_ids = stop;
@@ -630,6 +641,87 @@ Test(engine_limits, bad_parameters_refused) {
   r.prefill_only = 1;
   r.params.all_logits = true;
   refused(&L, &r, TD_ERR_INVALID, "all logits are kept for decoding requests only");
+  lim_close(&L);
+}
+
+/* Only the allowed tokens come out (Whisper's language detection), greedy
+ * and sampled, with the model's suppressed tokens still applied; the ban
+ * buffers grow to the vocabulary for it. */
+Test(engine_limits, allowed_tokens_only) {
+  lim L;
+  td_model_opts mo = {0};
+  td_engine_opts eo = {0};
+  lim_open(&L, &mo, &eo);
+  const int32_t allowed[3] = {77, 5, 42};
+  for (int k = 0; k < 2; k++) {
+    td_request r = lim_request(&L);
+    r.params.allowed_ids = allowed;
+    r.params.n_allowed = 3;
+    r.params.max_new_tokens = 6;
+    r.params.ignore_eos = true;
+    if (k) {
+      r.params.temperature = 1.0f;
+      r.params.seed = 7;
+      r.params.has_seed = true;
+      r.params.n = 3;
+    }
+    runs(&L, &r, k ? 3 : 1);
+    for (int o = 0; o < L.c.g[0].n_out; o++) {
+      cr_expect_eq(L.c.g[0].len[o], 6);
+      for (int t = 0; t < L.c.g[0].len[o]; t++) {
+        int32_t x = L.c.g[0].tok[o][t];
+        cr_expect(x == 5 || x == 42 || x == 77, "output %d token %d is %d, not an allowed one", o, t, x);
+      }
+    }
+  }
+  lim_close(&L);
+}
+
+/* Whisper's timestamp rules (any model: they are bans on ids): the first
+ * token a timestamp within max_initial, no <|notimestamps|>, never three
+ * timestamps in a row (nor two at the start), timestamps never decreasing
+ * (and only a pair's second may repeat the first). */
+Test(engine_limits, timestamp_rules) {
+  lim L;
+  td_model_opts mo = {0};
+  td_engine_opts eo = {0};
+  lim_open(&L, &mo, &eo);
+  const int32_t tb = 250, max_initial = 3;
+  for (int k = 0; k < 3; k++) {
+    td_request r = lim_request(&L);
+    r.params.timestamp_begin = tb;
+    r.params.max_initial_timestamp = max_initial;
+    r.params.max_new_tokens = 16;
+    r.params.ignore_eos = true;
+    if (k) {
+      r.params.temperature = 1.5f;
+      r.params.seed = (uint64_t)k;
+      r.params.has_seed = true;
+      r.params.n = 2;
+    }
+    runs(&L, &r, k ? 2 : 1);
+    for (int o = 0; o < L.c.g[0].n_out; o++) {
+      const int32_t *t = L.c.g[0].tok[o];
+      int n = L.c.g[0].len[o];
+      cr_assert_eq(n, 16);
+      cr_expect(t[0] >= tb && t[0] <= tb + max_initial, "run %d output %d: first token %d", k, o, t[0]);
+      cr_expect(t[1] < tb, "run %d output %d: a timestamp right after the first", k, o);
+      int32_t last = -1;
+      for (int i = 0; i < n; i++) {
+        cr_expect_neq(t[i], tb - 1, "<|notimestamps|> generated");
+        if (t[i] < tb) continue;
+        cr_expect(!(i >= 2 && t[i - 1] >= tb && t[i - 2] >= tb), "run %d output %d: three timestamps at %d", k, o, i);
+        bool closes_pair = i >= 1 && t[i - 1] >= tb && !(i >= 2 && t[i - 2] >= tb);
+        if (last >= 0)
+          cr_expect(closes_pair ? t[i] >= last : t[i] > last, "run %d output %d: timestamp %d after %d", k, o, t[i],
+                    last);
+        last = t[i];
+      }
+    }
+  }
+  td_request r = lim_request(&L);
+  r.params.timestamp_begin = 100000;
+  refused(&L, &r, TD_ERR_INVALID, "timestamp_begin 100000 is outside the vocabulary");
   lim_close(&L);
 }
 

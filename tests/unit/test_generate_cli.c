@@ -203,3 +203,68 @@ Test(generate_cli, bad_requests_get_errors_and_others_run) {
   cr_expect_eq(run_gen(args, &lines, &n), 2);
   free_lines(lines, n);
 }
+
+/* Text and audio lines through the model folder's tokenizer: toy-numbers-t5's
+ * answers and text to a folder without a tokenizer refused; Whisper audio,
+ * its language given or detected (the shared fixture's model, where present). */
+static const char *text_of(const char *line) {
+  static char out[256];
+  out[0] = 0;
+  cJSON *j = cJSON_Parse(line);
+  cJSON *o = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "outputs"), 0);
+  const char *t = cJSON_GetStringValue(cJSON_GetObjectItem(o, "text"));
+  const char *e = cJSON_GetStringValue(cJSON_GetObjectItem(j, "error"));
+  snprintf(out, sizeof out, "%s", t ? t : e ? e : "(none)");
+  cJSON_Delete(j);
+  return out;
+}
+
+Test(generate_cli, text_and_audio_lines) {
+  char req[512], args[1600];
+  snprintf(req, sizeof req, "%s/text.jsonl", dir);
+  FILE *f = fopen(req, "w");
+  fprintf(f, "{\"id\": \"a\", \"text\": \"forty two\"}\n{\"id\": \"b\", \"text\": \"twelve thousand\", \"num_beams\": 2}\n"
+             "{\"id\": \"c\", \"text\": \"bad \\u00e9 \xff\"}\n{\"id\": \"d\", \"input_ids\": [31, 1]}\n");
+  fclose(f);
+  snprintf(args, sizeof args, "--model %s/toy-numbers-t5 --requests %s", TD_TEST_DATA, req);
+  char **lines;
+  int n;
+  cr_expect_eq(run_gen(args, &lines, &n), 1, "a refused line makes the exit status 1");
+  cr_assert_eq(n, 4);
+  cr_expect_str_eq(text_of(lines[0]), "42");
+  cr_expect_str_eq(text_of(lines[1]), "12000");
+  cr_expect(strstr(text_of(lines[2]), "not UTF-8"), "%s", lines[2]);
+  cr_expect_str_eq(text_of(lines[3]), "7", "ids in, text out");
+  free_lines(lines, n);
+  /* a folder without a tokenizer */
+  snprintf(args, sizeof args, "--model %s/t5-tiny --requests %s", TD_TEST_DATA, req);
+  cr_expect_eq(run_gen(args, &lines, &n), 1);
+  cr_assert_eq(n, 4);
+  cr_expect(strstr(text_of(lines[0]), "text input needs a tokenizer"), "%s", lines[0]);
+  cr_expect(strstr(lines[3], "\"tokens\"") && !strstr(lines[3], "\"text\""), "%s", lines[3]);
+  free_lines(lines, n);
+}
+
+Test(generate_cli, whisper_audio_lines) {
+  char model[512], probe[600];
+  snprintf(model, sizeof model, "%s/toy-numbers-whisper", TD_FIXTURES_DIR);
+  snprintf(probe, sizeof probe, "%s/model.safetensors", model);
+  cr_assert(access(probe, R_OK) == 0, "%s is missing (tests/data/toy-numbers-whisper)", probe);
+  char req[512], args[1600];
+  snprintf(req, sizeof req, "%s/audio.jsonl", dir);
+  FILE *f = fopen(req, "w");
+  const char *wav = TD_TEST_DATA "/audio/toy-numbers-whisper";
+  fprintf(f, "{\"id\": \"a\", \"audio\": \"%s/number-4207.wav\", \"language\": \"en\"}\n", wav);
+  fprintf(f, "{\"id\": \"b\", \"audio\": \"%s/number-55.wav\"}\n", wav);
+  fprintf(f, "{\"id\": \"c\", \"audio\": \"%s/number-38.wav\", \"language\": \"xx\"}\n", wav);
+  fclose(f);
+  snprintf(args, sizeof args, "--model %s --requests %s", model, req);
+  char **lines;
+  int n;
+  cr_expect_eq(run_gen(args, &lines, &n), 1);
+  cr_assert_eq(n, 3);
+  cr_expect_str_eq(text_of(lines[0]), " 4207");
+  cr_expect_str_eq(text_of(lines[1]), " 55", "the language detected");
+  cr_expect(strstr(text_of(lines[2]), "language \"xx\" is not one this Whisper checkpoint knows"), "%s", lines[2]);
+  free_lines(lines, n);
+}

@@ -288,3 +288,61 @@ Test(loader, missing_directory) {
   cr_expect(strstr(td_errmsg(), "/nonexistent/model/config.json"), "%s", td_errmsg());
   td_backend_destroy(b);
 }
+
+/* transformers reads generation_config.json alone when it exists: a forced
+ * EOS that only config.json names is not applied (issue 35, item 7). */
+static void write_file(const char *name, const char *text) {
+  char p[600];
+  snprintf(p, sizeof p, "%s/%s", tmpdir, name);
+  FILE *f = fopen(p, "w");
+  cr_assert(f);
+  fputs(text, f);
+  fclose(f);
+}
+
+static cJSON *read_json(const char *path) {
+  FILE *f = fopen(path, "rb");
+  cr_assert(f, "%s", path);
+  char buf[16384];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  cJSON *j = cJSON_Parse(buf);
+  cr_assert(j, "%s", path);
+  return j;
+}
+
+Test(loader, generation_config_alone) {
+  cJSON *cfg = read_json(TD_TEST_DATA "/bart-tiny/config.json");
+  cJSON *gen = read_json(TD_TEST_DATA "/bart-tiny/generation_config.json");
+  cJSON_DeleteItemFromObject(cfg, "forced_eos_token_id");
+  cJSON_AddNumberToObject(cfg, "forced_eos_token_id", 2);
+  cJSON_DeleteItemFromObject(cfg, "forced_bos_token_id");
+  cJSON_AddNumberToObject(cfg, "forced_bos_token_id", 0);
+  cJSON_DeleteItemFromObject(gen, "forced_eos_token_id");
+  cJSON_DeleteItemFromObject(gen, "forced_bos_token_id");
+  char *c = cJSON_Print(cfg), *g = cJSON_Print(gen);
+  write_file("config.json", c);
+  write_file("generation_config.json", g);
+  free(c);
+  free(g);
+  cJSON_Delete(cfg);
+  cJSON_Delete(gen);
+  td_model_config mc;
+  td_gen_config gc;
+  cr_assert_eq(td_model_config_load(tmpdir, &mc), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(td_gen_config_load(tmpdir, &mc, &gc), TD_OK, "%s", td_errmsg());
+  cr_expect_eq(gc.forced_eos_token_id, -1, "config.json's forced EOS was merged in");
+  cr_expect_eq(gc.forced_bos_token_id, -1, "config.json's forced BOS was merged in");
+  cr_expect_eq(gc.decoder_start_token_id, 2);
+  cr_expect_eq(gc.n_eos, 1);
+  td_gen_config_free(&gc);
+  /* without generation_config.json, config.json supplies them */
+  char p[600];
+  snprintf(p, sizeof p, "%s/generation_config.json", tmpdir);
+  cr_assert_eq(unlink(p), 0);
+  cr_assert_eq(td_gen_config_load(tmpdir, &mc, &gc), TD_OK, "%s", td_errmsg());
+  cr_expect_eq(gc.forced_eos_token_id, 2);
+  cr_expect_eq(gc.forced_bos_token_id, 0);
+  td_gen_config_free(&gc);
+}

@@ -2,6 +2,7 @@
  * and what an admitted request needs. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/defaults.h"
@@ -317,5 +318,111 @@ Test(admit, forced_tokens_outside_the_vocabulary) {
   r.sp.forced_eos_token_id = 100;
   expect(&r, TD_ERR_INVALID, "forced_eos_token_id 100 is outside the vocabulary");
   r.sp.forced_eos_token_id = -1; /* none */
+  expect(&r, TD_OK, NULL);
+}
+
+/* ---- inputs before conversion (td_admit_inputs) */
+
+static void expect_inputs(const td_admit_frontend *fe, const Tandem__GenerateRequest *g, td_status want,
+                          const char *says) {
+  char msg[512] = "";
+  td_status s = td_admit_inputs(fe, g, msg, sizeof msg);
+  cr_assert_eq(s, want, "status %d, want %d: %s", s, want, msg);
+  if (says) cr_expect(strstr(msg, says), "message \"%s\" does not say \"%s\"", msg, says);
+}
+
+Test(admit, exactly_one_input) {
+  td_admit_frontend fe = {.text = true, .audio = true};
+  req r;
+  valid(&r);
+  expect_inputs(&fe, &r.g, TD_OK, NULL);
+  r.g.text = "forty two";
+  expect_inputs(&fe, &r.g, TD_ERR_INVALID, "not input_ids and text");
+  r.g.n_input_ids = 0;
+  expect_inputs(&fe, &r.g, TD_OK, NULL);
+  uint8_t wav[4] = "RIFF";
+  r.g.audio.data = wav;
+  r.g.audio.len = sizeof wav;
+  expect_inputs(&fe, &r.g, TD_ERR_INVALID, "not text and audio");
+  r.g.text = "";
+  expect_inputs(&fe, &r.g, TD_OK, NULL);
+  Tandem__AudioFeatures af = TANDEM__AUDIO_FEATURES__INIT;
+  r.g.features = &af;
+  expect_inputs(&fe, &r.g, TD_ERR_INVALID, "not features and audio");
+  r.g.features = NULL;
+  r.g.audio.len = 0;
+  expect_inputs(&fe, &r.g, TD_ERR_INVALID, "no input");
+}
+
+Test(admit, text_and_audio_need_the_front_end) {
+  td_admit_frontend none = {0}, text_only = {.text = true};
+  req r;
+  valid(&r);
+  r.g.n_input_ids = 0;
+  r.g.text = "seven";
+  expect_inputs(&none, &r.g, TD_ERR_INVALID, "needs a tokenizer at the router (tandem-router --tokenizer DIR)");
+  r.g.text = "";
+  uint8_t wav[4] = "RIFF";
+  r.g.audio.data = wav;
+  r.g.audio.len = sizeof wav;
+  expect_inputs(&none, &r.g, TD_ERR_INVALID, "audio input needs a tokenizer");
+  expect_inputs(&text_only, &r.g, TD_ERR_INVALID, "preprocessor_config.json");
+}
+
+Test(admit, text_and_audio_limits) {
+  td_admit_frontend fe = {.text = true, .audio = true};
+  req r;
+  valid(&r);
+  r.g.n_input_ids = 0;
+  char *big = malloc(TD_MAX_TEXT_BYTES + 2);
+  memset(big, 'a', TD_MAX_TEXT_BYTES + 1);
+  big[TD_MAX_TEXT_BYTES + 1] = 0;
+  r.g.text = big;
+  expect_inputs(&fe, &r.g, TD_ERR_INVALID, "exceeds the limit");
+  big[TD_MAX_TEXT_BYTES] = 0;
+  expect_inputs(&fe, &r.g, TD_OK, NULL);
+  free(big);
+  r.g.text = "";
+  static uint8_t one[1];
+  r.g.audio.data = one;
+  r.g.audio.len = (size_t)TD_MAX_AUDIO_BYTES + 1; /* only the length is read */
+  expect_inputs(&fe, &r.g, TD_ERR_INVALID, "exceeds the limit");
+  r.g.audio.len = 1;
+  expect_inputs(&fe, &r.g, TD_OK, NULL);
+  int32_t prompt[1] = {0};
+  r.g.decoder_prompt = prompt;
+  r.g.n_decoder_prompt = 1;
+  expect_inputs(&fe, &r.g, TD_ERR_INVALID, "takes no decoder_prompt");
+  r.g.n_decoder_prompt = 0;
+  r.g.language = "a-language-code-far-longer-than-any-whisper-knows";
+  expect_inputs(&fe, &r.g, TD_ERR_INVALID, "language of");
+  /* the audio options without audio */
+  r.g.language = "en";
+  r.g.audio.len = 0;
+  r.g.text = "seven";
+  expect_inputs(&fe, &r.g, TD_ERR_INVALID, "go with audio input only");
+}
+
+Test(admit, text_for_an_audio_model) {
+  req r;
+  valid(&r);
+  Tandem__ModelInfo m = model();
+  m.model_type = "whisper";
+  m.mel_bins = 80;
+  m.frames = 400;
+  td_req_shape sh;
+  char msg[512] = "";
+  cr_assert_eq(td_admit_request(&m, 16, &r.g, &sh, msg, sizeof msg), TD_ERR_INVALID);
+  cr_expect(strstr(msg, "takes audio or audio features, not input_ids or text"), "%s", msg);
+}
+
+Test(admit, allowed_tokens_outside_the_vocabulary) {
+  req r;
+  valid(&r);
+  int32_t allowed[2] = {5, 100};
+  r.sp.allowed_token_ids = allowed;
+  r.sp.n_allowed_token_ids = 2;
+  expect(&r, TD_ERR_INVALID, "allowed token 100 is outside the vocabulary of 100");
+  allowed[1] = 99;
   expect(&r, TD_OK, NULL);
 }
