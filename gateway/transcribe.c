@@ -134,6 +134,12 @@ td_status gw_segments(const gw_model *m, const int32_t *tok, int n, double durat
   *text = decode(m, plain, k);
   free(plain);
   if (!*text) return td_err_ctx(TD_ERR_INVALID, "decoding the output: ");
+  /* the whole text without the leading space Whisper's first token carries, as OpenAI answers it */
+  size_t a = 0, z = strlen(*text);
+  while ((*text)[a] == ' ') a++;
+  while (z > a && ((*text)[z - 1] == ' ' || (*text)[z - 1] == '\n')) z--;
+  memmove(*text, *text + a, z - a);
+  (*text)[z - a] = 0;
   int cap = 0;
   td_status s = TD_OK;
   if (!timestamps) {
