@@ -205,6 +205,48 @@ static int refuse(struct MHD_Connection *mc, int http, const char *fmt, const ch
   return gw_reply_error(mc, &e);
 }
 
+/* The multipart body's closing delimiter from Content-Type's boundary. */
+static void find_boundary(gw_conn *c, struct MHD_Connection *mc) {
+  const char *ct = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
+  const char *b = ct ? strstr(ct, "boundary=") : NULL;
+  if (!b) return;
+  b += strlen("boundary=");
+  bool quoted = *b == '"';
+  if (quoted) b++;
+  size_t n = strcspn(b, quoted ? "\"" : "; \t");
+  if (n == 0 || n + 5 > sizeof c->close_delim) return;
+  snprintf(c->close_delim, sizeof c->close_delim, "--%.*s--", (int)n, b);
+}
+
+/* Feeds form data up to the closing delimiter and drops the epilogue after
+ * it (RFC 2046 says to ignore it; libmicrohttpd's parser refuses it, and
+ * clients such as openai's Node library send one). */
+static bool feed_form(gw_conn *c, const char *data, size_t n) {
+  if (c->closed) return true;
+  size_t feed = n;
+  size_t dl = strlen(c->close_delim);
+  if (dl) {
+    /* look in what was fed last plus this chunk, so a delimiter split between chunks is found */
+    char *w = malloc(c->n_tail + n);
+    if (!w) return false;
+    memcpy(w, c->tail, c->n_tail);
+    memcpy(w + c->n_tail, data, n);
+    const char *p = memmem(w, c->n_tail + n, c->close_delim, dl);
+    if (p) {
+      size_t end = (size_t)(p - w) + dl;
+      if (end + 2 <= c->n_tail + n && w[end] == '\r' && w[end + 1] == '\n') end += 2;
+      feed = end > c->n_tail ? end - c->n_tail : 0;
+      c->closed = true;
+    } else {
+      size_t keep = dl - 1 < c->n_tail + n ? dl - 1 : c->n_tail + n;
+      memcpy(c->tail, w + c->n_tail + n - keep, keep);
+      c->n_tail = keep;
+    }
+    free(w);
+  }
+  return feed == 0 || MHD_post_process(c->pp, data, feed) == MHD_YES;
+}
+
 static enum MHD_Result first_call(td_gateway *g, struct MHD_Connection *mc, const char *url, const char *method,
                                   void **con_cls) {
   bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
@@ -239,6 +281,7 @@ static enum MHD_Result first_call(td_gateway *g, struct MHD_Connection *mc, cons
   if (r != GW_R_COMPLETIONS) {
     c->pp = MHD_create_post_processor(mc, 64 * 1024, form_field, c);
     if (!c->pp) gw_error_set(&c->err, 400, NULL, "the body must be multipart/form-data");
+    find_boundary(c, mc);
   }
   *con_cls = c;
   return MHD_YES;
@@ -259,7 +302,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *mc, const char *
         gw_error_set(&c->err, 413, NULL, "the body exceeds this endpoint's %zu bytes", g->o.max_json_bytes);
       else
         gw_buf_add(&c->body, upload_data, n);
-    } else if (MHD_post_process(c->pp, upload_data, n) != MHD_YES && !c->err.http) {
+    } else if (!feed_form(c, upload_data, n) && !c->err.http) {
       gw_error_set(&c->err, 400, NULL, "a malformed multipart/form-data body");
     }
     if (c->body.oom && !c->err.http) gw_error_set(&c->err, 500, NULL, "out of memory");

@@ -219,6 +219,10 @@ typedef struct gw_conn {
   char field[64];    /* the form field being received */
   gw_buf value;      /* ... and its value so far */
   bool have_file;
+  char close_delim[96]; /* "--BOUNDARY--": what follows it (an epilogue) is not fed to the form parser */
+  char tail[96];        /* the last bytes fed, where the delimiter may begin */
+  size_t n_tail;
+  bool closed;
   /* answering */
   gw_batch *b;
   gw_completion comp;
