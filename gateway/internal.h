@@ -203,6 +203,7 @@ typedef struct gw_choice {
   const gw_out *o;  /* in the batch (alive while the connection holds it) */
   int used;         /* tokens of o taken */
   int lp_sent;      /* of them, with log-probs given out */
+  int shown;        /* of them, announced by an event (a token may add no text yet) */
   bool finished;    /* its finish_reason was given */
 } gw_choice;
 

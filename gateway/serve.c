@@ -215,7 +215,10 @@ static bool stream_step(gw_conn *c, stream_kind kind) {
     size_t n;
     gw_text_take(&ch->t, fin, &p, &n);
     bool lp = c->comp.logprobs >= 0 && ch->lp_sent < ch->used;
-    if (!n && !fin && !lp) continue;
+    /* every arrival is an event, text or not, so a client sees its first token when it comes */
+    bool fresh = ch->shown < ch->used;
+    ch->shown = ch->used;
+    if (!n && !fin && !lp && !(fresh && kind == ST_COMPLETION)) continue;
     if (kind == ST_TRANSCRIPT) {
       if (n) {
         cJSON *o = cJSON_CreateObject();

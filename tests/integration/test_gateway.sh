@@ -67,7 +67,7 @@ stop_cluster() { # stops the last cluster; its gateway's log must hold no saniti
   wait "$p" 2>/dev/null
   unset 'pids[-1]'
   check "$name: the gateway's log holds no sanitizer report" \
-    bash -c "! grep -E 'ERROR: AddressSanitizer|runtime error:' '$work/$name/gateway.log'"
+    bash -c "! grep -E 'ERROR: (Address|Leak)Sanitizer|runtime error:' '$work/$name/gateway.log'"
 }
 
 # ---------------------------------------------------------------- text (T5)
