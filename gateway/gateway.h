@@ -26,6 +26,7 @@ typedef struct td_gateway_opts {
   int max_connections, max_requests, idle_timeout_s;
   uint32_t request_timeout_ms; /* a request's deadline at the router; 0: TD_DEFAULT_REQUEST_TIMEOUT_MS */
   double max_audio_seconds;
+  int stream_interval_ms;    /* 0: TD_GATEWAY_STREAM_INTERVAL_MS; -1: an event for every arrival of tokens */
 } td_gateway_opts;
 
 /* Loads the tokenizer (and the mel filters for Whisper), connects to the

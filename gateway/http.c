@@ -33,6 +33,7 @@ const gw_model *gw_gateway_model(const td_gateway *g) { return &g->m; }
 gw_io *gw_gateway_io(const td_gateway *g) { return g->io; }
 uint32_t gw_gateway_timeout_ms(const td_gateway *g) { return g->o.request_timeout_ms; }
 double gw_gateway_max_audio_seconds(const td_gateway *g) { return g->o.max_audio_seconds; }
+int gw_gateway_stream_interval_ms(const td_gateway *g) { return g->o.stream_interval_ms > 0 ? g->o.stream_interval_ms : 0; }
 int td_gateway_port(const td_gateway *g) { return g->port; }
 
 /* ---------------------------------------------------------------- replies */
@@ -356,6 +357,7 @@ td_status td_gateway_create(const td_gateway_opts *opts, td_gateway **out) {
   if (!o->idle_timeout_s) o->idle_timeout_s = TD_GATEWAY_IDLE_TIMEOUT_S;
   if (!o->request_timeout_ms) o->request_timeout_ms = TD_DEFAULT_REQUEST_TIMEOUT_MS;
   if (!(o->max_audio_seconds > 0)) o->max_audio_seconds = TD_GATEWAY_MAX_AUDIO_SECONDS;
+  if (!o->stream_interval_ms) o->stream_interval_ms = TD_GATEWAY_STREAM_INTERVAL_MS;
   pthread_mutex_init(&g->health_mu, NULL);
   g->created = (long long)time(NULL);
   td_status s = gw_model_load(o->model_dir, o->tokenizer_dir, o->model_name, &g->m);

@@ -172,6 +172,7 @@ struct gw_batch {
   pthread_cond_t cv;
   int refs; /* the owner's + one a sub in the link's table */
   int n, n_done;
+  bool quiet; /* the waiter holds its stream back: wake it for ends only */
   gw_sub *subs;
 };
 
@@ -231,6 +232,7 @@ typedef struct gw_conn {
   int n_ch, per_sub; /* choices; of them, each sub's */
   int prompt_tokens;
   int64_t deadline_ms;
+  int64_t hold_until_ms; /* a stream's next event not before (coalescing tokens) */
   char cid[64];      /* the response's id */
   long long created;
   double duration;   /* audio seconds */
@@ -245,6 +247,7 @@ const gw_model *gw_gateway_model(const td_gateway *g);
 gw_io *gw_gateway_io(const td_gateway *g);
 uint32_t gw_gateway_timeout_ms(const td_gateway *g);
 double gw_gateway_max_audio_seconds(const td_gateway *g);
+int gw_gateway_stream_interval_ms(const td_gateway *g); /* 0: none */
 
 /* Answers a finished upload (queues the response on mc). */
 int gw_serve_completions(gw_conn *c, struct MHD_Connection *mc);

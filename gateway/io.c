@@ -161,7 +161,7 @@ static void on_tokens(void *ctx, const char *id, int seq, int offset, const int3
     }
   }
   if (seq + 1 > s->n_out) s->n_out = seq + 1;
-  pthread_cond_broadcast(&s->b->cv);
+  if (!s->b->quiet) pthread_cond_broadcast(&s->b->cv); /* a wake-up a token costs more than the token */
   pthread_mutex_unlock(&s->b->mu);
 }
 

@@ -31,7 +31,8 @@ static void usage(FILE *f) {
           "usage: tandem-gateway --router tcp://HOST:PORT --model DIR [--tokenizer DIR] [--model-name NAME]\n"
           "                      [--host ADDR] [--port N (0: any free)] [--max-body-bytes N] [--max-json-bytes N]\n"
           "                      [--max-connections N] [--max-requests N] [--idle-timeout-s N] [--timeout-ms N]\n"
-          "                      [--max-audio-seconds S] [--log-level LEVEL]\n");
+          "                      [--max-audio-seconds S] [--stream-interval-ms N (0: every arrival)]\n"
+          "                      [--log-level LEVEL]\n");
 }
 
 int main(int argc, char **argv) {
@@ -50,6 +51,7 @@ int main(int argc, char **argv) {
       {"max-connections", required_argument, 0, 'c'}, {"max-requests", required_argument, 0, 'q'},
       {"idle-timeout-s", required_argument, 0, 'i'}, {"timeout-ms", required_argument, 0, 'T'},
       {"max-audio-seconds", required_argument, 0, 'a'}, {"log-level", required_argument, 0, 'l'},
+      {"stream-interval-ms", required_argument, 0, 's'},
       {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
   td_gateway_opts o = {0};
   int c;
@@ -95,6 +97,10 @@ int main(int argc, char **argv) {
           fprintf(stderr, "tandem-gateway: --max-audio-seconds %s: a positive number\n", optarg);
           return 2;
         }
+        break;
+      case 's':
+        if (number("--stream-interval-ms", optarg, 0, 10000, &v)) return 2;
+        o.stream_interval_ms = v ? (int)v : -1;
         break;
       case 'l':
         if (td_log_parse_level(optarg) < 0) {

@@ -192,6 +192,14 @@ static bool stream_step(gw_conn *c, stream_kind kind) {
   pthread_mutex_lock(&c->b->mu);
   bool all_done = false, all_fin = false;
   for (;;) {
+    all_done = c->b->n_done == c->b->n;
+    if (!all_done && td_now_ms() < c->hold_until_ms) {
+      /* coalesce: tokens gather without waking this thread; an end still wakes it */
+      c->b->quiet = true;
+      gw_batch_wait(c->b, c->hold_until_ms < c->deadline_ms ? c->hold_until_ms : c->deadline_ms);
+      c->b->quiet = false;
+      continue;
+    }
     bool moved = take_tokens(c, &e);
     if (e.http) break;
     all_done = c->b->n_done == c->b->n;
@@ -251,6 +259,8 @@ static bool stream_step(gw_conn *c, stream_kind kind) {
       free(s);
     }
     ch->finished = fin;
+    int iv = gw_gateway_stream_interval_ms(c->g);
+    if (iv) c->hold_until_ms = td_now_ms() + iv;
   }
   pthread_mutex_unlock(&c->b->mu);
   if (e.http) {

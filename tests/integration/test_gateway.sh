@@ -58,7 +58,12 @@ start_cluster() { # name, local.sh args...
   done
   router=$(awk '/^router /{print $2}' "$work/$name.out")
   gw=$(awk '/^gateway /{print $2}' "$work/$name.out")
-  [[ -n $router && -n $gw ]] || { echo "FAIL $name: the cluster did not start"; cat "$work/$name.err"; exit 1; }
+  if [[ -z $router || -z $gw ]]; then
+    kill -0 "${pids[-1]}" 2>/dev/null || { wait "${pids[-1]}"; echo "local.sh exited with $?"; }
+    echo "FAIL $name: the cluster did not start"
+    cat "$work/$name.out" "$work/$name.err"
+    exit 1
+  fi
   echo "$name: router $router, gateway $gw"
 }
 stop_cluster() { # stops the last cluster; its gateway's log must hold no sanitizer report
