@@ -1,5 +1,5 @@
 /* The gateway's small pieces: strings, OpenAI error objects, SSE framing,
- * the text of a generated sequence (stop strings), the model's facts. */
+ * the text of a generated sequence (stop strings). */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,8 +7,6 @@
 
 #include <cjson/cJSON.h>
 
-#include "common/json.h"
-#include "common/log.h"
 #include "gateway/internal.h"
 
 /* ---------------------------------------------------------------- gw_buf */
@@ -179,67 +177,4 @@ void gw_text_take(gw_text *t, bool final, const char **p, size_t *n) {
   *p = t->text.s ? t->text.s + t->sent : "";
   *n = end - t->sent;
   t->sent = end;
-}
-
-/* ---------------------------------------------------------------- the model */
-
-static int32_t special(const td_tokenizer *t, const char *name) { return td_tokenizer_token_to_id(t, name); }
-
-td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const char *name, gw_model *m) {
-  memset(m, 0, sizeof *m);
-  char path[4096];
-  snprintf(path, sizeof path, "%s/config.json", model_dir);
-  cJSON *cfg;
-  TD_TRY(td_json_load_file(path, 1u << 20, &cfg));
-  int64_t mel = 0, eos = -1, tgt = 0;
-  td_status s = td_json_int(cfg, "num_mel_bins", false, path, &mel);
-  if (s == TD_OK && !td_json_is_null(cfg, "eos_token_id") && cJSON_IsNumber(cJSON_GetObjectItem(cfg, "eos_token_id")))
-    s = td_json_int(cfg, "eos_token_id", false, path, &eos);
-  if (s == TD_OK) s = td_json_int(cfg, "max_target_positions", false, path, &tgt);
-  cJSON_Delete(cfg);
-  TD_TRY(s);
-  m->whisper = mel > 0;
-  m->eos = (int32_t)eos;
-  m->max_target = (int)tgt;
-  if (name) {
-    snprintf(m->name, sizeof m->name, "%s", name);
-  } else {
-    const char *slash = strrchr(model_dir, '/');
-    const char *base = slash && slash[1] ? slash + 1 : model_dir;
-    snprintf(m->name, sizeof m->name, "%s", base);
-  }
-  if ((s = td_tokenizer_load(tokenizer_dir ? tokenizer_dir : model_dir, NULL, &m->tok)) != TD_OK)
-    return td_err_ctx(s, "the gateway needs the model's tokenizer (--tokenizer DIR): ");
-  m->vocab = td_tokenizer_vocab_size(m->tok);
-  if (!m->whisper) return TD_OK;
-  td_mel_config mc = {0};
-  if ((s = td_mel_config_from_preprocessor(model_dir, &mc)) != TD_OK ||
-      (s = td_mel_create(&mc, &m->mel)) != TD_OK) {
-    gw_model_free(m);
-    return s;
-  }
-  if (td_mel_n_mels(m->mel) != (int)mel) {
-    gw_model_free(m);
-    return td_err(TD_ERR_FORMAT, "%s: preprocessor_config.json has %d mel bins, config.json %lld", model_dir,
-                  td_mel_n_mels(m->mel), (long long)mel);
-  }
-  m->window_samples = td_mel_window_samples(m->mel);
-  m->sot = special(m->tok, "<|startoftranscript|>");
-  m->translate = special(m->tok, "<|translate|>");
-  m->transcribe = special(m->tok, "<|transcribe|>");
-  m->notimestamps = special(m->tok, "<|notimestamps|>");
-  m->startofprev = special(m->tok, "<|startofprev|>");
-  m->ts_begin = special(m->tok, "<|0.00|>");
-  if (m->sot < 0 || m->transcribe < 0 || m->translate < 0 || m->notimestamps < 0) {
-    gw_model_free(m);
-    return td_err(TD_ERR_FORMAT, "the tokenizer lacks Whisper's task tokens (<|startoftranscript|>, "
-                                 "<|transcribe|>, <|translate|>, <|notimestamps|>)");
-  }
-  return TD_OK;
-}
-
-void gw_model_free(gw_model *m) {
-  td_tokenizer_destroy(m->tok);
-  td_mel_destroy(m->mel);
-  memset(m, 0, sizeof *m);
 }
