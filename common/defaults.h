@@ -93,6 +93,7 @@
 #define TD_GATEWAY_DEFAULT_PORT 8000
 #define TD_GATEWAY_MAX_BODY_BYTES (25u << 20)  /* an upload (OpenAI's audio limit); larger: 413 */
 #define TD_GATEWAY_MAX_JSON_BYTES (2u << 20)   /* a JSON request body; larger: 413 */
+#define TD_GATEWAY_MAX_HELD_BYTES (1ull << 30) /* uploads held at once, all connections together; more: 503 */
 #define TD_GATEWAY_MAX_CONNECTIONS 512         /* open HTTP connections (one thread each); more are closed */
 #define TD_GATEWAY_MAX_REQUESTS 256            /* API requests in flight; more: 429 */
 #define TD_GATEWAY_CONN_MEMORY_BYTES (64u << 10) /* a connection's buffer: request line and headers must fit (431) */

@@ -23,6 +23,7 @@ typedef struct td_gateway_opts {
   const char *host;          /* listen address; NULL: TD_DEFAULT_LISTEN_HOST */
   int port;                  /* 0: TD_GATEWAY_DEFAULT_PORT; -1: any free port (td_gateway_port) */
   size_t max_body_bytes, max_json_bytes;
+  size_t max_held_bytes;     /* uploads in memory at once, all requests together */
   int max_connections, max_requests, idle_timeout_s;
   uint32_t request_timeout_ms; /* a request's deadline at the router; 0: TD_DEFAULT_REQUEST_TIMEOUT_MS */
   double max_audio_seconds;

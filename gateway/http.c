@@ -25,6 +25,7 @@ struct td_gateway {
   pthread_mutex_t health_mu;
   struct MHD_Daemon *d;
   atomic_int in_flight;
+  _Atomic size_t held; /* upload bytes in memory */
   int port;
   long long created;
 };
@@ -176,6 +177,13 @@ static enum MHD_Result form_field(void *cls, enum MHD_ValueKind kind, const char
       gw_error_set(&c->err, 413, "file", "the upload exceeds %zu bytes", c->g->o.max_body_bytes);
       return MHD_YES;
     }
+    if (atomic_fetch_add(&c->g->held, size) + size > c->g->o.max_held_bytes) {
+      atomic_fetch_sub(&c->g->held, size);
+      gw_error_set(&c->err, 503, "file", "the gateway holds %zu bytes of uploads, its limit: try again shortly",
+                   c->g->o.max_held_bytes);
+      return MHD_YES;
+    }
+    c->held += size;
     gw_buf_add(&c->body, data, size);
     return MHD_YES;
   }
@@ -189,6 +197,12 @@ static enum MHD_Result form_field(void *cls, enum MHD_ValueKind kind, const char
   }
   gw_buf_add(&c->value, data, size);
   return MHD_YES;
+}
+
+void gw_conn_drop_upload(gw_conn *c) {
+  atomic_fetch_sub(&c->g->held, c->held);
+  c->held = 0;
+  gw_buf_free(&c->body);
 }
 
 /* ---------------------------------------------------------------- the handler */
@@ -327,6 +341,7 @@ static void completed(void *cls, struct MHD_Connection *mc, void **con_cls, enum
   if (!c) return;
   *con_cls = NULL;
   if (c->pp) MHD_destroy_post_processor(c->pp);
+  gw_conn_drop_upload(c);
   gw_conn_free(c);
   atomic_fetch_sub(&g->in_flight, 1);
 }
@@ -352,6 +367,7 @@ td_status td_gateway_create(const td_gateway_opts *opts, td_gateway **out) {
   if (!o->port) o->port = TD_GATEWAY_DEFAULT_PORT;
   if (!o->max_body_bytes) o->max_body_bytes = TD_GATEWAY_MAX_BODY_BYTES;
   if (!o->max_json_bytes) o->max_json_bytes = TD_GATEWAY_MAX_JSON_BYTES;
+  if (!o->max_held_bytes) o->max_held_bytes = TD_GATEWAY_MAX_HELD_BYTES;
   if (!o->max_connections) o->max_connections = TD_GATEWAY_MAX_CONNECTIONS;
   if (!o->max_requests) o->max_requests = TD_GATEWAY_MAX_REQUESTS;
   if (!o->idle_timeout_s) o->idle_timeout_s = TD_GATEWAY_IDLE_TIMEOUT_S;

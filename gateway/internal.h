@@ -221,6 +221,7 @@ typedef struct gw_conn {
   char field[64];    /* the form field being received */
   gw_buf value;      /* ... and its value so far */
   bool have_file;
+  size_t held;          /* upload bytes counted against the gateway's total */
   char close_delim[96]; /* "--BOUNDARY--": what follows it (an epilogue) is not fed to the form parser */
   char tail[96];        /* the last bytes fed, where the delimiter may begin */
   size_t n_tail;
@@ -254,6 +255,8 @@ int gw_serve_completions(gw_conn *c, struct MHD_Connection *mc);
 int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc);
 int gw_reply(struct MHD_Connection *mc, int status, const char *ctype, char *body, size_t len);
 int gw_reply_error(struct MHD_Connection *mc, const gw_error *e);
+/* Gives the upload's bytes back to the gateway's total (the upload is freed). */
+void gw_conn_drop_upload(gw_conn *c);
 /* Releases what answering held (cancels router requests still running). */
 void gw_conn_free(gw_conn *c);
 

@@ -30,6 +30,7 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: tandem-gateway --router tcp://HOST:PORT --model DIR [--tokenizer DIR] [--model-name NAME]\n"
           "                      [--host ADDR] [--port N (0: any free)] [--max-body-bytes N] [--max-json-bytes N]\n"
+          "                      [--max-held-bytes N (uploads in memory at once)]\n"
           "                      [--max-connections N] [--max-requests N] [--idle-timeout-s N] [--timeout-ms N]\n"
           "                      [--max-audio-seconds S] [--stream-interval-ms N (0: every arrival)]\n"
           "                      [--log-level LEVEL]\n");
@@ -51,7 +52,7 @@ int main(int argc, char **argv) {
       {"max-connections", required_argument, 0, 'c'}, {"max-requests", required_argument, 0, 'q'},
       {"idle-timeout-s", required_argument, 0, 'i'}, {"timeout-ms", required_argument, 0, 'T'},
       {"max-audio-seconds", required_argument, 0, 'a'}, {"log-level", required_argument, 0, 'l'},
-      {"stream-interval-ms", required_argument, 0, 's'},
+      {"stream-interval-ms", required_argument, 0, 's'}, {"max-held-bytes", required_argument, 0, 'B'},
       {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
   td_gateway_opts o = {0};
   int c;
@@ -70,6 +71,10 @@ int main(int argc, char **argv) {
       case 'b':
         if (number("--max-body-bytes", optarg, 1024, 1L << 32, &v)) return 2;
         o.max_body_bytes = (size_t)v;
+        break;
+      case 'B':
+        if (number("--max-held-bytes", optarg, 1024, 1L << 40, &v)) return 2;
+        o.max_held_bytes = (size_t)v;
         break;
       case 'j':
         if (number("--max-json-bytes", optarg, 1024, 1L << 30, &v)) return 2;

@@ -477,7 +477,7 @@ int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc) {
   gw_sub *sub = &c->b->subs[0];
   snprintf(sub->req.id, sizeof sub->req.id, "%s", sub->id);
   if (!audio_request(c, &sub->req, &e)) return gw_reply_error(mc, &e);
-  gw_buf_free(&c->body); /* the upload is no longer needed */
+  gw_conn_drop_upload(c); /* decoded: the upload is no longer needed */
   sub->stream = c->audio.stream;
   c->comp.logprobs = -1;
   if (!choices(c, 1, NULL, 0, &e)) return gw_reply_error(mc, &e);

@@ -3,7 +3,7 @@
 //   node gateway_openai.mjs text URL MODEL
 //   node gateway_openai.mjs audio URL MODEL WAV_DIR
 import fs from 'node:fs';
-import OpenAI from 'openai';
+import OpenAI, { toFile } from 'openai';
 
 const [mode, url, model, wavs] = process.argv.slice(2);
 const client = new OpenAI({ baseURL: `${url}/v1`, apiKey: 'none', maxRetries: 0, timeout: 60000 });
@@ -70,7 +70,7 @@ if (mode === 'text') {
   const tr = await client.audio.translations.create({ model, file: file() });
   check('translation answers', typeof tr.text === 'string', tr);
   await refused('an unknown model', 404, () => client.audio.transcriptions.create({ model: 'whisper-1', file: file() }));
-  await refused('a file that is no audio', 400, () =>
-    client.audio.transcriptions.create({ model, file: new File([Buffer.from('not audio at all')], 'x.wav') }));
+  await refused('a file that is no audio', 400, async () =>
+    client.audio.transcriptions.create({ model, file: await toFile(Buffer.from('not audio at all'), 'x.wav') }));
 }
 process.exit(failed ? 1 : 0);
