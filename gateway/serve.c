@@ -310,7 +310,33 @@ static ssize_t read_transcript(void *cls, uint64_t pos, char *buf, size_t max) {
   return read_stream(cls, pos, buf, max, ST_TRANSCRIPT);
 }
 
+/* A stream's status goes out with its first event; a refusal by the router
+ * comes before any token, so waiting for the first token or end lets it be
+ * answered as an HTTP error rather than an event after a 200. */
+static bool first_event(gw_conn *c, gw_error *e) {
+  pthread_mutex_lock(&c->b->mu);
+  bool ok = true;
+  for (;;) {
+    if (failed(c, e)) {
+      ok = false;
+      break;
+    }
+    bool any = c->b->n_done > 0;
+    for (int i = 0; i < c->n_ch && !any; i++) any = c->ch[i].o->tok.n > 0;
+    if (any) break;
+    if (!gw_batch_wait(c->b, c->deadline_ms)) {
+      gw_error_set(e, 504, NULL, "no answer from the cluster within the request's deadline");
+      ok = false;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&c->b->mu);
+  return ok;
+}
+
 static int reply_stream(gw_conn *c, struct MHD_Connection *mc, stream_kind kind) {
+  gw_error e = {0};
+  if (!first_event(c, &e)) return gw_reply_error(mc, &e);
   struct MHD_Response *r = MHD_create_response_from_callback(
       MHD_SIZE_UNKNOWN, 16 * 1024, kind == ST_COMPLETION ? read_completion : read_transcript, c, NULL);
   if (!r) return MHD_NO;

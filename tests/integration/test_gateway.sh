@@ -111,6 +111,7 @@ check "unknown model: 404" status_is 404 "$gw/v1/completions" -H "$j" -d '{"mode
 check "malformed JSON: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "se'
 check "huge max_tokens: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven", "max_tokens": 100000000}'
 check "max_tokens past the model: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven", "max_tokens": 60000}'
+check "a streamed request the router refuses: 400 before the stream" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven", "max_tokens": 60000, "stream": true}'
 check "token id outside the vocabulary: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": [5, 99999]}'
 head -c $((3 << 20)) /dev/zero | tr '\0' ' ' >"$work/big.json"
 check "oversized JSON body: 413" status_is 413 "$gw/v1/completions" -H "$j" --data-binary @"$work/big.json"
