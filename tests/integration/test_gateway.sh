@@ -200,11 +200,19 @@ check "an upload past 25 MB: 413" status_is 413 "$tr" -F model=$m -F file=@"$wor
 check "a completion on an audio model: 400" status_is 400 "$gw/v1/completions" -H "$j" -d "{\"model\": \"$m\", \"prompt\": \"x\"}"
 # uploads held at once past --max-held-bytes: 503
 "$bin/tandem-gateway" --router "$router" --model "$wh" --tokenizer "$root/tests/data/tokenizers/whisper-large-v3" \
-  --port 0 --max-held-bytes 10000 >"$work/gw3.log" 2>&1 &
+  --port 0 --max-held-bytes 10000 --idle-timeout-s 1 >"$work/gw3.log" 2>&1 &
 gw3_pid=$!
 for _ in $(seq 200); do grep -q "gateway serving" "$work/gw3.log" && break; sleep 0.05; done
 gw3=$(grep -o 'http://[0-9.:]*' "$work/gw3.log" | head -1)
 check "uploads past --max-held-bytes: 503" status_is 503 "$gw3/v1/audio/transcriptions" -F model=$m -F file=@"$wh/number-7.wav"
+# a client that stops sending mid-headers is closed after --idle-timeout-s
+hp=${gw3#http://}
+exec 7<>"/dev/tcp/${hp%:*}/${hp#*:}"
+printf 'POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Le' >&7
+start=$SECONDS
+timeout 10 cat <&7 >/dev/null
+check "a silent connection is closed after the idle timeout ($((SECONDS - start)) s)" test $((SECONDS - start)) -le 5
+exec 7>&-
 kill -TERM "$gw3_pid"; wait "$gw3_pid"
 check "the third gateway stops cleanly" test $? = 0
 check "openai Node client (audio)" node "$npm_dir/gateway_openai.mjs" audio "$gw" $m "$wh"
