@@ -60,7 +60,7 @@ while (($#)); do
     --gateway-port) gateway_port=$2; shift 2 ;;
     --no-gateway) gateway=0; shift ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
