@@ -201,10 +201,14 @@ typedef enum gw_route { GW_R_NONE, GW_R_COMPLETIONS, GW_R_TRANSCRIBE, GW_R_TRANS
 
 typedef struct gw_choice {
   gw_text t;
-  const gw_out *o;  /* in the batch (alive while the connection holds it) */
-  int used;         /* tokens of o taken */
+  const gw_out *o;  /* in the batch: read under its mutex only */
+  td_i32vec tok;    /* o's tokens copied out (briefly, under the mutex), the connection's own */
+  td_f32vec lp;
+  int used;         /* of tok, given to t (up to a stop string) */
   int lp_sent;      /* of them, with log-probs given out */
   int shown;        /* of them, announced by an event (a token may add no text yet) */
+  td_finish finish; /* copied when its sub ended */
+  bool done;        /* its sub ended (copied) */
   bool finished;    /* its finish_reason was given */
 } gw_choice;
 

@@ -2,7 +2,9 @@
  * then either one JSON (or text) answer once every request ended, or a
  * stream of server-sent events written as tokens arrive. The connection's
  * thread waits on its batch (libmicrohttpd runs a thread a connection),
- * and detokenizes there, so the router link's thread only moves tokens. */
+ * copies what arrived out of it under its mutex, and detokenizes and
+ * formats outside it, so the router link's thread, shared by every
+ * request, never waits on that work. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,7 +20,7 @@
 
 static const char *finish_name(const gw_choice *ch) {
   if (ch->t.stopped) return "stop";
-  return ch->o->finish == TD_FINISH_LENGTH ? "length" : "stop";
+  return ch->finish == TD_FINISH_LENGTH ? "length" : "stop";
 }
 
 static void start(gw_conn *c, const char *prefix) {
@@ -35,7 +37,11 @@ void gw_conn_free(gw_conn *c) {
     pthread_mutex_unlock(&c->b->mu);
     if (running) gw_io_cancel(gw_gateway_io(c->g), c->b); /* the client left */
   }
-  for (int i = 0; i < c->n_ch; i++) gw_text_free(&c->ch[i].t);
+  for (int i = 0; i < c->n_ch; i++) {
+    gw_text_free(&c->ch[i].t);
+    td_i32vec_free(&c->ch[i].tok);
+    td_f32vec_free(&c->ch[i].lp);
+  }
   free(c->ch);
   gw_batch_release(c->b);
   gw_completion_free(&c->comp);
@@ -65,24 +71,51 @@ static bool choices(gw_conn *c, int per_sub, const char *const *stop, int n_stop
   return true;
 }
 
-/* Takes the tokens that arrived (under b->mu); true when any choice moved. */
-static bool take_tokens(gw_conn *c, gw_error *e) {
+static bool sub_done(const gw_conn *c, int i) { return c->b->subs[i / c->per_sub].done; }
+
+/* Copies what arrived into the choices (under b->mu: short, so the router
+ * link is not held up); true when any choice moved. */
+static bool snapshot(gw_conn *c, gw_error *e) {
   bool moved = false;
   for (int i = 0; i < c->n_ch; i++) {
     gw_choice *ch = &c->ch[i];
-    while (ch->used < ch->o->tok.n && !ch->t.stopped) {
-      if (gw_text_push(&ch->t, ch->o->tok.v[ch->used]) != TD_OK) {
-        gw_error_set(e, 500, NULL, "detokenizing: %s", td_errmsg());
+    const gw_out *o = ch->o;
+    if (o->tok.n > ch->tok.n) {
+      int from = ch->tok.n, n = o->tok.n - from;
+      if (td_i32vec_reserve(&ch->tok, o->tok.n) != TD_OK) {
+        gw_error_set(e, 500, NULL, "out of memory");
         return moved;
       }
-      ch->used++;
+      memcpy(ch->tok.v + from, o->tok.v + from, (size_t)n * sizeof *o->tok.v);
+      ch->tok.n = o->tok.n;
+      moved = true;
+    }
+    if (o->lp.n > ch->lp.n && td_f32vec_append(&ch->lp, o->lp.v + ch->lp.n, o->lp.n - ch->lp.n) != TD_OK) {
+      gw_error_set(e, 500, NULL, "out of memory");
+      return moved;
+    }
+    if (!ch->done && sub_done(c, i)) {
+      ch->done = true;
+      ch->finish = o->finish;
       moved = true;
     }
   }
   return moved;
 }
 
-static bool sub_done(const gw_conn *c, int i) { return c->b->subs[i / c->per_sub].done; }
+/* Detokenizes what was copied (outside the mutex). */
+static void feed(gw_conn *c, gw_error *e) {
+  for (int i = 0; i < c->n_ch && !e->http; i++) {
+    gw_choice *ch = &c->ch[i];
+    while (ch->used < ch->tok.n && !ch->t.stopped) {
+      if (gw_text_push(&ch->t, ch->tok.v[ch->used]) != TD_OK) {
+        gw_error_set(e, 500, NULL, "detokenizing: %s", td_errmsg());
+        return;
+      }
+      ch->used++;
+    }
+  }
+}
 
 /* The first failed sub's error, if any (under b->mu). */
 static bool failed(const gw_conn *c, gw_error *e) {
@@ -96,7 +129,7 @@ static bool failed(const gw_conn *c, gw_error *e) {
   return false;
 }
 
-/* Token strings and log-probs of tokens [from, to) of a choice (under b->mu). */
+/* Token strings and log-probs of tokens [from, to) of a choice. */
 static cJSON *logprobs_json(const gw_conn *c, const gw_choice *ch, int from, int to, size_t text_off) {
   const gw_model *m = gw_gateway_model(c->g);
   cJSON *o = cJSON_CreateObject(), *toks = cJSON_AddArrayToObject(o, "tokens"),
@@ -106,9 +139,9 @@ static cJSON *logprobs_json(const gw_conn *c, const gw_choice *ch, int from, int
   for (int k = from; k < to; k++) {
     char *s = NULL;
     size_t len = 0;
-    int32_t id = ch->o->tok.v[k];
+    int32_t id = ch->tok.v[k];
     if (td_tokenizer_decode(m->tok, &id, 1, false, &s, &len) != TD_OK) s = NULL;
-    double lp = k < ch->o->lp.n ? ch->o->lp.v[k] : 0.0;
+    double lp = k < ch->lp.n ? ch->lp.v[k] : 0.0;
     cJSON_AddItemToArray(toks, cJSON_CreateString(s ? s : ""));
     cJSON_AddItemToArray(lps, cJSON_CreateNumber(isfinite(lp) ? lp : -9999.0));
     cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)text_off));
@@ -159,27 +192,39 @@ static cJSON *usage_json(const gw_conn *c) {
   return u;
 }
 
-/* Waits until every sub ended (or all choices stopped); false on timeout. */
+static bool all_stopped(const gw_conn *c) {
+  for (int i = 0; i < c->n_ch; i++)
+    if (!c->ch[i].t.stopped && !c->ch[i].done) return false;
+  return true;
+}
+
+/* Waits until every sub ended, or every choice stopped at a stop string,
+ * and takes their outputs; false with *e filled on a failure or timeout. */
 static bool wait_all(gw_conn *c, gw_error *e) {
   pthread_mutex_lock(&c->b->mu);
   bool ok = true;
   for (;;) {
     if (c->b->n_done == c->b->n) break;
-    if (c->comp.n_stop) {
-      /* stop strings: cut early and cancel the rest */
-      take_tokens(c, e);
-      bool all = true;
-      for (int i = 0; i < c->n_ch && all; i++) all = c->ch[i].t.stopped || sub_done(c, i);
-      if (all) break;
+    if (c->comp.n_stop && snapshot(c, e)) {
+      /* stop strings: cut early (the rest is cancelled) */
+      pthread_mutex_unlock(&c->b->mu);
+      feed(c, e);
+      pthread_mutex_lock(&c->b->mu);
+      if (e->http || all_stopped(c)) break;
+      continue;
     }
+    if (e->http) break;
     if (!gw_batch_wait(c->b, c->deadline_ms)) {
       ok = false;
       break;
     }
   }
+  if (ok && !e->http) snapshot(c, e);
+  if (ok && !e->http) failed(c, e);
   pthread_mutex_unlock(&c->b->mu);
   if (!ok) gw_error_set(e, 504, NULL, "no answer from the cluster within the request's deadline");
-  return ok;
+  if (ok && !e->http) feed(c, e);
+  return ok && !e->http;
 }
 
 /* ---------------------------------------------------------------- streaming */
@@ -190,9 +235,8 @@ typedef enum { ST_COMPLETION, ST_TRANSCRIPT } stream_kind;
 static bool stream_step(gw_conn *c, stream_kind kind) {
   gw_error e = {0};
   pthread_mutex_lock(&c->b->mu);
-  bool all_done = false, all_fin = false;
   for (;;) {
-    all_done = c->b->n_done == c->b->n;
+    bool all_done = c->b->n_done == c->b->n;
     if (!all_done && td_now_ms() < c->hold_until_ms) {
       /* coalesce: tokens gather without waking this thread; an end still wakes it */
       c->b->quiet = true;
@@ -200,23 +244,26 @@ static bool stream_step(gw_conn *c, stream_kind kind) {
       c->b->quiet = false;
       continue;
     }
-    bool moved = take_tokens(c, &e);
-    if (e.http) break;
-    all_done = c->b->n_done == c->b->n;
-    all_fin = true;
-    for (int i = 0; i < c->n_ch; i++) all_fin &= c->ch[i].t.stopped || sub_done(c, i);
-    if (moved || all_done || all_fin) break;
+    bool moved = snapshot(c, &e);
+    if (e.http || moved || all_done) break;
     if (!gw_batch_wait(c->b, c->deadline_ms)) {
       gw_error_set(&e, 504, NULL, "no answer from the cluster within the request's deadline");
       break;
     }
   }
   if (!e.http) failed(c, &e);
-  /* the events, built under the lock (the outputs live in the batch) */
+  pthread_mutex_unlock(&c->b->mu);
+  if (!e.http) feed(c, &e);
+  bool all_done = true, all_fin = true;
+  for (int i = 0; i < c->n_ch; i++) {
+    all_done &= c->ch[i].done;
+    all_fin &= c->ch[i].t.stopped || c->ch[i].done;
+  }
+  /* the events, from the connection's copies */
   for (int i = 0; i < c->n_ch && !e.http; i++) {
     gw_choice *ch = &c->ch[i];
     if (ch->finished) continue;
-    bool fin = ch->t.stopped || sub_done(c, i);
+    bool fin = ch->t.stopped || ch->done;
     if (fin && !ch->t.stopped && gw_text_finish(&ch->t) != TD_OK) gw_error_set(&e, 500, NULL, "%s", td_errmsg());
     size_t before = ch->t.sent;
     const char *p;
@@ -262,7 +309,6 @@ static bool stream_step(gw_conn *c, stream_kind kind) {
     int iv = gw_gateway_stream_interval_ms(c->g);
     if (iv) c->hold_until_ms = td_now_ms() + iv;
   }
-  pthread_mutex_unlock(&c->b->mu);
   if (e.http) {
     char *s = gw_error_json(&e);
     if (s) gw_sse_data(&c->out, s);
@@ -386,26 +432,23 @@ int gw_serve_completions(gw_conn *c, struct MHD_Connection *mc) {
   gw_io_submit(gw_gateway_io(c->g), c->b);
   if (q->stream) return reply_stream(c, mc, ST_COMPLETION);
   if (!wait_all(c, &e)) return gw_reply_error(mc, &e);
-  pthread_mutex_lock(&c->b->mu);
-  bool bad = failed(c, &e);
-  if (!bad) take_tokens(c, &e);
   cJSON *o = completion_obj(c), *arr = cJSON_AddArrayToObject(o, "choices");
-  for (int i = 0; i < c->n_ch && !bad && !e.http; i++) {
+  bool all_done = true;
+  for (int i = 0; i < c->n_ch && !e.http; i++) {
     gw_choice *ch = &c->ch[i];
-    if (gw_text_finish(&ch->t) != TD_OK) gw_error_set(&e, 500, NULL, "%s", td_errmsg());
+    all_done &= ch->done;
+    if (!ch->t.stopped && gw_text_finish(&ch->t) != TD_OK) gw_error_set(&e, 500, NULL, "%s", td_errmsg());
     const char *p;
     size_t n;
     gw_text_take(&ch->t, true, &p, &n);
     cJSON *l = q->logprobs >= 0 ? logprobs_json(c, ch, 0, ch->t.n_tokens, 0) : NULL;
     cJSON_AddItemToArray(arr, choice_json(i, p, n, l, finish_name(ch)));
   }
-  bool all_done = c->b->n_done == c->b->n;
-  pthread_mutex_unlock(&c->b->mu);
-  if (!all_done && !bad) {
-    gw_io_cancel(gw_gateway_io(c->g), c->b);
+  if (!all_done) {
+    gw_io_cancel(gw_gateway_io(c->g), c->b); /* every choice stopped at a stop string */
     c->cancelled = true;
   }
-  if (bad || e.http) {
+  if (e.http) {
     cJSON_Delete(o);
     return gw_reply_error(mc, &e);
   }
@@ -418,7 +461,7 @@ int gw_serve_completions(gw_conn *c, struct MHD_Connection *mc) {
 
 /* ---------------------------------------------------------------- /v1/audio */
 
-static cJSON *verbose_json(const gw_conn *c, const char *text, const gw_segment *seg, int n_seg, const gw_out *o) {
+static cJSON *verbose_json(const gw_conn *c, const char *text, const gw_segment *seg, int n_seg, const gw_choice *o) {
   cJSON *v = cJSON_CreateObject();
   cJSON_AddStringToObject(v, "task", c->audio.translate ? "translate" : "transcribe");
   cJSON_AddStringToObject(v, "language", c->audio.language[0] ? c->audio.language : "en");
@@ -511,13 +554,11 @@ int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc) {
   gw_io_submit(gw_gateway_io(c->g), c->b);
   if (c->audio.stream) return reply_stream(c, mc, ST_TRANSCRIPT);
   if (!wait_all(c, &e)) return gw_reply_error(mc, &e);
-  pthread_mutex_lock(&c->b->mu);
-  bool bad = failed(c, &e);
   gw_segment *seg = NULL;
   int n_seg = 0;
   char *text = NULL;
-  const gw_out *o = &sub->out[0];
-  if (!bad && gw_segments(m, o->tok.v, o->tok.n, c->duration, c->audio.seg_timestamps, &seg, &n_seg, &text) != TD_OK)
+  const gw_choice *o = &c->ch[0];
+  if (gw_segments(m, o->tok.v, o->tok.n, c->duration, c->audio.seg_timestamps, &seg, &n_seg, &text) != TD_OK)
     gw_error_set(&e, 500, NULL, "%s", td_errmsg());
   gw_buf b = {0};
   const char *ctype = "text/plain; charset=utf-8";
@@ -541,7 +582,6 @@ int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc) {
       ctype = "application/json";
     }
   }
-  pthread_mutex_unlock(&c->b->mu);
   gw_segments_free(seg, n_seg);
   free(text);
   if (e.http || b.oom) {
