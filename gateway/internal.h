@@ -41,10 +41,14 @@ typedef struct gw_model {
   size_t window_samples;
   int max_target; /* decoder positions (0: unknown) */
   int32_t sot, translate, transcribe, notimestamps, startofprev, ts_begin;
+  void *lang_to_id; /* generation_config.json's lang_to_id (a cJSON object), NULL when absent */
 } gw_model;
 
 td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const char *name, gw_model *m);
 void gw_model_free(gw_model *m);
+/* The id of language code `code` ("en"): generation_config.json's lang_to_id
+ * when it has one, else the tokenizer's <|code|>; -1 when unknown. */
+int32_t gw_language_id(const gw_model *m, const char *code);
 
 /* ---- errors (OpenAI's error object) ---- */
 typedef struct gw_error {

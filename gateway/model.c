@@ -2,6 +2,7 @@
  * mel filters, feature window and task tokens. */
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -55,6 +56,25 @@ td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const 
   m->notimestamps = special(m->tok, "<|notimestamps|>");
   m->startofprev = special(m->tok, "<|startofprev|>");
   m->ts_begin = special(m->tok, "<|0.00|>");
+  /* generation_config.json's ids win where it has them, as transformers' generate takes them */
+  snprintf(path, sizeof path, "%s/generation_config.json", model_dir);
+  cJSON *gc = NULL;
+  if (access(path, R_OK) == 0 && (s = td_json_load_file(path, 16u << 20, &gc)) != TD_OK) {
+    gw_model_free(m);
+    return s;
+  }
+  const cJSON *x = cJSON_GetObjectItemCaseSensitive(gc, "no_timestamps_token_id");
+  if (cJSON_IsNumber(x)) m->notimestamps = (int32_t)x->valuedouble;
+  const cJSON *tasks = cJSON_GetObjectItemCaseSensitive(gc, "task_to_id");
+  if (cJSON_IsNumber(x = cJSON_GetObjectItemCaseSensitive(tasks, "transcribe"))) m->transcribe = (int32_t)x->valuedouble;
+  if (cJSON_IsNumber(x = cJSON_GetObjectItemCaseSensitive(tasks, "translate"))) m->translate = (int32_t)x->valuedouble;
+  if (cJSON_IsNumber(x = cJSON_GetObjectItemCaseSensitive(gc, "decoder_start_token_id"))) m->sot = (int32_t)x->valuedouble;
+  cJSON *langs = cJSON_DetachItemFromObjectCaseSensitive(gc, "lang_to_id");
+  cJSON_Delete(gc);
+  if (cJSON_IsObject(langs))
+    m->lang_to_id = langs;
+  else
+    cJSON_Delete(langs);
   if (m->sot < 0 || m->transcribe < 0 || m->translate < 0 || m->notimestamps < 0) {
     gw_model_free(m);
     return td_err(TD_ERR_FORMAT, "the tokenizer lacks Whisper's task tokens (<|startoftranscript|>, "
@@ -64,6 +84,7 @@ td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const 
 }
 
 void gw_model_free(gw_model *m) {
+  cJSON_Delete(m->lang_to_id);
   td_tokenizer_destroy(m->tok);
   td_mel_destroy(m->mel);
   memset(m, 0, sizeof *m);

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "gateway/internal.h"
 
 #define BAD(param, ...)                      \
@@ -14,6 +16,16 @@
     gw_error_set(e, 400, param, __VA_ARGS__); \
     return false;                            \
   } while (0)
+
+int32_t gw_language_id(const gw_model *m, const char *code) {
+  char tok[32];
+  snprintf(tok, sizeof tok, "<|%s|>", code);
+  if (m->lang_to_id) {
+    const cJSON *x = cJSON_GetObjectItemCaseSensitive((const cJSON *)m->lang_to_id, tok);
+    return cJSON_IsNumber(x) && x->valuedouble >= 0 && x->valuedouble < m->vocab ? (int32_t)x->valuedouble : -1;
+  }
+  return td_tokenizer_token_to_id(m->tok, tok);
+}
 
 static const char *const formats[] = {"json", "text", "srt", "vtt", "verbose_json"};
 
@@ -42,9 +54,7 @@ bool gw_audio_check(gw_audio_req *a, const gw_model *m, gw_error *e) {
   if (a->language[0]) {
     for (const char *p = a->language; *p; p++)
       if (!islower((unsigned char)*p)) BAD("language", "language: an ISO-639-1 code such as \"en\"");
-    char tok[32];
-    snprintf(tok, sizeof tok, "<|%s|>", a->language);
-    if (td_tokenizer_token_to_id(m->tok, tok) < 0) BAD("language", "language '%s' is not one this model knows", a->language);
+    if (gw_language_id(m, a->language) < 0) BAD("language", "language '%s' is not one this model knows", a->language);
   }
   return true;
 }
@@ -82,9 +92,7 @@ bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, g
     out->n += (int)n;
     free(ids);
   }
-  char lang[32];
-  snprintf(lang, sizeof lang, "<|%s|>", a->language[0] ? a->language : "en");
-  int32_t lid = td_tokenizer_token_to_id(m->tok, lang);
+  int32_t lid = gw_language_id(m, a->language[0] ? a->language : "en");
   if (lid < 0) BAD("language", "language '%s' is not one this model knows", a->language[0] ? a->language : "en");
   if (td_i32vec_push(out, m->sot) || td_i32vec_push(out, lid) ||
       td_i32vec_push(out, a->translate ? m->translate : m->transcribe) ||

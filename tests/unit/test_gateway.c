@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "gateway/internal.h"
 
 static gw_model t5, wh;
@@ -265,6 +267,20 @@ Test(audio, prompt_as_transformers_builds_it) {
   cr_assert_eq(p.v[p.n - 1], wh.translate);
   free(a.prompt);
   td_i32vec_free(&p);
+}
+
+Test(audio, languages_from_generation_config) {
+  cr_assert_eq(gw_language_id(&wh, "en"), 50259);
+  cr_assert_eq(gw_language_id(&wh, "zz"), -1);
+  /* where generation_config.json has lang_to_id, it alone decides */
+  wh.lang_to_id = cJSON_Parse("{\"<|en|>\": 50259, \"<|de|>\": 50261}");
+  cr_assert_eq(gw_language_id(&wh, "de"), 50261);
+  cr_assert_eq(gw_language_id(&wh, "fr"), -1);
+  gw_audio_req a = areq("whisper");
+  snprintf(a.language, sizeof a.language, "fr");
+  gw_error e = {0};
+  cr_assert(!gw_audio_check(&a, &wh, &e));
+  cr_assert_str_eq(e.param, "language");
 }
 
 static void arefused(gw_audio_req a, int http, const char *param) {
