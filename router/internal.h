@@ -83,8 +83,21 @@ typedef struct rreq {
   UT_hash_handle hc;   /* by ckey */
 } rreq;
 
+typedef struct group_rv group_rv;
+
+/* A connection that joined a group, by its routing identity: a peer is one
+ * rank of one group, so a flood of joins from one peer holds one slot, and
+ * a follower's heartbeat finds its group without a scan. */
+typedef struct group_rank {
+  uint8_t route[TD_WIRE_MAX_ID];
+  size_t route_len;
+  group_rv *g;
+  int rank;
+  UT_hash_handle hh;
+} group_rank;
+
 /* A worker group's rendezvous (GroupJoin / GroupInfo). */
-typedef struct group_rv {
+struct group_rv {
   char name[128];
   int world;
   char *endpoints[TD_GROUP_MAX_RANKS];
@@ -99,8 +112,9 @@ typedef struct group_rv {
   bool told[TD_GROUP_MAX_RANKS];
   int64_t created;
   int64_t seen[TD_GROUP_MAX_RANKS]; /* followers' last heartbeat */
+  group_rank *members[TD_GROUP_MAX_RANKS]; /* the ranks that joined, in r->members */
   UT_hash_handle hh;
-} group_rv;
+};
 
 struct td_router {
   td_router_opts o;
@@ -113,6 +127,7 @@ struct td_router {
   td_place_worker **pool;         /* the same workers in registration order */
   int n_pool, cap_pool;
   group_rv *groups;
+  group_rank *members;          /* every rank of every group, by routing identity */
   rreq *by_rid, *by_ckey;
   td_ptrvec queue;                /* rreq waiting for placement, first come first served */
   int in_flight;

@@ -5,6 +5,7 @@
  * deadlines, worker death, group rendezvous, and the refusal of a request
  * no registered decode worker can run. */
 #include <criterion/criterion.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
@@ -15,6 +16,10 @@
 #include "common/log.h"
 #include "proto/wire.h"
 #include "router/router.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+size_t __sanitizer_get_current_allocated_bytes(void); /* sanitizer/allocator_interface.h, not shipped with gcc here */
+#endif
 
 #define WAIT_MS 3000 /* what a test waits for a message that must come */
 
@@ -898,4 +903,106 @@ Test(router_control, defaults_and_the_limits_of_the_options, .timeout = 30) {
   wfree(ack);
   void *socks[] = {w};
   finish(&h, socks, 1);
+}
+
+/* ------------------------------------------------------------ floods */
+
+/* Bytes the heap holds live: ASan's count under the sanitizer (its
+ * quarantine of freed blocks is not memory a flood kept), glibc's else. */
+static size_t live_heap(void) {
+#if defined(__SANITIZE_ADDRESS__)
+  return __sanitizer_get_current_allocated_bytes();
+#else
+  struct mallinfo2 mi = mallinfo2();
+  return mi.uordblks + mi.hblkhd;
+#endif
+}
+
+/* Every message waiting on s read and dropped; how many. */
+static int drain_socket(void *s, int quiet_ms) {
+  int n = 0;
+  for (;;) {
+    zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+    if (zmq_poll(&it, 1, quiet_ms) <= 0) return n;
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    zmq_msg_recv(&m, s, 0);
+    zmq_msg_close(&m);
+    n++;
+  }
+}
+
+/* 100,000 GroupJoins of distinct groups from one peer (half of one rank,
+ * which complete at once, half waiting for a second rank): a peer holds one
+ * rank of one group, so the router keeps one rendezvous, not 100,000 (which
+ * took 550 MB and, found by a scan per message, minutes of CPU). Measured:
+ * the heap grows by under 1 MB across the flood; bound 16 MB. A real group
+ * forms after it, and TD_ROUTER_MAX_GROUPS rendezvous from distinct peers
+ * are the most the router holds: the next is refused saying so. */
+Test(router_control, a_group_join_flood_holds_one_rendezvous_a_peer, .timeout = 60) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *flood = dealer(&h, h.wep, "flooder");
+  enum { N = 100000 };
+  /* a first join and its answer: the router's own structures exist before the baseline */
+  group_join(flood, "warm", 0, 1);
+  wfree(wexpect(flood, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the first join"));
+  size_t before = live_heap();
+  int64_t t0 = td_now_ms();
+  int answers = 0;
+  for (int i = 0; i < N; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "flood-%d", i);
+    group_join(flood, name, 0, i % 2 ? 2 : 1);
+    if (i % 1000 == 999) answers += drain_socket(flood, 0);
+  }
+  group_join(flood, "last", 0, 1);
+  Tandem__Cluster__RouterMessage *last = NULL;
+  while (!last) {
+    Tandem__Cluster__RouterMessage *m = wexpect(flood, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the flood");
+    answers++;
+    if (!strcmp(m->group_info->group, "last")) last = m;
+    else wfree(m);
+  }
+  cr_expect(last->group_info->ok, "%s", last->group_info->error);
+  wfree(last);
+  int64_t took = td_now_ms() - t0;
+  size_t after = live_heap();
+  /* each one-rank group ("warm" too): its GroupInfo, and "failed" when its rank joins the next */
+  cr_expect_eq(answers, N + 2, "%d answers", answers);
+  cr_expect_lt(after > before ? after - before : 0, (size_t)16 << 20,
+               "%d group joins left the heap %zu kB larger", N, (after - before) >> 10);
+  cr_expect_lt(took, 20000, "the flood took %lld ms", (long long)took);
+  /* a real group still forms */
+  void *follower = dealer(&h, h.wep, "g-rank1");
+  void *leader = dealer(&h, h.wep, "g-rank0");
+  group_join(follower, "g", 1, 2);
+  group_join(leader, "g", 0, 2);
+  for (int k = 0; k < 2; k++) {
+    Tandem__Cluster__RouterMessage *gi =
+        wexpect(k ? leader : follower, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the real group");
+    cr_expect(gi->group_info->ok, "%s", gi->group_info->error);
+    wfree(gi);
+  }
+  /* distinct peers: at most TD_ROUTER_MAX_GROUPS rendezvous (two are held: "last" and "g") */
+  enum { PEERS = TD_ROUTER_MAX_GROUPS - 2 };
+  void *peers[PEERS + 1];
+  for (int i = 0; i <= PEERS; i++) {
+    char id[32], name[32];
+    snprintf(id, sizeof id, "peer-%d", i);
+    snprintf(name, sizeof name, "pending-%d", i);
+    peers[i] = dealer(&h, h.wep, id);
+    group_join(peers[i], name, 0, 2);
+  }
+  Tandem__Cluster__RouterMessage *gi =
+      wexpect(peers[PEERS], TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the join past the bound");
+  cr_expect(!gi->group_info->ok);
+  cr_expect(strstr(gi->group_info->error, "TD_ROUTER_MAX_GROUPS"), "%s", gi->group_info->error);
+  wfree(gi);
+  Tandem__Cluster__RouterMessage *none = wrecv(peers[0], 100);
+  cr_expect(!none, "a pending rendezvous was answered");
+  if (none) wfree(none);
+  for (int i = 0; i <= PEERS; i++) zmq_close(peers[i]);
+  void *socks[] = {flood, follower, leader};
+  finish(&h, socks, 3);
 }
