@@ -66,6 +66,8 @@ typedef struct rreq {
   td_i32vec streamed;
   td_f32vec streamed_lp;
   int64_t t_arrival, t_placed, t_stage, deadline;
+  int64_t t_queued;      /* when this attempt entered the queue */
+  size_t held;           /* its client message's bytes, counted in r->held_bytes */
   int64_t t_reserved, t_encode_sent, t_encoded, t_first; /* stage times for Timings (0: not yet) */
   double encode_ms, prefill_ms;
   /* streamed text: one detokenizer a sequence, made at its first chunk */
@@ -134,6 +136,8 @@ struct td_router {
   uint64_t next_serial;
   uint64_t hb_seq;
   char wait_why[256];             /* why the queue's head waits */
+  bool wait_missing;              /* ... for a role no live worker has (td_placement.missing) */
+  long long held_bytes;           /* client messages of the requests held (queued and in flight) */
   /* the served model, from the first worker */
   bool have_model;
   int32_t model_start_token; /* the model's decoder start token (a resumed prompt's first) */
@@ -176,7 +180,8 @@ int rtr_groups_tick(td_loop *l, void *ctx);
 void rtr_groups_free(td_router *r);
 
 /* ---- requests.c */
-void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg);
+/* bytes: the client message's, held against max_held_bytes while the request lives */
+void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes);
 void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c);
 /* The request of this rid, or NULL (then the worker is told to let go of it). */
 rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w);

@@ -2,8 +2,10 @@
  * endpoints in a thread, fake workers and a client written here on raw
  * sockets. Registration, placement of a Generate, tokens and results back
  * with their offsets (across a retry too), cancel, stage timeouts,
- * deadlines, worker death, group rendezvous, and the refusal of a request
- * no registered decode worker can run. */
+ * deadlines, worker death, group rendezvous, the refusal of a request
+ * no registered decode worker can run, and the bounds against peers: a
+ * GroupJoin flood, the bytes of requests held, the wait for a role no live
+ * worker has (--capacity-wait-ms). */
 #include <criterion/criterion.h>
 #include <malloc.h>
 #include <pthread.h>
@@ -1005,4 +1007,117 @@ Test(router_control, a_group_join_flood_holds_one_rendezvous_a_peer, .timeout = 
   for (int i = 0; i <= PEERS; i++) zmq_close(peers[i]);
   void *socks[] = {flood, follower, leader};
   finish(&h, socks, 3);
+}
+
+/* ------------------------------------------------------------ failing fast */
+
+/* A request that needs an encoder where none is registered waits
+ * --capacity-wait-ms for one, then fails ERROR_UNAVAILABLE naming what is
+ * missing (it waited for its whole deadline, 600 s by default, before); an
+ * encoder that comes within the wait takes it. */
+Test(router_control, a_request_without_an_encoder_fails_after_the_capacity_wait, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.capacity_wait_ms = 300});
+  void *d = fake_worker(&h, "dec", (fake_opts){.roles = "d"});
+  int64_t t0 = td_now_ms();
+  generate(&h, (gen){.id = "a", .max_new = 2});
+  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "no encoder is registered");
+  int64_t took = td_now_ms() - t0;
+  cr_expect(took >= 300 && took < 300 + 1000, "failed after %lld ms, the wait is 300", (long long)took);
+  /* within the wait an encoder comes: the request is placed */
+  generate(&h, (gen){.id = "b", .max_new = 2});
+  usleep(100000);
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e"});
+  Tandem__Cluster__RouterMessage *job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "b's decode job");
+  cr_expect_str_eq(job->decode->req->client_id, "b");
+  wfree(job);
+  expect_quiet(&h, 500);
+  void *socks[] = {d, e};
+  finish(&h, socks, 2);
+}
+
+/* Encoders that are busy are load, not missing capacity: a request waits
+ * past --capacity-wait-ms for a full encoder queue and is placed once it
+ * frees. */
+Test(router_control, full_encoder_queues_are_waited_for_past_the_capacity_wait, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.capacity_wait_ms = 100});
+  enum { RUN = 3, RUNS = TD_DEFAULT_ENCODE_RUNS, SENT = 2 * RUNS + 1 };
+  void *both = fake_worker(&h, "both", (fake_opts){.roles = "ed", .enc_batch = RUN});
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e", .enc_batch = RUN});
+  char ids[SENT][8];
+  for (int i = 0; i < SENT; i++) {
+    snprintf(ids[i], sizeof ids[i], "r%d", i);
+    generate(&h, (gen){.id = ids[i], .max_new = 2});
+  }
+  uint64_t local_rid = 0;
+  for (int i = 0; i < 2 * RUNS; i++) {
+    Tandem__Cluster__RouterMessage *job = wexpect(both, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "a decode job");
+    if (job->decode->local_encode) local_rid = job->decode->req->rid;
+    wfree(job);
+  }
+  expect_quiet(&h, 400); /* the last one waits for a queue, past the capacity wait, with no error */
+  int32_t t[1] = {7};
+  send_tokens(both, local_rid, 0, t, 1);
+  Tandem__Cluster__RouterMessage *job = wexpect(both, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the last job");
+  cr_expect_str_eq(job->decode->req->client_id, ids[SENT - 1]);
+  wfree(job);
+  void *socks[] = {both, e};
+  finish(&h, socks, 2);
+}
+
+/* ------------------------------------------------------------ bytes held */
+
+/* A Generate of `pad` more bytes: an unknown field protobuf-c keeps, as a
+ * peer may send. */
+static void generate_padded(harness *h, const char *id, size_t pad) {
+  static int32_t ids[3] = {1, 2, 3};
+  Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+  g.request_id = (char *)id;
+  g.input_ids = ids;
+  g.n_input_ids = 3;
+  g.max_new_tokens = 2;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
+  m.generate = &g;
+  size_t n = tandem__client_message__get_packed_size(&m);
+  uint8_t *buf = calloc(1, n + pad + 16);
+  cr_assert_not_null(buf);
+  size_t k = tandem__client_message__pack(&m, buf);
+  size_t vals[2] = {1000 << 3 | 2, pad}; /* field 1000, length-delimited; its length */
+  for (int i = 0; i < 2; i++)
+    for (size_t v = vals[i];; v >>= 7) {
+      buf[k++] = (uint8_t)((v & 0x7f) | (v >> 7 ? 0x80 : 0));
+      if (!(v >> 7)) break;
+    }
+  cr_assert_eq(zmq_send(h->client, buf, k + pad, 0), (int)(k + pad));
+  free(buf);
+}
+
+/* The requests a router holds are bounded in bytes together
+ * (max_held_bytes), not only one message at a time: past it a request is
+ * refused ERROR_OVERLOADED saying so, and one finished makes room. */
+Test(router_control, the_bytes_of_requests_held_are_bounded_together, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.max_held_bytes = 8 << 20});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  uint64_t rid[2];
+  for (int i = 0; i < 2; i++) {
+    generate_padded(&h, i ? "b" : "a", 3 << 20);
+    Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "a decode job");
+    rid[i] = job->decode->req->rid;
+    wfree(job);
+  }
+  generate_padded(&h, "c", 3 << 20);
+  expect_error(&h, "c", TANDEM__ERROR_CODE__ERROR_OVERLOADED, "bytes of client messages");
+  int32_t t[2] = {1, 2};
+  send_finished(w, rid[0], t, 2);
+  cfree(cexpect(&h, TANDEM__SERVER_MESSAGE__BODY_RESULT, "a"));
+  generate_padded(&h, "d", 3 << 20);
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "d, once a finished");
+  cr_expect_str_eq(job->decode->req->client_id, "d");
+  wfree(job);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
 }
