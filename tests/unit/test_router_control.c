@@ -10,7 +10,11 @@
 #include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "common/clock.h"
@@ -972,6 +976,8 @@ Test(router_control, a_group_join_flood_holds_one_rendezvous_a_peer, .timeout = 
   size_t after = live_heap();
   /* each one-rank group ("warm" too): its GroupInfo, and "failed" when its rank joins the next */
   cr_expect_eq(answers, N + 2, "%d answers", answers);
+  cr_log_info("%d group joins in %lld ms: the heap grew by %zd kB", N, (long long)took,
+              ((ssize_t)after - (ssize_t)before) / 1024);
   cr_expect_lt(after > before ? after - before : 0, (size_t)16 << 20,
                "%d group joins left the heap %zu kB larger", N, (after - before) >> 10);
   cr_expect_lt(took, 20000, "the flood took %lld ms", (long long)took);
@@ -1120,4 +1126,79 @@ Test(router_control, the_bytes_of_requests_held_are_bounded_together, .timeout =
   wfree(job);
   void *socks[] = {w};
   finish(&h, socks, 1);
+}
+
+/* ------------------------------------------------------------ large client messages */
+
+/* This process's resident memory, kB: field "VmRSS:" of /proc/self/status. */
+static long rss_kb(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  long kb = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (!strncmp(line, "VmRSS:", 6)) kb = atol(line + 6);
+  if (f) fclose(f);
+  return kb;
+}
+
+/* A loopback port free a moment ago (a plain socket: closed at once). */
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  cr_assert_geq(fd, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t l = sizeof a;
+  cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &l), 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+/* Four clients send a 60 MB message each over tcp (the size limits hold
+ * on tcp, not inproc): the client socket takes TD_CLIENT_MAX_MSG_BYTES
+ * (17 MiB), so each connection is dropped at its frame's header and the
+ * router's process grows by under 64 MB (with the 64 MiB limit of every
+ * socket it took the four: 4 x 60 MB in libzmq, then a copy each). The
+ * messages point into a read-only anonymous mapping: nothing of them is
+ * allocated here. The router answers a health request after. */
+Test(router_control, four_60mb_client_messages_leave_the_router_bounded, .timeout = 60) {
+  harness h;
+  memset(&h, 0, sizeof h);
+  td_log_set_level(TD_LOG_ERROR);
+  h.ctx = zmq_ctx_new();
+  snprintf(h.cep, sizeof h.cep, "tcp://127.0.0.1:%d", free_port());
+  snprintf(h.wep, sizeof h.wep, "inproc://router-workers");
+  td_router_opts o = {.client_endpoint = h.cep, .worker_endpoint = h.wep, .zmq_ctx = h.ctx, .heartbeat_ms = 1000,
+                      .dead_after = 30};
+  cr_assert_eq(td_router_create(&o, &h.r), TD_OK, "%s", td_errmsg());
+  pthread_create(&h.th, NULL, run_router, &h);
+  h.client = dealer(&h, h.cep, NULL);
+  Tandem__ServerMessage *hm;
+  health(&h, &hm);
+  cfree(hm);
+  const size_t big = 60u << 20;
+  void *zero = mmap(NULL, big, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  cr_assert_neq(zero, MAP_FAILED);
+  long before = rss_kb(), peak = before;
+  void *c[4];
+  for (int i = 0; i < 4; i++) {
+    c[i] = zmq_socket(h.ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(c[i], ZMQ_LINGER, &linger, sizeof linger);
+    cr_assert_eq(zmq_connect(c[i], h.cep), 0);
+    zmq_msg_t m;
+    zmq_msg_init_data(&m, zero, big, NULL, NULL);
+    cr_assert_eq(zmq_msg_send(&m, c[i], 0), (int)big);
+  }
+  for (int64_t end = td_now_ms() + 2000; td_now_ms() < end; usleep(10000)) {
+    long now = rss_kb();
+    if (now > peak) peak = now;
+  }
+  for (int i = 0; i < 4; i++) zmq_close(c[i]);
+  munmap(zero, big);
+  cr_log_info("4 x 60 MB client messages: the process grew by %ld kB", peak - before);
+  cr_expect_lt(peak - before, 64 << 10, "4 x 60 MB messages took the router's process from %ld to %ld kB", before,
+               peak);
+  cr_expect_gt(health(&h, &hm)->decoders + 1, 0, "the router answers");
+  cfree(hm);
+  finish(&h, NULL, 0);
 }
