@@ -21,6 +21,7 @@
 #include "common/defaults.h"
 #include "common/log.h"
 #include "proto/wire.h"
+#include "client/client.h"
 #include "router/router.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -1153,6 +1154,21 @@ static int free_port(void) {
   return ntohs(a.sin_port);
 }
 
+/* The router with its client socket on a loopback tcp port (the size
+ * limits hold on tcp, not inproc; other processes' clients reach it). */
+static void start_tcp(harness *h) {
+  memset(h, 0, sizeof *h);
+  td_log_set_level(TD_LOG_ERROR);
+  h->ctx = zmq_ctx_new();
+  snprintf(h->cep, sizeof h->cep, "tcp://127.0.0.1:%d", free_port());
+  snprintf(h->wep, sizeof h->wep, "inproc://router-workers");
+  td_router_opts o = {.client_endpoint = h->cep, .worker_endpoint = h->wep, .zmq_ctx = h->ctx, .heartbeat_ms = 1000,
+                      .dead_after = 30};
+  cr_assert_eq(td_router_create(&o, &h->r), TD_OK, "%s", td_errmsg());
+  pthread_create(&h->th, NULL, run_router, h);
+  h->client = dealer(h, h->cep, NULL);
+}
+
 /* Four clients send a 60 MB message each over tcp (the size limits hold
  * on tcp, not inproc): the client socket takes TD_CLIENT_MAX_MSG_BYTES
  * (17 MiB), so each connection is dropped at its frame's header and the
@@ -1162,16 +1178,7 @@ static int free_port(void) {
  * allocated here. The router answers a health request after. */
 Test(router_control, four_60mb_client_messages_leave_the_router_bounded, .timeout = 60) {
   harness h;
-  memset(&h, 0, sizeof h);
-  td_log_set_level(TD_LOG_ERROR);
-  h.ctx = zmq_ctx_new();
-  snprintf(h.cep, sizeof h.cep, "tcp://127.0.0.1:%d", free_port());
-  snprintf(h.wep, sizeof h.wep, "inproc://router-workers");
-  td_router_opts o = {.client_endpoint = h.cep, .worker_endpoint = h.wep, .zmq_ctx = h.ctx, .heartbeat_ms = 1000,
-                      .dead_after = 30};
-  cr_assert_eq(td_router_create(&o, &h.r), TD_OK, "%s", td_errmsg());
-  pthread_create(&h.th, NULL, run_router, &h);
-  h.client = dealer(&h, h.cep, NULL);
+  start_tcp(&h);
   Tandem__ServerMessage *hm;
   health(&h, &hm);
   cfree(hm);
@@ -1200,5 +1207,39 @@ Test(router_control, four_60mb_client_messages_leave_the_router_bounded, .timeou
                peak);
   cr_expect_gt(health(&h, &hm)->decoders + 1, 0, "the router answers");
   cfree(hm);
+  finish(&h, NULL, 0);
+}
+
+/* ------------------------------------------------------------ the client library */
+
+/* td_client_connect_wait reports a router that is not there within its
+ * timeout, naming the endpoint, and finds one that is; the library refuses
+ * a request larger than a router takes (whose socket would drop the
+ * connection without a word) before sending it. */
+Test(router_control, the_client_reports_an_unreachable_router_and_an_oversized_request, .timeout = 30) {
+  char ep[64];
+  snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+  td_client *cl = NULL;
+  int64_t t0 = td_now_ms();
+  cr_expect_eq(td_client_connect_wait(ep, 500, &cl), TD_ERR_PEER);
+  int64_t took = td_now_ms() - t0;
+  cr_expect(took >= 500 && took < 1500, "reported after %lld ms, the timeout is 500", (long long)took);
+  char want[128];
+  snprintf(want, sizeof want, "no router answers at %s within 500 ms", ep);
+  cr_expect(strstr(td_errmsg(), want), "%s", td_errmsg());
+  cr_expect(!cl);
+  harness h;
+  start_tcp(&h);
+  cr_assert_eq(td_client_connect_wait(h.cep, 5000, &cl), TD_OK, "%s", td_errmsg());
+  td_json_request *q = calloc(1, sizeof *q);
+  snprintf(q->id, sizeof q->id, "big");
+  q->audio_len = TD_CLIENT_MAX_MSG_BYTES + 1;
+  q->audio = calloc(1, q->audio_len);
+  cr_expect_eq(td_client_generate(cl, q, false, 0), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "TD_CLIENT_MAX_MSG_BYTES"), "%s", td_errmsg());
+  cr_expect_eq(td_client_pending(cl), 0);
+  free(q->audio);
+  free(q);
+  td_client_close(cl);
   finish(&h, NULL, 0);
 }
