@@ -459,6 +459,8 @@ int rtr_requests_tick(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
   int64_t t = td_now_ms();
+  /* placed afresh first: a worker that registered this turn is not missing */
+  if (r->wait_missing) (void)rtr_place_queue(l, r);
   rreq *q, *tmp;
   HASH_ITER(hh, r->by_rid, q, tmp) {
     if (t > q->deadline) {
