@@ -169,7 +169,7 @@ static void cl_result(void *ctx, const td_client_result *res) {
 
 static td_status run_cluster(const opts *o, run *r) {
   td_client *c;
-  TD_TRY(td_client_connect(o->router, &c));
+  TD_TRY(td_client_connect_wait(o->router, TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS, &c)); /* a wrong --router says so */
   td_client_events ev = {.on_tokens = cl_tokens, .on_result = cl_result, .ctx = r};
   td_status s = TD_OK;
   r->t0 = now_ms();
