@@ -197,18 +197,23 @@ static td_finish finish_of(Tandem__FinishReason f) {
   }
 }
 
+static void chunk(const char *id, const Tandem__TokenChunk *t, const td_client_events *ev) {
+  if (ev && ev->on_text && t->has_text && t->text) ev->on_text(ev->ctx, id, (int)t->sequence, (int)t->offset, t->text);
+  if (ev && ev->on_tokens)
+    ev->on_tokens(ev->ctx, id, (int)t->sequence, (int)t->offset, t->tokens, t->n_logprobs ? t->logprobs : NULL,
+                  (int)t->n_tokens);
+}
+
 static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_events *ev) {
   const char *id = m->request_id ? m->request_id : "";
   switch (m->body_case) {
-    case TANDEM__SERVER_MESSAGE__BODY_TOKENS: {
-      Tandem__TokenChunk *t = m->tokens;
-      if (ev && ev->on_text && t->has_text && t->text)
-        ev->on_text(ev->ctx, id, (int)t->sequence, (int)t->offset, t->text);
-      if (ev && ev->on_tokens)
-        ev->on_tokens(ev->ctx, id, (int)t->sequence, (int)t->offset, t->tokens, t->n_logprobs ? t->logprobs : NULL,
-                      (int)t->n_tokens);
+    case TANDEM__SERVER_MESSAGE__BODY_TOKENS: chunk(id, m->tokens, ev); break;
+    case TANDEM__SERVER_MESSAGE__BODY_CHUNKS:
+      for (size_t i = 0; i < m->chunks->n_items; i++) {
+        const Tandem__RequestChunk *it = m->chunks->items[i];
+        if (it->chunk) chunk(it->request_id ? it->request_id : "", it->chunk, ev);
+      }
       break;
-    }
     case TANDEM__SERVER_MESSAGE__BODY_RESULT: {
       Tandem__GenerateResult *g = m->result;
       td_seq_output outs[64];

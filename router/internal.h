@@ -118,9 +118,22 @@ struct group_rv {
   UT_hash_handle hh;
 };
 
+/* A token chunk held back while a worker's TokensBatch is handled, so that
+ * each client gets one message for the batch (router/stream.c). */
+typedef struct chunk_out {
+  uint8_t client[TD_WIRE_MAX_ID];
+  size_t client_len;
+  char *cid;                 /* owned */
+  char *text;                /* owned, or NULL */
+  Tandem__TokenChunk chunk;  /* its tokens point into the worker's message */
+} chunk_out;
+
 struct td_router {
   td_router_opts o;
   td_place_opts place_opts;
+  bool batching;                  /* chunks go to the outbox (a TokensBatch is being handled) */
+  chunk_out *outbox;
+  int n_outbox, cap_outbox;
   void *ctx, *csock, *wsock;
   bool own_ctx;
   volatile sig_atomic_t *stop;    /* td_router_run's */

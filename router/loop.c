@@ -250,6 +250,7 @@ void td_router_destroy(td_router *r) {
   rtr_workers_free(r);
   rtr_groups_free(r);
   td_ptrvec_free(&r->queue);
+  free(r->outbox); /* empty between messages */
   free(r->model_type);
   free(r->model_name);
   if (r->csock) zmq_close(r->csock);

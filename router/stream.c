@@ -62,6 +62,71 @@ static void on_prefill_done(td_router *r, worker *w, const Tandem__Cluster__Pref
   q->t_stage = td_now_ms();
 }
 
+/* Keeps a chunk for flush_chunks; false (send it now) when out of memory. */
+static bool hold_chunk(td_router *r, const rreq *q, const Tandem__TokenChunk *c, char *text) {
+  if (r->n_outbox == r->cap_outbox) {
+    int cap = r->cap_outbox ? 2 * r->cap_outbox : 64;
+    chunk_out *g = realloc(r->outbox, sizeof *g * (size_t)cap);
+    if (!g) return false;
+    r->outbox = g;
+    r->cap_outbox = cap;
+  }
+  char *cid = strdup(q->cid); /* the request may end before the flush */
+  if (!cid) return false;
+  chunk_out *o = &r->outbox[r->n_outbox++];
+  memcpy(o->client, q->client, q->client_len);
+  o->client_len = q->client_len;
+  o->cid = cid;
+  o->text = text;
+  o->chunk = *c;
+  return true;
+}
+
+/* Sends the held chunks: one message a client (a plain chunk when it has one). */
+static void flush_chunks(td_router *r) {
+  int n = r->n_outbox;
+  bool *sent = calloc((size_t)(n ? n : 1), sizeof *sent);
+  Tandem__RequestChunk *items = calloc((size_t)(n ? n : 1), sizeof *items);
+  Tandem__RequestChunk **ptrs = calloc((size_t)(n ? n : 1), sizeof *ptrs);
+  for (int i = 0; i < n; i++) {
+    if (sent && sent[i]) continue;
+    chunk_out *o = &r->outbox[i];
+    int k = 0;
+    for (int j = i; j < n && items && ptrs && sent; j++) {
+      chunk_out *p = &r->outbox[j];
+      if (sent[j] || p->client_len != o->client_len || memcmp(p->client, o->client, o->client_len)) continue;
+      sent[j] = true;
+      tandem__request_chunk__init(&items[k]);
+      items[k].request_id = p->cid;
+      items[k].chunk = &p->chunk;
+      ptrs[k] = &items[k];
+      k++;
+    }
+    Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
+    Tandem__ChunkBatch cb = TANDEM__CHUNK_BATCH__INIT;
+    if (k > 1) {
+      cb.items = ptrs;
+      cb.n_items = (size_t)k;
+      sm.request_id = "";
+      sm.body_case = TANDEM__SERVER_MESSAGE__BODY_CHUNKS;
+      sm.chunks = &cb;
+    } else { /* one chunk, or no memory to group: each on its own */
+      sm.request_id = o->cid;
+      sm.body_case = TANDEM__SERVER_MESSAGE__BODY_TOKENS;
+      sm.tokens = &o->chunk;
+    }
+    rtr_send_client(r, o->client, o->client_len, &sm);
+  }
+  for (int i = 0; i < n; i++) {
+    free(r->outbox[i].cid);
+    free(r->outbox[i].text);
+  }
+  free(sent);
+  free(items);
+  free(ptrs);
+  r->n_outbox = 0;
+}
+
 static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t) {
   rreq *q = rtr_req_for(r, t->rid, w);
   if (!q || strcmp(w->id, q->dec_w)) return;
@@ -97,6 +162,7 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
     c.text = text;
     c.has_text = true;
   }
+  if (r->batching && hold_chunk(r, q, &c, text)) return;
   Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
   sm.request_id = q->cid;
   sm.body_case = TANDEM__SERVER_MESSAGE__BODY_TOKENS;
@@ -188,7 +254,10 @@ void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m)
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_PREFILL_DONE: on_prefill_done(r, w, m->prefill_done); break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS: on_tokens(r, w, m->tokens); break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS_BATCH:
+      r->batching = true;
       for (size_t i = 0; i < m->tokens_batch->n_items; i++) on_tokens(r, w, m->tokens_batch->items[i]);
+      r->batching = false;
+      flush_chunks(r);
       break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED: on_finished(r, w, m->finished); break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED: on_failed(r, w, m->failed); break;

@@ -303,13 +303,46 @@ static void expect_error(harness *h, const char *id, Tandem__ErrorCode code, con
   cfree(m);
 }
 
+/* Chunks arrive one a message or several in a ChunkBatch; they are taken
+ * in order, a message read when none is held. */
+typedef struct held_chunk {
+  char id[64];
+  uint32_t offset;
+  int32_t t[64];
+  size_t n;
+} held_chunk;
+static held_chunk held[256];
+static int n_held, at_held, batches_seen;
+
+static void hold(const char *id, const Tandem__TokenChunk *c) {
+  cr_assert_lt(n_held, 256);
+  held_chunk *x = &held[n_held++];
+  snprintf(x->id, sizeof x->id, "%s", id);
+  x->offset = c->offset;
+  cr_assert_leq(c->n_tokens, 64);
+  x->n = c->n_tokens;
+  memcpy(x->t, c->tokens, sizeof *x->t * c->n_tokens);
+}
+
 static void expect_chunk(harness *h, const char *id, uint32_t offset, const int32_t *t, size_t n) {
-  Tandem__ServerMessage *m = cexpect(h, TANDEM__SERVER_MESSAGE__BODY_TOKENS, "a token chunk");
-  cr_expect_str_eq(m->request_id, id);
-  cr_expect_eq(m->tokens->offset, offset, "chunk at offset %u, want %u", m->tokens->offset, offset);
-  cr_assert_eq(m->tokens->n_tokens, n);
-  cr_expect_arr_eq(m->tokens->tokens, t, sizeof *t * n);
-  cfree(m);
+  if (at_held == n_held) {
+    n_held = at_held = 0;
+    Tandem__ServerMessage *m = crecv(h, WAIT_MS);
+    cr_assert_not_null(m, "a token chunk: nothing came");
+    if (m->body_case == TANDEM__SERVER_MESSAGE__BODY_TOKENS) {
+      hold(m->request_id, m->tokens);
+    } else {
+      cr_assert_eq(m->body_case, TANDEM__SERVER_MESSAGE__BODY_CHUNKS, "a token chunk: message %d", (int)m->body_case);
+      batches_seen++;
+      for (size_t i = 0; i < m->chunks->n_items; i++) hold(m->chunks->items[i]->request_id, m->chunks->items[i]->chunk);
+    }
+    cfree(m);
+  }
+  held_chunk *x = &held[at_held++];
+  cr_expect_str_eq(x->id, id);
+  cr_expect_eq(x->offset, offset, "chunk at offset %u, want %u", x->offset, offset);
+  cr_assert_eq(x->n, n);
+  cr_expect_arr_eq(x->t, t, sizeof *t * n);
 }
 
 static void expect_result(harness *h, const char *id, const int32_t *t, size_t n, uint32_t attempts) {
@@ -403,7 +436,8 @@ Test(router_control, generate_is_placed_and_tokens_flow_back_with_offsets, .time
 }
 
 /* A worker's step of many sequences comes as one TokensBatch: each item
- * reaches its own request, in order. */
+ * reaches its own request, in order, and a client's chunks of the batch
+ * go to it as one ChunkBatch. */
 Test(router_control, a_batch_of_tokens_reaches_each_request, .timeout = 30) {
   harness h;
   start(&h, (td_router_opts){0});
@@ -435,10 +469,12 @@ Test(router_control, a_batch_of_tokens_reaches_each_request, .timeout = 30) {
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS_BATCH;
   m.tokens_batch = &b;
   send_body(w, &m);
+  batches_seen = 0;
   expect_chunk(&h, "a", 0, ta, 1);
   expect_chunk(&h, "b", 0, tb, 1);
   expect_chunk(&h, "a", 1, ta + 1, 1);
   expect_chunk(&h, "b", 1, tb + 1, 1);
+  cr_expect_eq(batches_seen, 1, "the batch's four chunks came in %d ChunkBatch messages, want one", batches_seen);
   send_finished(w, rid[0], ta, 2);
   expect_result(&h, "a", ta, 2, 1);
   send_finished(w, rid[1], tb, 2);
