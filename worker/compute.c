@@ -501,7 +501,8 @@ static void *compute_main(void *arg) {
      * its health never shows the last requests as still running */
     bool news = idle && (w->load.running || w->load.queued);
     if (news) w->idle_news = true;
-    w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free, st.encodes};
+    w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free, st.encodes, st.cache_hits,
+                          st.cache_blocks};
     pthread_mutex_unlock(&w->mu);
     if (news) {
       uint64_t one = 1;
