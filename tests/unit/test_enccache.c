@@ -61,6 +61,7 @@ typedef struct cfg {
   double fraction;
   int cross_blocks, self_blocks, max_batch, max_tokens, block_size;
   bool recompute_cross;
+  td_cross_mode cross_mode;
 } cfg;
 
 static void open_h(harness *h, const char *model, const cfg *c) {
@@ -70,7 +71,7 @@ static void open_h(harness *h, const char *model, const cfg *c) {
   cr_assert(td_backend_create(&bo, &h->b) == TD_OK);
   int mb = c->max_batch ? c->max_batch : 16, mt = c->max_tokens ? c->max_tokens : 128;
   td_model_opts mo = {.block_size = c->block_size ? c->block_size : 4, .max_seqs = mb, .max_tokens = mt,
-                      .max_logits = mt, .max_enc_tokens = 256, .max_enc_seqs = 8};
+                      .max_logits = mt, .max_enc_tokens = 256, .max_enc_seqs = 8, .cross_mode = c->cross_mode};
   cr_assert(td_model_load(h->fx.dir, h->b, &mo, &h->m) == TD_OK, "%s", td_errmsg());
   td_engine_opts eo = {.self_blocks = c->self_blocks ? c->self_blocks : 256,
                        .cross_blocks = c->cross_blocks ? c->cross_blocks : 256, .max_running = mb,
@@ -217,6 +218,30 @@ static void check_hits(const char *model) {
 Test(enccache, t5_tiny_hits) { check_hits("t5-tiny"); }
 Test(enccache, bart_tiny_hits) { check_hits("bart-tiny"); }
 Test(enccache, whisper_tiny_hits) { check_hits("whisper-tiny"); }
+
+/* Whatever the cross pool holds (per-layer K/V, encoder states, both): the
+ * cache shares block ids only, and the tokens stay the reference's. */
+Test(enccache, every_cross_mode) {
+  const td_cross_mode modes[] = {TD_CROSS_KV, TD_CROSS_STATES, TD_CROSS_DUAL};
+  const char *models[] = {"t5-tiny", "whisper-tiny"};
+  for (int k = 0; k < 2; k++)
+    for (int mi = 0; mi < 3; mi++) {
+      harness h;
+      cfg c = {.fraction = 0.5, .cross_mode = modes[mi]};
+      open_h(&h, models[k], &c);
+      int n = h.fx.n;
+      for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < n; i++) add(&h, i, round * n + i, GREEDY, false);
+        drain(&h);
+      }
+      td_engine_stats st = td_engine_get_stats(h.e);
+      cr_expect_eq(st.encodes, n, "%s, cross mode %d: %lld encoder runs", models[k], (int)modes[mi],
+                   (long long)st.encodes);
+      cr_expect_eq(st.cache_hits, n);
+      for (int i = 0; i < 2 * n; i++) greedy_tokens_are_reference(&h, i, i % n);
+      close_h(&h);
+    }
+}
 
 /* One input asked three times in one batch: encoded once, shared at once. */
 Test(enccache, same_batch_shares) {
