@@ -5,7 +5,7 @@
  * goodput; a table on stdout, a section in bench/RESULTS.md (--record),
  * a PNG of latency against throughput over a sweep of rates (--plot).
  *
- *   bench-serve (--router EP | --engine --model DIR [--device cpu|cuda])
+ *   bench-serve (--router EP | --gateway URL [--gateway-model NAME] | --engine --model DIR [--device cpu|cuda])
  *               [--workload trt|whisper|long|FILE.jsonl] [--requests N] [--seed S]
  *               [--concurrency C | --rate R | --sweep R1,R2,...]
  *               [--ttft-bound MS] [--tpot-bound MS] [--model DIR] [--vocab N]
@@ -14,7 +14,8 @@
  *
  * Arrivals: all requests at once (the default), a closed loop of C in
  * flight, an open loop of Poisson arrivals at R requests a second, or one
- * run per rate of a sweep. The engine target is what tandem-generate runs,
+ * run per rate of a sweep. --gateway sends the same requests as streamed
+ * /v1/completions calls to tandem-gateway over HTTP (serve_http.c). The engine target is what tandem-generate runs,
  * driven step by step; its load time is not counted. */
 #include <errno.h>
 #include <getopt.h>
@@ -37,13 +38,14 @@
 #include "engine/engine.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "serve_http.h"
 #include "serve_stats.h"
 #include "serve_workload.h"
 
 #define MAX_SWEEP 16
 
 typedef struct opts {
-  const char *router, *model, *device, *workload, *label, *plot;
+  const char *router, *gateway, *gateway_model, *model, *device, *workload, *label, *plot;
   bool engine, record;
   int n, concurrency, vocab, max_batch, max_tokens, kv_blocks, cross_blocks, timeout_ms, max_enc_tokens, max_enc_seqs;
   double mem_fraction;
@@ -192,6 +194,37 @@ static td_status run_cluster(const opts *o, run *r) {
   return s;
 }
 
+/* ---------------------------------------------------------------- the gateway (HTTP) */
+
+static void gw_first(void *ctx, int i) { token_seen(ctx, i, 0); }
+static void gw_done(void *ctx, int i, bool ok, int n_tokens) { result_seen(ctx, i, ok, n_tokens); }
+
+static td_status run_gateway(const opts *o, run *r) {
+  td_http_bench *h;
+  TD_TRY(td_http_bench_create(o->gateway, o->gateway_model, &h));
+  td_http_events ev = {.first = gw_first, .done = gw_done, .ctx = r};
+  td_status s = TD_OK;
+  r->t0 = now_ms();
+  double deadline = r->t0 + o->timeout_ms + 60000.0;
+  while (r->done < r->w->n && s == TD_OK) {
+    double t = now_ms();
+    while (due(r, t)) {
+      int i = r->next++;
+      r->s[i].submit_ms = r->concurrency > 0 ? t : r->t0 + r->arrive[i];
+      if ((s = td_http_bench_submit(h, &r->w->reqs[i], i)) != TD_OK) break;
+      r->in_flight++;
+    }
+    if (s != TD_OK) break;
+    if (t > deadline) {
+      s = td_err(TD_ERR_TIMEOUT, "%d of %d requests unanswered", r->w->n - r->done, r->w->n);
+      break;
+    }
+    s = td_http_bench_poll(h, wait_ms(r, t, 20), &ev);
+  }
+  td_http_bench_destroy(h);
+  return s;
+}
+
 /* ---------------------------------------------------------------- the engine */
 
 typedef struct eng {
@@ -324,7 +357,8 @@ static td_status plot(const char *png, const td_serve_summary *m, int n, const c
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: bench-serve (--router EP | --engine --model DIR [--device cpu|cuda])\n"
+          "usage: bench-serve (--router EP | --gateway URL [--gateway-model NAME] | --engine --model DIR\n"
+          "                   [--device cpu|cuda])\n"
           "                   [--workload trt|whisper|long|FILE.jsonl] [--requests N] [--seed S]\n"
           "                   [--concurrency C | --rate R | --sweep R1,R2,...] [--ttft-bound MS] [--tpot-bound MS]\n"
           "                   [--model DIR] [--vocab N] [--max-batch N] [--max-tokens N] [--kv-blocks N]\n"
@@ -369,6 +403,7 @@ int main(int argc, char **argv) {
   const td_bench_out out = {.results = getenv("TD_RESULTS"), .commit = getenv("TD_COMMIT")};
   static const struct option lo[] = {
       {"router", required_argument, 0, 'r'},       {"engine", no_argument, 0, 'E'},
+      {"gateway", required_argument, 0, 'g'},      {"gateway-model", required_argument, 0, 'G'},
       {"model", required_argument, 0, 'm'},        {"device", required_argument, 0, 'd'},
       {"workload", required_argument, 0, 'w'},     {"requests", required_argument, 0, 'n'},
       {"seed", required_argument, 0, 's'},         {"concurrency", required_argument, 0, 'c'},
@@ -389,6 +424,8 @@ int main(int argc, char **argv) {
   while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
     switch (c) {
       case 'r': o.router = optarg; break;
+      case 'g': o.gateway = optarg; break;
+      case 'G': o.gateway_model = optarg; break;
       case 'E': o.engine = true; break;
       case 'm': o.model = optarg; break;
       case 'd': o.device = optarg; break;
@@ -470,9 +507,10 @@ int main(int argc, char **argv) {
       default: usage(stderr); return 2;
     }
   }
-  if (!!o.router == o.engine || (o.engine && !o.model) || (o.concurrency && o.n_rates)) {
+  if (!!o.router + !!o.gateway + o.engine != 1 || (o.engine && !o.model) || (o.concurrency && o.n_rates)) {
     usage(stderr);
-    fprintf(stderr, "bench-serve: one target (--router or --engine with --model); --concurrency or rates, not both\n");
+    fprintf(stderr, "bench-serve: one target (--router, --gateway or --engine with --model); --concurrency or rates, "
+                    "not both\n");
     return 2;
   }
   /* the workload's shape from the model when given */
@@ -507,6 +545,8 @@ int main(int argc, char **argv) {
   if (o.engine)
     snprintf(target, sizeof target, "engine in process (%s, %s; load %.1f s, not counted)", o.model,
              td_backend_name(g.b), load_s);
+  else if (o.gateway)
+    snprintf(target, sizeof target, "gateway at %s (HTTP, streamed completions)", o.gateway);
   else
     snprintf(target, sizeof target, "cluster at %s", o.router);
   int n_runs = o.n_rates ? o.n_rates : 1;
@@ -521,7 +561,7 @@ int main(int argc, char **argv) {
                        "TPOT ms p50 / p90 / p99 | end-to-end ms p50 / p90 / p99 | goodput req/s |\n"
                        "|---|---|---|---|---|---|---|---|---|\n");
   td_sbuf stages = {0};
-  if (!o.engine)
+  if (o.router)
     td_sbuf_printf(&stages, "\nWhere the time went, as the router saw it (mean ms a request; transfer: the "
                             "encoder's wait and KV push):\n\n| arrivals | queue | reserve | encode | transfer | "
                             "prefill | first token | decode | total | attempts |\n|---|---|---|---|---|---|---|---|---|---|\n");
@@ -530,7 +570,7 @@ int main(int argc, char **argv) {
     double rate = o.n_rates ? o.rates[k] : 0;
     run r;
     td_status s = run_init(&r, &w, rate, o.concurrency, o.seed + 7919 * (uint64_t)k);
-    if (s == TD_OK) s = o.engine ? run_engine(&g, &r) : run_cluster(&o, &r);
+    if (s == TD_OK) s = o.engine ? run_engine(&g, &r) : o.gateway ? run_gateway(&o, &r) : run_cluster(&o, &r);
     if (s == TD_OK) s = td_serve_summarize(r.s, w.n, o.ttft_bound, o.tpot_bound, &sums[k]);
     if (s != TD_OK) {
       fprintf(stderr, "bench-serve: %s\n", td_errmsg());
@@ -538,7 +578,7 @@ int main(int argc, char **argv) {
     } else {
       char arr[64];
       row(&tab, arrivals_name(&o, rate, arr, sizeof arr), &sums[k]);
-      if (!o.engine && r.n_staged) {
+      if (o.router && r.n_staged) {
         const td_client_timings *a = &r.stages;
         double d = r.n_staged;
         td_sbuf_printf(&stages, "| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f |\n", arr,
@@ -569,7 +609,8 @@ int main(int argc, char **argv) {
   }
   if (rc == 0 && o.record) {
     char title[256];
-    snprintf(title, sizeof title, "bench-serve: %s, %s workload", o.engine ? "engine" : "cluster", o.workload);
+    snprintf(title, sizeof title, "bench-serve: %s, %s workload",
+             o.engine ? "engine" : o.gateway ? "gateway (HTTP)" : "cluster", o.workload);
     if (td_bench_record(&out, title, o.engine ? td_backend_name(g.b) : td_bench_cpu_name(), tab.s) != 0) rc = 1;
   }
   td_sbuf_free(&tab);

@@ -104,6 +104,26 @@
 #define TD_TOKENIZER_MAX_FILE_BYTES (256u << 20) /* tokenizer.json and friends (multilingual vocabularies run to tens of MB) */
 #define TD_TOKENIZER_MAX_VOCAB (1 << 24)        /* token ids a tokenizer may name */
 
+/* ---- gateway (tandem-gateway, td_gateway_opts left 0; docs/gateway.md) ---- */
+#define TD_GATEWAY_DEFAULT_PORT 8000
+#define TD_GATEWAY_MAX_BODY_BYTES (25u << 20)  /* an upload (OpenAI's audio limit); larger: 413 */
+#define TD_GATEWAY_MAX_JSON_BYTES (2u << 20)   /* a JSON request body; larger: 413 */
+#define TD_GATEWAY_MAX_HELD_BYTES (1ull << 30) /* uploads held at once, all connections together; more: 503 */
+#define TD_GATEWAY_MAX_CONNECTIONS 512         /* open HTTP connections (one thread each); more are closed */
+#define TD_GATEWAY_MAX_REQUESTS 256            /* API requests in flight; more: 429 */
+#define TD_GATEWAY_CONN_MEMORY_BYTES (64u << 10) /* a connection's buffer: request line and headers must fit (431) */
+#define TD_GATEWAY_IDLE_TIMEOUT_S 30           /* a connection that sends nothing this long is closed */
+#define TD_GATEWAY_MAX_PROMPTS 32              /* prompts one completion request batches */
+#define TD_GATEWAY_MAX_STOP 4                  /* stop strings (OpenAI's limit) */
+#define TD_GATEWAY_MAX_STOP_BYTES 256          /* bytes of one stop string */
+#define TD_GATEWAY_MAX_TOKENS 65536            /* max_tokens beyond this is refused before the router sees it */
+#define TD_GATEWAY_DEFAULT_MAX_TOKENS 16       /* OpenAI's default max_tokens for completions */
+#define TD_GATEWAY_MAX_AUDIO_SECONDS 600.0     /* audio decoded at most (longer: 413); beyond the model's window: 400 */
+#define TD_GATEWAY_STREAM_INTERVAL_MS 5         /* a stream's events after the first come at most this often (docs/gateway.md) */
+#define TD_GATEWAY_IO_POLL_MS 1                /* the router link polls this often while requests are in flight */
+#define TD_GATEWAY_HEALTH_TIMEOUT_MS 1000      /* GET /health waits this long for the router */
+#define TD_GATEWAY_WAIT_GRACE_MS 10000         /* a request's HTTP side waits this long past its router deadline */
+
 /* ---- CUDA backend tuning (td_cuda_tuning's zero values; measured best on
  * H100: docs/cuda.md, "Tuning knobs") ---- */
 #define TD_CUDA_DEFAULT_SKINNY_ROWS 16     /* few-row GEMMs on the skinny kernel up to this many rows */

@@ -4,8 +4,10 @@
 # model (tests/data/toy-numbers-t5: number words to digits) or --model. The
 # router takes text (and, for Whisper, audio) when the model folder has a
 # tokenizer (--tokenizer DIR names another folder). Prints "router
-# tcp://HOST:PORT" once it serves. Ctrl-C or SIGTERM stops every process;
-# --demo sends sample requests, prints the results and stops.
+# tcp://HOST:PORT" once it serves, and "gateway http://HOST:PORT" (the
+# OpenAI-compatible HTTP gateway) when there is a tokenizer. Ctrl-C or
+# SIGTERM stops every process; --demo sends sample requests, prints the
+# results and stops.
 #
 #   deploy/local.sh [--model DIR] [--tokenizer DIR] [--device cpu|cuda] [--port N] [--run-dir DIR]
 #                   (--port N: the router on N and N + 1; without it, a free pair below
@@ -23,6 +25,7 @@
 #                   [--gpu-memory-fraction F]         (of each GPU, for the workers on it together,
 #                                                     split by role: decode 3 parts, encode and
 #                                                     prefill 1; default 0.9)
+#                   [--gateway-port N | --no-gateway]  (the HTTP gateway; default: any free port)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model="$root/tests/data/toy-numbers-t5"
@@ -40,6 +43,8 @@ max_batch=""
 decoders_encode=0
 local_encode_pct=""
 mem_fraction=0.9
+gateway_port=0
+gateway=1
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -60,8 +65,10 @@ while (($#)); do
     --cross-mode) cross_mode=$2; shift 2 ;;
     --max-batch) max_batch=$2; shift 2 ;;
     --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
+    --gateway-port) gateway_port=$2; shift 2 ;;
+    --no-gateway) gateway=0; shift ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -224,6 +231,24 @@ for _ in $(seq 300); do
 done
 [[ $h == *"$want"* ]] || { echo "local.sh: the cluster did not come up; logs in $run_dir" >&2; exit 1; }
 echo "router $client_ep"
+
+# the HTTP gateway, where there is a tokenizer to turn text into ids
+tokenizer=${tokenizer:-$model}
+if ((gateway)) && [[ -f $tokenizer/tokenizer.json || -f $tokenizer/source.spm ]]; then
+  start gateway "$bin/tandem-gateway" --router "$client_ep" --model "$model" --tokenizer "$tokenizer" \
+    --port "$gateway_port"
+  gpid=${pids[-1]}
+  for _ in $(seq 200); do
+    grep -q "gateway serving" "$run_dir/gateway.log" 2>/dev/null && break
+    kill -0 "$gpid" 2>/dev/null || break
+    sleep 0.05
+  done
+  gw=$(grep -o "gateway serving http://[^ ]*" "$run_dir/gateway.log" 2>/dev/null | head -1 | cut -d' ' -f3)
+  [[ -n $gw ]] || { echo "local.sh: the gateway did not start; logs in $run_dir" >&2; exit 1; }
+  echo "gateway $gw"
+elif ((gateway)); then
+  echo "local.sh: no tokenizer in $tokenizer (--tokenizer DIR): no HTTP gateway" >&2
+fi
 echo "logs and pid files in $run_dir" >&2
 
 if ((demo)); then

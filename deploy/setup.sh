@@ -16,7 +16,10 @@ packages=(
   libcjson-dev uthash-dev libxxhash-dev                           # JSON, hash tables, hashing
   libsndfile1-dev libsoxr-dev libkissfft-dev                      # audio: decoding, resampling, FFT
   libpcre2-dev libutf8proc-dev libsentencepiece-dev               # tokenizers
+  libmicrohttpd-dev libcurl4-openssl-dev curl                     # gateway (HTTP server), bench-serve --gateway, its test
 )
+# the gateway's test runs the openai Node client (a Node from elsewhere brings its own npm)
+command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,243 @@
+/* bench-serve over HTTP: streamed completions to tandem-gateway. */
+#include "serve_http.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+#include <curl/curl.h>
+
+#include "common/log.h"
+
+typedef struct xfer {
+  td_http_bench *h;
+  CURL *e;
+  struct curl_slist *hdr;
+  char *body;
+  int index;
+  char *line; /* the SSE bytes not yet split into lines */
+  size_t n, cap;
+  bool first, done, failed;
+  int n_tokens;
+  struct xfer *prev, *next; /* the live transfers */
+} xfer;
+
+struct td_http_bench {
+  CURLM *m;
+  char url[512], model[256];
+  const td_http_events *ev; /* during a poll */
+  xfer *live;
+};
+
+static void event(xfer *x, const char *data) {
+  if (!strcmp(data, "[DONE]")) {
+    x->done = true;
+    return;
+  }
+  /* only the first event, the usage and errors are read: parsing every chunk would load the CPU the cluster shares */
+  if (x->first && !strstr(data, "\"usage\"") && !strstr(data, "\"error\"")) return;
+  cJSON *o = cJSON_Parse(data);
+  if (!o) return;
+  if (cJSON_GetObjectItem(o, "error")) {
+    const cJSON *m = cJSON_GetObjectItem(cJSON_GetObjectItem(o, "error"), "message");
+    TD_WARN("bench-serve: request %d: %s", x->index, cJSON_IsString(m) ? m->valuestring : "error");
+    x->failed = true;
+  }
+  const cJSON *ch = cJSON_GetObjectItem(o, "choices"), *u = cJSON_GetObjectItem(o, "usage");
+  if (cJSON_GetArraySize(ch) > 0 && !x->first) {
+    x->first = true;
+    if (x->h->ev && x->h->ev->first) x->h->ev->first(x->h->ev->ctx, x->index);
+  }
+  const cJSON *ct = u ? cJSON_GetObjectItem(u, "completion_tokens") : NULL;
+  if (cJSON_IsNumber(ct)) x->n_tokens = (int)ct->valuedouble;
+  cJSON_Delete(o);
+}
+
+static size_t on_data(char *p, size_t size, size_t nmemb, void *ctx) {
+  xfer *x = ctx;
+  size_t n = size * nmemb;
+  if (x->n + n + 1 > x->cap) {
+    size_t cap = (x->n + n + 1) * 2;
+    char *l = realloc(x->line, cap);
+    if (!l) return 0;
+    x->line = l;
+    x->cap = cap;
+  }
+  memcpy(x->line + x->n, p, n);
+  x->n += n;
+  x->line[x->n] = 0;
+  char *s = x->line, *nl;
+  while ((nl = strchr(s, '\n'))) {
+    *nl = 0;
+    if (!strncmp(s, "data: ", 6)) event(x, s + 6);
+    s = nl + 1;
+  }
+  x->n -= (size_t)(s - x->line);
+  memmove(x->line, s, x->n);
+  return n;
+}
+
+static size_t sink(char *p, size_t size, size_t nmemb, void *ctx) {
+  char **out = ctx;
+  size_t n = size * nmemb, have = *out ? strlen(*out) : 0;
+  if (have + n > (1u << 20)) return 0;
+  char *s = realloc(*out, have + n + 1);
+  if (!s) return 0;
+  memcpy(s + have, p, n);
+  s[have + n] = 0;
+  *out = s;
+  return n;
+}
+
+/* The first model GET /v1/models lists. */
+static td_status first_model(td_http_bench *h) {
+  CURL *e = curl_easy_init();
+  if (!e) return td_err(TD_ERR_NOMEM, "curl: cannot make a handle");
+  char url[600], *got = NULL;
+  snprintf(url, sizeof url, "%s/v1/models", h->url);
+  curl_easy_setopt(e, CURLOPT_URL, url);
+  curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
+  curl_easy_setopt(e, CURLOPT_WRITEDATA, &got);
+  curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, 10000L);
+  CURLcode rc = curl_easy_perform(e);
+  curl_easy_cleanup(e);
+  cJSON *o = rc == CURLE_OK && got ? cJSON_Parse(got) : NULL;
+  const cJSON *id = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "data"), 0), "id");
+  td_status s = TD_OK;
+  if (cJSON_IsString(id))
+    snprintf(h->model, sizeof h->model, "%s", id->valuestring);
+  else
+    s = td_err(TD_ERR_NETWORK, "%s: no model list (%s)", url, rc == CURLE_OK ? "bad answer" : curl_easy_strerror(rc));
+  cJSON_Delete(o);
+  free(got);
+  return s;
+}
+
+td_status td_http_bench_create(const char *url, const char *model, td_http_bench **out) {
+  *out = NULL;
+  if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) return td_err(TD_ERR_IO, "curl: global init failed");
+  td_http_bench *h = calloc(1, sizeof *h);
+  if (!h || !(h->m = curl_multi_init())) {
+    free(h);
+    return td_err(TD_ERR_NOMEM, "curl: cannot make a multi handle");
+  }
+  snprintf(h->url, sizeof h->url, "%s", url);
+  size_t n = strlen(h->url);
+  while (n && h->url[n - 1] == '/') h->url[--n] = 0;
+  if (model) {
+    snprintf(h->model, sizeof h->model, "%s", model);
+  } else {
+    td_status s = first_model(h);
+    if (s != TD_OK) {
+      td_http_bench_destroy(h);
+      return s;
+    }
+  }
+  *out = h;
+  return TD_OK;
+}
+
+static void xfer_free(xfer *x) {
+  if (x->prev) x->prev->next = x->next;
+  else if (x->h->live == x) x->h->live = x->next;
+  if (x->next) x->next->prev = x->prev;
+  if (x->e) {
+    curl_multi_remove_handle(x->h->m, x->e);
+    curl_easy_cleanup(x->e);
+  }
+  curl_slist_free_all(x->hdr);
+  free(x->body);
+  free(x->line);
+  free(x);
+}
+
+void td_http_bench_destroy(td_http_bench *h) {
+  if (!h) return;
+  while (h->live) xfer_free(h->live);
+  if (h->m) curl_multi_cleanup(h->m);
+  free(h);
+  curl_global_cleanup();
+}
+
+static char *body_of(const td_http_bench *h, const td_json_request *r) {
+  const td_request_params *q = &r->params;
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "model", h->model);
+  cJSON *p = cJSON_AddArrayToObject(o, "prompt");
+  for (int i = 0; i < r->n_input; i++) cJSON_AddItemToArray(p, cJSON_CreateNumber(r->input_ids[i]));
+  if (q->max_new_tokens > 0) cJSON_AddNumberToObject(o, "max_tokens", q->max_new_tokens);
+  if (q->temperature > 0) cJSON_AddNumberToObject(o, "temperature", q->temperature);
+  if (q->top_p < 1) cJSON_AddNumberToObject(o, "top_p", q->top_p);
+  if (q->top_k > 0) cJSON_AddNumberToObject(o, "top_k", q->top_k);
+  if (q->has_seed) cJSON_AddNumberToObject(o, "seed", (double)q->seed);
+  if (q->n > 1) cJSON_AddNumberToObject(o, "n", q->n);
+  if (q->ignore_eos) cJSON_AddTrueToObject(o, "ignore_eos");
+  cJSON_AddTrueToObject(o, "stream");
+  cJSON_AddTrueToObject(cJSON_AddObjectToObject(o, "stream_options"), "include_usage");
+  char *s = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  return s;
+}
+
+td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int index) {
+  if (r->features || r->n_prompt || r->params.num_beams > 1)
+    return td_err(TD_ERR_UNSUPPORTED, "request %s: --gateway sends token-id prompts only (no audio features, decoder "
+                                      "prompt or beams)", r->id);
+  xfer *x = calloc(1, sizeof *x);
+  if (!x) return td_err(TD_ERR_NOMEM, "out of memory");
+  x->h = h;
+  x->index = index;
+  x->body = body_of(h, r);
+  x->e = curl_easy_init();
+  x->hdr = curl_slist_append(NULL, "Content-Type: application/json");
+  if (!x->body || !x->e || !x->hdr) {
+    xfer_free(x);
+    return td_err(TD_ERR_NOMEM, "out of memory");
+  }
+  char url[600];
+  snprintf(url, sizeof url, "%s/v1/completions", h->url);
+  curl_easy_setopt(x->e, CURLOPT_URL, url);
+  curl_easy_setopt(x->e, CURLOPT_POSTFIELDS, x->body);
+  curl_easy_setopt(x->e, CURLOPT_HTTPHEADER, x->hdr);
+  curl_easy_setopt(x->e, CURLOPT_WRITEFUNCTION, on_data);
+  curl_easy_setopt(x->e, CURLOPT_WRITEDATA, x);
+  curl_easy_setopt(x->e, CURLOPT_PRIVATE, x);
+  curl_easy_setopt(x->e, CURLOPT_TCP_NODELAY, 1L);
+  if (curl_multi_add_handle(h->m, x->e) != CURLM_OK) {
+    curl_easy_cleanup(x->e);
+    x->e = NULL;
+    xfer_free(x);
+    return td_err(TD_ERR_IO, "curl: cannot add a transfer");
+  }
+  x->next = h->live;
+  if (h->live) h->live->prev = x;
+  h->live = x;
+  return TD_OK;
+}
+
+td_status td_http_bench_poll(td_http_bench *h, int timeout_ms, const td_http_events *ev) {
+  h->ev = ev;
+  int running;
+  CURLMcode mc = curl_multi_perform(h->m, &running);
+  if (mc == CURLM_OK && running) mc = curl_multi_poll(h->m, NULL, 0, timeout_ms, NULL);
+  if (mc == CURLM_OK) mc = curl_multi_perform(h->m, &running);
+  if (mc != CURLM_OK) return td_err(TD_ERR_IO, "curl: %s", curl_multi_strerror(mc));
+  CURLMsg *msg;
+  int left;
+  while ((msg = curl_multi_info_read(h->m, &left))) {
+    if (msg->msg != CURLMSG_DONE) continue;
+    xfer *x = NULL;
+    curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&x);
+    long code = 0;
+    curl_easy_getinfo(msg->easy_handle, CURLINFO_RESPONSE_CODE, &code);
+    bool ok = msg->data.result == CURLE_OK && code == 200 && x->done && !x->failed;
+    if (!ok && !x->failed)
+      TD_WARN("bench-serve: request %d: HTTP %ld, %s%s", x->index, code, curl_easy_strerror(msg->data.result),
+              x->line && x->n ? x->line : "");
+    if (ev && ev->done) ev->done(ev->ctx, x->index, ok, x->n_tokens);
+    xfer_free(x);
+  }
+  h->ev = NULL;
+  return TD_OK;
+}

@@ -1,0 +1,29 @@
+/* bench-serve's HTTP client: the workload's requests as streamed
+ * /v1/completions calls to tandem-gateway (libcurl's multi interface, one
+ * thread, every request on its own connection as OpenAI clients do). */
+#ifndef TD_BENCH_SERVE_HTTP_H
+#define TD_BENCH_SERVE_HTTP_H
+
+#include <stdbool.h>
+
+#include "common/jsonl.h"
+#include "common/status.h"
+
+typedef struct td_http_bench td_http_bench;
+
+typedef struct td_http_events {
+  void (*first)(void *ctx, int index);                       /* the first token's event */
+  void (*done)(void *ctx, int index, bool ok, int n_tokens); /* n_tokens: the usage's completion_tokens */
+  void *ctx;
+} td_http_events;
+
+/* url: the gateway (http://HOST:PORT); model: the name to send (NULL: the
+ * first of GET /v1/models). */
+td_status td_http_bench_create(const char *url, const char *model, td_http_bench **out);
+void td_http_bench_destroy(td_http_bench *h);
+/* Sends request r (ids only: features or a decoder prompt are refused). */
+td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int index);
+/* Moves transfers for up to timeout_ms; reports through ev. */
+td_status td_http_bench_poll(td_http_bench *h, int timeout_ms, const td_http_events *ev);
+
+#endif

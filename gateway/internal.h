@@ -1,0 +1,271 @@
+/* The gateway's parts: request parsing and response formatting (pure,
+ * unit-tested), the router link (io.c: one thread owns the td_client), the
+ * HTTP server (http.c, libmicrohttpd). docs/gateway.md. */
+#ifndef TD_GATEWAY_INTERNAL_H
+#define TD_GATEWAY_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uthash.h>
+
+#include "client/client.h"
+#include "common/defaults.h"
+#include "common/jsonl.h"
+#include "common/vec.h"
+#include "frontend/audio.h"
+#include "frontend/tokenizer.h"
+
+/* ---- a growable string ---- */
+typedef struct gw_buf {
+  char *s;
+  size_t n, cap;
+  bool oom; /* an append failed: the content is incomplete */
+} gw_buf;
+
+void gw_buf_add(gw_buf *b, const char *s, size_t n);
+void gw_buf_str(gw_buf *b, const char *s);
+void gw_buf_printf(gw_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void gw_buf_free(gw_buf *b);
+
+/* ---- the model the gateway fronts ---- */
+typedef struct gw_model {
+  char name[128];
+  td_tokenizer *tok;
+  int32_t vocab, eos;
+  /* Whisper */
+  bool whisper;
+  td_mel *mel;
+  size_t window_samples;
+  int max_target; /* decoder positions (0: unknown) */
+  int32_t sot, translate, transcribe, notimestamps, startofprev, ts_begin;
+  void *lang_to_id; /* generation_config.json's lang_to_id (a cJSON object), NULL when absent */
+} gw_model;
+
+td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const char *name, gw_model *m);
+void gw_model_free(gw_model *m);
+/* The id of language code `code` ("en"): generation_config.json's lang_to_id
+ * when it has one, else the tokenizer's <|code|>; -1 when unknown. */
+int32_t gw_language_id(const gw_model *m, const char *code);
+
+/* ---- errors (OpenAI's error object) ---- */
+typedef struct gw_error {
+  int http;          /* 400, 404, 413, 429, 500, 503, 504 */
+  const char *type;  /* invalid_request_error, server_error, ... */
+  const char *code;  /* NULL or a short code: model_not_found, ... */
+  char param[64];    /* the offending field, "" when none */
+  char message[512];
+} gw_error;
+
+void gw_error_set(gw_error *e, int http, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* From a td_status and td_errmsg() (a refusal of the router or a failure). */
+void gw_error_from_status(gw_error *e, td_status s, const char *msg);
+/* {"error": {"message", "type", "param", "code"}}, malloc'ed. */
+char *gw_error_json(const gw_error *e);
+
+/* ---- server-sent events ---- */
+/* "data: JSON\n\n" */
+void gw_sse_data(gw_buf *b, const char *json);
+
+/* ---- text of one generated sequence: detokenizing, stop strings ---- */
+typedef struct gw_text {
+  td_detok *d;
+  gw_buf text;      /* all text so far (cut at a stop string) */
+  size_t sent;      /* bytes of text already given out */
+  bool stopped;     /* a stop string was found; nothing more is taken */
+  int n_tokens;     /* tokens taken (up to the stop) */
+  const char *const *stop;
+  int n_stop;
+  size_t hold;      /* bytes kept back while a stop string may still begin there */
+} gw_text;
+
+td_status gw_text_init(gw_text *t, const td_tokenizer *tok, const char *const *stop, int n_stop);
+void gw_text_free(gw_text *t);
+/* Takes one token; ignored once stopped. */
+td_status gw_text_push(gw_text *t, int32_t id);
+/* The end: held-back text becomes final. */
+td_status gw_text_finish(gw_text *t);
+/* Text that is final and not yet given out ([*p, *p + *n)); marks it given. */
+void gw_text_take(gw_text *t, bool final, const char **p, size_t *n);
+
+/* ---- /v1/completions ---- */
+typedef struct gw_completion {
+  int n_prompts;
+  td_i32vec prompts[TD_GATEWAY_MAX_PROMPTS];
+  td_request_params params;
+  td_i32vec stop_ids;
+  char *stop[TD_GATEWAY_MAX_STOP];
+  int n_stop;
+  int n;           /* choices a prompt */
+  int logprobs;    /* -1: none */
+  bool stream, include_usage;
+} gw_completion;
+
+/* Parses a request body (len bytes); false with *e filled when it is refused. */
+bool gw_completion_parse(const char *body, size_t len, const gw_model *m, gw_completion *c, gw_error *e);
+void gw_completion_free(gw_completion *c);
+
+/* ---- /v1/audio/transcriptions and /translations ---- */
+typedef enum gw_format { GW_FMT_JSON, GW_FMT_TEXT, GW_FMT_SRT, GW_FMT_VTT, GW_FMT_VERBOSE } gw_format;
+
+typedef struct gw_audio_req {
+  bool translate;
+  char model[128], language[16], response_format[16];
+  char *prompt;           /* malloc'ed, NULL when absent */
+  float temperature;
+  bool has_temperature, stream, seg_timestamps, word_timestamps;
+  gw_format format;
+  char bad_field[64];     /* a field this endpoint does not know */
+} gw_audio_req;
+
+/* Checks the form fields (after upload); false with *e filled. */
+bool gw_audio_check(gw_audio_req *a, const gw_model *m, gw_error *e);
+/* The decoder prompt as transformers builds it: [<|startofprev|> prompt]
+ * <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>]. */
+bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, gw_error *e);
+
+typedef struct gw_segment {
+  double start, end;
+  char *text; /* malloc'ed */
+  int first, n_tokens; /* the tokens it came from in the output */
+} gw_segment;
+
+/* Splits generated tokens at timestamp tokens (<|0.00|> and on, 0.02 s
+ * each) as transformers does; without timestamps one segment covers the
+ * audio. *text gets the whole text (timestamps and special tokens removed). */
+td_status gw_segments(const gw_model *m, const int32_t *tok, int n, double duration, bool timestamps,
+                      gw_segment **segs, int *n_segs, char **text);
+void gw_segments_free(gw_segment *s, int n);
+/* SRT (1-based cues, HH:MM:SS,mmm) and WebVTT (WEBVTT header, HH:MM:SS.mmm). */
+void gw_format_srt(gw_buf *b, const gw_segment *s, int n);
+void gw_format_vtt(gw_buf *b, const gw_segment *s, int n);
+/* hh:mm:ss + sep + mmm */
+void gw_format_time(char *out, size_t cap, double seconds, char sep);
+
+/* ---- the router link: one thread, one td_client (io.c) ---- */
+typedef struct gw_out {
+  td_i32vec tok;
+  td_f32vec lp;
+  td_finish finish;
+  double score;
+} gw_out;
+
+typedef struct gw_batch gw_batch;
+
+/* One router request. */
+typedef struct gw_sub {
+  char id[48];
+  td_json_request req;
+  bool stream;
+  gw_out out[TD_ROUTER_MAX_SAMPLES];
+  int n_out;
+  bool done;
+  td_status status;
+  char error[512];
+  gw_batch *b;
+  UT_hash_handle hh;
+} gw_sub;
+
+/* The router requests of one HTTP request; mu guards every sub's output
+ * fields, cv signals new tokens and ends. */
+struct gw_batch {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int refs; /* the owner's + one a sub in the link's table */
+  int n, n_done;
+  bool quiet; /* the waiter holds its stream back: wake it for ends only */
+  gw_sub *subs;
+};
+
+typedef struct gw_io gw_io;
+
+td_status gw_io_create(const char *router, uint32_t timeout_ms, gw_io **out);
+/* Ends every request in flight with an error and stops the thread; later
+ * submissions end at once with an error. */
+void gw_io_stop(gw_io *io);
+/* Stops (if not yet) and frees. */
+void gw_io_destroy(gw_io *io);
+/* n subs, ids from the link's counter; the caller fills req / stream. */
+gw_batch *gw_batch_create(gw_io *io, int n);
+void gw_batch_release(gw_batch *b);
+void gw_io_submit(gw_io *io, gw_batch *b);
+/* Cancels the subs still in flight (they end with TD_ERR_CANCELLED). */
+void gw_io_cancel(gw_io *io, gw_batch *b);
+/* Under b->mu: waits for a change until deadline_ms (td_now_ms clock);
+ * false when the deadline passed. */
+bool gw_batch_wait(gw_batch *b, int64_t deadline_ms);
+
+/* ---- the HTTP side (http.c: server and uploads; serve.c: the answers) ---- */
+struct MHD_Connection;
+
+typedef enum gw_route { GW_R_NONE, GW_R_COMPLETIONS, GW_R_TRANSCRIBE, GW_R_TRANSLATE } gw_route;
+
+typedef struct gw_choice {
+  gw_text t;
+  const gw_out *o;  /* in the batch: read under its mutex only */
+  td_i32vec tok;    /* o's tokens copied out (briefly, under the mutex), the connection's own */
+  td_f32vec lp;
+  int used;         /* of tok, given to t (up to a stop string) */
+  int lp_sent;      /* of them, with log-probs given out */
+  int shown;        /* of them, announced by an event (a token may add no text yet) */
+  td_finish finish; /* copied when its sub ended */
+  bool done;        /* its sub ended (copied) */
+  bool finished;    /* its finish_reason was given */
+} gw_choice;
+
+typedef struct td_gateway td_gateway;
+
+/* One API request: its body, its router requests, its stream. */
+typedef struct gw_conn {
+  td_gateway *g;
+  gw_route route;
+  gw_error err;      /* set: refused (answered at the end of the upload) */
+  gw_buf body;       /* JSON body, or the uploaded file */
+  struct MHD_PostProcessor *pp;
+  gw_audio_req audio;
+  char field[64];    /* the form field being received */
+  gw_buf value;      /* ... and its value so far */
+  bool have_file;
+  size_t held;          /* upload bytes counted against the gateway's total */
+  char close_delim[96]; /* "--BOUNDARY--": what follows it (an epilogue) is not fed to the form parser */
+  char tail[96];        /* the last bytes fed, where the delimiter may begin */
+  size_t n_tail;
+  bool closed;
+  /* answering */
+  gw_batch *b;
+  gw_completion comp;
+  gw_choice *ch;
+  int n_ch, per_sub; /* choices; of them, each sub's */
+  int prompt_tokens;
+  int64_t deadline_ms;
+  int64_t hold_until_ms; /* a stream's next event not before (coalescing tokens) */
+  char cid[64];      /* the response's id */
+  long long created;
+  double duration;   /* audio seconds */
+  gw_buf out;        /* stream: bytes not yet handed to the server */
+  size_t out_pos;
+  bool answered;     /* the upload ended and was answered */
+  bool cancelled, ended;
+} gw_conn;
+
+/* The gateway's state the answers need. */
+const gw_model *gw_gateway_model(const td_gateway *g);
+gw_io *gw_gateway_io(const td_gateway *g);
+uint32_t gw_gateway_timeout_ms(const td_gateway *g);
+double gw_gateway_max_audio_seconds(const td_gateway *g);
+int gw_gateway_stream_interval_ms(const td_gateway *g); /* 0: none */
+
+/* Answers a finished upload (queues the response on mc). */
+int gw_serve_completions(gw_conn *c, struct MHD_Connection *mc);
+int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc);
+int gw_reply(struct MHD_Connection *mc, int status, const char *ctype, char *body, size_t len);
+int gw_reply_error(struct MHD_Connection *mc, const gw_error *e);
+/* Gives the upload's bytes back to the gateway's total (the upload is freed). */
+void gw_conn_drop_upload(gw_conn *c);
+/* Releases what answering held (cancels router requests still running). */
+void gw_conn_free(gw_conn *c);
+
+#endif

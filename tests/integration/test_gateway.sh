@@ -1,0 +1,223 @@
+#!/usr/bin/env bash
+# The HTTP gateway end to end: deploy/local.sh starts a cluster with the toy
+# number models and their tokenizers, and curl and the official openai Node
+# client (installed from the npm registry into the build tree) call it:
+# completions plain and streamed, transcriptions in every response format,
+# refusals (bad uploads, unknown models, oversized bodies, malformed JSON,
+# the request and connection limits), while tandem-client keeps being
+# served over ZeroMQ.
+#   tests/integration/test_gateway.sh BIN_DIR WORK_DIR
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+bin=$(cd "$1" && pwd)
+work=$2
+mkdir -p "$work"
+work=$(cd "$work" && pwd)
+export TANDEM_BIN=$bin
+t5="$root/tests/data/toy-numbers-t5"
+wh="$root/tests/data/toy-numbers-whisper"
+failed=0
+check() { # name, then a command that must succeed
+  local name=$1; shift
+  if "$@"; then echo "ok   $name"; else echo "FAIL $name"; failed=$((failed + 1)); fi
+}
+has() { [[ $1 == *"$2"* ]] || { echo "  want '$2' in: ${1:0:600}" >&2; return 1; }; }
+status_is() { # want, curl args...
+  local want=$1; shift
+  local got
+  got=$(curl -s -o "$work/body" -w '%{http_code}' "$@")
+  [[ $got == "$want" ]] || { echo "  HTTP $got (want $want): $(head -c 400 "$work/body")" >&2; return 1; }
+  grep -q '"error"' "$work/body" || [[ $want == 200 ]] || { echo "  no error object: $(head -c 400 "$work/body")" >&2; return 1; }
+}
+
+# ---- the openai Node client, from the npm registry (CI reaches it: no skipping)
+npm_dir="$work/npm"
+mkdir -p "$npm_dir"
+if [[ ! -f $npm_dir/node_modules/openai/package.json ]]; then
+  if ! (cd "$npm_dir" && npm install --no-audit --no-fund --loglevel=error --cache "$work/npm-cache" openai@4 >"$work/npm.log" 2>&1); then
+    echo "FAIL npm install openai@4 (the test needs the npm registry):" >&2
+    cat "$work/npm.log" >&2
+    exit 1
+  fi
+fi
+cp "$root/tests/integration/gateway_openai.mjs" "$npm_dir/"
+
+# ---- a cluster through local.sh; "router EP" and "gateway URL" come out
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait 2>/dev/null; }
+trap cleanup EXIT
+start_cluster() { # name, local.sh args...
+  local name=$1; shift
+  rm -rf "$work/$name"
+  "$root/deploy/local.sh" --run-dir "$work/$name" --encoders 1 --prefills 0 "$@" >"$work/$name.out" 2>"$work/$name.err" &
+  pids+=($!)
+  for _ in $(seq 600); do
+    grep -q '^gateway ' "$work/$name.out" 2>/dev/null && break
+    kill -0 "${pids[-1]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  router=$(awk '/^router /{print $2}' "$work/$name.out")
+  gw=$(awk '/^gateway /{print $2}' "$work/$name.out")
+  if [[ -z $router || -z $gw ]]; then
+    kill -0 "${pids[-1]}" 2>/dev/null || { wait "${pids[-1]}"; echo "local.sh exited with $?"; }
+    echo "FAIL $name: the cluster did not start"
+    cat "$work/$name.out" "$work/$name.err"
+    exit 1
+  fi
+  echo "$name: router $router, gateway $gw"
+}
+stop_cluster() { # stops the last cluster; its gateway's log must hold no sanitizer report
+  local p=${pids[-1]} name=$1
+  kill -TERM "$p" 2>/dev/null
+  wait "$p" 2>/dev/null
+  unset 'pids[-1]'
+  check "$name: the gateway's log holds no sanitizer report" \
+    bash -c "! grep -E 'ERROR: (Address|Leak)Sanitizer|runtime error:' '$work/$name/gateway.log'"
+}
+
+# ---------------------------------------------------------------- text (T5)
+start_cluster text --model "$t5"
+j='Content-Type: application/json'
+r=$(curl -s "$gw/v1/models"); check "models" has "$r" '"id":"toy-numbers-t5"'
+r=$(curl -s "$gw/health"); check "health" has "$r" '"status":"ok"'
+
+# ZeroMQ clients all along the HTTP part
+zmq_req="$work/zmq.jsonl"
+: >"$zmq_req"
+for i in $(seq 40); do echo "{\"id\": \"z$i\", \"input_ids\": [39, 8, 26, 11, 27, 10, 1], \"max_new_tokens\": 12}" >>"$zmq_req"; done
+( for k in 1 2 3; do "$bin/tandem-client" --router "$router" --requests "$zmq_req" --timeout-ms 60000; done ) \
+  >"$work/zmq.out" 2>&1 &
+zmq_pid=$!
+
+r=$(curl -s "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "four thousand two hundred seven", "max_tokens": 12}')
+check "completion" has "$r" '"text":"4207","index":0,"logprobs":null,"finish_reason":"stop"'
+r=$(curl -sN "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": ["forty two", "seven"], "stream": true, "max_tokens": 12}')
+check "streamed completion ends with [DONE]" has "$r" 'data: [DONE]'
+txt=$(grep '"index":0' <<<"$r" | grep -o '"text":"[^"]*"' | cut -d'"' -f4 | tr -d '\n')
+check "streamed completion's text (choice 0: 42)" test "$txt" = 42
+r=$(curl -s "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "nine hundred ninety nine thousand nine hundred ninety nine", "stop": ["99"], "max_tokens": 12}')
+check "a stop string cuts the text" has "$r" '"text":"","index":0'
+# concurrent HTTP requests share the router link
+par=()
+for i in $(seq 16); do
+  curl -s "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "three hundred five", "max_tokens": 12}' >"$work/par$i" &
+  par+=($!)
+done
+wait "${par[@]}"
+ok=0; for i in $(seq 16); do grep -q '"text":"305"' "$work/par$i" && ok=$((ok + 1)); done
+check "16 concurrent completions" test "$ok" = 16
+
+check "unknown model: 404" status_is 404 "$gw/v1/completions" -H "$j" -d '{"model": "gpt-4", "prompt": "seven"}'
+check "malformed JSON: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "se'
+check "huge max_tokens: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven", "max_tokens": 100000000}'
+check "max_tokens past the model: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven", "max_tokens": 60000}'
+check "a streamed request the router refuses: 400 before the stream" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven", "max_tokens": 60000, "stream": true}'
+check "token id outside the vocabulary: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": [5, 99999]}'
+head -c $((3 << 20)) /dev/zero | tr '\0' ' ' >"$work/big.json"
+check "oversized JSON body: 413" status_is 413 "$gw/v1/completions" -H "$j" --data-binary @"$work/big.json"
+check "oversized chunked body: 413" status_is 413 "$gw/v1/completions" -H "$j" -H 'Transfer-Encoding: chunked' --data-binary @"$work/big.json"
+check "unknown endpoint: 404" status_is 404 "$gw/v1/chat/completions" -H "$j" -d '{}'
+check "GET on a POST endpoint: 405" status_is 405 "$gw/v1/completions"
+check "audio endpoint on a text model: 400" status_is 400 "$gw/v1/audio/transcriptions" -F model=toy-numbers-t5 -F file=@"$wh/number-7.wav"
+hdr=$(head -c 100000 /dev/zero | tr '\0' 'a')
+code=$(curl -s -o /dev/null -w '%{http_code}' "$gw/health" -H "X-Big: $hdr")
+check "a header past the connection's buffer: 431 ($code)" test "$code" = 431
+# garbage on the socket, then the gateway still answers
+printf 'NOT HTTP AT ALL\r\n\r\n\x00\xff' | timeout 5 bash -c "cat > /dev/tcp/${gw#http://}" 2>/dev/null
+r=$(curl -s "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven"}')
+check "still serving after garbage" has "$r" '"text":"7"'
+
+check "openai Node client (text)" node "$npm_dir/gateway_openai.mjs" text "$gw" toy-numbers-t5
+
+# the limits on requests in flight (429) and connections, on a second gateway of the same cluster
+"$bin/tandem-gateway" --router "$router" --model "$t5" --port 0 --max-requests 1 --max-connections 3 \
+  --idle-timeout-s 5 >"$work/gw2.log" 2>&1 &
+gw2_pid=$!
+for _ in $(seq 100); do grep -q "gateway serving" "$work/gw2.log" && break; sleep 0.05; done
+gw2=$(grep -o 'http://[0-9.:]*' "$work/gw2.log" | head -1)
+hp=${gw2#http://}
+exec 7<>"/dev/tcp/${hp%:*}/${hp#*:}"   # a request whose body never comes holds the one slot
+printf 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{' >&7
+sleep 0.3
+check "requests past --max-requests: 429" status_is 429 "$gw2/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven"}'
+exec 8<>"/dev/tcp/${hp%:*}/${hp#*:}"
+exec 9<>"/dev/tcp/${hp%:*}/${hp#*:}"
+sleep 0.3
+# past the limit a connection waits in the listen backlog until one closes
+code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 1 "$gw2/health")
+check "connections past --max-connections wait ($code)" test "$code" = 000
+exec 7>&- 8>&- 9>&-
+sleep 0.3
+r=$(curl -s "$gw2/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven"}')
+check "the second gateway serves once the slots are free" has "$r" '"text":"7"'
+kill -TERM "$gw2_pid"; wait "$gw2_pid"
+check "the second gateway stops cleanly" test $? = 0
+
+wait "$zmq_pid"
+check "tandem-client served meanwhile (3 x 40 requests)" test "$(grep -c '"tokens"' "$work/zmq.out")" = 120
+stop_cluster text
+
+# ---------------------------------------------------------------- audio (Whisper)
+start_cluster audio --model "$wh" --tokenizer "$wh"
+m=toy-numbers-whisper
+tr="$gw/v1/audio/transcriptions"
+r=$(curl -s "$tr" -F model=$m -F file=@"$wh/number-4207.wav"); check "transcription json" test "$r" = '{"text":"4207"}'
+r=$(curl -s "$tr" -F model=$m -F file=@"$wh/number-42.wav" -F response_format=text); check "transcription text" test "$r" = 42
+r=$(curl -s "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F response_format=srt)
+check "transcription srt" has "$r" $'1\n00:00:00,000 --> 00:00:0'
+r=$(curl -s "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F response_format=vtt)
+check "transcription vtt" has "$r" $'WEBVTT\n\n00:00:00.000 --> 00:00:0'
+r=$(curl -s "$tr" -F model=$m -F file=@"$wh/number-305.wav" -F response_format=verbose_json)
+check "transcription verbose_json" has "$r" '"task":"transcribe","language":"en","duration":'
+check "verbose_json segments" has "$r" '"segments":[{"id":0,"seek":0,"start":0,'
+r=$(curl -s "$tr" -F model=$m -F file=@"$wh/number-305.wav" -F response_format=verbose_json -F 'timestamp_granularities[]=segment')
+check "verbose_json with segment timestamps" has "$r" '"segments":['
+r=$(curl -sN "$tr" -F model=$m -F file=@"$wh/number-305.wav" -F stream=true)
+check "streamed transcription" has "$r" '"type":"transcript.text.done","text":" 305"'
+check "translation" status_is 200 "$gw/v1/audio/translations" -F model=$m -F file=@"$wh/number-7.wav"
+check "unknown model: 404" status_is 404 "$tr" -F model=whisper-1 -F file=@"$wh/number-7.wav"
+check "no file: 400" status_is 400 "$tr" -F model=$m
+head -c 5000 /dev/urandom >"$work/noise.bin"
+check "a file that is no audio: 400" status_is 400 "$tr" -F model=$m -F file=@"$work/noise.bin"
+head -c 20000 "$wh/number-4207.wav" >"$work/cut.wav"
+check "a truncated wav answers (200 or 400)" bash -c "c=\$(curl -s -o /dev/null -w '%{http_code}' '$tr' -F model=$m -F file=@'$work/cut.wav'); [[ \$c == 200 || \$c == 400 ]]"
+check "not multipart: 400" status_is 400 "$tr" -H "$j" -d '{"model": "x"}'
+check "a malformed multipart body: 400" status_is 400 "$tr" -H 'Content-Type: multipart/form-data; boundary=XX' --data-binary $'--XX\r\nContent-Disposition: form-data; name="model"\r\n\r\nabc\r\n--XY--'
+check "an unknown form field: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F colour=red
+check "an unknown response_format: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F response_format=xml
+check "word timestamps: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F 'timestamp_granularities[]=word'
+# a 5 s WAV (the model's window is 4 s): long-form is refused with a reason
+node -e '
+const n = 5 * 16000, b = Buffer.alloc(44 + 2 * n);
+b.write("RIFF", 0); b.writeUInt32LE(36 + 2 * n, 4); b.write("WAVEfmt ", 8); b.writeUInt32LE(16, 16);
+b.writeUInt16LE(1, 20); b.writeUInt16LE(1, 22); b.writeUInt32LE(16000, 24); b.writeUInt32LE(32000, 28);
+b.writeUInt16LE(2, 32); b.writeUInt16LE(16, 34); b.write("data", 36); b.writeUInt32LE(2 * n, 40);
+require("fs").writeFileSync(process.argv[1], b);' "$work/long.wav"
+check "audio longer than the window: 400" status_is 400 "$tr" -F model=$m -F file=@"$work/long.wav"
+check "... saying long-form is not supported" grep -q "long-form" "$work/body"
+head -c $((26 << 20)) /dev/zero >"$work/huge.wav"
+check "an upload past 25 MB: 413" status_is 413 "$tr" -F model=$m -F file=@"$work/huge.wav"
+check "a completion on an audio model: 400" status_is 400 "$gw/v1/completions" -H "$j" -d "{\"model\": \"$m\", \"prompt\": \"x\"}"
+# uploads held at once past --max-held-bytes: 503
+"$bin/tandem-gateway" --router "$router" --model "$wh" --tokenizer "$wh" \
+  --port 0 --max-held-bytes 10000 --idle-timeout-s 1 >"$work/gw3.log" 2>&1 &
+gw3_pid=$!
+for _ in $(seq 200); do grep -q "gateway serving" "$work/gw3.log" && break; sleep 0.05; done
+gw3=$(grep -o 'http://[0-9.:]*' "$work/gw3.log" | head -1)
+check "uploads past --max-held-bytes: 503" status_is 503 "$gw3/v1/audio/transcriptions" -F model=$m -F file=@"$wh/number-7.wav"
+# a client that stops sending mid-headers is closed after --idle-timeout-s
+hp=${gw3#http://}
+exec 7<>"/dev/tcp/${hp%:*}/${hp#*:}"
+printf 'POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Le' >&7
+start=$SECONDS
+timeout 10 cat <&7 >/dev/null
+check "a silent connection is closed after the idle timeout ($((SECONDS - start)) s)" test $((SECONDS - start)) -le 5
+exec 7>&-
+kill -TERM "$gw3_pid"; wait "$gw3_pid"
+check "the third gateway stops cleanly" test $? = 0
+check "openai Node client (audio)" node "$npm_dir/gateway_openai.mjs" audio "$gw" $m "$wh"
+stop_cluster audio
+
+rm -f "$work/big.json" "$work/huge.wav"
+((failed == 0)) || { echo "$failed checks failed; logs in $work" >&2; exit 1; }
+echo "all gateway checks passed"

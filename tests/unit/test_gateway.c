@@ -1,0 +1,390 @@
+/* The gateway's pure parts: request parsing and its refusals, OpenAI error
+ * objects, SSE framing, stop strings over streamed text, Whisper prompts,
+ * segments from timestamp tokens, SRT / WebVTT. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "gateway/internal.h"
+
+static gw_model t5, wh;
+
+static void load_t5(void) {
+  cr_assert_eq(gw_model_load(TD_TEST_DATA "/toy-numbers-t5", NULL, NULL, &t5), TD_OK, "%s", td_errmsg());
+}
+static void free_t5(void) { gw_model_free(&t5); }
+static void load_wh(void) {
+  cr_assert_eq(gw_model_load(TD_TEST_DATA "/toy-numbers-whisper", TD_TEST_DATA "/toy-numbers-whisper",
+                             "whisper", &wh),
+               TD_OK, "%s", td_errmsg());
+}
+static void free_wh(void) { gw_model_free(&wh); }
+
+static bool parse(const char *body, gw_completion *c, gw_error *e) {
+  memset(e, 0, sizeof *e);
+  return gw_completion_parse(body, strlen(body), &t5, c, e);
+}
+
+/* ---------------------------------------------------------------- completions */
+
+TestSuite(completions, .init = load_t5, .fini = free_t5);
+
+Test(completions, text_prompt_and_defaults) {
+  gw_completion c;
+  gw_error e;
+  cr_assert(parse("{\"model\": \"toy-numbers-t5\", \"prompt\": \"seven\"}", &c, &e), "%s", e.message);
+  cr_assert_eq(c.n_prompts, 1);
+  /* examples.json: "seven" -> [31, 1] */
+  cr_assert_eq(c.prompts[0].n, 2);
+  cr_assert_eq(c.prompts[0].v[0], 31);
+  cr_assert_eq(c.prompts[0].v[1], 1);
+  cr_assert_eq(c.params.max_new_tokens, TD_GATEWAY_DEFAULT_MAX_TOKENS);
+  cr_assert_eq(c.n, 1);
+  cr_assert_eq(c.logprobs, -1);
+  cr_assert(!c.stream);
+  gw_completion_free(&c);
+}
+
+Test(completions, ids_batches_and_fields) {
+  gw_completion c;
+  gw_error e;
+  cr_assert(parse("{\"model\": \"toy-numbers-t5\", \"prompt\": [[31, 1], \"seven\"], \"max_tokens\": 5, "
+                  "\"temperature\": 0.7, \"top_p\": 0.9, \"n\": 3, \"seed\": 42, \"stop\": [\"4\", \"2\"], "
+                  "\"logprobs\": 1, \"stream\": true, \"stream_options\": {\"include_usage\": true}, "
+                  "\"user\": \"u\", \"echo\": false, \"presence_penalty\": 0, \"suffix\": null}",
+                  &c, &e),
+            "%s", e.message);
+  cr_assert_eq(c.n_prompts, 2);
+  cr_assert_eq(c.prompts[0].n, 2);
+  cr_assert_eq(c.params.max_new_tokens, 5);
+  cr_assert_float_eq(c.params.temperature, 0.7f, 1e-6);
+  cr_assert_float_eq(c.params.top_p, 0.9f, 1e-6);
+  cr_assert_eq(c.params.n, 3);
+  cr_assert(c.params.has_seed);
+  cr_assert_eq(c.params.seed, 42);
+  cr_assert_eq(c.n_stop, 2);
+  cr_assert_str_eq(c.stop[1], "2");
+  cr_assert_eq(c.logprobs, 1);
+  cr_assert(c.params.logprobs);
+  cr_assert(c.stream && c.include_usage);
+  gw_completion_free(&c);
+}
+
+Test(completions, best_of_is_beam_search) {
+  gw_completion c;
+  gw_error e;
+  cr_assert(parse("{\"model\": \"toy-numbers-t5\", \"prompt\": [31, 1], \"best_of\": 4, \"n\": 2}", &c, &e), "%s",
+            e.message);
+  cr_assert_eq(c.params.num_beams, 4);
+  cr_assert_eq(c.params.num_return_sequences, 2);
+  gw_completion_free(&c);
+  cr_assert(!parse("{\"model\": \"toy-numbers-t5\", \"prompt\": [31, 1], \"best_of\": 4, \"temperature\": 1}", &c, &e));
+  cr_assert_str_eq(e.param, "best_of");
+  cr_assert(!parse("{\"model\": \"toy-numbers-t5\", \"prompt\": [31, 1], \"best_of\": 2, \"n\": 3}", &c, &e));
+  cr_assert(!parse("{\"model\": \"toy-numbers-t5\", \"prompt\": [31, 1], \"best_of\": 2, \"stream\": true}", &c, &e));
+}
+
+static void refused(const char *body, int http, const char *param) {
+  gw_completion c;
+  gw_error e;
+  cr_assert(!parse(body, &c, &e), "accepted: %s", body);
+  cr_assert_eq(e.http, http, "%s: %d (%s)", body, e.http, e.message);
+  if (param) cr_assert_str_eq(e.param, param, "%s: param %s", body, e.param);
+  cr_assert(e.message[0]);
+}
+
+Test(completions, refusals) {
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\"", 400, NULL); /* malformed JSON */
+  refused("[1, 2]", 400, NULL);
+  refused("", 400, NULL);
+  refused("{\"prompt\": \"seven\"}", 400, "model");
+  refused("{\"model\": \"gpt-4\", \"prompt\": \"seven\"}", 404, "model");
+  refused("{\"model\": \"toy-numbers-t5\"}", 400, "prompt");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": []}", 400, "prompt");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": [31, 4900]}", 400, "prompt");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": [31, -1]}", 400, "prompt");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": [31, 1.5]}", 400, "prompt");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": [{}]}", 400, "prompt");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": 7}", 400, "prompt");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"max_tokens\": 1000000000}", 400, "max_tokens");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"max_tokens\": 0}", 400, "max_tokens");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"max_tokens\": \"5\"}", 400, "max_tokens");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"temperature\": 3}", 400, "temperature");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"top_p\": 0}", 400, "top_p");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"n\": 1000}", 400, "n");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"logprobs\": 5}", 400, "logprobs");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"stop\": [\"a\",\"b\",\"c\",\"d\",\"e\"]}", 400, "stop");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"stop\": [\"\"]}", 400, "stop");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"stop\": 3}", 400, "stop");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"echo\": true}", 400, "echo");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"logit_bias\": {\"5\": 1}}", 400, "logit_bias");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"frobnicate\": 1}", 400, "frobnicate");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"stream\": \"yes\"}", 400, "stream");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"stream_options\": {\"include_usage\": true}}", 400,
+          "stream_options");
+  /* more prompts than a request may batch */
+  char body[4096] = "{\"model\": \"toy-numbers-t5\", \"prompt\": [";
+  for (int i = 0; i <= TD_GATEWAY_MAX_PROMPTS; i++) strcat(body, i ? ", \"a\"" : "\"a\"");
+  strcat(body, "]}");
+  refused(body, 400, "prompt");
+}
+
+/* ---------------------------------------------------------------- errors and SSE */
+
+Test(errors, openai_error_object) {
+  gw_error e;
+  gw_error_set(&e, 404, "model", "no model %s", "x");
+  char *s = gw_error_json(&e);
+  cr_assert_str_eq(s, "{\"error\":{\"message\":\"no model x\",\"type\":\"invalid_request_error\",\"param\":\"model\","
+                      "\"code\":\"not_found\"}}");
+  free(s);
+  gw_error_set(&e, 500, NULL, "boom");
+  s = gw_error_json(&e);
+  cr_assert_str_eq(s, "{\"error\":{\"message\":\"boom\",\"type\":\"server_error\",\"param\":null,\"code\":null}}");
+  free(s);
+}
+
+Test(errors, status_mapping) {
+  struct { td_status s; int http; } cases[] = {
+      {TD_ERR_INVALID, 400},    {TD_ERR_FORMAT, 400},  {TD_ERR_UNSUPPORTED, 400}, {TD_ERR_NOT_FOUND, 404},
+      {TD_ERR_OVERLOADED, 503}, {TD_ERR_NETWORK, 503}, {TD_ERR_PEER, 503},        {TD_ERR_TIMEOUT, 504},
+      {TD_ERR_INTERNAL, 500},   {TD_ERR_CANCELLED, 500}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    gw_error e;
+    gw_error_from_status(&e, cases[i].s, "why");
+    cr_assert_eq(e.http, cases[i].http, "%s -> %d", td_status_str(cases[i].s), e.http);
+    cr_assert_str_eq(e.message, "why");
+  }
+}
+
+Test(errors, sse_framing) {
+  gw_buf b = {0};
+  gw_sse_data(&b, "{\"a\":1}");
+  gw_sse_data(&b, "[DONE]");
+  cr_assert_str_eq(b.s, "data: {\"a\":1}\n\ndata: [DONE]\n\n");
+  gw_buf_free(&b);
+}
+
+/* ---------------------------------------------------------------- stop strings */
+
+static td_i32vec enc(const gw_model *m, const char *text) {
+  int32_t *ids = NULL;
+  size_t n = 0;
+  cr_assert_eq(td_tokenizer_encode(m->tok, text, strlen(text), false, &ids, &n), TD_OK);
+  td_i32vec v = {0};
+  td_i32vec_assign(&v, ids, (int)n);
+  free(ids);
+  return v;
+}
+
+TestSuite(text, .init = load_t5, .fini = free_t5);
+
+Test(text, streamed_text_equals_decode_without_stops) {
+  td_i32vec v = enc(&t5, "12345");
+  gw_text t;
+  cr_assert_eq(gw_text_init(&t, t5.tok, NULL, 0), TD_OK);
+  gw_buf got = {0};
+  for (int i = 0; i < v.n; i++) {
+    cr_assert_eq(gw_text_push(&t, v.v[i]), TD_OK);
+    const char *p;
+    size_t n;
+    gw_text_take(&t, false, &p, &n);
+    gw_buf_add(&got, p, n);
+  }
+  cr_assert_eq(gw_text_finish(&t), TD_OK);
+  const char *p;
+  size_t n;
+  gw_text_take(&t, true, &p, &n);
+  gw_buf_add(&got, p, n);
+  cr_assert_str_eq(got.s, "12345");
+  cr_assert_eq(t.n_tokens, v.n);
+  gw_buf_free(&got);
+  gw_text_free(&t);
+  td_i32vec_free(&v);
+}
+
+Test(text, stop_string_across_tokens_is_cut_and_held_back) {
+  td_i32vec v = enc(&t5, "1234567");
+  const char *stop[] = {"45", "99999"};
+  gw_text t;
+  cr_assert_eq(gw_text_init(&t, t5.tok, stop, 2), TD_OK);
+  gw_buf got = {0};
+  for (int i = 0; i < v.n; i++) {
+    cr_assert_eq(gw_text_push(&t, v.v[i]), TD_OK);
+    const char *p;
+    size_t n;
+    gw_text_take(&t, false, &p, &n);
+    gw_buf_add(&got, p, n);
+    /* text that a stop string may still begin is not given out */
+    cr_assert(!got.s || !strchr(got.s, '4'), "gave out %s", got.s);
+  }
+  cr_assert(t.stopped);
+  const char *p;
+  size_t n;
+  gw_text_take(&t, true, &p, &n);
+  gw_buf_add(&got, p, n);
+  cr_assert_str_eq(got.s, "123");
+  cr_assert_lt(t.n_tokens, v.n, "tokens after the stop are not taken");
+  gw_buf_free(&got);
+  gw_text_free(&t);
+  td_i32vec_free(&v);
+}
+
+/* ---------------------------------------------------------------- audio */
+
+TestSuite(audio, .init = load_wh, .fini = free_wh);
+
+static gw_audio_req areq(const char *model) {
+  gw_audio_req a = {0};
+  snprintf(a.model, sizeof a.model, "%s", model);
+  return a;
+}
+
+Test(audio, prompt_as_transformers_builds_it) {
+  gw_audio_req a = areq("whisper");
+  gw_error e = {0};
+  cr_assert(gw_audio_check(&a, &wh, &e), "%s", e.message);
+  td_i32vec p = {0};
+  cr_assert(gw_audio_prompt(&a, &wh, &p, &e), "%s", e.message);
+  /* examples.json's decoder prompt */
+  int32_t want[] = {50258, 50259, 50360, 50364};
+  cr_assert_eq(p.n, 4);
+  for (int i = 0; i < 4; i++) cr_assert_eq(p.v[i], want[i]);
+  /* translate, a language, timestamps, a previous-text prompt */
+  a.translate = true;
+  snprintf(a.language, sizeof a.language, "de");
+  a.seg_timestamps = true;
+  a.prompt = strdup("  forty two ");
+  cr_assert(gw_audio_check(&a, &wh, &e), "%s", e.message);
+  cr_assert(gw_audio_prompt(&a, &wh, &p, &e), "%s", e.message);
+  cr_assert_eq(p.v[0], wh.startofprev);
+  /* timestamps asked: no <|notimestamps|> at the end */
+  cr_assert_eq(p.v[p.n - 3], wh.sot);
+  cr_assert_eq(p.v[p.n - 2], td_tokenizer_token_to_id(wh.tok, "<|de|>"));
+  cr_assert_eq(p.v[p.n - 1], wh.translate);
+  free(a.prompt);
+  td_i32vec_free(&p);
+}
+
+Test(audio, languages_from_generation_config) {
+  cr_assert_eq(gw_language_id(&wh, "en"), 50259);
+  cr_assert_eq(gw_language_id(&wh, "zz"), -1);
+  /* where generation_config.json has lang_to_id, it alone decides */
+  wh.lang_to_id = cJSON_Parse("{\"<|en|>\": 50259, \"<|de|>\": 50261}");
+  cr_assert_eq(gw_language_id(&wh, "de"), 50261);
+  cr_assert_eq(gw_language_id(&wh, "fr"), -1);
+  gw_audio_req a = areq("whisper");
+  snprintf(a.language, sizeof a.language, "fr");
+  gw_error e = {0};
+  cr_assert(!gw_audio_check(&a, &wh, &e));
+  cr_assert_str_eq(e.param, "language");
+}
+
+static void arefused(gw_audio_req a, int http, const char *param) {
+  gw_error e = {0};
+  cr_assert(!gw_audio_check(&a, &wh, &e), "accepted");
+  cr_assert_eq(e.http, http, "%d: %s", e.http, e.message);
+  cr_assert_str_eq(e.param, param);
+}
+
+Test(audio, refusals) {
+  arefused(areq(""), 400, "model");
+  arefused(areq("whisper-1"), 404, "model");
+  gw_audio_req a = areq("whisper");
+  snprintf(a.response_format, sizeof a.response_format, "xml");
+  arefused(a, 400, "response_format");
+  a = areq("whisper");
+  snprintf(a.response_format, sizeof a.response_format, "srt");
+  a.stream = true;
+  arefused(a, 400, "stream");
+  a = areq("whisper");
+  a.word_timestamps = true;
+  arefused(a, 400, "timestamp_granularities[]");
+  a = areq("whisper");
+  snprintf(a.language, sizeof a.language, "xx");
+  arefused(a, 400, "language");
+  a = areq("whisper");
+  snprintf(a.language, sizeof a.language, "EN");
+  arefused(a, 400, "language");
+  a = areq("whisper");
+  a.has_temperature = true;
+  a.temperature = 1.5f;
+  arefused(a, 400, "temperature");
+  a = areq("whisper");
+  snprintf(a.bad_field, sizeof a.bad_field, "colour");
+  arefused(a, 400, "colour");
+}
+
+Test(audio, formats_parse) {
+  const char *f[] = {"json", "text", "srt", "vtt", "verbose_json"};
+  for (int i = 0; i < 5; i++) {
+    gw_audio_req a = areq("whisper");
+    snprintf(a.response_format, sizeof a.response_format, "%s", f[i]);
+    gw_error e = {0};
+    cr_assert(gw_audio_check(&a, &wh, &e), "%s", e.message);
+    cr_assert_eq((int)a.format, i);
+  }
+}
+
+static int32_t ts(double s) { return wh.ts_begin + (int32_t)(s / 0.02 + 0.5); }
+
+Test(audio, segments_from_timestamps) {
+  td_i32vec a = enc(&wh, " 42"), b = enc(&wh, " 7");
+  int32_t tok[64];
+  int n = 0;
+  tok[n++] = ts(0.0);
+  for (int i = 0; i < a.n; i++) tok[n++] = a.v[i];
+  tok[n++] = ts(1.2);
+  tok[n++] = ts(1.2);
+  for (int i = 0; i < b.n; i++) tok[n++] = b.v[i];
+  tok[n++] = ts(2.5);
+  tok[n++] = 50257; /* EOS */
+  gw_segment *s;
+  int ns;
+  char *text;
+  cr_assert_eq(gw_segments(&wh, tok, n, 3.0, true, &s, &ns, &text), TD_OK, "%s", td_errmsg());
+  cr_assert_str_eq(text, "42 7");
+  cr_assert_eq(ns, 2);
+  cr_assert_float_eq(s[0].start, 0.0, 1e-9);
+  cr_assert_float_eq(s[0].end, 1.2, 1e-9);
+  cr_assert_str_eq(s[0].text, " 42");
+  cr_assert_float_eq(s[1].start, 1.2, 1e-9);
+  cr_assert_float_eq(s[1].end, 2.5, 1e-9);
+  cr_assert_str_eq(s[1].text, " 7");
+  gw_buf srt = {0}, vtt = {0};
+  gw_format_srt(&srt, s, ns);
+  gw_format_vtt(&vtt, s, ns);
+  cr_assert_str_eq(srt.s, "1\n00:00:00,000 --> 00:00:01,200\n42\n\n2\n00:00:01,200 --> 00:00:02,500\n7\n\n");
+  cr_assert_str_eq(vtt.s, "WEBVTT\n\n00:00:00.000 --> 00:00:01.200\n42\n\n00:00:01.200 --> 00:00:02.500\n7\n\n");
+  gw_buf_free(&srt);
+  gw_buf_free(&vtt);
+  gw_segments_free(s, ns);
+  free(text);
+  /* without timestamps: one segment over the audio; a missing closing timestamp ends at the audio's end */
+  cr_assert_eq(gw_segments(&wh, a.v, a.n, 2.25, false, &s, &ns, &text), TD_OK);
+  cr_assert_eq(ns, 1);
+  cr_assert_float_eq(s[0].end, 2.25, 1e-9);
+  gw_segments_free(s, ns);
+  free(text);
+  tok[0] = ts(0.5);
+  memcpy(tok + 1, a.v, (size_t)a.n * sizeof *tok);
+  cr_assert_eq(gw_segments(&wh, tok, a.n + 1, 2.25, true, &s, &ns, &text), TD_OK);
+  cr_assert_eq(ns, 1);
+  cr_assert_float_eq(s[0].start, 0.5, 1e-9);
+  cr_assert_float_eq(s[0].end, 2.25, 1e-9);
+  gw_segments_free(s, ns);
+  free(text);
+  td_i32vec_free(&a);
+  td_i32vec_free(&b);
+}
+
+Test(audio, time_format) {
+  char b[32];
+  gw_format_time(b, sizeof b, 3725.0456, ',');
+  cr_assert_str_eq(b, "01:02:05,046");
+  gw_format_time(b, sizeof b, -1, '.');
+  cr_assert_str_eq(b, "00:00:00.000");
+}
