@@ -85,10 +85,9 @@ static void open_h(harness *h, const char *model, const cfg *c) {
 static void close_h(harness *h) {
   td_engine_cache_clear(h->e);
   cr_expect_eq(td_engine_get_stats(h->e).cache_blocks, 0);
-  cr_expect_eq(td_kv_pool_num_free(td_engine_cross_pool(h->e)), td_kv_pool_get_stats(td_engine_cross_pool(h->e)).n_blocks,
-               "cross blocks leaked");
-  cr_expect_eq(td_kv_pool_num_free(td_engine_self_pool(h->e)), td_kv_pool_get_stats(td_engine_self_pool(h->e)).n_blocks,
-               "self blocks leaked");
+  td_kv_pool *cp = td_engine_cross_pool(h->e), *sp = td_engine_self_pool(h->e);
+  cr_expect_eq(td_kv_pool_num_free(cp), td_kv_pool_get_stats(cp).n_blocks, "cross blocks leaked");
+  cr_expect_eq(td_kv_pool_num_free(sp), td_kv_pool_get_stats(sp).n_blocks, "self blocks leaked");
   td_engine_destroy(h->e);
   td_model_destroy(h->m);
   td_backend_destroy(h->b);
