@@ -46,6 +46,7 @@
 
 typedef struct opts {
   const char *router, *gateway, *gateway_model, *model, *device, *workload, *label, *plot;
+  int http_warm; /* --gateway: connections opened before the clock starts */
   bool engine, record;
   int n, concurrency, vocab, max_batch, max_tokens, kv_blocks, cross_blocks, timeout_ms, max_enc_tokens, max_enc_seqs;
   double mem_fraction;
@@ -170,7 +171,7 @@ static void cl_result(void *ctx, const td_client_result *res) {
 
 static td_status run_cluster(const opts *o, run *r) {
   td_client *c;
-  TD_TRY(td_client_connect(o->router, &c));
+  TD_TRY(td_client_connect_wait(o->router, TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS, &c)); /* a wrong --router says so */
   td_client_events ev = {.on_tokens = cl_tokens, .on_result = cl_result, .ctx = r};
   td_status s = TD_OK;
   r->t0 = now_ms();
@@ -202,6 +203,11 @@ static void gw_done(void *ctx, int i, bool ok, int n_tokens) { result_seen(ctx, 
 static td_status run_gateway(const opts *o, run *r) {
   td_http_bench *h;
   TD_TRY(td_http_bench_create(o->gateway, o->gateway_model, &h));
+  td_status ws = td_http_bench_warm(h, o->http_warm);
+  if (ws != TD_OK) {
+    td_http_bench_destroy(h);
+    return ws;
+  }
   td_http_events ev = {.first = gw_first, .done = gw_done, .ctx = r};
   td_status s = TD_OK;
   r->t0 = now_ms();
@@ -357,7 +363,8 @@ static td_status plot(const char *png, const td_serve_summary *m, int n, const c
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: bench-serve (--router EP | --gateway URL [--gateway-model NAME] | --engine --model DIR\n"
+          "usage: bench-serve (--router EP | --gateway URL [--gateway-model NAME] [--http-warm N]\n"
+          "                   | --engine --model DIR\n"
           "                   [--device cpu|cuda])\n"
           "                   [--workload trt|whisper|long|FILE.jsonl] [--requests N] [--seed S]\n"
           "                   [--concurrency C | --rate R | --sweep R1,R2,...] [--ttft-bound MS] [--tpot-bound MS]\n"
@@ -415,8 +422,8 @@ int main(int argc, char **argv) {
       {"label", required_argument, 0, 'l'},        {"record", no_argument, 0, 'o'},
       {"plot", required_argument, 0, 'p'},         {"timeout-ms", required_argument, 0, 't'},
       {"max-enc-tokens", required_argument, 0, 'e'}, {"max-enc-seqs", required_argument, 0, 'q'},
-      {"gpu-memory-fraction", required_argument, 0, 'F'}, {"repeat", required_argument, 0, 'y'},
-      {"encoder-cache-fraction", required_argument, 0, 'Y'},
+      {"gpu-memory-fraction", required_argument, 0, 'F'}, {"http-warm", required_argument, 0, 'W'},
+      {"repeat", required_argument, 0, 'y'},       {"encoder-cache-fraction", required_argument, 0, 'Y'},
       {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
   opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .max_batch = 0, .max_tokens = 0,
             .timeout_ms = 600000, .cache_fraction = TD_DEFAULT_ENCODER_CACHE_FRACTION};
@@ -426,6 +433,13 @@ int main(int argc, char **argv) {
       case 'r': o.router = optarg; break;
       case 'g': o.gateway = optarg; break;
       case 'G': o.gateway_model = optarg; break;
+      case 'W':
+        if (positive("--http-warm", optarg, &o.http_warm)) return 2;
+        if (o.http_warm > 4096) {
+          fprintf(stderr, "bench-serve: --http-warm %d: at most 4096 connections\n", o.http_warm);
+          return 2;
+        }
+        break;
       case 'E': o.engine = true; break;
       case 'm': o.model = optarg; break;
       case 'd': o.device = optarg; break;

@@ -180,6 +180,50 @@ static char *body_of(const td_http_bench *h, const td_json_request *r) {
   return s;
 }
 
+static size_t discard(char *p, size_t size, size_t nmemb, void *ctx) {
+  (void)p;
+  (void)ctx;
+  return size * nmemb;
+}
+
+td_status td_http_bench_warm(td_http_bench *h, int n) {
+  if (n <= 0) return TD_OK;
+  curl_multi_setopt(h->m, CURLMOPT_MAXCONNECTS, (long)n + 16);
+  CURL **e = calloc((size_t)n, sizeof *e);
+  if (!e) return td_err(TD_ERR_NOMEM, "out of memory");
+  char url[600];
+  snprintf(url, sizeof url, "%s/health", h->url);
+  td_status s = TD_OK;
+  for (int i = 0; i < n && s == TD_OK; i++) {
+    e[i] = curl_easy_init();
+    if (!e[i]) {
+      s = td_err(TD_ERR_NOMEM, "out of memory");
+      break;
+    }
+    curl_easy_setopt(e[i], CURLOPT_URL, url);
+    curl_easy_setopt(e[i], CURLOPT_WRITEFUNCTION, discard);
+    curl_easy_setopt(e[i], CURLOPT_TCP_NODELAY, 1L);
+    if (curl_multi_add_handle(h->m, e[i]) != CURLM_OK) s = td_err(TD_ERR_IO, "curl: cannot add a transfer");
+  }
+  int running = 1;
+  while (s == TD_OK && running) {
+    if (curl_multi_perform(h->m, &running) != CURLM_OK) s = td_err(TD_ERR_IO, "curl: warm-up failed");
+    if (s == TD_OK && running) curl_multi_poll(h->m, NULL, 0, 100, NULL);
+  }
+  CURLMsg *msg;
+  int left;
+  while ((msg = curl_multi_info_read(h->m, &left)))
+    if (msg->msg == CURLMSG_DONE && msg->data.result != CURLE_OK && s == TD_OK)
+      s = td_err(TD_ERR_NETWORK, "warming %s: %s", url, curl_easy_strerror(msg->data.result));
+  for (int i = 0; i < n; i++)
+    if (e[i]) {
+      curl_multi_remove_handle(h->m, e[i]);
+      curl_easy_cleanup(e[i]);
+    }
+  free(e);
+  return s;
+}
+
 td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int index) {
   if (r->features || r->n_prompt || r->params.num_beams > 1)
     return td_err(TD_ERR_UNSUPPORTED, "request %s: --gateway sends token-id prompts only (no audio features, decoder "
@@ -191,6 +235,10 @@ td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int i
   x->body = body_of(h, r);
   x->e = curl_easy_init();
   x->hdr = curl_slist_append(NULL, "Content-Type: application/json");
+  /* no "Expect: 100-continue" (curl's default above 1 KiB of body): a round
+   * trip before the body that a client of the API would not wait for */
+  struct curl_slist *more = x->hdr ? curl_slist_append(x->hdr, "Expect:") : NULL;
+  if (more) x->hdr = more;
   if (!x->body || !x->e || !x->hdr) {
     xfer_free(x);
     return td_err(TD_ERR_NOMEM, "out of memory");

@@ -21,6 +21,10 @@ typedef struct td_http_events {
  * first of GET /v1/models). */
 td_status td_http_bench_create(const char *url, const char *model, td_http_bench **out);
 void td_http_bench_destroy(td_http_bench *h);
+/* Opens n connections before the clock starts (GET /health on each, kept
+ * alive in the client's pool), as a client holding a connection pool would;
+ * the requests then reuse them. */
+td_status td_http_bench_warm(td_http_bench *h, int n);
 /* Sends request r (ids only: features or a decoder prompt are refused). */
 td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int index);
 /* Moves transfers for up to timeout_ms; reports through ev. */

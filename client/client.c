@@ -7,6 +7,7 @@
 #include <uthash.h>
 
 #include "common/clock.h"
+#include "common/defaults.h"
 #include "common/log.h"
 #include "proto/wire.h"
 
@@ -46,6 +47,34 @@ td_status td_client_connect(const char *endpoint, td_client **out) {
   return TD_OK;
 }
 
+static td_status send_client(td_client *c, Tandem__ClientMessage *m);
+
+/* A ListModels probe until any answer comes: a DEALER queues nothing
+ * while it has no connection, so the probe is sent again until one is made. */
+td_status td_client_connect_wait(const char *endpoint, int timeout_ms, td_client **out) {
+  TD_TRY(td_client_connect(endpoint, out));
+  td_client *c = *out;
+  Tandem__ListModelsRequest lr = TANDEM__LIST_MODELS_REQUEST__INIT;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_LIST_MODELS;
+  m.list_models = &lr;
+  bool sent = false;
+  for (int64_t end = td_now_ms() + timeout_ms, left; (left = end - td_now_ms()) > 0;) {
+    if (!sent) sent = send_client(c, &m) == TD_OK;
+    zmq_pollitem_t it = {.socket = c->sock, .events = ZMQ_POLLIN};
+    if (zmq_poll(&it, 1, sent ? left : (left < 20 ? left : 20)) > 0) {
+      td_wire_frame f;
+      if (td_wire_recv(c->sock, false, false, &f) == TD_OK) {
+        td_wire_frame_free(&f); /* any answer: a router is there */
+        return TD_OK;
+      }
+    }
+  }
+  td_client_close(c);
+  *out = NULL;
+  return td_err(TD_ERR_PEER, "no router answers at %s within %d ms", endpoint, timeout_ms);
+}
+
 void td_client_close(td_client *c) {
   if (!c) return;
   pending *p, *t;
@@ -63,6 +92,11 @@ int td_client_pending(const td_client *c) { return (int)HASH_COUNT(c->pend); }
 
 static td_status send_client(td_client *c, Tandem__ClientMessage *m) {
   m->version = TD_PROTOCOL_VERSION;
+  /* the router's socket would drop the connection without a word */
+  size_t n = protobuf_c_message_get_packed_size(&m->base);
+  if (n > TD_CLIENT_MAX_MSG_BYTES)
+    return td_err(TD_ERR_INVALID, "the request's message has %zu bytes; a router takes at most %u "
+                  "(TD_CLIENT_MAX_MSG_BYTES)", n, (unsigned)TD_CLIENT_MAX_MSG_BYTES);
   return td_wire_send(c->sock, NULL, 0, &m->base);
 }
 

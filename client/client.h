@@ -69,7 +69,12 @@ typedef struct td_client_health {
   td_client_worker workers[64];
 } td_client_health;
 
+/* Connects without waiting (a router that is not there yet is reached
+ * once it binds). */
 td_status td_client_connect(const char *endpoint, td_client **out);
+/* Connects and waits up to timeout_ms for the router to answer a probe:
+ * TD_ERR_PEER "no router answers at EP within N ms" when none does. */
+td_status td_client_connect_wait(const char *endpoint, int timeout_ms, td_client **out);
 void td_client_close(td_client *c);
 
 /* Sends a request (its id must be unique among this client's requests in

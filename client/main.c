@@ -13,6 +13,7 @@
 
 #include "client/client.h"
 #include "common/clock.h"
+#include "common/defaults.h"
 #include "common/log.h"
 #include "common/settings.h"
 
@@ -106,12 +107,13 @@ int main(int argc, char **argv) {
                                        {"text", required_argument, 0, 'x'},   {"audio", required_argument, 0, 'a'},
                                        {"language", required_argument, 0, 'L'}, {"task", required_argument, 0, 'k'},
                                        {"timestamps", no_argument, 0, 'S'},   {"max-new-tokens", required_argument, 0, 'n'},
+                                       {"connect-timeout-ms", required_argument, 0, 'C'},
                                        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   const char *router = NULL, *path = NULL, *text = NULL, *audio = NULL, *language = NULL, *task = NULL;
-  int timeout = 0, max_inflight = 256, max_new = 0;
+  int timeout = 0, max_inflight = 256, max_new = 0, connect_ms = TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS;
   bool stream = false, health = false, timestamps = false;
   int c;
-  while ((c = getopt_long(argc, argv, "r:q:st:m:Hx:a:L:k:Sn:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "r:q:st:m:Hx:a:L:k:Sn:C:h", opts, NULL)) != -1) {
     switch (c) {
       case 'x': text = optarg; break;
       case 'a': audio = optarg; break;
@@ -125,6 +127,7 @@ int main(int argc, char **argv) {
       case 't': timeout = atoi(optarg); break;
       case 'm': max_inflight = atoi(optarg); break;
       case 'H': health = true; break;
+      case 'C': connect_ms = atoi(optarg); break;
       default:
         fprintf(c == 'h' ? stdout : stderr,
                 "usage: tandem-client --router ENDPOINT --requests FILE.jsonl [--stream] [--timeout-ms N]\n"
@@ -132,12 +135,13 @@ int main(int argc, char **argv) {
                 "       tandem-client --router ENDPOINT (--text TEXT | --audio FILE [--language CODE]\n"
                 "                     [--task transcribe|translate] [--timestamps]) [--max-new-tokens N] [--stream]\n"
                 "                     (the router converts them: it needs --tokenizer)\n"
-                "       tandem-client --router ENDPOINT --health\n");
+                "       tandem-client --router ENDPOINT --health\n"
+                "       --connect-timeout-ms N: a router that does not answer by then is unreachable (default 5000)\n");
         return c == 'h' ? 0 : 2;
     }
   }
   int inputs = (path != NULL) + (text != NULL) + (audio != NULL);
-  if (!router || (inputs != 1 && !health) || max_inflight <= 0 || timeout < 0) {
+  if (!router || (inputs != 1 && !health) || max_inflight <= 0 || timeout < 0 || connect_ms <= 0) {
     fprintf(stderr, "tandem-client: --router and one of --requests, --text and --audio are required (see --help)\n");
     return 2;
   }
@@ -146,7 +150,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   td_client *cl;
-  if (td_client_connect(router, &cl) != TD_OK) {
+  if (td_client_connect_wait(router, connect_ms, &cl) != TD_OK) {
     fprintf(stderr, "tandem-client: %s\n", td_errmsg());
     return 2;
   }

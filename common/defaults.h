@@ -49,6 +49,17 @@
 #define TD_ROUTER_MAX_ATTEMPTS 255       /* max_attempts' ceiling: the attempt is a byte of the request's rid */
 #define TD_ROUTER_WORKER_BURST 4096     /* worker messages handled a wake-up (then clients and timers) */
 #define TD_ROUTER_CLIENT_BURST 1024     /* client messages handled a wake-up */
+/* Bounds on what peers make the router hold (docs/limits.md). */
+#define TD_DEFAULT_CAPACITY_WAIT_MS 10000 /* a queued request waits this long for a role no live worker has
+                                             ("no encoder is registered"), then fails ERROR_UNAVAILABLE */
+#define TD_CLIENT_MAX_MSG_BYTES (TD_MAX_AUDIO_BYTES + (1u << 20)) /* a client message: the largest part of a request
+                                             is its audio file; larger drops the connection (the client library
+                                             refuses to send one) */
+#define TD_DEFAULT_MAX_HELD_BYTES (256u << 20) /* client messages of requests queued and in flight, together;
+                                             beyond: ERROR_OVERLOADED */
+#define TD_ROUTER_MAX_GROUPS 256         /* worker group rendezvous held (forming, failed, running); beyond: refused */
+#define TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS 5000 /* tandem-client: a router that does not answer by then is
+                                             reported unreachable */
 /* Text and audio are converted in the router's one loop at admission: these
  * bound what one request costs it (docs/frontend.md). */
 #define TD_MAX_TEXT_BYTES (64u << 10)    /* a request's text (a few ms to tokenize; models take <= 1-4k tokens) */
@@ -74,10 +85,14 @@
 #define TD_WORKER_STOP_CHECK_MS 50         /* how soon a stop (SIGTERM) or a finished drain is noticed */
 #define TD_WORKER_COMPUTE_IDLE_MS 50       /* an idle compute thread looks at its queue again */
 #define TD_KV_PUSH_MAX_BLOCKS 65536        /* blocks one ZeroMQ KV push carries */
+#define TD_KV_HEADER_MAX_BYTES (1u << 20)  /* a KvPush header: TD_KV_PUSH_MAX_BLOCKS block ids (5 bytes each at most) */
+#define TD_KV_DEFAULT_MAX_FRAME_BYTES (64u << 20) /* a ZeroMQ KV frame when the owner names no block size */
+#define TD_KV_ACK_MAX_BYTES (64u << 10)    /* a KvAck (the sender's socket takes nothing larger) */
 #define TD_GROUP_MAX_RANKS 16              /* ranks of a TP / PP worker group (the router's rendezvous too) */
 #define TD_GROUP_HEARTBEAT_MS 200          /* leader -> followers when idle; followers -> router */
 #define TD_GROUP_LEADER_DEAD_MS 5000       /* a follower gives up on a silent leader */
 #define TD_GROUP_JOIN_RESEND_MS 2000       /* a joining rank asks the router again */
+#define TD_GROUP_MIRROR_IN_MAX_BYTES 256   /* a follower's message to its leader (hello, heartbeat) */
 
 /* ---- kvtransfer (td_kvx_opts left 0; the protocol's grace periods) ---- */
 #define TD_DEFAULT_KVX_STAGING_SLOTS 8                /* pinned staging slots per side */

@@ -62,6 +62,10 @@ typedef struct td_kvt_opts {
   const char *name;        /* for logs (the worker id) */
   const char *listen_host; /* zmq: the address peers reach this endpoint at */
   int timeout_ms;          /* a push with no answer fails */
+  /* zmq: the largest block a peer may send here and this side sends (the
+   * model's whole-decoder block bytes); a larger frame drops the peer's
+   * connection before it is buffered. 0: TD_KV_DEFAULT_MAX_FRAME_BYTES */
+  size_t max_block_bytes;
   /* ucx: the pools it registers */
   bool cuda;     /* pools in GPU memory of `device` (else host memory) */
   int device;

@@ -40,6 +40,7 @@ typedef struct zx {
   td_loop *loop;
   char desc[300];
   int timeout_ms;
+  size_t max_block; /* the largest block frame taken and sent */
   peer peers[MAX_PEERS];
   int n_peers;
   pending *pend;
@@ -79,7 +80,12 @@ static td_status zx_create(td_kvt *t, const td_kvt_opts *o) {
     return s;
   }
   td_wire_setup_socket(x->rx);
-  int64_t max = -1; /* KV messages are as large as the blocks */
+  /* a frame is a header or one block: a larger one (a 1 GiB frame) drops
+   * the peer's connection before libzmq buffers it. libzmq bounds frames,
+   * not the parts of a message: a peer sending endless block frames is
+   * bounded by nothing here (docs/limits.md) */
+  x->max_block = o->max_block_bytes ? o->max_block_bytes : TD_KV_DEFAULT_MAX_FRAME_BYTES;
+  int64_t max = (int64_t)(x->max_block > TD_KV_HEADER_MAX_BYTES ? x->max_block : TD_KV_HEADER_MAX_BYTES);
   zmq_setsockopt(x->rx, ZMQ_MAXMSGSIZE, &max, sizeof max);
   char ep[300];
   snprintf(ep, sizeof ep, "tcp://%s:*", o->listen_host ? o->listen_host : TD_DEFAULT_LISTEN_HOST);
@@ -148,7 +154,7 @@ static peer *get_peer(zx *x, const uint8_t *desc, size_t len) {
     return NULL;
   }
   td_wire_setup_socket(p->sock);
-  int64_t max = -1;
+  int64_t max = TD_KV_ACK_MAX_BYTES; /* only KvAcks come back */
   zmq_setsockopt(p->sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
   if (zmq_connect(p->sock, ep) != 0) {
     td_err(TD_ERR_NETWORK, "cannot connect to %s: %s", ep, zmq_strerror(zmq_errno()));
@@ -170,6 +176,10 @@ static td_status zx_push(td_kvt *t, const td_kvt_push *q) {
     return td_err(TD_ERR_INVALID, "a KV push carries at most %d blocks over ZeroMQ, this one %d", TD_KV_PUSH_MAX_BLOCKS,
                   q->n);
   if (q->n > 0 && !q->src_host) return td_err(TD_ERR_INVALID, "the blocks are not in host memory");
+  /* the receiver's socket would drop the connection without a word */
+  if (q->block_bytes > x->max_block)
+    return td_err(TD_ERR_INVALID, "KV blocks of %zu bytes exceed the ZeroMQ frame limit of %zu bytes", q->block_bytes,
+                  x->max_block);
   peer *p = get_peer(x, q->peer_desc, q->peer_desc_len);
   if (!p) return TD_ERR_INVALID;
   if (x->n_pend == x->cap_pend) {

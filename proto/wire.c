@@ -97,18 +97,17 @@ td_status td_wire_recv(void *sock, bool router, bool wait, td_wire_frame *out) {
     return td_err(TD_ERR_FORMAT, "message with extra frames");
   }
   out->len = zmq_msg_size(&m);
-  out->data = malloc(out->len ? out->len : 1);
-  if (!out->data) {
-    zmq_msg_close(&m);
-    return td_err(TD_ERR_NOMEM, "out of memory");
-  }
-  memcpy(out->data, zmq_msg_data(&m), out->len);
+  zmq_msg_init(&out->msg);
+  zmq_msg_move(&out->msg, &m);
   zmq_msg_close(&m);
+  out->has_msg = true;
+  out->data = zmq_msg_data(&out->msg);
   return TD_OK;
 }
 
 void td_wire_frame_free(td_wire_frame *f) {
-  free(f->data);
+  if (f->has_msg) zmq_msg_close(&f->msg);
+  f->has_msg = false;
   f->data = NULL;
 }
 

@@ -21,8 +21,11 @@
 typedef struct td_wire_frame {
   uint8_t id[TD_WIRE_MAX_ID];
   size_t id_len;  /* 0 on DEALER sockets */
-  uint8_t *data;  /* payload (malloc'ed) */
+  uint8_t *data;  /* payload: the received message's own bytes, not a copy (a large request is held once) */
   size_t len;
+  zmq_msg_t msg;  /* holds data until td_wire_frame_free (a frame is never copied by value: small messages keep
+                     their bytes inside msg) */
+  bool has_msg;
 } td_wire_frame;
 
 /* Packs msg and sends it, after the identity frame when id != NULL.

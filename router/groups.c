@@ -1,7 +1,10 @@
 /* The rendezvous of tensor / pipeline parallel worker groups: every rank
  * joins with its endpoint (GroupJoin), and once all have, each gets the list
  * (GroupInfo). Followers then heartbeat here; a silent one fails the group,
- * whose leader (a registered worker) leaves the pool. */
+ * whose leader (a registered worker) leaves the pool. Bounded against a
+ * flood of joins: a peer holds one rank of one group (a join elsewhere
+ * leaves the last), the router at most TD_ROUTER_MAX_GROUPS rendezvous, and
+ * a peer's group is found by its identity in a hash, never by a scan. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,20 +13,33 @@
 #include "common/log.h"
 #include "router/internal.h"
 
-static void group_free(group_rv *g) {
-  for (int i = 0; i < TD_GROUP_MAX_RANKS; i++) free(g->endpoints[i]);
+/* A group's ranks leave the member index with it. */
+static void group_drop(td_router *r, group_rv *g) {
+  for (int i = 0; i < TD_GROUP_MAX_RANKS; i++) {
+    if (g->members[i]) {
+      HASH_DEL(r->members, g->members[i]);
+      free(g->members[i]);
+    }
+    free(g->endpoints[i]);
+  }
+  HASH_DEL(r->groups, g);
   free(g->error);
   free(g);
 }
 
-static void group_drop(td_router *r, group_rv *g) {
-  HASH_DEL(r->groups, g);
-  group_free(g);
-}
-
-static group_rv *group_new(td_router *r, const char *name, int world) {
+/* NULL when the router holds TD_ROUTER_MAX_GROUPS already (*why says so) or
+ * is out of memory. */
+static group_rv *group_new(td_router *r, const char *name, int world, char *why, size_t cap) {
+  if (HASH_COUNT(r->groups) >= TD_ROUTER_MAX_GROUPS) {
+    snprintf(why, cap, "the router holds %d worker group rendezvous, at most %d (TD_ROUTER_MAX_GROUPS); try again",
+             (int)HASH_COUNT(r->groups), TD_ROUTER_MAX_GROUPS);
+    return NULL;
+  }
   group_rv *g = calloc(1, sizeof *g);
-  if (!g) return NULL;
+  if (!g) {
+    snprintf(why, cap, "out of memory");
+    return NULL;
+  }
   snprintf(g->name, sizeof g->name, "%s", name);
   g->world = world;
   g->created = td_now_ms();
@@ -79,7 +95,8 @@ static void join_refused(td_router *r, const uint8_t *id, size_t id_len, const T
   const char *name = j->group;
   if (refused) TD_WARN("refused rank %u of worker group %s: %s", j->rank, name, why);
   group_reply(r, id, id_len, NULL, refused ? why : g->error);
-  if (!g && !(g = group_new(r, name, (int)j->world))) return;
+  char full[200];
+  if (!g && !(g = group_new(r, name, (int)j->world, full, sizeof full))) return;
   g->told[j->rank] = true;
   if (!g->error) {
     char other[700];
@@ -96,6 +113,29 @@ static void join_refused(td_router *r, const uint8_t *id, size_t id_len, const T
   if (all) group_drop(r, g);
 }
 
+static void group_failed(td_router *r, group_rv *g, const char *why);
+
+/* A peer that joins one group leaves the one it was in: a rank is one
+ * process of one group (a restarted rank connects under a new identity). */
+static void member_leave(td_router *r, group_rank *mb) {
+  group_rv *g = mb->g;
+  int k = mb->rank;
+  if (g->complete) {
+    char why[300];
+    snprintf(why, sizeof why, "rank %d of group %s joined another group", k, g->name);
+    group_failed(r, g, why);
+    return;
+  }
+  HASH_DEL(r->members, mb);
+  free(mb);
+  g->members[k] = NULL;
+  free(g->endpoints[k]);
+  g->endpoints[k] = NULL;
+  g->id_lens[k] = 0;
+  g->joined--;
+  if (g->joined <= 0 && !g->error) group_drop(r, g);
+}
+
 void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j) {
   char why[512];
   if (join_invalid(j, why, sizeof why)) {
@@ -103,6 +143,9 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__C
     return;
   }
   const char *name = j->group;
+  group_rank *mb = NULL;
+  HASH_FIND(hh, r->members, id, id_len, mb);
+  if (mb && (strcmp(mb->g->name, name) || mb->rank != (int)j->rank)) member_leave(r, mb);
   group_rv *g = NULL;
   HASH_FIND_STR(r->groups, name, g);
   bool refused = !rtr_cross_mode_matches(r, j->cross_mode, why, sizeof why);
@@ -120,10 +163,26 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__C
     group_drop(r, g);
     g = NULL;
   }
-  if (!g && !(g = group_new(r, name, (int)j->world))) return;
-  g->endpoints[j->rank] = strdup(j->endpoint);
+  if (!g && !(g = group_new(r, name, (int)j->world, why, sizeof why))) {
+    TD_WARN("refused rank %u of worker group %s: %s", j->rank, name, why);
+    group_reply(r, id, id_len, NULL, why);
+    return;
+  }
+  group_rank *nm = calloc(1, sizeof *nm);
+  if (!nm || !(g->endpoints[j->rank] = strdup(j->endpoint))) {
+    free(nm);
+    group_reply(r, id, id_len, NULL, "out of memory");
+    if (!g->joined) group_drop(r, g);
+    return;
+  }
   memcpy(g->ids[j->rank], id, id_len);
   g->id_lens[j->rank] = id_len;
+  memcpy(nm->route, id, id_len);
+  nm->route_len = id_len;
+  nm->g = g;
+  nm->rank = (int)j->rank;
+  HASH_ADD_KEYPTR(hh, r->members, nm->route, nm->route_len, nm);
+  g->members[j->rank] = nm;
   if (j->rank == 0 && j->nccl_id.len) {
     memcpy(g->nccl_id, j->nccl_id.data, j->nccl_id.len);
     g->nccl_len = j->nccl_id.len;
@@ -136,15 +195,11 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__C
 }
 
 group_rv *rtr_group_of_follower(td_router *r, const uint8_t *id, size_t id_len, int *rank) {
-  group_rv *g, *gt;
-  HASH_ITER(hh, r->groups, g, gt) {
-    for (int k = 1; k < g->world; k++)
-      if (g->id_lens[k] == id_len && !memcmp(g->ids[k], id, id_len)) {
-        *rank = k;
-        return g;
-      }
-  }
-  return NULL;
+  group_rank *mb = NULL;
+  HASH_FIND(hh, r->members, id, id_len, mb);
+  if (!mb || mb->rank < 1) return NULL;
+  *rank = mb->rank;
+  return mb->g;
 }
 
 /* A rank of a complete group died: the group leaves the pool. */

@@ -66,6 +66,8 @@ typedef struct rreq {
   td_i32vec streamed;
   td_f32vec streamed_lp;
   int64_t t_arrival, t_placed, t_stage, deadline;
+  int64_t t_queued;      /* when this attempt entered the queue */
+  size_t held;           /* its client message's bytes, counted in r->held_bytes */
   int64_t t_reserved, t_encode_sent, t_encoded, t_first; /* stage times for Timings (0: not yet) */
   double encode_ms, prefill_ms;
   /* streamed text: one detokenizer a sequence, made at its first chunk */
@@ -83,8 +85,21 @@ typedef struct rreq {
   UT_hash_handle hc;   /* by ckey */
 } rreq;
 
+typedef struct group_rv group_rv;
+
+/* A connection that joined a group, by its routing identity: a peer is one
+ * rank of one group, so a flood of joins from one peer holds one slot, and
+ * a follower's heartbeat finds its group without a scan. */
+typedef struct group_rank {
+  uint8_t route[TD_WIRE_MAX_ID];
+  size_t route_len;
+  group_rv *g;
+  int rank;
+  UT_hash_handle hh;
+} group_rank;
+
 /* A worker group's rendezvous (GroupJoin / GroupInfo). */
-typedef struct group_rv {
+struct group_rv {
   char name[128];
   int world;
   char *endpoints[TD_GROUP_MAX_RANKS];
@@ -99,8 +114,9 @@ typedef struct group_rv {
   bool told[TD_GROUP_MAX_RANKS];
   int64_t created;
   int64_t seen[TD_GROUP_MAX_RANKS]; /* followers' last heartbeat */
+  group_rank *members[TD_GROUP_MAX_RANKS]; /* the ranks that joined, in r->members */
   UT_hash_handle hh;
-} group_rv;
+};
 
 struct td_router {
   td_router_opts o;
@@ -113,12 +129,15 @@ struct td_router {
   td_place_worker **pool;         /* the same workers in registration order */
   int n_pool, cap_pool;
   group_rv *groups;
+  group_rank *members;          /* every rank of every group, by routing identity */
   rreq *by_rid, *by_ckey;
   td_ptrvec queue;                /* rreq waiting for placement, first come first served */
   int in_flight;
   uint64_t next_serial;
   uint64_t hb_seq;
   char wait_why[256];             /* why the queue's head waits */
+  bool wait_missing;              /* ... for a role no live worker has (td_placement.missing) */
+  long long held_bytes;           /* client messages of the requests held (queued and in flight) */
   /* the served model, from the first worker */
   bool have_model;
   int32_t model_start_token; /* the model's decoder start token (a resumed prompt's first) */
@@ -161,7 +180,8 @@ int rtr_groups_tick(td_loop *l, void *ctx);
 void rtr_groups_free(td_router *r);
 
 /* ---- requests.c */
-void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg);
+/* bytes: the client message's, held against max_held_bytes while the request lives */
+void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes);
 void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c);
 /* The request of this rid, or NULL (then the worker is told to let go of it). */
 rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w);

@@ -134,7 +134,7 @@ static void on_client_message(td_router *r) {
   }
   switch (m->body_case) {
     case TANDEM__CLIENT_MESSAGE__BODY_GENERATE:
-      rtr_on_generate(r, f.id, f.id_len, m); /* keeps or frees the message */
+      rtr_on_generate(r, f.id, f.id_len, m, f.len); /* keeps or frees the message */
       m = NULL;
       break;
     case TANDEM__CLIENT_MESSAGE__BODY_CANCEL: rtr_on_cancel(r, f.id, f.id_len, m->cancel); break;
@@ -190,12 +190,16 @@ static void apply_defaults(td_router_opts *o) {
   if (o->prefill_threshold <= 0) o->prefill_threshold = TD_DEFAULT_PREFILL_THRESHOLD;
   if (o->encode_runs <= 0) o->encode_runs = TD_DEFAULT_ENCODE_RUNS;
   if (o->local_encode_pct <= 0) o->local_encode_pct = TD_DEFAULT_LOCAL_ENCODE_PCT;
+  if (o->capacity_wait_ms <= 0) o->capacity_wait_ms = TD_DEFAULT_CAPACITY_WAIT_MS;
+  if (o->max_held_bytes <= 0) o->max_held_bytes = TD_DEFAULT_MAX_HELD_BYTES;
 }
 
-static td_status bind_socket(td_router *r, void **sock, const char *endpoint, const char *what, bool handover) {
+static td_status bind_socket(td_router *r, void **sock, const char *endpoint, const char *what, bool handover,
+                             int64_t max_msg) {
   *sock = zmq_socket(r->ctx, ZMQ_ROUTER);
   if (!*sock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   td_wire_setup_socket(*sock);
+  zmq_setsockopt(*sock, ZMQ_MAXMSGSIZE, &max_msg, sizeof max_msg);
   int on = handover;
   if (handover) zmq_setsockopt(*sock, ZMQ_ROUTER_HANDOVER, &on, sizeof on);
   if (zmq_bind(*sock, endpoint) != 0)
@@ -223,12 +227,14 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
   r->own_ctx = !opts->zmq_ctx;
   r->ctx = r->own_ctx ? zmq_ctx_new() : opts->zmq_ctx;
   td_status s = r->ctx ? TD_OK : td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
-  if (s == TD_OK) s = bind_socket(r, &r->csock, r->o.client_endpoint, "client", false);
+  /* a request's largest part is its audio: a larger message drops the
+   * client's connection before libzmq buffers it (tcp; inproc has no limit) */
+  if (s == TD_OK) s = bind_socket(r, &r->csock, r->o.client_endpoint, "client", false, TD_CLIENT_MAX_MSG_BYTES);
   /* no ROUTER_HANDOVER: a second connection under a live identity made
    * libzmq abort under load (stream_engine_base.cpp !_io_error); workers
    * connect under identities never reused (td_wire_set_unique_route) and
    * a duplicate worker id is the registration's to refuse */
-  if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", false);
+  if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", false, TD_WIRE_MAX_MSG);
   if (s != TD_OK) {
     td_router_destroy(r);
     return s;

@@ -60,11 +60,12 @@ int main(int argc, char **argv) {
       {"model-name", required_argument, 0, 'n'},      {"log-level", required_argument, 0, 'l'},
       {"cross-states", no_argument, 0, 'C'},          {"cross-mode", required_argument, 0, 'x'},
       {"tokenizer", required_argument, 0, 'T'},      {"help", no_argument, 0, 'h'},
+      {"capacity-wait-ms", required_argument, 0, 'W'}, {"max-held-mb", required_argument, 0, 'M'},
       {0, 0, 0, 0}};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
   const char *tokenizer_dir = NULL;
   int c;
-  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:e:L:n:l:Cx:T:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:e:L:n:l:Cx:T:W:M:h", opts, NULL)) != -1) {
     switch (c) {
       case 'c': o.client_endpoint = optarg; break;
       case 'w': o.worker_endpoint = optarg; break;
@@ -80,6 +81,8 @@ int main(int argc, char **argv) {
       case 'L': o.local_encode_pct = atoi(optarg); break;
       case 'n': o.model_name = optarg; break;
       case 'T': tokenizer_dir = optarg; break;
+      case 'W': o.capacity_wait_ms = atoi(optarg); break;
+      case 'M': o.max_held_bytes = atoll(optarg) << 20; break;
       case 'C': o.cross_mode = TD_CROSS_STATES; break;
       case 'x':
         if (td_cross_mode_parse(optarg, &o.cross_mode) == TD_OK) break;
@@ -98,6 +101,9 @@ int main(int argc, char **argv) {
                 "                     [--heartbeat-ms N] [--dead-after N] [--max-queue N] [--max-in-flight N]\n"
                 "                     [--timeout-ms N] [--stage-timeout-ms N] [--max-attempts N]\n"
                 "                     [--prefill-threshold N] [--encode-queue-runs N] [--local-encode-pct P]\n"
+                "                     [--capacity-wait-ms N]  (a request waits this long for a role no live\n"
+                "                                         worker has, e.g. no encoder registered; default 10000)\n"
+                "                     [--max-held-mb N]  (client messages of the requests held; default 256)\n"
                 "                     [--model-name NAME] [--log-level LEVEL]\n"
                 "                     [--tokenizer DIR]  (the checkpoint's folder: text and audio requests,\n"
                 "                                         text in results; Whisper needs its preprocessor_config.json)\n"

@@ -60,8 +60,8 @@ bool td_place_possible(const td_place_worker *const *pool, int n, const td_place
   return false;
 }
 
-/* Why no fitting worker of a role is free now. */
-static void wait_reason(const td_place_worker *const *pool, int n, want role, char *why, size_t cap) {
+/* Why no fitting worker of a role is free now; *missing: no live worker has the role. */
+static void wait_reason(const td_place_worker *const *pool, int n, want role, char *why, size_t cap, bool *missing) {
   static const char *const names[] = {"decode worker", "encoder", "prefill worker"};
   int with_role = 0, live = 0;
   for (int i = 0; i < n; i++) {
@@ -70,6 +70,7 @@ static void wait_reason(const td_place_worker *const *pool, int n, want role, ch
     with_role += has;
     live += has && !w->draining;
   }
+  *missing = !live;
   if (!with_role)
     snprintf(why, cap, "no %s is registered", names[role]);
   else if (!live)
@@ -114,15 +115,16 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
                          td_placement *out) {
   out->decode = out->encode = out->prefill = -1;
   out->why[0] = 0;
+  out->missing = false;
   int d = pick(pool, n, WANT_DEC, q);
   if (d < 0) {
     if (!td_place_possible(pool, n, q, out->why, sizeof out->why)) return TD_PLACE_NEVER;
-    wait_reason(pool, n, WANT_DEC, out->why, sizeof out->why);
+    wait_reason(pool, n, WANT_DEC, out->why, sizeof out->why, &out->missing);
     return TD_PLACE_WAIT;
   }
   int e = pick_encoder(pool, n, d, q, o), p = -1;
   if (e == -1) {
-    wait_reason(pool, n, WANT_ENC, out->why, sizeof out->why);
+    wait_reason(pool, n, WANT_ENC, out->why, sizeof out->why, &out->missing);
     return TD_PLACE_WAIT;
   }
   bool local = e == LOCAL;

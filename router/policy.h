@@ -88,6 +88,8 @@ typedef struct td_placement {
   bool local_encode;
   int prefill;  /* -1: the decode worker runs the prompt */
   char why[256]; /* WAIT, NEVER: what is missing */
+  bool missing;  /* WAIT because no live worker has a role it needs (none registered, every one draining), not
+                    because the live ones are busy: the router waits only a bounded time for one */
 } td_placement;
 
 /* Chooses the workers of one request among pool[0..n) (registration order):

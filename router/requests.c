@@ -91,6 +91,7 @@ static void release_workers(td_router *r, rreq *q, bool tell) {
 
 void rtr_req_free(td_router *r, rreq *q) {
   if (q->st != ST_QUEUED) r->in_flight--;
+  r->held_bytes -= (long long)q->held;
   release_workers(r, q, false);
   td_ptrvec_remove(&r->queue, q);
   HASH_DELETE(hh, r->by_rid, q);
@@ -162,6 +163,7 @@ void rtr_req_requeue(td_router *r, rreq *q, bool release) {
   HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
   if (q->st != ST_QUEUED) r->in_flight--;
   q->st = ST_QUEUED;
+  q->t_queued = td_now_ms();
   if (td_ptrvec_insert(&r->queue, 0, q) != TD_OK)
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
 }
@@ -265,6 +267,7 @@ bool rtr_place_queue(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
   r->wait_why[0] = 0;
+  r->wait_missing = false;
   while (r->queue.n > 0) {
     rreq *q = r->queue.v[0];
     td_place_req pr = attempt_req(q);
@@ -273,6 +276,7 @@ bool rtr_place_queue(td_loop *l, void *ctx) {
         td_place((const td_place_worker *const *)r->pool, r->n_pool, &pr, &r->place_opts, &pl);
     if (st == TD_PLACE_WAIT) {
       snprintf(r->wait_why, sizeof r->wait_why, "%s", pl.why);
+      r->wait_missing = pl.missing;
       break;
     }
     td_ptrvec_remove(&r->queue, q);
@@ -350,8 +354,8 @@ static char *client_key(const uint8_t *cid, size_t cid_len, const char *id) {
 
 /* Every refusal of a new request, in order; the request is admitted when
  * code stays ERROR_NONE. */
-static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRequest *g, td_req_shape *sh,
-                               bool *detect, char *err, size_t cap) {
+static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRequest *g, size_t bytes,
+                               td_req_shape *sh, bool *detect, char *err, size_t cap) {
   rreq *dup = NULL;
   HASH_FIND(hc, r->by_ckey, key, strlen(key), dup);
   if (dup) {
@@ -364,6 +368,12 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRe
   }
   if (r->queue.n >= r->o.max_queue || r->in_flight >= r->o.max_in_flight) {
     snprintf(err, cap, "overloaded: %d requests queued, %d in flight", r->queue.n, r->in_flight);
+    return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
+  }
+  /* the messages held are the router's memory: bounded together, not only one by one */
+  if (r->held_bytes + (long long)bytes > r->o.max_held_bytes) {
+    snprintf(err, cap, "overloaded: the requests held take %lld bytes of client messages, this one %zu more, at "
+             "most %lld (--max-held-mb)", r->held_bytes, bytes, r->o.max_held_bytes);
     return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
   }
   td_admit_frontend fe = {.text = r->o.tokenizer != NULL, .audio = r->o.mel && r->o.whisper};
@@ -380,7 +390,7 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRe
   return TANDEM__ERROR_CODE__ERROR_NONE;
 }
 
-void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg) {
+void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes) {
   Tandem__GenerateRequest *g = msg->generate;
   const char *id = g->request_id ? g->request_id : "";
   char err[512];
@@ -395,7 +405,7 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
     code = TANDEM__ERROR_CODE__ERROR_INTERNAL;
     snprintf(err, sizeof err, "out of memory");
   } else {
-    code = admit(r, key, g, &sh, &detect, err, sizeof err);
+    code = admit(r, key, g, bytes, &sh, &detect, err, sizeof err);
   }
   if (code == TANDEM__ERROR_CODE__ERROR_NONE &&
       (!(q = calloc(1, sizeof *q)) || !(q->cid = strdup(id)) || td_ptrvec_insert(&r->queue, r->queue.n, q) != TD_OK)) {
@@ -419,7 +429,9 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
   q->ckey = key;
   q->msg = msg;
   q->g = g;
-  q->t_arrival = td_now_ms();
+  q->t_arrival = q->t_queued = td_now_ms();
+  q->held = bytes;
+  r->held_bytes += (long long)bytes;
   q->deadline = q->t_arrival + (g->timeout_ms ? (int64_t)g->timeout_ms : r->o.default_timeout_ms);
   q->st = ST_QUEUED;
   HASH_ADD(hh, r->by_rid, rid, sizeof q->rid, q);
@@ -447,6 +459,8 @@ int rtr_requests_tick(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
   int64_t t = td_now_ms();
+  /* placed afresh first: a worker that registered this turn is not missing */
+  if (r->wait_missing) (void)rtr_place_queue(l, r);
   rreq *q, *tmp;
   HASH_ITER(hh, r->by_rid, q, tmp) {
     if (t > q->deadline) {
@@ -456,6 +470,14 @@ int rtr_requests_tick(td_loop *l, void *ctx) {
       else
         snprintf(why, sizeof why, "deadline exceeded");
       rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_TIMEOUT, why);
+      continue;
+    }
+    /* busy workers are load, worth the wait; a role no live worker has is not */
+    if (q->st == ST_QUEUED && r->wait_missing && t - q->t_queued > r->o.capacity_wait_ms) {
+      char why[400];
+      snprintf(why, sizeof why, "%s (waited %lld ms, --capacity-wait-ms %d)", r->wait_why,
+               (long long)(t - q->t_queued), r->o.capacity_wait_ms);
+      rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, why);
       continue;
     }
     if ((q->st == ST_RESERVING || q->st == ST_ENCODING || q->st == ST_PREFILLING) &&

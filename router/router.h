@@ -35,6 +35,10 @@ typedef struct td_router_opts {
   int encode_runs;             /* an encoder's queue holds at most this many of its runs */
   int local_encode_pct;        /* a decode worker that also encodes does while fewer than this % of its
                                   batch decode (with encoder-only workers beside it) */
+  int capacity_wait_ms;        /* a queued request waits this long for a role no live worker has (no encoder
+                                  registered, every decode worker draining), then fails ERROR_UNAVAILABLE */
+  long long max_held_bytes;    /* client messages of the requests queued and in flight, together; a new one
+                                  past it is refused ERROR_OVERLOADED */
   const char *model_name;      /* served name (default: the workers' model type) */
   /* What the cluster's cross pools hold (td_model_opts.cross_mode): workers
    * exchange cross blocks, so one whose mode differs is refused. */

@@ -231,6 +231,8 @@ static td_status join(follower *f) {
   int linger = 0, hwm = 0;
   zmq_setsockopt(f->msock, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(f->msock, ZMQ_RCVHWM, &hwm, sizeof hwm);
+  /* no size limit: it connects out to its own leader only, whose mirrored
+   * KV forwards are as large as a push's blocks */
   zmq_setsockopt(f->msock, ZMQ_ROUTING_ID, mid, strlen(mid));
   if (zmq_connect(f->msock, mirror_ep) != 0)
     return td_err(TD_ERR_NETWORK, "cannot reach the leader's mirror at %s", mirror_ep);

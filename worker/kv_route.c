@@ -142,6 +142,11 @@ td_status w_kv_start(td_worker *w) {
   ko.name = w->id;
   ko.listen_host = o->listen_host;
   ko.timeout_ms = o->transfer_timeout_ms;
+  /* peers push blocks of this model: whole-decoder cross or self blocks, in
+   * float32 at most (a CPU sender's to a bf16 receiver must still arrive, to
+   * be refused with the size error rather than a dropped connection) */
+  size_t ce = td_kv_block_elems(&w->full_cross), se = td_kv_block_elems(&w->full_self);
+  ko.max_block_bytes = (ce > se ? ce : se) * sizeof(float);
   ko.kvx = o->settings.kvx;
   TD_TRY(td_kvt_create(&td_kvt_zmq, &ko, &hooks, &w->kvt[TD_KVT_ZMQ]));
   /* A group's ranks hold slices: blocks for it go through the leader's

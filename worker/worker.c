@@ -86,6 +86,8 @@ static td_status group_start(td_worker *w) {
   if (w->msock) {
     zmq_setsockopt(w->msock, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(w->msock, ZMQ_SNDHWM, &hwm, sizeof hwm);
+    int64_t max = TD_GROUP_MIRROR_IN_MAX_BYTES; /* followers send one-byte hellos and heartbeats */
+    zmq_setsockopt(w->msock, ZMQ_MAXMSGSIZE, &max, sizeof max);
   }
   size_t bl = sizeof bound;
   if (!w->msock || zmq_bind(w->msock, mep) != 0 || zmq_getsockopt(w->msock, ZMQ_LAST_ENDPOINT, bound, &bl) != 0)

@@ -233,6 +233,7 @@ Test(placement, an_encoder_queue_holds_at_most_its_runs) {
   e->enc_pending++;
   cr_assert_eq(place(&pl, &q, &out), TD_PLACE_WAIT);
   cr_expect(strstr(out.why, "encoder"), "%s", out.why);
+  cr_expect(!out.missing, "a full encoder queue is load");
   cr_expect_eq(out.decode, -1);
   q.enc_len = 100000; /* larger than the bound: an idle encoder still takes it */
   e->enc_pending = 0;
@@ -251,6 +252,7 @@ Test(placement, full_encoders_and_a_full_local_queue_wait_and_the_first_to_free_
   q.enc_len = 1;
   td_placement out;
   cr_assert_eq(place(&pl, &q, &out), TD_PLACE_WAIT);
+  cr_expect(!out.missing, "busy encoders are load, not missing capacity");
   both->enc_pending -= 500; /* the decode worker's first token came */
   cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
   cr_expect(out.local_encode);
@@ -310,9 +312,11 @@ Test(placement, draining_workers_take_nothing) {
   pl.w[3].draining = true;
   cr_assert_eq(place(&pl, &small, &out), TD_PLACE_WAIT);
   cr_expect_str_eq(out.why, "every encoder is draining");
+  cr_expect(out.missing, "no live encoder: the router waits a bounded time");
   pl.w[1].draining = true;
   cr_assert_eq(place(&pl, &small, &out), TD_PLACE_WAIT, "a draining worker could still run it: wait");
   cr_expect_str_eq(out.why, "every decode worker is draining");
+  cr_expect(out.missing);
 }
 
 Test(placement, group_leader_is_placed_as_one_worker) {
@@ -341,4 +345,5 @@ Test(placement, no_worker_of_a_role_says_which) {
   add(&only_dec, "dec", "d");
   cr_assert_eq(place(&only_dec, &small, &out), TD_PLACE_WAIT, "an encoder may still register");
   cr_expect_str_eq(out.why, "no encoder is registered");
+  cr_expect(out.missing);
 }

@@ -2,19 +2,31 @@
  * endpoints in a thread, fake workers and a client written here on raw
  * sockets. Registration, placement of a Generate, tokens and results back
  * with their offsets (across a retry too), cancel, stage timeouts,
- * deadlines, worker death, group rendezvous, and the refusal of a request
- * no registered decode worker can run. */
+ * deadlines, worker death, group rendezvous, the refusal of a request
+ * no registered decode worker can run, and the bounds against peers: a
+ * GroupJoin flood, the bytes of requests held, the wait for a role no live
+ * worker has (--capacity-wait-ms). */
 #include <criterion/criterion.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "common/clock.h"
 #include "common/defaults.h"
 #include "common/log.h"
 #include "proto/wire.h"
+#include "client/client.h"
 #include "router/router.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+size_t __sanitizer_get_current_allocated_bytes(void); /* sanitizer/allocator_interface.h, not shipped with gcc here */
+#endif
 
 #define WAIT_MS 3000 /* what a test waits for a message that must come */
 
@@ -898,4 +910,336 @@ Test(router_control, defaults_and_the_limits_of_the_options, .timeout = 30) {
   wfree(ack);
   void *socks[] = {w};
   finish(&h, socks, 1);
+}
+
+/* ------------------------------------------------------------ floods */
+
+/* Bytes the heap holds live: ASan's count under the sanitizer (its
+ * quarantine of freed blocks is not memory a flood kept), glibc's else. */
+static size_t live_heap(void) {
+#if defined(__SANITIZE_ADDRESS__)
+  return __sanitizer_get_current_allocated_bytes();
+#else
+  struct mallinfo2 mi = mallinfo2();
+  return mi.uordblks + mi.hblkhd;
+#endif
+}
+
+/* Every message waiting on s read and dropped; how many. */
+static int drain_socket(void *s, int quiet_ms) {
+  int n = 0;
+  for (;;) {
+    zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+    if (zmq_poll(&it, 1, quiet_ms) <= 0) return n;
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    zmq_msg_recv(&m, s, 0);
+    zmq_msg_close(&m);
+    n++;
+  }
+}
+
+/* 100,000 GroupJoins of distinct groups from one peer (half of one rank,
+ * which complete at once, half waiting for a second rank): a peer holds one
+ * rank of one group, so the router keeps one rendezvous, not 100,000 (which
+ * took 550 MB and, found by a scan per message, minutes of CPU). Measured:
+ * the heap grows by under 1 MB across the flood; bound 16 MB. A real group
+ * forms after it, and TD_ROUTER_MAX_GROUPS rendezvous from distinct peers
+ * are the most the router holds: the next is refused saying so. */
+Test(router_control, a_group_join_flood_holds_one_rendezvous_a_peer, .timeout = 60) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *flood = dealer(&h, h.wep, "flooder");
+  enum { N = 100000 };
+  /* a first join and its answer: the router's own structures exist before the baseline */
+  group_join(flood, "warm", 0, 1);
+  wfree(wexpect(flood, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the first join"));
+  size_t before = live_heap();
+  int64_t t0 = td_now_ms();
+  int answers = 0;
+  for (int i = 0; i < N; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "flood-%d", i);
+    group_join(flood, name, 0, i % 2 ? 2 : 1);
+    if (i % 1000 == 999) answers += drain_socket(flood, 0);
+  }
+  group_join(flood, "last", 0, 1);
+  Tandem__Cluster__RouterMessage *last = NULL;
+  while (!last) {
+    Tandem__Cluster__RouterMessage *m = wexpect(flood, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the flood");
+    answers++;
+    if (!strcmp(m->group_info->group, "last")) last = m;
+    else wfree(m);
+  }
+  cr_expect(last->group_info->ok, "%s", last->group_info->error);
+  wfree(last);
+  int64_t took = td_now_ms() - t0;
+  size_t after = live_heap();
+  /* each one-rank group ("warm" too): its GroupInfo, and "failed" when its rank joins the next */
+  cr_expect_eq(answers, N + 2, "%d answers", answers);
+  cr_log_info("%d group joins in %lld ms: the heap grew by %zd kB", N, (long long)took,
+              ((ssize_t)after - (ssize_t)before) / 1024);
+  cr_expect_lt(after > before ? after - before : 0, (size_t)16 << 20,
+               "%d group joins left the heap %zu kB larger", N, (after - before) >> 10);
+  cr_expect_lt(took, 20000, "the flood took %lld ms", (long long)took);
+  /* a real group still forms */
+  void *follower = dealer(&h, h.wep, "g-rank1");
+  void *leader = dealer(&h, h.wep, "g-rank0");
+  group_join(follower, "g", 1, 2);
+  group_join(leader, "g", 0, 2);
+  for (int k = 0; k < 2; k++) {
+    Tandem__Cluster__RouterMessage *gi =
+        wexpect(k ? leader : follower, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the real group");
+    cr_expect(gi->group_info->ok, "%s", gi->group_info->error);
+    wfree(gi);
+  }
+  /* distinct peers: at most TD_ROUTER_MAX_GROUPS rendezvous (two are held: "last" and "g") */
+  enum { PEERS = TD_ROUTER_MAX_GROUPS - 2 };
+  void *peers[PEERS + 1];
+  for (int i = 0; i <= PEERS; i++) {
+    char id[32], name[32];
+    snprintf(id, sizeof id, "peer-%d", i);
+    snprintf(name, sizeof name, "pending-%d", i);
+    peers[i] = dealer(&h, h.wep, id);
+    group_join(peers[i], name, 0, 2);
+  }
+  Tandem__Cluster__RouterMessage *gi =
+      wexpect(peers[PEERS], TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the join past the bound");
+  cr_expect(!gi->group_info->ok);
+  cr_expect(strstr(gi->group_info->error, "TD_ROUTER_MAX_GROUPS"), "%s", gi->group_info->error);
+  wfree(gi);
+  Tandem__Cluster__RouterMessage *none = wrecv(peers[0], 100);
+  cr_expect(!none, "a pending rendezvous was answered");
+  if (none) wfree(none);
+  for (int i = 0; i <= PEERS; i++) zmq_close(peers[i]);
+  void *socks[] = {flood, follower, leader};
+  finish(&h, socks, 3);
+}
+
+/* ------------------------------------------------------------ failing fast */
+
+/* A request that needs an encoder where none is registered waits
+ * --capacity-wait-ms for one, then fails ERROR_UNAVAILABLE naming what is
+ * missing (it waited for its whole deadline, 600 s by default, before); an
+ * encoder that comes within the wait takes it. */
+Test(router_control, a_request_without_an_encoder_fails_after_the_capacity_wait, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.capacity_wait_ms = 300});
+  void *d = fake_worker(&h, "dec", (fake_opts){.roles = "d"});
+  int64_t t0 = td_now_ms();
+  generate(&h, (gen){.id = "a", .max_new = 2});
+  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "no encoder is registered");
+  int64_t took = td_now_ms() - t0;
+  cr_expect(took >= 300 && took < 300 + 1000, "failed after %lld ms, the wait is 300", (long long)took);
+  /* within the wait an encoder comes: the request is placed */
+  generate(&h, (gen){.id = "b", .max_new = 2});
+  usleep(100000);
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e"});
+  Tandem__Cluster__RouterMessage *job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "b's decode job");
+  cr_expect_str_eq(job->decode->req->client_id, "b");
+  wfree(job);
+  expect_quiet(&h, 500);
+  void *socks[] = {d, e};
+  finish(&h, socks, 2);
+}
+
+/* Encoders that are busy are load, not missing capacity: a request waits
+ * past --capacity-wait-ms for a full encoder queue and is placed once it
+ * frees. */
+Test(router_control, full_encoder_queues_are_waited_for_past_the_capacity_wait, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.capacity_wait_ms = 100});
+  enum { RUN = 3, RUNS = TD_DEFAULT_ENCODE_RUNS, SENT = 2 * RUNS + 1 };
+  void *both = fake_worker(&h, "both", (fake_opts){.roles = "ed", .enc_batch = RUN});
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e", .enc_batch = RUN});
+  char ids[SENT][8];
+  for (int i = 0; i < SENT; i++) {
+    snprintf(ids[i], sizeof ids[i], "r%d", i);
+    generate(&h, (gen){.id = ids[i], .max_new = 2});
+  }
+  uint64_t local_rid = 0;
+  for (int i = 0; i < 2 * RUNS; i++) {
+    Tandem__Cluster__RouterMessage *job = wexpect(both, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "a decode job");
+    if (job->decode->local_encode) local_rid = job->decode->req->rid;
+    wfree(job);
+  }
+  expect_quiet(&h, 400); /* the last one waits for a queue, past the capacity wait, with no error */
+  int32_t t[1] = {7};
+  send_tokens(both, local_rid, 0, t, 1);
+  Tandem__Cluster__RouterMessage *job = wexpect(both, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the last job");
+  cr_expect_str_eq(job->decode->req->client_id, ids[SENT - 1]);
+  wfree(job);
+  void *socks[] = {both, e};
+  finish(&h, socks, 2);
+}
+
+/* ------------------------------------------------------------ bytes held */
+
+/* A Generate of `pad` more bytes: an unknown field protobuf-c keeps, as a
+ * peer may send. */
+static void generate_padded(harness *h, const char *id, size_t pad) {
+  static int32_t ids[3] = {1, 2, 3};
+  Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+  g.request_id = (char *)id;
+  g.input_ids = ids;
+  g.n_input_ids = 3;
+  g.max_new_tokens = 2;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
+  m.generate = &g;
+  size_t n = tandem__client_message__get_packed_size(&m);
+  uint8_t *buf = calloc(1, n + pad + 16);
+  cr_assert_not_null(buf);
+  size_t k = tandem__client_message__pack(&m, buf);
+  size_t vals[2] = {1000 << 3 | 2, pad}; /* field 1000, length-delimited; its length */
+  for (int i = 0; i < 2; i++)
+    for (size_t v = vals[i];; v >>= 7) {
+      buf[k++] = (uint8_t)((v & 0x7f) | (v >> 7 ? 0x80 : 0));
+      if (!(v >> 7)) break;
+    }
+  cr_assert_eq(zmq_send(h->client, buf, k + pad, 0), (int)(k + pad));
+  free(buf);
+}
+
+/* The requests a router holds are bounded in bytes together
+ * (max_held_bytes), not only one message at a time: past it a request is
+ * refused ERROR_OVERLOADED saying so, and one finished makes room. */
+Test(router_control, the_bytes_of_requests_held_are_bounded_together, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.max_held_bytes = 8 << 20});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  uint64_t rid[2];
+  for (int i = 0; i < 2; i++) {
+    generate_padded(&h, i ? "b" : "a", 3 << 20);
+    Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "a decode job");
+    rid[i] = job->decode->req->rid;
+    wfree(job);
+  }
+  generate_padded(&h, "c", 3 << 20);
+  expect_error(&h, "c", TANDEM__ERROR_CODE__ERROR_OVERLOADED, "bytes of client messages");
+  int32_t t[2] = {1, 2};
+  send_finished(w, rid[0], t, 2);
+  cfree(cexpect(&h, TANDEM__SERVER_MESSAGE__BODY_RESULT, "a"));
+  generate_padded(&h, "d", 3 << 20);
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "d, once a finished");
+  cr_expect_str_eq(job->decode->req->client_id, "d");
+  wfree(job);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+/* ------------------------------------------------------------ large client messages */
+
+/* This process's resident memory, kB: field "VmRSS:" of /proc/self/status. */
+static long rss_kb(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  long kb = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (!strncmp(line, "VmRSS:", 6)) kb = atol(line + 6);
+  if (f) fclose(f);
+  return kb;
+}
+
+/* A loopback port free a moment ago (a plain socket: closed at once). */
+static int free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  cr_assert_geq(fd, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t l = sizeof a;
+  cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &l), 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+/* The router with its client socket on a loopback tcp port (the size
+ * limits hold on tcp, not inproc; other processes' clients reach it). */
+static void start_tcp(harness *h) {
+  memset(h, 0, sizeof *h);
+  td_log_set_level(TD_LOG_ERROR);
+  h->ctx = zmq_ctx_new();
+  snprintf(h->cep, sizeof h->cep, "tcp://127.0.0.1:%d", free_port());
+  snprintf(h->wep, sizeof h->wep, "inproc://router-workers");
+  td_router_opts o = {.client_endpoint = h->cep, .worker_endpoint = h->wep, .zmq_ctx = h->ctx, .heartbeat_ms = 1000,
+                      .dead_after = 30};
+  cr_assert_eq(td_router_create(&o, &h->r), TD_OK, "%s", td_errmsg());
+  pthread_create(&h->th, NULL, run_router, h);
+  h->client = dealer(h, h->cep, NULL);
+}
+
+/* Four clients send a 60 MB message each over tcp (the size limits hold
+ * on tcp, not inproc): the client socket takes TD_CLIENT_MAX_MSG_BYTES
+ * (17 MiB), so each connection is dropped at its frame's header and the
+ * router's process grows by under 64 MB (with the 64 MiB limit of every
+ * socket it took the four: 4 x 60 MB in libzmq, then a copy each). The
+ * messages point into a read-only anonymous mapping: nothing of them is
+ * allocated here. The router answers a health request after. */
+Test(router_control, four_60mb_client_messages_leave_the_router_bounded, .timeout = 60) {
+  harness h;
+  start_tcp(&h);
+  Tandem__ServerMessage *hm;
+  health(&h, &hm);
+  cfree(hm);
+  const size_t big = 60u << 20;
+  void *zero = mmap(NULL, big, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  cr_assert_neq(zero, MAP_FAILED);
+  long before = rss_kb(), peak = before;
+  void *c[4];
+  for (int i = 0; i < 4; i++) {
+    c[i] = zmq_socket(h.ctx, ZMQ_DEALER);
+    int linger = 0;
+    zmq_setsockopt(c[i], ZMQ_LINGER, &linger, sizeof linger);
+    cr_assert_eq(zmq_connect(c[i], h.cep), 0);
+    zmq_msg_t m;
+    zmq_msg_init_data(&m, zero, big, NULL, NULL);
+    cr_assert_eq(zmq_msg_send(&m, c[i], 0), (int)big);
+  }
+  for (int64_t end = td_now_ms() + 2000; td_now_ms() < end; usleep(10000)) {
+    long now = rss_kb();
+    if (now > peak) peak = now;
+  }
+  for (int i = 0; i < 4; i++) zmq_close(c[i]);
+  munmap(zero, big);
+  cr_log_info("4 x 60 MB client messages: the process grew by %ld kB", peak - before);
+  cr_expect_lt(peak - before, 64 << 10, "4 x 60 MB messages took the router's process from %ld to %ld kB", before,
+               peak);
+  cr_expect_gt(health(&h, &hm)->decoders + 1, 0, "the router answers");
+  cfree(hm);
+  finish(&h, NULL, 0);
+}
+
+/* ------------------------------------------------------------ the client library */
+
+/* td_client_connect_wait reports a router that is not there within its
+ * timeout, naming the endpoint, and finds one that is; the library refuses
+ * a request larger than a router takes (whose socket would drop the
+ * connection without a word) before sending it. */
+Test(router_control, the_client_reports_an_unreachable_router_and_an_oversized_request, .timeout = 30) {
+  char ep[64];
+  snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", free_port());
+  td_client *cl = NULL;
+  int64_t t0 = td_now_ms();
+  cr_expect_eq(td_client_connect_wait(ep, 500, &cl), TD_ERR_PEER);
+  int64_t took = td_now_ms() - t0;
+  cr_expect(took >= 500 && took < 1500, "reported after %lld ms, the timeout is 500", (long long)took);
+  char want[128];
+  snprintf(want, sizeof want, "no router answers at %s within 500 ms", ep);
+  cr_expect(strstr(td_errmsg(), want), "%s", td_errmsg());
+  cr_expect(!cl);
+  harness h;
+  start_tcp(&h);
+  cr_assert_eq(td_client_connect_wait(h.cep, 5000, &cl), TD_OK, "%s", td_errmsg());
+  td_json_request *q = calloc(1, sizeof *q);
+  snprintf(q->id, sizeof q->id, "big");
+  q->audio_len = TD_CLIENT_MAX_MSG_BYTES + 1;
+  q->audio = calloc(1, q->audio_len);
+  cr_expect_eq(td_client_generate(cl, q, false, 0), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "TD_CLIENT_MAX_MSG_BYTES"), "%s", td_errmsg());
+  cr_expect_eq(td_client_pending(cl), 0);
+  free(q->audio);
+  free(q);
+  td_client_close(cl);
+  finish(&h, NULL, 0);
 }

@@ -4,14 +4,17 @@
  * reservation expiry, a refused job that no pool could hold, a cancel
  * while a push waits for its answer, token offsets per sequence (a step's
  * tokens of every sequence in one message), token
- * counts past an int, a push of blocks of the wrong size refused, and the
- * load reported as soon as the engine goes idle. */
+ * counts past an int, a push of blocks of the wrong size refused, the
+ * load reported as soon as the engine goes idle, and a 1 GiB KV frame
+ * refused by the socket's size limit. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "common/clock.h"
 #include "decode_worker/decode.h"
@@ -611,6 +614,90 @@ Test(worker_control, zmq_push_of_empty_blocks_is_refused, .timeout = 60) {
   cr_expect_eq(a->push_id, 9);
   cr_expect(!a->ok, "a push of 0-byte blocks was taken");
   cr_expect(a->error && strstr(a->error, "blocks of 0 bytes"), "%s", a->error ? a->error : "(no error)");
+  tandem__cluster__kv_ack__free_unpacked(a, NULL);
+  zmq_close(s);
+  tandem__cluster__transfer_desc__free_unpacked(d, NULL);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  worker_stop(&r);
+}
+
+/* ---------------------------------------------------------------- a 1 GiB frame */
+
+/* This process's resident memory, kB (/proc/self/status VmRSS). */
+static long rss_kb(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  long kb = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (!strncmp(line, "VmRSS:", 6)) kb = atol(line + 6);
+  if (f) fclose(f);
+  return kb;
+}
+
+/* A push whose block frame declares 1 GiB reaches a decode worker's KV
+ * socket: the socket's size limit (the model's block bytes) drops the
+ * connection at the frame's header, so the worker's memory stays within
+ * 64 MB of where it was (without the limit libzmq buffered the whole GiB:
+ * +1 GiB), and the worker goes on answering pushes. The GiB is never
+ * allocated here: the frame points into a read-only anonymous mapping,
+ * zero pages that count for nothing. */
+Test(worker_control, a_1gib_kv_frame_is_refused_and_memory_stays_bounded, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  send_decode(&r.f, 91, 4, false, 1);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "nothing reserved");
+  const Tandem__Cluster__KvTarget *t = m->reserved->cross;
+  Tandem__Cluster__TransferDesc *d = tandem__cluster__transfer_desc__unpack(NULL, t->desc.len, t->desc.data);
+  cr_assert(d && d->zmq && !strncmp(d->zmq, "zmq:", 4));
+  long before = rss_kb();
+  const size_t giga = (size_t)1 << 30;
+  void *zero = mmap(NULL, giga, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  cr_assert_neq(zero, MAP_FAILED);
+  void *s = zmq_socket(r.f.zctx, ZMQ_DEALER);
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert_eq(zmq_connect(s, d->zmq + 4), 0);
+  Tandem__Cluster__KvPush h = TANDEM__CLUSTER__KV_PUSH__INIT;
+  h.version = TD_PROTOCOL_VERSION;
+  h.rid = 91;
+  h.reservation = t->reservation;
+  h.cross = true;
+  h.blocks = t->blocks;
+  h.n_blocks = 1;
+  h.block_bytes = giga;
+  h.push_id = 5;
+  uint8_t buf[256];
+  size_t n = protobuf_c_message_pack(&h.base, buf);
+  cr_assert_eq(zmq_send(s, buf, n, ZMQ_SNDMORE), (int)n);
+  zmq_msg_t big;
+  zmq_msg_init_data(&big, zero, giga, NULL, NULL);
+  cr_assert_eq(zmq_msg_send(&big, s, 0), (int)giga);
+  long peak = before;
+  for (int64_t end = td_now_ms() + 3000; td_now_ms() < end; usleep(20000)) {
+    long now = rss_kb();
+    if (now > peak) peak = now;
+  }
+  zmq_close(s); /* nothing of the GiB was sent while it could read the mapping */
+  munmap(zero, giga);
+  cr_log_info("a 1 GiB KV frame: the worker's process grew by %ld kB", peak - before);
+  cr_expect_lt(peak - before, 64 << 10, "a 1 GiB KV frame took the worker from %ld to %ld kB", before, peak);
+  /* the KV socket still answers: a push of 0-byte blocks on a new connection is refused with a reason */
+  s = zmq_socket(r.f.zctx, ZMQ_DEALER);
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert_eq(zmq_connect(s, d->zmq + 4), 0);
+  h.block_bytes = 0;
+  n = protobuf_c_message_pack(&h.base, buf);
+  cr_assert_eq(zmq_send(s, buf, n, ZMQ_SNDMORE), (int)n);
+  cr_assert_eq(zmq_send(s, "", 0, 0), 0);
+  zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+  cr_assert_gt(zmq_poll(&it, 1, 10000), 0, "the worker no longer answers pushes");
+  int got = zmq_recv(s, buf, sizeof buf, 0);
+  cr_assert_gt(got, 0);
+  Tandem__Cluster__KvAck *a = tandem__cluster__kv_ack__unpack(NULL, (size_t)got, buf);
+  cr_assert_not_null(a);
+  cr_expect(!a->ok && a->error && strstr(a->error, "blocks of 0 bytes"), "%s", a->error ? a->error : "(no error)");
   tandem__cluster__kv_ack__free_unpacked(a, NULL);
   zmq_close(s);
   tandem__cluster__transfer_desc__free_unpacked(d, NULL);
