@@ -50,6 +50,8 @@ typedef struct opts {
   bool engine, record;
   int n, concurrency, vocab, max_batch, max_tokens, kv_blocks, cross_blocks, timeout_ms, max_enc_tokens, max_enc_seqs;
   double mem_fraction;
+  double cache_fraction; /* --engine: td_engine_opts.encoder_cache_fraction */
+  int repeat;            /* each synthetic input this many times */
   uint64_t seed;
   double rates[MAX_SWEEP];
   int n_rates;
@@ -264,7 +266,8 @@ static td_status engine_open(const opts *o, const td_settings *st, int n_request
   TD_TRY(td_model_load(o->model, g->b, &mo, &g->m));
   td_engine_opts eo = {.self_blocks = o->kv_blocks, .cross_blocks = o->cross_blocks, .max_running = o->max_batch,
                        .max_step_tokens = o->max_tokens, .max_queue = n_requests + 1,
-                       .gpu_memory_fraction = o->mem_fraction > 0 ? o->mem_fraction : TD_DEFAULT_GPU_MEMORY_FRACTION};
+                       .gpu_memory_fraction = o->mem_fraction > 0 ? o->mem_fraction : TD_DEFAULT_GPU_MEMORY_FRACTION,
+                       .encoder_cache_fraction = o->cache_fraction};
   td_engine_callbacks cb = {.on_token = en_token, .on_finish = en_finish, .ctx = g};
   TD_TRY(td_engine_create(g->m, &eo, &cb, &g->e));
   *load_s = (now_ms() - t) / 1000.0;
@@ -368,7 +371,8 @@ static void usage(FILE *f) {
           "                   [--model DIR] [--vocab N] [--max-batch N] [--max-tokens N] [--kv-blocks N]\n"
           "                   [--cross-blocks N] [--cross-mode auto|kv|states|dual] [--label TEXT] [--record]\n"
           "                   [--plot FILE.png] [--timeout-ms N] [--max-enc-tokens N] [--max-enc-seqs N]\n"
-          "                   [--gpu-memory-fraction F]\n");
+          "                   [--gpu-memory-fraction F] [--repeat K]  (each synthetic input K times in a row)\n"
+          "                   [--encoder-cache-fraction F]  (--engine: of the cross pool; 0.25, 0 disables)\n");
 }
 
 static int parse_rates(const char *s, opts *o) {
@@ -419,9 +423,10 @@ int main(int argc, char **argv) {
       {"plot", required_argument, 0, 'p'},         {"timeout-ms", required_argument, 0, 't'},
       {"max-enc-tokens", required_argument, 0, 'e'}, {"max-enc-seqs", required_argument, 0, 'q'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"http-warm", required_argument, 0, 'W'},
+      {"repeat", required_argument, 0, 'y'},       {"encoder-cache-fraction", required_argument, 0, 'Y'},
       {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
   opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .max_batch = 0, .max_tokens = 0,
-            .timeout_ms = 600000};
+            .timeout_ms = 600000, .cache_fraction = TD_DEFAULT_ENCODER_CACHE_FRACTION};
   int c;
   while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
     switch (c) {
@@ -500,6 +505,18 @@ int main(int argc, char **argv) {
           return 2;
         }
         break;
+      case 'y':
+        if (positive("--repeat", optarg, &o.repeat)) return 2;
+        break;
+      case 'Y': {
+        char *end;
+        o.cache_fraction = strtod(optarg, &end);
+        if (*end || !(o.cache_fraction >= 0 && o.cache_fraction <= 1)) {
+          fprintf(stderr, "bench-serve: --encoder-cache-fraction %s: in [0, 1] (0 disables)\n", optarg);
+          return 2;
+        }
+        break;
+      }
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -511,7 +528,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   /* the workload's shape from the model when given */
-  td_workload_opts wo = {.name = o.workload, .n = o.n, .seed = o.seed, .vocab = o.vocab};
+  td_workload_opts wo = {.name = o.workload, .n = o.n, .seed = o.seed, .vocab = o.vocab, .repeat = o.repeat};
   if (o.model) {
     td_model_config cfg;
     if (td_model_config_load(o.model, &cfg) != TD_OK) {
@@ -549,8 +566,10 @@ int main(int argc, char **argv) {
   int n_runs = o.n_rates ? o.n_rates : 1;
   td_serve_summary sums[MAX_SWEEP];
   td_sbuf tab = {0};
-  td_sbuf_printf(&tab, "%s%s%s: workload %s, %d requests (%lld input, %lld output tokens asked), seed %llu\n\n",
-                 o.label ? o.label : "", o.label ? ": " : "", target, o.workload, w.n, w.input_tokens,
+  char repeat[48] = "";
+  if (o.repeat > 1) snprintf(repeat, sizeof repeat, ", each input %d times", o.repeat);
+  td_sbuf_printf(&tab, "%s%s%s: workload %s%s, %d requests (%lld input, %lld output tokens asked), seed %llu\n\n",
+                 o.label ? o.label : "", o.label ? ": " : "", target, o.workload, repeat, w.n, w.input_tokens,
                  w.output_tokens, (unsigned long long)o.seed);
   td_sbuf_printf(&tab, "| arrivals | ok | req/s | out tok/s | in tok/s | TTFT ms p50 / p90 / p99 | "
                        "TPOT ms p50 / p90 / p99 | end-to-end ms p50 / p90 / p99 | goodput req/s |\n"
@@ -588,6 +607,14 @@ int main(int argc, char **argv) {
     td_sbuf_printf(&tab, "\nGoodput: requests a second with TTFT <= %g ms and TPOT <= %g ms (0: no bound).\n",
                    o.ttft_bound, o.tpot_bound);
   if (stages.s) td_sbuf_printf(&tab, "%s", stages.s);
+  if (o.engine) { /* every run of a sweep together */
+    td_engine_stats es = td_engine_get_stats(g.e);
+    td_sbuf_printf(&tab,
+                   "\nEncoder: %lld runs (requests encoded); encoder cache (fraction %g of %d cross blocks): "
+                   "%lld hits, %lld misses, %lld evictions.\n",
+                   (long long)es.encodes, o.cache_fraction, es.cross.n_blocks, (long long)es.cache_hits,
+                   (long long)es.cache_misses, (long long)es.cache_evictions);
+  }
   td_sbuf_free(&stages);
   fputs(tab.s, stdout);
   if (rc == 0 && o.plot && plot(o.plot, sums, n_runs, o.workload) != TD_OK) {

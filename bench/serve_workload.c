@@ -26,8 +26,10 @@ static td_status synth(const td_workload_opts *o, int in_lo, int in_hi, int out_
   w->reqs = calloc((size_t)o->n, sizeof *w->reqs);
   if (!w->reqs) return td_err(TD_ERR_NOMEM, "out of memory");
   w->n = o->n;
+  int rep = o->repeat > 1 ? o->repeat : 1;
   for (int i = 0; i < o->n; i++) {
     td_json_request *r = &w->reqs[i];
+    int src = i / rep * rep; /* the request whose input this one repeats */
     snprintf(r->id, sizeof r->id, "%s-%d", o->name, i);
     td_request_params_default(&r->params);
     r->params.max_new_tokens = uniform(o->seed, S_OUT_LEN, (uint32_t)i, out_lo, out_hi);
@@ -39,15 +41,15 @@ static td_status synth(const td_workload_opts *o, int in_lo, int in_hi, int out_
       if (!r->features) return td_err(TD_ERR_NOMEM, "out of memory");
       r->n_features = nf;
       for (size_t k = 0; k < nf; k++)
-        r->features[k] = 2.0f * td_rand_uniform(o->seed ^ (uint64_t)i, S_FEATS, (uint32_t)k) - 1.0f;
+        r->features[k] = 2.0f * td_rand_uniform(o->seed ^ (uint64_t)src, S_FEATS, (uint32_t)k) - 1.0f;
       w->input_tokens += o->frames / 2; /* encoder positions */
     } else {
-      int len = uniform(o->seed, S_IN_LEN, (uint32_t)i, in_lo, in_hi);
+      int len = uniform(o->seed, S_IN_LEN, (uint32_t)src, in_lo, in_hi);
       r->input_ids = malloc(sizeof(int32_t) * (size_t)len);
       if (!r->input_ids) return td_err(TD_ERR_NOMEM, "out of memory");
       r->n_input = len;
       for (int k = 0; k < len; k++)
-        r->input_ids[k] = uniform(o->seed ^ ((uint64_t)i << 20), S_IDS, (uint32_t)k, 4, o->vocab - 1);
+        r->input_ids[k] = uniform(o->seed ^ ((uint64_t)src << 20), S_IDS, (uint32_t)k, 4, o->vocab - 1);
       w->input_tokens += len;
     }
   }
@@ -98,6 +100,9 @@ td_status td_workload_make(const td_workload_opts *o, td_workload *out) {
     s = synth(o, 0, 0, 20, 120, true, out);
   else if (!strcmp(o->name, "long"))
     s = synth(o, 2000, 4000, 20, 128, false, out);
+  else if (o->repeat > 1)
+    s = td_err(TD_ERR_INVALID, "workload %s: --repeat applies to the synthetic workloads (a file repeats "
+                               "its own lines)", o->name);
   else
     s = from_file(o, out);
   if (s != TD_OK) td_workload_free(out);

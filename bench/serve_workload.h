@@ -6,7 +6,9 @@
  *   a file   request lines of the JSON-lines format (README).
  * Lengths are uniform in their ranges and the token ids random, both from
  * the seed, so a run is repeatable and cluster and engine get the same
- * requests. */
+ * requests. With repeat K > 1 each synthetic input is asked K times in a
+ * row (requests i*K .. i*K+K-1 share request i*K's input ids or features;
+ * output lengths stay their own): the encoder cache's workload. */
 #ifndef TD_BENCH_SERVE_WORKLOAD_H
 #define TD_BENCH_SERVE_WORKLOAD_H
 
@@ -21,6 +23,7 @@ typedef struct td_workload_opts {
   uint64_t seed;
   int vocab;           /* token ids in [4, vocab) */
   int mel_bins, frames; /* whisper: the features' shape */
+  int repeat;          /* synthetic: each input this many times in a row (0, 1: all different) */
 } td_workload_opts;
 
 typedef struct td_workload {

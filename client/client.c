@@ -278,6 +278,8 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
         cw->kv_out_zmq = x->kv_out_zmq;
         cw->kv_out_ipc = x->kv_out_ipc;
         cw->encoded = x->encoded;
+        cw->encoder_cache_hits = x->encoder_cache_hits;
+        cw->encoder_cache_blocks = (int)x->encoder_cache_blocks;
         cw->kv_pushing = (int)x->kv_pushing;
       }
       c->have_health = true;

@@ -56,6 +56,8 @@ typedef struct td_client_worker {
   uint64_t kv_in_ucx, kv_in_zmq, kv_out_ucx, kv_out_zmq;
   uint64_t kv_out_ipc; /* of kv_out_ucx: over CUDA IPC */
   uint64_t encoded;    /* requests its encoder ran */
+  uint64_t encoder_cache_hits; /* requests whose cross KV came from its encoder cache */
+  int encoder_cache_blocks;    /* cross blocks that cache holds (counted in free_cross_blocks) */
   int kv_pushing;
 } td_client_worker;
 

@@ -177,6 +177,8 @@ int main(int argc, char **argv) {
         cJSON_AddNumberToObject(wj, "kv_out_zmq", (double)x->kv_out_zmq);
         cJSON_AddNumberToObject(wj, "kv_out_ipc", (double)x->kv_out_ipc);
         cJSON_AddNumberToObject(wj, "encoded", (double)x->encoded);
+        cJSON_AddNumberToObject(wj, "encoder_cache_hits", (double)x->encoder_cache_hits);
+        cJSON_AddNumberToObject(wj, "encoder_cache_blocks", x->encoder_cache_blocks);
         cJSON_AddItemToArray(ws, wj);
       }
       char *wtxt = ws ? cJSON_PrintUnformatted(ws) : NULL;

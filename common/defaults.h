@@ -20,6 +20,7 @@
 #define TD_DEFAULT_GPU_MAX_ENC_SEQS 128  /* encoder sequences a batch on a GPU */
 #define TD_GPU_RESERVE_BYTES (1ull << 30) /* what a GPU backend holds beyond its own count: context, cuBLAS, graphs, NCCL */
 #define TD_GPU_HEADROOM_BYTES (256ull << 20) /* left free on the device when pools are sized */
+#define TD_DEFAULT_ENCODER_CACHE_FRACTION 0.25 /* of the cross pool the encoder cache may hold (tandem-worker, tandem-generate, bench-serve --engine) */
 #define TD_ENGINE_MAX_BEAMS 32          /* num_beams a request (the engine sizes its top-k buffers so) */
 
 /* ---- router ---- */

@@ -13,7 +13,7 @@ packages=(
   libzmq3-dev libprotobuf-c-dev protobuf-c-compiler libucx-dev   # cluster
   libcriterion-dev                                                # tests
   libopenblas-dev                                                 # CPU GEMM
-  libcjson-dev uthash-dev                                         # JSON, hash tables
+  libcjson-dev uthash-dev libxxhash-dev                           # JSON, hash tables, hashing
   libsndfile1-dev libsoxr-dev libkissfft-dev                      # audio: decoding, resampling, FFT
   libpcre2-dev libutf8proc-dev libsentencepiece-dev               # tokenizers
   libmicrohttpd-dev libcurl4-openssl-dev curl                     # gateway (HTTP server), bench-serve --gateway, its test

@@ -1,6 +1,8 @@
 /* The encoder phase of a step: waiting requests, first come first served,
  * get cross-attention blocks and one batched encoder run, then join the
- * running set (encode_only ones finish here and hand their blocks over). */
+ * running set (encode_only ones finish here and hand their blocks over).
+ * Requests whose input the encoder cache holds share its blocks and skip
+ * the run (enccache.c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,7 +11,8 @@
 #include "engine/internal.h"
 
 /* Moves the head of the queue into e->enc_batch while it fits: *n groups
- * (set on failure too), *tokens encoder tokens. */
+ * (set on failure too), *tokens encoder tokens. A group whose input the
+ * encoder cache holds shares its blocks and needs no encoder run. */
 static td_status admit(td_engine *e, int *n, int *tokens) {
   int budget = e->o.max_enc_tokens, max_seqs = td_model_get_opts(e->m)->max_enc_seqs;
   *n = *tokens = 0;
@@ -17,26 +20,48 @@ static td_status admit(td_engine *e, int *n, int *tokens) {
   int free_self = td_kv_pool_num_free(e->self);
   while (e->wait.n > 0 && *n < max_seqs) {
     group *g = e->wait.v[0];
-    int need_cross = eng_blocks_for(g->enc_len, e->bs);
+    centry *hit = eng_cache_find(e, g);
+    int need_cross = hit ? 0 : eng_blocks_for(g->enc_len, e->bs);
+    int enc_tokens = hit ? 0 : g->enc_len;
     int need_self = 0;
     for (int i = 0; i < g->n_s && !g->encode_only; i++) need_self += eng_blocks_for(g->s[i]->tok.n + 1, e->bs);
-    if (*tokens + g->enc_len > budget) break;
-    if (need_cross > td_kv_pool_num_free(e->cross) || need_self > free_self) break;
+    if (*tokens + enc_tokens > budget) break;
+    if (need_self > free_self) break;
     /* Running requests keep first claim on self blocks when they are scarce. */
     if (!g->encode_only && e->run.n >= e->o.max_running) break;
-    TD_TRY(td_i32vec_reserve(&g->cross, need_cross));
-    TD_TRY(td_kv_alloc(e->cross, need_cross, g->cross.v));
-    g->cross.n = need_cross;
+    /* blocks only the cache holds go before any request waits for them */
+    if (need_cross > td_kv_pool_num_free(e->cross)) td_engine_cache_reclaim(e, need_cross);
+    if (need_cross > td_kv_pool_num_free(e->cross)) break;
+    TD_TRY(td_i32vec_reserve(&g->cross, hit ? hit->n_blocks : need_cross));
+    g->hit = hit != NULL;
+    if (hit) {
+      eng_cache_use(e, hit, g);
+    } else {
+      TD_TRY(td_kv_alloc(e->cross, need_cross, g->cross.v));
+      g->cross.n = need_cross;
+      /* cached now, so that the same input later in this batch shares it */
+      eng_cache_insert(e, g);
+    }
     free_self -= need_self;
-    *tokens += g->enc_len;
+    *tokens += enc_tokens;
     e->enc_batch[(*n)++] = g;
     td_ptrvec_remove(&e->wait, g);
   }
   return TD_OK;
 }
 
-/* One encoder run over the batch, each sequence's output into its cross blocks. */
-static td_status encode(td_engine *e, group **batch, int nb, int tokens) {
+/* One encoder run over the batch's groups that missed the cache, each
+ * sequence's output into its cross blocks. */
+static td_status encode(td_engine *e, group **all, int n_all, int tokens) {
+  group **batch = malloc(sizeof(group *) * (size_t)n_all);
+  if (!batch) return td_err(TD_ERR_NOMEM, "encode batch: out of memory");
+  int nb = 0;
+  for (int i = 0; i < n_all; i++)
+    if (!all[i]->hit) batch[nb++] = all[i];
+  if (nb == 0) {
+    free(batch);
+    return TD_OK;
+  }
   bool whisper = e->cfg->family == TD_FAMILY_WHISPER;
   int32_t *lens = malloc(sizeof(int32_t) * (size_t)nb);
   int32_t *toks = malloc(sizeof(int32_t) * (size_t)(tokens + 1));
@@ -69,6 +94,7 @@ static td_status encode(td_engine *e, group **batch, int nb, int tokens) {
   free(toks);
   free(slots);
   free(feats);
+  free(batch);
   return s;
 }
 
@@ -81,10 +107,11 @@ td_status eng_encode_phase(td_engine *e) {
   for (int i = 0; i < nb; i++) {
     group *g = e->enc_batch[i];
     if (s != TD_OK) { /* in no queue now: group_finish finds it in the handle table only */
+      eng_cache_forget(e, g); /* its blocks hold no encoder output */
       eng_group_fail(e, g, s, msg);
       continue;
     }
-    e->st.encodes++;
+    if (!g->hit) e->st.encodes++;
     if (g->encode_only) {
       eng_group_finish(e, g, TD_OK, NULL, TD_FINISH_STOP);
       continue;

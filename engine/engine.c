@@ -154,6 +154,11 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (o->max_step_tokens <= 0 || o->max_step_tokens > mo->max_tokens) o->max_step_tokens = mo->max_tokens;
   if (o->max_enc_tokens <= 0 || o->max_enc_tokens > mo->max_enc_tokens) o->max_enc_tokens = mo->max_enc_tokens;
   if (o->max_queue <= 0) o->max_queue = TD_DEFAULT_ENGINE_QUEUE;
+  if (!(o->encoder_cache_fraction >= 0 && o->encoder_cache_fraction <= 1)) {
+    double f = o->encoder_cache_fraction;
+    free(e);
+    return td_err(TD_ERR_INVALID, "encoder_cache_fraction %g: in [0, 1] (0 disables the encoder cache)", f);
+  }
   td_status s = size_pools(e, o);
   if (s != TD_OK) {
     free(e);
@@ -170,6 +175,7 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if ((s = td_model_capture_graphs(m)) != TD_OK) goto fail;
   /* copy-on-write goes through the model, so that follower ranks copy too */
   td_kv_pool_set_copier(e->self, copy_via_model, m);
+  eng_cache_init(e);
   e->ext_self = calloc((size_t)o->self_blocks, sizeof *e->ext_self);
   e->ext_cross = calloc((size_t)o->cross_blocks, sizeof *e->ext_cross);
   e->enc_batch = malloc(sizeof *e->enc_batch * (size_t)mo->max_enc_seqs);
@@ -191,6 +197,7 @@ void td_engine_destroy(td_engine *e) {
   if (!e) return;
   while (e->run.n) eng_group_finish(e, e->run.v[0], TD_ERR_CANCELLED, "engine shut down", TD_FINISH_CANCELLED);
   while (e->wait.n) eng_group_finish(e, e->wait.v[0], TD_ERR_CANCELLED, "engine shut down", TD_FINISH_CANCELLED);
+  td_engine_cache_clear(e);
   if (e->m) td_model_set_pools(e->m, NULL, NULL);
   td_kv_pool_destroy(e->self);
   td_kv_pool_destroy(e->cross);
@@ -315,12 +322,16 @@ td_engine_stats td_engine_get_stats(const td_engine *e) {
   st.running = e->run.n;
   st.self = td_kv_pool_get_stats(e->self);
   st.cross = td_kv_pool_get_stats(e->cross);
+  st.cross.n_free += eng_cache_idle_blocks(e);
+  st.cache_entries = e->cache.n_entries;
+  st.cache_blocks = e->cache.n_blocks;
+  st.cache_budget = e->cache.budget;
   return st;
 }
 
 /* ------------------------------------------------------------ blocks */
 
-/* Each block's holders (refs: the groups'; ext: the caller's) and its
+/* Each block's holders (refs: the groups' and the encoder cache's; ext: the caller's) and its
  * reservation against its reference count. */
 static td_status check_holders(const td_kv_pool *p, int *refs, const int *ext, const char *which) {
   int n = td_kv_pool_get_stats(p).n_blocks;
@@ -351,6 +362,7 @@ td_status td_engine_check(const td_engine *e) {
         for (int b = 0; b < g->s[k]->blk.n; b++) refs[g->s[k]->blk.v[b]]++;
       for (int b = 0; b < g->cross.n; b++) crefs[g->cross.v[b]]++;
     }
+  eng_cache_holders(e, crefs);
   td_status s = check_holders(e->self, refs, e->ext_self, "self");
   if (s == TD_OK) s = check_holders(e->cross, crefs, e->ext_cross, "cross");
   free(refs);

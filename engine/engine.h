@@ -37,6 +37,12 @@ typedef struct td_engine_opts {
   double gpu_memory_fraction;
   bool time_encoder;      /* wait for each encoder run and count its time (stats.encode_ms) */
   bool recompute_cross;   /* on preemption free cross KV too (re-encode later) */
+  /* Encoder cache (docs/encoder-cache.md): a request whose encoder input
+   * was seen before shares that input's cross KV instead of encoding
+   * again; finished requests leave theirs cached, LRU, within this share
+   * of the cross pool's blocks, evicted first whenever new work needs
+   * blocks. 0 disables; at most 1. */
+  double encoder_cache_fraction;
 } td_engine_opts;
 
 typedef struct td_request {
@@ -93,7 +99,14 @@ typedef struct td_engine_stats {
   int waiting, running, preempted;
   int64_t steps, encodes, preemptions, tokens_generated, prompt_tokens;
   double encode_ms; /* encoder runs, waited for (opts.time_encoder) */
+  /* cross.n_free counts blocks that only the encoder cache holds (evicted
+   * on demand): admission and placement see them as free */
   td_kv_pool_stats self, cross;
+  /* encoder cache: lookups that shared cached cross KV (no encoder run) or
+   * did not; entries dropped (budget or pool pressure); what it holds now */
+  int64_t cache_hits, cache_misses, cache_evictions;
+  int cache_entries, cache_blocks;
+  int cache_budget; /* blocks: encoder_cache_fraction of the cross pool */
 } td_engine_stats;
 
 /* The pool sizes td_engine_create picks for opts left at zero from the
@@ -148,5 +161,12 @@ td_kv_pool *td_engine_self_pool(td_engine *e);
 td_kv_pool *td_engine_cross_pool(td_engine *e);
 /* Returns blocks handed over by an encode_only / prefill_only result. */
 void td_engine_release(td_engine *e, bool cross, const int32_t *blocks, int n);
+/* Evicts encoder-cache entries no request uses, least recently used
+ * first, until n cross blocks are free (or none is left to evict): for
+ * writers that take cross blocks from the pool themselves (reservations). */
+void td_engine_cache_reclaim(td_engine *e, int n);
+/* Drops every encoder-cache entry (their blocks free once no request
+ * holds them). */
+void td_engine_cache_clear(td_engine *e);
 
 #endif

@@ -6,7 +6,8 @@
  *   schedule.c  building a decoder step: chunks, blocks, preemption
  *   sample.c    sampling parameters a row, the sampler and beam top-k
  *   beam.c      beam search: hypotheses and transformers' stopping rules
- *   step.c      td_engine_step: the model run and applying its results */
+ *   step.c      td_engine_step: the model run and applying its results
+ *   enccache.c  the encoder cache: cross KV kept by a hash of the encoder input */
 #ifndef TD_ENGINE_INTERNAL_H
 #define TD_ENGINE_INTERNAL_H
 
@@ -66,6 +67,10 @@ typedef struct group {
   bool forked; /* prompt done and split into samples / beams */
   bool encode_only;
   int prefill_only;
+  /* encoder cache: the input's hash (computed once), and whether its cross
+   * KV came from the cache this admission */
+  bool hashed, hit;
+  uint64_t key_hash;
   uint32_t step_offset;
   /* per step */
   bool scheduled, completes;
@@ -118,6 +123,26 @@ typedef struct eng_sampler {
   float *h_logits; /* one downloaded row for all_logits */
 } eng_sampler;
 
+/* An encoder-cache entry: one reference to each block of an encoded input. */
+typedef struct centry {
+  uint64_t hash;
+  void *key; /* the encoder input, compared in full on a hit */
+  size_t key_bytes;
+  int32_t *blocks;
+  int n_blocks;
+  struct centry *older, *newer; /* LRU list */
+  UT_hash_handle hh;
+} centry;
+
+typedef struct eng_cache {
+  centry *by_hash;
+  centry *oldest, *newest;
+  int budget;    /* blocks the entries may hold */
+  int n_blocks;  /* blocks they hold */
+  int n_entries;
+  uint64_t mask; /* hash bits used: all but in tests (collisions on demand) */
+} eng_cache;
+
 struct td_engine {
   td_model *m;
   td_backend *b;
@@ -138,6 +163,7 @@ struct td_engine {
   eng_batch batch;
   eng_sampler smp;
   int *ext_self, *ext_cross; /* references held by callers (handed-over blocks) */
+  eng_cache cache;
   td_engine_stats st;
 };
 
@@ -159,6 +185,24 @@ bool eng_is_stop(const td_engine *e, const group *g, int32_t t);
 
 /* encode.c */
 td_status eng_encode_phase(td_engine *e);
+
+/* enccache.c */
+void eng_cache_init(td_engine *e);
+/* The entry holding g's encoder input, or NULL (disabled, absent, or a
+ * different input under the same hash). */
+centry *eng_cache_find(td_engine *e, group *g);
+/* g shares the entry's blocks (g->cross reserved to n_blocks). */
+void eng_cache_use(td_engine *e, centry *c, group *g);
+/* Caches g's freshly allocated cross blocks (to be encoded this step). */
+void eng_cache_insert(td_engine *e, group *g);
+/* g's encoding failed: drops the entry made for its blocks. */
+void eng_cache_forget(td_engine *e, const group *g);
+/* Blocks only the cache holds (free on demand). */
+int eng_cache_idle_blocks(const td_engine *e);
+/* Counts the cache's references per cross block into refs. */
+void eng_cache_holders(const td_engine *e, int *refs);
+/* Tests: keeps only these hash bits, so that different inputs collide. */
+void eng_cache_set_hash_mask(td_engine *e, uint64_t mask);
 
 /* schedule.c */
 td_status eng_batch_init(td_engine *e);

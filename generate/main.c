@@ -181,6 +181,8 @@ static void usage(FILE *f) {
           "                       [--max-batch N] [--max-tokens N] [--threads N]\n"
           "                       [--max-enc-tokens N] [--max-enc-seqs N]  (an encoder batch)\n"
           "                       [--gpu-memory-fraction F]  (the pools take what F of the GPU leaves; 0.9)\n"
+          "                       [--encoder-cache-fraction F]  (of the cross pool: encoder outputs kept for\n"
+          "                         repeated inputs, e.g. a document asked again; 0.25, 0 disables)\n"
           "                       [--cross-mode auto|kv|states|dual] [--states-rows N]\n"
           "                         (what the cross pool holds: every decoder layer's K/V, each sequence's\n"
           "                          encoder states, or both, steps of N rows or more then attending over\n"
@@ -242,16 +244,17 @@ int main(int argc, char **argv) {
       {"cross-states", no_argument, 0, 'C'},     {"help", no_argument, 0, 'h'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'R'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
-      {"max-enc-seqs", required_argument, 0, 'Q'}, {0, 0, 0, 0}};
+      {"max-enc-seqs", required_argument, 0, 'Q'}, {"encoder-cache-fraction", required_argument, 0, 'Y'},
+      {0, 0, 0, 0}};
   const char *model_dir = NULL, *req_path = NULL, *device = "cpu", *logits_path = NULL;
   int block_size = TD_DEFAULT_BLOCK_SIZE, kv_blocks = 0, cross_blocks = 0, max_batch = 0,
       max_tokens = TD_DEFAULT_MAX_TOKENS, threads = 0;
-  double mem_fraction = TD_DEFAULT_GPU_MEMORY_FRACTION;
+  double mem_fraction = TD_DEFAULT_GPU_MEMORY_FRACTION, cache_fraction = TD_DEFAULT_ENCODER_CACHE_FRACTION;
   int max_enc_tokens = 0, max_enc_seqs = 0;
   td_cross_mode cross_mode = TD_CROSS_AUTO;
   int states_rows = 0;
   int c;
-  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:ChM:R:F:E:Q:", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:ChM:R:F:E:Q:Y:", opts, NULL)) != -1) {
     switch (c) {
       case 'm': model_dir = optarg; break;
       case 'r': req_path = optarg; break;
@@ -276,6 +279,15 @@ int main(int argc, char **argv) {
         mem_fraction = strtod(optarg, &end);
         if (*end || !(mem_fraction > 0 && mem_fraction <= 1)) {
           fprintf(stderr, "tandem-generate: --gpu-memory-fraction %s: in (0, 1]\n", optarg);
+          return 2;
+        }
+        break;
+      }
+      case 'Y': {
+        char *end;
+        cache_fraction = strtod(optarg, &end);
+        if (*end || !(cache_fraction >= 0 && cache_fraction <= 1)) {
+          fprintf(stderr, "tandem-generate: --encoder-cache-fraction %s: in [0, 1] (0 disables)\n", optarg);
           return 2;
         }
         break;
@@ -329,7 +341,7 @@ int main(int argc, char **argv) {
   size_t n_feat = (size_t)td_model_get_config(m)->num_mel_bins * td_model_input_frames(m);
   td_engine_opts eo = {.self_blocks = kv_blocks, .cross_blocks = cross_blocks, .max_running = max_batch,
                        .max_step_tokens = max_tokens, .max_queue = a.n + 1, .gpu_memory_fraction = mem_fraction,
-                       .time_encoder = true};
+                       .time_encoder = true, .encoder_cache_fraction = cache_fraction};
   td_engine_callbacks cb = {.on_finish = on_finish, .ctx = &a};
   if (td_engine_create(m, &eo, &cb, &e) != TD_OK) {
     fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
@@ -427,6 +439,10 @@ int main(int argc, char **argv) {
           "encoder %.2f s for %lld requests; %lld steps, %lld preemptions\n",
           a.n, run_s, (long long)st.tokens_generated, run_s > 0 ? (double)st.tokens_generated / run_s : 0.0,
           st.encode_ms / 1000.0, (long long)st.encodes, (long long)st.steps, (long long)st.preemptions);
+  fprintf(stderr,
+          "tandem-generate: encoder cache: %lld hits, %lld misses, %lld evictions; %d entries in %d of %d blocks\n",
+          (long long)st.cache_hits, (long long)st.cache_misses, (long long)st.cache_evictions, st.cache_entries,
+          st.cache_blocks, st.cache_budget);
   FILE *lf = NULL;
   if (logits_path && !(lf = fopen(logits_path, "wb"))) {
     fprintf(stderr, "tandem-generate: %s: %s\n", logits_path, strerror(errno));

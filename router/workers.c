@@ -309,6 +309,8 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
       x->kv_out_zmq = w->load.kv_out_zmq;
       x->kv_out_ipc = w->load.kv_out_ipc;
       x->encoded = w->load.encoded;
+      x->encoder_cache_hits = w->load.encoder_cache_hits;
+      x->encoder_cache_blocks = w->load.encoder_cache_blocks;
       x->kv_pushing = w->load.kv_pushing;
       wp[k++] = x;
     }

@@ -235,7 +235,9 @@ static void compute_reserve(td_worker *w, cmd *c) {
   e->cross_ids = calloc((size_t)c->n_cross + 1, sizeof(int32_t));
   e->self_ids = calloc((size_t)c->n_self + 1, sizeof(int32_t));
   td_status s = e->cross_ids && e->self_ids ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
-  /* the main thread expires reservations itself (it knows about transfers in flight) */
+  /* the main thread expires reservations itself (it knows about transfers in flight);
+   * the encoder cache gives up blocks first */
+  if (s == TD_OK && c->n_cross) td_engine_cache_reclaim(w->e, c->n_cross);
   if (s == TD_OK && c->n_cross)
     s = td_kv_reserve(td_engine_cross_pool(w->e), c->n_cross, INT64_MAX, &e->cross_res, e->cross_ids);
   if (s == TD_OK && c->n_self) {
@@ -380,7 +382,7 @@ static void model_facts(td_worker *w) {
   w->self_blocks = st.self.n_blocks;
   w->cross_blocks = st.cross.n_blocks;
   /* heartbeats before the first command report the pools as they are (read after `ready`) */
-  w->load = (load_snap){0, 0, st.self.n_free, st.cross.n_free, 0};
+  w->load = (load_snap){.free_self = st.self.n_free, .free_cross = st.cross.n_free};
   w->max_running = w->o.max_batch;
   size_t es = td_buf_elem_size(w->b, TD_BUF_ACT);
   w->full_self = (td_kv_layout){w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size, 0};
@@ -416,7 +418,8 @@ static td_status compute_init(td_worker *w) {
   /* a group's followers size their pools from the model alone: its leader too, so that block ids agree */
   td_engine_opts eo = {.self_blocks = w->o.self_blocks, .cross_blocks = w->o.cross_blocks,
                        .max_running = w->o.max_batch, .max_step_tokens = w->o.max_tokens,
-                       .gpu_memory_fraction = w->world == 1 ? w->o.gpu_memory_fraction : 0};
+                       .gpu_memory_fraction = w->world == 1 ? w->o.gpu_memory_fraction : 0,
+                       .encoder_cache_fraction = w->o.encoder_cache_fraction};
   td_engine_callbacks cb = {.on_token = on_token, .on_finish = on_finish, .ctx = w};
   TD_TRY(td_engine_create(w->m, &eo, &cb, &w->e));
   model_facts(w);
@@ -498,7 +501,8 @@ static void *compute_main(void *arg) {
      * its health never shows the last requests as still running */
     bool news = idle && (w->load.running || w->load.queued);
     if (news) w->idle_news = true;
-    w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free, st.encodes};
+    w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free, st.encodes, st.cache_hits,
+                          st.cache_blocks};
     pthread_mutex_unlock(&w->mu);
     if (news) {
       uint64_t one = 1;

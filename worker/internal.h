@@ -141,6 +141,8 @@ typedef struct tokcount tokcount;
 typedef struct load_snap {
   int queued, running, free_self, free_cross;
   int64_t encoded; /* requests encoded */
+  int64_t cache_hits; /* encoder cache */
+  int cache_blocks;
 } load_snap;
 
 struct td_worker {

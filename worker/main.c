@@ -37,7 +37,9 @@ static void usage(FILE *f) {
           "                     [--states-rows N]  (dual: steps of N rows or more attend over the states;\n"
           "                                         default: the backend's choice, -1: never)\n"
           "                     [--gpu-memory-fraction F]  (a GPU worker's share of its device: weights and\n"
-          "                                         pools; default 0.9; split it between workers on one GPU)\n");
+          "                                         pools; default 0.9; split it between workers on one GPU)\n"
+          "                     [--encoder-cache-fraction F]  (of the cross pool: encoder outputs kept for\n"
+          "                                         repeated inputs; default 0.25, 0 disables)\n");
 }
 
 /* The roles this process serves, "encode,prefill,decode": the role folders'
@@ -78,14 +80,16 @@ int main(int argc, char **argv) {
       {"kv-transport", required_argument, 0, 'X'}, {"cross-states", no_argument, 0, 'C'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'W'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
-      {"max-enc-seqs", required_argument, 0, 'Q'}, {0, 0, 0, 0}};
-  td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings};
+      {"max-enc-seqs", required_argument, 0, 'Q'}, {"encoder-cache-fraction", required_argument, 0, 'Y'},
+      {0, 0, 0, 0}};
+  td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings,
+                      .encoder_cache_fraction = TD_DEFAULT_ENCODER_CACHE_FRACTION};
   const char *roles = "encode,prefill,decode";
   char idbuf[64];
   snprintf(idbuf, sizeof idbuf, "worker-%d", (int)getpid());
   o.id = idbuf;
   int c;
-  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:CM:W:F:E:Q:", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "r:m:R:i:d:g:b:k:c:B:T:t:H:x:l:hG:P:S:K:X:CM:W:F:E:Q:Y:", opts, NULL)) != -1) {
     switch (c) {
       case 'r': o.router = optarg; break;
       case 'm': o.model_dir = optarg; break;
@@ -111,6 +115,15 @@ int main(int argc, char **argv) {
         o.gpu_memory_fraction = strtod(optarg, &end);
         if (*end || !(o.gpu_memory_fraction > 0 && o.gpu_memory_fraction <= 1)) {
           fprintf(stderr, "tandem-worker: --gpu-memory-fraction %s: in (0, 1]\n", optarg);
+          return 2;
+        }
+        break;
+      }
+      case 'Y': {
+        char *end;
+        o.encoder_cache_fraction = strtod(optarg, &end);
+        if (*end || !(o.encoder_cache_fraction >= 0 && o.encoder_cache_fraction <= 1)) {
+          fprintf(stderr, "tandem-worker: --encoder-cache-fraction %s: in [0, 1] (0 disables)\n", optarg);
           return 2;
         }
         break;

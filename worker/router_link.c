@@ -113,6 +113,8 @@ void w_send_heartbeat(td_worker *w) {
   ld.kv_out_ipc = w->kvt[TD_KVT_UCX] ? td_kvt_ipc_blocks(w->kvt[TD_KVT_UCX]) : 0;
   ld.kv_pushing = (uint32_t)w_kv_pushing(w);
   ld.encoded = (uint64_t)l.encoded;
+  ld.encoder_cache_hits = (uint64_t)l.cache_hits;
+  ld.encoder_cache_blocks = (uint32_t)l.cache_blocks;
   Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
   hb.load = &ld;
   hb.seq = ++w->hb_seq;

@@ -39,6 +39,8 @@ typedef struct td_worker_opts {
   int max_enc_tokens;      /* encoder tokens a batch (0: TD_DEFAULT_GPU_MAX_ENC_TOKENS on a GPU, else
                               TD_DEFAULT_MAX_ENC_TOKENS) */
   int max_enc_seqs;        /* encoder sequences a batch (0: likewise) */
+  double encoder_cache_fraction; /* td_engine_opts.encoder_cache_fraction (0: no encoder cache;
+                                    tandem-worker: TD_DEFAULT_ENCODER_CACHE_FRACTION) */
   int threads;             /* CPU BLAS threads */
   int reservation_ttl_ms;  /* unclaimed reservations expire */
   int transfer_timeout_ms; /* a KV push with no answer fails */

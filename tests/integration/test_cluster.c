@@ -192,6 +192,49 @@ Test(cluster, two_encoders_two_decoders_match_generate, .timeout = 600) {
   check_topology("marian-sinusoidal", 2, 0, 2, 6);
 }
 
+/* The encoder cache on the workers (docs/encoder-cache.md): the fixture's
+ * requests twice, on a worker that encodes for itself and on an encoder
+ * worker (encode_only jobs, whose cached blocks are pushed again): the
+ * second round runs no encoder, gives transformers' tokens again, and the
+ * health reports the hits; the cached blocks count as free. */
+static void check_encoder_cache(int encoders) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = encoders, .decodes = 1, .block_size = 4};
+  cluster_start(&c, &o);
+  expect_fixture_greedy(&c, &fx);
+  expect_fixture_greedy(&c, &fx);
+  uint64_t hits = 0, encoded = 0;
+  int cached = 0;
+  for (int t = 0; t < 50 && hits < (uint64_t)fx.n; t++) { /* the load comes with the heartbeats */
+    td_client_health h;
+    hits = encoded = 0;
+    cached = 0;
+    if (cluster_health(&c, &h))
+      for (int i = 0; i < h.n_workers; i++) {
+        hits += h.workers[i].encoder_cache_hits;
+        encoded += h.workers[i].encoded;
+        cached += h.workers[i].encoder_cache_blocks;
+      }
+    if (hits < (uint64_t)fx.n) usleep(100000);
+  }
+  cr_expect_eq(hits, (uint64_t)fx.n, "%d encoders: %llu encoder-cache hits for %d repeated inputs", encoders,
+               (unsigned long long)hits, fx.n);
+  cr_expect_eq(encoded, (uint64_t)fx.n, "%d encoders: %llu encoder runs for %d inputs", encoders,
+               (unsigned long long)encoded, fx.n);
+  cr_expect_gt(cached, 0);
+  char why[256] = "";
+  cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "blocks held after all requests: %s", why);
+  cr_expect(cluster_stop(&c), "processes did not stop cleanly (logs in %s)", c.dir);
+  fx_free(&fx);
+}
+
+Test(cluster, encoder_cache_hits_on_workers, .timeout = 300) {
+  check_encoder_cache(0);
+  check_encoder_cache(1);
+}
+
 /* Decode workers that encode beside an encoder (the router shares the
  * encoding: router/placement.c) give the same tokens; with heartbeats 3 s
  * apart, the health shows every worker idle within 1 s of the last result

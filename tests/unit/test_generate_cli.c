@@ -268,3 +268,68 @@ Test(generate_cli, whisper_audio_lines) {
   cr_expect(strstr(text_of(lines[2]), "language \"xx\" is not one this Whisper checkpoint knows"), "%s", lines[2]);
   free_lines(lines, n);
 }
+
+/* Whether the stderr of the last run holds text. */
+static bool stderr_has(const char *text) {
+  char p[512];
+  snprintf(p, sizeof p, "%s/stderr.txt", dir);
+  FILE *f = fopen(p, "r");
+  if (!f) return false;
+  char buf[8192];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  return strstr(buf, text) != NULL;
+}
+
+/* The encoder cache (on by default): every fixture request twice in one
+ * file, the second copy from the cache, with the same tokens; the
+ * summary counts the hits; --encoder-cache-fraction is checked loudly. */
+Test(generate_cli, repeated_inputs_hit_the_encoder_cache) {
+  const char *models[] = {"t5-tiny", "whisper-tiny"};
+  for (int m = 0; m < 2; m++) {
+    fixture fx;
+    fx_load(models[m], &fx);
+    char once[512], twice[512], args[1600], want[64];
+    snprintf(once, sizeof once, "%s/once.jsonl", dir);
+    snprintf(twice, sizeof twice, "%s/twice.jsonl", dir);
+    fx_write_requests(&fx, once, "\"forced_bos_token_id\": null, \"forced_eos_token_id\": null");
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "cat %s %s > %s", once, once, twice);
+    cr_assert(system(cmd) == 0);
+    for (int cached = 1; cached >= 0; cached--) {
+      snprintf(args, sizeof args, "--model %s --requests %s --block-size 4 --max-batch 8%s", fx.dir, twice,
+               cached ? "" : " --encoder-cache-fraction 0");
+      char **lines;
+      int n;
+      cr_assert_eq(run_gen(args, &lines, &n), 0, "%s: tandem-generate failed", models[m]);
+      cr_assert_eq(n, 2 * fx.n);
+      /* the same tokens (scores may differ in the last bits: the batches differ) */
+      for (int i = 0; i < fx.n; i++) {
+        cJSON *a = cJSON_Parse(lines[i]), *b = cJSON_Parse(lines[fx.n + i]);
+        cr_assert(a && b);
+        cJSON *oa = cJSON_GetArrayItem(cJSON_GetObjectItem(a, "outputs"), 0);
+        cJSON *ob = cJSON_GetArrayItem(cJSON_GetObjectItem(b, "outputs"), 0);
+        char *ta = cJSON_PrintUnformatted(cJSON_GetObjectItem(oa, "tokens"));
+        char *tb = cJSON_PrintUnformatted(cJSON_GetObjectItem(ob, "tokens"));
+        cr_expect(ta && tb && !strcmp(ta, tb), "%s request %d: the repeat answers %s, the first %s", models[m], i,
+                  tb, ta);
+        free(ta);
+        free(tb);
+        cJSON_Delete(a);
+        cJSON_Delete(b);
+      }
+      snprintf(want, sizeof want, "encoder cache: %d hits, %d misses", cached ? fx.n : 0, cached ? fx.n : 0);
+      cr_expect(stderr_has(want), "%s: stderr lacks \"%s\"", models[m], want);
+      snprintf(want, sizeof want, "for %d requests", cached ? fx.n : 2 * fx.n);
+      cr_expect(stderr_has(want), "%s: stderr lacks \"%s\" (encoder runs)", models[m], want);
+      free_lines(lines, n);
+    }
+    fx_free(&fx);
+  }
+  char **lines;
+  int n;
+  cr_expect_eq(run_gen("--model /nonexistent --requests - --encoder-cache-fraction 1.5", &lines, &n), 2);
+  cr_expect(stderr_has("--encoder-cache-fraction 1.5: in [0, 1]"));
+  free_lines(lines, n);
+}
