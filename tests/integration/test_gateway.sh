@@ -49,6 +49,8 @@ trap cleanup EXIT
 start_cluster() { # name, local.sh args...
   local name=$1; shift
   rm -rf "$work/$name"
+  # a previous run's files would answer the wait below before the new process truncates them
+  rm -f "$work/$name.out" "$work/$name.err"
   "$root/deploy/local.sh" --run-dir "$work/$name" --encoders 1 --prefills 0 "$@" >"$work/$name.out" 2>"$work/$name.err" &
   pids+=($!)
   for _ in $(seq 600); do
@@ -130,6 +132,7 @@ check "still serving after garbage" has "$r" '"text":"7"'
 check "openai Node client (text)" node "$npm_dir/gateway_openai.mjs" text "$gw" toy-numbers-t5
 
 # the limits on requests in flight (429) and connections, on a second gateway of the same cluster
+rm -f "$work/gw2.log" "$work/gw3.log" # a previous run's logs would answer the waits below
 "$bin/tandem-gateway" --router "$router" --model "$t5" --port 0 --max-requests 1 --max-connections 3 \
   --idle-timeout-s 5 >"$work/gw2.log" 2>&1 &
 gw2_pid=$!
