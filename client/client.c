@@ -304,9 +304,15 @@ static void expire(td_client *c, const td_client_events *ev) {
 }
 
 td_status td_client_poll(td_client *c, int timeout_ms, const td_client_events *ev) {
-  zmq_pollitem_t it = {.socket = c->sock, .events = ZMQ_POLLIN};
-  int rc = zmq_poll(&it, 1, timeout_ms);
+  return td_client_poll_fd(c, -1, timeout_ms, ev, NULL);
+}
+
+td_status td_client_poll_fd(td_client *c, int fd, int timeout_ms, const td_client_events *ev, bool *fd_ready) {
+  zmq_pollitem_t it[2] = {{.socket = c->sock, .events = ZMQ_POLLIN}, {.fd = fd, .events = ZMQ_POLLIN}};
+  int rc = zmq_poll(it, fd >= 0 ? 2 : 1, timeout_ms);
   if (rc < 0) return td_err(TD_ERR_NETWORK, "zmq poll: %s", zmq_strerror(zmq_errno()));
+  if (fd_ready) *fd_ready = fd >= 0 && (it[1].revents & ZMQ_POLLIN);
+  if (fd >= 0 && rc > 0 && !(it[0].revents & ZMQ_POLLIN)) rc = 0; /* only the caller's descriptor */
   for (int k = 0; rc > 0 && k < 1024; k++) {
     td_wire_frame f;
     td_status s = td_wire_recv(c->sock, false, false, &f);

@@ -87,6 +87,10 @@ td_status td_client_cancel(td_client *c, const char *id);
  * the first batch of messages or the timeout. Requests past their client
  * deadline end with TD_ERR_TIMEOUT. */
 td_status td_client_poll(td_client *c, int timeout_ms, const td_client_events *ev);
+/* The same, also waking when descriptor fd (>= 0; e.g. an eventfd another
+ * thread writes to hand this one work) turns readable: *fd_ready says so
+ * (the caller drains it). */
+td_status td_client_poll_fd(td_client *c, int fd, int timeout_ms, const td_client_events *ev, bool *fd_ready);
 int td_client_pending(const td_client *c);
 td_status td_client_health_check(td_client *c, int timeout_ms, td_client_health *out);
 

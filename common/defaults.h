@@ -135,7 +135,8 @@
 #define TD_GATEWAY_DEFAULT_MAX_TOKENS 16       /* OpenAI's default max_tokens for completions */
 #define TD_GATEWAY_MAX_AUDIO_SECONDS 600.0     /* audio decoded at most (longer: 413); beyond the model's window: 400 */
 #define TD_GATEWAY_STREAM_INTERVAL_MS 5         /* a stream's events after the first come at most this often (docs/gateway.md) */
-#define TD_GATEWAY_IO_POLL_MS 1                /* the router link polls this often while requests are in flight */
+#define TD_GATEWAY_IO_POLL_MS 20               /* the router link's poll while requests are in flight (new work
+                                                  wakes it at once: gateway/io.c) */
 #define TD_GATEWAY_HEALTH_TIMEOUT_MS 1000      /* GET /health waits this long for the router */
 #define TD_GATEWAY_WAIT_GRACE_MS 10000         /* a request's HTTP side waits this long past its router deadline */
 

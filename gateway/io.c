@@ -2,13 +2,16 @@
  * one thread) and every HTTP request shares it. HTTP threads hand it
  * batches through a queue; it sends them, polls the router, and writes
  * tokens and results into the batch under the batch's mutex, waking the
- * HTTP thread that waits on it. While requests are in flight it polls with
- * a short timeout so that new ones go out promptly; idle, it sleeps on the
- * queue (docs/gateway.md, "Threads"). */
+ * HTTP thread that waits on it. While requests are in flight it waits on
+ * the router socket and an eventfd that new work writes to (so a request
+ * goes out at once, not at the next poll); idle, it sleeps on the queue
+ * (docs/gateway.md, "Threads"). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/clock.h"
 #include "common/log.h"
@@ -28,6 +31,7 @@ struct gw_io {
   pthread_cond_t cv;
   op *head, *tail;
   bool stop;
+  int efd; /* written when work is queued: wakes the thread out of its router poll */
   unsigned long long next_id;
   gw_sub *table; /* in flight at the router: the thread's alone */
 };
@@ -220,12 +224,20 @@ static void *run(void *arg) {
       q = next;
     }
     if (stop) break;
-    if (io->table && td_client_poll(io->c, TD_GATEWAY_IO_POLL_MS, &ev) != TD_OK)
+    bool woken = false;
+    if (io->table && td_client_poll_fd(io->c, io->efd, TD_GATEWAY_IO_POLL_MS, &ev, &woken) != TD_OK)
       TD_WARN("gateway: polling the router: %s", td_errmsg());
+    uint64_t cnt;
+    if (woken && read(io->efd, &cnt, sizeof cnt) < 0) TD_DEBUG("gateway: eventfd read failed");
   }
   gw_sub *s, *t;
   HASH_ITER(hh, io->table, s, t) finish(io, s, TD_ERR_CANCELLED, "the gateway is shutting down", NULL);
   return NULL;
+}
+
+static void wake(gw_io *io) {
+  uint64_t one = 1;
+  if (write(io->efd, &one, sizeof one) < 0) TD_DEBUG("gateway: eventfd write failed");
 }
 
 static void enqueue(gw_io *io, gw_batch *b, bool cancel) {
@@ -264,6 +276,7 @@ static void enqueue(gw_io *io, gw_batch *b, bool cancel) {
   io->tail = q;
   pthread_cond_signal(&io->cv);
   pthread_mutex_unlock(&io->mu);
+  wake(io);
 }
 
 void gw_io_submit(gw_io *io, gw_batch *b) { enqueue(io, b, false); }
@@ -279,9 +292,16 @@ td_status gw_io_create(const char *router, uint32_t timeout_ms, gw_io **out) {
     return s;
   }
   io->timeout_ms = timeout_ms;
+  io->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (io->efd < 0) {
+    td_client_close(io->c);
+    free(io);
+    return td_err(TD_ERR_IO, "eventfd failed");
+  }
   pthread_mutex_init(&io->mu, NULL);
   pthread_cond_init(&io->cv, NULL);
   if (pthread_create(&io->thread, NULL, run, io) != 0) {
+    close(io->efd);
     td_client_close(io->c);
     pthread_mutex_destroy(&io->mu);
     pthread_cond_destroy(&io->cv);
@@ -298,12 +318,14 @@ void gw_io_stop(gw_io *io) {
   io->stop = true;
   pthread_cond_signal(&io->cv);
   pthread_mutex_unlock(&io->mu);
+  wake(io);
   if (!was) pthread_join(io->thread, NULL);
 }
 
 void gw_io_destroy(gw_io *io) {
   if (!io) return;
   gw_io_stop(io);
+  close(io->efd);
   td_client_close(io->c);
   pthread_mutex_destroy(&io->mu);
   pthread_cond_destroy(&io->cv);

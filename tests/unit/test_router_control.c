@@ -9,6 +9,7 @@
 #include <criterion/criterion.h>
 #include <malloc.h>
 #include <pthread.h>
+#include <sys/eventfd.h>
 #include <signal.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -1247,6 +1248,29 @@ Test(router_control, four_60mb_client_messages_leave_the_router_bounded, .timeou
 }
 
 /* ------------------------------------------------------------ the client library */
+
+/* td_client_poll_fd wakes for the caller's descriptor at once (the gateway
+ * hands its router thread work that way) and says which woke it. */
+Test(router_control, the_client_poll_wakes_for_a_descriptor, .timeout = 30) {
+  harness h;
+  start_tcp(&h);
+  td_client *cl = NULL;
+  cr_assert_eq(td_client_connect_wait(h.cep, 5000, &cl), TD_OK, "%s", td_errmsg());
+  int fd = eventfd(0, EFD_NONBLOCK);
+  cr_assert_geq(fd, 0);
+  bool ready = true;
+  cr_assert_eq(td_client_poll_fd(cl, fd, 50, NULL, &ready), TD_OK);
+  cr_expect(!ready, "an unwritten descriptor was ready");
+  uint64_t one = 1;
+  cr_assert_eq(write(fd, &one, sizeof one), (ssize_t)sizeof one);
+  int64_t t0 = td_now_ms();
+  cr_assert_eq(td_client_poll_fd(cl, fd, 5000, NULL, &ready), TD_OK);
+  cr_expect(ready);
+  cr_expect_lt(td_now_ms() - t0, 1000, "the poll did not return when the descriptor was written");
+  close(fd);
+  td_client_close(cl);
+  finish(&h, NULL, 0);
+}
 
 /* td_client_connect_wait reports a router that is not there within its
  * timeout, naming the endpoint, and finds one that is; the library refuses
