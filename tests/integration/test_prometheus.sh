@@ -109,7 +109,13 @@ check "the TTFT histogram's +Inf bucket through Prometheus" \
   wait_for 'tandem:time_to_first_token_seconds_bucket{le="+Inf"}' $n
 check "successes by finish reason through Prometheus" wait_for 'sum(tandem:request_success_total)' $n
 
-# the idle decode worker's KV gauges: what /metrics says, and blocks free
+# the idle decode worker's KV gauges: what /metrics says once its heartbeats
+# show it idle, and blocks free
+for _ in $(seq 100); do
+  [[ $(direct 'tandem:worker_kv_blocks_used{worker="decode-0",pool="self"}') == 0 &&
+     $(direct 'tandem:worker_kv_blocks_used{worker="decode-0",pool="cross"}') == 0 ]] && break
+  sleep 0.1
+done
 free_cross=$(direct 'tandem:worker_kv_blocks_free{worker="decode-0",pool="cross"}')
 free_self=$(direct 'tandem:worker_kv_blocks_free{worker="decode-0",pool="self"}')
 check "/metrics has the decode worker's free cross blocks" test "${free_cross:-0}" -gt 0
