@@ -3,6 +3,8 @@
 #include <arpa/inet.h>
 #include <math.h>
 #include <netinet/in.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -197,5 +199,47 @@ Test(metrics, server_answers_with_the_published_text) {
   a = http(port, "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nab");
   cr_assert(strstr(a, "HTTP/1.1 405"), "%s", a);
   free(a);
+  td_metrics_server_stop(s);
+}
+
+typedef struct scraper {
+  int port, n, ok;
+} scraper;
+
+static void *scrape_many(void *arg) {
+  scraper *s = arg;
+  for (int i = 0; i < s->n; i++) {
+    char *a = http(s->port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    /* always one whole published text: "v N\n" repeated, never a mix */
+    char *body = strstr(a, "\r\n\r\n");
+    int v = -1;
+    bool whole = body && sscanf(body + 4, "v %d", &v) == 1;
+    for (char *p = body ? body + 4 : NULL; whole && p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+      int w = -2;
+      whole = *p == 0 || (sscanf(p, "v %d", &w) == 1 && w == v);
+    }
+    s->ok += whole;
+    free(a);
+  }
+  return NULL;
+}
+
+/* Publishing while scrapes run: each scrape gets one whole text (run under
+ * TSan, this is the server's race check). */
+Test(metrics, scrapes_during_publishing_get_whole_texts) {
+  td_metrics_server *s;
+  cr_assert_eq(td_metrics_server_start("127.0.0.1", 0, &s), TD_OK);
+  cr_assert_eq(td_metrics_server_publish(s, "v 0\n", 4), TD_OK);
+  scraper sc = {.port = td_metrics_server_port(s), .n = 50};
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, scrape_many, &sc), 0);
+  char text[64 * 8];
+  for (int i = 1; i <= 2000; i++) {
+    size_t n = 0;
+    for (int k = 0; k < 64; k++) n += (size_t)snprintf(text + n, sizeof text - n, "v %d\n", i);
+    cr_assert_eq(td_metrics_server_publish(s, text, n), TD_OK);
+  }
+  pthread_join(th, NULL);
+  cr_expect_eq(sc.ok, sc.n);
   td_metrics_server_stop(s);
 }
