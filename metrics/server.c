@@ -87,7 +87,10 @@ td_status td_metrics_server_start(const char *host, int port, td_metrics_server 
   td_metrics_server *s = calloc(1, sizeof *s);
   if (!s) return td_err(TD_ERR_NOMEM, "out of memory");
   pthread_mutex_init(&s->mu, NULL);
-  s->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL, handle, s,
+  /* AUTO: epoll or poll, not select (the router's descriptors may pass FD_SETSIZE);
+   * ITC: a stop wakes the thread at once */
+  s->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | MHD_USE_ITC | MHD_USE_ERROR_LOG, 0,
+                          NULL, NULL, handle, s,
                           MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT,
                           (unsigned)TD_METRICS_MAX_CONNECTIONS, MHD_OPTION_CONNECTION_TIMEOUT,
                           (unsigned)TD_METRICS_IDLE_TIMEOUT_S, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,

@@ -273,8 +273,6 @@ void rtr_metrics_destroy(td_router *r);
 int rtr_metrics_port(const td_router *r);
 /* Timer: renders the text and publishes it to the server. */
 int rtr_metrics_tick(td_loop *l, void *ctx);
-/* The exposition text as a scrape would get it now (malloc'ed). */
-td_status rtr_metrics_render(td_router *r, char **text, size_t *len);
 /* A result was sent (outs: as sent, earlier attempts' tokens included). */
 void rtr_metrics_result(td_router *r, const rreq *q, Tandem__SequenceOutput *const *outs, size_t n_out,
                         const Tandem__Timings *tm);

@@ -277,8 +277,6 @@ static void shut_down(td_router *r) {
 
 int td_router_metrics_port(const td_router *r) { return rtr_metrics_port(r); }
 
-td_status td_router_metrics_text(td_router *r, char **text, size_t *len) { return rtr_metrics_render(r, text, len); }
-
 td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
   TD_INFO("router serving clients on %s, workers on %s; cross pool mode %s", r->o.client_endpoint,
           r->o.worker_endpoint, td_cross_mode_name(r->o.cross_mode));

@@ -157,17 +157,13 @@ static void collect(td_router *r) {
   td_metric_set(m->dropped, NULL, (double)td_metrics_dropped(m->reg));
 }
 
-td_status rtr_metrics_render(td_router *r, char **text, size_t *len) {
-  collect(r);
-  return td_metrics_render(r->metrics->reg, text, len);
-}
-
 int rtr_metrics_tick(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
   char *text;
   size_t len;
-  if (rtr_metrics_render(r, &text, &len) == TD_OK) {
+  collect(r);
+  if (td_metrics_render(r->metrics->reg, &text, &len) == TD_OK) {
     if (td_metrics_server_publish(r->metrics->server, text, len) != TD_OK) TD_WARN("metrics: %s", td_errmsg());
     free(text);
   } else {

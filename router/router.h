@@ -67,8 +67,6 @@ td_status td_router_create(const td_router_opts *opts, td_router **out);
 void td_router_destroy(td_router *r);
 /* The /metrics server's port (0: not serving). */
 int td_router_metrics_port(const td_router *r);
-/* The /metrics text as a scrape would get it now (malloc'ed; the loop's thread). */
-td_status td_router_metrics_text(td_router *r, char **text, size_t *len);
 /* Runs until *stop becomes non-zero; then tells clients and workers and
  * returns. */
 td_status td_router_run(td_router *r, volatile sig_atomic_t *stop);
