@@ -1,12 +1,9 @@
 /* The router's /metrics on a running cluster: after requests of known
  * sizes (and a refused one), the counts, histograms, token totals and
  * per-worker gauges read back over HTTP equal what was sent. */
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <criterion/criterion.h>
@@ -19,65 +16,16 @@
 #define NREQ 6
 #define MAX_NEW 7
 
-/* The body of GET /metrics, or NULL when the server does not answer. */
-static char *scrape(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-    close(fd);
-    return NULL;
-  }
-  const char *req = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-  cr_assert_eq(write(fd, req, strlen(req)), (ssize_t)strlen(req));
-  size_t cap = 1 << 20, n = 0;
-  char *out = calloc(cap, 1);
-  ssize_t k;
-  while ((k = read(fd, out + n, cap - 1 - n)) > 0) n += (size_t)k;
-  close(fd);
-  char *body = strstr(out, "\r\n\r\n");
-  if (!strstr(out, "HTTP/1.1 200") || !body) {
-    free(out);
-    return NULL;
-  }
-  memmove(out, body + 4, strlen(body + 4) + 1);
-  return out;
-}
-
-/* The value of the sample whose name and labels are exactly `series`; -1 when absent. */
-static double sample(const char *text, const char *series) {
-  size_t n = strlen(series);
-  for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
-    if (!strncmp(p, series, n) && p[n] == ' ') return strtod(p + n + 1, NULL);
-  return -1;
-}
-
 /* KV blocks the decode worker received, every transport. */
 static double kv_in(const char *t) {
-  return sample(t, "tandem:kv_blocks_transferred_total{worker=\"decode-0\",direction=\"in\",transport=\"ucx\"}") +
-         sample(t, "tandem:kv_blocks_transferred_total{worker=\"decode-0\",direction=\"in\",transport=\"zmq\"}");
-}
-
-static int metrics_port(cluster *c) {
-  char path[600], line[512];
-  snprintf(path, sizeof path, "%s/router.log", c->dir);
-  FILE *f = fopen(path, "r");
-  cr_assert(f, "%s", path);
-  int port = 0;
-  while (!port && fgets(line, sizeof line, f)) {
-    char *m = strstr(line, "metrics http://127.0.0.1:");
-    if (m) port = atoi(m + strlen("metrics http://127.0.0.1:"));
-  }
-  fclose(f);
-  cr_assert_gt(port, 0, "no metrics line in %s", path);
-  return port;
+#define KV_IN "tandem:kv_blocks_transferred_total{worker=\"decode-0\",direction=\"in\",transport="
+  return metric_sample(t, KV_IN "\"ucx\"}") + metric_sample(t, KV_IN "\"zmq\"}");
 }
 
 Test(metrics, counts_equal_the_requests_sent, .timeout = 300) {
   cluster c;
   cluster_opts o = {.model = T5, .encoders = 1, .decodes = 1, .router_extra = "--metrics-port 0"};
   cluster_start(&c, &o);
-  int port = metrics_port(&c);
   char path[600];
   snprintf(path, sizeof path, "%s/m.jsonl", c.dir);
   FILE *f = fopen(path, "w");
@@ -115,39 +63,39 @@ Test(metrics, counts_equal_the_requests_sent, .timeout = 300) {
   int64_t until = td_now_ms() + 10000;
   while (td_now_ms() < until) {
     free(t);
-    t = scrape(port);
-    cr_assert(t, "no answer from /metrics on port %d", port);
-    if (sample(t, "tandem:request_success_total{finished_reason=\"length\"}") == NREQ &&
-        sample(t, "tandem:request_failure_total{code=\"invalid_argument\"}") == 1 &&
-        sample(t, "tandem:worker_kv_blocks_used{worker=\"decode-0\",pool=\"cross\"}") == 0 &&
-        sample(t, "tandem:worker_encoded_requests_total{worker=\"encoder-0\"}") == NREQ &&
+    t = cluster_scrape(&c);
+    cr_assert(t, "no answer from /metrics");
+    if (metric_sample(t, "tandem:request_success_total{finished_reason=\"length\"}") == NREQ &&
+        metric_sample(t, "tandem:request_failure_total{code=\"invalid_argument\"}") == 1 &&
+        metric_sample(t, "tandem:worker_kv_blocks_used{worker=\"decode-0\",pool=\"cross\"}") == 0 &&
+        metric_sample(t, "tandem:worker_encoded_requests_total{worker=\"encoder-0\"}") == NREQ &&
         kv_in(t) == (double)(kv.in_ucx + kv.in_zmq))
       break;
     usleep(100 * 1000);
   }
-  cr_expect_eq(sample(t, "tandem:request_success_total{finished_reason=\"length\"}"), NREQ, "%s", t);
-  cr_expect_eq(sample(t, "tandem:request_failure_total{code=\"invalid_argument\"}"), 1, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:request_success_total{finished_reason=\"length\"}"), NREQ, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:request_failure_total{code=\"invalid_argument\"}"), 1, "%s", t);
   cr_expect(strstr(t, "# TYPE tandem:time_to_first_token_seconds histogram\n"));
-  cr_expect_eq(sample(t, "tandem:time_to_first_token_seconds_count"), NREQ);
-  cr_expect_eq(sample(t, "tandem:time_to_first_token_seconds_bucket{le=\"+Inf\"}"), NREQ);
-  cr_expect_eq(sample(t, "tandem:e2e_request_latency_seconds_count"), NREQ);
-  cr_expect_eq(sample(t, "tandem:time_per_output_token_seconds_count"), NREQ);
-  cr_expect_gt(sample(t, "tandem:e2e_request_latency_seconds_sum"), 0);
-  cr_expect_eq(sample(t, "tandem:request_stage_seconds_count{stage=\"queue\"}"), NREQ);
-  cr_expect_eq(sample(t, "tandem:request_stage_seconds_count{stage=\"encode\"}"), NREQ);
-  cr_expect_eq(sample(t, "tandem:request_stage_seconds_count{stage=\"decode\"}"), NREQ);
-  cr_expect_eq(sample(t, "tandem:prompt_tokens_total"), prompt, "%s", t);
-  cr_expect_eq(sample(t, "tandem:generation_tokens_total"), NREQ * MAX_NEW);
-  cr_expect_eq(sample(t, "tandem:request_retries_total"), 0);
-  cr_expect_eq(sample(t, "tandem:num_requests_running"), 0);
-  cr_expect_eq(sample(t, "tandem:num_requests_waiting"), 0);
-  cr_expect_eq(sample(t, "tandem:worker_up{worker=\"decode-0\",roles=\"decode\"}"), 1, "%s", t);
-  cr_expect_eq(sample(t, "tandem:worker_up{worker=\"encoder-0\",roles=\"encode\"}"), 1);
-  cr_expect_eq(sample(t, "tandem:worker_running_sequences{worker=\"decode-0\"}"), 0);
-  cr_expect_gt(sample(t, "tandem:worker_kv_blocks_free{worker=\"decode-0\",pool=\"self\"}"), 0);
-  cr_expect_gt(sample(t, "tandem:worker_kv_blocks_free{worker=\"decode-0\",pool=\"cross\"}"), 0);
-  cr_expect_eq(sample(t, "tandem:worker_kv_blocks_used{worker=\"decode-0\",pool=\"self\"}"), 0);
-  cr_expect_eq(sample(t, "tandem:worker_encoded_requests_total{worker=\"encoder-0\"}"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:time_to_first_token_seconds_count"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:time_to_first_token_seconds_bucket{le=\"+Inf\"}"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:e2e_request_latency_seconds_count"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:time_per_output_token_seconds_count"), NREQ);
+  cr_expect_gt(metric_sample(t, "tandem:e2e_request_latency_seconds_sum"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:request_stage_seconds_count{stage=\"queue\"}"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:request_stage_seconds_count{stage=\"encode\"}"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:request_stage_seconds_count{stage=\"decode\"}"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:prompt_tokens_total"), prompt, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:generation_tokens_total"), NREQ * MAX_NEW);
+  cr_expect_eq(metric_sample(t, "tandem:request_retries_total"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:num_requests_running"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:num_requests_waiting"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"decode-0\",roles=\"decode\"}"), 1, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"encoder-0\",roles=\"encode\"}"), 1);
+  cr_expect_eq(metric_sample(t, "tandem:worker_running_sequences{worker=\"decode-0\"}"), 0);
+  cr_expect_gt(metric_sample(t, "tandem:worker_kv_blocks_free{worker=\"decode-0\",pool=\"self\"}"), 0);
+  cr_expect_gt(metric_sample(t, "tandem:worker_kv_blocks_free{worker=\"decode-0\",pool=\"cross\"}"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:worker_kv_blocks_used{worker=\"decode-0\",pool=\"self\"}"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:worker_encoded_requests_total{worker=\"encoder-0\"}"), NREQ);
   /* every request's cross KV went from the encoder to the decode worker */
   cr_expect_eq(kv_in(t), (double)(kv.in_ucx + kv.in_zmq), "%s", t);
   cr_expect_gt(kv_in(t), 0);
@@ -159,7 +107,6 @@ Test(metrics, a_worker_that_left_is_down, .timeout = 300) {
   cluster c;
   cluster_opts o = {.model = T5, .encoders = 1, .decodes = 1, .router_extra = "--metrics-port 0"};
   cluster_start(&c, &o);
-  int port = metrics_port(&c);
   int extra = cluster_add_worker(&c, "decode-1", "decode", 0);
   cr_assert(cluster_wait_ready(&c, 1, 0, 2, 30000));
   cluster_kill(&c, extra);
@@ -167,14 +114,15 @@ Test(metrics, a_worker_that_left_is_down, .timeout = 300) {
   int64_t until = td_now_ms() + 15000;
   while (td_now_ms() < until) {
     free(t);
-    t = scrape(port);
+    t = cluster_scrape(&c);
     cr_assert(t);
-    if (sample(t, "tandem:worker_up{worker=\"decode-1\",roles=\"decode\"}") == 0) break;
+    if (metric_sample(t, "tandem:worker_up{worker=\"decode-1\",roles=\"decode\"}") == 0) break;
     usleep(100 * 1000);
   }
-  cr_expect_eq(sample(t, "tandem:worker_up{worker=\"decode-1\",roles=\"decode\"}"), 0, "%s", t);
-  cr_expect_eq(sample(t, "tandem:worker_running_sequences{worker=\"decode-1\"}"), -1, "a gone worker's gauges go");
-  cr_expect_eq(sample(t, "tandem:worker_up{worker=\"decode-0\",roles=\"decode\"}"), 1);
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"decode-1\",roles=\"decode\"}"), 0, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:worker_running_sequences{worker=\"decode-1\"}"), -1,
+               "a gone worker's gauges go");
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"decode-0\",roles=\"decode\"}"), 1);
   free(t);
   cr_expect(cluster_stop(&c));
 }
