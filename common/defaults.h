@@ -119,6 +119,14 @@
 #define TD_TOKENIZER_MAX_FILE_BYTES (256u << 20) /* tokenizer.json and friends (multilingual vocabularies run to tens of MB) */
 #define TD_TOKENIZER_MAX_VOCAB (1 << 24)        /* token ids a tokenizer may name */
 
+/* ---- metrics (docs/metrics.md) ---- */
+#define TD_METRICS_MAX_LABELS 4           /* label names a metric family */
+#define TD_METRICS_MAX_SERIES 4096        /* series a family holds; new ones past it are dropped and counted */
+#define TD_METRICS_PUBLISH_MS 250         /* the router renders /metrics' text this often (a scrape's staleness) */
+#define TD_METRICS_DEFAULT_HOST "127.0.0.1" /* --metrics-host: loopback unless asked */
+#define TD_METRICS_MAX_CONNECTIONS 64     /* open /metrics connections */
+#define TD_METRICS_IDLE_TIMEOUT_S 10      /* a /metrics connection that sends nothing this long is closed */
+
 /* ---- gateway (tandem-gateway, td_gateway_opts left 0; docs/gateway.md) ---- */
 #define TD_GATEWAY_DEFAULT_PORT 8000
 #define TD_GATEWAY_MAX_BODY_BYTES (25u << 20)  /* an upload (OpenAI's audio limit); larger: 413 */

@@ -4,7 +4,8 @@
 # model (tests/data/toy-numbers-t5: number words to digits) or --model. The
 # router takes text (and, for Whisper, audio) when the model folder has a
 # tokenizer (--tokenizer DIR names another folder). Prints "router
-# tcp://HOST:PORT" once it serves, and "gateway http://HOST:PORT" (the
+# tcp://HOST:PORT" once it serves, "metrics http://HOST:PORT/metrics" (the
+# router's Prometheus metrics, docs/metrics.md), and "gateway http://HOST:PORT" (the
 # OpenAI-compatible HTTP gateway) when there is a tokenizer. Ctrl-C or
 # SIGTERM stops every process; --demo sends sample requests, prints the
 # results and stops.
@@ -26,6 +27,8 @@
 #                                                     split by role: decode 3 parts, encode and
 #                                                     prefill 1; default 0.9)
 #                   [--gateway-port N | --no-gateway]  (the HTTP gateway; default: any free port)
+#                   [--metrics-port N | --no-metrics]  (the router's /metrics on 127.0.0.1; default: any
+#                                                     free port)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model="$root/tests/data/toy-numbers-t5"
@@ -45,6 +48,8 @@ local_encode_pct=""
 mem_fraction=0.9
 gateway_port=0
 gateway=1
+metrics_port=0
+metrics=1
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -67,8 +72,10 @@ while (($#)); do
     --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
     --gateway-port) gateway_port=$2; shift 2 ;;
     --no-gateway) gateway=0; shift ;;
+    --metrics-port) metrics_port=$2; shift 2 ;;
+    --no-metrics) metrics=0; shift ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -77,6 +84,8 @@ model=$(cd "$model" && pwd)
 # the router converts text (and Whisper's audio) with the checkpoint's tokenizer
 if [[ -z $tokenizer && ( -f $model/tokenizer.json || -f $model/source.spm ) ]]; then tokenizer=$model; fi
 router_tok=()
+router_metrics=()
+if ((metrics)); then router_metrics=(--metrics-port "$metrics_port"); fi
 if [[ -n $tokenizer ]]; then
   [[ -d $tokenizer ]] || { echo "local.sh: --tokenizer $tokenizer is not a folder" >&2; exit 2; }
   router_tok=(--tokenizer "$(cd "$tokenizer" && pwd)")
@@ -153,7 +162,7 @@ for attempt in 1 2 3 4 5; do
   client_ep="tcp://127.0.0.1:$port"
   worker_ep="tcp://127.0.0.1:$((port + 1))"
   start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode" \
-    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} "${router_tok[@]}"
+    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} "${router_tok[@]}" "${router_metrics[@]}"
   rpid=${pids[-1]}
   for _ in $(seq 100); do
     grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
@@ -231,6 +240,11 @@ for _ in $(seq 300); do
 done
 [[ $h == *"$want"* ]] || { echo "local.sh: the cluster did not come up; logs in $run_dir" >&2; exit 1; }
 echo "router $client_ep"
+if ((metrics)); then
+  m=$(grep -o "metrics http://[^ ]*" "$run_dir/router.log" 2>/dev/null | head -1 | cut -d' ' -f2)
+  [[ -n $m ]] || { echo "local.sh: the router serves no metrics; logs in $run_dir" >&2; exit 1; }
+  echo "metrics $m"
+fi
 
 # the HTTP gateway, where there is a tokenizer to turn text into ids
 tokenizer=${tokenizer:-$model}

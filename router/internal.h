@@ -19,6 +19,7 @@
 #include "common/defaults.h"
 #include "common/evloop.h"
 #include "common/vec.h"
+#include "metrics/metrics.h"
 #include "proto/wire.h"
 #include "router/policy.h"
 #include "router/router.h"
@@ -128,8 +129,11 @@ typedef struct chunk_out {
   Tandem__TokenChunk chunk;  /* its tokens point into the worker's message */
 } chunk_out;
 
+typedef struct rtr_metrics rtr_metrics;
+
 struct td_router {
   td_router_opts o;
+  rtr_metrics *metrics;           /* router/metrics.c */
   td_place_opts place_opts;
   bool batching;                  /* chunks go to the outbox (a TokensBatch is being handled) */
   chunk_out *outbox;
@@ -260,5 +264,22 @@ void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m)
 /* Sends the request's result (a single sequence's earlier attempts' tokens
  * first) and ends it. */
 void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms);
+
+/* ---- metrics.c (docs/metrics.md) */
+/* The registry, and the /metrics server when opts.metrics asks for it. */
+td_status rtr_metrics_create(td_router *r);
+void rtr_metrics_destroy(td_router *r);
+/* The server's port (0: none). */
+int rtr_metrics_port(const td_router *r);
+/* Timer: renders the text and publishes it to the server. */
+int rtr_metrics_tick(td_loop *l, void *ctx);
+/* A result was sent (outs: as sent, earlier attempts' tokens included). */
+void rtr_metrics_result(td_router *r, const rreq *q, Tandem__SequenceOutput *const *outs, size_t n_out,
+                        const Tandem__Timings *tm);
+/* A request ended with this error, or was refused at admission. */
+void rtr_metrics_failure(td_router *r, Tandem__ErrorCode code);
+void rtr_metrics_retry(td_router *r);
+/* A worker registered (up) or left. */
+void rtr_metrics_worker(td_router *r, const worker *w, bool up);
 
 #endif

@@ -235,6 +235,7 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
    * connect under identities never reused (td_wire_set_unique_route) and
    * a duplicate worker id is the registration's to refuse */
   if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", false, TD_WIRE_MAX_MSG);
+  if (s == TD_OK) s = rtr_metrics_create(r);
   if (s != TD_OK) {
     td_router_destroy(r);
     return s;
@@ -245,6 +246,7 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
 
 void td_router_destroy(td_router *r) {
   if (!r) return;
+  rtr_metrics_destroy(r); /* the server's thread stops first */
   rreq *q, *t;
   HASH_ITER(hh, r->by_rid, q, t) rtr_req_free(r, q);
   rtr_workers_free(r);
@@ -273,6 +275,8 @@ static void shut_down(td_router *r) {
   HASH_ITER(hh, r->workers, w, wt) { (void)rtr_send_worker(r, w, &m); }
 }
 
+int td_router_metrics_port(const td_router *r) { return rtr_metrics_port(r); }
+
 td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
   TD_INFO("router serving clients on %s, workers on %s; cross pool mode %s", r->o.client_endpoint,
           r->o.worker_endpoint, td_cross_mode_name(r->o.cross_mode));
@@ -286,6 +290,7 @@ td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
   if (s == TD_OK) s = td_loop_add_timer(l, TD_ROUTER_TICK_MS, rtr_requests_tick, r, NULL);
   if (s == TD_OK) s = td_loop_add_timer(l, TD_ROUTER_TICK_MS, rtr_groups_tick, r, NULL);
   if (s == TD_OK) s = td_loop_add_timer(l, 0, stop_tick, r, NULL);
+  if (s == TD_OK && rtr_metrics_port(r)) s = td_loop_add_timer(l, 0, rtr_metrics_tick, r, NULL);
   td_loop_set_before_sleep(l, rtr_place_queue, r);
   if (s == TD_OK) s = td_loop_run(l);
   shut_down(r);

@@ -61,11 +61,12 @@ int main(int argc, char **argv) {
       {"cross-states", no_argument, 0, 'C'},          {"cross-mode", required_argument, 0, 'x'},
       {"tokenizer", required_argument, 0, 'T'},      {"help", no_argument, 0, 'h'},
       {"capacity-wait-ms", required_argument, 0, 'W'}, {"max-held-mb", required_argument, 0, 'M'},
+      {"metrics-port", required_argument, 0, 'P'},    {"metrics-host", required_argument, 0, 'O'},
       {0, 0, 0, 0}};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
   const char *tokenizer_dir = NULL;
   int c;
-  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:e:L:n:l:Cx:T:W:M:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:e:L:n:l:Cx:T:W:M:P:O:h", opts, NULL)) != -1) {
     switch (c) {
       case 'c': o.client_endpoint = optarg; break;
       case 'w': o.worker_endpoint = optarg; break;
@@ -84,6 +85,11 @@ int main(int argc, char **argv) {
       case 'W': o.capacity_wait_ms = atoi(optarg); break;
       case 'M': o.max_held_bytes = atoll(optarg) << 20; break;
       case 'C': o.cross_mode = TD_CROSS_STATES; break;
+      case 'P':
+        o.metrics = true;
+        o.metrics_port = atoi(optarg);
+        break;
+      case 'O': o.metrics_host = optarg; break;
       case 'x':
         if (td_cross_mode_parse(optarg, &o.cross_mode) == TD_OK) break;
         fprintf(stderr, "tandem-router: %s\n", td_errmsg());
@@ -104,6 +110,8 @@ int main(int argc, char **argv) {
                 "                     [--capacity-wait-ms N]  (a request waits this long for a role no live\n"
                 "                                         worker has, e.g. no encoder registered; default 10000)\n"
                 "                     [--max-held-mb N]  (client messages of the requests held; default 256)\n"
+                "                     [--metrics-port N [--metrics-host IP]]  (Prometheus' /metrics over HTTP;\n"
+                "                                         0: any free port; host default 127.0.0.1; docs/metrics.md)\n"
                 "                     [--model-name NAME] [--log-level LEVEL]\n"
                 "                     [--tokenizer DIR]  (the checkpoint's folder: text and audio requests,\n"
                 "                                         text in results; Whisper needs its preprocessor_config.json)\n"
@@ -134,6 +142,9 @@ int main(int argc, char **argv) {
     free_frontend(&fe);
     return 1;
   }
+  if (td_router_metrics_port(r))
+    TD_INFO("metrics http://%s:%d/metrics", o.metrics_host ? o.metrics_host : TD_METRICS_DEFAULT_HOST,
+            td_router_metrics_port(r));
   td_status s = td_router_run(r, &stop_flag);
   if (s != TD_OK) fprintf(stderr, "tandem-router: %s\n", td_errmsg());
   td_router_destroy(r);

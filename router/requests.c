@@ -110,6 +110,7 @@ void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg
   TD_INFO("request %s (rid %llu) failed in stage %s: %s", q->cid, (unsigned long long)q->rid, rtr_stage_names[q->st],
           msg);
   release_workers(r, q, true);
+  rtr_metrics_failure(r, code);
   rtr_client_error(r, q->client, q->client_len, q->cid, code, msg);
   rtr_req_free(r, q);
 }
@@ -153,6 +154,7 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
     q->streamed.n = q->streamed_lp.n = 0;
     rtr_stream_text_reset(q);
   }
+  rtr_metrics_retry(r);
   rtr_req_requeue(r, q, false);
 }
 
@@ -413,6 +415,7 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
     snprintf(err, sizeof err, "out of memory");
   }
   if (code != TANDEM__ERROR_CODE__ERROR_NONE) {
+    rtr_metrics_failure(r, code);
     rtr_client_error(r, cid, cid_len, id, code, err);
     if (q) free(q->cid);
     free(q);

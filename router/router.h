@@ -52,6 +52,12 @@ typedef struct td_router_opts {
   const td_tokenizer *tokenizer;
   const td_mel *mel;
   const td_whisper_prompt *whisper;
+  /* Prometheus' /metrics over HTTP (docs/metrics.md): served when `metrics`
+   * is set, on metrics_host (NULL: TD_METRICS_DEFAULT_HOST, loopback) and
+   * metrics_port (0: any free port; td_router_metrics_port says which). */
+  bool metrics;
+  const char *metrics_host;
+  int metrics_port;
   /* A ZeroMQ context to bind in (so that inproc:// endpoints reach peers of
    * the same process); NULL: the router's own. */
   void *zmq_ctx;
@@ -59,6 +65,8 @@ typedef struct td_router_opts {
 
 td_status td_router_create(const td_router_opts *opts, td_router **out);
 void td_router_destroy(td_router *r);
+/* The /metrics server's port (0: not serving). */
+int td_router_metrics_port(const td_router *r);
 /* Runs until *stop becomes non-zero; then tells clients and workers and
  * returns. */
 td_status td_router_run(td_router *r, volatile sig_atomic_t *stop);

@@ -70,6 +70,7 @@ void rtr_worker_gone(td_router *r, worker *w, const char *why) {
       rtr_req_retry(r, q, msg);
     }
   }
+  rtr_metrics_worker(r, w, false);
   HASH_DEL(r->workers, w);
   HASH_DELETE(hr, r->by_route, w);
   pool_remove(r, w);
@@ -238,6 +239,7 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
   HASH_ADD(hr, r->by_route, route, w->route_len, w);
   TD_INFO("worker %s registered: %s%s%s on %s, %d self / %d cross blocks", wid, w->pl.enc ? "encode " : "",
           w->pl.pre ? "prefill " : "", w->pl.dec ? "decode" : "", w->device, w->self_blocks, w->pl.cross_blocks);
+  rtr_metrics_worker(r, w, true);
   send_ack(r, id, id_len, true, NULL);
 }
 

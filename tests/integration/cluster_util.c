@@ -189,6 +189,56 @@ bool cluster_kv_count(cluster *c, const char *prefix, int timeout_ms, kv_count *
   return false;
 }
 
+/* The body of GET /metrics, or NULL when the server does not answer. */
+static char *scrape_port(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    close(fd);
+    return NULL;
+  }
+  const char *req = "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  cr_assert_eq(write(fd, req, strlen(req)), (ssize_t)strlen(req));
+  size_t cap = 1 << 20, n = 0;
+  char *out = calloc(cap, 1);
+  ssize_t k;
+  while ((k = read(fd, out + n, cap - 1 - n)) > 0) n += (size_t)k;
+  close(fd);
+  char *body = strstr(out, "\r\n\r\n");
+  if (!strstr(out, "HTTP/1.1 200") || !body) {
+    free(out);
+    return NULL;
+  }
+  memmove(out, body + 4, strlen(body + 4) + 1);
+  return out;
+}
+
+/* The value of the sample whose name and labels are exactly `series`; -1 when absent. */
+double metric_sample(const char *text, const char *series) {
+  size_t n = strlen(series);
+  for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+    if (!strncmp(p, series, n) && p[n] == ' ') return strtod(p + n + 1, NULL);
+  return -1;
+}
+
+static int metrics_port(cluster *c) {
+  char path[600], line[512];
+  snprintf(path, sizeof path, "%s/router.log", c->dir);
+  FILE *f = fopen(path, "r");
+  cr_assert(f, "%s", path);
+  int port = 0;
+  while (!port && fgets(line, sizeof line, f)) {
+    char *m = strstr(line, "metrics http://127.0.0.1:");
+    if (m) port = atoi(m + strlen("metrics http://127.0.0.1:"));
+  }
+  fclose(f);
+  cr_assert_gt(port, 0, "no metrics line in %s", path);
+  return port;
+}
+
+char *cluster_scrape(cluster *c) { return scrape_port(metrics_port(c)); }
+
 bool cluster_log_has(cluster *c, const char *name, const char *text) {
   char path[600];
   snprintf(path, sizeof path, "%s/%s.log", c->dir, name);

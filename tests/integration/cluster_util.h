@@ -62,6 +62,12 @@ typedef struct kv_count {
   uint64_t in_ucx, in_zmq, out_ucx, out_zmq;
 } kv_count;
 bool cluster_kv_count(cluster *c, const char *prefix, int timeout_ms, kv_count *out);
+/* The router's /metrics text (the router runs with --metrics-port; its log
+ * names the port), malloc'ed, or NULL when it does not answer. */
+char *cluster_scrape(cluster *c);
+/* The value of the sample whose name and labels are exactly `series` in a
+ * /metrics text; -1 when absent. */
+double metric_sample(const char *text, const char *series);
 /* Whether the log of process `name` holds `text`. */
 bool cluster_log_has(cluster *c, const char *name, const char *text);
 /* Waits until every live worker holds no blocks and nothing is in flight. */

@@ -162,13 +162,22 @@ static void *killer_rank(void *arg) {
   return NULL;
 }
 
+/* Requests that ended with a result, by any finish reason, in a /metrics text. */
+static double successes(const char *t) {
+  double n = 0;
+  for (const char *p = t; (p = strstr(p, "\ntandem:request_success_total{")); p++)
+    n += strtod(strchr(p, ' ') + 1, NULL);
+  return n;
+}
+
 /* Marian: absolute (sinusoidal) positions, so that a resumed prompt that
  * lost its start token would shift every position and change the tokens. */
 static void decode_worker_killed(int prefills) {
   fixture fx;
   fx_load("marian-sinusoidal", &fx);
   cluster c;
-  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = prefills, .decodes = 2};
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .prefills = prefills, .decodes = 2,
+                    .router_extra = "--metrics-port 0"};
   cluster_start(&c, &o);
   char path[600];
   snprintf(path, sizeof path, "%s/long.jsonl", c.dir);
@@ -212,6 +221,19 @@ static void decode_worker_killed(int prefills) {
   cr_expect(again[0].done && again[0].status == TD_OK, "after the failure: %s", again[0].error);
   char why[256] = "";
   cr_expect(cluster_wait_idle(&c, 5000, why, sizeof why), "survivors hold blocks: %s", why);
+  /* the metrics tell it: retries, every request a success, decode-0 down */
+  char *t = NULL;
+  for (int64_t end = td_now_ms() + 5000; td_now_ms() < end; usleep(100 * 1000)) {
+    free(t);
+    t = cluster_scrape(&c);
+    cr_assert(t, "no answer from /metrics");
+    if (successes(t) == 13) break;
+  }
+  cr_expect_eq(successes(t), 13, "%s", t);
+  cr_expect_geq(metric_sample(t, "tandem:request_retries_total"), 1, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"decode-0\",roles=\"decode\"}"), 0, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"decode-1\",roles=\"decode\"}"), 1);
+  free(t);
   cr_expect(cluster_stop(&c));
   for (int i = 0; i < 12; i++) td_json_request_free(&reqs[i]);
   fx_free(&fx);

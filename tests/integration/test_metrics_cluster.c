@@ -1,0 +1,128 @@
+/* The router's /metrics on a running cluster: after requests of known
+ * sizes (and a refused one), the counts, histograms, token totals and
+ * per-worker gauges read back over HTTP equal what was sent. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <criterion/criterion.h>
+
+#include "cluster_util.h"
+#include "common/clock.h"
+#include "common/defaults.h"
+
+#define T5 TD_SOURCE_DIR "/tests/data/toy-numbers-t5"
+#define NREQ 6
+#define MAX_NEW 7
+
+/* KV blocks the decode worker received, every transport. */
+static double kv_in(const char *t) {
+#define KV_IN "tandem:kv_blocks_transferred_total{worker=\"decode-0\",direction=\"in\",transport="
+  return metric_sample(t, KV_IN "\"ucx\"}") + metric_sample(t, KV_IN "\"zmq\"}");
+}
+
+Test(metrics, counts_equal_the_requests_sent, .timeout = 300) {
+  cluster c;
+  cluster_opts o = {.model = T5, .encoders = 1, .decodes = 1, .router_extra = "--metrics-port 0"};
+  cluster_start(&c, &o);
+  char path[600];
+  snprintf(path, sizeof path, "%s/m.jsonl", c.dir);
+  FILE *f = fopen(path, "w");
+  int prompt = 0;
+  for (int i = 0; i < NREQ; i++) {
+    /* i + 3 input ids, a decoder prompt of 1 (the start token) */
+    fprintf(f, "{\"id\": \"m%d\", \"input_ids\": [", i);
+    for (int k = 0; k < i + 3; k++) fprintf(f, "%s%d", k ? ", " : "", 5 + k);
+    fprintf(f, "], \"decoder_prompt\": [0], \"max_new_tokens\": %d, \"ignore_eos\": true}\n", MAX_NEW);
+    prompt += i + 3 + 1;
+  }
+  fclose(f);
+  td_json_request reqs[NREQ + 1];
+  cr_assert_eq(load_requests(path, reqs, NREQ), NREQ);
+  outcome got[NREQ];
+  run_requests(c.client_ep, reqs, NREQ, true, 60000, got);
+  for (int i = 0; i < NREQ; i++) {
+    cr_assert(got[i].done && got[i].status == TD_OK, "%s: %s", got[i].id, got[i].error);
+    cr_assert_eq(got[i].len[0], MAX_NEW);
+    td_json_request_free(&reqs[i]);
+  }
+  /* one refused at admission: no input (made by hand: the line parser refuses it first) */
+  memset(&reqs[0], 0, sizeof reqs[0]);
+  td_request_params_default(&reqs[0].params);
+  snprintf(reqs[0].id, sizeof reqs[0].id, "bad");
+  outcome bad;
+  run_requests(c.client_ep, reqs, 1, false, 30000, &bad);
+  cr_assert(bad.done && bad.status != TD_OK, "the empty request was not refused");
+
+  /* the workers' heartbeats settle (every pushed block arrived), and the text,
+   * rendered every TD_METRICS_PUBLISH_MS from the last heartbeats, shows it all */
+  kv_count kv;
+  cr_assert(cluster_kv_count(&c, "decode", 10000, &kv));
+  char *t = NULL;
+  int64_t until = td_now_ms() + 10000;
+  while (td_now_ms() < until) {
+    free(t);
+    t = cluster_scrape(&c);
+    cr_assert(t, "no answer from /metrics");
+    if (metric_sample(t, "tandem:request_success_total{finished_reason=\"length\"}") == NREQ &&
+        metric_sample(t, "tandem:request_failure_total{code=\"invalid_argument\"}") == 1 &&
+        metric_sample(t, "tandem:worker_kv_blocks_used{worker=\"decode-0\",pool=\"cross\"}") == 0 &&
+        metric_sample(t, "tandem:worker_encoded_requests_total{worker=\"encoder-0\"}") == NREQ &&
+        kv_in(t) == (double)(kv.in_ucx + kv.in_zmq))
+      break;
+    usleep(100 * 1000);
+  }
+  cr_expect_eq(metric_sample(t, "tandem:request_success_total{finished_reason=\"length\"}"), NREQ, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:request_failure_total{code=\"invalid_argument\"}"), 1, "%s", t);
+  cr_expect(strstr(t, "# TYPE tandem:time_to_first_token_seconds histogram\n"));
+  cr_expect_eq(metric_sample(t, "tandem:time_to_first_token_seconds_count"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:time_to_first_token_seconds_bucket{le=\"+Inf\"}"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:e2e_request_latency_seconds_count"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:time_per_output_token_seconds_count"), NREQ);
+  cr_expect_gt(metric_sample(t, "tandem:e2e_request_latency_seconds_sum"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:request_stage_seconds_count{stage=\"queue\"}"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:request_stage_seconds_count{stage=\"encode\"}"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:request_stage_seconds_count{stage=\"decode\"}"), NREQ);
+  cr_expect_eq(metric_sample(t, "tandem:prompt_tokens_total"), prompt, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:generation_tokens_total"), NREQ * MAX_NEW);
+  cr_expect_eq(metric_sample(t, "tandem:request_retries_total"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:num_requests_running"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:num_requests_waiting"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"decode-0\",roles=\"decode\"}"), 1, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"encoder-0\",roles=\"encode\"}"), 1);
+  cr_expect_eq(metric_sample(t, "tandem:worker_running_sequences{worker=\"decode-0\"}"), 0);
+  cr_expect_gt(metric_sample(t, "tandem:worker_kv_blocks_free{worker=\"decode-0\",pool=\"self\"}"), 0);
+  cr_expect_gt(metric_sample(t, "tandem:worker_kv_blocks_free{worker=\"decode-0\",pool=\"cross\"}"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:worker_kv_blocks_used{worker=\"decode-0\",pool=\"self\"}"), 0);
+  cr_expect_eq(metric_sample(t, "tandem:worker_encoded_requests_total{worker=\"encoder-0\"}"), NREQ);
+  /* every request's cross KV went from the encoder to the decode worker */
+  cr_expect_eq(kv_in(t), (double)(kv.in_ucx + kv.in_zmq), "%s", t);
+  cr_expect_gt(kv_in(t), 0);
+  free(t);
+  cr_expect(cluster_stop(&c));
+}
+
+Test(metrics, a_worker_that_left_is_down, .timeout = 300) {
+  cluster c;
+  cluster_opts o = {.model = T5, .encoders = 1, .decodes = 1, .router_extra = "--metrics-port 0"};
+  cluster_start(&c, &o);
+  int extra = cluster_add_worker(&c, "decode-1", "decode", 0);
+  cr_assert(cluster_wait_ready(&c, 1, 0, 2, 30000));
+  cluster_kill(&c, extra);
+  char *t = NULL;
+  int64_t until = td_now_ms() + 15000;
+  while (td_now_ms() < until) {
+    free(t);
+    t = cluster_scrape(&c);
+    cr_assert(t);
+    if (metric_sample(t, "tandem:worker_up{worker=\"decode-1\",roles=\"decode\"}") == 0) break;
+    usleep(100 * 1000);
+  }
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"decode-1\",roles=\"decode\"}"), 0, "%s", t);
+  cr_expect_eq(metric_sample(t, "tandem:worker_running_sequences{worker=\"decode-1\"}"), -1,
+               "a gone worker's gauges go");
+  cr_expect_eq(metric_sample(t, "tandem:worker_up{worker=\"decode-0\",roles=\"decode\"}"), 1);
+  free(t);
+  cr_expect(cluster_stop(&c));
+}
