@@ -17,6 +17,7 @@ packages=(
   libsndfile1-dev libsoxr-dev libkissfft-dev                      # audio: decoding, resampling, FFT
   libpcre2-dev libutf8proc-dev libsentencepiece-dev               # tokenizers
   libmicrohttpd-dev libcurl4-openssl-dev curl                     # gateway (HTTP server), bench-serve --gateway, its test
+  clang libclang-rt-dev                                           # libFuzzer targets (asan build): Debian's default clang and its runtime
 )
 # the gateway's test runs the openai Node client (a Node from elsewhere brings its own npm)
 command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
