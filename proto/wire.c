@@ -123,6 +123,34 @@ static uint32_t peek_version(const uint8_t *p, size_t n) {
   return 0;
 }
 
+/* Drops the fields this version does not know, in m and every message it
+ * holds. Peers of one protocol version send none; keeping them would let a
+ * client's bytes travel on inside the parts the router forwards
+ * (RequestSpec takes the request's SamplingParams and AudioFeatures), and
+ * protobuf-c keeps some it cannot pack again: a field numbered 0 in a
+ * tag of two bytes is read, then written as a one-byte tag that it
+ * refuses, so the worker would drop the job (found by fuzz_wire_cluster). */
+static void drop_unknown(ProtobufCMessage *m) {
+  if (!m) return;
+  for (unsigned i = 0; i < m->n_unknown_fields; i++) free(m->unknown_fields[i].data);
+  free(m->unknown_fields); /* unpacked with the default allocator: malloc */
+  m->unknown_fields = NULL;
+  m->n_unknown_fields = 0;
+  const ProtobufCMessageDescriptor *d = m->descriptor;
+  for (unsigned i = 0; i < d->n_fields; i++) {
+    const ProtobufCFieldDescriptor *f = &d->fields[i];
+    if (f->type != PROTOBUF_C_TYPE_MESSAGE) continue;
+    char *base = (char *)m;
+    if (f->label == PROTOBUF_C_LABEL_REPEATED) {
+      size_t n = *(size_t *)(base + f->quantifier_offset);
+      ProtobufCMessage **v = *(ProtobufCMessage ***)(base + f->offset);
+      for (size_t k = 0; k < n; k++) drop_unknown(v[k]);
+    } else if (!(f->flags & PROTOBUF_C_FIELD_FLAG_ONEOF) || *(uint32_t *)(base + f->quantifier_offset) == f->id) {
+      drop_unknown(*(ProtobufCMessage **)(base + f->offset));
+    }
+  }
+}
+
 #define UNPACK(fn, type, desc)                                                                        \
   td_status fn(const td_wire_frame *f, type **out, uint32_t *version) {                              \
     *out = NULL;                                                                                      \
@@ -134,6 +162,7 @@ static uint32_t peek_version(const uint8_t *p, size_t n) {
     }                                                                                                 \
     type *m = (type *)protobuf_c_message_unpack(&desc, NULL, f->len, f->data);                        \
     if (!m) return td_err(TD_ERR_FORMAT, "malformed message (%zu bytes)", f->len);                    \
+    drop_unknown(&m->base);                                                                           \
     *out = m;                                                                                         \
     return TD_OK;                                                                                     \
   }
