@@ -103,8 +103,13 @@ static void long_requests(const char *path, int n, int max_new) {
   for (int i = 0; i < n; i++) {
     char prompt[64] = "";
     if (i % 4 == 0) snprintf(prompt, sizeof prompt, "\"decoder_prompt\": [0, %d], ", 60 + i);
-    fprintf(f, "{\"id\": \"k%d\", \"input_ids\": [%d, %d, 9, 1], %s\"max_new_tokens\": %d, \"ignore_eos\": true}\n", i,
-            3 + i, 40 + 2 * i, prompt, max_new);
+    /* some beams and seeded samples: they restart from their prompt on
+     * another worker and must give the undisturbed run's outputs */
+    const char *kind = i % 6 == 1   ? "\"num_beams\": 3, \"num_return_sequences\": 2, "
+                       : i % 6 == 3 ? "\"n\": 2, \"temperature\": 0.8, \"seed\": 11, "
+                                    : "";
+    fprintf(f, "{\"id\": \"k%d\", \"input_ids\": [%d, %d, 9, 1], %s%s\"max_new_tokens\": %d, \"ignore_eos\": true}\n",
+            i, 3 + i, 40 + 2 * i, prompt, kind, max_new);
   }
   fclose(f);
 }
@@ -196,16 +201,20 @@ static void decode_worker_killed(int prefills) {
   run_requests(c.client_ep, reqs, 12, true, 60000, got);
   pthread_join(th, NULL);
   cr_expect(k.killed, "decode-0 never held work");
-  /* every request survives: the killed worker's resume on decode-1 from
-   * their prompt (the start token) and the tokens already streamed (with a
-   * prefill worker, a resumed prompt long enough goes through it) */
+  /* every request survives: the killed worker's single sequences resume on
+   * decode-1 from their prompt (the start token) and the tokens already
+   * streamed (with a prefill worker, a resumed prompt long enough goes
+   * through it); its beams and seeded samples restart, with the same outputs */
   for (int i = 0; i < 12; i++) {
     cr_expect(got[i].done, "%s: no answer", got[i].id);
     cr_expect_eq(got[i].status, TD_OK, "%s failed: %s", got[i].id, got[i].error);
     if (got[i].status != TD_OK) continue;
-    cr_expect_eq(got[i].len[0], want[i].len[0]);
-    cr_expect_arr_eq(got[i].tok[0], want[i].tok[0], sizeof(int32_t) * (size_t)want[i].len[0],
-                     "%s: resumed tokens differ", got[i].id);
+    cr_expect_eq(got[i].n_out, want[i].n_out, "%s: %d outputs, want %d", got[i].id, got[i].n_out, want[i].n_out);
+    for (int sq = 0; sq < want[i].n_out && sq < got[i].n_out; sq++) {
+      cr_expect_eq(got[i].len[sq], want[i].len[sq], "%s output %d", got[i].id, sq);
+      cr_expect_arr_eq(got[i].tok[sq], want[i].tok[sq], sizeof(int32_t) * (size_t)want[i].len[sq],
+                       "%s output %d: resumed tokens differ", got[i].id, sq);
+    }
   }
   cr_expect(td_now_ms() - t0 < 60000, "requests took too long after the failure");
   /* the encoder's blocks went over UCX (the default) */
