@@ -169,28 +169,52 @@ static void cl_result(void *ctx, const td_client_result *res) {
   result_seen(r, i, ok, ok ? res->outputs[0].n_tokens : 0);
 }
 
-static td_status run_cluster(const opts *o, run *r) {
-  td_client *c;
-  TD_TRY(td_client_connect_wait(o->router, TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS, &c)); /* a wrong --router says so */
-  td_client_events ev = {.on_tokens = cl_tokens, .on_result = cl_result, .ctx = r};
+/* How the arrival loop reaches a target: the ZeroMQ client or the HTTP one. */
+typedef struct target_i {
+  td_status (*submit)(void *t, const opts *o, const td_json_request *q, int index);
+  td_status (*poll)(void *t, int timeout_ms, run *r);
+} target_i;
+
+/* Submits the workload's requests as they are due and polls for answers
+ * until all came back or the run's deadline passed. */
+static td_status drive(const target_i *vt, void *t, const opts *o, run *r) {
   td_status s = TD_OK;
   r->t0 = now_ms();
   double deadline = r->t0 + o->timeout_ms + 60000.0;
   while (r->done < r->w->n && s == TD_OK) {
-    double t = now_ms();
-    while (due(r, t)) {
+    double now = now_ms();
+    while (due(r, now)) {
       int i = r->next++;
-      r->s[i].submit_ms = r->concurrency > 0 ? t : r->t0 + r->arrive[i];
-      if ((s = td_client_generate(c, &r->w->reqs[i], true, (uint32_t)o->timeout_ms)) != TD_OK) break;
+      r->s[i].submit_ms = r->concurrency > 0 ? now : r->t0 + r->arrive[i];
+      if ((s = vt->submit(t, o, &r->w->reqs[i], i)) != TD_OK) break;
       r->in_flight++;
     }
     if (s != TD_OK) break;
-    if (t > deadline) {
+    if (now > deadline) {
       s = td_err(TD_ERR_TIMEOUT, "%d of %d requests unanswered", r->w->n - r->done, r->w->n);
       break;
     }
-    s = td_client_poll(c, wait_ms(r, t, 20), &ev);
+    s = vt->poll(t, wait_ms(r, now, 20), r);
   }
+  return s;
+}
+
+static td_status zmq_submit(void *t, const opts *o, const td_json_request *q, int index) {
+  (void)index;
+  return td_client_generate(t, q, true, (uint32_t)o->timeout_ms);
+}
+
+static td_status zmq_poll(void *t, int timeout_ms, run *r) {
+  td_client_events ev = {.on_tokens = cl_tokens, .on_result = cl_result, .ctx = r};
+  return td_client_poll(t, timeout_ms, &ev);
+}
+
+static const target_i zmq_target = {.submit = zmq_submit, .poll = zmq_poll};
+
+static td_status run_cluster(const opts *o, run *r) {
+  td_client *c;
+  TD_TRY(td_client_connect_wait(o->router, TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS, &c)); /* a wrong --router says so */
+  td_status s = drive(&zmq_target, c, o, r);
   td_client_close(c);
   return s;
 }
@@ -200,33 +224,23 @@ static td_status run_cluster(const opts *o, run *r) {
 static void gw_first(void *ctx, int i) { token_seen(ctx, i, 0); }
 static void gw_done(void *ctx, int i, bool ok, int n_tokens) { result_seen(ctx, i, ok, n_tokens); }
 
+static td_status http_submit(void *t, const opts *o, const td_json_request *q, int index) {
+  (void)o;
+  return td_http_bench_submit(t, q, index);
+}
+
+static td_status http_poll(void *t, int timeout_ms, run *r) {
+  td_http_events ev = {.first = gw_first, .done = gw_done, .ctx = r};
+  return td_http_bench_poll(t, timeout_ms, &ev);
+}
+
+static const target_i http_target = {.submit = http_submit, .poll = http_poll};
+
 static td_status run_gateway(const opts *o, run *r) {
   td_http_bench *h;
   TD_TRY(td_http_bench_create(o->gateway, o->gateway_model, &h));
-  td_status ws = td_http_bench_warm(h, o->http_warm);
-  if (ws != TD_OK) {
-    td_http_bench_destroy(h);
-    return ws;
-  }
-  td_http_events ev = {.first = gw_first, .done = gw_done, .ctx = r};
-  td_status s = TD_OK;
-  r->t0 = now_ms();
-  double deadline = r->t0 + o->timeout_ms + 60000.0;
-  while (r->done < r->w->n && s == TD_OK) {
-    double t = now_ms();
-    while (due(r, t)) {
-      int i = r->next++;
-      r->s[i].submit_ms = r->concurrency > 0 ? t : r->t0 + r->arrive[i];
-      if ((s = td_http_bench_submit(h, &r->w->reqs[i], i)) != TD_OK) break;
-      r->in_flight++;
-    }
-    if (s != TD_OK) break;
-    if (t > deadline) {
-      s = td_err(TD_ERR_TIMEOUT, "%d of %d requests unanswered", r->w->n - r->done, r->w->n);
-      break;
-    }
-    s = td_http_bench_poll(h, wait_ms(r, t, 20), &ev);
-  }
+  td_status s = td_http_bench_warm(h, o->http_warm);
+  if (s == TD_OK) s = drive(&http_target, h, o, r);
   td_http_bench_destroy(h);
   return s;
 }
