@@ -152,6 +152,7 @@ struct td_router {
   int in_flight;
   uint64_t next_serial;
   uint64_t hb_seq;
+  int64_t last_tick;              /* when the heartbeat timer last ran (ms) */
   char wait_why[256];             /* why the queue's head waits */
   bool wait_missing;              /* ... for a role no live worker has (td_placement.missing) */
   long long held_bytes;           /* client messages of the requests held (queued and in flight) */

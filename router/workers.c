@@ -262,8 +262,19 @@ int rtr_heartbeat_tick(td_loop *l, void *ctx) {
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT;
   m.heartbeat = &hb;
   worker *w, *tmp;
+  int64_t dead_ms = (int64_t)r->o.heartbeat_ms * r->o.dead_after;
+  /* The router's own loop stalled (stopped, swapped out) for longer than a
+   * worker may be silent: that silence was the router's, and declaring every
+   * worker dead would fail the requests it holds. Each worker gets a full
+   * period from now; a dead one is found then. */
+  if (r->last_tick && t - r->last_tick > dead_ms) {
+    TD_WARN("the router's loop stalled for %lld ms: workers' silence during it is not counted",
+            (long long)(t - r->last_tick));
+    HASH_ITER(hh, r->workers, w, tmp) w->last_seen = t;
+  }
+  r->last_tick = t;
   HASH_ITER(hh, r->workers, w, tmp) {
-    if (t - w->last_seen > (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
+    if (t - w->last_seen > dead_ms) {
       char why[128];
       snprintf(why, sizeof why, "silent for %lld ms", (long long)(t - w->last_seen));
       rtr_worker_gone(r, w, why);
