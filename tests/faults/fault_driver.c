@@ -16,7 +16,8 @@
  * tokens), lost (no answer by its deadline and the client's grace). After
  * the run every surviving worker must give back every KV block. Prints one
  * row of the fault table on stdout (the details on stderr); exits 1 when a
- * request was silently wrong or lost, a block leaked or a survivor died. */
+ * request was silently wrong or lost, a block leaked, a survivor died, or
+ * fewer than --min-correct percent were correct. */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -629,7 +630,7 @@ static int model_vocab(const char *dir) {
 
 static void usage(FILE *f) {
   fprintf(f, "usage: tandem-faults --model DIR --fault NAME [--requests N] [--rate R] [--at F] [--pause-ms MS]\n"
-             "                     [--timeout-ms MS] [--max-new N (<= 480)] [--netem 'delay 20ms 10ms loss 2%%'] [--bin DIR] [--keep]\n"
+             "                     [--timeout-ms MS] [--max-new N (<= 480)] [--min-correct PCT] [--netem 'delay 20ms 10ms loss 2%%'] [--bin DIR] [--keep]\n"
              "faults: none, kill-|stop-|hang-|restart- encoder|prefill|decode|router (hang: left stopped),\n"
              "        kill-rank|stop-rank (a TP=2 decode group's rank 1), cut-transfer, dup-worker, dup-request,\n"
              "        netem-decode (decode-1 in a network namespace behind a slow, lossy link)\n");
@@ -642,13 +643,14 @@ int main(int argc, char **argv) {
   R.restart_serves_ms = -1;
   bool keep = false;
   int max_new = 256;
+  double min_correct = 0;
   static const struct option lo[] = {
       {"model", required_argument, 0, 'm'},    {"fault", required_argument, 0, 'f'},
       {"requests", required_argument, 0, 'n'}, {"rate", required_argument, 0, 'r'},
       {"at", required_argument, 0, 'a'},       {"pause-ms", required_argument, 0, 'p'},
       {"timeout-ms", required_argument, 0, 't'}, {"bin", required_argument, 0, 'b'},
       {"netem", required_argument, 0, 'N'},    {"keep", no_argument, 0, 'k'},
-      {"max-new", required_argument, 0, 'x'},
+      {"max-new", required_argument, 0, 'x'},  {"min-correct", required_argument, 0, 'c'},
       {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
   int o;
   while ((o = getopt_long(argc, argv, "", lo, NULL)) != -1) switch (o) {
@@ -663,6 +665,7 @@ int main(int argc, char **argv) {
       case 'N': netem = optarg; break;
       case 'k': keep = true; break;
       case 'x': max_new = atoi(optarg); break;
+      case 'c': min_correct = atof(optarg); break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -752,7 +755,7 @@ int main(int argc, char **argv) {
     else if (clear_error(q)) {
       n_err++;
       if (q->done_ms - q->submit_ms > max_err_ms) max_err_ms = q->done_ms - q->submit_ms;
-      if (shown++ < 3) fprintf(stderr, "  %s: %s\n", q->q.id, q->error);
+      if (shown++ < 5) fprintf(stderr, "  %s: %s\n", q->q.id, q->error);
     } else if (q->done && q->ok) {
       n_wrong++;
       fprintf(stderr, "  %s: SILENTLY WRONG: %d tokens, want %d\n", q->q.id, q->got_n, q->want_n);
@@ -792,7 +795,7 @@ int main(int argc, char **argv) {
     if (correct(&R.r[i])) lat += R.r[i].done_ms - R.r[i].submit_ms, n_lat++;
   fprintf(stderr, "tandem-faults: %s: %d requests at %.0f/s over %.1f s (correct ones %.0f ms on average), fault at %.1f s%s%s\n",
           R.fault, sent, R.rate, run_s, n_lat ? lat / n_lat : 0, R.t_fault / 1000.0, leaked ? "; held: " : "", leaked ? why : "");
-  bool bad = n_wrong || n_lost || leaked || dead[0] || !R.fault_ok;
+  bool bad = n_wrong || n_lost || leaked || dead[0] || !R.fault_ok || 100.0 * n_ok / sent < min_correct;
   stop_all(c, keep || bad);
   if (bad) fprintf(stderr, "tandem-faults: logs in %s\n", c->dir);
   for (int i = 0; i < R.n; i++) td_json_request_free(&R.r[i].q);
