@@ -187,8 +187,9 @@ static int sh(const char *fmt, ...) {
   return rc;
 }
 
-/* A network namespace joined to the host by a veth pair, its link slowed
- * and lossy both ways (tc netem). */
+/* A network namespace joined to the host by a veth pair, the qdisc given
+ * on both ends: netem (delay, loss), or tbf (a slow link that drops what
+ * queues past its latency) where the kernel has no sch_netem. */
 static bool netns_up(cluster *c, const char *netem) {
   snprintf(c->netns, sizeof c->netns, "tdf%d", (int)getpid());
   const char *ns = c->netns;
@@ -197,8 +198,8 @@ static bool netns_up(cluster *c, const char *netem) {
       sh("ip addr add " NETNS_HOST "/30 dev %sa && ip link set %sa up", ns, ns) ||
       sh("ip netns exec %s sh -c 'ip addr add " NETNS_PEER "/30 dev %sb && ip link set %sb up && ip link set lo up'",
          ns, ns, ns) ||
-      sh("tc qdisc add dev %sa root netem %s", ns, netem) ||
-      sh("ip netns exec %s tc qdisc add dev %sb root netem %s", ns, ns, netem))
+      sh("tc qdisc add dev %sa root %s", ns, netem) ||
+      sh("ip netns exec %s tc qdisc add dev %sb root %s", ns, ns, netem))
     return false;
   return true;
 }
@@ -422,13 +423,15 @@ static void wait_busy(run *R, const char *id) {
   }
 }
 
+static bool netns_fault(const char *f) { return !strncmp(f, "netem-", 6) || !strncmp(f, "slow-", 5); }
+
 static void *fault_thread(void *arg) {
   run *R = arg;
   const char *f = R->fault, *victim = victim_of(f);
   sleep_ms((int)(R->at * R->n / R->rate * 1000.0));
   if (victim && strcmp(victim, "router") != 0) wait_busy(R, R->c.tp ? "decode-0" : victim);
   R->fault_ok = true;
-  if (!strcmp(f, "none") || !strncmp(f, "netem", 5)) {
+  if (!strcmp(f, "none") || netns_fault(f)) {
     mark(R);
   } else if (!strncmp(f, "kill-", 5)) {
     mark(R);
@@ -630,15 +633,18 @@ static int model_vocab(const char *dir) {
 
 static void usage(FILE *f) {
   fprintf(f, "usage: tandem-faults --model DIR --fault NAME [--requests N] [--rate R] [--at F] [--pause-ms MS]\n"
-             "                     [--timeout-ms MS] [--max-new N (<= 480)] [--min-correct PCT] [--netem 'delay 20ms 10ms loss 2%%'] [--bin DIR] [--keep]\n"
+             "                     [--timeout-ms MS] [--max-new N (<= 480)] [--min-correct PCT] [--bin DIR] [--keep]\n"
              "faults: none, kill-|stop-|hang-|restart- encoder|prefill|decode|router (hang: left stopped),\n"
              "        kill-rank|stop-rank (a TP=2 decode group's rank 1), cut-transfer, dup-worker, dup-request,\n"
-             "        netem-decode (decode-1 in a network namespace behind a slow, lossy link)\n");
+             "        netem-decode, slow-decode (decode-1 in a network namespace behind a link with netem's delay\n"
+             "        and loss, or tbf's rate limit; as root); exit status 3: the kernel lacks the qdisc\n"
+             "        [--netem 'delay 20ms 10ms loss 2%%'] [--slow 'rate 8mbit burst 32kb latency 20ms']\n");
 }
 
 int main(int argc, char **argv) {
   static run R;
-  const char *model = NULL, *bin = TD_BIN_DIR, *netem = "delay 20ms 10ms loss 2%";
+  const char *model = NULL, *bin = TD_BIN_DIR, *netem = "delay 20ms 10ms loss 2%",
+             *slow = "rate 8mbit burst 32kb latency 20ms";
   R.n = 200, R.rate = 20, R.at = 0.4, R.pause_ms = 3000, R.timeout_ms = 30000, R.fault = NULL;
   R.restart_serves_ms = -1;
   bool keep = false;
@@ -649,7 +655,7 @@ int main(int argc, char **argv) {
       {"requests", required_argument, 0, 'n'}, {"rate", required_argument, 0, 'r'},
       {"at", required_argument, 0, 'a'},       {"pause-ms", required_argument, 0, 'p'},
       {"timeout-ms", required_argument, 0, 't'}, {"bin", required_argument, 0, 'b'},
-      {"netem", required_argument, 0, 'N'},    {"keep", no_argument, 0, 'k'},
+      {"netem", required_argument, 0, 'N'},    {"slow", required_argument, 0, 'S'},    {"keep", no_argument, 0, 'k'},
       {"max-new", required_argument, 0, 'x'},  {"min-correct", required_argument, 0, 'c'},
       {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
   int o;
@@ -663,6 +669,7 @@ int main(int argc, char **argv) {
       case 't': R.timeout_ms = atoi(optarg); break;
       case 'b': bin = optarg; break;
       case 'N': netem = optarg; break;
+      case 'S': slow = optarg; break;
       case 'k': keep = true; break;
       case 'x': max_new = atoi(optarg); break;
       case 'c': min_correct = atof(optarg); break;
@@ -687,7 +694,7 @@ int main(int argc, char **argv) {
   snprintf(c->bin, sizeof c->bin, "%s", bin);
   snprintf(c->model, sizeof c->model, "%s", model);
   c->port = free_port_pair();
-  bool netns = !strncmp(R.fault, "netem", 5);
+  bool netns = !strncmp(R.fault, "netem-", 6) || !strncmp(R.fault, "slow-", 5);
   c->tp = strstr(R.fault, "-rank") != NULL;
   snprintf(c->client_ep, sizeof c->client_ep, "tcp://127.0.0.1:%d", c->port);
   snprintf(c->worker_ep, sizeof c->worker_ep, "tcp://127.0.0.1:%d", c->port + 1);
@@ -705,11 +712,15 @@ int main(int argc, char **argv) {
     fprintf(stderr, "tandem-faults: tandem-generate gave no reference (log in %s/generate.log)\n", c->dir);
     return 2;
   }
-  if (netns && !netns_up(c, netem)) {
+  char qdisc[300];
+  snprintf(qdisc, sizeof qdisc, "%s %s", R.fault[0] == 'n' ? "netem" : "tbf", R.fault[0] == 'n' ? netem : slow);
+  if (netns && !netns_up(c, qdisc)) {
     netns_down(c);
-    fprintf(stderr, "tandem-faults: the network namespace could not be set up (root, iproute2)\n");
-    return 2;
+    fprintf(stderr, "tandem-faults: the network namespace or its qdisc (%s) could not be set up (root, iproute2, "
+            "the kernel's sch_netem / sch_tbf)\n", qdisc);
+    return 3;
   }
+  if (netns) snprintf(R.note, sizeof R.note, "decode-1 behind %s", qdisc);
   start_router(c);
   start_worker(c, "encoder-0", "encode", NULL, NULL, false);
   start_worker(c, "prefill-0", "prefill", NULL, NULL, false);
@@ -746,6 +757,14 @@ int main(int argc, char **argv) {
   }
   char why[1024];
   int leaked = leaked_blocks(&R, why, sizeof why);
+  td_client_health hh;
+  if (netns && health(c, &hh)) /* what crossed the link */
+    for (int i = 0; i < hh.n_workers; i++)
+      if (!strcmp(hh.workers[i].id, "decode-1")) {
+        size_t l = strlen(R.note);
+        snprintf(R.note + l, sizeof R.note - l, "; it received %llu KV blocks over it",
+                 (unsigned long long)hh.workers[i].kv_in_zmq);
+      }
   int n_ok = 0, n_err = 0, n_wrong = 0, n_lost = 0;
   double max_err_ms = 0;
   int shown = 0;
