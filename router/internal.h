@@ -207,6 +207,12 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w);
 void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg);
 /* Gives a request another attempt on other workers, or fails it. */
 void rtr_req_retry(td_router *r, rreq *q, const char *why);
+/* Whether a failure now hits the request's KV on its way to the decode
+ * worker (encoding, prefilling: computed, pushed, awaited). */
+bool rtr_req_kv_loading(const rreq *q);
+/* A failure of that KV: another attempt (recompute) or the request's end
+ * (--kv-load-failure fail). */
+void rtr_req_kv_failed(td_router *r, rreq *q, const char *why);
 /* Puts a request back at the queue's head for its next attempt (a new rid);
  * `release`: its holds on the workers of this attempt go first. */
 void rtr_req_requeue(td_router *r, rreq *q, bool release);

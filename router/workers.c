@@ -67,7 +67,10 @@ void rtr_worker_gone(td_router *r, worker *w, const char *why) {
       if (!strcmp(q->dec_w, w->id)) q->dec_w[0] = 0;
       if (!strcmp(q->enc_w, w->id)) q->enc_w[0] = 0;
       if (!strcmp(q->pre_w, w->id)) q->pre_w[0] = 0;
-      rtr_req_retry(r, q, msg);
+      if (rtr_req_kv_loading(q))
+        rtr_req_kv_failed(r, q, msg);
+      else
+        rtr_req_retry(r, q, msg);
     }
   }
   rtr_metrics_worker(r, w, false);
