@@ -59,6 +59,7 @@ typedef struct proc {
 
 typedef struct cluster {
   char dir[256], bin[512], model[512], netns[32];
+  const char *kv_load_failure; /* the router's --kv-load-failure */
   char client_ep[64], worker_ep[64], worker_ep_bind[64];
   int port;
   proc p[MAX_PROCS];
@@ -111,7 +112,8 @@ static void start_router(cluster *c) {
   char bin[600];
   snprintf(bin, sizeof bin, "%s/tandem-router", c->bin);
   char *argv[] = {bin, "--client-endpoint", c->client_ep, "--worker-endpoint", c->worker_ep_bind,
-                  "--prefill-threshold", "4", "--heartbeat-ms", "200", "--dead-after", "5", NULL};
+                  "--prefill-threshold", "4", "--heartbeat-ms", "200", "--dead-after", "5",
+                  "--kv-load-failure", (char *)c->kv_load_failure, NULL};
   spawn(c, "router", argv);
 }
 
@@ -634,6 +636,7 @@ static int model_vocab(const char *dir) {
 static void usage(FILE *f) {
   fprintf(f, "usage: tandem-faults --model DIR --fault NAME [--requests N] [--rate R] [--at F] [--pause-ms MS]\n"
              "                     [--timeout-ms MS] [--max-new N (<= 480)] [--min-correct PCT] [--bin DIR] [--keep]\n"
+             "                     [--kv-load-failure recompute|fail]  (the router's policy)\n"
              "faults: none, kill-|stop-|hang-|restart- encoder|prefill|decode|router (hang: left stopped),\n"
              "        kill-rank|stop-rank (a TP=2 decode group's rank 1), cut-transfer, dup-worker, dup-request,\n"
              "        netem-decode, slow-decode (decode-1 in a network namespace behind a link with netem's delay\n"
@@ -647,6 +650,7 @@ int main(int argc, char **argv) {
              *slow = "rate 8mbit burst 32kb latency 20ms";
   R.n = 200, R.rate = 20, R.at = 0.4, R.pause_ms = 3000, R.timeout_ms = 30000, R.fault = NULL;
   R.restart_serves_ms = -1;
+  R.c.kv_load_failure = "recompute";
   bool keep = false;
   int max_new = 256;
   double min_correct = 0;
@@ -657,6 +661,7 @@ int main(int argc, char **argv) {
       {"timeout-ms", required_argument, 0, 't'}, {"bin", required_argument, 0, 'b'},
       {"netem", required_argument, 0, 'N'},    {"slow", required_argument, 0, 'S'},    {"keep", no_argument, 0, 'k'},
       {"max-new", required_argument, 0, 'x'},  {"min-correct", required_argument, 0, 'c'},
+      {"kv-load-failure", required_argument, 0, 'K'},
       {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
   int o;
   while ((o = getopt_long(argc, argv, "", lo, NULL)) != -1) switch (o) {
@@ -673,6 +678,7 @@ int main(int argc, char **argv) {
       case 'k': keep = true; break;
       case 'x': max_new = atoi(optarg); break;
       case 'c': min_correct = atof(optarg); break;
+      case 'K': R.c.kv_load_failure = optarg; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -803,7 +809,8 @@ int main(int argc, char **argv) {
   else
     snprintf(recs, sizeof recs, "%.1f", rec);
   if (!R.fault_ok) snprintf(R.note, sizeof R.note, "%s", R.note[0] ? R.note : "the fault was not injected");
-  printf("| %s | %d | %d | %d (%.1f %%) | %d | %d | %d | %d | %s | %.1f | %.1f | %d | %s%s%s |\n", R.fault, sent,
+  printf("| %s%s | %d | %d | %d (%.1f %%) | %d | %d | %d | %d | %s | %.1f | %.1f | %d | %s%s%s |\n", R.fault,
+         strcmp(c->kv_load_failure, "recompute") ? " (--kv-load-failure fail)" : "", sent,
          at_fault, n_ok, 100.0 * n_ok / sent, n_err, n_wrong, n_lost, leaked, recs, settled / 1000.0,
          max_err_ms / 1000.0, retries, R.note,
          dead[0] ? " died: " : "", dead);

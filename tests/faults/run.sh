@@ -3,7 +3,8 @@
 # cluster of real processes under load, and the table of their outcomes.
 #   tests/faults/run.sh [BIN_DIR] [FAULT...]
 # BIN_DIR: where tandem-faults and the programs are (default build-rel/bin,
-# else build/bin); FAULT: a subset (default: all). Needs root for the
+# else build/bin); FAULT: a subset (default: all); FAULT/fail: the router
+# runs --kv-load-failure fail. Needs root for the
 # network namespace of netem-decode (iproute2's ip and tc).
 # Environment: REQUESTS (800), KILL_DECODE_REQUESTS (800, as Dynamo's
 # pod-kill measure), RATE (80 a second), MAX_NEW (384 tokens), MIN_CORRECT
@@ -23,7 +24,7 @@ max_new=${MAX_NEW:-384}
 faults=("$@")
 ((${#faults[@]})) || faults=(none kill-decode kill-encoder kill-prefill kill-rank kill-router
   stop-decode stop-encoder stop-prefill stop-rank stop-router hang-decode hang-encoder hang-prefill
-  restart-decode restart-encoder cut-transfer dup-worker dup-request netem-decode slow-decode)
+  restart-decode restart-encoder cut-transfer cut-transfer/fail dup-worker dup-request netem-decode slow-decode)
 export UCX_LOG_LEVEL=error UCX_WARN_UNUSED_ENV_VARS=n
 echo "Model $(basename "$model"), $requests requests ($kd_requests for kill-decode) at $rate a second, greedy, up to $max_new" \
      "tokens; fault after 40 % of the arrivals; SIGSTOP / restart pauses 3 s; request deadline 30 s."
@@ -35,7 +36,11 @@ rc=0
 for f in "${faults[@]}"; do
   n=$requests
   [[ $f == kill-decode ]] && n=$kd_requests
+  policy=recompute
+  [[ $f == */fail ]] && policy=fail
+  f=${f%/fail}
   row=$("$bin/tandem-faults" --bin "$bin" --model "$model" --fault "$f" --requests "$n" --rate "$rate" \
+        --kv-load-failure "$policy" \
         --max-new "$max_new" --min-correct "$min_correct" 2>"/tmp/tandem-faults-$f.err")
   st=$?
   if ((st == 3)); then  # the kernel lacks the qdisc: said, not failed
