@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <netinet/in.h>
@@ -83,6 +84,7 @@ static pid_t spawn(cluster *c, const char *name, char *const argv[]) {
       close(fd);
     }
     setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* the cluster goes with the driver, however it ends */
     execvp(argv[0], argv);
     _exit(127);
   }
@@ -108,13 +110,13 @@ static proc *proc_named(cluster *c, const char *name) {
   exit(2);
 }
 
-static void start_router(cluster *c) {
+static pid_t start_router(cluster *c) {
   char bin[600];
   snprintf(bin, sizeof bin, "%s/tandem-router", c->bin);
   char *argv[] = {bin, "--client-endpoint", c->client_ep, "--worker-endpoint", c->worker_ep_bind,
                   "--prefill-threshold", "4", "--heartbeat-ms", "200", "--dead-after", "5",
                   "--kv-load-failure", (char *)c->kv_load_failure, NULL};
-  spawn(c, "router", argv);
+  return spawn(c, "router", argv);
 }
 
 /* A worker; in_netns: inside the namespace, its KV over ZeroMQ through the
@@ -699,12 +701,8 @@ int main(int argc, char **argv) {
   if (!mkdtemp(c->dir)) return 2;
   snprintf(c->bin, sizeof c->bin, "%s", bin);
   snprintf(c->model, sizeof c->model, "%s", model);
-  c->port = free_port_pair();
   bool netns = !strncmp(R.fault, "netem-", 6) || !strncmp(R.fault, "slow-", 5);
   c->tp = strstr(R.fault, "-rank") != NULL;
-  snprintf(c->client_ep, sizeof c->client_ep, "tcp://127.0.0.1:%d", c->port);
-  snprintf(c->worker_ep, sizeof c->worker_ep, "tcp://127.0.0.1:%d", c->port + 1);
-  snprintf(c->worker_ep_bind, sizeof c->worker_ep_bind, netns ? "tcp://0.0.0.0:%d" : "tcp://127.0.0.1:%d", c->port + 1);
   R.r = calloc((size_t)R.n, sizeof *R.r);
   make_requests(&R, vocab, max_new, 7);
   for (int i = 0; i < R.n; i++) {
@@ -727,7 +725,32 @@ int main(int argc, char **argv) {
     return 3;
   }
   if (netns) snprintf(R.note, sizeof R.note, "decode-1 behind %s", qdisc);
-  start_router(c);
+  /* ports found free may be taken before the router binds them (another
+   * cluster, an outgoing connection): then other ports */
+  for (int tries = 0;; tries++) {
+    c->port = free_port_pair();
+    snprintf(c->client_ep, sizeof c->client_ep, "tcp://127.0.0.1:%d", c->port);
+    snprintf(c->worker_ep, sizeof c->worker_ep, "tcp://127.0.0.1:%d", c->port + 1);
+    snprintf(c->worker_ep_bind, sizeof c->worker_ep_bind, netns ? "tcp://0.0.0.0:%d" : "tcp://127.0.0.1:%d",
+             c->port + 1);
+    pid_t rp = start_router(c);
+    td_client *probe;
+    bool up = false;
+    for (int64_t end = td_now_ms() + 10000; !up && td_now_ms() < end && waitpid(rp, NULL, WNOHANG) == 0;
+         usleep(50000))
+      if (td_client_connect(c->client_ep, &probe) == TD_OK) {
+        td_client_health h;
+        up = td_client_health_check(probe, 500, &h) == TD_OK;
+        td_client_close(probe);
+      }
+    if (up) break;
+    kill(rp, SIGKILL);
+    waitpid(rp, NULL, 0);
+    if (tries == 4) {
+      fprintf(stderr, "tandem-faults: the router did not start (log in %s)\n", c->dir);
+      return 2;
+    }
+  }
   start_worker(c, "encoder-0", "encode", NULL, NULL, false);
   start_worker(c, "prefill-0", "prefill", NULL, NULL, false);
   if (c->tp) {
