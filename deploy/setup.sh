@@ -18,6 +18,7 @@ packages=(
   libpcre2-dev libutf8proc-dev libsentencepiece-dev               # tokenizers
   libmicrohttpd-dev libcurl4-openssl-dev curl                     # gateway (HTTP server), bench-serve --gateway, its test
   prometheus jq                                                   # the router's /metrics scraped by a real Prometheus (its test)
+  iproute2                                                        # tests/faults: ip netns, tc (a slow or lossy link)
   clang libclang-rt-dev                                           # libFuzzer targets (asan build): Debian's default clang and its runtime
 )
 # the gateway's test runs the openai Node client (a Node from elsewhere brings its own npm)
