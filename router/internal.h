@@ -187,6 +187,12 @@ void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat 
 void rtr_worker_gone(td_router *r, worker *w, const char *why);
 /* Timer: heartbeats to every worker; the silent ones are dead. */
 int rtr_heartbeat_tick(td_loop *l, void *ctx);
+/* Called by the timers that judge silence: when the router's own loop did
+ * not run for longer than a worker may be silent (stopped, swapped out),
+ * that silence was the router's, and declaring its workers dead would fail
+ * the requests it holds: every worker and group rank gets a full period
+ * from t. */
+void rtr_stall_check(td_router *r, int64_t t);
 void rtr_health(td_router *r, const uint8_t *id, size_t id_len);
 void rtr_workers_free(td_router *r);
 
@@ -196,6 +202,8 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__C
 group_rv *rtr_group_of_follower(td_router *r, const uint8_t *id, size_t id_len, int *rank);
 /* Timer: silent ranks fail their group; rendezvous that never complete expire. */
 int rtr_groups_tick(td_loop *l, void *ctx);
+/* Every rank of a running group that heartbeats counts as heard at t (rtr_stall_check). */
+void rtr_groups_heard_all(td_router *r, int64_t t);
 void rtr_groups_free(td_router *r);
 
 /* ---- requests.c */

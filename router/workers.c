@@ -260,6 +260,17 @@ void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat 
   w->pl.draining = w->load.draining;
 }
 
+void rtr_stall_check(td_router *r, int64_t t) {
+  if (r->last_tick && t - r->last_tick > (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
+    TD_WARN("the router's loop stalled for %lld ms: workers' silence during it is not counted",
+            (long long)(t - r->last_tick));
+    worker *w, *tmp;
+    HASH_ITER(hh, r->workers, w, tmp) w->last_seen = t;
+    rtr_groups_heard_all(r, t);
+  }
+  r->last_tick = t;
+}
+
 int rtr_heartbeat_tick(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
@@ -271,16 +282,7 @@ int rtr_heartbeat_tick(td_loop *l, void *ctx) {
   m.heartbeat = &hb;
   worker *w, *tmp;
   int64_t dead_ms = (int64_t)r->o.heartbeat_ms * r->o.dead_after;
-  /* The router's own loop stalled (stopped, swapped out) for longer than a
-   * worker may be silent: that silence was the router's, and declaring every
-   * worker dead would fail the requests it holds. Each worker gets a full
-   * period from now; a dead one is found then. */
-  if (r->last_tick && t - r->last_tick > dead_ms) {
-    TD_WARN("the router's loop stalled for %lld ms: workers' silence during it is not counted",
-            (long long)(t - r->last_tick));
-    HASH_ITER(hh, r->workers, w, tmp) w->last_seen = t;
-  }
-  r->last_tick = t;
+  rtr_stall_check(r, t);
   HASH_ITER(hh, r->workers, w, tmp) {
     if (t - w->last_seen > dead_ms) {
       char why[128];
