@@ -57,6 +57,7 @@ typedef struct rreq {
   stage st;
   int attempts;
   char dec_w[TD_WIRE_MAX_ID + 1], enc_w[TD_WIRE_MAX_ID + 1], pre_w[TD_WIRE_MAX_ID + 1];
+  char avoid_dec[TD_WIRE_MAX_ID + 1]; /* the decode worker that failed its last attempt (td_place_req.avoid_dec) */
   bool local_encode, with_prefill;
   bool local_enc_held;   /* a local encode counts in its decode worker's enc_pending */
   bool decoding_counted; /* counted in its decode worker's `decoding` */

@@ -227,7 +227,11 @@ static td_place_req place_req(const td_req_shape *sh, int resumed) {
                         .n_prompt = sh->n_prompt + resumed, .enc_len = sh->enc_len};
 }
 
-static td_place_req attempt_req(const rreq *q) { return place_req(&q->sh, q->multi ? 0 : q->streamed.n); }
+static td_place_req attempt_req(const rreq *q) {
+  td_place_req pr = place_req(&q->sh, q->multi ? 0 : q->streamed.n);
+  pr.avoid_dec = q->avoid_dec[0] ? q->avoid_dec : NULL;
+  return pr;
+}
 
 /* Starts a placed request: holds on its workers, the decode job. */
 static void start(td_router *r, rreq *q, const td_placement *pl) {
