@@ -252,6 +252,7 @@ typedef struct run {
   double restart_serves_ms; /* a restarted process registered, ms after the fault; -1: none */
   char note[160];
   bool fault_ok;
+  atomic_bool finished; /* the load is over: the fault thread may end */
   /* duplicate request ids: a second client sends the same ids */
   int n_dup, dup_ok, dup_err, dup_wrong;
 } run;
@@ -472,6 +473,9 @@ static void *fault_thread(void *arg) {
     fprintf(stderr, "tandem-faults: unknown fault %s\n", f);
     exit(2);
   }
+  /* PR_SET_PDEATHSIG follows the thread that forked: a process started here
+   * would be killed when this thread ended */
+  while (!R->finished) usleep(20000);
   return NULL;
 }
 
@@ -528,6 +532,7 @@ static int drive(run *R) {
     td_client_poll(cl, 10, &ev);
     if (dup) td_client_poll(dup, 0, &dev);
   }
+  R->finished = true;
   pthread_join(th, NULL);
   td_client_close(cl);
   if (dup) td_client_close(dup);

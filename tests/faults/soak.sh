@@ -66,8 +66,9 @@ sample() { # t
   done
 }
 t0=$(date +%s)
+# bench-serve's --timeout-ms bounds each request and, plus a minute, the whole run
 "$bin/bench-serve" --router "$cep" --workload "$dir/requests.jsonl" --requests "$nreq" --rate "$rate" \
-  --model "$model" --timeout-ms 60000 >"$dir/bench.txt" 2>"$dir/bench.err" &
+  --model "$model" --timeout-ms $(( (duration + 60) * 1000 )) >"$dir/bench.txt" 2>"$dir/bench.err" &
 bench=$!
 while kill -0 "$bench" 2>/dev/null; do
   sample $(( $(date +%s) - t0 ))
