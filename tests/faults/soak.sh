@@ -4,9 +4,12 @@
 # seconds; every SAMPLE_S seconds each process's RSS, open descriptors and KV
 # blocks in use go into a CSV. At the end: first / after warm-up / last / max
 # of each, and whether RSS and descriptors stayed within 5 % of their value
-# after the warm-up (the first tenth of the run), and whether every KV block
-# came back once the load stopped.
+# after the warm-up (the first half of the run: a worker's KV pools are
+# touched page by page as blocks are first used, so RSS climbs until the
+# blocks in use have been everywhere), and whether every KV block came back
+# once the load stopped.
 #   tests/faults/soak.sh DURATION [BIN_DIR]
+#   SUMMARY=FILE.csv tests/faults/soak.sh DURATION   (the table of a CSV already taken)
 # Environment: RATE (requests a second, 20), SAMPLE_S (5), CSV (where the
 # samples go, /tmp/tandem-soak.csv), MODEL (tests/data/toy-numbers-t5).
 # Needs jq. Exits 1 when something grew past 5 % or a block stayed held.
@@ -19,6 +22,26 @@ model=${MODEL:-$root/tests/data/toy-numbers-t5}
 rate=${RATE:-20}
 every=${SAMPLE_S:-5}
 csv=${CSV:-/tmp/tandem-soak.csv}
+summary() { # csv
+  echo "| process | RSS MB first / after warm-up / last / max | flat | descriptors first / after warm-up / last / max | flat | KV blocks max / after the load |"
+  echo "|---|---|---|---|---|---|"
+  awk -F, -v warm="$(( duration / 2 ))" '
+  NR == 1 { next }
+  { n = $2; if (!(n in first)) { order[++k] = n; first[n] = $3; ffd[n] = $4 }
+    if ($1 >= warm && !(n in w)) { w[n] = $3; wfd[n] = $4; wmax[n] = 0; wfmax[n] = 0 }
+    if (n in w) { if ($3 > wmax[n]) wmax[n] = $3; if ($4 > wfmax[n]) wfmax[n] = $4 }
+    if ($3 > mx[n]) mx[n] = $3; if ($4 > mfd[n]) mfd[n] = $4
+    if ($5 != "" && $5 > kvmax[n]) kvmax[n] = $5; last[n] = $3; lfd[n] = $4; kvlast[n] = $5 }
+  END { bad = 0
+    for (i = 1; i <= k; i++) { n = order[i]
+      fr = wmax[n] <= 1.05 * w[n]; ff = wfmax[n] <= (wfd[n] * 1.05 > wfd[n] + 1 ? wfd[n] * 1.05 : wfd[n] + 1)
+      kv = n == "router" ? "-" : sprintf("%d / %d", kvmax[n], kvlast[n])
+      if (!fr || !ff || (n != "router" && kvlast[n] != 0)) bad = 1
+      printf "| %s | %.1f / %.1f / %.1f / %.1f | %s | %d / %d / %d / %d | %s | %s |\n", n, first[n] / 1024, w[n] / 1024,
+             last[n] / 1024, mx[n] / 1024, fr ? "yes" : "NO", ffd[n], wfd[n], lfd[n], mfd[n], ff ? "yes" : "NO", kv }
+    exit bad }' "$1"
+}
+if [[ -n ${SUMMARY:-} ]]; then summary "$SUMMARY"; exit; fi
 command -v jq >/dev/null || { echo "soak: jq is needed (deploy/setup.sh installs it)" >&2; exit 2; }
 dir=$(mktemp -d /tmp/tandem-soak-XXXXXX)
 port=$(( (RANDOM % 20000) + 30000 ))
@@ -81,20 +104,4 @@ echo "Soak: $duration s at $rate requests a second ($nreq requests, toy T5), a s
 grep -E '^\|' "$dir/bench.txt" | head -3 || true
 ((brc == 0)) || { echo "bench-serve failed ($brc): $(tail -3 "$dir/bench.err")"; }
 echo
-echo "| process | RSS MB first / after warm-up / last / max | flat | descriptors first / after warm-up / last / max | flat | KV blocks max / after the load |"
-echo "|---|---|---|---|---|---|"
-awk -F, -v warm="$(( duration / 10 ))" '
-  NR == 1 { next }
-  { n = $2; if (!(n in first)) { order[++k] = n; first[n] = $3; ffd[n] = $4 }
-    if ($1 >= warm && !(n in w)) { w[n] = $3; wfd[n] = $4; wmax[n] = 0; wfmax[n] = 0 }
-    if (n in w) { if ($3 > wmax[n]) wmax[n] = $3; if ($4 > wfmax[n]) wfmax[n] = $4 }
-    if ($3 > mx[n]) mx[n] = $3; if ($4 > mfd[n]) mfd[n] = $4
-    if ($5 != "" && $5 > kvmax[n]) kvmax[n] = $5; last[n] = $3; lfd[n] = $4; kvlast[n] = $5 }
-  END { bad = 0
-    for (i = 1; i <= k; i++) { n = order[i]
-      fr = wmax[n] <= 1.05 * w[n]; ff = wfmax[n] <= (wfd[n] * 1.05 > wfd[n] + 1 ? wfd[n] * 1.05 : wfd[n] + 1)
-      kv = n == "router" ? "-" : sprintf("%d / %d", kvmax[n], kvlast[n])
-      if (!fr || !ff || (n != "router" && kvlast[n] != 0)) bad = 1
-      printf "| %s | %.1f / %.1f / %.1f / %.1f | %s | %d / %d / %d / %d | %s | %s |\n", n, first[n] / 1024, w[n] / 1024,
-             last[n] / 1024, mx[n] / 1024, fr ? "yes" : "NO", ffd[n], wfd[n], lfd[n], mfd[n], ff ? "yes" : "NO", kv }
-    exit bad }' "$csv"
+summary "$csv"
