@@ -252,7 +252,8 @@ typedef struct run {
   double restart_serves_ms; /* a restarted process registered, ms after the fault; -1: none */
   char note[160];
   bool fault_ok;
-  atomic_bool finished; /* the load is over: the fault thread may end */
+  atomic_bool finished; /* the cluster is stopped: the fault thread may end */
+  pthread_t fault_th;
   /* duplicate request ids: a second client sends the same ids */
   int n_dup, dup_ok, dup_err, dup_wrong;
 } run;
@@ -507,8 +508,7 @@ static int drive(run *R) {
   td_client_events ev = {.on_result = on_result, .ctx = R};
   td_client_events dev = {.on_result = dup_result, .ctx = R};
   R->t0 = (double)td_now_ms();
-  pthread_t th;
-  pthread_create(&th, NULL, fault_thread, R);
+  pthread_create(&R->fault_th, NULL, fault_thread, R);
   double gap = 1000.0 / R->rate, end_ms = 0;
   int next = 0, done = 0;
   while (true) {
@@ -532,8 +532,6 @@ static int drive(run *R) {
     td_client_poll(cl, 10, &ev);
     if (dup) td_client_poll(dup, 0, &dev);
   }
-  R->finished = true;
-  pthread_join(th, NULL);
   td_client_close(cl);
   if (dup) td_client_close(dup);
   return 0;
@@ -774,7 +772,7 @@ int main(int argc, char **argv) {
   int64_t t_start = td_now_ms();
   if (drive(&R) != 0) {
     stop_all(c, true);
-    return 2;
+    return 2; /* the fault thread may still run: exit takes it */
   }
   double run_s = (double)(td_now_ms() - t_start) / 1000.0;
   /* the survivors: every process not killed on purpose still runs */
@@ -851,6 +849,8 @@ int main(int argc, char **argv) {
           R.fault, sent, R.rate, run_s, n_lat ? lat / n_lat : 0, R.t_fault / 1000.0, leaked ? "; held: " : "", leaked ? why : "");
   bool bad = n_wrong || n_lost || leaked || dead[0] || !R.fault_ok || 100.0 * n_ok / sent < min_correct;
   stop_all(c, keep || bad);
+  R.finished = true;
+  pthread_join(R.fault_th, NULL);
   if (bad) fprintf(stderr, "tandem-faults: logs in %s\n", c->dir);
   for (int i = 0; i < R.n; i++) td_json_request_free(&R.r[i].q);
   HASH_CLEAR(hh, R.by_id);
