@@ -252,6 +252,7 @@ typedef struct run {
   double restart_serves_ms; /* a restarted process registered, ms after the fault; -1: none */
   char note[160];
   bool fault_ok;
+  atomic_bool acted;    /* the fault thread did all it does (a restart: until the process serves) */
   atomic_bool finished; /* the cluster is stopped: the fault thread may end */
   pthread_t fault_th;
   /* duplicate request ids: a second client sends the same ids */
@@ -474,6 +475,7 @@ static void *fault_thread(void *arg) {
     fprintf(stderr, "tandem-faults: unknown fault %s\n", f);
     exit(2);
   }
+  R->acted = true;
   /* PR_SET_PDEATHSIG follows the thread that forked: a process started here
    * would be killed when this thread ended */
   while (!R->finished) usleep(20000);
@@ -534,6 +536,8 @@ static int drive(run *R) {
   }
   td_client_close(cl);
   if (dup) td_client_close(dup);
+  /* a restart may come after the last answer: it is part of the run */
+  for (int64_t end = td_now_ms() + 60000; !R->acted && td_now_ms() < end;) usleep(20000);
   return 0;
 }
 
