@@ -94,6 +94,7 @@ static void on_worker_message(td_router *r) {
       rtr_worker_gone(r, w, m->deregister->reason ? m->deregister->reason : "deregistered");
     else
       rtr_on_progress(r, w, m);
+    td_log_set_request(NULL);
   }
   tandem__cluster__worker_message__free_unpacked(m, NULL);
   td_wire_frame_free(&f);
@@ -134,7 +135,9 @@ static void on_client_message(td_router *r) {
   }
   switch (m->body_case) {
     case TANDEM__CLIENT_MESSAGE__BODY_GENERATE:
+      td_log_set_request(m->generate ? m->generate->request_id : NULL);
       rtr_on_generate(r, f.id, f.id_len, m, f.len); /* keeps or frees the message */
+      td_log_set_request(NULL);
       m = NULL;
       break;
     case TANDEM__CLIENT_MESSAGE__BODY_CANCEL: rtr_on_cancel(r, f.id, f.id_len, m->cancel); break;

@@ -237,7 +237,10 @@ static bool to_role(td_worker *w, Tandem__Cluster__RouterMessage *m) {
                                 "a worker group takes the encode role for its own requests only", false);
         return false;
       }
+      td_log_set_request(sp ? sp->client_id : NULL);
+      if (sp) TD_DEBUG("%s job for request %llu", r->name, (unsigned long long)sp->rid);
       r->on_job(w, m);
+      td_log_set_request(NULL);
       return true;
     }
     if (r->notice && r->notice == m->body_case && r->on_notice) {
