@@ -60,6 +60,8 @@
 #define TD_ROUTER_MAX_GROUPS 256         /* worker group rendezvous held (forming, failed, running); beyond: refused */
 #define TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS 5000 /* tandem-client: a router that does not answer by then is
                                              reported unreachable */
+#define TD_ADMIN_DEFAULT_TIMEOUT_MS 60000 /* tandem-admin: the router's answer, or wait-up / wait-gone */
+#define TD_ADMIN_POLL_MS 200             /* tandem-admin wait-up / wait-gone: how often it asks the router */
 /* Text and audio are converted in the router's one loop at admission: these
  * bound what one request costs it (docs/frontend.md). */
 #define TD_MAX_TEXT_BYTES (64u << 10)    /* a request's text (a few ms to tokenize; models take <= 1-4k tokens) */
