@@ -28,6 +28,7 @@ static void usage(FILE *f) {
           "  remove WORKER      it leaves now; its requests are retried on other workers\n"
           "  wait-up WORKER     wait until WORKER is registered and not draining\n"
           "  wait-gone WORKER   wait until WORKER is no longer registered\n"
+          "  ids ROLE           'ID PID' a line for each worker with ROLE (encode, prefill, decode): for scripts\n"
           "--timeout-ms N: how long to wait for the router's answer, or for wait-up / wait-gone (default %d)\n"
           "--json: one JSON object on stdout\n"
           "exit status: 0 done, 1 the router refused (or a wait timed out), 2 usage or no router\n",
@@ -216,7 +217,7 @@ int main(int argc, char **argv) {
     const char *name;
     td_admin_action a;
   } acts[] = {{"list", TD_ADMIN_LIST}, {"drain", TD_ADMIN_DRAIN}, {"undrain", TD_ADMIN_UNDRAIN},
-              {"remove", TD_ADMIN_REMOVE}, {"wait-up", TD_ADMIN_LIST}, {"wait-gone", TD_ADMIN_LIST}};
+              {"remove", TD_ADMIN_REMOVE}, {"wait-up", TD_ADMIN_LIST}, {"wait-gone", TD_ADMIN_LIST}, {"ids", TD_ADMIN_LIST}};
   int k = -1;
   for (int i = 0; i < (int)(sizeof acts / sizeof acts[0]); i++)
     if (!strcmp(cmd, acts[i].name)) k = i;
@@ -226,7 +227,12 @@ int main(int argc, char **argv) {
   }
   bool needs_worker = strcmp(cmd, "list") != 0;
   if (argc - optind - 1 != (needs_worker ? 1 : 0)) {
-    fprintf(stderr, "tandem-admin: %s %s\n", cmd, needs_worker ? "takes one worker id" : "takes no argument");
+    fprintf(stderr, "tandem-admin: %s %s\n", cmd,
+            !needs_worker ? "takes no argument" : strcmp(cmd, "ids") ? "takes one worker id" : "takes one role");
+    return 2;
+  }
+  if (!strcmp(cmd, "ids") && strcmp(worker, "encode") && strcmp(worker, "prefill") && strcmp(worker, "decode")) {
+    fprintf(stderr, "tandem-admin: ids takes a role: encode, prefill or decode (not '%s')\n", worker);
     return 2;
   }
   td_client *cl;
@@ -246,6 +252,14 @@ int main(int argc, char **argv) {
     } else if (rep->status != TD_OK) {
       print_result(json, cmd, worker, false, rep->code, rep->message);
       rc = 1;
+    } else if (!strcmp(cmd, "ids")) {
+      for (int i = 0; i < rep->health.n_workers; i++) {
+        const td_client_worker *x = &rep->health.workers[i];
+        bool has = !strcmp(worker, "encode") ? x->encode : !strcmp(worker, "prefill") ? x->prefill : x->decode;
+        if (has) printf("%s %u\n", x->id, x->pid);
+      }
+      rc = rep->health.workers_left_out ? 1 : 0;
+      if (rc) fprintf(stderr, "tandem-admin: %d workers not shown\n", rep->health.workers_left_out);
     } else if (acts[k].a == TD_ADMIN_LIST) {
       print_list(&rep->health, json);
       rc = 0;
