@@ -125,6 +125,7 @@
 #define TD_METRICS_MAX_LABELS 4           /* label names a metric family */
 #define TD_METRICS_MAX_SERIES 4096        /* series a family holds; new ones past it are dropped and counted */
 #define TD_METRICS_PUBLISH_MS 250         /* the router renders /metrics' text this often (a scrape's staleness) */
+#define TD_METRICS_HEALTH_STALE_MS 5000   /* /health answers 503 once the loop has not published for this long */
 #define TD_METRICS_DEFAULT_HOST "127.0.0.1" /* --metrics-host: loopback unless asked */
 #define TD_METRICS_MAX_CONNECTIONS 64     /* open /metrics connections */
 #define TD_METRICS_IDLE_TIMEOUT_S 10      /* a /metrics connection that sends nothing this long is closed */
