@@ -119,6 +119,27 @@ static bool wait_holds_work(cluster *c, const char *id, int timeout_ms) {
   return false;
 }
 
+/* Makes `id` hold requests it cannot finish for a while: the encoder is
+ * stopped (SIGSTOP; the router runs with --dead-after 25, so it waits) and
+ * the flow's next requests reserve blocks there waiting for their KV.
+ * True once the router has given it work for 300 ms on end; the caller
+ * sends SIGCONT. */
+static bool hold_work_on(cluster *c, const char *id, int encoder_idx) {
+  kill(c->p[encoder_idx].pid, SIGSTOP);
+  int64_t since = 0;
+  for (int64_t end = td_now_ms() + 20000; td_now_ms() < end; usleep(10000)) {
+    bool found;
+    td_client_worker w = worker_status(c, id, &found);
+    if (!found || w.jobs == 0) {
+      since = 0;
+      continue;
+    }
+    if (!since) since = td_now_ms();
+    if (td_now_ms() - since >= 300) return true;
+  }
+  return false;
+}
+
 /* tandem-admin's exit status and its stdout and stderr (in out). */
 static int admin(cluster *c, const char *args, char *out, size_t cap) {
   char cmd[1024];
@@ -151,29 +172,32 @@ Test(admin, a_drained_worker_finishes_its_requests_and_exits_0, .timeout = 300) 
   fixture fx;
   fx_load("marian-sinusoidal", &fx);
   cluster c;
-  cluster_opts o = {.model = fx.dir, .encoders = 1, .decodes = 2};
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .decodes = 2, .router_extra = "--dead-after 25"};
   cluster_start(&c, &o);
   load l;
   load_make(&c, fx.dir, &l, N_REQ, 120);
   flow f = {.c = &c, .l = &l};
   pthread_t th;
   pthread_create(&th, NULL, flow_thread, &f);
-  bool held = wait_holds_work(&c, "decode-1", 20000);
+  int enc = proc_index(&c, "encoder-0");
+  bool held = wait_holds_work(&c, "decode-1", 20000) && hold_work_on(&c, "decode-1", enc);
   char out[2048];
   int rc = admin(&c, "--json drain decode-1", out, sizeof out);
   cr_expect_eq(rc, 0, "%s", out);
   cr_expect(strstr(out, "\"ok\":true") && strstr(out, "decode-1 is draining"), "%s", out);
-  rc = admin(&c, "drain decode-1", out, sizeof out);
-  bool again = rc == 1 && strstr(out, "failed_precondition: worker decode-1 is already draining");
-  rc = admin(&c, "--json remove nobody", out, sizeof out);
-  bool unknown = rc == 1 && strstr(out, "\"code\":\"not_found\"");
+  char out2[2048], out3[2048];
+  rc = admin(&c, "drain decode-1", out2, sizeof out2);
+  bool again = rc == 1 && strstr(out2, "failed_precondition: worker decode-1 is already draining");
+  rc = admin(&c, "--json remove nobody", out3, sizeof out3);
+  bool unknown = rc == 1 && strstr(out3, "\"code\":\"not_found\"");
+  kill(c.p[enc].pid, SIGCONT);
   int victim = proc_index(&c, "decode-1");
   int st = wait_exit(&c, victim, 60000);
   f.stop = 1;
   pthread_join(th, NULL);
   cr_expect(held, "decode-1 never held work");
-  cr_expect(again, "a second drain: %s", out);
-  cr_expect(unknown, "an unknown worker: %s", out);
+  cr_expect(again, "a second drain: %s", out2);
+  cr_expect(unknown, "an unknown worker: %s", out3);
   cr_expect_eq(st, 0, "decode-1 did not exit 0 after its drain");
   cr_expect_eq(f.failed + f.wrong, 0, "%d of %d requests failed, %d differ; first: %s", f.failed, f.requests, f.wrong,
                f.first_problem);
@@ -229,16 +253,18 @@ Test(admin, a_removed_workers_requests_end_correct_elsewhere, .timeout = 300) {
   fixture fx;
   fx_load("marian-sinusoidal", &fx);
   cluster c;
-  cluster_opts o = {.model = fx.dir, .encoders = 1, .decodes = 2};
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .decodes = 2, .router_extra = "--dead-after 25"};
   cluster_start(&c, &o);
   load l;
   load_make(&c, fx.dir, &l, N_REQ, 120);
   flow f = {.c = &c, .l = &l};
   pthread_t th;
   pthread_create(&th, NULL, flow_thread, &f);
-  bool held = wait_holds_work(&c, "decode-0", 20000);
+  int enc = proc_index(&c, "encoder-0");
+  bool held = wait_holds_work(&c, "decode-0", 20000) && hold_work_on(&c, "decode-0", enc);
   char out[2048];
   int rc = admin(&c, "remove decode-0", out, sizeof out);
+  kill(c.p[enc].pid, SIGCONT);
   int victim = proc_index(&c, "decode-0");
   int st = wait_exit(&c, victim, 10000);
   /* a wave after the removal, on decode-1 alone */
@@ -248,7 +274,13 @@ Test(admin, a_removed_workers_requests_end_correct_elsewhere, .timeout = 300) {
   pthread_join(th, NULL);
   cr_expect(held, "decode-0 never held work");
   cr_expect(rc == 0 && strstr(out, "worker decode-0 removed"), "%d %s", rc, out);
-  cr_expect_eq(st, 0, "decode-0 did not leave at once with status 0");
+  if (st != 0) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "tail -n 40 %s/decode-0.log >&2", c.dir);
+    cr_log_error("decode-0: exit status %d; its log's end:", st);
+    if (system(cmd) != 0) cr_log_error("no log");
+  }
+  cr_expect_eq(st, 0, "decode-0 did not leave at once with status 0 (%d)", st);
   /* none silently wrong; a failure names its reason (none is expected: the
    * retry path resumes or restarts each request) */
   cr_expect_eq(f.wrong, 0, "%d of %d requests differ from the undisturbed run: %s", f.wrong, f.requests,
