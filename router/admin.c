@@ -47,8 +47,6 @@ static void refuse(td_router *r, const uint8_t *id, size_t id_len, const Tandem_
   rtr_client_error(r, id, id_len, a->request_id, code, msg);
 }
 
-static void send_body(td_router *r, worker *w, Tandem__Cluster__RouterMessage *m) { (void)rtr_send_worker(r, w, m); }
-
 /* Live decode workers other than w that are not draining. */
 static int other_decoders(const td_router *r, const worker *w) {
   int n = 0;
@@ -99,7 +97,7 @@ void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const Tandem__
       Tandem__Cluster__Drain d = TANDEM__CLUSTER__DRAIN__INIT;
       m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DRAIN;
       m.drain = &d;
-      send_body(r, w, &m);
+      (void)rtr_send_worker(r, w, &m);
       snprintf(msg, sizeof msg, "worker %s is draining: nothing new goes there; it finishes its %d requests, "
                "deregisters and exits%s", w->id, w->pl.jobs,
                w->pl.dec && !other_decoders(r, w) ? " (no other decode worker serves: new requests wait for one)" : "");
@@ -122,7 +120,7 @@ void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const Tandem__
       Tandem__Cluster__Undrain u = TANDEM__CLUSTER__UNDRAIN__INIT;
       m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_UNDRAIN;
       m.undrain = &u;
-      send_body(r, w, &m);
+      (void)rtr_send_worker(r, w, &m);
       snprintf(msg, sizeof msg, "worker %s serves again", w->id);
       TD_INFO("admin: %s", msg);
       reply(r, id, id_len, a, msg, NULL);
@@ -136,7 +134,7 @@ void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const Tandem__
       rm.reason = "removed by an operator";
       m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_REMOVE;
       m.remove = &rm;
-      send_body(r, w, &m);
+      (void)rtr_send_worker(r, w, &m);
       rtr_worker_gone(r, w, "removed by an operator"); /* its requests go to other workers */
       snprintf(msg, sizeof msg, "worker %s removed; its %d requests are retried on other workers", wname, jobs);
       TD_INFO("admin: %s", msg);

@@ -120,22 +120,28 @@ static bool wait_holds_work(cluster *c, const char *id, int timeout_ms) {
 }
 
 /* Makes `id` hold requests it cannot finish for a while: the encoder is
- * stopped (SIGSTOP; the router runs with --dead-after 25, so it waits) and
- * the flow's next requests reserve blocks there waiting for their KV.
- * True once the router has given it work for 300 ms on end; the caller
- * sends SIGCONT. */
+ * stopped (SIGSTOP; the router runs with --dead-after 25: 5 s) and the
+ * flow's requests that reserved blocks there wait for their KV. True once
+ * the router has given it work for 300 ms on end, the encoder still
+ * stopped (the caller sends SIGCONT). When the work that waits is all on
+ * the other worker, the encoder runs again a moment and it tries anew, so
+ * that the encoder is never stopped long enough to count as dead. */
 static bool hold_work_on(cluster *c, const char *id, int encoder_idx) {
-  kill(c->p[encoder_idx].pid, SIGSTOP);
-  int64_t since = 0;
-  for (int64_t end = td_now_ms() + 20000; td_now_ms() < end; usleep(10000)) {
-    bool found;
-    td_client_worker w = worker_status(c, id, &found);
-    if (!found || w.jobs == 0) {
-      since = 0;
-      continue;
+  for (int64_t end = td_now_ms() + 30000; td_now_ms() < end;) {
+    kill(c->p[encoder_idx].pid, SIGSTOP);
+    int64_t since = 0;
+    for (int64_t stop_end = td_now_ms() + 1500; td_now_ms() < stop_end; usleep(10000)) {
+      bool found;
+      td_client_worker w = worker_status(c, id, &found);
+      if (!found || w.jobs == 0) {
+        since = 0;
+        continue;
+      }
+      if (!since) since = td_now_ms();
+      if (td_now_ms() - since >= 300) return true;
     }
-    if (!since) since = td_now_ms();
-    if (td_now_ms() - since >= 300) return true;
+    kill(c->p[encoder_idx].pid, SIGCONT);
+    usleep(300 * 1000);
   }
   return false;
 }
