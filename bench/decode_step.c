@@ -1,9 +1,9 @@
 /* The decode step and the encoder on a GPU, on a model of Flan-T5-large
- * (or BART-large, Whisper-large-v3) shape with random bf16 weights, against the memory floor (bytes read /
+ * (or Flan-T5-XL, BART-large, Whisper-large-v3) shape with random bf16 weights, against the memory floor (bytes read /
  * measured copy bandwidth) and the matrix floor (FLOPs / measured cuBLAS
  * bf16 rate).
  *   bench-decode-step [--tp N | --pp N] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
- *                     [--steps N] [--shape flan-t5-large|bart-large|whisper-large-v3] [--no-record]
+ *                     [--steps N] [--shape flan-t5-large|flan-t5-xl|bart-large|whisper-large-v3] [--no-record]
  *                     [--model-dir DIR] [--trace BATCH] [--block-size N]
  *                     [--cross-mode auto|kv|states|dual] [--states-rows N]
  * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
@@ -50,6 +50,7 @@ typedef struct cfg {
   uint8_t nccl_id[TD_NCCL_ID_BYTES];
   td_cuda_tuning cuda;   /* main's settings (TANDEM_CUDA_*) */
   td_model_tuning model; /* ... and the model's */
+  pthread_barrier_t *barrier; /* the ranks, around a traced step */
 } cfg;
 
 typedef struct rank {
@@ -59,6 +60,8 @@ typedef struct rank {
   char err[512];
   /* rank 0's measurements */
   double copy_gbs, gemm_tflops, enc_ms, step_ms[8];
+  double enqueue_ms[8]; /* the host's part: until td_model_step returns */
+  double ar_us[8]; /* TP: one all-reduce of a step's B x d_model bf16 (graph replay) */
   double weight_bytes;
   int states_rows; /* the model's: steps of this many rows attend over the states */
   td_cross_mode mode; /* as the model resolved it (STATES: the encoder projects no cross K/V) */
@@ -113,6 +116,33 @@ static td_status ceilings(td_backend *b, double *gbs, double *tflops) {
   td_free(b, x);
   td_free(b, y);
   return TD_OK;
+}
+
+/* One all-reduce of a decode step's B x d_model bf16 values, as the step
+ * runs it (captured in a graph: 64 back to back, median of five replays). */
+static td_status time_allreduce(td_backend *b, td_model *m, int B, double *us) {
+  enum { CALLS = 64, REPS = 5 };
+  size_t n = (size_t)B * td_model_get_config(m)->d_model;
+  void *x = NULL;
+  td_graph *g = NULL;
+  double t[REPS];
+  TD_TRY(td_alloc(b, TD_BUF_ACT, n, &x));
+  td_status s = td_graph_begin(b), e;
+  for (int i = 0; i < CALLS && s == TD_OK; i++) s = td_allreduce_sum(b, x, TD_BUF_ACT, n);
+  e = td_graph_end(b, &g);
+  if (s == TD_OK) s = e;
+  for (int r = 0; r < REPS + 1 && s == TD_OK; r++) {
+    int64_t t0 = td_now_ns();
+    if ((s = td_graph_launch(b, g)) == TD_OK) s = td_sync(b);
+    if (r) t[r - 1] = ms_since(t0) * 1e3 / CALLS;
+  }
+  if (s == TD_OK) {
+    qsort(t, REPS, sizeof *t, cmp_d);
+    *us = t[REPS / 2];
+  }
+  if (g) td_graph_destroy(b, g);
+  td_free(b, x);
+  return s;
 }
 
 static void *rank_main(void *arg) {
@@ -223,26 +253,40 @@ static void *rank_main(void *arg) {
     td_step_input di = {.n_seqs = B, .n_tokens = B, .tokens = dtok, .positions = pos, .q_start = qs, .ctx_len = ctx,
                         .slots = dslots, .block_table = tab, .block_stride = nsb, .cross_len = clen,
                         .cross_table = ctab, .cross_stride = ncb, .n_logits = B, .logit_rows = rows};
-    double *t = malloc(sizeof(double) * (size_t)c->steps);
+    double *t = malloc(sizeof(double) * 2 * (size_t)c->steps), *tq = t + c->steps;
     for (int it = 0; it < c->steps + 3; it++) {
       int64_t t0 = td_now_ns();
-      if ((s = td_model_step(m, &di, &lg)) != TD_OK || (s = td_sync(b)) != TD_OK) {
+      s = td_model_step(m, &di, &lg);
+      double q = ms_since(t0);
+      if (s != TD_OK || (s = td_sync(b)) != TD_OK) {
         free(t);
         goto out;
       }
-      if (it >= 3) t[it - 3] = ms_since(t0);
+      if (it >= 3) t[it - 3] = ms_since(t0), tq[it - 3] = q;
     }
     qsort(t, (size_t)c->steps, sizeof *t, cmp_d);
+    qsort(tq, (size_t)c->steps, sizeof *tq, cmp_d);
     rk->step_ms[bi] = t[c->steps / 2];
+    rk->enqueue_ms[bi] = tq[c->steps / 2];
     free(t);
-    if (c->trace == B && rk->r == 0) {
-      td_ktrace_discard();
+    if (c->trace == B) { /* every rank steps (they meet in the all-reduces); rank 0's GPU is printed */
+      if (rk->r == 0 && td_ktrace_begin() != 0) {
+        s = td_err(TD_ERR_UNSUPPORTED, "--trace: CUPTI would not start");
+        goto out;
+      }
+      if (c->world > 1) pthread_barrier_wait(c->barrier);
       if ((s = td_model_step(m, &di, &lg)) != TD_OK || (s = td_sync(b)) != TD_OK) goto out;
-      char title[64];
-      snprintf(title, sizeof title, "decode step, batch %d", B);
-      td_ktrace_end(stdout, title);
+      if (c->world > 1) pthread_barrier_wait(c->barrier);
+      if (rk->r == 0) {
+        char title[64];
+        snprintf(title, sizeof title, "decode step, batch %d (GPU 0 of %d)", B, c->world);
+        td_ktrace_end_device(stdout, title, 0);
+      }
     }
   }
+  /* after every step measured: a graph made and dropped here must not sit between them */
+  for (int bi = 0; bi < c->n_batches && c->tp > 1; bi++)
+    if ((s = time_allreduce(b, m, c->batches[bi], &rk->ar_us[bi])) != TD_OK) goto out;
 out:
   if (s != TD_OK) {
     rk->st = s;
@@ -318,8 +362,12 @@ int main(int argc, char **argv) {
     c.shape = (td_random_shape){.model_type = "t5", .d_model = 1024, .enc_layers = 24, .dec_layers = 24, .heads = 16,
                                 .head_dim = 64, .ffn = 2816, .vocab = 32128, .gated = true, .bf16 = true,
                                 .max_positions = 1024};
+  } else if (!strcmp(shape, "flan-t5-xl")) {
+    c.shape = (td_random_shape){.model_type = "t5", .d_model = 2048, .enc_layers = 24, .dec_layers = 24, .heads = 32,
+                                .head_dim = 64, .ffn = 5120, .vocab = 32128, .gated = true, .bf16 = true,
+                                .max_positions = 1024};
   } else {
-    fprintf(stderr, "--shape: flan-t5-large, bart-large or whisper-large-v3, not %s\n", shape);
+    fprintf(stderr, "--shape: flan-t5-large, flan-t5-xl, bart-large or whisper-large-v3, not %s\n", shape);
     return 2;
   }
   char dir[512] = "/tmp/td-bench-model-XXXXXX", probe[600];
@@ -343,10 +391,13 @@ int main(int argc, char **argv) {
     fprintf(stderr, "%s\n", td_errmsg());
     return 1;
   }
-  if (c.trace && (c.world > 1 || td_ktrace_begin() != 0)) {
-    fprintf(stderr, "--trace: %s\n", c.world > 1 ? "one GPU only" : "no kernel tracing here (CUPTI)");
+  if (c.trace && !td_ktrace_available()) {
+    fprintf(stderr, "--trace: no kernel tracing here (CUPTI)\n");
     c.trace = 0;
   }
+  pthread_barrier_t barrier;
+  pthread_barrier_init(&barrier, NULL, (unsigned)(c.world > 0 ? c.world : 1));
+  c.barrier = &barrier;
   rank rk[8] = {0};
   pthread_t th[8];
   for (int r = 0; r < c.world; r++) {
@@ -354,6 +405,7 @@ int main(int argc, char **argv) {
     pthread_create(&th[r], NULL, rank_main, &rk[r]);
   }
   for (int r = 0; r < c.world; r++) pthread_join(th[r], NULL);
+  pthread_barrier_destroy(&barrier);
   if (!keep) {
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
@@ -415,6 +467,16 @@ int main(int argc, char **argv) {
            ms / floor_ms, sb / 1e9, sf, ms / sf);
     td_sbuf_printf(&t, "| %d | %s | %.3f | %.0f | %.3f | %.2f | %.3f | %.3f | %.2f |\n", B, path, ms, B / (ms * 1e-3),
                    floor_ms, ms / floor_ms, sb / 1e9, sf, ms / sf);
+  }
+  for (int i = 0; i < c.n_batches; i++)
+    printf("batch %d: the host enqueues a step in %.3f ms\n", c.batches[i], rk[0].enqueue_ms[i]);
+  if (c.tp > 1) {
+    td_sbuf_printf(&t, "\nOne all-reduce of the step's rows (B x d_model bf16, in a graph):");
+    for (int i = 0; i < c.n_batches; i++) {
+      printf("all-reduce at batch %d: %.2f us\n", c.batches[i], rk[0].ar_us[i]);
+      td_sbuf_printf(&t, "%s batch %d %.2f us", i ? "," : "", c.batches[i], rk[0].ar_us[i]);
+    }
+    td_sbuf_printf(&t, ".\n");
   }
   double enc_floor = enc_flops / (tf * 1e12) * 1e3 / c.world;
   printf("encoder %g tokens (%s): %.2f ms, %.0f TFLOP/s = %.0f%% of the GEMM rate\n", enc_tokens,

@@ -12,6 +12,7 @@
 typedef struct krec {
   uint64_t start, end;
   int grid, block;
+  uint32_t device;
   char name[56];
 } krec;
 
@@ -71,6 +72,7 @@ static void CUPTIAPI buf_done(CUcontext ctx, uint32_t stream, uint8_t *buf, size
     e->start = k->start, e->end = k->end;
     e->grid = k->gridX * k->gridY * k->gridZ;
     e->block = k->blockX * k->blockY * k->blockZ;
+    e->device = k->deviceId;
     short_name(k->name, e->name, sizeof e->name);
   }
   free(buf);
@@ -79,7 +81,9 @@ static void CUPTIAPI buf_done(CUcontext ctx, uint32_t stream, uint8_t *buf, size
 bool td_ktrace_available(void) { return true; }
 
 int td_ktrace_begin(void) {
-  if (cuptiActivityRegisterCallbacks(buf_req, buf_done) != CUPTI_SUCCESS) return -1;
+  static bool registered;
+  if (!registered && cuptiActivityRegisterCallbacks(buf_req, buf_done) != CUPTI_SUCCESS) return -1;
+  registered = true;
   if (cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) != CUPTI_SUCCESS) return -1;
   on = true;
   return 0;
@@ -107,10 +111,18 @@ static int by_crit(const void *a, const void *b) {
   return x->crit > y->crit ? -1 : x->crit < y->crit;
 }
 
-int td_ktrace_end(FILE *f, const char *title) {
+int td_ktrace_end(FILE *f, const char *title) { return td_ktrace_end_device(f, title, -1); }
+
+int td_ktrace_end_device(FILE *f, const char *title, int device) {
   cuptiActivityFlushAll(1);
   on = false;
   cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+  if (device >= 0) { /* the other ranks' GPUs run their own timelines */
+    size_t k = 0;
+    for (size_t i = 0; i < n_recs; i++)
+      if (recs[i].device == (uint32_t)device) recs[k++] = recs[i];
+    n_recs = k;
+  }
   if (!n_recs) {
     fprintf(f, "%s: no kernel records\n", title);
     return -1;
@@ -154,6 +166,10 @@ int td_ktrace_discard(void) { return -1; }
 int td_ktrace_end(FILE *f, const char *title) {
   fprintf(f, "%s: this build has no CUPTI\n", title);
   return -1;
+}
+int td_ktrace_end_device(FILE *f, const char *title, int device) {
+  (void)device;
+  return td_ktrace_end(f, title);
 }
 
 #endif

@@ -9,12 +9,15 @@
 
 /* false where the build has no CUPTI */
 bool td_ktrace_available(void);
-/* Starts recording kernels (call before the CUDA work of interest). */
+/* Starts recording kernels (call before the CUDA work of interest; recording
+ * slows every launch down, so only around it). */
 int td_ktrace_begin(void);
 /* Drops what was recorded so far. */
 int td_ktrace_discard(void);
 /* Stops, prints each kernel in start order (duration, and the time its end
  * added to the latest end so far) and a summary by kernel name to f. */
 int td_ktrace_end(FILE *f, const char *title);
+/* The same for the kernels of one device only (-1: every device). */
+int td_ktrace_end_device(FILE *f, const char *title, int device);
 
 #endif

@@ -78,6 +78,8 @@
 #define TD_WORKER_BURST_GAP_US 500           /* a burst of requests has ended after this long without one */
 #define TD_WORKER_BURST_MAX_US 4000          /* an idle engine waits for a burst this long at most */
 #define TD_GROUP_JOIN_TIMEOUT_MS 120000      /* every rank of a group joined through the router */
+#define TD_GROUP_READY_TIMEOUT_MS 600000     /* a follower's first heartbeat after the rendezvous: it loads
+                                                the model first (tens of GB); then the heartbeat rule */
 #define TD_GROUP_CONNECT_TIMEOUT_MS 30000    /* a group's communicator connected */
 #define TD_GROUP_MIRROR_TIMEOUT_MS 60000     /* every follower reached the leader's mirror */
 #define TD_DEFAULT_LISTEN_HOST "127.0.0.1"

@@ -1,6 +1,6 @@
 /* The HTTP server (libmicrohttpd, a thread a connection): routes, limits
  * (body, header, connections, requests in flight, idle time), uploads
- * (JSON bodies, multipart forms), GET /v1/models and /health. The answers
+ * (JSON bodies, multipart forms), GET /v1/models, /health and /metrics. The answers
  * to API requests are in serve.c. */
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -13,6 +13,7 @@
 #include <cjson/cJSON.h>
 #include <microhttpd.h>
 
+#include "common/clock.h"
 #include "common/log.h"
 #include "gateway/gateway.h"
 #include "gateway/internal.h"
@@ -28,6 +29,7 @@ struct td_gateway {
   _Atomic size_t held; /* upload bytes in memory */
   int port;
   long long created;
+  gw_metrics *metrics;
 };
 
 const gw_model *gw_gateway_model(const td_gateway *g) { return &g->m; }
@@ -36,6 +38,17 @@ uint32_t gw_gateway_timeout_ms(const td_gateway *g) { return g->o.request_timeou
 double gw_gateway_max_audio_seconds(const td_gateway *g) { return g->o.max_audio_seconds; }
 int gw_gateway_stream_interval_ms(const td_gateway *g) { return g->o.stream_interval_ms > 0 ? g->o.stream_interval_ms : 0; }
 int td_gateway_port(const td_gateway *g) { return g->port; }
+gw_metrics *gw_gateway_metrics(const td_gateway *g) { return g->metrics; }
+
+/* A connection's requests run on its own thread: the status of what the
+ * handler queued reaches the connection through it. */
+static _Thread_local int last_status;
+void gw_note_status(int status) { last_status = status; }
+int gw_take_status(void) {
+  int s = last_status;
+  last_status = 0;
+  return s;
+}
 
 /* ---------------------------------------------------------------- replies */
 
@@ -48,6 +61,7 @@ int gw_reply(struct MHD_Connection *mc, int status, const char *ctype, char *bod
   MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
   enum MHD_Result q = MHD_queue_response(mc, (unsigned)status, r);
   MHD_destroy_response(r);
+  if (q == MHD_YES) gw_note_status(status);
   return q;
 }
 
@@ -262,27 +276,51 @@ static bool feed_form(gw_conn *c, const char *data, size_t n) {
   return feed == 0 || MHD_post_process(c->pp, data, feed) == MHD_YES;
 }
 
+static int get_metrics(td_gateway *g, struct MHD_Connection *mc) {
+  char *text = NULL;
+  size_t len = 0;
+  if (gw_metrics_render(g->metrics, atomic_load(&g->in_flight), &text, &len) != TD_OK) {
+    gw_error e;
+    gw_error_set(&e, 500, NULL, "metrics: %s", td_errmsg());
+    return gw_reply_error(mc, &e);
+  }
+  return gw_reply(mc, 200, "text/plain; version=0.0.4; charset=utf-8", text, len);
+}
+
+/* A refusal before the request has a connection state, counted. */
+static enum MHD_Result refused(td_gateway *g, gw_route r, struct MHD_Connection *mc, int http, const char *fmt,
+                               const char *arg) {
+  gw_metrics_request(g->metrics, gw_route_name(r), http, -1, 0, 0, 0);
+  return (enum MHD_Result)refuse(mc, http, fmt, arg);
+}
+
 static enum MHD_Result first_call(td_gateway *g, struct MHD_Connection *mc, const char *url, const char *method,
                                   void **con_cls) {
   bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
   gw_route r = route_of(url);
+  if (!strcmp(url, "/metrics")) {
+    if (!get) return (enum MHD_Result)refuse(mc, 405, "%s: use GET", url);
+    return (enum MHD_Result)get_metrics(g, mc);
+  }
   if (!strcmp(url, "/health") || !strcmp(url, "/v1/models") || !strncmp(url, "/v1/models/", 11)) {
     if (!get) return (enum MHD_Result)refuse(mc, 405, "%s: use GET", url);
     return (enum MHD_Result)(strcmp(url, "/health") ? get_models(g, mc, url) : get_health(g, mc));
   }
-  if (r == GW_R_NONE) return (enum MHD_Result)refuse(mc, 404, "no such endpoint: %s", url);
-  if (strcmp(method, "POST")) return (enum MHD_Result)refuse(mc, 405, "%s: use POST", url);
+  if (r == GW_R_NONE) return refused(g, r, mc, 404, "no such endpoint: %s", url);
+  if (strcmp(method, "POST")) return refused(g, r, mc, 405, "%s: use POST", url);
   size_t limit = r == GW_R_COMPLETIONS ? g->o.max_json_bytes : g->o.max_body_bytes;
   const char *cl = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
   if (cl && strtoull(cl, NULL, 10) > limit) {
     gw_error e;
     gw_error_set(&e, 413, NULL, "the body of %s bytes exceeds this endpoint's %zu", cl, limit);
+    gw_metrics_request(g->metrics, gw_route_name(r), 413, -1, 0, 0, 0);
     return (enum MHD_Result)gw_reply_error(mc, &e);
   }
   if (atomic_fetch_add(&g->in_flight, 1) >= g->o.max_requests) {
     atomic_fetch_sub(&g->in_flight, 1);
     gw_error e;
     gw_error_set(&e, 429, NULL, "%d requests in flight: the gateway's limit; try again shortly", g->o.max_requests);
+    gw_metrics_request(g->metrics, gw_route_name(r), 429, -1, 0, 0, 0);
     return (enum MHD_Result)gw_reply_error(mc, &e);
   }
   gw_conn *c = calloc(1, sizeof *c);
@@ -292,6 +330,7 @@ static enum MHD_Result first_call(td_gateway *g, struct MHD_Connection *mc, cons
   }
   c->g = g;
   c->route = r;
+  c->arrived_ms = td_now_ms();
   c->audio.translate = r == GW_R_TRANSLATE;
   if (r != GW_R_COMPLETIONS) {
     c->pp = MHD_create_post_processor(mc, 64 * 1024, form_field, c);
@@ -331,8 +370,12 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *mc, const char *
     c->pp = NULL;
     if (!c->err.http) field_done(c);
   }
-  if (c->err.http) return (enum MHD_Result)gw_reply_error(mc, &c->err);
-  return (enum MHD_Result)(c->route == GW_R_COMPLETIONS ? gw_serve_completions(c, mc) : gw_serve_audio(c, mc));
+  (void)gw_take_status();
+  enum MHD_Result q = (enum MHD_Result)(c->err.http ? gw_reply_error(mc, &c->err)
+                                        : c->route == GW_R_COMPLETIONS ? gw_serve_completions(c, mc)
+                                                                        : gw_serve_audio(c, mc));
+  c->status = gw_take_status();
+  return q;
 }
 
 static void completed(void *cls, struct MHD_Connection *mc, void **con_cls, enum MHD_RequestTerminationCode toe) {
@@ -341,6 +384,12 @@ static void completed(void *cls, struct MHD_Connection *mc, void **con_cls, enum
   if (!c) return;
   *con_cls = NULL;
   if (c->pp) MHD_destroy_post_processor(c->pp);
+  int generated = 0;
+  for (int i = 0; i < c->n_ch; i++) generated += c->ch[i].t.n_tokens;
+  /* a stream cut by the client counts as the status it started with */
+  gw_metrics_request(g->metrics, gw_route_name(c->route), c->status, (double)(td_now_ms() - c->arrived_ms) / 1e3,
+                     c->status == 200 ? c->prompt_tokens : 0, c->status == 200 ? generated : 0,
+                     c->status == 200 ? c->duration : 0);
   gw_conn_drop_upload(c);
   gw_conn_free(c);
   atomic_fetch_sub(&g->in_flight, 1);
@@ -376,7 +425,8 @@ td_status td_gateway_create(const td_gateway_opts *opts, td_gateway **out) {
   if (!o->stream_interval_ms) o->stream_interval_ms = TD_GATEWAY_STREAM_INTERVAL_MS;
   pthread_mutex_init(&g->health_mu, NULL);
   g->created = (long long)time(NULL);
-  td_status s = gw_model_load(o->model_dir, o->tokenizer_dir, o->model_name, &g->m);
+  td_status s = gw_metrics_create(&g->metrics);
+  if (s == TD_OK) s = gw_model_load(o->model_dir, o->tokenizer_dir, o->model_name, &g->m);
   if (s == TD_OK) s = td_client_connect(o->router, &g->health);
   if (s == TD_OK) s = gw_io_create(o->router, o->request_timeout_ms, &g->io);
   if (s != TD_OK) {
@@ -412,6 +462,7 @@ void td_gateway_destroy(td_gateway *g) {
   gw_io_destroy(g->io);
   td_client_close(g->health);
   gw_model_free(&g->m);
+  gw_metrics_destroy(g->metrics);
   pthread_mutex_destroy(&g->health_mu);
   free(g);
 }

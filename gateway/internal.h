@@ -248,6 +248,8 @@ typedef struct gw_conn {
   gw_buf out;        /* stream: bytes not yet handed to the server */
   size_t out_pos;
   bool answered;     /* the upload ended and was answered */
+  int64_t arrived_ms; /* monotonic */
+  int status;        /* the HTTP status answered (0: none) */
   bool cancelled, ended;
 } gw_conn;
 
@@ -257,6 +259,24 @@ gw_io *gw_gateway_io(const td_gateway *g);
 uint32_t gw_gateway_timeout_ms(const td_gateway *g);
 double gw_gateway_max_audio_seconds(const td_gateway *g);
 int gw_gateway_stream_interval_ms(const td_gateway *g); /* 0: none */
+
+/* ---- metrics (metrics.c): thread-safe ---- */
+typedef struct gw_metrics gw_metrics;
+td_status gw_metrics_create(gw_metrics **out);
+void gw_metrics_destroy(gw_metrics *m);
+const char *gw_route_name(gw_route r);
+/* An API request's end: its endpoint, HTTP status (0: no answer), seconds
+ * since arrival (< 0: not observed), tokens and audio seconds. */
+void gw_metrics_request(gw_metrics *m, const char *endpoint, int code, double seconds, int prompt_tokens,
+                        int generated_tokens, double audio_seconds);
+/* A stream's first event, seconds after the request arrived. */
+void gw_metrics_first_event(gw_metrics *m, const char *endpoint, double seconds);
+/* The exposition text (malloc'ed). */
+td_status gw_metrics_render(gw_metrics *m, int in_flight, char **text, size_t *len);
+gw_metrics *gw_gateway_metrics(const td_gateway *g);
+/* The status of the reply this thread queued last (gw_reply, streams); 0: none since the last call. */
+void gw_note_status(int status);
+int gw_take_status(void);
 
 /* Answers a finished upload (queues the response on mc). */
 int gw_serve_completions(gw_conn *c, struct MHD_Connection *mc);

@@ -390,6 +390,11 @@ static int reply_stream(gw_conn *c, struct MHD_Connection *mc, stream_kind kind)
   MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
   enum MHD_Result q = MHD_queue_response(mc, MHD_HTTP_OK, r);
   MHD_destroy_response(r);
+  if (q == MHD_YES) {
+    gw_note_status(MHD_HTTP_OK);
+    gw_metrics_first_event(gw_gateway_metrics(c->g), gw_route_name(c->route),
+                           (double)(td_now_ms() - c->arrived_ms) / 1e3);
+  }
   return q;
 }
 

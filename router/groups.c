@@ -189,7 +189,8 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__C
   }
   if (++g->joined < g->world) return;
   g->complete = true;
-  for (int k = 0; k < g->world; k++) g->seen[k] = td_now_ms();
+  g->completed = td_now_ms();
+  for (int k = 0; k < g->world; k++) g->seen[k] = 0; /* loading: heard from after the model is up */
   TD_INFO("worker group %s: %d ranks joined", g->name, g->world);
   for (int k = 0; k < g->world; k++) group_reply(r, g->ids[k], g->id_lens[k], g, NULL);
 }
@@ -218,13 +219,19 @@ int rtr_groups_tick(td_loop *l, void *ctx) {
   group_rv *g, *gt;
   HASH_ITER(hh, r->groups, g, gt) {
     if (g->complete) {
-      for (int k = 1; k < g->world; k++)
-        if (t - g->seen[k] > (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
+      for (int k = 1; k < g->world; k++) {
+        bool heard = g->seen[k] > 0;
+        if (heard ? t - g->seen[k] > (int64_t)r->o.heartbeat_ms * r->o.dead_after
+                  : t - g->completed > TD_GROUP_READY_TIMEOUT_MS) {
           char why[160];
-          snprintf(why, sizeof why, "rank %d of group %s is silent", k, g->name);
+          if (heard) snprintf(why, sizeof why, "rank %d of group %s is silent", k, g->name);
+          else
+            snprintf(why, sizeof why, "rank %d of group %s was not ready within %d s of the rendezvous", k, g->name,
+                     TD_GROUP_READY_TIMEOUT_MS / 1000);
           group_failed(r, g, why);
           break;
         }
+      }
     } else if (t - g->created > TD_GROUP_JOIN_TIMEOUT_MS) {
       TD_WARN("worker group %s: %d of %d ranks joined in %d s; dropped", g->name, g->joined, g->world,
               TD_GROUP_JOIN_TIMEOUT_MS / 1000);

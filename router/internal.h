@@ -119,7 +119,8 @@ struct group_rv {
   char *error;
   bool told[TD_GROUP_MAX_RANKS];
   int64_t created;
-  int64_t seen[TD_GROUP_MAX_RANKS]; /* followers' last heartbeat */
+  int64_t completed;                /* when every rank had joined */
+  int64_t seen[TD_GROUP_MAX_RANKS]; /* followers' last heartbeat; 0: none since the rendezvous */
   group_rank *members[TD_GROUP_MAX_RANKS]; /* the ranks that joined, in r->members */
   UT_hash_handle hh;
 };

@@ -1,11 +1,16 @@
 /* One-shot all-reduce for the small messages of tensor-parallel decoding
- * (a few hundred KB): every rank writes its input straight into each
- * peer's buffer over NVLink (P2P, CUDA IPC between processes), raises a
- * flag there, waits for the peers' flags in its own buffer and sums the
- * ranks' values in rank order (so every rank gets the same bits). One
- * kernel plus a one-thread sequence bump: a few microseconds where NCCL's
- * ring takes tens, and the calls can be captured in graphs. Larger
- * messages, or machines without P2P, use NCCL. */
+ * (a few KB to 1 MB): every rank stores its values straight into each
+ * peer's receive slot over NVLink (P2P, CUDA IPC between processes) and
+ * sums the peers' values from its own slots in rank order, so every rank
+ * gets the same bits. The values are their own flags (as in Lamport's
+ * scheme): a slot holds bf16 -0.0 (0x8000) where nothing has arrived, the
+ * senders write -0.0 as +0.0, and a reader spins on each value until it is
+ * no longer -0.0. No fence and no flag round trip: one kernel whose cost
+ * is one NVLink store latency. Slots rotate over three phases: the call
+ * after next is the first that can write a phase again, so each call
+ * empties the previous call's phase (the peers finished writing it before
+ * this rank could finish that call). Larger messages, or machines without
+ * P2P, use NCCL. */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -14,104 +19,151 @@
 #include "kernels/cuda/cuda_allreduce.h"
 
 #define AR_MAX_WORLD 8
-#define AR_SLOT_BYTES (4u << 20) /* largest message taken (bf16: 2M values) */
-#define AR_BLOCKS 48
-#define AR_THREADS 512
-#define AR_SPIN_LIMIT (1u << 28) /* a vanished peer ends the wait (garbage, not a hang) */
+#define AR_PHASES 3
+#define AR_SLOT_BYTES (1u << 20) /* largest message taken (bf16: 512K values) */
+#define AR_THREADS 256
+#define AR_MAX_BLOCKS 128
+#define AR_EMPTY 0x8000u              /* bf16 -0.0: not arrived */
+#define AR_EMPTY2 0x80008000u         /* two of them */
+#define AR_SPIN_LIMIT (1u << 26)      /* a vanished peer ends the wait (garbage, not a hang) */
 
 typedef struct ar_peers {
-  uint8_t *data[AR_MAX_WORLD];   /* each rank's data area, [2 parity][world][slot] */
-  uint32_t *flags[AR_MAX_WORLD]; /* each rank's flags, [world][AR_BLOCKS] */
+  uint8_t *slots[AR_MAX_WORLD]; /* each rank's receive area, [phase][world][slot] */
 } ar_peers;
+
+/* per rank, after its slots: the phase of the next call, the values of the
+ * last call (the slots it filled), blocks done with the current call, and
+ * whether a wait ever gave up */
+typedef struct ar_ctl {
+  uint32_t phase, nprev, done, err;
+} ar_ctl;
 
 struct td_cu_allreduce {
   int rank, world, device;
-  uint8_t *mine;     /* data, flags, then seq and error words */
-  uint32_t *seq;     /* the sequence number of the next call (device) */
-  uint32_t *err;
-  uint32_t *done;    /* blocks finished with the current call */
+  uint8_t *mine; /* slots, then the ar_ctl */
+  ar_ctl *ctl;
   ar_peers peers;
   void *opened[AR_MAX_WORLD];
 };
 
-static size_t data_bytes(int world) { return (size_t)2 * world * AR_SLOT_BYTES; }
-static size_t flag_bytes(int world) { return sizeof(uint32_t) * (size_t)world * AR_BLOCKS; }
+static size_t slot_bytes(int world) { return (size_t)AR_PHASES * world * AR_SLOT_BYTES; }
 
-__device__ __forceinline__ uint32_t ld_acquire(const uint32_t *p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+__device__ __forceinline__ uint4 ld_volatile16(const void *p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
   return v;
 }
 
-__device__ __forceinline__ void st_release(uint32_t *p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ uint16_t ld_volatile2(const void *p) {
+  uint16_t v;
+  asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  return v;
 }
 
-__global__ void __launch_bounds__(AR_THREADS) ar_kernel(const bf16 *in, bf16 *out, size_t n, ar_peers P, int rank,
-                                                        int world, uint32_t *seqp, uint32_t *err, uint32_t *done) {
+__device__ __forceinline__ bool has_empty(uint32_t w) {
+  return (w & 0xffffu) == AR_EMPTY || (w >> 16) == AR_EMPTY;
+}
+
+/* -0.0 is the "not arrived" mark: send it as +0.0 (the sum is the same) */
+__device__ __forceinline__ uint32_t unmark(uint32_t w) {
+  if ((w & 0xffffu) == AR_EMPTY) w &= 0xffff0000u;
+  if ((w >> 16) == AR_EMPTY) w &= 0x0000ffffu;
+  return w;
+}
+
+__device__ __forceinline__ void add8(float *acc, uint4 u) {
+  const bf16 *h = (const bf16 *)&u;
+#pragma unroll
+  for (int k = 0; k < 8; k++) acc[k] += __bfloat162float(h[k]);
+}
+
+__global__ void __launch_bounds__(AR_THREADS) ar_kernel(bf16 *buf, uint32_t n, ar_peers P, int rank, int world,
+                                                        ar_ctl *ctl) {
   td_pdl_start();
-  const uint32_t seq = *seqp;
-  const int parity = seq & 1;
-  /* this block's share, in whole 16-byte vectors (8 values) */
-  size_t vecs = (n + 7) / 8, per = (vecs + gridDim.x - 1) / gridDim.x;
-  size_t v0 = per * blockIdx.x, v1 = v0 + per < vecs ? v0 + per : vecs;
-  size_t full = n / 8; /* vectors without a ragged tail */
-  /* 1. our values into every peer's slot for us */
+  const uint32_t phase = ctl->phase, nprev = ctl->nprev;
+  const uint32_t prev = (phase + AR_PHASES - 1) % AR_PHASES;
+  const size_t stride = (size_t)gridDim.x * blockDim.x, me = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  uint8_t *mine = P.slots[rank];
+  /* 1. the previous call's values in our slots back to "not arrived" */
+  const uint4 empty = make_uint4(AR_EMPTY2, AR_EMPTY2, AR_EMPTY2, AR_EMPTY2);
   for (int p = 0; p < world; p++) {
     if (p == rank) continue;
-    bf16 *dst = (bf16 *)(P.data[p] + ((size_t)parity * world + rank) * AR_SLOT_BYTES);
-    for (size_t v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
-      if (v < full) {
-        ((uint4 *)dst)[v] = ((const uint4 *)in)[v];
-      } else {
-        for (size_t i = v * 8; i < n; i++) dst[i] = in[i];
-      }
-    }
+    uint4 *s = (uint4 *)(mine + ((size_t)prev * world + p) * AR_SLOT_BYTES);
+    for (size_t v = me; v < (nprev + 7) / 8; v += stride) s[v] = empty;
   }
-  __threadfence_system();
-  __syncthreads();
-  /* 2. tell each peer this block's part has landed */
-  if (threadIdx.x < (unsigned)world && (int)threadIdx.x != rank)
-    st_release(P.flags[threadIdx.x] + (size_t)rank * AR_BLOCKS + blockIdx.x, seq);
-  /* 3. wait for theirs */
-  if (threadIdx.x < (unsigned)world && (int)threadIdx.x != rank) {
-    const uint32_t *f = P.flags[rank] + (size_t)threadIdx.x * AR_BLOCKS + blockIdx.x;
-    uint32_t spins = 0;
-    while (ld_acquire(f) < seq)
-      if (++spins > AR_SPIN_LIMIT) {
-        atomicExch(err, 1u);
-        break;
-      }
-  }
-  __syncthreads();
-  /* 4. the sum, in rank order */
-  const uint8_t *mine = P.data[rank] + (size_t)parity * world * AR_SLOT_BYTES;
-  for (size_t v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
-    size_t i0 = v * 8, i1 = i0 + 8 < n ? i0 + 8 : n;
+  /* 2. ours into every peer's slot for us; 3. the sum in rank order */
+  const size_t full = n / 8;
+  for (size_t v = me; v < full; v += stride) {
+    uint4 u = ((const uint4 *)buf)[v];
+    u = make_uint4(unmark(u.x), unmark(u.y), unmark(u.z), unmark(u.w));
+    for (int p = 0; p < world; p++)
+      if (p != rank) ((uint4 *)(P.slots[p] + ((size_t)phase * world + rank) * AR_SLOT_BYTES))[v] = u;
     float acc[8];
+#pragma unroll
     for (int k = 0; k < 8; k++) acc[k] = 0.0f;
     for (int r = 0; r < world; r++) {
-      const bf16 *src = r == rank ? in : (const bf16 *)(mine + (size_t)r * AR_SLOT_BYTES);
-      if (i1 - i0 == 8) {
-        uint4 u = ((const uint4 *)src)[v];
-        const bf16 *h = (const bf16 *)&u;
-        for (int k = 0; k < 8; k++) acc[k] += __bfloat162float(h[k]);
-      } else {
-        for (size_t i = i0; i < i1; i++) acc[i - i0] += __bfloat162float(src[i]);
+      if (r == rank) {
+        add8(acc, u);
+        continue;
       }
+      const uint4 *src = (const uint4 *)(mine + ((size_t)phase * world + r) * AR_SLOT_BYTES) + v;
+      uint4 w = ld_volatile16(src);
+      uint32_t spins = 0;
+      while (has_empty(w.x) || has_empty(w.y) || has_empty(w.z) || has_empty(w.w)) {
+        if (++spins > AR_SPIN_LIMIT) {
+          atomicExch(&ctl->err, 1u);
+          break;
+        }
+        w = ld_volatile16(src);
+      }
+      add8(acc, w);
     }
-    for (size_t i = i0; i < i1; i++) out[i] = __float2bfloat16(acc[i - i0]);
+    bf16 o[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) o[k] = __float2bfloat16(acc[k]);
+    ((uint4 *)buf)[v] = *(const uint4 *)o;
   }
-  /* the last block out moves the sequence on, for the next call */
+  /* the ragged tail, a value at a time, by the first threads after the vectors */
+  for (size_t i = full * 8 + me; i < n; i += stride) {
+    uint16_t x = ((const uint16_t *)buf)[i];
+    if (x == AR_EMPTY) x = 0;
+    for (int p = 0; p < world; p++)
+      if (p != rank) ((uint16_t *)(P.slots[p] + ((size_t)phase * world + rank) * AR_SLOT_BYTES))[i] = x;
+    float acc = 0.0f;
+    for (int r = 0; r < world; r++) {
+      uint16_t y = x;
+      if (r != rank) {
+        const uint16_t *src = (const uint16_t *)(mine + ((size_t)phase * world + r) * AR_SLOT_BYTES) + i;
+        uint32_t spins = 0;
+        while ((y = ld_volatile2(src)) == AR_EMPTY)
+          if (++spins > AR_SPIN_LIMIT) {
+            atomicExch(&ctl->err, 1u);
+            break;
+          }
+      }
+      acc += __bfloat162float(__ushort_as_bfloat16(y));
+    }
+    buf[i] = __float2bfloat16(acc);
+  }
+  /* the last block out moves the phase on, for the next call */
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    if (atomicAdd(done, 1u) == gridDim.x - 1) {
-      *done = 0;
-      *seqp = seq + 1;
+    if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
+      ctl->done = 0;
+      ctl->nprev = n;
+      ctl->phase = (phase + 1) % AR_PHASES;
       __threadfence();
     }
   }
+}
+
+__global__ void ar_fill_kernel(uint32_t *p, size_t words) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x)
+    p[i] = AR_EMPTY2;
 }
 
 bool td_cu_allreduce_fits(const td_cu_allreduce *a, td_buf_type t, size_t n) {
@@ -120,11 +172,12 @@ bool td_cu_allreduce_fits(const td_cu_allreduce *a, td_buf_type t, size_t n) {
 
 td_status td_cu_allreduce_run(td_backend *b, td_cu_allreduce *a, void *buf, size_t n) {
   td_cuda *c = td_cu(b);
+  if (!n) return TD_OK;
   size_t vecs = (n + 7) / 8;
-  unsigned blocks = (unsigned)(vecs < (size_t)AR_BLOCKS * 64 ? (vecs + 63) / 64 : AR_BLOCKS);
-  if (blocks < 1) blocks = 1;
-  TD_CU_CHECK(td_launch(c, ar_kernel, dim3(blocks), dim3(AR_THREADS), 0, (const bf16 *)buf, (bf16 *)buf, n, a->peers,
-                        a->rank, a->world, a->seq, a->err, a->done),
+  size_t blocks = (vecs + AR_THREADS - 1) / AR_THREADS;
+  if (blocks > AR_MAX_BLOCKS) blocks = AR_MAX_BLOCKS;
+  TD_CU_CHECK(td_launch(c, ar_kernel, dim3((unsigned)blocks), dim3(AR_THREADS), 0, (bf16 *)buf, (uint32_t)n,
+                        a->peers, a->rank, a->world, a->ctl),
               "allreduce");
   TD_CU_LAUNCHED("allreduce");
   return TD_OK;
@@ -161,14 +214,19 @@ td_status td_cu_allreduce_create(td_backend *b, int rank, int world, td_cu_gathe
   a->rank = rank;
   a->world = world;
   a->device = c->device;
-  size_t total = data_bytes(world) + flag_bytes(world) + 64;
+  size_t total = slot_bytes(world) + sizeof(ar_ctl);
   ar_card me = {};
   me.pid = (int32_t)getpid();
   me.device = c->device;
   me.ok = 1;
-  if (cudaMalloc((void **)&a->mine, total) != cudaSuccess || cudaMemset(a->mine, 0, total) != cudaSuccess ||
-      cudaIpcGetMemHandle(&me.handle, a->mine) != cudaSuccess)
+  /* every slot "not arrived", the control words zero; done before any peer can write */
+  if (cudaMalloc((void **)&a->mine, total) != cudaSuccess || cudaMemset(a->mine, 0, total) != cudaSuccess)
     me.ok = 0;
+  if (me.ok) {
+    ar_fill_kernel<<<256, 256>>>((uint32_t *)a->mine, slot_bytes(world) / 4);
+    me.ok = cudaGetLastError() == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess &&
+            cudaIpcGetMemHandle(&me.handle, a->mine) == cudaSuccess;
+  }
   (void)cudaGetLastError();
   me.ptr = (uint64_t)(uintptr_t)a->mine;
   ar_card cards[AR_MAX_WORLD];
@@ -181,7 +239,7 @@ td_status td_cu_allreduce_create(td_backend *b, int rank, int world, td_cu_gathe
   for (int p = 0; p < world; p++) ok = ok && cards[p].ok;
   for (int p = 0; ok && p < world; p++) {
     if (p == rank) {
-      a->peers.data[p] = a->mine;
+      a->peers.slots[p] = a->mine;
       continue;
     }
     if (cards[p].pid == me.pid) {
@@ -193,22 +251,16 @@ td_status td_cu_allreduce_create(td_backend *b, int rank, int world, td_cu_gathe
         ok = e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
         (void)cudaGetLastError();
       }
-      a->peers.data[p] = (uint8_t *)(uintptr_t)cards[p].ptr;
+      a->peers.slots[p] = (uint8_t *)(uintptr_t)cards[p].ptr;
     } else {
       void *q = NULL;
       ok = cudaIpcOpenMemHandle(&q, cards[p].handle, cudaIpcMemLazyEnablePeerAccess) == cudaSuccess;
       (void)cudaGetLastError();
       a->opened[p] = q;
-      a->peers.data[p] = (uint8_t *)q;
+      a->peers.slots[p] = (uint8_t *)q;
     }
   }
-  for (int p = 0; p < world; p++) a->peers.flags[p] = (uint32_t *)(a->peers.data[p] + data_bytes(world));
-  a->seq = (uint32_t *)(a->mine + data_bytes(world) + flag_bytes(world));
-  a->err = a->seq + 1;
-  a->done = a->seq + 2;
-  /* sequence numbers start at 1: flags start at 0 */
-  uint32_t one = 1;
-  if (ok) ok = cudaMemcpy(a->seq, &one, sizeof one, cudaMemcpyHostToDevice) == cudaSuccess;
+  a->ctl = (ar_ctl *)(a->mine + slot_bytes(world));
   /* all or none: a rank without P2P keeps every rank on NCCL */
   me.ok = ok;
   s = gather(gctx, &me, cards, sizeof me);

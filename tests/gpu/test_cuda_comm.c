@@ -1,8 +1,12 @@
 /* NCCL communicators of the CUDA backend: two ranks, one thread and one GPU
- * each, all-reduce (bf16, float32, int32), all-gather and send/recv, eager
- * and inside a captured graph. Needs two GPUs; skipped with fewer. */
+ * each, all-reduce (bf16, float32, int32; bf16 at many sizes through the
+ * one-shot kernel and NCCL), all-gather and send/recv, eager and inside a
+ * captured graph. Needs two GPUs; skipped with fewer. */
 #include <criterion/criterion.h>
 #include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -114,6 +118,170 @@ Test(cuda_comm, two_ranks, .timeout = 120) {
   }
   for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
   for (int r = 0; r < WORLD; r++) cr_expect(args[r].fail[0] == 0, "%s", args[r].fail);
+}
+
+/* The bf16 all-reduce at the sizes decoding uses and odd ones, eager and in
+ * a graph replayed many times (the one-shot kernel's slots rotate with
+ * every call), against a CPU sum in rank order: the one-shot path must
+ * give these bits on every rank; larger messages go through NCCL. */
+enum { SEQ = 4, REPS = 40 };
+static const size_t sizes[] = {1, 7, 8, 2048, 4099, 131075, 524288, 524288 + 9};
+#define N_SIZES (sizeof sizes / sizeof sizes[0])
+static const size_t seq_sizes[SEQ] = {2048, 7, 131075, 2048};
+
+static float rnd(uint64_t *s) {
+  *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+  uint32_t r = (uint32_t)(*s >> 33);
+  if (r % 61 == 0) return -0.0f; /* the one-shot kernel's "not arrived" mark must pass as a value */
+  return ((float)(r % 20001) - 10000.0f) / 977.0f;
+}
+
+/* the inputs of rank r for (size, rep), rounded to bf16 by the backend */
+static void inputs(int r, size_t n, int rep, float *x) {
+  uint64_t s = 0x9e3779b97f4a7c15ull ^ ((uint64_t)r << 40) ^ ((uint64_t)n << 8) ^ (uint64_t)rep;
+  for (size_t i = 0; i < n; i++) x[i] = rnd(&s);
+}
+
+static float to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* the expected sum: bf16 inputs summed in float in rank order, rounded once */
+static void expected(size_t n, int rep, float *want, float *tmp) {
+  for (size_t i = 0; i < n; i++) want[i] = 0.0f;
+  for (int r = 0; r < WORLD; r++) {
+    inputs(r, n, rep, tmp);
+    for (size_t i = 0; i < n; i++) want[i] += to_bf16(tmp[i]);
+  }
+  for (size_t i = 0; i < n; i++) want[i] = to_bf16(want[i]);
+}
+
+typedef struct sum_arg {
+  int rank;
+  const uint8_t *id;
+  float *got[N_SIZES + SEQ]; /* each rank's results, compared across ranks by the test */
+  char fail[256];
+} sum_arg;
+
+static void *sum_main(void *p) {
+  sum_arg *a = p;
+  td_backend *b = NULL;
+  td_comm *c = NULL;
+  td_graph *gr = NULL;
+  void *buf[SEQ] = {0};
+  size_t big = sizes[N_SIZES - 1];
+  float *x = malloc(sizeof(float) * big), *want = malloc(sizeof(float) * big), *tmp = malloc(sizeof(float) * big);
+  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = a->rank, .cuda = cuda_tuning};
+  if (td_backend_create(&o, &b) != TD_OK) {
+    snprintf(a->fail, sizeof a->fail, "rank %d: backend: %s", a->rank, td_errmsg());
+    goto out;
+  }
+  if (td_comm_create_nccl(b, a->id, a->rank, WORLD, &c) != TD_OK) {
+    snprintf(a->fail, sizeof a->fail, "rank %d: communicator: %s", a->rank, td_errmsg());
+    goto out;
+  }
+  td_backend_set_comm(b, c);
+  for (int k = 0; k < SEQ; k++)
+    if (td_alloc(b, TD_BUF_ACT, big, &buf[k]) != TD_OK) {
+      snprintf(a->fail, sizeof a->fail, "alloc: %s", td_errmsg());
+      goto out;
+    }
+  /* eager, every size */
+  for (size_t si = 0; si < N_SIZES; si++) {
+    size_t n = sizes[si];
+    inputs(a->rank, n, 0, x);
+    if (td_upload(b, TD_BUF_ACT, buf[0], x, n) != TD_OK || td_allreduce_sum(b, buf[0], TD_BUF_ACT, n) != TD_OK ||
+        td_sync(b) != TD_OK || td_download(b, TD_BUF_ACT, buf[0], x, n) != TD_OK) {
+      snprintf(a->fail, sizeof a->fail, "rank %d: size %zu: %s", a->rank, n, td_errmsg());
+      goto out;
+    }
+    expected(n, 0, want, tmp);
+    for (size_t i = 0; i < n; i++)
+      if (fabsf(x[i] - want[i]) > (n * 2 > (1u << 20) ? 0.01f * fabsf(want[i]) + 1e-3f : 0.0f)) {
+        snprintf(a->fail, sizeof a->fail, "rank %d: size %zu: sum[%zu] = %g, want %g", a->rank, n, i, x[i], want[i]);
+        goto out;
+      }
+    a->got[si] = malloc(sizeof(float) * n);
+    memcpy(a->got[si], x, sizeof(float) * n);
+  }
+  /* a graph of four all-reduces of mixed sizes, replayed with fresh inputs */
+  if (td_graph_begin(b) != TD_OK) {
+    snprintf(a->fail, sizeof a->fail, "graph begin: %s", td_errmsg());
+    goto out;
+  }
+  td_status cs = TD_OK;
+  for (int k = 0; k < SEQ && cs == TD_OK; k++) cs = td_allreduce_sum(b, buf[k], TD_BUF_ACT, seq_sizes[k]);
+  td_status es = td_graph_end(b, &gr);
+  if (cs != TD_OK || es != TD_OK) {
+    snprintf(a->fail, sizeof a->fail, "rank %d: capture: %s", a->rank, td_errmsg());
+    goto out;
+  }
+  for (int rep = 1; rep <= REPS; rep++) {
+    for (int k = 0; k < SEQ; k++) {
+      inputs(a->rank, seq_sizes[k], rep * SEQ + k, x);
+      if (td_upload(b, TD_BUF_ACT, buf[k], x, seq_sizes[k]) != TD_OK) goto io;
+    }
+    if (td_graph_launch(b, gr) != TD_OK || td_sync(b) != TD_OK) goto io;
+    for (int k = 0; k < SEQ; k++) {
+      size_t n = seq_sizes[k];
+      if (td_download(b, TD_BUF_ACT, buf[k], x, n) != TD_OK) goto io;
+      expected(n, rep * SEQ + k, want, tmp);
+      for (size_t i = 0; i < n; i++)
+        if (x[i] != want[i]) {
+          snprintf(a->fail, sizeof a->fail, "rank %d: replay %d, all-reduce %d (%zu values): sum[%zu] = %g, want %g",
+                   a->rank, rep, k, n, i, x[i], want[i]);
+          goto out;
+        }
+      if (rep == REPS) {
+        a->got[N_SIZES + k] = malloc(sizeof(float) * n);
+        memcpy(a->got[N_SIZES + k], x, sizeof(float) * n);
+      }
+    }
+  }
+  goto out;
+io:
+  snprintf(a->fail, sizeof a->fail, "rank %d: %s", a->rank, td_errmsg());
+out:
+  if (gr) td_graph_destroy(b, gr);
+  for (int k = 0; k < SEQ; k++)
+    if (buf[k]) td_free(b, buf[k]);
+  if (c) {
+    if (a->fail[0]) td_comm_abort(c);
+    else td_comm_destroy(c);
+  }
+  if (b) td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+  free(x);
+  free(want);
+  free(tmp);
+  return NULL;
+}
+
+Test(cuda_comm, allreduce_sizes_and_replays, .timeout = 300) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < WORLD) cr_skip_test("needs %d GPUs, %d visible", WORLD, n);
+  uint8_t id[TD_NCCL_ID_BYTES];
+  cr_assert(td_comm_nccl_id(id) == TD_OK, "%s", td_errmsg());
+  sum_arg args[WORLD];
+  pthread_t th[WORLD];
+  for (int r = 0; r < WORLD; r++) {
+    args[r] = (sum_arg){.rank = r, .id = id};
+    cr_assert(pthread_create(&th[r], NULL, sum_main, &args[r]) == 0);
+  }
+  for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < WORLD; r++) cr_expect(args[r].fail[0] == 0, "%s", args[r].fail);
+  /* every rank holds the same bits */
+  for (size_t k = 0; k < N_SIZES + SEQ; k++) {
+    size_t len = k < N_SIZES ? sizes[k] : seq_sizes[k - N_SIZES];
+    if (args[0].got[k] && args[1].got[k])
+      cr_expect(memcmp(args[0].got[k], args[1].got[k], sizeof(float) * len) == 0, "ranks differ in result %zu", k);
+    for (int r = 0; r < WORLD; r++) free(args[r].got[k]);
+  }
 }
 
 int main(int argc, char *argv[]) { return td_gpu_test_main(argc, argv, &cuda_tuning); }

@@ -128,6 +128,21 @@ check "a header past the connection's buffer: 431 ($code)" test "$code" = 431
 printf 'NOT HTTP AT ALL\r\n\r\n\x00\xff' | timeout 5 bash -c "cat > /dev/tcp/${gw#http://}" 2>/dev/null
 r=$(curl -s "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven"}')
 check "still serving after garbage" has "$r" '"text":"7"'
+# the gateway's own Prometheus metrics count what was answered above
+r=$(curl -s "$gw/metrics")
+ep='endpoint="/v1/completions"'
+check "metrics: 20 completions answered 200" has "$r" "tandem:gateway_requests_total{$ep,code=\"200\"} 20"
+check "metrics: 5 refused 400" has "$r" "tandem:gateway_requests_total{$ep,code=\"400\"} 5"
+check "metrics: 2 bodies too large (413)" has "$r" "tandem:gateway_requests_total{$ep,code=\"413\"} 2"
+check "metrics: an unknown model (404)" has "$r" "tandem:gateway_requests_total{$ep,code=\"404\"} 1"
+check "metrics: a GET on a POST endpoint (405)" has "$r" "tandem:gateway_requests_total{$ep,code=\"405\"} 1"
+check "metrics: an unknown endpoint" has "$r" 'tandem:gateway_requests_total{endpoint="other",code="404"} 1'
+check "metrics: the audio endpoint's refusal" has "$r" 'tandem:gateway_requests_total{endpoint="/v1/audio/transcriptions",code="400"} 1'
+check "metrics: one stream's first event" has "$r" "tandem:gateway_time_to_first_token_seconds_count{$ep} 1"
+check "metrics: request durations" has "$r" "tandem:gateway_request_duration_seconds_count{$ep} "
+gen=$(grep "^tandem:gateway_generation_tokens_total{$ep}" <<<"$r" | awk '{print $2}')
+check "metrics: generated tokens counted ($gen)" test "${gen:-0}" -gt 20
+check "metrics: POST /metrics is 405" status_is 405 "$gw/metrics" -d x
 
 check "openai Node client (text)" node "$npm_dir/gateway_openai.mjs" text "$gw" toy-numbers-t5
 
@@ -165,6 +180,9 @@ start_cluster audio --model "$wh" --tokenizer "$wh"
 m=toy-numbers-whisper
 tr="$gw/v1/audio/transcriptions"
 r=$(curl -s "$tr" -F model=$m -F file=@"$wh/number-4207.wav"); check "transcription json" test "$r" = '{"text":"4207"}'
+r=$(curl -s "$gw/metrics")
+sec=$(grep '^tandem:gateway_audio_seconds_total{endpoint="/v1/audio/transcriptions"}' <<<"$r" | awk '{print $2}')
+check "metrics: the transcription's audio seconds ($sec)" awk -v s="${sec:-0}" 'BEGIN { exit !(s > 0.5 && s < 10) }'
 r=$(curl -s "$tr" -F model=$m -F file=@"$wh/number-42.wav" -F response_format=text); check "transcription text" test "$r" = 42
 r=$(curl -s "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F response_format=srt)
 check "transcription srt" has "$r" $'1\n00:00:00,000 --> 00:00:0'

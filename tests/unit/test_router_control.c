@@ -879,6 +879,8 @@ static void group_join(void *s, const char *group, uint32_t rank, uint32_t world
   wsend(s, &m);
 }
 
+/* A rank that loads its model for long after the rendezvous is not silent;
+ * one that heartbeat and then stopped is. */
 Test(router_control, a_group_forms_and_a_silent_rank_takes_it_out, .timeout = 30) {
   harness h;
   start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 5});
@@ -900,12 +902,21 @@ Test(router_control, a_group_forms_and_a_silent_rank_takes_it_out, .timeout = 30
     cr_expect_str_eq(gi->group_info->endpoints[1], "tcp://follower");
     wfree(gi);
   }
-  /* the leader heartbeats, the follower goes silent */
+  /* the follower loads its model (no heartbeat yet) for longer than the
+   * silence bound (5 x 100 ms): the group stands; it heartbeats once, then
+   * goes silent while the leader heartbeats: the group fails */
   Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT;
   m.heartbeat = &hb;
   gi = NULL;
+  for (int64_t end = td_now_ms() + 1200; !gi && td_now_ms() < end;) {
+    send_body(leader, &m);
+    gi = wrecv(leader, 20);
+  }
+  cr_assert(!gi, "a rank still loading its model was taken for dead: %s",
+            gi->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO ? gi->group_info->error : "?");
+  send_body(follower, &m);
   for (int64_t end = td_now_ms() + WAIT_MS; !gi && td_now_ms() < end;) {
     send_body(leader, &m);
     gi = wrecv(leader, 20);
