@@ -140,6 +140,7 @@ struct td_router {
   chunk_out *outbox;
   int n_outbox, cap_outbox;
   void *ctx, *csock, *wsock;
+  td_zap *zap; /* NULL without keys */
   bool own_ctx;
   volatile sig_atomic_t *stop;    /* td_router_run's */
   worker *workers;                /* by id */
