@@ -90,6 +90,7 @@ static td_status zx_create(td_kvt *t, const td_kvt_opts *o) {
   td_wire_setup_socket(x->rx);
   td_status as = td_zap_create(x->auth, x->ctx, &x->zap);
   if (as == TD_OK) as = td_auth_server(x->auth, x->rx, TD_AUTH_DOMAIN_KV);
+  if (as == TD_OK) as = td_zap_watch(x->zap, x->rx, "KV");
   if (as != TD_OK) {
     zx_destroy(t);
     return as;

@@ -202,9 +202,19 @@ bool td_auth_msg_key(void *zmq_msg, char out[TD_AUTH_KEY_Z85]) {
 
 /* ---- ZAP handler (RFC 27) ---- */
 
+#define ZAP_MAX_WATCH 4
+
+typedef struct watch {
+  void *mon; /* PAIR: the watched socket's monitor events */
+  char what[32];
+} watch;
+
 struct td_zap {
   const td_auth *a;
-  void *sock;
+  void *sock, *ctx;
+  pthread_mutex_t mu; /* guards n_watch: watches are added from the owner's thread */
+  watch w[ZAP_MAX_WATCH];
+  int n_watch;
   pthread_t th;
   atomic_bool stop;
   atomic_ulong refused, admitted;
@@ -273,15 +283,84 @@ static void zap_handle(td_zap *z) {
   for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
 }
 
+/* One monitor event: [u16 event][u32 value], then the endpoint. */
+static void watch_event(td_zap *z, watch *w) {
+  zmq_msg_t m;
+  zmq_msg_init(&m);
+  if (zmq_msg_recv(&m, w->mon, 0) < 0) {
+    zmq_msg_close(&m);
+    return;
+  }
+  uint16_t ev = 0;
+  uint32_t val = 0;
+  if (zmq_msg_size(&m) >= 6) {
+    memcpy(&ev, zmq_msg_data(&m), 2);
+    memcpy(&val, (uint8_t *)zmq_msg_data(&m) + 2, 4);
+  }
+  bool more = zmq_msg_more(&m);
+  zmq_msg_close(&m);
+  char ep[128] = "";
+  while (more) {
+    zmq_msg_init(&m);
+    if (zmq_msg_recv(&m, w->mon, 0) < 0) {
+      zmq_msg_close(&m);
+      break;
+    }
+    if (!ep[0]) copy_frame(&m, ep, sizeof ep);
+    more = zmq_msg_more(&m);
+    zmq_msg_close(&m);
+  }
+  if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL || ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
+    atomic_fetch_add(&z->refused, 1);
+    if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && val == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+      TD_WARN("auth: refused a connection without CURVE keys on the %s endpoint %s", w->what, ep);
+    else
+      TD_WARN("auth: refused a connection on the %s endpoint %s: the CURVE handshake failed (0x%x)", w->what, ep,
+              (unsigned)val);
+  }
+}
+
 static void *zap_main(void *arg) {
   td_zap *z = arg;
   while (!atomic_load(&z->stop)) {
-    zmq_pollitem_t it = {.socket = z->sock, .events = ZMQ_POLLIN};
-    int r = zmq_poll(&it, 1, ZAP_POLL_MS);
+    zmq_pollitem_t it[1 + ZAP_MAX_WATCH] = {{.socket = z->sock, .events = ZMQ_POLLIN}};
+    pthread_mutex_lock(&z->mu);
+    int n = z->n_watch;
+    pthread_mutex_unlock(&z->mu);
+    for (int i = 0; i < n; i++) it[1 + i] = (zmq_pollitem_t){.socket = z->w[i].mon, .events = ZMQ_POLLIN};
+    int r = zmq_poll(it, 1 + n, ZAP_POLL_MS);
     if (r < 0 && zmq_errno() == ETERM) break;
-    if (r > 0) zap_handle(z);
+    if (r <= 0) continue;
+    if (it[0].revents & ZMQ_POLLIN) zap_handle(z);
+    for (int i = 0; i < n; i++)
+      if (it[1 + i].revents & ZMQ_POLLIN) watch_event(z, &z->w[i]);
   }
   return NULL;
+}
+
+td_status td_zap_watch(td_zap *z, void *sock, const char *what) {
+  if (!z) return TD_OK;
+  pthread_mutex_lock(&z->mu);
+  int i = z->n_watch;
+  pthread_mutex_unlock(&z->mu);
+  if (i == ZAP_MAX_WATCH) return td_err(TD_ERR_INTERNAL, "more than %d sockets watched by one ZAP handler", ZAP_MAX_WATCH);
+  char ep[64];
+  snprintf(ep, sizeof ep, "inproc://td-auth-monitor-%p", sock);
+  if (zmq_socket_monitor(sock, ep, ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) != 0)
+    return td_err(TD_ERR_NETWORK, "cannot monitor the %s socket: %s", what, zmq_strerror(zmq_errno()));
+  void *mon = zmq_socket(z->ctx, ZMQ_PAIR);
+  int linger = 0;
+  if (mon) zmq_setsockopt(mon, ZMQ_LINGER, &linger, sizeof linger);
+  if (!mon || zmq_connect(mon, ep) != 0) {
+    if (mon) zmq_close(mon);
+    return td_err(TD_ERR_NETWORK, "cannot read the %s socket's monitor: %s", what, zmq_strerror(zmq_errno()));
+  }
+  z->w[i].mon = mon;
+  snprintf(z->w[i].what, sizeof z->w[i].what, "%s", what);
+  pthread_mutex_lock(&z->mu); /* the thread reads the new entry after this */
+  z->n_watch = i + 1;
+  pthread_mutex_unlock(&z->mu);
+  return TD_OK;
 }
 
 td_status td_zap_create(const td_auth *a, void *ctx, td_zap **out) {
@@ -290,6 +369,8 @@ td_status td_zap_create(const td_auth *a, void *ctx, td_zap **out) {
   td_zap *z = calloc(1, sizeof *z);
   if (!z) return td_err(TD_ERR_NOMEM, "out of memory");
   z->a = a;
+  z->ctx = ctx;
+  pthread_mutex_init(&z->mu, NULL);
   z->sock = zmq_socket(ctx, ZMQ_REP);
   int linger = 0;
   if (z->sock) zmq_setsockopt(z->sock, ZMQ_LINGER, &linger, sizeof linger);
@@ -313,6 +394,8 @@ void td_zap_destroy(td_zap *z) {
   atomic_store(&z->stop, true);
   pthread_join(z->th, NULL);
   zmq_close(z->sock);
+  for (int i = 0; i < z->n_watch; i++) zmq_close(z->w[i].mon);
+  pthread_mutex_destroy(&z->mu);
   free(z);
 }
 

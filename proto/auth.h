@@ -65,7 +65,12 @@ bool td_auth_is_admin(const td_auth *a, const char *z85);
 typedef struct td_zap td_zap;
 td_status td_zap_create(const td_auth *a, void *zmq_ctx, td_zap **out);
 void td_zap_destroy(td_zap *z);
-/* Counts (for tests and logs): handshakes admitted and refused. */
+/* Logs failed handshakes on sock that never reach ZAP (a peer without
+ * CURVE, a bad handshake) with the endpoint's name `what`, through a
+ * socket monitor the handler's thread reads. Call from the socket's owner
+ * before it binds; NULL z: nothing. */
+td_status td_zap_watch(td_zap *z, void *sock, const char *what);
+/* Counts (for tests and logs): handshakes refused. */
 unsigned long td_zap_refused(const td_zap *z);
 
 /* The authenticated public key (Z85) of a received message's sender, from

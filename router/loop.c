@@ -200,6 +200,7 @@ static td_status bind_socket(td_router *r, void **sock, const char *endpoint, co
   if (!*sock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   td_wire_setup_socket(*sock);
   TD_TRY(td_auth_server(r->o.auth, *sock, domain));
+  TD_TRY(td_zap_watch(r->zap, *sock, what));
   td_auth_warn_open(r->o.auth, endpoint, what);
   zmq_setsockopt(*sock, ZMQ_MAXMSGSIZE, &max_msg, sizeof max_msg);
   int on = handover;

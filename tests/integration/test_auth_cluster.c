@@ -1,0 +1,133 @@
+/* CURVE across a cluster of real processes on loopback: with keys, requests
+ * go client -> router -> encoder and decode workers, KV over ZeroMQ, and
+ * give transformers' tokens; a client without a key or with an unknown
+ * one, a client key registering as a worker, and a worker with an unknown
+ * key are refused and logged by the router, and the cluster serves on. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <criterion/criterion.h>
+
+#include "../unit/fixture.h"
+#include "cluster_util.h"
+#include "common/clock.h"
+#include "proto/auth.h"
+
+static char keys[64];
+
+static void keygen(const char *name) {
+  char pub[128], sec[128];
+  snprintf(pub, sizeof pub, "%s/%s.pub", keys, name);
+  snprintf(sec, sizeof sec, "%s/%s.key", keys, name);
+  cr_assert(td_auth_keygen(pub, sec) == TD_OK, "%s", td_errmsg());
+}
+
+static void pub_of(const char *name, char out[TD_AUTH_KEY_Z85]) {
+  char p[128];
+  snprintf(p, sizeof p, "%s/%s.pub", keys, name);
+  cr_assert(td_auth_read_key(p, false, out) == TD_OK, "%s", td_errmsg());
+}
+
+static void write_list(const char *file, const char *const *names, int n) {
+  char p[128], k[TD_AUTH_KEY_Z85];
+  snprintf(p, sizeof p, "%s/%s", keys, file);
+  FILE *f = fopen(p, "w");
+  cr_assert(f);
+  for (int i = 0; i < n; i++) {
+    pub_of(names[i], k);
+    fprintf(f, "%s\n", k);
+  }
+  fclose(f);
+}
+
+static td_auth *client_auth(const char *name) {
+  char sec[128], rk[128];
+  snprintf(sec, sizeof sec, "%s/%s.key", keys, name);
+  snprintf(rk, sizeof rk, "%s/router.pub", keys);
+  td_auth_opts o = {.secret_file = sec, .router_key_file = rk};
+  td_auth *a = NULL;
+  cr_assert(td_auth_create(&o, &a) == TD_OK && a, "%s", td_errmsg());
+  return a;
+}
+
+static bool wait_log(cluster *c, const char *name, const char *text, int timeout_ms) {
+  for (int64_t end = td_now_ms() + timeout_ms; td_now_ms() < end; usleep(100000))
+    if (cluster_log_has(c, name, text)) return true;
+  return false;
+}
+
+static bool registered(cluster *c, const char *id) {
+  td_client_health h;
+  if (!cluster_health(c, &h)) return false;
+  for (int i = 0; i < h.n_workers; i++)
+    if (!strcmp(h.workers[i].id, id)) return true;
+  return false;
+}
+
+Test(auth, curve_cluster_serves_listed_keys_and_refuses_others, .timeout = 300) {
+  snprintf(keys, sizeof keys, "/tmp/td-keys-XXXXXX");
+  cr_assert(mkdtemp(keys));
+  const char *names[] = {"router", "encoder-0", "decode-0", "client", "stranger", "intruder"};
+  for (int i = 0; i < 6; i++) keygen(names[i]);
+  const char *workers[] = {"encoder-0", "decode-0"}, *clients[] = {"client"};
+  write_list("workers.list", workers, 2);
+  write_list("clients.list", clients, 1);
+  td_auth *ca = client_auth("client");
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .decodes = 1, .keys = keys, .auth = ca};
+  cluster_start(&c, &o);
+  cr_expect(cluster_log_has(&c, "router", "CURVE on the client and worker endpoints"));
+
+  /* end to end: the encoder's cross KV reaches the decode worker over ZeroMQ (CURVE) */
+  expect_fixture_greedy(&c, &fx);
+  kv_count k;
+  cr_assert(cluster_kv_count(&c, "decode-0", 5000, &k));
+  cr_expect(k.in_zmq > 0 && k.in_ucx == 0, "decode-0 took %llu blocks over ZeroMQ, %llu over UCX",
+            (unsigned long long)k.in_zmq, (unsigned long long)k.in_ucx);
+
+  /* clients: no key, an unknown key; both get no answer and the router logs them */
+  td_client *cl = NULL;
+  cr_expect(td_client_connect_wait(c.client_ep, 1500, &cl) == TD_ERR_PEER, "a client without a key got an answer");
+  cr_expect(wait_log(&c, "router", "refused a connection without CURVE keys on the client endpoint", 5000),
+            "no refusal of the keyless client in the router's log");
+  td_auth *sa = client_auth("stranger");
+  cr_expect(td_client_connect_wait_auth(c.client_ep, sa, 1500, &cl) == TD_ERR_PEER, "an unknown key got an answer");
+  char sk[TD_AUTH_KEY_Z85], line[200];
+  pub_of("stranger", sk);
+  snprintf(line, sizeof line, "refused key %s on tandem-clients", sk);
+  cr_expect(wait_log(&c, "router", line, 5000), "the router did not log the unknown client key");
+  td_auth_destroy(sa);
+
+  /* a client key registering as a worker (a worker process given the
+   * client's secret), and a worker with an unknown key: neither registers */
+  char src[128], dst[128], cmd[400];
+  snprintf(src, sizeof src, "%s/client.key", keys);
+  snprintf(dst, sizeof dst, "%s/fake-worker.key", keys);
+  snprintf(cmd, sizeof cmd, "cp -p %s %s", src, dst);
+  cr_assert(system(cmd) == 0);
+  int fake = cluster_add_worker(&c, "fake-worker", "decode", 4);
+  int intruder = cluster_add_worker(&c, "intruder", "encode,decode", 4);
+  char ck[TD_AUTH_KEY_Z85], ik[TD_AUTH_KEY_Z85];
+  pub_of("client", ck);
+  pub_of("intruder", ik);
+  snprintf(line, sizeof line, "refused key %s on tandem-workers", ck);
+  cr_expect(wait_log(&c, "router", line, 20000), "the router did not log the client key on its worker socket");
+  snprintf(line, sizeof line, "refused key %s on tandem-workers", ik);
+  cr_expect(wait_log(&c, "router", line, 20000), "the router did not log the unknown worker key");
+  sleep(1);
+  cr_expect(!registered(&c, "fake-worker"), "a client key registered a worker");
+  cr_expect(!registered(&c, "intruder"), "an unknown worker key registered");
+  cr_expect(registered(&c, "decode-0") && registered(&c, "encoder-0"));
+  cluster_kill(&c, fake);
+  cluster_kill(&c, intruder);
+
+  /* the cluster still serves the listed client */
+  expect_fixture_greedy(&c, &fx);
+  cr_expect(cluster_stop(&c), "unclean stop (logs in %s)", c.dir);
+  td_auth_destroy(ca);
+  fx_free(&fx);
+}
