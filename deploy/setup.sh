@@ -19,6 +19,8 @@ packages=(
   libmicrohttpd-dev libcurl4-openssl-dev curl                     # gateway (HTTP server), bench-serve --gateway, its test
   prometheus jq                                                   # the router's /metrics scraped by a real Prometheus (its test)
   clang libclang-rt-dev                                           # libFuzzer targets (asan build): Debian's default clang and its runtime
+  slurm-wlm munge                                                 # deploy/slurm: a real single-node Slurm in its test
+  yq                                                              # deploy/k8s: its test parses the manifests
 )
 # the gateway's test runs the openai Node client (a Node from elsewhere brings its own npm)
 command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
