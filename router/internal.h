@@ -200,9 +200,11 @@ void rtr_workers_free(td_router *r);
 
 /* ---- admin.c: an operator's requests (tandem-admin) */
 /* Whether this client connection may send admin requests. The one check
- * every admin request passes; today it admits every client. */
-bool rtr_admin_allowed(const td_router *r, const uint8_t *peer, size_t peer_len);
-void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const Tandem__AdminRequest *a);
+ * every admin request passes: without CURVE every client; with keys, the
+ * clients whose key is on --admin-keys (none without that list). */
+/* key: the client's authenticated public key (NULL without CURVE) */
+bool rtr_admin_allowed(const td_router *r, const char *key);
+void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const char *key, const Tandem__AdminRequest *a);
 
 /* ---- groups.c */
 void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j);

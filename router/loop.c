@@ -143,7 +143,11 @@ static void on_client_message(td_router *r) {
     case TANDEM__CLIENT_MESSAGE__BODY_CANCEL: rtr_on_cancel(r, f.id, f.id_len, m->cancel); break;
     case TANDEM__CLIENT_MESSAGE__BODY_HEALTH: rtr_health(r, f.id, f.id_len); break;
     case TANDEM__CLIENT_MESSAGE__BODY_LIST_MODELS: list_models(r, f.id, f.id_len); break;
-    case TANDEM__CLIENT_MESSAGE__BODY_ADMIN: rtr_on_admin(r, f.id, f.id_len, m->admin); break;
+    case TANDEM__CLIENT_MESSAGE__BODY_ADMIN: {
+      char key[TD_AUTH_KEY_Z85];
+      rtr_on_admin(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m->admin);
+      break;
+    }
     default:
       rtr_client_error(r, f.id, f.id_len, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, "message without a body");
       break;

@@ -134,13 +134,14 @@ void cluster_start(cluster *c, const cluster_opts *o) {
   char *argv[32] = {bin, "--client-endpoint", c->client_ep, "--worker-endpoint", c->worker_ep, "--prefill-threshold",
                     pt, "--heartbeat-ms", "200", "--dead-after", "5"};
   int a = 11;
-  char extra[256], sec[600], wl[600], cl[600];
+  char extra[256], sec[600], wl[600], cl[600], al[600];
   if (c->keys[0]) {
     snprintf(sec, sizeof sec, "%s/router.key", c->keys);
     snprintf(wl, sizeof wl, "%s/workers.list", c->keys);
     snprintf(cl, sizeof cl, "%s/clients.list", c->keys);
-    char *k[] = {"--curve-secret", sec, "--worker-keys", wl, "--client-keys", cl};
-    for (int i = 0; i < 6; i++) argv[a++] = k[i];
+    snprintf(al, sizeof al, "%s/admins.list", c->keys);
+    char *k[] = {"--curve-secret", sec, "--worker-keys", wl, "--client-keys", cl, "--admin-keys", al};
+    for (int i = 0; i < 8; i++) argv[a++] = k[i];
   }
   if (o->router_extra) {
     snprintf(extra, sizeof extra, "%s", o->router_extra);

@@ -45,7 +45,7 @@ typedef struct cluster_opts {
   const char *extra_worker; /* a worker (e.g. "prefill-0") that gets extra_flags instead */
   const char *extra_flags;
   /* CURVE everywhere: the folder holding router.key / router.pub, NAME.key
-   * of each worker, workers.list and clients.list (keys_write makes them),
+   * of each worker, workers.list, clients.list and admins.list,
    * and the client keys the test's own connections use */
   const char *keys;
   const td_auth *auth;

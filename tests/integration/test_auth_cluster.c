@@ -2,10 +2,12 @@
  * go client -> router -> encoder and decode workers, KV over ZeroMQ, and
  * give transformers' tokens; a client without a key or with an unknown
  * one, a client key registering as a worker, and a worker with an unknown
- * key are refused and logged by the router, and the cluster serves on. */
+ * key are refused and logged by the router, and the cluster serves on;
+ * tandem-admin needs a key on the admin list. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <criterion/criterion.h>
@@ -69,11 +71,12 @@ static bool registered(cluster *c, const char *id) {
 Test(auth, curve_cluster_serves_listed_keys_and_refuses_others, .timeout = 300) {
   snprintf(keys, sizeof keys, "/tmp/td-keys-XXXXXX");
   cr_assert(mkdtemp(keys));
-  const char *names[] = {"router", "encoder-0", "decode-0", "client", "stranger", "intruder"};
-  for (int i = 0; i < 6; i++) keygen(names[i]);
-  const char *workers[] = {"encoder-0", "decode-0"}, *clients[] = {"client"};
+  const char *names[] = {"router", "encoder-0", "decode-0", "client", "operator", "stranger", "intruder"};
+  for (int i = 0; i < 7; i++) keygen(names[i]);
+  const char *workers[] = {"encoder-0", "decode-0"}, *clients[] = {"client", "operator"}, *admins[] = {"operator"};
   write_list("workers.list", workers, 2);
-  write_list("clients.list", clients, 1);
+  write_list("clients.list", clients, 2);
+  write_list("admins.list", admins, 1);
   td_auth *ca = client_auth("client");
   fixture fx;
   fx_load("t5-tiny", &fx);
@@ -124,6 +127,19 @@ Test(auth, curve_cluster_serves_listed_keys_and_refuses_others, .timeout = 300) 
   cr_expect(registered(&c, "decode-0") && registered(&c, "encoder-0"));
   cluster_kill(&c, fake);
   cluster_kill(&c, intruder);
+
+  /* admin requests: a client key is refused, the operator's key admitted */
+  char cmd2[1200];
+  snprintf(cmd2, sizeof cmd2,
+           "%s/tandem-admin --router %s --curve-secret %s/client.key --router-key %s/router.pub list >/dev/null 2>&1",
+           TD_BIN_DIR, c.client_ep, keys, keys);
+  int rc = system(cmd2);
+  cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 1, "tandem-admin with a client key: status %d", rc);
+  snprintf(cmd2, sizeof cmd2,
+           "%s/tandem-admin --router %s --curve-secret %s/operator.key --router-key %s/router.pub list >/dev/null 2>&1",
+           TD_BIN_DIR, c.client_ep, keys, keys);
+  rc = system(cmd2);
+  cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "tandem-admin with the admin key: status %d", rc);
 
   /* the cluster still serves the listed client */
   expect_fixture_greedy(&c, &fx);
