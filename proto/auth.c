@@ -13,10 +13,10 @@
 #include <uthash.h>
 #include <zmq.h>
 
+#include "common/clock.h"
 #include "common/log.h"
 
 #define ZAP_ENDPOINT "inproc://zeromq.zap.01"
-#define ZAP_POLL_MS 100 /* how soon the handler sees its stop flag */
 
 typedef struct keyent {
   char z85[TD_AUTH_KEY_Z85];
@@ -209,8 +209,18 @@ typedef struct watch {
   char what[32];
 } watch;
 
+/* when a refusal (domain or endpoint, and key) was last logged */
+typedef struct seen {
+  char what[96];
+  int64_t logged_ms;
+  unsigned long quiet; /* refusals not logged since */
+  UT_hash_handle hh;
+} seen;
+
 struct td_zap {
   const td_auth *a;
+  seen *seen; /* the handler thread's alone */
+  int n_seen;
   void *sock, *ctx;
   pthread_mutex_t mu; /* guards n_watch: watches are added from the owner's thread */
   watch w[ZAP_MAX_WATCH];
@@ -236,6 +246,40 @@ static void copy_frame(zmq_msg_t *m, char *out, size_t cap) {
   if (n >= cap) n = cap - 1;
   memcpy(out, zmq_msg_data(m), n);
   out[n] = 0;
+}
+
+/* Whether to log this refusal now (a refused peer reconnects every 100 ms);
+ * *quiet: the refusals of it not logged since the last line. */
+static bool log_now(td_zap *z, const char *a, const char *b, unsigned long *quiet) {
+  char what[96];
+  snprintf(what, sizeof what, "%s|%s", a, b);
+  int64_t now = td_now_ms();
+  seen *e = NULL;
+  HASH_FIND_STR(z->seen, what, e);
+  *quiet = 0;
+  if (e && now - e->logged_ms < TD_AUTH_REFUSAL_LOG_MS) {
+    e->quiet++;
+    return false;
+  }
+  if (!e) {
+    if (z->n_seen >= TD_AUTH_REFUSAL_LOG_KEYS) {
+      seen *x, *t;
+      HASH_ITER(hh, z->seen, x, t) {
+        HASH_DEL(z->seen, x);
+        free(x);
+      }
+      z->n_seen = 0;
+    }
+    e = calloc(1, sizeof *e);
+    if (!e) return true;
+    snprintf(e->what, sizeof e->what, "%s", what);
+    HASH_ADD_STR(z->seen, what, e);
+    z->n_seen++;
+  }
+  *quiet = e->quiet;
+  e->quiet = 0;
+  e->logged_ms = now;
+  return true;
 }
 
 static void zap_handle(td_zap *z) {
@@ -272,12 +316,15 @@ static void zap_handle(td_zap *z) {
     zap_reply(z->sock, &f[1], "200", "OK", key);
   } else {
     atomic_fetch_add(&z->refused, 1);
-    if (curve)
-      TD_WARN("auth: refused key %s on %s from %s: not on the %s list", key, domain, address,
-              !strcmp(domain, TD_AUTH_DOMAIN_CLIENTS) ? "client" : "worker");
-    else
+    unsigned long quiet;
+    bool say = log_now(z, domain, curve ? key : mech, &quiet);
+    if (say && curve) {
+      TD_WARN("auth: refused key %s on %s from %s: not on the %s list (%lu more refusals of it since the last line)",
+              key, domain, address, !strcmp(domain, TD_AUTH_DOMAIN_CLIENTS) ? "client" : "worker", quiet);
+    } else if (say) {
       TD_WARN("auth: refused a %s connection on %s from %s: CURVE keys are required", mech,
               domain[0] ? domain : "(no domain)", address);
+    }
     zap_reply(z->sock, &f[1], "400", "key not admitted", "");
   }
   for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
@@ -312,9 +359,14 @@ static void watch_event(td_zap *z, watch *w) {
   }
   if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL || ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
     atomic_fetch_add(&z->refused, 1);
-    if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && val == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
-      TD_WARN("auth: refused a connection without CURVE keys on the %s endpoint %s", w->what, ep);
-    else
+    unsigned long quiet;
+    char code[16];
+    snprintf(code, sizeof code, "%x", (unsigned)val);
+    bool say = log_now(z, w->what, code, &quiet);
+    if (say && ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL && val == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+      TD_WARN("auth: refused a connection without CURVE keys on the %s endpoint %s (%lu more since the last line)",
+              w->what, ep, quiet);
+    else if (say)
       TD_WARN("auth: refused a connection on the %s endpoint %s: the CURVE handshake failed (0x%x)", w->what, ep,
               (unsigned)val);
   }
@@ -328,7 +380,7 @@ static void *zap_main(void *arg) {
     int n = z->n_watch;
     pthread_mutex_unlock(&z->mu);
     for (int i = 0; i < n; i++) it[1 + i] = (zmq_pollitem_t){.socket = z->w[i].mon, .events = ZMQ_POLLIN};
-    int r = zmq_poll(it, 1 + n, ZAP_POLL_MS);
+    int r = zmq_poll(it, 1 + n, TD_AUTH_ZAP_POLL_MS);
     if (r < 0 && zmq_errno() == ETERM) break;
     if (r <= 0) continue;
     if (it[0].revents & ZMQ_POLLIN) zap_handle(z);
@@ -395,6 +447,11 @@ void td_zap_destroy(td_zap *z) {
   pthread_join(z->th, NULL);
   zmq_close(z->sock);
   for (int i = 0; i < z->n_watch; i++) zmq_close(z->w[i].mon);
+  seen *x, *t;
+  HASH_ITER(hh, z->seen, x, t) {
+    HASH_DEL(z->seen, x);
+    free(x);
+  }
   pthread_mutex_destroy(&z->mu);
   free(z);
 }

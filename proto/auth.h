@@ -13,10 +13,10 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "common/defaults.h"
 #include "common/status.h"
 
 #define TD_AUTH_KEY_Z85 41  /* 40 characters and the NUL */
-#define TD_AUTH_MAX_KEYS 4096 /* per list file; more is refused */
 
 /* ZAP domains: which list a server socket admits from. */
 #define TD_AUTH_DOMAIN_CLIENTS "tandem-clients" /* the router's client socket: client keys */

@@ -108,6 +108,24 @@ Test(auth, keygen_files_and_refusals) {
   o = (td_auth_opts){.secret_file = sec, .client_keys_file = lp};
   cr_expect(td_auth_create(&o, &none) == TD_ERR_FORMAT && !none);
   cr_expect(strstr(td_errmsg(), "line 2"), "names the line: %s", td_errmsg());
+  /* a list past TD_AUTH_MAX_KEYS is refused, naming the limit; at it, taken */
+  FILE *lf = fopen(lp, "w");
+  cr_assert(lf);
+  for (int i = 0; i <= TD_AUTH_MAX_KEYS; i++) {
+    char kp[TD_AUTH_KEY_Z85], ks[TD_AUTH_KEY_Z85];
+    cr_assert(zmq_curve_keypair(kp, ks) == 0);
+    if (i == TD_AUTH_MAX_KEYS) {
+      fclose(lf);
+      o = (td_auth_opts){.secret_file = sec, .client_keys_file = lp};
+      cr_expect(td_auth_create(&o, &none) == TD_OK && none, "%d keys: %s", TD_AUTH_MAX_KEYS, td_errmsg());
+      td_auth_destroy(none);
+      lf = fopen(lp, "a");
+    }
+    fprintf(lf, "%s\n", kp);
+  }
+  fclose(lf);
+  cr_expect(td_auth_create(&o, &none) == TD_ERR_INVALID && !none);
+  cr_expect(strstr(td_errmsg(), "more than 4096 keys"), "%s", td_errmsg());
   /* lists without a secret are refused; nothing configured is no auth */
   o = (td_auth_opts){.client_keys_file = lp};
   cr_expect(td_auth_create(&o, &none) == TD_ERR_INVALID && !none);
