@@ -83,7 +83,8 @@ static void on_worker_message(td_router *r) {
   } else if (fg) {
     fg->seen[frank] = td_now_ms(); /* a follower's heartbeat */
   } else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER) {
-    rtr_on_register(r, f.id, f.id_len, m->register_);
+    char key[TD_AUTH_KEY_Z85];
+    rtr_on_register(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m->register_);
   } else if (!w) {
     refuse_peer(r, f.id, f.id_len, "unknown worker: register"); /* e.g. the router restarted */
   } else {
@@ -265,6 +266,7 @@ void td_router_destroy(td_router *r) {
   rreq *q, *t;
   HASH_ITER(hh, r->by_rid, q, t) rtr_req_free(r, q);
   rtr_workers_free(r);
+  rtr_id_keys_free(r);
   rtr_groups_free(r);
   td_ptrvec_free(&r->queue);
   free(r->outbox); /* empty between messages */
