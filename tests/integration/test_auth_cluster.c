@@ -3,7 +3,8 @@
  * give transformers' tokens; a client without a key or with an unknown
  * one, a client key registering as a worker, and a worker with an unknown
  * key are refused and logged by the router, a listed worker key cannot
- * take another worker's id while it is away, and the cluster serves on;
+ * take another worker's id while it is away, KV pushes from an unknown key
+ * or into no reservation are refused, and the cluster serves on;
  * tandem-admin needs a key on the admin list. */
 #include <signal.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #include "cluster_util.h"
 #include "common/clock.h"
 #include "proto/auth.h"
+#include "proto/wire.h"
 
 static char keys[64];
 
@@ -68,6 +70,63 @@ static bool registered(cluster *c, const char *id) {
   for (int i = 0; i < h.n_workers; i++)
     if (!strcmp(h.workers[i].id, id)) return true;
   return false;
+}
+
+/* decode-0's KV endpoint and public key, from its start line
+ * "KV endpoint zmq:tcp://HOST:PORT KEY" */
+static void kv_endpoint(cluster *c, const char *name, char ep[128], char key[TD_AUTH_KEY_Z85]) {
+  char path[600], line[4096];
+  snprintf(path, sizeof path, "%s/%s.log", c->dir, name);
+  FILE *f = fopen(path, "r");
+  cr_assert(f);
+  bool found = false;
+  while (!found && fgets(line, sizeof line, f)) {
+    char *p = strstr(line, "KV endpoint zmq:");
+    if (p) found = sscanf(p, "KV endpoint zmq:%127s %40s", ep, key) == 2;
+  }
+  fclose(f);
+  cr_assert(found, "no CURVE KV endpoint in %s's log", name);
+}
+
+/* Pushes one block into a reservation that does not exist, as a listed
+ * worker key (or a stranger's); returns the KvAck's ok, or -1 when no
+ * answer came (the handshake was refused). */
+static int fake_push(const char *ep, const char *server_key, const char *as) {
+  td_auth *a = client_auth(as);
+  void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+  int linger = 0;
+  zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert(td_auth_client(a, d, server_key) == TD_OK, "%s", td_errmsg());
+  cr_assert(zmq_connect(d, ep) == 0);
+  Tandem__Cluster__KvPush h = TANDEM__CLUSTER__KV_PUSH__INIT;
+  int32_t blocks[1] = {0};
+  uint8_t block[64] = {0};
+  h.version = TD_PROTOCOL_VERSION;
+  h.rid = 987654321;
+  h.reservation = 4242;
+  h.cross = true;
+  h.blocks = blocks;
+  h.n_blocks = 1;
+  h.block_bytes = sizeof block;
+  h.push_id = 1;
+  uint8_t hb[128];
+  size_t hl = tandem__cluster__kv_push__pack(&h, hb);
+  zmq_send(d, hb, hl, ZMQ_SNDMORE);
+  zmq_send(d, block, sizeof block, 0);
+  int ok = -1;
+  zmq_pollitem_t it = {.socket = d, .events = ZMQ_POLLIN};
+  if (zmq_poll(&it, 1, 3000) > 0) {
+    uint8_t ab[512];
+    int n = zmq_recv(d, ab, sizeof ab, 0);
+    Tandem__Cluster__KvAck *ack = n > 0 ? tandem__cluster__kv_ack__unpack(NULL, (size_t)n, ab) : NULL;
+    cr_assert(ack, "a malformed KvAck");
+    ok = ack->ok;
+    tandem__cluster__kv_ack__free_unpacked(ack, NULL);
+  }
+  zmq_close(d);
+  zmq_ctx_term(ctx);
+  td_auth_destroy(a);
+  return ok;
 }
 
 Test(auth, curve_cluster_serves_listed_keys_and_refuses_others, .timeout = 300) {
@@ -152,6 +211,17 @@ Test(auth, curve_cluster_serves_listed_keys_and_refuses_others, .timeout = 300) 
   int64_t back = td_now_ms() + 20000;
   while (!registered(&c, "decode-0") && td_now_ms() < back) usleep(100000);
   cr_expect(registered(&c, "decode-0"), "decode-0 did not register again under its own key");
+
+  /* KV pushes into decode-0: a stranger's key never gets through the
+   * handshake; a listed worker key's push into a reservation that does not
+   * exist is refused and logged, and the requests after it are right */
+  char kep[128], kkey[TD_AUTH_KEY_Z85];
+  kv_endpoint(&c, "decode-0", kep, kkey);
+  cr_expect_eq(fake_push(kep, kkey, "stranger"), -1, "a stranger's KV push was answered");
+  snprintf(line, sizeof line, "refused key %s on tandem-kv", sk);
+  cr_expect(wait_log(&c, "decode-0", line, 5000), "decode-0 did not log the stranger's key");
+  cr_expect_eq(fake_push(kep, kkey, "thief"), 0, "a push into no reservation was accepted");
+  cr_expect(wait_log(&c, "decode-0", "refused a KV push for request 987654321", 5000));
 
   /* admin requests: a client key is refused, the operator's key admitted */
   char cmd2[1200];
