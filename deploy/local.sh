@@ -24,7 +24,8 @@
 #                   (--port N: the router on N and N + 1; without it, a free pair below
 #                   the ephemeral range, picked again if taken before the router binds)
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
-#                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks)
+#                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks; with --encoders 0
+#                                                     each group encodes its own requests)
 #                   [--decoders-encode [--local-encode-pct P]] (decode workers also encode, sharing the
 #                                                     encoding with the encoders while fewer than P % of
 #                                                     their batch decode; default 50)
@@ -319,7 +320,6 @@ ngpu=1
 [[ $device == cuda ]] && ngpu=$(nvidia-smi -L | wc -l)
 [[ -n $max_batch ]] && common+=(--max-batch "$max_batch")
 group_size=$((decode_tp * decode_pp))
-((group_size > 1 && encoders == 0)) && { echo "local.sh: decode groups need encoder workers" >&2; exit 2; }
 ((group_size > 1 && decoders_encode)) && { echo "local.sh: --decoders-encode is for single-process decode workers" >&2; exit 2; }
 [[ $group_size -gt 1 && $kv_transport == ucx ]] &&
   { echo "local.sh: decode groups take KV over ZeroMQ (the leader re-slices it): use --kv-transport auto" >&2; exit 2; }
@@ -349,7 +349,7 @@ for ((i = 0; i < decodes; i++)); do
   for ((r = 0; r < group_size; r++)); do
     name="decode-$i"
     ((r > 0)) && name="decode-$i-rank$r"
-    plan "$name" 3 --role decode --group "decode-$i" $par --rank "$r"
+    plan "$name" 3 --role "$roles" --group "decode-$i" $par --rank "$r"
   done
 done
 declare -A role_share=()

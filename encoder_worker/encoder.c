@@ -40,6 +40,7 @@ const td_role td_role_encode = {
     .hands_over = TD_POOL_CROSS,
     .self_kv = false,
     .in_group = false,
+    .group_self = true,
     .on_job = encode_job,
     .on_done = encode_done,
     .on_pushed = encode_pushed,

@@ -94,16 +94,17 @@ static bool enc_room(const td_place_worker *w, const td_place_req *q, const td_p
 static int pick_encoder(const td_place_worker *const *pool, int n, int d, const td_place_req *q,
                         const td_place_opts *o) {
   const td_place_worker *dw = pool[d];
+  bool self = dw->enc || dw->enc_self; /* d may encode its own */
   bool pure = false; /* an encoder-only worker is there to share the encoding with */
   for (int i = 0; i < n; i++) pure |= pool[i]->enc && !pool[i]->dec && !pool[i]->draining;
-  if (dw->enc && !pure) return LOCAL;
+  if (self && !pure) return LOCAL;
   int best = -1;
   const td_place_worker *bw = NULL;
   for (int i = 0; i < n; i++) {
     const td_place_worker *w = pool[i];
-    if (!w->enc || w->draining || !enc_room(w, q, o)) continue;
+    if (!(w->enc || (i == d && w->enc_self)) || w->draining || !enc_room(w, q, o)) continue;
     /* a worker that decodes encodes only for itself when it encodes */
-    if (dw->enc && w->dec && i != d) continue;
+    if (self && w->dec && i != d) continue;
     if (i == d && (int64_t)w->decoding * 100 >= (int64_t)o->local_encode_pct * w->max_running) continue;
     if (!bw || w->enc_pending < bw->enc_pending || (w->enc_pending == bw->enc_pending && bw->dec && !w->dec))
       best = i, bw = w;

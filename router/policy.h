@@ -50,6 +50,7 @@ td_status td_admit_request(const Tandem__ModelInfo *model, int block_size, const
 typedef struct td_place_worker {
   const char *id;
   bool enc, pre, dec; /* roles */
+  bool enc_self;      /* encodes its own requests only (a TP / PP group: its KV is sliced across ranks) */
   bool draining;      /* finishing its work: nothing new goes there */
   int cross_blocks;   /* its cross KV pool */
   int max_running;    /* sequences its decode step runs at once */

@@ -25,7 +25,7 @@ int rtr_count_role(const td_router *r, rtr_role role) {
   int n = 0;
   for (int i = 0; i < r->n_pool; i++) {
     const td_place_worker *w = r->pool[i];
-    n += role == RTR_ENCODE ? w->enc : role == RTR_PREFILL ? w->pre : w->dec;
+    n += role == RTR_ENCODE ? w->enc || w->enc_self : role == RTR_PREFILL ? w->pre : w->dec;
   }
   return n;
 }
@@ -216,6 +216,11 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
     w->pl.pre |= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_PREFILL;
     w->pl.dec |= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_DECODE;
   }
+  /* a group's KV is sliced across its ranks: it encodes for itself, never for another */
+  if (w->pl.enc && in->group && in->group[0] && (in->tp > 1 || in->pp > 1)) {
+    w->pl.enc = false;
+    w->pl.enc_self = w->pl.dec;
+  }
   w->self_blocks = (int)in->self_blocks;
   w->pl.cross_blocks = (int)in->cross_blocks;
   w->pl.max_running = in->max_running ? (int)in->max_running : 1;
@@ -237,7 +242,7 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
   }
   HASH_ADD_STR(r->workers, id, w);
   HASH_ADD(hr, r->by_route, route, w->route_len, w);
-  TD_INFO("worker %s registered: %s%s%s on %s, %d self / %d cross blocks", wid, w->pl.enc ? "encode " : "",
+  TD_INFO("worker %s registered: %s%s%s on %s, %d self / %d cross blocks", wid, w->pl.enc ? "encode " : w->pl.enc_self ? "encode (its own) " : "",
           w->pl.pre ? "prefill " : "", w->pl.dec ? "decode" : "", w->device, w->self_blocks, w->pl.cross_blocks);
   rtr_metrics_worker(r, w, true);
   send_ack(r, id, id_len, true, NULL);
@@ -292,7 +297,7 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
       Tandem__WorkerStatus *x = &ws[k];
       tandem__worker_status__init(x);
       x->id = w->id;
-      x->encode = w->pl.enc;
+      x->encode = w->pl.enc || w->pl.enc_self;
       x->prefill = w->pl.pre;
       x->decode = w->pl.dec;
       x->self_blocks = (uint32_t)w->self_blocks;

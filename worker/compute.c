@@ -466,7 +466,14 @@ static void *compute_main(void *arg) {
   if (s != TD_OK) return NULL;
   for (;;) {
     pthread_mutex_lock(&w->mu);
-    while (!w->cmd_head && !w->stop_compute && td_engine_idle(w->e)) timed_wait(w, TD_WORKER_COMPUTE_IDLE_MS * 1000L);
+    while (!w->cmd_head && !w->stop_compute && td_engine_idle(w->e)) {
+      timed_wait(w, TD_WORKER_COMPUTE_IDLE_MS * 1000L);
+      if (w->world > 1) { /* an idle leader still heartbeats to its followers */
+        pthread_mutex_unlock(&w->mu);
+        w_mirror_tick(w);
+        pthread_mutex_lock(&w->mu);
+      }
+    }
     bool was_idle = td_engine_idle(w->e);
     pthread_mutex_unlock(&w->mu);
     int added = run_commands(w);

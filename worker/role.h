@@ -37,6 +37,9 @@ struct td_role {
   td_role_pool hands_over; /* its finished blocks leave for other workers (td_job_push) */
   bool self_kv;          /* its requests hold decoder self-attention KV (else the self pool stays token-sized) */
   bool in_group;         /* a TP / PP group may serve it (its blocks never leave whole-model) */
+  bool group_self;       /* a group may take it for its own requests only (encode: its blocks are sliced
+                            across the ranks, so none can leave for another worker); the router is told
+                            so by the group's registration, and jobs for others are refused */
   /* a job message (m is the role's: td_job_take keeps it with the job) */
   void (*on_job)(td_worker *w, Tandem__Cluster__RouterMessage *m);
   /* blocks arrived in the job's reservation (NULL: never reserves) */

@@ -65,9 +65,10 @@ static td_status group_start(td_worker *w) {
     return td_err(TD_ERR_UNSUPPORTED, "--kv-transport ucx: a TP/PP group takes KV over ZeroMQ (its leader re-slices "
                   "whole-model blocks for the ranks)");
   for (int i = 0; i < w->n_roles; i++)
-    if (!w->roles[i]->in_group)
-      return td_err(TD_ERR_UNSUPPORTED, "a worker group cannot serve the %s role (encoders and prefill workers are "
-                    "single-rank; their KV is re-sliced for the group on arrival)", w->roles[i]->name);
+    if (!w->roles[i]->in_group && !w->roles[i]->group_self)
+      return td_err(TD_ERR_UNSUPPORTED, "a worker group cannot serve the %s role (prefill workers are single-rank; "
+                    "their KV is re-sliced for the group on arrival; a group encodes its own requests only)",
+                    w->roles[i]->name);
   if (!o->group || o->rank != 0 || (o->tp > 1 && o->pp > 1))
     return td_err(TD_ERR_INVALID, "a group leader needs --group, rank 0 and either --tp or --pp");
   if (w->world > TD_GROUP_MAX_RANKS)

@@ -20,7 +20,9 @@
 
 #define AR_MAX_WORLD 8
 #define AR_PHASES 3
-#define AR_SLOT_BYTES (1u << 20) /* largest message taken (bf16: 512K values) */
+#define AR_SLOT_BYTES (4u << 20) /* largest message taken (bf16: 2M values: a 1500-position Whisper
+                                    encoder's rows, 3.84 MB); two ranks only above 1 MiB */
+#define AR_WIDE_BYTES (1u << 20) /* more than two ranks: each rank sends world - 1 copies */
 #define AR_THREADS 256
 #define AR_MAX_BLOCKS 128
 #define AR_EMPTY 0x8000u              /* bf16 -0.0: not arrived */
@@ -167,7 +169,7 @@ __global__ void ar_fill_kernel(uint32_t *p, size_t words) {
 }
 
 bool td_cu_allreduce_fits(const td_cu_allreduce *a, td_buf_type t, size_t n) {
-  return a && t == TD_BUF_ACT && n * sizeof(bf16) <= AR_SLOT_BYTES;
+  return a && t == TD_BUF_ACT && n * sizeof(bf16) <= (a->world <= 2 ? AR_SLOT_BYTES : AR_WIDE_BYTES);
 }
 
 td_status td_cu_allreduce_run(td_backend *b, td_cu_allreduce *a, void *buf, size_t n) {

@@ -94,7 +94,8 @@ int cluster_add_group(cluster *c, const char *name, const char *par, int world, 
   for (int r = 0; r < world; r++) {
     snprintf(rk, sizeof rk, "%d", r);
     snprintf(id, sizeof id, r ? "%s-rank%d" : "%s", name, r);
-    char *argv[40] = {bin, "--router", c->worker_ep, "--model", c->model, "--role", "decode", "--id", id,
+    char *argv[40] = {bin, "--router", c->worker_ep, "--model", c->model, "--role",
+                      (char *)(c->group_roles ? c->group_roles : "decode"), "--id", id,
                       "--block-size", bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256", "--group",
                       (char *)name, (char *)par, ws, "--rank", rk};
     int a = 23;
@@ -139,6 +140,8 @@ void cluster_start(cluster *c, const cluster_opts *o) {
     snprintf(name, sizeof name, "prefill-%d", i);
     cluster_add_worker(c, name, "prefill", o->block_size);
   }
+  /* without encoders, decode groups encode their own requests */
+  c->group_roles = o->encoders ? "decode" : "encode,decode";
   for (int i = 0; i < o->decodes; i++) {
     snprintf(name, sizeof name, "decode-%d", i);
     if (o->group_tp > 1 || o->group_pp > 1)

@@ -27,6 +27,7 @@ typedef struct cluster {
   int encoders, prefills, decodes;
   char worker_extra[256];           /* flags for every worker */
   char extra_worker[64], extra_flags[256]; /* ... but this one (a worker, group or group rank) gets these */
+  const char *group_roles;          /* cluster_add_group's --role (NULL: decode) */
 } cluster;
 
 typedef struct cluster_opts {

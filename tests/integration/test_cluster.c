@@ -178,6 +178,27 @@ Test(cluster, tensor_parallel_decode_group_matches_generate, .timeout = 600) {
   check_topology_groups("bart-tiny", 1, 0, 1, 3, 4, 1);
 }
 
+/* A group without encoders encodes its own requests (no block moves: there
+ * is no other worker), and gives generate's tokens. */
+Test(cluster, decode_groups_that_encode_for_themselves_match_generate, .timeout = 600) {
+  run_topology("t5-tiny", (cluster_opts){.decodes = 1, .group_tp = 2}, 3, NULL, 0, NULL);
+  run_topology("mbart-prenorm-sharded", (cluster_opts){.decodes = 1, .group_pp = 2}, 3, NULL, 0, NULL);
+}
+
+/* A group with nothing to do for longer than a follower waits on a silent
+ * leader (TD_GROUP_LEADER_DEAD_MS) stays up: the idle leader heartbeats. */
+Test(cluster, an_idle_group_stays_up, .timeout = 120) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1, .group_tp = 2});
+  usleep((TD_GROUP_LEADER_DEAD_MS + 2000) * 1000);
+  td_client_health h;
+  cr_expect(cluster_health(&c, &h) && h.decoders == 1, "the idle group left the pool (logs in %s)", c.dir);
+  cr_expect(cluster_stop(&c), "processes did not stop cleanly (logs in %s)", c.dir);
+  fx_free(&fx);
+}
+
 Test(cluster, pipeline_parallel_decode_group_matches_generate, .timeout = 600) {
   check_topology_groups("mbart-prenorm-sharded", 1, 1, 1, 3, 1, 2);
 }

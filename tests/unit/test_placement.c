@@ -347,3 +347,30 @@ Test(placement, no_worker_of_a_role_says_which) {
   cr_expect_str_eq(out.why, "no encoder is registered");
   cr_expect(out.missing);
 }
+
+/* A TP / PP group that encodes (enc_self) encodes its own requests only:
+ * its blocks are sliced across its ranks, so a plain decode worker beside it
+ * waits for an encoder rather than being given the group's. */
+Test(placement, a_group_encodes_its_own_requests_only) {
+  pool pl = {0};
+  td_place_worker *g = add(&pl, "group", "d");
+  g->enc_self = true;
+  td_placement out;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "group");
+  cr_expect(out.local_encode, "the group encodes its own request");
+  td_place_worker *plain = add(&pl, "plain", "d");
+  g->jobs = 5; /* the plain worker is the one with room now */
+  cr_expect_eq(place(&pl, &small, &out), TD_PLACE_WAIT, "the plain worker was given the group's encoder");
+  cr_expect(strstr(out.why, "no encoder"), "%s", out.why);
+  /* with an encoder-only worker the plain one is served by it, and the group shares
+   * the encoding of its own requests as a decode worker that encodes does */
+  add(&pl, "enc", "e");
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "plain");
+  cr_expect_str_eq(who(&pl, out.encode), "enc");
+  plain->jobs = 9;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "group");
+  cr_expect(out.local_encode || out.encode == 2, "the group's request went to %s", who(&pl, out.encode));
+}
