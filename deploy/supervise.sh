@@ -49,7 +49,7 @@ mkdir -p "$run_dir" || exit 1
 log="$run_dir/$name.log"
 pidf="$run_dir/$name.pid"
 spidf="$run_dir/$name.supervisor.pid"
-if [[ -f $spidf ]] && kill -0 "$(cat "$spidf" 2>/dev/null)" 2>/dev/null; then
+if [[ -f $spidf ]] && st=$(awk '{ print $3 }' "/proc/$(cat "$spidf" 2>/dev/null)/stat" 2>/dev/null) && [[ $st != Z ]]; then
   echo "supervise.sh: $name already runs under supervisor $(cat "$spidf") in $run_dir" >&2
   exit 1
 fi
