@@ -30,7 +30,7 @@ trap cleanup EXIT
 
 "$root/deploy/local.sh" --run-dir "$run" --decodes 2 --no-gateway --no-metrics >"$work/out" 2>"$work/err" &
 main=$!
-wait_for 600 grep -q '^router ' "$work/out"
+wait_for 600 grep -q '^router ' "$work/out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/out")
 [[ -n $router ]] || { echo "FAIL the cluster did not start"; cat "$work/err"; exit 1; }
 health() { "$bin/tandem-client" --router "$router" --health --timeout-ms 2000; }
@@ -105,5 +105,24 @@ for p in $pids; do
 done
 check "stop: no process left" test "$left" -eq 0
 check "stop: the added workers drained" grep -q "decode-2: stopped: exit status 0" "$run/decode-2.log"
+# ---- what a worker and cluster.sh refuse before anything starts
+"$bin/tandem-worker" --router tcp://127.0.0.1:9 --model "$root/tests/data/toy-numbers-t5" --role decode --id w \
+  --host 0.0.0.0 >"$work/wild.out" 2>&1
+check "worker: a wildcard --host is refused" grep -q "not a wildcard" "$work/wild.out"
+refused() { # what the message must hold, then the cluster file's JSON
+  echo "$2" >"$work/bad.json"
+  ! "$root/deploy/cluster.sh" up "$work/bad.json" >/dev/null 2>"$work/bad.err" && grep -q "$1" "$work/bad.err"
+}
+good='{"name": "t", "tandem": "/opt/t", "model": "/m", "router": {"address": "10.1.1.1", "client_port": 1, "worker_port": 2},
+       "hosts": [{"name": "a", "ssh": "a", "address": "10.1.1.2", "pools": [{"role": "decode"}]}]}'
+check "cluster file: not JSON" refused "not a JSON object" "{"
+check "cluster file: a router on loopback" refused "must reach it" "$(jq -c '.router.address = "127.0.0.1"' <<<"$good")"
+check "cluster file: a wildcard worker address" refused "wildcard" "$(jq -c '.hosts[0].address = "0.0.0.0"' <<<"$good")"
+check "cluster file: a loopback worker address" refused "loopback" "$(jq -c '.hosts[0].address = "127.0.0.1"' <<<"$good")"
+check "cluster file: no decode worker" refused "no decode worker" "$(jq -c '.hosts[0].pools[0].role = "encode"' <<<"$good")"
+check "cluster file: a bad role" refused "role: encode" "$(jq -c '.hosts[0].pools[0].role = "x"' <<<"$good")"
+check "cluster file: a TP group of encoders" refused "only decode" "$(jq -c '.hosts[0].pools += [{"role": "encode", "tp": 2}]' <<<"$good")"
+check "cluster file: cuda without GPUs" refused "gpus" "$(jq -c '.hosts[0].pools[0].device = "cuda"' <<<"$good")"
+check "cluster file: ids twice" refused "ids twice" "$(jq -c '.hosts += [.hosts[0]]' <<<"$good")"
 echo "$failed failed"
 ((failed == 0))
