@@ -25,6 +25,11 @@ struct td_client {
   pending *pend;
   td_client_health health;
   bool have_health;
+  /* the admin request waiting for its answer */
+  char admin_id[32];
+  uint64_t admin_serial;
+  td_admin_reply *admin_out;
+  bool have_admin;
 };
 
 td_status td_client_connect(const char *endpoint, td_client **out) {
@@ -204,6 +209,62 @@ static void chunk(const char *id, const Tandem__TokenChunk *t, const td_client_e
                   (int)t->n_tokens);
 }
 
+static const char *error_code_name(Tandem__ErrorCode c) {
+  switch (c) {
+    case TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT: return "invalid_argument";
+    case TANDEM__ERROR_CODE__ERROR_OVERLOADED: return "overloaded";
+    case TANDEM__ERROR_CODE__ERROR_TIMEOUT: return "timeout";
+    case TANDEM__ERROR_CODE__ERROR_CANCELLED: return "cancelled";
+    case TANDEM__ERROR_CODE__ERROR_UNAVAILABLE: return "unavailable";
+    case TANDEM__ERROR_CODE__ERROR_VERSION: return "version";
+    case TANDEM__ERROR_CODE__ERROR_NOT_FOUND: return "not_found";
+    case TANDEM__ERROR_CODE__ERROR_MALFORMED: return "malformed";
+    case TANDEM__ERROR_CODE__ERROR_FAILED_PRECONDITION: return "failed_precondition";
+    case TANDEM__ERROR_CODE__ERROR_PERMISSION_DENIED: return "permission_denied";
+    default: return "internal";
+  }
+}
+
+static void health_of(const Tandem__HealthResponse *x0, td_client_health *hh) {
+  *hh = (td_client_health){.serving = x0->serving, .encoders = (int)x0->encoders, .prefills = (int)x0->prefills,
+                           .decoders = (int)x0->decoders, .in_flight = (int)x0->in_flight, .queued = (int)x0->queued};
+  snprintf(hh->cross_mode, sizeof hh->cross_mode, "%s", x0->cross_mode && *x0->cross_mode ? x0->cross_mode : "auto");
+  const size_t cap = sizeof hh->workers / sizeof hh->workers[0];
+  hh->workers_left_out = x0->n_workers > cap ? (int)(x0->n_workers - cap) : 0;
+  for (size_t i = 0; i < x0->n_workers && i < cap; i++) {
+    const Tandem__WorkerStatus *x = x0->workers[i];
+    td_client_worker *cw = &hh->workers[hh->n_workers++];
+    snprintf(cw->id, sizeof cw->id, "%s", x->id ? x->id : "");
+    cw->encode = x->encode;
+    cw->prefill = x->prefill;
+    cw->decode = x->decode;
+    cw->draining = x->draining;
+    cw->self_blocks = (int)x->self_blocks;
+    cw->free_self_blocks = (int)x->free_self_blocks;
+    cw->cross_blocks = (int)x->cross_blocks;
+    cw->free_cross_blocks = (int)x->free_cross_blocks;
+    cw->running = (int)x->running;
+    cw->max_running = (int)x->max_running;
+    cw->queued = (int)x->queued;
+    cw->jobs = (int)x->jobs;
+    cw->kv_in_ucx = x->kv_in_ucx;
+    cw->kv_in_zmq = x->kv_in_zmq;
+    cw->kv_out_ucx = x->kv_out_ucx;
+    cw->kv_out_zmq = x->kv_out_zmq;
+    cw->kv_out_ipc = x->kv_out_ipc;
+    cw->encoded = x->encoded;
+    cw->encoder_cache_hits = x->encoder_cache_hits;
+    cw->encoder_cache_blocks = (int)x->encoder_cache_blocks;
+    cw->kv_pushing = (int)x->kv_pushing;
+    snprintf(cw->device, sizeof cw->device, "%s", x->device ? x->device : "");
+    snprintf(cw->version, sizeof cw->version, "%s", x->version ? x->version : "");
+    snprintf(cw->group, sizeof cw->group, "%s", x->group ? x->group : "");
+    cw->pid = x->pid;
+    cw->drain_requested = x->drain_requested;
+    cw->stopping = x->stopping;
+  }
+}
+
 static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_events *ev) {
   const char *id = m->request_id ? m->request_id : "";
   switch (m->body_case) {
@@ -248,41 +309,28 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
       break;
     }
     case TANDEM__SERVER_MESSAGE__BODY_ERROR:
+      if (c->admin_out && !c->have_admin && !strcmp(id, c->admin_id)) {
+        td_admin_reply *o = c->admin_out;
+        o->status = td_wire_status(m->error->code);
+        snprintf(o->code, sizeof o->code, "%s", error_code_name(m->error->code));
+        snprintf(o->message, sizeof o->message, "%s", m->error->message ? m->error->message : "error");
+        c->have_admin = true;
+        break;
+      }
       fail(c, id, ev, td_wire_status(m->error->code), m->error->message ? m->error->message : "error");
       break;
     case TANDEM__SERVER_MESSAGE__BODY_HEALTH:
-      c->health = (td_client_health){.serving = m->health->serving, .encoders = (int)m->health->encoders,
-                                     .prefills = (int)m->health->prefills, .decoders = (int)m->health->decoders,
-                                     .in_flight = (int)m->health->in_flight, .queued = (int)m->health->queued};
-      snprintf(c->health.cross_mode, sizeof c->health.cross_mode, "%s",
-               m->health->cross_mode && *m->health->cross_mode ? m->health->cross_mode : "auto");
-      for (size_t i = 0; i < m->health->n_workers && i < 64; i++) {
-        const Tandem__WorkerStatus *x = m->health->workers[i];
-        td_client_worker *cw = &c->health.workers[c->health.n_workers++];
-        snprintf(cw->id, sizeof cw->id, "%s", x->id ? x->id : "");
-        cw->encode = x->encode;
-        cw->prefill = x->prefill;
-        cw->decode = x->decode;
-        cw->draining = x->draining;
-        cw->self_blocks = (int)x->self_blocks;
-        cw->free_self_blocks = (int)x->free_self_blocks;
-        cw->cross_blocks = (int)x->cross_blocks;
-        cw->free_cross_blocks = (int)x->free_cross_blocks;
-        cw->running = (int)x->running;
-        cw->max_running = (int)x->max_running;
-        cw->queued = (int)x->queued;
-        cw->jobs = (int)x->jobs;
-        cw->kv_in_ucx = x->kv_in_ucx;
-        cw->kv_in_zmq = x->kv_in_zmq;
-        cw->kv_out_ucx = x->kv_out_ucx;
-        cw->kv_out_zmq = x->kv_out_zmq;
-        cw->kv_out_ipc = x->kv_out_ipc;
-        cw->encoded = x->encoded;
-        cw->encoder_cache_hits = x->encoder_cache_hits;
-        cw->encoder_cache_blocks = (int)x->encoder_cache_blocks;
-        cw->kv_pushing = (int)x->kv_pushing;
-      }
+      health_of(m->health, &c->health);
       c->have_health = true;
+      break;
+    case TANDEM__SERVER_MESSAGE__BODY_ADMIN:
+      if (c->admin_out && !c->have_admin && !strcmp(id, c->admin_id)) {
+        td_admin_reply *o = c->admin_out;
+        o->status = TD_OK;
+        snprintf(o->message, sizeof o->message, "%s", m->admin->message ? m->admin->message : "");
+        if (m->admin->health) health_of(m->admin->health, &o->health);
+        c->have_admin = true;
+      }
       break;
     default:
       break;
@@ -352,4 +400,32 @@ td_status td_client_health_check(td_client *c, int timeout_ms, td_client_health 
   }
   *out = c->health;
   return TD_OK;
+}
+
+td_status td_client_admin(td_client *c, td_admin_action a, const char *worker, int timeout_ms, td_admin_reply *out) {
+  static const Tandem__AdminAction actions[] = {
+      [TD_ADMIN_LIST] = TANDEM__ADMIN_ACTION__ADMIN_LIST, [TD_ADMIN_DRAIN] = TANDEM__ADMIN_ACTION__ADMIN_DRAIN,
+      [TD_ADMIN_UNDRAIN] = TANDEM__ADMIN_ACTION__ADMIN_UNDRAIN, [TD_ADMIN_REMOVE] = TANDEM__ADMIN_ACTION__ADMIN_REMOVE};
+  if ((unsigned)a > TD_ADMIN_REMOVE) return td_err(TD_ERR_INVALID, "unknown admin action %d", (int)a);
+  if (a != TD_ADMIN_LIST && (!worker || !*worker)) return td_err(TD_ERR_INVALID, "this admin action needs a worker id");
+  memset(out, 0, sizeof *out);
+  snprintf(c->admin_id, sizeof c->admin_id, "admin-%llu", (unsigned long long)++c->admin_serial);
+  Tandem__AdminRequest ar = TANDEM__ADMIN_REQUEST__INIT;
+  ar.action = actions[a];
+  ar.worker_id = (char *)(a == TD_ADMIN_LIST || !worker ? "" : worker);
+  ar.request_id = c->admin_id;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_ADMIN;
+  m.admin = &ar;
+  TD_TRY(send_client(c, &m));
+  c->admin_out = out;
+  c->have_admin = false;
+  td_status s = TD_OK;
+  for (int64_t end = td_now_ms() + timeout_ms; !c->have_admin && s == TD_OK;) {
+    int64_t left = end - td_now_ms();
+    if (left <= 0) s = td_err(TD_ERR_TIMEOUT, "no answer from the router within %d ms", timeout_ms);
+    else s = td_client_poll(c, (int)left, NULL);
+  }
+  c->admin_out = NULL;
+  return s;
 }

@@ -59,6 +59,12 @@ typedef struct td_client_worker {
   uint64_t encoder_cache_hits; /* requests whose cross KV came from its encoder cache */
   int encoder_cache_blocks;    /* cross blocks that cache holds (counted in free_cross_blocks) */
   int kv_pushing;
+  char device[32];      /* its backend ("cpu", "cuda:0", ...) */
+  char version[64];     /* its build */
+  char group[64];       /* its TP/PP group ("" alone) */
+  unsigned pid;
+  bool drain_requested; /* an operator drains it (undrain takes it back) */
+  bool stopping;        /* it drains on its own (a signal): it will leave */
 } td_client_worker;
 
 typedef struct td_client_health {
@@ -67,6 +73,7 @@ typedef struct td_client_health {
   int encoders, prefills, decoders, in_flight, queued;
   int n_workers;
   td_client_worker workers[64];
+  int workers_left_out; /* workers past the 64 shown here (the router has them) */
 } td_client_health;
 
 /* Connects without waiting (a router that is not there yet is reached
@@ -93,5 +100,19 @@ td_status td_client_poll(td_client *c, int timeout_ms, const td_client_events *e
 td_status td_client_poll_fd(td_client *c, int fd, int timeout_ms, const td_client_events *ev, bool *fd_ready);
 int td_client_pending(const td_client *c);
 td_status td_client_health_check(td_client *c, int timeout_ms, td_client_health *out);
+
+/* An operator's requests (the router may refuse them to this client). */
+typedef enum td_admin_action { TD_ADMIN_LIST, TD_ADMIN_DRAIN, TD_ADMIN_UNDRAIN, TD_ADMIN_REMOVE } td_admin_action;
+typedef struct td_admin_reply {
+  td_status status;     /* TD_OK, or the router's refusal */
+  char code[32];        /* the router's error code in words ("not_found", "failed_precondition", ...; "" when ok) */
+  char message[512];    /* what the router did, or why not */
+  td_client_health health; /* TD_ADMIN_LIST: the workers */
+} td_admin_reply;
+/* Sends one admin request about worker `worker` (ignored for TD_ADMIN_LIST)
+ * and waits up to timeout_ms for the router's answer in *out. Returns
+ * TD_OK when an answer came (out->status tells whether the router did it),
+ * TD_ERR_TIMEOUT when none did. */
+td_status td_client_admin(td_client *c, td_admin_action a, const char *worker, int timeout_ms, td_admin_reply *out);
 
 #endif

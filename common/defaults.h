@@ -60,6 +60,8 @@
 #define TD_ROUTER_MAX_GROUPS 256         /* worker group rendezvous held (forming, failed, running); beyond: refused */
 #define TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS 5000 /* tandem-client: a router that does not answer by then is
                                              reported unreachable */
+#define TD_ADMIN_DEFAULT_TIMEOUT_MS 60000 /* tandem-admin: the router's answer, or wait-up / wait-gone */
+#define TD_ADMIN_POLL_MS 200             /* tandem-admin wait-up / wait-gone: how often it asks the router */
 /* Text and audio are converted in the router's one loop at admission: these
  * bound what one request costs it (docs/frontend.md). */
 #define TD_MAX_TEXT_BYTES (64u << 10)    /* a request's text (a few ms to tokenize; models take <= 1-4k tokens) */
@@ -125,6 +127,7 @@
 #define TD_METRICS_MAX_LABELS 4           /* label names a metric family */
 #define TD_METRICS_MAX_SERIES 4096        /* series a family holds; new ones past it are dropped and counted */
 #define TD_METRICS_PUBLISH_MS 250         /* the router renders /metrics' text this often (a scrape's staleness) */
+#define TD_METRICS_HEALTH_STALE_MS 5000   /* /health answers 503 once the loop has not published for this long */
 #define TD_METRICS_DEFAULT_HOST "127.0.0.1" /* --metrics-host: loopback unless asked */
 #define TD_METRICS_MAX_CONNECTIONS 64     /* open /metrics connections */
 #define TD_METRICS_IDLE_TIMEOUT_S 10      /* a /metrics connection that sends nothing this long is closed */

@@ -108,6 +108,10 @@ td_status td_settings_from_env(td_settings *s) {
   const char *lv = env("TANDEM_LOG");
   if (lv && (s->log_level = td_log_parse_level(lv)) < 0)
     return td_err(TD_ERR_INVALID, "TANDEM_LOG=%s: debug, info, warn, error or off", lv);
+  s->log_format = -1;
+  const char *lf = env("TANDEM_LOG_FORMAT");
+  if (lf && (s->log_format = td_log_parse_format(lf)) < 0)
+    return td_err(TD_ERR_INVALID, "TANDEM_LOG_FORMAT=%s: text or json", lf);
   TD_TRY(cuda_from_env(&s->cuda));
   /* model */
   TD_TRY(env_switch("TANDEM_NORM_FOLD", &s->model.norm_fold));
@@ -134,4 +138,5 @@ td_status td_settings_from_env(td_settings *s) {
 
 void td_settings_apply(const td_settings *s) {
   if (s->log_level >= 0) td_log_set_level((td_log_level)s->log_level);
+  if (s->log_format >= 0) td_log_set_format((td_log_format)s->log_format);
 }

@@ -87,6 +87,7 @@ typedef struct td_kvx_tuning {
 
 typedef struct td_settings {
   int log_level; /* TANDEM_LOG (debug|info|warn|error|off); -1: unset (info) */
+  int log_format; /* TANDEM_LOG_FORMAT (text|json); -1: unset (text) */
   td_cuda_tuning cuda;
   td_model_tuning model;
   td_kvx_tuning kvx;
@@ -95,7 +96,7 @@ typedef struct td_settings {
 /* Reads every variable above; TD_ERR_INVALID (and the variable's name in
  * td_errmsg) for a value that does not parse. */
 td_status td_settings_from_env(td_settings *s);
-/* Applies the process-wide parts (the log level). */
+/* Applies the process-wide parts (the log level and format). */
 void td_settings_apply(const td_settings *s);
 
 #endif

@@ -20,6 +20,8 @@ packages=(
   openssh-server iproute2 util-linux                              # cluster.sh over ssh; its test: sshd in network namespaces (ip, unshare)
   prometheus jq                                                   # the router's /metrics scraped by a real Prometheus (its test)
   clang libclang-rt-dev                                           # libFuzzer targets (asan build): Debian's default clang and its runtime
+  slurm-wlm munge                                                 # deploy/slurm: a real single-node Slurm in its test
+  yq                                                              # deploy/k8s: its test parses the manifests
 )
 # the gateway's test runs the openai Node client (a Node from elsewhere brings its own npm)
 command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)

@@ -56,11 +56,15 @@ td_status td_metrics_render(const td_metrics *m, char **text, size_t *len);
 typedef struct td_metrics_server td_metrics_server;
 
 /* Listens on host (IPv4) and port (0: any free port) and answers GET
- * /metrics with the last published text (404 elsewhere, 405 for other
- * methods). */
+ * /metrics with the last published text, and GET /health with 200 while
+ * the owner published within TD_METRICS_HEALTH_STALE_MS (its loop is
+ * alive; 503 else: probes restart a stuck process), 404 elsewhere, 405 for
+ * other methods. */
 td_status td_metrics_server_start(const char *host, int port, td_metrics_server **out);
 /* The port it listens on. */
 int td_metrics_server_port(const td_metrics_server *s);
+/* How recent a publish keeps /health at 200 (before any scrape; <= 0: the default). */
+void td_metrics_server_set_health_ms(td_metrics_server *s, int ms);
 /* Replaces the text scrapes get (copied). */
 td_status td_metrics_server_publish(td_metrics_server *s, const char *text, size_t len);
 void td_metrics_server_stop(td_metrics_server *s);

@@ -7,12 +7,14 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <microhttpd.h>
 
+#include "common/clock.h"
 #include "common/defaults.h"
 #include "common/log.h"
 #include "metrics/metrics.h"
@@ -25,6 +27,8 @@ struct td_metrics_server {
   pthread_mutex_t mu;
   char *text; /* under mu */
   size_t len;
+  int64_t published; /* under mu: when the owner last published (0: never) */
+  int health_ms;     /* /health answers 200 while the last publish is younger */
 };
 
 static enum MHD_Result reply(struct MHD_Connection *c, unsigned status, char *body, size_t len, const char *type) {
@@ -57,9 +61,22 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     *upload_len = 0;
     return MHD_YES;
   }
-  if (strcmp(url, "/metrics")) return plain(c, MHD_HTTP_NOT_FOUND, "not found: GET /metrics\n");
+  bool health = !strcmp(url, "/health");
+  if (strcmp(url, "/metrics") && !health) return plain(c, MHD_HTTP_NOT_FOUND, "not found: GET /metrics or /health\n");
   if (strcmp(method, MHD_HTTP_METHOD_GET) && strcmp(method, MHD_HTTP_METHOD_HEAD))
-    return plain(c, MHD_HTTP_METHOD_NOT_ALLOWED, "method not allowed: GET /metrics\n");
+    return plain(c, MHD_HTTP_METHOD_NOT_ALLOWED, "method not allowed: GET /metrics or /health\n");
+  if (health) {
+    /* the owner's loop publishes every TD_METRICS_PUBLISH_MS: a text this
+     * old means the loop is stuck (or never ran) */
+    pthread_mutex_lock(&s->mu);
+    int64_t age = s->published ? td_now_ms() - s->published : -1;
+    pthread_mutex_unlock(&s->mu);
+    char msg[128];
+    if (age >= 0 && age < s->health_ms) return plain(c, MHD_HTTP_OK, "ok\n");
+    if (age < 0) snprintf(msg, sizeof msg, "unavailable: the loop has published nothing yet\n");
+    else snprintf(msg, sizeof msg, "unavailable: the loop last published %lld ms ago\n", (long long)age);
+    return plain(c, MHD_HTTP_SERVICE_UNAVAILABLE, msg);
+  }
   pthread_mutex_lock(&s->mu);
   size_t len = s->len;
   char *body = malloc(len + 1);
@@ -87,6 +104,7 @@ td_status td_metrics_server_start(const char *host, int port, td_metrics_server 
   td_metrics_server *s = calloc(1, sizeof *s);
   if (!s) return td_err(TD_ERR_NOMEM, "out of memory");
   pthread_mutex_init(&s->mu, NULL);
+  s->health_ms = TD_METRICS_HEALTH_STALE_MS;
   /* AUTO: epoll or poll, not select (the router's descriptors may pass FD_SETSIZE);
    * ITC: a stop wakes the thread at once */
   s->d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | MHD_USE_ITC | MHD_USE_ERROR_LOG, 0,
@@ -107,6 +125,8 @@ td_status td_metrics_server_start(const char *host, int port, td_metrics_server 
 
 int td_metrics_server_port(const td_metrics_server *s) { return s->port; }
 
+void td_metrics_server_set_health_ms(td_metrics_server *s, int ms) { s->health_ms = ms > 0 ? ms : TD_METRICS_HEALTH_STALE_MS; }
+
 td_status td_metrics_server_publish(td_metrics_server *s, const char *text, size_t len) {
   char *copy = malloc(len + 1);
   if (!copy) return td_err(TD_ERR_NOMEM, "out of memory");
@@ -116,6 +136,7 @@ td_status td_metrics_server_publish(td_metrics_server *s, const char *text, size
   char *old = s->text;
   s->text = copy;
   s->len = len;
+  s->published = td_now_ms();
   pthread_mutex_unlock(&s->mu);
   free(old);
   return TD_OK;

@@ -2,6 +2,7 @@
  * requests, the queue) and the calls between its parts:
  *   loop.c      sockets and timers on a td_loop, message dispatch, lifecycle
  *   workers.c   the registry: registration, heartbeats, death, health
+ *   admin.c     an operator's requests: list, drain, undrain, remove
  *   groups.c    the TP/PP group rendezvous and its ranks' liveness
  *   requests.c  admission, the queue, placement, jobs, retries, deadlines
  *   stream.c    a placed request's progress: reservations, stages, tokens, results
@@ -32,6 +33,10 @@ typedef struct worker {
   size_t route_len;
   int self_blocks;
   char *device;
+  char *version;                          /* its build (WorkerInfo.version) */
+  char *group;                            /* its TP/PP group ("" alone) */
+  uint32_t pid;
+  bool drain_asked;                       /* an operator drains it (router/admin.c) */
   int64_t last_seen;
   Tandem__Cluster__Load load;
   UT_hash_handle hh; /* by id */
@@ -187,7 +192,16 @@ void rtr_worker_gone(td_router *r, worker *w, const char *why);
 /* Timer: heartbeats to every worker; the silent ones are dead. */
 int rtr_heartbeat_tick(td_loop *l, void *ctx);
 void rtr_health(td_router *r, const uint8_t *id, size_t id_len);
+/* Fills h with the cluster's state and every worker's; *ws and *wp hold the
+ * workers' entries (free both after sending, even on failure). */
+void rtr_health_fill(td_router *r, Tandem__HealthResponse *h, Tandem__WorkerStatus **ws, Tandem__WorkerStatus ***wp);
 void rtr_workers_free(td_router *r);
+
+/* ---- admin.c: an operator's requests (tandem-admin) */
+/* Whether this client connection may send admin requests. The one check
+ * every admin request passes; today it admits every client. */
+bool rtr_admin_allowed(const td_router *r, const uint8_t *peer, size_t peer_len);
+void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const Tandem__AdminRequest *a);
 
 /* ---- groups.c */
 void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j);

@@ -94,6 +94,7 @@ static void on_worker_message(td_router *r) {
       rtr_worker_gone(r, w, m->deregister->reason ? m->deregister->reason : "deregistered");
     else
       rtr_on_progress(r, w, m);
+    td_log_set_request(NULL);
   }
   tandem__cluster__worker_message__free_unpacked(m, NULL);
   td_wire_frame_free(&f);
@@ -134,12 +135,15 @@ static void on_client_message(td_router *r) {
   }
   switch (m->body_case) {
     case TANDEM__CLIENT_MESSAGE__BODY_GENERATE:
+      td_log_set_request(m->generate ? m->generate->request_id : NULL);
       rtr_on_generate(r, f.id, f.id_len, m, f.len); /* keeps or frees the message */
+      td_log_set_request(NULL);
       m = NULL;
       break;
     case TANDEM__CLIENT_MESSAGE__BODY_CANCEL: rtr_on_cancel(r, f.id, f.id_len, m->cancel); break;
     case TANDEM__CLIENT_MESSAGE__BODY_HEALTH: rtr_health(r, f.id, f.id_len); break;
     case TANDEM__CLIENT_MESSAGE__BODY_LIST_MODELS: list_models(r, f.id, f.id_len); break;
+    case TANDEM__CLIENT_MESSAGE__BODY_ADMIN: rtr_on_admin(r, f.id, f.id_len, m->admin); break;
     default:
       rtr_client_error(r, f.id, f.id_len, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, "message without a body");
       break;

@@ -107,8 +107,8 @@ void rtr_req_free(td_router *r, rreq *q) {
 }
 
 void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg) {
-  TD_INFO("request %s (rid %llu) failed in stage %s: %s", q->cid, (unsigned long long)q->rid, rtr_stage_names[q->st],
-          msg);
+  TD_LOG_ABOUT(q->cid, TD_INFO, "request %s (rid %llu) failed in stage %s: %s", q->cid, (unsigned long long)q->rid,
+               rtr_stage_names[q->st], msg);
   release_workers(r, q, true);
   rtr_metrics_failure(r, code);
   rtr_client_error(r, q->client, q->client_len, q->cid, code, msg);
@@ -136,8 +136,8 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
   Tandem__SequenceOutput done = TANDEM__SEQUENCE_OUTPUT__INIT;
   done.finish_reason = streamed_to_the_end(r, q);
   if (done.finish_reason != TANDEM__FINISH_REASON__FINISH_NONE) {
-    TD_INFO("request %s (rid %llu): every token was streamed before %s; it ends with them", q->cid,
-            (unsigned long long)q->rid, why);
+    TD_LOG_ABOUT(q->cid, TD_INFO, "request %s (rid %llu): every token was streamed before %s; it ends with them",
+                 q->cid, (unsigned long long)q->rid, why);
     Tandem__SequenceOutput *outs = &done;
     rtr_req_result(r, q, &outs, 1, 0);
     return;
@@ -148,8 +148,8 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, msg);
     return;
   }
-  TD_WARN("request %s (rid %llu): retrying: %s (%s)", q->cid, (unsigned long long)q->rid, why,
-          q->multi ? "from the start" : q->streamed.n ? "after the tokens streamed" : "nothing streamed yet");
+  TD_LOG_ABOUT(q->cid, TD_WARN, "request %s (rid %llu): retrying: %s (%s)", q->cid, (unsigned long long)q->rid, why,
+               q->multi ? "from the start" : q->streamed.n ? "after the tokens streamed" : "nothing streamed yet");
   if (q->multi) { /* samples and beams restart from the prompt */
     q->streamed.n = q->streamed_lp.n = 0;
     rtr_stream_text_reset(q);
@@ -174,6 +174,7 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w) {
   rreq *q = NULL;
   HASH_FIND(hh, r->by_rid, &rid, sizeof rid, q);
   if (!q) send_cancel(r, w->id, rid); /* a stale attempt: make sure the worker lets go of it */
+  td_log_set_request(q ? q->cid : NULL); /* the lines this message makes name it (the loop clears it) */
   return q;
 }
 
@@ -260,8 +261,8 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
   m.decode = &dj;
   td_status s = rtr_send_worker(r, d, &m);
   free(prompt);
-  TD_DEBUG("request %s (rid %llu) placed: decode %s, encode %s, prefill %s", q->cid, (unsigned long long)q->rid,
-           d->id, e ? e->id : "local", p ? p->id : "-");
+  TD_LOG_ABOUT(q->cid, TD_DEBUG, "request %s (rid %llu) placed: decode %s, encode %s, prefill %s", q->cid,
+               (unsigned long long)q->rid, d->id, e ? e->id : "local", p ? p->id : "-");
   if (s != TD_OK) rtr_req_retry(r, q, "could not reach the decode worker");
 }
 

@@ -225,7 +225,7 @@ void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t
   sm.result = &gr;
   rtr_send_client(r, q->client, q->client_len, &sm);
   rtr_metrics_result(r, q, outs, n_out, &tm);
-  TD_DEBUG("request %s done in %.0f ms (attempts %d)", q->cid, tm.total_ms, q->attempts);
+  TD_LOG_ABOUT(q->cid, TD_DEBUG, "request %s done in %.0f ms (attempts %d)", q->cid, tm.total_ms, q->attempts);
   rtr_result_extras_free(&extras, outs);
   free(ptrs);
   free(copies);

@@ -53,6 +53,8 @@ static void pool_remove(td_router *r, worker *w) {
 
 static void worker_free(worker *w) {
   free(w->device);
+  free(w->version);
+  free(w->group);
   free(w);
 }
 
@@ -226,11 +228,14 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
   w->pl.max_running = in->max_running ? (int)in->max_running : 1;
   w->pl.enc_batch = in->encode_batch_tokens <= INT32_MAX ? (int)in->encode_batch_tokens : INT32_MAX;
   w->device = strdup(in->device ? in->device : "");
+  w->version = strdup(in->version ? in->version : "");
+  w->group = strdup(in->group ? in->group : "");
+  w->pid = in->pid;
   w->last_seen = td_now_ms();
   w->load = (Tandem__Cluster__Load)TANDEM__CLUSTER__LOAD__INIT;
   w->load.free_self_blocks = (uint32_t)w->self_blocks;
   w->load.free_cross_blocks = (uint32_t)w->pl.cross_blocks;
-  if (!w->device) {
+  if (!w->device || !w->version || !w->group) {
     TD_ERROR("worker %s: out of memory", wid);
     worker_free(w);
     return;
@@ -254,7 +259,9 @@ void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat 
   w->load = *hb->load;
   w->load.base = (ProtobufCMessage)PROTOBUF_C_MESSAGE_INIT(&tandem__cluster__load__descriptor);
   if (w->load.draining && !w->pl.draining) TD_INFO("worker %s is draining", w->id);
-  w->pl.draining = w->load.draining;
+  /* an operator's drain holds from the moment it was asked, whatever
+   * heartbeats sent before the worker heard it say */
+  w->pl.draining = w->load.draining || w->drain_asked;
 }
 
 int rtr_heartbeat_tick(td_loop *l, void *ctx) {
@@ -279,7 +286,8 @@ int rtr_heartbeat_tick(td_loop *l, void *ctx) {
   return r->o.heartbeat_ms;
 }
 
-void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
+void rtr_health_fill(td_router *r, Tandem__HealthResponse *hp, Tandem__WorkerStatus **wsp,
+                     Tandem__WorkerStatus ***wpp) {
   Tandem__HealthResponse h = TANDEM__HEALTH_RESPONSE__INIT;
   h.encoders = (uint32_t)rtr_count_role(r, RTR_ENCODE);
   h.prefills = (uint32_t)rtr_count_role(r, RTR_PREFILL);
@@ -319,11 +327,25 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
       x->encoder_cache_hits = w->load.encoder_cache_hits;
       x->encoder_cache_blocks = w->load.encoder_cache_blocks;
       x->kv_pushing = w->load.kv_pushing;
+      x->version = w->version;
+      x->group = w->group;
+      x->pid = w->pid;
+      x->drain_requested = w->drain_asked;
+      x->stopping = w->load.stopping;
       wp[k++] = x;
     }
     h.workers = wp;
     h.n_workers = k;
   }
+  *hp = h;
+  *wsp = ws;
+  *wpp = wp;
+}
+
+void rtr_health(td_router *r, const uint8_t *id, size_t id_len) {
+  Tandem__HealthResponse h;
+  Tandem__WorkerStatus *ws, **wp;
+  rtr_health_fill(r, &h, &ws, &wp);
   Tandem__ServerMessage sm = TANDEM__SERVER_MESSAGE__INIT;
   sm.request_id = "";
   sm.body_case = TANDEM__SERVER_MESSAGE__BODY_HEALTH;

@@ -211,6 +211,8 @@ struct td_worker {
   int64_t last_router_msg, last_register;
   uint64_t hb_seq;
   bool draining;
+  bool drain_asked;   /* the router's Drain (an operator's): an Undrain takes it back unless *stop is set too */
+  bool removed;       /* the router's Remove: it forgot this worker; leave now, saying nothing more */
   int64_t drain_deadline;
   /* rank 0 of a tensor / pipeline parallel group */
   int world;

@@ -89,6 +89,7 @@ void w_send_register(td_worker *w) {
   in.device = (char *)td_backend_name(w->b);
   in.pid = (uint32_t)getpid();
   in.cross_mode = (char *)td_cross_mode_name(w->o.cross_mode);
+  in.version = TD_BUILD_VERSION;
   Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
   reg.info = &in;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
@@ -106,6 +107,7 @@ void w_send_heartbeat(td_worker *w) {
   ld.free_self_blocks = (uint32_t)l.free_self;
   ld.free_cross_blocks = (uint32_t)l.free_cross;
   ld.draining = w->draining;
+  ld.stopping = w->draining && *w->stop;
   ld.kv_in_ucx = w->kv_in[TD_KVT_UCX];
   ld.kv_in_zmq = w->kv_in[TD_KVT_ZMQ];
   ld.kv_out_ucx = w->kv_out[TD_KVT_UCX];
@@ -237,7 +239,10 @@ static bool to_role(td_worker *w, Tandem__Cluster__RouterMessage *m) {
                                 "a worker group takes the encode role for its own requests only", false);
         return false;
       }
+      td_log_set_request(sp ? sp->client_id : NULL);
+      if (sp) TD_DEBUG("%s job for request %llu", r->name, (unsigned long long)sp->rid);
       r->on_job(w, m);
+      td_log_set_request(NULL);
       return true;
     }
     if (r->notice && r->notice == m->body_case && r->on_notice) {
@@ -273,7 +278,25 @@ static bool router_message(td_worker *w) {
     case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK: on_ack(w, m->ack); break;
     case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT: break;
     case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL: w_cancel_rid(w, m->cancel->rid); break;
-    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DRAIN: *w->stop = SIGTERM; break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DRAIN:
+      TD_INFO("the router asks this worker to drain");
+      w->drain_asked = true;
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_UNDRAIN:
+      if (*w->stop) {
+        TD_WARN("the router asks this worker to stop draining, but it was told to stop (signal %d)", (int)*w->stop);
+      } else if (w->drain_asked) {
+        TD_INFO("the router takes its drain back: serving again");
+        w->drain_asked = w->draining = false;
+        w_send_heartbeat(w);
+      }
+      break;
+    case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_REMOVE:
+      TD_WARN("the router removed this worker: %s", m->remove->reason ? m->remove->reason : "");
+      w->removed = true;
+      w->registered = false;
+      td_loop_stop(w->loop);
+      break;
     case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO:
       if (!m->group_info->ok && w->world > 1) {
         TD_ERROR("the group failed: %s", m->group_info->error ? m->group_info->error : "?");
@@ -296,6 +319,6 @@ static bool router_message(td_worker *w) {
 
 void w_on_router(td_loop *l, void *ctx) {
   td_worker *w = ctx;
-  for (int k = 0; k < ROUTER_BURST && !w->refused[0] && router_message(w); k++) {
+  for (int k = 0; k < ROUTER_BURST && !w->refused[0] && !w->removed && router_message(w); k++) {
   }
 }

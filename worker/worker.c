@@ -153,7 +153,7 @@ td_status td_worker_create(const td_worker_opts *opts, td_worker **out) {
 static int stop_timer(td_loop *l, void *ctx) {
   td_worker *w = ctx;
   int64_t now = td_now_ms();
-  if (*w->stop && !w->draining) {
+  if ((*w->stop || w->drain_asked) && !w->draining) {
     w->draining = true;
     w->drain_deadline = now + TD_DEFAULT_DRAIN_MS;
     TD_INFO("draining: finishing %u requests", HASH_COUNT(w->jobs));
@@ -195,6 +195,12 @@ td_status td_worker_run(td_worker *w, volatile sig_atomic_t *stop) {
   td_status s = td_loop_run(w->loop);
   if (s != TD_OK) return s;
   if (w->refused[0]) return td_err(TD_ERR_INVALID, "the router refused this worker: %s", w->refused);
+  if (w->removed) {
+    /* the router already gave its requests to other workers and forgot it */
+    w_cancel_all(w, "removed by the router");
+    TD_INFO("worker %s removed by the router; stopped", w->id);
+    return TD_OK;
+  }
   if (HASH_COUNT(w->jobs)) w_cancel_all(w, "drain deadline passed");
   w_send_deregister(w, "drained");
   TD_INFO("worker %s stopped", w->id);

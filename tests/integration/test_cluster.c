@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
 #include <criterion/criterion.h>
 
 #include "../unit/fixture.h"
@@ -526,4 +527,48 @@ static void check_mode_refused(bool router_states) {
 Test(cluster, worker_in_another_cross_mode_is_refused, .timeout = 300) {
   check_mode_refused(true);
   check_mode_refused(false);
+}
+
+/* TANDEM_LOG_FORMAT=json: every process writes JSON lines, and a request's
+ * lines in the router and in the decode worker carry its id. */
+Test(cluster, json_logs_follow_a_request_across_processes, .timeout = 120) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  setenv("TANDEM_LOG_FORMAT", "json", 1);
+  setenv("TANDEM_LOG", "debug", 1);
+  cluster c;
+  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1});
+  unsetenv("TANDEM_LOG_FORMAT");
+  unsetenv("TANDEM_LOG");
+  td_json_request req;
+  char line[256];
+  snprintf(line, sizeof line, "{\"id\": \"follow-me\", \"input_ids\": [5, 6, 7, 1], \"max_new_tokens\": 4}");
+  cr_assert_eq(td_json_request_parse(line, strlen(line), NULL, 1, &req), TD_OK, "%s", td_errmsg());
+  outcome got;
+  run_concurrent(c.client_ep, &req, 1, 1, false, &got);
+  cr_expect(got.done, "the request did not finish");
+  const char *procs[] = {"router", "encoder-0", "decode-0"};
+  for (int p = 0; p < 3; p++) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s.log", c.dir, procs[p]);
+    FILE *f = fopen(path, "r");
+    cr_assert(f, "no log %s", path);
+    char buf[4096];
+    int lines = 0, json = 0, about = 0;
+    while (fgets(buf, sizeof buf, f)) {
+      if (buf[0] != '{') continue; /* a sanitizer's or a library's own line */
+      lines++;
+      cJSON *o = cJSON_Parse(buf);
+      json += o != NULL;
+      const char *rq = o ? cJSON_GetStringValue(cJSON_GetObjectItem(o, "request")) : NULL;
+      about += rq && !strcmp(rq, "follow-me");
+      cJSON_Delete(o);
+    }
+    fclose(f);
+    cr_expect(lines > 0 && json == lines, "%s: %d of %d lines parse as JSON", procs[p], json, lines);
+    cr_expect(about > 0, "%s: no line names the request", procs[p]);
+  }
+  cr_expect(cluster_stop(&c), "processes did not stop cleanly (logs in %s)", c.dir);
+  td_json_request_free(&req);
+  fx_free(&fx);
 }

@@ -196,6 +196,32 @@ Test(metrics, server_answers_with_the_published_text) {
   a = http(port, "GET /other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   cr_assert(strstr(a, "HTTP/1.1 404"), "%s", a);
   free(a);
+  td_metrics_server_stop(s);
+}
+
+/* /health: 200 while the owner's loop publishes, 503 before its first
+ * publish and once publishing stopped for the window. */
+Test(metrics, health_answers_while_the_owner_publishes) {
+  td_metrics_server *s;
+  cr_assert_eq(td_metrics_server_start("127.0.0.1", 0, &s), TD_OK);
+  td_metrics_server_set_health_ms(s, 300);
+  int port = td_metrics_server_port(s);
+  const char *get = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  char *a = http(port, get);
+  cr_assert(strstr(a, "HTTP/1.1 503") && strstr(a, "published nothing yet"), "%s", a);
+  free(a);
+  cr_assert_eq(td_metrics_server_publish(s, "x 1\n", 4), TD_OK);
+  a = http(port, get);
+  cr_assert(strstr(a, "HTTP/1.1 200") && strstr(a, "\r\n\r\nok\n"), "%s", a);
+  free(a);
+  usleep(400 * 1000);
+  a = http(port, get);
+  cr_assert(strstr(a, "HTTP/1.1 503") && strstr(a, "last published"), "%s", a);
+  free(a);
+  cr_assert_eq(td_metrics_server_publish(s, "x 2\n", 4), TD_OK);
+  a = http(port, get);
+  cr_assert(strstr(a, "HTTP/1.1 200"), "%s", a);
+  free(a);
   a = http(port, "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\nab");
   cr_assert(strstr(a, "HTTP/1.1 405"), "%s", a);
   free(a);

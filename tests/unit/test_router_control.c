@@ -1314,3 +1314,114 @@ Test(router_control, the_client_reports_an_unreachable_router_and_an_oversized_r
   td_client_close(cl);
   finish(&h, NULL, 0);
 }
+
+/* ------------------------------------------------------------ admin */
+
+static void admin(harness *h, Tandem__AdminAction a, const char *worker, const char *rid) {
+  Tandem__AdminRequest ar = TANDEM__ADMIN_REQUEST__INIT;
+  ar.action = a;
+  ar.worker_id = (char *)(worker ? worker : "");
+  ar.request_id = (char *)rid;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_ADMIN;
+  m.admin = &ar;
+  cr_assert_eq(td_wire_send(h->client, NULL, 0, &m.base), TD_OK);
+}
+
+static void admin_ok(harness *h, Tandem__AdminAction a, const char *worker, const char *says) {
+  admin(h, a, worker, "op");
+  Tandem__ServerMessage *m = cexpect(h, TANDEM__SERVER_MESSAGE__BODY_ADMIN, says);
+  cr_expect_str_eq(m->request_id, "op");
+  cr_expect(strstr(m->admin->message, says), "'%s' does not say '%s'", m->admin->message, says);
+  cfree(m);
+}
+
+static const Tandem__WorkerStatus *status_of(const Tandem__HealthResponse *hr, const char *id) {
+  for (size_t i = 0; i < hr->n_workers; i++)
+    if (!strcmp(hr->workers[i]->id, id)) return hr->workers[i];
+  return NULL;
+}
+
+/* An operator drains a worker (nothing new placed there, the worker told),
+ * takes it back, removes it while it holds a request (the request goes to
+ * the other worker as a new attempt, the worker is told to leave); every
+ * refusal names its cause and echoes the request id. */
+Test(router_control, admin_drain_undrain_remove_and_their_refusals, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w0 = fake_worker(&h, "w0", enc_dec), *w1 = fake_worker(&h, "w1", enc_dec);
+  admin(&h, TANDEM__ADMIN_ACTION__ADMIN_LIST, NULL, "l1");
+  Tandem__ServerMessage *m = cexpect(&h, TANDEM__SERVER_MESSAGE__BODY_ADMIN, "list");
+  cr_expect_str_eq(m->request_id, "l1");
+  cr_assert(m->admin->health);
+  cr_expect_eq(m->admin->health->n_workers, 2);
+  cfree(m);
+  admin(&h, TANDEM__ADMIN_ACTION__ADMIN_DRAIN, "nope", "e1");
+  expect_error(&h, "e1", TANDEM__ERROR_CODE__ERROR_NOT_FOUND, "no worker 'nope' is registered");
+  admin(&h, TANDEM__ADMIN_ACTION__ADMIN_UNDRAIN, "w0", "e2");
+  expect_error(&h, "e2", TANDEM__ERROR_CODE__ERROR_FAILED_PRECONDITION, "worker w0 is not draining");
+  admin(&h, (Tandem__AdminAction)42, "w0", "e3");
+  expect_error(&h, "e3", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, "unknown admin action");
+
+  admin_ok(&h, TANDEM__ADMIN_ACTION__ADMIN_DRAIN, "w0", "worker w0 is draining");
+  wfree(wexpect(w0, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DRAIN, "the drain"));
+  admin(&h, TANDEM__ADMIN_ACTION__ADMIN_DRAIN, "w0", "e4");
+  expect_error(&h, "e4", TANDEM__ERROR_CODE__ERROR_FAILED_PRECONDITION, "worker w0 is already draining");
+  Tandem__ServerMessage *hm;
+  const Tandem__WorkerStatus *ws = status_of(health(&h, &hm), "w0");
+  cr_assert(ws);
+  cr_expect(ws->draining && ws->drain_requested && !ws->stopping);
+  cfree(hm);
+  /* nothing new goes to w0, though its queue is the shorter */
+  generate(&h, (gen){.id = "a", .max_new = 3});
+  Tandem__Cluster__RouterMessage *job = wexpect(w1, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "a on w1");
+  wfree(job);
+  Tandem__Cluster__RouterMessage *none = wrecv(w0, 200);
+  cr_expect(!none, "the draining worker got message %d", none ? (int)none->body_case : 0);
+  if (none) wfree(none);
+
+  admin_ok(&h, TANDEM__ADMIN_ACTION__ADMIN_UNDRAIN, "w0", "worker w0 serves again");
+  wfree(wexpect(w0, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_UNDRAIN, "the undrain"));
+  generate(&h, (gen){.id = "b", .max_new = 3});
+  job = wexpect(w0, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "b on w0 again");
+  uint64_t rid_b = job->decode->req->rid;
+  wfree(job);
+
+  admin_ok(&h, TANDEM__ADMIN_ACTION__ADMIN_REMOVE, "w0", "worker w0 removed; its 1 requests are retried");
+  Tandem__Cluster__RouterMessage *rm = wexpect(w0, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_REMOVE, "the remove");
+  cr_expect(strstr(rm->remove->reason, "operator"), "%s", rm->remove->reason);
+  wfree(rm);
+  job = wexpect(w1, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "b's next attempt on w1");
+  cr_expect_str_eq(job->decode->req->client_id, "b");
+  cr_expect_neq(job->decode->req->rid, rid_b);
+  wfree(job);
+  cr_expect(!status_of(health(&h, &hm), "w0"), "the removed worker is still listed");
+  cfree(hm);
+  admin(&h, TANDEM__ADMIN_ACTION__ADMIN_REMOVE, "w0", "e5");
+  expect_error(&h, "e5", TANDEM__ERROR_CODE__ERROR_NOT_FOUND, "no worker 'w0'");
+
+  /* a worker that drains on its own (a signal) cannot be taken back */
+  Tandem__Cluster__Load ld = TANDEM__CLUSTER__LOAD__INIT;
+  ld.draining = ld.stopping = true;
+  ld.free_self_blocks = ld.free_cross_blocks = 1000;
+  Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
+  hb.load = &ld;
+  Tandem__Cluster__WorkerMessage wm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  wm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT;
+  wm.heartbeat = &hb;
+  send_body(w1, &wm);
+  for (int64_t end = td_now_ms() + WAIT_MS; td_now_ms() < end;) {
+    ws = status_of(health(&h, &hm), "w1");
+    bool stopping = ws && ws->stopping;
+    cfree(hm);
+    if (stopping) break;
+    usleep(10000);
+  }
+  admin(&h, TANDEM__ADMIN_ACTION__ADMIN_UNDRAIN, "w1", "e6");
+  expect_error(&h, "e6", TANDEM__ERROR_CODE__ERROR_FAILED_PRECONDITION, "drains on its own");
+  admin(&h, TANDEM__ADMIN_ACTION__ADMIN_DRAIN, "w1", "e7");
+  expect_error(&h, "e7", TANDEM__ERROR_CODE__ERROR_FAILED_PRECONDITION, "already draining (it was told to stop)");
+  void *socks[] = {w0, w1};
+  finish(&h, socks, 2);
+}

@@ -7,7 +7,7 @@
 #include "common/settings.h"
 
 static void clear(void) {
-  const char *vars[] = {"TANDEM_LOG", "TANDEM_NORM_FOLD", "TANDEM_QNORM_ROWS", "TANDEM_KVX_LOCAL", "TANDEM_KVX_TRACE",
+  const char *vars[] = {"TANDEM_LOG", "TANDEM_LOG_FORMAT", "TANDEM_NORM_FOLD", "TANDEM_QNORM_ROWS", "TANDEM_KVX_LOCAL", "TANDEM_KVX_TRACE",
                         "TANDEM_KVX_IPC", "UCX_TLS"};
   for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) unsetenv(vars[i]);
 }
@@ -16,6 +16,7 @@ Test(settings, unset_means_defaults, .init = clear) {
   td_settings s;
   cr_assert_eq(td_settings_from_env(&s), TD_OK);
   cr_assert_eq(s.log_level, -1);
+  cr_assert_eq(s.log_format, -1);
   cr_assert_eq(s.model.norm_fold, 0);
   cr_assert_eq(s.model.qnorm_rows, 0);
   cr_assert_eq(s.kvx.local_path, 0);
@@ -26,6 +27,7 @@ Test(settings, unset_means_defaults, .init = clear) {
 
 Test(settings, values_parse, .init = clear) {
   setenv("TANDEM_LOG", "warn", 1);
+  setenv("TANDEM_LOG_FORMAT", "json", 1);
   setenv("TANDEM_NORM_FOLD", "0", 1);
   setenv("TANDEM_QNORM_ROWS", "0", 1);
   setenv("TANDEM_KVX_LOCAL", "off", 1);
@@ -35,12 +37,14 @@ Test(settings, values_parse, .init = clear) {
   td_settings s;
   cr_assert_eq(td_settings_from_env(&s), TD_OK);
   cr_assert_eq(s.log_level, TD_LOG_WARN);
+  cr_assert_eq(s.log_format, TD_LOG_JSON);
   cr_assert_eq(s.model.norm_fold, TD_OFF);
   cr_assert_eq(s.model.qnorm_rows, -1, "0 rows: never fused");
   cr_assert_eq(s.kvx.local_path, TD_OFF);
   cr_assert_eq(s.kvx.ipc, TD_OFF);
   cr_assert(s.kvx.trace);
   cr_assert_str_eq(s.kvx.ucx_tls, "tcp");
+  s.log_format = TD_LOG_TEXT; /* this test's own lines stay text */
   td_settings_apply(&s);
   cr_assert_eq(td_log_get_level(), TD_LOG_WARN);
   td_log_set_level(TD_LOG_INFO);
@@ -55,6 +59,10 @@ Test(settings, bad_values_are_refused_by_name, .init = clear) {
   cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
   cr_assert(strstr(td_errmsg(), "TANDEM_LOG"));
   unsetenv("TANDEM_LOG");
+  setenv("TANDEM_LOG_FORMAT", "xml", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "TANDEM_LOG_FORMAT"));
+  unsetenv("TANDEM_LOG_FORMAT");
   setenv("TANDEM_NORM_FOLD", "maybe", 1);
   cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
   cr_assert(strstr(td_errmsg(), "TANDEM_NORM_FOLD"));

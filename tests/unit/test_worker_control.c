@@ -704,3 +704,74 @@ Test(worker_control, a_1gib_kv_frame_is_refused_and_memory_stays_bounded, .timeo
   tandem__cluster__worker_message__free_unpacked(m, NULL);
   worker_stop(&r);
 }
+
+/* ---------------------------------------------------------------- drain, undrain, remove */
+
+static void send_body(fake *f, Tandem__Cluster__RouterMessage__BodyCase body) {
+  Tandem__Cluster__Drain d = TANDEM__CLUSTER__DRAIN__INIT;
+  Tandem__Cluster__Undrain u = TANDEM__CLUSTER__UNDRAIN__INIT;
+  Tandem__Cluster__Remove rm = TANDEM__CLUSTER__REMOVE__INIT;
+  rm.reason = "removed by an operator";
+  Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  m.body_case = body;
+  if (body == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DRAIN) m.drain = &d;
+  if (body == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_UNDRAIN) m.undrain = &u;
+  if (body == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_REMOVE) m.remove = &rm;
+  fake_send(f, &m);
+}
+
+static bool draining_asked(const Tandem__Cluster__Load *l) { return l->draining && !l->stopping; }
+static bool serving(const Tandem__Cluster__Load *l) { return !l->draining; }
+static bool stopping(const Tandem__Cluster__Load *l) { return l->draining && l->stopping; }
+
+static void expect_load(fake *f, bool (*ok)(const Tandem__Cluster__Load *), const char *what) {
+  wmsg *m = heartbeat_where(f, ok, 3000);
+  cr_expect_not_null(m, "no heartbeat shows %s", what);
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+}
+
+/* The router's Drain: the worker says it drains, refuses new jobs and keeps
+ * the one it holds; Undrain: it serves again; Remove: it leaves at once,
+ * without a deregistration (the router already forgot it). */
+Test(worker_control, drain_undrain_and_remove_from_the_router, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 60000, 50);
+  cr_expect(strlen(r.reg->register_->info->version) > 0, "no build version in the registration");
+  send_decode(&r.f, 71, 20, false, 1); /* reserved; its KV never comes, so the job stays */
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "nothing reserved");
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_body(&r.f, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DRAIN);
+  expect_load(&r.f, draining_asked, "the drain");
+  send_decode(&r.f, 72, 4, true, 1);
+  m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 3000);
+  cr_assert_not_null(m, "a draining worker took a new job");
+  cr_expect_eq(failed_rid(m), 72);
+  cr_expect(m->failed->retryable);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_body(&r.f, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_UNDRAIN);
+  expect_load(&r.f, serving, "serving again");
+  send_decode(&r.f, 73, 4, true, 1);
+  m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED, 10000);
+  cr_expect_not_null(m, "no result after the undrain");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  /* a signal's drain is not the router's to undo */
+  r.stop = SIGTERM;
+  expect_load(&r.f, stopping, "the signal's drain");
+  send_body(&r.f, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_UNDRAIN);
+  usleep(200 * 1000);
+  expect_load(&r.f, stopping, "still stopping after an undrain");
+  send_body(&r.f, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_REMOVE);
+  int64_t t0 = td_now_ms();
+  pthread_join(r.th, NULL);
+  cr_expect_eq(r.s, TD_OK, "%s", td_errmsg());
+  cr_expect_lt(td_now_ms() - t0, 2000, "the removed worker took %lld ms to leave", (long long)(td_now_ms() - t0));
+  m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER, 300);
+  cr_expect_null(m, "a removed worker deregistered");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  td_worker_destroy(r.w);
+  tandem__cluster__worker_message__free_unpacked(r.reg, NULL);
+  zmq_close(r.f.sock);
+  zmq_ctx_term(r.f.zctx);
+}
