@@ -105,6 +105,10 @@ static td_status create(td_worker *w) {
   td_worker_opts_default(o);
   TD_TRY(check_roles(w));
   snprintf(w->id, sizeof w->id, "%s", o->id);
+  /* peers reach the KV and group endpoints at the address bound: one they can dial */
+  if (!strcmp(o->listen_host, "0.0.0.0") || !strcmp(o->listen_host, "*") || !strcmp(o->listen_host, "::"))
+    return td_err(TD_ERR_INVALID, "--host %s: workers advertise the address they bind, so it must be one that "
+                  "peers can reach, not a wildcard", o->listen_host);
   if (strcmp(o->transfer, "ucx") && strcmp(o->transfer, "zmq") && strcmp(o->transfer, "auto"))
     return td_err(TD_ERR_INVALID, "KV transport %s: auto, ucx or zmq", o->transfer);
   if (o->auth) {
