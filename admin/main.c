@@ -31,6 +31,8 @@ static void usage(FILE *f) {
           "  ids ROLE           'ID PID' a line for each worker with ROLE (encode, prefill, decode): for scripts\n"
           "--timeout-ms N: how long to wait for the router's answer, or for wait-up / wait-gone (default %d)\n"
           "--json: one JSON object on stdout\n"
+          "--curve-secret FILE --router-key FILE: CURVE with this operator's secret key (on the router's\n"
+          "  --client-keys and --admin-keys lists) and the router's public key (docs/security.md)\n"
           "exit status: 0 done, 1 the router refused (or a wait timed out), 2 usage or no router\n",
           TD_ADMIN_DEFAULT_TIMEOUT_MS);
 }
@@ -191,18 +193,23 @@ int main(int argc, char **argv) {
                                        {"json", no_argument, 0, 'j'},
                                        {"timeout-ms", required_argument, 0, 't'},
                                        {"connect-timeout-ms", required_argument, 0, 'C'},
+                                       {"curve-secret", required_argument, 0, 1001},
+                                       {"router-key", required_argument, 0, 1002},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
   const char *router = NULL;
   bool json = false;
   int timeout = TD_ADMIN_DEFAULT_TIMEOUT_MS, connect_ms = TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS;
   int c;
+  td_auth_opts ao = {0};
   while ((c = getopt_long(argc, argv, "r:jt:C:h", opts, NULL)) != -1) {
     switch (c) {
       case 'r': router = optarg; break;
       case 'j': json = true; break;
       case 't': timeout = atoi(optarg); break;
       case 'C': connect_ms = atoi(optarg); break;
+      case 1001: ao.secret_file = optarg; break;
+      case 1002: ao.router_key_file = optarg; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -235,8 +242,16 @@ int main(int argc, char **argv) {
     fprintf(stderr, "tandem-admin: ids takes a role: encode, prefill or decode (not '%s')\n", worker);
     return 2;
   }
+  td_auth *auth = NULL;
+  if (td_auth_create(&ao, &auth) != TD_OK || (auth && !ao.router_key_file)) {
+    fprintf(stderr, "tandem-admin: %s\n", auth ? "--curve-secret needs --router-key" : td_errmsg());
+    td_auth_destroy(auth);
+    return 2;
+  }
   td_client *cl;
-  if (td_client_connect_wait(router, connect_ms, &cl) != TD_OK) {
+  td_status cs = td_client_connect_wait_auth(router, auth, connect_ms, &cl);
+  td_auth_destroy(auth); /* the socket holds its keys */
+  if (cs != TD_OK) {
     fprintf(stderr, "tandem-admin: %s\n", td_errmsg());
     return 2;
   }

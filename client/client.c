@@ -32,7 +32,9 @@ struct td_client {
   bool have_admin;
 };
 
-td_status td_client_connect(const char *endpoint, td_client **out) {
+td_status td_client_connect(const char *endpoint, td_client **out) { return td_client_connect_auth(endpoint, NULL, out); }
+
+td_status td_client_connect_auth(const char *endpoint, const td_auth *auth, td_client **out) {
   *out = NULL;
   td_client *c = calloc(1, sizeof *c);
   if (!c) return td_err(TD_ERR_NOMEM, "out of memory");
@@ -43,6 +45,11 @@ td_status td_client_connect(const char *endpoint, td_client **out) {
     return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   }
   td_wire_setup_socket(c->sock);
+  td_status as = td_auth_client(auth, c->sock, NULL);
+  if (as != TD_OK) {
+    td_client_close(c);
+    return as;
+  }
   if (zmq_connect(c->sock, endpoint) != 0) {
     td_status s = td_err(TD_ERR_INVALID, "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
     td_client_close(c);
@@ -57,7 +64,11 @@ static td_status send_client(td_client *c, Tandem__ClientMessage *m);
 /* A ListModels probe until any answer comes: a DEALER queues nothing
  * while it has no connection, so the probe is sent again until one is made. */
 td_status td_client_connect_wait(const char *endpoint, int timeout_ms, td_client **out) {
-  TD_TRY(td_client_connect(endpoint, out));
+  return td_client_connect_wait_auth(endpoint, NULL, timeout_ms, out);
+}
+
+td_status td_client_connect_wait_auth(const char *endpoint, const td_auth *auth, int timeout_ms, td_client **out) {
+  TD_TRY(td_client_connect_auth(endpoint, auth, out));
   td_client *c = *out;
   Tandem__ListModelsRequest lr = TANDEM__LIST_MODELS_REQUEST__INIT;
   Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;

@@ -10,6 +10,7 @@
 #include "common/jsonl.h"
 #include "common/request.h"
 #include "common/status.h"
+#include "proto/auth.h"
 
 typedef struct td_client td_client;
 
@@ -82,6 +83,12 @@ td_status td_client_connect(const char *endpoint, td_client **out);
 /* Connects and waits up to timeout_ms for the router to answer a probe:
  * TD_ERR_PEER "no router answers at EP within N ms" when none does. */
 td_status td_client_connect_wait(const char *endpoint, int timeout_ms, td_client **out);
+/* The same over CURVE: auth's key pair, the router's public key from auth
+ * (NULL auth: plain TCP). A router that refuses the key answers nothing:
+ * connect_wait then reports TD_ERR_PEER after timeout_ms, and the router
+ * logs the refusal (docs/security.md). */
+td_status td_client_connect_auth(const char *endpoint, const td_auth *auth, td_client **out);
+td_status td_client_connect_wait_auth(const char *endpoint, const td_auth *auth, int timeout_ms, td_client **out);
 void td_client_close(td_client *c);
 
 /* Sends a request (its id must be unique among this client's requests in

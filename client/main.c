@@ -108,11 +108,13 @@ int main(int argc, char **argv) {
                                        {"language", required_argument, 0, 'L'}, {"task", required_argument, 0, 'k'},
                                        {"timestamps", no_argument, 0, 'S'},   {"max-new-tokens", required_argument, 0, 'n'},
                                        {"connect-timeout-ms", required_argument, 0, 'C'},
+                                       {"curve-secret", required_argument, 0, 1001}, {"router-key", required_argument, 0, 1002},
                                        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
   const char *router = NULL, *path = NULL, *text = NULL, *audio = NULL, *language = NULL, *task = NULL;
   int timeout = 0, max_inflight = 256, max_new = 0, connect_ms = TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS;
   bool stream = false, health = false, timestamps = false;
   int c;
+  td_auth_opts ao = {0};
   while ((c = getopt_long(argc, argv, "r:q:st:m:Hx:a:L:k:Sn:C:h", opts, NULL)) != -1) {
     switch (c) {
       case 'x': text = optarg; break;
@@ -128,6 +130,8 @@ int main(int argc, char **argv) {
       case 'm': max_inflight = atoi(optarg); break;
       case 'H': health = true; break;
       case 'C': connect_ms = atoi(optarg); break;
+      case 1001: ao.secret_file = optarg; break;
+      case 1002: ao.router_key_file = optarg; break;
       default:
         fprintf(c == 'h' ? stdout : stderr,
                 "usage: tandem-client --router ENDPOINT --requests FILE.jsonl [--stream] [--timeout-ms N]\n"
@@ -136,7 +140,9 @@ int main(int argc, char **argv) {
                 "                     [--task transcribe|translate] [--timestamps]) [--max-new-tokens N] [--stream]\n"
                 "                     (the router converts them: it needs --tokenizer)\n"
                 "       tandem-client --router ENDPOINT --health\n"
-                "       --connect-timeout-ms N: a router that does not answer by then is unreachable (default 5000)\n");
+                "       --connect-timeout-ms N: a router that does not answer by then is unreachable (default 5000)\n"
+                "       --curve-secret FILE --router-key FILE: CURVE with this client's secret key and the router's\n"
+                "                     public key (docs/security.md)\n");
         return c == 'h' ? 0 : 2;
     }
   }
@@ -149,8 +155,16 @@ int main(int argc, char **argv) {
     fprintf(stderr, "tandem-client: --language, --task and --timestamps go with --audio\n");
     return 2;
   }
+  td_auth *auth = NULL;
+  if (td_auth_create(&ao, &auth) != TD_OK || (auth && !ao.router_key_file)) {
+    fprintf(stderr, "tandem-client: %s\n", auth ? "--curve-secret needs --router-key" : td_errmsg());
+    td_auth_destroy(auth);
+    return 2;
+  }
   td_client *cl;
-  if (td_client_connect_wait(router, connect_ms, &cl) != TD_OK) {
+  td_status cs = td_client_connect_wait_auth(router, auth, connect_ms, &cl);
+  td_auth_destroy(auth); /* the socket holds its keys */
+  if (cs != TD_OK) {
     fprintf(stderr, "tandem-client: %s\n", td_errmsg());
     return 2;
   }

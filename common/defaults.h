@@ -172,4 +172,11 @@
 #define TD_CUDA_DEFAULT_DECODE_BULK_CARVE 75 /* its shared-memory share of L1, percent */
 #define TD_CUDA_DEFAULT_KVPF_SEQS 32       /* td_kv_prefetch from this many sequences */
 
+/* CURVE (proto/auth.c, docs/security.md) */
+#define TD_AUTH_MAX_KEYS 4096  /* public keys a list file may hold; more is refused at start */
+#define TD_AUTH_ZAP_POLL_MS 100 /* how soon a ZAP handler's thread sees its stop flag */
+#define TD_AUTH_REFUSAL_LOG_MS 10000 /* a refused peer retries every 100 ms: its refusal is logged once this often */
+#define TD_AUTH_MAX_BOUND_IDS 65536 /* with keys: worker ids the router binds to the key that first registered them */
+#define TD_AUTH_REFUSAL_LOG_KEYS 1024 /* refusals remembered for that; past it the memory starts over */
+
 #endif

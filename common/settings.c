@@ -128,6 +128,11 @@ td_status td_settings_from_env(td_settings *s) {
   if (tls && strlen(tls) >= sizeof s->kvx.ucx_tls)
     return td_err(TD_ERR_INVALID, "UCX_TLS of %zu bytes: at most %zu", strlen(tls), sizeof s->kvx.ucx_tls - 1);
   if (tls) snprintf(s->kvx.ucx_tls, sizeof s->kvx.ucx_tls, "%s", tls);
+  const char *nd = env("UCX_NET_DEVICES");
+  if (nd && strlen(nd) >= sizeof s->kvx.ucx_net_devices)
+    return td_err(TD_ERR_INVALID, "UCX_NET_DEVICES of %zu bytes: at most %zu", strlen(nd),
+                  sizeof s->kvx.ucx_net_devices - 1);
+  if (nd) snprintf(s->kvx.ucx_net_devices, sizeof s->kvx.ucx_net_devices, "%s", nd);
   return TD_OK;
 }
 

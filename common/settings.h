@@ -82,6 +82,7 @@ typedef struct td_kvx_tuning {
   int ipc;             /* TANDEM_KVX_IPC (on|off): CUDA IPC between GPU pools of one host (TD_OFF: never) */
   bool trace;          /* TANDEM_KVX_TRACE: keep a per-transfer event trace */
   char ucx_tls[256];   /* UCX_TLS as UCX will read it ("" unset): whether shared memory can be had */
+  char ucx_net_devices[256]; /* UCX_NET_DEVICES ("" unset): when set, the operator's choice of interfaces */
 } td_kvx_tuning;
 
 typedef struct td_settings {

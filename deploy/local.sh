@@ -7,9 +7,19 @@
 # tcp://HOST:PORT" once it serves, "metrics http://HOST:PORT/metrics" (the
 # router's Prometheus metrics, docs/metrics.md), and "gateway http://HOST:PORT" (the
 # OpenAI-compatible HTTP gateway) when there is a tokenizer. Ctrl-C or
-# SIGTERM stops every process; --demo sends sample requests, prints the
-# results and stops.
+# SIGTERM stops every process (the workers drain first); --demo sends sample
+# requests, prints the results and stops. Every process runs under
+# deploy/supervise.sh, which restarts it when it exits abnormally; its log and
+# pid files are in the run directory (default run/local-TIME-PID, linked from
+# run/latest).
 #
+#   deploy/local.sh add ROLE [--gpu N] [--id ID] [--gpu-memory-fraction F] [--run-dir DIR]
+#                   (one more worker in a running cluster: ROLE encode, prefill, decode or
+#                   encode,decode; ID by default encoder-N, prefill-N or decode-N, the first
+#                   N free; prints "added ID")
+#   deploy/local.sh remove ID [--run-dir DIR]
+#                   (SIGTERM to the worker through its supervisor: it drains, then exits;
+#                   prints "removed ID")
 #   deploy/local.sh [--model DIR] [--tokenizer DIR] [--device cpu|cuda] [--port N] [--run-dir DIR]
 #                   (--port N: the router on N and N + 1; without it, a free pair below
 #                   the ephemeral range, picked again if taken before the router binds)
@@ -32,6 +42,102 @@
 #                                                     free port)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+supervise="$root/deploy/supervise.sh"
+
+# ---- add / remove: a running cluster, found by its run directory
+cluster_dir() { # the run directory given, or run/latest
+  local d=${1:-"$root/run/latest"}
+  [[ -f $d/local.env ]] || { echo "local.sh: no cluster in ${d} (no local.env; --run-dir DIR)" >&2; exit 2; }
+  (cd "$d" && pwd -P)
+}
+# a live process (an exited one that nobody reaped yet, as where the
+# container's init reaps none, counts as gone)
+running() {
+  local st
+  st=$(awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null) && [[ -n $st && $st != Z ]]
+}
+sup_alive() { # name in the run directory: its supervisor lives
+  local f="$run_dir/$1.supervisor.pid"
+  [[ -f $f ]] && running "$(cat "$f" 2>/dev/null)"
+}
+if [[ ${1:-} == add ]]; then
+  shift
+  role=${1:-}; shift || true
+  case $role in encode|prefill|decode|encode,decode|decode,encode) ;;
+    *) echo "local.sh add: ROLE must be encode, prefill, decode or encode,decode" >&2; exit 2 ;;
+  esac
+  add_gpu="" add_id="" add_frac="" run_dir=""
+  while (($#)); do
+    case $1 in
+      --gpu) add_gpu=$2; shift 2 ;;
+      --id) add_id=$2; shift 2 ;;
+      --gpu-memory-fraction) add_frac=$2; shift 2 ;;
+      --run-dir) run_dir=$2; shift 2 ;;
+      *) echo "local.sh add: unknown option $1" >&2; exit 2 ;;
+    esac
+  done
+  run_dir=$(cluster_dir "$run_dir")
+  # shellcheck disable=SC1091
+  source "$run_dir/local.env"
+  [[ -z $add_gpu || ( $add_gpu =~ ^[0-9]+$ && $add_gpu -lt $ngpu ) ]] ||
+    { echo "local.sh add: --gpu must be 0 to $((ngpu - 1))" >&2; exit 2; }
+  add_gpu=${add_gpu:-0}
+  [[ -z $add_frac ]] || awk -v f="$add_frac" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 1 && f ~ /^[0-9.]+$/) }' ||
+    { echo "local.sh add: --gpu-memory-fraction must be in (0, 1]" >&2; exit 2; }
+  # the share this role's workers were given at start (the smallest share otherwise)
+  add_frac=${add_frac:-${role_share[${role%%,*}]:-$min_share}}
+  if [[ -z $add_id ]]; then
+    # named as at start: encoder-N, prefill-N, decode-N
+    prefix=${role%%,*}
+    [[ $role == encode ]] && prefix=encoder
+    [[ $role == *decode* ]] && prefix=decode
+    for ((n = 0; ; n++)); do
+      sup_alive "$prefix-$n" || { add_id="$prefix-$n"; break; }
+    done
+  fi
+  [[ $add_id =~ ^[A-Za-z0-9._-]+$ ]] || { echo "local.sh add: --id must be letters, digits, '.', '_' or '-'" >&2; exit 2; }
+  sup_alive "$add_id" && { echo "local.sh add: $add_id already runs in $run_dir" >&2; exit 2; }
+  : >"$run_dir/$add_id.log"
+  # its own session: it outlives this command; the cluster's stop finds it by its pid file
+  setsid "$supervise" --name "$add_id" --run-dir "$run_dir" -- "$bin/tandem-worker" "${common[@]}" --id "$add_id" \
+    --gpu "$add_gpu" --gpu-memory-fraction "$add_frac" --role "$role" </dev/null >/dev/null 2>&1 &
+  for _ in $(seq 600); do
+    h=$("$bin/tandem-client" --router "$client_ep" --health --timeout-ms 500 2>/dev/null || true)
+    if [[ -n $h ]] && jq -e --arg id "$add_id" '.workers | any(.id == $id)' <<<"$h" >/dev/null 2>&1; then
+      echo "added $add_id"
+      exit 0
+    fi
+    if grep -q "^supervise: .* exited" "$run_dir/$add_id.log" 2>/dev/null; then
+      echo "local.sh add: $add_id exited during start-up (it is being restarted); see $run_dir/$add_id.log" >&2
+      exit 1
+    fi
+    sleep 0.1
+  done
+  echo "local.sh add: $add_id did not register within 60 s; see $run_dir/$add_id.log" >&2
+  exit 1
+fi
+if [[ ${1:-} == remove ]]; then
+  shift
+  rm_id=${1:-}; shift || true
+  [[ $rm_id =~ ^[A-Za-z0-9._-]+$ ]] || { echo "local.sh remove: WORKER_ID needed" >&2; exit 2; }
+  run_dir=""
+  while (($#)); do
+    case $1 in
+      --run-dir) run_dir=$2; shift 2 ;;
+      *) echo "local.sh remove: unknown option $1" >&2; exit 2 ;;
+    esac
+  done
+  run_dir=$(cluster_dir "$run_dir")
+  [[ $rm_id != router && $rm_id != gateway ]] || { echo "local.sh remove: $rm_id is not a worker" >&2; exit 2; }
+  sup_alive "$rm_id" || { echo "local.sh remove: no worker $rm_id runs in $run_dir" >&2; exit 2; }
+  spid=$(cat "$run_dir/$rm_id.supervisor.pid")
+  kill -TERM "$spid"
+  # the worker drains (its supervisor gives it --stop-timeout, then SIGKILL)
+  while running "$spid"; do sleep 0.1; done
+  echo "removed $rm_id"
+  exit 0
+fi
+
 model="$root/tests/data/toy-numbers-t5"
 tokenizer=""
 device=""
@@ -76,7 +182,7 @@ while (($#)); do
     --metrics-port) metrics_port=$2; shift 2 ;;
     --no-metrics) metrics=0; shift ;;
     --demo) demo=1; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/{/^set/!p}' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -128,23 +234,46 @@ pick_port() {
 }
 port_given=$port
 [[ -n $port ]] || pick_port
+default_run=0
+[[ -n $run_dir ]] || default_run=1
 run_dir=${run_dir:-"$root/run/local-$(date +%Y%m%d-%H%M%S)-$$"}
 mkdir -p "$run_dir"
-run_dir=$(cd "$run_dir" && pwd)
+run_dir=$(cd "$run_dir" && pwd -P)
+((default_run)) && ln -sfn "$run_dir" "$root/run/latest"
 
-pids=()
 stopping=0
+# SIGTERM through every supervisor of the run directory (those `add` started
+# too): the workers first, which drain while the router still serves, then
+# the router and the gateway; SIGKILL for what remains.
+stop_names() { # seconds to wait, names...
+  local t=$1 n p; shift
+  for n in "$@"; do
+    p=$(cat "$run_dir/$n.supervisor.pid" 2>/dev/null) && kill -TERM "$p" 2>/dev/null || true
+  done
+  for _ in $(seq $((t * 10))); do
+    local alive=0
+    for n in "$@"; do
+      p=$(cat "$run_dir/$n.supervisor.pid" 2>/dev/null) && running "$p" && alive=1
+    done
+    ((alive)) || return 0
+    sleep 0.1
+  done
+  for n in "$@"; do
+    p=$(cat "$run_dir/$n.pid" 2>/dev/null) && kill -KILL "$p" 2>/dev/null || true
+    p=$(cat "$run_dir/$n.supervisor.pid" 2>/dev/null) && kill -KILL "$p" 2>/dev/null || true
+  done
+}
 stop_all() {
   ((stopping)) && return
   stopping=1
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for _ in $(seq 50); do
-    alive=0
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-    ((alive)) || break
-    sleep 0.1
+  local f n workers=()
+  for f in "$run_dir"/*.supervisor.pid; do
+    [[ -e $f ]] || continue
+    n=$(basename "$f" .supervisor.pid)
+    [[ $n == router || $n == gateway ]] || workers+=("$n")
   done
-  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  ((${#workers[@]} == 0)) || stop_names 30 "${workers[@]}"
+  stop_names 5 gateway router
   wait 2>/dev/null || true
 }
 trap 'stop_all; exit 130' INT
@@ -153,9 +282,13 @@ trap 'stop_all' EXIT
 
 start() { # name, command...
   local name=$1; shift
-  "$@" >"$run_dir/$name.log" 2>&1 &
-  pids+=($!)
-  echo $! >"$run_dir/$name.pid"
+  : >"$run_dir/$name.log"
+  "$supervise" --name "$name" --run-dir "$run_dir" -- "$@" </dev/null >/dev/null 2>&1 &
+  last_sup=$!
+}
+# a process that exited (the supervisor logs it) or whose supervisor is gone
+failed_start() { # name, supervisor pid
+  ! running "$2" || grep -q "^supervise: .* exited" "$run_dir/$1.log" 2>/dev/null
 }
 
 # the router first; a port taken since the probe means another pick
@@ -164,15 +297,16 @@ for attempt in 1 2 3 4 5; do
   worker_ep="tcp://127.0.0.1:$((port + 1))"
   start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode" \
     ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} "${router_tok[@]}" "${router_metrics[@]}"
-  rpid=${pids[-1]}
+  rsup=$last_sup
   for _ in $(seq 100); do
     grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
-    kill -0 "$rpid" 2>/dev/null || break
+    failed_start router "$rsup" && break
     sleep 0.05
   done
   grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
-  kill -0 "$rpid" 2>/dev/null && break # still starting: the health wait below decides
-  unset 'pids[-1]'
+  failed_start router "$rsup" || break # still starting: the health wait below decides
+  # the supervisor would restart it on the same port: stop it first
+  kill -TERM "$rsup" 2>/dev/null; wait "$rsup" 2>/dev/null || true
   if [[ -n $port_given ]] || ! grep -q "Address already in use" "$run_dir/router.log" || ((attempt == 5)); then
     echo "local.sh: the router did not start; logs in $run_dir" >&2
     exit 1
@@ -218,6 +352,8 @@ for ((i = 0; i < decodes; i++)); do
     plan "$name" 3 --role "$roles" --group "decode-$i" $par --rank "$r"
   done
 done
+declare -A role_share=()
+min_share=""
 for ((k = 0; k < ${#w_name[@]}; k++)); do
   total=0
   for ((j = 0; j < ${#w_name[@]}; j++)); do ((w_gpu[j] == w_gpu[k])) && total=$((total + w_weight[j])); done
@@ -225,14 +361,22 @@ for ((k = 0; k < ${#w_name[@]}; k++)); do
   # shellcheck disable=SC2086
   start "${w_name[k]}" "$bin/tandem-worker" "${common[@]}" --id "${w_name[k]}" --gpu "${w_gpu[k]}" \
     --gpu-memory-fraction "$share" ${w_args[k]}
+  r=${w_args[k]#--role }
+  r=${r%% *}
+  r=${r%%,*}
+  role_share[$r]=$share
+  [[ -z $min_share ]] || awk -v a="$share" -v b="$min_share" 'BEGIN { exit !(a + 0 < b + 0) }' && min_share=$share
 done
+# what `local.sh add` needs to start one more worker of this cluster
+declare -p bin common client_ep ngpu role_share min_share >"$run_dir/local.env"
 
 # serving once every worker has registered, in the cross mode asked for
 n_enc=$((encoders > 0 && !decoders_encode ? encoders : encoders + decodes))
 want="\"cross\": \"$cross_mode\", \"encoders\": $n_enc, \"prefills\": $prefills, \"decoders\": $decodes"
 for _ in $(seq 300); do
-  for pid in "${pids[@]}"; do
-    kill -0 "$pid" 2>/dev/null || { echo "local.sh: a process exited during start-up; logs in $run_dir" >&2; exit 1; }
+  for n in router "${w_name[@]}"; do
+    failed_start "$n" "$(cat "$run_dir/$n.supervisor.pid" 2>/dev/null || echo 0)" &&
+      { echo "local.sh: $n exited during start-up; logs in $run_dir" >&2; exit 1; }
   done
   h=$("$bin/tandem-client" --router "$client_ep" --health --timeout-ms 500 2>/dev/null || true)
   [[ $h == *"$want"* ]] && break
@@ -251,10 +395,10 @@ tokenizer=${tokenizer:-$model}
 if ((gateway)) && [[ -f $tokenizer/tokenizer.json || -f $tokenizer/source.spm ]]; then
   start gateway "$bin/tandem-gateway" --router "$client_ep" --model "$model" --tokenizer "$tokenizer" \
     --port "$gateway_port"
-  gpid=${pids[-1]}
+  gsup=$last_sup
   for _ in $(seq 200); do
     grep -q "gateway serving" "$run_dir/gateway.log" 2>/dev/null && break
-    kill -0 "$gpid" 2>/dev/null || break
+    failed_start gateway "$gsup" && break
     sleep 0.05
   done
   gw=$(grep -o "gateway serving http://[^ ]*" "$run_dir/gateway.log" 2>/dev/null | head -1 | cut -d' ' -f3)
@@ -308,6 +452,10 @@ if ((demo)); then
   "$bin/tandem-client" --router "$client_ep" --requests "$req" --timeout-ms 60000
   exit $?
 fi
-wait -n "${pids[@]}" || true
-echo "local.sh: a process exited; stopping the cluster (logs in $run_dir)" >&2
+# the supervisors keep the processes up; the cluster lasts while the router's does
+while kill -0 "$rsup" 2>/dev/null; do
+  sleep 1 &
+  wait $! || true
+done
+echo "local.sh: the router's supervisor ended; stopping the cluster (logs in $run_dir)" >&2
 exit 1

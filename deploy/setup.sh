@@ -17,6 +17,7 @@ packages=(
   libsndfile1-dev libsoxr-dev libkissfft-dev                      # audio: decoding, resampling, FFT
   libpcre2-dev libutf8proc-dev libsentencepiece-dev               # tokenizers
   libmicrohttpd-dev libcurl4-openssl-dev curl                     # gateway (HTTP server), bench-serve --gateway, its test
+  openssh-server iproute2 util-linux                              # cluster.sh over ssh; its test: sshd in network namespaces (ip, unshare)
   prometheus jq                                                   # the router's /metrics scraped by a real Prometheus (its test)
   iproute2                                                        # tests/faults: ip netns, tc (a slow or lossy link)
   clang libclang-rt-dev                                           # libFuzzer targets (asan build): Debian's default clang and its runtime

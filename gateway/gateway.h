@@ -11,12 +11,14 @@
 #include <stdint.h>
 
 #include "common/status.h"
+#include "proto/auth.h"
 
 typedef struct td_gateway td_gateway;
 
 /* A zero field takes its default (common/defaults.h, TD_GATEWAY_*). */
 typedef struct td_gateway_opts {
   const char *router;        /* the router's client endpoint (required) */
+  const td_auth *auth;       /* CURVE keys and the router's public key; NULL: plain (docs/security.md) */
   const char *model_dir;     /* config.json (and preprocessor_config.json for Whisper) (required) */
   const char *tokenizer_dir; /* tokenizer.json or Marian's spm pair; NULL: model_dir */
   const char *model_name;    /* the name clients give as "model"; NULL: model_dir's last component */

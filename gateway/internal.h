@@ -182,7 +182,7 @@ struct gw_batch {
 
 typedef struct gw_io gw_io;
 
-td_status gw_io_create(const char *router, uint32_t timeout_ms, gw_io **out);
+td_status gw_io_create(const char *router, const td_auth *auth, uint32_t timeout_ms, gw_io **out);
 /* Ends every request in flight with an error and stops the thread; later
  * submissions end at once with an error. */
 void gw_io_stop(gw_io *io);

@@ -282,11 +282,11 @@ static void enqueue(gw_io *io, gw_batch *b, bool cancel) {
 void gw_io_submit(gw_io *io, gw_batch *b) { enqueue(io, b, false); }
 void gw_io_cancel(gw_io *io, gw_batch *b) { enqueue(io, b, true); }
 
-td_status gw_io_create(const char *router, uint32_t timeout_ms, gw_io **out) {
+td_status gw_io_create(const char *router, const td_auth *auth, uint32_t timeout_ms, gw_io **out) {
   *out = NULL;
   gw_io *io = calloc(1, sizeof *io);
   if (!io) return td_err(TD_ERR_NOMEM, "out of memory");
-  td_status s = td_client_connect(router, &io->c);
+  td_status s = td_client_connect_auth(router, auth, &io->c);
   if (s != TD_OK) {
     free(io);
     return s;

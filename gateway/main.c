@@ -33,7 +33,9 @@ static void usage(FILE *f) {
           "                      [--max-held-bytes N (uploads in memory at once)]\n"
           "                      [--max-connections N] [--max-requests N] [--idle-timeout-s N] [--timeout-ms N]\n"
           "                      [--max-audio-seconds S] [--stream-interval-ms N (0: every arrival)]\n"
-          "                      [--log-level LEVEL]\n");
+          "                      [--log-level LEVEL]\n"
+          "                      [--curve-secret FILE --router-key FILE]  (CURVE to the router: this gateway's\n"
+          "                       secret key and the router's public key; docs/security.md)\n");
 }
 
 int main(int argc, char **argv) {
@@ -53,7 +55,9 @@ int main(int argc, char **argv) {
       {"idle-timeout-s", required_argument, 0, 'i'}, {"timeout-ms", required_argument, 0, 'T'},
       {"max-audio-seconds", required_argument, 0, 'a'}, {"log-level", required_argument, 0, 'l'},
       {"stream-interval-ms", required_argument, 0, 's'}, {"max-held-bytes", required_argument, 0, 'B'},
+      {"curve-secret", required_argument, 0, 1001},  {"router-key", required_argument, 0, 1002},
       {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
+  td_auth_opts ao = {0};
   td_gateway_opts o = {0};
   int c;
   long v;
@@ -114,6 +118,8 @@ int main(int argc, char **argv) {
         }
         td_log_set_level((td_log_level)td_log_parse_level(optarg));
         break;
+      case 1001: ao.secret_file = optarg; break;
+      case 1002: ao.router_key_file = optarg; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -126,9 +132,17 @@ int main(int argc, char **argv) {
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
+  td_auth *auth = NULL;
+  if (td_auth_create(&ao, &auth) != TD_OK || (auth && !ao.router_key_file)) {
+    fprintf(stderr, "tandem-gateway: %s\n", auth ? "--curve-secret needs --router-key" : td_errmsg());
+    td_auth_destroy(auth);
+    return 2;
+  }
+  o.auth = auth;
   td_gateway *g;
   if (td_gateway_create(&o, &g) != TD_OK) {
     fprintf(stderr, "tandem-gateway: %s\n", td_errmsg());
+    td_auth_destroy(auth);
     return 1;
   }
   TD_INFO("gateway serving http://%s:%d (router %s)", o.host ? o.host : TD_DEFAULT_LISTEN_HOST, td_gateway_port(g),
@@ -136,5 +150,6 @@ int main(int argc, char **argv) {
   while (!stop_flag) pause();
   TD_INFO("gateway stopping");
   td_gateway_destroy(g);
+  td_auth_destroy(auth);
   return 0;
 }

@@ -138,6 +138,11 @@ typedef struct td_kvx_opts {
   /* UCX_TLS as UCX reads it (NULL or "": unset): a list without a
    * shared-memory transport leaves the local path nothing to gain. */
   const char *ucx_tls;
+  /* The address this worker binds and advertises: UCX's network transports
+   * then use only the interface that carries it (NULL, or a loopback
+   * address: UCX's choice), unless UCX_NET_DEVICES names devices. */
+  const char *bind_addr;
+  const char *ucx_net_devices; /* UCX_NET_DEVICES as UCX will read it (NULL or "": unset) */
   bool trace; /* keep a per-transfer event trace, printed at destroy */
   td_kvx_authorize_fn authorize; /* NULL: refuse every transfer */
   td_kvx_recv_fn on_recv;

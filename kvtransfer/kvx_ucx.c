@@ -3,7 +3,11 @@
  * lanes allow, operations in flight (puts, flushes, messages, closes) and
  * their completion, control messages, memory registration. Everything
  * that talks to ucp_* except the data path's puts (kvx_put.c). */
+#include <arpa/inet.h>
 #include <errno.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -355,11 +359,46 @@ td_status kvx_ucx_map(td_kvx *k, void *base, size_t bytes, bool cuda, ucp_mem_h 
   return TD_OK;
 }
 
+/* The interface that carries addr (numeric IPv4 / IPv6); false when none
+ * does or addr is a loopback or wildcard address. */
+static bool bind_interface(const char *addr, char name[IF_NAMESIZE]) {
+  struct addrinfo hints = {.ai_flags = AI_NUMERICHOST}, *ai = NULL;
+  if (!addr || getaddrinfo(addr, NULL, &hints, &ai) != 0) return false;
+  bool found = false;
+  struct ifaddrs *ifs = NULL;
+  if (getifaddrs(&ifs) == 0) {
+    for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != ai->ai_family || (i->ifa_flags & IFF_LOOPBACK)) continue;
+      if (ai->ai_family == AF_INET)
+        found = ((struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr == ((struct sockaddr_in *)ai->ai_addr)->sin_addr.s_addr;
+      else if (ai->ai_family == AF_INET6)
+        found = !memcmp(&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr, &((struct sockaddr_in6 *)ai->ai_addr)->sin6_addr,
+                        sizeof(struct in6_addr));
+      if (found) snprintf(name, IF_NAMESIZE, "%s", i->ifa_name);
+    }
+    freeifaddrs(ifs);
+  }
+  freeaddrinfo(ai);
+  return found;
+}
+
 td_status kvx_ucx_open(td_kvx *k) {
   ucp_config_t *cfg = NULL;
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
   if (us != UCS_OK) {
     return td_err(TD_ERR_NETWORK, "KV transfer: reading the UCX configuration: %s", ucs_status_string(us));
+  }
+  /* A worker told to bind one address listens on that interface only (UCX
+   * would otherwise listen on every one, loopback included). */
+  char ifname[IF_NAMESIZE];
+  bool chosen = k->o.ucx_net_devices && *k->o.ucx_net_devices;
+  if (!chosen && bind_interface(k->o.bind_addr, ifname)) {
+    us = ucp_config_modify(cfg, "NET_DEVICES", ifname);
+    if (us != UCS_OK) {
+      ucp_config_release(cfg);
+      return td_err(TD_ERR_NETWORK, "KV transfer: UCX network device %s: %s", ifname, ucs_status_string(us));
+    }
+    TD_INFO("kvx %s: UCX network transports on %s (%s)", k->name, ifname, k->o.bind_addr);
   }
   ucp_params_t up;
   memset(&up, 0, sizeof up);

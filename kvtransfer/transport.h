@@ -22,6 +22,7 @@
 #include "common/evloop.h"
 #include "common/settings.h"
 #include "common/status.h"
+#include "proto/auth.h"
 #include "kernels/ops.h"
 
 typedef struct td_kvt td_kvt;
@@ -72,6 +73,10 @@ typedef struct td_kvt_opts {
   int elem_size; /* bytes of a KV element (float32 on the CPU, bf16 on CUDA) */
   td_kvt_pool cross, self;
   td_kvx_tuning kvx; /* from the settings main read */
+  /* zmq: CURVE keys (NULL: plain). The endpoint is a CURVE server admitting
+   * the worker list (its ZAP domain TD_AUTH_DOMAIN_KV); its descriptor
+   * carries its public key, pushes connect as CURVE clients. */
+  const td_auth *auth;
 } td_kvt_opts;
 
 /* One push of n blocks into the peer's reserved blocks. */

@@ -20,9 +20,13 @@
 #define BURST 256
 #define DESC_PREFIX "zmq:"
 #define EP_MAX 256 /* a peer's endpoint, with its NUL */
+/* with CURVE a descriptor is "zmq:ENDPOINT KEY": the receiver's public key
+ * after one space (an endpoint holds none) */
+#define KEY_SEP ' '
 
 typedef struct peer {
   char ep[EP_MAX];
+  char key[TD_AUTH_KEY_Z85]; /* the receiver's public key ("" without CURVE) */
   void *sock;
   int ev; /* its loop event (0: none) */
 } peer;
@@ -36,9 +40,11 @@ typedef struct pending {
 typedef struct zx {
   td_kvt *t;
   void *ctx, *rx;
+  const td_auth *auth;
+  td_zap *zap; /* admits the worker list's pushes (NULL without keys) */
   int rx_ev;
   td_loop *loop;
-  char desc[300];
+  char desc[EP_MAX + TD_AUTH_KEY_Z85 + 8];
   int timeout_ms;
   size_t max_block; /* the largest block frame taken and sent */
   peer peers[MAX_PEERS];
@@ -59,6 +65,7 @@ static void zx_destroy(td_kvt *t) {
   (void)t->iface->watch(t, NULL);
   for (int i = 0; i < x->n_peers; i++) zmq_close(x->peers[i].sock);
   if (x->rx) zmq_close(x->rx);
+  td_zap_destroy(x->zap);
   if (x->ctx) zmq_ctx_term(x->ctx);
   free(x->pend);
   free(x);
@@ -72,6 +79,7 @@ static td_status zx_create(td_kvt *t, const td_kvt_opts *o) {
   x->t = t;
   x->timeout_ms = o->timeout_ms > 0 ? o->timeout_ms : TD_DEFAULT_TRANSFER_TIMEOUT_MS;
   x->next_push = 1;
+  x->auth = o->auth;
   x->ctx = zmq_ctx_new();
   x->rx = x->ctx ? zmq_socket(x->ctx, ZMQ_ROUTER) : NULL;
   if (!x->rx) {
@@ -80,6 +88,13 @@ static td_status zx_create(td_kvt *t, const td_kvt_opts *o) {
     return s;
   }
   td_wire_setup_socket(x->rx);
+  td_status as = td_zap_create(x->auth, x->ctx, &x->zap);
+  if (as == TD_OK) as = td_auth_server(x->auth, x->rx, TD_AUTH_DOMAIN_KV);
+  if (as == TD_OK) as = td_zap_watch(x->zap, x->rx, "KV");
+  if (as != TD_OK) {
+    zx_destroy(t);
+    return as;
+  }
   /* a frame is a header or one block: a larger one (a 1 GiB frame) drops
    * the peer's connection before libzmq buffers it. libzmq bounds frames,
    * not the parts of a message: a peer sending endless block frames is
@@ -89,6 +104,7 @@ static td_status zx_create(td_kvt *t, const td_kvt_opts *o) {
   zmq_setsockopt(x->rx, ZMQ_MAXMSGSIZE, &max, sizeof max);
   char ep[300];
   snprintf(ep, sizeof ep, "tcp://%s:*", o->listen_host ? o->listen_host : TD_DEFAULT_LISTEN_HOST);
+  td_auth_warn_open(x->auth, ep, "KV");
   if (zmq_bind(x->rx, ep) != 0) {
     td_status s = td_err(TD_ERR_NETWORK, "cannot bind the KV endpoint %s: %s", ep, zmq_strerror(zmq_errno()));
     zx_destroy(t);
@@ -97,7 +113,10 @@ static td_status zx_create(td_kvt *t, const td_kvt_opts *o) {
   char last[256];
   size_t ll = sizeof last;
   zmq_getsockopt(x->rx, ZMQ_LAST_ENDPOINT, last, &ll);
-  snprintf(x->desc, sizeof x->desc, DESC_PREFIX "%s", last);
+  if (x->auth)
+    snprintf(x->desc, sizeof x->desc, DESC_PREFIX "%s%c%s", last, KEY_SEP, td_auth_public_key(x->auth));
+  else
+    snprintf(x->desc, sizeof x->desc, DESC_PREFIX "%s", last);
   return TD_OK;
 }
 
@@ -122,24 +141,44 @@ static td_status zx_watch(td_kvt *t, td_loop *l) {
   return TD_OK;
 }
 
-/* The endpoint of a "zmq:ENDPOINT" descriptor; false when desc is not one. */
-static bool desc_endpoint(const uint8_t *desc, size_t len, char ep[EP_MAX]) {
+/* The endpoint and key ("" when none) of a "zmq:ENDPOINT[ KEY]" descriptor;
+ * false when desc is not one. */
+static bool desc_endpoint(const uint8_t *desc, size_t len, char ep[EP_MAX], char key[TD_AUTH_KEY_Z85]) {
   size_t pl = strlen(DESC_PREFIX);
-  if (len <= pl || len >= EP_MAX + pl || memcmp(desc, DESC_PREFIX, pl)) return false;
-  memcpy(ep, desc + pl, len - pl);
-  ep[len - pl] = 0;
+  key[0] = 0;
+  if (len <= pl || memcmp(desc, DESC_PREFIX, pl)) return false;
+  const uint8_t *sep = memchr(desc + pl, KEY_SEP, len - pl);
+  size_t el = sep ? (size_t)(sep - desc) - pl : len - pl;
+  if (!el || el >= EP_MAX) return false;
+  if (sep) {
+    size_t kl = len - (size_t)(sep + 1 - desc);
+    if (kl != TD_AUTH_KEY_Z85 - 1) return false;
+    memcpy(key, sep + 1, kl);
+    key[kl] = 0;
+  }
+  memcpy(ep, desc + pl, el);
+  ep[el] = 0;
   return true;
 }
 
 /* The connection to a receiver's "zmq:ENDPOINT"; NULL with td_err. */
 static peer *get_peer(zx *x, const uint8_t *desc, size_t len) {
-  char ep[EP_MAX];
-  if (!desc_endpoint(desc, len, ep)) {
+  char ep[EP_MAX], key[TD_AUTH_KEY_Z85];
+  if (!desc_endpoint(desc, len, ep, key)) {
     td_err(TD_ERR_INVALID, "KV descriptor is not a ZeroMQ endpoint");
     return NULL;
   }
+  /* never blocks in the clear to a receiver that wants keys, nor the reverse */
+  if (x->auth && !key[0]) {
+    td_err(TD_ERR_INVALID, "the KV endpoint %s has no CURVE key and this worker has keys: not sending in the clear", ep);
+    return NULL;
+  }
+  if (!x->auth && key[0]) {
+    td_err(TD_ERR_INVALID, "the KV endpoint %s takes CURVE only and this worker has no keys", ep);
+    return NULL;
+  }
   for (int i = 0; i < x->n_peers; i++)
-    if (!strcmp(x->peers[i].ep, ep)) return &x->peers[i];
+    if (!strcmp(x->peers[i].ep, ep) && !strcmp(x->peers[i].key, key)) return &x->peers[i];
   if (x->n_peers == MAX_PEERS) {
     /* recycle the oldest connection */
     if (x->loop) td_loop_remove(x->loop, x->peers[0].ev);
@@ -156,6 +195,10 @@ static peer *get_peer(zx *x, const uint8_t *desc, size_t len) {
   td_wire_setup_socket(p->sock);
   int64_t max = TD_KV_ACK_MAX_BYTES; /* only KvAcks come back */
   zmq_setsockopt(p->sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
+  if (td_auth_client(x->auth, p->sock, key[0] ? key : NULL) != TD_OK) { /* td_err set */
+    zmq_close(p->sock);
+    return NULL;
+  }
   if (zmq_connect(p->sock, ep) != 0) {
     td_err(TD_ERR_NETWORK, "cannot connect to %s: %s", ep, zmq_strerror(zmq_errno()));
     zmq_close(p->sock);
@@ -166,6 +209,7 @@ static peer *get_peer(zx *x, const uint8_t *desc, size_t len) {
     return NULL;
   }
   snprintf(p->ep, sizeof p->ep, "%s", ep);
+  snprintf(p->key, sizeof p->key, "%s", key);
   x->n_peers++;
   return p;
 }
@@ -368,10 +412,17 @@ static bool zx_arm(td_kvt *t) { return true; }
 
 static bool zx_route(td_kvt *t, const char *peer_id, const uint8_t *desc, size_t len, bool cross, char *why,
                      size_t cap) {
-  char ep[EP_MAX];
-  if (desc_endpoint(desc, len, ep)) return true;
-  snprintf(why, cap, "no ZeroMQ endpoint");
-  return false;
+  char ep[EP_MAX], key[TD_AUTH_KEY_Z85];
+  if (!desc_endpoint(desc, len, ep, key)) {
+    snprintf(why, cap, "no ZeroMQ endpoint");
+    return false;
+  }
+  if (!key[0] != !((zx *)t->ctx)->auth) {
+    snprintf(why, cap, key[0] ? "its KV endpoint takes CURVE and this worker has no keys"
+                              : "its KV endpoint has no CURVE key and this worker has keys");
+    return false;
+  }
+  return true;
 }
 
 const td_kvt_i td_kvt_zmq = {

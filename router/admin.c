@@ -10,11 +10,9 @@
 #include "common/log.h"
 #include "router/internal.h"
 
-bool rtr_admin_allowed(const td_router *r, const uint8_t *peer, size_t peer_len) {
-  (void)r;
-  (void)peer;
-  (void)peer_len;
-  return true; /* every client, until clients are told apart by their keys */
+bool rtr_admin_allowed(const td_router *r, const char *key) {
+  if (!r->o.auth) return true; /* no keys: every client, as every client may reach the socket */
+  return key && td_auth_is_admin(r->o.auth, key);
 }
 
 static const char *action_name(Tandem__AdminAction a) {
@@ -54,9 +52,10 @@ static int other_decoders(const td_router *r, const worker *w) {
   return n;
 }
 
-void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const Tandem__AdminRequest *a) {
-  if (!rtr_admin_allowed(r, id, id_len)) {
-    refuse(r, id, id_len, a, TANDEM__ERROR_CODE__ERROR_PERMISSION_DENIED, "this client may not send admin requests");
+void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const char *key, const Tandem__AdminRequest *a) {
+  if (!rtr_admin_allowed(r, key)) {
+    refuse(r, id, id_len, a, TANDEM__ERROR_CODE__ERROR_PERMISSION_DENIED,
+           "this client may not send admin requests (its key is not on the router's --admin-keys list)");
     return;
   }
   char msg[512];

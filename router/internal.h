@@ -146,10 +146,13 @@ struct td_router {
   chunk_out *outbox;
   int n_outbox, cap_outbox;
   void *ctx, *csock, *wsock;
+  td_zap *zap; /* NULL without keys */
   bool own_ctx;
   volatile sig_atomic_t *stop;    /* td_router_run's */
   worker *workers;                /* by id */
   worker *by_route;               /* the same, by routing identity */
+  struct id_key *id_keys;         /* with keys: each worker id's key, kept for the router's life */
+  int n_id_keys;
   td_place_worker **pool;         /* the same workers in registration order */
   int n_pool, cap_pool;
   group_rv *groups;
@@ -186,7 +189,8 @@ worker *rtr_find_worker(td_router *r, const char *id);
 worker *rtr_find_route(td_router *r, const uint8_t *route, size_t len);
 int rtr_count_role(const td_router *r, rtr_role role);
 bool rtr_cross_mode_matches(const td_router *r, const char *mode, char *why, size_t cap);
-void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__Register *reg);
+/* key: the connection's authenticated public key (NULL without CURVE) */
+void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__Register *reg);
 void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat *hb);
 /* A worker left (deregistered, silent, restarted, its group failed): its
  * requests are retried elsewhere. */
@@ -204,12 +208,15 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len);
  * workers' entries (free both after sending, even on failure). */
 void rtr_health_fill(td_router *r, Tandem__HealthResponse *h, Tandem__WorkerStatus **ws, Tandem__WorkerStatus ***wp);
 void rtr_workers_free(td_router *r);
+void rtr_id_keys_free(td_router *r);
 
 /* ---- admin.c: an operator's requests (tandem-admin) */
 /* Whether this client connection may send admin requests. The one check
- * every admin request passes; today it admits every client. */
-bool rtr_admin_allowed(const td_router *r, const uint8_t *peer, size_t peer_len);
-void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const Tandem__AdminRequest *a);
+ * every admin request passes: without CURVE every client; with keys, the
+ * clients whose key is on --admin-keys (none without that list). */
+/* key: the client's authenticated public key (NULL without CURVE) */
+bool rtr_admin_allowed(const td_router *r, const char *key);
+void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const char *key, const Tandem__AdminRequest *a);
 
 /* ---- groups.c */
 void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j);

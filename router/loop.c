@@ -83,7 +83,8 @@ static void on_worker_message(td_router *r) {
   } else if (fg) {
     fg->seen[frank] = td_now_ms(); /* a follower's heartbeat */
   } else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER) {
-    rtr_on_register(r, f.id, f.id_len, m->register_);
+    char key[TD_AUTH_KEY_Z85];
+    rtr_on_register(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m->register_);
   } else if (!w) {
     refuse_peer(r, f.id, f.id_len, "unknown worker: register"); /* e.g. the router restarted */
   } else {
@@ -143,7 +144,11 @@ static void on_client_message(td_router *r) {
     case TANDEM__CLIENT_MESSAGE__BODY_CANCEL: rtr_on_cancel(r, f.id, f.id_len, m->cancel); break;
     case TANDEM__CLIENT_MESSAGE__BODY_HEALTH: rtr_health(r, f.id, f.id_len); break;
     case TANDEM__CLIENT_MESSAGE__BODY_LIST_MODELS: list_models(r, f.id, f.id_len); break;
-    case TANDEM__CLIENT_MESSAGE__BODY_ADMIN: rtr_on_admin(r, f.id, f.id_len, m->admin); break;
+    case TANDEM__CLIENT_MESSAGE__BODY_ADMIN: {
+      char key[TD_AUTH_KEY_Z85];
+      rtr_on_admin(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m->admin);
+      break;
+    }
     default:
       rtr_client_error(r, f.id, f.id_len, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, "message without a body");
       break;
@@ -199,10 +204,13 @@ static void apply_defaults(td_router_opts *o) {
 }
 
 static td_status bind_socket(td_router *r, void **sock, const char *endpoint, const char *what, bool handover,
-                             int64_t max_msg) {
+                             int64_t max_msg, const char *domain) {
   *sock = zmq_socket(r->ctx, ZMQ_ROUTER);
   if (!*sock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   td_wire_setup_socket(*sock);
+  TD_TRY(td_auth_server(r->o.auth, *sock, domain));
+  TD_TRY(td_zap_watch(r->zap, *sock, what));
+  td_auth_warn_open(r->o.auth, endpoint, what);
   zmq_setsockopt(*sock, ZMQ_MAXMSGSIZE, &max_msg, sizeof max_msg);
   int on = handover;
   if (handover) zmq_setsockopt(*sock, ZMQ_ROUTER_HANDOVER, &on, sizeof on);
@@ -235,12 +243,16 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
   td_status s = r->ctx ? TD_OK : td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   /* a request's largest part is its audio: a larger message drops the
    * client's connection before libzmq buffers it (tcp; inproc has no limit) */
-  if (s == TD_OK) s = bind_socket(r, &r->csock, r->o.client_endpoint, "client", false, TD_CLIENT_MAX_MSG_BYTES);
+  /* the ZAP handler answers the context's CURVE handshakes: it runs before a socket binds */
+  if (s == TD_OK) s = td_zap_create(r->o.auth, r->ctx, &r->zap);
+  if (s == TD_OK)
+    s = bind_socket(r, &r->csock, r->o.client_endpoint, "client", false, TD_CLIENT_MAX_MSG_BYTES,
+                    TD_AUTH_DOMAIN_CLIENTS);
   /* no ROUTER_HANDOVER: a second connection under a live identity made
    * libzmq abort under load (stream_engine_base.cpp !_io_error); workers
    * connect under identities never reused (td_wire_set_unique_route) and
    * a duplicate worker id is the registration's to refuse */
-  if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", false, TD_WIRE_MAX_MSG);
+  if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", false, TD_WIRE_MAX_MSG, TD_AUTH_DOMAIN_WORKERS);
   if (s == TD_OK) s = rtr_metrics_create(r);
   if (s != TD_OK) {
     td_router_destroy(r);
@@ -256,6 +268,7 @@ void td_router_destroy(td_router *r) {
   rreq *q, *t;
   HASH_ITER(hh, r->by_rid, q, t) rtr_req_free(r, q);
   rtr_workers_free(r);
+  rtr_id_keys_free(r);
   rtr_groups_free(r);
   td_ptrvec_free(&r->queue);
   free(r->outbox); /* empty between messages */
@@ -263,6 +276,7 @@ void td_router_destroy(td_router *r) {
   free(r->model_name);
   if (r->csock) zmq_close(r->csock);
   if (r->wsock) zmq_close(r->wsock);
+  td_zap_destroy(r->zap);
   if (r->own_ctx && r->ctx) zmq_ctx_term(r->ctx);
   free(r);
 }

@@ -63,7 +63,10 @@ int main(int argc, char **argv) {
       {"capacity-wait-ms", required_argument, 0, 'W'}, {"max-held-mb", required_argument, 0, 'M'},
       {"metrics-port", required_argument, 0, 'P'},    {"metrics-host", required_argument, 0, 'O'},
       {"kv-load-failure", required_argument, 0, 'K'},
+      {"curve-secret", required_argument, 0, 1001},  {"worker-keys", required_argument, 0, 1002},
+      {"client-keys", required_argument, 0, 1003},   {"admin-keys", required_argument, 0, 1004},
       {0, 0, 0, 0}};
+  td_auth_opts ao = {0};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
   const char *tokenizer_dir = NULL;
   int c;
@@ -98,6 +101,10 @@ int main(int argc, char **argv) {
         }
         fprintf(stderr, "tandem-router: --kv-load-failure %s: recompute or fail\n", optarg);
         return 2;
+      case 1001: ao.secret_file = optarg; break;
+      case 1002: ao.worker_keys_file = optarg; break;
+      case 1003: ao.client_keys_file = optarg; break;
+      case 1004: ao.admin_keys_file = optarg; break;
       case 'x':
         if (td_cross_mode_parse(optarg, &o.cross_mode) == TD_OK) break;
         fprintf(stderr, "tandem-router: %s\n", td_errmsg());
@@ -127,7 +134,10 @@ int main(int argc, char **argv) {
                 "                     [--tokenizer DIR]  (the checkpoint's folder: text and audio requests,\n"
                 "                                         text in results; Whisper needs its preprocessor_config.json)\n"
                 "                     [--cross-mode auto|kv|states|dual]  (what the cross pools hold; every\n"
-                "                                         worker must run the same; --cross-states: states)\n");
+                "                                         worker must run the same; --cross-states: states)\n"
+                "                     [--curve-secret FILE --worker-keys FILE --client-keys FILE [--admin-keys FILE]]\n"
+                "                                        (CURVE: this router's secret key, the public keys admitted\n"
+                "                                         as workers and as clients; docs/security.md)\n");
         return c == 'h' ? 0 : 2;
     }
   }
@@ -147,9 +157,24 @@ int main(int argc, char **argv) {
     o.whisper = fe.whisper;
     TD_INFO("tokenizer from %s: text%s requests", tokenizer_dir, fe.mel ? " and audio" : "");
   }
+  td_auth *auth = NULL;
+  if (td_auth_create(&ao, &auth) != TD_OK) {
+    fprintf(stderr, "tandem-router: %s\n", td_errmsg());
+    free_frontend(&fe);
+    return 2;
+  }
+  if (auth && (!ao.worker_keys_file || !ao.client_keys_file)) {
+    fprintf(stderr, "tandem-router: --curve-secret needs --worker-keys and --client-keys (an empty file admits none)\n");
+    td_auth_destroy(auth);
+    free_frontend(&fe);
+    return 2;
+  }
+  if (auth) TD_INFO("CURVE on the client and worker endpoints; this router's public key %s", td_auth_public_key(auth));
+  o.auth = auth;
   td_router *r;
   if (td_router_create(&o, &r) != TD_OK) {
     fprintf(stderr, "tandem-router: %s\n", td_errmsg());
+    td_auth_destroy(auth);
     free_frontend(&fe);
     return 1;
   }
@@ -159,6 +184,7 @@ int main(int argc, char **argv) {
   td_status s = td_router_run(r, &stop_flag);
   if (s != TD_OK) fprintf(stderr, "tandem-router: %s\n", td_errmsg());
   td_router_destroy(r);
+  td_auth_destroy(auth);
   free_frontend(&fe);
   return s == TD_OK ? 0 : 1;
 }

@@ -15,6 +15,7 @@
 
 #include "common/cross_mode.h"
 #include "common/status.h"
+#include "proto/auth.h"
 #include "frontend/audio.h"
 #include "frontend/tokenizer.h"
 
@@ -69,6 +70,7 @@ typedef struct td_router_opts {
   /* A ZeroMQ context to bind in (so that inproc:// endpoints reach peers of
    * the same process); NULL: the router's own. */
   void *zmq_ctx;
+  const td_auth *auth; /* CURVE keys and lists; NULL: plain sockets (docs/security.md) */
 } td_router_opts;
 
 td_status td_router_create(const td_router_opts *opts, td_router **out);

@@ -169,7 +169,50 @@ static bool id_ok(const char *id) {
   return true;
 }
 
-void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__Register *reg) {
+/* With keys, a worker id belongs to the key that first registered it, for
+ * the router's life: another listed key cannot take it over, not even
+ * while its worker is away. NULL key (no CURVE): true. */
+typedef struct id_key {
+  char id[TD_WIRE_MAX_ID + 1];
+  char key[TD_AUTH_KEY_Z85];
+  UT_hash_handle hh;
+} id_key;
+
+static bool id_key_ok(td_router *r, const char *wid, const char *key, char *why, size_t cap) {
+  if (!key) return true;
+  id_key *e = NULL;
+  HASH_FIND_STR(r->id_keys, wid, e);
+  if (e) {
+    if (!strcmp(e->key, key)) return true;
+    snprintf(why, cap, "worker id %s belongs to another key (this connection's key is %s)", wid, key);
+    return false;
+  }
+  if (r->n_id_keys >= TD_AUTH_MAX_BOUND_IDS) {
+    snprintf(why, cap, "the router has bound %d worker ids to keys (TD_AUTH_MAX_BOUND_IDS): no new id", r->n_id_keys);
+    return false;
+  }
+  e = calloc(1, sizeof *e);
+  if (!e) {
+    snprintf(why, cap, "out of memory");
+    return false;
+  }
+  snprintf(e->id, sizeof e->id, "%s", wid);
+  snprintf(e->key, sizeof e->key, "%s", key);
+  HASH_ADD_STR(r->id_keys, id, e);
+  r->n_id_keys++;
+  return true;
+}
+
+void rtr_id_keys_free(td_router *r) {
+  id_key *e, *t;
+  HASH_ITER(hh, r->id_keys, e, t) {
+    HASH_DEL(r->id_keys, e);
+    free(e);
+  }
+  r->n_id_keys = 0;
+}
+
+void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__Register *reg) {
   char why[512] = "";
   Tandem__Cluster__WorkerInfo *in = reg ? reg->info : NULL;
   /* the worker's id is the registration's; its connection's identity only routes */
@@ -189,6 +232,7 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, Tandem__Clu
     ok = false;
   }
   if (ok) ok = rtr_cross_mode_matches(r, in->cross_mode, why, sizeof why);
+  if (ok) ok = id_key_ok(r, wid, key, why, sizeof why);
   if (!ok) {
     TD_WARN("refused worker %s: %s", wid, why);
     send_ack(r, id, id_len, false, why);

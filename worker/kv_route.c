@@ -142,6 +142,7 @@ td_status w_kv_start(td_worker *w) {
   ko.name = w->id;
   ko.listen_host = o->listen_host;
   ko.timeout_ms = o->transfer_timeout_ms;
+  ko.auth = o->auth;
   /* peers push blocks of this model: whole-decoder cross or self blocks, in
    * float32 at most (a CPU sender's to a bf16 receiver must still arrive, to
    * be refused with the size error rather than a dropped connection) */

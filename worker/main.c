@@ -39,7 +39,10 @@ static void usage(FILE *f) {
           "                     [--gpu-memory-fraction F]  (a GPU worker's share of its device: weights and\n"
           "                                         pools; default 0.9; split it between workers on one GPU)\n"
           "                     [--encoder-cache-fraction F]  (of the cross pool: encoder outputs kept for\n"
-          "                                         repeated inputs; default 0.25, 0 disables)\n");
+          "                                         repeated inputs; default 0.25, 0 disables)\n"
+          "                     [--curve-secret FILE --router-key FILE --worker-keys FILE]  (CURVE: this worker's\n"
+          "                                         secret key, the router's public key, the workers admitted\n"
+          "                                         to push KV here; KV then goes over ZeroMQ; docs/security.md)\n");
 }
 
 /* The roles this process serves, "encode,prefill,decode": the role folders'
@@ -81,7 +84,10 @@ int main(int argc, char **argv) {
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'W'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
       {"max-enc-seqs", required_argument, 0, 'Q'}, {"encoder-cache-fraction", required_argument, 0, 'Y'},
+      {"curve-secret", required_argument, 0, 1001}, {"router-key", required_argument, 0, 1002},
+      {"worker-keys", required_argument, 0, 1003},
       {0, 0, 0, 0}};
+  td_auth_opts ao = {0};
   td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings,
                       .encoder_cache_fraction = TD_DEFAULT_ENCODER_CACHE_FRACTION};
   const char *roles = "encode,prefill,decode";
@@ -156,6 +162,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
         return 2;
       case 'W': o.states_rows = atoi(optarg); break;
+      case 1001: ao.secret_file = optarg; break;
+      case 1002: ao.router_key_file = optarg; break;
+      case 1003: ao.worker_keys_file = optarg; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -176,23 +185,39 @@ int main(int argc, char **argv) {
     return 2;
   }
   td_log_set_name(o.id);
+  td_auth *auth = NULL;
+  if (td_auth_create(&ao, &auth) != TD_OK) {
+    fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
+    return 2;
+  }
+  if (auth && (!ao.router_key_file || !ao.worker_keys_file)) {
+    fprintf(stderr, "tandem-worker: --curve-secret needs --router-key and --worker-keys\n");
+    td_auth_destroy(auth);
+    return 2;
+  }
+  o.auth = auth;
   struct sigaction sa = {.sa_handler = on_signal};
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
   if (o.rank > 0) {
     td_worker_opts_default(&o);
-    td_status fs = td_worker_follow(&o, &stop_flag);
+    td_status fs = auth ? td_err(TD_ERR_UNSUPPORTED, "a TP/PP group with CURVE keys: the group's own sockets have no "
+                                 "CURVE yet")
+                        : td_worker_follow(&o, &stop_flag);
+    td_auth_destroy(auth);
     if (fs != TD_OK && !stop_flag) fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
     return fs == TD_OK || stop_flag ? 0 : 1;
   }
   td_worker *w;
   if (td_worker_create(&o, &w) != TD_OK) {
     fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
+    td_auth_destroy(auth);
     return 1;
   }
   td_status s = td_worker_run(w, &stop_flag);
   if (s != TD_OK) fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
   td_worker_destroy(w);
+  td_auth_destroy(auth);
   return s == TD_OK ? 0 : 1;
 }

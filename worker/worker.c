@@ -105,8 +105,20 @@ static td_status create(td_worker *w) {
   td_worker_opts_default(o);
   TD_TRY(check_roles(w));
   snprintf(w->id, sizeof w->id, "%s", o->id);
+  /* peers reach the KV and group endpoints at the address bound: one they can dial */
+  if (!strcmp(o->listen_host, "0.0.0.0") || !strcmp(o->listen_host, "*") || !strcmp(o->listen_host, "::"))
+    return td_err(TD_ERR_INVALID, "--host %s: workers advertise the address they bind, so it must be one that "
+                  "peers can reach, not a wildcard", o->listen_host);
   if (strcmp(o->transfer, "ucx") && strcmp(o->transfer, "zmq") && strcmp(o->transfer, "auto"))
     return td_err(TD_ERR_INVALID, "KV transport %s: auto, ucx or zmq", o->transfer);
+  if (o->auth) {
+    if (!strcmp(o->transfer, "ucx"))
+      return td_err(TD_ERR_UNSUPPORTED, "--kv-transport ucx with CURVE keys: UCX has no CURVE, so KV goes over ZeroMQ "
+                    "(--kv-transport zmq or auto)");
+    o->transfer = "zmq"; /* auto: every push over CURVE */
+    if (o->tp > 1 || o->pp > 1)
+      return td_err(TD_ERR_UNSUPPORTED, "a TP/PP group with CURVE keys: the group's own sockets have no CURVE yet");
+  }
   w->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (w->efd < 0) return td_err(TD_ERR_IO, "eventfd: %s", strerror(errno));
   TD_TRY(td_loop_create(TD_WORKER_STOP_CHECK_MS, &w->loop));
@@ -115,6 +127,7 @@ static td_status create(td_worker *w) {
   if (!w->rsock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   td_wire_setup_socket(w->rsock);
   td_wire_set_unique_route(w->rsock, w->id);
+  TD_TRY(td_auth_client(o->auth, w->rsock, NULL));
   if (zmq_connect(w->rsock, o->router) != 0)
     return td_err(TD_ERR_INVALID, "cannot connect to the router at %s: %s", o->router, zmq_strerror(zmq_errno()));
   w->world = o->tp > 1 ? o->tp : o->pp > 1 ? o->pp : 1;

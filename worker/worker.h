@@ -13,6 +13,7 @@
 #include "common/cross_mode.h"
 #include "common/settings.h"
 #include "common/status.h"
+#include "proto/auth.h"
 #include "kernels/ops.h"
 
 typedef struct td_worker td_worker;
@@ -20,6 +21,10 @@ typedef struct td_role td_role;
 
 typedef struct td_worker_opts {
   const char *router;      /* the router's worker endpoint */
+  /* CURVE keys (NULL: plain): this worker's key pair, the router's public
+   * key, the workers whose KV pushes its endpoint admits. With keys, KV
+   * goes over ZeroMQ only (UCX has no CURVE; docs/security.md). */
+  const td_auth *auth;
   const char *id;          /* unique worker id */
   /* the roles served (the role folders' tables), at most TD_WORKER_MAX_ROLES */
   const td_role *const *roles;

@@ -79,6 +79,14 @@ int cluster_add_worker(cluster *c, const char *name, const char *roles, int bloc
   char *argv[32] = {bin, "--router", c->worker_ep, "--model", c->model, "--role", (char *)roles, "--id", (char *)name,
                     "--block-size", bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256"};
   int a = 17;
+  char sec[600], rk[600], wl[600];
+  if (c->keys[0]) {
+    snprintf(sec, sizeof sec, "%s/%s.key", c->keys, name);
+    snprintf(rk, sizeof rk, "%s/router.pub", c->keys);
+    snprintf(wl, sizeof wl, "%s/workers.list", c->keys);
+    char *k[] = {"--curve-secret", sec, "--router-key", rk, "--worker-keys", wl};
+    for (int i = 0; i < 6; i++) argv[a++] = k[i];
+  }
   add_flags(extra, sizeof extra, strcmp(name, c->extra_worker) ? c->worker_extra : c->extra_flags, argv, &a, 31);
   argv[a] = NULL;
   spawn(c, name, argv);
@@ -115,6 +123,8 @@ void cluster_start(cluster *c, const cluster_opts *o) {
   snprintf(c->worker_extra, sizeof c->worker_extra, "%s", o->worker_extra ? o->worker_extra : "");
   snprintf(c->extra_worker, sizeof c->extra_worker, "%s", o->extra_worker ? o->extra_worker : "");
   snprintf(c->extra_flags, sizeof c->extra_flags, "%s", o->extra_flags ? o->extra_flags : "");
+  snprintf(c->keys, sizeof c->keys, "%s", o->keys ? o->keys : "");
+  c->auth = o->auth;
   int port = free_port_pair();
   snprintf(c->client_ep, sizeof c->client_ep, "tcp://127.0.0.1:%d", port);
   snprintf(c->worker_ep, sizeof c->worker_ep, "tcp://127.0.0.1:%d", port + 1);
@@ -124,7 +134,15 @@ void cluster_start(cluster *c, const cluster_opts *o) {
   char *argv[32] = {bin, "--client-endpoint", c->client_ep, "--worker-endpoint", c->worker_ep, "--prefill-threshold",
                     pt, "--heartbeat-ms", "200", "--dead-after", "5"};
   int a = 11;
-  char extra[256];
+  char extra[256], sec[600], wl[600], cl[600], al[600];
+  if (c->keys[0]) {
+    snprintf(sec, sizeof sec, "%s/router.key", c->keys);
+    snprintf(wl, sizeof wl, "%s/workers.list", c->keys);
+    snprintf(cl, sizeof cl, "%s/clients.list", c->keys);
+    snprintf(al, sizeof al, "%s/admins.list", c->keys);
+    char *k[] = {"--curve-secret", sec, "--worker-keys", wl, "--client-keys", cl, "--admin-keys", al};
+    for (int i = 0; i < 8; i++) argv[a++] = k[i];
+  }
   if (o->router_extra) {
     snprintf(extra, sizeof extra, "%s", o->router_extra);
     for (char *t = strtok(extra, " "); t && a < 30; t = strtok(NULL, " ")) argv[a++] = t;
@@ -159,7 +177,7 @@ void cluster_start(cluster *c, const cluster_opts *o) {
 
 bool cluster_health(cluster *c, td_client_health *h) {
   td_client *cl;
-  if (td_client_connect(c->client_ep, &cl) != TD_OK) return false;
+  if (td_client_connect_auth(c->client_ep, c->auth, &cl) != TD_OK) return false;
   bool ok = td_client_health_check(cl, 1000, h) == TD_OK;
   td_client_close(cl);
   return ok;
@@ -380,6 +398,11 @@ static void on_result(void *ctx, const td_client_result *r) {
 }
 
 void run_requests(const char *endpoint, td_json_request *reqs, int n, bool stream, int timeout_ms, outcome *out) {
+  run_requests_auth(endpoint, NULL, reqs, n, stream, timeout_ms, out);
+}
+
+void run_requests_auth(const char *endpoint, const td_auth *auth, td_json_request *reqs, int n, bool stream,
+                       int timeout_ms, outcome *out) {
   run_state s = {out, reqs, n};
   for (int i = 0; i < n; i++) {
     memset(&out[i], 0, sizeof out[i]);
@@ -387,7 +410,7 @@ void run_requests(const char *endpoint, td_json_request *reqs, int n, bool strea
     out[i].order_ok = true;
   }
   td_client *cl;
-  cr_assert(td_client_connect(endpoint, &cl) == TD_OK);
+  cr_assert(td_client_connect_auth(endpoint, auth, &cl) == TD_OK);
   for (int i = 0; i < n; i++) cr_assert(td_client_generate(cl, &reqs[i], stream, (uint32_t)timeout_ms) == TD_OK);
   td_client_events ev = {.on_tokens = on_tokens, .on_text = on_text, .on_result = on_result, .ctx = &s};
   int64_t end = td_now_ms() + timeout_ms + 10000;
@@ -481,7 +504,7 @@ void expect_fixture_greedy(cluster *c, const fixture *fx) {
   int nr = load_requests(path, reqs, 8);
   cr_assert_eq(nr, fx->n, "%d of the fixture's %d requests", nr, fx->n);
   outcome out[8];
-  run_requests(c->client_ep, reqs, nr, false, 30000, out);
+  run_requests_auth(c->client_ep, c->auth, reqs, nr, false, 30000, out);
   for (int i = 0; i < nr; i++) {
     cr_expect(out[i].done && out[i].status == TD_OK, "%s: %s", out[i].id, out[i].error);
     cr_expect_eq(out[i].len[0], fx->req[i].n_greedy, "%s: %d tokens", out[i].id, out[i].len[0]);

@@ -28,6 +28,8 @@ typedef struct cluster {
   char worker_extra[256];           /* flags for every worker */
   char extra_worker[64], extra_flags[256]; /* ... but this one (a worker, group or group rank) gets these */
   const char *group_roles;          /* cluster_add_group's --role (NULL: decode) */
+  char keys[256];                   /* CURVE: the folder of key files ("" without) */
+  const td_auth *auth;              /* CURVE: this test's client keys (NULL without) */
 } cluster;
 
 typedef struct cluster_opts {
@@ -42,6 +44,11 @@ typedef struct cluster_opts {
   const char *worker_extra; /* extra flags of every worker, space separated */
   const char *extra_worker; /* a worker (e.g. "prefill-0") that gets extra_flags instead */
   const char *extra_flags;
+  /* CURVE everywhere: the folder holding router.key / router.pub, NAME.key
+   * of each worker, workers.list, clients.list and admins.list,
+   * and the client keys the test's own connections use */
+  const char *keys;
+  const td_auth *auth;
 } cluster_opts;
 
 void cluster_start(cluster *c, const cluster_opts *o);
@@ -98,6 +105,9 @@ typedef struct outcome {
 
 /* Sends reqs (parsed request lines) and waits for all results. */
 void run_requests(const char *endpoint, td_json_request *reqs, int n, bool stream, int timeout_ms, outcome *out);
+/* The same over CURVE with auth's client keys (NULL: plain). */
+void run_requests_auth(const char *endpoint, const td_auth *auth, td_json_request *reqs, int n, bool stream,
+                       int timeout_ms, outcome *out);
 /* run_requests on a thread (pthread_create(..., client_thread, &job)), 60 s a request. */
 typedef struct client_job {
   const char *ep;

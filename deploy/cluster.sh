@@ -1,0 +1,221 @@
+#!/usr/bin/env bash
+# Starts, shows and stops a Tandem cluster spread over hosts, as a cluster
+# file describes it (docs/deploy.md: the format). Each host's processes run
+# under deploy/supervise.sh, started over ssh (or here, for a host whose
+# "ssh" is "local"), with their logs and pid files in the run directory on
+# that host (RUN_DIR/HOST_NAME).
+#
+#   deploy/cluster.sh up FILE      the router, then every host's workers; waits until all
+#                                  have registered; prints "router tcp://ADDR:PORT" and
+#                                  "metrics http://ADDR:PORT/metrics"
+#   deploy/cluster.sh status FILE  each process (host, name, pid, restarts) and the
+#                                  router's health (tandem-client --health, on its host)
+#   deploy/cluster.sh down FILE    SIGTERM to every worker (they drain), then the router;
+#                                  waits until no process of the cluster is left
+set -euo pipefail
+cmd=${1:-}
+file=${2:-}
+usage() { sed -n '2,/^set -euo/{/^set/!p}' "$0"; }
+[[ $cmd == -h || $cmd == --help ]] && { usage; exit 0; }
+[[ $cmd == up || $cmd == down || $cmd == status ]] && [[ -n $file ]] || { usage >&2; exit 2; }
+[[ -f $file ]] || { echo "cluster.sh: no cluster file $file" >&2; exit 2; }
+command -v jq >/dev/null || { echo "cluster.sh: jq is needed (deploy/setup.sh installs it)" >&2; exit 2; }
+jq -e 'type == "object"' "$file" >/dev/null 2>&1 || { echo "cluster.sh: $file is not a JSON object" >&2; exit 2; }
+q() { jq -r "$1" "$file"; } # a value of the file ("null" when absent)
+
+die() { echo "cluster.sh: $file: $*" >&2; exit 2; }
+# ---- the file, checked before anything starts
+name=$(q '.name // empty')
+[[ $name =~ ^[A-Za-z0-9._-]+$ ]] || die '"name": letters, digits, ".", "_" or "-"'
+tandem=$(q '.tandem // empty')
+[[ $tandem == /* ]] || die '"tandem": the absolute path of the Tandem tree on every host'
+bin=$(q ".bin // \"$tandem/build/bin\"")
+model=$(q '.model // empty')
+[[ $model == /* ]] || die '"model": the absolute path of the model folder on every host'
+tokenizer=$(q '.tokenizer // empty')
+run_root=$(q ".run_dir // \"$tandem/run/cluster-$name\"")
+[[ $run_root == /* ]] || die '"run_dir": an absolute path'
+stop_timeout=$(q '.stop_timeout_s // 300')
+[[ $stop_timeout =~ ^[0-9]+$ ]] || die '"stop_timeout_s": whole seconds'
+q '.env // {} | type' | grep -qx object || die '"env": an object of strings'
+mapfile -t env_kv < <(jq -r '.env // {} | to_entries[] | "\(.key)=\(.value)"' "$file")
+for e in "${env_kv[@]}"; do [[ $e =~ ^[A-Za-z_][A-Za-z0-9_]*= && $e != *$'\n'* ]] || die "\"env\": bad entry $e"; done
+mapfile -t ssh_opts < <(jq -r '.ssh_options // [] | .[]' "$file")
+addr_re='^[A-Za-z0-9.:-]+$'
+
+r_ssh=$(q '.router.ssh // "local"')
+r_addr=$(q '.router.address // empty')
+r_bind=$(q ".router.bind // \"$r_addr\"")
+r_cport=$(q '.router.client_port // empty')
+r_wport=$(q '.router.worker_port // empty')
+r_mport=$(q '.router.metrics_port // empty')
+r_cross=$(q '.router.cross_mode // "auto"')
+[[ $r_addr =~ $addr_re && $r_bind =~ $addr_re ]] || die '"router.address" (and "router.bind"): an address'
+[[ $r_addr != 127.* && $r_addr != localhost && $r_addr != 0.0.0.0 ]] ||
+  die "\"router.address\" $r_addr: the workers of other hosts must reach it"
+for p in "$r_cport" "$r_wport"; do [[ $p =~ ^[0-9]+$ ]] || die '"router.client_port", "router.worker_port": ports'; done
+[[ -z $r_mport || $r_mport =~ ^[0-9]+$ ]] || die '"router.metrics_port": a port'
+client_ep="tcp://$r_addr:$r_cport"
+
+# worker defaults, each overridable per pool
+defaults='{"device": "cpu", "kv_transport": "auto", "block_size": 16, "threads": 1, "gpu_memory_fraction": 0.9}'
+n_hosts=$(q '.hosts | length')
+((n_hosts >= 1)) || die '"hosts": at least one'
+# plan: one line a process: host index, id, its arguments (one string, shell-quoted)
+plan=()
+decoders=0
+for ((h = 0; h < n_hosts; h++)); do
+  hn=$(q ".hosts[$h].name // empty")
+  [[ $hn =~ ^[A-Za-z0-9._-]+$ ]] || die "hosts[$h].name: letters, digits, '.', '_' or '-'"
+  ha=$(q ".hosts[$h].address // empty")
+  [[ $ha =~ $addr_re ]] || die "hosts[$h].address: the address the host's workers bind and the others reach"
+  [[ $ha != 0.0.0.0 && $ha != :: && $ha != '*' ]] ||
+    die "hosts[$h].address $ha: workers bind the address they advertise; a wildcard cannot be reached"
+  if ((n_hosts > 1)) || [[ $(q ".hosts[$h].ssh // \"local\"") != local ]]; then
+    [[ $ha != 127.* && $ha != localhost ]] || die "hosts[$h].address $ha: other hosts cannot reach a loopback address"
+  fi
+  hgpus=$(q ".hosts[$h].gpus // 0")
+  [[ $hgpus =~ ^[0-9]+$ ]] || die "hosts[$h].gpus: a count"
+  gpu=0
+  np=$(q ".hosts[$h].pools // [] | length")
+  for ((p = 0; p < np; p++)); do
+    pool=$(jq -c --argjson d "$defaults" ".hosts[$h].pools[$p] | \$d + ." "$file")
+    pf() { jq -r "$1" <<<"$pool"; }
+    role=$(pf '.role // empty')
+    case $role in encode|prefill|decode|encode,decode) ;; *) die "hosts[$h].pools[$p].role: encode, prefill, decode or encode,decode" ;; esac
+    count=$(pf '.count // 1') tp=$(pf '.tp // 1') pp=$(pf '.pp // 1')
+    for v in "$count" "$tp" "$pp"; do [[ $v =~ ^[0-9]+$ ]] || die "hosts[$h].pools[$p]: count, tp and pp are counts"; done
+    ((tp == 1 || pp == 1)) || die "hosts[$h].pools[$p]: a group is tensor- or pipeline-parallel, not both"
+    ranks=$((tp * pp))
+    [[ $ranks -eq 1 || $role == decode ]] ||
+      die "hosts[$h].pools[$p]: only decode workers form TP / PP groups"
+    device=$(pf '.device')
+    [[ $device == cpu || $device == cuda ]] || die "hosts[$h].pools[$p].device: cpu or cuda"
+    [[ $device == cpu || $hgpus -gt 0 ]] || die "hosts[$h]: cuda workers on a host of \"gpus\": 0"
+    common="--router tcp://$r_addr:$r_wport --model $(printf %q "$model") --device $device --host $ha"
+    common+=" --block-size $(pf '.block_size') --threads $(pf '.threads') --kv-transport $(pf '.kv_transport')"
+    common+=" --cross-mode $r_cross --gpu-memory-fraction $(pf '.gpu_memory_fraction')"
+    mb=$(pf '.max_batch // empty')
+    [[ -z $mb ]] || common+=" --max-batch $mb"
+    for ((c = 0; c < count; c++)); do
+      base="$hn-${role%%,*}-$c"
+      [[ $role == encode,decode ]] && base="$hn-decode-$c"
+      [[ $role == *decode* ]] && decoders=$((decoders + 1))
+      for ((r = 0; r < ranks; r++)); do
+        id=$base
+        ((r > 0)) && id="$base-rank$r"
+        args="$common --id $id --role $role"
+        if [[ $device == cuda ]]; then
+          args+=" --gpu $gpu"
+          gpu=$(((gpu + 1) % hgpus))
+        fi
+        if ((ranks > 1)); then
+          args+=" --group $base --rank $r"
+          ((tp > 1)) && args+=" --tp $tp"
+          ((pp > 1)) && args+=" --pp $pp"
+        fi
+        plan+=("$h $id $args")
+      done
+    done
+  done
+done
+((decoders >= 1)) || die "no decode worker in any pool"
+dups=$(printf '%s\n' "${plan[@]}" | awk '{ print $2 }' | sort | uniq -d)
+[[ -z $dups ]] || die "worker ids twice: $dups (host names must differ)"
+
+# ---- running a script on a host: over ssh, or here for "local"
+on_host() { # ssh target, then the script on stdin
+  local t=$1
+  if [[ $t == local ]]; then bash -s; else ssh -o BatchMode=yes "${ssh_opts[@]}" "$t" bash -s; fi
+}
+sup_env=()
+for e in "${env_kv[@]}"; do sup_env+=(--env "$e"); done
+# a script that starts one supervised process in DIR (it outlives the ssh session)
+start_script() { # dir, name, command...
+  local dir=$1 nm=$2; shift 2
+  printf 'mkdir -p %q && : >%q\n' "$dir" "$dir/$nm.log"
+  printf 'setsid %q --name %q --run-dir %q --stop-timeout %q' "$tandem/deploy/supervise.sh" "$nm" "$dir" "$stop_timeout"
+  printf ' %q' "${sup_env[@]}" -- "$@"
+  printf ' </dev/null >/dev/null 2>&1 &\n'
+}
+# a script that stops the supervisors of DIR (all, or those named) and waits
+stop_script() { # dir, timeout s
+  cat <<EOF
+cd $(printf %q "$1") 2>/dev/null || exit 0
+live() { local s; s=\$(awk '{ print \$3 }' "/proc/\$1/stat" 2>/dev/null) && [ -n "\$s" ] && [ "\$s" != Z ]; }
+for f in *.supervisor.pid; do [ -e "\$f" ] && kill -TERM "\$(cat "\$f")" 2>/dev/null; done
+for i in \$(seq $(($2 * 10))); do
+  left=0
+  for f in *.supervisor.pid; do [ -e "\$f" ] && live "\$(cat "\$f")" && left=1; done
+  [ \$left = 0 ] && exit 0
+  sleep 0.1
+done
+echo "cluster.sh: processes still running in \$PWD" >&2
+exit 1
+EOF
+}
+host_ssh() { q ".hosts[$1].ssh // \"local\""; }
+host_dir() { echo "$run_root/$(q ".hosts[$1].name")"; }
+router_dir="$run_root/router"
+health() { # the router's health, asked on its host
+  printf '%q --router %q --health --timeout-ms 1000 2>/dev/null\n' "$bin/tandem-client" "$client_ep" | on_host "$r_ssh"
+}
+
+case $cmd in
+up)
+  rargs=(--client-endpoint "tcp://$r_bind:$r_cport" --worker-endpoint "tcp://$r_bind:$r_wport" --cross-mode "$r_cross")
+  [[ -n $r_mport ]] && rargs+=(--metrics-port "$r_mport" --metrics-host "$r_bind")
+  [[ -n $tokenizer ]] && rargs+=(--tokenizer "$tokenizer")
+  start_script "$router_dir" router "$bin/tandem-router" "${rargs[@]}" | on_host "$r_ssh"
+  for _ in $(seq 100); do
+    [[ -n $(health) ]] && break
+    sleep 0.2
+  done
+  [[ -n $(health) ]] || { echo "cluster.sh: the router did not answer at $client_ep (its log: $r_ssh:$router_dir/router.log)" >&2; exit 1; }
+  for ((h = 0; h < n_hosts; h++)); do
+    script=""
+    for line in "${plan[@]}"; do
+      read -r hi id args <<<"$line"
+      ((hi == h)) || continue
+      # shellcheck disable=SC2086
+      script+=$(eval "start_script $(printf %q "$(host_dir "$h")") $id $(printf %q "$bin/tandem-worker") $args")$'\n'
+    done
+    [[ -z $script ]] || on_host "$(host_ssh "$h")" <<<"$script"
+  done
+  # registered: every rank-0 id in the router's list
+  want=$(printf '%s\n' "${plan[@]}" | awk '$2 !~ /-rank[0-9]+$/ { print $2 }' | sort | jq -R . | jq -cs .)
+  for _ in $(seq 600); do
+    got=$(health | jq -c '[.workers[].id] | sort' 2>/dev/null || true)
+    [[ $got == "$want" ]] && break
+    sleep 0.2
+  done
+  [[ $got == "$want" ]] || { echo "cluster.sh: not every worker registered (want $want, have ${got:-none}); logs in $run_root/HOST on each host" >&2; exit 1; }
+  echo "router $client_ep"
+  [[ -n $r_mport ]] && echo "metrics http://$r_addr:$r_mport/metrics"
+  ;;
+status)
+  for ((h = -1; h < n_hosts; h++)); do
+    if ((h < 0)); then t=$r_ssh d=$router_dir hn=router; else t=$(host_ssh "$h") d=$(host_dir "$h") hn=$(q ".hosts[$h].name"); fi
+    cat <<EOF | on_host "$t" || true
+cd $(printf %q "$d") 2>/dev/null || { echo "$hn: no run directory"; exit 0; }
+for f in *.supervisor.pid; do
+  [ -e "\$f" ] || continue
+  n=\${f%.supervisor.pid}
+  s=\$(awk '{ print \$3 }' "/proc/\$(cat "\$f")/stat" 2>/dev/null)
+  state=running; { [ -z "\$s" ] || [ "\$s" = Z ]; } && state=gone
+  echo "$hn \$n supervisor \$(cat "\$f") \$state pid \$(cat "\$n.pid" 2>/dev/null || echo -) restarts \$(grep -c '^supervise: .* exited' "\$n.log")"
+done
+EOF
+  done
+  h=$(health)
+  if [[ -n $h ]]; then echo "health $h"; else echo "health: the router does not answer at $client_ep"; exit 1; fi
+  ;;
+down)
+  rc=0
+  for ((h = 0; h < n_hosts; h++)); do
+    stop_script "$(host_dir "$h")" "$((stop_timeout + 10))" | on_host "$(host_ssh "$h")" || rc=1
+  done
+  stop_script "$router_dir" 30 | on_host "$r_ssh" || rc=1
+  exit $rc
+  ;;
+esac

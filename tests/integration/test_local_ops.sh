@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# deploy/local.sh's operations on a running cluster: a SIGKILLed worker is
+# restarted by its supervisor and registers again under its id (the router
+# waits out the old connection) while requests are still served; `add decode`
+# brings a worker in, `remove ID` drains one out; stopping local.sh leaves no
+# process and no pid file.
+#   tests/integration/test_local_ops.sh BIN_DIR WORK_DIR
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+bin=$(cd "$1" && pwd)
+work=$2
+rm -rf "$work"
+mkdir -p "$work"
+work=$(cd "$work" && pwd)
+export TANDEM_BIN=$bin
+failed=0
+check() { # name, then a command that must succeed
+  local name=$1; shift
+  if "$@"; then echo "ok   $name"; else echo "FAIL $name"; failed=$((failed + 1)); fi
+}
+wait_for() { # tries of 0.1 s, then a command
+  local n=$1; shift
+  for _ in $(seq "$n"); do "$@" && return 0; sleep 0.1; done
+  return 1
+}
+run="$work/cluster"
+main=""
+cleanup() { [[ -n $main ]] && kill -TERM "$main" 2>/dev/null; wait 2>/dev/null; }
+trap cleanup EXIT
+
+"$root/deploy/local.sh" --run-dir "$run" --decodes 2 --no-gateway --no-metrics >"$work/out" 2>"$work/err" &
+main=$!
+wait_for 600 grep -q '^router ' "$work/out" 2>/dev/null
+router=$(awk '/^router /{print $2}' "$work/out")
+[[ -n $router ]] || { echo "FAIL the cluster did not start"; cat "$work/err"; exit 1; }
+health() { "$bin/tandem-client" --router "$router" --health --timeout-ms 2000; }
+ids() { health | jq -c '[.workers[].id] | sort'; }
+registered() { health | jq -e --arg id "$1" '.workers | any(.id == $id)' >/dev/null; }
+# requests of known answers (the bundled model reads number words)
+words=("seven" "forty two" "three hundred five" "ninety thousand one")
+digits=("7" "42" "305" "90001")
+requests() { # file, count
+  local i
+  for ((i = 0; i < $2; i++)); do
+    echo "{\"id\": \"r$i\", \"text\": \"${words[i % 4]}\"}"
+  done >"$1"
+}
+all_right() { # output file, count
+  local i ok=0 id text
+  declare -A got=()
+  while read -r id text; do got[$id]=$text; done < <(jq -r '"\(.id) \(.outputs[0].text // "-")"' "$1" 2>/dev/null)
+  for ((i = 0; i < $2; i++)); do
+    [[ ${got[r$i]:-} == "${digits[i % 4]}" ]] && ok=$((ok + 1))
+  done
+  ((ok == $2)) || { echo "  $ok of $2 right:"; cat "$1"; return 1; }
+}
+
+# ---- SIGKILL a decode worker while requests run
+requests "$work/req.jsonl" 24
+"$bin/tandem-client" --router "$router" --requests "$work/req.jsonl" --timeout-ms 60000 >"$work/kill.out" 2>&1 &
+client=$!
+sleep 0.3
+victim=$(cat "$run/decode-0.pid")
+kill -KILL "$victim"
+wait "$client"
+check "SIGKILL of a worker: every request answered right" all_right "$work/kill.out" 24
+check "the supervisor logs the signal" wait_for 50 grep -q "decode-0: exited: killed by SIGKILL" "$run/decode-0.log"
+check "a new process" wait_for 50 bash -c "[[ -f '$run/decode-0.pid' && \$(cat '$run/decode-0.pid') != $victim ]]"
+check "it registers again under its id" wait_for 300 grep -q "registered with the router\|registered as" "$run/decode-0.log"
+check "the router lists it" wait_for 300 registered decode-0
+"$bin/tandem-client" --router "$router" --requests "$work/req.jsonl" --timeout-ms 60000 >"$work/after.out" 2>&1
+check "served after the restart" all_right "$work/after.out" 24
+
+# ---- add and remove
+"$root/deploy/local.sh" add decode --run-dir "$run" >"$work/add.out" 2>&1
+check "add: prints the new id" grep -qx "added decode-2" "$work/add.out"
+check "add: registered" registered decode-2
+"$root/deploy/local.sh" add bogus --run-dir "$run" >/dev/null 2>"$work/add-bad.err"
+check "add: a bad role is refused" grep -q "ROLE must be" "$work/add-bad.err"
+"$root/deploy/local.sh" remove decode-0 --run-dir "$run" >"$work/remove.out" 2>&1
+check "remove: prints the id" grep -qx "removed decode-0" "$work/remove.out"
+check "remove: the worker drained and exited 0" grep -q "decode-0: stopped: exit status 0" "$run/decode-0.log"
+check "remove: no restart" test ! -e "$run/decode-0.supervisor.pid"
+check "remove: the router no longer lists it" wait_for 100 bash -c "[[ \$(\"$bin/tandem-client\" --router $router --health | jq -c '[.workers[].id] | sort') == '[\"decode-1\",\"decode-2\",\"encoder-0\",\"prefill-0\"]' ]]"
+"$root/deploy/local.sh" remove decode-0 --run-dir "$run" >/dev/null 2>"$work/remove-bad.err"
+check "remove: an id not running is refused" grep -q "no worker decode-0" "$work/remove-bad.err"
+"$bin/tandem-client" --router "$router" --requests "$work/req.jsonl" --timeout-ms 60000 >"$work/moved.out" 2>&1
+check "served by the added worker" all_right "$work/moved.out" 24
+"$root/deploy/local.sh" add encode --run-dir "$run" >"$work/add2.out" 2>&1
+check "add encode: registered" grep -qx "added encoder-1" "$work/add2.out"
+"$root/deploy/local.sh" remove "$(cut -d' ' -f2 "$work/add2.out")" --run-dir "$run" >"$work/remove2.out" 2>&1
+check "remove of an added worker" grep -q "^removed " "$work/remove2.out"
+check "the added worker decoded" bash -c "health() { \"$bin/tandem-client\" --router $router --health; }; [[ \$(\"$bin/tandem-client\" --router $router --health | jq '[.workers[] | select(.id == \"decode-2\") | .kv_in_ucx + .kv_in_zmq] | add') -gt 0 ]]"
+
+# ---- stop: every supervisor and process of the run ends (the added one too)
+pids=$(cat "$run"/*.pid 2>/dev/null)
+kill -TERM "$main"
+wait "$main"
+main=""
+check "stop: no pid file left" bash -c "! ls '$run'/*.pid >/dev/null 2>&1"
+left=0
+# (a zombie, where this container's init reaps none, has exited)
+for p in $pids; do
+  st=$(awk '{ print $3 }' "/proc/$p/stat" 2>/dev/null) && [[ $st != Z ]] && { left=1; ps -o pid,args -p "$p"; }
+done
+check "stop: no process left" test "$left" -eq 0
+check "stop: the added workers drained" grep -q "decode-2: stopped: exit status 0" "$run/decode-2.log"
+# ---- what a worker and cluster.sh refuse before anything starts
+"$bin/tandem-worker" --router tcp://127.0.0.1:9 --model "$root/tests/data/toy-numbers-t5" --role decode --id w \
+  --host 0.0.0.0 >"$work/wild.out" 2>&1
+check "worker: a wildcard --host is refused" grep -q "not a wildcard" "$work/wild.out"
+refused() { # what the message must hold, then the cluster file's JSON
+  echo "$2" >"$work/bad.json"
+  ! "$root/deploy/cluster.sh" up "$work/bad.json" >/dev/null 2>"$work/bad.err" && grep -q "$1" "$work/bad.err"
+}
+good='{"name": "t", "tandem": "/opt/t", "model": "/m", "router": {"address": "10.1.1.1", "client_port": 1, "worker_port": 2},
+       "hosts": [{"name": "a", "ssh": "a", "address": "10.1.1.2", "pools": [{"role": "decode"}]}]}'
+check "cluster file: not JSON" refused "not a JSON object" "{"
+check "cluster file: a router on loopback" refused "must reach it" "$(jq -c '.router.address = "127.0.0.1"' <<<"$good")"
+check "cluster file: a wildcard worker address" refused "wildcard" "$(jq -c '.hosts[0].address = "0.0.0.0"' <<<"$good")"
+check "cluster file: a loopback worker address" refused "loopback" "$(jq -c '.hosts[0].address = "127.0.0.1"' <<<"$good")"
+check "cluster file: no decode worker" refused "no decode worker" "$(jq -c '.hosts[0].pools[0].role = "encode"' <<<"$good")"
+check "cluster file: a bad role" refused "role: encode" "$(jq -c '.hosts[0].pools[0].role = "x"' <<<"$good")"
+check "cluster file: a TP group of encoders" refused "only decode" "$(jq -c '.hosts[0].pools += [{"role": "encode", "tp": 2}]' <<<"$good")"
+check "cluster file: cuda without GPUs" refused "gpus" "$(jq -c '.hosts[0].pools[0].device = "cuda"' <<<"$good")"
+check "cluster file: ids twice" refused "ids twice" "$(jq -c '.hosts += [.hosts[0]]' <<<"$good")"
+echo "$failed failed"
+((failed == 0))
