@@ -19,6 +19,7 @@ packages=(
   libmicrohttpd-dev libcurl4-openssl-dev curl                     # gateway (HTTP server), bench-serve --gateway, its test
   openssh-server iproute2 util-linux                              # cluster.sh over ssh; its test: sshd in network namespaces (ip, unshare)
   prometheus jq                                                   # the router's /metrics scraped by a real Prometheus (its test)
+  iproute2                                                        # tests/faults: ip netns, tc (a slow or lossy link)
   clang libclang-rt-dev                                           # libFuzzer targets (asan build): Debian's default clang and its runtime
   slurm-wlm munge                                                 # deploy/slurm: a real single-node Slurm in its test
   yq                                                              # deploy/k8s: its test parses the manifests

@@ -212,10 +212,18 @@ static void group_failed(td_router *r, group_rv *g, const char *why) {
   group_drop(r, g);
 }
 
+void rtr_groups_heard_all(td_router *r, int64_t t) {
+  group_rv *g, *gt;
+  HASH_ITER(hh, r->groups, g, gt)
+    for (int k = 1; g->complete && k < g->world; k++)
+      if (g->seen[k] > 0) g->seen[k] = t;
+}
+
 int rtr_groups_tick(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
   int64_t t = td_now_ms();
+  rtr_stall_check(r, t);
   group_rv *g, *gt;
   HASH_ITER(hh, r->groups, g, gt) {
     if (g->complete) {

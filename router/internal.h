@@ -62,6 +62,7 @@ typedef struct rreq {
   stage st;
   int attempts;
   char dec_w[TD_WIRE_MAX_ID + 1], enc_w[TD_WIRE_MAX_ID + 1], pre_w[TD_WIRE_MAX_ID + 1];
+  char avoid_dec[TD_WIRE_MAX_ID + 1]; /* the decode worker that failed its last attempt (td_place_req.avoid_dec) */
   bool local_encode, with_prefill;
   bool local_enc_held;   /* a local encode counts in its decode worker's enc_pending */
   bool decoding_counted; /* counted in its decode worker's `decoding` */
@@ -161,6 +162,7 @@ struct td_router {
   int in_flight;
   uint64_t next_serial;
   uint64_t hb_seq;
+  int64_t last_tick;              /* when the heartbeat timer last ran (ms) */
   char wait_why[256];             /* why the queue's head waits */
   bool wait_missing;              /* ... for a role no live worker has (td_placement.missing) */
   long long held_bytes;           /* client messages of the requests held (queued and in flight) */
@@ -195,6 +197,12 @@ void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat 
 void rtr_worker_gone(td_router *r, worker *w, const char *why);
 /* Timer: heartbeats to every worker; the silent ones are dead. */
 int rtr_heartbeat_tick(td_loop *l, void *ctx);
+/* Called by the timers that judge silence: when the router's own loop did
+ * not run for longer than a worker may be silent (stopped, swapped out),
+ * that silence was the router's, and declaring its workers dead would fail
+ * the requests it holds: every worker and group rank gets a full period
+ * from t. */
+void rtr_stall_check(td_router *r, int64_t t);
 void rtr_health(td_router *r, const uint8_t *id, size_t id_len);
 /* Fills h with the cluster's state and every worker's; *ws and *wp hold the
  * workers' entries (free both after sending, even on failure). */
@@ -216,6 +224,8 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__C
 group_rv *rtr_group_of_follower(td_router *r, const uint8_t *id, size_t id_len, int *rank);
 /* Timer: silent ranks fail their group; rendezvous that never complete expire. */
 int rtr_groups_tick(td_loop *l, void *ctx);
+/* Every rank of a running group that heartbeats counts as heard at t (rtr_stall_check). */
+void rtr_groups_heard_all(td_router *r, int64_t t);
 void rtr_groups_free(td_router *r);
 
 /* ---- requests.c */
@@ -228,6 +238,12 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w);
 void rtr_req_fail(td_router *r, rreq *q, Tandem__ErrorCode code, const char *msg);
 /* Gives a request another attempt on other workers, or fails it. */
 void rtr_req_retry(td_router *r, rreq *q, const char *why);
+/* Whether a failure now hits the request's KV on its way to the decode
+ * worker (encoding, prefilling: computed, pushed, awaited). */
+bool rtr_req_kv_loading(const rreq *q);
+/* A failure of that KV: another attempt (recompute) or the request's end
+ * (--kv-load-failure fail). */
+void rtr_req_kv_failed(td_router *r, rreq *q, const char *why);
 /* Puts a request back at the queue's head for its next attempt (a new rid);
  * `release`: its holds on the workers of this attempt go first. */
 void rtr_req_requeue(td_router *r, rreq *q, bool release);

@@ -226,6 +226,8 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
                   TD_ROUTER_MAX_ATTEMPTS);
   if (opts->encode_runs < 0 || opts->encode_runs > TD_ROUTER_MAX_ENCODE_RUNS)
     return td_err(TD_ERR_INVALID, "encode_runs %d is outside 1 to %d", opts->encode_runs, TD_ROUTER_MAX_ENCODE_RUNS);
+  if (opts->kv_load_failure != TD_KV_LOAD_RECOMPUTE && opts->kv_load_failure != TD_KV_LOAD_FAIL)
+    return td_err(TD_ERR_INVALID, "kv_load_failure %d: recompute or fail", (int)opts->kv_load_failure);
   if (opts->local_encode_pct < 0 || opts->local_encode_pct > 100)
     return td_err(TD_ERR_INVALID, "local_encode_pct %d is outside 1 to 100", opts->local_encode_pct);
   td_router *r = calloc(1, sizeof *r);

@@ -62,6 +62,7 @@ int main(int argc, char **argv) {
       {"tokenizer", required_argument, 0, 'T'},      {"help", no_argument, 0, 'h'},
       {"capacity-wait-ms", required_argument, 0, 'W'}, {"max-held-mb", required_argument, 0, 'M'},
       {"metrics-port", required_argument, 0, 'P'},    {"metrics-host", required_argument, 0, 'O'},
+      {"kv-load-failure", required_argument, 0, 'K'},
       {"curve-secret", required_argument, 0, 1001},  {"worker-keys", required_argument, 0, 1002},
       {"client-keys", required_argument, 0, 1003},   {"admin-keys", required_argument, 0, 1004},
       {0, 0, 0, 0}};
@@ -69,7 +70,7 @@ int main(int argc, char **argv) {
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
   const char *tokenizer_dir = NULL;
   int c;
-  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:e:L:n:l:Cx:T:W:M:P:O:h", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "c:w:H:D:q:f:t:s:a:p:e:L:n:l:Cx:T:W:M:P:O:K:h", opts, NULL)) != -1) {
     switch (c) {
       case 'c': o.client_endpoint = optarg; break;
       case 'w': o.worker_endpoint = optarg; break;
@@ -93,6 +94,13 @@ int main(int argc, char **argv) {
         o.metrics_port = atoi(optarg);
         break;
       case 'O': o.metrics_host = optarg; break;
+      case 'K':
+        if (!strcmp(optarg, "recompute") || !strcmp(optarg, "fail")) {
+          o.kv_load_failure = optarg[0] == 'f' ? TD_KV_LOAD_FAIL : TD_KV_LOAD_RECOMPUTE;
+          break;
+        }
+        fprintf(stderr, "tandem-router: --kv-load-failure %s: recompute or fail\n", optarg);
+        return 2;
       case 1001: ao.secret_file = optarg; break;
       case 1002: ao.worker_keys_file = optarg; break;
       case 1003: ao.client_keys_file = optarg; break;
@@ -113,6 +121,9 @@ int main(int argc, char **argv) {
                 "usage: tandem-router [--client-endpoint tcp://HOST:PORT] [--worker-endpoint tcp://HOST:PORT]\n"
                 "                     [--heartbeat-ms N] [--dead-after N] [--max-queue N] [--max-in-flight N]\n"
                 "                     [--timeout-ms N] [--stage-timeout-ms N] [--max-attempts N]\n"
+                "                     [--kv-load-failure recompute|fail]  (a request whose KV on its way to the\n"
+                "                                         decode worker was lost: encoded again on another attempt,\n"
+                "                                         the default, or ended with an error)\n"
                 "                     [--prefill-threshold N] [--encode-queue-runs N] [--local-encode-pct P]\n"
                 "                     [--capacity-wait-ms N]  (a request waits this long for a role no live\n"
                 "                                         worker has, e.g. no encoder registered; default 10000)\n"

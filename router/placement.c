@@ -2,6 +2,7 @@
  * Pure over the pool the router hands in (router/policy.h). */
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "common/defaults.h"
 #include "router/policy.h"
@@ -23,16 +24,19 @@ static bool fits(const td_place_worker *w, want role, const td_place_req *q) {
 }
 
 /* The fitting worker with the fewest jobs, then the fewest committed self
- * blocks, then the earliest registered; -1 when none fits. */
+ * blocks, then the earliest registered; -1 when none fits. A decode worker
+ * to avoid is taken only when no other fits. */
 static int pick(const td_place_worker *const *pool, int n, want role, const td_place_req *q) {
   int best = -1;
-  for (int i = 0; i < n; i++) {
-    const td_place_worker *w = pool[i];
-    if (!fits(w, role, q)) continue;
-    if (best < 0 || w->jobs < pool[best]->jobs ||
-        (w->jobs == pool[best]->jobs && w->committed_self < pool[best]->committed_self))
-      best = i;
-  }
+  for (int pass = 0; pass < 2 && best < 0; pass++)
+    for (int i = 0; i < n; i++) {
+      const td_place_worker *w = pool[i];
+      if (!fits(w, role, q)) continue;
+      if (!pass && role == WANT_DEC && q->avoid_dec && w->id && !strcmp(w->id, q->avoid_dec)) continue;
+      if (best < 0 || w->jobs < pool[best]->jobs ||
+          (w->jobs == pool[best]->jobs && w->committed_self < pool[best]->committed_self))
+        best = i;
+    }
   return best;
 }
 

@@ -67,6 +67,10 @@ typedef struct td_place_req {
   int width;
   int n_prompt; /* decoder prompt tokens this attempt feeds (resumed tokens included) */
   int enc_len;  /* encoder positions */
+  /* a decode worker that failed this request's last attempt (NULL: none):
+   * it takes the next one only when no other fits, so that a worker that
+   * fails whatever it gets (its group lost a rank) does not spend every attempt */
+  const char *avoid_dec;
 } td_place_req;
 
 /* The router's placement settings. */

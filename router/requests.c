@@ -158,6 +158,18 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
   rtr_req_requeue(r, q, false);
 }
 
+bool rtr_req_kv_loading(const rreq *q) { return q->st == ST_ENCODING || q->st == ST_PREFILLING; }
+
+void rtr_req_kv_failed(td_router *r, rreq *q, const char *why) {
+  if (r->o.kv_load_failure != TD_KV_LOAD_FAIL) {
+    rtr_req_retry(r, q, why);
+    return;
+  }
+  char msg[512];
+  snprintf(msg, sizeof msg, "KV load failed: %s (--kv-load-failure fail)", why);
+  rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, msg);
+}
+
 void rtr_req_requeue(td_router *r, rreq *q, bool release) {
   if (release) release_workers(r, q, false);
   HASH_DELETE(hh, r->by_rid, q);
@@ -216,7 +228,11 @@ static td_place_req place_req(const td_req_shape *sh, int resumed) {
                         .n_prompt = sh->n_prompt + resumed, .enc_len = sh->enc_len};
 }
 
-static td_place_req attempt_req(const rreq *q) { return place_req(&q->sh, q->multi ? 0 : q->streamed.n); }
+static td_place_req attempt_req(const rreq *q) {
+  td_place_req pr = place_req(&q->sh, q->multi ? 0 : q->streamed.n);
+  pr.avoid_dec = q->avoid_dec[0] ? q->avoid_dec : NULL;
+  return pr;
+}
 
 /* Starts a placed request: holds on its workers, the decode job. */
 static void start(td_router *r, rreq *q, const td_placement *pl) {
@@ -294,7 +310,7 @@ bool rtr_place_queue(td_loop *l, void *ctx) {
 void rtr_send_encode(td_router *r, rreq *q) {
   worker *e = rtr_find_worker(r, q->enc_w);
   if (!e || !q->dres || !q->dres->cross || (q->with_prefill && (!q->pres || !q->pres->cross))) {
-    rtr_req_retry(r, q, "encoder or reservation lost");
+    rtr_req_kv_failed(r, q, "encoder or reservation lost");
     return;
   }
   Tandem__Cluster__RequestSpec sp;
@@ -315,13 +331,13 @@ void rtr_send_encode(td_router *r, rreq *q) {
   q->t_stage = q->t_encode_sent = td_now_ms();
   td_status s = rtr_send_worker(r, e, &m);
   free(prompt);
-  if (s != TD_OK) rtr_req_retry(r, q, "could not reach the encoder");
+  if (s != TD_OK) rtr_req_kv_failed(r, q, "could not reach the encoder");
 }
 
 void rtr_send_prefill(td_router *r, rreq *q) {
   worker *p = rtr_find_worker(r, q->pre_w);
   if (!p || !q->dres || !q->dres->self) {
-    rtr_req_retry(r, q, "prefill worker or reservation lost");
+    rtr_req_kv_failed(r, q, "prefill worker or reservation lost");
     return;
   }
   Tandem__Cluster__RequestSpec sp;
@@ -340,7 +356,7 @@ void rtr_send_prefill(td_router *r, rreq *q) {
   m.prefill = &pj;
   td_status s = rtr_send_worker(r, p, &m);
   free(prompt);
-  if (s != TD_OK) rtr_req_retry(r, q, "could not reach the prefill worker");
+  if (s != TD_OK) rtr_req_kv_failed(r, q, "could not reach the prefill worker");
 }
 
 /* ------------------------------------------------------------ clients */
@@ -488,7 +504,10 @@ int rtr_requests_tick(td_loop *l, void *ctx) {
         t - q->t_stage > r->o.stage_timeout_ms) {
       char why[128];
       snprintf(why, sizeof why, "stage %s took more than %d ms", rtr_stage_names[q->st], r->o.stage_timeout_ms);
-      rtr_req_retry(r, q, why);
+      if (rtr_req_kv_loading(q))
+        rtr_req_kv_failed(r, q, why);
+      else
+        rtr_req_retry(r, q, why);
     }
   }
   return TD_ROUTER_TICK_MS;

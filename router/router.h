@@ -21,6 +21,9 @@
 
 typedef struct td_router td_router;
 
+/* --kv-load-failure, named as vLLM's kv_load_failure_policy. */
+typedef enum td_kv_load_failure { TD_KV_LOAD_RECOMPUTE, TD_KV_LOAD_FAIL } td_kv_load_failure;
+
 /* 0 / NULL fields take the defaults of common/defaults.h. */
 typedef struct td_router_opts {
   const char *client_endpoint; /* e.g. tcp://127.0.0.1:7000 */
@@ -32,6 +35,11 @@ typedef struct td_router_opts {
   int default_timeout_ms;      /* per request when the client gives none */
   int stage_timeout_ms;        /* reserve / encode / prefill stages */
   int max_attempts;            /* a request is tried on this many worker sets (at most 255) */
+  /* A request whose KV was on its way to its decode worker when that failed
+   * (the encoder or prefill worker lost or its push failed, the reservation
+   * lost, the stage timed out): TD_KV_LOAD_RECOMPUTE gives it another attempt
+   * (encoded again), TD_KV_LOAD_FAIL ends it with ERROR_UNAVAILABLE. */
+  td_kv_load_failure kv_load_failure;
   int prefill_threshold;       /* decoder prompts this long go to a prefill worker */
   int encode_runs;             /* an encoder's queue holds at most this many of its runs */
   int local_encode_pct;        /* a decode worker that also encodes does while fewer than this % of its

@@ -242,7 +242,10 @@ static void on_failed(td_router *r, worker *w, const Tandem__Cluster__Failed *f)
   rreq *q = rtr_req_for(r, f->rid, w);
   if (!q) return;
   const char *msg = f->message ? f->message : "worker error";
-  if (f->retryable)
+  if (f->retryable && !strcmp(w->id, q->dec_w)) snprintf(q->avoid_dec, sizeof q->avoid_dec, "%s", w->id);
+  if (f->retryable && rtr_req_kv_loading(q))
+    rtr_req_kv_failed(r, q, msg);
+  else if (f->retryable)
     rtr_req_retry(r, q, msg);
   else
     rtr_req_fail(r, q, f->code ? f->code : TANDEM__ERROR_CODE__ERROR_INTERNAL, msg);

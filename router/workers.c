@@ -69,7 +69,10 @@ void rtr_worker_gone(td_router *r, worker *w, const char *why) {
       if (!strcmp(q->dec_w, w->id)) q->dec_w[0] = 0;
       if (!strcmp(q->enc_w, w->id)) q->enc_w[0] = 0;
       if (!strcmp(q->pre_w, w->id)) q->pre_w[0] = 0;
-      rtr_req_retry(r, q, msg);
+      if (rtr_req_kv_loading(q))
+        rtr_req_kv_failed(r, q, msg);
+      else
+        rtr_req_retry(r, q, msg);
     }
   }
   rtr_metrics_worker(r, w, false);
@@ -308,6 +311,17 @@ void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat 
   w->pl.draining = w->load.draining || w->drain_asked;
 }
 
+void rtr_stall_check(td_router *r, int64_t t) {
+  if (r->last_tick && t - r->last_tick > (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
+    TD_WARN("the router's loop stalled for %lld ms: workers' silence during it is not counted",
+            (long long)(t - r->last_tick));
+    worker *w, *tmp;
+    HASH_ITER(hh, r->workers, w, tmp) w->last_seen = t;
+    rtr_groups_heard_all(r, t);
+  }
+  r->last_tick = t;
+}
+
 int rtr_heartbeat_tick(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
@@ -318,8 +332,10 @@ int rtr_heartbeat_tick(td_loop *l, void *ctx) {
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT;
   m.heartbeat = &hb;
   worker *w, *tmp;
+  int64_t dead_ms = (int64_t)r->o.heartbeat_ms * r->o.dead_after;
+  rtr_stall_check(r, t);
   HASH_ITER(hh, r->workers, w, tmp) {
-    if (t - w->last_seen > (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
+    if (t - w->last_seen > dead_ms) {
       char why[128];
       snprintf(why, sizeof why, "silent for %lld ms", (long long)(t - w->last_seen));
       rtr_worker_gone(r, w, why);

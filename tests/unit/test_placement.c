@@ -374,3 +374,24 @@ Test(placement, a_group_encodes_its_own_requests_only) {
   cr_expect_str_eq(who(&pl, out.decode), "group");
   cr_expect(out.local_encode || out.encode == 2, "the group's request went to %s", who(&pl, out.encode));
 }
+
+/* A decode worker that failed the request's last attempt (a group that lost
+ * a rank fails whatever it gets) takes the next only when no other fits. */
+Test(placement, the_decode_worker_that_failed_the_last_attempt_is_avoided) {
+  pool pl = {0};
+  td_place_worker *broken = add(&pl, "broken", "ed"), *other = add(&pl, "other", "ed");
+  other->jobs = 5; /* the broken one looks idler: it just dropped its work */
+  td_place_req q = small;
+  q.avoid_dec = "broken";
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "other");
+  other->committed_cross = other->cross_blocks; /* the other has no room: the avoided one it is */
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "broken");
+  q.avoid_dec = NULL;
+  other->committed_cross = 0;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "broken");
+  (void)broken;
+}

@@ -744,6 +744,63 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   finish(&h, socks, 2);
 }
 
+/* The decode worker reserves, the encoder's push fails; returns the rid. */
+static uint64_t encode_then_push_fails(void *d, void *e) {
+  Tandem__Cluster__RouterMessage *job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  int32_t blocks[1] = {7};
+  Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
+  kt.worker_id = "dec";
+  kt.blocks = blocks;
+  kt.n_blocks = 1;
+  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
+  res.rid = rid;
+  res.cross = &kt;
+  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+  rm.reserved = &res;
+  send_body(d, &rm);
+  Tandem__Cluster__RouterMessage *m; /* the encoder's cancel of an earlier attempt may come first */
+  while ((m = wrecv(e, WAIT_MS)) && m->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL) wfree(m);
+  cr_assert(m, "the encode job: nothing came");
+  cr_assert_eq(m->body_case, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the encode job: message %d", m->body_case);
+  wfree(m);
+  send_retryable(e, rid, "KV push failed: KV receiver dec failed");
+  return rid;
+}
+
+/* --kv-load-failure: a push of the cross KV that fails gives the request
+ * another attempt, encoded again (recompute, the default), or ends it with
+ * an error that names the policy (fail); the decode worker lets go either way. */
+Test(router_control, a_failed_kv_push_is_recomputed_or_fails_by_the_policy, .timeout = 30) {
+  for (int fail = 0; fail < 2; fail++) {
+    harness h;
+    start(&h, (td_router_opts){.kv_load_failure = fail ? TD_KV_LOAD_FAIL : TD_KV_LOAD_RECOMPUTE});
+    void *d = fake_worker(&h, "dec", (fake_opts){.roles = "d"});
+    void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e"});
+    generate(&h, (gen){.id = "a", .max_new = 2});
+    uint64_t rid = encode_then_push_fails(d, e);
+    Tandem__Cluster__RouterMessage *c = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the cancel");
+    cr_expect_eq(c->cancel->rid, rid);
+    wfree(c);
+    if (fail) {
+      expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE,
+                   "KV load failed: KV push failed: KV receiver dec failed (--kv-load-failure fail)");
+      expect_quiet(&h, 200);
+    } else { /* the second attempt reserves and encodes again, and ends */
+      uint64_t rid2 = encode_then_push_fails(d, e);
+      cr_expect_neq(rid2, rid);
+      wfree(wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the second cancel"));
+      wfree(wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the third attempt"));
+    }
+    void *socks[] = {d, e};
+    finish(&h, socks, 2);
+  }
+  td_router *r;
+  cr_expect_eq(td_router_create(&(td_router_opts){.kv_load_failure = (td_kv_load_failure)7}, &r), TD_ERR_INVALID);
+}
+
 /* An encoder-only worker and a decode worker that encodes share a burst,
  * each queue at most TD_DEFAULT_ENCODE_RUNS runs deep; the rest waits at
  * the router and goes to whichever frees up first. */
