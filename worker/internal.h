@@ -193,7 +193,8 @@ struct td_worker {
   size_t desc_len;
   dres *deferred;
   kvlog *kvlogs;
-  uint64_t kv_in[TD_KVT_KINDS], kv_out[TD_KVT_KINDS]; /* blocks */
+  uint64_t kv_in[TD_KVT_KINDS], kv_out[TD_KVT_KINDS];             /* blocks */
+  uint64_t kv_in_bytes[TD_KVT_KINDS], kv_out_bytes[TD_KVT_KINDS]; /* ... and their bytes */
   td_job *jobs;
   tokcount *tokcounts; /* stream.c */
   struct {             /* a turn's tokens, sent as one message (stream.c) */

@@ -69,6 +69,7 @@ static void k_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const
 static void k_arrived(void *ctx, const td_kvt *t, uint64_t rid, uint64_t res, bool cross, int n) {
   td_worker *w = ctx;
   w->kv_in[td_kvt_get_kind(t)] += (uint64_t)n;
+  w->kv_in_bytes[td_kvt_get_kind(t)] += (uint64_t)n * (cross ? w->full_cross_bb : w->full_self_bb);
   td_job *j = w_job_by_reservation(w, rid, res, cross);
   if (!j) return; /* cancelled meanwhile */
   if (cross)
@@ -102,6 +103,7 @@ static void k_pushed(void *ctx, const td_kvt *t, uint64_t rid, int tag, int n, b
   if (ok) w->kv_out[td_kvt_get_kind(t)] += (uint64_t)n;
   td_job *j = w_job_find(w, rid, tag);
   if (!j) return;
+  if (ok) w->kv_out_bytes[td_kvt_get_kind(t)] += (uint64_t)n * j->out_bb;
   j->pushes_pending--;
   if (!ok) push_failed(j, "KV push failed: %s", error ? error : "?");
   if (j->pushes_pending <= 0) pushes_over(w, j);

@@ -6,6 +6,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <math.h>
+
 #include <criterion/criterion.h>
 
 #include "cluster_util.h"
@@ -98,6 +100,19 @@ Test(metrics, counts_equal_the_requests_sent, .timeout = 300) {
   cr_expect_eq(metric_sample(t, "tandem:worker_encoded_requests_total{worker=\"encoder-0\"}"), NREQ);
   /* every request's cross KV went from the encoder to the decode worker */
   cr_expect_eq(kv_in(t), (double)(kv.in_ucx + kv.in_zmq), "%s", t);
+  /* ... and its bytes: the same on both sides, a whole number of blocks of one size */
+#define KV_BYTES "tandem:kv_bytes_transferred_total{worker="
+#define KV_BLOCKS "tandem:kv_blocks_transferred_total{worker="
+  double in_b = metric_sample(t, KV_BYTES "\"decode-0\",direction=\"in\",transport=\"ucx\"}") +
+                metric_sample(t, KV_BYTES "\"decode-0\",direction=\"in\",transport=\"zmq\"}");
+  double out_b = metric_sample(t, KV_BYTES "\"encoder-0\",direction=\"out\",transport=\"ucx\"}") +
+                 metric_sample(t, KV_BYTES "\"encoder-0\",direction=\"out\",transport=\"zmq\"}");
+  double out_n = metric_sample(t, KV_BLOCKS "\"encoder-0\",direction=\"out\",transport=\"ucx\"}") +
+                 metric_sample(t, KV_BLOCKS "\"encoder-0\",direction=\"out\",transport=\"zmq\"}");
+  cr_expect_gt(in_b, 0, "no KV bytes counted: %s", t);
+  cr_expect_eq(in_b, out_b, "the decode worker counted %.0f bytes in, the encoder %.0f out", in_b, out_b);
+  cr_expect(kv_in(t) > 0 && out_n == kv_in(t) && fmod(in_b, kv_in(t)) == 0,
+            "%.0f bytes in %.0f blocks (out: %.0f blocks)", in_b, kv_in(t), out_n);
   cr_expect_gt(kv_in(t), 0);
   free(t);
   cr_expect(cluster_stop(&c));
