@@ -28,8 +28,8 @@ struct rtr_metrics {
   td_metrics *reg;
   td_metrics_server *server;
   td_metric *running, *waiting, *success, *failure, *ttft, *tpot, *e2e, *prompt, *generation, *retries, *stage;
-  td_metric *w_up, *w_running, *w_waiting, *w_used, *w_free, *w_kv, *w_kv_bytes, *w_ipc, *w_encoded, *w_hits,
-      *w_cache_blocks;
+  td_metric *w_up, *w_running, *w_waiting, *w_used, *w_free, *w_kv, *w_kv_bytes, *w_kv_secs, *w_ipc, *w_encoded,
+      *w_hits, *w_cache_blocks;
   td_metric *dropped;
 };
 
@@ -82,6 +82,9 @@ td_status rtr_metrics_create(td_router *r) {
   ADD(w_kv_bytes, TD_METRIC_COUNTER, "tandem:kv_bytes_transferred_total",
       "Bytes of the KV blocks a worker received (in) or pushed (out), by transport (whole-model blocks, as sent).",
       LABELS("worker", "direction", "transport"), NULL, 0);
+  ADD(w_kv_secs, TD_METRIC_COUNTER, "tandem:kv_push_seconds_total",
+      "Time a worker's KV pushes took, each from the push to the receiver's answer, by transport "
+      "(with tandem:kv_bytes_transferred_total: the transport's rate).", LABELS("worker", "transport"), NULL, 0);
   ADD(w_ipc, TD_METRIC_COUNTER, "tandem:kv_blocks_ipc_total",
       "Of the KV blocks a worker pushed over UCX, those over CUDA IPC (GPU pools of one host).",
       LABELS("worker"), NULL, 0);
@@ -134,7 +137,7 @@ static void collect(td_router *r) {
   rtr_metrics *m = r->metrics;
   td_metric_set(m->running, NULL, r->in_flight);
   td_metric_set(m->waiting, NULL, r->queue.n);
-  td_metric *per_worker[] = {m->w_running, m->w_waiting, m->w_used,    m->w_free,          m->w_kv, m->w_kv_bytes,
+  td_metric *per_worker[] = {m->w_running, m->w_waiting, m->w_used,    m->w_free,          m->w_kv, m->w_kv_bytes, m->w_kv_secs,
                              m->w_ipc,     m->w_encoded, m->w_hits,    m->w_cache_blocks};
   for (int i = 0; i < N(per_worker); i++) td_metric_clear(per_worker[i]); /* workers that left go */
   for (worker *w = r->workers; w; w = w->hh.next) {
@@ -157,6 +160,9 @@ static void collect(td_router *r) {
     td_metric_set(m->w_kv_bytes, in_zmq, (double)ld->kv_in_bytes_zmq);
     td_metric_set(m->w_kv_bytes, out_ucx, (double)ld->kv_out_bytes_ucx);
     td_metric_set(m->w_kv_bytes, out_zmq, (double)ld->kv_out_bytes_zmq);
+    const char *s_ucx[] = {w->id, "ucx"}, *s_zmq[] = {w->id, "zmq"};
+    td_metric_set(m->w_kv_secs, s_ucx, ld->kv_out_seconds_ucx);
+    td_metric_set(m->w_kv_secs, s_zmq, ld->kv_out_seconds_zmq);
     td_metric_set(m->w_ipc, id, (double)ld->kv_out_ipc);
     td_metric_set(m->w_encoded, id, (double)ld->encoded);
     td_metric_set(m->w_hits, id, (double)ld->encoder_cache_hits);

@@ -109,6 +109,7 @@ struct td_job {
   uint8_t *out_host;
   size_t out_bb;
   int pushes_pending;
+  int64_t push_start_ns; /* td_job_push: a push's time is from here to its answer */
   bool push_failed;
   char push_error[256];
   double compute_ms;
@@ -195,6 +196,7 @@ struct td_worker {
   kvlog *kvlogs;
   uint64_t kv_in[TD_KVT_KINDS], kv_out[TD_KVT_KINDS];             /* blocks */
   uint64_t kv_in_bytes[TD_KVT_KINDS], kv_out_bytes[TD_KVT_KINDS]; /* ... and their bytes */
+  double kv_out_seconds[TD_KVT_KINDS]; /* pushes' time, from the push to the receiver's answer */
   td_job *jobs;
   tokcount *tokcounts; /* stream.c */
   struct {             /* a turn's tokens, sent as one message (stream.c) */

@@ -103,7 +103,10 @@ static void k_pushed(void *ctx, const td_kvt *t, uint64_t rid, int tag, int n, b
   if (ok) w->kv_out[td_kvt_get_kind(t)] += (uint64_t)n;
   td_job *j = w_job_find(w, rid, tag);
   if (!j) return;
-  if (ok) w->kv_out_bytes[td_kvt_get_kind(t)] += (uint64_t)n * j->out_bb;
+  if (ok) {
+    w->kv_out_bytes[td_kvt_get_kind(t)] += (uint64_t)n * j->out_bb;
+    w->kv_out_seconds[td_kvt_get_kind(t)] += (double)(td_now_ns() - j->push_start_ns) * 1e-9;
+  }
   j->pushes_pending--;
   if (!ok) push_failed(j, "KV push failed: %s", error ? error : "?");
   if (j->pushes_pending <= 0) pushes_over(w, j);
@@ -128,6 +131,7 @@ td_kvt_hooks w_kv_hooks(td_worker *w) {
 }
 
 void td_job_push(td_worker *w, td_job *j, Tandem__Cluster__KvTarget *const *targets, size_t n_targets) {
+  j->push_start_ns = td_now_ns();
   for (size_t i = 0; i < n_targets; i++) {
     const Tandem__Cluster__KvTarget *t = targets[i];
     if ((int)t->n_blocks != j->n_out) {

@@ -116,6 +116,8 @@ void w_send_heartbeat(td_worker *w) {
   ld.kv_in_bytes_zmq = w->kv_in_bytes[TD_KVT_ZMQ];
   ld.kv_out_bytes_ucx = w->kv_out_bytes[TD_KVT_UCX];
   ld.kv_out_bytes_zmq = w->kv_out_bytes[TD_KVT_ZMQ];
+  ld.kv_out_seconds_ucx = w->kv_out_seconds[TD_KVT_UCX];
+  ld.kv_out_seconds_zmq = w->kv_out_seconds[TD_KVT_ZMQ];
   ld.kv_out_ipc = w->kvt[TD_KVT_UCX] ? td_kvt_ipc_blocks(w->kvt[TD_KVT_UCX]) : 0;
   ld.kv_pushing = (uint32_t)w_kv_pushing(w);
   ld.encoded = (uint64_t)l.encoded;

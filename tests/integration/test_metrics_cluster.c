@@ -113,6 +113,9 @@ Test(metrics, counts_equal_the_requests_sent, .timeout = 300) {
   cr_expect_eq(in_b, out_b, "the decode worker counted %.0f bytes in, the encoder %.0f out", in_b, out_b);
   cr_expect(kv_in(t) > 0 && out_n == kv_in(t) && fmod(in_b, kv_in(t)) == 0,
             "%.0f bytes in %.0f blocks (out: %.0f blocks)", in_b, kv_in(t), out_n);
+  double secs = metric_sample(t, "tandem:kv_push_seconds_total{worker=\"encoder-0\",transport=\"ucx\"}") +
+                metric_sample(t, "tandem:kv_push_seconds_total{worker=\"encoder-0\",transport=\"zmq\"}");
+  cr_expect(secs > 0 && secs < 60.0 * NREQ, "the encoder's pushes took %g s", secs);
   cr_expect_gt(kv_in(t), 0);
   free(t);
   cr_expect(cluster_stop(&c));
