@@ -242,16 +242,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "tandem-admin: ids takes a role: encode, prefill or decode (not '%s')\n", worker);
     return 2;
   }
-  td_auth *auth = NULL;
-  if (td_auth_create(&ao, &auth) != TD_OK || (auth && !ao.router_key_file)) {
-    fprintf(stderr, "tandem-admin: %s\n", auth ? "--curve-secret needs --router-key" : td_errmsg());
-    td_auth_destroy(auth);
-    return 2;
-  }
   td_client *cl;
-  td_status cs = td_client_connect_wait_auth(router, auth, connect_ms, &cl);
-  td_auth_destroy(auth); /* the socket holds its keys */
-  if (cs != TD_OK) {
+  if (td_client_connect_wait_keys(router, &ao, connect_ms, &cl) != TD_OK) {
     fprintf(stderr, "tandem-admin: %s\n", td_errmsg());
     return 2;
   }

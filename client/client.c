@@ -67,6 +67,15 @@ td_status td_client_connect_wait(const char *endpoint, int timeout_ms, td_client
   return td_client_connect_wait_auth(endpoint, NULL, timeout_ms, out);
 }
 
+td_status td_client_connect_wait_keys(const char *endpoint, const td_auth_opts *keys, int timeout_ms, td_client **out) {
+  td_auth *auth = NULL;
+  *out = NULL;
+  TD_TRY(td_auth_create_client(keys, &auth));
+  td_status s = td_client_connect_wait_auth(endpoint, auth, timeout_ms, out);
+  td_auth_destroy(auth); /* the socket holds its keys */
+  return s;
+}
+
 td_status td_client_connect_wait_auth(const char *endpoint, const td_auth *auth, int timeout_ms, td_client **out) {
   TD_TRY(td_client_connect_auth(endpoint, auth, out));
   td_client *c = *out;

@@ -89,6 +89,8 @@ td_status td_client_connect_wait(const char *endpoint, int timeout_ms, td_client
  * logs the refusal (docs/security.md). */
 td_status td_client_connect_auth(const char *endpoint, const td_auth *auth, td_client **out);
 td_status td_client_connect_wait_auth(const char *endpoint, const td_auth *auth, int timeout_ms, td_client **out);
+/* td_client_connect_wait_auth with keys from files (none set: in the clear), as the command-line tools take them. */
+td_status td_client_connect_wait_keys(const char *endpoint, const td_auth_opts *keys, int timeout_ms, td_client **out);
 void td_client_close(td_client *c);
 
 /* Sends a request (its id must be unique among this client's requests in

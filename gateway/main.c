@@ -133,9 +133,8 @@ int main(int argc, char **argv) {
   sigaction(SIGTERM, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
   td_auth *auth = NULL;
-  if (td_auth_create(&ao, &auth) != TD_OK || (auth && !ao.router_key_file)) {
-    fprintf(stderr, "tandem-gateway: %s\n", auth ? "--curve-secret needs --router-key" : td_errmsg());
-    td_auth_destroy(auth);
+  if (td_auth_create_client(&ao, &auth) != TD_OK) {
+    fprintf(stderr, "tandem-gateway: %s\n", td_errmsg());
     return 2;
   }
   o.auth = auth;

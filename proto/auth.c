@@ -111,6 +111,12 @@ static td_status read_list(const char *path, keyent **out) {
   return s;
 }
 
+td_status td_auth_create_client(const td_auth_opts *o, td_auth **out) {
+  *out = NULL;
+  if (o->secret_file && !o->router_key_file) return td_err(TD_ERR_INVALID, "--curve-secret needs --router-key");
+  return td_auth_create(o, out);
+}
+
 td_status td_auth_create(const td_auth_opts *o, td_auth **out) {
   *out = NULL;
   bool any = o->secret_file || o->router_key_file || o->worker_keys_file || o->client_keys_file || o->admin_keys_file;

@@ -41,6 +41,8 @@ bool td_auth_available(void);
  * no CURVE; TD_ERR_INVALID / TD_ERR_FORMAT for missing or malformed files
  * (the message names the file and line, never a key's secret). */
 td_status td_auth_create(const td_auth_opts *o, td_auth **out);
+/* The same for a client of the router (client, gateway, admin): keys need the router's public key. */
+td_status td_auth_create_client(const td_auth_opts *o, td_auth **out);
 void td_auth_destroy(td_auth *a);
 
 /* This process's public key (Z85); "" when a is NULL. */

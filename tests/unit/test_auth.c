@@ -214,3 +214,15 @@ Test(auth, zap_admits_listed_keys_per_domain) {
   td_auth_destroy(ca);
   td_auth_destroy(sa);
 }
+
+/* A client of the router (client, gateway, admin) with a secret needs the router's key. */
+Test(auth, a_client_secret_needs_the_router_key) {
+  td_auth *a = NULL;
+  td_auth_opts o = {.secret_file = "/nonexistent/client.key"};
+  cr_expect_eq(td_auth_create_client(&o, &a), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "--router-key"), "%s", td_errmsg());
+  cr_expect_null(a);
+  td_auth_opts none = {0};
+  cr_expect_eq(td_auth_create_client(&none, &a), TD_OK, "no keys: in the clear");
+  cr_expect_null(a);
+}
