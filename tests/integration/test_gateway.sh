@@ -16,12 +16,7 @@ work=$(cd "$work" && pwd)
 export TANDEM_BIN=$bin
 t5="$root/tests/data/toy-numbers-t5"
 wh="$root/tests/data/toy-numbers-whisper"
-failed=0
-check() { # name, then a command that must succeed
-  local name=$1; shift
-  if "$@"; then echo "ok   $name"; else echo "FAIL $name"; failed=$((failed + 1)); fi
-}
-has() { [[ $1 == *"$2"* ]] || { echo "  want '$2' in: ${1:0:600}" >&2; return 1; }; }
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 status_is() { # want, curl args...
   local want=$1; shift
   local got

@@ -24,16 +24,7 @@ sshd=/usr/sbin/sshd
 rm -rf "$work"
 mkdir -p "$work"
 work=$(cd "$work" && pwd)
-failed=0
-check() { # name, then a command that must succeed
-  local name=$1; shift
-  if "$@"; then echo "ok   $name"; else echo "FAIL $name"; failed=$((failed + 1)); fi
-}
-wait_for() { # tries of 0.1 s, then a command
-  local n=$1; shift
-  for _ in $(seq "$n"); do "$@" && return 0; sleep 0.1; done
-  return 1
-}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 tag="td$$"
 nets=("$tag-sw" "$tag-r" "$tag-a" "$tag-b")

@@ -14,11 +14,7 @@ mkdir -p "$work"
 work=$(cd "$work" && pwd)
 export TANDEM_BIN=$bin
 n=5
-failed=0
-check() { # name, then a command that must succeed
-  local name=$1; shift
-  if "$@"; then echo "ok   $name"; else echo "FAIL $name"; failed=$((failed + 1)); fi
-}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 command -v prometheus >/dev/null || { echo "FAIL prometheus is not installed (deploy/setup.sh installs it)" >&2; exit 1; }
 
@@ -84,7 +80,7 @@ query() {
   curl -s "$prom/api/v1/query" --data-urlencode "query=$1" | jq -r '.data.result[0].value[1] // empty'
 }
 # Waits (30 s) until the query gives want.
-wait_for() { # query want
+wait_query() { # query want: Prometheus answers it
   local got=""
   for _ in $(seq 300); do
     got=$(query "$1")
@@ -97,17 +93,17 @@ wait_for() { # query want
 # A sample of the router's /metrics as it is now.
 direct() { curl -s "$metrics" | awk -v s="$1" 'index($0, s " ") == 1 { print $2 }'; }
 
-check "prometheus scrapes the router" wait_for 'up{job="tandem"}' 1
+check "prometheus scrapes the router" wait_query 'up{job="tandem"}' 1
 
 # ---- requests through tandem-client
 for i in $(seq $n); do echo "{\"id\": \"p$i\", \"text\": \"forty two\"}"; done >"$work/req.jsonl"
 "$bin/tandem-client" --router "$router" --requests "$work/req.jsonl" --timeout-ms 60000 >"$work/results.jsonl"
 check "every request answered" test "$(grep -c '"outputs"' "$work/results.jsonl")" -eq $n
 
-check "the TTFT histogram's count through Prometheus" wait_for 'tandem:time_to_first_token_seconds_count' $n
+check "the TTFT histogram's count through Prometheus" wait_query 'tandem:time_to_first_token_seconds_count' $n
 check "the TTFT histogram's +Inf bucket through Prometheus" \
-  wait_for 'tandem:time_to_first_token_seconds_bucket{le="+Inf"}' $n
-check "successes by finish reason through Prometheus" wait_for 'sum(tandem:request_success_total)' $n
+  wait_query 'tandem:time_to_first_token_seconds_bucket{le="+Inf"}' $n
+check "successes by finish reason through Prometheus" wait_query 'sum(tandem:request_success_total)' $n
 
 # the idle decode worker's KV gauges: what /metrics says once its heartbeats
 # show it idle, and blocks free
@@ -121,11 +117,11 @@ free_self=$(direct 'tandem:worker_kv_blocks_free{worker="decode-0",pool="self"}'
 check "/metrics has the decode worker's free cross blocks" test "${free_cross:-0}" -gt 0
 check "/metrics has the decode worker's free self blocks" test "${free_self:-0}" -gt 0
 check "free cross blocks through Prometheus" \
-  wait_for 'tandem:worker_kv_blocks_free{worker="decode-0",pool="cross"}' "$free_cross"
+  wait_query 'tandem:worker_kv_blocks_free{worker="decode-0",pool="cross"}' "$free_cross"
 check "free self blocks through Prometheus" \
-  wait_for 'tandem:worker_kv_blocks_free{worker="decode-0",pool="self"}' "$free_self"
-check "used self blocks through Prometheus" wait_for 'tandem:worker_kv_blocks_used{worker="decode-0",pool="self"}' 0
-check "the decode worker is up through Prometheus" wait_for 'tandem:worker_up{worker="decode-0"}' 1
+  wait_query 'tandem:worker_kv_blocks_free{worker="decode-0",pool="self"}' "$free_self"
+check "used self blocks through Prometheus" wait_query 'tandem:worker_kv_blocks_used{worker="decode-0",pool="self"}' 0
+check "the decode worker is up through Prometheus" wait_query 'tandem:worker_up{worker="decode-0"}' 1
 
 # the cluster stops; the router's log (a sanitizer build's) holds no report
 kill -TERM "${pids[0]}" 2>/dev/null

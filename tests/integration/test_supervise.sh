@@ -12,16 +12,7 @@ work=$1
 rm -rf "$work"
 mkdir -p "$work"
 work=$(cd "$work" && pwd)
-failed=0
-check() { # name, then a command that must succeed
-  local name=$1; shift
-  if "$@"; then echo "ok   $name"; else echo "FAIL $name"; failed=$((failed + 1)); fi
-}
-wait_for() { # tries of 0.1 s, then a command
-  local n=$1; shift
-  for _ in $(seq "$n"); do "$@" && return 0; sleep 0.1; done
-  return 1
-}
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 alive() { kill -0 "$1" 2>/dev/null; }
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; wait 2>/dev/null; }
