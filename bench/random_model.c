@@ -16,6 +16,7 @@ typedef struct tensor {
   char name[160];
   int64_t rows, cols, depth; /* cols 0: 1-D; depth > 0: 3-D (a convolution's kernel taps) */
   int kind;                  /* 0 matrix, 1 embedding, 2 norm, 3 bias */
+  float gain;                /* times the matrix scale */
 } tensor;
 
 typedef struct list {
@@ -38,6 +39,7 @@ static void add(list *l, int kind, int64_t rows, int64_t cols, const char *fmt, 
   t->cols = cols;
   t->depth = 0;
   t->kind = kind;
+  t->gain = 1.0f;
 }
 
 static uint64_t rng_state;
@@ -56,13 +58,21 @@ static void t5_tensors(list *l, const td_random_shape *s) {
     int L = e ? s->dec_layers : s->enc_layers;
     for (int i = 0; i < L; i++) {
       const char *qkv[4] = {"q", "k", "v", "o"};
-      for (int k = 0; k < 4; k++)
+      /* T5 has no 1/sqrt(head_dim) in its attention: its queries carry it
+       * (as transformers initialises them and trained checkpoints keep it);
+       * without it the scores' spread is ~8 and softmax near argmax, where a
+       * rounding difference flips whole rows. */
+      for (int k = 0; k < 4; k++) {
         add(l, 0, k == 3 ? d : hd, k == 3 ? hd : d, "%s.block.%d.layer.0.SelfAttention.%s.weight", st, i, qkv[k]);
+        if (k == 0) l->t[l->n - 1].gain = 1.0f / sqrtf((float)s->head_dim);
+      }
       add(l, 2, d, 0, "%s.block.%d.layer.0.layer_norm.weight", st, i);
       int ff = 1;
       if (e) {
-        for (int k = 0; k < 4; k++)
+        for (int k = 0; k < 4; k++) {
           add(l, 0, k == 3 ? d : hd, k == 3 ? hd : d, "%s.block.%d.layer.1.EncDecAttention.%s.weight", st, i, qkv[k]);
+          if (k == 0) l->t[l->n - 1].gain = 1.0f / sqrtf((float)s->head_dim);
+        }
         add(l, 2, d, 0, "%s.block.%d.layer.1.layer_norm.weight", st, i);
         ff = 2;
       }
@@ -243,7 +253,7 @@ int td_random_model_write(const char *dir, const td_random_shape *s, unsigned se
   for (int i = 0; i < l.n; i++) {
     tensor *t = &l.t[i];
     size_t n = (size_t)t->rows * (size_t)(t->cols ? t->cols : 1) * (size_t)(t->depth ? t->depth : 1);
-    float scale = t->kind == 0 ? 1.0f / sqrtf((float)t->cols * (float)(t->depth ? t->depth : 1)) : 1.0f;
+    float scale = t->kind == 0 ? t->gain / sqrtf((float)t->cols * (float)(t->depth ? t->depth : 1)) : 1.0f;
     for (size_t done = 0; done < n;) {
       size_t k = n - done < cap ? n - done : cap;
       for (size_t j = 0; j < k; j++) {

@@ -390,6 +390,8 @@ MODEL_TEST(mbart_prenorm, "mbart-prenorm-sharded")
 MODEL_TEST(marian_sinusoidal, "marian-sinusoidal")
 MODEL_TEST(bart_untied, "bart-untied-gelunew")
 MODEL_TEST(whisper_128mel, "whisper-128mel")
+MODEL_TEST(t5_four_layers, "t5-four-layers")
+MODEL_TEST(whisper_four_layers, "whisper-four-layers")
 
 /* The cross pool of encoder states on every fixture family */
 Test(model_cuda, cross_states, .timeout = 300) {

@@ -241,9 +241,33 @@ def whisper_128(out):
           {"start": 1, "eos": 2}, 3, 10, 16, beam=False)
 
 
+def t5_four_layers(out):
+    # four decoder layers and four heads: PP=4 and TP=4 groups
+    cfg = tf.T5Config(vocab_size=263, d_model=64, d_kv=16, d_ff=96, num_layers=4,
+                      num_decoder_layers=4, num_heads=4, relative_attention_num_buckets=16,
+                      relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+                      tie_word_embeddings=False, decoder_start_token_id=0, eos_token_id=1,
+                      pad_token_id=0, dropout_rate=0.0)
+    build(out, "t5-four-layers", "t5", tf.T5ForConditionalGeneration(cfg), {},
+          {"start": 0, "eos": 1}, 6, 12, 18, save_dtype=torch.bfloat16)
+
+
+def whisper_four_layers(out):
+    cfg = tf.WhisperConfig(vocab_size=347, num_mel_bins=80, d_model=64, encoder_layers=4,
+                           decoder_layers=4, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                           max_source_positions=24, max_target_positions=40, pad_token_id=2,
+                           bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                           begin_suppress_tokens=None, suppress_tokens=None, dropout=0.0,
+                           attention_dropout=0.0, activation_dropout=0.0)
+    build(out, "whisper-four-layers", "whisper", tf.WhisperForConditionalGeneration(cfg), {},
+          {"start": 1, "eos": 2}, 3, 10, 19, beam=False)
+
+
 BUILDERS = {"t5-gated-untied-head": t5_gated_untied_head, "t5v11-gated-untied": t5v11_gated, "mt5-silu-tied": mt5_silu,
             "mbart-prenorm-sharded": mbart_prenorm, "marian-sinusoidal": marian_sinus,
-            "bart-untied-gelunew": bart_untied, "whisper-128mel": whisper_128}
+            "bart-untied-gelunew": bart_untied, "whisper-128mel": whisper_128,
+            "t5-four-layers": t5_four_layers, "whisper-four-layers": whisper_four_layers}
 
 
 def main():

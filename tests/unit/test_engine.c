@@ -263,6 +263,8 @@ ENGINE_TESTS(mbart_prenorm, "mbart-prenorm-sharded")
 ENGINE_TESTS(marian_sinusoidal, "marian-sinusoidal")
 ENGINE_TESTS(bart_untied, "bart-untied-gelunew")
 ENGINE_TESTS(whisper_128mel, "whisper-128mel")
+ENGINE_TESTS(t5_four_layers, "t5-four-layers")
+ENGINE_TESTS(whisper_four_layers, "whisper-four-layers")
 
 Test(engine_sample, seed_reproduces_whatever_the_batch) {
   fixture fx;

@@ -175,6 +175,8 @@ MODEL_TEST(marian_sinusoidal, "marian-sinusoidal")
 MODEL_TEST(bart_untied, "bart-untied-gelunew")
 MODEL_TEST(whisper_128mel, "whisper-128mel")
 MODEL_TEST(t5_untied_head, "t5-gated-untied-head")
+MODEL_TEST(t5_four_layers, "t5-four-layers")
+MODEL_TEST(whisper_four_layers, "whisper-four-layers")
 
 /* Pre-norm decoders fold their norms into the next linear layer at load
  * (T5's RMSNorm weights; Whisper's and mBART's LayerNorm weights and

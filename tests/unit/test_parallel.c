@@ -62,6 +62,9 @@ static td_status rank_backend(int rank, int world, td_comm **comm, td_backend **
 
 /* td_model_opts.states_rows of every rank the tests start */
 static int par_states_rows;
+/* Engine tests' encoder tokens a step and pool blocks: larger for the
+ * random models of real shapes (a Whisper input is 1500 positions). */
+static int par_enc_tokens = 256, par_blocks = 256;
 
 typedef struct rank_ctx {
   const fixture *fx;
@@ -217,7 +220,10 @@ static void check_par_mode(const char *name, int tp, bool pp, td_cross_mode mode
     const fx_request *q = &fx.req[i];
     size_t nl = (size_t)(q->n_prompt + q->n_greedy - 1) * fx.vocab;
     double e = fx_rel_err(many[0].logits, fx.logits + q->logits_off * fx.vocab, nl);
-    cr_expect(e <= TOL, "%s TP=%d request %d: logits error %.3g against transformers", name, tp, i, e);
+    /* bf16: a group may be as far from transformers as one GPU is, a little more */
+    double e1 = fx_rel_err(one[0].logits, fx.logits + q->logits_off * fx.vocab, nl);
+    cr_expect(e <= TOL || e <= 1.5 * e1, "%s %s=%d request %d: logits error %.3g against transformers (one rank: %.3g)",
+              name, pp ? "PP" : "TP", tp, i, e, e1);
     for (int r = 1; r < tp && !pp; r++)
       cr_expect_arr_eq(many[r].logits, many[0].logits, sizeof(float) * nl, "%s TP=%d: rank %d logits differ", name, tp, r);
     td_kv_layout full = one[0].cl, part = many[0].cl;
@@ -275,7 +281,9 @@ static void check_par_mode(const char *name, int tp, bool pp, td_cross_mode mode
               big = fabs(one[0].cross[fo + x]) > big ? fabs(one[0].cross[fo + x]) : big;
             }
           }
-    cr_expect(worst / big <= TOL, "%s TP=%d request %d: cross KV slices differ by %.3g", name, tp, i, worst / big);
+    /* each rank's partial sums are rounded to bf16 before the all-reduce: four a layer at TP=4 */
+    double ctol = tp > 2 ? 2 * TOL : TOL;
+    cr_expect(worst / big <= ctol, "%s TP=%d request %d: cross KV slices differ by %.3g", name, tp, i, worst / big);
     free_ranks(many, tp);
     free_ranks(one, 1);
   }
@@ -297,6 +305,15 @@ Test(pipeline_parallel, mbart) { check_par("mbart-prenorm-sharded", 2, true); }
 Test(pipeline_parallel, t5v11) { check_par("t5v11-gated-untied", 2, true); }
 Test(pipeline_parallel, bart_three_stages_one_encoder_layer) { check_par("bart-untied-gelunew", 3, true); }
 Test(pipeline_parallel, whisper_128mel) { check_par("whisper-128mel", 2, true); }
+/* Four stages (a stage needs a decoder layer: models of four) and four ranks */
+Test(pipeline_parallel, four_stages) {
+  check_par("t5-four-layers", 4, true);
+  check_par("whisper-four-layers", 4, true);
+}
+Test(tensor_parallel, four_layers_four_ranks) {
+  check_par("t5-four-layers", 4, false);
+  check_par("whisper-four-layers", 4, false);
+}
 /* Encoder states in the cross pool: whole on every rank, logits as transformers' */
 Test(tensor_parallel, cross_states) {
   check_par_mode("t5-tiny", 2, false, TD_CROSS_STATES);
@@ -388,8 +405,8 @@ static void *follower_main(void *arg) {
   td_kv_pool *self = NULL, *cross = NULL;
   td_status s = rank_backend(f->rank, f->tp, &f->comm, &b);
   if (s == TD_OK) {
-    td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256, .max_logits = 64,
-                        .max_enc_seqs = 8, .cross_mode = f->mode,
+    td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = par_enc_tokens,
+                        .max_logits = 64, .max_enc_seqs = 8, .cross_mode = f->mode,
                         .states_rows = par_states_rows};
     if (f->pipeline) {
       mo.pp_rank = f->rank;
@@ -516,7 +533,7 @@ static void run_engine(const char *dir, int world, bool pp, td_cross_mode mode, 
   pthread_t th[MAXTP];
   for (int r = 1; r < world; r++) {
     follower *f = &fs[r - 1];
-    *f = (follower){.fx = &shim, .rank = r, .tp = world, .nblocks_self = 256, .nblocks_cross = 256,
+    *f = (follower){.fx = &shim, .rank = r, .tp = world, .nblocks_self = par_blocks, .nblocks_cross = par_blocks,
                     .comm = comms[r], .pipeline = pp, .mode = mode};
     pthread_mutex_init(&f->ch.mu, NULL);
     pthread_cond_init(&f->ch.cv, NULL);
@@ -525,8 +542,8 @@ static void run_engine(const char *dir, int world, bool pp, td_cross_mode mode, 
   td_backend *b = NULL;
   td_comm *leader_comm = comms[0];
   cr_assert(rank_backend(0, world, &leader_comm, &b) == TD_OK, "%s", td_errmsg());
-  td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = 256, .max_enc_seqs = 8,
-                      .max_logits = 64, .cross_mode = mode, .states_rows = par_states_rows};
+  td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = par_enc_tokens,
+                      .max_enc_seqs = 8, .max_logits = 64, .cross_mode = mode, .states_rows = par_states_rows};
   if (pp)
     mo.pp_size = world;
   else
@@ -540,7 +557,8 @@ static void run_engine(const char *dir, int world, bool pp, td_cross_mode mode, 
       td_model_mirror mir = {.publish = publish, .ctx = fs};
       td_model_set_mirror(m, &mir);
     }
-    td_engine_opts eo = {.self_blocks = 256, .cross_blocks = 256, .max_running = 8, .max_step_tokens = 64};
+    td_engine_opts eo = {.self_blocks = par_blocks, .cross_blocks = par_blocks, .max_running = 8, .max_step_tokens = 64,
+                         .max_enc_tokens = par_enc_tokens};
     td_engine_callbacks cb = {.on_finish = on_finish_logits, .ctx = &lc};
     ls = td_engine_create(m, &eo, &cb, &e);
   }
@@ -677,40 +695,122 @@ static void check_engine_par(const char *name, int tp, bool pp, bool beam) { che
 
 #ifdef TD_PARALLEL_CUDA
 #include "random_model.h"
-/* A random model of Flan-T5-large shape: TP=2 and PP=2 greedy tokens equal
- * one GPU's (near ties aside). */
-static void check_large(bool pp) {
+/* Random models of real shapes (written once a machine, in /tmp): greedy
+ * tokens of TP and PP groups of 2 and 4 equal one GPU's (near ties aside),
+ * and the first step's logits agree within bf16 rounding. */
+typedef struct big_shape {
+  const char *name;
+  td_random_shape sh;
+  int n_input;  /* tokens a request (T5), or 0: mel features of 3000 frames */
+  int32_t start; /* decoder start token */
+} big_shape;
+
+static const big_shape big_shapes[] = {
+    {"flan-t5-large",
+     {.model_type = "t5", .d_model = 1024, .enc_layers = 24, .dec_layers = 24, .heads = 16, .head_dim = 64,
+      .ffn = 2816, .vocab = 32128, .gated = true, .bf16 = true, .max_positions = 512},
+     48, 0},
+    {"flan-t5-xl",
+     {.model_type = "t5", .d_model = 2048, .enc_layers = 24, .dec_layers = 24, .heads = 32, .head_dim = 64,
+      .ffn = 5120, .vocab = 32128, .gated = true, .bf16 = true, .max_positions = 512},
+     48, 0},
+    {"whisper-large-v3",
+     {.model_type = "whisper", .d_model = 1280, .enc_layers = 32, .dec_layers = 32, .heads = 20, .head_dim = 64,
+      .ffn = 5120, .vocab = 51866, .bf16 = true, .max_positions = 1500, .mels = 128, .max_target = 448},
+     0, 50258},
+};
+
+/* The largest logit difference of the first generated position over the
+ * largest logit there, the worst of the requests. */
+#define BIG_TOL 5e-2
+static double first_logits_error(const reqset *rs, const toks *want, const toks *got) {
+  double worst = 0;
+  for (int i = 0; i < rs->n; i++) {
+    if (!want->logits[i] || !got->logits[i]) return INFINITY;
+    const float *w = want->logits[i] + (size_t)(rs->n_prompt[i] - 1) * rs->vocab;
+    const float *g = got->logits[i] + (size_t)(rs->n_prompt[i] - 1) * rs->vocab;
+    double d = 0, m = 0;
+    for (int v = 0; v < rs->vocab; v++) {
+      d = fmax(d, fabs(w[v] - g[v]));
+      m = fmax(m, fabs(w[v]));
+    }
+    worst = fmax(worst, d / (m > 0 ? m : 1));
+  }
+  return worst;
+}
+
+static void check_big(const char *name) {
   if (!enough_devices(2)) cr_skip_test("2 GPUs needed");
-  char dir[] = "/tmp/td-par-large-XXXXXX";
-  cr_assert(mkdtemp(dir));
-  td_random_shape sh = {.model_type = "t5", .d_model = 1024, .enc_layers = 24, .dec_layers = 24, .heads = 16,
-                        .head_dim = 64, .ffn = 2816, .vocab = 32128, .gated = true, .bf16 = true,
-                        .max_positions = 512};
-  cr_assert(td_random_model_write(dir, &sh, 3) == 0);
-  static int32_t in[4][48], prompt[4][1];
-  reqset rs = {.n = 4, .max_new = 24, .vocab = sh.vocab};
-  for (int i = 0; i < 4; i++) {
-    for (int t = 0; t < 48; t++) in[i][t] = 3 + (int32_t)(((unsigned)(i * 977 + t * 131) * 2654435761u) % 32000u);
-    in[i][47] = 1;
-    prompt[i][0] = 0;
-    rs.input[i] = in[i];
-    rs.n_input[i] = 48;
+  const big_shape *bs = NULL;
+  for (size_t k = 0; k < sizeof big_shapes / sizeof *big_shapes; k++)
+    if (!strcmp(big_shapes[k].name, name)) bs = &big_shapes[k];
+  cr_assert(bs);
+  char dir[256], done[300];
+  snprintf(dir, sizeof dir, "/tmp/td-par-%s-v2", name); /* v2: T5 queries scaled */
+  snprintf(done, sizeof done, "%s/.complete", dir);
+  FILE *f = fopen(done, "r");
+  if (f) {
+    fclose(f);
+  } else { /* written whole before it is marked complete */
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", dir, dir);
+    cr_assert(system(cmd) == 0);
+    cr_assert(td_random_model_write(dir, &bs->sh, 3) == 0);
+    cr_assert((f = fopen(done, "w")));
+    fclose(f);
+  }
+  enum { N = 4, MELS = 128, FRAMES = 3000 };
+  static int32_t in[N][48], prompt[N][1];
+  static float feat[N][MELS * FRAMES];
+  reqset rs = {.n = N, .max_new = 24, .vocab = bs->sh.vocab};
+  for (int i = 0; i < N; i++) {
+    if (bs->n_input) {
+      for (int t = 0; t < bs->n_input; t++) in[i][t] = 3 + (int32_t)(((unsigned)(i * 977 + t * 131) * 2654435761u) % 32000u);
+      in[i][bs->n_input - 1] = 1;
+      rs.input[i] = in[i];
+      rs.n_input[i] = bs->n_input;
+    } else { /* log-mel-like values in [-1, 1.5) */
+      for (int k = 0; k < MELS * FRAMES; k++)
+        feat[i][k] = -1.0f + 2.5f * (float)(((unsigned)(i * 7919 + k) * 2654435761u) >> 8) / (float)(1u << 24);
+      rs.features[i] = feat[i];
+      rs.n_input[i] = 0;
+    }
+    prompt[i][0] = bs->start;
     rs.prompt[i] = prompt[i];
     rs.n_prompt[i] = 1;
   }
-  toks one, two;
-  run_engine(dir, 1, false, false, false, &rs, &one);
-  run_engine(dir, 2, pp, false, false, &rs, &two);
-  same_greedy(pp ? "Flan-T5-large shape PP=2 against one GPU" : "Flan-T5-large shape TP=2 against one GPU", &rs, &one,
-              &two);
+  if (!bs->n_input) { /* 4 x 1500 encoder positions */
+    par_enc_tokens = 1536;
+    par_blocks = 2048;
+  }
+  toks one;
+  run_engine(dir, 1, false, TD_CROSS_KV, false, &rs, &one);
+  cr_assert_eq(one.done, N);
+  const int worlds[] = {2, 4};
+  for (int w = 0; w < 2; w++)
+    for (int pp = 0; pp < 2; pp++) {
+      if (!enough_devices(worlds[w])) continue;
+      toks got;
+      run_engine(dir, worlds[w], pp, TD_CROSS_KV, false, &rs, &got);
+      char what[128];
+      snprintf(what, sizeof what, "%s shape %s=%d against one GPU", name, pp ? "PP" : "TP", worlds[w]);
+      same_greedy(what, &rs, &one, &got);
+      double e = first_logits_error(&rs, &one, &got);
+      cr_log_info("%s: first step's logits differ by at most %.3g of the largest", what, e);
+      /* 24-32 layers in bf16: PP (the same kernels on other GPUs) differs from
+       * one GPU by up to ~0.02 of the largest logit, TP (partial sums rounded
+       * before each all-reduce) by up to ~0.035 (4 x H200, 2026-11-26); a
+       * wrong slice or a missed reduction differs by the whole logit range */
+      cr_expect(e <= BIG_TOL, "%s: first step's logits differ by %.3g of the largest", what, e);
+      free_toks(&got);
+    }
   free_toks(&one);
-  free_toks(&two);
-  char cmd[128];
-  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-  cr_expect(system(cmd) == 0);
+  par_enc_tokens = 256;
+  par_blocks = 256;
 }
-Test(tensor_parallel, flan_t5_large_shape) { check_large(false); }
-Test(pipeline_parallel, flan_t5_large_shape) { check_large(true); }
+Test(parallel_shapes, flan_t5_large) { check_big("flan-t5-large"); }
+Test(parallel_shapes, flan_t5_xl) { check_big("flan-t5-xl"); }
+Test(parallel_shapes, whisper_large_v3) { check_big("whisper-large-v3"); }
 #endif
 
 Test(tensor_parallel, engine_on_leader_t5) { check_engine_par("t5-tiny", 2, false, false); }
@@ -721,6 +821,15 @@ Test(pipeline_parallel, engine_on_first_stage_t5) { check_engine_par("t5-tiny", 
 Test(pipeline_parallel, engine_on_first_stage_mbart) { check_engine_par("mbart-prenorm-sharded", 2, true, false); }
 Test(pipeline_parallel, engine_three_stages_one_encoder_layer) { check_engine_par("bart-untied-gelunew", 3, true, false); }
 Test(pipeline_parallel, beam_search_bart) { check_engine_par("bart-tiny", 2, true, true); }
+Test(pipeline_parallel, engine_four_stages) {
+  check_engine_par("t5-four-layers", 4, true, false);
+  check_engine_par("whisper-four-layers", 4, true, false);
+  check_engine_par("t5-four-layers", 4, true, true);
+}
+Test(tensor_parallel, engine_four_layers_tp4) {
+  check_engine_par("t5-four-layers", 4, false, false);
+  check_engine_par("whisper-four-layers", 4, false, false);
+}
 /* The cross pool of encoder states on every rank: transformers' tokens and beams */
 Test(tensor_parallel, engine_on_leader_cross_states) {
   check_engine_mode("t5-tiny", 2, false, false, TD_CROSS_STATES);
