@@ -158,8 +158,25 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__C
     join_refused(r, id, id_len, j, g, refused, why);
     return;
   }
-  /* a finished rendezvous, or a rank that joins twice, starts over (a restart) */
-  if (g && (g->complete || g->endpoints[j->rank] || g->world != (int)j->world)) {
+  /* the same process asking again (its join crossed our answer): answer again */
+  if (g && g->complete && g->world == (int)j->world && g->id_lens[j->rank] == id_len &&
+      !memcmp(g->ids[j->rank], id, id_len)) {
+    group_reply(r, id, id_len, g, NULL);
+    return;
+  }
+  /* A running group that a restarted rank joins again has lost that rank:
+   * it fails (its leader hears why, leaves the pool and exits, for its
+   * supervisor to restart it into the new rendezvous) before the silence
+   * check would notice. Dropping it quietly left the leader serving with a
+   * rank that was gone and the new rank waiting for a leader that never came. */
+  if (g && g->complete) {
+    char lost[300];
+    snprintf(lost, sizeof lost, "rank %u of group %s joined again (restarted): the group forms anew", j->rank, name);
+    group_failed(r, g, lost);
+    g = NULL;
+  }
+  /* a rendezvous that a rank joins twice starts over */
+  if (g && (g->endpoints[j->rank] || g->world != (int)j->world)) {
     group_drop(r, g);
     g = NULL;
   }
