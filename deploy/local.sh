@@ -332,7 +332,11 @@ plan() { # name weight flags...
   next_gpu
   w_name+=("$1"); w_gpu+=("$gpu"); w_weight+=("$2"); shift 2; w_args+=("$*")
 }
-for ((i = 0; i < encoders; i++)); do plan "encoder-$i" 1 --role encode; done
+# encoders push encoder states (projected on arrival) where every receiver can
+# project them: single-process decode workers, not groups (docs/kvtransfer.md)
+enc_args=(--role encode)
+((group_size > 1)) && enc_args+=(--cross-transfer kv)
+for ((i = 0; i < encoders; i++)); do plan "encoder-$i" 1 "${enc_args[@]}"; done
 for ((i = 0; i < prefills; i++)); do plan "prefill-$i" 1 --role prefill; done
 for ((i = 0; i < decodes; i++)); do
   # without encoders, decode workers encode for themselves; with them, when

@@ -30,6 +30,8 @@ typedef struct td_backend_vt {
                           const td_relbias *bias);
   td_status (*kv_write)(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                         int layer, const int32_t *slots, int n);
+  td_status (*kv_read)(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const int32_t *slots,
+                       int n, void *k, void *v, int ld);
   td_status (*attn_paged)(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                           const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
                           const td_relbias *bias);

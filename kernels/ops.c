@@ -210,6 +210,17 @@ td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void 
   return b->vt->kv_write(b, k, v, ld, pool, l, layer, slots, n);
 }
 
+td_status td_kv_read(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const int32_t *slots,
+                     int n, void *k, void *v, int ld) {
+  if (!layout_ok(l, layer, true) || n < 0 || !k || !v || !pool || !slots)
+    return bad("kv_read", "bad layout, sizes or buffers");
+  td_kv_span sp = td_kv_layer_span(l, layer);
+  if (ld < sp.heads * sp.dim)
+    return td_err(TD_ERR_INVALID, "kv_read: row stride %d under the layer's %d columns", ld, sp.heads * sp.dim);
+  if (n == 0) return TD_OK;
+  return b->vt->kv_read(b, pool, l, layer, slots, n, k, v, ld);
+}
+
 td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool, const td_kv_layout *l,
                         int layer, const td_paged_meta *m, float scale, bool causal, const td_relbias *bias) {
   if (!layout_ok(l, layer, false) || !m || !q || !out || !pool || ldq < l->n_heads * l->head_dim || m->n_seqs < 0 ||

@@ -198,6 +198,12 @@ bool td_kv_layout_valid(const td_kv_layout *l);
  * tail: k and v are then each state's two halves (states / 2 wide). */
 td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                       int layer, const int32_t *slots, int n);
+/* The inverse of td_kv_write: rows i < n of k and v (row stride ld) read
+ * from the pool at slots[i]; a negative slot leaves the row alone. With
+ * layer == l->n_layers it reads the states tail (each state's two halves),
+ * the encoder output that a states push delivered, to be projected. */
+td_status td_kv_read(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const int32_t *slots,
+                     int n, void *k, void *v, int ld);
 
 /* Sequences whose queries attend to paged KV. */
 typedef struct td_paged_meta {

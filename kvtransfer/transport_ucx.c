@@ -198,7 +198,12 @@ static bool ux_route(td_kvt *t, const char *peer_id, const uint8_t *desc, size_t
     return false;
   }
   const td_kvx_geom *mine = &u->geom[cross ? 0 : 1];
-  if (!geom_equal(mine, &pi->geom)) {
+  /* a pool of encoder states only into blocks with the same states tail: the tails move (a states push) */
+  bool states_push = cross && mine->layout.n_layers == 0 && mine->layout.states > 0 && pi->geom.layout.n_layers > 0 &&
+                     pi->geom.layout.states == mine->layout.states && pi->geom.layout.block_size == mine->layout.block_size &&
+                     pi->geom.layout.head_dim == mine->layout.head_dim && pi->geom.elem_size == mine->elem_size &&
+                     pi->geom.layer0 == 0 && pi->geom.head0 == mine->head0 && pi->geom.head1 == mine->head1;
+  if (!states_push && !geom_equal(mine, &pi->geom)) {
     /* e.g. a CPU worker (float32) and a CUDA worker (bf16): ZeroMQ's size check refuses it clearly */
     char a[160], b[160];
     geom_text(mine, a, sizeof a);

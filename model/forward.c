@@ -153,6 +153,38 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   return td_sync(b);
 }
 
+td_status td_model_project_cross(td_model *m, const int32_t *cross_slots, int n) {
+  td_backend *b = m->b;
+  const dims *d = &m->d;
+  td_kv_layout cl = td_model_cross_layout(m);
+  if (!m->cross_pool) return td_err(TD_ERR_INVALID, "project cross: no cross-attention pool set");
+  if (cl.n_layers == 0 || cl.states == 0)
+    return td_err(TD_ERR_INVALID, "project cross: the cross pool (%s) holds no %s", td_cross_mode_name(m->opts.cross_mode),
+                  cl.states ? "per-layer K/V to project into" : "encoder states to project from");
+  /* groups would need the call mirrored to every rank: they receive K/V */
+  if (m->opts.tp_size > 1 || d->stages > 1)
+    return td_err(TD_ERR_UNSUPPORTED, "project cross: not on a tensor- or pipeline-parallel rank");
+  if (n < 0 || (n > 0 && !cross_slots)) return td_err(TD_ERR_INVALID, "project cross: %d rows", n);
+  int hd = d->dh_ * d->ddh;
+  size_t es = td_buf_elem_size(b, TD_BUF_ACT);
+  /* chunks of the encoder's workspace: every decoder layer's K/V GEMM over all of a chunk's rows */
+  for (int r0 = 0; r0 < n; r0 += m->opts.max_enc_tokens) {
+    int E = n - r0 < m->opts.max_enc_tokens ? n - r0 : m->opts.max_enc_tokens;
+    memcpy(m->meta_host, cross_slots + r0, sizeof(int32_t) * (size_t)E);
+    TD_TRY(td_copy_h2d(b, m->meta_dev, m->meta_host, sizeof(int32_t) * (size_t)E));
+    TD_TRY(td_kv_read(b, m->cross_pool, &cl, cl.n_layers, m->meta_dev, E, m->e_x,
+                      (char *)m->e_x + (size_t)(d->d / 2) * es, d->d));
+    for (int l = 0; l < cl.n_layers; l++) {
+      TD_TRY(linear(m, &m->dec[l].ckv, m->e_x, m->e_qkv, E, TD_ACT_NONE, 0));
+      TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * es, 2 * hd, m->cross_pool, &cl, l,
+                         m->meta_dev, E));
+    }
+    /* the next chunk rewrites the metadata and the workspace */
+    if (r0 + E < n) TD_TRY(td_sync(b));
+  }
+  return td_sync(b);
+}
+
 /* Offsets of the step's metadata in the staging buffers; they depend only
  * on the row, sequence and logit counts, so a captured graph keeps them. */
 typedef struct step_layout {

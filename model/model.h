@@ -84,6 +84,13 @@ typedef struct td_encode_input {
  * encoder hidden states [sum of output lengths, d_model]. Synchronous. */
 td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out);
 
+/* Projects the encoder states that a cross block's states tail holds (a
+ * states push; cross mode dual) into every decoder layer's cross K/V of the
+ * same slots, as td_model_encode would have written them: per layer one
+ * GEMM over all n rows (host cross_slots, negative: skipped), in chunks of
+ * the encoder's workspace. Single-rank models only. Synchronous. */
+td_status td_model_project_cross(td_model *m, const int32_t *cross_slots, int n);
+
 typedef struct td_step_input {
   int n_seqs, n_tokens;
   const int32_t *tokens;      /* [n_tokens] */

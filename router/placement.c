@@ -95,18 +95,32 @@ static bool enc_room(const td_place_worker *w, const td_place_req *q, const td_p
 /* The encoder for decode worker d: d itself (-2 below means "local") or an
  * index; -1 when every candidate is full. */
 #define LOCAL (-2)
+/* Whether encoder w's pushes can go to d (and to a prefill worker, when
+ * one will be used): encoder states only to workers that project them. */
+static bool form_ok(const td_place_worker *const *pool, int n, int d, const td_place_worker *w, const td_place_req *q,
+                    const td_place_opts *o) {
+  if (!w->states_out) return true;
+  if (!pool[d]->projects) return false;
+  if (pool[d]->pre || q->n_prompt < o->prefill_threshold) return true;
+  for (int i = 0; i < n; i++)
+    if (pool[i]->pre && !pool[i]->draining && !pool[i]->projects) return false;
+  return true;
+}
+
 static int pick_encoder(const td_place_worker *const *pool, int n, int d, const td_place_req *q,
                         const td_place_opts *o) {
   const td_place_worker *dw = pool[d];
   bool self = dw->enc || dw->enc_self; /* d may encode its own */
   bool pure = false; /* an encoder-only worker is there to share the encoding with */
-  for (int i = 0; i < n; i++) pure |= pool[i]->enc && !pool[i]->dec && !pool[i]->draining;
+  for (int i = 0; i < n; i++)
+    pure |= pool[i]->enc && !pool[i]->dec && !pool[i]->draining && form_ok(pool, n, d, pool[i], q, o);
   if (self && !pure) return LOCAL;
   int best = -1;
   const td_place_worker *bw = NULL;
   for (int i = 0; i < n; i++) {
     const td_place_worker *w = pool[i];
-    if (!(w->enc || (i == d && w->enc_self)) || w->draining || !enc_room(w, q, o)) continue;
+    if (!(w->enc || (i == d && w->enc_self)) || w->draining || !enc_room(w, q, o) || !form_ok(pool, n, d, w, q, o))
+      continue;
     /* a worker that decodes encodes only for itself when it encodes */
     if (self && w->dec && i != d) continue;
     if (i == d && (int64_t)w->decoding * 100 >= (int64_t)o->local_encode_pct * w->max_running) continue;
@@ -130,6 +144,19 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
   int e = pick_encoder(pool, n, d, q, o), p = -1;
   if (e == -1) {
     wait_reason(pool, n, WANT_ENC, out->why, sizeof out->why, &out->missing);
+    bool usable = false, states = false;
+    for (int i = 0; i < n; i++) {
+      if (!pool[i]->enc || pool[i]->draining) continue;
+      states |= pool[i]->states_out;
+      usable |= form_ok(pool, n, d, pool[i], q, o);
+    }
+    if (!usable && states) {
+      /* no encoder whose pushes it can take: as if there were none */
+      snprintf(out->why, sizeof out->why, "the encoders push encoder states, which decode worker %s%s cannot project "
+               "(a TP / PP group, or cross mode kv): start an encoder with --cross-transfer kv",
+               pool[d]->id ? pool[d]->id : "?", pool[d]->projects ? "'s prefill workers" : "");
+      out->missing = true;
+    }
     return TD_PLACE_WAIT;
   }
   bool local = e == LOCAL;

@@ -231,7 +231,13 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char 
     snprintf(why, sizeof why, "no roles");
     ok = false;
   }
-  if (ok) ok = rtr_cross_mode_matches(r, in->cross_mode, why, sizeof why);
+  /* an encoder-only worker in cross mode states pushes encoder states, which
+   * decode workers with K/V and a states tail (dual) project on arrival */
+  bool enc_only = in && in->n_roles > 0;
+  for (size_t i = 0; in && i < in->n_roles; i++) enc_only &= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+  bool states_out = ok && enc_only && in->cross_mode && strcmp(in->cross_mode, "states") == 0 &&
+                    (r->o.cross_mode == TD_CROSS_AUTO || r->o.cross_mode == TD_CROSS_DUAL);
+  if (ok && !states_out) ok = rtr_cross_mode_matches(r, in->cross_mode, why, sizeof why);
   if (ok) ok = id_key_ok(r, wid, key, why, sizeof why);
   if (!ok) {
     TD_WARN("refused worker %s: %s", wid, why);
@@ -270,6 +276,8 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char 
     w->pl.enc = false;
     w->pl.enc_self = w->pl.dec;
   }
+  w->pl.states_out = states_out;
+  w->pl.projects = in->cross_projects;
   w->self_blocks = (int)in->self_blocks;
   w->pl.cross_blocks = (int)in->cross_blocks;
   w->pl.max_running = in->max_running ? (int)in->max_running : 1;

@@ -30,6 +30,7 @@ cmd *w_cmd(cmd_kind kind, uint64_t rid, int slot) {
 void cmd_free(cmd *c) {
   if (!c) return;
   free(c->blocks);
+  free(c->proj_blocks);
   free(c->data);
   free(c->id);
   for (int i = 0; i < 4; i++) free(c->owned_i32[i]);
@@ -266,7 +267,8 @@ static void compute_add(td_worker *w, cmd *c) {
   int nc = 0, ns = 0;
   td_status s = TD_OK;
   td_request r = c->req;
-  if (c->cross_res) {
+  if (c->proj_failed) s = td_err(TD_ERR_INTERNAL, "%s", c->proj_error);
+  if (s == TD_OK && c->cross_res) {
     s = claim(td_engine_cross_pool(w->e), c->cross_res, c->n_cross, &cross, &nc);
     r.cross_blocks = cross;
     r.n_cross_blocks = nc;
@@ -314,6 +316,14 @@ static void compute_cancel(td_worker *w, uint64_t rid, int slot) {
 static void compute_write_kv(td_worker *w, cmd *c) {
   td_kv_pool *pool = c->cross ? td_engine_cross_pool(w->e) : td_engine_self_pool(w->e);
   size_t bb = td_kv_pool_block_bytes(pool), es = td_buf_elem_size(w->b, TD_BUF_ACT);
+  if (c->states_only) { /* one rank (states_bb): each tail at its block's end */
+    for (int i = 0; i < c->n_blocks; i++)
+      if (c->blocks[i] >= 0 && c->blocks[i] < td_kv_pool_get_stats(pool).n_blocks)
+        (void)td_copy_h2d(w->b, (uint8_t *)td_kv_pool_memory(pool) + (size_t)c->blocks[i] * bb + bb - w->states_bb,
+                          c->data + (size_t)i * w->states_bb, w->states_bb);
+    (void)td_sync(w->b);
+    return;
+  }
   const td_kv_layout *fl = c->cross ? &w->full_cross : &w->full_self;
   size_t full_bb = c->cross ? w->full_cross_bb : w->full_self_bb;
   int L = fl->n_layers, H = fl->n_heads;
@@ -393,6 +403,8 @@ static void model_facts(td_worker *w) {
   w->full_cross.states = mcl.states;
   w->full_self_bb = td_kv_block_elems(&w->full_self) * es;
   w->full_cross_bb = td_kv_block_elems(&w->full_cross) * es;
+  w->states_bb = mcl.n_layers > 0 && mcl.states > 0 && w->world == 1
+                     ? (size_t)w->block_size * (size_t)mcl.states * es : 0;
   /* the pools stay this thread's; the main thread registers their memory with UCX */
   td_kv_pool *cp = td_engine_cross_pool(w->e), *sp = td_engine_self_pool(w->e);
   w->pools.cuda = w->o.device == TD_BACKEND_CUDA;
@@ -413,7 +425,20 @@ static td_status compute_init(td_worker *w) {
                       .cross_mode = w->o.cross_mode, .states_rows = w->o.states_rows,
                       .tuning = w->o.settings.model};
   if (w->world > 1) TD_TRY(w_leader_init(w, &mo));
-  TD_TRY(td_model_load(w->o.model_dir, w->b, &mo, &w->m));
+  bool enc_only = w->world == 1 && w->n_roles > 0;
+  for (int i = 0; i < w->n_roles; i++) enc_only &= w->roles[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+  if (enc_only && mo.cross_mode == TD_CROSS_AUTO && !w->o.cross_transfer_kv) {
+    /* pushes of the encoder states (the decode side projects them): 1 / (2 x layers) of the K/V bytes */
+    mo.cross_mode = TD_CROSS_STATES;
+    if (td_model_load(w->o.model_dir, w->b, &mo, &w->m) == TD_OK) {
+      w->states_out = true;
+      TD_INFO("cross transfer: encoder states (the receivers project them into K/V; --cross-transfer kv: K/V)");
+    } else {
+      TD_INFO("cross transfer: K/V (%s)", td_errmsg()); /* an odd d_model has no states tail */
+      mo.cross_mode = TD_CROSS_AUTO;
+    }
+  }
+  if (!w->m) TD_TRY(td_model_load(w->o.model_dir, w->b, &mo, &w->m));
   if (w->world > 1) TD_TRY(w_leader_wait_followers(w));
   /* a group's followers size their pools from the model alone: its leader too, so that block ids agree */
   td_engine_opts eo = {.self_blocks = w->o.self_blocks, .cross_blocks = w->o.cross_blocks,
@@ -438,19 +463,60 @@ static void timed_wait(td_worker *w, long us) {
 
 /* Takes and runs the queued commands; returns how many were requests for
  * the engine. */
+/* Requests whose cross KV arrived as encoder states: their K/V projected
+ * together (one GEMM a decoder layer over all their rows), then each added. */
+static void flush_projections(td_worker *w, cmd **pend, int *n_pend) {
+  if (*n_pend == 0) return;
+  int rows = 0;
+  for (int i = 0; i < *n_pend; i++) rows += pend[i]->req.enc_len;
+  int32_t *slots = malloc(sizeof *slots * (size_t)(rows > 0 ? rows : 1));
+  td_status s = slots ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
+  int bs = w->block_size, k = 0;
+  for (int i = 0; s == TD_OK && i < *n_pend; i++) {
+    const cmd *c = pend[i];
+    if (c->req.enc_len > c->n_cross * bs) {
+      s = td_err(TD_ERR_INVALID, "request %llu: %d encoder positions in %d cross blocks of %d",
+                 (unsigned long long)c->rid, c->req.enc_len, c->n_cross, bs);
+      break;
+    }
+    for (int t = 0; t < c->req.enc_len; t++) slots[k++] = c->proj_blocks[t / bs] * bs + t % bs;
+  }
+  if (s == TD_OK) s = td_model_project_cross(w->m, slots, k);
+  free(slots);
+  for (int i = 0; i < *n_pend; i++) {
+    if (s != TD_OK) {
+      pend[i]->proj_failed = true;
+      snprintf(pend[i]->proj_error, sizeof pend[i]->proj_error, "projecting the arrived encoder states: %s",
+               td_errmsg());
+    }
+    compute_handle(w, pend[i]);
+    cmd_free(pend[i]);
+  }
+  *n_pend = 0;
+}
+
 static int run_commands(td_worker *w) {
   pthread_mutex_lock(&w->mu);
   cmd *list = w->cmd_head;
   w->cmd_head = w->cmd_tail = NULL;
   pthread_mutex_unlock(&w->mu);
-  int added = 0;
+  int added = 0, n_pend = 0;
+  cmd *pend[64];
   while (list) {
     cmd *next = list->next;
     added += list->kind == CMD_ADD;
-    compute_handle(w, list);
-    cmd_free(list);
+    if (list->kind == CMD_ADD && list->project_cross) {
+      if (n_pend == (int)(sizeof pend / sizeof pend[0])) flush_projections(w, pend, &n_pend);
+      pend[n_pend++] = list;
+    } else {
+      /* in order: a ZeroMQ push's bytes are written before the projection that reads them */
+      flush_projections(w, pend, &n_pend);
+      compute_handle(w, list);
+      cmd_free(list);
+    }
     list = next;
   }
+  flush_projections(w, pend, &n_pend);
   return added;
 }
 

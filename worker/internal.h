@@ -31,6 +31,10 @@ typedef enum cmd_kind {
   CMD_WRITE_KV,       /* arrived KV bytes (whole-model blocks) into the pools */
 } cmd_kind;
 
+/* A cross push's form: every layer's K/V (whole blocks), or the encoder
+ * states only (blocks' states tails), projected here on arrival. */
+enum { KV_FORM_KV = 1, KV_FORM_STATES = 2 };
+
 typedef struct cmd {
   cmd_kind kind;
   uint64_t rid;
@@ -43,6 +47,13 @@ typedef struct cmd {
   int n_blocks;
   uint8_t *data;    /* CMD_WRITE_KV: n_blocks whole-model blocks (owned) */
   bool host_copy;   /* CMD_ADD: hand over the blocks' bytes in host memory too */
+  bool states_only; /* CMD_WRITE_KV: cross blocks' states tails only (a states push) */
+  /* CMD_ADD: the cross KV arrived as encoder states, to be projected into
+   * every layer's K/V (td_model_project_cross) before the engine takes it */
+  bool project_cross;
+  int32_t *proj_blocks; /* owned: the reservation's cross blocks, in order */
+  bool proj_failed;
+  char proj_error[160];
   /* CMD_ADD */
   td_request req;
   char *id;              /* req.id points here */
@@ -98,6 +109,7 @@ struct td_job {
   int32_t *cross_ids, *self_ids;
   int n_cross, n_self;
   int cross_got, self_got;   /* blocks arrived */
+  int cross_form;            /* what the cross pushes carried: 0 none yet, KV_FORM_KV or KV_FORM_STATES */
   int self_expected;         /* prompt tokens whose KV comes; 0: none */
   bool added;                /* handed to the engine */
   bool finished;             /* ... and its result came back */
@@ -183,6 +195,10 @@ struct td_worker {
   int32_t start_token; /* the decoder's first token without a prompt */
   /* whole-model KV blocks, what peers push (cross: with the states tail per --cross-mode) */
   td_kv_layout full_self, full_cross;
+  /* a cross block's states tail in bytes where states pushes can be taken
+   * (cross mode dual, one rank: td_model_project_cross), else 0 */
+  size_t states_bb;
+  bool states_out; /* an encoder-only worker whose cross mode auto became states: it pushes states */
   size_t full_self_bb, full_cross_bb;
   td_kvt_opts pools; /* the engine's pools for the transports that read them */
   /* ---- main thread ---- */

@@ -243,6 +243,15 @@ td_status td_job_run_request(td_worker *w, td_job *j, const td_job_run *run) {
   if (run->reserved_kv) {
     c->cross_res = j->cross_res;
     c->n_cross = j->n_cross;
+    if (j->cross_form == KV_FORM_STATES && j->n_cross > 0) {
+      c->project_cross = true;
+      c->proj_blocks = malloc(sizeof(int32_t) * (size_t)j->n_cross);
+      if (!c->proj_blocks) {
+        cmd_free(c);
+        return td_err(TD_ERR_NOMEM, "out of memory");
+      }
+      memcpy(c->proj_blocks, j->cross_ids, sizeof(int32_t) * (size_t)j->n_cross);
+    }
     if (j->self_expected) {
       c->self_res = j->self_res;
       c->n_self = j->n_self;

@@ -19,15 +19,28 @@ static bool k_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const in
                      size_t block_bytes, char *why, size_t cap) {
   td_worker *w = ctx;
   size_t want = cross ? w->full_cross_bb : w->full_self_bb;
-  if (block_bytes != want) {
-    snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "
-             "--cross-mode?)", cross ? "cross" : "self", block_bytes, want);
+  /* a cross push carries whole blocks (every layer's K/V), or only their
+   * states tails (the encoder output, projected here on arrival) */
+  int form = block_bytes == want ? KV_FORM_KV : cross && w->states_bb && block_bytes == w->states_bb ? KV_FORM_STATES : 0;
+  if (!form) {
+    if (cross && w->states_bb)
+      snprintf(why, cap, "cross blocks of %zu bytes, this model's are %zu (K/V) or %zu (encoder states: %d rows of "
+               "%d) (another model, block size, device or --cross-mode?)", block_bytes, want, w->states_bb,
+               w->block_size, w->full_cross.states);
+    else
+      snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "
+               "--cross-mode?%s)", cross ? "cross" : "self", block_bytes, want,
+               cross ? "; encoder states are taken only by a one-rank worker in cross mode dual" : "");
     return false;
   }
   td_job *j = w_job_by_reservation(w, rid, res, cross);
   if (!j || !j->reserved || j->added) {
     snprintf(why, cap, "reservation %llu of request %llu is not open here", (unsigned long long)res,
              (unsigned long long)rid);
+    return false;
+  }
+  if (cross && j->cross_form && j->cross_form != form) {
+    snprintf(why, cap, "request %llu: cross pushes of both forms (K/V and encoder states)", (unsigned long long)rid);
     return false;
   }
   if (td_now_ms() > j->expires) {
@@ -44,6 +57,7 @@ static bool k_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const in
       return false;
     }
   }
+  if (cross) j->cross_form = form;
   return true;
 }
 
@@ -52,6 +66,7 @@ static void k_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const
   cmd *c = w_cmd(CMD_WRITE_KV, 0, -1);
   if (c) {
     c->cross = cross;
+    c->states_only = cross && bb != w->full_cross_bb; /* accepted: the states tails */
     c->blocks = malloc(sizeof(int32_t) * (size_t)n);
     c->data = malloc(bb * (size_t)n);
   }
@@ -69,8 +84,9 @@ static void k_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const
 static void k_arrived(void *ctx, const td_kvt *t, uint64_t rid, uint64_t res, bool cross, int n) {
   td_worker *w = ctx;
   w->kv_in[td_kvt_get_kind(t)] += (uint64_t)n;
-  w->kv_in_bytes[td_kvt_get_kind(t)] += (uint64_t)n * (cross ? w->full_cross_bb : w->full_self_bb);
   td_job *j = w_job_by_reservation(w, rid, res, cross);
+  size_t bb = !cross ? w->full_self_bb : j && j->cross_form == KV_FORM_STATES ? w->states_bb : w->full_cross_bb;
+  w->kv_in_bytes[td_kvt_get_kind(t)] += (uint64_t)n * bb;
   if (!j) return; /* cancelled meanwhile */
   if (cross)
     j->cross_got += n;

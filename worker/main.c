@@ -34,6 +34,9 @@ static void usage(FILE *f) {
           "                     [--group NAME (--tp N | --pp N) --rank R]   (rank 0 serves, others follow)\n"
           "                     [--cross-mode auto|kv|states|dual]  (what the cross pool holds: as the\n"
           "                                         router; --cross-states: states)\n"
+          "                     [--cross-transfer states|kv]  (an encoder-only worker in cross mode auto:\n"
+          "                                         push the encoder states, projected on arrival (default),\n"
+          "                                         or every layer's K/V)\n"
           "                     [--states-rows N]  (dual: steps of N rows or more attend over the states;\n"
           "                                         default: the backend's choice, -1: never)\n"
           "                     [--gpu-memory-fraction F]  (a GPU worker's share of its device: weights and\n"
@@ -85,7 +88,7 @@ int main(int argc, char **argv) {
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
       {"max-enc-seqs", required_argument, 0, 'Q'}, {"encoder-cache-fraction", required_argument, 0, 'Y'},
       {"curve-secret", required_argument, 0, 1001}, {"router-key", required_argument, 0, 1002},
-      {"worker-keys", required_argument, 0, 1003},
+      {"worker-keys", required_argument, 0, 1003}, {"cross-transfer", required_argument, 0, 1004},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings,
@@ -165,6 +168,13 @@ int main(int argc, char **argv) {
       case 1001: ao.secret_file = optarg; break;
       case 1002: ao.router_key_file = optarg; break;
       case 1003: ao.worker_keys_file = optarg; break;
+      case 1004:
+        if (strcmp(optarg, "states") && strcmp(optarg, "kv")) {
+          fprintf(stderr, "tandem-worker: --cross-transfer must be states or kv, not '%s'\n", optarg);
+          return 2;
+        }
+        o.cross_transfer_kv = strcmp(optarg, "kv") == 0;
+        break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }

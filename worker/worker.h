@@ -61,6 +61,11 @@ typedef struct td_worker_opts {
   /* What the cross pool holds (td_model_opts.cross_mode); the router
    * refuses a worker whose mode differs from the cluster's. */
   td_cross_mode cross_mode;
+  /* An encoder-only worker in cross mode auto pushes the encoder states
+   * (its pool in cross mode states; the receiver projects them into K/V):
+   * 48-64x fewer bytes than every layer's K/V. true: K/V pushes, as its
+   * mode resolves (--cross-transfer kv). */
+  bool cross_transfer_kv;
   int states_rows; /* td_model_opts.states_rows (every rank of a group the same) */
   /* from the environment, read once in main: backend, model and KV
    * transfer tuning (every rank of a group the same) */

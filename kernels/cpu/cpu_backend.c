@@ -234,6 +234,23 @@ static td_status cpu_kv_write(td_backend *b, const void *k, const void *v, int l
   return TD_OK;
 }
 
+static td_status cpu_kv_read(td_backend *b, const void *pool, const td_kv_layout *l, int layer,
+                             const int32_t *slots, int n, void *k, void *v, int ld) {
+  const float *P = pool;
+  kv_at at = kv_at_layer(l, layer);
+  for (int i = 0; i < n; i++) {
+    if (slots[i] < 0) continue;
+    int blk = slots[i] / l->block_size, slot = slots[i] % l->block_size;
+    for (int h = 0; h < at.heads; h++) {
+      memcpy((float *)k + (size_t)i * ld + (size_t)h * at.dim, P + kv_offset(&at, blk, 0, h, slot),
+             sizeof(float) * (size_t)at.dim);
+      memcpy((float *)v + (size_t)i * ld + (size_t)h * at.dim, P + kv_offset(&at, blk, 1, h, slot),
+             sizeof(float) * (size_t)at.dim);
+    }
+  }
+  return TD_OK;
+}
+
 static td_status cpu_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                                 const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
                                 const td_relbias *bias) {
@@ -365,6 +382,7 @@ static const td_backend_vt cpu_vt = {
     .im2col1d = cpu_im2col1d,
     .attn_dense = cpu_attn_dense,
     .kv_write = cpu_kv_write,
+    .kv_read = cpu_kv_read,
     .attn_paged = cpu_attn_paged,
     .attn_states = cpu_attn_states,
     .gemm_heads = cpu_gemm_heads,

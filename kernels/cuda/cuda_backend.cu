@@ -567,6 +567,7 @@ static void vt_init(void) {
   v->im2col1d = cu_im2col1d;
   v->attn_dense = td_cu_attn_dense;
   v->kv_write = td_cu_kv_write;
+  v->kv_read = td_cu_kv_read;
   v->attn_paged = td_cu_attn_paged;
   v->attn_states = td_cu_attn_states;
   v->states_rows = td_cu_states_rows;

@@ -243,6 +243,8 @@ static inline void td_cu_lt_release(cublasLtMatmulDesc_t op, cublasLtMatrixLayou
 /* cuda_kv.cu: the paged pools' ops */
 td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                          int layer, const int32_t *slots, int n);
+td_status td_cu_kv_read(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const int32_t *slots,
+                        int n, void *k, void *v, int ld);
 td_status td_cu_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs);
 td_status td_cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l, int layer,
                             const td_paged_meta *m);

@@ -56,6 +56,54 @@ td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, vo
   return TD_OK;
 }
 
+/* kv_write_kernel's inverse: one block per row, the pool's slot into the row. */
+template <bool VEC>
+__global__ void kv_read_kernel(const bf16 *__restrict__ pool, size_t block_elems, size_t layer_off, int H, int dh,
+                               int bs, const int32_t *__restrict__ slots, bf16 *k, bf16 *v, int ld) {
+  td_pdl_start();
+  int i = blockIdx.x;
+  int slot = slots[i];
+  if (slot < 0) return;
+  int blk = slot / bs, sl = slot % bs;
+  size_t head_stride = (size_t)bs * dh;
+  const bf16 *kb = pool + (size_t)blk * block_elems + layer_off + (size_t)sl * dh;
+  const bf16 *vb = kb + (size_t)H * head_stride;
+  bf16 *kr = k + (size_t)i * ld, *vr = v + (size_t)i * ld;
+  int per = VEC ? 8 : 1, cols = dh / per, total = H * cols;
+  for (int e = threadIdx.x; e < total; e += blockDim.x) {
+    int h = e / cols, cc = (e % cols) * per;
+    size_t dst = (size_t)h * dh + cc, src = (size_t)h * head_stride + cc;
+    if (VEC) {
+      *(uint4 *)(kr + dst) = *(const uint4 *)(kb + src);
+      *(uint4 *)(vr + dst) = *(const uint4 *)(vb + src);
+    } else {
+      kr[dst] = kb[src];
+      vr[dst] = vb[src];
+    }
+  }
+}
+
+td_status td_cu_kv_read(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const int32_t *slots,
+                        int n, void *k, void *v, int ld) {
+  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  td_kv_span sp = td_kv_layer_span(l, layer);
+  int H = sp.heads, dh = sp.dim;
+  bool vec = dh % 8 == 0 && ld % 8 == 0 && td_kv_block_elems(l) % 8 == 0 && td_aligned16(k) && td_aligned16(v) &&
+             td_aligned16(pool);
+  int work = H * dh / (vec ? 8 : 1);
+  int threads = work >= 256 ? 256 : (work + 31) / 32 * 32;
+  size_t be = td_kv_block_elems(l);
+  if (vec)
+    (void)td_launch(c, kv_read_kernel<true>, n, threads, 0, (const bf16 *)pool, be, sp.off, H, dh, l->block_size,
+                    slots, (bf16 *)k, (bf16 *)v, ld);
+  else
+    (void)td_launch(c, kv_read_kernel<false>, n, threads, 0, (const bf16 *)pool, be, sp.off, H, dh, l->block_size,
+                    slots, (bf16 *)k, (bf16 *)v, ld);
+  TD_CU_LAUNCHED("kv_read");
+  return TD_OK;
+}
+
 td_status td_cu_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs,
                                int n_pairs) {
   td_cu_bind(td_cu(b));

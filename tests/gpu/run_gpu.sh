@@ -41,7 +41,7 @@ for s in $steps; do
     memcheck) run memcheck 220 compute-sanitizer --tool memcheck --error-exitcode 9 \
       "$pack/bin/test_cuda_ops" --jobs 4 ;;
     racecheck) run racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 9 \
-      "$pack/bin/test_cuda_ops" --jobs 4 --filter 'cuda/@(graph_replay|kv_write_copy|topk_logprobs|unshard_cols|sample|attn_paged|norm|embed_rows_im2col|gated_act)' ;;
+      "$pack/bin/test_cuda_ops" --jobs 4 --filter 'cuda/@(graph_replay|kv_write_copy_read|topk_logprobs|unshard_cols|sample|attn_paged|norm|embed_rows_im2col|gated_act)' ;;
     racecheck2) run racecheck2 120 compute-sanitizer --tool racecheck --error-exitcode 9 \
       "$pack/bin/test_cuda_ops" --jobs 4 --filter 'cuda/attn_dense' ;;
     ncu) run ncu 120 ncu --clock-control none --kernel-name regex:attn_kernel --launch-count 1 \

@@ -67,7 +67,7 @@ Test(cuda, attn_dense_head64_kernels) {
 }
 
 /* ---------------------------------------------------------------- paged KV */
-Test(cuda, kv_write_copy) {
+Test(cuda, kv_write_copy_read) {
   static const int cfg[][4] = {{64, 16, 16, 37}, {128, 4, 32, 5}, {10, 3, 5, 23}, {64, 2, 7, 1}};
   for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
     int dh = cfg[c][0], H = cfg[c][1], bs = cfg[c][2], n = cfg[c][3], nb = 9;
@@ -101,6 +101,21 @@ Test(cuda, kv_write_copy) {
     RUN2(td_kv_copy_blocks(G, r.pool.g, &r.l, pairs, 3), td_kv_copy_blocks(C, r.pool.c, &r.l, pairs, 3));
     e = compare(&r.pool, 0);
     cr_expect(e == 0.0, "kv_copy_blocks: error %.3g", e);
+    /* td_kv_read, the inverse (a states push projected on arrival reads the tail) */
+    float *outh = rnd((size_t)n * ld, 1.0f);
+    pair O = mk(TD_BUF_ACT, outh, (size_t)n * ld);
+    const char *og = (const char *)O.g, *oc = (const char *)O.c;
+    RUN2(td_kv_read(G, r.pool.g, &r.l, 1, S.g, n, (void *)og, (void *)(og + (size_t)H * dh * eg), ld),
+         td_kv_read(C, r.pool.c, &r.l, 1, S.c, n, (void *)oc, (void *)(oc + (size_t)H * dh * ec), ld));
+    if (states)
+      RUN2(td_kv_read(G, r.pool.g, &r.l, 3, S.g, n, (void *)(og + (size_t)2 * H * dh * eg),
+                      (void *)(og + ((size_t)2 * H * dh + (size_t)states / 2) * eg), ld),
+           td_kv_read(C, r.pool.c, &r.l, 3, S.c, n, (void *)(oc + (size_t)2 * H * dh * ec),
+                      (void *)(oc + ((size_t)2 * H * dh + (size_t)states / 2) * ec), ld));
+    e = compare(&O, 0);
+    cr_expect(e == 0.0, "kv_read dh=%d H=%d bs=%d n=%d states=%d: error %.3g", dh, H, bs, n, states, e);
+    drop(&O);
+    free(outh);
     drop(&R);
     drop(&S);
     rig_drop(&r);

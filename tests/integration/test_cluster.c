@@ -3,6 +3,7 @@
  * streaming, deploy/local.sh --demo. The faults are in test_faults.c. */
 #include <pthread.h>
 #include <signal.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -165,6 +166,8 @@ static const kv_want all_ucx[] = {{NULL, 1, 0}};
 
 static void check_topology_groups(const char *model, int enc, int pre, int dec, int clients, int gtp, int gpp) {
   cluster_opts o = {.encoders = enc, .prefills = pre, .decodes = dec, .group_tp = gtp, .group_pp = gpp};
+  /* groups do not project encoder states: their encoders push K/V */
+  if (gtp > 1 || gpp > 1) o.worker_extra = "--cross-transfer kv";
   /* a group takes its KV over ZeroMQ (the leader re-slices); a prefill worker over UCX */
   const kv_want groups[] = {{"decode-", 0, 1}, {"prefill-", pre ? 1 : -1, 0}};
   run_topology(model, o, clients, gtp > 1 || gpp > 1 ? groups : all_ucx, gtp > 1 || gpp > 1 ? 2 : 1, NULL);
@@ -192,7 +195,8 @@ Test(cluster, an_idle_group_stays_up, .timeout = 120) {
   fixture fx;
   fx_load("t5-tiny", &fx);
   cluster c;
-  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1, .group_tp = 2});
+  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1, .group_tp = 2,
+                                    .worker_extra = "--cross-transfer kv"});
   usleep((TD_GROUP_LEADER_DEAD_MS + 2000) * 1000);
   td_client_health h;
   cr_expect(cluster_health(&c, &h) && h.decoders == 1, "the idle group left the pool (logs in %s)", c.dir);
@@ -328,6 +332,50 @@ Test(cluster, cross_dual_match_generate, .timeout = 600) {
   o.worker_extra = "--cross-mode dual --states-rows 2";
   o.group_tp = 2;
   run_topology("bart-tiny", o, 3, groups, 2, NULL);
+}
+
+/* The default between an encoder-only worker and decode / prefill workers
+ * (cross mode auto): the encoder's pool holds the encoder states only and
+ * it pushes those (the blocks' states tails); the receivers project them
+ * into every layer's K/V on arrival. Tokens equal tandem-generate's and
+ * those of K/V pushes (--cross-transfer kv), over UCX and over ZeroMQ, for
+ * T5, BART and Whisper; the bytes a decode worker took are the states'. */
+Test(cluster, states_pushed_and_projected_match_generate, .timeout = 600) {
+  static const char *const models[] = {"t5-tiny", "bart-tiny", "whisper-tiny"};
+  for (int m = 0; m < 3; m++) {
+    outcome *st = calloc(MAXQ, sizeof *st), *kv = calloc(MAXQ, sizeof *kv);
+    cluster_opts o = {.encoders = 1, .prefills = m == 0, .decodes = 1};
+    o.worker_extra = m == 2 ? "--kv-transport zmq" : NULL;
+    const kv_want none_ucx[] = {{NULL, 0, 1}};
+    int n = run_topology(models[m], o, 3, m == 2 ? none_ucx : all_ucx, 1, st);
+    o.worker_extra = m == 2 ? "--kv-transport zmq --cross-transfer kv" : "--cross-transfer kv";
+    cr_assert_eq(run_topology(models[m], o, 3, m == 2 ? none_ucx : all_ucx, 1, kv), n);
+    expect_same(st, kv, n, models[m]);
+    free(st);
+    free(kv);
+  }
+  /* what moved: the encoder says it pushes states; a decode worker's bytes in are states tails */
+  fixture fx;
+  fx_load("whisper-tiny", &fx);
+  cluster c;
+  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1, .block_size = 4,
+                                    .router_extra = "--metrics-port 0"});
+  expect_fixture_greedy(&c, &fx);
+  cr_expect(cluster_log_has(&c, "encoder-0", "cross transfer: encoder states"), "no states transfer in the log");
+  kv_count k;
+  cr_expect(cluster_kv_count(&c, "decode-", 10000, &k) && k.in_ucx > 0, "the KV counters did not settle");
+  usleep(1500 * 1000); /* the router renders /metrics every 250 ms from heartbeats */
+  char *text = cluster_scrape(&c);
+  cr_expect(text, "no /metrics answer");
+  if (text) {
+    double in = metric_sample(text, "tandem:kv_bytes_transferred_total{worker=\"decode-0\",direction=\"in\",transport=\"ucx\"}");
+    /* a states tail: 4 slots x d_model x 4 bytes a block */
+    double tail = 4.0 * fx.d_model * 4.0;
+    cr_expect(in > 0 && fmod(in, tail) == 0, "decode-0 took %.0f bytes, not whole states tails of %.0f", in, tail);
+    free(text);
+  }
+  cr_expect(cluster_stop(&c), "processes did not stop cleanly (logs in %s)", c.dir);
+  fx_free(&fx);
 }
 
 /* Decode groups in --cross-states: the leader hands every rank the whole

@@ -15,18 +15,22 @@
 
 #define TOL 1e-4
 
-typedef struct rig {
+typedef struct rig rig;
+struct rig {
   td_backend *b;
   td_model *m;
   td_kv_pool *self, *cross;
   int bs;
-} rig;
+};
 
 /* rig_open's models' cross pool mode and the rows from which their steps
  * attend over the states (td_model_opts.cross_mode, states_rows) */
 static td_cross_mode rig_mode;
 static int rig_states_rows;
 static td_model_tuning rig_tuning;
+/* set: encode() runs the encoder on this rig (cross mode states) and
+ * projects the states it pushed into the decoding rig's blocks */
+static struct rig *rig_sender;
 
 static void rig_open(rig *r, const char *dir, int bs) {
   td_backend_opts bo = {.kind = TD_BACKEND_CPU};
@@ -66,7 +70,48 @@ static int encode(rig *r, const fixture *fx, int i, int32_t *cross_blocks, float
   td_encode_input in = {.n_seqs = 1, .lens = &q->n_input, .tokens = q->input_ids,
                         .features = fx->features ? fx->features + (size_t)i * fx->mels * fx->frames : NULL,
                         .cross_slots = slots};
-  cr_assert(td_model_encode(r->m, &in, enc_out) == TD_OK, "%s", td_errmsg());
+  if (rig_sender) {
+    /* a states push: the sender (cross mode states) encodes, its blocks'
+     * states land in these blocks' tails, and they are projected here */
+    int32_t sb[64];
+    cr_assert(td_kv_alloc(rig_sender->cross, nb, sb) == TD_OK);
+    int32_t *ss = malloc(sizeof *ss * (size_t)L);
+    for (int t = 0; t < L; t++) ss[t] = sb[t / r->bs] * r->bs + t % r->bs;
+    td_encode_input si = in;
+    si.cross_slots = ss;
+    cr_assert(td_model_encode(rig_sender->m, &si, enc_out) == TD_OK, "%s", td_errmsg());
+    const td_kv_layout *sl = td_kv_pool_layout(rig_sender->cross), *dl = td_kv_pool_layout(r->cross);
+    size_t sbe = td_kv_block_elems(sl), dbe = td_kv_block_elems(dl);
+    cr_assert_eq(sl->n_layers, 0);
+    const float *sp = td_kv_pool_memory(rig_sender->cross);
+    float *dp = td_kv_pool_memory(r->cross);
+    for (int k = 0; k < nb; k++)
+      memcpy(dp + (size_t)cross_blocks[k] * dbe + dbe - sbe, sp + (size_t)sb[k] * sbe, sizeof(float) * sbe);
+    cr_assert(td_model_project_cross(r->m, slots, L) == TD_OK, "%s", td_errmsg());
+    /* the same K/V as this model's own encoder writes */
+    int32_t rb[64];
+    cr_assert(td_kv_alloc(r->cross, nb, rb) == TD_OK);
+    for (int t = 0; t < L; t++) ss[t] = rb[t / r->bs] * r->bs + t % r->bs;
+    cr_assert(td_model_encode(r->m, &si, NULL) == TD_OK, "%s", td_errmsg());
+    double worst = 0;
+    for (int t = 0; t < L; t++)
+      for (int l = 0; l < dl->n_layers; l++) {
+        td_kv_span sp2 = td_kv_layer_span(dl, l);
+        for (int kv = 0; kv < 2; kv++)
+          for (int h = 0; h < sp2.heads; h++)
+            for (int e = 0; e < sp2.dim; e++) {
+              size_t o = sp2.off + (((size_t)kv * sp2.heads + h) * dl->block_size + t % r->bs) * sp2.dim + e;
+              double a = dp[(size_t)cross_blocks[t / r->bs] * dbe + o], b = dp[(size_t)rb[t / r->bs] * dbe + o];
+              worst = fabs(a - b) > worst ? fabs(a - b) : worst;
+            }
+      }
+    cr_expect(worst <= 1e-5, "request %d: projected cross K/V differs from the encoder's by %.3g", i, worst);
+    td_kv_unref_all(r->cross, rb, nb);
+    td_kv_unref_all(rig_sender->cross, sb, nb);
+    free(ss);
+  } else {
+    cr_assert(td_model_encode(r->m, &in, enc_out) == TD_OK, "%s", td_errmsg());
+  }
   free(slots);
   return nb;
 }
@@ -219,6 +264,52 @@ Test(model_cpu, cross_dual) {
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) check_model(names[i], i % 2 ? 3 : 4);
   rig_mode = TD_CROSS_AUTO;
   rig_states_rows = 0;
+}
+
+/* States projected on arrival: a sender in cross mode states encodes, its
+ * states tail is copied into a dual pool's blocks (what a states push
+ * moves) and td_model_project_cross writes every layer's K/V there; the K/V
+ * equal the receiver's own encoder's, and logits and greedy tokens match
+ * the references (T5 without biases, BART / Whisper with K/V biases). */
+Test(model_cpu, cross_states_projected) {
+  static const char *names[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "mbart-prenorm-sharded", "marian-sinusoidal",
+                                "t5v11-gated-untied"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    fixture fx;
+    fx_load(names[i], &fx);
+    rig snd;
+    rig_mode = TD_CROSS_STATES;
+    int bs = i % 2 ? 3 : 4;
+    rig_open(&snd, fx.dir, bs);
+    rig_mode = TD_CROSS_DUAL;
+    rig_states_rows = -1; /* the receiver's steps over the projected K/V only */
+    rig_sender = &snd;
+    check_model(names[i], bs);
+    rig_sender = NULL;
+    rig_mode = TD_CROSS_AUTO;
+    rig_states_rows = 0;
+    cr_expect_eq(td_kv_pool_num_free(snd.cross), 64);
+    rig_close(&snd);
+    fx_free(&fx);
+  }
+}
+
+/* A pool without a states tail, or without K/V, has nothing to project. */
+Test(model_cpu, project_cross_needs_dual) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  const td_cross_mode modes[] = {TD_CROSS_KV, TD_CROSS_STATES};
+  for (int k = 0; k < 2; k++) {
+    rig r;
+    rig_mode = modes[k];
+    rig_open(&r, fx.dir, 4);
+    int32_t slot = 0;
+    cr_expect_eq(td_model_project_cross(r.m, &slot, 1), TD_ERR_INVALID);
+    cr_expect(strstr(td_errmsg(), k ? "per-layer K/V" : "encoder states"), "%s", td_errmsg());
+    rig_close(&r);
+  }
+  rig_mode = TD_CROSS_AUTO;
+  fx_free(&fx);
 }
 
 /* The cross layout each mode gives, and AUTO as DUAL (where d_model is
