@@ -30,8 +30,12 @@
 #                                                     encoding with the encoders while fewer than P % of
 #                                                     their batch decode; default 50)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
+#                   [--cross-transfer states|kv]      (what encoder workers push: encoder states, projected
+#                                                     on arrival (the default; kv with decode groups), or K/V)
 #                   [--cross-mode auto|kv|states|dual] (what the cross pools hold: router and every
 #                                                     worker; auto: dual, --cross-states: states)
+#                   [--max-held-mb N]                 (the router's bound on the client messages it holds;
+#                                                     default 256: 170 Whisper requests of 30 s)
 #                   [--max-batch N]                   (sequences a decode step, every worker; default:
 #                                                     256 on a GPU, 32 on the CPU)
 #                   [--gpu-memory-fraction F]         (of each GPU, for the workers on it together,
@@ -149,6 +153,8 @@ block_size=16
 decode_tp=1 decode_pp=1
 kv_transport=auto
 cross_mode=auto
+cross_transfer=""
+router_held=()
 max_batch=""
 decoders_encode=0
 local_encode_pct=""
@@ -175,6 +181,8 @@ while (($#)); do
     --kv-transport) kv_transport=$2; shift 2 ;;
     --cross-states) cross_mode=states; shift ;;
     --cross-mode) cross_mode=$2; shift 2 ;;
+    --cross-transfer) cross_transfer=$2; shift 2 ;;
+    --max-held-mb) router_held=(--max-held-mb "$2"); shift 2 ;;
     --max-batch) max_batch=$2; shift 2 ;;
     --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
     --gateway-port) gateway_port=$2; shift 2 ;;
@@ -201,6 +209,8 @@ fi
 ((decode_tp == 1 || decode_pp == 1)) || { echo "local.sh: a decode group is tensor- or pipeline-parallel" >&2; exit 2; }
 [[ $kv_transport == auto || $kv_transport == ucx || $kv_transport == zmq ]] ||
   { echo "local.sh: --kv-transport must be auto, ucx or zmq" >&2; exit 2; }
+[[ -z $cross_transfer || $cross_transfer == states || $cross_transfer == kv ]] ||
+  { echo "local.sh: --cross-transfer must be states or kv" >&2; exit 2; }
 [[ $cross_mode == auto || $cross_mode == kv || $cross_mode == states || $cross_mode == dual ]] ||
   { echo "local.sh: --cross-mode must be auto, kv, states or dual" >&2; exit 2; }
 [[ -z $max_batch || $max_batch =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --max-batch must be a positive integer" >&2; exit 2; }
@@ -296,6 +306,7 @@ for attempt in 1 2 3 4 5; do
   client_ep="tcp://127.0.0.1:$port"
   worker_ep="tcp://127.0.0.1:$((port + 1))"
   start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode" \
+    ${router_held[@]+"${router_held[@]}"} \
     ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} "${router_tok[@]}" "${router_metrics[@]}"
   rsup=$last_sup
   for _ in $(seq 100); do
@@ -335,7 +346,8 @@ plan() { # name weight flags...
 # encoders push encoder states (projected on arrival) where every receiver can
 # project them: single-process decode workers, not groups (docs/kvtransfer.md)
 enc_args=(--role encode)
-((group_size > 1)) && enc_args+=(--cross-transfer kv)
+if [[ -n $cross_transfer ]]; then enc_args+=(--cross-transfer "$cross_transfer")
+elif ((group_size > 1)); then enc_args+=(--cross-transfer kv); fi
 for ((i = 0; i < encoders; i++)); do plan "encoder-$i" 1 "${enc_args[@]}"; done
 for ((i = 0; i < prefills; i++)); do plan "prefill-$i" 1 --role prefill; done
 for ((i = 0; i < decodes; i++)); do

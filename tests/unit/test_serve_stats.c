@@ -1,6 +1,8 @@
 /* bench-serve's statistics on known inputs: percentiles as numpy computes
  * them, throughput over the run's span, TTFT / TPOT / end-to-end, goodput
  * under bounds, failures counted apart; and its workloads and arrivals. */
+#include <string.h>
+
 #include <criterion/criterion.h>
 #include <math.h>
 
@@ -120,6 +122,34 @@ Test(serve_workload, whisper_features_and_refusals) {
   cr_assert_eq(td_workload_make(&t, &w), TD_ERR_INVALID);
   td_workload_opts f = {.name = "/nonexistent/requests.jsonl", .n = 4};
   cr_assert_eq(td_workload_make(&f, &w), TD_ERR_INVALID);
+}
+
+/* Runs with different seeds share no input (else a second run meets the
+ * encoder cache): every request of seed 11 against every one of seed 12. */
+Test(serve_workload, seeds_give_other_inputs) {
+  td_workload_opts o = {.name = "whisper", .n = 256, .seed = 11, .mel_bins = 2, .frames = 4};
+  td_workload a, b;
+  cr_assert_eq(td_workload_make(&o, &a), TD_OK, "%s", td_errmsg());
+  o.seed = 12;
+  cr_assert_eq(td_workload_make(&o, &b), TD_OK, "%s", td_errmsg());
+  int same = 0;
+  for (int i = 0; i < a.n; i++)
+    for (int j = 0; j < b.n; j++) same += !memcmp(a.reqs[i].features, b.reqs[j].features, sizeof(float) * 8);
+  cr_expect_eq(same, 0, "%d requests of seed 12 repeat one of seed 11", same);
+  td_workload_free(&a);
+  td_workload_free(&b);
+  td_workload_opts t = {.name = "trt", .n = 64, .seed = 11, .vocab = 32000};
+  cr_assert_eq(td_workload_make(&t, &a), TD_OK, "%s", td_errmsg());
+  t.seed = 12;
+  cr_assert_eq(td_workload_make(&t, &b), TD_OK, "%s", td_errmsg());
+  same = 0;
+  for (int i = 0; i < a.n; i++)
+    for (int j = 0; j < b.n; j++)
+      same += a.reqs[i].n_input == b.reqs[j].n_input &&
+              !memcmp(a.reqs[i].input_ids, b.reqs[j].input_ids, sizeof(int32_t) * (size_t)a.reqs[i].n_input);
+  cr_expect_eq(same, 0, "%d trt requests of seed 12 repeat one of seed 11", same);
+  td_workload_free(&a);
+  td_workload_free(&b);
 }
 
 Test(serve_workload, poisson_arrivals_have_the_rate) {
