@@ -64,6 +64,7 @@ n_hosts=$(q '.hosts | length')
 # plan: one line a process: host index, id, its arguments (one string, shell-quoted)
 plan=()
 decoders=0
+any_group=$(jq '[.hosts[]?.pools[]? | ((.tp // 1) * (.pp // 1))] | any(. > 1)' "$file")
 for ((h = 0; h < n_hosts; h++)); do
   hn=$(q ".hosts[$h].name // empty")
   [[ $hn =~ ^[A-Za-z0-9._-]+$ ]] || die "hosts[$h].name: letters, digits, '.', '_' or '-'"
@@ -105,6 +106,8 @@ for ((h = 0; h < n_hosts; h++)); do
         id=$base
         ((r > 0)) && id="$base-rank$r"
         args="$common --id $id --role $role"
+        # encoders push encoder states unless a decode group (which cannot project them) is in the cluster
+        [[ $role == encode && $any_group == true ]] && args+=" --cross-transfer kv"
         if [[ $device == cuda ]]; then
           args+=" --gpu $gpu"
           gpu=$(((gpu + 1) % hgpus))
