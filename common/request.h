@@ -32,6 +32,12 @@ typedef struct td_request_params {
   int forced_eos;         /* -2: generation_config; -1: none; else the id */
   bool ignore_eos;        /* do not stop on the model's EOS ids */
   bool all_logits;        /* keep the logits of every decoder position (greedy, n = 1) */
+  /* The probability (softmax of the raw logits) of probe_token as the token
+   * after decoder prompt position probe_position; the outputs carry it.
+   * Whisper's no-speech probability: <|nospeech|> after <|startoftranscript|>. */
+  bool probe;
+  int32_t probe_token;
+  int probe_position;
 } td_request_params;
 
 void td_request_params_default(td_request_params *p);
@@ -55,6 +61,8 @@ typedef struct td_seq_output {
   const char *text;        /* decoded text (special tokens skipped) where a tokenizer ran; else NULL */
   const td_text_segment *segments; /* audio with timestamps: its segments (n_segments); else NULL */
   int n_segments;
+  bool has_probe;          /* the request's probe (td_request_params.probe), the same in every output */
+  double probe_prob;
 } td_seq_output;
 
 #endif

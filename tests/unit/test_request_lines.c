@@ -45,6 +45,9 @@ Test(request_lines, refusals) {
   expect_bad("{\"input_ids\": [1], \"timestamps\": true}", "go with \"audio\"");
   expect_bad("{\"audio\": \"" WAV "\", \"task\": \"summarize\"}", "\"task\" must be");
   expect_bad("{\"audio\": \"no-such-file.wav\"}", "no-such-file.wav");
+  expect_bad("{\"input_ids\": [1], \"probe_token_id\": 5}", "go together");
+  expect_bad("{\"input_ids\": [1], \"probe_position\": 0}", "go together");
+  expect_bad("{\"input_ids\": [1], \"probe_token_id\": -1, \"probe_position\": 0}", "must be at least 0");
   expect_bad("{\"audio\": \"" WAV "\", \"language\": \"a-language-code-longer-than-31-bytes\"}", "\"language\" is longer than 31 bytes");
   /* a text past the limit */
   size_t n = TD_MAX_TEXT_BYTES + 1;
@@ -77,5 +80,21 @@ Test(request_lines, results_with_text) {
   const char *second = strstr(s, "},{");
   cr_assert(second, "%s", s);
   cr_expect(!strstr(second, "\"text\""), "%s", s);
+  free(s);
+}
+
+Test(request_lines, probe) {
+  td_json_request r;
+  const char *t = "{\"input_ids\": [1], \"decoder_prompt\": [0, 7], \"probe_token_id\": 5, \"probe_position\": 1}";
+  cr_assert_eq(td_json_request_parse(t, strlen(t), NULL, 1, &r), TD_OK, "%s", td_errmsg());
+  cr_expect(r.params.probe);
+  cr_expect_eq(r.params.probe_token, 5);
+  cr_expect_eq(r.params.probe_position, 1);
+  td_json_request_free(&r);
+  int32_t toks[1] = {6};
+  td_seq_output o = {.tokens = toks, .n_tokens = 1, .finish = TD_FINISH_STOP, .has_probe = true, .probe_prob = 0.25};
+  char *s = td_json_result_format("q", &o, 1);
+  cr_assert(s);
+  cr_expect(strstr(s, "\"probe_prob\":0.25"), "%s", s);
   free(s);
 }
