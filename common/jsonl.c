@@ -16,7 +16,24 @@ static const char *const known[] = {"id", "input_ids", "input_features", "decode
                                     "num_return_sequences", "length_penalty", "early_stopping", "stop_token_ids",
                                     "logprobs", "forced_bos_token_id", "forced_eos_token_id", "ignore_eos",
                                     "text", "audio", "language", "task", "timestamps", "probe_token_id",
-                                    "probe_position"};
+                                    "probe_position", "temperature_increment_on_fallback",
+                                    "compression_ratio_threshold", "logprob_threshold", "no_speech_threshold",
+                                    "condition_on_previous_text"};
+
+/* A long-form setting: absent, null (off, where allowed) or a number. */
+static td_status opt_num(const cJSON *j, const char *key, bool off_ok, const char *src, td_opt_num *out) {
+  const cJSON *x = cJSON_GetObjectItemCaseSensitive(j, key);
+  if (!x) return TD_OK;
+  out->given = true;
+  if (off_ok && cJSON_IsNull(x)) {
+    out->off = true;
+    return TD_OK;
+  }
+  if (!cJSON_IsNumber(x) || !isfinite(x->valuedouble))
+    return td_err(TD_ERR_INVALID, "%s: \"%s\" must be a number%s", src, key, off_ok ? " or null (off)" : "");
+  out->v = x->valuedouble;
+  return TD_OK;
+}
 
 /* The bytes of a file a request line names (relative to base), at most max. */
 static td_status read_file(const char *field, const char *path, const char *base, const char *src, size_t max,
@@ -76,6 +93,20 @@ static td_status parse_text_audio(const cJSON *j, const char *base, const char *
   TD_TRY(td_json_bool(j, "timestamps", false, src, &r->timestamps));
   if (!r->audio && (r->language[0] || r->task[0] || r->timestamps))
     return td_err(TD_ERR_INVALID, "%s: \"language\", \"task\" and \"timestamps\" go with \"audio\"", src);
+  td_longform_settings *lf = &r->longform;
+  TD_TRY(opt_num(j, "temperature_increment_on_fallback", false, src, &lf->temperature_increment));
+  TD_TRY(opt_num(j, "compression_ratio_threshold", true, src, &lf->compression_ratio_threshold));
+  TD_TRY(opt_num(j, "logprob_threshold", true, src, &lf->logprob_threshold));
+  TD_TRY(opt_num(j, "no_speech_threshold", true, src, &lf->no_speech_threshold));
+  if (cJSON_GetObjectItemCaseSensitive(j, "condition_on_previous_text")) {
+    TD_TRY(td_json_bool(j, "condition_on_previous_text", true, src, &lf->condition_on_previous_text));
+    lf->condition_given = true;
+  }
+  bool any_lf = lf->temperature_increment.given || lf->compression_ratio_threshold.given ||
+                lf->logprob_threshold.given || lf->no_speech_threshold.given || lf->condition_given;
+  if (!r->audio && any_lf)
+    return td_err(TD_ERR_INVALID, "%s: the long-form settings (\"compression_ratio_threshold\", ...) go with \"audio\"",
+                  src);
   if (r->task[0] && strcmp(r->task, "transcribe") && strcmp(r->task, "translate"))
     return td_err(TD_ERR_INVALID, "%s: \"task\" must be \"transcribe\" or \"translate\"", src);
   return TD_OK;

@@ -42,6 +42,24 @@ typedef struct td_request_params {
 
 void td_request_params_default(td_request_params *p);
 
+/* An optional number: absent (the default applies), "none" (off), or a value. */
+typedef struct td_opt_num {
+  bool given, off;
+  double v;
+} td_opt_num;
+
+/* How audio longer than the model's window is transcribed (long-form, as
+ * transformers' generate; frontend/longform.h): absent fields take
+ * OpenAI whisper's defaults (common/defaults.h, TD_LONGFORM_*). */
+typedef struct td_longform_settings {
+  td_opt_num temperature_increment;       /* the fallback ladder's step above the temperature (0: none) */
+  td_opt_num compression_ratio_threshold; /* decode a window again above it */
+  td_opt_num logprob_threshold;           /* ... below it (average log-probability) */
+  td_opt_num no_speech_threshold;         /* skip a window above it (with the logprob threshold) */
+  bool condition_given;                   /* condition_on_previous_text given; else the default (yes) */
+  bool condition_on_previous_text;        /* the earlier windows' tokens as the prompt */
+} td_longform_settings;
+
 typedef enum td_finish { TD_FINISH_NONE, TD_FINISH_STOP, TD_FINISH_LENGTH, TD_FINISH_CANCELLED, TD_FINISH_ERROR } td_finish;
 const char *td_finish_name(td_finish f);
 

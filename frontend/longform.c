@@ -10,6 +10,8 @@
 
 #include <zlib.h>
 
+#include "common/defaults.h"
+
 #define TIME_PRECISION 0.02        /* seconds a timestamp token steps */
 #define FEATURE_PRECISION 0.01     /* seconds a mel frame spans (hop 160 at 16 kHz) */
 
@@ -95,6 +97,36 @@ td_status td_longform_check(const td_longform_opts *o) {
     return td_err(TD_ERR_INVALID,
                   "max_new_tokens %d: with the longest window prompt (%d tokens) it exceeds the model's %d positions",
                   need, longest, o->max_target_positions);
+  return TD_OK;
+}
+
+/* A threshold: its default, off, or the client's. */
+static void threshold(const td_opt_num *x, double dflt, bool *has, double *v) {
+  *has = !x->given || !x->off;
+  *v = x->given && !x->off ? x->v : dflt;
+}
+
+td_status td_longform_apply(const td_longform_settings *s, float temperature, td_longform_opts *o) {
+  double step = TD_LONGFORM_TEMPERATURE_STEP;
+  if (s->temperature_increment.given) step = s->temperature_increment.off ? 0 : s->temperature_increment.v;
+  if (!(step >= 0 && step <= 1))
+    return td_err(TD_ERR_INVALID, "temperature_increment_on_fallback: %g; in [0, 1] (0: no fallback)", step);
+  if (!(temperature >= 0 && temperature <= 1))
+    return td_err(TD_ERR_INVALID, "temperature: %g is outside [0, 1]", (double)temperature);
+  int n = 0;
+  for (double t = temperature; n == 0 || (step > 0 && t < 1.0 + 1e-6); t = temperature + step * n) {
+    if (n == TD_LONGFORM_MAX_TEMPERATURES)
+      return td_err(TD_ERR_INVALID,
+                    "temperature_increment_on_fallback: %g from temperature %g gives more than %d temperatures", step,
+                    (double)temperature, TD_LONGFORM_MAX_TEMPERATURES);
+    o->temperatures[n++] = (float)t;
+  }
+  o->n_temperatures = n;
+  threshold(&s->compression_ratio_threshold, TD_LONGFORM_COMPRESSION_RATIO, &o->has_compression_ratio_threshold,
+            &o->compression_ratio_threshold);
+  threshold(&s->logprob_threshold, TD_LONGFORM_LOGPROB, &o->has_logprob_threshold, &o->logprob_threshold);
+  threshold(&s->no_speech_threshold, TD_LONGFORM_NO_SPEECH, &o->has_no_speech_threshold, &o->no_speech_threshold);
+  o->condition_on_prev_tokens = s->condition_given ? s->condition_on_previous_text : true;
   return TD_OK;
 }
 

@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/request.h"
 #include "common/status.h"
 
 #define TD_LONGFORM_MAX_TEMPERATURES 16 /* the fallback ladder's rungs */
@@ -52,6 +53,12 @@ typedef struct td_longform_opts {
   bool condition_on_prev_tokens;        /* the earlier windows' tokens as the prompt */
   int max_new_tokens;                   /* a window's; 0: the positions its prompt leaves */
 } td_longform_opts;
+
+/* A client's settings into o: the temperatures from `temperature` up by the
+ * increment to 1 (OpenAI whisper's np.arange(t, 1 + 1e-6, step)), the
+ * thresholds and the conditioning, each absent one at its default
+ * (TD_LONGFORM_*). TD_ERR_INVALID names a setting out of range. */
+td_status td_longform_apply(const td_longform_settings *s, float temperature, td_longform_opts *o);
 
 /* Every option against its limit; TD_ERR_INVALID names the first one out
  * of range (the caller refuses the request with it, before any work). */

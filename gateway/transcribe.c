@@ -59,7 +59,7 @@ bool gw_audio_check(gw_audio_req *a, const gw_model *m, gw_error *e) {
   return true;
 }
 
-bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, gw_error *e) {
+bool gw_audio_prompt_ids(const gw_audio_req *a, const gw_model *m, td_i32vec *out, gw_error *e) {
   out->n = 0;
   if (a->prompt && a->prompt[0]) {
     if (m->startofprev < 0) BAD("prompt", "this tokenizer has no <|startofprev|>: prompt is not supported");
@@ -84,7 +84,7 @@ bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, g
       free(ids);
       BAD("prompt", "prompt: %zu tokens, at most %d for this model", n, room);
     }
-    if (td_i32vec_push(out, m->startofprev) != TD_OK || td_i32vec_reserve(out, out->n + (int)n + 4) != TD_OK) {
+    if (td_i32vec_reserve(out, out->n + (int)n + 5) != TD_OK) {
       free(ids);
       BAD("prompt", "out of memory");
     }
@@ -92,6 +92,23 @@ bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, g
     out->n += (int)n;
     free(ids);
   }
+  return true;
+}
+
+bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, gw_error *e) {
+  td_i32vec ids = {0};
+  if (!gw_audio_prompt_ids(a, m, &ids, e)) {
+    td_i32vec_free(&ids);
+    return false;
+  }
+  out->n = 0;
+  bool oom = ids.n && (td_i32vec_push(out, m->startofprev) != TD_OK || td_i32vec_reserve(out, ids.n + 5) != TD_OK);
+  if (!oom && ids.n) {
+    memcpy(out->v + out->n, ids.v, sizeof *ids.v * (size_t)ids.n);
+    out->n += ids.n;
+  }
+  td_i32vec_free(&ids);
+  if (oom) BAD("prompt", "out of memory");
   int32_t lid = gw_language_id(m, a->language[0] ? a->language : "en");
   if (lid < 0) BAD("language", "language '%s' is not one this model knows", a->language[0] ? a->language : "en");
   if (td_i32vec_push(out, m->sot) || td_i32vec_push(out, lid) ||
@@ -227,4 +244,94 @@ void gw_format_vtt(gw_buf *b, const gw_segment *s, int n) {
     gw_format_time(t1, sizeof t1, s[i].end, '.');
     gw_buf_printf(b, "%s --> %s\n%s\n\n", t0, t1, trimmed(s[i].text));
   }
+}
+
+/* ---------------------------------------------------------------- long-form */
+
+bool gw_opt_num_parse(const char *field, const char *v, bool off_ok, td_opt_num *out, gw_error *e) {
+  out->given = true;
+  out->off = false;
+  if (off_ok && (!strcmp(v, "none") || !strcmp(v, "null"))) {
+    out->off = true;
+    return true;
+  }
+  char *end;
+  out->v = strtod(v, &end);
+  if (end == v || *end || !isfinite(out->v))
+    BAD(field, "%s: a number%s", field, off_ok ? ", or \"none\" to turn it off" : "");
+  return true;
+}
+
+bool gw_longform_opts(const gw_audio_req *a, const gw_model *m, const td_i32vec *ids, td_longform_opts *o,
+                      gw_error *e) {
+  *o = (td_longform_opts){.window_frames = (int)td_mel_window_frames(m->mel), .input_stride = 2,
+                          .max_target_positions = m->max_target, .vocab_size = m->model_vocab ? m->model_vocab : m->vocab,
+                          .timestamp_begin = m->notimestamps + 1, .eos = m->eos, .no_speech = m->notimestamps - 1,
+                          .prev_sot = m->prev_sot, .prompt_ids = ids->v, .n_prompt_ids = ids->n};
+  int32_t lid = gw_language_id(m, a->language[0] ? a->language : "en");
+  if (lid < 0) BAD("language", "language '%s' is not one this model knows", a->language[0] ? a->language : "en");
+  o->init[0] = m->sot;
+  o->init[1] = lid;
+  o->init[2] = a->translate ? m->translate : m->transcribe;
+  o->n_init = 3;
+  if (td_longform_apply(&a->lf, a->has_temperature ? a->temperature : 0.0f, o) != TD_OK ||
+      td_longform_check(o) != TD_OK) {
+    /* the message starts with the field it is about */
+    static const char *const fields[] = {"temperature_increment_on_fallback", "temperature",
+                                         "compression_ratio_threshold", "logprob_threshold", "no_speech_threshold",
+                                         "prompt"};
+    const char *param = NULL;
+    for (size_t i = 0; i < sizeof fields / sizeof *fields && !param; i++)
+      if (!strncmp(td_errmsg(), fields[i], strlen(fields[i]))) param = fields[i];
+    BAD(param, "%s", td_errmsg());
+  }
+  return true;
+}
+
+td_status gw_longform_segments(const gw_model *m, const td_longform *lf, int32_t **tok, int *n_tok,
+                               gw_segment **segs, int *n_segs, char **text) {
+  *tok = NULL;
+  *segs = NULL;
+  *text = NULL;
+  *n_tok = *n_segs = 0;
+  int n;
+  const td_longform_segment *ls = td_longform_segments(lf, &n);
+  size_t total = 0;
+  for (int i = 0; i < n; i++) total += (size_t)ls[i].n_tokens;
+  int32_t *all = malloc(sizeof *all * (total + 1)), *plain = malloc(sizeof *plain * (total + 1));
+  gw_segment *s = calloc((size_t)n + 1, sizeof *s);
+  td_status st = all && plain && s ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
+  int at = 0, k = 0;
+  for (int i = 0; i < n && st == TD_OK; i++) {
+    memcpy(all + at, ls[i].tokens, sizeof *all * (size_t)ls[i].n_tokens);
+    int kk = 0;
+    for (int j = 0; j < ls[i].n_tokens; j++)
+      if (!is_ts(m, ls[i].tokens[j])) plain[k + kk++] = ls[i].tokens[j];
+    s[i] = (gw_segment){.start = ls[i].start, .end = ls[i].end, .first = at, .n_tokens = ls[i].n_tokens,
+                        .stats = true, .seek = ls[i].seek, .temperature = ls[i].temperature,
+                        .avg_logprob = ls[i].avg_logprob, .compression_ratio = ls[i].compression_ratio,
+                        .no_speech_prob = ls[i].no_speech_prob};
+    if (!(s[i].text = decode(m, plain + k, kk))) st = td_err_ctx(TD_ERR_INVALID, "decoding a segment: ");
+    at += ls[i].n_tokens;
+    k += kk;
+    *n_segs = i + 1;
+  }
+  if (st == TD_OK && !(*text = decode(m, plain, k))) st = td_err_ctx(TD_ERR_INVALID, "decoding the output: ");
+  free(plain);
+  if (st != TD_OK) {
+    gw_segments_free(s, *n_segs);
+    free(all);
+    *n_segs = 0;
+    return st;
+  }
+  /* the whole text without the leading space Whisper's first token carries, as OpenAI answers it */
+  size_t a = 0, z = strlen(*text);
+  while ((*text)[a] == ' ') a++;
+  while (z > a && ((*text)[z - 1] == ' ' || (*text)[z - 1] == '\n')) z--;
+  memmove(*text, *text + a, z - a);
+  (*text)[z - a] = 0;
+  *tok = all;
+  *n_tok = at;
+  *segs = s;
+  return TD_OK;
 }
