@@ -146,7 +146,7 @@
 #define TD_GATEWAY_MAX_STOP_BYTES 256          /* bytes of one stop string */
 #define TD_GATEWAY_MAX_TOKENS 65536            /* max_tokens beyond this is refused before the router sees it */
 #define TD_GATEWAY_DEFAULT_MAX_TOKENS 16       /* OpenAI's default max_tokens for completions */
-#define TD_GATEWAY_MAX_AUDIO_SECONDS 600.0     /* audio decoded at most (longer: 413); beyond the model's window:
+#define TD_GATEWAY_MAX_AUDIO_SECONDS 600.0     /* audio decoded at most (longer: 400); beyond the model's window:
                                                   long-form, its whole features held (counted in max_held_bytes) */
 /* Long-form transcription's defaults (docs/gateway.md): OpenAI whisper's
  * transcribe, the compression ratio as transformers computes it (zlib over

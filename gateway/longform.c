@@ -63,7 +63,6 @@ static bool run_window(gw_conn *c, const td_longform_window *w, gw_error *e) {
   p->logprobs = w->want_logprobs;
   p->timestamp_begin = m->notimestamps + 1;
   p->max_initial_timestamp = m->max_initial_timestamp;
-  p->forced_bos = p->forced_eos = -1;
   if (w->probe_position >= 0) {
     p->probe = true;
     p->probe_token = w->probe_token;
@@ -72,6 +71,8 @@ static bool run_window(gw_conn *c, const td_longform_window *w, gw_error *e) {
   c->prompt_tokens += w->n_prompt;
   /* each window has the request's time: the transcription as a whole has as many as it has windows */
   c->deadline_ms = td_now_ms() + gw_gateway_timeout_ms(c->g) + TD_GATEWAY_WAIT_GRACE_MS;
+  TD_DEBUG("gateway: %s: window %d sent (frame %d, temperature %.1f)", c->cid, w->index, w->seek,
+           (double)w->temperature);
   gw_io_submit(io, b);
   pthread_mutex_lock(&b->mu);
   bool timed_out = false;
@@ -108,8 +109,7 @@ static bool run_window(gw_conn *c, const td_longform_window *w, gw_error *e) {
       gw_error_set(e, 502, NULL, "window %d: %s", w->index, td_errmsg());
       ok = false;
     }
-    TD_DEBUG("gateway: %s: window %d (frame %d) at temperature %.1f: %d tokens", c->cid, w->index, w->seek,
-             (double)w->temperature, tok.n);
+    TD_DEBUG("gateway: %s: window %d done: %d tokens", c->cid, w->index, tok.n);
   }
   td_i32vec_free(&tok);
   td_f32vec_free(&lp);
