@@ -4,7 +4,8 @@
  * the shared link, so the windows of concurrent transcriptions are in
  * flight together and the decode workers batch them; the workers see
  * ordinary requests (features, a decoder prompt, the timestamp rules, a
- * probe for the no-speech probability). */
+ * probe for the no-speech probability). The form's options and the
+ * answer's segments are here too (pure, unit-tested). */
 #include <math.h>
 #include <poll.h>
 #include <stdio.h>
@@ -19,6 +20,94 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "gateway/internal.h"
+
+static char *decode(const gw_model *m, const int32_t *tok, int n) {
+  char *text = NULL;
+  size_t len = 0;
+  return td_tokenizer_decode(m->tok, tok, (size_t)n, true, &text, &len) == TD_OK ? text : NULL;
+}
+
+static bool is_ts(const gw_model *m, int32_t id) { return m->ts_begin >= 0 && id >= m->ts_begin; }
+
+#define BAD(param, ...)                      \
+  do {                                       \
+    gw_error_set(e, 400, param, __VA_ARGS__); \
+    return false;                            \
+  } while (0)
+
+bool gw_longform_opts(const gw_audio_req *a, const gw_model *m, const td_i32vec *ids, td_longform_opts *o,
+                      gw_error *e) {
+  *o = (td_longform_opts){.window_frames = (int)td_mel_window_frames(m->mel), .input_stride = 2,
+                          .max_target_positions = m->max_target, .vocab_size = m->model_vocab ? m->model_vocab : m->vocab,
+                          .timestamp_begin = m->notimestamps + 1, .eos = m->eos, .no_speech = m->notimestamps - 1,
+                          .prev_sot = m->prev_sot, .prompt_ids = ids->v, .n_prompt_ids = ids->n};
+  int32_t lid = gw_language_id(m, a->language[0] ? a->language : "en");
+  if (lid < 0) BAD("language", "language '%s' is not one this model knows", a->language[0] ? a->language : "en");
+  o->init[0] = m->sot;
+  o->init[1] = lid;
+  o->init[2] = a->translate ? m->translate : m->transcribe;
+  o->n_init = 3;
+  if (td_longform_apply(&a->lf, a->has_temperature ? a->temperature : 0.0f, o) != TD_OK ||
+      td_longform_check(o) != TD_OK) {
+    /* the message starts with the field it is about */
+    static const char *const fields[] = {"temperature_increment_on_fallback", "temperature",
+                                         "compression_ratio_threshold", "logprob_threshold", "no_speech_threshold",
+                                         "prompt"};
+    const char *param = NULL;
+    for (size_t i = 0; i < sizeof fields / sizeof *fields && !param; i++)
+      if (!strncmp(td_errmsg(), fields[i], strlen(fields[i]))) param = fields[i];
+    BAD(param, "%s", td_errmsg());
+  }
+  return true;
+}
+
+td_status gw_longform_segments(const gw_model *m, const td_longform *lf, int32_t **tok, int *n_tok,
+                               gw_segment **segs, int *n_segs, char **text) {
+  *tok = NULL;
+  *segs = NULL;
+  *text = NULL;
+  *n_tok = *n_segs = 0;
+  int n;
+  const td_longform_segment *ls = td_longform_segments(lf, &n);
+  size_t total = 0;
+  for (int i = 0; i < n; i++) total += (size_t)ls[i].n_tokens;
+  int32_t *all = malloc(sizeof *all * (total + 1)), *plain = malloc(sizeof *plain * (total + 1));
+  gw_segment *s = calloc((size_t)n + 1, sizeof *s);
+  td_status st = all && plain && s ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
+  int at = 0, k = 0;
+  for (int i = 0; i < n && st == TD_OK; i++) {
+    memcpy(all + at, ls[i].tokens, sizeof *all * (size_t)ls[i].n_tokens);
+    int kk = 0;
+    for (int j = 0; j < ls[i].n_tokens; j++)
+      if (!is_ts(m, ls[i].tokens[j])) plain[k + kk++] = ls[i].tokens[j];
+    s[i] = (gw_segment){.start = ls[i].start, .end = ls[i].end, .first = at, .n_tokens = ls[i].n_tokens,
+                        .stats = true, .seek = ls[i].seek, .temperature = ls[i].temperature,
+                        .avg_logprob = ls[i].avg_logprob, .compression_ratio = ls[i].compression_ratio,
+                        .no_speech_prob = ls[i].no_speech_prob};
+    if (!(s[i].text = decode(m, plain + k, kk))) st = td_err_ctx(TD_ERR_INVALID, "decoding a segment: ");
+    at += ls[i].n_tokens;
+    k += kk;
+    *n_segs = i + 1;
+  }
+  if (st == TD_OK && !(*text = decode(m, plain, k))) st = td_err_ctx(TD_ERR_INVALID, "decoding the output: ");
+  free(plain);
+  if (st != TD_OK) {
+    gw_segments_free(s, *n_segs);
+    free(all);
+    *n_segs = 0;
+    return st;
+  }
+  /* the whole text without the leading space Whisper's first token carries, as OpenAI answers it */
+  size_t a = 0, z = strlen(*text);
+  while ((*text)[a] == ' ') a++;
+  while (z > a && ((*text)[z - 1] == ' ' || (*text)[z - 1] == '\n')) z--;
+  memmove(*text, *text + a, z - a);
+  (*text)[z - a] = 0;
+  *tok = all;
+  *n_tok = at;
+  *segs = s;
+  return TD_OK;
+}
 
 /* The client closed its connection: nothing more is decoded for it. */
 static bool client_gone(struct MHD_Connection *mc) {

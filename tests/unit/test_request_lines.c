@@ -98,3 +98,22 @@ Test(request_lines, probe) {
   cr_expect(strstr(s, "\"probe_prob\":0.25"), "%s", s);
   free(s);
 }
+
+/* Long-form settings go with audio: numbers, null turns a threshold off. */
+Test(request_lines, longform_settings) {
+  td_json_request r;
+  const char *a = "{\"audio\": \"" WAV "\", \"temperature_increment_on_fallback\": 0, \"compression_ratio_threshold\": null,"
+                  " \"logprob_threshold\": -0.5, \"condition_on_previous_text\": false}";
+  cr_assert_eq(td_json_request_parse(a, strlen(a), NULL, 1, &r), TD_OK, "%s", td_errmsg());
+  const td_longform_settings *s = &r.longform;
+  cr_expect(s->temperature_increment.given && !s->temperature_increment.off && s->temperature_increment.v == 0);
+  cr_expect(s->compression_ratio_threshold.given && s->compression_ratio_threshold.off);
+  cr_expect(s->logprob_threshold.given && s->logprob_threshold.v == -0.5);
+  cr_expect(!s->no_speech_threshold.given);
+  cr_expect(s->condition_given && !s->condition_on_previous_text);
+  td_json_request_free(&r);
+  expect_bad("{\"input_ids\": [1], \"no_speech_threshold\": 0.5}", "go with \"audio\"");
+  expect_bad("{\"audio\": \"" WAV "\", \"logprob_threshold\": \"low\"}", "\"logprob_threshold\" must be a number or null");
+  expect_bad("{\"audio\": \"" WAV "\", \"temperature_increment_on_fallback\": null}", "must be a number");
+  expect_bad("{\"audio\": \"" WAV "\", \"condition_on_previous_text\": 1}", "condition_on_previous_text");
+}
