@@ -11,7 +11,8 @@
         The random tiny Whisper (default: tests/data/whisper-tiny, a window of
         64 frames) on 300 frames of synthetic features -> DIR/longform_reference.json,
         which test_longform_engine compares with td_longform driving the engine:
-        many timestamps, pairs and seeks the toy never predicts.
+        windows that fill their positions, the previous tokens cut to the
+        prompt's room, segments ending at a timestamp past the window.
 
 Run from the repository root where torch and transformers are installed (the
 GPU machine's image), on the CPU in float32; nothing is downloaded. Each case
