@@ -86,8 +86,11 @@ static td_status seq_grow(td_engine *e, seq *s, int chunk) {
  * `width` copies of the prompt row when it forks into samples. */
 static int group_sample_rows(const group *g) { return !g->forked && !g->beam ? g->width : g->n_s; }
 
-/* The probe's row has not run yet (it runs with the prompt, once). */
-static bool probe_pending(const group *g) { return g->p.probe && !g->probe_done && !g->forked; }
+/* The probe's row has not run yet (it runs with the prompt, once, where the
+ * request decodes: encoder and prefill work leaves it alone). */
+static bool probe_pending(const group *g) {
+  return g->p.probe && !g->probe_done && !g->forked && !g->prefill_only && !g->encode_only;
+}
 
 /* Plans chunk sizes for a group; returns false when it does not fit now.
  * A group alone in a step always fits: admission keeps its width within
