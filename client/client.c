@@ -148,6 +148,12 @@ td_status td_client_generate(td_client *c, const td_json_request *r, bool stream
   sp.forced_bos_token_id = q->forced_bos;
   sp.set_forced_eos = q->forced_eos != -2;
   sp.forced_eos_token_id = q->forced_eos;
+  sp.timestamp_begin = q->timestamp_begin;
+  sp.has_max_initial_timestamp = q->timestamp_begin > 0 && q->max_initial_timestamp >= 0;
+  sp.max_initial_timestamp_index = sp.has_max_initial_timestamp ? q->max_initial_timestamp : 0;
+  sp.probe = q->probe;
+  sp.probe_token_id = q->probe_token;
+  sp.probe_position = q->probe && q->probe_position > 0 ? (uint32_t)q->probe_position : 0;
   Tandem__AudioFeatures af = TANDEM__AUDIO_FEATURES__INIT;
   Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
   g.request_id = (char *)r->id;
@@ -305,7 +311,8 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
         Tandem__SequenceOutput *o = g->outputs[i];
         outs[n] = (td_seq_output){.tokens = o->tokens, .n_tokens = (int)o->n_tokens,
                                   .logprobs = o->n_logprobs ? o->logprobs : NULL, .score = o->score,
-                                  .finish = finish_of(o->finish_reason), .text = o->has_text ? o->text : NULL};
+                                  .finish = finish_of(o->finish_reason), .text = o->has_text ? o->text : NULL,
+                                  .has_probe = o->has_probe_prob, .probe_prob = o->probe_prob};
         if (o->has_segments && (segs[n] = calloc(o->n_segments + 1, sizeof **segs))) {
           for (size_t k = 0; k < o->n_segments; k++)
             segs[n][k] = (td_text_segment){.start = o->segments[k]->start, .end = o->segments[k]->end,

@@ -66,7 +66,7 @@
  * bound what one request costs it (docs/frontend.md). */
 #define TD_MAX_TEXT_BYTES (64u << 10)    /* a request's text (a few ms to tokenize; models take <= 1-4k tokens) */
 #define TD_MAX_AUDIO_BYTES (16u << 20)   /* a request's audio file (30 s of 48 kHz stereo 32-bit WAV: 11.5 MB) */
-#define TD_MAX_AUDIO_SECONDS 30.0        /* one Whisper window; long-form audio is not supported yet */
+#define TD_MAX_AUDIO_SECONDS 30.0        /* one Whisper window (long-form runs in the gateway and tandem-generate) */
 #define TD_MAX_LANGUAGE_BYTES 31         /* a request's Whisper language code */
 
 /* ---- workers and groups ---- */
@@ -146,7 +146,16 @@
 #define TD_GATEWAY_MAX_STOP_BYTES 256          /* bytes of one stop string */
 #define TD_GATEWAY_MAX_TOKENS 65536            /* max_tokens beyond this is refused before the router sees it */
 #define TD_GATEWAY_DEFAULT_MAX_TOKENS 16       /* OpenAI's default max_tokens for completions */
-#define TD_GATEWAY_MAX_AUDIO_SECONDS 600.0     /* audio decoded at most (longer: 413); beyond the model's window: 400 */
+#define TD_GATEWAY_MAX_AUDIO_SECONDS 600.0     /* audio decoded at most (longer: 400); beyond the model's window:
+                                                  long-form, its whole features held (counted in max_held_bytes) */
+/* Long-form transcription's defaults (docs/gateway.md): OpenAI whisper's
+ * transcribe, the compression ratio as transformers computes it (zlib over
+ * token ids, where whisper's 2.4 is over text). */
+#define TD_LONGFORM_TEMPERATURE_STEP 0.2       /* temperature_increment_on_fallback: 0, 0.2, ... 1.0 */
+#define TD_LONGFORM_COMPRESSION_RATIO 1.35     /* compression_ratio_threshold (transformers' documented value) */
+#define TD_LONGFORM_LOGPROB -1.0               /* logprob_threshold */
+#define TD_LONGFORM_NO_SPEECH 0.6              /* no_speech_threshold */
+#define TD_LONGFORM_SAMPLE_TOP_K 50            /* a sampled window's top-k: transformers' GenerationConfig default */
 #define TD_GATEWAY_STREAM_INTERVAL_MS 5         /* a stream's events after the first come at most this often (docs/gateway.md) */
 #define TD_GATEWAY_IO_POLL_MS 20               /* the router link's poll while requests are in flight (new work
                                                   wakes it at once: gateway/io.c) */

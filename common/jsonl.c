@@ -15,7 +15,25 @@ static const char *const known[] = {"id", "input_ids", "input_features", "decode
                                     "temperature", "top_k", "top_p", "seed", "n", "num_beams",
                                     "num_return_sequences", "length_penalty", "early_stopping", "stop_token_ids",
                                     "logprobs", "forced_bos_token_id", "forced_eos_token_id", "ignore_eos",
-                                    "text", "audio", "language", "task", "timestamps"};
+                                    "text", "audio", "language", "task", "timestamps", "probe_token_id",
+                                    "probe_position", "temperature_increment_on_fallback",
+                                    "compression_ratio_threshold", "logprob_threshold", "no_speech_threshold",
+                                    "condition_on_previous_text"};
+
+/* A long-form setting: absent, null (off, where allowed) or a number. */
+static td_status opt_num(const cJSON *j, const char *key, bool off_ok, const char *src, td_opt_num *out) {
+  const cJSON *x = cJSON_GetObjectItemCaseSensitive(j, key);
+  if (!x) return TD_OK;
+  out->given = true;
+  if (off_ok && cJSON_IsNull(x)) {
+    out->off = true;
+    return TD_OK;
+  }
+  if (!cJSON_IsNumber(x) || !isfinite(x->valuedouble))
+    return td_err(TD_ERR_INVALID, "%s: \"%s\" must be a number%s", src, key, off_ok ? " or null (off)" : "");
+  out->v = x->valuedouble;
+  return TD_OK;
+}
 
 /* The bytes of a file a request line names (relative to base), at most max. */
 static td_status read_file(const char *field, const char *path, const char *base, const char *src, size_t max,
@@ -75,6 +93,20 @@ static td_status parse_text_audio(const cJSON *j, const char *base, const char *
   TD_TRY(td_json_bool(j, "timestamps", false, src, &r->timestamps));
   if (!r->audio && (r->language[0] || r->task[0] || r->timestamps))
     return td_err(TD_ERR_INVALID, "%s: \"language\", \"task\" and \"timestamps\" go with \"audio\"", src);
+  td_longform_settings *lf = &r->longform;
+  TD_TRY(opt_num(j, "temperature_increment_on_fallback", false, src, &lf->temperature_increment));
+  TD_TRY(opt_num(j, "compression_ratio_threshold", true, src, &lf->compression_ratio_threshold));
+  TD_TRY(opt_num(j, "logprob_threshold", true, src, &lf->logprob_threshold));
+  TD_TRY(opt_num(j, "no_speech_threshold", true, src, &lf->no_speech_threshold));
+  if (cJSON_GetObjectItemCaseSensitive(j, "condition_on_previous_text")) {
+    TD_TRY(td_json_bool(j, "condition_on_previous_text", true, src, &lf->condition_on_previous_text));
+    lf->condition_given = true;
+  }
+  bool any_lf = lf->temperature_increment.given || lf->compression_ratio_threshold.given ||
+                lf->logprob_threshold.given || lf->no_speech_threshold.given || lf->condition_given;
+  if (!r->audio && any_lf)
+    return td_err(TD_ERR_INVALID, "%s: the long-form settings (\"compression_ratio_threshold\", ...) go with \"audio\"",
+                  src);
   if (r->task[0] && strcmp(r->task, "transcribe") && strcmp(r->task, "translate"))
     return td_err(TD_ERR_INVALID, "%s: \"task\" must be \"transcribe\" or \"translate\"", src);
   return TD_OK;
@@ -155,6 +187,20 @@ static td_status parse_obj(const cJSON *j, const char *base, const char *src, td
       return td_err(TD_ERR_INVALID, "%s: \"early_stopping\" must be true, false or \"never\"", src);
   }
   TD_TRY(td_json_bool(j, "logprobs", false, src, &p->logprobs));
+  /* a probe: the probability of a token after a decoder prompt position */
+  bool has_tok = cJSON_GetObjectItemCaseSensitive(j, "probe_token_id") != NULL,
+       has_pos = cJSON_GetObjectItemCaseSensitive(j, "probe_position") != NULL;
+  if (has_tok != has_pos)
+    return td_err(TD_ERR_INVALID, "%s: \"probe_token_id\" and \"probe_position\" go together", src);
+  if (has_tok) {
+    TD_TRY(td_json_i32(j, "probe_token_id", true, src, &p->probe_token));
+    v32 = 0;
+    TD_TRY(td_json_i32(j, "probe_position", true, src, &v32));
+    if (p->probe_token < 0 || v32 < 0)
+      return td_err(TD_ERR_INVALID, "%s: \"probe_token_id\" and \"probe_position\" must be at least 0", src);
+    p->probe_position = v32;
+    p->probe = true;
+  }
   TD_TRY(td_json_bool(j, "ignore_eos", false, src, &p->ignore_eos));
   const char *forced[2] = {"forced_bos_token_id", "forced_eos_token_id"};
   int *dst[2] = {&p->forced_bos, &p->forced_eos};
@@ -234,6 +280,7 @@ char *td_json_result_format(const char *id, const td_seq_output *outputs, int n_
     }
     cJSON_AddStringToObject(e, "finish_reason", td_finish_name(so->finish));
     cJSON_AddNumberToObject(e, "score", so->score);
+    if (so->has_probe) cJSON_AddNumberToObject(e, "probe_prob", so->probe_prob);
     if (so->logprobs) {
       cJSON *lp = cJSON_AddArrayToObject(e, "logprobs");
       for (int t = 0; t < so->n_tokens; t++) cJSON_AddItemToArray(lp, cJSON_CreateNumber(so->logprobs[t]));

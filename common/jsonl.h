@@ -27,6 +27,9 @@ typedef struct td_json_request {
   char language[TD_MAX_LANGUAGE_BYTES + 1]; /* "language" (audio): Whisper's code, "" for the default */
   char task[16];         /* "task" (audio): "transcribe" or "translate", "" for the default */
   bool timestamps;       /* "timestamps" (audio) */
+  td_longform_settings longform; /* audio past the model's window: "temperature_increment_on_fallback",
+                                    "compression_ratio_threshold", "logprob_threshold", "no_speech_threshold"
+                                    (a number, or null: off), "condition_on_previous_text" */
   td_request_params params;
 } td_json_request;
 

@@ -32,9 +32,33 @@ typedef struct td_request_params {
   int forced_eos;         /* -2: generation_config; -1: none; else the id */
   bool ignore_eos;        /* do not stop on the model's EOS ids */
   bool all_logits;        /* keep the logits of every decoder position (greedy, n = 1) */
+  /* The probability (softmax of the raw logits) of probe_token as the token
+   * after decoder prompt position probe_position; the outputs carry it.
+   * Whisper's no-speech probability: <|nospeech|> after <|startoftranscript|>. */
+  bool probe;
+  int32_t probe_token;
+  int probe_position;
 } td_request_params;
 
 void td_request_params_default(td_request_params *p);
+
+/* An optional number: absent (the default applies), "none" (off), or a value. */
+typedef struct td_opt_num {
+  bool given, off;
+  double v;
+} td_opt_num;
+
+/* How audio longer than the model's window is transcribed (long-form, as
+ * transformers' generate; frontend/longform.h): absent fields take
+ * OpenAI whisper's defaults (common/defaults.h, TD_LONGFORM_*). */
+typedef struct td_longform_settings {
+  td_opt_num temperature_increment;       /* the fallback ladder's step above the temperature (0: none) */
+  td_opt_num compression_ratio_threshold; /* decode a window again above it */
+  td_opt_num logprob_threshold;           /* ... below it (average log-probability) */
+  td_opt_num no_speech_threshold;         /* skip a window above it (with the logprob threshold) */
+  bool condition_given;                   /* condition_on_previous_text given; else the default (yes) */
+  bool condition_on_previous_text;        /* the earlier windows' tokens as the prompt */
+} td_longform_settings;
 
 typedef enum td_finish { TD_FINISH_NONE, TD_FINISH_STOP, TD_FINISH_LENGTH, TD_FINISH_CANCELLED, TD_FINISH_ERROR } td_finish;
 const char *td_finish_name(td_finish f);
@@ -55,6 +79,8 @@ typedef struct td_seq_output {
   const char *text;        /* decoded text (special tokens skipped) where a tokenizer ran; else NULL */
   const td_text_segment *segments; /* audio with timestamps: its segments (n_segments); else NULL */
   int n_segments;
+  bool has_probe;          /* the request's probe (td_request_params.probe), the same in every output */
+  double probe_prob;
 } td_seq_output;
 
 #endif

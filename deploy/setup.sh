@@ -15,6 +15,7 @@ packages=(
   libopenblas-dev                                                 # CPU GEMM
   libcjson-dev uthash-dev libxxhash-dev                           # JSON, hash tables, hashing
   libsndfile1-dev libsoxr-dev libkissfft-dev                      # audio: decoding, resampling, FFT
+  zlib1g-dev                                                      # long-form audio: transformers' compression ratio
   libpcre2-dev libutf8proc-dev libsentencepiece-dev               # tokenizers
   libmicrohttpd-dev libcurl4-openssl-dev curl                     # gateway (HTTP server), bench-serve --gateway, its test
   openssh-server iproute2 util-linux                              # cluster.sh over ssh; its test: sshd in network namespaces (ip, unshare)

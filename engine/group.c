@@ -104,6 +104,10 @@ void eng_group_finish(td_engine *e, group *g, td_status status, const char *erro
       error = "out of memory";
     } else {
       n = g->beam ? eng_beam_outputs(e, g, outs) : sample_outputs(g, outs);
+      for (int i = 0; i < n && g->probe_done; i++) {
+        outs[i].has_probe = true;
+        outs[i].probe_prob = g->probe_prob;
+      }
     }
   }
   td_result r = {.handle = g->handle, .id = g->id, .user = g->user, .status = status, .error = error,

@@ -72,9 +72,13 @@ typedef struct group {
   bool hashed, hit;
   uint64_t key_hash;
   uint32_t step_offset;
+  /* the probe (td_request_params.probe): its value once its row ran */
+  bool probe_done;
+  double probe_prob;
   /* per step */
   bool scheduled, completes;
   int row0; /* completes: its first row of the ordered sample rows (order_rows) */
+  int probe_x; /* the probe's row this step: -1 none, -2 its sample row, else its extra row */
   UT_hash_handle hh;
 } group;
 
@@ -95,7 +99,7 @@ typedef struct row_use {
 typedef struct eng_batch {
   int n_tok, n_seq;  /* query rows and sequences */
   int n_rows;        /* sample rows: the last query row of completing sequences */
-  int n_extra;       /* all_logits rows besides the sample rows */
+  int n_extra;       /* all_logits and probe rows besides the sample rows */
   int n_sched;       /* groups in the step */
   int n_samp, k;     /* ordered: n_samp sampled rows, then beam rows of top-k width k */
   /* model input: [max_step_tokens] */

@@ -86,6 +86,12 @@ static td_status seq_grow(td_engine *e, seq *s, int chunk) {
  * `width` copies of the prompt row when it forks into samples. */
 static int group_sample_rows(const group *g) { return !g->forked && !g->beam ? g->width : g->n_s; }
 
+/* The probe's row has not run yet (it runs with the prompt, once, where the
+ * request decodes: encoder and prefill work leaves it alone). */
+static bool probe_pending(const group *g) {
+  return g->p.probe && !g->probe_done && !g->forked && !g->prefill_only && !g->encode_only;
+}
+
 /* Plans chunk sizes for a group; returns false when it does not fit now.
  * A group alone in a step always fits: admission keeps its width within
  * the step's sequences, tokens and logit rows. */
@@ -105,10 +111,16 @@ static bool plan_group(td_engine *e, group *g, int tok_left, int seq_left, int r
     int rem = s->tok.n - s->n_computed;
     int chunk = rem < tok_left ? rem : tok_left;
     if (g->p.all_logits && chunk > row_left - 1) chunk = row_left - 1;
+    int pp = probe_pending(g) ? g->p.probe_position - s->n_computed : -1; /* in this chunk when >= 0 */
+    /* a probe inside a completing chunk takes a row beside the sample rows:
+     * short of rows, the chunk ends at the probe and the rest runs next step */
+    if (pp >= 0 && pp < chunk - 1 && chunk == rem && group_sample_rows(g) + 1 > row_left) chunk = pp + 1;
     if (chunk <= 0) return false;
     chunks[0] = chunk;
     *completes = chunk == rem;
-    if (*completes && group_sample_rows(g) > row_left - (g->p.all_logits ? chunk - 1 : 0)) return false;
+    int probe_rows = pp >= 0 && pp < chunk && !(*completes && pp == chunk - 1);
+    if (*completes && group_sample_rows(g) + probe_rows > row_left - (g->p.all_logits ? chunk - 1 : 0)) return false;
+    if (probe_rows > row_left) return false;
     return true;
   }
   if (total <= tok_left && g->n_s <= row_left) {
@@ -167,6 +179,16 @@ static td_status add_group(td_engine *e, group *g, bool completes) {
     bt->ctx[bt->n_seq] = s->n_computed + chunks[i];
     bt->clen[bt->n_seq] = g->enc_len;
     memcpy(bt->ctab + (size_t)bt->n_seq * e->cross_stride, g->cross.v, sizeof(int32_t) * (size_t)g->cross.n);
+    int pp = probe_pending(g) ? g->p.probe_position - s->n_computed : -1;
+    if (pp >= 0 && pp < chunks[i]) {
+      if (completes && pp == chunks[i] - 1) {
+        g->probe_x = -2; /* the sample row: its logits before sampling */
+      } else {
+        g->probe_x = bt->n_extra;
+        bt->extra_rows[bt->n_extra] = bt->n_tok + pp;
+        bt->extra_group[bt->n_extra++] = g;
+      }
+    }
     if (g->p.all_logits) {
       int keep = chunks[i] - (completes ? 1 : 0);
       for (int t = 0; t < keep; t++) {
@@ -205,6 +227,7 @@ td_status eng_schedule(td_engine *e) {
   for (int gi = 0; gi < e->run.n && bt->n_sched < S; gi++) {
     group *g = e->run.v[gi];
     g->scheduled = g->completes = false;
+    g->probe_x = -1;
     bool completes = false;
     if (!plan_group(e, g, T - bt->n_tok, S - bt->n_seq, R - bt->n_rows - bt->n_extra, bt->chunks, &completes)) break;
     int need = 0;

@@ -2,6 +2,7 @@
  * that schedule.c builds: the model run, all_logits kept, sampling, and
  * each group's results applied (tokens appended, samples forked, beams
  * advanced, finished requests reported). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +71,24 @@ static td_status keep_all_logits(td_engine *e, const float *logits) {
       }
     if (cnt) TD_TRY(keep_logits(e, g, logits, first, cnt));
     if (g->completes) TD_TRY(keep_logits(e, g, logits, g->row0, 1));
+  }
+  return TD_OK;
+}
+
+/* Probes whose row ran this step: softmax of the raw row at the probe's token. */
+static td_status keep_probes(td_engine *e, const float *logits) {
+  const eng_batch *bt = &e->batch;
+  for (int i = 0; i < bt->n_sched; i++) {
+    group *g = bt->sched[i];
+    if (g->probe_x == -1) continue;
+    int row = g->probe_x == -2 ? g->row0 : bt->n_rows + g->probe_x;
+    float *x = e->smp.h_logits;
+    TD_TRY(td_download(e->b, TD_BUF_F32, logits + (size_t)row * e->V, x, (size_t)e->V));
+    double mx = -INFINITY, sum = 0.0;
+    for (int j = 0; j < e->V; j++) mx = x[j] > mx ? x[j] : mx;
+    for (int j = 0; j < e->V; j++) sum += exp((double)x[j] - mx);
+    g->probe_prob = exp((double)x[g->p.probe_token] - mx) / sum;
+    g->probe_done = true;
   }
   return TD_OK;
 }
@@ -160,6 +179,7 @@ td_status td_engine_step(td_engine *e) {
   td_status s = run_model(e, &lg);
   float *logits = (float *)lg; /* sampling processes the rows in place */
   if (s == TD_OK) s = keep_all_logits(e, logits);
+  if (s == TD_OK) s = keep_probes(e, logits);
   if (s == TD_OK) s = eng_sample(e, logits);
   if (s != TD_OK) {
     /* the step's requests fail; the engine goes on */

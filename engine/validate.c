@@ -110,6 +110,24 @@ td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a) {
   if (p->all_logits && e->max_rows < 2)
     return td_err(TD_ERR_INVALID, "request %s: all logits need 2 logit rows a step; this engine has %d (max_logits)",
                   id, e->max_rows);
+  if (p->probe && !r->encode_only && !r->prefill_only) {
+    /* encoder and prefill work leaves the probe to the worker that decodes */
+    if (p->probe_token < 0 || p->probe_token >= c->vocab_size)
+      return td_err(TD_ERR_INVALID, "request %s: probe token %d is outside the vocabulary of %d", id, p->probe_token,
+                    c->vocab_size);
+    if (p->probe_position < 0 || p->probe_position >= a->n_prompt)
+      return td_err(TD_ERR_INVALID, "request %s: probe position %d is outside the decoder prompt of %d tokens", id,
+                    p->probe_position, a->n_prompt);
+    if (r->self_blocks && p->probe_position < r->n_computed)
+      return td_err(TD_ERR_INVALID,
+                    "request %s: probe position %d was prefilled elsewhere (%d prompt tokens came computed)", id,
+                    p->probe_position, r->n_computed);
+    if (p->all_logits)
+      return td_err(TD_ERR_INVALID, "request %s: a probe and all logits: one or the other", id);
+    if (e->max_rows < 2)
+      return td_err(TD_ERR_INVALID, "request %s: a probe needs 2 logit rows a step; this engine has %d (max_logits)",
+                    id, e->max_rows);
+  }
   if (a->beam && 2 * p->num_beams > e->smp.max_k)
     return td_err(TD_ERR_INVALID,
                   "request %s: num_beams %d: at most %d (2 x num_beams candidates from a vocabulary of %d)", id,

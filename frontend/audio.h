@@ -107,8 +107,8 @@ td_status td_mel_whole(const td_mel *m, const float *samples, size_t n, float *o
 /* A request's audio file (data, len bytes; name labels it in messages) as
  * the model's input: decoded, resampled, and the features of its one window
  * into *out ([n_mels][window frames], malloc'ed, *n floats). Audio longer
- * than the window (or TD_MAX_AUDIO_SECONDS) is refused: long-form
- * transcription is not supported yet. */
+ * than the window (or TD_MAX_AUDIO_SECONDS) is refused, naming where
+ * long-form transcription runs (frontend/longform.h's callers). */
 td_status td_mel_features_from_audio(const td_mel *m, const void *data, size_t len, const char *name, float **out,
                                      size_t *n);
 

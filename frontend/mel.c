@@ -211,8 +211,8 @@ td_status td_mel_features_from_audio(const td_mel *m, const void *data, size_t l
     if (!strstr(td_errmsg(), "s of audio")) return s;
     char why[512];
     snprintf(why, sizeof why, "%s", td_errmsg());
-    return td_err(s, "%s: the model's window is %.1f s; longer audio (long-form transcription) is not supported yet",
-                  why, window_s);
+    return td_err(s, "%s: the model's window is %.1f s; longer audio is transcribed long-form by tandem-gateway "
+                  "(/v1/audio/transcriptions) and tandem-generate, window after window", why, window_s);
   }
   size_t count = (size_t)td_mel_n_mels(m) * td_mel_window_frames(m);
   float *v = malloc(sizeof *v * count);

@@ -109,6 +109,12 @@ const int32_t *td_whisper_languages(const td_whisper_prompt *w, int *n);
  * max_initial_timestamp_index (-1 when it names none). */
 void td_whisper_timestamp_rules(const td_whisper_prompt *w, int32_t *begin, int *max_initial);
 
+/* What long-form transcription puts before the earlier windows' tokens:
+ * generation_config.json's prev_sot_token_id, else the tokenizer's
+ * <|startofprev|> (-1: neither; transformers falls back to the second-to-last
+ * suppressed token, which is <|startofprev|> in the checkpoints that have one). */
+int32_t td_whisper_prev_sot(const td_whisper_prompt *w);
+
 /* A stretch of transcription between two timestamps. */
 typedef struct td_whisper_segment {
   double start, end; /* seconds */

@@ -25,6 +25,7 @@ struct td_whisper_prompt {
   int n_all_langs;
   char task[16];     /* the default task */
   int max_initial;   /* generation_config's max_initial_timestamp_index, -1 when none */
+  int32_t prev_sot;  /* generation_config's prev_sot_token_id, else <|startofprev|>, else -1 */
 };
 
 void td_whisper_prompt_destroy(td_whisper_prompt *w) {
@@ -94,6 +95,7 @@ static td_status read_config(td_whisper_prompt *w, const char *dir) {
   if (s == TD_OK && cJSON_IsString(lang) && !lang_token(lang->valuestring, w->language, sizeof w->language))
     s = td_err(TD_ERR_FORMAT, "%s: language \"%s\" is not a language code", path, lang->valuestring);
   if (s == TD_OK) s = opt_id(j, "max_initial_timestamp_index", path, &w->max_initial);
+  if (s == TD_OK) s = opt_id(j, "prev_sot_token_id", path, &w->prev_sot);
   const cJSON *task = cJSON_GetObjectItemCaseSensitive(j, "task");
   if (s == TD_OK && cJSON_IsString(task)) snprintf(w->task, sizeof w->task, "%s", task->valuestring);
   cJSON_Delete(j);
@@ -111,6 +113,7 @@ td_status td_whisper_prompt_load(const char *dir, const td_tokenizer *t, td_whis
   w->no_ts = td_tokenizer_token_to_id(t, "<|notimestamps|>");
   w->multilingual = w->transcribe >= 0 && td_tokenizer_token_to_id(t, "<|en|>") >= 0;
   w->max_initial = -1;
+  w->prev_sot = td_tokenizer_token_to_id(t, "<|startofprev|>");
   td_status s = read_config(w, dir);
   if (s == TD_OK && (td_tokenizer_token_to_id(t, "<|startoftranscript|>") < 0 || w->sot < 0))
     s = td_err(TD_ERR_FORMAT, "%s: not a Whisper tokenizer (no <|startoftranscript|> token)", dir);
@@ -197,6 +200,8 @@ void td_whisper_timestamp_rules(const td_whisper_prompt *w, int32_t *begin, int 
   *begin = w->no_ts >= 0 ? w->no_ts + 1 : 0;
   *max_initial = w->max_initial;
 }
+
+int32_t td_whisper_prev_sot(const td_whisper_prompt *w) { return w->prev_sot; }
 
 void td_whisper_segments_free(td_whisper_segment *s, size_t n) {
   for (size_t i = 0; s && i < n; i++) free(s[i].text);

@@ -36,6 +36,17 @@ const gw_model *gw_gateway_model(const td_gateway *g) { return &g->m; }
 gw_io *gw_gateway_io(const td_gateway *g) { return g->io; }
 uint32_t gw_gateway_timeout_ms(const td_gateway *g) { return g->o.request_timeout_ms; }
 double gw_gateway_max_audio_seconds(const td_gateway *g) { return g->o.max_audio_seconds; }
+
+bool gw_gateway_hold(td_gateway *g, size_t bytes) {
+  if (atomic_fetch_add(&g->held, bytes) + bytes > g->o.max_held_bytes) {
+    atomic_fetch_sub(&g->held, bytes);
+    return false;
+  }
+  return true;
+}
+
+void gw_gateway_release(td_gateway *g, size_t bytes) { atomic_fetch_sub(&g->held, bytes); }
+size_t gw_gateway_max_held_bytes(const td_gateway *g) { return g->o.max_held_bytes; }
 int gw_gateway_stream_interval_ms(const td_gateway *g) { return g->o.stream_interval_ms > 0 ? g->o.stream_interval_ms : 0; }
 int td_gateway_port(const td_gateway *g) { return g->port; }
 gw_metrics *gw_gateway_metrics(const td_gateway *g) { return g->metrics; }
@@ -158,6 +169,18 @@ static void field_done(gw_conn *c) {
   } else if (!strcmp(k, "stream")) {
     if (strcmp(v, "true") && strcmp(v, "false")) gw_error_set(&c->err, 400, k, "stream: true or false");
     a->stream = !strcmp(v, "true");
+  } else if (!strcmp(k, "temperature_increment_on_fallback")) {
+    gw_opt_num_parse(k, v, false, &a->lf.temperature_increment, &c->err);
+  } else if (!strcmp(k, "compression_ratio_threshold")) {
+    gw_opt_num_parse(k, v, true, &a->lf.compression_ratio_threshold, &c->err);
+  } else if (!strcmp(k, "logprob_threshold")) {
+    gw_opt_num_parse(k, v, true, &a->lf.logprob_threshold, &c->err);
+  } else if (!strcmp(k, "no_speech_threshold")) {
+    gw_opt_num_parse(k, v, true, &a->lf.no_speech_threshold, &c->err);
+  } else if (!strcmp(k, "condition_on_previous_text")) {
+    if (strcmp(v, "true") && strcmp(v, "false")) gw_error_set(&c->err, 400, k, "condition_on_previous_text: true or false");
+    a->lf.condition_on_previous_text = !strcmp(v, "true");
+    a->lf.condition_given = true;
   } else if (!strcmp(k, "timestamp_granularities[]") || !strcmp(k, "timestamp_granularities")) {
     if (!strcmp(v, "segment"))
       a->seg_timestamps = true;
@@ -384,7 +407,7 @@ static void completed(void *cls, struct MHD_Connection *mc, void **con_cls, enum
   if (!c) return;
   *con_cls = NULL;
   if (c->pp) MHD_destroy_post_processor(c->pp);
-  int generated = 0;
+  int generated = c->generated; /* long-form: every window's tokens */
   for (int i = 0; i < c->n_ch; i++) generated += c->ch[i].t.n_tokens;
   /* a stream cut by the client counts as the status it started with */
   gw_metrics_request(g->metrics, gw_route_name(c->route), c->status, (double)(td_now_ms() - c->arrived_ms) / 1e3,

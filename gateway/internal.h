@@ -16,6 +16,7 @@
 #include "common/jsonl.h"
 #include "common/vec.h"
 #include "frontend/audio.h"
+#include "frontend/longform.h"
 #include "frontend/tokenizer.h"
 
 /* ---- a growable string ---- */
@@ -35,12 +36,15 @@ typedef struct gw_model {
   char name[128];
   td_tokenizer *tok;
   int32_t vocab, eos;
+  int32_t model_vocab; /* config.json's vocab_size (0: not given) */
   /* Whisper */
   bool whisper;
   td_mel *mel;
   size_t window_samples;
   int max_target; /* decoder positions (0: unknown) */
   int32_t sot, translate, transcribe, notimestamps, startofprev, ts_begin;
+  int max_initial_timestamp; /* generation_config.json's max_initial_timestamp_index; -1: none */
+  int32_t prev_sot; /* before earlier text: generation_config.json's prev_sot_token_id, else <|startofprev|> */
   void *lang_to_id; /* generation_config.json's lang_to_id (a cJSON object), NULL when absent */
 } gw_model;
 
@@ -119,18 +123,28 @@ typedef struct gw_audio_req {
   bool has_temperature, stream, seg_timestamps, word_timestamps;
   gw_format format;
   char bad_field[64];     /* a field this endpoint does not know */
+  td_longform_settings lf; /* audio past the window */
 } gw_audio_req;
 
 /* Checks the form fields (after upload); false with *e filled. */
 bool gw_audio_check(gw_audio_req *a, const gw_model *m, gw_error *e);
+/* A number form field: a number, or "none" when off_ok; false with *e filled. */
+bool gw_opt_num_parse(const char *field, const char *v, bool off_ok, td_opt_num *out, gw_error *e);
 /* The decoder prompt as transformers builds it: [<|startofprev|> prompt]
  * <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>]. */
 bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, gw_error *e);
+/* The client's prompt as transformers' get_prompt_ids gives it, without its <|startofprev|>. */
+bool gw_audio_prompt_ids(const gw_audio_req *a, const gw_model *m, td_i32vec *out, gw_error *e);
 
 typedef struct gw_segment {
   double start, end;
   char *text; /* malloc'ed */
   int first, n_tokens; /* the tokens it came from in the output */
+  /* long-form: its window's (stats false: short audio, computed from the output) */
+  bool stats;
+  int seek;
+  float temperature;
+  double avg_logprob, compression_ratio, no_speech_prob;
 } gw_segment;
 
 /* Splits generated tokens at timestamp tokens (<|0.00|> and on, 0.02 s
@@ -139,6 +153,17 @@ typedef struct gw_segment {
 td_status gw_segments(const gw_model *m, const int32_t *tok, int n, double duration, bool timestamps,
                       gw_segment **segs, int *n_segs, char **text);
 void gw_segments_free(gw_segment *s, int n);
+/* ---- long-form: audio longer than the model's window (longform.c) ---- */
+/* The transcription's options from the form: transformers' generate with
+ * OpenAI whisper's defaults (docs/gateway.md); false with *e filled. */
+bool gw_longform_opts(const gw_audio_req *a, const gw_model *m, const td_i32vec *prompt_ids, td_longform_opts *o,
+                      gw_error *e);
+/* The transcription's segments as gw_segments over all its tokens (*tok,
+ * malloc'ed), and its text; segments keep transformers' list (empty text
+ * included). */
+td_status gw_longform_segments(const gw_model *m, const td_longform *lf, int32_t **tok, int *n_tok,
+                               gw_segment **segs, int *n_segs, char **text);
+
 /* SRT (1-based cues, HH:MM:SS,mmm) and WebVTT (WEBVTT header, HH:MM:SS.mmm). */
 void gw_format_srt(gw_buf *b, const gw_segment *s, int n);
 void gw_format_vtt(gw_buf *b, const gw_segment *s, int n);
@@ -151,6 +176,8 @@ typedef struct gw_out {
   td_f32vec lp;
   td_finish finish;
   double score;
+  bool has_probe; /* the request's probe, from its result */
+  double probe;
 } gw_out;
 
 typedef struct gw_batch gw_batch;
@@ -251,6 +278,15 @@ typedef struct gw_conn {
   int64_t arrived_ms; /* monotonic */
   int status;        /* the HTTP status answered (0: none) */
   bool cancelled, ended;
+  /* long-form: the transcription, the audio's whole features (counted in the gateway's held bytes) */
+  td_longform *lf;
+  float *whole;
+  int whole_frames;
+  size_t whole_held;
+  int lf_fed;        /* segments whose text the stream gave out */
+  gw_text lf_text;   /* the stream's text */
+  bool lf_text_init;
+  int generated;     /* tokens decoded over every window (metrics) */
 } gw_conn;
 
 /* The gateway's state the answers need. */
@@ -258,6 +294,10 @@ const gw_model *gw_gateway_model(const td_gateway *g);
 gw_io *gw_gateway_io(const td_gateway *g);
 uint32_t gw_gateway_timeout_ms(const td_gateway *g);
 double gw_gateway_max_audio_seconds(const td_gateway *g);
+/* Bytes held for requests (uploads, long-form features) against --max-held-bytes: false when over. */
+bool gw_gateway_hold(td_gateway *g, size_t bytes);
+void gw_gateway_release(td_gateway *g, size_t bytes);
+size_t gw_gateway_max_held_bytes(const td_gateway *g);
 int gw_gateway_stream_interval_ms(const td_gateway *g); /* 0: none */
 
 /* ---- metrics (metrics.c): thread-safe ---- */
@@ -281,6 +321,14 @@ int gw_take_status(void);
 /* Answers a finished upload (queues the response on mc). */
 int gw_serve_completions(gw_conn *c, struct MHD_Connection *mc);
 int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc);
+/* Audio longer than the model's window (longform.c): a's samples decoded. */
+int gw_serve_longform(gw_conn *c, struct MHD_Connection *mc, const td_audio *a);
+/* Releases a connection's long-form state (its features' held bytes too). */
+void gw_longform_free(gw_conn *c);
+/* The answer to a transcription in its response format: text, segments
+ * over tok (lp: their log-probabilities, n_lp of them; short audio only). */
+int gw_audio_reply(gw_conn *c, struct MHD_Connection *mc, const char *text, const gw_segment *seg, int n_seg,
+                   const int32_t *tok, const float *lp, int n_lp);
 int gw_reply(struct MHD_Connection *mc, int status, const char *ctype, char *body, size_t len);
 int gw_reply_error(struct MHD_Connection *mc, const gw_error *e);
 /* Gives the upload's bytes back to the gateway's total (the upload is freed). */

@@ -141,6 +141,8 @@ static void finish(gw_io *io, gw_sub *s, td_status st, const char *msg, const td
       if (x->logprobs) td_f32vec_append(&o->lp, x->logprobs, x->n_tokens);
       o->finish = x->finish;
       o->score = x->score;
+      o->has_probe = x->has_probe;
+      o->probe = x->probe_prob;
     }
     if (n > s->n_out) s->n_out = n;
   }

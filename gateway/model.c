@@ -1,5 +1,6 @@
 /* The model the gateway fronts: its name, tokenizer, and for Whisper the
  * mel filters, feature window and task tokens. */
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -17,8 +18,9 @@ td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const 
   snprintf(path, sizeof path, "%s/config.json", model_dir);
   cJSON *cfg;
   TD_TRY(td_json_load_file(path, 1u << 20, &cfg));
-  int64_t mel = 0, eos = -1, tgt = 0;
+  int64_t mel = 0, eos = -1, tgt = 0, vocab = 0;
   td_status s = td_json_int(cfg, "num_mel_bins", false, path, &mel);
+  if (s == TD_OK) s = td_json_int(cfg, "vocab_size", false, path, &vocab);
   if (s == TD_OK && !td_json_is_null(cfg, "eos_token_id") && cJSON_IsNumber(cJSON_GetObjectItem(cfg, "eos_token_id")))
     s = td_json_int(cfg, "eos_token_id", false, path, &eos);
   if (s == TD_OK) s = td_json_int(cfg, "max_target_positions", false, path, &tgt);
@@ -27,6 +29,7 @@ td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const 
   m->whisper = mel > 0;
   m->eos = (int32_t)eos;
   m->max_target = (int)tgt;
+  m->model_vocab = vocab > 0 && vocab <= INT32_MAX ? (int32_t)vocab : 0;
   if (name) {
     snprintf(m->name, sizeof m->name, "%s", name);
   } else {
@@ -56,6 +59,7 @@ td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const 
   m->notimestamps = special(m->tok, "<|notimestamps|>");
   m->startofprev = special(m->tok, "<|startofprev|>");
   m->ts_begin = special(m->tok, "<|0.00|>");
+  m->max_initial_timestamp = -1;
   /* generation_config.json's ids win where it has them, as transformers' generate takes them */
   snprintf(path, sizeof path, "%s/generation_config.json", model_dir);
   cJSON *gc = NULL;
@@ -69,6 +73,12 @@ td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const 
   if (cJSON_IsNumber(x = cJSON_GetObjectItemCaseSensitive(tasks, "transcribe"))) m->transcribe = (int32_t)x->valuedouble;
   if (cJSON_IsNumber(x = cJSON_GetObjectItemCaseSensitive(tasks, "translate"))) m->translate = (int32_t)x->valuedouble;
   if (cJSON_IsNumber(x = cJSON_GetObjectItemCaseSensitive(gc, "decoder_start_token_id"))) m->sot = (int32_t)x->valuedouble;
+  if (cJSON_IsNumber(x = cJSON_GetObjectItemCaseSensitive(gc, "max_initial_timestamp_index")) && x->valuedouble >= 0)
+    m->max_initial_timestamp = (int)x->valuedouble;
+  /* transformers takes prev_sot_token_id, else the second-to-last suppressed token,
+   * else none; checkpoints name <|startofprev|> there, which is what stands in */
+  m->prev_sot = m->startofprev;
+  if (cJSON_IsNumber(x = cJSON_GetObjectItemCaseSensitive(gc, "prev_sot_token_id"))) m->prev_sot = (int32_t)x->valuedouble;
   cJSON *langs = cJSON_DetachItemFromObjectCaseSensitive(gc, "lang_to_id");
   cJSON_Delete(gc);
   if (cJSON_IsObject(langs))

@@ -43,6 +43,7 @@ void gw_conn_free(gw_conn *c) {
     td_f32vec_free(&c->ch[i].lp);
   }
   free(c->ch);
+  gw_longform_free(c);
   gw_batch_release(c->b);
   gw_completion_free(&c->comp);
   gw_buf_free(&c->body);
@@ -466,7 +467,8 @@ int gw_serve_completions(gw_conn *c, struct MHD_Connection *mc) {
 
 /* ---------------------------------------------------------------- /v1/audio */
 
-static cJSON *verbose_json(const gw_conn *c, const char *text, const gw_segment *seg, int n_seg, const gw_choice *o) {
+static cJSON *verbose_json(const gw_conn *c, const char *text, const gw_segment *seg, int n_seg, const int32_t *tok,
+                           const float *lp, int n_lp) {
   cJSON *v = cJSON_CreateObject();
   cJSON_AddStringToObject(v, "task", c->audio.translate ? "translate" : "transcribe");
   cJSON_AddStringToObject(v, "language", c->audio.language[0] ? c->audio.language : "en");
@@ -477,51 +479,85 @@ static cJSON *verbose_json(const gw_conn *c, const char *text, const gw_segment 
     const gw_segment *s = &seg[i];
     cJSON *x = cJSON_CreateObject();
     cJSON_AddNumberToObject(x, "id", i);
-    cJSON_AddNumberToObject(x, "seek", 0);
+    cJSON_AddNumberToObject(x, "seek", s->stats ? s->seek : 0);
     cJSON_AddNumberToObject(x, "start", s->start);
     cJSON_AddNumberToObject(x, "end", s->end);
     cJSON_AddStringToObject(x, "text", s->text);
     cJSON *toks = cJSON_AddArrayToObject(x, "tokens");
     double sum = 0;
-    int n_lp = 0;
+    int n = 0;
     for (int k = s->first; k < s->first + s->n_tokens; k++) {
-      cJSON_AddItemToArray(toks, cJSON_CreateNumber(o->tok.v[k]));
-      if (k < o->lp.n && isfinite(o->lp.v[k])) sum += o->lp.v[k], n_lp++;
+      cJSON_AddItemToArray(toks, cJSON_CreateNumber(tok[k]));
+      if (k < n_lp && isfinite(lp[k])) sum += lp[k], n++;
     }
-    cJSON_AddNumberToObject(x, "temperature", c->audio.has_temperature ? c->audio.temperature : 0.0);
-    cJSON_AddNumberToObject(x, "avg_logprob", n_lp ? sum / n_lp : 0.0);
+    if (s->stats) {
+      /* its window's, as transformers judged it (EOS included) */
+      cJSON_AddNumberToObject(x, "temperature", s->temperature);
+      cJSON_AddNumberToObject(x, "avg_logprob", isfinite(s->avg_logprob) ? s->avg_logprob : 0.0);
+      cJSON_AddNumberToObject(x, "compression_ratio", isfinite(s->compression_ratio) ? s->compression_ratio : 0.0);
+      if (isfinite(s->no_speech_prob)) cJSON_AddNumberToObject(x, "no_speech_prob", s->no_speech_prob);
+    } else {
+      cJSON_AddNumberToObject(x, "temperature", c->audio.has_temperature ? c->audio.temperature : 0.0);
+      cJSON_AddNumberToObject(x, "avg_logprob", n ? sum / n : 0.0);
+    }
     cJSON_AddItemToArray(arr, x);
   }
   return v;
 }
 
-/* Decodes the upload and fills the request's features and prompt. */
-static bool audio_request(gw_conn *c, td_json_request *r, gw_error *e) {
+static bool empty_text(const char *t) {
+  while (*t == ' ') t++;
+  return !*t;
+}
+
+int gw_audio_reply(gw_conn *c, struct MHD_Connection *mc, const char *text, const gw_segment *seg, int n_seg,
+                   const int32_t *tok, const float *lp, int n_lp) {
+  gw_error e = {0};
+  gw_buf b = {0};
+  const char *ctype = "text/plain; charset=utf-8";
+  /* subtitles skip segments without text (long-form keeps transformers' list in verbose_json) */
+  gw_segment *cues = malloc(sizeof *cues * (size_t)(n_seg + 1));
+  int n_cues = 0;
+  for (int i = 0; cues && i < n_seg; i++)
+    if (!empty_text(seg[i].text)) cues[n_cues++] = seg[i];
+  cJSON *j = NULL;
+  if (!cues) {
+    b.oom = true;
+  } else {
+    switch (c->audio.format) {
+      case GW_FMT_JSON:
+        j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "text", text);
+        break;
+      case GW_FMT_VERBOSE: j = verbose_json(c, text, seg, n_seg, tok, lp, n_lp); break;
+      case GW_FMT_TEXT: gw_buf_printf(&b, "%s\n", text); break;
+      case GW_FMT_SRT: gw_format_srt(&b, cues, n_cues); break;
+      case GW_FMT_VTT: gw_format_vtt(&b, cues, n_cues); break;
+    }
+  }
+  free(cues);
+  if (j) {
+    char *s = cJSON_PrintUnformatted(j);
+    cJSON_Delete(j);
+    if (s) gw_buf_str(&b, s);
+    b.oom |= !s;
+    free(s);
+    ctype = "application/json";
+  }
+  if (b.oom) {
+    gw_buf_free(&b);
+    gw_error_set(&e, 500, NULL, "out of memory");
+    return gw_reply_error(mc, &e);
+  }
+  return gw_reply(mc, 200, ctype, b.s ? b.s : strdup(""), b.n);
+}
+
+/* Fills the request of short audio (one window): its features and prompt. */
+static bool audio_request(gw_conn *c, const td_audio *a, td_json_request *r, gw_error *e) {
   const gw_model *m = gw_gateway_model(c->g);
-  if (!c->have_file || !c->body.n) {
-    gw_error_set(e, 400, "file", "file is required (the audio, as a multipart/form-data part)");
-    return false;
-  }
-  if (!gw_audio_check(&c->audio, m, e)) return false;
-  td_audio a = {0};
-  td_audio_limits lim = {.max_seconds = gw_gateway_max_audio_seconds(c->g)};
-  if (td_audio_decode_memory(c->body.s, c->body.n, "file", &lim, &a) != TD_OK) {
-    gw_error_set(e, 400, "file", "%s", td_errmsg());
-    return false;
-  }
-  c->duration = (double)a.n / TD_AUDIO_RATE;
-  double window = (double)m->window_samples / TD_AUDIO_RATE;
-  if (a.n > m->window_samples) {
-    td_audio_free(&a);
-    gw_error_set(e, 400, "file",
-                 "the audio lasts %.2f s, longer than the model's %.0f s window: long-form transcription is not "
-                 "supported yet", c->duration, window);
-    return false;
-  }
   size_t n = (size_t)td_mel_n_mels(m->mel) * td_mel_window_frames(m->mel);
   r->features = malloc(n * sizeof *r->features);
-  td_status s = r->features ? td_mel_window(m->mel, a.samples, a.n, 0, r->features) : TD_ERR_NOMEM;
-  td_audio_free(&a);
+  td_status s = r->features ? td_mel_window(m->mel, a->samples, a->n, 0, r->features) : TD_ERR_NOMEM;
   if (s != TD_OK) {
     gw_error_set(e, 500, NULL, "log-mel features: %s", s == TD_ERR_NOMEM ? "out of memory" : td_errmsg());
     return false;
@@ -537,21 +573,46 @@ static bool audio_request(gw_conn *c, td_json_request *r, gw_error *e) {
   td_request_params_default(&r->params);
   if (c->audio.has_temperature) r->params.temperature = c->audio.temperature;
   r->params.logprobs = c->audio.format == GW_FMT_VERBOSE;
+  if (c->audio.seg_timestamps) { /* transformers' WhisperTimeStampLogitsProcessor on every step */
+    r->params.timestamp_begin = m->notimestamps + 1;
+    r->params.max_initial_timestamp = m->max_initial_timestamp;
+  }
   return true;
 }
 
 int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc) {
   const gw_model *m = gw_gateway_model(c->g);
   gw_error e = {0};
+  if (!c->have_file || !c->body.n) {
+    gw_error_set(&e, 400, "file", "file is required (the audio, as a multipart/form-data part)");
+    return gw_reply_error(mc, &e);
+  }
+  if (!gw_audio_check(&c->audio, m, &e)) return gw_reply_error(mc, &e);
+  td_audio a = {0};
+  td_audio_limits lim = {.max_seconds = gw_gateway_max_audio_seconds(c->g)};
+  if (td_audio_decode_memory(c->body.s, c->body.n, "file", &lim, &a) != TD_OK) {
+    gw_error_set(&e, 400, "file", "%s", td_errmsg());
+    return gw_reply_error(mc, &e);
+  }
+  gw_conn_drop_upload(c); /* decoded: the upload is no longer needed */
+  c->duration = (double)a.n / TD_AUDIO_RATE;
+  /* more frames than the window: long-form, as transformers decides it */
+  if (a.n / TD_MEL_HOP > td_mel_window_frames(m->mel)) {
+    int q = gw_serve_longform(c, mc, &a);
+    td_audio_free(&a);
+    return q;
+  }
   c->b = gw_batch_create(gw_gateway_io(c->g), 1);
   if (!c->b) {
+    td_audio_free(&a);
     gw_error_set(&e, 500, NULL, "out of memory");
     return gw_reply_error(mc, &e);
   }
   gw_sub *sub = &c->b->subs[0];
   snprintf(sub->req.id, sizeof sub->req.id, "%s", sub->id);
-  if (!audio_request(c, &sub->req, &e)) return gw_reply_error(mc, &e);
-  gw_conn_drop_upload(c); /* decoded: the upload is no longer needed */
+  bool ok = audio_request(c, &a, &sub->req, &e);
+  td_audio_free(&a);
+  if (!ok) return gw_reply_error(mc, &e);
   sub->stream = c->audio.stream;
   c->comp.logprobs = -1;
   if (!choices(c, 1, NULL, 0, &e)) return gw_reply_error(mc, &e);
@@ -563,36 +624,12 @@ int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc) {
   int n_seg = 0;
   char *text = NULL;
   const gw_choice *o = &c->ch[0];
-  if (gw_segments(m, o->tok.v, o->tok.n, c->duration, c->audio.seg_timestamps, &seg, &n_seg, &text) != TD_OK)
+  if (gw_segments(m, o->tok.v, o->tok.n, c->duration, c->audio.seg_timestamps, &seg, &n_seg, &text) != TD_OK) {
     gw_error_set(&e, 500, NULL, "%s", td_errmsg());
-  gw_buf b = {0};
-  const char *ctype = "text/plain; charset=utf-8";
-  if (!e.http) {
-    cJSON *j = NULL;
-    switch (c->audio.format) {
-      case GW_FMT_JSON:
-        j = cJSON_CreateObject();
-        cJSON_AddStringToObject(j, "text", text);
-        break;
-      case GW_FMT_VERBOSE: j = verbose_json(c, text, seg, n_seg, o); break;
-      case GW_FMT_TEXT: gw_buf_printf(&b, "%s\n", text); break;
-      case GW_FMT_SRT: gw_format_srt(&b, seg, n_seg); break;
-      case GW_FMT_VTT: gw_format_vtt(&b, seg, n_seg); break;
-    }
-    if (j) {
-      char *s = cJSON_PrintUnformatted(j);
-      cJSON_Delete(j);
-      if (s) gw_buf_str(&b, s);
-      free(s);
-      ctype = "application/json";
-    }
-  }
-  gw_segments_free(seg, n_seg);
-  free(text);
-  if (e.http || b.oom) {
-    gw_buf_free(&b);
-    if (!e.http) gw_error_set(&e, 500, NULL, "out of memory");
     return gw_reply_error(mc, &e);
   }
-  return gw_reply(mc, 200, ctype, b.s ? b.s : strdup(""), b.n);
+  int q = gw_audio_reply(c, mc, text, seg, n_seg, o->tok.v, o->lp.v, o->lp.n);
+  gw_segments_free(seg, n_seg);
+  free(text);
+  return q;
 }

@@ -59,7 +59,7 @@ bool gw_audio_check(gw_audio_req *a, const gw_model *m, gw_error *e) {
   return true;
 }
 
-bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, gw_error *e) {
+bool gw_audio_prompt_ids(const gw_audio_req *a, const gw_model *m, td_i32vec *out, gw_error *e) {
   out->n = 0;
   if (a->prompt && a->prompt[0]) {
     if (m->startofprev < 0) BAD("prompt", "this tokenizer has no <|startofprev|>: prompt is not supported");
@@ -84,7 +84,7 @@ bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, g
       free(ids);
       BAD("prompt", "prompt: %zu tokens, at most %d for this model", n, room);
     }
-    if (td_i32vec_push(out, m->startofprev) != TD_OK || td_i32vec_reserve(out, out->n + (int)n + 4) != TD_OK) {
+    if (td_i32vec_reserve(out, out->n + (int)n + 5) != TD_OK) {
       free(ids);
       BAD("prompt", "out of memory");
     }
@@ -92,6 +92,23 @@ bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, g
     out->n += (int)n;
     free(ids);
   }
+  return true;
+}
+
+bool gw_audio_prompt(const gw_audio_req *a, const gw_model *m, td_i32vec *out, gw_error *e) {
+  td_i32vec ids = {0};
+  if (!gw_audio_prompt_ids(a, m, &ids, e)) {
+    td_i32vec_free(&ids);
+    return false;
+  }
+  out->n = 0;
+  bool oom = ids.n && (td_i32vec_push(out, m->startofprev) != TD_OK || td_i32vec_reserve(out, ids.n + 5) != TD_OK);
+  if (!oom && ids.n) {
+    memcpy(out->v + out->n, ids.v, sizeof *ids.v * (size_t)ids.n);
+    out->n += ids.n;
+  }
+  td_i32vec_free(&ids);
+  if (oom) BAD("prompt", "out of memory");
   int32_t lid = gw_language_id(m, a->language[0] ? a->language : "en");
   if (lid < 0) BAD("language", "language '%s' is not one this model knows", a->language[0] ? a->language : "en");
   if (td_i32vec_push(out, m->sot) || td_i32vec_push(out, lid) ||
@@ -227,4 +244,20 @@ void gw_format_vtt(gw_buf *b, const gw_segment *s, int n) {
     gw_format_time(t1, sizeof t1, s[i].end, '.');
     gw_buf_printf(b, "%s --> %s\n%s\n\n", t0, t1, trimmed(s[i].text));
   }
+}
+
+/* ---------------------------------------------------------------- long-form */
+
+bool gw_opt_num_parse(const char *field, const char *v, bool off_ok, td_opt_num *out, gw_error *e) {
+  out->given = true;
+  out->off = false;
+  if (off_ok && (!strcmp(v, "none") || !strcmp(v, "null"))) {
+    out->off = true;
+    return true;
+  }
+  char *end;
+  out->v = strtod(v, &end);
+  if (end == v || *end || !isfinite(out->v))
+    BAD(field, "%s: a number%s", field, off_ok ? ", or \"none\" to turn it off" : "");
+  return true;
 }

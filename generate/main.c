@@ -5,6 +5,7 @@
 #include <getopt.h>
 #include <libgen.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,8 +16,10 @@
 #include "common/jsonl.h"
 #include "common/log.h"
 #include "common/settings.h"
+#include "common/vec.h"
 #include "engine/engine.h"
 #include "frontend/audio.h"
+#include "frontend/longform.h"
 #include "frontend/tokenizer.h"
 
 typedef struct slot {
@@ -27,6 +30,15 @@ typedef struct slot {
   bool added;
   bool detect;  /* audio without a language: a detection step first */
   int32_t lang; /* ... its language token (-1: none yet) */
+  /* audio past the model's window: transcribed long-form, a window at a time */
+  td_longform *lf;
+  float *whole; /* the whole audio's features [mels, whole_frames] */
+  int whole_frames;
+  bool window_ended;         /* its window's result came: fed after the step */
+  td_status window_status;
+  td_i32vec win_tok;
+  td_f32vec win_lp;
+  double win_probe;
 } slot;
 
 /* The model folder's front end, when it has one: its tokenizer (text in,
@@ -78,7 +90,8 @@ static td_status set_prompt(td_json_request *q, const int32_t *prompt, int np) {
 
 /* A request's text or audio as ids, or features and Whisper's prompt;
  * *detect: the audio names no language (its prompt comes after detection). */
-static td_status convert(const frontend *fe, const char *model_dir, td_json_request *q, bool *detect) {
+static td_status convert(const frontend *fe, const char *model_dir, slot *sl, bool *detect) {
+  td_json_request *q = &sl->req;
   if (!q->text && !q->audio) return TD_OK;
   if (!fe->tok)
     return td_err(TD_ERR_INVALID, "%s input needs a tokenizer (tokenizer.json, or Marian's source.spm) in %s",
@@ -103,7 +116,25 @@ static td_status convert(const frontend *fe, const char *model_dir, td_json_requ
   td_status ps = td_whisper_prompt_build(fe->whisper, q->language, q->task, q->timestamps, prompt, &np);
   *detect = ps == TD_ERR_NOT_FOUND;
   if (ps != TD_OK && !*detect) return ps;
-  TD_TRY(td_mel_features_from_audio(fe->mel, q->audio, q->audio_len, "audio", &q->features, &q->n_features));
+  td_audio au = {0};
+  td_audio_limits lim = {0}; /* TD_DEFAULT_AUDIO_MAX_SECONDS */
+  TD_TRY(td_audio_decode_memory(q->audio, q->audio_len, "audio", &lim, &au));
+  int mels = td_mel_n_mels(fe->mel), wf = (int)td_mel_window_frames(fe->mel);
+  q->n_features = (size_t)mels * (size_t)wf;
+  q->features = malloc(sizeof *q->features * q->n_features);
+  td_status s = q->features ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
+  if (s == TD_OK && au.n / TD_MEL_HOP > (size_t)wf) {
+    /* long-form: the whole audio's features, as transformers takes them; the
+     * first window's slice is what language detection looks at */
+    sl->whole_frames = (int)(au.n / TD_MEL_HOP);
+    sl->whole = malloc(sizeof *sl->whole * (size_t)mels * (size_t)sl->whole_frames);
+    s = sl->whole ? td_mel_whole(fe->mel, au.samples, au.n, sl->whole) : td_err(TD_ERR_NOMEM, "out of memory");
+    if (s == TD_OK) td_longform_window_features(sl->whole, mels, sl->whole_frames, 0, wf, wf, q->features);
+  } else if (s == TD_OK) {
+    s = td_mel_window(fe->mel, au.samples, au.n, 0, q->features);
+  }
+  td_audio_free(&au);
+  TD_TRY(s);
   if (!*detect) TD_TRY(set_prompt(q, prompt, np));
   free(q->audio);
   q->audio = NULL;
@@ -114,6 +145,22 @@ static td_status convert(const frontend *fe, const char *model_dir, td_json_requ
 static void on_finish(void *ctx, const td_result *r) {
   app *a = ctx;
   slot *s = &a->slots[(intptr_t)r->user];
+  if (s->lf && !s->detect) { /* a window: its outcome is fed once the step is over */
+    s->window_ended = true;
+    s->window_status = r->status;
+    s->win_tok.n = s->win_lp.n = 0;
+    s->win_probe = NAN;
+    if (r->status != TD_OK) {
+      s->line_out = td_json_error_format(r->id, r->status, r->error);
+    } else if (r->n_outputs > 0) {
+      const td_seq_output *o = &r->outputs[0];
+      if (td_i32vec_assign(&s->win_tok, o->tokens, o->n_tokens) != TD_OK ||
+          (o->logprobs && td_f32vec_append(&s->win_lp, o->logprobs, o->n_tokens) != TD_OK))
+        s->window_status = TD_ERR_NOMEM;
+      if (o->has_probe) s->win_probe = o->probe_prob;
+    }
+    return;
+  }
   if (s->detect) { /* the language detection step: its token is the language */
     s->detect = false;
     s->lang = r->status == TD_OK && r->n_outputs && r->outputs[0].n_tokens ? r->outputs[0].tokens[0] : -1;
@@ -172,6 +219,99 @@ static void on_finish(void *ctx, const td_result *r) {
       s->n_rows = r->n_logit_rows;
     }
   }
+}
+
+/* ------------------------------------------------------------ long-form */
+
+/* A long-form slot's transcription, from its language (given or detected),
+ * task and long-form settings. */
+static td_status longform_start(app *a, const td_model *m, slot *s) {
+  const td_model_config *cfg = td_model_get_config(m);
+  const td_gen_config *gen = td_model_get_gen(m);
+  int32_t init[TD_WHISPER_PROMPT_MAX];
+  int n_init = 0;
+  const char *lang = s->lang >= 0 ? td_tokenizer_id_to_token(a->fe.tok, s->lang) : s->req.language;
+  TD_TRY(td_whisper_prompt_build(a->fe.whisper, lang, s->req.task, true, init, &n_init));
+  int32_t tb;
+  int max_initial;
+  td_whisper_timestamp_rules(a->fe.whisper, &tb, &max_initial);
+  td_longform_opts o = {.window_frames = td_model_input_frames(m), .input_stride = 2,
+                        .max_target_positions = cfg->max_target_len, .vocab_size = cfg->vocab_size,
+                        .timestamp_begin = tb, .eos = gen->n_eos ? gen->eos_ids[0] : -1, .no_speech = tb - 2,
+                        .prev_sot = td_whisper_prev_sot(a->fe.whisper), .n_init = n_init};
+  memcpy(o.init, init, sizeof *init * (size_t)n_init);
+  float t = s->req.params.temperature > 0 ? s->req.params.temperature : 0.0f;
+  TD_TRY(td_longform_apply(&s->req.longform, t, &o));
+  return td_longform_create(&o, s->whole_frames, &s->lf);
+}
+
+/* Adds the slot's next window to the engine; *done when the transcription
+ * has no more. */
+static td_status longform_add(app *a, td_engine *e, const td_model *m, slot *s, int i, bool *done) {
+  td_longform_window w;
+  *done = !td_longform_next(s->lf, &w);
+  if (*done) return TD_OK;
+  int mels = td_model_get_config(m)->num_mel_bins, wf = td_model_input_frames(m);
+  float *f = malloc(sizeof *f * (size_t)mels * (size_t)wf);
+  if (!f) return td_err(TD_ERR_NOMEM, "out of memory");
+  td_longform_window_features(s->whole, mels, s->whole_frames, w.seek, w.n_frames, wf, f);
+  td_request r = {.id = s->req.id, .features = f, .prompt = w.prompt, .n_prompt = w.n_prompt,
+                  .user = (void *)(intptr_t)i};
+  td_request_params *p = &r.params;
+  td_request_params_default(p);
+  p->max_new_tokens = w.max_new_tokens;
+  p->temperature = w.temperature;
+  p->top_k = w.temperature > 0 ? TD_LONGFORM_SAMPLE_TOP_K : 0;
+  p->logprobs = w.want_logprobs;
+  td_whisper_timestamp_rules(a->fe.whisper, &p->timestamp_begin, &p->max_initial_timestamp);
+  if (w.probe_position >= 0) {
+    p->probe = true;
+    p->probe_token = w.probe_token;
+    p->probe_position = w.probe_position;
+  }
+  uint64_t h;
+  td_status st = td_engine_add(e, &r, &h); /* copies the request */
+  free(f);
+  return st;
+}
+
+/* The slot's result line: its segments' tokens one after another, their text
+ * and the segments. */
+static td_status longform_line(app *a, slot *s) {
+  int n;
+  const td_longform_segment *ls = td_longform_segments(s->lf, &n);
+  int32_t tb;
+  int max_initial;
+  td_whisper_timestamp_rules(a->fe.whisper, &tb, &max_initial);
+  td_i32vec all = {0}, plain = {0};
+  td_text_segment *ts = calloc((size_t)n + 1, sizeof *ts);
+  char **texts = calloc((size_t)n + 1, sizeof *texts);
+  char *text = NULL;
+  td_status st = ts && texts ? TD_OK : td_err(TD_ERR_NOMEM, "out of memory");
+  for (int k = 0; k < n && st == TD_OK; k++) {
+    int from = plain.n;
+    for (int j = 0; j < ls[k].n_tokens && st == TD_OK; j++) {
+      st = td_i32vec_push(&all, ls[k].tokens[j]);
+      if (st == TD_OK && ls[k].tokens[j] < tb) st = td_i32vec_push(&plain, ls[k].tokens[j]);
+    }
+    size_t len;
+    if (st == TD_OK) st = td_tokenizer_decode(a->fe.tok, plain.v + from, (size_t)(plain.n - from), true, &texts[k], &len);
+    ts[k] = (td_text_segment){.start = ls[k].start, .end = ls[k].end, .text = texts[k]};
+  }
+  size_t len;
+  if (st == TD_OK) st = td_tokenizer_decode(a->fe.tok, plain.v, (size_t)plain.n, true, &text, &len);
+  if (st == TD_OK) {
+    td_seq_output o = {.tokens = all.v, .n_tokens = all.n, .finish = TD_FINISH_STOP, .text = text,
+                       .segments = ts, .n_segments = n};
+    s->line_out = td_json_result_format(s->req.id, &o, 1);
+  }
+  for (int k = 0; texts && k < n; k++) free(texts[k]);
+  free(texts);
+  free(ts);
+  free(text);
+  td_i32vec_free(&all);
+  td_i32vec_free(&plain);
+  return st;
 }
 
 static void usage(FILE *f) {
@@ -361,7 +501,7 @@ int main(int argc, char **argv) {
     slot *s = &a.slots[i];
     s->lang = -1;
     if (s->line_out) continue;
-    if (convert(&a.fe, model_dir, &s->req, &s->detect) != TD_OK) {
+    if (convert(&a.fe, model_dir, s, &s->detect) != TD_OK) {
       s->line_out = td_json_error_format(s->req.id, TD_ERR_INVALID, td_errmsg());
       a.failed++;
       continue;
@@ -395,6 +535,16 @@ int main(int argc, char **argv) {
   for (int i = 0; i < a.n; i++) {
     slot *s = &a.slots[i];
     if (s->line_out) continue;
+    if (s->whole) { /* long-form: its first window */
+      bool done;
+      td_status st = longform_start(&a, m, s);
+      if (st == TD_OK) st = longform_add(&a, e, m, s, i, &done);
+      if (st != TD_OK) {
+        s->line_out = td_json_error_format(s->req.id, st, td_errmsg());
+        a.failed++;
+      }
+      continue;
+    }
     if (s->lang >= 0) { /* detected: the prompt as if the language had been given */
       int32_t prompt[TD_WHISPER_PROMPT_MAX];
       int np = 0;
@@ -431,6 +581,27 @@ int main(int argc, char **argv) {
       rc = 1;
       break;
     }
+    /* long-form windows that ended: fed, and the next one added (the windows
+     * of every transcription decode in the same steps) */
+    for (int i = 0; i < a.n; i++) {
+      slot *s = &a.slots[i];
+      if (!s->window_ended) continue;
+      s->window_ended = false;
+      if (s->window_status != TD_OK) {
+        if (!s->line_out) s->line_out = td_json_error_format(s->req.id, s->window_status, td_errmsg());
+        a.failed++;
+        continue;
+      }
+      bool done = false;
+      td_status st = td_longform_feed(s->lf, s->win_tok.v, s->win_tok.n, s->win_lp.n ? s->win_lp.v : NULL,
+                                      s->win_probe);
+      if (st == TD_OK) st = longform_add(&a, e, m, s, i, &done);
+      if (st == TD_OK && done) st = longform_line(&a, s);
+      if (st != TD_OK) {
+        s->line_out = td_json_error_format(s->req.id, st, td_errmsg());
+        a.failed++;
+      }
+    }
   }
   double run_s = (double)(td_now_ns() - t_run) / 1e9;
   td_engine_stats st = td_engine_get_stats(e);
@@ -463,6 +634,10 @@ out:
   td_backend_destroy(b);
   for (int i = 0; i < a.n; i++) {
     td_json_request_free(&a.slots[i].req);
+    td_longform_destroy(a.slots[i].lf);
+    free(a.slots[i].whole);
+    td_i32vec_free(&a.slots[i].win_tok);
+    td_f32vec_free(&a.slots[i].win_lp);
     free(a.slots[i].line_out);
     free(a.slots[i].logits);
   }

@@ -123,6 +123,8 @@ static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *m
   for (size_t i = 0; i < sp->n_allowed_token_ids; i++)
     if (sp->allowed_token_ids[i] < 0 || sp->allowed_token_ids[i] >= V)
       REFUSE(TD_ERR_INVALID, "allowed token %d is outside the vocabulary of %d", sp->allowed_token_ids[i], V);
+  if (sp->probe && (sp->probe_token_id < 0 || sp->probe_token_id >= V))
+    REFUSE(TD_ERR_INVALID, "probe_token_id %d is outside the vocabulary of %d", sp->probe_token_id, V);
   if (sp->set_forced_eos && sp->forced_eos_token_id >= V)
     REFUSE(TD_ERR_INVALID, "forced_eos_token_id %d is outside the vocabulary of %d", sp->forced_eos_token_id, V);
   return TD_OK;
@@ -154,6 +156,10 @@ td_status td_admit_request(const Tandem__ModelInfo *mi, int block_size, const Ta
   const Tandem__SamplingParams *sp = g->sampling;
   if (sp && (s = check_sampling(sp, V, msg, cap)) != TD_OK) return s;
   int n = sp && sp->n ? (int)sp->n : 1, beams = sp && sp->num_beams ? (int)sp->num_beams : 1;
+  if (sp && sp->probe && sp->probe_position >= (uint32_t)n_prompt)
+    REFUSE(TD_ERR_INVALID, "probe_position %u is outside the decoder prompt of %d tokens", sp->probe_position,
+           n_prompt);
+  out->probe = sp && sp->probe;
   out->n_prompt = n_prompt;
   out->max_new = g->max_new_tokens ? (int)g->max_new_tokens : room;
   out->width = beams > 1 ? beams : n;

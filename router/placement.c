@@ -161,7 +161,8 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
   }
   bool local = e == LOCAL;
   if (local) e = -1;
-  if (!local && !pool[d]->pre && q->n_prompt >= o->prefill_threshold) p = pick(pool, n, WANT_PRE, q);
+  if (!local && !pool[d]->pre && !q->no_prefill && q->n_prompt >= o->prefill_threshold)
+    p = pick(pool, n, WANT_PRE, q);
   out->decode = d;
   out->encode = e;
   out->local_encode = local;

@@ -21,6 +21,7 @@ typedef struct td_req_shape {
   int width;      /* sequences run together: num_beams when > 1, else n */
   int need_cross; /* cross KV blocks (shared by the sequences) */
   int need_self;  /* self KV blocks, for every sequence, an upper bound */
+  bool probe;     /* a probe (SamplingParams.probe): its decode worker computes the whole prompt */
 } td_req_shape;
 
 /* A client's request id: 1 to TD_ROUTER_MAX_REQUEST_ID bytes. */
@@ -69,6 +70,7 @@ typedef struct td_place_req {
   int width;
   int n_prompt; /* decoder prompt tokens this attempt feeds (resumed tokens included) */
   int enc_len;  /* encoder positions */
+  bool no_prefill; /* the decode worker computes the whole prompt (a probe reads a prompt row) */
   /* a decode worker that failed this request's last attempt (NULL: none):
    * it takes the next one only when no other fits, so that a worker that
    * fails whatever it gets (its group lost a rank) does not spend every attempt */

@@ -225,7 +225,7 @@ static int32_t *spec_of(const td_router *r, const rreq *q, Tandem__Cluster__Requ
  * streamed tokens after its prompt. */
 static td_place_req place_req(const td_req_shape *sh, int resumed) {
   return (td_place_req){.need_cross = sh->need_cross, .need_self = sh->need_self, .width = sh->width,
-                        .n_prompt = sh->n_prompt + resumed, .enc_len = sh->enc_len};
+                        .n_prompt = sh->n_prompt + resumed, .enc_len = sh->enc_len, .no_prefill = sh->probe};
 }
 
 static td_place_req attempt_req(const rreq *q) {

@@ -165,6 +165,8 @@ static void copy_outputs(wev *e, const td_result *r) {
     }
     so->score = o->score;
     so->finish_reason = finish_code(o->finish);
+    so->has_probe_prob = o->has_probe;
+    so->probe_prob = o->probe_prob;
     e->outputs[e->n_outputs++] = so;
   }
 }

@@ -6,6 +6,7 @@
  * role alike: reservations that expire, cancels (whatever the job is
  * doing: a reservation a transfer still writes goes back after it), and
  * the compute thread's events (reserved, done) dispatched to the roles. */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -189,6 +190,9 @@ static void copy_sampling(td_request_params *p, const Tandem__SamplingParams *s)
   if (s->set_forced_eos) p->forced_eos = s->forced_eos_token_id < 0 ? -1 : s->forced_eos_token_id;
   p->timestamp_begin = s->timestamp_begin;
   p->max_initial_timestamp = s->has_max_initial_timestamp ? s->max_initial_timestamp_index : -1;
+  p->probe = s->probe;
+  p->probe_token = s->probe_token_id;
+  p->probe_position = s->probe_position > INT_MAX ? INT_MAX : (int)s->probe_position;
 }
 
 /* A CMD_ADD built from the job's spec (arrays copied). */

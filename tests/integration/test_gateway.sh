@@ -202,15 +202,15 @@ check "a malformed multipart body: 400" status_is 400 "$tr" -H 'Content-Type: mu
 check "an unknown form field: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F colour=red
 check "an unknown response_format: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F response_format=xml
 check "word timestamps: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F 'timestamp_granularities[]=word'
-# a 5 s WAV (the model's window is 4 s): long-form is refused with a reason
+# a 5 s WAV (the model's window is 4 s): transcribed long-form (tests/integration/test_longform.sh has the rest)
 node -e '
 const n = 5 * 16000, b = Buffer.alloc(44 + 2 * n);
 b.write("RIFF", 0); b.writeUInt32LE(36 + 2 * n, 4); b.write("WAVEfmt ", 8); b.writeUInt32LE(16, 16);
 b.writeUInt16LE(1, 20); b.writeUInt16LE(1, 22); b.writeUInt32LE(16000, 24); b.writeUInt32LE(32000, 28);
 b.writeUInt16LE(2, 32); b.writeUInt16LE(16, 34); b.write("data", 36); b.writeUInt32LE(2 * n, 40);
 require("fs").writeFileSync(process.argv[1], b);' "$work/long.wav"
-check "audio longer than the window: 400" status_is 400 "$tr" -F model=$m -F file=@"$work/long.wav"
-check "... saying long-form is not supported" grep -q "long-form" "$work/body"
+check "audio longer than the window: long-form, 200" status_is 200 "$tr" -F model=$m -F file=@"$work/long.wav" -F response_format=verbose_json
+check "... a segment a window (5 s of silence: 2)" grep -q '"seek":400,' "$work/body"
 head -c $((26 << 20)) /dev/zero >"$work/huge.wav"
 check "an upload past 25 MB: 413" status_is 413 "$tr" -F model=$m -F file=@"$work/huge.wav"
 check "a completion on an audio model: 400" status_is 400 "$gw/v1/completions" -H "$j" -d "{\"model\": \"$m\", \"prompt\": \"x\"}"

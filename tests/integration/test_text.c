@@ -315,7 +315,7 @@ Test(text, whisper_audio_in_text_out, .timeout = 600) {
   outcome r[6];
   run_requests(c.client_ep, bad, 6, false, 30000, r);
   expect_refused(&r[0], "truncated");
-  expect_refused(&r[1], "long-form transcription) is not supported yet");
+  expect_refused(&r[1], "longer audio is transcribed long-form by tandem-gateway");
   expect_refused(&r[2], "language \"xx\" is not one this Whisper checkpoint knows");
   expect_refused(&r[3], "neither \"transcribe\" nor \"translate\"");
   expect_refused(&r[4], "takes audio or audio features, not input_ids or text");

@@ -24,6 +24,8 @@ typedef struct got {
   int rows;
   td_status status;
   bool finished;
+  bool has_probe[MAXO];
+  double probe[MAXO];
 } got;
 
 typedef struct run_ctx {
@@ -43,6 +45,8 @@ static void on_finish(void *ctx, const td_result *r) {
     g->len[i] = r->outputs[i].n_tokens;
     memcpy(g->tok[i], r->outputs[i].tokens, sizeof(int32_t) * (size_t)(g->len[i] < 64 ? g->len[i] : 64));
     g->score[i] = r->outputs[i].score;
+    g->has_probe[i] = r->outputs[i].has_probe;
+    g->probe[i] = r->outputs[i].probe_prob;
   }
   if (r->logits) {
     g->logits = malloc(sizeof(float) * (size_t)r->n_logit_rows * c->vocab);
@@ -56,6 +60,8 @@ static void on_token(void *ctx, uint64_t h, void *user, int seq, int32_t t, floa
 typedef struct setup {
   int block_size, self_blocks, cross_blocks, max_batch, max_tokens;
   bool recompute_cross;
+  int probe_pos;      /* > 0: probe position probe_pos - 1 (at most the prompt's last) */
+  int32_t probe_tok;
 } setup;
 
 typedef enum mode { GREEDY, BEAM, SAMPLE } mode;
@@ -107,6 +113,12 @@ static void run(const fixture *fx, const setup *su, mode md, const int *which, i
                     .n_prompt = q->n_prompt, .user = (void *)(intptr_t)i};
     if (fx->features) r.features = fx->features + (size_t)i * fx->mels * fx->frames;
     fill_params(fx, md, &r.params);
+    if (su->probe_pos > 0) {
+      r.params.probe = true;
+      r.params.probe_token = su->probe_tok;
+      r.params.probe_position = su->probe_pos - 1 < q->n_prompt ? su->probe_pos - 1 : q->n_prompt - 1;
+      r.params.all_logits = false;
+    }
     uint64_t h;
     cr_assert(td_engine_add(e, &r, &h) == TD_OK, "%s", td_errmsg());
   }
@@ -738,4 +750,79 @@ Test(engine_limits, json_seed_above_2_53) {
   cr_expect_eq(td_json_request_parse(big, strlen(big), NULL, 1, &j), TD_ERR_INVALID);
   cr_expect(strstr(td_errmsg(), "\"seed\" must be an integer from 0 to 2^53"), "%s", td_errmsg());
   td_json_request_free(&j);
+}
+
+/* The probe: softmax of the raw logits after a prompt position, as the
+ * reference's logits give it, whatever the position (the prompt's last is
+ * the sample row), the chunking, the logit rows left, samples and beams. */
+static double ref_prob(const fixture *fx, int i, int pos, int32_t tok) {
+  const float *x = fx->logits + (fx->req[i].logits_off + (size_t)pos) * fx->vocab;
+  double mx = -INFINITY, sum = 0;
+  for (int j = 0; j < fx->vocab; j++) mx = x[j] > mx ? x[j] : mx;
+  for (int j = 0; j < fx->vocab; j++) sum += exp((double)x[j] - mx);
+  return exp((double)x[tok] - mx) / sum;
+}
+
+Test(engine_probe, matches_the_reference_logits) {
+  fixture fx;
+  fx_load("whisper-tiny", &fx);
+  int all[MAXR];
+  for (int i = 0; i < fx.n; i++) all[i] = i;
+  const setup shapes[] = {
+      {.block_size = 4, .self_blocks = 512, .cross_blocks = 256, .max_batch = 16, .max_tokens = 128},
+      {.block_size = 2, .self_blocks = 512, .cross_blocks = 96, .max_batch = 8, .max_tokens = 2}, /* chunks of 2 */
+      {.block_size = 2, .self_blocks = 512, .cross_blocks = 96, .max_batch = 4, .max_tokens = 4}, /* rows: 4 beams */
+  };
+  const mode modes[] = {GREEDY, SAMPLE, BEAM};
+  int checked = 0;
+  for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
+    for (int pos = 1; pos <= 4; pos++)
+      for (size_t mi = 0; mi < 3; mi++)
+        for (int tk = 0; tk < 2; tk++) {
+          setup su = shapes[si];
+          if (modes[mi] == BEAM && su.max_tokens < 4) continue; /* 4 beams need 4 logit rows */
+          su.probe_pos = pos;
+          int32_t tok = tk ? 50 : fx.req[1].prompt[pos < fx.req[1].n_prompt ? pos : 0];
+          su.probe_tok = tok;
+          run_ctx c;
+          run(&fx, &su, modes[mi], all, fx.n, &c);
+          for (int i = 0; i < fx.n; i++) {
+            int p = pos - 1 < fx.req[i].n_prompt ? pos - 1 : fx.req[i].n_prompt - 1;
+            double want = ref_prob(&fx, i, p, tok);
+            const got *g = &c.g[i];
+            cr_assert(g->finished && g->status == TD_OK && g->n_out > 0);
+            for (int o = 0; o < g->n_out; o++) {
+              cr_assert(g->has_probe[o], "shape %zu mode %zu request %d output %d: no probe", si, mi, i, o);
+              cr_expect(fabs(g->probe[o] - want) <= 1e-4 * want + 1e-7,
+                        "shape %zu mode %zu request %d position %d token %d: probe %.8g, reference %.8g", si, mi, i, p,
+                        tok, g->probe[o], want);
+              checked++;
+            }
+          }
+          free_run(&c);
+        }
+  cr_expect(checked > 100);
+  fx_free(&fx);
+}
+
+Test(engine_probe, refused_outside_the_prompt_or_vocabulary) {
+  lim L;
+  td_model_opts mo = {0};
+  td_engine_opts eo = {0};
+  lim_open(&L, &mo, &eo);
+  td_request r = lim_request(&L);
+  r.params.probe = true;
+  r.params.probe_token = 100000;
+  refused(&L, &r, TD_ERR_INVALID, "probe token 100000 is outside the vocabulary");
+  r.params.probe_token = 5;
+  r.params.probe_position = 1; /* the prompt is the start token alone */
+  refused(&L, &r, TD_ERR_INVALID, "probe position 1 is outside the decoder prompt of 1 tokens");
+  r.params.probe_position = -1;
+  refused(&L, &r, TD_ERR_INVALID, "probe position -1 is outside");
+  r.params.probe_position = 0;
+  r.params.all_logits = true;
+  refused(&L, &r, TD_ERR_INVALID, "a probe and all logits: one or the other");
+  r.params.all_logits = false;
+  runs(&L, &r, 1);
+  lim_close(&L);
 }

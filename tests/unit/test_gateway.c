@@ -2,6 +2,7 @@
  * objects, SSE framing, stop strings over streamed text, Whisper prompts,
  * segments from timestamp tokens, SRT / WebVTT. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -387,4 +388,137 @@ Test(audio, time_format) {
   cr_assert_str_eq(b, "01:02:05,046");
   gw_format_time(b, sizeof b, -1, '.');
   cr_assert_str_eq(b, "00:00:00.000");
+}
+
+/* ---------------------------------------------------------------- long-form */
+
+static bool lf_opts(gw_audio_req *a, td_longform_opts *o, gw_error *e) {
+  td_i32vec ids = {0};
+  memset(e, 0, sizeof *e);
+  bool ok = gw_audio_prompt_ids(a, &wh, &ids, e) && gw_longform_opts(a, &wh, &ids, o, e);
+  if (ok) cr_expect_eq(o->n_prompt_ids, ids.n);
+  td_i32vec_free(&ids);
+  return ok;
+}
+
+/* OpenAI whisper's defaults, the checkpoint's ids; the form's fields. */
+Test(audio, longform_options) {
+  gw_audio_req a = areq("whisper");
+  td_longform_opts o;
+  gw_error e;
+  cr_assert(lf_opts(&a, &o, &e), "%s", e.message);
+  cr_expect_eq(o.window_frames, 400);
+  cr_expect_eq(o.max_target_positions, 64);
+  cr_expect_eq(o.vocab_size, 51866);
+  cr_expect_eq(o.timestamp_begin, 50365);
+  cr_expect_eq(o.no_speech, 50363);
+  cr_expect_eq(o.prev_sot, 50362, "<|startofprev|>: the toy's generation_config.json names none");
+  cr_expect_eq(o.eos, 50257);
+  int32_t init[] = {50258, 50259, 50360};
+  cr_assert_eq(o.n_init, 3);
+  cr_expect_arr_eq(o.init, init, sizeof init);
+  float ladder[] = {0.0f, 0.2f, 0.4f, 0.6f, 0.8f, 1.0f};
+  cr_assert_eq(o.n_temperatures, 6);
+  cr_expect_arr_eq(o.temperatures, ladder, sizeof ladder);
+  cr_expect(o.has_compression_ratio_threshold && o.compression_ratio_threshold == 1.35);
+  cr_expect(o.has_logprob_threshold && o.logprob_threshold == -1.0);
+  cr_expect(o.has_no_speech_threshold && o.no_speech_threshold == 0.6);
+  cr_expect(o.condition_on_prev_tokens);
+  /* the fields: a ladder from 0.5 by 0.25, no compression threshold, not conditioned, a prompt */
+  a.has_temperature = true;
+  a.temperature = 0.5f;
+  cr_assert(gw_opt_num_parse("temperature_increment_on_fallback", "0.25", false, &a.lf.temperature_increment, &e));
+  cr_assert(gw_opt_num_parse("compression_ratio_threshold", "none", true, &a.lf.compression_ratio_threshold, &e));
+  cr_assert(gw_opt_num_parse("logprob_threshold", "-0.5", true, &a.lf.logprob_threshold, &e));
+  a.lf.condition_given = true;
+  a.prompt = strdup("forty two");
+  snprintf(a.language, sizeof a.language, "de");
+  cr_assert(lf_opts(&a, &o, &e), "%s", e.message);
+  float ladder2[] = {0.5f, 0.75f, 1.0f};
+  cr_assert_eq(o.n_temperatures, 3);
+  cr_expect_arr_eq(o.temperatures, ladder2, sizeof ladder2);
+  cr_expect(!o.has_compression_ratio_threshold);
+  cr_expect_eq(o.logprob_threshold, -0.5);
+  cr_expect(!o.condition_on_prev_tokens);
+  cr_expect(o.n_prompt_ids > 0);
+  cr_expect_eq(o.init[1], td_tokenizer_token_to_id(wh.tok, "<|de|>"));
+  free(a.prompt);
+  /* no fallback */
+  a = areq("whisper");
+  cr_assert(gw_opt_num_parse("temperature_increment_on_fallback", "0", false, &a.lf.temperature_increment, &e));
+  cr_assert(lf_opts(&a, &o, &e), "%s", e.message);
+  cr_expect_eq(o.n_temperatures, 1);
+}
+
+static void lf_refused(gw_audio_req a, const char *param, const char *says) {
+  td_longform_opts o;
+  gw_error e;
+  cr_assert(!lf_opts(&a, &o, &e), "accepted: %s", says);
+  cr_expect_eq(e.http, 400);
+  cr_expect_str_eq(e.param, param);
+  cr_expect(strstr(e.message, says), "\"%s\" does not say \"%s\"", e.message, says);
+}
+
+Test(audio, longform_refusals) {
+  gw_error e = {0};
+  td_opt_num x;
+  cr_expect(!gw_opt_num_parse("logprob_threshold", "low", true, &x, &e));
+  cr_expect_str_eq(e.param, "logprob_threshold");
+  cr_expect(!gw_opt_num_parse("temperature_increment_on_fallback", "none", false, &x, &e), "no off for the step");
+  cr_expect(!gw_opt_num_parse("no_speech_threshold", "nan", true, &x, &e));
+  gw_audio_req a = areq("whisper");
+  a.lf.logprob_threshold = (td_opt_num){.given = true, .v = 0.5};
+  lf_refused(a, "logprob_threshold", "logprob_threshold: 0.5");
+  a = areq("whisper");
+  a.lf.logprob_threshold = (td_opt_num){.given = true, .off = true};
+  lf_refused(a, "no_speech_threshold", "no_speech_threshold needs logprob_threshold");
+  a = areq("whisper");
+  a.lf.no_speech_threshold = (td_opt_num){.given = true, .v = 2};
+  lf_refused(a, "no_speech_threshold", "not a probability");
+  a = areq("whisper");
+  a.lf.compression_ratio_threshold = (td_opt_num){.given = true, .v = -1};
+  lf_refused(a, "compression_ratio_threshold", "compression_ratio_threshold: -1");
+  a = areq("whisper");
+  a.lf.temperature_increment = (td_opt_num){.given = true, .v = 0.01};
+  lf_refused(a, "temperature_increment_on_fallback", "more than 16 temperatures");
+  a.lf.temperature_increment = (td_opt_num){.given = true, .v = 1.5};
+  lf_refused(a, "temperature_increment_on_fallback", "in [0, 1]");
+}
+
+/* The transcription's segments as the answers show them: tokens one after
+ * another, texts without timestamps, each window's figures, empty text kept. */
+Test(audio, longform_segments) {
+  td_longform_opts o = {.window_frames = 400, .input_stride = 2, .max_target_positions = 64, .vocab_size = 51866,
+                        .timestamp_begin = 50365, .eos = 50257, .no_speech = 50363, .prev_sot = 50362,
+                        .init = {50258, 50259, 50360}, .n_init = 3, .temperatures = {0}, .n_temperatures = 1};
+  td_longform *lf;
+  cr_assert_eq(td_longform_create(&o, 900, &lf), TD_OK, "%s", td_errmsg());
+  td_longform_window w;
+  cr_assert(td_longform_next(lf, &w));
+  int32_t a1[] = {50365, 14034, 50415, 50415, 1017, 2009, 22, 50465, 50257}; /* <|0.00|> 42 <|1.00|><|1.00|> 4207 <|2.00|> */
+  float lp[9] = {0};
+  cr_assert_eq(td_longform_feed(lf, a1, 9, lp, NAN), TD_OK, "%s", td_errmsg());
+  cr_assert(td_longform_next(lf, &w));
+  int32_t a2[] = {51461, 50257}; /* one timestamp: no text */
+  cr_assert_eq(td_longform_feed(lf, a2, 2, lp, NAN), TD_OK, "%s", td_errmsg());
+  int32_t *tok;
+  int n_tok, n_seg;
+  gw_segment *seg;
+  char *text;
+  cr_assert_eq(gw_longform_segments(&wh, lf, &tok, &n_tok, &seg, &n_seg, &text), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(n_seg, 3);
+  cr_expect_eq(n_tok, 3 + 5 + 1);
+  cr_expect_str_eq(text, "42 4207");
+  cr_expect_str_eq(seg[0].text, " 42");
+  cr_expect_str_eq(seg[1].text, " 4207");
+  cr_expect_str_eq(seg[2].text, "");
+  cr_expect(seg[0].stats && seg[2].seek == 400);
+  cr_expect(seg[1].start == 1.0 && seg[1].end == 2.0);
+  cr_expect(seg[2].start == 4.0 && fabs(seg[2].end - 25.92) < 1e-9);
+  cr_expect_eq(seg[1].first, 3);
+  cr_expect_eq(tok[seg[2].first], 51461);
+  gw_segments_free(seg, n_seg);
+  free(tok);
+  free(text);
+  td_longform_destroy(lf);
 }

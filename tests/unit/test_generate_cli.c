@@ -1,5 +1,6 @@
 /* tandem-generate on the command line: tokens and --logits-out against the
  * Hugging Face fixtures, and clear errors for bad input. */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -266,6 +267,93 @@ Test(generate_cli, whisper_audio_lines) {
   cr_expect_str_eq(text_of(lines[0]), " 4207");
   cr_expect_str_eq(text_of(lines[1]), " 55", "the language detected");
   cr_expect(strstr(text_of(lines[2]), "language \"xx\" is not one this Whisper checkpoint knows"), "%s", lines[2]);
+  free_lines(lines, n);
+}
+
+/* Appends the PCM of a 16 kHz mono 16-bit WAV to out. */
+static void append_pcm(const char *path, FILE *out, size_t *bytes) {
+  FILE *f = fopen(path, "rb");
+  cr_assert(f, "%s", path);
+  unsigned char h[12], c[8];
+  cr_assert_eq(fread(h, 1, 12, f), 12u);
+  while (fread(c, 1, 8, f) == 8) {
+    size_t n = (size_t)c[4] | (size_t)c[5] << 8 | (size_t)c[6] << 16 | (size_t)c[7] << 24;
+    if (memcmp(c, "data", 4)) {
+      fseek(f, (long)(n + (n & 1)), SEEK_CUR);
+      continue;
+    }
+    char *b = malloc(n);
+    cr_assert_eq(fread(b, 1, n, f), n);
+    fwrite(b, 1, n, out);
+    free(b);
+    *bytes += n;
+    break;
+  }
+  fclose(f);
+}
+
+static void le32(unsigned char *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* Audio past the toy's 4 s window: long-form, a window at a time (the toy
+ * predicts one timestamp past the window and EOS: a segment a window, no
+ * text); the language detected from the first window; every window skipped
+ * when every one is "no speech"; settings out of range refused. */
+Test(generate_cli, whisper_long_audio_lines) {
+  char model[512], wav[512], req[512], args[1600];
+  snprintf(model, sizeof model, "%s/toy-numbers-whisper", TD_FIXTURES_DIR);
+  snprintf(wav, sizeof wav, "%s/long.wav", dir);
+  FILE *w = fopen(wav, "wb");
+  unsigned char h[44] = "RIFF....WAVEfmt ";
+  fwrite(h, 1, 44, w);
+  size_t bytes = 0;
+  const char *names[] = {"number-4207", "number-1999", "number-305", "number-42"};
+  for (int i = 0; i < 4; i++) {
+    char p[512];
+    snprintf(p, sizeof p, "%s/audio/toy-numbers-whisper/%s.wav", TD_TEST_DATA, names[i]);
+    append_pcm(p, w, &bytes);
+  }
+  le32(h + 4, (uint32_t)(36 + bytes));
+  le32(h + 16, 16);
+  h[20] = 1, h[21] = 0, h[22] = 1, h[23] = 0;
+  le32(h + 24, 16000);
+  le32(h + 28, 32000);
+  h[32] = 2, h[33] = 0, h[34] = 16, h[35] = 0;
+  memcpy(h + 36, "data", 4);
+  le32(h + 40, (uint32_t)bytes);
+  fseek(w, 0, SEEK_SET);
+  fwrite(h, 1, 44, w);
+  fclose(w);
+  int windows = (int)((bytes / 2 / 160 + 399) / 400);
+  snprintf(req, sizeof req, "%s/long.jsonl", dir);
+  FILE *f = fopen(req, "w");
+  fprintf(f, "{\"id\": \"a\", \"audio\": \"%s\", \"language\": \"en\", \"temperature_increment_on_fallback\": 0}\n", wav);
+  fprintf(f, "{\"id\": \"b\", \"audio\": \"%s\", \"temperature_increment_on_fallback\": 0}\n", wav);
+  fprintf(f, "{\"id\": \"c\", \"audio\": \"%s\", \"language\": \"en\", \"logprob_threshold\": 0, "
+             "\"no_speech_threshold\": 0}\n", wav);
+  fprintf(f, "{\"id\": \"d\", \"audio\": \"%s\", \"logprob_threshold\": 2}\n", wav);
+  fclose(f);
+  snprintf(args, sizeof args, "--model %s --requests %s", model, req);
+  char **lines;
+  int n;
+  cr_expect_eq(run_gen(args, &lines, &n), 1, "one line is refused");
+  cr_assert_eq(n, 4);
+  for (int k = 0; k < 2; k++) {
+    cJSON *j = cJSON_Parse(lines[k]);
+    cr_assert(j, "%s", lines[k]);
+    const cJSON *o = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "outputs"), 0);
+    cr_assert(o, "%s", lines[k]);
+    const cJSON *segs = cJSON_GetObjectItem(o, "segments");
+    cr_expect_eq(cJSON_GetArraySize(segs), windows, "%s", lines[k]);
+    cr_expect_eq(cJSON_GetArraySize(cJSON_GetObjectItem(o, "tokens")), windows, "%s", lines[k]);
+    for (int i = 0; i < cJSON_GetArraySize(segs); i++)
+      cr_expect_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(segs, i), "start")->valuedouble, 4.0 * i, "%s", lines[k]);
+    cJSON_Delete(j);
+  }
+  cr_expect_str_eq(strstr(lines[0], "\"outputs\""), strstr(lines[1], "\"outputs\""), "detected: English, the same");
+  cr_expect(strstr(lines[2], "\"tokens\":[],\"text\":\"\",\"segments\":[]"), "every window skipped: %s", lines[2]);
+  cr_expect(strstr(lines[3], "logprob_threshold: 2"), "%s", lines[3]);
   free_lines(lines, n);
 }
 

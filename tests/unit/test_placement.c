@@ -395,3 +395,18 @@ Test(placement, the_decode_worker_that_failed_the_last_attempt_is_avoided) {
   cr_expect_str_eq(who(&pl, out.decode), "broken");
   (void)broken;
 }
+
+/* A probe reads a prompt row: the decode worker computes the whole prompt. */
+Test(placement, no_prefill_worker_for_a_probe) {
+  pool pl = {0};
+  add(&pl, "dec", "d");
+  add(&pl, "enc", "e");
+  add(&pl, "pre", "p");
+  td_place_req q = small;
+  q.n_prompt = 100;
+  q.no_prefill = true;
+  td_placement out;
+  cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
+  cr_expect_eq(out.prefill, -1, "a probing request went to a prefill worker");
+  cr_expect_str_eq(who(&pl, out.decode), "dec");
+}

@@ -45,6 +45,9 @@ Test(request_lines, refusals) {
   expect_bad("{\"input_ids\": [1], \"timestamps\": true}", "go with \"audio\"");
   expect_bad("{\"audio\": \"" WAV "\", \"task\": \"summarize\"}", "\"task\" must be");
   expect_bad("{\"audio\": \"no-such-file.wav\"}", "no-such-file.wav");
+  expect_bad("{\"input_ids\": [1], \"probe_token_id\": 5}", "go together");
+  expect_bad("{\"input_ids\": [1], \"probe_position\": 0}", "go together");
+  expect_bad("{\"input_ids\": [1], \"probe_token_id\": -1, \"probe_position\": 0}", "must be at least 0");
   expect_bad("{\"audio\": \"" WAV "\", \"language\": \"a-language-code-longer-than-31-bytes\"}", "\"language\" is longer than 31 bytes");
   /* a text past the limit */
   size_t n = TD_MAX_TEXT_BYTES + 1;
@@ -78,4 +81,39 @@ Test(request_lines, results_with_text) {
   cr_assert(second, "%s", s);
   cr_expect(!strstr(second, "\"text\""), "%s", s);
   free(s);
+}
+
+Test(request_lines, probe) {
+  td_json_request r;
+  const char *t = "{\"input_ids\": [1], \"decoder_prompt\": [0, 7], \"probe_token_id\": 5, \"probe_position\": 1}";
+  cr_assert_eq(td_json_request_parse(t, strlen(t), NULL, 1, &r), TD_OK, "%s", td_errmsg());
+  cr_expect(r.params.probe);
+  cr_expect_eq(r.params.probe_token, 5);
+  cr_expect_eq(r.params.probe_position, 1);
+  td_json_request_free(&r);
+  int32_t toks[1] = {6};
+  td_seq_output o = {.tokens = toks, .n_tokens = 1, .finish = TD_FINISH_STOP, .has_probe = true, .probe_prob = 0.25};
+  char *s = td_json_result_format("q", &o, 1);
+  cr_assert(s);
+  cr_expect(strstr(s, "\"probe_prob\":0.25"), "%s", s);
+  free(s);
+}
+
+/* Long-form settings go with audio: numbers, null turns a threshold off. */
+Test(request_lines, longform_settings) {
+  td_json_request r;
+  const char *a = "{\"audio\": \"" WAV "\", \"temperature_increment_on_fallback\": 0, \"compression_ratio_threshold\": null,"
+                  " \"logprob_threshold\": -0.5, \"condition_on_previous_text\": false}";
+  cr_assert_eq(td_json_request_parse(a, strlen(a), NULL, 1, &r), TD_OK, "%s", td_errmsg());
+  const td_longform_settings *s = &r.longform;
+  cr_expect(s->temperature_increment.given && !s->temperature_increment.off && s->temperature_increment.v == 0);
+  cr_expect(s->compression_ratio_threshold.given && s->compression_ratio_threshold.off);
+  cr_expect(s->logprob_threshold.given && s->logprob_threshold.v == -0.5);
+  cr_expect(!s->no_speech_threshold.given);
+  cr_expect(s->condition_given && !s->condition_on_previous_text);
+  td_json_request_free(&r);
+  expect_bad("{\"input_ids\": [1], \"no_speech_threshold\": 0.5}", "go with \"audio\"");
+  expect_bad("{\"audio\": \"" WAV "\", \"logprob_threshold\": \"low\"}", "\"logprob_threshold\" must be a number or null");
+  expect_bad("{\"audio\": \"" WAV "\", \"temperature_increment_on_fallback\": null}", "must be a number");
+  expect_bad("{\"audio\": \"" WAV "\", \"condition_on_previous_text\": 1}", "condition_on_previous_text");
 }

@@ -426,3 +426,26 @@ Test(admit, allowed_tokens_outside_the_vocabulary) {
   allowed[1] = 99;
   expect(&r, TD_OK, NULL);
 }
+
+Test(admit, probe_outside_the_vocabulary_or_prompt) {
+  req r;
+  valid(&r);
+  int32_t p[3] = {0, 1, 2};
+  r.g.decoder_prompt = p;
+  r.g.n_decoder_prompt = 3;
+  r.sp.probe = true;
+  r.sp.probe_token_id = 100;
+  expect(&r, TD_ERR_INVALID, "probe_token_id 100 is outside the vocabulary of 100");
+  r.sp.probe_token_id = 99;
+  r.sp.probe_position = 3;
+  expect(&r, TD_ERR_INVALID, "probe_position 3 is outside the decoder prompt of 3 tokens");
+  r.sp.probe_position = 2;
+  Tandem__ModelInfo m = model();
+  td_req_shape sh;
+  char msg[256];
+  cr_assert_eq(td_admit_request(&m, 16, &r.g, &sh, msg, sizeof msg), TD_OK, "%s", msg);
+  cr_expect(sh.probe, "the shape says the decode worker computes the prompt");
+  r.sp.probe = false;
+  cr_assert_eq(td_admit_request(&m, 16, &r.g, &sh, msg, sizeof msg), TD_OK, "%s", msg);
+  cr_expect(!sh.probe);
+}
