@@ -145,7 +145,7 @@ def main():
         gc.prev_sot_token_id = TINY_PREV_SOT
         features = tiny_features(model.config.num_mel_bins, TINY_FRAMES)
         tok_decode = None
-        ref["features"] = "(((m * 31 + t * 17) % 97) - 48) / 48, float32 [%d, %d]" % features.shape[1:]
+        ref["features"] = "(((m * 31 + t * 17) %% 97) - 48) / 48, float32 [%d, %d]" % tuple(features.shape[1:])
     else:
         from transformers import WhisperFeatureExtractor
         tok = load_tokenizer(d)
