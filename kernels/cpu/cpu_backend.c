@@ -13,8 +13,15 @@ static void cpu_destroy(td_backend *b) { free(b); }
 
 static td_status cpu_alloc(td_backend *b, size_t bytes, void **out) {
   /* 64-byte alignment for vector loads; size rounded as aligned_alloc requires. */
-  *out = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-  return *out ? TD_OK : td_err(TD_ERR_NOMEM, "cannot allocate %zu bytes", bytes);
+  size_t n = (bytes + 63) & ~(size_t)63;
+  *out = aligned_alloc(64, n);
+  if (!*out) return td_err(TD_ERR_NOMEM, "cannot allocate %zu bytes", bytes);
+  /* Touched now, as a GPU's memory is committed at allocation: a KV pool's
+   * pages were otherwise first touched by the first burst to reach them, so
+   * a worker's memory grew mid-run (an hour's soak: +6 MB at minute 55) and a
+   * machine short of memory would fail then rather than at start. */
+  memset(*out, 0, n);
+  return TD_OK;
 }
 
 static void cpu_free(td_backend *b, void *p) { free(p); }
