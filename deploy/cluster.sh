@@ -64,7 +64,6 @@ n_hosts=$(q '.hosts | length')
 # plan: one line a process: host index, id, its arguments (one string, shell-quoted)
 plan=()
 decoders=0
-any_group=$(jq '[.hosts[]?.pools[]? | ((.tp // 1) * (.pp // 1))] | any(. > 1)' "$file")
 for ((h = 0; h < n_hosts; h++)); do
   hn=$(q ".hosts[$h].name // empty")
   [[ $hn =~ ^[A-Za-z0-9._-]+$ ]] || die "hosts[$h].name: letters, digits, '.', '_' or '-'"
@@ -90,6 +89,9 @@ for ((h = 0; h < n_hosts; h++)); do
     ranks=$((tp * pp))
     [[ $ranks -eq 1 || $role == decode ]] ||
       die "hosts[$h].pools[$p]: only decode workers form TP / PP groups"
+    ct=$(pf '.cross_transfer // empty')
+    [[ -z $ct || ($role == encode && ($ct == states || $ct == kv)) ]] ||
+      die "hosts[$h].pools[$p].cross_transfer: states or kv, on an encode pool"
     device=$(pf '.device')
     [[ $device == cpu || $device == cuda ]] || die "hosts[$h].pools[$p].device: cpu or cuda"
     [[ $device == cpu || $hgpus -gt 0 ]] || die "hosts[$h]: cuda workers on a host of \"gpus\": 0"
@@ -106,8 +108,8 @@ for ((h = 0; h < n_hosts; h++)); do
         id=$base
         ((r > 0)) && id="$base-rank$r"
         args="$common --id $id --role $role"
-        # encoders push encoder states unless a decode group (which cannot project them) is in the cluster
-        [[ $role == encode && $any_group == true ]] && args+=" --cross-transfer kv"
+        # encoders push encoder states (every decode worker, group or not, projects them) unless told kv
+        [[ -n $ct ]] && args+=" --cross-transfer $ct"
         if [[ $device == cuda ]]; then
           args+=" --gpu $gpu"
           gpu=$(((gpu + 1) % hgpus))

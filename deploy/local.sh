@@ -31,7 +31,7 @@
 #                                                     their batch decode; default 50)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
 #                   [--cross-transfer states|kv]      (what encoder workers push: encoder states, projected
-#                                                     on arrival (the default; kv with decode groups), or K/V)
+#                                                     on arrival (the default), or K/V)
 #                   [--cross-mode auto|kv|states|dual] (what the cross pools hold: router and every
 #                                                     worker; auto: dual, --cross-states: states)
 #                   [--max-held-mb N]                 (the router's bound on the client messages it holds;
@@ -343,11 +343,10 @@ plan() { # name weight flags...
   next_gpu
   w_name+=("$1"); w_gpu+=("$gpu"); w_weight+=("$2"); shift 2; w_args+=("$*")
 }
-# encoders push encoder states (projected on arrival) where every receiver can
-# project them: single-process decode workers, not groups (docs/kvtransfer.md)
+# encoders push encoder states (projected on arrival by every decode worker,
+# a group's ranks each its own heads or layers; docs/kvtransfer.md) unless told kv
 enc_args=(--role encode)
-if [[ -n $cross_transfer ]]; then enc_args+=(--cross-transfer "$cross_transfer")
-elif ((group_size > 1)); then enc_args+=(--cross-transfer kv); fi
+[[ -z $cross_transfer ]] || enc_args+=(--cross-transfer "$cross_transfer")
 for ((i = 0; i < encoders; i++)); do plan "encoder-$i" 1 "${enc_args[@]}"; done
 for ((i = 0; i < prefills; i++)); do plan "prefill-$i" 1 --role prefill; done
 for ((i = 0; i < decodes; i++)); do

@@ -161,10 +161,9 @@ td_status td_model_project_cross(td_model *m, const int32_t *cross_slots, int n)
   if (cl.n_layers == 0 || cl.states == 0)
     return td_err(TD_ERR_INVALID, "project cross: the cross pool (%s) holds no %s", td_cross_mode_name(m->opts.cross_mode),
                   cl.states ? "per-layer K/V to project into" : "encoder states to project from");
-  /* groups would need the call mirrored to every rank: they receive K/V */
-  if (m->opts.tp_size > 1 || d->stages > 1)
-    return td_err(TD_ERR_UNSUPPORTED, "project cross: not on a tensor- or pipeline-parallel rank");
   if (n < 0 || (n > 0 && !cross_slots)) return td_err(TD_ERR_INVALID, "project cross: %d rows", n);
+  /* no collective inside: each rank's ckv weights and pool are its own heads (TP) or layers (PP) */
+  TD_TRY(mirror_publish_project(m, cross_slots, n));
   int hd = d->dh_ * d->ddh;
   size_t es = td_buf_elem_size(b, TD_BUF_ACT);
   /* chunks of the encoder's workspace: every decoder layer's K/V GEMM over all of a chunk's rows */

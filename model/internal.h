@@ -135,5 +135,6 @@ td_status bart_load(td_model *m, loader *ld, const char *P);
 /* Publishes a call to the followers when a mirror is set. */
 td_status mirror_publish_encode(td_model *m, const td_encode_input *in);
 td_status mirror_publish_step(td_model *m, const td_step_input *in);
+td_status mirror_publish_project(td_model *m, const int32_t *cross_slots, int n);
 
 #endif

@@ -1,5 +1,5 @@
 /* The follower mirror of a tensor- or pipeline-parallel group: the
- * leader's encode, step and block-copy calls are serialised as bytes and
+ * leader's encode, step, block-copy and projection calls are serialised as bytes and
  * published; each follower's td_model_replay runs the same call, so that
  * the collectives inside meet. */
 #include <stdlib.h>
@@ -7,7 +7,7 @@
 
 #include "model/internal.h"
 
-enum { MIRROR_ENCODE = 1, MIRROR_STEP = 2, MIRROR_COPY = 3, MIRROR_MAGIC = 0x54444d52 };
+enum { MIRROR_ENCODE = 1, MIRROR_STEP = 2, MIRROR_COPY = 3, MIRROR_PROJECT = 4, MIRROR_MAGIC = 0x54444d52 };
 
 typedef struct mbuf {
   uint8_t *p;
@@ -122,6 +122,19 @@ td_status mirror_publish_step(td_model *m, const td_step_input *in) {
   return s;
 }
 
+/* Every rank projects its own heads (TP) or layers (PP) from the states
+ * tails that reached it before this call on the same channel. */
+td_status mirror_publish_project(td_model *m, const int32_t *cross_slots, int n) {
+  if (!m->mirror.publish) return TD_OK;
+  mbuf b = {0};
+  put_i32(&b, MIRROR_MAGIC);
+  put_i32(&b, MIRROR_PROJECT);
+  put_arr(&b, cross_slots, n);
+  td_status s = b.oom ? td_err(TD_ERR_NOMEM, "mirror: out of memory") : m->mirror.publish(m->mirror.ctx, b.p, b.n);
+  free(b.p);
+  return s;
+}
+
 static td_status replay_aligned(td_model *m, const void *bytes, size_t len);
 
 td_status td_model_copy_self_blocks(td_model *m, const int32_t *pairs, int n_pairs) {
@@ -196,6 +209,11 @@ static td_status replay_aligned(td_model *m, const void *bytes, size_t len) {
     td_kv_layout sl = td_model_self_layout(m);
     TD_TRY(td_kv_copy_blocks(m->b, m->self_pool, &sl, pairs, n / 2));
     return td_sync(m->b);
+  }
+  if (kind == MIRROR_PROJECT) {
+    const int32_t *slots = get_arr(&r, 4, &n);
+    if (r.bad) return td_err(TD_ERR_FORMAT, "mirror: truncated projection");
+    return td_model_project_cross(m, slots, n);
   }
   if (kind != MIRROR_STEP) return td_err(TD_ERR_FORMAT, "mirror: unknown call %d", kind);
   td_step_input in = {0};

@@ -88,7 +88,9 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
  * states push; cross mode dual) into every decoder layer's cross K/V of the
  * same slots, as td_model_encode would have written them: per layer one
  * GEMM over all n rows (host cross_slots, negative: skipped), in chunks of
- * the encoder's workspace. Single-rank models only. Synchronous. */
+ * the encoder's workspace. On a TP / PP leader the call is mirrored: every
+ * rank projects its own heads or layers from its own (whole) states tails.
+ * Synchronous. */
 td_status td_model_project_cross(td_model *m, const int32_t *cross_slots, int n);
 
 typedef struct td_step_input {

@@ -153,7 +153,7 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
     if (!usable && states) {
       /* no encoder whose pushes it can take: as if there were none */
       snprintf(out->why, sizeof out->why, "the encoders push encoder states, which decode worker %s%s cannot project "
-               "(a TP / PP group, or cross mode kv): start an encoder with --cross-transfer kv",
+               "(cross mode kv): start an encoder with --cross-transfer kv",
                pool[d]->id ? pool[d]->id : "?", pool[d]->projects ? "'s prefill workers" : "");
       out->missing = true;
     }

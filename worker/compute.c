@@ -318,12 +318,27 @@ static void compute_cancel(td_worker *w, uint64_t rid, int slot) {
 static void compute_write_kv(td_worker *w, cmd *c) {
   td_kv_pool *pool = c->cross ? td_engine_cross_pool(w->e) : td_engine_self_pool(w->e);
   size_t bb = td_kv_pool_block_bytes(pool), es = td_buf_elem_size(w->b, TD_BUF_ACT);
-  if (c->states_only) { /* one rank (states_bb): each tail at its block's end */
+  if (c->states_only) { /* each tail at its block's end, on every rank the same (a tail is whole on each) */
     for (int i = 0; i < c->n_blocks; i++)
       if (c->blocks[i] >= 0 && c->blocks[i] < td_kv_pool_get_stats(pool).n_blocks)
         (void)td_copy_h2d(w->b, (uint8_t *)td_kv_pool_memory(pool) + (size_t)c->blocks[i] * bb + bb - w->states_bb,
                           c->data + (size_t)i * w->states_bb, w->states_bb);
     (void)td_sync(w->b);
+    if (w->world > 1) {
+      size_t len = 6 + (size_t)c->n_blocks * (4 + w->states_bb);
+      uint8_t *msg = malloc(len);
+      if (!msg) {
+        TD_ERROR("out of memory forwarding %d encoder states blocks", c->n_blocks);
+        return;
+      }
+      msg[0] = 'K';
+      msg[1] = MIRROR_KV_STATES;
+      memcpy(msg + 2, &c->n_blocks, 4);
+      memcpy(msg + 6, c->blocks, sizeof(int32_t) * (size_t)c->n_blocks);
+      memcpy(msg + 6 + (size_t)c->n_blocks * 4, c->data, (size_t)c->n_blocks * w->states_bb);
+      for (int r = 1; r < w->world; r++) w_mirror_send(w, r, msg, len);
+      free(msg);
+    }
     return;
   }
   const td_kv_layout *fl = c->cross ? &w->full_cross : &w->full_self;
@@ -349,7 +364,7 @@ static void compute_write_kv(td_worker *w, cmd *c) {
         break;
       }
       msg[0] = 'K';
-      msg[1] = c->cross;
+      msg[1] = c->cross ? MIRROR_KV_CROSS : MIRROR_KV_SELF;
       memcpy(msg + 2, &c->n_blocks, 4);
       memcpy(msg + 6, c->blocks, sizeof(int32_t) * (size_t)c->n_blocks);
     }
@@ -405,8 +420,8 @@ static void model_facts(td_worker *w) {
   w->full_cross.states = mcl.states;
   w->full_self_bb = td_kv_block_elems(&w->full_self) * es;
   w->full_cross_bb = td_kv_block_elems(&w->full_cross) * es;
-  w->states_bb = mcl.n_layers > 0 && mcl.states > 0 && w->world == 1
-                     ? (size_t)w->block_size * (size_t)mcl.states * es : 0;
+  /* a group's leader takes states too: its followers get the same tails and replay the projection */
+  w->states_bb = mcl.n_layers > 0 && mcl.states > 0 ? (size_t)w->block_size * (size_t)mcl.states * es : 0;
   /* the pools stay this thread's; the main thread registers their memory with UCX */
   td_kv_pool *cp = td_engine_cross_pool(w->e), *sp = td_engine_self_pool(w->e);
   w->pools.cuda = w->o.device == TD_BACKEND_CUDA;

@@ -55,23 +55,33 @@ typedef struct follower {
   uint64_t hb_seq;
 } follower;
 
-/* A 'K' mirror message: [cross][n][ids][bytes of n blocks], each block this
- * rank's slice (with the states tail whole): its pool's block size. */
+/* A 'K' mirror message: [kind][n][ids][bytes of n blocks] (MIRROR_KV_*),
+ * each block this rank's slice (with the states tail whole): its pool's
+ * block size; or each block's states tail only, written at the block's end
+ * (the projection that reads it follows as an 'R' call). */
 static td_status write_mirrored_kv(follower *f, const uint8_t *p, size_t len) {
   if (len < 5) return td_err(TD_ERR_FORMAT, "mirror: short KV message");
-  bool is_cross = p[0] != 0;
+  int kind = p[0];
+  if (kind != MIRROR_KV_SELF && kind != MIRROR_KV_CROSS && kind != MIRROR_KV_STATES)
+    return td_err(TD_ERR_FORMAT, "mirror: KV message of kind %d", kind);
   int32_t n;
   memcpy(&n, p + 1, 4);
-  td_kv_pool *pool = is_cross ? f->cross : f->self;
-  size_t bb = td_kv_pool_block_bytes(pool);
-  if (n < 0 || len != 5 + (size_t)n * 4 + (size_t)n * bb)
+  td_kv_pool *pool = kind == MIRROR_KV_SELF ? f->self : f->cross;
+  size_t bb = td_kv_pool_block_bytes(pool), put = bb, at = 0;
+  if (kind == MIRROR_KV_STATES) {
+    td_kv_layout cl = td_model_cross_layout(f->m);
+    put = (size_t)cl.block_size * (size_t)cl.states * td_buf_elem_size(f->b, TD_BUF_ACT);
+    if (!put || cl.n_layers == 0) return td_err(TD_ERR_FORMAT, "mirror: encoder states for a pool without states and K/V");
+    at = bb - put;
+  }
+  if (n < 0 || len != 5 + (size_t)n * 4 + (size_t)n * put)
     return td_err(TD_ERR_FORMAT, "mirror: KV message of %zu bytes", len);
   const uint8_t *data = p + 5 + (size_t)n * 4;
   for (int i = 0; i < n; i++) {
     int32_t id;
     memcpy(&id, p + 5 + (size_t)i * 4, 4);
     if (id < 0 || id >= td_kv_pool_get_stats(pool).n_blocks) return td_err(TD_ERR_FORMAT, "mirror: KV block %d", id);
-    TD_TRY(td_copy_h2d(f->b, (uint8_t *)td_kv_pool_memory(pool) + (size_t)id * bb, data + (size_t)i * bb, bb));
+    TD_TRY(td_copy_h2d(f->b, (uint8_t *)td_kv_pool_memory(pool) + (size_t)id * bb + at, data + (size_t)i * put, put));
   }
   return td_sync(f->b);
 }

@@ -28,6 +28,11 @@ void group_info_free(group_info *g);
 /* rank 0's endpoint carries two: "COMM|MIRROR". */
 void group_split_leader(const char *ep, char *comm, size_t ccap, char *mirror, size_t mcap);
 
+/* What a 'K' mirror message ([kind][n][ids][blocks]) carries: this rank's
+ * slices of self or cross blocks (their block size), or cross blocks'
+ * states tails only (a states push: the same for every rank). */
+enum { MIRROR_KV_SELF = 0, MIRROR_KV_CROSS = 1, MIRROR_KV_STATES = 2 };
+
 /* Copies the part of a whole-model KV block (layout fl, elements of es
  * bytes) that holds layers [l0, l1) and heads [h0, h1) into dst (the same
  * layout, cut), and its states tail whole. */

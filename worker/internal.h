@@ -196,7 +196,7 @@ struct td_worker {
   /* whole-model KV blocks, what peers push (cross: with the states tail per --cross-mode) */
   td_kv_layout full_self, full_cross;
   /* a cross block's states tail in bytes where states pushes can be taken
-   * (cross mode dual, one rank: td_model_project_cross), else 0 */
+   * (cross mode dual: td_model_project_cross, mirrored on a group's ranks), else 0 */
   size_t states_bb;
   bool states_out; /* an encoder-only worker whose cross mode auto became states: it pushes states */
   size_t full_self_bb, full_cross_bb;

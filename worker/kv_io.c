@@ -30,7 +30,7 @@ static bool k_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const in
     else
       snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "
                "--cross-mode?%s)", cross ? "cross" : "self", block_bytes, want,
-               cross ? "; encoder states are taken only by a one-rank worker in cross mode dual" : "");
+               cross ? "; encoder states are taken only by a worker in cross mode dual" : "");
     return false;
   }
   td_job *j = w_job_by_reservation(w, rid, res, cross);

@@ -139,8 +139,6 @@ static void start_worker(cluster *c, const char *name, const char *roles, const 
   if (group) argv[a++] = "--group", argv[a++] = (char *)group, argv[a++] = "--tp", argv[a++] = "2",
              argv[a++] = "--rank", argv[a++] = (char *)rank;
   if (in_netns) argv[a++] = "--host", argv[a++] = NETNS_PEER, argv[a++] = "--kv-transport", argv[a++] = "zmq";
-  /* a TP group takes K/V pushes, not encoder states to project */
-  if (c->tp && !strcmp(roles, "encode")) argv[a++] = "--cross-transfer", argv[a++] = "kv";
   argv[a] = NULL;
   spawn(c, name, argv);
 }

@@ -166,9 +166,7 @@ static const kv_want all_ucx[] = {{NULL, 1, 0}};
 
 static void check_topology_groups(const char *model, int enc, int pre, int dec, int clients, int gtp, int gpp) {
   cluster_opts o = {.encoders = enc, .prefills = pre, .decodes = dec, .group_tp = gtp, .group_pp = gpp};
-  /* groups do not project encoder states: their encoders push K/V */
-  if (gtp > 1 || gpp > 1) o.worker_extra = "--cross-transfer kv";
-  /* a group takes its KV over ZeroMQ (the leader re-slices); a prefill worker over UCX */
+  /* a group takes its KV over ZeroMQ (encoder states, or prompt K/V the leader re-slices); a prefill worker over UCX */
   const kv_want groups[] = {{"decode-", 0, 1}, {"prefill-", pre ? 1 : -1, 0}};
   run_topology(model, o, clients, gtp > 1 || gpp > 1 ? groups : all_ucx, gtp > 1 || gpp > 1 ? 2 : 1, NULL);
 }
@@ -195,8 +193,7 @@ Test(cluster, an_idle_group_stays_up, .timeout = 120) {
   fixture fx;
   fx_load("t5-tiny", &fx);
   cluster c;
-  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1, .group_tp = 2,
-                                    .worker_extra = "--cross-transfer kv"});
+  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1, .group_tp = 2});
   usleep((TD_GROUP_LEADER_DEAD_MS + 2000) * 1000);
   td_client_health h;
   cr_expect(cluster_health(&c, &h) && h.decoders == 1, "the idle group left the pool (logs in %s)", c.dir);
@@ -372,6 +369,47 @@ Test(cluster, states_pushed_and_projected_match_generate, .timeout = 600) {
     /* a states tail: 4 slots x d_model x 4 bytes a block */
     double tail = 4.0 * fx.d_model * 4.0;
     cr_expect(in > 0 && fmod(in, tail) == 0, "decode-0 took %.0f bytes, not whole states tails of %.0f", in, tail);
+    free(text);
+  }
+  cr_expect(cluster_stop(&c), "processes did not stop cleanly (logs in %s)", c.dir);
+  fx_free(&fx);
+}
+
+/* An encoder pushing states to a TP group (the default): the leader takes
+ * the states tails only (not K/V to re-slice), hands them to its follower
+ * over the mirror, and every rank projects its heads' K/V. Tokens equal
+ * tandem-generate's and those of K/V pushes (--cross-transfer kv). */
+Test(cluster, states_pushed_to_a_tp_group_match_generate, .timeout = 600) {
+  static const char *const models[] = {"t5-tiny", "whisper-tiny"};
+  const kv_want groups[] = {{"decode-", 0, 1}};
+  for (int m = 0; m < 2; m++) {
+    outcome *st = calloc(MAXQ, sizeof *st), *kv = calloc(MAXQ, sizeof *kv);
+    cluster_opts o = {.encoders = 1, .decodes = 1, .group_tp = 2};
+    int n = run_topology(models[m], o, 3, groups, 1, st);
+    o.worker_extra = "--cross-transfer kv";
+    cr_assert_eq(run_topology(models[m], o, 3, groups, 1, kv), n);
+    expect_same(st, kv, n, models[m]);
+    free(st);
+    free(kv);
+  }
+  fixture fx;
+  fx_load("whisper-tiny", &fx);
+  cluster c;
+  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1, .group_tp = 2, .block_size = 4,
+                                    .router_extra = "--metrics-port 0"});
+  expect_fixture_greedy(&c, &fx);
+  cr_expect(cluster_log_has(&c, "encoder-0", "cross transfer: encoder states"), "no states transfer in the log");
+  kv_count k;
+  cr_expect(cluster_kv_count(&c, "decode-", 10000, &k) && k.in_zmq > 0, "the KV counters did not settle");
+  usleep(1500 * 1000); /* the router renders /metrics every 250 ms from heartbeats */
+  char *text = cluster_scrape(&c);
+  cr_expect(text, "no /metrics answer");
+  if (text) {
+    double in = metric_sample(text, "tandem:kv_bytes_transferred_total{worker=\"decode-0\",direction=\"in\",transport=\"zmq\"}");
+    /* each block a states tail: 4 slots x d_model x 4 bytes, not the whole decoder's K/V */
+    double tail = 4.0 * fx.d_model * 4.0;
+    cr_expect(in > 0 && in == (double)k.in_zmq * tail, "the group's leader took %.0f bytes in %llu blocks, not states "
+              "tails of %.0f", in, (unsigned long long)k.in_zmq, tail);
     free(text);
   }
   cr_expect(cluster_stop(&c), "processes did not stop cleanly (logs in %s)", c.dir);

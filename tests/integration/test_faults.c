@@ -601,8 +601,8 @@ Test(faults, group_rank_death_takes_the_group_out, .timeout = 300) {
   fixture fx;
   fx_load("t5-tiny", &fx);
   cluster c;
-  /* a TP=2 group and a plain decode worker (a group takes K/V pushes, not encoder states) */
-  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1, .worker_extra = "--cross-transfer kv"});
+  /* a TP=2 group and a plain decode worker, both fed encoder states (the group's ranks project theirs) */
+  cluster_start(&c, &(cluster_opts){.model = fx.dir, .encoders = 1, .decodes = 1});
   int g0 = cluster_add_group(&c, "grp", "--tp", 2, 4);
   cr_assert(cluster_wait_ready(&c, 1, 0, 2, 30000), "the group did not join");
   char path[600];

@@ -3,7 +3,8 @@
 # rank dies (SIGKILL of rank 1, then of the leader) while requests run, its
 # supervisor restarts it, the router fails the old group and the ranks form
 # it anew, and every request is answered right (retried once the group is
-# back: it is the only decode worker).
+# back: it is the only decode worker). An encoder pushes it encoder states,
+# which its ranks project (local.sh no longer asks encoders for K/V).
 #   tests/integration/test_group_restart.sh BIN_DIR WORK_DIR
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -19,7 +20,7 @@ main=""
 cleanup() { [[ -n $main ]] && kill -TERM "$main" 2>/dev/null; wait 2>/dev/null; }
 trap cleanup EXIT
 
-"$root/deploy/local.sh" --run-dir "$run" --encoders 0 --prefills 0 --decode-tp 2 --no-gateway --no-metrics \
+"$root/deploy/local.sh" --run-dir "$run" --encoders 1 --prefills 0 --decode-tp 2 --no-gateway --no-metrics \
   >"$work/out" 2>"$work/err" &
 main=$!
 wait_for 600 grep -q '^router ' "$work/out" 2>/dev/null
@@ -43,6 +44,7 @@ up() { "$bin/tandem-client" --router "$router" --health --timeout-ms 2000 |
 check "the group forms" wait_for 300 up
 "$bin/tandem-client" --router "$router" --requests "$work/req.jsonl" --timeout-ms 60000 >"$work/before.out" 2>&1
 check "served by the group" all_right "$work/before.out"
+check "the encoder pushes encoder states" grep -q "cross transfer: encoder states" "$run/encoder-0.log"
 
 for victim in decode-0-rank1 decode-0; do
   n=$(formed)

@@ -413,6 +413,36 @@ static td_status replay_with(rig *r, const captured *c, int i, int32_t v) {
   return s;
 }
 
+/* A group's projection is mirrored: the follower's replay projects the
+ * same slots; a count beyond the bytes is refused. */
+Test(model_cpu, mirror_replays_projection) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  rig r;
+  rig_mode = TD_CROSS_DUAL;
+  rig_open(&r, fx.dir, 4);
+  int32_t cross_blocks[64];
+  encode(&r, &fx, 0, cross_blocks, NULL);
+  int L = fx.req[0].enc_len;
+  int32_t slots[256];
+  for (int t = 0; t < L; t++) slots[t] = cross_blocks[t / 4] * 4 + t % 4;
+  captured proj = {0};
+  td_model_mirror mir = {capture_call, &proj};
+  td_model_set_mirror(r.m, &mir);
+  cr_assert(td_model_project_cross(r.m, slots, L) == TD_OK, "%s", td_errmsg());
+  td_model_set_mirror(r.m, NULL);
+  cr_assert(proj.bytes, "the projection was not published");
+  cr_expect_eq(proj.len, (size_t)(3 + L) * 4, "magic, kind, count and %d slots: %zu bytes", L, proj.len);
+  cr_expect(td_model_replay(r.m, proj.bytes, proj.len) == TD_OK, "%s", td_errmsg());
+  cr_expect_eq(replay_with(&r, &proj, 2, L + 1), TD_ERR_FORMAT, "%d slots in the bytes of %d: %s", L + 1, L,
+               td_errmsg());
+  cr_expect(strstr(td_errmsg(), "truncated projection"), "%s", td_errmsg());
+  free(proj.bytes);
+  rig_close(&r);
+  rig_mode = TD_CROSS_AUTO;
+  fx_free(&fx);
+}
+
 /* A follower replays what the leader published; a call whose arrays do
  * not hold what its counts say is refused before anything reads them. */
 Test(model_cpu, mirror_replay_checks_counts) {

@@ -62,6 +62,27 @@ static td_status rank_backend(int rank, int world, td_comm **comm, td_backend **
 
 /* td_model_opts.states_rows of every rank the tests start */
 static int par_states_rows;
+/* Cross K/V as after a states push (cross mode dual): every rank's per-layer
+ * K/V zeroed after encoding, then projected from the states tails that
+ * stayed (td_model_project_cross; the engine tests mirror it to followers). */
+static bool par_project;
+
+/* Zeroes the per-layer K/V of cross blocks ids[0..n), keeping their states tails. */
+static td_status zero_cross_kv(td_backend *b, void *pool, const td_kv_layout *cl, const int32_t *ids, int n) {
+  size_t be = td_kv_block_elems(cl), kvn = td_kv_layer_span(cl, cl->n_layers).off;
+  size_t bb = be * td_buf_elem_size(b, TD_BUF_ACT);
+  float *tmp = malloc(sizeof(float) * be);
+  if (!tmp) return td_err(TD_ERR_NOMEM, "out of memory");
+  td_status s = TD_OK;
+  for (int i = 0; i < n && s == TD_OK; i++) {
+    void *blk = (char *)pool + (size_t)ids[i] * bb;
+    s = td_download(b, TD_BUF_ACT, blk, tmp, be);
+    memset(tmp, 0, sizeof(float) * kvn);
+    if (s == TD_OK) s = td_upload(b, TD_BUF_ACT, blk, tmp, be);
+  }
+  free(tmp);
+  return s == TD_OK ? td_sync(b) : s;
+}
 /* Engine tests' encoder tokens a step and pool blocks: larger for the
  * random models of real shapes (a Whisper input is 1500 positions). */
 static int par_enc_tokens = 256, par_blocks = 256;
@@ -119,6 +140,9 @@ static void *rank_main(void *arg) {
   td_encode_input in = {.n_seqs = 1, .lens = &q->n_input, .tokens = q->input_ids, .cross_slots = slots,
                         .features = fx->features ? fx->features + (size_t)c->req * fx->mels * fx->frames : NULL};
   if ((s = td_model_encode(m, &in, NULL)) != TD_OK) goto out;
+  if (par_project && ((s = zero_cross_kv(b, td_kv_pool_memory(cross), &c->cl, cb, ncb)) != TD_OK ||
+                      (s = td_model_project_cross(m, slots, L)) != TD_OK))
+    goto out;
   size_t elems = td_kv_block_elems(&c->cl) * (size_t)ncb;
   c->cross = malloc(sizeof(float) * elems);
   s = td_download(b, TD_BUF_ACT, (char *)td_kv_pool_memory(cross) + td_kv_pool_block_bytes(cross) * 3, c->cross, elems);
@@ -338,6 +362,28 @@ Test(pipeline_parallel, cross_dual) {
   par_states_rows = 0;
 }
 
+/* States pushed to a group (cross mode dual): each rank projects its own
+ * heads (TP) or layers (PP) from the whole tails; the slices equal the one
+ * rank's projection, the logits transformers' */
+static void check_projected(const char *name, int tp, bool pp) {
+  par_project = true;
+  check_par_mode(name, tp, pp, TD_CROSS_DUAL);
+  par_project = false;
+}
+Test(tensor_parallel, projected_states) {
+  check_projected("t5-tiny", 2, false);
+  check_projected("bart-tiny", 2, false);
+  check_projected("whisper-tiny", 2, false);
+  check_projected("t5-four-layers", 4, false);
+  check_projected("t5-tiny", 4, false);
+  check_projected("whisper-tiny", 4, false);
+  check_projected("bart-tiny", 4, false);
+}
+Test(pipeline_parallel, projected_states) {
+  check_projected("mbart-prenorm-sharded", 2, true);
+  check_projected("t5-four-layers", 4, true);
+}
+
 #ifndef TD_PARALLEL_CUDA
 Test(tensor_parallel, uneven_split_is_refused) {
   fixture fx;
@@ -431,7 +477,10 @@ static void *follower_main(void *arg) {
     f->ch.head++;
     pthread_mutex_unlock(&f->ch.mu);
     if (!msg) break; /* the leader is done */
-    if (s == TD_OK) {
+    if (s == TD_OK && len >= 4 && !memcmp(msg, "ZAP!", 4)) { /* the harness's: zero these blocks' K/V */
+      td_kv_layout cl = td_model_cross_layout(m);
+      s = zero_cross_kv(b, td_kv_pool_memory(cross), &cl, (const int32_t *)((char *)msg + 4), (int)((len - 4) / 4));
+    } else if (s == TD_OK) {
       s = td_model_replay(m, msg, len);
       f->replayed++;
       if (s != TD_OK) td_comm_abort(f->comm);
@@ -463,6 +512,9 @@ typedef struct toks {
   int32_t btok[16][4][64];
   int blen[16][4], nout[16];
   double score[16][4];
+  /* encode_only: the cross blocks handed over */
+  int32_t cblk[16][64];
+  int ncblk[16];
 } toks;
 
 static void on_finish(void *ctx, const td_result *r) {
@@ -470,6 +522,8 @@ static void on_finish(void *ctx, const td_result *r) {
   int i = (int)(intptr_t)r->user;
   t->len[i] = r->n_outputs ? r->outputs[0].n_tokens : -1;
   if (r->n_outputs) memcpy(t->tok[i], r->outputs[0].tokens, sizeof(int32_t) * (size_t)t->len[i]);
+  t->ncblk[i] = r->blocks && r->n_blocks <= 64 ? r->n_blocks : 0;
+  if (t->ncblk[i]) memcpy(t->cblk[i], r->blocks, sizeof(int32_t) * (size_t)r->n_blocks);
   t->nout[i] = r->n_outputs < 4 ? r->n_outputs : 4;
   for (int k = 0; k < t->nout[i]; k++) {
     t->blen[i][k] = r->outputs[k].n_tokens;
@@ -562,10 +616,47 @@ static void run_engine(const char *dir, int world, bool pp, td_cross_mode mode, 
     td_engine_callbacks cb = {.on_finish = on_finish_logits, .ctx = &lc};
     ls = td_engine_create(m, &eo, &cb, &e);
   }
+  int enc_len[16] = {0};
+  if (ls == TD_OK && par_project && !beam) {
+    /* encoded first (encode_only), the K/V zeroed on every rank, projected from the states tails (the leader's
+     * call, mirrored), then decoded over the projection as a states push's request is */
+    for (int i = 0; i < rs->n; i++) {
+      td_request r = {.id = "enc", .input_ids = rs->input[i], .n_input = rs->n_input[i], .features = rs->features[i],
+                      .encode_only = true, .user = (void *)(intptr_t)i};
+      td_request_params_default(&r.params);
+      uint64_t h;
+      cr_assert(td_engine_add(e, &r, &h) == TD_OK, "%s", td_errmsg());
+      enc_len[i] = rs->features[i] ? td_model_max_source_len(m) : rs->n_input[i];
+    }
+    for (int k = 0; k < 2000 && !td_engine_idle(e); k++)
+      if (td_engine_step(e) != TD_OK) break;
+    cr_assert_eq(got->done, rs->n, "%d of %d encodes finished", got->done, rs->n);
+    got->done = 0;
+    int32_t ids[16 * 64], slots[16 * 64 * BS];
+    int nid = 0, ns = 0;
+    for (int i = 0; i < rs->n; i++) {
+      cr_assert(got->ncblk[i] * BS >= enc_len[i], "request %d: %d cross blocks for %d positions", i, got->ncblk[i],
+                enc_len[i]);
+      for (int k = 0; k < got->ncblk[i]; k++) ids[nid++] = got->cblk[i][k];
+      for (int t = 0; t < enc_len[i]; t++) slots[ns++] = got->cblk[i][t / BS] * BS + t % BS;
+    }
+    uint8_t zap[4 + sizeof ids];
+    memcpy(zap, "ZAP!", 4);
+    memcpy(zap + 4, ids, sizeof(int32_t) * (size_t)nid);
+    if (world > 1) cr_assert(publish(fs, zap, 4 + sizeof(int32_t) * (size_t)nid) == TD_OK);
+    td_kv_layout cl = td_model_cross_layout(m);
+    cr_assert(zero_cross_kv(b, td_kv_pool_memory(td_engine_cross_pool(e)), &cl, ids, nid) == TD_OK, "%s", td_errmsg());
+    cr_assert(td_model_project_cross(m, slots, ns) == TD_OK, "%s", td_errmsg());
+  }
   if (ls == TD_OK) {
     for (int i = 0; i < rs->n; i++) {
       td_request r = {.id = "par", .input_ids = rs->input[i], .n_input = rs->n_input[i], .features = rs->features[i],
                       .prompt = rs->prompt[i], .n_prompt = rs->n_prompt[i], .user = (void *)(intptr_t)i};
+      if (enc_len[i]) {
+        r.cross_blocks = got->cblk[i];
+        r.n_cross_blocks = got->ncblk[i];
+        r.enc_len = enc_len[i];
+      }
       td_request_params_default(&r.params);
       r.params.max_new_tokens = rs->max_new;
       r.params.forced_eos = r.params.forced_bos = -1;
@@ -846,6 +937,25 @@ Test(tensor_parallel, engine_on_leader_cross_dual) {
   check_engine_mode("t5-tiny", 2, false, false, TD_CROSS_DUAL);
   check_engine_mode("t5-tiny", 2, false, true, TD_CROSS_DUAL);
   par_states_rows = 0;
+}
+/* The leader's projection mirrored to its followers (the worker's path for a states push): greedy tokens as
+ * transformers' */
+static void check_engine_projected(const char *name, int tp, bool pp) {
+  par_project = true;
+  check_engine_mode(name, tp, pp, false, TD_CROSS_DUAL);
+  par_project = false;
+}
+Test(tensor_parallel, engine_projected_states) {
+  check_engine_projected("t5-tiny", 2, false);
+  check_engine_projected("bart-tiny", 2, false);
+  check_engine_projected("whisper-tiny", 2, false);
+  check_engine_projected("t5-four-layers", 4, false);
+  check_engine_projected("bart-tiny", 4, false);
+  check_engine_projected("whisper-tiny", 4, false);
+}
+Test(pipeline_parallel, engine_projected_states) {
+  check_engine_projected("t5-tiny", 2, true);
+  check_engine_projected("t5-four-layers", 4, true);
 }
 Test(pipeline_parallel, engine_cross_dual) {
   par_states_rows = 2;
