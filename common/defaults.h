@@ -92,6 +92,7 @@
 #define TD_KV_HEADER_MAX_BYTES (1u << 20)  /* a KvPush header: TD_KV_PUSH_MAX_BLOCKS block ids (5 bytes each at most) */
 #define TD_KV_DEFAULT_MAX_FRAME_BYTES (64u << 20) /* a ZeroMQ KV frame when the owner names no block size */
 #define TD_KV_ACK_MAX_BYTES (64u << 10)    /* a KvAck (the sender's socket takes nothing larger) */
+#define TD_KV_TOKEN_BYTES 16               /* a reservation's sender token (KvSender.token): 128 random bits */
 #define TD_GROUP_MAX_RANKS 16              /* ranks of a TP / PP worker group (the router's rendezvous too) */
 #define TD_GROUP_HEARTBEAT_MS 200          /* leader -> followers when idle; followers -> router */
 #define TD_GROUP_LEADER_DEAD_MS 5000       /* a follower gives up on a silent leader */

@@ -22,6 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/defaults.h"
 #include "common/status.h"
 #include "kernels/ops.h"
 
@@ -82,6 +83,7 @@ typedef struct td_kvx_grant_req {
   const int32_t *blocks;
   int n_blocks;
   uint64_t bytes;
+  const uint8_t *token; /* the sender's td_kvx_xfer.token (TD_KV_TOKEN_BYTES); NULL: it sent zeros (none) */
 } td_kvx_grant_req;
 typedef td_status (*td_kvx_authorize_fn)(void *ctx, const td_kvx_grant_req *r);
 
@@ -223,6 +225,9 @@ typedef struct td_kvx_xfer {
   int timeout_ms;             /* 0: the context's default */
   td_kvx_transport transport; /* AUTO: IPC, then NCCL for GPU to GPU where both have it */
   void *cuda_ready_event;     /* optional cudaEvent_t the copies wait for */
+  /* the receiver's proof that this sender may write the reservation (the
+   * application's; it travels in REQ to authorize; zeros: none) */
+  uint8_t token[TD_KV_TOKEN_BYTES];
 } td_kvx_xfer;
 /* Posts a transfer; cb fires once from td_kvx_progress. */
 td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *x, td_kvx_done_fn cb, void *arg, uint64_t *xfer_id);

@@ -242,6 +242,7 @@ static td_status zx_push(td_kvt *t, const td_kvt_push *q) {
   h.n_blocks = (size_t)q->n;
   h.block_bytes = q->block_bytes;
   h.push_id = x->next_push++;
+  if (q->token) h.token = (ProtobufCBinaryData){TD_KV_TOKEN_BYTES, (uint8_t *)q->token};
   size_t hl = protobuf_c_message_get_packed_size(&h.base);
   zmq_msg_t m;
   if (zmq_msg_init_size(&m, hl) != 0) return td_err(TD_ERR_NOMEM, "out of memory");
@@ -311,9 +312,16 @@ static void receive_one(zx *x) {
              h->n_blocks);
     ok = false;
   }
-  if (ok)
-    ok = hk->accept(hk->ctx, h->rid, h->reservation, h->cross, h->blocks, (int)h->n_blocks, (size_t)h->block_bytes,
-                    why, sizeof why);
+  if (ok) {
+    /* the sender as CURVE proved it (the ZAP handler's User-Id); none without keys */
+    char key[TD_AUTH_KEY_Z85];
+    bool keyed = td_auth_msg_key(&hd, key);
+    td_kvt_offer o = {.rid = h->rid, .reservation = h->reservation, .cross = h->cross, .blocks = h->blocks,
+                      .n = (int)h->n_blocks, .block_bytes = (size_t)h->block_bytes,
+                      .token = h->token.len == TD_KV_TOKEN_BYTES ? h->token.data : NULL,
+                      .sender_key = keyed ? key : NULL};
+    ok = hk->accept(hk->ctx, &o, why, sizeof why);
+  }
   size_t n = ok ? h->n_blocks : 0, got = 0;
   zmq_msg_t *frames = n ? calloc(n, sizeof *frames) : NULL;
   const void **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -204,6 +205,24 @@ bool td_auth_msg_key(void *zmq_msg, char out[TD_AUTH_KEY_Z85]) {
   if (!u || strlen(u) != 40) return false;
   memcpy(out, u, 41);
   return true;
+}
+
+td_status td_auth_token_new(uint8_t out[TD_KV_TOKEN_BYTES]) {
+  size_t got = 0;
+  while (got < TD_KV_TOKEN_BYTES) {
+    ssize_t n = getrandom(out + got, TD_KV_TOKEN_BYTES - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return td_err(TD_ERR_INTERNAL, "getrandom: %s", strerror(errno));
+    got += (size_t)n;
+  }
+  return TD_OK;
+}
+
+bool td_auth_token_equal(const uint8_t a[TD_KV_TOKEN_BYTES], const uint8_t b[TD_KV_TOKEN_BYTES]) {
+  /* every byte is read whatever the first difference: the time tells nothing */
+  volatile uint8_t d = 0;
+  for (int i = 0; i < TD_KV_TOKEN_BYTES; i++) d |= a[i] ^ b[i];
+  return d == 0;
 }
 
 /* ---- ZAP handler (RFC 27) ---- */

@@ -12,6 +12,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "common/defaults.h"
 #include "common/status.h"
@@ -78,6 +79,13 @@ unsigned long td_zap_refused(const td_zap *z);
 /* The authenticated public key (Z85) of a received message's sender, from
  * the ZAP handler's User-Id; false on a socket without CURVE. */
 bool td_auth_msg_key(void *zmq_msg, char out[TD_AUTH_KEY_Z85]);
+
+/* A KV reservation's sender token (TD_KV_TOKEN_BYTES bytes from the
+ * kernel's random source): the router hands it to the receiver and to the
+ * pusher it names, and the receiver admits pushes carrying it. */
+td_status td_auth_token_new(uint8_t out[TD_KV_TOKEN_BYTES]);
+/* Whether two tokens are equal, in time that does not depend on where they differ. */
+bool td_auth_token_equal(const uint8_t a[TD_KV_TOKEN_BYTES], const uint8_t b[TD_KV_TOKEN_BYTES]);
 
 /* Warns (once per call) when endpoint binds beyond this host (not
  * loopback, ipc or inproc) and a is NULL: anyone who reaches it is trusted. */

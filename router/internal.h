@@ -36,6 +36,7 @@ typedef struct worker {
   char *version;                          /* its build (WorkerInfo.version) */
   char *group;                            /* its TP/PP group ("" alone) */
   uint32_t pid;
+  char key[TD_AUTH_KEY_Z85];              /* its connection's CURVE public key ("" without keys) */
   bool drain_asked;                       /* an operator drains it (router/admin.c) */
   int64_t last_seen;
   Tandem__Cluster__Load load;
@@ -67,6 +68,10 @@ typedef struct rreq {
   bool local_enc_held;   /* a local encode counts in its decode worker's enc_pending */
   bool decoding_counted; /* counted in its decode worker's `decoding` */
   Tandem__Cluster__Reserved *dres, *pres; /* decode / prefill reservations */
+  /* this attempt's sender tokens (new each attempt): the encoder's into the
+   * decode and prefill workers' cross blocks, the prefill worker's into the
+   * decode worker's self blocks */
+  uint8_t tok_cross[TD_KV_TOKEN_BYTES], tok_pcross[TD_KV_TOKEN_BYTES], tok_self[TD_KV_TOKEN_BYTES];
   bool encoded, prefilled;
   /* tokens already streamed to the client (first sequence) and their
    * log-probabilities, for resuming */

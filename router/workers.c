@@ -278,6 +278,7 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char 
   w->version = strdup(in->version ? in->version : "");
   w->group = strdup(in->group ? in->group : "");
   w->pid = in->pid;
+  snprintf(w->key, sizeof w->key, "%s", key ? key : "");
   w->last_seen = td_now_ms();
   w->load = (Tandem__Cluster__Load)TANDEM__CLUSTER__LOAD__INIT;
   w->load.free_self_blocks = (uint32_t)w->self_blocks;
@@ -392,6 +393,7 @@ void rtr_health_fill(td_router *r, Tandem__HealthResponse *hp, Tandem__WorkerSta
       x->pid = w->pid;
       x->drain_requested = w->drain_asked;
       x->stopping = w->load.stopping;
+      x->kv_refused = w->load.kv_refused;
       wp[k++] = x;
     }
     h.workers = wp;

@@ -99,6 +99,8 @@ struct td_job {
   int n_cross, n_self;
   int cross_got, self_got;   /* blocks arrived */
   int self_expected;         /* prompt tokens whose KV comes; 0: none */
+  /* who may push into the reservations: the router's KvSenders (in msg); NULL: nobody */
+  const Tandem__Cluster__KvSender *cross_from, *self_from;
   bool added;                /* handed to the engine */
   bool finished;             /* ... and its result came back */
   int64_t expires;           /* reservation deadline (ms) */
@@ -197,6 +199,7 @@ struct td_worker {
   uint64_t kv_in[TD_KVT_KINDS], kv_out[TD_KVT_KINDS];             /* blocks */
   uint64_t kv_in_bytes[TD_KVT_KINDS], kv_out_bytes[TD_KVT_KINDS]; /* ... and their bytes */
   double kv_out_seconds[TD_KVT_KINDS]; /* pushes' time, from the push to the receiver's answer */
+  uint64_t kv_refused;                 /* pushes into this worker refused (kv_io.c) */
   td_job *jobs;
   tokcount *tokcounts; /* stream.c */
   struct {             /* a turn's tokens, sent as one message (stream.c) */

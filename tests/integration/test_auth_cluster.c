@@ -222,6 +222,15 @@ Test(auth, curve_cluster_serves_listed_keys_and_refuses_others, .timeout = 300) 
   cr_expect(wait_log(&c, "decode-0", line, 5000), "decode-0 did not log the stranger's key");
   cr_expect_eq(fake_push(kep, kkey, "thief"), 0, "a push into no reservation was accepted");
   cr_expect(wait_log(&c, "decode-0", "refused a KV push for request 987654321", 5000));
+  /* counted, and the count reaches the router's health with the next heartbeats */
+  bool counted = false;
+  for (int64_t end = td_now_ms() + 5000; !counted && td_now_ms() < end; usleep(100000)) {
+    td_client_health hh;
+    if (!cluster_health(&c, &hh)) continue;
+    for (int i = 0; i < hh.n_workers; i++)
+      if (!strcmp(hh.workers[i].id, "decode-0") && hh.workers[i].kv_refused >= 1) counted = true;
+  }
+  cr_expect(counted, "decode-0's refused push is not counted in the health answer");
 
   /* admin requests: a client key is refused, the operator's key admitted */
   char cmd2[1200];
