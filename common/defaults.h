@@ -43,6 +43,8 @@
 #define TD_DEFAULT_CLIENT_ENDPOINT "tcp://127.0.0.1:7000" /* where the router serves clients */
 #define TD_DEFAULT_WORKER_ENDPOINT "tcp://127.0.0.1:7001" /* where workers reach the router */
 #define TD_ROUTER_TICK_MS 20             /* deadlines, stage timeouts, group ranks and the stop flag checked */
+#define TD_DEFAULT_PROBE_TIMEOUT_MS 3000 /* a registering worker's advertised KV endpoint must answer a connect */
+#define TD_ROUTER_MAX_PROBES 256         /* registrations whose endpoint is being checked at once; more wait */
 #define TD_ROUTER_JOBS_PER_SEQ 4         /* requests placed on a decode worker per sequence it runs at once */
 #define TD_ROUTER_MAX_SAMPLES 64         /* n a request (the decode workers' width bounds it too) */
 #define TD_ROUTER_MAX_REQUEST_ID 255     /* bytes of a client's request id */

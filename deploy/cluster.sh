@@ -68,11 +68,15 @@ for ((h = 0; h < n_hosts; h++)); do
   hn=$(q ".hosts[$h].name // empty")
   [[ $hn =~ ^[A-Za-z0-9._-]+$ ]] || die "hosts[$h].name: letters, digits, '.', '_' or '-'"
   ha=$(q ".hosts[$h].address // empty")
-  [[ $ha =~ $addr_re ]] || die "hosts[$h].address: the address the host's workers bind and the others reach"
-  [[ $ha != 0.0.0.0 && $ha != :: && $ha != '*' ]] ||
-    die "hosts[$h].address $ha: workers bind the address they advertise; a wildcard cannot be reached"
+  hadv=$(q ".hosts[$h].advertise // empty")
+  [[ $ha =~ $addr_re ]] || die "hosts[$h].address: the address the host's workers bind (and the others reach, without \"advertise\")"
+  [[ -z $hadv || $hadv =~ $addr_re ]] || die "hosts[$h].advertise: the address the others reach the host's workers at"
+  reach=${hadv:-$ha} field=address
+  [[ -z $hadv ]] || field=advertise
+  [[ $reach != 0.0.0.0 && $reach != :: && $reach != '*' ]] ||
+    die "hosts[$h].$field $reach: a wildcard cannot be reached (bind it as \"address\" and give \"advertise\")"
   if ((n_hosts > 1)) || [[ $(q ".hosts[$h].ssh // \"local\"") != local ]]; then
-    [[ $ha != 127.* && $ha != localhost ]] || die "hosts[$h].address $ha: other hosts cannot reach a loopback address"
+    [[ $reach != 127.* && $reach != localhost ]] || die "hosts[$h] $reach: other hosts cannot reach a loopback address"
   fi
   hgpus=$(q ".hosts[$h].gpus // 0")
   [[ $hgpus =~ ^[0-9]+$ ]] || die "hosts[$h].gpus: a count"
@@ -93,6 +97,7 @@ for ((h = 0; h < n_hosts; h++)); do
     [[ $device == cpu || $device == cuda ]] || die "hosts[$h].pools[$p].device: cpu or cuda"
     [[ $device == cpu || $hgpus -gt 0 ]] || die "hosts[$h]: cuda workers on a host of \"gpus\": 0"
     common="--router tcp://$r_addr:$r_wport --model $(printf %q "$model") --device $device --host $ha"
+    [[ -z $hadv ]] || common+=" --advertise $hadv"
     common+=" --block-size $(pf '.block_size') --threads $(pf '.threads') --kv-transport $(pf '.kv_transport')"
     common+=" --cross-mode $r_cross --gpu-memory-fraction $(pf '.gpu_memory_fraction')"
     mb=$(pf '.max_batch // empty')
@@ -164,6 +169,7 @@ health() { # the router's health, asked on its host
 case $cmd in
 up)
   rargs=(--client-endpoint "tcp://$r_bind:$r_cport" --worker-endpoint "tcp://$r_bind:$r_wport" --cross-mode "$r_cross")
+  [[ $r_bind == "$r_addr" ]] || rargs+=(--advertise "$r_addr")
   [[ -n $r_mport ]] && rargs+=(--metrics-port "$r_mport" --metrics-host "$r_bind")
   [[ -n $tokenizer ]] && rargs+=(--tokenizer "$tokenizer")
   start_script "$router_dir" router "$bin/tandem-router" "${rargs[@]}" | on_host "$r_ssh"

@@ -140,9 +140,11 @@ typedef struct td_kvx_opts {
   /* UCX_TLS as UCX reads it (NULL or "": unset): a list without a
    * shared-memory transport leaves the local path nothing to gain. */
   const char *ucx_tls;
-  /* The address this worker binds and advertises: UCX's network transports
-   * then use only the interface that carries it (NULL, or a loopback
-   * address: UCX's choice), unless UCX_NET_DEVICES names devices. */
+  /* The address peers reach this worker at (it advertises it): UCX's
+   * network transports use only the interface that carries it (NULL, a host
+   * name, a loopback or wildcard address: UCX's choice), unless
+   * UCX_NET_DEVICES names devices. A numeric address no interface here
+   * carries (NAT) is refused: UCX would advertise this host's own ones. */
   const char *bind_addr;
   const char *ucx_net_devices; /* UCX_NET_DEVICES as UCX will read it (NULL or "": unset) */
   bool trace; /* keep a per-transfer event trace, printed at destroy */

@@ -71,7 +71,8 @@ typedef struct td_kvt_pool {
 /* Everything any transport is created from; each reads its part. */
 typedef struct td_kvt_opts {
   const char *name;        /* for logs (the worker id) */
-  const char *listen_host; /* zmq: the address peers reach this endpoint at */
+  const char *listen_host; /* zmq: the address this endpoint binds (a wildcard with advertise) */
+  const char *advertise;   /* the address peers reach this worker at (NULL: listen_host); ucx: its interface */
   int timeout_ms;          /* a push with no answer fails */
   /* zmq: the largest block a peer may send here and this side sends (the
    * model's whole-decoder block bytes); a larger frame drops the peer's

@@ -339,7 +339,7 @@ static td_status ux_create(td_kvt *t, const td_kvt_opts *o) {
   td_kvx_opts ko = {.name = o->name, .cuda_device = o->cuda ? o->device : -1, .timeout_ms = o->timeout_ms,
                     .local_path = o->kvx.local_path == TD_OFF ? TD_KVX_LOCAL_OFF : TD_KVX_LOCAL_AUTO,
                     .no_ipc = o->kvx.ipc == TD_OFF,
-                    .ucx_tls = o->kvx.ucx_tls, .trace = o->kvx.trace, .bind_addr = o->listen_host,
+                    .ucx_tls = o->kvx.ucx_tls, .trace = o->kvx.trace, .bind_addr = o->advertise ? o->advertise : o->listen_host,
                     .ucx_net_devices = o->kvx.ucx_net_devices,
                     .authorize = on_authorize, .on_recv = on_recv, .on_peer = on_peer, .ctx = u};
   td_status s = td_kvx_create(&ko, &u->k);

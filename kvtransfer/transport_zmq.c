@@ -11,6 +11,7 @@
 #include "common/clock.h"
 #include "common/defaults.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "kvtransfer/transport.h"
 #include "proto/wire.h"
 
@@ -110,9 +111,15 @@ static td_status zx_create(td_kvt *t, const td_kvt_opts *o) {
     zx_destroy(t);
     return s;
   }
-  char last[256];
-  size_t ll = sizeof last;
-  zmq_getsockopt(x->rx, ZMQ_LAST_ENDPOINT, last, &ll);
+  char bound[256], last[EP_MAX];
+  size_t ll = sizeof bound;
+  zmq_getsockopt(x->rx, ZMQ_LAST_ENDPOINT, bound, &ll);
+  /* peers dial the advertised address, at the port bound */
+  td_status es = td_net_advertised(bound, o->advertise, last, sizeof last);
+  if (es != TD_OK) {
+    zx_destroy(t);
+    return es;
+  }
   if (x->auth)
     snprintf(x->desc, sizeof x->desc, DESC_PREFIX "%s%c%s", last, KEY_SEP, td_auth_public_key(x->auth));
   else

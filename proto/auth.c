@@ -382,6 +382,16 @@ static void watch_event(td_zap *z, watch *w) {
     more = zmq_msg_more(&m);
     zmq_msg_close(&m);
   }
+  /* a peer that hung up during the handshake: one without keys that gave
+   * up first, or a port check (the router dials a registering worker's KV
+   * endpoint): no refusal of ours, so no warning */
+  if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && (val == EPIPE || val == ECONNRESET)) {
+    unsigned long quiet;
+    if (log_now(z, w->what, "hangup", &quiet))
+      TD_INFO("auth: a connection on the %s endpoint %s closed during its handshake (a peer without CURVE keys, or "
+              "a port check such as the router's; %lu more since the last line)", w->what, ep, quiet);
+    return;
+  }
   if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL || ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
     atomic_fetch_add(&z->refused, 1);
     unsigned long quiet;

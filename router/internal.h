@@ -142,6 +142,7 @@ typedef struct chunk_out {
 } chunk_out;
 
 typedef struct rtr_metrics rtr_metrics;
+typedef struct probe probe;
 
 struct td_router {
   td_router_opts o;
@@ -171,6 +172,11 @@ struct td_router {
   char wait_why[256];             /* why the queue's head waits */
   bool wait_missing;              /* ... for a role no live worker has (td_placement.missing) */
   long long held_bytes;           /* client messages of the requests held (queued and in flight) */
+  char client_adv[300], worker_adv[300]; /* the endpoints as clients and workers dial them (--advertise) */
+  /* registrations waiting for the check of the KV endpoint they advertise (probe.c) */
+  probe *probes;                  /* by routing identity */
+  int n_probes;
+  int probe_fd;                   /* an epoll set of their connects (-1: none yet) */
   /* the served model, from the first worker */
   bool have_model;
   int32_t model_start_token; /* the model's decoder start token (a resumed prompt's first) */
@@ -194,8 +200,16 @@ worker *rtr_find_worker(td_router *r, const char *id);
 worker *rtr_find_route(td_router *r, const uint8_t *route, size_t len);
 int rtr_count_role(const td_router *r, rtr_role role);
 bool rtr_cross_mode_matches(const td_router *r, const char *mode, char *why, size_t cap);
-/* key: the connection's authenticated public key (NULL without CURVE) */
-void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__Register *reg);
+/* key: the connection's authenticated public key (NULL without CURVE). The
+ * registration may wait for the check of the KV endpoint it advertises
+ * (probe.c): then m's Register is taken from it. */
+void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__WorkerMessage *m);
+/* The registration of a worker whose KV endpoint answered the check (or
+ * needs none): the checks again, then the registry. */
+void rtr_register_checked(td_router *r, const uint8_t *id, size_t id_len, const char *key,
+                          Tandem__Cluster__Register *reg);
+/* A refused registration: logged, and the worker told why. */
+void rtr_register_refuse(td_router *r, const uint8_t *id, size_t id_len, const char *wid, const char *why);
 void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat *hb);
 /* A worker left (deregistered, silent, restarted, its group failed): its
  * requests are retried elsewhere. */
@@ -214,6 +228,23 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len);
 void rtr_health_fill(td_router *r, Tandem__HealthResponse *h, Tandem__WorkerStatus **ws, Tandem__WorkerStatus ***wp);
 void rtr_workers_free(td_router *r);
 void rtr_id_keys_free(td_router *r);
+
+/* ---- probe.c: the KV endpoint a registering worker advertises, dialled
+ * before it is admitted (docs/deploy.md) */
+/* Starts the check of reg's endpoint: true when it took the registration
+ * (kept until the endpoint answers, or refused and freed already); false:
+ * the caller goes on with it at once (no check: off, no endpoint, a host
+ * name; or connected at once), unless *answered (too many checks under
+ * way: the worker's retry comes back). */
+bool rtr_probe_start(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__Register *reg,
+                     bool *answered);
+/* Whether a check of this connection's registration is under way. */
+bool rtr_probe_pending(td_router *r, const uint8_t *id, size_t id_len);
+/* The loop: the connects that ended (the epoll set turned readable). */
+void rtr_probes_ready(td_loop *l, void *ctx);
+/* Timer: checks past their time fail. */
+int rtr_probes_tick(td_loop *l, void *ctx);
+void rtr_probes_free(td_router *r);
 
 /* ---- admin.c: an operator's requests (tandem-admin) */
 /* Whether this client connection may send admin requests. The one check

@@ -183,11 +183,8 @@ static td_status join(follower *f) {
   td_wire_set_unique_route(f->rsock, id);
   if (zmq_connect(f->rsock, o->router) != 0)
     return td_err(TD_ERR_INVALID, "cannot connect to the router at %s", o->router);
-  const char *ep = "-";
-  if (o->device == TD_BACKEND_CPU) {
-    TD_TRY(td_comm_zmq_bind(o->listen_host, &f->boot));
-    ep = td_comm_zmq_endpoint(f->boot);
-  }
+  char ep[300] = "-";
+  if (o->device == TD_BACKEND_CPU) TD_TRY(group_comm_bind(o, &f->boot, ep, sizeof ep));
   TD_TRY(group_rendezvous(f->rsock, o->group, o->rank, world, ep, NULL, 0, o->cross_mode, TD_GROUP_JOIN_TIMEOUT_MS,
                           f->stop, &f->gi));
   td_backend_opts bo = {.kind = o->device, .device = o->device_id, .threads = o->threads, .cuda = o->settings.cuda};
@@ -244,6 +241,7 @@ static td_status join(follower *f) {
 td_status td_worker_follow(const td_worker_opts *o, volatile sig_atomic_t *stop) {
   static volatile sig_atomic_t never;
   int world = o->tp > 1 ? o->tp : o->pp;
+  TD_TRY(group_check_addresses(o));
   if (!o->group || world < 2 || o->rank < 1 || o->rank >= world)
     return td_err(TD_ERR_INVALID, "a follower needs --group, --tp or --pp above 1 and a rank in [1, %d)", world);
   if (world > TD_GROUP_MAX_RANKS)

@@ -9,8 +9,23 @@
 #include "common/clock.h"
 #include "common/defaults.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "kvcache/kvcache.h"
 #include "worker/group.h"
+
+td_status group_check_addresses(const td_worker_opts *o) {
+  if (o->advertise) return td_net_check_advertise(o->advertise);
+  /* peers would be told the address bound */
+  if (td_net_is_wildcard(o->listen_host))
+    return td_err(TD_ERR_INVALID, "--host %s: a wildcard is no address peers can dial; give --advertise ADDR, the "
+                  "address they reach this worker at", o->listen_host);
+  return TD_OK;
+}
+
+td_status group_comm_bind(const td_worker_opts *o, td_comm_zmq_boot **boot, char *ep, size_t cap) {
+  TD_TRY(td_comm_zmq_bind(o->listen_host, boot));
+  return td_net_advertised(td_comm_zmq_endpoint(*boot), o->advertise, ep, cap);
+}
 
 void group_info_free(group_info *g) {
   for (int i = 0; i < g->world; i++) free(g->endpoints[i]);

@@ -25,6 +25,12 @@ td_status group_rendezvous(void *rsock, const char *group, int rank, int world, 
                            const uint8_t *nccl_id, size_t nccl_len, td_cross_mode cross_mode, int timeout_ms,
                            volatile sig_atomic_t *stop, group_info *out);
 void group_info_free(group_info *g);
+/* The CPU communicator's endpoint bound at o->listen_host; *ep: what the
+ * other ranks dial (o->advertise's address, at the port bound). */
+td_status group_comm_bind(const td_worker_opts *o, td_comm_zmq_boot **boot, char *ep, size_t cap);
+/* --host and --advertise: a wildcard bind needs an address to advertise,
+ * which must be one (not a wildcard). Leader and followers alike. */
+td_status group_check_addresses(const td_worker_opts *o);
 /* rank 0's endpoint carries two: "COMM|MIRROR". */
 void group_split_leader(const char *ep, char *comm, size_t ccap, char *mirror, size_t mcap);
 

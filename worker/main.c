@@ -28,7 +28,10 @@ static void usage(FILE *f) {
           "                     [--id NAME] [--device cpu|cuda] [--gpu N] [--block-size N]\n"
           "                     [--kv-blocks N] [--cross-blocks N] [--max-batch N] [--max-tokens N]\n"
           "                     [--max-enc-tokens N] [--max-enc-seqs N]  (an encoder batch)\n"
-          "                     [--threads N] [--host ADDR] [--reservation-ttl-ms N] [--log-level LEVEL]\n"
+          "                     [--threads N] [--reservation-ttl-ms N] [--log-level LEVEL]\n"
+          "                     [--host ADDR]  (the address the KV and group endpoints bind; default 127.0.0.1)\n"
+          "                     [--advertise ADDR]  (the address peers reach them at, when not the one bound:\n"
+          "                                         NAT, a pod IP; a wildcard --host needs it; docs/deploy.md)\n"
           "                     [--kv-transport auto|ucx|zmq]   (how KV blocks go to other workers; auto: UCX\n"
           "                                                      where both sides can, else ZeroMQ)\n"
           "                     [--group NAME (--tp N | --pp N) --rank R]   (rank 0 serves, others follow)\n"
@@ -85,7 +88,7 @@ int main(int argc, char **argv) {
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
       {"max-enc-seqs", required_argument, 0, 'Q'}, {"encoder-cache-fraction", required_argument, 0, 'Y'},
       {"curve-secret", required_argument, 0, 1001}, {"router-key", required_argument, 0, 1002},
-      {"worker-keys", required_argument, 0, 1003},
+      {"worker-keys", required_argument, 0, 1003}, {"advertise", required_argument, 0, 1004},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings,
@@ -137,6 +140,7 @@ int main(int argc, char **argv) {
       case 'T': o.max_tokens = atoi(optarg); break;
       case 't': o.threads = atoi(optarg); break;
       case 'H': o.listen_host = optarg; break;
+      case 1004: o.advertise = optarg; break;
       case 'x': o.reservation_ttl_ms = atoi(optarg); break;
       case 'l':
         if (td_log_parse_level(optarg) < 0) {

@@ -14,6 +14,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "worker/internal.h"
 
 static bool has_self_kv(const td_worker_opts *o) {
@@ -73,15 +74,14 @@ static td_status group_start(td_worker *w) {
     return td_err(TD_ERR_INVALID, "a group leader needs --group, rank 0 and either --tp or --pp");
   if (w->world > TD_GROUP_MAX_RANKS)
     return td_err(TD_ERR_INVALID, "a group of %d ranks: at most %d", w->world, TD_GROUP_MAX_RANKS);
-  char comm_ep[256] = "-", ep[600];
+  char comm_ep[300] = "-", ep[700];
   if (o->device == TD_BACKEND_CPU) {
-    TD_TRY(td_comm_zmq_bind(o->listen_host, &w->boot));
-    snprintf(comm_ep, sizeof comm_ep, "%s", td_comm_zmq_endpoint(w->boot));
+    TD_TRY(group_comm_bind(o, &w->boot, comm_ep, sizeof comm_ep));
   } else {
     TD_TRY(td_comm_nccl_id(w->nccl_id));
   }
   w->msock = zmq_socket(w->zctx, ZMQ_ROUTER);
-  char mep[300], bound[256];
+  char mep[300], bound[256], adv[300];
   snprintf(mep, sizeof mep, "tcp://%s:*", o->listen_host);
   int linger = 0, hwm = 0;
   if (w->msock) {
@@ -93,7 +93,8 @@ static td_status group_start(td_worker *w) {
   size_t bl = sizeof bound;
   if (!w->msock || zmq_bind(w->msock, mep) != 0 || zmq_getsockopt(w->msock, ZMQ_LAST_ENDPOINT, bound, &bl) != 0)
     return td_err(TD_ERR_NETWORK, "cannot bind the group mirror on %s", mep);
-  snprintf(ep, sizeof ep, "%s|%s", comm_ep, bound);
+  TD_TRY(td_net_advertised(bound, o->advertise, adv, sizeof adv));
+  snprintf(ep, sizeof ep, "%s|%s", comm_ep, adv);
   TD_INFO("group %s: waiting for %d ranks", o->group, w->world);
   bool cpu = o->device == TD_BACKEND_CPU;
   return group_rendezvous(w->rsock, o->group, 0, w->world, ep, cpu ? NULL : w->nccl_id, cpu ? 0 : TD_NCCL_ID_BYTES,
@@ -105,10 +106,8 @@ static td_status create(td_worker *w) {
   td_worker_opts_default(o);
   TD_TRY(check_roles(w));
   snprintf(w->id, sizeof w->id, "%s", o->id);
-  /* peers reach the KV and group endpoints at the address bound: one they can dial */
-  if (!strcmp(o->listen_host, "0.0.0.0") || !strcmp(o->listen_host, "*") || !strcmp(o->listen_host, "::"))
-    return td_err(TD_ERR_INVALID, "--host %s: workers advertise the address they bind, so it must be one that "
-                  "peers can reach, not a wildcard", o->listen_host);
+  /* peers reach the KV and group endpoints at the address advertised: one they can dial */
+  TD_TRY(group_check_addresses(o));
   if (strcmp(o->transfer, "ucx") && strcmp(o->transfer, "zmq") && strcmp(o->transfer, "auto"))
     return td_err(TD_ERR_INVALID, "KV transport %s: auto, ucx or zmq", o->transfer);
   if (o->auth) {

@@ -131,7 +131,10 @@ void cluster_start(cluster *c, const cluster_opts *o) {
   char bin[600], pt[16];
   snprintf(bin, sizeof bin, "%s/tandem-router", TD_BIN_DIR);
   snprintf(pt, sizeof pt, "%d", o->prefill_threshold ? o->prefill_threshold : 16);
-  char *argv[32] = {bin, "--client-endpoint", c->client_ep, "--worker-endpoint", c->worker_ep, "--prefill-threshold",
+  char cbind[300], wbind[300];
+  snprintf(cbind, sizeof cbind, "tcp://%s:%d", o->router_bind ? o->router_bind : "127.0.0.1", port);
+  snprintf(wbind, sizeof wbind, "tcp://%s:%d", o->router_bind ? o->router_bind : "127.0.0.1", port + 1);
+  char *argv[32] = {bin, "--client-endpoint", cbind, "--worker-endpoint", wbind, "--prefill-threshold",
                     pt, "--heartbeat-ms", "200", "--dead-after", "5"};
   int a = 11;
   char extra[256], sec[600], wl[600], cl[600], al[600];

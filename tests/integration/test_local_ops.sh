@@ -99,7 +99,7 @@ check "stop: the added workers drained" grep -q "decode-2: stopped: exit status 
 # ---- what a worker and cluster.sh refuse before anything starts
 "$bin/tandem-worker" --router tcp://127.0.0.1:9 --model "$root/tests/data/toy-numbers-t5" --role decode --id w \
   --host 0.0.0.0 >"$work/wild.out" 2>&1
-check "worker: a wildcard --host is refused" grep -q "not a wildcard" "$work/wild.out"
+check "worker: a wildcard --host without --advertise is refused" grep -q "give --advertise" "$work/wild.out"
 refused() { # what the message must hold, then the cluster file's JSON
   echo "$2" >"$work/bad.json"
   ! "$root/deploy/cluster.sh" up "$work/bad.json" >/dev/null 2>"$work/bad.err" && grep -q "$1" "$work/bad.err"
@@ -109,6 +109,9 @@ good='{"name": "t", "tandem": "/opt/t", "model": "/m", "router": {"address": "10
 check "cluster file: not JSON" refused "not a JSON object" "{"
 check "cluster file: a router on loopback" refused "must reach it" "$(jq -c '.router.address = "127.0.0.1"' <<<"$good")"
 check "cluster file: a wildcard worker address" refused "wildcard" "$(jq -c '.hosts[0].address = "0.0.0.0"' <<<"$good")"
+check "cluster file: a wildcard advertised" refused "advertise 0.0.0.0: a wildcard" \
+  "$(jq -c '.hosts[0].address = "0.0.0.0" | .hosts[0].advertise = "0.0.0.0"' <<<"$good")"
+check "cluster file: a loopback address advertised" refused "loopback" "$(jq -c '.hosts[0].advertise = "127.0.0.1"' <<<"$good")"
 check "cluster file: a loopback worker address" refused "loopback" "$(jq -c '.hosts[0].address = "127.0.0.1"' <<<"$good")"
 check "cluster file: no decode worker" refused "no decode worker" "$(jq -c '.hosts[0].pools[0].role = "encode"' <<<"$good")"
 check "cluster file: a bad role" refused "role: encode" "$(jq -c '.hosts[0].pools[0].role = "x"' <<<"$good")"

@@ -7,7 +7,10 @@
 # decode workers on a third. Requests give tandem-generate's tokens; the
 # router's health shows KV blocks that left the encoder's host and reached
 # the decode worker's, over UCX (TCP: the hosts' names differ, so no shared
-# memory) or ZeroMQ. A SIGKILLed decode worker is restarted by its supervisor
+# memory) or ZeroMQ. The router and host b bind every interface and
+# advertise their addresses ("router.bind", "advertise"): ZeroMQ endpoints
+# on the wildcard, UCX on the advertised address's interface, KV still
+# crossing. A SIGKILLed decode worker is restarted by its supervisor
 # and requests are served again; `cluster.sh down` leaves no process.
 # Skipped (status 77) only where namespaces cannot be made (not root).
 #   tests/integration/test_multihost.sh BIN_DIR WORK_DIR
@@ -91,10 +94,11 @@ jq -n --arg tandem "$root" --arg bin "$bin" --arg model "$model" --arg run "$wor
   name: "nstest", tandem: $tandem, bin: $bin, model: $model, run_dir: $run, ssh_options: $ssh,
   stop_timeout_s: 20,
   env: {UCX_LOG_LEVEL: "error", UCX_WARN_UNUSED_ENV_VARS: "n"},
-  router: {ssh: ("root@" + $r), address: $r, client_port: 7000, worker_port: 7001, metrics_port: 7002},
+  router: {ssh: ("root@" + $r), address: $r, bind: "0.0.0.0", client_port: 7000, worker_port: 7001, metrics_port: 7002},
   hosts: [
     {name: "a", ssh: ("root@" + $a), address: $a, pools: [{role: "encode", count: 1}]},
-    {name: "b", ssh: ("root@" + $b), address: $b, pools: [{role: "prefill", count: 1}, {role: "decode", count: 1}]}
+    {name: "b", ssh: ("root@" + $b), address: "0.0.0.0", advertise: $b,
+     pools: [{role: "prefill", count: 1}, {role: "decode", count: 1}]}
   ]}' >"$work/cluster.json"
 cr() { ip netns exec "$tag-r" "$root/deploy/cluster.sh" "$@"; }
 t0=$SECONDS
@@ -104,9 +108,19 @@ echo "up in $((SECONDS - t0)) s"
 check "processes on their hosts" test -f "$work/run/a/a-encode-0.pid" -a -f "$work/run/b/b-decode-0.pid" \
   -a -f "$work/run/router/router.pid"
 check "the encoder binds its host's address" grep -q "${addr[a]}" <(ip netns exec "$tag-a" ss -ltnp)
-check "no worker listens on loopback or every interface" \
-  bash -c "ip netns exec $tag-b ss -Hltnp | grep -q tandem-worker &&
-           ! ip netns exec $tag-b ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -E '^(127\.|0\.0\.0\.0|\*|\[::)'"
+check "the encoder listens on no loopback or wildcard address" \
+  bash -c "ip netns exec $tag-a ss -Hltnp | grep -q tandem-worker &&
+           ! ip netns exec $tag-a ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -E '^(127\.|0\.0\.0\.0|\*|\[::)'"
+# host b: ZeroMQ on every interface, advertised at its address; UCX on that address's interface only
+check "b's decode worker advertises its host's address" grep -q "KV endpoint zmq:tcp://${addr[b]}:" "$work/run/b/b-decode-0.log"
+check "b's workers bind every interface" \
+  bash -c "ip netns exec $tag-b ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -qE '^(0\.0\.0\.0|\*):'"
+check "b's UCX listens on the advertised address" \
+  bash -c "ip netns exec $tag-b ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -q '^${addr[b]}:'"
+check "b's workers listen on no loopback address" \
+  bash -c "! ip netns exec $tag-b ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -qE '^(127\.|\[::1\])'"
+check "the router binds every interface, says its address" \
+  grep -q "router serving clients on tcp://${addr[r]}:7000, workers on tcp://${addr[r]}:7001" "$work/run/router/router.log"
 
 # ---- requests from the router's host: tandem-generate's tokens
 cat >"$work/req.jsonl" <<'EOF'
