@@ -99,7 +99,7 @@
 #define TD_GROUP_HEARTBEAT_MS 200          /* leader -> followers when idle; followers -> router */
 #define TD_GROUP_LEADER_DEAD_MS 5000       /* a follower gives up on a silent leader */
 #define TD_GROUP_JOIN_RESEND_MS 2000       /* a joining rank asks the router again */
-#define TD_GROUP_MIRROR_IN_MAX_BYTES 256   /* a follower's message to its leader (hello, heartbeat) */
+#define TD_GROUP_MIRROR_IN_MAX_BYTES 1024  /* a follower's message to its leader (hello, heartbeat; a CURVE handshake's, about 300) */
 
 /* ---- kvtransfer (td_kvx_opts left 0; the protocol's grace periods) ---- */
 #define TD_DEFAULT_KVX_STAGING_SLOTS 8                /* pinned staging slots per side */
@@ -181,5 +181,6 @@
 #define TD_AUTH_REFUSAL_LOG_MS 10000 /* a refused peer retries every 100 ms: its refusal is logged once this often */
 #define TD_AUTH_MAX_BOUND_IDS 65536 /* with keys: worker ids the router binds to the key that first registered them */
 #define TD_AUTH_REFUSAL_LOG_KEYS 1024 /* refusals remembered for that; past it the memory starts over */
+#define TD_AUTH_GROUP_WAIT_MS 20000 /* a group handshake waits this long for the rendezvous to name the ranks */
 
 #endif

@@ -107,7 +107,6 @@ for ((h = 0; h < n_hosts; h++)); do
       die "hosts[$h].pools[$p]: only decode workers form TP / PP groups"
     if [[ -n $key_dir ]]; then
       [[ $(pf '.kv_transport') != ucx ]] || die "hosts[$h].pools[$p]: \"kv_transport\": \"ucx\" with keys (UCX has no CURVE; KV goes over ZeroMQ)"
-      ((ranks == 1)) || die "hosts[$h].pools[$p]: a TP / PP group with keys (its own sockets have no CURVE yet)"
     fi
     device=$(pf '.device')
     [[ $device == cpu || $device == cuda ]] || die "hosts[$h].pools[$p].device: cpu or cuda"

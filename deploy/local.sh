@@ -236,7 +236,6 @@ awk -v f="$mem_fraction" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 1 && f ~ /^[0-9.]
 if ((auth)); then
   # UCX has no CURVE: with keys KV goes over ZeroMQ
   [[ $kv_transport != ucx ]] || { echo "local.sh: --auth carries KV over ZeroMQ (UCX has no CURVE): use --kv-transport auto" >&2; exit 2; }
-  ((decode_tp * decode_pp == 1)) || { echo "local.sh: --auth with decode groups: their own sockets have no CURVE yet" >&2; exit 2; }
 fi
 
 bin="${TANDEM_BIN:-$root/build/bin}"

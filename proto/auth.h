@@ -23,6 +23,7 @@
 #define TD_AUTH_DOMAIN_CLIENTS "tandem-clients" /* the router's client socket: client keys */
 #define TD_AUTH_DOMAIN_WORKERS "tandem-workers" /* the router's worker socket: worker keys */
 #define TD_AUTH_DOMAIN_KV "tandem-kv"           /* a worker's KV socket: worker keys */
+#define TD_AUTH_DOMAIN_GROUP "tandem-group"     /* a TP/PP group's own sockets: its ranks' keys (td_zap_set_group) */
 
 typedef struct td_auth td_auth;
 
@@ -73,6 +74,10 @@ void td_zap_destroy(td_zap *z);
  * socket monitor the handler's thread reads. Call from the socket's owner
  * before it binds; NULL z: nothing. */
 td_status td_zap_watch(td_zap *z, void *sock, const char *what);
+/* The keys admitted on TD_AUTH_DOMAIN_GROUP: a group's ranks, once its
+ * rendezvous named them (at most TD_GROUP_MAX_RANKS; none before: every
+ * connection is refused). Replaces the earlier set. */
+td_status td_zap_set_group(td_zap *z, const char *const *keys, int n);
 /* Counts (for tests and logs): handshakes refused. */
 unsigned long td_zap_refused(const td_zap *z);
 

@@ -117,6 +117,7 @@ struct group_rv {
   char *endpoints[TD_GROUP_MAX_RANKS];
   uint8_t ids[TD_GROUP_MAX_RANKS][TD_WIRE_MAX_ID];
   size_t id_lens[TD_GROUP_MAX_RANKS];
+  char keys[TD_GROUP_MAX_RANKS][TD_AUTH_KEY_Z85]; /* with keys: each rank's, as it joined (GroupInfo.keys) */
   uint8_t nccl_id[256];
   size_t nccl_len;
   int joined;
@@ -228,6 +229,9 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len);
 void rtr_health_fill(td_router *r, Tandem__HealthResponse *h, Tandem__WorkerStatus **ws, Tandem__WorkerStatus ***wp);
 void rtr_workers_free(td_router *r);
 void rtr_id_keys_free(td_router *r);
+/* With keys, a name (a worker id, a group's rank) belongs to the key that
+ * first used it, for the router's life; NULL key (no CURVE): true. */
+bool rtr_id_key_ok(td_router *r, const char *name, const char *key, char *why, size_t cap);
 
 /* ---- probe.c: the KV endpoint a registering worker advertises, dialled
  * before it is admitted (docs/deploy.md) */
@@ -255,7 +259,8 @@ bool rtr_admin_allowed(const td_router *r, const char *key);
 void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const char *key, const Tandem__AdminRequest *a);
 
 /* ---- groups.c */
-void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j);
+/* key: the joining connection's authenticated public key (NULL without CURVE) */
+void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__GroupJoin *j);
 /* The group whose follower rank has this identity (*rank set), or NULL. */
 group_rv *rtr_group_of_follower(td_router *r, const uint8_t *id, size_t id_len, int *rank);
 /* Timer: silent ranks fail their group; rendezvous that never complete expire. */

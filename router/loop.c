@@ -82,7 +82,8 @@ static void on_worker_message(td_router *r) {
   int frank = 0;
   group_rv *fg = w ? NULL : rtr_group_of_follower(r, f.id, f.id_len, &frank);
   if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN) {
-    rtr_on_group_join(r, f.id, f.id_len, m->group_join);
+    char key[TD_AUTH_KEY_Z85];
+    rtr_on_group_join(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m->group_join);
   } else if (fg) {
     fg->seen[frank] = td_now_ms(); /* a follower's heartbeat */
   } else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER) {

@@ -169,22 +169,24 @@ static bool id_ok(const char *id) {
   return true;
 }
 
-/* With keys, a worker id belongs to the key that first registered it, for
- * the router's life: another listed key cannot take it over, not even
- * while its worker is away. NULL key (no CURVE): true. */
+/* With keys, a worker id (or a group's rank) belongs to the key that
+ * first registered it, for the router's life: another listed key cannot
+ * take it over, not even while its worker is away. */
 typedef struct id_key {
   char id[TD_WIRE_MAX_ID + 1];
   char key[TD_AUTH_KEY_Z85];
   UT_hash_handle hh;
 } id_key;
 
-static bool id_key_ok(td_router *r, const char *wid, const char *key, char *why, size_t cap) {
+bool rtr_id_key_ok(td_router *r, const char *wid, const char *key, char *why, size_t cap) {
   if (!key) return true;
   id_key *e = NULL;
   HASH_FIND_STR(r->id_keys, wid, e);
   if (e) {
     if (!strcmp(e->key, key)) return true;
-    snprintf(why, cap, "worker id %s belongs to another key (this connection's key is %s)", wid, key);
+    /* group ranks are "group NAME rank R" (no worker id holds a space) */
+    snprintf(why, cap, "%s%s belongs to another key (this connection's key is %s)",
+             strncmp(wid, "group ", 6) ? "worker id " : "", wid, key);
     return false;
   }
   if (r->n_id_keys >= TD_AUTH_MAX_BOUND_IDS) {
@@ -234,7 +236,7 @@ static bool registration_ok(td_router *r, const uint8_t *id, size_t id_len, cons
     ok = false;
   }
   if (ok) ok = rtr_cross_mode_matches(r, in->cross_mode, why, cap);
-  if (ok) ok = id_key_ok(r, wid, key, why, cap);
+  if (ok) ok = rtr_id_key_ok(r, wid, key, why, cap);
   worker *old = ok ? rtr_find_worker(r, wid) : NULL;
   if (old && (old->route_len != id_len || memcmp(old->route, id, id_len))) {
     /* another connection claims a live worker's id: refused until the

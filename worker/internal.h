@@ -223,6 +223,8 @@ struct td_worker {
   /* rank 0 of a tensor / pipeline parallel group */
   int world;
   group_info gi;
+  td_zap *zap;    /* with keys: zctx's ZAP handler, for the group's mirror and communicator */
+  group_keys gk;  /* their CURVE (worker/group.h) */
   bool group_failed;
   char refused[512]; /* the router refused this worker: why */
 };

@@ -206,9 +206,7 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (o.rank > 0) {
     td_worker_opts_default(&o);
-    td_status fs = auth ? td_err(TD_ERR_UNSUPPORTED, "a TP/PP group with CURVE keys: the group's own sockets have no "
-                                 "CURVE yet")
-                        : td_worker_follow(&o, &stop_flag);
+    td_status fs = td_worker_follow(&o, &stop_flag);
     td_auth_destroy(auth);
     if (fs != TD_OK && !stop_flag) fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
     return fs == TD_OK || stop_flag ? 0 : 1;

@@ -107,6 +107,14 @@ int cluster_add_group(cluster *c, const char *name, const char *par, int world, 
                       "--block-size", bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256", "--group",
                       (char *)name, (char *)par, ws, "--rank", rk};
     int a = 23;
+    char sec[600], rkey[600], wl[600];
+    if (c->keys[0]) { /* each rank its own key, as a worker */
+      snprintf(sec, sizeof sec, "%s/%s.key", c->keys, id);
+      snprintf(rkey, sizeof rkey, "%s/router.pub", c->keys);
+      snprintf(wl, sizeof wl, "%s/workers.list", c->keys);
+      char *k[] = {"--curve-secret", sec, "--router-key", rkey, "--worker-keys", wl};
+      for (int i = 0; i < 6; i++) argv[a++] = k[i];
+    }
     bool other = !strcmp(name, c->extra_worker) || !strcmp(id, c->extra_worker); /* the group, or this rank */
     add_flags(extra, sizeof extra, other ? c->extra_flags : c->worker_extra, argv, &a, 39);
     argv[a] = NULL;

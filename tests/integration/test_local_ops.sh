@@ -143,6 +143,12 @@ wait "$main"
 main=""
 "$root/deploy/local.sh" --auth --kv-transport ucx --run-dir "$work/nope" >/dev/null 2>"$work/auth-ucx.err"
 check "--auth: --kv-transport ucx is refused" grep -q "UCX has no CURVE" "$work/auth-ucx.err"
+# a tensor-parallel decode group with keys: its ranks' own sockets are CURVE too (its ranks only)
+"$root/deploy/local.sh" --auth --decode-tp 2 --encoders 0 --prefills 0 --demo --no-gateway --no-metrics \
+  --run-dir "$work/keyed-tp" >"$work/auth-tp.out" 2>"$work/auth-tp.err"
+check "--auth --decode-tp 2: the demo's answers" grep -qF "forty two  ->  42" "$work/auth-tp.out"
+check "--auth --decode-tp 2: the group's sockets admit its ranks only" \
+  grep -q "(CURVE: the group's ranks only)" "$work/keyed-tp/decode-0.log"
 
 # ---- what a worker and cluster.sh refuse before anything starts
 "$bin/tandem-worker" --router tcp://127.0.0.1:9 --model "$root/tests/data/toy-numbers-t5" --role decode --id w \
