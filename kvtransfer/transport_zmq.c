@@ -310,7 +310,7 @@ static void receive_one(zx *x) {
     return;
   }
   Tandem__Cluster__KvPush *h = tandem__cluster__kv_push__unpack(NULL, zmq_msg_size(&hd), zmq_msg_data(&hd));
-  char why[256] = "";
+  char why[512] = ""; /* a refusal names two keys (KvAck's buffer holds 600 bytes) */
   bool ok = h && h->version == TD_PROTOCOL_VERSION;
   if (!ok)
     snprintf(why, sizeof why, h ? "KV push of protocol version %u" : "malformed KV push", h ? h->version : 0);

@@ -472,8 +472,9 @@ static void watch_event(td_zap *z, watch *w) {
   }
   /* a peer that hung up during the handshake: one without keys that gave
    * up first, or a port check (the router dials a registering worker's KV
-   * endpoint): no refusal of ours, so no warning */
+   * endpoint): counted, but no warning */
   if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && (val == EPIPE || val == ECONNRESET)) {
+    atomic_fetch_add(&z->refused, 1);
     unsigned long quiet;
     if (log_now(z, w->what, "hangup", &quiet))
       TD_INFO("auth: a connection on the %s endpoint %s closed during its handshake (a peer without CURVE keys, or "
