@@ -250,7 +250,7 @@ static int cmp_d(const void *a, const void *b) {
 /* One transfer of n blocks (scattered destinations); seconds, or < 0. */
 static double one(td_kvx *k, td_kvx_peer *p, uint32_t sp, uint32_t dp, td_kvx_transport tr, int n, int32_t *src,
                   int32_t *dst) {
-  td_kvx_xfer x = {1, 0, sp, dp, src, dst, n, 20000, tr, NULL};
+  td_kvx_xfer x = {1, 0, sp, dp, src, dst, n, 20000, tr, NULL, {0}};
   done d = {0};
   int64_t t0 = td_now_ns();
   if (td_kvx_post(p, &x, done_cb, &d, NULL) != TD_OK) {

@@ -282,6 +282,7 @@ static void health_of(const Tandem__HealthResponse *x0, td_client_health *hh) {
     cw->encoder_cache_hits = x->encoder_cache_hits;
     cw->encoder_cache_blocks = (int)x->encoder_cache_blocks;
     cw->kv_pushing = (int)x->kv_pushing;
+    cw->kv_refused = x->kv_refused;
     snprintf(cw->device, sizeof cw->device, "%s", x->device ? x->device : "");
     snprintf(cw->version, sizeof cw->version, "%s", x->version ? x->version : "");
     snprintf(cw->group, sizeof cw->group, "%s", x->group ? x->group : "");

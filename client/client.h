@@ -60,6 +60,7 @@ typedef struct td_client_worker {
   uint64_t encoder_cache_hits; /* requests whose cross KV came from its encoder cache */
   int encoder_cache_blocks;    /* cross blocks that cache holds (counted in free_cross_blocks) */
   int kv_pushing;
+  uint64_t kv_refused;  /* KV pushes into it refused (wrong sender, no reservation, bad blocks) */
   char device[32];      /* its backend ("cpu", "cuda:0", ...) */
   char version[64];     /* its build */
   char group[64];       /* its TP/PP group ("" alone) */

@@ -182,6 +182,7 @@ int main(int argc, char **argv) {
         cJSON_AddNumberToObject(wj, "kv_out_ucx", (double)x->kv_out_ucx);
         cJSON_AddNumberToObject(wj, "kv_out_zmq", (double)x->kv_out_zmq);
         cJSON_AddNumberToObject(wj, "kv_out_ipc", (double)x->kv_out_ipc);
+        cJSON_AddNumberToObject(wj, "kv_refused", (double)x->kv_refused);
         cJSON_AddNumberToObject(wj, "encoded", (double)x->encoded);
         cJSON_AddNumberToObject(wj, "encoder_cache_hits", (double)x->encoder_cache_hits);
         cJSON_AddNumberToObject(wj, "encoder_cache_blocks", x->encoder_cache_blocks);

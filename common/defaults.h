@@ -43,6 +43,8 @@
 #define TD_DEFAULT_CLIENT_ENDPOINT "tcp://127.0.0.1:7000" /* where the router serves clients */
 #define TD_DEFAULT_WORKER_ENDPOINT "tcp://127.0.0.1:7001" /* where workers reach the router */
 #define TD_ROUTER_TICK_MS 20             /* deadlines, stage timeouts, group ranks and the stop flag checked */
+#define TD_DEFAULT_PROBE_TIMEOUT_MS 3000 /* a registering worker's advertised KV endpoint must answer a connect */
+#define TD_ROUTER_MAX_PROBES 256         /* registrations whose endpoint is being checked at once; more wait */
 #define TD_ROUTER_JOBS_PER_SEQ 4         /* requests placed on a decode worker per sequence it runs at once */
 #define TD_ROUTER_MAX_SAMPLES 64         /* n a request (the decode workers' width bounds it too) */
 #define TD_ROUTER_MAX_REQUEST_ID 255     /* bytes of a client's request id */
@@ -92,11 +94,12 @@
 #define TD_KV_HEADER_MAX_BYTES (1u << 20)  /* a KvPush header: TD_KV_PUSH_MAX_BLOCKS block ids (5 bytes each at most) */
 #define TD_KV_DEFAULT_MAX_FRAME_BYTES (64u << 20) /* a ZeroMQ KV frame when the owner names no block size */
 #define TD_KV_ACK_MAX_BYTES (64u << 10)    /* a KvAck (the sender's socket takes nothing larger) */
+#define TD_KV_TOKEN_BYTES 16               /* a reservation's sender token (KvSender.token): 128 random bits */
 #define TD_GROUP_MAX_RANKS 16              /* ranks of a TP / PP worker group (the router's rendezvous too) */
 #define TD_GROUP_HEARTBEAT_MS 200          /* leader -> followers when idle; followers -> router */
 #define TD_GROUP_LEADER_DEAD_MS 5000       /* a follower gives up on a silent leader */
 #define TD_GROUP_JOIN_RESEND_MS 2000       /* a joining rank asks the router again */
-#define TD_GROUP_MIRROR_IN_MAX_BYTES 256   /* a follower's message to its leader (hello, heartbeat) */
+#define TD_GROUP_MIRROR_IN_MAX_BYTES 1024  /* a follower's message to its leader (hello, heartbeat; a CURVE handshake's, about 300) */
 
 /* ---- kvtransfer (td_kvx_opts left 0; the protocol's grace periods) ---- */
 #define TD_DEFAULT_KVX_STAGING_SLOTS 8                /* pinned staging slots per side */
@@ -187,5 +190,6 @@
 #define TD_AUTH_REFUSAL_LOG_MS 10000 /* a refused peer retries every 100 ms: its refusal is logged once this often */
 #define TD_AUTH_MAX_BOUND_IDS 65536 /* with keys: worker ids the router binds to the key that first registered them */
 #define TD_AUTH_REFUSAL_LOG_KEYS 1024 /* refusals remembered for that; past it the memory starts over */
+#define TD_AUTH_GROUP_WAIT_MS 20000 /* a group handshake waits this long for the rendezvous to name the ranks */
 
 #endif

@@ -16,7 +16,7 @@ static void decode_job(td_worker *w, Tandem__Cluster__RouterMessage *m) {
     s = td_job_run_request(w, j, &run);
   } else {
     int prompt = dj->with_prefill && dj->prefill_tokens > 0 ? (int)dj->prefill_tokens : 0;
-    s = td_job_reserve(w, j, (int)dj->req->enc_len, prompt);
+    s = td_job_reserve(w, j, (int)dj->req->enc_len, prompt, dj->cross_from, dj->self_from);
   }
   if (s != TD_OK) td_job_fail(w, j, s, td_errmsg());
 }

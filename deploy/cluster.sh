@@ -12,12 +12,17 @@
 #                                  router's health (tandem-client --health, on its host)
 #   deploy/cluster.sh down FILE    SIGTERM to every worker (they drain), then the router;
 #                                  waits until no process of the cluster is left
+#   deploy/cluster.sh keys FILE DIR  the CURVE key pairs and lists the file's "keys" needs, made
+#                                  here in DIR (a new folder); prints which files each host takes
+#                                  (copy them to "keys.dir" there yourself, over a trusted channel)
 set -euo pipefail
 cmd=${1:-}
 file=${2:-}
 usage() { sed -n '2,/^set -euo/{/^set/!p}' "$0"; }
 [[ $cmd == -h || $cmd == --help ]] && { usage; exit 0; }
-[[ $cmd == up || $cmd == down || $cmd == status ]] && [[ -n $file ]] || { usage >&2; exit 2; }
+[[ $cmd == up || $cmd == down || $cmd == status || $cmd == keys ]] && [[ -n $file ]] || { usage >&2; exit 2; }
+out_dir=${3:-}
+[[ $cmd != keys || -n $out_dir ]] || { usage >&2; exit 2; }
 [[ -f $file ]] || { echo "cluster.sh: no cluster file $file" >&2; exit 2; }
 command -v jq >/dev/null || { echo "cluster.sh: jq is needed (deploy/setup.sh installs it)" >&2; exit 2; }
 jq -e 'type == "object"' "$file" >/dev/null 2>&1 || { echo "cluster.sh: $file is not a JSON object" >&2; exit 2; }
@@ -42,6 +47,13 @@ mapfile -t env_kv < <(jq -r '.env // {} | to_entries[] | "\(.key)=\(.value)"' "$
 for e in "${env_kv[@]}"; do [[ $e =~ ^[A-Za-z_][A-Za-z0-9_]*= && $e != *$'\n'* ]] || die "\"env\": bad entry $e"; done
 mapfile -t ssh_opts < <(jq -r '.ssh_options // [] | .[]' "$file")
 addr_re='^[A-Za-z0-9.:-]+$'
+# CURVE: key files by path (the same folder on every host); none on a command line
+key_dir=$(q '.keys.dir // empty')
+key_client=$(q '.keys.client // "operator"')
+if [[ $(q '.keys // empty') != "" ]]; then
+  [[ $key_dir == /* && $key_dir != *[[:space:]]* ]] || die '"keys.dir": the absolute path of the key folder on every host'
+  [[ $key_client =~ ^[A-Za-z0-9._-]+$ ]] || die '"keys.client": the name of a client key (NAME.key in "keys.dir")'
+fi
 
 r_ssh=$(q '.router.ssh // "local"')
 r_addr=$(q '.router.address // empty')
@@ -68,11 +80,15 @@ for ((h = 0; h < n_hosts; h++)); do
   hn=$(q ".hosts[$h].name // empty")
   [[ $hn =~ ^[A-Za-z0-9._-]+$ ]] || die "hosts[$h].name: letters, digits, '.', '_' or '-'"
   ha=$(q ".hosts[$h].address // empty")
-  [[ $ha =~ $addr_re ]] || die "hosts[$h].address: the address the host's workers bind and the others reach"
-  [[ $ha != 0.0.0.0 && $ha != :: && $ha != '*' ]] ||
-    die "hosts[$h].address $ha: workers bind the address they advertise; a wildcard cannot be reached"
+  hadv=$(q ".hosts[$h].advertise // empty")
+  [[ $ha =~ $addr_re ]] || die "hosts[$h].address: the address the host's workers bind (and the others reach, without \"advertise\")"
+  [[ -z $hadv || $hadv =~ $addr_re ]] || die "hosts[$h].advertise: the address the others reach the host's workers at"
+  reach=${hadv:-$ha} field=address
+  [[ -z $hadv ]] || field=advertise
+  [[ $reach != 0.0.0.0 && $reach != :: && $reach != '*' ]] ||
+    die "hosts[$h].$field $reach: a wildcard cannot be reached (bind it as \"address\" and give \"advertise\")"
   if ((n_hosts > 1)) || [[ $(q ".hosts[$h].ssh // \"local\"") != local ]]; then
-    [[ $ha != 127.* && $ha != localhost ]] || die "hosts[$h].address $ha: other hosts cannot reach a loopback address"
+    [[ $reach != 127.* && $reach != localhost ]] || die "hosts[$h] $reach: other hosts cannot reach a loopback address"
   fi
   hgpus=$(q ".hosts[$h].gpus // 0")
   [[ $hgpus =~ ^[0-9]+$ ]] || die "hosts[$h].gpus: a count"
@@ -92,10 +108,14 @@ for ((h = 0; h < n_hosts; h++)); do
     ct=$(pf '.cross_transfer // empty')
     [[ -z $ct || ($role == encode && ($ct == states || $ct == kv)) ]] ||
       die "hosts[$h].pools[$p].cross_transfer: states or kv, on an encode pool"
+    if [[ -n $key_dir ]]; then
+      [[ $(pf '.kv_transport') != ucx ]] || die "hosts[$h].pools[$p]: \"kv_transport\": \"ucx\" with keys (UCX has no CURVE; KV goes over ZeroMQ)"
+    fi
     device=$(pf '.device')
     [[ $device == cpu || $device == cuda ]] || die "hosts[$h].pools[$p].device: cpu or cuda"
     [[ $device == cpu || $hgpus -gt 0 ]] || die "hosts[$h]: cuda workers on a host of \"gpus\": 0"
     common="--router tcp://$r_addr:$r_wport --model $(printf %q "$model") --device $device --host $ha"
+    [[ -z $hadv ]] || common+=" --advertise $hadv"
     common+=" --block-size $(pf '.block_size') --threads $(pf '.threads') --kv-transport $(pf '.kv_transport')"
     common+=" --cross-mode $r_cross --gpu-memory-fraction $(pf '.gpu_memory_fraction')"
     mb=$(pf '.max_batch // empty')
@@ -119,6 +139,8 @@ for ((h = 0; h < n_hosts; h++)); do
           ((tp > 1)) && args+=" --tp $tp"
           ((pp > 1)) && args+=" --pp $pp"
         fi
+        [[ -z $key_dir ]] ||
+          args+=" --curve-secret $key_dir/$id.key --router-key $key_dir/router.pub --worker-keys $key_dir/workers.list"
         plan+=("$h $id $args")
       done
     done
@@ -162,15 +184,63 @@ EOF
 host_ssh() { q ".hosts[$1].ssh // \"local\""; }
 host_dir() { echo "$run_root/$(q ".hosts[$1].name")"; }
 router_dir="$run_root/router"
+client_keys=()
+[[ -z $key_dir ]] || client_keys=(--curve-secret "$key_dir/$key_client.key" --router-key "$key_dir/router.pub")
 health() { # the router's health, asked on its host
-  printf '%q --router %q --health --timeout-ms 1000 2>/dev/null\n' "$bin/tandem-client" "$client_ep" | on_host "$r_ssh"
+  {
+    printf '%q --router %q' "$bin/tandem-client" "$client_ep"
+    ((${#client_keys[@]} == 0)) || printf ' %q' "${client_keys[@]}"
+    printf ' --health --timeout-ms 1000 2>/dev/null\n'
+  } | on_host "$r_ssh"
+}
+# the key files a host's processes read, missing there (a line each)
+missing_keys() { # ssh target, files...
+  local t=$1; shift
+  { printf 'for f in'; printf ' %q' "$@"; printf '; do [ -r "$f" ] || echo "$f"; done\n'; } | on_host "$t"
+}
+router_key_files() {
+  echo "$key_dir/router.key" "$key_dir/router.pub" "$key_dir/workers.list" "$key_dir/clients.list" \
+       "$key_dir/admins.list" "$key_dir/$key_client.key"
 }
 
 case $cmd in
+keys)
+  [[ -n $key_dir ]] || die 'no "keys" in the file: give "keys": {"dir": "/etc/tandem/keys"}'
+  [[ ! -e $out_dir ]] || { echo "cluster.sh: $out_dir exists: keys are never overwritten" >&2; exit 2; }
+  mkdir -p "$out_dir" && chmod 700 "$out_dir"
+  kg() { "$bin/tandem-keygen" "$out_dir/$1" >/dev/null || { echo "cluster.sh: tandem-keygen $1 failed" >&2; exit 1; }; }
+  ids=$(printf '%s\n' "${plan[@]}" | awk '{ print $2 }')
+  kg router
+  kg "$key_client"
+  for id in $ids; do kg "$id"; done
+  for id in $ids; do cat "$out_dir/$id.pub"; done >"$out_dir/workers.list"
+  cp "$out_dir/$key_client.pub" "$out_dir/clients.list"
+  cp "$out_dir/$key_client.pub" "$out_dir/admins.list"
+  echo "router ($r_ssh): $(router_key_files | sed "s|$key_dir/||g") -> $key_dir"
+  for ((h = 0; h < n_hosts; h++)); do
+    hk=$(printf '%s\n' "${plan[@]}" | awk -v h="$h" '$1 == h { printf "%s.key ", $2 }')
+    [[ -z $hk ]] || echo "$(q ".hosts[$h].name") ($(host_ssh "$h")): ${hk}router.pub workers.list -> $key_dir"
+  done
+  echo "other clients: a pair each (tandem-keygen NAME), NAME.pub added to clients.list (admins.list: admin commands)"
+  ;;
 up)
+  if [[ -n $key_dir ]]; then
+    # every file where it is read, before anything starts
+    lack=$(missing_keys "$r_ssh" $(router_key_files))
+    [[ -z $lack ]] || die "the router's host ($r_ssh) lacks $(echo $lack) (cluster.sh keys FILE DIR makes them)"
+    for ((h = 0; h < n_hosts; h++)); do
+      mapfile -t need < <(printf '%s\n' "${plan[@]}" | awk -v h="$h" -v d="$key_dir" '$1 == h { print d "/" $2 ".key" }')
+      ((${#need[@]})) || continue
+      lack=$(missing_keys "$(host_ssh "$h")" "${need[@]}" "$key_dir/router.pub" "$key_dir/workers.list")
+      [[ -z $lack ]] || die "host $(q ".hosts[$h].name") lacks $(echo $lack) (cluster.sh keys FILE DIR makes them)"
+    done
+  fi
   rargs=(--client-endpoint "tcp://$r_bind:$r_cport" --worker-endpoint "tcp://$r_bind:$r_wport" --cross-mode "$r_cross")
+  [[ $r_bind == "$r_addr" ]] || rargs+=(--advertise "$r_addr")
   [[ -n $r_mport ]] && rargs+=(--metrics-port "$r_mport" --metrics-host "$r_bind")
   [[ -n $tokenizer ]] && rargs+=(--tokenizer "$tokenizer")
+  [[ -z $key_dir ]] || rargs+=(--curve-secret "$key_dir/router.key" --worker-keys "$key_dir/workers.list"
+                               --client-keys "$key_dir/clients.list" --admin-keys "$key_dir/admins.list")
   start_script "$router_dir" router "$bin/tandem-router" "${rargs[@]}" | on_host "$r_ssh"
   for _ in $(seq 100); do
     [[ -n $(health) ]] && break
@@ -196,6 +266,7 @@ up)
   done
   [[ $got == "$want" ]] || { echo "cluster.sh: not every worker registered (want $want, have ${got:-none}); logs in $run_root/HOST on each host" >&2; exit 1; }
   echo "router $client_ep"
+  [[ -z $key_dir ]] || echo "keys $key_dir (clients: --curve-secret NAME.key --router-key $key_dir/router.pub)"
   [[ -n $r_mport ]] && echo "metrics http://$r_addr:$r_mport/metrics"
   ;;
 status)

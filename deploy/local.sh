@@ -44,6 +44,11 @@
 #                   [--gateway-port N | --no-gateway]  (the HTTP gateway; default: any free port)
 #                   [--metrics-port N | --no-metrics]  (the router's /metrics on 127.0.0.1; default: any
 #                                                     free port)
+#                   [--auth [--spare-keys N]]         (CURVE keys for every process: made with tandem-keygen
+#                                                     in RUN_DIR/keys, N more worker keys for `add`,
+#                                                     default 4; prints "keys DIR"; clients give
+#                                                     --curve-secret DIR/client.key --router-key
+#                                                     DIR/router.pub; docs/security.md)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 supervise="$root/deploy/supervise.sh"
@@ -83,6 +88,8 @@ if [[ ${1:-} == add ]]; then
   run_dir=$(cluster_dir "$run_dir")
   # shellcheck disable=SC1091
   source "$run_dir/local.env"
+  keys=${keys:-} # a cluster started without keys
+  [[ -v client_keys ]] || client_keys=()
   [[ -z $add_gpu || ( $add_gpu =~ ^[0-9]+$ && $add_gpu -lt $ngpu ) ]] ||
     { echo "local.sh add: --gpu must be 0 to $((ngpu - 1))" >&2; exit 2; }
   add_gpu=${add_gpu:-0}
@@ -101,12 +108,25 @@ if [[ ${1:-} == add ]]; then
   fi
   [[ $add_id =~ ^[A-Za-z0-9._-]+$ ]] || { echo "local.sh add: --id must be letters, digits, '.', '_' or '-'" >&2; exit 2; }
   sup_alive "$add_id" && { echo "local.sh add: $add_id already runs in $run_dir" >&2; exit 2; }
+  add_keys=()
+  if [[ -n $keys ]]; then
+    # the router reads its worker list once: a new worker takes a spare key made at start, an id
+    # that ran before its own (the router binds an id to the key that first registered it)
+    if [[ ! -f $keys/$add_id.key ]]; then
+      spare=""
+      for f in "$keys"/spare-*.key; do [[ -e $f ]] && { spare=$(basename "$f"); break; }; done
+      [[ -n $spare ]] || { echo "local.sh add: no spare worker key left in $keys (start with a larger --spare-keys)" >&2; exit 2; }
+      mv "$keys/$spare" "$keys/$add_id.key"
+      mv "$keys/${spare%.key}.pub" "$keys/$add_id.pub"
+    fi
+    add_keys=(--curve-secret "$keys/$add_id.key" --router-key "$keys/router.pub" --worker-keys "$keys/workers.list")
+  fi
   : >"$run_dir/$add_id.log"
   # its own session: it outlives this command; the cluster's stop finds it by its pid file
   setsid "$supervise" --name "$add_id" --run-dir "$run_dir" -- "$bin/tandem-worker" "${common[@]}" --id "$add_id" \
-    --gpu "$add_gpu" --gpu-memory-fraction "$add_frac" --role "$role" </dev/null >/dev/null 2>&1 &
+    --gpu "$add_gpu" --gpu-memory-fraction "$add_frac" --role "$role" "${add_keys[@]}" </dev/null >/dev/null 2>&1 &
   for _ in $(seq 600); do
-    h=$("$bin/tandem-client" --router "$client_ep" --health --timeout-ms 500 2>/dev/null || true)
+    h=$("$bin/tandem-client" --router "$client_ep" "${client_keys[@]}" --health --timeout-ms 500 2>/dev/null || true)
     if [[ -n $h ]] && jq -e --arg id "$add_id" '.workers | any(.id == $id)' <<<"$h" >/dev/null 2>&1; then
       echo "added $add_id"
       exit 0
@@ -163,6 +183,8 @@ gateway_port=0
 gateway=1
 metrics_port=0
 metrics=1
+auth=0
+spare_keys=4
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -190,6 +212,8 @@ while (($#)); do
     --metrics-port) metrics_port=$2; shift 2 ;;
     --no-metrics) metrics=0; shift ;;
     --demo) demo=1; shift ;;
+    --auth) auth=1; shift ;;
+    --spare-keys) spare_keys=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/{/^set/!p}' "$0"; exit 0 ;;
     *) echo "local.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -218,6 +242,11 @@ fi
   { echo "local.sh: --local-encode-pct must be a positive integer" >&2; exit 2; }
 awk -v f="$mem_fraction" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 1 && f ~ /^[0-9.]+$/) }' ||
   { echo "local.sh: --gpu-memory-fraction must be in (0, 1]" >&2; exit 2; }
+[[ $spare_keys =~ ^[0-9]+$ ]] && ((spare_keys <= 256)) || { echo "local.sh: --spare-keys must be 0 to 256" >&2; exit 2; }
+if ((auth)); then
+  # UCX has no CURVE: with keys KV goes over ZeroMQ
+  [[ $kv_transport != ucx ]] || { echo "local.sh: --auth carries KV over ZeroMQ (UCX has no CURVE): use --kv-transport auto" >&2; exit 2; }
+fi
 
 bin="${TANDEM_BIN:-$root/build/bin}"
 if [[ -z ${TANDEM_BIN:-} ]]; then
@@ -301,41 +330,14 @@ failed_start() { # name, supervisor pid
   ! running "$2" || grep -q "^supervise: .* exited" "$run_dir/$1.log" 2>/dev/null
 }
 
-# the router first; a port taken since the probe means another pick
-for attempt in 1 2 3 4 5; do
-  client_ep="tcp://127.0.0.1:$port"
-  worker_ep="tcp://127.0.0.1:$((port + 1))"
-  start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode" \
-    ${router_held[@]+"${router_held[@]}"} \
-    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} "${router_tok[@]}" "${router_metrics[@]}"
-  rsup=$last_sup
-  for _ in $(seq 100); do
-    grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
-    failed_start router "$rsup" && break
-    sleep 0.05
-  done
-  grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
-  failed_start router "$rsup" || break # still starting: the health wait below decides
-  # the supervisor would restart it on the same port: stop it first
-  kill -TERM "$rsup" 2>/dev/null; wait "$rsup" 2>/dev/null || true
-  if [[ -n $port_given ]] || ! grep -q "Address already in use" "$run_dir/router.log" || ((attempt == 5)); then
-    echo "local.sh: the router did not start; logs in $run_dir" >&2
-    exit 1
-  fi
-  pick_port
-done
-threads=1
-common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
-        --kv-transport "$kv_transport" --cross-mode "$cross_mode")
+# The plan: each worker's name, GPU (round robin), memory weight and flags;
+# the workers on one GPU then share --gpu-memory-fraction by weight.
 ngpu=1
 [[ $device == cuda ]] && ngpu=$(nvidia-smi -L | wc -l)
-[[ -n $max_batch ]] && common+=(--max-batch "$max_batch")
 group_size=$((decode_tp * decode_pp))
 ((group_size > 1 && decoders_encode)) && { echo "local.sh: --decoders-encode is for single-process decode workers" >&2; exit 2; }
 [[ $group_size -gt 1 && $kv_transport == ucx ]] &&
   { echo "local.sh: decode groups take KV over ZeroMQ (the leader re-slices it): use --kv-transport auto" >&2; exit 2; }
-# The plan: each worker's name, GPU (round robin), memory weight and flags;
-# the workers on one GPU then share --gpu-memory-fraction by weight.
 w_name=() w_gpu=() w_weight=() w_args=()
 gpu=-1
 next_gpu() { gpu=$(((gpu + 1) % ngpu)); }
@@ -367,6 +369,54 @@ for ((i = 0; i < decodes; i++)); do
     plan "$name" 3 --role "$roles" --group "decode-$i" $par --rank "$r"
   done
 done
+
+# CURVE keys: a pair a process (and spares for `add`), the lists the router and workers admit;
+# every process gets file paths only, never a key on its command line
+keys="" router_keys=() client_keys=() gateway_keys=()
+if ((auth)); then
+  keys="$run_dir/keys"
+  mkdir -p "$keys"
+  chmod 700 "$keys"
+  for k in router gateway operator client "${w_name[@]}" $(seq -f "spare-%g" 0 $((spare_keys - 1))); do
+    "$bin/tandem-keygen" "$keys/$k" >/dev/null || { echo "local.sh: tandem-keygen $keys/$k failed" >&2; exit 1; }
+  done
+  cat "$keys"/*.pub | grep -v -x -F -f <(cat "$keys"/{router,gateway,operator,client}.pub) >"$keys/workers.list"
+  cat "$keys"/{gateway,operator,client}.pub >"$keys/clients.list"
+  cat "$keys/operator.pub" >"$keys/admins.list"
+  router_keys=(--curve-secret "$keys/router.key" --worker-keys "$keys/workers.list" --client-keys "$keys/clients.list"
+               --admin-keys "$keys/admins.list")
+  client_keys=(--curve-secret "$keys/client.key" --router-key "$keys/router.pub")
+  gateway_keys=(--curve-secret "$keys/gateway.key" --router-key "$keys/router.pub")
+fi
+
+# the router first; a port taken since the probe means another pick
+for attempt in 1 2 3 4 5; do
+  client_ep="tcp://127.0.0.1:$port"
+  worker_ep="tcp://127.0.0.1:$((port + 1))"
+  start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode" \
+    ${router_held[@]+"${router_held[@]}"} \
+    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} "${router_tok[@]}" "${router_metrics[@]}" \
+    "${router_keys[@]}"
+  rsup=$last_sup
+  for _ in $(seq 100); do
+    grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
+    failed_start router "$rsup" && break
+    sleep 0.05
+  done
+  grep -q "router serving" "$run_dir/router.log" 2>/dev/null && break
+  failed_start router "$rsup" || break # still starting: the health wait below decides
+  # the supervisor would restart it on the same port: stop it first
+  kill -TERM "$rsup" 2>/dev/null; wait "$rsup" 2>/dev/null || true
+  if [[ -n $port_given ]] || ! grep -q "Address already in use" "$run_dir/router.log" || ((attempt == 5)); then
+    echo "local.sh: the router did not start; logs in $run_dir" >&2
+    exit 1
+  fi
+  pick_port
+done
+threads=1
+common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
+        --kv-transport "$kv_transport" --cross-mode "$cross_mode")
+[[ -n $max_batch ]] && common+=(--max-batch "$max_batch")
 declare -A role_share=()
 min_share=""
 for ((k = 0; k < ${#w_name[@]}; k++)); do
@@ -374,8 +424,11 @@ for ((k = 0; k < ${#w_name[@]}; k++)); do
   for ((j = 0; j < ${#w_name[@]}; j++)); do ((w_gpu[j] == w_gpu[k])) && total=$((total + w_weight[j])); done
   share=$(awk -v f="$mem_fraction" -v w="${w_weight[k]}" -v t="$total" 'BEGIN { printf "%.4f", f * w / t }')
   # shellcheck disable=SC2086
+  wkeys=()
+  [[ -z $keys ]] || wkeys=(--curve-secret "$keys/${w_name[k]}.key" --router-key "$keys/router.pub"
+                           --worker-keys "$keys/workers.list")
   start "${w_name[k]}" "$bin/tandem-worker" "${common[@]}" --id "${w_name[k]}" --gpu "${w_gpu[k]}" \
-    --gpu-memory-fraction "$share" ${w_args[k]}
+    --gpu-memory-fraction "$share" ${w_args[k]} "${wkeys[@]}"
   r=${w_args[k]#--role }
   r=${r%% *}
   r=${r%%,*}
@@ -383,7 +436,7 @@ for ((k = 0; k < ${#w_name[@]}; k++)); do
   [[ -z $min_share ]] || awk -v a="$share" -v b="$min_share" 'BEGIN { exit !(a + 0 < b + 0) }' && min_share=$share
 done
 # what `local.sh add` needs to start one more worker of this cluster
-declare -p bin common client_ep ngpu role_share min_share >"$run_dir/local.env"
+declare -p bin common client_ep ngpu role_share min_share keys client_keys >"$run_dir/local.env"
 
 # serving once every worker has registered, in the cross mode asked for
 n_enc=$((encoders > 0 && !decoders_encode ? encoders : encoders + decodes))
@@ -393,12 +446,13 @@ for _ in $(seq 300); do
     failed_start "$n" "$(cat "$run_dir/$n.supervisor.pid" 2>/dev/null || echo 0)" &&
       { echo "local.sh: $n exited during start-up; logs in $run_dir" >&2; exit 1; }
   done
-  h=$("$bin/tandem-client" --router "$client_ep" --health --timeout-ms 500 2>/dev/null || true)
+  h=$("$bin/tandem-client" --router "$client_ep" "${client_keys[@]}" --health --timeout-ms 500 2>/dev/null || true)
   [[ $h == *"$want"* ]] && break
   sleep 0.2
 done
 [[ $h == *"$want"* ]] || { echo "local.sh: the cluster did not come up; logs in $run_dir" >&2; exit 1; }
 echo "router $client_ep"
+[[ -z $keys ]] || echo "keys $keys"
 if ((metrics)); then
   m=$(grep -o "metrics http://[^ ]*" "$run_dir/router.log" 2>/dev/null | head -1 | cut -d' ' -f2)
   [[ -n $m ]] || { echo "local.sh: the router serves no metrics; logs in $run_dir" >&2; exit 1; }
@@ -409,7 +463,7 @@ fi
 tokenizer=${tokenizer:-$model}
 if ((gateway)) && [[ -f $tokenizer/tokenizer.json || -f $tokenizer/source.spm ]]; then
   start gateway "$bin/tandem-gateway" --router "$client_ep" --model "$model" --tokenizer "$tokenizer" \
-    --port "$gateway_port"
+    --port "$gateway_port" "${gateway_keys[@]}"
   gsup=$last_sup
   for _ in $(seq 200); do
     grep -q "gateway serving" "$run_dir/gateway.log" 2>/dev/null && break
@@ -431,12 +485,12 @@ if ((demo)); then
     wavs=("$model"/*.wav)
     if [[ ! -f ${wavs[0]} || ${#router_tok[@]} -eq 0 ]]; then
       echo "local.sh: --demo with a Whisper model sends the .wav files of its folder (and needs its tokenizer):" \
-           "none in $model; try tandem-client --router $client_ep --audio FILE" >&2
+           "none in $model; try tandem-client --router $client_ep ${client_keys[*]} --audio FILE" >&2
       exit 2
     fi
     for w in "${wavs[@]}"; do echo "{\"id\": \"$(basename "$w")\", \"audio\": \"$w\"}"; done >"$req"
     rc=0
-    "$bin/tandem-client" --router "$client_ep" --requests "$req" --timeout-ms 60000 >"$run_dir/demo.out" || rc=$?
+    "$bin/tandem-client" --router "$client_ep" "${client_keys[@]}" --requests "$req" --timeout-ms 60000 >"$run_dir/demo.out" || rc=$?
     cat "$run_dir/demo.out"
     sed -nE 's/^\{"id":"([^"]*)","outputs":\[\{"tokens":\[[^]]*\],"text":"([^"]*)".*/  \1  ->  \2/p' "$run_dir/demo.out"
     exit $rc
@@ -451,7 +505,7 @@ if ((demo)); then
       echo '{"id": "twelve thousand (4 beams, 2 answers)", "text": "twelve thousand", "num_beams": 4, "num_return_sequences": 2}'
     } >"$req"
     rc=0
-    "$bin/tandem-client" --router "$client_ep" --requests "$req" --timeout-ms 60000 >"$run_dir/demo.out" || rc=$?
+    "$bin/tandem-client" --router "$client_ep" "${client_keys[@]}" --requests "$req" --timeout-ms 60000 >"$run_dir/demo.out" || rc=$?
     cat "$run_dir/demo.out"
     # the same, for a person: question -> first answer
     sed -nE 's/^\{"id":"([^"]*)","outputs":\[\{"tokens":\[[^]]*\],"text":"([^"]*)".*/  \1  ->  \2/p' "$run_dir/demo.out"
@@ -464,7 +518,7 @@ if ((demo)); then
     echo "{\"id\": \"demo-sample\", \"input_ids\": [3, 14, 15, 92, 65, $eos], \"temperature\": 0.8, \"top_p\": 0.9, \"seed\": 7, \"n\": 2, \"max_new_tokens\": 12}"
     echo "{\"id\": \"demo-long-prompt\", \"input_ids\": [9, 26, 53, 58, $eos], \"decoder_prompt\": [0, 97, 93, 23, 84, 62, 64, 33, 83, 27, 95, 2, 88, 41, 97, 16, 93, 99, 37, 51], \"max_new_tokens\": 8}"
   } >"$req"
-  "$bin/tandem-client" --router "$client_ep" --requests "$req" --timeout-ms 60000
+  "$bin/tandem-client" --router "$client_ep" "${client_keys[@]}" --requests "$req" --timeout-ms 60000
   exit $?
 fi
 # the supervisors keep the processes up; the cluster lasts while the router's does

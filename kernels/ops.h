@@ -345,7 +345,18 @@ int td_comm_world(const td_comm *c);
  * router), then each rank connects to all. Waits longer than timeout_ms,
  * or td_comm_abort from another thread, end an op with TD_ERR_PEER. */
 typedef struct td_comm_zmq_boot td_comm_zmq_boot;
-td_status td_comm_zmq_bind(const char *host, td_comm_zmq_boot **out);
+/* CURVE on a communicator's sockets, from its owner (kernels hold no keys):
+ * the sockets are made in zmq_ctx (the owner's, whose ZAP handler admits
+ * the group's ranks; it outlives the communicator), `server` readies the
+ * bound socket before it binds, `client` a socket before it connects to
+ * rank `peer`. NULL: plain sockets in a context of the communicator's own. */
+typedef struct td_comm_zmq_sec {
+  void *zmq_ctx;
+  td_status (*server)(void *arg, void *sock);
+  td_status (*client)(void *arg, void *sock, int peer);
+  void *arg;
+} td_comm_zmq_sec;
+td_status td_comm_zmq_bind(const char *host, const td_comm_zmq_sec *sec, td_comm_zmq_boot **out);
 const char *td_comm_zmq_endpoint(const td_comm_zmq_boot *boot);
 void td_comm_zmq_boot_free(td_comm_zmq_boot *boot);
 /* Takes boot over (freed on failure too). */

@@ -22,6 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/defaults.h"
 #include "common/status.h"
 #include "kernels/ops.h"
 
@@ -82,6 +83,7 @@ typedef struct td_kvx_grant_req {
   const int32_t *blocks;
   int n_blocks;
   uint64_t bytes;
+  const uint8_t *token; /* the sender's td_kvx_xfer.token (TD_KV_TOKEN_BYTES); NULL: it sent zeros (none) */
 } td_kvx_grant_req;
 typedef td_status (*td_kvx_authorize_fn)(void *ctx, const td_kvx_grant_req *r);
 
@@ -138,9 +140,11 @@ typedef struct td_kvx_opts {
   /* UCX_TLS as UCX reads it (NULL or "": unset): a list without a
    * shared-memory transport leaves the local path nothing to gain. */
   const char *ucx_tls;
-  /* The address this worker binds and advertises: UCX's network transports
-   * then use only the interface that carries it (NULL, or a loopback
-   * address: UCX's choice), unless UCX_NET_DEVICES names devices. */
+  /* The address peers reach this worker at (it advertises it): UCX's
+   * network transports use only the interface that carries it (NULL, a host
+   * name, a loopback or wildcard address: UCX's choice), unless
+   * UCX_NET_DEVICES names devices. A numeric address no interface here
+   * carries (NAT) is refused: UCX would advertise this host's own ones. */
   const char *bind_addr;
   const char *ucx_net_devices; /* UCX_NET_DEVICES as UCX will read it (NULL or "": unset) */
   bool trace; /* keep a per-transfer event trace, printed at destroy */
@@ -223,6 +227,9 @@ typedef struct td_kvx_xfer {
   int timeout_ms;             /* 0: the context's default */
   td_kvx_transport transport; /* AUTO: IPC, then NCCL for GPU to GPU where both have it */
   void *cuda_ready_event;     /* optional cudaEvent_t the copies wait for */
+  /* the receiver's proof that this sender may write the reservation (the
+   * application's; it travels in REQ to authorize; zeros: none) */
+  uint8_t token[TD_KV_TOKEN_BYTES];
 } td_kvx_xfer;
 /* Posts a transfer; cb fires once from td_kvx_progress. */
 td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *x, td_kvx_done_fn cb, void *arg, uint64_t *xfer_id);

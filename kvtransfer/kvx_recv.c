@@ -203,9 +203,10 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   sg.head1 = kvx_r_i32(r);
   uint32_t n = kvx_r_u32(r);
   const uint8_t *ids = (n > 0 && n <= KVX_MAX_MSG_BLOCKS) ? kvx_r_bytes(r, (size_t)n * 8) : NULL;
+  const uint8_t *token = kvx_r_bytes(r, TD_KV_TOKEN_BYTES);
   char why[KVX_TEXT];
   td_status s = TD_OK;
-  if (!ids || r->bad || r->pos != r->len) {
+  if (!ids || !token || r->bad || r->pos != r->len) {
     kvx_send_status(k, rp->ep, KVX_MSG_DENY, xid, TD_ERR_FORMAT, "malformed transfer request");
     return;
   }
@@ -270,7 +271,9 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
     kvx_send_status(k, rp->ep, KVX_MSG_DENY, xid, TD_ERR_INVALID, why);
     return;
   }
-  td_kvx_grant_req req = {rp->uuid, request_id, res_id, dst_pool, dst, (int)n, total};
+  bool has_token = false; /* zeros: the sender has none */
+  for (int i = 0; i < TD_KV_TOKEN_BYTES; i++) has_token |= token[i] != 0;
+  td_kvx_grant_req req = {rp->uuid, request_id, res_id, dst_pool, dst, (int)n, total, has_token ? token : NULL};
   if (!k->o.authorize) {
     s = td_err(TD_ERR_UNSUPPORTED, "receiver accepts no transfers");
   } else {

@@ -218,6 +218,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   kvx_w_i32(&w, g->head1);
   kvx_w_u32(&w, (uint32_t)x->n_blocks);
   for (int i = 0; i < 2 * x->n_blocks; i++) kvx_w_i32(&w, x->blocks[i]);
+  kvx_w_bytes(&w, q->token, TD_KV_TOKEN_BYTES);
   kvx_send_msg(k, req_ep, &w);
 
   pool->users++;

@@ -359,14 +359,26 @@ td_status kvx_ucx_map(td_kvx *k, void *base, size_t bytes, bool cuda, ucp_mem_h 
   return TD_OK;
 }
 
-/* The interface that carries addr (numeric IPv4 / IPv6); false when none
- * does or addr is a loopback or wildcard address. */
-static bool bind_interface(const char *addr, char name[IF_NAMESIZE]) {
+/* Where UCX's network transports go for a worker reached at addr. */
+typedef enum bind_where {
+  BIND_ANY,       /* UCX's choice: no address, a host name, a loopback or wildcard address */
+  BIND_INTERFACE, /* the interface that carries addr (numeric IPv4 / IPv6) */
+  BIND_NOWHERE,   /* a numeric address no interface here carries (NAT) */
+} bind_where;
+
+static bind_where bind_interface(const char *addr, char name[IF_NAMESIZE]) {
   struct addrinfo hints = {.ai_flags = AI_NUMERICHOST}, *ai = NULL;
-  if (!addr || getaddrinfo(addr, NULL, &hints, &ai) != 0) return false;
-  bool found = false;
+  if (!addr || getaddrinfo(addr, NULL, &hints, &ai) != 0) return BIND_ANY;
+  bool found = false, loop_or_any = false;
+  if (ai->ai_family == AF_INET) {
+    uint32_t a = ntohl(((struct sockaddr_in *)ai->ai_addr)->sin_addr.s_addr);
+    loop_or_any = (a >> 24) == 127 || a == 0;
+  } else if (ai->ai_family == AF_INET6) {
+    const struct in6_addr *a = &((struct sockaddr_in6 *)ai->ai_addr)->sin6_addr;
+    loop_or_any = IN6_IS_ADDR_LOOPBACK(a) || IN6_IS_ADDR_UNSPECIFIED(a);
+  }
   struct ifaddrs *ifs = NULL;
-  if (getifaddrs(&ifs) == 0) {
+  if (!loop_or_any && getifaddrs(&ifs) == 0) {
     for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next) {
       if (!i->ifa_addr || i->ifa_addr->sa_family != ai->ai_family || (i->ifa_flags & IFF_LOOPBACK)) continue;
       if (ai->ai_family == AF_INET)
@@ -379,7 +391,7 @@ static bool bind_interface(const char *addr, char name[IF_NAMESIZE]) {
     freeifaddrs(ifs);
   }
   freeaddrinfo(ai);
-  return found;
+  return loop_or_any ? BIND_ANY : found ? BIND_INTERFACE : BIND_NOWHERE;
 }
 
 td_status kvx_ucx_open(td_kvx *k) {
@@ -392,7 +404,16 @@ td_status kvx_ucx_open(td_kvx *k) {
    * would otherwise listen on every one, loopback included). */
   char ifname[IF_NAMESIZE];
   bool chosen = k->o.ucx_net_devices && *k->o.ucx_net_devices;
-  if (!chosen && bind_interface(k->o.bind_addr, ifname)) {
+  bind_where where = chosen ? BIND_ANY : bind_interface(k->o.bind_addr, ifname);
+  if (where == BIND_NOWHERE) {
+    /* UCX tells peers its interfaces' own addresses, which do not reach this
+     * host when it is known to them by another one (behind NAT) */
+    ucp_config_release(cfg);
+    return td_err(TD_ERR_UNSUPPORTED, "KV transfer: no interface here carries %s, the address peers reach this "
+                  "worker at: UCX would give them this host's own addresses (set UCX_NET_DEVICES to choose)",
+                  k->o.bind_addr);
+  }
+  if (where == BIND_INTERFACE) {
     us = ucp_config_modify(cfg, "NET_DEVICES", ifname);
     if (us != UCS_OK) {
       ucp_config_release(cfg);

@@ -31,13 +31,23 @@ typedef struct td_kvt td_kvt;
  * transport's own descriptor goes in. */
 typedef enum td_kvt_kind { TD_KVT_UCX = 0, TD_KVT_ZMQ = 1, TD_KVT_KINDS } td_kvt_kind;
 
+/* A push as its sender offers it, before a byte is written. */
+typedef struct td_kvt_offer {
+  uint64_t rid, reservation;
+  bool cross;
+  const int32_t *blocks;
+  int n;
+  size_t block_bytes;     /* the bytes the sender writes into each block, as its push announced them */
+  const uint8_t *token;   /* the reservation's sender token the push carries (TD_KV_TOKEN_BYTES); NULL: none */
+  const char *sender_key; /* the sender's CURVE public key as the handshake proved it (Z85); NULL: unknown */
+} td_kvt_offer;
+
 /* What the owner answers and hears: one set for every transport. */
 typedef struct td_kvt_hooks {
-  /* receiver: whether n blocks may be written into the reservation now
-   * (open, unexpired, every block in it); block_bytes: the bytes the sender
-   * writes into each block, as its push announced them. *why: not. */
-  bool (*accept)(void *ctx, uint64_t rid, uint64_t reservation, bool cross, const int32_t *blocks, int n,
-                 size_t block_bytes, char *why, size_t cap);
+  /* receiver: whether the offered blocks may be written now (the
+   * reservation open, unexpired, every block in it, and the push from the
+   * sender the reservation names). *why: not. */
+  bool (*accept)(void *ctx, const td_kvt_offer *o, char *why, size_t cap);
   /* receiver, transports that bring bytes (host_copy): data[i] holds block
    * blocks[i]; the owner writes them into its pools */
   void (*deliver)(void *ctx, bool cross, const int32_t *blocks, int n, const void *const *data, size_t block_bytes);
@@ -61,7 +71,8 @@ typedef struct td_kvt_pool {
 /* Everything any transport is created from; each reads its part. */
 typedef struct td_kvt_opts {
   const char *name;        /* for logs (the worker id) */
-  const char *listen_host; /* zmq: the address peers reach this endpoint at */
+  const char *listen_host; /* zmq: the address this endpoint binds (a wildcard with advertise) */
+  const char *advertise;   /* the address peers reach this worker at (NULL: listen_host); ucx: its interface */
   int timeout_ms;          /* a push with no answer fails */
   /* zmq: the largest block a peer may send here and this side sends (the
    * model's whole-decoder block bytes); a larger frame drops the peer's
@@ -87,6 +98,7 @@ typedef struct td_kvt_push {
   const uint8_t *peer_desc;  /* the peer's descriptor for this transport */
   size_t peer_desc_len;
   uint64_t reservation;
+  const uint8_t *token;      /* the reservation's sender token (TD_KV_TOKEN_BYTES) the receiver checks; NULL: none */
   bool cross;
   const int32_t *dst;        /* the reserved blocks */
   int n;

@@ -80,9 +80,13 @@ static td_status on_authorize(void *ctx, const td_kvx_grant_req *r) {
   char why[256] = "";
   /* r->bytes is what the sender's plan writes: whole blocks only where its geometry is ours */
   size_t block_bytes = (size_t)(r->bytes / (uint64_t)r->n_blocks);
-  if (!u->h->accept(u->h->ctx, r->request_id, r->reservation_id, r->pool_id == POOL_CROSS, r->blocks, r->n_blocks,
-                    block_bytes, why, sizeof why))
+  /* UCX has no CURVE: the sender is known by the token it carries only */
+  td_kvt_offer o = {.rid = r->request_id, .reservation = r->reservation_id, .cross = r->pool_id == POOL_CROSS,
+                    .blocks = r->blocks, .n = r->n_blocks, .block_bytes = block_bytes, .token = r->token};
+  if (!u->h->accept(u->h->ctx, &o, why, sizeof why)) {
+    TD_WARN("refused a KV push over UCX for request %" PRIu64 ": %s", r->request_id, why);
     return td_err(TD_ERR_INVALID, "%s", why);
+  }
   return TD_OK;
 }
 
@@ -236,6 +240,7 @@ static td_status ux_push(td_kvt *t, const td_kvt_push *q) {
   td_kvx_xfer x = {.request_id = q->rid, .reservation_id = q->reservation, .src_pool = pool_id(q->cross),
                    .dst_pool = pool_id(q->cross), .src_blocks = q->src_blocks, .dst_blocks = q->dst, .n_blocks = q->n,
                    .transport = TD_KVX_AUTO};
+  if (q->token) memcpy(x.token, q->token, TD_KV_TOKEN_BYTES);
   td_status s = td_kvx_post(peer, &x, on_done, p, &p->xfer_id);
   if (s != TD_OK) {
     free(p);
@@ -339,7 +344,7 @@ static td_status ux_create(td_kvt *t, const td_kvt_opts *o) {
   td_kvx_opts ko = {.name = o->name, .cuda_device = o->cuda ? o->device : -1, .timeout_ms = o->timeout_ms,
                     .local_path = o->kvx.local_path == TD_OFF ? TD_KVX_LOCAL_OFF : TD_KVX_LOCAL_AUTO,
                     .no_ipc = o->kvx.ipc == TD_OFF,
-                    .ucx_tls = o->kvx.ucx_tls, .trace = o->kvx.trace, .bind_addr = o->listen_host,
+                    .ucx_tls = o->kvx.ucx_tls, .trace = o->kvx.trace, .bind_addr = o->advertise ? o->advertise : o->listen_host,
                     .ucx_net_devices = o->kvx.ucx_net_devices,
                     .authorize = on_authorize, .on_recv = on_recv, .on_peer = on_peer, .ctx = u};
   td_status s = td_kvx_create(&ko, &u->k);

@@ -11,6 +11,7 @@
 #include "common/clock.h"
 #include "common/defaults.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "kvtransfer/transport.h"
 #include "proto/wire.h"
 
@@ -110,9 +111,15 @@ static td_status zx_create(td_kvt *t, const td_kvt_opts *o) {
     zx_destroy(t);
     return s;
   }
-  char last[256];
-  size_t ll = sizeof last;
-  zmq_getsockopt(x->rx, ZMQ_LAST_ENDPOINT, last, &ll);
+  char bound[256], last[EP_MAX];
+  size_t ll = sizeof bound;
+  zmq_getsockopt(x->rx, ZMQ_LAST_ENDPOINT, bound, &ll);
+  /* peers dial the advertised address, at the port bound */
+  td_status es = td_net_advertised(bound, o->advertise, last, sizeof last);
+  if (es != TD_OK) {
+    zx_destroy(t);
+    return es;
+  }
   if (x->auth)
     snprintf(x->desc, sizeof x->desc, DESC_PREFIX "%s%c%s", last, KEY_SEP, td_auth_public_key(x->auth));
   else
@@ -242,6 +249,7 @@ static td_status zx_push(td_kvt *t, const td_kvt_push *q) {
   h.n_blocks = (size_t)q->n;
   h.block_bytes = q->block_bytes;
   h.push_id = x->next_push++;
+  if (q->token) h.token = (ProtobufCBinaryData){TD_KV_TOKEN_BYTES, (uint8_t *)q->token};
   size_t hl = protobuf_c_message_get_packed_size(&h.base);
   zmq_msg_t m;
   if (zmq_msg_init_size(&m, hl) != 0) return td_err(TD_ERR_NOMEM, "out of memory");
@@ -302,7 +310,7 @@ static void receive_one(zx *x) {
     return;
   }
   Tandem__Cluster__KvPush *h = tandem__cluster__kv_push__unpack(NULL, zmq_msg_size(&hd), zmq_msg_data(&hd));
-  char why[256] = "";
+  char why[512] = ""; /* a refusal names two keys (KvAck's buffer holds 600 bytes) */
   bool ok = h && h->version == TD_PROTOCOL_VERSION;
   if (!ok)
     snprintf(why, sizeof why, h ? "KV push of protocol version %u" : "malformed KV push", h ? h->version : 0);
@@ -311,9 +319,16 @@ static void receive_one(zx *x) {
              h->n_blocks);
     ok = false;
   }
-  if (ok)
-    ok = hk->accept(hk->ctx, h->rid, h->reservation, h->cross, h->blocks, (int)h->n_blocks, (size_t)h->block_bytes,
-                    why, sizeof why);
+  if (ok) {
+    /* the sender as CURVE proved it (the ZAP handler's User-Id); none without keys */
+    char key[TD_AUTH_KEY_Z85];
+    bool keyed = td_auth_msg_key(&hd, key);
+    td_kvt_offer o = {.rid = h->rid, .reservation = h->reservation, .cross = h->cross, .blocks = h->blocks,
+                      .n = (int)h->n_blocks, .block_bytes = (size_t)h->block_bytes,
+                      .token = h->token.len == TD_KV_TOKEN_BYTES ? h->token.data : NULL,
+                      .sender_key = keyed ? key : NULL};
+    ok = hk->accept(hk->ctx, &o, why, sizeof why);
+  }
   size_t n = ok ? h->n_blocks : 0, got = 0;
   zmq_msg_t *frames = n ? calloc(n, sizeof *frames) : NULL;
   const void **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;

@@ -12,7 +12,7 @@
 
 #define KVX_DESC_MAGIC 0x584b4454u /* "TDKX" */
 #define KVX_MSG_MAGIC 0x4d4b4454u  /* "TDKM" */
-#define KVX_MSG_VERSION 3 /* 2: NCCL chunking in REQ; 3: the layout's states tail */
+#define KVX_MSG_VERSION 4 /* 2: NCCL chunking in REQ; 3: the layout's states tail; 4: REQ's sender token */
 #define KVX_MAX_ADDR (64u << 10)
 #define KVX_MAX_RKEY (16u << 10)
 #define KVX_MAX_MSG_BLOCKS (1 << 20)

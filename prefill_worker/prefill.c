@@ -9,7 +9,7 @@ static void prefill_job(td_worker *w, Tandem__Cluster__RouterMessage *m) {
   const Tandem__Cluster__PrefillJob *pj = m->prefill;
   td_job *j = td_job_take(w, &td_role_prefill, m, pj->req, pj->self_target && pj->prefill_tokens);
   if (!j) return;
-  td_status s = td_job_reserve(w, j, (int)pj->req->enc_len, 0);
+  td_status s = td_job_reserve(w, j, (int)pj->req->enc_len, 0, pj->cross_from, NULL);
   if (s != TD_OK) td_job_fail(w, j, s, td_errmsg());
 }
 

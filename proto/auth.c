@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -206,9 +207,28 @@ bool td_auth_msg_key(void *zmq_msg, char out[TD_AUTH_KEY_Z85]) {
   return true;
 }
 
+td_status td_auth_token_new(uint8_t out[TD_KV_TOKEN_BYTES]) {
+  size_t got = 0;
+  while (got < TD_KV_TOKEN_BYTES) {
+    ssize_t n = getrandom(out + got, TD_KV_TOKEN_BYTES - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return td_err(TD_ERR_INTERNAL, "getrandom: %s", strerror(errno));
+    got += (size_t)n;
+  }
+  return TD_OK;
+}
+
+bool td_auth_token_equal(const uint8_t a[TD_KV_TOKEN_BYTES], const uint8_t b[TD_KV_TOKEN_BYTES]) {
+  /* every byte is read whatever the first difference: the time tells nothing */
+  volatile uint8_t d = 0;
+  for (int i = 0; i < TD_KV_TOKEN_BYTES; i++) d |= a[i] ^ b[i];
+  return d == 0;
+}
+
 /* ---- ZAP handler (RFC 27) ---- */
 
 #define ZAP_MAX_WATCH 4
+#define ZAP_MAX_WAITING 64 /* group handshakes held until the rendezvous names the ranks; more are refused */
 
 typedef struct watch {
   void *mon; /* PAIR: the watched socket's monitor events */
@@ -234,11 +254,50 @@ struct td_zap {
   pthread_t th;
   atomic_bool stop;
   atomic_ulong refused, admitted;
+  char group[TD_GROUP_MAX_RANKS][TD_AUTH_KEY_Z85]; /* under mu: TD_AUTH_DOMAIN_GROUP's keys */
+  int n_group;
+  bool group_known; /* under mu: td_zap_set_group was called */
+  /* the handler thread's: group handshakes that came before the ranks were named */
+  struct waiting {
+    zmq_msg_t route, req_id;
+    char key[TD_AUTH_KEY_Z85], address[64];
+    int64_t deadline;
+  } wait[ZAP_MAX_WAITING];
+  int n_wait;
 };
+
+td_status td_zap_set_group(td_zap *z, const char *const *keys, int n) {
+  if (!z) return TD_OK;
+  if (n < 0 || n > TD_GROUP_MAX_RANKS) return td_err(TD_ERR_INVALID, "a group of %d ranks: at most %d", n, TD_GROUP_MAX_RANKS);
+  for (int i = 0; i < n; i++)
+    if (!keys[i] || strlen(keys[i]) != TD_AUTH_KEY_Z85 - 1)
+      return td_err(TD_ERR_INVALID, "rank %d of the group has no CURVE key (a rank without keys?)", i);
+  pthread_mutex_lock(&z->mu);
+  for (int i = 0; i < n; i++) snprintf(z->group[i], sizeof z->group[i], "%s", keys[i]);
+  z->n_group = n;
+  z->group_known = true;
+  pthread_mutex_unlock(&z->mu);
+  return TD_OK;
+}
+
+/* 1: a rank of the group; 0: not; -1: the ranks are not named yet */
+static int group_admits(td_zap *z, const char *key) {
+  int ok = 0;
+  pthread_mutex_lock(&z->mu);
+  if (!z->group_known) ok = -1;
+  for (int i = 0; i < z->n_group && ok == 0; i++) ok = !strcmp(z->group[i], key);
+  pthread_mutex_unlock(&z->mu);
+  return ok;
+}
 
 #define ZAP_FRAMES 7
 
-static void zap_reply(void *sock, const zmq_msg_t *req_id, const char *code, const char *text, const char *user) {
+/* A ROUTER socket answers out of order: a group handshake waits for its
+ * ranks to be named while others are answered. [route][""][reply...] */
+static void zap_reply(void *sock, const zmq_msg_t *route, const zmq_msg_t *req_id, const char *code, const char *text,
+                      const char *user) {
+  zmq_send(sock, zmq_msg_data((zmq_msg_t *)route), zmq_msg_size((zmq_msg_t *)route), ZMQ_SNDMORE);
+  zmq_send(sock, "", 0, ZMQ_SNDMORE);
   zmq_send(sock, "1.0", 3, ZMQ_SNDMORE);
   zmq_send(sock, zmq_msg_data((zmq_msg_t *)req_id), zmq_msg_size((zmq_msg_t *)req_id), ZMQ_SNDMORE);
   zmq_send(sock, code, strlen(code), ZMQ_SNDMORE);
@@ -288,8 +347,39 @@ static bool log_now(td_zap *z, const char *a, const char *b, unsigned long *quie
   return true;
 }
 
+static void refusal(td_zap *z, const char *domain, const char *key, const char *address, const char *mech,
+                    bool group) {
+  atomic_fetch_add(&z->refused, 1);
+  unsigned long quiet;
+  bool say = log_now(z, domain, key[0] ? key : mech, &quiet);
+  if (say && key[0] && group) {
+    TD_WARN("auth: refused key %s on %s from %s: not a rank of this group (%lu more refusals of it since the last "
+            "line)", key, domain, address, quiet);
+  } else if (say && key[0]) {
+    TD_WARN("auth: refused key %s on %s from %s: not on the %s list (%lu more refusals of it since the last line)",
+            key, domain, address, !strcmp(domain, TD_AUTH_DOMAIN_CLIENTS) ? "client" : "worker", quiet);
+  } else if (say) {
+    TD_WARN("auth: refused a %s connection on %s from %s: CURVE keys are required", mech,
+            domain[0] ? domain : "(no domain)", address);
+  }
+}
+
+static void answer(td_zap *z, const zmq_msg_t *route, const zmq_msg_t *req_id, const char *domain, const char *key,
+                   const char *address, bool ok) {
+  if (ok) {
+    atomic_fetch_add(&z->admitted, 1);
+    TD_DEBUG("auth: admitted key %s on %s from %s", key, domain, address);
+    zap_reply(z->sock, route, req_id, "200", "OK", key);
+  } else {
+    refusal(z, domain, key, address, "CURVE", !strcmp(domain, TD_AUTH_DOMAIN_GROUP));
+    zap_reply(z->sock, route, req_id, "400", "key not admitted", "");
+  }
+}
+
+/* [route][""][version][request id][domain][address][identity][mechanism][credentials] */
 static void zap_handle(td_zap *z) {
-  zmq_msg_t f[ZAP_FRAMES + 1];
+  enum { HEAD = 2 };
+  zmq_msg_t f[HEAD + ZAP_FRAMES + 1];
   int n = 0;
   bool more = true;
   while (more) {
@@ -300,40 +390,57 @@ static void zap_handle(td_zap *z) {
       break;
     }
     more = zmq_msg_more(&m);
-    if (n < ZAP_FRAMES + 1) f[n++] = m;
+    if (n < HEAD + ZAP_FRAMES + 1) f[n++] = m;
     else zmq_msg_close(&m);
   }
-  if (n < 6) { /* not a ZAP request: a REP socket must still answer */
-    if (n >= 2) zap_reply(z->sock, &f[1], "500", "malformed ZAP request", "");
-    else zmq_send(z->sock, "", 0, 0);
+  bool envelope = n >= HEAD && zmq_msg_size(&f[1]) == 0;
+  if (!envelope || n < HEAD + 6) { /* not a ZAP request */
+    if (envelope && n >= HEAD + 2) zap_reply(z->sock, &f[0], &f[HEAD + 1], "500", "malformed ZAP request", "");
     for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
     return;
   }
+  zmq_msg_t *r = f + HEAD;
   char domain[64], address[64], mech[16];
-  copy_frame(&f[2], domain, sizeof domain);
-  copy_frame(&f[3], address, sizeof address);
-  copy_frame(&f[5], mech, sizeof mech);
+  copy_frame(&r[2], domain, sizeof domain);
+  copy_frame(&r[3], address, sizeof address);
+  copy_frame(&r[5], mech, sizeof mech);
   char key[TD_AUTH_KEY_Z85] = "";
-  bool curve = !strcmp(mech, "CURVE") && n == 7 && zmq_msg_size(&f[6]) == 32;
-  if (curve) zmq_z85_encode(key, zmq_msg_data(&f[6]), 32);
-  if (curve && td_auth_admits(z->a, domain, key)) {
-    atomic_fetch_add(&z->admitted, 1);
-    TD_DEBUG("auth: admitted key %s on %s from %s", key, domain, address);
-    zap_reply(z->sock, &f[1], "200", "OK", key);
+  bool curve = !strcmp(mech, "CURVE") && n == HEAD + 7 && zmq_msg_size(&r[6]) == 32;
+  if (curve) zmq_z85_encode(key, zmq_msg_data(&r[6]), 32);
+  bool group = !strcmp(domain, TD_AUTH_DOMAIN_GROUP);
+  int ok = curve ? (group ? group_admits(z, key) : td_auth_admits(z->a, domain, key)) : 0;
+  if (ok < 0 && z->n_wait < ZAP_MAX_WAITING) {
+    /* before the rendezvous named the ranks: a rank that was quicker than
+     * this one waits (a refusal would end its connection for good) */
+    struct waiting *w = &z->wait[z->n_wait++];
+    zmq_msg_init(&w->route);
+    zmq_msg_init(&w->req_id);
+    zmq_msg_copy(&w->route, &f[0]);
+    zmq_msg_copy(&w->req_id, &r[1]);
+    snprintf(w->key, sizeof w->key, "%s", key);
+    snprintf(w->address, sizeof w->address, "%s", address);
+    w->deadline = td_now_ms() + TD_AUTH_GROUP_WAIT_MS;
+  } else if (curve) {
+    answer(z, &f[0], &r[1], domain, key, address, ok > 0);
   } else {
-    atomic_fetch_add(&z->refused, 1);
-    unsigned long quiet;
-    bool say = log_now(z, domain, curve ? key : mech, &quiet);
-    if (say && curve) {
-      TD_WARN("auth: refused key %s on %s from %s: not on the %s list (%lu more refusals of it since the last line)",
-              key, domain, address, !strcmp(domain, TD_AUTH_DOMAIN_CLIENTS) ? "client" : "worker", quiet);
-    } else if (say) {
-      TD_WARN("auth: refused a %s connection on %s from %s: CURVE keys are required", mech,
-              domain[0] ? domain : "(no domain)", address);
-    }
-    zap_reply(z->sock, &f[1], "400", "key not admitted", "");
+    refusal(z, domain, "", address, mech, group);
+    zap_reply(z->sock, &f[0], &r[1], "400", "key not admitted", "");
   }
   for (int i = 0; i < n; i++) zmq_msg_close(&f[i]);
+}
+
+/* The waiting group handshakes, once their ranks are named (or too late). */
+static void zap_waiting(td_zap *z) {
+  int64_t now = td_now_ms();
+  for (int i = z->n_wait - 1; i >= 0; i--) {
+    struct waiting *w = &z->wait[i];
+    int ok = group_admits(z, w->key);
+    if (ok < 0 && now < w->deadline) continue;
+    answer(z, &w->route, &w->req_id, TD_AUTH_DOMAIN_GROUP, w->key, w->address, ok > 0);
+    zmq_msg_close(&w->route);
+    zmq_msg_close(&w->req_id);
+    z->wait[i] = z->wait[--z->n_wait];
+  }
 }
 
 /* One monitor event: [u16 event][u32 value], then the endpoint. */
@@ -363,6 +470,17 @@ static void watch_event(td_zap *z, watch *w) {
     more = zmq_msg_more(&m);
     zmq_msg_close(&m);
   }
+  /* a peer that hung up during the handshake: one without keys that gave
+   * up first, or a port check (the router dials a registering worker's KV
+   * endpoint): counted, but no warning */
+  if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL && (val == EPIPE || val == ECONNRESET)) {
+    atomic_fetch_add(&z->refused, 1);
+    unsigned long quiet;
+    if (log_now(z, w->what, "hangup", &quiet))
+      TD_INFO("auth: a connection on the %s endpoint %s closed during its handshake (a peer without CURVE keys, or "
+              "a port check such as the router's; %lu more since the last line)", w->what, ep, quiet);
+    return;
+  }
   if (ev == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL || ev == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
     atomic_fetch_add(&z->refused, 1);
     unsigned long quiet;
@@ -388,10 +506,10 @@ static void *zap_main(void *arg) {
     for (int i = 0; i < n; i++) it[1 + i] = (zmq_pollitem_t){.socket = z->w[i].mon, .events = ZMQ_POLLIN};
     int r = zmq_poll(it, 1 + n, TD_AUTH_ZAP_POLL_MS);
     if (r < 0 && zmq_errno() == ETERM) break;
-    if (r <= 0) continue;
-    if (it[0].revents & ZMQ_POLLIN) zap_handle(z);
-    for (int i = 0; i < n; i++)
+    if (r > 0 && (it[0].revents & ZMQ_POLLIN)) zap_handle(z);
+    for (int i = 0; r > 0 && i < n; i++)
       if (it[1 + i].revents & ZMQ_POLLIN) watch_event(z, &z->w[i]);
+    if (z->n_wait) zap_waiting(z);
   }
   return NULL;
 }
@@ -429,7 +547,7 @@ td_status td_zap_create(const td_auth *a, void *ctx, td_zap **out) {
   z->a = a;
   z->ctx = ctx;
   pthread_mutex_init(&z->mu, NULL);
-  z->sock = zmq_socket(ctx, ZMQ_REP);
+  z->sock = zmq_socket(ctx, ZMQ_ROUTER);
   int linger = 0;
   if (z->sock) zmq_setsockopt(z->sock, ZMQ_LINGER, &linger, sizeof linger);
   if (!z->sock || zmq_bind(z->sock, ZAP_ENDPOINT) != 0) {
@@ -451,6 +569,10 @@ void td_zap_destroy(td_zap *z) {
   if (!z) return;
   atomic_store(&z->stop, true);
   pthread_join(z->th, NULL);
+  for (int i = 0; i < z->n_wait; i++) {
+    zmq_msg_close(&z->wait[i].route);
+    zmq_msg_close(&z->wait[i].req_id);
+  }
   zmq_close(z->sock);
   for (int i = 0; i < z->n_watch; i++) zmq_close(z->w[i].mon);
   seen *x, *t;

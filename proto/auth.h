@@ -12,6 +12,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "common/defaults.h"
 #include "common/status.h"
@@ -22,6 +23,7 @@
 #define TD_AUTH_DOMAIN_CLIENTS "tandem-clients" /* the router's client socket: client keys */
 #define TD_AUTH_DOMAIN_WORKERS "tandem-workers" /* the router's worker socket: worker keys */
 #define TD_AUTH_DOMAIN_KV "tandem-kv"           /* a worker's KV socket: worker keys */
+#define TD_AUTH_DOMAIN_GROUP "tandem-group"     /* a TP/PP group's own sockets: its ranks' keys (td_zap_set_group) */
 
 typedef struct td_auth td_auth;
 
@@ -72,12 +74,23 @@ void td_zap_destroy(td_zap *z);
  * socket monitor the handler's thread reads. Call from the socket's owner
  * before it binds; NULL z: nothing. */
 td_status td_zap_watch(td_zap *z, void *sock, const char *what);
+/* The keys admitted on TD_AUTH_DOMAIN_GROUP: a group's ranks, once its
+ * rendezvous named them (at most TD_GROUP_MAX_RANKS; none before: every
+ * connection is refused). Replaces the earlier set. */
+td_status td_zap_set_group(td_zap *z, const char *const *keys, int n);
 /* Counts (for tests and logs): handshakes refused. */
 unsigned long td_zap_refused(const td_zap *z);
 
 /* The authenticated public key (Z85) of a received message's sender, from
  * the ZAP handler's User-Id; false on a socket without CURVE. */
 bool td_auth_msg_key(void *zmq_msg, char out[TD_AUTH_KEY_Z85]);
+
+/* A KV reservation's sender token (TD_KV_TOKEN_BYTES bytes from the
+ * kernel's random source): the router hands it to the receiver and to the
+ * pusher it names, and the receiver admits pushes carrying it. */
+td_status td_auth_token_new(uint8_t out[TD_KV_TOKEN_BYTES]);
+/* Whether two tokens are equal, in time that does not depend on where they differ. */
+bool td_auth_token_equal(const uint8_t a[TD_KV_TOKEN_BYTES], const uint8_t b[TD_KV_TOKEN_BYTES]);
 
 /* Warns (once per call) when endpoint binds beyond this host (not
  * loopback, ipc or inproc) and a is NULL: anyone who reaches it is trusted. */

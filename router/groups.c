@@ -59,6 +59,12 @@ static void group_reply(td_router *r, const uint8_t *id, size_t id_len, const gr
     gi.nccl_id.data = (uint8_t *)g->nccl_id;
     gi.nccl_id.len = g->nccl_len;
   }
+  char *keys[TD_GROUP_MAX_RANKS];
+  if (g && !error && r->o.auth) { /* the group's sockets admit these, and its ranks dial them */
+    for (int k = 0; k < g->world; k++) keys[k] = (char *)g->keys[k];
+    gi.keys = keys;
+    gi.n_keys = (size_t)g->world;
+  }
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO;
   m.group_info = &gi;
@@ -136,9 +142,19 @@ static void member_leave(td_router *r, group_rank *mb) {
   if (g->joined <= 0 && !g->error) group_drop(r, g);
 }
 
-void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j) {
+void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, const char *key,
+                       Tandem__Cluster__GroupJoin *j) {
   char why[512];
   if (join_invalid(j, why, sizeof why)) {
+    group_reply(r, id, id_len, NULL, why);
+    return;
+  }
+  /* with keys, a group's rank belongs to the key that first joined it (its
+   * sockets admit the ranks' keys: another listed key cannot take its place) */
+  char slot[TD_WIRE_MAX_ID + 1];
+  snprintf(slot, sizeof slot, "group %s rank %u", j->group, j->rank);
+  if (!rtr_id_key_ok(r, slot, key, why, sizeof why)) {
+    TD_WARN("refused rank %u of worker group %s: %s", j->rank, j->group, why);
     group_reply(r, id, id_len, NULL, why);
     return;
   }
@@ -194,6 +210,7 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__C
   }
   memcpy(g->ids[j->rank], id, id_len);
   g->id_lens[j->rank] = id_len;
+  snprintf(g->keys[j->rank], sizeof g->keys[j->rank], "%s", key ? key : "");
   memcpy(nm->route, id, id_len);
   nm->route_len = id_len;
   nm->g = g;

@@ -36,6 +36,7 @@ typedef struct worker {
   char *version;                          /* its build (WorkerInfo.version) */
   char *group;                            /* its TP/PP group ("" alone) */
   uint32_t pid;
+  char key[TD_AUTH_KEY_Z85];              /* its connection's CURVE public key ("" without keys) */
   bool drain_asked;                       /* an operator drains it (router/admin.c) */
   int64_t last_seen;
   Tandem__Cluster__Load load;
@@ -67,6 +68,10 @@ typedef struct rreq {
   bool local_enc_held;   /* a local encode counts in its decode worker's enc_pending */
   bool decoding_counted; /* counted in its decode worker's `decoding` */
   Tandem__Cluster__Reserved *dres, *pres; /* decode / prefill reservations */
+  /* this attempt's sender tokens (new each attempt): the encoder's into the
+   * decode and prefill workers' cross blocks, the prefill worker's into the
+   * decode worker's self blocks */
+  uint8_t tok_cross[TD_KV_TOKEN_BYTES], tok_pcross[TD_KV_TOKEN_BYTES], tok_self[TD_KV_TOKEN_BYTES];
   bool encoded, prefilled;
   /* tokens already streamed to the client (first sequence) and their
    * log-probabilities, for resuming */
@@ -112,6 +117,7 @@ struct group_rv {
   char *endpoints[TD_GROUP_MAX_RANKS];
   uint8_t ids[TD_GROUP_MAX_RANKS][TD_WIRE_MAX_ID];
   size_t id_lens[TD_GROUP_MAX_RANKS];
+  char keys[TD_GROUP_MAX_RANKS][TD_AUTH_KEY_Z85]; /* with keys: each rank's, as it joined (GroupInfo.keys) */
   uint8_t nccl_id[256];
   size_t nccl_len;
   int joined;
@@ -137,6 +143,7 @@ typedef struct chunk_out {
 } chunk_out;
 
 typedef struct rtr_metrics rtr_metrics;
+typedef struct probe probe;
 
 struct td_router {
   td_router_opts o;
@@ -166,6 +173,11 @@ struct td_router {
   char wait_why[256];             /* why the queue's head waits */
   bool wait_missing;              /* ... for a role no live worker has (td_placement.missing) */
   long long held_bytes;           /* client messages of the requests held (queued and in flight) */
+  char client_adv[300], worker_adv[300]; /* the endpoints as clients and workers dial them (--advertise) */
+  /* registrations waiting for the check of the KV endpoint they advertise (probe.c) */
+  probe *probes;                  /* by routing identity */
+  int n_probes;
+  int probe_fd;                   /* an epoll set of their connects (-1: none yet) */
   /* the served model, from the first worker */
   bool have_model;
   int32_t model_start_token; /* the model's decoder start token (a resumed prompt's first) */
@@ -189,8 +201,16 @@ worker *rtr_find_worker(td_router *r, const char *id);
 worker *rtr_find_route(td_router *r, const uint8_t *route, size_t len);
 int rtr_count_role(const td_router *r, rtr_role role);
 bool rtr_cross_mode_matches(const td_router *r, const char *mode, char *why, size_t cap);
-/* key: the connection's authenticated public key (NULL without CURVE) */
-void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__Register *reg);
+/* key: the connection's authenticated public key (NULL without CURVE). The
+ * registration may wait for the check of the KV endpoint it advertises
+ * (probe.c): then m's Register is taken from it. */
+void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__WorkerMessage *m);
+/* The registration of a worker whose KV endpoint answered the check (or
+ * needs none): the checks again, then the registry. */
+void rtr_register_checked(td_router *r, const uint8_t *id, size_t id_len, const char *key,
+                          Tandem__Cluster__Register *reg);
+/* A refused registration: logged, and the worker told why. */
+void rtr_register_refuse(td_router *r, const uint8_t *id, size_t id_len, const char *wid, const char *why);
 void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat *hb);
 /* A worker left (deregistered, silent, restarted, its group failed): its
  * requests are retried elsewhere. */
@@ -209,6 +229,26 @@ void rtr_health(td_router *r, const uint8_t *id, size_t id_len);
 void rtr_health_fill(td_router *r, Tandem__HealthResponse *h, Tandem__WorkerStatus **ws, Tandem__WorkerStatus ***wp);
 void rtr_workers_free(td_router *r);
 void rtr_id_keys_free(td_router *r);
+/* With keys, a name (a worker id, a group's rank) belongs to the key that
+ * first used it, for the router's life; NULL key (no CURVE): true. */
+bool rtr_id_key_ok(td_router *r, const char *name, const char *key, char *why, size_t cap);
+
+/* ---- probe.c: the KV endpoint a registering worker advertises, dialled
+ * before it is admitted (docs/deploy.md) */
+/* Starts the check of reg's endpoint: true when it took the registration
+ * (kept until the endpoint answers, or refused and freed already); false:
+ * the caller goes on with it at once (no check: off, no endpoint, a host
+ * name; or connected at once), unless *answered (too many checks under
+ * way: the worker's retry comes back). */
+bool rtr_probe_start(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__Register *reg,
+                     bool *answered);
+/* Whether a check of this connection's registration is under way. */
+bool rtr_probe_pending(td_router *r, const uint8_t *id, size_t id_len);
+/* The loop: the connects that ended (the epoll set turned readable). */
+void rtr_probes_ready(td_loop *l, void *ctx);
+/* Timer: checks past their time fail. */
+int rtr_probes_tick(td_loop *l, void *ctx);
+void rtr_probes_free(td_router *r);
 
 /* ---- admin.c: an operator's requests (tandem-admin) */
 /* Whether this client connection may send admin requests. The one check
@@ -219,7 +259,8 @@ bool rtr_admin_allowed(const td_router *r, const char *key);
 void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const char *key, const Tandem__AdminRequest *a);
 
 /* ---- groups.c */
-void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__GroupJoin *j);
+/* key: the joining connection's authenticated public key (NULL without CURVE) */
+void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__GroupJoin *j);
 /* The group whose follower rank has this identity (*rank set), or NULL. */
 group_rv *rtr_group_of_follower(td_router *r, const uint8_t *id, size_t id_len, int *rank);
 /* Timer: silent ranks fail their group; rendezvous that never complete expire. */

@@ -4,12 +4,15 @@
  * at the heartbeat period; deadlines, stage timeouts, group ranks and the
  * stop flag every TD_ROUTER_TICK_MS), and placement before every sleep, so
  * that a request is placed as soon as a message makes room or brings it. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "router/internal.h"
 
 /* ------------------------------------------------------------ sending */
@@ -79,12 +82,13 @@ static void on_worker_message(td_router *r) {
   int frank = 0;
   group_rv *fg = w ? NULL : rtr_group_of_follower(r, f.id, f.id_len, &frank);
   if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN) {
-    rtr_on_group_join(r, f.id, f.id_len, m->group_join);
+    char key[TD_AUTH_KEY_Z85];
+    rtr_on_group_join(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m->group_join);
   } else if (fg) {
     fg->seen[frank] = td_now_ms(); /* a follower's heartbeat */
   } else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER) {
     char key[TD_AUTH_KEY_Z85];
-    rtr_on_register(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m->register_);
+    rtr_on_register(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m);
   } else if (!w) {
     refuse_peer(r, f.id, f.id_len, "unknown worker: register"); /* e.g. the router restarted */
   } else {
@@ -201,6 +205,7 @@ static void apply_defaults(td_router_opts *o) {
   if (o->local_encode_pct <= 0) o->local_encode_pct = TD_DEFAULT_LOCAL_ENCODE_PCT;
   if (o->capacity_wait_ms <= 0) o->capacity_wait_ms = TD_DEFAULT_CAPACITY_WAIT_MS;
   if (o->max_held_bytes <= 0) o->max_held_bytes = TD_DEFAULT_MAX_HELD_BYTES;
+  if (!o->probe_timeout_ms) o->probe_timeout_ms = TD_DEFAULT_PROBE_TIMEOUT_MS;
 }
 
 static td_status bind_socket(td_router *r, void **sock, const char *endpoint, const char *what, bool handover,
@@ -219,8 +224,18 @@ static td_status bind_socket(td_router *r, void **sock, const char *endpoint, co
   return TD_OK;
 }
 
+/* The endpoint a bound socket is dialled at: --advertise's address at the port bound. */
+static td_status advertised(td_router *r, void *sock, char *out, size_t cap) {
+  char bound[256];
+  size_t bl = sizeof bound;
+  if (zmq_getsockopt(sock, ZMQ_LAST_ENDPOINT, bound, &bl) != 0)
+    return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+  return td_net_advertised(bound, r->o.advertise, out, cap);
+}
+
 td_status td_router_create(const td_router_opts *opts, td_router **out) {
   *out = NULL;
+  if (opts->advertise) TD_TRY(td_net_check_advertise(opts->advertise));
   if (opts->max_attempts > TD_ROUTER_MAX_ATTEMPTS)
     return td_err(TD_ERR_INVALID, "max_attempts %d exceeds %d (an attempt is numbered in a byte)", opts->max_attempts,
                   TD_ROUTER_MAX_ATTEMPTS);
@@ -233,6 +248,7 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
   td_router *r = calloc(1, sizeof *r);
   if (!r) return td_err(TD_ERR_NOMEM, "out of memory");
   r->o = *opts;
+  r->probe_fd = -1;
   apply_defaults(&r->o);
   r->place_opts = (td_place_opts){.prefill_threshold = r->o.prefill_threshold, .encode_runs = r->o.encode_runs,
                                   .local_encode_pct = r->o.local_encode_pct};
@@ -253,6 +269,10 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
    * connect under identities never reused (td_wire_set_unique_route) and
    * a duplicate worker id is the registration's to refuse */
   if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", false, TD_WIRE_MAX_MSG, TD_AUTH_DOMAIN_WORKERS);
+  if (s == TD_OK) s = advertised(r, r->csock, r->client_adv, sizeof r->client_adv);
+  if (s == TD_OK) s = advertised(r, r->wsock, r->worker_adv, sizeof r->worker_adv);
+  r->probe_fd = epoll_create1(EPOLL_CLOEXEC);
+  if (s == TD_OK && r->probe_fd < 0) s = td_err(TD_ERR_IO, "epoll_create1: %s", strerror(errno));
   if (s == TD_OK) s = rtr_metrics_create(r);
   if (s != TD_OK) {
     td_router_destroy(r);
@@ -267,6 +287,7 @@ void td_router_destroy(td_router *r) {
   rtr_metrics_destroy(r); /* the server's thread stops first */
   rreq *q, *t;
   HASH_ITER(hh, r->by_rid, q, t) rtr_req_free(r, q);
+  rtr_probes_free(r);
   rtr_workers_free(r);
   rtr_id_keys_free(r);
   rtr_groups_free(r);
@@ -296,10 +317,14 @@ static void shut_down(td_router *r) {
 }
 
 int td_router_metrics_port(const td_router *r) { return rtr_metrics_port(r); }
+const char *td_router_client_endpoint(const td_router *r) { return r->client_adv; }
+const char *td_router_worker_endpoint(const td_router *r) { return r->worker_adv; }
 
 td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
-  TD_INFO("router serving clients on %s, workers on %s; cross pool mode %s", r->o.client_endpoint,
-          r->o.worker_endpoint, td_cross_mode_name(r->o.cross_mode));
+  TD_INFO("router serving clients on %s, workers on %s; cross pool mode %s", r->client_adv, r->worker_adv,
+          td_cross_mode_name(r->o.cross_mode));
+  if (r->o.advertise)
+    TD_INFO("router bound %s and %s, advertised at %s", r->o.client_endpoint, r->o.worker_endpoint, r->o.advertise);
   td_loop *l;
   TD_TRY(td_loop_create(TD_ROUTER_TICK_MS, &l));
   r->stop = stop;
@@ -310,6 +335,8 @@ td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
   if (s == TD_OK) s = td_loop_add_timer(l, TD_ROUTER_TICK_MS, rtr_requests_tick, r, NULL);
   if (s == TD_OK) s = td_loop_add_timer(l, TD_ROUTER_TICK_MS, rtr_groups_tick, r, NULL);
   if (s == TD_OK) s = td_loop_add_timer(l, 0, stop_tick, r, NULL);
+  if (s == TD_OK) s = td_loop_add_fd(l, r->probe_fd, rtr_probes_ready, r, NULL);
+  if (s == TD_OK) s = td_loop_add_timer(l, TD_ROUTER_TICK_MS, rtr_probes_tick, r, NULL);
   if (s == TD_OK && rtr_metrics_port(r)) s = td_loop_add_timer(l, 0, rtr_metrics_tick, r, NULL);
   td_loop_set_before_sleep(l, rtr_place_queue, r);
   if (s == TD_OK) s = td_loop_run(l);

@@ -8,6 +8,7 @@
 
 #include "common/defaults.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "common/settings.h"
 #include "router/router.h"
 
@@ -65,6 +66,7 @@ int main(int argc, char **argv) {
       {"kv-load-failure", required_argument, 0, 'K'},
       {"curve-secret", required_argument, 0, 1001},  {"worker-keys", required_argument, 0, 1002},
       {"client-keys", required_argument, 0, 1003},   {"admin-keys", required_argument, 0, 1004},
+      {"advertise", required_argument, 0, 1005},     {"probe-timeout-ms", required_argument, 0, 1006},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
@@ -105,6 +107,15 @@ int main(int argc, char **argv) {
       case 1002: ao.worker_keys_file = optarg; break;
       case 1003: ao.client_keys_file = optarg; break;
       case 1004: ao.admin_keys_file = optarg; break;
+      case 1005: o.advertise = optarg; break;
+      case 1006:
+        o.probe_timeout_ms = atoi(optarg);
+        if (o.probe_timeout_ms < 0) {
+          fprintf(stderr, "tandem-router: --probe-timeout-ms %s: 0 (no check) or more\n", optarg);
+          return 2;
+        }
+        if (!o.probe_timeout_ms) o.probe_timeout_ms = -1;
+        break;
       case 'x':
         if (td_cross_mode_parse(optarg, &o.cross_mode) == TD_OK) break;
         fprintf(stderr, "tandem-router: %s\n", td_errmsg());
@@ -119,6 +130,11 @@ int main(int argc, char **argv) {
       default:
         fprintf(c == 'h' ? stdout : stderr,
                 "usage: tandem-router [--client-endpoint tcp://HOST:PORT] [--worker-endpoint tcp://HOST:PORT]\n"
+                "                     [--advertise ADDR]  (the address clients and workers reach those at, when\n"
+                "                                         they bind another, e.g. 0.0.0.0; docs/deploy.md)\n"
+                "                     [--probe-timeout-ms N]  (a registering worker's KV endpoint must answer a\n"
+                "                                         connect within N ms, else it is refused; default 3000,\n"
+                "                                         0: no check)\n"
                 "                     [--heartbeat-ms N] [--dead-after N] [--max-queue N] [--max-in-flight N]\n"
                 "                     [--timeout-ms N] [--stage-timeout-ms N] [--max-attempts N]\n"
                 "                     [--kv-load-failure recompute|fail]  (a request whose KV on its way to the\n"
@@ -178,9 +194,13 @@ int main(int argc, char **argv) {
     free_frontend(&fe);
     return 1;
   }
-  if (td_router_metrics_port(r))
-    TD_INFO("metrics http://%s:%d/metrics", o.metrics_host ? o.metrics_host : TD_METRICS_DEFAULT_HOST,
-            td_router_metrics_port(r));
+  if (td_router_metrics_port(r)) {
+    /* a wildcard is reached at the advertised address */
+    const char *mh = o.metrics_host ? o.metrics_host : TD_METRICS_DEFAULT_HOST;
+    if (o.advertise && td_net_is_wildcard(mh)) mh = o.advertise;
+    bool v6 = strchr(mh, ':') && mh[0] != '[';
+    TD_INFO("metrics http://%s%s%s:%d/metrics", v6 ? "[" : "", mh, v6 ? "]" : "", td_router_metrics_port(r));
+  }
   td_status s = td_router_run(r, &stop_flag);
   if (s != TD_OK) fprintf(stderr, "tandem-router: %s\n", td_errmsg());
   td_router_destroy(r);

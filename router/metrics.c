@@ -29,7 +29,7 @@ struct rtr_metrics {
   td_metrics_server *server;
   td_metric *running, *waiting, *success, *failure, *ttft, *tpot, *e2e, *prompt, *generation, *retries, *stage;
   td_metric *w_up, *w_running, *w_waiting, *w_used, *w_free, *w_kv, *w_kv_bytes, *w_kv_secs, *w_ipc, *w_encoded,
-      *w_hits, *w_cache_blocks;
+      *w_hits, *w_cache_blocks, *w_refused;
   td_metric *dropped;
 };
 
@@ -88,6 +88,9 @@ td_status rtr_metrics_create(td_router *r) {
   ADD(w_ipc, TD_METRIC_COUNTER, "tandem:kv_blocks_ipc_total",
       "Of the KV blocks a worker pushed over UCX, those over CUDA IPC (GPU pools of one host).",
       LABELS("worker"), NULL, 0);
+  ADD(w_refused, TD_METRIC_COUNTER, "tandem:kv_pushes_refused_total",
+      "KV pushes a worker refused before writing a byte: not from the sender its reservation names, no open "
+      "reservation, blocks outside it or of another size.", LABELS("worker"), NULL, 0);
   ADD(w_encoded, TD_METRIC_COUNTER, "tandem:worker_encoded_requests_total",
       "Requests a worker's encoder ran.", LABELS("worker"), NULL, 0);
   ADD(w_hits, TD_METRIC_COUNTER, "tandem:encoder_cache_hits_total",
@@ -138,7 +141,7 @@ static void collect(td_router *r) {
   td_metric_set(m->running, NULL, r->in_flight);
   td_metric_set(m->waiting, NULL, r->queue.n);
   td_metric *per_worker[] = {m->w_running, m->w_waiting, m->w_used,    m->w_free,          m->w_kv, m->w_kv_bytes, m->w_kv_secs,
-                             m->w_ipc,     m->w_encoded, m->w_hits,    m->w_cache_blocks};
+                             m->w_ipc,     m->w_encoded, m->w_hits,    m->w_cache_blocks, m->w_refused};
   for (int i = 0; i < N(per_worker); i++) td_metric_clear(per_worker[i]); /* workers that left go */
   for (worker *w = r->workers; w; w = w->hh.next) {
     const Tandem__Cluster__Load *ld = &w->load;
@@ -164,6 +167,7 @@ static void collect(td_router *r) {
     td_metric_set(m->w_kv_secs, s_ucx, ld->kv_out_seconds_ucx);
     td_metric_set(m->w_kv_secs, s_zmq, ld->kv_out_seconds_zmq);
     td_metric_set(m->w_ipc, id, (double)ld->kv_out_ipc);
+    td_metric_set(m->w_refused, id, (double)ld->kv_refused);
     td_metric_set(m->w_encoded, id, (double)ld->encoded);
     td_metric_set(m->w_hits, id, (double)ld->encoder_cache_hits);
     td_metric_set(m->w_cache_blocks, id, ld->encoder_cache_blocks);

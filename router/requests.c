@@ -234,11 +234,33 @@ static td_place_req attempt_req(const rreq *q) {
   return pr;
 }
 
+/* The sender a receiver admits into a reservation: worker w with token tok. */
+static Tandem__Cluster__KvSender kv_sender(const worker *w, uint8_t *tok) {
+  Tandem__Cluster__KvSender s = TANDEM__CLUSTER__KV_SENDER__INIT;
+  s.worker_id = (char *)w->id;
+  s.token = (ProtobufCBinaryData){TD_KV_TOKEN_BYTES, tok};
+  s.key = (char *)w->key;
+  return s;
+}
+
+/* A reservation's target as its pusher gets it: with the token the receiver expects. */
+static Tandem__Cluster__KvTarget target_for_pusher(const Tandem__Cluster__KvTarget *t, uint8_t *tok) {
+  Tandem__Cluster__KvTarget c = *t; /* shallow: only packed, never freed */
+  c.token = (ProtobufCBinaryData){TD_KV_TOKEN_BYTES, tok};
+  return c;
+}
+
 /* Starts a placed request: holds on its workers, the decode job. */
 static void start(td_router *r, rreq *q, const td_placement *pl) {
   worker *d = (worker *)r->pool[pl->decode];
   worker *e = pl->encode >= 0 ? (worker *)r->pool[pl->encode] : NULL;
   worker *p = pl->prefill >= 0 ? (worker *)r->pool[pl->prefill] : NULL;
+  /* a push of an earlier attempt, or of a worker not named, finds other tokens */
+  if (td_auth_token_new(q->tok_cross) != TD_OK || td_auth_token_new(q->tok_pcross) != TD_OK ||
+      td_auth_token_new(q->tok_self) != TD_OK) {
+    rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, td_errmsg());
+    return;
+  }
   Tandem__Cluster__RequestSpec sp;
   int32_t *prompt = spec_of(r, q, &sp);
   if (!prompt) {
@@ -272,6 +294,15 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
   /* the prefill worker sends all prompt KV but the last token's, which the
    * decode worker runs itself to get the first logits */
   dj.prefill_tokens = q->with_prefill ? (uint32_t)(attempt_req(q).n_prompt - 1) : 0;
+  Tandem__Cluster__KvSender cross_from, self_from;
+  if (e) {
+    cross_from = kv_sender(e, q->tok_cross);
+    dj.cross_from = &cross_from;
+  }
+  if (p) {
+    self_from = kv_sender(p, q->tok_self);
+    dj.self_from = &self_from;
+  }
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE;
   m.decode = &dj;
@@ -319,7 +350,9 @@ void rtr_send_encode(td_router *r, rreq *q) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
   }
-  Tandem__Cluster__KvTarget *targets[2] = {q->dres->cross, q->with_prefill ? q->pres->cross : NULL};
+  Tandem__Cluster__KvTarget to_dec = target_for_pusher(q->dres->cross, q->tok_cross), to_pre;
+  if (q->with_prefill) to_pre = target_for_pusher(q->pres->cross, q->tok_pcross);
+  Tandem__Cluster__KvTarget *targets[2] = {&to_dec, q->with_prefill ? &to_pre : NULL};
   Tandem__Cluster__EncodeJob ej = TANDEM__CLUSTER__ENCODE_JOB__INIT;
   ej.req = &sp;
   ej.targets = targets;
@@ -335,9 +368,9 @@ void rtr_send_encode(td_router *r, rreq *q) {
 }
 
 void rtr_send_prefill(td_router *r, rreq *q) {
-  worker *p = rtr_find_worker(r, q->pre_w);
-  if (!p || !q->dres || !q->dres->self) {
-    rtr_req_kv_failed(r, q, "prefill worker or reservation lost");
+  worker *p = rtr_find_worker(r, q->pre_w), *e = rtr_find_worker(r, q->enc_w);
+  if (!p || !e || !q->dres || !q->dres->self) {
+    rtr_req_kv_failed(r, q, "prefill worker, encoder or reservation lost");
     return;
   }
   Tandem__Cluster__RequestSpec sp;
@@ -346,9 +379,12 @@ void rtr_send_prefill(td_router *r, rreq *q) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
   }
+  Tandem__Cluster__KvTarget to_dec = target_for_pusher(q->dres->self, q->tok_self);
+  Tandem__Cluster__KvSender cross_from = kv_sender(e, q->tok_pcross);
   Tandem__Cluster__PrefillJob pj = TANDEM__CLUSTER__PREFILL_JOB__INIT;
   pj.req = &sp;
-  pj.self_target = q->dres->self;
+  pj.cross_from = &cross_from;
+  pj.self_target = &to_dec;
   pj.prefill_tokens = q->dres->self->tokens;
   pj.sample_first = false;
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;

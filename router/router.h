@@ -71,10 +71,22 @@ typedef struct td_router_opts {
    * the same process); NULL: the router's own. */
   void *zmq_ctx;
   const td_auth *auth; /* CURVE keys and lists; NULL: plain sockets (docs/security.md) */
+  /* The address clients and workers reach the endpoints at, when not the
+   * one bound (a wildcard, a container's interface; NULL: as bound): what
+   * the router says it serves on. */
+  const char *advertise;
+  /* A registering worker's KV endpoint, as it advertises it, is dialled
+   * first: no answer within this many ms (or a refusal) refuses the worker
+   * (0: TD_DEFAULT_PROBE_TIMEOUT_MS; negative: no check). */
+  int probe_timeout_ms;
 } td_router_opts;
 
 td_status td_router_create(const td_router_opts *opts, td_router **out);
 void td_router_destroy(td_router *r);
+/* The client and worker endpoints as peers dial them (the advertised
+ * address, the ports bound). */
+const char *td_router_client_endpoint(const td_router *r);
+const char *td_router_worker_endpoint(const td_router *r);
 /* The /metrics server's port (0: not serving). */
 int td_router_metrics_port(const td_router *r);
 /* Runs until *stop becomes non-zero; then tells clients and workers and

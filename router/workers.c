@@ -169,22 +169,24 @@ static bool id_ok(const char *id) {
   return true;
 }
 
-/* With keys, a worker id belongs to the key that first registered it, for
- * the router's life: another listed key cannot take it over, not even
- * while its worker is away. NULL key (no CURVE): true. */
+/* With keys, a worker id (or a group's rank) belongs to the key that
+ * first registered it, for the router's life: another listed key cannot
+ * take it over, not even while its worker is away. */
 typedef struct id_key {
   char id[TD_WIRE_MAX_ID + 1];
   char key[TD_AUTH_KEY_Z85];
   UT_hash_handle hh;
 } id_key;
 
-static bool id_key_ok(td_router *r, const char *wid, const char *key, char *why, size_t cap) {
+bool rtr_id_key_ok(td_router *r, const char *wid, const char *key, char *why, size_t cap) {
   if (!key) return true;
   id_key *e = NULL;
   HASH_FIND_STR(r->id_keys, wid, e);
   if (e) {
     if (!strcmp(e->key, key)) return true;
-    snprintf(why, cap, "worker id %s belongs to another key (this connection's key is %s)", wid, key);
+    /* group ranks are "group NAME rank R" (no worker id holds a space) */
+    snprintf(why, cap, "%s%s belongs to another key (this connection's key is %s)",
+             strncmp(wid, "group ", 6) ? "worker id " : "", wid, key);
     return false;
   }
   if (r->n_id_keys >= TD_AUTH_MAX_BOUND_IDS) {
@@ -212,52 +214,87 @@ void rtr_id_keys_free(td_router *r) {
   r->n_id_keys = 0;
 }
 
-void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__Register *reg) {
-  char why[512] = "";
-  Tandem__Cluster__WorkerInfo *in = reg ? reg->info : NULL;
-  /* the worker's id is the registration's; its connection's identity only routes */
-  char wid[TD_WIRE_MAX_ID + 1] = "";
-  if (in && in->worker_id) snprintf(wid, sizeof wid, "%s", in->worker_id);
-  bool ok = in && model_matches(r, in->model, why, sizeof why);
+void rtr_register_refuse(td_router *r, const uint8_t *id, size_t id_len, const char *wid, const char *why) {
+  TD_WARN("refused worker %s: %s", wid, why);
+  send_ack(r, id, id_len, false, why);
+}
+
+/* An encoder-only worker whose pool holds encoder states (cross mode states
+ * under a router in auto or dual): it pushes states, projected on arrival. */
+static bool states_encoder(const td_router *r, const Tandem__Cluster__WorkerInfo *in) {
+  bool enc_only = in && in->n_roles > 0;
+  for (size_t i = 0; in && i < in->n_roles; i++) enc_only &= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+  return enc_only && in->cross_mode && strcmp(in->cross_mode, "states") == 0 &&
+         (r->o.cross_mode == TD_CROSS_AUTO || r->o.cross_mode == TD_CROSS_DUAL);
+}
+
+/* Every check of a registration but its endpoint's; false: why says. */
+static bool registration_ok(td_router *r, const uint8_t *id, size_t id_len, const char *key,
+                            const Tandem__Cluster__WorkerInfo *in, const char *wid, char *why, size_t cap) {
+  bool ok = in && model_matches(r, in->model, why, cap);
   if (ok && (!id_ok(in->worker_id) || !id_len)) {
-    snprintf(why, sizeof why, "the worker id is not 1 to %d printable characters", TD_WIRE_MAX_ID);
+    snprintf(why, cap, "the worker id is not 1 to %d printable characters", TD_WIRE_MAX_ID);
     ok = false;
   }
   if (ok && (!in->block_size || (r->have_model && (int)in->block_size != r->block_size))) {
-    snprintf(why, sizeof why, "block size %u, the cluster uses %d", in->block_size, r->block_size);
+    snprintf(why, cap, "block size %u, the cluster uses %d", in->block_size, r->block_size);
     ok = false;
   }
   if (ok && !in->n_roles) {
-    snprintf(why, sizeof why, "no roles");
+    snprintf(why, cap, "no roles");
     ok = false;
   }
   /* an encoder-only worker in cross mode states pushes encoder states, which
    * decode workers with K/V and a states tail (dual) project on arrival */
-  bool enc_only = in && in->n_roles > 0;
-  for (size_t i = 0; in && i < in->n_roles; i++) enc_only &= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
-  bool states_out = ok && enc_only && in->cross_mode && strcmp(in->cross_mode, "states") == 0 &&
-                    (r->o.cross_mode == TD_CROSS_AUTO || r->o.cross_mode == TD_CROSS_DUAL);
-  if (ok && !states_out) ok = rtr_cross_mode_matches(r, in->cross_mode, why, sizeof why);
-  if (ok) ok = id_key_ok(r, wid, key, why, sizeof why);
-  if (!ok) {
-    TD_WARN("refused worker %s: %s", wid, why);
-    send_ack(r, id, id_len, false, why);
-    return;
-  }
-  worker *old = rtr_find_worker(r, wid);
+  if (ok && !states_encoder(r, in)) ok = rtr_cross_mode_matches(r, in->cross_mode, why, cap);
+  if (ok) ok = rtr_id_key_ok(r, wid, key, why, cap);
+  worker *old = ok ? rtr_find_worker(r, wid) : NULL;
   if (old && (old->route_len != id_len || memcmp(old->route, id, id_len))) {
     /* another connection claims a live worker's id: refused until the
      * first falls silent (a restart waits out the old one's liveness);
      * the worker retries on this answer */
     int64_t silent = td_now_ms() - old->last_seen;
     if (silent < (int64_t)r->o.heartbeat_ms * r->o.dead_after) {
-      snprintf(why, sizeof why, "%s %s: another connection registered it and was heard from %lld ms ago",
+      snprintf(why, cap, "%s %s: another connection registered it and was heard from %lld ms ago",
                TD_ROUTER_ID_IN_USE, wid, (long long)silent);
-      TD_WARN("refused worker %s: %s", wid, why);
-      send_ack(r, id, id_len, false, why);
-      return;
+      ok = false;
     }
   }
+  return ok;
+}
+
+void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char *key, Tandem__Cluster__WorkerMessage *m) {
+  if (rtr_probe_pending(r, id, id_len)) return; /* its retry while its endpoint is being checked */
+  Tandem__Cluster__Register *reg = m->register_;
+  Tandem__Cluster__WorkerInfo *in = reg ? reg->info : NULL;
+  char why[512] = "", wid[TD_WIRE_MAX_ID + 1] = "";
+  if (in && in->worker_id) snprintf(wid, sizeof wid, "%s", in->worker_id);
+  if (!registration_ok(r, id, id_len, key, in, wid, why, sizeof why)) {
+    rtr_register_refuse(r, id, id_len, wid, why);
+    return;
+  }
+  bool answered = false;
+  if (rtr_probe_start(r, id, id_len, key, reg, &answered)) {
+    m->register_ = NULL; /* the check keeps it */
+    m->body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY__NOT_SET;
+    return;
+  }
+  if (!answered) rtr_register_checked(r, id, id_len, key, reg);
+}
+
+void rtr_register_checked(td_router *r, const uint8_t *id, size_t id_len, const char *key,
+                          Tandem__Cluster__Register *reg) {
+  char why[512] = "";
+  Tandem__Cluster__WorkerInfo *in = reg ? reg->info : NULL;
+  /* the worker's id is the registration's; its connection's identity only routes */
+  char wid[TD_WIRE_MAX_ID + 1] = "";
+  if (in && in->worker_id) snprintf(wid, sizeof wid, "%s", in->worker_id);
+  /* again: a check may have taken a while */
+  if (!registration_ok(r, id, id_len, key, in, wid, why, sizeof why)) {
+    rtr_register_refuse(r, id, id_len, wid, why);
+    return;
+  }
+  worker *old = rtr_find_worker(r, wid);
   if (old) rtr_worker_gone(r, old, "registered again (restarted)");
   worker *w = calloc(1, sizeof *w);
   if (!w) return;
@@ -276,7 +313,7 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char 
     w->pl.enc = false;
     w->pl.enc_self = w->pl.dec;
   }
-  w->pl.states_out = states_out;
+  w->pl.states_out = states_encoder(r, in);
   w->pl.projects = in->cross_projects;
   w->self_blocks = (int)in->self_blocks;
   w->pl.cross_blocks = (int)in->cross_blocks;
@@ -286,6 +323,7 @@ void rtr_on_register(td_router *r, const uint8_t *id, size_t id_len, const char 
   w->version = strdup(in->version ? in->version : "");
   w->group = strdup(in->group ? in->group : "");
   w->pid = in->pid;
+  snprintf(w->key, sizeof w->key, "%s", key ? key : "");
   w->last_seen = td_now_ms();
   w->load = (Tandem__Cluster__Load)TANDEM__CLUSTER__LOAD__INIT;
   w->load.free_self_blocks = (uint32_t)w->self_blocks;
@@ -400,6 +438,7 @@ void rtr_health_fill(td_router *r, Tandem__HealthResponse *hp, Tandem__WorkerSta
       x->pid = w->pid;
       x->drain_requested = w->drain_asked;
       x->stopping = w->load.stopping;
+      x->kv_refused = w->load.kv_refused;
       wp[k++] = x;
     }
     h.workers = wp;

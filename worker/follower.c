@@ -44,6 +44,8 @@ typedef struct follower {
   const td_worker_opts *o;
   volatile sig_atomic_t *stop;
   void *zctx, *rsock, *msock;
+  td_zap *zap;   /* with keys: zctx's ZAP handler (the communicator's socket) */
+  group_keys gk;
   td_comm_zmq_boot *boot;
   td_backend *b;
   td_comm *comm;
@@ -191,15 +193,17 @@ static td_status join(follower *f) {
   if (!f->rsock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   td_wire_setup_socket(f->rsock);
   td_wire_set_unique_route(f->rsock, id);
+  TD_TRY(td_auth_client(o->auth, f->rsock, NULL));
   if (zmq_connect(f->rsock, o->router) != 0)
     return td_err(TD_ERR_INVALID, "cannot connect to the router at %s", o->router);
-  const char *ep = "-";
-  if (o->device == TD_BACKEND_CPU) {
-    TD_TRY(td_comm_zmq_bind(o->listen_host, &f->boot));
-    ep = td_comm_zmq_endpoint(f->boot);
-  }
+  f->gk = (group_keys){.auth = o->auth, .gi = &f->gi};
+  TD_TRY(td_zap_create(o->auth, f->zctx, &f->zap));
+  f->gk.zap = f->zap;
+  char ep[300] = "-";
+  if (o->device == TD_BACKEND_CPU) TD_TRY(group_comm_bind(o, &f->gk, f->zctx, &f->boot, ep, sizeof ep));
   TD_TRY(group_rendezvous(f->rsock, o->group, o->rank, world, ep, NULL, 0, o->cross_mode, TD_GROUP_JOIN_TIMEOUT_MS,
                           f->stop, &f->gi));
+  TD_TRY(group_admit_ranks(&f->gk));
   td_backend_opts bo = {.kind = o->device, .device = o->device_id, .threads = o->threads, .cuda = o->settings.cuda};
   TD_TRY(td_backend_create(&bo, &f->b));
   char comm_ep[256], mirror_ep[256];
@@ -244,6 +248,7 @@ static td_status join(follower *f) {
   /* no size limit: it connects out to its own leader only, whose mirrored
    * KV forwards are as large as a push's blocks */
   zmq_setsockopt(f->msock, ZMQ_ROUTING_ID, mid, strlen(mid));
+  TD_TRY(group_sec_client(&f->gk, f->msock, 0)); /* the leader's key */
   if (zmq_connect(f->msock, mirror_ep) != 0)
     return td_err(TD_ERR_NETWORK, "cannot reach the leader's mirror at %s", mirror_ep);
   zmq_send(f->msock, "Y", 1, 0);
@@ -254,6 +259,7 @@ static td_status join(follower *f) {
 td_status td_worker_follow(const td_worker_opts *o, volatile sig_atomic_t *stop) {
   static volatile sig_atomic_t never;
   int world = o->tp > 1 ? o->tp : o->pp;
+  TD_TRY(group_check_addresses(o));
   if (!o->group || world < 2 || o->rank < 1 || o->rank >= world)
     return td_err(TD_ERR_INVALID, "a follower needs --group, --tp or --pp above 1 and a rank in [1, %d)", world);
   if (world > TD_GROUP_MAX_RANKS)
@@ -283,6 +289,7 @@ td_status td_worker_follow(const td_worker_opts *o, volatile sig_atomic_t *stop)
   td_backend_destroy(f.b);
   td_comm_zmq_boot_free(f.boot);
   group_info_free(&f.gi);
+  td_zap_destroy(f.zap); /* after the communicator's sockets, before the context ends */
   if (f.zctx) zmq_ctx_term(f.zctx);
   return s;
 }

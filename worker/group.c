@@ -9,8 +9,48 @@
 #include "common/clock.h"
 #include "common/defaults.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "kvcache/kvcache.h"
 #include "worker/group.h"
+
+td_status group_check_addresses(const td_worker_opts *o) {
+  if (o->advertise) return td_net_check_advertise(o->advertise);
+  /* peers would be told the address bound */
+  if (td_net_is_wildcard(o->listen_host))
+    return td_err(TD_ERR_INVALID, "--host %s: a wildcard is no address peers can dial; give --advertise ADDR, the "
+                  "address they reach this worker at", o->listen_host);
+  return TD_OK;
+}
+
+td_status group_sec_server(void *arg, void *sock) {
+  group_keys *k = arg;
+  TD_TRY(td_auth_server(k->auth, sock, TD_AUTH_DOMAIN_GROUP));
+  return td_zap_watch(k->zap, sock, "group");
+}
+
+td_status group_sec_client(void *arg, void *sock, int peer) {
+  group_keys *k = arg;
+  if (!k->auth) return TD_OK;
+  if (!k->gi->has_keys || peer < 0 || peer >= k->gi->world)
+    return td_err(TD_ERR_INVALID, "rank %d of the group has no CURVE key from the router", peer);
+  return td_auth_client(k->auth, sock, k->gi->keys[peer]);
+}
+
+td_status group_admit_ranks(const group_keys *k) {
+  if (!k->auth) return TD_OK;
+  if (!k->gi->has_keys)
+    return td_err(TD_ERR_INVALID, "the router named no key for the group's ranks (a router without keys?)");
+  const char *keys[TD_GROUP_MAX_RANKS];
+  for (int r = 0; r < k->gi->world; r++) keys[r] = k->gi->keys[r];
+  return td_zap_set_group(k->zap, keys, k->gi->world);
+}
+
+td_status group_comm_bind(const td_worker_opts *o, group_keys *k, void *zmq_ctx, td_comm_zmq_boot **boot, char *ep,
+                          size_t cap) {
+  td_comm_zmq_sec sec = {.zmq_ctx = zmq_ctx, .server = group_sec_server, .client = group_sec_client, .arg = k};
+  TD_TRY(td_comm_zmq_bind(o->listen_host, k->auth ? &sec : NULL, boot));
+  return td_net_advertised(td_comm_zmq_endpoint(*boot), o->advertise, ep, cap);
+}
 
 void group_info_free(group_info *g) {
   for (int i = 0; i < g->world; i++) free(g->endpoints[i]);
@@ -68,6 +108,11 @@ td_status group_rendezvous(void *rsock, const char *group, int rank, int world, 
     }
     out->world = world;
     for (int r = 0; r < world; r++) out->endpoints[r] = strdup(gi->endpoints[r]);
+    out->has_keys = gi->n_keys == (size_t)world;
+    for (int r = 0; out->has_keys && r < world; r++) {
+      out->has_keys = gi->keys[r] && strlen(gi->keys[r]) == TD_AUTH_KEY_Z85 - 1;
+      if (out->has_keys) snprintf(out->keys[r], sizeof out->keys[r], "%s", gi->keys[r]);
+    }
     if (gi->nccl_id.len == TD_NCCL_ID_BYTES) {
       memcpy(out->nccl_id, gi->nccl_id.data, TD_NCCL_ID_BYTES);
       out->has_nccl_id = true;

@@ -16,7 +16,25 @@ typedef struct group_info {
   char *endpoints[TD_GROUP_MAX_RANKS];
   uint8_t nccl_id[TD_NCCL_ID_BYTES];
   bool has_nccl_id;
+  /* with keys: each rank's public key as the router authenticated it; the
+   * group's sockets admit these and dial them */
+  char keys[TD_GROUP_MAX_RANKS][TD_AUTH_KEY_Z85];
+  bool has_keys;
 } group_info;
+
+/* CURVE on a group's own sockets (mirror, CPU communicator): server sockets
+ * in the domain TD_AUTH_DOMAIN_GROUP of a context whose ZAP handler admits
+ * the ranks' keys once the rendezvous named them (group_admit_ranks);
+ * clients dial the key of the rank they connect to. NULL auth: plain. */
+typedef struct group_keys {
+  const td_auth *auth;
+  td_zap *zap;          /* the context's ZAP handler */
+  const group_info *gi; /* filled by the rendezvous, before any connect */
+} group_keys;
+td_status group_sec_server(void *arg, void *sock);
+td_status group_sec_client(void *arg, void *sock, int peer);
+/* After the rendezvous: the ranks it named may connect (with keys, their keys are required). */
+td_status group_admit_ranks(const group_keys *k);
 
 /* Joins `group` as `rank` through the router socket and waits for every
  * rank's endpoint (the router refuses a rank whose cross_mode differs
@@ -25,6 +43,14 @@ td_status group_rendezvous(void *rsock, const char *group, int rank, int world, 
                            const uint8_t *nccl_id, size_t nccl_len, td_cross_mode cross_mode, int timeout_ms,
                            volatile sig_atomic_t *stop, group_info *out);
 void group_info_free(group_info *g);
+/* The CPU communicator's endpoint bound at o->listen_host (in zmq_ctx with
+ * CURVE when k->auth); *ep: what the other ranks dial (o->advertise's
+ * address, at the port bound). */
+td_status group_comm_bind(const td_worker_opts *o, group_keys *k, void *zmq_ctx, td_comm_zmq_boot **boot, char *ep,
+                          size_t cap);
+/* --host and --advertise: a wildcard bind needs an address to advertise,
+ * which must be one (not a wildcard). Leader and followers alike. */
+td_status group_check_addresses(const td_worker_opts *o);
 /* rank 0's endpoint carries two: "COMM|MIRROR". */
 void group_split_leader(const char *ep, char *comm, size_t ccap, char *mirror, size_t mcap);
 

@@ -111,6 +111,8 @@ struct td_job {
   int cross_got, self_got;   /* blocks arrived */
   int cross_form;            /* what the cross pushes carried: 0 none yet, KV_FORM_KV or KV_FORM_STATES */
   int self_expected;         /* prompt tokens whose KV comes; 0: none */
+  /* who may push into the reservations: the router's KvSenders (in msg); NULL: nobody */
+  const Tandem__Cluster__KvSender *cross_from, *self_from;
   bool added;                /* handed to the engine */
   bool finished;             /* ... and its result came back */
   int64_t expires;           /* reservation deadline (ms) */
@@ -213,6 +215,7 @@ struct td_worker {
   uint64_t kv_in[TD_KVT_KINDS], kv_out[TD_KVT_KINDS];             /* blocks */
   uint64_t kv_in_bytes[TD_KVT_KINDS], kv_out_bytes[TD_KVT_KINDS]; /* ... and their bytes */
   double kv_out_seconds[TD_KVT_KINDS]; /* pushes' time, from the push to the receiver's answer */
+  uint64_t kv_refused;                 /* pushes into this worker refused (kv_io.c) */
   td_job *jobs;
   tokcount *tokcounts; /* stream.c */
   struct {             /* a turn's tokens, sent as one message (stream.c) */
@@ -236,6 +239,8 @@ struct td_worker {
   /* rank 0 of a tensor / pipeline parallel group */
   int world;
   group_info gi;
+  td_zap *zap;    /* with keys: zctx's ZAP handler, for the group's mirror and communicator */
+  group_keys gk;  /* their CURVE (worker/group.h) */
   bool group_failed;
   char refused[512]; /* the router refused this worker: why */
 };

@@ -137,10 +137,25 @@ void w_release_deferred(td_worker *w) {
 /* in 64 bits: token counts come from the router's message */
 static int64_t blocks_for(int tokens, int bs) { return ((int64_t)tokens + bs - 1) / bs; }
 
-td_status td_job_reserve(td_worker *w, td_job *j, int cross_tokens, int self_tokens) {
+/* A sender the receiver can check: a token of TD_KV_TOKEN_BYTES, a key of
+ * Z85's 40 characters or none. */
+static bool sender_ok(const Tandem__Cluster__KvSender *s) {
+  size_t kl = s && s->key ? strlen(s->key) : 0;
+  return s && s->token.len == TD_KV_TOKEN_BYTES && (kl == 0 || kl == TD_AUTH_KEY_Z85 - 1);
+}
+
+td_status td_job_reserve(td_worker *w, td_job *j, int cross_tokens, int self_tokens,
+                         const Tandem__Cluster__KvSender *cross_from, const Tandem__Cluster__KvSender *self_from) {
   if (cross_tokens < 0 || self_tokens < 0)
     return td_err(TD_ERR_INVALID, "request %llu: %d encoder and %d prompt tokens to reserve blocks for",
                   (unsigned long long)j->rid, cross_tokens, self_tokens);
+  /* blocks nobody may fill would wait for their expiry */
+  if ((cross_tokens > 0 && !sender_ok(cross_from)) || (self_tokens > 0 && !sender_ok(self_from)))
+    return td_err(TD_ERR_INVALID, "request %llu: the job names no well-formed KV sender for its %s blocks (a token of "
+                  "%d bytes; a router older than this worker?)", (unsigned long long)j->rid,
+                  cross_tokens > 0 && !sender_ok(cross_from) ? "cross" : "prompt", TD_KV_TOKEN_BYTES);
+  j->cross_from = cross_tokens > 0 ? cross_from : NULL;
+  j->self_from = self_tokens > 0 ? self_from : NULL;
   int64_t nc = blocks_for(cross_tokens, w->block_size), ns = blocks_for(self_tokens, w->block_size);
   /* what no wait makes fit is refused now, naming the pool */
   if (nc > w->cross_blocks)

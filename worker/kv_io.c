@@ -15,50 +15,77 @@
 
 /* ------------------------------------------------------------ receiving */
 
-static bool k_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks, int n,
-                     size_t block_bytes, char *why, size_t cap) {
+/* Whether the push comes from the worker the router named for the
+ * reservation: its token (new each attempt, so a stale or another
+ * worker's push fails), and with CURVE its key. */
+static bool from_named_sender(const td_job *j, const td_kvt_offer *o, char *why, size_t cap) {
+  const Tandem__Cluster__KvSender *s = o->cross ? j->cross_from : j->self_from;
+  const char *pool = o->cross ? "cross" : "prompt";
+  if (!s) {
+    snprintf(why, cap, "reservation %llu of request %llu names no sender for its %s blocks",
+             (unsigned long long)o->reservation, (unsigned long long)o->rid, pool);
+    return false;
+  }
+  const char *named = s->worker_id && s->worker_id[0] ? s->worker_id : "?";
+  if (!o->token || !td_auth_token_equal(o->token, s->token.data)) {
+    snprintf(why, cap, "reservation %llu of request %llu takes %s KV from %s only: the push carries %s (another "
+             "worker, or an attempt that is over)", (unsigned long long)o->reservation, (unsigned long long)o->rid,
+             pool, named, o->token ? "another token" : "no token");
+    return false;
+  }
+  if (s->key && s->key[0] && (!o->sender_key || strcmp(o->sender_key, s->key))) {
+    snprintf(why, cap, "reservation %llu of request %llu takes %s KV from %s's key %s only: the push came from %s%s",
+             (unsigned long long)o->reservation, (unsigned long long)o->rid, pool, named, s->key,
+             o->sender_key ? "key " : "no authenticated key", o->sender_key ? o->sender_key : "");
+    return false;
+  }
+  return true;
+}
+
+static bool k_accept(void *ctx, const td_kvt_offer *o, char *why, size_t cap) {
   td_worker *w = ctx;
-  size_t want = cross ? w->full_cross_bb : w->full_self_bb;
+  bool ok = false;
+  size_t want = o->cross ? w->full_cross_bb : w->full_self_bb;
+  td_job *j = NULL;
   /* a cross push carries whole blocks (every layer's K/V), or only their
    * states tails (the encoder output, projected here on arrival) */
-  int form = block_bytes == want ? KV_FORM_KV : cross && w->states_bb && block_bytes == w->states_bb ? KV_FORM_STATES : 0;
+  int form = o->block_bytes == want                                   ? KV_FORM_KV
+             : o->cross && w->states_bb && o->block_bytes == w->states_bb ? KV_FORM_STATES
+                                                                       : 0;
   if (!form) {
-    if (cross && w->states_bb)
+    if (o->cross && w->states_bb)
       snprintf(why, cap, "cross blocks of %zu bytes, this model's are %zu (K/V) or %zu (encoder states: %d rows of "
-               "%d) (another model, block size, device or --cross-mode?)", block_bytes, want, w->states_bb,
+               "%d) (another model, block size, device or --cross-mode?)", o->block_bytes, want, w->states_bb,
                w->block_size, w->full_cross.states);
     else
       snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "
-               "--cross-mode?%s)", cross ? "cross" : "self", block_bytes, want,
-               cross ? "; encoder states are taken only by a worker in cross mode dual" : "");
-    return false;
-  }
-  td_job *j = w_job_by_reservation(w, rid, res, cross);
-  if (!j || !j->reserved || j->added) {
-    snprintf(why, cap, "reservation %llu of request %llu is not open here", (unsigned long long)res,
-             (unsigned long long)rid);
-    return false;
-  }
-  if (cross && j->cross_form && j->cross_form != form) {
-    snprintf(why, cap, "request %llu: cross pushes of both forms (K/V and encoder states)", (unsigned long long)rid);
-    return false;
-  }
-  if (td_now_ms() > j->expires) {
-    snprintf(why, cap, "reservation %llu expired", (unsigned long long)res);
-    return false;
-  }
-  const int32_t *have = cross ? j->cross_ids : j->self_ids;
-  int nh = cross ? j->n_cross : j->n_self;
-  for (int i = 0; i < n; i++) {
-    bool ok = false;
-    for (int k = 0; k < nh && !ok; k++) ok = have[k] == blocks[i];
-    if (!ok) {
-      snprintf(why, cap, "block %d is not in reservation %llu", blocks[i], (unsigned long long)res);
-      return false;
+               "--cross-mode?%s)", o->cross ? "cross" : "self", o->block_bytes, want,
+               o->cross ? "; encoder states are taken only by a worker in cross mode dual" : "");
+  } else if (!(j = w_job_by_reservation(w, o->rid, o->reservation, o->cross)) || !j->reserved || j->added) {
+    snprintf(why, cap, "reservation %llu of request %llu is not open here", (unsigned long long)o->reservation,
+             (unsigned long long)o->rid);
+  } else if (o->cross && j->cross_form && j->cross_form != form) {
+    snprintf(why, cap, "request %llu: cross pushes of both forms (K/V and encoder states)", (unsigned long long)o->rid);
+  } else if (from_named_sender(j, o, why, cap)) {
+    if (td_now_ms() > j->expires) {
+      snprintf(why, cap, "reservation %llu expired", (unsigned long long)o->reservation);
+    } else {
+      const int32_t *have = o->cross ? j->cross_ids : j->self_ids;
+      int nh = o->cross ? j->n_cross : j->n_self;
+      ok = true;
+      for (int i = 0; i < o->n && ok; i++) {
+        bool in = false;
+        for (int k = 0; k < nh && !in; k++) in = have[k] == o->blocks[i];
+        if (!in) {
+          snprintf(why, cap, "block %d is not in reservation %llu", o->blocks[i], (unsigned long long)o->reservation);
+          ok = false;
+        }
+      }
     }
   }
-  if (cross) j->cross_form = form;
-  return true;
+  if (ok && o->cross) j->cross_form = form;
+  if (!ok) w->kv_refused++; /* the transport logs the refusal with its reason */
+  return ok;
 }
 
 static void k_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const void *const *data, size_t bb) {
@@ -168,7 +195,9 @@ void td_job_push(td_worker *w, td_job *j, Tandem__Cluster__KvTarget *const *targ
     else
       s = td_kvt_push_blocks(r.t, &(td_kvt_push){.rid = j->rid, .tag = j->slot, .peer_id = t->worker_id,
                                                   .peer_desc = r.desc, .peer_desc_len = r.desc_len,
-                                                  .reservation = t->reservation, .cross = j->out_cross,
+                                                  .reservation = t->reservation,
+                                                  .token = t->token.len == TD_KV_TOKEN_BYTES ? t->token.data : NULL,
+                                                  .cross = j->out_cross,
                                                   .dst = t->blocks, .n = j->n_out, .src_blocks = j->out_blocks,
                                                   .src_host = j->out_host, .block_bytes = j->out_bb});
     w_kv_route_free(&r);

@@ -141,6 +141,7 @@ td_status w_kv_start(td_worker *w) {
   td_kvt_opts ko = w->pools;
   ko.name = w->id;
   ko.listen_host = o->listen_host;
+  ko.advertise = o->advertise;
   ko.timeout_ms = o->transfer_timeout_ms;
   ko.auth = o->auth;
   /* peers push blocks of this model: whole-decoder cross or self blocks, in

@@ -28,7 +28,10 @@ static void usage(FILE *f) {
           "                     [--id NAME] [--device cpu|cuda] [--gpu N] [--block-size N]\n"
           "                     [--kv-blocks N] [--cross-blocks N] [--max-batch N] [--max-tokens N]\n"
           "                     [--max-enc-tokens N] [--max-enc-seqs N]  (an encoder batch)\n"
-          "                     [--threads N] [--host ADDR] [--reservation-ttl-ms N] [--log-level LEVEL]\n"
+          "                     [--threads N] [--reservation-ttl-ms N] [--log-level LEVEL]\n"
+          "                     [--host ADDR]  (the address the KV and group endpoints bind; default 127.0.0.1)\n"
+          "                     [--advertise ADDR]  (the address peers reach them at, when not the one bound:\n"
+          "                                         NAT, a pod IP; a wildcard --host needs it; docs/deploy.md)\n"
           "                     [--kv-transport auto|ucx|zmq]   (how KV blocks go to other workers; auto: UCX\n"
           "                                                      where both sides can, else ZeroMQ)\n"
           "                     [--group NAME (--tp N | --pp N) --rank R]   (rank 0 serves, others follow)\n"
@@ -88,7 +91,8 @@ int main(int argc, char **argv) {
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
       {"max-enc-seqs", required_argument, 0, 'Q'}, {"encoder-cache-fraction", required_argument, 0, 'Y'},
       {"curve-secret", required_argument, 0, 1001}, {"router-key", required_argument, 0, 1002},
-      {"worker-keys", required_argument, 0, 1003}, {"cross-transfer", required_argument, 0, 1004},
+      {"worker-keys", required_argument, 0, 1003}, {"advertise", required_argument, 0, 1004},
+      {"cross-transfer", required_argument, 0, 1005},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings,
@@ -140,6 +144,7 @@ int main(int argc, char **argv) {
       case 'T': o.max_tokens = atoi(optarg); break;
       case 't': o.threads = atoi(optarg); break;
       case 'H': o.listen_host = optarg; break;
+      case 1004: o.advertise = optarg; break;
       case 'x': o.reservation_ttl_ms = atoi(optarg); break;
       case 'l':
         if (td_log_parse_level(optarg) < 0) {
@@ -168,7 +173,7 @@ int main(int argc, char **argv) {
       case 1001: ao.secret_file = optarg; break;
       case 1002: ao.router_key_file = optarg; break;
       case 1003: ao.worker_keys_file = optarg; break;
-      case 1004:
+      case 1005:
         if (strcmp(optarg, "states") && strcmp(optarg, "kv")) {
           fprintf(stderr, "tandem-worker: --cross-transfer must be states or kv, not '%s'\n", optarg);
           return 2;
@@ -212,9 +217,7 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (o.rank > 0) {
     td_worker_opts_default(&o);
-    td_status fs = auth ? td_err(TD_ERR_UNSUPPORTED, "a TP/PP group with CURVE keys: the group's own sockets have no "
-                                 "CURVE yet")
-                        : td_worker_follow(&o, &stop_flag);
+    td_status fs = td_worker_follow(&o, &stop_flag);
     td_auth_destroy(auth);
     if (fs != TD_OK && !stop_flag) fprintf(stderr, "tandem-worker: %s\n", td_errmsg());
     return fs == TD_OK || stop_flag ? 0 : 1;

@@ -76,8 +76,12 @@ void td_job_fail(td_worker *w, td_job *j, td_status code, const char *msg);
 
 /* Reserves blocks for cross_tokens of encoder KV and self_tokens of prompt
  * KV; the router hears Reserved once they are, or Failed. Refuses (status
- * and td_err naming the limit) what this worker's pools cannot hold. */
-td_status td_job_reserve(td_worker *w, td_job *j, int cross_tokens, int self_tokens);
+ * and td_err naming the limit) what this worker's pools cannot hold.
+ * cross_from / self_from: the workers the router named to push into them
+ * (in the job's message); a push from any other is refused, and a
+ * reservation with tokens but no well-formed sender is refused here. */
+td_status td_job_reserve(td_worker *w, td_job *j, int cross_tokens, int self_tokens,
+                         const Tandem__Cluster__KvSender *cross_from, const Tandem__Cluster__KvSender *self_from);
 /* Whether every reserved block arrived and the request is not running yet. */
 bool td_job_kv_ready(const td_job *j);
 

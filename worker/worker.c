@@ -14,6 +14,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "common/net.h"
 #include "worker/internal.h"
 
 static bool has_self_kv(const td_worker_opts *o) {
@@ -73,31 +74,38 @@ static td_status group_start(td_worker *w) {
     return td_err(TD_ERR_INVALID, "a group leader needs --group, rank 0 and either --tp or --pp");
   if (w->world > TD_GROUP_MAX_RANKS)
     return td_err(TD_ERR_INVALID, "a group of %d ranks: at most %d", w->world, TD_GROUP_MAX_RANKS);
-  char comm_ep[256] = "-", ep[600];
+  char comm_ep[300] = "-", ep[700];
+  /* with keys the group's sockets are CURVE servers of the ranks' keys, known after the rendezvous */
+  w->gk = (group_keys){.auth = o->auth, .gi = &w->gi};
+  TD_TRY(td_zap_create(o->auth, w->zctx, &w->zap));
+  w->gk.zap = w->zap;
   if (o->device == TD_BACKEND_CPU) {
-    TD_TRY(td_comm_zmq_bind(o->listen_host, &w->boot));
-    snprintf(comm_ep, sizeof comm_ep, "%s", td_comm_zmq_endpoint(w->boot));
+    TD_TRY(group_comm_bind(o, &w->gk, w->zctx, &w->boot, comm_ep, sizeof comm_ep));
   } else {
     TD_TRY(td_comm_nccl_id(w->nccl_id));
   }
   w->msock = zmq_socket(w->zctx, ZMQ_ROUTER);
-  char mep[300], bound[256];
+  char mep[300], bound[256], adv[300];
   snprintf(mep, sizeof mep, "tcp://%s:*", o->listen_host);
   int linger = 0, hwm = 0;
   if (w->msock) {
     zmq_setsockopt(w->msock, ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(w->msock, ZMQ_SNDHWM, &hwm, sizeof hwm);
-    int64_t max = TD_GROUP_MIRROR_IN_MAX_BYTES; /* followers send one-byte hellos and heartbeats */
+    int64_t max = TD_GROUP_MIRROR_IN_MAX_BYTES; /* one-byte hellos and heartbeats, and CURVE's handshake */
     zmq_setsockopt(w->msock, ZMQ_MAXMSGSIZE, &max, sizeof max);
   }
   size_t bl = sizeof bound;
+  if (w->msock) TD_TRY(group_sec_server(&w->gk, w->msock));
   if (!w->msock || zmq_bind(w->msock, mep) != 0 || zmq_getsockopt(w->msock, ZMQ_LAST_ENDPOINT, bound, &bl) != 0)
     return td_err(TD_ERR_NETWORK, "cannot bind the group mirror on %s", mep);
-  snprintf(ep, sizeof ep, "%s|%s", comm_ep, bound);
-  TD_INFO("group %s: waiting for %d ranks", o->group, w->world);
+  TD_TRY(td_net_advertised(bound, o->advertise, adv, sizeof adv));
+  snprintf(ep, sizeof ep, "%s|%s", comm_ep, adv);
+  TD_INFO("group %s: communicator %s, mirror %s%s; waiting for %d ranks", o->group, comm_ep, adv,
+          o->auth ? " (CURVE: the group's ranks only)" : "", w->world);
   bool cpu = o->device == TD_BACKEND_CPU;
-  return group_rendezvous(w->rsock, o->group, 0, w->world, ep, cpu ? NULL : w->nccl_id, cpu ? 0 : TD_NCCL_ID_BYTES,
-                          o->cross_mode, TD_GROUP_JOIN_TIMEOUT_MS, NULL, &w->gi);
+  TD_TRY(group_rendezvous(w->rsock, o->group, 0, w->world, ep, cpu ? NULL : w->nccl_id, cpu ? 0 : TD_NCCL_ID_BYTES,
+                          o->cross_mode, TD_GROUP_JOIN_TIMEOUT_MS, NULL, &w->gi));
+  return group_admit_ranks(&w->gk);
 }
 
 static td_status create(td_worker *w) {
@@ -105,10 +113,8 @@ static td_status create(td_worker *w) {
   td_worker_opts_default(o);
   TD_TRY(check_roles(w));
   snprintf(w->id, sizeof w->id, "%s", o->id);
-  /* peers reach the KV and group endpoints at the address bound: one they can dial */
-  if (!strcmp(o->listen_host, "0.0.0.0") || !strcmp(o->listen_host, "*") || !strcmp(o->listen_host, "::"))
-    return td_err(TD_ERR_INVALID, "--host %s: workers advertise the address they bind, so it must be one that "
-                  "peers can reach, not a wildcard", o->listen_host);
+  /* peers reach the KV and group endpoints at the address advertised: one they can dial */
+  TD_TRY(group_check_addresses(o));
   if (strcmp(o->transfer, "ucx") && strcmp(o->transfer, "zmq") && strcmp(o->transfer, "auto"))
     return td_err(TD_ERR_INVALID, "KV transport %s: auto, ucx or zmq", o->transfer);
   if (o->auth) {
@@ -116,8 +122,10 @@ static td_status create(td_worker *w) {
       return td_err(TD_ERR_UNSUPPORTED, "--kv-transport ucx with CURVE keys: UCX has no CURVE, so KV goes over ZeroMQ "
                     "(--kv-transport zmq or auto)");
     o->transfer = "zmq"; /* auto: every push over CURVE */
-    if (o->tp > 1 || o->pp > 1)
-      return td_err(TD_ERR_UNSUPPORTED, "a TP/PP group with CURVE keys: the group's own sockets have no CURVE yet");
+    if ((o->tp > 1 || o->pp > 1) && o->device == TD_BACKEND_CUDA)
+      TD_WARN("group %s: CURVE covers its mirror, not NCCL: the traffic between its GPUs is neither authenticated "
+              "nor encrypted (keep its ranks on one host or a trusted network; docs/security.md)",
+              o->group ? o->group : "?");
   }
   w->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (w->efd < 0) return td_err(TD_ERR_IO, "eventfd: %s", strerror(errno));
@@ -230,6 +238,7 @@ void td_worker_destroy(td_worker *w) {
   w_jobs_free(w);
   w_stream_free(w);
   if (w->rsock) zmq_close(w->rsock);
+  td_zap_destroy(w->zap); /* after the group's sockets, before the context ends */
   if (w->zctx) zmq_ctx_term(w->zctx);
   td_loop_destroy(w->loop);
   group_info_free(&w->gi);

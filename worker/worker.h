@@ -52,7 +52,11 @@ typedef struct td_worker_opts {
   /* KV pushes to other workers: "auto" (UCX straight between the pools
    * where both sides can, else ZeroMQ), "ucx" (UCX or fail) or "zmq" */
   const char *transfer;
-  const char *listen_host; /* address peers reach this worker's KV endpoint at */
+  /* the address the KV and group endpoints bind (a wildcard or an
+   * interface of a container with advertise), and the one peers are told
+   * (NULL: listen_host); UCX follows the advertised one (docs/deploy.md) */
+  const char *listen_host;
+  const char *advertise;
   /* A tensor- or pipeline-parallel group: one process per rank; rank 0
    * serves, the others replay its model calls (td_worker_follow). */
   const char *group;

@@ -26,11 +26,14 @@ typedef struct qmsg {
 
 struct td_comm_zmq_boot {
   void *ctx, *rx;
+  bool own_ctx;
+  td_comm_zmq_sec sec; /* zeroed: plain */
   char endpoint[256];
 };
 
 typedef struct zcomm {
   void *ctx, *rx;
+  bool own_ctx;
   void *tx[MAX_WORLD];
   qmsg *q[MAX_WORLD]; /* received, not yet consumed, by sender */
   int timeout_ms;
@@ -39,20 +42,25 @@ typedef struct zcomm {
   size_t acc_cap;
 } zcomm;
 
-td_status td_comm_zmq_bind(const char *host, td_comm_zmq_boot **out) {
+td_status td_comm_zmq_bind(const char *host, const td_comm_zmq_sec *sec, td_comm_zmq_boot **out) {
   *out = NULL;
   td_comm_zmq_boot *b = calloc(1, sizeof *b);
   if (!b) return td_err(TD_ERR_NOMEM, "out of memory");
-  b->ctx = zmq_ctx_new();
+  if (sec) b->sec = *sec;
+  b->own_ctx = !b->sec.zmq_ctx;
+  b->ctx = b->own_ctx ? zmq_ctx_new() : b->sec.zmq_ctx;
   b->rx = b->ctx ? zmq_socket(b->ctx, ZMQ_ROUTER) : NULL;
   char ep[300];
   snprintf(ep, sizeof ep, "tcp://%s:*", host ? host : "127.0.0.1");
   int linger = 0;
   if (b->rx) zmq_setsockopt(b->rx, ZMQ_LINGER, &linger, sizeof linger);
-  if (!b->rx || zmq_bind(b->rx, ep) != 0) {
-    td_status s = td_err(TD_ERR_NETWORK, "comm: cannot bind %s: %s", ep, zmq_strerror(zmq_errno()));
+  td_status s = b->rx ? TD_OK : td_err(TD_ERR_NETWORK, "comm: %s", zmq_strerror(zmq_errno()));
+  if (s == TD_OK && b->sec.server) s = b->sec.server(b->sec.arg, b->rx);
+  if (s == TD_OK && zmq_bind(b->rx, ep) != 0)
+    s = td_err(TD_ERR_NETWORK, "comm: cannot bind %s: %s", ep, zmq_strerror(zmq_errno()));
+  if (s != TD_OK) {
     if (b->rx) zmq_close(b->rx);
-    if (b->ctx) zmq_ctx_term(b->ctx);
+    if (b->own_ctx && b->ctx) zmq_ctx_term(b->ctx);
     free(b);
     return s;
   }
@@ -67,7 +75,7 @@ const char *td_comm_zmq_endpoint(const td_comm_zmq_boot *boot) { return boot->en
 void td_comm_zmq_boot_free(td_comm_zmq_boot *b) {
   if (!b) return;
   if (b->rx) zmq_close(b->rx);
-  if (b->ctx) zmq_ctx_term(b->ctx);
+  if (b->own_ctx && b->ctx) zmq_ctx_term(b->ctx);
   free(b);
 }
 
@@ -205,7 +213,7 @@ static void z_destroy(td_comm *c) {
       }
     }
     if (z->rx) zmq_close(z->rx);
-    if (z->ctx) zmq_ctx_term(z->ctx);
+    if (z->own_ctx && z->ctx) zmq_ctx_term(z->ctx);
     free(z->acc);
     free(z);
   }
@@ -231,7 +239,9 @@ td_status td_comm_zmq_connect(td_comm_zmq_boot *boot, int rank, int world, const
   c->impl = z;
   z->ctx = boot->ctx;
   z->rx = boot->rx;
+  z->own_ctx = boot->own_ctx;
   z->timeout_ms = timeout_ms > 0 ? timeout_ms : 60000;
+  td_comm_zmq_sec sec = boot->sec;
   free(boot);
   char id[32];
   snprintf(id, sizeof id, "rank-%d", rank);
@@ -245,6 +255,11 @@ td_status td_comm_zmq_connect(td_comm_zmq_boot *boot, int rank, int world, const
     }
     zmq_setsockopt(z->tx[r], ZMQ_LINGER, &linger, sizeof linger);
     zmq_setsockopt(z->tx[r], ZMQ_ROUTING_ID, id, strlen(id));
+    td_status cs = sec.client ? sec.client(sec.arg, z->tx[r], r) : TD_OK;
+    if (cs != TD_OK) {
+      z_destroy(c);
+      return cs;
+    }
     if (zmq_connect(z->tx[r], endpoints[r]) != 0) {
       td_status s = td_err(TD_ERR_NETWORK, "comm: cannot connect to rank %d at %s", r, endpoints[r]);
       z_destroy(c);

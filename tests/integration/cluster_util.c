@@ -107,6 +107,14 @@ int cluster_add_group(cluster *c, const char *name, const char *par, int world, 
                       "--block-size", bs, "--threads", "1", "--max-batch", "16", "--max-tokens", "256", "--group",
                       (char *)name, (char *)par, ws, "--rank", rk};
     int a = 23;
+    char sec[600], rkey[600], wl[600];
+    if (c->keys[0]) { /* each rank its own key, as a worker */
+      snprintf(sec, sizeof sec, "%s/%s.key", c->keys, id);
+      snprintf(rkey, sizeof rkey, "%s/router.pub", c->keys);
+      snprintf(wl, sizeof wl, "%s/workers.list", c->keys);
+      char *k[] = {"--curve-secret", sec, "--router-key", rkey, "--worker-keys", wl};
+      for (int i = 0; i < 6; i++) argv[a++] = k[i];
+    }
     bool other = !strcmp(name, c->extra_worker) || !strcmp(id, c->extra_worker); /* the group, or this rank */
     add_flags(extra, sizeof extra, other ? c->extra_flags : c->worker_extra, argv, &a, 39);
     argv[a] = NULL;
@@ -131,7 +139,10 @@ void cluster_start(cluster *c, const cluster_opts *o) {
   char bin[600], pt[16];
   snprintf(bin, sizeof bin, "%s/tandem-router", TD_BIN_DIR);
   snprintf(pt, sizeof pt, "%d", o->prefill_threshold ? o->prefill_threshold : 16);
-  char *argv[32] = {bin, "--client-endpoint", c->client_ep, "--worker-endpoint", c->worker_ep, "--prefill-threshold",
+  char cbind[300], wbind[300];
+  snprintf(cbind, sizeof cbind, "tcp://%s:%d", o->router_bind ? o->router_bind : "127.0.0.1", port);
+  snprintf(wbind, sizeof wbind, "tcp://%s:%d", o->router_bind ? o->router_bind : "127.0.0.1", port + 1);
+  char *argv[32] = {bin, "--client-endpoint", cbind, "--worker-endpoint", wbind, "--prefill-threshold",
                     pt, "--heartbeat-ms", "200", "--dead-after", "5"};
   int a = 11;
   char extra[256], sec[600], wl[600], cl[600], al[600];

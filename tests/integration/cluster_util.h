@@ -41,6 +41,7 @@ typedef struct cluster_opts {
   int prefill_threshold; /* 0: router default */
   int block_size;
   const char *router_extra; /* extra router flags, space separated */
+  const char *router_bind;  /* the address the router's endpoints bind (NULL: 127.0.0.1, which clients dial) */
   const char *worker_extra; /* extra flags of every worker, space separated */
   const char *extra_worker; /* a worker (e.g. "prefill-0") that gets extra_flags instead */
   const char *extra_flags;

@@ -5,7 +5,8 @@
  * key are refused and logged by the router, a listed worker key cannot
  * take another worker's id while it is away, KV pushes from an unknown key
  * or into no reservation are refused, and the cluster serves on;
- * tandem-admin needs a key on the admin list. */
+ * tandem-admin needs a key on the admin list. A TP group with keys serves,
+ * and its own sockets admit its ranks only. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -222,6 +223,15 @@ Test(auth, curve_cluster_serves_listed_keys_and_refuses_others, .timeout = 300) 
   cr_expect(wait_log(&c, "decode-0", line, 5000), "decode-0 did not log the stranger's key");
   cr_expect_eq(fake_push(kep, kkey, "thief"), 0, "a push into no reservation was accepted");
   cr_expect(wait_log(&c, "decode-0", "refused a KV push for request 987654321", 5000));
+  /* counted, and the count reaches the router's health with the next heartbeats */
+  bool counted = false;
+  for (int64_t end = td_now_ms() + 5000; !counted && td_now_ms() < end; usleep(100000)) {
+    td_client_health hh;
+    if (!cluster_health(&c, &hh)) continue;
+    for (int i = 0; i < hh.n_workers; i++)
+      if (!strcmp(hh.workers[i].id, "decode-0") && hh.workers[i].kv_refused >= 1) counted = true;
+  }
+  cr_expect(counted, "decode-0's refused push is not counted in the health answer");
 
   /* admin requests: a client key is refused, the operator's key admitted */
   char cmd2[1200];
@@ -237,6 +247,139 @@ Test(auth, curve_cluster_serves_listed_keys_and_refuses_others, .timeout = 300) 
   cr_expect(WIFEXITED(rc) && WEXITSTATUS(rc) == 0, "tandem-admin with the admin key: status %d", rc);
 
   /* the cluster still serves the listed client */
+  expect_fixture_greedy(&c, &fx);
+  cr_expect(cluster_stop(&c), "unclean stop (logs in %s)", c.dir);
+  td_auth_destroy(ca);
+  fx_free(&fx);
+}
+
+/* The address of a group's endpoint from its leader's start line
+ * "group NAME: communicator tcp://H:P, mirror tcp://H:P". */
+static void group_endpoint(cluster *c, const char *leader, const char *which, char ep[128]) {
+  char path[600], line[4096], want[32];
+  snprintf(path, sizeof path, "%s/%s.log", c->dir, leader);
+  snprintf(want, sizeof want, "%s tcp://", which);
+  FILE *f = fopen(path, "r");
+  cr_assert(f);
+  bool found = false;
+  while (!found && fgets(line, sizeof line, f)) {
+    char *p = strstr(line, want);
+    if (p) found = sscanf(p + strlen(which) + 1, "%127[^,; ]", ep) == 1;
+  }
+  fclose(f);
+  cr_assert(found, "no %s endpoint in %s's log", which, leader);
+}
+
+/* Whether a CURVE handshake with `as`'s keys to a group's socket (the
+ * leader's key the server's) goes through: the socket's own monitor says so
+ * (ZMQ_EVENT_HANDSHAKE_SUCCEEDED). */
+static bool group_handshake(const char *ep, const char *server_pub, const char *as) {
+  td_auth *a = client_auth(as);
+  void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+  int linger = 0;
+  zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert(zmq_socket_monitor(d, "inproc://hs", ZMQ_EVENT_HANDSHAKE_SUCCEEDED) == 0);
+  void *mon = zmq_socket(ctx, ZMQ_PAIR);
+  cr_assert(zmq_connect(mon, "inproc://hs") == 0);
+  cr_assert(td_auth_client(a, d, server_pub) == TD_OK, "%s", td_errmsg());
+  cr_assert(zmq_connect(d, ep) == 0); /* nothing sent: a running group's sockets take no stray message */
+  zmq_pollitem_t it = {.socket = mon, .events = ZMQ_POLLIN};
+  bool ok = zmq_poll(&it, 1, 2000) > 0;
+  zmq_close(mon);
+  zmq_close(d);
+  zmq_ctx_term(ctx);
+  td_auth_destroy(a);
+  return ok;
+}
+
+/* A GroupJoin for `group`'s rank `rank` over the router's worker endpoint
+ * with `as`'s keys; the GroupInfo's error ("" when accepted), or NULL when
+ * no answer came. */
+static char *join_as(cluster *c, const char *group, unsigned rank, unsigned world, const char *as) {
+  td_auth *a = client_auth(as);
+  void *ctx = zmq_ctx_new(), *d = zmq_socket(ctx, ZMQ_DEALER);
+  td_wire_setup_socket(d);
+  cr_assert(td_auth_client(a, d, NULL) == TD_OK, "%s", td_errmsg());
+  cr_assert(zmq_connect(d, c->worker_ep) == 0);
+  Tandem__Cluster__GroupJoin j = TANDEM__CLUSTER__GROUP_JOIN__INIT;
+  j.group = (char *)group;
+  j.rank = rank;
+  j.world = world;
+  j.endpoint = "tcp://127.0.0.1:9";
+  j.cross_mode = "auto";
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN;
+  m.group_join = &j;
+  cr_assert(td_wire_send(d, NULL, 0, &m.base) == TD_OK);
+  char *err = NULL;
+  zmq_pollitem_t it = {.socket = d, .events = ZMQ_POLLIN};
+  for (int64_t end = td_now_ms() + 3000; !err && td_now_ms() < end;) {
+    if (zmq_poll(&it, 1, 200) <= 0) continue;
+    td_wire_frame f;
+    if (td_wire_recv(d, false, false, &f) != TD_OK) continue;
+    Tandem__Cluster__RouterMessage *rm = NULL;
+    uint32_t ver;
+    if (td_wire_unpack_router(&f, &rm, &ver) == TD_OK && rm->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO)
+      err = strdup(rm->group_info->ok ? "" : rm->group_info->error);
+    if (rm) tandem__cluster__router_message__free_unpacked(rm, NULL);
+    td_wire_frame_free(&f);
+  }
+  zmq_close(d);
+  zmq_ctx_term(ctx);
+  td_auth_destroy(a);
+  return err;
+}
+
+/* A tensor-parallel decode group on the CPU with keys: its ranks find each
+ * other through the router, which names their keys; the group's mirror and
+ * communicator take CURVE handshakes from its ranks only (a stranger's key
+ * and another listed worker's are refused and logged by the leader); a
+ * listed key cannot take a rank at the router; the group serves with
+ * transformers' tokens throughout. */
+Test(auth, curve_tp_group_admits_its_ranks_only, .timeout = 300) {
+  snprintf(keys, sizeof keys, "/tmp/td-keys-XXXXXX");
+  cr_assert(mkdtemp(keys));
+  const char *names[] = {"router", "encoder-0", "decode-0", "decode-0-rank1", "client", "operator", "thief", "stranger"};
+  for (int i = 0; i < 8; i++) keygen(names[i]);
+  const char *workers[] = {"encoder-0", "decode-0", "decode-0-rank1", "thief"}, *clients[] = {"client", "operator"},
+             *admins[] = {"operator"};
+  write_list("workers.list", workers, 4);
+  write_list("clients.list", clients, 2);
+  write_list("admins.list", admins, 1);
+  td_auth *ca = client_auth("client");
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .encoders = 1, .decodes = 1, .group_tp = 2, .keys = keys, .auth = ca};
+  cluster_start(&c, &o);
+  cr_expect(cluster_log_has(&c, "decode-0", "(CURVE: the group's ranks only)"), "the group's sockets are plain");
+  expect_fixture_greedy(&c, &fx);
+
+  char leader[TD_AUTH_KEY_Z85], mirror[128], comm[128], line[200];
+  pub_of("decode-0", leader);
+  group_endpoint(&c, "decode-0", "mirror", mirror);
+  group_endpoint(&c, "decode-0", "communicator", comm);
+  /* its follower's key passes (the leader admits its ranks) */
+  cr_expect(group_handshake(comm, leader, "decode-0-rank1"), "the group's own rank key was refused");
+  /* a stranger and a listed worker that is not one of its ranks do not */
+  cr_expect(!group_handshake(mirror, leader, "stranger"), "a stranger's key passed the mirror's handshake");
+  cr_expect(!group_handshake(comm, leader, "thief"), "another worker's key passed the communicator's handshake");
+  char sk[TD_AUTH_KEY_Z85], tk[TD_AUTH_KEY_Z85];
+  pub_of("stranger", sk);
+  pub_of("thief", tk);
+  snprintf(line, sizeof line, "refused key %s on tandem-group", sk);
+  cr_expect(wait_log(&c, "decode-0", line, 5000), "the leader did not log the stranger's key");
+  snprintf(line, sizeof line, "refused key %s on tandem-group", tk);
+  cr_expect(wait_log(&c, "decode-0", line, 5000), "the leader did not log the other worker's key");
+  cr_expect(cluster_log_has(&c, "decode-0", "not a rank of this group"));
+  /* at the router: a listed key cannot take the group's rank 1 */
+  char *err = join_as(&c, "decode-0", 1, 2, "thief");
+  cr_assert_not_null(err, "no answer to the thief's join");
+  cr_expect(strstr(err, "group decode-0 rank 1 belongs to another key"), "the thief's join: '%s'", err);
+  free(err);
+  cr_expect(wait_log(&c, "router", "refused rank 1 of worker group decode-0", 5000));
+
   expect_fixture_greedy(&c, &fx);
   cr_expect(cluster_stop(&c), "unclean stop (logs in %s)", c.dir);
   td_auth_destroy(ca);

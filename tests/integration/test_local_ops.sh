@@ -3,7 +3,10 @@
 # restarted by its supervisor and registers again under its id (the router
 # waits out the old connection) while requests are still served; `add decode`
 # brings a worker in, `remove ID` drains one out; stopping local.sh leaves no
-# process and no pid file.
+# process and no pid file. With --auth every process runs with keys made in
+# the run directory (the gateway too): listed clients and the gateway are
+# served, a client without keys is refused, `add` takes a spare key, and no
+# secret is on a command line.
 #   tests/integration/test_local_ops.sh BIN_DIR WORK_DIR
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -96,10 +99,61 @@ for p in $pids; do
 done
 check "stop: no process left" test "$left" -eq 0
 check "stop: the added workers drained" grep -q "decode-2: stopped: exit status 0" "$run/decode-2.log"
+# ---- a keyed cluster (--auth): keys made in the run directory, every process started with them
+# (the gateway too); listed clients are served, a client without keys is refused
+arun="$work/keyed"
+"$root/deploy/local.sh" --auth --spare-keys 1 --run-dir "$arun" --no-metrics --gateway-port 0 >"$work/auth.out" \
+  2>"$work/auth.err" &
+main=$!
+wait_for 600 grep -q '^gateway ' "$work/auth.out" 2>/dev/null
+router=$(awk '/^router /{print $2}' "$work/auth.out")
+keys=$(awk '/^keys /{print $2}' "$work/auth.out")
+gw=$(awk '/^gateway /{print $2}' "$work/auth.out")
+check "--auth: the cluster serves and names its keys" test -n "$router" -a "$keys" = "$arun/keys" -a -n "$gw"
+ck=(--curve-secret "$keys/client.key" --router-key "$keys/router.pub")
+check "--auth: the key folder is the owner's alone" test "$(stat -c %a "$keys")" = 700
+check "--auth: secret keys mode 0600" bash -c "! stat -c %a '$keys'/*.key | grep -vx 600"
+requests "$work/areq.jsonl" 8
+"$bin/tandem-client" --router "$router" "${ck[@]}" --requests "$work/areq.jsonl" --timeout-ms 60000 >"$work/auth1.out" 2>&1
+check "--auth: a listed client is served" all_right "$work/auth1.out" 8
+"$bin/tandem-client" --router "$router" --text "forty two" --connect-timeout-ms 1500 >"$work/nokey.out" 2>&1
+rc=$?
+check "--auth: a client without keys is refused" test "$rc" -eq 2
+check "--auth: ... and told no router answers" grep -q "no router answers" "$work/nokey.out"
+check "--auth: the router logs it" wait_for 50 grep -q "on the client endpoint" "$arun/router.log"
+ans=$(curl -s "$gw/v1/completions" -H 'Content-Type: application/json' \
+        -d '{"model": "toy-numbers-t5", "prompt": "three hundred five", "max_tokens": 8}' | jq -r '.choices[0].text')
+check "--auth: the gateway reaches the router with its key" test "$ans" = "305"
+"$bin/tandem-admin" --router "$router" --curve-secret "$keys/operator.key" --router-key "$keys/router.pub" list \
+  >"$work/admin.out" 2>&1
+check "--auth: the operator's key lists the workers" grep -q "decode-0" "$work/admin.out"
+"$bin/tandem-admin" --router "$router" "${ck[@]}" list >/dev/null 2>&1
+check "--auth: a plain client key is no admin" test $? -eq 1
+"$root/deploy/local.sh" add decode --run-dir "$arun" >"$work/aadd.out" 2>&1
+check "--auth: add takes a spare key" grep -qx "added decode-1" "$work/aadd.out"
+check "--auth: ... named after the worker" test -f "$keys/decode-1.key" -a ! -e "$keys/spare-0.key"
+"$root/deploy/local.sh" add decode --run-dir "$arun" >/dev/null 2>"$work/aadd2.err"
+check "--auth: no spare key left is said" grep -q "no spare worker key left" "$work/aadd2.err"
+check "--auth: no secret key on a command line" bash -c "
+  for f in '$keys'/*.key; do grep -qsF -f \"\$f\" /proc/[0-9]*/cmdline && exit 1; done; exit 0"
+check "--auth: KV over ZeroMQ (UCX has no CURVE)" bash -c "\"$bin/tandem-client\" --router $router ${ck[*]} --health |
+  jq -e '[.workers[] | select(.id == \"decode-0\") | .kv_in_zmq] | add > 0' >/dev/null"
+kill -TERM "$main"
+wait "$main"
+main=""
+"$root/deploy/local.sh" --auth --kv-transport ucx --run-dir "$work/nope" >/dev/null 2>"$work/auth-ucx.err"
+check "--auth: --kv-transport ucx is refused" grep -q "UCX has no CURVE" "$work/auth-ucx.err"
+# a tensor-parallel decode group with keys: its ranks' own sockets are CURVE too (its ranks only)
+"$root/deploy/local.sh" --auth --decode-tp 2 --encoders 0 --prefills 0 --demo --no-gateway --no-metrics \
+  --run-dir "$work/keyed-tp" >"$work/auth-tp.out" 2>"$work/auth-tp.err"
+check "--auth --decode-tp 2: the demo's answers" grep -qF "forty two  ->  42" "$work/auth-tp.out"
+check "--auth --decode-tp 2: the group's sockets admit its ranks only" \
+  grep -q "(CURVE: the group's ranks only)" "$work/keyed-tp/decode-0.log"
+
 # ---- what a worker and cluster.sh refuse before anything starts
 "$bin/tandem-worker" --router tcp://127.0.0.1:9 --model "$root/tests/data/toy-numbers-t5" --role decode --id w \
   --host 0.0.0.0 >"$work/wild.out" 2>&1
-check "worker: a wildcard --host is refused" grep -q "not a wildcard" "$work/wild.out"
+check "worker: a wildcard --host without --advertise is refused" grep -q "give --advertise" "$work/wild.out"
 refused() { # what the message must hold, then the cluster file's JSON
   echo "$2" >"$work/bad.json"
   ! "$root/deploy/cluster.sh" up "$work/bad.json" >/dev/null 2>"$work/bad.err" && grep -q "$1" "$work/bad.err"
@@ -109,11 +163,17 @@ good='{"name": "t", "tandem": "/opt/t", "model": "/m", "router": {"address": "10
 check "cluster file: not JSON" refused "not a JSON object" "{"
 check "cluster file: a router on loopback" refused "must reach it" "$(jq -c '.router.address = "127.0.0.1"' <<<"$good")"
 check "cluster file: a wildcard worker address" refused "wildcard" "$(jq -c '.hosts[0].address = "0.0.0.0"' <<<"$good")"
+check "cluster file: a wildcard advertised" refused "advertise 0.0.0.0: a wildcard" \
+  "$(jq -c '.hosts[0].address = "0.0.0.0" | .hosts[0].advertise = "0.0.0.0"' <<<"$good")"
+check "cluster file: a loopback address advertised" refused "loopback" "$(jq -c '.hosts[0].advertise = "127.0.0.1"' <<<"$good")"
 check "cluster file: a loopback worker address" refused "loopback" "$(jq -c '.hosts[0].address = "127.0.0.1"' <<<"$good")"
 check "cluster file: no decode worker" refused "no decode worker" "$(jq -c '.hosts[0].pools[0].role = "encode"' <<<"$good")"
 check "cluster file: a bad role" refused "role: encode" "$(jq -c '.hosts[0].pools[0].role = "x"' <<<"$good")"
 check "cluster file: a TP group of encoders" refused "only decode" "$(jq -c '.hosts[0].pools += [{"role": "encode", "tp": 2}]' <<<"$good")"
 check "cluster file: cuda without GPUs" refused "gpus" "$(jq -c '.hosts[0].pools[0].device = "cuda"' <<<"$good")"
 check "cluster file: ids twice" refused "ids twice" "$(jq -c '.hosts += [.hosts[0]]' <<<"$good")"
+check "cluster file: keys not by an absolute path" refused "keys.dir" "$(jq -c '.keys = {dir: "keys"}' <<<"$good")"
+check "cluster file: keys and a UCX pool" refused "UCX has no CURVE" \
+  "$(jq -c '.keys = {dir: "/k"} | .hosts[0].pools[0].kv_transport = "ucx"' <<<"$good")"
 echo "$failed failed"
 ((failed == 0))

@@ -7,8 +7,13 @@
 # decode workers on a third. Requests give tandem-generate's tokens; the
 # router's health shows KV blocks that left the encoder's host and reached
 # the decode worker's, over UCX (TCP: the hosts' names differ, so no shared
-# memory) or ZeroMQ. A SIGKILLed decode worker is restarted by its supervisor
-# and requests are served again; `cluster.sh down` leaves no process.
+# memory) or ZeroMQ. The router and host b bind every interface and
+# advertise their addresses ("router.bind", "advertise"): ZeroMQ endpoints
+# on the wildcard, UCX on the advertised address's interface, KV still
+# crossing. A SIGKILLed decode worker is restarted by its supervisor
+# and requests are served again; `cluster.sh down` leaves no process. Then
+# the same hosts with CURVE keys that `cluster.sh keys` made, referenced by
+# path in the cluster file: served with the client's key, refused without.
 # Skipped (status 77) only where namespaces cannot be made (not root).
 #   tests/integration/test_multihost.sh BIN_DIR WORK_DIR
 set -uo pipefail
@@ -32,7 +37,9 @@ hosts=(r a b)
 declare -A addr=([r]=10.213.0.1 [a]=10.213.0.2 [b]=10.213.0.3)
 sshd_pids=()
 cleanup() {
-  [[ -f $work/cluster.json ]] && ip netns exec "$tag-r" "$root/deploy/cluster.sh" down "$work/cluster.json" >/dev/null 2>&1
+  for f in "$work/cluster.json" "$work/keyed.json"; do
+    [[ -f $f ]] && ip netns exec "$tag-r" "$root/deploy/cluster.sh" down "$f" >/dev/null 2>&1
+  done
   for p in "${sshd_pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
   for n in "${nets[@]}"; do ip netns del "$n" 2>/dev/null; done
 }
@@ -91,11 +98,13 @@ jq -n --arg tandem "$root" --arg bin "$bin" --arg model "$model" --arg run "$wor
   name: "nstest", tandem: $tandem, bin: $bin, model: $model, run_dir: $run, ssh_options: $ssh,
   stop_timeout_s: 20,
   env: {UCX_LOG_LEVEL: "error", UCX_WARN_UNUSED_ENV_VARS: "n"},
-  router: {ssh: ("root@" + $r), address: $r, client_port: 7000, worker_port: 7001, metrics_port: 7002},
+  router: {ssh: ("root@" + $r), address: $r, bind: "0.0.0.0", client_port: 7000, worker_port: 7001, metrics_port: 7002},
   hosts: [
     {name: "a", ssh: ("root@" + $a), address: $a, pools: [{role: "encode", count: 1}]},
-    {name: "b", ssh: ("root@" + $b), address: $b, pools: [{role: "prefill", count: 1}, {role: "decode", count: 1}]}
+    {name: "b", ssh: ("root@" + $b), address: "0.0.0.0", advertise: $b,
+     pools: [{role: "prefill", count: 1}, {role: "decode", count: 1}]}
   ]}' >"$work/cluster.json"
+cp "$work/cluster.json" "$work/cluster.json.bak"
 cr() { ip netns exec "$tag-r" "$root/deploy/cluster.sh" "$@"; }
 t0=$SECONDS
 cr up "$work/cluster.json" >"$work/up.out" 2>"$work/up.err"
@@ -104,9 +113,19 @@ echo "up in $((SECONDS - t0)) s"
 check "processes on their hosts" test -f "$work/run/a/a-encode-0.pid" -a -f "$work/run/b/b-decode-0.pid" \
   -a -f "$work/run/router/router.pid"
 check "the encoder binds its host's address" grep -q "${addr[a]}" <(ip netns exec "$tag-a" ss -ltnp)
-check "no worker listens on loopback or every interface" \
-  bash -c "ip netns exec $tag-b ss -Hltnp | grep -q tandem-worker &&
-           ! ip netns exec $tag-b ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -E '^(127\.|0\.0\.0\.0|\*|\[::)'"
+check "the encoder listens on no loopback or wildcard address" \
+  bash -c "ip netns exec $tag-a ss -Hltnp | grep -q tandem-worker &&
+           ! ip netns exec $tag-a ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -E '^(127\.|0\.0\.0\.0|\*|\[::)'"
+# host b: ZeroMQ on every interface, advertised at its address; UCX on that address's interface only
+check "b's decode worker advertises its host's address" grep -q "KV endpoint zmq:tcp://${addr[b]}:" "$work/run/b/b-decode-0.log"
+check "b's workers bind every interface" \
+  bash -c "ip netns exec $tag-b ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -qE '^(0\.0\.0\.0|\*):'"
+check "b's UCX listens on the advertised address" \
+  bash -c "ip netns exec $tag-b ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -q '^${addr[b]}:'"
+check "b's workers listen on no loopback address" \
+  bash -c "! ip netns exec $tag-b ss -Hltnp | grep tandem-worker | awk '{ print \$4 }' | grep -qE '^(127\.|\[::1\])'"
+check "the router binds every interface, says its address" \
+  grep -q "router serving clients on tcp://${addr[r]}:7000, workers on tcp://${addr[r]}:7001" "$work/run/router/router.log"
 
 # ---- requests from the router's host: tandem-generate's tokens
 cat >"$work/req.jsonl" <<'EOF'
@@ -158,5 +177,32 @@ done
 check "down: no process left" test "$left" -eq 0
 check "down: the workers drained" grep -q "b-decode-0: stopped: exit status 0" "$work/run/b/b-decode-0.log"
 rm -f "$work/cluster.json" # nothing left for the clean-up to stop
+
+# ---- the same hosts with CURVE keys: made by `cluster.sh keys`, read by path where they run
+jq --arg k "$work/keys" --arg run "$work/run-keyed" '.keys = {dir: $k} | .run_dir = $run' "$work/cluster.json.bak" \
+  >"$work/keyed.json"
+cr up "$work/keyed.json" >/dev/null 2>"$work/nokeys.err"
+check "keys: up refuses a host without its key files" grep -q "lacks $work/keys/router.key" "$work/nokeys.err"
+cr keys "$work/keyed.json" "$work/keys" >"$work/keys.out" 2>&1
+check "keys: made, and each host's files named" grep -q "^b (root@${addr[b]}): b-prefill-0.key b-decode-0.key router.pub workers.list" "$work/keys.out"
+cr up "$work/keyed.json" >"$work/kup.out" 2>"$work/kup.err"
+check "keys: cluster.sh up" grep -qx "router tcp://${addr[r]}:7000" "$work/kup.out" || cat "$work/kup.err"
+check "keys: the router runs with them" grep -q "CURVE on the client and worker endpoints" "$work/run-keyed/router/router.log"
+kc=(--curve-secret "$work/keys/operator.key" --router-key "$work/keys/router.pub")
+ip netns exec "$tag-r" "$bin/tandem-client" --router "tcp://${addr[r]}:7000" "${kc[@]}" --requests "$work/req.jsonl" \
+  --timeout-ms 60000 >"$work/keyed.out" 2>&1
+check "keys: the tokens of tandem-generate" test "$(tokens "$work/keyed.out")" = "$(tokens "$work/want.out")"
+ip netns exec "$tag-r" "$bin/tandem-client" --router "tcp://${addr[r]}:7000" --requests "$work/req.jsonl" \
+  --connect-timeout-ms 1500 >"$work/nokey.out" 2>&1
+check "keys: a client without keys is refused" test $? -eq 2
+ip netns exec "$tag-r" "$bin/tandem-client" --router "tcp://${addr[r]}:7000" "${kc[@]}" --health >"$work/health.json"
+check "keys: KV crossed over ZeroMQ (CURVE)" test "$(kv b-decode-0 '.kv_in_zmq')" -gt 0
+check "keys: no secret key on a command line" bash -c "
+  for f in '$work/keys'/*.key; do grep -qsF -f \"\$f\" /proc/[0-9]*/cmdline && exit 1; done; exit 0"
+cr status "$work/keyed.json" >"$work/kstatus.out" 2>&1
+check "keys: status asks the health with its key" grep -q '^health {"serving": true' "$work/kstatus.out"
+cr down "$work/keyed.json" >/dev/null 2>&1
+check "keys: cluster.sh down" test $? -eq 0
+rm -f "$work/keyed.json"
 echo "$failed failed"
 ((failed == 0))

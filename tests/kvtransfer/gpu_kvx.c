@@ -370,7 +370,7 @@ static bool move_ex(tx *t, child *c, td_kvx_peer *p, uint32_t sp, uint32_t dp, t
     src[i] = contiguous ? i : (i * 5 + 2) % nb;
     dst[i] = contiguous ? nb - n + i : (i * 37 + 11) % nb; /* 5 and 37 are coprime with 512 and 64 */
   }
-  td_kvx_xfer x = {(uint64_t)(1000 + sp * 10 + dp), 0, sp, dp, src, dst, n, 15000, tr, NULL};
+  td_kvx_xfer x = {(uint64_t)(1000 + sp * 10 + dp), 0, sp, dp, src, dst, n, 15000, tr, NULL, {0}};
   done d = {0};
   int64_t t0 = td_now_ns();
   CHECK(td_kvx_post(p, &x, done_cb, &d, NULL) == TD_OK, "post: %s", td_errmsg());
@@ -437,7 +437,7 @@ static bool stalled(tx *t, child *c, td_kvx_peer *p, td_kvx_transport tr, int ti
   static int32_t ids[NB];
   for (int i = 0; i < NB; i++) ids[i] = i;
   wr(c->out, "X", 1);
-  td_kvx_xfer x = {77, 0, GPU, GPU, ids, ids, NB, timeout_ms, tr, NULL};
+  td_kvx_xfer x = {77, 0, GPU, GPU, ids, ids, NB, timeout_ms, tr, NULL, {0}};
   done d = {0};
   CHECK(td_kvx_post(p, &x, done_cb, &d, NULL) == TD_OK, "post: %s", td_errmsg());
   char g;
@@ -548,7 +548,7 @@ static void run_nccl(void) {
 static bool ipc_killed(tx *t, child *c, td_kvx_peer *p) {
   static int32_t ids[NB_BIG];
   for (int i = 0; i < NB_BIG; i++) ids[i] = (i * 5) % NB_BIG;
-  td_kvx_xfer x = {78, 0, BIG, BIG, ids, ids, NB_BIG, 60000, TD_KVX_IPC, NULL};
+  td_kvx_xfer x = {78, 0, BIG, BIG, ids, ids, NB_BIG, 60000, TD_KVX_IPC, NULL, {0}};
   done d = {0};
   CHECK(td_kvx_post(p, &x, done_cb, &d, NULL) == TD_OK, "post: %s", td_errmsg());
   int64_t end = td_now_ms() + 30000;

@@ -19,6 +19,7 @@
  * with a reference for the grant's lifetime, unpins on the recv event. */
 typedef struct kt_rx {
   td_kv_pool *pool; /* NULL: grant everything */
+  const uint8_t *want_token; /* non-NULL: grant only transfers whose REQ carries it */
   int grants, events, peer_events;
   td_status last_status;
   uint64_t last_bytes, last_request;
@@ -27,6 +28,8 @@ typedef struct kt_rx {
 
 static inline td_status kt_authorize(void *ctx, const td_kvx_grant_req *r) {
   kt_rx *rx = ctx;
+  if (rx->want_token && (!r->token || memcmp(r->token, rx->want_token, TD_KV_TOKEN_BYTES)))
+    return td_err(TD_ERR_INVALID, "not the reservation's sender token");
   if (rx->pool) {
     if (!td_kv_reservation_valid(rx->pool, r->reservation_id, r->blocks, r->n_blocks, td_now_ms()))
       return td_err(TD_ERR_INVALID, "reservation %" PRIu64 " expired or unknown", r->reservation_id);

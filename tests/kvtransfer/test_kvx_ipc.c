@@ -112,7 +112,7 @@ static uint8_t *expected(const side *s, const td_kvx_geom *sg, const side *r, co
 static void move(side *s, const td_kvx_geom *sg, side *r, const td_kvx_geom *rg, td_kvx_peer *p,
                  td_kvx_transport tr, const int32_t *src, const int32_t *dst, int n) {
   uint8_t *want = expected(s, sg, r, rg, src, dst, n);
-  td_kvx_xfer x = {77, 0, GPU, GPU, src, dst, n, 20000, tr, NULL};
+  td_kvx_xfer x = {77, 0, GPU, GPU, src, dst, n, 20000, tr, NULL, {0}};
   kt_move(s->k, r->k, &r->rx, p, &x, "move");
   for (size_t b = 0; b < (size_t)r->nb; b++)
     cr_assert_eq(memcmp(r->mem + b * r->bb, want + b * r->bb, r->bb), 0, "receiver block %zu differs", b);
@@ -188,7 +188,7 @@ Test(kvx_ipc, many_chunks_polled, .timeout = 120) {
     dst[i] = (i * 11) % 7001; /* every piece apart: 6000 copies, 6 chunks */
   }
   uint8_t *want = expected(&s, &g, &r, &g, src, dst, 6000);
-  td_kvx_xfer x = {1, 0, GPU, GPU, src, dst, 6000, 20000, TD_KVX_IPC, NULL};
+  td_kvx_xfer x = {1, 0, GPU, GPU, src, dst, 6000, 20000, TD_KVX_IPC, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   int most = 0;
@@ -231,7 +231,7 @@ static void stop_mid_copy(stop_how how) {
     src[i] = i;
     dst[i] = (i * 7) % 600;
   }
-  td_kvx_xfer x = {2, 0, GPU, GPU, src, dst, 500, cancel ? 20000 : 300, TD_KVX_IPC, NULL};
+  td_kvx_xfer x = {2, 0, GPU, GPU, src, dst, 500, cancel ? 20000 : 300, TD_KVX_IPC, NULL, {0}};
   kt_done d = {0};
   uint64_t id;
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, &id), TD_OK, "%s", td_errmsg());
@@ -280,7 +280,7 @@ Test(kvx_ipc, failed_event_record, .timeout = 120) {
     dst[i] = (i * 7) % 600;
   }
   kvx_fake_fail_record(KVX_S_IPC);
-  td_kvx_xfer x = {3, 0, GPU, GPU, src, dst, 500, 20000, TD_KVX_IPC, NULL};
+  td_kvx_xfer x = {3, 0, GPU, GPU, src, dst, 500, 20000, TD_KVX_IPC, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   td_kvx *ks[2] = {s.k, r.k};
@@ -331,7 +331,7 @@ Test(kvx_ipc, receiver_refuses_ipc_into_a_pool_it_did_not_export, .timeout = 120
   uint8_t *before = malloc(r.bb * 16);
   memcpy(before, r.mem, r.bb * 16);
   int32_t ids[4] = {0, 5, 9, 12};
-  td_kvx_xfer x = {8, 0, GPU, GPU2, ids, ids, 4, 20000, TD_KVX_IPC, NULL};
+  td_kvx_xfer x = {8, 0, GPU, GPU2, ids, ids, 4, 20000, TD_KVX_IPC, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   td_kvx *ks[2] = {s.k, r.k};
@@ -367,7 +367,7 @@ Test(kvx_ipc, copies_wait_for_the_ready_event, .timeout = 120) {
   cr_assert_eq(kvx_gpu_copy_d2d(app, KVX_S_GATHER, dsts, srcs, sizes, 1), TD_OK);
   cr_assert_eq(kvx_gpu_record(app, KVX_S_GATHER, &ready), TD_OK);
   int32_t src[8] = {0, 1, 2, 3, 4, 5, 6, 7}, dst[8] = {15, 3, 9, 1, 12, 6, 0, 10};
-  td_kvx_xfer x = {3, 0, GPU, GPU, src, dst, 8, 20000, TD_KVX_AUTO, ready};
+  td_kvx_xfer x = {3, 0, GPU, GPU, src, dst, 8, 20000, TD_KVX_AUTO, ready, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   td_kvx *ks[2] = {s.k, r.k};
@@ -410,7 +410,7 @@ Test(kvx_ipc, choice_between_two_gpus, .timeout = 120) {
   cr_assert_eq(st.nccl_xfers, 1);
   cr_assert_eq(st.xfers_ok, 3);
   /* A transport that does not exist is refused. */
-  td_kvx_xfer bad = {9, 0, GPU, GPU, src, dst, 1, 1000, (td_kvx_transport)7, NULL};
+  td_kvx_xfer bad = {9, 0, GPU, GPU, src, dst, 1, 1000, (td_kvx_transport)7, NULL, {0}};
   cr_assert_eq(td_kvx_post(p, &bad, kt_done_cb, NULL, NULL), TD_ERR_INVALID);
   td_kvx_disconnect(p);
   side_close(&s);
@@ -444,7 +444,7 @@ static void run_fallback(fallback f) {
   free(forged);
   int32_t src[30], dst[30];
   blocks(src, dst, 30, 48, 48);
-  td_kvx_xfer x = {5, 0, GPU, GPU, src, dst, 30, 20000, TD_KVX_IPC, NULL};
+  td_kvx_xfer x = {5, 0, GPU, GPU, src, dst, 30, 20000, TD_KVX_IPC, NULL, {0}};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, NULL, NULL), TD_ERR_UNSUPPORTED);
   cr_log_info("IPC refused: %s", td_errmsg());
   if (f == POOL_OUTSIDE) cr_assert(strstr(td_errmsg(), "outside"), "%s", td_errmsg());
@@ -581,7 +581,7 @@ Test(kvx_ipc, two_processes, .timeout = 120) {
     src[i] = (i * 7) % PNB;
     dst[i] = (i * 11 + 1) % PNB;
   }
-  td_kvx_xfer x = {6, 0, GPU, GPU, src, dst, PN, 30000, TD_KVX_AUTO, NULL};
+  td_kvx_xfer x = {6, 0, GPU, GPU, src, dst, PN, 30000, TD_KVX_AUTO, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   td_kvx *ks[1] = {s.k};
@@ -615,7 +615,7 @@ Test(kvx_ipc, receiver_killed_mid_copy, .timeout = 120) {
   td_kvx_peer *p = connect_child(&s, &c);
   static int32_t ids[PN];
   for (int i = 0; i < PN; i++) ids[i] = (i * 7) % PNB;
-  td_kvx_xfer x = {7, 0, GPU, GPU, ids, ids, PN, 30000, TD_KVX_IPC, NULL};
+  td_kvx_xfer x = {7, 0, GPU, GPU, ids, ids, PN, 30000, TD_KVX_IPC, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   /* Progress until the grant arrived and the copies were issued, not a

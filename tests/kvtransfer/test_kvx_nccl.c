@@ -72,7 +72,7 @@ static void check_blocks(side *s, side *r, uint32_t pool, const int32_t *src, co
 static void move(side *s, side *r, td_kvx_peer *p, uint32_t pool, int n, bool src_sc, bool dst_sc) {
   int32_t src[NB], dst[NB];
   ids(n, src_sc, dst_sc, src, dst);
-  td_kvx_xfer x = {7, 0, pool, pool, src, dst, n, 20000, TD_KVX_NCCL, NULL};
+  td_kvx_xfer x = {7, 0, pool, pool, src, dst, n, 20000, TD_KVX_NCCL, NULL, {0}};
   kt_move(s->k, r->k, &r->rx, p, &x, "NCCL");
   cr_assert_eq(r->rx.last_bytes, (uint64_t)n * (pool == POOL ? r->bb : r->bb_b));
   check_blocks(s, r, pool, src, dst, n);
@@ -130,7 +130,7 @@ Test(kvx_nccl, resliced, .timeout = 120) {
     src[i] = (i * 3) % NB;
     dst[i] = NB - 1 - 2 * i;
   }
-  td_kvx_xfer x = {1, 0, POOL, POOL, src, dst, 20, 20000, TD_KVX_NCCL, NULL};
+  td_kvx_xfer x = {1, 0, POOL, POOL, src, dst, 20, 20000, TD_KVX_NCCL, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   td_kvx *ks[2] = {s.k, r.k};
@@ -165,7 +165,7 @@ Test(kvx_nccl, queued_transfers, .timeout = 120) {
       dst[t][i] = t * PER + (i * 3) % PER; /* disjoint per transfer */
     }
     uint32_t pool = t % 2 ? POOL_B : POOL;
-    td_kvx_xfer x = {(uint64_t)t, 0, pool, pool, src[t], dst[t], PER, 20000, TD_KVX_NCCL, NULL};
+    td_kvx_xfer x = {(uint64_t)t, 0, pool, pool, src[t], dst[t], PER, 20000, TD_KVX_NCCL, NULL, {0}};
     cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d[t], NULL), TD_OK, "%s", td_errmsg());
   }
   td_kvx *ks[2] = {s.k, r.k};
@@ -199,8 +199,8 @@ Test(kvx_nccl, two_senders, .timeout = 120) {
     da[i] = 2 * i;
     db[i] = 2 * i + 1;
   }
-  td_kvx_xfer xa = {1, 0, POOL_B, POOL_B, sa, da, 20, 20000, TD_KVX_NCCL, NULL};
-  td_kvx_xfer xb = {2, 0, POOL_B, POOL_B, sb, db, 20, 20000, TD_KVX_NCCL, NULL};
+  td_kvx_xfer xa = {1, 0, POOL_B, POOL_B, sa, da, 20, 20000, TD_KVX_NCCL, NULL, {0}};
+  td_kvx_xfer xb = {2, 0, POOL_B, POOL_B, sb, db, 20, 20000, TD_KVX_NCCL, NULL, {0}};
   kt_done d1 = {0}, d2 = {0};
   cr_assert_eq(td_kvx_post(pa, &xa, kt_done_cb, &d1, NULL), TD_OK, "%s", td_errmsg());
   cr_assert_eq(td_kvx_post(pb, &xb, kt_done_cb, &d2, NULL), TD_OK, "%s", td_errmsg());
@@ -231,7 +231,7 @@ Test(kvx_nccl, receiver_stalls_then_recovery, .timeout = 120) {
   td_kvx_peer *p = link_to(&s, &r);
   int32_t src[NB], dst[NB];
   ids(40, true, true, src, dst);
-  td_kvx_xfer x = {9, 0, POOL_B, POOL_B, src, dst, 40, 400, TD_KVX_NCCL, NULL};
+  td_kvx_xfer x = {9, 0, POOL_B, POOL_B, src, dst, 40, 400, TD_KVX_NCCL, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   while (r.rx.grants == 0) {
@@ -268,7 +268,7 @@ Test(kvx_nccl, cancel_mid_transfer, .timeout = 120) {
   td_kvx_peer *p = link_to(&s, &r);
   int32_t src[NB], dst[NB];
   ids(50, true, true, src, dst);
-  td_kvx_xfer x = {10, 0, POOL_B, POOL_B, src, dst, 50, 20000, TD_KVX_NCCL, NULL};
+  td_kvx_xfer x = {10, 0, POOL_B, POOL_B, src, dst, 50, 20000, TD_KVX_NCCL, NULL, {0}};
   kt_done d = {0};
   uint64_t id;
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, &id), TD_OK, "%s", td_errmsg());
@@ -302,7 +302,7 @@ Test(kvx_nccl, destroy_mid_transfer, .timeout = 120) {
   td_kvx_peer *p = link_to(&s, &r);
   int32_t src[NB], dst[NB];
   ids(50, true, true, src, dst);
-  td_kvx_xfer x = {11, 0, POOL_B, POOL_B, src, dst, 50, 20000, TD_KVX_NCCL, NULL};
+  td_kvx_xfer x = {11, 0, POOL_B, POOL_B, src, dst, 50, 20000, TD_KVX_NCCL, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   while (r.rx.grants == 0) {

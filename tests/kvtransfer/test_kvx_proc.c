@@ -179,7 +179,7 @@ static void run_identical(td_kvx_geom g, int nres, td_kvx_local_path local) {
   size_t bb = td_kvx_block_bytes(&g);
   int32_t src[NBLK];
   for (int i = 0; i < nres; i++) src[i] = (i * 37 + 5) % NBLK;
-  td_kvx_xfer x = {4242, s.res, POOL, POOL, src, s.dst, nres, 60000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {4242, s.res, POOL, POOL, src, s.dst, nres, 60000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(s.peer, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   td_kvx *ks[1] = {s.k};
@@ -236,7 +236,7 @@ static void run_receiver_killed(td_kvx_local_path local) {
   sender_open(&s, &c, g, 48, local);
   int32_t src[48];
   for (int i = 0; i < 48; i++) src[i] = i;
-  td_kvx_xfer x = {7, s.res, POOL, POOL, src, s.dst, 48, 60000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {7, s.res, POOL, POOL, src, s.dst, 48, 60000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(s.peer, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   char gch;
@@ -291,7 +291,7 @@ Test(kvx_proc, connect_to_a_receiver_that_is_gone, .timeout = 120) {
   if (cs == TD_OK) {
     cr_assert(!td_kvx_get_stats(s.k).local_path, "a shared-memory endpoint to a process that is gone");
     int32_t src[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    td_kvx_xfer x = {9, s.res, POOL, POOL, src, s.dst, 8, 10000, TD_KVX_UCX, NULL};
+    td_kvx_xfer x = {9, s.res, POOL, POOL, src, s.dst, 8, 10000, TD_KVX_UCX, NULL, {0}};
     kt_done d = {0};
     td_status ps = td_kvx_post(s.peer, &x, kt_done_cb, &d, NULL);
     if (ps == TD_OK) {
@@ -347,7 +347,7 @@ Test(kvx_proc, sender_killed_mid_transfer, .timeout = 120) {
     td_kvx_peer *peer;
     if (td_kvx_connect(k, desc, len, &peer) != TD_OK) _exit(24);
     for (int i = 0; i < 48; i++) src[i] = i;
-    td_kvx_xfer x = {8, res, POOL, POOL, src, dst, 48, 60000, TD_KVX_UCX, NULL};
+    td_kvx_xfer x = {8, res, POOL, POOL, src, dst, 48, 60000, TD_KVX_UCX, NULL, {0}};
     kt_done d = {0};
     if (td_kvx_post(peer, &x, kt_done_cb, &d, NULL) != TD_OK) _exit(25);
     int64_t end = td_now_ms() + 30000;

@@ -72,7 +72,7 @@ static void move(side *s, side *r, td_kvx_peer *p, uint32_t sp, uint32_t rp) {
   /* Distinct destinations. */
   for (int i = 0; i < n; i++)
     for (int j = 0; j < i; j++) cr_assert_neq(dst[i], dst[j]);
-  td_kvx_xfer x = {100 + sp * 10 + rp, 0, sp, rp, src, dst, n, 20000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {100 + sp * 10 + rp, 0, sp, rp, src, dst, n, 20000, TD_KVX_UCX, NULL, {0}};
   char what[32];
   snprintf(what, sizeof what, "%u -> %u", sp, rp);
   kt_move(s->k, r->k, &r->rx, p, &x, what);
@@ -174,7 +174,7 @@ Test(kvx_staged, resliced_gpu_to_gpu, .timeout = 120) {
     src[i] = i;
     dst[i] = NB - 1 - i;
   }
-  td_kvx_xfer x = {1, 0, GPU, GPU, src, dst, 20, 20000, TD_KVX_AUTO, NULL};
+  td_kvx_xfer x = {1, 0, GPU, GPU, src, dst, 20, 20000, TD_KVX_AUTO, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   td_kvx *ks[2] = {s.k, r.k};
@@ -203,7 +203,7 @@ Test(kvx_staged, cancel_waiting_for_credits, .timeout = 120) {
   td_kvx_peer *p = link_to(&s, &r);
   int32_t ids[NB];
   for (int i = 0; i < NB; i++) ids[i] = i;
-  td_kvx_xfer x = {2, 0, GPU, GPU, ids, ids, NB, 20000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {2, 0, GPU, GPU, ids, ids, NB, 20000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   uint64_t id;
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, &id), TD_OK);
@@ -294,7 +294,7 @@ static void run_child(bool hang) {
     src[i] = i;
     dst[i] = (i * 5 + 1) % NB;
   }
-  td_kvx_xfer x = {3, 0, GPU, GPU, src, dst, NB, 30000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {3, 0, GPU, GPU, src, dst, NB, 30000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   td_kvx *ks[1] = {s.k};
@@ -357,7 +357,7 @@ Test(kvx_staged, sender_killed_mid_transfer, .timeout = 120) {
     if (td_kvx_connect(s.k, desc, len, &p) != TD_OK) _exit(52);
     int32_t ids[NB];
     for (int i = 0; i < NB; i++) ids[i] = i;
-    td_kvx_xfer x = {9, 0, GPU, GPU, ids, ids, NB, 30000, TD_KVX_UCX, NULL};
+    td_kvx_xfer x = {9, 0, GPU, GPU, ids, ids, NB, 30000, TD_KVX_UCX, NULL, {0}};
     kt_done d = {0};
     if (td_kvx_post(p, &x, kt_done_cb, &d, NULL) != TD_OK) _exit(53);
     int64_t end = td_now_ms() + 30000;

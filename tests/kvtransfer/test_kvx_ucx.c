@@ -91,7 +91,7 @@ static void run_basic(td_kvx_local_path local) {
   pick_blocks(src, n, NS, 99);
   /* A contiguous run, to exercise coalescing. */
   for (int i = 0; i < 8; i++) src[i] = 50 + i;
-  td_kvx_xfer x = {77, res, SPOOL, RPOOL, src, dst, n, 20000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {77, res, SPOOL, RPOOL, src, dst, n, 20000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   uint64_t id = 0;
   cr_assert_eq(td_kvx_post(p.peer, &x, kt_done_cb, &d, &id), TD_OK, "%s", td_errmsg());
@@ -134,8 +134,8 @@ Test(kvx_ucx, large_and_concurrent, .timeout = 180) {
   cr_assert_eq(td_kv_reserve(p.kv, 40, td_now_ms() + 60000, &r2, dst2), TD_OK);
   for (int i = 0; i < 48; i++) src1[i] = i;
   pick_blocks(src2, 40, NS, 3);
-  td_kvx_xfer a = {1, r1, SPOOL, RPOOL, src1, dst1, 48, 60000, TD_KVX_AUTO, NULL};
-  td_kvx_xfer b = {2, r2, SPOOL, RPOOL, src2, dst2, 40, 60000, TD_KVX_AUTO, NULL};
+  td_kvx_xfer a = {1, r1, SPOOL, RPOOL, src1, dst1, 48, 60000, TD_KVX_AUTO, NULL, {0}};
+  td_kvx_xfer b = {2, r2, SPOOL, RPOOL, src2, dst2, 40, 60000, TD_KVX_AUTO, NULL, {0}};
   kt_done da = {0}, db = {0};
   cr_assert_eq(td_kvx_post(p.peer, &a, kt_done_cb, &da, NULL), TD_OK, "%s", td_errmsg());
   cr_assert_eq(td_kvx_post(p.peer, &b, kt_done_cb, &db, NULL), TD_OK, "%s", td_errmsg());
@@ -168,7 +168,7 @@ Test(kvx_ucx, resliced_transfer, .timeout = 120) {
   uint64_t res;
   cr_assert_eq(td_kv_reserve(p.kv, n, td_now_ms() + 60000, &res, dst), TD_OK);
   pick_blocks(src, n, NS, 17);
-  td_kvx_xfer x = {5, res, SPOOL, RPOOL, src, dst, n, 20000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {5, res, SPOOL, RPOOL, src, dst, n, 20000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p.peer, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
   cr_assert(drive2(&p, &d.calls, 20000));
@@ -197,7 +197,7 @@ Test(kvx_ucx, expired_reservation_is_refused, .timeout = 60) {
   uint64_t res;
   cr_assert_eq(td_kv_reserve(p.kv, 4, td_now_ms() + 5, &res, dst), TD_OK);
   usleep(30 * 1000);
-  td_kvx_xfer x = {9, res, SPOOL, RPOOL, src, dst, 4, 10000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {9, res, SPOOL, RPOOL, src, dst, 4, 10000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p.peer, &x, kt_done_cb, &d, NULL), TD_OK);
   cr_assert(drive2(&p, &d.calls, 10000));
@@ -212,13 +212,13 @@ Test(kvx_ucx, expired_reservation_is_refused, .timeout = 60) {
   uint64_t res2;
   int32_t dst2[4];
   cr_assert_eq(td_kv_reserve(p.kv, 4, td_now_ms() + 60000, &res2, dst2), TD_OK);
-  td_kvx_xfer y = {10, res2 + 1000, SPOOL, RPOOL, src, dst2, 4, 10000, TD_KVX_UCX, NULL};
+  td_kvx_xfer y = {10, res2 + 1000, SPOOL, RPOOL, src, dst2, 4, 10000, TD_KVX_UCX, NULL, {0}};
   kt_done e = {0};
   cr_assert_eq(td_kvx_post(p.peer, &y, kt_done_cb, &e, NULL), TD_OK);
   cr_assert(drive2(&p, &e.calls, 10000));
   cr_assert_eq(e.status, TD_ERR_INVALID, "%s", e.msg);
   int32_t other[4] = {dst2[0], dst2[1], dst2[2], 90};
-  td_kvx_xfer z = {11, res2, SPOOL, RPOOL, src, other, 4, 10000, TD_KVX_UCX, NULL};
+  td_kvx_xfer z = {11, res2, SPOOL, RPOOL, src, other, 4, 10000, TD_KVX_UCX, NULL, {0}};
   kt_done f = {0};
   cr_assert_eq(td_kvx_post(p.peer, &z, kt_done_cb, &f, NULL), TD_OK);
   cr_assert(drive2(&p, &f.calls, 10000));
@@ -227,12 +227,43 @@ Test(kvx_ucx, expired_reservation_is_refused, .timeout = 60) {
   pair_close(&p);
 }
 
+/* The sender's token travels in REQ to the receiver's authorize: a
+ * transfer with another token is refused before a byte moves, one with the
+ * reservation's token is granted. */
+Test(kvx_ucx, sender_token_reaches_authorize, .timeout = 60) {
+  pair p;
+  td_kvx_geom g = kt_geom(0, 2, 0, 2, 8, 4, 4);
+  pair_open(&p, g, g, TD_KVX_LOCAL_AUTO);
+  static const uint8_t token[TD_KV_TOKEN_BYTES] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+  p.rrx.want_token = token;
+  int32_t src[4] = {0, 1, 2, 3}, dst[4];
+  uint64_t res;
+  cr_assert_eq(td_kv_reserve(p.kv, 4, td_now_ms() + 60000, &res, dst), TD_OK);
+  td_kvx_xfer x = {12, res, SPOOL, RPOOL, src, dst, 4, 10000, TD_KVX_UCX, NULL, {0}};
+  x.token[0] = 1; /* the rest differs */
+  kt_done d = {0};
+  cr_assert_eq(td_kvx_post(p.peer, &x, kt_done_cb, &d, NULL), TD_OK);
+  cr_assert(drive2(&p, &d.calls, 10000));
+  cr_assert_eq(d.status, TD_ERR_INVALID, "%s: %s", td_status_str(d.status), d.msg);
+  cr_assert(strstr(d.msg, "sender token"), "%s", d.msg);
+  cr_assert_eq(p.rrx.grants, 0);
+  const uint8_t *rm = td_kv_pool_memory(p.kv);
+  for (int b = 0; b < 4; b++)
+    for (size_t i = 0; i < p.rbb; i++) cr_assert_eq(rm[(size_t)dst[b] * p.rbb + i], 0, "a refused transfer wrote");
+  memcpy(x.token, token, sizeof token);
+  x.request_id = 13;
+  kt_move(p.s, p.r, &p.rrx, p.peer, &x, "with the token");
+  cr_assert_eq(p.rrx.grants, 1);
+  cr_assert_eq(td_kv_reservation_release(p.kv, res), TD_OK);
+  pair_close(&p);
+}
+
 Test(kvx_ucx, refusals_at_post, .timeout = 60) {
   pair p;
   td_kvx_geom g = kt_geom(0, 2, 0, 2, 8, 4, 4);
   pair_open(&p, g, g, TD_KVX_LOCAL_AUTO);
   int32_t src[2] = {0, 1}, dst[2] = {0, 1};
-  td_kvx_xfer x = {1, 1, SPOOL, 99, src, dst, 2, 0, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {1, 1, SPOOL, 99, src, dst, 2, 0, TD_KVX_UCX, NULL, {0}};
   cr_assert_eq(td_kvx_post(p.peer, &x, NULL, NULL, NULL), TD_ERR_NOT_FOUND);
   x.dst_pool = RPOOL;
   x.src_pool = 42;
@@ -273,7 +304,7 @@ Test(kvx_ucx, receiver_without_authorization, .timeout = 60) {
   cr_assert_eq(td_kvx_connect(s, desc, n, &peer), TD_OK);
   free(desc);
   int32_t ids[1] = {2};
-  td_kvx_xfer x = {1, 1, 1, 1, ids, ids, 1, 5000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {1, 1, 1, 1, ids, ids, 1, 5000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(peer, &x, kt_done_cb, &d, NULL), TD_OK);
   td_kvx *ks[2] = {s, r};
@@ -293,7 +324,7 @@ Test(kvx_ucx, cancel_before_grant, .timeout = 60) {
   int32_t src[4] = {0, 1, 2, 3}, dst[4];
   uint64_t res;
   cr_assert_eq(td_kv_reserve(p.kv, 4, td_now_ms() + 60000, &res, dst), TD_OK);
-  td_kvx_xfer x = {3, res, SPOOL, RPOOL, src, dst, 4, 10000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {3, res, SPOOL, RPOOL, src, dst, 4, 10000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   uint64_t id;
   cr_assert_eq(td_kvx_post(p.peer, &x, kt_done_cb, &d, &id), TD_OK);
@@ -325,7 +356,7 @@ Test(kvx_ucx, cancel_mid_transfer, .timeout = 120) {
   uint64_t res;
   cr_assert_eq(td_kv_reserve(p.kv, n, td_now_ms() + 60000, &res, dst), TD_OK);
   for (int i = 0; i < n; i++) src[i] = i;
-  td_kvx_xfer x = {4, res, SPOOL, RPOOL, src, dst, n, 60000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {4, res, SPOOL, RPOOL, src, dst, n, 60000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   uint64_t id;
   cr_assert_eq(td_kvx_post(p.peer, &x, kt_done_cb, &d, &id), TD_OK);
@@ -358,7 +389,7 @@ Test(kvx_ucx, timeout_when_receiver_hangs, .timeout = 120) {
   uint64_t res;
   cr_assert_eq(td_kv_reserve(p.kv, n, td_now_ms() + 60000, &res, dst), TD_OK);
   for (int i = 0; i < n; i++) src[i] = i;
-  td_kvx_xfer x = {6, res, SPOOL, RPOOL, src, dst, n, 400, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {6, res, SPOOL, RPOOL, src, dst, n, 400, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p.peer, &x, kt_done_cb, &d, NULL), TD_OK);
   while (p.rrx.grants == 0) {
@@ -383,7 +414,7 @@ Test(kvx_ucx, disconnect_cancels, .timeout = 60) {
   int32_t src[4] = {0, 1, 2, 3}, dst[4];
   uint64_t res;
   cr_assert_eq(td_kv_reserve(p.kv, 4, td_now_ms() + 60000, &res, dst), TD_OK);
-  td_kvx_xfer x = {3, res, SPOOL, RPOOL, src, dst, 4, 10000, TD_KVX_UCX, NULL};
+  td_kvx_xfer x = {3, res, SPOOL, RPOOL, src, dst, 4, 10000, TD_KVX_UCX, NULL, {0}};
   kt_done d = {0};
   cr_assert_eq(td_kvx_post(p.peer, &x, kt_done_cb, &d, NULL), TD_OK);
   td_kvx_disconnect(p.peer);

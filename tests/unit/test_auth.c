@@ -226,3 +226,71 @@ Test(auth, a_client_secret_needs_the_router_key) {
   cr_expect_eq(td_auth_create_client(&none, &a), TD_OK, "no keys: in the clear");
   cr_expect_null(a);
 }
+
+/* A group's own sockets (TD_AUTH_DOMAIN_GROUP): a rank that connects before
+ * the rendezvous named the ranks waits (it is not refused: a refusal ends
+ * its connection for good), and gets in once they are named; a listed
+ * worker that is not a rank, and a stranger, are refused. */
+Test(auth, group_domain_waits_for_its_ranks_then_admits_them_only) {
+  mk_dir();
+  const char *names[] = {"r0", "r1", "other", "stranger"};
+  for (int i = 0; i < 4; i++) keygen(names[i]);
+  write_list("workers.list", "r1", "other"); /* "other" a listed worker: no rank all the same */
+  td_auth *leader = load("r0", NULL, "workers.list", NULL);
+  td_auth *r1 = load("r1", "r0", NULL, NULL), *other = load("other", "r0", NULL, NULL);
+  td_auth *stranger = load("stranger", "r0", NULL, NULL);
+  void *ctx = zmq_ctx_new(), *cctx = zmq_ctx_new();
+  td_zap *zap;
+  cr_assert(td_zap_create(leader, ctx, &zap) == TD_OK, "%s", td_errmsg());
+  void *gs = zmq_socket(ctx, ZMQ_ROUTER);
+  int linger = 0;
+  zmq_setsockopt(gs, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert(td_auth_server(leader, gs, TD_AUTH_DOMAIN_GROUP) == TD_OK);
+  cr_assert(zmq_bind(gs, "tcp://127.0.0.1:*") == 0);
+  char ep[64];
+  size_t l = sizeof ep;
+  zmq_getsockopt(gs, ZMQ_LAST_ENDPOINT, ep, &l);
+  /* rank 1 before the ranks are named: its message waits */
+  void *d = zmq_socket(cctx, ZMQ_DEALER);
+  zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert(td_auth_client(r1, d, NULL) == TD_OK, "%s", td_errmsg());
+  cr_assert(zmq_connect(d, ep) == 0);
+  zmq_send(d, "hi", 2, ZMQ_DONTWAIT);
+  zmq_pollitem_t it = {.socket = gs, .events = ZMQ_POLLIN};
+  cr_expect_eq(zmq_poll(&it, 1, 500), 0, "a rank got in before the ranks were named");
+  char k0[TD_AUTH_KEY_Z85], k1[TD_AUTH_KEY_Z85];
+  read_pub("r0", k0);
+  read_pub("r1", k1);
+  const char *ranks[] = {k0, k1};
+  cr_assert(td_zap_set_group(zap, ranks, 2) == TD_OK, "%s", td_errmsg());
+  cr_expect_gt(zmq_poll(&it, 1, 3000), 0, "the waiting rank was not let in once named");
+  zmq_close(d);
+  char who[TD_AUTH_KEY_Z85];
+  if (it.revents) { /* its message */
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    zmq_msg_recv(&m, gs, 0);
+    zmq_msg_close(&m);
+    zmq_msg_init(&m);
+    zmq_msg_recv(&m, gs, 0);
+    cr_expect(td_auth_msg_key(&m, who) && !strcmp(who, k1), "the message is not rank 1's");
+    zmq_msg_close(&m);
+  }
+  unsigned long before = td_zap_refused(zap);
+  cr_expect(!exchange(cctx, gs, ep, other, who), "a listed worker that is no rank got in");
+  cr_expect(!exchange(cctx, gs, ep, stranger, who), "a stranger got in");
+  cr_expect_geq(td_zap_refused(zap), before + 2);
+  cr_expect(exchange(cctx, gs, ep, r1, who), "the rank is refused after the others");
+  /* a set past the ranks a group has is refused */
+  const char *many[TD_GROUP_MAX_RANKS + 1];
+  for (int i = 0; i <= TD_GROUP_MAX_RANKS; i++) many[i] = k0;
+  cr_expect_eq(td_zap_set_group(zap, many, TD_GROUP_MAX_RANKS + 1), TD_ERR_INVALID);
+  zmq_close(gs);
+  td_zap_destroy(zap);
+  zmq_ctx_term(ctx);
+  zmq_ctx_term(cctx);
+  td_auth_destroy(leader);
+  td_auth_destroy(r1);
+  td_auth_destroy(other);
+  td_auth_destroy(stranger);
+}

@@ -692,6 +692,15 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   Tandem__Cluster__RouterMessage *job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
   cr_expect(!job->decode->local_encode);
   uint64_t rid1 = job->decode->req->rid;
+  /* the decode worker hears who pushes its cross KV: the encoder placement chose, with a token */
+  const Tandem__Cluster__KvSender *from = job->decode->cross_from;
+  cr_assert_not_null(from, "the decode job names no sender for its cross blocks");
+  cr_expect_str_eq(from->worker_id, "enc");
+  cr_expect_str_eq(from->key, "", "a key named without CURVE");
+  cr_assert_eq(from->token.len, TD_KV_TOKEN_BYTES);
+  cr_expect_null(job->decode->self_from, "a sender named for prompt KV no prefill worker sends");
+  uint8_t tok1[TD_KV_TOKEN_BYTES];
+  memcpy(tok1, from->token.data, sizeof tok1);
   wfree(job);
   int32_t blocks[2] = {4, 5};
   Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
@@ -711,6 +720,9 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   cr_assert_eq(job->encode->n_targets, 1);
   cr_assert_eq(job->encode->targets[0]->n_blocks, 2);
   cr_expect_arr_eq(job->encode->targets[0]->blocks, blocks, sizeof blocks);
+  /* ... and the encoder gets the same token with the target */
+  cr_assert_eq(job->encode->targets[0]->token.len, TD_KV_TOKEN_BYTES);
+  cr_expect_arr_eq(job->encode->targets[0]->token.data, tok1, sizeof tok1, "the encoder's token is not the decode worker's");
   wfree(job);
   Tandem__Cluster__RouterMessage *c = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the encoder's cancel");
   cr_expect_eq(c->cancel->rid, rid1);
@@ -722,10 +734,17 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   /* second attempt: this time the stages end and decoding has no stage timeout */
   job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the second attempt");
   uint64_t rid2 = job->decode->req->rid;
+  /* a new attempt, a new token: a late push of the first attempt is refused */
+  cr_assert(job->decode->cross_from && job->decode->cross_from->token.len == TD_KV_TOKEN_BYTES);
+  cr_expect(memcmp(job->decode->cross_from->token.data, tok1, sizeof tok1), "the retry kept the first attempt's token");
+  uint8_t tok2[TD_KV_TOKEN_BYTES];
+  memcpy(tok2, job->decode->cross_from->token.data, sizeof tok2);
   wfree(job);
   res.rid = rid2;
   send_body(d, &rm);
-  wfree(wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the second encode job"));
+  job = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the second encode job");
+  cr_expect_arr_eq(job->encode->targets[0]->token.data, tok2, sizeof tok2);
+  wfree(job);
   Tandem__Cluster__EncodeDone ed = TANDEM__CLUSTER__ENCODE_DONE__INIT;
   ed.rid = rid2;
   Tandem__Cluster__WorkerMessage em = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
@@ -742,6 +761,73 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
                "gave up after 2 attempts: stage reserving took more than 300 ms");
   void *socks[] = {d, e};
   finish(&h, socks, 2);
+}
+
+/* With a prefill worker, three reservations and three tokens: the encoder
+ * pushes into the decode and the prefill workers' cross blocks, the
+ * prefill worker into the decode worker's self blocks; each receiver is
+ * told the token its pusher gets, and no two are the same. */
+Test(router_control, each_reservation_names_its_pusher_with_its_own_token, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.prefill_threshold = 4});
+  void *d = fake_worker(&h, "dec", (fake_opts){.roles = "d"});
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e"});
+  void *p = fake_worker(&h, "pre", (fake_opts){.roles = "p"});
+  static const int32_t prompt[6] = {3, 10, 11, 12, 13, 14};
+  generate(&h, (gen){.id = "a", .max_new = 2, .prompt = prompt, .n_prompt = 6});
+  Tandem__Cluster__RouterMessage *dj = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  cr_assert(dj->decode->with_prefill, "the long prompt did not go to the prefill worker");
+  const Tandem__Cluster__KvSender *dc = dj->decode->cross_from, *ds = dj->decode->self_from;
+  cr_assert(dc && ds, "the decode job does not name both senders");
+  cr_expect_str_eq(dc->worker_id, "enc");
+  cr_expect_str_eq(ds->worker_id, "pre");
+  cr_assert(dc->token.len == TD_KV_TOKEN_BYTES && ds->token.len == TD_KV_TOKEN_BYTES);
+  int32_t cb[1] = {4}, sb[1] = {5}, pb[1] = {6};
+  Tandem__Cluster__KvTarget kc = TANDEM__CLUSTER__KV_TARGET__INIT, ks = TANDEM__CLUSTER__KV_TARGET__INIT;
+  kc.worker_id = ks.worker_id = "dec";
+  kc.blocks = cb;
+  ks.blocks = sb;
+  kc.n_blocks = ks.n_blocks = 1;
+  ks.tokens = 5;
+  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
+  res.rid = dj->decode->req->rid;
+  res.cross = &kc;
+  res.self = &ks;
+  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+  rm.reserved = &res;
+  send_body(d, &rm);
+  /* the prefill worker: the encoder named for its cross blocks, the decode worker's token for its push */
+  Tandem__Cluster__RouterMessage *pj = wexpect(p, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL, "the prefill job");
+  const Tandem__Cluster__KvSender *pc = pj->prefill->cross_from;
+  cr_assert(pc && pc->token.len == TD_KV_TOKEN_BYTES, "the prefill job names no sender for its cross blocks");
+  cr_expect_str_eq(pc->worker_id, "enc");
+  cr_assert_eq(pj->prefill->self_target->token.len, TD_KV_TOKEN_BYTES);
+  cr_expect_arr_eq(pj->prefill->self_target->token.data, ds->token.data, TD_KV_TOKEN_BYTES);
+  Tandem__Cluster__KvTarget kp = TANDEM__CLUSTER__KV_TARGET__INIT;
+  kp.worker_id = "pre";
+  kp.blocks = pb;
+  kp.n_blocks = 1;
+  res.cross = &kp;
+  res.self = NULL;
+  send_body(p, &rm);
+  /* the encoder: both targets, each with its receiver's token */
+  Tandem__Cluster__RouterMessage *ej = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the encode job");
+  cr_assert_eq(ej->encode->n_targets, 2);
+  Tandem__Cluster__KvTarget *const *t = ej->encode->targets;
+  cr_expect_str_eq(t[0]->worker_id, "dec");
+  cr_expect_str_eq(t[1]->worker_id, "pre");
+  cr_assert(t[0]->token.len == TD_KV_TOKEN_BYTES && t[1]->token.len == TD_KV_TOKEN_BYTES);
+  cr_expect_arr_eq(t[0]->token.data, dc->token.data, TD_KV_TOKEN_BYTES);
+  cr_expect_arr_eq(t[1]->token.data, pc->token.data, TD_KV_TOKEN_BYTES);
+  cr_expect(memcmp(dc->token.data, pc->token.data, TD_KV_TOKEN_BYTES) &&
+            memcmp(dc->token.data, ds->token.data, TD_KV_TOKEN_BYTES) &&
+            memcmp(pc->token.data, ds->token.data, TD_KV_TOKEN_BYTES), "two reservations share a token");
+  wfree(ej);
+  wfree(pj);
+  wfree(dj);
+  void *socks[] = {d, e, p};
+  finish(&h, socks, 3);
 }
 
 /* The decode worker reserves, the encoder's push fails; returns the rid. */

@@ -1,5 +1,6 @@
 /* tandem-worker on the command line: bad arguments get a clear error and
- * exit status 2 before anything starts. */
+ * exit status 2 before anything starts; addresses it cannot advertise are
+ * refused when it starts, naming why. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,4 +31,24 @@ Test(worker_cli, unknown_role_is_refused) {
     snprintf(want, sizeof want, "--role %s: a list of encode, prefill and decode", bad[i]);
     cr_expect(strstr(err, want), "--role '%s': %s", bad[i], err);
   }
+}
+
+/* A wildcard --host needs --advertise; an --advertise that is no address is
+ * refused; a numeric --advertise no interface here carries cannot be UCX's
+ * (it would give peers this host's own addresses). */
+Test(worker_cli, addresses_it_cannot_advertise_are_refused) {
+  char args[1024], err[4096];
+  const char *base = "--router tcp://127.0.0.1:1 --model " TD_TEST_DATA "/t5-tiny --role decode --id w";
+  snprintf(args, sizeof args, "%s --host 0.0.0.0", base);
+  cr_expect_eq(run_worker(args, err, sizeof err), 1, "%s", err);
+  cr_expect(strstr(err, "--host 0.0.0.0: a wildcard is no address peers can dial; give --advertise"), "%s", err);
+  snprintf(args, sizeof args, "%s --host 0.0.0.0 --advertise '*'", base);
+  cr_expect_eq(run_worker(args, err, sizeof err), 1, "%s", err);
+  cr_expect(strstr(err, "--advertise *: a wildcard"), "%s", err);
+  snprintf(args, sizeof args, "%s --advertise tcp://10.0.0.7:7001", base);
+  cr_expect_eq(run_worker(args, err, sizeof err), 1, "%s", err);
+  cr_expect(strstr(err, "without a scheme"), "%s", err);
+  snprintf(args, sizeof args, "%s --host 127.0.0.1 --advertise 192.0.2.1 --kv-transport ucx", base);
+  cr_expect_eq(run_worker(args, err, sizeof err), 1, "%s", err);
+  cr_expect(strstr(err, "no interface here carries 192.0.2.1"), "%s", err);
 }

@@ -5,8 +5,10 @@
  * while a push waits for its answer, token offsets per sequence (a step's
  * tokens of every sequence in one message), token
  * counts past an int, a push of blocks of the wrong size refused, the
- * load reported as soon as the engine goes idle, and a 1 GiB KV frame
- * refused by the socket's size limit. */
+ * load reported as soon as the engine goes idle, a 1 GiB KV frame
+ * refused by the socket's size limit, and KV pushes taken only from the
+ * sender the router named for the reservation (its token over ZeroMQ and
+ * UCX, its key with CURVE), with a real encoder worker as the pusher. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <signal.h>
@@ -31,22 +33,27 @@ typedef Tandem__Cluster__WorkerMessage wmsg;
 
 typedef struct fake {
   void *zctx, *sock;
+  td_zap *zap; /* with CURVE: the fake router's ZAP handler */
   char ep[128];
   uint8_t id[TD_WIRE_MAX_ID];
   size_t id_len;
 } fake;
 
-static void bind_router(void *zctx, void **sock, char *ep, size_t cap) {
+/* auth: a CURVE server admitting the worker list (NULL: plain) */
+static void bind_router_auth(void *zctx, void **sock, char *ep, size_t cap, const td_auth *auth) {
   *sock = zmq_socket(zctx, ZMQ_ROUTER);
   cr_assert_not_null(*sock);
   int linger = 0;
   zmq_setsockopt(*sock, ZMQ_LINGER, &linger, sizeof linger);
   int64_t max = -1;
   zmq_setsockopt(*sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
+  cr_assert_eq(td_auth_server(auth, *sock, TD_AUTH_DOMAIN_WORKERS), TD_OK, "%s", td_errmsg());
   cr_assert_eq(zmq_bind(*sock, "tcp://127.0.0.1:*"), 0);
   size_t len = cap;
   zmq_getsockopt(*sock, ZMQ_LAST_ENDPOINT, ep, &len);
 }
+
+static void bind_router(void *zctx, void **sock, char *ep, size_t cap) { bind_router_auth(zctx, sock, ep, cap, NULL); }
 
 /* The next message from the worker (NULL when none came in time). */
 static wmsg *fake_recv(fake *f, int timeout_ms) {
@@ -119,23 +126,30 @@ static void *run_main(void *arg) {
 
 static char model_dir[600];
 
-/* Starts a worker with these roles and answers its registration with an
- * ack naming heartbeat_ms. */
-static void worker_start(wrun *r, const td_role *const *roles, int n_roles, const char *transfer, int ttl_ms,
-                         uint32_t heartbeat_ms) {
+/* Starts worker `id` with these roles (auth: its CURVE keys, and
+ * router_auth the fake router's; NULL: plain) and answers its registration
+ * with an ack naming heartbeat_ms. */
+static void worker_start_as(wrun *r, const td_role *const *roles, int n_roles, const char *transfer, int ttl_ms,
+                            uint32_t heartbeat_ms, const char *id, const td_auth *auth, const td_auth *router_auth) {
   memset(r, 0, sizeof *r);
   snprintf(model_dir, sizeof model_dir, "%s/t5-tiny", TD_TEST_DATA);
   r->f.zctx = zmq_ctx_new();
-  bind_router(r->f.zctx, &r->f.sock, r->f.ep, sizeof r->f.ep);
-  td_worker_opts o = {.router = r->f.ep, .id = "w-test", .roles = roles, .n_roles = n_roles, .model_dir = model_dir,
+  cr_assert_eq(td_zap_create(router_auth, r->f.zctx, &r->f.zap), TD_OK, "%s", td_errmsg());
+  bind_router_auth(r->f.zctx, &r->f.sock, r->f.ep, sizeof r->f.ep, router_auth);
+  td_worker_opts o = {.router = r->f.ep, .id = id, .roles = roles, .n_roles = n_roles, .model_dir = model_dir,
                       .device = TD_BACKEND_CPU, .block_size = BS, .cross_blocks = CROSS_BLOCKS, .self_blocks = 16,
                       .max_batch = 4, .threads = 1, .reservation_ttl_ms = ttl_ms, .transfer = transfer,
-                      .transfer_timeout_ms = 20000};
+                      .transfer_timeout_ms = 20000, .auth = auth};
   cr_assert_eq(td_worker_create(&o, &r->w), TD_OK, "%s", td_errmsg());
   cr_assert_eq(pthread_create(&r->th, NULL, run_main, r), 0);
   r->reg = fake_expect(&r->f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER, 10000);
   cr_assert_not_null(r->reg, "no registration");
   send_ack(&r->f, heartbeat_ms);
+}
+
+static void worker_start(wrun *r, const td_role *const *roles, int n_roles, const char *transfer, int ttl_ms,
+                         uint32_t heartbeat_ms) {
+  worker_start_as(r, roles, n_roles, transfer, ttl_ms, heartbeat_ms, "w-test", NULL, NULL);
 }
 
 static void worker_stop(wrun *r) {
@@ -153,6 +167,7 @@ static void worker_stop(wrun *r) {
   td_worker_destroy(r->w);
   tandem__cluster__worker_message__free_unpacked(r->reg, NULL);
   zmq_close(r->f.sock);
+  td_zap_destroy(r->f.zap);
   zmq_ctx_term(r->f.zctx);
 }
 
@@ -206,10 +221,20 @@ static void spec_init(job_msg *x, uint64_t rid, uint32_t enc_len) {
   x->sp.client_id = "test";
 }
 
+/* The sender send_decode names for the cross blocks: what the router would
+ * tell the decode worker about the encoder it chose. */
+static uint8_t sender_token[TD_KV_TOKEN_BYTES] = {7, 7, 7};
+static const char *sender_key = "";
+
 static void send_decode(fake *f, uint64_t rid, uint32_t enc_len, bool local_encode, int n_samples) {
   job_msg x;
   spec_init(&x, rid, enc_len);
   tandem__cluster__decode_job__init(&x.dj);
+  Tandem__Cluster__KvSender from = TANDEM__CLUSTER__KV_SENDER__INIT;
+  from.worker_id = "enc-test";
+  from.token = (ProtobufCBinaryData){TD_KV_TOKEN_BYTES, sender_token};
+  from.key = (char *)sender_key;
+  if (!local_encode) x.dj.cross_from = &from;
   if (n_samples > 1) {
     x.sa.n = (uint32_t)n_samples;
     x.sa.temperature = 1.0f;
@@ -773,5 +798,281 @@ Test(worker_control, drain_undrain_and_remove_from_the_router, .timeout = 60) {
   td_worker_destroy(r.w);
   tandem__cluster__worker_message__free_unpacked(r.reg, NULL);
   zmq_close(r.f.sock);
+  td_zap_destroy(r.f.zap);
   zmq_ctx_term(r.f.zctx);
+}
+
+/* ---------------------------------------------------------------- pushes from the named sender only */
+
+/* A decode worker and an encoder worker, each against its own fake router:
+ * the test plays the router, naming a sender for each reservation and
+ * handing the encoder the target with whatever token the case needs. */
+typedef struct kv_pair {
+  wrun dec, enc;
+} kv_pair;
+
+static const td_role *const dec_roles[] = {&td_role_decode};
+static const td_role *const enc_roles[] = {&td_role_encode};
+
+static void pair_start(kv_pair *p, const char *transfer, const td_auth *dec_auth, const td_auth *enc_auth,
+                       const td_auth *router_auth) {
+  worker_start_as(&p->dec, dec_roles, 1, transfer, 60000, 50, "dec-test", dec_auth, router_auth);
+  worker_start_as(&p->enc, enc_roles, 1, transfer, 0, 50, "enc-test", enc_auth, router_auth);
+}
+
+static void pair_stop(kv_pair *p) {
+  worker_stop(&p->enc);
+  worker_stop(&p->dec);
+}
+
+/* An encode job whose one target is t with `token` (NULL: none). */
+static void send_encode_into(fake *f, uint64_t rid, const Tandem__Cluster__KvTarget *t, const uint8_t *token) {
+  job_msg x;
+  spec_init(&x, rid, t->tokens);
+  tandem__cluster__encode_job__init(&x.ej);
+  x.t = *t;
+  x.t.token = (ProtobufCBinaryData){token ? TD_KV_TOKEN_BYTES : 0, (uint8_t *)token};
+  x.ts[0] = &x.t;
+  x.ej.req = &x.sp;
+  x.ej.targets = x.ts;
+  x.ej.n_targets = 1;
+  x.m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE;
+  x.m.encode = &x.ej;
+  fake_send(f, &x.m);
+}
+
+/* The decode worker reserves for rid with `named` as its sender's token
+ * (and sender_key); the Reserved message (the caller frees it). */
+static wmsg *reserve_for(kv_pair *p, uint64_t rid, const uint8_t *named) {
+  memcpy(sender_token, named, TD_KV_TOKEN_BYTES);
+  send_decode(&p->dec.f, rid, 4, false, 1);
+  wmsg *m = fake_expect(&p->dec.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "nothing reserved for %llu", (unsigned long long)rid);
+  cr_assert_eq(m->reserved->rid, rid);
+  return m;
+}
+
+/* The encoder's answer to its job: EncodeDone or Failed. */
+static wmsg *encoder_outcome(kv_pair *p, uint64_t rid) {
+  for (int64_t end = td_now_ms() + 20000; td_now_ms() < end;) {
+    wmsg *m = fake_recv(&p->enc.f, 1000);
+    if (!m) continue;
+    if ((m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_ENCODE_DONE && m->encode_done->rid == rid) ||
+        (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED && m->failed->rid == rid))
+      return m;
+    tandem__cluster__worker_message__free_unpacked(m, NULL);
+  }
+  cr_assert_fail("the encoder never answered its job for %llu", (unsigned long long)rid);
+  return NULL;
+}
+
+/* The encoder pushes into rid's reservation (named: the token the decode
+ * worker was told, carried: the one the encoder got); true when the push
+ * was refused, whose reason must hold `why`. A refused request is cancelled
+ * on the decode worker; an accepted one runs to its result there. */
+static bool encoder_push(kv_pair *p, uint64_t rid, const uint8_t *named, const uint8_t *carried, const char *why) {
+  wmsg *res = reserve_for(p, rid, named);
+  send_encode_into(&p->enc.f, rid, res->reserved->cross, carried);
+  tandem__cluster__worker_message__free_unpacked(res, NULL);
+  wmsg *m = encoder_outcome(p, rid);
+  bool refused = m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED;
+  if (refused) {
+    cr_expect(strstr(m->failed->message, why), "request %llu: %s", (unsigned long long)rid, m->failed->message);
+    send_cancel(&p->dec.f, rid);
+  } else {
+    wmsg *fin = fake_expect(&p->dec.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED, 20000);
+    cr_expect_not_null(fin, "request %llu: no result after its KV arrived", (unsigned long long)rid);
+    if (fin) tandem__cluster__worker_message__free_unpacked(fin, NULL);
+  }
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  return refused;
+}
+
+static uint64_t want_refused;
+static bool refused_as_wanted(const Tandem__Cluster__Load *l) {
+  return l->kv_refused == want_refused && l->free_cross_blocks == CROSS_BLOCKS;
+}
+
+/* The decode worker's heartbeat counts n refused pushes, and every block is back. */
+static void expect_refused(kv_pair *p, uint64_t n) {
+  want_refused = n;
+  wmsg *m = heartbeat_where(&p->dec.f, refused_as_wanted, 5000);
+  cr_expect_not_null(m, "no heartbeat counts %llu refused pushes with the pool free", (unsigned long long)n);
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+}
+
+/* One raw KvPush into t from a socket of the test's (CURVE with `as`'s keys
+ * to server_key when given); the KvAck's error ("" when ok), or NULL when
+ * nothing answered within 2 s. *ok: the KvAck's verdict. */
+static char *raw_push(void *zctx, const Tandem__Cluster__KvTarget *t, uint64_t rid, size_t block_bytes,
+                      const td_auth *as, const char *server_key, bool *ok) {
+  Tandem__Cluster__TransferDesc *d = tandem__cluster__transfer_desc__unpack(NULL, t->desc.len, t->desc.data);
+  cr_assert(d && d->zmq && !strncmp(d->zmq, "zmq:", 4));
+  char ep[256];
+  snprintf(ep, sizeof ep, "%s", d->zmq + 4);
+  char *sp = strchr(ep, ' '); /* "ENDPOINT KEY" with CURVE */
+  if (sp) *sp = 0;
+  tandem__cluster__transfer_desc__free_unpacked(d, NULL);
+  void *s = zmq_socket(zctx, ZMQ_DEALER);
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert_eq(td_auth_client(as, s, server_key), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(zmq_connect(s, ep), 0);
+  Tandem__Cluster__KvPush h = TANDEM__CLUSTER__KV_PUSH__INIT;
+  h.version = TD_PROTOCOL_VERSION;
+  h.rid = rid;
+  h.reservation = t->reservation;
+  h.cross = true;
+  h.blocks = t->blocks;
+  h.n_blocks = t->n_blocks;
+  h.block_bytes = block_bytes;
+  h.push_id = 3;
+  uint8_t hb[256];
+  size_t n = protobuf_c_message_pack(&h.base, hb);
+  cr_assert_eq(zmq_send(s, hb, n, t->n_blocks ? ZMQ_SNDMORE : 0), (int)n);
+  uint8_t *block = calloc(1, block_bytes ? block_bytes : 1);
+  for (size_t i = 0; i < t->n_blocks; i++)
+    zmq_send(s, block, block_bytes, i + 1 < t->n_blocks ? ZMQ_SNDMORE : 0);
+  free(block);
+  char *err = NULL;
+  zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+  if (zmq_poll(&it, 1, 2000) > 0) {
+    uint8_t ab[1024];
+    int got = zmq_recv(s, ab, sizeof ab, 0);
+    Tandem__Cluster__KvAck *a = got > 0 ? tandem__cluster__kv_ack__unpack(NULL, (size_t)got, ab) : NULL;
+    cr_assert_not_null(a, "a malformed KvAck");
+    *ok = a->ok;
+    err = strdup(a->error ? a->error : "");
+    tandem__cluster__kv_ack__free_unpacked(a, NULL);
+  }
+  zmq_close(s);
+  return err;
+}
+
+static const uint8_t named_a[TD_KV_TOKEN_BYTES] = {0xa1, 0xa2, 0xa3, 0xa4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+static const uint8_t named_b[TD_KV_TOKEN_BYTES] = {0xb1, 0xb2, 0xb3, 0xb4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+static const uint8_t stale[TD_KV_TOKEN_BYTES] = {0xa1, 0xa2, 0xa3, 0xa4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0};
+
+/* Without keys over ZeroMQ: a stranger's push (no token), the encoder's push
+ * with a token of another attempt, and with none, are refused before a byte
+ * is written and counted; the encoder's push with the reservation's token
+ * is taken and the request runs. */
+Test(worker_control, kv_pushes_only_from_the_named_sender_over_zmq, .timeout = 120) {
+  kv_pair p;
+  pair_start(&p, "zmq", NULL, NULL, NULL);
+  /* a stranger who learned the reservation: its blocks' size from a probe, then a push of them without a token */
+  wmsg *res = reserve_for(&p, 201, named_a);
+  bool ok = true;
+  char *err = raw_push(p.dec.f.zctx, res->reserved->cross, 201, 0, NULL, NULL, &ok);
+  cr_assert_not_null(err, "no answer to the probe");
+  size_t bb = 0;
+  const char *at = strstr(err, "this model's are ");
+  cr_assert(at && sscanf(at, "this model's are %zu", &bb) == 1 && bb > 0, "%s", err);
+  free(err);
+  err = raw_push(p.dec.f.zctx, res->reserved->cross, 201, bb, NULL, NULL, &ok);
+  cr_assert_not_null(err, "no answer to the stranger's push");
+  cr_expect(!ok, "a push without the reservation's token was taken");
+  cr_expect(strstr(err, "takes cross KV from enc-test only") && strstr(err, "no token"), "%s", err);
+  free(err);
+  send_cancel(&p.dec.f, 201);
+  tandem__cluster__worker_message__free_unpacked(res, NULL);
+  /* the encoder with the token of an attempt that is over, and with none */
+  cr_expect(encoder_push(&p, 202, named_a, stale, "another token"), "a stale token was taken");
+  cr_expect(encoder_push(&p, 203, named_b, NULL, "no token"), "a push without a token was taken");
+  /* the named sender */
+  cr_expect(!encoder_push(&p, 204, named_b, named_b, ""), "the named sender's push was refused");
+  expect_refused(&p, 4); /* the probe, the stranger, the stale token, no token */
+  pair_stop(&p);
+}
+
+/* The same over UCX (the token travels in the transfer's request). */
+Test(worker_control, kv_pushes_only_from_the_named_sender_over_ucx, .timeout = 120) {
+  kv_pair p;
+  pair_start(&p, "ucx", NULL, NULL, NULL);
+  cr_expect(encoder_push(&p, 301, named_a, NULL, "no token"), "a push without a token was taken");
+  cr_expect(encoder_push(&p, 302, named_a, named_b, "another token"), "another worker's token was taken");
+  cr_expect(!encoder_push(&p, 303, named_a, named_a, ""), "the named sender's push was refused");
+  expect_refused(&p, 2);
+  wmsg *m = heartbeat_where(&p.dec.f, NULL, 3000);
+  cr_assert_not_null(m);
+  cr_expect_gt(m->heartbeat->load->kv_in_ucx, 0, "the accepted push did not come over UCX");
+  cr_expect_eq(m->heartbeat->load->kv_in_zmq, 0);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  pair_stop(&p);
+}
+
+static char key_dir[64];
+
+static td_auth *keys_of(const char *name, bool router) {
+  char sec[128], rk[128], wl[128];
+  snprintf(sec, sizeof sec, "%s/%s.key", key_dir, name);
+  snprintf(rk, sizeof rk, "%s/router.pub", key_dir);
+  snprintf(wl, sizeof wl, "%s/workers.list", key_dir);
+  td_auth_opts o = {.secret_file = sec, .router_key_file = router ? NULL : rk, .worker_keys_file = wl};
+  td_auth *a = NULL;
+  cr_assert_eq(td_auth_create(&o, &a), TD_OK, "%s", td_errmsg());
+  return a;
+}
+
+static void pub_key(const char *name, char out[TD_AUTH_KEY_Z85]) {
+  char p[128];
+  snprintf(p, sizeof p, "%s/%s.pub", key_dir, name);
+  cr_assert_eq(td_auth_read_key(p, false, out), TD_OK, "%s", td_errmsg());
+}
+
+/* With CURVE: the reservation names the sender's key too. The encoder's
+ * push with the right token is refused when the reservation names another
+ * listed worker's key; a stranger's key never gets through the handshake;
+ * the named key with its token is taken. */
+Test(worker_control, kv_pushes_bound_to_the_named_key_with_curve, .timeout = 120) {
+  snprintf(key_dir, sizeof key_dir, "/tmp/td-kvkeys-XXXXXX");
+  cr_assert(mkdtemp(key_dir));
+  const char *names[] = {"router", "dec", "enc", "other", "stranger"};
+  for (int i = 0; i < 5; i++) {
+    char pub[128], sec[128];
+    snprintf(pub, sizeof pub, "%s/%s.pub", key_dir, names[i]);
+    snprintf(sec, sizeof sec, "%s/%s.key", key_dir, names[i]);
+    cr_assert_eq(td_auth_keygen(pub, sec), TD_OK, "%s", td_errmsg());
+  }
+  char list[128], k[TD_AUTH_KEY_Z85];
+  snprintf(list, sizeof list, "%s/workers.list", key_dir);
+  FILE *f = fopen(list, "w");
+  cr_assert_not_null(f);
+  for (int i = 1; i < 4; i++) {
+    pub_key(names[i], k);
+    fprintf(f, "%s\n", k);
+  }
+  fclose(f);
+  td_auth *ra = keys_of("router", true), *da = keys_of("dec", false), *ea = keys_of("enc", false),
+          *sa = keys_of("stranger", false);
+  char enc_key[TD_AUTH_KEY_Z85], other_key[TD_AUTH_KEY_Z85], dec_key[TD_AUTH_KEY_Z85];
+  pub_key("enc", enc_key);
+  pub_key("other", other_key);
+  pub_key("dec", dec_key);
+  kv_pair p;
+  pair_start(&p, "zmq", da, ea, ra);
+  /* the right token from the wrong key: another listed worker's reservation */
+  sender_key = other_key;
+  cr_expect(encoder_push(&p, 401, named_a, named_a, "the push came from key "), "a push from another key was taken");
+  /* a stranger's key: refused at the handshake, never counted as a push */
+  wmsg *res = reserve_for(&p, 402, named_b);
+  bool ok = true;
+  char *err = raw_push(p.dec.f.zctx, res->reserved->cross, 402, 64, sa, dec_key, &ok);
+  cr_expect_null(err, "a stranger's key got an answer: %s", err ? err : "");
+  free(err);
+  send_cancel(&p.dec.f, 402);
+  tandem__cluster__worker_message__free_unpacked(res, NULL);
+  /* the named key with its token */
+  sender_key = enc_key;
+  cr_expect(!encoder_push(&p, 403, named_b, named_b, ""), "the named sender's push was refused");
+  expect_refused(&p, 1);
+  sender_key = "";
+  pair_stop(&p);
+  td_auth_destroy(ra);
+  td_auth_destroy(da);
+  td_auth_destroy(ea);
+  td_auth_destroy(sa);
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", key_dir);
+  cr_expect_eq(system(cmd), 0);
 }

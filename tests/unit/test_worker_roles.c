@@ -31,6 +31,7 @@ static struct {
   Tandem__Cluster__WorkerMessage__BodyCase sent_body;
   uint64_t sent_rid;
   td_status reserve_result, run_result;
+  const Tandem__Cluster__KvSender *cross_from, *self_from; /* what the role named for its reservations */
   bool kv_ready;
   td_job *job;
 } rt;
@@ -73,10 +74,13 @@ void td_job_fail(td_worker *w, td_job *j, td_status code, const char *msg) {
   td_job_end(w, j);
 }
 
-td_status td_job_reserve(td_worker *w, td_job *j, int cross_tokens, int self_tokens) {
+td_status td_job_reserve(td_worker *w, td_job *j, int cross_tokens, int self_tokens,
+                         const Tandem__Cluster__KvSender *cross_from, const Tandem__Cluster__KvSender *self_from) {
   rt.reserves++;
   rt.cross_tokens = cross_tokens;
   rt.self_tokens = self_tokens;
+  rt.cross_from = cross_from;
+  rt.self_from = self_from;
   return rt.reserve_result == TD_OK ? TD_OK : td_err(rt.reserve_result, "no room for the reservation");
 }
 
@@ -125,6 +129,7 @@ typedef struct msgs {
   Tandem__Cluster__EncodeJob ej;
   Tandem__Cluster__KvTarget target;
   Tandem__Cluster__KvTarget *targets[1];
+  Tandem__Cluster__KvSender from_enc, from_pre;
 } msgs;
 
 static void msgs_init(msgs *x, Tandem__Cluster__RouterMessage__BodyCase body, uint64_t rid) {
@@ -147,6 +152,12 @@ static void msgs_init(msgs *x, Tandem__Cluster__RouterMessage__BodyCase body, ui
   x->pj.prefill_tokens = 20;
   x->ej.targets = x->targets;
   x->ej.n_targets = 1;
+  tandem__cluster__kv_sender__init(&x->from_enc);
+  tandem__cluster__kv_sender__init(&x->from_pre);
+  x->from_enc.worker_id = "encoder-0";
+  x->from_pre.worker_id = "prefill-0";
+  x->dj.cross_from = x->pj.cross_from = &x->from_enc;
+  x->dj.self_from = &x->from_pre;
 }
 
 static const td_done done_ok = {.ms = 2.0};
@@ -197,6 +208,9 @@ Test(worker_roles, decode_reserves_cross_and_prompt_kv) {
   cr_expect_eq(rt.reserves, 1);
   cr_expect_eq(rt.cross_tokens, 40);
   cr_expect_eq(rt.self_tokens, 25);
+  /* each reservation is bound to the sender the router named for it */
+  cr_expect_eq(rt.cross_from, &x.from_enc);
+  cr_expect_eq(rt.self_from, &x.from_pre);
   cr_expect_eq(rt.runs, 0);
   /* nothing runs until every block arrived */
   td_role_decode.on_arrival(NULL, rt.job);
@@ -256,6 +270,8 @@ Test(worker_roles, prefill_runs_the_prompt_once_and_pushes_it) {
   td_role_prefill.on_job(NULL, &x.m);
   cr_expect_eq(rt.cross_tokens, 40);
   cr_expect_eq(rt.self_tokens, 0);
+  cr_expect_eq(rt.cross_from, &x.from_enc);
+  cr_expect_null(rt.self_from);
   rt.kv_ready = true;
   td_role_prefill.on_arrival(NULL, rt.job);
   cr_expect_eq(rt.runs, 1);
