@@ -352,7 +352,7 @@ static void receive_one(zx *x) {
   if (h) {
     ack(x, &id, h->push_id, ok, ok ? NULL : why);
     if (ok)
-      hk->arrived(hk->ctx, x->t, h->rid, h->reservation, h->cross, (int)h->n_blocks);
+      hk->arrived(hk->ctx, x->t, h->rid, h->reservation, h->cross, h->blocks, (int)h->n_blocks);
     else
       TD_WARN("refused a KV push for request %llu: %s", (unsigned long long)h->rid, why);
     tandem__cluster__kv_push__free_unpacked(h, NULL);

@@ -107,12 +107,12 @@ typedef struct group_rank {
 
 /* A worker group's rendezvous (GroupJoin / GroupInfo). */
 struct group_rv {
-  char name[128];
+  char name[TD_GROUP_MAX_NAME + 1];
   int world;
   char *endpoints[TD_GROUP_MAX_RANKS];
   uint8_t ids[TD_GROUP_MAX_RANKS][TD_WIRE_MAX_ID];
   size_t id_lens[TD_GROUP_MAX_RANKS];
-  uint8_t nccl_id[256];
+  uint8_t nccl_id[TD_GROUP_MAX_NCCL_ID];
   size_t nccl_len;
   int joined;
   bool complete;

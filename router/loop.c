@@ -92,7 +92,9 @@ static void on_worker_message(td_router *r) {
     if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT)
       rtr_on_heartbeat(r, w, m->heartbeat);
     else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER)
-      rtr_worker_gone(r, w, m->deregister->reason ? m->deregister->reason : "deregistered");
+      rtr_worker_gone(r, w, m->deregister->reason && strlen(m->deregister->reason) <= TD_WIRE_MAX_REASON
+                                ? m->deregister->reason
+                                : "deregistered (its reason exceeds TD_WIRE_MAX_REASON)");
     else
       rtr_on_progress(r, w, m);
     td_log_set_request(NULL);

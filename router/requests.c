@@ -433,7 +433,7 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
   }
   if (code != TANDEM__ERROR_CODE__ERROR_NONE) {
     rtr_metrics_failure(r, code);
-    rtr_client_error(r, cid, cid_len, id, code, err);
+    rtr_client_error(r, cid, cid_len, strlen(id) <= TD_ROUTER_MAX_REQUEST_ID ? id : "", code, err);
     if (q) free(q->cid);
     free(q);
     free(key);
@@ -462,6 +462,12 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
 
 void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c) {
   const char *id = c->request_id ? c->request_id : "";
+  char err[128];
+  if (td_admit_request_id(id, err, sizeof err) != TD_OK) {
+    rtr_client_error(r, cid, cid_len, strlen(id) <= TD_ROUTER_MAX_REQUEST_ID ? id : "",
+                     TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, err);
+    return;
+  }
   char *key = client_key(cid, cid_len, id);
   if (!key) return;
   rreq *q = NULL;

@@ -97,7 +97,8 @@ struct td_job {
   uint64_t cross_res, self_res;
   int32_t *cross_ids, *self_ids;
   int n_cross, n_self;
-  int cross_got, self_got;   /* blocks arrived */
+  int cross_got, self_got;   /* blocks arrived, each counted once */
+  uint8_t *cross_in, *self_in; /* which reserved blocks arrived, by index in cross_ids / self_ids */
   int self_expected;         /* prompt tokens whose KV comes; 0: none */
   bool added;                /* handed to the engine */
   bool finished;             /* ... and its result came back */

@@ -35,14 +35,26 @@ static bool k_accept(void *ctx, uint64_t rid, uint64_t res, bool cross, const in
     return false;
   }
   const int32_t *have = cross ? j->cross_ids : j->self_ids;
+  const uint8_t *in = cross ? j->cross_in : j->self_in;
   int nh = cross ? j->n_cross : j->n_self;
+  /* each block once: a block written twice would count twice, and the
+   * request would start with another block never written */
   for (int i = 0; i < n; i++) {
-    bool ok = false;
-    for (int k = 0; k < nh && !ok; k++) ok = have[k] == blocks[i];
-    if (!ok) {
+    int k = 0;
+    while (k < nh && have[k] != blocks[i]) k++;
+    if (k == nh) {
       snprintf(why, cap, "block %d is not in reservation %llu", blocks[i], (unsigned long long)res);
       return false;
     }
+    if (in[k]) {
+      snprintf(why, cap, "block %d of reservation %llu arrived already", blocks[i], (unsigned long long)res);
+      return false;
+    }
+    for (int p = 0; p < i; p++)
+      if (blocks[p] == blocks[i]) {
+        snprintf(why, cap, "block %d appears twice in one push", blocks[i]);
+        return false;
+      }
   }
   return true;
 }
@@ -66,16 +78,27 @@ static void k_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const
   w_post(w, c);
 }
 
-static void k_arrived(void *ctx, const td_kvt *t, uint64_t rid, uint64_t res, bool cross, int n) {
+static void k_arrived(void *ctx, const td_kvt *t, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks,
+                      int n) {
   td_worker *w = ctx;
   w->kv_in[td_kvt_get_kind(t)] += (uint64_t)n;
   w->kv_in_bytes[td_kvt_get_kind(t)] += (uint64_t)n * (cross ? w->full_cross_bb : w->full_self_bb);
   td_job *j = w_job_by_reservation(w, rid, res, cross);
   if (!j) return; /* cancelled meanwhile */
+  const int32_t *have = cross ? j->cross_ids : j->self_ids;
+  uint8_t *in = cross ? j->cross_in : j->self_in;
+  int nh = cross ? j->n_cross : j->n_self, fresh = 0;
+  for (int i = 0; i < n; i++) /* two pushes accepted together count their blocks once */
+    for (int k = 0; k < nh; k++)
+      if (have[k] == blocks[i] && !in[k]) {
+        in[k] = 1;
+        fresh++;
+        break;
+      }
   if (cross)
-    j->cross_got += n;
+    j->cross_got += fresh;
   else
-    j->self_got += n;
+    j->self_got += fresh;
   if (j->role->on_arrival) j->role->on_arrival(w, j);
 }
 

@@ -215,6 +215,18 @@ static void send_finished(void *s, uint64_t rid, const int32_t *t, size_t n) {
 
 static void send_body(void *s, Tandem__Cluster__WorkerMessage *m) { wsend(s, m); }
 
+/* A reservation as a worker reports it: its own id, a ZeroMQ descriptor,
+ * the blocks for `tokens` encoder tokens (the test's requests have 3). */
+static void kv_target(Tandem__Cluster__KvTarget *kt, const char *worker, int32_t *blocks, size_t n, uint32_t tokens) {
+  static const char desc[] = "zmq:tcp://127.0.0.1:9";
+  kt->worker_id = (char *)worker;
+  kt->desc.data = (uint8_t *)desc;
+  kt->desc.len = sizeof desc - 1;
+  kt->blocks = blocks;
+  kt->n_blocks = n;
+  kt->tokens = tokens;
+}
+
 /* The worker gave up on an attempt that another may take. */
 static void send_retryable(void *s, uint64_t rid, const char *why) {
   Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
@@ -693,11 +705,9 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   cr_expect(!job->decode->local_encode);
   uint64_t rid1 = job->decode->req->rid;
   wfree(job);
-  int32_t blocks[2] = {4, 5};
+  int32_t blocks[1] = {4};
   Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kt.worker_id = "dec";
-  kt.blocks = blocks;
-  kt.n_blocks = 2;
+  kv_target(&kt, "dec", blocks, 1, 3);
   Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
   res.rid = rid1;
   res.cross = &kt;
@@ -709,7 +719,7 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   job = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the encode job");
   cr_expect_eq(job->encode->req->rid, rid1);
   cr_assert_eq(job->encode->n_targets, 1);
-  cr_assert_eq(job->encode->targets[0]->n_blocks, 2);
+  cr_assert_eq(job->encode->targets[0]->n_blocks, 1);
   cr_expect_arr_eq(job->encode->targets[0]->blocks, blocks, sizeof blocks);
   wfree(job);
   Tandem__Cluster__RouterMessage *c = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the encoder's cancel");
@@ -751,9 +761,7 @@ static uint64_t encode_then_push_fails(void *d, void *e) {
   wfree(job);
   int32_t blocks[1] = {7};
   Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kt.worker_id = "dec";
-  kt.blocks = blocks;
-  kt.n_blocks = 1;
+  kv_target(&kt, "dec", blocks, 1, 3);
   Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
   res.rid = rid;
   res.cross = &kt;

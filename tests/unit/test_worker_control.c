@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/defaults.h"
 #include "decode_worker/decode.h"
 #include "encoder_worker/encoder.h"
 #include "proto/wire.h"
@@ -317,25 +318,46 @@ Test(worker_control, job_larger_than_the_pool_is_refused_naming_it, .timeout = 6
 }
 
 /* Token counts past what an int holds (the router's message is trusted
- * for nothing): refused naming them, never wrapped into a small or
- * negative reservation. */
+ * for nothing): refused naming them on receipt (proto/check.c), never
+ * wrapped into a small or negative reservation or a "model default"
+ * max_new_tokens; within the limits, past the pool: refused naming it. */
 Test(worker_control, job_with_token_counts_past_int_is_refused, .timeout = 60) {
   static const td_role *const roles[] = {&td_role_decode};
   wrun r;
   worker_start(&r, roles, 1, "zmq", 0, 100);
-  send_decode(&r.f, 35, 0x7fffffffu, false, 1);
+  send_decode(&r.f, 35, TD_MODEL_MAX_POSITIONS, false, 1);
   wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
   cr_assert_not_null(m, "an over-limit job was not refused");
   cr_expect_eq(failed_rid(m), 35);
-  cr_expect(strstr(m->failed->message, "needs 134217728 cross-attention blocks"), "%s", m->failed->message);
+  cr_expect(strstr(m->failed->message, "needs 65536 cross-attention blocks"), "%s", m->failed->message);
   tandem__cluster__worker_message__free_unpacked(m, NULL);
-  send_decode(&r.f, 36, 0x80000000u, false, 1);
+  static const uint32_t past[] = {0x7fffffffu, 0x80000000u, 0xffffffffu};
+  for (int i = 0; i < 3; i++) {
+    send_decode(&r.f, 36 + (uint64_t)i, past[i], false, 1);
+    m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
+    cr_assert_not_null(m, "a job of %u encoder tokens was not refused", past[i]);
+    cr_expect_eq(failed_rid(m), 36 + (uint64_t)i);
+    cr_expect_eq(m->failed->code, TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT);
+    cr_expect(!m->failed->retryable);
+    char want[96];
+    snprintf(want, sizeof want, "invalid job: RequestSpec.enc_len %u exceeds %d", past[i], TD_MODEL_MAX_POSITIONS);
+    cr_expect(strstr(m->failed->message, want), "%s", m->failed->message);
+    tandem__cluster__worker_message__free_unpacked(m, NULL);
+  }
+  /* max_new_tokens past an int was "the model's default" once the worker cast it */
+  job_msg x;
+  spec_init(&x, 40, 4);
+  tandem__cluster__decode_job__init(&x.dj);
+  x.sp.max_new_tokens = 0x80000000u;
+  x.dj.req = &x.sp;
+  x.dj.local_encode = true;
+  x.m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE;
+  x.m.decode = &x.dj;
+  fake_send(&r.f, &x.m);
   m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
-  cr_assert_not_null(m, "a job of a negative token count was not refused");
-  cr_expect_eq(failed_rid(m), 36);
-  cr_expect_eq(m->failed->code, TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT);
-  cr_expect(!m->failed->retryable);
-  cr_expect(strstr(m->failed->message, "encoder and 0 prompt tokens"), "%s", m->failed->message);
+  cr_assert_not_null(m, "max_new_tokens 2^31 was not refused");
+  cr_expect_eq(failed_rid(m), 40);
+  cr_expect(strstr(m->failed->message, "RequestSpec.max_new_tokens 2147483648 exceeds"), "%s", m->failed->message);
   tandem__cluster__worker_message__free_unpacked(m, NULL);
   m = heartbeat_where(&r.f, cross_pool_free, 5000);
   cr_expect_not_null(m, "a refused job holds blocks");
@@ -350,6 +372,17 @@ Test(worker_control, job_for_a_role_not_served_is_refused, .timeout = 60) {
   job_msg x;
   spec_init(&x, 41, 4);
   tandem__cluster__encode_job__init(&x.ej);
+  tandem__cluster__kv_target__init(&x.t);
+  static const char desc[] = "zmq:tcp://127.0.0.1:9";
+  x.t.worker_id = "w-peer";
+  x.t.desc.data = (uint8_t *)desc;
+  x.t.desc.len = sizeof desc - 1;
+  x.t.blocks = x.dst;
+  x.t.n_blocks = 1;
+  x.t.tokens = 4;
+  x.ts[0] = &x.t;
+  x.ej.targets = x.ts;
+  x.ej.n_targets = 1;
   x.ej.req = &x.sp;
   x.m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE;
   x.m.encode = &x.ej;
