@@ -167,6 +167,7 @@
 #define TD_GATEWAY_MAX_PROMPTS 32              /* prompts one completion request batches */
 #define TD_GATEWAY_MAX_STOP 4                  /* stop strings (OpenAI's limit) */
 #define TD_GATEWAY_MAX_STOP_BYTES 256          /* bytes of one stop string */
+#define TD_GATEWAY_MAX_USER_BYTES 256          /* a completion's "user" (OpenAI's end-user id) */
 #define TD_GATEWAY_MAX_TOKENS 65536            /* max_tokens beyond this is refused before the router sees it */
 #define TD_GATEWAY_DEFAULT_MAX_TOKENS 16       /* OpenAI's default max_tokens for completions */
 #define TD_GATEWAY_MAX_AUDIO_SECONDS 600.0     /* audio decoded at most (longer: 413); beyond the model's window: 400 */

@@ -119,6 +119,7 @@ typedef struct gw_audio_req {
   bool has_temperature, stream, seg_timestamps, word_timestamps;
   gw_format format;
   char bad_field[64];     /* a field this endpoint does not know */
+  unsigned seen;          /* the fields given, by bit (a second of one is refused) */
 } gw_audio_req;
 
 /* Checks the form fields (after upload); false with *e filled. */

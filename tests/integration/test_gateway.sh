@@ -121,6 +121,8 @@ code=$(curl -s -o /dev/null -w '%{http_code}' "$gw/health" -H "X-Big: $hdr")
 check "a header past the connection's buffer: 431 ($code)" test "$code" = 431
 # garbage on the socket, then the gateway still answers
 printf 'NOT HTTP AT ALL\r\n\r\n\x00\xff' | timeout 5 bash -c "cat > /dev/tcp/${gw#http://}" 2>/dev/null
+check "a JSON field given twice: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven", "stop": ["a","b","c","d"], "stop": ["e","f","g","h"]}'
+check "... naming it" grep -q '"param":"stop"' "$work/body"
 r=$(curl -s "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven"}')
 check "still serving after garbage" has "$r" '"text":"7"'
 # the gateway's own Prometheus metrics count what was answered above
@@ -200,6 +202,10 @@ check "a truncated wav answers (200 or 400)" bash -c "c=\$(curl -s -o /dev/null 
 check "not multipart: 400" status_is 400 "$tr" -H "$j" -d '{"model": "x"}'
 check "a malformed multipart body: 400" status_is 400 "$tr" -H 'Content-Type: multipart/form-data; boundary=XX' --data-binary $'--XX\r\nContent-Disposition: form-data; name="model"\r\n\r\nabc\r\n--XY--'
 check "an unknown form field: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F colour=red
+check "a form field given twice: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F language=en -F language=de
+check "... naming it" grep -q '"param":"language"' "$work/body"
+check "a model name past its bound: 400" status_is 400 "$tr" -F model="$m$(printf 'x%.0s' $(seq 200))" -F file=@"$wh/number-7.wav"
+check "a NaN temperature: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F temperature=nan
 check "an unknown response_format: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F response_format=xml
 check "word timestamps: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F 'timestamp_granularities[]=word'
 # a 5 s WAV (the model's window is 4 s): long-form is refused with a reason

@@ -388,3 +388,19 @@ Test(audio, time_format) {
   gw_format_time(b, sizeof b, -1, '.');
   cr_assert_str_eq(b, "00:00:00.000");
 }
+
+/* A field given twice is refused naming it: two "stop" lists of four each
+ * once wrote past the four stop slots. */
+Test(completions, a_field_given_twice_is_refused) {
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"stop\": [\"a\",\"b\",\"c\",\"d\"], "
+          "\"stop\": [\"e\",\"f\",\"g\",\"h\"]}", 400, "stop");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"max_tokens\": 3, \"max_tokens\": 4}", 400, "max_tokens");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"prompt\": \"b\"}", 400, "prompt");
+  refused("{\"model\": \"toy-numbers-t5\", \"model\": \"toy-numbers-t5\", \"prompt\": \"a\"}", 400, "model");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"max_tokens\": 3, \"max_new_tokens\": 4}", 400,
+          "max_new_tokens");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"user\": 7}", 400, "user");
+  char body[600];
+  snprintf(body, sizeof body, "{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"user\": \"%0*d\"}", 300, 0);
+  refused(body, 400, "user");
+}
