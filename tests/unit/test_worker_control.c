@@ -654,6 +654,80 @@ Test(worker_control, zmq_push_of_empty_blocks_is_refused, .timeout = 60) {
   worker_stop(&r);
 }
 
+/* One ZeroMQ KvPush of n blocks of bb bytes (zeros) into reservation res;
+ * returns the receiver's answer (its error in err). */
+static bool kv_push_once(void *s, uint64_t rid, uint64_t res, const int32_t *blocks, size_t n, size_t bb,
+                         uint64_t push_id, char *err, size_t cap) {
+  Tandem__Cluster__KvPush h = TANDEM__CLUSTER__KV_PUSH__INIT;
+  h.version = TD_PROTOCOL_VERSION;
+  h.rid = rid;
+  h.reservation = res;
+  h.cross = true;
+  h.blocks = (int32_t *)blocks;
+  h.n_blocks = n;
+  h.block_bytes = bb;
+  h.push_id = push_id;
+  uint8_t buf[256];
+  size_t hn = protobuf_c_message_pack(&h.base, buf);
+  cr_assert_eq(zmq_send(s, buf, hn, n ? ZMQ_SNDMORE : 0), (int)hn);
+  void *zeros = calloc(1, bb ? bb : 1);
+  for (size_t i = 0; i < n; i++) cr_assert_eq(zmq_send(s, zeros, bb, i + 1 < n ? ZMQ_SNDMORE : 0), (int)bb);
+  free(zeros);
+  zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+  cr_assert_gt(zmq_poll(&it, 1, 10000), 0, "no answer to push %llu", (unsigned long long)push_id);
+  int got = zmq_recv(s, buf, sizeof buf, 0);
+  cr_assert_gt(got, 0);
+  Tandem__Cluster__KvAck *a = tandem__cluster__kv_ack__unpack(NULL, (size_t)got, buf);
+  cr_assert_not_null(a);
+  cr_expect_eq(a->push_id, push_id);
+  bool ok = a->ok;
+  snprintf(err, cap, "%s", a->error ? a->error : "");
+  tandem__cluster__kv_ack__free_unpacked(a, NULL);
+  return ok;
+}
+
+/* A block counts once: a push that names one block twice, or a block that
+ * arrived already, is refused before a byte is written, so that a request
+ * never starts with a block of its reservation unwritten. */
+Test(worker_control, a_kv_block_pushed_twice_is_refused, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  send_decode(&r.f, 91, 2 * BS, false, 1);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "nothing reserved");
+  const Tandem__Cluster__KvTarget *t = m->reserved->cross;
+  cr_assert_eq(t->n_blocks, 2);
+  Tandem__Cluster__TransferDesc *d = tandem__cluster__transfer_desc__unpack(NULL, t->desc.len, t->desc.data);
+  cr_assert(d && d->zmq && !strncmp(d->zmq, "zmq:", 4));
+  void *s = zmq_socket(r.f.zctx, ZMQ_DEALER);
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert_eq(zmq_connect(s, d->zmq + 4), 0);
+  char err[256];
+  /* the block size, from the refusal of a push of empty blocks */
+  cr_assert(!kv_push_once(s, 91, t->reservation, t->blocks, 1, 0, 1, err, sizeof err));
+  const char *at = strstr(err, "this model's are ");
+  cr_assert_not_null(at, "%s", err);
+  size_t bb = (size_t)atol(at + strlen("this model's are "));
+  cr_assert_gt(bb, 0);
+  int32_t twice[2] = {t->blocks[0], t->blocks[0]};
+  cr_expect(!kv_push_once(s, 91, t->reservation, twice, 2, bb, 2, err, sizeof err), "a block twice in a push was taken");
+  cr_expect(strstr(err, "appears twice in one push"), "%s", err);
+  cr_expect(kv_push_once(s, 91, t->reservation, t->blocks, 1, bb, 3, err, sizeof err), "%s", err);
+  cr_expect(!kv_push_once(s, 91, t->reservation, t->blocks, 1, bb, 4, err, sizeof err), "a block pushed again was taken");
+  cr_expect(strstr(err, "arrived already"), "%s", err);
+  cr_expect(kv_push_once(s, 91, t->reservation, t->blocks + 1, 1, bb, 5, err, sizeof err), "%s", err);
+  zmq_close(s);
+  tandem__cluster__transfer_desc__free_unpacked(d, NULL);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_cancel(&r.f, 91);
+  m = heartbeat_where(&r.f, cross_pool_free, 5000);
+  cr_expect_not_null(m, "the request's blocks did not come back");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  worker_stop(&r);
+}
+
 /* ---------------------------------------------------------------- a 1 GiB frame */
 
 /* This process's resident memory, kB (/proc/self/status VmRSS). */
