@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "common/cross_mode.h"
 #include "common/defaults.h"
 #include "proto/wire.h"
 
