@@ -823,12 +823,15 @@ int main(int argc, char **argv) {
   n_ok += R.dup_ok, n_err += R.dup_err, n_wrong += R.dup_wrong;
   n_lost += R.n_dup - R.dup_ok - R.dup_err - R.dup_wrong;
   double rec = recovery_s(&R);
-  int at_fault = 0; /* requests sent and not answered when the fault came, and when the last of them ended */
-  double settled = 0;
+  /* requests sent and not answered when the fault came, when the last of them ended, and when the last of
+   * those that ended in an error did (the time to error: a killed router's clients learn it at once) */
+  int at_fault = 0;
+  double settled = 0, err_after = 0;
   for (int i = 0; i < R.n; i++)
     if (R.t_fault > 0 && R.r[i].submit_ms <= R.t_fault && (!R.r[i].done || R.r[i].done_ms > R.t_fault)) {
       at_fault++;
       if (R.r[i].done && R.r[i].done_ms - R.t_fault > settled) settled = R.r[i].done_ms - R.t_fault;
+      if (clear_error(&R.r[i]) && R.r[i].done_ms - R.t_fault > err_after) err_after = R.r[i].done_ms - R.t_fault;
     }
   int retries = count_lines(c, "router", "retrying:");
   char recs[64];
@@ -839,10 +842,10 @@ int main(int argc, char **argv) {
   else
     snprintf(recs, sizeof recs, "%.1f", rec);
   if (!R.fault_ok) snprintf(R.note, sizeof R.note, "%s", R.note[0] ? R.note : "the fault was not injected");
-  printf("| %s%s | %d | %d | %d (%.1f %%) | %d | %d | %d | %d | %s | %.1f | %.1f | %d | %s%s%s |\n", R.fault,
+  printf("| %s%s | %d | %d | %d (%.1f %%) | %d | %d | %d | %d | %s | %.1f | %.1f | %.1f | %d | %s%s%s |\n", R.fault,
          strcmp(c->kv_load_failure, "recompute") ? " (--kv-load-failure fail)" : "", sent,
          at_fault, n_ok, 100.0 * n_ok / sent, n_err, n_wrong, n_lost, leaked, recs, settled / 1000.0,
-         max_err_ms / 1000.0, retries, R.note,
+         err_after / 1000.0, max_err_ms / 1000.0, retries, R.note,
          dead[0] ? " died: " : "", dead);
   fflush(stdout);
   double lat = 0;

@@ -30,8 +30,8 @@ echo "Model $(basename "$model"), $requests requests ($kd_requests for kill-deco
      "tokens; fault after 40 % of the arrivals; SIGSTOP / restart pauses 3 s; request deadline 30 s."
 echo
 echo "| fault | sent | in flight at the fault | correct | clear errors | silently wrong | lost | leaked blocks" \
-     "| recovery s | in-flight ones done after s | slowest error s | retries | notes |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+     "| recovery s | in-flight ones done after s | in-flight errors after s | slowest error s | retries | notes |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 rc=0
 for f in "${faults[@]}"; do
   n=$requests

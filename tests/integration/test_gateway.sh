@@ -129,7 +129,7 @@ check "still serving after garbage" has "$r" '"text":"7"'
 r=$(curl -s "$gw/metrics")
 ep='endpoint="/v1/completions"'
 check "metrics: 20 completions answered 200" has "$r" "tandem:gateway_requests_total{$ep,code=\"200\"} 20"
-check "metrics: 5 refused 400" has "$r" "tandem:gateway_requests_total{$ep,code=\"400\"} 5"
+check "metrics: 6 refused 400" has "$r" "tandem:gateway_requests_total{$ep,code=\"400\"} 6"
 check "metrics: 2 bodies too large (413)" has "$r" "tandem:gateway_requests_total{$ep,code=\"413\"} 2"
 check "metrics: an unknown model (404)" has "$r" "tandem:gateway_requests_total{$ep,code=\"404\"} 1"
 check "metrics: a GET on a POST endpoint (405)" has "$r" "tandem:gateway_requests_total{$ep,code=\"405\"} 1"
@@ -170,6 +170,27 @@ check "the second gateway stops cleanly" test $? = 0
 
 wait "$zmq_pid"
 check "tandem-client served meanwhile (3 x 40 requests)" test "$(grep -c '"tokens"' "$work/zmq.out")" = 120
+
+# the router killed while it holds requests (decode-0 stopped: they cannot end first): plain and streamed ones
+# answer 503 with an error object at once, not at their deadline; the supervisor's new router serves the next
+held() { # name, stream
+  curl -s -o "$work/$1.body" -w '%{http_code} %{time_total}' "$gw/v1/completions" -H "$j" \
+    -d "{\"model\": \"toy-numbers-t5\", \"prompt\": \"seven\", \"max_tokens\": 12, \"stream\": $2}" >"$work/$1.out"
+}
+kill -STOP "$(cat "$work/text/decode-0.pid")"
+held held_plain false & hp=$!
+held held_stream true & hs=$!
+sleep 1
+kill -KILL "$(cat "$work/text/router.pid")"
+wait "$hp" "$hs"
+kill -CONT "$(cat "$work/text/decode-0.pid")"
+for h in held_plain held_stream; do
+  read -r code secs <"$work/$h.out"
+  check "$h: 503 when the router dies ($code after ${secs}s)" awk -v c="$code" -v s="$secs" 'BEGIN { exit !(c == 503 && s < 4) }'
+  check "$h: ... saying the router is unreachable" grep -q '"code":"router_unreachable"' "$work/$h.body"
+done
+served() { r=$(curl -s "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven"}'); [[ $r == *'"text":"7"'* ]]; }
+check "the gateway serves through the restarted router" wait_for 300 served
 stop_cluster text
 
 # ---------------------------------------------------------------- audio (Whisper)

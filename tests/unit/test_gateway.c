@@ -158,6 +158,11 @@ Test(errors, status_mapping) {
     cr_assert_eq(e.http, cases[i].http, "%s -> %d", td_status_str(cases[i].s), e.http);
     cr_assert_str_eq(e.message, "why");
   }
+  gw_error e;
+  gw_error_from_status(&e, TD_ERR_NETWORK, "router unreachable: the connection to the router was lost");
+  cr_expect_str_eq(e.code, "router_unreachable");
+  gw_error_from_status(&e, TD_ERR_OVERLOADED, "full");
+  cr_expect_str_eq(e.code, "overloaded");
 }
 
 Test(errors, sse_framing) {
