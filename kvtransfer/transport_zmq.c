@@ -384,6 +384,11 @@ static void zx_progress(td_kvt *t) {
       if (n < 0) break;
       while (more(x->peers[i].sock)) zmq_recv(x->peers[i].sock, buf, 0, 0);
       Tandem__Cluster__KvAck *a = n <= (int)sizeof buf ? tandem__cluster__kv_ack__unpack(NULL, (size_t)n, buf) : NULL;
+      if (a && a->version != TD_PROTOCOL_VERSION) { /* another version's answer: its push times out */
+        TD_WARN("dropped a KvAck of protocol version %u", a->version);
+        tandem__cluster__kv_ack__free_unpacked(a, NULL);
+        a = NULL;
+      }
       if (!a) continue;
       for (int p = 0; p < x->n_pend; p++)
         if (x->pend[p].push_id == a->push_id) {
