@@ -269,6 +269,12 @@ void td_router_destroy(td_router *r) {
   rtr_metrics_destroy(r); /* the server's thread stops first */
   rreq *q, *t;
   HASH_ITER(hh, r->by_rid, q, t) rtr_req_free(r, q);
+  for (int i = 0; i < r->parked.n; i++) {
+    rtr_parked *p = r->parked.v[i];
+    tandem__client_message__free_unpacked(p->msg, NULL);
+    free(p);
+  }
+  td_ptrvec_free(&r->parked);
   rtr_workers_free(r);
   rtr_id_keys_free(r);
   rtr_groups_free(r);
@@ -289,6 +295,7 @@ static void shut_down(td_router *r) {
   HASH_ITER(hh, r->by_rid, q, t) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "the router is shutting down");
   }
+  rtr_parked_fail(r, "the router is shutting down");
   Tandem__Cluster__Shutdown sd = TANDEM__CLUSTER__SHUTDOWN__INIT;
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_SHUTDOWN;

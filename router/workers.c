@@ -338,7 +338,7 @@ void rtr_health_fill(td_router *r, Tandem__HealthResponse *hp, Tandem__WorkerSta
   h.decoders = (uint32_t)rtr_count_role(r, RTR_DECODE);
   h.serving = h.decoders > 0;
   h.in_flight = (uint32_t)r->in_flight;
-  h.queued = (uint32_t)r->queue.n;
+  h.queued = (uint32_t)(r->queue.n + r->parked.n);
   h.cross_mode = (char *)td_cross_mode_name(r->o.cross_mode);
   size_t nw = HASH_COUNT(r->workers), k = 0;
   Tandem__WorkerStatus *ws = calloc(nw + 1, sizeof *ws);

@@ -638,7 +638,7 @@ Test(router_control, a_worker_without_a_string_identity_is_refused, .timeout = 3
  * ROUTER_HANDOVER let the second take the identity, and libzmq aborted. */
 Test(router_control, a_duplicate_worker_id_is_refused_while_the_first_lives, .timeout = 30) {
   harness h;
-  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 3});
+  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 3, .capacity_wait_ms = 300});
   Tandem__Cluster__RouterMessage *ack;
   void *first = fake_register(&h, "w0", (fake_opts){.roles = "ed", .route = "w0.1"}, &ack);
   cr_assert(ack->ack->accepted);
@@ -922,12 +922,12 @@ Test(router_control, a_queued_request_that_no_worker_left_can_run_is_refused, .t
 
 Test(router_control, a_silent_worker_dies_and_its_request_fails_without_another, .timeout = 30) {
   harness h;
-  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 5});
+  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 5, .capacity_wait_ms = 300});
   void *w = fake_worker(&h, "w0", enc_dec);
   generate(&h, (gen){.id = "a", .max_new = 5});
   wfree(wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job"));
   /* w0 sends nothing more */
-  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "no decode worker is registered");
+  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "no decode worker is registered (waited");
   Tandem__ServerMessage *hm;
   cr_expect_eq(health(&h, &hm)->decoders, 0);
   cfree(hm);
@@ -1882,4 +1882,39 @@ Test(router_control, a_clients_fields_past_their_limits_are_refused_naming_them,
   serve_one(&h, w, "after");
   void *socks[] = {w};
   finish(&h, socks, 1);
+}
+
+/* A router that just started knows no model until a worker registers (its
+ * clients' queued requests may come first, as after a restart): a request
+ * waits --capacity-wait-ms for one and is then admitted and served, or
+ * fails naming the wait; a cancel reaches it meanwhile. */
+Test(router_control, a_request_before_any_worker_waits_for_one, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.capacity_wait_ms = 2000});
+  generate(&h, (gen){.id = "early", .max_new = 2});
+  generate(&h, (gen){.id = "gone", .max_new = 2});
+  cancel(&h, "gone");
+  expect_error(&h, "gone", TANDEM__ERROR_CODE__ERROR_CANCELLED, "cancelled by the client");
+  Tandem__ServerMessage *hm;
+  cr_expect_eq(health(&h, &hm)->queued, 1, "the request waiting for a worker is queued");
+  cfree(hm);
+  expect_quiet(&h, 200);
+  void *w = fake_worker(&h, "w0", enc_dec);
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  cr_expect_str_eq(job->decode->req->client_id, "early");
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  int32_t t[2] = {7, 8};
+  send_finished(w, rid, t, 2);
+  expect_result(&h, "early", t, 2, 1);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+  /* and without a worker, the wait ends with the reason */
+  start(&h, (td_router_opts){.capacity_wait_ms = 300});
+  int64_t t0 = td_now_ms();
+  generate(&h, (gen){.id = "alone", .max_new = 2});
+  expect_error(&h, "alone", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE,
+               "no decode worker is registered (waited");
+  cr_expect_geq(td_now_ms() - t0, 300, "refused before its wait");
+  finish(&h, NULL, 0);
 }
