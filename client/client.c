@@ -418,10 +418,6 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
   }
 }
 
-/* Ends the requests whose answer cannot come: their connection was lost,
- * no router connection came within TD_CLIENT_ROUTER_WAIT_MS of their
- * sending, or their deadline (plus the grace) passed. Each is cancelled too,
- * in case it still waits in the socket for the next router. */
 /* A router message that breaks a field's limit: the requests it is about
  * end with the reason, rather than with part of it. */
 static void invalid(td_client *c, const Tandem__ServerMessage *m, const td_client_events *ev, const char *why) {
@@ -436,6 +432,10 @@ static void invalid(td_client *c, const Tandem__ServerMessage *m, const td_clien
   }
 }
 
+/* Ends the requests whose answer cannot come: their connection was lost,
+ * no router connection came within TD_CLIENT_ROUTER_WAIT_MS of their
+ * sending, or their deadline (plus the grace) passed. Each is cancelled too,
+ * in case it still waits in the socket for the next router. */
 static void expire(td_client *c, const td_client_events *ev) {
   int64_t now = td_now_ms();
   pending *p, *t;
