@@ -51,9 +51,6 @@ td_status td_admit_inputs(const td_admit_frontend *fe, const Tandem__GenerateReq
   if (audio && g->n_decoder_prompt)
     REFUSE(TD_ERR_INVALID, "audio input takes no decoder_prompt: the router builds Whisper's from language, task "
            "and timestamps");
-  if (g->task && g->task[0] && strcmp(g->task, "transcribe") && strcmp(g->task, "translate"))
-    REFUSE(TD_ERR_INVALID, "task must be \"transcribe\" or \"translate\", got \"%.32s\"%s", g->task,
-           strlen(g->task) > 32 ? "..." : "");
   if (g->language && strlen(g->language) > TD_MAX_LANGUAGE_BYTES)
     REFUSE(TD_ERR_INVALID, "language of %zu bytes exceeds the limit of %d", strlen(g->language),
            TD_MAX_LANGUAGE_BYTES);

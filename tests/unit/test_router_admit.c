@@ -426,21 +426,3 @@ Test(admit, allowed_tokens_outside_the_vocabulary) {
   allowed[1] = 99;
   expect(&r, TD_OK, NULL);
 }
-
-/* A Whisper task other than the two it knows is refused before the prompt is built. */
-Test(admit, audio_task_unknown) {
-  req r;
-  valid(&r);
-  static uint8_t wav[4] = {'R', 'I', 'F', 'F'};
-  r.g.input_ids = NULL;
-  r.g.n_input_ids = 0;
-  r.g.audio.data = wav;
-  r.g.audio.len = sizeof wav;
-  td_admit_frontend fe = {.text = true, .audio = true};
-  char msg[256] = "";
-  r.g.task = "translate";
-  cr_expect_eq(td_admit_inputs(&fe, &r.g, msg, sizeof msg), TD_OK, "%s", msg);
-  r.g.task = "dance";
-  cr_expect_eq(td_admit_inputs(&fe, &r.g, msg, sizeof msg), TD_ERR_INVALID);
-  cr_expect(strstr(msg, "task must be \"transcribe\" or \"translate\", got \"dance\""), "%s", msg);
-}
