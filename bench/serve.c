@@ -11,12 +11,17 @@
  *               [--ttft-bound MS] [--tpot-bound MS] [--model DIR] [--vocab N]
  *               [--max-batch N] [--max-tokens N] [--kv-blocks N] [--cross-blocks N]
  *               [--cross-mode M] [--label TEXT] [--record] [--plot FILE.png] [--timeout-ms N]
+ *               [--results FILE.jsonl]
  *
  * Arrivals: all requests at once (the default), a closed loop of C in
  * flight, an open loop of Poisson arrivals at R requests a second, or one
  * run per rate of a sweep. --gateway sends the same requests as streamed
  * /v1/completions calls to tandem-gateway over HTTP (serve_http.c). The engine target is what tandem-generate runs,
- * driven step by step; its load time is not counted. */
+ * driven step by step; its load time is not counted. --results (with --router,
+ * one run) writes each answer as it comes, with its submit and answer times
+ * on the system's monotonic clock, after a first line with the run's start,
+ * so that another program (tandem-faults) can judge every request of a run
+ * it disturbed. */
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -27,6 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
 #include <uthash.h>
 
 #include "bench_util.h"
@@ -46,6 +52,7 @@
 
 typedef struct opts {
   const char *router, *gateway, *gateway_model, *model, *device, *workload, *label, *plot;
+  const char *results; /* --results: each answer, a JSON line */
   int http_warm; /* --gateway: connections opened before the clock starts */
   bool engine, record;
   int n, concurrency, vocab, max_batch, max_tokens, kv_blocks, cross_blocks, timeout_ms, max_enc_tokens, max_enc_seqs;
@@ -77,6 +84,7 @@ typedef struct run {
   id_slot *ids, *slots;
   td_client_timings stages; /* the cluster's per-stage times, summed over successful requests */
   int n_staged;
+  FILE *results; /* --results */
 } run;
 
 static double now_ms(void) { return (double)td_now_ns() / 1e6; }
@@ -152,9 +160,32 @@ static void cl_tokens(void *ctx, const char *id, int seq, int offset, const int3
   if (n > 0) token_seen(r, index_of(r, id), seq);
 }
 
+/* One answer as a JSON line: its id, times (ms, the monotonic clock), the
+ * first sequence's tokens and the count of sequences, or the error. */
+static void write_result(run *r, int i, const td_client_result *res) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "id", res->id);
+  cJSON_AddNumberToObject(o, "submit_ms", r->s[i].submit_ms);
+  cJSON_AddNumberToObject(o, "done_ms", now_ms());
+  if (res->status == TD_OK) {
+    cJSON_AddNumberToObject(o, "n_outputs", res->n_outputs);
+    cJSON *t = cJSON_AddArrayToObject(o, "tokens");
+    for (int k = 0; res->n_outputs > 0 && k < res->outputs[0].n_tokens; k++)
+      cJSON_AddItemToArray(t, cJSON_CreateNumber(res->outputs[0].tokens[k]));
+  } else {
+    cJSON_AddStringToObject(o, "error", res->error ? res->error : "");
+    cJSON_AddStringToObject(o, "code", td_status_str(res->status));
+  }
+  char *line = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  if (line) fprintf(r->results, "%s\n", line);
+  free(line);
+}
+
 static void cl_result(void *ctx, const td_client_result *res) {
   run *r = ctx;
   int i = index_of(r, res->id);
+  if (r->results && i >= 0 && r->s[i].done_ms <= 0) write_result(r, i, res);
   bool ok = res->status == TD_OK && res->n_outputs > 0;
   if (!ok && i >= 0 && r->s[i].done_ms <= 0)
     TD_WARN("request %s: %s", res->id, res->error ? res->error : td_status_str(res->status));
@@ -180,6 +211,10 @@ typedef struct target_i {
 static td_status drive(const target_i *vt, void *t, const opts *o, run *r) {
   td_status s = TD_OK;
   r->t0 = now_ms();
+  if (r->results) { /* the clock's start first, for a reader that times other things by it */
+    fprintf(r->results, "{\"start_ms\": %.3f}\n", r->t0);
+    fflush(r->results);
+  }
   double deadline = r->t0 + o->timeout_ms + 60000.0;
   while (r->done < r->w->n && s == TD_OK) {
     double now = now_ms();
@@ -386,7 +421,8 @@ static void usage(FILE *f) {
           "                   [--cross-blocks N] [--cross-mode auto|kv|states|dual] [--label TEXT] [--record]\n"
           "                   [--plot FILE.png] [--timeout-ms N] [--max-enc-tokens N] [--max-enc-seqs N]\n"
           "                   [--gpu-memory-fraction F] [--repeat K]  (each synthetic input K times in a row)\n"
-          "                   [--encoder-cache-fraction F]  (--engine: of the cross pool; 0.25, 0 disables)\n");
+          "                   [--encoder-cache-fraction F]  (--engine: of the cross pool; 0.25, 0 disables)\n"
+          "                   [--results FILE.jsonl]  (--router, one run: each answer with its times, a line)\n");
 }
 
 static int parse_rates(const char *s, opts *o) {
@@ -438,7 +474,8 @@ int main(int argc, char **argv) {
       {"max-enc-tokens", required_argument, 0, 'e'}, {"max-enc-seqs", required_argument, 0, 'q'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"http-warm", required_argument, 0, 'W'},
       {"repeat", required_argument, 0, 'y'},       {"encoder-cache-fraction", required_argument, 0, 'Y'},
-      {"help", no_argument, 0, 'h'},               {0, 0, 0, 0}};
+      {"results", required_argument, 0, 'O'},      {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0}};
   opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .max_batch = 0, .max_tokens = 0,
             .timeout_ms = 600000, .cache_fraction = TD_DEFAULT_ENCODER_CACHE_FRACTION};
   int c;
@@ -531,9 +568,14 @@ int main(int argc, char **argv) {
         }
         break;
       }
+      case 'O': o.results = optarg; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
+  }
+  if (o.results && (!o.router || o.n_rates > 1)) {
+    fprintf(stderr, "bench-serve: --results takes one run against a cluster (--router, not a sweep)\n");
+    return 2;
   }
   if (!!o.router + !!o.gateway + o.engine != 1 || (o.engine && !o.model) || (o.concurrency && o.n_rates)) {
     usage(stderr);
@@ -598,6 +640,8 @@ int main(int argc, char **argv) {
     double rate = o.n_rates ? o.rates[k] : 0;
     run r;
     td_status s = run_init(&r, &w, rate, o.concurrency, o.seed + 7919 * (uint64_t)k);
+    if (s == TD_OK && o.results && !(r.results = fopen(o.results, "w")))
+      s = td_err(TD_ERR_IO, "cannot write %s", o.results);
     if (s == TD_OK) s = o.engine ? run_engine(&g, &r) : o.gateway ? run_gateway(&o, &r) : run_cluster(&o, &r);
     if (s == TD_OK) s = td_serve_summarize(r.s, w.n, o.ttft_bound, o.tpot_bound, &sums[k]);
     if (s != TD_OK) {
@@ -614,6 +658,10 @@ int main(int argc, char **argv) {
                        a->first_token_ms / d, a->decode_ms / d, a->total_ms / d, a->attempts / d);
       }
       if (sums[k].n_failed) rc = 1;
+    }
+    if (r.results && fclose(r.results) != 0) {
+      fprintf(stderr, "bench-serve: cannot write %s\n", o.results);
+      rc = 1;
     }
     run_free(&r);
   }

@@ -9,6 +9,7 @@
 #include "common/clock.h"
 #include "common/defaults.h"
 #include "common/log.h"
+#include "proto/check.h"
 #include "proto/wire.h"
 
 #define GRACE_MS 5000
@@ -17,11 +18,21 @@
 typedef struct pending {
   char *id;
   int64_t deadline_ms; /* monotonic; 0 = none */
+  int64_t sent_ms;
+  uint64_t conn;       /* the connection it went out on (0: none was up; it waits in the socket for one) */
+  bool lost;           /* that connection was lost: its answer cannot come */
   UT_hash_handle hh;
 } pending;
 
+/* The router connection's events (tcp and ipc; inproc has none): a request
+ * is answered on the connection it went out on, since the router routes
+ * by connection and a restarted router knows nothing of it. */
 struct td_client {
   void *ctx, *sock;
+  void *mon;        /* PAIR: the socket's handshakes and disconnections (NULL: inproc, not watched) */
+  char endpoint[256];
+  bool up;          /* a connection is up (its handshake done) */
+  uint64_t conn;    /* connections made so far */
   pending *pend;
   td_client_health health;
   bool have_health;
@@ -50,6 +61,17 @@ td_status td_client_connect_auth(const char *endpoint, const td_auth *auth, td_c
     td_client_close(c);
     return as;
   }
+  snprintf(c->endpoint, sizeof c->endpoint, "%s", endpoint);
+  if (strncmp(endpoint, "inproc://", 9)) {
+    char mep[64];
+    snprintf(mep, sizeof mep, "inproc://td-client-monitor-%p", (void *)c);
+    if (zmq_socket_monitor(c->sock, mep, ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_DISCONNECTED) != 0 ||
+        !(c->mon = zmq_socket(c->ctx, ZMQ_PAIR)) || zmq_connect(c->mon, mep) != 0) {
+      td_status s = td_err(TD_ERR_NETWORK, "zmq monitor: %s", zmq_strerror(zmq_errno()));
+      td_client_close(c);
+      return s;
+    }
+  }
   if (zmq_connect(c->sock, endpoint) != 0) {
     td_status s = td_err(TD_ERR_INVALID, "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
     td_client_close(c);
@@ -57,6 +79,40 @@ td_status td_client_connect_auth(const char *endpoint, const td_auth *auth, td_c
   }
   *out = c;
   return TD_OK;
+}
+
+/* Takes the connection events that came: a lost connection marks the
+ * requests that went out on it lost (reported by the next poll); a new one
+ * takes the requests that waited in the socket for it. */
+static void take_events(td_client *c) {
+  if (!c->mon) return;
+  for (;;) {
+    zmq_msg_t head, addr;
+    zmq_msg_init(&head);
+    if (zmq_msg_recv(&head, c->mon, ZMQ_DONTWAIT) < 0) {
+      zmq_msg_close(&head);
+      return;
+    }
+    uint16_t event = 0;
+    if (zmq_msg_size(&head) >= sizeof event) memcpy(&event, zmq_msg_data(&head), sizeof event);
+    bool more = zmq_msg_more(&head);
+    zmq_msg_close(&head);
+    if (more) { /* the endpoint's address */
+      zmq_msg_init(&addr);
+      (void)zmq_msg_recv(&addr, c->mon, 0);
+      zmq_msg_close(&addr);
+    }
+    pending *p, *t;
+    if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+      c->up = true;
+      c->conn++;
+      HASH_ITER(hh, c->pend, p, t) if (!p->conn) p->conn = c->conn;
+    } else if (event == ZMQ_EVENT_DISCONNECTED && c->up) {
+      c->up = false;
+      HASH_ITER(hh, c->pend, p, t) if (p->conn == c->conn) p->lost = true;
+      TD_WARN("client: the connection to the router at %s was lost", c->endpoint);
+    }
+  }
 }
 
 static td_status send_client(td_client *c, Tandem__ClientMessage *m);
@@ -108,6 +164,8 @@ void td_client_close(td_client *c) {
     free(p->id);
     free(p);
   }
+  if (c->sock) zmq_socket_monitor(c->sock, NULL, 0);
+  if (c->mon) zmq_close(c->mon);
   if (c->sock) zmq_close(c->sock);
   if (c->ctx) zmq_ctx_term(c->ctx);
   free(c);
@@ -183,13 +241,16 @@ td_status td_client_generate(td_client *c, const td_json_request *r, bool stream
   Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
   m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
   m.generate = &g;
+  take_events(c); /* which connection it goes out on, as of now */
   TD_TRY(send_client(c, &m));
   p = calloc(1, sizeof *p);
   if (!p || !(p->id = strdup(r->id))) {
     free(p);
     return td_err(TD_ERR_NOMEM, "out of memory");
   }
-  p->deadline_ms = td_now_ms() + (timeout_ms ? timeout_ms : DEFAULT_TIMEOUT_MS) + GRACE_MS;
+  p->sent_ms = td_now_ms();
+  p->conn = c->up ? c->conn : 0;
+  p->deadline_ms = p->sent_ms + (timeout_ms ? timeout_ms : DEFAULT_TIMEOUT_MS) + GRACE_MS;
   HASH_ADD_KEYPTR(hh, c->pend, p->id, strlen(p->id), p);
   return TD_OK;
 }
@@ -304,11 +365,11 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
       break;
     case TANDEM__SERVER_MESSAGE__BODY_RESULT: {
       Tandem__GenerateResult *g = m->result;
-      td_seq_output outs[64];
-      td_text_segment *segs[64] = {0};
+      td_seq_output outs[TD_CLIENT_MAX_OUTPUTS]; /* td_check_server_message bounds n_outputs */
+      td_text_segment *segs[TD_CLIENT_MAX_OUTPUTS] = {0};
       static const td_text_segment none[1];
       int n = 0;
-      for (size_t i = 0; i < g->n_outputs && n < 64; i++, n++) {
+      for (size_t i = 0; i < g->n_outputs && n < TD_CLIENT_MAX_OUTPUTS; i++, n++) {
         Tandem__SequenceOutput *o = g->outputs[i];
         outs[n] = (td_seq_output){.tokens = o->tokens, .n_tokens = (int)o->n_tokens,
                                   .logprobs = o->n_logprobs ? o->logprobs : NULL, .score = o->score,
@@ -365,17 +426,45 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
   }
 }
 
+/* A router message that breaks a field's limit: the requests it is about
+ * end with the reason, rather than with part of it. */
+static void invalid(td_client *c, const Tandem__ServerMessage *m, const td_client_events *ev, const char *why) {
+  char msg[400];
+  snprintf(msg, sizeof msg, "the router sent an invalid message: %s", why);
+  TD_WARN("client: %s", msg);
+  if (m->body_case == TANDEM__SERVER_MESSAGE__BODY_CHUNKS) {
+    for (size_t i = 0; i < m->chunks->n_items; i++)
+      if (m->chunks->items[i]->request_id) fail(c, m->chunks->items[i]->request_id, ev, TD_ERR_FORMAT, msg);
+  } else if (m->request_id && m->request_id[0]) {
+    fail(c, m->request_id, ev, TD_ERR_FORMAT, msg);
+  }
+}
+
+/* Ends the requests whose answer cannot come: their connection was lost,
+ * no router connection came within TD_CLIENT_ROUTER_WAIT_MS of their
+ * sending, or their deadline (plus the grace) passed. Each is cancelled too,
+ * in case it still waits in the socket for the next router. */
 static void expire(td_client *c, const td_client_events *ev) {
   int64_t now = td_now_ms();
   pending *p, *t;
   HASH_ITER(hh, c->pend, p, t) {
-    if (p->deadline_ms && now > p->deadline_ms) {
-      char *id = strdup(p->id);
-      if (!id) continue;
-      (void)td_client_cancel(c, id);
-      fail(c, id, ev, TD_ERR_TIMEOUT, "no answer from the router before the deadline");
-      free(id);
-    }
+    char msg[400];
+    td_status s = TD_ERR_NETWORK;
+    if (p->lost)
+      snprintf(msg, sizeof msg, "router unreachable: the connection to the router at %s was lost (it stopped, was "
+               "killed or restarted) while the request was in flight", c->endpoint);
+    else if (c->mon && !p->conn && now - p->sent_ms > TD_CLIENT_ROUTER_WAIT_MS)
+      snprintf(msg, sizeof msg, "router unreachable: no connection to the router at %s within %d ms (not running, "
+               "or it refused this client's key)", c->endpoint, TD_CLIENT_ROUTER_WAIT_MS);
+    else if (p->deadline_ms && now > p->deadline_ms)
+      snprintf(msg, sizeof msg, "no answer from the router before the deadline"), s = TD_ERR_TIMEOUT;
+    else
+      continue;
+    char *id = strdup(p->id);
+    if (!id) continue;
+    (void)td_client_cancel(c, id);
+    fail(c, id, ev, s, msg);
+    free(id);
   }
 }
 
@@ -384,11 +473,26 @@ td_status td_client_poll(td_client *c, int timeout_ms, const td_client_events *e
 }
 
 td_status td_client_poll_fd(td_client *c, int fd, int timeout_ms, const td_client_events *ev, bool *fd_ready) {
-  zmq_pollitem_t it[2] = {{.socket = c->sock, .events = ZMQ_POLLIN}, {.fd = fd, .events = ZMQ_POLLIN}};
-  int rc = zmq_poll(it, fd >= 0 ? 2 : 1, timeout_ms);
+  /* a request already lost ends now, not after the wait */
+  take_events(c);
+  for (pending *p = c->pend; p; p = p->hh.next)
+    if (p->lost) timeout_ms = 0;
+  zmq_pollitem_t it[3] = {{.socket = c->sock, .events = ZMQ_POLLIN}, {.socket = c->mon, .events = ZMQ_POLLIN},
+                          {.fd = fd, .events = ZMQ_POLLIN}};
+  int n_it = 1;
+  if (c->mon) n_it++;
+  if (fd >= 0) it[n_it++] = (zmq_pollitem_t){.fd = fd, .events = ZMQ_POLLIN};
+  /* a request waiting for a connection wakes the poll when its wait ends */
+  if (c->mon && !c->up)
+    for (pending *p = c->pend; p; p = p->hh.next)
+      if (!p->conn) {
+        int64_t left = p->sent_ms + TD_CLIENT_ROUTER_WAIT_MS + 1 - td_now_ms();
+        if (timeout_ms < 0 || left < timeout_ms) timeout_ms = left > 0 ? (int)left : 0;
+      }
+  int rc = zmq_poll(it, n_it, timeout_ms);
   if (rc < 0) return td_err(TD_ERR_NETWORK, "zmq poll: %s", zmq_strerror(zmq_errno()));
-  if (fd_ready) *fd_ready = fd >= 0 && (it[1].revents & ZMQ_POLLIN);
-  if (fd >= 0 && rc > 0 && !(it[0].revents & ZMQ_POLLIN)) rc = 0; /* only the caller's descriptor */
+  if (fd_ready) *fd_ready = fd >= 0 && (it[n_it - 1].revents & ZMQ_POLLIN);
+  if (!(it[0].revents & ZMQ_POLLIN)) rc = 0; /* the caller's descriptor, or connection events only */
   for (int k = 0; rc > 0 && k < 1024; k++) {
     td_wire_frame f;
     td_status s = td_wire_recv(c->sock, false, false, &f);
@@ -406,9 +510,14 @@ td_status td_client_poll_fd(td_client *c, int fd, int timeout_ms, const td_clien
       TD_WARN("client: dropped a message from the router: %s", td_errmsg());
       continue;
     }
-    dispatch(c, m, ev);
+    char why[320];
+    if (td_check_server_message(m, why, sizeof why))
+      dispatch(c, m, ev);
+    else
+      invalid(c, m, ev, why);
     tandem__server_message__free_unpacked(m, NULL);
   }
+  take_events(c);
   expire(c, ev);
   return TD_OK;
 }

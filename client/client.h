@@ -97,12 +97,19 @@ void td_client_close(td_client *c);
 /* Sends a request (its id must be unique among this client's requests in
  * flight): its ids, features, text or audio (the router converts text and
  * audio when it has a tokenizer). timeout_ms: the router's deadline (0: its default); the client
- * also gives up on its own at that deadline plus a grace period. */
+ * also gives up on its own at that deadline plus a grace period. Over tcp and
+ * ipc the client watches its router connection: a request whose connection
+ * is lost (the router killed: at once; silent: within about 6 s, ZeroMQ
+ * heartbeats), or that finds none within TD_CLIENT_ROUTER_WAIT_MS, ends with
+ * TD_ERR_NETWORK "router unreachable: ..."; later requests go to the router
+ * the socket reconnects to. */
 td_status td_client_generate(td_client *c, const td_json_request *r, bool stream, uint32_t timeout_ms);
 td_status td_client_cancel(td_client *c, const char *id);
 /* Waits up to timeout_ms for messages and dispatches them; returns after
  * the first batch of messages or the timeout. Requests past their client
- * deadline end with TD_ERR_TIMEOUT. */
+ * deadline end with TD_ERR_TIMEOUT, those whose router is unreachable with
+ * TD_ERR_NETWORK, those the router answered with a message past a field's
+ * limit with TD_ERR_FORMAT. */
 td_status td_client_poll(td_client *c, int timeout_ms, const td_client_events *ev);
 /* The same, also waking when descriptor fd (>= 0; e.g. an eventfd another
  * thread writes to hand this one work) turns readable: *fd_ready says so

@@ -62,6 +62,11 @@
 #define TD_ROUTER_MAX_GROUPS 256         /* worker group rendezvous held (forming, failed, running); beyond: refused */
 #define TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS 5000 /* tandem-client: a router that does not answer by then is
                                              reported unreachable */
+#define TD_CLIENT_ROUTER_WAIT_MS 5000     /* the client library: a request sent while no router connection is up
+                                             waits this long for one, then fails "router unreachable" */
+#define TD_WIRE_HEARTBEAT_IVL_MS 1000    /* ZeroMQ heartbeats on every Tandem socket: a PING this often ... */
+#define TD_WIRE_HEARTBEAT_TIMEOUT_MS 5000 /* ... and a peer silent this long after one is disconnected (a client's
+                                             requests on that connection then fail "router unreachable") */
 #define TD_ADMIN_DEFAULT_TIMEOUT_MS 60000 /* tandem-admin: the router's answer, or wait-up / wait-gone */
 #define TD_ADMIN_POLL_MS 200             /* tandem-admin wait-up / wait-gone: how often it asks the router */
 /* Text and audio are converted in the router's one loop at admission: these
@@ -70,6 +75,22 @@
 #define TD_MAX_AUDIO_BYTES (16u << 20)   /* a request's audio file (30 s of 48 kHz stereo 32-bit WAV: 11.5 MB) */
 #define TD_MAX_AUDIO_SECONDS 30.0        /* one Whisper window (long-form runs in the gateway and tandem-generate) */
 #define TD_MAX_LANGUAGE_BYTES 31         /* a request's Whisper language code */
+
+/* What a peer's message may hold, field by field (proto/check.h; the table
+ * in docs/limits.md, "Fields"): refused on receipt, before any field is used. */
+#define TD_MODEL_MAX_VOCAB (1 << 24)       /* a registered model's vocabulary (token ids are int32) */
+#define TD_MODEL_MAX_POSITIONS (1 << 20)   /* a registered model's max_source_len / max_target_len */
+#define TD_MODEL_MAX_FRAMES (1 << 20)      /* a Whisper model's feature frames */
+#define TD_MAX_BLOCK_SIZE 4096             /* token slots a KV block (a worker's --block-size) */
+#define TD_WORKER_MAX_BLOCKS (1 << 28)     /* blocks a worker's pool registers (sums of them stay in an int) */
+#define TD_WORKER_MAX_RUNNING (1 << 16)    /* sequences a worker's decode step registers */
+#define TD_WIRE_MAX_NAME 255               /* a model's name and type, a device, a build version, a group */
+#define TD_WIRE_MAX_REASON 4096            /* a Failed message, a Deregister or Remove reason */
+#define TD_TRANSFER_DESC_MAX_BYTES (64u << 10) /* a worker's KV descriptor (TransferDesc) */
+#define TD_ROUTER_MAX_STOP_IDS 1024        /* stop_token_ids a request */
+#define TD_MAX_HEARTBEAT_MS 60000          /* a RegisterAck's heartbeat period */
+#define TD_MAX_DEAD_AFTER 1000             /* a RegisterAck's missed heartbeats before death */
+#define TD_CLIENT_MAX_OUTPUTS 64           /* sequences a result carries (n and num_beams are bounded below it) */
 
 /* ---- workers and groups ---- */
 #define TD_DEFAULT_RESERVATION_TTL_MS 30000 /* reserved KV blocks that nothing fills expire */
@@ -96,6 +117,8 @@
 #define TD_KV_ACK_MAX_BYTES (64u << 10)    /* a KvAck (the sender's socket takes nothing larger) */
 #define TD_KV_TOKEN_BYTES 16               /* a reservation's sender token (KvSender.token): 128 random bits */
 #define TD_GROUP_MAX_RANKS 16              /* ranks of a TP / PP worker group (the router's rendezvous too) */
+#define TD_GROUP_MAX_NAME 127              /* bytes of a group's name (GroupJoin.group) */
+#define TD_GROUP_MAX_NCCL_ID 256           /* bytes of a GroupJoin's NCCL id (NCCL's are 128) */
 #define TD_GROUP_HEARTBEAT_MS 200          /* leader -> followers when idle; followers -> router */
 #define TD_GROUP_LEADER_DEAD_MS 5000       /* a follower gives up on a silent leader */
 #define TD_GROUP_JOIN_RESEND_MS 2000       /* a joining rank asks the router again */
@@ -147,6 +170,7 @@
 #define TD_GATEWAY_MAX_PROMPTS 32              /* prompts one completion request batches */
 #define TD_GATEWAY_MAX_STOP 4                  /* stop strings (OpenAI's limit) */
 #define TD_GATEWAY_MAX_STOP_BYTES 256          /* bytes of one stop string */
+#define TD_GATEWAY_MAX_USER_BYTES 256          /* a completion's "user" (OpenAI's end-user id) */
 #define TD_GATEWAY_MAX_TOKENS 65536            /* max_tokens beyond this is refused before the router sees it */
 #define TD_GATEWAY_DEFAULT_MAX_TOKENS 16       /* OpenAI's default max_tokens for completions */
 #define TD_GATEWAY_MAX_AUDIO_SECONDS 600.0     /* audio decoded at most (longer: 400); beyond the model's window:

@@ -134,6 +134,13 @@ td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a) {
                   p->num_beams, e->smp.max_k / 2, e->V);
   if (p->timestamp_begin < 0 || p->timestamp_begin >= c->vocab_size)
     return td_err(TD_ERR_INVALID, "request %s: timestamp_begin %d is outside the vocabulary", id, p->timestamp_begin);
+  if (p->max_initial_timestamp >= c->vocab_size)
+    return td_err(TD_ERR_INVALID, "request %s: max_initial_timestamp %d is past the vocabulary", id,
+                  p->max_initial_timestamp);
+  /* earlier attempts' tokens are the prompt's tail: the timestamp rules read behind them */
+  if (r->step_offset && (int64_t)r->step_offset >= a->n_prompt)
+    return td_err(TD_ERR_INVALID, "request %s: %u tokens of earlier attempts in a prompt of %d", id, r->step_offset,
+                  a->n_prompt);
   for (int i = 0; i < p->n_allowed; i++)
     if (p->allowed_ids[i] < 0 || p->allowed_ids[i] >= c->vocab_size)
       return td_err(TD_ERR_INVALID, "request %s: allowed token %d is outside the vocabulary", id, p->allowed_ids[i]);

@@ -92,6 +92,23 @@ static bool integer(const cJSON *x, const char *name, double lo, double hi, long
   return true;
 }
 
+/* The field a key sets: aliases set the same one. */
+static const char *field_of(const char *k) {
+  if (!strcmp(k, "max_new_tokens")) return "max_tokens";
+  if (!strcmp(k, "num_beams")) return "best_of";
+  return k;
+}
+
+/* Whether a key before x in its object sets the same field: JSON leaves a
+ * repeated key's meaning open, so a repeat is refused rather than one taken.
+ * Bounded: the first unknown key ends the parse, so at most every known key
+ * is scanned. */
+static bool repeated(const cJSON *o, const cJSON *x) {
+  for (const cJSON *y = o->child; y && y != x; y = y->next)
+    if (!strcmp(field_of(y->string), field_of(x->string))) return true;
+  return false;
+}
+
 static bool stops_of(const cJSON *x, gw_completion *c, gw_error *e) {
   if (cJSON_IsNull(x)) return true;
   const cJSON *one = x;
@@ -146,7 +163,18 @@ bool gw_completion_parse(const char *body, size_t len, const gw_model *m, gw_com
     const char *k = x->string;
     double v;
     long long i;
-    if (!strcmp(k, "model") || !strcmp(k, "prompt") || !strcmp(k, "user")) continue;
+    if (repeated(o, x)) {
+      gw_error_set(e, 400, k, "%s: the field is given twice", k);
+      goto done;
+    }
+    if (!strcmp(k, "model") || !strcmp(k, "prompt")) continue;
+    if (!strcmp(k, "user")) { /* OpenAI's end-user id: kept nowhere, but bounded like any string */
+      if (!cJSON_IsNull(x) && (!cJSON_IsString(x) || strlen(x->valuestring) > TD_GATEWAY_MAX_USER_BYTES)) {
+        gw_error_set(e, 400, k, "user: a string of at most %d bytes", TD_GATEWAY_MAX_USER_BYTES);
+        goto done;
+      }
+      continue;
+    }
     if (cJSON_IsNull(x)) continue; /* clients send null for "unset" */
     if (!strcmp(k, "max_tokens") || !strcmp(k, "max_new_tokens")) {
       if (!integer(x, k, 1, TD_GATEWAY_MAX_TOKENS, &i, e)) goto done;

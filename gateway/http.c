@@ -149,9 +149,20 @@ static void field_done(gw_conn *c) {
   if (!c->field[0]) return;
   gw_audio_req *a = &c->audio;
   const char *k = c->field, *v = c->value.s ? c->value.s : "";
-  if (c->value.oom) {
+  /* each field once (the granularities are a list) */
+  static const char *const once[] = {"model", "language", "prompt", "response_format", "temperature", "stream"};
+  for (unsigned i = 0; i < sizeof once / sizeof *once && !c->err.http; i++)
+    if (!strcmp(k, once[i])) {
+      if (a->seen & (1u << i)) gw_error_set(&c->err, 400, k, "%s: the field is given twice", k);
+      a->seen |= 1u << i;
+    }
+  if (c->err.http) {
+    /* refused already */
+  } else if (c->value.oom) {
     gw_error_set(&c->err, 500, k, "out of memory");
   } else if (!strcmp(k, "model")) {
+    if (strlen(v) >= sizeof a->model)
+      gw_error_set(&c->err, 400, k, "model: at most %zu bytes (GET /v1/models lists them)", sizeof a->model - 1);
     snprintf(a->model, sizeof a->model, "%s", v);
   } else if (!strcmp(k, "language")) {
     if (strlen(v) >= sizeof a->language) gw_error_set(&c->err, 400, k, "language: an ISO-639-1 code such as \"en\"");

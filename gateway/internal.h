@@ -124,6 +124,7 @@ typedef struct gw_audio_req {
   gw_format format;
   char bad_field[64];     /* a field this endpoint does not know */
   td_longform_settings lf; /* audio past the window */
+  unsigned seen;          /* the fields given, by bit (a second of one is refused) */
 } gw_audio_req;
 
 /* Checks the form fields (after upload); false with *e filled. */

@@ -84,6 +84,8 @@ void gw_error_from_status(gw_error *e, td_status s, const char *msg) {
     default: http = 500; break;
   }
   gw_error_set(e, http, NULL, "%s", msg && *msg ? msg : td_status_str(s));
+  /* the client library's word for a router it lost or never reached */
+  if (s == TD_ERR_NETWORK) e->code = "router_unreachable";
 }
 
 char *gw_error_json(const gw_error *e) {

@@ -51,8 +51,9 @@ typedef struct td_kvt_hooks {
   /* receiver, transports that bring bytes (host_copy): data[i] holds block
    * blocks[i]; the owner writes them into its pools */
   void (*deliver)(void *ctx, bool cross, const int32_t *blocks, int n, const void *const *data, size_t block_bytes);
-  /* receiver: n blocks of the reservation are in place */
-  void (*arrived)(void *ctx, const td_kvt *t, uint64_t rid, uint64_t reservation, bool cross, int n);
+  /* receiver: blocks[0..n) of the reservation are in place */
+  void (*arrived)(void *ctx, const td_kvt *t, uint64_t rid, uint64_t reservation, bool cross, const int32_t *blocks,
+                  int n);
   /* sender: a push of n blocks ended: ok, or the error */
   void (*pushed)(void *ctx, const td_kvt *t, uint64_t rid, int tag, int n, bool ok, const char *error);
   /* sender: blocks taken by td_kvt_forget are no longer read (the array is the callee's) */

@@ -95,7 +95,8 @@ static void on_recv(void *ctx, const td_kvx_recv_event *ev) {
   if (u->closing) return;
   if (ev->status == TD_OK) {
     /* the blocks are in the pool already: nothing to deliver */
-    u->h->arrived(u->h->ctx, u->t, ev->request_id, ev->reservation_id, ev->pool_id == POOL_CROSS, ev->n_blocks);
+    u->h->arrived(u->h->ctx, u->t, ev->request_id, ev->reservation_id, ev->pool_id == POOL_CROSS, ev->blocks,
+                  ev->n_blocks);
   } else {
     /* the sender reports its failure to the router, which retries */
     TD_WARN("KV of request %" PRIu64 " over UCX did not arrive: %s", ev->request_id,

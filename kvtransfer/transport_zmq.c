@@ -367,7 +367,7 @@ static void receive_one(zx *x) {
   if (h) {
     ack(x, &id, h->push_id, ok, ok ? NULL : why);
     if (ok)
-      hk->arrived(hk->ctx, x->t, h->rid, h->reservation, h->cross, (int)h->n_blocks);
+      hk->arrived(hk->ctx, x->t, h->rid, h->reservation, h->cross, h->blocks, (int)h->n_blocks);
     else
       TD_WARN("refused a KV push for request %llu: %s", (unsigned long long)h->rid, why);
     tandem__cluster__kv_push__free_unpacked(h, NULL);
@@ -399,6 +399,11 @@ static void zx_progress(td_kvt *t) {
       if (n < 0) break;
       while (more(x->peers[i].sock)) zmq_recv(x->peers[i].sock, buf, 0, 0);
       Tandem__Cluster__KvAck *a = n <= (int)sizeof buf ? tandem__cluster__kv_ack__unpack(NULL, (size_t)n, buf) : NULL;
+      if (a && a->version != TD_PROTOCOL_VERSION) { /* another version's answer: its push times out */
+        TD_WARN("dropped a KvAck of protocol version %u", a->version);
+        tandem__cluster__kv_ack__free_unpacked(a, NULL);
+        a = NULL;
+      }
       if (!a) continue;
       for (int p = 0; p < x->n_pend; p++)
         if (x->pend[p].push_id == a->push_id) {

@@ -8,6 +8,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/defaults.h"
+
 void td_wire_set_unique_route(void *sock, const char *name) {
   uint64_t rnd = 0;
   if (getrandom(&rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) {
@@ -27,7 +29,7 @@ void td_wire_setup_socket(void *sock) {
   zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
   zmq_setsockopt(sock, ZMQ_SNDHWM, &hwm, sizeof hwm);
   zmq_setsockopt(sock, ZMQ_RCVHWM, &hwm, sizeof hwm);
-  int ivl = 1000, ttl = 5000, tmo = 5000;
+  int ivl = TD_WIRE_HEARTBEAT_IVL_MS, ttl = TD_WIRE_HEARTBEAT_TIMEOUT_MS, tmo = TD_WIRE_HEARTBEAT_TIMEOUT_MS;
   zmq_setsockopt(sock, ZMQ_HEARTBEAT_IVL, &ivl, sizeof ivl);
   zmq_setsockopt(sock, ZMQ_HEARTBEAT_TTL, &ttl, sizeof ttl);
   zmq_setsockopt(sock, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);

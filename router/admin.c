@@ -53,6 +53,12 @@ static int other_decoders(const td_router *r, const worker *w) {
 }
 
 void rtr_on_admin(td_router *r, const uint8_t *id, size_t id_len, const char *key, const Tandem__AdminRequest *a) {
+  if (a->request_id && strlen(a->request_id) > TD_ROUTER_MAX_REQUEST_ID) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "request_id of %zu bytes exceeds %d", strlen(a->request_id), TD_ROUTER_MAX_REQUEST_ID);
+    rtr_client_error(r, id, id_len, "", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, msg);
+    return;
+  }
   if (!rtr_admin_allowed(r, key)) {
     refuse(r, id, id_len, a, TANDEM__ERROR_CODE__ERROR_PERMISSION_DENIED,
            "this client may not send admin requests (its key is not on the router's --admin-keys list)");

@@ -93,8 +93,10 @@ static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *m
   int n = sp->n ? (int)sp->n : 1, beams = sp->num_beams ? (int)sp->num_beams : 1;
   if (!(sp->temperature >= 0) || !isfinite(sp->temperature))
     REFUSE(TD_ERR_INVALID, "temperature must be a finite number >= 0 (0: greedy), got %g", sp->temperature);
-  if (!(sp->top_p >= 0)) REFUSE(TD_ERR_INVALID, "top_p must be >= 0 (0 or >= 1: off), got %g", sp->top_p);
-  if (sp->top_k < 0) REFUSE(TD_ERR_INVALID, "top_k must be >= 0 (0: off), got %d", sp->top_k);
+  if (!(sp->top_p >= 0) || !isfinite(sp->top_p))
+    REFUSE(TD_ERR_INVALID, "top_p must be a finite number >= 0 (0 or >= 1: off), got %g", sp->top_p);
+  if (sp->top_k < 0 || sp->top_k > V)
+    REFUSE(TD_ERR_INVALID, "top_k must be 0 (off) to the vocabulary's %d, got %d", V, sp->top_k);
   if (sp->n > TD_ROUTER_MAX_SAMPLES)
     REFUSE(TD_ERR_INVALID, "n = %u exceeds the limit of %d samples a request", sp->n, TD_ROUTER_MAX_SAMPLES);
   if (sp->num_beams > TD_ENGINE_MAX_BEAMS)
@@ -112,12 +114,14 @@ static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *m
     REFUSE(TD_ERR_INVALID, "length_penalty must be a finite number, got %g", sp->length_penalty);
   if (sp->early_stopping < -1 || sp->early_stopping > 1)
     REFUSE(TD_ERR_INVALID, "early_stopping must be 1 (true), 0 (false) or -1 (never), got %d", sp->early_stopping);
-  if (sp->set_forced_bos && sp->forced_bos_token_id >= V)
-    REFUSE(TD_ERR_INVALID, "forced_bos_token_id %d is outside the vocabulary of %d", sp->forced_bos_token_id, V);
+  if (sp->set_forced_bos && (sp->forced_bos_token_id < -1 || sp->forced_bos_token_id >= V))
+    REFUSE(TD_ERR_INVALID, "forced_bos_token_id %d is outside the vocabulary of %d (-1: none)", sp->forced_bos_token_id,
+           V);
   if (sp->timestamp_begin < 0 || sp->timestamp_begin >= V)
     REFUSE(TD_ERR_INVALID, "timestamp_begin %d is outside the vocabulary of %d", sp->timestamp_begin, V);
-  if (sp->has_max_initial_timestamp && sp->max_initial_timestamp_index < 0)
-    REFUSE(TD_ERR_INVALID, "max_initial_timestamp_index must be >= 0, got %d", sp->max_initial_timestamp_index);
+  if (sp->has_max_initial_timestamp && (sp->max_initial_timestamp_index < 0 || sp->max_initial_timestamp_index >= V))
+    REFUSE(TD_ERR_INVALID, "max_initial_timestamp_index must be 0 to the vocabulary's %d, got %d", V,
+           sp->max_initial_timestamp_index);
   if (sp->n_allowed_token_ids > (size_t)V)
     REFUSE(TD_ERR_INVALID, "%zu allowed_token_ids exceed the vocabulary of %d", sp->n_allowed_token_ids, V);
   for (size_t i = 0; i < sp->n_allowed_token_ids; i++)
@@ -125,8 +129,9 @@ static td_status check_sampling(const Tandem__SamplingParams *sp, int V, char *m
       REFUSE(TD_ERR_INVALID, "allowed token %d is outside the vocabulary of %d", sp->allowed_token_ids[i], V);
   if (sp->probe && (sp->probe_token_id < 0 || sp->probe_token_id >= V))
     REFUSE(TD_ERR_INVALID, "probe_token_id %d is outside the vocabulary of %d", sp->probe_token_id, V);
-  if (sp->set_forced_eos && sp->forced_eos_token_id >= V)
-    REFUSE(TD_ERR_INVALID, "forced_eos_token_id %d is outside the vocabulary of %d", sp->forced_eos_token_id, V);
+  if (sp->set_forced_eos && (sp->forced_eos_token_id < -1 || sp->forced_eos_token_id >= V))
+    REFUSE(TD_ERR_INVALID, "forced_eos_token_id %d is outside the vocabulary of %d (-1: none)", sp->forced_eos_token_id,
+           V);
   return TD_OK;
 }
 
@@ -135,6 +140,8 @@ td_status td_admit_request(const Tandem__ModelInfo *mi, int block_size, const Ta
   memset(out, 0, sizeof *out);
   int V = (int)mi->vocab_size;
   const char *name = mi->name ? mi->name : "", *type = mi->model_type ? mi->model_type : "";
+  if (g->model && strlen(g->model) > TD_WIRE_MAX_NAME)
+    REFUSE(TD_ERR_INVALID, "model of %zu bytes exceeds the limit of %d", strlen(g->model), TD_WIRE_MAX_NAME);
   if (g->model && g->model[0] && strcmp(g->model, name) && strcmp(g->model, type))
     REFUSE(TD_ERR_NOT_FOUND, "model \"%s\" is not served here (serving \"%s\")", g->model, name);
   td_status s = check_input(mi, g, &out->enc_len, msg, cap);
@@ -146,6 +153,8 @@ td_status td_admit_request(const Tandem__ModelInfo *mi, int block_size, const Ta
   for (size_t i = 0; i < g->n_decoder_prompt; i++)
     if (g->decoder_prompt[i] < 0 || g->decoder_prompt[i] >= V)
       REFUSE(TD_ERR_INVALID, "decoder prompt token %d is outside the vocabulary of %d", g->decoder_prompt[i], V);
+  if (g->n_stop_token_ids > TD_ROUTER_MAX_STOP_IDS)
+    REFUSE(TD_ERR_INVALID, "%zu stop_token_ids exceed the limit of %d", g->n_stop_token_ids, TD_ROUTER_MAX_STOP_IDS);
   for (size_t i = 0; i < g->n_stop_token_ids; i++)
     if (g->stop_token_ids[i] < 0 || g->stop_token_ids[i] >= V)
       REFUSE(TD_ERR_INVALID, "stop token %d is outside the vocabulary of %d", g->stop_token_ids[i], V);

@@ -11,6 +11,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "proto/check.h"
 #include "router/internal.h"
 
 /* A group's ranks leave the member index with it. */
@@ -71,28 +72,6 @@ static void group_reply(td_router *r, const uint8_t *id, size_t id_len, const gr
   (void)rtr_send_peer(r, id, id_len, &m);
 }
 
-/* A join that no group can take; each limit its own message. */
-static bool join_invalid(const Tandem__Cluster__GroupJoin *j, char *why, size_t cap) {
-  const char *name = j->group ? j->group : "";
-  if (!name[0])
-    snprintf(why, cap, "bad group join: no group name");
-  else if (strlen(name) >= sizeof ((group_rv *)0)->name)
-    snprintf(why, cap, "bad group join: the group name has %zu bytes, at most %zu", strlen(name),
-             sizeof ((group_rv *)0)->name - 1);
-  else if (j->world < 1 || j->world > TD_GROUP_MAX_RANKS)
-    snprintf(why, cap, "bad group join: world %u, a group has 1 to %d ranks", j->world, TD_GROUP_MAX_RANKS);
-  else if (j->rank >= j->world)
-    snprintf(why, cap, "bad group join: rank %u of a world of %u", j->rank, j->world);
-  else if (!j->endpoint || !j->endpoint[0])
-    snprintf(why, cap, "bad group join: rank %u gave no endpoint", j->rank);
-  else if (j->nccl_id.len > sizeof ((group_rv *)0)->nccl_id)
-    snprintf(why, cap, "bad group join: an NCCL id of %zu bytes, at most %zu", j->nccl_id.len,
-             sizeof ((group_rv *)0)->nccl_id);
-  else
-    return false;
-  return true;
-}
-
 /* A rank was refused (or its group already failed): the other ranks cannot
  * form the group either; those waiting hear why now, the others when they
  * join (rather than waiting for a rank that never comes). */
@@ -145,7 +124,7 @@ static void member_leave(td_router *r, group_rank *mb) {
 void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, const char *key,
                        Tandem__Cluster__GroupJoin *j) {
   char why[512];
-  if (join_invalid(j, why, sizeof why)) {
+  if (!td_check_group_join(j, why, sizeof why)) { /* proto/check.c: each limit its own message */
     group_reply(r, id, id_len, NULL, why);
     return;
   }

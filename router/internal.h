@@ -112,13 +112,13 @@ typedef struct group_rank {
 
 /* A worker group's rendezvous (GroupJoin / GroupInfo). */
 struct group_rv {
-  char name[128];
+  char name[TD_GROUP_MAX_NAME + 1];
   int world;
   char *endpoints[TD_GROUP_MAX_RANKS];
   uint8_t ids[TD_GROUP_MAX_RANKS][TD_WIRE_MAX_ID];
   size_t id_lens[TD_GROUP_MAX_RANKS];
   char keys[TD_GROUP_MAX_RANKS][TD_AUTH_KEY_Z85]; /* with keys: each rank's, as it joined (GroupInfo.keys) */
-  uint8_t nccl_id[256];
+  uint8_t nccl_id[TD_GROUP_MAX_NCCL_ID];
   size_t nccl_len;
   int joined;
   bool complete;
@@ -166,6 +166,7 @@ struct td_router {
   group_rank *members;          /* every rank of every group, by routing identity */
   rreq *by_rid, *by_ckey;
   td_ptrvec queue;                /* rreq waiting for placement, first come first served */
+  td_ptrvec parked;               /* rtr_parked: requests that came before any worker told the model */
   int in_flight;
   uint64_t next_serial;
   uint64_t hb_seq;
@@ -270,6 +271,20 @@ void rtr_groups_heard_all(td_router *r, int64_t t);
 void rtr_groups_free(td_router *r);
 
 /* ---- requests.c */
+/* A client's request that came before the router knew the served model (it
+ * just started: its workers register again after it), so that admission
+ * cannot check it yet: it waits --capacity-wait-ms for a worker. */
+typedef struct rtr_parked {
+  uint8_t client[TD_WIRE_MAX_ID];
+  size_t client_len;
+  Tandem__ClientMessage *msg;
+  size_t bytes;
+  int64_t t;
+} rtr_parked;
+/* Admits the parked requests once a worker told the model (before placing). */
+void rtr_unpark(td_router *r);
+/* Fails them all (the router stops). */
+void rtr_parked_fail(td_router *r, const char *why);
 /* bytes: the client message's, held against max_held_bytes while the request lives */
 void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes);
 void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c);

@@ -96,7 +96,9 @@ static void on_worker_message(td_router *r) {
     if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT)
       rtr_on_heartbeat(r, w, m->heartbeat);
     else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER)
-      rtr_worker_gone(r, w, m->deregister->reason ? m->deregister->reason : "deregistered");
+      rtr_worker_gone(r, w, m->deregister->reason && strlen(m->deregister->reason) <= TD_WIRE_MAX_REASON
+                                ? m->deregister->reason
+                                : "deregistered (its reason exceeds TD_WIRE_MAX_REASON)");
     else
       rtr_on_progress(r, w, m);
     td_log_set_request(NULL);
@@ -288,6 +290,12 @@ void td_router_destroy(td_router *r) {
   rreq *q, *t;
   HASH_ITER(hh, r->by_rid, q, t) rtr_req_free(r, q);
   rtr_probes_free(r);
+  for (int i = 0; i < r->parked.n; i++) {
+    rtr_parked *p = r->parked.v[i];
+    tandem__client_message__free_unpacked(p->msg, NULL);
+    free(p);
+  }
+  td_ptrvec_free(&r->parked);
   rtr_workers_free(r);
   rtr_id_keys_free(r);
   rtr_groups_free(r);
@@ -308,6 +316,7 @@ static void shut_down(td_router *r) {
   HASH_ITER(hh, r->by_rid, q, t) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "the router is shutting down");
   }
+  rtr_parked_fail(r, "the router is shutting down");
   Tandem__Cluster__Shutdown sd = TANDEM__CLUSTER__SHUTDOWN__INIT;
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_SHUTDOWN;

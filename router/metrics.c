@@ -139,7 +139,7 @@ void rtr_metrics_worker(td_router *r, const worker *w, bool up) {
 static void collect(td_router *r) {
   rtr_metrics *m = r->metrics;
   td_metric_set(m->running, NULL, r->in_flight);
-  td_metric_set(m->waiting, NULL, r->queue.n);
+  td_metric_set(m->waiting, NULL, r->queue.n + r->parked.n);
   td_metric *per_worker[] = {m->w_running, m->w_waiting, m->w_used,    m->w_free,          m->w_kv, m->w_kv_bytes, m->w_kv_secs,
                              m->w_ipc,     m->w_encoded, m->w_hits,    m->w_cache_blocks, m->w_refused};
   for (int i = 0; i < N(per_worker); i++) td_metric_clear(per_worker[i]); /* workers that left go */

@@ -50,9 +50,9 @@ bool td_place_possible(const td_place_worker *const *pool, int n, const td_place
     if (w->max_running > widest) widest = w->max_running;
     if (w->cross_blocks > largest) largest = w->cross_blocks;
   }
-  if (!n_dec)
-    snprintf(why, cap, "no decode worker is registered");
-  else if (widest < q->width)
+  if (!n_dec) /* one may register: the wait for a missing role bounds it */
+    return true;
+  if (widest < q->width)
     snprintf(why, cap, "%d sequences at once (n or num_beams) exceed every decode worker's batch: the widest runs %d "
              "(max_running)", q->width, widest);
   else if (largest < q->need_cross)

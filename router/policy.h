@@ -124,7 +124,9 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
                          td_placement *out);
 
 /* Whether some registered decode worker (draining or not) could ever run
- * the request: a batch as wide and a cross pool as large. Else why. */
+ * the request: a batch as wide and a cross pool as large. Else why. With
+ * none registered: true (one may register; td_place waits for it as for any
+ * role no live worker has). */
 bool td_place_possible(const td_place_worker *const *pool, int n, const td_place_req *q, char *why, size_t cap);
 
 #endif

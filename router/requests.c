@@ -316,6 +316,7 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
 bool rtr_place_queue(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
+  rtr_unpark(r);
   r->wait_why[0] = 0;
   r->wait_missing = false;
   while (r->queue.n > 0) {
@@ -417,11 +418,12 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRe
     snprintf(err, cap, "request_id \"%s\" is already in flight", g->request_id);
     return TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT;
   }
-  if (!r->have_model || rtr_count_role(r, RTR_DECODE) == 0) {
-    snprintf(err, cap, "no decode worker is registered");
-    return TANDEM__ERROR_CODE__ERROR_UNAVAILABLE;
+  if (!r->have_model) { /* park() refused it */
+    snprintf(err, cap, "no worker has registered yet, and %d requests wait for one (--max-queue, --max-held-mb)",
+             r->parked.n);
+    return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
   }
-  if (r->queue.n >= r->o.max_queue || r->in_flight >= r->o.max_in_flight) {
+  if (r->queue.n + r->parked.n >= r->o.max_queue || r->in_flight >= r->o.max_in_flight) {
     snprintf(err, cap, "overloaded: %d requests queued, %d in flight", r->queue.n, r->in_flight);
     return TANDEM__ERROR_CODE__ERROR_OVERLOADED;
   }
@@ -445,8 +447,94 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRe
   return TANDEM__ERROR_CODE__ERROR_NONE;
 }
 
+/* Holds a request until a worker tells the model; false when it cannot. */
+static bool park(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes) {
+  if (r->queue.n + r->parked.n >= r->o.max_queue || r->held_bytes + (long long)bytes > r->o.max_held_bytes)
+    return false;
+  rtr_parked *p = calloc(1, sizeof *p);
+  if (!p || td_ptrvec_insert(&r->parked, r->parked.n, p) != TD_OK) {
+    free(p);
+    return false;
+  }
+  memcpy(p->client, cid, cid_len);
+  p->client_len = cid_len;
+  p->msg = msg;
+  p->bytes = bytes;
+  p->t = td_now_ms();
+  r->held_bytes += (long long)bytes;
+  return true;
+}
+
+void rtr_unpark(td_router *r) {
+  if (!r->have_model || !r->parked.n) return;
+  td_ptrvec parked = r->parked; /* admission may park nothing now: the model is known */
+  r->parked = (td_ptrvec){0};
+  for (int i = 0; i < parked.n; i++) {
+    rtr_parked *p = parked.v[i];
+    r->held_bytes -= (long long)p->bytes;
+    td_log_set_request(p->msg->generate->request_id);
+    rtr_on_generate(r, p->client, p->client_len, p->msg, p->bytes);
+    td_log_set_request(NULL);
+    free(p);
+  }
+  td_ptrvec_free(&parked);
+}
+
+static void parked_end(td_router *r, int i, const char *why) {
+  rtr_parked *p = r->parked.v[i];
+  const char *id = p->msg->generate->request_id ? p->msg->generate->request_id : "";
+  rtr_metrics_failure(r, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE);
+  rtr_client_error(r, p->client, p->client_len, id, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, why);
+  r->held_bytes -= (long long)p->bytes;
+  td_ptrvec_remove(&r->parked, p);
+  tandem__client_message__free_unpacked(p->msg, NULL);
+  free(p);
+}
+
+void rtr_parked_fail(td_router *r, const char *why) {
+  while (r->parked.n) parked_end(r, 0, why);
+  td_ptrvec_free(&r->parked);
+}
+
+/* A parked request that waited --capacity-wait-ms (or its own deadline) for a worker ends. */
+static void parked_tick(td_router *r, int64_t t) {
+  for (int i = 0; i < r->parked.n;) {
+    rtr_parked *p = r->parked.v[i];
+    int64_t waited = t - p->t, limit = r->o.capacity_wait_ms;
+    uint32_t own = p->msg->generate->timeout_ms;
+    if (own && own < limit) limit = own;
+    if (waited <= limit) {
+      i++;
+      continue;
+    }
+    char why[200];
+    snprintf(why, sizeof why, "no decode worker is registered (waited %lld ms, --capacity-wait-ms %d)",
+             (long long)waited, r->o.capacity_wait_ms);
+    parked_end(r, i, why);
+  }
+}
+
+/* A cancel of a parked request. */
+static bool parked_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const char *id) {
+  for (int i = 0; i < r->parked.n; i++) {
+    rtr_parked *p = r->parked.v[i];
+    const char *pid = p->msg->generate->request_id ? p->msg->generate->request_id : "";
+    if (p->client_len != cid_len || memcmp(p->client, cid, cid_len) || strcmp(pid, id)) continue;
+    rtr_client_error(r, cid, cid_len, id, TANDEM__ERROR_CODE__ERROR_CANCELLED, "cancelled by the client");
+    r->held_bytes -= (long long)p->bytes;
+    td_ptrvec_remove(&r->parked, p);
+    tandem__client_message__free_unpacked(p->msg, NULL);
+    free(p);
+    return true;
+  }
+  return false;
+}
+
 void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes) {
   Tandem__GenerateRequest *g = msg->generate;
+  /* a router that just started knows no model until a worker registers: the
+   * request waits for one (its id is checked then) */
+  if (!r->have_model && park(r, cid, cid_len, msg, bytes)) return;
   const char *id = g->request_id ? g->request_id : "";
   char err[512];
   char *key = NULL;
@@ -469,7 +557,7 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
   }
   if (code != TANDEM__ERROR_CODE__ERROR_NONE) {
     rtr_metrics_failure(r, code);
-    rtr_client_error(r, cid, cid_len, id, code, err);
+    rtr_client_error(r, cid, cid_len, strlen(id) <= TD_ROUTER_MAX_REQUEST_ID ? id : "", code, err);
     if (q) free(q->cid);
     free(q);
     free(key);
@@ -498,6 +586,12 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
 
 void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c) {
   const char *id = c->request_id ? c->request_id : "";
+  char err[128];
+  if (td_admit_request_id(id, err, sizeof err) != TD_OK) {
+    rtr_client_error(r, cid, cid_len, strlen(id) <= TD_ROUTER_MAX_REQUEST_ID ? id : "",
+                     TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, err);
+    return;
+  }
   char *key = client_key(cid, cid_len, id);
   if (!key) return;
   rreq *q = NULL;
@@ -505,7 +599,7 @@ void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tande
   free(key);
   if (q)
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_CANCELLED, "cancelled by the client");
-  else
+  else if (!parked_cancel(r, cid, cid_len, id))
     rtr_client_error(r, cid, cid_len, id, TANDEM__ERROR_CODE__ERROR_NOT_FOUND, "no such request in flight");
 }
 
@@ -515,6 +609,7 @@ int rtr_requests_tick(td_loop *l, void *ctx) {
   (void)l;
   td_router *r = ctx;
   int64_t t = td_now_ms();
+  parked_tick(r, t);
   /* placed afresh first: a worker that registered this turn is not missing */
   if (r->wait_missing) (void)rtr_place_queue(l, r);
   rreq *q, *tmp;

@@ -8,7 +8,80 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "proto/check.h"
 #include "router/internal.h"
+
+/* A worker's message about request q breaks a limit (proto/check.c) or
+ * disagrees with the request: that attempt ends (its workers are told to
+ * let go) and the request gets another elsewhere, or fails naming the
+ * message once its attempts are spent. */
+static void bad_news(td_router *r, worker *w, rreq *q, const char *what) {
+  char msg[600];
+  snprintf(msg, sizeof msg, "worker %s sent an invalid message: %s", w->id, what);
+  TD_LOG_ABOUT(q->cid, TD_WARN, "request %s (rid %llu): %s", q->cid, (unsigned long long)q->rid, msg);
+  if (!strcmp(w->id, q->dec_w)) snprintf(q->avoid_dec, sizeof q->avoid_dec, "%s", w->id);
+  rtr_req_retry(r, q, msg);
+}
+
+static int cmp_i32(const void *a, const void *b) {
+  int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+  return (x > y) - (x < y);
+}
+
+/* A reservation against what the request needs of it: the worker's own id,
+ * its block count for the tokens, ids inside its pool, each once. */
+static bool target_ok(const char *name, const Tandem__Cluster__KvTarget *t, const worker *w, int bs, int tokens,
+                      int pool, char *why, size_t cap) {
+  int want = (tokens + bs - 1) / bs;
+  if (strcmp(t->worker_id, w->id)) {
+    snprintf(why, cap, "%s.worker_id %s is not the worker that reserved (%s)", name, t->worker_id, w->id);
+    return false;
+  }
+  if (t->tokens != (uint32_t)tokens || t->n_blocks != (size_t)want) {
+    snprintf(why, cap, "%s holds %zu blocks for %u tokens, the request needs %d blocks for %d", name, t->n_blocks,
+             t->tokens, want, tokens);
+    return false;
+  }
+  int32_t *sorted = malloc(sizeof *sorted * t->n_blocks);
+  if (!sorted) {
+    snprintf(why, cap, "out of memory");
+    return false;
+  }
+  memcpy(sorted, t->blocks, sizeof *sorted * t->n_blocks);
+  qsort(sorted, t->n_blocks, sizeof *sorted, cmp_i32);
+  bool ok = true;
+  for (size_t i = 0; i < t->n_blocks && ok; i++) {
+    if (sorted[i] >= pool) {
+      snprintf(why, cap, "%s.blocks holds block %d, the worker registered %d", name, sorted[i], pool);
+      ok = false;
+    } else if (i && sorted[i] == sorted[i - 1]) {
+      snprintf(why, cap, "%s.blocks holds block %d twice", name, sorted[i]);
+      ok = false;
+    }
+  }
+  free(sorted);
+  return ok;
+}
+
+/* The decode worker reserves the cross KV and, with a prefill worker, the
+ * prompt KV but its last token; a prefill worker the cross KV only. */
+static bool reservation_ok(const td_router *r, const rreq *q, const worker *w, const Tandem__Cluster__Reserved *res,
+                           bool from_dec, char *why, size_t cap) {
+  if (!target_ok("Reserved.cross", res->cross, w, r->block_size, q->sh.enc_len, w->pl.cross_blocks, why, cap))
+    return false;
+  bool want_self = from_dec && q->with_prefill;
+  if (!want_self && res->self) {
+    snprintf(why, cap, "Reserved.self for a request whose prompt KV is not pushed there");
+    return false;
+  }
+  if (!want_self) return true;
+  if (!res->self) {
+    snprintf(why, cap, "no Reserved.self for the prompt KV the prefill worker sends");
+    return false;
+  }
+  int prefill = q->sh.n_prompt + (q->multi ? 0 : q->streamed.n) - 1;
+  return target_ok("Reserved.self", res->self, w, r->block_size, prefill, w->self_blocks, why, cap);
+}
 
 static void on_reserved(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m) {
   Tandem__Cluster__Reserved *res = m->reserved;
@@ -16,6 +89,11 @@ static void on_reserved(td_router *r, worker *w, Tandem__Cluster__WorkerMessage 
   if (!q || q->st != ST_RESERVING) return;
   bool from_dec = !strcmp(w->id, q->dec_w), from_pre = q->with_prefill && !strcmp(w->id, q->pre_w);
   if (!from_dec && !from_pre) return;
+  char why[320];
+  if (!reservation_ok(r, q, w, res, from_dec, why, sizeof why)) {
+    bad_news(r, w, q, why);
+    return;
+  }
   /* keep the reservation: detach it from the message */
   Tandem__Cluster__Reserved **slot = from_dec ? &q->dres : &q->pres;
   if (from_dec) q->t_reserved = td_now_ms();
@@ -130,6 +208,16 @@ static void flush_chunks(td_router *r) {
 static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t) {
   rreq *q = rtr_req_for(r, t->rid, w);
   if (!q || strcmp(w->id, q->dec_w)) return;
+  char why[200];
+  if (q->multi ? t->sequence >= (uint32_t)q->sh.width : q->streamed.n + t->n_tokens > (size_t)q->sh.max_new) {
+    if (q->multi)
+      snprintf(why, sizeof why, "Tokens.sequence %u of a request of %d sequences", t->sequence, q->sh.width);
+    else
+      snprintf(why, sizeof why, "Tokens: %zu tokens after %d, past max_new_tokens %d", t->n_tokens, q->streamed.n,
+               q->sh.max_new);
+    bad_news(r, w, q, why);
+    return;
+  }
   if (q->st < ST_DECODING) q->st = ST_DECODING;
   if (q->detecting) return; /* the language token is the router's, not the client's */
   if (!q->t_first && t->n_tokens) q->t_first = td_now_ms();
@@ -235,12 +323,28 @@ void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t
 static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished *fin) {
   rreq *q = rtr_req_for(r, fin->rid, w);
   if (!q || strcmp(w->id, q->dec_w)) return;
+  char why[200] = "";
+  if (fin->n_outputs > (size_t)q->sh.width)
+    snprintf(why, sizeof why, "Finished.outputs holds %zu sequences, the request runs %d", fin->n_outputs, q->sh.width);
+  for (size_t k = 0; k < fin->n_outputs && !why[0]; k++)
+    if (fin->outputs[k]->n_tokens > (size_t)q->sh.max_new)
+      snprintf(why, sizeof why, "Finished.outputs[%zu] holds %zu tokens, past max_new_tokens %d", k,
+               fin->outputs[k]->n_tokens, q->sh.max_new);
+  if (why[0]) {
+    bad_news(r, w, q, why);
+    return;
+  }
   rtr_req_result(r, q, fin->outputs, fin->n_outputs, fin->decode_ms);
 }
 
 static void on_failed(td_router *r, worker *w, const Tandem__Cluster__Failed *f) {
   rreq *q = rtr_req_for(r, f->rid, w);
   if (!q) return;
+  /* only a worker the request was placed on may end it */
+  if (strcmp(w->id, q->dec_w) && strcmp(w->id, q->enc_w) && strcmp(w->id, q->pre_w)) {
+    TD_WARN("worker %s: dropped a Failed for request %s, which it does not hold", w->id, q->cid);
+    return;
+  }
   const char *msg = f->message ? f->message : "worker error";
   if (f->retryable && !strcmp(w->id, q->dec_w)) snprintf(q->avoid_dec, sizeof q->avoid_dec, "%s", w->id);
   if (f->retryable && rtr_req_kv_loading(q))
@@ -251,7 +355,37 @@ static void on_failed(td_router *r, worker *w, const Tandem__Cluster__Failed *f)
     rtr_req_fail(r, q, f->code ? f->code : TANDEM__ERROR_CODE__ERROR_INTERNAL, msg);
 }
 
+/* The request a worker's message is about (0: none). */
+static uint64_t rid_of(const Tandem__Cluster__WorkerMessage *m) {
+  switch (m->body_case) {
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED: return m->reserved->rid;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_ENCODE_DONE: return m->encode_done->rid;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_PREFILL_DONE: return m->prefill_done->rid;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS: return m->tokens->rid;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED: return m->finished->rid;
+    case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED: return m->failed->rid;
+    default: return 0;
+  }
+}
+
+/* A message that breaks a field's limit: dropped, and the request it is
+ * about (when this worker works on it) gets another attempt. */
+static void invalid(td_router *r, worker *w, uint64_t rid, const char *why) {
+  rreq *q = rid ? rtr_req_for(r, rid, w) : NULL;
+  if (q && (!strcmp(w->id, q->dec_w) || !strcmp(w->id, q->enc_w) || !strcmp(w->id, q->pre_w)))
+    bad_news(r, w, q, why);
+  else
+    TD_WARN("worker %s: dropped an invalid message: %s", w->id, why);
+}
+
 void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m) {
+  int vocab = r->have_model ? (int)r->model.vocab_size : 0;
+  char why[320];
+  if (m->body_case != TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS_BATCH &&
+      !td_check_worker_message(m, vocab, why, sizeof why)) {
+    invalid(r, w, rid_of(m), why);
+    return;
+  }
   switch (m->body_case) {
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED: on_reserved(r, w, m); break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_ENCODE_DONE: on_encode_done(r, w, m->encode_done); break;
@@ -259,7 +393,15 @@ void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m)
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS: on_tokens(r, w, m->tokens); break;
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS_BATCH:
       r->batching = true;
-      for (size_t i = 0; i < m->tokens_batch->n_items; i++) on_tokens(r, w, m->tokens_batch->items[i]);
+      for (size_t i = 0; i < m->tokens_batch->n_items; i++) {
+        const Tandem__Cluster__Tokens *t = m->tokens_batch->items[i];
+        char name[48];
+        snprintf(name, sizeof name, "TokensBatch.items[%zu]", i);
+        if (td_check_tokens(name, t, vocab, why, sizeof why))
+          on_tokens(r, w, t);
+        else
+          invalid(r, w, t ? t->rid : 0, why);
+      }
       r->batching = false;
       flush_chunks(r);
       break;

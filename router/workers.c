@@ -7,6 +7,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "proto/check.h"
 #include "router/internal.h"
 
 worker *rtr_find_worker(td_router *r, const char *id) {
@@ -82,23 +83,13 @@ void rtr_worker_gone(td_router *r, worker *w, const char *why) {
   worker_free(w);
 }
 
+/* The model a registration describes (checked field by field already)
+ * against the one the cluster serves. */
 static bool model_matches(td_router *r, const Tandem__ModelInfo *m, char *why, size_t cap) {
-  if (!m) {
-    snprintf(why, cap, "registration without a model description");
-    return false;
-  }
-  if (!m->decoder_start) {
-    /* a resumed request's prompt starts with it */
-    snprintf(why, cap, "registration without the model's decoder start token");
-    return false;
-  }
-  if (m->n_eos_token_ids > TD_ROUTER_MAX_EOS) {
-    snprintf(why, cap, "%zu EOS token ids, more than %d", m->n_eos_token_ids, TD_ROUTER_MAX_EOS);
-    return false;
-  }
   if (!r->have_model) return true;
   if (strcmp(m->model_type ? m->model_type : "", r->model_type) || m->vocab_size != r->model.vocab_size ||
       m->max_source_len != r->model.max_source_len || m->max_target_len != r->model.max_target_len ||
+      m->mel_bins != r->model.mel_bins || m->frames != r->model.frames ||
       m->decoder_start->id != r->model_start_token) {
     snprintf(why, cap, "serves %s (vocab %u), the cluster serves %s (vocab %u)", m->model_type, m->vocab_size,
              r->model_type, r->model.vocab_size);
@@ -159,19 +150,9 @@ static td_status adopt_model(td_router *r, const Tandem__Cluster__WorkerInfo *in
   return TD_OK;
 }
 
-/* Whether a registration's worker id is a usable name: 1 to
- * TD_WIRE_MAX_ID printable ASCII bytes. */
-static bool id_ok(const char *id) {
-  size_t n = id ? strlen(id) : 0;
-  if (!n || n > TD_WIRE_MAX_ID) return false;
-  for (size_t i = 0; i < n; i++)
-    if (id[i] <= ' ' || id[i] > '~') return false;
-  return true;
-}
-
 /* With keys, a worker id (or a group's rank) belongs to the key that
  * first registered it, for the router's life: another listed key cannot
- * take it over, not even while its worker is away. */
+ * take it over, not even while its worker is away. NULL key (no CURVE): true. */
 typedef struct id_key {
   char id[TD_WIRE_MAX_ID + 1];
   char key[TD_AUTH_KEY_Z85];
@@ -231,17 +212,15 @@ static bool states_encoder(const td_router *r, const Tandem__Cluster__WorkerInfo
 /* Every check of a registration but its endpoint's; false: why says. */
 static bool registration_ok(td_router *r, const uint8_t *id, size_t id_len, const char *key,
                             const Tandem__Cluster__WorkerInfo *in, const char *wid, char *why, size_t cap) {
-  bool ok = in && model_matches(r, in->model, why, cap);
-  if (ok && (!id_ok(in->worker_id) || !id_len)) {
-    snprintf(why, cap, "the worker id is not 1 to %d printable characters", TD_WIRE_MAX_ID);
+  /* every field within its limits first (proto/check.c), then against the cluster */
+  bool ok = td_check_worker_info(in, why, cap);
+  if (ok && !id_len) {
+    snprintf(why, cap, "the worker's connection has no routing identity");
     ok = false;
   }
-  if (ok && (!in->block_size || (r->have_model && (int)in->block_size != r->block_size))) {
+  if (ok) ok = model_matches(r, in->model, why, cap);
+  if (ok && r->have_model && (int)in->block_size != r->block_size) {
     snprintf(why, cap, "block size %u, the cluster uses %d", in->block_size, r->block_size);
-    ok = false;
-  }
-  if (ok && !in->n_roles) {
-    snprintf(why, cap, "no roles");
     ok = false;
   }
   /* an encoder-only worker in cross mode states pushes encoder states, which
@@ -318,7 +297,7 @@ void rtr_register_checked(td_router *r, const uint8_t *id, size_t id_len, const 
   w->self_blocks = (int)in->self_blocks;
   w->pl.cross_blocks = (int)in->cross_blocks;
   w->pl.max_running = in->max_running ? (int)in->max_running : 1;
-  w->pl.enc_batch = in->encode_batch_tokens <= INT32_MAX ? (int)in->encode_batch_tokens : INT32_MAX;
+  w->pl.enc_batch = (int)in->encode_batch_tokens; /* <= INT32_MAX: td_check_worker_info */
   w->device = strdup(in->device ? in->device : "");
   w->version = strdup(in->version ? in->version : "");
   w->group = strdup(in->group ? in->group : "");
@@ -348,7 +327,12 @@ void rtr_register_checked(td_router *r, const uint8_t *id, size_t id_len, const 
 
 void rtr_on_heartbeat(td_router *r, worker *w, const Tandem__Cluster__Heartbeat *hb) {
   (void)r;
-  if (!hb->load) return;
+  char why[256];
+  if (!td_check_load(hb->load, (uint32_t)w->self_blocks, (uint32_t)w->pl.cross_blocks, why, sizeof why)) {
+    /* the last good load stays: placement does not read it, /metrics and health do */
+    TD_WARN("worker %s: dropped a heartbeat: %s", w->id, why);
+    return;
+  }
   w->load = *hb->load;
   w->load.base = (ProtobufCMessage)PROTOBUF_C_MESSAGE_INIT(&tandem__cluster__load__descriptor);
   if (w->load.draining && !w->pl.draining) TD_INFO("worker %s is draining", w->id);
@@ -400,7 +384,7 @@ void rtr_health_fill(td_router *r, Tandem__HealthResponse *hp, Tandem__WorkerSta
   h.decoders = (uint32_t)rtr_count_role(r, RTR_DECODE);
   h.serving = h.decoders > 0;
   h.in_flight = (uint32_t)r->in_flight;
-  h.queued = (uint32_t)r->queue.n;
+  h.queued = (uint32_t)(r->queue.n + r->parked.n);
   h.cross_mode = (char *)td_cross_mode_name(r->o.cross_mode);
   size_t nw = HASH_COUNT(r->workers), k = 0;
   Tandem__WorkerStatus *ws = calloc(nw + 1, sizeof *ws);

@@ -108,8 +108,9 @@ struct td_job {
   uint64_t cross_res, self_res;
   int32_t *cross_ids, *self_ids;
   int n_cross, n_self;
-  int cross_got, self_got;   /* blocks arrived */
+  int cross_got, self_got;   /* blocks arrived, each counted once */
   int cross_form;            /* what the cross pushes carried: 0 none yet, KV_FORM_KV or KV_FORM_STATES */
+  uint8_t *cross_in, *self_in; /* which reserved blocks arrived, by index in cross_ids / self_ids */
   int self_expected;         /* prompt tokens whose KV comes; 0: none */
   /* who may push into the reservations: the router's KvSenders (in msg); NULL: nobody */
   const Tandem__Cluster__KvSender *cross_from, *self_from;

@@ -43,6 +43,8 @@ void w_job_drop(td_worker *w, td_job *j) {
   if (j->msg) tandem__cluster__router_message__free_unpacked(j->msg, NULL);
   free(j->cross_ids);
   free(j->self_ids);
+  free(j->cross_in);
+  free(j->self_in);
   free(j->out_blocks);
   free(j->out_host);
   free(j);
@@ -387,6 +389,12 @@ static void on_reserved(td_worker *w, td_job *j, wev *e) {
   j->n_cross = e->n_cross;
   j->n_self = e->n_self;
   e->cross_ids = e->self_ids = NULL;
+  j->cross_in = calloc((size_t)j->n_cross + 1, 1);
+  j->self_in = calloc((size_t)j->n_self + 1, 1);
+  if (!j->cross_in || !j->self_in) {
+    td_job_fail(w, j, TD_ERR_NOMEM, "out of memory");
+    return;
+  }
   j->expires = td_now_ms() + w->o.reservation_ttl_ms;
   w_send_reserved(w, j);
 }

@@ -71,15 +71,27 @@ static bool k_accept(void *ctx, const td_kvt_offer *o, char *why, size_t cap) {
       snprintf(why, cap, "reservation %llu expired", (unsigned long long)o->reservation);
     } else {
       const int32_t *have = o->cross ? j->cross_ids : j->self_ids;
+      const uint8_t *arrived = o->cross ? j->cross_in : j->self_in;
       int nh = o->cross ? j->n_cross : j->n_self;
       ok = true;
+      /* each block once: a block written twice would count twice, and the
+       * request would start with another block never written */
       for (int i = 0; i < o->n && ok; i++) {
-        bool in = false;
-        for (int k = 0; k < nh && !in; k++) in = have[k] == o->blocks[i];
-        if (!in) {
+        int k = 0;
+        while (k < nh && have[k] != o->blocks[i]) k++;
+        if (k == nh) {
           snprintf(why, cap, "block %d is not in reservation %llu", o->blocks[i], (unsigned long long)o->reservation);
           ok = false;
+        } else if (arrived[k]) {
+          snprintf(why, cap, "block %d of reservation %llu arrived already", o->blocks[i],
+                   (unsigned long long)o->reservation);
+          ok = false;
         }
+        for (int p = 0; p < i && ok; p++)
+          if (o->blocks[p] == o->blocks[i]) {
+            snprintf(why, cap, "block %d appears twice in one push", o->blocks[i]);
+            ok = false;
+          }
       }
     }
   }
@@ -108,17 +120,28 @@ static void k_deliver(void *ctx, bool cross, const int32_t *blocks, int n, const
   w_post(w, c);
 }
 
-static void k_arrived(void *ctx, const td_kvt *t, uint64_t rid, uint64_t res, bool cross, int n) {
+static void k_arrived(void *ctx, const td_kvt *t, uint64_t rid, uint64_t res, bool cross, const int32_t *blocks,
+                      int n) {
   td_worker *w = ctx;
   w->kv_in[td_kvt_get_kind(t)] += (uint64_t)n;
   td_job *j = w_job_by_reservation(w, rid, res, cross);
   size_t bb = !cross ? w->full_self_bb : j && j->cross_form == KV_FORM_STATES ? w->states_bb : w->full_cross_bb;
   w->kv_in_bytes[td_kvt_get_kind(t)] += (uint64_t)n * bb;
   if (!j) return; /* cancelled meanwhile */
+  const int32_t *have = cross ? j->cross_ids : j->self_ids;
+  uint8_t *in = cross ? j->cross_in : j->self_in;
+  int nh = cross ? j->n_cross : j->n_self, fresh = 0;
+  for (int i = 0; i < n; i++) /* two pushes accepted together count their blocks once */
+    for (int k = 0; k < nh; k++)
+      if (have[k] == blocks[i] && !in[k]) {
+        in[k] = 1;
+        fresh++;
+        break;
+      }
   if (cross)
-    j->cross_got += n;
+    j->cross_got += fresh;
   else
-    j->self_got += n;
+    j->self_got += fresh;
   if (j->role->on_arrival) j->role->on_arrival(w, j);
 }
 

@@ -9,6 +9,7 @@
 
 #include "common/clock.h"
 #include "common/log.h"
+#include "proto/check.h"
 #include "worker/internal.h"
 
 /* messages read from the router a turn, so that timers and transfers keep their turn */
@@ -281,6 +282,19 @@ static bool router_message(td_worker *w) {
     return true;
   }
   w->last_router_msg = td_now_ms();
+  char why[320];
+  if (!td_check_router_message(m, w->cfg.vocab_size, why, sizeof why)) {
+    /* a job's request fails naming the field; anything else is dropped */
+    const Tandem__Cluster__RequestSpec *sp = job_spec(m);
+    TD_ERROR("dropped an invalid message from the router: %s", why);
+    if (sp) {
+      char msg[400];
+      snprintf(msg, sizeof msg, "invalid job: %s", why);
+      td_worker_send_failed(w, sp->rid, TD_ERR_INVALID, msg, false);
+    }
+    tandem__cluster__router_message__free_unpacked(m, NULL);
+    return true;
+  }
   bool kept = false;
   switch (m->body_case) {
     case TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK: on_ack(w, m->ack); break;

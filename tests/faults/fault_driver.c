@@ -2,7 +2,7 @@
  * load, and every request classified.
  *
  *   tandem-faults --model DIR --fault NAME [--requests N] [--rate R] [--at F]
- *                 [--pause-ms MS] [--timeout-ms MS] [--bin DIR] [--keep]
+ *                 [--pause-ms MS] [--timeout-ms MS] [--bin DIR] [--keep] [--load driver|bench-serve]
  *
  * It starts a router, an encoder, a prefill worker and two decode workers
  * (which also encode, so an encoder's death leaves the cluster able to
@@ -10,7 +10,9 @@
  * requests (a third with decoder prompts long enough for the prefill
  * worker, two thirds past EOS so that they live long enough to be hit),
  * computes their tokens with tandem-generate (the undisturbed run), sends
- * them at R a second, injects the fault when a fraction F of them is sent,
+ * them at R a second (evenly from here, or with --load bench-serve as
+ * bench-serve's open loop of Poisson arrivals, whose answers it writes for
+ * this program to judge), injects the fault when a fraction F of them is sent,
  * and classifies each request: correct (the undisturbed tokens), a clear
  * error (an error code with a message), silently wrong (a result with other
  * tokens), lost (no answer by its deadline and the client's grace). After
@@ -257,6 +259,7 @@ typedef struct run {
   pthread_t fault_th;
   /* duplicate request ids: a second client sends the same ids */
   int n_dup, dup_ok, dup_err, dup_wrong;
+  bool bench; /* --load bench-serve */
 } run;
 
 static double now_rel(const run *R) { return (double)td_now_ms() - R->t0; }
@@ -541,6 +544,85 @@ static int drive(run *R) {
   return 0;
 }
 
+/* One answer of bench-serve's --results: the request it names is done. */
+static void bench_answer(run *R, const cJSON *j) {
+  const char *id = cJSON_GetStringValue(cJSON_GetObjectItem(j, "id"));
+  req *q = NULL;
+  if (id) HASH_FIND_STR(R->by_id, id, q);
+  if (!q || q->done) return;
+  q->done = true;
+  q->submit_ms = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "submit_ms")) - R->t0;
+  q->done_ms = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "done_ms")) - R->t0;
+  const cJSON *t = cJSON_GetObjectItem(j, "tokens");
+  q->ok = cJSON_IsArray(t);
+  if (q->ok && cJSON_GetNumberValue(cJSON_GetObjectItem(j, "n_outputs")) == 1) {
+    q->got_n = cJSON_GetArraySize(t) < MAX_TOK ? cJSON_GetArraySize(t) : MAX_TOK;
+    for (int k = 0; k < q->got_n; k++) q->got[k] = cJSON_GetArrayItem(t, k)->valueint;
+  } else if (q->ok) {
+    q->got_n = -1; /* not one output: wrong */
+  } else {
+    snprintf(q->error, sizeof q->error, "%s: %s", cJSON_GetStringValue(cJSON_GetObjectItem(j, "code")),
+             cJSON_GetStringValue(cJSON_GetObjectItem(j, "error")));
+  }
+}
+
+/* The load from bench-serve: the same requests, its open loop of Poisson
+ * arrivals at the same mean rate; every answer it wrote is judged here, a
+ * request it has none for is lost. Both read the system's monotonic clock. */
+static int drive_bench(run *R) {
+  char bin[600], reqs[600], out[600], n[16], rate[32], tmo[16];
+  snprintf(bin, sizeof bin, "%s/bench-serve", R->c.bin);
+  snprintf(reqs, sizeof reqs, "%s/requests.jsonl", R->c.dir);
+  snprintf(out, sizeof out, "%s/bench-results.jsonl", R->c.dir);
+  snprintf(n, sizeof n, "%d", R->n);
+  snprintf(rate, sizeof rate, "%g", R->rate);
+  snprintf(tmo, sizeof tmo, "%d", R->timeout_ms);
+  char *argv[] = {bin, "--router", R->c.client_ep, "--workload", reqs, "--requests", n, "--rate", rate,
+                  "--timeout-ms", tmo, "--seed", "7", "--results", out, NULL};
+  unlink(out);
+  pid_t pid = spawn(&R->c, "bench-serve", argv);
+  /* the fault is timed from bench-serve's first arrival, not its start-up */
+  int st = 0;
+  R->t0 = 0;
+  for (int64_t end = td_now_ms() + 30000; R->t0 <= 0 && td_now_ms() < end; usleep(10000)) {
+    FILE *f = fopen(out, "r");
+    char first[128] = "";
+    if (f && fgets(first, sizeof first, f) && strchr(first, '\n')) {
+      cJSON *j = cJSON_Parse(first);
+      R->t0 = cJSON_GetNumberValue(cJSON_GetObjectItem(j, "start_ms"));
+      cJSON_Delete(j);
+    }
+    if (f) fclose(f);
+    if (waitpid(pid, &st, WNOHANG) == pid) break;
+  }
+  if (!(R->t0 > 0)) {
+    fprintf(stderr, "tandem-faults: bench-serve did not start (log in %s/bench-serve.log)\n", R->c.dir);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    return -1;
+  }
+  pthread_create(&R->fault_th, NULL, fault_thread, R);
+  waitpid(pid, &st, 0);
+  proc_named(&R->c, "bench-serve")->gone = true; /* not a survivor to judge */
+  FILE *f = fopen(out, "r");
+  if (!f) {
+    fprintf(stderr, "tandem-faults: bench-serve wrote no results (status %d; log in %s/bench-serve.log)\n", st,
+            R->c.dir);
+    return -1;
+  }
+  char *line = NULL;
+  size_t cap = 0;
+  while (getline(&line, &cap, f) > 0) {
+    cJSON *j = cJSON_Parse(line);
+    if (j) bench_answer(R, j);
+    cJSON_Delete(j);
+  }
+  free(line);
+  fclose(f);
+  for (int64_t end = td_now_ms() + 60000; !R->acted && td_now_ms() < end;) usleep(20000);
+  return 0;
+}
+
 /* Correct completions stay at 75 % of their rate before the fault (over up
  * to 5 s, from 1 s after the start) or more over every 2 s window from the
  * fault to the last arrival: the time to the end of the last window below it. */
@@ -646,6 +728,7 @@ static void usage(FILE *f) {
   fprintf(f, "usage: tandem-faults --model DIR --fault NAME [--requests N] [--rate R] [--at F] [--pause-ms MS]\n"
              "                     [--timeout-ms MS] [--max-new N (<= 480)] [--min-correct PCT] [--bin DIR] [--keep]\n"
              "                     [--kv-load-failure recompute|fail]  (the router's policy)\n"
+             "                     [--load driver|bench-serve]  (even arrivals from here, or bench-serve's Poisson)\n"
              "faults: none, kill-|stop-|hang-|restart- encoder|prefill|decode|router (hang: left stopped),\n"
              "        kill-rank|stop-rank (a TP=2 decode group's rank 1), cut-transfer, dup-worker, dup-request,\n"
              "        netem-decode, slow-decode (decode-1 in a network namespace behind a link with netem's delay\n"
@@ -670,7 +753,7 @@ int main(int argc, char **argv) {
       {"timeout-ms", required_argument, 0, 't'}, {"bin", required_argument, 0, 'b'},
       {"netem", required_argument, 0, 'N'},    {"slow", required_argument, 0, 'S'},    {"keep", no_argument, 0, 'k'},
       {"max-new", required_argument, 0, 'x'},  {"min-correct", required_argument, 0, 'c'},
-      {"kv-load-failure", required_argument, 0, 'K'},
+      {"kv-load-failure", required_argument, 0, 'K'}, {"load", required_argument, 0, 'L'},
       {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
   int o;
   while ((o = getopt_long(argc, argv, "", lo, NULL)) != -1) switch (o) {
@@ -688,6 +771,13 @@ int main(int argc, char **argv) {
       case 'x': max_new = atoi(optarg); break;
       case 'c': min_correct = atof(optarg); break;
       case 'K': R.c.kv_load_failure = optarg; break;
+      case 'L':
+        if (strcmp(optarg, "driver") && strcmp(optarg, "bench-serve")) {
+          usage(stderr);
+          return 2;
+        }
+        R.bench = !strcmp(optarg, "bench-serve");
+        break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -774,7 +864,12 @@ int main(int argc, char **argv) {
     return 2;
   }
   int64_t t_start = td_now_ms();
-  if (drive(&R) != 0) {
+  if (R.bench && !strcmp(R.fault, "dup-request")) {
+    fprintf(stderr, "tandem-faults: dup-request needs the driver's own load (its second client)\n");
+    stop_all(c, false);
+    return 2;
+  }
+  if ((R.bench ? drive_bench(&R) : drive(&R)) != 0) {
     stop_all(c, true);
     return 2; /* the fault thread may still run: exit takes it */
   }
@@ -823,12 +918,15 @@ int main(int argc, char **argv) {
   n_ok += R.dup_ok, n_err += R.dup_err, n_wrong += R.dup_wrong;
   n_lost += R.n_dup - R.dup_ok - R.dup_err - R.dup_wrong;
   double rec = recovery_s(&R);
-  int at_fault = 0; /* requests sent and not answered when the fault came, and when the last of them ended */
-  double settled = 0;
+  /* requests sent and not answered when the fault came, when the last of them ended, and when the last of
+   * those that ended in an error did (the time to error: a killed router's clients learn it at once) */
+  int at_fault = 0;
+  double settled = 0, err_after = 0;
   for (int i = 0; i < R.n; i++)
     if (R.t_fault > 0 && R.r[i].submit_ms <= R.t_fault && (!R.r[i].done || R.r[i].done_ms > R.t_fault)) {
       at_fault++;
       if (R.r[i].done && R.r[i].done_ms - R.t_fault > settled) settled = R.r[i].done_ms - R.t_fault;
+      if (clear_error(&R.r[i]) && R.r[i].done_ms - R.t_fault > err_after) err_after = R.r[i].done_ms - R.t_fault;
     }
   int retries = count_lines(c, "router", "retrying:");
   char recs[64];
@@ -839,10 +937,10 @@ int main(int argc, char **argv) {
   else
     snprintf(recs, sizeof recs, "%.1f", rec);
   if (!R.fault_ok) snprintf(R.note, sizeof R.note, "%s", R.note[0] ? R.note : "the fault was not injected");
-  printf("| %s%s | %d | %d | %d (%.1f %%) | %d | %d | %d | %d | %s | %.1f | %.1f | %d | %s%s%s |\n", R.fault,
+  printf("| %s%s | %d | %d | %d (%.1f %%) | %d | %d | %d | %d | %s | %.1f | %.1f | %.1f | %d | %s%s%s |\n", R.fault,
          strcmp(c->kv_load_failure, "recompute") ? " (--kv-load-failure fail)" : "", sent,
          at_fault, n_ok, 100.0 * n_ok / sent, n_err, n_wrong, n_lost, leaked, recs, settled / 1000.0,
-         max_err_ms / 1000.0, retries, R.note,
+         err_after / 1000.0, max_err_ms / 1000.0, retries, R.note,
          dead[0] ? " died: " : "", dead);
   fflush(stdout);
   double lat = 0;

@@ -5,12 +5,15 @@
  * then td_admit_request) against a fixed T5-like and a Whisper-like model,
  * and an admitted one packed into the RequestSpec the router forwards to
  * workers, which must read it;
- * a ServerMessage through td_wire_unpack_server, as the client library
- * reads it. Any bytes: a message or a refusal, never a crash or a leak. */
+ * a ServerMessage through td_wire_unpack_server and td_check_server_message,
+ * as the client library reads it (what it accepts fits the library's
+ * arrays). Any bytes: a message or a refusal, never a crash or a leak. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/defaults.h"
+#include "proto/check.h"
 #include "proto/wire.h"
 #include "router/policy.h"
 
@@ -63,7 +66,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   uint32_t ver;
   if (data[0] & 1) {
     Tandem__ServerMessage *m;
-    if (td_wire_unpack_server(&f, &m, &ver) == TD_OK) tandem__server_message__free_unpacked(m, NULL);
+    if (td_wire_unpack_server(&f, &m, &ver) != TD_OK) return 0;
+    char why[400];
+    if (td_check_server_message(m, why, sizeof why) && m->body_case == TANDEM__SERVER_MESSAGE__BODY_RESULT &&
+        m->result->n_outputs > TD_CLIENT_MAX_OUTPUTS)
+      abort();
+    tandem__server_message__free_unpacked(m, NULL);
     return 0;
   }
   Tandem__ClientMessage *m;

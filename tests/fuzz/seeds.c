@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/defaults.h"
 #include "kvtransfer/wire.h"
 #include "proto/wire.h"
 
@@ -145,6 +146,45 @@ static void client(void) {
   s.body_case = TANDEM__SERVER_MESSAGE__BODY_ERROR;
   s.error = &e;
   msg("fuzz_wire_client", "server_error", 1, &s.base);
+  /* a result with log-probs, text and segments, as the client library reads it */
+  int32_t rt[] = {6, 18, 15, 1};
+  float rl[] = {-0.1f, -0.2f, -0.3f, -0.4f};
+  Tandem__Segment seg = TANDEM__SEGMENT__INIT, *segs[] = {&seg};
+  seg.start = 0;
+  seg.end = 1.5;
+  seg.text = "42";
+  Tandem__SequenceOutput so = TANDEM__SEQUENCE_OUTPUT__INIT, *sos[] = {&so, &so};
+  so.n_tokens = 4;
+  so.tokens = rt;
+  so.n_logprobs = 4;
+  so.logprobs = rl;
+  so.finish_reason = TANDEM__FINISH_REASON__FINISH_STOP;
+  so.text = "42";
+  so.has_text = true;
+  so.n_segments = 1;
+  so.segments = segs;
+  so.has_segments = true;
+  Tandem__Timings tm = TANDEM__TIMINGS__INIT;
+  tm.total_ms = 12;
+  tm.attempts = 2;
+  Tandem__GenerateResult gr = TANDEM__GENERATE_RESULT__INIT;
+  gr.n_outputs = 2;
+  gr.outputs = sos;
+  gr.timings = &tm;
+  s.request_id = "r1";
+  s.body_case = TANDEM__SERVER_MESSAGE__BODY_RESULT;
+  s.result = &gr;
+  msg("fuzz_wire_client", "server_result", 1, &s.base);
+  /* an operator's request */
+  Tandem__AdminRequest ar = TANDEM__ADMIN_REQUEST__INIT;
+  ar.action = TANDEM__ADMIN_ACTION__ADMIN_DRAIN;
+  ar.worker_id = "decode-0";
+  ar.request_id = "admin-1";
+  Tandem__ClientMessage am = TANDEM__CLIENT_MESSAGE__INIT;
+  am.version = TD_PROTOCOL_VERSION;
+  am.body_case = TANDEM__CLIENT_MESSAGE__BODY_ADMIN;
+  am.admin = &ar;
+  msg("fuzz_wire_client", "admin_drain", 0, &am.base);
 }
 
 static void cluster(void) {
@@ -263,6 +303,110 @@ static void cluster(void) {
   r.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO;
   r.group_info = &gi;
   msg("fuzz_wire_cluster", "group_info", 1, &r.base);
+
+  /* every other message with fields (proto/check.c), and the bounds next to their limits */
+  Tandem__Cluster__Reserved rv = TANDEM__CLUSTER__RESERVED__INIT;
+  rv.rid = 3;
+  rv.cross = &kt;
+  rv.self = &kt;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+  m.reserved = &rv;
+  msg("fuzz_wire_cluster", "reserved", 0, &m.base);
+  Tandem__Cluster__EncodeDone ed = TANDEM__CLUSTER__ENCODE_DONE__INIT;
+  ed.rid = 3;
+  ed.ms = 1.25;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_ENCODE_DONE;
+  m.encode_done = &ed;
+  msg("fuzz_wire_cluster", "encode_done", 0, &m.base);
+  Tandem__Cluster__PrefillDone pd = TANDEM__CLUSTER__PREFILL_DONE__INIT;
+  pd.rid = 3;
+  pd.first_token = 99;
+  pd.first_logprob = -0.5f;
+  pd.ms = 2;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_PREFILL_DONE;
+  m.prefill_done = &pd;
+  msg("fuzz_wire_cluster", "prefill_done", 0, &m.base);
+  float lps[] = {-0.25f, -3.0f};
+  tk.logprobs = lps;
+  tk.n_logprobs = 2;
+  tk.sequence = 63;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS;
+  m.tokens = &tk;
+  msg("fuzz_wire_cluster", "tokens_logprobs", 0, &m.base);
+  Tandem__SequenceOutput so = TANDEM__SEQUENCE_OUTPUT__INIT, *sos[] = {&so};
+  so.n_tokens = 2;
+  so.tokens = toks;
+  so.finish_reason = TANDEM__FINISH_REASON__FINISH_STOP;
+  so.score = -1.5;
+  so.n_logprobs = 2;
+  so.logprobs = lps;
+  Tandem__Cluster__Finished fin = TANDEM__CLUSTER__FINISHED__INIT;
+  fin.rid = 3;
+  fin.n_outputs = 1;
+  fin.outputs = sos;
+  fin.decode_ms = 12;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED;
+  m.finished = &fin;
+  msg("fuzz_wire_cluster", "finished", 0, &m.base);
+  Tandem__Cluster__Deregister dr = TANDEM__CLUSTER__DEREGISTER__INIT;
+  dr.reason = "drained";
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_DEREGISTER;
+  m.deregister = &dr;
+  msg("fuzz_wire_cluster", "deregister", 0, &m.base);
+  /* a registration at its limits: 2^24 tokens, 2^20 positions, 2^28 blocks */
+  mi.vocab_size = TD_MODEL_MAX_VOCAB;
+  mi.max_source_len = mi.max_target_len = TD_MODEL_MAX_POSITIONS;
+  wi.self_blocks = wi.cross_blocks = TD_WORKER_MAX_BLOCKS;
+  wi.max_running = TD_WORKER_MAX_RUNNING;
+  wi.encode_batch_tokens = INT32_MAX;
+  wi.block_size = TD_MAX_BLOCK_SIZE;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
+  m.register_ = &reg;
+  msg("fuzz_wire_cluster", "register_limits", 0, &m.base);
+
+  int32_t prompt[] = {0, 7, 8}, stop[] = {1};
+  Tandem__SamplingParams sa = TANDEM__SAMPLING_PARAMS__INIT;
+  sa.temperature = 0.8f;
+  sa.top_k = 100;
+  sa.top_p = 0.95f;
+  sa.n = 64;
+  sa.set_forced_bos = true;
+  sa.forced_bos_token_id = -1;
+  sa.has_max_initial_timestamp = true;
+  sa.max_initial_timestamp_index = 50;
+  rs.n_decoder_prompt = 3;
+  rs.decoder_prompt = prompt;
+  rs.step_offset = 2;
+  rs.n_stop_token_ids = 1;
+  rs.stop_token_ids = stop;
+  rs.sampling = &sa;
+  rs.max_new_tokens = TD_MODEL_MAX_POSITIONS;
+  Tandem__Cluster__PrefillJob pj = TANDEM__CLUSTER__PREFILL_JOB__INIT;
+  pj.req = &rs;
+  pj.self_target = &kt;
+  pj.prefill_tokens = 2;
+  kt.tokens = 2;
+  r.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL;
+  r.prefill = &pj;
+  msg("fuzz_wire_cluster", "prefill_job", 1, &r.base);
+  dj.local_encode = false;
+  dj.with_prefill = true;
+  dj.prefill_tokens = 2;
+  r.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE;
+  r.decode = &dj;
+  msg("fuzz_wire_cluster", "decode_job_resumed", 1, &r.base);
+  Tandem__Cluster__PrefillResult pr = TANDEM__CLUSTER__PREFILL_RESULT__INIT;
+  pr.rid = 3;
+  pr.first_token = 5;
+  pr.first_logprob = -1;
+  r.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL_RESULT;
+  r.prefill_result = &pr;
+  msg("fuzz_wire_cluster", "prefill_result", 1, &r.base);
+  Tandem__Cluster__Remove rm = TANDEM__CLUSTER__REMOVE__INIT;
+  rm.reason = "removed by an operator";
+  r.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_REMOVE;
+  r.remove = &rm;
+  msg("fuzz_wire_cluster", "remove", 1, &r.base);
 }
 
 static void kv(void) {

@@ -40,13 +40,13 @@ static int free_port_pair(void) {
   return 0;
 }
 
-static pid_t spawn(cluster *c, const char *name, char *const argv[]) {
+static pid_t spawn_as(cluster *c, const char *name, char *const argv[], bool append) {
   char log[600];
   snprintf(log, sizeof log, "%s/%s.log", c->dir, name);
   pid_t pid = fork();
   cr_assert(pid >= 0);
   if (pid == 0) {
-    int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int fd = open(log, O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC), 0644);
     if (fd >= 0) {
       dup2(fd, 1);
       dup2(fd, 2);
@@ -60,7 +60,29 @@ static pid_t spawn(cluster *c, const char *name, char *const argv[]) {
   proc *p = &c->p[c->n++];
   p->pid = pid;
   snprintf(p->name, sizeof p->name, "%s", name);
+  size_t at = 0;
+  for (int i = 0; argv[i]; i++) {
+    size_t l = strlen(argv[i]) + 1;
+    cr_assert(at + l <= sizeof p->args, "the command line of %s is too long to keep", name);
+    memcpy(p->args + at, argv[i], l);
+    at += l;
+    p->n_args++;
+  }
   return pid;
+}
+
+static pid_t spawn(cluster *c, const char *name, char *const argv[]) { return spawn_as(c, name, argv, false); }
+
+int cluster_restart(cluster *c, int idx) {
+  cr_assert(c->p[idx].exited, "%s still runs", c->p[idx].name);
+  proc old = c->p[idx];
+  char *argv[64];
+  cr_assert(old.n_args < 64);
+  const char *a = old.args;
+  for (int i = 0; i < old.n_args; i++, a += strlen(a) + 1) argv[i] = (char *)a;
+  argv[old.n_args] = NULL;
+  spawn_as(c, old.name, argv, true);
+  return c->n - 1;
 }
 
 /* Appends space-separated flags to argv[*a] (at most cap entries); they

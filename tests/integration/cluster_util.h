@@ -16,6 +16,8 @@ typedef struct proc {
   char name[32];
   bool exited;
   int status;
+  char args[2048]; /* its command line, NUL-separated (cluster_restart) */
+  int n_args;
 } proc;
 
 typedef struct cluster {
@@ -61,6 +63,9 @@ int cluster_add_group(cluster *c, const char *name, const char *par, int world, 
 /* SIGTERM everything; true when every process exited cleanly in time. */
 bool cluster_stop(cluster *c);
 void cluster_kill(cluster *c, int idx);
+/* Starts process idx again with its command line (it must have exited),
+ * its log appended to; returns the new process's index. */
+int cluster_restart(cluster *c, int idx);
 /* Waits until the router reports the given worker counts. */
 bool cluster_wait_ready(cluster *c, int encoders, int prefills, int decodes, int timeout_ms);
 bool cluster_health(cluster *c, td_client_health *h);

@@ -639,3 +639,121 @@ Test(faults, group_rank_death_takes_the_group_out, .timeout = 300) {
   for (int i = 0; i < 10; i++) td_json_request_free(&reqs[i]);
   fx_free(&fx);
 }
+
+/* ---- the router is lost ---- */
+
+typedef struct ended {
+  int n;
+  char id[8][16];
+  td_status status[8];
+  char error[8][400];
+  int64_t at[8];
+} ended;
+
+static void on_end(void *ctx, const td_client_result *r) {
+  ended *e = ctx;
+  if (e->n >= 8) return;
+  snprintf(e->id[e->n], sizeof e->id[e->n], "%s", r->id);
+  e->status[e->n] = r->status;
+  snprintf(e->error[e->n], sizeof e->error[e->n], "%s", r->error ? r->error : "");
+  e->at[e->n++] = td_now_ms();
+}
+
+static void send_one(td_client *cl, const char *id, int max_new, uint32_t timeout_ms) {
+  char line[256];
+  snprintf(line, sizeof line, "{\"id\": \"%s\", \"input_ids\": [4, 8, 15, 16, 23, 42, 1], \"max_new_tokens\": %d, "
+           "\"ignore_eos\": true}", id, max_new);
+  td_json_request r;
+  cr_assert(td_json_request_parse(line, strlen(line), ".", 1, &r) == TD_OK);
+  cr_assert(td_client_generate(cl, &r, true, timeout_ms) == TD_OK, "%s", td_errmsg());
+  td_json_request_free(&r);
+}
+
+/* Polls until n requests ended or timeout_ms passed. */
+static void wait_ended(td_client *cl, ended *e, int n, int timeout_ms) {
+  td_client_events ev = {.on_result = on_end, .ctx = e};
+  for (int64_t end = td_now_ms() + timeout_ms; e->n < n && td_now_ms() < end;) td_client_poll(cl, 50, &ev);
+}
+
+/* Requests held by a router that dies end within seconds with "router
+ * unreachable" (the client library sees its connection go: at once for a
+ * killed process, within the ZeroMQ heartbeat's timeout for a silent one),
+ * not at their deadline (60 s here) plus the grace; a request sent while no
+ * router runs waits TD_CLIENT_ROUTER_WAIT_MS for one; the same client's
+ * next requests go to the router started again, or back again. */
+Test(faults, a_lost_routers_requests_fail_fast_and_the_next_router_serves, .timeout = 300) {
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  cluster c;
+  cluster_opts o = {.model = fx.dir, .decodes = 1};
+  cluster_start(&c, &o);
+  td_client *cl;
+  cr_assert(td_client_connect_wait(c.client_ep, 5000, &cl) == TD_OK);
+  int rt = proc_index(&c, "router");
+  pid_t d0 = c.p[proc_index(&c, "decode-0")].pid;
+  /* held: decode-0 stopped, so that none can end before the kill */
+  kill(d0, SIGSTOP);
+  for (int i = 0; i < 4; i++) {
+    char id[16];
+    snprintf(id, sizeof id, "held%d", i);
+    send_one(cl, id, 200, 60000);
+  }
+  ended e = {0};
+  wait_ended(cl, &e, 1, 300);
+  cr_assert_eq(e.n, 0, "%s ended before the kill: %s", e.id[0], e.error[0]);
+  int64_t t0 = td_now_ms();
+  cluster_kill(&c, rt);
+  wait_ended(cl, &e, 4, 20000);
+  cr_assert_eq(e.n, 4, "%d of 4 held requests ended after the router's SIGKILL", e.n);
+  for (int i = 0; i < 4; i++) {
+    cr_expect_eq(e.status[i], TD_ERR_NETWORK, "%s: %s", e.id[i], td_status_str(e.status[i]));
+    cr_expect(strstr(e.error[i], "router unreachable: the connection to the router"), "%s: %s", e.id[i], e.error[i]);
+    cr_expect_lt(e.at[i] - t0, 3000, "%s ended %lld ms after the kill", e.id[i], (long long)(e.at[i] - t0));
+  }
+  cr_log_info("held requests ended %lld ms after the router's SIGKILL", (long long)(e.at[3] - t0));
+  kill(d0, SIGCONT);
+  /* no router: a new request waits for one, then says so */
+  e = (ended){0};
+  t0 = td_now_ms();
+  send_one(cl, "orphan", 4, 60000);
+  wait_ended(cl, &e, 1, 20000);
+  cr_assert_eq(e.n, 1);
+  cr_expect_eq(e.status[0], TD_ERR_NETWORK);
+  cr_expect(strstr(e.error[0], "router unreachable: no connection to the router"), "%s", e.error[0]);
+  cr_expect(e.at[0] - t0 >= TD_CLIENT_ROUTER_WAIT_MS - 100 && e.at[0] - t0 < TD_CLIENT_ROUTER_WAIT_MS + 2000,
+            "ended after %lld ms", (long long)(e.at[0] - t0));
+  /* the router again, on its endpoints: the same client's next request is served */
+  rt = cluster_restart(&c, rt);
+  cr_assert(cluster_wait_ready(&c, 1, 0, 1, 30000), "the workers did not register with the new router");
+  e = (ended){0};
+  send_one(cl, "after-restart", 4, 60000);
+  wait_ended(cl, &e, 1, 20000);
+  cr_assert_eq(e.n, 1);
+  cr_expect_eq(e.status[0], TD_OK, "after the restart: %s", e.error[0]);
+  /* a router that stops answering (SIGSTOP, as a hung host): the heartbeat's timeout ends its requests */
+  e = (ended){0};
+  kill(c.p[rt].pid, SIGSTOP);
+  t0 = td_now_ms();
+  /* the router holds it to its deadline: the client's cancel goes out on its next connection, which the
+   * router takes for another client */
+  send_one(cl, "silent", 200, 10000);
+  wait_ended(cl, &e, 1, 30000);
+  int64_t took = td_now_ms() - t0;
+  kill(c.p[rt].pid, SIGCONT);
+  cr_assert_eq(e.n, 1, "nothing ended while the router was stopped");
+  cr_expect_eq(e.status[0], TD_ERR_NETWORK, "%s", e.error[0]);
+  cr_expect(strstr(e.error[0], "router unreachable: the connection to the router"), "%s", e.error[0]);
+  cr_expect_lt(took, TD_WIRE_HEARTBEAT_IVL_MS + TD_WIRE_HEARTBEAT_TIMEOUT_MS + 2000, "took %lld ms", (long long)took);
+  cr_log_info("a stopped router's request ended after %lld ms", (long long)took);
+  /* ... and once it runs again, the client reconnects */
+  e = (ended){0};
+  send_one(cl, "after-stop", 4, 60000);
+  wait_ended(cl, &e, 1, 20000);
+  cr_assert_eq(e.n, 1);
+  cr_expect_eq(e.status[0], TD_OK, "after the stop: %s", e.error[0]);
+  td_client_close(cl);
+  char why[256] = "";
+  cr_expect(cluster_wait_idle(&c, 20000, why, sizeof why), "blocks held after the router's loss: %s", why);
+  cr_expect(cluster_stop(&c));
+  fx_free(&fx);
+}

@@ -121,13 +121,15 @@ code=$(curl -s -o /dev/null -w '%{http_code}' "$gw/health" -H "X-Big: $hdr")
 check "a header past the connection's buffer: 431 ($code)" test "$code" = 431
 # garbage on the socket, then the gateway still answers
 printf 'NOT HTTP AT ALL\r\n\r\n\x00\xff' | timeout 5 bash -c "cat > /dev/tcp/${gw#http://}" 2>/dev/null
+check "a JSON field given twice: 400" status_is 400 "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven", "stop": ["a","b","c","d"], "stop": ["e","f","g","h"]}'
+check "... naming it" grep -q '"param":"stop"' "$work/body"
 r=$(curl -s "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven"}')
 check "still serving after garbage" has "$r" '"text":"7"'
 # the gateway's own Prometheus metrics count what was answered above
 r=$(curl -s "$gw/metrics")
 ep='endpoint="/v1/completions"'
 check "metrics: 20 completions answered 200" has "$r" "tandem:gateway_requests_total{$ep,code=\"200\"} 20"
-check "metrics: 5 refused 400" has "$r" "tandem:gateway_requests_total{$ep,code=\"400\"} 5"
+check "metrics: 6 refused 400" has "$r" "tandem:gateway_requests_total{$ep,code=\"400\"} 6"
 check "metrics: 2 bodies too large (413)" has "$r" "tandem:gateway_requests_total{$ep,code=\"413\"} 2"
 check "metrics: an unknown model (404)" has "$r" "tandem:gateway_requests_total{$ep,code=\"404\"} 1"
 check "metrics: a GET on a POST endpoint (405)" has "$r" "tandem:gateway_requests_total{$ep,code=\"405\"} 1"
@@ -168,6 +170,27 @@ check "the second gateway stops cleanly" test $? = 0
 
 wait "$zmq_pid"
 check "tandem-client served meanwhile (3 x 40 requests)" test "$(grep -c '"tokens"' "$work/zmq.out")" = 120
+
+# the router killed while it holds requests (decode-0 stopped: they cannot end first): plain and streamed ones
+# answer 503 with an error object at once, not at their deadline; the supervisor's new router serves the next
+held() { # name, stream
+  curl -s -o "$work/$1.body" -w '%{http_code} %{time_total}' "$gw/v1/completions" -H "$j" \
+    -d "{\"model\": \"toy-numbers-t5\", \"prompt\": \"seven\", \"max_tokens\": 12, \"stream\": $2}" >"$work/$1.out"
+}
+kill -STOP "$(cat "$work/text/decode-0.pid")"
+held held_plain false & hp=$!
+held held_stream true & hs=$!
+sleep 1
+kill -KILL "$(cat "$work/text/router.pid")"
+wait "$hp" "$hs"
+kill -CONT "$(cat "$work/text/decode-0.pid")"
+for h in held_plain held_stream; do
+  read -r code secs <"$work/$h.out"
+  check "$h: 503 when the router dies ($code after ${secs}s)" awk -v c="$code" -v s="$secs" 'BEGIN { exit !(c == 503 && s < 4) }'
+  check "$h: ... saying the router is unreachable" grep -q '"code":"router_unreachable"' "$work/$h.body"
+done
+served() { r=$(curl -s "$gw/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "seven"}'); [[ $r == *'"text":"7"'* ]]; }
+check "the gateway serves through the restarted router" wait_for 300 served
 stop_cluster text
 
 # ---------------------------------------------------------------- audio (Whisper)
@@ -200,6 +223,10 @@ check "a truncated wav answers (200 or 400)" bash -c "c=\$(curl -s -o /dev/null 
 check "not multipart: 400" status_is 400 "$tr" -H "$j" -d '{"model": "x"}'
 check "a malformed multipart body: 400" status_is 400 "$tr" -H 'Content-Type: multipart/form-data; boundary=XX' --data-binary $'--XX\r\nContent-Disposition: form-data; name="model"\r\n\r\nabc\r\n--XY--'
 check "an unknown form field: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F colour=red
+check "a form field given twice: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F language=en -F language=de
+check "... naming it" grep -q '"param":"language"' "$work/body"
+check "a model name past its bound: 400" status_is 400 "$tr" -F model="$m$(printf 'x%.0s' $(seq 200))" -F file=@"$wh/number-7.wav"
+check "a NaN temperature: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F temperature=nan
 check "an unknown response_format: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F response_format=xml
 check "word timestamps: 400" status_is 400 "$tr" -F model=$m -F file=@"$wh/number-7.wav" -F 'timestamp_granularities[]=word'
 # a 5 s WAV (the model's window is 4 s): transcribed long-form (tests/integration/test_longform.sh has the rest)

@@ -159,6 +159,11 @@ Test(errors, status_mapping) {
     cr_assert_eq(e.http, cases[i].http, "%s -> %d", td_status_str(cases[i].s), e.http);
     cr_assert_str_eq(e.message, "why");
   }
+  gw_error e;
+  gw_error_from_status(&e, TD_ERR_NETWORK, "router unreachable: the connection to the router was lost");
+  cr_expect_str_eq(e.code, "router_unreachable");
+  gw_error_from_status(&e, TD_ERR_OVERLOADED, "full");
+  cr_expect_str_eq(e.code, "overloaded");
 }
 
 Test(errors, sse_framing) {
@@ -521,4 +526,20 @@ Test(audio, longform_segments) {
   free(tok);
   free(text);
   td_longform_destroy(lf);
+}
+
+/* A field given twice is refused naming it: two "stop" lists of four each
+ * once wrote past the four stop slots. */
+Test(completions, a_field_given_twice_is_refused) {
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"stop\": [\"a\",\"b\",\"c\",\"d\"], "
+          "\"stop\": [\"e\",\"f\",\"g\",\"h\"]}", 400, "stop");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"max_tokens\": 3, \"max_tokens\": 4}", 400, "max_tokens");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"prompt\": \"b\"}", 400, "prompt");
+  refused("{\"model\": \"toy-numbers-t5\", \"model\": \"toy-numbers-t5\", \"prompt\": \"a\"}", 400, "model");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"max_tokens\": 3, \"max_new_tokens\": 4}", 400,
+          "max_new_tokens");
+  refused("{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"user\": 7}", 400, "user");
+  char body[600];
+  snprintf(body, sizeof body, "{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"user\": \"%0*d\"}", 300, 0);
+  refused(body, 400, "user");
 }

@@ -220,16 +220,16 @@ Test(admit, top_p_negative_or_nan) {
   r.sp.top_p = 5; /* >= 1: off */
   expect(&r, TD_OK, NULL);
   r.sp.top_p = -0.1f;
-  expect(&r, TD_ERR_INVALID, "top_p must be >= 0");
+  expect(&r, TD_ERR_INVALID, "top_p must be a finite number >= 0");
   r.sp.top_p = NAN;
-  expect(&r, TD_ERR_INVALID, "top_p must be >= 0");
+  expect(&r, TD_ERR_INVALID, "top_p must be a finite number >= 0");
 }
 
 Test(admit, top_k_negative) {
   req r;
   valid(&r);
   r.sp.top_k = -1;
-  expect(&r, TD_ERR_INVALID, "top_k must be >= 0");
+  expect(&r, TD_ERR_INVALID, "top_k must be 0 (off) to the vocabulary's 100");
 }
 
 Test(admit, n_beyond_the_sample_limit) {

@@ -8,6 +8,7 @@
  * worker has (--capacity-wait-ms). */
 #include <criterion/criterion.h>
 #include <malloc.h>
+#include <math.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
 #include <signal.h>
@@ -98,6 +99,7 @@ typedef struct fake_opts {
   bool no_start_token; /* register without the model's decoder start token */
   int enc_batch;       /* encoder positions a run (0: not registered) */
   const char *route;   /* the connection's routing identity (NULL: the id) */
+  void (*mutate)(Tandem__Cluster__WorkerInfo *); /* changes the registration before it goes */
 } fake_opts;
 
 #define START_TOKEN 3 /* the fake model's decoder start token */
@@ -167,6 +169,7 @@ static void *fake_register(harness *h, const char *id, fake_opts fo, Tandem__Clu
   in.max_running = fo.max_running ? (uint32_t)fo.max_running : 32;
   in.cross_mode = (char *)(fo.cross_mode ? fo.cross_mode : "auto");
   in.encode_batch_tokens = (uint32_t)fo.enc_batch;
+  if (fo.mutate) fo.mutate(&in);
   Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
   reg.info = &in;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
@@ -215,6 +218,18 @@ static void send_finished(void *s, uint64_t rid, const int32_t *t, size_t n) {
 
 static void send_body(void *s, Tandem__Cluster__WorkerMessage *m) { wsend(s, m); }
 
+/* A reservation as a worker reports it: its own id, a ZeroMQ descriptor,
+ * the blocks for `tokens` encoder tokens (the test's requests have 3). */
+static void kv_target(Tandem__Cluster__KvTarget *kt, const char *worker, int32_t *blocks, size_t n, uint32_t tokens) {
+  static const char desc[] = "zmq:tcp://127.0.0.1:9";
+  kt->worker_id = (char *)worker;
+  kt->desc.data = (uint8_t *)desc;
+  kt->desc.len = sizeof desc - 1;
+  kt->blocks = blocks;
+  kt->n_blocks = n;
+  kt->tokens = tokens;
+}
+
 /* The worker gave up on an attempt that another may take. */
 static void send_retryable(void *s, uint64_t rid, const char *why) {
   Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
@@ -238,17 +253,18 @@ typedef struct gen {
   int n_prompt;
   const int32_t *stop; /* stop_token_ids */
   int n_stop;
+  int n_input; /* encoder tokens (0: 3) */
 } gen;
 
 static void generate(harness *h, gen q) {
-  static int32_t ids[3] = {1, 2, 3};
+  static int32_t ids[32] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20};
   Tandem__SamplingParams sp = TANDEM__SAMPLING_PARAMS__INIT;
   sp.n = (uint32_t)q.n;
   sp.temperature = q.n > 1 ? 1.0f : 0.0f;
   Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
   g.request_id = (char *)q.id;
   g.input_ids = ids;
-  g.n_input_ids = 3;
+  g.n_input_ids = q.n_input ? (size_t)q.n_input : 3;
   g.sampling = &sp;
   g.max_new_tokens = (uint32_t)q.max_new;
   g.stream = q.stream;
@@ -622,7 +638,7 @@ Test(router_control, a_worker_without_a_string_identity_is_refused, .timeout = 3
  * ROUTER_HANDOVER let the second take the identity, and libzmq aborted. */
 Test(router_control, a_duplicate_worker_id_is_refused_while_the_first_lives, .timeout = 30) {
   harness h;
-  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 3});
+  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 3, .capacity_wait_ms = 300});
   Tandem__Cluster__RouterMessage *ack;
   void *first = fake_register(&h, "w0", (fake_opts){.roles = "ed", .route = "w0.1"}, &ack);
   cr_assert(ack->ack->accepted);
@@ -702,11 +718,9 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   uint8_t tok1[TD_KV_TOKEN_BYTES];
   memcpy(tok1, from->token.data, sizeof tok1);
   wfree(job);
-  int32_t blocks[2] = {4, 5};
+  int32_t blocks[1] = {4};
   Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kt.worker_id = "dec";
-  kt.blocks = blocks;
-  kt.n_blocks = 2;
+  kv_target(&kt, "dec", blocks, 1, 3);
   Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
   res.rid = rid1;
   res.cross = &kt;
@@ -718,7 +732,7 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   job = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the encode job");
   cr_expect_eq(job->encode->req->rid, rid1);
   cr_assert_eq(job->encode->n_targets, 1);
-  cr_assert_eq(job->encode->targets[0]->n_blocks, 2);
+  cr_assert_eq(job->encode->targets[0]->n_blocks, 1);
   cr_expect_arr_eq(job->encode->targets[0]->blocks, blocks, sizeof blocks);
   /* ... and the encoder gets the same token with the target */
   cr_assert_eq(job->encode->targets[0]->token.len, TD_KV_TOKEN_BYTES);
@@ -837,9 +851,7 @@ static uint64_t encode_then_push_fails(void *d, void *e) {
   wfree(job);
   int32_t blocks[1] = {7};
   Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kt.worker_id = "dec";
-  kt.blocks = blocks;
-  kt.n_blocks = 1;
+  kv_target(&kt, "dec", blocks, 1, 3);
   Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
   res.rid = rid;
   res.cross = &kt;
@@ -996,12 +1008,12 @@ Test(router_control, a_queued_request_that_no_worker_left_can_run_is_refused, .t
 
 Test(router_control, a_silent_worker_dies_and_its_request_fails_without_another, .timeout = 30) {
   harness h;
-  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 5});
+  start(&h, (td_router_opts){.heartbeat_ms = 100, .dead_after = 5, .capacity_wait_ms = 300});
   void *w = fake_worker(&h, "w0", enc_dec);
   generate(&h, (gen){.id = "a", .max_new = 5});
   wfree(wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job"));
   /* w0 sends nothing more */
-  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "no decode worker is registered");
+  expect_error(&h, "a", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, "no decode worker is registered (waited");
   Tandem__ServerMessage *hm;
   cr_expect_eq(health(&h, &hm)->decoders, 0);
   cfree(hm);
@@ -1567,4 +1579,428 @@ Test(router_control, admin_drain_undrain_remove_and_their_refusals, .timeout = 3
   expect_error(&h, "e7", TANDEM__ERROR_CODE__ERROR_FAILED_PRECONDITION, "already draining (it was told to stop)");
   void *socks[] = {w0, w1};
   finish(&h, socks, 2);
+}
+
+/* ------------------------------------------------------------ every field past its limit, end to end */
+
+/* The next job for w that is not a cancel (cancels of earlier attempts may come first). */
+static Tandem__Cluster__RouterMessage *next_job(void *w, const char *what) {
+  Tandem__Cluster__RouterMessage *m;
+  while ((m = wrecv(w, WAIT_MS)) && m->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL) wfree(m);
+  cr_assert(m, "%s: nothing came", what);
+  return m;
+}
+
+/* A request served start to end by decode worker w, which encodes too: the cluster still serves. */
+static void serve_one(harness *h, void *w, const char *id) {
+  generate(h, (gen){.id = id, .max_new = 2});
+  Tandem__Cluster__RouterMessage *job = next_job(w, "the decode job");
+  cr_assert_eq(job->body_case, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE);
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  int32_t t[2] = {7, 8};
+  send_tokens(w, rid, 0, t, 2);
+  send_finished(w, rid, t, 2);
+  expect_result(h, id, t, 2, 1);
+}
+
+typedef struct reg_row {
+  const char *says;
+  void (*bad)(Tandem__Cluster__WorkerInfo *);
+} reg_row;
+
+static void rg_vocab(Tandem__Cluster__WorkerInfo *in) { in->model->vocab_size = 0x80000000u; }
+static void rg_target(Tandem__Cluster__WorkerInfo *in) { in->model->max_target_len = 0xffffffffu; }
+static void rg_start(Tandem__Cluster__WorkerInfo *in) { in->model->decoder_start->id = 100; }
+static void rg_eos(Tandem__Cluster__WorkerInfo *in) {
+  static int32_t eos[1] = {-7};
+  in->model->eos_token_ids = eos;
+}
+static void rg_self(Tandem__Cluster__WorkerInfo *in) { in->self_blocks = 0x80000000u; }
+static void rg_running(Tandem__Cluster__WorkerInfo *in) { in->max_running = 1u << 20; }
+static void rg_role(Tandem__Cluster__WorkerInfo *in) { in->roles[0] = (Tandem__Cluster__Role)9; }
+static void rg_block(Tandem__Cluster__WorkerInfo *in) { in->block_size = 0; }
+static void rg_batch(Tandem__Cluster__WorkerInfo *in) { in->encode_batch_tokens = 0x80000000u; }
+static void rg_desc(Tandem__Cluster__WorkerInfo *in) {
+  static uint8_t junk[2] = {0xff, 0x01};
+  in->transfer_desc.data = junk;
+  in->transfer_desc.len = 2;
+}
+static void rg_device(Tandem__Cluster__WorkerInfo *in) {
+  static char dev[300];
+  memset(dev, 'd', sizeof dev - 1);
+  in->device = dev;
+}
+
+/* A registration past a field's limit is refused with the field named in
+ * the RegisterAck; the router registers nothing of it and serves on. */
+Test(router_control, registrations_past_a_fields_limit_are_refused_naming_it, .timeout = 30) {
+  static const reg_row rows[] = {
+      {"ModelInfo.vocab_size 2147483648 is outside 1 to 16777216", rg_vocab},
+      {"ModelInfo.max_target_len 4294967295 is outside 2 to", rg_target},
+      {"ModelInfo.decoder_start[0] 100 is outside the vocabulary of 100", rg_start},
+      {"ModelInfo.eos_token_ids[0] -7 is outside", rg_eos},
+      {"WorkerInfo.self_blocks 2147483648 exceeds 268435456", rg_self},
+      {"WorkerInfo.max_running 1048576 exceeds 65536", rg_running},
+      {"WorkerInfo.roles[0] 9 is no role", rg_role},
+      {"WorkerInfo.block_size 0 is outside 1 to", rg_block},
+      {"WorkerInfo.encode_batch_tokens 2147483648 exceeds", rg_batch},
+      {"WorkerInfo.transfer_desc", rg_desc},
+      {"WorkerInfo.device has 299 bytes", rg_device},
+  };
+  enum { N = sizeof rows / sizeof *rows };
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *socks[N + 1];
+  for (int i = 0; i < N; i++) {
+    char id[16];
+    snprintf(id, sizeof id, "bad-%d", i);
+    Tandem__Cluster__RouterMessage *ack;
+    socks[i] = fake_register(&h, id, (fake_opts){.roles = "ed", .mutate = rows[i].bad}, &ack);
+    cr_expect(!ack->ack->accepted, "row %d registered", i);
+    cr_expect(strstr(ack->ack->reason, rows[i].says), "row %d: \"%s\" does not say \"%s\"", i, ack->ack->reason,
+              rows[i].says);
+    wfree(ack);
+  }
+  Tandem__ServerMessage *hm;
+  cr_expect_eq(health(&h, &hm)->n_workers, 0, "a refused registration left a worker");
+  cfree(hm);
+  socks[N] = fake_worker(&h, "w0", enc_dec);
+  serve_one(&h, socks[N], "after");
+  finish(&h, socks, N + 1);
+}
+
+/* What a decode worker sends back about request rid, broken one way. */
+typedef enum { BAD_TOKEN, BAD_LOGPROB, BAD_PAST_MAX, BAD_BATCH, BAD_SCORE, BAD_TEXT, BAD_OUTPUTS, BAD_RESULT_LEN,
+               BAD_CODE, BAD_MS, BAD_KINDS } bad_kind;
+
+static void send_bad(void *w, uint64_t rid, bad_kind k) {
+  int32_t t[3] = {7, 8, 9}, oov[1] = {100};
+  float nan_lp[1] = {NAN};
+  Tandem__Cluster__Tokens tk = TANDEM__CLUSTER__TOKENS__INIT;
+  tk.rid = rid;
+  tk.tokens = t;
+  tk.n_tokens = 1;
+  Tandem__Cluster__Tokens *items[1] = {&tk};
+  Tandem__Cluster__TokensBatch tb = TANDEM__CLUSTER__TOKENS_BATCH__INIT;
+  Tandem__SequenceOutput o = TANDEM__SEQUENCE_OUTPUT__INIT, *os[2] = {&o, &o};
+  o.tokens = t;
+  o.n_tokens = 2;
+  o.finish_reason = TANDEM__FINISH_REASON__FINISH_LENGTH;
+  Tandem__Cluster__Finished fin = TANDEM__CLUSTER__FINISHED__INIT;
+  fin.rid = rid;
+  fin.outputs = os;
+  fin.n_outputs = 1;
+  Tandem__Cluster__Failed fl = TANDEM__CLUSTER__FAILED__INIT;
+  fl.rid = rid;
+  fl.code = (Tandem__ErrorCode)99;
+  fl.message = "?";
+  fl.retryable = false;
+  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS;
+  m.tokens = &tk;
+  switch (k) {
+    case BAD_TOKEN: tk.tokens = oov; break;
+    case BAD_LOGPROB: tk.logprobs = nan_lp, tk.n_logprobs = 1; break;
+    case BAD_PAST_MAX: tk.n_tokens = 3; break;
+    case BAD_BATCH:
+      tk.tokens = oov;
+      tb.items = items;
+      tb.n_items = 1;
+      m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_TOKENS_BATCH;
+      m.tokens_batch = &tb;
+      break;
+    case BAD_CODE:
+      m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED;
+      m.failed = &fl;
+      break;
+    default:
+      if (k == BAD_SCORE) o.score = NAN;
+      if (k == BAD_TEXT) o.text = "forged", o.has_text = true;
+      if (k == BAD_OUTPUTS) fin.n_outputs = 2;
+      if (k == BAD_RESULT_LEN) o.n_tokens = 3;
+      if (k == BAD_MS) fin.decode_ms = -1;
+      m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED;
+      m.finished = &fin;
+      break;
+  }
+  send_body(w, &m);
+}
+
+/* A worker's message past a field's limit, or at odds with the request it
+ * names, costs that request its attempt (one here, so it ends with the
+ * message named), the worker is told to let go, and the router serves on. */
+Test(router_control, a_workers_invalid_messages_end_the_attempt_naming_the_field, .timeout = 60) {
+  static const char *says[BAD_KINDS] = {
+      [BAD_TOKEN] = "Tokens.tokens[0] 100 is outside the vocabulary of 100",
+      [BAD_LOGPROB] = "Tokens.logprobs[0] is nan",
+      [BAD_PAST_MAX] = "Tokens: 3 tokens after 0, past max_new_tokens 2",
+      [BAD_BATCH] = "TokensBatch.items[0].tokens[0] 100 is outside",
+      [BAD_SCORE] = "Finished.outputs[0].score is nan",
+      [BAD_TEXT] = "Finished.outputs[0] carries text or segments",
+      [BAD_OUTPUTS] = "Finished.outputs holds 2 sequences, the request runs 1",
+      [BAD_RESULT_LEN] = "Finished.outputs[0] holds 3 tokens, past max_new_tokens 2",
+      [BAD_CODE] = "Failed.code 99 is no error code",
+      [BAD_MS] = "Finished.decode_ms -1",
+  };
+  harness h;
+  start(&h, (td_router_opts){.max_attempts = 1});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  for (int k = 0; k < BAD_KINDS; k++) {
+    char id[16];
+    snprintf(id, sizeof id, "bad-%d", k);
+    generate(&h, (gen){.id = id, .max_new = 2});
+    Tandem__Cluster__RouterMessage *job = next_job(w, "the decode job");
+    cr_assert_eq(job->body_case, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE);
+    uint64_t rid = job->decode->req->rid;
+    wfree(job);
+    send_bad(w, rid, (bad_kind)k);
+    char want[200];
+    snprintf(want, sizeof want, "gave up after 1 attempts: worker w0 sent an invalid message: %s", says[k]);
+    expect_error(&h, id, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, want);
+    Tandem__Cluster__RouterMessage *c = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the worker's cancel");
+    cr_expect_eq(c->cancel->rid, rid);
+    wfree(c);
+  }
+  serve_one(&h, w, "after");
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+/* Reservations at odds with the request: another worker's id, too many
+ * blocks, a block past the pool, one block twice, a target without a
+ * descriptor, prompt blocks nobody asked for. No encode job goes out; the
+ * request ends naming it. */
+Test(router_control, reservations_at_odds_with_the_request_end_the_attempt, .timeout = 60) {
+  enum { OTHER_ID, TOO_MANY, PAST_POOL, TWICE, NO_DESC, SELF, ROWS };
+  static const char *says[ROWS] = {
+      [OTHER_ID] = "Reserved.cross.worker_id enc is not the worker that reserved (dec)",
+      [TOO_MANY] = "Reserved.cross holds 2 blocks for 3 tokens, the request needs 1 blocks for 3",
+      [PAST_POOL] = "Reserved.cross.blocks holds block 1000, the worker registered 1000",
+      [TWICE] = "Reserved.cross.blocks holds block 4 twice",
+      [NO_DESC] = "Reserved.cross.desc: the KV descriptor is empty",
+      [SELF] = "Reserved.self for a request whose prompt KV is not pushed there",
+  };
+  harness h;
+  start(&h, (td_router_opts){.max_attempts = 1});
+  void *d = fake_worker(&h, "dec", (fake_opts){.roles = "d"});
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e"});
+  for (int k = 0; k < ROWS; k++) {
+    char id[16];
+    snprintf(id, sizeof id, "res-%d", k);
+    generate(&h, (gen){.id = id, .max_new = 2, .n_input = k == TWICE ? 20 : 3});
+    Tandem__Cluster__RouterMessage *job = next_job(d, "the decode job");
+    uint64_t rid = job->decode->req->rid;
+    wfree(job);
+    int32_t blocks[2] = {4, 5};
+    Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT, self = TANDEM__CLUSTER__KV_TARGET__INIT;
+    kv_target(&kt, "dec", blocks, 1, 3);
+    kv_target(&self, "dec", blocks + 1, 1, 3);
+    Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
+    res.rid = rid;
+    res.cross = &kt;
+    if (k == OTHER_ID) kt.worker_id = "enc";
+    if (k == TOO_MANY) kt.n_blocks = 2;
+    if (k == PAST_POOL) blocks[0] = 1000;
+    if (k == TWICE) blocks[1] = 4, kt.n_blocks = 2, kt.tokens = 20;
+    if (k == NO_DESC) kt.desc.len = 0;
+    if (k == SELF) res.self = &self;
+    Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+    rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+    rm.reserved = &res;
+    send_body(d, &rm);
+    char want[200];
+    snprintf(want, sizeof want, "gave up after 1 attempts: worker dec sent an invalid message: %s", says[k]);
+    expect_error(&h, id, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, want);
+    Tandem__Cluster__RouterMessage *c = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the cancel");
+    wfree(c);
+  }
+  Tandem__Cluster__RouterMessage *m; /* cancels of the attempts placed there, no job */
+  while ((m = wrecv(e, 200))) {
+    cr_expect_eq(m->body_case, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the encoder got message %d",
+                 (int)m->body_case);
+    wfree(m);
+  }
+  /* a good reservation still starts the encoder */
+  generate(&h, (gen){.id = "good", .max_new = 2});
+  Tandem__Cluster__RouterMessage *job = next_job(d, "the decode job");
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  int32_t blocks[1] = {4};
+  Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
+  kv_target(&kt, "dec", blocks, 1, 3);
+  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
+  res.rid = rid;
+  res.cross = &kt;
+  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+  rm.reserved = &res;
+  send_body(d, &rm);
+  job = next_job(e, "the encode job");
+  cr_expect_eq(job->body_case, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE);
+  wfree(job);
+  void *socks[] = {d, e};
+  finish(&h, socks, 2);
+}
+
+/* A client's request with one field past its limit, through the live
+ * router: refused with the limit named; then a request is served. */
+typedef struct client_row {
+  const char *says;
+  Tandem__ErrorCode code;
+  void (*bad)(Tandem__GenerateRequest *, Tandem__SamplingParams *);
+} client_row;
+
+static void c_max_new_2g(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) { (void)sp, g->max_new_tokens = 0x80000000u; }
+static void c_max_new_4g(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) { (void)sp, g->max_new_tokens = 0xffffffffu; }
+static void c_temp_nan(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) { (void)g, sp->temperature = NAN; }
+static void c_top_p_inf(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) { (void)g, sp->top_p = INFINITY; }
+static void c_top_p_nan(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) { (void)g, sp->top_p = NAN; }
+static void c_top_k(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) { (void)g, sp->top_k = 101; }
+static void c_lp(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) {
+  (void)g;
+  sp->has_length_penalty = true;
+  sp->length_penalty = -INFINITY;
+}
+static void c_n(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) { (void)g, sp->n = 0x80000000u; }
+static void c_bos(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) {
+  (void)g;
+  sp->set_forced_bos = true;
+  sp->forced_bos_token_id = -5;
+}
+static void c_eos(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) {
+  (void)g;
+  sp->set_forced_eos = true;
+  sp->forced_eos_token_id = 100;
+}
+static void c_init_ts(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) {
+  (void)g;
+  sp->has_max_initial_timestamp = true;
+  sp->max_initial_timestamp_index = 0x7fffffff;
+}
+static void c_stops(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) {
+  (void)sp;
+  static int32_t stop[TD_ROUTER_MAX_STOP_IDS + 1];
+  g->stop_token_ids = stop;
+  g->n_stop_token_ids = TD_ROUTER_MAX_STOP_IDS + 1;
+}
+static void c_model(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) {
+  (void)sp;
+  static char name[301];
+  memset(name, 'm', 300);
+  g->model = name;
+}
+static void c_input(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) {
+  (void)sp;
+  static int32_t ids[1] = {-1};
+  g->input_ids = ids;
+  g->n_input_ids = 1;
+}
+static void c_id(Tandem__GenerateRequest *g, Tandem__SamplingParams *sp) {
+  (void)sp;
+  static char id[300];
+  memset(id, 'i', sizeof id - 1);
+  g->request_id = id;
+}
+
+Test(router_control, a_clients_fields_past_their_limits_are_refused_naming_them, .timeout = 30) {
+  static const client_row rows[] = {
+      {"prompt 1 + max_new_tokens 2147483648 exceeds the model's 32 positions", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT,
+       c_max_new_2g},
+      {"prompt 1 + max_new_tokens 4294967295 exceeds", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_max_new_4g},
+      {"temperature must be a finite number >= 0", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_temp_nan},
+      {"top_p must be a finite number >= 0 (0 or >= 1: off), got inf", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT,
+       c_top_p_inf},
+      {"top_p must be a finite number >= 0 (0 or >= 1: off), got nan", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT,
+       c_top_p_nan},
+      {"top_k must be 0 (off) to the vocabulary's 100, got 101", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_top_k},
+      {"length_penalty must be a finite number, got -inf", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_lp},
+      {"n = 2147483648 exceeds the limit of 64", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_n},
+      {"forced_bos_token_id -5 is outside the vocabulary of 100 (-1: none)", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT,
+       c_bos},
+      {"forced_eos_token_id 100 is outside", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_eos},
+      {"max_initial_timestamp_index must be 0 to the vocabulary's 100, got 2147483647",
+       TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_init_ts},
+      {"1025 stop_token_ids exceed the limit of 1024", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_stops},
+      {"model of 300 bytes exceeds the limit of 255", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_model},
+      {"input token -1 (at 0) is outside the vocabulary", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_input},
+      {"request_id of 299 bytes exceeds 255", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, c_id},
+  };
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  for (size_t i = 0; i < sizeof rows / sizeof *rows; i++) {
+    char id[16];
+    snprintf(id, sizeof id, "c%zu", i);
+    static int32_t ids[3] = {1, 2, 3};
+    Tandem__SamplingParams sp = TANDEM__SAMPLING_PARAMS__INIT;
+    Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+    g.request_id = id;
+    g.input_ids = ids;
+    g.n_input_ids = 3;
+    g.sampling = &sp;
+    g.max_new_tokens = 2;
+    rows[i].bad(&g, &sp);
+    Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+    m.version = TD_PROTOCOL_VERSION;
+    m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
+    m.generate = &g;
+    cr_assert_eq(td_wire_send(h.client, NULL, 0, &m.base), TD_OK);
+    /* an id past its limit is not echoed */
+    expect_error(&h, rows[i].bad == c_id ? "" : id, rows[i].code, rows[i].says);
+  }
+  cancel(&h, "");
+  expect_error(&h, "", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, "request_id is empty");
+  Tandem__AdminRequest ar = TANDEM__ADMIN_REQUEST__INIT;
+  char long_id[300];
+  memset(long_id, 'a', sizeof long_id - 1);
+  long_id[sizeof long_id - 1] = 0;
+  ar.request_id = long_id;
+  Tandem__ClientMessage am = TANDEM__CLIENT_MESSAGE__INIT;
+  am.version = TD_PROTOCOL_VERSION;
+  am.body_case = TANDEM__CLIENT_MESSAGE__BODY_ADMIN;
+  am.admin = &ar;
+  cr_assert_eq(td_wire_send(h.client, NULL, 0, &am.base), TD_OK);
+  expect_error(&h, "", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, "request_id of 299 bytes exceeds 255");
+  Tandem__ServerMessage *hm;
+  cr_expect_eq(health(&h, &hm)->in_flight + hm->health->queued, 0, "a refused request is held");
+  cfree(hm);
+  serve_one(&h, w, "after");
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+/* A router that just started knows no model until a worker registers (its
+ * clients' queued requests may come first, as after a restart): a request
+ * waits --capacity-wait-ms for one and is then admitted and served, or
+ * fails naming the wait; a cancel reaches it meanwhile. */
+Test(router_control, a_request_before_any_worker_waits_for_one, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){.capacity_wait_ms = 2000});
+  generate(&h, (gen){.id = "early", .max_new = 2});
+  generate(&h, (gen){.id = "gone", .max_new = 2});
+  cancel(&h, "gone");
+  expect_error(&h, "gone", TANDEM__ERROR_CODE__ERROR_CANCELLED, "cancelled by the client");
+  Tandem__ServerMessage *hm;
+  cr_expect_eq(health(&h, &hm)->queued, 1, "the request waiting for a worker is queued");
+  cfree(hm);
+  expect_quiet(&h, 200);
+  void *w = fake_worker(&h, "w0", enc_dec);
+  Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  cr_expect_str_eq(job->decode->req->client_id, "early");
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  int32_t t[2] = {7, 8};
+  send_finished(w, rid, t, 2);
+  expect_result(&h, "early", t, 2, 1);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+  /* and without a worker, the wait ends with the reason */
+  start(&h, (td_router_opts){.capacity_wait_ms = 300});
+  int64_t t0 = td_now_ms();
+  generate(&h, (gen){.id = "alone", .max_new = 2});
+  expect_error(&h, "alone", TANDEM__ERROR_CODE__ERROR_UNAVAILABLE,
+               "no decode worker is registered (waited");
+  cr_expect_geq(td_now_ms() - t0, 300, "refused before its wait");
+  finish(&h, NULL, 0);
 }

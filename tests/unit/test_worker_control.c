@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/defaults.h"
 #include "decode_worker/decode.h"
 #include "encoder_worker/encoder.h"
 #include "proto/wire.h"
@@ -342,25 +343,46 @@ Test(worker_control, job_larger_than_the_pool_is_refused_naming_it, .timeout = 6
 }
 
 /* Token counts past what an int holds (the router's message is trusted
- * for nothing): refused naming them, never wrapped into a small or
- * negative reservation. */
+ * for nothing): refused naming them on receipt (proto/check.c), never
+ * wrapped into a small or negative reservation or a "model default"
+ * max_new_tokens; within the limits, past the pool: refused naming it. */
 Test(worker_control, job_with_token_counts_past_int_is_refused, .timeout = 60) {
   static const td_role *const roles[] = {&td_role_decode};
   wrun r;
   worker_start(&r, roles, 1, "zmq", 0, 100);
-  send_decode(&r.f, 35, 0x7fffffffu, false, 1);
+  send_decode(&r.f, 35, TD_MODEL_MAX_POSITIONS, false, 1);
   wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
   cr_assert_not_null(m, "an over-limit job was not refused");
   cr_expect_eq(failed_rid(m), 35);
-  cr_expect(strstr(m->failed->message, "needs 134217728 cross-attention blocks"), "%s", m->failed->message);
+  cr_expect(strstr(m->failed->message, "needs 65536 cross-attention blocks"), "%s", m->failed->message);
   tandem__cluster__worker_message__free_unpacked(m, NULL);
-  send_decode(&r.f, 36, 0x80000000u, false, 1);
+  static const uint32_t past[] = {0x7fffffffu, 0x80000000u, 0xffffffffu};
+  for (int i = 0; i < 3; i++) {
+    send_decode(&r.f, 36 + (uint64_t)i, past[i], false, 1);
+    m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
+    cr_assert_not_null(m, "a job of %u encoder tokens was not refused", past[i]);
+    cr_expect_eq(failed_rid(m), 36 + (uint64_t)i);
+    cr_expect_eq(m->failed->code, TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT);
+    cr_expect(!m->failed->retryable);
+    char want[96];
+    snprintf(want, sizeof want, "invalid job: RequestSpec.enc_len %u exceeds %d", past[i], TD_MODEL_MAX_POSITIONS);
+    cr_expect(strstr(m->failed->message, want), "%s", m->failed->message);
+    tandem__cluster__worker_message__free_unpacked(m, NULL);
+  }
+  /* max_new_tokens past an int was "the model's default" once the worker cast it */
+  job_msg x;
+  spec_init(&x, 40, 4);
+  tandem__cluster__decode_job__init(&x.dj);
+  x.sp.max_new_tokens = 0x80000000u;
+  x.dj.req = &x.sp;
+  x.dj.local_encode = true;
+  x.m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE;
+  x.m.decode = &x.dj;
+  fake_send(&r.f, &x.m);
   m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED, 5000);
-  cr_assert_not_null(m, "a job of a negative token count was not refused");
-  cr_expect_eq(failed_rid(m), 36);
-  cr_expect_eq(m->failed->code, TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT);
-  cr_expect(!m->failed->retryable);
-  cr_expect(strstr(m->failed->message, "encoder and 0 prompt tokens"), "%s", m->failed->message);
+  cr_assert_not_null(m, "max_new_tokens 2^31 was not refused");
+  cr_expect_eq(failed_rid(m), 40);
+  cr_expect(strstr(m->failed->message, "RequestSpec.max_new_tokens 2147483648 exceeds"), "%s", m->failed->message);
   tandem__cluster__worker_message__free_unpacked(m, NULL);
   m = heartbeat_where(&r.f, cross_pool_free, 5000);
   cr_expect_not_null(m, "a refused job holds blocks");
@@ -375,6 +397,17 @@ Test(worker_control, job_for_a_role_not_served_is_refused, .timeout = 60) {
   job_msg x;
   spec_init(&x, 41, 4);
   tandem__cluster__encode_job__init(&x.ej);
+  tandem__cluster__kv_target__init(&x.t);
+  static const char desc[] = "zmq:tcp://127.0.0.1:9";
+  x.t.worker_id = "w-peer";
+  x.t.desc.data = (uint8_t *)desc;
+  x.t.desc.len = sizeof desc - 1;
+  x.t.blocks = x.dst;
+  x.t.n_blocks = 1;
+  x.t.tokens = 4;
+  x.ts[0] = &x.t;
+  x.ej.targets = x.ts;
+  x.ej.n_targets = 1;
   x.ej.req = &x.sp;
   x.m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE;
   x.m.encode = &x.ej;
@@ -643,6 +676,80 @@ Test(worker_control, zmq_push_of_empty_blocks_is_refused, .timeout = 60) {
   zmq_close(s);
   tandem__cluster__transfer_desc__free_unpacked(d, NULL);
   tandem__cluster__worker_message__free_unpacked(m, NULL);
+  worker_stop(&r);
+}
+
+/* One ZeroMQ KvPush of n blocks of bb bytes (zeros) into reservation res;
+ * returns the receiver's answer (its error in err). */
+static bool kv_push_once(void *s, uint64_t rid, uint64_t res, const int32_t *blocks, size_t n, size_t bb,
+                         uint64_t push_id, char *err, size_t cap) {
+  Tandem__Cluster__KvPush h = TANDEM__CLUSTER__KV_PUSH__INIT;
+  h.version = TD_PROTOCOL_VERSION;
+  h.rid = rid;
+  h.reservation = res;
+  h.cross = true;
+  h.blocks = (int32_t *)blocks;
+  h.n_blocks = n;
+  h.block_bytes = bb;
+  h.push_id = push_id;
+  uint8_t buf[256];
+  size_t hn = protobuf_c_message_pack(&h.base, buf);
+  cr_assert_eq(zmq_send(s, buf, hn, n ? ZMQ_SNDMORE : 0), (int)hn);
+  void *zeros = calloc(1, bb ? bb : 1);
+  for (size_t i = 0; i < n; i++) cr_assert_eq(zmq_send(s, zeros, bb, i + 1 < n ? ZMQ_SNDMORE : 0), (int)bb);
+  free(zeros);
+  zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+  cr_assert_gt(zmq_poll(&it, 1, 10000), 0, "no answer to push %llu", (unsigned long long)push_id);
+  int got = zmq_recv(s, buf, sizeof buf, 0);
+  cr_assert_gt(got, 0);
+  Tandem__Cluster__KvAck *a = tandem__cluster__kv_ack__unpack(NULL, (size_t)got, buf);
+  cr_assert_not_null(a);
+  cr_expect_eq(a->push_id, push_id);
+  bool ok = a->ok;
+  snprintf(err, cap, "%s", a->error ? a->error : "");
+  tandem__cluster__kv_ack__free_unpacked(a, NULL);
+  return ok;
+}
+
+/* A block counts once: a push that names one block twice, or a block that
+ * arrived already, is refused before a byte is written, so that a request
+ * never starts with a block of its reservation unwritten. */
+Test(worker_control, a_kv_block_pushed_twice_is_refused, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 0, 100);
+  send_decode(&r.f, 91, 2 * BS, false, 1);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "nothing reserved");
+  const Tandem__Cluster__KvTarget *t = m->reserved->cross;
+  cr_assert_eq(t->n_blocks, 2);
+  Tandem__Cluster__TransferDesc *d = tandem__cluster__transfer_desc__unpack(NULL, t->desc.len, t->desc.data);
+  cr_assert(d && d->zmq && !strncmp(d->zmq, "zmq:", 4));
+  void *s = zmq_socket(r.f.zctx, ZMQ_DEALER);
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  cr_assert_eq(zmq_connect(s, d->zmq + 4), 0);
+  char err[256];
+  /* the block size, from the refusal of a push of empty blocks */
+  cr_assert(!kv_push_once(s, 91, t->reservation, t->blocks, 1, 0, 1, err, sizeof err));
+  const char *at = strstr(err, "this model's are ");
+  cr_assert_not_null(at, "%s", err);
+  size_t bb = (size_t)atol(at + strlen("this model's are "));
+  cr_assert_gt(bb, 0);
+  int32_t twice[2] = {t->blocks[0], t->blocks[0]};
+  cr_expect(!kv_push_once(s, 91, t->reservation, twice, 2, bb, 2, err, sizeof err), "a block twice in a push was taken");
+  cr_expect(strstr(err, "appears twice in one push"), "%s", err);
+  cr_expect(kv_push_once(s, 91, t->reservation, t->blocks, 1, bb, 3, err, sizeof err), "%s", err);
+  cr_expect(!kv_push_once(s, 91, t->reservation, t->blocks, 1, bb, 4, err, sizeof err), "a block pushed again was taken");
+  cr_expect(strstr(err, "arrived already"), "%s", err);
+  cr_expect(kv_push_once(s, 91, t->reservation, t->blocks + 1, 1, bb, 5, err, sizeof err), "%s", err);
+  zmq_close(s);
+  tandem__cluster__transfer_desc__free_unpacked(d, NULL);
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_cancel(&r.f, 91);
+  m = heartbeat_where(&r.f, cross_pool_free, 5000);
+  cr_expect_not_null(m, "the request's blocks did not come back");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
   worker_stop(&r);
 }
 
