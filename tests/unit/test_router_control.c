@@ -798,11 +798,8 @@ Test(router_control, each_reservation_names_its_pusher_with_its_own_token, .time
   cr_assert(dc->token.len == TD_KV_TOKEN_BYTES && ds->token.len == TD_KV_TOKEN_BYTES);
   int32_t cb[1] = {4}, sb[1] = {5}, pb[1] = {6};
   Tandem__Cluster__KvTarget kc = TANDEM__CLUSTER__KV_TARGET__INIT, ks = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kc.worker_id = ks.worker_id = "dec";
-  kc.blocks = cb;
-  ks.blocks = sb;
-  kc.n_blocks = ks.n_blocks = 1;
-  ks.tokens = 5;
+  kv_target(&kc, "dec", cb, 1, 3);
+  kv_target(&ks, "dec", sb, 1, 5);
   Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
   res.rid = dj->decode->req->rid;
   res.cross = &kc;
@@ -819,9 +816,7 @@ Test(router_control, each_reservation_names_its_pusher_with_its_own_token, .time
   cr_assert_eq(pj->prefill->self_target->token.len, TD_KV_TOKEN_BYTES);
   cr_expect_arr_eq(pj->prefill->self_target->token.data, ds->token.data, TD_KV_TOKEN_BYTES);
   Tandem__Cluster__KvTarget kp = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kp.worker_id = "pre";
-  kp.blocks = pb;
-  kp.n_blocks = 1;
+  kv_target(&kp, "pre", pb, 1, 3);
   res.cross = &kp;
   res.self = NULL;
   send_body(p, &rm);

@@ -692,6 +692,7 @@ static bool kv_push_once(void *s, uint64_t rid, uint64_t res, const int32_t *blo
   h.n_blocks = n;
   h.block_bytes = bb;
   h.push_id = push_id;
+  h.token = (ProtobufCBinaryData){TD_KV_TOKEN_BYTES, sender_token}; /* the sender send_decode named */
   uint8_t buf[256];
   size_t hn = protobuf_c_message_pack(&h.base, buf);
   cr_assert_eq(zmq_send(s, buf, hn, n ? ZMQ_SNDMORE : 0), (int)hn);
