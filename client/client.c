@@ -209,6 +209,8 @@ td_status td_client_generate(td_client *c, const td_json_request *r, bool stream
   sp.timestamp_begin = q->timestamp_begin;
   sp.has_max_initial_timestamp = q->timestamp_begin > 0 && q->max_initial_timestamp >= 0;
   sp.max_initial_timestamp_index = sp.has_max_initial_timestamp ? q->max_initial_timestamp : 0;
+  sp.allowed_token_ids = q->n_allowed > 0 ? (int32_t *)q->allowed_ids : NULL;
+  sp.n_allowed_token_ids = q->n_allowed > 0 ? (size_t)q->n_allowed : 0;
   sp.probe = q->probe;
   sp.probe_token_id = q->probe_token;
   sp.probe_position = q->probe && q->probe_position > 0 ? (uint32_t)q->probe_position : 0;

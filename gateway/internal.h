@@ -46,6 +46,10 @@ typedef struct gw_model {
   int max_initial_timestamp; /* generation_config.json's max_initial_timestamp_index; -1: none */
   int32_t prev_sot; /* before earlier text: generation_config.json's prev_sot_token_id, else <|startofprev|> */
   void *lang_to_id; /* generation_config.json's lang_to_id (a cJSON object), NULL when absent */
+  td_whisper_prompt *wp; /* the language tokens and default, as tandem-generate and the router take them */
+  const int32_t *langs;  /* every language token (NULL: English-only, nothing to detect) */
+  int n_langs;
+  char default_language[16]; /* generation_config.json's language ("" : none; then it is detected) */
 } gw_model;
 
 td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const char *name, gw_model *m);
@@ -53,6 +57,9 @@ void gw_model_free(gw_model *m);
 /* The id of language code `code` ("en"): generation_config.json's lang_to_id
  * when it has one, else the tokenizer's <|code|>; -1 when unknown. */
 int32_t gw_language_id(const gw_model *m, const char *code);
+/* The code ("en") of language token id into code[cap]; false when id is
+ * none of the model's language tokens. */
+bool gw_language_code(const gw_model *m, int32_t id, char *code, size_t cap);
 
 /* ---- errors (OpenAI's error object) ---- */
 typedef struct gw_error {
@@ -127,8 +134,15 @@ typedef struct gw_audio_req {
   unsigned seen;          /* the fields given, by bit (a second of one is refused) */
 } gw_audio_req;
 
-/* Checks the form fields (after upload); false with *e filled. */
+/* Checks the form fields (after upload); false with *e filled. No
+ * language: the checkpoint's default where it names one. */
 bool gw_audio_check(gw_audio_req *a, const gw_model *m, gw_error *e);
+/* Whether the language is to be detected first: none given, none by
+ * default, and the model has language tokens (transformers' detect_language). */
+bool gw_audio_detects(const gw_audio_req *a, const gw_model *m);
+/* Takes the detected token as the request's language; false with *e
+ * filled when it is no language token of the model. */
+bool gw_audio_set_language(gw_audio_req *a, const gw_model *m, int32_t id, gw_error *e);
 /* A number form field: a number, or "none" when off_ok; false with *e filled. */
 bool gw_opt_num_parse(const char *field, const char *v, bool off_ok, td_opt_num *out, gw_error *e);
 /* The decoder prompt as transformers builds it: [<|startofprev|> prompt]
@@ -310,6 +324,8 @@ const char *gw_route_name(gw_route r);
  * since arrival (< 0: not observed), tokens and audio seconds. */
 void gw_metrics_request(gw_metrics *m, const char *endpoint, int code, double seconds, int prompt_tokens,
                         int generated_tokens, double audio_seconds);
+/* A language detection request sent for an endpoint. */
+void gw_metrics_language_detection(gw_metrics *m, const char *endpoint);
 /* A stream's first event, seconds after the request arrived. */
 void gw_metrics_first_event(gw_metrics *m, const char *endpoint, double seconds);
 /* The exposition text (malloc'ed). */
@@ -324,6 +340,11 @@ int gw_serve_completions(gw_conn *c, struct MHD_Connection *mc);
 int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc);
 /* Audio longer than the model's window (longform.c): a's samples decoded. */
 int gw_serve_longform(gw_conn *c, struct MHD_Connection *mc, const td_audio *a);
+/* Language detection (language.c): one router request, the first window's
+ * features (window: n_mels x window frames) after <|startoftranscript|>,
+ * one greedy token over the language tokens; sets c->audio.language.
+ * Waits on the shared link as a long-form window does; false with *e filled. */
+bool gw_detect_language(gw_conn *c, const float *window, gw_error *e);
 /* Releases a connection's long-form state (its features' held bytes too). */
 void gw_longform_free(gw_conn *c);
 /* The answer to a transcription in its response format: text, segments

@@ -281,6 +281,7 @@ int gw_serve_longform(gw_conn *c, struct MHD_Connection *mc, const td_audio *a) 
   snprintf(c->cid, sizeof c->cid, "trsc-%llx%llx", (unsigned long long)td_now_ns() & 0xffffffffull, ++seq);
   td_i32vec ids = {0};
   td_longform_opts o;
+  /* the options are checked before any work; a detected language sets them again */
   if (!gw_audio_prompt_ids(&c->audio, m, &ids, &e) || !gw_longform_opts(&c->audio, m, &ids, &o, &e)) {
     td_i32vec_free(&ids);
     return gw_reply_error(mc, &e);
@@ -297,6 +298,20 @@ int gw_serve_longform(gw_conn *c, struct MHD_Connection *mc, const td_audio *a) 
   }
   c->whole_held = bytes;
   td_status s = (c->whole = malloc(bytes)) ? td_mel_whole(m->mel, a->samples, a->n, c->whole) : TD_ERR_NOMEM;
+  if (s == TD_OK && gw_audio_detects(&c->audio, m)) {
+    /* the first window of the whole audio's features, as transformers (and
+     * tandem-generate) detect from; then the loop starts in that language */
+    int frames = (int)td_mel_window_frames(m->mel);
+    float *w = malloc(sizeof *w * (size_t)n_mels * (size_t)frames);
+    if (!w) s = TD_ERR_NOMEM;
+    if (w) td_longform_window_features(c->whole, n_mels, c->whole_frames, 0, frames, frames, w);
+    bool ok = w && gw_detect_language(c, w, &e) && gw_longform_opts(&c->audio, m, &ids, &o, &e);
+    free(w);
+    if (w && !ok) {
+      td_i32vec_free(&ids);
+      return gw_reply_error(mc, &e);
+    }
+  }
   if (s == TD_OK) s = td_longform_create(&o, c->whole_frames, &c->lf);
   td_i32vec_free(&ids);
   if (s != TD_OK) {

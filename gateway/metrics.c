@@ -13,7 +13,7 @@
 struct gw_metrics {
   pthread_mutex_t mu;
   td_metrics *reg;
-  td_metric *requests, *in_flight, *duration, *ttft, *prompt, *generated, *audio;
+  td_metric *requests, *in_flight, *duration, *ttft, *prompt, *generated, *audio, *detections;
 };
 
 static const double duration_buckets[] = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25, 0.5,   1.0,   2.5,  5.0,
@@ -65,6 +65,8 @@ td_status gw_metrics_create(gw_metrics **out) {
       "tokens generated for answered requests (up to a stop string)", ep, 1, NULL, 0);
   ADD(audio, TD_METRIC_COUNTER, "tandem:gateway_audio_seconds_total", "seconds of audio in answered requests", ep, 1,
       NULL, 0);
+  ADD(detections, TD_METRIC_COUNTER, "tandem:gateway_language_detections_total",
+      "language detection requests sent (audio without a language: one decode step each)", ep, 1, NULL, 0);
 #undef ADD
   if (s != TD_OK) {
     gw_metrics_destroy(m);
@@ -85,6 +87,13 @@ void gw_metrics_request(gw_metrics *m, const char *endpoint, int code, double se
   if (prompt_tokens > 0) td_metric_inc(m->prompt, e, prompt_tokens);
   if (generated_tokens > 0) td_metric_inc(m->generated, e, generated_tokens);
   if (audio_seconds > 0) td_metric_inc(m->audio, e, audio_seconds);
+  pthread_mutex_unlock(&m->mu);
+}
+
+void gw_metrics_language_detection(gw_metrics *m, const char *endpoint) {
+  const char *e[] = {endpoint};
+  pthread_mutex_lock(&m->mu);
+  td_metric_inc(m->detections, e, 1);
   pthread_mutex_unlock(&m->mu);
 }
 

@@ -90,10 +90,25 @@ td_status gw_model_load(const char *model_dir, const char *tokenizer_dir, const 
     return td_err(TD_ERR_FORMAT, "the tokenizer lacks Whisper's task tokens (<|startoftranscript|>, "
                                  "<|transcribe|>, <|translate|>, <|notimestamps|>)");
   }
+  /* the languages detection chooses from, and the default, exactly as
+   * tandem-generate and the router have them */
+  if ((s = td_whisper_prompt_load(model_dir, m->tok, &m->wp)) != TD_OK) {
+    gw_model_free(m);
+    return s;
+  }
+  m->langs = td_whisper_languages(m->wp, &m->n_langs);
+  int32_t p[TD_WHISPER_PROMPT_MAX];
+  int np = 0;
+  if (m->langs && td_whisper_prompt_build(m->wp, NULL, "transcribe", true, p, &np) == TD_OK && np >= 2 &&
+      !gw_language_code(m, p[1], m->default_language, sizeof m->default_language)) {
+    gw_model_free(m);
+    return td_err(TD_ERR_FORMAT, "%s: generation_config.json's language is not one of the model's", model_dir);
+  }
   return TD_OK;
 }
 
 void gw_model_free(gw_model *m) {
+  td_whisper_prompt_destroy(m->wp); /* before the tokenizer it refers to */
   cJSON_Delete(m->lang_to_id);
   td_tokenizer_destroy(m->tok);
   td_mel_destroy(m->mel);

@@ -563,8 +563,12 @@ static bool audio_request(gw_conn *c, const td_audio *a, td_json_request *r, gw_
     return false;
   }
   r->n_features = n;
+  /* the prompt is checked before any work; a detected language builds it again */
   td_i32vec p = {0};
-  if (!gw_audio_prompt(&c->audio, m, &p, e)) {
+  bool ok = gw_audio_prompt(&c->audio, m, &p, e);
+  if (ok && gw_audio_detects(&c->audio, m))
+    ok = gw_detect_language(c, r->features, e) && gw_audio_prompt(&c->audio, m, &p, e);
+  if (!ok) {
     td_i32vec_free(&p);
     return false;
   }
@@ -610,13 +614,15 @@ int gw_serve_audio(gw_conn *c, struct MHD_Connection *mc) {
   }
   gw_sub *sub = &c->b->subs[0];
   snprintf(sub->req.id, sizeof sub->req.id, "%s", sub->id);
+  start(c, "trsc");
   bool ok = audio_request(c, &a, &sub->req, &e);
   td_audio_free(&a);
   if (!ok) return gw_reply_error(mc, &e);
   sub->stream = c->audio.stream;
   c->comp.logprobs = -1;
   if (!choices(c, 1, NULL, 0, &e)) return gw_reply_error(mc, &e);
-  start(c, "trsc");
+  /* the transcription has the request's whole time, after any detection */
+  c->deadline_ms = td_now_ms() + gw_gateway_timeout_ms(c->g) + TD_GATEWAY_WAIT_GRACE_MS;
   gw_io_submit(gw_gateway_io(c->g), c->b);
   if (c->audio.stream) return reply_stream(c, mc, ST_TRANSCRIPT);
   if (!wait_all(c, &e)) return gw_reply_error(mc, &e);

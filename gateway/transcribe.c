@@ -27,6 +27,29 @@ int32_t gw_language_id(const gw_model *m, const char *code) {
   return td_tokenizer_token_to_id(m->tok, tok);
 }
 
+bool gw_language_code(const gw_model *m, int32_t id, char *code, size_t cap) {
+  bool known = false;
+  for (int i = 0; i < m->n_langs && !known; i++) known = m->langs[i] == id;
+  const char *tok = known ? td_tokenizer_id_to_token(m->tok, id) : NULL;
+  size_t n = tok ? strlen(tok) : 0;
+  if (n < 5 || n - 4 >= cap || strncmp(tok, "<|", 2) || strcmp(tok + n - 2, "|>")) return false;
+  memcpy(code, tok + 2, n - 4);
+  code[n - 4] = 0;
+  /* the prompt is built from the code: it must give this token back */
+  return gw_language_id(m, code) == id;
+}
+
+bool gw_audio_detects(const gw_audio_req *a, const gw_model *m) { return !a->language[0] && m->n_langs > 0; }
+
+bool gw_audio_set_language(gw_audio_req *a, const gw_model *m, int32_t id, gw_error *e) {
+  if (!gw_language_code(m, id, a->language, sizeof a->language)) {
+    a->language[0] = 0;
+    gw_error_set(e, 502, NULL, "language detection answered token %d, which is no language of this model", id);
+    return false;
+  }
+  return true;
+}
+
 static const char *const formats[] = {"json", "text", "srt", "vtt", "verbose_json"};
 
 bool gw_audio_check(gw_audio_req *a, const gw_model *m, gw_error *e) {
@@ -55,6 +78,8 @@ bool gw_audio_check(gw_audio_req *a, const gw_model *m, gw_error *e) {
     for (const char *p = a->language; *p; p++)
       if (!islower((unsigned char)*p)) BAD("language", "language: an ISO-639-1 code such as \"en\"");
     if (gw_language_id(m, a->language) < 0) BAD("language", "language '%s' is not one this model knows", a->language);
+  } else if (m->default_language[0]) { /* as transformers: generation_config.json's language before detection */
+    snprintf(a->language, sizeof a->language, "%s", m->default_language);
   }
   return true;
 }

@@ -289,6 +289,63 @@ Test(audio, languages_from_generation_config) {
   cr_assert_str_eq(e.param, "language");
 }
 
+static bool lf_opts(gw_audio_req *a, td_longform_opts *o, gw_error *e);
+
+/* A detected language token: the prompt (short audio) and the long-form
+ * loop's first tokens as if the form had named that language. */
+Test(audio, prompt_from_a_detected_language) {
+  int32_t de = td_tokenizer_token_to_id(wh.tok, "<|de|>");
+  cr_assert_gt(wh.n_langs, 90, "the toy's tokenizer is whisper-large-v3's: %d languages", wh.n_langs);
+  cr_assert_eq(wh.langs[0], 50259, "<|en|> first");
+  cr_assert_str_eq(wh.default_language, "", "no default: detected");
+  char code[16];
+  cr_assert(gw_language_code(&wh, de, code, sizeof code));
+  cr_assert_str_eq(code, "de");
+  cr_assert(!gw_language_code(&wh, wh.transcribe, code, sizeof code), "a task token is no language");
+  cr_assert(!gw_language_code(&wh, 220, code, sizeof code), "nor is text");
+  for (int tr = 0; tr < 2; tr++) {
+    gw_audio_req a = areq("whisper");
+    a.translate = tr;
+    gw_error e = {0};
+    cr_assert(gw_audio_check(&a, &wh, &e), "%s", e.message);
+    cr_assert(gw_audio_detects(&a, &wh), "no language given: detected");
+    cr_assert(gw_audio_set_language(&a, &wh, de, &e), "%s", e.message);
+    cr_assert_str_eq(a.language, "de", "verbose_json names it");
+    cr_assert(!gw_audio_detects(&a, &wh), "detected once");
+    td_i32vec p = {0};
+    cr_assert(gw_audio_prompt(&a, &wh, &p, &e), "%s", e.message);
+    int32_t want[] = {wh.sot, de, tr ? wh.translate : wh.transcribe, wh.notimestamps};
+    cr_assert_eq(p.n, 4);
+    for (int i = 0; i < 4; i++) cr_assert_eq(p.v[i], want[i], "%d: %d, want %d", i, p.v[i], want[i]);
+    td_i32vec_free(&p);
+    td_longform_opts o;
+    cr_assert(lf_opts(&a, &o, &e), "%s", e.message);
+    cr_assert_eq(o.n_init, 3);
+    for (int i = 0; i < 3; i++) cr_assert_eq(o.init[i], want[i]);
+  }
+  /* a token that is no language: the cluster's answer is refused, not used */
+  gw_audio_req a = areq("whisper");
+  gw_error e = {0};
+  cr_assert(!gw_audio_set_language(&a, &wh, wh.eos, &e));
+  cr_assert_eq(e.http, 502);
+  cr_assert_str_eq(a.language, "");
+  /* a language given: nothing to detect */
+  snprintf(a.language, sizeof a.language, "en");
+  cr_assert(!gw_audio_detects(&a, &wh));
+  /* the checkpoint's default (generation_config.json's language) stands for a missing one */
+  snprintf(wh.default_language, sizeof wh.default_language, "fr");
+  gw_audio_req b = areq("whisper");
+  cr_assert(gw_audio_check(&b, &wh, &e), "%s", e.message);
+  cr_assert_str_eq(b.language, "fr");
+  cr_assert(!gw_audio_detects(&b, &wh));
+  /* an English-only checkpoint (no language tokens): nothing is detected, as before */
+  wh.default_language[0] = 0;
+  wh.n_langs = 0;
+  gw_audio_req c = areq("whisper");
+  cr_assert(gw_audio_check(&c, &wh, &e), "%s", e.message);
+  cr_assert(!gw_audio_detects(&c, &wh));
+}
+
 static void arefused(gw_audio_req a, int http, const char *param) {
   gw_error e = {0};
   cr_assert(!gw_audio_check(&a, &wh, &e), "accepted");
