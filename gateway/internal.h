@@ -80,6 +80,9 @@ char *gw_error_json(const gw_error *e);
 /* ---- server-sent events ---- */
 /* "data: JSON\n\n" */
 void gw_sse_data(gw_buf *b, const char *json);
+/* A transcription's stream events: the delta's n bytes (none when n is 0),
+ * then, when done is given, the whole text. */
+void gw_sse_transcript(gw_buf *b, const char *delta, size_t n, const char *done);
 
 /* ---- text of one generated sequence: detokenizing, stop strings ---- */
 typedef struct gw_text {

@@ -221,26 +221,7 @@ static void stream_new_text(gw_conn *c, bool final, gw_error *e) {
   const char *p;
   size_t len;
   gw_text_take(&c->lf_text, final, &p, &len);
-  if (len) {
-    cJSON *o = cJSON_CreateObject();
-    char *t = strndup(p, len);
-    cJSON_AddStringToObject(o, "type", "transcript.text.delta");
-    cJSON_AddStringToObject(o, "delta", t ? t : "");
-    free(t);
-    char *js = cJSON_PrintUnformatted(o);
-    cJSON_Delete(o);
-    if (js) gw_sse_data(&c->out, js);
-    free(js);
-  }
-  if (final) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "type", "transcript.text.done");
-    cJSON_AddStringToObject(o, "text", c->lf_text.text.s ? c->lf_text.text.s : "");
-    char *js = cJSON_PrintUnformatted(o);
-    cJSON_Delete(o);
-    if (js) gw_sse_data(&c->out, js);
-    free(js);
-  }
+  gw_sse_transcript(&c->out, p, len, final ? (c->lf_text.text.s ? c->lf_text.text.s : "") : NULL);
 }
 
 /* The stream: a window a turn, its text as a delta event. */

@@ -276,26 +276,7 @@ static bool stream_step(gw_conn *c, stream_kind kind) {
     ch->shown = ch->used;
     if (!n && !fin && !lp && !(fresh && kind == ST_COMPLETION)) continue;
     if (kind == ST_TRANSCRIPT) {
-      if (n) {
-        cJSON *o = cJSON_CreateObject();
-        char *t = strndup(p, n);
-        cJSON_AddStringToObject(o, "type", "transcript.text.delta");
-        cJSON_AddStringToObject(o, "delta", t ? t : "");
-        free(t);
-        char *s = cJSON_PrintUnformatted(o);
-        cJSON_Delete(o);
-        if (s) gw_sse_data(&c->out, s);
-        free(s);
-      }
-      if (fin) {
-        cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "type", "transcript.text.done");
-        cJSON_AddStringToObject(o, "text", ch->t.text.s ? ch->t.text.s : "");
-        char *s = cJSON_PrintUnformatted(o);
-        cJSON_Delete(o);
-        if (s) gw_sse_data(&c->out, s);
-        free(s);
-      }
+      gw_sse_transcript(&c->out, p, n, fin ? (ch->t.text.s ? ch->t.text.s : "") : NULL);
     } else {
       cJSON *o = completion_obj(c);
       cJSON *l = lp ? logprobs_json(c, ch, ch->lp_sent, ch->used, before) : NULL;

@@ -112,6 +112,29 @@ void gw_sse_data(gw_buf *b, const char *json) {
   gw_buf_str(b, "\n\n");
 }
 
+void gw_sse_transcript(gw_buf *b, const char *delta, size_t n, const char *done) {
+  if (n) {
+    cJSON *o = cJSON_CreateObject();
+    char *t = strndup(delta, n);
+    cJSON_AddStringToObject(o, "type", "transcript.text.delta");
+    cJSON_AddStringToObject(o, "delta", t ? t : "");
+    free(t);
+    char *js = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (js) gw_sse_data(b, js);
+    free(js);
+  }
+  if (done) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "type", "transcript.text.done");
+    cJSON_AddStringToObject(o, "text", done);
+    char *js = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (js) gw_sse_data(b, js);
+    free(js);
+  }
+}
+
 /* ---------------------------------------------------------------- text and stop strings */
 
 td_status gw_text_init(gw_text *t, const td_tokenizer *tok, const char *const *stop, int n_stop) {
