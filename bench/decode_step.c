@@ -4,13 +4,14 @@
  * bf16 rate).
  *   bench-decode-step [--tp N | --pp N] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
  *                     [--steps N] [--shape flan-t5-large|flan-t5-xl|bart-large|whisper-large-v3] [--no-record]
- *                     [--model-dir DIR] [--trace BATCH] [--block-size N]
+ *                     [--model-dir DIR] [--trace BATCH] [--trace-encoder] [--block-size N]
  *                     [--cross-mode auto|kv|states|dual] [--states-rows N]
  * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
  * --model-dir keeps the random checkpoint in DIR (written there once, then
  * reused), so that runs under different settings load the same weights.
  * --trace prints the kernel timeline of one decode step at that batch
- * (CUPTI; builds without it say so). --block-size: tokens a paged KV block
+ * (CUPTI; builds without it say so); --trace-encoder that of one encoder run
+ * (of the largest batch's inputs). --block-size: tokens a paged KV block
  * (default 16). --cross-mode: what the cross pool caches
  * (td_model_opts.cross_mode; default auto, i.e. dual: steps of at least
  * --states-rows rows, the backend's choice by default, attend over the
@@ -42,6 +43,7 @@ typedef struct cfg {
   int batches[8], n_batches;
   int enc_len, ctx, steps;
   int trace; /* batch whose step is traced, 0: none */
+  bool trace_enc; /* the encoder run traced too */
   int block_size; /* tokens a paged KV block */
   td_cross_mode cross_mode;
   int states_rows; /* td_model_opts.states_rows */
@@ -212,6 +214,20 @@ static void *rank_main(void *arg) {
   }
   qsort(enc, 3, sizeof *enc, cmp_d);
   rk->enc_ms = enc[1];
+  if (c->trace_enc) { /* every rank encodes (they meet in the all-reduces); rank 0's GPU is printed */
+    if (rk->r == 0 && td_ktrace_begin() != 0) {
+      s = td_err(TD_ERR_UNSUPPORTED, "--trace-encoder: CUPTI would not start");
+      goto out;
+    }
+    if (c->world > 1) pthread_barrier_wait(c->barrier);
+    if ((s = td_model_encode(m, &ei, NULL)) != TD_OK || (s = td_sync(b)) != TD_OK) goto out;
+    if (c->world > 1) pthread_barrier_wait(c->barrier);
+    if (rk->r == 0) {
+      char title[96];
+      snprintf(title, sizeof title, "encoder, %d inputs of %d (GPU 0 of %d)", maxb, c->enc_len, c->world);
+      td_ktrace_end_device(stdout, title, 0);
+    }
+  }
   /* decoder prompts of ctx tokens fill the self KV */
   int32_t *qs = slots + E, *ctx = qs + maxb + 1, *clen = ctx + maxb, *tab = clen + maxb, *ctab = tab + maxb * nsb,
           *pos = ctab + maxb * ncb, *dtok = pos + T, *dslots = dtok + T, *rows = dslots + T;
@@ -330,6 +346,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--no-record")) record = false;
     else if (!strcmp(argv[i], "--model-dir") && i + 1 < argc) keep = argv[++i];
     else if (!strcmp(argv[i], "--trace") && i + 1 < argc) c.trace = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--trace-encoder")) c.trace_enc = true;
     else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) c.block_size = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--cross-states")) c.cross_mode = TD_CROSS_STATES;
     else if (!strcmp(argv[i], "--states-rows") && i + 1 < argc) c.states_rows = atoi(argv[++i]);
@@ -391,9 +408,10 @@ int main(int argc, char **argv) {
     fprintf(stderr, "%s\n", td_errmsg());
     return 1;
   }
-  if (c.trace && !td_ktrace_available()) {
+  if ((c.trace || c.trace_enc) && !td_ktrace_available()) {
     fprintf(stderr, "--trace: no kernel tracing here (CUPTI)\n");
     c.trace = 0;
+    c.trace_enc = false;
   }
   pthread_barrier_t barrier;
   pthread_barrier_init(&barrier, NULL, (unsigned)(c.world > 0 ? c.world : 1));

@@ -84,6 +84,7 @@ typedef struct run {
   id_slot *ids, *slots;
   td_client_timings stages; /* the cluster's per-stage times, summed over successful requests */
   int n_staged;
+  double gw_sum[3], gw_count[3]; /* --gateway: the gateway's first-event stages over the run (seconds, streams) */
   FILE *results; /* --results */
 } run;
 
@@ -275,7 +276,14 @@ static td_status run_gateway(const opts *o, run *r) {
   td_http_bench *h;
   TD_TRY(td_http_bench_create(o->gateway, o->gateway_model, &h));
   td_status s = td_http_bench_warm(h, o->http_warm);
+  td_http_stages before, after;
+  bool staged = s == TD_OK && td_http_bench_stages(h, &before) == TD_OK;
   if (s == TD_OK) s = drive(&http_target, h, o, r);
+  if (s == TD_OK && staged && td_http_bench_stages(h, &after) == TD_OK)
+    for (int i = 0; i < 3; i++) {
+      r->gw_sum[i] = after.sum[i] - before.sum[i];
+      r->gw_count[i] = after.count[i] - before.count[i];
+    }
   td_http_bench_destroy(h);
   return s;
 }
@@ -635,6 +643,11 @@ int main(int argc, char **argv) {
     td_sbuf_printf(&stages, "\nWhere the time went, as the router saw it (mean ms a request; transfer: the "
                             "encoder's wait and KV push):\n\n| arrivals | queue | reserve | encode | transfer | "
                             "prefill | first token | decode | total | attempts |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  if (o.gateway)
+    td_sbuf_printf(&stages, "\nWhere a stream's first event went, as the gateway saw it (mean ms; admit: arrival to "
+                            "the router, cluster: to the router's first answer, answer: to the HTTP server; the rest "
+                            "of TTFT is HTTP and this client):\n\n| arrivals | admit | cluster | answer | streams |\n"
+                            "|---|---|---|---|---|\n");
   int rc = 0;
   for (int k = 0; k < n_runs && rc == 0; k++) {
     double rate = o.n_rates ? o.rates[k] : 0;
@@ -657,6 +670,9 @@ int main(int argc, char **argv) {
                        a->queue_ms / d, a->reserve_ms / d, a->encode_ms / d, a->transfer_ms / d, a->prefill_ms / d,
                        a->first_token_ms / d, a->decode_ms / d, a->total_ms / d, a->attempts / d);
       }
+      if (o.gateway && r.gw_count[1] > 0)
+        td_sbuf_printf(&stages, "| %s | %.3f | %.3f | %.3f | %.0f |\n", arr, 1e3 * r.gw_sum[0] / r.gw_count[0],
+                       1e3 * r.gw_sum[1] / r.gw_count[1], 1e3 * r.gw_sum[2] / r.gw_count[2], r.gw_count[1]);
       if (sums[k].n_failed) rc = 1;
     }
     if (r.results && fclose(r.results) != 0) {

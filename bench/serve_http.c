@@ -90,6 +90,41 @@ static size_t sink(char *p, size_t size, size_t nmemb, void *ctx) {
   return n;
 }
 
+/* GET url into *got (malloc'ed); false on a transport failure. */
+static bool get(const char *url, char **got) {
+  CURL *e = curl_easy_init();
+  if (!e) return false;
+  curl_easy_setopt(e, CURLOPT_URL, url);
+  curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
+  curl_easy_setopt(e, CURLOPT_WRITEDATA, got);
+  curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, 10000L);
+  CURLcode rc = curl_easy_perform(e);
+  curl_easy_cleanup(e);
+  return rc == CURLE_OK;
+}
+
+td_status td_http_bench_stages(td_http_bench *h, td_http_stages *out) {
+  memset(out, 0, sizeof *out);
+  char url[600], *got = NULL;
+  snprintf(url, sizeof url, "%s/metrics", h->url);
+  if (!get(url, &got) || !got) {
+    free(got);
+    return td_err(TD_ERR_NETWORK, "%s: no metrics", url);
+  }
+  static const char *const names[3] = {"admit", "cluster", "answer"};
+  for (int i = 0; i < 3; i++) {
+    char key[160];
+    for (int k = 0; k < 2; k++) {
+      snprintf(key, sizeof key, "tandem:gateway_first_event_stage_seconds_%s{endpoint=\"/v1/completions\",stage=\"%s\"} ",
+               k ? "count" : "sum", names[i]);
+      const char *p = strstr(got, key);
+      if (p) (k ? out->count : out->sum)[i] = strtod(p + strlen(key), NULL);
+    }
+  }
+  free(got);
+  return TD_OK;
+}
+
 /* The first model GET /v1/models lists. */
 static td_status first_model(td_http_bench *h) {
   CURL *e = curl_easy_init();

@@ -25,6 +25,14 @@ void td_http_bench_destroy(td_http_bench *h);
  * alive in the client's pool), as a client holding a connection pool would;
  * the requests then reuse them. */
 td_status td_http_bench_warm(td_http_bench *h, int n);
+/* The gateway's own account of its streams' first events (its /metrics,
+ * endpoint /v1/completions): seconds summed and counted by stage (admit:
+ * arrival to the router; cluster: the router's first answer; answer: to the
+ * HTTP server). A gateway without them gives zeros. */
+typedef struct td_http_stages {
+  double sum[3], count[3];
+} td_http_stages;
+td_status td_http_bench_stages(td_http_bench *h, td_http_stages *out);
 /* Sends request r (ids only: features or a decoder prompt are refused). */
 td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int index);
 /* Moves transfers for up to timeout_ms; reports through ev. */

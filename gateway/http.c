@@ -365,6 +365,7 @@ static enum MHD_Result first_call(td_gateway *g, struct MHD_Connection *mc, cons
   c->g = g;
   c->route = r;
   c->arrived_ms = td_now_ms();
+  c->arrived_ns = td_now_ns();
   c->audio.translate = r == GW_R_TRANSLATE;
   if (r != GW_R_COMPLETIONS) {
     c->pp = MHD_create_post_processor(mc, 64 * 1024, form_field, c);

@@ -211,6 +211,7 @@ typedef struct gw_sub {
   td_status status;
   char error[512];
   gw_batch *b;
+  int64_t sent_ns, first_ns; /* handed to the router; its first token (or result) back: under b->mu */
   UT_hash_handle hh;
 } gw_sub;
 
@@ -294,6 +295,8 @@ typedef struct gw_conn {
   size_t out_pos;
   bool answered;     /* the upload ended and was answered */
   int64_t arrived_ms; /* monotonic */
+  int64_t arrived_ns; /* the same, finer: the stages of a stream's first event */
+  bool staged;       /* those stages observed */
   int status;        /* the HTTP status answered (0: none) */
   bool cancelled, ended;
   /* long-form: the transcription, the audio's whole features (counted in the gateway's held bytes) */
@@ -331,6 +334,8 @@ void gw_metrics_request(gw_metrics *m, const char *endpoint, int code, double se
 void gw_metrics_language_detection(gw_metrics *m, const char *endpoint);
 /* A stream's first event, seconds after the request arrived. */
 void gw_metrics_first_event(gw_metrics *m, const char *endpoint, double seconds);
+/* Its stages (seconds): arrival to the router, the router to its first answer, that to the event. */
+void gw_metrics_stages(gw_metrics *m, const char *endpoint, double admit, double cluster, double answer);
 /* The exposition text (malloc'ed). */
 td_status gw_metrics_render(gw_metrics *m, int in_flight, char **text, size_t *len);
 gw_metrics *gw_gateway_metrics(const td_gateway *g);

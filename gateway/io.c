@@ -126,6 +126,7 @@ static void finish(gw_io *io, gw_sub *s, td_status st, const char *msg, const td
   HASH_DEL(io->table, s);
   gw_batch *b = s->b;
   pthread_mutex_lock(&b->mu);
+  if (!s->first_ns) s->first_ns = td_now_ns();
   if (r && st == TD_OK) {
     int n = r->n_outputs < TD_ROUTER_MAX_SAMPLES ? r->n_outputs : TD_ROUTER_MAX_SAMPLES;
     for (int i = 0; i < n; i++) {
@@ -157,6 +158,7 @@ static void on_tokens(void *ctx, const char *id, int seq, int offset, const int3
   HASH_FIND_STR(io->table, id, s);
   if (!s || seq < 0 || seq >= TD_ROUTER_MAX_SAMPLES || offset < 0) return;
   pthread_mutex_lock(&s->b->mu);
+  if (!s->first_ns && n > 0) s->first_ns = td_now_ns();
   gw_out *o = &s->out[seq];
   /* a resumed request repeats no token; a restarted sample starts over at 0: keep what was given out */
   if (offset <= o->tok.n) {
@@ -184,6 +186,9 @@ static void send_batch(gw_io *io, gw_batch *b) {
     gw_sub *s = &b->subs[i];
     td_status st = td_client_generate(io->c, &s->req, s->stream, io->timeout_ms);
     if (st == TD_OK) {
+      pthread_mutex_lock(&b->mu);
+      s->sent_ns = td_now_ns();
+      pthread_mutex_unlock(&b->mu);
       HASH_ADD_STR(io->table, id, s);
       continue;
     }

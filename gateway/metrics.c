@@ -13,13 +13,17 @@
 struct gw_metrics {
   pthread_mutex_t mu;
   td_metrics *reg;
-  td_metric *requests, *in_flight, *duration, *ttft, *prompt, *generated, *audio, *detections;
+  td_metric *requests, *in_flight, *duration, *ttft, *stages, *prompt, *generated, *audio, *detections;
 };
 
 static const double duration_buckets[] = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25, 0.5,   1.0,   2.5,  5.0,
                                           10.0,  20.0, 40.0,  80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0};
 static const double ttft_buckets[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25, 0.5,  0.75,
                                       1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+
+/* a stream's first event's stages: tens of microseconds (the gateway's own) to seconds (the cluster's) */
+static const double stage_buckets[] = {0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                       0.1,     0.25,   0.5,     1.0,    2.5,   5.0,    10.0,  30.0, 60.0};
 
 const char *gw_route_name(gw_route r) {
   switch (r) {
@@ -45,6 +49,7 @@ td_status gw_metrics_create(gw_metrics **out) {
   pthread_mutex_init(&m->mu, NULL);
   static const char *const ep_code[] = {"endpoint", "code"};
   static const char *const ep[] = {"endpoint"};
+  static const char *const ep_stage[] = {"endpoint", "stage"};
   td_status s = td_metrics_create(&m->reg);
 #define ADD(slot, type, name, help, labels, n, b, nb)                                 \
   if (s == TD_OK) s = td_metrics_add(m->reg, type, name, help, labels, n, b, nb, &m->slot)
@@ -59,6 +64,10 @@ td_status gw_metrics_create(gw_metrics **out) {
   ADD(ttft, TD_METRIC_HISTOGRAM, "tandem:gateway_time_to_first_token_seconds",
       "streams: from the request's arrival to its first event", ep, 1, ttft_buckets,
       (int)(sizeof ttft_buckets / sizeof *ttft_buckets));
+  ADD(stages, TD_METRIC_HISTOGRAM, "tandem:gateway_first_event_stage_seconds",
+      "streams: the first event's time by stage (admit: arrival to the router; cluster: the router's first answer; "
+      "answer: to the HTTP server)",
+      ep_stage, 2, stage_buckets, (int)(sizeof stage_buckets / sizeof *stage_buckets));
   ADD(prompt, TD_METRIC_COUNTER, "tandem:gateway_prompt_tokens_total", "prompt tokens of answered requests", ep, 1,
       NULL, 0);
   ADD(generated, TD_METRIC_COUNTER, "tandem:gateway_generation_tokens_total",
@@ -101,6 +110,15 @@ void gw_metrics_first_event(gw_metrics *m, const char *endpoint, double seconds)
   const char *e[] = {endpoint};
   pthread_mutex_lock(&m->mu);
   td_metric_observe(m->ttft, e, seconds);
+  pthread_mutex_unlock(&m->mu);
+}
+
+void gw_metrics_stages(gw_metrics *m, const char *endpoint, double admit, double cluster, double answer) {
+  const char *a[] = {endpoint, "admit"}, *c[] = {endpoint, "cluster"}, *w[] = {endpoint, "answer"};
+  pthread_mutex_lock(&m->mu);
+  td_metric_observe(m->stages, a, admit);
+  td_metric_observe(m->stages, c, cluster);
+  td_metric_observe(m->stages, w, answer);
   pthread_mutex_unlock(&m->mu);
 }
 

@@ -315,6 +315,20 @@ static bool stream_step(gw_conn *c, stream_kind kind) {
   return true;
 }
 
+/* Where a stream's first event spent its time, as the gateway saw it:
+ * arrival to the request handed to the router, the router's answer (its
+ * first token or result), and that answer to the event handed to the HTTP
+ * server (docs/metrics.md). Of the batch's first request. */
+static void first_stages(gw_conn *c) {
+  c->staged = true;
+  pthread_mutex_lock(&c->b->mu);
+  int64_t sent = c->b->subs[0].sent_ns, first = c->b->subs[0].first_ns;
+  pthread_mutex_unlock(&c->b->mu);
+  if (!sent || !first || first < sent) return;
+  gw_metrics_stages(gw_gateway_metrics(c->g), gw_route_name(c->route), (double)(sent - c->arrived_ns) / 1e9,
+                    (double)(first - sent) / 1e9, (double)(td_now_ns() - first) / 1e9);
+}
+
 static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max, stream_kind kind) {
   gw_conn *c = cls;
   while (c->out_pos == c->out.n) {
@@ -325,6 +339,7 @@ static ssize_t read_stream(void *cls, uint64_t pos, char *buf, size_t max, strea
   }
   size_t n = c->out.n - c->out_pos;
   if (n > max) n = max;
+  if (!c->staged) first_stages(c);
   memcpy(buf, c->out.s + c->out_pos, n);
   c->out_pos += n;
   return (ssize_t)n;

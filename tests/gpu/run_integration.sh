@@ -2,7 +2,8 @@
 # Whole-system checks on a GPU machine, from the repository root, with the
 # programs packed by device-pack (tandem-generate, tandem-router, tandem-worker,
 # tandem-client, bench-decode-step):
-#   tests/gpu/run_integration.sh PACKDIR OUTDIR [generate] [cluster] [bench] [fixtures]
+#   tests/gpu/run_integration.sh PACKDIR OUTDIR [generate] [cluster] [cluster-fixtures] [bench] [fixtures]
+# (cluster-fixtures also needs bench-serve)
 set -u
 pack=$1 out=$2
 shift 2
@@ -20,15 +21,9 @@ run() { # name timeout command...
   summary+=("$name: rc=$rc in $((SECONDS - t0)) s")
   tail -n 20 "$out/$name.log"
 }
-generate() {
-  # every fixture through tandem-generate --device cuda: tokens and logits against transformers
-  local tmp=$out/gen
-  mkdir -p "$tmp"
-  for m in tests/data/*/; do
-    m=${m%/}
-    [[ -f $m/reference.json ]] || continue
-    name=$(basename "$m")
-    python3 - "$m" "$tmp/$name.jsonl" <<'PY'
+# a fixture's reference requests as a request file (Whisper features beside it)
+generate_requests() { # fixture dir, request file
+  python3 - "$1" "$2" <<'PY'
 import json, sys, os
 m, path = sys.argv[1], sys.argv[2]
 ref = json.load(open(f"{m}/reference.json"))
@@ -40,14 +35,26 @@ with open(path, "w") as f:
         if "input_ids" in r:
             line["input_ids"] = r["input_ids"]
         else:
-            mels, frames = cfg["num_mel_bins"], 2 * cfg["max_source_positions"]
-            import numpy as np
-            feats = np.fromfile(f"{m}/input_features.f32", dtype="<f4").reshape(-1, mels, frames)
+            size = 4 * cfg["num_mel_bins"] * 2 * cfg["max_source_positions"]  # one input's float32 [mels, frames]
+            with open(f"{m}/input_features.f32", "rb") as src:
+                src.seek(i * size)
+                one = src.read(size)
             fp = f"{path}.{i}.f32"
-            feats[i].tofile(fp)
+            with open(fp, "wb") as dst:
+                dst.write(one)
             line["input_features"] = os.path.abspath(fp)
         f.write(json.dumps(line) + "\n")
 PY
+}
+generate() {
+  # every fixture through tandem-generate --device cuda: tokens and logits against transformers
+  local tmp=$out/gen
+  mkdir -p "$tmp"
+  for m in tests/data/*/; do
+    m=${m%/}
+    [[ -f $m/reference.json ]] || continue
+    name=$(basename "$m")
+    generate_requests "$m" "$tmp/$name.jsonl"
     tandem-generate --model "$m" --requests "$tmp/$name.jsonl" --device cuda --logits-out "$tmp/$name.logits" \
       --block-size 16 >"$tmp/$name.out" 2>"$tmp/$name.err"
     echo "$name rc=$?"
@@ -73,11 +80,61 @@ print(f"  {m.split('/')[-1]}: logits max|diff|/max|ref| {worst:.3g}, greedy toke
 PY
   done
 }
-export -f generate
-export out
+# every fixture through a cluster on the GPU, aggregated and disaggregated (encoder states pushed and
+# projected on arrival, and K/V pushed): greedy tokens against transformers
+cluster_fixtures() {
+  local tmp=$out/cfx dev=${TD_DEVICE:-cuda} bad=0
+  mkdir -p "$tmp"
+  for m in tests/data/*/; do
+    m=${m%/}
+    [[ -f $m/reference.json ]] || continue
+    name=$(basename "$m")
+    generate_requests "$m" "$tmp/$name.jsonl"
+    for mode in agg states kv; do
+      case $mode in
+        agg) flags=(--encoders 0) ;;
+        states) flags=(--encoders 1) ;;
+        kv) flags=(--encoders 1 --cross-transfer kv) ;;
+      esac
+      local run=$tmp/run-$name-$mode
+      TANDEM_BIN="$pack/bin" setsid bash deploy/local.sh --model "$m" --device "$dev" --prefills 0 --decodes 1 --no-gateway --no-metrics \
+        "${flags[@]}" --run-dir "$run" >"$run.log" 2>&1 &
+      local lp=$!
+      for _ in $(seq 240); do grep -q '^logs' "$run.log" && break; kill -0 $lp 2>/dev/null || break; sleep 0.5; done
+      local ep
+      ep=$(grep -m1 '^router tcp://' "$run.log" | awk '{print $2}')
+      if [[ -n $ep ]]; then
+        bench-serve --router "$ep" --model "$m" --workload "$tmp/$name.jsonl" --results "$tmp/$name-$mode.res" \
+          >"$tmp/$name-$mode.out" 2>&1
+        python3 - "$m" "$tmp/$name-$mode.res" "$mode" <<'PY'
+import json, sys
+m, resp, mode = sys.argv[1:4]
+ref = json.load(open(f"{m}/reference.json"))
+got = {j["id"]: j for j in map(json.loads, open(resp)) if "id" in j}
+same = sum(got.get(f"r{i}", {}).get("tokens") == r["greedy_tokens"] for i, r in enumerate(ref["requests"]))
+print(f"  {m.split('/')[-1]} {mode}: greedy tokens equal {same}/{len(ref['requests'])}")
+sys.exit(same != len(ref["requests"]))
+PY
+        (($? == 0)) || bad=$((bad + 1))
+      else
+        echo "  $name $mode: the cluster did not start"
+        bad=$((bad + 1))
+      fi
+      rm -f "$run"/*.pid
+      kill -TERM -- -$lp 2>/dev/null
+      sleep 1
+      kill -KILL -- -$lp 2>/dev/null
+    done
+  done
+  echo "cluster-fixtures: $bad failed"
+  ((bad == 0))
+}
+export -f generate_requests generate cluster_fixtures
+export out pack
 for s in $steps; do
   case $s in
     generate) run generate 300 bash -c generate ;;
+    cluster-fixtures) run cluster-fixtures 500 bash -c cluster_fixtures ;;
     cluster) run cluster 200 env TANDEM_BIN="$pack/bin" deploy/local.sh --device cuda --demo --run-dir "$out/run" ;;
     bench) run bench 400 bench-decode-step --batches 1,16,64 ;;
     bench-bart) run bench-bart 300 bench-decode-step --shape bart-large --batches 1,64 ;;

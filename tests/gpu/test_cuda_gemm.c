@@ -47,6 +47,12 @@ Test(cuda, gemm) {
   for (size_t s = 0; s < sizeof small / sizeof small[0]; s++)
     for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++)
       gemm_case(small[s][0], small[s][1], small[s][2], cfg[c].act, cfg[c].flags, cfg[c].bias);
+  /* encoder-sized outputs: the bias / activation pass after cuBLASLt, vectorised where a row is whole
+     16-byte vectors (n % 8, f32 out n % 4) and scalar where not */
+  gemm_case(1500, 1280, 64, TD_ACT_GELU, 0, true);
+  gemm_case(601, 520, 40, TD_ACT_NONE, TD_GEMM_ACCUM, true);
+  gemm_case(257, 1028, 32, TD_ACT_GELU, TD_GEMM_OUT_F32, true);
+  gemm_case(300, 1030, 24, TD_ACT_SILU, 0, true);
   /* every row-tile variant of the decode kernels (m <= 8; 8 < m <= 64 in 16, 32, 64 rows) */
   static const int dec[][3] = {{12, 1024, 2816}, {16, 5632, 1024}, {24, 1000, 512}, {40, 3072, 1024}, {9, 96, 64}};
   for (size_t s = 0; s < sizeof dec / sizeof dec[0]; s++) {

@@ -136,6 +136,9 @@ check "metrics: a GET on a POST endpoint (405)" has "$r" "tandem:gateway_request
 check "metrics: an unknown endpoint" has "$r" 'tandem:gateway_requests_total{endpoint="other",code="404"} 1'
 check "metrics: the audio endpoint's refusal" has "$r" 'tandem:gateway_requests_total{endpoint="/v1/audio/transcriptions",code="400"} 1'
 check "metrics: one stream's first event" has "$r" "tandem:gateway_time_to_first_token_seconds_count{$ep} 1"
+for st in admit cluster answer; do
+  check "metrics: the stream's first event, stage $st" has "$r" "tandem:gateway_first_event_stage_seconds_count{$ep,stage=\"$st\"} 1"
+done
 check "metrics: request durations" has "$r" "tandem:gateway_request_duration_seconds_count{$ep} "
 gen=$(grep "^tandem:gateway_generation_tokens_total{$ep}" <<<"$r" | awk '{print $2}')
 check "metrics: generated tokens counted ($gen)" test "${gen:-0}" -gt 20
