@@ -26,9 +26,11 @@
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
 #                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks; with --encoders 0
 #                                                     each group encodes its own requests)
-#                   [--decoders-encode [--local-encode-pct P]] (decode workers also encode, sharing the
-#                                                     encoding with the encoders while fewer than P % of
-#                                                     their batch decode; default 50)
+#                   [--decoders-encode [--local-encode-pct P] [--local-encode-margin R]]
+#                                                     (decode workers also encode, sharing the encoding with
+#                                                     the encoders while fewer than P % of their batch
+#                                                     decode, default 50, and the encoders are more than R
+#                                                     of their encoder runs further behind, default 0)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
 #                   [--cross-transfer states|kv]      (what encoder workers push: encoder states, projected
 #                                                     on arrival (the default), or K/V)
@@ -178,6 +180,7 @@ router_held=()
 max_batch=""
 decoders_encode=0
 local_encode_pct=""
+local_encode_margin=""
 mem_fraction=0.9
 gateway_port=0
 gateway=1
@@ -200,6 +203,7 @@ while (($#)); do
     --decode-pp) decode_pp=$2; shift 2 ;;
     --decoders-encode) decoders_encode=1; shift ;;
     --local-encode-pct) local_encode_pct=$2; shift 2 ;;
+    --local-encode-margin) local_encode_margin=$2; shift 2 ;;
     --kv-transport) kv_transport=$2; shift 2 ;;
     --cross-states) cross_mode=states; shift ;;
     --cross-mode) cross_mode=$2; shift 2 ;;
@@ -240,6 +244,8 @@ fi
 [[ -z $max_batch || $max_batch =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --max-batch must be a positive integer" >&2; exit 2; }
 [[ -z $local_encode_pct || $local_encode_pct =~ ^[1-9][0-9]*$ ]] ||
   { echo "local.sh: --local-encode-pct must be a positive integer" >&2; exit 2; }
+[[ -z $local_encode_margin || $local_encode_margin =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
+  { echo "local.sh: --local-encode-margin must be a number of encoder runs (0, 0.5, 2, ...)" >&2; exit 2; }
 awk -v f="$mem_fraction" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 1 && f ~ /^[0-9.]+$/) }' ||
   { echo "local.sh: --gpu-memory-fraction must be in (0, 1]" >&2; exit 2; }
 [[ $spare_keys =~ ^[0-9]+$ ]] && ((spare_keys <= 256)) || { echo "local.sh: --spare-keys must be 0 to 256" >&2; exit 2; }
@@ -395,7 +401,7 @@ for attempt in 1 2 3 4 5; do
   worker_ep="tcp://127.0.0.1:$((port + 1))"
   start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode" \
     ${router_held[@]+"${router_held[@]}"} \
-    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} "${router_tok[@]}" "${router_metrics[@]}" \
+    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} ${local_encode_margin:+--local-encode-margin "$local_encode_margin"} "${router_tok[@]}" "${router_metrics[@]}" \
     "${router_keys[@]}"
   rsup=$last_sup
   for _ in $(seq 100); do

@@ -247,13 +247,17 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
     return td_err(TD_ERR_INVALID, "kv_load_failure %d: recompute or fail", (int)opts->kv_load_failure);
   if (opts->local_encode_pct < 0 || opts->local_encode_pct > 100)
     return td_err(TD_ERR_INVALID, "local_encode_pct %d is outside 1 to 100", opts->local_encode_pct);
+  if (!(opts->local_encode_margin >= 0 && opts->local_encode_margin <= TD_ROUTER_MAX_ENCODE_RUNS))
+    return td_err(TD_ERR_INVALID, "local_encode_margin %g is outside 0 to %d runs", opts->local_encode_margin,
+                  TD_ROUTER_MAX_ENCODE_RUNS);
   td_router *r = calloc(1, sizeof *r);
   if (!r) return td_err(TD_ERR_NOMEM, "out of memory");
   r->o = *opts;
   r->probe_fd = -1;
   apply_defaults(&r->o);
   r->place_opts = (td_place_opts){.prefill_threshold = r->o.prefill_threshold, .encode_runs = r->o.encode_runs,
-                                  .local_encode_pct = r->o.local_encode_pct};
+                                  .local_encode_pct = r->o.local_encode_pct,
+                                  .local_encode_margin = r->o.local_encode_margin};
   r->model = (Tandem__ModelInfo)TANDEM__MODEL_INFO__INIT;
   r->next_serial = 1;
   r->own_ctx = !opts->zmq_ctx;

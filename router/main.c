@@ -67,6 +67,7 @@ int main(int argc, char **argv) {
       {"curve-secret", required_argument, 0, 1001},  {"worker-keys", required_argument, 0, 1002},
       {"client-keys", required_argument, 0, 1003},   {"admin-keys", required_argument, 0, 1004},
       {"advertise", required_argument, 0, 1005},     {"probe-timeout-ms", required_argument, 0, 1006},
+      {"local-encode-margin", required_argument, 0, 1007},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
@@ -86,6 +87,15 @@ int main(int argc, char **argv) {
       case 'p': o.prefill_threshold = atoi(optarg); break;
       case 'e': o.encode_runs = atoi(optarg); break;
       case 'L': o.local_encode_pct = atoi(optarg); break;
+      case 1007: {
+        char *end = NULL;
+        o.local_encode_margin = strtod(optarg, &end);
+        if (end == optarg || *end) {
+          fprintf(stderr, "tandem-router: --local-encode-margin: a number of encoder runs, not '%s'\n", optarg);
+          return 2;
+        }
+        break;
+      }
       case 'n': o.model_name = optarg; break;
       case 'T': tokenizer_dir = optarg; break;
       case 'W': o.capacity_wait_ms = atoi(optarg); break;
@@ -141,6 +151,9 @@ int main(int argc, char **argv) {
                 "                                         decode worker was lost: encoded again on another attempt,\n"
                 "                                         the default, or ended with an error)\n"
                 "                     [--prefill-threshold N] [--encode-queue-runs N] [--local-encode-pct P]\n"
+                "                     [--local-encode-margin R]  (a decode worker that also encodes takes a request\n"
+                "                                         only when the encoders are more than R of its encoder runs\n"
+                "                                         further behind; default 0)\n"
                 "                     [--capacity-wait-ms N]  (a request waits this long for a role no live\n"
                 "                                         worker has, e.g. no encoder registered; default 10000)\n"
                 "                     [--max-held-mb N]  (client messages of the requests held; default 256)\n"

@@ -107,6 +107,13 @@ static bool form_ok(const td_place_worker *const *pool, int n, int d, const td_p
   return true;
 }
 
+/* An encoder candidate's pending positions, a decode worker's raised by the
+ * margin: its encoder runs stall its decode batch, so it takes one only when
+ * the encoder-only workers are that far behind it. */
+static double load(const td_place_worker *w, const td_place_opts *o) {
+  return (double)w->enc_pending + (w->dec ? o->local_encode_margin * (double)(w->enc_batch > 0 ? w->enc_batch : 0) : 0.0);
+}
+
 static int pick_encoder(const td_place_worker *const *pool, int n, int d, const td_place_req *q,
                         const td_place_opts *o) {
   const td_place_worker *dw = pool[d];
@@ -124,8 +131,7 @@ static int pick_encoder(const td_place_worker *const *pool, int n, int d, const 
     /* a worker that decodes encodes only for itself when it encodes */
     if (self && w->dec && i != d) continue;
     if (i == d && (int64_t)w->decoding * 100 >= (int64_t)o->local_encode_pct * w->max_running) continue;
-    if (!bw || w->enc_pending < bw->enc_pending || (w->enc_pending == bw->enc_pending && bw->dec && !w->dec))
-      best = i, bw = w;
+    if (!bw || load(w, o) < load(bw, o) || (load(w, o) == load(bw, o) && bw->dec && !w->dec)) best = i, bw = w;
   }
   return best == d ? LOCAL : best;
 }

@@ -83,6 +83,8 @@ typedef struct td_place_opts {
   int encode_runs;       /* an encoder's queue: at most this many of its runs (enc_batch) */
   int local_encode_pct;  /* a decode worker that shares the encoding with encoder-only workers
                             encodes while fewer than this % of its max_running are decoding */
+  double local_encode_margin; /* ... and only while the encoder-only workers have more than this many of
+                                 its encoder runs (enc_batch positions) pending beyond its own (0: any more) */
 } td_place_opts;
 
 typedef enum td_place_status {
@@ -111,7 +113,8 @@ typedef struct td_placement {
  *   and fewer than local_encode_pct % of its max_running are decoding: an
  *   encoder run stalls its whole decode batch, which pays only while that
  *   batch is small) the decode worker itself whose queue has room, fewest
- *   pending positions first, an encoder-only worker on a tie. Room: nothing pending, or the
+ *   pending positions first (a decode worker's counted local_encode_margin x
+ *   its enc_batch higher), an encoder-only worker on a tie. Room: nothing pending, or the
  *   pending positions and this request's within encode_runs x enc_batch (no
  *   bound when enc_batch is unknown). Encoders that are all full: WAIT, so
  *   that the queue drains to whichever encoder frees up first, and a decode

@@ -44,6 +44,8 @@ typedef struct td_router_opts {
   int encode_runs;             /* an encoder's queue holds at most this many of its runs */
   int local_encode_pct;        /* a decode worker that also encodes does while fewer than this % of its
                                   batch decode (with encoder-only workers beside it) */
+  double local_encode_margin;  /* ... and while the encoder-only workers are more than this many of its encoder
+                                  runs further behind than it (0: any; TD_ROUTER_MAX_ENCODE_RUNS at most) */
   int capacity_wait_ms;        /* a queued request waits this long for a role no live worker has (no encoder
                                   registered, every decode worker draining), then fails ERROR_UNAVAILABLE */
   long long max_held_bytes;    /* client messages of the requests queued and in flight, together; a new one

@@ -30,11 +30,16 @@ static td_place_worker *add(pool *pl, const char *id, const char *roles) {
 
 static const td_place_req small = {.need_cross = 2, .need_self = 4, .width = 1, .n_prompt = 1};
 
-static td_place_status place(const pool *pl, const td_place_req *q, td_placement *out) {
+static td_place_status place_margin(const pool *pl, const td_place_req *q, double margin, td_placement *out) {
   td_place_opts o = {.prefill_threshold = TD_DEFAULT_PREFILL_THRESHOLD,
                      .encode_runs = TD_DEFAULT_ENCODE_RUNS,
-                     .local_encode_pct = TD_DEFAULT_LOCAL_ENCODE_PCT};
+                     .local_encode_pct = TD_DEFAULT_LOCAL_ENCODE_PCT,
+                     .local_encode_margin = margin};
   return td_place(pl->p, pl->n, q, &o, out);
+}
+
+static td_place_status place(const pool *pl, const td_place_req *q, td_placement *out) {
+  return place_margin(pl, q, 0, out);
 }
 
 static const char *who(const pool *pl, int i) { return i < 0 ? "-" : pl->w[i].id; }
@@ -188,6 +193,27 @@ Test(placement, a_decode_worker_that_encodes_shares_with_encoder_only_workers) {
   both->enc_pending = 600;
   cr_assert_eq(place(&pl, &q, &out), TD_PLACE_OK);
   cr_expect_str_eq(who(&pl, out.encode), "enc");
+}
+
+Test(placement, a_local_encode_margin_keeps_the_encoder_only_worker_busy_first) {
+  pool pl = {0};
+  td_place_worker *both = add(&pl, "both", "ed"), *enc = add(&pl, "enc", "e");
+  both->enc_batch = enc->enc_batch = 1000;
+  enc->enc_pending = 1500; /* one and a half runs behind the decode worker's empty queue */
+  td_place_req q = small;
+  q.enc_len = 100;
+  td_placement out;
+  cr_assert_eq(place_margin(&pl, &q, 0, &out), TD_PLACE_OK);
+  cr_expect(out.local_encode, "no margin: the decode worker takes it (fewer pending)");
+  cr_assert_eq(place_margin(&pl, &q, 2, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.encode), "enc", "margin 2 runs: 1500 behind is not enough");
+  cr_assert_eq(place_margin(&pl, &q, 1, &out), TD_PLACE_OK);
+  cr_expect(out.local_encode, "margin 1 run: 1500 behind is");
+  both->enc_pending = 600; /* then the decode worker's own queue counts with it */
+  cr_assert_eq(place_margin(&pl, &q, 1, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.encode), "enc", "600 + 1000 > 1500");
+  cr_assert_eq(place_margin(&pl, &q, 0.5, &out), TD_PLACE_OK);
+  cr_expect(out.local_encode, "600 + 500 < 1500");
 }
 
 Test(placement, a_decode_worker_with_a_large_decode_batch_leaves_the_encoding_to_encoders) {

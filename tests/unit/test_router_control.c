@@ -1094,6 +1094,12 @@ Test(router_control, defaults_and_the_limits_of_the_options, .timeout = 30) {
   cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
   cr_expect(strstr(td_errmsg(), "local_encode_pct 101"), "%s", td_errmsg());
   o.local_encode_pct = 0;
+  o.local_encode_margin = -0.5;
+  cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "local_encode_margin -0.5"), "%s", td_errmsg());
+  o.local_encode_margin = NAN;
+  cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
+  o.local_encode_margin = 0;
   o.encode_runs = -1;
   cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
   cr_expect(strstr(td_errmsg(), "encode_runs -1"), "%s", td_errmsg());
