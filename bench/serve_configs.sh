@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Cluster configurations against each other on one machine with bench-serve: each
+# configuration's cluster is started with deploy/local.sh, warmed, measured with bursts
+# (every request at once) and closed loops (a fixed number in flight), and stopped; a
+# table of output tokens a second, with each run's ratio to the first configuration's.
+#
+#   bench/serve_configs.sh --model DIR [--workload trt|whisper|FILE] [--device cuda|cpu]
+#       [--burst N] [--closed C] [--runs K] [--configs "NAME=LOCAL.SH FLAGS;NAME=..."]
+#       [--out DIR]
+#
+# --burst N: N requests at once (0: none; default 512); --closed C: C in flight, 3 x C
+# requests (0: none; default 256); --runs K: each measure K times, each its own seed
+# (default 2). Configurations: "agg=--encoders 0 --decodes 4;e1d3=--encoders 1 --decodes 3"
+# (the default: every worker with every role on each GPU, against one encoder GPU).
+# Programs from $TANDEM_BIN (default build/bin). Each run's full bench-serve output is in
+# --out (default a temporary folder).
+set -u
+root=$(cd "$(dirname "$0")/.." && pwd)
+model="" workload=trt device=cuda burst=512 closed=256 runs=2 out=""
+configs="agg=--encoders 0 --prefills 0 --decodes 4;e1d3=--encoders 1 --prefills 0 --decodes 3"
+while (($#)); do
+  case $1 in
+    --model) model=$2; shift 2 ;;
+    --workload) workload=$2; shift 2 ;;
+    --device) device=$2; shift 2 ;;
+    --burst) burst=$2; shift 2 ;;
+    --closed) closed=$2; shift 2 ;;
+    --runs) runs=$2; shift 2 ;;
+    --configs) configs=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    *) echo "serve_configs.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+[[ -n $model && -d $model ]] || { echo "serve_configs.sh: --model DIR is required" >&2; exit 2; }
+for v in "$burst" "$closed" "$runs"; do
+  [[ $v =~ ^[0-9]+$ ]] || { echo "serve_configs.sh: --burst, --closed and --runs take counts" >&2; exit 2; }
+done
+bin=${TANDEM_BIN:-$root/build/bin}
+[[ -x $bin/bench-serve ]] || { echo "serve_configs.sh: no $bin/bench-serve (set TANDEM_BIN)" >&2; exit 2; }
+export TANDEM_BIN=$bin
+out=${out:-$(mktemp -d)}
+mkdir -p "$out"
+rows=() first=()
+row_of() { grep -E '^\| (all at once|[0-9]+ in flight) \| [0-9]+/' "$1" | head -1 | awk -F'|' '{gsub(/ /, "", $5); print $5}'; }
+IFS=';' read -ra list <<<"$configs"
+for entry in "${list[@]}"; do
+  name=${entry%%=*} flags=${entry#*=}
+  run=$out/run-$name
+  # shellcheck disable=SC2086 # the configuration's flags are words
+  setsid bash "$root/deploy/local.sh" --model "$model" --device "$device" --no-gateway --run-dir "$run" $flags \
+    >"$out/$name.local.log" 2>&1 &
+  lp=$!
+  for _ in $(seq 600); do grep -q '^logs' "$out/$name.local.log" && break; kill -0 $lp 2>/dev/null || break; sleep 0.5; done
+  ep=$(grep -m1 '^router tcp://' "$out/$name.local.log" | awk '{print $2}')
+  if [[ -z $ep ]]; then
+    echo "serve_configs.sh: $name did not start: $(tail -1 "$out/$name.local.log")" >&2
+    kill -TERM -- -$lp 2>/dev/null
+    continue
+  fi
+  "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" --requests 32 --seed 99 >/dev/null 2>&1
+  cells=()
+  k=0
+  for kind in burst closed; do
+    n=$burst extra=() off=0
+    [[ $kind == closed ]] && n=$((3 * closed)) extra=(--concurrency "$closed") off=1
+    [[ $kind == burst && $burst -eq 0 || $kind == closed && $closed -eq 0 ]] && continue
+    for r in $(seq "$runs"); do
+      f=$out/$name-$kind-$r.txt
+      "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" --requests "$n" "${extra[@]}" \
+        --seed $((10 * r + off)) >"$f" 2>&1
+      v=$(row_of "$f")
+      base=${first[$k]:-}
+      [[ -z $base ]] && first[$k]=$v base=$v
+      ratio=$(awk -v a="${v:-0}" -v b="${base:-0}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')
+      cells+=("${v:-failed} (${ratio}x)")
+      k=$((k + 1))
+    done
+  done
+  rows+=("| $name | $flags | $(IFS='|'; echo "${cells[*]}" | sed 's/|/ | /g') |")
+  rm -f "$run"/*.pid
+  kill -TERM -- -$lp 2>/dev/null
+  sleep 3
+  kill -KILL -- -$lp 2>/dev/null
+done
+head="| configuration | local.sh flags |"
+sep="|---|---|"
+for kind in burst closed; do
+  [[ $kind == burst && $burst -eq 0 || $kind == closed && $closed -eq 0 ]] && continue
+  for r in $(seq "$runs"); do
+    [[ $kind == burst ]] && head+=" burst of $burst, run $r |" || head+=" $closed in flight, run $r |"
+    sep+="---|"
+  done
+done
+echo "Output tokens a second, $workload workload, model $(basename "$model"), $(date -u +%F) (ratio: to the first configuration's same run):"
+echo
+echo "$head"
+echo "$sep"
+printf '%s\n' "${rows[@]}"
+echo
+echo "bench-serve outputs: $out"

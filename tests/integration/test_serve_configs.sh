@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# bench/serve_configs.sh on the CPU with the toy T5: two configurations started, measured with a
+# burst and a closed loop, stopped; the table has a row each with numbers and the first's ratio 1.00.
+#   test_serve_configs.sh BINDIR WORKDIR
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+source "$here/lib.sh"
+bin=$1 work=$2
+rm -rf "$work"
+mkdir -p "$work"
+TANDEM_BIN=$bin timeout 600 bash "$root/bench/serve_configs.sh" --model "$root/tests/data/toy-numbers-t5" --device cpu \
+  --burst 8 --closed 4 --runs 1 --out "$work/out" \
+  --configs "agg=--encoders 0 --prefills 0 --decodes 1;split=--encoders 1 --prefills 0 --decodes 1" >"$work/table.md" 2>"$work/err"
+rc=$?
+cat "$work/table.md"
+check "serve_configs.sh ran" test "$rc" -eq 0
+check "the first configuration's row, ratios 1.00" grep -qE '^\| agg \| .* \| [0-9]+ \(1\.00x\) \| [0-9]+ \(1\.00x\) \|$' "$work/table.md"
+check "the second configuration's row, with ratios" grep -qE '^\| split \| .* \| [0-9]+ \([0-9.]+x\) \| [0-9]+ \([0-9.]+x\) \|$' "$work/table.md"
+check "no cluster left running" sh -c "! pgrep -f 'run-dir $work/ou[t]' >/dev/null"
+((failed == 0)) || { echo "$failed checks failed; logs in $work" >&2; exit 1; }
