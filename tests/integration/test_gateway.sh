@@ -144,6 +144,11 @@ gen=$(grep "^tandem:gateway_generation_tokens_total{$ep}" <<<"$r" | awk '{print 
 check "metrics: generated tokens counted ($gen)" test "${gen:-0}" -gt 20
 check "metrics: POST /metrics is 405" status_is 405 "$gw/metrics" -d x
 
+# bench-serve over HTTP reads the gateway's stages of the run's first events back from /metrics
+bs=$("$bin/bench-serve" --gateway "$gw" --model "$t5" --workload trt --requests 4 --concurrency 1 2>&1)
+check "bench-serve --gateway: four streams answered" has "$bs" "| 1 in flight | 4/4 |"
+check "bench-serve --gateway: the gateway's stages of those four" grep -qE '^\| 1 in flight \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| 4 \|$' <<<"$bs"
+
 check "openai Node client (text)" node "$npm_dir/gateway_openai.mjs" text "$gw" toy-numbers-t5
 
 # the limits on requests in flight (429) and connections, on a second gateway of the same cluster
