@@ -26,6 +26,7 @@
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
 #                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks; with --encoders 0
 #                                                     each group encodes its own requests)
+#                   [--encoder-tp N | --encoder-pp N] (each encoder a group of N ranks; it pushes encoder states)
 #                   [--decoders-encode [--local-encode-pct P] [--local-encode-margin R]]
 #                                                     (decode workers also encode, sharing the encoding with
 #                                                     the encoders while fewer than P % of their batch
@@ -172,7 +173,7 @@ run_dir=""
 encoders=1 prefills=1 decodes=1
 demo=0
 block_size=16
-decode_tp=1 decode_pp=1
+decode_tp=1 decode_pp=1 encoder_tp=1 encoder_pp=1
 kv_transport=auto
 cross_mode=auto
 cross_transfer=""
@@ -200,6 +201,8 @@ while (($#)); do
     --decodes) decodes=$2; shift 2 ;;
     --block-size) block_size=$2; shift 2 ;;
     --decode-tp) decode_tp=$2; shift 2 ;;
+    --encoder-tp) encoder_tp=$2; shift 2 ;;
+    --encoder-pp) encoder_pp=$2; shift 2 ;;
     --decode-pp) decode_pp=$2; shift 2 ;;
     --decoders-encode) decoders_encode=1; shift ;;
     --local-encode-pct) local_encode_pct=$2; shift 2 ;;
@@ -235,6 +238,9 @@ if [[ -n $tokenizer ]]; then
 fi
 ((decodes >= 1)) || { echo "local.sh: at least one decode worker is needed" >&2; exit 2; }
 ((decode_tp == 1 || decode_pp == 1)) || { echo "local.sh: a decode group is tensor- or pipeline-parallel" >&2; exit 2; }
+[[ $encoder_tp =~ ^[1-9][0-9]*$ && $encoder_pp =~ ^[1-9][0-9]*$ ]] ||
+  { echo "local.sh: --encoder-tp and --encoder-pp take a rank count" >&2; exit 2; }
+((encoder_tp == 1 || encoder_pp == 1)) || { echo "local.sh: an encoder group is tensor- or pipeline-parallel" >&2; exit 2; }
 [[ $kv_transport == auto || $kv_transport == ucx || $kv_transport == zmq ]] ||
   { echo "local.sh: --kv-transport must be auto, ucx or zmq" >&2; exit 2; }
 [[ -z $cross_transfer || $cross_transfer == states || $cross_transfer == kv ]] ||
@@ -344,6 +350,12 @@ group_size=$((decode_tp * decode_pp))
 ((group_size > 1 && decoders_encode)) && { echo "local.sh: --decoders-encode is for single-process decode workers" >&2; exit 2; }
 [[ $group_size -gt 1 && $kv_transport == ucx ]] &&
   { echo "local.sh: decode groups take KV over ZeroMQ (the leader re-slices it): use --kv-transport auto" >&2; exit 2; }
+enc_group=$((encoder_tp * encoder_pp))
+((enc_group > 1 && encoders == 0)) && { echo "local.sh: --encoder-tp / --encoder-pp need --encoders 1 or more" >&2; exit 2; }
+[[ $enc_group -gt 1 && $cross_transfer == kv ]] &&
+  { echo "local.sh: an encoder group pushes encoder states: --cross-transfer kv needs single-rank encoders" >&2; exit 2; }
+[[ $enc_group -gt 1 && $kv_transport == ucx ]] &&
+  { echo "local.sh: an encoder group pushes over ZeroMQ: use --kv-transport auto" >&2; exit 2; }
 w_name=() w_gpu=() w_weight=() w_args=()
 gpu=-1
 next_gpu() { gpu=$(((gpu + 1) % ngpu)); }
@@ -355,7 +367,20 @@ plan() { # name weight flags...
 # a group's ranks each its own heads or layers; docs/kvtransfer.md) unless told kv
 enc_args=(--role encode)
 [[ -z $cross_transfer ]] || enc_args+=(--cross-transfer "$cross_transfer")
-for ((i = 0; i < encoders; i++)); do plan "encoder-$i" 1 "${enc_args[@]}"; done
+for ((i = 0; i < encoders; i++)); do
+  if ((enc_group == 1)); then
+    plan "encoder-$i" 1 "${enc_args[@]}"
+    continue
+  fi
+  # an encoder group: one process a rank (one GPU each); rank 0 takes the jobs and pushes the states
+  epar="--tp $encoder_tp"
+  ((encoder_pp > 1)) && epar="--pp $encoder_pp"
+  for ((r = 0; r < enc_group; r++)); do
+    name="encoder-$i"
+    ((r > 0)) && name="encoder-$i-rank$r"
+    plan "$name" 1 "${enc_args[@]}" --group "encoder-$i" $epar --rank "$r"
+  done
+done
 for ((i = 0; i < prefills; i++)); do plan "prefill-$i" 1 --role prefill; done
 for ((i = 0; i < decodes; i++)); do
   # without encoders, decode workers encode for themselves; with them, when

@@ -143,7 +143,10 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, const cha
   if (mb && (strcmp(mb->g->name, name) || mb->rank != (int)j->rank)) member_leave(r, mb);
   group_rv *g = NULL;
   HASH_FIND_STR(r->groups, name, g);
-  bool refused = !rtr_cross_mode_matches(r, j->cross_mode, why, sizeof why);
+  /* an encoder group runs states (it pushes encoder states), which the router takes as from a single-rank encoder */
+  bool states_ok = j->encoder_states && j->cross_mode && !strcmp(j->cross_mode, "states") &&
+                   (r->o.cross_mode == TD_CROSS_AUTO || r->o.cross_mode == TD_CROSS_DUAL);
+  bool refused = !states_ok && !rtr_cross_mode_matches(r, j->cross_mode, why, sizeof why);
   /* a failed rendezvous that this rank heard of already, or a running group, starts over (a restart) */
   if (g && ((g->error && (g->told[j->rank] || g->world != (int)j->world)) || (refused && g->complete))) {
     group_drop(r, g);

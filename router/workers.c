@@ -287,8 +287,9 @@ void rtr_register_checked(td_router *r, const uint8_t *id, size_t id_len, const 
     w->pl.pre |= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_PREFILL;
     w->pl.dec |= in->roles[i] == TANDEM__CLUSTER__ROLE__ROLE_DECODE;
   }
-  /* a group's KV is sliced across its ranks: it encodes for itself, never for another */
-  if (w->pl.enc && in->group && in->group[0] && (in->tp > 1 || in->pp > 1)) {
+  /* a group's KV is sliced across its ranks: it encodes for itself, never for another; an encoder group
+     pushes encoder states, which every rank holds whole, so it encodes for any */
+  if (w->pl.enc && in->group && in->group[0] && (in->tp > 1 || in->pp > 1) && !states_encoder(r, in)) {
     w->pl.enc = false;
     w->pl.enc_self = w->pl.dec;
   }

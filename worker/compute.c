@@ -442,9 +442,16 @@ static td_status compute_init(td_worker *w) {
                       .cross_mode = w->o.cross_mode, .states_rows = w->o.states_rows,
                       .tuning = w->o.settings.model};
   if (w->world > 1) TD_TRY(w_leader_init(w, &mo));
-  bool enc_only = w->world == 1 && w->n_roles > 0;
+  bool enc_only = w->n_roles > 0;
   for (int i = 0; i < w->n_roles; i++) enc_only &= w->roles[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
-  if (enc_only && mo.cross_mode == TD_CROSS_AUTO && !w->o.cross_transfer_kv) {
+  if (enc_only && w->world > 1) {
+    /* an encoder group (tandem-worker resolved its cross mode to states for every rank): the tails are whole on
+       each rank, so rank 0 pushes them like a single-rank encoder */
+    if (mo.cross_mode != TD_CROSS_STATES)
+      return td_err(TD_ERR_INVALID, "an encoder group pushes encoder states: --cross-mode states on every rank");
+    w->states_out = true;
+    TD_INFO("cross transfer: encoder states from a group of %d ranks", w->world);
+  } else if (enc_only && mo.cross_mode == TD_CROSS_AUTO && !w->o.cross_transfer_kv) {
     /* pushes of the encoder states (the decode side projects them): 1 / (2 x layers) of the K/V bytes */
     mo.cross_mode = TD_CROSS_STATES;
     if (td_model_load(w->o.model_dir, w->b, &mo, &w->m) == TD_OK) {

@@ -12,6 +12,7 @@
 #include "common/net.h"
 #include "kvcache/kvcache.h"
 #include "worker/group.h"
+#include "worker/role.h"
 
 td_status group_check_addresses(const td_worker_opts *o) {
   if (o->advertise) return td_net_check_advertise(o->advertise);
@@ -52,14 +53,20 @@ td_status group_comm_bind(const td_worker_opts *o, group_keys *k, void *zmq_ctx,
   return td_net_advertised(td_comm_zmq_endpoint(*boot), o->advertise, ep, cap);
 }
 
+bool group_encoder_only(const td_worker_opts *o) {
+  bool enc = o->n_roles > 0;
+  for (int i = 0; i < o->n_roles; i++) enc &= o->roles[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+  return enc;
+}
+
 void group_info_free(group_info *g) {
   for (int i = 0; i < g->world; i++) free(g->endpoints[i]);
   memset(g, 0, sizeof *g);
 }
 
 td_status group_rendezvous(void *rsock, const char *group, int rank, int world, const char *endpoint,
-                           const uint8_t *nccl_id, size_t nccl_len, td_cross_mode cross_mode, int timeout_ms,
-                           volatile sig_atomic_t *stop, group_info *out) {
+                           const uint8_t *nccl_id, size_t nccl_len, td_cross_mode cross_mode, bool encoder_states,
+                           int timeout_ms, volatile sig_atomic_t *stop, group_info *out) {
   memset(out, 0, sizeof *out);
   if (world > TD_GROUP_MAX_RANKS)
     return td_err(TD_ERR_INVALID, "group %s of %d ranks: at most %d", group, world, TD_GROUP_MAX_RANKS);
@@ -71,6 +78,7 @@ td_status group_rendezvous(void *rsock, const char *group, int rank, int world, 
   j.nccl_id.data = (uint8_t *)nccl_id;
   j.nccl_id.len = nccl_len;
   j.cross_mode = (char *)td_cross_mode_name(cross_mode);
+  j.encoder_states = encoder_states;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
   m.version = TD_PROTOCOL_VERSION;
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN;

@@ -191,6 +191,17 @@ int main(int argc, char **argv) {
     return 2;
   }
   o.roles = served;
+  bool enc_only = true;
+  for (int i = 0; i < o.n_roles; i++) enc_only &= served[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+  if (o.group && enc_only) {
+    /* an encoder group pushes encoder states, whole on rank 0 (its K/V would be sliced across the ranks) */
+    if (o.cross_transfer_kv || (o.cross_mode != TD_CROSS_AUTO && o.cross_mode != TD_CROSS_STATES)) {
+      fprintf(stderr, "tandem-worker: an encoder group pushes encoder states only (--cross-transfer kv and other "
+                      "cross modes need a single-rank encoder)\n");
+      return 2;
+    }
+    o.cross_mode = TD_CROSS_STATES;
+  }
   if (strlen(o.id) > MAX_ID) {
     fprintf(stderr, "tandem-worker: --id: at most %d characters (the router's ids and a group's rank names)\n", MAX_ID);
     return 2;

@@ -242,7 +242,8 @@ static bool to_role(td_worker *w, Tandem__Cluster__RouterMessage *m) {
     const td_role *r = w->roles[i];
     if (r->job == m->body_case) {
       const Tandem__Cluster__RequestSpec *sp = job_spec(m);
-      if (w->world > 1 && !r->in_group) { /* group_self: the router should never have sent it */
+      if (w->world > 1 && !r->in_group && !(r->group_self && w->states_out)) {
+        /* group_self: the router should never have sent it (an encoder group, which pushes states, takes any) */
         if (sp)
           td_worker_send_failed(w, sp->rid, TD_ERR_INVALID,
                                 "a worker group takes the encode role for its own requests only", false);

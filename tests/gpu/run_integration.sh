@@ -8,10 +8,12 @@ set -u
 pack=$1 out=$2
 shift 2
 steps=${*:-generate cluster bench}
-source "$pack/env.sh"
+# a packed build (device-pack) has env.sh; a build folder (CI, on the CPU) has bin/ alone
+[[ -f $pack/env.sh ]] && source "$pack/env.sh"
 mkdir -p "$out"
-nvidia-smi -L | tee "$out/device.txt"
+{ nvidia-smi -L 2>/dev/null || echo "no GPU"; } | tee "$out/device.txt"
 summary=()
+steps_failed=0
 run() { # name timeout command...
   local name=$1 t=$2
   shift 2
@@ -19,6 +21,7 @@ run() { # name timeout command...
   timeout "$t" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   summary+=("$name: rc=$rc in $((SECONDS - t0)) s")
+  ((rc == 0)) || steps_failed=$((steps_failed + 1))
   tail -n 20 "$out/$name.log"
 }
 # a fixture's reference requests as a request file (Whisper features beside it)
@@ -81,7 +84,9 @@ PY
   done
 }
 # every fixture through a cluster on the GPU, aggregated and disaggregated (encoder states pushed and
-# projected on arrival, and K/V pushed): greedy tokens against transformers
+# projected on arrival, and K/V pushed; with TD_CFX_MODES also encoder groups, etp2 / epp2, whose
+# ranks need a GPU each): greedy tokens against transformers. TD_CFX_FIXTURES: which fixtures
+# (default every one); TD_DEVICE: cuda (default) or cpu.
 cluster_fixtures() {
   local tmp=$out/cfx dev=${TD_DEVICE:-cuda} bad=0
   mkdir -p "$tmp"
@@ -89,12 +94,16 @@ cluster_fixtures() {
     m=${m%/}
     [[ -f $m/reference.json ]] || continue
     name=$(basename "$m")
+    [[ -z ${TD_CFX_FIXTURES:-} || " $TD_CFX_FIXTURES " == *" $name "* ]] || continue
     generate_requests "$m" "$tmp/$name.jsonl"
-    for mode in agg states kv; do
+    for mode in ${TD_CFX_MODES:-agg states kv}; do
       case $mode in
         agg) flags=(--encoders 0) ;;
         states) flags=(--encoders 1) ;;
         kv) flags=(--encoders 1 --cross-transfer kv) ;;
+        etp2) flags=(--encoders 1 --encoder-tp 2) ;;
+        epp2) flags=(--encoders 1 --encoder-pp 2) ;;
+        *) echo "  unknown mode $mode"; bad=$((bad + 1)); continue ;;
       esac
       local run=$tmp/run-$name-$mode
       TANDEM_BIN="$pack/bin" setsid bash deploy/local.sh --model "$m" --device "$dev" --prefills 0 --decodes 1 --no-gateway --no-metrics \
@@ -104,7 +113,7 @@ cluster_fixtures() {
       local ep
       ep=$(grep -m1 '^router tcp://' "$run.log" | awk '{print $2}')
       if [[ -n $ep ]]; then
-        bench-serve --router "$ep" --model "$m" --workload "$tmp/$name.jsonl" --results "$tmp/$name-$mode.res" \
+        "$pack/bin/bench-serve" --router "$ep" --model "$m" --workload "$tmp/$name.jsonl" --results "$tmp/$name-$mode.res" \
           >"$tmp/$name-$mode.out" 2>&1
         python3 - "$m" "$tmp/$name-$mode.res" "$mode" <<'PY'
 import json, sys
@@ -143,3 +152,4 @@ for s in $steps; do
 done
 cp bench/RESULTS.md "$out/RESULTS.md" 2>/dev/null
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+((steps_failed == 0))

@@ -1016,17 +1016,46 @@ Test(router_control, a_silent_worker_dies_and_its_request_fails_without_another,
   finish(&h, socks, 1);
 }
 
-static void group_join(void *s, const char *group, uint32_t rank, uint32_t world) {
+static void group_join_as(void *s, const char *group, uint32_t rank, uint32_t world, const char *cross_mode,
+                          bool encoder_states) {
   Tandem__Cluster__GroupJoin j = TANDEM__CLUSTER__GROUP_JOIN__INIT;
   j.group = (char *)group;
   j.rank = rank;
   j.world = world;
   j.endpoint = rank ? "tcp://follower" : "tcp://leader";
-  j.cross_mode = "auto";
+  j.cross_mode = (char *)cross_mode;
+  j.encoder_states = encoder_states;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN;
   m.group_join = &j;
   wsend(s, &m);
+}
+
+static void group_join(void *s, const char *group, uint32_t rank, uint32_t world) {
+  group_join_as(s, group, rank, world, "auto", false);
+}
+
+/* An encoder group runs the states cross mode (it pushes encoder states) and says so: the router
+ * (cross mode auto) takes its ranks; a states join that does not say so is refused as before. */
+Test(router_control, an_encoder_group_joins_in_states_mode, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *odd = dealer(&h, h.wep, "odd-rank0");
+  group_join_as(odd, "d", 0, 2, "states", false);
+  Tandem__Cluster__RouterMessage *gi = wexpect(odd, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "refused");
+  cr_expect(!gi->group_info->ok);
+  cr_expect(strstr(gi->group_info->error, "cross pool mode differs"), "%s", gi->group_info->error);
+  wfree(gi);
+  void *leader = dealer(&h, h.wep, "e-rank0"), *follower = dealer(&h, h.wep, "e-rank1");
+  group_join_as(follower, "e", 1, 2, "states", true);
+  group_join_as(leader, "e", 0, 2, "states", true);
+  for (int k = 0; k < 2; k++) {
+    gi = wexpect(k ? leader : follower, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the rendezvous");
+    cr_expect(gi->group_info->ok, "%s", gi->group_info->error);
+    wfree(gi);
+  }
+  void *socks[] = {odd, leader, follower};
+  finish(&h, socks, 3);
 }
 
 /* A rank that loads its model for long after the rendezvous is not silent;
