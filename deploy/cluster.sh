@@ -103,9 +103,11 @@ for ((h = 0; h < n_hosts; h++)); do
     for v in "$count" "$tp" "$pp"; do [[ $v =~ ^[0-9]+$ ]] || die "hosts[$h].pools[$p]: count, tp and pp are counts"; done
     ((tp == 1 || pp == 1)) || die "hosts[$h].pools[$p]: a group is tensor- or pipeline-parallel, not both"
     ranks=$((tp * pp))
-    [[ $ranks -eq 1 || $role == decode ]] ||
-      die "hosts[$h].pools[$p]: only decode workers form TP / PP groups"
+    [[ $ranks -eq 1 || $role == decode || $role == encode ]] ||
+      die "hosts[$h].pools[$p]: only decode workers and encoders form TP / PP groups"
     ct=$(pf '.cross_transfer // empty')
+    [[ $ranks -eq 1 || $role != encode || $ct != kv ]] ||
+      die "hosts[$h].pools[$p]: an encoder group pushes encoder states (cross_transfer kv needs single-rank encoders)"
     [[ -z $ct || ($role == encode && ($ct == states || $ct == kv)) ]] ||
       die "hosts[$h].pools[$p].cross_transfer: states or kv, on an encode pool"
     if [[ -n $key_dir ]]; then
