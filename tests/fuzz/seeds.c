@@ -246,6 +246,9 @@ static void cluster(void) {
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN;
   m.group_join = &gj;
   msg("fuzz_wire_cluster", "group_join", 0, &m.base);
+  gj.cross_mode = "states"; /* an encoder group's join */
+  gj.encoder_states = true;
+  msg("fuzz_wire_cluster", "group_join_encoder", 0, &m.base);
   Tandem__Cluster__Failed fl = TANDEM__CLUSTER__FAILED__INIT;
   fl.rid = 3;
   fl.code = TANDEM__ERROR_CODE__ERROR_INTERNAL;
