@@ -351,6 +351,11 @@ group_size=$((decode_tp * decode_pp))
 [[ $group_size -gt 1 && $kv_transport == ucx ]] &&
   { echo "local.sh: decode groups take KV over ZeroMQ (the leader re-slices it): use --kv-transport auto" >&2; exit 2; }
 enc_group=$((encoder_tp * encoder_pp))
+# a group's ranks take consecutive GPUs of the round robin: one GPU each (NCCL joins distinct devices)
+for g in "$group_size" "$enc_group"; do
+  [[ $device != cuda || $g -le $ngpu ]] ||
+    { echo "local.sh: a group of $g ranks needs $g GPUs, this machine has $ngpu" >&2; exit 2; }
+done
 ((enc_group > 1 && encoders == 0)) && { echo "local.sh: --encoder-tp / --encoder-pp need --encoders 1 or more" >&2; exit 2; }
 [[ $enc_group -gt 1 && $cross_transfer == kv ]] &&
   { echo "local.sh: an encoder group pushes encoder states: --cross-transfer kv needs single-rank encoders" >&2; exit 2; }
