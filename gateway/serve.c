@@ -318,11 +318,16 @@ static bool stream_step(gw_conn *c, stream_kind kind) {
 /* Where a stream's first event spent its time, as the gateway saw it:
  * arrival to the request handed to the router, the router's answer (its
  * first token or result), and that answer to the event handed to the HTTP
- * server (docs/metrics.md). Of the batch's first request. */
+ * server (docs/metrics.md). Of the batch's request that answered first
+ * (the first event is whichever prompt's token came first). */
 static void first_stages(gw_conn *c) {
   c->staged = true;
+  int64_t sent = 0, first = 0;
   pthread_mutex_lock(&c->b->mu);
-  int64_t sent = c->b->subs[0].sent_ns, first = c->b->subs[0].first_ns;
+  for (int i = 0; i < c->b->n; i++) {
+    const gw_sub *s = &c->b->subs[i];
+    if (s->first_ns && s->sent_ns && (!first || s->first_ns < first)) first = s->first_ns, sent = s->sent_ns;
+  }
   pthread_mutex_unlock(&c->b->mu);
   if (!sent || !first || first < sent) return;
   gw_metrics_stages(gw_gateway_metrics(c->g), gw_route_name(c->route), (double)(sent - c->arrived_ns) / 1e9,
