@@ -5,11 +5,14 @@
 # it anew, and every request is answered right (retried once the group is
 # back: it is the only decode worker). An encoder pushes it encoder states,
 # which its ranks project (local.sh no longer asks encoders for K/V).
-#   tests/integration/test_group_restart.sh BIN_DIR WORK_DIR
+# With ROLE encode the group is the encoder instead (TP=2, pushing encoder
+# states to a single-rank decode worker), killed the same way.
+#   tests/integration/test_group_restart.sh BIN_DIR WORK_DIR [ROLE: decode (default) | encode]
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 bin=$(cd "$1" && pwd)
 work=$2
+role=${3:-decode}
 rm -rf "$work"
 mkdir -p "$work"
 work=$(cd "$work" && pwd)
@@ -20,7 +23,12 @@ main=""
 cleanup() { [[ -n $main ]] && kill -TERM "$main" 2>/dev/null; wait 2>/dev/null; }
 trap cleanup EXIT
 
-"$root/deploy/local.sh" --run-dir "$run" --encoders 1 --prefills 0 --decode-tp 2 --no-gateway --no-metrics \
+if [[ $role == encode ]]; then
+  g=encoder-0 layout=(--encoder-tp 2)
+else
+  g=decode-0 layout=(--decode-tp 2)
+fi
+"$root/deploy/local.sh" --run-dir "$run" --encoders 1 --prefills 0 "${layout[@]}" --no-gateway --no-metrics \
   >"$work/out" 2>"$work/err" &
 main=$!
 wait_for 600 grep -q '^router ' "$work/out" 2>/dev/null
@@ -37,16 +45,16 @@ all_right() { # output file
   ((ok == 16)) || { echo "  $ok of 16 right:"; cat "$1"; return 1; }
 }
 formed() { # how many times the router saw the group form
-  grep -c "worker group decode-0: 2 ranks joined" "$run/router.log"
+  grep -c "worker group $g: 2 ranks joined" "$run/router.log"
 }
 up() { "$bin/tandem-client" --router "$router" --health --timeout-ms 2000 |
-  jq -e ".workers | any(.id == \"decode-0\")" >/dev/null; }
+  jq -e ".workers | any(.id == \"$g\")" >/dev/null; }
 check "the group forms" wait_for 300 up
 "$bin/tandem-client" --router "$router" --requests "$work/req.jsonl" --timeout-ms 60000 >"$work/before.out" 2>&1
 check "served by the group" all_right "$work/before.out"
 check "the encoder pushes encoder states" grep -q "cross transfer: encoder states" "$run/encoder-0.log"
 
-for victim in decode-0-rank1 decode-0; do
+for victim in $g-rank1 $g; do
   n=$(formed)
   "$bin/tandem-client" --router "$router" --requests "$work/req.jsonl" --timeout-ms 60000 >"$work/$victim.out" 2>&1 &
   client=$!
@@ -55,12 +63,12 @@ for victim in decode-0-rank1 decode-0; do
   kill -KILL "$old"
   check "$victim killed: its supervisor starts it again" \
     wait_for 100 bash -c "[[ -f '$run/$victim.pid' && \$(cat '$run/$victim.pid' 2>/dev/null) != $old ]]"
-  check "$victim killed: the group forms anew" wait_for 300 bash -c "(( \$(grep -c 'worker group decode-0: 2 ranks joined' '$run/router.log') > $n ))"
+  check "$victim killed: the group forms anew" wait_for 300 bash -c "(( \$(grep -c 'worker group $g: 2 ranks joined' '$run/router.log') > $n ))"
   wait "$client"
   check "$victim killed: every request answered right" all_right "$work/$victim.out"
   check "$victim killed: the group serves" wait_for 300 up
 done
-check "the router said why the old group failed" grep -q "worker group decode-0 failed" "$run/router.log"
+check "the router said why the old group failed" grep -q "worker group $g failed" "$run/router.log"
 "$bin/tandem-client" --router "$router" --requests "$work/req.jsonl" --timeout-ms 60000 >"$work/after.out" 2>&1
 check "served after both restarts" all_right "$work/after.out"
 kill -TERM "$main"
