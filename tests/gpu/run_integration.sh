@@ -2,7 +2,7 @@
 # Whole-system checks on a GPU machine, from the repository root, with the
 # programs packed by device-pack (tandem-generate, tandem-router, tandem-worker,
 # tandem-client, bench-decode-step):
-#   tests/gpu/run_integration.sh PACKDIR OUTDIR [generate] [cluster] [cluster-fixtures] [bench] [fixtures]
+#   tests/gpu/run_integration.sh PACKDIR OUTDIR [generate] [cluster] [cluster-fixtures] [bench] [encoder-trace] [fixtures]
 # (cluster-fixtures also needs bench-serve)
 set -u
 pack=$1 out=$2
@@ -147,6 +147,8 @@ for s in $steps; do
     cluster) run cluster 200 env TANDEM_BIN="$pack/bin" deploy/local.sh --device cuda --demo --run-dir "$out/run" ;;
     bench) run bench 400 bench-decode-step --batches 1,16,64 ;;
     bench-bart) run bench-bart 300 bench-decode-step --shape bart-large --batches 1,64 ;;
+    # where an encoder run's time goes, by kernel (the bias pass, the GEMMs, attention): Whisper and BART shapes
+    encoder-trace) run encoder-trace 400 sh -c "bench-decode-step --shape whisper-large-v3 --batches 16 --trace-encoder --no-record && bench-decode-step --shape bart-large --batches 64 --trace-encoder --no-record" ;;
     fixtures) run fixtures 200 sh -c "mkdir -p /tmp/fx2 && PYTHONUNBUFFERED=1 python3 tests/tools/make_fixtures.py /tmp/fx2 t5-gated-untied-head && tar -C /tmp/fx2 -czf $out/fixtures2.tgz ." ;;
   esac
 done
