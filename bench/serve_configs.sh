@@ -5,18 +5,20 @@
 # table of output tokens a second, with each run's ratio to the first configuration's.
 #
 #   bench/serve_configs.sh --model DIR [--workload trt|whisper|FILE] [--device cuda|cpu]
-#       [--burst N] [--closed C] [--runs K] [--configs "NAME=LOCAL.SH FLAGS;NAME=..."]
+#       [--burst N] [--closed C] [--rate R [--rate-requests N]] [--runs K]
+#       [--configs "NAME=LOCAL.SH FLAGS;NAME=..."]
 #       [--out DIR]
 #
 # --burst N: N requests at once (0: none; default 512); --closed C: C in flight, 3 x C
-# requests (0: none; default 256); --runs K: each measure K times, each its own seed
+# requests (0: none; default 256); --rate R: Poisson arrivals at R requests a second, N of them
+# (default 1024; off by default); --runs K: each measure K times, each its own seed
 # (default 2). Configurations: "agg=--encoders 0 --decodes 4;e1d3=--encoders 1 --decodes 3"
 # (the default: every worker with every role on each GPU, against one encoder GPU).
 # Programs from $TANDEM_BIN (default build/bin). Each run's full bench-serve output is in
 # --out (default a temporary folder).
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
-model="" workload=trt device=cuda burst=512 closed=256 runs=2 out=""
+model="" workload=trt device=cuda burst=512 closed=256 rate=0 rate_n=1024 runs=2 out=""
 configs="agg=--encoders 0 --prefills 0 --decodes 4;e1d3=--encoders 1 --prefills 0 --decodes 3"
 while (($#)); do
   case $1 in
@@ -25,6 +27,8 @@ while (($#)); do
     --device) device=$2; shift 2 ;;
     --burst) burst=$2; shift 2 ;;
     --closed) closed=$2; shift 2 ;;
+    --rate) rate=$2; shift 2 ;;
+    --rate-requests) rate_n=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --configs) configs=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
@@ -32,16 +36,23 @@ while (($#)); do
   esac
 done
 [[ -n $model && -d $model ]] || { echo "serve_configs.sh: --model DIR is required" >&2; exit 2; }
-for v in "$burst" "$closed" "$runs"; do
-  [[ $v =~ ^[0-9]+$ ]] || { echo "serve_configs.sh: --burst, --closed and --runs take counts" >&2; exit 2; }
+for v in "$burst" "$closed" "$runs" "$rate_n"; do
+  [[ $v =~ ^[0-9]+$ ]] || { echo "serve_configs.sh: --burst, --closed, --rate-requests and --runs take counts" >&2; exit 2; }
 done
+[[ $rate =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "serve_configs.sh: --rate takes requests a second" >&2; exit 2; }
+off_kind() { # whether a measure is off
+  case $1 in burst) [[ $burst == 0 ]] ;; closed) [[ $closed == 0 ]] ;; rate) [[ $rate == 0 || $rate == 0.0 ]] ;; esac
+}
 bin=${TANDEM_BIN:-$root/build/bin}
 [[ -x $bin/bench-serve ]] || { echo "serve_configs.sh: no $bin/bench-serve (set TANDEM_BIN)" >&2; exit 2; }
 export TANDEM_BIN=$bin
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
 rows=() first=()
-row_of() { grep -E '^\| (all at once|[0-9]+ in flight) \| [0-9]+/' "$1" | head -1 | awk -F'|' '{gsub(/ /, "", $5); print $5}'; }
+row_of() { grep -E '^\| (all at once|[0-9]+ in flight|Poisson [0-9.]+/s) \| [0-9]+/' "$1" | head -1 | awk -F'|' '{gsub(/ /, "", $5); print $5}'; }
+# TTFT and TPOT p90 of a run (open loop: the rate is given, latency is the measure)
+p90s() { grep -E '^\| Poisson [0-9.]+/s \| [0-9]+/' "$1" | head -1 |
+  awk -F'|' '{split($7, a, " / "); split($8, b, " / "); printf "TTFT p90 %s ms, TPOT p90 %s ms", a[2], b[2]}'; }
 IFS=';' read -ra list <<<"$configs"
 for entry in "${list[@]}"; do
   name=${entry%%=*} flags=${entry#*=}
@@ -60,10 +71,11 @@ for entry in "${list[@]}"; do
   "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" --requests 32 --seed 99 >/dev/null 2>&1
   cells=()
   k=0
-  for kind in burst closed; do
+  for kind in burst closed rate; do
     n=$burst extra=() off=0
     [[ $kind == closed ]] && n=$((3 * closed)) extra=(--concurrency "$closed") off=1
-    [[ $kind == burst && $burst -eq 0 || $kind == closed && $closed -eq 0 ]] && continue
+    [[ $kind == rate ]] && n=$rate_n extra=(--rate "$rate") off=2
+    off_kind $kind && continue
     for r in $(seq "$runs"); do
       f=$out/$name-$kind-$r.txt
       "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" --requests "$n" "${extra[@]}" \
@@ -72,7 +84,11 @@ for entry in "${list[@]}"; do
       base=${first[$k]:-}
       [[ -z $base ]] && first[$k]=$v base=$v
       ratio=$(awk -v a="${v:-0}" -v b="${base:-0}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')
-      cells+=("${v:-failed} (${ratio}x)")
+      if [[ $kind == rate ]]; then
+        cells+=("${v:-failed} ($(p90s "$f"))")
+      else
+        cells+=("${v:-failed} (${ratio}x)")
+      fi
       k=$((k + 1))
     done
   done
@@ -84,14 +100,18 @@ for entry in "${list[@]}"; do
 done
 head="| configuration | local.sh flags |"
 sep="|---|---|"
-for kind in burst closed; do
-  [[ $kind == burst && $burst -eq 0 || $kind == closed && $closed -eq 0 ]] && continue
+for kind in burst closed rate; do
+  off_kind $kind && continue
   for r in $(seq "$runs"); do
-    [[ $kind == burst ]] && head+=" burst of $burst, run $r |" || head+=" $closed in flight, run $r |"
+    case $kind in
+      burst) head+=" burst of $burst, run $r |" ;;
+      closed) head+=" $closed in flight, run $r |" ;;
+      rate) head+=" $rate req/s, run $r |" ;;
+    esac
     sep+="---|"
   done
 done
-echo "Output tokens a second, $workload workload, model $(basename "$model"), $(date -u +%F) (ratio: to the first configuration's same run):"
+echo "Output tokens a second, $workload workload, model $(basename "$model"), $(date -u +%F) (ratio: to the first configuration's same run; at a rate, the p90 latencies):"
 echo
 echo "$head"
 echo "$sep"
