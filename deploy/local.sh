@@ -368,43 +368,40 @@ plan() { # name weight flags...
   next_gpu
   w_name+=("$1"); w_gpu+=("$gpu"); w_weight+=("$2"); shift 2; w_args+=("$*")
 }
+# COUNT workers PREFIX-0 ... of one memory weight, each a group of RANKS ranks
+# when RANKS > 1 (one process a rank, one GPU each; rank 0 serves, the NCCL or
+# CPU bootstrap goes through the router); PAR: the group's --tp N or --pp N
+plan_role() { # prefix count weight ranks par flags...
+  local prefix=$1 count=$2 weight=$3 ranks=$4 par=$5 i r name
+  shift 5
+  for ((i = 0; i < count; i++)); do
+    if ((ranks == 1)); then
+      plan "$prefix-$i" "$weight" "$@"
+      continue
+    fi
+    for ((r = 0; r < ranks; r++)); do
+      name="$prefix-$i"
+      ((r > 0)) && name="$prefix-$i-rank$r"
+      plan "$name" "$weight" "$@" --group "$prefix-$i" $par --rank "$r"
+    done
+  done
+}
 # encoders push encoder states (projected on arrival by every decode worker,
-# a group's ranks each its own heads or layers; docs/kvtransfer.md) unless told kv
+# a group's ranks each its own heads or layers; docs/kvtransfer.md) unless told
+# kv; an encoder group's rank 0 takes the jobs and pushes the states
 enc_args=(--role encode)
 [[ -z $cross_transfer ]] || enc_args+=(--cross-transfer "$cross_transfer")
-for ((i = 0; i < encoders; i++)); do
-  if ((enc_group == 1)); then
-    plan "encoder-$i" 1 "${enc_args[@]}"
-    continue
-  fi
-  # an encoder group: one process a rank (one GPU each); rank 0 takes the jobs and pushes the states
-  epar="--tp $encoder_tp"
-  ((encoder_pp > 1)) && epar="--pp $encoder_pp"
-  for ((r = 0; r < enc_group; r++)); do
-    name="encoder-$i"
-    ((r > 0)) && name="encoder-$i-rank$r"
-    plan "$name" 1 "${enc_args[@]}" --group "encoder-$i" $epar --rank "$r"
-  done
-done
-for ((i = 0; i < prefills; i++)); do plan "prefill-$i" 1 --role prefill; done
-for ((i = 0; i < decodes; i++)); do
-  # without encoders, decode workers encode for themselves; with them, when
-  # asked, they take what the encoders' queues cannot (router/placement.c)
-  roles=decode
-  ((encoders == 0 || decoders_encode)) && roles=encode,decode
-  if ((group_size == 1)); then
-    plan "decode-$i" 3 --role "$roles"
-    continue
-  fi
-  # a group: one process a rank (one GPU each); rank 0 serves, the NCCL (or CPU) bootstrap goes through the router
-  par="--tp $decode_tp"
-  ((decode_pp > 1)) && par="--pp $decode_pp"
-  for ((r = 0; r < group_size; r++)); do
-    name="decode-$i"
-    ((r > 0)) && name="decode-$i-rank$r"
-    plan "$name" 3 --role "$roles" --group "decode-$i" $par --rank "$r"
-  done
-done
+epar="--tp $encoder_tp"
+((encoder_pp > 1)) && epar="--pp $encoder_pp"
+plan_role encoder "$encoders" 1 "$enc_group" "$epar" "${enc_args[@]}"
+plan_role prefill "$prefills" 1 1 "" --role prefill
+# without encoders, decode workers encode for themselves; with them, when
+# asked, they take what the encoders' queues cannot (router/placement.c)
+roles=decode
+((encoders == 0 || decoders_encode)) && roles=encode,decode
+par="--tp $decode_tp"
+((decode_pp > 1)) && par="--pp $decode_pp"
+plan_role decode "$decodes" 3 "$group_size" "$par" --role "$roles"
 
 # CURVE keys: a pair a process (and spares for `add`), the lists the router and workers admit;
 # every process gets file paths only, never a key on its command line
