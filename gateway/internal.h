@@ -243,6 +243,12 @@ void gw_io_cancel(gw_io *io, gw_batch *b);
 /* Under b->mu: waits for a change until deadline_ms (td_now_ms clock);
  * false when the deadline passed. */
 bool gw_batch_wait(gw_batch *b, int64_t deadline_ms);
+/* One router request of a window of features (n_feat floats) and a
+ * decoder prompt of n_prompt ids, both allocated for the caller to fill
+ * (*s: the sub); NULL with e set (500) when out of memory. */
+gw_batch *gw_window_batch(gw_io *io, size_t n_feat, int n_prompt, gw_sub **s, gw_error *e);
+/* Under b->mu: waits until s ended or deadline_ms passed; true when it passed first. */
+bool gw_sub_wait(gw_batch *b, const gw_sub *s, int64_t deadline_ms);
 
 /* ---- the HTTP side (http.c: server and uploads; serve.c: the answers) ---- */
 struct MHD_Connection;

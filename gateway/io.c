@@ -106,6 +106,30 @@ bool gw_batch_wait(gw_batch *b, int64_t deadline_ms) {
   return td_now_ms() < deadline_ms;
 }
 
+gw_batch *gw_window_batch(gw_io *io, size_t n_feat, int n_prompt, gw_sub **s, gw_error *e) {
+  gw_batch *b = gw_batch_create(io, 1);
+  td_json_request *r = b ? &b->subs[0].req : NULL;
+  if (r) {
+    snprintf(r->id, sizeof r->id, "%s", b->subs[0].id);
+    r->n_features = n_feat;
+    r->features = malloc(sizeof *r->features * n_feat);
+    r->prompt = malloc(sizeof *r->prompt * (size_t)(n_prompt > 0 ? n_prompt : 1));
+  }
+  if (!r || !r->features || !r->prompt) {
+    gw_batch_release(b);
+    gw_error_set(e, 500, NULL, "out of memory");
+    return NULL;
+  }
+  *s = &b->subs[0];
+  return b;
+}
+
+bool gw_sub_wait(gw_batch *b, const gw_sub *s, int64_t deadline_ms) {
+  bool timed_out = false;
+  while (!s->done && !timed_out) timed_out = !gw_batch_wait(b, deadline_ms) && !s->done;
+  return timed_out;
+}
+
 /* Ends a sub (under b->mu) and drops the link's reference; the caller
  * has taken it out of the table. Returns whether the batch is to be freed. */
 static bool end_sub(gw_sub *s, td_status st, const char *msg) {

@@ -16,22 +16,10 @@
 bool gw_detect_language(gw_conn *c, const float *window, gw_error *e) {
   const gw_model *m = gw_gateway_model(c->g);
   gw_io *io = gw_gateway_io(c->g);
-  gw_batch *b = gw_batch_create(io, 1);
-  if (!b) {
-    gw_error_set(e, 500, NULL, "out of memory");
-    return false;
-  }
-  gw_sub *s = &b->subs[0];
+  gw_sub *s;
+  gw_batch *b = gw_window_batch(io, (size_t)td_mel_n_mels(m->mel) * td_mel_window_frames(m->mel), 1, &s, e);
+  if (!b) return false;
   td_json_request *r = &s->req;
-  snprintf(r->id, sizeof r->id, "%s", s->id);
-  r->n_features = (size_t)td_mel_n_mels(m->mel) * td_mel_window_frames(m->mel);
-  r->features = malloc(sizeof *r->features * r->n_features);
-  r->prompt = malloc(sizeof *r->prompt);
-  if (!r->features || !r->prompt) {
-    gw_batch_release(b);
-    gw_error_set(e, 500, NULL, "out of memory");
-    return false;
-  }
   memcpy(r->features, window, sizeof *r->features * r->n_features);
   r->prompt[0] = m->sot;
   r->n_prompt = 1;
@@ -44,8 +32,7 @@ bool gw_detect_language(gw_conn *c, const float *window, gw_error *e) {
   TD_DEBUG("gateway: %s: language detection sent", c->cid);
   gw_io_submit(io, b);
   pthread_mutex_lock(&b->mu);
-  bool timed_out = false;
-  while (!s->done && !timed_out) timed_out = !gw_batch_wait(b, deadline) && !s->done;
+  bool timed_out = gw_sub_wait(b, s, deadline);
   int32_t id = -1;
   bool ok = !timed_out && s->status == TD_OK;
   if (!timed_out && s->status != TD_OK) gw_error_from_status(e, s->status, s->error);

@@ -125,23 +125,11 @@ static bool client_gone(struct MHD_Connection *mc) {
 static bool run_window(gw_conn *c, const td_longform_window *w, gw_error *e) {
   const gw_model *m = gw_gateway_model(c->g);
   gw_io *io = gw_gateway_io(c->g);
-  gw_batch *b = gw_batch_create(io, 1);
-  if (!b) {
-    gw_error_set(e, 500, NULL, "out of memory");
-    return false;
-  }
-  gw_sub *s = &b->subs[0];
-  td_json_request *r = &s->req;
-  snprintf(r->id, sizeof r->id, "%s", s->id);
   int n_mels = td_mel_n_mels(m->mel), frames = (int)td_mel_window_frames(m->mel);
-  r->n_features = (size_t)n_mels * (size_t)frames;
-  r->features = malloc(sizeof *r->features * r->n_features);
-  r->prompt = malloc(sizeof *r->prompt * (size_t)w->n_prompt);
-  if (!r->features || !r->prompt) {
-    gw_batch_release(b);
-    gw_error_set(e, 500, NULL, "out of memory");
-    return false;
-  }
+  gw_sub *s;
+  gw_batch *b = gw_window_batch(io, (size_t)n_mels * (size_t)frames, w->n_prompt, &s, e);
+  if (!b) return false;
+  td_json_request *r = &s->req;
   td_longform_window_features(c->whole, n_mels, c->whole_frames, w->seek, w->n_frames, frames, r->features);
   memcpy(r->prompt, w->prompt, sizeof *r->prompt * (size_t)w->n_prompt);
   r->n_prompt = w->n_prompt;
@@ -164,8 +152,7 @@ static bool run_window(gw_conn *c, const td_longform_window *w, gw_error *e) {
            (double)w->temperature);
   gw_io_submit(io, b);
   pthread_mutex_lock(&b->mu);
-  bool timed_out = false;
-  while (!s->done && !timed_out) timed_out = !gw_batch_wait(b, c->deadline_ms) && !s->done;
+  bool timed_out = gw_sub_wait(b, s, c->deadline_ms);
   td_i32vec tok = {0};
   td_f32vec lp = {0};
   double probe = NAN;
