@@ -8,15 +8,10 @@
 # served over ZeroMQ.
 #   tests/integration/test_gateway.sh BIN_DIR WORK_DIR
 set -uo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-bin=$(cd "$1" && pwd)
-work=$2
-mkdir -p "$work"
-work=$(cd "$work" && pwd)
-export TANDEM_BIN=$bin
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+test_dirs "$1" "$2"
 t5="$root/tests/data/toy-numbers-t5"
 wh="$root/tests/data/toy-numbers-whisper"
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 status_is() { # want, curl args...
   local want=$1; shift
   local got

@@ -11,15 +11,10 @@
 #   (the gateway's tandem:gateway_language_detections_total).
 #   tests/integration/test_gateway_language.sh BIN_DIR WORK_DIR
 set -uo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-bin=$(cd "$1" && pwd)
-work=$2
-mkdir -p "$work"
-work=$(cd "$work" && pwd)
-export TANDEM_BIN=$bin
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+test_dirs "$1" "$2"
 wh="$root/tests/data/toy-numbers-whisper"
 m=toy-numbers-whisper
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 jqe() { jq -e "$@" >/dev/null; }
 
 pids=()
@@ -45,22 +40,7 @@ detections() { # endpoint: the gateway's count of detection requests
 }
 
 # ---- long audio (past the toy's 4 s window): three number wavs one after another
-node -e '
-const fs = require("fs"), [out, ...ins] = process.argv.slice(1);
-const data = Buffer.concat(ins.map((f) => {
-  const b = fs.readFileSync(f);
-  for (let p = 12; p + 8 <= b.length;) {
-    const id = b.toString("latin1", p, p + 4), n = b.readUInt32LE(p + 4);
-    if (id === "data") return b.subarray(p + 8, p + 8 + n);
-    p += 8 + n + (n & 1);
-  }
-  throw new Error(f + ": no data chunk");
-}));
-const h = Buffer.alloc(44);
-h.write("RIFF", 0); h.writeUInt32LE(36 + data.length, 4); h.write("WAVEfmt ", 8); h.writeUInt32LE(16, 16);
-h.writeUInt16LE(1, 20); h.writeUInt16LE(1, 22); h.writeUInt32LE(16000, 24); h.writeUInt32LE(32000, 28);
-h.writeUInt16LE(2, 32); h.writeUInt16LE(16, 34); h.write("data", 36); h.writeUInt32LE(data.length, 40);
-fs.writeFileSync(out, Buffer.concat([h, data]));' "$work/long.wav" "$wh/number-42.wav" "$wh/number-4207.wav" \
+concat_wavs "$work/long.wav" "$wh/number-42.wav" "$wh/number-4207.wav" \
   "$wh/number-7.wav" "$wh/number-305.wav" || { echo "FAIL making the long audio"; exit 1; }
 
 # ---- tandem-generate, no language: it detects

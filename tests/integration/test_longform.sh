@@ -12,16 +12,11 @@
 #   --max-audio-seconds, thresholds out of range).
 #   tests/integration/test_longform.sh BIN_DIR WORK_DIR
 set -uo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-bin=$(cd "$1" && pwd)
-work=$2
-mkdir -p "$work"
-work=$(cd "$work" && pwd)
-export TANDEM_BIN=$bin
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+test_dirs "$1" "$2"
 wh="$root/tests/data/toy-numbers-whisper"
 ref="$wh/longform_reference.json"
 m=toy-numbers-whisper
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 status_is() { # want, curl args...
   local want=$1; shift
   local got
@@ -36,24 +31,6 @@ jqe() { jq -e "$@" >/dev/null; }
 files=(number-42.wav number-4207.wav number-7.wav number-305.wav number-1999.wav number-18.wav)
 if [[ -f $ref ]]; then mapfile -t files < <(jq -r '.files[]' "$ref"); fi
 paths=(); for f in "${files[@]}"; do paths+=("$wh/$f"); done
-concat_wavs() { # out, wavs...: their PCM one after another (16 kHz mono 16-bit)
-node -e '
-const fs = require("fs"), [out, ...ins] = process.argv.slice(1);
-const data = Buffer.concat(ins.map((f) => {
-  const b = fs.readFileSync(f);
-  for (let p = 12; p + 8 <= b.length;) {
-    const id = b.toString("latin1", p, p + 4), n = b.readUInt32LE(p + 4);
-    if (id === "data") return b.subarray(p + 8, p + 8 + n);
-    p += 8 + n + (n & 1);
-  }
-  throw new Error(f + ": no data chunk");
-}));
-const h = Buffer.alloc(44);
-h.write("RIFF", 0); h.writeUInt32LE(36 + data.length, 4); h.write("WAVEfmt ", 8); h.writeUInt32LE(16, 16);
-h.writeUInt16LE(1, 20); h.writeUInt16LE(1, 22); h.writeUInt32LE(16000, 24); h.writeUInt32LE(32000, 28);
-h.writeUInt16LE(2, 32); h.writeUInt16LE(16, 34); h.write("data", 36); h.writeUInt32LE(data.length, 40);
-fs.writeFileSync(out, Buffer.concat([h, data]));' "$@"
-}
 concat_wavs "$work/long.wav" "${paths[@]}" || { echo "FAIL making the audio"; exit 1; }
 concat_wavs "$work/longer.wav" "$work/long.wav" "$work/long.wav" || { echo "FAIL making the audio"; exit 1; }
 samples=$(( ($(stat -c %s "$work/long.wav") - 44) / 2 ))

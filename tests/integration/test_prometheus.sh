@@ -7,14 +7,9 @@
 # shows them). A missing prometheus fails the test: it is never skipped.
 #   tests/integration/test_prometheus.sh BIN_DIR WORK_DIR
 set -uo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-bin=$(cd "$1" && pwd)
-work=$2
-mkdir -p "$work"
-work=$(cd "$work" && pwd)
-export TANDEM_BIN=$bin
-n=5
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+test_dirs "$1" "$2"
+n=5
 
 command -v prometheus >/dev/null || { echo "FAIL prometheus is not installed (deploy/setup.sh installs it)" >&2; exit 1; }
 
