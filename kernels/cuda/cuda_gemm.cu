@@ -229,7 +229,7 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
   return p;
 }
 
-/* y = act(y + bias) over [m, n]. */
+/* y = act(y + bias) over [m, n], any shape: the scalar form. */
 template <typename T>
 __global__ void bias_act_kernel(T *y, const float *__restrict__ bias, int m, int n, int act) {
   td_pdl_start();
@@ -238,6 +238,54 @@ __global__ void bias_act_kernel(T *y, const float *__restrict__ bias, int m, int
     float v = (float)y[i];
     if (bias) v += bias[i % n];
     y[i] = (T)td_act_apply(act, v);
+  }
+}
+
+/* The same where a row is whole 16-byte vectors (n % 8 == 0 for bf16, % 4
+ * for float32, y aligned): one vector a thread, its column from a 32-bit
+ * division per vector rather than a 64-bit modulo per element, the
+ * activation a template argument. This pass follows every cuBLASLt GEMM
+ * whose epilogue cannot carry the bias or activation (the Whisper and BART
+ * encoders' biases and erf GELU): the scalar form ran at a fifth of the
+ * memory bandwidth and took 39 % of a Whisper-large-v3 encoder run. */
+template <typename T, int ACT>
+__global__ void bias_act_vec_kernel(T *y, const float *__restrict__ bias, unsigned nv, unsigned total_v) {
+  constexpr int V = 16 / sizeof(T);
+  td_pdl_start();
+  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total_v; i += gridDim.x * blockDim.x) {
+    uint4 raw = reinterpret_cast<uint4 *>(y)[i];
+    T *e = reinterpret_cast<T *>(&raw);
+    const float *b = bias ? bias + (size_t)(i % nv) * V : NULL;
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      float v = (float)e[j];
+      if (b) v += __ldg(b + j);
+      e[j] = (T)td_act_apply(ACT, v);
+    }
+    reinterpret_cast<uint4 *>(y)[i] = raw;
+  }
+}
+
+template <typename T>
+static void bias_act(td_cuda *c, T *y, const float *bias, int m, int n, int act) {
+  constexpr int V = 16 / sizeof(T);
+  size_t total_v = (size_t)m * n / V;
+  if (n % V || !td_aligned16(y) || total_v > 0x7fffffffu) { /* i + the grid stride stays below 2^32 */
+    (void)td_launch(c, bias_act_kernel<T>, td_blocks((size_t)m * n, 256), 256, 0, y, bias, m, n, act);
+    return;
+  }
+  unsigned nv = (unsigned)(n / V), tv = (unsigned)total_v, g = td_blocks(total_v, 256);
+  switch (act) {
+#define CASE(A) \
+  case A: (void)td_launch(c, bias_act_vec_kernel<T, A>, g, 256, 0, y, bias, nv, tv); break;
+    CASE(TD_ACT_NONE)
+    CASE(TD_ACT_RELU)
+    CASE(TD_ACT_GELU)
+    CASE(TD_ACT_GELU_TANH)
+    CASE(TD_ACT_SILU)
+    CASE(TD_ACT_QUICK_GELU)
+#undef CASE
+    default: (void)td_launch(c, bias_act_kernel<T>, td_blocks((size_t)m * n, 256), 256, 0, y, bias, m, n, act);
   }
 }
 
@@ -315,9 +363,8 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
   if (st != CUBLAS_STATUS_SUCCESS)
     return td_err(TD_ERR_CUDA, "gemm: cublasLtMatmul failed (status %d) for m=%d n=%d k=%d", (int)st, m, n, k);
   if (p->mode == MODE_LT_POST) {
-    size_t total = (size_t)m * n;
-    if (f32) (void)td_launch(c, bias_act_kernel<float>, td_blocks(total, 256), 256, 0, (float *)y, bias, m, n, act);
-    else (void)td_launch(c, bias_act_kernel<bf16>, td_blocks(total, 256), 256, 0, (bf16 *)y, bias, m, n, act);
+    if (f32) bias_act(c, (float *)y, bias, m, n, act);
+    else bias_act(c, (bf16 *)y, bias, m, n, act);
     TD_CU_LAUNCHED("gemm bias/activation");
   }
   return TD_OK;
