@@ -71,6 +71,7 @@ static void cu_free(td_backend *b, void *p) {
   td_cu_bind(c);
   struct cu_block *k = NULL;
   HASH_FIND_PTR(c->blocks, &p, k);
+  td_cu_bias16_drop(c, p, k ? k->bytes : 1);
   if (k) {
     c->allocated -= k->bytes;
     HASH_DEL(c->blocks, k);

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <uthash.h>
 
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/cuda_ptx.cuh"
@@ -29,11 +30,11 @@ typedef struct td_gemm_plan {
   /* key */
   int m, n, k, act;
   unsigned flags;
-  bool bias;
+  int bias;       /* 0 none, 1 float32, 2 float32 with a bf16 copy for the epilogue */
   unsigned align; /* log2 alignments of x, w, y, bias */
   /* plan */
   int mode;
-  bool lt_bias;
+  bool lt_bias;  /* the bias goes to cuBLASLt's epilogue */
   cublasLtMatmulDesc_t op;
   cublasLtMatrixLayout_t la, lb, lc;
   cublasLtMatmulAlgo_t algo;
@@ -58,7 +59,64 @@ td_status td_cu_gemm_init(td_cuda *c) {
   return td_cu_skf_init(c);
 }
 
+/* cuBLASLt's BIAS epilogues take a bias of the output's type (cublasLt.h,
+ * CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE): with our float32 biases and a bf16
+ * output every bias went to a separate pass after the GEMM (39 % of a
+ * Whisper-large-v3 encoder run). So each bias a bf16-output GEMM meets gets a
+ * bf16 copy, made on its first eager use (never while capturing: that GEMM
+ * takes the pass) and kept until its memory is freed (td_cu_bias16_drop).
+ * Biases are weights: they do not change while their memory lives. The copy
+ * rounds the bias to bf16, as transformers' bf16 Linear layers hold it. */
+struct cu_bias16 {
+  const float *f32;
+  bf16 *b16;
+  int n;
+  UT_hash_handle hh;
+};
+
+__global__ void bias16_kernel(bf16 *y, const float *__restrict__ x, int n) {
+  td_pdl_start();
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = __float2bfloat16(x[i]);
+}
+
+static const bf16 *bias16_get(td_cuda *c, const float *bias, int n) {
+  struct cu_bias16 *e = NULL;
+  HASH_FIND_PTR(c->bias16, &bias, e);
+  if (e && e->n >= n) return e->b16;
+  if (e || td_cu_capturing(c)) return NULL;
+  if (!(e = (struct cu_bias16 *)calloc(1, sizeof *e))) return NULL;
+  if (cudaMalloc((void **)&e->b16, sizeof(bf16) * (size_t)n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    free(e);
+    return NULL;
+  }
+  if (td_launch(c, bias16_kernel, (n + 255) / 256, 256, 0, e->b16, bias, n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaFree(e->b16);
+    free(e);
+    return NULL;
+  }
+  e->f32 = bias;
+  e->n = n;
+  HASH_ADD_PTR(c->bias16, f32, e);
+  return e->b16;
+}
+
+void td_cu_bias16_drop(td_cuda *c, const void *p, size_t bytes) {
+  struct cu_bias16 *e, *t;
+  uintptr_t lo = (uintptr_t)p, hi = lo + bytes;
+  HASH_ITER(hh, c->bias16, e, t) {
+    uintptr_t a = (uintptr_t)e->f32;
+    if (a < lo || a >= hi) continue;
+    HASH_DEL(c->bias16, e);
+    (void)cudaFree(e->b16); /* cudaFree waits for the work that may still read it */
+    free(e);
+  }
+}
+
 void td_cu_gemm_destroy(td_cuda *c) {
+  td_cu_bias16_drop(c, NULL, SIZE_MAX);
   if (!c->plans) return;
   for (int i = 0; i < TD_CU_GEMM_CACHE; i++)
     if (c->plans[i].used) plan_release(&c->plans[i]);
@@ -70,7 +128,7 @@ void td_cu_gemm_destroy(td_cuda *c) {
  * cuBLASLt has no algorithm for it (descriptors released). */
 enum { LT_CANDIDATES = 8 };
 
-static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_bias, const float *bias,
+static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_bias, const void *bias,
                    cublasLtMatmulHeuristicResult_t *res, int *n_res) {
   cudaDataType_t out = (p->flags & TD_GEMM_OUT_F32) ? CUDA_R_32F : CUDA_R_16BF;
   cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -82,7 +140,7 @@ static bool lt_try(td_cuda *c, td_gemm_plan *p, cublasLtEpilogue_t epi, bool lt_
             cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) ==
                 CUBLAS_STATUS_SUCCESS;
   if (ok && lt_bias) {
-    int32_t bt = CUDA_R_32F; /* our biases are float32 whatever the output type */
+    int32_t bt = p->bias == 2 ? CUDA_R_16BF : CUDA_R_32F; /* the bias has the output's type (2: a bf16 copy) */
     ok = cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt) ==
              CUBLAS_STATUS_SUCCESS &&
          cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias) ==
@@ -174,11 +232,13 @@ static void lt_autotune(td_cuda *c, td_gemm_plan *p, const cublasLtMatmulHeurist
 }
 
 static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned flags, const void *x,
-                              const void *w, const float *bias, void *y) {
-  unsigned align = align_log2(x) | align_log2(w) << 4 | align_log2(y) << 8 | (bias ? align_log2(bias) : 8) << 12;
+                              const void *w, const float *bias, const bf16 *b16, void *y) {
+  int kind = !bias ? 0 : b16 ? 2 : 1;
+  const void *lb = b16 ? (const void *)b16 : (const void *)bias;
+  unsigned align = align_log2(x) | align_log2(w) << 4 | align_log2(y) << 8 | (bias ? align_log2(lb) : 8) << 12;
   uint64_t h = (uint64_t)m * 0x9E3779B97F4A7C15ull ^ (uint64_t)n * 0xC2B2AE3D27D4EB4Full ^
                (uint64_t)k * 0x165667B19E3779F9ull ^ ((uint64_t)act << 40 | (uint64_t)flags << 48 |
-                                                      (uint64_t)(bias != NULL) << 56 | (uint64_t)align << 20);
+                                                      (uint64_t)kind << 56 | (uint64_t)align << 20);
   /* a full mix: n and k are often multiples of 512, which left the low
    * bits that pick the set to m alone */
   h ^= h >> 30, h *= 0xBF58476D1CE4E5B9ull, h ^= h >> 27, h *= 0x94D049BB133111EBull, h ^= h >> 31;
@@ -189,7 +249,7 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
   for (int i = 0; i < TD_CU_GEMM_WAYS; i++) {
     td_gemm_plan *q = &set[i];
     if (q->used && q->m == m && q->n == n && q->k == k && q->act == act && q->flags == flags &&
-        q->bias == (bias != NULL) && q->align == align) {
+        q->bias == kind && q->align == align) {
       q->stamp = ++c->plan_clock;
       return q;
     }
@@ -198,7 +258,7 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
   if (p->used) plan_release(p);
   p->stamp = ++c->plan_clock;
   p->used = true;
-  p->m = m, p->n = n, p->k = k, p->act = act, p->flags = flags, p->bias = bias != NULL, p->align = align;
+  p->m = m, p->n = n, p->k = k, p->act = act, p->flags = flags, p->bias = kind, p->align = align;
   cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
   switch (act) {
     case TD_ACT_NONE: epi = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT; break;
@@ -210,7 +270,7 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
   bool lt_bias = bias && epi != CUBLASLT_EPILOGUE_DEFAULT;
   cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
   int found = 0;
-  if (lt_try(c, p, epi, lt_bias, bias, res, &found)) {
+  if (lt_try(c, p, epi, lt_bias, lb, res, &found)) {
     p->mode = post ? MODE_LT_POST : MODE_LT;
   } else if (epi != CUBLASLT_EPILOGUE_DEFAULT && lt_try(c, p, CUBLASLT_EPILOGUE_DEFAULT, false, NULL, res, &found)) {
     p->mode = MODE_LT_POST;
@@ -223,7 +283,7 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
     lt_autotune(c, p, res, found, x, w, y);
   if (c->tune.verbose)
     fprintf(stderr, "tandem cuda gemm plan m=%d n=%d k=%d act=%d flags=%u bias=%d align=%03x: %s\n", m, n, k, act,
-            flags, bias != NULL, align,
+            flags, kind, align,
             p->mode == MODE_LT ? "cuBLASLt, fused epilogue"
                                : p->mode == MODE_LT_POST ? "cuBLASLt + bias/activation pass" : "fallback kernel");
   return p;
@@ -340,7 +400,10 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
    * enough that re-reading x stays cheap (docs/cuda.md, "GEMMs") */
   if (c->tune.skinny && (m <= 8 || (m <= c->tune.skinny_rows && n <= 2048)) && k % 8 == 0 && td_aligned16(x) && td_aligned16(w))
     return skinny_gemm(c, x, w, bias, y, m, n, k, act, flags);
-  td_gemm_plan *p = plan_get(c, m, n, k, act, flags, x, w, bias, y);
+  /* a bf16 output's bias goes to cuBLASLt as a bf16 copy (bias16_get) where an epilogue can take it */
+  bool epi_bias = act == TD_ACT_NONE || act == TD_ACT_RELU || act == TD_ACT_GELU_TANH;
+  const bf16 *b16 = bias && !f32 && epi_bias ? bias16_get(c, bias, n) : NULL;
+  td_gemm_plan *p = plan_get(c, m, n, k, act, flags, x, w, bias, b16, y);
   if (p->mode == MODE_FALLBACK) {
     dim3 grid((n + 15) / 16, (m + 15) / 16), blk(16, 16);
     if (grid.y > 65535) return td_err(TD_ERR_UNSUPPORTED, "gemm: %d rows need cuBLASLt, which declined", m);
@@ -353,8 +416,9 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
     TD_CU_LAUNCHED("gemm (fallback)");
     return TD_OK;
   }
+  const void *lb = p->bias == 2 ? (const void *)b16 : (const void *)bias;
   if (p->lt_bias &&
-      cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias) !=
+      cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &lb, sizeof lb) !=
           CUBLAS_STATUS_SUCCESS)
     return td_err(TD_ERR_CUDA, "gemm: cannot set the bias pointer");
   float alpha = 1.0f, beta = (flags & TD_GEMM_ACCUM) ? 1.0f : 0.0f;

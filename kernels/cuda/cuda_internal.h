@@ -40,6 +40,7 @@ typedef struct td_cuda {
   int states_clusters[16][4]; /* attn_states: co-resident clusters of 1, 2, 4, 8 blocks per kernel (D, warps) */
   uint64_t plan_clock;
   struct cu_block *blocks; /* td_alloc'ed device memory: pointer -> bytes (td_backend_memory_info) */
+  struct cu_bias16 *bias16; /* bf16 copies of GEMM biases for cuBLASLt's BIAS epilogue (cuda_gemm.cu) */
   size_t allocated;        /* bytes in blocks (the workspaces above included) */
 } td_cuda;
 
@@ -185,6 +186,9 @@ __device__ __forceinline__ float td_sumsq8(const bf16 *x, int n, int j, int step
 int td_cu_fused_norm_rows(const td_backend *b);
 td_status td_cu_gemm_init(td_cuda *c);
 void td_cu_gemm_destroy(td_cuda *c);
+/* Forgets the bf16 bias copies made from device memory in [p, p + bytes)
+ * (that memory is being freed; a later allocation may reuse it). */
+void td_cu_bias16_drop(td_cuda *c, const void *p, size_t bytes);
 td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
                      td_act act, unsigned flags);
 
