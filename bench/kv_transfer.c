@@ -9,9 +9,11 @@
  *   kv_transfer [--quick] [--max-mb N] [--results FILE] [--no-append]
  *               [--commit SHA] [--slots N] [--slot-mb N] [--stage-chunk-kb N]
  *               [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc]
+ *               [--ipc-copy auto|kernel|engines]
  *
  * --nccl-chunk-kb: the NCCL pipeline's largest chunk on both sides (the
- * transfer context's default when absent); --only: measure one path.
+ * transfer context's default when absent); --only: measure one path;
+ * --ipc-copy: how CUDA IPC copies (td_kvx_ipc_copy; auto when absent).
  *
  * Receivers are separate processes (this program re-executed), one per
  * GPU in use. Time is from td_kvx_post to the sender's callback, which
@@ -521,7 +523,7 @@ int main(int argc, char **argv) {
     return receiver(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
   }
   bool quick = false, append = true;
-  const char *results = "bench/RESULTS.md", *only = NULL;
+  const char *results = "bench/RESULTS.md", *only = NULL, *ipc_copy = "auto";
   char commit[64] = "";
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) {
@@ -542,13 +544,16 @@ int main(int argc, char **argv) {
       g_stage_chunk = strtoull(argv[++i], NULL, 10) << 10;
     } else if (!strcmp(argv[i], "--nccl-chunk-kb") && i + 1 < argc) {
       g_nccl_chunk = strtoull(argv[++i], NULL, 10) << 10;
+    } else if (!strcmp(argv[i], "--ipc-copy") && i + 1 < argc &&
+               (!strcmp(argv[i + 1], "auto") || !strcmp(argv[i + 1], "kernel") || !strcmp(argv[i + 1], "engines"))) {
+      ipc_copy = argv[++i];
     } else if (!strcmp(argv[i], "--only") && i + 1 < argc &&
                (!strcmp(argv[i + 1], "host") || !strcmp(argv[i + 1], "tcp") || !strcmp(argv[i + 1], "staged") ||
                 !strcmp(argv[i + 1], "nccl") || !strcmp(argv[i + 1], "ipc"))) {
       only = argv[++i];
     } else {
       fprintf(stderr, "usage: %s [--quick] [--max-mb N] [--results FILE] [--no-append] [--commit SHA] [--slots N] "
-                      "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc]\n",
+                      "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc] [--ipc-copy auto|kernel|engines]\n",
               argv[0]);
       return 2;
     }
@@ -627,6 +632,9 @@ int main(int argc, char **argv) {
   o.staging_slot_bytes = g_slot_bytes;
   o.staging_chunk_bytes = g_stage_chunk;
   o.nccl_chunk_bytes = g_nccl_chunk;
+  o.ipc_copy = !strcmp(ipc_copy, "kernel")    ? TD_KVX_IPC_COPY_KERNEL
+               : !strcmp(ipc_copy, "engines") ? TD_KVX_IPC_COPY_ENGINES
+                                              : TD_KVX_IPC_COPY_AUTO;
   td_kvx *k = NULL, *ktcp = NULL;
   td_kvx_opts ot = o;
   ot.name = "bench-tx-tcp";
@@ -668,9 +676,11 @@ int main(int argc, char **argv) {
   if (p1 && WANT("nccl"))
     measure_path("NCCL GPU0->GPU1", k, p1, KIND_GPU, KIND_GPU, TD_KVX_NCCL, p_nccl > 0 ? p_nccl : p_peer, quick);
   /* CUDA IPC: the receiver's pool mapped here, device-to-device copies. */
-  if (ngpu > 0 && WANT("ipc"))
-    measure_path("IPC GPU->GPU one GPU", k, p0, KIND_GPU, KIND_GPU, TD_KVX_IPC, p_d2d, quick);
-  if (p1 && WANT("ipc")) measure_path("IPC GPU0->GPU1", k, p1, KIND_GPU, KIND_GPU, TD_KVX_IPC, p_peer, quick);
+  char ipc_one[64], ipc_two[64];
+  snprintf(ipc_one, sizeof ipc_one, "IPC GPU->GPU one GPU %s", ipc_copy);
+  snprintf(ipc_two, sizeof ipc_two, "IPC GPU0->GPU1 %s", ipc_copy);
+  if (ngpu > 0 && WANT("ipc")) measure_path(ipc_one, k, p0, KIND_GPU, KIND_GPU, TD_KVX_IPC, p_d2d, quick);
+  if (p1 && WANT("ipc")) measure_path(ipc_two, k, p1, KIND_GPU, KIND_GPU, TD_KVX_IPC, p_peer, quick);
 
   td_kvx_disconnect(p0);
   td_kvx_disconnect(p0tcp);

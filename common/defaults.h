@@ -129,6 +129,7 @@
 #define TD_DEFAULT_KVX_STAGING_SLOT_BYTES (4u << 20)  /* docs/kvtransfer.md, "Staged UCX" */
 #define TD_DEFAULT_KVX_STAGING_CHUNK_BYTES (2u << 20) /* the staged pipeline's steady chunk */
 #define TD_DEFAULT_KVX_NCCL_CHUNK_BYTES (8ull << 20)  /* the NCCL pipeline's largest chunk */
+#define TD_DEFAULT_KVX_IPC_KERNEL_BELOW (256u << 10)  /* CUDA IPC pieces smaller on average: the gather kernel */
 #define TD_KVX_STOP_GRACE_MS 3000   /* a stopping transfer's flush ends by then, or the peer is failed */
 #define TD_KVX_GRANT_GRACE_MS 2000  /* a grant outlives the sender's deadline by this; a revoked one twice */
 #define TD_KVX_DESTROY_STOP_MS 500  /* td_kvx_destroy lets transfers stop cleanly this long */

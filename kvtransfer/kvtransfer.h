@@ -114,6 +114,16 @@ typedef enum td_kvx_local_path {
   TD_KVX_LOCAL_OFF,
 } td_kvx_local_path;
 
+/* How CUDA IPC copies into a peer's pool: the copy engines (one batched
+ * memcpy of a chunk's pieces) move large pieces at the link's rate without
+ * taking SMs; small scattered pieces cost the engines microseconds each, and
+ * the gather kernel moves them at the link's rate instead. */
+typedef enum td_kvx_ipc_copy {
+  TD_KVX_IPC_COPY_AUTO = 0, /* the kernel for chunks of pieces under TD_DEFAULT_KVX_IPC_KERNEL_BELOW */
+  TD_KVX_IPC_COPY_KERNEL,
+  TD_KVX_IPC_COPY_ENGINES,
+} td_kvx_ipc_copy;
+
 typedef struct td_kvx_opts {
   const char *name;          /* for logs */
   int cuda_device;           /* device of the GPU pools; -1: no GPU */
@@ -129,6 +139,7 @@ typedef struct td_kvx_opts {
   /* No CUDA IPC: GPU pools export no handle and transfers never map a
    * peer's pool (TANDEM_KVX_IPC=off). */
   bool no_ipc;
+  td_kvx_ipc_copy ipc_copy;
   /* NCCL: the largest chunk of a transfer's byte stream (the pipeline's
    * step; 6 device bounce slots of this size per direction). */
   size_t nccl_chunk_bytes;

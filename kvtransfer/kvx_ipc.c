@@ -2,7 +2,9 @@
  * the sender maps the receiver's pool from the handle in its descriptor, on
  * its own device, the first time a transfer goes there, and once granted
  * copies the plan's byte ranges device to device into it on a stream of its
- * own, a few chunks in flight; DONE goes when the last chunk's event has
+ * own, a few chunks in flight (small pieces by the gather kernel, whose
+ * stores reach the peer's memory over the link; large ones by the copy
+ * engines); DONE goes when the last chunk's event has
  * completed. The receiver grants and ends such a transfer as a direct put
  * (kvx_recv.c). Mappings are closed when their peer fails or is released,
  * after every copy into them completed. */
@@ -142,7 +144,11 @@ int kvx_pump_ipc(kvx_xfer *x) {
     x->issued += c->bytes;
     DL_APPEND(x->chunks, c);
     x->n_chunks++;
-    td_status s = kvx_gpu_copy_many(k->gpu, KVX_S_IPC, k->sc_d, k->sc_s, k->sc_n, (size_t)c->n);
+    bool kern = k->o.ipc_copy == TD_KVX_IPC_COPY_KERNEL ||
+                (k->o.ipc_copy == TD_KVX_IPC_COPY_AUTO && c->n > 1 &&
+                 c->bytes / (uint64_t)c->n < TD_DEFAULT_KVX_IPC_KERNEL_BELOW);
+    td_status s = kern ? kvx_gpu_copy_d2d(k->gpu, KVX_S_IPC, k->sc_d, k->sc_s, k->sc_n, (size_t)c->n)
+                       : kvx_gpu_copy_many(k->gpu, KVX_S_IPC, k->sc_d, k->sc_s, k->sc_n, (size_t)c->n);
     if (s == TD_OK) s = kvx_gpu_record(k->gpu, KVX_S_IPC, &c->ev);
     if (s != TD_OK) {
       /* Without an event nothing tells when its copies end: wait for them
