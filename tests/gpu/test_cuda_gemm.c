@@ -57,7 +57,10 @@ Test(cuda, gemm) {
      gets a new bias in memory the allocator likely hands back at the same address, which the copy
      of the freed one must not answer for */
   for (int r = 0; r < 3; r++) gemm_case(130, 768, 64, TD_ACT_NONE, 0, true);
-  for (int r = 0; r < 2; r++) gemm_case(130, 768, 64, TD_ACT_GELU_TANH, TD_GEMM_ACCUM, true);
+  for (int r = 0; r < 2; r++) {
+    gemm_case(130, 768, 64, TD_ACT_GELU_TANH, 0, true);
+    gemm_case(130, 768, 64, TD_ACT_NONE, TD_GEMM_ACCUM, true);
+  }
   /* every row-tile variant of the decode kernels (m <= 8; 8 < m <= 64 in 16, 32, 64 rows) */
   static const int dec[][3] = {{12, 1024, 2816}, {16, 5632, 1024}, {24, 1000, 512}, {40, 3072, 1024}, {9, 96, 64}};
   for (size_t s = 0; s < sizeof dec / sizeof dec[0]; s++) {
