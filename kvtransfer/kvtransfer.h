@@ -119,7 +119,7 @@ typedef enum td_kvx_local_path {
  * taking SMs; small scattered pieces cost the engines microseconds each, and
  * the gather kernel moves them at the link's rate instead. */
 typedef enum td_kvx_ipc_copy {
-  TD_KVX_IPC_COPY_AUTO = 0, /* the kernel for chunks of pieces under TD_DEFAULT_KVX_IPC_KERNEL_BELOW */
+  TD_KVX_IPC_COPY_AUTO = 0, /* the kernel on one GPU, and between GPUs for pieces under TD_DEFAULT_KVX_IPC_KERNEL_BELOW */
   TD_KVX_IPC_COPY_KERNEL,
   TD_KVX_IPC_COPY_ENGINES,
 } td_kvx_ipc_copy;

@@ -144,9 +144,13 @@ int kvx_pump_ipc(kvx_xfer *x) {
     x->issued += c->bytes;
     DL_APPEND(x->chunks, c);
     x->n_chunks++;
+    /* On one GPU the kernel copies at 3x the engines' rate for any piece
+     * (H200: 1,250 against 398 GB/s with 1.5 MiB pieces, 485 against 19
+     * with 64 KiB); between GPUs the engines keep large pieces. */
     bool kern = k->o.ipc_copy == TD_KVX_IPC_COPY_KERNEL ||
-                (k->o.ipc_copy == TD_KVX_IPC_COPY_AUTO && c->n > 1 &&
-                 c->bytes / (uint64_t)c->n < TD_DEFAULT_KVX_IPC_KERNEL_BELOW);
+                (k->o.ipc_copy == TD_KVX_IPC_COPY_AUTO &&
+                 (!strcmp(x->peer->desc.dev_id, k->dev_id) ||
+                  (c->n > 1 && c->bytes / (uint64_t)c->n < TD_DEFAULT_KVX_IPC_KERNEL_BELOW)));
     td_status s = kern ? kvx_gpu_copy_d2d(k->gpu, KVX_S_IPC, k->sc_d, k->sc_s, k->sc_n, (size_t)c->n)
                        : kvx_gpu_copy_many(k->gpu, KVX_S_IPC, k->sc_d, k->sc_s, k->sc_n, (size_t)c->n);
     if (s == TD_OK) s = kvx_gpu_record(k->gpu, KVX_S_IPC, &c->ev);
