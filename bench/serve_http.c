@@ -5,8 +5,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <errno.h>
+#include <sys/epoll.h>
+#include <unistd.h>
+
 #include <cjson/cJSON.h>
 #include <curl/curl.h>
+
+#include "common/clock.h"
 
 #include "common/log.h"
 
@@ -25,6 +31,11 @@ typedef struct xfer {
 
 struct td_http_bench {
   CURLM *m;
+  /* libcurl's multi-socket interface over epoll: a wake-up touches only the
+   * connections with bytes (curl_multi_perform visits every transfer, and
+   * with 256 streams that loop, not the gateway, set the pace) */
+  int ep;
+  int64_t due_ns; /* curl's timeout (td_now_ns), -1: none */
   char url[512], model[256];
   const td_http_events *ev; /* during a poll */
   xfer *live;
@@ -149,6 +160,51 @@ static td_status first_model(td_http_bench *h) {
   return s;
 }
 
+static int on_socket(CURL *e, curl_socket_t fd, int what, void *hp, void *sp) {
+  (void)e;
+  (void)sp;
+  td_http_bench *h = hp;
+  if (what == CURL_POLL_REMOVE) {
+    epoll_ctl(h->ep, EPOLL_CTL_DEL, fd, NULL); /* EBADF once curl closed it: epoll dropped it then */
+    return 0;
+  }
+  struct epoll_event ev = {.events = (what & CURL_POLL_IN ? EPOLLIN : 0u) | (what & CURL_POLL_OUT ? EPOLLOUT : 0u),
+                           .data.fd = fd};
+  if (epoll_ctl(h->ep, EPOLL_CTL_MOD, fd, &ev) != 0 && errno == ENOENT) epoll_ctl(h->ep, EPOLL_CTL_ADD, fd, &ev);
+  return 0;
+}
+
+static int on_timer(CURLM *m, long ms, void *hp) {
+  (void)m;
+  td_http_bench *h = hp;
+  h->due_ns = ms < 0 ? -1 : td_now_ns() + (int64_t)ms * 1000000;
+  return 0;
+}
+
+/* Waits up to timeout_ms for sockets or curl's timeout and lets curl act on them. */
+static td_status step(td_http_bench *h, int timeout_ms) {
+  int wait = timeout_ms;
+  if (h->due_ns >= 0) {
+    int64_t left = (h->due_ns - td_now_ns() + 999999) / 1000000;
+    if (left < wait) wait = left > 0 ? (int)left : 0;
+  }
+  struct epoll_event evs[64];
+  int n = epoll_wait(h->ep, evs, 64, wait), running;
+  if (n < 0 && errno != EINTR) return td_err(TD_ERR_IO, "epoll_wait: %s", strerror(errno));
+  for (int i = 0; i < n; i++) {
+    int f = (evs[i].events & EPOLLIN ? CURL_CSELECT_IN : 0) | (evs[i].events & EPOLLOUT ? CURL_CSELECT_OUT : 0) |
+            (evs[i].events & (EPOLLERR | EPOLLHUP) ? CURL_CSELECT_ERR : 0);
+    CURLMcode mc = curl_multi_socket_action(h->m, evs[i].data.fd, f, &running);
+    if (mc != CURLM_OK) return td_err(TD_ERR_IO, "curl: %s", curl_multi_strerror(mc));
+  }
+  if (h->due_ns >= 0 && td_now_ns() >= h->due_ns) {
+    h->due_ns = -1;
+    CURLMcode mc = curl_multi_socket_action(h->m, CURL_SOCKET_TIMEOUT, 0, &running);
+    if (mc != CURLM_OK) return td_err(TD_ERR_IO, "curl: %s", curl_multi_strerror(mc));
+  }
+  return TD_OK;
+}
+
 td_status td_http_bench_create(const char *url, const char *model, td_http_bench **out) {
   *out = NULL;
   if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) return td_err(TD_ERR_IO, "curl: global init failed");
@@ -157,6 +213,17 @@ td_status td_http_bench_create(const char *url, const char *model, td_http_bench
     free(h);
     return td_err(TD_ERR_NOMEM, "curl: cannot make a multi handle");
   }
+  h->due_ns = -1;
+  h->ep = epoll_create1(EPOLL_CLOEXEC);
+  if (h->ep < 0) {
+    curl_multi_cleanup(h->m);
+    free(h);
+    return td_err(TD_ERR_IO, "epoll_create1: %s", strerror(errno));
+  }
+  curl_multi_setopt(h->m, CURLMOPT_SOCKETFUNCTION, on_socket);
+  curl_multi_setopt(h->m, CURLMOPT_SOCKETDATA, h);
+  curl_multi_setopt(h->m, CURLMOPT_TIMERFUNCTION, on_timer);
+  curl_multi_setopt(h->m, CURLMOPT_TIMERDATA, h);
   snprintf(h->url, sizeof h->url, "%s", url);
   size_t n = strlen(h->url);
   while (n && h->url[n - 1] == '/') h->url[--n] = 0;
@@ -191,6 +258,7 @@ void td_http_bench_destroy(td_http_bench *h) {
   if (!h) return;
   while (h->live) xfer_free(h->live);
   if (h->m) curl_multi_cleanup(h->m);
+  if (h->ep >= 0) close(h->ep);
   free(h);
   curl_global_cleanup();
 }
@@ -238,18 +306,21 @@ td_status td_http_bench_warm(td_http_bench *h, int n) {
     curl_easy_setopt(e[i], CURLOPT_URL, url);
     curl_easy_setopt(e[i], CURLOPT_WRITEFUNCTION, discard);
     curl_easy_setopt(e[i], CURLOPT_TCP_NODELAY, 1L);
+    curl_easy_setopt(e[i], CURLOPT_TIMEOUT_MS, 10000L);
     if (curl_multi_add_handle(h->m, e[i]) != CURLM_OK) s = td_err(TD_ERR_IO, "curl: cannot add a transfer");
   }
-  int running = 1;
-  while (s == TD_OK && running) {
-    if (curl_multi_perform(h->m, &running) != CURLM_OK) s = td_err(TD_ERR_IO, "curl: warm-up failed");
-    if (s == TD_OK && running) curl_multi_poll(h->m, NULL, 0, 100, NULL);
+  int ended = 0;
+  while (s == TD_OK && ended < n) {
+    s = step(h, 100);
+    CURLMsg *msg;
+    int left;
+    while ((msg = curl_multi_info_read(h->m, &left)))
+      if (msg->msg == CURLMSG_DONE) {
+        ended++;
+        if (msg->data.result != CURLE_OK && s == TD_OK)
+          s = td_err(TD_ERR_NETWORK, "warming %s: %s", url, curl_easy_strerror(msg->data.result));
+      }
   }
-  CURLMsg *msg;
-  int left;
-  while ((msg = curl_multi_info_read(h->m, &left)))
-    if (msg->msg == CURLMSG_DONE && msg->data.result != CURLE_OK && s == TD_OK)
-      s = td_err(TD_ERR_NETWORK, "warming %s: %s", url, curl_easy_strerror(msg->data.result));
   for (int i = 0; i < n; i++)
     if (e[i]) {
       curl_multi_remove_handle(h->m, e[i]);
@@ -301,11 +372,11 @@ td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int i
 
 td_status td_http_bench_poll(td_http_bench *h, int timeout_ms, const td_http_events *ev) {
   h->ev = ev;
-  int running;
-  CURLMcode mc = curl_multi_perform(h->m, &running);
-  if (mc == CURLM_OK && running) mc = curl_multi_poll(h->m, NULL, 0, timeout_ms, NULL);
-  if (mc == CURLM_OK) mc = curl_multi_perform(h->m, &running);
-  if (mc != CURLM_OK) return td_err(TD_ERR_IO, "curl: %s", curl_multi_strerror(mc));
+  td_status s = step(h, timeout_ms);
+  if (s != TD_OK) {
+    h->ev = NULL;
+    return s;
+  }
   CURLMsg *msg;
   int left;
   while ((msg = curl_multi_info_read(h->m, &left))) {

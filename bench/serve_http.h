@@ -1,6 +1,7 @@
 /* bench-serve's HTTP client: the workload's requests as streamed
- * /v1/completions calls to tandem-gateway (libcurl's multi interface, one
- * thread, every request on its own connection as OpenAI clients do). */
+ * /v1/completions calls to tandem-gateway (libcurl's multi-socket interface
+ * over epoll, one thread, every request on its own connection as OpenAI
+ * clients do). */
 #ifndef TD_BENCH_SERVE_HTTP_H
 #define TD_BENCH_SERVE_HTTP_H
 
