@@ -96,13 +96,19 @@ __global__ void __launch_bounds__(AR_THREADS) ar_kernel(bf16 *buf, uint32_t n, a
     uint4 *s = (uint4 *)(mine + ((size_t)prev * world + p) * AR_SLOT_BYTES);
     for (size_t v = me; v < (nprev + 7) / 8; v += stride) s[v] = empty;
   }
-  /* 2. ours into every peer's slot for us; 3. the sum in rank order */
+  /* 2. ours into every peer's slot for us, all of this thread's vectors
+   * first (so that a thread with several waits one NVLink latency, not one
+   * a vector); 3. the sum in rank order */
   const size_t full = n / 8;
   for (size_t v = me; v < full; v += stride) {
     uint4 u = ((const uint4 *)buf)[v];
     u = make_uint4(unmark(u.x), unmark(u.y), unmark(u.z), unmark(u.w));
     for (int p = 0; p < world; p++)
       if (p != rank) ((uint4 *)(P.slots[p] + ((size_t)phase * world + rank) * AR_SLOT_BYTES))[v] = u;
+  }
+  for (size_t v = me; v < full; v += stride) {
+    uint4 u = ((const uint4 *)buf)[v]; /* this thread's own vector, not yet summed */
+    u = make_uint4(unmark(u.x), unmark(u.y), unmark(u.z), unmark(u.w));
     float acc[8];
 #pragma unroll
     for (int k = 0; k < 8; k++) acc[k] = 0.0f;

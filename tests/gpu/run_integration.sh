@@ -115,14 +115,39 @@ cluster_fixtures() {
       if [[ -n $ep ]]; then
         "$pack/bin/bench-serve" --router "$ep" --model "$m" --workload "$tmp/$name.jsonl" --results "$tmp/$name-$mode.res" \
           >"$tmp/$name-$mode.out" 2>&1
-        python3 - "$m" "$tmp/$name-$mode.res" "$mode" <<'PY'
-import json, sys
-m, resp, mode = sys.argv[1:4]
+        python3 - "$m" "$tmp/$name-$mode.res" "$mode" "$dev" <<'PY'
+import array, json, sys
+m, resp, mode, dev = sys.argv[1:5]
 ref = json.load(open(f"{m}/reference.json"))
 got = {j["id"]: j for j in map(json.loads, open(resp)) if "id" in j}
-same = sum(got.get(f"r{i}", {}).get("tokens") == r["greedy_tokens"] for i, r in enumerate(ref["requests"]))
-print(f"  {m.split('/')[-1]} {mode}: greedy tokens equal {same}/{len(ref['requests'])}")
-sys.exit(same != len(ref["requests"]))
+# On a GPU (bf16) a token may differ where transformers' own margin between the two tokens is within
+# the GPU's logit tolerance (5 % of the row's largest logit, as the parallel tests allow): a near tie.
+# The CPU computes in float32 and must match exactly.
+V = json.load(open(f"{m}/config.json"))["vocab_size"]
+lg = array.array("f")
+with open(f"{m}/ref_logits.f32", "rb") as f:
+    lg.frombytes(f.read())
+same = tie = 0
+off, notes = 0, []
+for i, r in enumerate(ref["requests"]):
+    want, have = r["greedy_tokens"], got.get(f"r{i}", {}).get("tokens")
+    p = len(r["decoder_prompt"]) - 1
+    if have == want:
+        same += 1
+    elif dev != "cpu" and have:
+        k = next((k for k in range(min(len(want), len(have))) if want[k] != have[k]), None)
+        if k is not None and 0 <= have[k] < V:
+            row = lg[(off + p + k) * V:(off + p + k + 1) * V]
+            big = max(abs(x) for x in row)
+            gap = row[want[k]] - row[have[k]]
+            if gap <= 0.05 * big:
+                tie += 1
+                notes.append(f"r{i} step {k}: {want[k]} / {have[k]}, margin {gap:.3g} = {100 * gap / big:.1f} % of the largest logit")
+    off += len(r["decoder_prompt"]) + len(want) - 1
+n = len(ref["requests"])
+extra = f", {tie} up to a near tie ({'; '.join(notes)})" if tie else ""
+print(f"  {m.split('/')[-1]} {mode}: greedy tokens equal {same}/{n}{extra}")
+sys.exit(same + tie != n)
 PY
         (($? == 0)) || bad=$((bad + 1))
       else

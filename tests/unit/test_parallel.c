@@ -228,8 +228,11 @@ static void check_states_everywhere(const char *name, int tp, bool pp, int req, 
           big = fabs(one[0].cross[o + x]) > big ? fabs(one[0].cross[o + x]) : big;
         }
       }
-    cr_expect(worst / big <= TOL, "%s %s=%d request %d rank %d: encoder states differ by %.3g", name, pp ? "PP" : "TP",
-              tp, req, r, worst / big);
+    /* the states are the TP encoder's output: its ranks' partial sums are rounded to bf16 before each
+       all-reduce, as for the cross KV slices below (4 x H200: 0.0446 on t5-four-layers at TP=4) */
+    double stol = !pp && tp > 2 ? 2 * TOL : TOL;
+    cr_expect(worst / big <= stol, "%s %s=%d request %d rank %d: encoder states differ by %.3g", name,
+              pp ? "PP" : "TP", tp, req, r, worst / big);
   }
 }
 
