@@ -27,11 +27,13 @@
 #                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks; with --encoders 0
 #                                                     each group encodes its own requests)
 #                   [--encoder-tp N | --encoder-pp N] (each encoder a group of N ranks; it pushes encoder states)
-#                   [--decoders-encode [--local-encode-pct P] [--local-encode-margin R]]
+#                   [--decoders-encode [--local-encode-pct P] [--local-encode-margin R] [--local-encode-seqs N]]
 #                                                     (decode workers also encode, sharing the encoding with
 #                                                     the encoders while fewer than P % of their batch
 #                                                     decode, default 50, and the encoders are more than R
-#                                                     of their encoder runs further behind, default 0)
+#                                                     of their encoder runs further behind, default 0; their
+#                                                     encoder runs at most N inputs, so that a run stalls
+#                                                     their decode batch less; default: the worker's)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
 #                   [--cross-transfer states|kv]      (what encoder workers push: encoder states, projected
 #                                                     on arrival (the default), or K/V)
@@ -182,6 +184,7 @@ max_batch=""
 decoders_encode=0
 local_encode_pct=""
 local_encode_margin=""
+local_encode_seqs=""
 mem_fraction=0.9
 gateway_port=0
 gateway=1
@@ -207,6 +210,7 @@ while (($#)); do
     --decoders-encode) decoders_encode=1; shift ;;
     --local-encode-pct) local_encode_pct=$2; shift 2 ;;
     --local-encode-margin) local_encode_margin=$2; shift 2 ;;
+    --local-encode-seqs) local_encode_seqs=$2; shift 2 ;;
     --kv-transport) kv_transport=$2; shift 2 ;;
     --cross-states) cross_mode=states; shift ;;
     --cross-mode) cross_mode=$2; shift 2 ;;
@@ -252,6 +256,10 @@ fi
   { echo "local.sh: --local-encode-pct must be a positive integer" >&2; exit 2; }
 [[ -z $local_encode_margin || $local_encode_margin =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
   { echo "local.sh: --local-encode-margin must be a number of encoder runs (0, 0.5, 2, ...)" >&2; exit 2; }
+[[ -z $local_encode_seqs || $local_encode_seqs =~ ^[1-9][0-9]{0,3}$ ]] ||
+  { echo "local.sh: --local-encode-seqs must be a number of inputs, 1 to 9999" >&2; exit 2; }
+[[ -z $local_encode_seqs ]] || ((decoders_encode)) ||
+  { echo "local.sh: --local-encode-seqs is for decode workers that encode (--decoders-encode)" >&2; exit 2; }
 awk -v f="$mem_fraction" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 1 && f ~ /^[0-9.]+$/) }' ||
   { echo "local.sh: --gpu-memory-fraction must be in (0, 1]" >&2; exit 2; }
 [[ $spare_keys =~ ^[0-9]+$ ]] && ((spare_keys <= 256)) || { echo "local.sh: --spare-keys must be 0 to 256" >&2; exit 2; }
@@ -401,7 +409,9 @@ roles=decode
 ((encoders == 0 || decoders_encode)) && roles=encode,decode
 par="--tp $decode_tp"
 ((decode_pp > 1)) && par="--pp $decode_pp"
-plan_role decode "$decodes" 3 "$group_size" "$par" --role "$roles"
+dec_args=(--role "$roles")
+[[ -z $local_encode_seqs ]] || dec_args+=(--max-enc-seqs "$local_encode_seqs")
+plan_role decode "$decodes" 3 "$group_size" "$par" "${dec_args[@]}"
 
 # CURVE keys: a pair a process (and spares for `add`), the lists the router and workers admit;
 # every process gets file paths only, never a key on its command line
