@@ -43,6 +43,9 @@
 #                                                     default 256: 170 Whisper requests of 30 s)
 #                   [--max-batch N]                   (sequences a decode step, every worker; default:
 #                                                     256 on a GPU, 32 on the CPU)
+#                   [--encoder-cache-fraction F]      (of each worker's cross pool kept for encoder outputs
+#                                                     seen again, every worker; 0 turns the encoder cache
+#                                                     off, as a benchmark repeating its inputs wants)
 #                   [--gpu-memory-fraction F]         (of each GPU, for the workers on it together,
 #                                                     split by role: decode 3 parts, encode and
 #                                                     prefill 1; default 0.9)
@@ -181,6 +184,7 @@ cross_mode=auto
 cross_transfer=""
 router_held=()
 max_batch=""
+enc_cache=""
 decoders_encode=0
 local_encode_pct=""
 local_encode_margin=""
@@ -217,6 +221,7 @@ while (($#)); do
     --cross-transfer) cross_transfer=$2; shift 2 ;;
     --max-held-mb) router_held=(--max-held-mb "$2"); shift 2 ;;
     --max-batch) max_batch=$2; shift 2 ;;
+    --encoder-cache-fraction) enc_cache=$2; shift 2 ;;
     --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
     --gateway-port) gateway_port=$2; shift 2 ;;
     --no-gateway) gateway=0; shift ;;
@@ -252,6 +257,8 @@ fi
 [[ $cross_mode == auto || $cross_mode == kv || $cross_mode == states || $cross_mode == dual ]] ||
   { echo "local.sh: --cross-mode must be auto, kv, states or dual" >&2; exit 2; }
 [[ -z $max_batch || $max_batch =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --max-batch must be a positive integer" >&2; exit 2; }
+[[ -z $enc_cache ]] || awk -v f="$enc_cache" 'BEGIN { exit !(f ~ /^[0-9.]+$/ && f + 0 >= 0 && f + 0 <= 1) }' ||
+  { echo "local.sh: --encoder-cache-fraction must be in [0, 1]" >&2; exit 2; }
 [[ -z $local_encode_pct || $local_encode_pct =~ ^[1-9][0-9]*$ ]] ||
   { echo "local.sh: --local-encode-pct must be a positive integer" >&2; exit 2; }
 [[ -z $local_encode_margin || $local_encode_margin =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
@@ -460,6 +467,7 @@ threads=1
 common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
         --kv-transport "$kv_transport" --cross-mode "$cross_mode")
 [[ -n $max_batch ]] && common+=(--max-batch "$max_batch")
+[[ -n $enc_cache ]] && common+=(--encoder-cache-fraction "$enc_cache")
 declare -A role_share=()
 min_share=""
 for ((k = 0; k < ${#w_name[@]}; k++)); do

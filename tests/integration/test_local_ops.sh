@@ -150,9 +150,9 @@ check "--auth --decode-tp 2: the demo's answers" grep -qF "forty two  ->  42" "$
 check "--auth --decode-tp 2: the group's sockets admit its ranks only" \
   grep -q "(CURVE: the group's ranks only)" "$work/keyed-tp/decode-0.log"
 
-# ---- decode workers that also encode, their encoder runs capped (--local-encode-seqs)
+# ---- decode workers that also encode, their encoder runs capped (--local-encode-seqs); no encoder cache
 "$root/deploy/local.sh" --run-dir "$work/lse" --encoders 1 --prefills 0 --decodes 1 --decoders-encode \
-  --local-encode-seqs 2 --no-gateway --no-metrics >"$work/lse.out" 2>"$work/lse.err" &
+  --local-encode-seqs 2 --encoder-cache-fraction 0 --no-gateway --no-metrics >"$work/lse.out" 2>"$work/lse.err" &
 lse=$!
 wait_for 600 grep -q '^router ' "$work/lse.out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/lse.out")
@@ -161,12 +161,16 @@ requests "$work/lse.jsonl" 12
 check "--local-encode-seqs: every request answered right" all_right "$work/lse-res.out" 12
 capped() { tr '\0' ' ' <"/proc/$(cat "$work/lse/decode-0.pid")/cmdline" | grep -q -- "--max-enc-seqs 2 "; }
 check "--local-encode-seqs: the decode worker's encoder runs capped" capped
+no_cache() { tr '\0' ' ' <"/proc/$(cat "$work/lse/encoder-0.pid")/cmdline" | grep -q -- "--encoder-cache-fraction 0 "; }
+check "--encoder-cache-fraction 0 reaches the workers" no_cache
 kill -TERM "$lse"
 wait "$lse"
 "$root/deploy/local.sh" --local-encode-seqs 2 >/dev/null 2>"$work/lse-bad.err"
 check "--local-encode-seqs without --decoders-encode is refused" grep -q "decode workers that encode" "$work/lse-bad.err"
 "$root/deploy/local.sh" --decoders-encode --local-encode-seqs 0 >/dev/null 2>"$work/lse-bad.err"
 check "--local-encode-seqs 0 is refused" grep -q "must be a number of inputs" "$work/lse-bad.err"
+"$root/deploy/local.sh" --encoder-cache-fraction 1.5 >/dev/null 2>"$work/lse-bad.err"
+check "--encoder-cache-fraction 1.5 is refused" grep -q "must be in \\[0, 1\\]" "$work/lse-bad.err"
 
 # ---- what a worker and cluster.sh refuse before anything starts
 "$bin/tandem-worker" --router tcp://127.0.0.1:9 --model "$root/tests/data/toy-numbers-t5" --role decode --id w \
