@@ -50,6 +50,8 @@
 #                                                     split by role: decode 3 parts, encode and
 #                                                     prefill 1; default 0.9)
 #                   [--gateway-port N | --no-gateway]  (the HTTP gateway; default: any free port)
+#                   [--gateway-spin-us N]             (its router link and waiting HTTP threads poll N us
+#                                                     before they sleep: less latency for CPU; default 0)
 #                   [--metrics-port N | --no-metrics]  (the router's /metrics on 127.0.0.1; default: any
 #                                                     free port)
 #                   [--auth [--spare-keys N]]         (CURVE keys for every process: made with tandem-keygen
@@ -191,6 +193,7 @@ local_encode_margin=""
 local_encode_seqs=""
 mem_fraction=0.9
 gateway_port=0
+gateway_spin=0
 gateway=1
 metrics_port=0
 metrics=1
@@ -224,6 +227,7 @@ while (($#)); do
     --encoder-cache-fraction) enc_cache=$2; shift 2 ;;
     --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
     --gateway-port) gateway_port=$2; shift 2 ;;
+    --gateway-spin-us) gateway_spin=$2; shift 2 ;;
     --no-gateway) gateway=0; shift ;;
     --metrics-port) metrics_port=$2; shift 2 ;;
     --no-metrics) metrics=0; shift ;;
@@ -257,6 +261,8 @@ fi
 [[ $cross_mode == auto || $cross_mode == kv || $cross_mode == states || $cross_mode == dual ]] ||
   { echo "local.sh: --cross-mode must be auto, kv, states or dual" >&2; exit 2; }
 [[ -z $max_batch || $max_batch =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --max-batch must be a positive integer" >&2; exit 2; }
+[[ $gateway_spin =~ ^[0-9]{1,6}$ ]] && ((gateway_spin <= 100000)) ||
+  { echo "local.sh: --gateway-spin-us must be 0 to 100000" >&2; exit 2; }
 [[ -z $enc_cache ]] || awk -v f="$enc_cache" 'BEGIN { exit !(f ~ /^[0-9.]+$/ && f + 0 >= 0 && f + 0 <= 1) }' ||
   { echo "local.sh: --encoder-cache-fraction must be in [0, 1]" >&2; exit 2; }
 [[ -z $local_encode_pct || $local_encode_pct =~ ^[1-9][0-9]*$ ]] ||
@@ -514,7 +520,7 @@ fi
 tokenizer=${tokenizer:-$model}
 if ((gateway)) && [[ -f $tokenizer/tokenizer.json || -f $tokenizer/source.spm ]]; then
   start gateway "$bin/tandem-gateway" --router "$client_ep" --model "$model" --tokenizer "$tokenizer" \
-    --port "$gateway_port" "${gateway_keys[@]}"
+    --port "$gateway_port" --spin-us "$gateway_spin" "${gateway_keys[@]}"
   gsup=$last_sup
   for _ in $(seq 200); do
     grep -q "gateway serving" "$run_dir/gateway.log" 2>/dev/null && break

@@ -30,6 +30,7 @@ typedef struct td_gateway_opts {
   uint32_t request_timeout_ms; /* a request's deadline at the router; 0: TD_DEFAULT_REQUEST_TIMEOUT_MS */
   double max_audio_seconds;
   int stream_interval_ms;    /* 0: TD_GATEWAY_STREAM_INTERVAL_MS; -1: an event for every arrival of tokens */
+  int spin_us;               /* the router link and waiting HTTP threads poll this long before they sleep; 0: never */
 } td_gateway_opts;
 
 /* Loads the tokenizer (and the mel filters for Whisper), connects to the

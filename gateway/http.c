@@ -463,7 +463,7 @@ td_status td_gateway_create(const td_gateway_opts *opts, td_gateway **out) {
   td_status s = gw_metrics_create(&g->metrics);
   if (s == TD_OK) s = gw_model_load(o->model_dir, o->tokenizer_dir, o->model_name, &g->m);
   if (s == TD_OK) s = td_client_connect_auth(o->router, o->auth, &g->health);
-  if (s == TD_OK) s = gw_io_create(o->router, o->auth, o->request_timeout_ms, &g->io);
+  if (s == TD_OK) s = gw_io_create(o->router, o->auth, o->request_timeout_ms, o->spin_us, &g->io);
   if (s != TD_OK) {
     td_gateway_destroy(g);
     return s;

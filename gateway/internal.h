@@ -5,6 +5,7 @@
 #define TD_GATEWAY_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -224,11 +225,16 @@ struct gw_batch {
   int n, n_done;
   bool quiet; /* the waiter holds its stream back: wake it for ends only */
   gw_sub *subs;
+  struct gw_io *io;
+  _Atomic unsigned events; /* bumped with every wake-up: what a spinning waiter watches */
 };
 
 typedef struct gw_io gw_io;
 
-td_status gw_io_create(const char *router, const td_auth *auth, uint32_t timeout_ms, gw_io **out);
+/* spin_us > 0: the link thread, and up to a quarter of the CPUs' waiting
+ * HTTP threads, poll this long before they sleep (a sleeping thread's
+ * wake-up costs tens of microseconds on an idle host); 0: never. */
+td_status gw_io_create(const char *router, const td_auth *auth, uint32_t timeout_ms, int spin_us, gw_io **out);
 /* Ends every request in flight with an error and stops the thread; later
  * submissions end at once with an error. */
 void gw_io_stop(gw_io *io);

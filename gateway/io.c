@@ -34,7 +34,16 @@ struct gw_io {
   int efd; /* written when work is queued: wakes the thread out of its router poll */
   unsigned long long next_id;
   gw_sub *table; /* in flight at the router: the thread's alone */
+  int spin_us;
+  int max_spinners;           /* HTTP threads spinning at once, at most */
+  _Atomic int spinners;
+  unsigned long long n_events; /* router events handled: the thread's alone */
 };
+
+static void wake_batch(gw_batch *b) {
+  atomic_fetch_add_explicit(&b->events, 1u, memory_order_release);
+  pthread_cond_broadcast(&b->cv);
+}
 
 static void batch_unref_locked(gw_batch *b, bool *freed) {
   *freed = --b->refs == 0;
@@ -69,6 +78,7 @@ gw_batch *gw_batch_create(gw_io *io, int n) {
   pthread_condattr_destroy(&ca);
   b->refs = 1;
   b->n = n;
+  b->io = io;
   pthread_mutex_lock(&io->mu);
   unsigned long long first = io->next_id;
   io->next_id += (unsigned long long)n;
@@ -93,6 +103,21 @@ void gw_batch_release(gw_batch *b) {
 bool gw_batch_wait(gw_batch *b, int64_t deadline_ms) {
   int64_t now = td_now_ms();
   if (now >= deadline_ms) return false;
+  gw_io *io = b->io;
+  if (io && io->spin_us > 0 && atomic_fetch_add(&io->spinners, 1) < io->max_spinners) {
+    unsigned seen = atomic_load_explicit(&b->events, memory_order_acquire);
+    pthread_mutex_unlock(&b->mu);
+    int64_t end = td_now_ns() + (int64_t)io->spin_us * 1000;
+    bool moved = false;
+    while (!moved && td_now_ns() < end) moved = atomic_load_explicit(&b->events, memory_order_acquire) != seen;
+    atomic_fetch_sub(&io->spinners, 1);
+    pthread_mutex_lock(&b->mu);
+    if (moved) return td_now_ms() < deadline_ms;
+    now = td_now_ms();
+    if (now >= deadline_ms) return false;
+  } else if (io && io->spin_us > 0) {
+    atomic_fetch_sub(&io->spinners, 1);
+  }
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   int64_t left = deadline_ms - now;
@@ -140,7 +165,7 @@ static bool end_sub(gw_sub *s, td_status st, const char *msg) {
     if (st != TD_OK) snprintf(s->error, sizeof s->error, "%s", msg ? msg : td_status_str(st));
     b->n_done++;
   }
-  pthread_cond_broadcast(&b->cv);
+  wake_batch(b);
   bool freed;
   batch_unref_locked(b, &freed);
   return freed;
@@ -178,6 +203,7 @@ static void finish(gw_io *io, gw_sub *s, td_status st, const char *msg, const td
 
 static void on_tokens(void *ctx, const char *id, int seq, int offset, const int32_t *t, const float *lp, int n) {
   gw_io *io = ctx;
+  io->n_events++;
   gw_sub *s = NULL;
   HASH_FIND_STR(io->table, id, s);
   if (!s || seq < 0 || seq >= TD_ROUTER_MAX_SAMPLES || offset < 0) return;
@@ -193,12 +219,13 @@ static void on_tokens(void *ctx, const char *id, int seq, int offset, const int3
     }
   }
   if (seq + 1 > s->n_out) s->n_out = seq + 1;
-  if (!s->b->quiet) pthread_cond_broadcast(&s->b->cv); /* a wake-up a token costs more than the token */
+  if (!s->b->quiet) wake_batch(s->b); /* a wake-up a token costs more than the token */
   pthread_mutex_unlock(&s->b->mu);
 }
 
 static void on_result(void *ctx, const td_client_result *r) {
   gw_io *io = ctx;
+  io->n_events++;
   gw_sub *s = NULL;
   HASH_FIND_STR(io->table, r->id, s);
   if (!s) return;
@@ -256,8 +283,20 @@ static void *run(void *arg) {
     }
     if (stop) break;
     bool woken = false;
-    if (io->table && td_client_poll_fd(io->c, io->efd, TD_GATEWAY_IO_POLL_MS, &ev, &woken) != TD_OK)
+    if (io->table && io->spin_us > 0) {
+      /* requests in flight: poll without sleeping for a while, so that an answer (or new work)
+         is seen without a wake-up's latency */
+      int64_t end = td_now_ns() + (int64_t)io->spin_us * 1000;
+      unsigned long long seen = io->n_events;
+      td_status ps = TD_OK;
+      while (ps == TD_OK && !woken && io->n_events == seen && td_now_ns() < end)
+        ps = td_client_poll_fd(io->c, io->efd, 0, &ev, &woken);
+      if (ps == TD_OK && !woken && io->n_events == seen)
+        ps = td_client_poll_fd(io->c, io->efd, TD_GATEWAY_IO_POLL_MS, &ev, &woken);
+      if (ps != TD_OK) TD_WARN("gateway: polling the router: %s", td_errmsg());
+    } else if (io->table && td_client_poll_fd(io->c, io->efd, TD_GATEWAY_IO_POLL_MS, &ev, &woken) != TD_OK) {
       TD_WARN("gateway: polling the router: %s", td_errmsg());
+    }
     uint64_t cnt;
     if (woken && read(io->efd, &cnt, sizeof cnt) < 0) TD_DEBUG("gateway: eventfd read failed");
   }
@@ -313,10 +352,13 @@ static void enqueue(gw_io *io, gw_batch *b, bool cancel) {
 void gw_io_submit(gw_io *io, gw_batch *b) { enqueue(io, b, false); }
 void gw_io_cancel(gw_io *io, gw_batch *b) { enqueue(io, b, true); }
 
-td_status gw_io_create(const char *router, const td_auth *auth, uint32_t timeout_ms, gw_io **out) {
+td_status gw_io_create(const char *router, const td_auth *auth, uint32_t timeout_ms, int spin_us, gw_io **out) {
   *out = NULL;
   gw_io *io = calloc(1, sizeof *io);
   if (!io) return td_err(TD_ERR_NOMEM, "out of memory");
+  io->spin_us = spin_us > 0 ? spin_us : 0;
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  io->max_spinners = cpus >= 8 ? (int)(cpus / 4) : 1;
   td_status s = td_client_connect_auth(router, auth, &io->c);
   if (s != TD_OK) {
     free(io);

@@ -33,6 +33,8 @@ static void usage(FILE *f) {
           "                      [--max-held-bytes N (uploads in memory at once)]\n"
           "                      [--max-connections N] [--max-requests N] [--idle-timeout-s N] [--timeout-ms N]\n"
           "                      [--max-audio-seconds S] [--stream-interval-ms N (0: every arrival)]\n"
+          "                      [--spin-us N (the router link and waiting HTTP threads poll this long before\n"
+          "                       they sleep: less latency for CPU; default 0, never)]\n"
           "                      [--log-level LEVEL]\n"
           "                      [--curve-secret FILE --router-key FILE]  (CURVE to the router: this gateway's\n"
           "                       secret key and the router's public key; docs/security.md)\n");
@@ -56,6 +58,7 @@ int main(int argc, char **argv) {
       {"max-audio-seconds", required_argument, 0, 'a'}, {"log-level", required_argument, 0, 'l'},
       {"stream-interval-ms", required_argument, 0, 's'}, {"max-held-bytes", required_argument, 0, 'B'},
       {"curve-secret", required_argument, 0, 1001},  {"router-key", required_argument, 0, 1002},
+      {"spin-us", required_argument, 0, 1003},
       {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_gateway_opts o = {0};
@@ -106,6 +109,10 @@ int main(int argc, char **argv) {
           fprintf(stderr, "tandem-gateway: --max-audio-seconds %s: a positive number\n", optarg);
           return 2;
         }
+        break;
+      case 1003:
+        if (number("--spin-us", optarg, 0, 100000, &v)) return 2;
+        o.spin_us = (int)v;
         break;
       case 's':
         if (number("--stream-interval-ms", optarg, 0, 10000, &v)) return 2;

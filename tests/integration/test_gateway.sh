@@ -171,6 +171,22 @@ check "the second gateway serves once the slots are free" has "$r" '"text":"7"'
 kill -TERM "$gw2_pid"; wait "$gw2_pid"
 check "the second gateway stops cleanly" test $? = 0
 
+# a gateway whose threads poll before they sleep (--spin-us): the same answers, streamed and not
+rm -f "$work/gw3.log"
+"$bin/tandem-gateway" --router "$router" --model "$t5" --port 0 --spin-us 2000 >"$work/gw3.log" 2>&1 &
+gw3_pid=$!
+for _ in $(seq 100); do grep -q "gateway serving" "$work/gw3.log" && break; sleep 0.05; done
+gw3=$(grep -o 'http://[0-9.:]*' "$work/gw3.log" | head -1)
+r=$(curl -s "$gw3/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": "forty two", "max_tokens": 12}')
+check "--spin-us: an answer" has "$r" '"text":"42"'
+r=$(curl -sN "$gw3/v1/completions" -H "$j" -d '{"model": "toy-numbers-t5", "prompt": ["seven", "three hundred five"], "stream": true, "max_tokens": 12}')
+check "--spin-us: a stream of two prompts ends" has "$r" 'data: [DONE]'
+txt0=$(grep '"index":0' <<<"$r" | grep -o '"text":"[^"]*"' | cut -d'"' -f4 | tr -d '\n')
+txt1=$(grep '"index":1' <<<"$r" | grep -o '"text":"[^"]*"' | cut -d'"' -f4 | tr -d '\n')
+check "--spin-us: the streamed text (7, 305)" test "$txt0 $txt1" = "7 305"
+kill -TERM "$gw3_pid"; wait "$gw3_pid"
+check "--spin-us: the gateway stops cleanly" test $? = 0
+
 wait "$zmq_pid"
 check "tandem-client served meanwhile (3 x 40 requests)" test "$(grep -c '"tokens"' "$work/zmq.out")" = 120
 
