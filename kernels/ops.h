@@ -373,6 +373,12 @@ td_status td_allgather(td_backend *b, const void *send, void *recv, td_buf_type 
 /* Point to point (pipeline stages). */
 td_status td_send(td_backend *b, const void *buf, td_buf_type t, size_t n, int peer);
 td_status td_recv(td_backend *b, void *buf, td_buf_type t, size_t n, int peer);
+/* A send and a receive posted together, so that neither waits on the other
+ * (a pipeline stage that sends one step's activations while it takes an
+ * earlier step's logits back: a rendezvous send, or NCCL's on one stream,
+ * would wait on a receive queued behind it). */
+td_status td_sendrecv(td_backend *b, const void *send, size_t send_n, int to, void *recv, size_t recv_n, int from,
+                      td_buf_type t);
 /* Reassembles rows split by columns across ranks: parts is [tp][rows][per]
  * (float32); out[rows][cols] takes the first cols of the concatenation. */
 td_status td_unshard_cols(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols);

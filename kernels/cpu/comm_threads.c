@@ -120,6 +120,28 @@ static td_status t_recv(td_comm *c, td_backend *b, void *buf, td_buf_type t, siz
   return st;
 }
 
+/* The send deposited, the receive taken, then the deposit waited for: a
+ * peer that sends to us before it receives from us meets us half way. */
+static td_status t_sendrecv(td_comm *c, td_backend *b, const void *send, size_t send_n, int to, void *recv,
+                            size_t recv_n, int from, td_buf_type t) {
+  shared *s = c->impl;
+  box *x = &s->boxes[c->rank][to];
+  pthread_mutex_lock(&s->mu);
+  while (x->full && !s->aborted) pthread_cond_wait(&s->cv, &s->mu);
+  x->data = send;
+  x->bytes = 4 * send_n;
+  x->full = true;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  td_status st = t_recv(c, b, recv, t, recv_n, from);
+  pthread_mutex_lock(&s->mu);
+  while (x->full && !s->aborted) pthread_cond_wait(&s->cv, &s->mu);
+  bool ok = !s->aborted;
+  pthread_mutex_unlock(&s->mu);
+  if (st != TD_OK) return st;
+  return ok ? TD_OK : aborted();
+}
+
 static void t_abort(td_comm *c) {
   shared *s = c->impl;
   pthread_mutex_lock(&s->mu);
@@ -142,7 +164,7 @@ static void t_destroy(td_comm *c) {
   free(c);
 }
 
-static const td_comm_vt threads_vt = {t_allreduce, t_allgather, t_send, t_recv, t_abort, t_destroy};
+static const td_comm_vt threads_vt = {t_allreduce, t_allgather, t_send, t_recv, t_sendrecv, t_abort, t_destroy};
 
 td_status td_comm_create_threads(int world, td_comm **comms) {
   if (world < 1 || world > MAX_WORLD) return td_err(TD_ERR_INVALID, "world of %d ranks (1 to %d)", world, MAX_WORLD);

@@ -72,6 +72,22 @@ static td_status n_recv(td_comm *c, td_backend *b, void *buf, td_buf_type t, siz
   return TD_OK;
 }
 
+/* One NCCL group: both are posted before either waits for its peer. */
+static td_status n_sendrecv(td_comm *c, td_backend *b, const void *send, size_t send_n, int to, void *recv,
+                            size_t recv_n, int from, td_buf_type t) {
+  if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
+  TD_TRY(need_cuda(b, "sendrecv"));
+  nccl_comm *nc = (nccl_comm *)c->impl;
+  cudaStream_t st = td_cu(b)->stream;
+  TD_NCCL(ncclGroupStart(), "sendrecv group");
+  ncclResult_t r = ncclSend(send, send_n, nccl_type(b, t), to, nc->comm, st);
+  if (r == ncclSuccess) r = ncclRecv(recv, recv_n, nccl_type(b, t), from, nc->comm, st);
+  ncclResult_t e = ncclGroupEnd();
+  if (r != ncclSuccess) return nccl_fail("sendrecv", r);
+  if (e != ncclSuccess) return nccl_fail("sendrecv group", e);
+  return TD_OK;
+}
+
 /* Unblocks pending collectives (a peer died); td_comm_destroy frees. */
 static void n_abort(td_comm *c) {
   nccl_comm *nc = (nccl_comm *)c->impl;
@@ -159,6 +175,7 @@ extern "C" td_status td_comm_create_nccl(td_backend *b, const uint8_t id[TD_NCCL
   nccl_vt.allgather = n_allgather;
   nccl_vt.send = n_send;
   nccl_vt.recv = n_recv;
+  nccl_vt.sendrecv = n_sendrecv;
   nccl_vt.abort = n_abort;
   nccl_vt.destroy = n_destroy;
   td_comm *c = (td_comm *)calloc(1, sizeof *c);

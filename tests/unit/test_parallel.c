@@ -388,6 +388,79 @@ Test(pipeline_parallel, projected_states) {
 }
 
 #ifndef TD_PARALLEL_CUDA
+#ifndef TD_PARALLEL_CUDA
+/* td_sendrecv against a peer whose rendezvous send comes first (the thread
+ * communicator's send waits for its receiver): a send then a receive would
+ * wait for each other; posted together they meet. And two at once. */
+typedef struct sr_arg {
+  td_comm *c;
+  int rank;
+  bool crossed;
+  char fail[200];
+} sr_arg;
+
+static void *sr_main(void *p) {
+  sr_arg *a = p;
+  enum { N = 1027 };
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b = NULL;
+  if (td_backend_create(&bo, &b) != TD_OK) {
+    snprintf(a->fail, sizeof a->fail, "backend: %s", td_errmsg());
+    return NULL;
+  }
+  td_backend_set_comm(b, a->c);
+  float out[N], in[N];
+  for (int i = 0; i < N; i++) out[i] = (float)(i + 1000 * a->rank);
+  int peer = 1 - a->rank;
+  td_status s;
+  if (a->rank == 0 || a->crossed) {
+    s = td_sendrecv(b, out, N, peer, in, N, peer, TD_BUF_F32);
+  } else {
+    s = td_send(b, out, TD_BUF_F32, N, peer);
+    if (s == TD_OK) s = td_recv(b, in, TD_BUF_F32, N, peer);
+  }
+  if (s != TD_OK) snprintf(a->fail, sizeof a->fail, "rank %d: %s", a->rank, td_errmsg());
+  for (int i = 0; s == TD_OK && i < N && !a->fail[0]; i++)
+    if (in[i] != (float)(i + 1000 * peer)) snprintf(a->fail, sizeof a->fail, "rank %d: [%d] = %g", a->rank, i, in[i]);
+  td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+  return NULL;
+}
+
+Test(comm, sendrecv_meets_a_peer_that_sends_first, .timeout = 20) {
+  for (int crossed = 0; crossed < 2; crossed++) {
+    td_comm *comms[2];
+    cr_assert(td_comm_create_threads(2, comms) == TD_OK);
+    sr_arg a[2];
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+      a[r] = (sr_arg){.c = comms[r], .rank = r, .crossed = crossed};
+      cr_assert(pthread_create(&th[r], NULL, sr_main, &a[r]) == 0);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 2; r++) cr_expect(!a[r].fail[0], "%s: %s", crossed ? "both sendrecv" : "send first", a[r].fail);
+    for (int r = 0; r < 2; r++) td_comm_destroy(comms[r]);
+  }
+}
+
+Test(comm, sendrecv_refuses_bad_peers) {
+  td_comm *comms[2];
+  cr_assert(td_comm_create_threads(2, comms) == TD_OK);
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b;
+  cr_assert(td_backend_create(&bo, &b) == TD_OK);
+  float x[4] = {0};
+  cr_expect_neq(td_sendrecv(b, x, 4, 1, x, 4, 1, TD_BUF_F32), TD_OK, "no communicator");
+  td_backend_set_comm(b, comms[0]);
+  cr_expect_neq(td_sendrecv(b, x, 4, 0, x, 4, 1, TD_BUF_F32), TD_OK, "to itself");
+  cr_expect_neq(td_sendrecv(b, x, 4, 1, x, 4, 2, TD_BUF_F32), TD_OK, "from outside the group");
+  cr_expect_neq(td_sendrecv(b, NULL, 4, 1, x, 4, 1, TD_BUF_F32), TD_OK, "no send buffer");
+  td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+  for (int r = 0; r < 2; r++) td_comm_destroy(comms[r]);
+}
+#endif
+
 Test(tensor_parallel, uneven_split_is_refused) {
   fixture fx;
   fx_load("mt5-silu-tied", &fx); /* 3 heads */
