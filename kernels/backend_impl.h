@@ -78,8 +78,8 @@ typedef struct td_comm_vt {
   td_status (*send)(td_comm *c, td_backend *b, const void *buf, td_buf_type t, size_t n, int peer);
   td_status (*recv)(td_comm *c, td_backend *b, void *buf, td_buf_type t, size_t n, int peer);
   /* NULL: the send, then the receive (transports whose sends are queued) */
-  td_status (*sendrecv)(td_comm *c, td_backend *b, const void *send, size_t send_n, int to, void *recv,
-                        size_t recv_n, int from, td_buf_type t);
+  td_status (*sendrecv)(td_comm *c, td_backend *b, const void *send, td_buf_type send_t, size_t send_n, int to,
+                        void *recv, td_buf_type recv_t, size_t recv_n, int from);
   void (*abort)(td_comm *c);
   void (*destroy)(td_comm *c);
 } td_comm_vt;

@@ -346,18 +346,18 @@ td_status td_recv(td_backend *b, void *buf, td_buf_type t, size_t n, int peer) {
   return n ? b->comm->vt->recv(b->comm, b, buf, t, n, peer) : TD_OK;
 }
 
-td_status td_sendrecv(td_backend *b, const void *send, size_t send_n, int to, void *recv, size_t recv_n, int from,
-                      td_buf_type t) {
+td_status td_sendrecv(td_backend *b, const void *send, td_buf_type send_t, size_t send_n, int to, void *recv,
+                      td_buf_type recv_t, size_t recv_n, int from) {
   TD_TRY(need_comm(b, "sendrecv"));
   const td_comm *c = b->comm;
   if (to < 0 || to >= c->world || to == c->rank || from < 0 || from >= c->world || from == c->rank)
     return bad("sendrecv", "bad peer");
   if ((send_n && !send) || (recv_n && !recv)) return bad("sendrecv", "no buffer");
-  if (!send_n) return td_recv(b, recv, t, recv_n, from);
-  if (!recv_n) return td_send(b, send, t, send_n, to);
-  if (c->vt->sendrecv) return c->vt->sendrecv(b->comm, b, send, send_n, to, recv, recv_n, from, t);
-  TD_TRY(c->vt->send(b->comm, b, send, t, send_n, to));
-  return c->vt->recv(b->comm, b, recv, t, recv_n, from);
+  if (!send_n) return td_recv(b, recv, recv_t, recv_n, from);
+  if (!recv_n) return td_send(b, send, send_t, send_n, to);
+  if (c->vt->sendrecv) return c->vt->sendrecv(b->comm, b, send, send_t, send_n, to, recv, recv_t, recv_n, from);
+  TD_TRY(c->vt->send(b->comm, b, send, send_t, send_n, to));
+  return c->vt->recv(b->comm, b, recv, recv_t, recv_n, from);
 }
 
 td_status td_unshard_cols(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols) {

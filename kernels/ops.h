@@ -377,8 +377,8 @@ td_status td_recv(td_backend *b, void *buf, td_buf_type t, size_t n, int peer);
  * (a pipeline stage that sends one step's activations while it takes an
  * earlier step's logits back: a rendezvous send, or NCCL's on one stream,
  * would wait on a receive queued behind it). */
-td_status td_sendrecv(td_backend *b, const void *send, size_t send_n, int to, void *recv, size_t recv_n, int from,
-                      td_buf_type t);
+td_status td_sendrecv(td_backend *b, const void *send, td_buf_type send_t, size_t send_n, int to, void *recv,
+                      td_buf_type recv_t, size_t recv_n, int from);
 /* Reassembles rows split by columns across ranks: parts is [tp][rows][per]
  * (float32); out[rows][cols] takes the first cols of the concatenation. */
 td_status td_unshard_cols(td_backend *b, const float *parts, float *out, int tp, int rows, int per, int cols);

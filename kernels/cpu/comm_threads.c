@@ -122,8 +122,8 @@ static td_status t_recv(td_comm *c, td_backend *b, void *buf, td_buf_type t, siz
 
 /* The send deposited, the receive taken, then the deposit waited for: a
  * peer that sends to us before it receives from us meets us half way. */
-static td_status t_sendrecv(td_comm *c, td_backend *b, const void *send, size_t send_n, int to, void *recv,
-                            size_t recv_n, int from, td_buf_type t) {
+static td_status t_sendrecv(td_comm *c, td_backend *b, const void *send, td_buf_type send_t, size_t send_n, int to,
+                            void *recv, td_buf_type recv_t, size_t recv_n, int from) {
   shared *s = c->impl;
   box *x = &s->boxes[c->rank][to];
   pthread_mutex_lock(&s->mu);
@@ -133,7 +133,7 @@ static td_status t_sendrecv(td_comm *c, td_backend *b, const void *send, size_t 
   x->full = true;
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
-  td_status st = t_recv(c, b, recv, t, recv_n, from);
+  td_status st = t_recv(c, b, recv, recv_t, recv_n, from);
   pthread_mutex_lock(&s->mu);
   while (x->full && !s->aborted) pthread_cond_wait(&s->cv, &s->mu);
   bool ok = !s->aborted;

@@ -73,15 +73,15 @@ static td_status n_recv(td_comm *c, td_backend *b, void *buf, td_buf_type t, siz
 }
 
 /* One NCCL group: both are posted before either waits for its peer. */
-static td_status n_sendrecv(td_comm *c, td_backend *b, const void *send, size_t send_n, int to, void *recv,
-                            size_t recv_n, int from, td_buf_type t) {
+static td_status n_sendrecv(td_comm *c, td_backend *b, const void *send, td_buf_type send_t, size_t send_n, int to,
+                            void *recv, td_buf_type recv_t, size_t recv_n, int from) {
   if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
   TD_TRY(need_cuda(b, "sendrecv"));
   nccl_comm *nc = (nccl_comm *)c->impl;
   cudaStream_t st = td_cu(b)->stream;
   TD_NCCL(ncclGroupStart(), "sendrecv group");
-  ncclResult_t r = ncclSend(send, send_n, nccl_type(b, t), to, nc->comm, st);
-  if (r == ncclSuccess) r = ncclRecv(recv, recv_n, nccl_type(b, t), from, nc->comm, st);
+  ncclResult_t r = ncclSend(send, send_n, nccl_type(b, send_t), to, nc->comm, st);
+  if (r == ncclSuccess) r = ncclRecv(recv, recv_n, nccl_type(b, recv_t), from, nc->comm, st);
   ncclResult_t e = ncclGroupEnd();
   if (r != ncclSuccess) return nccl_fail("sendrecv", r);
   if (e != ncclSuccess) return nccl_fail("sendrecv group", e);

@@ -91,7 +91,7 @@ static void *rank_main(void *p) {
   /* a send and a receive in one group, both ranks at once: f goes out, g[0, N) comes in */
   for (int i = 0; i < N; i++) x[i] = (float)(7 * i + 1000 * a->rank);
   OK(td_upload(b, TD_BUF_F32, f, x, N), "upload");
-  OK(td_sendrecv(b, f, N, 1 - a->rank, g, N, 1 - a->rank, TD_BUF_F32), "sendrecv");
+  OK(td_sendrecv(b, f, TD_BUF_F32, N, 1 - a->rank, g, TD_BUF_F32, N, 1 - a->rank), "sendrecv");
   OK(td_sync(b), "sync");
   OK(td_download(b, TD_BUF_F32, g, y, N), "download");
   for (int i = 0; i < N; i++)

@@ -414,7 +414,7 @@ static void *sr_main(void *p) {
   int peer = 1 - a->rank;
   td_status s;
   if (a->rank == 0 || a->crossed) {
-    s = td_sendrecv(b, out, N, peer, in, N, peer, TD_BUF_F32);
+    s = td_sendrecv(b, out, TD_BUF_F32, N, peer, in, TD_BUF_F32, N, peer);
   } else {
     s = td_send(b, out, TD_BUF_F32, N, peer);
     if (s == TD_OK) s = td_recv(b, in, TD_BUF_F32, N, peer);
@@ -450,11 +450,11 @@ Test(comm, sendrecv_refuses_bad_peers) {
   td_backend *b;
   cr_assert(td_backend_create(&bo, &b) == TD_OK);
   float x[4] = {0};
-  cr_expect_neq(td_sendrecv(b, x, 4, 1, x, 4, 1, TD_BUF_F32), TD_OK, "no communicator");
+  cr_expect_neq(td_sendrecv(b, x, TD_BUF_F32, 4, 1, x, TD_BUF_F32, 4, 1), TD_OK, "no communicator");
   td_backend_set_comm(b, comms[0]);
-  cr_expect_neq(td_sendrecv(b, x, 4, 0, x, 4, 1, TD_BUF_F32), TD_OK, "to itself");
-  cr_expect_neq(td_sendrecv(b, x, 4, 1, x, 4, 2, TD_BUF_F32), TD_OK, "from outside the group");
-  cr_expect_neq(td_sendrecv(b, NULL, 4, 1, x, 4, 1, TD_BUF_F32), TD_OK, "no send buffer");
+  cr_expect_neq(td_sendrecv(b, x, TD_BUF_F32, 4, 0, x, TD_BUF_F32, 4, 1), TD_OK, "to itself");
+  cr_expect_neq(td_sendrecv(b, x, TD_BUF_F32, 4, 1, x, TD_BUF_F32, 4, 2), TD_OK, "from outside the group");
+  cr_expect_neq(td_sendrecv(b, NULL, TD_BUF_F32, 4, 1, x, TD_BUF_F32, 4, 1), TD_OK, "no send buffer");
   td_backend_set_comm(b, NULL);
   td_backend_destroy(b);
   for (int r = 0; r < 2; r++) td_comm_destroy(comms[r]);
