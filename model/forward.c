@@ -54,6 +54,8 @@ static td_status ffn(td_model *m, const norm_w *n, const lin *wi, const lin *wo,
 }
 
 td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out) {
+  if (m->set_out[0] || m->set_out[1])
+    return td_err(TD_ERR_INVALID, "encode: a running set's logits are still out (collect them first)");
   const td_model_config *c = &m->cfg;
   const dims *d = &m->d;
   td_backend *b = m->b;
@@ -300,12 +302,20 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
 /* The decoder over staged metadata: it only enqueues work, so it can be
  * captured in a graph. With pipeline stages the step's sequences go
  * through in micro-batches, so that every stage has work. */
-static td_status decoder_forward(td_model *m, const step_layout *ly, const step_bounds *sb) {
+/* Two running sets, the first stage: where this step's logits go, and the
+ * other set's logits to receive with this step's send (NULL: none). */
+typedef struct set_io {
+  float *logits;
+  float *other_logits;
+  int other_rows;
+} set_io;
+
+static td_status decoder_forward(td_model *m, const step_layout *ly, const step_bounds *sb, const int32_t *D,
+                                 const set_io *sio) {
   const td_model_config *c = &m->cfg;
   const dims *d = &m->d;
   td_backend *b = m->b;
   int T = sb->T, NL = sb->NL, S = sb->S;
-  const int32_t *D = m->meta_dev;
   const int32_t *dtok = D + ly->tok, *dpos = D + ly->pos, *dslots = D + ly->slots, *drows = D + ly->rows;
   td_paged_meta self_m = {.n_seqs = S, .n_tokens = T, .max_q = sb->max_q, .max_ctx = sb->max_ctx,
                           .q_start = D + ly->qs, .ctx_len = D + ly->ctx, .block_table = D + ly->tab,
@@ -324,14 +334,19 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
                     m->d_h, T, d->d));
     if (c->layernorm_embedding) TD_TRY(norm(m, &m->dec_ln_emb, m->d_h, m->d_h, T));
   }
-  int M = d->stages > 1 ? (S < d->stages ? S : d->stages) : 1;
+  /* two running sets: a step goes through whole (the other set fills the stages) */
+  int M = d->stages > 1 && m->opts.pp_sets < 2 ? (S < d->stages ? S : d->stages) : 1;
   for (int mb = 0; mb < M; mb++) {
     int s0 = S * mb / M, s1 = S * (mb + 1) / M;
     int t0 = M == 1 ? 0 : sb->hq_start[s0], t1 = M == 1 ? T : sb->hq_start[s1];
     void *h = rows_at(m, m->d_h, t0, d->d);
     if (!first) TD_TRY(td_recv(b, h, TD_BUF_ACT, (size_t)(t1 - t0) * d->d, d->stage - 1));
     TD_TRY(decoder_layers(m, &self_m, &cross_m, dslots, s0, s1, t0, t1));
-    if (!last) TD_TRY(td_send(b, h, TD_BUF_ACT, (size_t)(t1 - t0) * d->d, d->stage + 1));
+    if (!last && sio && sio->other_logits)
+      TD_TRY(td_sendrecv(b, h, TD_BUF_ACT, (size_t)(t1 - t0) * d->d, d->stage + 1, sio->other_logits, TD_BUF_F32,
+                         (size_t)sio->other_rows * d->vocab, d->stages - 1));
+    else if (!last)
+      TD_TRY(td_send(b, h, TD_BUF_ACT, (size_t)(t1 - t0) * d->d, d->stage + 1));
   }
   if (NL && last) {
     TD_TRY(td_gather_rows(b, m->d_h, drows, m->d_lx, NL, d->d));
@@ -347,10 +362,10 @@ static td_status decoder_forward(td_model *m, const step_layout *ly, const step_
       TD_TRY(td_unshard_cols(b, m->logits_all, m->logits, m->opts.tp_size, NL, per, d->vocab));
     }
   }
-  /* the leader (stage 0) samples */
+  /* the leader (stage 0) samples; with two sets it takes these logits later (collect) */
   if (NL && d->stages > 1) {
     if (last) TD_TRY(td_send(b, m->logits, TD_BUF_F32, (size_t)NL * d->vocab, 0));
-    if (first) TD_TRY(td_recv(b, m->logits, TD_BUF_F32, (size_t)NL * d->vocab, d->stages - 1));
+    if (first && !sio) TD_TRY(td_recv(b, m->logits, TD_BUF_F32, (size_t)NL * d->vocab, d->stages - 1));
   }
   return TD_OK;
 }
@@ -363,7 +378,7 @@ static td_status capture(td_model *m, int gi, const step_layout *L) {
   step_bounds gb = {.T = B, .S = B, .NL = B, .max_q = 1, .max_ctx = m->self_stride * m->opts.block_size,
                     .max_cross = m->cross_stride * m->opts.block_size};
   TD_TRY(td_graph_begin(m->b));
-  td_status cs = decoder_forward(m, L, &gb);
+  td_status cs = decoder_forward(m, L, &gb, m->meta_dev, NULL);
   td_graph *g = NULL;
   td_status es = td_graph_end(m->b, &g);
   if (cs != TD_OK || es != TD_OK) {
@@ -386,7 +401,8 @@ td_status td_model_capture_graphs(td_model *m) {
   return TD_OK;
 }
 
-td_status td_model_step(td_model *m, const td_step_input *in, const float **logits) {
+/* A step's checks, its metadata into hm / dm, and the decoder (a graph where one fits). */
+static td_status step_run(td_model *m, const td_step_input *in, int32_t *hm_buf, int32_t *dm, const set_io *sio) {
   const td_model_config *c = &m->cfg;
   td_backend *b = m->b;
   const td_model_opts *o = &m->opts;
@@ -432,7 +448,7 @@ td_status td_model_step(td_model *m, const td_step_input *in, const float **logi
     if (m->buckets[k] >= S) gi = k;
   if (gi >= 0) B = m->buckets[gi];
   /* metadata, repacked at the model's fixed table widths */
-  int32_t *hm = m->meta_host;
+  int32_t *hm = hm_buf;
   step_layout L = layout_for(m, gi >= 0 ? B : T, gi >= 0 ? B : S, gi >= 0 ? B : NL);
   memcpy(hm + L.tok, in->tokens, sizeof(int32_t) * (size_t)T);
   memcpy(hm + L.pos, in->positions, sizeof(int32_t) * (size_t)T);
@@ -458,15 +474,55 @@ td_status td_model_step(td_model *m, const td_step_input *in, const float **logi
     memset(hm + L.ctab + (size_t)s * m->cross_stride, 0, sizeof(int32_t) * (size_t)m->cross_stride);
     hm[L.rows + s] = s;
   }
-  TD_TRY(td_copy_h2d(b, m->meta_dev, hm, L.total * sizeof(int32_t)));
+  TD_TRY(td_copy_h2d(b, dm, hm, L.total * sizeof(int32_t)));
   if (gi >= 0) {
     TD_TRY(capture(m, gi, &L));
     TD_TRY(td_graph_launch(b, m->graphs[gi]));
   } else {
     step_bounds sb = {.T = T, .S = S, .NL = NL, .max_q = max_q, .max_ctx = max_ctx, .max_cross = max_cross,
                       .hq_start = in->q_start};
-    TD_TRY(decoder_forward(m, &L, &sb));
+    TD_TRY(decoder_forward(m, &L, &sb, dm, sio));
   }
+  return TD_OK;
+}
+
+static bool sets_out(const td_model *m) { return m->set_out[0] || m->set_out[1]; }
+
+td_status td_model_step(td_model *m, const td_step_input *in, const float **logits) {
+  if (sets_out(m)) return td_err(TD_ERR_INVALID, "step: a running set's logits are still out (collect them first)");
+  TD_TRY(step_run(m, in, m->meta_host, m->meta_dev, NULL));
   *logits = m->logits;
+  return TD_OK;
+}
+
+static float *set_logits(td_model *m, int set) { return set ? m->logits1 : m->logits; }
+
+td_status td_model_step_launch(td_model *m, const td_step_input *in, int set) {
+  if (m->opts.pp_sets != 2 || m->d.stage != 0)
+    return td_err(TD_ERR_INVALID, "step launch: for the first stage of a pipeline with two running sets");
+  if (set < 0 || set > 1) return td_err(TD_ERR_INVALID, "step launch: set %d is not 0 or 1", set);
+  if (m->set_out[set]) return td_err(TD_ERR_INVALID, "step launch: set %d's logits are still out", set);
+  int other = 1 - set;
+  set_io sio = {.logits = set_logits(m, set)};
+  if (m->set_out[other] && !m->set_posted[other]) {
+    sio.other_logits = set_logits(m, other);
+    sio.other_rows = m->set_rows[other];
+  }
+  TD_TRY(step_run(m, in, set ? m->meta_host1 : m->meta_host, set ? m->meta_dev1 : m->meta_dev, &sio));
+  if (sio.other_logits) m->set_posted[other] = true;
+  m->set_out[set] = in->n_logits > 0;
+  m->set_posted[set] = false;
+  m->set_rows[set] = in->n_logits;
+  return TD_OK;
+}
+
+td_status td_model_step_collect(td_model *m, int set, const float **logits) {
+  *logits = NULL;
+  if (set < 0 || set > 1 || !m->set_out[set]) return td_err(TD_ERR_INVALID, "step collect: set %d is not out", set);
+  float *lg = set_logits(m, set);
+  if (!m->set_posted[set])
+    TD_TRY(td_recv(m->b, lg, TD_BUF_F32, (size_t)m->set_rows[set] * m->d.vocab, m->d.stages - 1));
+  m->set_out[set] = m->set_posted[set] = false;
+  *logits = lg;
   return TD_OK;
 }

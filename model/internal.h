@@ -76,6 +76,13 @@ struct td_model {
   float *logits_part, *logits_all; /* tensor parallel: this rank's columns, all ranks' */
   int32_t *meta_dev, *meta_host;
   size_t meta_cap;
+  /* pp_sets 2 on the first stage: set 1's metadata and logits (set 0's are
+   * the ones above); a set launched and its logits not yet collected, their
+   * receive posted, their rows */
+  int32_t *meta_dev1, *meta_host1;
+  float *logits1;
+  bool set_out[2], set_posted[2];
+  int set_rows[2];
   /* decode graphs by batch bucket */
   int buckets[MAX_GRAPHS];
   int n_buckets;

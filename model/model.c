@@ -71,6 +71,11 @@ static td_status alloc_scratch(td_model *m) {
   m->meta_cap = step > enc ? step : enc;
   TD_TRY(td_alloc(b, TD_BUF_I32, m->meta_cap, (void **)&m->meta_dev));
   TD_TRY(td_host_alloc(b, m->meta_cap * sizeof(int32_t), (void **)&m->meta_host));
+  if (o->pp_sets == 2 && o->pp_rank == 0) {
+    TD_TRY(td_alloc(b, TD_BUF_I32, m->meta_cap, (void **)&m->meta_dev1));
+    TD_TRY(td_host_alloc(b, m->meta_cap * sizeof(int32_t), (void **)&m->meta_host1));
+    TD_TRY(td_alloc(b, TD_BUF_F32, L * (size_t)d->vocab, (void **)&m->logits1));
+  }
   return TD_OK;
 }
 
@@ -100,6 +105,11 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
   if (m->opts.pp_rank < 0 || m->opts.pp_rank >= pp || (pp > 1 && tp > 1)) {
     s = td_err(TD_ERR_UNSUPPORTED, "pipeline stage %d of %d with tensor parallel %d: a worker group is either "
                "tensor- or pipeline-parallel", m->opts.pp_rank, pp, tp);
+    goto fail;
+  }
+  if (m->opts.pp_sets < 0 || m->opts.pp_sets > 2 || (m->opts.pp_sets == 2 && pp < 2)) {
+    s = td_err(TD_ERR_INVALID, "%d running sets with %d pipeline stages: two sets are for pipelines", m->opts.pp_sets,
+               pp);
     goto fail;
   }
   if (pp > c->dec_layers) {
@@ -196,9 +206,10 @@ void td_model_destroy(td_model *m) {
   td_backend *b = m->b;
   void *scratch[] = {m->e_h, m->e_x, m->e_qkv, m->e_attn, m->e_ff, m->e_ff1, m->w_col1, m->w_c1, m->w_col2,
                      m->w_feat, m->d_h, m->d_x, m->d_qkv, m->d_attn, m->d_q, m->d_ff, m->d_ff1, m->d_lx, m->d_qs, m->d_us,
-                     m->logits, m->logits_part, m->logits_all, m->meta_dev};
+                     m->logits, m->logits_part, m->logits_all, m->meta_dev, m->meta_dev1, m->logits1};
   for (size_t i = 0; i < sizeof scratch / sizeof scratch[0]; i++) td_free(b, scratch[i]);
   td_host_free(b, m->meta_host);
+  td_host_free(b, m->meta_host1);
   for (int i = 0; i < m->n_buckets; i++) td_graph_destroy(b, m->graphs[i]);
   for (int i = 0; m->enc && i < m->d.e1 - m->d.e0; i++) {
     enc_layer *L = &m->enc[i];

@@ -28,6 +28,10 @@ typedef struct td_model_opts {
   int max_target_len;      /* 0: the model's own limit */
   int tp_rank, tp_size;    /* tensor-parallel slice (1 = whole model) */
   int pp_rank, pp_size;    /* pipeline stage: this rank's share of the layers */
+  /* PP: 2 = two running sets stepped alternately, every rank alike (a step
+   * goes through the stages whole, one micro-batch; the first stage uses
+   * td_model_step_launch / _collect); 0 or 1: one set, a step in micro-batches */
+  int pp_sets;
   bool no_graphs;          /* run decode steps eagerly even where graphs exist */
   /* What the cross pool caches of each sequence (every process that
    * shares a model's cross blocks must agree): see td_cross_mode. */
@@ -113,6 +117,14 @@ typedef struct td_step_input {
  * to backend memory holding float32 [n_logits, vocab], valid until the next
  * step; the work may still be in flight (td_sync or a download waits). */
 td_status td_model_step(td_model *m, const td_step_input *in, const float **logits);
+/* Two running sets (pp_sets 2), the first stage only: launch runs this
+ * stage's layers of set `set`'s step (0 or 1) and sends them on; where the
+ * other set's logits are due it posts their receive with that send
+ * (td_sendrecv: the last stage sends them before it takes this step).
+ * Collect hands back a launched set's logits (posting their receive when no
+ * launch did). td_model_step and td_model_encode refuse while a set is out. */
+td_status td_model_step_launch(td_model *m, const td_step_input *in, int set);
+td_status td_model_step_collect(td_model *m, int set, const float **logits);
 
 /* Tensor parallelism: the leader rank's engine drives its model; every
  * encode and step call is also published, as bytes, to the other ranks,

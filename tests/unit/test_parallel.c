@@ -461,6 +461,145 @@ Test(comm, sendrecv_refuses_bad_peers) {
 }
 #endif
 
+/* Two running sets (pp_sets 2): the first stage launches request 0's and
+ * request 1's teacher-forced steps before it collects either (the second
+ * launch posts the first's logits receive with its send), then launches
+ * request 0's again and collects it alone; the other stages step in that
+ * order. Every logits row against transformers'. */
+typedef struct sets_ctx {
+  const fixture *fx;
+  int rank, world;
+  td_comm *comm;
+  float *logits[3];
+  td_status status;
+  char error[300];
+} sets_ctx;
+
+static void *sets_main(void *arg) {
+  sets_ctx *c = arg;
+  const fixture *fx = c->fx;
+  td_backend *b = NULL;
+  td_model *m = NULL;
+  td_kv_pool *self = NULL, *cross = NULL;
+  td_status s = rank_backend(c->rank, c->world, &c->comm, &b);
+  if (s != TD_OK) goto out;
+  td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 4, .max_logits = 64, .max_enc_tokens = 128,
+                      .max_enc_seqs = 2, .cross_mode = TD_CROSS_KV, .pp_rank = c->rank, .pp_size = c->world,
+                      .pp_sets = 2};
+  if ((s = td_model_load(fx->dir, b, &mo, &m)) != TD_OK) goto out;
+  td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
+  if ((s = td_kv_pool_create(b, &sl, NBLK, &self)) != TD_OK || (s = td_kv_pool_create(b, &cl, NBLK, &cross)) != TD_OK)
+    goto out;
+  td_model_set_pools(m, td_kv_pool_memory(self), td_kv_pool_memory(cross));
+  static int32_t cb[2][16], sb[2][16], slots[2][256], tok[2][256], pos[2][256], rows[2][256], qs[2][2], ctx[2], clen[2];
+  td_step_input st[2];
+  for (int r = 0; r < 2; r++) {
+    const fx_request *q = &fx->req[r];
+    int L = q->enc_len, ncb = (L + BS - 1) / BS;
+    for (int i = 0; i < ncb; i++) cb[r][i] = 3 + 20 * r + i;
+    int32_t eslots[256];
+    for (int t = 0; t < L; t++) eslots[t] = cb[r][t / BS] * BS + t % BS;
+    td_encode_input in = {.n_seqs = 1, .lens = &q->n_input, .tokens = q->input_ids, .cross_slots = eslots,
+                          .features = fx->features ? fx->features + (size_t)r * fx->mels * fx->frames : NULL};
+    if ((s = td_model_encode(m, &in, NULL)) != TD_OK) goto out;
+    int n = q->n_prompt + q->n_greedy - 1, nsb = (n + BS - 1) / BS;
+    memcpy(tok[r], q->prompt, sizeof(int32_t) * (size_t)q->n_prompt);
+    memcpy(tok[r] + q->n_prompt, q->greedy, sizeof(int32_t) * (size_t)(q->n_greedy - 1));
+    for (int i = 0; i < nsb; i++) sb[r][i] = 1 + 8 * r + i;
+    for (int t = 0; t < n; t++) {
+      pos[r][t] = t;
+      slots[r][t] = sb[r][t / BS] * BS + t % BS;
+      rows[r][t] = t;
+    }
+    qs[r][0] = 0;
+    qs[r][1] = n;
+    ctx[r] = n;
+    clen[r] = L;
+    st[r] = (td_step_input){.n_seqs = 1, .n_tokens = n, .tokens = tok[r], .positions = pos[r], .q_start = qs[r],
+                            .ctx_len = &ctx[r], .slots = slots[r], .block_table = sb[r], .block_stride = nsb,
+                            .cross_len = &clen[r], .cross_table = cb[r], .cross_stride = ncb, .n_logits = n,
+                            .logit_rows = rows[r]};
+  }
+  const float *lg = NULL;
+  static const int order[3] = {0, 1, 0}; /* the requests of the three steps */
+  if (c->rank == 0) {
+    /* A, B out together; A's logits ride on B's send */
+    if ((s = td_model_step_launch(m, &st[0], 0)) != TD_OK || (s = td_model_step_launch(m, &st[1], 1)) != TD_OK)
+      goto out;
+    if (td_model_step_launch(m, &st[0], 0) == TD_OK) {
+      s = td_err(TD_ERR_INTERNAL, "a set launched twice before its collect");
+      goto out;
+    }
+    if (td_model_step(m, &st[0], &lg) == TD_OK) {
+      s = td_err(TD_ERR_INTERNAL, "a plain step while sets are out");
+      goto out;
+    }
+    for (int k = 0; k < 2; k++) {
+      if ((s = td_model_step_collect(m, k, &lg)) != TD_OK) goto out;
+      int n = st[k].n_tokens;
+      c->logits[k] = malloc(sizeof(float) * (size_t)n * fx->vocab);
+      if ((s = td_download(b, TD_BUF_F32, lg, c->logits[k], (size_t)n * fx->vocab)) != TD_OK) goto out;
+    }
+    /* A alone: its collect posts the receive */
+    if ((s = td_model_step_launch(m, &st[0], 0)) != TD_OK || (s = td_model_step_collect(m, 0, &lg)) != TD_OK) goto out;
+  } else {
+    for (int k = 0; k < 3; k++)
+      if ((s = td_model_step(m, &st[order[k]], &lg)) != TD_OK) goto out;
+  }
+  if (c->rank == 0) {
+    int n = st[0].n_tokens;
+    c->logits[2] = malloc(sizeof(float) * (size_t)n * fx->vocab);
+    s = td_download(b, TD_BUF_F32, lg, c->logits[2], (size_t)n * fx->vocab);
+  }
+out:
+  if (s != TD_OK) {
+    c->status = s;
+    snprintf(c->error, sizeof c->error, "rank %d: %s", c->rank, td_errmsg());
+    if (c->comm) td_comm_abort(c->comm);
+  }
+  td_kv_pool_destroy(self);
+  td_kv_pool_destroy(cross);
+  td_model_destroy(m);
+  if (b) td_backend_set_comm(b, NULL);
+#ifdef TD_PARALLEL_CUDA
+  td_comm_destroy(c->comm);
+#endif
+  td_backend_destroy(b);
+  return NULL;
+}
+
+static void check_sets(const char *name, int world) {
+  if (!enough_devices(world)) cr_skip_test("%d stages need %d GPUs", world, world);
+  fixture fx;
+  fx_load(name, &fx);
+  cr_assert(fx.n >= 2, "%s has %d requests", name, fx.n);
+  td_comm *comms[MAXTP];
+  make_comms(world, comms);
+  sets_ctx ctx[MAXTP];
+  pthread_t th[MAXTP];
+  for (int r = 0; r < world; r++) {
+    ctx[r] = (sets_ctx){.fx = &fx, .rank = r, .world = world, .comm = comms[r]};
+    pthread_create(&th[r], NULL, sets_main, &ctx[r]);
+  }
+  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < world; r++) cr_assert(ctx[r].status == TD_OK, "%s", ctx[r].error);
+  static const int order[3] = {0, 1, 0};
+  for (int k = 0; k < 3; k++) {
+    const fx_request *q = &fx.req[order[k]];
+    size_t nl = (size_t)(q->n_prompt + q->n_greedy - 1) * fx.vocab;
+    double e = fx_rel_err(ctx[0].logits[k], fx.logits + q->logits_off * fx.vocab, nl);
+    cr_expect(e <= TOL, "%s PP=%d two sets, step %d (request %d): logits error %.3g", name, world, k, order[k], e);
+    free(ctx[0].logits[k]);
+  }
+#ifndef TD_PARALLEL_CUDA
+  for (int r = 0; r < world; r++) td_comm_destroy(comms[r]);
+#endif
+  fx_free(&fx);
+}
+
+Test(pipeline_parallel, two_running_sets_t5) { check_sets("t5-tiny", 2); }
+Test(pipeline_parallel, two_running_sets_three_stages_bart) { check_sets("bart-untied-gelunew", 3); }
+
 Test(tensor_parallel, uneven_split_is_refused) {
   fixture fx;
   fx_load("mt5-silu-tied", &fx); /* 3 heads */
