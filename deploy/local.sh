@@ -24,8 +24,9 @@
 #                   (--port N: the router on N and N + 1; without it, a free pair below
 #                   the ephemeral range, picked again if taken before the router binds)
 #                   [--encoders N] [--prefills N] [--decodes N] [--demo]
-#                   [--decode-tp N | --decode-pp N]   (each decode worker a group of N ranks; with --encoders 0
-#                                                     each group encodes its own requests)
+#                   [--decode-tp N | --decode-pp N [--pp-sets 2]] (each decode worker a group of N ranks; with
+#                                                     --encoders 0 each group encodes its own requests; --pp-sets 2:
+#                                                     two running sets alternate through a pipeline's stages)
 #                   [--encoder-tp N | --encoder-pp N] (each encoder a group of N ranks; it pushes encoder states)
 #                   [--decoders-encode [--local-encode-pct P] [--local-encode-margin R] [--local-encode-seqs N]]
 #                                                     (decode workers also encode, sharing the encoding with
@@ -180,7 +181,7 @@ run_dir=""
 encoders=1 prefills=1 decodes=1
 demo=0
 block_size=16
-decode_tp=1 decode_pp=1 encoder_tp=1 encoder_pp=1
+decode_tp=1 decode_pp=1 encoder_tp=1 encoder_pp=1 pp_sets=1
 kv_transport=auto
 cross_mode=auto
 cross_transfer=""
@@ -214,6 +215,7 @@ while (($#)); do
     --encoder-tp) encoder_tp=$2; shift 2 ;;
     --encoder-pp) encoder_pp=$2; shift 2 ;;
     --decode-pp) decode_pp=$2; shift 2 ;;
+    --pp-sets) pp_sets=$2; shift 2 ;;
     --decoders-encode) decoders_encode=1; shift ;;
     --local-encode-pct) local_encode_pct=$2; shift 2 ;;
     --local-encode-margin) local_encode_margin=$2; shift 2 ;;
@@ -251,6 +253,8 @@ if [[ -n $tokenizer ]]; then
 fi
 ((decodes >= 1)) || { echo "local.sh: at least one decode worker is needed" >&2; exit 2; }
 ((decode_tp == 1 || decode_pp == 1)) || { echo "local.sh: a decode group is tensor- or pipeline-parallel" >&2; exit 2; }
+[[ $pp_sets == 1 || $pp_sets == 2 ]] || { echo "local.sh: --pp-sets must be 1 or 2" >&2; exit 2; }
+((pp_sets == 1 || decode_pp > 1)) || { echo "local.sh: --pp-sets 2 is for a pipeline (--decode-pp N)" >&2; exit 2; }
 [[ $encoder_tp =~ ^[1-9][0-9]*$ && $encoder_pp =~ ^[1-9][0-9]*$ ]] ||
   { echo "local.sh: --encoder-tp and --encoder-pp take a rank count" >&2; exit 2; }
 ((encoder_tp == 1 || encoder_pp == 1)) || { echo "local.sh: an encoder group is tensor- or pipeline-parallel" >&2; exit 2; }
@@ -421,7 +425,7 @@ plan_role prefill "$prefills" 1 1 "" --role prefill
 roles=decode
 ((encoders == 0 || decoders_encode)) && roles=encode,decode
 par="--tp $decode_tp"
-((decode_pp > 1)) && par="--pp $decode_pp"
+((decode_pp > 1)) && par="--pp $decode_pp --pp-sets $pp_sets"
 dec_args=(--role "$roles")
 [[ -z $local_encode_seqs ]] || dec_args+=(--max-enc-seqs "$local_encode_seqs")
 plan_role decode "$decodes" 3 "$group_size" "$par" "${dec_args[@]}"

@@ -98,6 +98,16 @@ static td_status encode(td_engine *e, group **all, int n_all, int tokens) {
   return s;
 }
 
+int eng_pick_set(const td_engine *e) {
+  if (!e->two_sets) return 0;
+  int n[2] = {0, 0};
+  for (int i = 0; i < e->run.n; i++) {
+    const group *g = e->run.v[i];
+    n[g->set & 1] += g->n_s > 0 ? g->n_s : 1;
+  }
+  return n[e->cur] <= n[1 - e->cur] ? e->cur : 1 - e->cur;
+}
+
 td_status eng_encode_phase(td_engine *e) {
   int nb, tokens;
   td_status as = admit(e, &nb, &tokens); /* failing, the engine fails */
@@ -117,6 +127,7 @@ td_status eng_encode_phase(td_engine *e) {
       continue;
     }
     g->state = G_RUNNING;
+    g->set = eng_pick_set(e);
     if (!e->o.recompute_cross) { /* the cross KV is what the decoder needs now */
       free(g->features);
       g->features = NULL;

@@ -183,7 +183,10 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
     s = td_err(TD_ERR_NOMEM, "engine buffers: out of memory");
     goto fail;
   }
-  s = eng_batch_init(e);
+  e->bt = &e->batch;
+  e->two_sets = mo->pp_sets == 2 && mo->pp_rank == 0;
+  s = eng_batch_init(e, &e->batch);
+  if (s == TD_OK && e->two_sets) s = eng_batch_init(e, &e->batch1);
   if (s == TD_OK) s = eng_sampler_init(e);
   if (s != TD_OK) goto fail;
   *out = e;
@@ -202,6 +205,7 @@ void td_engine_destroy(td_engine *e) {
   td_kv_pool_destroy(e->self);
   td_kv_pool_destroy(e->cross);
   eng_batch_free(&e->batch);
+  eng_batch_free(&e->batch1);
   eng_sampler_free(e);
   td_ptrvec_free(&e->wait);
   td_ptrvec_free(&e->run);
@@ -287,6 +291,7 @@ td_status td_engine_add(td_engine *e, const td_request *r, uint64_t *handle) {
   td_status s = group_new(e, r, &a, &g);
   if (s == TD_OK) {
     g->state = a.ext_cross ? G_RUNNING : G_WAITING;
+    g->set = eng_pick_set(e);
     g->handle = e->next_handle++;
     td_ptrvec *q = a.ext_cross ? &e->run : &e->wait;
     s = td_ptrvec_insert(q, q->n, g);
@@ -308,13 +313,17 @@ td_status td_engine_cancel(td_engine *e, uint64_t handle) {
   group *g = NULL;
   HASH_FIND(hh, e->by_handle, &handle, sizeof handle, g);
   if (!g) return td_err(TD_ERR_NOT_FOUND, "no request with handle %llu", (unsigned long long)handle);
+  if (e->two_sets && g->state == G_RUNNING && g->scheduled && e->out[g->set]) {
+    g->cancel_pending = true; /* its set's step is in flight: it ends when that step's logits come */
+    return TD_OK;
+  }
   eng_group_finish(e, g, TD_ERR_CANCELLED, "cancelled", TD_FINISH_CANCELLED);
   return TD_OK;
 }
 
 int td_engine_max_width(const td_engine *e) { return e->max_width; }
 
-bool td_engine_idle(const td_engine *e) { return e->wait.n == 0 && e->run.n == 0; }
+bool td_engine_idle(const td_engine *e) { return e->wait.n == 0 && e->run.n == 0 && !e->out[0] && !e->out[1]; }
 
 td_engine_stats td_engine_get_stats(const td_engine *e) {
   td_engine_stats st = e->st;

@@ -75,6 +75,10 @@ typedef struct group {
   /* the probe (td_request_params.probe): its value once its row ran */
   bool probe_done;
   double probe_prob;
+  /* two running sets (a pipeline's first stage, td_model_opts.pp_sets 2):
+   * the set it steps in; a cancel that waits for its set's logits */
+  int set;
+  bool cancel_pending;
   /* per step */
   bool scheduled, completes;
   int row0; /* completes: its first row of the ordered sample rows (order_rows) */
@@ -164,7 +168,13 @@ struct td_engine {
   group *by_handle;
   td_ptrvec wait, run; /* of group */
   group **enc_batch;   /* [max_enc_seqs] */
-  eng_batch batch;
+  eng_batch batch, batch1; /* set 0's step (the only one with one set) and set 1's */
+  eng_batch *bt;           /* the step being built, run or applied */
+  /* two running sets: stepped alternately, one set's step in the later
+   * stages while the other's logits are sampled (docs/architecture.md) */
+  bool two_sets;
+  int cur;     /* the set the next step launches */
+  bool out[2]; /* a set's step launched, its logits not yet collected */
   eng_sampler smp;
   int *ext_self, *ext_cross; /* references held by callers (handed-over blocks) */
   eng_cache cache;
@@ -189,6 +199,9 @@ bool eng_is_stop(const td_engine *e, const group *g, int32_t t);
 
 /* encode.c */
 td_status eng_encode_phase(td_engine *e);
+/* Two running sets: the one with fewer running sequences (ties: the set
+ * the coming step launches), for a request that starts running. */
+int eng_pick_set(const td_engine *e);
 
 /* enccache.c */
 void eng_cache_init(td_engine *e);
@@ -209,7 +222,7 @@ void eng_cache_holders(const td_engine *e, int *refs);
 void eng_cache_set_hash_mask(td_engine *e, uint64_t mask);
 
 /* schedule.c */
-td_status eng_batch_init(td_engine *e);
+td_status eng_batch_init(td_engine *e, eng_batch *bt);
 void eng_batch_free(eng_batch *bt);
 /* Fills e->batch with the running groups that fit this step, preempting
  * the newest when blocks run short. An empty batch (n_tok 0) runs nothing. */

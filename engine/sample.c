@@ -114,7 +114,7 @@ static td_sample_row make_row(td_engine *e, group *g, const seq *s, int stream, 
 /* Room for the bans of this step's rows: an allowed list can ban the whole
  * vocabulary, so the buffers grow when such a request runs. */
 static td_status reserve_bans(td_engine *e) {
-  const eng_batch *bt = &e->batch;
+  const eng_batch *bt = e->bt;
   eng_sampler *sm = &e->smp;
   size_t need = 1;
   for (int r = 0; r < bt->n_rows; r++) {
@@ -134,7 +134,7 @@ static td_status reserve_bans(td_engine *e) {
 }
 
 td_status eng_sample(td_engine *e, float *logits) {
-  const eng_batch *bt = &e->batch;
+  const eng_batch *bt = e->bt;
   eng_sampler *sm = &e->smp;
   int n_rows = bt->n_rows, n_samp = bt->n_samp, k = bt->k;
   TD_TRY(reserve_bans(e));

@@ -9,8 +9,7 @@
 #include "common/log.h"
 #include "engine/internal.h"
 
-td_status eng_batch_init(td_engine *e) {
-  eng_batch *bt = &e->batch;
+td_status eng_batch_init(td_engine *e, eng_batch *bt) {
   size_t T = (size_t)e->o.max_step_tokens, S = (size_t)e->o.max_running, R = (size_t)e->max_rows;
   bt->tok = malloc(sizeof(int32_t) * T);
   bt->pos = malloc(sizeof(int32_t) * T);
@@ -150,6 +149,7 @@ static bool make_room(td_engine *e, int gi, int need) {
     group *victim = NULL;
     for (int vi = e->run.n - 1; vi > gi && !victim; vi--) {
       group *v = e->run.v[vi];
+      if (e->two_sets && v->set != e->cur) continue; /* the other set's step may be in flight */
       for (int i = 0; i < v->n_s && !victim; i++)
         if (v->s[i]->blk.n > 0) victim = v;
     }
@@ -162,7 +162,7 @@ static bool make_room(td_engine *e, int gi, int need) {
 /* Appends g's planned chunks to the batch: model input rows, block tables,
  * all_logits rows and, when the chunk completes, its sample rows. */
 static td_status add_group(td_engine *e, group *g, bool completes) {
-  eng_batch *bt = &e->batch;
+  eng_batch *bt = e->bt;
   const int *chunks = bt->chunks;
   int first_seq = bt->n_seq;
   for (int i = 0; i < g->n_s; i++) {
@@ -219,13 +219,14 @@ static td_status add_group(td_engine *e, group *g, bool completes) {
 }
 
 td_status eng_schedule(td_engine *e) {
-  eng_batch *bt = &e->batch;
+  eng_batch *bt = e->bt;
   int T = e->o.max_step_tokens, S = e->o.max_running, R = e->max_rows;
   bt->n_tok = bt->n_seq = bt->n_rows = bt->n_extra = bt->n_sched = 0;
   bt->qs[0] = 0;
   /* each scheduled group adds at least one sequence, so n_sched <= S */
   for (int gi = 0; gi < e->run.n && bt->n_sched < S; gi++) {
     group *g = e->run.v[gi];
+    if (e->two_sets && g->set != e->cur) continue;
     g->scheduled = g->completes = false;
     g->probe_x = -1;
     bool completes = false;

@@ -14,7 +14,7 @@
  * stay together (add_group adds them in a run), so each group's first row
  * is where its run starts. */
 static void order_rows(td_engine *e) {
-  eng_batch *bt = &e->batch;
+  eng_batch *bt = e->bt;
   int w = 0;
   bt->n_samp = 0;
   for (int pass = 0; pass < 2; pass++)
@@ -35,7 +35,7 @@ static void order_rows(td_engine *e) {
 }
 
 static td_status run_model(td_engine *e, const float **logits) {
-  eng_batch *bt = &e->batch;
+  eng_batch *bt = e->bt;
   td_step_input in = {.n_seqs = bt->n_seq, .n_tokens = bt->n_tok, .tokens = bt->tok, .positions = bt->pos,
                       .q_start = bt->qs, .ctx_len = bt->ctx, .slots = bt->slots, .block_table = bt->tab,
                       .block_stride = e->self_stride, .cross_len = bt->clen, .cross_table = bt->ctab,
@@ -59,7 +59,7 @@ static td_status keep_logits(td_engine *e, group *g, const float *logits, int fi
 /* all_logits: prompt rows first (in order), then the sample row, before
  * sampling edits it. */
 static td_status keep_all_logits(td_engine *e, const float *logits) {
-  const eng_batch *bt = &e->batch;
+  const eng_batch *bt = e->bt;
   for (int i = 0; i < bt->n_sched; i++) {
     group *g = bt->sched[i];
     if (!g->p.all_logits) continue;
@@ -77,7 +77,7 @@ static td_status keep_all_logits(td_engine *e, const float *logits) {
 
 /* Probes whose row ran this step: softmax of the raw row at the probe's token. */
 static td_status keep_probes(td_engine *e, const float *logits) {
-  const eng_batch *bt = &e->batch;
+  const eng_batch *bt = e->bt;
   for (int i = 0; i < bt->n_sched; i++) {
     group *g = bt->sched[i];
     if (g->probe_x == -1) continue;
@@ -140,7 +140,7 @@ static td_status fork_samples(td_engine *e, group *g, int first) {
 
 /* The step's results for one scheduled group; finishes it when done. */
 static void apply_group(td_engine *e, group *g) {
-  const eng_batch *bt = &e->batch;
+  const eng_batch *bt = e->bt;
   const eng_sampler *sm = &e->smp;
   if (g->prefill_only && g->s[0]->n_computed >= g->prefill_only) {
     eng_group_finish(e, g, TD_OK, NULL, TD_FINISH_STOP);
@@ -168,11 +168,74 @@ static void apply_group(td_engine *e, group *g) {
     eng_group_finish(e, g, TD_OK, NULL, TD_FINISH_STOP);
 }
 
+/* A step's logits, sampled and applied to its groups (a failure fails them). */
+static void finish_step(td_engine *e, float *logits, td_status s) {
+  eng_batch *bt = e->bt;
+  if (s == TD_OK) s = keep_all_logits(e, logits);
+  if (s == TD_OK) s = keep_probes(e, logits);
+  if (s == TD_OK && bt->n_rows) s = eng_sample(e, logits);
+  if (s != TD_OK) {
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", td_errmsg());
+    for (int i = 0; i < bt->n_sched; i++) eng_group_fail(e, bt->sched[i], s, msg);
+    return;
+  }
+  for (int i = 0; i < bt->n_sched; i++) {
+    group *g = bt->sched[i];
+    if (g->cancel_pending)
+      eng_group_finish(e, g, TD_ERR_CANCELLED, "cancelled", TD_FINISH_CANCELLED);
+    else
+      apply_group(e, g);
+  }
+}
+
+/* Two running sets: the current set's step is launched into the pipeline,
+ * then the other set's logits (launched a step ago) are collected and
+ * applied while the later stages run the current one. */
+static td_status step_two_sets(td_engine *e) {
+  TD_TRY(eng_encode_phase(e)); /* the model posts a launched set's logits receive first */
+  int cur = e->cur, other = 1 - cur;
+  eng_batch *mine = cur ? &e->batch1 : &e->batch, *theirs = other ? &e->batch1 : &e->batch;
+  e->bt = mine;
+  mine->n_tok = mine->n_sched = mine->n_rows = mine->n_extra = 0;
+  if (e->run.n) TD_TRY(eng_schedule(e));
+  bool launched = false;
+  if (mine->n_tok) {
+    order_rows(e);
+    td_step_input in = {.n_seqs = mine->n_seq, .n_tokens = mine->n_tok, .tokens = mine->tok, .positions = mine->pos,
+                        .q_start = mine->qs, .ctx_len = mine->ctx, .slots = mine->slots, .block_table = mine->tab,
+                        .block_stride = e->self_stride, .cross_len = mine->clen, .cross_table = mine->ctab,
+                        .cross_stride = e->cross_stride, .n_logits = mine->n_rows + mine->n_extra,
+                        .logit_rows = mine->ordered};
+    td_status s = td_model_step_launch(e->m, &in, cur);
+    e->st.steps++;
+    if (s != TD_OK) {
+      finish_step(e, NULL, s);
+    } else if (in.n_logits == 0) {
+      finish_step(e, NULL, TD_OK); /* nothing to sample: prompt chunks only */
+    } else {
+      launched = true;
+    }
+  }
+  if (e->out[other]) {
+    e->out[other] = false;
+    e->bt = theirs;
+    const float *lg = NULL;
+    td_status s = td_model_step_collect(e->m, other, &lg);
+    finish_step(e, (float *)lg, s);
+  }
+  e->out[cur] = launched;
+  e->bt = &e->batch;
+  e->cur = other;
+  return TD_OK;
+}
+
 td_status td_engine_step(td_engine *e) {
+  if (e->two_sets) return step_two_sets(e);
   TD_TRY(eng_encode_phase(e));
   if (e->run.n == 0) return TD_OK;
   TD_TRY(eng_schedule(e));
-  eng_batch *bt = &e->batch;
+  eng_batch *bt = e->bt;
   if (bt->n_tok == 0) return TD_OK;
   order_rows(e);
   const float *lg = NULL;

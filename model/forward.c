@@ -53,9 +53,21 @@ static td_status ffn(td_model *m, const norm_w *n, const lin *wi, const lin *wo,
   return row_parallel(m, wo, ff, h, rows);
 }
 
+/* Two running sets: the receive of the set launched last, when no launch
+ * posted it yet (at most one set is in that state). */
+static td_status post_pending(td_model *m) {
+  for (int k = 0; k < 2; k++)
+    if (m->set_out[k] && !m->set_posted[k]) {
+      TD_TRY(td_recv(m->b, k ? m->logits1 : m->logits, TD_BUF_F32, (size_t)m->set_rows[k] * m->d.vocab,
+                     m->d.stages - 1));
+      m->set_posted[k] = true;
+    }
+  return TD_OK;
+}
+
 td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out) {
-  if (m->set_out[0] || m->set_out[1])
-    return td_err(TD_ERR_INVALID, "encode: a running set's logits are still out (collect them first)");
+  /* the last stage sends a launched set's logits before it takes this run: receive them first */
+  TD_TRY(post_pending(m));
   const td_model_config *c = &m->cfg;
   const dims *d = &m->d;
   td_backend *b = m->b;

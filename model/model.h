@@ -122,7 +122,9 @@ td_status td_model_step(td_model *m, const td_step_input *in, const float **logi
  * other set's logits are due it posts their receive with that send
  * (td_sendrecv: the last stage sends them before it takes this step).
  * Collect hands back a launched set's logits (posting their receive when no
- * launch did). td_model_step and td_model_encode refuse while a set is out. */
+ * launch did). td_model_step refuses while a set is out; td_model_encode
+ * first posts the receive of a launched set's logits that no launch posted
+ * (the last stage sends those before it takes the encoder run). */
 td_status td_model_step_launch(td_model *m, const td_step_input *in, int set);
 td_status td_model_step_collect(td_model *m, int set, const float **logits);
 

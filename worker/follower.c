@@ -229,6 +229,7 @@ static td_status join(follower *f) {
   } else {
     mo.pp_rank = o->rank;
     mo.pp_size = o->pp;
+    mo.pp_sets = o->pp_sets;
   }
   TD_TRY(td_model_load(o->model_dir, f->b, &mo, &f->m));
   td_engine_opts eo = {.self_blocks = o->self_blocks, .cross_blocks = o->cross_blocks, .max_running = o->max_batch};

@@ -82,10 +82,12 @@ td_status w_leader_init(td_worker *w, td_model_opts *mo) {
     TD_TRY(td_comm_create_nccl(w->b, w->nccl_id, 0, w->world, &w->comm));
   }
   td_backend_set_comm(w->b, w->comm);
-  if (w->o.tp > 1)
+  if (w->o.tp > 1) {
     mo->tp_size = w->o.tp;
-  else
+  } else {
     mo->pp_size = w->o.pp;
+    mo->pp_sets = w->o.pp_sets;
+  }
   return TD_OK;
 }
 

@@ -34,7 +34,8 @@ static void usage(FILE *f) {
           "                                         NAT, a pod IP; a wildcard --host needs it; docs/deploy.md)\n"
           "                     [--kv-transport auto|ucx|zmq]   (how KV blocks go to other workers; auto: UCX\n"
           "                                                      where both sides can, else ZeroMQ)\n"
-          "                     [--group NAME (--tp N | --pp N) --rank R]   (rank 0 serves, others follow)\n"
+          "                     [--group NAME (--tp N | --pp N [--pp-sets 2]) --rank R]   (rank 0 serves, others follow;\n"
+          "                      --pp-sets 2: two running sets alternate through the stages, every rank alike)\n"
           "                     [--cross-mode auto|kv|states|dual]  (what the cross pool holds: as the\n"
           "                                         router; --cross-states: states)\n"
           "                     [--cross-transfer states|kv]  (an encoder-only worker in cross mode auto:\n"
@@ -86,6 +87,7 @@ int main(int argc, char **argv) {
       {"log-level", required_argument, 0, 'l'},  {"help", no_argument, 0, 'h'},
       {"group", required_argument, 0, 'G'},      {"tp", required_argument, 0, 'P'},
       {"pp", required_argument, 0, 'S'},         {"rank", required_argument, 0, 'K'},
+      {"pp-sets", required_argument, 0, 1201},
       {"kv-transport", required_argument, 0, 'X'}, {"cross-states", no_argument, 0, 'C'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'W'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
@@ -156,6 +158,13 @@ int main(int argc, char **argv) {
       case 'G': o.group = optarg; break;
       case 'P': o.tp = atoi(optarg); break;
       case 'S': o.pp = atoi(optarg); break;
+      case 1201:
+        o.pp_sets = atoi(optarg);
+        if (o.pp_sets != 1 && o.pp_sets != 2) {
+          fprintf(stderr, "tandem-worker: --pp-sets %s: 1 or 2\n", optarg);
+          return 2;
+        }
+        break;
       case 'K': o.rank = atoi(optarg); break;
       case 'X':
         if (strcmp(optarg, "auto") && strcmp(optarg, "ucx") && strcmp(optarg, "zmq")) {

@@ -61,6 +61,7 @@ typedef struct td_worker_opts {
    * serves, the others replay its model calls (td_worker_follow). */
   const char *group;
   int tp, pp;              /* group size along one of them (the other 1) */
+  int pp_sets;             /* a pipeline group: 2 = two running sets (td_model_opts.pp_sets), every rank alike */
   int rank;
   /* What the cross pool holds (td_model_opts.cross_mode); the router
    * refuses a worker whose mode differs from the cluster's. */

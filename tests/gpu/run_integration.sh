@@ -84,8 +84,8 @@ PY
   done
 }
 # every fixture through a cluster on the GPU, aggregated and disaggregated (encoder states pushed and
-# projected on arrival, and K/V pushed; with TD_CFX_MODES also encoder groups, etp2 / epp2, whose
-# ranks need a GPU each): greedy tokens against transformers. TD_CFX_FIXTURES: which fixtures
+# projected on arrival, and K/V pushed; with TD_CFX_MODES also encoder groups, etp2 / epp2, and decode
+# pipelines, dpp2 / dpp2s (two running sets), whose ranks need a GPU each): greedy tokens against transformers. TD_CFX_FIXTURES: which fixtures
 # (default every one); TD_DEVICE: cuda (default) or cpu.
 cluster_fixtures() {
   local tmp=$out/cfx dev=${TD_DEVICE:-cuda} bad=0
@@ -103,6 +103,8 @@ cluster_fixtures() {
         kv) flags=(--encoders 1 --cross-transfer kv) ;;
         etp2) flags=(--encoders 1 --encoder-tp 2) ;;
         epp2) flags=(--encoders 1 --encoder-pp 2) ;;
+        dpp2) flags=(--encoders 0 --decode-pp 2) ;;
+        dpp2s) flags=(--encoders 0 --decode-pp 2 --pp-sets 2) ;;
         *) echo "  unknown mode $mode"; bad=$((bad + 1)); continue ;;
       esac
       local run=$tmp/run-$name-$mode

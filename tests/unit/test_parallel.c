@@ -62,6 +62,8 @@ static td_status rank_backend(int rank, int world, td_comm **comm, td_backend **
 
 /* td_model_opts.states_rows of every rank the tests start */
 static int par_states_rows;
+/* the engine tests' pipelines: two running sets (td_model_opts.pp_sets) on every rank */
+static int par_pp_sets;
 /* Cross K/V as after a states push (cross mode dual): every rank's per-layer
  * K/V zeroed after encoding, then projected from the states tails that
  * stayed (td_model_project_cross; the engine tests mirror it to followers). */
@@ -672,6 +674,7 @@ static void *follower_main(void *arg) {
     if (f->pipeline) {
       mo.pp_rank = f->rank;
       mo.pp_size = f->tp;
+      mo.pp_sets = par_pp_sets;
     } else {
       mo.tp_rank = f->rank;
       mo.tp_size = f->tp;
@@ -813,10 +816,12 @@ static void run_engine(const char *dir, int world, bool pp, td_cross_mode mode, 
   cr_assert(rank_backend(0, world, &leader_comm, &b) == TD_OK, "%s", td_errmsg());
   td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 8, .max_enc_tokens = par_enc_tokens,
                       .max_enc_seqs = 8, .max_logits = 64, .cross_mode = mode, .states_rows = par_states_rows};
-  if (pp)
+  if (pp) {
     mo.pp_size = world;
-  else
+    mo.pp_sets = world > 1 ? par_pp_sets : 0;
+  } else {
     mo.tp_size = world;
+  }
   td_model *m = NULL;
   td_status ls = td_model_load(dir, b, &mo, &m);
   td_engine *e = NULL;
@@ -1127,6 +1132,17 @@ Test(pipeline_parallel, engine_on_first_stage_t5) { check_engine_par("t5-tiny", 
 Test(pipeline_parallel, engine_on_first_stage_mbart) { check_engine_par("mbart-prenorm-sharded", 2, true, false); }
 Test(pipeline_parallel, engine_three_stages_one_encoder_layer) { check_engine_par("bart-untied-gelunew", 3, true, false); }
 Test(pipeline_parallel, beam_search_bart) { check_engine_par("bart-tiny", 2, true, true); }
+/* The engine with two running sets on the first stage: greedy and beam
+ * requests against transformers, at two and three stages. */
+Test(pipeline_parallel, engine_two_running_sets) {
+  par_pp_sets = 2;
+  check_engine_par("t5-tiny", 2, true, false);
+  check_engine_par("bart-untied-gelunew", 3, true, false);
+  check_engine_par("bart-tiny", 2, true, true);
+  check_engine_par("whisper-tiny", 2, true, false);
+  par_pp_sets = 0;
+}
+
 Test(pipeline_parallel, engine_four_stages) {
   check_engine_par("t5-four-layers", 4, true, false);
   check_engine_par("whisper-four-layers", 4, true, false);
