@@ -192,6 +192,10 @@ static void on_ack(td_worker *w, const Tandem__Cluster__RegisterAck *a) {
   if (a->accepted) {
     bool was = w->registered;
     if (!was) TD_INFO("registered with the router");
+    /* Taken back after a silence: the router dropped (and retried) whatever it
+     * gave this worker before; jobs that came before this answer are of that
+     * time, and none will ever be claimed or cancelled. */
+    if (!was) w_cancel_all(w, "sent before the router took this worker back");
     w->id_wait_since = 0;
     w->registered = true;
     int hb = a->heartbeat_ms ? (int)a->heartbeat_ms : w->hb_ms;

@@ -315,6 +315,45 @@ Test(worker_control, unclaimed_reservation_expires_with_a_clear_failure, .timeou
   worker_stop(&r);
 }
 
+/* The router falls silent (SIGSTOP), the worker stops counting itself
+ * registered and asks again; a job the router sent before it took the
+ * worker back (it retried that request elsewhere) reserves blocks that no
+ * one will claim or cancel: the worker drops it when the router answers. */
+Test(worker_control, jobs_from_before_a_re_registration_are_dropped, .timeout = 60) {
+  static const td_role *const roles[] = {&td_role_decode};
+  wrun r;
+  worker_start(&r, roles, 1, "zmq", 60000, 100);
+  /* the same acknowledgement, but silence after three heartbeats of nothing */
+  Tandem__Cluster__RegisterAck a = TANDEM__CLUSTER__REGISTER_ACK__INIT;
+  a.accepted = true;
+  a.heartbeat_ms = 100;
+  a.dead_after = 3;
+  Tandem__Cluster__RouterMessage am = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
+  am.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK;
+  am.ack = &a;
+  fake_send(&r.f, &am);
+  wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER, 5000);
+  cr_assert_not_null(m, "the worker did not ask again after the silence");
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  /* a job of the old view, then the answer to the new registration */
+  send_decode(&r.f, 41, 20, false, 1);
+  m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_assert_not_null(m, "nothing reserved");
+  tandem__cluster__worker_message__free_unpacked(m, NULL);
+  send_ack(&r.f, 100);
+  m = heartbeat_where(&r.f, cross_pool_free, 3000);
+  cr_expect_not_null(m, "the old job's blocks stayed reserved after the router took the worker back");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  /* a job after the answer is served as usual */
+  send_decode(&r.f, 42, 20, false, 1);
+  m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED, 5000);
+  cr_expect_not_null(m, "a job after the registration was not taken");
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  m = heartbeat_where(&r.f, one_block_reserved, 3000);
+  if (m) tandem__cluster__worker_message__free_unpacked(m, NULL);
+  worker_stop(&r);
+}
+
 Test(worker_control, job_larger_than_the_pool_is_refused_naming_it, .timeout = 60) {
   static const td_role *const roles[] = {&td_role_decode};
   wrun r;
