@@ -34,13 +34,17 @@ static void order_rows(td_engine *e) {
   }
 }
 
+/* The model's input for the step in bt. */
+static td_step_input step_input(const td_engine *e, const eng_batch *bt) {
+  return (td_step_input){.n_seqs = bt->n_seq, .n_tokens = bt->n_tok, .tokens = bt->tok, .positions = bt->pos,
+                         .q_start = bt->qs, .ctx_len = bt->ctx, .slots = bt->slots, .block_table = bt->tab,
+                         .block_stride = e->self_stride, .cross_len = bt->clen, .cross_table = bt->ctab,
+                         .cross_stride = e->cross_stride, .n_logits = bt->n_rows + bt->n_extra,
+                         .logit_rows = bt->ordered};
+}
+
 static td_status run_model(td_engine *e, const float **logits) {
-  eng_batch *bt = e->bt;
-  td_step_input in = {.n_seqs = bt->n_seq, .n_tokens = bt->n_tok, .tokens = bt->tok, .positions = bt->pos,
-                      .q_start = bt->qs, .ctx_len = bt->ctx, .slots = bt->slots, .block_table = bt->tab,
-                      .block_stride = e->self_stride, .cross_len = bt->clen, .cross_table = bt->ctab,
-                      .cross_stride = e->cross_stride, .n_logits = bt->n_rows + bt->n_extra,
-                      .logit_rows = bt->ordered};
+  td_step_input in = step_input(e, e->bt);
   td_status s = td_model_step(e->m, &in, logits);
   e->st.steps++;
   return s;
@@ -168,7 +172,7 @@ static void apply_group(td_engine *e, group *g) {
     eng_group_finish(e, g, TD_OK, NULL, TD_FINISH_STOP);
 }
 
-/* A step's logits, sampled and applied to its groups (a failure fails them). */
+/* A step's logits, sampled and applied to its groups; a failure fails them and the engine goes on. */
 static void finish_step(td_engine *e, float *logits, td_status s) {
   eng_batch *bt = e->bt;
   if (s == TD_OK) s = keep_all_logits(e, logits);
@@ -202,11 +206,7 @@ static td_status step_two_sets(td_engine *e) {
   bool launched = false;
   if (mine->n_tok) {
     order_rows(e);
-    td_step_input in = {.n_seqs = mine->n_seq, .n_tokens = mine->n_tok, .tokens = mine->tok, .positions = mine->pos,
-                        .q_start = mine->qs, .ctx_len = mine->ctx, .slots = mine->slots, .block_table = mine->tab,
-                        .block_stride = e->self_stride, .cross_len = mine->clen, .cross_table = mine->ctab,
-                        .cross_stride = e->cross_stride, .n_logits = mine->n_rows + mine->n_extra,
-                        .logit_rows = mine->ordered};
+    td_step_input in = step_input(e, mine);
     td_status s = td_model_step_launch(e->m, &in, cur);
     e->st.steps++;
     if (s != TD_OK) {
@@ -240,17 +240,6 @@ td_status td_engine_step(td_engine *e) {
   order_rows(e);
   const float *lg = NULL;
   td_status s = run_model(e, &lg);
-  float *logits = (float *)lg; /* sampling processes the rows in place */
-  if (s == TD_OK) s = keep_all_logits(e, logits);
-  if (s == TD_OK) s = keep_probes(e, logits);
-  if (s == TD_OK) s = eng_sample(e, logits);
-  if (s != TD_OK) {
-    /* the step's requests fail; the engine goes on */
-    char msg[1024];
-    snprintf(msg, sizeof msg, "%s", td_errmsg());
-    for (int i = 0; i < bt->n_sched; i++) eng_group_fail(e, bt->sched[i], s, msg);
-    return TD_OK;
-  }
-  for (int i = 0; i < bt->n_sched; i++) apply_group(e, bt->sched[i]);
+  finish_step(e, (float *)lg, s); /* sampling processes the rows in place; a failure fails the step's requests */
   return TD_OK;
 }

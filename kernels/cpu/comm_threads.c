@@ -86,18 +86,27 @@ static td_status t_allgather(td_comm *c, td_backend *b, const void *send, void *
   return TD_OK;
 }
 
-static td_status t_send(td_comm *c, td_backend *b, const void *buf, td_buf_type t, size_t n, int peer) {
-  shared *s = c->impl;
-  box *x = &s->boxes[c->rank][peer];
-  pthread_mutex_lock(&s->mu);
+/* Under s->mu: puts buf in the box to peer (once the last deposit was taken). */
+static void deposit(shared *s, box *x, const void *buf, size_t n) {
   while (x->full && !s->aborted) pthread_cond_wait(&s->cv, &s->mu);
   x->data = buf;
   x->bytes = 4 * n;
   x->full = true;
   pthread_cond_broadcast(&s->cv);
-  /* rendezvous: the buffer is read before send returns */
+}
+
+/* Under s->mu: waits until the receiver took the deposit; false when aborted. */
+static bool taken(shared *s, box *x) {
   while (x->full && !s->aborted) pthread_cond_wait(&s->cv, &s->mu);
-  bool ok = !s->aborted;
+  return !s->aborted;
+}
+
+static td_status t_send(td_comm *c, td_backend *b, const void *buf, td_buf_type t, size_t n, int peer) {
+  shared *s = c->impl;
+  box *x = &s->boxes[c->rank][peer];
+  pthread_mutex_lock(&s->mu);
+  deposit(s, x, buf, n);
+  bool ok = taken(s, x); /* rendezvous: the buffer is read before send returns */
   pthread_mutex_unlock(&s->mu);
   return ok ? TD_OK : aborted();
 }
@@ -127,16 +136,11 @@ static td_status t_sendrecv(td_comm *c, td_backend *b, const void *send, td_buf_
   shared *s = c->impl;
   box *x = &s->boxes[c->rank][to];
   pthread_mutex_lock(&s->mu);
-  while (x->full && !s->aborted) pthread_cond_wait(&s->cv, &s->mu);
-  x->data = send;
-  x->bytes = 4 * send_n;
-  x->full = true;
-  pthread_cond_broadcast(&s->cv);
+  deposit(s, x, send, send_n);
   pthread_mutex_unlock(&s->mu);
   td_status st = t_recv(c, b, recv, recv_t, recv_n, from);
   pthread_mutex_lock(&s->mu);
-  while (x->full && !s->aborted) pthread_cond_wait(&s->cv, &s->mu);
-  bool ok = !s->aborted;
+  bool ok = taken(s, x);
   pthread_mutex_unlock(&s->mu);
   if (st != TD_OK) return st;
   return ok ? TD_OK : aborted();

@@ -109,6 +109,20 @@ static void fail(rank_ctx *c, td_status s) {
   snprintf(c->error, sizeof c->error, "rank %d: %s", c->rank, td_errmsg());
 }
 
+/* A rank thread's end: its pools, model, backend and (NCCL) communicator. */
+static void rank_teardown(td_kv_pool *self, td_kv_pool *cross, td_model *m, td_backend *b, td_comm *comm) {
+  td_kv_pool_destroy(self);
+  td_kv_pool_destroy(cross);
+  td_model_destroy(m);
+  if (b) td_backend_set_comm(b, NULL);
+#ifdef TD_PARALLEL_CUDA
+  td_comm_destroy(comm);
+#else
+  (void)comm; /* the thread communicators belong to the test */
+#endif
+  td_backend_destroy(b);
+}
+
 /* Every rank: encode request c->req, then one teacher-forced step. */
 static void *rank_main(void *arg) {
   rank_ctx *c = arg;
@@ -171,14 +185,7 @@ out:
     fail(c, s);
     if (c->comm) td_comm_abort(c->comm);
   }
-  td_kv_pool_destroy(self);
-  td_kv_pool_destroy(cross);
-  td_model_destroy(m);
-  if (b) td_backend_set_comm(b, NULL);
-#ifdef TD_PARALLEL_CUDA
-  td_comm_destroy(c->comm);
-#endif
-  td_backend_destroy(b);
+  rank_teardown(self, cross, m, b, c->comm);
   return NULL;
 }
 
@@ -559,14 +566,7 @@ out:
     snprintf(c->error, sizeof c->error, "rank %d: %s", c->rank, td_errmsg());
     if (c->comm) td_comm_abort(c->comm);
   }
-  td_kv_pool_destroy(self);
-  td_kv_pool_destroy(cross);
-  td_model_destroy(m);
-  if (b) td_backend_set_comm(b, NULL);
-#ifdef TD_PARALLEL_CUDA
-  td_comm_destroy(c->comm);
-#endif
-  td_backend_destroy(b);
+  rank_teardown(self, cross, m, b, c->comm);
   return NULL;
 }
 
@@ -709,14 +709,7 @@ static void *follower_main(void *arg) {
     f->status = s;
     snprintf(f->error, sizeof f->error, "rank %d: %s", f->rank, td_errmsg());
   }
-  td_kv_pool_destroy(self);
-  td_kv_pool_destroy(cross);
-  td_model_destroy(m);
-  if (b) td_backend_set_comm(b, NULL);
-#ifdef TD_PARALLEL_CUDA
-  td_comm_destroy(f->comm);
-#endif
-  td_backend_destroy(b);
+  rank_teardown(self, cross, m, b, f->comm);
   return NULL;
 }
 

@@ -88,15 +88,20 @@ static void fake_send(fake *f, Tandem__Cluster__RouterMessage *m) {
   cr_assert_eq(td_wire_send(f->sock, f->id, f->id_len, &m->base), TD_OK);
 }
 
-static void send_ack(fake *f, uint32_t heartbeat_ms) {
+/* dead_after: heartbeat periods of silence before the worker calls the router silent */
+static void send_ack_dead(fake *f, uint32_t heartbeat_ms, uint32_t dead_after) {
   Tandem__Cluster__RegisterAck a = TANDEM__CLUSTER__REGISTER_ACK__INIT;
   a.accepted = true;
   a.heartbeat_ms = heartbeat_ms;
-  a.dead_after = 1000; /* the test may be slow to answer: never call the router silent */
+  a.dead_after = dead_after;
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK;
   m.ack = &a;
   fake_send(f, &m);
+}
+
+static void send_ack(fake *f, uint32_t heartbeat_ms) {
+  send_ack_dead(f, heartbeat_ms, 1000); /* the test may be slow to answer: never call the router silent */
 }
 
 static void send_cancel(fake *f, uint64_t rid) {
@@ -323,15 +328,7 @@ Test(worker_control, jobs_from_before_a_re_registration_are_dropped, .timeout = 
   static const td_role *const roles[] = {&td_role_decode};
   wrun r;
   worker_start(&r, roles, 1, "zmq", 60000, 100);
-  /* the same acknowledgement, but silence after three heartbeats of nothing */
-  Tandem__Cluster__RegisterAck a = TANDEM__CLUSTER__REGISTER_ACK__INIT;
-  a.accepted = true;
-  a.heartbeat_ms = 100;
-  a.dead_after = 3;
-  Tandem__Cluster__RouterMessage am = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
-  am.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK;
-  am.ack = &a;
-  fake_send(&r.f, &am);
+  send_ack_dead(&r.f, 100, 3); /* the same, but silence after three heartbeats of nothing */
   wmsg *m = fake_expect(&r.f, TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER, 5000);
   cr_assert_not_null(m, "the worker did not ask again after the silence");
   tandem__cluster__worker_message__free_unpacked(m, NULL);
