@@ -215,6 +215,10 @@ int main(int argc, char **argv) {
     fprintf(stderr, "tandem-worker: --id: at most %d characters (the router's ids and a group's rank names)\n", MAX_ID);
     return 2;
   }
+  if (o.pp_sets == 2 && (!o.group || o.pp < 2)) {
+    fprintf(stderr, "tandem-worker: --pp-sets 2 is for a pipeline group (--group NAME --pp N)\n");
+    return 2;
+  }
   if (!o.router || !o.model_dir || !o.n_roles) {
     usage(stderr);
     return 2;

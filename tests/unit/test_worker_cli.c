@@ -52,3 +52,14 @@ Test(worker_cli, addresses_it_cannot_advertise_are_refused) {
   cr_expect_eq(run_worker(args, err, sizeof err), 1, "%s", err);
   cr_expect(strstr(err, "no interface here carries 192.0.2.1"), "%s", err);
 }
+
+/* Two running sets are for a pipeline group: a count other than 1 or 2,
+ * or 2 on a worker that is no pipeline, is refused at once. */
+Test(worker_cli, running_sets_outside_a_pipeline_are_refused) {
+  char err[4096];
+  cr_expect_eq(run_worker("--router tcp://127.0.0.1:1 --model /nonexistent --pp-sets 3", err, sizeof err), 2, "%s", err);
+  cr_expect(strstr(err, "--pp-sets 3: 1 or 2"), "%s", err);
+  const char *args = "--router tcp://127.0.0.1:1 --model " TD_TEST_DATA "/t5-tiny --device cpu --pp-sets 2 --id w";
+  cr_expect_eq(run_worker(args, err, sizeof err), 2, "%s", err);
+  cr_expect(strstr(err, "--pp-sets 2 is for a pipeline group"), "%s", err);
+}
