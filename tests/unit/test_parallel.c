@@ -123,6 +123,21 @@ static void rank_teardown(td_kv_pool *self, td_kv_pool *cross, td_model *m, td_b
   td_backend_destroy(b);
 }
 
+/* A rank thread's start: its backend (with the communicator), the model
+ * loaded with mo, and self and cross pools of NBLK blocks set on it (cl:
+ * the cross layout). Whatever was made is left for rank_teardown. */
+static td_status rank_open(const char *dir, int rank, int world, td_comm **comm, const td_model_opts *mo,
+                           td_backend **b, td_model **m, td_kv_pool **self, td_kv_pool **cross, td_kv_layout *cl) {
+  TD_TRY(rank_backend(rank, world, comm, b));
+  TD_TRY(td_model_load(dir, *b, mo, m));
+  td_kv_layout sl = td_model_self_layout(*m);
+  *cl = td_model_cross_layout(*m);
+  TD_TRY(td_kv_pool_create(*b, &sl, NBLK, self));
+  TD_TRY(td_kv_pool_create(*b, cl, NBLK, cross));
+  td_model_set_pools(*m, td_kv_pool_memory(*self), td_kv_pool_memory(*cross));
+  return TD_OK;
+}
+
 /* Every rank: encode request c->req, then one teacher-forced step. */
 static void *rank_main(void *arg) {
   rank_ctx *c = arg;
@@ -130,8 +145,6 @@ static void *rank_main(void *arg) {
   td_backend *b = NULL;
   td_model *m = NULL;
   td_kv_pool *self = NULL, *cross = NULL;
-  td_status s = rank_backend(c->rank, c->tp, &c->comm, &b);
-  if (s != TD_OK) goto out;
   td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 4, .max_logits = 64, .max_enc_tokens = 128,
                       .max_enc_seqs = 2, .cross_mode = c->mode,
                       .states_rows = par_states_rows};
@@ -142,12 +155,8 @@ static void *rank_main(void *arg) {
     mo.tp_rank = c->rank;
     mo.tp_size = c->tp;
   }
-  if ((s = td_model_load(fx->dir, b, &mo, &m)) != TD_OK) goto out;
-  td_kv_layout sl = td_model_self_layout(m);
-  c->cl = td_model_cross_layout(m);
-  if ((s = td_kv_pool_create(b, &sl, NBLK, &self)) != TD_OK || (s = td_kv_pool_create(b, &c->cl, NBLK, &cross)) != TD_OK)
-    goto out;
-  td_model_set_pools(m, td_kv_pool_memory(self), td_kv_pool_memory(cross));
+  td_status s = rank_open(fx->dir, c->rank, c->tp, &c->comm, &mo, &b, &m, &self, &cross, &c->cl);
+  if (s != TD_OK) goto out;
   const fx_request *q = &fx->req[c->req];
   int L = q->enc_len, ncb = (L + BS - 1) / BS;
   int32_t cb[32], sb[32], slots[256], tok[256], pos[256], rows[256];
@@ -490,16 +499,12 @@ static void *sets_main(void *arg) {
   td_backend *b = NULL;
   td_model *m = NULL;
   td_kv_pool *self = NULL, *cross = NULL;
-  td_status s = rank_backend(c->rank, c->world, &c->comm, &b);
-  if (s != TD_OK) goto out;
+  td_kv_layout cl;
   td_model_opts mo = {.block_size = BS, .max_tokens = 64, .max_seqs = 4, .max_logits = 64, .max_enc_tokens = 128,
                       .max_enc_seqs = 2, .cross_mode = TD_CROSS_KV, .pp_rank = c->rank, .pp_size = c->world,
                       .pp_sets = 2};
-  if ((s = td_model_load(fx->dir, b, &mo, &m)) != TD_OK) goto out;
-  td_kv_layout sl = td_model_self_layout(m), cl = td_model_cross_layout(m);
-  if ((s = td_kv_pool_create(b, &sl, NBLK, &self)) != TD_OK || (s = td_kv_pool_create(b, &cl, NBLK, &cross)) != TD_OK)
-    goto out;
-  td_model_set_pools(m, td_kv_pool_memory(self), td_kv_pool_memory(cross));
+  td_status s = rank_open(fx->dir, c->rank, c->world, &c->comm, &mo, &b, &m, &self, &cross, &cl);
+  if (s != TD_OK) goto out;
   static int32_t cb[2][16], sb[2][16], slots[2][256], tok[2][256], pos[2][256], rows[2][256], qs[2][2], ctx[2], clen[2];
   td_step_input st[2];
   for (int r = 0; r < 2; r++) {
