@@ -72,7 +72,10 @@ static void norm_case(int m, int n, bool rms, bool with_bias, bool inplace, bool
 }
 
 Test(cuda, norm) {
-  static const int sz[][2] = {{1, 64}, {17, 1024}, {300, 1280}, {5, 40}, {3, 1001}, {2048, 512}, {2, 8200}};
+  /* widths of 256 * {2..6, 8, 10, 12, 16} take the warp-per-row kernel (odd row counts leave a block's
+   * last warps idle); 256, 8200 and the unaligned ones the block kernel */
+  static const int sz[][2] = {{1, 64},     {17, 1024}, {300, 1280}, {5, 40},   {3, 1001},  {2048, 512},
+                              {2, 8200},   {1501, 1280}, {33, 4096}, {7, 768}, {3, 2560}, {5, 256}};
   for (size_t s = 0; s < sizeof sz / sizeof sz[0]; s++)
     for (int v = 0; v < 8; v++) norm_case(sz[s][0], sz[s][1], v & 1, v & 2, v == 4 || v == 5, v >= 6);
 }
