@@ -65,6 +65,7 @@ typedef struct rank {
   double copy_gbs, gemm_tflops, enc_ms, step_ms[8];
   double enqueue_ms[8]; /* the host's part: until td_model_step returns */
   double ar_us[8]; /* TP: one all-reduce of a step's B x d_model bf16 (graph replay) */
+  double enc_ar_us; /* TP: one all-reduce of the encoder's rows (every input's positions x d_model) */
   double weight_bytes;
   int states_rows; /* the model's: steps of this many rows attend over the states */
   td_cross_mode mode; /* as the model resolved it (STATES: the encoder projects no cross K/V) */
@@ -311,6 +312,7 @@ static void *rank_main(void *arg) {
   /* after every step measured: a graph made and dropped here must not sit between them */
   for (int bi = 0; bi < c->n_batches && c->tp > 1; bi++)
     if ((s = time_allreduce(b, m, c->batches[bi], &rk->ar_us[bi])) != TD_OK) goto out;
+  if (c->tp > 1 && (s = time_allreduce(b, m, maxb * c->enc_len, &rk->enc_ar_us)) != TD_OK) goto out;
 out:
   if (s != TD_OK) {
     rk->st = s;
@@ -511,7 +513,10 @@ int main(int argc, char **argv) {
       printf("all-reduce at batch %d: %.2f us\n", c.batches[i], rk[0].ar_us[i]);
       td_sbuf_printf(&t, "%s batch %d %.2f us", i ? "," : "", c.batches[i], rk[0].ar_us[i]);
     }
-    td_sbuf_printf(&t, ".\n");
+    int inputs = 0; /* the encoder runs the largest batch's inputs */
+    for (int i = 0; i < c.n_batches; i++) inputs = c.batches[i] > inputs ? c.batches[i] : inputs;
+    printf("all-reduce of the encoder's rows (%d x %d): %.2f us\n", inputs * c.enc_len, sh->d_model, rk[0].enc_ar_us);
+    td_sbuf_printf(&t, "; the encoder's rows (%d x %d) %.2f us.\n", inputs * c.enc_len, sh->d_model, rk[0].enc_ar_us);
   }
   double enc_floor = enc_flops / (tf * 1e12) * 1e3 / c.world;
   printf("encoder %g tokens (%s): %.2f ms, %.0f TFLOP/s = %.0f%% of the GEMM rate\n", enc_tokens,
