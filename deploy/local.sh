@@ -356,11 +356,15 @@ trap 'stop_all; exit 130' INT
 trap 'stop_all; exit 143' TERM
 trap 'stop_all' EXIT
 
+# each supervisor's pid as started: its pid file may not be written yet when
+# the start-up wait first looks (a busy host), and "no file" is not "exited"
+declare -A sup_of
 start() { # name, command...
   local name=$1; shift
   : >"$run_dir/$name.log"
   "$supervise" --name "$name" --run-dir "$run_dir" -- "$@" </dev/null >/dev/null 2>&1 &
   last_sup=$!
+  sup_of[$name]=$last_sup
 }
 # a process that exited (the supervisor logs it) or whose supervisor is gone
 failed_start() { # name, supervisor pid
@@ -504,7 +508,7 @@ n_enc=$((encoders > 0 && !decoders_encode ? encoders : encoders + decodes))
 want="\"cross\": \"$cross_mode\", \"encoders\": $n_enc, \"prefills\": $prefills, \"decoders\": $decodes"
 for _ in $(seq 300); do
   for n in router "${w_name[@]}"; do
-    failed_start "$n" "$(cat "$run_dir/$n.supervisor.pid" 2>/dev/null || echo 0)" &&
+    failed_start "$n" "${sup_of[$n]}" &&
       { echo "local.sh: $n exited during start-up; logs in $run_dir" >&2; exit 1; }
   done
   h=$("$bin/tandem-client" --router "$client_ep" "${client_keys[@]}" --health --timeout-ms 500 2>/dev/null || true)
