@@ -1,7 +1,8 @@
 // Gather / scatter kernel of the NCCL path (gather.h): one launch copies a
 // table of device-to-device pieces. The copy engine costs microseconds per
-// piece (cudaMemcpyBatchAsync included); here each thread block copies one
-// 32 KiB tile per step with 16-byte accesses, four in flight per thread.
+// piece (cudaMemcpyBatchAsync included); here each thread block copies a
+// contiguous range of 32 KiB tiles with 16-byte accesses, four in flight per
+// thread.
 #include <cuda_runtime.h>
 #include <string.h>
 
@@ -64,8 +65,13 @@ struct small_table {
 // binary search) instead of being copied per thread.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant__ T t) {
-  for (uint32_t tile = blockIdx.x; tile < t.tiles; tile += gridDim.x) {
-    const kvx_gpiece *p = &t.p[kvx_gtable_find(t.p, t.n, tile)];
+  uint32_t lo, hi;
+  kvx_gtable_range(t.tiles, gridDim.x, blockIdx.x, &lo, &hi);
+  if (lo >= hi) return;
+  uint32_t k = kvx_gtable_find(t.p, t.n, lo);
+  for (uint32_t tile = lo; tile < hi; tile++) {
+    k = kvx_gtable_advance(t.p, t.n, k, tile);
+    const kvx_gpiece *p = &t.p[k];
     const uint32_t off = (tile - p->tile0) * KVX_GATHER_TILE;
     const uint32_t len = p->len - off < KVX_GATHER_TILE ? p->len - off : KVX_GATHER_TILE;
     copy_range(reinterpret_cast<uint8_t *>(p->dst) + off, reinterpret_cast<const uint8_t *>(p->src) + off, len);

@@ -1,7 +1,8 @@
 /* Internal: piece tables of the gather / scatter kernel (gather.cu). A
  * table lists device-to-device copies (src, dst, len); the kernel cuts each
- * piece into tiles of KVX_GATHER_TILE bytes, one thread block per tile, and
- * finds a tile's piece by binary search on the pieces' first tiles. Tables
+ * piece into tiles of KVX_GATHER_TILE bytes, each thread block a contiguous
+ * range of tiles, and finds its first tile's piece by binary search on the
+ * pieces' first tiles, then walks the table. Tables
  * are built on the host (gather_plan.c, pure C, tested on the CPU) and go to
  * the kernel by value, so a launch needs no upload and no buffer whose
  * lifetime must be tracked. kvx_gtable_run_cpu is the CPU reference. */
@@ -59,6 +60,23 @@ KVX_GATHER_FN uint32_t kvx_gtable_find(const kvx_gpiece *p, uint32_t n, uint32_t
       hi = mid;
   }
   return lo;
+}
+
+/* Block b of `blocks` copies the tiles [*lo, *hi): contiguous ranges, so a
+ * block searches the table once and then walks it (a search a tile missed
+ * the constant cache on tables of hundreds of pieces). */
+KVX_GATHER_FN void kvx_gtable_range(uint32_t tiles, uint32_t blocks, uint32_t b, uint32_t *lo, uint32_t *hi) {
+  uint32_t per = (tiles + blocks - 1) / blocks;
+  uint64_t l = (uint64_t)b * per, h = l + per;
+  *lo = l < tiles ? (uint32_t)l : tiles;
+  *hi = h < tiles ? (uint32_t)h : tiles;
+}
+
+/* The piece of `tile` given k, the piece of an earlier tile of the range
+ * (pieces of no tiles share the next one's tile0 and are passed over). */
+KVX_GATHER_FN uint32_t kvx_gtable_advance(const kvx_gpiece *p, uint32_t n, uint32_t k, uint32_t tile) {
+  while (k + 1 < n && p[k + 1].tile0 <= tile) k++;
+  return k;
 }
 
 #ifdef __cplusplus

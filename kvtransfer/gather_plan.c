@@ -33,10 +33,19 @@ uint32_t kvx_gtable_fill(kvx_gtable *t, void *const *dsts, const void *const *sr
 }
 
 void kvx_gtable_run_cpu(const kvx_gtable *t) {
-  for (uint32_t tile = 0; tile < t->tiles; tile++) {
-    const kvx_gpiece *p = &t->p[kvx_gtable_find(t->p, t->n, tile)];
-    uint32_t off = (tile - p->tile0) * KVX_GATHER_TILE;
-    uint32_t len = p->len - off < KVX_GATHER_TILE ? p->len - off : KVX_GATHER_TILE;
-    memcpy((void *)(uintptr_t)(p->dst + off), (const void *)(uintptr_t)(p->src + off), len);
+  /* the kernel's walk with an odd number of blocks, so that ranges start inside pieces */
+  const uint32_t blocks = 7;
+  for (uint32_t b = 0; b < blocks; b++) {
+    uint32_t lo, hi;
+    kvx_gtable_range(t->tiles, blocks, b, &lo, &hi);
+    if (lo >= hi) continue;
+    uint32_t k = kvx_gtable_find(t->p, t->n, lo);
+    for (uint32_t tile = lo; tile < hi; tile++) {
+      k = kvx_gtable_advance(t->p, t->n, k, tile);
+      const kvx_gpiece *p = &t->p[k];
+      uint32_t off = (tile - p->tile0) * KVX_GATHER_TILE;
+      uint32_t len = p->len - off < KVX_GATHER_TILE ? p->len - off : KVX_GATHER_TILE;
+      memcpy((void *)(uintptr_t)(p->dst + off), (const void *)(uintptr_t)(p->src + off), len);
+    }
   }
 }
