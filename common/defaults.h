@@ -14,6 +14,7 @@
 #define TD_DEFAULT_MAX_ENC_TOKENS 4096  /* encoder tokens a batch */
 #define TD_DEFAULT_MAX_ENC_SEQS 16      /* encoder sequences a batch */
 #define TD_DEFAULT_ENGINE_QUEUE 4096    /* requests waiting in one engine */
+#define TD_DEFAULT_ENGINE_ENCODE_DEFER 8 /* two running sets: steps a waiting request may wait for others to share its encoder run */
 #define TD_DEFAULT_GPU_MEMORY_FRACTION 0.9 /* of a GPU's memory a worker (weights, workspace, KV pools) takes */
 #define TD_DEFAULT_GPU_MAX_BATCH 256     /* sequences a decode step on a GPU (pools sized from memory) */
 #define TD_DEFAULT_GPU_MAX_ENC_TOKENS 32768 /* encoder tokens a batch on a GPU: few, large encoder runs (bench/RESULTS.md, bench-serve) */

@@ -27,6 +27,8 @@
 #                   [--decode-tp N | --decode-pp N [--pp-sets 2]] (each decode worker a group of N ranks; with
 #                                                     --encoders 0 each group encodes its own requests; --pp-sets 2:
 #                                                     two running sets alternate through a pipeline's stages)
+#                   [--encode-defer N]  (with --pp-sets 2: steps waiting requests may wait to share an encoder
+#                                        run while both sets run; default 8, -1: never)
 #                   [--encoder-tp N | --encoder-pp N] (each encoder a group of N ranks; it pushes encoder states)
 #                   [--decoders-encode [--local-encode-pct P] [--local-encode-margin R] [--local-encode-seqs N]]
 #                                                     (decode workers also encode, sharing the encoding with
@@ -192,6 +194,7 @@ decoders_encode=0
 local_encode_pct=""
 local_encode_margin=""
 local_encode_seqs=""
+encode_defer=""
 mem_fraction=0.9
 gateway_port=0
 gateway_spin=0
@@ -216,6 +219,7 @@ while (($#)); do
     --encoder-pp) encoder_pp=$2; shift 2 ;;
     --decode-pp) decode_pp=$2; shift 2 ;;
     --pp-sets) pp_sets=$2; shift 2 ;;
+    --encode-defer) encode_defer=$2; shift 2 ;;
     --decoders-encode) decoders_encode=1; shift ;;
     --local-encode-pct) local_encode_pct=$2; shift 2 ;;
     --local-encode-margin) local_encode_margin=$2; shift 2 ;;
@@ -255,6 +259,8 @@ fi
 ((decode_tp == 1 || decode_pp == 1)) || { echo "local.sh: a decode group is tensor- or pipeline-parallel" >&2; exit 2; }
 [[ $pp_sets == 1 || $pp_sets == 2 ]] || { echo "local.sh: --pp-sets must be 1 or 2" >&2; exit 2; }
 ((pp_sets == 1 || decode_pp > 1)) || { echo "local.sh: --pp-sets 2 is for a pipeline (--decode-pp N)" >&2; exit 2; }
+[[ -z $encode_defer || ( $encode_defer =~ ^-?[0-9]+$ && $pp_sets == 2 ) ]] ||
+  { echo "local.sh: --encode-defer takes a number of steps, with --pp-sets 2" >&2; exit 2; }
 [[ $encoder_tp =~ ^[1-9][0-9]*$ && $encoder_pp =~ ^[1-9][0-9]*$ ]] ||
   { echo "local.sh: --encoder-tp and --encoder-pp take a rank count" >&2; exit 2; }
 ((encoder_tp == 1 || encoder_pp == 1)) || { echo "local.sh: an encoder group is tensor- or pipeline-parallel" >&2; exit 2; }
@@ -429,7 +435,7 @@ plan_role prefill "$prefills" 1 1 "" --role prefill
 roles=decode
 ((encoders == 0 || decoders_encode)) && roles=encode,decode
 par="--tp $decode_tp"
-((decode_pp > 1)) && par="--pp $decode_pp --pp-sets $pp_sets"
+((decode_pp > 1)) && par="--pp $decode_pp --pp-sets $pp_sets${encode_defer:+ --encode-defer $encode_defer}"
 dec_args=(--role "$roles")
 [[ -z $local_encode_seqs ]] || dec_args+=(--max-enc-seqs "$local_encode_seqs")
 plan_role decode "$decodes" 3 "$group_size" "$par" "${dec_args[@]}"

@@ -86,6 +86,7 @@ static td_status encode(td_engine *e, group **all, int n_all, int tokens) {
     td_encode_input in = {.n_seqs = nb, .lens = lens, .tokens = toks, .features = feats, .cross_slots = slots};
     int64_t t0 = td_now_ns();
     s = td_model_encode(e->m, &in, NULL);
+    e->st.encode_runs++;
     /* timed: wait for the device (the next step would wait for it anyway) */
     if (s == TD_OK && e->o.time_encoder) s = td_sync(e->b);
     if (s == TD_OK && e->o.time_encoder) e->st.encode_ms += (double)(td_now_ns() - t0) / 1e6;
@@ -108,7 +109,24 @@ int eng_pick_set(const td_engine *e) {
   return n[e->cur] <= n[1 - e->cur] ? e->cur : 1 - e->cur;
 }
 
+/* Two running sets: put the encoder run off while both sets run and few
+ * wait, up to opts.encode_defer_steps steps (each run drains the pipeline:
+ * a run a step for one or two arrivals kept the stages idle). */
+static bool defer_encode(td_engine *e) {
+  if (!e->two_sets || e->wait.n == 0 || e->o.encode_defer_steps < 0 || e->enc_deferred >= e->o.encode_defer_steps)
+    return false;
+  if (e->wait.n >= (td_model_get_opts(e->m)->max_enc_seqs + 1) / 2) return false;
+  int n[2] = {0, 0};
+  for (int i = 0; i < e->run.n; i++) n[((const group *)e->run.v[i])->set & 1]++;
+  return n[0] > 0 && n[1] > 0;
+}
+
 td_status eng_encode_phase(td_engine *e) {
+  if (defer_encode(e)) {
+    e->enc_deferred++;
+    return TD_OK;
+  }
+  e->enc_deferred = 0;
   int nb, tokens;
   td_status as = admit(e, &nb, &tokens); /* failing, the engine fails */
   td_status s = as == TD_OK && nb ? encode(e, e->enc_batch, nb, tokens) : as;

@@ -154,6 +154,7 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (o->max_step_tokens <= 0 || o->max_step_tokens > mo->max_tokens) o->max_step_tokens = mo->max_tokens;
   if (o->max_enc_tokens <= 0 || o->max_enc_tokens > mo->max_enc_tokens) o->max_enc_tokens = mo->max_enc_tokens;
   if (o->max_queue <= 0) o->max_queue = TD_DEFAULT_ENGINE_QUEUE;
+  if (o->encode_defer_steps == 0) o->encode_defer_steps = TD_DEFAULT_ENGINE_ENCODE_DEFER;
   if (!(o->encoder_cache_fraction >= 0 && o->encoder_cache_fraction <= 1)) {
     double f = o->encoder_cache_fraction;
     free(e);

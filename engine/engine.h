@@ -43,6 +43,12 @@ typedef struct td_engine_opts {
    * of the cross pool's blocks, evicted first whenever new work needs
    * blocks. 0 disables; at most 1. */
   double encoder_cache_fraction;
+  /* Two running sets (a pipeline's first stage): an encoder run drains the
+   * pipeline, so while both sets run, waiting requests wait up to this many
+   * steps for others to share their run (at once when half an encoder
+   * batch waits or a set runs empty). 0: TD_DEFAULT_ENGINE_ENCODE_DEFER;
+   * < 0: encode every step. */
+  int encode_defer_steps;
 } td_engine_opts;
 
 typedef struct td_request {
@@ -98,6 +104,7 @@ typedef struct td_engine_callbacks {
 typedef struct td_engine_stats {
   int waiting, running, preempted;
   int64_t steps, encodes, preemptions, tokens_generated, prompt_tokens;
+  int64_t encode_runs; /* encoder runs (a run encodes one or more requests) */
   double encode_ms; /* encoder runs, waited for (opts.time_encoder) */
   /* cross.n_free counts blocks that only the encoder cache holds (evicted
    * on demand): admission and placement see them as free */

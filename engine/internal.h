@@ -175,6 +175,7 @@ struct td_engine {
   bool two_sets;
   int cur;     /* the set the next step launches */
   bool out[2]; /* a set's step launched, its logits not yet collected */
+  int enc_deferred; /* steps the waiting requests' encoder run was put off (opts.encode_defer_steps) */
   eng_sampler smp;
   int *ext_self, *ext_cross; /* references held by callers (handed-over blocks) */
   eng_cache cache;

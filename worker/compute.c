@@ -468,7 +468,8 @@ static td_status compute_init(td_worker *w) {
   td_engine_opts eo = {.self_blocks = w->o.self_blocks, .cross_blocks = w->o.cross_blocks,
                        .max_running = w->o.max_batch, .max_step_tokens = w->o.max_tokens,
                        .gpu_memory_fraction = w->world == 1 ? w->o.gpu_memory_fraction : 0,
-                       .encoder_cache_fraction = w->o.encoder_cache_fraction};
+                       .encoder_cache_fraction = w->o.encoder_cache_fraction,
+                       .encode_defer_steps = w->o.encode_defer};
   td_engine_callbacks cb = {.on_token = on_token, .on_finish = on_finish, .ctx = w};
   TD_TRY(td_engine_create(w->m, &eo, &cb, &w->e));
   model_facts(w);

@@ -36,6 +36,8 @@ static void usage(FILE *f) {
           "                                                      where both sides can, else ZeroMQ)\n"
           "                     [--group NAME (--tp N | --pp N [--pp-sets 2]) --rank R]   (rank 0 serves, others follow;\n"
           "                      --pp-sets 2: two running sets alternate through the stages, every rank alike)\n"
+          "                     [--encode-defer N]  (two running sets: steps waiting requests may wait to share an\n"
+          "                                         encoder run while both sets run; default 8, -1: never)\n"
           "                     [--cross-mode auto|kv|states|dual]  (what the cross pool holds: as the\n"
           "                                         router; --cross-states: states)\n"
           "                     [--cross-transfer states|kv]  (an encoder-only worker in cross mode auto:\n"
@@ -87,7 +89,7 @@ int main(int argc, char **argv) {
       {"log-level", required_argument, 0, 'l'},  {"help", no_argument, 0, 'h'},
       {"group", required_argument, 0, 'G'},      {"tp", required_argument, 0, 'P'},
       {"pp", required_argument, 0, 'S'},         {"rank", required_argument, 0, 'K'},
-      {"pp-sets", required_argument, 0, 1201},
+      {"pp-sets", required_argument, 0, 1201},   {"encode-defer", required_argument, 0, 1202},
       {"kv-transport", required_argument, 0, 'X'}, {"cross-states", no_argument, 0, 'C'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'W'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
@@ -165,6 +167,16 @@ int main(int argc, char **argv) {
           return 2;
         }
         break;
+      case 1202: {
+        char *end = NULL;
+        long v = strtol(optarg, &end, 10);
+        if (!*optarg || *end || v < -1 || v > 1000) {
+          fprintf(stderr, "tandem-worker: --encode-defer %s: steps, -1 (never) to 1000\n", optarg);
+          return 2;
+        }
+        o.encode_defer = v == 0 ? -1 : (int)v; /* 0 steps: encode at once, as -1 */
+        break;
+      }
       case 'K': o.rank = atoi(optarg); break;
       case 'X':
         if (strcmp(optarg, "auto") && strcmp(optarg, "ucx") && strcmp(optarg, "zmq")) {
@@ -213,6 +225,10 @@ int main(int argc, char **argv) {
   }
   if (strlen(o.id) > MAX_ID) {
     fprintf(stderr, "tandem-worker: --id: at most %d characters (the router's ids and a group's rank names)\n", MAX_ID);
+    return 2;
+  }
+  if (o.encode_defer && o.pp_sets != 2) {
+    fprintf(stderr, "tandem-worker: --encode-defer is for two running sets (--pp N --pp-sets 2)\n");
     return 2;
   }
   if (o.pp_sets == 2 && (!o.group || o.pp < 2)) {

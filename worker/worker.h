@@ -62,6 +62,7 @@ typedef struct td_worker_opts {
   const char *group;
   int tp, pp;              /* group size along one of them (the other 1) */
   int pp_sets;             /* a pipeline group: 2 = two running sets (td_model_opts.pp_sets), every rank alike */
+  int encode_defer;        /* two running sets: td_engine_opts.encode_defer_steps (0: the engine's default) */
   int rank;
   /* What the cross pool holds (td_model_opts.cross_mode); the router
    * refuses a worker whose mode differs from the cluster's. */

@@ -173,6 +173,10 @@ check "--local-encode-seqs 0 is refused" grep -q "must be a number of inputs" "$
 check "--encoder-cache-fraction 1.5 is refused" grep -q "must be in \\[0, 1\\]" "$work/lse-bad.err"
 "$root/deploy/local.sh" --gateway-spin-us 100001 >/dev/null 2>"$work/lse-bad.err"
 check "--gateway-spin-us 100001 is refused" grep -q "gateway-spin-us must be 0 to 100000" "$work/lse-bad.err"
+"$root/deploy/local.sh" --decode-pp 2 --encode-defer 4 >/dev/null 2>"$work/lse-bad.err"
+check "--encode-defer without --pp-sets 2 is refused" grep -q "encode-defer takes a number of steps, with --pp-sets 2" "$work/lse-bad.err"
+"$root/deploy/local.sh" --decode-pp 2 --pp-sets 2 --encode-defer soon >/dev/null 2>"$work/lse-bad.err"
+check "--encode-defer soon is refused" grep -q "encode-defer takes a number of steps" "$work/lse-bad.err"
 
 # ---- what a worker and cluster.sh refuse before anything starts
 "$bin/tandem-worker" --router tcp://127.0.0.1:9 --model "$root/tests/data/toy-numbers-t5" --role decode --id w \

@@ -64,6 +64,10 @@ static td_status rank_backend(int rank, int world, td_comm **comm, td_backend **
 static int par_states_rows;
 /* the engine tests' pipelines: two running sets (td_model_opts.pp_sets) on every rank */
 static int par_pp_sets;
+/* run_engine: steps between the requests' arrivals (0: all at once), the
+ * engine's encode_defer_steps, and the encoder runs it made */
+static int par_stagger, par_defer;
+static int64_t par_encode_runs;
 /* Cross K/V as after a states push (cross mode dual): every rank's per-layer
  * K/V zeroed after encoding, then projected from the states tails that
  * stayed (td_model_project_cross; the engine tests mirror it to followers). */
@@ -830,7 +834,7 @@ static void run_engine(const char *dir, int world, bool pp, td_cross_mode mode, 
       td_model_set_mirror(m, &mir);
     }
     td_engine_opts eo = {.self_blocks = par_blocks, .cross_blocks = par_blocks, .max_running = 8, .max_step_tokens = 64,
-                         .max_enc_tokens = par_enc_tokens};
+                         .max_enc_tokens = par_enc_tokens, .encode_defer_steps = par_defer};
     td_engine_callbacks cb = {.on_finish = on_finish_logits, .ctx = &lc};
     ls = td_engine_create(m, &eo, &cb, &e);
   }
@@ -888,9 +892,11 @@ static void run_engine(const char *dir, int world, bool pp, td_cross_mode mode, 
       }
       uint64_t h;
       cr_assert(td_engine_add(e, &r, &h) == TD_OK, "%s", td_errmsg());
+      for (int k = 0; k < par_stagger && !td_engine_idle(e); k++) cr_assert(td_engine_step(e) == TD_OK, "%s", td_errmsg());
     }
     for (int k = 0; k < 2000 && !td_engine_idle(e); k++)
       if (td_engine_step(e) != TD_OK) break;
+    if (world > 1) par_encode_runs = td_engine_get_stats(e).encode_runs; /* not the one-GPU reference run */
   }
   td_engine_destroy(e);
   /* a NULL message ends each follower */
@@ -1139,6 +1145,22 @@ Test(pipeline_parallel, engine_two_running_sets) {
   check_engine_par("bart-tiny", 2, true, true);
   check_engine_par("whisper-tiny", 2, true, false);
   par_pp_sets = 0;
+}
+
+/* Requests arriving a step apart while both sets run: their encoder runs
+ * are put off and shared (each run drains the pipeline), tokens unchanged;
+ * with deferral off every arrival has a run of its own. */
+Test(pipeline_parallel, two_sets_share_encoder_runs) {
+  par_pp_sets = 2;
+  par_stagger = 1;
+  check_engine_par("t5-tiny", 2, true, false);
+  int64_t shared = par_encode_runs;
+  par_defer = -1;
+  check_engine_par("t5-tiny", 2, true, false);
+  int64_t own = par_encode_runs;
+  par_defer = par_stagger = par_pp_sets = 0;
+  cr_assert_eq(own, 5, "deferral off: %lld encoder runs for 5 requests", (long long)own);
+  cr_assert(shared >= 2 && shared < own, "deferral on: %lld encoder runs for 5 requests", (long long)shared);
 }
 
 Test(pipeline_parallel, engine_four_stages) {

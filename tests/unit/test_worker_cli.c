@@ -63,3 +63,18 @@ Test(worker_cli, running_sets_outside_a_pipeline_are_refused) {
   cr_expect_eq(run_worker(args, err, sizeof err), 2, "%s", err);
   cr_expect(strstr(err, "--pp-sets 2 is for a pipeline group"), "%s", err);
 }
+
+/* --encode-defer: a number of steps from -1 to 1000, and only with two running sets. */
+Test(worker_cli, encode_defer_is_checked) {
+  char err[4096];
+  const char *bad[] = {"x", "-2", "1001", "", "3steps"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char args[256];
+    snprintf(args, sizeof args, "--router tcp://127.0.0.1:1 --model /nonexistent --encode-defer '%s'", bad[i]);
+    cr_expect_eq(run_worker(args, err, sizeof err), 2, "%s: %s", bad[i], err);
+    cr_expect(strstr(err, "steps, -1 (never) to 1000"), "%s: %s", bad[i], err);
+  }
+  const char *args = "--router tcp://127.0.0.1:1 --model " TD_TEST_DATA "/t5-tiny --device cpu --encode-defer 4 --id w";
+  cr_expect_eq(run_worker(args, err, sizeof err), 2, "%s", err);
+  cr_expect(strstr(err, "--encode-defer is for two running sets"), "%s", err);
+}
