@@ -85,6 +85,7 @@ typedef struct run {
   td_client_timings stages; /* the cluster's per-stage times, summed over successful requests */
   int n_staged;
   double gw_sum[3], gw_count[3]; /* --gateway: the gateway's first-event stages over the run (seconds, streams) */
+  td_http_hop hop;               /* --gateway: this client's side of the first events */
   FILE *results; /* --results */
 } run;
 
@@ -279,6 +280,7 @@ static td_status run_gateway(const opts *o, run *r) {
   td_http_stages before, after;
   bool staged = s == TD_OK && td_http_bench_stages(h, &before) == TD_OK;
   if (s == TD_OK) s = drive(&http_target, h, o, r);
+  r->hop = td_http_bench_hop(h);
   if (s == TD_OK && staged && td_http_bench_stages(h, &after) == TD_OK)
     for (int i = 0; i < 3; i++) {
       r->gw_sum[i] = after.sum[i] - before.sum[i];
@@ -638,7 +640,7 @@ int main(int argc, char **argv) {
   td_sbuf_printf(&tab, "| arrivals | ok | req/s | out tok/s | in tok/s | TTFT ms p50 / p90 / p99 | "
                        "TPOT ms p50 / p90 / p99 | end-to-end ms p50 / p90 / p99 | goodput req/s |\n"
                        "|---|---|---|---|---|---|---|---|---|\n");
-  td_sbuf stages = {0};
+  td_sbuf stages = {0}, hops = {0};
   if (o.router)
     td_sbuf_printf(&stages, "\nWhere the time went, as the router saw it (mean ms a request; transfer: the "
                             "encoder's wait and KV push):\n\n| arrivals | queue | reserve | encode | transfer | "
@@ -648,6 +650,12 @@ int main(int argc, char **argv) {
                             "the router, cluster: to the router's first answer, answer: to the HTTP server; the rest "
                             "of TTFT is HTTP and this client):\n\n| arrivals | admit | cluster | answer | streams |\n"
                             "|---|---|---|---|---|\n");
+  if (o.gateway)
+    td_sbuf_printf(&hops, "\nThe same first events as this client saw them (mean ms: the request sent and the "
+                          "response's headers from curl's start of the transfer, the first event from the submit "
+                          "call; TTFT counts from the request's arrival time, so TTFT minus first event is the wait "
+                          "before the submit call):\n\n| arrivals | request sent | headers | first event | TTFT | "
+                          "streams |\n|---|---|---|---|---|---|\n");
   int rc = 0;
   for (int k = 0; k < n_runs && rc == 0; k++) {
     double rate = o.n_rates ? o.rates[k] : 0;
@@ -673,6 +681,9 @@ int main(int argc, char **argv) {
       if (o.gateway && r.gw_count[1] > 0)
         td_sbuf_printf(&stages, "| %s | %.3f | %.3f | %.3f | %.0f |\n", arr, 1e3 * r.gw_sum[0] / r.gw_count[0],
                        1e3 * r.gw_sum[1] / r.gw_count[1], 1e3 * r.gw_sum[2] / r.gw_count[2], r.gw_count[1]);
+      if (o.gateway && r.hop.n > 0)
+        td_sbuf_printf(&hops, "| %s | %.3f | %.3f | %.3f | %.3f | %d |\n", arr, r.hop.sent_ms / r.hop.n,
+                       r.hop.headers_ms / r.hop.n, r.hop.first_ms / r.hop.n, sums[k].ttft.mean, r.hop.n);
       if (sums[k].n_failed) rc = 1;
     }
     if (r.results && fclose(r.results) != 0) {
@@ -685,6 +696,7 @@ int main(int argc, char **argv) {
     td_sbuf_printf(&tab, "\nGoodput: requests a second with TTFT <= %g ms and TPOT <= %g ms (0: no bound).\n",
                    o.ttft_bound, o.tpot_bound);
   if (stages.s) td_sbuf_printf(&tab, "%s", stages.s);
+  if (hops.s) td_sbuf_printf(&tab, "%s", hops.s);
   if (o.engine) { /* every run of a sweep together */
     td_engine_stats es = td_engine_get_stats(g.e);
     td_sbuf_printf(&tab,
@@ -694,6 +706,7 @@ int main(int argc, char **argv) {
                    (long long)es.cache_misses, (long long)es.cache_evictions);
   }
   td_sbuf_free(&stages);
+  td_sbuf_free(&hops);
   fputs(tab.s, stdout);
   if (rc == 0 && o.plot && plot(o.plot, sums, n_runs, o.workload) != TD_OK) {
     fprintf(stderr, "bench-serve: %s\n", td_errmsg());

@@ -26,6 +26,7 @@ typedef struct xfer {
   size_t n, cap;
   bool first, done, failed;
   int n_tokens;
+  int64_t t0_ns; /* the submit call (td_now_ns) */
   struct xfer *prev, *next; /* the live transfers */
 } xfer;
 
@@ -39,6 +40,7 @@ struct td_http_bench {
   char url[512], model[256];
   const td_http_events *ev; /* during a poll */
   xfer *live;
+  td_http_hop hop; /* first events so far */
 };
 
 static void event(xfer *x, const char *data) {
@@ -58,6 +60,13 @@ static void event(xfer *x, const char *data) {
   const cJSON *ch = cJSON_GetObjectItem(o, "choices"), *u = cJSON_GetObjectItem(o, "usage");
   if (cJSON_GetArraySize(ch) > 0 && !x->first) {
     x->first = true;
+    curl_off_t sent = 0, head = 0; /* microseconds from curl's start of the transfer */
+    curl_easy_getinfo(x->e, CURLINFO_PRETRANSFER_TIME_T, &sent);
+    curl_easy_getinfo(x->e, CURLINFO_STARTTRANSFER_TIME_T, &head);
+    x->h->hop.sent_ms += (double)sent / 1e3;
+    x->h->hop.headers_ms += (double)head / 1e3;
+    x->h->hop.first_ms += (double)(td_now_ns() - x->t0_ns) / 1e6;
+    x->h->hop.n++;
     if (x->h->ev && x->h->ev->first) x->h->ev->first(x->h->ev->ctx, x->index);
   }
   const cJSON *ct = u ? cJSON_GetObjectItem(u, "completion_tokens") : NULL;
@@ -336,6 +345,7 @@ td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int i
                                       "prompt or beams)", r->id);
   xfer *x = calloc(1, sizeof *x);
   if (!x) return td_err(TD_ERR_NOMEM, "out of memory");
+  x->t0_ns = td_now_ns();
   x->h = h;
   x->index = index;
   x->body = body_of(h, r);
@@ -369,6 +379,8 @@ td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int i
   h->live = x;
   return TD_OK;
 }
+
+td_http_hop td_http_bench_hop(const td_http_bench *h) { return h->hop; }
 
 td_status td_http_bench_poll(td_http_bench *h, int timeout_ms, const td_http_events *ev) {
   h->ev = ev;

@@ -34,6 +34,15 @@ typedef struct td_http_stages {
   double sum[3], count[3];
 } td_http_stages;
 td_status td_http_bench_stages(td_http_bench *h, td_http_stages *out);
+/* This client's side of the streams' first events, summed over n: from the
+ * submit call to the first event; from curl's start of the transfer to the
+ * request sent (CURLINFO_PRETRANSFER_TIME) and to the response's first
+ * byte, its headers (CURLINFO_STARTTRANSFER_TIME). */
+typedef struct td_http_hop {
+  double sent_ms, headers_ms, first_ms;
+  int n;
+} td_http_hop;
+td_http_hop td_http_bench_hop(const td_http_bench *h);
 /* Sends request r (ids only: features or a decoder prompt are refused). */
 td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int index);
 /* Moves transfers for up to timeout_ms; reports through ev. */
