@@ -1,6 +1,11 @@
 /* The router alone: requests per second and the latency it adds, with
  * workers that answer every job at once (no model).
- *   bench-router [--requests N] [--no-record] */
+ *   bench-router [--requests N] [--no-record]
+ *   bench-router --serve PORT   (the router on PORT (clients) and PORT + 1
+ *                                (workers) with the instant workers, until
+ *                                SIGINT / SIGTERM: a cluster without compute
+ *                                for measuring what is in front of it, e.g.
+ *                                tandem-gateway against bench-serve) */
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -16,7 +21,11 @@
 #include "proto/wire.h"
 #include "router/router.h"
 
-static volatile sig_atomic_t stop_router, stop_workers;
+static volatile sig_atomic_t stop_router, stop_workers, stop_serving;
+static void on_signal(int sig) {
+  (void)sig;
+  stop_serving = 1;
+}
 
 typedef struct rctx {
   td_router *r;
@@ -72,7 +81,10 @@ static void *worker_thread(void *arg) {
   int32_t tok = 5;
   while (!stop_workers) {
     if (td_now_ms() - last_hb > 200) {
+      Tandem__Cluster__Load load = TANDEM__CLUSTER__LOAD__INIT; /* the router drops a heartbeat without it */
+      load.free_self_blocks = load.free_cross_blocks = 1u << 20;
       Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
+      hb.load = &load;
       Tandem__Cluster__WorkerMessage hm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
       hm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT;
       hm.heartbeat = &hb;
@@ -174,15 +186,26 @@ int main(int argc, char **argv) {
     return 2;
   }
   td_settings_apply(&settings);
-  int n = 20000;
+  int n = 20000, serve_port = 0;
   bool record = true;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--requests") && i + 1 < argc) n = atoi(argv[++i]);
     if (!strcmp(argv[i], "--no-record")) record = false;
+    if (!strcmp(argv[i], "--serve") && i + 1 < argc) {
+      serve_port = atoi(argv[++i]);
+      if (serve_port < 1 || serve_port > 65534) {
+        fprintf(stderr, "bench-router: --serve PORT: 1 to 65534 (PORT + 1 takes the workers)\n");
+        return 2;
+      }
+    }
   }
   td_log_set_level(TD_LOG_WARN);
-  td_router_opts o = {.client_endpoint = "tcp://127.0.0.1:7390", .worker_endpoint = "tcp://127.0.0.1:7391",
-                      .max_queue = 1 << 20, .max_in_flight = 1 << 20};
+  char cep[64] = "tcp://127.0.0.1:7390", wep[64] = "tcp://127.0.0.1:7391";
+  if (serve_port) {
+    snprintf(cep, sizeof cep, "tcp://127.0.0.1:%d", serve_port);
+    snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", serve_port + 1);
+  }
+  td_router_opts o = {.client_endpoint = cep, .worker_endpoint = wep, .max_queue = 1 << 20, .max_in_flight = 1 << 20};
   rctx rc;
   if (td_router_create(&o, &rc.r) != TD_OK) {
     fprintf(stderr, "router: %s\n", td_errmsg());
@@ -196,6 +219,19 @@ int main(int argc, char **argv) {
     pthread_create(&wt[i], NULL, worker_thread, &w[i]);
   }
   usleep(500000);
+  if (serve_port) {
+    signal(SIGINT, on_signal);
+    signal(SIGTERM, on_signal);
+    printf("router %s (2 workers that answer every job at once)\n", cep);
+    fflush(stdout);
+    while (!stop_serving) usleep(100000);
+    stop_workers = 1;
+    for (int i = 0; i < 2; i++) pthread_join(wt[i], NULL);
+    stop_router = 1;
+    pthread_join(rt, NULL);
+    td_router_destroy(rc.r);
+    return 0;
+  }
   td_sbuf t = {0};
   td_sbuf_printf(&t, "Router alone (tandem-router in-process, 2 decode workers that answer each job at once, one client "
                      "over loopback TCP, requests of 32 input tokens): throughput at several concurrencies and the "

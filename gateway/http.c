@@ -328,17 +328,31 @@ static enum MHD_Result refused(td_gateway *g, gw_route r, struct MHD_Connection 
   return (enum MHD_Result)refuse(mc, http, fmt, arg);
 }
 
+/* The con_cls of a GET answered on its next call: a response queued on the
+ * first call, before the request is read to its end, makes the HTTP library
+ * close the connection after it ("Connection: close"), so that a client's
+ * pool (bench-serve's warm connections, OpenAI clients) opened a connection,
+ * and the gateway a thread, for every request after a GET. */
+static char get_later;
+
+static bool is_get_route(const char *url) {
+  return !strcmp(url, "/metrics") || !strcmp(url, "/health") || !strcmp(url, "/v1/models") ||
+         !strncmp(url, "/v1/models/", 11);
+}
+
+static enum MHD_Result answer_get(td_gateway *g, struct MHD_Connection *mc, const char *url) {
+  if (!strcmp(url, "/metrics")) return (enum MHD_Result)get_metrics(g, mc);
+  return (enum MHD_Result)(strcmp(url, "/health") ? get_models(g, mc, url) : get_health(g, mc));
+}
+
 static enum MHD_Result first_call(td_gateway *g, struct MHD_Connection *mc, const char *url, const char *method,
                                   void **con_cls) {
   bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
   gw_route r = route_of(url);
-  if (!strcmp(url, "/metrics")) {
+  if (is_get_route(url)) {
     if (!get) return (enum MHD_Result)refuse(mc, 405, "%s: use GET", url);
-    return (enum MHD_Result)get_metrics(g, mc);
-  }
-  if (!strcmp(url, "/health") || !strcmp(url, "/v1/models") || !strncmp(url, "/v1/models/", 11)) {
-    if (!get) return (enum MHD_Result)refuse(mc, 405, "%s: use GET", url);
-    return (enum MHD_Result)(strcmp(url, "/health") ? get_models(g, mc, url) : get_health(g, mc));
+    *con_cls = &get_later;
+    return MHD_YES;
   }
   if (r == GW_R_NONE) return refused(g, r, mc, 404, "no such endpoint: %s", url);
   if (strcmp(method, "POST")) return refused(g, r, mc, 405, "%s: use POST", url);
@@ -382,6 +396,14 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *mc, const char *
   td_gateway *g = cls;
   gw_conn *c = *con_cls;
   if (!c) return first_call(g, mc, url, method, con_cls);
+  if (*con_cls == &get_later) {
+    if (*upload_data_size) { /* a body on a GET: read and dropped */
+      *upload_data_size = 0;
+      return MHD_YES;
+    }
+    *con_cls = NULL;
+    return answer_get(g, mc, url);
+  }
   if (*upload_data_size) {
     size_t n = *upload_data_size;
     *upload_data_size = 0;
@@ -416,8 +438,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *mc, const char *
 static void completed(void *cls, struct MHD_Connection *mc, void **con_cls, enum MHD_RequestTerminationCode toe) {
   td_gateway *g = cls;
   gw_conn *c = *con_cls;
-  if (!c) return;
   *con_cls = NULL;
+  if (!c || (void *)c == (void *)&get_later) return;
   if (c->pp) MHD_destroy_post_processor(c->pp);
   int generated = c->generated; /* long-form: every window's tokens */
   for (int i = 0; i < c->n_ch; i++) generated += c->ch[i].t.n_tokens;

@@ -72,6 +72,9 @@ start_cluster text --model "$t5"
 j='Content-Type: application/json'
 r=$(curl -s "$gw/v1/models"); check "models" has "$r" '"id":"toy-numbers-t5"'
 r=$(curl -s "$gw/health"); check "health" has "$r" '"status":"ok"'
+# GETs keep the connection open for the next request (a client's pool): three on one connection
+r=$(curl -sv "$gw/health" "$gw/v1/models" "$gw/metrics" -o /dev/null -o /dev/null -o /dev/null 2>&1)
+check "GETs keep the connection alive" test "$(grep -c 'Re-using existing connection' <<<"$r")" = 2
 
 # ZeroMQ clients all along the HTTP part
 zmq_req="$work/zmq.jsonl"
