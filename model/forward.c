@@ -7,6 +7,8 @@
 
 #include "model/internal.h"
 
+static void *rows_at(const td_model *m, const void *p, int row, int width);
+
 static td_status norm(td_model *m, const norm_w *n, const void *x, void *y, int rows) {
   return td_norm(m->b, x, n->w, n->b, y, rows, m->d.d, m->cfg.norm_eps, m->cfg.rmsnorm);
 }
@@ -108,40 +110,60 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   }
   memcpy(slots, in->cross_slots, sizeof(int32_t) * (size_t)E);
   TD_TRY(mirror_publish_encode(m, in));
-  size_t n_meta = (size_t)(3 * E + B + 1);
+  /* Pipeline stages take the encoder in micro-batches of whole sequences, as
+   * the decoder's steps: stage s runs micro-batch k while stage s + 1 runs
+   * k - 1 (one batch went through the stages one after the other, the
+   * other stages idle). Each has its own cu_seqlens from 0. */
+  bool first = d->stage == 0, last = d->stage == d->stages - 1;
+  int M = d->stages < B ? d->stages : B;
+  if (M > TD_ENC_MICRO_BATCHES) M = TD_ENC_MICRO_BATCHES;
+  int32_t *mcu = slots + E; /* per micro-batch: its sequences' offsets from its first token */
+  int mcu_at[TD_ENC_MICRO_BATCHES];
+  for (int mb = 0, at = 0; mb < M; mb++) {
+    int s0 = B * mb / M, s1 = B * (mb + 1) / M;
+    mcu_at[mb] = at;
+    for (int s = s0; s <= s1; s++) mcu[at++] = cu[s] - cu[s0];
+  }
+  size_t n_meta = (size_t)(3 * E + B + 1) + (M > 1 ? (size_t)(B + M) : 0);
   TD_TRY(td_copy_h2d(b, m->meta_dev, hm, n_meta * sizeof(int32_t)));
   const int32_t *dtok = m->meta_dev, *dpos = m->meta_dev + E, *dcu = m->meta_dev + 2 * E,
-                *dslots = m->meta_dev + 2 * E + B + 1;
+                *dslots = m->meta_dev + 2 * E + B + 1, *dmcu = dslots + E;
 
-  bool first = d->stage == 0, last = d->stage == d->stages - 1;
-  if (!first) {
-    TD_TRY(td_recv(b, m->e_h, TD_BUF_ACT, (size_t)E * d->d, d->stage - 1));
-  } else if (whisper) {
-    int F = 2 * m->max_src, mels = c->num_mel_bins;
-    TD_TRY(td_upload(b, TD_BUF_ACT, m->w_feat, in->features, (size_t)B * mels * F));
-    TD_TRY(td_im2col1d(b, m->w_feat, m->w_col1, B, mels, F, 3, 1, 1, true));
-    TD_TRY(td_gemm(b, m->w_col1, m->conv1.w, m->conv1.b, m->w_c1, B * F, d->d, mels * 3, TD_ACT_GELU, 0));
-    TD_TRY(td_im2col1d(b, m->w_c1, m->w_col2, B, d->d, F, 3, 2, 1, false));
-    TD_TRY(td_gemm(b, m->w_col2, m->conv2.w, m->conv2.b, m->e_h, E, d->d, d->d * 3, TD_ACT_GELU, 0));
-    TD_TRY(td_add_pos(b, m->e_h, m->enc_pos, B, m->max_src, d->d));
-  } else {
-    TD_TRY(td_embed(b, dtok, dpos, m->enc_tok, c->pos_kind == TD_POS_RELATIVE ? NULL : m->enc_pos, c->embed_scale,
-                    m->e_h, E, d->d));
-    if (c->layernorm_embedding) TD_TRY(norm(m, &m->enc_ln_emb, m->e_h, m->e_h, E));
-  }
+  int F = 2 * m->max_src, mels = c->num_mel_bins;
+  if (first && whisper) TD_TRY(td_upload(b, TD_BUF_ACT, m->w_feat, in->features, (size_t)B * mels * F));
   td_relbias eb = {m->enc_lut, c->rel_max_distance};
   const td_relbias *bias = m->enc_lut ? &eb : NULL;
-  for (int l = 0; l < d->e1 - d->e0; l++) {
-    const enc_layer *L = &m->enc[l];
-    TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_attn : NULL, &L->qkv, m->e_h, m->e_qkv, m->e_x, E, TD_ACT_NONE, 0, NULL));
-    TD_TRY(td_attn_dense(b, m->e_qkv, m->e_attn, dcu, B, E, max_len, d->eh, d->edh, c->enc_attn_scale, false, bias));
-    TD_TRY(row_parallel(m, &L->o, m->e_attn, m->e_h, E));
-    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_attn, m->e_h, m->e_h, E));
-    TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, m->e_h, m->e_x, m->e_ff, m->e_ff1, E));
-    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, m->e_h, m->e_h, E));
+  for (int mb = 0; mb < M; mb++) {
+    int s0 = B * mb / M, s1 = B * (mb + 1) / M, Bk = s1 - s0;
+    int t0 = cu[s0], Ek = cu[s1] - cu[s0], maxk = 0;
+    for (int s = s0; s < s1; s++) maxk = cu[s + 1] - cu[s] > maxk ? cu[s + 1] - cu[s] : maxk;
+    const int32_t *kcu = M > 1 ? dmcu + mcu_at[mb] : dcu;
+    void *eh = rows_at(m, m->e_h, t0, d->d);
+    if (!first) {
+      TD_TRY(td_recv(b, eh, TD_BUF_ACT, (size_t)Ek * d->d, d->stage - 1));
+    } else if (whisper) {
+      TD_TRY(td_im2col1d(b, rows_at(m, m->w_feat, s0 * mels, F), m->w_col1, Bk, mels, F, 3, 1, 1, true));
+      TD_TRY(td_gemm(b, m->w_col1, m->conv1.w, m->conv1.b, m->w_c1, Bk * F, d->d, mels * 3, TD_ACT_GELU, 0));
+      TD_TRY(td_im2col1d(b, m->w_c1, m->w_col2, Bk, d->d, F, 3, 2, 1, false));
+      TD_TRY(td_gemm(b, m->w_col2, m->conv2.w, m->conv2.b, eh, Ek, d->d, d->d * 3, TD_ACT_GELU, 0));
+      TD_TRY(td_add_pos(b, eh, m->enc_pos, Bk, m->max_src, d->d));
+    } else {
+      TD_TRY(td_embed(b, dtok + t0, dpos + t0, m->enc_tok, c->pos_kind == TD_POS_RELATIVE ? NULL : m->enc_pos,
+                      c->embed_scale, eh, Ek, d->d));
+      if (c->layernorm_embedding) TD_TRY(norm(m, &m->enc_ln_emb, eh, eh, Ek));
+    }
+    for (int l = 0; l < d->e1 - d->e0; l++) {
+      const enc_layer *L = &m->enc[l];
+      TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_attn : NULL, &L->qkv, eh, m->e_qkv, m->e_x, Ek, TD_ACT_NONE, 0, NULL));
+      TD_TRY(td_attn_dense(b, m->e_qkv, m->e_attn, kcu, Bk, Ek, maxk, d->eh, d->edh, c->enc_attn_scale, false, bias));
+      TD_TRY(row_parallel(m, &L->o, m->e_attn, eh, Ek));
+      if (!c->pre_norm) TD_TRY(norm(m, &L->ln_attn, eh, eh, Ek));
+      TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, eh, m->e_x, m->e_ff, m->e_ff1, Ek));
+      if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, eh, eh, Ek));
+    }
+    if (!last) TD_TRY(td_send(b, eh, TD_BUF_ACT, (size_t)Ek * d->d, d->stage + 1));
   }
   /* pipeline: the last stage's output goes to every stage's cross KV */
-  if (!last) TD_TRY(td_send(b, m->e_h, TD_BUF_ACT, (size_t)E * d->d, d->stage + 1));
   const void *eo = m->e_h;
   if (last && c->final_norm) {
     TD_TRY(norm(m, &m->enc_final, m->e_h, m->e_x, E));

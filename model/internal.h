@@ -11,6 +11,9 @@
 #include "model/model.h"
 #include "model/safetensors.h"
 
+/* the encoder's micro-batches through pipeline stages, at most (each has its own cu_seqlens in the metadata) */
+#define TD_ENC_MICRO_BATCHES 8
+
 typedef struct lin {
   void *w;     /* TD_BUF_ACT [out, in] */
   float *b;    /* TD_BUF_F32 [out] or NULL */

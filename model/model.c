@@ -67,7 +67,8 @@ static td_status alloc_scratch(td_model *m) {
   /* metadata: the larger of the step's and the encoder's needs */
   size_t S = (size_t)o->max_seqs;
   size_t step = 4 * T + 3 * S + 1 + S * (size_t)(m->self_stride + m->cross_stride) + L;
-  size_t enc = 3 * E + (size_t)o->max_enc_seqs + 1;
+  /* tokens, positions, cu_seqlens, cross slots, then each pipeline micro-batch's own cu_seqlens */
+  size_t enc = 3 * E + 2 * (size_t)o->max_enc_seqs + 1 + TD_ENC_MICRO_BATCHES;
   m->meta_cap = step > enc ? step : enc;
   TD_TRY(td_alloc(b, TD_BUF_I32, m->meta_cap, (void **)&m->meta_dev));
   TD_TRY(td_host_alloc(b, m->meta_cap * sizeof(int32_t), (void **)&m->meta_host));
