@@ -9,11 +9,12 @@
  *   kv_transfer [--quick] [--max-mb N] [--results FILE] [--no-append]
  *               [--commit SHA] [--slots N] [--slot-mb N] [--stage-chunk-kb N]
  *               [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc]
- *               [--ipc-copy auto|kernel|engines]
+ *               [--ipc-copy auto|kernel|engines] [--ipc-pieces N]
  *
  * --nccl-chunk-kb: the NCCL pipeline's largest chunk on both sides (the
  * transfer context's default when absent); --only: measure one path;
  * --ipc-copy: how CUDA IPC copies (td_kvx_ipc_copy; auto when absent).
+ * --ipc-pieces N: pieces per IPC chunk, one gather launch each (td_kvx_opts.ipc_chunk_pieces).
  *
  * Receivers are separate processes (this program re-executed), one per
  * GPU in use. Time is from td_kvx_post to the sender's callback, which
@@ -524,6 +525,7 @@ int main(int argc, char **argv) {
   }
   bool quick = false, append = true;
   const char *results = "bench/RESULTS.md", *only = NULL, *ipc_copy = "auto";
+  int ipc_pieces = 0; /* 0: the context's default */
   char commit[64] = "";
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) {
@@ -547,13 +549,20 @@ int main(int argc, char **argv) {
     } else if (!strcmp(argv[i], "--ipc-copy") && i + 1 < argc &&
                (!strcmp(argv[i + 1], "auto") || !strcmp(argv[i + 1], "kernel") || !strcmp(argv[i + 1], "engines"))) {
       ipc_copy = argv[++i];
+    } else if (!strcmp(argv[i], "--ipc-pieces") && i + 1 < argc) {
+      ipc_pieces = atoi(argv[++i]);
+      if (ipc_pieces < 16 || ipc_pieces > 1000) {
+        fprintf(stderr, "%s: --ipc-pieces: 16 to 1000 pieces a chunk\n", argv[0]);
+        return 2;
+      }
     } else if (!strcmp(argv[i], "--only") && i + 1 < argc &&
                (!strcmp(argv[i + 1], "host") || !strcmp(argv[i + 1], "tcp") || !strcmp(argv[i + 1], "staged") ||
                 !strcmp(argv[i + 1], "nccl") || !strcmp(argv[i + 1], "ipc"))) {
       only = argv[++i];
     } else {
       fprintf(stderr, "usage: %s [--quick] [--max-mb N] [--results FILE] [--no-append] [--commit SHA] [--slots N] "
-                      "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc] [--ipc-copy auto|kernel|engines]\n",
+                      "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc] [--ipc-copy auto|kernel|engines] "
+                      "[--ipc-pieces N]\n",
               argv[0]);
       return 2;
     }
@@ -635,6 +644,7 @@ int main(int argc, char **argv) {
   o.ipc_copy = !strcmp(ipc_copy, "kernel")    ? TD_KVX_IPC_COPY_KERNEL
                : !strcmp(ipc_copy, "engines") ? TD_KVX_IPC_COPY_ENGINES
                                               : TD_KVX_IPC_COPY_AUTO;
+  o.ipc_chunk_pieces = ipc_pieces;
   td_kvx *k = NULL, *ktcp = NULL;
   td_kvx_opts ot = o;
   ot.name = "bench-tx-tcp";
@@ -677,8 +687,10 @@ int main(int argc, char **argv) {
     measure_path("NCCL GPU0->GPU1", k, p1, KIND_GPU, KIND_GPU, TD_KVX_NCCL, p_nccl > 0 ? p_nccl : p_peer, quick);
   /* CUDA IPC: the receiver's pool mapped here, device-to-device copies. */
   char ipc_one[64], ipc_two[64];
-  snprintf(ipc_one, sizeof ipc_one, "IPC GPU->GPU one GPU %s", ipc_copy);
-  snprintf(ipc_two, sizeof ipc_two, "IPC GPU0->GPU1 %s", ipc_copy);
+  char pcs[16] = "";
+  if (ipc_pieces) snprintf(pcs, sizeof pcs, " /%d", ipc_pieces);
+  snprintf(ipc_one, sizeof ipc_one, "IPC GPU->GPU one GPU %s%s", ipc_copy, pcs);
+  snprintf(ipc_two, sizeof ipc_two, "IPC GPU0->GPU1 %s%s", ipc_copy, pcs);
   if (ngpu > 0 && WANT("ipc")) measure_path(ipc_one, k, p0, KIND_GPU, KIND_GPU, TD_KVX_IPC, p_d2d, quick);
   if (p1 && WANT("ipc")) measure_path(ipc_two, k, p1, KIND_GPU, KIND_GPU, TD_KVX_IPC, p_peer, quick);
 

@@ -140,6 +140,12 @@ typedef struct td_kvx_opts {
    * peer's pool (TANDEM_KVX_IPC=off). */
   bool no_ipc;
   td_kvx_ipc_copy ipc_copy;
+  /* CUDA IPC: pieces a chunk copies, each chunk one gather launch whose
+   * piece table is its kernel parameter (0: KVX_IPC_PIECES, 1,000 = 24 KiB
+   * of parameters; at least 16). For measuring what a launch's table costs
+   * against how many launches a transfer takes (bench_kv_transfer
+   * --ipc-pieces). */
+  int ipc_chunk_pieces;
   /* NCCL: the largest chunk of a transfer's byte stream (the pipeline's
    * step; 6 device bounce slots of this size per direction). */
   size_t nccl_chunk_bytes;

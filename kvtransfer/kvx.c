@@ -54,6 +54,8 @@ td_status td_kvx_create(const td_kvx_opts *opts, td_kvx **out) {
   k->stage_chunk =
       k->o.staging_chunk_bytes >= KVX_MIN_CHUNK ? k->o.staging_chunk_bytes : TD_DEFAULT_KVX_STAGING_CHUNK_BYTES;
   k->nccl_chunk = k->o.nccl_chunk_bytes ? k->o.nccl_chunk_bytes : TD_DEFAULT_KVX_NCCL_CHUNK_BYTES;
+  if (k->o.ipc_chunk_pieces <= 0 || k->o.ipc_chunk_pieces > KVX_IPC_PIECES) k->o.ipc_chunk_pieces = KVX_IPC_PIECES;
+  if (k->o.ipc_chunk_pieces < 16) k->o.ipc_chunk_pieces = 16;
   if (k->nccl_chunk < KVX_MIN_CHUNK) k->nccl_chunk = KVX_MIN_CHUNK;
   if (k->nccl_chunk > KVX_NCCL_MAX_CHUNK) k->nccl_chunk = KVX_NCCL_MAX_CHUNK;
   k->uuid = random_u64();

@@ -127,8 +127,8 @@ int kvx_pump_ipc(kvx_xfer *x) {
   }
   const uint8_t *src = x->pool->d.base;
   while (x->ci < x->n_items && x->n_chunks < KVX_IPC_WINDOW) {
-    kvx_chunk *c = kvx_chunk_build(x, KVX_IPC_CHUNK, KVX_IPC_PIECES);
-    if (!c || kvx_scratch(k, KVX_IPC_PIECES) != TD_OK) {
+    kvx_chunk *c = kvx_chunk_build(x, KVX_IPC_CHUNK, k->o.ipc_chunk_pieces);
+    if (!c || kvx_scratch(k, k->o.ipc_chunk_pieces) != TD_OK) {
       if (c) {
         free(c->pc);
         free(c);

@@ -33,6 +33,7 @@ typedef struct sopts {
   int device;
   bool no_ipc, malloced;
   size_t off; /* the pool's offset in its allocation */
+  int pieces; /* td_kvx_opts.ipc_chunk_pieces */
 } sopts;
 
 static void on_recv(void *ctx, const td_kvx_recv_event *ev) {
@@ -48,6 +49,7 @@ static void side_open(side *s, const char *name, td_kvx_geom g, int nb, sopts so
   o.ctx = s;
   o.cuda_device = so.device;
   o.no_ipc = so.no_ipc;
+  o.ipc_chunk_pieces = so.pieces;
   o.staging_slots = 3;
   o.staging_slot_bytes = 40 << 10;
   cr_assert_eq(td_kvx_create(&o, &s->k), TD_OK, "%s", td_errmsg());
@@ -175,11 +177,12 @@ Test(kvx_ipc, every_geometry_in_one_process, .timeout = 120) {
 }
 
 /* Many small scattered pieces: several chunks in flight, polled (the
- * context must not sleep meanwhile), then more issued as they complete. */
-Test(kvx_ipc, many_chunks_polled, .timeout = 120) {
-  td_kvx_geom g = kt_geom(0, 1, 0, 1, 16, 8, 2); /* 512-byte blocks: chunks of 1024 pieces */
+ * context must not sleep meanwhile), then more issued as they complete;
+ * chunks of 1,000 pieces (the default) or of 16 (ipc_chunk_pieces). */
+static void many_chunks(int pieces) {
+  td_kvx_geom g = kt_geom(0, 1, 0, 1, 16, 8, 2); /* 512-byte blocks */
   side s, r;
-  side_open(&s, "ipc-s", g, 7001, (sopts){0}, 1);
+  side_open(&s, "ipc-s", g, 7001, (sopts){.pieces = pieces}, 1);
   side_open(&r, "ipc-r", g, 7001, (sopts){0}, 2);
   td_kvx_peer *p = link_to(&s, &r);
   static int32_t src[6000], dst[6000];
@@ -212,6 +215,9 @@ Test(kvx_ipc, many_chunks_polled, .timeout = 120) {
   side_close(&s);
   side_close(&r);
 }
+
+Test(kvx_ipc, many_chunks_polled, .timeout = 120) { many_chunks(0); }
+Test(kvx_ipc, many_small_chunks_polled, .timeout = 120) { many_chunks(16); }
 
 /* A transfer stopped while its copies are in flight (cancel, a
  * disconnect, or its deadline while the loop was busy elsewhere): the stop
