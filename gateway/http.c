@@ -452,6 +452,13 @@ static void completed(void *cls, struct MHD_Connection *mc, void **con_cls, enum
   atomic_fetch_sub(&g->in_flight, 1);
 }
 
+static void connection_note(void *cls, struct MHD_Connection *mc, void **socket_context,
+                            enum MHD_ConnectionNotificationCode toe) {
+  (void)mc;
+  (void)socket_context;
+  gw_metrics_connection(((td_gateway *)cls)->metrics, toe == MHD_CONNECTION_NOTIFY_STARTED);
+}
+
 static void mhd_log(void *cls, const char *fmt, va_list ap) {
   char msg[512];
   vsnprintf(msg, sizeof msg, fmt, ap);
@@ -499,7 +506,8 @@ td_status td_gateway_create(const td_gateway_opts *opts, td_gateway **out) {
       MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG, 0, NULL, NULL, handle, g,
       MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa, MHD_OPTION_CONNECTION_LIMIT, (unsigned)o->max_connections,
       MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)o->idle_timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT,
-      (size_t)TD_GATEWAY_CONN_MEMORY_BYTES, MHD_OPTION_NOTIFY_COMPLETED, completed, g, MHD_OPTION_EXTERNAL_LOGGER,
+      (size_t)TD_GATEWAY_CONN_MEMORY_BYTES, MHD_OPTION_NOTIFY_COMPLETED, completed, g, MHD_OPTION_NOTIFY_CONNECTION,
+      connection_note, g, MHD_OPTION_EXTERNAL_LOGGER,
       mhd_log, NULL, MHD_OPTION_END);
   if (!g->d) {
     td_gateway_destroy(g);

@@ -342,6 +342,8 @@ const char *gw_route_name(gw_route r);
  * since arrival (< 0: not observed), tokens and audio seconds. */
 void gw_metrics_request(gw_metrics *m, const char *endpoint, int code, double seconds, int prompt_tokens,
                         int generated_tokens, double audio_seconds);
+/* An HTTP connection accepted (opened) or closed. */
+void gw_metrics_connection(gw_metrics *m, bool opened);
 /* A language detection request sent for an endpoint. */
 void gw_metrics_language_detection(gw_metrics *m, const char *endpoint);
 /* A stream's first event, seconds after the request arrived. */

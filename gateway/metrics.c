@@ -14,6 +14,7 @@ struct gw_metrics {
   pthread_mutex_t mu;
   td_metrics *reg;
   td_metric *requests, *in_flight, *duration, *ttft, *stages, *prompt, *generated, *audio, *detections;
+  td_metric *conns_opened, *conns_open;
 };
 
 static const double duration_buckets[] = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25, 0.5,   1.0,   2.5,  5.0,
@@ -76,6 +77,10 @@ td_status gw_metrics_create(gw_metrics **out) {
       NULL, 0);
   ADD(detections, TD_METRIC_COUNTER, "tandem:gateway_language_detections_total",
       "language detection requests sent (audio without a language: one decode step each)", ep, 1, NULL, 0);
+  ADD(conns_opened, TD_METRIC_COUNTER, "tandem:gateway_connections_opened_total",
+      "HTTP connections accepted (each takes a thread; many per request: clients not reusing connections)", NULL, 0,
+      NULL, 0);
+  ADD(conns_open, TD_METRIC_GAUGE, "tandem:gateway_connections_open", "HTTP connections open now", NULL, 0, NULL, 0);
 #undef ADD
   if (s != TD_OK) {
     gw_metrics_destroy(m);
@@ -96,6 +101,13 @@ void gw_metrics_request(gw_metrics *m, const char *endpoint, int code, double se
   if (prompt_tokens > 0) td_metric_inc(m->prompt, e, prompt_tokens);
   if (generated_tokens > 0) td_metric_inc(m->generated, e, generated_tokens);
   if (audio_seconds > 0) td_metric_inc(m->audio, e, audio_seconds);
+  pthread_mutex_unlock(&m->mu);
+}
+
+void gw_metrics_connection(gw_metrics *m, bool opened) {
+  pthread_mutex_lock(&m->mu);
+  if (opened) td_metric_inc(m->conns_opened, NULL, 1);
+  td_metric_inc(m->conns_open, NULL, opened ? 1 : -1);
   pthread_mutex_unlock(&m->mu);
 }
 

@@ -146,6 +146,15 @@ check "metrics: POST /metrics is 405" status_is 405 "$gw/metrics" -d x
 bs=$("$bin/bench-serve" --gateway "$gw" --model "$t5" --workload trt --requests 4 --concurrency 1 2>&1)
 check "bench-serve --gateway: four streams answered" has "$bs" "| 1 in flight | 4/4 |"
 check "bench-serve --gateway: the gateway's stages of those four" grep -qE '^\| 1 in flight \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| 4 \|$' <<<"$bs"
+check "bench-serve --gateway: the client's side of those four" grep -qE '^\| 1 in flight( \| [0-9.]+){4} \| 4 \|$' <<<"$bs"
+# a burst on warm connections opens none: 8 warmed, then 8 sent at once; with bench-serve's model list,
+# its two scrapes of /metrics and this check's, 12 connections (20 if the burst opened its own)
+opened() { curl -s "$gw/metrics" | awk '/^tandem:gateway_connections_opened_total / {print $2}'; }
+c0=$(opened)
+bs=$("$bin/bench-serve" --gateway "$gw" --model "$t5" --workload trt --requests 8 --http-warm 8 2>&1)
+c1=$(opened)
+check "bench-serve --gateway: a burst of 8 answered" has "$bs" "| all at once | 8/8 |"
+check "a burst on 8 warm connections opens no more ($c0 -> $c1)" test $((c1 - c0)) -le 14
 
 check "openai Node client (text)" node "$npm_dir/gateway_openai.mjs" text "$gw" toy-numbers-t5
 
