@@ -78,13 +78,12 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
     return td_err(TD_ERR_INVALID, "encode: %d sequences (1 to %d allowed)", B, m->opts.max_enc_seqs);
   if (!m->cross_pool) return td_err(TD_ERR_INVALID, "encode: no cross-attention pool set");
   bool whisper = c->family == TD_FAMILY_WHISPER;
-  int E = 0, max_len = 0;
+  int E = 0;
   for (int s = 0; s < B; s++) {
     int len = whisper ? m->max_src : in->lens[s];
     if (len <= 0 || len > m->max_src)
       return td_err(TD_ERR_INVALID, "encode: sequence %d has %d tokens (1 to %d allowed)", s, len, m->max_src);
     E += len;
-    max_len = len > max_len ? len : max_len;
   }
   if (E > m->opts.max_enc_tokens)
     return td_err(TD_ERR_INVALID, "encode: %d tokens in one call, more than the %d configured", E,
