@@ -99,13 +99,19 @@ static td_status encode(td_engine *e, group **all, int n_all, int tokens) {
   return s;
 }
 
-int eng_pick_set(const td_engine *e) {
-  if (!e->two_sets) return 0;
-  int n[2] = {0, 0};
+/* Two running sets: the sequences each holds. */
+static void set_sizes(const td_engine *e, int n[2]) {
+  n[0] = n[1] = 0;
   for (int i = 0; i < e->run.n; i++) {
     const group *g = e->run.v[i];
     n[g->set & 1] += g->n_s > 0 ? g->n_s : 1;
   }
+}
+
+int eng_pick_set(const td_engine *e) {
+  if (!e->two_sets) return 0;
+  int n[2];
+  set_sizes(e, n);
   return n[e->cur] <= n[1 - e->cur] ? e->cur : 1 - e->cur;
 }
 
@@ -116,8 +122,8 @@ static bool defer_encode(td_engine *e) {
   if (!e->two_sets || e->wait.n == 0 || e->o.encode_defer_steps < 0 || e->enc_deferred >= e->o.encode_defer_steps)
     return false;
   if (e->wait.n >= (td_model_get_opts(e->m)->max_enc_seqs + 1) / 2) return false;
-  int n[2] = {0, 0};
-  for (int i = 0; i < e->run.n; i++) n[((const group *)e->run.v[i])->set & 1]++;
+  int n[2];
+  set_sizes(e, n);
   return n[0] > 0 && n[1] > 0;
 }
 
