@@ -179,6 +179,15 @@ static double run(const char *ep, int n, int inflight, double *p50, double *p99)
   return n / secs;
 }
 
+/* The workers, then the router. */
+static void stop_all(pthread_t *wt, pthread_t rt, rctx *rc) {
+  stop_workers = 1;
+  for (int i = 0; i < 2; i++) pthread_join(wt[i], NULL);
+  stop_router = 1;
+  pthread_join(rt, NULL);
+  td_router_destroy(rc->r);
+}
+
 int main(int argc, char **argv) {
   td_settings settings;
   if (td_settings_from_env(&settings) != TD_OK) {
@@ -225,11 +234,7 @@ int main(int argc, char **argv) {
     printf("router %s (2 workers that answer every job at once)\n", cep);
     fflush(stdout);
     while (!stop_serving) usleep(100000);
-    stop_workers = 1;
-    for (int i = 0; i < 2; i++) pthread_join(wt[i], NULL);
-    stop_router = 1;
-    pthread_join(rt, NULL);
-    td_router_destroy(rc.r);
+    stop_all(wt, rt, &rc);
     return 0;
   }
   td_sbuf t = {0};
@@ -246,11 +251,7 @@ int main(int argc, char **argv) {
     printf("%10d %12.0f %8.3f %8.3f\n", levels[k], rps, p50, p99);
     td_sbuf_printf(&t, "| %d | %.0f | %.3f | %.3f |\n", levels[k], rps, p50, p99);
   }
-  stop_workers = 1;
-  for (int i = 0; i < 2; i++) pthread_join(wt[i], NULL);
-  stop_router = 1;
-  pthread_join(rt, NULL);
-  td_router_destroy(rc.r);
+  stop_all(wt, rt, &rc);
   const td_bench_out out = {.results = getenv("TD_RESULTS"), .commit = getenv("TD_COMMIT")};
   if (record) td_bench_record(&out, "Router throughput and added latency (bench-router)", td_bench_cpu_name(), t.s);
   td_sbuf_free(&t);
