@@ -277,6 +277,7 @@ static td_status run_gateway(const opts *o, run *r) {
   td_http_bench *h;
   TD_TRY(td_http_bench_create(o->gateway, o->gateway_model, &h));
   td_status s = td_http_bench_warm(h, o->http_warm);
+  if (s == TD_OK) s = td_http_bench_prepare(h, r->w->reqs, r->w->n);
   td_http_stages before, after;
   bool staged = s == TD_OK && td_http_bench_stages(h, &before) == TD_OK;
   if (s == TD_OK) s = drive(&http_target, h, o, r);

@@ -41,6 +41,8 @@ struct td_http_bench {
   const td_http_events *ev; /* during a poll */
   xfer *live;
   td_http_hop hop; /* first events so far */
+  char **bodies; /* td_http_bench_prepare's, by index; a submit takes its own */
+  int n_bodies;
 };
 
 static void event(xfer *x, const char *data) {
@@ -266,6 +268,8 @@ static void xfer_free(xfer *x) {
 void td_http_bench_destroy(td_http_bench *h) {
   if (!h) return;
   while (h->live) xfer_free(h->live);
+  for (int i = 0; i < h->n_bodies; i++) free(h->bodies[i]);
+  free(h->bodies);
   if (h->m) curl_multi_cleanup(h->m);
   if (h->ep >= 0) close(h->ep);
   free(h);
@@ -339,16 +343,40 @@ td_status td_http_bench_warm(td_http_bench *h, int n) {
   return s;
 }
 
-td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int index) {
+static td_status sendable(const td_json_request *r) {
   if (r->features || r->n_prompt || r->params.num_beams > 1)
     return td_err(TD_ERR_UNSUPPORTED, "request %s: --gateway sends token-id prompts only (no audio features, decoder "
                                       "prompt or beams)", r->id);
+  return TD_OK;
+}
+
+td_status td_http_bench_prepare(td_http_bench *h, const td_json_request *reqs, int n) {
+  for (int i = 0; i < h->n_bodies; i++) free(h->bodies[i]);
+  free(h->bodies);
+  h->n_bodies = 0;
+  if (n <= 0) return TD_OK;
+  if (!(h->bodies = calloc((size_t)n, sizeof *h->bodies))) return td_err(TD_ERR_NOMEM, "out of memory");
+  h->n_bodies = n;
+  for (int i = 0; i < n; i++) {
+    TD_TRY(sendable(&reqs[i]));
+    if (!(h->bodies[i] = body_of(h, &reqs[i]))) return td_err(TD_ERR_NOMEM, "out of memory");
+  }
+  return TD_OK;
+}
+
+td_status td_http_bench_submit(td_http_bench *h, const td_json_request *r, int index) {
+  TD_TRY(sendable(r));
   xfer *x = calloc(1, sizeof *x);
   if (!x) return td_err(TD_ERR_NOMEM, "out of memory");
   x->t0_ns = td_now_ns();
   x->h = h;
   x->index = index;
-  x->body = body_of(h, r);
+  if (index >= 0 && index < h->n_bodies && h->bodies[index]) {
+    x->body = h->bodies[index];
+    h->bodies[index] = NULL;
+  } else {
+    x->body = body_of(h, r);
+  }
   x->e = curl_easy_init();
   x->hdr = curl_slist_append(NULL, "Content-Type: application/json");
   /* no "Expect: 100-continue" (curl's default above 1 KiB of body): a round
