@@ -9,12 +9,14 @@
  *   kv_transfer [--quick] [--max-mb N] [--results FILE] [--no-append]
  *               [--commit SHA] [--slots N] [--slot-mb N] [--stage-chunk-kb N]
  *               [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc]
- *               [--ipc-copy auto|kernel|engines] [--ipc-pieces N]
+ *               [--ipc-copy auto|kernel|engines] [--ipc-pieces N] [--trace]
  *
  * --nccl-chunk-kb: the NCCL pipeline's largest chunk on both sides (the
  * transfer context's default when absent); --only: measure one path;
  * --ipc-copy: how CUDA IPC copies (td_kvx_ipc_copy; auto when absent).
  * --ipc-pieces N: pieces per IPC chunk, one gather launch each (td_kvx_opts.ipc_chunk_pieces).
+ * --trace: both sides keep td_kvx_opts.trace and print it on stderr at the
+ * end ("kvx-trace NAME NS XID EVENT ARG"): where a transfer's time went.
  *
  * Receivers are separate processes (this program re-executed), one per
  * GPU in use. Time is from td_kvx_post to the sender's callback, which
@@ -60,6 +62,7 @@ static int g_slots = 8;
 static size_t g_slot_bytes = (size_t)4 << 20;
 static size_t g_stage_chunk; /* --stage-chunk-kb: the sender's steady staged chunk; 0: the context's default */
 static size_t g_nccl_chunk; /* 0: the context's default */
+static bool g_trace; /* --trace: td_kvx_opts.trace on both sides */
 
 static void wr(int fd, const void *p, size_t n) {
   const uint8_t *b = p;
@@ -147,6 +150,7 @@ static int receiver(int device, int in, int out) {
   o.staging_slots = g_slots;
   o.staging_slot_bytes = g_slot_bytes;
   o.nccl_chunk_bytes = g_nccl_chunk;
+  o.trace = g_trace;
 #ifdef TD_KVX_BENCH_CUDA
   if (device >= 0 && cudaSetDevice(device) != cudaSuccess) return 40;
 #endif
@@ -194,7 +198,7 @@ static child spawn(int device) {
   if (pid == 0) {
     close(up[0]);
     close(down[1]);
-    char a[7][32];
+    char a[8][32];
     snprintf(a[0], 32, "%d", device);
     snprintf(a[1], 32, "%d", down[0]);
     snprintf(a[2], 32, "%d", up[1]);
@@ -202,7 +206,8 @@ static child spawn(int device) {
     snprintf(a[4], 32, "%d", g_slots);
     snprintf(a[5], 32, "%zu", g_slot_bytes);
     snprintf(a[6], 32, "%zu", g_nccl_chunk);
-    execl("/proc/self/exe", "bench_kv_transfer", "--receiver", a[0], a[1], a[2], a[3], a[4], a[5], a[6],
+    snprintf(a[7], 32, "%d", g_trace ? 1 : 0);
+    execl("/proc/self/exe", "bench_kv_transfer", "--receiver", a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7],
           (char *)NULL);
     _exit(99);
   }
@@ -516,11 +521,12 @@ int main(int argc, char **argv) {
   td_settings_apply(&settings);
   setvbuf(stdout, NULL, _IOLBF, 0);
   signal(SIGPIPE, SIG_IGN);
-  if (argc == 9 && !strcmp(argv[1], "--receiver")) {
+  if (argc == 10 && !strcmp(argv[1], "--receiver")) {
     g_max_bytes = strtoull(argv[5], NULL, 10);
     g_slots = atoi(argv[6]);
     g_slot_bytes = strtoull(argv[7], NULL, 10);
     g_nccl_chunk = strtoull(argv[8], NULL, 10);
+    g_trace = atoi(argv[9]) != 0;
     return receiver(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
   }
   bool quick = false, append = true;
@@ -549,6 +555,8 @@ int main(int argc, char **argv) {
     } else if (!strcmp(argv[i], "--ipc-copy") && i + 1 < argc &&
                (!strcmp(argv[i + 1], "auto") || !strcmp(argv[i + 1], "kernel") || !strcmp(argv[i + 1], "engines"))) {
       ipc_copy = argv[++i];
+    } else if (!strcmp(argv[i], "--trace")) {
+      g_trace = true;
     } else if (!strcmp(argv[i], "--ipc-pieces") && i + 1 < argc) {
       ipc_pieces = atoi(argv[++i]);
       if (ipc_pieces < 16 || ipc_pieces > 1000) {
@@ -562,7 +570,7 @@ int main(int argc, char **argv) {
     } else {
       fprintf(stderr, "usage: %s [--quick] [--max-mb N] [--results FILE] [--no-append] [--commit SHA] [--slots N] "
                       "[--slot-mb N] [--stage-chunk-kb N] [--nccl-chunk-kb N] [--only host|tcp|staged|nccl|ipc] [--ipc-copy auto|kernel|engines] "
-                      "[--ipc-pieces N]\n",
+                      "[--ipc-pieces N] [--trace]\n",
               argv[0]);
       return 2;
     }
@@ -645,6 +653,7 @@ int main(int argc, char **argv) {
                : !strcmp(ipc_copy, "engines") ? TD_KVX_IPC_COPY_ENGINES
                                               : TD_KVX_IPC_COPY_AUTO;
   o.ipc_chunk_pieces = ipc_pieces;
+  o.trace = g_trace;
   td_kvx *k = NULL, *ktcp = NULL;
   td_kvx_opts ot = o;
   ot.name = "bench-tx-tcp";

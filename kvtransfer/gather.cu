@@ -58,7 +58,7 @@ __device__ __forceinline__ void copy_range(uint8_t *d, const uint8_t *s, uint32_
 // struct, so short lists use this one.
 struct small_table {
   uint32_t n, tiles;
-  kvx_gpiece p[32];
+  kvx_gpiece p[KVX_GATHER_SMALL];
 };
 
 // __grid_constant__: the table stays in parameter space (indexed by the
@@ -85,7 +85,7 @@ extern "C" int kvx_gather_launch(const kvx_gtable *t, unsigned max_blocks, void 
   unsigned blocks = t->tiles < max_blocks ? t->tiles : max_blocks;
   if (blocks == 0) blocks = 1;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (t->n <= 32) {
+  if (t->n <= KVX_GATHER_SMALL) {
     small_table st;
     memset(&st, 0, sizeof st);
     st.n = t->n;

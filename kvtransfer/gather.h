@@ -18,6 +18,7 @@ extern "C" {
 
 #define KVX_GATHER_TILE 32768u /* bytes per thread block and step */
 #define KVX_GATHER_PIECES 1000 /* per launch: 24 KiB of kernel parameters (limit 32 KiB) */
+#define KVX_GATHER_SMALL 32    /* tables up to this go as a small parameter block (no constant-cache misses) */
 #define KVX_GATHER_MAX_PIECE ((uint64_t)1 << 30) /* longer pieces are split */
 
 typedef struct kvx_gpiece {

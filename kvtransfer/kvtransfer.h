@@ -70,6 +70,9 @@ td_status td_kvx_slice_plan(const td_kvx_geom *src, const td_kvx_geom *dst, td_k
  * sides (contiguous block runs become one copy). *out is malloc'ed. */
 td_status td_kvx_plan_copies(const td_kvx_geom *src, const td_kvx_geom *dst, const int32_t *src_blocks,
                              const int32_t *dst_blocks, int n_blocks, td_kvx_slice **out, int *n);
+/* The bytes td_kvx_plan_copies moves for n_blocks block pairs (the same
+ * slices every block), without the per-block plan. */
+td_status td_kvx_plan_bytes(const td_kvx_geom *src, const td_kvx_geom *dst, int n_blocks, uint64_t *bytes);
 
 /* ---- the transfer context ---- */
 

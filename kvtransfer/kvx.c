@@ -461,5 +461,6 @@ void td_kvx_destroy(td_kvx *k) {
     fprintf(stderr, "kvx-trace %s %lld %" PRIu64 " %s %" PRIu64 "\n", k->name, (long long)k->trace[i].ns,
             k->trace[i].xid, k->trace[i].ev, k->trace[i].a);
   free(k->trace);
+  free(k->seen);
   free(k);
 }

@@ -45,6 +45,11 @@
 #define KVX_IPC_CHUNK ((uint64_t)64 << 20)
 #define KVX_IPC_PIECES KVX_GATHER_PIECES
 #define KVX_IPC_WINDOW 4
+/* A transfer's first two chunks are smaller (32 pieces and 1/16 of the
+ * bytes, then 250 and 1/4): the copies start after 32 pieces were built and
+ * launched by value, not 1,000 (~25 us on a GPU host), and the next chunk
+ * is built while they run. */
+#define KVX_IPC_RAMP 2
 
 /* ---------------------------------------------------------------- types */
 
@@ -193,6 +198,7 @@ typedef struct kvx_xfer {
   int ci; /* cursor: item and offset in it */
   uint64_t coff;
   uint64_t bytes_put, issued;
+  int ipc_chunks; /* CUDA IPC chunks issued (KVX_IPC_RAMP) */
   int rslots[KVX_GRANT_SLOTS];
   int n_rslots;
   int rfree[KVX_GRANT_SLOTS];
@@ -223,7 +229,7 @@ typedef struct kvx_grant {
   kvx_pool *pool;
   uint64_t request_id, res_id;
   int32_t *blocks; /* destination blocks, as asked */
-  int32_t *sorted; /* the same, sorted, to check staged pieces */
+  int32_t *sorted; /* the same, sorted, to check staged and UCX pieces (NULL for IPC and NCCL, which never ask) */
   int n_blocks;
   td_kvx_slice *items; /* the plan, for NCCL */
   int n_items;
@@ -322,6 +328,8 @@ struct td_kvx {
   td_kvx_stats st;
   struct kvx_tr *trace; /* td_kvx_opts.trace */
   int n_trace;
+  uint64_t *seen; /* receiver scratch: a bit a destination block while a request is checked, all clear between */
+  size_t seen_bits;
 };
 
 /* td_kvx_opts.trace: when each protocol step of a transfer happened, kept

@@ -127,7 +127,13 @@ int kvx_pump_ipc(kvx_xfer *x) {
   }
   const uint8_t *src = x->pool->d.base;
   while (x->ci < x->n_items && x->n_chunks < KVX_IPC_WINDOW) {
-    kvx_chunk *c = kvx_chunk_build(x, KVX_IPC_CHUNK, k->o.ipc_chunk_pieces);
+    /* the first chunks smaller (KVX_IPC_RAMP): the first a table passed by value */
+    static const int ramp_pieces[KVX_IPC_RAMP] = {KVX_GATHER_SMALL, KVX_GATHER_PIECES / 4};
+    static const int ramp_shift[KVX_IPC_RAMP] = {4, 2};
+    bool ramp = x->ipc_chunks < KVX_IPC_RAMP;
+    int pieces = ramp && ramp_pieces[x->ipc_chunks] < k->o.ipc_chunk_pieces ? ramp_pieces[x->ipc_chunks]
+                                                                             : k->o.ipc_chunk_pieces;
+    kvx_chunk *c = kvx_chunk_build(x, KVX_IPC_CHUNK >> (ramp ? ramp_shift[x->ipc_chunks] : 0), pieces);
     if (!c || kvx_scratch(k, k->o.ipc_chunk_pieces) != TD_OK) {
       if (c) {
         free(c->pc);
@@ -142,6 +148,7 @@ int kvx_pump_ipc(kvx_xfer *x) {
       k->sc_n[i] = c->pc[i].len;
     }
     x->issued += c->bytes;
+    x->ipc_chunks++;
     DL_APPEND(x->chunks, c);
     x->n_chunks++;
     /* On one GPU the kernel copies at 3x the engines' rate for any piece

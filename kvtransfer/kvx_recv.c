@@ -133,6 +133,42 @@ static int cmp_i32(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+/* Whether every source is >= 0 and every destination a block of the pool,
+ * each once (why says which not): a bit a block in k's scratch, cleared
+ * again before returning. O(n): a sort of thousands of ids cost ~0.1-0.3 ms
+ * of a 64 KiB-block transfer's critical path. */
+static bool blocks_valid(td_kvx *k, const kvx_pool *pool, uint32_t dst_pool, const int32_t *src, const int32_t *dst,
+                         uint32_t n, char *why) {
+  size_t nb = (size_t)pool->d.n_blocks;
+  if (k->seen_bits < nb) {
+    uint64_t *b = calloc((nb + 63) / 64, sizeof *b);
+    if (!b) {
+      snprintf(why, KVX_TEXT, "receiver out of memory");
+      return false;
+    }
+    free(k->seen);
+    k->seen = b;
+    k->seen_bits = (nb + 63) / 64 * 64;
+  }
+  uint32_t i = 0;
+  for (; i < n; i++) {
+    int32_t d = dst[i];
+    if (d < 0 || (size_t)d >= nb || src[i] < 0) {
+      snprintf(why, KVX_TEXT, "block %d outside pool %u (%d blocks)", d < 0 || (size_t)d >= nb ? d : src[i], dst_pool,
+               pool->d.n_blocks);
+      break;
+    }
+    uint64_t bit = 1ull << (d & 63);
+    if (k->seen[d >> 6] & bit) {
+      snprintf(why, KVX_TEXT, "destination block %d appears twice", d);
+      break;
+    }
+    k->seen[d >> 6] |= bit;
+  }
+  for (uint32_t j = 0; j < i; j++) k->seen[dst[j] >> 6] = 0;
+  return i == n;
+}
+
 void kvx_handle_hello(td_kvx *k, uint64_t uuid, kvx_rbuf *r) {
   uint32_t n = kvx_r_u32(r);
   const uint8_t *addr = (n > 0 && n <= KVX_MAX_ADDR) ? kvx_r_bytes(r, n) : NULL;
@@ -225,27 +261,29 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
     return;
   }
   kvx_rbuf ir = {.p = ids, .len = (size_t)n * 8};
-  for (uint32_t i = 0; i < 2 * n; i++) blocks[i] = kvx_r_i32(&ir);
+  kvx_r_i32s(&ir, blocks, 2 * (size_t)n);
   int32_t *src = blocks, *dst = blocks + n, *sorted = blocks + 2 * n;
-  memcpy(sorted, dst, sizeof(int32_t) * n);
-  qsort(sorted, n, sizeof(int32_t), cmp_i32);
+  bool nccl = transport == KVX_MODE_NCCL, am = transport == KVX_MODE_AM, ipc = transport == KVX_MODE_IPC;
+  bool staged = !nccl && !am && !ipc && !pool->direct;
   why[0] = 0;
-  for (uint32_t i = 0; i < n && !why[0]; i++) {
-    if (sorted[i] < 0 || sorted[i] >= pool->d.n_blocks || src[i] < 0)
-      snprintf(why, sizeof why, "block %d outside pool %u (%d blocks)", sorted[i], dst_pool, pool->d.n_blocks);
-    else if (i > 0 && sorted[i] == sorted[i - 1])
-      snprintf(why, sizeof why, "destination block %d appears twice", sorted[i]);
+  blocks_valid(k, pool, dst_pool, src, dst, n, why);
+  if (!why[0] && !nccl && !ipc) { /* kvx_grant_covers checks these paths' pieces */
+    memcpy(sorted, dst, sizeof(int32_t) * n);
+    qsort(sorted, n, sizeof(int32_t), cmp_i32);
   }
   td_kvx_slice *items = NULL;
   int n_items = 0;
   uint64_t mine = 0;
-  if (!why[0] && td_kvx_plan_copies(&sg, &pool->d.geom, src, dst, (int)n, &items, &n_items) != TD_OK)
-    snprintf(why, sizeof why, "%s", td_errmsg());
-  for (int i = 0; i < n_items; i++) mine += items[i].len;
+  /* NCCL streams the plan's bytes in order on both sides: it needs the plan;
+   * other paths only the byte count that must match the sender's */
+  td_status ps = TD_OK;
+  if (!why[0] && nccl && (ps = td_kvx_plan_copies(&sg, &pool->d.geom, src, dst, (int)n, &items, &n_items)) == TD_OK)
+    for (int i = 0; i < n_items; i++) mine += items[i].len;
+  else if (!why[0] && !nccl)
+    ps = td_kvx_plan_bytes(&sg, &pool->d.geom, (int)n, &mine);
+  if (!why[0] && ps != TD_OK) snprintf(why, sizeof why, "%s", td_errmsg());
   if (!why[0] && mine != total)
     snprintf(why, sizeof why, "sender plans %" PRIu64 " bytes, receiver %" PRIu64, total, mine);
-  bool nccl = transport == KVX_MODE_NCCL, am = transport == KVX_MODE_AM, ipc = transport == KVX_MODE_IPC;
-  bool staged = !nccl && !am && !ipc && !pool->direct;
   if (!why[0] && transport != KVX_MODE_PUT && !nccl && !am && !ipc)
     snprintf(why, sizeof why, "unknown data mode %u", transport);
   /* IPC writes need our handle, which we export only for GPU pools. */
@@ -299,7 +337,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   g->request_id = request_id;
   g->res_id = res_id;
   g->blocks = dst; /* dst and sorted live in blocks[], freed from blocks - n_blocks */
-  g->sorted = sorted;
+  g->sorted = nccl || ipc ? NULL : sorted;
   g->n_blocks = (int)n;
   g->items = items;
   g->n_items = n_items;
@@ -330,6 +368,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
     kvx_w_u64(&w, 0);
     kvx_w_u32(&w, 0);
     kvx_send_msg(k, rp->fast_ep ? rp->fast_ep : rp->ep, &w);
+    kvx_trace(k, xid, "r_grant", n);
   }
   TD_DEBUG("kvx %s: granted request %" PRIu64 " from %016" PRIx64 ": %u blocks, %" PRIu64 " bytes", k->name,
            request_id, rp->uuid, n, total);
@@ -338,7 +377,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
 /* Whether [off, off + len) lies in blocks the grant holds. */
 bool kvx_grant_covers(const kvx_grant *g, uint64_t off, uint64_t len) {
   uint64_t bb = g->pool->block_bytes;
-  if (len == 0 || off + len < off || off + len > g->pool->bytes) return false;
+  if (!g->sorted || len == 0 || off + len < off || off + len > g->pool->bytes) return false;
   for (uint64_t b = off / bb; b <= (off + len - 1) / bb; b++) {
     int32_t key = (int32_t)b;
     if (!bsearch(&key, g->sorted, (size_t)g->n_blocks, sizeof(int32_t), cmp_i32)) return false;

@@ -79,6 +79,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   if (p->status != TD_OK) return td_err(p->status, "KV transfer: peer %016" PRIx64 ": %s", p->desc.uuid, p->msg);
   if (!q || q->n_blocks <= 0 || q->n_blocks > KVX_MAX_MSG_BLOCKS || !q->src_blocks || !q->dst_blocks)
     return td_err(TD_ERR_INVALID, "KV transfer: %d blocks", q ? q->n_blocks : 0);
+  kvx_trace(k, k->next_xid, "post_in", (uint64_t)q->n_blocks); /* the id it gets if it goes */
   kvx_pool *pool = kvx_find_pool(k, q->src_pool);
   if (!pool) return td_err(TD_ERR_NOT_FOUND, "KV transfer: no local pool %u", q->src_pool);
   int dpi = -1;
@@ -120,15 +121,13 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   if ((src_staged && !k->send_stg) || (dst_staged && !p->stg_rkey))
     return td_err(TD_ERR_INTERNAL, "KV transfer: staged path without staging buffers");
   if (nccl) TD_TRY(kvx_bounce_ring(k, 0));
-  td_kvx_slice *items = NULL;
-  int n_items = 0;
-  TD_TRY(td_kvx_plan_copies(&pool->d.geom, &dp->info.geom, q->src_blocks, q->dst_blocks, q->n_blocks, &items,
-                            &n_items));
-  if (n_items == 0) {
-    free(items);
+  /* The byte count goes in REQ; the copies are planned after it went, while
+   * the receiver checks it (thousands of blocks: tens of microseconds each side). */
+  uint64_t total = 0;
+  TD_TRY(td_kvx_plan_bytes(&pool->d.geom, &dp->info.geom, q->n_blocks, &total));
+  if (total == 0)
     return td_err(TD_ERR_INVALID, "KV transfer: the peer's pool %u holds none of pool %u's layers and heads",
                   q->dst_pool, q->src_pool);
-  }
   kvx_xfer *x = calloc(1, sizeof *x);
   int32_t *blocks = malloc(sizeof(int32_t) * 2 * (size_t)q->n_blocks);
   /* Proposed chunking (the receiver may lower it in GRANT): a smaller
@@ -137,7 +136,6 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   if (!x || !blocks || (nccl && !ns)) {
     free(x);
     free(blocks);
-    free(items);
     free(ns);
     return td_err(TD_ERR_NOMEM, "out of memory");
   }
@@ -153,9 +151,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   x->res_id = q->reservation_id;
   x->blocks = blocks;
   x->n_blocks = q->n_blocks;
-  x->items = items;
-  x->n_items = n_items;
-  for (int i = 0; i < n_items; i++) x->total += items[i].len;
+  x->total = total;
   x->nccl = nccl;
   x->ipc = ipc;
   if (ipc) x->ipc_dst = p->ipc_base[dpi] + dp->ipc_off;
@@ -180,7 +176,6 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
     td_status s = kvx_nccl_unique_id(id);
     if (s == TD_OK) s = kvx_nccl_create(k->gpu, id, 0, &p->nccl);
     if (s != TD_OK) {
-      free(x->items);
       free(x->blocks);
       free(x->ns);
       free(x);
@@ -217,7 +212,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   kvx_w_i32(&w, g->head0);
   kvx_w_i32(&w, g->head1);
   kvx_w_u32(&w, (uint32_t)x->n_blocks);
-  for (int i = 0; i < 2 * x->n_blocks; i++) kvx_w_i32(&w, x->blocks[i]);
+  kvx_w_i32s(&w, x->blocks, 2 * (size_t)x->n_blocks);
   kvx_w_bytes(&w, q->token, TD_KV_TOKEN_BYTES);
   kvx_send_msg(k, req_ep, &w);
 
@@ -227,8 +222,14 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   if (ipc) k->st.ipc_xfers++;
   HASH_ADD(hh, k->xfers, id, sizeof x->id, x);
   if (xfer_id) *xfer_id = x->id;
+  td_status ps = td_kvx_plan_copies(&pool->d.geom, &dp->info.geom, q->src_blocks, q->dst_blocks, q->n_blocks,
+                                    &x->items, &x->n_items);
+  if (ps != TD_OK) { /* out of memory: REQ went, so the transfer ends as any running one does */
+    kvx_xfer_stop(x, ps, td_errmsg(), true);
+    return TD_OK;
+  }
   TD_DEBUG("kvx %s: transfer %" PRIu64 " (request %" PRIu64 "): %d blocks, %d copies, %" PRIu64 " bytes via %s%s%s",
-           k->name, x->id, x->request_id, x->n_blocks, n_items, x->total,
+           k->name, x->id, x->request_id, x->n_blocks, x->n_items, x->total,
            nccl ? "NCCL" : ipc ? "CUDA IPC" : am ? "UCX active messages" : "UCX puts",
            src_staged ? ", staged source" : "", dst_staged ? ", staged destination" : "");
   return TD_OK;

@@ -124,6 +124,23 @@ td_status td_kvx_plan_copies(const td_kvx_geom *s, const td_kvx_geom *d, const i
   return TD_OK;
 }
 
+td_status td_kvx_plan_bytes(const td_kvx_geom *s, const td_kvx_geom *d, int n_blocks, uint64_t *bytes) {
+  *bytes = 0;
+  if (n_blocks < 0) return td_err(TD_ERR_INVALID, "KV transfer plan: %d blocks", n_blocks);
+  TD_TRY(td_kvx_geom_check(s));
+  TD_TRY(td_kvx_geom_check(d));
+  int cap = 2 * imin(s->layout.n_layers, d->layout.n_layers) + 1;
+  td_kvx_slice *sl = malloc(sizeof *sl * (size_t)cap);
+  if (!sl) return td_err(TD_ERR_NOMEM, "out of memory");
+  int ns = 0;
+  td_status st = td_kvx_slice_plan(s, d, sl, cap, &ns);
+  uint64_t per = 0;
+  for (int i = 0; i < ns && st == TD_OK; i++) per += sl[i].len;
+  free(sl);
+  if (st == TD_OK) *bytes = per * (uint64_t)n_blocks;
+  return st;
+}
+
 /* ---- byte-stream chunking (declared in wire.h: internal) ---- */
 
 bool kvx_chunking_valid(uint64_t first, uint64_t max) { return first > 0 && first <= max && max <= KVX_NCCL_MAX_CHUNK; }

@@ -37,6 +37,16 @@ void kvx_w_u64(kvx_wbuf *w, uint64_t v) {
 }
 void kvx_w_i32(kvx_wbuf *w, int32_t v) { kvx_w_u32(w, (uint32_t)v); }
 
+void kvx_w_i32s(kvx_wbuf *w, const int32_t *v, size_t n) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  if (n <= SIZE_MAX / 4) {
+    kvx_w_bytes(w, v, n * 4); /* the wire's order already */
+    return;
+  }
+#endif
+  for (size_t i = 0; i < n; i++) kvx_w_i32(w, v[i]);
+}
+
 const uint8_t *kvx_r_bytes(kvx_rbuf *r, size_t n) {
   if (r->bad || n > r->len - r->pos) {
     r->bad = true;
@@ -69,6 +79,21 @@ uint64_t kvx_r_u64(kvx_rbuf *r) {
   return v;
 }
 int32_t kvx_r_i32(kvx_rbuf *r) { return (int32_t)kvx_r_u32(r); }
+
+bool kvx_r_i32s(kvx_rbuf *r, int32_t *out, size_t n) {
+  const uint8_t *p = n <= SIZE_MAX / 4 ? kvx_r_bytes(r, n * 4) : NULL;
+  if (!p) {
+    r->bad = true;
+    return false;
+  }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  memcpy(out, p, n * 4);
+#else
+  for (size_t i = 0; i < n; i++, p += 4)
+    out[i] = (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+#endif
+  return true;
+}
 
 uint32_t kvx_crc32(const void *data, size_t n) {
   static uint32_t table[256];

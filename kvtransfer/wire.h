@@ -32,6 +32,8 @@ void kvx_w_u16(kvx_wbuf *w, uint16_t v);
 void kvx_w_u32(kvx_wbuf *w, uint32_t v);
 void kvx_w_u64(kvx_wbuf *w, uint64_t v);
 void kvx_w_i32(kvx_wbuf *w, int32_t v);
+/* n values at once (a transfer's block lists: thousands a message) */
+void kvx_w_i32s(kvx_wbuf *w, const int32_t *v, size_t n);
 
 typedef struct kvx_rbuf {
   const uint8_t *p;
@@ -45,6 +47,8 @@ uint16_t kvx_r_u16(kvx_rbuf *r);
 uint32_t kvx_r_u32(kvx_rbuf *r);
 uint64_t kvx_r_u64(kvx_rbuf *r);
 int32_t kvx_r_i32(kvx_rbuf *r);
+/* n values into out; false (and r->bad) when fewer remain */
+bool kvx_r_i32s(kvx_rbuf *r, int32_t *out, size_t n);
 
 uint32_t kvx_crc32(const void *p, size_t n);
 

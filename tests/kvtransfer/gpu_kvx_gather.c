@@ -142,6 +142,8 @@ void run_gather(void) {
   report("gather: 16-byte aligned, 64 KiB .. 1.5 MiB", gather_case(g, 5, 120, (size_t)1536 << 10, 0, 0, true));
   report("gather: pieces over 1 GiB split", gather_case(g, 6, 3, 100, 2, ((size_t)1 << 30) + 4097, false));
   gather_speed(g, (size_t)64 << 10, 256);
+  gather_speed(g, (size_t)64 << 10, 1000); /* one launch of a full table */
+  gather_speed(g, (size_t)64 << 10, 4096); /* 256 MB */
   gather_speed(g, (size_t)1536 << 10, 11);
   gather_speed(g, (size_t)1536 << 10, 171);
   kvx_gpu_destroy(g);

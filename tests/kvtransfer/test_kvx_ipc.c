@@ -188,7 +188,7 @@ static void many_chunks(int pieces) {
   static int32_t src[6000], dst[6000];
   for (int i = 0; i < 6000; i++) {
     src[i] = (i * 7) % 7001;
-    dst[i] = (i * 11) % 7001; /* every piece apart: 6000 copies, 6 chunks */
+    dst[i] = (i * 11) % 7001; /* every piece apart: 6000 copies, 8 chunks (32, 250, then 1000s: KVX_IPC_RAMP) */
   }
   uint8_t *want = expected(&s, &g, &r, &g, src, dst, 6000);
   td_kvx_xfer x = {1, 0, GPU, GPU, src, dst, 6000, 20000, TD_KVX_IPC, NULL, {0}};
@@ -353,6 +353,59 @@ Test(kvx_ipc, receiver_refuses_ipc_into_a_pool_it_did_not_export, .timeout = 120
   free(other);
 }
 
+/* The receiver checks every destination block of a request, whatever the
+ * path (it may come from a sender that does not): one asked twice, or one
+ * past its pool (a forged descriptor claims more blocks), is denied with
+ * nothing written; its scratch of seen blocks is clear afterwards, so a
+ * valid request to the same blocks is granted. */
+Test(kvx_ipc, receiver_checks_every_destination_block, .timeout = 120) {
+  td_kvx_geom g = kt_geom(0, 2, 0, 4, 16, 8, 2);
+  side s, r;
+  side_open(&s, "ipc-s", g, 64, (sopts){0}, 16);
+  side_open(&r, "ipc-r", g, 64, (sopts){0}, 17);
+  size_t n;
+  uint8_t *desc = export_of(&r, &n), *forged;
+  kvx_desc kd;
+  cr_assert_eq(kvx_desc_decode(desc, n, &kd), TD_OK);
+  kd.pools[0].info.n_blocks = 100; /* more than the receiver has: the sender's own check passes */
+  kd.pools[0].info.ipc = false;    /* no mapping to bound it either: UCX */
+  cr_assert_eq(kvx_desc_encode(&kd, &forged, &n), TD_OK);
+  td_kvx_peer *p = link_to(&s, &r), *pf;
+  cr_assert_eq(td_kvx_connect(s.k, forged, n, &pf), TD_OK, "%s", td_errmsg());
+  free(desc);
+  free(forged);
+  uint8_t *before = malloc(r.bb * 64);
+  memcpy(before, r.mem, r.bb * 64);
+  td_kvx *ks[2] = {s.k, r.k};
+  static const struct {
+    td_kvx_transport tr;
+    bool forged;
+    int32_t dst[5];
+    const char *why;
+  } bad[] = {{TD_KVX_IPC, false, {3, 9, 40, 9, 11}, "destination block 9 appears twice"},
+             {TD_KVX_UCX, false, {3, 9, 40, 9, 11}, "destination block 9 appears twice"},
+             {TD_KVX_UCX, true, {3, 70, 40, 9, 11}, "block 70 outside pool"}};
+  int32_t src[5] = {0, 1, 2, 3, 4};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    td_kvx_xfer x = {9, 0, GPU, GPU, src, bad[i].dst, 5, 20000, bad[i].tr, NULL, {0}};
+    kt_done d = {0};
+    cr_assert_eq(td_kvx_post(bad[i].forged ? pf : p, &x, kt_done_cb, &d, NULL), TD_OK, "%s", td_errmsg());
+    cr_assert(kt_drive(ks, 2, &d.calls, 20000));
+    cr_assert_neq(d.status, TD_OK, "case %zu granted", i);
+    cr_assert(strstr(d.msg, bad[i].why), "case %zu: %s", i, d.msg);
+  }
+  cr_assert_eq(r.rx.grants, 0);
+  cr_assert_eq(memcmp(before, r.mem, r.bb * 64), 0, "written without a grant");
+  int32_t good[5] = {3, 9, 40, 10, 11};
+  move(&s, &g, &r, &g, p, TD_KVX_IPC, src, good, 5);
+  move(&s, &g, &r, &g, p, TD_KVX_UCX, src, good, 5);
+  free(before);
+  td_kvx_disconnect(p);
+  td_kvx_disconnect(pf);
+  side_close(&s);
+  side_close(&r);
+}
+
 /* The application's ready event: the copies wait for the work that
  * produced the source blocks (here a queued device copy on another
  * context's stream, which runs only when something waits for it). */
@@ -511,7 +564,7 @@ Test(kvx_ipc, pool_outside_its_allocation, .init = cr_redirect_stderr, .timeout 
 
 /* ---- two processes (fork): the receiver is the child ---- */
 
-enum { PNB = 3000, PN = 2500 /* pieces: 3 chunks */ };
+enum { PNB = 3000, PN = 2500 /* pieces: chunks of 32, 250, 1000, 1000, 218 (KVX_IPC_RAMP) */ };
 
 /* The child: a receiver with a shareable pool; sends its descriptor, then
  * either its pool after the recv event, or 'G' once it granted and hangs. */
@@ -628,7 +681,7 @@ Test(kvx_ipc, receiver_killed_mid_copy, .timeout = 120) {
    * poll more; the receiver says when it granted and hangs. */
   int64_t end = td_now_ms() + 30000;
   while (td_kvx_get_stats(s.k).ipc_chunks == 0 && td_now_ms() < end) td_kvx_progress(s.k);
-  cr_assert_eq(td_kvx_get_stats(s.k).ipc_chunks, 3, "copies in flight: %d", td_kvx_get_stats(s.k).ipc_chunks);
+  cr_assert_eq(td_kvx_get_stats(s.k).ipc_chunks, 4, "copies in flight: %d (the window)", td_kvx_get_stats(s.k).ipc_chunks);
   char gch;
   cr_assert(kt_read_full(c.rd, &gch, 1, NULL, 30000), "receiver never granted");
   cr_assert_eq(kvx_fake_ipc_mapped(), 1);

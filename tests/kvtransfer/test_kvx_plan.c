@@ -263,6 +263,39 @@ Test(kvx_plan, copies_coalesce_contiguous_runs) {
   cr_assert_null(c);
 }
 
+/* td_kvx_plan_bytes: the bytes of td_kvx_plan_copies without the plan, for
+ * every geometry pair of the sharding cases (states tail included), and 0
+ * for pools that share nothing. */
+Test(kvx_plan, plan_bytes_match_the_copies) {
+  const int L = 6, H = 8, D = 4, S = 2, E = 4;
+  int32_t src[37], dst[37];
+  for (int i = 0; i < 37; i++) src[i] = (i * 5) % 41, dst[i] = 40 - i;
+  int cases[][4] = {{1, 1, 1, 1}, {1, 2, 2, 4}, {3, 1, 2, 1}, {2, 4, 3, 2}, {1, 8, 6, 1}};
+  for (int states = 0; states <= 8; states += 8)
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+      for (int ri = 0; ri < cases[c][2]; ri++)
+        for (int rj = 0; rj < cases[c][3]; rj++) {
+          int spp = cases[c][0], stp = cases[c][1], rpp = cases[c][2], rtp = cases[c][3];
+          td_kvx_geom s = geom(0, L / spp, 0, H / stp, D, S, E), r = geom(ri * L / rpp, (ri + 1) * L / rpp,
+                                                                          rj * H / rtp, (rj + 1) * H / rtp, D, S, E);
+          s.layout.states = r.layout.states = states;
+          td_kvx_slice *cp = NULL;
+          int n = 0;
+          cr_assert_eq(td_kvx_plan_copies(&s, &r, src, dst, 37, &cp, &n), TD_OK, "%s", td_errmsg());
+          uint64_t want = 0, got = 1;
+          for (int i = 0; i < n; i++) want += cp[i].len;
+          free(cp);
+          cr_assert_eq(td_kvx_plan_bytes(&s, &r, 37, &got), TD_OK, "%s", td_errmsg());
+          cr_assert_eq(got, want, "case %zu rank (%d, %d) states %d: %llu against %llu", c, ri, rj, states,
+                       (unsigned long long)got, (unsigned long long)want);
+        }
+  uint64_t b = 1;
+  td_kvx_geom a = geom(0, 2, 0, 8, D, S, E), z = geom(2, 4, 0, 8, D, S, E);
+  cr_assert_eq(td_kvx_plan_bytes(&a, &z, 5, &b), TD_OK);
+  cr_assert_eq(b, 0);
+  cr_assert_eq(td_kvx_plan_bytes(&a, &a, -1, &b), TD_ERR_INVALID);
+}
+
 /* ---- byte-stream chunking ---- */
 
 static uint64_t nominal_len(uint64_t first, uint64_t max, uint64_t i) {
