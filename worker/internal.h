@@ -137,7 +137,7 @@ typedef struct creq {
   int slot;
   const td_role *role;
   uint64_t handle;
-  int64_t t_start;
+  int64_t t_start_ns; /* td_now_ns at the job's start */
   bool host_copy;
   UT_hash_handle hh;
 } creq;
