@@ -193,6 +193,7 @@
 
 /* ---- CUDA backend tuning (td_cuda_tuning's zero values; measured best on
  * H100: docs/cuda.md, "Tuning knobs") ---- */
+#define TD_CUDA_DEFAULT_AUTOTUNE_MIN 10000 /* TANDEM_CUDA_AUTOTUNE: GEMMs of m*n*k from this many million */
 #define TD_CUDA_DEFAULT_SKINNY_ROWS 16     /* few-row GEMMs on the skinny kernel up to this many rows */
 #define TD_CUDA_DEFAULT_GEMV_MAXV 8        /* one-row GEMMs on a warp a column: k up to 256 x this */
 #define TD_CUDA_DEFAULT_GEMV_MAXN 8192     /* ... and up to this many columns */

@@ -63,6 +63,7 @@ static td_status cuda_mask(const char *name, int v, int *out) {
 static td_status cuda_from_env(td_cuda_tuning *c) {
   TD_TRY(env_switch("TANDEM_CUDA_VERBOSE", &c->verbose));
   TD_TRY(env_switch("TANDEM_CUDA_AUTOTUNE", &c->autotune));
+  TD_TRY(cuda_counts("TANDEM_CUDA_AUTOTUNE_MIN", &c->autotune_min, NULL, NULL, NULL));
   TD_TRY(env_switch("TANDEM_CUDA_PDL", &c->pdl));
   int v[4], got;
   TD_TRY(env_ints("TANDEM_CUDA_PDL_LATE", 1, v, &got));

@@ -25,6 +25,7 @@
 typedef struct td_cuda_tuning {
   int verbose;  /* TANDEM_CUDA_VERBOSE: print GEMM plan choices (default off) */
   int autotune; /* TANDEM_CUDA_AUTOTUNE: time cuBLASLt's candidates for large GEMMs (default off) */
+  int autotune_min; /* TANDEM_CUDA_AUTOTUNE_MIN=N: ... for GEMMs of m*n*k >= N million (default 10000) */
   int pdl;      /* TANDEM_CUDA_PDL: programmatic dependent launch (default on) */
   int pdl_late; /* TANDEM_CUDA_PDL_LATE=MASK: kernels that trigger the next launch after their wait: 1 decode
                    attention, 2 every skinny GEMM, 4 the normed ones, 8 the others (0: the default policy) */

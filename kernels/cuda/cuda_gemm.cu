@@ -279,7 +279,7 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
   }
   p->used = true;
   if (p->mode != MODE_FALLBACK && c->tune.autotune && found > 1 && !(flags & TD_GEMM_ACCUM) &&
-      (double)m * n * k >= 1e10 && !td_cu_capturing(c))
+      (double)m * n * k >= (double)c->tune.autotune_min * 1e6 && !td_cu_capturing(c))
     lt_autotune(c, p, res, found, x, w, y);
   if (c->tune.verbose)
     fprintf(stderr, "tandem cuda gemm plan m=%d n=%d k=%d act=%d flags=%u bias=%d align=%03x: %s\n", m, n, k, act,

@@ -12,6 +12,7 @@ static int count(int v, int def) { return v == 0 ? def : v < 0 ? 0 : v; }
 void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
   r->verbose = on(t->verbose, false);
   r->autotune = on(t->autotune, false);
+  r->autotune_min = count(t->autotune_min, TD_CUDA_DEFAULT_AUTOTUNE_MIN);
   r->pdl = on(t->pdl, true);
   r->pdl_late = t->pdl_late == 0 ? -1 : t->pdl_late < 0 ? 0 : t->pdl_late;
   r->skinny = on(t->skinny, true);

@@ -41,6 +41,7 @@ enum {
 /* The tuning in force: every field a value (td_cuda_tuning documents them). */
 typedef struct td_cu_tune {
   bool verbose, autotune;
+  int autotune_min; /* m*n*k in millions */
   bool pdl;
   int pdl_late; /* -1: the default policy, else the mask */
   bool skinny, skinny_bulk, weight_hint;

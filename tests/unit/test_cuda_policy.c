@@ -12,7 +12,7 @@
 #include "kernels/ops.h"
 
 static const char *const cuda_vars[] = {
-    "TANDEM_CUDA_VERBOSE",       "TANDEM_CUDA_AUTOTUNE",      "TANDEM_CUDA_PDL",
+    "TANDEM_CUDA_VERBOSE",       "TANDEM_CUDA_AUTOTUNE",      "TANDEM_CUDA_AUTOTUNE_MIN", "TANDEM_CUDA_PDL",
     "TANDEM_CUDA_PDL_LATE",      "TANDEM_CUDA_SKINNY",        "TANDEM_CUDA_SKINNY_ROWS",
     "TANDEM_CUDA_SKINNY_BULK",   "TANDEM_CUDA_WEIGHT_HINT",   "TANDEM_CUDA_GEMV",
     "TANDEM_CUDA_FUSE",          "TANDEM_CUDA_DENSE64",       "TANDEM_CUDA_DECATTN",
@@ -57,6 +57,7 @@ Test(cuda_settings, values_parse, .init = clear) {
   setenv("TANDEM_CUDA_STATES_WS", "off", 1);
   setenv("TANDEM_CUDA_HEADS_LT", "yes", 1);
   setenv("TANDEM_CUDA_CUSTOM_ALLREDUCE", "0", 1);
+  setenv("TANDEM_CUDA_AUTOTUNE_MIN", "500", 1);
   td_settings s;
   cr_assert_eq(td_settings_from_env(&s), TD_OK, "%s", td_errmsg());
   td_cuda_tuning *c = &s.cuda;
@@ -76,6 +77,10 @@ Test(cuda_settings, values_parse, .init = clear) {
   cr_assert_eq(c->states_ws, TD_OFF);
   cr_assert_eq(c->heads_lt, TD_ON);
   cr_assert_eq(c->custom_allreduce, TD_OFF);
+  cr_assert_eq(c->autotune_min, 500);
+  td_cu_tune r;
+  td_cu_tune_resolve(c, &r);
+  cr_assert_eq(r.autotune_min, 500);
   /* "0" where 0 means none */
   setenv("TANDEM_CUDA_GEMV", "0", 1);
   setenv("TANDEM_CUDA_PDL_LATE", "0", 1);
@@ -94,6 +99,7 @@ Test(cuda_settings, bad_values_are_refused_by_name, .init = clear) {
       {"TANDEM_CUDA_DENSE64", "5"},          {"TANDEM_CUDA_STATES_WARPS", "12"},
       {"TANDEM_CUDA_DECATTN_BULK", "1,2,7"}, {"TANDEM_CUDA_KVPF", "32k"},
       {"TANDEM_CUDA_DECATTN", "99999999999"}, {"TANDEM_CUDA_HEADS_LT", "2"},
+      {"TANDEM_CUDA_AUTOTUNE_MIN", "1e9"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     clear();
@@ -108,7 +114,7 @@ Test(cuda_settings, bad_values_are_refused_by_name, .init = clear) {
 
 Test(cuda_tune, zero_takes_the_measured_defaults) {
   td_cu_tune r = defaults();
-  cr_assert(!r.verbose && !r.autotune && r.pdl && r.pdl_late == -1);
+  cr_assert(!r.verbose && !r.autotune && r.autotune_min == TD_CUDA_DEFAULT_AUTOTUNE_MIN && r.pdl && r.pdl_late == -1);
   cr_assert(r.skinny && r.skinny_bulk && r.weight_hint && r.skinny_rows == TD_CUDA_DEFAULT_SKINNY_ROWS);
   cr_assert(r.gemv_maxv == TD_CUDA_DEFAULT_GEMV_MAXV && r.gemv_maxn == TD_CUDA_DEFAULT_GEMV_MAXN &&
             r.gemv_rows == TD_CUDA_DEFAULT_GEMV_ROWS && r.gemv_rows_n == TD_CUDA_DEFAULT_GEMV_ROWS_N);
