@@ -37,6 +37,8 @@
 #                                                     of their encoder runs further behind, default 0; their
 #                                                     encoder runs at most N inputs, so that a run stalls
 #                                                     their decode batch less; default: the worker's)
+#                   [--encode-queue-runs N]           (an encoder's queue at most N of its runs; past it,
+#                                                     requests wait or go to decoders that encode; default 3)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
 #                   [--cross-transfer states|kv]      (what encoder workers push: encoder states, projected
 #                                                     on arrival (the default), or K/V)
@@ -194,6 +196,7 @@ decoders_encode=0
 local_encode_pct=""
 local_encode_margin=""
 local_encode_seqs=""
+encode_queue_runs=""
 encode_defer=""
 mem_fraction=0.9
 gateway_port=0
@@ -224,6 +227,7 @@ while (($#)); do
     --local-encode-pct) local_encode_pct=$2; shift 2 ;;
     --local-encode-margin) local_encode_margin=$2; shift 2 ;;
     --local-encode-seqs) local_encode_seqs=$2; shift 2 ;;
+    --encode-queue-runs) encode_queue_runs=$2; shift 2 ;;
     --kv-transport) kv_transport=$2; shift 2 ;;
     --cross-states) cross_mode=states; shift ;;
     --cross-mode) cross_mode=$2; shift 2 ;;
@@ -279,6 +283,8 @@ fi
   { echo "local.sh: --local-encode-pct must be a positive integer" >&2; exit 2; }
 [[ -z $local_encode_margin || $local_encode_margin =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
   { echo "local.sh: --local-encode-margin must be a number of encoder runs (0, 0.5, 2, ...)" >&2; exit 2; }
+[[ -z $encode_queue_runs || ( $encode_queue_runs =~ ^[1-9][0-9]{0,3}$ && $encode_queue_runs -le 1000 ) ]] ||
+  { echo "local.sh: --encode-queue-runs must be 1 to 1000 runs" >&2; exit 2; }
 [[ -z $local_encode_seqs || $local_encode_seqs =~ ^[1-9][0-9]{0,3}$ ]] ||
   { echo "local.sh: --local-encode-seqs must be a number of inputs, 1 to 9999" >&2; exit 2; }
 [[ -z $local_encode_seqs ]] || ((decoders_encode)) ||
@@ -465,7 +471,8 @@ for attempt in 1 2 3 4 5; do
   worker_ep="tcp://127.0.0.1:$((port + 1))"
   start router "$bin/tandem-router" --client-endpoint "$client_ep" --worker-endpoint "$worker_ep" --cross-mode "$cross_mode" \
     ${router_held[@]+"${router_held[@]}"} \
-    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} ${local_encode_margin:+--local-encode-margin "$local_encode_margin"} "${router_tok[@]}" "${router_metrics[@]}" \
+    ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} ${local_encode_margin:+--local-encode-margin "$local_encode_margin"} \
+    ${encode_queue_runs:+--encode-queue-runs "$encode_queue_runs"} "${router_tok[@]}" "${router_metrics[@]}" \
     "${router_keys[@]}"
   rsup=$last_sup
   for _ in $(seq 100); do

@@ -152,7 +152,7 @@ check "--auth --decode-tp 2: the group's sockets admit its ranks only" \
 
 # ---- decode workers that also encode, their encoder runs capped (--local-encode-seqs); no encoder cache
 "$root/deploy/local.sh" --run-dir "$work/lse" --encoders 1 --prefills 0 --decodes 1 --decoders-encode \
-  --local-encode-seqs 2 --encoder-cache-fraction 0 --no-gateway --no-metrics >"$work/lse.out" 2>"$work/lse.err" &
+  --local-encode-seqs 2 --encode-queue-runs 5 --encoder-cache-fraction 0 --no-gateway --no-metrics >"$work/lse.out" 2>"$work/lse.err" &
 lse=$!
 wait_for 600 grep -q '^router ' "$work/lse.out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/lse.out")
@@ -163,12 +163,16 @@ capped() { tr '\0' ' ' <"/proc/$(cat "$work/lse/decode-0.pid")/cmdline" | grep -
 check "--local-encode-seqs: the decode worker's encoder runs capped" capped
 no_cache() { tr '\0' ' ' <"/proc/$(cat "$work/lse/encoder-0.pid")/cmdline" | grep -q -- "--encoder-cache-fraction 0 "; }
 check "--encoder-cache-fraction 0 reaches the workers" no_cache
+queue_runs() { tr '\0' ' ' <"/proc/$(cat "$work/lse/router.pid")/cmdline" | grep -q -- "--encode-queue-runs 5 "; }
+check "--encode-queue-runs reaches the router" queue_runs
 kill -TERM "$lse"
 wait "$lse"
 "$root/deploy/local.sh" --local-encode-seqs 2 >/dev/null 2>"$work/lse-bad.err"
 check "--local-encode-seqs without --decoders-encode is refused" grep -q "decode workers that encode" "$work/lse-bad.err"
 "$root/deploy/local.sh" --decoders-encode --local-encode-seqs 0 >/dev/null 2>"$work/lse-bad.err"
 check "--local-encode-seqs 0 is refused" grep -q "must be a number of inputs" "$work/lse-bad.err"
+"$root/deploy/local.sh" --encode-queue-runs 1001 >/dev/null 2>"$work/lse-bad.err"
+check "--encode-queue-runs 1001 is refused" grep -q "encode-queue-runs must be 1 to 1000" "$work/lse-bad.err"
 "$root/deploy/local.sh" --encoder-cache-fraction 1.5 >/dev/null 2>"$work/lse-bad.err"
 check "--encoder-cache-fraction 1.5 is refused" grep -q "must be in \\[0, 1\\]" "$work/lse-bad.err"
 "$root/deploy/local.sh" --gateway-spin-us 100001 >/dev/null 2>"$work/lse-bad.err"
