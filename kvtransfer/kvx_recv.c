@@ -266,8 +266,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   bool nccl = transport == KVX_MODE_NCCL, am = transport == KVX_MODE_AM, ipc = transport == KVX_MODE_IPC;
   bool staged = !nccl && !am && !ipc && !pool->direct;
   why[0] = 0;
-  blocks_valid(k, pool, dst_pool, src, dst, n, why);
-  if (!why[0] && !nccl && !ipc) { /* kvx_grant_covers checks these paths' pieces */
+  if (blocks_valid(k, pool, dst_pool, src, dst, n, why) && !nccl && !ipc) { /* kvx_grant_covers checks these paths' pieces */
     memcpy(sorted, dst, sizeof(int32_t) * n);
     qsort(sorted, n, sizeof(int32_t), cmp_i32);
   }

@@ -81,20 +81,34 @@ td_status td_kvx_slice_plan(const td_kvx_geom *s, const td_kvx_geom *d, td_kvx_s
   return TD_OK;
 }
 
+/* One block's slice plan, malloc'ed (NULL when it fails), after both
+ * geometries are checked. */
+static td_status block_slices(const td_kvx_geom *s, const td_kvx_geom *d, td_kvx_slice **sl, int *ns) {
+  *sl = NULL;
+  *ns = 0;
+  TD_TRY(td_kvx_geom_check(s));
+  TD_TRY(td_kvx_geom_check(d));
+  /* At most 2 slices per layer, and the states tail. */
+  int cap = 2 * imin(s->layout.n_layers, d->layout.n_layers) + 1;
+  if (!(*sl = malloc(sizeof **sl * (size_t)cap))) return td_err(TD_ERR_NOMEM, "out of memory");
+  td_status st = td_kvx_slice_plan(s, d, *sl, cap, ns);
+  if (st != TD_OK) {
+    free(*sl);
+    *sl = NULL;
+    *ns = 0;
+  }
+  return st;
+}
+
 td_status td_kvx_plan_copies(const td_kvx_geom *s, const td_kvx_geom *d, const int32_t *src_blocks,
                              const int32_t *dst_blocks, int n_blocks, td_kvx_slice **out, int *n) {
   *out = NULL;
   *n = 0;
   if (n_blocks < 0 || (n_blocks > 0 && (!src_blocks || !dst_blocks)))
     return td_err(TD_ERR_INVALID, "KV transfer plan: %d blocks", n_blocks);
-  TD_TRY(td_kvx_geom_check(s));
-  TD_TRY(td_kvx_geom_check(d));
-  /* At most 2 slices per layer, and the states tail. */
-  int cap = 2 * imin(s->layout.n_layers, d->layout.n_layers) + 1;
-  td_kvx_slice *sl = malloc(sizeof *sl * (size_t)cap);
-  if (!sl) return td_err(TD_ERR_NOMEM, "out of memory");
+  td_kvx_slice *sl = NULL;
   int ns = 0;
-  td_status st = td_kvx_slice_plan(s, d, sl, cap, &ns);
+  td_status st = block_slices(s, d, &sl, &ns);
   if (st != TD_OK || ns == 0 || n_blocks == 0) {
     free(sl);
     return st;
@@ -127,13 +141,9 @@ td_status td_kvx_plan_copies(const td_kvx_geom *s, const td_kvx_geom *d, const i
 td_status td_kvx_plan_bytes(const td_kvx_geom *s, const td_kvx_geom *d, int n_blocks, uint64_t *bytes) {
   *bytes = 0;
   if (n_blocks < 0) return td_err(TD_ERR_INVALID, "KV transfer plan: %d blocks", n_blocks);
-  TD_TRY(td_kvx_geom_check(s));
-  TD_TRY(td_kvx_geom_check(d));
-  int cap = 2 * imin(s->layout.n_layers, d->layout.n_layers) + 1;
-  td_kvx_slice *sl = malloc(sizeof *sl * (size_t)cap);
-  if (!sl) return td_err(TD_ERR_NOMEM, "out of memory");
+  td_kvx_slice *sl = NULL;
   int ns = 0;
-  td_status st = td_kvx_slice_plan(s, d, sl, cap, &ns);
+  td_status st = block_slices(s, d, &sl, &ns);
   uint64_t per = 0;
   for (int i = 0; i < ns && st == TD_OK; i++) per += sl[i].len;
   free(sl);
