@@ -67,6 +67,11 @@ static cJSON *worker_json(const td_client_worker *x) {
   cJSON_AddNumberToObject(o, "cross_blocks_used", x->cross_blocks - x->free_cross_blocks);
   cJSON_AddNumberToObject(o, "cross_blocks_free", x->free_cross_blocks);
   cJSON_AddNumberToObject(o, "encoded", (double)x->encoded);
+  cJSON_AddNumberToObject(o, "steps", (double)x->steps);
+  cJSON_AddNumberToObject(o, "tokens", (double)x->tokens);
+  cJSON_AddNumberToObject(o, "encode_runs", (double)x->encode_runs);
+  cJSON_AddNumberToObject(o, "busy_seconds", x->busy_seconds);
+  cJSON_AddNumberToObject(o, "idle_seconds", x->idle_seconds);
   cJSON_AddStringToObject(o, "version", x->version);
   cJSON_AddStringToObject(o, "group", x->group);
   cJSON_AddNumberToObject(o, "pid", x->pid);

@@ -346,6 +346,11 @@ static void health_of(const Tandem__HealthResponse *x0, td_client_health *hh) {
     cw->encoder_cache_blocks = (int)x->encoder_cache_blocks;
     cw->kv_pushing = (int)x->kv_pushing;
     cw->kv_refused = x->kv_refused;
+    cw->steps = x->steps;
+    cw->tokens = x->tokens;
+    cw->encode_runs = x->encode_runs;
+    cw->busy_seconds = x->busy_seconds;
+    cw->idle_seconds = x->idle_seconds;
     snprintf(cw->device, sizeof cw->device, "%s", x->device ? x->device : "");
     snprintf(cw->version, sizeof cw->version, "%s", x->version ? x->version : "");
     snprintf(cw->group, sizeof cw->group, "%s", x->group ? x->group : "");

@@ -61,6 +61,10 @@ typedef struct td_client_worker {
   int encoder_cache_blocks;    /* cross blocks that cache holds (counted in free_cross_blocks) */
   int kv_pushing;
   uint64_t kv_refused;  /* KV pushes into it refused (wrong sender, no reservation, bad blocks) */
+  /* engine steps, tokens they generated, encoder runs, and the wall time
+   * spent in steps: utilisation and mean decode batch between two looks */
+  uint64_t steps, tokens, encode_runs;
+  double busy_seconds, idle_seconds;
   char device[32];      /* its backend ("cpu", "cuda:0", ...) */
   char version[64];     /* its build */
   char group[64];       /* its TP/PP group ("" alone) */

@@ -186,6 +186,11 @@ int main(int argc, char **argv) {
         cJSON_AddNumberToObject(wj, "encoded", (double)x->encoded);
         cJSON_AddNumberToObject(wj, "encoder_cache_hits", (double)x->encoder_cache_hits);
         cJSON_AddNumberToObject(wj, "encoder_cache_blocks", x->encoder_cache_blocks);
+        cJSON_AddNumberToObject(wj, "steps", (double)x->steps);
+        cJSON_AddNumberToObject(wj, "tokens", (double)x->tokens);
+        cJSON_AddNumberToObject(wj, "encode_runs", (double)x->encode_runs);
+        cJSON_AddNumberToObject(wj, "busy_seconds", x->busy_seconds);
+        cJSON_AddNumberToObject(wj, "idle_seconds", x->idle_seconds);
         cJSON_AddItemToArray(ws, wj);
       }
       char *wtxt = ws ? cJSON_PrintUnformatted(ws) : NULL;

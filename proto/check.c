@@ -170,7 +170,9 @@ bool td_check_load(const Tandem__Cluster__Load *l, uint32_t self_blocks, uint32_
   if (l->encoder_cache_blocks > cross_blocks)
     BAD("Load.encoder_cache_blocks %u exceeds the %u cross blocks registered", l->encoder_cache_blocks, cross_blocks);
   return time_ok("Load.kv_out_seconds_ucx", l->kv_out_seconds_ucx, why, cap) &&
-         time_ok("Load.kv_out_seconds_zmq", l->kv_out_seconds_zmq, why, cap);
+         time_ok("Load.kv_out_seconds_zmq", l->kv_out_seconds_zmq, why, cap) &&
+         time_ok("Load.busy_seconds", l->busy_seconds, why, cap) &&
+         time_ok("Load.idle_seconds", l->idle_seconds, why, cap);
 }
 
 /* ------------------------------------------------------------ shared */

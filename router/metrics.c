@@ -29,7 +29,7 @@ struct rtr_metrics {
   td_metrics_server *server;
   td_metric *running, *waiting, *success, *failure, *ttft, *tpot, *e2e, *prompt, *generation, *retries, *stage;
   td_metric *w_up, *w_running, *w_waiting, *w_used, *w_free, *w_kv, *w_kv_bytes, *w_kv_secs, *w_ipc, *w_encoded,
-      *w_hits, *w_cache_blocks, *w_refused;
+      *w_hits, *w_cache_blocks, *w_refused, *w_steps, *w_tokens, *w_runs, *w_busy, *w_idle;
   td_metric *dropped;
 };
 
@@ -93,6 +93,17 @@ td_status rtr_metrics_create(td_router *r) {
       "reservation, blocks outside it or of another size.", LABELS("worker"), NULL, 0);
   ADD(w_encoded, TD_METRIC_COUNTER, "tandem:worker_encoded_requests_total",
       "Requests a worker's encoder ran.", LABELS("worker"), NULL, 0);
+  ADD(w_steps, TD_METRIC_COUNTER, "tandem:worker_steps_total",
+      "Engine steps a worker ran (decode steps, encoder and prefill passes).", LABELS("worker"), NULL, 0);
+  ADD(w_tokens, TD_METRIC_COUNTER, "tandem:worker_generated_tokens_total",
+      "Tokens a worker's steps generated; over steps, its mean decode batch.", LABELS("worker"), NULL, 0);
+  ADD(w_runs, TD_METRIC_COUNTER, "tandem:worker_encoder_runs_total",
+      "Encoder runs a worker made (each encodes one or more requests).", LABELS("worker"), NULL, 0);
+  ADD(w_busy, TD_METRIC_COUNTER, "tandem:worker_busy_seconds_total",
+      "Wall time a worker spent inside engine steps; its rate is the worker's utilisation.", LABELS("worker"), NULL, 0);
+  ADD(w_idle, TD_METRIC_COUNTER, "tandem:worker_idle_seconds_total",
+      "Wall time a worker waited with no work at all (nothing running, waiting or queued).", LABELS("worker"), NULL,
+      0);
   ADD(w_hits, TD_METRIC_COUNTER, "tandem:encoder_cache_hits_total",
       "Requests whose cross KV came from a worker's encoder cache (no encoder run).", LABELS("worker"), NULL, 0);
   ADD(w_cache_blocks, TD_METRIC_GAUGE, "tandem:encoder_cache_blocks",
@@ -141,7 +152,8 @@ static void collect(td_router *r) {
   td_metric_set(m->running, NULL, r->in_flight);
   td_metric_set(m->waiting, NULL, r->queue.n + r->parked.n);
   td_metric *per_worker[] = {m->w_running, m->w_waiting, m->w_used,    m->w_free,          m->w_kv, m->w_kv_bytes, m->w_kv_secs,
-                             m->w_ipc,     m->w_encoded, m->w_hits,    m->w_cache_blocks, m->w_refused};
+                             m->w_ipc,     m->w_encoded, m->w_hits,    m->w_cache_blocks, m->w_refused,
+                             m->w_steps,   m->w_tokens,  m->w_runs,    m->w_busy,          m->w_idle};
   for (int i = 0; i < N(per_worker); i++) td_metric_clear(per_worker[i]); /* workers that left go */
   for (worker *w = r->workers; w; w = w->hh.next) {
     const Tandem__Cluster__Load *ld = &w->load;
@@ -171,6 +183,11 @@ static void collect(td_router *r) {
     td_metric_set(m->w_encoded, id, (double)ld->encoded);
     td_metric_set(m->w_hits, id, (double)ld->encoder_cache_hits);
     td_metric_set(m->w_cache_blocks, id, ld->encoder_cache_blocks);
+    td_metric_set(m->w_steps, id, (double)ld->steps);
+    td_metric_set(m->w_tokens, id, (double)ld->tokens);
+    td_metric_set(m->w_runs, id, (double)ld->encode_runs);
+    td_metric_set(m->w_busy, id, ld->busy_seconds);
+    td_metric_set(m->w_idle, id, ld->idle_seconds);
   }
   td_metric_set(m->dropped, NULL, (double)td_metrics_dropped(m->reg));
 }

@@ -424,6 +424,11 @@ void rtr_health_fill(td_router *r, Tandem__HealthResponse *hp, Tandem__WorkerSta
       x->drain_requested = w->drain_asked;
       x->stopping = w->load.stopping;
       x->kv_refused = w->load.kv_refused;
+      x->steps = w->load.steps;
+      x->tokens = w->load.tokens;
+      x->encode_runs = w->load.encode_runs;
+      x->busy_seconds = w->load.busy_seconds;
+      x->idle_seconds = w->load.idle_seconds;
       wp[k++] = x;
     }
     h.workers = wp;

@@ -555,8 +555,10 @@ static void *compute_main(void *arg) {
   pthread_cond_broadcast(&w->cv);
   pthread_mutex_unlock(&w->mu);
   if (s != TD_OK) return NULL;
+  int64_t busy_ns = 0, idle_ns = 0; /* inside engine steps (the worker's utilisation); waiting for work */
   for (;;) {
     pthread_mutex_lock(&w->mu);
+    int64_t t_wait = td_now_ns();
     while (!w->cmd_head && !w->stop_compute && td_engine_idle(w->e)) {
       timed_wait(w, TD_WORKER_COMPUTE_IDLE_MS * 1000L);
       if (w->world > 1) { /* an idle leader still heartbeats to its followers */
@@ -565,6 +567,7 @@ static void *compute_main(void *arg) {
         pthread_mutex_lock(&w->mu);
       }
     }
+    idle_ns += td_now_ns() - t_wait;
     bool was_idle = td_engine_idle(w->e);
     pthread_mutex_unlock(&w->mu);
     int added = run_commands(w);
@@ -590,7 +593,11 @@ static void *compute_main(void *arg) {
       break;
     }
     if (w->world > 1) w_mirror_tick(w);
-    if (!td_engine_idle(w->e) && td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
+    if (!td_engine_idle(w->e)) {
+      int64_t t0 = td_now_ns();
+      if (td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
+      busy_ns += td_now_ns() - t0;
+    }
     ev_flush(w);
     td_engine_stats st = td_engine_get_stats(w->e);
     bool idle = !st.waiting && !st.running;
@@ -599,8 +606,10 @@ static void *compute_main(void *arg) {
      * its health never shows the last requests as still running */
     bool news = idle && (w->load.running || w->load.queued);
     if (news) w->idle_news = true;
-    w->load = (load_snap){st.waiting, st.running, st.self.n_free, st.cross.n_free, st.encodes, st.cache_hits,
-                          st.cache_blocks};
+    w->load = (load_snap){st.waiting,   st.running,     st.self.n_free,
+                          st.cross.n_free, st.encodes,   st.cache_hits,
+                          st.cache_blocks, st.steps,     st.tokens_generated,
+                          st.encode_runs,  (double)busy_ns / 1e9, (double)idle_ns / 1e9};
     pthread_mutex_unlock(&w->mu);
     if (news) {
       uint64_t one = 1;

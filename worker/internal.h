@@ -159,6 +159,8 @@ typedef struct load_snap {
   int64_t encoded; /* requests encoded */
   int64_t cache_hits; /* encoder cache */
   int cache_blocks;
+  int64_t steps, tokens, encode_runs; /* engine counters */
+  double busy_s, idle_s; /* wall time inside td_engine_step; waiting with no work */
 } load_snap;
 
 struct td_worker {

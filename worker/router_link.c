@@ -126,6 +126,11 @@ void w_send_heartbeat(td_worker *w) {
   ld.encoded = (uint64_t)l.encoded;
   ld.encoder_cache_hits = (uint64_t)l.cache_hits;
   ld.encoder_cache_blocks = (uint32_t)l.cache_blocks;
+  ld.steps = (uint64_t)l.steps;
+  ld.tokens = (uint64_t)l.tokens;
+  ld.encode_runs = (uint64_t)l.encode_runs;
+  ld.busy_seconds = l.busy_s;
+  ld.idle_seconds = l.idle_s;
   Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
   hb.load = &ld;
   hb.seq = ++w->hb_seq;

@@ -225,23 +225,46 @@ static void check_encoder_cache(int encoders) {
   fx_load("t5-tiny", &fx);
   cluster c;
   cluster_opts o = {.model = fx.dir, .encoders = encoders, .decodes = 1, .block_size = 4};
+  double t_start = td_now_ms() / 1e3;
   cluster_start(&c, &o);
   expect_fixture_greedy(&c, &fx);
   expect_fixture_greedy(&c, &fx);
-  uint64_t hits = 0, encoded = 0;
+  uint64_t hits = 0, encoded = 0, tokens = 0, want_tokens = 0, runs = 0, steps = 0;
+  double busy = 0, idle = 0;
   int cached = 0;
-  for (int t = 0; t < 50 && hits < (uint64_t)fx.n; t++) { /* the load comes with the heartbeats */
+  for (int i = 0; i < fx.n; i++) want_tokens += 2 * (uint64_t)fx.req[i].n_greedy;
+  for (int t = 0; t < 50 && (hits < (uint64_t)fx.n || tokens < want_tokens); t++) { /* the load comes with the heartbeats */
     td_client_health h;
-    hits = encoded = 0;
+    hits = encoded = tokens = runs = steps = 0;
+    busy = idle = 0;
     cached = 0;
     if (cluster_health(&c, &h))
       for (int i = 0; i < h.n_workers; i++) {
         hits += h.workers[i].encoder_cache_hits;
         encoded += h.workers[i].encoded;
         cached += h.workers[i].encoder_cache_blocks;
+        tokens += h.workers[i].tokens;
+        runs += h.workers[i].encode_runs;
+        steps += h.workers[i].steps;
+        busy += h.workers[i].busy_seconds;
+        idle += h.workers[i].idle_seconds;
+        cr_expect(h.workers[i].busy_seconds >= 0 && h.workers[i].idle_seconds >= 0 &&
+                      h.workers[i].busy_seconds + h.workers[i].idle_seconds <= td_now_ms() / 1e3 - t_start,
+                  "%s busy %.3f s, idle %.3f s", h.workers[i].id, h.workers[i].busy_seconds,
+                  h.workers[i].idle_seconds);
       }
-    if (hits < (uint64_t)fx.n) usleep(100000);
+    if (hits < (uint64_t)fx.n || tokens < want_tokens) usleep(100000);
   }
+  /* the engine counters the health reports: every greedy token, one encoder
+   * run at most an input (the repeats came from the cache), steps for all */
+  cr_expect_eq(tokens, want_tokens, "%d encoders: %llu tokens generated, %llu asked", encoders,
+               (unsigned long long)tokens, (unsigned long long)want_tokens);
+  cr_expect(runs >= 1 && runs <= (uint64_t)fx.n, "%d encoders: %llu encoder runs for %d inputs", encoders,
+            (unsigned long long)runs, fx.n);
+  cr_expect(steps * 8 >= want_tokens / 2, "%llu steps for %llu tokens", (unsigned long long)steps,
+            (unsigned long long)want_tokens);
+  cr_expect_gt(busy, 0.0);
+  cr_expect_gt(idle, 0.0, "the workers waited between the two rounds and after");
   cr_expect_eq(hits, (uint64_t)fx.n, "%d encoders: %llu encoder-cache hits for %d repeated inputs", encoders,
                (unsigned long long)hits, fx.n);
   cr_expect_eq(encoded, (uint64_t)fx.n, "%d encoders: %llu encoder runs for %d inputs", encoders,

@@ -185,6 +185,16 @@ Test(check, a_heartbeats_load_past_the_pools_is_refused) {
   expect_refused(td_check_load(&l, 10, 20, why, sizeof why), why, "seconds NaN", "Load.kv_out_seconds_zmq nan");
   l.kv_out_seconds_zmq = -1;
   expect_refused(td_check_load(&l, 10, 20, why, sizeof why), why, "seconds < 0", "Load.kv_out_seconds_zmq -1");
+  l.kv_out_seconds_zmq = 0;
+  l.busy_seconds = INFINITY;
+  expect_refused(td_check_load(&l, 10, 20, why, sizeof why), why, "busy inf", "Load.busy_seconds inf");
+  l.busy_seconds = -0.5;
+  expect_refused(td_check_load(&l, 10, 20, why, sizeof why), why, "busy < 0", "Load.busy_seconds -0.5");
+  l.busy_seconds = 12.5;
+  l.idle_seconds = NAN;
+  expect_refused(td_check_load(&l, 10, 20, why, sizeof why), why, "idle NaN", "Load.idle_seconds nan");
+  l.idle_seconds = 3;
+  cr_expect(td_check_load(&l, 10, 20, why, sizeof why), "%s", why);
 }
 
 /* ------------------------------------------------------------ worker -> router */
