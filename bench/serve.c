@@ -4,6 +4,9 @@
  * time to first token, time per output token, end-to-end latency and
  * goodput; a table on stdout, a section in bench/RESULTS.md (--record),
  * a PNG of latency against throughput over a sweep of rates (--plot).
+ * Against a cluster it also shows how each worker spent the run (busy share,
+ * decode steps and batch, encoder runs), from the counters of the router's
+ * health before and after: which pool is short.
  *
  *   bench-serve (--router EP | --gateway URL [--gateway-model NAME] | --engine --model DIR [--device cpu|cuda])
  *               [--workload trt|whisper|long|FILE.jsonl] [--requests N] [--seed S]
@@ -87,6 +90,9 @@ typedef struct run {
   double gw_sum[3], gw_count[3]; /* --gateway: the gateway's first-event stages over the run (seconds, streams) */
   td_http_hop hop;               /* --gateway: this client's side of the first events */
   FILE *results; /* --results */
+  /* --router: every worker's engine counters before and after the run */
+  td_serve_counters *before, *after;
+  int n_before, n_after;
 } run;
 
 static double now_ms(void) { return (double)td_now_ns() / 1e6; }
@@ -113,6 +119,8 @@ static td_status run_init(run *r, const td_workload *w, double rate, int concurr
 }
 
 static void run_free(run *r) {
+  free(r->before);
+  free(r->after);
   HASH_CLEAR(hh, r->ids);
   free(r->s);
   free(r->arrive);
@@ -248,10 +256,48 @@ static td_status zmq_poll(void *t, int timeout_ms, run *r) {
 
 static const target_i zmq_target = {.submit = zmq_submit, .poll = zmq_poll};
 
+/* The workers' counters as the router last heard them: *n rows in a new array. */
+static td_status counters(td_client *c, td_serve_counters **out, int *n, bool *busy) {
+  td_client_health *h = calloc(1, sizeof *h);
+  if (!h) return td_err(TD_ERR_NOMEM, "out of memory");
+  td_status s = td_client_health_check(c, TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS, h);
+  *out = s == TD_OK ? calloc((size_t)(h->n_workers ? h->n_workers : 1), sizeof **out) : NULL;
+  if (s == TD_OK && !*out) s = td_err(TD_ERR_NOMEM, "out of memory");
+  *n = 0;
+  if (busy) *busy = false;
+  for (int i = 0; s == TD_OK && i < h->n_workers; i++) {
+    const td_client_worker *x = &h->workers[i];
+    td_serve_counters *k = &(*out)[(*n)++];
+    snprintf(k->id, sizeof k->id, "%s", x->id);
+    k->steps = x->steps;
+    k->tokens = x->tokens;
+    k->encode_runs = x->encode_runs;
+    k->encoded = x->encoded;
+    k->busy_s = x->busy_seconds;
+    if (busy) *busy |= x->running > 0 || x->queued > 0;
+  }
+  free(h);
+  return s;
+}
+
 static td_status run_cluster(const opts *o, run *r) {
   td_client *c;
   TD_TRY(td_client_connect_wait(o->router, TD_DEFAULT_CLIENT_CONNECT_TIMEOUT_MS, &c)); /* a wrong --router says so */
-  td_status s = drive(&zmq_target, c, o, r);
+  td_status s = counters(c, &r->before, &r->n_before, NULL);
+  if (s == TD_OK) s = drive(&zmq_target, c, o, r);
+  /* a worker's load reaches the router with its heartbeats (at once when it
+   * goes idle): look until none runs anything and two looks 100 ms apart
+   * agree, or 3 s */
+  bool busy = true, same = false;
+  for (int t = 0; s == TD_OK && (busy || !same) && t < 30; t++) {
+    td_serve_counters *prev = r->after;
+    int n_prev = r->n_after;
+    r->after = NULL;
+    usleep(100 * 1000);
+    s = counters(c, &r->after, &r->n_after, &busy);
+    same = s == TD_OK && prev && n_prev == r->n_after && !memcmp(prev, r->after, sizeof *prev * (size_t)n_prev);
+    free(prev);
+  }
   td_client_close(c);
   return s;
 }
@@ -641,7 +687,7 @@ int main(int argc, char **argv) {
   td_sbuf_printf(&tab, "| arrivals | ok | req/s | out tok/s | in tok/s | TTFT ms p50 / p90 / p99 | "
                        "TPOT ms p50 / p90 / p99 | end-to-end ms p50 / p90 / p99 | goodput req/s |\n"
                        "|---|---|---|---|---|---|---|---|---|\n");
-  td_sbuf stages = {0}, hops = {0};
+  td_sbuf stages = {0}, hops = {0}, use = {0};
   if (o.router)
     td_sbuf_printf(&stages, "\nWhere the time went, as the router saw it (mean ms a request; transfer: the "
                             "encoder's wait and KV push):\n\n| arrivals | queue | reserve | encode | transfer | "
@@ -679,6 +725,24 @@ int main(int argc, char **argv) {
                        a->queue_ms / d, a->reserve_ms / d, a->encode_ms / d, a->transfer_ms / d, a->prefill_ms / d,
                        a->first_token_ms / d, a->decode_ms / d, a->total_ms / d, a->attempts / d);
       }
+      if (o.router && r.after && r.n_after > 0) {
+        td_serve_use *u = calloc((size_t)r.n_after, sizeof *u);
+        if (!u || td_serve_worker_use(r.before, r.n_before, r.after, r.n_after, sums[k].duration_s, u) != TD_OK) {
+          fprintf(stderr, "bench-serve: the workers' counters: %s\n", u ? td_errmsg() : "out of memory");
+        } else {
+          if (!use.s)
+            td_sbuf_printf(&use, "\nHow the workers spent the run (their counters before and after it; busy: inside "
+                                 "engine steps, as a share of the run's duration; ms a step counts encoder runs in; an "
+                                 "encoder-only worker has runs, no steps):\n\n| arrivals | worker | busy %% | steps | "
+                                 "mean batch | ms a step | encoded | encoder runs | inputs a run |\n"
+                                 "|---|---|---|---|---|---|---|---|---|\n");
+          for (int i = 0; i < r.n_after; i++)
+            td_sbuf_printf(&use, "| %s | %s | %.1f | %lld | %.1f | %.2f | %lld | %lld | %.1f |\n", arr, u[i].id,
+                           u[i].busy_pct, u[i].steps, u[i].mean_batch, u[i].step_ms, u[i].encoded, u[i].encode_runs,
+                           u[i].inputs_a_run);
+        }
+        free(u);
+      }
       if (o.gateway && r.gw_count[1] > 0)
         td_sbuf_printf(&stages, "| %s | %.3f | %.3f | %.3f | %.0f |\n", arr, 1e3 * r.gw_sum[0] / r.gw_count[0],
                        1e3 * r.gw_sum[1] / r.gw_count[1], 1e3 * r.gw_sum[2] / r.gw_count[2], r.gw_count[1]);
@@ -698,6 +762,7 @@ int main(int argc, char **argv) {
                    o.ttft_bound, o.tpot_bound);
   if (stages.s) td_sbuf_printf(&tab, "%s", stages.s);
   if (hops.s) td_sbuf_printf(&tab, "%s", hops.s);
+  if (use.s) td_sbuf_printf(&tab, "%s", use.s);
   if (o.engine) { /* every run of a sweep together */
     td_engine_stats es = td_engine_get_stats(g.e);
     td_sbuf_printf(&tab,
@@ -708,6 +773,7 @@ int main(int argc, char **argv) {
   }
   td_sbuf_free(&stages);
   td_sbuf_free(&hops);
+  td_sbuf_free(&use);
   fputs(tab.s, stdout);
   if (rc == 0 && o.plot && plot(o.plot, sums, n_runs, o.workload) != TD_OK) {
     fprintf(stderr, "bench-serve: %s\n", td_errmsg());

@@ -1,6 +1,7 @@
 #include "serve_stats.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,5 +94,35 @@ td_status td_serve_summarize(const td_serve_sample *s, int n, double ttft_bound_
   pct_of(tpot, np, &out->tpot);
   pct_of(e2e, ne, &out->e2e);
   free(ttft), free(tpot), free(e2e);
+  return TD_OK;
+}
+
+td_status td_serve_worker_use(const td_serve_counters *before, int n_before, const td_serve_counters *after,
+                              int n_after, double duration_s, td_serve_use *out) {
+  if (!(duration_s > 0)) return td_err(TD_ERR_INVALID, "a run of %g s", duration_s);
+  for (int i = 0; i < n_after; i++) {
+    const td_serve_counters *a = &after[i], *b = NULL;
+    static const td_serve_counters zero;
+    for (int k = 0; k < n_before && !b; k++)
+      if (!strcmp(before[k].id, a->id)) b = &before[k];
+    if (!b) b = &zero;
+    if (a->steps < b->steps || a->tokens < b->tokens || a->encode_runs < b->encode_runs || a->encoded < b->encoded ||
+        a->busy_s < b->busy_s)
+      return td_err(TD_ERR_INVALID, "worker %s: its counters went down over the run (restarted?)", a->id);
+    td_serve_use *u = &out[i];
+    memset(u, 0, sizeof *u);
+    snprintf(u->id, sizeof u->id, "%s", a->id);
+    u->steps = (long long)(a->steps - b->steps);
+    u->tokens = (long long)(a->tokens - b->tokens);
+    u->encode_runs = (long long)(a->encode_runs - b->encode_runs);
+    u->encoded = (long long)(a->encoded - b->encoded);
+    double busy = a->busy_s - b->busy_s;
+    u->busy_pct = 100.0 * busy / duration_s;
+    if (u->steps) {
+      u->mean_batch = (double)u->tokens / (double)u->steps;
+      u->step_ms = 1e3 * busy / (double)u->steps;
+    }
+    if (u->encode_runs) u->inputs_a_run = (double)u->encoded / (double)u->encode_runs;
+  }
   return TD_OK;
 }

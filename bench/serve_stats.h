@@ -48,4 +48,29 @@ double td_serve_percentile(const double *sorted, int n, double p);
 td_status td_serve_summarize(const td_serve_sample *s, int n, double ttft_bound_ms, double tpot_bound_ms,
                              td_serve_summary *out);
 
+/* A worker's engine counters, as its health reports them (cumulative). */
+typedef struct td_serve_counters {
+  char id[64];
+  unsigned long long steps, tokens, encode_runs, encoded;
+  double busy_s;
+} td_serve_counters;
+
+/* What a worker did over a run: the counters' change between a look before
+ * and one after, over the run's duration. */
+typedef struct td_serve_use {
+  char id[64];
+  double busy_pct;      /* time inside engine steps, of the run's duration */
+  long long steps, tokens, encode_runs, encoded;
+  double mean_batch;    /* tokens a step (0: no steps) */
+  double step_ms;       /* busy time a step, encoder runs included (0: no steps) */
+  double inputs_a_run;  /* inputs an encoder run (0: no runs) */
+} td_serve_use;
+
+/* Each worker of `after` against its counters in `before` (a worker that
+ * joined meanwhile from zero), over duration_s: n_after rows in out.
+ * TD_ERR_INVALID for a duration <= 0 or counters that went down (a worker
+ * restarted under the same id: its row would lie). */
+td_status td_serve_worker_use(const td_serve_counters *before, int n_before, const td_serve_counters *after,
+                              int n_after, double duration_s, td_serve_use *out);
+
 #endif

@@ -593,7 +593,8 @@ static void *compute_main(void *arg) {
       break;
     }
     if (w->world > 1) w_mirror_tick(w);
-    if (!td_engine_idle(w->e)) {
+    bool stepped = !td_engine_idle(w->e);
+    if (stepped) {
       int64_t t0 = td_now_ns();
       if (td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
       busy_ns += td_now_ns() - t0;
@@ -603,8 +604,10 @@ static void *compute_main(void *arg) {
     bool idle = !st.waiting && !st.running;
     pthread_mutex_lock(&w->mu);
     /* the router hears of an idle worker now, not at the next heartbeat:
-     * its health never shows the last requests as still running */
-    bool news = idle && (w->load.running || w->load.queued);
+     * its health never shows the last requests as still running, nor its
+     * counters short of the last step (an encoder's request comes and goes
+     * within one step) */
+    bool news = idle && (stepped || w->load.running || w->load.queued);
     if (news) w->idle_news = true;
     w->load = (load_snap){st.waiting,   st.running,     st.self.n_free,
                           st.cross.n_free, st.encodes,   st.cache_hits,

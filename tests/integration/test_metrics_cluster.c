@@ -117,6 +117,21 @@ Test(metrics, counts_equal_the_requests_sent, .timeout = 300) {
                 metric_sample(t, "tandem:kv_push_seconds_total{worker=\"encoder-0\",transport=\"zmq\"}");
   cr_expect(secs > 0 && secs < 60.0 * NREQ, "the encoder's pushes took %g s", secs);
   cr_expect_gt(kv_in(t), 0);
+  /* utilisation: the encoder ran NREQ inputs in at least one run and at most NREQ,
+   * the decode worker stepped and generated; both were busy and idle for some time */
+  double runs = metric_sample(t, "tandem:worker_encoder_runs_total{worker=\"encoder-0\"}");
+  cr_expect(runs >= 1 && runs <= NREQ, "%g encoder runs for %d inputs", runs, NREQ);
+  cr_expect_gt(metric_sample(t, "tandem:worker_steps_total{worker=\"decode-0\"}"), 0);
+  cr_expect_geq(metric_sample(t, "tandem:worker_generated_tokens_total{worker=\"decode-0\"}"), NREQ);
+  const char *ids[] = {"encoder-0", "decode-0"};
+  for (int i = 0; i < 2; i++) {
+    char name[128];
+    snprintf(name, sizeof name, "tandem:worker_busy_seconds_total{worker=\"%s\"}", ids[i]);
+    double busy = metric_sample(t, name);
+    snprintf(name, sizeof name, "tandem:worker_idle_seconds_total{worker=\"%s\"}", ids[i]);
+    double idle = metric_sample(t, name);
+    cr_expect(busy > 0 && idle > 0 && busy + idle < 600, "%s: busy %g s, idle %g s", ids[i], busy, idle);
+  }
   free(t);
   cr_expect(cluster_stop(&c));
 }
