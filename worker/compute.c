@@ -606,8 +606,9 @@ static void *compute_main(void *arg) {
     /* the router hears of an idle worker now, not at the next heartbeat:
      * its health never shows the last requests as still running, nor its
      * counters short of the last step (an encoder's request comes and goes
-     * within one step) */
-    bool news = idle && (stepped || w->load.running || w->load.queued);
+     * within one step), nor blocks that a finished push gave back */
+    bool news = idle && (stepped || w->load.running || w->load.queued || w->load.free_self != st.self.n_free ||
+                         w->load.free_cross != st.cross.n_free);
     if (news) w->idle_news = true;
     w->load = (load_snap){st.waiting,   st.running,     st.self.n_free,
                           st.cross.n_free, st.encodes,   st.cache_hits,

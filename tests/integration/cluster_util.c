@@ -378,7 +378,7 @@ bool cluster_stop(cluster *c) {
       }
     }
   }
-  if (clean) { /* keep the logs of a failed run */
+  if (clean && !getenv("TD_KEEP_LOGS")) { /* keep the logs of a failed run */
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf %s", c->dir);
     if (system(cmd) != 0) cr_log_warn("could not remove %s", c->dir);
