@@ -418,6 +418,17 @@ void td_kvx_destroy(td_kvx *k) {
       if (op->req) ucp_request_free(op->req); /* no callback after this */
       op->req = NULL;
     }
+    /* Endpoints UCX made for peers that connected to us may still hold a
+     * wireup reply on a pending queue (a peer that connected just now):
+     * UCX asserts when it purges one at destroy, so flush them out first,
+     * within the same bound. */
+    ucp_request_param_t fp = {.op_attr_mask = 0};
+    void *fr = ucp_worker_flush_nbx(k->w, &fp);
+    if (UCS_PTR_IS_PTR(fr)) {
+      until = td_now_ms() + TD_KVX_DESTROY_CLOSE_MS;
+      while (ucp_request_check_status(fr) == UCS_INPROGRESS && td_now_ms() < until) ucp_worker_progress(k->w);
+      ucp_request_free(fr);
+    }
     if (k->addr) ucp_worker_release_address(k->w, k->addr);
     ucp_worker_destroy(k->w);
     DL_FOREACH_SAFE(k->ops, op, otmp) {
