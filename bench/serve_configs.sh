@@ -2,7 +2,8 @@
 # Cluster configurations against each other on one machine with bench-serve: each
 # configuration's cluster is started with deploy/local.sh, warmed, measured with bursts
 # (every request at once) and closed loops (a fixed number in flight), and stopped; a
-# table of output tokens a second, with each run's ratio to the first configuration's.
+# table of output tokens a second, with each run's ratio to the first configuration's, and
+# each configuration's workers' busy shares in its last run (which pool is short).
 #
 #   bench/serve_configs.sh --model DIR [--workload trt|whisper|FILE] [--device cuda|cpu]
 #       [--burst N] [--closed C] [--rate R [--rate-requests N]] [--runs K]
@@ -48,11 +49,18 @@ bin=${TANDEM_BIN:-$root/build/bin}
 export TANDEM_BIN=$bin
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
-rows=() first=()
+rows=() first=() uses=()
 row_of() { grep -E '^\| (all at once|[0-9]+ in flight|Poisson [0-9.]+/s) \| [0-9]+/' "$1" | head -1 | awk -F'|' '{gsub(/ /, "", $5); print $5}'; }
 # TTFT and TPOT p90 of a run (open loop: the rate is given, latency is the measure)
 p90s() { grep -E '^\| Poisson [0-9.]+/s \| [0-9]+/' "$1" | head -1 |
   awk -F'|' '{split($7, a, " / "); split($8, b, " / "); printf "TTFT p90 %s ms, TPOT p90 %s ms", a[2], b[2]}'; }
+# each worker's busy share in a run, with its mean decode batch or its inputs an encoder run (bench-serve's
+# "How the workers spent the run" table)
+use_of() { awk -F'|' '/^How the workers spent the run/ {on = 1; next}
+  on && /^\| (all at once|[0-9]+ in flight|Poisson [0-9.]+\/s) \| / {
+    gsub(/ /, "", $3); gsub(/ /, "", $4); gsub(/ /, "", $6); gsub(/ /, "", $10)
+    out = out (out ? ", " : "") $3 " " $4 " %" ($6 + 0 > 0 ? " (batch " $6 ")" : "") ($10 + 0 > 0 ? " (" $10 " a run)" : "") }
+  END {print out}' "$1"; }
 IFS=';' read -ra list <<<"$configs"
 for entry in "${list[@]}"; do
   name=${entry%%=*} flags=${entry#*=}
@@ -93,6 +101,7 @@ for entry in "${list[@]}"; do
     done
   done
   rows+=("| $name | $flags | $(IFS='|'; echo "${cells[*]}" | sed 's/|/ | /g') |")
+  uses+=("| $name | $(use_of "$f") |")
   rm -f "$run"/*.pid
   kill -TERM -- -$lp 2>/dev/null
   sleep 3
@@ -116,5 +125,11 @@ echo
 echo "$head"
 echo "$sep"
 printf '%s\n' "${rows[@]}"
+echo
+echo "How the workers spent each configuration's last run (busy: inside engine steps, of the run; the short pool is the busy one):"
+echo
+echo "| configuration | workers |"
+echo "|---|---|"
+printf '%s\n' "${uses[@]}"
 echo
 echo "bench-serve outputs: $out"
