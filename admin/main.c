@@ -72,6 +72,7 @@ static cJSON *worker_json(const td_client_worker *x) {
   cJSON_AddNumberToObject(o, "encode_runs", (double)x->encode_runs);
   cJSON_AddNumberToObject(o, "busy_seconds", x->busy_seconds);
   cJSON_AddNumberToObject(o, "idle_seconds", x->idle_seconds);
+  cJSON_AddNumberToObject(o, "project_seconds", x->project_seconds);
   cJSON_AddStringToObject(o, "version", x->version);
   cJSON_AddStringToObject(o, "group", x->group);
   cJSON_AddNumberToObject(o, "pid", x->pid);

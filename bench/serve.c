@@ -274,6 +274,7 @@ static td_status counters(td_client *c, td_serve_counters **out, int *n, bool *b
     k->encode_runs = x->encode_runs;
     k->encoded = x->encoded;
     k->busy_s = x->busy_seconds;
+    k->project_s = x->project_seconds;
     if (busy) *busy |= x->running > 0 || x->queued > 0;
   }
   free(h);
@@ -740,13 +741,14 @@ int main(int argc, char **argv) {
           if (!use.s)
             td_sbuf_printf(&use, "\nHow the workers spent the run (their counters before and after it; busy: inside "
                                  "engine steps, as a share of the run's duration; ms a step counts encoder runs in; an "
-                                 "encoder-only worker has runs, no steps):\n\n| arrivals | worker | busy %% | steps | "
-                                 "mean batch | ms a step | encoded | encoder runs | inputs a run |\n"
-                                 "|---|---|---|---|---|---|---|---|---|\n");
+                                 "encoder-only worker has runs, no steps; projecting: arrived encoder states into "
+                                 "cross K/V, between steps):\n\n| arrivals | worker | busy %% | steps | mean batch | "
+                                 "ms a step | encoded | encoder runs | inputs a run | projecting %% |\n"
+                                 "|---|---|---|---|---|---|---|---|---|---|\n");
           for (int i = 0; i < r.n_after; i++)
-            td_sbuf_printf(&use, "| %s | %s | %.1f | %lld | %.1f | %.2f | %lld | %lld | %.1f |\n", arr, u[i].id,
-                           u[i].busy_pct, u[i].steps, u[i].mean_batch, u[i].step_ms, u[i].encoded, u[i].encode_runs,
-                           u[i].inputs_a_run);
+            td_sbuf_printf(&use, "| %s | %s | %.1f | %lld | %.1f | %.2f | %lld | %lld | %.1f | %.1f |\n", arr,
+                           u[i].id, u[i].busy_pct, u[i].steps, u[i].mean_batch, u[i].step_ms, u[i].encoded,
+                           u[i].encode_runs, u[i].inputs_a_run, u[i].project_pct);
         }
         free(u);
       }

@@ -58,8 +58,9 @@ p90s() { grep -E '^\| Poisson [0-9.]+/s \| [0-9]+/' "$1" | head -1 |
 # "How the workers spent the run" table)
 use_of() { awk -F'|' '/^How the workers spent the run/ {on = 1; next}
   on && /^\| (all at once|[0-9]+ in flight|Poisson [0-9.]+\/s) \| / {
-    gsub(/ /, "", $3); gsub(/ /, "", $4); gsub(/ /, "", $6); gsub(/ /, "", $10)
-    out = out (out ? ", " : "") $3 " " $4 " %" ($6 + 0 > 0 ? " (batch " $6 ")" : "") ($10 + 0 > 0 ? " (" $10 " a run)" : "") }
+    gsub(/ /, "", $3); gsub(/ /, "", $4); gsub(/ /, "", $6); gsub(/ /, "", $10); gsub(/ /, "", $11)
+    out = out (out ? ", " : "") $3 " " $4 " %" ($6 + 0 > 0 ? " (batch " $6 ")" : "") ($10 + 0 > 0 ? " (" $10 " a run)" : "") \
+      ($11 + 0 > 0 ? " (projecting " $11 " %)" : "") }
   END {print out}' "$1"; }
 IFS=';' read -ra list <<<"$configs"
 for entry in "${list[@]}"; do

@@ -107,7 +107,7 @@ td_status td_serve_worker_use(const td_serve_counters *before, int n_before, con
       if (!strcmp(before[k].id, a->id)) b = &before[k];
     if (!b) b = &zero;
     if (a->steps < b->steps || a->tokens < b->tokens || a->encode_runs < b->encode_runs || a->encoded < b->encoded ||
-        a->busy_s < b->busy_s)
+        a->busy_s < b->busy_s || a->project_s < b->project_s)
       return td_err(TD_ERR_INVALID, "worker %s: its counters went down over the run (restarted?)", a->id);
     td_serve_use *u = &out[i];
     memset(u, 0, sizeof *u);
@@ -118,6 +118,7 @@ td_status td_serve_worker_use(const td_serve_counters *before, int n_before, con
     u->encoded = (long long)(a->encoded - b->encoded);
     double busy = a->busy_s - b->busy_s;
     u->busy_pct = 100.0 * busy / duration_s;
+    u->project_pct = 100.0 * (a->project_s - b->project_s) / duration_s;
     if (u->steps) {
       u->mean_batch = (double)u->tokens / (double)u->steps;
       u->step_ms = 1e3 * busy / (double)u->steps;

@@ -52,7 +52,7 @@ td_status td_serve_summarize(const td_serve_sample *s, int n, double ttft_bound_
 typedef struct td_serve_counters {
   char id[64];
   unsigned long long steps, tokens, encode_runs, encoded;
-  double busy_s;
+  double busy_s, project_s; /* inside steps; projecting arrived encoder states (between steps) */
 } td_serve_counters;
 
 /* What a worker did over a run: the counters' change between a look before
@@ -64,6 +64,7 @@ typedef struct td_serve_use {
   double mean_batch;    /* tokens a step (0: no steps) */
   double step_ms;       /* busy time a step, encoder runs included (0: no steps) */
   double inputs_a_run;  /* inputs an encoder run (0: no runs) */
+  double project_pct;   /* time projecting arrived encoder states, of the run's duration */
 } td_serve_use;
 
 /* Each worker of `after` against its counters in `before` (a worker that

@@ -351,6 +351,7 @@ static void health_of(const Tandem__HealthResponse *x0, td_client_health *hh) {
     cw->encode_runs = x->encode_runs;
     cw->busy_seconds = x->busy_seconds;
     cw->idle_seconds = x->idle_seconds;
+    cw->project_seconds = x->project_seconds;
     snprintf(cw->device, sizeof cw->device, "%s", x->device ? x->device : "");
     snprintf(cw->version, sizeof cw->version, "%s", x->version ? x->version : "");
     snprintf(cw->group, sizeof cw->group, "%s", x->group ? x->group : "");

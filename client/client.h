@@ -65,6 +65,7 @@ typedef struct td_client_worker {
    * spent in steps: utilisation and mean decode batch between two looks */
   uint64_t steps, tokens, encode_runs;
   double busy_seconds, idle_seconds;
+  double project_seconds; /* projecting arrived encoder states (neither busy nor idle) */
   char device[32];      /* its backend ("cpu", "cuda:0", ...) */
   char version[64];     /* its build */
   char group[64];       /* its TP/PP group ("" alone) */

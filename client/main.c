@@ -191,6 +191,7 @@ int main(int argc, char **argv) {
         cJSON_AddNumberToObject(wj, "encode_runs", (double)x->encode_runs);
         cJSON_AddNumberToObject(wj, "busy_seconds", x->busy_seconds);
         cJSON_AddNumberToObject(wj, "idle_seconds", x->idle_seconds);
+        cJSON_AddNumberToObject(wj, "project_seconds", x->project_seconds);
         cJSON_AddItemToArray(ws, wj);
       }
       char *wtxt = ws ? cJSON_PrintUnformatted(ws) : NULL;

@@ -172,7 +172,8 @@ bool td_check_load(const Tandem__Cluster__Load *l, uint32_t self_blocks, uint32_
   return time_ok("Load.kv_out_seconds_ucx", l->kv_out_seconds_ucx, why, cap) &&
          time_ok("Load.kv_out_seconds_zmq", l->kv_out_seconds_zmq, why, cap) &&
          time_ok("Load.busy_seconds", l->busy_seconds, why, cap) &&
-         time_ok("Load.idle_seconds", l->idle_seconds, why, cap);
+         time_ok("Load.idle_seconds", l->idle_seconds, why, cap) &&
+         time_ok("Load.project_seconds", l->project_seconds, why, cap);
 }
 
 /* ------------------------------------------------------------ shared */

@@ -29,7 +29,7 @@ struct rtr_metrics {
   td_metrics_server *server;
   td_metric *running, *waiting, *success, *failure, *ttft, *tpot, *e2e, *prompt, *generation, *retries, *stage;
   td_metric *w_up, *w_running, *w_waiting, *w_used, *w_free, *w_kv, *w_kv_bytes, *w_kv_secs, *w_ipc, *w_encoded,
-      *w_hits, *w_cache_blocks, *w_refused, *w_steps, *w_tokens, *w_runs, *w_busy, *w_idle;
+      *w_hits, *w_cache_blocks, *w_refused, *w_steps, *w_tokens, *w_runs, *w_busy, *w_idle, *w_project;
   td_metric *dropped;
 };
 
@@ -104,6 +104,9 @@ td_status rtr_metrics_create(td_router *r) {
   ADD(w_idle, TD_METRIC_COUNTER, "tandem:worker_idle_seconds_total",
       "Wall time a worker waited with no work at all (nothing running, waiting or queued).", LABELS("worker"), NULL,
       0);
+  ADD(w_project, TD_METRIC_COUNTER, "tandem:worker_project_seconds_total",
+      "Wall time a worker spent projecting arrived encoder states into cross K/V, between its steps.",
+      LABELS("worker"), NULL, 0);
   ADD(w_hits, TD_METRIC_COUNTER, "tandem:encoder_cache_hits_total",
       "Requests whose cross KV came from a worker's encoder cache (no encoder run).", LABELS("worker"), NULL, 0);
   ADD(w_cache_blocks, TD_METRIC_GAUGE, "tandem:encoder_cache_blocks",
@@ -153,7 +156,8 @@ static void collect(td_router *r) {
   td_metric_set(m->waiting, NULL, r->queue.n + r->parked.n);
   td_metric *per_worker[] = {m->w_running, m->w_waiting, m->w_used,    m->w_free,          m->w_kv, m->w_kv_bytes, m->w_kv_secs,
                              m->w_ipc,     m->w_encoded, m->w_hits,    m->w_cache_blocks, m->w_refused,
-                             m->w_steps,   m->w_tokens,  m->w_runs,    m->w_busy,          m->w_idle};
+                             m->w_steps,   m->w_tokens,  m->w_runs,    m->w_busy,          m->w_idle,
+                             m->w_project};
   for (int i = 0; i < N(per_worker); i++) td_metric_clear(per_worker[i]); /* workers that left go */
   for (worker *w = r->workers; w; w = w->hh.next) {
     const Tandem__Cluster__Load *ld = &w->load;
@@ -188,6 +192,7 @@ static void collect(td_router *r) {
     td_metric_set(m->w_runs, id, (double)ld->encode_runs);
     td_metric_set(m->w_busy, id, ld->busy_seconds);
     td_metric_set(m->w_idle, id, ld->idle_seconds);
+    td_metric_set(m->w_project, id, ld->project_seconds);
   }
   td_metric_set(m->dropped, NULL, (double)td_metrics_dropped(m->reg));
 }

@@ -429,6 +429,7 @@ void rtr_health_fill(td_router *r, Tandem__HealthResponse *hp, Tandem__WorkerSta
       x->encode_runs = w->load.encode_runs;
       x->busy_seconds = w->load.busy_seconds;
       x->idle_seconds = w->load.idle_seconds;
+      x->project_seconds = w->load.project_seconds;
       wp[k++] = x;
     }
     h.workers = wp;

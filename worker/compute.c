@@ -506,7 +506,9 @@ static void flush_projections(td_worker *w, cmd **pend, int *n_pend) {
     }
     for (int t = 0; t < c->req.enc_len; t++) slots[k++] = c->proj_blocks[t / bs] * bs + t % bs;
   }
+  int64_t t0 = td_now_ns();
   if (s == TD_OK) s = td_model_project_cross(w->m, slots, k);
+  w->project_ns += td_now_ns() - t0;
   free(slots);
   for (int i = 0; i < *n_pend; i++) {
     if (s != TD_OK) {
@@ -613,7 +615,8 @@ static void *compute_main(void *arg) {
     w->load = (load_snap){st.waiting,   st.running,     st.self.n_free,
                           st.cross.n_free, st.encodes,   st.cache_hits,
                           st.cache_blocks, st.steps,     st.tokens_generated,
-                          st.encode_runs,  (double)busy_ns / 1e9, (double)idle_ns / 1e9};
+                          st.encode_runs,  (double)busy_ns / 1e9, (double)idle_ns / 1e9,
+                          (double)w->project_ns / 1e9};
     pthread_mutex_unlock(&w->mu);
     if (news) {
       uint64_t one = 1;

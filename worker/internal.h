@@ -161,6 +161,7 @@ typedef struct load_snap {
   int cache_blocks;
   int64_t steps, tokens, encode_runs; /* engine counters */
   double busy_s, idle_s; /* wall time inside td_engine_step; waiting with no work */
+  double project_s;      /* projecting arrived encoder states (between steps) */
 } load_snap;
 
 struct td_worker {
@@ -184,6 +185,7 @@ struct td_worker {
   td_status init_status;
   char init_error[512];
   load_snap load; /* under mu */
+  int64_t project_ns; /* the compute thread's: projecting arrived encoder states */
   bool idle_news; /* under mu: the engine went idle; the loop sends its load now */
   td_backend *b;
   td_model *m;

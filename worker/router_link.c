@@ -131,6 +131,7 @@ void w_send_heartbeat(td_worker *w) {
   ld.encode_runs = (uint64_t)l.encode_runs;
   ld.busy_seconds = l.busy_s;
   ld.idle_seconds = l.idle_s;
+  ld.project_seconds = l.project_s;
   Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
   hb.load = &ld;
   hb.seq = ++w->hb_seq;

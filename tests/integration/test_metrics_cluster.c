@@ -132,6 +132,10 @@ Test(metrics, counts_equal_the_requests_sent, .timeout = 300) {
     double idle = metric_sample(t, name);
     cr_expect(busy > 0 && idle > 0 && busy + idle < 600, "%s: busy %g s, idle %g s", ids[i], busy, idle);
   }
+  /* the encoder pushed states (cross mode auto): the decode worker projected them, the encoder none */
+  double proj = metric_sample(t, "tandem:worker_project_seconds_total{worker=\"decode-0\"}");
+  cr_expect(proj > 0 && proj < 600, "decode-0 projected for %g s", proj);
+  cr_expect_eq(metric_sample(t, "tandem:worker_project_seconds_total{worker=\"encoder-0\"}"), 0);
   free(t);
   cr_expect(cluster_stop(&c));
 }

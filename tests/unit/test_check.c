@@ -194,6 +194,9 @@ Test(check, a_heartbeats_load_past_the_pools_is_refused) {
   l.idle_seconds = NAN;
   expect_refused(td_check_load(&l, 10, 20, why, sizeof why), why, "idle NaN", "Load.idle_seconds nan");
   l.idle_seconds = 3;
+  l.project_seconds = -1;
+  expect_refused(td_check_load(&l, 10, 20, why, sizeof why), why, "project < 0", "Load.project_seconds -1");
+  l.project_seconds = 0.25;
   cr_expect(td_check_load(&l, 10, 20, why, sizeof why), "%s", why);
 }
 

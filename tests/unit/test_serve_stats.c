@@ -168,8 +168,8 @@ Test(serve_workload, poisson_arrivals_have_the_rate) {
  * during the run (from zero); counters that went down are refused. */
 Test(serve_stats, worker_use_from_two_looks) {
   td_serve_counters before[2] = {{.id = "encoder-0", .encode_runs = 10, .encoded = 30, .busy_s = 5.0},
-                                 {.id = "decode-0", .steps = 100, .tokens = 1000, .busy_s = 2.0}};
-  td_serve_counters after[3] = {{.id = "decode-0", .steps = 600, .tokens = 51000, .busy_s = 6.5},
+                                 {.id = "decode-0", .steps = 100, .tokens = 1000, .busy_s = 2.0, .project_s = 1.0}};
+  td_serve_counters after[3] = {{.id = "decode-0", .steps = 600, .tokens = 51000, .busy_s = 6.5, .project_s = 1.5},
                                 {.id = "encoder-0", .encode_runs = 110, .encoded = 330, .busy_s = 8.0},
                                 {.id = "decode-1", .steps = 50, .tokens = 2000, .encode_runs = 4, .encoded = 8,
                                  .busy_s = 0.5}};
@@ -181,12 +181,14 @@ Test(serve_stats, worker_use_from_two_looks) {
   NEAR(u[0].mean_batch, 100.0);
   NEAR(u[0].step_ms, 9.0);
   NEAR(u[0].inputs_a_run, 0.0);
+  NEAR(u[0].project_pct, 10.0);
   cr_expect_str_eq(u[1].id, "encoder-0");
   NEAR(u[1].busy_pct, 60.0);
   cr_expect_eq(u[1].encode_runs, 100);
   NEAR(u[1].inputs_a_run, 3.0);
   NEAR(u[1].mean_batch, 0.0);
   NEAR(u[1].step_ms, 0.0);
+  NEAR(u[1].project_pct, 0.0);
   cr_expect_str_eq(u[2].id, "decode-1"); /* joined during the run */
   NEAR(u[2].busy_pct, 10.0);
   NEAR(u[2].mean_batch, 40.0);
