@@ -85,6 +85,8 @@ check "add encode: registered" grep -qx "added encoder-1" "$work/add2.out"
 "$root/deploy/local.sh" remove "$(cut -d' ' -f2 "$work/add2.out")" --run-dir "$run" >"$work/remove2.out" 2>&1
 check "remove of an added worker" grep -q "^removed " "$work/remove2.out"
 check "the added worker decoded" bash -c "health() { \"$bin/tandem-client\" --router $router --health; }; [[ \$(\"$bin/tandem-client\" --router $router --health | jq '[.workers[] | select(.id == \"decode-2\") | .kv_in_ucx + .kv_in_zmq] | add') -gt 0 ]]"
+check "its health counts its steps, tokens and busy time" bash -c "[[ \$(\"$bin/tandem-client\" --router $router --health | jq '[.workers[] | select(.id == \"decode-2\") | (.steps > 0 and .tokens >= .steps and .busy_seconds > 0 and .idle_seconds > 0)] | all') == true ]]"
+check "tandem-admin --json list carries the counters" bash -c "\"$bin/tandem-admin\" --router $router --json list | jq -e '[.workers[] | has(\"busy_seconds\") and has(\"project_seconds\") and has(\"steps\")] | all' >/dev/null"
 
 # ---- stop: every supervisor and process of the run ends (the added one too)
 pids=$(cat "$run"/*.pid 2>/dev/null)
