@@ -1,5 +1,6 @@
 #include "kernels/cuda/cuda_policy.h"
 
+#include <limits.h>
 #include <stddef.h>
 
 #include "common/defaults.h"
@@ -183,3 +184,9 @@ td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_s
   p.n_splits = planes ? 1 : splits;
   return p;
 }
+
+/* The crossover measured on H100 with Flan-T5-large (D 1024, docs/cuda.md,
+ * "Cross-attention over encoder states"). Above 1024 never: Whisper-large's
+ * 1280 (20 heads: two groups of 16 pairs a sequence, 32 tile rows for 20)
+ * was slower over the states than over the K/V at every batch on an H200. */
+int td_cu_states_switch_rows(int D, bool fits) { return fits && D > 0 && D <= 1024 ? 48 : INT_MAX; }

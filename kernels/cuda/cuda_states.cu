@@ -104,14 +104,14 @@ td_status td_cu_states_init(td_cuda *c) {
   return TD_OK;
 }
 
-/* Where a tensor-core kernel takes D, the states path from 48 rows: the
- * crossover measured on H100 with Flan-T5-large (docs/cuda.md,
- * "Cross-attention over encoder states"); the generic kernel never pays */
+/* From which rows a dual pool's steps take the states path: the policy's
+ * rule, given whether a tensor-core kernel takes D on this device. */
 int td_cu_states_rows(const td_backend *b, int D) {
   const td_cuda *c = td_cu((td_backend *)b);
+  bool fits = false;
   for (int i = 0; i < STATES_NCFG; i++)
-    if (D == states_cfg_at(i)->nt * 64 && states_cfg_at(i)->bytes <= c->smem_optin) return 48;
-  return INT_MAX;
+    fits |= D == states_cfg_at(i)->nt * 64 && states_cfg_at(i)->bytes <= c->smem_optin;
+  return td_cu_states_switch_rows(D, fits);
 }
 
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,

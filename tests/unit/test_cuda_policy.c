@@ -3,6 +3,7 @@
  * splits, warps and planes the attention ops take for a shape
  * (kernels/cuda/cuda_policy.h). */
 #include <criterion/criterion.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -344,6 +345,14 @@ Test(cuda_policy, states_tuned_and_generic) {
   k.has[TD_STATES_MMA8] = false;
   p = td_cu_states_policy(&r, SMS, &k, &s);
   cr_assert(p.kernel == TD_STATES_MMA16 && p.n_splits == 8, "without an 8-warp kernel, its splits on 16 warps");
+}
+
+Test(cuda_policy, states_switch_rows) {
+  cr_assert_eq(td_cu_states_switch_rows(1024, true), 48, "Flan-T5-large, BART-large");
+  cr_assert_eq(td_cu_states_switch_rows(512, true), 48);
+  cr_assert_eq(td_cu_states_switch_rows(1280, true), INT_MAX, "Whisper-large: the K/V path is faster");
+  cr_assert_eq(td_cu_states_switch_rows(1024, false), INT_MAX, "no tensor-core kernel: never");
+  cr_assert_eq(td_cu_states_switch_rows(0, true), INT_MAX);
 }
 
 /* ---------------------------------------------------------------- the backend hook */
