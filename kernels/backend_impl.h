@@ -56,6 +56,8 @@ typedef struct td_backend_vt {
   td_status (*gemm_ex)(td_backend *b, const td_gemm_args *a);
   /* td_attn_states_rows; NULL: INT_MAX */
   int (*states_rows)(const td_backend *b, int D);
+  /* td_attn_states_fast; NULL: false */
+  bool (*states_fast)(const td_backend *b, int D);
   /* td_backend_fused_norm_rows; NULL: 0 */
   int (*fused_norm_rows)(const td_backend *b);
   /* td_backend_set_cuda_tuning; NULL: TD_ERR_UNSUPPORTED */

@@ -122,6 +122,10 @@ int td_attn_states_rows(const td_backend *b, int D) {
   return b->vt->states_rows && D > 0 ? b->vt->states_rows(b, D) : INT_MAX;
 }
 
+bool td_attn_states_fast(const td_backend *b, int D) {
+  return b->vt->states_fast && D > 0 && b->vt->states_fast(b, D);
+}
+
 int td_backend_fused_norm_rows(const td_backend *b) { return b->vt->fused_norm_rows ? b->vt->fused_norm_rows(b) : 0; }
 
 td_status td_gemm_ex_unfused(td_backend *b, const td_gemm_args *a) {

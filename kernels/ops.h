@@ -257,6 +257,9 @@ td_status td_attn_states(td_backend *b, const void *q, int ldq, void *out, const
  * beats the per-layer K/V path on this backend; INT_MAX where it never
  * does (the CPU: its arithmetic is d_model / head_dim times the K/V path's). */
 int td_attn_states_rows(const td_backend *b, int D);
+/* Whether td_attn_states has a fast (tensor-core) kernel for states of
+ * width D on this backend, whether or not dual pools switch to it. */
+bool td_attn_states_fast(const td_backend *b, int D);
 
 /* Per-head products, for h < heads:
  *   y[:, h*n, (h+1)*n) = x[:, h*k, (h+1)*k) W_h (+ bias[h*n, (h+1)*n))

@@ -156,7 +156,7 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
                    : m->opts.states_rows > 0 ? m->opts.states_rows
                                              : td_attn_states_rows(b, c->d_model);
   if (m->opts.cross_mode == TD_CROSS_STATES && td_backend_get_kind(b) == TD_BACKEND_CUDA &&
-      td_attn_states_rows(b, c->d_model) == INT_MAX)
+      !td_attn_states_fast(b, c->d_model))
     TD_WARN("%s: cross mode states with d_model %d: this GPU has no tensor-core states kernel for that width, so "
             "every decode step takes the generic one (tens of times slower at large batches: bench/RESULTS.md); "
             "--cross-mode dual or kv keep the K/V path", dir, c->d_model);

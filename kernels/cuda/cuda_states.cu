@@ -104,15 +104,16 @@ td_status td_cu_states_init(td_cuda *c) {
   return TD_OK;
 }
 
-/* From which rows a dual pool's steps take the states path: the policy's
- * rule, given whether a tensor-core kernel takes D on this device. */
-int td_cu_states_rows(const td_backend *b, int D) {
+/* Whether a tensor-core kernel takes D on this device. */
+bool td_cu_states_fast(const td_backend *b, int D) {
   const td_cuda *c = td_cu((td_backend *)b);
-  bool fits = false;
   for (int i = 0; i < STATES_NCFG; i++)
-    fits |= D == states_cfg_at(i)->nt * 64 && states_cfg_at(i)->bytes <= c->smem_optin;
-  return td_cu_states_switch_rows(D, fits);
+    if (D == states_cfg_at(i)->nt * 64 && states_cfg_at(i)->bytes <= c->smem_optin) return true;
+  return false;
 }
+
+/* From which rows a dual pool's steps take the states path: the policy's rule. */
+int td_cu_states_rows(const td_backend *b, int D) { return td_cu_states_switch_rows(D, td_cu_states_fast(b, D)); }
 
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                             const td_kv_layout *l, int heads, const td_paged_meta *m, float scale) {

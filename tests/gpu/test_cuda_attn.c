@@ -1,6 +1,8 @@
 /* The CUDA attention against the CPU reference: dense, the paged pools'
  * writes and copies, paged (every decode kernel and the tiled one), over
  * encoder states (every kernel, split and warp count) (cuda_test.h). */
+#include <limits.h>
+
 #include "cuda_test.h"
 
 /* ---------------------------------------------------------------- dense attention */
@@ -452,5 +454,13 @@ Test(cuda, attn_states) {
   t.states_generic = TD_ON;
   use_tuning(&t);
   for (size_t i = 0; i < 5; i++) states_case(&cfg[i], "generic");
+  use_tuning(&cuda_base);
+  /* which widths a dual pool switches: Flan-T5-large's 1024 from 48 rows; Whisper-large's 1280 has a
+     tensor-core kernel on Hopper but stays on the K/V (slower over the states at every batch) */
+  cr_expect(td_attn_states_fast(G, 1024) && td_attn_states_rows(G, 1024) == 48);
+  cr_expect(td_attn_states_fast(G, 1280), "no tensor-core states kernel for 1280");
+  cr_expect_eq(td_attn_states_rows(G, 1280), INT_MAX);
+  cr_expect(!td_attn_states_fast(G, 2048) && td_attn_states_rows(G, 2048) == INT_MAX, "Flan-T5-XL: the generic kernel");
+  cr_expect(!td_attn_states_fast(C, 1024) && td_attn_states_rows(C, 1024) == INT_MAX, "the CPU: the K/V");
 }
 
