@@ -37,6 +37,8 @@
 #                                                     of their encoder runs further behind, default 0; their
 #                                                     encoder runs at most N inputs, so that a run stalls
 #                                                     their decode batch less; default: the worker's)
+#                   [--encoder-seqs N]                (encoder workers' runs at most N inputs: shorter runs,
+#                                                     earlier first tokens, less batching; default: the worker's)
 #                   [--encode-queue-runs N]           (an encoder's queue at most N of its runs; past it,
 #                                                     requests wait or go to decoders that encode; default 3)
 #                   [--kv-transport auto|ucx|zmq]     (KV between workers; auto: UCX where possible)
@@ -105,6 +107,12 @@ if [[ ${1:-} == add ]]; then
   source "$run_dir/local.env"
   keys=${keys:-} # a cluster started without keys
   [[ -v client_keys ]] || client_keys=()
+  [[ -v enc_extra ]] || enc_extra=() # a cluster started before they were kept
+  [[ -v dec_extra ]] || dec_extra=()
+  # the options its role's workers were started with (--cross-transfer, --encoder-seqs, --local-encode-seqs)
+  role_extra=()
+  [[ $role == encode ]] && role_extra=("${enc_extra[@]}")
+  [[ $role == *decode* ]] && role_extra=("${dec_extra[@]}")
   [[ -z $add_gpu || ( $add_gpu =~ ^[0-9]+$ && $add_gpu -lt $ngpu ) ]] ||
     { echo "local.sh add: --gpu must be 0 to $((ngpu - 1))" >&2; exit 2; }
   add_gpu=${add_gpu:-0}
@@ -139,7 +147,7 @@ if [[ ${1:-} == add ]]; then
   : >"$run_dir/$add_id.log"
   # its own session: it outlives this command; the cluster's stop finds it by its pid file
   setsid "$supervise" --name "$add_id" --run-dir "$run_dir" -- "$bin/tandem-worker" "${common[@]}" --id "$add_id" \
-    --gpu "$add_gpu" --gpu-memory-fraction "$add_frac" --role "$role" "${add_keys[@]}" </dev/null >/dev/null 2>&1 &
+    --gpu "$add_gpu" --gpu-memory-fraction "$add_frac" --role "$role" "${role_extra[@]}" "${add_keys[@]}" </dev/null >/dev/null 2>&1 &
   for _ in $(seq 600); do
     h=$("$bin/tandem-client" --router "$client_ep" "${client_keys[@]}" --health --timeout-ms 500 2>/dev/null || true)
     if [[ -n $h ]] && jq -e --arg id "$add_id" '.workers | any(.id == $id)' <<<"$h" >/dev/null 2>&1; then
@@ -196,6 +204,7 @@ decoders_encode=0
 local_encode_pct=""
 local_encode_margin=""
 local_encode_seqs=""
+encoder_seqs=""
 encode_queue_runs=""
 encode_defer=""
 mem_fraction=0.9
@@ -227,6 +236,7 @@ while (($#)); do
     --local-encode-pct) local_encode_pct=$2; shift 2 ;;
     --local-encode-margin) local_encode_margin=$2; shift 2 ;;
     --local-encode-seqs) local_encode_seqs=$2; shift 2 ;;
+    --encoder-seqs) encoder_seqs=$2; shift 2 ;;
     --encode-queue-runs) encode_queue_runs=$2; shift 2 ;;
     --kv-transport) kv_transport=$2; shift 2 ;;
     --cross-states) cross_mode=states; shift ;;
@@ -289,6 +299,10 @@ fi
   { echo "local.sh: --local-encode-seqs must be a number of inputs, 1 to 9999" >&2; exit 2; }
 [[ -z $local_encode_seqs ]] || ((decoders_encode)) ||
   { echo "local.sh: --local-encode-seqs is for decode workers that encode (--decoders-encode)" >&2; exit 2; }
+[[ -z $encoder_seqs || $encoder_seqs =~ ^[1-9][0-9]{0,3}$ ]] ||
+  { echo "local.sh: --encoder-seqs must be a number of inputs, 1 to 9999" >&2; exit 2; }
+[[ -z $encoder_seqs ]] || ((encoders > 0)) ||
+  { echo "local.sh: --encoder-seqs is for encoder workers (--encoders N)" >&2; exit 2; }
 awk -v f="$mem_fraction" 'BEGIN { exit !(f + 0 > 0 && f + 0 <= 1 && f ~ /^[0-9.]+$/) }' ||
   { echo "local.sh: --gpu-memory-fraction must be in (0, 1]" >&2; exit 2; }
 [[ $spare_keys =~ ^[0-9]+$ ]] && ((spare_keys <= 256)) || { echo "local.sh: --spare-keys must be 0 to 256" >&2; exit 2; }
@@ -432,6 +446,7 @@ plan_role() { # prefix count weight ranks par flags...
 # kv; an encoder group's rank 0 takes the jobs and pushes the states
 enc_args=(--role encode)
 [[ -z $cross_transfer ]] || enc_args+=(--cross-transfer "$cross_transfer")
+[[ -z $encoder_seqs ]] || enc_args+=(--max-enc-seqs "$encoder_seqs")
 epar="--tp $encoder_tp"
 ((encoder_pp > 1)) && epar="--pp $encoder_pp"
 plan_role encoder "$encoders" 1 "$enc_group" "$epar" "${enc_args[@]}"
@@ -513,8 +528,9 @@ for ((k = 0; k < ${#w_name[@]}; k++)); do
   role_share[$r]=$share
   [[ -z $min_share ]] || awk -v a="$share" -v b="$min_share" 'BEGIN { exit !(a + 0 < b + 0) }' && min_share=$share
 done
-# what `local.sh add` needs to start one more worker of this cluster
-declare -p bin common client_ep ngpu role_share min_share keys client_keys >"$run_dir/local.env"
+# what `local.sh add` needs to start one more worker of this cluster, with its role's options
+enc_extra=("${enc_args[@]:2}") dec_extra=("${dec_args[@]:2}")
+declare -p bin common client_ep ngpu role_share min_share keys client_keys enc_extra dec_extra >"$run_dir/local.env"
 
 # serving once every worker has registered, in the cross mode asked for
 n_enc=$((encoders > 0 && !decoders_encode ? encoders : encoders + decodes))

@@ -152,12 +152,26 @@ check "--auth --decode-tp 2: the demo's answers" grep -qF "forty two  ->  42" "$
 check "--auth --decode-tp 2: the group's sockets admit its ranks only" \
   grep -q "(CURVE: the group's ranks only)" "$work/keyed-tp/decode-0.log"
 
-# ---- decode workers that also encode, their encoder runs capped (--local-encode-seqs); no encoder cache
+# ---- decode workers that also encode, their encoder runs capped (--local-encode-seqs); the encoder's
+# too (--encoder-seqs), pushing K/V; no encoder cache; an added encoder and decode worker take the
+# options their role was started with
 "$root/deploy/local.sh" --run-dir "$work/lse" --encoders 1 --prefills 0 --decodes 1 --decoders-encode \
-  --local-encode-seqs 2 --encode-queue-runs 5 --encoder-cache-fraction 0 --no-gateway --no-metrics >"$work/lse.out" 2>"$work/lse.err" &
+  --local-encode-seqs 2 --encoder-seqs 3 --cross-transfer kv --encode-queue-runs 5 --encoder-cache-fraction 0 \
+  --no-gateway --no-metrics >"$work/lse.out" 2>"$work/lse.err" &
 lse=$!
 wait_for 600 grep -q '^router ' "$work/lse.out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/lse.out")
+args_of() { tr '\0' ' ' <"/proc/$(cat "$work/lse/$1.pid")/cmdline"; }
+"$root/deploy/local.sh" add encode --run-dir "$work/lse" >"$work/lse-add.out" 2>&1
+check "--encoder-seqs: add encode registered" grep -qx "added encoder-1" "$work/lse-add.out"
+"$root/deploy/local.sh" add encode,decode --run-dir "$work/lse" >"$work/lse-add.out" 2>&1
+check "--local-encode-seqs: add encode,decode registered" grep -qx "added decode-1" "$work/lse-add.out"
+for w in encoder-0 encoder-1; do
+  enc_opts() { args_of "$w" | grep -q -- "--max-enc-seqs 3 " && args_of "$w" | grep -q -- "--cross-transfer kv "; }
+  check "--encoder-seqs, --cross-transfer kv: $w's runs capped, K/V pushed" enc_opts
+done
+dec1_capped() { args_of decode-1 | grep -q -- "--max-enc-seqs 2 "; }
+check "--local-encode-seqs: the added decode worker's encoder runs capped" dec1_capped
 requests "$work/lse.jsonl" 12
 "$bin/tandem-client" --router "$router" --requests "$work/lse.jsonl" --timeout-ms 60000 >"$work/lse-res.out" 2>&1
 check "--local-encode-seqs: every request answered right" all_right "$work/lse-res.out" 12
@@ -173,6 +187,10 @@ wait "$lse"
 check "--local-encode-seqs without --decoders-encode is refused" grep -q "decode workers that encode" "$work/lse-bad.err"
 "$root/deploy/local.sh" --decoders-encode --local-encode-seqs 0 >/dev/null 2>"$work/lse-bad.err"
 check "--local-encode-seqs 0 is refused" grep -q "must be a number of inputs" "$work/lse-bad.err"
+"$root/deploy/local.sh" --encoders 1 --encoder-seqs 0 >/dev/null 2>"$work/lse-bad.err"
+check "--encoder-seqs 0 is refused" grep -q "encoder-seqs must be a number of inputs" "$work/lse-bad.err"
+"$root/deploy/local.sh" --encoders 0 --encoder-seqs 4 >/dev/null 2>"$work/lse-bad.err"
+check "--encoder-seqs without encoders is refused" grep -q "is for encoder workers" "$work/lse-bad.err"
 "$root/deploy/local.sh" --encode-queue-runs 1001 >/dev/null 2>"$work/lse-bad.err"
 check "--encode-queue-runs 1001 is refused" grep -q "encode-queue-runs must be 1 to 1000" "$work/lse-bad.err"
 "$root/deploy/local.sh" --encoder-cache-fraction 1.5 >/dev/null 2>"$work/lse-bad.err"
