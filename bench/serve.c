@@ -695,7 +695,7 @@ int main(int argc, char **argv) {
   td_sbuf_printf(&tab, "| arrivals | ok | req/s | out tok/s | in tok/s | TTFT ms p50 / p90 / p99 | "
                        "TPOT ms p50 / p90 / p99 | end-to-end ms p50 / p90 / p99 | goodput req/s |\n"
                        "|---|---|---|---|---|---|---|---|---|\n");
-  td_sbuf stages = {0}, hops = {0}, use = {0};
+  td_sbuf stages = {0}, hops = {0}, use = {0}, short_side = {0};
   if (o.router)
     td_sbuf_printf(&stages, "\nWhere the time went, as the router saw it (mean ms a request; transfer: the "
                             "encoder's wait and KV push):\n\n| arrivals | queue | reserve | encode | transfer | "
@@ -749,6 +749,8 @@ int main(int argc, char **argv) {
             td_sbuf_printf(&use, "| %s | %s | %.1f | %lld | %.1f | %.2f | %lld | %lld | %.1f | %.1f |\n", arr,
                            u[i].id, u[i].busy_pct, u[i].steps, u[i].mean_batch, u[i].step_ms, u[i].encoded,
                            u[i].encode_runs, u[i].inputs_a_run, u[i].project_pct);
+          char why[768];
+          if (td_serve_short_side(u, r.n_after, why, sizeof why)) td_sbuf_printf(&short_side, "- %s: %s\n", arr, why);
         }
         free(u);
       }
@@ -772,6 +774,7 @@ int main(int argc, char **argv) {
   if (stages.s) td_sbuf_printf(&tab, "%s", stages.s);
   if (hops.s) td_sbuf_printf(&tab, "%s", hops.s);
   if (use.s) td_sbuf_printf(&tab, "%s", use.s);
+  if (short_side.s) td_sbuf_printf(&tab, "\nWhich side was short:\n%s", short_side.s);
   if (o.engine) { /* every run of a sweep together */
     td_engine_stats es = td_engine_get_stats(g.e);
     td_sbuf_printf(&tab,
@@ -783,6 +786,7 @@ int main(int argc, char **argv) {
   td_sbuf_free(&stages);
   td_sbuf_free(&hops);
   td_sbuf_free(&use);
+  td_sbuf_free(&short_side);
   fputs(tab.s, stdout);
   if (rc == 0 && o.plot && plot(o.plot, sums, n_runs, o.workload) != TD_OK) {
     fprintf(stderr, "bench-serve: %s\n", td_errmsg());

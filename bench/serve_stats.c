@@ -127,3 +127,44 @@ td_status td_serve_worker_use(const td_serve_counters *before, int n_before, con
   }
   return TD_OK;
 }
+
+bool td_serve_short_side(const td_serve_use *u, int n, char *buf, size_t cap) {
+  if (cap) buf[0] = 0;
+  int ne = 0, nd = 0;
+  double enc = 0, dec = 0, proj = 0;
+  long long enc_inputs = 0, dec_inputs = 0;
+  for (int i = 0; i < n; i++) {
+    if (u[i].steps > 0) {
+      nd++, dec += u[i].busy_pct, proj += u[i].project_pct, dec_inputs += u[i].encoded;
+    } else if (u[i].encode_runs > 0) {
+      ne++, enc += u[i].busy_pct, enc_inputs += u[i].encoded;
+    }
+  }
+  if (!ne || !nd || !cap) return false;
+  enc /= ne, dec /= nd, proj /= nd;
+  size_t at = 0;
+#define SAY(...) (void)(at < cap && (at += (size_t)snprintf(buf + at, cap - at, __VA_ARGS__)))
+  if (dec + proj > enc + TD_SERVE_SHORT_PTS) {
+    SAY("The decode workers are the short side (busy %.1f %% in steps + %.1f %% projecting, encoders %.1f %%).", dec,
+        proj, enc);
+    if (proj >= 1.0)
+      SAY(" Pushing K/V (--cross-transfer kv) gives the encoders the projection (where the KV stays on NVLink).");
+    if (dec_inputs > 0)
+      SAY(" Their own encoder runs (%lld of %lld inputs) take time from decoding: drop --decoders-encode or raise "
+          "--local-encode-margin.",
+          dec_inputs, dec_inputs + enc_inputs);
+    if (proj < 1.0 && dec_inputs == 0) SAY(" More decode GPUs against encoder GPUs.");
+  } else if (enc > dec + proj + TD_SERVE_SHORT_PTS) {
+    SAY("The encoders are the short side (busy %.1f %%, decode workers %.1f %% in steps + %.1f %% projecting).", enc,
+        dec, proj);
+    if (proj < 1.0)
+      SAY(" Pushing the encoder states (the default, without --cross-transfer kv) gives the decode workers the "
+          "projection.");
+    SAY(" More encoder GPUs, or decode workers that also encode (--decoders-encode).");
+  } else {
+    SAY("Encoders and decode workers are balanced (busy %.1f %% against %.1f %% in steps + %.1f %% projecting).", enc,
+        dec, proj);
+  }
+#undef SAY
+  return true;
+}

@@ -7,6 +7,7 @@
 #define TD_BENCH_SERVE_STATS_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #include "common/status.h"
 
@@ -73,5 +74,14 @@ typedef struct td_serve_use {
  * restarted under the same id: its row would lie). */
 td_status td_serve_worker_use(const td_serve_counters *before, int n_before, const td_serve_counters *after,
                               int n_after, double duration_s, td_serve_use *out);
+
+/* Which side of a disaggregated cluster was short over a run, from its
+ * workers' use (encoder-only workers: runs and no steps; decode workers:
+ * steps, their projection counted with their steps), with what to change
+ * (README, "Several GPUs", step 4), into buf. False, buf empty, where
+ * there is no encoder-only worker or no decode worker. Sides within
+ * TD_SERVE_SHORT_PTS points of each other are balanced. */
+#define TD_SERVE_SHORT_PTS 5.0
+bool td_serve_short_side(const td_serve_use *u, int n, char *buf, size_t cap);
 
 #endif

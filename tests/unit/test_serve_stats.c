@@ -197,3 +197,42 @@ Test(serve_stats, worker_use_from_two_looks) {
   after[1].encoded = 20; /* restarted under the same id */
   cr_expect_eq(td_serve_worker_use(before, 2, after, 3, 5.0, u), TD_ERR_INVALID);
 }
+
+/* Which side of a split was short, from the rows bench-serve prints: the
+ * figures of the 2 x H200 Whisper runs (bench/RESULTS.md) and their
+ * advice; none for an aggregated cluster. */
+Test(serve_stats, which_side_was_short) {
+  char buf[768];
+  td_serve_use kv[2] = {{.id = "encoder-0", .busy_pct = 89.1, .encode_runs = 234, .encoded = 2048},
+                        {.id = "decode-0", .busy_pct = 99.6, .steps = 1724, .tokens = 143000}};
+  cr_assert(td_serve_short_side(kv, 2, buf, sizeof buf));
+  cr_expect(strstr(buf, "decode workers are the short side"), "%s", buf);
+  cr_expect(strstr(buf, "More decode GPUs"), "%s", buf);
+  cr_expect(!strstr(buf, "--cross-transfer kv"), "nothing to project: %s", buf);
+  td_serve_use states[2] = {{.id = "decode-0", .busy_pct = 90.0, .project_pct = 10.0, .steps = 1000},
+                            {.id = "encoder-0", .busy_pct = 74.0, .encode_runs = 800, .encoded = 2048}};
+  cr_assert(td_serve_short_side(states, 2, buf, sizeof buf));
+  cr_expect(strstr(buf, "decode workers are the short side") && strstr(buf, "--cross-transfer kv"), "%s", buf);
+  td_serve_use local[2] = {{.id = "encoder-0", .busy_pct = 30.0, .encode_runs = 800, .encoded = 1118},
+                           {.id = "decode-0", .busy_pct = 98.0, .steps = 1200, .encode_runs = 661, .encoded = 930}};
+  cr_assert(td_serve_short_side(local, 2, buf, sizeof buf));
+  cr_expect(strstr(buf, "930 of 2048 inputs") && strstr(buf, "drop --decoders-encode"), "%s", buf);
+  td_serve_use enc_short[3] = {{.id = "encoder-0", .busy_pct = 99.0, .encode_runs = 900, .encoded = 3000},
+                               {.id = "decode-0", .busy_pct = 70.0, .steps = 900},
+                               {.id = "decode-1", .busy_pct = 72.0, .steps = 900}};
+  cr_assert(td_serve_short_side(enc_short, 3, buf, sizeof buf));
+  cr_expect(strstr(buf, "encoders are the short side") && strstr(buf, "states") && strstr(buf, "More encoder GPUs"),
+            "%s", buf);
+  enc_short[1].project_pct = enc_short[2].project_pct = 8.0;
+  cr_assert(td_serve_short_side(enc_short, 3, buf, sizeof buf));
+  cr_expect(strstr(buf, "encoders are the short side") && !strstr(buf, "Pushing the encoder states"),
+            "they already project: %s", buf);
+  td_serve_use even[2] = {{.id = "encoder-0", .busy_pct = 90.0, .encode_runs = 10, .encoded = 30},
+                          {.id = "decode-0", .busy_pct = 88.0, .steps = 100}};
+  cr_assert(td_serve_short_side(even, 2, buf, sizeof buf));
+  cr_expect(strstr(buf, "balanced"), "%s", buf);
+  td_serve_use agg[2] = {{.id = "decode-0", .busy_pct = 98.0, .steps = 1300, .encode_runs = 650, .encoded = 1000},
+                         {.id = "decode-1", .busy_pct = 97.5, .steps = 1250, .encode_runs = 640, .encoded = 1030}};
+  cr_expect(!td_serve_short_side(agg, 2, buf, sizeof buf) && !buf[0], "an aggregated cluster has no sides");
+  cr_expect(!td_serve_short_side(kv, 0, buf, sizeof buf));
+}
