@@ -62,6 +62,8 @@ use_of() { awk -F'|' '/^How the workers spent the run/ {on = 1; next}
     out = out (out ? ", " : "") $3 " " $4 " %" ($6 + 0 > 0 ? " (batch " $6 ")" : "") ($10 + 0 > 0 ? " (" $10 " a run)" : "") \
       ($11 + 0 > 0 ? " (projecting " $11 " %)" : "") }
   END {print out}' "$1"; }
+# bench-serve's "Which side was short" line of the run (a split cluster's; "-" for an aggregated one)
+short_of() { awk '/^Which side was short:/ {on = 1; next} on && /^- / {sub(/^- [^:]*: /, ""); s = $0} END {print s ? s : "-"}' "$1"; }
 IFS=';' read -ra list <<<"$configs"
 for entry in "${list[@]}"; do
   name=${entry%%=*} flags=${entry#*=}
@@ -102,7 +104,7 @@ for entry in "${list[@]}"; do
     done
   done
   rows+=("| $name | $flags | $(IFS='|'; echo "${cells[*]}" | sed 's/|/ | /g') |")
-  uses+=("| $name | $(use_of "$f") |")
+  uses+=("| $name | $(use_of "$f") | $(short_of "$f") |")
   rm -f "$run"/*.pid
   kill -TERM -- -$lp 2>/dev/null
   sleep 3
@@ -129,8 +131,8 @@ printf '%s\n' "${rows[@]}"
 echo
 echo "How the workers spent each configuration's last run (busy: inside engine steps, of the run; the short pool is the busy one):"
 echo
-echo "| configuration | workers |"
-echo "|---|---|"
+echo "| configuration | workers | which side was short |"
+echo "|---|---|---|"
 printf '%s\n' "${uses[@]}"
 echo
 echo "bench-serve outputs: $out"

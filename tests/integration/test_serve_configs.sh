@@ -19,7 +19,9 @@ check "the first configuration's row, ratios 1.00" grep -qE '^\| agg \| .* \| [0
 check "the second configuration's row, with ratios" grep -qE '^\| split \| .* \| [0-9]+ \([0-9.]+x\) \| [0-9]+ \([0-9.]+x\) \|$' "$work/table.md"
 # the encoder pushes states (cross mode auto): the decode worker projects them
 d='decode-0 [0-9.]+ % \(batch [0-9.]+\) \(projecting [0-9.]+ %\)' e='encoder-0 [0-9.]+ % \([0-9.]+ a run\)'
-check "the split's workers: the encoder's runs, the decode worker's batch and projection" \
-  grep -qE "^\| split \| ($e, $d|$d, $e) \|\$" "$work/table.md"
+s='(The (encoders|decode workers) are the short side|Encoders and decode workers are balanced) \(busy [^|]*'
+check "the split's workers: the encoder's runs, the decode worker's batch and projection; which side was short" \
+  grep -qE "^\| split \| ($e, $d|$d, $e) \| $s \|\$" "$work/table.md"
+check "the aggregated cluster has no sides" grep -qE '^\| agg \| decode-0 [^|]* \| - \|$' "$work/table.md"
 check "no cluster left running" sh -c "! pgrep -f 'run-dir $work/ou[t]' >/dev/null"
 ((failed == 0)) || { echo "$failed checks failed; logs in $work" >&2; exit 1; }
