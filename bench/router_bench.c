@@ -1,11 +1,15 @@
 /* The router alone: requests per second and the latency it adds, with
  * workers that answer every job at once (no model).
- *   bench-router [--requests N] [--no-record]
- *   bench-router --serve PORT   (the router on PORT (clients) and PORT + 1
+ *   bench-router [--requests N] [--audio] [--io-threads N] [--no-record]
+ *   bench-router --serve PORT [--audio]  (the router on PORT (clients) and PORT + 1
  *                                (workers) with the instant workers, until
  *                                SIGINT / SIGTERM: a cluster without compute
  *                                for measuring what is in front of it, e.g.
- *                                tandem-gateway against bench-serve) */
+ *                                tandem-gateway against bench-serve)
+ * --audio: the workers serve a Whisper-large-v3 shape (128 mel bins x 3,000
+ * frames) and the table's requests carry 30 s of features (1.5 MB each):
+ * what the router's one thread costs a Whisper request. --io-threads: the
+ * router's ZeroMQ I/O threads (td_router_opts.io_threads). */
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -22,6 +26,8 @@
 #include "router/router.h"
 
 static volatile sig_atomic_t stop_router, stop_workers, stop_serving;
+static bool audio; /* --audio: Whisper-sized feature requests */
+enum { MELS = 128, FRAMES = 3000 };
 static void on_signal(int sig) {
   (void)sig;
   stop_serving = 1;
@@ -55,11 +61,14 @@ static void *worker_thread(void *arg) {
   zmq_setsockopt(s, ZMQ_ROUTING_ID, w->id, strlen(w->id));
   zmq_connect(s, w->ep);
   Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
-  mi.model_type = "t5";
-  mi.vocab_size = 32128;
-  mi.max_source_len = 512;
-  mi.max_target_len = 512;
+  mi.model_type = audio ? "whisper" : "t5";
+  mi.vocab_size = audio ? 51866 : 32128;
+  mi.max_source_len = audio ? FRAMES / 2 : 512;
+  mi.max_target_len = audio ? 448 : 512;
+  mi.mel_bins = audio ? MELS : 0;
+  mi.frames = audio ? FRAMES : 0;
   Tandem__TokenId start = TANDEM__TOKEN_ID__INIT;
+  start.id = audio ? 50258 : 0;
   mi.decoder_start = &start;
   Tandem__Cluster__Role roles[2] = {TANDEM__CLUSTER__ROLE__ROLE_ENCODE, TANDEM__CLUSTER__ROLE__ROLE_DECODE};
   Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;
@@ -147,7 +156,11 @@ static int cmp_d(const void *a, const void *b) {
 static double run(const char *ep, int n, int inflight, double *p50, double *p99) {
   td_client *c;
   *p50 = *p99 = 0;
-  if (td_client_connect(ep, &c) != TD_OK) return -1;
+  float *feat = audio ? malloc(sizeof(float) * MELS * FRAMES) : NULL;
+  if ((audio && !feat) || td_client_connect(ep, &c) != TD_OK) {
+    free(feat);
+    return -1;
+  }
   lat l = {calloc((size_t)n, sizeof(int64_t)), calloc((size_t)n, sizeof(double)), 0};
   td_client_events ev = {.on_result = on_result, .ctx = &l};
   int32_t ids[32];
@@ -156,8 +169,17 @@ static double run(const char *ep, int n, int inflight, double *p50, double *p99)
   memset(&q, 0, sizeof q);
   td_request_params_default(&q.params);
   q.params.max_new_tokens = 1;
-  q.input_ids = ids;
-  q.n_input = 32;
+  int32_t start = 50258;
+  if (audio) { /* 30 s of features, values the encoder could see */
+    for (int i = 0; i < MELS * FRAMES; i++) feat[i] = (float)(((int64_t)i * 7919) % 2001) / 1000.0f - 1.0f;
+    q.features = feat;
+    q.n_features = (size_t)MELS * FRAMES;
+    q.prompt = &start;
+    q.n_prompt = 1;
+  } else {
+    q.input_ids = ids;
+    q.n_input = 32;
+  }
   int64_t t0 = td_now_ns();
   int sent = 0;
   while (l.done < n) {
@@ -175,6 +197,7 @@ static double run(const char *ep, int n, int inflight, double *p50, double *p99)
   *p99 = l.ms[(int)(n * 0.99)];
   free(l.sent);
   free(l.ms);
+  free(feat);
   td_client_close(c);
   return n / secs;
 }
@@ -195,11 +218,13 @@ int main(int argc, char **argv) {
     return 2;
   }
   td_settings_apply(&settings);
-  int n = 20000, serve_port = 0;
+  int n = 20000, serve_port = 0, io_threads = 0;
   bool record = true;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--requests") && i + 1 < argc) n = atoi(argv[++i]);
     if (!strcmp(argv[i], "--no-record")) record = false;
+    if (!strcmp(argv[i], "--audio")) audio = true;
+    if (!strcmp(argv[i], "--io-threads") && i + 1 < argc) io_threads = atoi(argv[++i]);
     if (!strcmp(argv[i], "--serve") && i + 1 < argc) {
       serve_port = atoi(argv[++i]);
       if (serve_port < 1 || serve_port > 65534) {
@@ -214,7 +239,8 @@ int main(int argc, char **argv) {
     snprintf(cep, sizeof cep, "tcp://127.0.0.1:%d", serve_port);
     snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", serve_port + 1);
   }
-  td_router_opts o = {.client_endpoint = cep, .worker_endpoint = wep, .max_queue = 1 << 20, .max_in_flight = 1 << 20};
+  td_router_opts o = {.client_endpoint = cep, .worker_endpoint = wep, .max_queue = 1 << 20, .max_in_flight = 1 << 20,
+                      .io_threads = io_threads, .max_held_bytes = 4LL << 30};
   rctx rc;
   if (td_router_create(&o, &rc.r) != TD_OK) {
     fprintf(stderr, "router: %s\n", td_errmsg());

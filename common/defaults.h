@@ -41,6 +41,12 @@
 #define TD_WORKER_ID_WAIT_MS 30000       /* a worker whose id is in use retries this long, then gives up */
 #define TD_DEFAULT_ENCODE_RUNS 3         /* an encoder's queue, in its runs: one running, one waiting, one whose
                                             KV is on its way (router/placement.c; docs/router.md) */
+#define TD_MALLOC_KEEP_MAX (32 << 20)   /* TANDEM_MALLOC_KEEP: allocations up to this from the heap (glibc's
+                                           largest mmap threshold) */
+#define TD_MALLOC_KEEP_TRIM (512 << 20) /* ... and this much freed heap kept before it goes back to the system */
+#define TD_DEFAULT_ROUTER_IO_THREADS 2   /* the router's ZeroMQ I/O threads: clients' and workers' connections
+                                            on separate threads (a Whisper request's 1.5 MB crosses both) */
+#define TD_ROUTER_MAX_IO_THREADS 16
 #define TD_DEFAULT_CLIENT_ENDPOINT "tcp://127.0.0.1:7000" /* where the router serves clients */
 #define TD_DEFAULT_WORKER_ENDPOINT "tcp://127.0.0.1:7001" /* where workers reach the router */
 #define TD_ROUTER_TICK_MS 20             /* deadlines, stage timeouts, group ranks and the stop flag checked */

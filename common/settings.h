@@ -89,6 +89,11 @@ typedef struct td_kvx_tuning {
 typedef struct td_settings {
   int log_level; /* TANDEM_LOG (debug|info|warn|error|off); -1: unset (info) */
   int log_format; /* TANDEM_LOG_FORMAT (text|json); -1: unset (text) */
+  /* TANDEM_MALLOC_KEEP (on|off): buffers up to TD_MALLOC_KEEP_MAX (a Whisper
+   * request's 1.5 MB of features, at every hop) come from the heap and freed
+   * heap stays with the process up to TD_MALLOC_KEEP_TRIM, instead of fresh
+   * mappings the kernel faults in and zeroes for each (default on; glibc) */
+  int malloc_keep;
   td_cuda_tuning cuda;
   td_model_tuning model;
   td_kvx_tuning kvx;
@@ -97,7 +102,8 @@ typedef struct td_settings {
 /* Reads every variable above; TD_ERR_INVALID (and the variable's name in
  * td_errmsg) for a value that does not parse. */
 td_status td_settings_from_env(td_settings *s);
-/* Applies the process-wide parts (the log level and format). */
+/* Applies the process-wide parts (the log level and format, the heap's
+ * thresholds). */
 void td_settings_apply(const td_settings *s);
 
 #endif

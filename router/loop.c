@@ -204,6 +204,7 @@ static void apply_defaults(td_router_opts *o) {
   if (o->max_attempts <= 0) o->max_attempts = TD_DEFAULT_MAX_ATTEMPTS;
   if (o->prefill_threshold <= 0) o->prefill_threshold = TD_DEFAULT_PREFILL_THRESHOLD;
   if (o->encode_runs <= 0) o->encode_runs = TD_DEFAULT_ENCODE_RUNS;
+  if (o->io_threads <= 0) o->io_threads = TD_DEFAULT_ROUTER_IO_THREADS;
   if (o->local_encode_pct <= 0) o->local_encode_pct = TD_DEFAULT_LOCAL_ENCODE_PCT;
   if (o->capacity_wait_ms <= 0) o->capacity_wait_ms = TD_DEFAULT_CAPACITY_WAIT_MS;
   if (o->max_held_bytes <= 0) o->max_held_bytes = TD_DEFAULT_MAX_HELD_BYTES;
@@ -241,6 +242,8 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
   if (opts->max_attempts > TD_ROUTER_MAX_ATTEMPTS)
     return td_err(TD_ERR_INVALID, "max_attempts %d exceeds %d (an attempt is numbered in a byte)", opts->max_attempts,
                   TD_ROUTER_MAX_ATTEMPTS);
+  if (opts->io_threads < 0 || opts->io_threads > TD_ROUTER_MAX_IO_THREADS)
+    return td_err(TD_ERR_INVALID, "io_threads %d is outside 1 to %d", opts->io_threads, TD_ROUTER_MAX_IO_THREADS);
   if (opts->encode_runs < 0 || opts->encode_runs > TD_ROUTER_MAX_ENCODE_RUNS)
     return td_err(TD_ERR_INVALID, "encode_runs %d is outside 1 to %d", opts->encode_runs, TD_ROUTER_MAX_ENCODE_RUNS);
   if (opts->kv_load_failure != TD_KV_LOAD_RECOMPUTE && opts->kv_load_failure != TD_KV_LOAD_FAIL)
@@ -263,6 +266,9 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
   r->own_ctx = !opts->zmq_ctx;
   r->ctx = r->own_ctx ? zmq_ctx_new() : opts->zmq_ctx;
   td_status s = r->ctx ? TD_OK : td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+  /* before any socket: libzmq starts its I/O threads with the first */
+  if (s == TD_OK && r->own_ctx && zmq_ctx_set(r->ctx, ZMQ_IO_THREADS, r->o.io_threads) != 0)
+    s = td_err(TD_ERR_NETWORK, "zmq io threads %d: %s", r->o.io_threads, zmq_strerror(zmq_errno()));
   /* a request's largest part is its audio: a larger message drops the
    * client's connection before libzmq buffers it (tcp; inproc has no limit) */
   /* the ZAP handler answers the context's CURVE handshakes: it runs before a socket binds */

@@ -67,7 +67,7 @@ int main(int argc, char **argv) {
       {"curve-secret", required_argument, 0, 1001},  {"worker-keys", required_argument, 0, 1002},
       {"client-keys", required_argument, 0, 1003},   {"admin-keys", required_argument, 0, 1004},
       {"advertise", required_argument, 0, 1005},     {"probe-timeout-ms", required_argument, 0, 1006},
-      {"local-encode-margin", required_argument, 0, 1007},
+      {"local-encode-margin", required_argument, 0, 1007}, {"io-threads", required_argument, 0, 1008},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
@@ -94,6 +94,17 @@ int main(int argc, char **argv) {
           fprintf(stderr, "tandem-router: --local-encode-margin: a number of encoder runs, not '%s'\n", optarg);
           return 2;
         }
+        break;
+      }
+      case 1008: {
+        char *end = NULL;
+        long v = strtol(optarg, &end, 10);
+        if (end == optarg || *end || v < 1 || v > TD_ROUTER_MAX_IO_THREADS) {
+          fprintf(stderr, "tandem-router: --io-threads: 1 to %d ZeroMQ I/O threads, not '%s'\n",
+                  TD_ROUTER_MAX_IO_THREADS, optarg);
+          return 2;
+        }
+        o.io_threads = (int)v;
         break;
       }
       case 'n': o.model_name = optarg; break;
@@ -157,6 +168,8 @@ int main(int argc, char **argv) {
                 "                     [--capacity-wait-ms N]  (a request waits this long for a role no live\n"
                 "                                         worker has, e.g. no encoder registered; default 10000)\n"
                 "                     [--max-held-mb N]  (client messages of the requests held; default 256)\n"
+                "                     [--io-threads N]  (ZeroMQ I/O threads: clients' and workers' connections\n"
+                "                                         spread over them; default 2, at most 16)\n"
                 "                     [--metrics-port N [--metrics-host IP]]  (Prometheus' /metrics over HTTP;\n"
                 "                                         0: any free port; host default 127.0.0.1; docs/metrics.md)\n"
                 "                     [--model-name NAME] [--log-level LEVEL]\n"

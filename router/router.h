@@ -70,8 +70,10 @@ typedef struct td_router_opts {
   const char *metrics_host;
   int metrics_port;
   /* A ZeroMQ context to bind in (so that inproc:// endpoints reach peers of
-   * the same process); NULL: the router's own. */
+   * the same process); NULL: the router's own, with io_threads I/O threads
+   * (0: TD_DEFAULT_ROUTER_IO_THREADS; TD_ROUTER_MAX_IO_THREADS at most). */
   void *zmq_ctx;
+  int io_threads;
   const td_auth *auth; /* CURVE keys and lists; NULL: plain sockets (docs/security.md) */
   /* The address clients and workers reach the endpoints at, when not the
    * one bound (a wildcard, a container's interface; NULL: as bound): what

@@ -1133,6 +1133,13 @@ Test(router_control, defaults_and_the_limits_of_the_options, .timeout = 30) {
   cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
   cr_expect(strstr(td_errmsg(), "encode_runs -1"), "%s", td_errmsg());
   cr_expect(!r);
+  o.encode_runs = 0;
+  o.io_threads = TD_ROUTER_MAX_IO_THREADS + 1;
+  cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "io_threads 17"), "%s", td_errmsg());
+  o.io_threads = -1;
+  cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
+  cr_expect(!r);
   harness h;
   start_as_is(&h, (td_router_opts){0});
   Tandem__Cluster__RouterMessage *ack;

@@ -3,12 +3,24 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/defaults.h"
 #include "common/log.h"
 #include "common/settings.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#define UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define UNDER_ASAN 1
+#endif
+#endif
+#if defined(__GLIBC__) && !defined(UNDER_ASAN)
+#include <malloc.h>
+#endif
+
 static void clear(void) {
   const char *vars[] = {"TANDEM_LOG", "TANDEM_LOG_FORMAT", "TANDEM_NORM_FOLD", "TANDEM_QNORM_ROWS", "TANDEM_KVX_LOCAL", "TANDEM_KVX_TRACE",
-                        "TANDEM_KVX_IPC", "UCX_TLS"};
+                        "TANDEM_KVX_IPC", "UCX_TLS", "TANDEM_MALLOC_KEEP"};
   for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) unsetenv(vars[i]);
 }
 
@@ -82,4 +94,34 @@ Test(settings, bad_values_are_refused_by_name, .init = clear) {
   setenv("UCX_TLS", tls, 1);
   cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
   cr_assert(strstr(td_errmsg(), "UCX_TLS"), "%s", td_errmsg());
+}
+
+/* TANDEM_MALLOC_KEEP: on unless switched off; with it a buffer of a Whisper
+ * request's size is no mapping of its own (the sanitizers' allocator has
+ * its own rules: only the parsing is checked there). */
+Test(settings, malloc_keep, .init = clear) {
+  td_settings s;
+  cr_assert_eq(td_settings_from_env(&s), TD_OK);
+  cr_assert_eq(s.malloc_keep, 0, "unset: the default (on)");
+  setenv("TANDEM_MALLOC_KEEP", "off", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_OK);
+  cr_assert_eq(s.malloc_keep, TD_OFF);
+  setenv("TANDEM_MALLOC_KEEP", "sometimes", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "TANDEM_MALLOC_KEEP"), "%s", td_errmsg());
+#if defined(__GLIBC__) && !defined(UNDER_ASAN)
+  unsetenv("TANDEM_MALLOC_KEEP");
+  cr_assert_eq(td_settings_from_env(&s), TD_OK);
+  td_settings_apply(&s);
+  size_t before = mallinfo2().hblks;
+  char *a = malloc((size_t)3 << 19); /* 1.5 MiB */
+  cr_assert_not_null(a);
+  a[0] = 1;
+  cr_assert_eq(mallinfo2().hblks, before, "a 1.5 MiB buffer was mapped on its own");
+  free(a);
+  char *b = malloc((size_t)TD_MALLOC_KEEP_MAX + 1); /* past the threshold: mapped, as before */
+  cr_assert_not_null(b);
+  cr_assert_eq(mallinfo2().hblks, before + 1);
+  free(b);
+#endif
 }
