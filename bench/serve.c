@@ -62,6 +62,7 @@ typedef struct opts {
   double mem_fraction;
   double cache_fraction; /* --engine: td_engine_opts.encoder_cache_fraction */
   int repeat;            /* each synthetic input this many times */
+  int runs;              /* --runs: the measure this many times, each with its own inputs (seed + k) */
   uint64_t seed;
   double rates[MAX_SWEEP];
   int n_rates;
@@ -425,13 +426,15 @@ static td_status run_engine(eng *g, run *r) {
 
 /* ---------------------------------------------------------------- report */
 
-static const char *arrivals_name(const opts *o, double rate, char *buf, size_t cap) {
+static const char *arrivals_name(const opts *o, double rate, int k, char *buf, size_t cap) {
+  char nth[32] = "";
+  if (o->runs > 1) snprintf(nth, sizeof nth, ", run %d", k + 1);
   if (rate > 0)
     snprintf(buf, cap, "Poisson %.3g/s", rate);
   else if (o->concurrency > 0)
-    snprintf(buf, cap, "%d in flight", o->concurrency);
+    snprintf(buf, cap, "%d in flight%s", o->concurrency, nth);
   else
-    snprintf(buf, cap, "all at once");
+    snprintf(buf, cap, "all at once%s", nth);
   return buf;
 }
 
@@ -486,6 +489,8 @@ static void usage(FILE *f) {
           "                   [--cross-blocks N] [--cross-mode auto|kv|states|dual] [--label TEXT] [--record]\n"
           "                   [--plot FILE.png] [--timeout-ms N] [--max-enc-tokens N] [--max-enc-seqs N]\n"
           "                   [--gpu-memory-fraction F] [--repeat K]  (each synthetic input K times in a row)\n"
+          "                   [--runs K]  (the measure K times on one target, each run with inputs of seed S + k:\n"
+          "                               an engine's later runs are warm, as a cluster's after its first)\n"
           "                   [--encoder-cache-fraction F]  (--engine: of the cross pool; 0.25, 0 disables)\n"
           "                   [--results FILE.jsonl]  (--router, one run: each answer with its times, a line)\n");
 }
@@ -539,9 +544,10 @@ int main(int argc, char **argv) {
       {"max-enc-tokens", required_argument, 0, 'e'}, {"max-enc-seqs", required_argument, 0, 'q'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"http-warm", required_argument, 0, 'W'},
       {"repeat", required_argument, 0, 'y'},       {"encoder-cache-fraction", required_argument, 0, 'Y'},
-      {"results", required_argument, 0, 'O'},      {"help", no_argument, 0, 'h'},
+      {"results", required_argument, 0, 'O'},      {"runs", required_argument, 0, 'U'},
+      {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
-  opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .max_batch = 0, .max_tokens = 0,
+  opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .runs = 1, .max_batch = 0, .max_tokens = 0,
             .timeout_ms = 600000, .cache_fraction = TD_DEFAULT_ENCODER_CACHE_FRACTION};
   int c;
   while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -624,6 +630,13 @@ int main(int argc, char **argv) {
       case 'y':
         if (positive("--repeat", optarg, &o.repeat)) return 2;
         break;
+      case 'U':
+        if (positive("--runs", optarg, &o.runs)) return 2;
+        if (o.runs > MAX_SWEEP) {
+          fprintf(stderr, "bench-serve: --runs %d: at most %d\n", o.runs, MAX_SWEEP);
+          return 2;
+        }
+        break;
       case 'Y': {
         char *end;
         o.cache_fraction = strtod(optarg, &end);
@@ -638,7 +651,11 @@ int main(int argc, char **argv) {
       default: usage(stderr); return 2;
     }
   }
-  if (o.results && (!o.router || o.n_rates > 1)) {
+  if (o.runs > 1 && o.n_rates) {
+    fprintf(stderr, "bench-serve: --runs repeats one measure: not with --rate or --sweep (a run a rate)\n");
+    return 2;
+  }
+  if (o.results && (!o.router || o.n_rates > 1 || o.runs > 1)) {
     fprintf(stderr, "bench-serve: --results takes one run against a cluster (--router, not a sweep)\n");
     return 2;
   }
@@ -684,7 +701,7 @@ int main(int argc, char **argv) {
     snprintf(target, sizeof target, "gateway at %s (HTTP, streamed completions)", o.gateway);
   else
     snprintf(target, sizeof target, "cluster at %s", o.router);
-  int n_runs = o.n_rates ? o.n_rates : 1;
+  int n_runs = o.n_rates ? o.n_rates : o.runs;
   td_serve_summary sums[MAX_SWEEP];
   td_sbuf tab = {0};
   char repeat[48] = "";
@@ -714,6 +731,15 @@ int main(int argc, char **argv) {
   int rc = 0;
   for (int k = 0; k < n_runs && rc == 0; k++) {
     double rate = o.n_rates ? o.rates[k] : 0;
+    if (k > 0 && o.runs > 1) { /* new inputs: the encoder cache must not answer a later run */
+      td_workload_free(&w);
+      wo.seed = o.seed + (uint64_t)k;
+      if (td_workload_make(&wo, &w) != TD_OK) {
+        fprintf(stderr, "bench-serve: %s\n", td_errmsg());
+        rc = 1;
+        break;
+      }
+    }
     run r;
     td_status s = run_init(&r, &w, rate, o.concurrency, o.seed + 7919 * (uint64_t)k);
     if (s == TD_OK && o.results && !(r.results = fopen(o.results, "w")))
@@ -725,7 +751,7 @@ int main(int argc, char **argv) {
       rc = 1;
     } else {
       char arr[64];
-      row(&tab, arrivals_name(&o, rate, arr, sizeof arr), &sums[k]);
+      row(&tab, arrivals_name(&o, rate, k, arr, sizeof arr), &sums[k]);
       if (o.router && r.n_staged) {
         const td_client_timings *a = &r.stages;
         double d = r.n_staged;

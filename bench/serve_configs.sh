@@ -6,12 +6,12 @@
 # each configuration's workers' busy shares in its last run (which pool is short).
 #
 #   bench/serve_configs.sh --model DIR [--workload trt|whisper|FILE] [--device cuda|cpu]
-#       [--burst N] [--closed C] [--rate R [--rate-requests N]] [--runs K]
+#       [--burst N] [--closed C [--closed-requests N]] [--rate R [--rate-requests N]] [--runs K]
 #       [--configs "NAME=LOCAL.SH FLAGS;NAME=..."]
 #       [--out DIR]
 #
 # --burst N: N requests at once (0: none; default 512); --closed C: C in flight, 3 x C
-# requests (0: none; default 256); --rate R: Poisson arrivals at R requests a second, N of them
+# requests or --closed-requests N (0: none; default 256); --rate R: Poisson arrivals at R requests a second, N of them
 # (default 1024; off by default); --runs K: each measure K times, each its own seed
 # (default 2). Configurations: "agg=--encoders 0 --decodes 4;e1d3=--encoders 1 --decodes 3"
 # (the default: every worker with every role on each GPU, against one encoder GPU).
@@ -19,7 +19,7 @@
 # --out (default a temporary folder).
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
-model="" workload=trt device=cuda burst=512 closed=256 rate=0 rate_n=1024 runs=2 out=""
+model="" workload=trt device=cuda burst=512 closed=256 closed_n=0 rate=0 rate_n=1024 runs=2 out=""
 configs="agg=--encoders 0 --prefills 0 --decodes 4;e1d3=--encoders 1 --prefills 0 --decodes 3"
 while (($#)); do
   case $1 in
@@ -28,6 +28,7 @@ while (($#)); do
     --device) device=$2; shift 2 ;;
     --burst) burst=$2; shift 2 ;;
     --closed) closed=$2; shift 2 ;;
+    --closed-requests) closed_n=$2; shift 2 ;;
     --rate) rate=$2; shift 2 ;;
     --rate-requests) rate_n=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
@@ -37,9 +38,10 @@ while (($#)); do
   esac
 done
 [[ -n $model && -d $model ]] || { echo "serve_configs.sh: --model DIR is required" >&2; exit 2; }
-for v in "$burst" "$closed" "$runs" "$rate_n"; do
-  [[ $v =~ ^[0-9]+$ ]] || { echo "serve_configs.sh: --burst, --closed, --rate-requests and --runs take counts" >&2; exit 2; }
+for v in "$burst" "$closed" "$closed_n" "$runs" "$rate_n"; do
+  [[ $v =~ ^[0-9]+$ ]] || { echo "serve_configs.sh: --burst, --closed, --closed-requests, --rate-requests and --runs take counts" >&2; exit 2; }
 done
+((closed_n)) || closed_n=$((3 * closed))
 [[ $rate =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "serve_configs.sh: --rate takes requests a second" >&2; exit 2; }
 off_kind() { # whether a measure is off
   case $1 in burst) [[ $burst == 0 ]] ;; closed) [[ $closed == 0 ]] ;; rate) [[ $rate == 0 || $rate == 0.0 ]] ;; esac
@@ -84,7 +86,7 @@ for entry in "${list[@]}"; do
   k=0
   for kind in burst closed rate; do
     n=$burst extra=() off=0
-    [[ $kind == closed ]] && n=$((3 * closed)) extra=(--concurrency "$closed") off=1
+    [[ $kind == closed ]] && n=$closed_n extra=(--concurrency "$closed") off=1
     [[ $kind == rate ]] && n=$rate_n extra=(--rate "$rate") off=2
     off_kind $kind && continue
     for r in $(seq "$runs"); do

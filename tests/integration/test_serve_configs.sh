@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/serve_configs.sh on the CPU with the toy T5: two configurations started, measured with a
-# burst and a closed loop, stopped; the table has a row each with numbers and the first's ratio 1.00.
+# burst and a closed loop (of a given number of requests), stopped; the table has a row each with numbers and the first's ratio 1.00.
 #   test_serve_configs.sh BINDIR WORKDIR
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -9,8 +9,16 @@ source "$here/lib.sh"
 bin=$1 work=$2
 rm -rf "$work"
 mkdir -p "$work"
+# bench-serve --runs on the engine: the measure twice in one process, the second with inputs of its own
+# (its encoder cache hit nothing), as serve_configs.sh measures a cluster's second run warm
+eng=$("$bin/bench-serve" --engine --model "$root/tests/data/toy-numbers-t5" --workload trt --requests 6 --concurrency 2 \
+  --runs 2 --seed 7 2>&1)
+check "bench-serve --runs 2: the first run's row" has "$eng" "| 2 in flight, run 1 | 6/6 |"
+check "bench-serve --runs 2: the second run's row" has "$eng" "| 2 in flight, run 2 | 6/6 |"
+check "bench-serve --runs 2: each run its own inputs (no encoder-cache hit)" grep -q "12 runs (requests encoded).*: 0 hits, 12 misses" <<<"$eng"
+check "bench-serve --runs with a rate: refused" sh -c "! '$bin/bench-serve' --engine --model '$root/tests/data/toy-numbers-t5' --runs 2 --rate 5 2>/dev/null"
 TANDEM_BIN=$bin timeout 600 bash "$root/bench/serve_configs.sh" --model "$root/tests/data/toy-numbers-t5" --device cpu \
-  --burst 8 --closed 4 --runs 1 --out "$work/out" \
+  --burst 8 --closed 4 --closed-requests 6 --runs 1 --out "$work/out" \
   --configs "agg=--encoders 0 --prefills 0 --decodes 1;split=--encoders 1 --prefills 0 --decodes 1" >"$work/table.md" 2>"$work/err"
 rc=$?
 cat "$work/table.md"
@@ -22,6 +30,7 @@ d='decode-0 [0-9.]+ % \(batch [0-9.]+\) \(projecting [0-9.]+ %\)' e='encoder-0 [
 s='(The (encoders|decode workers) are the short side|Encoders and decode workers are balanced) \(busy [^|]*'
 check "the split's workers: the encoder's runs, the decode worker's batch and projection; which side was short" \
   grep -qE "^\| split \| ($e, $d|$d, $e) \| $s \|\$" "$work/table.md"
+check "the closed loop ran --closed-requests requests, 4 in flight" grep -qE '^\| 4 in flight \| 6/6 \|' "$work/out/agg-closed-1.txt"
 check "the aggregated cluster has no sides" grep -qE '^\| agg \| decode-0 [^|]* \| - \|$' "$work/table.md"
 check "no cluster left running" sh -c "! pgrep -f 'run-dir $work/ou[t]' >/dev/null"
 ((failed == 0)) || { echo "$failed checks failed; logs in $work" >&2; exit 1; }
