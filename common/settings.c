@@ -104,6 +104,7 @@ static td_status cuda_from_env(td_cuda_tuning *c) {
   TD_TRY(env_switch("TANDEM_CUDA_STATES_WS", &c->states_ws));
   TD_TRY(env_switch("TANDEM_CUDA_STATES_PLANES", &c->states_planes));
   TD_TRY(env_switch("TANDEM_CUDA_HEADS_LT", &c->heads_lt));
+  TD_TRY(env_switch("TANDEM_CUDA_PLAN_BUCKET", &c->plan_bucket));
   return env_switch("TANDEM_CUDA_CUSTOM_ALLREDUCE", &c->custom_allreduce);
 }
 

@@ -38,6 +38,7 @@ typedef struct td_gemm_plan {
   cublasLtMatmulDesc_t op;
   cublasLtMatrixLayout_t la, lb, lc;
   cublasLtMatmulAlgo_t algo;
+  int rows; /* the row count its layouts hold now (the key's m or fewer: td_cu_plan_rows) */
 } td_gemm_plan;
 
 static unsigned align_log2(const void *p) {
@@ -231,8 +232,23 @@ static void lt_autotune(td_cuda *c, td_gemm_plan *p, const cublasLtMatmulHeurist
   cudaEventDestroy(e1);
 }
 
-static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned flags, const void *x,
+/* Points the plan's x and y layouts at m rows (the key's or fewer). */
+static bool plan_rows(td_gemm_plan *p, int m) {
+  if (p->rows == m) return true;
+  uint64_t v = (uint64_t)m;
+  if (cublasLtMatrixLayoutSetAttribute(p->lb, CUBLASLT_MATRIX_LAYOUT_COLS, &v, sizeof v) != CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatrixLayoutSetAttribute(p->lc, CUBLASLT_MATRIX_LAYOUT_COLS, &v, sizeof v) != CUBLAS_STATUS_SUCCESS)
+    return false;
+  p->rows = m;
+  return true;
+}
+
+/* The plan for an m-row GEMM, keyed by td_cu_plan_rows(m) (exact: by m),
+ * its layouts at m rows (a false plan_rows leaves the fallback kernel). */
+static td_gemm_plan *plan_get(td_cuda *c, int m, bool exact, int n, int k, int act, unsigned flags, const void *x,
                               const void *w, const float *bias, const bf16 *b16, void *y) {
+  int rows = m;
+  m = exact ? m : td_cu_plan_rows(&c->tune, m);
   int kind = !bias ? 0 : b16 ? 2 : 1;
   const void *lb = b16 ? (const void *)b16 : (const void *)bias;
   unsigned align = align_log2(x) | align_log2(w) << 4 | align_log2(y) << 8 | (bias ? align_log2(lb) : 8) << 12;
@@ -251,6 +267,7 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
     if (q->used && q->m == m && q->n == n && q->k == k && q->act == act && q->flags == flags &&
         q->bias == kind && q->align == align) {
       q->stamp = ++c->plan_clock;
+      if (q->mode != MODE_FALLBACK && !plan_rows(q, rows)) q->mode = MODE_FALLBACK;
       return q;
     }
     if (!q->used ? p->used : p->used && q->stamp < p->stamp) p = q;
@@ -278,6 +295,8 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, int n, int k, int act, unsigned
     p->mode = MODE_FALLBACK;
   }
   p->used = true;
+  p->rows = m;
+  if (p->mode != MODE_FALLBACK && !plan_rows(p, rows)) p->mode = MODE_FALLBACK;
   if (p->mode != MODE_FALLBACK && c->tune.autotune && found > 1 && !(flags & TD_GEMM_ACCUM) &&
       (double)m * n * k >= (double)c->tune.autotune_min * 1e6 && !td_cu_capturing(c))
     lt_autotune(c, p, res, found, x, w, y);
@@ -403,7 +422,21 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
   /* a bf16 output's bias goes to cuBLASLt as a bf16 copy (bias16_get) where an epilogue can take it */
   bool epi_bias = act == TD_ACT_NONE || act == TD_ACT_RELU || act == TD_ACT_GELU_TANH;
   const bf16 *b16 = bias && !f32 && epi_bias ? bias16_get(c, bias, n) : NULL;
-  td_gemm_plan *p = plan_get(c, m, n, k, act, flags, x, w, bias, b16, y);
+  td_gemm_plan *p = plan_get(c, m, false, n, k, act, flags, x, w, bias, b16, y);
+  float alpha = 1.0f, beta = (flags & TD_GEMM_ACCUM) ? 1.0f : 0.0f;
+  cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+  for (int exact = p->m == m; p->mode != MODE_FALLBACK; exact = 1) {
+    const void *lb = p->bias == 2 ? (const void *)b16 : (const void *)bias;
+    if (p->lt_bias &&
+        cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &lb, sizeof lb) !=
+            CUBLAS_STATUS_SUCCESS)
+      return td_err(TD_ERR_CUDA, "gemm: cannot set the bias pointer");
+    st = cublasLtMatmul(c->lt, p->op, &alpha, w, p->la, x, p->lb, &beta, y, p->lc, y, p->lc, &p->algo, c->lt_ws,
+                        TD_CU_LT_WORKSPACE, c->stream);
+    if (st == CUBLAS_STATUS_SUCCESS || exact) break;
+    /* the algorithm chosen for the bucket's rows declined these: a plan of their own */
+    p = plan_get(c, m, true, n, k, act, flags, x, w, bias, b16, y);
+  }
   if (p->mode == MODE_FALLBACK) {
     dim3 grid((n + 15) / 16, (m + 15) / 16), blk(16, 16);
     if (grid.y > 65535) return td_err(TD_ERR_UNSUPPORTED, "gemm: %d rows need cuBLASLt, which declined", m);
@@ -416,14 +449,6 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
     TD_CU_LAUNCHED("gemm (fallback)");
     return TD_OK;
   }
-  const void *lb = p->bias == 2 ? (const void *)b16 : (const void *)bias;
-  if (p->lt_bias &&
-      cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &lb, sizeof lb) !=
-          CUBLAS_STATUS_SUCCESS)
-    return td_err(TD_ERR_CUDA, "gemm: cannot set the bias pointer");
-  float alpha = 1.0f, beta = (flags & TD_GEMM_ACCUM) ? 1.0f : 0.0f;
-  cublasStatus_t st = cublasLtMatmul(c->lt, p->op, &alpha, w, p->la, x, p->lb, &beta, y, p->lc, y, p->lc, &p->algo,
-                                     c->lt_ws, TD_CU_LT_WORKSPACE, c->stream);
   if (st != CUBLAS_STATUS_SUCCESS)
     return td_err(TD_ERR_CUDA, "gemm: cublasLtMatmul failed (status %d) for m=%d n=%d k=%d", (int)st, m, n, k);
   if (p->mode == MODE_LT_POST) {

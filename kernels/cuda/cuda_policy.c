@@ -47,6 +47,7 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
   r->states_warps = t->states_warps == 8 || t->states_warps == 16 ? t->states_warps : 0;
   r->heads_lt = on(t->heads_lt, false);
   r->custom_allreduce = on(t->custom_allreduce, true);
+  r->plan_bucket = on(t->plan_bucket, true);
 }
 
 td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned, int n_tokens, int max_len) {
@@ -190,3 +191,12 @@ td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_s
  * 1280 (20 heads: two groups of 16 pairs a sequence, 32 tile rows for 20)
  * was slower over the states than over the K/V at every batch on an H200. */
 int td_cu_states_switch_rows(int D, bool fits) { return fits && D > 0 && D <= 1024 ? 48 : INT_MAX; }
+
+int td_cu_plan_rows(const td_cu_tune *t, int m) {
+  if (!t->plan_bucket || m <= TD_CU_PLAN_EXACT_ROWS) return m;
+  int lg = 0;
+  while ((m >> (lg + 1)) > 0) lg++; /* 2^lg <= m < 2^(lg + 1) */
+  long step = 1L << (lg - 3);
+  long r = ((long)m + step - 1) / step * step;
+  return r > INT_MAX ? m : (int)r;
+}

@@ -57,9 +57,21 @@ typedef struct td_cu_tune {
   int states_splits; /* 0: the policy's */
   int states_warps;  /* 0: the policy's, else 8 or 16 */
   bool heads_lt, custom_allreduce;
+  bool plan_bucket;
 } td_cu_tune;
 
 void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *out);
+
+/* ---- td_gemm's cuBLASLt plans ----
+ * The row count a plan is keyed and chosen by: m itself up to
+ * TD_CU_PLAN_EXACT_ROWS, beyond it m rounded up to an eighth of its power of
+ * two (at most 12.5 % more), so that encoder runs, whose row count is their
+ * token count, share a few plans a shape instead of one each (an engine
+ * serving BART's `trt` workload made ~2,000 plans a run of 1,280 requests,
+ * twice the cache). The plan runs at the actual m (its layouts are set to
+ * it); an algorithm chosen for more rows serves fewer. */
+enum { TD_CU_PLAN_EXACT_ROWS = 64 };
+int td_cu_plan_rows(const td_cu_tune *t, int m);
 
 /* ---- td_attn_dense ---- */
 typedef enum td_dense_kernel {

@@ -84,6 +84,30 @@ Test(cuda, gemm) {
   gemm_case(3, 32128, 1024, TD_ACT_NONE, TD_GEMM_OUT_F32, true);
 }
 
+/* cuBLASLt plans keyed by row buckets (td_cu_plan_rows): a plan chosen for a
+ * bucket's top row count runs at fewer rows, after more and before more
+ * (its layouts are re-pointed each time), encoder-run row counts in a random
+ * order, and the same with exact keys (TANDEM_CUDA_PLAN_BUCKET=0). */
+Test(cuda, gemm_plan_buckets) {
+  td_cuda_tuning t[2] = {cuda_base, cuda_base};
+  t[1].plan_bucket = TD_OFF;
+  static const int same[] = {72, 65, 70, 72, 66, 320, 289, 301, 320, 1024, 897, 1000, 1017};
+  for (int pass = 0; pass < 2; pass++) {
+    use_tuning(&t[pass]);
+    for (size_t i = 0; i < sizeof same / sizeof *same; i++) {
+      gemm_case(same[i], 1024, 1024, TD_ACT_GELU, 0, true);
+      gemm_case(same[i], 3072, 1024, TD_ACT_NONE, TD_GEMM_ACCUM, false);
+    }
+    for (int r = 0; r < 12; r++) { /* a run of one to three inputs of 260-440 tokens */
+      int m = 0, inputs = 1 + irand(3);
+      for (int j = 0; j < inputs; j++) m += 260 + irand(181);
+      gemm_case(m, 1024, 4096, TD_ACT_NONE, 0, true);
+      gemm_case(m, 4096, 1024, TD_ACT_GELU, TD_GEMM_OUT_F32, r & 1);
+    }
+  }
+  use_tuning(&cuda_base);
+}
+
 /* The decode GEMM's three kernels (a warp per column, W by bulk copies, W
  * through a cp.async ring) at decode row counts, odd widths, k from 8 to
  * beyond what the bulk variant holds in shared memory and the warp kernel

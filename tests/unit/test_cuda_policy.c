@@ -59,6 +59,7 @@ Test(cuda_settings, values_parse, .init = clear) {
   setenv("TANDEM_CUDA_HEADS_LT", "yes", 1);
   setenv("TANDEM_CUDA_CUSTOM_ALLREDUCE", "0", 1);
   setenv("TANDEM_CUDA_AUTOTUNE_MIN", "500", 1);
+  setenv("TANDEM_CUDA_PLAN_BUCKET", "off", 1);
   td_settings s;
   cr_assert_eq(td_settings_from_env(&s), TD_OK, "%s", td_errmsg());
   td_cuda_tuning *c = &s.cuda;
@@ -79,9 +80,11 @@ Test(cuda_settings, values_parse, .init = clear) {
   cr_assert_eq(c->heads_lt, TD_ON);
   cr_assert_eq(c->custom_allreduce, TD_OFF);
   cr_assert_eq(c->autotune_min, 500);
+  cr_assert_eq(c->plan_bucket, TD_OFF);
   td_cu_tune r;
   td_cu_tune_resolve(c, &r);
   cr_assert_eq(r.autotune_min, 500);
+  cr_assert(!r.plan_bucket);
   /* "0" where 0 means none */
   setenv("TANDEM_CUDA_GEMV", "0", 1);
   setenv("TANDEM_CUDA_PDL_LATE", "0", 1);
@@ -100,7 +103,7 @@ Test(cuda_settings, bad_values_are_refused_by_name, .init = clear) {
       {"TANDEM_CUDA_DENSE64", "5"},          {"TANDEM_CUDA_STATES_WARPS", "12"},
       {"TANDEM_CUDA_DECATTN_BULK", "1,2,7"}, {"TANDEM_CUDA_KVPF", "32k"},
       {"TANDEM_CUDA_DECATTN", "99999999999"}, {"TANDEM_CUDA_HEADS_LT", "2"},
-      {"TANDEM_CUDA_AUTOTUNE_MIN", "1e9"},
+      {"TANDEM_CUDA_AUTOTUNE_MIN", "1e9"}, {"TANDEM_CUDA_PLAN_BUCKET", "2"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     clear();
@@ -130,6 +133,31 @@ Test(cuda_tune, zero_takes_the_measured_defaults) {
   cr_assert_eq(r.kvpf_seqs, TD_CUDA_DEFAULT_KVPF_SEQS);
   cr_assert(!r.states_generic && r.states_ws && r.states_planes && r.states_splits == 0 && r.states_warps == 0);
   cr_assert(!r.heads_lt && r.custom_allreduce);
+  cr_assert(r.plan_bucket);
+}
+
+/* ---------------------------------------------------------------- td_gemm's plans */
+
+Test(cuda_policy, plan_rows) {
+  td_cu_tune r = defaults();
+  /* exact up to 64 rows, then eighths of the power of two */
+  static const int want[][2] = {{1, 1},       {17, 17},     {64, 64},       {65, 72},      {72, 72},
+                                {73, 80},     {128, 128},   {129, 144},     {260, 288},    {289, 320},
+                                {1000, 1024}, {1025, 1152}, {32768, 32768}, {32769, 36864}};
+  for (size_t i = 0; i < sizeof want / sizeof *want; i++)
+    cr_expect_eq(td_cu_plan_rows(&r, want[i][0]), want[i][1], "%d rows: %d", want[i][0], td_cu_plan_rows(&r, want[i][0]));
+  int last = 0, buckets = 0;
+  for (int m = 1; m <= 100000; m++) {
+    int b = td_cu_plan_rows(&r, m);
+    cr_assert(b >= m && (m <= TD_CU_PLAN_EXACT_ROWS ? b == m : b <= m + m / 8), "%d rows: %d", m, b);
+    cr_assert(b >= last, "monotone");
+    if (m >= 260 && m <= 1320 && b != last) buckets++;
+    last = b;
+  }
+  cr_expect_leq(buckets, 24, "an encoder run of one to three 260-440 token inputs: %d plans a shape", buckets);
+  cr_expect_eq(td_cu_plan_rows(&r, INT_MAX), INT_MAX, "no overflow");
+  r.plan_bucket = false;
+  cr_expect_eq(td_cu_plan_rows(&r, 1000), 1000, "off: exact");
 }
 
 Test(cuda_tune, none_and_clamps) {
