@@ -81,7 +81,11 @@ for entry in "${list[@]}"; do
     kill -TERM -- -$lp 2>/dev/null
     continue
   fi
-  "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" --requests 32 --seed 99 >/dev/null 2>&1
+  # bench-serve against a cluster does no CPU math: one OpenBLAS thread (on a 64-core host it used 5 s of
+  # system time in a 0.6 s run, most likely its BLAS pool starting on every core beside the router and
+  # the workers)
+  OPENBLAS_NUM_THREADS=1 "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" --requests 32 \
+    --seed 99 >/dev/null 2>&1
   cells=()
   k=0
   for kind in burst closed rate; do
@@ -91,7 +95,8 @@ for entry in "${list[@]}"; do
     off_kind $kind && continue
     for r in $(seq "$runs"); do
       f=$out/$name-$kind-$r.txt
-      "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" --requests "$n" "${extra[@]}" \
+      OPENBLAS_NUM_THREADS=1 "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" \
+        --requests "$n" "${extra[@]}" \
         --seed $((10 * r + off)) >"$f" 2>&1
       v=$(row_of "$f")
       base=${first[$k]:-}
