@@ -7,7 +7,7 @@
 #
 #   bench/serve_configs.sh --model DIR [--workload trt|whisper|FILE] [--device cuda|cpu]
 #       [--burst N] [--closed C [--closed-requests N]] [--rate R [--rate-requests N]] [--runs K]
-#       [--configs "NAME=LOCAL.SH FLAGS;NAME=..."]
+#       [--configs "NAME=LOCAL.SH FLAGS;NAME=..."] [--engine N]
 #       [--out DIR]
 #
 # --burst N: N requests at once (0: none; default 512); --closed C: C in flight, 3 x C
@@ -15,11 +15,14 @@
 # (default 1024; off by default); --runs K: each measure K times, each its own seed
 # (default 2). Configurations: "agg=--encoders 0 --decodes 4;e1d3=--encoders 1 --decodes 3"
 # (the default: every worker with every role on each GPU, against one encoder GPU).
+# --engine N: also the engine in process on one device (the first GPU) with 1/N of each load, K + 1
+# runs in one process (bench-serve --runs; the first, cold, dropped), and a second table: each
+# configuration's runs against N times the engine's warm runs (N: the devices the clusters use).
 # Programs from $TANDEM_BIN (default build/bin). Each run's full bench-serve output is in
 # --out (default a temporary folder).
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
-model="" workload=trt device=cuda burst=512 closed=256 closed_n=0 rate=0 rate_n=1024 runs=2 out=""
+model="" workload=trt device=cuda burst=512 closed=256 closed_n=0 rate=0 rate_n=1024 runs=2 out="" engines=0
 configs="agg=--encoders 0 --prefills 0 --decodes 4;e1d3=--encoders 1 --prefills 0 --decodes 3"
 while (($#)); do
   case $1 in
@@ -33,15 +36,20 @@ while (($#)); do
     --rate-requests) rate_n=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --configs) configs=$2; shift 2 ;;
+    --engine) engines=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     *) echo "serve_configs.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 [[ -n $model && -d $model ]] || { echo "serve_configs.sh: --model DIR is required" >&2; exit 2; }
-for v in "$burst" "$closed" "$closed_n" "$runs" "$rate_n"; do
+for v in "$burst" "$closed" "$closed_n" "$runs" "$rate_n" "$engines"; do
   [[ $v =~ ^[0-9]+$ ]] || { echo "serve_configs.sh: --burst, --closed, --closed-requests, --rate-requests and --runs take counts" >&2; exit 2; }
 done
 ((closed_n)) || closed_n=$((3 * closed))
+if ((engines)) && ((burst && burst / engines == 0 || closed && (closed / engines == 0 || closed_n / engines == 0))); then
+  echo "serve_configs.sh: --engine $engines: each load divided by $engines must leave at least one request" >&2
+  exit 2
+fi
 [[ $rate =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "serve_configs.sh: --rate takes requests a second" >&2; exit 2; }
 off_kind() { # whether a measure is off
   case $1 in burst) [[ $burst == 0 ]] ;; closed) [[ $closed == 0 ]] ;; rate) [[ $rate == 0 || $rate == 0.0 ]] ;; esac
@@ -51,7 +59,7 @@ bin=${TANDEM_BIN:-$root/build/bin}
 export TANDEM_BIN=$bin
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
-rows=() first=() uses=()
+rows=() first=() uses=() vs=()
 row_of() { grep -E '^\| (all at once|[0-9]+ in flight|Poisson [0-9.]+/s) \| [0-9]+/' "$1" | head -1 | awk -F'|' '{gsub(/ /, "", $5); print $5}'; }
 # TTFT and TPOT p90 of a run (open loop: the rate is given, latency is the measure)
 p90s() { grep -E '^\| Poisson [0-9.]+/s \| [0-9]+/' "$1" | head -1 |
@@ -66,6 +74,25 @@ use_of() { awk -F'|' '/^How the workers spent the run/ {on = 1; next}
   END {print out}' "$1"; }
 # bench-serve's "Which side was short" line of the run (a split cluster's; "-" for an aggregated one)
 short_of() { awk '/^Which side was short:/ {on = 1; next} on && /^- / {sub(/^- [^:]*: /, ""); s = $0} END {print s ? s : "-"}' "$1"; }
+# the engine's warm runs: eng[k] is N x its tokens a second, k counting as the configurations' cells do
+eng=()
+if ((engines)); then
+  k=0
+  for kind in burst closed; do
+    off_kind $kind && continue
+    f=$out/engine-$kind.txt extra=(--requests $((burst / engines)))
+    [[ $kind == closed ]] && extra=(--requests $((closed_n / engines)) --concurrency $((closed / engines)))
+    dev=${CUDA_VISIBLE_DEVICES:-0}
+    CUDA_VISIBLE_DEVICES=${dev%%,*} "$bin/bench-serve" --engine --device "$device" --model "$model" \
+      --workload "$workload" "${extra[@]}" --runs $((runs + 1)) --seed 5 >"$f" 2>&1
+    for r in $(seq "$runs"); do
+      v=$(grep -E "^\| (all at once|[0-9]+ in flight), run $((r + 1)) \| [0-9]+/" "$f" | head -1 |
+        awk -F'|' -v n="$engines" '{gsub(/ /, "", $5); if ($5 != "") print $5 * n}')
+      eng[$k]=$v
+      k=$((k + 1))
+    done
+  done
+fi
 IFS=';' read -ra list <<<"$configs"
 for entry in "${list[@]}"; do
   name=${entry%%=*} flags=${entry#*=}
@@ -111,6 +138,14 @@ for entry in "${list[@]}"; do
     done
   done
   rows+=("| $name | $flags | $(IFS='|'; echo "${cells[*]}" | sed 's/|/ | /g') |")
+  if ((engines)); then
+    e=()
+    for ((j = 0; j < ${#eng[@]}; j++)); do
+      v=${cells[$j]%% *}
+      e+=("$(awk -v a="$v" -v b="${eng[$j]:-0}" 'BEGIN { if (a + 0 > 0 && b > 0) printf "%.2fx", a / b; else print "-" }')")
+    done
+    vs+=("| $name | $(IFS='|'; echo "${e[*]}" | sed 's/|/ | /g') |")
+  fi
   uses+=("| $name | $(use_of "$f") | $(short_of "$f") |")
   rm -f "$run"/*.pid
   kill -TERM -- -$lp 2>/dev/null
@@ -136,6 +171,22 @@ echo "$head"
 echo "$sep"
 printf '%s\n' "${rows[@]}"
 echo
+if ((engines)); then
+  ehead="| configuration |" esep="|---|"
+  for kind in burst closed; do
+    off_kind $kind && continue
+    for r in $(seq "$runs"); do
+      [[ $kind == burst ]] && ehead+=" burst of $burst, run $r |" || ehead+=" $closed in flight, run $r |"
+      esep+="---|"
+    done
+  done
+  echo "Against $engines engines: each run over $engines x the engine's warm run of the same index (the engine on one device with 1/$engines of the load; bursts and closed loops; $engines x its tokens a second: $(IFS=' '; echo "${eng[*]}")):"
+  echo
+  echo "$ehead"
+  echo "$esep"
+  printf '%s\n' "${vs[@]}"
+  echo
+fi
 echo "How the workers spent each configuration's last run (busy: inside engine steps, of the run; the short pool is the busy one):"
 echo
 echo "| configuration | workers | which side was short |"

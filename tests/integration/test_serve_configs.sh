@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/serve_configs.sh on the CPU with the toy T5: two configurations started, measured with a
-# burst and a closed loop (of a given number of requests), stopped; the table has a row each with numbers and the first's ratio 1.00.
+# burst and a closed loop (of a given number of requests), stopped, and set against the engine (--engine); the table has a row each with numbers and the first's ratio 1.00.
 #   test_serve_configs.sh BINDIR WORKDIR
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -18,7 +18,7 @@ check "bench-serve --runs 2: the second run's row" has "$eng" "| 2 in flight, ru
 check "bench-serve --runs 2: each run its own inputs (no encoder-cache hit)" grep -q "12 runs (requests encoded).*: 0 hits, 12 misses" <<<"$eng"
 check "bench-serve --runs with a rate: refused" sh -c "! '$bin/bench-serve' --engine --model '$root/tests/data/toy-numbers-t5' --runs 2 --rate 5 2>/dev/null"
 TANDEM_BIN=$bin timeout 600 bash "$root/bench/serve_configs.sh" --model "$root/tests/data/toy-numbers-t5" --device cpu \
-  --burst 8 --closed 4 --closed-requests 6 --runs 1 --out "$work/out" \
+  --burst 8 --closed 4 --closed-requests 6 --runs 1 --engine 2 --out "$work/out" \
   --configs "agg=--encoders 0 --prefills 0 --decodes 1;split=--encoders 1 --prefills 0 --decodes 1" >"$work/table.md" 2>"$work/err"
 rc=$?
 cat "$work/table.md"
@@ -30,6 +30,12 @@ d='decode-0 [0-9.]+ % \(batch [0-9.]+\) \(projecting [0-9.]+ %\)' e='encoder-0 [
 s='(The (encoders|decode workers) are the short side|Encoders and decode workers are balanced) \(busy [^|]*'
 check "the split's workers: the encoder's runs, the decode worker's batch and projection; which side was short" \
   grep -qE "^\| split \| ($e, $d|$d, $e) \| $s \|\$" "$work/table.md"
+# --engine 2: the engine with half of each load (4 at once; 3 requests, 2 in flight), two runs, the second the
+# measure; the clusters against twice it
+check "the engine's warm run, half the burst" grep -qE '^\| all at once, run 2 \| 4/4 \|' "$work/out/engine-burst.txt"
+check "the engine's warm run, half the closed loop" grep -qE '^\| 2 in flight, run 2 \| 3/3 \|' "$work/out/engine-closed.txt"
+check "each configuration against two engines" grep -qE '^\| split \| [0-9]+\.[0-9]+x \| [0-9]+\.[0-9]+x \|$' "$work/table.md"
+check "the first configuration too" grep -qE '^\| agg \| [0-9]+\.[0-9]+x \| [0-9]+\.[0-9]+x \|$' "$work/table.md"
 check "the closed loop ran --closed-requests requests, 4 in flight" grep -qE '^\| 4 in flight \| 6/6 \|' "$work/out/agg-closed-1.txt"
 check "the aggregated cluster has no sides" grep -qE '^\| agg \| decode-0 [^|]* \| - \|$' "$work/table.md"
 check "no cluster left running" sh -c "! pgrep -f 'run-dir $work/ou[t]' >/dev/null"
