@@ -8,7 +8,7 @@
  *                                tandem-gateway against bench-serve)
  * --audio: the workers serve a Whisper-large-v3 shape (128 mel bins x 3,000
  * frames) and the table's requests carry 30 s of features (1.5 MB each):
- * what the router's one thread costs a Whisper request. --io-threads: the
+ * what the router's thread and I/O threads cost a Whisper request. --io-threads: the
  * router's ZeroMQ I/O threads (td_router_opts.io_threads). */
 #include <pthread.h>
 #include <signal.h>

@@ -490,7 +490,8 @@ static void usage(FILE *f) {
           "                   [--plot FILE.png] [--timeout-ms N] [--max-enc-tokens N] [--max-enc-seqs N]\n"
           "                   [--gpu-memory-fraction F] [--repeat K]  (each synthetic input K times in a row)\n"
           "                   [--runs K]  (the measure K times on one target, each run with inputs of seed S + k:\n"
-          "                               an engine's later runs are warm, as a cluster's after its first)\n"
+          "                               an engine's later runs are warm, as a cluster's after its first; a FILE\n"
+          "                               workload repeats its inputs: --encoder-cache-fraction 0 for the engine)\n"
           "                   [--encoder-cache-fraction F]  (--engine: of the cross pool; 0.25, 0 disables)\n"
           "                   [--results FILE.jsonl]  (--router, one run: each answer with its times, a line)\n");
 }
