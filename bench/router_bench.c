@@ -10,11 +10,13 @@
  * frames) and the table's requests carry 30 s of features (1.5 MB each):
  * what the router's thread and I/O threads cost a Whisper request. --io-threads: the
  * router's ZeroMQ I/O threads (td_router_opts.io_threads). */
+#include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #include "bench_util.h"
@@ -35,11 +37,53 @@ static void on_signal(int sig) {
 
 typedef struct rctx {
   td_router *r;
+  volatile pid_t tid;
 } rctx;
 
 static void *router_thread(void *arg) {
+  ((rctx *)arg)->tid = gettid();
   td_router_run(((rctx *)arg)->r, &stop_router);
   return NULL;
+}
+
+/* Where the CPU time goes: each thread's time on a CPU (schedstat, ns), so
+ * that the table says whether the router's thread, its ZeroMQ I/O threads
+ * or the client is the busy one. The router's I/O threads are the tasks
+ * td_router_create started. */
+enum { MAX_TASKS = 256 };
+static int tasks_now(pid_t *out) {
+  int n = 0;
+  DIR *d = opendir("/proc/self/task");
+  struct dirent *e;
+  while (d && (e = readdir(d)) && n < MAX_TASKS)
+    if (e->d_name[0] != '.') out[n++] = (pid_t)atoi(e->d_name);
+  if (d) closedir(d);
+  return n;
+}
+
+static int64_t task_ns(pid_t tid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/task/%d/schedstat", (int)tid);
+  FILE *f = fopen(path, "r");
+  long long ns = 0;
+  if (f) {
+    if (fscanf(f, "%lld", &ns) != 1) ns = 0;
+    fclose(f);
+  }
+  return ns;
+}
+
+typedef struct cpu_groups {
+  pid_t router, client, io[MAX_TASKS];
+  int n_io;
+} cpu_groups;
+
+/* CPU ns so far: the router's thread, its I/O threads, the client's thread. */
+static void cpu_now(const cpu_groups *g, int64_t ns[3]) {
+  ns[0] = task_ns(g->router);
+  ns[1] = 0;
+  for (int i = 0; i < g->n_io; i++) ns[1] += task_ns(g->io[i]);
+  ns[2] = task_ns(g->client);
 }
 
 typedef struct wctx {
@@ -240,21 +284,33 @@ int main(int argc, char **argv) {
     snprintf(cep, sizeof cep, "tcp://127.0.0.1:%d", serve_port);
     snprintf(wep, sizeof wep, "tcp://127.0.0.1:%d", serve_port + 1);
   }
+  cpu_groups cg = {.client = gettid()};
+  pid_t before[MAX_TASKS], after[MAX_TASKS];
+  int n_before = tasks_now(before);
   td_router_opts o = {.client_endpoint = cep, .worker_endpoint = wep, .max_queue = 1 << 20, .max_in_flight = 1 << 20,
                       .io_threads = io_threads, .max_held_bytes = 4LL << 30};
-  rctx rc;
+  rctx rc = {0};
   if (td_router_create(&o, &rc.r) != TD_OK) {
     fprintf(stderr, "router: %s\n", td_errmsg());
     return 1;
   }
+  int n_after = tasks_now(after);
+  for (int i = 0; i < n_after; i++) {
+    bool old = false;
+    for (int j = 0; j < n_before && !old; j++) old = after[i] == before[j];
+    if (!old) cg.io[cg.n_io++] = after[i];
+  }
   pthread_t rt, wt[2];
   pthread_create(&rt, NULL, router_thread, &rc);
+  pthread_setname_np(rt, "router"); /* perf and top tell the router's thread from the client's */
   wctx w[2] = {{.ep = o.worker_endpoint}, {.ep = o.worker_endpoint}};
   for (int i = 0; i < 2; i++) {
     snprintf(w[i].id, sizeof w[i].id, "fake-%d", i);
     pthread_create(&wt[i], NULL, worker_thread, &w[i]);
+    pthread_setname_np(wt[i], w[i].id);
   }
   usleep(500000);
+  cg.router = rc.tid;
   if (serve_port) {
     signal(SIGINT, on_signal);
     signal(SIGTERM, on_signal);
@@ -267,18 +323,27 @@ int main(int argc, char **argv) {
   td_sbuf t = {0};
   td_sbuf_printf(&t, "Router alone (tandem-router in-process, 2 decode workers that answer each job at once, one client "
                      "over loopback TCP, requests of %s; %d I/O threads): throughput at several concurrencies and the "
-                     "round-trip latency (client -> router -> worker -> router -> client).\n\n",
+                     "round-trip latency (client -> router -> worker -> router -> client); CPU time a request "
+                     "of the router's thread, of its I/O threads together and of the client's thread.\n\n",
                  audio ? "30 s of Whisper features (1.5 MB)" : "32 input tokens",
                  io_threads > 0 ? io_threads : TD_DEFAULT_ROUTER_IO_THREADS);
-  td_sbuf_printf(&t, "| requests in flight | requests/s | p50 ms | p99 ms |\n|---|---|---|---|\n");
-  printf("%10s %12s %8s %8s\n", "in flight", "requests/s", "p50 ms", "p99 ms");
+  td_sbuf_printf(&t, "| requests in flight | requests/s | p50 ms | p99 ms | router thread us | router I/O us | "
+                     "client us |\n|---|---|---|---|---|---|---|\n");
+  printf("%10s %12s %8s %8s %10s %10s %10s\n", "in flight", "requests/s", "p50 ms", "p99 ms", "router us", "r-I/O us",
+         "client us");
   int levels[] = {1, 8, 64, 512};
   for (int k = 0; k < 4; k++) {
     double p50 = 0, p99 = 0;
     int cnt = levels[k] == 1 ? (n / 10 > 500 ? n / 10 : audio ? n / 4 : 500) : n;
+    int64_t c0[3], c1[3];
+    cpu_now(&cg, c0);
     double rps = run(o.client_endpoint, cnt, levels[k], &p50, &p99);
-    printf("%10d %12.0f %8.3f %8.3f\n", levels[k], rps, p50, p99);
-    td_sbuf_printf(&t, "| %d | %.0f | %.3f | %.3f |\n", levels[k], rps, p50, p99);
+    cpu_now(&cg, c1);
+    double us[3];
+    for (int j = 0; j < 3; j++) us[j] = (double)(c1[j] - c0[j]) / 1e3 / cnt;
+    printf("%10d %12.0f %8.3f %8.3f %10.1f %10.1f %10.1f\n", levels[k], rps, p50, p99, us[0], us[1], us[2]);
+    td_sbuf_printf(&t, "| %d | %.0f | %.3f | %.3f | %.1f | %.1f | %.1f |\n", levels[k], rps, p50, p99, us[0], us[1],
+                   us[2]);
   }
   stop_all(wt, rt, &rc);
   const td_bench_out out = {.results = getenv("TD_RESULTS"), .commit = getenv("TD_COMMIT")};

@@ -353,7 +353,18 @@ typedef struct eng {
   td_model *m;
   td_engine *e;
   run *r;
+  double busy_s; /* inside td_engine_step, as a worker counts its busy time */
 } eng;
+
+/* The engine's counters as a worker reports its own, for the same table. */
+static td_serve_counters eng_counters(const eng *g) {
+  td_engine_stats es = td_engine_get_stats(g->e);
+  td_serve_counters k = {.steps = (unsigned long long)es.steps, .tokens = (unsigned long long)es.tokens_generated,
+                         .encode_runs = (unsigned long long)es.encode_runs, .encoded = (unsigned long long)es.encodes,
+                         .busy_s = g->busy_s};
+  snprintf(k.id, sizeof k.id, "engine");
+  return k;
+}
 
 static void en_token(void *ctx, uint64_t handle, void *user, int seq, int32_t token, float logprob) {
   eng *g = ctx;
@@ -415,7 +426,9 @@ static td_status run_engine(eng *g, run *r) {
       }
     }
     if (!td_engine_idle(g->e)) {
+      double t0 = now_ms();
       TD_TRY(td_engine_step(g->e));
+      g->busy_s += (now_ms() - t0) / 1e3;
     } else if (r->done < r->w->n) {
       int ms = wait_ms(r, now_ms(), 20);
       if (ms > 0) usleep((useconds_t)ms * 1000);
@@ -745,8 +758,18 @@ int main(int argc, char **argv) {
     td_status s = run_init(&r, &w, rate, o.concurrency, o.seed + 7919 * (uint64_t)k);
     if (s == TD_OK && o.results && !(r.results = fopen(o.results, "w")))
       s = td_err(TD_ERR_IO, "cannot write %s", o.results);
+    td_serve_counters eng_before = {0};
+    if (o.engine) eng_before = eng_counters(&g);
     if (s == TD_OK) s = o.engine ? run_engine(&g, &r) : o.gateway ? run_gateway(&o, &r) : run_cluster(&o, &r);
     if (s == TD_OK) s = td_serve_summarize(r.s, w.n, o.ttft_bound, o.tpot_bound, &sums[k]);
+    if (s == TD_OK && o.engine) { /* the engine's run as the cluster's workers' are shown: the same columns */
+      td_serve_counters eng_after = eng_counters(&g);
+      if (!r.after && (r.after = malloc(sizeof *r.after)) && (r.before = malloc(sizeof *r.before))) {
+        r.after[0] = eng_after;
+        r.before[0] = eng_before;
+        r.n_after = r.n_before = 1;
+      }
+    }
     if (s != TD_OK) {
       fprintf(stderr, "bench-serve: %s\n", td_errmsg());
       rc = 1;
@@ -760,18 +783,19 @@ int main(int argc, char **argv) {
                        a->queue_ms / d, a->reserve_ms / d, a->encode_ms / d, a->transfer_ms / d, a->prefill_ms / d,
                        a->first_token_ms / d, a->decode_ms / d, a->total_ms / d, a->attempts / d);
       }
-      if (o.router && r.after && r.n_after > 0) {
+      if ((o.router || o.engine) && r.after && r.n_after > 0) {
         td_serve_use *u = calloc((size_t)r.n_after, sizeof *u);
         if (!u || td_serve_worker_use(r.before, r.n_before, r.after, r.n_after, sums[k].duration_s, u) != TD_OK) {
           fprintf(stderr, "bench-serve: the workers' counters: %s\n", u ? td_errmsg() : "out of memory");
         } else {
           if (!use.s)
-            td_sbuf_printf(&use, "\nHow the workers spent the run (their counters before and after it; busy: inside "
+            td_sbuf_printf(&use, "\nHow the %s spent the run (their counters before and after it; busy: inside "
                                  "engine steps, as a share of the run's duration; ms a step counts encoder runs in; an "
                                  "encoder-only worker has runs, no steps; projecting: arrived encoder states into "
                                  "cross K/V, between steps):\n\n| arrivals | worker | busy %% | steps | mean batch | "
                                  "ms a step | encoded | encoder runs | inputs a run | projecting %% |\n"
-                                 "|---|---|---|---|---|---|---|---|---|---|\n");
+                                 "|---|---|---|---|---|---|---|---|---|---|\n",
+                           o.engine ? "engine" : "workers");
           for (int i = 0; i < r.n_after; i++)
             td_sbuf_printf(&use, "| %s | %s | %.1f | %lld | %.1f | %.2f | %lld | %lld | %.1f | %.1f |\n", arr,
                            u[i].id, u[i].busy_pct, u[i].steps, u[i].mean_batch, u[i].step_ms, u[i].encoded,

@@ -1,5 +1,6 @@
 #include "common/request.h"
 
+#include <math.h>
 #include <string.h>
 
 const char *td_finish_name(td_finish f) {
@@ -23,4 +24,21 @@ void td_request_params_default(td_request_params *p) {
   p->forced_bos = -2;
   p->forced_eos = -2;
   p->max_initial_timestamp = -1;
+}
+
+size_t td_first_nonfinite(const float *v, size_t n) {
+  enum { BLOCK = 1024 };
+  size_t i = 0;
+  for (; i + BLOCK <= n; i += BLOCK) {
+    uint32_t bad = 0; /* an all-ones exponent: NaN or infinity */
+    for (size_t j = 0; j < BLOCK; j++) {
+      uint32_t b;
+      memcpy(&b, v + i + j, sizeof b);
+      bad |= (b & 0x7f800000u) == 0x7f800000u;
+    }
+    if (bad) break;
+  }
+  for (; i < n; i++)
+    if (!isfinite(v[i])) return i;
+  return n;
 }

@@ -5,6 +5,7 @@
 #define TD_COMMON_REQUEST_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* Decoding parameters of a request. td_request_params_default gives "use
@@ -82,5 +83,10 @@ typedef struct td_seq_output {
   bool has_probe;          /* the request's probe (td_request_params.probe), the same in every output */
   double probe_prob;
 } td_seq_output;
+
+/* The index of the first NaN or infinity among n floats, n when all are
+ * finite: audio features are checked at every hop, 384,000 values a
+ * Whisper request, so the scan works in blocks the compiler vectorises. */
+size_t td_first_nonfinite(const float *v, size_t n);
 
 #endif

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common/defaults.h"
+#include "common/request.h"
 #include "proto/wire.h"
 
 #define BAD(...)                      \
@@ -354,8 +355,8 @@ bool td_check_request_spec(const Tandem__Cluster__RequestSpec *sp, int vocab, ch
     const Tandem__AudioFeatures *a = sp->features;
     if (a->n_values > (size_t)TD_MEL_MAX_MELS * TD_MODEL_MAX_FRAMES)
       BAD("RequestSpec.features holds %zu values, at most %d", a->n_values, TD_MEL_MAX_MELS * TD_MODEL_MAX_FRAMES);
-    for (size_t i = 0; i < a->n_values; i++)
-      if (!isfinite(a->values[i])) BAD("RequestSpec.features.values[%zu] is %g", i, a->values[i]);
+    size_t i = td_first_nonfinite(a->values, a->n_values);
+    if (i < a->n_values) BAD("RequestSpec.features.values[%zu] is %g", i, a->values[i]);
   }
   return !sp->sampling || sampling_ok(sp->sampling, vocab, why, cap);
 }

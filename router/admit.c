@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/defaults.h"
+#include "common/request.h"
 #include "router/policy.h"
 
 #define REFUSE(st, ...)              \
@@ -72,8 +73,8 @@ static td_status check_input(const Tandem__ModelInfo *mi, const Tandem__Generate
         (g->features->frames && g->features->frames != mi->frames))
       REFUSE(TD_ERR_INVALID, "features are %u x %u, the model takes %u x %u", g->features->mel_bins,
              g->features->frames, mi->mel_bins, mi->frames);
-    for (size_t i = 0; i < want; i++)
-      if (!isfinite(g->features->values[i])) REFUSE(TD_ERR_INVALID, "audio features contain NaN or infinity");
+    if (td_first_nonfinite(g->features->values, want) < want)
+      REFUSE(TD_ERR_INVALID, "audio features contain NaN or infinity");
     *enc_len = (int)mi->max_source_len;
     return TD_OK;
   }

@@ -558,7 +558,9 @@ static void *compute_main(void *arg) {
   pthread_mutex_unlock(&w->mu);
   if (s != TD_OK) return NULL;
   int64_t busy_ns = 0, idle_ns = 0; /* inside engine steps (the worker's utilisation); waiting for work */
+  int64_t cmd_ns = 0, gather_ns = 0, ev_ns = 0, turns = 0; /* the rest of a turn, logged at the end */
   for (;;) {
+    turns++;
     pthread_mutex_lock(&w->mu);
     int64_t t_wait = td_now_ns();
     while (!w->cmd_head && !w->stop_compute && td_engine_idle(w->e)) {
@@ -572,12 +574,15 @@ static void *compute_main(void *arg) {
     idle_ns += td_now_ns() - t_wait;
     bool was_idle = td_engine_idle(w->e);
     pthread_mutex_unlock(&w->mu);
+    int64_t t_cmd = td_now_ns();
     int added = run_commands(w);
+    cmd_ns += td_now_ns() - t_cmd;
     /* A burst of requests on an idle engine: wait while more keep coming (a
      * short gap ends it), so that they are encoded as one batch; a lone
      * request starts at once. */
     if (was_idle && added >= 2) {
-      int64_t end = td_now_ns() + TD_WORKER_BURST_MAX_US * 1000LL;
+      int64_t t_gather = td_now_ns();
+      int64_t end = t_gather + TD_WORKER_BURST_MAX_US * 1000LL;
       while (td_now_ns() < end) {
         pthread_mutex_lock(&w->mu);
         if (!w->cmd_head && !w->stop_compute) timed_wait(w, TD_WORKER_BURST_GAP_US);
@@ -585,12 +590,19 @@ static void *compute_main(void *arg) {
         pthread_mutex_unlock(&w->mu);
         if (!more || !run_commands(w)) break;
       }
+      gather_ns += td_now_ns() - t_gather;
     }
     pthread_mutex_lock(&w->mu);
     bool stop = w->stop_compute;
     pthread_mutex_unlock(&w->mu);
+    int64_t t_ev = td_now_ns();
     ev_flush(w);
+    ev_ns += td_now_ns() - t_ev;
     if (stop) {
+      TD_INFO("compute thread: %lld turns; %.3f s in engine steps, %.3f s taking commands, %.3f s gathering bursts, "
+              "%.3f s handing events, %.3f s idle",
+              (long long)turns, (double)busy_ns / 1e9, (double)cmd_ns / 1e9, (double)gather_ns / 1e9,
+              (double)ev_ns / 1e9, (double)idle_ns / 1e9);
       if (w->world > 1) w_mirror_all(w, "S");
       break;
     }
@@ -601,7 +613,9 @@ static void *compute_main(void *arg) {
       if (td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
       busy_ns += td_now_ns() - t0;
     }
+    t_ev = td_now_ns();
     ev_flush(w);
+    ev_ns += td_now_ns() - t_ev;
     td_engine_stats st = td_engine_get_stats(w->e);
     bool idle = !st.waiting && !st.running;
     pthread_mutex_lock(&w->mu);

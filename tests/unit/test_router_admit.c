@@ -1,11 +1,13 @@
 /* Admission (router/admit.c): every limit refused with its own message,
  * and what an admitted request needs. */
 #include <criterion/criterion.h>
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/defaults.h"
+#include "common/request.h"
 #include "router/policy.h"
 
 static Tandem__ModelInfo model(void) {
@@ -162,6 +164,34 @@ Test(admit, audio_features_of_the_wrong_size_or_not_finite) {
   v[4] = 4;
   cr_expect_eq(td_admit_request(&m, 16, &r.g, &sh, msg, sizeof msg), TD_OK, "%s", msg);
   cr_expect_eq(sh.enc_len, 64, "audio: the model's source length");
+}
+
+/* The blocked scan against a plain one: sizes around its block of 1,024
+ * and a Whisper request's 384,000 values, a NaN, an infinity or a huge
+ * value at random places, several at once (the first is reported). */
+Test(admit, first_nonfinite_against_a_plain_scan) {
+  srand(20261127);
+  size_t sizes[] = {0, 1, 7, 1023, 1024, 1025, 3001, 4096, 384000, 384001};
+  float specials[] = {NAN, INFINITY, -INFINITY, -NAN};
+  for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+    size_t n = sizes[k];
+    float *v = malloc(sizeof(float) * (n ? n : 1));
+    cr_assert(v);
+    for (int trial = 0; trial < 6; trial++) {
+      for (size_t i = 0; i < n; i++) v[i] = ((float)rand() / (float)RAND_MAX - 0.5f) * 1e30f;
+      int bad = n ? trial % 3 : 0; /* none, one or two non-finite values */
+      for (int b = 0; b < bad; b++) v[(size_t)rand() % n] = specials[rand() % 4];
+      if (trial == 5 && n) v[n - 1] = FLT_MAX; /* the largest finite value stays finite */
+      size_t want = n;
+      for (size_t i = 0; i < n; i++)
+        if (!isfinite(v[i])) {
+          want = i;
+          break;
+        }
+      cr_expect_eq(td_first_nonfinite(v, n), want, "n %zu, trial %d", n, trial);
+    }
+    free(v);
+  }
 }
 
 Test(admit, decoder_prompt_filling_the_model) {
