@@ -194,9 +194,12 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w) {
 
 /* The spec of a job for this attempt: a resumed single sequence continues
  * from its prompt (the model's decoder start token when it gave none) plus
- * the tokens already streamed. Returns the prompt buffer the spec points
- * into (the caller frees it after sending), NULL when out of memory. */
-static int32_t *spec_of(const td_router *r, const rreq *q, Tandem__Cluster__RequestSpec *sp) {
+ * the tokens already streamed. Audio features go only to the worker that
+ * encodes them (`encodes`): a Whisper request's 1.5 MB would otherwise
+ * travel to its decode and prefill workers too, which get the cross KV.
+ * Returns the prompt buffer the spec points into (the caller frees it after
+ * sending), NULL when out of memory. */
+static int32_t *spec_of(const td_router *r, const rreq *q, bool encodes, Tandem__Cluster__RequestSpec *sp) {
   const Tandem__GenerateRequest *g = q->g;
   int32_t *prompt = malloc(sizeof(int32_t) * (g->n_decoder_prompt + (size_t)q->streamed.n + 1));
   tandem__cluster__request_spec__init(sp);
@@ -208,7 +211,7 @@ static int32_t *spec_of(const td_router *r, const rreq *q, Tandem__Cluster__Requ
   sp->rid = q->rid;
   sp->input_ids = g->input_ids;
   sp->n_input_ids = g->n_input_ids;
-  sp->features = g->features;
+  sp->features = encodes ? g->features : NULL;
   sp->decoder_prompt = prompt;
   sp->n_decoder_prompt = (size_t)np;
   sp->sampling = g->sampling;
@@ -262,7 +265,7 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
     return;
   }
   Tandem__Cluster__RequestSpec sp;
-  int32_t *prompt = spec_of(r, q, &sp);
+  int32_t *prompt = spec_of(r, q, pl->local_encode, &sp);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
@@ -346,7 +349,7 @@ void rtr_send_encode(td_router *r, rreq *q) {
     return;
   }
   Tandem__Cluster__RequestSpec sp;
-  int32_t *prompt = spec_of(r, q, &sp);
+  int32_t *prompt = spec_of(r, q, true, &sp);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
@@ -375,7 +378,7 @@ void rtr_send_prefill(td_router *r, rreq *q) {
     return;
   }
   Tandem__Cluster__RequestSpec sp;
-  int32_t *prompt = spec_of(r, q, &sp);
+  int32_t *prompt = spec_of(r, q, false, &sp);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;

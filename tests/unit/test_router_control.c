@@ -698,6 +698,77 @@ Test(router_control, a_cancel_reaches_the_worker, .timeout = 30) {
   finish(&h, socks, 1);
 }
 
+/* A Whisper-shaped model: 2 mel bins x 4 frames of features, 2 encoder positions. */
+static void whisper_shape(Tandem__Cluster__WorkerInfo *in) {
+  in->model->model_type = "whisper";
+  in->model->mel_bins = 2;
+  in->model->frames = 4;
+  in->model->max_source_len = 2;
+}
+
+static void generate_features(harness *h, const char *id) {
+  static float v[8] = {0.5f, -1, 2, 0, 1, 1, -0.25f, 3};
+  Tandem__AudioFeatures af = TANDEM__AUDIO_FEATURES__INIT;
+  af.values = v;
+  af.n_values = 8;
+  Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+  g.request_id = (char *)id;
+  g.features = &af;
+  g.max_new_tokens = 2;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
+  m.generate = &g;
+  cr_assert_eq(td_wire_send(h->client, NULL, 0, &m.base), TD_OK);
+}
+
+/* Audio features travel to the worker that encodes them and nowhere else:
+ * the decode job of a request an encoder-only worker encodes holds none
+ * (its cross KV arrives pushed), the encode job all of them; a lone worker
+ * that encodes for itself gets them in its decode job. */
+Test(router_control, features_go_only_where_they_are_encoded, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *d = fake_worker(&h, "dec", (fake_opts){.roles = "d", .mutate = whisper_shape});
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e", .mutate = whisper_shape});
+  generate_features(&h, "a");
+  Tandem__Cluster__RouterMessage *job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+  cr_expect(!job->decode->local_encode);
+  cr_expect_null(job->decode->req->features, "the decode worker got features it does not encode");
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  int32_t blocks[1] = {4};
+  Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
+  kv_target(&kt, "dec", blocks, 1, 2);
+  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
+  res.rid = rid;
+  res.cross = &kt;
+  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+  rm.reserved = &res;
+  send_body(d, &rm);
+  job = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the encode job");
+  const Tandem__AudioFeatures *af = job->encode->req->features;
+  cr_assert_not_null(af, "the encoder got no features");
+  cr_assert_eq(af->n_values, 8);
+  cr_expect_float_eq(af->values[0], 0.5f, 0);
+  cr_expect_float_eq(af->values[7], 3.0f, 0);
+  wfree(job);
+  void *socks[] = {d, e};
+  finish(&h, socks, 2);
+
+  harness h2;
+  start(&h2, (td_router_opts){0});
+  void *lone = fake_worker(&h2, "lone", (fake_opts){.roles = "ed", .mutate = whisper_shape});
+  generate_features(&h2, "b");
+  job = wexpect(lone, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the lone worker's decode job");
+  cr_expect(job->decode->local_encode);
+  cr_assert_not_null(job->decode->req->features, "a worker that encodes for itself got no features");
+  cr_expect_eq(job->decode->req->features->n_values, 8);
+  wfree(job);
+  finish(&h2, &lone, 1);
+}
+
 Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries, .timeout = 30) {
   harness h;
   start(&h, (td_router_opts){.stage_timeout_ms = 300, .max_attempts = 2});
