@@ -84,7 +84,7 @@ typedef struct run {
   double *arrive; /* ms from t0 (open loop) */
   int concurrency; /* closed loop: in flight at most (0: open loop / all at once) */
   int next, in_flight, done;
-  double t0;
+  double t0, t0_wall; /* the run's start: now_ms(), and Unix ms (workers' times are on the wall clock) */
   id_slot *ids, *slots;
   td_client_timings stages; /* the cluster's per-stage times, summed over successful requests */
   int n_staged;
@@ -222,6 +222,7 @@ typedef struct target_i {
 static td_status drive(const target_i *vt, void *t, const opts *o, run *r) {
   td_status s = TD_OK;
   r->t0 = now_ms();
+  r->t0_wall = (double)td_wall_ms();
   if (r->results) { /* the clock's start first, for a reader that times other things by it */
     fprintf(r->results, "{\"start_ms\": %.3f}\n", r->t0);
     fflush(r->results);
@@ -276,6 +277,8 @@ static td_status counters(td_client *c, td_serve_counters **out, int *n, bool *b
     k->encoded = x->encoded;
     k->busy_s = x->busy_seconds;
     k->project_s = x->project_seconds;
+    k->began_ms = x->work_began_ms;
+    k->ended_ms = x->work_ended_ms;
     if (busy) *busy |= x->running > 0 || x->queued > 0;
   }
   free(h);
@@ -410,6 +413,7 @@ static void engine_close(eng *g) {
 static td_status run_engine(eng *g, run *r) {
   g->r = r;
   r->t0 = now_ms();
+  r->t0_wall = (double)td_wall_ms();
   while (r->done < r->w->n) {
     double t = now_ms();
     while (due(r, t)) {
@@ -785,21 +789,33 @@ int main(int argc, char **argv) {
       }
       if ((o.router || o.engine) && r.after && r.n_after > 0) {
         td_serve_use *u = calloc((size_t)r.n_after, sizeof *u);
-        if (!u || td_serve_worker_use(r.before, r.n_before, r.after, r.n_after, sums[k].duration_s, u) != TD_OK) {
+        double first = -1; /* the first submission: where the run's duration starts */
+        for (int i = 0; i < w.n; i++)
+          if (r.s[i].submit_ms > 0 && (first < 0 || r.s[i].submit_ms < first)) first = r.s[i].submit_ms;
+        if (first < 0) first = r.t0;
+        double start_wall = o.engine ? 0 : r.t0_wall + (first - r.t0);
+        if (!u || td_serve_worker_use(r.before, r.n_before, r.after, r.n_after, sums[k].duration_s, start_wall, u) !=
+                      TD_OK) {
           fprintf(stderr, "bench-serve: the workers' counters: %s\n", u ? td_errmsg() : "out of memory");
         } else {
           if (!use.s)
             td_sbuf_printf(&use, "\nHow the %s spent the run (their counters before and after it; busy: inside "
                                  "engine steps, as a share of the run's duration; ms a step counts encoder runs in; an "
                                  "encoder-only worker has runs, no steps; projecting: arrived encoder states into "
-                                 "cross K/V, between steps):\n\n| arrivals | worker | busy %% | steps | mean batch | "
-                                 "ms a step | encoded | encoder runs | inputs a run | projecting %% |\n"
-                                 "|---|---|---|---|---|---|---|---|---|---|\n",
+                                 "cross K/V, between steps; began / ended: its work began that long after the "
+                                 "run's start and ended that long before its end, ms, \"-\" where it worked "
+                                 "before or after):\n\n| arrivals | worker | busy %% | steps | mean batch | "
+                                 "ms a step | encoded | encoder runs | inputs a run | projecting %% | began ms | "
+                                 "ended ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
                            o.engine ? "engine" : "workers");
-          for (int i = 0; i < r.n_after; i++)
-            td_sbuf_printf(&use, "| %s | %s | %.1f | %lld | %.1f | %.2f | %lld | %lld | %.1f | %.1f |\n", arr,
-                           u[i].id, u[i].busy_pct, u[i].steps, u[i].mean_batch, u[i].step_ms, u[i].encoded,
-                           u[i].encode_runs, u[i].inputs_a_run, u[i].project_pct);
+          for (int i = 0; i < r.n_after; i++) {
+            char began[32] = "-", ended[32] = "-";
+            if (u[i].began_ms >= 0) snprintf(began, sizeof began, "%.1f", u[i].began_ms);
+            if (u[i].ended_ms >= 0) snprintf(ended, sizeof ended, "%.1f", u[i].ended_ms);
+            td_sbuf_printf(&use, "| %s | %s | %.1f | %lld | %.1f | %.2f | %lld | %lld | %.1f | %.1f | %s | %s |\n",
+                           arr, u[i].id, u[i].busy_pct, u[i].steps, u[i].mean_batch, u[i].step_ms, u[i].encoded,
+                           u[i].encode_runs, u[i].inputs_a_run, u[i].project_pct, began, ended);
+          }
           char why[768];
           if (td_serve_short_side(u, r.n_after, why, sizeof why)) td_sbuf_printf(&short_side, "- %s: %s\n", arr, why);
         }

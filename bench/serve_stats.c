@@ -98,7 +98,7 @@ td_status td_serve_summarize(const td_serve_sample *s, int n, double ttft_bound_
 }
 
 td_status td_serve_worker_use(const td_serve_counters *before, int n_before, const td_serve_counters *after,
-                              int n_after, double duration_s, td_serve_use *out) {
+                              int n_after, double duration_s, double start_ms, td_serve_use *out) {
   if (!(duration_s > 0)) return td_err(TD_ERR_INVALID, "a run of %g s", duration_s);
   for (int i = 0; i < n_after; i++) {
     const td_serve_counters *a = &after[i], *b = NULL;
@@ -124,6 +124,11 @@ td_status td_serve_worker_use(const td_serve_counters *before, int n_before, con
       u->step_ms = 1e3 * busy / (double)u->steps;
     }
     if (u->encode_runs) u->inputs_a_run = (double)u->encoded / (double)u->encode_runs;
+    double end_ms = start_ms + 1e3 * duration_s;
+    bool began = start_ms > 0 && a->began_ms && (double)a->began_ms >= start_ms;
+    u->began_ms = began ? (double)a->began_ms - start_ms : -1;
+    bool ended = began && a->ended_ms >= a->began_ms;
+    u->ended_ms = !ended ? -1 : (double)a->ended_ms >= end_ms ? 0 : end_ms - (double)a->ended_ms;
   }
   return TD_OK;
 }

@@ -54,10 +54,12 @@ typedef struct td_serve_counters {
   char id[64];
   unsigned long long steps, tokens, encode_runs, encoded;
   double busy_s, project_s; /* inside steps; projecting arrived encoder states (between steps) */
+  unsigned long long began_ms, ended_ms; /* Unix ms: its engine last went from no work to work, ran out of it (0: never) */
 } td_serve_counters;
 
 /* What a worker did over a run: the counters' change between a look before
- * and one after, over the run's duration. */
+ * and one after, over the run's duration, which began at start_ms (Unix ms;
+ * 0: unknown, no began / ended times). */
 typedef struct td_serve_use {
   char id[64];
   double busy_pct;      /* time inside engine steps, of the run's duration */
@@ -66,6 +68,9 @@ typedef struct td_serve_use {
   double step_ms;       /* busy time a step, encoder runs included (0: no steps) */
   double inputs_a_run;  /* inputs an encoder run (0: no runs) */
   double project_pct;   /* time projecting arrived encoder states, of the run's duration */
+  /* when its work began after the run's start and ended before the run's end, ms (-1: not in the
+   * run: it was working already, or still is): a worker that starts late or ends early idles */
+  double began_ms, ended_ms;
 } td_serve_use;
 
 /* Each worker of `after` against its counters in `before` (a worker that
@@ -73,7 +78,7 @@ typedef struct td_serve_use {
  * TD_ERR_INVALID for a duration <= 0 or counters that went down (a worker
  * restarted under the same id: its row would lie). */
 td_status td_serve_worker_use(const td_serve_counters *before, int n_before, const td_serve_counters *after,
-                              int n_after, double duration_s, td_serve_use *out);
+                              int n_after, double duration_s, double start_ms, td_serve_use *out);
 
 /* Which side of a disaggregated cluster was short over a run, from its
  * workers' use (encoder-only workers: runs and no steps; decode workers:

@@ -352,6 +352,8 @@ static void health_of(const Tandem__HealthResponse *x0, td_client_health *hh) {
     cw->busy_seconds = x->busy_seconds;
     cw->idle_seconds = x->idle_seconds;
     cw->project_seconds = x->project_seconds;
+    cw->work_began_ms = x->work_began_ms;
+    cw->work_ended_ms = x->work_ended_ms;
     snprintf(cw->device, sizeof cw->device, "%s", x->device ? x->device : "");
     snprintf(cw->version, sizeof cw->version, "%s", x->version ? x->version : "");
     snprintf(cw->group, sizeof cw->group, "%s", x->group ? x->group : "");

@@ -66,6 +66,7 @@ typedef struct td_client_worker {
   uint64_t steps, tokens, encode_runs;
   double busy_seconds, idle_seconds;
   double project_seconds; /* projecting arrived encoder states (neither busy nor idle) */
+  uint64_t work_began_ms, work_ended_ms; /* Unix ms: its engine last went from no work to work, ran out of it */
   char device[32];      /* its backend ("cpu", "cuda:0", ...) */
   char version[64];     /* its build */
   char group[64];       /* its TP/PP group ("" alone) */

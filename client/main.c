@@ -192,6 +192,8 @@ int main(int argc, char **argv) {
         cJSON_AddNumberToObject(wj, "busy_seconds", x->busy_seconds);
         cJSON_AddNumberToObject(wj, "idle_seconds", x->idle_seconds);
         cJSON_AddNumberToObject(wj, "project_seconds", x->project_seconds);
+        cJSON_AddNumberToObject(wj, "work_began_ms", (double)x->work_began_ms);
+        cJSON_AddNumberToObject(wj, "work_ended_ms", (double)x->work_ended_ms);
         cJSON_AddItemToArray(ws, wj);
       }
       char *wtxt = ws ? cJSON_PrintUnformatted(ws) : NULL;

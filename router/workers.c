@@ -430,6 +430,8 @@ void rtr_health_fill(td_router *r, Tandem__HealthResponse *hp, Tandem__WorkerSta
       x->busy_seconds = w->load.busy_seconds;
       x->idle_seconds = w->load.idle_seconds;
       x->project_seconds = w->load.project_seconds;
+      x->work_began_ms = w->load.work_began_ms;
+      x->work_ended_ms = w->load.work_ended_ms;
       wp[k++] = x;
     }
     h.workers = wp;

@@ -558,6 +558,8 @@ static void *compute_main(void *arg) {
   pthread_mutex_unlock(&w->mu);
   if (s != TD_OK) return NULL;
   int64_t busy_ns = 0, idle_ns = 0; /* inside engine steps (the worker's utilisation); waiting for work */
+  int64_t began_ms = 0, ended_ms = 0; /* wall clock of the last start and end of work */
+  bool had_work = false;
   int64_t cmd_ns = 0, gather_ns = 0, ev_ns = 0, turns = 0; /* the rest of a turn, logged at the end */
   for (;;) {
     turns++;
@@ -608,6 +610,7 @@ static void *compute_main(void *arg) {
     }
     if (w->world > 1) w_mirror_tick(w);
     bool stepped = !td_engine_idle(w->e);
+    if (stepped && !had_work) began_ms = td_wall_ms(), had_work = true;
     if (stepped) {
       int64_t t0 = td_now_ns();
       if (td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
@@ -618,6 +621,7 @@ static void *compute_main(void *arg) {
     ev_ns += td_now_ns() - t_ev;
     td_engine_stats st = td_engine_get_stats(w->e);
     bool idle = !st.waiting && !st.running;
+    if (idle && had_work) ended_ms = td_wall_ms(), had_work = false;
     pthread_mutex_lock(&w->mu);
     /* the router hears of an idle worker now, not at the next heartbeat:
      * its health never shows the last requests as still running, nor its
@@ -630,7 +634,7 @@ static void *compute_main(void *arg) {
                           st.cross.n_free, st.encodes,   st.cache_hits,
                           st.cache_blocks, st.steps,     st.tokens_generated,
                           st.encode_runs,  (double)busy_ns / 1e9, (double)idle_ns / 1e9,
-                          (double)w->project_ns / 1e9};
+                          (double)w->project_ns / 1e9, began_ms,      ended_ms};
     pthread_mutex_unlock(&w->mu);
     if (news) {
       uint64_t one = 1;

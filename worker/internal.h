@@ -162,6 +162,7 @@ typedef struct load_snap {
   int64_t steps, tokens, encode_runs; /* engine counters */
   double busy_s, idle_s; /* wall time inside td_engine_step; waiting with no work */
   double project_s;      /* projecting arrived encoder states (between steps) */
+  int64_t began_ms, ended_ms; /* wall clock: its engine last went from no work to work, and ran out of it */
 } load_snap;
 
 struct td_worker {

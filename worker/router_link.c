@@ -132,6 +132,8 @@ void w_send_heartbeat(td_worker *w) {
   ld.busy_seconds = l.busy_s;
   ld.idle_seconds = l.idle_s;
   ld.project_seconds = l.project_s;
+  ld.work_began_ms = (uint64_t)l.began_ms;
+  ld.work_ended_ms = (uint64_t)l.ended_ms;
   Tandem__Cluster__Heartbeat hb = TANDEM__CLUSTER__HEARTBEAT__INIT;
   hb.load = &ld;
   hb.seq = ++w->hb_seq;

@@ -174,7 +174,8 @@ Test(serve_stats, worker_use_from_two_looks) {
                                 {.id = "decode-1", .steps = 50, .tokens = 2000, .encode_runs = 4, .encoded = 8,
                                  .busy_s = 0.5}};
   td_serve_use u[3];
-  cr_assert_eq(td_serve_worker_use(before, 2, after, 3, 5.0, u), TD_OK);
+  cr_assert_eq(td_serve_worker_use(before, 2, after, 3, 5.0, 0, u), TD_OK);
+  cr_expect(u[0].began_ms < 0 && u[0].ended_ms < 0, "no start given: no began / ended times");
   cr_expect_str_eq(u[0].id, "decode-0");
   NEAR(u[0].busy_pct, 90.0);
   cr_expect_eq(u[0].steps, 500);
@@ -193,9 +194,30 @@ Test(serve_stats, worker_use_from_two_looks) {
   NEAR(u[2].busy_pct, 10.0);
   NEAR(u[2].mean_batch, 40.0);
   NEAR(u[2].inputs_a_run, 2.0);
-  cr_expect_eq(td_serve_worker_use(before, 2, after, 3, 0.0, u), TD_ERR_INVALID);
+  cr_expect_eq(td_serve_worker_use(before, 2, after, 3, 0.0, 0, u), TD_ERR_INVALID);
   after[1].encoded = 20; /* restarted under the same id */
-  cr_expect_eq(td_serve_worker_use(before, 2, after, 3, 5.0, u), TD_ERR_INVALID);
+  cr_expect_eq(td_serve_worker_use(before, 2, after, 3, 5.0, 0, u), TD_ERR_INVALID);
+}
+
+/* When each worker's work began and ended within a run of 5 s from Unix ms
+ * 1,000,000: one began 40 ms in and ended 300 ms before the end (it idled
+ * 340 ms of the run), one worked before the run began, one is still working
+ * at the look after it, one ended a little after the client's end (0). */
+Test(serve_stats, work_began_and_ended_within_the_run) {
+  td_serve_counters before[1] = {{.id = "w"}};
+  td_serve_counters after[4] = {{.id = "early-end", .steps = 10, .began_ms = 1000040, .ended_ms = 1004700},
+                                {.id = "before", .steps = 10, .began_ms = 999000, .ended_ms = 1004990},
+                                {.id = "still", .steps = 10, .began_ms = 1000010, .ended_ms = 999500},
+                                {.id = "after-end", .steps = 10, .began_ms = 1000002, .ended_ms = 1005003}};
+  td_serve_use u[4];
+  cr_assert_eq(td_serve_worker_use(before, 1, after, 4, 5.0, 1000000.0, u), TD_OK);
+  NEAR(u[0].began_ms, 40.0);
+  NEAR(u[0].ended_ms, 300.0);
+  cr_expect(u[1].began_ms < 0 && u[1].ended_ms < 0, "worked before the run: %g / %g", u[1].began_ms, u[1].ended_ms);
+  NEAR(u[2].began_ms, 10.0);
+  cr_expect(u[2].ended_ms < 0, "still working: %g", u[2].ended_ms);
+  NEAR(u[3].began_ms, 2.0);
+  NEAR(u[3].ended_ms, 0.0);
 }
 
 /* Which side of a split was short, from the rows bench-serve prints: the
