@@ -58,6 +58,7 @@
 #define TD_ROUTER_MAX_ATTEMPTS 255       /* max_attempts' ceiling: the attempt is a byte of the request's rid */
 #define TD_ROUTER_WORKER_BURST 4096     /* worker messages handled a wake-up (then clients and timers) */
 #define TD_ROUTER_CLIENT_BURST 1024     /* client messages handled a wake-up */
+#define TD_ROUTER_CLIENT_BURST_US 1000  /* ... and for this long at most: placement runs between wake-ups */
 /* Bounds on what peers make the router hold (docs/limits.md). */
 #define TD_DEFAULT_CAPACITY_WAIT_MS 10000 /* a queued request waits this long for a role no live worker has
                                              ("no encoder is registered"), then fails ERROR_UNAVAILABLE */

@@ -769,6 +769,42 @@ Test(router_control, features_go_only_where_they_are_encoded, .timeout = 30) {
   finish(&h2, &lone, 1);
 }
 
+/* A burst of requests is placed as it comes in, not once the router has
+ * taken in all of it: a wake-up takes client messages for about a
+ * millisecond, then the queue is placed. 6,000 requests sent at once (from
+ * a thread of their own) reach the worker steadily: its first job within a
+ * few ms of a burst that takes ~130 ms (taking in up to 1,024 requests a
+ * wake-up, as before, the first job came after ~10 % of it). */
+enum { BURST_N = 6000 };
+static void *send_burst(void *arg) {
+  harness *h = arg;
+  for (int i = 0; i < BURST_N; i++) {
+    char id[16];
+    snprintf(id, sizeof id, "r%d", i);
+    generate(h, (gen){.id = id, .max_new = 2, .n_input = 20});
+  }
+  return NULL;
+}
+
+Test(router_control, a_burst_is_placed_as_it_comes_in, .timeout = 60) {
+  harness h;
+  start(&h, (td_router_opts){.max_queue = 10000, .max_in_flight = 10000});
+  void *d = fake_worker(&h, "lone", (fake_opts){.roles = "ed", .max_running = 2048, .cross_blocks = 100000});
+  int64_t t0 = td_now_ns(), first = 0, last = 0;
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, send_burst, &h), 0);
+  for (int got = 0; got < BURST_N; got++) {
+    Tandem__Cluster__RouterMessage *job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "a decode job");
+    int64_t t = td_now_ns();
+    if (!got) first = t - t0;
+    last = t - t0;
+    wfree(job);
+  }
+  pthread_join(th, NULL);
+  cr_expect(first * 18 < last, "the first job after %.1f ms, the last after %.1f ms", first / 1e6, last / 1e6);
+  finish(&h, &d, 1);
+}
+
 Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries, .timeout = 30) {
   harness h;
   start(&h, (td_router_opts){.stage_timeout_ms = 300, .max_attempts = 2});
