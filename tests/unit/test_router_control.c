@@ -230,6 +230,21 @@ static void kv_target(Tandem__Cluster__KvTarget *kt, const char *worker, int32_t
   kt->tokens = tokens;
 }
 
+/* The decode worker "dec" on socket d reports its reservation for request
+ * rid: one cross block for `tokens` encoder tokens. */
+static void send_reserved(void *d, uint64_t rid, int32_t block, uint32_t tokens) {
+  int32_t blocks[1] = {block};
+  Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
+  kv_target(&kt, "dec", blocks, 1, tokens);
+  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
+  res.rid = rid;
+  res.cross = &kt;
+  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
+  rm.reserved = &res;
+  send_body(d, &rm);
+}
+
 /* The worker gave up on an attempt that another may take. */
 static void send_retryable(void *s, uint64_t rid, const char *why) {
   Tandem__Cluster__Failed f = TANDEM__CLUSTER__FAILED__INIT;
@@ -737,16 +752,7 @@ Test(router_control, features_go_only_where_they_are_encoded, .timeout = 30) {
   cr_expect_null(job->decode->req->features, "the decode worker got features it does not encode");
   uint64_t rid = job->decode->req->rid;
   wfree(job);
-  int32_t blocks[1] = {4};
-  Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kv_target(&kt, "dec", blocks, 1, 2);
-  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
-  res.rid = rid;
-  res.cross = &kt;
-  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
-  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
-  rm.reserved = &res;
-  send_body(d, &rm);
+  send_reserved(d, rid, 4, 2);
   job = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the encode job");
   const Tandem__AudioFeatures *af = job->encode->req->features;
   cr_assert_not_null(af, "the encoder got no features");
@@ -826,16 +832,8 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   memcpy(tok1, from->token.data, sizeof tok1);
   wfree(job);
   int32_t blocks[1] = {4};
-  Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kv_target(&kt, "dec", blocks, 1, 3);
-  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
-  res.rid = rid1;
-  res.cross = &kt;
-  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
-  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
-  rm.reserved = &res;
   int64_t t0 = td_now_ms();
-  send_body(d, &rm);
+  send_reserved(d, rid1, blocks[0], 3);
   job = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the encode job");
   cr_expect_eq(job->encode->req->rid, rid1);
   cr_assert_eq(job->encode->n_targets, 1);
@@ -861,8 +859,7 @@ Test(router_control, reservations_start_the_encoder_and_a_stage_timeout_retries,
   uint8_t tok2[TD_KV_TOKEN_BYTES];
   memcpy(tok2, job->decode->cross_from->token.data, sizeof tok2);
   wfree(job);
-  res.rid = rid2;
-  send_body(d, &rm);
+  send_reserved(d, rid2, blocks[0], 3);
   job = wexpect(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, "the second encode job");
   cr_expect_arr_eq(job->encode->targets[0]->token.data, tok2, sizeof tok2);
   wfree(job);
@@ -951,16 +948,7 @@ static uint64_t encode_then_push_fails(void *d, void *e) {
   Tandem__Cluster__RouterMessage *job = wexpect(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
   uint64_t rid = job->decode->req->rid;
   wfree(job);
-  int32_t blocks[1] = {7};
-  Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kv_target(&kt, "dec", blocks, 1, 3);
-  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
-  res.rid = rid;
-  res.cross = &kt;
-  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
-  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
-  rm.reserved = &res;
-  send_body(d, &rm);
+  send_reserved(d, rid, 7, 3);
   Tandem__Cluster__RouterMessage *m; /* the encoder's cancel of an earlier attempt may come first */
   while ((m = wrecv(e, WAIT_MS)) && m->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL) wfree(m);
   cr_assert(m, "the encode job: nothing came");
@@ -1970,16 +1958,7 @@ Test(router_control, reservations_at_odds_with_the_request_end_the_attempt, .tim
   Tandem__Cluster__RouterMessage *job = next_job(d, "the decode job");
   uint64_t rid = job->decode->req->rid;
   wfree(job);
-  int32_t blocks[1] = {4};
-  Tandem__Cluster__KvTarget kt = TANDEM__CLUSTER__KV_TARGET__INIT;
-  kv_target(&kt, "dec", blocks, 1, 3);
-  Tandem__Cluster__Reserved res = TANDEM__CLUSTER__RESERVED__INIT;
-  res.rid = rid;
-  res.cross = &kt;
-  Tandem__Cluster__WorkerMessage rm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
-  rm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_RESERVED;
-  rm.reserved = &res;
-  send_body(d, &rm);
+  send_reserved(d, rid, 4, 3);
   job = next_job(e, "the encode job");
   cr_expect_eq(job->body_case, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE);
   wfree(job);
