@@ -24,6 +24,8 @@ struct td_kv_pool {
   int n_free;
   int n_shared;      /* blocks with refs > 1, kept as they change: stats are read every step */
   int n_reserved;    /* blocks with reserved set */
+  uint8_t *marked;   /* held by a keeper (td_kv_mark) */
+  int n_marked_idle; /* marked blocks with refs == 1 (the keeper's only): read every step */
   reservation *res;  /* uthash by id */
   uint64_t next_res;
   td_kv_copier copier;
@@ -55,9 +57,10 @@ td_status td_kv_pool_create(td_backend *b, const td_kv_layout *l, int n_blocks, 
   p->next_res = 1;
   p->refs = calloc((size_t)n_blocks, sizeof *p->refs);
   p->reserved = calloc((size_t)n_blocks, 1);
+  p->marked = calloc((size_t)n_blocks, 1);
   p->free_ids = malloc(sizeof *p->free_ids * (size_t)n_blocks);
   td_status s = TD_OK;
-  if (!p->refs || !p->reserved || !p->free_ids) {
+  if (!p->refs || !p->reserved || !p->marked || !p->free_ids) {
     s = td_err(TD_ERR_NOMEM, "KV pool of %d blocks: out of memory", n_blocks);
     goto fail;
   }
@@ -90,6 +93,7 @@ void td_kv_pool_destroy(td_kv_pool *p) {
   if (p->b) td_free(p->b, p->mem);
   free(p->free_ids);
   free(p->reserved);
+  free(p->marked);
   free(p->refs);
   free(p);
 }
@@ -122,14 +126,29 @@ td_status td_kv_alloc(td_kv_pool *p, int n, int32_t *ids) {
 
 td_status td_kv_ref(td_kv_pool *p, int32_t id) {
   if (!valid_id(p, id) || p->refs[id] <= 0) return td_err(TD_ERR_INVALID, "KV ref of unallocated block %d", id);
-  if (++p->refs[id] == 2) p->n_shared++;
+  if (++p->refs[id] == 2) {
+    p->n_shared++;
+    p->n_marked_idle -= p->marked[id];
+  }
   return TD_OK;
+}
+
+/* One reference fewer on a block that keeps at least one. */
+static void drop_shared(td_kv_pool *p, int32_t id) {
+  if (--p->refs[id] == 1) {
+    p->n_shared--;
+    p->n_marked_idle += p->marked[id];
+  }
 }
 
 td_status td_kv_unref(td_kv_pool *p, int32_t id) {
   if (!valid_id(p, id) || p->refs[id] <= 0) return td_err(TD_ERR_INVALID, "KV unref of unallocated block %d", id);
-  if (--p->refs[id] == 1) p->n_shared--;
-  if (p->refs[id] == 0) {
+  if (p->refs[id] > 1) {
+    drop_shared(p, id);
+  } else {
+    p->refs[id] = 0;
+    p->n_marked_idle -= p->marked[id]; /* a keeper that lets go of its last reference keeps nothing */
+    p->marked[id] = 0;
     if (p->reserved[id]) p->n_reserved--;
     p->reserved[id] = 0;
     p->free_ids[p->n_free++] = id;
@@ -144,6 +163,14 @@ void td_kv_unref_all(td_kv_pool *p, const int32_t *ids, int n) {
 int td_kv_refcount(const td_kv_pool *p, int32_t id) { return valid_id(p, id) ? p->refs[id] : -1; }
 
 bool td_kv_is_reserved(const td_kv_pool *p, int32_t id) { return valid_id(p, id) && p->reserved[id]; }
+
+void td_kv_mark(td_kv_pool *p, int32_t id, bool on) {
+  if (!valid_id(p, id) || p->refs[id] <= 0 || p->marked[id] == on) return;
+  p->marked[id] = on;
+  if (p->refs[id] == 1) p->n_marked_idle += on ? 1 : -1;
+}
+
+int td_kv_marked_idle(const td_kv_pool *p) { return p->n_marked_idle; }
 
 td_status td_kv_make_private(td_kv_pool *p, int32_t *id, bool *copied) {
   *copied = false;
@@ -160,7 +187,7 @@ td_status td_kv_make_private(td_kv_pool *p, int32_t *id, bool *copied) {
       return s;
     }
   }
-  if (--p->refs[old] == 1) p->n_shared--;
+  drop_shared(p, old);
   *id = fresh;
   *copied = true;
   return TD_OK;
@@ -261,15 +288,20 @@ td_status td_kv_pool_check(const td_kv_pool *p) {
     else
       on_free[id] = 1;
   }
-  int in_use = 0, shared = 0;
+  int in_use = 0, shared = 0, marked_idle = 0;
   for (int i = 0; i < p->n_blocks && s == TD_OK; i++) {
     if (p->refs[i] < 0) s = td_err(TD_ERR_INTERNAL, "KV pool: block %d has refcount %d", i, p->refs[i]);
     if (p->refs[i] == 0 && !on_free[i]) s = td_err(TD_ERR_INTERNAL, "KV pool: block %d leaked", i);
+    if (p->refs[i] == 0 && p->marked[i]) s = td_err(TD_ERR_INTERNAL, "KV pool: free block %d is marked", i);
     in_use += p->refs[i] > 0;
     shared += p->refs[i] > 1;
+    marked_idle += p->marked[i] && p->refs[i] == 1;
   }
   if (s == TD_OK && shared != p->n_shared)
     s = td_err(TD_ERR_INTERNAL, "KV pool: %d shared blocks, the count says %d", shared, p->n_shared);
+  if (s == TD_OK && marked_idle != p->n_marked_idle)
+    s = td_err(TD_ERR_INTERNAL, "KV pool: %d marked blocks held once, the count says %d", marked_idle,
+               p->n_marked_idle);
   if (s == TD_OK && in_use + p->n_free != p->n_blocks)
     s = td_err(TD_ERR_INTERNAL, "KV pool: %d in use + %d free != %d", in_use, p->n_free, p->n_blocks);
   int reserved = 0;

@@ -45,6 +45,12 @@ void td_kv_unref_all(td_kv_pool *p, const int32_t *ids, int n);
 int td_kv_refcount(const td_kv_pool *p, int32_t id);
 /* Whether an open reservation holds the block. */
 bool td_kv_is_reserved(const td_kv_pool *p, int32_t id);
+/* Marks (or unmarks) an allocated block as kept by a keeper that holds one
+ * reference to it (the engine's encoder cache); the pool counts the marked
+ * blocks no one else references as they change, so that reading the count
+ * every step costs nothing. A block is unmarked when freed. */
+void td_kv_mark(td_kv_pool *p, int32_t id, bool on);
+int td_kv_marked_idle(const td_kv_pool *p);
 
 /* How make_private copies a block (default: td_kv_copy_blocks on the
  * pool's backend). A model with follower ranks sets one that also tells

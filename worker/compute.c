@@ -561,6 +561,7 @@ static void *compute_main(void *arg) {
   int64_t began_ms = 0, ended_ms = 0; /* wall clock of the last start and end of work */
   bool had_work = false;
   int64_t cmd_ns = 0, gather_ns = 0, ev_ns = 0, turns = 0; /* the rest of a turn, logged at the end */
+  int64_t t_first = td_now_ns();
   for (;;) {
     turns++;
     pthread_mutex_lock(&w->mu);
@@ -601,10 +602,11 @@ static void *compute_main(void *arg) {
     ev_flush(w);
     ev_ns += td_now_ns() - t_ev;
     if (stop) {
+      int64_t rest = td_now_ns() - t_first - busy_ns - cmd_ns - gather_ns - ev_ns - idle_ns;
       TD_INFO("compute thread: %lld turns; %.3f s in engine steps, %.3f s taking commands, %.3f s gathering bursts, "
-              "%.3f s handing events, %.3f s idle",
+              "%.3f s handing events, %.3f s idle, %.3f s the rest (counters, locks)",
               (long long)turns, (double)busy_ns / 1e9, (double)cmd_ns / 1e9, (double)gather_ns / 1e9,
-              (double)ev_ns / 1e9, (double)idle_ns / 1e9);
+              (double)ev_ns / 1e9, (double)idle_ns / 1e9, (double)rest / 1e9);
       if (w->world > 1) w_mirror_all(w, "S");
       break;
     }

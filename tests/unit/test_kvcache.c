@@ -1,5 +1,5 @@
 /* Block pool invariants under random allocate / share / copy-on-write /
- * reserve / free sequences, and copy-on-write contents. */
+ * reserve / mark / free sequences, and copy-on-write contents. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,9 +19,10 @@ Test(kvcache, random_operations_keep_invariants) {
   int n_held[H] = {0};
   uint64_t res[8];
   int n_res = 0;
+  bool mk[NB] = {false}; /* marked (a keeper's), as the test keeps it */
   srand(1234);
   for (int it = 0; it < 20000; it++) {
-    int op = rand() % 7, h = rand() % H;
+    int op = rand() % 8, h = rand() % H;
     if (op == 0) { /* allocate */
       int n = rand() % 5;
       int32_t ids[8];
@@ -74,6 +75,10 @@ Test(kvcache, random_operations_keep_invariants) {
         if (td_kv_reservation_valid(p, res[k], NULL, 0, 0)) res[left++] = res[k];
       cr_assert_eq(n_res - left, gone);
       n_res = left;
+    } else if (op == 7 && n_held[h]) { /* a keeper marks or unmarks one */
+      int32_t id = held[h][rand() % n_held[h]];
+      mk[id] = rand() % 3 != 0;
+      td_kv_mark(p, id, mk[id]);
     }
     cr_assert(td_kv_pool_check(p) == TD_OK, "iteration %d: %s", it, td_errmsg());
     /* reference counts equal the number of holders (+1 for reserved) */
@@ -81,9 +86,11 @@ Test(kvcache, random_operations_keep_invariants) {
     for (int g = 0; g < H; g++)
       for (int i = 0; i < n_held[g]; i++) expect[held[g][i]]++;
     td_kv_pool_stats st = td_kv_pool_get_stats(p);
-    int in_use = 0, shared = 0, reserved = 0;
+    int in_use = 0, shared = 0, reserved = 0, marked_idle = 0;
     for (int b = 0; b < NB; b++) {
       if (expect[b]) cr_assert_eq(td_kv_refcount(p, b), expect[b], "block %d", b);
+      if (td_kv_refcount(p, b) == 0) mk[b] = false; /* freed: no longer kept */
+      marked_idle += mk[b] && td_kv_refcount(p, b) == 1;
       in_use += td_kv_refcount(p, b) > 0;
       shared += td_kv_refcount(p, b) > 1;
       reserved += td_kv_is_reserved(p, b);
@@ -92,6 +99,7 @@ Test(kvcache, random_operations_keep_invariants) {
     /* the stats' counts are kept as blocks change, not recounted: they must agree */
     cr_assert_eq(st.n_shared, shared, "iteration %d", it);
     cr_assert_eq(st.n_reserved, reserved, "iteration %d", it);
+    cr_assert_eq(td_kv_marked_idle(p), marked_idle, "iteration %d", it);
   }
   for (int g = 0; g < H; g++) td_kv_unref_all(p, held[g], n_held[g]);
   for (int k = 0; k < n_res; k++) cr_assert(td_kv_reservation_release(p, res[k]) == TD_OK);
