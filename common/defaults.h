@@ -22,6 +22,8 @@
 #define TD_GPU_RESERVE_BYTES (1ull << 30) /* what a GPU backend holds beyond its own count: context, cuBLAS, graphs, NCCL */
 #define TD_GPU_HEADROOM_BYTES (256ull << 20) /* left free on the device when pools are sized */
 #define TD_DEFAULT_ENCODER_CACHE_FRACTION 0.25 /* of the cross pool the encoder cache may hold (tandem-worker, tandem-generate, bench-serve --engine) */
+#define TD_ENGINE_WARM_SEQ_MAX 1024     /* the encoder's warm-up (engine/warm.c): text runs in sequences this long at most */
+#define TD_ENGINE_WARM_MAX_RUNS 512     /* ... and no warm-up where plans come in more row buckets than this (unbucketed) */
 #define TD_ENGINE_MAX_BEAMS 32          /* num_beams a request (the engine sizes its top-k buffers so) */
 
 /* ---- router ---- */

@@ -206,6 +206,8 @@ int eng_pick_set(const td_engine *e);
 
 /* enccache.c */
 void eng_cache_init(td_engine *e);
+/* One encoder run at each GEMM plan bucket up to max_enc_tokens (warm.c). */
+td_status eng_warm_encoder(td_engine *e);
 /* The entry holding g's encoder input, or NULL (disabled, absent, or a
  * different input under the same hash). */
 centry *eng_cache_find(td_engine *e, group *g);

@@ -60,6 +60,10 @@ typedef struct td_backend_vt {
   bool (*states_fast)(const td_backend *b, int D);
   /* td_backend_fused_norm_rows; NULL: 0 */
   int (*fused_norm_rows)(const td_backend *b);
+  /* td_backend_gemm_plan_rows; NULL: 0 (no plans) */
+  int (*gemm_plan_rows)(const td_backend *b, int m);
+  /* td_backend_gemm_plans_made; NULL: 0 */
+  int64_t (*gemm_plans_made)(const td_backend *b);
   /* td_backend_set_cuda_tuning; NULL: TD_ERR_UNSUPPORTED */
   td_status (*set_cuda_tuning)(td_backend *b, const td_cuda_tuning *t);
   /* td_backend_memory_info; NULL: TD_ERR_UNSUPPORTED */

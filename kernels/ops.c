@@ -127,6 +127,10 @@ bool td_attn_states_fast(const td_backend *b, int D) {
 }
 
 int td_backend_fused_norm_rows(const td_backend *b) { return b->vt->fused_norm_rows ? b->vt->fused_norm_rows(b) : 0; }
+int64_t td_backend_gemm_plans_made(const td_backend *b) { return b->vt->gemm_plans_made ? b->vt->gemm_plans_made(b) : 0; }
+int td_backend_gemm_plan_rows(const td_backend *b, int m) {
+  return b->vt->gemm_plan_rows && m > 0 ? b->vt->gemm_plan_rows(b, m) : 0;
+}
 
 td_status td_gemm_ex_unfused(td_backend *b, const td_gemm_args *a) {
   bool glu = a->flags & TD_GEMM_GLU;

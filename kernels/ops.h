@@ -133,6 +133,13 @@ td_status td_gemm_ex(td_backend *b, const td_gemm_args *a);
  * 0: never inside. */
 int td_backend_fused_norm_rows(const td_backend *b);
 
+/* The row count whose GEMM plan an m-row GEMM runs on (a GPU backend keys
+ * its cuBLASLt plans by buckets of rows): at least m; 0 where the backend
+ * keeps no plans (the CPU), which a warm-up reads as nothing to warm. */
+int td_backend_gemm_plan_rows(const td_backend *b, int m);
+/* GEMM plans the backend has made since it was created (0 without plans). */
+int64_t td_backend_gemm_plans_made(const td_backend *b);
+
 /* y = LayerNorm(x) * w + bias, or RMSNorm(x) * w when rms (bias ignored).
  * Rows of n; x == y allowed; w NULL means a weight of 1. */
 td_status td_norm(td_backend *b, const void *x, const float *w, const float *bias, void *y, int m, int n,

@@ -672,6 +672,8 @@ static void vt_init(void) {
   v->unshard_cols = cu_unshard_cols;
   v->gemm_ex = td_cu_gemm_ex;
   v->fused_norm_rows = td_cu_fused_norm_rows;
+  v->gemm_plan_rows = td_cu_gemm_plan_rows;
+  v->gemm_plans_made = td_cu_gemm_plans_made;
   v->set_cuda_tuning = cu_set_cuda_tuning;
   v->memory = cu_memory;
 }

@@ -274,6 +274,7 @@ static td_gemm_plan *plan_get(td_cuda *c, int m, bool exact, int n, int k, int a
   }
   if (p->used) plan_release(p);
   p->stamp = ++c->plan_clock;
+  c->plans_made++;
   p->used = true;
   p->m = m, p->n = n, p->k = k, p->act = act, p->flags = flags, p->bias = kind, p->align = align;
   cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;

@@ -391,6 +391,14 @@ int td_cu_fused_norm_rows(const td_backend *b) {
   return c->tune.skinny && c->tune.skinny_rows > c->tune.fuse ? c->tune.skinny_rows : c->tune.fuse;
 }
 
+int td_cu_gemm_plan_rows(const td_backend *b, int m) {
+  const td_cuda *c = (const td_cuda *)b->impl;
+  int r = td_cu_plan_rows(&c->tune, m);
+  return r < m ? m : r;
+}
+
+int64_t td_cu_gemm_plans_made(const td_backend *b) { return ((const td_cuda *)b->impl)->plans_made; }
+
 td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
   td_cuda *c = td_cu(b);
   td_cu_bind(c);

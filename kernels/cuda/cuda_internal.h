@@ -39,6 +39,7 @@ typedef struct td_cuda {
   void *heads_plans;  /* td_gemm_heads' cuBLASLt plans (cuda_gemm_heads.cu) */
   int states_clusters[16][4]; /* attn_states: co-resident clusters of 1, 2, 4, 8 blocks per kernel (D, warps) */
   uint64_t plan_clock;
+  int64_t plans_made; /* cuBLASLt plans made (td_backend_gemm_plans_made) */
   struct cu_block *blocks; /* td_alloc'ed device memory: pointer -> bytes (td_backend_memory_info) */
   struct cu_bias16 *bias16; /* bf16 copies of GEMM biases for cuBLASLt's BIAS epilogue (cuda_gemm.cu) */
   size_t allocated;        /* bytes in blocks (the workspaces above included) */
@@ -184,6 +185,8 @@ __device__ __forceinline__ float td_sumsq8(const bf16 *x, int n, int j, int step
 
 /* Per-file entry points. */
 int td_cu_fused_norm_rows(const td_backend *b);
+int td_cu_gemm_plan_rows(const td_backend *b, int m);
+int64_t td_cu_gemm_plans_made(const td_backend *b);
 td_status td_cu_gemm_init(td_cuda *c);
 void td_cu_gemm_destroy(td_cuda *c);
 /* Forgets the bf16 bias copies made from device memory in [p, p + bytes)

@@ -23,6 +23,7 @@
 #include <criterion/criterion.h>
 
 #include "common/half.h"
+#include "engine/engine.h"
 #include "kernels/backend_impl.h"
 #include "kvcache/kvcache.h"
 #include "model/model.h"
@@ -454,3 +455,77 @@ Test(model_cuda, batched_decode_cross_states, .timeout = 300) { batched_decode(T
 Test(model_cuda, batched_decode_cross_dual, .timeout = 300) { batched_decode(TD_CROSS_DUAL, 3); }
 
 int main(int argc, char *argv[]) { return td_gpu_test_main(argc, argv, &cuda_tuning); }
+
+/* ---- the engine's encoder warm-up (engine/warm.c) */
+
+/* After td_engine_create, an encoder run of any row count up to the engine's
+ * max_enc_tokens makes no GEMM plan of its own (the warm-up made them all),
+ * and the warm-up gave back every cross block it took. */
+static int below(int n) { return (int)((unsigned)rand() % (unsigned)n); }
+
+static void warm_up_covers(const char *name) {
+  fixture fx;
+  fx_load(name, &fx);
+  td_backend_opts bo = {.kind = TD_BACKEND_CUDA, .device = 0, .cuda = cuda_tuning};
+  td_backend *b;
+  cr_assert(td_backend_create(&bo, &b) == TD_OK, "%s", td_errmsg());
+  const int bs = 16, max_rows = 1536;
+  td_model_opts mo = {.block_size = bs, .max_tokens = 64, .max_seqs = 8, .max_logits = 64,
+                      .max_enc_tokens = max_rows, .max_enc_seqs = 16, .tuning = rig_tuning};
+  td_model *m;
+  cr_assert(td_model_load(fx.dir, b, &mo, &m) == TD_OK, "%s", td_errmsg());
+  td_engine_opts eo = {.self_blocks = 64, .cross_blocks = 256};
+  td_engine *e;
+  cr_assert(td_engine_create(m, &eo, NULL, &e) == TD_OK, "%s", td_errmsg());
+  int64_t made = td_backend_gemm_plans_made(b);
+  cr_expect_gt(made, 0, "%s: no plan made at creation", name);
+  cr_expect(td_engine_check(e) == TD_OK, "%s: %s", name, td_errmsg());
+  td_kv_pool *cross = td_engine_cross_pool(e);
+  cr_expect_eq(td_kv_pool_num_free(cross), eo.cross_blocks, "%s: the warm-up kept cross blocks", name);
+  bool whisper = td_model_get_config(m)->family == TD_FAMILY_WHISPER;
+  int src = td_model_max_source_len(m), frames = td_model_input_frames(m);
+  int mels = td_model_get_config(m)->num_mel_bins;
+  cr_assert(src > 0 && src <= max_rows, "%s: source length %d", name, src);
+  for (int t = 0; t < 24; t++) {
+    /* a run of random size: text, 1 to max_rows positions in sequences within the source length;
+       Whisper, whole windows */
+    int n, rows = 0, lens[16];
+    if (whisper) {
+      n = 1 + below(max_rows / src < 16 ? max_rows / src : 16);
+      for (int i = 0; i < n; i++) lens[i] = 0, rows += src;
+    } else {
+      int want = 1 + below(max_rows);
+      n = (want + src - 1) / src;
+      if (n > 16) n = 16, want = 16 * src;
+      for (int i = 0; i < n; i++) lens[i] = i < n - 1 ? src : want - src * (n - 1), rows += lens[i];
+    }
+    int nb = 0, per[16];
+    for (int i = 0; i < n; i++) nb += per[i] = (whisper ? src : lens[i]) / bs + ((whisper ? src : lens[i]) % bs != 0);
+    int32_t *ids = malloc(sizeof *ids * (size_t)nb), *slots = malloc(sizeof *slots * (size_t)rows);
+    int32_t *toks = whisper ? NULL : calloc((size_t)rows, sizeof *toks);
+    float *feats = whisper ? calloc((size_t)n * mels * frames, sizeof *feats) : NULL;
+    cr_assert(td_kv_alloc(cross, nb, ids) == TD_OK, "%s", td_errmsg());
+    for (int i = 0, k = 0, b0 = 0; i < n; b0 += per[i], i++)
+      for (int p = 0; p < (whisper ? src : lens[i]); p++) slots[k++] = ids[b0 + p / bs] * bs + p % bs;
+    td_encode_input in = {.n_seqs = n, .lens = lens, .tokens = toks, .features = feats, .cross_slots = slots};
+    cr_assert(td_model_encode(m, &in, NULL) == TD_OK, "%s: %s", name, td_errmsg());
+    cr_expect_eq(td_backend_gemm_plans_made(b), made, "%s: an encoder run of %d positions in %d sequences made %lld "
+                 "plans", name, rows, n, (long long)(td_backend_gemm_plans_made(b) - made));
+    made = td_backend_gemm_plans_made(b);
+    td_kv_unref_all(cross, ids, nb);
+    free(ids);
+    free(slots);
+    free(toks);
+    free(feats);
+  }
+  td_engine_destroy(e);
+  td_model_destroy(m);
+  td_backend_destroy(b);
+  fx_free(&fx);
+}
+
+Test(model_cuda, engine_warm_up_covers_the_encoder, .timeout = 300) {
+  warm_up_covers("bart-tiny");
+  warm_up_covers("t5-tiny");
+  warm_up_covers("whisper-tiny");
+}
