@@ -98,6 +98,7 @@
 #define TD_WIRE_MAX_REASON 4096            /* a Failed message, a Deregister or Remove reason */
 #define TD_TRANSFER_DESC_MAX_BYTES (64u << 10) /* a worker's KV descriptor (TransferDesc) */
 #define TD_ROUTER_MAX_STOP_IDS 1024        /* stop_token_ids a request */
+#define TD_MAX_SPIN_US 100000              /* --spin-us of the router and workers: a loop polls this long at most */
 #define TD_MAX_HEARTBEAT_MS 60000          /* a RegisterAck's heartbeat period */
 #define TD_MAX_DEAD_AFTER 1000             /* a RegisterAck's missed heartbeats before death */
 #define TD_CLIENT_MAX_OUTPUTS 64           /* sequences a result carries (n and num_beams are bounded below it) */

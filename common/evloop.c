@@ -23,6 +23,8 @@ typedef struct loop_ev {
 
 struct td_loop {
   int max_wait_ms;
+  int64_t spin_ns;     /* poll without sleeping this long after a turn with file events */
+  int64_t last_io_ns;  /* when the last turn with file events polled */
   loop_ev *evs;
   int n, cap;
   int next_id;
@@ -101,6 +103,8 @@ void td_loop_set_before_sleep(td_loop *l, td_loop_sleep_fn fn, void *ctx) {
   l->before_ctx = ctx;
 }
 
+void td_loop_set_spin(td_loop *l, int spin_us) { l->spin_ns = spin_us > 0 ? (int64_t)spin_us * 1000 : 0; }
+
 void td_loop_set_after_sleep(td_loop *l, td_loop_wake_fn fn, void *ctx) {
   l->after = fn;
   l->after_ctx = ctx;
@@ -150,9 +154,12 @@ td_status td_loop_run_once(td_loop *l) {
   /* last before sleeping: a hook with work that signals nothing keeps us awake */
   if (l->before && !l->before(l, l->before_ctx)) wait = 0;
   if (l->stop) return TD_OK;
+  int64_t t_poll = l->spin_ns ? td_now_ns() : 0;
+  if (l->spin_ns && t_poll - l->last_io_ns < l->spin_ns) wait = 0;
   int rc = zmq_poll(n_items ? l->items : NULL, n_items, (long)wait);
   if (rc < 0 && zmq_errno() != EINTR)
     return td_err(TD_ERR_NETWORK, "event loop: poll: %s", zmq_strerror(zmq_errno()));
+  if (rc > 0 && l->spin_ns) l->last_io_ns = t_poll;
   if (l->after) l->after(l, l->after_ctx);
   for (int k = 0; rc > 0 && k < n_items && !l->stop; k++) {
     if (!(l->items[k].revents & ZMQ_POLLIN)) continue;

@@ -43,6 +43,10 @@ td_status td_loop_add_timer(td_loop *l, int first_ms, td_loop_timer_fn fn, void 
 void td_loop_remove(td_loop *l, int id);
 
 void td_loop_set_before_sleep(td_loop *l, td_loop_sleep_fn fn, void *ctx);
+/* For spin_us after a turn with file events the loop polls without
+ * sleeping (0: never): the next message is taken without a wake-up of this
+ * thread, at the cost of a core while it spins. */
+void td_loop_set_spin(td_loop *l, int spin_us);
 void td_loop_set_after_sleep(td_loop *l, td_loop_wake_fn fn, void *ctx);
 
 /* One turn: before-sleep, poll, after-sleep, ready file events, due

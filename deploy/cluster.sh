@@ -62,11 +62,13 @@ r_cport=$(q '.router.client_port // empty')
 r_wport=$(q '.router.worker_port // empty')
 r_mport=$(q '.router.metrics_port // empty')
 r_cross=$(q '.router.cross_mode // "auto"')
+r_spin=$(q '.router.spin_us // 0')
 [[ $r_addr =~ $addr_re && $r_bind =~ $addr_re ]] || die '"router.address" (and "router.bind"): an address'
 [[ $r_addr != 127.* && $r_addr != localhost && $r_addr != 0.0.0.0 ]] ||
   die "\"router.address\" $r_addr: the workers of other hosts must reach it"
 for p in "$r_cport" "$r_wport"; do [[ $p =~ ^[0-9]+$ ]] || die '"router.client_port", "router.worker_port": ports'; done
 [[ -z $r_mport || $r_mport =~ ^[0-9]+$ ]] || die '"router.metrics_port": a port'
+[[ $r_spin =~ ^[0-9]{1,6}$ ]] && ((r_spin <= 100000)) || die '"router.spin_us": 0 to 100000 microseconds'
 client_ep="tcp://$r_addr:$r_cport"
 
 # worker defaults, each overridable per pool
@@ -122,6 +124,9 @@ for ((h = 0; h < n_hosts; h++)); do
     common+=" --cross-mode $r_cross --gpu-memory-fraction $(pf '.gpu_memory_fraction')"
     mb=$(pf '.max_batch // empty')
     [[ -z $mb ]] || common+=" --max-batch $mb"
+    sp=$(pf '.spin_us // 0')
+    [[ $sp =~ ^[0-9]{1,6}$ ]] && ((sp <= 100000)) || die "hosts[$h].pools[$p].spin_us: 0 to 100000 microseconds"
+    ((sp == 0)) || common+=" --spin-us $sp"
     for ((c = 0; c < count; c++)); do
       base="$hn-${role%%,*}-$c"
       [[ $role == encode,decode ]] && base="$hn-decode-$c"
@@ -241,6 +246,7 @@ up)
   [[ $r_bind == "$r_addr" ]] || rargs+=(--advertise "$r_addr")
   [[ -n $r_mport ]] && rargs+=(--metrics-port "$r_mport" --metrics-host "$r_bind")
   [[ -n $tokenizer ]] && rargs+=(--tokenizer "$tokenizer")
+  ((r_spin == 0)) || rargs+=(--spin-us "$r_spin")
   [[ -z $key_dir ]] || rargs+=(--curve-secret "$key_dir/router.key" --worker-keys "$key_dir/workers.list"
                                --client-keys "$key_dir/clients.list" --admin-keys "$key_dir/admins.list")
   start_script "$router_dir" router "$bin/tandem-router" "${rargs[@]}" | on_host "$r_ssh"

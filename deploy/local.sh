@@ -59,6 +59,10 @@
 #                   [--gateway-port N | --no-gateway]  (the HTTP gateway; default: any free port)
 #                   [--gateway-spin-us N]             (its router link and waiting HTTP threads poll N us
 #                                                     before they sleep: less latency for CPU; default 0)
+#                   [--spin-us N]                     (the router's loop and each worker's loop and compute
+#                                                     thread poll N us after work before they sleep: fewer
+#                                                     wake-ups a request, a core each while spinning; for
+#                                                     GPU hosts with idle cores; default 0)
 #                   [--metrics-port N | --no-metrics]  (the router's /metrics on 127.0.0.1; default: any
 #                                                     free port)
 #                   [--auth [--spare-keys N]]         (CURVE keys for every process: made with tandem-keygen
@@ -210,6 +214,7 @@ encode_defer=""
 mem_fraction=0.9
 gateway_port=0
 gateway_spin=0
+spin=0
 gateway=1
 metrics_port=0
 metrics=1
@@ -248,6 +253,7 @@ while (($#)); do
     --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
     --gateway-port) gateway_port=$2; shift 2 ;;
     --gateway-spin-us) gateway_spin=$2; shift 2 ;;
+    --spin-us) spin=$2; shift 2 ;;
     --no-gateway) gateway=0; shift ;;
     --metrics-port) metrics_port=$2; shift 2 ;;
     --no-metrics) metrics=0; shift ;;
@@ -285,6 +291,7 @@ fi
 [[ $cross_mode == auto || $cross_mode == kv || $cross_mode == states || $cross_mode == dual ]] ||
   { echo "local.sh: --cross-mode must be auto, kv, states or dual" >&2; exit 2; }
 [[ -z $max_batch || $max_batch =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --max-batch must be a positive integer" >&2; exit 2; }
+[[ $spin =~ ^[0-9]{1,6}$ ]] && ((spin <= 100000)) || { echo "local.sh: --spin-us must be 0 to 100000" >&2; exit 2; }
 [[ $gateway_spin =~ ^[0-9]{1,6}$ ]] && ((gateway_spin <= 100000)) ||
   { echo "local.sh: --gateway-spin-us must be 0 to 100000" >&2; exit 2; }
 [[ -z $enc_cache ]] || awk -v f="$enc_cache" 'BEGIN { exit !(f ~ /^[0-9.]+$/ && f + 0 >= 0 && f + 0 <= 1) }' ||
@@ -488,6 +495,7 @@ for attempt in 1 2 3 4 5; do
     ${router_held[@]+"${router_held[@]}"} \
     ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} ${local_encode_margin:+--local-encode-margin "$local_encode_margin"} \
     ${encode_queue_runs:+--encode-queue-runs "$encode_queue_runs"} "${router_tok[@]}" "${router_metrics[@]}" \
+    --spin-us "$spin" \
     "${router_keys[@]}"
   rsup=$last_sup
   for _ in $(seq 100); do
@@ -510,6 +518,7 @@ common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "
         --kv-transport "$kv_transport" --cross-mode "$cross_mode")
 [[ -n $max_batch ]] && common+=(--max-batch "$max_batch")
 [[ -n $enc_cache ]] && common+=(--encoder-cache-fraction "$enc_cache")
+((spin)) && common+=(--spin-us "$spin")
 declare -A role_share=()
 min_share=""
 for ((k = 0; k < ${#w_name[@]}; k++)); do

@@ -250,6 +250,8 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
   if (opts->max_attempts > TD_ROUTER_MAX_ATTEMPTS)
     return td_err(TD_ERR_INVALID, "max_attempts %d exceeds %d (an attempt is numbered in a byte)", opts->max_attempts,
                   TD_ROUTER_MAX_ATTEMPTS);
+  if (opts->spin_us < 0 || opts->spin_us > TD_MAX_SPIN_US)
+    return td_err(TD_ERR_INVALID, "spin_us %d is outside 0 to %d", opts->spin_us, TD_MAX_SPIN_US);
   if (opts->io_threads < 0 || opts->io_threads > TD_ROUTER_MAX_IO_THREADS)
     return td_err(TD_ERR_INVALID, "io_threads %d is outside 1 to %d", opts->io_threads, TD_ROUTER_MAX_IO_THREADS);
   if (opts->encode_runs < 0 || opts->encode_runs > TD_ROUTER_MAX_ENCODE_RUNS)
@@ -366,6 +368,7 @@ td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
   if (s == TD_OK) s = td_loop_add_timer(l, TD_ROUTER_TICK_MS, rtr_probes_tick, r, NULL);
   if (s == TD_OK && rtr_metrics_port(r)) s = td_loop_add_timer(l, 0, rtr_metrics_tick, r, NULL);
   td_loop_set_before_sleep(l, rtr_place_queue, r);
+  td_loop_set_spin(l, r->o.spin_us);
   if (s == TD_OK) s = td_loop_run(l);
   shut_down(r);
   td_loop_destroy(l);

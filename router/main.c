@@ -68,6 +68,7 @@ int main(int argc, char **argv) {
       {"client-keys", required_argument, 0, 1003},   {"admin-keys", required_argument, 0, 1004},
       {"advertise", required_argument, 0, 1005},     {"probe-timeout-ms", required_argument, 0, 1006},
       {"local-encode-margin", required_argument, 0, 1007}, {"io-threads", required_argument, 0, 1008},
+      {"spin-us", required_argument, 0, 1009},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
@@ -105,6 +106,16 @@ int main(int argc, char **argv) {
           return 2;
         }
         o.io_threads = (int)v;
+        break;
+      }
+      case 1009: {
+        char *end = NULL;
+        long v = strtol(optarg, &end, 10);
+        if (end == optarg || *end || v < 0 || v > TD_MAX_SPIN_US) {
+          fprintf(stderr, "tandem-router: --spin-us: 0 to %d microseconds, not '%s'\n", TD_MAX_SPIN_US, optarg);
+          return 2;
+        }
+        o.spin_us = (int)v;
         break;
       }
       case 'n': o.model_name = optarg; break;
@@ -170,6 +181,9 @@ int main(int argc, char **argv) {
                 "                     [--max-held-mb N]  (client messages of the requests held; default 256)\n"
                 "                     [--io-threads N]  (ZeroMQ I/O threads: clients' and workers' connections\n"
                 "                                         spread over them; default 2, at most 16)\n"
+                "                     [--spin-us N]  (after a turn with messages the loop polls N us before it\n"
+                "                                         sleeps: fewer wake-ups a request, a core while it spins;\n"
+                "                                         for hosts with idle cores; default 0, at most 100000)\n"
                 "                     [--metrics-port N [--metrics-host IP]]  (Prometheus' /metrics over HTTP;\n"
                 "                                         0: any free port; host default 127.0.0.1; docs/metrics.md)\n"
                 "                     [--model-name NAME] [--log-level LEVEL]\n"

@@ -74,6 +74,10 @@ typedef struct td_router_opts {
    * (0: TD_DEFAULT_ROUTER_IO_THREADS; TD_ROUTER_MAX_IO_THREADS at most). */
   void *zmq_ctx;
   int io_threads;
+  /* The loop polls without sleeping for spin_us after a turn with messages
+   * (0: never; at most TD_MAX_SPIN_US): a request's hops skip this thread's
+   * wake-ups, for a core while it spins (GPU hosts with idle cores). */
+  int spin_us;
   const td_auth *auth; /* CURVE keys and lists; NULL: plain sockets (docs/security.md) */
   /* The address clients and workers reach the endpoints at, when not the
    * one bound (a wildcard, a container's interface; NULL: as bound): what

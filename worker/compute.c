@@ -6,6 +6,7 @@
  * so the main loop never waits on compute. A group leader also feeds its
  * followers from this thread (leader.c; arrived KV sliced per rank here). */
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -562,10 +563,17 @@ static void *compute_main(void *arg) {
   bool had_work = false;
   int64_t cmd_ns = 0, gather_ns = 0, ev_ns = 0, turns = 0; /* the rest of a turn, logged at the end */
   int64_t t_first = td_now_ns();
+  int64_t spin_ns = (int64_t)w->o.spin_us * 1000, last_work_ns = 0;
   for (;;) {
     turns++;
     pthread_mutex_lock(&w->mu);
     int64_t t_wait = td_now_ns();
+    /* --spin-us: the next command is taken without a wake-up of this thread */
+    while (spin_ns && !w->cmd_head && !w->stop_compute && td_engine_idle(w->e) && td_now_ns() - last_work_ns < spin_ns) {
+      pthread_mutex_unlock(&w->mu);
+      sched_yield();
+      pthread_mutex_lock(&w->mu);
+    }
     while (!w->cmd_head && !w->stop_compute && td_engine_idle(w->e)) {
       timed_wait(w, TD_WORKER_COMPUTE_IDLE_MS * 1000L);
       if (w->world > 1) { /* an idle leader still heartbeats to its followers */
@@ -618,6 +626,7 @@ static void *compute_main(void *arg) {
       if (td_engine_step(w->e) != TD_OK) TD_ERROR("engine step failed: %s", td_errmsg());
       busy_ns += td_now_ns() - t0;
     }
+    if (stepped || added) last_work_ns = td_now_ns();
     t_ev = td_now_ns();
     ev_flush(w);
     ev_ns += td_now_ns() - t_ev;

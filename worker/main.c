@@ -38,6 +38,9 @@ static void usage(FILE *f) {
           "                      --pp-sets 2: two running sets alternate through the stages, every rank alike)\n"
           "                     [--encode-defer N]  (two running sets: steps waiting requests may wait to share an\n"
           "                                         encoder run while both sets run; default 8, -1: never)\n"
+          "                     [--spin-us N]  (the main loop and the compute thread poll N us after work before\n"
+          "                                         they sleep: fewer wake-ups a request, up to two cores while\n"
+          "                                         they spin; for hosts with idle cores; default 0)\n"
           "                     [--cross-mode auto|kv|states|dual]  (what the cross pool holds: as the\n"
           "                                         router; --cross-states: states)\n"
           "                     [--cross-transfer states|kv]  (an encoder-only worker in cross mode auto:\n"
@@ -90,6 +93,7 @@ int main(int argc, char **argv) {
       {"group", required_argument, 0, 'G'},      {"tp", required_argument, 0, 'P'},
       {"pp", required_argument, 0, 'S'},         {"rank", required_argument, 0, 'K'},
       {"pp-sets", required_argument, 0, 1201},   {"encode-defer", required_argument, 0, 1202},
+      {"spin-us", required_argument, 0, 1203},
       {"kv-transport", required_argument, 0, 'X'}, {"cross-states", no_argument, 0, 'C'},
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'W'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
@@ -175,6 +179,16 @@ int main(int argc, char **argv) {
           return 2;
         }
         o.encode_defer = v == 0 ? -1 : (int)v; /* 0 steps: encode at once, as -1 */
+        break;
+      }
+      case 1203: {
+        char *end = NULL;
+        long v = strtol(optarg, &end, 10);
+        if (!*optarg || *end || v < 0 || v > TD_MAX_SPIN_US) {
+          fprintf(stderr, "tandem-worker: --spin-us %s: 0 to %d microseconds\n", optarg, TD_MAX_SPIN_US);
+          return 2;
+        }
+        o.spin_us = (int)v;
         break;
       }
       case 'K': o.rank = atoi(optarg); break;

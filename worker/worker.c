@@ -129,7 +129,10 @@ static td_status create(td_worker *w) {
   }
   w->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (w->efd < 0) return td_err(TD_ERR_IO, "eventfd: %s", strerror(errno));
+  if (o->spin_us < 0 || o->spin_us > TD_MAX_SPIN_US)
+    return td_err(TD_ERR_INVALID, "spin_us %d is outside 0 to %d", o->spin_us, TD_MAX_SPIN_US);
   TD_TRY(td_loop_create(TD_WORKER_STOP_CHECK_MS, &w->loop));
+  td_loop_set_spin(w->loop, o->spin_us);
   w->zctx = zmq_ctx_new();
   w->rsock = w->zctx ? zmq_socket(w->zctx, ZMQ_DEALER) : NULL;
   if (!w->rsock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));

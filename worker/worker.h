@@ -63,6 +63,10 @@ typedef struct td_worker_opts {
   int tp, pp;              /* group size along one of them (the other 1) */
   int pp_sets;             /* a pipeline group: 2 = two running sets (td_model_opts.pp_sets), every rank alike */
   int encode_defer;        /* two running sets: td_engine_opts.encode_defer_steps (0: the engine's default) */
+  /* The main loop and the compute thread poll for spin_us after work before
+   * they sleep (0: never; at most TD_MAX_SPIN_US): a request's first token
+   * skips two thread wake-ups here, for up to two cores while they spin. */
+  int spin_us;
   int rank;
   /* What the cross pool holds (td_model_opts.cross_mode); the router
    * refuses a worker whose mode differs from the cluster's. */

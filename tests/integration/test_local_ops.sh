@@ -153,11 +153,11 @@ check "--auth --decode-tp 2: the group's sockets admit its ranks only" \
   grep -q "(CURVE: the group's ranks only)" "$work/keyed-tp/decode-0.log"
 
 # ---- decode workers that also encode, their encoder runs capped (--local-encode-seqs); the encoder's
-# too (--encoder-seqs), pushing K/V; no encoder cache; an added encoder and decode worker take the
-# options their role was started with
+# too (--encoder-seqs), pushing K/V; no encoder cache; every loop spinning 2 ms after work (--spin-us);
+# an added encoder and decode worker take the options their role was started with
 "$root/deploy/local.sh" --run-dir "$work/lse" --encoders 1 --prefills 0 --decodes 1 --decoders-encode \
   --local-encode-seqs 2 --encoder-seqs 3 --cross-transfer kv --encode-queue-runs 5 --encoder-cache-fraction 0 \
-  --no-gateway --no-metrics >"$work/lse.out" 2>"$work/lse.err" &
+  --spin-us 2000 --no-gateway --no-metrics >"$work/lse.out" 2>"$work/lse.err" &
 lse=$!
 wait_for 600 grep -q '^router ' "$work/lse.out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/lse.out")
@@ -181,6 +181,8 @@ no_cache() { tr '\0' ' ' <"/proc/$(cat "$work/lse/encoder-0.pid")/cmdline" | gre
 check "--encoder-cache-fraction 0 reaches the workers" no_cache
 queue_runs() { tr '\0' ' ' <"/proc/$(cat "$work/lse/router.pid")/cmdline" | grep -q -- "--encode-queue-runs 5 "; }
 check "--encode-queue-runs reaches the router" queue_runs
+spins() { for p in router encoder-0 encoder-1 decode-0 decode-1; do args_of "$p" | grep -q -- "--spin-us 2000 " || return 1; done; }
+check "--spin-us reaches the router and every worker, added ones too" spins
 kill -TERM "$lse"
 wait "$lse"
 "$root/deploy/local.sh" --local-encode-seqs 2 >/dev/null 2>"$work/lse-bad.err"
@@ -197,6 +199,8 @@ check "--encode-queue-runs 1001 is refused" grep -q "encode-queue-runs must be 1
 check "--encoder-cache-fraction 1.5 is refused" grep -q "must be in \\[0, 1\\]" "$work/lse-bad.err"
 "$root/deploy/local.sh" --gateway-spin-us 100001 >/dev/null 2>"$work/lse-bad.err"
 check "--gateway-spin-us 100001 is refused" grep -q "gateway-spin-us must be 0 to 100000" "$work/lse-bad.err"
+"$root/deploy/local.sh" --spin-us 100001 >/dev/null 2>"$work/lse-bad.err"
+check "--spin-us 100001 is refused" grep -q "spin-us must be 0 to 100000" "$work/lse-bad.err"
 "$root/deploy/local.sh" --decode-pp 2 --encode-defer 4 >/dev/null 2>"$work/lse-bad.err"
 check "--encode-defer without --pp-sets 2 is refused" grep -q "encode-defer takes a number of steps, with --pp-sets 2" "$work/lse-bad.err"
 "$root/deploy/local.sh" --decode-pp 2 --pp-sets 2 --encode-defer soon >/dev/null 2>"$work/lse-bad.err"
@@ -228,5 +232,7 @@ check "cluster file: ids twice" refused "ids twice" "$(jq -c '.hosts += [.hosts[
 check "cluster file: keys not by an absolute path" refused "keys.dir" "$(jq -c '.keys = {dir: "keys"}' <<<"$good")"
 check "cluster file: keys and a UCX pool" refused "UCX has no CURVE" \
   "$(jq -c '.keys = {dir: "/k"} | .hosts[0].pools[0].kv_transport = "ucx"' <<<"$good")"
+check "cluster file: an absurd router spin" refused "router.spin_us" "$(jq -c '.router.spin_us = 100001' <<<"$good")"
+check "cluster file: a pool's spin not a number" refused "spin_us: 0 to 100000" "$(jq -c '.hosts[0].pools[0].spin_us = "fast"' <<<"$good")"
 echo "$failed failed"
 ((failed == 0))

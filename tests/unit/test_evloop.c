@@ -145,6 +145,48 @@ Test(evloop, before_sleep_false_means_no_sleep) {
   td_loop_destroy(l);
 }
 
+static void on_fd_count(td_loop *l, void *ctx) {
+  counts *c = ctx;
+  uint64_t v;
+  if (read(c->efd, &v, sizeof v) == sizeof v) c->fd += (int)v;
+}
+
+/* --spin-us: after a turn with a file event the loop polls without
+ * sleeping until the window ends, then sleeps as before. */
+Test(evloop, spins_after_io_then_sleeps) {
+  td_loop *l;
+  cr_assert_eq(td_loop_create(300, &l), TD_OK);
+  counts c = {.efd = eventfd(0, EFD_NONBLOCK)};
+  cr_assert_geq(c.efd, 0);
+  cr_assert_eq(td_loop_add_fd(l, c.efd, on_fd_count, &c, NULL), TD_OK);
+  td_loop_set_spin(l, 5 * 1000 * 1000);
+  uint64_t one = 1;
+  cr_assert_eq(write(c.efd, &one, sizeof one), (ssize_t)sizeof one);
+  cr_assert_eq(td_loop_run_once(l), TD_OK);
+  cr_assert_eq(c.fd, 1);
+  int64_t t0 = td_now_ms();
+  for (int i = 0; i < 20; i++) cr_assert_eq(td_loop_run_once(l), TD_OK);
+  cr_assert_lt(td_now_ms() - t0, 250, "turns inside the spin window must not sleep 300 ms");
+  /* a short window: past it, an idle turn sleeps its max_wait_ms */
+  td_loop_set_spin(l, 20 * 1000);
+  cr_assert_eq(write(c.efd, &one, sizeof one), (ssize_t)sizeof one);
+  cr_assert_eq(td_loop_run_once(l), TD_OK);
+  cr_assert_eq(c.fd, 2);
+  usleep(40 * 1000);
+  t0 = td_now_ms();
+  cr_assert_eq(td_loop_run_once(l), TD_OK);
+  cr_assert_geq(td_now_ms() - t0, 250, "after the window the loop sleeps again");
+  /* 0 turns spinning off: an idle turn right after an event sleeps */
+  td_loop_set_spin(l, 0);
+  cr_assert_eq(write(c.efd, &one, sizeof one), (ssize_t)sizeof one);
+  cr_assert_eq(td_loop_run_once(l), TD_OK);
+  t0 = td_now_ms();
+  cr_assert_eq(td_loop_run_once(l), TD_OK);
+  cr_assert_geq(td_now_ms() - t0, 250);
+  close(c.efd);
+  td_loop_destroy(l);
+}
+
 Test(evloop, refuses_bad_events) {
   td_loop *l;
   cr_assert_eq(td_loop_create(0, &l), TD_OK);

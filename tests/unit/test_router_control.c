@@ -467,6 +467,35 @@ Test(router_control, generate_is_placed_and_tokens_flow_back_with_offsets, .time
   finish(&h, socks, 1);
 }
 
+/* --spin-us: a loop that polls without sleeping after work serves as one
+ * that sleeps; a window past TD_MAX_SPIN_US is refused at creation. */
+Test(router_control, a_spinning_router_serves_and_absurd_spins_are_refused, .timeout = 30) {
+  td_router *bad = NULL;
+  td_router_opts bo = {.client_endpoint = "inproc://spin-c", .worker_endpoint = "inproc://spin-w",
+                       .spin_us = TD_MAX_SPIN_US + 1};
+  cr_expect_eq(td_router_create(&bo, &bad), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "spin_us 100001 is outside 0 to 100000"), "%s", td_errmsg());
+  cr_expect_null(bad);
+  harness h;
+  start(&h, (td_router_opts){.spin_us = 2000});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  for (int k = 0; k < 3; k++) {
+    char id[8];
+    snprintf(id, sizeof id, "s%d", k);
+    generate(&h, (gen){.id = id, .max_new = 2, .stream = true});
+    Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+    uint64_t rid = job->decode->req->rid;
+    wfree(job);
+    int32_t t[2] = {7, 8};
+    send_tokens(w, rid, 0, t, 2);
+    send_finished(w, rid, t, 2);
+    expect_chunk(&h, id, 0, t, 2);
+    expect_result(&h, id, t, 2, 1);
+  }
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
 /* A worker's step of many sequences comes as one TokensBatch: each item
  * reaches its own request, in order, and a client's chunks of the batch
  * go to it as one ChunkBatch. */

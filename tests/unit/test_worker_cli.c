@@ -78,3 +78,15 @@ Test(worker_cli, encode_defer_is_checked) {
   cr_expect_eq(run_worker(args, err, sizeof err), 2, "%s", err);
   cr_expect(strstr(err, "--encode-defer is for two running sets"), "%s", err);
 }
+
+/* --spin-us: 0 to TD_MAX_SPIN_US microseconds, nothing else. */
+Test(worker_cli, spin_is_checked) {
+  char err[4096];
+  const char *bad[] = {"x", "-1", "100001", "", "5ms"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char args[256];
+    snprintf(args, sizeof args, "--router tcp://127.0.0.1:1 --model /nonexistent --spin-us '%s'", bad[i]);
+    cr_expect_eq(run_worker(args, err, sizeof err), 2, "%s: %s", bad[i], err);
+    cr_expect(strstr(err, "0 to 100000 microseconds"), "%s: %s", bad[i], err);
+  }
+}
