@@ -173,15 +173,18 @@ void td_client_close(td_client *c) {
 
 int td_client_pending(const td_client *c) { return (int)HASH_COUNT(c->pend); }
 
-static td_status send_client(td_client *c, Tandem__ClientMessage *m) {
+/* extra: a second frame (the features' values; NULL: none), which the router forwards by reference */
+static td_status send_client_extra(td_client *c, Tandem__ClientMessage *m, zmq_msg_t *extra) {
   m->version = TD_PROTOCOL_VERSION;
   /* the router's socket would drop the connection without a word */
-  size_t n = protobuf_c_message_get_packed_size(&m->base);
-  if (n > TD_CLIENT_MAX_MSG_BYTES)
+  size_t n = protobuf_c_message_get_packed_size(&m->base), x = extra ? zmq_msg_size(extra) : 0;
+  if (n > TD_CLIENT_MAX_MSG_BYTES || x > TD_CLIENT_MAX_MSG_BYTES)
     return td_err(TD_ERR_INVALID, "the request's message has %zu bytes; a router takes at most %u "
-                  "(TD_CLIENT_MAX_MSG_BYTES)", n, (unsigned)TD_CLIENT_MAX_MSG_BYTES);
-  return td_wire_send(c->sock, NULL, 0, &m->base);
+                  "(TD_CLIENT_MAX_MSG_BYTES)", n > x ? n : x, (unsigned)TD_CLIENT_MAX_MSG_BYTES);
+  return td_wire_send_extra(c->sock, NULL, 0, &m->base, extra);
 }
+
+static td_status send_client(td_client *c, Tandem__ClientMessage *m) { return send_client_extra(c, m, NULL); }
 
 td_status td_client_generate(td_client *c, const td_json_request *r, bool stream, uint32_t timeout_ms) {
   pending *p = NULL;
@@ -219,9 +222,14 @@ td_status td_client_generate(td_client *c, const td_json_request *r, bool stream
   g.request_id = (char *)r->id;
   g.input_ids = r->input_ids;
   g.n_input_ids = (size_t)r->n_input;
-  if (r->features) {
-    af.values = r->features;
-    af.n_values = r->n_features;
+  zmq_msg_t feat;
+  zmq_msg_init(&feat);
+  if (r->features) { /* in a frame of their own: the router passes it on without parsing or copying it */
+    zmq_msg_close(&feat);
+    if (zmq_msg_init_size(&feat, sizeof(float) * r->n_features) != 0)
+      return td_err(TD_ERR_NOMEM, "out of memory for %zu audio feature values", r->n_features);
+    memcpy(zmq_msg_data(&feat), r->features, sizeof(float) * r->n_features);
+    af.values_in_frame = true;
     g.features = &af;
   }
   g.decoder_prompt = r->prompt;
@@ -244,7 +252,9 @@ td_status td_client_generate(td_client *c, const td_json_request *r, bool stream
   m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
   m.generate = &g;
   take_events(c); /* which connection it goes out on, as of now */
-  TD_TRY(send_client(c, &m));
+  td_status s = send_client_extra(c, &m, r->features ? &feat : NULL);
+  zmq_msg_close(&feat);
+  TD_TRY(s);
   p = calloc(1, sizeof *p);
   if (!p || !(p->id = strdup(r->id))) {
     free(p);

@@ -10,6 +10,9 @@
 
 #include "common/defaults.h"
 
+/* feature frames are little-endian float32, as protobuf's floats, copied as they are */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a little-endian host");
+
 void td_wire_set_unique_route(void *sock, const char *name) {
   uint64_t rnd = 0;
   if (getrandom(&rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) {
@@ -35,22 +38,33 @@ void td_wire_setup_socket(void *sock) {
   zmq_setsockopt(sock, ZMQ_HEARTBEAT_TIMEOUT, &tmo, sizeof tmo);
 }
 
-td_status td_wire_send(void *sock, const uint8_t *id, size_t id_len, const ProtobufCMessage *msg) {
+td_status td_wire_send_extra(void *sock, const uint8_t *id, size_t id_len, const ProtobufCMessage *msg,
+                             zmq_msg_t *extra) {
   size_t n = protobuf_c_message_get_packed_size(msg);
-  zmq_msg_t m;
+  zmq_msg_t m, x;
   if (zmq_msg_init_size(&m, n ? n : 1) != 0) return td_err(TD_ERR_NOMEM, "zmq message of %zu bytes", n);
   protobuf_c_message_pack(msg, zmq_msg_data(&m));
-  if (id && zmq_send(sock, id, id_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) {
+  zmq_msg_init(&x);
+  if (extra && zmq_msg_copy(&x, extra) != 0) { /* a reference: the bytes stay where they are */
+    zmq_msg_close(&m);
+    zmq_msg_close(&x);
+    return td_err(TD_ERR_NETWORK, "zmq message copy: %s", zmq_strerror(errno));
+  }
+  /* the later frames of a message whose first was queued are queued too (ZeroMQ sends it whole or not at all) */
+  if ((id && zmq_send(sock, id, id_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) ||
+      zmq_msg_send(&m, sock, ZMQ_DONTWAIT | (extra ? ZMQ_SNDMORE : 0)) < 0 ||
+      (extra && zmq_msg_send(&x, sock, ZMQ_DONTWAIT) < 0)) {
     int e = errno;
     zmq_msg_close(&m);
+    zmq_msg_close(&x);
     return td_err(e == EAGAIN ? TD_ERR_OVERLOADED : TD_ERR_NETWORK, "zmq send: %s", zmq_strerror(e));
   }
-  if (zmq_msg_send(&m, sock, ZMQ_DONTWAIT) < 0) {
-    int e = errno;
-    zmq_msg_close(&m);
-    return td_err(e == EAGAIN ? TD_ERR_OVERLOADED : TD_ERR_NETWORK, "zmq send: %s", zmq_strerror(e));
-  }
+  zmq_msg_close(&x);
   return TD_OK;
+}
+
+td_status td_wire_send(void *sock, const uint8_t *id, size_t id_len, const ProtobufCMessage *msg) {
+  return td_wire_send_extra(sock, id, id_len, msg, NULL);
 }
 
 static bool more(void *sock) {
@@ -93,10 +107,15 @@ td_status td_wire_recv(void *sock, bool router, bool wait, td_wire_frame *out) {
       return td_err(TD_ERR_NETWORK, "zmq recv: %s", zmq_strerror(errno));
     }
   }
+  zmq_msg_init(&out->extra);
   if (more(sock)) {
-    zmq_msg_close(&m);
-    drain(sock);
-    return td_err(TD_ERR_FORMAT, "message with extra frames");
+    if (zmq_msg_recv(&out->extra, sock, 0) < 0 || more(sock)) {
+      zmq_msg_close(&m);
+      zmq_msg_close(&out->extra);
+      drain(sock);
+      return td_err(TD_ERR_FORMAT, "message with more than one frame after its body");
+    }
+    out->has_extra = true;
   }
   out->len = zmq_msg_size(&m);
   zmq_msg_init(&out->msg);
@@ -109,7 +128,8 @@ td_status td_wire_recv(void *sock, bool router, bool wait, td_wire_frame *out) {
 
 void td_wire_frame_free(td_wire_frame *f) {
   if (f->has_msg) zmq_msg_close(&f->msg);
-  f->has_msg = false;
+  if (f->has_extra) zmq_msg_close(&f->extra);
+  f->has_msg = f->has_extra = false;
   f->data = NULL;
 }
 
@@ -153,7 +173,46 @@ static void drop_unknown(ProtobufCMessage *m) {
   }
 }
 
-#define UNPACK(fn, type, desc)                                                                        \
+/* The features whose values a message's second frame carries, if any. */
+static Tandem__AudioFeatures *client_claim(Tandem__ClientMessage *m) {
+  return m->body_case == TANDEM__CLIENT_MESSAGE__BODY_GENERATE && m->generate->features &&
+                 m->generate->features->values_in_frame
+             ? m->generate->features
+             : NULL;
+}
+
+static Tandem__AudioFeatures *router_claim(Tandem__Cluster__RouterMessage *m) {
+  const Tandem__Cluster__RequestSpec *sp = NULL;
+  if (m->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE) sp = m->decode->req;
+  if (m->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE) sp = m->encode->req;
+  if (m->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL) sp = m->prefill->req;
+  return sp && sp->features && sp->features->values_in_frame ? sp->features : NULL;
+}
+
+static Tandem__AudioFeatures *no_claim(void *m) {
+  (void)m;
+  return NULL;
+}
+
+/* A second frame is there exactly when a field claims it, and holds what
+ * that field says: mel_bins x frames float32. */
+static td_status check_claim(const td_wire_frame *f, const Tandem__AudioFeatures *a) {
+  if (!a && f->has_extra)
+    return td_err(TD_ERR_FORMAT, "a frame of %zu bytes after the message, which no field of it claims",
+                  zmq_msg_size((zmq_msg_t *)&f->extra));
+  if (!a) return TD_OK;
+  if (!f->has_extra) return td_err(TD_ERR_FORMAT, "AudioFeatures.values_in_frame, but no frame follows the message");
+  if (a->n_values) return td_err(TD_ERR_FORMAT, "AudioFeatures: %zu values and values_in_frame", a->n_values);
+  size_t want = (size_t)a->mel_bins * a->frames * sizeof(float), got = zmq_msg_size((zmq_msg_t *)&f->extra);
+  if (!got || got % sizeof(float))
+    return td_err(TD_ERR_FORMAT, "AudioFeatures in a frame of %zu bytes: not a whole number of float32", got);
+  if ((a->mel_bins || a->frames) && got != want) /* without them the receiver checks the count against its model */
+    return td_err(TD_ERR_FORMAT, "AudioFeatures of %u x %u values in a frame of %zu bytes (%zu expected)", a->mel_bins,
+                  a->frames, got, want);
+  return TD_OK;
+}
+
+#define UNPACK(fn, type, desc, claim)                                                                 \
   td_status fn(const td_wire_frame *f, type **out, uint32_t *version) {                              \
     *out = NULL;                                                                                      \
     *version = peek_version(f->data, f->len);                                                         \
@@ -165,14 +224,31 @@ static void drop_unknown(ProtobufCMessage *m) {
     type *m = (type *)protobuf_c_message_unpack(&desc, NULL, f->len, f->data);                        \
     if (!m) return td_err(TD_ERR_FORMAT, "malformed message (%zu bytes)", f->len);                    \
     drop_unknown(&m->base);                                                                           \
+    td_status s = check_claim(f, claim(m));                                                           \
+    if (s != TD_OK) {                                                                                 \
+      protobuf_c_message_free_unpacked(&m->base, NULL);                                               \
+      return s;                                                                                       \
+    }                                                                                                 \
     *out = m;                                                                                         \
     return TD_OK;                                                                                     \
   }
 
-UNPACK(td_wire_unpack_client, Tandem__ClientMessage, tandem__client_message__descriptor)
-UNPACK(td_wire_unpack_server, Tandem__ServerMessage, tandem__server_message__descriptor)
-UNPACK(td_wire_unpack_worker, Tandem__Cluster__WorkerMessage, tandem__cluster__worker_message__descriptor)
-UNPACK(td_wire_unpack_router, Tandem__Cluster__RouterMessage, tandem__cluster__router_message__descriptor)
+UNPACK(td_wire_unpack_client, Tandem__ClientMessage, tandem__client_message__descriptor, client_claim)
+UNPACK(td_wire_unpack_server, Tandem__ServerMessage, tandem__server_message__descriptor, no_claim)
+UNPACK(td_wire_unpack_worker, Tandem__Cluster__WorkerMessage, tandem__cluster__worker_message__descriptor, no_claim)
+UNPACK(td_wire_unpack_router, Tandem__Cluster__RouterMessage, tandem__cluster__router_message__descriptor, router_claim)
+
+td_status td_wire_features_inline(td_wire_frame *f, Tandem__AudioFeatures *a) {
+  if (!a || !a->values_in_frame) return TD_OK;
+  size_t n = zmq_msg_size(&f->extra) / sizeof(float); /* a whole number of them: checked at unpacking */
+  float *v = malloc(sizeof *v * (n ? n : 1));
+  if (!v) return td_err(TD_ERR_NOMEM, "out of memory for %zu audio feature values", n);
+  memcpy(v, zmq_msg_data(&f->extra), sizeof *v * n);
+  a->values = v; /* freed with the message */
+  a->n_values = n;
+  a->values_in_frame = false;
+  return TD_OK;
+}
 
 Tandem__ErrorCode td_wire_error_code(td_status s) {
   switch (s) {

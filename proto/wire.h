@@ -26,13 +26,22 @@ typedef struct td_wire_frame {
   zmq_msg_t msg;  /* holds data until td_wire_frame_free (a frame is never copied by value: small messages keep
                      their bytes inside msg) */
   bool has_msg;
+  /* A second frame after the message: bulk data a field of it claims
+   * (AudioFeatures.values_in_frame); whoever takes it moves it out. */
+  zmq_msg_t extra;
+  bool has_extra;
 } td_wire_frame;
 
 /* Packs msg and sends it, after the identity frame when id != NULL.
  * Non-blocking: a full queue reports TD_ERR_OVERLOADED. */
 td_status td_wire_send(void *sock, const uint8_t *id, size_t id_len, const ProtobufCMessage *msg);
-/* Receives one message (non-blocking unless `wait`). TD_ERR_NOT_FOUND when
- * nothing is ready. Frames that do not fit the expected shape are
+/* The same with a second frame (NULL: none): extra is sent by reference
+ * (a copy of the handle, not of the bytes) and stays the caller's. */
+td_status td_wire_send_extra(void *sock, const uint8_t *id, size_t id_len, const ProtobufCMessage *msg,
+                             zmq_msg_t *extra);
+/* Receives one message (non-blocking unless `wait`), and its second frame
+ * when one follows. TD_ERR_NOT_FOUND when nothing is ready. Frames that do
+ * not fit the expected shape (more than two after the identity) are
  * consumed and reported as TD_ERR_FORMAT (id filled when known). */
 td_status td_wire_recv(void *sock, bool router, bool wait, td_wire_frame *out);
 void td_wire_frame_free(td_wire_frame *f);
@@ -53,6 +62,14 @@ void td_wire_setup_socket(void *sock);
  * process claiming the same id is a registration the router can refuse,
  * not a libzmq identity clash. */
 void td_wire_set_unique_route(void *sock, const char *name);
+
+/* The unpackers also check the second frame: there exactly when a field
+ * claims it (AudioFeatures.values_in_frame), of the size it says. Frames
+ * are little-endian float32, as protobuf's own floats. */
+
+/* Copies a claimed frame's features into a->values (the message then
+ * holds them as if sent inline); a no-op for other features. */
+td_status td_wire_features_inline(td_wire_frame *f, Tandem__AudioFeatures *a);
 
 /* Maps between status codes and the protocol's error codes. */
 Tandem__ErrorCode td_wire_error_code(td_status s);

@@ -49,6 +49,16 @@ typedef enum rtr_role { RTR_DECODE, RTR_ENCODE, RTR_PREFILL } rtr_role;
 typedef enum stage { ST_QUEUED, ST_RESERVING, ST_ENCODING, ST_PREFILLING, ST_DECODING } stage;
 extern const char *const rtr_stage_names[];
 
+/* A request's audio features received as a frame of their own
+ * (AudioFeatures.values_in_frame): held once, forwarded to the encoding
+ * worker by reference. While held, the request's AudioFeatures.values
+ * points into it, so that admission reads the values as if inline; the
+ * pointer is taken back before the message is freed (rtr_client_msg_free). */
+typedef struct td_feat_frame {
+  zmq_msg_t m;
+  bool has;
+} td_feat_frame;
+
 typedef struct rreq {
   uint64_t rid;          /* (serial << 8) | attempt: changes with every attempt */
   uint64_t serial;
@@ -58,6 +68,7 @@ typedef struct rreq {
   char *ckey;            /* client identity + id, for cancel */
   Tandem__ClientMessage *msg; /* owns the GenerateRequest */
   Tandem__GenerateRequest *g;
+  td_feat_frame feat;    /* the features' values as the client sent them, in a frame of their own (rtr_feat_adopt) */
   td_req_shape sh;
   bool multi;            /* n > 1 or beams: no resume from streamed tokens */
   stage st;
@@ -191,6 +202,8 @@ struct td_router {
 
 /* ---- loop.c: sending */
 td_status rtr_send_worker(td_router *r, const worker *w, Tandem__Cluster__RouterMessage *m);
+/* The same with a second frame sent by reference (a job's features frame; NULL: none). */
+td_status rtr_send_worker_extra(td_router *r, const worker *w, Tandem__Cluster__RouterMessage *m, zmq_msg_t *extra);
 /* to a peer of the worker socket that may not be registered */
 td_status rtr_send_peer(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__RouterMessage *m);
 void rtr_send_client(td_router *r, const uint8_t *id, size_t id_len, Tandem__ServerMessage *m);
@@ -278,6 +291,7 @@ typedef struct rtr_parked {
   uint8_t client[TD_WIRE_MAX_ID];
   size_t client_len;
   Tandem__ClientMessage *msg;
+  td_feat_frame feat;
   size_t bytes;
   int64_t t;
 } rtr_parked;
@@ -286,7 +300,13 @@ void rtr_unpark(td_router *r);
 /* Fails them all (the router stops). */
 void rtr_parked_fail(td_router *r, const char *why);
 /* bytes: the client message's, held against max_held_bytes while the request lives */
-void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes);
+/* feat: the message's features frame (moved from; NULL: none); bytes: the message's and the frame's */
+void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes,
+                     zmq_msg_t *feat);
+/* Moves a features frame into dst and points msg's features at it. */
+void rtr_feat_adopt(Tandem__ClientMessage *msg, td_feat_frame *dst, zmq_msg_t *src);
+/* Frees a held client message and its features frame. */
+void rtr_client_msg_free(Tandem__ClientMessage *msg, td_feat_frame *feat);
 void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c);
 /* The request of this rid, or NULL (then the worker is told to let go of it). */
 rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w);

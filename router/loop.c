@@ -22,10 +22,15 @@ td_status rtr_send_peer(td_router *r, const uint8_t *id, size_t id_len, Tandem__
   return td_wire_send(r->wsock, id, id_len, &m->base);
 }
 
-td_status rtr_send_worker(td_router *r, const worker *w, Tandem__Cluster__RouterMessage *m) {
-  td_status s = rtr_send_peer(r, w->route, w->route_len, m);
+td_status rtr_send_worker_extra(td_router *r, const worker *w, Tandem__Cluster__RouterMessage *m, zmq_msg_t *extra) {
+  m->version = TD_PROTOCOL_VERSION;
+  td_status s = td_wire_send_extra(r->wsock, w->route, w->route_len, &m->base, extra);
   if (s != TD_OK) TD_WARN("router: send to worker %s: %s", w->id, td_errmsg());
   return s;
+}
+
+td_status rtr_send_worker(td_router *r, const worker *w, Tandem__Cluster__RouterMessage *m) {
+  return rtr_send_worker_extra(r, w, m, NULL);
 }
 
 void rtr_send_client(td_router *r, const uint8_t *id, size_t id_len, Tandem__ServerMessage *m) {
@@ -143,7 +148,9 @@ static void on_client_message(td_router *r) {
   switch (m->body_case) {
     case TANDEM__CLIENT_MESSAGE__BODY_GENERATE:
       td_log_set_request(m->generate ? m->generate->request_id : NULL);
-      rtr_on_generate(r, f.id, f.id_len, m, f.len); /* keeps or frees the message */
+      /* keeps or frees the message, and takes its features frame (the wire checked it is claimed) */
+      rtr_on_generate(r, f.id, f.id_len, m, f.len + (f.has_extra ? zmq_msg_size(&f.extra) : 0),
+                      f.has_extra ? &f.extra : NULL);
       td_log_set_request(NULL);
       m = NULL;
       break;
@@ -312,7 +319,7 @@ void td_router_destroy(td_router *r) {
   rtr_probes_free(r);
   for (int i = 0; i < r->parked.n; i++) {
     rtr_parked *p = r->parked.v[i];
-    tandem__client_message__free_unpacked(p->msg, NULL);
+    rtr_client_msg_free(p->msg, &p->feat);
     free(p);
   }
   td_ptrvec_free(&r->parked);

@@ -97,7 +97,7 @@ void rtr_req_free(td_router *r, rreq *q) {
   HASH_DELETE(hh, r->by_rid, q);
   HASH_DELETE(hc, r->by_ckey, q);
   rtr_detect_undo(q);
-  tandem__client_message__free_unpacked(q->msg, NULL);
+  rtr_client_msg_free(q->msg, &q->feat);
   free(q->cid);
   free(q->ckey);
   td_i32vec_free(&q->streamed);
@@ -197,12 +197,16 @@ rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w) {
  * the tokens already streamed. Audio features go only to the worker that
  * encodes them (`encodes`): a Whisper request's 1.5 MB would otherwise
  * travel to its decode and prefill workers too, which get the cross KV.
+ * Features the client sent in a frame of their own go on in it: *frame is
+ * that frame for the job's send (NULL: none), sp's AudioFeatures then hdr.
  * Returns the prompt buffer the spec points into (the caller frees it after
  * sending), NULL when out of memory. */
-static int32_t *spec_of(const td_router *r, const rreq *q, bool encodes, Tandem__Cluster__RequestSpec *sp) {
+static int32_t *spec_of(const td_router *r, rreq *q, bool encodes, Tandem__Cluster__RequestSpec *sp,
+                        Tandem__AudioFeatures *hdr, zmq_msg_t **frame) {
   const Tandem__GenerateRequest *g = q->g;
   int32_t *prompt = malloc(sizeof(int32_t) * (g->n_decoder_prompt + (size_t)q->streamed.n + 1));
   tandem__cluster__request_spec__init(sp);
+  *frame = NULL;
   if (!prompt) return NULL;
   int np = 0;
   for (size_t i = 0; i < g->n_decoder_prompt; i++) prompt[np++] = g->decoder_prompt[i];
@@ -212,6 +216,14 @@ static int32_t *spec_of(const td_router *r, const rreq *q, bool encodes, Tandem_
   sp->input_ids = g->input_ids;
   sp->n_input_ids = g->n_input_ids;
   sp->features = encodes ? g->features : NULL;
+  if (encodes && q->feat.has) { /* by reference: the 1.5 MB of a Whisper request are neither copied nor parsed */
+    *hdr = *g->features;
+    hdr->values = NULL;
+    hdr->n_values = 0;
+    hdr->values_in_frame = true;
+    sp->features = hdr;
+    *frame = &q->feat.m;
+  }
   sp->decoder_prompt = prompt;
   sp->n_decoder_prompt = (size_t)np;
   sp->sampling = g->sampling;
@@ -265,7 +277,9 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
     return;
   }
   Tandem__Cluster__RequestSpec sp;
-  int32_t *prompt = spec_of(r, q, pl->local_encode, &sp);
+  Tandem__AudioFeatures hdr;
+  zmq_msg_t *frame;
+  int32_t *prompt = spec_of(r, q, pl->local_encode, &sp, &hdr, &frame);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
@@ -309,7 +323,7 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE;
   m.decode = &dj;
-  td_status s = rtr_send_worker(r, d, &m);
+  td_status s = rtr_send_worker_extra(r, d, &m, frame);
   free(prompt);
   TD_LOG_ABOUT(q->cid, TD_DEBUG, "request %s (rid %llu) placed: decode %s, encode %s, prefill %s", q->cid,
                (unsigned long long)q->rid, d->id, e ? e->id : "local", p ? p->id : "-");
@@ -349,7 +363,9 @@ void rtr_send_encode(td_router *r, rreq *q) {
     return;
   }
   Tandem__Cluster__RequestSpec sp;
-  int32_t *prompt = spec_of(r, q, true, &sp);
+  Tandem__AudioFeatures hdr;
+  zmq_msg_t *frame;
+  int32_t *prompt = spec_of(r, q, true, &sp, &hdr, &frame);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
@@ -366,7 +382,7 @@ void rtr_send_encode(td_router *r, rreq *q) {
   m.encode = &ej;
   q->st = ST_ENCODING;
   q->t_stage = q->t_encode_sent = td_now_ms();
-  td_status s = rtr_send_worker(r, e, &m);
+  td_status s = rtr_send_worker_extra(r, e, &m, frame);
   free(prompt);
   if (s != TD_OK) rtr_req_kv_failed(r, q, "could not reach the encoder");
 }
@@ -378,7 +394,9 @@ void rtr_send_prefill(td_router *r, rreq *q) {
     return;
   }
   Tandem__Cluster__RequestSpec sp;
-  int32_t *prompt = spec_of(r, q, false, &sp);
+  Tandem__AudioFeatures hdr;
+  zmq_msg_t *frame;
+  int32_t *prompt = spec_of(r, q, false, &sp, &hdr, &frame);
   if (!prompt) {
     rtr_req_fail(r, q, TANDEM__ERROR_CODE__ERROR_INTERNAL, "out of memory");
     return;
@@ -394,12 +412,33 @@ void rtr_send_prefill(td_router *r, rreq *q) {
   Tandem__Cluster__RouterMessage m = TANDEM__CLUSTER__ROUTER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_PREFILL;
   m.prefill = &pj;
-  td_status s = rtr_send_worker(r, p, &m);
+  td_status s = rtr_send_worker_extra(r, p, &m, frame);
   free(prompt);
   if (s != TD_OK) rtr_req_kv_failed(r, q, "could not reach the prefill worker");
 }
 
 /* ------------------------------------------------------------ clients */
+
+void rtr_feat_adopt(Tandem__ClientMessage *msg, td_feat_frame *dst, zmq_msg_t *src) {
+  zmq_msg_init(&dst->m);
+  zmq_msg_move(&dst->m, src); /* a frame's bytes may live inside the handle: the pointer is taken after the move */
+  dst->has = true;
+  Tandem__AudioFeatures *a = msg->generate->features;
+  a->values = zmq_msg_data(&dst->m);
+  a->n_values = zmq_msg_size(&dst->m) / sizeof(float);
+}
+
+void rtr_client_msg_free(Tandem__ClientMessage *msg, td_feat_frame *feat) {
+  if (feat && feat->has) {
+    if (msg && msg->generate && msg->generate->features) { /* the frame's, not protobuf-c's to free */
+      msg->generate->features->values = NULL;
+      msg->generate->features->n_values = 0;
+    }
+    zmq_msg_close(&feat->m);
+    feat->has = false;
+  }
+  if (msg) tandem__client_message__free_unpacked(msg, NULL);
+}
 
 /* The key a client's request is found by: its identity (hex) and its id. */
 static char *client_key(const uint8_t *cid, size_t cid_len, const char *id) {
@@ -451,7 +490,8 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRe
 }
 
 /* Holds a request until a worker tells the model; false when it cannot. */
-static bool park(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes) {
+static bool park(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes,
+                 zmq_msg_t *feat) {
   if (r->queue.n + r->parked.n >= r->o.max_queue || r->held_bytes + (long long)bytes > r->o.max_held_bytes)
     return false;
   rtr_parked *p = calloc(1, sizeof *p);
@@ -462,6 +502,7 @@ static bool park(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__Clien
   memcpy(p->client, cid, cid_len);
   p->client_len = cid_len;
   p->msg = msg;
+  if (feat) rtr_feat_adopt(msg, &p->feat, feat);
   p->bytes = bytes;
   p->t = td_now_ms();
   r->held_bytes += (long long)bytes;
@@ -476,7 +517,7 @@ void rtr_unpark(td_router *r) {
     rtr_parked *p = parked.v[i];
     r->held_bytes -= (long long)p->bytes;
     td_log_set_request(p->msg->generate->request_id);
-    rtr_on_generate(r, p->client, p->client_len, p->msg, p->bytes);
+    rtr_on_generate(r, p->client, p->client_len, p->msg, p->bytes, p->feat.has ? &p->feat.m : NULL);
     td_log_set_request(NULL);
     free(p);
   }
@@ -490,7 +531,7 @@ static void parked_end(td_router *r, int i, const char *why) {
   rtr_client_error(r, p->client, p->client_len, id, TANDEM__ERROR_CODE__ERROR_UNAVAILABLE, why);
   r->held_bytes -= (long long)p->bytes;
   td_ptrvec_remove(&r->parked, p);
-  tandem__client_message__free_unpacked(p->msg, NULL);
+  rtr_client_msg_free(p->msg, &p->feat);
   free(p);
 }
 
@@ -526,18 +567,21 @@ static bool parked_cancel(td_router *r, const uint8_t *cid, size_t cid_len, cons
     rtr_client_error(r, cid, cid_len, id, TANDEM__ERROR_CODE__ERROR_CANCELLED, "cancelled by the client");
     r->held_bytes -= (long long)p->bytes;
     td_ptrvec_remove(&r->parked, p);
-    tandem__client_message__free_unpacked(p->msg, NULL);
+    rtr_client_msg_free(p->msg, &p->feat);
     free(p);
     return true;
   }
   return false;
 }
 
-void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes) {
+void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes,
+                     zmq_msg_t *feat) {
   Tandem__GenerateRequest *g = msg->generate;
   /* a router that just started knows no model until a worker registers: the
    * request waits for one (its id is checked then) */
-  if (!r->have_model && park(r, cid, cid_len, msg, bytes)) return;
+  if (!r->have_model && park(r, cid, cid_len, msg, bytes, feat)) return;
+  td_feat_frame held = {.has = false};
+  if (feat) rtr_feat_adopt(msg, &held, feat); /* admission reads the values where they are */
   const char *id = g->request_id ? g->request_id : "";
   char err[512];
   char *key = NULL;
@@ -564,7 +608,7 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
     if (q) free(q->cid);
     free(q);
     free(key);
-    tandem__client_message__free_unpacked(msg, NULL);
+    rtr_client_msg_free(msg, &held);
     return;
   }
   q->sh = sh;
@@ -576,6 +620,7 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
   q->ckey = key;
   q->msg = msg;
   q->g = g;
+  if (held.has) rtr_feat_adopt(msg, &q->feat, &held.m);
   q->t_arrival = q->t_queued = td_now_ms();
   q->held = bytes;
   r->held_bytes += (long long)bytes;

@@ -289,6 +289,15 @@ static bool router_message(td_worker *w) {
   Tandem__Cluster__RouterMessage *m;
   uint32_t ver;
   s = td_wire_unpack_router(&f, &m, &ver);
+  /* a job's features in a frame of their own: into the spec, as if inline (the wire checked the frame) */
+  const Tandem__Cluster__RequestSpec *fsp = s == TD_OK ? job_spec(m) : NULL;
+  if (fsp && fsp->features && td_wire_features_inline(&f, fsp->features) != TD_OK) {
+    TD_ERROR("request %llu: %s", (unsigned long long)fsp->rid, td_errmsg());
+    td_worker_send_failed(w, fsp->rid, TD_ERR_NOMEM, td_errmsg(), true);
+    tandem__cluster__router_message__free_unpacked(m, NULL);
+    td_wire_frame_free(&f);
+    return true;
+  }
   td_wire_frame_free(&f);
   if (s != TD_OK) {
     TD_ERROR("message from the router dropped: %s", td_errmsg());

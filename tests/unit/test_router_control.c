@@ -804,6 +804,132 @@ Test(router_control, features_go_only_where_they_are_encoded, .timeout = 30) {
   finish(&h2, &lone, 1);
 }
 
+/* Features in a frame of their own (AudioFeatures.values_in_frame): n
+ * floats (bad_bytes > 0: a frame of that many bytes instead), or no frame
+ * at all (no_frame), or a frame the message does not claim (unclaimed). */
+typedef struct framed {
+  const char *id;
+  const float *v;
+  size_t n, bad_bytes;
+  bool no_frame, unclaimed;
+} framed;
+
+static void generate_framed(harness *h, framed q) {
+  Tandem__AudioFeatures af = TANDEM__AUDIO_FEATURES__INIT;
+  af.values_in_frame = !q.unclaimed;
+  static int32_t ids[1] = {1};
+  Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+  g.request_id = (char *)q.id;
+  if (q.unclaimed) { /* input ids, and a frame nothing asked for */
+    g.input_ids = ids;
+    g.n_input_ids = 1;
+  } else {
+    g.features = &af;
+  }
+  g.max_new_tokens = 2;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
+  m.generate = &g;
+  zmq_msg_t x;
+  size_t bytes = q.bad_bytes ? q.bad_bytes : sizeof(float) * q.n;
+  cr_assert_eq(zmq_msg_init_size(&x, bytes), 0);
+  memset(zmq_msg_data(&x), 0, bytes);
+  if (!q.bad_bytes) memcpy(zmq_msg_data(&x), q.v, bytes);
+  cr_assert_eq(td_wire_send_extra(h->client, NULL, 0, &m.base, q.no_frame ? NULL : &x), TD_OK);
+  zmq_msg_close(&x);
+}
+
+/* A worker's next job and the bytes of the frame after it (*n_extra: 0 when none). */
+static Tandem__Cluster__RouterMessage *wexpect_frame(void *s, Tandem__Cluster__RouterMessage__BodyCase want,
+                                                     float *extra, size_t cap, size_t *n_extra) {
+  zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+  for (;;) {
+    cr_assert_gt(zmq_poll(&it, 1, WAIT_MS), 0, "no job came");
+    td_wire_frame f;
+    cr_assert_eq(td_wire_recv(s, false, false, &f), TD_OK);
+    Tandem__Cluster__RouterMessage *m = NULL;
+    uint32_t ver;
+    cr_assert_eq(td_wire_unpack_router(&f, &m, &ver), TD_OK, "%s", td_errmsg());
+    *n_extra = f.has_extra ? zmq_msg_size(&f.extra) / sizeof(float) : 0;
+    if (f.has_extra && *n_extra <= cap) memcpy(extra, zmq_msg_data(&f.extra), zmq_msg_size(&f.extra));
+    td_wire_frame_free(&f);
+    if (m->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT) {
+      wfree(m);
+      continue;
+    }
+    cr_assert_eq(m->body_case, want, "message %d, want %d", m->body_case, want);
+    return m;
+  }
+}
+
+/* Features a client sends in a frame of their own go to the encoding
+ * worker in a frame (the same bytes, by reference), to the decode worker
+ * not at all, and again on a retry; admission reads them where they are
+ * (their count, NaN); a frame that is missing, unclaimed or of the wrong
+ * size is refused naming why. The frames here are small (32 bytes), the
+ * size ZeroMQ keeps inside a message's handle: moved, they change address. */
+Test(router_control, features_in_a_frame_go_on_by_reference, .timeout = 30) {
+  static const float v[8] = {0.5f, -1, 2, 0, 1, 1, -0.25f, 3};
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *d = fake_worker(&h, "dec", (fake_opts){.roles = "d", .mutate = whisper_shape});
+  void *e = fake_worker(&h, "enc", (fake_opts){.roles = "e", .mutate = whisper_shape});
+  generate_framed(&h, (framed){.id = "a", .v = v, .n = 8});
+  float got[16];
+  size_t n;
+  Tandem__Cluster__RouterMessage *job = wexpect_frame(d, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, got, 16, &n);
+  cr_expect_null(job->decode->req->features, "the decode worker got features it does not encode");
+  cr_expect_eq(n, 0, "the decode worker got a frame");
+  uint64_t rid = job->decode->req->rid;
+  wfree(job);
+  send_reserved(d, rid, 4, 2);
+  job = wexpect_frame(e, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ENCODE, got, 16, &n);
+  const Tandem__AudioFeatures *af = job->encode->req->features;
+  cr_assert_not_null(af, "the encoder got no features");
+  cr_expect(af->values_in_frame);
+  cr_expect_eq(af->n_values, 0);
+  cr_assert_eq(n, 8, "the encoder's frame holds %zu floats", n);
+  cr_expect_arr_eq(got, v, sizeof v);
+  wfree(job);
+  void *socks[] = {d, e};
+  finish(&h, socks, 2);
+
+  /* a lone worker that encodes for itself; a retry sends the frame again */
+  harness h2;
+  start(&h2, (td_router_opts){0});
+  void *w1 = fake_worker(&h2, "w1", (fake_opts){.roles = "ed", .mutate = whisper_shape});
+  generate_framed(&h2, (framed){.id = "b", .v = v, .n = 8});
+  job = wexpect_frame(w1, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, got, 16, &n);
+  cr_expect(job->decode->local_encode);
+  cr_expect(job->decode->req->features && job->decode->req->features->values_in_frame);
+  cr_assert_eq(n, 8);
+  cr_expect_arr_eq(got, v, sizeof v);
+  uint64_t rid1 = job->decode->req->rid;
+  wfree(job);
+  /* bad ones, each refused with its reason while b runs */
+  static const float nan_v[8] = {0, 0, 0, NAN, 0, 0, 0, 0};
+  generate_framed(&h2, (framed){.id = "nan", .v = nan_v, .n = 8});
+  expect_error(&h2, "nan", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, "audio features contain NaN or infinity");
+  generate_framed(&h2, (framed){.id = "short", .v = v, .n = 6});
+  expect_error(&h2, "short", TANDEM__ERROR_CODE__ERROR_INVALID_ARGUMENT, "takes audio features of 2 x 4 floats, got 6");
+  generate_framed(&h2, (framed){.id = "odd", .bad_bytes = 30});
+  expect_error(&h2, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, "not a whole number of float32");
+  generate_framed(&h2, (framed){.id = "none", .v = v, .n = 8, .no_frame = true});
+  expect_error(&h2, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, "no frame follows the message");
+  generate_framed(&h2, (framed){.id = "extra", .v = v, .n = 8, .unclaimed = true});
+  expect_error(&h2, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, "which no field of it claims");
+  send_retryable(w1, rid1, "encoder failed");
+  wfree(wexpect(w1, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_CANCEL, "the first attempt's cancel"));
+  job = wexpect_frame(w1, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, got, 16, &n);
+  cr_expect_neq(job->decode->req->rid, rid1);
+  cr_expect(job->decode->local_encode);
+  cr_assert_eq(n, 8, "the retry's frame holds %zu floats", n);
+  cr_expect_arr_eq(got, v, sizeof v);
+  wfree(job);
+  finish(&h2, &w1, 1);
+}
+
 /* A burst of requests is placed as it comes in, not once the router has
  * taken in all of it: a wake-up takes client messages for about a
  * millisecond, then the queue is placed. 6,000 requests sent at once (from
