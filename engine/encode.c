@@ -80,7 +80,7 @@ static td_status encode(td_engine *e, group **all, int n_all, int tokens) {
         memcpy(feats + nf * (size_t)i, g->features, sizeof(float) * nf);
       else
         memcpy(toks + k, g->input, sizeof(int32_t) * (size_t)g->n_input);
-      for (int t = 0; t < g->enc_len; t++) slots[k + t] = g->cross.v[t / e->bs] * e->bs + t % e->bs;
+      eng_cross_slots(g->cross.v, g->enc_len, e->bs, slots + k);
       k += g->enc_len;
     }
     td_encode_input in = {.n_seqs = nb, .lens = lens, .tokens = toks, .features = feats, .cross_slots = slots};

@@ -183,6 +183,10 @@ struct td_engine {
 };
 
 static inline int eng_blocks_for(int tokens, int bs) { return (tokens + bs - 1) / bs; }
+/* The pool slots of positions 0..n-1 of a sequence whose cross KV is in blocks. */
+static inline void eng_cross_slots(const int32_t *blocks, int n, int bs, int32_t *out) {
+  for (int t = 0; t < n; t++) out[t] = blocks[t / bs] * bs + t % bs;
+}
 
 /* validate.c */
 td_status eng_validate(const td_engine *e, const td_request *r, eng_admit *a);

@@ -35,7 +35,8 @@ static td_status warm_run(td_engine *e, int n_seqs, const int32_t *lens, bool wh
     int k = 0, b0 = 0;
     for (int i = 0; i < n_seqs; i++) {
       int el = whisper ? e->max_src : lens[i];
-      for (int t = 0; t < el; t++) slots[k++] = ids[b0 + t / bs] * bs + t % bs;
+      eng_cross_slots(ids + b0, el, bs, slots + k);
+      k += el;
       b0 += eng_blocks_for(el, bs);
     }
     td_encode_input in = {.n_seqs = n_seqs, .lens = lens, .tokens = toks, .features = feats, .cross_slots = slots};
@@ -57,8 +58,9 @@ td_status eng_warm_encoder(td_engine *e) {
   /* text: sequences of at most 1,024 (the rows decide a plan; T5's source length is not bounded so) */
   int each = whisper ? e->max_src : e->max_src < TD_ENGINE_WARM_SEQ_MAX ? e->max_src : TD_ENGINE_WARM_SEQ_MAX;
   if (each <= 0 || max_seqs <= 0) return TD_OK;
-  int buckets = 0;
-  for (int m = 1; m <= max_rows && buckets <= TD_ENGINE_WARM_MAX_RUNS; m = td_backend_gemm_plan_rows(e->b, m) + 1) buckets++;
+  int buckets = 0; /* the plan_rows guarantee (at least m) makes each step advance */
+  for (int m = 1; m <= max_rows && buckets <= TD_ENGINE_WARM_MAX_RUNS; m = td_backend_gemm_plan_rows(e->b, m) + 1)
+    buckets++;
   if (buckets > TD_ENGINE_WARM_MAX_RUNS) {
     TD_INFO("no encoder warm-up: the backend's GEMM plans are not bucketed (%d+ row counts to warm)", buckets);
     return TD_OK;
@@ -84,8 +86,7 @@ td_status eng_warm_encoder(td_engine *e) {
   } else {
     /* every bucket from one row up: a bucket's largest row count, in sequences of at most the source length */
     for (int m = 1; m <= max_rows && s == TD_OK && !no_room; m = last + 1) {
-      int r = td_backend_gemm_plan_rows(e->b, m);
-      if (r < m) r = m;
+      int r = td_backend_gemm_plan_rows(e->b, m); /* at least m */
       if (r > max_rows) r = max_rows;
       last = r;
       int n = (r + each - 1) / each;
