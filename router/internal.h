@@ -49,15 +49,16 @@ typedef enum rtr_role { RTR_DECODE, RTR_ENCODE, RTR_PREFILL } rtr_role;
 typedef enum stage { ST_QUEUED, ST_RESERVING, ST_ENCODING, ST_PREFILLING, ST_DECODING } stage;
 extern const char *const rtr_stage_names[];
 
-/* A request's audio features received as a frame of their own
- * (AudioFeatures.values_in_frame): held once, forwarded to the encoding
- * worker by reference. While held, the request's AudioFeatures.values
- * points into it, so that admission reads the values as if inline; the
- * pointer is taken back before the message is freed (rtr_client_msg_free). */
-typedef struct td_feat_frame {
+/* A request's audio features as a frame of their own: as the client sent
+ * them (AudioFeatures.values_in_frame) or as the router computed them from
+ * its audio; held once, forwarded to the encoding worker by reference on
+ * every attempt. While held, the request's AudioFeatures.values points into
+ * it, so that admission reads the values as if inline; the pointer is taken
+ * back before the message is freed (rtr_client_msg_free). */
+typedef struct rtr_feat_frame {
   zmq_msg_t m;
   bool has;
-} td_feat_frame;
+} rtr_feat_frame;
 
 typedef struct rreq {
   uint64_t rid;          /* (serial << 8) | attempt: changes with every attempt */
@@ -68,7 +69,7 @@ typedef struct rreq {
   char *ckey;            /* client identity + id, for cancel */
   Tandem__ClientMessage *msg; /* owns the GenerateRequest */
   Tandem__GenerateRequest *g;
-  td_feat_frame feat;    /* the features' values as the client sent them, in a frame of their own (rtr_feat_adopt) */
+  rtr_feat_frame feat;    /* the features' values as the client sent them, in a frame of their own (rtr_feat_adopt) */
   td_req_shape sh;
   bool multi;            /* n > 1 or beams: no resume from streamed tokens */
   stage st;
@@ -291,7 +292,7 @@ typedef struct rtr_parked {
   uint8_t client[TD_WIRE_MAX_ID];
   size_t client_len;
   Tandem__ClientMessage *msg;
-  td_feat_frame feat;
+  rtr_feat_frame feat;
   size_t bytes;
   int64_t t;
 } rtr_parked;
@@ -303,10 +304,11 @@ void rtr_parked_fail(td_router *r, const char *why);
 /* feat: the message's features frame (moved from; NULL: none); bytes: the message's and the frame's */
 void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__ClientMessage *msg, size_t bytes,
                      zmq_msg_t *feat);
-/* Moves a features frame into dst and points msg's features at it. */
-void rtr_feat_adopt(Tandem__ClientMessage *msg, td_feat_frame *dst, zmq_msg_t *src);
+/* Moves a features frame into dst and points the request's features at it. */
+void rtr_feat_adopt(Tandem__ClientMessage *msg, rtr_feat_frame *dst, zmq_msg_t *src);
+void rtr_feat_adopt_msg(Tandem__GenerateRequest *g, rtr_feat_frame *dst, zmq_msg_t *src);
 /* Frees a held client message and its features frame. */
-void rtr_client_msg_free(Tandem__ClientMessage *msg, td_feat_frame *feat);
+void rtr_client_msg_free(Tandem__ClientMessage *msg, rtr_feat_frame *feat);
 void rtr_on_cancel(td_router *r, const uint8_t *cid, size_t cid_len, const Tandem__CancelRequest *c);
 /* The request of this rid, or NULL (then the worker is told to let go of it). */
 rreq *rtr_req_for(td_router *r, uint64_t rid, const worker *w);
@@ -344,8 +346,10 @@ int rtr_requests_tick(td_loop *l, void *ctx);
  * and a decoder prompt, after td_admit_inputs; ERROR_NONE when it needs
  * nothing or went well, else the code with the reason in err. *detect: the
  * audio names no language (the prompt holds a stand-in of the same length):
- * the request starts with language detection (rtr_detect_begin). */
-Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, bool *detect, char *err, size_t cap);
+ * the request starts with language detection (rtr_detect_begin). Features
+ * computed from audio go into *feat, which g's then point into. */
+Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, rtr_feat_frame *feat, bool *detect,
+                                    char *err, size_t cap);
 /* Turns an admitted request into its detection step; false when it cannot. */
 bool rtr_detect_begin(td_router *r, rreq *q);
 /* The detection step's result: the request gets its language and goes back

@@ -419,16 +419,20 @@ void rtr_send_prefill(td_router *r, rreq *q) {
 
 /* ------------------------------------------------------------ clients */
 
-void rtr_feat_adopt(Tandem__ClientMessage *msg, td_feat_frame *dst, zmq_msg_t *src) {
+void rtr_feat_adopt_msg(Tandem__GenerateRequest *g, rtr_feat_frame *dst, zmq_msg_t *src) {
   zmq_msg_init(&dst->m);
   zmq_msg_move(&dst->m, src); /* a frame's bytes may live inside the handle: the pointer is taken after the move */
   dst->has = true;
-  Tandem__AudioFeatures *a = msg->generate->features;
+  Tandem__AudioFeatures *a = g->features;
   a->values = zmq_msg_data(&dst->m);
   a->n_values = zmq_msg_size(&dst->m) / sizeof(float);
 }
 
-void rtr_client_msg_free(Tandem__ClientMessage *msg, td_feat_frame *feat) {
+void rtr_feat_adopt(Tandem__ClientMessage *msg, rtr_feat_frame *dst, zmq_msg_t *src) {
+  rtr_feat_adopt_msg(msg->generate, dst, src);
+}
+
+void rtr_client_msg_free(Tandem__ClientMessage *msg, rtr_feat_frame *feat) {
   if (feat && feat->has) {
     if (msg && msg->generate && msg->generate->features) { /* the frame's, not protobuf-c's to free */
       msg->generate->features->values = NULL;
@@ -452,8 +456,8 @@ static char *client_key(const uint8_t *cid, size_t cid_len, const char *id) {
 
 /* Every refusal of a new request, in order; the request is admitted when
  * code stays ERROR_NONE. */
-static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRequest *g, size_t bytes,
-                               td_req_shape *sh, bool *detect, char *err, size_t cap) {
+static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRequest *g, rtr_feat_frame *feat,
+                               size_t bytes, td_req_shape *sh, bool *detect, char *err, size_t cap) {
   rreq *dup = NULL;
   HASH_FIND(hc, r->by_ckey, key, strlen(key), dup);
   if (dup) {
@@ -479,7 +483,7 @@ static Tandem__ErrorCode admit(td_router *r, const char *key, Tandem__GenerateRe
   td_status s = td_admit_inputs(&fe, g, err, cap);
   if (s != TD_OK) return td_wire_error_code(s);
   /* text and audio become ids / features here, once every cheaper refusal passed */
-  Tandem__ErrorCode code = rtr_convert_input(r, g, detect, err, cap);
+  Tandem__ErrorCode code = rtr_convert_input(r, g, feat, detect, err, cap);
   if (code != TANDEM__ERROR_CODE__ERROR_NONE) return code;
   s = td_admit_request(&r->model, r->block_size, g, sh, err, cap);
   if (s != TD_OK) return td_wire_error_code(s);
@@ -580,7 +584,7 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
   /* a router that just started knows no model until a worker registers: the
    * request waits for one (its id is checked then) */
   if (!r->have_model && park(r, cid, cid_len, msg, bytes, feat)) return;
-  td_feat_frame held = {.has = false};
+  rtr_feat_frame held = {.has = false};
   if (feat) rtr_feat_adopt(msg, &held, feat); /* admission reads the values where they are */
   const char *id = g->request_id ? g->request_id : "";
   char err[512];
@@ -595,7 +599,7 @@ void rtr_on_generate(td_router *r, const uint8_t *cid, size_t cid_len, Tandem__C
     code = TANDEM__ERROR_CODE__ERROR_INTERNAL;
     snprintf(err, sizeof err, "out of memory");
   } else {
-    code = admit(r, key, g, bytes, &sh, &detect, err, sizeof err);
+    code = admit(r, key, g, &held, bytes, &sh, &detect, err, sizeof err);
   }
   if (code == TANDEM__ERROR_CODE__ERROR_NONE &&
       (!(q = calloc(1, sizeof *q)) || !(q->cid = strdup(id)) || td_ptrvec_insert(&r->queue, r->queue.n, q) != TD_OK)) {

@@ -33,7 +33,13 @@ static Tandem__ErrorCode convert_text(td_router *r, Tandem__GenerateRequest *g, 
   return TANDEM__ERROR_CODE__ERROR_NONE;
 }
 
-static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g, bool *detect, char *err,
+static void free_features(void *data, void *hint) {
+  (void)hint;
+  free(data);
+}
+
+static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g, rtr_feat_frame *feat, bool *detect,
+                                       char *err,
                                        size_t cap) {
   const td_mel *mel = r->o.mel;
   int n_mels = td_mel_n_mels(mel);
@@ -91,9 +97,15 @@ static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g,
   tandem__audio_features__init(af);
   af->mel_bins = (uint32_t)n_mels;
   af->frames = (uint32_t)frames;
-  af->values = v;
-  af->n_values = nv;
   g->features = af;
+  /* a frame that owns v: every job that encodes the request sends it by reference */
+  zmq_msg_t m;
+  if (zmq_msg_init_data(&m, v, sizeof *v * nv, free_features, NULL) != 0) {
+    free(v);
+    free(dp);
+    return fail(INTERNAL, err, cap, "out of memory");
+  }
+  rtr_feat_adopt_msg(g, feat, &m);
   memcpy(dp, prompt, sizeof *dp * (size_t)n_prompt);
   g->decoder_prompt = dp;
   g->n_decoder_prompt = (size_t)n_prompt;
@@ -104,12 +116,13 @@ static Tandem__ErrorCode convert_audio(td_router *r, Tandem__GenerateRequest *g,
   return TANDEM__ERROR_CODE__ERROR_NONE;
 }
 
-Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, bool *detect, char *err, size_t cap) {
+Tandem__ErrorCode rtr_convert_input(td_router *r, Tandem__GenerateRequest *g, rtr_feat_frame *feat, bool *detect,
+                                    char *err, size_t cap) {
   *detect = false;
   bool text = g->text && g->text[0], audio = g->audio.len > 0;
   if (!text && !audio) return TANDEM__ERROR_CODE__ERROR_NONE;
   int64_t t0 = td_now_ns();
-  Tandem__ErrorCode code = text ? convert_text(r, g, err, cap) : convert_audio(r, g, detect, err, cap);
+  Tandem__ErrorCode code = text ? convert_text(r, g, err, cap) : convert_audio(r, g, feat, detect, err, cap);
   TD_DEBUG("request %s: %s converted in %.2f ms", g->request_id, text ? "text" : "audio",
            (double)(td_now_ns() - t0) / 1e6);
   return code;
