@@ -25,6 +25,7 @@
  * on the system's monotonic clock, after a first line with the run's start,
  * so that another program (tandem-faults) can judge every request of a run
  * it disturbed. */
+#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -68,7 +69,33 @@ typedef struct opts {
   int n_rates;
   double ttft_bound, tpot_bound;
   td_cross_mode cross_mode;
+  char barrier_dir[3072]; /* --barrier DIR:N: each run starts once N processes reached it */
+  int barrier_n;
 } opts;
+
+/* Waits until n processes (this one included) have reached run k: each
+ * leaves a file run-K.PID in dir. Engines on several GPUs at once then run
+ * their k-th measure together, as a cluster's workers do. */
+static td_status barrier(const char *dir, int n, int k) {
+  char path[4200], prefix[32];
+  snprintf(prefix, sizeof prefix, "run-%d.", k);
+  snprintf(path, sizeof path, "%s/%s%d", dir, prefix, (int)getpid());
+  FILE *f = fopen(path, "w");
+  if (!f) return td_err(TD_ERR_IO, "--barrier: cannot write %s: %s", path, strerror(errno));
+  fclose(f);
+  int64_t deadline = td_now_ms() + 600000;
+  for (;;) {
+    DIR *d = opendir(dir);
+    if (!d) return td_err(TD_ERR_IO, "--barrier: cannot read %s: %s", dir, strerror(errno));
+    int seen = 0;
+    for (struct dirent *e; (e = readdir(d));) seen += !strncmp(e->d_name, prefix, strlen(prefix));
+    closedir(d);
+    if (seen >= n) return TD_OK;
+    if (td_now_ms() > deadline)
+      return td_err(TD_ERR_TIMEOUT, "--barrier: %d of %d processes reached run %d in 600 s", seen, n, k + 1);
+    usleep(200);
+  }
+}
 
 /* ---------------------------------------------------------------- a run */
 
@@ -510,7 +537,9 @@ static void usage(FILE *f) {
           "                               an engine's later runs are warm, as a cluster's after its first; a FILE\n"
           "                               workload repeats its inputs: --encoder-cache-fraction 0 for the engine)\n"
           "                   [--encoder-cache-fraction F]  (--engine: of the cross pool; 0.25, 0 disables)\n"
-          "                   [--results FILE.jsonl]  (--router, one run: each answer with its times, a line)\n");
+          "                   [--results FILE.jsonl]  (--router, one run: each answer with its times, a line)\n"
+          "                   [--barrier DIR:N]  (each run starts once N bench-serve processes given the same DIR\n"
+          "                               reached it: engines on several GPUs measured at once)\n");
 }
 
 static int parse_rates(const char *s, opts *o) {
@@ -563,6 +592,7 @@ int main(int argc, char **argv) {
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"http-warm", required_argument, 0, 'W'},
       {"repeat", required_argument, 0, 'y'},       {"encoder-cache-fraction", required_argument, 0, 'Y'},
       {"results", required_argument, 0, 'O'},      {"runs", required_argument, 0, 'U'},
+      {"barrier", required_argument, 0, 'Z'},
       {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .runs = 1, .max_batch = 0, .max_tokens = 0,
@@ -665,6 +695,20 @@ int main(int argc, char **argv) {
         break;
       }
       case 'O': o.results = optarg; break;
+      case 'Z': {
+        const char *colon = strrchr(optarg, ':');
+        char *end = NULL;
+        long v = colon ? strtol(colon + 1, &end, 10) : 0;
+        size_t dl = colon ? (size_t)(colon - optarg) : 0;
+        if (!colon || !dl || dl >= sizeof o.barrier_dir || *end || v < 1 || v > 64) {
+          fprintf(stderr, "bench-serve: --barrier %s: DIR:N, N processes from 1 to 64\n", optarg);
+          return 2;
+        }
+        memcpy(o.barrier_dir, optarg, dl);
+        o.barrier_dir[dl] = 0;
+        o.barrier_n = (int)v;
+        break;
+      }
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -762,6 +806,7 @@ int main(int argc, char **argv) {
     td_status s = run_init(&r, &w, rate, o.concurrency, o.seed + 7919 * (uint64_t)k);
     if (s == TD_OK && o.results && !(r.results = fopen(o.results, "w")))
       s = td_err(TD_ERR_IO, "cannot write %s", o.results);
+    if (s == TD_OK && o.barrier_n) s = barrier(o.barrier_dir, o.barrier_n, k);
     td_serve_counters eng_before = {0};
     if (o.engine) eng_before = eng_counters(&g);
     if (s == TD_OK) s = o.engine ? run_engine(&g, &r) : o.gateway ? run_gateway(&o, &r) : run_cluster(&o, &r);

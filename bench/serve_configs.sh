@@ -7,7 +7,7 @@
 #
 #   bench/serve_configs.sh --model DIR [--workload trt|whisper|FILE] [--device cuda|cpu]
 #       [--burst N] [--closed C [--closed-requests N]] [--rate R [--rate-requests N]] [--runs K]
-#       [--configs "NAME=LOCAL.SH FLAGS;NAME=..."] [--engine N]
+#       [--configs "NAME=LOCAL.SH FLAGS;NAME=..."] [--engine N [--engine-parallel]]
 #       [--out DIR]
 #
 # --burst N: N requests at once (0: none; default 512); --closed C: C in flight, 3 x C
@@ -18,11 +18,16 @@
 # --engine N: also the engine in process on one device (the first GPU) with 1/N of each load, K + 1
 # runs in one process (bench-serve --runs; the first, cold, dropped), and a second table: each
 # configuration's runs against N times the engine's warm runs (N: the devices the clusters use).
+# --engine-parallel: the N engines instead, one a device (the first N of CUDA_VISIBLE_DEVICES, else 0..N-1),
+# each with 1/N of each load and inputs of its own, every run started together (bench-serve --barrier):
+# what N GPUs of this host deliver in process at once, their slowest ending each run, as a cluster's
+# slowest worker ends its run.
 # Programs from $TANDEM_BIN (default build/bin). Each run's full bench-serve output is in
 # --out (default a temporary folder).
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 model="" workload=trt device=cuda burst=512 closed=256 closed_n=0 rate=0 rate_n=1024 runs=2 out="" engines=0
+eng_par=0
 configs="agg=--encoders 0 --prefills 0 --decodes 4;e1d3=--encoders 1 --prefills 0 --decodes 3"
 while (($#)); do
   case $1 in
@@ -37,6 +42,7 @@ while (($#)); do
     --runs) runs=$2; shift 2 ;;
     --configs) configs=$2; shift 2 ;;
     --engine) engines=$2; shift 2 ;;
+    --engine-parallel) eng_par=1; shift ;;
     --out) out=$2; shift 2 ;;
     *) echo "serve_configs.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -51,6 +57,7 @@ if ((engines)) && ((burst && burst / engines == 0 || closed && (closed / engines
   exit 2
 fi
 [[ $rate =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "serve_configs.sh: --rate takes requests a second" >&2; exit 2; }
+((eng_par == 0 || engines > 0)) || { echo "serve_configs.sh: --engine-parallel goes with --engine N" >&2; exit 2; }
 off_kind() { # whether a measure is off
   case $1 in burst) [[ $burst == 0 ]] ;; closed) [[ $closed == 0 ]] ;; rate) [[ $rate == 0 || $rate == 0.0 ]] ;; esac
 }
@@ -83,11 +90,33 @@ if ((engines)); then
     f=$out/engine-$kind.txt extra=(--requests $((burst / engines)))
     [[ $kind == closed ]] && extra=(--requests $((closed_n / engines)) --concurrency $((closed / engines)))
     dev=${CUDA_VISIBLE_DEVICES:-0}
-    CUDA_VISIBLE_DEVICES=${dev%%,*} "$bin/bench-serve" --engine --device "$device" --model "$model" \
-      --workload "$workload" "${extra[@]}" --runs $((runs + 1)) --seed 5 >"$f" 2>&1
+    if ((eng_par)); then
+      IFS=',' read -ra devs <<<"${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((engines - 1)))}"
+      ((${#devs[@]} >= engines)) || { echo "serve_configs.sh: --engine-parallel $engines: ${#devs[@]} devices" >&2; exit 2; }
+      bar=$(mktemp -d) pids=()
+      for ((i = 0; i < engines; i++)); do
+        CUDA_VISIBLE_DEVICES=${devs[i]} "$bin/bench-serve" --engine --device "$device" --model "$model" \
+          --workload "$workload" "${extra[@]}" --runs $((runs + 1)) --seed $((5 + 100 * i)) --barrier "$bar:$engines" \
+          >"$out/engine-$kind-$i.txt" 2>&1 &
+        pids+=($!)
+      done
+      wait "${pids[@]}"
+      rm -rf "$bar"
+    else
+      CUDA_VISIBLE_DEVICES=${dev%%,*} "$bin/bench-serve" --engine --device "$device" --model "$model" \
+        --workload "$workload" "${extra[@]}" --runs $((runs + 1)) --seed 5 >"$f" 2>&1
+    fi
     for r in $(seq "$runs"); do
-      v=$(grep -E "^\| (all at once|[0-9]+ in flight), run $((r + 1)) \| [0-9]+/" "$f" | head -1 |
-        awk -F'|' -v n="$engines" '{gsub(/ /, "", $5); if ($5 != "") print $5 * n}')
+      pat="^\| (all at once|[0-9]+ in flight), run $((r + 1)) \| [0-9]+/"
+      if ((eng_par)); then
+        # together: every engine's tokens over the slowest engine's duration (requests / requests a second)
+        v=$(for ((i = 0; i < engines; i++)); do grep -E "$pat" "$out/engine-$kind-$i.txt" | head -1; done |
+          awk -F'|' -v n="$engines" '{split($3, ok, "/"); rps = $4 + 0; tps = $5 + 0; if (rps <= 0) next
+            d = ok[1] / rps; tok += tps * d; if (d > dmax) dmax = d; c++}
+            END {if (c == n && dmax > 0) printf "%.0f\n", tok / dmax}')
+      else
+        v=$(grep -E "$pat" "$f" | head -1 | awk -F'|' -v n="$engines" '{gsub(/ /, "", $5); if ($5 != "") print $5 * n}')
+      fi
       eng[$k]=$v
       k=$((k + 1))
     done
@@ -180,7 +209,11 @@ if ((engines)); then
       esep+="---|"
     done
   done
-  echo "Against $engines engines: each run over $engines x the engine's warm run of the same index (the engine on one device with 1/$engines of the load; bursts and closed loops; $engines x its tokens a second: $(IFS=' '; echo "${eng[*]}")):"
+  if ((eng_par)); then
+    echo "Against $engines engines at once: each run over the engines' warm run of the same index (one engine a device, each with 1/$engines of the load and inputs of its own, their runs started together; every engine's tokens over the slowest one's duration; bursts and closed loops: $(IFS=' '; echo "${eng[*]}") tok/s):"
+  else
+    echo "Against $engines engines: each run over $engines x the engine's warm run of the same index (the engine on one device with 1/$engines of the load; bursts and closed loops; $engines x its tokens a second: $(IFS=' '; echo "${eng[*]}")):"
+  fi
   echo
   echo "$ehead"
   echo "$esep"

@@ -39,4 +39,22 @@ check "the first configuration too" grep -qE '^\| agg \| [0-9]+\.[0-9]+x \| [0-9
 check "the closed loop ran --closed-requests requests, 4 in flight" grep -qE '^\| 4 in flight \| 6/6 \|' "$work/out/agg-closed-1.txt"
 check "the aggregated cluster has no sides" grep -qE '^\| agg \| decode-0 [^|]* \| - \|$' "$work/table.md"
 check "no cluster left running" sh -c "! pgrep -f 'run-dir $work/ou[t]' >/dev/null"
+# --engine-parallel: two engines at once (CPU "devices" 0 and 1), each half the burst, inputs of their own, each
+# run started together (bench-serve --barrier); the cluster against every engine's tokens over the slowest's time
+CUDA_VISIBLE_DEVICES= TANDEM_BIN=$bin timeout 600 bash "$root/bench/serve_configs.sh" --model "$root/tests/data/toy-numbers-t5" \
+  --device cpu --burst 8 --closed 0 --runs 1 --engine 2 --engine-parallel --out "$work/par" \
+  --configs "agg=--encoders 0 --prefills 0 --decodes 1" >"$work/par.md" 2>"$work/par.err"
+rc=$?
+cat "$work/par.md"
+check "--engine-parallel ran" test "$rc" -eq 0
+for i in 0 1; do
+  check "engine $i's warm run, half the burst" grep -qE '^\| all at once, run 2 \| 4/4 \|' "$work/par/engine-burst-$i.txt"
+done
+check "the engines' inputs differ (seeds 5 and 105)" sh -c "grep -q 'seed 5\$' '$work/par/engine-burst-0.txt' && grep -q 'seed 105\$' '$work/par/engine-burst-1.txt'"
+check "the cluster against the engines at once" grep -qE '^Against 2 engines at once: .*: [0-9]+ tok/s\):$' "$work/par.md"
+check "the configuration's ratio" grep -qE '^\| agg \| [0-9]+\.[0-9]+x \|$' "$work/par.md"
+check "--engine-parallel without --engine: refused" sh -c "! bash '$root/bench/serve_configs.sh' --model '$root/tests/data/toy-numbers-t5' --engine-parallel 2>/dev/null"
+bar=$(mktemp -d)
+check "bench-serve --barrier without N: refused" sh -c "! '$bin/bench-serve' --engine --model '$root/tests/data/toy-numbers-t5' --barrier '$bar' 2>/dev/null"
+rm -rf "$bar"
 ((failed == 0)) || { echo "$failed checks failed; logs in $work" >&2; exit 1; }
