@@ -10,6 +10,7 @@
 #include "common/defaults.h"
 #include "common/log.h"
 #include "proto/check.h"
+#include "proto/link.h"
 #include "proto/wire.h"
 
 #define GRACE_MS 5000
@@ -28,7 +29,8 @@ typedef struct pending {
  * is answered on the connection it went out on, since the router routes
  * by connection and a restarted router knows nothing of it. */
 struct td_client {
-  void *ctx, *sock;
+  void *ctx, *sock; /* sock: NULL over a local link */
+  td_link *link;    /* the router's local link (local:PATH), while connected */
   void *mon;        /* PAIR: the socket's handshakes and disconnections (NULL: inproc, not watched) */
   char endpoint[256];
   bool up;          /* a connection is up (its handshake done) */
@@ -49,6 +51,15 @@ td_status td_client_connect_auth(const char *endpoint, const td_auth *auth, td_c
   *out = NULL;
   td_client *c = calloc(1, sizeof *c);
   if (!c) return td_err(TD_ERR_NOMEM, "out of memory");
+  if (td_link_path(endpoint)) { /* connected when a request goes out */
+    snprintf(c->endpoint, sizeof c->endpoint, "%s", endpoint);
+    if (auth) {
+      td_client_close(c);
+      return td_err(TD_ERR_INVALID, "%s: a local link has no CURVE (not with keys)", endpoint);
+    }
+    *out = c;
+    return TD_OK;
+  }
   c->ctx = zmq_ctx_new();
   c->sock = c->ctx ? zmq_socket(c->ctx, ZMQ_DEALER) : NULL;
   if (!c->sock) {
@@ -79,6 +90,41 @@ td_status td_client_connect_auth(const char *endpoint, const td_auth *auth, td_c
   }
   *out = c;
   return TD_OK;
+}
+
+/* The local link's end: what went out on it cannot be answered. */
+static void link_lost(td_client *c) {
+  td_link_destroy(c->link);
+  c->link = NULL;
+  c->up = false;
+  for (pending *p = c->pend; p; p = p->hh.next)
+    if (p->conn == c->conn) p->lost = true;
+  TD_WARN("client: the connection to the router at %s was lost", c->endpoint);
+}
+
+static td_status link_up(td_client *c) {
+  if (c->link) return TD_OK;
+  TD_TRY(td_link_connect(td_link_path(c->endpoint), &c->link));
+  c->up = true;
+  c->conn++;
+  return TD_OK;
+}
+
+/* Writes what the socket did not take at once: a client has no loop to come back in. */
+static td_status link_send(td_client *c, Tandem__ClientMessage *m, zmq_msg_t *extra) {
+  td_status s = link_up(c);
+  if (s != TD_OK) return td_err(TD_ERR_NETWORK, "router unreachable: %s", td_errmsg());
+  s = td_link_send(c->link, &m->base, extra);
+  while (s == TD_OK && td_link_wants_write(c->link)) {
+    zmq_pollitem_t it = {.fd = td_link_fd(c->link), .events = ZMQ_POLLOUT};
+    if (zmq_poll(&it, 1, TD_CLIENT_ROUTER_WAIT_MS) <= 0) {
+      s = td_err(TD_ERR_NETWORK, "router unreachable: it took nothing for %d ms", TD_CLIENT_ROUTER_WAIT_MS);
+      break;
+    }
+    s = td_link_flush(c->link);
+  }
+  if (s != TD_OK && td_link_broken(c->link)) link_lost(c);
+  return s;
 }
 
 /* Takes the connection events that came: a lost connection marks the
@@ -142,6 +188,23 @@ td_status td_client_connect_wait_auth(const char *endpoint, const td_auth *auth,
   bool sent = false;
   for (int64_t end = td_now_ms() + timeout_ms, left; (left = end - td_now_ms()) > 0;) {
     if (!sent) sent = send_client(c, &m) == TD_OK;
+    if (!c->sock) { /* a local link: connected and asked, or not yet served */
+      if (!sent) {
+        (void)zmq_poll(NULL, 0, left < 20 ? (long)left : 20); /* a sleep */
+        continue;
+      }
+      zmq_pollitem_t it = {.fd = td_link_fd(c->link), .events = ZMQ_POLLIN};
+      if (zmq_poll(&it, 1, left) <= 0) continue;
+      td_wire_frame f;
+      td_status s = td_link_recv(c->link, &f);
+      td_wire_frame_free(&f);
+      if (s == TD_OK) return TD_OK; /* any answer: a router is there */
+      if (td_link_broken(c->link)) {
+        link_lost(c);
+        sent = false;
+      }
+      continue;
+    }
     zmq_pollitem_t it = {.socket = c->sock, .events = ZMQ_POLLIN};
     if (zmq_poll(&it, 1, sent ? left : (left < 20 ? left : 20)) > 0) {
       td_wire_frame f;
@@ -164,6 +227,7 @@ void td_client_close(td_client *c) {
     free(p->id);
     free(p);
   }
+  td_link_destroy(c->link);
   if (c->sock) zmq_socket_monitor(c->sock, NULL, 0);
   if (c->mon) zmq_close(c->mon);
   if (c->sock) zmq_close(c->sock);
@@ -181,7 +245,7 @@ static td_status send_client_extra(td_client *c, Tandem__ClientMessage *m, zmq_m
   if (n > TD_CLIENT_MAX_MSG_BYTES || x > TD_CLIENT_MAX_MSG_BYTES)
     return td_err(TD_ERR_INVALID, "the request's message has %zu bytes; a router takes at most %u "
                   "(TD_CLIENT_MAX_MSG_BYTES)", n > x ? n : x, (unsigned)TD_CLIENT_MAX_MSG_BYTES);
-  return td_wire_send_extra(c->sock, NULL, 0, &m->base, extra);
+  return c->sock ? td_wire_send_extra(c->sock, NULL, 0, &m->base, extra) : link_send(c, m, extra);
 }
 
 static td_status send_client(td_client *c, Tandem__ClientMessage *m) { return send_client_extra(c, m, NULL); }
@@ -499,6 +563,7 @@ td_status td_client_poll_fd(td_client *c, int fd, int timeout_ms, const td_clien
     if (p->lost) timeout_ms = 0;
   zmq_pollitem_t it[3] = {{.socket = c->sock, .events = ZMQ_POLLIN}, {.socket = c->mon, .events = ZMQ_POLLIN},
                           {.fd = fd, .events = ZMQ_POLLIN}};
+  if (!c->sock) it[0] = (zmq_pollitem_t){.fd = c->link ? td_link_fd(c->link) : -1, .events = ZMQ_POLLIN};
   int n_it = 1;
   if (c->mon) n_it++;
   if (fd >= 0) it[n_it++] = (zmq_pollitem_t){.fd = fd, .events = ZMQ_POLLIN};
@@ -512,11 +577,16 @@ td_status td_client_poll_fd(td_client *c, int fd, int timeout_ms, const td_clien
   int rc = zmq_poll(it, n_it, timeout_ms);
   if (rc < 0) return td_err(TD_ERR_NETWORK, "zmq poll: %s", zmq_strerror(zmq_errno()));
   if (fd_ready) *fd_ready = fd >= 0 && (it[n_it - 1].revents & ZMQ_POLLIN);
-  if (!(it[0].revents & ZMQ_POLLIN)) rc = 0; /* the caller's descriptor, or connection events only */
+  if (!(it[0].revents & (ZMQ_POLLIN | ZMQ_POLLERR))) rc = 0; /* the caller's descriptor, or connection events only */
   for (int k = 0; rc > 0 && k < 1024; k++) {
     td_wire_frame f;
-    td_status s = td_wire_recv(c->sock, false, false, &f);
+    td_status s = c->sock ? td_wire_recv(c->sock, false, false, &f) : td_link_recv(c->link, &f);
     if (s == TD_ERR_NOT_FOUND) break;
+    if (!c->sock && td_link_broken(c->link)) {
+      td_wire_frame_free(&f);
+      link_lost(c);
+      break;
+    }
     if (s != TD_OK) {
       TD_WARN("client: %s", td_errmsg());
       td_wire_frame_free(&f);

@@ -16,6 +16,7 @@ typedef struct loop_ev {
   void *socket;
   int fd;
   td_loop_io_fn io;
+  td_loop_io_fn on_write; /* descriptors: set while bytes wait to be written */
   td_loop_timer_fn timer;
   int64_t due; /* timers: monotonic ms */
   void *ctx;
@@ -98,6 +99,11 @@ void td_loop_remove(td_loop *l, int id) {
     if (l->evs[i].type != EV_FREE && l->evs[i].id == id) l->evs[i].type = EV_FREE;
 }
 
+void td_loop_set_writable(td_loop *l, int id, td_loop_io_fn fn) {
+  for (int i = 0; i < l->n; i++)
+    if (l->evs[i].type == EV_FD && l->evs[i].id == id) l->evs[i].on_write = fn;
+}
+
 void td_loop_set_before_sleep(td_loop *l, td_loop_sleep_fn fn, void *ctx) {
   l->before = fn;
   l->before_ctx = ctx;
@@ -134,7 +140,7 @@ static td_status collect_items(td_loop *l, int *n_items) {
     if (e->type == EV_SOCKET)
       l->items[k] = (zmq_pollitem_t){.socket = e->socket, .events = ZMQ_POLLIN};
     else if (e->type == EV_FD)
-      l->items[k] = (zmq_pollitem_t){.fd = e->fd, .events = ZMQ_POLLIN};
+      l->items[k] = (zmq_pollitem_t){.fd = e->fd, .events = (short)(ZMQ_POLLIN | (e->on_write ? ZMQ_POLLOUT : 0))};
     else
       continue;
     l->item_ids[k++] = e->id;
@@ -162,9 +168,12 @@ td_status td_loop_run_once(td_loop *l) {
   if (rc > 0 && l->spin_ns) l->last_io_ns = t_poll;
   if (l->after) l->after(l, l->after_ctx);
   for (int k = 0; rc > 0 && k < n_items && !l->stop; k++) {
-    if (!(l->items[k].revents & ZMQ_POLLIN)) continue;
+    short re = l->items[k].revents;
     int i = find(l, l->item_ids[k]); /* an earlier handler may have removed it */
-    if (i >= 0) l->evs[i].io(l, l->evs[i].ctx);
+    if (i >= 0 && (re & ZMQ_POLLOUT) && l->evs[i].on_write) l->evs[i].on_write(l, l->evs[i].ctx);
+    i = find(l, l->item_ids[k]); /* the writer may have removed it */
+    /* a closed descriptor reports an error: its reader sees the end */
+    if (i >= 0 && (re & (ZMQ_POLLIN | ZMQ_POLLERR))) l->evs[i].io(l, l->evs[i].ctx);
   }
   /* due timers, each at most once a turn; ids taken first, since handlers may add */
   now = td_now_ms();

@@ -37,6 +37,10 @@ void td_loop_destroy(td_loop *l);
  * descriptor is readable. *id (optional) names the event for removal. */
 td_status td_loop_add_socket(td_loop *l, void *zmq_socket, td_loop_io_fn fn, void *ctx, int *id);
 td_status td_loop_add_fd(td_loop *l, int fd, td_loop_io_fn fn, void *ctx, int *id);
+/* While fn is set (NULL: no more), it runs when the descriptor event id
+ * can take bytes: a writer with bytes left over sets it, and clears it once
+ * they are written. */
+void td_loop_set_writable(td_loop *l, int id, td_loop_io_fn fn);
 /* A timer that first fires after first_ms (0: on the next turn). */
 td_status td_loop_add_timer(td_loop *l, int first_ms, td_loop_timer_fn fn, void *ctx, int *id);
 /* Removes a file event or timer; unknown ids are ignored. */

@@ -63,6 +63,11 @@
 #                                                     thread poll N us after work before they sleep: fewer
 #                                                     wake-ups a request, a core each while spinning; for
 #                                                     GPU hosts with idle cores; default 0)
+#                   [--local-link off|workers|all]    (workers, and with all clients too, reach the router
+#                                                     over Unix sockets in RUN_DIR instead of ZeroMQ: a
+#                                                     hop's thread wake-ups saved (docs/latency.md); all
+#                                                     prints the client endpoint as local:PATH; not with
+#                                                     --auth; default off)
 #                   [--metrics-port N | --no-metrics]  (the router's /metrics on 127.0.0.1; default: any
 #                                                     free port)
 #                   [--auth [--spare-keys N]]         (CURVE keys for every process: made with tandem-keygen
@@ -215,6 +220,7 @@ mem_fraction=0.9
 gateway_port=0
 gateway_spin=0
 spin=0
+local_link=off
 gateway=1
 metrics_port=0
 metrics=1
@@ -254,6 +260,7 @@ while (($#)); do
     --gateway-port) gateway_port=$2; shift 2 ;;
     --gateway-spin-us) gateway_spin=$2; shift 2 ;;
     --spin-us) spin=$2; shift 2 ;;
+    --local-link) local_link=$2; shift 2 ;;
     --no-gateway) gateway=0; shift ;;
     --metrics-port) metrics_port=$2; shift 2 ;;
     --no-metrics) metrics=0; shift ;;
@@ -294,6 +301,10 @@ fi
 [[ $spin =~ ^[0-9]{1,6}$ ]] && ((spin <= 100000)) || { echo "local.sh: --spin-us must be 0 to 100000" >&2; exit 2; }
 [[ $gateway_spin =~ ^[0-9]{1,6}$ ]] && ((gateway_spin <= 100000)) ||
   { echo "local.sh: --gateway-spin-us must be 0 to 100000" >&2; exit 2; }
+[[ $local_link == off || $local_link == workers || $local_link == all ]] ||
+  { echo "local.sh: --local-link must be off, workers or all" >&2; exit 2; }
+[[ $local_link == off ]] || ((!auth)) ||
+  { echo "local.sh: --local-link has no CURVE: not with --auth" >&2; exit 2; }
 [[ -z $enc_cache ]] || awk -v f="$enc_cache" 'BEGIN { exit !(f ~ /^[0-9.]+$/ && f + 0 >= 0 && f + 0 <= 1) }' ||
   { echo "local.sh: --encoder-cache-fraction must be in [0, 1]" >&2; exit 2; }
 [[ -z $local_encode_pct || $local_encode_pct =~ ^[1-9][0-9]*$ ]] ||
@@ -348,6 +359,13 @@ default_run=0
 run_dir=${run_dir:-"$root/run/local-$(date +%Y%m%d-%H%M%S)-$$"}
 mkdir -p "$run_dir"
 run_dir=$(cd "$run_dir" && pwd -P)
+router_link=()
+if [[ $local_link != off ]]; then
+  # a Unix socket's path is at most 107 bytes
+  ((${#run_dir} <= 96)) ||
+    { echo "local.sh: --local-link: the run directory's path $run_dir is too long for a Unix socket in it (at most 96 bytes)" >&2; exit 2; }
+  router_link=(--client-socket "$run_dir/router-clients.sock" --worker-socket "$run_dir/router-workers.sock")
+fi
 ((default_run)) && ln -sfn "$run_dir" "$root/run/latest"
 
 stopping=0
@@ -495,7 +513,7 @@ for attempt in 1 2 3 4 5; do
     ${router_held[@]+"${router_held[@]}"} \
     ${local_encode_pct:+--local-encode-pct "$local_encode_pct"} ${local_encode_margin:+--local-encode-margin "$local_encode_margin"} \
     ${encode_queue_runs:+--encode-queue-runs "$encode_queue_runs"} "${router_tok[@]}" "${router_metrics[@]}" \
-    --spin-us "$spin" \
+    --spin-us "$spin" ${router_link[@]+"${router_link[@]}"} \
     "${router_keys[@]}"
   rsup=$last_sup
   for _ in $(seq 100); do
@@ -513,6 +531,8 @@ for attempt in 1 2 3 4 5; do
   fi
   pick_port
 done
+[[ $local_link == off ]] || worker_ep="local:$run_dir/router-workers.sock"
+[[ $local_link != all ]] || client_ep="local:$run_dir/router-clients.sock"
 threads=1
 common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
         --kv-transport "$kv_transport" --cross-mode "$cross_mode")

@@ -22,6 +22,7 @@
 #include "common/vec.h"
 #include "metrics/metrics.h"
 #include "proto/wire.h"
+#include "proto/link.h"
 #include "router/policy.h"
 #include "router/router.h"
 
@@ -165,6 +166,12 @@ struct td_router {
   chunk_out *outbox;
   int n_outbox, cap_outbox;
   void *ctx, *csock, *wsock;
+  /* the local links (loop.c): their servers, and the peers connected */
+  td_link_server *clink_srv, *wlink_srv;
+  struct rtr_link **links;
+  int n_links, cap_links;
+  uint64_t next_link;
+  td_loop *loop;                  /* td_router_run's */
   td_zap *zap; /* NULL without keys */
   bool own_ctx;
   volatile sig_atomic_t *stop;    /* td_router_run's */

@@ -15,16 +15,60 @@
 #include "common/net.h"
 #include "router/internal.h"
 
+/* ------------------------------------------------------------ local links */
+
+/* A link peer's routing identity: a first byte no ZeroMQ identity here has
+ * (libzmq's own begin with 0, workers' are printable), then its serial. */
+#define LINK_ID0 0x01
+
+typedef struct rtr_link {
+  td_router *r;
+  td_link *k;
+  bool client;
+  int ev;
+  uint8_t id[9];
+} rtr_link;
+
+static rtr_link *find_link(td_router *r, const uint8_t *id, size_t n) {
+  if (n != sizeof(((rtr_link *)0)->id) || id[0] != LINK_ID0) return NULL;
+  for (int i = 0; i < r->n_links; i++)
+    if (!memcmp(r->links[i]->id, id, n)) return r->links[i];
+  return NULL;
+}
+
+static void link_writable(td_loop *l, void *ctx) {
+  rtr_link *k = ctx;
+  (void)td_link_flush(k->k); /* a broken link is its reader's to close */
+  if (!td_link_wants_write(k->k)) td_loop_set_writable(l, k->ev, NULL);
+}
+
+/* NULL *sent when id is not a link's (the caller's ZeroMQ socket takes it) */
+static td_status link_send(td_router *r, const uint8_t *id, size_t n, const ProtobufCMessage *m, zmq_msg_t *extra,
+                           bool *sent) {
+  *sent = false;
+  if (!n || id[0] != LINK_ID0) return TD_OK;
+  *sent = true;
+  rtr_link *k = find_link(r, id, n);
+  if (!k) return td_err(TD_ERR_PEER, "its local link is closed");
+  td_status s = td_link_send(k->k, m, extra);
+  if (td_link_wants_write(k->k) && r->loop) td_loop_set_writable(r->loop, k->ev, link_writable);
+  return s;
+}
+
 /* ------------------------------------------------------------ sending */
 
 td_status rtr_send_peer(td_router *r, const uint8_t *id, size_t id_len, Tandem__Cluster__RouterMessage *m) {
   m->version = TD_PROTOCOL_VERSION;
-  return td_wire_send(r->wsock, id, id_len, &m->base);
+  bool sent;
+  td_status s = link_send(r, id, id_len, &m->base, NULL, &sent);
+  return sent ? s : td_wire_send(r->wsock, id, id_len, &m->base);
 }
 
 td_status rtr_send_worker_extra(td_router *r, const worker *w, Tandem__Cluster__RouterMessage *m, zmq_msg_t *extra) {
   m->version = TD_PROTOCOL_VERSION;
-  td_status s = td_wire_send_extra(r->wsock, w->route, w->route_len, &m->base, extra);
+  bool sent;
+  td_status s = link_send(r, w->route, w->route_len, &m->base, extra, &sent);
+  if (!sent) s = td_wire_send_extra(r->wsock, w->route, w->route_len, &m->base, extra);
   if (s != TD_OK) TD_WARN("router: send to worker %s: %s", w->id, td_errmsg());
   return s;
 }
@@ -35,7 +79,10 @@ td_status rtr_send_worker(td_router *r, const worker *w, Tandem__Cluster__Router
 
 void rtr_send_client(td_router *r, const uint8_t *id, size_t id_len, Tandem__ServerMessage *m) {
   m->version = TD_PROTOCOL_VERSION;
-  if (td_wire_send(r->csock, id, id_len, &m->base) != TD_OK) TD_DEBUG("router: client send: %s", td_errmsg());
+  bool sent;
+  td_status s = link_send(r, id, id_len, &m->base, NULL, &sent);
+  if (!sent) s = td_wire_send(r->csock, id, id_len, &m->base);
+  if (s != TD_OK) TD_DEBUG("router: client send: %s", td_errmsg());
 }
 
 void rtr_client_error(td_router *r, const uint8_t *id, size_t id_len, const char *rid, Tandem__ErrorCode code,
@@ -62,40 +109,38 @@ static void refuse_peer(td_router *r, const uint8_t *id, size_t id_len, const ch
 
 /* ------------------------------------------------------------ dispatch */
 
-static void on_worker_message(td_router *r) {
-  td_wire_frame f;
-  td_status s = td_wire_recv(r->wsock, true, false, &f);
-  if (s == TD_ERR_NOT_FOUND) return;
+/* A worker's frame (s: how receiving it went), from the socket or a link; freed here. */
+static void worker_frame(td_router *r, td_wire_frame *f, td_status s) {
   char wid[TD_WIRE_MAX_ID + 1];
-  memcpy(wid, f.id, f.id_len);
-  wid[f.id_len] = 0;
+  memcpy(wid, f->id, f->id_len);
+  wid[f->id_len] = 0;
   if (s != TD_OK) {
     TD_WARN("router: bad frame from worker %s: %s", wid, td_errmsg());
-    td_wire_frame_free(&f);
+    td_wire_frame_free(f);
     return;
   }
   Tandem__Cluster__WorkerMessage *m;
   uint32_t ver;
-  s = td_wire_unpack_worker(&f, &m, &ver);
+  s = td_wire_unpack_worker(f, &m, &ver);
   if (s != TD_OK) {
     TD_WARN("router: dropped a message from worker %s: %s", wid, td_errmsg());
-    if (s == TD_ERR_VERSION) refuse_peer(r, f.id, f.id_len, td_errmsg());
-    td_wire_frame_free(&f);
+    if (s == TD_ERR_VERSION) refuse_peer(r, f->id, f->id_len, td_errmsg());
+    td_wire_frame_free(f);
     return;
   }
-  worker *w = rtr_find_route(r, f.id, f.id_len);
+  worker *w = rtr_find_route(r, f->id, f->id_len);
   int frank = 0;
-  group_rv *fg = w ? NULL : rtr_group_of_follower(r, f.id, f.id_len, &frank);
+  group_rv *fg = w ? NULL : rtr_group_of_follower(r, f->id, f->id_len, &frank);
   if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN) {
     char key[TD_AUTH_KEY_Z85];
-    rtr_on_group_join(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m->group_join);
+    rtr_on_group_join(r, f->id, f->id_len, td_auth_msg_key(&f->msg, key) ? key : NULL, m->group_join);
   } else if (fg) {
     fg->seen[frank] = td_now_ms(); /* a follower's heartbeat */
   } else if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER) {
     char key[TD_AUTH_KEY_Z85];
-    rtr_on_register(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m);
+    rtr_on_register(r, f->id, f->id_len, td_auth_msg_key(&f->msg, key) ? key : NULL, m);
   } else if (!w) {
-    refuse_peer(r, f.id, f.id_len, "unknown worker: register"); /* e.g. the router restarted */
+    refuse_peer(r, f->id, f->id_len, "unknown worker: register"); /* e.g. the router restarted */
   } else {
     w->last_seen = td_now_ms();
     if (m->body_case == TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT)
@@ -109,7 +154,13 @@ static void on_worker_message(td_router *r) {
     td_log_set_request(NULL);
   }
   tandem__cluster__worker_message__free_unpacked(m, NULL);
-  td_wire_frame_free(&f);
+  td_wire_frame_free(f);
+}
+
+static void on_worker_message(td_router *r) {
+  td_wire_frame f;
+  td_status s = td_wire_recv(r->wsock, true, false, &f);
+  if (s != TD_ERR_NOT_FOUND) worker_frame(r, &f, s);
 }
 
 static void list_models(td_router *r, const uint8_t *id, size_t id_len) {
@@ -126,48 +177,52 @@ static void list_models(td_router *r, const uint8_t *id, size_t id_len) {
   rtr_send_client(r, id, id_len, &sm);
 }
 
-static void on_client_message(td_router *r) {
-  td_wire_frame f;
-  td_status s = td_wire_recv(r->csock, true, false, &f);
-  if (s == TD_ERR_NOT_FOUND) return;
+/* A client's frame (s: how receiving it went), from the socket or a link; freed here. */
+static void client_frame(td_router *r, td_wire_frame *f, td_status s) {
   if (s != TD_OK) {
-    if (f.id_len) rtr_client_error(r, f.id, f.id_len, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, td_errmsg());
-    td_wire_frame_free(&f);
+    if (f->id_len) rtr_client_error(r, f->id, f->id_len, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, td_errmsg());
+    td_wire_frame_free(f);
     return;
   }
   Tandem__ClientMessage *m;
   uint32_t ver;
-  s = td_wire_unpack_client(&f, &m, &ver);
+  s = td_wire_unpack_client(f, &m, &ver);
   if (s != TD_OK) {
-    rtr_client_error(r, f.id, f.id_len, "",
+    rtr_client_error(r, f->id, f->id_len, "",
                      s == TD_ERR_VERSION ? TANDEM__ERROR_CODE__ERROR_VERSION : TANDEM__ERROR_CODE__ERROR_MALFORMED,
                      td_errmsg());
-    td_wire_frame_free(&f);
+    td_wire_frame_free(f);
     return;
   }
   switch (m->body_case) {
     case TANDEM__CLIENT_MESSAGE__BODY_GENERATE:
       td_log_set_request(m->generate ? m->generate->request_id : NULL);
       /* keeps or frees the message, and takes its features frame (the wire checked it is claimed) */
-      rtr_on_generate(r, f.id, f.id_len, m, f.len + (f.has_extra ? zmq_msg_size(&f.extra) : 0),
-                      f.has_extra ? &f.extra : NULL);
+      rtr_on_generate(r, f->id, f->id_len, m, f->len + (f->has_extra ? zmq_msg_size(&f->extra) : 0),
+                      f->has_extra ? &f->extra : NULL);
       td_log_set_request(NULL);
       m = NULL;
       break;
-    case TANDEM__CLIENT_MESSAGE__BODY_CANCEL: rtr_on_cancel(r, f.id, f.id_len, m->cancel); break;
-    case TANDEM__CLIENT_MESSAGE__BODY_HEALTH: rtr_health(r, f.id, f.id_len); break;
-    case TANDEM__CLIENT_MESSAGE__BODY_LIST_MODELS: list_models(r, f.id, f.id_len); break;
+    case TANDEM__CLIENT_MESSAGE__BODY_CANCEL: rtr_on_cancel(r, f->id, f->id_len, m->cancel); break;
+    case TANDEM__CLIENT_MESSAGE__BODY_HEALTH: rtr_health(r, f->id, f->id_len); break;
+    case TANDEM__CLIENT_MESSAGE__BODY_LIST_MODELS: list_models(r, f->id, f->id_len); break;
     case TANDEM__CLIENT_MESSAGE__BODY_ADMIN: {
       char key[TD_AUTH_KEY_Z85];
-      rtr_on_admin(r, f.id, f.id_len, td_auth_msg_key(&f.msg, key) ? key : NULL, m->admin);
+      rtr_on_admin(r, f->id, f->id_len, td_auth_msg_key(&f->msg, key) ? key : NULL, m->admin);
       break;
     }
     default:
-      rtr_client_error(r, f.id, f.id_len, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, "message without a body");
+      rtr_client_error(r, f->id, f->id_len, "", TANDEM__ERROR_CODE__ERROR_MALFORMED, "message without a body");
       break;
   }
   if (m) tandem__client_message__free_unpacked(m, NULL);
-  td_wire_frame_free(&f);
+  td_wire_frame_free(f);
+}
+
+static void on_client_message(td_router *r) {
+  td_wire_frame f;
+  td_status s = td_wire_recv(r->csock, true, false, &f);
+  if (s != TD_ERR_NOT_FOUND) client_frame(r, &f, s);
 }
 
 static bool readable(void *sock) {
@@ -197,6 +252,95 @@ static void on_client_socket(td_loop *l, void *ctx) {
     on_client_message(r);
     if (td_now_ns() >= end) break;
   }
+}
+
+/* A link closed (its peer left, or broke the framing): a worker on it is
+ * gone at once, without waiting for its heartbeats to stop. */
+static void link_close(td_router *r, rtr_link *k, const char *why) {
+  td_loop_remove(r->loop, k->ev);
+  if (!k->client) {
+    worker *w = rtr_find_route(r, k->id, sizeof k->id);
+    if (w) {
+      char reason[300];
+      snprintf(reason, sizeof reason, "its local link closed (%s)", why);
+      rtr_worker_gone(r, w, reason);
+    }
+  }
+  for (int i = 0; i < r->n_links; i++)
+    if (r->links[i] == k) {
+      r->links[i] = r->links[--r->n_links];
+      break;
+    }
+  td_link_destroy(k->k);
+  free(k);
+}
+
+static void link_readable(td_loop *l, void *ctx) {
+  (void)l;
+  rtr_link *k = ctx;
+  td_router *r = k->r;
+  int64_t end = td_now_ns() + TD_ROUTER_CLIENT_BURST_US * 1000LL;
+  for (int n = 0; n < (k->client ? TD_ROUTER_CLIENT_BURST : TD_ROUTER_WORKER_BURST); n++) {
+    td_wire_frame f;
+    td_status s = td_link_recv(k->k, &f);
+    if (s == TD_ERR_NOT_FOUND) return;
+    if (td_link_broken(k->k)) {
+      td_wire_frame_free(&f);
+      if (s == TD_ERR_FORMAT) TD_WARN("router: %s %s", k->client ? "client" : "worker", td_errmsg());
+      link_close(r, k, s == TD_ERR_FORMAT ? "a malformed frame" : "its peer left");
+      return;
+    }
+    memcpy(f.id, k->id, sizeof k->id);
+    f.id_len = sizeof k->id;
+    if (k->client) {
+      client_frame(r, &f, s);
+      if (td_now_ns() >= end) return;
+    } else {
+      worker_frame(r, &f, s);
+    }
+  }
+}
+
+static void link_accept(td_loop *l, td_router *r, td_link_server *srv, bool client) {
+  for (;;) {
+    td_link *lk;
+    td_status s = td_link_accept(srv, &lk);
+    if (s == TD_ERR_NOT_FOUND) return;
+    if (s != TD_OK) {
+      TD_WARN("router: %s", td_errmsg());
+      if (s == TD_ERR_PEER) continue; /* another user's connection, closed */
+      return;
+    }
+    rtr_link *k = calloc(1, sizeof *k);
+    if (k && r->n_links == r->cap_links) {
+      int cap = r->cap_links ? 2 * r->cap_links : 16;
+      rtr_link **v = realloc(r->links, sizeof *v * (size_t)cap);
+      if (v) r->links = v, r->cap_links = cap;
+    }
+    if (!k || r->n_links == r->cap_links || td_loop_add_fd(l, td_link_fd(lk), link_readable, k, &k->ev) != TD_OK) {
+      TD_WARN("router: a local link refused: out of memory");
+      td_link_destroy(lk);
+      free(k);
+      return;
+    }
+    k->r = r;
+    k->k = lk;
+    k->client = client;
+    k->id[0] = LINK_ID0;
+    uint64_t serial = ++r->next_link;
+    memcpy(k->id + 1, &serial, sizeof serial);
+    r->links[r->n_links++] = k;
+  }
+}
+
+static void on_client_link(td_loop *l, void *ctx) {
+  td_router *r = ctx;
+  link_accept(l, r, r->clink_srv, true);
+}
+
+static void on_worker_link(td_loop *l, void *ctx) {
+  td_router *r = ctx;
+  link_accept(l, r, r->wlink_srv, false);
 }
 
 static int stop_tick(td_loop *l, void *ctx) {
@@ -298,6 +442,11 @@ td_status td_router_create(const td_router_opts *opts, td_router **out) {
    * connect under identities never reused (td_wire_set_unique_route) and
    * a duplicate worker id is the registration's to refuse */
   if (s == TD_OK) s = bind_socket(r, &r->wsock, r->o.worker_endpoint, "worker", false, TD_WIRE_MAX_MSG, TD_AUTH_DOMAIN_WORKERS);
+  if (s == TD_OK && (r->o.client_socket || r->o.worker_socket) && r->o.auth)
+    s = td_err(TD_ERR_INVALID, "local links have no CURVE: not with keys (their socket file's owner is their only "
+               "peer; use the endpoints)");
+  if (s == TD_OK && r->o.client_socket) s = td_link_listen(r->o.client_socket, &r->clink_srv);
+  if (s == TD_OK && r->o.worker_socket) s = td_link_listen(r->o.worker_socket, &r->wlink_srv);
   if (s == TD_OK) s = advertised(r, r->csock, r->client_adv, sizeof r->client_adv);
   if (s == TD_OK) s = advertised(r, r->wsock, r->worker_adv, sizeof r->worker_adv);
   r->probe_fd = epoll_create1(EPOLL_CLOEXEC);
@@ -330,6 +479,13 @@ void td_router_destroy(td_router *r) {
   free(r->outbox); /* empty between messages */
   free(r->model_type);
   free(r->model_name);
+  for (int i = 0; i < r->n_links; i++) {
+    td_link_destroy(r->links[i]->k);
+    free(r->links[i]);
+  }
+  free(r->links);
+  td_link_server_destroy(r->clink_srv);
+  td_link_server_destroy(r->wlink_srv);
   if (r->csock) zmq_close(r->csock);
   if (r->wsock) zmq_close(r->wsock);
   td_zap_destroy(r->zap);
@@ -350,6 +506,7 @@ static void shut_down(td_router *r) {
   m.shutdown = &sd;
   worker *w, *wt;
   HASH_ITER(hh, r->workers, w, wt) { (void)rtr_send_worker(r, w, &m); }
+  for (int i = 0; i < r->n_links; i++) (void)td_link_flush(r->links[i]->k); /* what the sockets take now */
 }
 
 int td_router_metrics_port(const td_router *r) { return rtr_metrics_port(r); }
@@ -359,13 +516,20 @@ const char *td_router_worker_endpoint(const td_router *r) { return r->worker_adv
 td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
   TD_INFO("router serving clients on %s, workers on %s; cross pool mode %s", r->client_adv, r->worker_adv,
           td_cross_mode_name(r->o.cross_mode));
+  if (r->clink_srv || r->wlink_srv)
+    TD_INFO("router local links: clients at %s%s, workers at %s%s", r->clink_srv ? TD_LINK_PREFIX : "",
+            r->o.client_socket ? r->o.client_socket : "(none)", r->wlink_srv ? TD_LINK_PREFIX : "",
+            r->o.worker_socket ? r->o.worker_socket : "(none)");
   if (r->o.advertise)
     TD_INFO("router bound %s and %s, advertised at %s", r->o.client_endpoint, r->o.worker_endpoint, r->o.advertise);
   td_loop *l;
   TD_TRY(td_loop_create(TD_ROUTER_TICK_MS, &l));
   r->stop = stop;
   /* workers first: their news frees capacity for new requests */
+  r->loop = l;
   td_status s = td_loop_add_socket(l, r->wsock, on_worker_socket, r, NULL);
+  if (s == TD_OK && r->wlink_srv) s = td_loop_add_fd(l, td_link_server_fd(r->wlink_srv), on_worker_link, r, NULL);
+  if (s == TD_OK && r->clink_srv) s = td_loop_add_fd(l, td_link_server_fd(r->clink_srv), on_client_link, r, NULL);
   if (s == TD_OK) s = td_loop_add_socket(l, r->csock, on_client_socket, r, NULL);
   if (s == TD_OK) s = td_loop_add_timer(l, 0, rtr_heartbeat_tick, r, NULL);
   if (s == TD_OK) s = td_loop_add_timer(l, TD_ROUTER_TICK_MS, rtr_requests_tick, r, NULL);
@@ -378,6 +542,8 @@ td_status td_router_run(td_router *r, volatile sig_atomic_t *stop) {
   td_loop_set_spin(l, r->o.spin_us);
   if (s == TD_OK) s = td_loop_run(l);
   shut_down(r);
+  for (int i = 0; i < r->n_links; i++) td_loop_remove(l, r->links[i]->ev);
+  r->loop = NULL;
   td_loop_destroy(l);
   TD_INFO("router stopped");
   return s;

@@ -69,6 +69,7 @@ int main(int argc, char **argv) {
       {"advertise", required_argument, 0, 1005},     {"probe-timeout-ms", required_argument, 0, 1006},
       {"local-encode-margin", required_argument, 0, 1007}, {"io-threads", required_argument, 0, 1008},
       {"spin-us", required_argument, 0, 1009},
+      {"client-socket", required_argument, 0, 1010}, {"worker-socket", required_argument, 0, 1011},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_router_opts o = {.client_endpoint = TD_DEFAULT_CLIENT_ENDPOINT, .worker_endpoint = TD_DEFAULT_WORKER_ENDPOINT};
@@ -78,6 +79,8 @@ int main(int argc, char **argv) {
     switch (c) {
       case 'c': o.client_endpoint = optarg; break;
       case 'w': o.worker_endpoint = optarg; break;
+      case 1010: o.client_socket = optarg; break;
+      case 1011: o.worker_socket = optarg; break;
       case 'H': o.heartbeat_ms = atoi(optarg); break;
       case 'D': o.dead_after = atoi(optarg); break;
       case 'q': o.max_queue = atoi(optarg); break;
@@ -162,6 +165,10 @@ int main(int argc, char **argv) {
       default:
         fprintf(c == 'h' ? stdout : stderr,
                 "usage: tandem-router [--client-endpoint tcp://HOST:PORT] [--worker-endpoint tcp://HOST:PORT]\n"
+                "                     [--client-socket PATH] [--worker-socket PATH]  (local links: clients and\n"
+                "                                         workers of this host reach the router at local:PATH over\n"
+                "                                         a Unix socket, a ZeroMQ hop's wake-ups saved; not with\n"
+                "                                         keys; docs/latency.md)\n"
                 "                     [--advertise ADDR]  (the address clients and workers reach those at, when\n"
                 "                                         they bind another, e.g. 0.0.0.0; docs/deploy.md)\n"
                 "                     [--probe-timeout-ms N]  (a registering worker's KV endpoint must answer a\n"

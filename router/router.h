@@ -28,6 +28,10 @@ typedef enum td_kv_load_failure { TD_KV_LOAD_RECOMPUTE, TD_KV_LOAD_FAIL } td_kv_
 typedef struct td_router_opts {
   const char *client_endpoint; /* e.g. tcp://127.0.0.1:7000 */
   const char *worker_endpoint; /* e.g. tcp://127.0.0.1:7001 */
+  /* Unix socket paths of the local links (proto/link.h) that clients and
+   * workers of this host may use instead of the endpoints (NULL: none);
+   * not with keys (a link has no CURVE: its file's owner is its only peer) */
+  const char *client_socket, *worker_socket;
   int heartbeat_ms;            /* both ways */
   int dead_after;              /* missed heartbeats before a worker is dead */
   int max_queue;               /* requests waiting for placement; beyond: "overloaded" */

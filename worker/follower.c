@@ -18,6 +18,7 @@
 #include "common/evloop.h"
 #include "common/log.h"
 #include "kvcache/kvcache.h"
+#include "proto/link.h"
 #include "worker/group.h"
 
 typedef struct watchdog {
@@ -188,6 +189,9 @@ static td_status join(follower *f) {
   int world = o->tp > 1 ? o->tp : o->pp;
   char id[256];
   snprintf(id, sizeof id, "%s-rank-%d", o->group, o->rank);
+  if (td_link_path(o->router))
+    return td_err(TD_ERR_UNSUPPORTED, "--router %s: a group's ranks reach the router over its endpoint, not a "
+                  "local link", o->router);
   f->zctx = zmq_ctx_new();
   f->rsock = f->zctx ? zmq_socket(f->zctx, ZMQ_DEALER) : NULL;
   if (!f->rsock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));

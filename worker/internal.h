@@ -18,6 +18,7 @@
 #include "common/evloop.h"
 #include "common/vec.h"
 #include "kvtransfer/transport.h"
+#include "proto/link.h"
 #include "worker/group.h"
 #include "worker/role.h"
 
@@ -170,7 +171,9 @@ struct td_worker {
   char id[TD_WIRE_MAX_ID + 1];
   const td_role *roles[TD_WORKER_MAX_ROLES];
   int n_roles;
-  void *zctx, *rsock;
+  void *zctx, *rsock; /* rsock: the router's endpoint (NULL over a local link) */
+  td_link *rlink;      /* the router over its local link (--router local:PATH), once connected */
+  int rlink_ev;
   /* ---- compute thread (compute.c) ---- */
   pthread_t thread;
   bool thread_started;
@@ -292,6 +295,9 @@ void w_send_heartbeat(td_worker *w);
 void w_send_reserved(td_worker *w, td_job *j);
 void w_send_deregister(td_worker *w, const char *reason);
 void w_on_router(td_loop *l, void *ctx);
+/* Connects the router's local link when --router names one and it is down. */
+td_status w_link_up(td_worker *w);
+void w_link_close(td_worker *w);
 int w_register_timer(td_loop *l, void *ctx);
 td_status w_router_timers(td_worker *w, bool first);
 

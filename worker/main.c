@@ -24,7 +24,8 @@ static void on_signal(int sig) { stop_flag = sig; }
 
 static void usage(FILE *f) {
   fprintf(f,
-          "usage: tandem-worker --router tcp://HOST:PORT --model DIR [--role encode,prefill,decode]\n"
+          "usage: tandem-worker --router tcp://HOST:PORT|local:PATH --model DIR [--role encode,prefill,decode]\n"
+          "                                        (local:PATH: the router's --worker-socket on this host)\n"
           "                     [--id NAME] [--device cpu|cuda] [--gpu N] [--block-size N]\n"
           "                     [--kv-blocks N] [--cross-blocks N] [--max-batch N] [--max-tokens N]\n"
           "                     [--max-enc-tokens N] [--max-enc-seqs N]  (an encoder batch)\n"

@@ -15,8 +15,23 @@
 /* messages read from the router a turn, so that timers and transfers keep their turn */
 #define ROUTER_BURST 1024
 
+static void link_writable(td_loop *l, void *ctx) {
+  td_worker *w = ctx;
+  if (w->rlink) (void)td_link_flush(w->rlink); /* a broken link is its reader's to close */
+  if (!w->rlink || !td_link_wants_write(w->rlink)) td_loop_set_writable(l, w->rlink_ev, NULL);
+}
+
 void td_worker_send(td_worker *w, Tandem__Cluster__WorkerMessage *m) {
   m->version = TD_PROTOCOL_VERSION;
+  if (!w->rsock) { /* the local link: until it is up (re)connected, as a ZeroMQ peer's, nothing goes */
+    if (!w->rlink) {
+      TD_DEBUG("send to router: its local link is down");
+      return;
+    }
+    if (td_link_send(w->rlink, &m->base, NULL) != TD_OK) TD_WARN("send to router: %s", td_errmsg());
+    if (td_link_wants_write(w->rlink)) td_loop_set_writable(w->loop, w->rlink_ev, link_writable);
+    return;
+  }
   if (td_wire_send(w->rsock, NULL, 0, &m->base) != TD_OK) TD_WARN("send to router: %s", td_errmsg());
 }
 
@@ -173,7 +188,10 @@ static int silence_timer(td_loop *l, void *ctx) {
 
 int w_register_timer(td_loop *l, void *ctx) {
   td_worker *w = ctx;
-  if (!w->registered && td_now_ms() - w->last_register >= TD_DEFAULT_REGISTER_RETRY_MS) w_send_register(w);
+  if (!w->registered && td_now_ms() - w->last_register >= TD_DEFAULT_REGISTER_RETRY_MS) {
+    if (w_link_up(w) != TD_OK) TD_DEBUG("%s", td_errmsg()); /* the router may not serve it yet */
+    w_send_register(w);
+  }
   return TD_DEFAULT_REGISTER_RETRY_MS;
 }
 
@@ -277,31 +295,28 @@ static bool to_role(td_worker *w, Tandem__Cluster__RouterMessage *m) {
   return false;
 }
 
-/* One message; false when none was waiting. */
-static bool router_message(td_worker *w) {
-  td_wire_frame f;
-  td_status s = td_wire_recv(w->rsock, false, false, &f);
-  if (s == TD_ERR_NOT_FOUND) return false;
+/* One frame from the router (s: how receiving it went); freed here. */
+static void router_frame(td_worker *w, td_wire_frame *f, td_status s) {
   if (s != TD_OK) {
-    td_wire_frame_free(&f);
-    return true;
+    td_wire_frame_free(f);
+    return;
   }
   Tandem__Cluster__RouterMessage *m;
   uint32_t ver;
-  s = td_wire_unpack_router(&f, &m, &ver);
+  s = td_wire_unpack_router(f, &m, &ver);
   /* a job's features in a frame of their own: into the spec, as if inline (the wire checked the frame) */
   const Tandem__Cluster__RequestSpec *fsp = s == TD_OK ? job_spec(m) : NULL;
-  if (fsp && fsp->features && td_wire_features_inline(&f, fsp->features) != TD_OK) {
+  if (fsp && fsp->features && td_wire_features_inline(f, fsp->features) != TD_OK) {
     TD_ERROR("request %llu: %s", (unsigned long long)fsp->rid, td_errmsg());
     td_worker_send_failed(w, fsp->rid, TD_ERR_NOMEM, td_errmsg(), true);
     tandem__cluster__router_message__free_unpacked(m, NULL);
-    td_wire_frame_free(&f);
-    return true;
+    td_wire_frame_free(f);
+    return;
   }
-  td_wire_frame_free(&f);
+  td_wire_frame_free(f);
   if (s != TD_OK) {
     TD_ERROR("message from the router dropped: %s", td_errmsg());
-    return true;
+    return;
   }
   w->last_router_msg = td_now_ms();
   char why[320];
@@ -315,7 +330,7 @@ static bool router_message(td_worker *w) {
       td_worker_send_failed(w, sp->rid, TD_ERR_INVALID, msg, false);
     }
     tandem__cluster__router_message__free_unpacked(m, NULL);
-    return true;
+    return;
   }
   bool kept = false;
   switch (m->body_case) {
@@ -358,6 +373,14 @@ static bool router_message(td_worker *w) {
     default: kept = to_role(w, m); break;
   }
   if (!kept) tandem__cluster__router_message__free_unpacked(m, NULL);
+}
+
+/* One message; false when none was waiting. */
+static bool router_message(td_worker *w) {
+  td_wire_frame f;
+  td_status s = td_wire_recv(w->rsock, false, false, &f);
+  if (s == TD_ERR_NOT_FOUND) return false;
+  router_frame(w, &f, s);
   return true;
 }
 
@@ -365,4 +388,51 @@ void w_on_router(td_loop *l, void *ctx) {
   td_worker *w = ctx;
   for (int k = 0; k < ROUTER_BURST && !w->refused[0] && !w->removed && router_message(w); k++) {
   }
+}
+
+/* ------------------------------------------------------------ the local link */
+
+void w_link_close(td_worker *w) {
+  if (!w->rlink) return;
+  td_loop_remove(w->loop, w->rlink_ev);
+  td_link_destroy(w->rlink);
+  w->rlink = NULL;
+}
+
+/* The router's end closed (it stopped or died): as after its silence, this
+ * worker's jobs end and it registers again once a router serves the path. */
+static void on_link(td_loop *l, void *ctx) {
+  (void)l;
+  td_worker *w = ctx;
+  for (int k = 0; k < ROUTER_BURST && w->rlink && !w->refused[0] && !w->removed; k++) {
+    td_wire_frame f;
+    td_status s = td_link_recv(w->rlink, &f);
+    if (s == TD_ERR_NOT_FOUND) return;
+    if (td_link_broken(w->rlink)) {
+      td_wire_frame_free(&f);
+      TD_WARN("the router's local link closed: %s", td_errmsg());
+      w_link_close(w);
+      if (w->registered) {
+        w->registered = false;
+        w_cancel_all(w, "the router's local link closed");
+      }
+      return;
+    }
+    router_frame(w, &f, s);
+  }
+}
+
+td_status w_link_up(td_worker *w) {
+  const char *path = td_link_path(w->o.router);
+  if (!path || w->rlink) return TD_OK;
+  td_link *k;
+  TD_TRY(td_link_connect(path, &k));
+  td_status s = td_loop_add_fd(w->loop, td_link_fd(k), on_link, w, &w->rlink_ev);
+  if (s != TD_OK) {
+    td_link_destroy(k);
+    return s;
+  }
+  w->rlink = k;
+  TD_INFO("connected to the router at %s", w->o.router);
+  return TD_OK;
 }

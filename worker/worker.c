@@ -134,14 +134,23 @@ static td_status create(td_worker *w) {
   TD_TRY(td_loop_create(TD_WORKER_STOP_CHECK_MS, &w->loop));
   td_loop_set_spin(w->loop, o->spin_us);
   w->zctx = zmq_ctx_new();
-  w->rsock = w->zctx ? zmq_socket(w->zctx, ZMQ_DEALER) : NULL;
-  if (!w->rsock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
-  td_wire_setup_socket(w->rsock);
-  td_wire_set_unique_route(w->rsock, w->id);
-  TD_TRY(td_auth_client(o->auth, w->rsock, NULL));
-  if (zmq_connect(w->rsock, o->router) != 0)
-    return td_err(TD_ERR_INVALID, "cannot connect to the router at %s: %s", o->router, zmq_strerror(zmq_errno()));
+  if (!w->zctx) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
   w->world = o->tp > 1 ? o->tp : o->pp > 1 ? o->pp : 1;
+  if (td_link_path(o->router)) {
+    /* the local link: connected when the loop starts, and again after the router's end closes */
+    if (o->auth) return td_err(TD_ERR_INVALID, "--router %s: a local link has no CURVE (not with keys)", o->router);
+    if (w->world > 1)
+      return td_err(TD_ERR_UNSUPPORTED, "--router %s: a group's ranks reach the router over its endpoint, not a "
+                    "local link", o->router);
+  } else {
+    w->rsock = zmq_socket(w->zctx, ZMQ_DEALER);
+    if (!w->rsock) return td_err(TD_ERR_NETWORK, "zmq: %s", zmq_strerror(zmq_errno()));
+    td_wire_setup_socket(w->rsock);
+    td_wire_set_unique_route(w->rsock, w->id);
+    TD_TRY(td_auth_client(o->auth, w->rsock, NULL));
+    if (zmq_connect(w->rsock, o->router) != 0)
+      return td_err(TD_ERR_INVALID, "cannot connect to the router at %s: %s", o->router, zmq_strerror(zmq_errno()));
+  }
   if (w->world > 1) TD_TRY(group_start(w));
   TD_TRY(w_compute_start(w));
   return w_kv_start(w);
@@ -185,7 +194,8 @@ static int stop_timer(td_loop *l, void *ctx) {
 
 static td_status loop_events(td_worker *w) {
   td_loop *l = w->loop;
-  TD_TRY(td_loop_add_socket(l, w->rsock, w_on_router, w, NULL));
+  if (w->rsock) TD_TRY(td_loop_add_socket(l, w->rsock, w_on_router, w, NULL));
+  if (w_link_up(w) != TD_OK) TD_WARN("%s: registering when it answers", td_errmsg());
   TD_TRY(td_loop_add_fd(l, w->efd, w_on_events, w, NULL));
   TD_TRY(td_loop_add_timer(l, TD_DEFAULT_REGISTER_RETRY_MS, w_register_timer, w, NULL));
   TD_TRY(w_router_timers(w, false));
@@ -241,6 +251,7 @@ void td_worker_destroy(td_worker *w) {
   w_jobs_free(w);
   w_stream_free(w);
   if (w->rsock) zmq_close(w->rsock);
+  w_link_close(w);
   td_zap_destroy(w->zap); /* after the group's sockets, before the context ends */
   if (w->zctx) zmq_ctx_term(w->zctx);
   td_loop_destroy(w->loop);

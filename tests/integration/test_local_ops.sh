@@ -185,6 +185,32 @@ spins() { for p in router encoder-0 encoder-1 decode-0 decode-1; do args_of "$p"
 check "--spin-us reaches the router and every worker, added ones too" spins
 kill -TERM "$lse"
 wait "$lse"
+# ---- local links (--local-link all): workers, added ones too, and clients reach the router over Unix
+# sockets in the run directory; a worker killed is gone from the router at once (its link closed), not
+# after missed heartbeats
+"$root/deploy/local.sh" --run-dir "$work/ll" --encoders 1 --prefills 0 --decodes 1 --local-link all \
+  --no-gateway --no-metrics >"$work/ll.out" 2>"$work/ll.err" &
+ll=$!
+wait_for 600 grep -q '^router ' "$work/ll.out" 2>/dev/null
+router=$(awk '/^router /{print $2}' "$work/ll.out")
+check "--local-link all: clients are given the router's local link" test "$router" = "local:$work/ll/router-clients.sock"
+"$root/deploy/local.sh" add decode --run-dir "$work/ll" >"$work/ll-add.out" 2>&1
+check "--local-link all: add decode registered" grep -qx "added decode-1" "$work/ll-add.out"
+ll_args() { tr '\0' ' ' <"/proc/$(cat "$work/ll/$1.pid")/cmdline"; }
+linked() { for p in encoder-0 decode-0 decode-1; do ll_args "$p" | grep -q -- "--router local:$work/ll/router-workers.sock " || return 1; done; }
+check "--local-link all: every worker, the added one too, on the router's local link" linked
+requests "$work/ll.jsonl" 12
+"$bin/tandem-client" --router "$router" --requests "$work/ll.jsonl" --timeout-ms 60000 >"$work/ll-res.out" 2>&1
+check "--local-link all: every request answered right" all_right "$work/ll-res.out" 12
+kill -KILL "$(cat "$work/ll/decode-1.pid")"
+wait_for 20 grep -q "worker decode-1 is gone: its local link closed" "$work/ll/router.log" || true
+check "--local-link: a killed worker is gone at once" grep -q "worker decode-1 is gone: its local link closed" "$work/ll/router.log"
+kill -TERM "$ll"
+wait "$ll"
+"$root/deploy/local.sh" --local-link yes >/dev/null 2>"$work/ll-bad.err"
+check "--local-link yes is refused" grep -q "local-link must be off, workers or all" "$work/ll-bad.err"
+"$root/deploy/local.sh" --local-link workers --auth >/dev/null 2>"$work/ll-bad.err"
+check "--local-link with --auth is refused" grep -q "local-link has no CURVE" "$work/ll-bad.err"
 "$root/deploy/local.sh" --local-encode-seqs 2 >/dev/null 2>"$work/lse-bad.err"
 check "--local-encode-seqs without --decoders-encode is refused" grep -q "decode workers that encode" "$work/lse-bad.err"
 "$root/deploy/local.sh" --decoders-encode --local-encode-seqs 0 >/dev/null 2>"$work/lse-bad.err"

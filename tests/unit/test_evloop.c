@@ -195,3 +195,38 @@ Test(evloop, refuses_bad_events) {
   cr_assert_eq(td_loop_add_timer(l, 0, NULL, NULL, NULL), TD_ERR_INVALID);
   td_loop_destroy(l);
 }
+
+typedef struct wr {
+  int reads, writes, id;
+} wr;
+
+static void wr_read(td_loop *l, void *ctx) {
+  (void)l;
+  ((wr *)ctx)->reads++;
+}
+
+static void wr_write(td_loop *l, void *ctx) {
+  wr *w = ctx;
+  if (++w->writes == 3) td_loop_set_writable(l, w->id, NULL); /* nothing left to write */
+}
+
+/* A descriptor's writable event runs while its writer sets it, and only
+ * then; the read event is unaffected. */
+Test(evloop, writable_while_asked) {
+  td_loop *l;
+  cr_assert_eq(td_loop_create(20, &l), TD_OK);
+  int efd = eventfd(0, EFD_NONBLOCK);
+  wr w = {0};
+  cr_assert_eq(td_loop_add_fd(l, efd, wr_read, &w, &w.id), TD_OK);
+  cr_assert_eq(td_loop_run_once(l), TD_OK);
+  cr_expect_eq(w.writes, 0, "writable ran though nobody asked");
+  td_loop_set_writable(l, w.id, wr_write);
+  for (int i = 0; i < 6; i++) cr_assert_eq(td_loop_run_once(l), TD_OK);
+  cr_expect_eq(w.writes, 3, "writable ran %d times", w.writes);
+  cr_expect_eq(w.reads, 0);
+  td_loop_set_writable(l, 12345, wr_write); /* an unknown id: nothing */
+  cr_assert_eq(td_loop_run_once(l), TD_OK);
+  cr_expect_eq(w.writes, 3);
+  td_loop_destroy(l);
+  close(efd);
+}

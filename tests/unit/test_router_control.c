@@ -17,11 +17,13 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common/clock.h"
 #include "common/defaults.h"
 #include "common/log.h"
+#include "proto/link.h"
 #include "proto/wire.h"
 #include "client/client.h"
 #include "router/router.h"
@@ -1400,6 +1402,230 @@ Test(router_control, defaults_and_the_limits_of_the_options, .timeout = 30) {
   wfree(ack);
   void *socks[] = {w};
   finish(&h, socks, 1);
+}
+
+/* ------------------------------------------------------------ local links */
+
+static void lsend(td_link *k, ProtobufCMessage *m, zmq_msg_t *extra) {
+  cr_assert_eq(td_link_send(k, m, extra), TD_OK, "%s", td_errmsg());
+  for (int i = 0; i < 3000 && td_link_wants_write(k); i++) {
+    zmq_pollitem_t it = {.fd = td_link_fd(k), .events = ZMQ_POLLOUT};
+    (void)zmq_poll(&it, 1, 1);
+    cr_assert_eq(td_link_flush(k), TD_OK, "%s", td_errmsg());
+  }
+}
+
+/* The next frame (*f the caller's to free), or TD_ERR_TIMEOUT. */
+static td_status lrecv(td_link *k, int timeout_ms, td_wire_frame *f) {
+  for (int64_t end = td_now_ms() + timeout_ms; td_now_ms() < end;) {
+    td_status s = td_link_recv(k, f);
+    if (s != TD_ERR_NOT_FOUND) return s;
+    zmq_pollitem_t it = {.fd = td_link_fd(k), .events = ZMQ_POLLIN};
+    (void)zmq_poll(&it, 1, 10);
+  }
+  return TD_ERR_TIMEOUT;
+}
+
+/* A worker's next message that is not a heartbeat, and how many floats its second frame held. */
+static Tandem__Cluster__RouterMessage *lwexpect(td_link *k, Tandem__Cluster__RouterMessage__BodyCase want,
+                                                size_t *n_extra, float *first, float *last) {
+  for (;;) {
+    td_wire_frame f;
+    cr_assert_eq(lrecv(k, WAIT_MS, &f), TD_OK, "the worker's link: %s", td_errmsg());
+    Tandem__Cluster__RouterMessage *m;
+    uint32_t ver;
+    cr_assert_eq(td_wire_unpack_router(&f, &m, &ver), TD_OK, "%s", td_errmsg());
+    if (n_extra) {
+      *n_extra = f.has_extra ? zmq_msg_size(&f.extra) / sizeof(float) : 0;
+      if (*n_extra) {
+        *first = ((const float *)zmq_msg_data(&f.extra))[0];
+        *last = ((const float *)zmq_msg_data(&f.extra))[*n_extra - 1];
+      }
+    }
+    td_wire_frame_free(&f);
+    if (m->body_case == TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_HEARTBEAT) {
+      wfree(m);
+      continue;
+    }
+    cr_assert_eq(m->body_case, want, "message %d, want %d", m->body_case, want);
+    return m;
+  }
+}
+
+static Tandem__ServerMessage *lcexpect(td_link *k, Tandem__ServerMessage__BodyCase want, const char *what) {
+  td_wire_frame f;
+  cr_assert_eq(lrecv(k, WAIT_MS, &f), TD_OK, "%s: %s", what, td_errmsg());
+  Tandem__ServerMessage *m;
+  uint32_t ver;
+  cr_assert_eq(td_wire_unpack_server(&f, &m, &ver), TD_OK, "%s", td_errmsg());
+  td_wire_frame_free(&f);
+  cr_assert_eq(m->body_case, want, "%s: message %d, want %d (%s)", what, m->body_case, want,
+               m->body_case == TANDEM__SERVER_MESSAGE__BODY_ERROR ? m->error->message : "");
+  return m;
+}
+
+static void lhealth(td_link *c, int *workers) {
+  Tandem__HealthRequest hr = TANDEM__HEALTH_REQUEST__INIT;
+  Tandem__ClientMessage m = TANDEM__CLIENT_MESSAGE__INIT;
+  m.version = TD_PROTOCOL_VERSION;
+  m.body_case = TANDEM__CLIENT_MESSAGE__BODY_HEALTH;
+  m.health = &hr;
+  lsend(c, &m.base, NULL);
+  Tandem__ServerMessage *sm = lcexpect(c, TANDEM__SERVER_MESSAGE__BODY_HEALTH, "health");
+  *workers = (int)sm->health->n_workers;
+  cfree(sm);
+}
+
+/* 30 s of audio at 128 mel bins: 1.5 MB a request */
+static void long_audio_shape(Tandem__Cluster__WorkerInfo *in) {
+  in->model->model_type = "whisper";
+  in->model->mel_bins = 128;
+  in->model->frames = 3000;
+  in->model->max_source_len = 1500;
+}
+
+enum { LINK_JOBS = 12, LINK_MEL = 128 * 3000 };
+
+/* Workers and clients of the router's host over its local links (Unix
+ * sockets, proto/link.h): registration, jobs with their features' frame
+ * (twelve of 1.5 MB, more than a socket holds: the router writes the rest
+ * as the worker reads), tokens and results back; a worker whose link
+ * closes is gone at once, not after its missed heartbeats; a client that
+ * sends garbage loses its link and nobody else notices; the ZeroMQ
+ * endpoints serve beside them; paths too long and keys are refused. */
+Test(router_control, workers_and_clients_over_local_links, .timeout = 60) {
+  char dir[] = "/tmp/td-rlink-XXXXXX", cs[128], ws[128];
+  cr_assert_not_null(mkdtemp(dir));
+  snprintf(cs, sizeof cs, "%s/c.sock", dir);
+  snprintf(ws, sizeof ws, "%s/w.sock", dir);
+  harness h;
+  start(&h, (td_router_opts){.client_socket = cs, .worker_socket = ws});
+  td_link *w, *c;
+  cr_assert_eq(td_link_connect(ws, &w), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(td_link_connect(cs, &c), TD_OK, "%s", td_errmsg());
+  /* the registration, as a worker sends it */
+  Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
+  mi.model_type = "t5";
+  mi.vocab_size = 100;
+  mi.max_source_len = 64;
+  mi.max_target_len = 32;
+  Tandem__TokenId start_tok = TANDEM__TOKEN_ID__INIT;
+  start_tok.id = START_TOKEN;
+  mi.decoder_start = &start_tok;
+  int32_t eos[1] = {EOS_TOKEN};
+  mi.eos_token_ids = eos;
+  mi.n_eos_token_ids = 1;
+  Tandem__Cluster__Role roles[2] = {TANDEM__CLUSTER__ROLE__ROLE_ENCODE, TANDEM__CLUSTER__ROLE__ROLE_DECODE};
+  Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;
+  in.worker_id = "lw";
+  in.roles = roles;
+  in.n_roles = 2;
+  in.model = &mi;
+  in.block_size = 16;
+  in.self_blocks = 1000;
+  in.cross_blocks = 4000;
+  in.max_running = 32;
+  in.cross_mode = "auto";
+  long_audio_shape(&in);
+  Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
+  reg.info = &in;
+  Tandem__Cluster__WorkerMessage wm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  wm.version = TD_PROTOCOL_VERSION;
+  wm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
+  wm.register_ = &reg;
+  lsend(w, &wm.base, NULL);
+  Tandem__Cluster__RouterMessage *ack = lwexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK, NULL, NULL, NULL);
+  cr_assert(ack->ack->accepted, "%s", ack->ack->reason);
+  wfree(ack);
+  /* requests with their features in a frame, from the client's link */
+  zmq_msg_t x;
+  cr_assert_eq(zmq_msg_init_size(&x, sizeof(float) * LINK_MEL), 0);
+  float *v = zmq_msg_data(&x);
+  for (int i = 0; i < LINK_MEL; i++) v[i] = (float)(i % 1000) * 0.5f;
+  for (int k = 0; k < LINK_JOBS; k++) {
+    char id[16];
+    snprintf(id, sizeof id, "a%d", k);
+    Tandem__AudioFeatures af = TANDEM__AUDIO_FEATURES__INIT;
+    af.values_in_frame = true;
+    Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+    g.request_id = id;
+    g.features = &af;
+    g.max_new_tokens = 2;
+    Tandem__ClientMessage cm = TANDEM__CLIENT_MESSAGE__INIT;
+    cm.version = TD_PROTOCOL_VERSION;
+    cm.body_case = TANDEM__CLIENT_MESSAGE__BODY_GENERATE;
+    cm.generate = &g;
+    lsend(c, &cm.base, &x);
+  }
+  zmq_msg_close(&x);
+  uint64_t rids[LINK_JOBS];
+  for (int k = 0; k < LINK_JOBS; k++) {
+    size_t n = 0;
+    float first = -1, last = -1;
+    Tandem__Cluster__RouterMessage *job = lwexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, &n, &first, &last);
+    cr_expect(job->decode->local_encode);
+    cr_assert_eq(n, LINK_MEL, "job %d's frame holds %zu floats", k, n);
+    cr_expect_float_eq(first, 0.0f, 0);
+    cr_expect_float_eq(last, (float)((LINK_MEL - 1) % 1000) * 0.5f, 0);
+    rids[k] = job->decode->req->rid;
+    wfree(job);
+  }
+  for (int k = 0; k < LINK_JOBS; k++) {
+    int32_t t[2] = {7, 8};
+    Tandem__SequenceOutput so = TANDEM__SEQUENCE_OUTPUT__INIT, *sop = &so;
+    so.tokens = t;
+    so.n_tokens = 2;
+    so.finish_reason = TANDEM__FINISH_REASON__FINISH_LENGTH;
+    Tandem__Cluster__Finished fin = TANDEM__CLUSTER__FINISHED__INIT;
+    fin.rid = rids[k];
+    fin.outputs = &sop;
+    fin.n_outputs = 1;
+    Tandem__Cluster__WorkerMessage fm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+    fm.version = TD_PROTOCOL_VERSION;
+    fm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED;
+    fm.finished = &fin;
+    lsend(w, &fm.base, NULL);
+  }
+  for (int k = 0; k < LINK_JOBS; k++) {
+    Tandem__ServerMessage *r = lcexpect(c, TANDEM__SERVER_MESSAGE__BODY_RESULT, "a result");
+    cr_expect_eq(r->result->outputs[0]->n_tokens, 2);
+    cfree(r);
+  }
+  /* the ZeroMQ endpoint still serves, beside the links */
+  int nw = -1;
+  lhealth(c, &nw);
+  cr_expect_eq(nw, 1);
+  Tandem__ServerMessage *hm;
+  cr_expect_eq(health(&h, &hm)->n_workers, 1);
+  cfree(hm);
+  /* garbage on another client's link: that link closes, the rest goes on */
+  td_link *g;
+  cr_assert_eq(td_link_connect(cs, &g), TD_OK);
+  cr_assert_eq(write(td_link_fd(g), "GET / HTTP/1.1\r\n\r\n", 18), 18);
+  td_wire_frame f;
+  cr_expect_eq(lrecv(g, WAIT_MS, &f), TD_ERR_PEER, "the router kept a link that sent garbage");
+  td_link_destroy(g);
+  /* the worker's link closes: gone at once (its heartbeats would take 30 s) */
+  td_link_destroy(w);
+  int64_t t0 = td_now_ms();
+  do lhealth(c, &nw);
+  while (nw != 0 && td_now_ms() - t0 < 2000);
+  cr_expect_eq(nw, 0, "a worker whose link closed is still registered");
+  td_link_destroy(c);
+  finish(&h, NULL, 0);
+  struct stat st;
+  cr_expect_neq(stat(cs, &st), 0, "the router left its socket file");
+  rmdir(dir);
+
+  td_router *r = NULL;
+  char lng[200];
+  memset(lng, 'x', sizeof lng - 1);
+  lng[0] = '/';
+  lng[sizeof lng - 1] = 0;
+  td_router_opts o = {.client_endpoint = "inproc://lc", .worker_endpoint = "inproc://lw", .worker_socket = lng};
+  cr_expect_eq(td_router_create(&o, &r), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "longer than"), "%s", td_errmsg());
+  cr_expect(!r);
 }
 
 /* ------------------------------------------------------------ floods */
