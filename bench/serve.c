@@ -71,6 +71,7 @@ typedef struct opts {
   td_cross_mode cross_mode;
   char barrier_dir[3072]; /* --barrier DIR:N: each run starts once N processes reached it */
   int barrier_n;
+  int spin_us; /* --router: poll without sleeping this long while answers are due */
 } opts;
 
 /* Waits until n processes (this one included) have reached run k: each
@@ -121,6 +122,8 @@ typedef struct run {
   /* --router: every worker's engine counters before and after the run */
   td_serve_counters *before, *after;
   int n_before, n_after;
+  int64_t spin_ns;           /* --spin-us */
+  unsigned long long events; /* tokens and results taken so far */
 } run;
 
 static double now_ms(void) { return (double)td_now_ns() / 1e6; }
@@ -195,6 +198,7 @@ static void result_seen(run *r, int i, bool ok, int n_out) {
 
 static void cl_tokens(void *ctx, const char *id, int seq, int offset, const int32_t *t, const float *lp, int n) {
   run *r = ctx;
+  r->events++;
   if (n > 0) token_seen(r, index_of(r, id), seq);
 }
 
@@ -222,6 +226,7 @@ static void write_result(run *r, int i, const td_client_result *res) {
 
 static void cl_result(void *ctx, const td_client_result *res) {
   run *r = ctx;
+  r->events++;
   int i = index_of(r, res->id);
   if (r->results && i >= 0 && r->s[i].done_ms <= 0) write_result(r, i, res);
   bool ok = res->status == TD_OK && res->n_outputs > 0;
@@ -280,6 +285,12 @@ static td_status zmq_submit(void *t, const opts *o, const td_json_request *q, in
 
 static td_status zmq_poll(void *t, int timeout_ms, run *r) {
   td_client_events ev = {.on_tokens = cl_tokens, .on_result = cl_result, .ctx = r};
+  if (r->spin_ns > 0 && r->in_flight > 0) { /* as the gateway's --spin-us: an answer taken without a wake-up */
+    unsigned long long seen = r->events;
+    for (int64_t end = td_now_ns() + r->spin_ns; r->events == seen && td_now_ns() < end;)
+      TD_TRY(td_client_poll(t, 0, &ev));
+    if (r->events != seen) return TD_OK;
+  }
   return td_client_poll(t, timeout_ms, &ev);
 }
 
@@ -484,7 +495,7 @@ static const char *arrivals_name(const opts *o, double rate, int k, char *buf, s
 
 static void row(td_sbuf *b, const char *arr, const td_serve_summary *m) {
   td_sbuf_printf(b,
-                 "| %s | %d/%d | %.2f | %.0f | %.0f | %.1f / %.1f / %.1f | %.2f / %.2f / %.2f | "
+                 "| %s | %d/%d | %.2f | %.0f | %.0f | %.2f / %.2f / %.2f | %.2f / %.2f / %.2f | "
                  "%.0f / %.0f / %.0f | %.2f |\n",
                  arr, m->n_ok, m->n, m->req_s, m->out_tok_s, m->in_tok_s, m->ttft.p50, m->ttft.p90, m->ttft.p99,
                  m->tpot.p50, m->tpot.p90, m->tpot.p99, m->e2e.p50, m->e2e.p90, m->e2e.p99, m->goodput_req_s);
@@ -539,7 +550,9 @@ static void usage(FILE *f) {
           "                   [--encoder-cache-fraction F]  (--engine: of the cross pool; 0.25, 0 disables)\n"
           "                   [--results FILE.jsonl]  (--router, one run: each answer with its times, a line)\n"
           "                   [--barrier DIR:N]  (each run starts once N bench-serve processes given the same DIR\n"
-          "                               reached it: engines on several GPUs measured at once)\n");
+          "                               reached it: engines on several GPUs measured at once)\n"
+          "                   [--spin-us N]  (--router: poll N us without sleeping while answers are due, as\n"
+          "                               tandem-gateway --spin-us; 0 to 100000, default 0)\n");
 }
 
 static int parse_rates(const char *s, opts *o) {
@@ -592,7 +605,7 @@ int main(int argc, char **argv) {
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"http-warm", required_argument, 0, 'W'},
       {"repeat", required_argument, 0, 'y'},       {"encoder-cache-fraction", required_argument, 0, 'Y'},
       {"results", required_argument, 0, 'O'},      {"runs", required_argument, 0, 'U'},
-      {"barrier", required_argument, 0, 'Z'},
+      {"barrier", required_argument, 0, 'Z'},      {"spin-us", required_argument, 0, 'Q'},
       {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .runs = 1, .max_batch = 0, .max_tokens = 0,
@@ -709,6 +722,16 @@ int main(int argc, char **argv) {
         o.barrier_n = (int)v;
         break;
       }
+      case 'Q': {
+        char *end;
+        long v = strtol(optarg, &end, 10);
+        if (*end || end == optarg || v < 0 || v > TD_MAX_SPIN_US) {
+          fprintf(stderr, "bench-serve: --spin-us: 0 to %d microseconds, not '%s'\n", TD_MAX_SPIN_US, optarg);
+          return 2;
+        }
+        o.spin_us = (int)v;
+        break;
+      }
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -804,6 +827,7 @@ int main(int argc, char **argv) {
     }
     run r;
     td_status s = run_init(&r, &w, rate, o.concurrency, o.seed + 7919 * (uint64_t)k);
+    r.spin_ns = (int64_t)o.spin_us * 1000;
     if (s == TD_OK && o.results && !(r.results = fopen(o.results, "w")))
       s = td_err(TD_ERR_IO, "cannot write %s", o.results);
     if (s == TD_OK && o.barrier_n) s = barrier(o.barrier_dir, o.barrier_n, k);

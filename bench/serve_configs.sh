@@ -8,7 +8,7 @@
 #   bench/serve_configs.sh --model DIR [--workload trt|whisper|FILE] [--device cuda|cpu]
 #       [--burst N] [--closed C [--closed-requests N]] [--rate R [--rate-requests N]] [--runs K]
 #       [--configs "NAME=LOCAL.SH FLAGS;NAME=..."] [--engine N [--engine-parallel]]
-#       [--out DIR]
+#       [--client-spin-us N] [--out DIR]
 #
 # --burst N: N requests at once (0: none; default 512); --closed C: C in flight, 3 x C
 # requests or --closed-requests N (0: none; default 256); --rate R: Poisson arrivals at R requests a second, N of them
@@ -22,12 +22,14 @@
 # each with 1/N of each load and inputs of its own, every run started together (bench-serve --barrier):
 # what N GPUs of this host deliver in process at once, their slowest ending each run, as a cluster's
 # slowest worker ends its run.
+# --client-spin-us N: bench-serve against each cluster polls N us without sleeping while answers are
+# due (bench-serve --spin-us), as a latency-minded client (the gateway's --spin-us) does.
 # Programs from $TANDEM_BIN (default build/bin). Each run's full bench-serve output is in
 # --out (default a temporary folder).
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 model="" workload=trt device=cuda burst=512 closed=256 closed_n=0 rate=0 rate_n=1024 runs=2 out="" engines=0
-eng_par=0
+eng_par=0 client_spin=0
 configs="agg=--encoders 0 --prefills 0 --decodes 4;e1d3=--encoders 1 --prefills 0 --decodes 3"
 while (($#)); do
   case $1 in
@@ -43,6 +45,7 @@ while (($#)); do
     --configs) configs=$2; shift 2 ;;
     --engine) engines=$2; shift 2 ;;
     --engine-parallel) eng_par=1; shift ;;
+    --client-spin-us) client_spin=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     *) echo "serve_configs.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -57,6 +60,8 @@ if ((engines)) && ((burst && burst / engines == 0 || closed && (closed / engines
   exit 2
 fi
 [[ $rate =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "serve_configs.sh: --rate takes requests a second" >&2; exit 2; }
+[[ $client_spin =~ ^[0-9]{1,6}$ ]] && ((client_spin <= 100000)) ||
+  { echo "serve_configs.sh: --client-spin-us must be 0 to 100000" >&2; exit 2; }
 ((eng_par == 0 || engines > 0)) || { echo "serve_configs.sh: --engine-parallel goes with --engine N" >&2; exit 2; }
 off_kind() { # whether a measure is off
   case $1 in burst) [[ $burst == 0 ]] ;; closed) [[ $closed == 0 ]] ;; rate) [[ $rate == 0 || $rate == 0.0 ]] ;; esac
@@ -151,9 +156,14 @@ for entry in "${list[@]}"; do
     off_kind $kind && continue
     for r in $(seq "$runs"); do
       f=$out/$name-$kind-$r.txt
+      # closed loops take the inputs of the engine's warm run r (bench-serve --seed 5 --runs: inputs of seed
+      # 5 + r), so that one engine's latencies are set against the same requests' (a BART input's length moves
+      # its TTFT); bursts and rates inputs of their own (a cluster's encoder cache lives across its runs)
+      seed=$((1000 * (off + 1) + 10 * r))
+      [[ $kind == closed ]] && seed=$((5 + r))
       OPENBLAS_NUM_THREADS=1 "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" \
-        --requests "$n" "${extra[@]}" \
-        --seed $((10 * r + off)) >"$f" 2>&1
+        --requests "$n" "${extra[@]}" --spin-us "$client_spin" \
+        --seed "$seed" >"$f" 2>&1
       v=$(row_of "$f")
       base=${first[$k]:-}
       [[ -z $base ]] && first[$k]=$v base=$v

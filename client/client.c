@@ -564,6 +564,8 @@ td_status td_client_poll_fd(td_client *c, int fd, int timeout_ms, const td_clien
   zmq_pollitem_t it[3] = {{.socket = c->sock, .events = ZMQ_POLLIN}, {.socket = c->mon, .events = ZMQ_POLLIN},
                           {.fd = fd, .events = ZMQ_POLLIN}};
   if (!c->sock) it[0] = (zmq_pollitem_t){.fd = c->link ? td_link_fd(c->link) : -1, .events = ZMQ_POLLIN};
+  bool buffered = !c->sock && c->link && td_link_pending(c->link); /* frames the last poll left in the link */
+  if (buffered) timeout_ms = 0;
   int n_it = 1;
   if (c->mon) n_it++;
   if (fd >= 0) it[n_it++] = (zmq_pollitem_t){.fd = fd, .events = ZMQ_POLLIN};
@@ -577,6 +579,7 @@ td_status td_client_poll_fd(td_client *c, int fd, int timeout_ms, const td_clien
   int rc = zmq_poll(it, n_it, timeout_ms);
   if (rc < 0) return td_err(TD_ERR_NETWORK, "zmq poll: %s", zmq_strerror(zmq_errno()));
   if (fd_ready) *fd_ready = fd >= 0 && (it[n_it - 1].revents & ZMQ_POLLIN);
+  if (buffered) it[0].revents |= ZMQ_POLLIN, rc = rc > 0 ? rc : 1;
   if (!(it[0].revents & (ZMQ_POLLIN | ZMQ_POLLERR))) rc = 0; /* the caller's descriptor, or connection events only */
   for (int k = 0; rc > 0 && k < 1024; k++) {
     td_wire_frame f;

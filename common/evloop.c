@@ -17,6 +17,7 @@ typedef struct loop_ev {
   int fd;
   td_loop_io_fn io;
   td_loop_io_fn on_write; /* descriptors: set while bytes wait to be written */
+  bool pending;           /* descriptors: input waits in the reader's buffer */
   td_loop_timer_fn timer;
   int64_t due; /* timers: monotonic ms */
   void *ctx;
@@ -104,6 +105,11 @@ void td_loop_set_writable(td_loop *l, int id, td_loop_io_fn fn) {
     if (l->evs[i].type == EV_FD && l->evs[i].id == id) l->evs[i].on_write = fn;
 }
 
+void td_loop_set_pending(td_loop *l, int id, bool pending) {
+  for (int i = 0; i < l->n; i++)
+    if (l->evs[i].type == EV_FD && l->evs[i].id == id) l->evs[i].pending = pending;
+}
+
 void td_loop_set_before_sleep(td_loop *l, td_loop_sleep_fn fn, void *ctx) {
   l->before = fn;
   l->before_ctx = ctx;
@@ -159,6 +165,8 @@ td_status td_loop_run_once(td_loop *l) {
   if (wait < 0) wait = 0;
   /* last before sleeping: a hook with work that signals nothing keeps us awake */
   if (l->before && !l->before(l, l->before_ctx)) wait = 0;
+  for (int i = 0; i < l->n && wait; i++)
+    if (l->evs[i].type == EV_FD && l->evs[i].pending) wait = 0;
   if (l->stop) return TD_OK;
   int64_t t_poll = l->spin_ns ? td_now_ns() : 0;
   if (l->spin_ns && t_poll - l->last_io_ns < l->spin_ns) wait = 0;
@@ -167,9 +175,10 @@ td_status td_loop_run_once(td_loop *l) {
     return td_err(TD_ERR_NETWORK, "event loop: poll: %s", zmq_strerror(zmq_errno()));
   if (rc > 0 && l->spin_ns) l->last_io_ns = t_poll;
   if (l->after) l->after(l, l->after_ctx);
-  for (int k = 0; rc > 0 && k < n_items && !l->stop; k++) {
-    short re = l->items[k].revents;
+  for (int k = 0; k < n_items && !l->stop; k++) {
+    short re = rc > 0 ? l->items[k].revents : 0;
     int i = find(l, l->item_ids[k]); /* an earlier handler may have removed it */
+    if (i >= 0 && l->evs[i].pending) re |= ZMQ_POLLIN;
     if (i >= 0 && (re & ZMQ_POLLOUT) && l->evs[i].on_write) l->evs[i].on_write(l, l->evs[i].ctx);
     i = find(l, l->item_ids[k]); /* the writer may have removed it */
     /* a closed descriptor reports an error: its reader sees the end */

@@ -41,6 +41,10 @@ td_status td_loop_add_fd(td_loop *l, int fd, td_loop_io_fn fn, void *ctx, int *i
  * can take bytes: a writer with bytes left over sets it, and clears it once
  * they are written. */
 void td_loop_set_writable(td_loop *l, int id, td_loop_io_fn fn);
+/* A descriptor event whose reader left input in its own buffer (pending):
+ * its handler runs on the next turn as if the descriptor were readable,
+ * and the loop does not sleep before it, until the reader clears it. */
+void td_loop_set_pending(td_loop *l, int id, bool pending);
 /* A timer that first fires after first_ms (0: on the next turn). */
 td_status td_loop_add_timer(td_loop *l, int first_ms, td_loop_timer_fn fn, void *ctx, int *id);
 /* Removes a file event or timer; unknown ids are ignored. */

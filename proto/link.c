@@ -166,6 +166,7 @@ td_status td_link_connect(const char *path, td_link **out) {
 
 int td_link_fd(const td_link *k) { return k->fd; }
 bool td_link_broken(const td_link *k) { return k->broken; }
+bool td_link_pending(const td_link *k) { return !k->broken && k->rx == RX_HDR && k->st_len - k->st_off >= LINK_HDR; }
 bool td_link_wants_write(const td_link *k) { return !k->broken && k->head < k->n_out; }
 
 static void piece_free(piece *p) {

@@ -55,6 +55,10 @@ bool td_link_wants_write(const td_link *k);
  * malformed header (the link is broken then). out is always freeable. */
 td_status td_link_recv(td_link *k, td_wire_frame *out);
 bool td_link_broken(const td_link *k);
+/* Bytes of a next frame wait in the link's own buffer (a reader that
+ * stopped early, e.g. at its burst's end): the descriptor will not say so,
+ * so read again without waiting for it. */
+bool td_link_pending(const td_link *k);
 void td_link_destroy(td_link *k);
 
 #endif

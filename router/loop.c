@@ -275,15 +275,16 @@ static void link_close(td_router *r, rtr_link *k, const char *why) {
   free(k);
 }
 
+/* A burst at most a wake-up, as on the sockets; frames left in the link's
+ * buffer keep its event pending (the descriptor will not wake us for them). */
 static void link_readable(td_loop *l, void *ctx) {
-  (void)l;
   rtr_link *k = ctx;
   td_router *r = k->r;
   int64_t end = td_now_ns() + TD_ROUTER_CLIENT_BURST_US * 1000LL;
   for (int n = 0; n < (k->client ? TD_ROUTER_CLIENT_BURST : TD_ROUTER_WORKER_BURST); n++) {
     td_wire_frame f;
     td_status s = td_link_recv(k->k, &f);
-    if (s == TD_ERR_NOT_FOUND) return;
+    if (s == TD_ERR_NOT_FOUND) break;
     if (td_link_broken(k->k)) {
       td_wire_frame_free(&f);
       if (s == TD_ERR_FORMAT) TD_WARN("router: %s %s", k->client ? "client" : "worker", td_errmsg());
@@ -294,11 +295,12 @@ static void link_readable(td_loop *l, void *ctx) {
     f.id_len = sizeof k->id;
     if (k->client) {
       client_frame(r, &f, s);
-      if (td_now_ns() >= end) return;
+      if (td_now_ns() >= end) break;
     } else {
       worker_frame(r, &f, s);
     }
   }
+  td_loop_set_pending(l, k->ev, td_link_pending(k->k));
 }
 
 static void link_accept(td_loop *l, td_router *r, td_link_server *srv, bool client) {

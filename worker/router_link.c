@@ -402,12 +402,11 @@ void w_link_close(td_worker *w) {
 /* The router's end closed (it stopped or died): as after its silence, this
  * worker's jobs end and it registers again once a router serves the path. */
 static void on_link(td_loop *l, void *ctx) {
-  (void)l;
   td_worker *w = ctx;
   for (int k = 0; k < ROUTER_BURST && w->rlink && !w->refused[0] && !w->removed; k++) {
     td_wire_frame f;
     td_status s = td_link_recv(w->rlink, &f);
-    if (s == TD_ERR_NOT_FOUND) return;
+    if (s == TD_ERR_NOT_FOUND) break;
     if (td_link_broken(w->rlink)) {
       td_wire_frame_free(&f);
       TD_WARN("the router's local link closed: %s", td_errmsg());
@@ -420,6 +419,8 @@ static void on_link(td_loop *l, void *ctx) {
     }
     router_frame(w, &f, s);
   }
+  /* frames left in the link's buffer (the burst's end): the descriptor will not wake us for them */
+  if (w->rlink) td_loop_set_pending(l, w->rlink_ev, td_link_pending(w->rlink));
 }
 
 td_status w_link_up(td_worker *w) {

@@ -36,14 +36,16 @@ check "the engine's warm run, half the burst" grep -qE '^\| all at once, run 2 \
 check "the engine's warm run, half the closed loop" grep -qE '^\| 2 in flight, run 2 \| 3/3 \|' "$work/out/engine-closed.txt"
 check "each configuration against two engines" grep -qE '^\| split \| [0-9]+\.[0-9]+x \| [0-9]+\.[0-9]+x \|$' "$work/table.md"
 check "the first configuration too" grep -qE '^\| agg \| [0-9]+\.[0-9]+x \| [0-9]+\.[0-9]+x \|$' "$work/table.md"
+check "the closed loop's first run has the engine's first warm run's inputs (seed 5 + 1)" grep -q 'seed 6$' "$work/out/agg-closed-1.txt"
 check "the closed loop ran --closed-requests requests, 4 in flight" grep -qE '^\| 4 in flight \| 6/6 \|' "$work/out/agg-closed-1.txt"
 check "the aggregated cluster has no sides" grep -qE '^\| agg \| decode-0 [^|]* \| - \|$' "$work/table.md"
 check "no cluster left running" sh -c "! pgrep -f 'run-dir $work/ou[t]' >/dev/null"
 # --engine-parallel: two engines at once (CPU "devices" 0 and 1), each half the burst, inputs of their own, each
-# run started together (bench-serve --barrier); the cluster against every engine's tokens over the slowest's time
+# run started together (bench-serve --barrier); the cluster against every engine's tokens over the slowest's time;
+# the cluster's clients and workers on its local links, bench-serve polling 200 us before it sleeps
 CUDA_VISIBLE_DEVICES= TANDEM_BIN=$bin timeout 600 bash "$root/bench/serve_configs.sh" --model "$root/tests/data/toy-numbers-t5" \
-  --device cpu --burst 8 --closed 0 --runs 1 --engine 2 --engine-parallel --out "$work/par" \
-  --configs "agg=--encoders 0 --prefills 0 --decodes 1" >"$work/par.md" 2>"$work/par.err"
+  --device cpu --burst 8 --closed 0 --runs 1 --engine 2 --engine-parallel --out "$work/par" --client-spin-us 200 \
+  --configs "agg=--encoders 0 --prefills 0 --decodes 1 --local-link all" >"$work/par.md" 2>"$work/par.err"
 rc=$?
 cat "$work/par.md"
 check "--engine-parallel ran" test "$rc" -eq 0
@@ -53,6 +55,8 @@ done
 check "the engines' inputs differ (seeds 5 and 105)" sh -c "grep -q 'seed 5\$' '$work/par/engine-burst-0.txt' && grep -q 'seed 105\$' '$work/par/engine-burst-1.txt'"
 check "the cluster against the engines at once" grep -qE '^Against 2 engines at once: .*: [0-9]+ tok/s\):$' "$work/par.md"
 check "the configuration's ratio" grep -qE '^\| agg \| [0-9]+\.[0-9]+x \|$' "$work/par.md"
+check "--local-link all: bench-serve measured the cluster over its local link" grep -q "^cluster at local:" "$work/par/agg-burst-1.txt"
+check "--client-spin-us 100001: refused" sh -c "! bash '$root/bench/serve_configs.sh' --model '$root/tests/data/toy-numbers-t5' --client-spin-us 100001 2>/dev/null"
 check "--engine-parallel without --engine: refused" sh -c "! bash '$root/bench/serve_configs.sh' --model '$root/tests/data/toy-numbers-t5' --engine-parallel 2>/dev/null"
 bar=$(mktemp -d)
 check "bench-serve --barrier without N: refused" sh -c "! '$bin/bench-serve' --engine --model '$root/tests/data/toy-numbers-t5' --barrier '$bar' 2>/dev/null"

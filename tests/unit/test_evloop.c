@@ -230,3 +230,31 @@ Test(evloop, writable_while_asked) {
   td_loop_destroy(l);
   close(efd);
 }
+
+static int wr_timer(td_loop *l, void *ctx) {
+  (void)l;
+  (void)ctx;
+  return TD_LOOP_DONE;
+}
+
+/* Input a reader left in its own buffer: while pending, its handler runs
+ * every turn without the descriptor being readable, and the loop does not
+ * sleep (max_wait 1 s: the turns below would take seconds otherwise). */
+Test(evloop, pending_input_runs_its_reader_without_a_wakeup) {
+  td_loop *l;
+  cr_assert_eq(td_loop_create(1000, &l), TD_OK);
+  int efd = eventfd(0, EFD_NONBLOCK);
+  wr w = {0};
+  cr_assert_eq(td_loop_add_fd(l, efd, wr_read, &w, &w.id), TD_OK);
+  td_loop_set_pending(l, w.id, true);
+  int64_t t0 = td_now_ms();
+  for (int i = 0; i < 5; i++) cr_assert_eq(td_loop_run_once(l), TD_OK);
+  cr_expect_eq(w.reads, 5, "the pending reader ran %d times in 5 turns", w.reads);
+  cr_expect_lt(td_now_ms() - t0, 500, "the loop slept with input pending");
+  td_loop_set_pending(l, w.id, false);
+  cr_assert_eq(td_loop_add_timer(l, 50, wr_timer, NULL, NULL), TD_OK);
+  cr_assert_eq(td_loop_run_once(l), TD_OK); /* sleeps until the timer */
+  cr_expect_eq(w.reads, 5, "a reader with nothing pending and nothing to read ran");
+  td_loop_destroy(l);
+  close(efd);
+}

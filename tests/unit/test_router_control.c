@@ -1591,6 +1591,29 @@ Test(router_control, workers_and_clients_over_local_links, .timeout = 60) {
     cr_expect_eq(r->result->outputs[0]->n_tokens, 2);
     cfree(r);
   }
+  /* a burst larger than a wake-up takes (its time budget): what stays in the link's buffer is read on
+     the next turns, though the socket has nothing new to say */
+  enum { N_HEALTH = 3000 }; /* ~48 KB in one write: one read of the router's takes them all */
+  Tandem__HealthRequest hq = TANDEM__HEALTH_REQUEST__INIT;
+  Tandem__ClientMessage hm0 = TANDEM__CLIENT_MESSAGE__INIT;
+  hm0.version = TD_PROTOCOL_VERSION;
+  hm0.body_case = TANDEM__CLIENT_MESSAGE__BODY_HEALTH;
+  hm0.health = &hq;
+  size_t one = protobuf_c_message_get_packed_size(&hm0.base), at = 0;
+  uint8_t *burst = malloc((12 + one) * N_HEALTH);
+  cr_assert_not_null(burst);
+  for (int k = 0; k < N_HEALTH; k++, at += 12 + one) {
+    const uint8_t hdr[12] = {'T', 'D', 'L', '1', (uint8_t)one, 0, 0, 0, 0xff, 0xff, 0xff, 0xff};
+    memcpy(burst + at, hdr, 12);
+    protobuf_c_message_pack(&hm0.base, burst + at + 12);
+  }
+  for (size_t off = 0; off < at;) {
+    ssize_t wr = write(td_link_fd(c), burst + off, at - off);
+    if (wr > 0) off += (size_t)wr;
+    else (void)zmq_poll(&(zmq_pollitem_t){.fd = td_link_fd(c), .events = ZMQ_POLLOUT}, 1, 100);
+  }
+  free(burst);
+  for (int k = 0; k < N_HEALTH; k++) cfree(lcexpect(c, TANDEM__SERVER_MESSAGE__BODY_HEALTH, "a burst's health answer"));
   /* the ZeroMQ endpoint still serves, beside the links */
   int nw = -1;
   lhealth(c, &nw);
