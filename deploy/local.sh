@@ -63,11 +63,13 @@
 #                                                     thread poll N us after work before they sleep: fewer
 #                                                     wake-ups a request, a core each while spinning; for
 #                                                     GPU hosts with idle cores; default 0)
-#                   [--local-link off|workers|all]    (workers, and with all clients too, reach the router
-#                                                     over Unix sockets in RUN_DIR instead of ZeroMQ: a
-#                                                     hop's thread wake-ups saved (docs/latency.md); all
-#                                                     prints the client endpoint as local:PATH; not with
-#                                                     --auth; default off)
+#                   [--local-link auto|off|workers|all]  (workers, and with all clients too, reach the
+#                                                     router over Unix sockets in RUN_DIR instead of
+#                                                     ZeroMQ: a hop's thread wake-ups saved
+#                                                     (docs/latency.md); all prints the client endpoint
+#                                                     as local:PATH; a group's ranks keep the endpoint;
+#                                                     not with --auth; default auto: all, or off with
+#                                                     --auth or a run directory too long for a socket)
 #                   [--metrics-port N | --no-metrics]  (the router's /metrics on 127.0.0.1; default: any
 #                                                     free port)
 #                   [--auth [--spare-keys N]]         (CURVE keys for every process: made with tandem-keygen
@@ -220,7 +222,7 @@ mem_fraction=0.9
 gateway_port=0
 gateway_spin=0
 spin=0
-local_link=off
+local_link=auto
 gateway=1
 metrics_port=0
 metrics=1
@@ -301,10 +303,11 @@ fi
 [[ $spin =~ ^[0-9]{1,6}$ ]] && ((spin <= 100000)) || { echo "local.sh: --spin-us must be 0 to 100000" >&2; exit 2; }
 [[ $gateway_spin =~ ^[0-9]{1,6}$ ]] && ((gateway_spin <= 100000)) ||
   { echo "local.sh: --gateway-spin-us must be 0 to 100000" >&2; exit 2; }
-[[ $local_link == off || $local_link == workers || $local_link == all ]] ||
-  { echo "local.sh: --local-link must be off, workers or all" >&2; exit 2; }
-[[ $local_link == off ]] || ((!auth)) ||
+[[ $local_link == auto || $local_link == off || $local_link == workers || $local_link == all ]] ||
+  { echo "local.sh: --local-link must be auto, off, workers or all" >&2; exit 2; }
+[[ $local_link == off || $local_link == auto ]] || ((!auth)) ||
   { echo "local.sh: --local-link has no CURVE: not with --auth" >&2; exit 2; }
+[[ $local_link != auto ]] || ((!auth)) || local_link=off
 [[ -z $enc_cache ]] || awk -v f="$enc_cache" 'BEGIN { exit !(f ~ /^[0-9.]+$/ && f + 0 >= 0 && f + 0 <= 1) }' ||
   { echo "local.sh: --encoder-cache-fraction must be in [0, 1]" >&2; exit 2; }
 [[ -z $local_encode_pct || $local_encode_pct =~ ^[1-9][0-9]*$ ]] ||
@@ -360,8 +363,13 @@ run_dir=${run_dir:-"$root/run/local-$(date +%Y%m%d-%H%M%S)-$$"}
 mkdir -p "$run_dir"
 run_dir=$(cd "$run_dir" && pwd -P)
 router_link=()
-if [[ $local_link != off ]]; then
+if [[ $local_link == auto ]]; then
+  local_link=all
   # a Unix socket's path is at most 107 bytes
+  ((${#run_dir} <= 96)) ||
+    { local_link=off; echo "local.sh: the run directory's path is too long for a Unix socket in it: no local links" >&2; }
+fi
+if [[ $local_link != off ]]; then
   ((${#run_dir} <= 96)) ||
     { echo "local.sh: --local-link: the run directory's path $run_dir is too long for a Unix socket in it (at most 96 bytes)" >&2; exit 2; }
   router_link=(--client-socket "$run_dir/router-clients.sock" --worker-socket "$run_dir/router-workers.sock")
@@ -531,6 +539,7 @@ for attempt in 1 2 3 4 5; do
   fi
   pick_port
 done
+worker_tcp=$worker_ep # a group's ranks rendezvous through the router's endpoint
 [[ $local_link == off ]] || worker_ep="local:$run_dir/router-workers.sock"
 [[ $local_link != all ]] || client_ep="local:$run_dir/router-clients.sock"
 threads=1
@@ -549,8 +558,10 @@ for ((k = 0; k < ${#w_name[@]}; k++)); do
   wkeys=()
   [[ -z $keys ]] || wkeys=(--curve-secret "$keys/${w_name[k]}.key" --router-key "$keys/router.pub"
                            --worker-keys "$keys/workers.list")
+  grp=()
+  [[ " ${w_args[k]} " != *" --group "* ]] || grp=(--router "$worker_tcp")
   start "${w_name[k]}" "$bin/tandem-worker" "${common[@]}" --id "${w_name[k]}" --gpu "${w_gpu[k]}" \
-    --gpu-memory-fraction "$share" ${w_args[k]} "${wkeys[@]}"
+    --gpu-memory-fraction "$share" ${w_args[k]} ${grp[@]+"${grp[@]}"} "${wkeys[@]}"
   r=${w_args[k]#--role }
   r=${r%% *}
   r=${r%%,*}

@@ -232,8 +232,12 @@ static void on_result(void *ctx, const td_client_result *r) {
   finish(io, s, r->status, r->error, r);
 }
 
+/* Each unsent sub holds a reference, so b lives while one is left; once the
+ * last has ended (a send that failed at once, as over a local link whose
+ * router is down), the HTTP thread may free b: not read again. */
 static void send_batch(gw_io *io, gw_batch *b) {
-  for (int i = 0; i < b->n; i++) {
+  const int n = b->n;
+  for (int i = 0; i < n; i++) {
     gw_sub *s = &b->subs[i];
     td_status st = td_client_generate(io->c, &s->req, s->stream, io->timeout_ms);
     if (st == TD_OK) {
@@ -247,7 +251,10 @@ static void send_batch(gw_io *io, gw_batch *b) {
     pthread_mutex_lock(&b->mu);
     bool freed = end_sub(s, TD_ERR_NETWORK, td_errmsg());
     pthread_mutex_unlock(&b->mu);
-    if (freed) batch_free(b);
+    if (freed) {
+      batch_free(b);
+      return;
+    }
   }
 }
 

@@ -27,6 +27,7 @@ main=$!
 wait_for 600 grep -q '^router ' "$work/out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/out")
 [[ -n $router ]] || { echo "FAIL the cluster did not start"; cat "$work/err"; exit 1; }
+check "by default clients reach the router over its local link" test "$router" = "local:$run/router-clients.sock"
 health() { "$bin/tandem-client" --router "$router" --health --timeout-ms 2000; }
 ids() { health | jq -c '[.workers[].id] | sort'; }
 registered() { health | jq -e --arg id "$1" '.workers | any(.id == $id)' >/dev/null; }
@@ -208,7 +209,7 @@ check "--local-link: a killed worker is gone at once" grep -q "worker decode-1 i
 kill -TERM "$ll"
 wait "$ll"
 "$root/deploy/local.sh" --local-link yes >/dev/null 2>"$work/ll-bad.err"
-check "--local-link yes is refused" grep -q "local-link must be off, workers or all" "$work/ll-bad.err"
+check "--local-link yes is refused" grep -q "local-link must be auto, off, workers or all" "$work/ll-bad.err"
 "$root/deploy/local.sh" --local-link workers --auth >/dev/null 2>"$work/ll-bad.err"
 check "--local-link with --auth is refused" grep -q "local-link has no CURVE" "$work/ll-bad.err"
 "$root/deploy/local.sh" --local-encode-seqs 2 >/dev/null 2>"$work/lse-bad.err"
