@@ -69,7 +69,7 @@
 #                                                     (docs/latency.md); all prints the client endpoint
 #                                                     as local:PATH; a group's ranks keep the endpoint;
 #                                                     not with --auth; default auto: all, or off with
-#                                                     --auth or a run directory too long for a socket)
+#                                                     --auth)
 #                   [--metrics-port N | --no-metrics]  (the router's /metrics on 127.0.0.1; default: any
 #                                                     free port)
 #                   [--auth [--spare-keys N]]         (CURVE keys for every process: made with tandem-keygen
@@ -363,15 +363,9 @@ run_dir=${run_dir:-"$root/run/local-$(date +%Y%m%d-%H%M%S)-$$"}
 mkdir -p "$run_dir"
 run_dir=$(cd "$run_dir" && pwd -P)
 router_link=()
-if [[ $local_link == auto ]]; then
-  local_link=all
-  # a Unix socket's path is at most 107 bytes
-  ((${#run_dir} <= 96)) ||
-    { local_link=off; echo "local.sh: the run directory's path is too long for a Unix socket in it: no local links" >&2; }
-fi
+[[ $local_link != auto ]] || local_link=all
 if [[ $local_link != off ]]; then
-  ((${#run_dir} <= 96)) ||
-    { echo "local.sh: --local-link: the run directory's path $run_dir is too long for a Unix socket in it (at most 96 bytes)" >&2; exit 2; }
+  # a path past a Unix socket's 107 bytes is reached through its directory (proto/link.c)
   router_link=(--client-socket "$run_dir/router-clients.sock" --worker-socket "$run_dir/router-workers.sock")
 fi
 ((default_run)) && ln -sfn "$run_dir" "$root/run/latest"

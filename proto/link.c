@@ -44,7 +44,7 @@ struct td_link {
 
 struct td_link_server {
   int fd;
-  char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+  char *path;
 };
 
 const char *td_link_path(const char *endpoint) {
@@ -52,15 +52,42 @@ const char *td_link_path(const char *endpoint) {
   return endpoint && !strncmp(endpoint, TD_LINK_PREFIX, n) ? endpoint + n : NULL;
 }
 
-static td_status address(const char *path, struct sockaddr_un *a) {
+/* A path longer than a Unix socket's address is reached through its
+ * directory, opened (/proc/self/fd/N/name on Linux): a deep run directory
+ * still serves. *dir is that directory's descriptor, or -1; closed by the
+ * caller once bound or connected. */
+static td_status address(const char *path, struct sockaddr_un *a, int *dir) {
+  *dir = -1;
   memset(a, 0, sizeof *a);
   a->sun_family = AF_UNIX;
   if (!path || !*path) return td_err(TD_ERR_INVALID, "local link: no socket path");
-  if (strlen(path) >= sizeof a->sun_path)
-    return td_err(TD_ERR_INVALID, "local link: the socket path %s is longer than the %zu bytes a Unix socket takes",
-                  path, sizeof a->sun_path - 1);
-  memcpy(a->sun_path, path, strlen(path));
+  size_t n = strlen(path);
+  if (n < sizeof a->sun_path) {
+    memcpy(a->sun_path, path, n);
+    return TD_OK;
+  }
+  const char *slash = strrchr(path, '/');
+  const char *name = slash ? slash + 1 : path;
+  size_t dlen = slash ? (slash == path ? 1 : (size_t)(slash - path)) : 1;
+  char dpath[4096];
+  if (!*name || dlen >= sizeof dpath)
+    return td_err(TD_ERR_INVALID, "local link: the socket path %s is longer than a Unix socket takes", path);
+  memcpy(dpath, slash ? path : ".", dlen);
+  dpath[dlen] = 0;
+  int d = open(dpath, O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (d < 0) return td_err(TD_ERR_NETWORK, "local link: the directory of %s: %s", path, strerror(errno));
+  int w = snprintf(a->sun_path, sizeof a->sun_path, "/proc/self/fd/%d/%s", d, name);
+  if (w < 0 || (size_t)w >= sizeof a->sun_path) {
+    close(d);
+    return td_err(TD_ERR_INVALID, "local link: the socket path %s is longer than a Unix socket takes (its file name is %zu bytes)",
+                  path, strlen(name));
+  }
+  *dir = d;
   return TD_OK;
+}
+
+static void close_dir(int d) {
+  if (d >= 0) close(d);
 }
 
 static void tune(int fd) {
@@ -87,33 +114,50 @@ static td_status link_new(int fd, td_link **out) {
 td_status td_link_listen(const char *path, td_link_server **out) {
   *out = NULL;
   struct sockaddr_un a;
-  TD_TRY(address(path, &a));
+  int dir;
+  TD_TRY(address(path, &a, &dir));
   /* a live server keeps its path; a file nobody answers on is a dead one's */
   int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (probe < 0) return td_err(TD_ERR_IO, "local link: socket: %s", strerror(errno));
+  if (probe < 0) {
+    close_dir(dir);
+    return td_err(TD_ERR_IO, "local link: socket: %s", strerror(errno));
+  }
   bool live = connect(probe, (struct sockaddr *)&a, sizeof a) == 0;
   close(probe);
-  if (live) return td_err(TD_ERR_INVALID, "local link: %s is served by another process", path);
+  if (live) {
+    close_dir(dir);
+    return td_err(TD_ERR_INVALID, "local link: %s is served by another process", path);
+  }
   struct stat st;
   if (lstat(path, &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) return td_err(TD_ERR_INVALID, "local link: %s exists and is not a socket", path);
+    if (!S_ISSOCK(st.st_mode)) {
+      close_dir(dir);
+      return td_err(TD_ERR_INVALID, "local link: %s exists and is not a socket", path);
+    }
     (void)unlink(path);
-  }
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return td_err(TD_ERR_IO, "local link: socket: %s", strerror(errno));
-  if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || chmod(path, 0600) != 0 || listen(fd, 128) != 0) {
-    int e = errno;
-    close(fd);
-    return td_err(TD_ERR_NETWORK, "local link: cannot serve %s: %s", path, strerror(e));
   }
   td_link_server *s = calloc(1, sizeof *s);
-  if (!s) {
+  char *keep = strdup(path);
+  int fd = s && keep ? socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0) : -1;
+  if (fd < 0) {
+    int e = errno;
+    free(s);
+    free(keep);
+    close_dir(dir);
+    return s && keep ? td_err(TD_ERR_IO, "local link: socket: %s", strerror(e))
+                     : td_err(TD_ERR_NOMEM, "local link: out of memory");
+  }
+  bool ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && chmod(path, 0600) == 0 && listen(fd, 128) == 0;
+  int e = errno;
+  close_dir(dir);
+  if (!ok) {
     close(fd);
-    (void)unlink(path);
-    return td_err(TD_ERR_NOMEM, "local link: out of memory");
+    free(s);
+    free(keep);
+    return td_err(TD_ERR_NETWORK, "local link: cannot serve %s: %s", path, strerror(e));
   }
   s->fd = fd;
-  memcpy(s->path, a.sun_path, sizeof s->path);
+  s->path = keep;
   *out = s;
   return TD_OK;
 }
@@ -140,18 +184,26 @@ void td_link_server_destroy(td_link_server *s) {
   if (!s) return;
   close(s->fd);
   (void)unlink(s->path);
+  free(s->path);
   free(s);
 }
 
 td_status td_link_connect(const char *path, td_link **out) {
   *out = NULL;
   struct sockaddr_un a;
-  TD_TRY(address(path, &a));
+  int dir;
+  TD_TRY(address(path, &a, &dir));
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return td_err(TD_ERR_IO, "local link: socket: %s", strerror(errno));
+  if (fd < 0) {
+    close_dir(dir);
+    return td_err(TD_ERR_IO, "local link: socket: %s", strerror(errno));
+  }
   /* blocking connect (a local one does not wait on a peer's accept), then non-blocking */
-  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-    int e = errno;
+  bool ok = connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
+  int ce = errno;
+  close_dir(dir);
+  if (!ok) {
+    int e = ce;
     close(fd);
     return td_err(TD_ERR_NETWORK, "local link: cannot connect to %s: %s", path, strerror(e));
   }

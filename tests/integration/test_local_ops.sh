@@ -188,24 +188,26 @@ kill -TERM "$lse"
 wait "$lse"
 # ---- local links (--local-link all): workers, added ones too, and clients reach the router over Unix
 # sockets in the run directory; a worker killed is gone from the router at once (its link closed), not
-# after missed heartbeats
-"$root/deploy/local.sh" --run-dir "$work/ll" --encoders 1 --prefills 0 --decodes 1 --local-link all \
+# after missed heartbeats; the run directory deeper than a Unix socket's address takes (its sockets
+# are reached through the directory)
+lld=$work/a-run-directory-under-a-build-path-deeper-than-the-107-bytes-of-a-unix-socket-address/ll
+"$root/deploy/local.sh" --run-dir "$lld" --encoders 1 --prefills 0 --decodes 1 --local-link all \
   --no-gateway --no-metrics >"$work/ll.out" 2>"$work/ll.err" &
 ll=$!
 wait_for 600 grep -q '^router ' "$work/ll.out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/ll.out")
-check "--local-link all: clients are given the router's local link" test "$router" = "local:$work/ll/router-clients.sock"
-"$root/deploy/local.sh" add decode --run-dir "$work/ll" >"$work/ll-add.out" 2>&1
+check "--local-link all: clients are given the router's local link" test "$router" = "local:$lld/router-clients.sock"
+"$root/deploy/local.sh" add decode --run-dir "$lld" >"$work/ll-add.out" 2>&1
 check "--local-link all: add decode registered" grep -qx "added decode-1" "$work/ll-add.out"
-ll_args() { tr '\0' ' ' <"/proc/$(cat "$work/ll/$1.pid")/cmdline"; }
-linked() { for p in encoder-0 decode-0 decode-1; do ll_args "$p" | grep -q -- "--router local:$work/ll/router-workers.sock " || return 1; done; }
+ll_args() { tr '\0' ' ' <"/proc/$(cat "$lld/$1.pid")/cmdline"; }
+linked() { for p in encoder-0 decode-0 decode-1; do ll_args "$p" | grep -q -- "--router local:$lld/router-workers.sock " || return 1; done; }
 check "--local-link all: every worker, the added one too, on the router's local link" linked
 requests "$work/ll.jsonl" 12
 "$bin/tandem-client" --router "$router" --requests "$work/ll.jsonl" --timeout-ms 60000 >"$work/ll-res.out" 2>&1
 check "--local-link all: every request answered right" all_right "$work/ll-res.out" 12
-kill -KILL "$(cat "$work/ll/decode-1.pid")"
-wait_for 20 grep -q "worker decode-1 is gone: its local link closed" "$work/ll/router.log" || true
-check "--local-link: a killed worker is gone at once" grep -q "worker decode-1 is gone: its local link closed" "$work/ll/router.log"
+kill -KILL "$(cat "$lld/decode-1.pid")"
+wait_for 20 grep -q "worker decode-1 is gone: its local link closed" "$lld/router.log" || true
+check "--local-link: a killed worker is gone at once" grep -q "worker decode-1 is gone: its local link closed" "$lld/router.log"
 kill -TERM "$ll"
 wait "$ll"
 "$root/deploy/local.sh" --local-link yes >/dev/null 2>"$work/ll-bad.err"

@@ -189,6 +189,54 @@ Test(link, bad_headers_and_closed_peers_break_it) {
   lpair_close(&p);
 }
 
+/* A socket in a directory deeper than a Unix socket's address takes (a
+ * run directory under a long build path) serves, carries frames, and is
+ * removed with its server; the file name alone too long is refused. */
+Test(link, deep_directory) {
+  char base[] = "/tmp/td-link-XXXXXX";
+  cr_assert_not_null(mkdtemp(base));
+  char dir[400], path[480];
+  snprintf(dir, sizeof dir, "%s", base);
+  for (int i = 0; i < 6; i++) {
+    size_t n = strlen(dir);
+    snprintf(dir + n, sizeof dir - n, "/%s-%d", "a-directory-of-a-long-build-path", i);
+    cr_assert_eq(mkdir(dir, 0700), 0);
+  }
+  snprintf(path, sizeof path, "%s/router-workers.sock", dir);
+  cr_assert_gt(strlen(path), sizeof(((struct sockaddr_un *)0)->sun_path));
+  td_link_server *srv;
+  cr_assert_eq(td_link_listen(path, &srv), TD_OK, "%s", td_errmsg());
+  struct stat st;
+  cr_assert_eq(stat(path, &st), 0);
+  cr_expect(S_ISSOCK(st.st_mode));
+  cr_expect_eq(st.st_mode & 0777, 0600);
+  td_link *b, *a;
+  cr_assert_eq(td_link_connect(path, &b), TD_OK, "%s", td_errmsg());
+  struct pollfd pf = {.fd = td_link_server_fd(srv), .events = POLLIN};
+  cr_assert_eq(poll(&pf, 1, 2000), 1);
+  cr_assert_eq(td_link_accept(srv, &a), TD_OK, "%s", td_errmsg());
+  send_request(b, "deep", NULL);
+  expect_request(a, b, "deep", 0);
+  td_link_server *s2;
+  cr_expect_eq(td_link_listen(path, &s2), TD_ERR_INVALID, "a live deep server's path taken over");
+  td_link_destroy(a);
+  td_link_destroy(b);
+  td_link_server_destroy(srv);
+  cr_expect_neq(stat(path, &st), 0, "the socket file outlived its server");
+  char name[160];
+  memset(name, 'n', sizeof name - 1);
+  name[sizeof name - 1] = 0;
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  cr_expect_eq(td_link_listen(path, &s2), TD_ERR_INVALID);
+  cr_expect(strstr(td_errmsg(), "longer than"), "%s", td_errmsg());
+  cr_expect_eq(td_link_connect(path, &b), TD_ERR_INVALID);
+  for (int i = 6; i > 0; i--) {
+    cr_expect_eq(rmdir(dir), 0, "%s", dir);
+    *strrchr(dir, '/') = 0;
+  }
+  rmdir(base);
+}
+
 /* A path another server answers on is refused, a stale one replaced, one
  * that is not a socket left alone; paths too long for a Unix socket and
  * endpoints that name none are told apart. */
