@@ -141,43 +141,61 @@ static Tandem__Cluster__RouterMessage *wexpect(void *s, Tandem__Cluster__RouterM
 
 static void wfree(Tandem__Cluster__RouterMessage *m) { tandem__cluster__router_message__free_unpacked(m, NULL); }
 
+/* A registration as a worker sends it, whatever carries it: every part
+ * lives in the struct (the message points into it). */
+typedef struct fake_reg {
+  Tandem__ModelInfo mi;
+  Tandem__TokenId start;
+  int32_t eos[1];
+  Tandem__Cluster__Role roles[3];
+  Tandem__Cluster__WorkerInfo in;
+  Tandem__Cluster__Register reg;
+  Tandem__Cluster__WorkerMessage m;
+} fake_reg;
+
+static void fill_register(fake_reg *r, const char *id, fake_opts fo) {
+  memset(r, 0, sizeof *r);
+  r->mi = (Tandem__ModelInfo)TANDEM__MODEL_INFO__INIT;
+  r->mi.model_type = "t5";
+  r->mi.vocab_size = 100;
+  r->mi.max_source_len = 64;
+  r->mi.max_target_len = 32;
+  r->start = (Tandem__TokenId)TANDEM__TOKEN_ID__INIT;
+  r->start.id = START_TOKEN;
+  if (!fo.no_start_token) r->mi.decoder_start = &r->start;
+  r->eos[0] = EOS_TOKEN;
+  r->mi.eos_token_ids = r->eos;
+  r->mi.n_eos_token_ids = 1;
+  size_t nr = 0;
+  if (strchr(fo.roles, 'e')) r->roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+  if (strchr(fo.roles, 'p')) r->roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_PREFILL;
+  if (strchr(fo.roles, 'd')) r->roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_DECODE;
+  r->in = (Tandem__Cluster__WorkerInfo)TANDEM__CLUSTER__WORKER_INFO__INIT;
+  r->in.worker_id = (char *)id;
+  r->in.roles = r->roles;
+  r->in.n_roles = nr;
+  r->in.model = &r->mi;
+  r->in.block_size = fo.block_size ? (uint32_t)fo.block_size : 16;
+  r->in.self_blocks = 1000;
+  r->in.cross_blocks = fo.cross_blocks ? (uint32_t)fo.cross_blocks : 1000;
+  r->in.max_running = fo.max_running ? (uint32_t)fo.max_running : 32;
+  r->in.cross_mode = (char *)(fo.cross_mode ? fo.cross_mode : "auto");
+  r->in.encode_batch_tokens = (uint32_t)fo.enc_batch;
+  if (fo.mutate) fo.mutate(&r->in);
+  r->reg = (Tandem__Cluster__Register)TANDEM__CLUSTER__REGISTER__INIT;
+  r->reg.info = &r->in;
+  r->m = (Tandem__Cluster__WorkerMessage)TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
+  r->m.version = TD_PROTOCOL_VERSION;
+  r->m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
+  r->m.register_ = &r->reg;
+}
+
 /* Connects and registers; returns the socket and the router's answer. */
 static void *fake_register(harness *h, const char *id, fake_opts fo, Tandem__Cluster__RouterMessage **ack) {
   void *s = dealer(h, h->wep, fo.route ? fo.route : id);
-  Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
-  mi.model_type = "t5";
-  mi.vocab_size = 100;
-  mi.max_source_len = 64;
-  mi.max_target_len = 32;
-  Tandem__TokenId start = TANDEM__TOKEN_ID__INIT;
-  start.id = START_TOKEN;
-  if (!fo.no_start_token) mi.decoder_start = &start;
-  static int32_t eos[1] = {EOS_TOKEN};
-  mi.eos_token_ids = eos;
-  mi.n_eos_token_ids = 1;
-  Tandem__Cluster__Role roles[3];
-  size_t nr = 0;
-  if (strchr(fo.roles, 'e')) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
-  if (strchr(fo.roles, 'p')) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_PREFILL;
-  if (strchr(fo.roles, 'd')) roles[nr++] = TANDEM__CLUSTER__ROLE__ROLE_DECODE;
-  Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;
-  in.worker_id = (char *)id;
-  in.roles = roles;
-  in.n_roles = nr;
-  in.model = &mi;
-  in.block_size = fo.block_size ? (uint32_t)fo.block_size : 16;
-  in.self_blocks = 1000;
-  in.cross_blocks = fo.cross_blocks ? (uint32_t)fo.cross_blocks : 1000;
-  in.max_running = fo.max_running ? (uint32_t)fo.max_running : 32;
-  in.cross_mode = (char *)(fo.cross_mode ? fo.cross_mode : "auto");
-  in.encode_batch_tokens = (uint32_t)fo.enc_batch;
-  if (fo.mutate) fo.mutate(&in);
-  Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
-  reg.info = &in;
-  Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
-  m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
-  m.register_ = &reg;
-  wsend(s, &m);
+  fake_reg r;
+  fill_register(&r, id, fo);
+  wsend(s, &r.m);
   *ack = wexpect(s, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK, "registration");
   return s;
 }
@@ -1498,36 +1516,9 @@ Test(router_control, workers_and_clients_over_local_links, .timeout = 60) {
   cr_assert_eq(td_link_connect(ws, &w), TD_OK, "%s", td_errmsg());
   cr_assert_eq(td_link_connect(cs, &c), TD_OK, "%s", td_errmsg());
   /* the registration, as a worker sends it */
-  Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
-  mi.model_type = "t5";
-  mi.vocab_size = 100;
-  mi.max_source_len = 64;
-  mi.max_target_len = 32;
-  Tandem__TokenId start_tok = TANDEM__TOKEN_ID__INIT;
-  start_tok.id = START_TOKEN;
-  mi.decoder_start = &start_tok;
-  int32_t eos[1] = {EOS_TOKEN};
-  mi.eos_token_ids = eos;
-  mi.n_eos_token_ids = 1;
-  Tandem__Cluster__Role roles[2] = {TANDEM__CLUSTER__ROLE__ROLE_ENCODE, TANDEM__CLUSTER__ROLE__ROLE_DECODE};
-  Tandem__Cluster__WorkerInfo in = TANDEM__CLUSTER__WORKER_INFO__INIT;
-  in.worker_id = "lw";
-  in.roles = roles;
-  in.n_roles = 2;
-  in.model = &mi;
-  in.block_size = 16;
-  in.self_blocks = 1000;
-  in.cross_blocks = 4000;
-  in.max_running = 32;
-  in.cross_mode = "auto";
-  long_audio_shape(&in);
-  Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;
-  reg.info = &in;
-  Tandem__Cluster__WorkerMessage wm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
-  wm.version = TD_PROTOCOL_VERSION;
-  wm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
-  wm.register_ = &reg;
-  lsend(w, &wm.base, NULL);
+  fake_reg lreg;
+  fill_register(&lreg, "lw", (fake_opts){.roles = "ed", .cross_blocks = 4000, .mutate = long_audio_shape});
+  lsend(w, &lreg.m.base, NULL);
   size_t n = 0;
   Tandem__Cluster__RouterMessage *ack = lwexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_ACK, NULL, 0, &n);
   cr_assert(ack->ack->accepted, "%s", ack->ack->reason);
