@@ -18,9 +18,13 @@ fi
 for b in slurmctld slurmd munged sbatch scancel squeue scontrol; do
   command -v "$b" >/dev/null || { echo "test_slurm: $b is missing (deploy/setup.sh installs slurm-wlm and munge)" >&2; exit 1; }
 done
-rm -rf "$work"; mkdir -p "$work"/{state,spool,munge}
+rm -rf "$work"; mkdir -p "$work"
 d=$(cd "$work" && pwd)
-chmod 700 "$d/munge"
+# munge's and the daemons' folders hold Unix sockets, whose paths must fit 108 bytes whatever the
+# checkout's depth: a short folder of their own (the logs stay in $d)
+mg=$(mktemp -d /tmp/td-slurm.XXXXXX)
+chmod 700 "$mg"
+mkdir -p "$mg"/{state,spool}
 pids=()
 job=""
 cleanup() {
@@ -28,6 +32,7 @@ cleanup() {
   for ((i = 0; i < 50; i++)); do [[ -n $job ]] && squeue -h -j "$job" 2>/dev/null | grep -q . || break; sleep 0.2; done
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  rm -rf "$mg"
 }
 trap cleanup EXIT
 fail() { echo "test_slurm: FAIL: $*" >&2; for f in "$d"/*.log "$d"/job.out; do [[ -f $f ]] && { echo "== $f"; tail -n 30 "$f"; }; done >&2; exit 1; }
@@ -43,13 +48,13 @@ free_port() {
 ctl_port=$(free_port); node_port=$(free_port); client_port=$(free_port); worker_port=$(free_port); metrics_port=$(free_port)
 
 # munge: a key of our own, its socket in the folder
-dd if=/dev/urandom of="$d/munge/munge.key" bs=1024 count=1 status=none
-chmod 400 "$d/munge/munge.key"
-munged --force --key-file "$d/munge/munge.key" --socket "$d/munge/sock" --pid-file "$d/munge/pid" \
-  --log-file "$d/munged.log" --seed-file "$d/munge/seed" -F 2>>"$d/munged.log" &
+dd if=/dev/urandom of="$mg/munge.key" bs=1024 count=1 status=none
+chmod 400 "$mg/munge.key"
+munged --force --key-file "$mg/munge.key" --socket "$mg/sock" --pid-file "$mg/pid" \
+  --log-file "$d/munged.log" --seed-file "$mg/seed" -F 2>>"$d/munged.log" &
 pids+=($!)
-for ((i = 0; i < 50; i++)); do [[ -S $d/munge/sock ]] && break; sleep 0.1; done
-[[ -S $d/munge/sock ]] || fail "munged did not start"
+for ((i = 0; i < 50; i++)); do [[ -S $mg/sock ]] && break; sleep 0.1; done
+[[ -S $mg/sock ]] || fail "munged did not start"
 
 host=$(hostname -s)
 cat > "$d/slurm.conf" <<CONF
@@ -60,10 +65,10 @@ SlurmdPort=$node_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$d/munge/sock
+AuthInfo=socket=$mg/sock
 CredType=cred/munge
-StateSaveLocation=$d/state
-SlurmdSpoolDir=$d/spool
+StateSaveLocation=$mg/state
+SlurmdSpoolDir=$mg/spool
 SlurmctldPidFile=$d/slurmctld.pid
 SlurmdPidFile=$d/slurmd.pid
 SlurmctldLogFile=$d/slurmctld.log
