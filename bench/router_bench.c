@@ -1,6 +1,6 @@
 /* The router alone: requests per second and the latency it adds, with
  * workers that answer every job at once (no model).
- *   bench-router [--requests N] [--audio] [--io-threads N] [--no-record]
+ *   bench-router [--requests N] [--audio] [--io-threads N] [--link] [--no-record]
  *   bench-router --serve PORT [--audio]  (the router on PORT (clients) and PORT + 1
  *                                (workers) with the instant workers, until
  *                                SIGINT / SIGTERM: a cluster without compute
@@ -9,8 +9,11 @@
  * --audio: the workers serve a Whisper-large-v3 shape (128 mel bins x 3,000
  * frames) and the table's requests carry 30 s of features (1.5 MB each):
  * what the router's thread and I/O threads cost a Whisper request. --io-threads: the
- * router's ZeroMQ I/O threads (td_router_opts.io_threads). */
+ * router's ZeroMQ I/O threads (td_router_opts.io_threads). --link: the
+ * client and the workers on the router's local links (Unix sockets,
+ * proto/link.h) instead of loopback TCP. */
 #include <dirent.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -24,11 +27,13 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/settings.h"
+#include "proto/link.h"
 #include "proto/wire.h"
 #include "router/router.h"
 
 static volatile sig_atomic_t stop_router, stop_workers, stop_serving;
 static bool audio; /* --audio: Whisper-sized feature requests */
+static bool use_link; /* --link: local links instead of TCP */
 enum { MELS = 128, FRAMES = 3000 };
 static void on_signal(int sig) {
   (void)sig;
@@ -92,18 +97,41 @@ typedef struct wctx {
   long answered;
 } wctx;
 
-static void wsend(void *s, Tandem__Cluster__WorkerMessage *m) {
+/* the worker's end: a ZeroMQ socket or a local link */
+typedef struct wconn {
+  void *s;
+  td_link *k;
+} wconn;
+
+static void wsend(wconn *c, Tandem__Cluster__WorkerMessage *m) {
   m->version = TD_PROTOCOL_VERSION;
-  (void)td_wire_send(s, NULL, 0, &m->base);
+  if (c->k)
+    (void)td_link_send(c->k, &m->base, NULL);
+  else
+    (void)td_wire_send(c->s, NULL, 0, &m->base);
+}
+
+static td_status wrecv(wconn *c, td_wire_frame *f) {
+  return c->k ? td_link_recv(c->k, f) : td_wire_recv(c->s, false, false, f);
 }
 
 /* A decode worker that encodes "locally" and finishes every request with one token at once. */
 static void *worker_thread(void *arg) {
   wctx *w = arg;
-  void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
-  td_wire_setup_socket(s);
-  zmq_setsockopt(s, ZMQ_ROUTING_ID, w->id, strlen(w->id));
-  zmq_connect(s, w->ep);
+  void *ctx = NULL;
+  wconn s = {0};
+  if (use_link) {
+    if (td_link_connect(td_link_path(w->ep), &s.k) != TD_OK) {
+      fprintf(stderr, "worker: %s\n", td_errmsg());
+      return NULL;
+    }
+  } else {
+    ctx = zmq_ctx_new();
+    s.s = zmq_socket(ctx, ZMQ_DEALER);
+    td_wire_setup_socket(s.s);
+    zmq_setsockopt(s.s, ZMQ_ROUTING_ID, w->id, strlen(w->id));
+    zmq_connect(s.s, w->ep);
+  }
   Tandem__ModelInfo mi = TANDEM__MODEL_INFO__INIT;
   mi.model_type = audio ? "whisper" : "t5";
   mi.vocab_size = audio ? 51866 : 32128;
@@ -129,7 +157,7 @@ static void *worker_thread(void *arg) {
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_REGISTER;
   m.register_ = &reg;
-  wsend(s, &m);
+  wsend(&s, &m);
   int64_t last_hb = 0;
   int32_t tok = 5;
   while (!stop_workers) {
@@ -141,14 +169,23 @@ static void *worker_thread(void *arg) {
       Tandem__Cluster__WorkerMessage hm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
       hm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_HEARTBEAT;
       hm.heartbeat = &hb;
-      wsend(s, &hm);
+      wsend(&s, &hm);
       last_hb = td_now_ms();
     }
-    zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
-    if (zmq_poll(&it, 1, 50) <= 0) continue;
+    if (s.k) {
+      (void)td_link_flush(s.k);
+      if (td_link_broken(s.k)) break;
+      if (!td_link_pending(s.k)) {
+        struct pollfd pf = {.fd = td_link_fd(s.k), .events = POLLIN | (td_link_wants_write(s.k) ? POLLOUT : 0)};
+        if (poll(&pf, 1, 50) <= 0) continue;
+      }
+    } else {
+      zmq_pollitem_t it = {.socket = s.s, .events = ZMQ_POLLIN};
+      if (zmq_poll(&it, 1, 50) <= 0) continue;
+    }
     for (;;) {
       td_wire_frame f;
-      if (td_wire_recv(s, false, false, &f) != TD_OK) break;
+      if (wrecv(&s, &f) != TD_OK) break;
       Tandem__Cluster__RouterMessage *rm;
       uint32_t ver;
       if (td_wire_unpack_router(&f, &rm, &ver) == TD_OK) {
@@ -165,7 +202,7 @@ static void *worker_thread(void *arg) {
           Tandem__Cluster__WorkerMessage fm = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
           fm.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED;
           fm.finished = &fin;
-          wsend(s, &fm);
+          wsend(&s, &fm);
           w->answered++;
         }
         tandem__cluster__router_message__free_unpacked(rm, NULL);
@@ -173,8 +210,12 @@ static void *worker_thread(void *arg) {
       td_wire_frame_free(&f);
     }
   }
-  zmq_close(s);
-  zmq_ctx_term(ctx);
+  if (s.k) {
+    td_link_destroy(s.k);
+  } else {
+    zmq_close(s.s);
+    zmq_ctx_term(ctx);
+  }
   return NULL;
 }
 
@@ -268,6 +309,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[i], "--requests") && i + 1 < argc) n = atoi(argv[++i]);
     if (!strcmp(argv[i], "--no-record")) record = false;
     if (!strcmp(argv[i], "--audio")) audio = true;
+    if (!strcmp(argv[i], "--link")) use_link = true;
     if (!strcmp(argv[i], "--io-threads") && i + 1 < argc) io_threads = atoi(argv[++i]);
     if (!strcmp(argv[i], "--serve") && i + 1 < argc) {
       serve_port = atoi(argv[++i]);
@@ -289,6 +331,20 @@ int main(int argc, char **argv) {
   int n_before = tasks_now(before);
   td_router_opts o = {.client_endpoint = cep, .worker_endpoint = wep, .max_queue = 1 << 20, .max_in_flight = 1 << 20,
                       .io_threads = io_threads, .max_held_bytes = 4LL << 30};
+  char dir[] = "/tmp/bench-router-XXXXXX", csock[96] = "", wsock[96] = "", clink[104] = "", wlink[104] = "";
+  if (use_link) {
+    if (!mkdtemp(dir)) {
+      perror("bench-router: mkdtemp");
+      return 1;
+    }
+    snprintf(csock, sizeof csock, "%s/clients.sock", dir);
+    snprintf(wsock, sizeof wsock, "%s/workers.sock", dir);
+    snprintf(clink, sizeof clink, "local:%s", csock);
+    snprintf(wlink, sizeof wlink, "local:%s", wsock);
+    o.client_socket = csock;
+    o.worker_socket = wsock;
+  }
+  const char *client_ep = use_link ? clink : cep, *worker_ep = use_link ? wlink : wep;
   rctx rc = {0};
   if (td_router_create(&o, &rc.r) != TD_OK) {
     fprintf(stderr, "router: %s\n", td_errmsg());
@@ -303,7 +359,7 @@ int main(int argc, char **argv) {
   pthread_t rt, wt[2];
   pthread_create(&rt, NULL, router_thread, &rc);
   pthread_setname_np(rt, "router"); /* perf and top tell the router's thread from the client's */
-  wctx w[2] = {{.ep = o.worker_endpoint}, {.ep = o.worker_endpoint}};
+  wctx w[2] = {{.ep = worker_ep}, {.ep = worker_ep}};
   for (int i = 0; i < 2; i++) {
     snprintf(w[i].id, sizeof w[i].id, "fake-%d", i);
     pthread_create(&wt[i], NULL, worker_thread, &w[i]);
@@ -322,9 +378,10 @@ int main(int argc, char **argv) {
   }
   td_sbuf t = {0};
   td_sbuf_printf(&t, "Router alone (tandem-router in-process, 2 decode workers that answer each job at once, one client "
-                     "over loopback TCP, requests of %s; %d I/O threads): throughput at several concurrencies and the "
+                     "over %s, requests of %s; %d I/O threads): throughput at several concurrencies and the "
                      "round-trip latency (client -> router -> worker -> router -> client); CPU time a request "
                      "of the router's thread, of its I/O threads together and of the client's thread.\n\n",
+                 use_link ? "the router's local links (Unix sockets)" : "loopback TCP",
                  audio ? "30 s of Whisper features (1.5 MB)" : "32 input tokens",
                  io_threads > 0 ? io_threads : TD_DEFAULT_ROUTER_IO_THREADS);
   td_sbuf_printf(&t, "| requests in flight | requests/s | p50 ms | p99 ms | router thread us | router I/O us | "
@@ -337,7 +394,7 @@ int main(int argc, char **argv) {
     int cnt = levels[k] == 1 ? (n / 10 > 500 ? n / 10 : audio ? n / 4 : 500) : n;
     int64_t c0[3], c1[3];
     cpu_now(&cg, c0);
-    double rps = run(o.client_endpoint, cnt, levels[k], &p50, &p99);
+    double rps = run(client_ep, cnt, levels[k], &p50, &p99);
     cpu_now(&cg, c1);
     double us[3];
     for (int j = 0; j < 3; j++) us[j] = (double)(c1[j] - c0[j]) / 1e3 / cnt;
@@ -346,6 +403,7 @@ int main(int argc, char **argv) {
                    us[2]);
   }
   stop_all(wt, rt, &rc);
+  if (use_link) rmdir(dir);
   const td_bench_out out = {.results = getenv("TD_RESULTS"), .commit = getenv("TD_COMMIT")};
   if (record)
     td_bench_record(&out, audio ? "Router throughput with Whisper requests (bench-router --audio)"
