@@ -69,7 +69,8 @@
 #                                                     (docs/latency.md); all prints the client endpoint
 #                                                     as local:PATH; a group's ranks keep the endpoint;
 #                                                     not with --auth; default auto: all, or off with
-#                                                     --auth)
+#                                                     --auth or an audio model (its features are
+#                                                     carried faster by ZeroMQ's I/O threads))
 #                   [--metrics-port N | --no-metrics]  (the router's /metrics on 127.0.0.1; default: any
 #                                                     free port)
 #                   [--auth [--spare-keys N]]         (CURVE keys for every process: made with tandem-keygen
@@ -363,7 +364,12 @@ run_dir=${run_dir:-"$root/run/local-$(date +%Y%m%d-%H%M%S)-$$"}
 mkdir -p "$run_dir"
 run_dir=$(cd "$run_dir" && pwd -P)
 router_link=()
-[[ $local_link != auto ]] || local_link=all
+if [[ $local_link == auto ]]; then
+  # Audio requests carry 1.5 MB of features through the router: on a link its one thread copies them in
+  # and out, where ZeroMQ's I/O threads share that work (4 x H200 host: 1,650 against 2,400 requests a
+  # second, bench/RESULTS.md); the first token of an audio model waits on its encoder, not on the hops.
+  if grep -q '"num_mel_bins"' "$model/config.json"; then local_link=off; else local_link=all; fi
+fi
 if [[ $local_link != off ]]; then
   # a path past a Unix socket's 107 bytes is reached through its directory (proto/link.c)
   router_link=(--client-socket "$run_dir/router-clients.sock" --worker-socket "$run_dir/router-workers.sock")

@@ -27,6 +27,8 @@ pids+=($!)
 wait_for 1800 grep -q '^gateway ' "$work/cluster.out"  # a loaded machine starts slowly
 router=$(awk '/^router /{print $2}' "$work/cluster.out")
 [[ -n $router ]] || { echo "FAIL the cluster did not start"; cat "$work/cluster.out" "$work/cluster.err"; exit 1; }
+check "an audio model's cluster takes its clients over ZeroMQ by default (local.sh --local-link auto)" \
+  grep -q "^router tcp://" "$work/cluster.out"
 # a gateway of our own on its router: its debug log names each detection
 "$bin/tandem-gateway" --router "$router" --model "$wh" --port 0 --log-level debug >"$work/gw.out" 2>"$work/gw.log" &
 pids+=($!)
