@@ -213,7 +213,7 @@
 #define TD_CUDA_DEFAULT_FUSE_MASK 15       /* ... fusing the norm, GLU, the KV write; RMS after beyond */
 #define TD_CUDA_DEFAULT_DECODE_WARP 256    /* decode attention on 2 warps a pair from this many pairs */
 #define TD_CUDA_DEFAULT_DECODE_SMALL 64    /* 16 warps a pair up to this many pairs */
-#define TD_CUDA_DEFAULT_DECODE_SMALL_MIN 16 /* ... from this many */
+#define TD_CUDA_DEFAULT_DECODE_SMALL_MIN 8 /* ... from this many (a TP=4 rank's 8 heads of Flan-T5-XL at batch 1) */
 #define TD_CUDA_DEFAULT_DECODE_SMALL_CTX 1024 /* ... for contexts up to this long */
 #define TD_CUDA_DEFAULT_DECODE_BULK 128    /* decode attention by bulk copies from this many pairs */
 #define TD_CUDA_DEFAULT_DECODE_BULK_ALL 256 /* ... over self K/V up to this many */

@@ -232,6 +232,13 @@ Test(cuda_policy, paged_decode_kernels) {
   cr_assert_eq(td_cu_paged_policy(&r, SMS, &s).kernel, TD_PAGED_W16);
   s.max_ctx = 2000;
   cr_assert_eq(td_cu_paged_policy(&r, SMS, &s).kernel, TD_PAGED_TILED, "long contexts: the tiled kernel's splits");
+  /* a TP=4 rank of Flan-T5-XL at batch 1: 8 heads over 512 encoder keys on 16 warps a pair (0.903-0.914 ms
+   * a step against 0.957-0.979 on the tiled kernel's splits, 4 x H200); fewer pairs stay tiled */
+  s = cross_decode(1, 512);
+  s.heads = 8;
+  cr_assert_eq(td_cu_paged_policy(&r, SMS, &s).kernel, TD_PAGED_W16);
+  s.heads = 4;
+  cr_assert_eq(td_cu_paged_policy(&r, SMS, &s).kernel, TD_PAGED_TILED);
   s = self_decode(64, 512);
   p = td_cu_paged_policy(&r, SMS, &s);
   cr_assert(p.kernel == TD_PAGED_W2P4 && p.early, "1024 pairs over self K/V: 2 warps a pair");
