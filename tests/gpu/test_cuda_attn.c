@@ -305,6 +305,7 @@ Test(cuda, attn_paged) {
       {8, 64, 16, 2, true, 0, 1, 250, false, false, 0},
       {16, 64, 5, 3, true, 20, 1, 300, true, false, 11},      /* odd blocks, padding row, bias */
       {16, 64, 16, 1, false, 0, 1, 1500, false, false, 0},    /* several chunks a warp (Whisper-length cross) */
+      {8, 64, 16, 1, false, 0, 1, 512, false, false, 0},      /* a TP=4 rank's 8 heads at batch 1: 16 warps a pair */
       {16, 64, 32, 20, false, 0, 1, 700, true, false, 0},    /* block size over the bulk kernel's stage */
       {4, 64, 64, 9, true, 50, 1, 400, false, false, 0},      /* causal, bias, blocks of 64 */
   };
