@@ -90,6 +90,17 @@ static void close_dir(int d) {
   if (d >= 0) close(d);
 }
 
+/* A blocking connection to a, or -1 (errno says why). */
+static int dial(const struct sockaddr_un *a) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  if (connect(fd, (const struct sockaddr *)a, sizeof *a) == 0) return fd;
+  int e = errno;
+  close(fd);
+  errno = e;
+  return -1;
+}
+
 static void tune(int fd) {
   int b = LINK_SOCKBUF;
   (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &b, sizeof b);
@@ -117,13 +128,9 @@ td_status td_link_listen(const char *path, td_link_server **out) {
   int dir;
   TD_TRY(address(path, &a, &dir));
   /* a live server keeps its path; a file nobody answers on is a dead one's */
-  int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (probe < 0) {
-    close_dir(dir);
-    return td_err(TD_ERR_IO, "local link: socket: %s", strerror(errno));
-  }
-  bool live = connect(probe, (struct sockaddr *)&a, sizeof a) == 0;
-  close(probe);
+  int probe = dial(&a);
+  bool live = probe >= 0;
+  if (live) close(probe);
   if (live) {
     close_dir(dir);
     return td_err(TD_ERR_INVALID, "local link: %s is served by another process", path);
@@ -193,23 +200,13 @@ td_status td_link_connect(const char *path, td_link **out) {
   struct sockaddr_un a;
   int dir;
   TD_TRY(address(path, &a, &dir));
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    close_dir(dir);
-    return td_err(TD_ERR_IO, "local link: socket: %s", strerror(errno));
-  }
   /* blocking connect (a local one does not wait on a peer's accept), then non-blocking */
-  bool ok = connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
-  int ce = errno;
+  int fd = dial(&a), e = errno;
   close_dir(dir);
-  if (!ok) {
-    int e = ce;
-    close(fd);
-    return td_err(TD_ERR_NETWORK, "local link: cannot connect to %s: %s", path, strerror(e));
-  }
+  if (fd < 0) return td_err(TD_ERR_NETWORK, "local link: cannot connect to %s: %s", path, strerror(e));
   int fl = fcntl(fd, F_GETFL);
   if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0) {
-    int e = errno;
+    e = errno;
     close(fd);
     return td_err(TD_ERR_IO, "local link: %s", strerror(e));
   }
