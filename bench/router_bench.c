@@ -374,6 +374,7 @@ int main(int argc, char **argv) {
     fflush(stdout);
     while (!stop_serving) usleep(100000);
     stop_all(wt, rt, &rc);
+    if (use_link) rmdir(dir);
     return 0;
   }
   td_sbuf t = {0};
