@@ -5,7 +5,7 @@
  *   bench-decode-step [--tp N | --pp N [--pp-sets 2]] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
  *                     [--steps N] [--shape flan-t5-large|flan-t5-xl|bart-large|whisper-large-v3] [--no-record]
  *                     [--model-dir DIR] [--trace BATCH] [--trace-encoder] [--block-size N]
- *                     [--cross-mode auto|kv|states|dual] [--states-rows N]
+ *                     [--cross-mode auto|kv|states|dual] [--states-rows N] [--enc-split rows|heads]
  * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
  * --model-dir keeps the random checkpoint in DIR (written there once, then
  * reused), so that runs under different settings load the same weights.
@@ -19,7 +19,9 @@
  * per-layer K/V one and the one of the bytes that path reads (--cross-states:
  * --cross-mode states). Whisper's encoder input is 30 s of
  * synthetic mel features (3000 frames, 1500 encoder positions: --enc-len
- * is fixed at 1500). */
+ * is fixed at 1500). --enc-split rows: a TP group's encoder runs each rank's
+ * share of the rows over the whole weights (td_model_opts.enc_rows), heads
+ * (the default) each rank's heads and FFN slice. */
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -48,6 +50,7 @@ typedef struct cfg {
   int block_size; /* tokens a paged KV block */
   td_cross_mode cross_mode;
   int states_rows; /* td_model_opts.states_rows */
+  bool enc_rows;   /* TP: the encoder split by rows (td_model_opts.enc_rows) */
   const char *dir;
   td_random_shape shape;
   uint8_t nccl_id[TD_NCCL_ID_BYTES];
@@ -176,6 +179,7 @@ static void *rank_main(void *arg) {
   if (c->tp > 1) {
     mo.tp_rank = rk->r;
     mo.tp_size = c->tp;
+    mo.enc_rows = c->enc_rows;
   }
   if (c->pp > 1) {
     mo.pp_rank = rk->r;
@@ -358,6 +362,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--model-dir") && i + 1 < argc) keep = argv[++i];
     else if (!strcmp(argv[i], "--trace") && i + 1 < argc) c.trace = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--trace-encoder")) c.trace_enc = true;
+    else if (!strcmp(argv[i], "--enc-split") && i + 1 < argc && (!strcmp(argv[i + 1], "rows") || !strcmp(argv[i + 1], "heads")))
+      c.enc_rows = !strcmp(argv[++i], "rows");
     else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) c.block_size = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--cross-states")) c.cross_mode = TD_CROSS_STATES;
     else if (!strcmp(argv[i], "--states-rows") && i + 1 < argc) c.states_rows = atoi(argv[++i]);
@@ -519,8 +525,9 @@ int main(int argc, char **argv) {
     td_sbuf_printf(&t, "; the encoder's rows (%d x %d) %.2f us.\n", inputs * c.enc_len, sh->d_model, rk[0].enc_ar_us);
   }
   double enc_floor = enc_flops / (tf * 1e12) * 1e3 / c.world;
-  printf("encoder %g tokens (%s): %.2f ms, %.0f TFLOP/s = %.0f%% of the GEMM rate\n", enc_tokens,
+  printf("encoder %g tokens (%s%s): %.2f ms, %.0f TFLOP/s = %.0f%% of the GEMM rate\n", enc_tokens,
          rk[0].mode != TD_CROSS_STATES ? "with cross-KV projection" : "states into the cross pool",
+         c.tp > 1 ? (c.enc_rows ? ", split by rows" : ", split by heads") : "",
          rk[0].enc_ms, enc_flops / (rk[0].enc_ms * 1e-3) / 1e12, 100 * enc_floor / rk[0].enc_ms);
   td_sbuf_printf(&t, "\nEncoder forward of %.0f tokens%s: "
                      "%.2f ms, %.0f TFLOP/s per GPU, %.0f%% of the measured GEMM rate.\n",

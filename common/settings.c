@@ -84,6 +84,9 @@ static td_status cuda_from_env(td_cuda_tuning *c) {
   if (got && v[0] != 0 && v[0] != 4 && v[0] != 8)
     return td_err(TD_ERR_INVALID, "TANDEM_CUDA_DENSE64=%d: 0 (wgmma), 4 or 8 warps", v[0]);
   if (got) c->dense64_warps = v[0];
+  TD_TRY(env_ints("TANDEM_CUDA_DENSE_SPLITS", 1, v, &got));
+  if (got && (v[0] < 0 || v[0] > 8)) return td_err(TD_ERR_INVALID, "TANDEM_CUDA_DENSE_SPLITS=%d: 0 to 8", v[0]);
+  if (got) c->dense_splits = v[0];
   TD_TRY(cuda_counts("TANDEM_CUDA_DECATTN", &c->decode_warp, NULL, NULL, NULL));
   TD_TRY(cuda_counts("TANDEM_CUDA_DECATTN_SMALL", &c->decode_small, &c->decode_small_min, &c->decode_small_ctx, NULL));
   TD_TRY(env_ints("TANDEM_CUDA_DECATTN_BULK", 4, v, &got));

@@ -30,6 +30,8 @@
 #                   [--encode-defer N]  (with --pp-sets 2: steps waiting requests may wait to share an encoder
 #                                        run while both sets run; default 8, -1: never)
 #                   [--encoder-tp N | --encoder-pp N] (each encoder a group of N ranks; it pushes encoder states)
+#                   [--tp-encoder heads|rows]  (a TP group's encoder: each rank its heads (default) or the
+#                                               whole encoder over its share of the rows: faster, more memory)
 #                   [--decoders-encode [--local-encode-pct P] [--local-encode-margin R] [--local-encode-seqs N]]
 #                                                     (decode workers also encode, sharing the encoding with
 #                                                     the encoders while fewer than P % of their batch
@@ -205,7 +207,7 @@ run_dir=""
 encoders=1 prefills=1 decodes=1
 demo=0
 block_size=16
-decode_tp=1 decode_pp=1 encoder_tp=1 encoder_pp=1 pp_sets=1
+decode_tp=1 decode_pp=1 encoder_tp=1 encoder_pp=1 pp_sets=1 tp_encoder=
 kv_transport=auto
 cross_mode=auto
 cross_transfer=""
@@ -242,6 +244,7 @@ while (($#)); do
     --block-size) block_size=$2; shift 2 ;;
     --decode-tp) decode_tp=$2; shift 2 ;;
     --encoder-tp) encoder_tp=$2; shift 2 ;;
+    --tp-encoder) tp_encoder=$2; shift 2 ;;
     --encoder-pp) encoder_pp=$2; shift 2 ;;
     --decode-pp) decode_pp=$2; shift 2 ;;
     --pp-sets) pp_sets=$2; shift 2 ;;
@@ -294,6 +297,10 @@ fi
 [[ $encoder_tp =~ ^[1-9][0-9]*$ && $encoder_pp =~ ^[1-9][0-9]*$ ]] ||
   { echo "local.sh: --encoder-tp and --encoder-pp take a rank count" >&2; exit 2; }
 ((encoder_tp == 1 || encoder_pp == 1)) || { echo "local.sh: an encoder group is tensor- or pipeline-parallel" >&2; exit 2; }
+[[ -z $tp_encoder || $tp_encoder == heads || $tp_encoder == rows ]] ||
+  { echo "local.sh: --tp-encoder must be heads or rows" >&2; exit 2; }
+[[ -z $tp_encoder ]] || ((encoder_tp > 1 || decode_tp > 1)) ||
+  { echo "local.sh: --tp-encoder is for tensor-parallel groups (--encoder-tp N or --decode-tp N)" >&2; exit 2; }
 [[ $kv_transport == auto || $kv_transport == ucx || $kv_transport == zmq ]] ||
   { echo "local.sh: --kv-transport must be auto, ucx or zmq" >&2; exit 2; }
 [[ -z $cross_transfer || $cross_transfer == states || $cross_transfer == kv ]] ||
@@ -481,6 +488,7 @@ enc_args=(--role encode)
 [[ -z $cross_transfer ]] || enc_args+=(--cross-transfer "$cross_transfer")
 [[ -z $encoder_seqs ]] || enc_args+=(--max-enc-seqs "$encoder_seqs")
 epar="--tp $encoder_tp"
+((encoder_tp > 1)) && [[ -n $tp_encoder ]] && epar+=" --tp-encoder $tp_encoder"
 ((encoder_pp > 1)) && epar="--pp $encoder_pp"
 plan_role encoder "$encoders" 1 "$enc_group" "$epar" "${enc_args[@]}"
 plan_role prefill "$prefills" 1 1 "" --role prefill
@@ -489,6 +497,7 @@ plan_role prefill "$prefills" 1 1 "" --role prefill
 roles=decode
 ((encoders == 0 || decoders_encode)) && roles=encode,decode
 par="--tp $decode_tp"
+((decode_tp > 1)) && [[ -n $tp_encoder ]] && par+=" --tp-encoder $tp_encoder"
 ((decode_pp > 1)) && par="--pp $decode_pp --pp-sets $pp_sets${encode_defer:+ --encode-defer $encode_defer}"
 dec_args=(--role "$roles")
 [[ -z $local_encode_seqs ]] || dec_args+=(--max-enc-seqs "$local_encode_seqs")

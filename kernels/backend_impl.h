@@ -27,7 +27,7 @@ typedef struct td_backend_vt {
                         int pad, bool channels_first);
   td_status (*attn_dense)(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
                           int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
-                          const td_relbias *bias);
+                          const td_relbias *bias, int q_lo, int q_hi);
   td_status (*kv_write)(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                         int layer, const int32_t *slots, int n);
   td_status (*kv_read)(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const int32_t *slots,
@@ -88,6 +88,9 @@ typedef struct td_comm_vt {
                         void *recv, td_buf_type recv_t, size_t recv_n, int from);
   void (*abort)(td_comm *c);
   void (*destroy)(td_comm *c);
+  /* td_allgather_rows; NULL: packed through allgather in host memory (CPU backends) */
+  td_status (*allgather_rows)(td_comm *c, td_backend *b, void *buf, td_buf_type t, int rows, int width, int col0,
+                              int ncols);
 } td_comm_vt;
 
 struct td_comm {

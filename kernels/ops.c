@@ -190,15 +190,23 @@ td_status td_im2col1d(td_backend *b, const void *x, void *y, int batch, int c, i
   return b->vt->im2col1d(b, x, y, batch, c, t_in, k, stride, pad, channels_first);
 }
 
-td_status td_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
-                        int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
-                        const td_relbias *bias) {
+td_status td_attn_dense_rows(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
+                             int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
+                             const td_relbias *bias, int q_lo, int q_hi) {
   if (n_seqs < 0 || n_tokens < 0 || max_len < 0 || heads <= 0 || head_dim <= 0 || !qkv || !out || !cu_seqlens)
     return bad("attn_dense", "bad sizes or buffers");
   if (bias && (!bias->lut || bias->max_distance <= 0)) return bad("attn_dense", "bad relative bias");
-  if (n_seqs == 0 || n_tokens == 0) return TD_OK;
+  if (q_lo < 0 || q_hi < q_lo || q_hi > n_tokens) return bad("attn_dense", "query rows outside the tokens");
+  if (n_seqs == 0 || n_tokens == 0 || q_lo == q_hi) return TD_OK;
   return b->vt->attn_dense(b, qkv, out, cu_seqlens, n_seqs, n_tokens, max_len, heads, head_dim, scale, causal,
-                           bias);
+                           bias, q_lo, q_hi);
+}
+
+td_status td_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
+                        int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
+                        const td_relbias *bias) {
+  return td_attn_dense_rows(b, qkv, out, cu_seqlens, n_seqs, n_tokens, max_len, heads, head_dim, scale, causal,
+                            bias, 0, n_tokens < 0 ? 0 : n_tokens);
 }
 
 /* a K/V layer of l, or (tail) its states tail */
@@ -340,6 +348,55 @@ td_status td_allgather(td_backend *b, const void *send, void *recv, td_buf_type 
   TD_TRY(need_comm(b, "allgather"));
   if (n == 0) return TD_OK;
   return b->comm->vt->allgather(b->comm, b, send, recv, t, n);
+}
+
+td_row_split td_rows_split(int n, int world, int rank) {
+  td_row_split r = {0, 0, 0};
+  if (n <= 0 || world <= 0 || rank < 0 || rank >= world) return r;
+  long per = ((long)n + world - 1) / world;
+  /* whole 64-row query tiles when each share is large (the tiled
+   * attention then never splits a tile of one sequence between ranks) */
+  int align = per >= 512 ? 64 : 8;
+  per = (per + align - 1) / align * align;
+  r.per = (int)per;
+  r.lo = (int)(per * rank < n ? per * rank : n);
+  r.hi = (int)(per * (rank + 1) < n ? per * (rank + 1) : n);
+  return r;
+}
+
+/* CPU communicators: the rank's block packed, all-gathered, unpacked */
+static td_status allgather_rows_packed(td_backend *b, void *buf, td_buf_type t, int rows, int width, int col0,
+                                       int ncols) {
+  int world = b->comm->world, rank = b->comm->rank;
+  size_t es = td_buf_elem_size(b, t);
+  td_row_split me = td_rows_split(rows, world, rank);
+  size_t blk = (size_t)me.per * (size_t)ncols;
+  char *send = calloc(blk ? blk : 1, es), *recv = calloc(blk * (size_t)world + 1, es);
+  td_status s = send && recv ? TD_OK : td_err(TD_ERR_NOMEM, "allgather_rows: out of memory");
+  char *B = buf;
+  for (int i = me.lo; s == TD_OK && i < me.hi; i++)
+    memcpy(send + (size_t)(i - me.lo) * ncols * es, B + ((size_t)i * width + col0) * es, (size_t)ncols * es);
+  if (s == TD_OK && blk) s = b->comm->vt->allgather(b->comm, b, send, recv, t, blk);
+  for (int r = 0; s == TD_OK && r < world; r++) {
+    td_row_split o = td_rows_split(rows, world, r);
+    if (r == rank) continue;
+    for (int i = o.lo; i < o.hi; i++)
+      memcpy(B + ((size_t)i * width + col0) * es, recv + ((size_t)r * blk + (size_t)(i - o.lo) * ncols) * es,
+             (size_t)ncols * es);
+  }
+  free(send);
+  free(recv);
+  return s;
+}
+
+td_status td_allgather_rows(td_backend *b, void *buf, td_buf_type t, int rows, int width, int col0, int ncols) {
+  TD_TRY(need_comm(b, "allgather_rows"));
+  if (!buf || rows < 0 || width <= 0 || col0 < 0 || ncols < 0 || col0 + (long)ncols > width)
+    return bad("allgather_rows", "bad sizes or buffers");
+  if (b->comm->world == 1 || rows == 0 || ncols == 0) return TD_OK;
+  if (b->comm->vt->allgather_rows)
+    return b->comm->vt->allgather_rows(b->comm, b, buf, t, rows, width, col0, ncols);
+  return allgather_rows_packed(b, buf, t, rows, width, col0, ncols);
 }
 
 td_status td_send(td_backend *b, const void *buf, td_buf_type t, size_t n, int peer) {

@@ -176,6 +176,14 @@ typedef struct td_relbias {
 td_status td_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
                         int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
                         const td_relbias *bias);
+/* The same for the query rows [q_lo, q_hi) only (keys: every row of each
+ * sequence), the rest of out left as it was, or written with what the
+ * rows' q columns give (a backend may compute whole tiles): a rank of a
+ * row-split encoder, whose qkv holds every row's K/V but only its own
+ * rows' queries. */
+td_status td_attn_dense_rows(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
+                             int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
+                             const td_relbias *bias, int q_lo, int q_hi);
 
 /* Paged KV pools: [block][layer][K|V][head][slot][head_dim], then, where
  * states > 0, the block's encoder states [K|V][slot][states / 2] (each
@@ -380,6 +388,17 @@ td_comm *td_backend_comm(const td_backend *b);
 td_status td_allreduce_sum(td_backend *b, void *buf, td_buf_type t, size_t n);
 /* recv[r * n + i] = rank r's send[i]. */
 td_status td_allgather(td_backend *b, const void *send, void *recv, td_buf_type t, size_t n);
+/* Rows split over the ranks: rank r holds rows [lo, hi) of n, in equal
+ * shares of `per` rows (the last ones may be short or empty), per rounded
+ * up to whole query tiles of the attention where n is large enough. */
+typedef struct td_row_split {
+  int per, lo, hi;
+} td_row_split;
+td_row_split td_rows_split(int n, int world, int rank);
+/* In place over a [rows][width] matrix of type t: rank r's rows (of
+ * td_rows_split(rows, world, r)), columns [col0, col0 + ncols), go to every
+ * rank; the other columns are left as they are. */
+td_status td_allgather_rows(td_backend *b, void *buf, td_buf_type t, int rows, int width, int col0, int ncols);
 /* Point to point (pipeline stages). */
 td_status td_send(td_backend *b, const void *buf, td_buf_type t, size_t n, int peer);
 td_status td_recv(td_backend *b, void *buf, td_buf_type t, size_t n, int peer);

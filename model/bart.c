@@ -85,6 +85,7 @@ static td_status load_bart_decoder(td_model *m, loader *ld, const char *P, float
 td_status bart_load(td_model *m, loader *ld, const char *P) {
   const td_model_config *c = &m->cfg;
   char pre[256], name[256];
+  loader_encoder_begin(m, ld);
   for (int i = m->d.e0; i < m->d.e1; i++) {
     enc_layer *L = &m->enc[i - m->d.e0];
     snprintf(pre, sizeof pre, "%sencoder.layers.%d.self_attn", P, i);
@@ -96,6 +97,7 @@ td_status bart_load(td_model *m, loader *ld, const char *P) {
     snprintf(name, sizeof name, "%sencoder.layers.%d.final_layer_norm", P, i);
     TD_TRY(ld_norm(ld, name, c->d_model, &L->ln_ffn));
   }
+  loader_encoder_end(m, ld);
   /* Pre-norm LayerNorms of the decoder go into the linear layers they
    * feed, as T5's RMSNorms do (t5_load); norm_fold TD_OFF keeps them
    * apart. Post-norm models normalise the residual itself: nothing to fold. */

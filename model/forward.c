@@ -18,9 +18,10 @@ static td_status linear(td_model *m, const lin *l, const void *x, void *y, int r
 }
 
 /* h += x W^T for a row-parallel layer: every rank adds its partial sum and
- * rank 0 the residual and bias, then an all-reduce. */
-static td_status row_parallel(td_model *m, const lin *l, const void *x, void *h, int rows) {
-  bool tp = m->opts.tp_size > 1;
+ * rank 0 the residual and bias, then an all-reduce; whole: W is not split
+ * (an encoder split by rows), a plain accumulate. */
+static td_status row_parallel(td_model *m, const lin *l, const void *x, void *h, int rows, bool whole) {
+  bool tp = m->opts.tp_size > 1 && !whole;
   TD_TRY(linear(m, l, x, h, rows, TD_ACT_NONE, !tp || m->opts.tp_rank == 0 ? TD_GEMM_ACCUM : 0));
   return tp ? td_allreduce_sum(m->b, h, TD_BUF_ACT, (size_t)rows * m->d.d) : TD_OK;
 }
@@ -46,13 +47,13 @@ static td_status norm_linear(td_model *m, const norm_w *n, const lin *l, const v
 
 /* h += FFN(norm(h)) (pre-norm, n given) or FFN(h) (post-norm, n NULL). */
 static td_status ffn(td_model *m, const norm_w *n, const lin *wi, const lin *wo, void *h, void *xn, void *ff,
-                     void *ff1, int rows) {
+                     void *ff1, int rows, bool whole) {
   if (m->cfg.gated_ffn) {
     TD_TRY(norm_linear(m, n, wi, h, ff1, xn, rows, m->cfg.act, TD_GEMM_GLU, ff));
-    return row_parallel(m, wo, ff1, h, rows);
+    return row_parallel(m, wo, ff1, h, rows, whole);
   }
   TD_TRY(norm_linear(m, n, wi, h, ff, xn, rows, m->cfg.act, 0, NULL));
-  return row_parallel(m, wo, ff, h, rows);
+  return row_parallel(m, wo, ff, h, rows, whole);
 }
 
 /* Two running sets: the receive of the set launched last, when no launch
@@ -65,6 +66,36 @@ static td_status post_pending(td_model *m) {
       m->set_posted[k] = true;
     }
   return TD_OK;
+}
+
+/* The encoder layers of a tensor-parallel rank that holds the whole
+ * encoder and runs its rows (td_model_opts.enc_rows): everything on its
+ * own rows, but attention's keys and values, which are all-gathered each
+ * layer; then the layers' output rows all-gathered, so that every rank
+ * goes on as after the head split. qkv rows stay at their own index (the
+ * attention's queries of other rows are never read). */
+static td_status encoder_layers_rows(td_model *m, void *eh, int E, const int32_t *kcu, int B, int maxk,
+                                     const td_relbias *bias) {
+  const td_model_config *c = &m->cfg;
+  const dims *d = &m->d;
+  td_backend *b = m->b;
+  td_row_split me = td_rows_split(E, m->opts.tp_size, m->opts.tp_rank);
+  int n = me.hi - me.lo, hd = d->eh * d->edh;
+  void *h = rows_at(m, eh, me.lo, d->d), *xn = rows_at(m, m->e_x, me.lo, d->d);
+  void *qkv = rows_at(m, m->e_qkv, me.lo, 3 * hd), *att = rows_at(m, m->e_attn, me.lo, hd);
+  for (int l = 0; l < d->e1 - d->e0; l++) {
+    const enc_layer *L = &m->enc[l];
+    if (n) TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_attn : NULL, &L->qkv, h, qkv, xn, n, TD_ACT_NONE, 0, NULL));
+    TD_TRY(td_allgather_rows(b, m->e_qkv, TD_BUF_ACT, E, 3 * hd, hd, 2 * hd));
+    TD_TRY(td_attn_dense_rows(b, m->e_qkv, m->e_attn, kcu, B, E, maxk, d->eh, d->edh, c->enc_attn_scale, false, bias,
+                              me.lo, me.hi));
+    if (!n) continue;
+    TD_TRY(row_parallel(m, &L->o, att, h, n, true));
+    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_attn, h, h, n));
+    TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, h, xn, m->e_ff, m->e_ff1, n, true));
+    if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, h, h, n));
+  }
+  return td_allgather_rows(b, eh, TD_BUF_ACT, E, d->d, 0, d->d);
 }
 
 td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out) {
@@ -151,13 +182,15 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
                       c->embed_scale, eh, Ek, d->d));
       if (c->layernorm_embedding) TD_TRY(norm(m, &m->enc_ln_emb, eh, eh, Ek));
     }
-    for (int l = 0; l < d->e1 - d->e0; l++) {
+    bool by_rows = m->opts.tp_size > 1 && m->opts.enc_rows; /* TP: one stage, one micro-batch */
+    if (by_rows) TD_TRY(encoder_layers_rows(m, eh, Ek, kcu, Bk, maxk, bias));
+    for (int l = 0; !by_rows && l < d->e1 - d->e0; l++) {
       const enc_layer *L = &m->enc[l];
       TD_TRY(norm_linear(m, c->pre_norm ? &L->ln_attn : NULL, &L->qkv, eh, m->e_qkv, m->e_x, Ek, TD_ACT_NONE, 0, NULL));
       TD_TRY(td_attn_dense(b, m->e_qkv, m->e_attn, kcu, Bk, Ek, maxk, d->eh, d->edh, c->enc_attn_scale, false, bias));
-      TD_TRY(row_parallel(m, &L->o, m->e_attn, eh, Ek));
+      TD_TRY(row_parallel(m, &L->o, m->e_attn, eh, Ek, false));
       if (!c->pre_norm) TD_TRY(norm(m, &L->ln_attn, eh, eh, Ek));
-      TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, eh, m->e_x, m->e_ff, m->e_ff1, Ek));
+      TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, eh, m->e_x, m->e_ff, m->e_ff1, Ek, false));
       if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, eh, eh, Ek));
     }
     if (!last) TD_TRY(td_send(b, eh, TD_BUF_ACT, (size_t)Ek * d->d, d->stage + 1));
@@ -295,7 +328,7 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
     /* attention reads q rows at the metadata's absolute offsets */
     TD_TRY(td_attn_paged(b, m->d_qkv, 3 * hd, m->d_attn, m->self_pool, &sl, l, &self_m, c->dec_attn_scale, true,
                          bias));
-    TD_TRY(row_parallel(m, &L->o, att, h, T));
+    TD_TRY(row_parallel(m, &L->o, att, h, T, false));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_self, h, h, T));
     /* a folded RMSNorm before the cross query commutes with its projection:
      * in decode steps beyond the rows where the backend's projection takes
@@ -323,9 +356,9 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
     } else {
       TD_TRY(td_attn_paged(b, m->d_q, hd, m->d_attn, m->cross_pool, &cl, l, &cm, c->dec_attn_scale, false, NULL));
     }
-    TD_TRY(row_parallel(m, &L->co, att, h, T));
+    TD_TRY(row_parallel(m, &L->co, att, h, T, false));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_cross, h, h, T));
-    TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, h, x, ff, ff1, T));
+    TD_TRY(ffn(m, c->pre_norm ? &L->ln_ffn : NULL, &L->wi, &L->wo, h, x, ff, ff1, T, false));
     if (!c->pre_norm) TD_TRY(norm(m, &L->ln_ffn, h, h, T));
     if (pf && l + 1 < nl) TD_TRY(td_kv_prefetch(b, m->self_pool, &sl, l + 1, &self_m));
   }

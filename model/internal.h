@@ -130,6 +130,10 @@ td_status ld_norm_fold(loader *ld, const char *prefix, int n, norm_w *out, float
 td_status ld_lin(loader *ld, int n_parts, const char *const *wnames, const char *const *bnames, const int *rows,
                  int in, split sp, lin *out);
 td_status ld_lin1(loader *ld, const char *wname, const char *bname, int rows, int in, split sp, lin *out);
+/* Around the encoder's layers: with the encoder split by rows, every rank
+ * loads them whole (the loader's slice set to one rank of one), then back. */
+void loader_encoder_begin(const td_model *m, loader *ld);
+void loader_encoder_end(const td_model *m, loader *ld);
 /* A [rows, d] table uploaded whole, less its first skip_rows. */
 td_status ld_table(loader *ld, const char *name, int rows, int d, int skip_rows, void **out);
 

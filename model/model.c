@@ -97,9 +97,15 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
     s = td_err(TD_ERR_INVALID, "tensor-parallel rank %d outside [0, %d)", m->opts.tp_rank, tp);
     goto fail;
   }
-  if (c->enc_heads % tp || c->dec_heads % tp || c->enc_ffn % tp || c->dec_ffn % tp) {
-    s = td_err(TD_ERR_UNSUPPORTED, "%s: heads (%d, %d) and FFN widths (%d, %d) must divide by tensor parallel %d",
-               dir, c->enc_heads, c->dec_heads, c->enc_ffn, c->dec_ffn, tp);
+  bool enc_rows = tp > 1 && m->opts.enc_rows;
+  if (!enc_rows && (c->enc_heads % tp || c->enc_ffn % tp)) {
+    s = td_err(TD_ERR_UNSUPPORTED, "%s: encoder heads (%d) and FFN width (%d) must divide by tensor parallel %d "
+               "(or the encoder split by rows)", dir, c->enc_heads, c->enc_ffn, tp);
+    goto fail;
+  }
+  if (c->dec_heads % tp || c->dec_ffn % tp) {
+    s = td_err(TD_ERR_UNSUPPORTED, "%s: decoder heads (%d) and FFN width (%d) must divide by tensor parallel %d",
+               dir, c->dec_heads, c->dec_ffn, tp);
     goto fail;
   }
   int pp = m->opts.pp_size;
@@ -125,8 +131,9 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
     s = td_err(TD_ERR_INVALID, "tensor parallel %d needs a communicator of %d ranks attached to the backend", tp, tp);
     goto fail;
   }
-  m->d = (dims){.d = c->d_model, .vocab = c->vocab_size, .eh = c->enc_heads / tp, .edh = c->enc_head_dim,
-                .eff = c->enc_ffn / tp, .dh_ = c->dec_heads / tp, .ddh = c->dec_head_dim, .dff = c->dec_ffn / tp,
+  int etp = enc_rows ? 1 : tp;
+  m->d = (dims){.d = c->d_model, .vocab = c->vocab_size, .eh = c->enc_heads / etp, .edh = c->enc_head_dim,
+                .eff = c->enc_ffn / etp, .dh_ = c->dec_heads / tp, .ddh = c->dec_head_dim, .dff = c->dec_ffn / tp,
                 .stage = m->opts.pp_rank, .stages = pp};
   m->d.e0 = c->enc_layers * m->d.stage / pp;
   m->d.e1 = c->enc_layers * (m->d.stage + 1) / pp;

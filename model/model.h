@@ -32,6 +32,11 @@ typedef struct td_model_opts {
    * goes through the stages whole, one micro-batch; the first stage uses
    * td_model_step_launch / _collect); 0 or 1: one set, a step in micro-batches */
   int pp_sets;
+  /* TP: every rank holds the whole encoder and runs its share of the rows
+   * (td_rows_split), the K/V of each layer all-gathered (one collective a
+   * layer, half the bytes of the two all-reduces of a head split, and no
+   * norm or activation repeated); false: each rank its heads and FFN slice */
+  bool enc_rows;
   bool no_graphs;          /* run decode steps eagerly even where graphs exist */
   /* What the cross pool caches of each sequence (every process that
    * shares a model's cross blocks must agree): see td_cross_mode. */

@@ -85,6 +85,7 @@ static td_status load_attn_t5(loader *ld, const char *pre, int heads, int hd, bo
 td_status t5_load(td_model *m, loader *ld) {
   const td_model_config *c = &m->cfg;
   char pre[256], name[256];
+  loader_encoder_begin(m, ld);
   for (int i = m->d.e0; i < m->d.e1; i++) {
     enc_layer *L = &m->enc[i - m->d.e0];
     snprintf(pre, sizeof pre, "encoder.block.%d.layer.0.SelfAttention", i);
@@ -96,6 +97,10 @@ td_status t5_load(td_model *m, loader *ld) {
     snprintf(name, sizeof name, "encoder.block.%d.layer.1.layer_norm", i);
     TD_TRY(ld_norm(ld, name, c->d_model, &L->ln_ffn));
   }
+  /* the encoder's relative bias: its heads, as its layers */
+  TD_TRY(load_relbias(ld, "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", true, c->enc_heads,
+                      ld->rank * (c->enc_heads / ld->tp), c->enc_heads / ld->tp, &m->enc_lut));
+  loader_encoder_end(m, ld);
   /* The decoder's pre-norms are RMSNorms right before a linear layer:
    * their weights go into that layer's W (norm(x) W^T = (x / rms(x))
    * (W diag(w))^T), so a decode GEMM normalises by scaling its output.
@@ -129,8 +134,6 @@ td_status t5_load(td_model *m, loader *ld) {
   TD_TRY(ld_norm(ld, "encoder.final_layer_norm", c->d_model, &m->enc_final));
   TD_TRY(ld_norm(ld, "decoder.final_layer_norm", c->d_model, &m->dec_final));
   int tp = ld->tp;
-  TD_TRY(load_relbias(ld, "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", true, c->enc_heads,
-                      ld->rank * (c->enc_heads / tp), c->enc_heads / tp, &m->enc_lut));
   TD_TRY(load_relbias(ld, "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", false,
                       c->dec_heads, ld->rank * (c->dec_heads / tp), c->dec_heads / tp, &m->dec_lut));
   return TD_OK;

@@ -159,6 +159,15 @@ td_status ld_lin(loader *ld, int n_parts, const char *const *wnames, const char 
   return TD_OK;
 }
 
+void loader_encoder_begin(const td_model *m, loader *ld) {
+  if (m->opts.tp_size > 1 && m->opts.enc_rows) ld->rank = 0, ld->tp = 1;
+}
+
+void loader_encoder_end(const td_model *m, loader *ld) {
+  ld->rank = m->opts.tp_rank;
+  ld->tp = m->opts.tp_size;
+}
+
 /* One-part shorthand. */
 td_status ld_lin1(loader *ld, const char *wname, const char *bname, int rows, int in, split sp, lin *out) {
   const char *w[1] = {wname}, *bn[1] = {bname};

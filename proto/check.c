@@ -249,6 +249,9 @@ bool td_check_group_join(const Tandem__Cluster__GroupJoin *j, char *why, size_t 
   if (j->nccl_id.len > TD_GROUP_MAX_NCCL_ID)
     BAD("bad group join: an NCCL id of %zu bytes, at most %d", j->nccl_id.len, TD_GROUP_MAX_NCCL_ID);
   if (!str_len("GroupJoin.cross_mode", j->cross_mode, 0, TD_WIRE_MAX_NAME, why, cap)) return false;
+  const char *sp = j->encoder_split ? j->encoder_split : "";
+  if (sp[0] && strcmp(sp, "rows") && strcmp(sp, "heads"))
+    BAD("bad group join: encoder split \"%.32s\" (rows or heads)", sp);
   return true;
 }
 

@@ -143,10 +143,19 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, const cha
   if (mb && (strcmp(mb->g->name, name) || mb->rank != (int)j->rank)) member_leave(r, mb);
   group_rv *g = NULL;
   HASH_FIND_STR(r->groups, name, g);
+  bool rows = j->encoder_split && !strcmp(j->encoder_split, "rows");
   /* an encoder group runs states (it pushes encoder states), which the router takes as from a single-rank encoder */
   bool states_ok = j->encoder_states && j->cross_mode && !strcmp(j->cross_mode, "states") &&
                    (r->o.cross_mode == TD_CROSS_AUTO || r->o.cross_mode == TD_CROSS_DUAL);
   bool refused = !states_ok && !rtr_cross_mode_matches(r, j->cross_mode, why, sizeof why);
+  /* ranks of one rendezvous that split the encoder differently would hold different weights and meet in
+     different collectives */
+  if (!refused && g && !g->complete && !g->error && g->joined > 0 && g->world == (int)j->world &&
+      !g->endpoints[j->rank] && g->enc_rows != rows) {
+    snprintf(why, sizeof why, "rank %u splits the encoder by %s, the ranks before it by %s (--tp-encoder): every "
+             "rank of a group must agree", j->rank, rows ? "rows" : "heads", g->enc_rows ? "rows" : "heads");
+    refused = true;
+  }
   /* a failed rendezvous that this rank heard of already, or a running group, starts over (a restart) */
   if (g && ((g->error && (g->told[j->rank] || g->world != (int)j->world)) || (refused && g->complete))) {
     group_drop(r, g);
@@ -203,6 +212,7 @@ void rtr_on_group_join(td_router *r, const uint8_t *id, size_t id_len, const cha
     memcpy(g->nccl_id, j->nccl_id.data, j->nccl_id.len);
     g->nccl_len = j->nccl_id.len;
   }
+  if (g->joined == 0) g->enc_rows = rows;
   if (++g->joined < g->world) return;
   g->complete = true;
   g->completed = td_now_ms();

@@ -135,6 +135,7 @@ struct group_rv {
   size_t nccl_len;
   int joined;
   bool complete;
+  bool enc_rows; /* the first rank's encoder split (GroupJoin.encoder_split): every rank must agree */
   /* a rank was refused: the group cannot form; every rank hears why once */
   char *error;
   bool told[TD_GROUP_MAX_RANKS];

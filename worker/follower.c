@@ -206,7 +206,7 @@ static td_status join(follower *f) {
   char ep[300] = "-";
   if (o->device == TD_BACKEND_CPU) TD_TRY(group_comm_bind(o, &f->gk, f->zctx, &f->boot, ep, sizeof ep));
   TD_TRY(group_rendezvous(f->rsock, o->group, o->rank, world, ep, NULL, 0, o->cross_mode, group_encoder_only(o),
-                          TD_GROUP_JOIN_TIMEOUT_MS, f->stop, &f->gi));
+                          o->tp > 1 && o->enc_rows, TD_GROUP_JOIN_TIMEOUT_MS, f->stop, &f->gi));
   TD_TRY(group_admit_ranks(&f->gk));
   td_backend_opts bo = {.kind = o->device, .device = o->device_id, .threads = o->threads, .cuda = o->settings.cuda};
   TD_TRY(td_backend_create(&bo, &f->b));
@@ -230,6 +230,7 @@ static td_status join(follower *f) {
   if (o->tp > 1) {
     mo.tp_rank = o->rank;
     mo.tp_size = o->tp;
+    mo.enc_rows = o->enc_rows;
   } else {
     mo.pp_rank = o->rank;
     mo.pp_size = o->pp;

@@ -66,7 +66,7 @@ void group_info_free(group_info *g) {
 
 td_status group_rendezvous(void *rsock, const char *group, int rank, int world, const char *endpoint,
                            const uint8_t *nccl_id, size_t nccl_len, td_cross_mode cross_mode, bool encoder_states,
-                           int timeout_ms, volatile sig_atomic_t *stop, group_info *out) {
+                           bool enc_rows, int timeout_ms, volatile sig_atomic_t *stop, group_info *out) {
   memset(out, 0, sizeof *out);
   if (world > TD_GROUP_MAX_RANKS)
     return td_err(TD_ERR_INVALID, "group %s of %d ranks: at most %d", group, world, TD_GROUP_MAX_RANKS);
@@ -79,6 +79,7 @@ td_status group_rendezvous(void *rsock, const char *group, int rank, int world, 
   j.nccl_id.len = nccl_len;
   j.cross_mode = (char *)td_cross_mode_name(cross_mode);
   j.encoder_states = encoder_states;
+  j.encoder_split = (char *)(enc_rows ? "rows" : "heads");
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
   m.version = TD_PROTOCOL_VERSION;
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN;

@@ -38,11 +38,12 @@ td_status group_admit_ranks(const group_keys *k);
 
 /* Joins `group` as `rank` through the router socket and waits for every
  * rank's endpoint (the router refuses a rank whose cross_mode differs
- * from its own; encoder_states: an encoder group, whose states mode the
+ * from its own, or whose encoder split, enc_rows, differs from the other
+ * ranks'; encoder_states: an encoder group, whose states mode the
  * router takes as it takes a single-rank encoder's). */
 td_status group_rendezvous(void *rsock, const char *group, int rank, int world, const char *endpoint,
                            const uint8_t *nccl_id, size_t nccl_len, td_cross_mode cross_mode, bool encoder_states,
-                           int timeout_ms, volatile sig_atomic_t *stop, group_info *out);
+                           bool enc_rows, int timeout_ms, volatile sig_atomic_t *stop, group_info *out);
 /* Whether opts name the encode role alone (an encoder group pushes encoder states). */
 bool group_encoder_only(const td_worker_opts *o);
 void group_info_free(group_info *g);

@@ -84,6 +84,7 @@ td_status w_leader_init(td_worker *w, td_model_opts *mo) {
   td_backend_set_comm(w->b, w->comm);
   if (w->o.tp > 1) {
     mo->tp_size = w->o.tp;
+    mo->enc_rows = w->o.enc_rows;
   } else {
     mo->pp_size = w->o.pp;
     mo->pp_sets = w->o.pp_sets;

@@ -37,6 +37,9 @@ static void usage(FILE *f) {
           "                                                      where both sides can, else ZeroMQ)\n"
           "                     [--group NAME (--tp N | --pp N [--pp-sets 2]) --rank R]   (rank 0 serves, others follow;\n"
           "                      --pp-sets 2: two running sets alternate through the stages, every rank alike)\n"
+          "                     [--tp-encoder heads|rows]  (a TP group's encoder: each rank its heads and FFN\n"
+          "                                         slice (default), or the whole encoder over its share of\n"
+          "                                         the rows: more memory, faster; every rank alike)\n"
           "                     [--encode-defer N]  (two running sets: steps waiting requests may wait to share an\n"
           "                                         encoder run while both sets run; default 8, -1: never)\n"
           "                     [--spin-us N]  (the main loop and the compute thread poll N us after work before\n"
@@ -101,7 +104,7 @@ int main(int argc, char **argv) {
       {"max-enc-seqs", required_argument, 0, 'Q'}, {"encoder-cache-fraction", required_argument, 0, 'Y'},
       {"curve-secret", required_argument, 0, 1001}, {"router-key", required_argument, 0, 1002},
       {"worker-keys", required_argument, 0, 1003}, {"advertise", required_argument, 0, 1004},
-      {"cross-transfer", required_argument, 0, 1005},
+      {"cross-transfer", required_argument, 0, 1005}, {"tp-encoder", required_argument, 0, 1006},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings,
@@ -216,6 +219,13 @@ int main(int argc, char **argv) {
         }
         o.cross_transfer_kv = strcmp(optarg, "kv") == 0;
         break;
+      case 1006:
+        if (strcmp(optarg, "heads") && strcmp(optarg, "rows")) {
+          fprintf(stderr, "tandem-worker: --tp-encoder must be heads or rows, not '%s'\n", optarg);
+          return 2;
+        }
+        o.enc_rows = strcmp(optarg, "rows") == 0;
+        break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }
@@ -244,6 +254,10 @@ int main(int argc, char **argv) {
   }
   if (o.encode_defer && o.pp_sets != 2) {
     fprintf(stderr, "tandem-worker: --encode-defer is for two running sets (--pp N --pp-sets 2)\n");
+    return 2;
+  }
+  if (o.enc_rows && (!o.group || o.tp < 2)) {
+    fprintf(stderr, "tandem-worker: --tp-encoder rows is for a tensor-parallel group (--group NAME --tp N)\n");
     return 2;
   }
   if (o.pp_sets == 2 && (!o.group || o.pp < 2)) {

@@ -104,7 +104,8 @@ static td_status group_start(td_worker *w) {
           o->auth ? " (CURVE: the group's ranks only)" : "", w->world);
   bool cpu = o->device == TD_BACKEND_CPU;
   TD_TRY(group_rendezvous(w->rsock, o->group, 0, w->world, ep, cpu ? NULL : w->nccl_id, cpu ? 0 : TD_NCCL_ID_BYTES,
-                          o->cross_mode, group_encoder_only(o), TD_GROUP_JOIN_TIMEOUT_MS, NULL, &w->gi));
+                          o->cross_mode, group_encoder_only(o), o->tp > 1 && o->enc_rows, TD_GROUP_JOIN_TIMEOUT_MS,
+                          NULL, &w->gi));
   return group_admit_ranks(&w->gk);
 }
 

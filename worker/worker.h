@@ -61,6 +61,9 @@ typedef struct td_worker_opts {
    * serves, the others replay its model calls (td_worker_follow). */
   const char *group;
   int tp, pp;              /* group size along one of them (the other 1) */
+  /* TP: every rank the whole encoder over its share of the rows
+   * (td_model_opts.enc_rows; --tp-encoder rows), else its heads */
+  bool enc_rows;
   int pp_sets;             /* a pipeline group: 2 = two running sets (td_model_opts.pp_sets), every rank alike */
   int encode_defer;        /* two running sets: td_engine_opts.encode_defer_steps (0: the engine's default) */
   /* The main loop and the compute thread poll for spin_us after work before

@@ -179,7 +179,7 @@ static float dot(const float *a, const float *b, int n) {
 
 static td_status cpu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu, int n_seqs,
                                 int n_tokens, int max_len, int H, int dh, float scale, bool causal,
-                                const td_relbias *bias) {
+                                const td_relbias *bias, int q_lo, int q_hi) {
   const float *QKV = qkv;
   float *O = out;
   size_t row = (size_t)3 * H * dh;
@@ -189,6 +189,7 @@ static td_status cpu_attn_dense(td_backend *b, const void *qkv, void *out, const
     TD_TRY(scratch_fit(&sc, len));
     for (int h = 0; h < H; h++)
       for (int i = 0; i < len; i++) {
+        if (start + i < q_lo || start + i >= q_hi) continue;
         const float *q = QKV + (size_t)(start + i) * row + (size_t)h * dh;
         int nk = causal ? i + 1 : len;
         for (int j = 0; j < nk; j++) {

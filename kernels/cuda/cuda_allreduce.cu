@@ -169,6 +169,89 @@ __global__ void __launch_bounds__(AR_THREADS) ar_kernel(bf16 *buf, uint32_t n, a
   }
 }
 
+/* The all-gather of a row-split matrix's columns [col0, col0 + 8 cpr)
+ * (td_allgather_rows) over the same slots and phases: this rank's rows into
+ * every peer's slot for it, then each peer's rows out of our slots into
+ * buf. The previous call's slots are emptied first, as above. */
+__global__ void __launch_bounds__(AR_THREADS) ag_rows_kernel(bf16 *buf, int rows, int width, int col0, int cpr,
+                                                             int per, ar_peers P, int rank, int world, ar_ctl *ctl) {
+  /* the wait only: the next kernel (the attention) launches when this one
+   * ends, so that its blocks spread over the SMs evenly rather than where
+   * these spinning blocks left room (two a SM there: 42 against 30 us) */
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const uint32_t phase = ctl->phase, nprev = ctl->nprev;
+  const uint32_t prev = (phase + AR_PHASES - 1) % AR_PHASES;
+  const size_t stride = (size_t)gridDim.x * blockDim.x, me = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  uint8_t *mine = P.slots[rank];
+  const uint4 empty = make_uint4(AR_EMPTY2, AR_EMPTY2, AR_EMPTY2, AR_EMPTY2);
+  for (int p = 0; p < world; p++) {
+    if (p == rank) continue;
+    uint4 *sl = (uint4 *)(mine + ((size_t)prev * world + p) * AR_SLOT_BYTES);
+    for (size_t v = me; v < (nprev + 7) / 8; v += stride) sl[v] = empty;
+  }
+  const size_t w8 = (size_t)width / 8, c8 = (size_t)col0 / 8;
+  const int lo = min(rows, rank * per), hi = min(rows, (rank + 1) * per);
+  /* a rank without rows still sends one vector (zeros) and waits for one
+   * from each such peer: every call then meets every peer, so that no rank
+   * runs two calls ahead into a phase its peer has yet to empty */
+  const size_t mine_v = (size_t)(hi - lo) * cpr, send_v = mine_v ? mine_v : 1;
+  for (size_t v = me; v < send_v; v += stride) {
+    uint4 u = make_uint4(0u, 0u, 0u, 0u);
+    if (v < mine_v) u = ((const uint4 *)buf)[(lo + v / cpr) * w8 + c8 + v % cpr];
+    u = make_uint4(unmark(u.x), unmark(u.y), unmark(u.z), unmark(u.w));
+    for (int p = 0; p < world; p++)
+      if (p != rank) ((uint4 *)(P.slots[p] + ((size_t)phase * world + rank) * AR_SLOT_BYTES))[v] = u;
+  }
+  for (int r = 0; r < world; r++) {
+    if (r == rank) continue;
+    const int rlo = min(rows, r * per), rhi = min(rows, (r + 1) * per);
+    const uint4 *src = (const uint4 *)(mine + ((size_t)phase * world + r) * AR_SLOT_BYTES);
+    const size_t their_v = (size_t)(rhi - rlo) * cpr;
+    for (size_t v = me; v < (their_v ? their_v : 1); v += stride) {
+      uint4 w = ld_volatile16(src + v);
+      uint32_t spins = 0;
+      while (has_empty(w.x) || has_empty(w.y) || has_empty(w.z) || has_empty(w.w)) {
+        if (++spins > AR_SPIN_LIMIT) {
+          atomicExch(&ctl->err, 1u);
+          break;
+        }
+        w = ld_volatile16(src + v);
+      }
+      if (v < their_v) ((uint4 *)buf)[(rlo + v / cpr) * w8 + c8 + v % cpr] = w;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
+      ctl->done = 0;
+      ctl->nprev = (uint32_t)per * (uint32_t)cpr * 8u; /* the most any peer wrote into a slot of ours */
+      ctl->phase = (phase + 1) % AR_PHASES;
+      __threadfence();
+    }
+  }
+}
+
+bool td_cu_allgather_rows_fits(const td_cu_allreduce *a, td_buf_type t, const void *buf, int per, int width, int col0,
+                               int ncols) {
+  return a && t == TD_BUF_ACT && td_aligned16(buf) && width % 8 == 0 && col0 % 8 == 0 && ncols % 8 == 0 &&
+         (size_t)per * (size_t)ncols * sizeof(bf16) <= (a->world <= 2 ? AR_SLOT_BYTES : AR_WIDE_BYTES);
+}
+
+td_status td_cu_allgather_rows_run(td_backend *b, td_cu_allreduce *a, void *buf, int rows, int width, int col0,
+                                   int ncols, int per) {
+  td_cuda *c = td_cu(b);
+  size_t vecs = (size_t)per * (size_t)(ncols / 8);
+  size_t blocks = (vecs + AR_THREADS - 1) / AR_THREADS;
+  if (blocks > AR_MAX_BLOCKS) blocks = AR_MAX_BLOCKS;
+  if (blocks < 1) blocks = 1;
+  TD_CU_CHECK(td_launch(c, ag_rows_kernel, dim3((unsigned)blocks), dim3(AR_THREADS), 0, (bf16 *)buf, rows, width,
+                        col0, ncols / 8, per, a->peers, a->rank, a->world, a->ctl),
+              "allgather_rows");
+  TD_CU_LAUNCHED("allgather_rows");
+  return TD_OK;
+}
+
 __global__ void ar_fill_kernel(uint32_t *p, size_t words) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x)
     p[i] = AR_EMPTY2;

@@ -16,5 +16,10 @@ void td_cu_allreduce_destroy(td_cu_allreduce *a);
 bool td_cu_allreduce_fits(const td_cu_allreduce *a, td_buf_type t, size_t n);
 /* In place, on the backend's stream. */
 td_status td_cu_allreduce_run(td_backend *b, td_cu_allreduce *a, void *buf, size_t n);
+/* td_allgather_rows over the same slots (per: the rows a rank holds). */
+bool td_cu_allgather_rows_fits(const td_cu_allreduce *a, td_buf_type t, const void *buf, int per, int width, int col0,
+                               int ncols);
+td_status td_cu_allgather_rows_run(td_backend *b, td_cu_allreduce *a, void *buf, int rows, int width, int col0,
+                                   int ncols, int per);
 
 #endif

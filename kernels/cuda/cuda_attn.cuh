@@ -53,6 +53,8 @@ struct AttnArgs {
   const bf16 *qkv;
   const int32_t *cu;
   int n_seqs;
+  int q_lo, q_hi; /* dense: the query rows wanted (tiles wholly outside are skipped) */
+  int tile0;      /* dense, one sequence: the first query tile of the grid */
   /* paged */
   const bf16 *q;
   int ldq;

@@ -11,7 +11,7 @@ td_status td_cu_attn_dense_init(td_cuda *c) {
 
 td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
                            int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
-                           const td_relbias *bias) {
+                           const td_relbias *bias, int q_lo, int q_hi) {
   td_cu_bind(td_cu(b));
   td_cuda *c = td_cu(b);
   if (head_dim > GEN_MAX_DH)
@@ -28,10 +28,30 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
   a.qkv = (const bf16 *)qkv;
   a.cu = cu_seqlens;
   a.n_seqs = n_seqs;
+  a.q_lo = q_lo;
+  a.q_hi = q_hi;
+  a.n_splits = 1;
   const td_dense_plan p =
       td_cu_dense_policy(&c->tune, head_dim, td_aligned16(qkv) && td_aligned16(out), n_tokens, max_len);
   a.qtiles = p.qtiles; /* query tiles per sequence */
-  dim3 grid((unsigned)((long)n_seqs * a.qtiles), (unsigned)heads);
+  if (n_seqs == 1 && p.kernel != TD_DENSE_GENERIC) { /* only the tiles of the rows wanted */
+    a.tile0 = q_lo / p.rows;
+    a.qtiles = (q_hi + p.rows - 1) / p.rows - a.tile0;
+  }
+  long blocks = (long)n_seqs * a.qtiles * heads;
+  int keys = n_seqs == 1 ? n_tokens : max_len > 0 && max_len < n_tokens ? max_len : n_tokens;
+  int splits = p.kernel == TD_DENSE_GENERIC ? 1 : td_cu_dense_splits(&c->tune, c->sm_count, blocks, keys, causal);
+  /* the partial outputs (by token, head and split) and one counter a (tile, head) must fit */
+  if (splits > 1 && ((size_t)n_tokens * heads * splits * (head_dim + 1) * sizeof(float) > TD_CU_SPLIT_BYTES ||
+                     (long)n_seqs * a.qtiles * heads > TD_CU_ATTN_COUNTERS))
+    splits = 1;
+  if (splits > 1) {
+    a.n_splits = splits;
+    a.part_o = c->split;
+    a.part_lse = c->split + (size_t)n_tokens * heads * splits * head_dim;
+    a.counters = c->counters + TD_CU_GEMM_COUNTERS;
+  }
+  dim3 grid((unsigned)((long)n_seqs * a.qtiles), (unsigned)heads, (unsigned)splits);
   switch (p.kernel) {
     case TD_DENSE_64_WGMMA: launch(Dense64w(), grid, lut_bytes(bias), c, a); break;
     case TD_DENSE_64: launch(Dense64(), grid, lut_bytes(bias), c, a); break;

@@ -12,7 +12,7 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
   size_t row0;
   const int32_t *table = nullptr;
   if (!paged) {
-    if (rid >= a.n_tokens) return;
+    if (rid >= a.n_tokens || rid < a.q_lo || rid >= a.q_hi) return;
     int lo = 0, hi = a.n_seqs - 1;
     while (lo < hi) { /* last s with cu[s] <= rid */
       int mid = (lo + hi + 1) >> 1;

@@ -151,13 +151,18 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   const int32_t *table = nullptr;
   if (!PAGED) {
     int s = blockIdx.x / a.qtiles, start = a.cu[s];
-    q0 = (blockIdx.x % a.qtiles) * BM;
+    q0 = (blockIdx.x % a.qtiles + a.tile0) * BM;
     qlen = min(a.cu[s + 1], a.n_tokens) - start;
-    if (start < 0 || q0 >= qlen) return;
+    if (start < 0 || q0 >= qlen || start + q0 >= a.q_hi || start + min(q0 + BM, qlen) <= a.q_lo) return;
     row0 = (size_t)start;
     pos_off = 0;
-    kbeg = 0;
-    kend = a.causal ? min(qlen, q0 + BM) : qlen;
+    /* key splits (never causal: td_cu_dense_splits) */
+    int kmax = a.causal ? min(qlen, q0 + BM) : qlen;
+    eff = min(a.n_splits, max(1, (kmax + BN - 1) / BN));
+    if ((int)blockIdx.z >= eff) return;
+    int chunk = ((kmax + eff - 1) / eff + BN - 1) / BN * BN;
+    kbeg = blockIdx.z * chunk;
+    kend = min(kmax, kbeg + chunk);
   } else {
     int s = blockIdx.x / a.qtiles;
     q0 = (blockIdx.x % a.qtiles) * BM;
@@ -391,6 +396,61 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
     l_r[r] += __shfl_xor_sync(0xffffffffu, l_r[r], 2);
   }
 
+  /* key splits: the last split block of this (query tile, head) merges the partials */
+  const bool split = eff > 1;
+  auto merge = [&]() {
+    __threadfence();
+    __syncthreads();
+    int *cnt = a.counters + (size_t)blockIdx.x * H + h;
+    if (tid == 0) is_last = atomicAdd(cnt, 1) == eff - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int c = tid; c < BM * (DH / 4); c += NTH) {
+      int row = c / (DH / 4), d = (c % (DH / 4)) * 4, qi = q0 + row;
+      if (qi >= qlen) continue;
+      size_t grow = (row0 + qi) * H + h, pi = grow * a.n_splits;
+      float M = -INFINITY;
+      for (int z = 0; z < eff; z++) M = fmaxf(M, __ldcg(a.part_lse + pi + z));
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      float wsum = 0.0f;
+      if (M != -INFINITY)
+        for (int z = 0; z < eff; z++) {
+          float w = exp2f(__ldcg(a.part_lse + pi + z) - M);
+          if (w > 0.0f) {
+            float4 p = __ldcg((const float4 *)(a.part_o + (pi + z) * DH + d));
+            v.x += w * p.x;
+            v.y += w * p.y;
+            v.z += w * p.z;
+            v.w += w * p.w;
+            wsum += w;
+          }
+        }
+      float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+      __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * inv, v.y * inv), hi2 = __floats2bfloat162_rn(v.z * inv, v.w * inv);
+      uint2 u;
+      u.x = *(uint32_t *)&lo;
+      u.y = *(uint32_t *)&hi2;
+      *(uint2 *)(a.out + grow * DH + d) = u;
+    }
+    if (tid == 0) *cnt = 0;
+  };
+
+  if (WN == 1 && split) { /* each row's partial output and its log-sum-exp */
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      int qi = q0 + wm * 16 + g + 8 * r;
+      if (qi >= qlen) continue;
+      size_t pi = ((row0 + qi) * H + h) * a.n_splits + blockIdx.z;
+      float inv = l_r[r] > 0.0f ? 1.0f / l_r[r] : 0.0f;
+#pragma unroll
+      for (int d = 0; d < DT; d++)
+        *(float2 *)(a.part_o + pi * DH + d * 8 + 2 * t4) = make_float2(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+      if (t4 == 0) a.part_lse[pi] = l_r[r] > 0.0f ? m_r[r] + log2f(l_r[r]) : -INFINITY;
+    }
+    merge();
+    return;
+  }
   if (WN == 1) {
     /* each warp owns its 16 rows: stage bf16 in its rows of Qs, then 16-byte stores */
     __syncwarp();
@@ -438,7 +498,6 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
     }
   }
   __syncthreads();
-  const bool split = eff > 1;
   for (int c = tid; c < BM * (DH / 4); c += NTH) {
     int row = c / (DH / 4), d = (c % (DH / 4)) * 4, qi = q0 + row;
     if (qi >= qlen) continue;
@@ -479,43 +538,7 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
       *(uint2 *)(a.out + grow * DH + d) = u;
     }
   }
-  if (!split) return;
-  /* the last split block of this (query tile, head) merges the partials */
-  __threadfence();
-  __syncthreads();
-  int *cnt = a.counters + (size_t)blockIdx.x * H + h;
-  if (tid == 0) is_last = atomicAdd(cnt, 1) == eff - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  for (int c = tid; c < BM * (DH / 4); c += NTH) {
-    int row = c / (DH / 4), d = (c % (DH / 4)) * 4, qi = q0 + row;
-    if (qi >= qlen) continue;
-    size_t grow = (row0 + qi) * H + h, pi = grow * a.n_splits;
-    float M = -INFINITY;
-    for (int z = 0; z < eff; z++) M = fmaxf(M, __ldcg(a.part_lse + pi + z));
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float wsum = 0.0f;
-    if (M != -INFINITY)
-      for (int z = 0; z < eff; z++) {
-        float w = exp2f(__ldcg(a.part_lse + pi + z) - M);
-        if (w > 0.0f) {
-          float4 p = __ldcg((const float4 *)(a.part_o + (pi + z) * DH + d));
-          v.x += w * p.x;
-          v.y += w * p.y;
-          v.z += w * p.z;
-          v.w += w * p.w;
-          wsum += w;
-        }
-      }
-    float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * inv, v.y * inv), hi2 = __floats2bfloat162_rn(v.z * inv, v.w * inv);
-    uint2 u;
-    u.x = *(uint32_t *)&lo;
-    u.y = *(uint32_t *)&hi2;
-    *(uint2 *)(a.out + grow * DH + d) = u;
-  }
-  if (tid == 0) *cnt = 0;
+  if (split) merge();
 }
 
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>

@@ -16,6 +16,8 @@ typedef struct nccl_comm {
   ncclComm_t comm;
   int device;
   td_cu_allreduce *ar; /* small all-reduces over P2P, when every rank has it */
+  void *rows_buf;      /* allgather_rows through NCCL: the packed blocks */
+  size_t rows_cap;
   bool aborted;
 } nccl_comm;
 
@@ -53,6 +55,46 @@ static td_status n_allgather(td_comm *c, td_backend *b, const void *send, void *
   TD_TRY(need_cuda(b, "allgather"));
   nccl_comm *nc = (nccl_comm *)c->impl;
   TD_NCCL(ncclAllGather(send, recv, n, nccl_type(b, t), nc->comm, td_cu(b)->stream), "allgather");
+  return TD_OK;
+}
+
+/* Over P2P slots when they take a rank's block, else packed into a
+ * buffer of the communicator's (grown here: not while a graph is being
+ * captured), all-gathered in place by NCCL and unpacked. */
+static td_status n_allgather_rows(td_comm *c, td_backend *b, void *buf, td_buf_type t, int rows, int width, int col0,
+                                  int ncols) {
+  if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
+  TD_TRY(need_cuda(b, "allgather_rows"));
+  nccl_comm *nc = (nccl_comm *)c->impl;
+  if (nc->aborted) return td_err(TD_ERR_PEER, "allgather_rows: the communicator was aborted");
+  td_row_split me = td_rows_split(rows, c->world, c->rank);
+  if (td_cu_allgather_rows_fits(nc->ar, t, buf, me.per, width, col0, ncols))
+    return td_cu_allgather_rows_run(b, nc->ar, buf, rows, width, col0, ncols, me.per);
+  size_t es = td_buf_elem_size(b, t), blk = (size_t)me.per * (size_t)ncols * es, pitch = (size_t)width * es;
+  cudaStream_t st = td_cu(b)->stream;
+  if (nc->rows_cap < blk * (size_t)c->world) {
+    (void)cudaStreamSynchronize(st);
+    (void)cudaFree(nc->rows_buf);
+    nc->rows_buf = NULL;
+    nc->rows_cap = 0;
+    TD_CU_CHECK(cudaMalloc(&nc->rows_buf, blk * (size_t)c->world), "allgather_rows buffer");
+    nc->rows_cap = blk * (size_t)c->world;
+  }
+  char *packed = (char *)nc->rows_buf, *B = (char *)buf + (size_t)col0 * es;
+  if (me.hi > me.lo)
+    TD_CU_CHECK(cudaMemcpy2DAsync(packed + (size_t)c->rank * blk, (size_t)ncols * es, B + (size_t)me.lo * pitch, pitch,
+                                  (size_t)ncols * es, (size_t)(me.hi - me.lo), cudaMemcpyDeviceToDevice, st),
+                "allgather_rows pack");
+  TD_NCCL(ncclAllGather(packed + (size_t)c->rank * blk, packed, (size_t)me.per * (size_t)ncols, nccl_type(b, t),
+                        nc->comm, st),
+          "allgather_rows");
+  for (int r = 0; r < c->world; r++) {
+    td_row_split o = td_rows_split(rows, c->world, r);
+    if (r == c->rank || o.hi == o.lo) continue;
+    TD_CU_CHECK(cudaMemcpy2DAsync(B + (size_t)o.lo * pitch, pitch, packed + (size_t)r * blk, (size_t)ncols * es,
+                                  (size_t)ncols * es, (size_t)(o.hi - o.lo), cudaMemcpyDeviceToDevice, st),
+                "allgather_rows unpack");
+  }
   return TD_OK;
 }
 
@@ -101,6 +143,7 @@ static void n_destroy(td_comm *c) {
   (void)cudaSetDevice(nc->device);
   if (nc->comm && !nc->aborted) (void)ncclCommDestroy(nc->comm);
   td_cu_allreduce_destroy(nc->ar);
+  if (nc->rows_buf) (void)cudaFree(nc->rows_buf);
   free(nc);
   free(c);
 }
@@ -178,6 +221,7 @@ extern "C" td_status td_comm_create_nccl(td_backend *b, const uint8_t id[TD_NCCL
   nccl_vt.sendrecv = n_sendrecv;
   nccl_vt.abort = n_abort;
   nccl_vt.destroy = n_destroy;
+  nccl_vt.allgather_rows = n_allgather_rows;
   td_comm *c = (td_comm *)calloc(1, sizeof *c);
   nccl_comm *nc = (nccl_comm *)calloc(1, sizeof *nc);
   if (!c || !nc) {

@@ -265,7 +265,7 @@ td_status td_cu_attn_dense_init(td_cuda *c);
 td_status td_cu_attn_paged_init(td_cuda *c);
 td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
                            int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
-                           const td_relbias *bias);
+                           const td_relbias *bias, int q_lo, int q_hi);
 td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                            const td_kv_layout *l, int layer, const td_paged_meta *m, float scale, bool causal,
                            const td_relbias *bias);

@@ -29,6 +29,7 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
   r->fuse = fuse > TD_CU_FUSE_MAX_ROWS ? TD_CU_FUSE_MAX_ROWS : fuse;
   r->fuse_mask = count(t->fuse_mask, TD_CUDA_DEFAULT_FUSE_MASK) & 15;
   r->dense64_warps = t->dense64_warps == 4 || t->dense64_warps == 8 ? t->dense64_warps : 0;
+  r->dense_splits = t->dense_splits > 0 && t->dense_splits <= 8 ? t->dense_splits : 0;
   r->decode_warp = count(t->decode_warp, TD_CUDA_DEFAULT_DECODE_WARP);
   r->decode_small = count(t->decode_small, TD_CUDA_DEFAULT_DECODE_SMALL);
   r->decode_small_min = count(t->decode_small_min, TD_CUDA_DEFAULT_DECODE_SMALL_MIN);
@@ -51,17 +52,33 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
 }
 
 td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned, int n_tokens, int max_len) {
-  td_dense_plan p = {TD_DENSE_GENERIC, 0};
+  td_dense_plan p = {TD_DENSE_GENERIC, 0, 0};
   if (!aligned || (head_dim != 64 && head_dim != 128)) return p;
   /* block rows: 16 per warp along queries; the tile map uses the same count */
   bool wide = head_dim == 64 && t->dense64_warps != 4;
   int bm = wide ? 128 : 64, len = max_len < 1 || max_len > n_tokens ? n_tokens : max_len;
   p.qtiles = (len + bm - 1) / bm; /* max_len bounds every length */
+  p.rows = bm;
   p.kernel = wide && t->dense64_warps == 0 ? TD_DENSE_64_WGMMA
              : wide                       ? TD_DENSE_64
              : head_dim == 64             ? TD_DENSE_64_SMALL
                                           : TD_DENSE_128;
   return p;
+}
+
+/* Where the (tile, head) blocks would leave at least half the SMs idle
+ * (one long input of a small model), its keys in splits take the idle ones,
+ * merged by the last. Not to make two blocks share an SM: the 120 blocks of
+ * a TP=2 rank's 1500-position Whisper encoder took 29.6 us alone and 36.7
+ * us as 240 halves (H200, bench/RESULTS.md). Never for causal prefill. */
+int td_cu_dense_splits(const td_cu_tune *t, int sm_count, long blocks, int keys, bool causal) {
+  if (causal || blocks <= 0 || t->dense_splits == 1) return 1;
+  int most = keys / 256 > 1 ? keys / 256 : 1; /* at least four 64-key tiles a split */
+  if (t->dense_splits > 1) return t->dense_splits < most ? t->dense_splits : most;
+  if (2 * blocks > sm_count || keys < TD_CUDA_DENSE_SPLIT_KEYS) return 1;
+  long s = sm_count / blocks;
+  s = s > 4 ? 4 : s;
+  return (int)(s < most ? s : most);
 }
 
 /* Decode, one query a sequence, on warps: over self K/V with enough

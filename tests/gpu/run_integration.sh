@@ -84,7 +84,7 @@ PY
   done
 }
 # every fixture through a cluster on the GPU, aggregated and disaggregated (encoder states pushed and
-# projected on arrival, and K/V pushed; with TD_CFX_MODES also encoder groups, etp2 / epp2, and decode
+# projected on arrival, and K/V pushed; with TD_CFX_MODES also encoder groups, etp2 / etp2r (by rows) / epp2, and decode
 # pipelines, dpp2 / dpp2s (two running sets), whose ranks need a GPU each): greedy tokens against transformers. TD_CFX_FIXTURES: which fixtures
 # (default every one); TD_DEVICE: cuda (default) or cpu.
 cluster_fixtures() {
@@ -102,6 +102,7 @@ cluster_fixtures() {
         states) flags=(--encoders 1) ;;
         kv) flags=(--encoders 1 --cross-transfer kv) ;;
         etp2) flags=(--encoders 1 --encoder-tp 2) ;;
+        etp2r) flags=(--encoders 1 --encoder-tp 2 --tp-encoder rows) ;;
         epp2) flags=(--encoders 1 --encoder-pp 2) ;;
         dpp2) flags=(--encoders 0 --decode-pp 2) ;;
         dpp2s) flags=(--encoders 0 --decode-pp 2 --pp-sets 2) ;;

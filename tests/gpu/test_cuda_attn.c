@@ -50,6 +50,52 @@ Test(cuda, attn_dense) {
   dense_case(2, 48, g, 5, false, 10, 0.2f);
 }
 
+/* Query rows [lo, hi) only (a row-split encoder rank): those rows as the
+ * CPU's, over every key of their sequence; tiles straddling lo or hi and
+ * ranges inside one sequence or across several. */
+static void dense_rows_case(int H, int dh, const int *lens, int ns, int md, int lo, int hi) {
+  int32_t *cu = malloc(sizeof(int32_t) * (ns + 1));
+  cu[0] = 0;
+  int max_len = 0;
+  for (int s = 0; s < ns; s++) {
+    cu[s + 1] = cu[s] + lens[s];
+    max_len = lens[s] > max_len ? lens[s] : max_len;
+  }
+  int T = cu[ns];
+  size_t nq = (size_t)T * 3 * H * dh;
+  float *qkv = rnd(nq, 2.0f), *lut = md ? rnd((size_t)H * (2 * md + 1), 3.0f) : NULL;
+  pair Q = mk(TD_BUF_ACT, qkv, nq), O = mk(TD_BUF_ACT, NULL, (size_t)T * H * dh), CU = mk(TD_BUF_I32, cu, ns + 1);
+  pair L = {0};
+  if (md) L = mk(TD_BUF_F32, lut, (size_t)H * (2 * md + 1));
+  td_relbias bg = {md ? L.g : NULL, md}, bc = {md ? L.c : NULL, md};
+  RUN2(td_attn_dense_rows(G, Q.g, O.g, CU.g, ns, T, max_len, H, dh, 0.125f, false, md ? &bg : NULL, lo, hi),
+       td_attn_dense_rows(C, Q.c, O.c, CU.c, ns, T, max_len, H, dh, 0.125f, false, md ? &bc : NULL, lo, hi));
+  float *o = get(G, &O, true), *r = get(C, &O, false);
+  size_t w = (size_t)H * dh;
+  double e = relerr(o + (size_t)lo * w, r + (size_t)lo * w, (size_t)(hi - lo) * w);
+  cr_expect(e <= TOL, "attn_dense rows [%d, %d) of %d, H=%d dh=%d seqs=%d md=%d: error %.3g", lo, hi, T, H, dh, ns,
+            md, e);
+  free(o);
+  free(r);
+  drop(&Q);
+  drop(&O);
+  drop(&CU);
+  if (md) drop(&L);
+  free(qkv);
+  free(lut);
+  free(cu);
+}
+
+Test(cuda, attn_dense_query_rows) {
+  int one[] = {1500}, many[] = {129, 17, 300, 2, 63}, odd[] = {333};
+  dense_rows_case(20, 64, one, 1, 0, 0, 768);
+  dense_rows_case(20, 64, one, 1, 0, 768, 1500);
+  dense_rows_case(10, 64, one, 1, 0, 750, 1500); /* a tile straddles the start */
+  dense_rows_case(4, 64, many, 5, 40, 100, 400);  /* across sequences, T5 bias */
+  dense_rows_case(3, 128, odd, 1, 0, 111, 222);
+  dense_rows_case(2, 48, many, 5, 0, 150, 511);   /* the generic kernel */
+}
+
 /* head_dim 64 on each of its kernels: wgmma (default), mma.sync with 128
  * and with 64 query rows a block (td_cuda_tuning.dense64_warps 8 / 4);
  * bias in shared memory, in global memory, none. */
@@ -66,6 +112,27 @@ Test(cuda, attn_dense_head64_kernels) {
     dense_case(2, 64, h, 3, true, 0, 0.125f);
     dense_case(4, 64, h, 3, false, 7, 1.0f);
   }
+}
+
+/* Key splits merged by the last block (td_cuda_tuning.dense_splits 2-5 forced;
+ * causal prefill never splits), on every head-64 kernel and head 128, the
+ * T5 bias, a row range. */
+Test(cuda, attn_dense_key_splits) {
+  int a[] = {512, 1, 200, 77}, c[] = {1000}, g[] = {129, 17, 300, 2, 63}, one[] = {1500};
+  const int warps[] = {0, 8, 4}, splits[] = {2, 3, 5};
+  for (int m = 0; m < 3; m++)
+    for (int k = 0; k < 3; k++) {
+      td_cuda_tuning t = cuda_base;
+      t.dense64_warps = warps[m];
+      t.dense_splits = splits[k];
+      use_tuning(&t);
+      dense_case(16, 64, a, 4, false, 128, 0.125f);
+      dense_case(3, 64, c, 1, false, 20, 1.0f);
+      dense_case(5, 128, g, 5, false, 2000, 1.0f);
+      dense_case(3, 64, c, 1, true, 0, 1.0f);
+      dense_rows_case(10, 64, one, 1, 0, 750, 1500);
+    }
+  use_tuning(&cuda_base);
 }
 
 /* ---------------------------------------------------------------- paged KV */

@@ -292,4 +292,96 @@ Test(cuda_comm, allreduce_sizes_and_replays, .timeout = 300) {
   }
 }
 
+/* td_allgather_rows: over the P2P slots (aligned, a rank's block within a
+ * slot) and through NCCL (larger blocks, unaligned columns), between
+ * all-reduces that share the slots' phases. Values exact in bf16. */
+typedef struct ag_case {
+  int rows, width, col0, ncols;
+} ag_case;
+static const ag_case ag_cases[] = {{1500, 3840, 1280, 2560}, {1500, 1280, 0, 1280}, {7, 24, 8, 8},
+                                   {3000, 3840, 1280, 2560}, {33, 10, 3, 5},         {1, 16, 0, 16}};
+#define N_AG (sizeof ag_cases / sizeof ag_cases[0])
+
+static float ag_value(int i, int j, int r) { return (float)((i * 31 + j * 7 + r * 1000) % 512 - 256); }
+
+static void *ag_main(void *p) {
+  rank_arg *a = p;
+  td_backend *b = NULL;
+  td_comm *c = NULL;
+  void *buf = NULL, *ar = NULL;
+  size_t big = (size_t)3000 * 3840;
+  float *x = malloc(sizeof(float) * big);
+  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = a->rank, .cuda = cuda_tuning};
+  OK(td_backend_create(&o, &b), "backend");
+  OK(td_comm_create_nccl(b, a->id, a->rank, WORLD, &c), "communicator");
+  td_backend_set_comm(b, c);
+  OK(td_alloc(b, TD_BUF_ACT, big, &buf), "alloc");
+  OK(td_alloc(b, TD_BUF_ACT, 4096, &ar), "alloc");
+  for (int rep = 0; rep < 2; rep++)
+    for (size_t k = 0; k < N_AG; k++) {
+      const ag_case *t = &ag_cases[k];
+      for (int i = 0; i < t->rows; i++)
+        for (int j = 0; j < t->width; j++) x[(size_t)i * t->width + j] = ag_value(i, j, a->rank);
+      OK(td_upload(b, TD_BUF_ACT, buf, x, (size_t)t->rows * t->width), "upload");
+      OK(td_allreduce_sum(b, ar, TD_BUF_ACT, 4096), "allreduce between");
+      OK(td_allgather_rows(b, buf, TD_BUF_ACT, t->rows, t->width, t->col0, t->ncols), "allgather_rows");
+      OK(td_sync(b), "sync");
+      OK(td_download(b, TD_BUF_ACT, buf, x, (size_t)t->rows * t->width), "download");
+      for (int owner = 0; owner < WORLD; owner++) {
+        td_row_split sp = td_rows_split(t->rows, WORLD, owner);
+        for (int i = sp.lo; i < sp.hi; i++)
+          for (int j = 0; j < t->width; j++) {
+            bool moved = j >= t->col0 && j < t->col0 + t->ncols;
+            float want = ag_value(i, j, moved ? owner : a->rank), got = x[(size_t)i * t->width + j];
+            if (got != want)
+              FAIL("rank %d, case %zu (%d x %d, columns %d+%d), round %d: [%d][%d] = %g, want %g", a->rank, k, t->rows,
+                   t->width, t->col0, t->ncols, rep, i, j, got, want);
+          }
+      }
+    }
+  /* back to back, rank 1 holding no rows (it still meets rank 0 every call:
+   * a rank that never waited would run ahead into phases not yet emptied) */
+  enum { CHAIN = 12, CROWS = 2, CW = 16 };
+  for (int k = 0; k < CHAIN; k++) {
+    for (int i = 0; i < CROWS * CW; i++) x[i] = ag_value(i / CW, i % CW + k, a->rank);
+    OK(td_upload(b, TD_BUF_ACT, (char *)buf + (size_t)k * CROWS * CW * 2, x, CROWS * CW), "upload");
+  }
+  OK(td_sync(b), "sync");
+  for (int k = 0; k < CHAIN; k++)
+    OK(td_allgather_rows(b, (char *)buf + (size_t)k * CROWS * CW * 2, TD_BUF_ACT, CROWS, CW, 0, CW), "chain");
+  OK(td_sync(b), "sync");
+  OK(td_download(b, TD_BUF_ACT, buf, x, (size_t)CHAIN * CROWS * CW), "download");
+  for (int k = 0; k < CHAIN; k++)
+    for (int i = 0; i < CROWS * CW; i++)
+      if (x[k * CROWS * CW + i] != ag_value(i / CW, i % CW + k, 0))
+        FAIL("rank %d: chained all-gather %d: [%d][%d] = %g, want %g", a->rank, k, i / CW, i % CW,
+             x[k * CROWS * CW + i], ag_value(i / CW, i % CW + k, 0));
+out:
+  if (buf) td_free(b, buf);
+  if (ar) td_free(b, ar);
+  if (c) {
+    if (a->fail[0]) td_comm_abort(c);
+    else td_comm_destroy(c);
+  }
+  if (b) td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+  free(x);
+  return NULL;
+}
+
+Test(cuda_comm, allgather_rows_slots_and_nccl, .timeout = 120) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < WORLD) cr_skip_test("needs %d GPUs, %d visible", WORLD, n);
+  uint8_t id[TD_NCCL_ID_BYTES];
+  cr_assert(td_comm_nccl_id(id) == TD_OK, "%s", td_errmsg());
+  rank_arg args[WORLD];
+  pthread_t th[WORLD];
+  for (int r = 0; r < WORLD; r++) {
+    args[r] = (rank_arg){.rank = r, .id = id};
+    cr_assert(pthread_create(&th[r], NULL, ag_main, &args[r]) == 0);
+  }
+  for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < WORLD; r++) cr_expect(args[r].fail[0] == 0, "%s", args[r].fail);
+}
+
 int main(int argc, char *argv[]) { return td_gpu_test_main(argc, argv, &cuda_tuning); }

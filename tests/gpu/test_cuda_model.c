@@ -127,12 +127,13 @@ static const float *dense_v(void *c, int j) {
 }
 
 static td_status emu_dense(td_backend *b, const void *qkv, void *o, const int32_t *cu, int ns, int nt, int ml, int H,
-                           int dh, float sc, bool c, const td_relbias *bi) {
+                           int dh, float sc, bool c, const td_relbias *bi, int q_lo, int q_hi) {
   const float *Q = qkv;
   size_t row = (size_t)3 * H * dh;
   for (int s = 0; s < ns; s++)
     for (int h = 0; h < H; h++)
       for (int i = 0; i < cu[s + 1] - cu[s]; i++) {
+        if (cu[s] + i < q_lo || cu[s] + i >= q_hi) continue;
         dense_ctx d = {Q + (size_t)cu[s] * row, row, (H + h) * dh, (2 * H + h) * dh};
         int nk = c ? i + 1 : cu[s + 1] - cu[s];
         emu_row(Q + (size_t)(cu[s] + i) * row + (size_t)h * dh, nk, dh, sc,

@@ -196,6 +196,23 @@ Test(cuda_policy, dense) {
   cr_assert(p.kernel == TD_DENSE_128 && p.qtiles == 5);
   cr_assert_eq(td_cu_dense_policy(&r, 80, true, 1000, 300).kernel, TD_DENSE_GENERIC);
   cr_assert_eq(td_cu_dense_policy(&r, 64, false, 1000, 300).kernel, TD_DENSE_GENERIC);
+  cr_assert_eq(td_cu_dense_policy(&r, 64, true, 1000, 300).rows, 64);
+}
+
+Test(cuda_policy, dense_key_splits) {
+  td_cu_tune r = defaults();
+  /* a 1500-position encoder: 10 heads (TP=2) or 20 heads of half the rows: 120 blocks on 132 SMs */
+  cr_assert_eq(td_cu_dense_splits(&r, 132, 120, 1500, false), 1, "no splits to share SMs");
+  cr_assert_eq(td_cu_dense_splits(&r, 132, 66, 1500, false), 2, "half the SMs idle: halves");
+  cr_assert_eq(td_cu_dense_splits(&r, 132, 24, 4000, false), 4, "at most four");
+  cr_assert_eq(td_cu_dense_splits(&r, 132, 24, 1500, true), 1, "causal");
+  cr_assert_eq(td_cu_dense_splits(&r, 132, 12, 300, false), 1, "short keys");
+  cr_assert_eq(td_cu_dense_splits(&r, 132, 12, 600, false), 2, "four key tiles a split");
+  r.dense_splits = 1;
+  cr_assert_eq(td_cu_dense_splits(&r, 132, 120, 1500, false), 1, "off");
+  r.dense_splits = 5;
+  cr_assert_eq(td_cu_dense_splits(&r, 132, 500, 1500, false), 5, "forced");
+  cr_assert_eq(td_cu_dense_splits(&r, 132, 500, 600, false), 2, "forced, but four key tiles a split");
 }
 
 /* ---------------------------------------------------------------- td_attn_paged */

@@ -72,6 +72,8 @@ static int64_t par_encode_runs;
  * K/V zeroed after encoding, then projected from the states tails that
  * stayed (td_model_project_cross; the engine tests mirror it to followers). */
 static bool par_project;
+/* td_model_opts.enc_rows of every tensor-parallel rank the tests start */
+static bool par_enc_rows;
 
 /* Zeroes the per-layer K/V of cross blocks ids[0..n), keeping their states tails. */
 static td_status zero_cross_kv(td_backend *b, void *pool, const td_kv_layout *cl, const int32_t *ids, int n) {
@@ -158,6 +160,7 @@ static void *rank_main(void *arg) {
   } else {
     mo.tp_rank = c->rank;
     mo.tp_size = c->tp;
+    mo.enc_rows = par_enc_rows;
   }
   td_status s = rank_open(fx->dir, c->rank, c->tp, &c->comm, &mo, &b, &m, &self, &cross, &c->cl);
   if (s != TD_OK) goto out;
@@ -404,6 +407,20 @@ Test(tensor_parallel, projected_states) {
   check_projected("whisper-tiny", 4, false);
   check_projected("bart-tiny", 4, false);
 }
+/* The encoder split by rows: every rank the whole encoder over its share
+ * of the rows, K/V all-gathered a layer; its output, cross K/V and logits
+ * as the single rank's (the head split's tests, ranks with no rows too) */
+Test(tensor_parallel, encoder_by_rows) {
+  par_enc_rows = true;
+  check_par("t5-tiny", 2, false);
+  check_par("mbart-prenorm-sharded", 2, false);
+  check_par("whisper-tiny", 2, false);
+  check_par_mode("whisper-tiny", 2, false, TD_CROSS_STATES);
+  check_par_mode("bart-tiny", 2, false, TD_CROSS_DUAL);
+  check_par("t5-four-layers", 4, false); /* last: skipped with fewer than 4 GPUs */
+  par_enc_rows = false;
+}
+
 Test(pipeline_parallel, projected_states) {
   check_projected("mbart-prenorm-sharded", 2, true);
   check_projected("t5-four-layers", 4, true);
@@ -463,6 +480,96 @@ Test(comm, sendrecv_meets_a_peer_that_sends_first, .timeout = 20) {
     for (int r = 0; r < 2; r++) cr_expect(!a[r].fail[0], "%s: %s", crossed ? "both sendrecv" : "send first", a[r].fail);
     for (int r = 0; r < 2; r++) td_comm_destroy(comms[r]);
   }
+}
+
+/* td_allgather_rows on the CPU: each rank's rows of the chosen columns
+ * reach every rank, the other columns stay; shares of 0 rows; bad sizes */
+typedef struct agr_arg {
+  td_comm *c;
+  int rank, world, rows, width, col0, ncols;
+  char fail[256];
+} agr_arg;
+
+static float agr_value(int i, int j, int r) { return (float)(i * 100 + j + r * 100000); }
+
+static void *agr_main(void *p) {
+  agr_arg *a = p;
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b = NULL;
+  if (td_backend_create(&bo, &b) != TD_OK) {
+    snprintf(a->fail, sizeof a->fail, "backend: %s", td_errmsg());
+    return NULL;
+  }
+  td_backend_set_comm(b, a->c);
+  float *x = malloc(sizeof(float) * (size_t)a->rows * a->width);
+  for (int i = 0; i < a->rows; i++)
+    for (int j = 0; j < a->width; j++) x[(size_t)i * a->width + j] = agr_value(i, j, a->rank);
+  if (td_allgather_rows(b, x, TD_BUF_F32, a->rows, a->width, a->col0, a->ncols) != TD_OK)
+    snprintf(a->fail, sizeof a->fail, "rank %d: %s", a->rank, td_errmsg());
+  for (int o = 0; o < a->world && !a->fail[0]; o++) {
+    td_row_split sp = td_rows_split(a->rows, a->world, o);
+    for (int i = sp.lo; i < sp.hi && !a->fail[0]; i++)
+      for (int j = 0; j < a->width; j++) {
+        bool moved = j >= a->col0 && j < a->col0 + a->ncols;
+        if (x[(size_t)i * a->width + j] != agr_value(i, j, moved ? o : a->rank)) {
+          snprintf(a->fail, sizeof a->fail, "rank %d of %d, %d x %d: [%d][%d] = %g", a->rank, a->world, a->rows,
+                   a->width, i, j, x[(size_t)i * a->width + j]);
+          break;
+        }
+      }
+  }
+  td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+  free(x);
+  return NULL;
+}
+
+Test(comm, allgather_rows_moves_each_ranks_rows, .timeout = 20) {
+  const int cases[][5] = {{3, 10, 6, 2, 3}, {2, 1500, 12, 4, 8}, {3, 1, 4, 0, 4}, {4, 9, 5, 0, 5}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    int world = cases[k][0];
+    td_comm *comms[MAXTP];
+    cr_assert(td_comm_create_threads(world, comms) == TD_OK);
+    agr_arg a[MAXTP];
+    pthread_t th[MAXTP];
+    for (int r = 0; r < world; r++) {
+      a[r] = (agr_arg){.c = comms[r], .rank = r, .world = world, .rows = cases[k][1], .width = cases[k][2],
+                       .col0 = cases[k][3], .ncols = cases[k][4]};
+      cr_assert(pthread_create(&th[r], NULL, agr_main, &a[r]) == 0);
+    }
+    for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < world; r++) cr_expect(!a[r].fail[0], "%s", a[r].fail);
+    for (int r = 0; r < world; r++) td_comm_destroy(comms[r]);
+  }
+}
+
+Test(comm, rows_split_covers_the_rows) {
+  const int cases[][2] = {{1500, 2}, {1500, 4}, {7, 3}, {1, 4}, {0, 2}, {4096, 3}, {513, 2}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    int n = cases[k][0], world = cases[k][1], next = 0;
+    for (int r = 0; r < world; r++) {
+      td_row_split sp = td_rows_split(n, world, r);
+      cr_expect_eq(sp.lo, next, "%d rows over %d: rank %d starts at %d, not %d", n, world, r, sp.lo, next);
+      cr_expect(sp.hi - sp.lo <= sp.per, "%d rows over %d: rank %d holds more than its share", n, world, r);
+      next = sp.hi;
+    }
+    cr_expect_eq(next, n, "%d rows over %d: %d covered", n, world, next);
+  }
+  cr_expect_eq(td_rows_split(1500, 2, 0).hi, 768, "whole 64-row tiles for a 1500-position encoder");
+  td_comm *comms[2];
+  cr_assert(td_comm_create_threads(2, comms) == TD_OK);
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b;
+  cr_assert(td_backend_create(&bo, &b) == TD_OK);
+  float x[8] = {0};
+  cr_expect_neq(td_allgather_rows(b, x, TD_BUF_F32, 2, 4, 0, 4), TD_OK, "no communicator");
+  td_backend_set_comm(b, comms[0]);
+  cr_expect_neq(td_allgather_rows(b, x, TD_BUF_F32, 2, 4, 2, 3), TD_OK, "columns past the width");
+  cr_expect_neq(td_allgather_rows(b, NULL, TD_BUF_F32, 2, 4, 0, 4), TD_OK, "no buffer");
+  cr_expect_neq(td_allgather_rows(b, x, TD_BUF_F32, -1, 4, 0, 4), TD_OK, "negative rows");
+  td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+  for (int r = 0; r < 2; r++) td_comm_destroy(comms[r]);
 }
 
 Test(comm, sendrecv_refuses_bad_peers) {
@@ -687,6 +794,7 @@ static void *follower_main(void *arg) {
     } else {
       mo.tp_rank = f->rank;
       mo.tp_size = f->tp;
+      mo.enc_rows = par_enc_rows;
     }
     s = td_model_load(f->fx->dir, b, &mo, &m);
   }
@@ -823,6 +931,7 @@ static void run_engine(const char *dir, int world, bool pp, td_cross_mode mode, 
     mo.pp_sets = world > 1 ? par_pp_sets : 0;
   } else {
     mo.tp_size = world;
+    mo.enc_rows = par_enc_rows;
   }
   td_model *m = NULL;
   td_status ls = td_model_load(dir, b, &mo, &m);
@@ -1104,7 +1213,7 @@ static void check_big(const char *name) {
   const int worlds[] = {2, 4};
   for (int w = 0; w < 2; w++)
     for (int pp = 0; pp < 2; pp++) {
-      if (!enough_devices(worlds[w])) continue;
+      if (!enough_devices(worlds[w]) || (pp && par_enc_rows)) continue;
       toks got;
       run_engine(dir, worlds[w], pp, TD_CROSS_KV, false, &rs, &got);
       char what[128];
@@ -1126,10 +1235,24 @@ static void check_big(const char *name) {
 Test(parallel_shapes, flan_t5_large) { check_big("flan-t5-large"); }
 Test(parallel_shapes, flan_t5_xl) { check_big("flan-t5-xl"); }
 Test(parallel_shapes, whisper_large_v3) { check_big("whisper-large-v3"); }
+/* the encoder split by rows: 4 x 1500 positions, K/V over the P2P slots */
+Test(parallel_shapes, whisper_large_v3_encoder_by_rows) {
+  par_enc_rows = true;
+  check_big("whisper-large-v3");
+  par_enc_rows = false;
+}
 #endif
 
 Test(tensor_parallel, engine_on_leader_t5) { check_engine_par("t5-tiny", 2, false, false); }
 Test(tensor_parallel, engine_on_leader_bart_tp4) { check_engine_par("bart-tiny", 4, false, false); }
+/* several requests an encoder run, rows split across sequences */
+Test(tensor_parallel, engine_encoder_by_rows) {
+  par_enc_rows = true;
+  check_engine_par("t5-tiny", 2, false, false);
+  check_engine_par("whisper-tiny", 2, false, false);
+  check_engine_par("bart-tiny", 4, false, false);
+  par_enc_rows = false;
+}
 Test(tensor_parallel, engine_on_leader_whisper) { check_engine_par("whisper-tiny", 2, false, false); }
 Test(tensor_parallel, beam_search_copies_blocks_on_every_rank) { check_engine_par("t5-tiny", 2, false, true); }
 Test(pipeline_parallel, engine_on_first_stage_t5) { check_engine_par("t5-tiny", 2, true, false); }

@@ -1295,9 +1295,10 @@ Test(router_control, a_silent_worker_dies_and_its_request_fails_without_another,
   finish(&h, socks, 1);
 }
 
-static void group_join_as(void *s, const char *group, uint32_t rank, uint32_t world, const char *cross_mode,
-                          bool encoder_states) {
+static void group_join_split(void *s, const char *group, uint32_t rank, uint32_t world, const char *cross_mode,
+                             bool encoder_states, const char *split) {
   Tandem__Cluster__GroupJoin j = TANDEM__CLUSTER__GROUP_JOIN__INIT;
+  j.encoder_split = (char *)split;
   j.group = (char *)group;
   j.rank = rank;
   j.world = world;
@@ -1308,6 +1309,11 @@ static void group_join_as(void *s, const char *group, uint32_t rank, uint32_t wo
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_GROUP_JOIN;
   m.group_join = &j;
   wsend(s, &m);
+}
+
+static void group_join_as(void *s, const char *group, uint32_t rank, uint32_t world, const char *cross_mode,
+                          bool encoder_states) {
+  group_join_split(s, group, rank, world, cross_mode, encoder_states, "");
 }
 
 static void group_join(void *s, const char *group, uint32_t rank, uint32_t world) {
@@ -1335,6 +1341,40 @@ Test(router_control, an_encoder_group_joins_in_states_mode, .timeout = 30) {
   }
   void *socks[] = {odd, leader, follower};
   finish(&h, socks, 3);
+}
+
+/* The ranks of a group split the encoder alike (--tp-encoder): a rank that
+ * differs from those before it is refused and every rank hears why; an
+ * unknown split is a bad join; ranks that agree on rows form the group. */
+Test(router_control, a_group_splits_its_encoder_alike, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *odd = dealer(&h, h.wep, "odd-rank0");
+  group_join_split(odd, "x", 0, 2, "auto", false, "diagonal");
+  Tandem__Cluster__RouterMessage *gi = wexpect(odd, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "refused");
+  cr_expect(!gi->group_info->ok);
+  cr_expect(strstr(gi->group_info->error, "encoder split \"diagonal\" (rows or heads)"), "%s", gi->group_info->error);
+  wfree(gi);
+  void *a1 = dealer(&h, h.wep, "m-rank1"), *a0 = dealer(&h, h.wep, "m-rank0");
+  group_join_split(a1, "m", 1, 2, "auto", false, "rows");
+  group_join_split(a0, "m", 0, 2, "auto", false, "heads");
+  for (int k = 0; k < 2; k++) {
+    gi = wexpect(k ? a1 : a0, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the refusal");
+    cr_expect(!gi->group_info->ok, "rank %d: a group of mixed encoder splits formed", k ? 1 : 0);
+    cr_expect(strstr(gi->group_info->error, "splits the encoder by heads, the ranks before it by rows"), "%s",
+              gi->group_info->error);
+    wfree(gi);
+  }
+  void *b1 = dealer(&h, h.wep, "r-rank1"), *b0 = dealer(&h, h.wep, "r-rank0");
+  group_join_split(b1, "r", 1, 2, "auto", false, "rows");
+  group_join_split(b0, "r", 0, 2, "auto", false, "rows");
+  for (int k = 0; k < 2; k++) {
+    gi = wexpect(k ? b0 : b1, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_GROUP_INFO, "the rendezvous");
+    cr_expect(gi->group_info->ok, "%s", gi->group_info->error);
+    wfree(gi);
+  }
+  void *socks[] = {odd, a1, a0, b1, b0};
+  finish(&h, socks, 5);
 }
 
 /* A rank that loads its model for long after the rendezvous is not silent;
