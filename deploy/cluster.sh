@@ -112,6 +112,9 @@ for ((h = 0; h < n_hosts; h++)); do
       die "hosts[$h].pools[$p]: an encoder group pushes encoder states (cross_transfer kv needs single-rank encoders)"
     [[ -z $ct || ($role == encode && ($ct == states || $ct == kv)) ]] ||
       die "hosts[$h].pools[$p].cross_transfer: states or kv, on an encode pool"
+    te=$(pf '.tp_encoder // empty')
+    [[ -z $te || (($te == heads || $te == rows) && $tp -gt 1) ]] ||
+      die "hosts[$h].pools[$p].tp_encoder: heads or rows, on a pool of TP groups (\"tp\" above 1)"
     if [[ -n $key_dir ]]; then
       [[ $(pf '.kv_transport') != ucx ]] || die "hosts[$h].pools[$p]: \"kv_transport\": \"ucx\" with keys (UCX has no CURVE; KV goes over ZeroMQ)"
     fi
@@ -144,6 +147,7 @@ for ((h = 0; h < n_hosts; h++)); do
         if ((ranks > 1)); then
           args+=" --group $base --rank $r"
           ((tp > 1)) && args+=" --tp $tp"
+          [[ -n $te ]] && args+=" --tp-encoder $te"
           ((pp > 1)) && args+=" --pp $pp"
         fi
         [[ -z $key_dir ]] ||

@@ -234,6 +234,10 @@ check "--spin-us 100001 is refused" grep -q "spin-us must be 0 to 100000" "$work
 check "--encode-defer without --pp-sets 2 is refused" grep -q "encode-defer takes a number of steps, with --pp-sets 2" "$work/lse-bad.err"
 "$root/deploy/local.sh" --decode-pp 2 --pp-sets 2 --encode-defer soon >/dev/null 2>"$work/lse-bad.err"
 check "--encode-defer soon is refused" grep -q "encode-defer takes a number of steps" "$work/lse-bad.err"
+"$root/deploy/local.sh" --tp-encoder rows >/dev/null 2>"$work/lse-bad.err"
+check "--tp-encoder without a TP group is refused" grep -q "tp-encoder is for tensor-parallel groups" "$work/lse-bad.err"
+"$root/deploy/local.sh" --decode-tp 2 --tp-encoder columns >/dev/null 2>"$work/lse-bad.err"
+check "--tp-encoder columns is refused" grep -q "tp-encoder must be heads or rows" "$work/lse-bad.err"
 
 # ---- what a worker and cluster.sh refuse before anything starts
 "$bin/tandem-worker" --router tcp://127.0.0.1:9 --model "$root/tests/data/toy-numbers-t5" --role decode --id w \
@@ -256,6 +260,8 @@ check "cluster file: no decode worker" refused "no decode worker" "$(jq -c '.hos
 check "cluster file: a bad role" refused "role: encode" "$(jq -c '.hosts[0].pools[0].role = "x"' <<<"$good")"
 check "cluster file: a TP group of prefill workers" refused "only decode workers and encoders" "$(jq -c '.hosts[0].pools += [{"role": "prefill", "tp": 2}]' <<<"$good")"
 check "cluster file: an encoder group pushing K/V" refused "encoder group pushes encoder states" "$(jq -c '.hosts[0].pools += [{"role": "encode", "tp": 2, "cross_transfer": "kv"}]' <<<"$good")"
+check "cluster file: tp_encoder without TP groups" refused "tp_encoder: heads or rows, on a pool of TP groups" "$(jq -c '.hosts[0].pools[0].tp_encoder = "rows"' <<<"$good")"
+check "cluster file: tp_encoder diagonal" refused "tp_encoder: heads or rows" "$(jq -c '.hosts[0].pools[0].tp = 2 | .hosts[0].pools[0].tp_encoder = "diagonal"' <<<"$good")"
 check "cluster file: cuda without GPUs" refused "gpus" "$(jq -c '.hosts[0].pools[0].device = "cuda"' <<<"$good")"
 check "cluster file: ids twice" refused "ids twice" "$(jq -c '.hosts += [.hosts[0]]' <<<"$good")"
 check "cluster file: keys not by an absolute path" refused "keys.dir" "$(jq -c '.keys = {dir: "keys"}' <<<"$good")"
