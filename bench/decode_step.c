@@ -362,8 +362,14 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--model-dir") && i + 1 < argc) keep = argv[++i];
     else if (!strcmp(argv[i], "--trace") && i + 1 < argc) c.trace = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--trace-encoder")) c.trace_enc = true;
-    else if (!strcmp(argv[i], "--enc-split") && i + 1 < argc && (!strcmp(argv[i + 1], "rows") || !strcmp(argv[i + 1], "heads")))
-      c.enc_rows = !strcmp(argv[++i], "rows");
+    else if (!strcmp(argv[i], "--enc-split") && i + 1 < argc) {
+      const char *v = argv[++i];
+      if (strcmp(v, "rows") && strcmp(v, "heads")) {
+        fprintf(stderr, "--enc-split: rows or heads, not %s\n", v);
+        return 2;
+      }
+      c.enc_rows = !strcmp(v, "rows");
+    }
     else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) c.block_size = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--cross-states")) c.cross_mode = TD_CROSS_STATES;
     else if (!strcmp(argv[i], "--states-rows") && i + 1 < argc) c.states_rows = atoi(argv[++i]);
