@@ -354,8 +354,9 @@ td_row_split td_rows_split(int n, int world, int rank) {
   td_row_split r = {0, 0, 0};
   if (n <= 0 || world <= 0 || rank < 0 || rank >= world) return r;
   long per = ((long)n + world - 1) / world;
-  /* whole 64-row query tiles when each share is large (the tiled
-   * attention then never splits a tile of one sequence between ranks) */
+  /* whole 64-row shares when each is large: a query tile of one sequence
+   * that straddles two ranks is computed by both (a 1500-position
+   * encoder's 768 + 732 rows are whole 128-row tiles) */
   int align = per >= 512 ? 64 : 8;
   per = (per + align - 1) / align * align;
   r.per = (int)per;
