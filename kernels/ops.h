@@ -180,7 +180,8 @@ td_status td_attn_dense(td_backend *b, const void *qkv, void *out, const int32_t
  * sequence), the rest of out left as it was, or written with what the
  * rows' q columns give (a backend may compute whole tiles): a rank of a
  * row-split encoder, whose qkv holds every row's K/V but only its own
- * rows' queries. */
+ * rows' queries. cu_seqlens[0] is 0 (the CUDA backend's grid for one
+ * sequence starts at the tile of q_lo). */
 td_status td_attn_dense_rows(td_backend *b, const void *qkv, void *out, const int32_t *cu_seqlens, int n_seqs,
                              int n_tokens, int max_len, int heads, int head_dim, float scale, bool causal,
                              const td_relbias *bias, int q_lo, int q_hi);
