@@ -76,6 +76,21 @@ __device__ __forceinline__ uint32_t unmark(uint32_t w) {
   return w;
 }
 
+/* A peer's 16-byte vector once none of its values is "not arrived" (a
+ * vanished peer: garbage after AR_SPIN_LIMIT spins, flagged in ctl->err) */
+__device__ __forceinline__ uint4 wait_vec(const uint4 *src, ar_ctl *ctl) {
+  uint4 w = ld_volatile16(src);
+  uint32_t spins = 0;
+  while (has_empty(w.x) || has_empty(w.y) || has_empty(w.z) || has_empty(w.w)) {
+    if (++spins > AR_SPIN_LIMIT) {
+      atomicExch(&ctl->err, 1u);
+      break;
+    }
+    w = ld_volatile16(src);
+  }
+  return w;
+}
+
 __device__ __forceinline__ void add8(float *acc, uint4 u) {
   const bf16 *h = (const bf16 *)&u;
 #pragma unroll
@@ -117,17 +132,7 @@ __global__ void __launch_bounds__(AR_THREADS) ar_kernel(bf16 *buf, uint32_t n, a
         add8(acc, u);
         continue;
       }
-      const uint4 *src = (const uint4 *)(mine + ((size_t)phase * world + r) * AR_SLOT_BYTES) + v;
-      uint4 w = ld_volatile16(src);
-      uint32_t spins = 0;
-      while (has_empty(w.x) || has_empty(w.y) || has_empty(w.z) || has_empty(w.w)) {
-        if (++spins > AR_SPIN_LIMIT) {
-          atomicExch(&ctl->err, 1u);
-          break;
-        }
-        w = ld_volatile16(src);
-      }
-      add8(acc, w);
+      add8(acc, wait_vec((const uint4 *)(mine + ((size_t)phase * world + r) * AR_SLOT_BYTES) + v, ctl));
     }
     bf16 o[8];
 #pragma unroll
@@ -208,15 +213,7 @@ __global__ void __launch_bounds__(AR_THREADS) ag_rows_kernel(bf16 *buf, int rows
     const uint4 *src = (const uint4 *)(mine + ((size_t)phase * world + r) * AR_SLOT_BYTES);
     const size_t their_v = (size_t)(rhi - rlo) * cpr;
     for (size_t v = me; v < (their_v ? their_v : 1); v += stride) {
-      uint4 w = ld_volatile16(src + v);
-      uint32_t spins = 0;
-      while (has_empty(w.x) || has_empty(w.y) || has_empty(w.z) || has_empty(w.w)) {
-        if (++spins > AR_SPIN_LIMIT) {
-          atomicExch(&ctl->err, 1u);
-          break;
-        }
-        w = ld_volatile16(src + v);
-      }
+      uint4 w = wait_vec(src + v, ctl);
       if (v < their_v) ((uint4 *)buf)[(rlo + v / cpr) * w8 + c8 + v % cpr] = w;
     }
   }

@@ -7,7 +7,10 @@
 
 /* ---------------------------------------------------------------- dense attention */
 
-static void dense_case(int H, int dh, const int *lens, int ns, bool causal, int md, float scale) {
+/* Query rows [lo, hi) (hi < 0: every row) against the CPU's: a row-split
+ * encoder rank computes its rows only, over every key of their sequence;
+ * the rows outside are not compared (a backend may compute whole tiles). */
+static void dense_rows(int H, int dh, const int *lens, int ns, bool causal, int md, float scale, int lo, int hi) {
   int32_t *cu = malloc(sizeof(int32_t) * (ns + 1));
   cu[0] = 0;
   int max_len = 0;
@@ -16,17 +19,22 @@ static void dense_case(int H, int dh, const int *lens, int ns, bool causal, int 
     max_len = lens[s] > max_len ? lens[s] : max_len;
   }
   int T = cu[ns];
+  if (hi < 0) hi = T;
   size_t nq = (size_t)T * 3 * H * dh;
   float *qkv = rnd(nq, 2.0f), *lut = md ? rnd((size_t)H * (2 * md + 1), 3.0f) : NULL;
   pair Q = mk(TD_BUF_ACT, qkv, nq), O = mk(TD_BUF_ACT, NULL, (size_t)T * H * dh), CU = mk(TD_BUF_I32, cu, ns + 1);
   pair L = {0};
   if (md) L = mk(TD_BUF_F32, lut, (size_t)H * (2 * md + 1));
   td_relbias bg = {md ? L.g : NULL, md}, bc = {md ? L.c : NULL, md};
-  RUN2(td_attn_dense(G, Q.g, O.g, CU.g, ns, T, max_len, H, dh, scale, causal, md ? &bg : NULL),
-       td_attn_dense(C, Q.c, O.c, CU.c, ns, T, max_len, H, dh, scale, causal, md ? &bc : NULL));
-  double e = compare(&O, 0);
-  cr_expect(e <= TOL, "attn_dense H=%d dh=%d seqs=%d tokens=%d causal=%d md=%d: error %.3g", H, dh, ns, T, causal,
-            md, e);
+  RUN2(td_attn_dense_rows(G, Q.g, O.g, CU.g, ns, T, max_len, H, dh, scale, causal, md ? &bg : NULL, lo, hi),
+       td_attn_dense_rows(C, Q.c, O.c, CU.c, ns, T, max_len, H, dh, scale, causal, md ? &bc : NULL, lo, hi));
+  float *o = get(G, &O, true), *r = get(C, &O, false);
+  size_t w = (size_t)H * dh;
+  double e = relerr(o + (size_t)lo * w, r + (size_t)lo * w, (size_t)(hi - lo) * w);
+  cr_expect(e <= TOL, "attn_dense rows [%d, %d) of %d, H=%d dh=%d seqs=%d causal=%d md=%d: error %.3g", lo, hi, T, H,
+            dh, ns, causal, md, e);
+  free(o);
+  free(r);
   drop(&Q);
   drop(&O);
   drop(&CU);
@@ -34,6 +42,10 @@ static void dense_case(int H, int dh, const int *lens, int ns, bool causal, int 
   free(qkv);
   free(lut);
   free(cu);
+}
+
+static void dense_case(int H, int dh, const int *lens, int ns, bool causal, int md, float scale) {
+  dense_rows(H, dh, lens, ns, causal, md, scale, 0, -1);
 }
 
 Test(cuda, attn_dense) {
@@ -50,50 +62,15 @@ Test(cuda, attn_dense) {
   dense_case(2, 48, g, 5, false, 10, 0.2f);
 }
 
-/* Query rows [lo, hi) only (a row-split encoder rank): those rows as the
- * CPU's, over every key of their sequence; tiles straddling lo or hi and
- * ranges inside one sequence or across several. */
-static void dense_rows_case(int H, int dh, const int *lens, int ns, int md, int lo, int hi) {
-  int32_t *cu = malloc(sizeof(int32_t) * (ns + 1));
-  cu[0] = 0;
-  int max_len = 0;
-  for (int s = 0; s < ns; s++) {
-    cu[s + 1] = cu[s] + lens[s];
-    max_len = lens[s] > max_len ? lens[s] : max_len;
-  }
-  int T = cu[ns];
-  size_t nq = (size_t)T * 3 * H * dh;
-  float *qkv = rnd(nq, 2.0f), *lut = md ? rnd((size_t)H * (2 * md + 1), 3.0f) : NULL;
-  pair Q = mk(TD_BUF_ACT, qkv, nq), O = mk(TD_BUF_ACT, NULL, (size_t)T * H * dh), CU = mk(TD_BUF_I32, cu, ns + 1);
-  pair L = {0};
-  if (md) L = mk(TD_BUF_F32, lut, (size_t)H * (2 * md + 1));
-  td_relbias bg = {md ? L.g : NULL, md}, bc = {md ? L.c : NULL, md};
-  RUN2(td_attn_dense_rows(G, Q.g, O.g, CU.g, ns, T, max_len, H, dh, 0.125f, false, md ? &bg : NULL, lo, hi),
-       td_attn_dense_rows(C, Q.c, O.c, CU.c, ns, T, max_len, H, dh, 0.125f, false, md ? &bc : NULL, lo, hi));
-  float *o = get(G, &O, true), *r = get(C, &O, false);
-  size_t w = (size_t)H * dh;
-  double e = relerr(o + (size_t)lo * w, r + (size_t)lo * w, (size_t)(hi - lo) * w);
-  cr_expect(e <= TOL, "attn_dense rows [%d, %d) of %d, H=%d dh=%d seqs=%d md=%d: error %.3g", lo, hi, T, H, dh, ns,
-            md, e);
-  free(o);
-  free(r);
-  drop(&Q);
-  drop(&O);
-  drop(&CU);
-  if (md) drop(&L);
-  free(qkv);
-  free(lut);
-  free(cu);
-}
-
+/* query-row ranges: inside one sequence, straddling a tile, across sequences */
 Test(cuda, attn_dense_query_rows) {
   int one[] = {1500}, many[] = {129, 17, 300, 2, 63}, odd[] = {333};
-  dense_rows_case(20, 64, one, 1, 0, 0, 768);
-  dense_rows_case(20, 64, one, 1, 0, 768, 1500);
-  dense_rows_case(10, 64, one, 1, 0, 750, 1500); /* a tile straddles the start */
-  dense_rows_case(4, 64, many, 5, 40, 100, 400);  /* across sequences, T5 bias */
-  dense_rows_case(3, 128, odd, 1, 0, 111, 222);
-  dense_rows_case(2, 48, many, 5, 0, 150, 511);   /* the generic kernel */
+  dense_rows(20, 64, one, 1, false, 0, 0.125f, 0, 768);
+  dense_rows(20, 64, one, 1, false, 0, 0.125f, 768, 1500);
+  dense_rows(10, 64, one, 1, false, 0, 0.125f, 750, 1500); /* a tile straddles the start */
+  dense_rows(4, 64, many, 5, false, 40, 0.125f, 100, 400); /* across sequences, T5 bias */
+  dense_rows(3, 128, odd, 1, false, 0, 0.125f, 111, 222);
+  dense_rows(2, 48, many, 5, false, 0, 0.125f, 150, 511); /* the generic kernel */
 }
 
 /* head_dim 64 on each of its kernels: wgmma (default), mma.sync with 128
@@ -130,7 +107,7 @@ Test(cuda, attn_dense_key_splits) {
       dense_case(3, 64, c, 1, false, 20, 1.0f);
       dense_case(5, 128, g, 5, false, 2000, 1.0f);
       dense_case(3, 64, c, 1, true, 0, 1.0f);
-      dense_rows_case(10, 64, one, 1, 0, 750, 1500);
+      dense_rows(10, 64, one, 1, false, 0, 0.125f, 750, 1500);
     }
   use_tuning(&cuda_base);
 }

@@ -35,6 +35,17 @@ typedef struct rank_arg {
     if ((x) != TD_OK) FAIL("rank %d: %s: %s", a->rank, what, td_errmsg()); \
   } while (0)
 
+/* A rank's end: its communicator aborted after a failure (so the peer's
+ * waits end) or destroyed, then its backend. */
+static void rank_close(td_backend *b, td_comm *c, bool failed) {
+  if (c) {
+    if (failed) td_comm_abort(c);
+    else td_comm_destroy(c);
+  }
+  if (b) td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+}
+
 static void *rank_main(void *p) {
   rank_arg *a = p;
   td_backend *b = NULL;
@@ -103,11 +114,7 @@ out:
     td_free(b, i32);
     td_free(b, g);
   }
-  if (c) {
-    if (a->fail[0]) td_comm_abort(c);
-    else td_comm_destroy(c);
-  }
-  td_backend_destroy(b);
+  rank_close(b, c, a->fail[0]);
   free(x);
   free(y);
   return NULL;
@@ -258,12 +265,7 @@ out:
   if (gr) td_graph_destroy(b, gr);
   for (int k = 0; k < SEQ; k++)
     if (buf[k]) td_free(b, buf[k]);
-  if (c) {
-    if (a->fail[0]) td_comm_abort(c);
-    else td_comm_destroy(c);
-  }
-  if (b) td_backend_set_comm(b, NULL);
-  td_backend_destroy(b);
+  rank_close(b, c, a->fail[0]);
   free(x);
   free(want);
   free(tmp);
@@ -359,12 +361,7 @@ static void *ag_main(void *p) {
 out:
   if (buf) td_free(b, buf);
   if (ar) td_free(b, ar);
-  if (c) {
-    if (a->fail[0]) td_comm_abort(c);
-    else td_comm_destroy(c);
-  }
-  if (b) td_backend_set_comm(b, NULL);
-  td_backend_destroy(b);
+  rank_close(b, c, a->fail[0]);
   free(x);
   return NULL;
 }
