@@ -97,20 +97,42 @@ __device__ __forceinline__ void add8(float *acc, uint4 u) {
   for (int k = 0; k < 8; k++) acc[k] += __bfloat162float(h[k]);
 }
 
-__global__ void __launch_bounds__(AR_THREADS) ar_kernel(bf16 *buf, uint32_t n, ar_peers P, int rank, int world,
-                                                        ar_ctl *ctl) {
-  td_pdl_start();
-  const uint32_t phase = ctl->phase, nprev = ctl->nprev;
-  const uint32_t prev = (phase + AR_PHASES - 1) % AR_PHASES;
-  const size_t stride = (size_t)gridDim.x * blockDim.x, me = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  uint8_t *mine = P.slots[rank];
-  /* 1. the previous call's values in our slots back to "not arrived" */
+/* The previous call's values in our slots back to "not arrived" (nprev:
+ * the most values a peer wrote into one slot of ours in that call). */
+__device__ __forceinline__ void empty_previous(const ar_peers &P, int rank, int world, const ar_ctl *ctl,
+                                               size_t me, size_t stride) {
+  const uint32_t prev = (ctl->phase + AR_PHASES - 1) % AR_PHASES, nprev = ctl->nprev;
   const uint4 empty = make_uint4(AR_EMPTY2, AR_EMPTY2, AR_EMPTY2, AR_EMPTY2);
   for (int p = 0; p < world; p++) {
     if (p == rank) continue;
-    uint4 *s = (uint4 *)(mine + ((size_t)prev * world + p) * AR_SLOT_BYTES);
+    uint4 *s = (uint4 *)(P.slots[rank] + ((size_t)prev * world + p) * AR_SLOT_BYTES);
     for (size_t v = me; v < (nprev + 7) / 8; v += stride) s[v] = empty;
   }
+}
+
+/* The last block out moves the phase on and records what this call wrote
+ * into a peer's slot at most (values), for the next call to empty. */
+__device__ __forceinline__ void advance_phase(ar_ctl *ctl, uint32_t phase, uint32_t wrote) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
+      ctl->done = 0;
+      ctl->nprev = wrote;
+      ctl->phase = (phase + 1) % AR_PHASES;
+      __threadfence();
+    }
+  }
+}
+
+__global__ void __launch_bounds__(AR_THREADS) ar_kernel(bf16 *buf, uint32_t n, ar_peers P, int rank, int world,
+                                                        ar_ctl *ctl) {
+  td_pdl_start();
+  const uint32_t phase = ctl->phase;
+  const size_t stride = (size_t)gridDim.x * blockDim.x, me = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  uint8_t *mine = P.slots[rank];
+  /* 1. the previous call's values in our slots back to "not arrived" */
+  empty_previous(P, rank, world, ctl, me, stride);
   /* 2. ours into every peer's slot for us, all of this thread's vectors
    * first (so that a thread with several waits one NVLink latency, not one
    * a vector); 3. the sum in rank order */
@@ -161,17 +183,7 @@ __global__ void __launch_bounds__(AR_THREADS) ar_kernel(bf16 *buf, uint32_t n, a
     }
     buf[i] = __float2bfloat16(acc);
   }
-  /* the last block out moves the phase on, for the next call */
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
-      ctl->done = 0;
-      ctl->nprev = n;
-      ctl->phase = (phase + 1) % AR_PHASES;
-      __threadfence();
-    }
-  }
+  advance_phase(ctl, phase, n);
 }
 
 /* The all-gather of a row-split matrix's columns [col0, col0 + 8 cpr)
@@ -184,16 +196,10 @@ __global__ void __launch_bounds__(AR_THREADS) ag_rows_kernel(bf16 *buf, int rows
    * ends, so that its blocks spread over the SMs evenly rather than where
    * these spinning blocks left room (two a SM there: 42 against 30 us) */
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  const uint32_t phase = ctl->phase, nprev = ctl->nprev;
-  const uint32_t prev = (phase + AR_PHASES - 1) % AR_PHASES;
+  const uint32_t phase = ctl->phase;
   const size_t stride = (size_t)gridDim.x * blockDim.x, me = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint8_t *mine = P.slots[rank];
-  const uint4 empty = make_uint4(AR_EMPTY2, AR_EMPTY2, AR_EMPTY2, AR_EMPTY2);
-  for (int p = 0; p < world; p++) {
-    if (p == rank) continue;
-    uint4 *sl = (uint4 *)(mine + ((size_t)prev * world + p) * AR_SLOT_BYTES);
-    for (size_t v = me; v < (nprev + 7) / 8; v += stride) sl[v] = empty;
-  }
+  empty_previous(P, rank, world, ctl, me, stride);
   const size_t w8 = (size_t)width / 8, c8 = (size_t)col0 / 8;
   const int lo = min(rows, rank * per), hi = min(rows, (rank + 1) * per);
   /* a rank without rows still sends one vector (zeros) and waits for one
@@ -217,16 +223,7 @@ __global__ void __launch_bounds__(AR_THREADS) ag_rows_kernel(bf16 *buf, int rows
       if (v < their_v) ((uint4 *)buf)[(rlo + v / cpr) * w8 + c8 + v % cpr] = w;
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
-      ctl->done = 0;
-      ctl->nprev = (uint32_t)per * (uint32_t)cpr * 8u; /* the most any peer wrote into a slot of ours */
-      ctl->phase = (phase + 1) % AR_PHASES;
-      __threadfence();
-    }
-  }
+  advance_phase(ctl, phase, (uint32_t)per * (uint32_t)cpr * 8u); /* the most any peer wrote into a slot of ours */
 }
 
 bool td_cu_allgather_rows_fits(const td_cu_allreduce *a, td_buf_type t, const void *buf, int per, int width, int col0,

@@ -120,7 +120,8 @@ out:
   return NULL;
 }
 
-Test(cuda_comm, two_ranks, .timeout = 120) {
+/* WORLD ranks on threads, one GPU each, joined by one NCCL id; each rank's failure reported */
+static void run_ranks(void *(*fn)(void *)) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < WORLD) cr_skip_test("needs %d GPUs, %d visible", WORLD, n);
   uint8_t id[TD_NCCL_ID_BYTES];
@@ -129,10 +130,14 @@ Test(cuda_comm, two_ranks, .timeout = 120) {
   pthread_t th[WORLD];
   for (int r = 0; r < WORLD; r++) {
     args[r] = (rank_arg){.rank = r, .id = id};
-    cr_assert(pthread_create(&th[r], NULL, rank_main, &args[r]) == 0);
+    cr_assert(pthread_create(&th[r], NULL, fn, &args[r]) == 0);
   }
   for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
   for (int r = 0; r < WORLD; r++) cr_expect(args[r].fail[0] == 0, "%s", args[r].fail);
+}
+
+Test(cuda_comm, two_ranks, .timeout = 120) {
+  run_ranks(rank_main);
 }
 
 /* The bf16 all-reduce at the sizes decoding uses and odd ones, eager and in
@@ -367,18 +372,7 @@ out:
 }
 
 Test(cuda_comm, allgather_rows_slots_and_nccl, .timeout = 120) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n < WORLD) cr_skip_test("needs %d GPUs, %d visible", WORLD, n);
-  uint8_t id[TD_NCCL_ID_BYTES];
-  cr_assert(td_comm_nccl_id(id) == TD_OK, "%s", td_errmsg());
-  rank_arg args[WORLD];
-  pthread_t th[WORLD];
-  for (int r = 0; r < WORLD; r++) {
-    args[r] = (rank_arg){.rank = r, .id = id};
-    cr_assert(pthread_create(&th[r], NULL, ag_main, &args[r]) == 0);
-  }
-  for (int r = 0; r < WORLD; r++) pthread_join(th[r], NULL);
-  for (int r = 0; r < WORLD; r++) cr_expect(args[r].fail[0] == 0, "%s", args[r].fail);
+  run_ranks(ag_main);
 }
 
 int main(int argc, char *argv[]) { return td_gpu_test_main(argc, argv, &cuda_tuning); }
