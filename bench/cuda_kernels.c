@@ -378,6 +378,39 @@ static void bench_dense(int n_seqs, int len, bool causal, bool bias) {
   free(cu);
 }
 
+/* One rank of a row-split encoder (Whisper-large: 20 heads, one input of
+ * `len`): query rows [0, len / 2) over every key (120 blocks of 128 rows
+ * for 1500: one an SM), against the whole input (TP=1: two an SM). */
+typedef struct rows_ctx {
+  void *qkv, *out, *cu;
+  int len, heads, half;
+} rows_ctx;
+static td_status rows_work(void *p) {
+  rows_ctx *c = p;
+  for (int i = 0; i < 4; i++)
+    TD_TRY(td_attn_dense_rows(B, c->qkv, c->out, c->cu, 1, c->len, c->len, c->heads, DH, 0.125f, false, NULL, 0,
+                              c->half ? c->len / 2 : c->len));
+  return TD_OK;
+}
+
+static void bench_dense_rows(int len) {
+  static const char *const names[] = {"attn_dense rows: all", "attn_dense rows: half"};
+  int heads = 20;
+  int32_t cu[2] = {0, len};
+  for (int half = 0; half < 2; half++) {
+    if (skip(names[half])) continue;
+    rows_ctx c = {act((size_t)len * 3 * heads * DH), act((size_t)len * heads * DH), i32(cu, 2), len, heads, half};
+    double t = time_work(rows_work, &c) / 4;
+    double rows_q = half ? len / 2 : len;
+    char shape[48];
+    snprintf(shape, sizeof shape, "%g x %d keys, %dx%d", rows_q, len, heads, DH);
+    add(names[half], shape, t, (double)len * 2 * heads * DH * 2, 4.0 * rows_q * len * heads * DH);
+    td_free(B, c.qkv);
+    td_free(B, c.out);
+    td_free(B, c.cu);
+  }
+}
+
 typedef struct paged_ctx {
   void *q, *out, *pool, *lut;
   td_kv_layout l;
@@ -831,6 +864,8 @@ int main(int argc, char **argv) {
   bench_dense(64, 512, false, true);
   bench_dense(64, 512, false, false);
   bench_dense(64, 512, true, false);
+  bench_dense_rows(1500);
+  bench_dense_rows(3000);
   static const int batches[] = {1, 16, 64};
   for (int i = 0; i < 3; i++) bench_paged(batches[i], ENC_LEN, false);
   for (int i = 0; i < 3; i++) bench_paged(batches[i], 64, true);

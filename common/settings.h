@@ -46,7 +46,7 @@ typedef struct td_cuda_tuning {
   int dense64_warps; /* TANDEM_CUDA_DENSE64: dense attention at head_dim 64 on wgmma (0), or on mma.sync with
                         8 warps (128 query rows a block) or 4 (64 rows) */
   int dense_splits;  /* TANDEM_CUDA_DENSE_SPLITS=N: dense attention's keys in N splits a query tile, merged
-                        (0: the policy's, 1: none) */
+                        (0 or 1: none) */
   int decode_warp;   /* TANDEM_CUDA_DECATTN=N: paged decode over self K/V on warps from N (sequence, head)
                         pairs (TD_OFF: the decode kernels off) */
   /* TANDEM_CUDA_DECATTN_SMALL=N[,MIN[,CTX]]: fewer pairs than that: 2-8 warps a pair by context (<= 256

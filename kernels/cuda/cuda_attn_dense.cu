@@ -40,7 +40,7 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
   }
   long blocks = (long)n_seqs * a.qtiles * heads;
   int keys = n_seqs == 1 ? n_tokens : max_len > 0 && max_len < n_tokens ? max_len : n_tokens;
-  int splits = p.kernel == TD_DENSE_GENERIC ? 1 : td_cu_dense_splits(&c->tune, c->sm_count, blocks, keys, causal);
+  int splits = p.kernel == TD_DENSE_GENERIC ? 1 : td_cu_dense_splits(&c->tune, blocks, keys, causal);
   /* the partial outputs (by token, head and split) and one counter a (tile, head) must fit */
   if (splits > 1 && ((size_t)n_tokens * heads * splits * (head_dim + 1) * sizeof(float) > TD_CU_SPLIT_BYTES ||
                      (long)n_seqs * a.qtiles * heads > TD_CU_ATTN_COUNTERS))

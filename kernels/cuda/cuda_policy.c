@@ -66,19 +66,16 @@ td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned
   return p;
 }
 
-/* Where the (tile, head) blocks would leave at least half the SMs idle
- * (one long input of a small model), its keys in splits take the idle ones,
- * merged by the last. Not to make two blocks share an SM: the 120 blocks of
- * a TP=2 rank's 1500-position Whisper encoder took 29.6 us alone and 36.7
- * us as 240 halves (H200, bench/RESULTS.md). Never for causal prefill. */
-int td_cu_dense_splits(const td_cu_tune *t, int sm_count, long blocks, int keys, bool causal) {
-  if (causal || blocks <= 0 || t->dense_splits == 1) return 1;
+/* Key splits of dense attention only when asked for (dense_splits > 1):
+ * they timed slower wherever measured, where two blocks would share an SM
+ * (the 120 blocks of a TP=2 rank's 1500-position Whisper encoder: 29.6 us
+ * alone, 36.7 us as 240 halves) and where half the SMs idled (BART-large,
+ * one input of 512: an encoder of 0.98 ms against 0.87; H200,
+ * bench/RESULTS.md). Never for causal prefill. */
+int td_cu_dense_splits(const td_cu_tune *t, long blocks, int keys, bool causal) {
+  if (causal || blocks <= 0 || t->dense_splits <= 1) return 1;
   int most = keys / 256 > 1 ? keys / 256 : 1; /* at least four 64-key tiles a split */
-  if (t->dense_splits > 1) return t->dense_splits < most ? t->dense_splits : most;
-  if (2 * blocks > sm_count || keys < TD_CUDA_DENSE_SPLIT_KEYS) return 1;
-  long s = sm_count / blocks;
-  s = s > 4 ? 4 : s;
-  return (int)(s < most ? s : most);
+  return t->dense_splits < most ? t->dense_splits : most;
 }
 
 /* Decode, one query a sequence, on warps: over self K/V with enough

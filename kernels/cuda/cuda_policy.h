@@ -49,7 +49,7 @@ typedef struct td_cu_tune {
   int gemv_maxv, gemv_maxn, gemv_rows, gemv_rows_n; /* maxv 0: the warp kernel off (and rows 0) */
   int fuse, fuse_mask; /* rows 0-16 (0: never fused), mask 0-15 */
   int dense64_warps;   /* 0 (wgmma), 4 or 8 */
-  int dense_splits;    /* 0: the policy's */
+  int dense_splits;    /* 0 or 1: none */
   int decode_warp, decode_small, decode_small_min, decode_small_ctx; /* 0: off */
   int decode_bulk, decode_bulk_all, decode_bulk_shape, decode_bulk_early;
   int decode_bulk_carve; /* percent, -1: none */
@@ -91,7 +91,7 @@ typedef struct td_dense_plan {
 td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned, int n_tokens, int max_len);
 /* Key splits a query tile for `blocks` (tile, head) blocks over up to
  * `keys` keys each (tiled kernels; the caller checks its scratch). */
-int td_cu_dense_splits(const td_cu_tune *t, int sm_count, long blocks, int keys, bool causal);
+int td_cu_dense_splits(const td_cu_tune *t, long blocks, int keys, bool causal);
 
 /* ---- td_attn_paged ---- */
 typedef struct td_paged_shape {

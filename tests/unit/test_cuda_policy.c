@@ -20,7 +20,8 @@ static const char *const cuda_vars[] = {
     "TANDEM_CUDA_DECATTN_SMALL", "TANDEM_CUDA_DECATTN_BULK",  "TANDEM_CUDA_DECATTN_CARVE",
     "TANDEM_CUDA_KVPF",          "TANDEM_CUDA_STATES_GENERIC", "TANDEM_CUDA_STATES_SPLITS",
     "TANDEM_CUDA_STATES_WARPS",  "TANDEM_CUDA_STATES_WS",     "TANDEM_CUDA_STATES_PLANES",
-    "TANDEM_CUDA_HEADS_LT",      "TANDEM_CUDA_CUSTOM_ALLREDUCE"};
+    "TANDEM_CUDA_HEADS_LT",      "TANDEM_CUDA_CUSTOM_ALLREDUCE",
+    "TANDEM_CUDA_PLAN_BUCKET",   "TANDEM_CUDA_DENSE_SPLITS"};
 
 static void clear(void) {
   for (size_t i = 0; i < sizeof cuda_vars / sizeof *cuda_vars; i++) unsetenv(cuda_vars[i]);
@@ -201,18 +202,16 @@ Test(cuda_policy, dense) {
 
 Test(cuda_policy, dense_key_splits) {
   td_cu_tune r = defaults();
-  /* a 1500-position encoder: 10 heads (TP=2) or 20 heads of half the rows: 120 blocks on 132 SMs */
-  cr_assert_eq(td_cu_dense_splits(&r, 132, 120, 1500, false), 1, "no splits to share SMs");
-  cr_assert_eq(td_cu_dense_splits(&r, 132, 66, 1500, false), 2, "half the SMs idle: halves");
-  cr_assert_eq(td_cu_dense_splits(&r, 132, 24, 4000, false), 4, "at most four");
-  cr_assert_eq(td_cu_dense_splits(&r, 132, 24, 1500, true), 1, "causal");
-  cr_assert_eq(td_cu_dense_splits(&r, 132, 12, 300, false), 1, "short keys");
-  cr_assert_eq(td_cu_dense_splits(&r, 132, 12, 600, false), 2, "four key tiles a split");
+  /* by default never: not where the blocks fill the SMs, nor where half of them idle */
+  cr_assert_eq(td_cu_dense_splits(&r, 120, 1500, false), 1, "no splits to share SMs");
+  cr_assert_eq(td_cu_dense_splits(&r, 64, 512, false), 1, "half the SMs idle: none either");
+  cr_assert_eq(td_cu_dense_splits(&r, 24, 4000, false), 1, "few blocks, long keys");
   r.dense_splits = 1;
-  cr_assert_eq(td_cu_dense_splits(&r, 132, 120, 1500, false), 1, "off");
+  cr_assert_eq(td_cu_dense_splits(&r, 120, 1500, false), 1, "off");
   r.dense_splits = 5;
-  cr_assert_eq(td_cu_dense_splits(&r, 132, 500, 1500, false), 5, "forced");
-  cr_assert_eq(td_cu_dense_splits(&r, 132, 500, 600, false), 2, "forced, but four key tiles a split");
+  cr_assert_eq(td_cu_dense_splits(&r, 500, 1500, false), 5, "forced");
+  cr_assert_eq(td_cu_dense_splits(&r, 24, 1500, true), 1, "forced, but causal");
+  cr_assert_eq(td_cu_dense_splits(&r, 500, 600, false), 2, "forced, but four key tiles a split");
 }
 
 /* ---------------------------------------------------------------- td_attn_paged */
