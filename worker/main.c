@@ -78,6 +78,14 @@ static int parse_roles(const char *list, const td_role *served[TD_WORKER_MAX_ROL
   }
 }
 
+/* An option of two words: 1 for `yes`, 0 for `no`, -1 (said on stderr) for anything else. */
+static int two_words(const char *option, const char *arg, const char *no, const char *yes) {
+  if (!strcmp(arg, yes)) return 1;
+  if (!strcmp(arg, no)) return 0;
+  fprintf(stderr, "tandem-worker: %s must be %s or %s, not '%s'\n", option, no, yes, arg);
+  return -1;
+}
+
 int main(int argc, char **argv) {
   td_settings settings;
   if (td_settings_from_env(&settings) != TD_OK) {
@@ -212,20 +220,18 @@ int main(int argc, char **argv) {
       case 1001: ao.secret_file = optarg; break;
       case 1002: ao.router_key_file = optarg; break;
       case 1003: ao.worker_keys_file = optarg; break;
-      case 1005:
-        if (strcmp(optarg, "states") && strcmp(optarg, "kv")) {
-          fprintf(stderr, "tandem-worker: --cross-transfer must be states or kv, not '%s'\n", optarg);
-          return 2;
-        }
-        o.cross_transfer_kv = strcmp(optarg, "kv") == 0;
+      case 1005: {
+        int kv = two_words("--cross-transfer", optarg, "states", "kv");
+        if (kv < 0) return 2;
+        o.cross_transfer_kv = kv;
         break;
-      case 1006:
-        if (strcmp(optarg, "heads") && strcmp(optarg, "rows")) {
-          fprintf(stderr, "tandem-worker: --tp-encoder must be heads or rows, not '%s'\n", optarg);
-          return 2;
-        }
-        o.enc_rows = strcmp(optarg, "rows") == 0;
+      }
+      case 1006: {
+        int rows = two_words("--tp-encoder", optarg, "heads", "rows");
+        if (rows < 0) return 2;
+        o.enc_rows = rows;
         break;
+      }
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }

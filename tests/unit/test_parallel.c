@@ -426,11 +426,29 @@ Test(pipeline_parallel, projected_states) {
   check_projected("t5-four-layers", 4, true);
 }
 
-#ifndef TD_PARALLEL_CUDA
+/* CPU only from here to the engine replay: communicators of threads, the fixtures' refusals */
 #ifndef TD_PARALLEL_CUDA
 /* td_sendrecv against a peer whose rendezvous send comes first (the thread
  * communicator's send waits for its receiver): a send then a receive would
  * wait for each other; posted together they meet. And two at once. */
+/* A rank thread's CPU backend on its communicator (NULL and fail written
+ * where it cannot be made), and its end. */
+static td_backend *cpu_rank(td_comm *c, char *fail, size_t cap) {
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b = NULL;
+  if (td_backend_create(&bo, &b) != TD_OK) {
+    snprintf(fail, cap, "backend: %s", td_errmsg());
+    return NULL;
+  }
+  td_backend_set_comm(b, c);
+  return b;
+}
+
+static void cpu_rank_end(td_backend *b) {
+  td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+}
+
 typedef struct sr_arg {
   td_comm *c;
   int rank;
@@ -441,13 +459,8 @@ typedef struct sr_arg {
 static void *sr_main(void *p) {
   sr_arg *a = p;
   enum { N = 1027 };
-  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
-  td_backend *b = NULL;
-  if (td_backend_create(&bo, &b) != TD_OK) {
-    snprintf(a->fail, sizeof a->fail, "backend: %s", td_errmsg());
-    return NULL;
-  }
-  td_backend_set_comm(b, a->c);
+  td_backend *b = cpu_rank(a->c, a->fail, sizeof a->fail);
+  if (!b) return NULL;
   float out[N], in[N];
   for (int i = 0; i < N; i++) out[i] = (float)(i + 1000 * a->rank);
   int peer = 1 - a->rank;
@@ -461,8 +474,7 @@ static void *sr_main(void *p) {
   if (s != TD_OK) snprintf(a->fail, sizeof a->fail, "rank %d: %s", a->rank, td_errmsg());
   for (int i = 0; s == TD_OK && i < N && !a->fail[0]; i++)
     if (in[i] != (float)(i + 1000 * peer)) snprintf(a->fail, sizeof a->fail, "rank %d: [%d] = %g", a->rank, i, in[i]);
-  td_backend_set_comm(b, NULL);
-  td_backend_destroy(b);
+  cpu_rank_end(b);
   return NULL;
 }
 
@@ -494,13 +506,8 @@ static float agr_value(int i, int j, int r) { return (float)(i * 100 + j + r * 1
 
 static void *agr_main(void *p) {
   agr_arg *a = p;
-  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
-  td_backend *b = NULL;
-  if (td_backend_create(&bo, &b) != TD_OK) {
-    snprintf(a->fail, sizeof a->fail, "backend: %s", td_errmsg());
-    return NULL;
-  }
-  td_backend_set_comm(b, a->c);
+  td_backend *b = cpu_rank(a->c, a->fail, sizeof a->fail);
+  if (!b) return NULL;
   float *x = malloc(sizeof(float) * (size_t)a->rows * a->width);
   for (int i = 0; i < a->rows; i++)
     for (int j = 0; j < a->width; j++) x[(size_t)i * a->width + j] = agr_value(i, j, a->rank);
@@ -518,8 +525,7 @@ static void *agr_main(void *p) {
         }
       }
   }
-  td_backend_set_comm(b, NULL);
-  td_backend_destroy(b);
+  cpu_rank_end(b);
   free(x);
   return NULL;
 }
@@ -588,7 +594,6 @@ Test(comm, sendrecv_refuses_bad_peers) {
   td_backend_destroy(b);
   for (int r = 0; r < 2; r++) td_comm_destroy(comms[r]);
 }
-#endif
 
 /* Two running sets (pp_sets 2): the first stage launches request 0's and
  * request 1's teacher-forced steps before it collects either (the second
@@ -709,9 +714,7 @@ static void check_sets(const char *name, int world) {
     cr_expect(e <= TOL, "%s PP=%d two sets, step %d (request %d): logits error %.3g", name, world, k, order[k], e);
     free(ctx[0].logits[k]);
   }
-#ifndef TD_PARALLEL_CUDA
   for (int r = 0; r < world; r++) td_comm_destroy(comms[r]);
-#endif
   fx_free(&fx);
 }
 
