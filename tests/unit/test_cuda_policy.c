@@ -212,6 +212,7 @@ Test(cuda_policy, dense_key_splits) {
   cr_assert_eq(td_cu_dense_splits(&r, 500, 1500, false), 5, "forced");
   cr_assert_eq(td_cu_dense_splits(&r, 24, 1500, true), 1, "forced, but causal");
   cr_assert_eq(td_cu_dense_splits(&r, 500, 600, false), 2, "forced, but four key tiles a split");
+  cr_assert_eq(td_cu_dense_splits(&r, 12, 300, false), 1, "forced, but short keys");
 }
 
 /* ---------------------------------------------------------------- td_attn_paged */

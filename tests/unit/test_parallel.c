@@ -428,9 +428,6 @@ Test(pipeline_parallel, projected_states) {
 
 /* CPU only from here to the engine replay: communicators of threads, the fixtures' refusals */
 #ifndef TD_PARALLEL_CUDA
-/* td_sendrecv against a peer whose rendezvous send comes first (the thread
- * communicator's send waits for its receiver): a send then a receive would
- * wait for each other; posted together they meet. And two at once. */
 /* A rank thread's CPU backend on its communicator (NULL and fail written
  * where it cannot be made), and its end. */
 static td_backend *cpu_rank(td_comm *c, char *fail, size_t cap) {
@@ -449,6 +446,9 @@ static void cpu_rank_end(td_backend *b) {
   td_backend_destroy(b);
 }
 
+/* td_sendrecv against a peer whose rendezvous send comes first (the thread
+ * communicator's send waits for its receiver): a send then a receive would
+ * wait for each other; posted together they meet. And two at once. */
 typedef struct sr_arg {
   td_comm *c;
   int rank;
