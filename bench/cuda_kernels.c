@@ -136,7 +136,7 @@ typedef struct row {
   double achieved;   /* TB/s or TFLOP/s */
 } row;
 
-static row rows[128];
+static row rows[160];
 static int n_rows;
 static double BW, RATE; /* bytes/s, FLOP/s */
 
@@ -251,6 +251,22 @@ static void bench_gemm(const char *what, int m, int n, int k, unsigned flags) {
   for (int i = 0; i < nw; i++) td_free(B, wl[i]);
   td_free(B, x);
   td_free(B, y);
+}
+
+/* A Flan-T5-XL rank's decode GEMMs under TP=2 (d_model 2048, 16 of 32
+ * heads, half of the gated FFN's 5120) at batch 32, 64 and 128: the
+ * GEMMs issue 38's batch-64 step spends most of its excess on */
+static void bench_xl_tp2(void) {
+  static const struct {
+    const char *what;
+    int n, k;
+  } g[] = {{"gemm xl tp2 qkv", 3072, 2048},
+           {"gemm xl tp2 o", 2048, 1024},
+           {"gemm xl tp2 ffn in", 5120, 2048},
+           {"gemm xl tp2 ffn out", 2048, 2560}};
+  static const int ms[] = {32, 64, 128};
+  for (size_t i = 0; i < sizeof ms / sizeof *ms; i++)
+    for (size_t j = 0; j < sizeof g / sizeof *g; j++) bench_gemm(g[j].what, ms[i], g[j].n, g[j].k, 0);
 }
 
 /* td_gemm_ex as the model calls it: RMSNorm fused, GLU (gated GELU) for the
@@ -885,6 +901,7 @@ int main(int argc, char **argv) {
     bench_gemm_ex("gemm_ex decode qkv+rms", m, 3 * D, D, true, false);
     bench_gemm_ex("gemm_ex decode ffn in+rms+glu", m, 2 * FF, D, true, true);
   }
+  bench_xl_tp2();
   bench_hop();
   bench_ew("rmsnorm", 32768, D, false);
   bench_ew("gated gelu", 32768, FF, true);

@@ -63,8 +63,9 @@
 #                                                     before they sleep: less latency for CPU; default 0)
 #                   [--spin-us N]                     (the router's loop and each worker's loop and compute
 #                                                     thread poll N us after work before they sleep: fewer
-#                                                     wake-ups a request, a core each while spinning; for
-#                                                     GPU hosts with idle cores; default 0)
+#                                                     wake-ups a request, a core each while spinning;
+#                                                     default: 5000 on GPUs where the host has two cores
+#                                                     for each spinning thread, else 0)
 #                   [--local-link auto|off|workers|all]  (workers, and with all clients too, reach the
 #                                                     router over Unix sockets in RUN_DIR instead of
 #                                                     ZeroMQ: a hop's thread wake-ups saved
@@ -224,7 +225,8 @@ encode_defer=""
 mem_fraction=0.9
 gateway_port=0
 gateway_spin=0
-spin=0
+spin=auto
+default_spin_us=5000 # covers an engine's time to first token (1,000 us did nothing for BART: docs/latency.md)
 local_link=auto
 gateway=1
 metrics_port=0
@@ -308,7 +310,8 @@ fi
 [[ $cross_mode == auto || $cross_mode == kv || $cross_mode == states || $cross_mode == dual ]] ||
   { echo "local.sh: --cross-mode must be auto, kv, states or dual" >&2; exit 2; }
 [[ -z $max_batch || $max_batch =~ ^[1-9][0-9]*$ ]] || { echo "local.sh: --max-batch must be a positive integer" >&2; exit 2; }
-[[ $spin =~ ^[0-9]{1,6}$ ]] && ((spin <= 100000)) || { echo "local.sh: --spin-us must be 0 to 100000" >&2; exit 2; }
+[[ $spin == auto ]] || { [[ $spin =~ ^[0-9]{1,6}$ ]] && ((spin <= 100000)); } ||
+  { echo "local.sh: --spin-us must be 0 to 100000" >&2; exit 2; }
 [[ $gateway_spin =~ ^[0-9]{1,6}$ ]] && ((gateway_spin <= 100000)) ||
   { echo "local.sh: --gateway-spin-us must be 0 to 100000" >&2; exit 2; }
 [[ $local_link == auto || $local_link == off || $local_link == workers || $local_link == all ]] ||
@@ -522,6 +525,19 @@ if ((auth)); then
   gateway_keys=(--curve-secret "$keys/gateway.key" --router-key "$keys/router.pub")
 fi
 
+# Polling before sleeping takes a hop's thread wake-ups off a request's first token (docs/latency.md),
+# at a core for each spinning thread (the router's loop, each worker's loop and compute thread) while
+# requests come: the default where the cores are idle anyway, a GPU host with two for each; on a CPU
+# cluster the spinning threads would take the cores the model computes on.
+if [[ $spin == auto ]]; then
+  spin=0
+  spinners=$((1 + 2 * ${#w_name[@]}))
+  cores=$(nproc 2>/dev/null || echo 1)
+  if [[ $device == cuda ]] && ((cores >= 2 * spinners)); then
+    spin=$default_spin_us
+    echo "local.sh: router and workers poll ${spin} us before they sleep ($spinners threads, $cores cores; --spin-us 0: off)"
+  fi
+fi
 # the router first; a port taken since the probe means another pick
 for attempt in 1 2 3 4 5; do
   client_ep="tcp://127.0.0.1:$port"

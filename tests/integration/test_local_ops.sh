@@ -28,6 +28,15 @@ wait_for 600 grep -q '^router ' "$work/out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/out")
 [[ -n $router ]] || { echo "FAIL the cluster did not start"; cat "$work/err"; exit 1; }
 check "by default clients reach the router over its local link" test "$router" = "local:$run/router-clients.sock"
+# polling before sleeping is local.sh's default only on GPU hosts with cores to spare (docs/latency.md)
+if ! { command -v nvidia-smi && nvidia-smi -L; } >/dev/null 2>&1; then
+  no_polling() {
+    tr '\0' ' ' <"/proc/$(cat "$run/router.pid")/cmdline" | grep -q -- "--spin-us 0 " &&
+      ! tr '\0' ' ' <"/proc/$(cat "$run/decode-0.pid")/cmdline" | grep -q -- "--spin-us" &&
+      ! grep -q "poll" "$work/out"
+  }
+  check "on the CPU no loop polls by default" no_polling
+fi
 health() { "$bin/tandem-client" --router "$router" --health --timeout-ms 2000; }
 ids() { health | jq -c '[.workers[].id] | sort'; }
 registered() { health | jq -e --arg id "$1" '.workers | any(.id == $id)' >/dev/null; }
