@@ -238,6 +238,7 @@ static void cl_result(void *ctx, const td_client_result *res) {
     a->queue_ms += t->queue_ms, a->reserve_ms += t->reserve_ms, a->encode_ms += t->encode_ms;
     a->transfer_ms += t->transfer_ms, a->prefill_ms += t->prefill_ms, a->first_token_ms += t->first_token_ms;
     a->decode_ms += t->decode_ms, a->total_ms += t->total_ms, a->attempts += t->attempts;
+    a->worker_first_token_ms += t->worker_first_token_ms;
     r->n_staged++;
   }
   result_seen(r, i, ok, ok ? res->outputs[0].n_tokens : 0);
@@ -799,9 +800,11 @@ int main(int argc, char **argv) {
                        "|---|---|---|---|---|---|---|---|---|\n");
   td_sbuf stages = {0}, hops = {0}, use = {0}, short_side = {0};
   if (o.router)
-    td_sbuf_printf(&stages, "\nWhere the time went, as the router saw it (mean ms a request; transfer: the "
-                            "encoder's wait and KV push):\n\n| arrivals | queue | reserve | encode | transfer | "
-                            "prefill | first token | decode | total | attempts |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    td_sbuf_printf(&stages,
+                   "\nWhere the time went, as the router saw it (mean ms a request; transfer: the encoder's wait and "
+                   "KV push; first token on its worker: the decode worker's part, the rest hops and the router):\n\n"
+                   "| arrivals | queue | reserve | encode | transfer | prefill | first token | ... on its worker | "
+                   "decode | total | attempts |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   if (o.gateway)
     td_sbuf_printf(&stages, "\nWhere a stream's first event went, as the gateway saw it (mean ms; admit: arrival to "
                             "the router, cluster: to the router's first answer, answer: to the HTTP server; the rest "
@@ -852,9 +855,10 @@ int main(int argc, char **argv) {
       if (o.router && r.n_staged) {
         const td_client_timings *a = &r.stages;
         double d = r.n_staged;
-        td_sbuf_printf(&stages, "| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f |\n", arr,
+        td_sbuf_printf(&stages, "| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.1f | %.1f | %.2f |\n", arr,
                        a->queue_ms / d, a->reserve_ms / d, a->encode_ms / d, a->transfer_ms / d, a->prefill_ms / d,
-                       a->first_token_ms / d, a->decode_ms / d, a->total_ms / d, a->attempts / d);
+                       a->first_token_ms / d, a->worker_first_token_ms / d, a->decode_ms / d, a->total_ms / d,
+                       a->attempts / d);
       }
       if ((o.router || o.engine) && r.after && r.n_after > 0) {
         td_serve_use *u = calloc((size_t)r.n_after, sizeof *u);

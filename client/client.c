@@ -476,6 +476,7 @@ static void dispatch(td_client *c, Tandem__ServerMessage *m, const td_client_eve
                                         .encode_ms = tm->encode_ms, .transfer_ms = tm->transfer_ms,
                                         .prefill_ms = tm->prefill_ms, .first_token_ms = tm->first_token_ms,
                                         .decode_ms = tm->decode_ms, .total_ms = tm->total_ms,
+                                        .worker_first_token_ms = tm->worker_first_token_ms,
                                         .attempts = (int)tm->attempts};
       finish(c, id, ev, &r);
       for (int i = 0; i < n; i++) free(segs[i]);

@@ -19,9 +19,12 @@ typedef struct td_client td_client;
  * reservation), encode (the encoder's compute), transfer (the encoder's
  * wait and KV push), prefill (compute), first token (placement to the
  * first token at the router), decode (the decode worker's, admission to
- * result), total (arrival to result). */
+ * result), total (arrival to result); worker first token (the decode
+ * worker's part of first token, its receipt of the job to the token: the
+ * rest is hops and the router's own time). */
 typedef struct td_client_timings {
   double queue_ms, reserve_ms, encode_ms, transfer_ms, prefill_ms, first_token_ms, decode_ms, total_ms;
+  double worker_first_token_ms;
   int attempts;
 } td_client_timings;
 

@@ -41,6 +41,7 @@ static void decode_done(td_worker *w, td_job *j, const td_done *d) {
   f.outputs = d->outputs;
   f.n_outputs = (size_t)d->n_outputs;
   f.decode_ms = d->ms;
+  f.first_token_ms = d->first_ms;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED;
   m.finished = &f;

@@ -290,7 +290,8 @@ bool td_check_worker_message(const Tandem__Cluster__WorkerMessage *m, int vocab,
         BAD("Finished.outputs holds %zu sequences, 1 to %d", fin->n_outputs, TD_CLIENT_MAX_OUTPUTS);
       for (size_t k = 0; k < fin->n_outputs; k++)
         if (!output_ok(k, fin->outputs[k], vocab, why, cap)) return false;
-      return time_ok("Finished.decode_ms", fin->decode_ms, why, cap);
+      return time_ok("Finished.decode_ms", fin->decode_ms, why, cap) &&
+             time_ok("Finished.first_token_ms", fin->first_token_ms, why, cap);
     }
     case TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FAILED: {
       const Tandem__Cluster__Failed *fl = m->failed;

@@ -94,6 +94,7 @@ typedef struct rreq {
   int64_t t_queued;      /* when this attempt entered the queue */
   size_t held;           /* its client message's bytes, counted in r->held_bytes */
   int64_t t_reserved, t_encode_sent, t_encoded, t_first; /* stage times for Timings (0: not yet) */
+  int64_t t_placed_ns, t_first_ns; /* the same in ns: a first token is often under a millisecond away */
   double encode_ms, prefill_ms;
   /* streamed text: one detokenizer a sequence, made at its first chunk */
   td_detok **detok;
@@ -389,7 +390,9 @@ void rtr_result_extras_free(rtr_result_extras *x, Tandem__SequenceOutput **outs)
 void rtr_on_progress(td_router *r, worker *w, Tandem__Cluster__WorkerMessage *m);
 /* Sends the request's result (a single sequence's earlier attempts' tokens
  * first) and ends it. */
-void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms);
+/* decode_ms, worker_first_ms: the decode worker's reports (0: none) */
+void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms,
+                    double worker_first_ms);
 
 /* ---- metrics.c (docs/metrics.md) */
 /* The registry, and the /metrics server when opts.metrics asks for it. */

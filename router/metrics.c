@@ -263,6 +263,12 @@ void rtr_metrics_result(td_router *r, const rreq *q, Tandem__SequenceOutput *con
     st[0] = "decode";
     td_metric_observe(m->stage, st, tm->decode_ms / 1e3);
   }
+  if (tm->worker_first_token_ms > 0) { /* the first token's time at the router less the worker's: hops */
+    st[0] = "first_token_worker";
+    td_metric_observe(m->stage, st, tm->worker_first_token_ms / 1e3);
+    st[0] = "first_token_hops";
+    td_metric_observe(m->stage, st, (tm->first_token_ms - tm->worker_first_token_ms) / 1e3);
+  }
 }
 
 void rtr_metrics_failure(td_router *r, Tandem__ErrorCode code) {

@@ -139,7 +139,7 @@ void rtr_req_retry(td_router *r, rreq *q, const char *why) {
     TD_LOG_ABOUT(q->cid, TD_INFO, "request %s (rid %llu): every token was streamed before %s; it ends with them",
                  q->cid, (unsigned long long)q->rid, why);
     Tandem__SequenceOutput *outs = &done;
-    rtr_req_result(r, q, &outs, 1, 0);
+    rtr_req_result(r, q, &outs, 1, 0, 0);
     return;
   }
   if (q->attempts - q->free_attempts >= r->o.max_attempts) {
@@ -298,7 +298,7 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
     q->local_enc_held = true;
   }
   q->st = q->local_encode ? ST_DECODING : ST_RESERVING;
-  q->t_placed = q->t_placed ? q->t_placed : td_now_ms();
+  if (!q->t_placed) q->t_placed = td_now_ms(), q->t_placed_ns = td_now_ns();
   q->t_stage = td_now_ms();
   /* this attempt's stages (the first token stays the request's first) */
   q->t_reserved = q->t_encode_sent = q->t_encoded = 0;

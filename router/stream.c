@@ -220,7 +220,7 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   }
   if (q->st < ST_DECODING) q->st = ST_DECODING;
   if (q->detecting) return; /* the language token is the router's, not the client's */
-  if (!q->t_first && t->n_tokens) q->t_first = td_now_ms();
+  if (!q->t_first && t->n_tokens) q->t_first = td_now_ms(), q->t_first_ns = td_now_ns();
   if (t->n_tokens) {
     rtr_local_encode_done(r, q);
     rtr_mark_decoding(r, q);
@@ -259,7 +259,8 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   free(text);
 }
 
-void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms) {
+void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t n_out, double decode_ms,
+                    double worker_first_ms) {
   if (q->detecting) {
     rtr_detect_done(r, q, outs, n_out);
     return;
@@ -301,7 +302,10 @@ void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t
     double wait_push = (double)(q->t_encoded - q->t_encode_sent) - q->encode_ms;
     tm.transfer_ms = wait_push > 0 ? wait_push : 0;
   }
-  if (q->t_first) tm.first_token_ms = (double)(q->t_first - q->t_placed);
+  if (q->t_first) tm.first_token_ms = (double)(q->t_first_ns - q->t_placed_ns) / 1e6;
+  /* the worker's part of it, never more than the whole (a report is the worker's word) */
+  if (q->t_first && worker_first_ms > 0)
+    tm.worker_first_token_ms = worker_first_ms < tm.first_token_ms ? worker_first_ms : tm.first_token_ms;
   tm.attempts = (uint32_t)q->attempts;
   Tandem__GenerateResult gr = TANDEM__GENERATE_RESULT__INIT;
   gr.outputs = outs;
@@ -334,7 +338,7 @@ static void on_finished(td_router *r, worker *w, const Tandem__Cluster__Finished
     bad_news(r, w, q, why);
     return;
   }
-  rtr_req_result(r, q, fin->outputs, fin->n_outputs, fin->decode_ms);
+  rtr_req_result(r, q, fin->outputs, fin->n_outputs, fin->decode_ms, fin->first_token_ms);
 }
 
 static void on_failed(td_router *r, worker *w, const Tandem__Cluster__Failed *f) {

@@ -6,6 +6,7 @@
  * so the main loop never waits on compute. A group leader also feeds its
  * followers from this thread (leader.c; arrived KV sliced per rank here). */
 #include <errno.h>
+#include <math.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -126,6 +127,7 @@ static void on_token(void *ctx, uint64_t handle, void *user, int seq, int32_t to
   td_worker *w = ctx;
   creq *c = user;
   if (!c->role->streams) return;
+  if (c->first_ms <= 0) c->first_ms = fmax((double)(td_now_ns() - c->t_recv_ns) / 1e6, 1e-6);
   wev *e = calloc(1, sizeof *e);
   if (!e) return;
   e->kind = EV_TOKEN;
@@ -206,6 +208,7 @@ static void on_finish(void *ctx, const td_result *r) {
     e->status = r->status;
     e->error = r->error ? strdup(r->error) : NULL;
     e->ms = (double)(td_now_ns() - c->t_start_ns) / 1e6; /* sub-ms: a toy encode of < 1 ms read 0 and went uncounted */
+    e->first_ms = c->first_ms;
     copy_outputs(e, r);
     if (r->n_blocks && c->role->hands_over != TD_POOL_NONE) hand_over(w, c, e, r);
     ev_push(w, e);
@@ -288,6 +291,7 @@ static void compute_add(td_worker *w, cmd *c) {
     cr->slot = c->slot;
     cr->role = c->role;
     cr->t_start_ns = td_now_ns();
+    cr->t_recv_ns = c->t_recv_ns ? c->t_recv_ns : cr->t_start_ns;
     cr->host_copy = c->host_copy;
     r.user = cr;
     s = td_engine_add(w->e, &r, &cr->handle);

@@ -48,6 +48,7 @@ typedef struct cmd {
   int n_blocks;
   uint8_t *data;    /* CMD_WRITE_KV: n_blocks whole-model blocks (owned) */
   bool host_copy;   /* CMD_ADD: hand over the blocks' bytes in host memory too */
+  int64_t t_recv_ns; /* CMD_ADD: td_now_ns at the job message's receipt */
   bool states_only; /* CMD_WRITE_KV: cross blocks' states tails only (a states push) */
   /* CMD_ADD: the cross KV arrived as encoder states, to be projected into
    * every layer's K/V (td_model_project_cross) before the engine takes it */
@@ -89,6 +90,7 @@ typedef struct wev {
   uint8_t *host;   /* their bytes, copied to host memory */
   size_t block_bytes;
   double ms;
+  double first_ms; /* EV_DONE: the job message's receipt to the first token (0: none) */
   struct wev *next;
 } wev;
 
@@ -129,6 +131,7 @@ struct td_job {
   bool push_failed;
   char push_error[256];
   double compute_ms;
+  int64_t t_recv_ns;         /* td_now_ns when its job message came */
   UT_hash_handle hh;
 };
 
@@ -139,6 +142,8 @@ typedef struct creq {
   const td_role *role;
   uint64_t handle;
   int64_t t_start_ns; /* td_now_ns at the job's start */
+  int64_t t_recv_ns;  /* ... at its job message's receipt (main thread) */
+  double first_ms;    /* receipt to the first token; 0: none yet */
   bool host_copy;
   UT_hash_handle hh;
 } creq;

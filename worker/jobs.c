@@ -90,6 +90,7 @@ td_job *td_job_take(td_worker *w, const td_role *r, Tandem__Cluster__RouterMessa
   j->role = r;
   j->msg = m;
   j->spec = spec;
+  j->t_recv_ns = td_now_ns();
   HASH_ADD(hh, w->jobs, key, sizeof j->key, j);
   return j;
 }
@@ -222,6 +223,7 @@ static td_status add_cmd(td_worker *w, td_job *j, cmd **out) {
   cmd *c = *out = w_cmd(CMD_ADD, j->rid, j->slot);
   if (!c) return td_err(TD_ERR_NOMEM, "out of memory");
   c->role = j->role;
+  c->t_recv_ns = j->t_recv_ns;
   td_request *r = &c->req;
   c->id = strdup(sp->client_id ? sp->client_id : "");
   c->owned_i32[0] = dup_i32(sp->input_ids, sp->n_input_ids);
@@ -422,7 +424,7 @@ static void on_done(td_worker *w, td_job *j, wev *e) {
     }
   } else {
     j->compute_ms = e->ms;
-    td_done d = {.outputs = e->outputs, .n_outputs = e->n_outputs, .ms = e->ms};
+    td_done d = {.outputs = e->outputs, .n_outputs = e->n_outputs, .ms = e->ms, .first_ms = e->first_ms};
     r->on_done(w, j, &d);
   }
   if (r->streams) w_stream_forget(w, rid);

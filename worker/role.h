@@ -26,7 +26,8 @@ typedef enum td_role_pool { TD_POOL_NONE = 0, TD_POOL_CROSS, TD_POOL_SELF } td_r
 typedef struct td_done {
   Tandem__SequenceOutput **outputs; /* best first */
   int n_outputs;
-  double ms; /* on the compute thread */
+  double ms;       /* on the compute thread */
+  double first_ms; /* the job message's receipt to the first token (0: none) */
 } td_done;
 
 struct td_role {

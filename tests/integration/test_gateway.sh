@@ -151,6 +151,11 @@ check "bench-serve --router: the decode worker's steps and batch" \
   grep -qE '^\| 2 in flight \| decode-0 \| [0-9.]+ \| [1-9][0-9]* \| [1-9][0-9.]* \| [0-9.]+ \| 0 \| 0 \| 0\.0 \| [0-9.]+ \| [0-9.]+ \| ([0-9.]+|-) \|$' <<<"$bs"
 check "bench-serve --router: the encoder's runs" \
   grep -qE '^\| 2 in flight \| encoder-0 \| [0-9.]+ \| 0 \| 0\.0 \| 0\.00 \| 4 \| [1-4] \| [0-9.]+ \| 0\.0 \| [0-9.]+ \| ([0-9.]+|-) \|$' <<<"$bs"
+# the router's stages: the decode worker's part of the first token, reported, within the whole
+first_parts() {
+  awk -F' [|] ' '$1 == "| 2 in flight" && NF == 11 && $2 ~ /^[0-9.]+$/ { ok = $8 > 0 && $8 <= $7 + 0.01 } END { exit !ok }' <<<"$bs"
+}
+check "bench-serve --router: the first token's part on its worker" first_parts
 
 # bench-serve over HTTP reads the gateway's stages of the run's first events back from /metrics
 bs=$("$bin/bench-serve" --gateway "$gw" --model "$t5" --workload trt --requests 4 --concurrency 1 2>&1)

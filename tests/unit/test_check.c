@@ -339,6 +339,7 @@ static void f_text(wmsg *x) {
 }
 static void f_segments(wmsg *x) { x->out.has_segments = true; }
 static void f_ms(wmsg *x) { x->fin.decode_ms = NAN; }
+static void f_first_ms(wmsg *x) { x->fin.first_token_ms = -2; }
 static void fl_code(wmsg *x) { x->fl.code = (Tandem__ErrorCode)99; }
 static void fl_msg(wmsg *x) { x->fl.message = (char *)too_long(TD_WIRE_MAX_REASON + 1); }
 static void ed_ms(wmsg *x) { x->ed.ms = -1; }
@@ -383,6 +384,7 @@ static const w_row w_rows[] = {
     {W(FINISHED), "text from a worker", "carries text or segments", f_text},
     {W(FINISHED), "segments from a worker", "carries text or segments", f_segments},
     {W(FINISHED), "NaN decode time", "Finished.decode_ms nan", f_ms},
+    {W(FINISHED), "a negative first-token time", "Finished.first_token_ms -2", f_first_ms},
     {W(FAILED), "code 99", "Failed.code 99 is no error code", fl_code},
     {W(FAILED), "a message too long", "Failed.message has 4097 bytes", fl_msg},
     {W(ENCODE_DONE), "negative time", "EncodeDone.ms -1", ed_ms},

@@ -220,7 +220,7 @@ static void send_tokens(void *s, uint64_t rid, uint32_t offset, const int32_t *t
   wsend(s, &m);
 }
 
-static void send_finished(void *s, uint64_t rid, const int32_t *t, size_t n) {
+static void send_finished_first(void *s, uint64_t rid, const int32_t *t, size_t n, double first_ms) {
   Tandem__SequenceOutput o = TANDEM__SEQUENCE_OUTPUT__INIT;
   o.tokens = (int32_t *)t;
   o.n_tokens = n;
@@ -230,11 +230,14 @@ static void send_finished(void *s, uint64_t rid, const int32_t *t, size_t n) {
   fin.rid = rid;
   fin.outputs = &op;
   fin.n_outputs = 1;
+  fin.first_token_ms = first_ms;
   Tandem__Cluster__WorkerMessage m = TANDEM__CLUSTER__WORKER_MESSAGE__INIT;
   m.body_case = TANDEM__CLUSTER__WORKER_MESSAGE__BODY_FINISHED;
   m.finished = &fin;
   wsend(s, &m);
 }
+
+static void send_finished(void *s, uint64_t rid, const int32_t *t, size_t n) { send_finished_first(s, rid, t, n, 0); }
 
 static void send_body(void *s, Tandem__Cluster__WorkerMessage *m) { wsend(s, m); }
 
@@ -483,6 +486,40 @@ Test(router_control, generate_is_placed_and_tokens_flow_back_with_offsets, .time
   expect_chunk(&h, "a", 0, t, 1);
   expect_chunk(&h, "a", 1, t + 1, 2);
   expect_result(&h, "a", t, 3, 1);
+  void *socks[] = {w};
+  finish(&h, socks, 1);
+}
+
+/* Timings: the first token at the router measured below the millisecond,
+ * the decode worker's part of it as it reports (a report past the router's
+ * own measure is cut to it: a worker's word), none where it reports none. */
+Test(router_control, first_token_timings_carry_the_workers_part, .timeout = 30) {
+  harness h;
+  start(&h, (td_router_opts){0});
+  void *w = fake_worker(&h, "w0", enc_dec);
+  static const double claims[] = {4.5, 1e6, 0};
+  for (int i = 0; i < 3; i++) {
+    char id[8];
+    snprintf(id, sizeof id, "f%d", i);
+    generate(&h, (gen){.id = id, .max_new = 2});
+    Tandem__Cluster__RouterMessage *job = wexpect(w, TANDEM__CLUSTER__ROUTER_MESSAGE__BODY_DECODE, "the decode job");
+    uint64_t rid = job->decode->req->rid;
+    wfree(job);
+    usleep(12000);
+    int32_t t[2] = {7, 8};
+    send_tokens(w, rid, 0, t, 2);
+    send_finished_first(w, rid, t, 2, claims[i]);
+    Tandem__ServerMessage *m = cexpect(&h, TANDEM__SERVER_MESSAGE__BODY_RESULT, "the result");
+    const Tandem__Timings *tm = m->result->timings;
+    cr_assert_not_null(tm);
+    cr_expect(tm->first_token_ms >= 12.0 && tm->first_token_ms < 5000, "%s: first token %g ms", id, tm->first_token_ms);
+    cr_expect(tm->first_token_ms != (double)(int64_t)tm->first_token_ms, "%s: %g ms, whole milliseconds", id,
+              tm->first_token_ms);
+    double want = i == 0 ? 4.5 : i == 1 ? tm->first_token_ms : 0;
+    cr_expect_float_eq(tm->worker_first_token_ms, want, 1e-9, "%s: the worker's part %g, want %g", id,
+                       tm->worker_first_token_ms, want);
+    cfree(m);
+  }
   void *socks[] = {w};
   finish(&h, socks, 1);
 }
