@@ -303,8 +303,9 @@ void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t
     tm.transfer_ms = wait_push > 0 ? wait_push : 0;
   }
   if (q->t_first) tm.first_token_ms = (double)(q->t_first_ns - q->t_placed_ns) / 1e6;
-  /* the worker's part of it, never more than the whole (a report is the worker's word) */
-  if (q->t_first && worker_first_ms > 0)
+  /* the decode worker's part of it, never more than the whole (a report is the worker's word); only where
+   * that worker's first token was the request's: one attempt, no prefill worker sampling it */
+  if (q->t_first && worker_first_ms > 0 && q->attempts == 1 && q->prefill_ms <= 0)
     tm.worker_first_token_ms = worker_first_ms < tm.first_token_ms ? worker_first_ms : tm.first_token_ms;
   tm.attempts = (uint32_t)q->attempts;
   Tandem__GenerateResult gr = TANDEM__GENERATE_RESULT__INIT;
