@@ -90,11 +90,11 @@ typedef struct rreq {
    * log-probabilities, for resuming */
   td_i32vec streamed;
   td_f32vec streamed_lp;
-  int64_t t_arrival, t_placed, t_stage, deadline;
+  int64_t t_arrival, t_stage, deadline;
   int64_t t_queued;      /* when this attempt entered the queue */
   size_t held;           /* its client message's bytes, counted in r->held_bytes */
-  int64_t t_reserved, t_encode_sent, t_encoded, t_first; /* stage times for Timings (0: not yet) */
-  int64_t t_placed_ns, t_first_ns; /* the same in ns: a first token is often under a millisecond away */
+  int64_t t_reserved, t_encode_sent, t_encoded; /* stage times for Timings (0: not yet) */
+  int64_t t_placed_ns, t_first_ns; /* the same in ns (a first token is often under a millisecond away) */
   double encode_ms, prefill_ms;
   /* streamed text: one detokenizer a sequence, made at its first chunk */
   td_detok **detok;

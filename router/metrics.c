@@ -230,12 +230,12 @@ void rtr_metrics_result(td_router *r, const rreq *q, Tandem__SequenceOutput *con
   const char *reason[] = {finish_name(n_out ? outs[0]->finish_reason : TANDEM__FINISH_REASON__FINISH_NONE)};
   td_metric_inc(m->success, reason, 1);
   /* no token came before the result (samples, beams): the result is the first */
-  int64_t first = q->t_first ? q->t_first : now;
+  int64_t first = q->t_first_ns ? q->t_first_ns / 1000000 : now;
   td_metric_observe(m->ttft, NULL, (double)(first - q->t_arrival) / 1e3);
   td_metric_observe(m->e2e, NULL, tm->total_ms / 1e3);
   size_t n_first = n_out ? outs[0]->n_tokens : 0;
-  if (n_first > 1 && q->t_first)
-    td_metric_observe(m->tpot, NULL, (double)(now - q->t_first) / 1e3 / (double)(n_first - 1));
+  if (n_first > 1 && q->t_first_ns)
+    td_metric_observe(m->tpot, NULL, (double)(now - q->t_first_ns / 1000000) / 1e3 / (double)(n_first - 1));
   double gen = 0;
   for (size_t i = 0; i < n_out; i++) gen += (double)outs[i]->n_tokens;
   td_metric_inc(m->generation, NULL, gen);

@@ -298,7 +298,7 @@ static void start(td_router *r, rreq *q, const td_placement *pl) {
     q->local_enc_held = true;
   }
   q->st = q->local_encode ? ST_DECODING : ST_RESERVING;
-  if (!q->t_placed) q->t_placed = td_now_ms(), q->t_placed_ns = td_now_ns();
+  if (!q->t_placed_ns) q->t_placed_ns = td_now_ns();
   q->t_stage = td_now_ms();
   /* this attempt's stages (the first token stays the request's first) */
   q->t_reserved = q->t_encode_sent = q->t_encoded = 0;

@@ -220,7 +220,7 @@ static void on_tokens(td_router *r, worker *w, const Tandem__Cluster__Tokens *t)
   }
   if (q->st < ST_DECODING) q->st = ST_DECODING;
   if (q->detecting) return; /* the language token is the router's, not the client's */
-  if (!q->t_first && t->n_tokens) q->t_first = td_now_ms(), q->t_first_ns = td_now_ns();
+  if (!q->t_first_ns && t->n_tokens) q->t_first_ns = td_now_ns();
   if (t->n_tokens) {
     rtr_local_encode_done(r, q);
     rtr_mark_decoding(r, q);
@@ -292,20 +292,21 @@ void rtr_req_result(td_router *r, rreq *q, Tandem__SequenceOutput **outs, size_t
   rtr_result_text(r, q, outs, n_out, &extras);
   if (q->g->stream) rtr_stream_text_finish(r, q);
   Tandem__Timings tm = TANDEM__TIMINGS__INIT;
-  tm.queue_ms = (double)(q->t_placed - q->t_arrival);
+  const int64_t placed_ms = q->t_placed_ns / 1000000;
+  tm.queue_ms = (double)(placed_ms - q->t_arrival);
   tm.encode_ms = q->encode_ms;
   tm.prefill_ms = q->prefill_ms;
   tm.decode_ms = decode_ms;
   tm.total_ms = (double)(td_now_ms() - q->t_arrival);
-  if (q->t_reserved) tm.reserve_ms = (double)(q->t_reserved - q->t_placed);
+  if (q->t_reserved) tm.reserve_ms = (double)(q->t_reserved - placed_ms);
   if (q->t_encode_sent && q->t_encoded) {
     double wait_push = (double)(q->t_encoded - q->t_encode_sent) - q->encode_ms;
     tm.transfer_ms = wait_push > 0 ? wait_push : 0;
   }
-  if (q->t_first) tm.first_token_ms = (double)(q->t_first_ns - q->t_placed_ns) / 1e6;
+  if (q->t_first_ns) tm.first_token_ms = (double)(q->t_first_ns - q->t_placed_ns) / 1e6;
   /* the decode worker's part of it, never more than the whole (a report is the worker's word); only where
    * that worker's first token was the request's: one attempt, no prefill worker sampling it */
-  if (q->t_first && worker_first_ms > 0 && q->attempts == 1 && q->prefill_ms <= 0)
+  if (q->t_first_ns && worker_first_ms > 0 && q->attempts == 1 && q->prefill_ms <= 0)
     tm.worker_first_token_ms = worker_first_ms < tm.first_token_ms ? worker_first_ms : tm.first_token_ms;
   tm.attempts = (uint32_t)q->attempts;
   Tandem__GenerateResult gr = TANDEM__GENERATE_RESULT__INIT;
