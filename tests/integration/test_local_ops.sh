@@ -28,11 +28,12 @@ wait_for 600 grep -q '^router ' "$work/out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/out")
 [[ -n $router ]] || { echo "FAIL the cluster did not start"; cat "$work/err"; exit 1; }
 check "by default clients reach the router over its local link" test "$router" = "local:$run/router-clients.sock"
+# a process's command line, from the pid file local.sh keeps in its run directory
+args_in() { tr '\0' ' ' <"/proc/$(cat "$1/$2.pid")/cmdline"; }
 # polling before sleeping is local.sh's default only on GPU hosts with cores to spare (docs/latency.md)
 if ! { command -v nvidia-smi && nvidia-smi -L; } >/dev/null 2>&1; then
   no_polling() {
-    tr '\0' ' ' <"/proc/$(cat "$run/router.pid")/cmdline" | grep -q -- "--spin-us 0 " &&
-      ! tr '\0' ' ' <"/proc/$(cat "$run/decode-0.pid")/cmdline" | grep -q -- "--spin-us" &&
+    args_in "$run" router | grep -q -- "--spin-us 0 " && ! args_in "$run" decode-0 | grep -q -- "--spin-us" &&
       ! grep -q "poll" "$work/out"
   }
   check "on the CPU no loop polls by default" no_polling
@@ -171,7 +172,7 @@ check "--auth --decode-tp 2: the group's sockets admit its ranks only" \
 lse=$!
 wait_for 600 grep -q '^router ' "$work/lse.out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/lse.out")
-args_of() { tr '\0' ' ' <"/proc/$(cat "$work/lse/$1.pid")/cmdline"; }
+args_of() { args_in "$work/lse" "$1"; }
 "$root/deploy/local.sh" add encode --run-dir "$work/lse" >"$work/lse-add.out" 2>&1
 check "--encoder-seqs: add encode registered" grep -qx "added encoder-1" "$work/lse-add.out"
 "$root/deploy/local.sh" add encode,decode --run-dir "$work/lse" >"$work/lse-add.out" 2>&1
