@@ -52,6 +52,7 @@ typedef struct td_backend_vt {
   td_status (*graph_end)(td_backend *b, td_graph **out);
   td_status (*graph_launch)(td_backend *b, td_graph *g);
   void (*graph_destroy)(td_backend *b, td_graph *g);
+  int (*graph_kernels)(td_backend *b, const td_graph *g); /* NULL: -1 */
   /* NULL: norm, GEMM and gated activation as separate ops (ops.c) */
   td_status (*gemm_ex)(td_backend *b, const td_gemm_args *a);
   /* td_attn_states_rows; NULL: INT_MAX */
@@ -91,6 +92,9 @@ typedef struct td_comm_vt {
   /* td_allgather_rows; NULL: packed through allgather in host memory (CPU backends) */
   td_status (*allgather_rows)(td_comm *c, td_backend *b, void *buf, td_buf_type t, int rows, int width, int col0,
                               int ncols);
+  /* td_gemm_allreduce; NULL: td_gemm, then allreduce */
+  td_status (*gemm_allreduce)(td_comm *c, td_backend *b, const void *x, const void *w, const float *bias, void *y,
+                              int m, int n, int k, unsigned flags);
 } td_comm_vt;
 
 struct td_comm {

@@ -315,6 +315,10 @@ td_status td_graph_launch(td_backend *b, td_graph *g) {
   return b->vt->graph_launch(b, g);
 }
 
+int td_graph_kernels(td_backend *b, const td_graph *g) {
+  return g && b->vt->graph_kernels ? b->vt->graph_kernels(b, g) : -1;
+}
+
 void td_graph_destroy(td_backend *b, td_graph *g) {
   if (g && b->vt->graph_destroy) b->vt->graph_destroy(b, g);
 }
@@ -342,6 +346,19 @@ td_status td_allreduce_sum(td_backend *b, void *buf, td_buf_type t, size_t n) {
   TD_TRY(need_comm(b, "allreduce"));
   if (b->comm->world == 1 || n == 0) return TD_OK;
   return b->comm->vt->allreduce(b->comm, b, buf, t, n);
+}
+
+td_status td_gemm_allreduce(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n,
+                            int k, unsigned flags) {
+  TD_TRY(need_comm(b, "gemm_allreduce"));
+  if (flags & ~(unsigned)TD_GEMM_ACCUM) return bad("gemm_allreduce", "flags other than TD_GEMM_ACCUM");
+  if (m < 0 || n <= 0 || k <= 0) return bad("gemm_allreduce", "sizes must be positive");
+  if (!x || !w || !y) return bad("gemm_allreduce", "null buffer");
+  if (m == 0) return TD_OK;
+  if (b->comm->world > 1 && b->comm->vt->gemm_allreduce)
+    return b->comm->vt->gemm_allreduce(b->comm, b, x, w, bias, y, m, n, k, flags);
+  TD_TRY(b->vt->gemm(b, x, w, bias, y, m, n, k, TD_ACT_NONE, flags));
+  return td_allreduce_sum(b, y, TD_BUF_ACT, (size_t)m * n);
 }
 
 td_status td_allgather(td_backend *b, const void *send, void *recv, td_buf_type t, size_t n) {

@@ -339,6 +339,8 @@ td_status td_graph_begin(td_backend *b);
 td_status td_graph_end(td_backend *b, td_graph **out);
 td_status td_graph_launch(td_backend *b, td_graph *g);
 void td_graph_destroy(td_backend *b, td_graph *g);
+/* The kernels one replay of g launches (-1: the backend cannot tell). */
+int td_graph_kernels(td_backend *b, const td_graph *g);
 
 /* ---- collectives (tensor and pipeline parallelism) ---- */
 /* A communicator joins the backends of one model's ranks. With one
@@ -387,6 +389,13 @@ void td_backend_set_comm(td_backend *b, td_comm *c);
 td_comm *td_backend_comm(const td_backend *b);
 /* Sum over ranks, in place. */
 td_status td_allreduce_sum(td_backend *b, void *buf, td_buf_type t, size_t n);
+/* A row-parallel layer's GEMM and its all-reduce: y[m,n] (TD_BUF_ACT) =
+ * the sum over the communicator's ranks of x W^T + bias (+ y where that
+ * rank passes TD_GEMM_ACCUM), as td_gemm then td_allreduce_sum, with the
+ * same bits; one kernel where the backend can (CUDA: a few rows over the
+ * one-shot all-reduce). Flags: TD_GEMM_ACCUM only. */
+td_status td_gemm_allreduce(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n,
+                            int k, unsigned flags);
 /* recv[r * n + i] = rank r's send[i]. */
 td_status td_allgather(td_backend *b, const void *send, void *recv, td_buf_type t, size_t n);
 /* Rows split over the ranks: rank r holds rows [lo, hi) of n, in equal

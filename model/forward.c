@@ -22,8 +22,9 @@ static td_status linear(td_model *m, const lin *l, const void *x, void *y, int r
  * (an encoder split by rows), a plain accumulate. */
 static td_status row_parallel(td_model *m, const lin *l, const void *x, void *h, int rows, bool whole) {
   bool tp = m->opts.tp_size > 1 && !whole;
-  TD_TRY(linear(m, l, x, h, rows, TD_ACT_NONE, !tp || m->opts.tp_rank == 0 ? TD_GEMM_ACCUM : 0));
-  return tp ? td_allreduce_sum(m->b, h, TD_BUF_ACT, (size_t)rows * m->d.d) : TD_OK;
+  if (tp) /* one kernel where the backend can */
+    return td_gemm_allreduce(m->b, x, l->w, l->b, h, rows, l->out, l->in, m->opts.tp_rank == 0 ? TD_GEMM_ACCUM : 0);
+  return linear(m, l, x, h, rows, TD_ACT_NONE, TD_GEMM_ACCUM);
 }
 
 /* y = act(norm(x) W^T + b), the norm fused where the backend can (pre-norm

@@ -168,7 +168,7 @@ static void t_destroy(td_comm *c) {
   free(c);
 }
 
-static const td_comm_vt threads_vt = {t_allreduce, t_allgather, t_send, t_recv, t_sendrecv, t_abort, t_destroy, NULL};
+static const td_comm_vt threads_vt = {t_allreduce, t_allgather, t_send, t_recv, t_sendrecv, t_abort, t_destroy, NULL, NULL};
 
 td_status td_comm_create_threads(int world, td_comm **comms) {
   if (world < 1 || world > MAX_WORLD) return td_err(TD_ERR_INVALID, "world of %d ranks (1 to %d)", world, MAX_WORLD);

@@ -220,7 +220,7 @@ static void z_destroy(td_comm *c) {
   free(c);
 }
 
-static const td_comm_vt zmq_vt = {z_allreduce, z_allgather, z_send, z_recv, NULL, z_abort, z_destroy, NULL};
+static const td_comm_vt zmq_vt = {z_allreduce, z_allgather, z_send, z_recv, NULL, z_abort, z_destroy, NULL, NULL};
 
 td_status td_comm_zmq_connect(td_comm_zmq_boot *boot, int rank, int world, const char *const *endpoints,
                               int timeout_ms, td_comm **out) {

@@ -17,28 +17,10 @@
 
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/cuda_allreduce.h"
+#include "kernels/cuda/cuda_allreduce.cuh"
 
-#define AR_MAX_WORLD 8
-#define AR_PHASES 3
-#define AR_SLOT_BYTES (4u << 20) /* largest message taken (bf16: 2M values: a 1500-position Whisper
-                                    encoder's rows, 3.84 MB); two ranks only above 1 MiB */
-#define AR_WIDE_BYTES (1u << 20) /* more than two ranks: each rank sends world - 1 copies */
 #define AR_THREADS 256
 #define AR_MAX_BLOCKS 128
-#define AR_EMPTY 0x8000u              /* bf16 -0.0: not arrived */
-#define AR_EMPTY2 0x80008000u         /* two of them */
-#define AR_SPIN_LIMIT (1u << 26)      /* a vanished peer ends the wait (garbage, not a hang) */
-
-typedef struct ar_peers {
-  uint8_t *slots[AR_MAX_WORLD]; /* each rank's receive area, [phase][world][slot] */
-} ar_peers;
-
-/* per rank, after its slots: the phase of the next call, the values of the
- * last call (the slots it filled), blocks done with the current call, and
- * whether a wait ever gave up */
-typedef struct ar_ctl {
-  uint32_t phase, nprev, done, err;
-} ar_ctl;
 
 struct td_cu_allreduce {
   int rank, world, device;
@@ -49,81 +31,6 @@ struct td_cu_allreduce {
 };
 
 static size_t slot_bytes(int world) { return (size_t)AR_PHASES * world * AR_SLOT_BYTES; }
-
-__device__ __forceinline__ uint4 ld_volatile16(const void *p) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint16_t ld_volatile2(const void *p) {
-  uint16_t v;
-  asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ bool has_empty(uint32_t w) {
-  return (w & 0xffffu) == AR_EMPTY || (w >> 16) == AR_EMPTY;
-}
-
-/* -0.0 is the "not arrived" mark: send it as +0.0 (the sum is the same) */
-__device__ __forceinline__ uint32_t unmark(uint32_t w) {
-  if ((w & 0xffffu) == AR_EMPTY) w &= 0xffff0000u;
-  if ((w >> 16) == AR_EMPTY) w &= 0x0000ffffu;
-  return w;
-}
-
-/* A peer's 16-byte vector once none of its values is "not arrived" (a
- * vanished peer: garbage after AR_SPIN_LIMIT spins, flagged in ctl->err) */
-__device__ __forceinline__ uint4 wait_vec(const uint4 *src, ar_ctl *ctl) {
-  uint4 w = ld_volatile16(src);
-  uint32_t spins = 0;
-  while (has_empty(w.x) || has_empty(w.y) || has_empty(w.z) || has_empty(w.w)) {
-    if (++spins > AR_SPIN_LIMIT) {
-      atomicExch(&ctl->err, 1u);
-      break;
-    }
-    w = ld_volatile16(src);
-  }
-  return w;
-}
-
-__device__ __forceinline__ void add8(float *acc, uint4 u) {
-  const bf16 *h = (const bf16 *)&u;
-#pragma unroll
-  for (int k = 0; k < 8; k++) acc[k] += __bfloat162float(h[k]);
-}
-
-/* The previous call's values in our slots back to "not arrived" (nprev:
- * the most values a peer wrote into one slot of ours in that call). */
-__device__ __forceinline__ void empty_previous(const ar_peers &P, int rank, int world, const ar_ctl *ctl,
-                                               size_t me, size_t stride) {
-  const uint32_t prev = (ctl->phase + AR_PHASES - 1) % AR_PHASES, nprev = ctl->nprev;
-  const uint4 empty = make_uint4(AR_EMPTY2, AR_EMPTY2, AR_EMPTY2, AR_EMPTY2);
-  for (int p = 0; p < world; p++) {
-    if (p == rank) continue;
-    uint4 *s = (uint4 *)(P.slots[rank] + ((size_t)prev * world + p) * AR_SLOT_BYTES);
-    for (size_t v = me; v < (nprev + 7) / 8; v += stride) s[v] = empty;
-  }
-}
-
-/* The last block out moves the phase on and records what this call wrote
- * into a peer's slot at most (values), for the next call to empty. */
-__device__ __forceinline__ void advance_phase(ar_ctl *ctl, uint32_t phase, uint32_t wrote) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&ctl->done, 1u) == gridDim.x - 1) {
-      ctl->done = 0;
-      ctl->nprev = wrote;
-      ctl->phase = (phase + 1) % AR_PHASES;
-      __threadfence();
-    }
-  }
-}
 
 __global__ void __launch_bounds__(AR_THREADS) ar_kernel(bf16 *buf, uint32_t n, ar_peers P, int rank, int world,
                                                         ar_ctl *ctl) {
@@ -253,6 +160,16 @@ __global__ void ar_fill_kernel(uint32_t *p, size_t words) {
 
 bool td_cu_allreduce_fits(const td_cu_allreduce *a, td_buf_type t, size_t n) {
   return a && t == TD_BUF_ACT && n * sizeof(bf16) <= (a->world <= 2 ? AR_SLOT_BYTES : AR_WIDE_BYTES);
+}
+
+bool td_cu_allreduce_dev(const td_cu_allreduce *a, size_t n, td_cu_ar_dev *out) {
+  if (!td_cu_allreduce_fits(a, TD_BUF_ACT, n)) return false;
+  memset(out, 0, sizeof *out);
+  for (int p = 0; p < a->world; p++) out->slots[p] = a->peers.slots[p];
+  out->ctl = a->ctl;
+  out->rank = a->rank;
+  out->world = a->world;
+  return true;
 }
 
 td_status td_cu_allreduce_run(td_backend *b, td_cu_allreduce *a, void *buf, size_t n) {

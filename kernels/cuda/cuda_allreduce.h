@@ -16,6 +16,9 @@ void td_cu_allreduce_destroy(td_cu_allreduce *a);
 bool td_cu_allreduce_fits(const td_cu_allreduce *a, td_buf_type t, size_t n);
 /* In place, on the backend's stream. */
 td_status td_cu_allreduce_run(td_backend *b, td_cu_allreduce *a, void *buf, size_t n);
+/* The device's view of it for a GEMM that ends in an all-reduce of n bf16
+ * values (false: a does not take n values). */
+bool td_cu_allreduce_dev(const td_cu_allreduce *a, size_t n, td_cu_ar_dev *out);
 /* td_allgather_rows over the same slots (per: the rows a rank holds). */
 bool td_cu_allgather_rows_fits(const td_cu_allreduce *a, td_buf_type t, const void *buf, int per, int width, int col0,
                                int ncols);

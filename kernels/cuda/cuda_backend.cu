@@ -526,6 +526,7 @@ static td_status cu_im2col1d(td_backend *b, const void *x, void *y, int batch, i
 
 struct td_graph {
   cudaGraphExec_t exec;
+  int kernels; /* kernel nodes captured */
 };
 
 static td_status cu_graph_begin(td_backend *b) {
@@ -557,6 +558,20 @@ static td_status cu_graph_end(td_backend *b, td_graph **out) {
     cudaGraphDestroy(g);
     return td_err(TD_ERR_NOMEM, "graph_end: out of memory");
   }
+  size_t nodes = 0;
+  tg->kernels = -1;
+  if (cudaGraphGetNodes(g, NULL, &nodes) == cudaSuccess) {
+    cudaGraphNode_t *all = (cudaGraphNode_t *)calloc(nodes ? nodes : 1, sizeof *all);
+    if (all && cudaGraphGetNodes(g, all, &nodes) == cudaSuccess) {
+      tg->kernels = 0;
+      for (size_t i = 0; i < nodes; i++) {
+        cudaGraphNodeType t;
+        if (cudaGraphNodeGetType(all[i], &t) == cudaSuccess && t == cudaGraphNodeTypeKernel) tg->kernels++;
+      }
+    }
+    free(all);
+  }
+  (void)cudaGetLastError();
   e = cudaGraphInstantiate(&tg->exec, g, 0);
   cudaGraphDestroy(g);
   if (e != cudaSuccess) {
@@ -572,6 +587,11 @@ static td_status cu_graph_launch(td_backend *b, td_graph *g) {
   td_cu_bind(td_cu(b));
   TD_CU_CHECK(cudaGraphLaunch(g->exec, td_cu(b)->stream), "graph_launch");
   return TD_OK;
+}
+
+static int cu_graph_kernels(td_backend *b, const td_graph *g) {
+  (void)b;
+  return g->kernels;
 }
 
 static void cu_graph_destroy(td_backend *b, td_graph *g) {
@@ -669,6 +689,7 @@ static void vt_init(void) {
   v->graph_end = cu_graph_end;
   v->graph_launch = cu_graph_launch;
   v->graph_destroy = cu_graph_destroy;
+  v->graph_kernels = cu_graph_kernels;
   v->unshard_cols = cu_unshard_cols;
   v->gemm_ex = td_cu_gemm_ex;
   v->fused_norm_rows = td_cu_fused_norm_rows;

@@ -50,6 +50,21 @@ static td_status n_allreduce(td_comm *c, td_backend *b, void *buf, td_buf_type t
   return TD_OK;
 }
 
+/* A row-parallel GEMM of a few rows ends in the one-shot all-reduce (one
+ * kernel, the same bits); else the GEMM, then the all-reduce. */
+static td_status n_gemm_allreduce(td_comm *c, td_backend *b, const void *x, const void *w, const float *bias, void *y,
+                                  int m, int n, int k, unsigned flags) {
+  if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
+  TD_TRY(need_cuda(b, "gemm_allreduce"));
+  nccl_comm *nc = (nccl_comm *)c->impl;
+  if (nc->aborted) return td_err(TD_ERR_PEER, "gemm_allreduce: the communicator was aborted");
+  td_cu_ar_dev d;
+  if (td_cu_gemm_ar_fits(b, x, w, y, m, n, k, flags, c->world) && td_cu_allreduce_dev(nc->ar, (size_t)m * n, &d))
+    return td_cu_gemm_ar(b, &d, x, w, bias, y, m, n, k, flags);
+  TD_TRY(td_gemm(b, x, w, bias, y, m, n, k, TD_ACT_NONE, flags));
+  return n_allreduce(c, b, y, TD_BUF_ACT, (size_t)m * n);
+}
+
 static td_status n_allgather(td_comm *c, td_backend *b, const void *send, void *recv, td_buf_type t, size_t n) {
   if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
   TD_TRY(need_cuda(b, "allgather"));
@@ -222,6 +237,7 @@ extern "C" td_status td_comm_create_nccl(td_backend *b, const uint8_t id[TD_NCCL
   nccl_vt.abort = n_abort;
   nccl_vt.destroy = n_destroy;
   nccl_vt.allgather_rows = n_allgather_rows;
+  nccl_vt.gemm_allreduce = n_gemm_allreduce;
   td_comm *c = (td_comm *)calloc(1, sizeof *c);
   nccl_comm *nc = (nccl_comm *)calloc(1, sizeof *nc);
   if (!c || !nc) {

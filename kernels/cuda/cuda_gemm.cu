@@ -409,6 +409,28 @@ static td_status skinny_gemm(td_cuda *c, const void *x, const void *w, const flo
   return td_cu_skinny(c, &a, (flags & TD_GEMM_OUT_F32) != 0, false, false);
 }
 
+bool td_cu_gemm_ar_fits(td_backend *b, const void *x, const void *w, const void *y, int m, int n, int k,
+                        unsigned flags, int world) {
+  const td_cuda *c = td_cu(b);
+  return c->tune.fuse_allreduce && c->tune.skinny && !(flags & ~(unsigned)TD_GEMM_ACCUM) && m >= 1 && k % 8 == 0 &&
+         td_aligned16(x) && td_aligned16(w) && td_aligned16(y) && td_cu_skinny_ar_fits(c, m, n, k, world);
+}
+
+td_status td_cu_gemm_ar(td_backend *b, const td_cu_ar_dev *d, const void *x, const void *w, const float *bias, void *y,
+                        int m, int n, int k, unsigned flags) {
+  td_cuda *c = td_cu(b);
+  td_cu_bind(c);
+  td_skinny_args a = {};
+  a.x = (const bf16 *)x;
+  a.w = (const bf16 *)w;
+  a.bias = bias;
+  a.y = y;
+  a.m = m, a.n = n, a.k = k, a.act = TD_ACT_NONE;
+  a.accum = (flags & TD_GEMM_ACCUM) != 0;
+  a.ar = *d;
+  return td_cu_skinny(c, &a, false, false, false);
+}
+
 td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
                      td_act act, unsigned flags) {
   td_cu_bind(td_cu(b));

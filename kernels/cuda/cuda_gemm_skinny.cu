@@ -3,6 +3,7 @@
  * a warp per output column for one to four rows. td_gemm takes them up to
  * the tuning's rows (cuda_gemm.cu), td_gemm_ex with its fusions
  * (cuda_gemm_ex.cu). */
+#include "kernels/cuda/cuda_allreduce.cuh"
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/cuda_ptx.cuh"
 
@@ -208,7 +209,7 @@ static inline size_t skb_smem(int m, int kq) {
   return 128 + (size_t)(16 + m) * skb_ld(kq) * sizeof(bf16) + (size_t)SK_WARPS * 16 * (16 + 2) * sizeof(float);
 }
 
-template <bool F32, bool NORM, bool GLU>
+template <bool F32, bool NORM, bool GLU, bool AR = false>
 __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args a) {
   extern __shared__ __align__(128) unsigned char sb[];
   constexpr int PER = 16 * 16 / (32 * SK_WARPS); /* epilogue outputs per thread (16 columns) */
@@ -265,6 +266,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
     pw2[t] = GLU && NORM && a.wsum && j < ldy ? __ldg(a.wsum + half + j) : 0.0f;
   }
   td_pdl_start_if(a.late);
+  const uint32_t phase = AR ? ar_open(a.ar) : 0u;
 #pragma unroll
   for (int t = 0; t < PER; t++) {
     int i = threadIdx.x + t * 32 * SK_WARPS, row = i / oc, j = blockIdx.x * oc + i % oc;
@@ -303,6 +305,7 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
   if (NORM) sq_sums_store(ssq + warp * 16, ss, ss8, lane);
   if (NORM && a.wsum) sq_sums_store(s1q + warp * 16, s1, s18, lane);
   __syncthreads();
+  uint16_t *hs = (uint16_t *)ws; /* AR: the block's values [m][16], W's stage no longer read */
 #pragma unroll
   for (int t = 0; t < PER; t++) {
     int i = threadIdx.x + t * 32 * SK_WARPS, row = i / oc, c = i % oc, j = blockIdx.x * oc + c;
@@ -321,14 +324,29 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
     }
     if (GLU) v = td_act_apply(a.act, v + pb[t]) * (vb + pb2[t]);
     else v = td_act_apply(a.act, v + pb[t]) + pr[t];
+    if (AR) {
+      hs[row * 16 + c] = ar_bits(v);
+      continue;
+    }
     sk_store(a, F32, !GLU, row, j, (size_t)row * ldy + j, v);
+  }
+  if (AR) { /* each row's 16 columns, two vectors (ldy % 8 == 0: a vector is all in or all out) */
+    __syncthreads();
+    const int row = threadIdx.x >> 1, j = blockIdx.x * 16 + (threadIdx.x & 1) * 8;
+    if (row < m && j < ldy) {
+      const uint4 u = *(const uint4 *)(hs + row * 16 + (threadIdx.x & 1) * 8);
+      const size_t vi = ((size_t)row * ldy + j) / 8;
+      ar_push_vec(a.ar, phase, vi, u);
+      ((uint4 *)a.y)[vi] = ar_sum_vec(a.ar, phase, vi, u);
+    }
+    ar_close(a.ar, phase, (uint32_t)m * (uint32_t)ldy);
   }
 }
 
-template <bool F32, bool NORM, bool GLU>
+template <bool F32, bool NORM, bool GLU, bool AR = false>
 static void skb_launch(td_cuda *c, const td_skinny_args &a, size_t smem) {
   unsigned grid = GLU ? (unsigned)((a.n / 2 + 7) / 8) : (unsigned)((a.n + 15) / 16);
-  (void)td_launch(c, skb_kernel<F32, NORM, GLU>, grid, 32 * SK_WARPS, smem, a);
+  (void)td_launch(c, skb_kernel<F32, NORM, GLU, AR>, grid, 32 * SK_WARPS, smem, a);
 }
 
 template <bool F32, int S, bool NORM>
@@ -379,12 +397,14 @@ __device__ __forceinline__ void dot8(const uint4 &xv, const uint4 &wv, float &ac
  * per row (faster at 2 rows, even at 3-4, so by default up to 2). Three blocks an SM (80 registers) up to 2 rows:
  * a 352-block FFN input resident in one wave. The gated FFN input takes
  * two W rows, which at 2 rows would need two waves: one row only. */
-template <int V, int R, bool GLU, bool NORM>
+template <int V, int R, bool GLU, bool NORM, bool AR = false>
 __global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 && R <= 2 ? 3 : 2)
     gemv_kernel(const td_skinny_args a, bool f32) {
   const int lane = threadIdx.x & 31, k = a.k, half = a.n / 2, ldy = GLU ? half : a.n;
   const int j = blockIdx.x * GV_WARPS + (threadIdx.x >> 5);
-  if (j >= ldy) return; /* an exited warp counts as triggered */
+  /* an exited warp counts as triggered (AR: launched only where every warp
+   * has a column, as its barrier needs them all) */
+  if (!AR && j >= ldy) return;
   const uint64_t pol = a.hint ? l2_evict_first() : 0;
   const bf16 *wr = a.w + (size_t)j * k, *wr2 = a.w + (size_t)(half + j) * k;
   uint4 w[V], w2[GLU ? V : 1];
@@ -405,6 +425,7 @@ __global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 && R <= 2 ? 3 : 2)
     if (NORM && a.wsum) pw = __ldg(a.wsum + j), pw2 = GLU ? __ldg(a.wsum + half + j) : 0.0f;
   }
   td_pdl_start_if(a.late);
+  const uint32_t phase = AR ? ar_open(a.ar) : 0u;
   const int m = a.m;
   float acc[R], acc2[R], ss[R], s1[R];
 #pragma unroll
@@ -436,7 +457,8 @@ __global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 && R <= 2 ? 3 : 2)
       if (GLU) acc2[r] += __shfl_xor_sync(0xffffffffu, acc2[r], o);
       if (NORM) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o), s1[r] += __shfl_xor_sync(0xffffffffu, s1[r], o);
     }
-  if (lane >= R || lane >= m) return;
+  if (!AR && (lane >= R || lane >= m)) return;
+  const bool live = lane < R && lane < m;
   const int row = lane;
   float v = acc[0], vb = acc2[0], q2 = ss[0], q1 = s1[0];
 #pragma unroll
@@ -449,6 +471,19 @@ __global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 && R <= 2 ? 3 : 2)
     vb = (vb - mean * pw2) * inv;
   }
   const size_t o = (size_t)row * ldy + j;
+  if (AR) { /* bf16, no activation, no GLU: the block's 8 columns of each row, a vector, to the peers, then the sum */
+    __shared__ __align__(16) uint16_t hs[R][GV_WARPS];
+    if (live) hs[row][threadIdx.x >> 5] = ar_bits(v + pb + (a.accum ? sk_residual(a, false, o) : 0.0f));
+    __syncthreads();
+    if (threadIdx.x < m && threadIdx.x < R) {
+      const uint4 u = *(const uint4 *)hs[threadIdx.x];
+      const size_t vi = ((size_t)threadIdx.x * ldy + (size_t)blockIdx.x * GV_WARPS) / 8;
+      ar_push_vec(a.ar, phase, vi, u);
+      ((uint4 *)a.y)[vi] = ar_sum_vec(a.ar, phase, vi, u);
+    }
+    ar_close(a.ar, phase, (uint32_t)m * (uint32_t)ldy);
+    return;
+  }
   if (GLU) v = td_act_apply(a.act, v + pb) * (vb + pb2);
   else v = td_act_apply(a.act, v + pb) + (a.accum ? sk_residual(a, f32, o) : 0.0f);
   sk_store(a, f32, !GLU, row, j, o, v);
@@ -457,7 +492,8 @@ __global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 && R <= 2 ? 3 : 2)
 template <int V, int R, bool GLU>
 static void gemv_launch(td_cuda *c, const td_skinny_args &a, bool f32, bool norm) {
   unsigned cols = (unsigned)(GLU ? a.n / 2 : a.n), grid = (cols + GV_WARPS - 1) / GV_WARPS;
-  if (norm) (void)td_launch(c, gemv_kernel<V, R, GLU, true>, grid, 32 * GV_WARPS, 0, a, f32);
+  if (!GLU && a.ar.world > 1) (void)td_launch(c, gemv_kernel<V, R, false, false, true>, grid, 32 * GV_WARPS, 0, a, false);
+  else if (norm) (void)td_launch(c, gemv_kernel<V, R, GLU, true>, grid, 32 * GV_WARPS, 0, a, f32);
   else (void)td_launch(c, gemv_kernel<V, R, GLU, false>, grid, 32 * GV_WARPS, 0, a, f32);
 }
 
@@ -469,6 +505,12 @@ static bool gemv_fits(const td_cuda *c, int m, int n, int k, bool glu) {
   return m == 1 && v > 0 && v <= c->tune.gemv_maxv && (!glu || v <= 4) && (glu ? n / 2 : n) <= c->tune.gemv_maxn;
 }
 
+bool td_cu_skinny_ar_fits(const td_cuda *c, int m, int n, int k, int world) {
+  if (n % 8 || world < 2) return false; /* the exchange is by 16-byte vectors of 8 columns */
+  if (gemv_fits(c, m, n, k, false)) return world >= 4;
+  return td_cu_skinny_bulk(c, m, k);
+}
+
 bool td_cu_skinny_bulk(const td_cuda *c, int m, int k) {
   int kq = ((k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
   /* beyond 8 rows, staging x whole before the products costs more than the
@@ -478,6 +520,9 @@ bool td_cu_skinny_bulk(const td_cuda *c, int m, int k) {
 
 td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu) {
   a->kq = ((a->k + SK_WARPS - 1) / SK_WARPS + 15) / 16 * 16;
+  if (a->ar.world > 1 && (f32 || norm || glu || a->act != TD_ACT_NONE || a->kv.pool ||
+                          !td_cu_skinny_ar_fits(c, a->m, a->n, a->k, a->ar.world)))
+    return td_err(TD_ERR_UNSUPPORTED, "gemm: this GEMM cannot end in the all-reduce");
   /* which skinny GEMMs let the launches behind them start only after their
    * own wait (docs/cuda.md, "Programmatic dependent launch and the
    * run-ahead"): the normed ones (QKV, cross q, FFN in), and at 1-2 rows
@@ -501,6 +546,7 @@ td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool 
     size_t smem = skb_smem(a->m, a->kq);
     if (glu && norm) skb_launch<false, true, true>(c, *a, smem);
     else if (glu) skb_launch<false, false, true>(c, *a, smem);
+    else if (a->ar.world > 1) skb_launch<false, false, false, true>(c, *a, smem);
     else if (f32 && norm) skb_launch<true, true, false>(c, *a, smem);
     else if (f32) skb_launch<true, false, false>(c, *a, smem);
     else if (norm) skb_launch<false, true, false>(c, *a, smem);
@@ -524,9 +570,9 @@ static td_status skinny_attr(void) {
   return TD_OK;
 }
 
-template <bool F32, bool NORM, bool GLU>
+template <bool F32, bool NORM, bool GLU, bool AR = false>
 static td_status skb_attr(void) {
-  TD_CU_CHECK(cudaFuncSetAttribute(skb_kernel<F32, NORM, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  TD_CU_CHECK(cudaFuncSetAttribute(skb_kernel<F32, NORM, GLU, AR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)SKB_MAX_SMEM),
               "gemm init");
   return TD_OK;
@@ -539,6 +585,7 @@ td_status td_cu_skinny_init(td_cuda *c) {
   TD_TRY((skb_attr<true, true, false>()));
   TD_TRY((skb_attr<false, false, true>()));
   TD_TRY((skb_attr<false, true, true>()));
+  TD_TRY((skb_attr<false, false, false, true>()));
   TD_TRY((skinny_attr<false, SK_S_SMALL, false>()));
   TD_TRY((skinny_attr<false, SK_S_SMALL, true>()));
   TD_TRY((skinny_attr<true, SK_S_SMALL, false>()));

@@ -220,9 +220,21 @@ __device__ __forceinline__ void td_kv_store(const td_kv_dest &d, int row, int co
   *td_kv_at(d, slot, col - d.col) = v;
 }
 
+/* A GEMM's all-reduce epilogue (cuda_allreduce.cuh): the one-shot
+ * all-reduce's receive areas of every rank and this rank's control words;
+ * world 0: no all-reduce. */
+enum { TD_CU_AR_MAX_WORLD = 8 };
+struct td_cu_ar_ctl;
+typedef struct td_cu_ar_dev {
+  uint8_t *slots[TD_CU_AR_MAX_WORLD];
+  struct td_cu_ar_ctl *ctl;
+  int rank, world;
+} td_cu_ar_dev;
+
 /* The skinny decode GEMM (cuda_gemm_skinny.cu) with what it can fuse: a plain
  * RMSNorm (norm: scale by 1 / rms(x)), the KV write of a QKV projection
- * (kv.pool != NULL; bf16 output only). kq is set by td_cu_skinny. */
+ * (kv.pool != NULL; bf16 output only), or the all-reduce of a
+ * row-parallel layer (ar). kq is set by td_cu_skinny. */
 typedef struct td_skinny_args {
   const bf16 *x, *w;
   const float *bias;
@@ -232,11 +244,23 @@ typedef struct td_skinny_args {
   const float *wsum;      /* with norm: a folded LayerNorm, W's row sums (NULL: RMS) */
   float eps;
   td_kv_dest kv;
+  td_cu_ar_dev ar; /* world > 1: y summed over the ranks (bf16, no KV write, no GLU, no norm) */
 } td_skinny_args;
 td_status td_cu_skinny_init(td_cuda *c);
 td_status td_cu_skinny(td_cuda *c, td_skinny_args *a, bool f32, bool norm, bool glu);
 /* whether td_cu_skinny takes the bulk-copy kernel (the only one with GLU) for m rows of k */
 bool td_cu_skinny_bulk(const td_cuda *c, int m, int k);
+/* Whether td_cu_skinny ends this GEMM (bf16 out, no activation) in the
+ * all-reduce of `world` ranks (args.ar): on the bulk-copy kernel, and on the
+ * warp-per-column kernel from four ranks (at two its spinning blocks kept
+ * the next GEMM's weight prefetch out: 1-3 % slower at one row, bench/RESULTS.md). */
+bool td_cu_skinny_ar_fits(const td_cuda *c, int m, int n, int k, int world);
+/* cuda_gemm.cu: y = the ranks' sum of x W^T (+ y with TD_GEMM_ACCUM) in one
+ * kernel over the all-reduce d, where td_cu_gemm_ar_fits */
+bool td_cu_gemm_ar_fits(td_backend *b, const void *x, const void *w, const void *y, int m, int n, int k,
+                        unsigned flags, int world);
+td_status td_cu_gemm_ar(td_backend *b, const td_cu_ar_dev *d, const void *x, const void *w, const float *bias, void *y,
+                        int m, int n, int k, unsigned flags);
 
 /* A cuBLASLt plan's descriptors (any of them NULL) */
 static inline void td_cu_lt_release(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,

@@ -375,4 +375,227 @@ Test(cuda_comm, allgather_rows_slots_and_nccl, .timeout = 120) {
   run_ranks(ag_main);
 }
 
+/* td_gemm_allreduce: a row-parallel GEMM that ends in the all-reduce,
+ * against td_gemm then td_allreduce_sum on the same inputs (the same bits
+ * on every rank) and a CPU sum (bf16 tolerance); one kernel a call where
+ * the fused path takes the shape (the bulk-copy kernel at 1-8 rows; the
+ * warp-per-column kernel, one or two rows, from four ranks), two where it
+ * falls back (16 rows, 64 rows, n not a multiple of 8; the default tuning). Calls eager, then a graph of all of them replayed with
+ * the plain all-reduce between (the slots' phases rotate through both).
+ * On two ranks, and on four where four GPUs are visible. */
+typedef struct gar_case {
+  int m, n, k;
+  int fused_from; /* ranks from which it is one kernel (0: never) */
+} gar_case;
+static const gar_case gar_cases[] = {
+    {1, 2048, 512, 4},   /* a TP=4 Flan-T5-XL attention output: warp per column */
+    {1, 2048, 1280, 4},  /* its FFN output (k <= 2048: wider W pieces) */
+    {1, 2048, 2560, 2},  /* TP=2's FFN output: bulk copies */
+    {2, 1024, 1024, 4},  {3, 1000, 520, 2}, {4, 24, 8, 2}, {5, 2048, 2560, 2}, {8, 1032, 1000, 2},
+    {16, 2048, 1024, 0}, {64, 1024, 512, 0}, {1, 1004, 512, 0}, {1, 1, 8, 0},
+};
+#define N_GAR (sizeof gar_cases / sizeof gar_cases[0])
+enum { GAR_MAX_WORLD = 4 };
+
+typedef struct gar_arg {
+  int rank, world;
+  const uint8_t *id;
+  float *got[N_GAR]; /* the fused results, compared across ranks */
+  char fail[256];
+} gar_arg;
+
+static float gar_value(uint64_t seed, size_t i) {
+  uint64_t s = seed * 0x9e3779b97f4a7c15ull + i * 0xbf58476d1ce4e5b9ull;
+  s ^= s >> 31;
+  s *= 0x94d049bb133111ebull;
+  s ^= s >> 29;
+  return ((float)(s % 2001) - 1000.0f) / 1000.0f;
+}
+/* x of rank r, W of rank r, the bias (rank 0), the residual (rank 0) */
+static void gar_fill(float *v, size_t n, int what, int r, size_t ci) {
+  for (size_t i = 0; i < n; i++) v[i] = to_bf16(gar_value(ci * 64 + (size_t)what * 8 + (size_t)r, i));
+}
+
+static void *gar_main(void *p) {
+  gar_arg *a = p;
+  td_backend *b = NULL;
+  td_comm *c = NULL;
+  td_graph *gr = NULL;
+  void *x[N_GAR] = {0}, *w[N_GAR] = {0}, *y[N_GAR] = {0}, *y2[N_GAR] = {0}, *plain = NULL;
+  float *bias[N_GAR] = {0};
+  size_t cap = (size_t)2048 * 2560;
+  float *hx = malloc(sizeof(float) * cap), *hy = malloc(sizeof(float) * cap), *hy2 = malloc(sizeof(float) * cap),
+        *ref = malloc(sizeof(float) * cap), *tol = malloc(sizeof(float) * cap), *tx = malloc(sizeof(float) * cap), *tw = malloc(sizeof(float) * cap);
+  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = a->rank, .cuda = cuda_tuning};
+  OK(td_backend_create(&o, &b), "backend");
+  OK(td_comm_create_nccl(b, a->id, a->rank, a->world, &c), "communicator");
+  td_backend_set_comm(b, c);
+  OK(td_alloc(b, TD_BUF_ACT, 4096, &plain), "alloc");
+  for (size_t ci = 0; ci < N_GAR; ci++) {
+    const gar_case *t = &gar_cases[ci];
+    size_t mk = (size_t)t->m * t->k, nk = (size_t)t->n * t->k, mn = (size_t)t->m * t->n;
+    OK(td_alloc(b, TD_BUF_ACT, mk, &x[ci]), "alloc");
+    OK(td_alloc(b, TD_BUF_ACT, nk, &w[ci]), "alloc");
+    OK(td_alloc(b, TD_BUF_ACT, mn, &y[ci]), "alloc");
+    OK(td_alloc(b, TD_BUF_ACT, mn, &y2[ci]), "alloc");
+    gar_fill(hx, mk, 0, a->rank, ci);
+    OK(td_upload(b, TD_BUF_ACT, x[ci], hx, mk), "upload");
+    gar_fill(hx, nk, 1, a->rank, ci);
+    OK(td_upload(b, TD_BUF_ACT, w[ci], hx, nk), "upload");
+    if (a->rank == 0 && ci % 2 == 0) {
+      OK(td_alloc(b, TD_BUF_F32, (size_t)t->n, (void **)&bias[ci]), "alloc");
+      gar_fill(hx, (size_t)t->n, 2, 0, ci);
+      OK(td_upload(b, TD_BUF_F32, bias[ci], hx, (size_t)t->n), "upload");
+    }
+  }
+  for (int round = 0; round < 2; round++) {
+    /* round 0 eager; round 1 one graph of every case, replayed three times */
+    int reps = round ? 3 : 1;
+    if (round) {
+      for (size_t ci = 0; ci < N_GAR; ci++) {
+        const gar_case *t = &gar_cases[ci];
+        gar_fill(hx, (size_t)t->m * t->n, 3, a->rank, ci);
+        OK(td_upload(b, TD_BUF_ACT, y[ci], hx, (size_t)t->m * t->n), "upload");
+      }
+      OK(td_graph_begin(b), "graph begin");
+      td_status cs = TD_OK;
+      for (size_t ci = 0; ci < N_GAR && cs == TD_OK; ci++) {
+        const gar_case *t = &gar_cases[ci];
+        cs = td_gemm_allreduce(b, x[ci], w[ci], bias[ci], y[ci], t->m, t->n, t->k, a->rank == 0 ? TD_GEMM_ACCUM : 0);
+        if (cs == TD_OK && ci % 3 == 0) cs = td_allreduce_sum(b, plain, TD_BUF_ACT, 4096 - ci);
+      }
+      td_status es = td_graph_end(b, &gr);
+      OK(cs, "capture");
+      OK(es, "graph end");
+    }
+    for (int rep = 0; rep < reps; rep++) {
+      for (size_t ci = 0; ci < N_GAR; ci++) {
+        const gar_case *t = &gar_cases[ci];
+        size_t mn = (size_t)t->m * t->n;
+        unsigned fl = a->rank == 0 ? TD_GEMM_ACCUM : 0;
+        /* the residual (a replay accumulates onto the last result: start each from it) */
+        gar_fill(hx, mn, 3, a->rank, ci);
+        OK(td_upload(b, TD_BUF_ACT, y[ci], hx, mn), "upload");
+        OK(td_upload(b, TD_BUF_ACT, y2[ci], hx, mn), "upload");
+        if (!round) {
+          td_graph *one = NULL;
+          OK(td_graph_begin(b), "graph begin");
+          td_status s1 = td_gemm_allreduce(b, x[ci], w[ci], bias[ci], y[ci], t->m, t->n, t->k, fl);
+          td_status s2 = td_graph_end(b, &one);
+          OK(s1, "gemm_allreduce capture");
+          OK(s2, "graph end");
+          int kern = td_graph_kernels(b, one);
+          td_status s3 = td_graph_launch(b, one);
+          td_graph_destroy(b, one);
+          OK(s3, "graph launch");
+          bool fused = t->fused_from && a->world >= t->fused_from && cuda_tuning.fuse_allreduce != TD_OFF &&
+                       cuda_tuning.custom_allreduce != TD_OFF;
+          if (fused ? kern != 1 : kern < 2)
+            FAIL("rank %d of %d, %d x %d x %d: %d kernels, want %s", a->rank, a->world, t->m, t->n, t->k, kern,
+                 fused ? "one" : "two or more");
+        }
+      }
+      if (round) OK(td_graph_launch(b, gr), "graph launch");
+      for (size_t ci = 0; ci < N_GAR; ci++) {
+        const gar_case *t = &gar_cases[ci];
+        OK(td_gemm(b, x[ci], w[ci], bias[ci], y2[ci], t->m, t->n, t->k, TD_ACT_NONE, a->rank == 0 ? TD_GEMM_ACCUM : 0),
+           "gemm");
+        OK(td_allreduce_sum(b, y2[ci], TD_BUF_ACT, (size_t)t->m * t->n), "allreduce");
+      }
+      OK(td_sync(b), "sync");
+      for (size_t ci = 0; ci < N_GAR; ci++) {
+        const gar_case *t = &gar_cases[ci];
+        size_t mn = (size_t)t->m * t->n;
+        OK(td_download(b, TD_BUF_ACT, y[ci], hy, mn), "download");
+        OK(td_download(b, TD_BUF_ACT, y2[ci], hy2, mn), "download");
+        for (size_t i = 0; i < mn; i++)
+          if (memcmp(&hy[i], &hy2[i], sizeof(float)))
+            FAIL("rank %d, round %d, %d x %d x %d: [%zu] = %g, the GEMM then the all-reduce %g", a->rank, round, t->m,
+                 t->n, t->k, i, hy[i], hy2[i]);
+        /* the CPU's sum: every rank's bf16 partial (rank 0's with bias and residual), in rank order */
+        /* each rank's partial is rounded to bf16 before the sum (an ulp, 2^-7 of it, where the GPU's
+         * order of products flips a rounding), the sum once more; a GEMM's own error scales with its
+         * products' root sum of squares (cuBLASLt's split-K sums partial tiles in bf16), not its result */
+        for (size_t i = 0; i < mn; i++) ref[i] = 0.0f, tol[i] = 0.0f;
+        for (int r = 0; r < a->world; r++) {
+          gar_fill(tx, (size_t)t->m * t->k, 0, r, ci);
+          gar_fill(tw, (size_t)t->n * t->k, 1, r, ci);
+          float *bb = r == 0 && ci % 2 == 0 ? hx : NULL;
+          if (bb) gar_fill(bb, (size_t)t->n, 2, 0, ci);
+          for (int i = 0; i < t->m; i++)
+            for (int j = 0; j < t->n; j++) {
+              double acc = 0.0, sq = 0.0;
+              for (int q = 0; q < t->k; q++) {
+                double pq = (double)tx[(size_t)i * t->k + q] * tw[(size_t)j * t->k + q];
+                acc += pq;
+                sq += pq * pq;
+              }
+              if (bb) acc += bb[j];
+              if (r == 0) acc += to_bf16(gar_value(ci * 64 + 3 * 8, (size_t)i * t->n + j));
+              ref[(size_t)i * t->n + j] += (float)acc;
+              tol[(size_t)i * t->n + j] += (float)(fabs(acc) + sqrt(sq)) / 128.0f;
+            }
+        }
+        for (size_t i = 0; i < mn; i++)
+          if (fabsf(hy[i] - ref[i]) > tol[i] + fabsf(ref[i]) / 128.0f + 1e-6f)
+            FAIL("rank %d, round %d, %d x %d x %d: [%zu] = %g, the CPU's %g", a->rank, round, t->m, t->n, t->k, i,
+                 hy[i], ref[i]);
+        if (round && rep == reps - 1) {
+          a->got[ci] = malloc(sizeof(float) * mn);
+          memcpy(a->got[ci], hy, sizeof(float) * mn);
+        }
+      }
+    }
+  }
+out:
+  if (gr) td_graph_destroy(b, gr);
+  if (b) {
+    for (size_t ci = 0; ci < N_GAR; ci++) {
+      td_free(b, x[ci]);
+      td_free(b, w[ci]);
+      td_free(b, y[ci]);
+      td_free(b, y2[ci]);
+      if (bias[ci]) td_free(b, bias[ci]);
+    }
+    if (plain) td_free(b, plain);
+  }
+  rank_close(b, c, a->fail[0]);
+  free(hx);
+  free(hy);
+  free(hy2);
+  free(ref);
+  free(tol);
+  free(tx);
+  free(tw);
+  return NULL;
+}
+
+static void gar_run(int world) {
+  uint8_t id[TD_NCCL_ID_BYTES];
+  cr_assert(td_comm_nccl_id(id) == TD_OK, "%s", td_errmsg());
+  gar_arg args[GAR_MAX_WORLD];
+  pthread_t th[GAR_MAX_WORLD];
+  for (int r = 0; r < world; r++) {
+    args[r] = (gar_arg){.rank = r, .world = world, .id = id};
+    cr_assert(pthread_create(&th[r], NULL, gar_main, &args[r]) == 0);
+  }
+  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < world; r++) cr_expect(args[r].fail[0] == 0, "%d ranks: %s", world, args[r].fail);
+  for (size_t ci = 0; ci < N_GAR; ci++) {
+    size_t mn = (size_t)gar_cases[ci].m * gar_cases[ci].n;
+    for (int r = 1; r < world; r++)
+      if (args[0].got[ci] && args[r].got[ci])
+        cr_expect(memcmp(args[0].got[ci], args[r].got[ci], sizeof(float) * mn) == 0, "%d ranks: rank %d differs in case %zu",
+                  world, r, ci);
+    for (int r = 0; r < world; r++) free(args[r].got[ci]);
+  }
+}
+
+Test(cuda_comm, gemm_allreduce_as_gemm_then_allreduce, .timeout = 300) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) cr_skip_test("needs 2 GPUs, %d visible", n);
+  gar_run(2);
+  if (n >= 4) gar_run(4);
+}
+
 int main(int argc, char *argv[]) { return td_gpu_test_main(argc, argv, &cuda_tuning); }

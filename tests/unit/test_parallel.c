@@ -549,6 +549,77 @@ Test(comm, allgather_rows_moves_each_ranks_rows, .timeout = 20) {
   }
 }
 
+/* td_gemm_allreduce on the CPU: every rank's x W^T (rank 0's with its bias
+ * and the residual) summed on every rank; the refusals */
+typedef struct gar_arg {
+  td_comm *c;
+  int rank, world;
+  char fail[256];
+} gar_arg;
+
+enum { GAR_M = 3, GAR_N = 5, GAR_K = 7 };
+static float gar_x(int r, int i, int q) { return (float)((r * 7 + i * 3 + q) % 5 - 2); }
+static float gar_w(int r, int j, int q) { return (float)((r * 5 + j * 2 + q * 3) % 7 - 3); }
+
+static void *gar_main(void *p) {
+  gar_arg *a = p;
+  td_backend *b = cpu_rank(a->c, a->fail, sizeof a->fail);
+  if (!b) return NULL;
+  float x[GAR_M * GAR_K], w[GAR_N * GAR_K], y[GAR_M * GAR_N], bias[GAR_N];
+  for (int i = 0; i < GAR_M * GAR_K; i++) x[i] = gar_x(a->rank, i / GAR_K, i % GAR_K);
+  for (int i = 0; i < GAR_N * GAR_K; i++) w[i] = gar_w(a->rank, i / GAR_K, i % GAR_K);
+  for (int j = 0; j < GAR_N; j++) bias[j] = (float)(j - 2);
+  for (int i = 0; i < GAR_M * GAR_N; i++) y[i] = a->rank ? 1000.0f : (float)i; /* ranks but 0 overwrite theirs */
+  bool first = a->rank == 0;
+  if (td_gemm_allreduce(b, x, w, first ? bias : NULL, y, GAR_M, GAR_N, GAR_K, first ? TD_GEMM_ACCUM : 0) != TD_OK)
+    snprintf(a->fail, sizeof a->fail, "rank %d: %s", a->rank, td_errmsg());
+  for (int i = 0; i < GAR_M && !a->fail[0]; i++)
+    for (int j = 0; j < GAR_N; j++) {
+      float want = (float)(i * GAR_N + j) + (float)(j - 2);
+      for (int r = 0; r < a->world; r++)
+        for (int q = 0; q < GAR_K; q++) want += gar_x(r, i, q) * gar_w(r, j, q);
+      if (y[i * GAR_N + j] != want) {
+        snprintf(a->fail, sizeof a->fail, "rank %d of %d: [%d][%d] = %g, want %g", a->rank, a->world, i, j,
+                 y[i * GAR_N + j], want);
+        break;
+      }
+    }
+  cpu_rank_end(b);
+  return NULL;
+}
+
+Test(comm, gemm_allreduce_sums_every_ranks_gemm, .timeout = 20) {
+  for (int world = 1; world <= 3; world++) {
+    td_comm *comms[MAXTP];
+    cr_assert(td_comm_create_threads(world, comms) == TD_OK);
+    gar_arg a[MAXTP];
+    pthread_t th[MAXTP];
+    for (int r = 0; r < world; r++) {
+      a[r] = (gar_arg){.c = comms[r], .rank = r, .world = world};
+      cr_assert(pthread_create(&th[r], NULL, gar_main, &a[r]) == 0);
+    }
+    for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < world; r++) cr_expect(!a[r].fail[0], "%s", a[r].fail);
+    for (int r = 0; r < world; r++) td_comm_destroy(comms[r]);
+  }
+  td_comm *comms[2];
+  cr_assert(td_comm_create_threads(2, comms) == TD_OK);
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b;
+  cr_assert(td_backend_create(&bo, &b) == TD_OK);
+  float x[8] = {0}, w[8] = {0}, y[8] = {0};
+  cr_expect_neq(td_gemm_allreduce(b, x, w, NULL, y, 1, 2, 4, 0), TD_OK, "no communicator");
+  td_backend_set_comm(b, comms[0]);
+  cr_expect_neq(td_gemm_allreduce(b, x, w, NULL, y, 1, 2, 4, TD_GEMM_OUT_F32), TD_OK, "a float32 output");
+  cr_expect_neq(td_gemm_allreduce(b, x, w, NULL, y, 1, 2, 4, TD_GEMM_GLU), TD_OK, "GLU");
+  cr_expect_neq(td_gemm_allreduce(b, x, NULL, NULL, y, 1, 2, 4, 0), TD_OK, "no weight");
+  cr_expect_neq(td_gemm_allreduce(b, x, w, NULL, y, 1, 0, 4, 0), TD_OK, "no columns");
+  cr_expect_neq(td_gemm_allreduce(b, x, w, NULL, y, -1, 2, 4, 0), TD_OK, "negative rows");
+  td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+  for (int r = 0; r < 2; r++) td_comm_destroy(comms[r]);
+}
+
 Test(comm, rows_split_covers_the_rows) {
   const int cases[][2] = {{1500, 2}, {1500, 4}, {7, 3}, {1, 4}, {0, 2}, {4096, 3}, {513, 2}};
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
