@@ -109,6 +109,7 @@ static td_status cuda_from_env(td_cuda_tuning *c) {
   TD_TRY(env_switch("TANDEM_CUDA_HEADS_LT", &c->heads_lt));
   TD_TRY(env_switch("TANDEM_CUDA_PLAN_BUCKET", &c->plan_bucket));
   TD_TRY(env_switch("TANDEM_CUDA_FUSE_ALLREDUCE", &c->fuse_allreduce));
+  TD_TRY(env_switch("TANDEM_CUDA_CUSTOM_ALLGATHER", &c->custom_allgather));
   return env_switch("TANDEM_CUDA_CUSTOM_ALLREDUCE", &c->custom_allreduce);
 }
 

@@ -73,6 +73,8 @@ typedef struct td_cuda_tuning {
   int custom_allreduce; /* TANDEM_CUDA_CUSTOM_ALLREDUCE: the one-shot all-reduce over peer memory (default on) */
   int fuse_allreduce;   /* TANDEM_CUDA_FUSE_ALLREDUCE: a row-parallel GEMM of a few rows ends in that all-reduce
                            (td_gemm_allreduce; default on) */
+  int custom_allgather; /* TANDEM_CUDA_CUSTOM_ALLGATHER: td_allgather of 4-byte words (the logits of a
+                           vocabulary split) over the same peer memory (default on) */
   int plan_bucket; /* TANDEM_CUDA_PLAN_BUCKET: cuBLASLt plans of GEMMs over 64 rows keyed by the row count rounded
                       up to an eighth of its power of two, not the exact count (default on) */
 } td_cuda_tuning;

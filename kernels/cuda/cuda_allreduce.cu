@@ -133,6 +133,88 @@ __global__ void __launch_bounds__(AR_THREADS) ag_rows_kernel(bf16 *buf, int rows
   advance_phase(ctl, phase, (uint32_t)per * (uint32_t)cpr * 8u); /* the most any peer wrote into a slot of ours */
 }
 
+/* The all-gather of n 4-byte words a rank (float32 logits of a vocabulary
+ * split: recv[r * n ...] = rank r's send) over the same slots and phases:
+ * this rank's words into every peer's slot for it and its own part of recv,
+ * then each peer's out of ours. A word's "not arrived" mark is 0x80008000
+ * (two bf16 marks, what emptying writes); a word with that pattern (a
+ * negative denormal, -4.6e-41 as a float) is sent as -0.0. VEC: 16-byte
+ * vectors (n % 4 == 0, aligned buffers), else a word at a time. */
+template <bool VEC>
+__global__ void __launch_bounds__(AR_THREADS) ag_words_kernel(const uint32_t *send, uint32_t *recv, uint32_t n,
+                                                              ar_peers P, int rank, int world, ar_ctl *ctl) {
+  td_pdl_start();
+  const uint32_t phase = ctl->phase;
+  const size_t stride = (size_t)gridDim.x * blockDim.x, me = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  empty_previous(P, rank, world, ctl, me, stride);
+  auto fix = [](uint32_t w) { return w == AR_EMPTY2 ? 0x80000000u : w; };
+  const size_t units = VEC ? n / 4 : n;
+  for (size_t v = me; v < units; v += stride) {
+    if (VEC) {
+      uint4 u = ((const uint4 *)send)[v];
+      u = make_uint4(fix(u.x), fix(u.y), fix(u.z), fix(u.w));
+      for (int p = 0; p < world; p++)
+        if (p != rank) ((uint4 *)(P.slots[p] + ((size_t)phase * world + rank) * AR_SLOT_BYTES))[v] = u;
+      ((uint4 *)(recv + (size_t)rank * n))[v] = u;
+    } else {
+      uint32_t u = fix(send[v]);
+      for (int p = 0; p < world; p++)
+        if (p != rank) ((uint32_t *)(P.slots[p] + ((size_t)phase * world + rank) * AR_SLOT_BYTES))[v] = u;
+      recv[(size_t)rank * n + v] = u;
+    }
+  }
+  for (int r = 0; r < world; r++) {
+    if (r == rank) continue;
+    const uint8_t *src = P.slots[rank] + ((size_t)phase * world + r) * AR_SLOT_BYTES;
+    for (size_t v = me; v < units; v += stride) {
+      uint32_t spins = 0;
+      if (VEC) {
+        uint4 w = ld_volatile16((const uint4 *)src + v);
+        while (w.x == AR_EMPTY2 || w.y == AR_EMPTY2 || w.z == AR_EMPTY2 || w.w == AR_EMPTY2) {
+          if (++spins > AR_SPIN_LIMIT) {
+            atomicExch(&ctl->err, 1u);
+            break;
+          }
+          w = ld_volatile16((const uint4 *)src + v);
+        }
+        ((uint4 *)(recv + (size_t)r * n))[v] = w;
+      } else {
+        uint32_t w;
+        while ((w = ld_volatile4((const uint32_t *)src + v)) == AR_EMPTY2)
+          if (++spins > AR_SPIN_LIMIT) {
+            atomicExch(&ctl->err, 1u);
+            break;
+          }
+        recv[(size_t)r * n + v] = w;
+      }
+    }
+  }
+  advance_phase(ctl, phase, 2u * n); /* in bf16 values, as the slots are emptied */
+}
+
+bool td_cu_allgather_words_fits(const td_cu_allreduce *a, td_buf_type t, size_t n) {
+  return a && t == TD_BUF_F32 && n <= UINT32_MAX / 2 &&
+         n * 4u <= (a->world <= 2 ? AR_SLOT_BYTES : AR_WIDE_BYTES);
+}
+
+td_status td_cu_allgather_words_run(td_backend *b, td_cu_allreduce *a, const void *send, void *recv, size_t n) {
+  td_cuda *c = td_cu(b);
+  if (!n) return TD_OK;
+  const bool vec = n % 4 == 0 && td_aligned16(send) && td_aligned16(recv);
+  size_t units = vec ? n / 4 : n, blocks = (units + AR_THREADS - 1) / AR_THREADS;
+  if (blocks > AR_MAX_BLOCKS) blocks = AR_MAX_BLOCKS;
+  if (vec)
+    TD_CU_CHECK(td_launch(c, ag_words_kernel<true>, dim3((unsigned)blocks), dim3(AR_THREADS), 0,
+                          (const uint32_t *)send, (uint32_t *)recv, (uint32_t)n, a->peers, a->rank, a->world, a->ctl),
+                "allgather");
+  else
+    TD_CU_CHECK(td_launch(c, ag_words_kernel<false>, dim3((unsigned)blocks), dim3(AR_THREADS), 0,
+                          (const uint32_t *)send, (uint32_t *)recv, (uint32_t)n, a->peers, a->rank, a->world, a->ctl),
+                "allgather");
+  TD_CU_LAUNCHED("allgather");
+  return TD_OK;
+}
+
 bool td_cu_allgather_rows_fits(const td_cu_allreduce *a, td_buf_type t, const void *buf, int per, int width, int col0,
                                int ncols) {
   return a && t == TD_BUF_ACT && td_aligned16(buf) && width % 8 == 0 && col0 % 8 == 0 && ncols % 8 == 0 &&

@@ -44,6 +44,12 @@ __device__ __forceinline__ uint16_t ld_volatile2(const void *p) {
   return v;
 }
 
+__device__ __forceinline__ uint32_t ld_volatile4(const void *p) {
+  uint32_t v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ bool has_empty(uint32_t w) {
   return (w & 0xffffu) == AR_EMPTY || (w >> 16) == AR_EMPTY;
 }

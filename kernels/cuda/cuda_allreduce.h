@@ -16,6 +16,10 @@ void td_cu_allreduce_destroy(td_cu_allreduce *a);
 bool td_cu_allreduce_fits(const td_cu_allreduce *a, td_buf_type t, size_t n);
 /* In place, on the backend's stream. */
 td_status td_cu_allreduce_run(td_backend *b, td_cu_allreduce *a, void *buf, size_t n);
+/* td_allgather of n float32 a rank over the same
+ * slots, into recv[world][n], on the backend's stream. */
+bool td_cu_allgather_words_fits(const td_cu_allreduce *a, td_buf_type t, size_t n);
+td_status td_cu_allgather_words_run(td_backend *b, td_cu_allreduce *a, const void *send, void *recv, size_t n);
 /* The device's view of it for a GEMM that ends in an all-reduce of n bf16
  * values (false: a does not take n values). */
 bool td_cu_allreduce_dev(const td_cu_allreduce *a, size_t n, td_cu_ar_dev *out);

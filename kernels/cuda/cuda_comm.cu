@@ -69,6 +69,9 @@ static td_status n_allgather(td_comm *c, td_backend *b, const void *send, void *
   if (b->kind == TD_BACKEND_CUDA) td_cu_bind(td_cu(b));
   TD_TRY(need_cuda(b, "allgather"));
   nccl_comm *nc = (nccl_comm *)c->impl;
+  if (nc->aborted) return td_err(TD_ERR_PEER, "allgather: the communicator was aborted");
+  if (td_cu(b)->tune.custom_allgather && td_cu_allgather_words_fits(nc->ar, t, n))
+    return td_cu_allgather_words_run(b, nc->ar, send, recv, n);
   TD_NCCL(ncclAllGather(send, recv, n, nccl_type(b, t), nc->comm, td_cu(b)->stream), "allgather");
   return TD_OK;
 }

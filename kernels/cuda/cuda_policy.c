@@ -49,6 +49,7 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
   r->heads_lt = on(t->heads_lt, false);
   r->custom_allreduce = on(t->custom_allreduce, true);
   r->fuse_allreduce = on(t->fuse_allreduce, true);
+  r->custom_allgather = on(t->custom_allgather, true);
   r->plan_bucket = on(t->plan_bucket, true);
 }
 

@@ -57,7 +57,7 @@ typedef struct td_cu_tune {
   bool states_generic, states_ws, states_planes;
   int states_splits; /* 0: the policy's */
   int states_warps;  /* 0: the policy's, else 8 or 16 */
-  bool heads_lt, custom_allreduce, fuse_allreduce;
+  bool heads_lt, custom_allreduce, fuse_allreduce, custom_allgather;
   bool plan_bucket;
 } td_cu_tune;
 

@@ -591,6 +591,111 @@ static void gar_run(int world) {
   }
 }
 
+/* td_allgather of float32 (a vocabulary split's logits) over the one-shot
+ * slots (16-byte vectors where n % 4 == 0, else a word at a time) and,
+ * past a slot, NCCL: every rank's values in rank order, exact (the slots'
+ * mark, bits 0x80008000, arrives as -0.0), eager and replayed in a graph
+ * between bf16 all-reduces that share the slots' phases. */
+static const size_t agw_sizes[] = {1, 3, 4, 4099, 16064, 64 * 8032, 64 * 16064 + 4};
+#define N_AGW (sizeof agw_sizes / sizeof agw_sizes[0])
+
+static uint32_t agw_word(int r, size_t i, int rep) {
+  if (i % 97 == 5) return 0x80008000u; /* the mark */
+  if (i % 89 == 7) return 0x80000000u; /* -0.0 */
+  float f = (float)((int)((i * 7 + (size_t)r * 131 + (size_t)rep * 17) % 2001) - 1000) / 64.0f;
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+typedef struct agw_arg {
+  int rank, world;
+  const uint8_t *id;
+  char fail[256];
+} agw_arg;
+
+static void *agw_main(void *p) {
+  agw_arg *a = p;
+  td_backend *b = NULL;
+  td_comm *c = NULL;
+  td_graph *gr = NULL;
+  void *send = NULL, *recv = NULL, *plain = NULL;
+  size_t big = agw_sizes[N_AGW - 1];
+  uint32_t *h = malloc(sizeof(uint32_t) * big * (size_t)a->world);
+  td_backend_opts o = {.kind = TD_BACKEND_CUDA, .device = a->rank, .cuda = cuda_tuning};
+  OK(td_backend_create(&o, &b), "backend");
+  OK(td_comm_create_nccl(b, a->id, a->rank, a->world, &c), "communicator");
+  td_backend_set_comm(b, c);
+  OK(td_alloc(b, TD_BUF_F32, big, &send), "alloc");
+  OK(td_alloc(b, TD_BUF_F32, big * (size_t)a->world, &recv), "alloc");
+  OK(td_alloc(b, TD_BUF_ACT, 4096, &plain), "alloc");
+  for (int round = 0; round < 2; round++)
+    for (size_t si = 0; si < N_AGW; si++) {
+      size_t n = agw_sizes[si];
+      int reps = round ? 3 : 1;
+      if (round) { /* a graph: all-reduce, all-gather, all-reduce */
+        OK(td_graph_begin(b), "graph begin");
+        td_status s1 = td_allreduce_sum(b, plain, TD_BUF_ACT, 4096);
+        if (s1 == TD_OK) s1 = td_allgather(b, send, recv, TD_BUF_F32, n);
+        if (s1 == TD_OK) s1 = td_allreduce_sum(b, plain, TD_BUF_ACT, 7);
+        td_status s2 = td_graph_end(b, &gr);
+        OK(s1, "capture");
+        OK(s2, "graph end");
+      }
+      for (int rep = 0; rep < reps; rep++) {
+        for (size_t i = 0; i < n; i++) h[i] = agw_word(a->rank, i, rep);
+        OK(td_upload(b, TD_BUF_F32, send, (const float *)h, n), "upload");
+        if (round) OK(td_graph_launch(b, gr), "graph launch");
+        else OK(td_allgather(b, send, recv, TD_BUF_F32, n), "allgather");
+        OK(td_sync(b), "sync");
+        OK(td_download(b, TD_BUF_F32, recv, (float *)h, n * (size_t)a->world), "download");
+        /* the slots take up to 4 MiB a rank on two ranks, 1 MiB on more (docs/cuda.md) */
+        bool slots = cuda_tuning.custom_allgather != TD_OFF && cuda_tuning.custom_allreduce != TD_OFF &&
+                     n * 4 <= (a->world <= 2 ? (4u << 20) : (1u << 20));
+        for (int r = 0; r < a->world; r++)
+          for (size_t i = 0; i < n; i++) {
+            uint32_t want = agw_word(r, i, rep), got = h[(size_t)r * n + i];
+            if (want == 0x80008000u && slots) want = 0x80000000u;
+            if (got != want)
+              FAIL("rank %d of %d, round %d, %zu words, rep %d: [%d][%zu] = %#x, want %#x", a->rank, a->world, round, n,
+                   rep, r, i, got, want);
+          }
+      }
+      if (gr) td_graph_destroy(b, gr);
+      gr = NULL;
+    }
+out:
+  if (gr) td_graph_destroy(b, gr);
+  if (b) {
+    if (send) td_free(b, send);
+    if (recv) td_free(b, recv);
+    if (plain) td_free(b, plain);
+  }
+  rank_close(b, c, a->fail[0]);
+  free(h);
+  return NULL;
+}
+
+static void agw_run(int world) {
+  uint8_t id[TD_NCCL_ID_BYTES];
+  cr_assert(td_comm_nccl_id(id) == TD_OK, "%s", td_errmsg());
+  agw_arg args[GAR_MAX_WORLD];
+  pthread_t th[GAR_MAX_WORLD];
+  for (int r = 0; r < world; r++) {
+    args[r] = (agw_arg){.rank = r, .world = world, .id = id};
+    cr_assert(pthread_create(&th[r], NULL, agw_main, &args[r]) == 0);
+  }
+  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < world; r++) cr_expect(args[r].fail[0] == 0, "%d ranks: %s", world, args[r].fail);
+}
+
+Test(cuda_comm, allgather_f32_slots_and_nccl, .timeout = 300) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) cr_skip_test("needs 2 GPUs, %d visible", n);
+  agw_run(2);
+  if (n >= 4) agw_run(4);
+}
+
 Test(cuda_comm, gemm_allreduce_as_gemm_then_allreduce, .timeout = 300) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) cr_skip_test("needs 2 GPUs, %d visible", n);

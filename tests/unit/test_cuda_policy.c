@@ -20,7 +20,7 @@ static const char *const cuda_vars[] = {
     "TANDEM_CUDA_DECATTN_SMALL", "TANDEM_CUDA_DECATTN_BULK",  "TANDEM_CUDA_DECATTN_CARVE",
     "TANDEM_CUDA_KVPF",          "TANDEM_CUDA_STATES_GENERIC", "TANDEM_CUDA_STATES_SPLITS",
     "TANDEM_CUDA_STATES_WARPS",  "TANDEM_CUDA_STATES_WS",     "TANDEM_CUDA_STATES_PLANES",
-    "TANDEM_CUDA_HEADS_LT",      "TANDEM_CUDA_CUSTOM_ALLREDUCE", "TANDEM_CUDA_FUSE_ALLREDUCE",
+    "TANDEM_CUDA_HEADS_LT",      "TANDEM_CUDA_CUSTOM_ALLREDUCE", "TANDEM_CUDA_FUSE_ALLREDUCE", "TANDEM_CUDA_CUSTOM_ALLGATHER",
     "TANDEM_CUDA_PLAN_BUCKET",   "TANDEM_CUDA_DENSE_SPLITS"};
 
 static void clear(void) {
@@ -60,6 +60,7 @@ Test(cuda_settings, values_parse, .init = clear) {
   setenv("TANDEM_CUDA_HEADS_LT", "yes", 1);
   setenv("TANDEM_CUDA_CUSTOM_ALLREDUCE", "0", 1);
   setenv("TANDEM_CUDA_FUSE_ALLREDUCE", "off", 1);
+  setenv("TANDEM_CUDA_CUSTOM_ALLGATHER", "no", 1);
   setenv("TANDEM_CUDA_AUTOTUNE_MIN", "500", 1);
   setenv("TANDEM_CUDA_PLAN_BUCKET", "off", 1);
   td_settings s;
@@ -82,12 +83,13 @@ Test(cuda_settings, values_parse, .init = clear) {
   cr_assert_eq(c->heads_lt, TD_ON);
   cr_assert_eq(c->custom_allreduce, TD_OFF);
   cr_assert_eq(c->fuse_allreduce, TD_OFF);
+  cr_assert_eq(c->custom_allgather, TD_OFF);
   cr_assert_eq(c->autotune_min, 500);
   cr_assert_eq(c->plan_bucket, TD_OFF);
   td_cu_tune r;
   td_cu_tune_resolve(c, &r);
   cr_assert_eq(r.autotune_min, 500);
-  cr_assert(!r.plan_bucket && !r.fuse_allreduce);
+  cr_assert(!r.plan_bucket && !r.fuse_allreduce && !r.custom_allgather);
   /* "0" where 0 means none */
   setenv("TANDEM_CUDA_GEMV", "0", 1);
   setenv("TANDEM_CUDA_PDL_LATE", "0", 1);
@@ -107,7 +109,7 @@ Test(cuda_settings, bad_values_are_refused_by_name, .init = clear) {
       {"TANDEM_CUDA_DECATTN_BULK", "1,2,7"}, {"TANDEM_CUDA_KVPF", "32k"},
       {"TANDEM_CUDA_DECATTN", "99999999999"}, {"TANDEM_CUDA_HEADS_LT", "2"},
       {"TANDEM_CUDA_AUTOTUNE_MIN", "1e9"}, {"TANDEM_CUDA_PLAN_BUCKET", "2"},
-      {"TANDEM_CUDA_FUSE_ALLREDUCE", "sometimes"},
+      {"TANDEM_CUDA_FUSE_ALLREDUCE", "sometimes"}, {"TANDEM_CUDA_CUSTOM_ALLGATHER", "2"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     clear();
@@ -136,7 +138,7 @@ Test(cuda_tune, zero_takes_the_measured_defaults) {
             r.decode_bulk_carve == TD_CUDA_DEFAULT_DECODE_BULK_CARVE);
   cr_assert_eq(r.kvpf_seqs, TD_CUDA_DEFAULT_KVPF_SEQS);
   cr_assert(!r.states_generic && r.states_ws && r.states_planes && r.states_splits == 0 && r.states_warps == 0);
-  cr_assert(!r.heads_lt && r.custom_allreduce && r.fuse_allreduce);
+  cr_assert(!r.heads_lt && r.custom_allreduce && r.fuse_allreduce && r.custom_allgather);
   cr_assert(r.plan_bucket);
 }
 
