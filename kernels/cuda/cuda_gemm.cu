@@ -397,8 +397,9 @@ __global__ void gemm_fallback_kernel(const bf16 *__restrict__ x, const bf16 *__r
 }
 
 
+/* ar: the all-reduce the GEMM ends in (NULL: none) */
 static td_status skinny_gemm(td_cuda *c, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
-                             int act, unsigned flags) {
+                             int act, unsigned flags, const td_cu_ar_dev *ar) {
   td_skinny_args a = {};
   a.x = (const bf16 *)x;
   a.w = (const bf16 *)w;
@@ -406,6 +407,7 @@ static td_status skinny_gemm(td_cuda *c, const void *x, const void *w, const flo
   a.y = y;
   a.m = m, a.n = n, a.k = k, a.act = act;
   a.accum = (flags & TD_GEMM_ACCUM) != 0;
+  if (ar) a.ar = *ar;
   return td_cu_skinny(c, &a, (flags & TD_GEMM_OUT_F32) != 0, false, false);
 }
 
@@ -420,15 +422,7 @@ td_status td_cu_gemm_ar(td_backend *b, const td_cu_ar_dev *d, const void *x, con
                         int m, int n, int k, unsigned flags) {
   td_cuda *c = td_cu(b);
   td_cu_bind(c);
-  td_skinny_args a = {};
-  a.x = (const bf16 *)x;
-  a.w = (const bf16 *)w;
-  a.bias = bias;
-  a.y = y;
-  a.m = m, a.n = n, a.k = k, a.act = TD_ACT_NONE;
-  a.accum = (flags & TD_GEMM_ACCUM) != 0;
-  a.ar = *d;
-  return td_cu_skinny(c, &a, false, false, false);
+  return skinny_gemm(c, x, w, bias, y, m, n, k, TD_ACT_NONE, flags, d);
 }
 
 td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *bias, void *y, int m, int n, int k,
@@ -441,7 +435,7 @@ td_status td_cu_gemm(td_backend *b, const void *x, const void *w, const float *b
   /* ahead of cuBLASLt up to 8 rows, and up to 16 while the weight is narrow
    * enough that re-reading x stays cheap (docs/cuda.md, "GEMMs") */
   if (c->tune.skinny && (m <= 8 || (m <= c->tune.skinny_rows && n <= 2048)) && k % 8 == 0 && td_aligned16(x) && td_aligned16(w))
-    return skinny_gemm(c, x, w, bias, y, m, n, k, act, flags);
+    return skinny_gemm(c, x, w, bias, y, m, n, k, act, flags, NULL);
   /* a bf16 output's bias goes to cuBLASLt as a bf16 copy (bias16_get) where an epilogue can take it */
   bool epi_bias = act == TD_ACT_NONE || act == TD_ACT_RELU || act == TD_ACT_GELU_TANH;
   const bf16 *b16 = bias && !f32 && epi_bias ? bias16_get(c, bias, n) : NULL;

@@ -397,12 +397,26 @@ static const gar_case gar_cases[] = {
 #define N_GAR (sizeof gar_cases / sizeof gar_cases[0])
 enum { GAR_MAX_WORLD = 4 };
 
-typedef struct gar_arg {
+/* A rank of `world` on its thread and GPU (the tests below) */
+typedef struct world_arg {
   int rank, world;
   const uint8_t *id;
-  float *got[N_GAR]; /* the fused results, compared across ranks */
+  float *got[N_GAR]; /* results compared across ranks (gemm_allreduce) */
   char fail[256];
-} gar_arg;
+} world_arg;
+
+/* world ranks running fn, joined by one NCCL id; each rank's failure reported */
+static void run_world(int world, void *(*fn)(void *), world_arg *args) {
+  uint8_t id[TD_NCCL_ID_BYTES];
+  cr_assert(td_comm_nccl_id(id) == TD_OK, "%s", td_errmsg());
+  pthread_t th[GAR_MAX_WORLD];
+  for (int r = 0; r < world; r++) {
+    args[r] = (world_arg){.rank = r, .world = world, .id = id};
+    cr_assert(pthread_create(&th[r], NULL, fn, &args[r]) == 0);
+  }
+  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < world; r++) cr_expect(args[r].fail[0] == 0, "%d ranks: %s", world, args[r].fail);
+}
 
 static float gar_value(uint64_t seed, size_t i) {
   uint64_t s = seed * 0x9e3779b97f4a7c15ull + i * 0xbf58476d1ce4e5b9ull;
@@ -417,7 +431,7 @@ static void gar_fill(float *v, size_t n, int what, int r, size_t ci) {
 }
 
 static void *gar_main(void *p) {
-  gar_arg *a = p;
+  world_arg *a = p;
   td_backend *b = NULL;
   td_comm *c = NULL;
   td_graph *gr = NULL;
@@ -571,16 +585,8 @@ out:
 }
 
 static void gar_run(int world) {
-  uint8_t id[TD_NCCL_ID_BYTES];
-  cr_assert(td_comm_nccl_id(id) == TD_OK, "%s", td_errmsg());
-  gar_arg args[GAR_MAX_WORLD];
-  pthread_t th[GAR_MAX_WORLD];
-  for (int r = 0; r < world; r++) {
-    args[r] = (gar_arg){.rank = r, .world = world, .id = id};
-    cr_assert(pthread_create(&th[r], NULL, gar_main, &args[r]) == 0);
-  }
-  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
-  for (int r = 0; r < world; r++) cr_expect(args[r].fail[0] == 0, "%d ranks: %s", world, args[r].fail);
+  world_arg args[GAR_MAX_WORLD];
+  run_world(world, gar_main, args);
   for (size_t ci = 0; ci < N_GAR; ci++) {
     size_t mn = (size_t)gar_cases[ci].m * gar_cases[ci].n;
     for (int r = 1; r < world; r++)
@@ -608,14 +614,8 @@ static uint32_t agw_word(int r, size_t i, int rep) {
   return u;
 }
 
-typedef struct agw_arg {
-  int rank, world;
-  const uint8_t *id;
-  char fail[256];
-} agw_arg;
-
 static void *agw_main(void *p) {
-  agw_arg *a = p;
+  world_arg *a = p;
   td_backend *b = NULL;
   td_comm *c = NULL;
   td_graph *gr = NULL;
@@ -676,24 +676,12 @@ out:
   return NULL;
 }
 
-static void agw_run(int world) {
-  uint8_t id[TD_NCCL_ID_BYTES];
-  cr_assert(td_comm_nccl_id(id) == TD_OK, "%s", td_errmsg());
-  agw_arg args[GAR_MAX_WORLD];
-  pthread_t th[GAR_MAX_WORLD];
-  for (int r = 0; r < world; r++) {
-    args[r] = (agw_arg){.rank = r, .world = world, .id = id};
-    cr_assert(pthread_create(&th[r], NULL, agw_main, &args[r]) == 0);
-  }
-  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
-  for (int r = 0; r < world; r++) cr_expect(args[r].fail[0] == 0, "%d ranks: %s", world, args[r].fail);
-}
-
 Test(cuda_comm, allgather_f32_slots_and_nccl, .timeout = 300) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) cr_skip_test("needs 2 GPUs, %d visible", n);
-  agw_run(2);
-  if (n >= 4) agw_run(4);
+  world_arg args[GAR_MAX_WORLD];
+  run_world(2, agw_main, args);
+  if (n >= 4) run_world(4, agw_main, args);
 }
 
 Test(cuda_comm, gemm_allreduce_as_gemm_then_allreduce, .timeout = 300) {
