@@ -167,26 +167,8 @@ __global__ void __launch_bounds__(AR_THREADS) ag_words_kernel(const uint32_t *se
     if (r == rank) continue;
     const uint8_t *src = P.slots[rank] + ((size_t)phase * world + r) * AR_SLOT_BYTES;
     for (size_t v = me; v < units; v += stride) {
-      uint32_t spins = 0;
-      if (VEC) {
-        uint4 w = ld_volatile16((const uint4 *)src + v);
-        while (w.x == AR_EMPTY2 || w.y == AR_EMPTY2 || w.z == AR_EMPTY2 || w.w == AR_EMPTY2) {
-          if (++spins > AR_SPIN_LIMIT) {
-            atomicExch(&ctl->err, 1u);
-            break;
-          }
-          w = ld_volatile16((const uint4 *)src + v);
-        }
-        ((uint4 *)(recv + (size_t)r * n))[v] = w;
-      } else {
-        uint32_t w;
-        while ((w = ld_volatile4((const uint32_t *)src + v)) == AR_EMPTY2)
-          if (++spins > AR_SPIN_LIMIT) {
-            atomicExch(&ctl->err, 1u);
-            break;
-          }
-        recv[(size_t)r * n + v] = w;
-      }
+      if (VEC) ((uint4 *)(recv + (size_t)r * n))[v] = wait_vec<true>((const uint4 *)src + v, ctl);
+      else recv[(size_t)r * n + v] = wait_word((const uint32_t *)src + v, ctl);
     }
   }
   advance_phase(ctl, phase, 2u * n); /* in bf16 values, as the slots are emptied */

@@ -62,17 +62,34 @@ __device__ __forceinline__ uint32_t unmark(uint32_t w) {
 }
 
 /* A peer's 16-byte vector once none of its values is "not arrived" (a
- * vanished peer: garbage after AR_SPIN_LIMIT spins, flagged in ctl->err) */
+ * vanished peer: garbage after AR_SPIN_LIMIT spins, flagged in ctl->err);
+ * WORDS: float32 words (ag_words_kernel), each marked whole by AR_EMPTY2 */
+__device__ __forceinline__ bool vec_empty(uint4 w, bool words) {
+  if (words) return w.x == AR_EMPTY2 || w.y == AR_EMPTY2 || w.z == AR_EMPTY2 || w.w == AR_EMPTY2;
+  return has_empty(w.x) || has_empty(w.y) || has_empty(w.z) || has_empty(w.w);
+}
+template <bool WORDS = false>
 __device__ __forceinline__ uint4 wait_vec(const uint4 *src, ar_ctl *ctl) {
   uint4 w = ld_volatile16(src);
   uint32_t spins = 0;
-  while (has_empty(w.x) || has_empty(w.y) || has_empty(w.z) || has_empty(w.w)) {
+  while (vec_empty(w, WORDS)) {
     if (++spins > AR_SPIN_LIMIT) {
       atomicExch(&ctl->err, 1u);
       break;
     }
     w = ld_volatile16(src);
   }
+  return w;
+}
+
+/* One float32 word, as wait_vec<true> */
+__device__ __forceinline__ uint32_t wait_word(const uint32_t *src, ar_ctl *ctl) {
+  uint32_t w, spins = 0;
+  while ((w = ld_volatile4(src)) == AR_EMPTY2)
+    if (++spins > AR_SPIN_LIMIT) {
+      atomicExch(&ctl->err, 1u);
+      break;
+    }
   return w;
 }
 
@@ -154,6 +171,12 @@ __device__ __forceinline__ uint4 ar_sum_vec(const td_cu_ar_dev &d, uint32_t phas
 #pragma unroll
   for (int k = 0; k < 8; k++) o[k] = __float2bfloat16_rn(acc[k]);
   return *(const uint4 *)o;
+}
+
+/* The exchange of one vector: this rank's 8 values u out, the sum into y[v] */
+__device__ __forceinline__ void ar_exchange_vec(const td_cu_ar_dev &d, uint32_t phase, size_t v, uint4 u, void *y) {
+  ar_push_vec(d, phase, v, u);
+  ((uint4 *)y)[v] = ar_sum_vec(d, phase, v, u);
 }
 
 __device__ __forceinline__ void ar_close(const td_cu_ar_dev &d, uint32_t phase, uint32_t n) {

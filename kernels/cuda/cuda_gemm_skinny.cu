@@ -333,12 +333,9 @@ __global__ void __launch_bounds__(32 * SK_WARPS) skb_kernel(const td_skinny_args
   if (AR) { /* each row's 16 columns, two vectors (ldy % 8 == 0: a vector is all in or all out) */
     __syncthreads();
     const int row = threadIdx.x >> 1, j = blockIdx.x * 16 + (threadIdx.x & 1) * 8;
-    if (row < m && j < ldy) {
-      const uint4 u = *(const uint4 *)(hs + row * 16 + (threadIdx.x & 1) * 8);
-      const size_t vi = ((size_t)row * ldy + j) / 8;
-      ar_push_vec(a.ar, phase, vi, u);
-      ((uint4 *)a.y)[vi] = ar_sum_vec(a.ar, phase, vi, u);
-    }
+    if (row < m && j < ldy)
+      ar_exchange_vec(a.ar, phase, ((size_t)row * ldy + j) / 8, *(const uint4 *)(hs + row * 16 + (threadIdx.x & 1) * 8),
+                      a.y);
     ar_close(a.ar, phase, (uint32_t)m * (uint32_t)ldy);
   }
 }
@@ -475,12 +472,9 @@ __global__ void __launch_bounds__(32 * GV_WARPS, V <= 4 && R <= 2 ? 3 : 2)
     __shared__ __align__(16) uint16_t hs[R][GV_WARPS];
     if (live) hs[row][threadIdx.x >> 5] = ar_bits(v + pb + (a.accum ? sk_residual(a, false, o) : 0.0f));
     __syncthreads();
-    if (threadIdx.x < m && threadIdx.x < R) {
-      const uint4 u = *(const uint4 *)hs[threadIdx.x];
-      const size_t vi = ((size_t)threadIdx.x * ldy + (size_t)blockIdx.x * GV_WARPS) / 8;
-      ar_push_vec(a.ar, phase, vi, u);
-      ((uint4 *)a.y)[vi] = ar_sum_vec(a.ar, phase, vi, u);
-    }
+    if (threadIdx.x < m && threadIdx.x < R)
+      ar_exchange_vec(a.ar, phase, ((size_t)threadIdx.x * ldy + (size_t)blockIdx.x * GV_WARPS) / 8,
+                      *(const uint4 *)hs[threadIdx.x], a.y);
     ar_close(a.ar, phase, (uint32_t)m * (uint32_t)ldy);
     return;
   }
