@@ -63,8 +63,9 @@ typedef struct opts {
   double mem_fraction;
   double cache_fraction; /* --engine: td_engine_opts.encoder_cache_fraction */
   int repeat;            /* each synthetic input this many times */
-  int runs;              /* --runs: the measure this many times, each with its own inputs (seed + k) */
-  uint64_t seed;
+  int runs;              /* --runs: the measure this many times, each with its own inputs (seed + k x seed_step) */
+  uint64_t seed, seed_step;
+  int part, parts;       /* --part Q/N: the requests whose index is Q modulo N */
   double rates[MAX_SWEEP];
   int n_rates;
   double ttft_bound, tpot_bound;
@@ -545,11 +546,14 @@ static void usage(FILE *f) {
           "                   [--cross-blocks N] [--cross-mode auto|kv|states|dual] [--label TEXT] [--record]\n"
           "                   [--plot FILE.png] [--timeout-ms N] [--max-enc-tokens N] [--max-enc-seqs N]\n"
           "                   [--gpu-memory-fraction F] [--repeat K]  (each synthetic input K times in a row)\n"
-          "                   [--runs K]  (the measure K times on one target, each run with inputs of seed S + k:\n"
+          "                   [--runs K [--seed-step D]]  (the measure K times on one target, run k with inputs of\n"
+          "                               seed S + k x D (D default 1):\n"
           "                               an engine's later runs are warm, as a cluster's after its first; a FILE\n"
           "                               workload repeats its inputs: --encoder-cache-fraction 0 for the engine)\n"
           "                   [--encoder-cache-fraction F]  (--engine: of the cross pool; 0.25, 0 disables)\n"
           "                   [--results FILE.jsonl]  (--router, one run: each answer with its times, a line)\n"
+          "                   [--part Q/N]  (of the --requests N requests, those whose index is Q modulo N:\n"
+          "                               an engine with its share of a cluster's load on the cluster's inputs)\n"
           "                   [--barrier DIR:N]  (each run starts once N bench-serve processes given the same DIR\n"
           "                               reached it: engines on several GPUs measured at once)\n"
           "                   [--spin-us N]  (--router: poll N us without sleeping while answers are due, as\n"
@@ -607,9 +611,10 @@ int main(int argc, char **argv) {
       {"repeat", required_argument, 0, 'y'},       {"encoder-cache-fraction", required_argument, 0, 'Y'},
       {"results", required_argument, 0, 'O'},      {"runs", required_argument, 0, 'U'},
       {"barrier", required_argument, 0, 'Z'},      {"spin-us", required_argument, 0, 'Q'},
+      {"seed-step", required_argument, 0, 1001},   {"part", required_argument, 0, 1002},
       {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
-  opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .runs = 1, .max_batch = 0, .max_tokens = 0,
+  opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .seed_step = 1, .runs = 1, .max_batch = 0, .max_tokens = 0,
             .timeout_ms = 600000, .cache_fraction = TD_DEFAULT_ENCODER_CACHE_FRACTION};
   int c;
   while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -692,6 +697,25 @@ int main(int argc, char **argv) {
       case 'y':
         if (positive("--repeat", optarg, &o.repeat)) return 2;
         break;
+      case 1001: {
+        char *end = NULL;
+        o.seed_step = strtoull(optarg, &end, 10);
+        if (end == optarg || *end || !o.seed_step || o.seed_step > 1000000) {
+          fprintf(stderr, "bench-serve: --seed-step %s: 1 to 1000000\n", optarg);
+          return 2;
+        }
+        break;
+      }
+      case 1002: {
+        int q, n, used = 0;
+        if (sscanf(optarg, "%d/%d%n", &q, &n, &used) != 2 || optarg[used] || n < 1 || n > TD_WORKLOAD_MAX_PARTS ||
+            q < 0 || q >= n) {
+          fprintf(stderr, "bench-serve: --part %s: Q/N with 0 <= Q < N <= %d\n", optarg, TD_WORKLOAD_MAX_PARTS);
+          return 2;
+        }
+        o.part = q, o.parts = n;
+        break;
+      }
       case 'U':
         if (positive("--runs", optarg, &o.runs)) return 2;
         if (o.runs > MAX_SWEEP) {
@@ -752,7 +776,8 @@ int main(int argc, char **argv) {
     return 2;
   }
   /* the workload's shape from the model when given */
-  td_workload_opts wo = {.name = o.workload, .n = o.n, .seed = o.seed, .vocab = o.vocab, .repeat = o.repeat};
+  td_workload_opts wo = {.name = o.workload, .n = o.n, .seed = o.seed, .vocab = o.vocab, .repeat = o.repeat,
+                         .part = o.part, .parts = o.parts};
   if (o.model) {
     td_model_config cfg;
     if (td_model_config_load(o.model, &cfg) != TD_OK) {
@@ -792,8 +817,10 @@ int main(int argc, char **argv) {
   td_sbuf tab = {0};
   char repeat[48] = "";
   if (o.repeat > 1) snprintf(repeat, sizeof repeat, ", each input %d times", o.repeat);
-  td_sbuf_printf(&tab, "%s%s%s: workload %s%s, %d requests (%lld input, %lld output tokens asked), seed %llu\n\n",
-                 o.label ? o.label : "", o.label ? ": " : "", target, o.workload, repeat, w.n, w.input_tokens,
+  char part[64] = "";
+  if (o.parts > 1) snprintf(part, sizeof part, " (part %d of %d of %d)", o.part, o.parts, o.n);
+  td_sbuf_printf(&tab, "%s%s%s: workload %s%s, %d requests%s (%lld input, %lld output tokens asked), seed %llu\n\n",
+                 o.label ? o.label : "", o.label ? ": " : "", target, o.workload, repeat, w.n, part, w.input_tokens,
                  w.output_tokens, (unsigned long long)o.seed);
   td_sbuf_printf(&tab, "| arrivals | ok | req/s | out tok/s | in tok/s | TTFT ms p50 / p90 / p99 | "
                        "TPOT ms p50 / p90 / p99 | end-to-end ms p50 / p90 / p99 | goodput req/s |\n"
@@ -821,7 +848,7 @@ int main(int argc, char **argv) {
     double rate = o.n_rates ? o.rates[k] : 0;
     if (k > 0 && o.runs > 1) { /* new inputs: the encoder cache must not answer a later run */
       td_workload_free(&w);
-      wo.seed = o.seed + (uint64_t)k;
+      wo.seed = o.seed + (uint64_t)k * o.seed_step;
       if (td_workload_make(&wo, &w) != TD_OK) {
         fprintf(stderr, "bench-serve: %s\n", td_errmsg());
         rc = 1;

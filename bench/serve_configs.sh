@@ -17,9 +17,11 @@
 # (the default: every worker with every role on each GPU, against one encoder GPU).
 # --engine N: also the engine in process on one device (the first GPU) with 1/N of each load, K + 1
 # runs in one process (bench-serve --runs; the first, cold, dropped), and a second table: each
-# configuration's runs against N times the engine's warm runs (N: the devices the clusters use).
+# configuration's runs against N times the engine's warm runs (N: the devices the clusters use). The
+# engine's run r + 1 takes part 0 of N of the clusters' run r's own requests (bench-serve --part: requests
+# 0, N, 2N, ...), so that both measure the same draw of lengths (a burst's time follows its longest outputs).
 # --engine-parallel: the N engines instead, one a device (the first N of CUDA_VISIBLE_DEVICES, else 0..N-1),
-# each with 1/N of each load and inputs of its own, every run started together (bench-serve --barrier):
+# engine i with part i of each load (together the clusters' requests), every run started together (bench-serve --barrier):
 # what N GPUs of this host deliver in process at once, their slowest ending each run, as a cluster's
 # slowest worker ends its run.
 # --client-spin-us N: bench-serve against each cluster polls N us without sleeping while answers are
@@ -71,7 +73,7 @@ bin=${TANDEM_BIN:-$root/build/bin}
 export TANDEM_BIN=$bin
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
-rows=() first=() uses=() vs=()
+rows=() first=() uses=() vs=() vs_own=()
 row_of() { grep -E '^\| (all at once|[0-9]+ in flight|Poisson [0-9.]+/s) \| [0-9]+/' "$1" | head -1 | awk -F'|' '{gsub(/ /, "", $5); print $5}'; }
 # TTFT and TPOT p90 of a run (open loop: the rate is given, latency is the measure)
 p90s() { grep -E '^\| Poisson [0-9.]+/s \| [0-9]+/' "$1" | head -1 |
@@ -86,14 +88,18 @@ use_of() { awk -F'|' '/^How the workers spent the run/ {on = 1; next}
   END {print out}' "$1"; }
 # bench-serve's "Which side was short" line of the run (a split cluster's; "-" for an aggregated one)
 short_of() { awk '/^Which side was short:/ {on = 1; next} on && /^- / {sub(/^- [^:]*: /, ""); s = $0} END {print s ? s : "-"}' "$1"; }
-# the engine's warm runs: eng[k] is N x its tokens a second, k counting as the configurations' cells do
-eng=()
+# the engine's warm runs: eng[k] is N x its tokens a second, k counting as the configurations' cells do;
+# with --engine-parallel, eng[k] the engines' tokens over the slowest one's time and own[k] the sum of each
+# engine's own tokens a second (N x one GPU's throughput on the same requests)
+eng=() own=()
 if ((engines)); then
   k=0
   for kind in burst closed; do
     off_kind $kind && continue
-    f=$out/engine-$kind.txt extra=(--requests $((burst / engines)))
-    [[ $kind == closed ]] && extra=(--requests $((closed_n / engines)) --concurrency $((closed / engines)))
+    # the cluster's own inputs (its run r: bursts seed 1000 + 10 r, closed loops 5 + r), the engine's run r + 1 its
+    # part of them (the first run, cold and dropped, on inputs no cluster run takes)
+    f=$out/engine-$kind.txt extra=(--requests "$burst" --seed 1000 --seed-step 10)
+    [[ $kind == closed ]] && extra=(--requests "$closed_n" --concurrency $((closed / engines)) --seed 5)
     dev=${CUDA_VISIBLE_DEVICES:-0}
     if ((eng_par)); then
       IFS=',' read -ra devs <<<"${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((engines - 1)))}"
@@ -101,7 +107,7 @@ if ((engines)); then
       bar=$(mktemp -d) pids=()
       for ((i = 0; i < engines; i++)); do
         CUDA_VISIBLE_DEVICES=${devs[i]} "$bin/bench-serve" --engine --device "$device" --model "$model" \
-          --workload "$workload" "${extra[@]}" --runs $((runs + 1)) --seed $((5 + 100 * i)) --barrier "$bar:$engines" \
+          --workload "$workload" "${extra[@]}" --part "$i/$engines" --runs $((runs + 1)) --barrier "$bar:$engines" \
           >"$out/engine-$kind-$i.txt" 2>&1 &
         pids+=($!)
       done
@@ -109,7 +115,7 @@ if ((engines)); then
       rm -rf "$bar"
     else
       CUDA_VISIBLE_DEVICES=${dev%%,*} "$bin/bench-serve" --engine --device "$device" --model "$model" \
-        --workload "$workload" "${extra[@]}" --runs $((runs + 1)) --seed 5 >"$f" 2>&1
+        --workload "$workload" "${extra[@]}" --part "0/$engines" --runs $((runs + 1)) >"$f" 2>&1
     fi
     for r in $(seq "$runs"); do
       pat="^\| (all at once|[0-9]+ in flight), run $((r + 1)) \| [0-9]+/"
@@ -119,6 +125,8 @@ if ((engines)); then
           awk -F'|' -v n="$engines" '{split($3, ok, "/"); rps = $4 + 0; tps = $5 + 0; if (rps <= 0) next
             d = ok[1] / rps; tok += tps * d; if (d > dmax) dmax = d; c++}
             END {if (c == n && dmax > 0) printf "%.0f\n", tok / dmax}')
+        own[$k]=$(for ((i = 0; i < engines; i++)); do grep -E "$pat" "$out/engine-$kind-$i.txt" | head -1; done |
+          awk -F'|' -v n="$engines" '{s += $5 + 0; c++} END {if (c == n) printf "%.0f\n", s}')
       else
         v=$(grep -E "$pat" "$f" | head -1 | awk -F'|' -v n="$engines" '{gsub(/ /, "", $5); if ($5 != "") print $5 * n}')
       fi
@@ -156,9 +164,9 @@ for entry in "${list[@]}"; do
     off_kind $kind && continue
     for r in $(seq "$runs"); do
       f=$out/$name-$kind-$r.txt
-      # closed loops take the inputs of the engine's warm run r (bench-serve --seed 5 --runs: inputs of seed
-      # 5 + r), so that one engine's latencies are set against the same requests' (a BART input's length moves
-      # its TTFT); bursts and rates inputs of their own (a cluster's encoder cache lives across its runs)
+      # the engine's warm run r takes its part of these same inputs (bursts seed 1000 + 10 r, closed loops 5 + r),
+      # so that a burst's longest outputs, and a BART input's length in a TTFT, are the same draw; each kind
+      # its own seeds (a cluster's encoder cache lives across its runs)
       seed=$((1000 * (off + 1) + 10 * r))
       [[ $kind == closed ]] && seed=$((5 + r))
       OPENBLAS_NUM_THREADS=1 "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" \
@@ -184,6 +192,14 @@ for entry in "${list[@]}"; do
       e+=("$(awk -v a="$v" -v b="${eng[$j]:-0}" 'BEGIN { if (a + 0 > 0 && b > 0) printf "%.2fx", a / b; else print "-" }')")
     done
     vs+=("| $name | $(IFS='|'; echo "${e[*]}" | sed 's/|/ | /g') |")
+    if ((eng_par)); then
+      e=()
+      for ((j = 0; j < ${#own[@]}; j++)); do
+        v=${cells[$j]%% *}
+        e+=("$(awk -v a="$v" -v b="${own[$j]:-0}" 'BEGIN { if (a + 0 > 0 && b > 0) printf "%.2fx", a / b; else print "-" }')")
+      done
+      vs_own+=("| $name | $(IFS='|'; echo "${e[*]}" | sed 's/|/ | /g') |")
+    fi
   fi
   uses+=("| $name | $(use_of "$f") | $(short_of "$f") |")
   rm -f "$run"/*.pid
@@ -220,7 +236,7 @@ if ((engines)); then
     done
   done
   if ((eng_par)); then
-    echo "Against $engines engines at once: each run over the engines' warm run of the same index (one engine a device, each with 1/$engines of the load and inputs of its own, their runs started together; every engine's tokens over the slowest one's duration; bursts and closed loops: $(IFS=' '; echo "${eng[*]}") tok/s):"
+    echo "Against $engines engines at once: each run over the engines' warm run of the same index (one engine a device, each with its part of the clusters' requests of that run, their runs started together; every engine's tokens over the slowest one's duration; bursts and closed loops: $(IFS=' '; echo "${eng[*]}") tok/s):"
   else
     echo "Against $engines engines: each run over $engines x the engine's warm run of the same index (the engine on one device with 1/$engines of the load; bursts and closed loops; $engines x its tokens a second: $(IFS=' '; echo "${eng[*]}")):"
   fi
@@ -229,6 +245,14 @@ if ((engines)); then
   echo "$esep"
   printf '%s\n' "${vs[@]}"
   echo
+  if ((eng_par)); then
+    echo "Against $engines x one GPU: each run over the sum of the same engines' own tokens a second (each over its own duration: $(IFS=' '; echo "${own[*]}") tok/s):"
+    echo
+    echo "$ehead"
+    echo "$esep"
+    printf '%s\n' "${vs_own[@]}"
+    echo
+  fi
 fi
 echo "How the workers spent each configuration's last run (busy: inside engine steps, of the run; the short pool is the busy one):"
 echo

@@ -9,6 +9,9 @@
 
 #include "common/rng.h"
 
+/* Whether request i is in the part asked for. */
+static bool in_part(const td_workload_opts *o, int i) { return o->parts <= 1 || i % o->parts == o->part; }
+
 /* Uniform integer in [lo, hi] from (seed, stream, step). */
 static int uniform(uint64_t seed, uint32_t stream, uint32_t step, int lo, int hi) {
   int v = lo + (int)(td_rand_uniform(seed, stream, step) * (float)(hi - lo + 1));
@@ -25,10 +28,10 @@ static td_status synth(const td_workload_opts *o, int in_lo, int in_hi, int out_
     return td_err(TD_ERR_INVALID, "workload %s: features of %d x %d", o->name, o->mel_bins, o->frames);
   w->reqs = calloc((size_t)o->n, sizeof *w->reqs);
   if (!w->reqs) return td_err(TD_ERR_NOMEM, "out of memory");
-  w->n = o->n;
   int rep = o->repeat > 1 ? o->repeat : 1;
   for (int i = 0; i < o->n; i++) {
-    td_json_request *r = &w->reqs[i];
+    if (!in_part(o, i)) continue;
+    td_json_request *r = &w->reqs[w->n++];
     int src = i / rep * rep; /* the request whose input this one repeats */
     snprintf(r->id, sizeof r->id, "%s-%d", o->name, i);
     td_request_params_default(&r->params);
@@ -68,11 +71,12 @@ static td_status from_file(const td_workload_opts *o, td_workload *w) {
   char *line = NULL;
   size_t cap = 0;
   ssize_t len;
-  int line_no = 0, n_cap = 0;
+  int line_no = 0, n_cap = 0, index = 0;
   td_status s = TD_OK;
-  while ((o->n <= 0 || w->n < o->n) && (len = getline(&line, &cap, f)) > 0) {
+  while ((o->n <= 0 || index < o->n) && (len = getline(&line, &cap, f)) > 0) {
     line_no++;
     if (len <= 1) continue;
+    if (!in_part(o, index++)) continue;
     if (w->n == n_cap) {
       n_cap = n_cap ? 2 * n_cap : 64;
       td_json_request *r = realloc(w->reqs, sizeof *r * (size_t)n_cap);
@@ -90,12 +94,16 @@ static td_status from_file(const td_workload_opts *o, td_workload *w) {
   }
   free(line);
   fclose(f);
-  if (s == TD_OK && !w->n) s = td_err(TD_ERR_INVALID, "workload %s: no requests", o->name);
+  if (s == TD_OK && !w->n) s = td_err(TD_ERR_INVALID, "workload %s: no requests%s", o->name,
+                                      o->parts > 1 ? " in the part asked for" : "");
   return s;
 }
 
 td_status td_workload_make(const td_workload_opts *o, td_workload *out) {
   memset(out, 0, sizeof *out);
+  if (o->parts < 0 || o->parts > TD_WORKLOAD_MAX_PARTS || (o->parts > 1 && (o->part < 0 || o->part >= o->parts)))
+    return td_err(TD_ERR_INVALID, "workload part %d of %d: parts 1 to %d, the part below them", o->part, o->parts,
+                  TD_WORKLOAD_MAX_PARTS);
   td_status s;
   if (!strcmp(o->name, "trt"))
     s = synth(o, 260, 440, 20, 128, false, out);
@@ -108,6 +116,8 @@ td_status td_workload_make(const td_workload_opts *o, td_workload *out) {
                                "its own lines)", o->name);
   else
     s = from_file(o, out);
+  if (s == TD_OK && !out->n) s = td_err(TD_ERR_INVALID, "workload %s: part %d of %d holds none of its %d requests",
+                                        o->name, o->part, o->parts, o->n);
   if (s != TD_OK) td_workload_free(out);
   return s;
 }

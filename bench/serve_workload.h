@@ -24,6 +24,9 @@ typedef struct td_workload_opts {
   int vocab;           /* token ids in [4, vocab) */
   int mel_bins, frames; /* whisper: the features' shape */
   int repeat;          /* synthetic: each input this many times in a row (0, 1: all different) */
+  /* of the n requests, only those whose index is part modulo parts (parts 0 or 1: all): an engine with its
+     share of a cluster's load on the cluster's own inputs */
+  int part, parts;
 } td_workload_opts;
 
 typedef struct td_workload {
@@ -31,6 +34,8 @@ typedef struct td_workload {
   int n;
   long long input_tokens, output_tokens; /* what the requests ask for (output: max_new_tokens) */
 } td_workload;
+
+#define TD_WORKLOAD_MAX_PARTS 1024
 
 td_status td_workload_make(const td_workload_opts *o, td_workload *out);
 void td_workload_free(td_workload *w);

@@ -16,6 +16,13 @@ eng=$("$bin/bench-serve" --engine --model "$root/tests/data/toy-numbers-t5" --wo
 check "bench-serve --runs 2: the first run's row" has "$eng" "| 2 in flight, run 1 | 6/6 |"
 check "bench-serve --runs 2: the second run's row" has "$eng" "| 2 in flight, run 2 | 6/6 |"
 check "bench-serve --runs 2: each run its own inputs (no encoder-cache hit)" grep -q "12 runs (requests encoded).*: 0 hits, 12 misses" <<<"$eng"
+part=$("$bin/bench-serve" --engine --model "$root/tests/data/toy-numbers-t5" --workload trt --requests 6 --part 1/2 \
+  --runs 2 --seed 7 --seed-step 10 2>&1)
+check "bench-serve --part 1/2: half the requests, each run" has "$part" "| all at once, run 2 | 3/3 |"
+check "bench-serve --part: named in the header" has "$part" "3 requests (part 1 of 2 of 6)"
+check "bench-serve --seed-step: each run its own inputs" grep -q "6 runs (requests encoded).*: 0 hits, 6 misses" <<<"$part"
+check "bench-serve --part 2/2: refused" sh -c "! '$bin/bench-serve' --engine --model '$root/tests/data/toy-numbers-t5' --part 2/2 2>/dev/null"
+check "bench-serve --seed-step 0: refused" sh -c "! '$bin/bench-serve' --engine --model '$root/tests/data/toy-numbers-t5' --seed-step 0 2>/dev/null"
 check "bench-serve --runs with a rate: refused" sh -c "! '$bin/bench-serve' --engine --model '$root/tests/data/toy-numbers-t5' --runs 2 --rate 5 2>/dev/null"
 TANDEM_BIN=$bin timeout 600 bash "$root/bench/serve_configs.sh" --model "$root/tests/data/toy-numbers-t5" --device cpu \
   --burst 8 --closed 4 --closed-requests 6 --runs 1 --engine 2 --out "$work/out" \
@@ -37,10 +44,14 @@ check "the engine's warm run, half the closed loop" grep -qE '^\| 2 in flight, r
 check "each configuration against two engines" grep -qE '^\| split \| [0-9]+\.[0-9]+x \| [0-9]+\.[0-9]+x \|$' "$work/table.md"
 check "the first configuration too" grep -qE '^\| agg \| [0-9]+\.[0-9]+x \| [0-9]+\.[0-9]+x \|$' "$work/table.md"
 check "the closed loop's first run has the engine's first warm run's inputs (seed 5 + 1)" grep -q 'seed 6$' "$work/out/agg-closed-1.txt"
+check "the engine's burst: part 0 of the clusters' (seeds 1000 + 10 r, the first cold)" \
+  grep -qE '4 requests \(part 0 of 2 of 8\).*seed 1000$' "$work/out/engine-burst.txt"
+check "the clusters' first burst: seed 1010" grep -qE '8 requests .*seed 1010$' "$work/out/agg-burst-1.txt"
+check "the engine's closed loop: part 0 of the clusters'" grep -qE '3 requests \(part 0 of 2 of 6\).*seed 5$' "$work/out/engine-closed.txt"
 check "the closed loop ran --closed-requests requests, 4 in flight" grep -qE '^\| 4 in flight \| 6/6 \|' "$work/out/agg-closed-1.txt"
 check "the aggregated cluster has no sides" grep -qE '^\| agg \| decode-0 [^|]* \| - \|$' "$work/table.md"
 check "no cluster left running" sh -c "! pgrep -f 'run-dir $work/ou[t]' >/dev/null"
-# --engine-parallel: two engines at once (CPU "devices" 0 and 1), each half the burst, inputs of their own, each
+# --engine-parallel: two engines at once (CPU "devices" 0 and 1), each half the cluster's burst, each
 # run started together (bench-serve --barrier); the cluster against every engine's tokens over the slowest's time;
 # the cluster's clients and workers on its local links, bench-serve polling 200 us before it sleeps
 CUDA_VISIBLE_DEVICES= TANDEM_BIN=$bin timeout 600 bash "$root/bench/serve_configs.sh" --model "$root/tests/data/toy-numbers-t5" \
@@ -52,9 +63,11 @@ check "--engine-parallel ran" test "$rc" -eq 0
 for i in 0 1; do
   check "engine $i's warm run, half the burst" grep -qE '^\| all at once, run 2 \| 4/4 \|' "$work/par/engine-burst-$i.txt"
 done
-check "the engines' inputs differ (seeds 5 and 105)" sh -c "grep -q 'seed 5\$' '$work/par/engine-burst-0.txt' && grep -q 'seed 105\$' '$work/par/engine-burst-1.txt'"
+check "the engines take parts 0 and 1 of the cluster's burst" sh -c "grep -q '(part 0 of 2 of 8).*seed 1000\$' '$work/par/engine-burst-0.txt' && grep -q '(part 1 of 2 of 8).*seed 1000\$' '$work/par/engine-burst-1.txt'"
 check "the cluster against the engines at once" grep -qE '^Against 2 engines at once: .*: [0-9]+ tok/s\):$' "$work/par.md"
-check "the configuration's ratio" grep -qE '^\| agg \| [0-9]+\.[0-9]+x \|$' "$work/par.md"
+check "the configuration's ratios (engines at once; the sum of their own rates)" \
+  test "$(grep -cE '^\| agg \| [0-9]+\.[0-9]+x \|$' "$work/par.md")" -eq 2
+check "against 2 x one GPU: the engines' own rates summed" grep -qE '^Against 2 x one GPU: .*: [0-9]+ tok/s\):$' "$work/par.md"
 check "--local-link all: bench-serve measured the cluster over its local link" grep -q "^cluster at local:" "$work/par/agg-burst-1.txt"
 check "--client-spin-us 100001: refused" sh -c "! bash '$root/bench/serve_configs.sh' --model '$root/tests/data/toy-numbers-t5' --client-spin-us 100001 2>/dev/null"
 check "--engine-parallel without --engine: refused" sh -c "! bash '$root/bench/serve_configs.sh' --model '$root/tests/data/toy-numbers-t5' --engine-parallel 2>/dev/null"

@@ -5,6 +5,9 @@
 
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include "serve_stats.h"
 #include "serve_workload.h"
@@ -150,6 +153,62 @@ Test(serve_workload, seeds_give_other_inputs) {
   cr_expect_eq(same, 0, "%d trt requests of seed 12 repeat one of seed 11", same);
   td_workload_free(&a);
   td_workload_free(&b);
+}
+
+/* --part Q/N: the whole workload's requests Q, Q + N, ... (the same inputs
+ * as the whole, so that an engine measures its share of a cluster's run);
+ * the parts together are the whole; a file the same by line; refusals. */
+Test(serve_workload, parts_are_the_wholes_requests_by_index) {
+  td_workload_opts o = {.name = "trt", .n = 10, .seed = 4, .vocab = 500};
+  td_workload all, part;
+  cr_assert_eq(td_workload_make(&o, &all), TD_OK, "%s", td_errmsg());
+  long long out = 0;
+  for (int q = 0; q < 4; q++) {
+    o.part = q, o.parts = 4;
+    cr_assert_eq(td_workload_make(&o, &part), TD_OK, "%s", td_errmsg());
+    cr_assert_eq(part.n, q < 2 ? 3 : 2, "part %d of 4 of 10: %d requests", q, part.n);
+    for (int j = 0; j < part.n; j++) {
+      const td_json_request *a = &all.reqs[q + 4 * j], *b = &part.reqs[j];
+      cr_expect_str_eq(b->id, a->id);
+      cr_assert_eq(b->n_input, a->n_input);
+      cr_expect_arr_eq(b->input_ids, a->input_ids, sizeof(int32_t) * (size_t)a->n_input);
+      cr_expect_eq(b->params.max_new_tokens, a->params.max_new_tokens);
+    }
+    out += part.output_tokens;
+    td_workload_free(&part);
+  }
+  cr_expect_eq(out, all.output_tokens, "the parts ask for the whole's output tokens");
+  td_workload_free(&all);
+  td_workload_opts w = {.name = "whisper", .n = 6, .seed = 2, .mel_bins = 2, .frames = 4, .part = 1, .parts = 3};
+  cr_assert_eq(td_workload_make(&w, &part), TD_OK, "%s", td_errmsg());
+  w.parts = 0;
+  cr_assert_eq(td_workload_make(&w, &all), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(part.n, 2);
+  cr_expect_arr_eq(part.reqs[1].features, all.reqs[4].features, sizeof(float) * 8);
+  td_workload_free(&part);
+  td_workload_free(&all);
+  char path[] = "/tmp/td-parts-XXXXXX";
+  int fd = mkstemp(path);
+  cr_assert_geq(fd, 0);
+  FILE *f = fdopen(fd, "w");
+  for (int i = 0; i < 5; i++) fprintf(f, "{\"input_ids\": [%d, 5, 6], \"max_new_tokens\": %d}\n", 10 + i, 2 + i);
+  fclose(f);
+  td_workload_opts fo = {.name = path, .part = 2, .parts = 2};
+  cr_assert_eq(td_workload_make(&fo, &part), TD_ERR_INVALID, "part 2 of 2");
+  fo.part = 1;
+  cr_assert_eq(td_workload_make(&fo, &part), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(part.n, 2, "lines 1 and 3 of 0-4");
+  cr_expect_eq(part.reqs[0].input_ids[0], 11);
+  cr_expect_eq(part.reqs[1].params.max_new_tokens, 5);
+  td_workload_free(&part);
+  unlink(path);
+  td_workload_opts bad = {.name = "trt", .n = 2, .seed = 1, .vocab = 100, .part = 3, .parts = 4};
+  cr_expect_eq(td_workload_make(&bad, &part), TD_ERR_INVALID, "part 3 of 4 of 2 requests is empty");
+  cr_expect(strstr(td_errmsg(), "part 3 of 4 holds none"), "%s", td_errmsg());
+  bad.part = 4;
+  cr_expect_eq(td_workload_make(&bad, &part), TD_ERR_INVALID, "part 4 of 4");
+  bad.part = 0, bad.parts = TD_WORKLOAD_MAX_PARTS + 1;
+  cr_expect_eq(td_workload_make(&bad, &part), TD_ERR_INVALID, "too many parts");
 }
 
 Test(serve_workload, poisson_arrivals_have_the_rate) {
