@@ -120,13 +120,12 @@ if ((engines)); then
     for r in $(seq "$runs"); do
       pat="^\| (all at once|[0-9]+ in flight), run $((r + 1)) \| [0-9]+/"
       if ((eng_par)); then
-        # together: every engine's tokens over the slowest engine's duration (requests / requests a second)
-        v=$(for ((i = 0; i < engines; i++)); do grep -E "$pat" "$out/engine-$kind-$i.txt" | head -1; done |
+        # together: every engine's tokens over the slowest engine's duration (requests / requests a second),
+        # and the sum of their own rates
+        read -r v own[$k] < <(for ((i = 0; i < engines; i++)); do grep -E "$pat" "$out/engine-$kind-$i.txt" | head -1; done |
           awk -F'|' -v n="$engines" '{split($3, ok, "/"); rps = $4 + 0; tps = $5 + 0; if (rps <= 0) next
-            d = ok[1] / rps; tok += tps * d; if (d > dmax) dmax = d; c++}
-            END {if (c == n && dmax > 0) printf "%.0f\n", tok / dmax}')
-        own[$k]=$(for ((i = 0; i < engines; i++)); do grep -E "$pat" "$out/engine-$kind-$i.txt" | head -1; done |
-          awk -F'|' -v n="$engines" '{s += $5 + 0; c++} END {if (c == n) printf "%.0f\n", s}')
+            d = ok[1] / rps; tok += tps * d; if (d > dmax) dmax = d; s += tps; c++}
+            END {if (c == n && dmax > 0) printf "%.0f %.0f\n", tok / dmax, s}')
       else
         v=$(grep -E "$pat" "$f" | head -1 | awk -F'|' -v n="$engines" '{gsub(/ /, "", $5); if ($5 != "") print $5 * n}')
       fi
