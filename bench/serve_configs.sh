@@ -134,6 +134,16 @@ if ((engines)); then
     done
   done
 fi
+# a configuration's row of its cells over a yardstick's (an array's name: eng or own), cell by cell
+ratio_row() {
+  local -n base=$2
+  local e=() j v
+  for ((j = 0; j < ${#base[@]}; j++)); do
+    v=${cells[$j]%% *}
+    e+=("$(awk -v a="$v" -v b="${base[$j]:-0}" 'BEGIN { if (a + 0 > 0 && b > 0) printf "%.2fx", a / b; else print "-" }')")
+  done
+  echo "| $1 | $(IFS='|'; echo "${e[*]}" | sed 's/|/ | /g') |"
+}
 IFS=';' read -ra list <<<"$configs"
 for entry in "${list[@]}"; do
   name=${entry%%=*} flags=${entry#*=}
@@ -185,20 +195,8 @@ for entry in "${list[@]}"; do
   done
   rows+=("| $name | $flags | $(IFS='|'; echo "${cells[*]}" | sed 's/|/ | /g') |")
   if ((engines)); then
-    e=()
-    for ((j = 0; j < ${#eng[@]}; j++)); do
-      v=${cells[$j]%% *}
-      e+=("$(awk -v a="$v" -v b="${eng[$j]:-0}" 'BEGIN { if (a + 0 > 0 && b > 0) printf "%.2fx", a / b; else print "-" }')")
-    done
-    vs+=("| $name | $(IFS='|'; echo "${e[*]}" | sed 's/|/ | /g') |")
-    if ((eng_par)); then
-      e=()
-      for ((j = 0; j < ${#own[@]}; j++)); do
-        v=${cells[$j]%% *}
-        e+=("$(awk -v a="$v" -v b="${own[$j]:-0}" 'BEGIN { if (a + 0 > 0 && b > 0) printf "%.2fx", a / b; else print "-" }')")
-      done
-      vs_own+=("| $name | $(IFS='|'; echo "${e[*]}" | sed 's/|/ | /g') |")
-    fi
+    vs+=("$(ratio_row "$name" eng)")
+    if ((eng_par)); then vs_own+=("$(ratio_row "$name" own)"); fi
   fi
   uses+=("| $name | $(use_of "$f") | $(short_of "$f") |")
   rm -f "$run"/*.pid
