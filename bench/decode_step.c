@@ -4,14 +4,15 @@
  * bf16 rate).
  *   bench-decode-step [--tp N | --pp N [--pp-sets 2]] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
  *                     [--steps N] [--shape flan-t5-large|flan-t5-xl|bart-large|whisper-large-v3] [--no-record]
- *                     [--model-dir DIR] [--trace BATCH] [--trace-encoder] [--block-size N]
+ *                     [--model-dir DIR] [--trace BATCH [--trace-gpus]] [--trace-encoder] [--block-size N]
  *                     [--cross-mode auto|kv|states|dual] [--states-rows N] [--enc-split rows|heads]
  * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
  * --model-dir keeps the random checkpoint in DIR (written there once, then
  * reused), so that runs under different settings load the same weights.
  * --trace prints the kernel timeline of one decode step at that batch
  * (CUPTI; builds without it say so); --trace-encoder that of one encoder run
- * (of the largest batch's inputs). --block-size: tokens a paged KV block
+ * (of the largest batch's inputs); --trace-gpus: two steps, every rank's
+ * GPU on one clock (when each rank reaches each exchange). --block-size: tokens a paged KV block
  * (default 16). --cross-mode: what the cross pool caches
  * (td_model_opts.cross_mode; default auto, i.e. dual: steps of at least
  * --states-rows rows, the backend's choice by default, attend over the
@@ -47,6 +48,7 @@ typedef struct cfg {
   int enc_len, ctx, steps;
   int trace; /* batch whose step is traced, 0: none */
   bool trace_enc; /* the encoder run traced too */
+  bool trace_gpus; /* the traced steps: two, every GPU printed */
   int block_size; /* tokens a paged KV block */
   td_cross_mode cross_mode;
   int states_rows; /* td_model_opts.states_rows */
@@ -304,12 +306,14 @@ static void *rank_main(void *arg) {
         goto out;
       }
       if (c->world > 1) pthread_barrier_wait(c->barrier);
-      if ((s = td_model_step(m, &di, &lg)) != TD_OK || (s = td_sync(b)) != TD_OK) goto out;
+      for (int it = 0; it < (c->trace_gpus ? 2 : 1); it++)
+        if ((s = td_model_step(m, &di, &lg)) != TD_OK || (s = td_sync(b)) != TD_OK) goto out;
       if (c->world > 1) pthread_barrier_wait(c->barrier);
       if (rk->r == 0) {
-        char title[64];
-        snprintf(title, sizeof title, "decode step, batch %d (GPU 0 of %d)", B, c->world);
-        td_ktrace_end_device(stdout, title, 0);
+        char title[80];
+        if (c->trace_gpus) snprintf(title, sizeof title, "two decode steps, batch %d (%d GPUs)", B, c->world);
+        else snprintf(title, sizeof title, "decode step, batch %d (GPU 0 of %d)", B, c->world);
+        td_ktrace_end_device(stdout, title, c->trace_gpus ? -1 : 0);
       }
     }
   }
@@ -362,6 +366,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--model-dir") && i + 1 < argc) keep = argv[++i];
     else if (!strcmp(argv[i], "--trace") && i + 1 < argc) c.trace = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--trace-encoder")) c.trace_enc = true;
+    else if (!strcmp(argv[i], "--trace-gpus")) c.trace_gpus = true;
     else if (!strcmp(argv[i], "--enc-split") && i + 1 < argc) {
       const char *v = argv[++i];
       if (strcmp(v, "rows") && strcmp(v, "heads")) {

@@ -132,13 +132,17 @@ int td_ktrace_end_device(FILE *f, const char *title, int device) {
   size_t na = 0;
   uint64_t t0 = recs[0].start, last = recs[0].start;
   fprintf(f, "%s: %zu kernels\n", title, n_recs);
-  fprintf(f, "%5s %-44s %7s %5s %9s %9s %9s\n", "#", "kernel", "grid", "block", "start us", "dur us", "crit us");
+  /* every device: their kernels interleaved on the one clock, the device named */
+  fprintf(f, "%5s %-44s %7s %5s %9s %9s %9s%s\n", "#", "kernel", "grid", "block", "start us", "dur us", "crit us",
+          device < 0 ? "  gpu" : "");
   for (size_t i = 0; i < n_recs; i++) {
     const krec *e = &recs[i];
     double crit = e->end > last ? (double)(e->end - last) * 1e-3 : 0.0;
     if (e->end > last) last = e->end;
-    fprintf(f, "%5zu %-44.44s %7d %5d %9.2f %9.2f %9.2f\n", i, e->name, e->grid, e->block,
+    fprintf(f, "%5zu %-44.44s %7d %5d %9.2f %9.2f %9.2f", i, e->name, e->grid, e->block,
             (double)(e->start - t0) * 1e-3, (double)(e->end - e->start) * 1e-3, crit);
+    if (device < 0) fprintf(f, " %4u", e->device);
+    fputc('\n', f);
     size_t j = 0;
     while (j < na && strcmp(a[j].name, e->name)) j++;
     if (j == na) snprintf(a[na++].name, sizeof a[0].name, "%s", e->name);
