@@ -26,6 +26,8 @@
 # slowest worker ends its run.
 # --client-spin-us N: bench-serve against each cluster polls N us without sleeping while answers are
 # due (bench-serve --spin-us), as a latency-minded client (the gateway's --spin-us) does.
+# On CUDA with nvidia-smi, a last table: the GPUs' clocks while each run measured (bench/gpu_clocks.sh:
+# mean SM clock of the busy samples, shares held down by the power cap and by slowdowns).
 # Programs from $TANDEM_BIN (default build/bin). Each run's full bench-serve output is in
 # --out (default a temporary folder).
 set -u
@@ -73,7 +75,10 @@ bin=${TANDEM_BIN:-$root/build/bin}
 export TANDEM_BIN=$bin
 out=${out:-$(mktemp -d)}
 mkdir -p "$out"
-rows=() first=() uses=() vs=() vs_own=()
+source "$root/bench/gpu_clocks.sh"
+clocks=0
+[[ $device == cuda ]] && gpu_clocks_init && clocks=1
+rows=() first=() uses=() vs=() vs_own=() clk_rows=() eclk=()
 row_of() { grep -E '^\| (all at once|[0-9]+ in flight|Poisson [0-9.]+/s) \| [0-9]+/' "$1" | head -1 | awk -F'|' '{gsub(/ /, "", $5); print $5}'; }
 # TTFT and TPOT p90 of a run (open loop: the rate is given, latency is the measure)
 p90s() { grep -E '^\| Poisson [0-9.]+/s \| [0-9]+/' "$1" | head -1 |
@@ -101,6 +106,7 @@ if ((engines)); then
     f=$out/engine-$kind.txt extra=(--requests "$burst" --seed 1000 --seed-step 10)
     [[ $kind == closed ]] && extra=(--requests "$closed_n" --concurrency $((closed / engines)) --seed 5)
     dev=${CUDA_VISIBLE_DEVICES:-0}
+    gpu_clocks_start "$out/clocks-engine-$kind.csv"
     if ((eng_par)); then
       IFS=',' read -ra devs <<<"${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((engines - 1)))}"
       ((${#devs[@]} >= engines)) || { echo "serve_configs.sh: --engine-parallel $engines: ${#devs[@]} devices" >&2; exit 2; }
@@ -117,6 +123,8 @@ if ((engines)); then
       CUDA_VISIBLE_DEVICES=${dev%%,*} "$bin/bench-serve" --engine --device "$device" --model "$model" \
         --workload "$workload" "${extra[@]}" --part "0/$engines" --runs $((runs + 1)) >"$f" 2>&1
     fi
+    gpu_clocks_stop
+    eclk+=("$kind: $(gpu_clocks_of "$out/clocks-engine-$kind.csv")")
     for r in $(seq "$runs"); do
       pat="^\| (all at once|[0-9]+ in flight), run $((r + 1)) \| [0-9]+/"
       if ((eng_par)); then
@@ -134,6 +142,8 @@ if ((engines)); then
     done
   done
 fi
+# a table row's cells from words: "a | b | c"
+join_cells() { local IFS='|'; echo "$*" | sed 's/|/ | /g'; }
 # a configuration's row of its cells over a yardstick's (an array's name: eng or own), cell by cell
 ratio_row() {
   local -n base=$2
@@ -142,7 +152,7 @@ ratio_row() {
     v=${cells[$j]%% *}
     e+=("$(awk -v a="$v" -v b="${base[$j]:-0}" 'BEGIN { if (a + 0 > 0 && b > 0) printf "%.2fx", a / b; else print "-" }')")
   done
-  echo "| $1 | $(IFS='|'; echo "${e[*]}" | sed 's/|/ | /g') |"
+  echo "| $1 | $(join_cells "${e[@]}") |"
 }
 IFS=';' read -ra list <<<"$configs"
 for entry in "${list[@]}"; do
@@ -164,7 +174,7 @@ for entry in "${list[@]}"; do
   # the workers)
   OPENBLAS_NUM_THREADS=1 "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" --requests 32 \
     --seed 99 >/dev/null 2>&1
-  cells=()
+  cells=() clk=()
   k=0
   for kind in burst closed rate; do
     n=$burst extra=() off=0
@@ -178,9 +188,12 @@ for entry in "${list[@]}"; do
       # its own seeds (a cluster's encoder cache lives across its runs)
       seed=$((1000 * (off + 1) + 10 * r))
       [[ $kind == closed ]] && seed=$((5 + r))
+      gpu_clocks_start "$out/clocks-$name-$kind-$r.csv"
       OPENBLAS_NUM_THREADS=1 "$bin/bench-serve" --router "$ep" --model "$model" --workload "$workload" \
         --requests "$n" "${extra[@]}" --spin-us "$client_spin" \
         --seed "$seed" >"$f" 2>&1
+      gpu_clocks_stop
+      clk+=("$(gpu_clocks_of "$out/clocks-$name-$kind-$r.csv")")
       v=$(row_of "$f")
       base=${first[$k]:-}
       [[ -z $base ]] && first[$k]=$v base=$v
@@ -193,7 +206,8 @@ for entry in "${list[@]}"; do
       k=$((k + 1))
     done
   done
-  rows+=("| $name | $flags | $(IFS='|'; echo "${cells[*]}" | sed 's/|/ | /g') |")
+  rows+=("| $name | $flags | $(join_cells "${cells[@]}") |")
+  clk_rows+=("| $name | $(join_cells "${clk[@]}") |")
   if ((engines)); then
     vs+=("$(ratio_row "$name" eng)")
     if ((eng_par)); then vs_own+=("$(ratio_row "$name" own)"); fi
@@ -257,4 +271,12 @@ echo "| configuration | workers | which side was short |"
 echo "|---|---|---|"
 printf '%s\n' "${uses[@]}"
 echo
+if ((clocks)); then
+  echo "GPU clocks while each run measured (every GPU every 200 ms, the samples at 50 % utilisation or more: mean SM clock, shares held down by the power cap and by thermal or hardware slowdowns)$( ((engines)) && echo "; the engines, all their runs: $(IFS=';'; echo "${eclk[*]}" | sed 's/;/; /g')"):"
+  echo
+  echo "| configuration |${head#| configuration | local.sh flags |}"
+  echo "|---|${sep#|---|---|}"
+  printf '%s\n' "${clk_rows[@]}"
+  echo
+fi
 echo "bench-serve outputs: $out"
