@@ -12,9 +12,9 @@ gpu_clocks_q="" gpu_clocks_pid=""
 gpu_clocks_init() {
   local r
   for r in clocks_event_reasons.active clocks_throttle_reasons.active; do
-    if "$gpu_clocks_smi" --query-gpu="index,utilization.gpu,clocks.sm,power.draw,$r" --format=csv,noheader,nounits \
+    if "$gpu_clocks_smi" --query-gpu="index,utilization.gpu,clocks.sm,$r" --format=csv,noheader,nounits \
       >/dev/null 2>&1; then
-      gpu_clocks_q="index,utilization.gpu,clocks.sm,power.draw,$r"
+      gpu_clocks_q="index,utilization.gpu,clocks.sm,$r"
       return 0
     fi
   done
@@ -40,8 +40,8 @@ gpu_clocks_of() {
   [[ -s $1 ]] || { echo "-"; return 0; }
   awk -F', *' '
     function nib(s, k) { return index("0123456789abcdef", tolower(substr(s, length(s) - k, 1))) - 1 }
-    NF == 5 && $2 + 0 >= 50 && $3 + 0 > 0 && $5 ~ /^0x[0-9a-fA-F]+$/ && length($5) == 18 {
-      n++; mhz += $3; lo = nib($5, 0); hi = nib($5, 1)
+    NF == 4 && $2 + 0 >= 50 && $3 + 0 > 0 && $4 ~ /^0x[0-9a-fA-F]+$/ && length($4) == 18 {
+      n++; mhz += $3; lo = nib($4, 0); hi = nib($4, 1)
       if (lo % 8 >= 4) cap++
       if (lo >= 8 || int(hi / 2) % 8) slow++
     }
