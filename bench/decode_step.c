@@ -391,6 +391,10 @@ int main(int argc, char **argv) {
   }
   td_log_set_level(TD_LOG_WARN);
   c.world = c.tp * c.pp;
+  if (c.trace_gpus && !c.trace) {
+    fprintf(stderr, "--trace-gpus goes with --trace BATCH\n");
+    return 2;
+  }
   if (c.pp_sets && (c.pp_sets != 2 || c.pp < 2 || c.trace)) {
     fprintf(stderr, "--pp-sets: 2, with --pp 2 or more and without --trace\n");
     return 2;

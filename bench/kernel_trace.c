@@ -131,13 +131,19 @@ int td_ktrace_end_device(FILE *f, const char *title, int device) {
   agg *a = calloc(n_recs, sizeof *a);
   size_t na = 0;
   uint64_t t0 = recs[0].start, last = recs[0].start;
+  /* every device: their kernels interleaved on the one clock, the device named, each kernel's
+   * critical-path share against its own device's latest end */
+  enum { KT_DEVS = 16 };
+  uint64_t dev_last[KT_DEVS];
+  for (int d = 0; d < KT_DEVS; d++) dev_last[d] = t0;
   fprintf(f, "%s: %zu kernels\n", title, n_recs);
-  /* every device: their kernels interleaved on the one clock, the device named */
   fprintf(f, "%5s %-44s %7s %5s %9s %9s %9s%s\n", "#", "kernel", "grid", "block", "start us", "dur us", "crit us",
           device < 0 ? "  gpu" : "");
   for (size_t i = 0; i < n_recs; i++) {
     const krec *e = &recs[i];
-    double crit = e->end > last ? (double)(e->end - last) * 1e-3 : 0.0;
+    uint64_t *dl = &dev_last[e->device % KT_DEVS];
+    double crit = e->end > *dl ? (double)(e->end - *dl) * 1e-3 : 0.0;
+    if (e->end > *dl) *dl = e->end;
     if (e->end > last) last = e->end;
     fprintf(f, "%5zu %-44.44s %7d %5d %9.2f %9.2f %9.2f", i, e->name, e->grid, e->block,
             (double)(e->start - t0) * 1e-3, (double)(e->end - e->start) * 1e-3, crit);
