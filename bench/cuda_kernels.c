@@ -756,7 +756,8 @@ static void bench_encoder(int n_seqs, int len) {
 }
 
 /* The alternatives the backend can be switched to, for comparison: GEMMs
- * of m <= 16 on cuBLASLt, dense attention head_dim 64 on 64-row tiles,
+ * of m <= 16 on cuBLASLt, dense attention head_dim 64 on 64-row tiles and
+ * on the unpipelined wgmma kernel,
  * and the decode step without programmatic dependent launch: a backend
  * each, with main's tuning and that change. */
 static td_backend *alt_backend(const td_cuda_tuning *t) {
@@ -774,6 +775,12 @@ static void variants(step_ctx *step, const td_cuda_tuning *base) {
   printf("-- alternatives\n");
   bench_dense(64, 512, false, true);
   snprintf(rows[n_rows - 1].what, sizeof rows[0].what, "alt: attn_dense 64-row tiles");
+  td_backend_destroy(B);
+  t = *base;
+  t.dense64_warps = 3;
+  B = alt_backend(&t);
+  bench_dense(64, 512, false, true);
+  snprintf(rows[n_rows - 1].what, sizeof rows[0].what, "alt: attn_dense wgmma unpipelined");
   td_backend_destroy(B);
   t = *base;
   t.skinny = TD_OFF;

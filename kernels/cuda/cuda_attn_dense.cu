@@ -4,6 +4,8 @@
 
 td_status td_cu_attn_dense_init(td_cuda *c) {
   TD_TRY(set_smem(c, Dense64w()));
+  TD_TRY(set_smem(c, Dense64p()));
+  TD_TRY(set_smem(c, Dense64p1()));
   TD_TRY(set_smem(c, Dense64()));
   TD_TRY(set_smem(c, Dense64s()));
   return set_smem(c, Dense128());
@@ -31,7 +33,7 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
   a.q_lo = q_lo;
   a.q_hi = q_hi;
   a.n_splits = 1;
-  const td_dense_plan p =
+  td_dense_plan p =
       td_cu_dense_policy(&c->tune, head_dim, td_aligned16(qkv) && td_aligned16(out), n_tokens, max_len);
   a.qtiles = p.qtiles; /* query tiles per sequence */
   if (n_seqs == 1 && p.kernel != TD_DENSE_GENERIC) { /* only the tiles of the rows wanted */
@@ -51,9 +53,12 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
     a.part_lse = c->split + (size_t)n_tokens * heads * splits * head_dim;
     a.counters = c->counters + TD_CU_GEMM_COUNTERS;
   }
+  p.kernel = td_cu_dense_fit(&c->tune, p.kernel, blocks * splits, c->sm_count);
   dim3 grid((unsigned)((long)n_seqs * a.qtiles), (unsigned)heads, (unsigned)splits);
   switch (p.kernel) {
     case TD_DENSE_64_WGMMA: launch(Dense64w(), grid, lut_bytes(bias), c, a); break;
+    case TD_DENSE_64_PIPE: launch(Dense64p(), grid, lut_bytes(bias), c, a); break;
+    case TD_DENSE_64_PIPE1: launch(Dense64p1(), grid, lut_bytes(bias), c, a); break;
     case TD_DENSE_64: launch(Dense64(), grid, lut_bytes(bias), c, a); break;
     case TD_DENSE_64_SMALL: launch(Dense64s(), grid, lut_bytes(bias), c, a); break;
     case TD_DENSE_128: launch(Dense128(), grid, lut_bytes(bias), c, a); break;

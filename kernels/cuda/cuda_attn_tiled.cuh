@@ -8,21 +8,26 @@
 #include "kernels/cuda/cuda_attn.cuh"
 
 /* Tile configurations: head size, warps along queries (WM) and keys (WN),
- * cp.async stages, blocks per SM the registers must allow. */
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
+ * cp.async stages, blocks per SM the registers must allow, the tile
+ * products (WG: 0 mma.sync, 1 wgmma, 2 wgmma with the next tile's scores
+ * issued before this tile's softmax, so that the tensor cores work
+ * beside it when one block holds an SM). */
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
 struct Cfg {};
-typedef Cfg<64, 8, 1, 3, 2, false, true> Dense64w;  /* 128 query rows, wgmma (two warpgroups) */
-typedef Cfg<64, 8, 1, 3, 2, false, false> Dense64;  /* 128 rows, mma.sync (td_cuda_tuning.dense64_warps 8) */
-typedef Cfg<64, 4, 1, 2, 3, false, false> Dense64s; /* 64 rows (dense64_warps 4) */
-typedef Cfg<128, 4, 1, 2, 2, false, false> Dense128;
-typedef Cfg<64, 1, 4, 2, 4, true, false> Paged64;
-typedef Cfg<128, 1, 4, 3, 2, true, false> Paged128;
+typedef Cfg<64, 8, 1, 3, 2, false, 1> Dense64w; /* 128 query rows, wgmma (two warpgroups) */
+typedef Cfg<64, 8, 1, 4, 2, false, 2> Dense64p;  /* the same, pipelined (dense64_warps 1) */
+typedef Cfg<64, 8, 1, 4, 1, false, 2> Dense64p1; /* ... in registers for one block an SM (dense64_warps 2) */
+typedef Cfg<64, 8, 1, 3, 2, false, 0> Dense64;  /* 128 rows, mma.sync (td_cuda_tuning.dense64_warps 8) */
+typedef Cfg<64, 4, 1, 2, 3, false, 0> Dense64s; /* 64 rows (dense64_warps 4) */
+typedef Cfg<128, 4, 1, 2, 2, false, 0> Dense128;
+typedef Cfg<64, 1, 4, 2, 4, true, 0> Paged64;
+typedef Cfg<128, 1, 4, 3, 2, true, 0> Paged128;
 
 /* wgmma variant: K/V tiles of 64 x 64 in the 128-byte swizzle (8 KiB,
  * 1024-byte aligned, after an alignment pad), then Q and the bias table */
 enum { WG_TILE = BN * 64 * 2, WG_PAD = 1024 };
 
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
 __host__ __device__ constexpr size_t attn_smem_base(Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG>) {
   return WG ? (size_t)WG_PAD + 2 * STAGES * WG_TILE + (size_t)16 * WM * (DH + 8) * sizeof(bf16)
             : (size_t)(16 * WM + 2 * STAGES * BN) * (DH + 8) * sizeof(bf16);
@@ -106,7 +111,7 @@ __device__ __forceinline__ void pv_mma(float (&o)[DH / 8][4], const float (&sc)[
   }
 }
 
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
 __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs a) {
   /* static K/V (cross-attention): the first tiles stream in before waiting
    * for the previous kernel, which produces only Q */
@@ -119,8 +124,10 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   constexpr int DT = DH / 8;  /* n8 tiles of O */
   constexpr int DK = DH / 16; /* k16 steps of Q.K */
   constexpr int CH = DH / 8;  /* 16-byte chunks per row */
+  /* pipelined: tiles kt and kt + 1 in use at tile kt */
+  static_assert(WG != 2 || STAGES >= 3, "pipelined: two tiles in use, one ahead");
   static_assert(WM == 1 || WN == 1, "warps split queries or keys");
-  static_assert(!WG || (DH == 64 && WN == 1 && WM % 4 == 0 && !PAGED), "wgmma: dense, head_dim 64, warpgroups of rows");
+  static_assert(WG == 0 || (DH == 64 && WN == 1 && WM % 4 == 0 && !PAGED), "wgmma: dense, head_dim 64, warpgroups of rows");
   __shared__ int is_last;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16 *Qs, *Ks, *Vs;
@@ -275,31 +282,9 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   const int qpos_min = pos_off + q0;
   uint32_t qf[DK][4];
 
-  for (int kt = 0; kt < n_tiles; kt++) {
-    if (early && kt == 0) cp_async_wait<0>();
-    else cp_async_wait<STAGES - 2>();
-    if (WG) fence_proxy_async();
-    __syncthreads();
-    if (kt + STAGES - 1 < n_tiles) load_kv(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
-    cp_async_commit();
-    /* wgmma: reloaded per tile (ptxas does not keep register A operands
-     * that are only conditionally loaded live across the loop) */
-    if (WG || kt == 0) {
-#pragma unroll
-      for (int dk = 0; dk < DK; dk++)
-        ldsm_x4(qf[dk][0], qf[dk][1], qf[dk][2], qf[dk][3],
-                Qs + (wm * 16 + (lane & 15)) * SROW + dk * 16 + (lane >> 4) * 8);
-    }
-    const bf16 *ks = Ks + (kt % STAGES) * KVST, *vs = Vs + (kt % STAGES) * KVST;
-
-    /* S = Q K^T for this warp's keys */
-    float sc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
-    if constexpr (WG) scores_wgmma<DK>(sc, qf, ks);
-    else scores_mma<DK, NT, KW, SROW>(sc, qf, ks, wn);
-
-    /* scale, bias, masks (log2 domain) */
+  /* scale, bias, masks (log2 domain), the online softmax of tile kt's
+   * scores; alpha: the factor O must take before this tile's P.V */
+  auto soften = [&](float(&sc)[NT][4], int kt, float(&alpha)[2]) {
     const int tile0 = kbeg + kt * BN, key0 = tile0 + wn * KW;
     const bool need_mask = tile0 + BN > kend || (a.causal && tile0 + BN - 1 > qpos_min);
     /* bias of row r at key key0 + 8 j + 2 t4 + e: brow[r][8 j + e]. The
@@ -348,7 +333,6 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
     }
 
     /* online softmax; a thread holds rows g and g+8, a quad shares a row */
-    float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
       float mx = m_r[r];
@@ -369,7 +353,9 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
       l_r[r] = l_r[r] * alpha[r] + sum;
       m_r[r] = mx;
     }
-    /* once the row maxima settle, alpha is 1: skip the rescale */
+  };
+  /* once the row maxima settle, alpha is 1: skip the rescale */
+  auto rescale = [&](const float(&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
       for (int d = 0; d < DT; d++) {
@@ -379,14 +365,110 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
         o[d][3] *= alpha[1];
       }
     }
+  };
 
-    /* O += P V */
-    if constexpr (WG) {
-      uint32_t pa[KS][4];
+  if constexpr (WG == 2) {
+    /* Tile kt: the scores of tile kt + 1 go to the tensor cores first,
+     * then tile kt's P.V; tile kt + 1's softmax runs beside that P.V. At
+     * the end of a tile no product is in flight (ptxas serialises every
+     * product when an accumulator is live across the loop's edge). Stage of
+     * tile j: j % STAGES, reloaded once every warpgroup left tile j. */
+    float sc[NT][4], alpha[2];
+    uint32_t pa[KS][4];
+    float(&s32)[32] = *reinterpret_cast<float(*)[32]>(&sc[0][0]);
+    float(&o32)[32] = *reinterpret_cast<float(*)[32]>(&o[0][0]);
+    /* the first product overwrites: no zeroing of an accumulator */
+    auto issue_s = [&](int kt) {
+#pragma unroll
+      for (int dk = 0; dk < DK; dk++)
+        ldsm_x4(qf[dk][0], qf[dk][1], qf[dk][2], qf[dk][3],
+                Qs + (wm * 16 + (lane & 15)) * SROW + dk * 16 + (lane >> 4) * 8);
+      const bf16 *ks = Ks + (kt % STAGES) * KVST;
+      wg_hold(s32);
+      wg_hold(qf);
+      wg_fence();
+#pragma unroll
+      for (int dk = 0; dk < DK; dk++) wgmma64_rs<0>(s32, qf[dk], wg_desc_sw128(ks + dk * 16, 16, 1024), dk > 0);
+      wg_commit();
+    };
+    auto issue_pv = [&](int kt) {
+      const bf16 *vs = Vs + (kt % STAGES) * KVST;
+      wg_hold(o32);
+      wg_hold(pa);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < KS; kk++) wgmma64_rs<1>(o32, pa[kk], wg_desc_sw128(vs + kk * 16 * 64, 1024, 1024), 1);
+      wg_commit();
+    };
+    if (n_tiles > 0) {
+      cp_async_wait<STAGES - 2>(); /* Q and tile 0 */
+      fence_proxy_async();
+      __syncthreads();
+      wg_hold(o32); /* zeroed before any product is in flight */
+      issue_s(0);
+      wg_wait<0>();
+      wg_hold(s32);
+      soften(sc, 0, alpha);
       p_frags<KS>(pa, sc);
-      pv_wgmma<KS>(o, pa, vs);
+      for (int kt = 0; kt + 1 < n_tiles; kt++) {
+        cp_async_wait<STAGES - 3>(); /* tile kt + 1 */
+        fence_proxy_async();
+        __syncthreads();
+        if (kt + STAGES - 1 < n_tiles) load_kv(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
+        cp_async_commit();
+        issue_s(kt + 1);
+        rescale(alpha);
+        issue_pv(kt);
+        wg_wait<1>(); /* tile kt + 1's scores */
+        wg_hold(s32);
+        soften(sc, kt + 1, alpha);
+        wg_wait<0>(); /* tile kt's P.V */
+        wg_hold(o32);
+        wg_hold(pa);
+        p_frags<KS>(pa, sc);
+      }
+      rescale(alpha);
+      issue_pv(n_tiles - 1);
+      wg_wait<0>();
+      wg_hold(o32);
     }
-    else pv_mma<DH, KS, KW, SROW>(o, sc, vs, wn);
+  } else {
+    for (int kt = 0; kt < n_tiles; kt++) {
+      if (early && kt == 0) cp_async_wait<0>();
+      else cp_async_wait<STAGES - 2>();
+      if (WG != 0) fence_proxy_async();
+      __syncthreads();
+      if (kt + STAGES - 1 < n_tiles) load_kv(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
+      cp_async_commit();
+      /* wgmma: reloaded per tile (ptxas does not keep register A operands
+       * that are only conditionally loaded live across the loop) */
+      if (WG != 0 || kt == 0) {
+#pragma unroll
+        for (int dk = 0; dk < DK; dk++)
+          ldsm_x4(qf[dk][0], qf[dk][1], qf[dk][2], qf[dk][3],
+                  Qs + (wm * 16 + (lane & 15)) * SROW + dk * 16 + (lane >> 4) * 8);
+      }
+      const bf16 *ks = Ks + (kt % STAGES) * KVST, *vs = Vs + (kt % STAGES) * KVST;
+
+      /* S = Q K^T for this warp's keys */
+      float sc[NT][4];
+#pragma unroll
+      for (int j = 0; j < NT; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+      if constexpr (WG != 0) scores_wgmma<DK>(sc, qf, ks);
+      else scores_mma<DK, NT, KW, SROW>(sc, qf, ks, wn);
+
+      float alpha[2];
+      soften(sc, kt, alpha);
+      rescale(alpha);
+
+      /* O += P V */
+      if constexpr (WG != 0) {
+        uint32_t pa[KS][4];
+        p_frags<KS>(pa, sc);
+        pv_wgmma<KS>(o, pa, vs);
+      }
+      else pv_mma<DH, KS, KW, SROW>(o, sc, vs, wn);
+    }
   }
   cp_async_wait<0>();
 
@@ -541,7 +623,7 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   if (split) merge();
 }
 
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
 static td_status set_smem(td_cuda *c, Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG> cfg) {
   size_t bytes = attn_smem_base(cfg) + 2 * LUT_CAP * sizeof(float);
   if (bytes > c->smem_optin)
@@ -553,7 +635,7 @@ static td_status set_smem(td_cuda *c, Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG> c
   return TD_OK;
 }
 
-template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, bool WG>
+template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
 static void launch(Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG> cfg, dim3 grid, size_t lut, const td_cuda *c,
                    const AttnArgs &a) {
   (void)td_launch(c, attn_kernel<DH, WM, WN, STAGES, MINB, PAGED, WG>, grid, 32 * WM * WN, attn_smem_base(cfg) + lut, a);

@@ -28,7 +28,8 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
   int fuse = count(t->fuse_rows, TD_CUDA_DEFAULT_FUSE_ROWS);
   r->fuse = fuse > TD_CU_FUSE_MAX_ROWS ? TD_CU_FUSE_MAX_ROWS : fuse;
   r->fuse_mask = count(t->fuse_mask, TD_CUDA_DEFAULT_FUSE_MASK) & 15;
-  r->dense64_warps = t->dense64_warps == 4 || t->dense64_warps == 8 ? t->dense64_warps : 0;
+  int d64 = t->dense64_warps;
+  r->dense64_warps = (d64 >= 1 && d64 <= 4) || d64 == 8 ? d64 : 0;
   r->dense_splits = t->dense_splits > 0 && t->dense_splits <= 8 ? t->dense_splits : 0;
   r->decode_warp = count(t->decode_warp, TD_CUDA_DEFAULT_DECODE_WARP);
   r->decode_small = count(t->decode_small, TD_CUDA_DEFAULT_DECODE_SMALL);
@@ -61,11 +62,24 @@ td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned
   int bm = wide ? 128 : 64, len = max_len < 1 || max_len > n_tokens ? n_tokens : max_len;
   p.qtiles = (len + bm - 1) / bm; /* max_len bounds every length */
   p.rows = bm;
-  p.kernel = wide && t->dense64_warps == 0 ? TD_DENSE_64_WGMMA
-             : wide                       ? TD_DENSE_64
+  int k = t->dense64_warps;
+  p.kernel = wide && (k == 0 || k == 1) ? TD_DENSE_64_PIPE
+             : wide && k == 2           ? TD_DENSE_64_PIPE1
+             : wide && k == 3           ? TD_DENSE_64_WGMMA
+             : wide                     ? TD_DENSE_64
              : head_dim == 64             ? TD_DENSE_64_SMALL
                                           : TD_DENSE_128;
   return p;
+}
+
+/* By default the pipelined wgmma kernel takes one block an SM (its
+ * registers, no spills) where the whole grid fits in one wave of them, two
+ * elsewhere: a TP=2 rank's 750 query rows of a 1500-position input (120
+ * blocks) 27.4 us against 36.3 at two an SM, TP=1's 240 blocks 42.2 against
+ * 52.9 (H200, bench/RESULTS.md). */
+td_dense_kernel td_cu_dense_fit(const td_cu_tune *t, td_dense_kernel k, long blocks, int sms) {
+  if (t->dense64_warps == 0 && k == TD_DENSE_64_PIPE && blocks > 0 && blocks <= sms) return TD_DENSE_64_PIPE1;
+  return k;
 }
 
 /* Key splits of dense attention only when asked for (dense_splits > 1):

@@ -48,7 +48,7 @@ typedef struct td_cu_tune {
   int skinny_rows; /* 8-16 */
   int gemv_maxv, gemv_maxn, gemv_rows, gemv_rows_n; /* maxv 0: the warp kernel off (and rows 0) */
   int fuse, fuse_mask; /* rows 0-16 (0: never fused), mask 0-15 */
-  int dense64_warps;   /* 0 (wgmma), 4 or 8 */
+  int dense64_warps;   /* 0 (by the grid), 1 / 2 (pipelined wgmma, two / one block an SM), 3 (wgmma), 4 or 8 */
   int dense_splits;    /* 0 or 1: none */
   int decode_warp, decode_small, decode_small_min, decode_small_ctx; /* 0: off */
   int decode_bulk, decode_bulk_all, decode_bulk_shape, decode_bulk_early;
@@ -78,6 +78,8 @@ int td_cu_plan_rows(const td_cu_tune *t, int m);
 typedef enum td_dense_kernel {
   TD_DENSE_GENERIC,  /* a warp a query row, any head size up to TD_CU_ATTN_MAX_DH, any alignment */
   TD_DENSE_64_WGMMA, /* head_dim 64, 128 query rows a block on wgmma */
+  TD_DENSE_64_PIPE,  /* ... tile k + 1's softmax beside tile k's P.V (two blocks an SM) */
+  TD_DENSE_64_PIPE1, /* ... the same in more registers (one block an SM) */
   TD_DENSE_64,       /* ... on mma.sync, 8 warps */
   TD_DENSE_64_SMALL, /* ... 64 rows, 4 warps */
   TD_DENSE_128,      /* head_dim 128, 64 rows */
@@ -89,6 +91,10 @@ typedef struct td_dense_plan {
 } td_dense_plan;
 /* aligned: qkv and out 16-byte aligned */
 td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned, int n_tokens, int max_len);
+/* The kernel for a grid of `blocks` on `sms` SMs (the pipelined wgmma
+ * kernel's one-block-an-SM form where they fit in one wave, unless the
+ * tuning named a kernel). */
+td_dense_kernel td_cu_dense_fit(const td_cu_tune *t, td_dense_kernel k, long blocks, int sms);
 /* Key splits a query tile for `blocks` (tile, head) blocks over up to
  * `keys` keys each (tiled kernels; the caller checks its scratch). */
 int td_cu_dense_splits(const td_cu_tune *t, long blocks, int keys, bool causal);

@@ -73,13 +73,16 @@ Test(cuda, attn_dense_query_rows) {
   dense_rows(2, 48, many, 5, false, 0, 0.125f, 150, 511); /* the generic kernel */
 }
 
-/* head_dim 64 on each of its kernels: wgmma (default), mma.sync with 128
- * and with 64 query rows a block (td_cuda_tuning.dense64_warps 8 / 4);
- * bias in shared memory, in global memory, none. */
+/* head_dim 64 on each of its kernels: pipelined wgmma by the grid
+ * (default), two and one block an SM, unpipelined wgmma, mma.sync with
+ * 128 and with 64 query rows a block (td_cuda_tuning.dense64_warps 0, 1,
+ * 2, 3, 8, 4); bias in shared memory, in global memory, none;
+ * one to many key tiles (odd and even counts), a row range. */
 Test(cuda, attn_dense_head64_kernels) {
-  int a[] = {512, 1, 200, 77}, c[] = {1000}, g[] = {129, 17, 300, 2, 63}, h[] = {64, 65, 191};
-  const int warps[] = {0, 8, 4};
-  for (int m = 0; m < 3; m++) {
+  int a[] = {512, 1, 200, 77}, c[] = {1000}, g[] = {129, 17, 300, 2, 63}, h[] = {64, 65, 191}, one[] = {1500},
+      tiles[] = {128, 192, 257, 320, 1};
+  const int warps[] = {0, 1, 2, 3, 8, 4};
+  for (int m = 0; m < 6; m++) {
     td_cuda_tuning t = cuda_base;
     t.dense64_warps = warps[m];
     use_tuning(&t);
@@ -88,7 +91,11 @@ Test(cuda, attn_dense_head64_kernels) {
     dense_case(5, 64, g, 5, true, 2000, 1.0f); /* LUT read from global memory */
     dense_case(2, 64, h, 3, true, 0, 0.125f);
     dense_case(4, 64, h, 3, false, 7, 1.0f);
+    dense_case(3, 64, tiles, 5, false, 0, 0.125f);
+    dense_case(3, 64, tiles, 5, true, 30, 0.5f);
+    dense_rows(10, 64, one, 1, false, 0, 0.125f, 750, 1500);
   }
+  use_tuning(&cuda_base);
 }
 
 /* Key splits merged by the last block (td_cuda_tuning.dense_splits 2-5 forced;
@@ -96,8 +103,8 @@ Test(cuda, attn_dense_head64_kernels) {
  * T5 bias, a row range. */
 Test(cuda, attn_dense_key_splits) {
   int a[] = {512, 1, 200, 77}, c[] = {1000}, g[] = {129, 17, 300, 2, 63}, one[] = {1500};
-  const int warps[] = {0, 8, 4}, splits[] = {2, 3, 5};
-  for (int m = 0; m < 3; m++)
+  const int warps[] = {0, 1, 2, 3, 8, 4}, splits[] = {2, 3, 5};
+  for (int m = 0; m < 6; m++)
     for (int k = 0; k < 3; k++) {
       td_cuda_tuning t = cuda_base;
       t.dense64_warps = warps[m];

@@ -190,9 +190,22 @@ Test(cuda_tune, none_and_clamps) {
 Test(cuda_policy, dense) {
   td_cu_tune r = defaults();
   td_dense_plan p = td_cu_dense_policy(&r, 64, true, 1000, 300);
-  cr_assert(p.kernel == TD_DENSE_64_WGMMA && p.qtiles == 3, "128 rows a tile, max_len 300");
+  cr_assert(p.kernel == TD_DENSE_64_PIPE && p.qtiles == 3, "128 rows a tile, max_len 300");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 132, 132), TD_DENSE_64_PIPE1, "one wave at one block an SM");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 120, 132), TD_DENSE_64_PIPE1);
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 133, 132), TD_DENSE_64_PIPE, "more: two an SM");
+  cr_assert_eq(td_cu_dense_fit(&r, TD_DENSE_128, 8, 132), TD_DENSE_128, "other kernels as chosen");
   p = td_cu_dense_policy(&r, 64, true, 1000, 0);
   cr_assert_eq(p.qtiles, 8, "no bound: every token");
+  r.dense64_warps = 1;
+  p = td_cu_dense_policy(&r, 64, true, 1000, 300);
+  cr_assert(p.kernel == TD_DENSE_64_PIPE && p.qtiles == 3 && p.rows == 128, "pipelined: 128 rows a tile");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 8, 132), TD_DENSE_64_PIPE, "named: kept");
+  r.dense64_warps = 2;
+  cr_assert_eq(td_cu_dense_policy(&r, 64, true, 1000, 300).kernel, TD_DENSE_64_PIPE1);
+  cr_assert_eq(td_cu_dense_fit(&r, TD_DENSE_64_PIPE1, 1000, 132), TD_DENSE_64_PIPE1, "named: kept");
+  r.dense64_warps = 3;
+  cr_assert_eq(td_cu_dense_policy(&r, 64, true, 1000, 300).kernel, TD_DENSE_64_WGMMA);
   r.dense64_warps = 8;
   cr_assert_eq(td_cu_dense_policy(&r, 64, true, 1000, 300).kernel, TD_DENSE_64);
   r.dense64_warps = 4;
