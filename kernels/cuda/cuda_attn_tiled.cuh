@@ -9,8 +9,8 @@
 
 /* Tile configurations: head size, warps along queries (WM) and keys (WN),
  * cp.async stages, blocks per SM the registers must allow, the tile
- * products (WG: 0 mma.sync, 1 wgmma, 2 wgmma with the next tile's scores
- * issued before this tile's softmax, so that the tensor cores work
+ * products (WG: 0 mma.sync, 1 wgmma, 2 wgmma pipelined: a tile's softmax
+ * runs beside the previous tile's P.V, so that the tensor cores work
  * beside it when one block holds an SM). */
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
 struct Cfg {};
