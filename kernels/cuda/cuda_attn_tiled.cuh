@@ -40,15 +40,32 @@ __host__ __device__ constexpr size_t attn_smem_base(Cfg<DH, WM, WN, STAGES, MINB
  * fragments packed by p_frags into an array of the kernel's scope, where
  * ptxas schedules them as before the split) or on mma.sync (K/V rows of
  * SROW elements through ldmatrix). */
+/* The wgmma products issued and committed, not waited for (the pipelined
+ * kernel waits itself); over: the first product overwrites the scores. */
 template <int DK>
-__device__ __forceinline__ void scores_wgmma(float (&sc)[8][4], uint32_t (&qf)[DK][4], const bf16 *ks) {
-  float(&s32)[32] = *reinterpret_cast<float(*)[32]>(&sc[0][0]);
+__device__ __forceinline__ void scores_issue(float (&s32)[32], uint32_t (&qf)[DK][4], const bf16 *ks, bool over) {
   wg_hold(s32);
   wg_hold(qf);
   wg_fence();
 #pragma unroll
-  for (int dk = 0; dk < DK; dk++) wgmma64_rs<0>(s32, qf[dk], wg_desc_sw128(ks + dk * 16, 16, 1024), 1);
+  for (int dk = 0; dk < DK; dk++)
+    wgmma64_rs<0>(s32, qf[dk], wg_desc_sw128(ks + dk * 16, 16, 1024), over && dk == 0 ? 0 : 1);
   wg_commit();
+}
+template <int KS>
+__device__ __forceinline__ void pv_issue(float (&o32)[32], uint32_t (&pa)[KS][4], const bf16 *vs) {
+  wg_hold(o32);
+  wg_hold(pa);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < KS; kk++) wgmma64_rs<1>(o32, pa[kk], wg_desc_sw128(vs + kk * 16 * 64, 1024, 1024), 1);
+  wg_commit();
+}
+
+template <int DK>
+__device__ __forceinline__ void scores_wgmma(float (&sc)[8][4], uint32_t (&qf)[DK][4], const bf16 *ks) {
+  float(&s32)[32] = *reinterpret_cast<float(*)[32]>(&sc[0][0]);
+  scores_issue<DK>(s32, qf, ks, false);
   wg_wait<0>();
   wg_hold(s32);
 }
@@ -82,12 +99,7 @@ __device__ __forceinline__ void p_frags(uint32_t (&pa)[KS][4], const float (&sc)
 template <int KS>
 __device__ __forceinline__ void pv_wgmma(float (&o)[8][4], uint32_t (&pa)[KS][4], const bf16 *vs) {
   float(&o32)[32] = *reinterpret_cast<float(*)[32]>(&o[0][0]);
-  wg_hold(o32);
-  wg_hold(pa);
-  wg_fence();
-#pragma unroll
-  for (int kk = 0; kk < KS; kk++) wgmma64_rs<1>(o32, pa[kk], wg_desc_sw128(vs + kk * 16 * 64, 1024, 1024), 1);
-  wg_commit();
+  pv_issue<KS>(o32, pa, vs);
   wg_wait<0>();
   wg_hold(o32);
 }
@@ -281,6 +293,12 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   qpos_r[1] = qpos_r[0] + 8;
   const int qpos_min = pos_off + q0;
   uint32_t qf[DK][4];
+  auto load_qf = [&]() {
+#pragma unroll
+    for (int dk = 0; dk < DK; dk++)
+      ldsm_x4(qf[dk][0], qf[dk][1], qf[dk][2], qf[dk][3],
+              Qs + (wm * 16 + (lane & 15)) * SROW + dk * 16 + (lane >> 4) * 8);
+  };
 
   /* scale, bias, masks (log2 domain), the online softmax of tile kt's
    * scores; alpha: the factor O must take before this tile's P.V */
@@ -379,27 +397,10 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
     float(&o32)[32] = *reinterpret_cast<float(*)[32]>(&o[0][0]);
     /* the first product overwrites: no zeroing of an accumulator */
     auto issue_s = [&](int kt) {
-#pragma unroll
-      for (int dk = 0; dk < DK; dk++)
-        ldsm_x4(qf[dk][0], qf[dk][1], qf[dk][2], qf[dk][3],
-                Qs + (wm * 16 + (lane & 15)) * SROW + dk * 16 + (lane >> 4) * 8);
-      const bf16 *ks = Ks + (kt % STAGES) * KVST;
-      wg_hold(s32);
-      wg_hold(qf);
-      wg_fence();
-#pragma unroll
-      for (int dk = 0; dk < DK; dk++) wgmma64_rs<0>(s32, qf[dk], wg_desc_sw128(ks + dk * 16, 16, 1024), dk > 0);
-      wg_commit();
+      load_qf();
+      scores_issue<DK>(s32, qf, Ks + (kt % STAGES) * KVST, true);
     };
-    auto issue_pv = [&](int kt) {
-      const bf16 *vs = Vs + (kt % STAGES) * KVST;
-      wg_hold(o32);
-      wg_hold(pa);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < KS; kk++) wgmma64_rs<1>(o32, pa[kk], wg_desc_sw128(vs + kk * 16 * 64, 1024, 1024), 1);
-      wg_commit();
-    };
+    auto issue_pv = [&](int kt) { pv_issue<KS>(o32, pa, Vs + (kt % STAGES) * KVST); };
     if (n_tiles > 0) {
       cp_async_wait<STAGES - 2>(); /* Q and tile 0 */
       fence_proxy_async();
@@ -442,12 +443,7 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
       cp_async_commit();
       /* wgmma: reloaded per tile (ptxas does not keep register A operands
        * that are only conditionally loaded live across the loop) */
-      if (WG != 0 || kt == 0) {
-#pragma unroll
-        for (int dk = 0; dk < DK; dk++)
-          ldsm_x4(qf[dk][0], qf[dk][1], qf[dk][2], qf[dk][3],
-                  Qs + (wm * 16 + (lane & 15)) * SROW + dk * 16 + (lane >> 4) * 8);
-      }
+      if (WG != 0 || kt == 0) load_qf();
       const bf16 *ks = Ks + (kt % STAGES) * KVST, *vs = Vs + (kt % STAGES) * KVST;
 
       /* S = Q K^T for this warp's keys */
