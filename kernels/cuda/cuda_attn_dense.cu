@@ -6,6 +6,7 @@ td_status td_cu_attn_dense_init(td_cuda *c) {
   TD_TRY(set_smem(c, Dense64w()));
   TD_TRY(set_smem(c, Dense64p()));
   TD_TRY(set_smem(c, Dense64p1()));
+  TD_TRY(set_smem(c, Dense64h()));
   TD_TRY(set_smem(c, Dense64()));
   TD_TRY(set_smem(c, Dense64s()));
   return set_smem(c, Dense128());
@@ -42,7 +43,10 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
   }
   long blocks = (long)n_seqs * a.qtiles * heads;
   int keys = n_seqs == 1 ? n_tokens : max_len > 0 && max_len < n_tokens ? max_len : n_tokens;
-  int splits = p.kernel == TD_DENSE_GENERIC ? 1 : td_cu_dense_splits(&c->tune, blocks, keys, causal);
+  /* the halves form merges its own two halves and leaves no warps for the last block's merge */
+  int splits = p.kernel == TD_DENSE_GENERIC || p.kernel == TD_DENSE_64_HALVES
+                   ? 1
+                   : td_cu_dense_splits(&c->tune, blocks, keys, causal);
   /* the partial outputs (by token, head and split) and one counter a (tile, head) must fit */
   if (splits > 1 && ((size_t)n_tokens * heads * splits * (head_dim + 1) * sizeof(float) > TD_CU_SPLIT_BYTES ||
                      (long)n_seqs * a.qtiles * heads > TD_CU_ATTN_COUNTERS))
@@ -59,6 +63,7 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
     case TD_DENSE_64_WGMMA: launch(Dense64w(), grid, lut_bytes(bias), c, a); break;
     case TD_DENSE_64_PIPE: launch(Dense64p(), grid, lut_bytes(bias), c, a); break;
     case TD_DENSE_64_PIPE1: launch(Dense64p1(), grid, lut_bytes(bias), c, a); break;
+    case TD_DENSE_64_HALVES: launch(Dense64h(), grid, lut_bytes(bias), c, a); break;
     case TD_DENSE_64: launch(Dense64(), grid, lut_bytes(bias), c, a); break;
     case TD_DENSE_64_SMALL: launch(Dense64s(), grid, lut_bytes(bias), c, a); break;
     case TD_DENSE_128: launch(Dense128(), grid, lut_bytes(bias), c, a); break;

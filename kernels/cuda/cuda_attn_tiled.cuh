@@ -11,12 +11,15 @@
  * cp.async stages, blocks per SM the registers must allow, the tile
  * products (WG: 0 mma.sync, 1 wgmma, 2 wgmma pipelined: a tile's softmax
  * runs beside the previous tile's P.V, so that the tensor cores work
- * beside it when one block holds an SM). */
+ * beside it when one block holds an SM; 3 the same with the block's keys
+ * in two halves, each on its own warps and K/V stages, merged at the end:
+ * twice the warps an SM where one block holds it). */
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
 struct Cfg {};
 typedef Cfg<64, 8, 1, 3, 2, false, 1> Dense64w; /* 128 query rows, wgmma (two warpgroups) */
 typedef Cfg<64, 8, 1, 4, 2, false, 2> Dense64p;  /* the same, pipelined (dense64_warps 1) */
 typedef Cfg<64, 8, 1, 4, 1, false, 2> Dense64p1; /* ... in registers for one block an SM (dense64_warps 2) */
+typedef Cfg<64, 8, 1, 4, 1, false, 3> Dense64h;  /* ... the keys in two halves, 16 warps (dense64_warps 5) */
 typedef Cfg<64, 8, 1, 3, 2, false, 0> Dense64;  /* 128 rows, mma.sync (td_cuda_tuning.dense64_warps 8) */
 typedef Cfg<64, 4, 1, 2, 3, false, 0> Dense64s; /* 64 rows (dense64_warps 4) */
 typedef Cfg<128, 4, 1, 2, 2, false, 0> Dense128;
@@ -27,9 +30,12 @@ typedef Cfg<128, 1, 4, 3, 2, true, 0> Paged128;
  * 1024-byte aligned, after an alignment pad), then Q and the bias table */
 enum { WG_TILE = BN * 64 * 2, WG_PAD = 1024 };
 
+/* WG 3: the keys' halves, each with its threads and stages */
+__host__ __device__ constexpr int attn_halves(int wg) { return wg == 3 ? 2 : 1; }
+
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
 __host__ __device__ constexpr size_t attn_smem_base(Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG>) {
-  return WG ? (size_t)WG_PAD + 2 * STAGES * WG_TILE + (size_t)16 * WM * (DH + 8) * sizeof(bf16)
+  return WG ? (size_t)WG_PAD + (size_t)attn_halves(WG) * 2 * STAGES * WG_TILE + (size_t)16 * WM * (DH + 8) * sizeof(bf16)
             : (size_t)(16 * WM + 2 * STAGES * BN) * (DH + 8) * sizeof(bf16);
 }
 
@@ -124,12 +130,13 @@ __device__ __forceinline__ void pv_mma(float (&o)[DH / 8][4], const float (&sc)[
 }
 
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
-__global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs a) {
+__global__ void __launch_bounds__(32 * WM * WN * attn_halves(WG), MINB) attn_kernel(const AttnArgs a) {
   /* static K/V (cross-attention): the first tiles stream in before waiting
    * for the previous kernel, which produces only Q */
   const bool early = PAGED && a.kv_static;
   if (!early) td_pdl_start();
-  constexpr int BM = 16 * WM, SROW = DH + 8, NTH = 32 * WM * WN;
+  constexpr int BM = 16 * WM, SROW = DH + 8, NTH = 32 * WM * WN; /* NTH: threads of one key half */
+  constexpr int KH = attn_halves(WG), NTA = NTH * KH;
   constexpr int KW = BN / WN; /* keys per warp per tile */
   constexpr int NT = KW / 8;  /* n8 tiles of S per warp */
   constexpr int KS = KW / 16; /* k16 steps of P.V per warp */
@@ -137,18 +144,20 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   constexpr int DK = DH / 16; /* k16 steps of Q.K */
   constexpr int CH = DH / 8;  /* 16-byte chunks per row */
   /* pipelined: tiles kt and kt + 1 in use at tile kt */
-  static_assert(WG != 2 || STAGES >= 3, "pipelined: two tiles in use, one ahead");
+  static_assert(WG < 2 || STAGES >= 3, "pipelined: two tiles in use, one ahead");
   static_assert(WM == 1 || WN == 1, "warps split queries or keys");
   static_assert(WG == 0 || (DH == 64 && WN == 1 && WM % 4 == 0 && !PAGED), "wgmma: dense, head_dim 64, warpgroups of rows");
   __shared__ int is_last;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16 *Qs, *Ks, *Vs;
+  bf16 *Qs, *Ks, *Vs, *kv0 = nullptr;
   float *lut_s;
   constexpr int KVST = WG ? BN * 64 : BN * SROW; /* elements per K or V stage */
-  if (WG) { /* swizzled 64 x 64 K/V tiles first, 1024-byte aligned in the shared window */
-    Ks = (bf16 *)(smem_raw + ((WG_PAD - (smem_u32(smem_raw) & (WG_PAD - 1))) & (WG_PAD - 1)));
+  const int half = KH == 2 ? (int)threadIdx.x / NTH : 0;
+  if (WG) { /* swizzled 64 x 64 K/V tiles first (each half's), 1024-byte aligned in the shared window */
+    kv0 = (bf16 *)(smem_raw + ((WG_PAD - (smem_u32(smem_raw) & (WG_PAD - 1))) & (WG_PAD - 1)));
+    Ks = kv0 + half * 2 * STAGES * KVST;
     Vs = Ks + STAGES * KVST;
-    Qs = Vs + STAGES * KVST;
+    Qs = kv0 + KH * 2 * STAGES * KVST;
     lut_s = (float *)(Qs + BM * SROW);
   } else {
     Qs = (bf16 *)smem_raw;
@@ -159,7 +168,8 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   /* row r, 16-byte chunk cc of a K/V tile */
   auto kv_at = [](int r, int cc) { return WG ? r * 64 + ((cc ^ (r & 7)) << 3) : r * SROW + cc * 8; };
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  /* tid: within the key half (all of the block but for WG 3); tida: the block's */
+  const int tida = threadIdx.x, tid = KH == 2 ? tida % NTH : tida, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
   const int g = lane >> 2, t4 = lane & 3;
   const int h = blockIdx.y, H = a.H;
@@ -202,6 +212,14 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
     kend = min(kmax, kbeg + chunk);
     table = a.block_table + (size_t)s * a.max_blocks;
   }
+  /* the block's tiles (Q and the bias table are loaded when there are any);
+   * WG 3: the first half of them to half 0, the rest to half 1 */
+  const int blk_tiles = kend > kbeg ? (kend - kbeg + BN - 1) / BN : 0;
+  if (KH == 2) {
+    int mid = min(kend, kbeg + (blk_tiles + 1) / 2 * BN);
+    if (half == 0) kend = mid;
+    else kbeg = mid;
+  }
   const int n_tiles = kend > kbeg ? (kend - kbeg + BN - 1) / BN : 0;
   const size_t qkv_row = (size_t)3 * H * DH;
 
@@ -213,8 +231,8 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
   if (a.lut) {
     const float *src = a.lut + (size_t)h * (2 * md + 1);
     if (lut_sh) {
-      if (n_tiles > 0)
-        for (int i = tid; i < lut_n2 + lut_n; i += NTH) {
+      if (blk_tiles > 0)
+        for (int i = tida; i < lut_n2 + lut_n; i += NTA) {
           int k = i < lut_n ? i : i < lut_n2 ? lut_n - 1 : i - lut_n2 + 1;
           lut_s[i] = src[min(max(k - LUT_PAD, 0), 2 * md)] * LOG2E;
         }
@@ -225,7 +243,7 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
 
   /* ---- loads (none for an empty split) */
   auto load_q = [&]() {
-    for (int c = tid; c < (n_tiles > 0 ? BM * CH : 0); c += NTH) {
+    for (int c = tida; c < (blk_tiles > 0 ? BM * CH : 0); c += NTA) {
       int r = c / CH, cc = c % CH, qi = q0 + r;
       bool v = qi < qlen;
       size_t row = row0 + (v ? qi : 0);
@@ -385,12 +403,13 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
     }
   };
 
-  if constexpr (WG == 2) {
+  if constexpr (WG >= 2) {
     /* Tile kt: the scores of tile kt + 1 go to the tensor cores first,
      * then tile kt's P.V; tile kt + 1's softmax runs beside that P.V. At
      * the end of a tile no product is in flight (ptxas serialises every
      * product when an accumulator is live across the loop's edge). Stage of
-     * tile j: j % STAGES, reloaded once every warpgroup left tile j. */
+     * tile j: j % STAGES, reloaded once every warpgroup (of the key half)
+     * left tile j. */
     float sc[NT][4], alpha[2];
     uint32_t pa[KS][4];
     float(&s32)[32] = *reinterpret_cast<float(*)[32]>(&sc[0][0]);
@@ -401,10 +420,21 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
       scores_issue<DK>(s32, qf, Ks + (kt % STAGES) * KVST, true);
     };
     auto issue_pv = [&](int kt) { pv_issue<KS>(o32, pa, Vs + (kt % STAGES) * KVST); };
-    if (n_tiles > 0) {
-      cp_async_wait<STAGES - 2>(); /* Q and tile 0 */
+    /* a tile's barrier: the key half's threads (named barrier 1 + half) */
+    auto bar_tile = [&]() {
+      if constexpr (KH == 2) {
+        if (half == 0) asm volatile("bar.sync 1, %0;\n" ::"n"(NTH) : "memory");
+        else asm volatile("bar.sync 2, %0;\n" ::"n"(NTH) : "memory");
+      } else {
+        __syncthreads();
+      }
+    };
+    if (KH == 2 || n_tiles > 0) { /* the halves meet here even when one has no tiles */
+      cp_async_wait<STAGES - 2>(); /* Q (every thread's share) and tile 0 */
       fence_proxy_async();
       __syncthreads();
+    }
+    if (n_tiles > 0) {
       wg_hold(o32); /* zeroed before any product is in flight */
       issue_s(0);
       wg_wait<0>();
@@ -414,7 +444,7 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
       for (int kt = 0; kt + 1 < n_tiles; kt++) {
         cp_async_wait<STAGES - 3>(); /* tile kt + 1 */
         fence_proxy_async();
-        __syncthreads();
+        bar_tile();
         if (kt + STAGES - 1 < n_tiles) load_kv(kt + STAGES - 1, (kt + STAGES - 1) % STAGES);
         cp_async_commit();
         issue_s(kt + 1);
@@ -432,6 +462,35 @@ __global__ void __launch_bounds__(32 * WM * WN, MINB) attn_kernel(const AttnArgs
       issue_pv(n_tiles - 1);
       wg_wait<0>();
       wg_hold(o32);
+    }
+    if constexpr (KH == 2) {
+      /* half 1's state through half 0's stages, then half 0 merges it:
+       * the row maxima, sums and outputs rescaled to the larger maximum */
+      cp_async_wait<0>();
+      __syncthreads();
+      float *mg = (float *)kv0;
+      if (half == 1) {
+#pragma unroll
+        for (int i = 0; i < 32; i++) mg[i * NTH + tid] = o32[i];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+          mg[(32 + r) * NTH + tid] = m_r[r];
+          mg[(34 + r) * NTH + tid] = l_r[r];
+        }
+      }
+      __syncthreads();
+      if (half == 1) return;
+      float f0[2], f1[2];
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        float m1 = mg[(32 + r) * NTH + tid], l1 = mg[(34 + r) * NTH + tid], m = fmaxf(m_r[r], m1);
+        f0[r] = m_r[r] == -INFINITY ? 0.0f : exp2f(m_r[r] - m);
+        f1[r] = m1 == -INFINITY ? 0.0f : exp2f(m1 - m);
+        l_r[r] = l_r[r] * f0[r] + l1 * f1[r];
+        m_r[r] = m;
+      }
+#pragma unroll
+      for (int i = 0; i < 32; i++) o32[i] = o32[i] * f0[(i & 3) >> 1] + mg[i * NTH + tid] * f1[(i & 3) >> 1];
     }
   } else {
     for (int kt = 0; kt < n_tiles; kt++) {
@@ -634,7 +693,8 @@ static td_status set_smem(td_cuda *c, Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG> c
 template <int DH, int WM, int WN, int STAGES, int MINB, bool PAGED, int WG>
 static void launch(Cfg<DH, WM, WN, STAGES, MINB, PAGED, WG> cfg, dim3 grid, size_t lut, const td_cuda *c,
                    const AttnArgs &a) {
-  (void)td_launch(c, attn_kernel<DH, WM, WN, STAGES, MINB, PAGED, WG>, grid, 32 * WM * WN, attn_smem_base(cfg) + lut, a);
+  (void)td_launch(c, attn_kernel<DH, WM, WN, STAGES, MINB, PAGED, WG>, grid, 32 * WM * WN * attn_halves(WG),
+                  attn_smem_base(cfg) + lut, a);
 }
 
 #endif

@@ -29,7 +29,7 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
   r->fuse = fuse > TD_CU_FUSE_MAX_ROWS ? TD_CU_FUSE_MAX_ROWS : fuse;
   r->fuse_mask = count(t->fuse_mask, TD_CUDA_DEFAULT_FUSE_MASK) & 15;
   int d64 = t->dense64_warps;
-  r->dense64_warps = (d64 >= 1 && d64 <= 4) || d64 == 8 ? d64 : 0;
+  r->dense64_warps = (d64 >= 1 && d64 <= 5) || d64 == 8 ? d64 : 0;
   r->dense_splits = t->dense_splits > 0 && t->dense_splits <= 8 ? t->dense_splits : 0;
   r->decode_warp = count(t->decode_warp, TD_CUDA_DEFAULT_DECODE_WARP);
   r->decode_small = count(t->decode_small, TD_CUDA_DEFAULT_DECODE_SMALL);
@@ -65,6 +65,7 @@ td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned
   int k = t->dense64_warps;
   p.kernel = wide && (k == 0 || k == 1) ? TD_DENSE_64_PIPE
              : wide && k == 2           ? TD_DENSE_64_PIPE1
+             : wide && k == 5           ? TD_DENSE_64_HALVES
              : wide && k == 3           ? TD_DENSE_64_WGMMA
              : wide                     ? TD_DENSE_64
              : head_dim == 64             ? TD_DENSE_64_SMALL

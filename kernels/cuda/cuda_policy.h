@@ -48,7 +48,8 @@ typedef struct td_cu_tune {
   int skinny_rows; /* 8-16 */
   int gemv_maxv, gemv_maxn, gemv_rows, gemv_rows_n; /* maxv 0: the warp kernel off (and rows 0) */
   int fuse, fuse_mask; /* rows 0-16 (0: never fused), mask 0-15 */
-  int dense64_warps;   /* 0 (by the grid), 1 / 2 (pipelined wgmma, two / one block an SM), 3 (wgmma), 4 or 8 */
+  int dense64_warps;   /* 0 (by the grid), 1 / 2 (pipelined wgmma, two / one block an SM), 5 (the same, the
+                          keys in two halves), 3 (wgmma), 4 or 8 */
   int dense_splits;    /* 0 or 1: none */
   int decode_warp, decode_small, decode_small_min, decode_small_ctx; /* 0: off */
   int decode_bulk, decode_bulk_all, decode_bulk_shape, decode_bulk_early;
@@ -80,6 +81,7 @@ typedef enum td_dense_kernel {
   TD_DENSE_64_WGMMA, /* head_dim 64, 128 query rows a block on wgmma */
   TD_DENSE_64_PIPE,  /* ... tile k + 1's softmax beside tile k's P.V (two blocks an SM) */
   TD_DENSE_64_PIPE1, /* ... the same in more registers (one block an SM) */
+  TD_DENSE_64_HALVES, /* ... a block's keys in two halves on 16 warps, merged in the block */
   TD_DENSE_64,       /* ... on mma.sync, 8 warps */
   TD_DENSE_64_SMALL, /* ... 64 rows, 4 warps */
   TD_DENSE_128,      /* head_dim 128, 64 rows */

@@ -74,15 +74,15 @@ Test(cuda, attn_dense_query_rows) {
 }
 
 /* head_dim 64 on each of its kernels: pipelined wgmma by the grid
- * (default), two and one block an SM, unpipelined wgmma, mma.sync with
- * 128 and with 64 query rows a block (td_cuda_tuning.dense64_warps 0, 1,
- * 2, 3, 8, 4); bias in shared memory, in global memory, none;
+ * (default), two and one block an SM, unpipelined wgmma, pipelined with a
+ * block's keys in two halves, mma.sync with 128 and with 64 query rows a
+ * block (td_cuda_tuning.dense64_warps 0, 1, 2, 3, 5, 8, 4); bias in shared memory, in global memory, none;
  * one to many key tiles (odd and even counts), a row range. */
 Test(cuda, attn_dense_head64_kernels) {
   int a[] = {512, 1, 200, 77}, c[] = {1000}, g[] = {129, 17, 300, 2, 63}, h[] = {64, 65, 191}, one[] = {1500},
       tiles[] = {128, 192, 257, 320, 1};
-  const int warps[] = {0, 1, 2, 3, 8, 4};
-  for (int m = 0; m < 6; m++) {
+  const int warps[] = {0, 1, 2, 3, 5, 8, 4};
+  for (int m = 0; m < 7; m++) {
     td_cuda_tuning t = cuda_base;
     t.dense64_warps = warps[m];
     use_tuning(&t);
@@ -103,8 +103,8 @@ Test(cuda, attn_dense_head64_kernels) {
  * T5 bias, a row range. */
 Test(cuda, attn_dense_key_splits) {
   int a[] = {512, 1, 200, 77}, c[] = {1000}, g[] = {129, 17, 300, 2, 63}, one[] = {1500};
-  const int warps[] = {0, 1, 2, 3, 8, 4}, splits[] = {2, 3, 5};
-  for (int m = 0; m < 6; m++)
+  const int warps[] = {0, 1, 2, 3, 5, 8, 4}, splits[] = {2, 3, 5};
+  for (int m = 0; m < 7; m++)
     for (int k = 0; k < 3; k++) {
       td_cuda_tuning t = cuda_base;
       t.dense64_warps = warps[m];

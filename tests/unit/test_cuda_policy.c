@@ -105,7 +105,7 @@ Test(cuda_settings, bad_values_are_refused_by_name, .init = clear) {
       {"TANDEM_CUDA_PDL", "maybe"},          {"TANDEM_CUDA_GEMV", "8,x"},
       {"TANDEM_CUDA_GEMV", "8,"},            {"TANDEM_CUDA_GEMV", "1,2,3,4,5"},
       {"TANDEM_CUDA_FUSE", "16,99"},         {"TANDEM_CUDA_PDL_LATE", "-1"},
-      {"TANDEM_CUDA_DENSE64", "5"},          {"TANDEM_CUDA_STATES_WARPS", "12"},
+      {"TANDEM_CUDA_DENSE64", "6"},          {"TANDEM_CUDA_STATES_WARPS", "12"},
       {"TANDEM_CUDA_DECATTN_BULK", "1,2,7"}, {"TANDEM_CUDA_KVPF", "32k"},
       {"TANDEM_CUDA_DECATTN", "99999999999"}, {"TANDEM_CUDA_HEADS_LT", "2"},
       {"TANDEM_CUDA_AUTOTUNE_MIN", "1e9"}, {"TANDEM_CUDA_PLAN_BUCKET", "2"},
@@ -206,6 +206,10 @@ Test(cuda_policy, dense) {
   cr_assert_eq(td_cu_dense_fit(&r, TD_DENSE_64_PIPE1, 1000, 132), TD_DENSE_64_PIPE1, "named: kept");
   r.dense64_warps = 3;
   cr_assert_eq(td_cu_dense_policy(&r, 64, true, 1000, 300).kernel, TD_DENSE_64_WGMMA);
+  r.dense64_warps = 5;
+  p = td_cu_dense_policy(&r, 64, true, 1000, 300);
+  cr_assert(p.kernel == TD_DENSE_64_HALVES && p.rows == 128, "the keys in two halves: 128 rows a tile");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 8, 132), TD_DENSE_64_HALVES, "named: kept");
   r.dense64_warps = 8;
   cr_assert_eq(td_cu_dense_policy(&r, 64, true, 1000, 300).kernel, TD_DENSE_64);
   r.dense64_warps = 4;
