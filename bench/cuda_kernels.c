@@ -427,6 +427,22 @@ static void bench_dense_rows(int len) {
   }
 }
 
+/* One short input (BART-large: 16 heads; 352 tokens is 48 blocks of 128 rows, 512 is 64): a grid of
+ * fewer blocks than SMs, what a first token at low load waits on. */
+static void bench_dense_one(int len, int heads) {
+  const char *name = "attn_dense one input";
+  if (skip(name)) return;
+  int32_t cu[2] = {0, len};
+  rows_ctx c = {act((size_t)len * 3 * heads * DH), act((size_t)len * heads * DH), i32(cu, 2), len, heads, 0};
+  double t = time_work(rows_work, &c) / 4;
+  char shape[48];
+  snprintf(shape, sizeof shape, "%d x %d keys, %dx%d", len, len, heads, DH);
+  add(name, shape, t, (double)len * 4 * heads * DH * 2, 4.0 * len * len * heads * DH);
+  td_free(B, c.qkv);
+  td_free(B, c.out);
+  td_free(B, c.cu);
+}
+
 typedef struct paged_ctx {
   void *q, *out, *pool, *lut;
   td_kv_layout l;
@@ -889,6 +905,8 @@ int main(int argc, char **argv) {
   bench_dense(64, 512, true, false);
   bench_dense_rows(1500);
   bench_dense_rows(3000);
+  bench_dense_one(352, 16);
+  bench_dense_one(512, 16);
   static const int batches[] = {1, 16, 64};
   for (int i = 0; i < 3; i++) bench_paged(batches[i], ENC_LEN, false);
   for (int i = 0; i < 3; i++) bench_paged(batches[i], 64, true);

@@ -211,6 +211,7 @@
 #define TD_CUDA_DEFAULT_GEMV_ROWS_N 8192   /* ... up to this many columns */
 #define TD_CUDA_DEFAULT_FUSE_ROWS 8        /* td_gemm_ex on the fused decode kernel up to this many rows */
 #define TD_CUDA_DEFAULT_FUSE_MASK 15       /* ... fusing the norm, GLU, the KV write; RMS after beyond */
+#define TD_CUDA_DEFAULT_DENSE64_WAVE 5     /* dense attention, a grid of one wave: the keys in halves (2: one block) */
 #define TD_CUDA_DEFAULT_DECODE_WARP 256    /* decode attention on 2 warps a pair from this many pairs */
 #define TD_CUDA_DEFAULT_DECODE_SMALL 64    /* 16 warps a pair up to this many pairs */
 #define TD_CUDA_DEFAULT_DECODE_SMALL_MIN 8 /* ... from this many (a TP=4 rank's 8 heads of Flan-T5-XL at batch 1) */

@@ -80,13 +80,19 @@ static td_status cuda_from_env(td_cuda_tuning *c) {
   TD_TRY(env_ints("TANDEM_CUDA_FUSE", 2, v, &got));
   if (got) c->fuse_rows = cuda_count(v[0]);
   if (got > 1) TD_TRY(cuda_mask("TANDEM_CUDA_FUSE", v[1], &c->fuse_mask));
-  TD_TRY(env_ints("TANDEM_CUDA_DENSE64", 1, v, &got));
+  TD_TRY(env_ints("TANDEM_CUDA_DENSE64", 2, v, &got));
   if (got && (v[0] < 0 || v[0] > 5) && v[0] != 8)
     return td_err(TD_ERR_INVALID,
                   "TANDEM_CUDA_DENSE64=%d: 0 (by the grid), 1 or 2 (pipelined wgmma, two or one block an SM), 5 "
                   "(the same, the keys in two halves), 3 (wgmma), 4 or 8 warps (mma.sync)",
                   v[0]);
+  if (got > 1 && (v[0] != 0 || (v[1] != 2 && v[1] != 5)))
+    return td_err(TD_ERR_INVALID,
+                  "TANDEM_CUDA_DENSE64=%d,%d: a second value is the grid rule's kernel for one wave, 2 (one block an "
+                  "SM) or 5 (the keys in two halves), after 0",
+                  v[0], v[1]);
   if (got) c->dense64_warps = v[0];
+  if (got > 1) c->dense64_wave = v[1];
   TD_TRY(env_ints("TANDEM_CUDA_DENSE_SPLITS", 1, v, &got));
   if (got && (v[0] < 0 || v[0] > 8)) return td_err(TD_ERR_INVALID, "TANDEM_CUDA_DENSE_SPLITS=%d: 0 to 8", v[0]);
   if (got) c->dense_splits = v[0];

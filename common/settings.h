@@ -47,6 +47,8 @@ typedef struct td_cuda_tuning {
                         beside the previous tile's P.V (0: one block an SM where the grid fits in one wave,
                         else two; 1: two; 2: one; 5: a block's keys in two halves on 16 warps), on wgmma
                         unpipelined (3), or on mma.sync with 8 warps (128 query rows a block) or 4 (64 rows) */
+  int dense64_wave;  /* TANDEM_CUDA_DENSE64=0,W: the grid rule's kernel where the grid fits in one wave of one
+                        block an SM: 2 (one block of 8 warps) or 5 (the keys in two halves); 0: the default */
   int dense_splits;  /* TANDEM_CUDA_DENSE_SPLITS=N: dense attention's keys in N splits a query tile, merged
                         (0 or 1: none) */
   int decode_warp;   /* TANDEM_CUDA_DECATTN=N: paged decode over self K/V on warps from N (sequence, head)

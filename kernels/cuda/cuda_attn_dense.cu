@@ -57,7 +57,7 @@ td_status td_cu_attn_dense(td_backend *b, const void *qkv, void *out, const int3
     a.part_lse = c->split + (size_t)n_tokens * heads * splits * head_dim;
     a.counters = c->counters + TD_CU_GEMM_COUNTERS;
   }
-  p.kernel = td_cu_dense_fit(&c->tune, p.kernel, blocks * splits, c->sm_count);
+  p.kernel = td_cu_dense_fit(&c->tune, p.kernel, blocks, splits, c->sm_count);
   dim3 grid((unsigned)((long)n_seqs * a.qtiles), (unsigned)heads, (unsigned)splits);
   switch (p.kernel) {
     case TD_DENSE_64_WGMMA: launch(Dense64w(), grid, lut_bytes(bias), c, a); break;

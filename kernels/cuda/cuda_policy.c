@@ -30,6 +30,7 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
   r->fuse_mask = count(t->fuse_mask, TD_CUDA_DEFAULT_FUSE_MASK) & 15;
   int d64 = t->dense64_warps;
   r->dense64_warps = (d64 >= 1 && d64 <= 5) || d64 == 8 ? d64 : 0;
+  r->dense64_wave = t->dense64_wave == 2 || t->dense64_wave == 5 ? t->dense64_wave : TD_CUDA_DEFAULT_DENSE64_WAVE;
   r->dense_splits = t->dense_splits > 0 && t->dense_splits <= 8 ? t->dense_splits : 0;
   r->decode_warp = count(t->decode_warp, TD_CUDA_DEFAULT_DECODE_WARP);
   r->decode_small = count(t->decode_small, TD_CUDA_DEFAULT_DECODE_SMALL);
@@ -73,14 +74,18 @@ td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned
   return p;
 }
 
-/* By default the pipelined wgmma kernel takes one block an SM (its
- * registers, no spills) where the whole grid fits in one wave of them, two
- * elsewhere: a TP=2 rank's 750 query rows of a 1500-position input (120
- * blocks) 27.4 us against 36.3 at two an SM, TP=1's 240 blocks 42.2 against
- * 52.9 (H200, bench/RESULTS.md). */
-td_dense_kernel td_cu_dense_fit(const td_cu_tune *t, td_dense_kernel k, long blocks, int sms) {
-  if (t->dense64_warps == 0 && k == TD_DENSE_64_PIPE && blocks > 0 && blocks <= sms) return TD_DENSE_64_PIPE1;
-  return k;
+/* By default the pipelined wgmma kernel runs two blocks an SM, and where
+ * the whole grid fits in one wave of one block an SM, one block of 16 warps
+ * whose two halves take half the keys each (dense64_wave 5): a TP=2 rank's
+ * 750 query rows of a 1500-position input (120 blocks) 24.9 us against 27.4
+ * at one block of 8 warps and 36.4 at two an SM; one BART-large input of
+ * 512 (64 blocks) 10.8 against 11.2; of 352 (48) 9.5 against 9.2 (level);
+ * TP=1's 240 blocks 42.1 at two an SM against 53.2 at one (H200,
+ * bench/RESULTS.md). */
+td_dense_kernel td_cu_dense_fit(const td_cu_tune *t, td_dense_kernel k, long blocks, int splits, int sms) {
+  if (t->dense64_warps != 0 || k != TD_DENSE_64_PIPE || blocks <= 0 || blocks * splits > sms) return k;
+  /* the halves form splits a block's keys itself: never beside key splits */
+  return t->dense64_wave == 5 && splits == 1 ? TD_DENSE_64_HALVES : TD_DENSE_64_PIPE1;
 }
 
 /* Key splits of dense attention only when asked for (dense_splits > 1):

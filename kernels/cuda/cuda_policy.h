@@ -50,6 +50,7 @@ typedef struct td_cu_tune {
   int fuse, fuse_mask; /* rows 0-16 (0: never fused), mask 0-15 */
   int dense64_warps;   /* 0 (by the grid), 1 / 2 (pipelined wgmma, two / one block an SM), 5 (the same, the
                           keys in two halves), 3 (wgmma), 4 or 8 */
+  int dense64_wave;    /* with dense64_warps 0: the kernel for one wave, 2 or 5 */
   int dense_splits;    /* 0 or 1: none */
   int decode_warp, decode_small, decode_small_min, decode_small_ctx; /* 0: off */
   int decode_bulk, decode_bulk_all, decode_bulk_shape, decode_bulk_early;
@@ -93,10 +94,11 @@ typedef struct td_dense_plan {
 } td_dense_plan;
 /* aligned: qkv and out 16-byte aligned */
 td_dense_plan td_cu_dense_policy(const td_cu_tune *t, int head_dim, bool aligned, int n_tokens, int max_len);
-/* The kernel for a grid of `blocks` on `sms` SMs (the pipelined wgmma
- * kernel's one-block-an-SM form where they fit in one wave, unless the
- * tuning named a kernel). */
-td_dense_kernel td_cu_dense_fit(const td_cu_tune *t, td_dense_kernel k, long blocks, int sms);
+/* The kernel for a grid of `blocks` (query tile, head) blocks of `splits`
+ * key splits each on `sms` SMs (where they fit in one wave, the pipelined
+ * wgmma kernel's one-block-an-SM form or its halves form, by dense64_wave;
+ * unless the tuning named a kernel). */
+td_dense_kernel td_cu_dense_fit(const td_cu_tune *t, td_dense_kernel k, long blocks, int splits, int sms);
 /* Key splits a query tile for `blocks` (tile, head) blocks over up to
  * `keys` keys each (tiled kernels; the caller checks its scratch). */
 int td_cu_dense_splits(const td_cu_tune *t, long blocks, int keys, bool causal);

@@ -74,17 +74,19 @@ Test(cuda, attn_dense_query_rows) {
 }
 
 /* head_dim 64 on each of its kernels: pipelined wgmma by the grid
- * (default), two and one block an SM, unpipelined wgmma, pipelined with a
- * block's keys in two halves, mma.sync with 128 and with 64 query rows a
- * block (td_cuda_tuning.dense64_warps 0, 1, 2, 3, 5, 8, 4); bias in shared memory, in global memory, none;
- * one to many key tiles (odd and even counts), a row range. */
+ * (default, and with either one-wave form named), two and one block an SM, unpipelined wgmma, pipelined
+ * with a block's keys in two halves, mma.sync with 128 and with 64 query rows a block
+ * (td_cuda_tuning.dense64_warps 0, 0 with dense64_wave 2 and 5, 1, 2, 3, 5, 8, 4); bias in shared memory,
+ * in global memory, none; one to many key tiles (odd and even counts), a row range. */
+static const int dense64_forms[][2] = {{0, 0}, {0, 2}, {0, 5}, {1, 0}, {2, 0}, {3, 0}, {5, 0}, {8, 0}, {4, 0}};
+#define N_DENSE64_FORMS (int)(sizeof dense64_forms / sizeof dense64_forms[0])
 Test(cuda, attn_dense_head64_kernels) {
   int a[] = {512, 1, 200, 77}, c[] = {1000}, g[] = {129, 17, 300, 2, 63}, h[] = {64, 65, 191}, one[] = {1500},
       tiles[] = {128, 192, 257, 320, 1};
-  const int warps[] = {0, 1, 2, 3, 5, 8, 4};
-  for (int m = 0; m < 7; m++) {
+  for (int m = 0; m < N_DENSE64_FORMS; m++) {
     td_cuda_tuning t = cuda_base;
-    t.dense64_warps = warps[m];
+    t.dense64_warps = dense64_forms[m][0];
+    t.dense64_wave = dense64_forms[m][1];
     use_tuning(&t);
     dense_case(16, 64, a, 4, false, 128, 0.125f);
     dense_case(3, 64, c, 1, true, 20, 1.0f);
@@ -103,11 +105,12 @@ Test(cuda, attn_dense_head64_kernels) {
  * T5 bias, a row range. */
 Test(cuda, attn_dense_key_splits) {
   int a[] = {512, 1, 200, 77}, c[] = {1000}, g[] = {129, 17, 300, 2, 63}, one[] = {1500};
-  const int warps[] = {0, 1, 2, 3, 5, 8, 4}, splits[] = {2, 3, 5};
-  for (int m = 0; m < 7; m++)
+  const int splits[] = {2, 3, 5};
+  for (int m = 0; m < N_DENSE64_FORMS; m++)
     for (int k = 0; k < 3; k++) {
       td_cuda_tuning t = cuda_base;
-      t.dense64_warps = warps[m];
+      t.dense64_warps = dense64_forms[m][0];
+      t.dense64_wave = dense64_forms[m][1];
       t.dense_splits = splits[k];
       use_tuning(&t);
       dense_case(16, 64, a, 4, false, 128, 0.125f);

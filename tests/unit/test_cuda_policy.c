@@ -49,7 +49,7 @@ Test(cuda_settings, values_parse, .init = clear) {
   setenv("TANDEM_CUDA_PDL_LATE", "5", 1);
   setenv("TANDEM_CUDA_GEMV", "8,100000,4,100000", 1);
   setenv("TANDEM_CUDA_FUSE", "16,7", 1);
-  setenv("TANDEM_CUDA_DENSE64", "4", 1);
+  setenv("TANDEM_CUDA_DENSE64", "0,5", 1);
   setenv("TANDEM_CUDA_DECATTN_BULK", "1,2000000000,3,0", 1);
   setenv("TANDEM_CUDA_DECATTN_SMALL", "256", 1);
   setenv("TANDEM_CUDA_DECATTN_CARVE", "0", 1);
@@ -71,7 +71,7 @@ Test(cuda_settings, values_parse, .init = clear) {
   cr_assert_eq(c->pdl_late, 5);
   cr_assert(c->gemv_maxv == 8 && c->gemv_maxn == 100000 && c->gemv_rows == 4 && c->gemv_rows_n == 100000);
   cr_assert(c->fuse_rows == 16 && c->fuse_mask == 7);
-  cr_assert_eq(c->dense64_warps, 4);
+  cr_assert(c->dense64_warps == 0 && c->dense64_wave == 5);
   cr_assert(c->decode_bulk == 1 && c->decode_bulk_all == 2000000000 && c->decode_bulk_shape == 3 &&
             c->decode_bulk_early == TD_OFF);
   cr_assert(c->decode_small == 256 && c->decode_small_min == 0 && c->decode_small_ctx == 0, "unset fields: 0");
@@ -106,6 +106,7 @@ Test(cuda_settings, bad_values_are_refused_by_name, .init = clear) {
       {"TANDEM_CUDA_GEMV", "8,"},            {"TANDEM_CUDA_GEMV", "1,2,3,4,5"},
       {"TANDEM_CUDA_FUSE", "16,99"},         {"TANDEM_CUDA_PDL_LATE", "-1"},
       {"TANDEM_CUDA_DENSE64", "6"},          {"TANDEM_CUDA_STATES_WARPS", "12"},
+      {"TANDEM_CUDA_DENSE64", "1,5"},        {"TANDEM_CUDA_DENSE64", "0,3"},
       {"TANDEM_CUDA_DECATTN_BULK", "1,2,7"}, {"TANDEM_CUDA_KVPF", "32k"},
       {"TANDEM_CUDA_DECATTN", "99999999999"}, {"TANDEM_CUDA_HEADS_LT", "2"},
       {"TANDEM_CUDA_AUTOTUNE_MIN", "1e9"}, {"TANDEM_CUDA_PLAN_BUCKET", "2"},
@@ -129,7 +130,7 @@ Test(cuda_tune, zero_takes_the_measured_defaults) {
   cr_assert(r.gemv_maxv == TD_CUDA_DEFAULT_GEMV_MAXV && r.gemv_maxn == TD_CUDA_DEFAULT_GEMV_MAXN &&
             r.gemv_rows == TD_CUDA_DEFAULT_GEMV_ROWS && r.gemv_rows_n == TD_CUDA_DEFAULT_GEMV_ROWS_N);
   cr_assert(r.fuse == TD_CUDA_DEFAULT_FUSE_ROWS && r.fuse_mask == TD_CUDA_DEFAULT_FUSE_MASK);
-  cr_assert_eq(r.dense64_warps, 0);
+  cr_assert(r.dense64_warps == 0 && r.dense64_wave == TD_CUDA_DEFAULT_DENSE64_WAVE);
   cr_assert(r.decode_warp == TD_CUDA_DEFAULT_DECODE_WARP && r.decode_small == TD_CUDA_DEFAULT_DECODE_SMALL &&
             r.decode_small_min == TD_CUDA_DEFAULT_DECODE_SMALL_MIN &&
             r.decode_small_ctx == TD_CUDA_DEFAULT_DECODE_SMALL_CTX);
@@ -191,25 +192,33 @@ Test(cuda_policy, dense) {
   td_cu_tune r = defaults();
   td_dense_plan p = td_cu_dense_policy(&r, 64, true, 1000, 300);
   cr_assert(p.kernel == TD_DENSE_64_PIPE && p.qtiles == 3, "128 rows a tile, max_len 300");
-  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 132, 132), TD_DENSE_64_PIPE1, "one wave at one block an SM");
-  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 120, 132), TD_DENSE_64_PIPE1);
-  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 133, 132), TD_DENSE_64_PIPE, "more: two an SM");
-  cr_assert_eq(td_cu_dense_fit(&r, TD_DENSE_128, 8, 132), TD_DENSE_128, "other kernels as chosen");
+  td_dense_kernel wave = TD_CUDA_DEFAULT_DENSE64_WAVE == 5 ? TD_DENSE_64_HALVES : TD_DENSE_64_PIPE1;
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 132, 1, 132), wave, "one wave at one block an SM");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 120, 1, 132), wave);
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 133, 1, 132), TD_DENSE_64_PIPE, "more: two an SM");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 67, 2, 132), TD_DENSE_64_PIPE, "blocks of every split counted");
+  cr_assert_eq(td_cu_dense_fit(&r, TD_DENSE_128, 8, 1, 132), TD_DENSE_128, "other kernels as chosen");
+  r.dense64_wave = 2;
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 48, 1, 132), TD_DENSE_64_PIPE1, "one wave: one block of 8 warps");
+  r.dense64_wave = 5;
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 48, 1, 132), TD_DENSE_64_HALVES, "one wave: the keys in halves");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 48, 2, 132), TD_DENSE_64_PIPE1, "halves never beside key splits");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 133, 1, 132), TD_DENSE_64_PIPE, "more than a wave: two an SM");
   p = td_cu_dense_policy(&r, 64, true, 1000, 0);
   cr_assert_eq(p.qtiles, 8, "no bound: every token");
   r.dense64_warps = 1;
   p = td_cu_dense_policy(&r, 64, true, 1000, 300);
   cr_assert(p.kernel == TD_DENSE_64_PIPE && p.qtiles == 3 && p.rows == 128, "pipelined: 128 rows a tile");
-  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 8, 132), TD_DENSE_64_PIPE, "named: kept");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 8, 1, 132), TD_DENSE_64_PIPE, "named: kept");
   r.dense64_warps = 2;
   cr_assert_eq(td_cu_dense_policy(&r, 64, true, 1000, 300).kernel, TD_DENSE_64_PIPE1);
-  cr_assert_eq(td_cu_dense_fit(&r, TD_DENSE_64_PIPE1, 1000, 132), TD_DENSE_64_PIPE1, "named: kept");
+  cr_assert_eq(td_cu_dense_fit(&r, TD_DENSE_64_PIPE1, 1000, 1, 132), TD_DENSE_64_PIPE1, "named: kept");
   r.dense64_warps = 3;
   cr_assert_eq(td_cu_dense_policy(&r, 64, true, 1000, 300).kernel, TD_DENSE_64_WGMMA);
   r.dense64_warps = 5;
   p = td_cu_dense_policy(&r, 64, true, 1000, 300);
   cr_assert(p.kernel == TD_DENSE_64_HALVES && p.rows == 128, "the keys in two halves: 128 rows a tile");
-  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 8, 132), TD_DENSE_64_HALVES, "named: kept");
+  cr_assert_eq(td_cu_dense_fit(&r, p.kernel, 8, 1, 132), TD_DENSE_64_HALVES, "named: kept");
   r.dense64_warps = 8;
   cr_assert_eq(td_cu_dense_policy(&r, 64, true, 1000, 300).kernel, TD_DENSE_64);
   r.dense64_warps = 4;
