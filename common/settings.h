@@ -87,6 +87,7 @@ typedef struct td_cuda_tuning {
 typedef struct td_model_tuning {
   int norm_fold;  /* TANDEM_NORM_FOLD: fold decoder pre-norm weights into the next GEMM (TD_OFF: keep apart) */
   int qnorm_rows; /* TANDEM_QNORM_ROWS: rows up to which the query norm is fused (0: the backend's; -1: never) */
+  int enc_graphs; /* TANDEM_ENC_GRAPHS: one text input encoded as its bucket's CUDA graph (TD_OFF: eagerly) */
 } td_model_tuning;
 
 /* KV transfer (kvtransfer/). */

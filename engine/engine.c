@@ -190,6 +190,7 @@ td_status td_engine_create(td_model *m, const td_engine_opts *opts, const td_eng
   if (s == TD_OK && e->two_sets) s = eng_batch_init(e, &e->batch1);
   if (s == TD_OK) s = eng_sampler_init(e);
   if (s == TD_OK) s = eng_warm_encoder(e);
+  if (s == TD_OK) s = td_model_capture_encoder_graphs(m);
   if (s != TD_OK) goto fail;
   *out = e;
   return TD_OK;

@@ -5,6 +5,8 @@
  * CUDA graphs by batch bucket, pipeline micro-batches, sharded logits). */
 #include <string.h>
 
+#include "common/clock.h"
+#include "common/log.h"
 #include "model/internal.h"
 
 static void *rows_at(const td_model *m, const void *p, int row, int width);
@@ -99,76 +101,33 @@ static td_status encoder_layers_rows(td_model *m, void *eh, int E, const int32_t
   return td_allgather_rows(b, eh, TD_BUF_ACT, E, d->d, 0, d->d);
 }
 
-td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out) {
-  /* the last stage sends a launched set's logits before it takes this run: receive them first */
-  TD_TRY(post_pending(m));
+/* One encoder run as enqueued work: its sizes, its host cu_seqlens (the
+ * micro-batches' bounds) and its metadata on the device. */
+typedef struct enc_run {
+  int B, E, M;
+  const int32_t *cu;     /* host [B + 1] */
+  const int32_t *mcu_at; /* host [M]: each micro-batch's offsets in dmcu */
+  const int32_t *dtok, *dpos, *dcu, *dslots, *dmcu;
+} enc_run;
+
+/* The encoder over staged metadata, from the embeddings (or the features
+ * uploaded to w_feat) to the cross K/V: it only enqueues work, so that a
+ * graph can hold it. Its output rows: *out (e_h or e_x). */
+static td_status encoder_forward(td_model *m, const enc_run *r, const void **out) {
   const td_model_config *c = &m->cfg;
   const dims *d = &m->d;
   td_backend *b = m->b;
-  int B = in->n_seqs;
-  if (B <= 0 || B > m->opts.max_enc_seqs)
-    return td_err(TD_ERR_INVALID, "encode: %d sequences (1 to %d allowed)", B, m->opts.max_enc_seqs);
-  if (!m->cross_pool) return td_err(TD_ERR_INVALID, "encode: no cross-attention pool set");
   bool whisper = c->family == TD_FAMILY_WHISPER;
-  int E = 0;
-  for (int s = 0; s < B; s++) {
-    int len = whisper ? m->max_src : in->lens[s];
-    if (len <= 0 || len > m->max_src)
-      return td_err(TD_ERR_INVALID, "encode: sequence %d has %d tokens (1 to %d allowed)", s, len, m->max_src);
-    E += len;
-  }
-  if (E > m->opts.max_enc_tokens)
-    return td_err(TD_ERR_INVALID, "encode: %d tokens in one call, more than the %d configured", E,
-                  m->opts.max_enc_tokens);
-  if (whisper ? !in->features : !in->tokens) return td_err(TD_ERR_INVALID, "encode: no input");
-  /* metadata: tokens | positions | cu_seqlens | cross slots */
-  int32_t *hm = m->meta_host;
-  int32_t *tok = hm, *pos = hm + E, *cu = hm + 2 * E, *slots = cu + B + 1;
-  cu[0] = 0;
-  for (int s = 0, k = 0; s < B; s++) {
-    int len = whisper ? m->max_src : in->lens[s];
-    cu[s + 1] = cu[s] + len;
-    for (int t = 0; t < len; t++, k++) {
-      if (!whisper) {
-        int32_t id = in->tokens[k];
-        if (id < 0 || id >= c->vocab_size)
-          return td_err(TD_ERR_INVALID, "encode: token id %d at position %d of sequence %d is outside the vocabulary of %d",
-                        id, t, s, c->vocab_size);
-        tok[k] = id;
-      }
-      pos[k] = t;
-    }
-  }
-  memcpy(slots, in->cross_slots, sizeof(int32_t) * (size_t)E);
-  TD_TRY(mirror_publish_encode(m, in));
-  /* Pipeline stages take the encoder in micro-batches of whole sequences, as
-   * the decoder's steps: stage s runs micro-batch k while stage s + 1 runs
-   * k - 1 (one batch went through the stages one after the other, the
-   * other stages idle). Each has its own cu_seqlens from 0. */
   bool first = d->stage == 0, last = d->stage == d->stages - 1;
-  int M = d->stages < B ? d->stages : B;
-  if (M > TD_ENC_MICRO_BATCHES) M = TD_ENC_MICRO_BATCHES;
-  int32_t *mcu = slots + E; /* per micro-batch: its sequences' offsets from its first token */
-  int mcu_at[TD_ENC_MICRO_BATCHES];
-  for (int mb = 0, at = 0; mb < M; mb++) {
-    int s0 = B * mb / M, s1 = B * (mb + 1) / M;
-    mcu_at[mb] = at;
-    for (int s = s0; s <= s1; s++) mcu[at++] = cu[s] - cu[s0];
-  }
-  size_t n_meta = (size_t)(3 * E + B + 1) + (M > 1 ? (size_t)(B + M) : 0);
-  TD_TRY(td_copy_h2d(b, m->meta_dev, hm, n_meta * sizeof(int32_t)));
-  const int32_t *dtok = m->meta_dev, *dpos = m->meta_dev + E, *dcu = m->meta_dev + 2 * E,
-                *dslots = m->meta_dev + 2 * E + B + 1, *dmcu = dslots + E;
-
-  int F = 2 * m->max_src, mels = c->num_mel_bins;
-  if (first && whisper) TD_TRY(td_upload(b, TD_BUF_ACT, m->w_feat, in->features, (size_t)B * mels * F));
+  int B = r->B, E = r->E, M = r->M, F = 2 * m->max_src, mels = c->num_mel_bins;
+  const int32_t *cu = r->cu;
   td_relbias eb = {m->enc_lut, c->rel_max_distance};
   const td_relbias *bias = m->enc_lut ? &eb : NULL;
   for (int mb = 0; mb < M; mb++) {
     int s0 = B * mb / M, s1 = B * (mb + 1) / M, Bk = s1 - s0;
     int t0 = cu[s0], Ek = cu[s1] - cu[s0], maxk = 0;
     for (int s = s0; s < s1; s++) maxk = cu[s + 1] - cu[s] > maxk ? cu[s + 1] - cu[s] : maxk;
-    const int32_t *kcu = M > 1 ? dmcu + mcu_at[mb] : dcu;
+    const int32_t *kcu = M > 1 ? r->dmcu + r->mcu_at[mb] : r->dcu;
     void *eh = rows_at(m, m->e_h, t0, d->d);
     if (!first) {
       TD_TRY(td_recv(b, eh, TD_BUF_ACT, (size_t)Ek * d->d, d->stage - 1));
@@ -179,8 +138,8 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
       TD_TRY(td_gemm(b, m->w_col2, m->conv2.w, m->conv2.b, eh, Ek, d->d, d->d * 3, TD_ACT_GELU, 0));
       TD_TRY(td_add_pos(b, eh, m->enc_pos, Bk, m->max_src, d->d));
     } else {
-      TD_TRY(td_embed(b, dtok + t0, dpos + t0, m->enc_tok, c->pos_kind == TD_POS_RELATIVE ? NULL : m->enc_pos,
-                      c->embed_scale, eh, Ek, d->d));
+      TD_TRY(td_embed(b, r->dtok + t0, r->dpos + t0, m->enc_tok,
+                      c->pos_kind == TD_POS_RELATIVE ? NULL : m->enc_pos, c->embed_scale, eh, Ek, d->d));
       if (c->layernorm_embedding) TD_TRY(norm(m, &m->enc_ln_emb, eh, eh, Ek));
     }
     bool by_rows = m->opts.tp_size > 1 && m->opts.enc_rows; /* TP: one stage, one micro-batch */
@@ -213,11 +172,161 @@ td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out
   for (int l = 0; l < cl.n_layers; l++) {
     TD_TRY(linear(m, &m->dec[l].ckv, eo, m->e_qkv, E, TD_ACT_NONE, 0));
     TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * td_buf_elem_size(b, TD_BUF_ACT), 2 * hd,
-                       m->cross_pool, &cl, l, dslots, E));
+                       m->cross_pool, &cl, l, r->dslots, E));
   }
   if (cl.states) /* the states once, split over the tail's K and V planes */
     TD_TRY(td_kv_write(b, eo, (const char *)eo + (size_t)(d->d / 2) * td_buf_elem_size(b, TD_BUF_ACT), d->d,
-                       m->cross_pool, &cl, cl.n_layers, dslots, E));
+                       m->cross_pool, &cl, cl.n_layers, r->dslots, E));
+  *out = eo;
+  return TD_OK;
+}
+
+/* Encoder graphs: one text input of up to enc_graph_max tokens runs as the
+ * graph of its bucket (TD_ENC_GRAPH_ROWS rows a bucket), padded with rows
+ * that attend to nothing and write nothing, so that its first token waits
+ * on the GPU and not on ~120 launches from the host. Single-rank models
+ * only (a group's ranks meet in collectives run by run). */
+static bool enc_graphs_apply(const td_model *m) {
+  return m->n_enc_graphs > 0 && m->cfg.family != TD_FAMILY_WHISPER && m->opts.tp_size == 1 && m->d.stages == 1;
+}
+
+/* An encoder graph's run over Ep rows: tokens | positions | cu_seqlens (2)
+ * | slots in meta_dev, as enc_graph_meta stages them. */
+static enc_run enc_graph_run(const td_model *m, int Ep, int32_t *cu_host) {
+  cu_host[0] = 0;
+  cu_host[1] = Ep;
+  const int32_t *D = m->meta_dev;
+  return (enc_run){.B = 1, .E = Ep, .M = 1, .cu = cu_host, .dtok = D, .dpos = D + Ep, .dcu = D + 2 * Ep,
+                   .dslots = D + 2 * Ep + 2};
+}
+
+/* One input of E tokens staged for the graph of Ep rows: padding rows take
+ * token 0 at positions below the bound and write no slot; the attention
+ * reads the real length from cu_seqlens, so they attend to nothing real and
+ * no real row attends to them. Returns the values to copy. */
+static size_t enc_graph_meta(td_model *m, int Ep, int E, const int32_t *tokens, const int32_t *slots) {
+  int32_t *hm = m->meta_host, *tok = hm, *pos = hm + Ep, *cu = hm + 2 * Ep, *sl = cu + 2;
+  for (int t = 0; t < Ep; t++) {
+    tok[t] = t < E ? tokens[t] : 0;
+    pos[t] = t;
+    sl[t] = t < E ? slots[t] : -1;
+  }
+  cu[0] = 0;
+  cu[1] = E;
+  return (size_t)3 * Ep + 2;
+}
+
+static int enc_graph_rows(const td_model *m, int k) {
+  int Ep = (k + 1) * TD_ENC_GRAPH_ROWS;
+  return Ep < m->enc_graph_max ? Ep : m->enc_graph_max;
+}
+
+td_status td_model_capture_encoder_graphs(td_model *m) {
+  if (!m->cross_pool) return td_err(TD_ERR_INVALID, "capture: no cross-attention pool set");
+  if (!enc_graphs_apply(m)) return TD_OK;
+  int64_t t0 = td_now_ns();
+  for (int k = 0; k < m->n_enc_graphs; k++) {
+    if (m->enc_graphs[k]) continue;
+    int32_t cu[2];
+    int Ep = enc_graph_rows(m, k);
+    enc_run r = enc_graph_run(m, Ep, cu);
+    const void *eo;
+    /* first eagerly, rows of nothing (no slot written): the GEMM plans and the bf16 bias copies the graph
+     * would otherwise take without (cuda_gemm.cu, bias16_get), so that graph and eager runs match */
+    size_t n = enc_graph_meta(m, Ep, 0, NULL, NULL);
+    TD_TRY(td_copy_h2d(m->b, m->meta_dev, m->meta_host, n * sizeof(int32_t)));
+    TD_TRY(encoder_forward(m, &r, &eo));
+    TD_TRY(td_sync(m->b));
+    TD_TRY(td_graph_begin(m->b));
+    td_status cs = encoder_forward(m, &r, &eo);
+    td_graph *g = NULL;
+    td_status es = td_graph_end(m->b, &g);
+    if (cs != TD_OK || es != TD_OK) {
+      td_graph_destroy(m->b, g);
+      return cs != TD_OK ? cs : es;
+    }
+    m->enc_graphs[k] = g;
+  }
+  TD_INFO("captured the encoder of one input in %d graphs of up to %d rows in %.0f ms", m->n_enc_graphs,
+          m->enc_graph_max, (double)(td_now_ns() - t0) / 1e6);
+  return TD_OK;
+}
+
+int td_model_encoder_graph_rows(const td_model *m) {
+  return enc_graphs_apply(m) && m->enc_graphs[m->n_enc_graphs - 1] ? m->enc_graph_max : 0;
+}
+
+td_status td_model_encode(td_model *m, const td_encode_input *in, float *enc_out) {
+  /* the last stage sends a launched set's logits before it takes this run: receive them first */
+  TD_TRY(post_pending(m));
+  const td_model_config *c = &m->cfg;
+  const dims *d = &m->d;
+  td_backend *b = m->b;
+  int B = in->n_seqs;
+  if (B <= 0 || B > m->opts.max_enc_seqs)
+    return td_err(TD_ERR_INVALID, "encode: %d sequences (1 to %d allowed)", B, m->opts.max_enc_seqs);
+  if (!m->cross_pool) return td_err(TD_ERR_INVALID, "encode: no cross-attention pool set");
+  bool whisper = c->family == TD_FAMILY_WHISPER;
+  int E = 0;
+  for (int s = 0; s < B; s++) {
+    int len = whisper ? m->max_src : in->lens[s];
+    if (len <= 0 || len > m->max_src)
+      return td_err(TD_ERR_INVALID, "encode: sequence %d has %d tokens (1 to %d allowed)", s, len, m->max_src);
+    E += len;
+  }
+  if (E > m->opts.max_enc_tokens)
+    return td_err(TD_ERR_INVALID, "encode: %d tokens in one call, more than the %d configured", E,
+                  m->opts.max_enc_tokens);
+  if (whisper ? !in->features : !in->tokens) return td_err(TD_ERR_INVALID, "encode: no input");
+  for (int s = 0, k = 0; !whisper && s < B; s++)
+    for (int t = 0; t < in->lens[s]; t++, k++)
+      if (in->tokens[k] < 0 || in->tokens[k] >= c->vocab_size)
+        return td_err(TD_ERR_INVALID, "encode: token id %d at position %d of sequence %d is outside the vocabulary of %d",
+                      in->tokens[k], t, s, c->vocab_size);
+  TD_TRY(mirror_publish_encode(m, in));
+  const void *eo;
+  int gk = B == 1 && enc_graphs_apply(m) && E <= m->enc_graph_max ? (E - 1) / TD_ENC_GRAPH_ROWS : -1;
+  if (gk >= 0 && m->enc_graphs[gk]) {
+    size_t n = enc_graph_meta(m, enc_graph_rows(m, gk), E, in->tokens, in->cross_slots);
+    TD_TRY(td_copy_h2d(b, m->meta_dev, m->meta_host, n * sizeof(int32_t)));
+    TD_TRY(td_graph_launch(b, m->enc_graphs[gk]));
+    eo = c->final_norm ? m->e_x : m->e_h; /* as encoder_forward leaves it on one stage */
+  } else {
+    /* metadata: tokens | positions | cu_seqlens | cross slots */
+    int32_t *hm = m->meta_host;
+    int32_t *tok = hm, *pos = hm + E, *cu = hm + 2 * E, *slots = cu + B + 1;
+    cu[0] = 0;
+    for (int s = 0, k = 0; s < B; s++) {
+      int len = whisper ? m->max_src : in->lens[s];
+      cu[s + 1] = cu[s] + len;
+      for (int t = 0; t < len; t++, k++) {
+        if (!whisper) tok[k] = in->tokens[k];
+        pos[k] = t;
+      }
+    }
+    memcpy(slots, in->cross_slots, sizeof(int32_t) * (size_t)E);
+    /* Pipeline stages take the encoder in micro-batches of whole sequences, as
+     * the decoder's steps: stage s runs micro-batch k while stage s + 1 runs
+     * k - 1 (one batch went through the stages one after the other, the
+     * other stages idle). Each has its own cu_seqlens from 0. */
+    int M = d->stages < B ? d->stages : B;
+    if (M > TD_ENC_MICRO_BATCHES) M = TD_ENC_MICRO_BATCHES;
+    int32_t *mcu = slots + E; /* per micro-batch: its sequences' offsets from its first token */
+    int mcu_at[TD_ENC_MICRO_BATCHES];
+    for (int mb = 0, at = 0; mb < M; mb++) {
+      int s0 = B * mb / M, s1 = B * (mb + 1) / M;
+      mcu_at[mb] = at;
+      for (int s = s0; s <= s1; s++) mcu[at++] = cu[s] - cu[s0];
+    }
+    size_t n_meta = (size_t)(3 * E + B + 1) + (M > 1 ? (size_t)(B + M) : 0);
+    TD_TRY(td_copy_h2d(b, m->meta_dev, hm, n_meta * sizeof(int32_t)));
+    const int32_t *D = m->meta_dev;
+    enc_run r = {.B = B, .E = E, .M = M, .cu = cu, .mcu_at = mcu_at, .dtok = D, .dpos = D + E, .dcu = D + 2 * E,
+                 .dslots = D + 2 * E + B + 1, .dmcu = D + 3 * E + B + 1};
+    if (d->stage == 0 && whisper)
+      TD_TRY(td_upload(b, TD_BUF_ACT, m->w_feat, in->features, (size_t)B * c->num_mel_bins * 2 * m->max_src));
+    TD_TRY(encoder_forward(m, &r, &eo));
+  }
   if (enc_out) TD_TRY(td_download(b, TD_BUF_ACT, eo, enc_out, (size_t)E * d->d));
   return td_sync(b);
 }

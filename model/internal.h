@@ -13,6 +13,9 @@
 
 /* the encoder's micro-batches through pipeline stages, at most (each has its own cu_seqlens in the metadata) */
 #define TD_ENC_MICRO_BATCHES 8
+/* Encoder graphs (one text input): rows a bucket, and buckets (up to 1024 rows) */
+#define TD_ENC_GRAPH_ROWS 64
+#define TD_ENC_GRAPHS 16
 
 typedef struct lin {
   void *w;     /* TD_BUF_ACT [out, in] */
@@ -90,6 +93,10 @@ struct td_model {
   int buckets[MAX_GRAPHS];
   int n_buckets;
   td_graph *graphs[MAX_GRAPHS];
+  /* encoder graphs of one text input by bucket of TD_ENC_GRAPH_ROWS rows,
+   * up to enc_graph_max rows (n_enc_graphs 0: none) */
+  td_graph *enc_graphs[TD_ENC_GRAPHS];
+  int n_enc_graphs, enc_graph_max;
   /* decode steps of more rows leave the cross query's folded RMSNorm to
    * the attention (td_paged_meta.q_norm): the backend's
    * td_backend_fused_norm_rows, or td_model_tuning.qnorm_rows */

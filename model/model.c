@@ -185,6 +185,13 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
     for (int bk = 1; bk <= m->opts.max_seqs && m->n_buckets < MAX_GRAPHS; bk *= 2) m->buckets[m->n_buckets++] = bk;
   if (m->n_buckets && m->buckets[m->n_buckets - 1] < m->opts.max_seqs && m->n_buckets < MAX_GRAPHS)
     m->buckets[m->n_buckets++] = m->opts.max_seqs;
+  if (td_backend_has_graphs(b) && !m->opts.no_graphs && m->opts.tuning.enc_graphs != TD_OFF &&
+      m->opts.tp_size == 1 && m->opts.pp_size == 1 && c->family != TD_FAMILY_WHISPER) {
+    int most = TD_ENC_GRAPHS * TD_ENC_GRAPH_ROWS;
+    most = m->max_src < most ? m->max_src : most;
+    m->enc_graph_max = m->opts.max_enc_tokens < most ? m->opts.max_enc_tokens : most;
+    m->n_enc_graphs = (m->enc_graph_max + TD_ENC_GRAPH_ROWS - 1) / TD_ENC_GRAPH_ROWS;
+  }
   int qr = m->opts.tuning.qnorm_rows;
   m->q_norm_rows = qr > 0 ? qr : qr < 0 ? 0 : td_backend_fused_norm_rows(b);
   s = td_sync(b);
@@ -219,6 +226,7 @@ void td_model_destroy(td_model *m) {
   td_host_free(b, m->meta_host);
   td_host_free(b, m->meta_host1);
   for (int i = 0; i < m->n_buckets; i++) td_graph_destroy(b, m->graphs[i]);
+  for (int i = 0; i < m->n_enc_graphs; i++) td_graph_destroy(b, m->enc_graphs[i]);
   for (int i = 0; m->enc && i < m->d.e1 - m->d.e0; i++) {
     enc_layer *L = &m->enc[i];
     free_norm(b, &L->ln_attn);
@@ -284,11 +292,16 @@ int td_model_input_frames(const td_model *m) {
 
 void td_model_set_pools(td_model *m, void *self_pool, void *cross_pool) {
   /* captured steps hold the pools' addresses: other pools, other graphs */
-  if (self_pool != m->self_pool || cross_pool != m->cross_pool)
+  if (self_pool != m->self_pool || cross_pool != m->cross_pool) {
     for (int i = 0; i < m->n_buckets; i++) {
       td_graph_destroy(m->b, m->graphs[i]);
       m->graphs[i] = NULL;
     }
+    for (int i = 0; i < m->n_enc_graphs; i++) {
+      td_graph_destroy(m->b, m->enc_graphs[i]);
+      m->enc_graphs[i] = NULL;
+    }
+  }
   m->self_pool = self_pool;
   m->cross_pool = cross_pool;
 }

@@ -79,6 +79,15 @@ void td_model_set_pools(td_model *m, void *self_pool, void *cross_pool);
  * capture; a no-op without graphs and for TP / PP ranks, which capture as
  * their steps come. */
 td_status td_model_capture_graphs(td_model *m);
+/* Captures the encoder of one text input at every bucket of up to 1024
+ * rows (64 a bucket), after the encoder's warm-up (its GEMM plans and the
+ * bias copies they take exist then); td_model_encode then runs one input
+ * as its bucket's graph, padded. A no-op without graphs, for Whisper and
+ * for TP / PP ranks. */
+td_status td_model_capture_encoder_graphs(td_model *m);
+/* The longest single input td_model_encode runs as a captured graph (0:
+ * none captured, every input runs eagerly). */
+int td_model_encoder_graph_rows(const td_model *m);
 
 typedef struct td_encode_input {
   int n_seqs;
