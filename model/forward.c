@@ -221,6 +221,19 @@ static int enc_graph_rows(const td_model *m, int k) {
   return Ep < m->enc_graph_max ? Ep : m->enc_graph_max;
 }
 
+/* Ends a capture begun with td_graph_begin over work that returned cs: the
+ * graph into *slot, or the first error (and no graph). */
+static td_status capture_end(td_model *m, td_status cs, td_graph **slot) {
+  td_graph *g = NULL;
+  td_status es = td_graph_end(m->b, &g);
+  if (cs != TD_OK || es != TD_OK) {
+    td_graph_destroy(m->b, g);
+    return cs != TD_OK ? cs : es;
+  }
+  *slot = g;
+  return TD_OK;
+}
+
 td_status td_model_capture_encoder_graphs(td_model *m) {
   if (!m->cross_pool) return td_err(TD_ERR_INVALID, "capture: no cross-attention pool set");
   if (!enc_graphs_apply(m)) return TD_OK;
@@ -238,14 +251,7 @@ td_status td_model_capture_encoder_graphs(td_model *m) {
     TD_TRY(encoder_forward(m, &r, &eo));
     TD_TRY(td_sync(m->b));
     TD_TRY(td_graph_begin(m->b));
-    td_status cs = encoder_forward(m, &r, &eo);
-    td_graph *g = NULL;
-    td_status es = td_graph_end(m->b, &g);
-    if (cs != TD_OK || es != TD_OK) {
-      td_graph_destroy(m->b, g);
-      return cs != TD_OK ? cs : es;
-    }
-    m->enc_graphs[k] = g;
+    TD_TRY(capture_end(m, encoder_forward(m, &r, &eo), &m->enc_graphs[k]));
   }
   TD_INFO("captured the encoder of one input in %d graphs of up to %d rows in %.0f ms", m->n_enc_graphs,
           m->enc_graph_max, (double)(td_now_ns() - t0) / 1e6);
@@ -554,15 +560,7 @@ static td_status capture(td_model *m, int gi, const step_layout *L) {
   step_bounds gb = {.T = B, .S = B, .NL = B, .max_q = 1, .max_ctx = m->self_stride * m->opts.block_size,
                     .max_cross = m->cross_stride * m->opts.block_size};
   TD_TRY(td_graph_begin(m->b));
-  td_status cs = decoder_forward(m, L, &gb, m->meta_dev, NULL);
-  td_graph *g = NULL;
-  td_status es = td_graph_end(m->b, &g);
-  if (cs != TD_OK || es != TD_OK) {
-    td_graph_destroy(m->b, g);
-    return cs != TD_OK ? cs : es;
-  }
-  m->graphs[gi] = g;
-  return TD_OK;
+  return capture_end(m, decoder_forward(m, L, &gb, m->meta_dev, NULL), &m->graphs[gi]);
 }
 
 td_status td_model_capture_graphs(td_model *m) {
