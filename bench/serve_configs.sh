@@ -163,7 +163,9 @@ for entry in "${list[@]}"; do
     >"$out/$name.local.log" 2>&1 &
   lp=$!
   for _ in $(seq 600); do grep -q '^logs' "$out/$name.local.log" && break; kill -0 $lp 2>/dev/null || break; sleep 0.5; done
-  ep=$(grep -m1 -E '^router (tcp|local):' "$out/$name.local.log" | awk '{print $2}')
+  # the local link where local.sh gives one (what the figures since 2026-11-27 went through)
+  ep=$(awk '/^router-local local:/ { print $2; exit }' "$out/$name.local.log")
+  [[ -n $ep ]] || ep=$(grep -m1 -E '^router tcp:' "$out/$name.local.log" | awk '{print $2}')
   if [[ -z $ep ]]; then
     echo "serve_configs.sh: $name did not start: $(tail -1 "$out/$name.local.log")" >&2
     kill -TERM -- -$lp 2>/dev/null

@@ -69,8 +69,11 @@
 #                   [--local-link auto|off|workers|all]  (workers, and with all clients too, reach the
 #                                                     router over Unix sockets in RUN_DIR instead of
 #                                                     ZeroMQ: a hop's thread wake-ups saved
-#                                                     (docs/latency.md); all prints the client endpoint
-#                                                     as local:PATH; a group's ranks keep the endpoint;
+#                                                     (docs/latency.md); with all, clients on this host
+#                                                     may also use the line "router-local local:PATH"
+#                                                     (the router's TCP endpoint is printed either way;
+#                                                     the demo and the gateway take the link); a
+#                                                     group's ranks keep the endpoint;
 #                                                     not with --auth; default auto: all, or off with
 #                                                     --auth or an audio model (its features are
 #                                                     carried faster by ZeroMQ's I/O threads))
@@ -566,6 +569,7 @@ for attempt in 1 2 3 4 5; do
 done
 worker_tcp=$worker_ep # a group's ranks rendezvous through the router's endpoint
 [[ $local_link == off ]] || worker_ep="local:$run_dir/router-workers.sock"
+client_tcp=$client_ep # what any client reaches, on this host or not
 [[ $local_link != all ]] || client_ep="local:$run_dir/router-clients.sock"
 threads=1
 common=(--router "$worker_ep" --model "$model" --device "$device" --block-size "$block_size" --threads "$threads"
@@ -610,7 +614,8 @@ for _ in $(seq 300); do
   sleep 0.2
 done
 [[ $h == *"$want"* ]] || { echo "local.sh: the cluster did not come up; logs in $run_dir" >&2; exit 1; }
-echo "router $client_ep"
+echo "router $client_tcp"
+[[ $client_ep == "$client_tcp" ]] || echo "router-local $client_ep"
 [[ -z $keys ]] || echo "keys $keys"
 if ((metrics)); then
   m=$(grep -o "metrics http://[^ ]*" "$run_dir/router.log" 2>/dev/null | head -1 | cut -d' ' -f2)

@@ -114,7 +114,7 @@ cluster_fixtures() {
       local lp=$!
       for _ in $(seq 240); do grep -q '^logs' "$run.log" && break; kill -0 $lp 2>/dev/null || break; sleep 0.5; done
       local ep
-      ep=$(grep -m1 -E '^router (tcp|local):' "$run.log" | awk '{print $2}')
+      ep=$(awk '/^router-local local:/ { print $2; exit }' "$run.log"); [[ -n $ep ]] || ep=$(grep -m1 -E '^router tcp:' "$run.log" | awk '{print $2}')
       if [[ -n $ep ]]; then
         "$pack/bin/bench-serve" --router "$ep" --model "$m" --workload "$tmp/$name.jsonl" --results "$tmp/$name-$mode.res" \
           >"$tmp/$name-$mode.out" 2>&1

@@ -24,10 +24,11 @@ trap cleanup EXIT
 
 "$root/deploy/local.sh" --run-dir "$run" --decodes 2 --no-gateway --no-metrics >"$work/out" 2>"$work/err" &
 main=$!
-wait_for 600 grep -q '^router ' "$work/out" 2>/dev/null
-router=$(awk '/^router /{print $2}' "$work/out")
+wait_for 600 grep -q '^router-local ' "$work/out" 2>/dev/null
+router=$(awk '/^router-local /{print $2}' "$work/out")
 [[ -n $router ]] || { echo "FAIL the cluster did not start"; cat "$work/err"; exit 1; }
-check "by default clients reach the router over its local link" test "$router" = "local:$run/router-clients.sock"
+check "by default clients on this host are given the router's local link" test "$router" = "local:$run/router-clients.sock"
+check "the router's TCP endpoint comes first" bash -c "head -1 '$work/out' | grep -qE '^router tcp://127.0.0.1:[0-9]+\$'"
 # a process's command line, from the pid file local.sh keeps in its run directory
 args_in() { tr '\0' ' ' <"/proc/$(cat "$1/$2.pid")/cmdline"; }
 # polling before sleeping is local.sh's default only on GPU hosts with cores to spare (docs/latency.md)
@@ -204,8 +205,8 @@ lld=$work/a-run-directory-under-a-build-path-deeper-than-the-107-bytes-of-a-unix
 "$root/deploy/local.sh" --run-dir "$lld" --encoders 1 --prefills 0 --decodes 1 --local-link all \
   --no-gateway --no-metrics >"$work/ll.out" 2>"$work/ll.err" &
 ll=$!
-wait_for 600 grep -q '^router ' "$work/ll.out" 2>/dev/null
-router=$(awk '/^router /{print $2}' "$work/ll.out")
+wait_for 600 grep -q '^router-local ' "$work/ll.out" 2>/dev/null
+router=$(awk '/^router-local /{print $2}' "$work/ll.out")
 check "--local-link all: clients are given the router's local link" test "$router" = "local:$lld/router-clients.sock"
 "$root/deploy/local.sh" add decode --run-dir "$lld" >"$work/ll-add.out" 2>&1
 check "--local-link all: add decode registered" grep -qx "added decode-1" "$work/ll-add.out"
