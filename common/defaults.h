@@ -198,6 +198,8 @@
 #define TD_GATEWAY_STREAM_INTERVAL_MS 5         /* a stream's events after the first come at most this often (docs/gateway.md) */
 #define TD_GATEWAY_IO_POLL_MS 20               /* the router link's poll while requests are in flight (new work
                                                   wakes it at once: gateway/io.c) */
+#define TD_GATEWAY_MAX_API_KEYS 1024           /* keys in --api-keys FILE */
+#define TD_GATEWAY_MAX_API_KEY_BYTES 256       /* one key's bytes */
 #define TD_GATEWAY_HEALTH_TIMEOUT_MS 1000      /* GET /health waits this long for the router */
 #define TD_GATEWAY_WAIT_GRACE_MS 10000         /* a request's HTTP side waits this long past its router deadline */
 

@@ -59,6 +59,10 @@
 #                                                     split by role: decode 3 parts, encode and
 #                                                     prefill 1; default 0.9)
 #                   [--gateway-port N | --no-gateway]  (the HTTP gateway; default: any free port)
+#                   [--gateway-api-keys FILE]         (HTTP clients must give one of its keys, one a line,
+#                                                     mode 0600, as "Authorization: Bearer KEY" for /v1/;
+#                                                     with --auth and without this, one key is made in
+#                                                     RUN_DIR/keys/gateway-api.keys; prints "api-keys FILE")
 #                   [--gateway-spin-us N]             (its router link and waiting HTTP threads poll N us
 #                                                     before they sleep: less latency for CPU; default 0)
 #                   [--spin-us N]                     (the router's loop and each worker's loop and compute
@@ -227,6 +231,7 @@ encode_queue_runs=""
 encode_defer=""
 mem_fraction=0.9
 gateway_port=0
+api_keys=""
 gateway_spin=0
 spin=auto
 default_spin_us=5000 # covers an engine's time to first token (1,000 us did nothing for BART: docs/latency.md)
@@ -270,6 +275,7 @@ while (($#)); do
     --gpu-memory-fraction) mem_fraction=$2; shift 2 ;;
     --gateway-port) gateway_port=$2; shift 2 ;;
     --gateway-spin-us) gateway_spin=$2; shift 2 ;;
+    --gateway-api-keys) api_keys=$2; shift 2 ;;
     --spin-us) spin=$2; shift 2 ;;
     --local-link) local_link=$2; shift 2 ;;
     --no-gateway) gateway=0; shift ;;
@@ -283,6 +289,7 @@ while (($#)); do
   esac
 done
 [[ -f $model/config.json ]] || { echo "local.sh: no config.json in $model" >&2; exit 2; }
+[[ -z $api_keys || -r $api_keys ]] || { echo "local.sh: --gateway-api-keys $api_keys: no such readable file" >&2; exit 2; }
 model=$(cd "$model" && pwd)
 # the router converts text (and Whisper's audio) with the checkpoint's tokenizer
 if [[ -z $tokenizer && ( -f $model/tokenizer.json || -f $model/source.spm ) ]]; then tokenizer=$model; fi
@@ -526,7 +533,12 @@ if ((auth)); then
                --admin-keys "$keys/admins.list")
   client_keys=(--curve-secret "$keys/client.key" --router-key "$keys/router.pub")
   gateway_keys=(--curve-secret "$keys/gateway.key" --router-key "$keys/router.pub")
+  if [[ -z $api_keys ]]; then # the HTTP API keyed too: one key, 32 random bytes
+    api_keys="$keys/gateway-api.keys"
+    (umask 077 && printf 'tdk-%s\n' "$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')" >"$api_keys")
+  fi
 fi
+[[ -z $api_keys ]] || gateway_keys+=(--api-keys "$(cd "$(dirname "$api_keys")" && pwd)/$(basename "$api_keys")")
 
 # Polling before sleeping takes a hop's thread wake-ups off a request's first token (docs/latency.md),
 # at a core for each spinning thread (the router's loop, each worker's loop and compute thread) while
@@ -637,6 +649,7 @@ if ((gateway)) && [[ -f $tokenizer/tokenizer.json || -f $tokenizer/source.spm ]]
   gw=$(grep -o "gateway serving http://[^ ]*" "$run_dir/gateway.log" 2>/dev/null | head -1 | cut -d' ' -f3)
   [[ -n $gw ]] || { echo "local.sh: the gateway did not start; logs in $run_dir" >&2; exit 1; }
   echo "gateway $gw"
+  [[ -z $api_keys ]] || echo "api-keys ${gateway_keys[-1]}"
 elif ((gateway)); then
   echo "local.sh: no tokenizer in $tokenizer (--tokenizer DIR): no HTTP gateway" >&2
 fi

@@ -31,6 +31,8 @@ typedef struct td_gateway_opts {
   double max_audio_seconds;
   int stream_interval_ms;    /* 0: TD_GATEWAY_STREAM_INTERVAL_MS; -1: an event for every arrival of tokens */
   int spin_us;               /* the router link and waiting HTTP threads poll this long before they sleep; 0: never */
+  const char *api_keys_file; /* keys clients must give as "Authorization: Bearer KEY" for /v1/ (one a line,
+                                mode 0600); NULL: none asked (docs/gateway.md, "API keys") */
 } td_gateway_opts;
 
 /* Loads the tokenizer (and the mel filters for Whisper), connects to the

@@ -30,6 +30,9 @@ struct td_gateway {
   int port;
   long long created;
   gw_metrics *metrics;
+  gw_keys keys;             /* --api-keys: none loaded, none asked */
+  _Atomic int64_t key_log_ms; /* when a refused key was last logged */
+  atomic_int key_quiet;     /* refusals since, not logged */
 };
 
 const gw_model *gw_gateway_model(const td_gateway *g) { return &g->m; }
@@ -345,10 +348,48 @@ static enum MHD_Result answer_get(td_gateway *g, struct MHD_Connection *mc, cons
   return (enum MHD_Result)(strcmp(url, "/health") ? get_models(g, mc, url) : get_health(g, mc));
 }
 
+/* 401 with OpenAI's error object and the scheme to use; logged at most once a second. */
+static enum MHD_Result unauthorized(td_gateway *g, gw_route r, struct MHD_Connection *mc, const char *url,
+                                    bool given) {
+  gw_metrics_request(g->metrics, gw_route_name(r), 401, -1, 0, 0, 0);
+  int64_t now = td_now_ms(), last = atomic_load(&g->key_log_ms);
+  if (now - last >= 1000 && atomic_compare_exchange_strong(&g->key_log_ms, &last, now)) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    char addr[INET_ADDRSTRLEN] = "?";
+    if (ci && ci->client_addr && ci->client_addr->sa_family == AF_INET)
+      inet_ntop(AF_INET, &((const struct sockaddr_in *)ci->client_addr)->sin_addr, addr, sizeof addr);
+    TD_WARN("gateway: %s from %s refused: %s API key (%d more refused since the last such line)", url, addr,
+            given ? "an unknown" : "no", atomic_exchange(&g->key_quiet, 0));
+  } else {
+    atomic_fetch_add(&g->key_quiet, 1);
+  }
+  gw_error e;
+  gw_error_set(&e, 401, NULL,
+               given ? "the API key given is not one this gateway accepts"
+                     : "this gateway asks for an API key: send \"Authorization: Bearer KEY\"");
+  char *s = gw_error_json(&e);
+  if (!s) return MHD_NO;
+  struct MHD_Response *resp = MHD_create_response_from_buffer(strlen(s), s, MHD_RESPMEM_MUST_FREE);
+  if (!resp) {
+    free(s);
+    return MHD_NO;
+  }
+  MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+  MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+  enum MHD_Result q = MHD_queue_response(mc, 401, resp);
+  MHD_destroy_response(resp);
+  return q;
+}
+
 static enum MHD_Result first_call(td_gateway *g, struct MHD_Connection *mc, const char *url, const char *method,
                                   void **con_cls) {
   bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
   gw_route r = route_of(url);
+  /* the API asks for a key where keys were given; /health and /metrics stay open to probes and scrapers */
+  if (g->keys.n && !strncmp(url, "/v1/", 4)) {
+    const char *au = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!gw_keys_admit(&g->keys, au)) return unauthorized(g, r, mc, url, au != NULL);
+  }
   if (is_get_route(url)) {
     if (!get) return (enum MHD_Result)refuse(mc, 405, "%s: use GET", url);
     *con_cls = &get_later;
@@ -490,6 +531,7 @@ td_status td_gateway_create(const td_gateway_opts *opts, td_gateway **out) {
   pthread_mutex_init(&g->health_mu, NULL);
   g->created = (long long)time(NULL);
   td_status s = gw_metrics_create(&g->metrics);
+  if (s == TD_OK && o->api_keys_file) s = gw_keys_load(o->api_keys_file, &g->keys);
   if (s == TD_OK) s = gw_model_load(o->model_dir, o->tokenizer_dir, o->model_name, &g->m);
   if (s == TD_OK) s = td_client_connect_auth(o->router, o->auth, &g->health);
   if (s == TD_OK) s = gw_io_create(o->router, o->auth, o->request_timeout_ms, o->spin_us, &g->io);
@@ -528,6 +570,7 @@ void td_gateway_destroy(td_gateway *g) {
   td_client_close(g->health);
   gw_model_free(&g->m);
   gw_metrics_destroy(g->metrics);
+  gw_keys_free(&g->keys);
   pthread_mutex_destroy(&g->health_mu);
   free(g);
 }

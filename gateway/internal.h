@@ -62,9 +62,27 @@ int32_t gw_language_id(const gw_model *m, const char *code);
  * none of the model's language tokens. */
 bool gw_language_code(const gw_model *m, int32_t id, char *code, size_t cap);
 
+/* ---- API keys (--api-keys FILE) ---- */
+typedef struct gw_keys {
+  char **key;
+  size_t *len;
+  int n;
+} gw_keys;
+
+/* One key a line (surrounding blanks dropped; empty lines and lines
+ * starting with '#' skipped), printable ASCII without spaces, at most
+ * TD_GATEWAY_MAX_API_KEY_BYTES each, at least one and at most
+ * TD_GATEWAY_MAX_API_KEYS; the file readable by its owner only. */
+td_status gw_keys_load(const char *path, gw_keys *out);
+void gw_keys_free(gw_keys *k);
+/* Whether an Authorization header's value ("Bearer KEY", the scheme in any
+ * case) carries one of the keys; the comparison takes the same time
+ * wherever a candidate differs. */
+bool gw_keys_admit(const gw_keys *k, const char *authorization);
+
 /* ---- errors (OpenAI's error object) ---- */
 typedef struct gw_error {
-  int http;          /* 400, 404, 413, 429, 500, 503, 504 */
+  int http;          /* 400, 401, 404, 413, 429, 500, 503, 504 */
   const char *type;  /* invalid_request_error, server_error, ... */
   const char *code;  /* NULL or a short code: model_not_found, ... */
   char param[64];    /* the offending field, "" when none */

@@ -35,6 +35,8 @@ static void usage(FILE *f) {
           "                      [--max-audio-seconds S] [--stream-interval-ms N (0: every arrival)]\n"
           "                      [--spin-us N (the router link and waiting HTTP threads poll this long before\n"
           "                       they sleep: less latency for CPU; default 0, never)]\n"
+          "                      [--api-keys FILE (clients give one of its keys, one a line, as\n"
+          "                       \"Authorization: Bearer KEY\" for /v1/; mode 0600; docs/gateway.md)]\n"
           "                      [--log-level LEVEL]\n"
           "                      [--curve-secret FILE --router-key FILE]  (CURVE to the router: this gateway's\n"
           "                       secret key and the router's public key; docs/security.md)\n");
@@ -58,7 +60,7 @@ int main(int argc, char **argv) {
       {"max-audio-seconds", required_argument, 0, 'a'}, {"log-level", required_argument, 0, 'l'},
       {"stream-interval-ms", required_argument, 0, 's'}, {"max-held-bytes", required_argument, 0, 'B'},
       {"curve-secret", required_argument, 0, 1001},  {"router-key", required_argument, 0, 1002},
-      {"spin-us", required_argument, 0, 1003},
+      {"spin-us", required_argument, 0, 1003},       {"api-keys", required_argument, 0, 1004},
       {"help", no_argument, 0, 'h'},                 {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_gateway_opts o = {0};
@@ -127,6 +129,7 @@ int main(int argc, char **argv) {
         break;
       case 1001: ao.secret_file = optarg; break;
       case 1002: ao.router_key_file = optarg; break;
+      case 1004: o.api_keys_file = optarg; break;
       case 'h': usage(stdout); return 0;
       default: usage(stderr); return 2;
     }

@@ -1,9 +1,12 @@
 /* The gateway's small pieces: strings, OpenAI error objects, SSE framing,
  * the text of a generated sequence (stop strings). */
+#include <ctype.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
 
 #include <cjson/cJSON.h>
 
@@ -52,11 +55,90 @@ void gw_buf_free(gw_buf *b) {
   memset(b, 0, sizeof *b);
 }
 
+/* ---------------------------------------------------------------- API keys */
+
+void gw_keys_free(gw_keys *k) {
+  for (int i = 0; i < k->n; i++) free(k->key[i]);
+  free(k->key);
+  free(k->len);
+  memset(k, 0, sizeof *k);
+}
+
+static td_status keys_fail(gw_keys *k, FILE *f, td_status s) {
+  if (f) fclose(f);
+  gw_keys_free(k);
+  return s;
+}
+
+td_status gw_keys_load(const char *path, gw_keys *out) {
+  memset(out, 0, sizeof *out);
+  FILE *f = fopen(path, "r");
+  if (!f) return td_err(TD_ERR_IO, "the API key file %s cannot be read", path);
+  struct stat st;
+  if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode))
+    return keys_fail(out, f, td_err(TD_ERR_INVALID, "the API key file %s is no regular file", path));
+  if (st.st_mode & 077)
+    return keys_fail(out, f, td_err(TD_ERR_INVALID, "the API key file %s is readable by others (mode %03o): chmod 600 it",
+                                    path, (unsigned)(st.st_mode & 0777)));
+  char line[TD_GATEWAY_MAX_API_KEY_BYTES + 64];
+  int no = 0;
+  while (fgets(line, sizeof line, f)) {
+    no++;
+    size_t n = strlen(line);
+    if (n == sizeof line - 1 && line[n - 1] != '\n' && !feof(f))
+      return keys_fail(out, f, td_err(TD_ERR_INVALID, "%s line %d: a key past %d bytes", path, no,
+                                      TD_GATEWAY_MAX_API_KEY_BYTES));
+    while (n && isspace((unsigned char)line[n - 1])) line[--n] = 0;
+    char *a = line;
+    while (*a && isspace((unsigned char)*a)) a++;
+    n = strlen(a);
+    if (!n || *a == '#') continue;
+    if (n > TD_GATEWAY_MAX_API_KEY_BYTES)
+      return keys_fail(out, f, td_err(TD_ERR_INVALID, "%s line %d: a key of %zu bytes (at most %d)", path, no, n,
+                                      TD_GATEWAY_MAX_API_KEY_BYTES));
+    for (size_t i = 0; i < n; i++)
+      if (a[i] <= ' ' || a[i] > '~')
+        return keys_fail(out, f, td_err(TD_ERR_INVALID, "%s line %d: a key is printable ASCII without blanks", path,
+                                        no));
+    if (out->n == TD_GATEWAY_MAX_API_KEYS)
+      return keys_fail(out, f, td_err(TD_ERR_INVALID, "%s: more than %d keys", path, TD_GATEWAY_MAX_API_KEYS));
+    char **kk = realloc(out->key, sizeof *kk * (size_t)(out->n + 1));
+    if (kk) out->key = kk;
+    size_t *ll = kk ? realloc(out->len, sizeof *ll * (size_t)(out->n + 1)) : NULL;
+    if (ll) out->len = ll;
+    char *copy = ll ? strdup(a) : NULL;
+    if (!copy) return keys_fail(out, f, td_err(TD_ERR_NOMEM, "out of memory"));
+    out->key[out->n] = copy;
+    out->len[out->n++] = n;
+  }
+  bool err = ferror(f);
+  fclose(f);
+  if (err) return keys_fail(out, NULL, td_err(TD_ERR_IO, "reading the API key file %s failed", path));
+  if (!out->n) return td_err(TD_ERR_INVALID, "the API key file %s holds no key", path);
+  return TD_OK;
+}
+
+bool gw_keys_admit(const gw_keys *k, const char *authorization) {
+  if (!authorization || strncasecmp(authorization, "Bearer ", 7)) return false;
+  const char *given = authorization + 7;
+  while (*given == ' ') given++;
+  size_t gn = strnlen(given, TD_GATEWAY_MAX_API_KEY_BYTES + 1);
+  while (gn && given[gn - 1] == ' ') gn--;
+  unsigned ok = 0;
+  for (int i = 0; i < k->n; i++) {
+    /* every byte of every key compared, so that the time does not say where a guess went wrong */
+    unsigned diff = (unsigned)(k->len[i] ^ gn);
+    for (size_t j = 0; j < k->len[i]; j++) diff |= (unsigned char)(k->key[i][j] ^ (j < gn ? given[j] : 0));
+    ok |= diff == 0;
+  }
+  return ok != 0;
+}
+
 /* ---------------------------------------------------------------- errors */
 
 static const char *type_of(int http) {
   switch (http) {
-    case 400: case 404: case 405: case 413: case 431: return "invalid_request_error";
+    case 400: case 401: case 404: case 405: case 413: case 431: return "invalid_request_error";
     case 429: return "rate_limit_error";
     default: return "server_error";
   }
@@ -65,7 +147,7 @@ static const char *type_of(int http) {
 void gw_error_set(gw_error *e, int http, const char *param, const char *fmt, ...) {
   e->http = http;
   e->type = type_of(http);
-  e->code = http == 404 ? "not_found" : http == 413 ? "request_too_large" : http == 429 ? "too_many_requests"
+  e->code = http == 401 ? "invalid_api_key" : http == 404 ? "not_found" : http == 413 ? "request_too_large" : http == 429 ? "too_many_requests"
           : http == 503 ? "overloaded" : http == 504 ? "timeout" : NULL;
   snprintf(e->param, sizeof e->param, "%s", param ? param : "");
   va_list ap;

@@ -2,11 +2,13 @@
 // test_gateway.sh from the folder where npm installed the client).
 //   node gateway_openai.mjs text URL MODEL
 //   node gateway_openai.mjs audio URL MODEL WAV_DIR
+//   node gateway_openai.mjs keys URL MODEL KEY   (a gateway started with --api-keys)
 import fs from 'node:fs';
 import OpenAI, { toFile } from 'openai';
 
 const [mode, url, model, wavs] = process.argv.slice(2);
-const client = new OpenAI({ baseURL: `${url}/v1`, apiKey: 'none', maxRetries: 0, timeout: 60000 });
+const client = new OpenAI({ baseURL: `${url}/v1`, apiKey: mode === 'keys' ? wavs : 'none', maxRetries: 0,
+                           timeout: 60000 });
 let failed = 0;
 function check(what, ok, got) {
   console.log(`${ok ? 'ok  ' : 'FAIL'} node: ${what}${ok ? '' : `: got ${JSON.stringify(got)}`}`);
@@ -22,7 +24,21 @@ async function refused(what, status, f) {
   }
 }
 
-if (mode === 'text') {
+if (mode === 'keys') {
+  const c = await client.completions.create({ model, prompt: 'forty two', max_tokens: 12 });
+  check('a completion with the key', c.choices[0].text === '42', c);
+  const models = await client.models.list();
+  check('models.list with the key', models.data.length === 1 && models.data[0].id === model, models.data);
+  const other = new OpenAI({ baseURL: `${url}/v1`, apiKey: 'sk-not-a-key', maxRetries: 0, timeout: 60000 });
+  try {
+    const r = await other.completions.create({ model, prompt: 'forty two', max_tokens: 12 });
+    check('a wrong key is refused', false, r);
+  } catch (e) {
+    check('a wrong key is refused as AuthenticationError (401, invalid_api_key)',
+          e instanceof OpenAI.AuthenticationError && e.status === 401 && e.code === 'invalid_api_key',
+          { status: e.status, code: e.code, message: e.message });
+  }
+} else if (mode === 'text') {
   const models = await client.models.list();
   check('models.list names the model', models.data.length === 1 && models.data[0].id === model, models.data);
   const c = await client.completions.create({ model, prompt: 'four thousand two hundred seven', max_tokens: 12 });

@@ -214,6 +214,33 @@ check "--spin-us: the streamed text (7, 305)" test "$txt0 $txt1" = "7 305"
 kill -TERM "$gw3_pid"; wait "$gw3_pid"
 check "--spin-us: the gateway stops cleanly" test $? = 0
 
+# a gateway that asks for API keys (--api-keys): curl and the openai client with and without one
+rm -f "$work/gw4.log"
+keyfile="$work/api.keys"
+(umask 077 && printf '# keys\nsk-tandem-one\nsk-tandem-two\n' >"$keyfile")
+chmod 644 "$keyfile"
+"$bin/tandem-gateway" --router "$router" --model "$t5" --port 0 --api-keys "$keyfile" >"$work/gw4.log" 2>&1
+check "--api-keys readable by others: refused at start" grep -q "readable by others (mode 644): chmod 600 it" "$work/gw4.log"
+chmod 600 "$keyfile"
+"$bin/tandem-gateway" --router "$router" --model "$t5" --port 0 --api-keys "$keyfile" >"$work/gw4.log" 2>&1 &
+gw4_pid=$!
+for _ in $(seq 100); do grep -q "gateway serving" "$work/gw4.log" && break; sleep 0.05; done
+gw4=$(grep -o 'http://[0-9.:]*' "$work/gw4.log" | head -1)
+body='{"model": "toy-numbers-t5", "prompt": "seven"}'
+check "--api-keys: a completion without a key: 401" status_is 401 "$gw4/v1/completions" -H "$j" -d "$body"
+check "... as OpenAI's invalid_api_key" has "$(cat "$work/body")" '"code":"invalid_api_key"'
+check "--api-keys: a wrong key: 401" status_is 401 "$gw4/v1/completions" -H "$j" -H 'Authorization: Bearer sk-tandem-on' -d "$body"
+check "--api-keys: an upload without a key: 401" status_is 401 "$gw4/v1/audio/transcriptions" -F model=x -F file=@"$wh/number-7.wav"
+check "--api-keys: /v1/models without a key: 401" status_is 401 "$gw4/v1/models"
+check "--api-keys: the second key: 200" status_is 200 "$gw4/v1/completions" -H "$j" -H 'Authorization: Bearer sk-tandem-two' -d "$body"
+check "... with the answer" has "$(cat "$work/body")" '"text":"7"'
+check "--api-keys: /health without a key: 200" status_is 200 "$gw4/health"
+check "--api-keys: the refusals counted in /metrics" has "$(curl -s "$gw4/metrics")" 'code="401"'
+check "--api-keys: a refusal logged" grep -q "refused: no API key" "$work/gw4.log"
+check "openai Node client with and without the key" node "$npm_dir/gateway_openai.mjs" keys "$gw4" toy-numbers-t5 sk-tandem-one
+kill -TERM "$gw4_pid"; wait "$gw4_pid"
+check "--api-keys: the gateway stops cleanly" test $? = 0
+
 wait "$zmq_pid"
 check "tandem-client served meanwhile (3 x 40 requests)" test "$(grep -c '"tokens"' "$work/zmq.out")" = 120
 

@@ -119,7 +119,7 @@ arun="$work/keyed"
 "$root/deploy/local.sh" --auth --spare-keys 1 --run-dir "$arun" --no-metrics --gateway-port 0 >"$work/auth.out" \
   2>"$work/auth.err" &
 main=$!
-wait_for 600 grep -q '^gateway ' "$work/auth.out" 2>/dev/null
+wait_for 600 grep -q '^api-keys ' "$work/auth.out" 2>/dev/null
 router=$(awk '/^router /{print $2}' "$work/auth.out")
 keys=$(awk '/^keys /{print $2}' "$work/auth.out")
 gw=$(awk '/^gateway /{print $2}' "$work/auth.out")
@@ -135,7 +135,17 @@ rc=$?
 check "--auth: a client without keys is refused" test "$rc" -eq 2
 check "--auth: ... and told no router answers" grep -q "no router answers" "$work/nokey.out"
 check "--auth: the router logs it" wait_for 50 grep -q "on the client endpoint" "$arun/router.log"
-ans=$(curl -s "$gw/v1/completions" -H 'Content-Type: application/json' \
+apikeys=$(awk '/^api-keys /{print $2}' "$work/auth.out")
+check "--auth: the HTTP API's key made in the key folder, mode 0600" \
+  test "$apikeys" = "$keys/gateway-api.keys" -a "$(stat -c %a "$apikeys" 2>/dev/null)" = 600
+apikey=$(head -1 "$apikeys" 2>/dev/null)
+check "--auth: the HTTP API's key is 32 random bytes" bash -c "[[ '$apikey' =~ ^tdk-[0-9a-f]{64}$ ]]"
+code() { curl -s -o "$work/api.body" -w '%{http_code}' "$@"; }
+check "--auth: /v1/models without a key: 401" test "$(code "$gw/v1/models")" = 401
+check "--auth: ... as OpenAI's invalid_api_key" jq -e '.error.code == "invalid_api_key"' "$work/api.body"
+check "--auth: a wrong key: 401" test "$(code -H "Authorization: Bearer ${apikey}x" "$gw/v1/models")" = 401
+check "--auth: /health needs no key (probes)" test "$(code "$gw/health")" = 200
+ans=$(curl -s "$gw/v1/completions" -H 'Content-Type: application/json' -H "Authorization: Bearer $apikey" \
         -d '{"model": "toy-numbers-t5", "prompt": "three hundred five", "max_tokens": 8}' | jq -r '.choices[0].text')
 check "--auth: the gateway reaches the router with its key" test "$ans" = "305"
 "$bin/tandem-admin" --router "$router" --curve-secret "$keys/operator.key" --router-key "$keys/router.pub" list \
@@ -149,7 +159,7 @@ check "--auth: ... named after the worker" test -f "$keys/decode-1.key" -a ! -e 
 "$root/deploy/local.sh" add decode --run-dir "$arun" >/dev/null 2>"$work/aadd2.err"
 check "--auth: no spare key left is said" grep -q "no spare worker key left" "$work/aadd2.err"
 check "--auth: no secret key on a command line" bash -c "
-  for f in '$keys'/*.key; do grep -qsF -f \"\$f\" /proc/[0-9]*/cmdline && exit 1; done; exit 0"
+  for f in '$keys'/*.key '$apikeys'; do grep -qsF -f \"\$f\" /proc/[0-9]*/cmdline && exit 1; done; exit 0"
 check "--auth: KV over ZeroMQ (UCX has no CURVE)" bash -c "\"$bin/tandem-client\" --router $router ${ck[*]} --health |
   jq -e '[.workers[] | select(.id == \"decode-0\") | .kv_in_zmq] | add > 0' >/dev/null"
 kill -TERM "$main"

@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -599,4 +601,87 @@ Test(completions, a_field_given_twice_is_refused) {
   char body[600];
   snprintf(body, sizeof body, "{\"model\": \"toy-numbers-t5\", \"prompt\": \"a\", \"user\": \"%0*d\"}", 300, 0);
   refused(body, 400, "user");
+}
+
+/* ---------------------------------------------------------------- API keys */
+
+static char key_dir[] = "/tmp/td-gw-keys-XXXXXX";
+
+static const char *key_file(const char *name, const char *text, int mode) {
+  static char path[256];
+  if (key_dir[sizeof key_dir - 2] == 'X') cr_assert(mkdtemp(key_dir));
+  snprintf(path, sizeof path, "%s/%s", key_dir, name);
+  FILE *f = fopen(path, "w");
+  cr_assert(f);
+  fputs(text, f);
+  fclose(f);
+  cr_assert_eq(chmod(path, (mode_t)mode), 0);
+  return path;
+}
+
+/* the files of a test, then the folder where no other test's remain */
+static void key_files_done(const char *const *names, size_t n) {
+  char path[256];
+  for (size_t i = 0; i < n; i++) {
+    snprintf(path, sizeof path, "%s/%s", key_dir, names[i]);
+    unlink(path);
+  }
+  rmdir(key_dir);
+}
+
+Test(api_keys, load_and_admit) {
+  gw_keys k;
+  const char *p = key_file("good", "# the gateway's keys\n\n  sk-first-key \nsk-second\t\n", 0600);
+  cr_assert_eq(gw_keys_load(p, &k), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(k.n, 2);
+  cr_expect(gw_keys_admit(&k, "Bearer sk-first-key"));
+  cr_expect(gw_keys_admit(&k, "bearer  sk-second"), "the scheme's case and blanks around the key do not matter");
+  cr_expect(gw_keys_admit(&k, "Bearer sk-second "));
+  cr_expect(!gw_keys_admit(&k, NULL), "no header");
+  cr_expect(!gw_keys_admit(&k, ""));
+  cr_expect(!gw_keys_admit(&k, "Bearer "));
+  cr_expect(!gw_keys_admit(&k, "sk-first-key"), "a key without the scheme");
+  cr_expect(!gw_keys_admit(&k, "Basic sk-first-key"));
+  cr_expect(!gw_keys_admit(&k, "Bearer sk-first-ke"), "a prefix of a key");
+  cr_expect(!gw_keys_admit(&k, "Bearer sk-first-keyX"), "a key with more after it");
+  cr_expect(!gw_keys_admit(&k, "Bearer sk-first-key sk-second"));
+  cr_expect(!gw_keys_admit(&k, "Bearer # the gateway's keys"), "a comment is no key");
+  char longer[600];
+  memset(longer, 'a', sizeof longer - 1);
+  longer[sizeof longer - 1] = 0;
+  memcpy(longer, "Bearer ", 7);
+  cr_expect(!gw_keys_admit(&k, longer), "a value past every key's length");
+  gw_keys_free(&k);
+  cr_expect_eq(k.n, 0);
+  key_files_done((const char *[]){"good"}, 1);
+}
+
+Test(api_keys, bad_files_are_refused_naming_why) {
+  gw_keys k;
+  struct {
+    const char *name, *text;
+    int mode;
+    const char *why;
+  } bad[] = {
+      {"open", "sk-a\n", 0644, "readable by others"},
+      {"empty", "# nothing\n\n", 0600, "holds no key"},
+      {"blank", "sk a\n", 0600, "printable ASCII without blanks"},
+      {"control", "sk-\001\n", 0600, "printable ASCII without blanks"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    const char *p = key_file(bad[i].name, bad[i].text, bad[i].mode);
+    cr_expect_neq(gw_keys_load(p, &k), TD_OK, "%s was taken", bad[i].name);
+    cr_expect(strstr(td_errmsg(), bad[i].why), "%s: %s", bad[i].name, td_errmsg());
+    cr_expect_eq(k.n, 0);
+  }
+  char big[TD_GATEWAY_MAX_API_KEY_BYTES + 100];
+  memset(big, 'k', sizeof big - 2);
+  big[sizeof big - 2] = '\n';
+  big[sizeof big - 1] = 0;
+  cr_expect_neq(gw_keys_load(key_file("long", big, 0600), &k), TD_OK);
+  cr_expect(strstr(td_errmsg(), "bytes"), "%s", td_errmsg());
+  cr_expect_neq(gw_keys_load("/nonexistent/keys", &k), TD_OK);
+  cr_expect(strstr(td_errmsg(), "cannot be read"), "%s", td_errmsg());
+  cr_expect_neq(gw_keys_load(key_dir, &k), TD_OK, "a folder is no key file");
+  key_files_done((const char *[]){"open", "empty", "blank", "control", "long"}, 5);
 }
