@@ -462,7 +462,7 @@ static td_status paged_work(void *p) {
 /* Pool and metadata for `batch` sequences of ctx keys each (one query row). */
 static void paged_setup(paged_ctx *c, int batch, int ctx, int bound, bool causal) {
   int nb = (ctx + BS - 1) / BS, stride = (bound + BS - 1) / BS;
-  c->l = (td_kv_layout){LAYERS, NH, DH, BS, 0};
+  c->l = (td_kv_layout){LAYERS, NH, DH, BS, 0, 0};
   c->pool = act(td_kv_block_elems(&c->l) * (size_t)batch * nb);
   int32_t *qs = malloc(sizeof(int32_t) * (batch + 1)), *cl = malloc(sizeof(int32_t) * batch),
           *tab = malloc(sizeof(int32_t) * (size_t)batch * stride);
@@ -526,7 +526,7 @@ static void bench_states(int batch, int ctx) {
   if (skip(what)) return;
   states_ctx c = {0};
   int nb = (ctx + BS - 1) / BS;
-  c.l = (td_kv_layout){0, 1, D / 2, BS, D};
+  c.l = (td_kv_layout){0, 1, D / 2, BS, D, 0};
   c.pool = act(td_kv_block_elems(&c.l) * (size_t)batch * nb * LAYERS);
   c.q = act((size_t)batch * NH * D);
   c.out = act((size_t)batch * NH * D);

@@ -6,6 +6,7 @@
  *                     [--steps N] [--shape flan-t5-large|flan-t5-xl|bart-large|whisper-large-v3] [--no-record]
  *                     [--model-dir DIR] [--trace BATCH [--trace-gpus]] [--trace-encoder] [--block-size N]
  *                     [--cross-mode auto|kv|states|dual] [--states-rows N] [--enc-split rows|heads]
+ *                     [--cross-kv-dtype bf16|int8]
  * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
  * --model-dir keeps the random checkpoint in DIR (written there once, then
  * reused), so that runs under different settings load the same weights.
@@ -22,7 +23,9 @@
  * synthetic mel features (3000 frames, 1500 encoder positions: --enc-len
  * is fixed at 1500). --enc-split rows: a TP group's encoder runs each rank's
  * share of the rows over the whole weights (td_model_opts.enc_rows), heads
- * (the default) each rank's heads and FFN slice. */
+ * (the default) each rank's heads and FFN slice. --cross-kv-dtype int8: the
+ * cross K/V in int8 with a float scale a row (td_model_opts.cross_int8):
+ * the path "kv8", its own floor over those bytes. */
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -53,6 +56,7 @@ typedef struct cfg {
   td_cross_mode cross_mode;
   int states_rows; /* td_model_opts.states_rows */
   bool enc_rows;   /* TP: the encoder split by rows (td_model_opts.enc_rows) */
+  bool cross_int8; /* td_model_opts.cross_int8 */
   const char *dir;
   td_random_shape shape;
   uint8_t nccl_id[TD_NCCL_ID_BYTES];
@@ -177,7 +181,7 @@ static void *rank_main(void *arg) {
   td_model_opts mo = {.block_size = bs, .max_seqs = maxb, .max_tokens = maxb * c->ctx, .max_logits = maxb,
                       .max_enc_tokens = maxb * c->enc_len, .max_enc_seqs = maxb, .max_source_len = c->enc_len,
                       .max_target_len = c->ctx + c->steps + 16, .cross_mode = c->cross_mode,
-                      .states_rows = c->states_rows, .tuning = c->model};
+                      .states_rows = c->states_rows, .cross_int8 = c->cross_int8, .tuning = c->model};
   if (c->tp > 1) {
     mo.tp_rank = rk->r;
     mo.tp_size = c->tp;
@@ -377,6 +381,14 @@ int main(int argc, char **argv) {
     }
     else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) c.block_size = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--cross-states")) c.cross_mode = TD_CROSS_STATES;
+    else if (!strcmp(argv[i], "--cross-kv-dtype") && i + 1 < argc) {
+      const char *v = argv[++i];
+      if (strcmp(v, "bf16") && strcmp(v, "int8")) {
+        fprintf(stderr, "--cross-kv-dtype: bf16 or int8, not %s\n", v);
+        return 2;
+      }
+      c.cross_int8 = !strcmp(v, "int8");
+    }
     else if (!strcmp(argv[i], "--states-rows") && i + 1 < argc) c.states_rows = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--cross-mode") && i + 1 < argc) {
       if (td_cross_mode_parse(argv[++i], &c.cross_mode) != TD_OK) {
@@ -517,10 +529,12 @@ int main(int argc, char **argv) {
     double bytes = dec_w + (double)B * (c.enc_len + c.ctx + 1) * kv_tok;
     double floor_ms = bytes / (gbs * 1e9) * 1e3 / c.world;
     double ms = rk[0].step_ms[i];
+    /* int8 cross K/V: a byte a value and a float scale a row of head_dim */
+    double kv8 = dec_w + (double)B * (c.ctx + 1) * kv_tok + (double)B * c.enc_len * Ld * 2 * hd * (1 + 4.0 / sh->head_dim);
     double sb = states ? dec_w + Ld * 2 * d * hd * 2 + (double)B * (c.ctx + 1) * kv_tok + (double)B * c.enc_len * Ld * d * 2
-                       : bytes;
+                : c.cross_int8 ? kv8 : bytes;
     double sf = sb / (gbs * 1e9) * 1e3 / c.world;
-    const char *path = states ? "states" : "kv";
+    const char *path = states ? "states" : c.cross_int8 ? "kv8" : "kv";
     printf("%6d %6s %9.3f %10.0f %9.3f %8.2f %9.3f %9.3f %8.2f\n", B, path, ms, B / (ms * 1e-3), floor_ms,
            ms / floor_ms, sb / 1e9, sf, ms / sf);
     td_sbuf_printf(&t, "| %d | %s | %.3f | %.0f | %.3f | %.2f | %.3f | %.3f | %.2f |\n", B, path, ms, B / (ms * 1e-3),

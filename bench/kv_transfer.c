@@ -50,8 +50,8 @@ enum { KIND_HOST = 1, KIND_GPU = 2, N_BS = 2 };
  * 64 KiB) and a Flan-T5-large cross-attention block (24 layers x 16 heads,
  * 1.5 MiB). */
 static td_kvx_geom bs_geom(int i) {
-  td_kvx_geom g = {{2, 8, 64, 16, 0}, 2, 0, 2, 0, 8};
-  if (i == 1) g = (td_kvx_geom){{24, 16, 64, 16, 0}, 2, 0, 24, 0, 16};
+  td_kvx_geom g = {{2, 8, 64, 16, 0, 0}, 2, 0, 2, 0, 8};
+  if (i == 1) g = (td_kvx_geom){{24, 16, 64, 16, 0, 0}, 2, 0, 24, 0, 16};
   return g;
 }
 static const char *bs_name(int i) { return i == 0 ? "64 KiB" : "1.5 MiB"; }

@@ -13,8 +13,8 @@
  *               [--concurrency C | --rate R | --sweep R1,R2,...]
  *               [--ttft-bound MS] [--tpot-bound MS] [--model DIR] [--vocab N]
  *               [--max-batch N] [--max-tokens N] [--kv-blocks N] [--cross-blocks N]
- *               [--cross-mode M] [--label TEXT] [--record] [--plot FILE.png] [--timeout-ms N]
- *               [--results FILE.jsonl]
+ *               [--cross-mode M] [--cross-kv-dtype bf16|int8] [--label TEXT] [--record] [--plot FILE.png]
+ *               [--timeout-ms N] [--results FILE.jsonl]
  *
  * Arrivals: all requests at once (the default), a closed loop of C in
  * flight, an open loop of Poisson arrivals at R requests a second, or one
@@ -70,6 +70,7 @@ typedef struct opts {
   int n_rates;
   double ttft_bound, tpot_bound;
   td_cross_mode cross_mode;
+  bool cross_int8; /* --engine: the cross K/V in int8 (td_model_opts.cross_int8) */
   char barrier_dir[3072]; /* --barrier DIR:N: each run starts once N processes reached it */
   int barrier_n;
   int spin_us; /* --router: poll without sleeping this long while answers are due */
@@ -427,7 +428,7 @@ static td_status engine_open(const opts *o, const td_settings *st, int n_request
   TD_TRY(td_backend_create(&bo, &g->b));
   bool gpu = bo.kind == TD_BACKEND_CUDA;
   td_model_opts mo = {.max_seqs = o->max_batch, .max_tokens = o->max_tokens, .cross_mode = o->cross_mode,
-                      .tuning = st->model,
+                      .cross_int8 = o->cross_int8, .tuning = st->model,
                       .max_enc_tokens = o->max_enc_tokens ? o->max_enc_tokens
                                         : gpu ? TD_DEFAULT_GPU_MAX_ENC_TOKENS : TD_DEFAULT_MAX_ENC_TOKENS,
                       .max_enc_seqs = o->max_enc_seqs ? o->max_enc_seqs
@@ -544,6 +545,7 @@ static void usage(FILE *f) {
           "                   [--concurrency C | --rate R | --sweep R1,R2,...] [--ttft-bound MS] [--tpot-bound MS]\n"
           "                   [--model DIR] [--vocab N] [--max-batch N] [--max-tokens N] [--kv-blocks N]\n"
           "                   [--cross-blocks N] [--cross-mode auto|kv|states|dual] [--label TEXT] [--record]\n"
+          "                   [--cross-kv-dtype bf16|int8 (--engine: the cross K/V in int8)]\n"
           "                   [--plot FILE.png] [--timeout-ms N] [--max-enc-tokens N] [--max-enc-seqs N]\n"
           "                   [--gpu-memory-fraction F] [--repeat K]  (each synthetic input K times in a row)\n"
           "                   [--runs K [--seed-step D]]  (the measure K times on one target, run k with inputs of\n"
@@ -612,6 +614,7 @@ int main(int argc, char **argv) {
       {"results", required_argument, 0, 'O'},      {"runs", required_argument, 0, 'U'},
       {"barrier", required_argument, 0, 'Z'},      {"spin-us", required_argument, 0, 'Q'},
       {"seed-step", required_argument, 0, 1001},   {"part", required_argument, 0, 1002},
+      {"cross-kv-dtype", required_argument, 0, 1003},
       {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   opts o = {.device = "cpu", .workload = "trt", .n = 128, .seed = 1, .seed_step = 1, .runs = 1, .max_batch = 0, .max_tokens = 0,
@@ -674,6 +677,13 @@ int main(int argc, char **argv) {
           fprintf(stderr, "bench-serve: %s\n", td_errmsg());
           return 2;
         }
+        break;
+      case 1003:
+        if (strcmp(optarg, "bf16") && strcmp(optarg, "int8")) {
+          fprintf(stderr, "bench-serve: --cross-kv-dtype %s: bf16 or int8\n", optarg);
+          return 2;
+        }
+        o.cross_int8 = !strcmp(optarg, "int8");
         break;
       case 'l': o.label = optarg; break;
       case 'o': o.record = true; break;

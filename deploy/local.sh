@@ -59,6 +59,11 @@
 #                                                     split by role: decode 3 parts, encode and
 #                                                     prefill 1; default 0.9)
 #                   [--gateway-port N | --no-gateway]  (the HTTP gateway; default: any free port)
+#                   [--cross-kv-dtype bf16|int8]       (int8: decode workers keep the cross K/V in int8
+#                                                     with a scale a row: half the bytes a decode step
+#                                                     reads, not the reference's bits; GPU workers that
+#                                                     encode their own requests: --encoders 0 --prefills 0,
+#                                                     one rank each)
 #                   [--gateway-api-keys FILE]         (HTTP clients must give one of its keys, one a line,
 #                                                     mode 0600, as "Authorization: Bearer KEY" for /v1/;
 #                                                     with --auth and without this, one key is made in
@@ -232,6 +237,7 @@ encode_defer=""
 mem_fraction=0.9
 gateway_port=0
 api_keys=""
+cross_kv_dtype=bf16
 gateway_spin=0
 spin=auto
 default_spin_us=5000 # covers an engine's time to first token (1,000 us did nothing for BART: docs/latency.md)
@@ -276,6 +282,7 @@ while (($#)); do
     --gateway-port) gateway_port=$2; shift 2 ;;
     --gateway-spin-us) gateway_spin=$2; shift 2 ;;
     --gateway-api-keys) api_keys=$2; shift 2 ;;
+    --cross-kv-dtype) cross_kv_dtype=$2; shift 2 ;;
     --spin-us) spin=$2; shift 2 ;;
     --local-link) local_link=$2; shift 2 ;;
     --no-gateway) gateway=0; shift ;;
@@ -360,6 +367,15 @@ fi
 if [[ -z $device ]]; then
   device=cpu
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=cuda; fi
+fi
+[[ $cross_kv_dtype == bf16 || $cross_kv_dtype == int8 ]] ||
+  { echo "local.sh: --cross-kv-dtype must be bf16 or int8" >&2; exit 2; }
+if [[ $cross_kv_dtype == int8 ]]; then
+  # int8 cross K/V never leave the worker that makes them
+  [[ $device == cuda ]] || { echo "local.sh: --cross-kv-dtype int8 needs GPU workers (--device cuda)" >&2; exit 2; }
+  ((encoders == 0 && prefills == 0 && decode_tp == 1 && decode_pp == 1)) ||
+    { echo "local.sh: --cross-kv-dtype int8 is for decode workers of one rank that encode their own requests:" \
+        "--encoders 0 --prefills 0" >&2; exit 2; }
 fi
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -513,6 +529,7 @@ par="--tp $decode_tp"
 ((decode_tp > 1)) && [[ -n $tp_encoder ]] && par+=" --tp-encoder $tp_encoder"
 ((decode_pp > 1)) && par="--pp $decode_pp --pp-sets $pp_sets${encode_defer:+ --encode-defer $encode_defer}"
 dec_args=(--role "$roles")
+[[ $cross_kv_dtype == bf16 ]] || dec_args+=(--cross-kv-dtype "$cross_kv_dtype")
 [[ -z $local_encode_seqs ]] || dec_args+=(--max-enc-seqs "$local_encode_seqs")
 plan_role decode "$decodes" 3 "$group_size" "$par" "${dec_args[@]}"
 

@@ -324,6 +324,8 @@ static void usage(FILE *f) {
           "                       [--encoder-cache-fraction F]  (of the cross pool: encoder outputs kept for\n"
           "                         repeated inputs, e.g. a document asked again; 0.25, 0 disables)\n"
           "                       [--cross-mode auto|kv|states|dual] [--states-rows N]\n"
+          "                       [--cross-kv-dtype bf16|int8 (int8: the cross K/V in int8 with a scale a row,\n"
+          "                        half the bytes a decode step reads; CUDA only; not the reference's bits)]\n"
           "                         (what the cross pool holds: every decoder layer's K/V, each sequence's\n"
           "                          encoder states, or both, steps of N rows or more then attending over\n"
           "                          the states; auto: dual; --cross-states: states)\n");
@@ -385,7 +387,9 @@ int main(int argc, char **argv) {
       {"cross-mode", required_argument, 0, 'M'}, {"states-rows", required_argument, 0, 'R'},
       {"gpu-memory-fraction", required_argument, 0, 'F'}, {"max-enc-tokens", required_argument, 0, 'E'},
       {"max-enc-seqs", required_argument, 0, 'Q'}, {"encoder-cache-fraction", required_argument, 0, 'Y'},
+      {"cross-kv-dtype", required_argument, 0, 'K'},
       {0, 0, 0, 0}};
+  bool cross_int8 = false;
   const char *model_dir = NULL, *req_path = NULL, *device = "cpu", *logits_path = NULL;
   int block_size = TD_DEFAULT_BLOCK_SIZE, kv_blocks = 0, cross_blocks = 0, max_batch = 0,
       max_tokens = TD_DEFAULT_MAX_TOKENS, threads = 0;
@@ -394,7 +398,7 @@ int main(int argc, char **argv) {
   td_cross_mode cross_mode = TD_CROSS_AUTO;
   int states_rows = 0;
   int c;
-  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:ChM:R:F:E:Q:Y:", opts, NULL)) != -1) {
+  while ((c = getopt_long(argc, argv, "m:r:d:l:b:k:c:B:T:t:ChM:R:F:E:Q:Y:K:", opts, NULL)) != -1) {
     switch (c) {
       case 'm': model_dir = optarg; break;
       case 'r': req_path = optarg; break;
@@ -412,6 +416,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
         return 2;
       case 'R': states_rows = atoi(optarg); break;
+      case 'K':
+        if (strcmp(optarg, "bf16") && strcmp(optarg, "int8")) {
+          fprintf(stderr, "tandem-generate: --cross-kv-dtype %s: bf16 or int8\n", optarg);
+          return 2;
+        }
+        cross_int8 = !strcmp(optarg, "int8");
+        break;
       case 'E': max_enc_tokens = atoi(optarg); break;
       case 'Q': max_enc_seqs = atoi(optarg); break;
       case 'F': {
@@ -466,7 +477,7 @@ int main(int argc, char **argv) {
   td_model_opts mo = {.block_size = block_size, .max_seqs = max_batch, .max_tokens = max_tokens,
                       .max_logits = logits_path ? max_tokens : 0, .cross_mode = cross_mode,
                       .states_rows = states_rows, .tuning = settings.model, .max_enc_tokens = max_enc_tokens,
-                      .max_enc_seqs = max_enc_seqs};
+                      .max_enc_seqs = max_enc_seqs, .cross_int8 = cross_int8};
   if (td_model_load(model_dir, b, &mo, &m) != TD_OK) {
     fprintf(stderr, "tandem-generate: %s\n", td_errmsg());
     rc = 2;

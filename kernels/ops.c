@@ -40,20 +40,27 @@ const char *td_backend_name(const td_backend *b) { return b->name; }
 
 size_t td_buf_elem_size(const td_backend *b, td_buf_type t) { return t == TD_BUF_ACT ? b->act_size : 4; }
 
+/* one layer's K and V planes in elements; int8: H x bs x dh bytes a plane and
+ * H x bs float scales a plane, in 2-byte elements */
+static size_t layer_elems(const td_kv_layout *l) {
+  size_t rows = (size_t)l->n_heads * (size_t)l->block_size;
+  return l->int8 ? rows * ((size_t)l->head_dim + 4) : 2 * rows * (size_t)l->head_dim;
+}
+
 size_t td_kv_block_elems(const td_kv_layout *l) {
-  return (size_t)l->n_layers * 2 * (size_t)l->n_heads * (size_t)l->block_size * (size_t)l->head_dim +
-         (size_t)l->block_size * (size_t)l->states;
+  return (size_t)l->n_layers * layer_elems(l) + (size_t)l->block_size * (size_t)l->states;
 }
 
 td_kv_span td_kv_layer_span(const td_kv_layout *l, int layer) {
-  size_t off = (size_t)layer * 2 * (size_t)l->n_heads * (size_t)l->block_size * (size_t)l->head_dim;
+  size_t off = (size_t)layer * layer_elems(l);
   if (layer == l->n_layers) return (td_kv_span){off, 1, l->states / 2};
   return (td_kv_span){off, l->n_heads, l->head_dim};
 }
 
 bool td_kv_layout_valid(const td_kv_layout *l) {
   return l && l->n_layers >= 0 && l->n_heads > 0 && l->head_dim > 0 && l->block_size > 0 && l->states >= 0 &&
-         l->states % 2 == 0 && (l->n_layers > 0 || l->states > 0);
+         l->states % 2 == 0 && (l->n_layers > 0 || l->states > 0) &&
+         (!l->int8 || (l->int8 == 1 && l->n_layers > 0 && l->head_dim % 16 == 0 && l->block_size % 4 == 0));
 }
 
 td_status td_alloc(td_backend *b, td_buf_type t, size_t n, void **out) {
@@ -215,6 +222,13 @@ static bool layout_ok(const td_kv_layout *l, int layer, bool tail) {
          (layer < l->n_layers || (tail && layer == l->n_layers && l->states > 0));
 }
 
+/* int8 K/V: the CUDA backend's kernels only */
+static td_status int8_here(const td_backend *b, const td_kv_layout *l, const char *op) {
+  if (l->int8 && b->kind != TD_BACKEND_CUDA)
+    return td_err(TD_ERR_UNSUPPORTED, "%s: int8 K/V pools need the CUDA backend", op);
+  return TD_OK;
+}
+
 td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                       int layer, const int32_t *slots, int n) {
   if (!layout_ok(l, layer, true) || n < 0 || !k || !v || !pool || !slots)
@@ -222,6 +236,7 @@ td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void 
   td_kv_span sp = td_kv_layer_span(l, layer);
   if (ld < sp.heads * sp.dim)
     return td_err(TD_ERR_INVALID, "kv_write: row stride %d under the layer's %d columns", ld, sp.heads * sp.dim);
+  TD_TRY(int8_here(b, l, "kv_write"));
   if (n == 0) return TD_OK;
   return b->vt->kv_write(b, k, v, ld, pool, l, layer, slots, n);
 }
@@ -233,6 +248,7 @@ td_status td_kv_read(td_backend *b, const void *pool, const td_kv_layout *l, int
   td_kv_span sp = td_kv_layer_span(l, layer);
   if (ld < sp.heads * sp.dim)
     return td_err(TD_ERR_INVALID, "kv_read: row stride %d under the layer's %d columns", ld, sp.heads * sp.dim);
+  TD_TRY(int8_here(b, l, "kv_read"));
   if (n == 0) return TD_OK;
   return b->vt->kv_read(b, pool, l, layer, slots, n, k, v, ld);
 }
@@ -245,6 +261,7 @@ td_status td_attn_paged(td_backend *b, const void *q, int ldq, void *out, const 
   if (bias && (!bias->lut || bias->max_distance <= 0)) return bad("attn_paged", "bad relative bias");
   if (m->q_norm && (m->q_norm_dim <= 0 || !(m->q_norm_eps >= 0.0f)))
     return bad("attn_paged", "a query norm needs a positive row width and a non-negative epsilon");
+  TD_TRY(int8_here(b, l, "attn_paged"));
   if (m->n_seqs == 0 || m->n_tokens == 0) return TD_OK;
   return b->vt->attn_paged(b, q, ldq, out, pool, l, layer, m, scale, causal, bias);
 }
@@ -257,6 +274,7 @@ td_status td_attn_states(td_backend *b, const void *q, int ldq, void *out, const
     return bad("attn_states", "bad layout, heads, metadata or buffers");
   if (m->q_norm && (m->q_norm_dim <= 0 || !(m->q_norm_eps >= 0.0f)))
     return bad("attn_states", "a query norm needs a positive row width and a non-negative epsilon");
+  TD_TRY(int8_here(b, l, "attn_states"));
   if (m->n_seqs == 0 || m->n_tokens == 0) return TD_OK;
   if (!b->vt->attn_states) return td_err(TD_ERR_UNSUPPORTED, "attn_states: not on this backend");
   return b->vt->attn_states(b, q, ldq, out, pool, l, heads, m, scale);
@@ -279,6 +297,7 @@ td_status td_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout *l,
 
 td_status td_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l, const int32_t *pairs, int n_pairs) {
   if (!td_kv_layout_valid(l) || !pool || n_pairs < 0 || (n_pairs && !pairs)) return bad("kv_copy_blocks", "bad arguments");
+  TD_TRY(int8_here(b, l, "kv_copy_blocks"));
   if (n_pairs == 0) return TD_OK;
   return b->vt->kv_copy_blocks(b, pool, l, pairs, n_pairs);
 }

@@ -190,22 +190,31 @@ td_status td_attn_dense_rows(td_backend *b, const void *qkv, void *out, const in
  * states > 0, the block's encoder states [K|V][slot][states / 2] (each
  * state's first half in the K plane, its second in V): the cross pool's
  * "states tail", which every rank holds whole. n_layers may be 0 where
- * states > 0 (a pool of states only). */
+ * states > 0 (a pool of states only).
+ * With int8 (the CUDA backend only; head_dim a multiple of 16, block_size
+ * of 4), each layer is [K|V][head][slot][head_dim] of int8, then
+ * [K|V][head][slot] float scales: a row's values are its int8 times its
+ * scale (its largest magnitude / 127), written by td_kv_write, read by
+ * td_attn_paged. Sizes and offsets (td_kv_block_elems, td_kv_span.off)
+ * stay in 2-byte elements, the CUDA backend's activation size. */
 typedef struct td_kv_layout {
   int n_layers, n_heads, head_dim, block_size;
   int states;
+  int int8; /* the layers' K/V in int8 with per-row scales (the states tail stays as it is) */
 } td_kv_layout;
 size_t td_kv_block_elems(const td_kv_layout *l);
 /* Where layer `layer` of a block sits: its offset in elements, its heads
  * and their width; layer == n_layers is the states tail (one head of width
- * states / 2). Each plane is [heads][slot][dim]. */
+ * states / 2). Each plane is [heads][slot][dim] (int8: bytes, then the
+ * scales, as above). */
 typedef struct td_kv_span {
   size_t off;
   int heads, dim;
 } td_kv_span;
 td_kv_span td_kv_layer_span(const td_kv_layout *l, int layer);
 /* A layout whose fields are in range; layers >= 0 and (n_layers > 0 or
- * states > 0), states even. */
+ * states > 0), states even; int8 with layers, head_dim % 16 == 0 and
+ * block_size % 4 == 0. */
 bool td_kv_layout_valid(const td_kv_layout *l);
 
 /* Writes rows i < n of k and v (row stride ld elements, heads*head_dim

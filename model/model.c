@@ -157,6 +157,18 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
                c->d_model);
     goto fail;
   }
+  if (m->opts.cross_int8) {
+    const char *why = td_backend_get_kind(b) != TD_BACKEND_CUDA ? "needs a CUDA device"
+                      : m->opts.cross_mode == TD_CROSS_STATES    ? "quantizes the per-layer K/V, which cross mode states does not hold"
+                      : tp > 1 || pp > 1                         ? "runs on one rank only (a group's ranks exchange bf16 blocks)"
+                      : c->dec_head_dim % 16                     ? "needs a head size that is a multiple of 16"
+                      : m->opts.block_size % 4                   ? "needs a block size that is a multiple of 4"
+                                                                 : NULL;
+    if (why) {
+      s = td_err(TD_ERR_UNSUPPORTED, "%s: int8 cross K/V %s", dir, why);
+      goto fail;
+    }
+  }
   /* the fewest rows that take the states path */
   m->states_rows = m->opts.cross_mode == TD_CROSS_STATES ? 0
                    : m->opts.cross_mode == TD_CROSS_KV || m->opts.states_rows < 0 ? INT_MAX
@@ -274,12 +286,12 @@ int td_model_max_target_len(const td_model *m) { return m->max_tgt; }
 int td_model_states_rows(const td_model *m) { return m->states_rows; }
 
 td_kv_layout td_model_self_layout(const td_model *m) {
-  return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size, 0};
+  return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size, 0, 0};
 }
 td_kv_layout td_model_cross_layout(const td_model *m) {
   td_cross_mode cm = m->opts.cross_mode;
   return (td_kv_layout){cm == TD_CROSS_STATES ? 0 : m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size,
-                        cm == TD_CROSS_KV ? 0 : m->d.d};
+                        cm == TD_CROSS_KV ? 0 : m->d.d, m->opts.cross_int8 && cm != TD_CROSS_STATES};
 }
 
 int td_model_encoder_out_len(const td_model *m, int input_len) {

@@ -118,6 +118,7 @@ static int pick_encoder(const td_place_worker *const *pool, int n, int d, const 
                         const td_place_opts *o) {
   const td_place_worker *dw = pool[d];
   bool self = dw->enc || dw->enc_self; /* d may encode its own */
+  if (dw->keeps_cross) return self ? LOCAL : -1;
   bool pure = false; /* an encoder-only worker is there to share the encoding with */
   for (int i = 0; i < n; i++)
     pure |= pool[i]->enc && !pool[i]->dec && !pool[i]->draining && form_ok(pool, n, d, pool[i], q, o);

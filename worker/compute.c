@@ -359,7 +359,7 @@ static void compute_write_kv(td_worker *w, cmd *c) {
   for (int r = 0; r < w->world; r++) {
     int l0, l1, h0, h1;
     group_rank_range(r, tp, pp, L, H, &l0, &l1, &h0, &h1);
-    td_kv_layout rl = {l1 - l0, h1 - h0, fl->head_dim, fl->block_size, fl->states};
+    td_kv_layout rl = {l1 - l0, h1 - h0, fl->head_dim, fl->block_size, fl->states, fl->int8};
     size_t rb = td_kv_block_elems(&rl) * es;
     if (r > 0) {
       free(msg);
@@ -417,12 +417,13 @@ static void model_facts(td_worker *w) {
   w->load = (load_snap){.free_self = st.self.n_free, .free_cross = st.cross.n_free};
   w->max_running = w->o.max_batch;
   size_t es = td_buf_elem_size(w->b, TD_BUF_ACT);
-  w->full_self = (td_kv_layout){w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size, 0};
+  w->full_self = (td_kv_layout){w->cfg.dec_layers, w->cfg.dec_heads, w->cfg.dec_head_dim, w->block_size, 0, 0};
   /* the whole decoder's K/V (none in STATES), the states tail as the model's */
   td_kv_layout mcl = td_model_cross_layout(w->m);
   w->full_cross = w->full_self;
   if (mcl.n_layers == 0) w->full_cross.n_layers = 0;
   w->full_cross.states = mcl.states;
+  w->full_cross.int8 = mcl.int8; /* one rank only: the pool's own blocks */
   w->full_self_bb = td_kv_block_elems(&w->full_self) * es;
   w->full_cross_bb = td_kv_block_elems(&w->full_cross) * es;
   /* a group's leader takes states too: its followers get the same tails and replay the projection */
@@ -445,7 +446,7 @@ static td_status compute_init(td_worker *w) {
   td_model_opts mo = {.block_size = w->o.block_size, .max_seqs = w->o.max_batch, .max_tokens = w->o.max_tokens,
                       .max_enc_tokens = w->o.max_enc_tokens, .max_enc_seqs = w->o.max_enc_seqs,
                       .cross_mode = w->o.cross_mode, .states_rows = w->o.states_rows,
-                      .tuning = w->o.settings.model};
+                      .cross_int8 = w->o.cross_int8, .tuning = w->o.settings.model};
   if (w->world > 1) TD_TRY(w_leader_init(w, &mo));
   bool enc_only = w->n_roles > 0;
   for (int i = 0; i < w->n_roles; i++) enc_only &= w->roles[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;

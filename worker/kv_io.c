@@ -52,7 +52,10 @@ static bool k_accept(void *ctx, const td_kvt_offer *o, char *why, size_t cap) {
   int form = o->block_bytes == want                                   ? KV_FORM_KV
              : o->cross && w->states_bb && o->block_bytes == w->states_bb ? KV_FORM_STATES
                                                                        : 0;
-  if (!form) {
+  if (o->cross && w->o.cross_int8) {
+    snprintf(why, cap, "this worker keeps its cross K/V in int8 (--cross-kv-dtype int8): it encodes its own requests "
+             "and takes no cross blocks");
+  } else if (!form) {
     if (o->cross && w->states_bb)
       snprintf(why, cap, "cross blocks of %zu bytes, this model's are %zu (K/V) or %zu (encoder states: %d rows of "
                "%d) (another model, block size, device or --cross-mode?)", o->block_bytes, want, w->states_bb,

@@ -50,6 +50,10 @@ static void usage(FILE *f) {
           "                     [--cross-transfer states|kv]  (an encoder-only worker in cross mode auto:\n"
           "                                         push the encoder states, projected on arrival (default),\n"
           "                                         or every layer's K/V)\n"
+          "                     [--cross-kv-dtype bf16|int8]  (int8: the cross K/V in int8 with a scale a\n"
+          "                                         row, half the bytes a decode step reads, not the reference's\n"
+          "                                         bits; a GPU worker of one rank that encodes its own\n"
+          "                                         requests: --role with encode and decode; default bf16)\n"
           "                     [--states-rows N]  (dual: steps of N rows or more attend over the states;\n"
           "                                         default: the backend's choice, -1: never)\n"
           "                     [--gpu-memory-fraction F]  (a GPU worker's share of its device: weights and\n"
@@ -113,6 +117,7 @@ int main(int argc, char **argv) {
       {"curve-secret", required_argument, 0, 1001}, {"router-key", required_argument, 0, 1002},
       {"worker-keys", required_argument, 0, 1003}, {"advertise", required_argument, 0, 1004},
       {"cross-transfer", required_argument, 0, 1005}, {"tp-encoder", required_argument, 0, 1006},
+      {"cross-kv-dtype", required_argument, 0, 1007},
       {0, 0, 0, 0}};
   td_auth_opts ao = {0};
   td_worker_opts o = {.device = TD_BACKEND_CPU, .settings = settings,
@@ -226,6 +231,12 @@ int main(int argc, char **argv) {
         o.cross_transfer_kv = kv;
         break;
       }
+      case 1007: {
+        int q8 = two_words("--cross-kv-dtype", optarg, "bf16", "int8");
+        if (q8 < 0) return 2;
+        o.cross_int8 = q8;
+        break;
+      }
       case 1006: {
         int rows = two_words("--tp-encoder", optarg, "heads", "rows");
         if (rows < 0) return 2;
@@ -253,6 +264,24 @@ int main(int argc, char **argv) {
       return 2;
     }
     o.cross_mode = TD_CROSS_STATES;
+  }
+  if (o.cross_int8) {
+    /* int8 cross K/V never leave the worker that makes them (no transfer carries the layout) */
+    bool enc = false, dec = false;
+    for (int i = 0; i < o.n_roles; i++) {
+      enc |= served[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
+      dec |= served[i]->id == TANDEM__CLUSTER__ROLE__ROLE_DECODE;
+    }
+    const char *why = o.device != TD_BACKEND_CUDA ? "needs --device cuda"
+                      : o.group                   ? "is for a worker of one rank, not a group"
+                      : !enc || !dec              ? "needs the encode and decode roles (its cross K/V are made where "
+                                                    "they are read)"
+                      : o.cross_transfer_kv       ? "keeps the cross K/V in the worker: not with --cross-transfer kv"
+                                                  : NULL;
+    if (why) {
+      fprintf(stderr, "tandem-worker: --cross-kv-dtype int8 %s\n", why);
+      return 2;
+    }
   }
   if (strlen(o.id) > MAX_ID) {
     fprintf(stderr, "tandem-worker: --id: at most %d characters (the router's ids and a group's rank names)\n", MAX_ID);

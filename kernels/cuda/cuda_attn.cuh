@@ -70,6 +70,7 @@ struct AttnArgs {
   int kv_static;  /* paged: K/V and metadata may be read before the previous kernel ends */
   int kv_past;    /* paged: so may the metadata and the K/V before each sequence's query (decode warp kernel) */
   int pdl_late;   /* decode warp kernel: trigger the next launch after the wait */
+  int kv8;        /* paged: int8 K/V with per-row scales (td_kv_layout.int8): the decode and generic kernels */
   const bf16 *qn; /* decode warp and bulk kernels: rows whose 1 / rms scales q (td_paged_meta.q_norm), or NULL */
   int qn_dim;
   float qn_eps;

@@ -41,24 +41,47 @@ __device__ __forceinline__ void dw_load_q(float (&qf)[8], const AttnArgs &a, int
   }
 }
 
+/* A lane's 8 values of a K or V row: bf16 (uint4) or int8 (uint2, td_kv_layout.int8). */
+template <bool Q8> struct DwRow { using T = uint4; };
+template <> struct DwRow<true> { using T = uint2; };
+
+__device__ __forceinline__ void dw_vals(const uint4 &u, float (&f)[8]) {
+  td_bf16x8 x;
+  x.u = u;
+#pragma unroll
+  for (int t = 0; t < 4; t++) {
+    const float2 g = __bfloat1622float2(x.h[t]);
+    f[2 * t] = g.x;
+    f[2 * t + 1] = g.y;
+  }
+}
+/* int8 to float without a conversion instruction: the byte, its sign bit
+ * flipped, as the low mantissa bits of 2^23, less 2^23 + 128 */
+__device__ __forceinline__ void dw_vals(const uint2 &u, float (&f)[8]) {
+  const uint32_t w[2] = {u.x ^ 0x80808080u, u.y ^ 0x80808080u};
+#pragma unroll
+  for (int t = 0; t < 2; t++)
+#pragma unroll
+    for (int b = 0; b < 4; b++) f[4 * t + b] = __uint_as_float(__byte_perm(w[t], 0x4B000000u, 0x7540u + b)) - 8388736.0f;
+}
+
 /* One chunk of 4 N keys starting at c0 (which is below kend): lane (cg, kq)
- * holds dims 8 cg of keys c0 + 4 i + kq in kr / vr (zeros past kend); the
- * online softmax state (m, l, o) advances over them. */
-template <int N>
-__device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)[N], int c0, int kq, int kend, int qpos,
-                                         const float (&qf)[8], const float *L, int md, float &m, float &l, float (&o)[8]) {
+ * holds dims 8 cg of keys c0 + 4 i + kq in kr / vr (zeros past kend; int8
+ * rows with their scales ks / vs, zero past kend); the online softmax state
+ * (m, l, o) advances over them. */
+template <int N, bool Q8, typename R>
+__device__ __forceinline__ void dw_chunk_q(const R (&kr)[N], const R (&vr)[N], const float (&ks)[N],
+                                           const float (&vs)[N], int c0, int kq, int kend, int qpos,
+                                           const float (&qf)[8], const float *L, int md, float &m, float &l,
+                                           float (&o)[8]) {
   float sc[N];
 #pragma unroll
   for (int i = 0; i < N; i++) {
-    td_bf16x8 k2;
-    k2.u = kr[i];
+    float f[8];
+    dw_vals(kr[i], f);
     float dot = 0.0f;
 #pragma unroll
-    for (int t = 0; t < 4; t++) {
-      float2 f = __bfloat1622float2(k2.h[t]);
-      dot = fmaf(qf[2 * t], f.x, dot);
-      dot = fmaf(qf[2 * t + 1], f.y, dot);
-    }
+    for (int e = 0; e < 8; e++) dot = fmaf(qf[e], f[e], dot);
     sc[i] = dot;
   }
 #pragma unroll
@@ -69,7 +92,8 @@ __device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)
 #pragma unroll
   for (int i = 0; i < N; i++) {
     const int j = c0 + 4 * i + kq;
-    sc[i] = j < kend ? (L ? sc[i] + lut_at(L, md, j - qpos) * LOG2E : sc[i]) : -INFINITY;
+    const float d = Q8 ? sc[i] * ks[i] : sc[i]; /* an int8 key's scale multiplies its whole dot */
+    sc[i] = j < kend ? (L ? d + lut_at(L, md, j - qpos) * LOG2E : d) : -INFINITY;
     cmax = fmaxf(cmax, sc[i]);
   }
   cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 8));
@@ -84,14 +108,11 @@ __device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)
   for (int i = 0; i < N; i++) {
     const float p = sc[i] == -INFINITY ? 0.0f : fast_exp2(sc[i] - m);
     ps += p;
-    td_bf16x8 v2;
-    v2.u = vr[i];
+    const float pv = Q8 ? p * vs[i] : p; /* an int8 value row's scale */
+    float f[8];
+    dw_vals(vr[i], f);
 #pragma unroll
-    for (int t = 0; t < 4; t++) {
-      float2 f = __bfloat1622float2(v2.h[t]);
-      acc[2 * t] = fmaf(p, f.x, acc[2 * t]);
-      acc[2 * t + 1] = fmaf(p, f.y, acc[2 * t + 1]);
-    }
+    for (int e = 0; e < 8; e++) acc[e] = fmaf(pv, f[e], acc[e]);
   }
   ps += __shfl_xor_sync(0xffffffffu, ps, 8);
   ps += __shfl_xor_sync(0xffffffffu, ps, 16);
@@ -102,6 +123,13 @@ __device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)
     acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], 16);
     o[e] = o[e] * alpha + acc[e];
   }
+}
+
+template <int N>
+__device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)[N], int c0, int kq, int kend, int qpos,
+                                         const float (&qf)[8], const float *L, int md, float &m, float &l, float (&o)[8]) {
+  const float none[N] = {};
+  dw_chunk_q<N, false>(kr, vr, none, none, c0, kq, kend, qpos, qf, L, md, m, l, o);
 }
 
 /* kv_static_past: the query's own K/V row (nk, nv), which the kernel

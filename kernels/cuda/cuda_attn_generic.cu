@@ -44,13 +44,29 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
   for (int d = lane; d < DH; d += 32) qsh[warp][d] = __bfloat162float(qp[d]);
   __syncwarp();
   const float *L = a.lut ? a.lut + (size_t)h * (2 * a.md + 1) : nullptr;
+  /* int8 K/V (paged): [K|V][head][slot] rows of DH bytes, then their float scales */
+  const char *lay8 = (const char *)(a.pool + a.layer_off);
+  const size_t bbytes = a.block_elems * sizeof(bf16), plane8 = (size_t)H * a.bs * DH;
+  auto row8 = [&](int j, int kv, float &scale) {
+    const char *bp = lay8 + (size_t)table[j / a.bs] * bbytes;
+    const size_t row = ((size_t)kv * H + h) * a.bs + j % a.bs;
+    scale = ((const float *)(bp + 2 * plane8))[row];
+    return (const signed char *)bp + row * DH;
+  };
   float m = -INFINITY, l = 0.0f, acc[GEN_MAX_DH / 32];
 #pragma unroll
   for (int i = 0; i < GEN_MAX_DH / 32; i++) acc[i] = 0.0f;
   for (int c0 = 0; c0 < kend; c0 += 32) {
     int j = c0 + lane;
     float sc = -INFINITY;
-    if (j < kend) {
+    if (j < kend && paged && a.kv8) {
+      float ks;
+      const signed char *kp = row8(j, 0, ks);
+      float dot = 0.0f;
+      for (int d = 0; d < DH; d++) dot += qsh[warp][d] * (float)kp[d];
+      sc = dot * ks * a.scale_log2;
+      if (L) sc += lut_at(L, a.md, j - qpos) * LOG2E;
+    } else if (j < kend) {
       const bf16 *kp = paged ? a.pool + (size_t)table[j / a.bs] * a.block_elems + a.layer_off +
                                    ((size_t)h * a.bs + j % a.bs) * DH
                              : a.qkv + (row0 + j) * qkv_row + (size_t)(H + h) * DH;
@@ -74,6 +90,17 @@ __global__ void __launch_bounds__(128) attn_generic_kernel(const AttnArgs a, int
     for (int kk = 0; kk < cnt; kk++) {
       float pk = __shfl_sync(0xffffffffu, p, kk);
       int jj = c0 + kk;
+      if (paged && a.kv8) {
+        float vsc;
+        const signed char *vp = row8(jj, 1, vsc);
+        pk *= vsc;
+#pragma unroll
+        for (int i = 0; i < GEN_MAX_DH / 32; i++) {
+          int d = lane + 32 * i;
+          if (d < DH) acc[i] += pk * (float)vp[d];
+        }
+        continue;
+      }
       const bf16 *vp = paged ? a.pool + (size_t)table[jj / a.bs] * a.block_elems + a.layer_off +
                                    ((size_t)(H + h) * a.bs + jj % a.bs) * DH
                              : a.qkv + (row0 + jj) * qkv_row + (size_t)(2 * H + h) * DH;

@@ -53,7 +53,8 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
   a.ldq = ldq;
   a.pool = (const bf16 *)pool;
   a.block_elems = td_kv_block_elems(l);
-  a.layer_off = (size_t)layer * 2 * H * bs * dh;
+  a.layer_off = td_kv_layer_span(l, layer).off;
+  a.kv8 = l->int8;
   a.bs = bs;
   a.q_start = m->q_start;
   a.ctx_len = m->ctx_len;
@@ -79,6 +80,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
   sh.blocks_ok = a.block_elems % 8 == 0; /* every block 16-byte aligned (a states tail may not keep it) */
   sh.q_norm = m->q_norm != NULL;
   sh.q_norm_vec = m->q_norm_dim % 8 == 0 && td_aligned16(m->q_norm);
+  sh.kv8 = l->int8 != 0;
   const td_paged_plan p = td_cu_paged_policy(&c->tune, c->sm_count, &sh);
   /* the query norm: in the decode kernels, else q scaled into the staging
    * buffer first (used otherwise only by synchronous copies) */

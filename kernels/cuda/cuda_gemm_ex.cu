@@ -336,7 +336,7 @@ static bool rms_after_fits(const td_cuda *c, const td_gemm_args *ga) {
   if (glu) return td_aligned16(ga->scratch_glu);
   const td_kv_layout *l = ga->kv_layout;
   return ga->kv_pool && ga->act == TD_ACT_NONE && l->head_dim % 8 == 0 && ga->kv_col % 8 == 0 &&
-         td_kv_block_elems(l) % 8 == 0 && td_aligned16(ga->kv_pool);
+         td_kv_block_elems(l) % 8 == 0 && td_aligned16(ga->kv_pool) && !l->int8;
 }
 
 static td_status rms_after(td_backend *b, const td_gemm_args *ga) {
@@ -410,7 +410,8 @@ td_status td_cu_gemm_ex(td_backend *b, const td_gemm_args *ga) {
                   td_aligned16(ga->x) && td_aligned16(ga->w) &&
                   (!(ga->norm_w || ga->norm_plain) || td_aligned16(ga->scratch_norm));
   /* the fused stores are 16-byte: every block must start aligned */
-  bool fuse_kv = ga->kv_pool && (mask & SF_FUSE_KV) && td_kv_block_elems(ga->kv_layout) % 8 == 0;
+  /* int8 pools take td_kv_write's quantizing kernel after the GEMM */
+  bool fuse_kv = ga->kv_pool && (mask & SF_FUSE_KV) && td_kv_block_elems(ga->kv_layout) % 8 == 0 && !ga->kv_layout->int8;
   if (!eligible && rms_after_fits(c, ga)) return rms_after(b, ga);
   if (!eligible || (glu && !(mask & SF_FUSE_GLU))) return td_gemm_ex_unfused(b, ga);
   /* a plain norm (weight folded into W) costs the kernel next to nothing */

@@ -35,11 +35,75 @@ __global__ void kv_write_kernel(const bf16 *__restrict__ k, const bf16 *__restri
   }
 }
 
+/* int8 K/V (td_kv_layout.int8): a warp a (row, head, K or V): the row's
+ * largest magnitude sets its scale (/ 127), each value rounds to the
+ * nearest int8 of it; dh a multiple of 16, up to 256 (8 values a lane). */
+__global__ void __launch_bounds__(256) kv_write_int8_kernel(const bf16 *__restrict__ k, const bf16 *__restrict__ v,
+                                                            int ld, char *pool, size_t block_bytes, size_t layer_off,
+                                                            int H, int dh, int bs, const int32_t *__restrict__ slots) {
+  td_pdl_start();
+  const int i = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slot = slots[i];
+  if (slot < 0) return;
+  const int blk = slot / bs, sl = slot % bs;
+  char *base = pool + (size_t)blk * block_bytes + layer_off;
+  float *scales = (float *)(base + (size_t)2 * H * bs * dh);
+  for (int u = warp; u < 2 * H; u += blockDim.x >> 5) {
+    const int plane = u / H, h = u % H;
+    const bf16 *src = (plane ? v : k) + (size_t)i * ld + (size_t)h * dh;
+    float x[8];
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      const int d = lane + 32 * e;
+      x[e] = d < dh ? __bfloat162float(src[d]) : 0.0f;
+      amax = fmaxf(amax, fabsf(x[e]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const size_t row = ((size_t)plane * H + h) * bs + sl;
+    signed char *dst = (signed char *)base + row * dh;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      const int d = lane + 32 * e;
+      if (d < dh) dst[d] = (signed char)max(-127, min(127, __float2int_rn(x[e] * inv)));
+    }
+    if (lane == 0) scales[row] = amax / 127.0f;
+  }
+}
+
+/* ... and back to bf16 rows (td_kv_read) */
+__global__ void __launch_bounds__(256) kv_read_int8_kernel(const char *pool, size_t block_bytes, size_t layer_off,
+                                                           int H, int dh, int bs, const int32_t *__restrict__ slots,
+                                                           bf16 *k, bf16 *v, int ld) {
+  td_pdl_start();
+  const int i = blockIdx.x;
+  const int slot = slots[i];
+  if (slot < 0) return;
+  const int blk = slot / bs, sl = slot % bs;
+  const char *base = pool + (size_t)blk * block_bytes + layer_off;
+  const float *scales = (const float *)(base + (size_t)2 * H * bs * dh);
+  for (int e = threadIdx.x; e < 2 * H * dh; e += blockDim.x) {
+    const int plane = e / (H * dh), h = e / dh % H, d = e % dh;
+    const size_t row = ((size_t)plane * H + h) * bs + sl;
+    const float x = (float)((const signed char *)base)[row * dh + d] * scales[row];
+    (plane ? v : k)[(size_t)i * ld + (size_t)h * dh + d] = __float2bfloat16_rn(x);
+  }
+}
+
 td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                          int layer, const int32_t *slots, int n) {
   td_cu_bind(td_cu(b));
   td_cuda *c = td_cu(b);
   td_kv_span sp = td_kv_layer_span(l, layer); /* a K/V layer or the states tail */
+  if (l->int8 && layer < l->n_layers) {
+    if (sp.dim > 256) return td_err(TD_ERR_UNSUPPORTED, "kv_write: int8 rows of %d values (at most 256)", sp.dim);
+    (void)td_launch(c, kv_write_int8_kernel, n, 256, 0, (const bf16 *)k, (const bf16 *)v, ld, (char *)pool,
+                    td_kv_block_elems(l) * sizeof(bf16), sp.off * sizeof(bf16), sp.heads, sp.dim, l->block_size, slots);
+    TD_CU_LAUNCHED("kv_write");
+    return TD_OK;
+  }
   int H = sp.heads, dh = sp.dim;
   bool vec = dh % 8 == 0 && ld % 8 == 0 && td_kv_block_elems(l) % 8 == 0 && td_aligned16(k) && td_aligned16(v) &&
              td_aligned16(pool);
@@ -88,6 +152,12 @@ td_status td_cu_kv_read(td_backend *b, const void *pool, const td_kv_layout *l, 
   td_cu_bind(td_cu(b));
   td_cuda *c = td_cu(b);
   td_kv_span sp = td_kv_layer_span(l, layer);
+  if (l->int8 && layer < l->n_layers) {
+    (void)td_launch(c, kv_read_int8_kernel, n, 256, 0, (const char *)pool, td_kv_block_elems(l) * sizeof(bf16),
+                    sp.off * sizeof(bf16), sp.heads, sp.dim, l->block_size, slots, (bf16 *)k, (bf16 *)v, ld);
+    TD_CU_LAUNCHED("kv_read");
+    return TD_OK;
+  }
   int H = sp.heads, dh = sp.dim;
   bool vec = dh % 8 == 0 && ld % 8 == 0 && td_kv_block_elems(l) % 8 == 0 && td_aligned16(k) && td_aligned16(v) &&
              td_aligned16(pool);
@@ -149,8 +219,9 @@ td_status td_cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout 
   /* only on a capture's branch (joined at its end): eagerly it would be a
    * node in the chain */
   if (c->tune.kvpf_seqs <= 0 || m->n_seqs < c->tune.kvpf_seqs || !td_cu_capturing(c)) return TD_OK;
-  size_t bytes = (size_t)2 * l->n_heads * l->block_size * l->head_dim * sizeof(bf16);
-  size_t layer_off = (size_t)layer * 2 * l->n_heads * l->block_size * l->head_dim;
+  /* the layer's K and V (int8: with their scales) lie together in a block */
+  size_t layer_off = td_kv_layer_span(l, layer).off;
+  size_t bytes = (td_kv_layer_span(l, layer + 1).off - layer_off) * sizeof(bf16);
   /* bulk prefetches take 16-byte aligned addresses and sizes */
   if (!td_aligned16(pool) || bytes % 16 || bytes > 0xffffffffu || td_kv_block_elems(l) * sizeof(bf16) % 16 ||
       layer_off * sizeof(bf16) % 16)

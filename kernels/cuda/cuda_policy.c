@@ -132,12 +132,18 @@ td_paged_plan td_cu_paged_policy(const td_cu_tune *t, int sm_count, const td_pag
   const int dh = s->head_dim, H = s->heads;
   bool fast = (dh == 64 || dh == 128) && s->q_ok && s->out_ok && s->pool_ok && s->blocks_ok;
   td_paged_kernel dec = decode_kernel(t, s, fast);
+  /* int8 K/V: where the tiled kernel would split the keys, 16 warps a pair;
+   * the tiled kernel reads bf16 only */
+  if (s->kv8 && dec == TD_PAGED_TILED && fast && dh == 64 && s->max_q == 1 && t->decode_warp > 0)
+    dec = (long)s->n_seqs * H >= (long)t->decode_warp ? TD_PAGED_W2P4 : TD_PAGED_W16;
+  if (s->kv8 && dec == TD_PAGED_TILED) fast = false;
   bool decode = dec != TD_PAGED_TILED;
   /* the query norm: in the decode kernels (aligned rows), else q scaled
    * into the staging buffer first, whose rows are dense and aligned */
   p.qn_inside = s->q_norm && decode && s->q_norm_vec;
   p.qn_before = s->q_norm && !p.qn_inside;
   if (p.qn_before) fast = (dh == 64 || dh == 128) && H * dh % 8 == 0 && s->out_ok && s->pool_ok && s->blocks_ok;
+  if (s->kv8 && !decode) fast = false;
   if (!fast) {
     p.kernel = TD_PAGED_GENERIC;
     p.qtiles = s->max_q;

@@ -113,6 +113,7 @@ typedef struct td_paged_shape {
   bool blocks_ok; /* the pool's blocks a multiple of 8 elements */
   bool q_norm;    /* a query norm to apply */
   bool q_norm_vec; /* ... its rows whole 16-byte vectors, aligned */
+  bool kv8;       /* int8 K/V (td_kv_layout.int8): the decode kernels or the generic one, never the tiled */
 } td_paged_shape;
 typedef enum td_paged_kernel {
   TD_PAGED_GENERIC, /* a warp a query row */

@@ -131,7 +131,7 @@ double compare(const pair *p, size_t n) {
 }
 
 void rig_pool(paged_rig *r, int layers, int H, int dh, int bs, int states, int n_blocks) {
-  r->l = (td_kv_layout){layers, H, dh, bs, states};
+  r->l = (td_kv_layout){layers, H, dh, bs, states, 0};
   r->n_blocks = n_blocks;
   size_t n = td_kv_block_elems(&r->l) * n_blocks;
   r->pool_h = rnd(n, 2.0f);

@@ -238,9 +238,70 @@ typedef struct paged_cfg {
 
 static const char *paged_mode = "default";
 static int paged_qn_dim; /* > 0: every case with a query norm over rows this wide */
+static bool paged_q8;    /* the GPU's pool int8 (td_kv_layout.int8), the CPU's holding what its bytes say */
+
+/* An int8 pool as the layout documents it (kernels/ops.h), read on the host:
+ * row (plane, head, slot) of a layer's block, its values times its scale. */
+static void q8_row(const td_kv_layout *l, const uint8_t *raw, int blk, int layer, int plane, int h, int slot,
+                   float *vals, float *scale, int8_t *q) {
+  size_t bb = td_kv_block_elems(l) * 2, lb = (size_t)l->n_heads * l->block_size * (l->head_dim + 4) * 2;
+  const uint8_t *base = raw + (size_t)blk * bb + (size_t)layer * lb;
+  size_t row = ((size_t)plane * l->n_heads + h) * l->block_size + slot;
+  const int8_t *v = (const int8_t *)base + row * l->head_dim;
+  float sc;
+  memcpy(&sc, base + (size_t)2 * l->n_heads * l->block_size * l->head_dim + row * 4, sizeof sc);
+  *scale = sc;
+  for (int d = 0; d < l->head_dim; d++) {
+    if (q) q[d] = v[d];
+    if (vals) vals[d] = (float)v[d] * sc;
+  }
+}
+
+/* r's pool (layers x H x dh, blocks of bs) again: on the GPU int8 (*l8, *g8),
+ * every slot of every layer written by td_kv_write from fresh rows; the CPU's
+ * r.pool.c rewritten with what those bytes hold */
+static void q8_pools(paged_rig *r, td_kv_layout *l8, void **g8) {
+  *l8 = r->l;
+  l8->int8 = 1;
+  int H = r->l.n_heads, dh = r->l.head_dim, n = r->n_blocks * r->l.block_size, hd = H * dh;
+  size_t elems = td_kv_block_elems(l8) * (size_t)r->n_blocks;
+  cr_assert(td_alloc(G, TD_BUF_ACT, elems, g8) == TD_OK, "%s", td_errmsg());
+  int32_t *slots = malloc(sizeof(int32_t) * n);
+  for (int i = 0; i < n; i++) slots[i] = i;
+  pair S = mk(TD_BUF_I32, slots, n);
+  float *kv = malloc(sizeof(float) * (size_t)n * 2 * hd);
+  uint8_t *raw = malloc(elems * 2);
+  cr_assert(kv && raw);
+  for (int layer = 0; layer < r->l.n_layers; layer++) {
+    float *rows = rnd((size_t)n * 2 * hd, 2.0f);
+    pair R = mk(TD_BUF_ACT, rows, (size_t)n * 2 * hd);
+    cr_assert(td_kv_write(G, R.g, (char *)R.g + (size_t)hd * 2, 2 * hd, *g8, l8, layer, S.g, n) == TD_OK, "%s",
+              td_errmsg());
+    cr_assert(td_sync(G) == TD_OK && td_copy_d2h(G, raw, *g8, elems * 2) == TD_OK, "%s", td_errmsg());
+    for (int i = 0; i < n; i++)
+      for (int plane = 0; plane < 2; plane++)
+        for (int h = 0; h < H; h++) {
+          float sc;
+          q8_row(l8, raw, i / r->l.block_size, layer, plane, h, i % r->l.block_size,
+                 kv + (size_t)i * 2 * hd + (size_t)plane * hd + (size_t)h * dh, &sc, NULL);
+        }
+    cr_assert(td_upload(C, TD_BUF_ACT, R.c, kv, (size_t)n * 2 * hd) == TD_OK);
+    cr_assert(td_kv_write(C, R.c, (char *)R.c + (size_t)hd * td_buf_elem_size(C, TD_BUF_ACT), 2 * hd, r->pool.c, &r->l,
+                          layer, S.c, n) == TD_OK, "%s", td_errmsg());
+    drop(&R);
+    free(rows);
+  }
+  drop(&S);
+  free(kv);
+  free(raw);
+  free(slots);
+}
 
 static void paged_case(const paged_cfg *p) {
   int S = p->n_seqs, H = p->H, dh = p->dh, bs = p->bs;
+  if (getenv("TD_TEST_VERBOSE"))
+    fprintf(stderr, "paged case (%s%s) H=%d dh=%d bs=%d seqs=%d q_max=%d ctx_max=%d\n", paged_mode,
+            paged_q8 ? ", int8" : "", H, dh, bs, S, p->q_max, p->ctx_max);
   int32_t *qs = malloc(sizeof(int32_t) * (S + 1)), *ctx = malloc(sizeof(int32_t) * S);
   qs[0] = 0;
   seq_extents x = {0, 0, 1, 0};
@@ -257,6 +318,12 @@ static void paged_case(const paged_cfg *p) {
   int T = qs[S], stride = x.max_nb + 1, n_blocks = x.total_nb + 3, max_q = x.max_q, max_ctx = x.max_ctx;
   paged_rig r;
   rig_pool(&r, 3, H, dh, bs, 16, n_blocks);
+  /* the pool each side reads: the same, or the GPU's in int8 and the CPU's with its values */
+  td_kv_layout l8;
+  void *g8 = NULL;
+  if (paged_q8) q8_pools(&r, &l8, &g8);
+  void *pg = paged_q8 ? g8 : r.pool.g;
+  const td_kv_layout *lg = paged_q8 ? &l8 : &r.l;
   int32_t *tab = shuffled_tables(ctx, S, bs, stride, n_blocks);
   int ldq = p->strided ? 3 * H * dh : H * dh;
   float *q = rnd((size_t)T * ldq, 2.0f), *lut = p->md ? rnd((size_t)H * (2 * p->md + 1), 3.0f) : NULL;
@@ -281,16 +348,16 @@ static void paged_case(const paged_cfg *p) {
     mg.q_norm_eps = mc.q_norm_eps = 1e-6f;
   }
   float scale = 1.0f / sqrtf((float)dh);
-  RUN2(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mg, scale, p->causal, p->md ? &bg : NULL),
+  RUN2(td_attn_paged(G, Q.g, ldq, O.g, pg, lg, 2, &mg, scale, p->causal, p->md ? &bg : NULL),
        td_attn_paged(C, Q.c, ldq, O.c, r.pool.c, &r.l, 2, &mc, scale, p->causal, p->md ? &bc : NULL));
   double e = compare(&O, 0);
   cr_expect(e <= TOL,
-            "attn_paged (%s) H=%d dh=%d bs=%d seqs=%d tokens=%d causal=%d md=%d max_q=%d max_ctx=%d slack=%d: error %.3g",
-            paged_mode, H, dh, bs, S, T, p->causal, p->md, max_q, max_ctx, p->slack, e);
+            "attn_paged (%s%s) H=%d dh=%d bs=%d seqs=%d tokens=%d causal=%d md=%d max_q=%d max_ctx=%d slack=%d: error %.3g",
+            paged_mode, paged_q8 ? ", int8 K/V" : "", H, dh, bs, S, T, p->causal, p->md, max_q, max_ctx, p->slack, e);
   /* decode self-attention right after this step's KV write, as the model
    * runs it: the earlier keys may load before the write has finished, the
    * query's own key (stale in the pool until then) must not */
-  if (p->causal && p->q_max == 1) {
+  if (p->causal && p->q_max == 1 && !paged_q8) {
     int hd = H * dh;
     int32_t *sl = malloc(sizeof(int32_t) * S);
     for (int s = 0; s < S; s++) {
@@ -322,11 +389,12 @@ static void paged_case(const paged_cfg *p) {
     mg.max_q = max_q;
     mg.max_ctx = max_ctx;
     mg.kv_static = false;
-    cr_assert(td_attn_paged(G, Q.g, ldq, O.g, r.pool.g, &r.l, 2, &mg, scale, p->causal, p->md ? &bg : NULL) == TD_OK,
+    cr_assert(td_attn_paged(G, Q.g, ldq, O.g, pg, lg, 2, &mg, scale, p->causal, p->md ? &bg : NULL) == TD_OK,
               "%s", td_errmsg());
     e = compare(&O, 0);
-    cr_expect(e <= TOL, "attn_paged (%s) with exact bounds: error %.3g", paged_mode, e);
+    cr_expect(e <= TOL, "attn_paged (%s%s) with exact bounds: error %.3g", paged_mode, paged_q8 ? ", int8 K/V" : "", e);
   }
+  if (g8) td_free(G, g8);
   io_drop(paged_qn_dim ? &QN : NULL, qn, &Q, &O, &QS, &CT, &TB);
   if (p->md) drop(&L);
   rig_drop(&r);
@@ -397,6 +465,170 @@ Test(cuda, attn_paged) {
   }
   paged_qn_dim = 0;
   paged_mode = "default";
+}
+
+/* int8 cross K/V (td_kv_layout.int8): td_kv_write quantizes each (row,
+ * head) by its largest magnitude into the documented layout, td_kv_read
+ * gives the values back, slots of -1 are left alone, and the states tail
+ * stays bf16 */
+Test(cuda, kv_write_int8) {
+  static const int cfg[][4] = {{64, 16, 16, 37}, {128, 4, 32, 5}, {16, 3, 4, 23}, {64, 2, 8, 1}, {256, 1, 4, 9}};
+  for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+    int dh = cfg[c][0], H = cfg[c][1], bs = cfg[c][2], n = cfg[c][3], nb = 9, hd = H * dh;
+    int states = c % 2 ? 0 : 2 * dh;
+    td_kv_layout l = {3, H, dh, bs, states, 1};
+    cr_assert(td_kv_layout_valid(&l));
+    size_t elems = td_kv_block_elems(&l) * nb;
+    cr_expect_eq(elems, ((size_t)3 * H * bs * (dh + 4) + (size_t)bs * states) * nb, "int8 blocks' size");
+    void *pool = NULL;
+    cr_assert(td_alloc(G, TD_BUF_ACT, elems, &pool) == TD_OK);
+    uint8_t *raw = malloc(elems * 2), *before = malloc(elems * 2);
+    cr_assert(raw && before);
+    for (size_t i = 0; i < elems * 2; i++) before[i] = (uint8_t)(i * 131u + 7u);
+    cr_assert(td_copy_h2d(G, pool, before, elems * 2) == TD_OK);
+    float *rows = rnd((size_t)n * 2 * hd, 3.0f);
+    /* a row of zeros and a row with one large value */
+    for (int d = 0; d < dh; d++) rows[d] = 0.0f;
+    if (n > 1) rows[(size_t)2 * hd + 5] = 900.0f;
+    pair R = mk(TD_BUF_ACT, rows, (size_t)n * 2 * hd);
+    int32_t *slots = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++) slots[i] = i % 5 == 3 ? -1 : (i * 7) % (nb * bs);
+    pair S = mk(TD_BUF_I32, slots, n);
+    cr_assert(td_kv_write(G, R.g, (char *)R.g + (size_t)hd * 2, 2 * hd, pool, &l, 1, S.g, n) == TD_OK, "%s",
+              td_errmsg());
+    if (states)
+      cr_assert(td_kv_write(G, R.g, (char *)R.g + (size_t)(states / 2) * 2, 2 * hd, pool, &l, 3, S.g, n) == TD_OK);
+    cr_assert(td_sync(G) == TD_OK && td_copy_d2h(G, raw, pool, elems * 2) == TD_OK);
+    int wrong_q = 0, wrong_scale = 0, far = 0;
+    int8_t q[256];
+    float vals[256];
+    for (int i = 0; i < n; i++) {
+      if (slots[i] < 0) continue;
+      int blk = slots[i] / bs, sl = slots[i] % bs;
+      for (int plane = 0; plane < 2; plane++)
+        for (int h = 0; h < H; h++) {
+          const float *x = rows + (size_t)i * 2 * hd + (size_t)plane * hd + (size_t)h * dh;
+          float amax = 0.0f, sc;
+          for (int d = 0; d < dh; d++) amax = fmaxf(amax, fabsf(x[d]));
+          q8_row(&l, raw, blk, 1, plane, h, sl, vals, &sc, q);
+          wrong_scale += sc != amax / 127.0f;
+          float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+          for (int d = 0; d < dh; d++) {
+            wrong_q += q[d] != (int8_t)fmaxf(-127.0f, fminf(127.0f, rintf(x[d] * inv)));
+            far += !(fabsf(vals[d] - x[d]) <= 0.5f * sc * 1.0001f);
+          }
+        }
+    }
+    cr_expect(wrong_scale == 0 && wrong_q == 0 && far == 0,
+              "kv_write int8 dh=%d H=%d bs=%d n=%d: %d scales, %d values off the rule, %d beyond half a step", dh, H,
+              bs, n, wrong_scale, wrong_q, far);
+    /* untouched: the other layers, and the slots of skipped rows */
+    size_t bb = td_kv_block_elems(&l) * 2, lb = (size_t)H * bs * (dh + 4) * 2;
+    int moved = 0;
+    for (int b = 0; b < nb; b++)
+      for (size_t o = 0; o < lb; o++) moved += raw[b * bb + o] != before[b * bb + o]; /* layer 0 */
+    cr_expect(moved == 0, "kv_write int8 into layer 1 changed %d bytes of layer 0", moved);
+    if (states) { /* the tail: bf16 as it was given (a row's first half in K, its second in V) */
+      int bad = 0;
+      for (int i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
+        for (int d = 0; d < states; d++) {
+          int plane = d < states / 2 ? 0 : 1, j = d % (states / 2);
+          uint16_t u;
+          memcpy(&u, raw + (size_t)(slots[i] / bs) * bb + 3 * lb +
+                         (((size_t)plane * bs + slots[i] % bs) * (states / 2) + j) * 2, 2);
+          bad += td_bf16_to_f32(u) != rows[(size_t)i * 2 * hd + d];
+        }
+      }
+      cr_expect(bad == 0, "the states tail of an int8 pool: %d values off", bad);
+    }
+    /* td_kv_read: the values times their scales, as bf16 */
+    pair O = mk(TD_BUF_ACT, NULL, (size_t)n * 2 * hd);
+    cr_assert(td_kv_read(G, pool, &l, 1, S.g, n, O.g, (char *)O.g + (size_t)hd * 2, 2 * hd) == TD_OK, "%s",
+              td_errmsg());
+    float *o = get(G, &O, true);
+    int off = 0;
+    for (int i = 0; i < n; i++) {
+      if (slots[i] < 0) continue;
+      for (int plane = 0; plane < 2; plane++)
+        for (int h = 0; h < H; h++) {
+          float sc;
+          q8_row(&l, raw, slots[i] / bs, 1, plane, h, slots[i] % bs, vals, &sc, NULL);
+          for (int d = 0; d < dh; d++) off += o[(size_t)i * 2 * hd + (size_t)plane * hd + (size_t)h * dh + d] != bfr(vals[d]);
+        }
+    }
+    cr_expect(off == 0, "kv_read int8 dh=%d H=%d: %d values not the bytes' value times scale", dh, H, off);
+    free(o);
+    drop(&O);
+    drop(&R);
+    drop(&S);
+    td_free(G, pool);
+    free(rows);
+    free(slots);
+    free(raw);
+    free(before);
+  }
+  /* what the CPU backend and the layout refuse */
+  td_kv_layout odd = {2, 2, 24, 16, 0, 1}, blocks = {2, 2, 64, 6, 0, 1}, none = {0, 2, 64, 16, 64, 1};
+  cr_expect(!td_kv_layout_valid(&odd) && !td_kv_layout_valid(&blocks) && !td_kv_layout_valid(&none),
+            "int8 layouts need head_dim %% 16, block_size %% 4 and layers");
+  td_kv_layout l = {1, 2, 64, 16, 0, 1};
+  float x[256] = {0};
+  int32_t s0 = 0;
+  void *cp = NULL;
+  cr_assert(td_alloc(C, TD_BUF_ACT, td_kv_block_elems(&l), &cp) == TD_OK);
+  cr_expect(td_kv_write(C, x, x + 128, 256, cp, &l, 0, &s0, 1) == TD_ERR_UNSUPPORTED);
+  cr_expect(strstr(td_errmsg(), "int8 K/V pools need the CUDA backend"), "%s", td_errmsg());
+  td_free(C, cp);
+}
+
+/* td_attn_paged over int8 K/V against the CPU over the values the int8
+ * bytes hold: every decode kernel (warps by the context bound, 16 warps
+ * where bf16 would take the tiled kernel's key splits, the bulk copies in
+ * each shape), the generic kernel (several queries a sequence, other head
+ * sizes), with the query norm and with the decode kernels off */
+Test(cuda, attn_paged_int8) {
+  static const paged_cfg cfg[] = {
+      /* H dh bs seqs causal md q_max ctx_max pad strided slack */
+      {16, 64, 16, 1, false, 0, 1, 512, false, false, 100},  /* batch 1: 16 warps (bf16: split keys) */
+      {16, 64, 16, 5, false, 0, 1, 512, true, false, 7},     /* odd batch, padding rows */
+      {16, 64, 16, 64, false, 0, 1, 512, false, false, 0},   /* batch 64: bulk copies */
+      {16, 64, 16, 33, false, 0, 1, 200, true, false, 5},
+      {20, 64, 16, 3, false, 0, 1, 1500, false, false, 0},   /* Whisper's 1,500 positions, 20 heads */
+      {20, 64, 16, 24, false, 0, 1, 400, false, false, 0},
+      {8, 64, 16, 1, false, 0, 1, 512, false, false, 0},     /* a TP=4 rank's 8 heads */
+      {16, 64, 32, 20, false, 0, 1, 700, true, false, 0},    /* blocks past the bulk kernel's stage */
+      {8, 64, 4, 3, false, 0, 1, 61, false, false, 2},       /* blocks of 4, short contexts on warps */
+      {8, 64, 12, 3, false, 0, 1, 120, false, false, 2},
+      {8, 64, 16, 2, false, 0, 1, 250, false, false, 0},
+      {16, 64, 16, 3, false, 0, 4, 90, false, true, 25},     /* a decoder prompt: the generic kernel */
+      {4, 128, 16, 7, false, 0, 3, 300, true, true, 3},      /* head_dim 128 */
+      {4, 16, 4, 5, false, 0, 6, 30, true, true, 5},         /* small heads */
+      {2, 64, 16, 2, false, 7, 2, 200, false, false, 9},     /* a relative bias (generic) */
+  };
+  paged_q8 = true;
+  for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) paged_case(&cfg[c]);
+  static const int shapes[] = {1, 2, 3};
+  for (int v = 0; v < 3; v++) {
+    td_cuda_tuning t = cuda_base;
+    t.decode_bulk = 1, t.decode_bulk_all = 2000000000, t.decode_bulk_shape = shapes[v];
+    use_tuning(&t);
+    paged_mode = v == 0 ? "bulk copies, 4 warps x 2" : v == 1 ? "bulk copies, 2 warps x 2" : "bulk copies, 2 warps x 3";
+    for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++)
+      if (cfg[c].q_max == 1) paged_case(&cfg[c]);
+  }
+  td_cuda_tuning t = cuda_base;
+  t.decode_warp = 0; /* no decode kernels: the generic one */
+  use_tuning(&t);
+  paged_mode = "decode kernels off";
+  for (size_t c = 0; c < 4; c++) paged_case(&cfg[c]);
+  use_tuning(&cuda_base);
+  paged_qn_dim = 1024;
+  paged_mode = "query norm over 1024";
+  for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) paged_case(&cfg[c]);
+  paged_qn_dim = 0;
+  paged_mode = "default";
+  paged_q8 = false;
 }
 
 /* ---------------------------------------------------------- encoder states */

@@ -398,7 +398,7 @@ Test(cuda, graph_replay) {
   td_cuda_tuning t = cuda_base;
   t.kvpf_seqs = 1;
   use_tuning(&t);
-  td_kv_layout l = {1, GH, GDH, GBS, 0};
+  td_kv_layout l = {1, GH, GDH, GBS, 0, 0};
   step_bufs s;
   s.wemb = galloc(TD_BUF_ACT, (size_t)GV * GD, 1.0f);
   s.wqkv = galloc(TD_BUF_ACT, (size_t)3 * GD * GD, 0.1f);

@@ -43,7 +43,7 @@ enum { HOST = 1, GPU = 2, GPU_SLICE = 3, BIG = 4, NB = 512, NB_BIG = 64 };
 
 
 static td_kvx_geom geom(int l0, int l1, int h0, int h1) {
-  td_kvx_geom g = {{l1 - l0, h1 - h0, 64, 16, 0}, 2, l0, l1, h0, h1}; /* bf16, 64 KiB when 2 x 8 heads */
+  td_kvx_geom g = {{l1 - l0, h1 - h0, 64, 16, 0, 0}, 2, l0, l1, h0, h1}; /* bf16, 64 KiB when 2 x 8 heads */
   return g;
 }
 static const td_kvx_geom *full_geom(void) {

@@ -154,7 +154,7 @@ static inline void kt_fill_random(void *p, size_t n, uint64_t seed) {
 }
 
 static inline td_kvx_geom kt_geom(int l0, int l1, int h0, int h1, int head_dim, int slots, int elem) {
-  td_kvx_geom g = {{l1 - l0, h1 - h0, head_dim, slots, 0}, elem, l0, l1, h0, h1};
+  td_kvx_geom g = {{l1 - l0, h1 - h0, head_dim, slots, 0, 0}, elem, l0, l1, h0, h1};
   return g;
 }
 

@@ -10,7 +10,7 @@
 #define NB 37
 
 Test(kvcache, random_operations_keep_invariants) {
-  td_kv_layout l = {2, 2, 4, 3, 0};
+  td_kv_layout l = {2, 2, 4, 3, 0, 0};
   td_kv_pool *p;
   cr_assert(td_kv_pool_create(NULL, &l, NB, &p) == TD_OK);
   /* holders: each owns a list of block ids (one reference per entry) */
@@ -112,7 +112,7 @@ Test(kvcache, copy_on_write_copies_contents) {
   td_backend_opts bo = {.kind = TD_BACKEND_CPU};
   td_backend *b;
   cr_assert(td_backend_create(&bo, &b) == TD_OK);
-  td_kv_layout l = {3, 2, 5, 4, 0};
+  td_kv_layout l = {3, 2, 5, 4, 0, 0};
   td_kv_pool *p;
   cr_assert(td_kv_pool_create(b, &l, 6, &p) == TD_OK);
   size_t be = td_kv_block_elems(&l);
@@ -137,7 +137,7 @@ Test(kvcache, copy_on_write_copies_contents) {
 }
 
 Test(kvcache, reservations_expire_and_refuse) {
-  td_kv_layout l = {1, 1, 1, 1, 0};
+  td_kv_layout l = {1, 1, 1, 1, 0, 0};
   td_kv_pool *p;
   cr_assert(td_kv_pool_create(NULL, &l, 4, &p) == TD_OK);
   uint64_t r;
@@ -165,7 +165,7 @@ Test(kvcache, states_tail_layout_and_writes) {
   td_backend *b;
   cr_assert(td_backend_create(&bo, &b) == TD_OK);
   const int L = 2, H = 3, dh = 4, bs = 5, W = 6, NBK = 3;
-  td_kv_layout l = {L, H, dh, bs, W};
+  td_kv_layout l = {L, H, dh, bs, W, 0};
   cr_assert_eq(td_kv_block_elems(&l), (size_t)L * 2 * H * bs * dh + (size_t)bs * W);
   td_kv_span sp = td_kv_layer_span(&l, L), s1 = td_kv_layer_span(&l, 1);
   cr_expect(sp.off == (size_t)L * 2 * H * bs * dh && sp.heads == 1 && sp.dim == W / 2, "tail span %zu %d %d", sp.off,
@@ -201,13 +201,13 @@ Test(kvcache, states_tail_layout_and_writes) {
                      "row %d plane %d column %d", i, kv, c);
   }
   cr_expect(td_kv_write(b, dev, dev, 2, mem, &l, L, dslots, N) == TD_ERR_INVALID, "a row stride under states / 2");
-  td_kv_layout plain = {L, H, dh, bs, 0};
+  td_kv_layout plain = {L, H, dh, bs, 0, 0};
   cr_expect(td_kv_write(b, dev, dev, 8, mem, &plain, L, dslots, N) == TD_ERR_INVALID, "a tail the layout lacks");
   int32_t pairs[2] = {1, 0};
   cr_assert(td_kv_copy_blocks(b, mem, &l, pairs, 1) == TD_OK);
   cr_expect_arr_eq(mem, mem + be, be * sizeof(float), "a block copy moves its tail too");
   td_kv_pool *bad = NULL;
-  td_kv_layout odd = {L, H, dh, bs, 5}, none = {0, H, dh, bs, 0}, only = {0, H, dh, bs, W};
+  td_kv_layout odd = {L, H, dh, bs, 5, 0}, none = {0, H, dh, bs, 0, 0}, only = {0, H, dh, bs, W, 0};
   cr_expect(td_kv_pool_create(b, &odd, 2, &bad) == TD_ERR_INVALID, "an odd states width");
   cr_expect(td_kv_pool_create(b, &none, 2, &bad) == TD_ERR_INVALID, "no layers and no states");
   cr_expect(td_kv_pool_create(b, &only, 2, &bad) == TD_OK, "a pool of states only: %s", td_errmsg());
@@ -216,5 +216,38 @@ Test(kvcache, states_tail_layout_and_writes) {
   td_free(b, dev);
   td_free(b, dslots);
   td_kv_pool_destroy(p);
+  td_backend_destroy(b);
+}
+
+/* int8 K/V (td_kv_layout.int8): a layer is H x bs rows of dh bytes a plane
+ * and H x bs float scales a plane, sizes in 2-byte elements; the states
+ * tail after the layers as before; layouts it cannot hold are invalid, and
+ * the CPU backend refuses every op on one */
+Test(kvcache, int8_layout) {
+  td_kv_layout l = {3, 4, 64, 16, 128, 1};
+  cr_assert(td_kv_layout_valid(&l));
+  size_t layer = (size_t)4 * 16 * (64 + 4); /* 2 x 4 x 16 x 64 bytes + 2 x 4 x 16 x 4 bytes, in 2-byte units */
+  cr_expect_eq(td_kv_block_elems(&l), 3 * layer + 16 * 128);
+  for (int i = 0; i <= 3; i++) cr_expect_eq(td_kv_layer_span(&l, i).off, (size_t)i * layer, "layer %d", i);
+  td_kv_span tail = td_kv_layer_span(&l, 3);
+  cr_expect(tail.heads == 1 && tail.dim == 64);
+  td_kv_layout plain = l;
+  plain.int8 = 0;
+  cr_expect_eq(td_kv_block_elems(&plain), (size_t)3 * 2 * 4 * 16 * 64 + 16 * 128, "bf16: twice the bytes, no scales");
+  const td_kv_layout bad[] = {{3, 4, 24, 16, 0, 1}, {3, 4, 64, 6, 0, 1}, {0, 4, 64, 16, 128, 1}, {3, 4, 64, 16, 0, 2}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) cr_expect(!td_kv_layout_valid(&bad[i]), "layout %zu", i);
+  td_backend *b;
+  td_backend_opts o = {.kind = TD_BACKEND_CPU};
+  cr_assert(td_backend_create(&o, &b) == TD_OK);
+  void *pool = NULL;
+  cr_assert(td_alloc(b, TD_BUF_ACT, td_kv_block_elems(&l), &pool) == TD_OK);
+  float rows[2 * 256] = {0};
+  int32_t slot = 0;
+  cr_expect_eq(td_kv_write(b, rows, rows + 256, 512, pool, &l, 0, &slot, 1), TD_ERR_UNSUPPORTED);
+  cr_expect(strstr(td_errmsg(), "int8 K/V pools need the CUDA backend"), "%s", td_errmsg());
+  cr_expect_eq(td_kv_read(b, pool, &l, 0, &slot, 1, rows, rows + 256, 512), TD_ERR_UNSUPPORTED);
+  int32_t pairs[2] = {0, 0};
+  cr_expect_eq(td_kv_copy_blocks(b, pool, &l, pairs, 1), TD_ERR_UNSUPPORTED);
+  td_free(b, pool);
   td_backend_destroy(b);
 }

@@ -369,7 +369,7 @@ Test(model_cpu, gemm_ex_plain_layernorm_needs_row_sums) {
 Test(model_cpu, kv_prefetch_hint) {
   void *p;
   td_backend *b = cpu_with_buffer(TD_BUF_I32, 64, &p);
-  td_kv_layout l = {2, 2, 8, 4, 0};
+  td_kv_layout l = {2, 2, 8, 4, 0, 0};
   td_paged_meta m = {.n_seqs = 1, .n_tokens = 1, .max_q = 1, .max_ctx = 4, .q_start = p, .ctx_len = p,
                      .block_table = p, .max_blocks = 1};
   cr_expect(td_kv_prefetch(b, p, &l, 1, &m) == TD_OK, "%s", td_errmsg());

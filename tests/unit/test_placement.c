@@ -404,6 +404,37 @@ Test(placement, a_group_encodes_its_own_requests_only) {
   cr_expect(out.local_encode || out.encode == 2, "the group's request went to %s", who(&pl, out.encode));
 }
 
+/* A worker whose cross K/V are int8 (keeps_cross) encodes every request of
+ * its own, even beside encoder-only workers (no transfer carries that
+ * layout), encodes for no other worker and gets no prefill worker. */
+Test(placement, a_worker_with_int8_cross_kv_encodes_its_own_always) {
+  pool pl = {0};
+  td_place_worker *q8 = add(&pl, "q8", "d");
+  q8->enc_self = true;
+  q8->keeps_cross = true;
+  add(&pl, "enc", "e");
+  add(&pl, "pre", "p");
+  td_placement out;
+  const td_place_req longp = {.need_cross = 2, .need_self = 4, .width = 1, .n_prompt = 1000};
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(place(&pl, &longp, &out), TD_PLACE_OK);
+    cr_expect_str_eq(who(&pl, out.decode), "q8");
+    cr_expect(out.local_encode && out.encode == -1, "the int8 worker's request was encoded by %s", who(&pl, out.encode));
+    cr_expect_eq(out.prefill, -1, "a prefill worker was given the int8 worker's request");
+    q8->decoding = 1000; /* a full decode batch sends others' encodes to encoders, never its own */
+  }
+  /* a plain decode worker beside it is served by the encoder, never by the int8 worker */
+  td_place_worker *plain = add(&pl, "plain", "d");
+  q8->jobs = 9;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "plain");
+  cr_expect_str_eq(who(&pl, out.encode), "enc");
+  /* without the encoder it waits rather than being given the int8 worker's encoder */
+  pl.w[1].draining = true;
+  cr_expect_eq(place(&pl, &small, &out), TD_PLACE_WAIT);
+  (void)plain;
+}
+
 /* A decode worker that failed the request's last attempt (a group that lost
  * a rank fails whatever it gets) takes the next only when no other fits. */
 Test(placement, the_decode_worker_that_failed_the_last_attempt_is_avoided) {
