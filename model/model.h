@@ -46,8 +46,8 @@ typedef struct td_model_opts {
    * td_attn_states_rows; -1: never) */
   int states_rows;
   /* The cross pool's per-layer K/V in int8, a float scale a (position,
-   * head) row (td_kv_layout.int8): half the bytes a decode step reads of
-   * them, and twice the sequences a pool holds, for values within 1/254 of
+   * head) row (td_kv_layout.int8): 0.53x the bytes a decode step reads of
+   * them, and 1.5-1.9x the sequences a pool holds, for values within 1/254 of
    * each row's largest (not the reference's bits: off by default). CUDA,
    * one rank, a cross mode with K/V; no cross K/V may move between
    * processes (the router keeps such a worker's encodes local). */
