@@ -32,10 +32,12 @@ const char *td_status_str(td_status s) {
 }
 
 td_status td_err(td_status s, const char *fmt, ...) {
+  char msg[TD_ERRMSG_CAP]; /* an argument may be td_errmsg() itself */
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(errmsg, sizeof errmsg, fmt, ap);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  memcpy(errmsg, msg, sizeof errmsg);
   return s;
 }
 

@@ -61,9 +61,10 @@
 #                   [--gateway-port N | --no-gateway]  (the HTTP gateway; default: any free port)
 #                   [--cross-kv-dtype bf16|int8]       (int8: decode workers keep the cross K/V in int8
 #                                                     with a scale a row: half the bytes a decode step
-#                                                     reads, not the reference's bits; GPU workers that
-#                                                     encode their own requests: --encoders 0 --prefills 0,
-#                                                     one rank each)
+#                                                     reads, not the reference's bits; GPU decode workers
+#                                                     of one rank, which encode their own requests or
+#                                                     project the encoders' states (then not with
+#                                                     --cross-transfer kv or --cross-mode kv))
 #                   [--gateway-api-keys FILE]         (HTTP clients must give one of its keys, one a line,
 #                                                     mode 0600, as "Authorization: Bearer KEY" for /v1/;
 #                                                     with --auth and without this, one key is made in
@@ -371,11 +372,15 @@ fi
 [[ $cross_kv_dtype == bf16 || $cross_kv_dtype == int8 ]] ||
   { echo "local.sh: --cross-kv-dtype must be bf16 or int8" >&2; exit 2; }
 if [[ $cross_kv_dtype == int8 ]]; then
-  # int8 cross K/V never leave the worker that makes them
+  # int8 cross K/V never travel: decode workers make them, or project the encoders' states into them
   [[ $device == cuda ]] || { echo "local.sh: --cross-kv-dtype int8 needs GPU workers (--device cuda)" >&2; exit 2; }
-  ((encoders == 0 && prefills == 0 && decode_tp == 1 && decode_pp == 1)) ||
-    { echo "local.sh: --cross-kv-dtype int8 is for decode workers of one rank that encode their own requests:" \
-        "--encoders 0 --prefills 0" >&2; exit 2; }
+  ((decode_tp == 1 && decode_pp == 1)) ||
+    { echo "local.sh: --cross-kv-dtype int8 is for decode workers of one rank" >&2; exit 2; }
+  [[ $cross_mode != states ]] ||
+    { echo "local.sh: --cross-kv-dtype int8 quantizes the per-layer K/V: not with --cross-mode states" >&2; exit 2; }
+  ((encoders == 0)) || [[ $cross_transfer != kv && $cross_mode != kv ]] ||
+    { echo "local.sh: --cross-kv-dtype int8 with encoders takes their encoder states: not with --cross-transfer kv" \
+        "or --cross-mode kv" >&2; exit 2; }
 fi
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }

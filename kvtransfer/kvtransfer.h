@@ -30,7 +30,8 @@ typedef struct td_kvx td_kvx;
 typedef struct td_kvx_peer td_kvx_peer;
 
 #define TD_KVX_MAX_POOLS 16
-#define TD_KVX_DESC_VERSION 3 /* 2: the layout's states tail; 3: CUDA IPC handles (2 is still read) */
+#define TD_KVX_DESC_VERSION 4 /* 2: the layout's states tail; 3: CUDA IPC handles; 4: int8 K/V layouts (2 and 3 are
+                                 still read) */
 
 typedef enum td_kvx_mem { TD_KVX_MEM_HOST = 0, TD_KVX_MEM_CUDA = 1 } td_kvx_mem;
 /* AUTO: CUDA IPC for GPU to GPU on one host where both sides can, else

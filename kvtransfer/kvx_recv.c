@@ -233,6 +233,7 @@ static void handle_req(td_kvx *k, kvx_rpeer *rp, uint64_t xid, kvx_rbuf *r) {
   sg.layout.head_dim = kvx_r_i32(r);
   sg.layout.block_size = kvx_r_i32(r);
   sg.layout.states = kvx_r_i32(r);
+  sg.layout.int8 = kvx_r_u8(r);
   sg.layer0 = kvx_r_i32(r);
   sg.layer1 = kvx_r_i32(r);
   sg.head0 = kvx_r_i32(r);

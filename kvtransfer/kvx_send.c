@@ -207,6 +207,7 @@ td_status td_kvx_post(td_kvx_peer *p, const td_kvx_xfer *q, td_kvx_done_fn cb, v
   kvx_w_i32(&w, g->layout.head_dim);
   kvx_w_i32(&w, g->layout.block_size);
   kvx_w_i32(&w, g->layout.states);
+  kvx_w_u8(&w, (uint8_t)g->layout.int8);
   kvx_w_i32(&w, g->layer0);
   kvx_w_i32(&w, g->layer1);
   kvx_w_i32(&w, g->head0);

@@ -17,6 +17,8 @@ td_status td_kvx_geom_check(const td_kvx_geom *g) {
                   l->n_layers, l->n_heads, l->head_dim, l->block_size, l->states);
   if (g->elem_size != 1 && g->elem_size != 2 && g->elem_size != 4 && g->elem_size != 8)
     return td_err(TD_ERR_INVALID, "KV geometry: element size %d", g->elem_size);
+  if (l->int8 && g->elem_size != 2) /* the int8 layout's sizes are in 2-byte elements (GPU pools) */
+    return td_err(TD_ERR_INVALID, "KV geometry: int8 K/V in a pool of %d-byte elements", g->elem_size);
   /* 64-bit: ranges come from the wire. */
   if (g->layer0 < 0 || g->layer0 > KVX_MAX_DIM || (int64_t)g->layer1 - g->layer0 != l->n_layers || g->head0 < 0 ||
       g->head0 > KVX_MAX_DIM || (int64_t)g->head1 - g->head0 != l->n_heads)
@@ -60,18 +62,27 @@ td_status td_kvx_slice_plan(const td_kvx_geom *s, const td_kvx_geom *d, td_kvx_s
   int l0 = imax(s->layer0, d->layer0), l1 = imin(s->layer1, d->layer1);
   int h0 = imax(s->head0, d->head0), h1 = imin(s->head1, d->head1);
   if (h0 >= h1) l1 = l0; /* no K/V in common; the states tail still is */
-  /* One head's [slot][head_dim] sub-slab. */
-  uint64_t unit = (uint64_t)s->layout.block_size * (uint64_t)s->layout.head_dim * (uint64_t)s->elem_size;
-  uint64_t len = (uint64_t)(h1 - h0) * unit;
+  if (l0 < l1 && s->layout.int8 != d->layout.int8)
+    return td_err(TD_ERR_INVALID, "KV re-slicing: %s K/V into a pool of %s K/V (only encoder states cross between "
+                  "them)", s->layout.int8 ? "int8" : "bf16", d->layout.int8 ? "int8" : "bf16");
+  /* A layer: [K|V][head] sub-slabs of [slot][head_dim], and for int8 (a
+   * byte a value) then [K|V][head] runs of [slot] float scales. */
+  const int bs = s->layout.block_size, dh = s->layout.head_dim, q8 = s->layout.int8;
+  const uint64_t es = (uint64_t)s->elem_size;
+  uint64_t unit[2] = {(uint64_t)bs * (uint64_t)dh * (q8 ? 1 : es), (uint64_t)bs * 4};
+  uint64_t s_layer = (uint64_t)td_kv_layer_span(&s->layout, 1).off * es;
+  uint64_t d_layer = (uint64_t)td_kv_layer_span(&d->layout, 1).off * es;
   int k = 0;
-  for (int l = l0; l < l1; l++) {
-    for (int kv = 0; kv < 2; kv++) {
-      uint64_t so = ((uint64_t)((l - s->layer0) * 2 + kv) * (uint64_t)s->layout.n_heads + (uint64_t)(h0 - s->head0)) * unit;
-      uint64_t dof = ((uint64_t)((l - d->layer0) * 2 + kv) * (uint64_t)d->layout.n_heads + (uint64_t)(h0 - d->head0)) * unit;
-      if (!slice_push(out, &k, cap, so, dof, len))
-        return td_err(TD_ERR_INVALID, "KV re-slicing: more than %d slices", cap);
-    }
-  }
+  for (int l = l0; l < l1; l++)
+    for (int part = 0; part < (q8 ? 2 : 1); part++)
+      for (int kv = 0; kv < 2; kv++) {
+        uint64_t so = (uint64_t)(l - s->layer0) * s_layer + (part ? 2 * (uint64_t)s->layout.n_heads * unit[0] : 0) +
+                      ((uint64_t)kv * (uint64_t)s->layout.n_heads + (uint64_t)(h0 - s->head0)) * unit[part];
+        uint64_t dof = (uint64_t)(l - d->layer0) * d_layer + (part ? 2 * (uint64_t)d->layout.n_heads * unit[0] : 0) +
+                       ((uint64_t)kv * (uint64_t)d->layout.n_heads + (uint64_t)(h0 - d->head0)) * unit[part];
+        if (!slice_push(out, &k, cap, so, dof, (uint64_t)(h1 - h0) * unit[part]))
+          return td_err(TD_ERR_INVALID, "KV re-slicing: more than %d slices", cap);
+      }
   if (s->layout.states > 0) {
     uint64_t tail = (uint64_t)s->layout.block_size * (uint64_t)s->layout.states * (uint64_t)s->elem_size;
     if (!slice_push(out, &k, cap, td_kvx_block_bytes(s) - tail, td_kvx_block_bytes(d) - tail, tail))
@@ -88,8 +99,8 @@ static td_status block_slices(const td_kvx_geom *s, const td_kvx_geom *d, td_kvx
   *ns = 0;
   TD_TRY(td_kvx_geom_check(s));
   TD_TRY(td_kvx_geom_check(d));
-  /* At most 2 slices per layer, and the states tail. */
-  int cap = 2 * imin(s->layout.n_layers, d->layout.n_layers) + 1;
+  /* At most 2 slices per layer (4 for int8: the scales), and the states tail. */
+  int cap = (s->layout.int8 ? 4 : 2) * imin(s->layout.n_layers, d->layout.n_layers) + 1;
   if (!(*sl = malloc(sizeof **sl * (size_t)cap))) return td_err(TD_ERR_NOMEM, "out of memory");
   td_status st = td_kvx_slice_plan(s, d, *sl, cap, ns);
   if (st != TD_OK) {

@@ -115,15 +115,18 @@ uint32_t kvx_crc32(const void *data, size_t n) {
 /* Layout: magic u32, version u16, caps u32, uuid u64, host_id u64, pid u32,
  * gpu_id u64, addr (u32 len + bytes), staging u8 [base u64, slot_bytes u64, slots u32,
  * rkey], [version 3: ipc u8 [device id: u8 len + bytes]], n_pools u32, pools
- * (each [version 3: ipc u8 [offset u64, handle]]), crc32 u32 of everything
- * before it. */
+ * (each: geometry [version 4: int8 u8], base, rkey [version 3: ipc u8 [offset
+ * u64, handle]]), crc32 u32 of everything before it. */
 td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len) {
   *out = NULL;
   *len = 0;
   uint16_t version = d->version ? d->version : TD_KVX_DESC_VERSION;
-  if (version != 2 && version != TD_KVX_DESC_VERSION)
+  if (version < 2 || version > TD_KVX_DESC_VERSION)
     return td_err(TD_ERR_VERSION, "KV transfer descriptor: cannot write version %u", (unsigned)version);
-  bool v3 = version >= 3;
+  for (int i = 0; version < 4 && i < d->n_pools; i++)
+    if (d->pools[i].info.geom.layout.int8)
+      return td_err(TD_ERR_VERSION, "KV transfer descriptor: version %u has no int8 layouts", (unsigned)version);
+  bool v3 = version >= 3, v4 = version >= 4;
   kvx_wbuf w = {0};
   kvx_w_u32(&w, KVX_DESC_MAGIC);
   kvx_w_u16(&w, version);
@@ -168,6 +171,7 @@ td_status kvx_desc_encode(const kvx_desc *d, uint8_t **out, size_t *len) {
     kvx_w_i32(&w, g->layer1);
     kvx_w_i32(&w, g->head0);
     kvx_w_i32(&w, g->head1);
+    if (v4) kvx_w_u8(&w, (uint8_t)g->layout.int8);
     kvx_w_u64(&w, p->base);
     kvx_w_u32(&w, p->rkey_len);
     kvx_w_bytes(&w, p->rkey, p->rkey_len);
@@ -197,10 +201,10 @@ td_status kvx_desc_decode(const void *bytes, size_t len, kvx_desc *d) {
   kvx_rbuf r = {.p = bytes, .len = len};
   if (kvx_r_u32(&r) != KVX_DESC_MAGIC) return BAD("bad magic (not a descriptor)");
   d->version = kvx_r_u16(&r);
-  if (d->version != 2 && d->version != TD_KVX_DESC_VERSION)
-    return td_err(TD_ERR_VERSION, "KV transfer descriptor: version %u, this build reads versions 2 and %u",
+  if (d->version < 2 || d->version > TD_KVX_DESC_VERSION)
+    return td_err(TD_ERR_VERSION, "KV transfer descriptor: version %u, this build reads versions 2 to %u",
                   (unsigned)d->version, (unsigned)TD_KVX_DESC_VERSION);
-  bool v3 = d->version >= 3;
+  bool v3 = d->version >= 3, v4 = d->version >= 4;
   /* The checksum catches truncation and corruption before any field is trusted. */
   uint32_t crc = kvx_crc32(bytes, len - 4);
   kvx_rbuf tail = {.p = (const uint8_t *)bytes + len - 4, .len = 4};
@@ -259,6 +263,7 @@ td_status kvx_desc_decode(const void *bytes, size_t len, kvx_desc *d) {
     g->layer1 = kvx_r_i32(&r);
     g->head0 = kvx_r_i32(&r);
     g->head1 = kvx_r_i32(&r);
+    g->layout.int8 = v4 ? kvx_r_u8(&r) : 0; /* td_kvx_geom_check takes 0 or 1 */
     p->base = kvx_r_u64(&r);
     p->rkey_len = kvx_r_u32(&r);
     if (r.bad) return BAD("pool %d truncated", i);

@@ -12,7 +12,8 @@
 
 #define KVX_DESC_MAGIC 0x584b4454u /* "TDKX" */
 #define KVX_MSG_MAGIC 0x4d4b4454u  /* "TDKM" */
-#define KVX_MSG_VERSION 4 /* 2: NCCL chunking in REQ; 3: the layout's states tail; 4: REQ's sender token */
+#define KVX_MSG_VERSION 5 /* 2: NCCL chunking in REQ; 3: the layout's states tail; 4: REQ's sender token;
+                            5: REQ's int8 K/V flag */
 #define KVX_MAX_ADDR (64u << 10)
 #define KVX_MAX_RKEY (16u << 10)
 #define KVX_MAX_MSG_BLOCKS (1 << 20)
@@ -65,7 +66,7 @@ typedef struct kvx_desc_pool {
 } kvx_desc_pool;
 
 typedef struct kvx_desc {
-  uint16_t version; /* encode: 0 writes TD_KVX_DESC_VERSION; 2 the layout without IPC */
+  uint16_t version; /* encode: 0 writes TD_KVX_DESC_VERSION; 2 the layout without IPC, 3 without int8 */
   uint32_t caps;
   uint64_t uuid, host_id;
   uint32_t pid;

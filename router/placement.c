@@ -95,15 +95,21 @@ static bool enc_room(const td_place_worker *w, const td_place_req *q, const td_p
 /* The encoder for decode worker d: d itself (-2 below means "local") or an
  * index; -1 when every candidate is full. */
 #define LOCAL (-2)
+/* Whether receiver r takes the cross pushes of encoder w: encoder states
+ * only where they are projected, K/V only where the pool is not int8. */
+static bool takes(const td_place_worker *r, const td_place_worker *w) {
+  return w->states_out ? r->projects : !r->no_kv_in;
+}
+
 /* Whether encoder w's pushes can go to d (and to a prefill worker, when
- * one will be used): encoder states only to workers that project them. */
+ * one will be used); d encoding its own pushes nothing. */
 static bool form_ok(const td_place_worker *const *pool, int n, int d, const td_place_worker *w, const td_place_req *q,
                     const td_place_opts *o) {
-  if (!w->states_out) return true;
-  if (!pool[d]->projects) return false;
+  if (w == pool[d]) return true;
+  if (!takes(pool[d], w)) return false;
   if (pool[d]->pre || q->n_prompt < o->prefill_threshold) return true;
   for (int i = 0; i < n; i++)
-    if (pool[i]->pre && !pool[i]->draining && !pool[i]->projects) return false;
+    if (pool[i]->pre && !pool[i]->draining && !takes(pool[i], w)) return false;
   return true;
 }
 
@@ -118,7 +124,6 @@ static int pick_encoder(const td_place_worker *const *pool, int n, int d, const 
                         const td_place_opts *o) {
   const td_place_worker *dw = pool[d];
   bool self = dw->enc || dw->enc_self; /* d may encode its own */
-  if (dw->keeps_cross) return self ? LOCAL : -1;
   bool pure = false; /* an encoder-only worker is there to share the encoding with */
   for (int i = 0; i < n; i++)
     pure |= pool[i]->enc && !pool[i]->dec && !pool[i]->draining && form_ok(pool, n, d, pool[i], q, o);
@@ -162,6 +167,11 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
       snprintf(out->why, sizeof out->why, "the encoders push encoder states, which decode worker %s%s cannot project "
                "(cross mode kv): start an encoder with --cross-transfer kv",
                pool[d]->id ? pool[d]->id : "?", pool[d]->projects ? "'s prefill workers" : "");
+      out->missing = true;
+    } else if (!usable && pool[d]->no_kv_in) {
+      snprintf(out->why, sizeof out->why, "decode worker %s keeps its cross K/V in int8 and takes encoder states "
+               "only; the encoders push K/V (--cross-transfer kv): start an encoder without it",
+               pool[d]->id ? pool[d]->id : "?");
       out->missing = true;
     }
     return TD_PLACE_WAIT;

@@ -295,12 +295,12 @@ void rtr_register_checked(td_router *r, const uint8_t *id, size_t id_len, const 
   }
   w->pl.states_out = states_encoder(r, in);
   w->pl.projects = in->cross_projects;
-  /* int8 cross K/V stay where they are made: it encodes for itself only, and nothing is pushed to it */
-  w->pl.keeps_cross = in->cross_int8;
+  /* int8 cross K/V never travel: it encodes for itself only, and takes encoder states (which it projects into its
+     int8 K/V), never K/V blocks */
+  w->pl.no_kv_in = in->cross_int8;
   if (in->cross_int8) {
     w->pl.enc_self = w->pl.dec && (w->pl.enc || w->pl.enc_self);
     w->pl.enc = false;
-    w->pl.projects = false;
   }
   w->self_blocks = (int)in->self_blocks;
   w->pl.cross_blocks = (int)in->cross_blocks;

@@ -266,7 +266,8 @@ int main(int argc, char **argv) {
     o.cross_mode = TD_CROSS_STATES;
   }
   if (o.cross_int8) {
-    /* int8 cross K/V never leave the worker that makes them (no transfer carries the layout) */
+    /* int8 cross K/V are made where they are read: by this worker's encoder, or projected here from encoder
+       states pushed by others (router/placement.c); they are never pushed */
     bool enc = false, dec = false;
     for (int i = 0; i < o.n_roles; i++) {
       enc |= served[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
@@ -274,10 +275,12 @@ int main(int argc, char **argv) {
     }
     const char *why = o.device != TD_BACKEND_CUDA ? "needs --device cuda"
                       : o.group                   ? "is for a worker of one rank, not a group"
-                      : !enc || !dec              ? "needs the encode and decode roles (its cross K/V are made where "
-                                                    "they are read)"
+                      : !dec                      ? "is for decode workers (the cross K/V are made where they are read)"
                       : o.cross_transfer_kv       ? "keeps the cross K/V in the worker: not with --cross-transfer kv"
-                                                  : NULL;
+                      : !enc && o.cross_mode == TD_CROSS_KV
+                          ? "on a decode worker without the encode role takes encoder states pushes: not with "
+                            "--cross-mode kv (auto or dual)"
+                          : NULL;
     if (why) {
       fprintf(stderr, "tandem-worker: --cross-kv-dtype int8 %s\n", why);
       return 2;

@@ -105,7 +105,7 @@ void w_send_register(td_worker *w) {
   in.device = (char *)td_backend_name(w->b);
   in.pid = (uint32_t)getpid();
   in.cross_mode = (char *)td_cross_mode_name(w->states_out ? TD_CROSS_STATES : w->o.cross_mode);
-  in.cross_projects = w->states_bb > 0 && !w->o.cross_int8;
+  in.cross_projects = w->states_bb > 0;
   in.cross_int8 = w->o.cross_int8;
   in.version = TD_BUILD_VERSION;
   Tandem__Cluster__Register reg = TANDEM__CLUSTER__REGISTER__INIT;

@@ -106,6 +106,8 @@ cluster_fixtures() {
         epp2) flags=(--encoders 1 --encoder-pp 2) ;;
         dpp2) flags=(--encoders 0 --decode-pp 2) ;;
         dpp2s) flags=(--encoders 0 --decode-pp 2 --pp-sets 2) ;;
+        q8) flags=(--encoders 0 --cross-kv-dtype int8) ;;   # int8 cross K/V, encoded in the decode worker
+        q8s) flags=(--encoders 1 --cross-kv-dtype int8) ;;  # int8 cross K/V projected from an encoder's states
         *) echo "  unknown mode $mode"; bad=$((bad + 1)); continue ;;
       esac
       local run=$tmp/run-$name-$mode

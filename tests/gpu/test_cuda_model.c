@@ -191,6 +191,9 @@ typedef struct rig {
 static td_cross_mode rig_mode;
 static int rig_states_rows;
 static bool rig_int8;      /* the GPU rig's cross K/V in int8 (td_model_opts.cross_int8) */
+/* set: the GPU rig's cross K/V are projected from encoder states that this
+ * rig (cross mode states) made, as a decode worker takes them pushed */
+static struct rig *rig_sender;
 static double rig_tol = TOL; /* the least error bound check_model allows */
 static td_model_tuning rig_tuning;
 static td_cuda_tuning cuda_tuning; /* main's, from the environment */
@@ -268,7 +271,27 @@ static void measure(rig *r, const fixture *fx, int i, meas *out) {
   td_encode_input in = {.n_seqs = 1, .lens = &q->n_input, .tokens = q->input_ids,
                         .features = fx->features ? fx->features + (size_t)i * fx->mels * fx->frames : NULL,
                         .cross_slots = cs};
-  cr_assert(td_model_encode(r->m, &in, enc) == TD_OK, "%s", td_errmsg());
+  if (rig_sender && td_backend_get_kind(r->b) == TD_BACKEND_CUDA) {
+    /* a states push: the sender's blocks' states land in these blocks' tails and are projected here */
+    int32_t sb[64];
+    cr_assert(td_kv_alloc(rig_sender->cross, ncb, sb) == TD_OK);
+    int32_t *ss = malloc(sizeof(int32_t) * (size_t)L);
+    for (int t = 0; t < L; t++) ss[t] = sb[t / bs] * bs + t % bs;
+    td_encode_input si = in;
+    si.cross_slots = ss;
+    cr_assert(td_model_encode(rig_sender->m, &si, enc) == TD_OK, "%s", td_errmsg());
+    size_t es = td_buf_elem_size(r->b, TD_BUF_ACT);
+    size_t sbb = td_kv_block_elems(td_kv_pool_layout(rig_sender->cross)) * es;
+    size_t dbb = td_kv_block_elems(td_kv_pool_layout(r->cross)) * es;
+    for (int k = 0; k < ncb; k++)
+      cr_assert(td_copy_d2d(r->b, (char *)td_kv_pool_memory(r->cross) + (size_t)cross_blocks[k] * dbb + dbb - sbb,
+                            (const char *)td_kv_pool_memory(rig_sender->cross) + (size_t)sb[k] * sbb, sbb) == TD_OK);
+    cr_assert(td_model_project_cross(r->m, cs, L) == TD_OK, "%s", td_errmsg());
+    td_kv_unref_all(rig_sender->cross, sb, ncb);
+    free(ss);
+  } else {
+    cr_assert(td_model_encode(r->m, &in, enc) == TD_OK, "%s", td_errmsg());
+  }
   out->enc = fx_rel_err(enc, fx->enc_out + q->enc_off * d, (size_t)L * d);
   free(enc);
   free(cs);
@@ -375,7 +398,7 @@ static void check_model(const char *name, int bs) {
   fprintf(stderr,
           "cuda model %-22s bs=%-2d%s enc %.2e tf %.2e inc %.2e | bf16-emulating CPU: enc %.2e tf %.2e inc %.2e | "
           "near-tie flips %d\n",
-          name, bs, rig_int8 ? " int8 cross K/V" : "", w[0], w[1], w[2], w[3], w[4], w[5], ties);
+          name, bs, rig_int8 ? (rig_sender ? " int8 cross K/V projected" : " int8 cross K/V") : "", w[0], w[1], w[2], w[3], w[4], w[5], ties);
   rig_close(&g);
   rig_close(&e);
   fx_free(&fx);
@@ -447,6 +470,36 @@ Test(model_cuda, cross_int8, .timeout = 300) {
     td_model_destroy(m);
   }
   td_backend_destroy(b);
+}
+
+/* int8 cross K/V projected from pushed encoder states (a decode worker
+ * beside encoder workers): a bf16 rig in cross mode states encodes, its
+ * states tails are copied into the int8 rig's dual blocks and projected;
+ * every step reads the int8 K/V. Logits within 8 % as above. */
+Test(model_cuda, cross_int8_projected, .timeout = 300) {
+  static const char *names[] = {"t5-tiny", "bart-tiny", "whisper-tiny", "t5-four-layers", "whisper-four-layers"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    fixture fx;
+    fx_load(names[i], &fx);
+    int bs = i % 2 ? 4 : 16;
+    rig snd;
+    rig_mode = TD_CROSS_STATES;
+    rig_open(&snd, fx.dir, bs, fx.vocab, false);
+    rig_mode = TD_CROSS_DUAL;
+    rig_states_rows = -1;
+    rig_int8 = true;
+    rig_tol = 8e-2;
+    rig_sender = &snd;
+    check_model(names[i], bs);
+    rig_sender = NULL;
+    rig_tol = TOL;
+    rig_int8 = false;
+    rig_states_rows = 0;
+    rig_mode = TD_CROSS_AUTO;
+    cr_expect_eq(td_kv_pool_num_free(snd.cross), 64);
+    rig_close(&snd);
+    fx_free(&fx);
+  }
 }
 
 /* Both in the cross pool: steps of two rows or more over the states, single

@@ -110,8 +110,8 @@ Test(kvx_desc, version_2_without_ipc) {
   cr_assert_eq(kvx_desc_encode(&d, &b, &n), TD_OK);
   d.version = 0;
   cr_assert_eq(kvx_desc_encode(&d, &b3, &n3), TD_OK);
-  /* flag, length, 13 bytes; a flag per pool, offset and handle */
-  cr_assert_eq(n, n3 - 1 - 1 - 13 - 1 - 1 - 8 - KVX_IPC_HANDLE_LEN, "IPC fields left in version 2");
+  /* flag, length, 13 bytes; a flag per pool, offset and handle; an int8 flag per pool (version 4) */
+  cr_assert_eq(n, n3 - 1 - 1 - 13 - 1 - 1 - 8 - KVX_IPC_HANDLE_LEN - 2, "IPC fields left in version 2");
   cr_assert_eq(kvx_desc_decode(b, n, &e), TD_OK, "%s", td_errmsg());
   cr_assert_eq(e.version, 2);
   cr_assert_not(e.ipc);
@@ -125,6 +125,46 @@ Test(kvx_desc, version_2_without_ipc) {
   free(b3);
   d.version = 1;
   cr_assert_eq(kvx_desc_encode(&d, &b3, &n3), TD_ERR_VERSION);
+  free(b);
+}
+
+/* Version 4: a pool's int8 K/V flag (td_kv_layout.int8), whose block
+ * bytes differ from bf16's; version 3 has none (read as 0) and cannot carry
+ * an int8 pool; a flag other than 0 or 1 is refused. */
+Test(kvx_desc, int8_layouts) {
+  kvx_desc d = sample(), e;
+  d.pools[1].info.geom.layout.int8 = 1;
+  uint8_t *b = NULL, *b3 = NULL;
+  size_t n = 0, n3 = 0;
+  cr_assert_eq(kvx_desc_encode(&d, &b, &n), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(kvx_desc_decode(b, n, &e), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(e.version, TD_KVX_DESC_VERSION);
+  cr_assert_eq(e.pools[1].info.geom.layout.int8, 1);
+  cr_assert_eq(e.pools[0].info.geom.layout.int8, 0);
+  td_kvx_geom plain = e.pools[1].info.geom;
+  plain.layout.int8 = 0;
+  cr_assert_lt(td_kvx_block_bytes(&e.pools[1].info.geom), td_kvx_block_bytes(&plain));
+  /* the flag byte: the last pool ends with int8, base, key (none), IPC flag, offset, handle */
+  size_t at = n - 4 - KVX_IPC_HANDLE_LEN - 8 - 1 - 4 - 8 - 1;
+  cr_assert_eq(b[at], 1);
+  b[at] = 2;
+  fix_crc(b, n);
+  cr_assert_eq(kvx_desc_decode(b, n, &e), TD_ERR_FORMAT, "int8 flag 2 accepted");
+  free(b);
+  d.version = 3;
+  cr_assert_eq(kvx_desc_encode(&d, &b3, &n3), TD_ERR_VERSION);
+  d.pools[1].info.geom.layout.int8 = 0;
+  cr_assert_eq(kvx_desc_encode(&d, &b3, &n3), TD_OK);
+  cr_assert_eq(kvx_desc_decode(b3, n3, &e), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(e.version, 3);
+  cr_assert_eq(e.pools[1].info.geom.layout.int8, 0);
+  free(b3);
+  /* int8 in a pool of 4-byte elements (the CPU's) is no layout */
+  d = sample();
+  d.pools[0].info.geom.layout.int8 = 1;
+  cr_assert_eq(kvx_desc_encode(&d, &b, &n), TD_OK);
+  cr_assert_eq(kvx_desc_decode(b, n, &e), TD_ERR_FORMAT);
+  cr_assert(strstr(td_errmsg(), "int8"), "%s", td_errmsg());
   free(b);
 }
 

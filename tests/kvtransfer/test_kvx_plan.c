@@ -160,6 +160,74 @@ Test(kvx_plan, states_tail_is_every_ranks) {
   free(src);
 }
 
+/* Byte offset of value (layer, kv, head, slot, d) of an int8 block of g, or
+ * with d < 0 of that row's float scale (td_kv_layout.int8). */
+static size_t ref_off8(const td_kvx_geom *g, int layer, int kv, int head, int slot, int d) {
+  size_t H = (size_t)g->layout.n_heads, S = (size_t)g->layout.block_size, D = (size_t)g->layout.head_dim;
+  size_t layer_bytes = 2 * H * S * (D + 4), row = ((size_t)kv * H + (size_t)(head - g->head0)) * S + (size_t)slot;
+  return (size_t)(layer - g->layer0) * layer_bytes + (d >= 0 ? row * D + (size_t)d : 2 * H * S * D + row * 4);
+}
+
+/* int8 K/V (values a byte, then a float scale a row): the tail of encoder
+ * states lands at an int8 block's end from a states-only sender or a bf16
+ * block; int8 ranks re-slice into int8 ranks value for value and scale for
+ * scale; bf16 K/V into int8 K/V (or back) is refused, naming both. */
+Test(kvx_plan, int8_layouts) {
+  const int L = 3, H = 4, D = 16, S = 4, W = 8;
+  td_kvx_geom full8 = with_states(geom(0, L, 0, H, D, S, 2), W), bf = full8;
+  full8.layout.int8 = 1;
+  size_t fb = td_kvx_block_bytes(&full8), tail = (size_t)S * W * 2;
+  cr_assert_eq(fb, (size_t)L * 2 * H * S * (D + 4) + tail);
+  td_kvx_slice sl[64];
+  int n = 0;
+  /* states only, or a bf16 block's tail, into an int8 block: the tail alone */
+  td_kvx_geom so = with_states(geom(0, 0, 0, H, D, S, 2), W);
+  cr_assert_eq(td_kvx_slice_plan(&so, &full8, sl, 64, &n), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(n, 1);
+  cr_assert_eq(sl[0].src_off, 0);
+  cr_assert_eq(sl[0].dst_off, fb - tail);
+  cr_assert_eq(sl[0].len, tail);
+  td_kvx_geom other = with_states(geom(L, L + 1, 0, H, D, S, 2), W); /* bf16, no layer in common */
+  cr_assert_eq(td_kvx_slice_plan(&other, &full8, sl, 64, &n), TD_OK, "%s", td_errmsg());
+  cr_assert_eq(n, 1);
+  cr_assert_eq(sl[0].dst_off, fb - tail);
+  /* K/V in common with another dtype */
+  cr_assert_eq(td_kvx_slice_plan(&bf, &full8, sl, 64, &n), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "bf16 K/V into a pool of int8"), "%s", td_errmsg());
+  cr_assert_eq(td_kvx_slice_plan(&full8, &bf, sl, 64, &n), TD_ERR_INVALID);
+  /* the same geometry: one slice; int8 ranks: every value and scale where it belongs */
+  cr_assert_eq(td_kvx_slice_plan(&full8, &full8, sl, 64, &n), TD_OK);
+  cr_assert_eq(n, 1);
+  cr_assert_eq(sl[0].len, fb);
+  uint8_t *src = random_block(fb, 5);
+  for (int tp = 1; tp <= 4; tp *= 2)
+    for (int pp = 1; pp <= 3; pp += 2)
+      for (int i = 0; i < pp; i++)
+        for (int j = 0; j < tp; j++) {
+          td_kvx_geom r = with_states(geom(i * L / pp, (i + 1) * L / pp, j * H / tp, (j + 1) * H / tp, D, S, 2), W);
+          r.layout.int8 = 1;
+          size_t rb = td_kvx_block_bytes(&r);
+          uint8_t *got = calloc(1, rb), *want = calloc(1, rb);
+          apply(&full8, &r, src, got, NULL);
+          for (int l = r.layer0; l < r.layer1; l++)
+            for (int kv = 0; kv < 2; kv++)
+              for (int h = r.head0; h < r.head1; h++)
+                for (int t = 0; t < S; t++) {
+                  for (int d = 0; d < D; d++) want[ref_off8(&r, l, kv, h, t, d)] = src[ref_off8(&full8, l, kv, h, t, d)];
+                  memcpy(want + ref_off8(&r, l, kv, h, t, -1), src + ref_off8(&full8, l, kv, h, t, -1), 4);
+                }
+          memcpy(want + rb - tail, src + fb - tail, tail);
+          cr_assert_eq(memcmp(got, want, rb), 0, "tp %d pp %d rank (%d, %d)", tp, pp, i, j);
+          free(got);
+          free(want);
+        }
+  free(src);
+  /* int8 needs the GPU's 2-byte elements */
+  td_kvx_geom cpu = full8;
+  cpu.elem_size = 4;
+  cr_assert_eq(td_kvx_block_bytes(&cpu), 0);
+}
+
 /* A full sender feeds every rank of a TP x PP receiver; the ranks' blocks
  * recombine into the sender's block. */
 Test(kvx_plan, full_sender_to_sharded_receivers) {

@@ -1,5 +1,6 @@
 /* Logging (common/log.c): JSON lines that parse, escape what they must and
- * carry the thread's request; the text format unchanged; levels filter. */
+ * carry the thread's request; the text format unchanged; levels filter; error
+ * messages (common/status.c) that quote the last one. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/log.h"
+#include "common/status.h"
 
 /* The lines written to f since it was opened, one string each (n of them). */
 static int read_lines(FILE *f, char lines[][1024], int cap) {
@@ -89,4 +91,16 @@ Test(log, formats_parse) {
   cr_expect_eq(td_log_parse_format("TEXT"), TD_LOG_TEXT);
   cr_expect_eq(td_log_parse_format("yaml"), -1);
   cr_expect_eq(td_log_parse_format(NULL), -1);
+}
+
+/* An error message built from the previous one (td_err(..., "%s",
+ * td_errmsg())) wraps it whole: the message buffer is not read while it is
+ * written. */
+Test(status, a_message_may_quote_the_last_one) {
+  td_err(TD_ERR_INVALID, "inner %d", 7);
+  cr_assert_eq(td_err(TD_ERR_FORMAT, "outer: %s", td_errmsg()), TD_ERR_FORMAT);
+  cr_expect_str_eq(td_errmsg(), "outer: inner 7");
+  td_err(TD_ERR_INVALID, "a");
+  td_err(TD_ERR_INVALID, "%s%s%s", td_errmsg(), td_errmsg(), td_errmsg());
+  cr_expect_str_eq(td_errmsg(), "aaa");
 }

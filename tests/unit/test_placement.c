@@ -404,15 +404,16 @@ Test(placement, a_group_encodes_its_own_requests_only) {
   cr_expect(out.local_encode || out.encode == 2, "the group's request went to %s", who(&pl, out.encode));
 }
 
-/* A worker whose cross K/V are int8 (keeps_cross) encodes every request of
- * its own, even beside encoder-only workers (no transfer carries that
- * layout), encodes for no other worker and gets no prefill worker. */
-Test(placement, a_worker_with_int8_cross_kv_encodes_its_own_always) {
+/* A worker whose cross K/V are int8 (no_kv_in) takes no K/V pushes: beside
+ * encoders that push K/V it encodes every request of its own and gets no
+ * prefill worker; it encodes for no other worker. */
+Test(placement, a_worker_with_int8_cross_kv_takes_no_kv_pushes) {
   pool pl = {0};
   td_place_worker *q8 = add(&pl, "q8", "d");
   q8->enc_self = true;
-  q8->keeps_cross = true;
-  add(&pl, "enc", "e");
+  q8->no_kv_in = true;
+  q8->projects = true;
+  add(&pl, "enc", "e"); /* pushes K/V */
   add(&pl, "pre", "p");
   td_placement out;
   const td_place_req longp = {.need_cross = 2, .need_self = 4, .width = 1, .n_prompt = 1000};
@@ -433,6 +434,42 @@ Test(placement, a_worker_with_int8_cross_kv_encodes_its_own_always) {
   pl.w[1].draining = true;
   cr_expect_eq(place(&pl, &small, &out), TD_PLACE_WAIT);
   (void)plain;
+}
+
+/* An int8 decode worker takes encoder states, which it projects into its
+ * int8 K/V: encoders that push states serve it (and a prefill worker that
+ * projects too); with K/V encoders only, a decode-only one waits and says
+ * why. */
+Test(placement, an_int8_decode_worker_takes_encoder_states) {
+  pool pl = {0};
+  td_place_worker *q8 = add(&pl, "q8", "d");
+  q8->no_kv_in = true;
+  q8->projects = true;
+  td_place_worker *kv = add(&pl, "kv-enc", "e");
+  td_placement out;
+  cr_expect_eq(place(&pl, &small, &out), TD_PLACE_WAIT);
+  cr_expect(out.missing, "no encoder it can take was reported as a wait for a queue");
+  cr_expect(strstr(out.why, "int8") && strstr(out.why, "--cross-transfer kv"), "%s", out.why);
+  td_place_worker *st = add(&pl, "states-enc", "e");
+  st->states_out = true;
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+    cr_expect_str_eq(who(&pl, out.decode), "q8");
+    cr_expect_str_eq(who(&pl, out.encode), "states-enc", "the K/V encoder was chosen");
+    kv->enc_pending = 0, st->enc_pending = 5000; /* the other is idler: still never the K/V one */
+  }
+  /* long prompts: a prefill worker that projects the states too */
+  td_place_worker *pre = add(&pl, "pre", "p");
+  pre->projects = true;
+  const td_place_req longp = {.need_cross = 2, .need_self = 4, .width = 1, .n_prompt = 1000};
+  cr_assert_eq(place(&pl, &longp, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.encode), "states-enc");
+  cr_expect_str_eq(who(&pl, out.prefill), "pre");
+  /* with the states encoder draining, the K/V encoder still does not serve it */
+  pre->no_kv_in = true;
+  st->draining = true;
+  cr_expect_eq(place(&pl, &longp, &out), TD_PLACE_WAIT);
+  cr_expect(strstr(out.why, "int8"), "%s", out.why);
 }
 
 /* A decode worker that failed the request's last attempt (a group that lost
