@@ -61,10 +61,10 @@
 #                   [--gateway-port N | --no-gateway]  (the HTTP gateway; default: any free port)
 #                   [--cross-kv-dtype bf16|int8]       (int8: decode workers keep the cross K/V in int8
 #                                                     with a scale a row: half the bytes a decode step
-#                                                     reads, not the reference's bits; GPU decode workers
-#                                                     of one rank, which encode their own requests or
-#                                                     project the encoders' states (then not with
-#                                                     --cross-transfer kv or --cross-mode kv))
+#                                                     reads, not the reference's bits; GPU workers of one
+#                                                     rank; encoders keep them in int8 too where they push
+#                                                     K/V (--cross-transfer kv), else decode workers
+#                                                     project the encoder states into int8)
 #                   [--gateway-api-keys FILE]         (HTTP clients must give one of its keys, one a line,
 #                                                     mode 0600, as "Authorization: Bearer KEY" for /v1/;
 #                                                     with --auth and without this, one key is made in
@@ -372,15 +372,16 @@ fi
 [[ $cross_kv_dtype == bf16 || $cross_kv_dtype == int8 ]] ||
   { echo "local.sh: --cross-kv-dtype must be bf16 or int8" >&2; exit 2; }
 if [[ $cross_kv_dtype == int8 ]]; then
-  # int8 cross K/V never travel: decode workers make them, or project the encoders' states into them
+  # K/V move only between int8 pools: decode workers make them, take them from int8 encoders, or project the
+  # encoders' states into them (encoders push states in cross mode auto without --cross-transfer kv)
   [[ $device == cuda ]] || { echo "local.sh: --cross-kv-dtype int8 needs GPU workers (--device cuda)" >&2; exit 2; }
   ((decode_tp == 1 && decode_pp == 1)) ||
     { echo "local.sh: --cross-kv-dtype int8 is for decode workers of one rank" >&2; exit 2; }
   [[ $cross_mode != states ]] ||
     { echo "local.sh: --cross-kv-dtype int8 quantizes the per-layer K/V: not with --cross-mode states" >&2; exit 2; }
-  ((encoders == 0)) || [[ $cross_transfer != kv && $cross_mode != kv ]] ||
-    { echo "local.sh: --cross-kv-dtype int8 with encoders takes their encoder states: not with --cross-transfer kv" \
-        "or --cross-mode kv" >&2; exit 2; }
+  ((encoders == 0 || (encoder_tp == 1 && encoder_pp == 1))) || [[ $cross_transfer != kv && $cross_mode == auto ]] ||
+    { echo "local.sh: --cross-kv-dtype int8 with K/V pushes needs encoders of one rank (encoder groups push" \
+        "encoder states)" >&2; exit 2; }
 fi
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -521,6 +522,10 @@ plan_role() { # prefix count weight ranks par flags...
 enc_args=(--role encode)
 [[ -z $cross_transfer ]] || enc_args+=(--cross-transfer "$cross_transfer")
 [[ -z $encoder_seqs ]] || enc_args+=(--max-enc-seqs "$encoder_seqs")
+# K/V move only between pools of one dtype: encoders that push K/V keep them in int8 too
+if [[ $cross_kv_dtype == int8 && ($cross_transfer == kv || $cross_mode != auto) ]]; then
+  enc_args+=(--cross-kv-dtype int8)
+fi
 epar="--tp $encoder_tp"
 ((encoder_tp > 1)) && [[ -n $tp_encoder ]] && epar+=" --tp-encoder $tp_encoder"
 ((encoder_pp > 1)) && epar="--pp $encoder_pp"

@@ -96,9 +96,9 @@ static bool enc_room(const td_place_worker *w, const td_place_req *q, const td_p
  * index; -1 when every candidate is full. */
 #define LOCAL (-2)
 /* Whether receiver r takes the cross pushes of encoder w: encoder states
- * only where they are projected, K/V only where the pool is not int8. */
+ * only where they are projected, K/V only into a pool of the same dtype. */
 static bool takes(const td_place_worker *r, const td_place_worker *w) {
-  return w->states_out ? r->projects : !r->no_kv_in;
+  return w->states_out ? r->projects : r->kv8 == w->kv8;
 }
 
 /* Whether encoder w's pushes can go to d (and to a prefill worker, when
@@ -156,9 +156,10 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
   int e = pick_encoder(pool, n, d, q, o), p = -1;
   if (e == -1) {
     wait_reason(pool, n, WANT_ENC, out->why, sizeof out->why, &out->missing);
-    bool usable = false, states = false;
+    bool usable = false, states = false, live = false;
     for (int i = 0; i < n; i++) {
       if (!pool[i]->enc || pool[i]->draining) continue;
+      live = true;
       states |= pool[i]->states_out;
       usable |= form_ok(pool, n, d, pool[i], q, o);
     }
@@ -168,10 +169,12 @@ td_place_status td_place(const td_place_worker *const *pool, int n, const td_pla
                "(cross mode kv): start an encoder with --cross-transfer kv",
                pool[d]->id ? pool[d]->id : "?", pool[d]->projects ? "'s prefill workers" : "");
       out->missing = true;
-    } else if (!usable && pool[d]->no_kv_in) {
-      snprintf(out->why, sizeof out->why, "decode worker %s keeps its cross K/V in int8 and takes encoder states "
-               "only; the encoders push K/V (--cross-transfer kv): start an encoder without it",
-               pool[d]->id ? pool[d]->id : "?");
+    } else if (!usable && live) {
+      /* K/V encoders whose pool's dtype is not the receivers' */
+      snprintf(out->why, sizeof out->why, "no encoder's K/V pushes fit decode worker %s (its cross K/V in %s) and its "
+               "prefill workers: K/V move only between pools of one dtype; start an encoder with --cross-kv-dtype %s, "
+               "or one that pushes encoder states (without --cross-transfer kv)", pool[d]->id ? pool[d]->id : "?",
+               pool[d]->kv8 ? "int8" : "bf16", pool[d]->kv8 ? "int8" : "bf16");
       out->missing = true;
     }
     return TD_PLACE_WAIT;

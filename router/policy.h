@@ -54,7 +54,7 @@ typedef struct td_place_worker {
   bool enc_self;      /* encodes its own requests only (a TP / PP group: its KV is sliced across ranks) */
   bool states_out;    /* an encoder that pushes encoder states: only to workers that project them */
   bool projects;      /* takes encoder states pushes and projects them into K/V */
-  bool no_kv_in;      /* takes no cross K/V pushes (its cross K/V in int8): encoder states only, or its own */
+  bool kv8;           /* its cross K/V in int8: K/V pushes only between two such workers (encoder states any) */
   bool draining;      /* finishing its work: nothing new goes there */
   int cross_blocks;   /* its cross KV pool */
   int max_running;    /* sequences its decode step runs at once */

@@ -295,13 +295,8 @@ void rtr_register_checked(td_router *r, const uint8_t *id, size_t id_len, const 
   }
   w->pl.states_out = states_encoder(r, in);
   w->pl.projects = in->cross_projects;
-  /* int8 cross K/V never travel: it encodes for itself only, and takes encoder states (which it projects into its
-     int8 K/V), never K/V blocks */
-  w->pl.no_kv_in = in->cross_int8;
-  if (in->cross_int8) {
-    w->pl.enc_self = w->pl.dec && (w->pl.enc || w->pl.enc_self);
-    w->pl.enc = false;
-  }
+  /* int8 cross K/V: its K/V pushes go to int8 pools only, and it takes K/V from int8 encoders only */
+  w->pl.kv8 = in->cross_int8;
   w->self_blocks = (int)in->self_blocks;
   w->pl.cross_blocks = (int)in->cross_blocks;
   w->pl.max_running = in->max_running ? (int)in->max_running : 1;

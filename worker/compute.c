@@ -479,12 +479,6 @@ static td_status compute_init(td_worker *w) {
   td_engine_callbacks cb = {.on_token = on_token, .on_finish = on_finish, .ctx = w};
   TD_TRY(td_engine_create(w->m, &eo, &cb, &w->e));
   model_facts(w);
-  bool enc = false;
-  for (int i = 0; i < w->n_roles; i++) enc |= w->roles[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
-  if (w->o.cross_int8 && !enc && !w->states_bb)
-    return td_err(TD_ERR_UNSUPPORTED, "int8 cross K/V on a decode worker without the encode role: its cross pool "
-                  "(cross mode %s) has no encoder states to project, and K/V blocks are not pushed in int8",
-                  td_cross_mode_name(td_model_get_opts(w->m)->cross_mode));
   return TD_OK;
 }
 

@@ -52,14 +52,11 @@ static bool k_accept(void *ctx, const td_kvt_offer *o, char *why, size_t cap) {
   int form = o->block_bytes == want                                   ? KV_FORM_KV
              : o->cross && w->states_bb && o->block_bytes == w->states_bb ? KV_FORM_STATES
                                                                        : 0;
-  if (o->cross && w->o.cross_int8 && form != KV_FORM_STATES) {
-    snprintf(why, cap, "this worker keeps its cross K/V in int8 (--cross-kv-dtype int8): it takes encoder states "
-             "pushes only (%zu-byte blocks of %d rows of %d), not K/V blocks (%zu bytes pushed)", w->states_bb,
-             w->block_size, w->full_cross.states, o->block_bytes);
-  } else if (!form) {
+  if (!form) {
+    const char *kv = o->cross && w->o.cross_int8 ? "int8 K/V: --cross-kv-dtype int8 on the encoder too" : "K/V";
     if (o->cross && w->states_bb)
-      snprintf(why, cap, "cross blocks of %zu bytes, this model's are %zu (K/V) or %zu (encoder states: %d rows of "
-               "%d) (another model, block size, device or --cross-mode?)", o->block_bytes, want, w->states_bb,
+      snprintf(why, cap, "cross blocks of %zu bytes, this model's are %zu (%s) or %zu (encoder states: %d rows of "
+               "%d) (another model, block size, device or --cross-mode?)", o->block_bytes, want, kv, w->states_bb,
                w->block_size, w->full_cross.states);
     else
       snprintf(why, cap, "%s blocks of %zu bytes, this model's are %zu (another model, block size, device or "

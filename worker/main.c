@@ -52,8 +52,9 @@ static void usage(FILE *f) {
           "                                         or every layer's K/V)\n"
           "                     [--cross-kv-dtype bf16|int8]  (int8: the cross K/V in int8 with a scale a\n"
           "                                         row, half the bytes a decode step reads, not the reference's\n"
-          "                                         bits; a GPU worker of one rank that encodes its own\n"
-          "                                         requests: --role with encode and decode; default bf16)\n"
+          "                                         bits; a GPU worker of one rank with the decode role, or an\n"
+          "                                         encoder that pushes K/V; K/V move only between int8 pools,\n"
+          "                                         encoder states pushed to it are projected; default bf16)\n"
           "                     [--states-rows N]  (dual: steps of N rows or more attend over the states;\n"
           "                                         default: the backend's choice, -1: never)\n"
           "                     [--gpu-memory-fraction F]  (a GPU worker's share of its device: weights and\n"
@@ -266,20 +267,17 @@ int main(int argc, char **argv) {
     o.cross_mode = TD_CROSS_STATES;
   }
   if (o.cross_int8) {
-    /* int8 cross K/V are made where they are read: by this worker's encoder, or projected here from encoder
-       states pushed by others (router/placement.c); they are never pushed */
-    bool enc = false, dec = false;
-    for (int i = 0; i < o.n_roles; i++) {
-      enc |= served[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
-      dec |= served[i]->id == TANDEM__CLUSTER__ROLE__ROLE_DECODE;
-    }
+    /* int8 cross K/V are pushed only between int8 pools (router/placement.c): a decode worker's, made by its
+       own encoder, projected from pushed encoder states or pushed by an int8 encoder; an encoder-only worker's,
+       pushed as they are */
+    bool dec = false, kv_out = enc_only && (o.cross_transfer_kv || (o.cross_mode != TD_CROSS_AUTO &&
+                                                                    o.cross_mode != TD_CROSS_STATES));
+    for (int i = 0; i < o.n_roles; i++) dec |= served[i]->id == TANDEM__CLUSTER__ROLE__ROLE_DECODE;
     const char *why = o.device != TD_BACKEND_CUDA ? "needs --device cuda"
                       : o.group                   ? "is for a worker of one rank, not a group"
-                      : !dec                      ? "is for decode workers (the cross K/V are made where they are read)"
-                      : o.cross_transfer_kv       ? "keeps the cross K/V in the worker: not with --cross-transfer kv"
-                      : !enc && o.cross_mode == TD_CROSS_KV
-                          ? "on a decode worker without the encode role takes encoder states pushes: not with "
-                            "--cross-mode kv (auto or dual)"
+                      : !dec && !kv_out
+                          ? "is for decode workers, and encoders that push K/V (--cross-transfer kv): encoder states "
+                            "are pushed as they are"
                           : NULL;
     if (why) {
       fprintf(stderr, "tandem-worker: --cross-kv-dtype int8 %s\n", why);

@@ -79,9 +79,9 @@ typedef struct td_worker_opts {
    * 48-64x fewer bytes than every layer's K/V. true: K/V pushes, as its
    * mode resolves (--cross-transfer kv). */
   bool cross_transfer_kv;
-  /* The cross pool's K/V in int8 (td_model_opts.cross_int8): the cross K/V
-   * are made here, by its own encoder or projected from pushed encoder
-   * states; K/V blocks are neither pushed to it nor from it. */
+  /* The cross pool's K/V in int8 (td_model_opts.cross_int8): K/V blocks
+   * are pushed only between int8 pools; encoder states pushed to it are
+   * projected into int8 K/V. */
   bool cross_int8;
   int states_rows; /* td_model_opts.states_rows (every rank of a group the same) */
   /* from the environment, read once in main: backend, model and KV

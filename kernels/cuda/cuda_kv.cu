@@ -73,6 +73,50 @@ __global__ void __launch_bounds__(256) kv_write_int8_kernel(const bf16 *__restri
   }
 }
 
+/* The same, 8 values a lane (16-byte loads, 8-byte stores): G lanes (dh / 8
+ * rounded up to a power of two) a (head, K or V), 32 / G of them a warp at
+ * once; the same scales and values. */
+template <int G>
+__global__ void __launch_bounds__(256) kv_write_int8_vec_kernel(const bf16 *__restrict__ k, const bf16 *__restrict__ v,
+                                                                int ld, char *pool, size_t block_bytes,
+                                                                size_t layer_off, int H, int dh, int bs,
+                                                                const int32_t *__restrict__ slots) {
+  td_pdl_start();
+  const int i = blockIdx.x, sub = threadIdx.x % G, group = threadIdx.x / G, groups = blockDim.x / G;
+  const int slot = slots[i];
+  if (slot < 0) return;
+  const int blk = slot / bs, sl = slot % bs;
+  char *base = pool + (size_t)blk * block_bytes + layer_off;
+  float *scales = (float *)(base + (size_t)2 * H * bs * dh);
+  for (int u0 = 0; u0 < 2 * H; u0 += groups) { /* the same trips for every lane: the shuffles take them all */
+    const int u = u0 + group, plane = u / H, h = u % H;
+    const bool on = u < 2 * H && sub * 8 < dh;
+    float x[8];
+    float amax = 0.0f;
+    if (on) {
+      const uint4 raw = *(const uint4 *)((plane ? v : k) + (size_t)i * ld + (size_t)h * dh + sub * 8);
+      const bf16 *p = (const bf16 *)&raw;
+#pragma unroll
+      for (int e = 0; e < 8; e++) {
+        x[e] = __bfloat162float(p[e]);
+        amax = fmaxf(amax, fabsf(x[e]));
+      }
+    }
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (on) {
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const size_t row = ((size_t)plane * H + h) * bs + sl;
+      uint2 packed;
+      signed char *q = (signed char *)&packed;
+#pragma unroll
+      for (int e = 0; e < 8; e++) q[e] = (signed char)max(-127, min(127, __float2int_rn(x[e] * inv)));
+      *(uint2 *)(base + row * dh + sub * 8) = packed;
+      if (sub == 0) scales[row] = amax / 127.0f;
+    }
+  }
+}
+
 /* ... and back to bf16 rows (td_kv_read) */
 __global__ void __launch_bounds__(256) kv_read_int8_kernel(const char *pool, size_t block_bytes, size_t layer_off,
                                                            int H, int dh, int bs, const int32_t *__restrict__ slots,
@@ -99,8 +143,24 @@ td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, vo
   td_kv_span sp = td_kv_layer_span(l, layer); /* a K/V layer or the states tail */
   if (l->int8 && layer < l->n_layers) {
     if (sp.dim > 256) return td_err(TD_ERR_UNSUPPORTED, "kv_write: int8 rows of %d values (at most 256)", sp.dim);
-    (void)td_launch(c, kv_write_int8_kernel, n, 256, 0, (const bf16 *)k, (const bf16 *)v, ld, (char *)pool,
-                    td_kv_block_elems(l) * sizeof(bf16), sp.off * sizeof(bf16), sp.heads, sp.dim, l->block_size, slots);
+    size_t bb = td_kv_block_elems(l) * sizeof(bf16), lo = sp.off * sizeof(bf16);
+    int g = 2;
+    while (g * 8 < sp.dim) g *= 2;
+    const bf16 *kb = (const bf16 *)k, *vb = (const bf16 *)v;
+    char *pb = (char *)pool;
+    int H = sp.heads, dh = sp.dim, bs = l->block_size;
+    if (ld % 8 || !td_aligned16(k) || !td_aligned16(v) || !td_aligned16(pool))
+      (void)td_launch(c, kv_write_int8_kernel, n, 256, 0, kb, vb, ld, pb, bb, lo, H, dh, bs, slots);
+    else if (g == 2)
+      (void)td_launch(c, kv_write_int8_vec_kernel<2>, n, 256, 0, kb, vb, ld, pb, bb, lo, H, dh, bs, slots);
+    else if (g == 4)
+      (void)td_launch(c, kv_write_int8_vec_kernel<4>, n, 256, 0, kb, vb, ld, pb, bb, lo, H, dh, bs, slots);
+    else if (g == 8)
+      (void)td_launch(c, kv_write_int8_vec_kernel<8>, n, 256, 0, kb, vb, ld, pb, bb, lo, H, dh, bs, slots);
+    else if (g == 16)
+      (void)td_launch(c, kv_write_int8_vec_kernel<16>, n, 256, 0, kb, vb, ld, pb, bb, lo, H, dh, bs, slots);
+    else
+      (void)td_launch(c, kv_write_int8_vec_kernel<32>, n, 256, 0, kb, vb, ld, pb, bb, lo, H, dh, bs, slots);
     TD_CU_LAUNCHED("kv_write");
     return TD_OK;
   }

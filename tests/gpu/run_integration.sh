@@ -108,6 +108,7 @@ cluster_fixtures() {
         dpp2s) flags=(--encoders 0 --decode-pp 2 --pp-sets 2) ;;
         q8) flags=(--encoders 0 --cross-kv-dtype int8) ;;   # int8 cross K/V, encoded in the decode worker
         q8s) flags=(--encoders 1 --cross-kv-dtype int8) ;;  # int8 cross K/V projected from an encoder's states
+        q8k) flags=(--encoders 1 --cross-transfer kv --cross-kv-dtype int8) ;;  # int8 K/V pushed by an int8 encoder
         *) echo "  unknown mode $mode"; bad=$((bad + 1)); continue ;;
       esac
       local run=$tmp/run-$name-$mode

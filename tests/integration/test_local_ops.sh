@@ -291,8 +291,8 @@ check "cluster file: keys and a UCX pool" refused "UCX has no CURVE" \
 check "cluster file: an absurd router spin" refused "router.spin_us" "$(jq -c '.router.spin_us = 100001' <<<"$good")"
 check "cluster file: a pool's spin not a number" refused "spin_us: 0 to 100000" "$(jq -c '.hosts[0].pools[0].spin_us = "fast"' <<<"$good")"
 
-# ---- int8 cross K/V (--cross-kv-dtype int8): refused where K/V blocks would be pushed into or out of the int8
-# pool, or there is no GPU
+# ---- int8 cross K/V (--cross-kv-dtype int8): refused where there is no GPU, for a group, or where the worker
+# would push encoder states (which stay as they are)
 m=$root/tests/data/t5-tiny
 said() { # want, command...: exit status 2 and the reason on stderr
   local want=$1; shift
@@ -302,12 +302,10 @@ said() { # want, command...: exit status 2 and the reason on stderr
 }
 w=("$bin/tandem-worker" --router tcp://127.0.0.1:1 --model "$m")
 check "int8 cross K/V: a CPU worker is refused" said "int8 needs --device cuda" "${w[@]}" --cross-kv-dtype int8
-check "int8 cross K/V: an encoder-only worker is refused" said "is for decode workers" \
+check "int8 cross K/V: an encoder that pushes states is refused" said "encoders that push K/V (--cross-transfer kv)" \
   "${w[@]}" --device cuda --role encode --cross-kv-dtype int8
-check "int8 cross K/V: a decode-only worker in cross mode kv is refused" said "takes encoder states pushes: not with --cross-mode kv" \
-  "${w[@]}" --device cuda --role decode --cross-mode kv --cross-kv-dtype int8
-check "int8 cross K/V: with K/V pushes, refused" said "not with --cross-transfer kv" \
-  "${w[@]}" --device cuda --role encode,decode --cross-transfer kv --cross-kv-dtype int8
+check "int8 cross K/V: a prefill-only worker is refused" said "is for decode workers" \
+  "${w[@]}" --device cuda --role prefill --cross-kv-dtype int8
 check "int8 cross K/V: a group's rank is refused" said "not a group" \
   "${w[@]}" --device cuda --group g --tp 2 --rank 0 --cross-kv-dtype int8
 check "int8 cross K/V: an unknown dtype" said "bf16 or int8" "${w[@]}" --cross-kv-dtype fp8
@@ -316,8 +314,8 @@ check "tandem-generate: int8 cross K/V on the CPU is refused" bash -c \
    (( \$? != 0 )) && grep -q 'int8 cross K/V needs a CUDA device' '$work/gen.err'"
 check "local.sh: int8 cross K/V on the CPU is refused" said "needs GPU workers" \
   "$root/deploy/local.sh" --run-dir "$work/q8" --device cpu --cross-kv-dtype int8
-check "local.sh: int8 cross K/V with K/V pushes is refused" said "takes their encoder states: not with --cross-transfer kv" \
-  "$root/deploy/local.sh" --run-dir "$work/q8" --device cuda --encoders 1 --cross-transfer kv --cross-kv-dtype int8
+check "local.sh: int8 cross K/V pushed by an encoder group is refused" said "needs encoders of one rank" \
+  "$root/deploy/local.sh" --run-dir "$work/q8" --device cuda --encoders 1 --encoder-tp 2 --cross-transfer kv --cross-kv-dtype int8
 check "local.sh: int8 cross K/V in cross mode states is refused" said "not with --cross-mode states" \
   "$root/deploy/local.sh" --run-dir "$work/q8" --device cuda --cross-mode states --cross-kv-dtype int8
 check "local.sh: int8 cross K/V in a TP group is refused" said "decode workers of one rank" \

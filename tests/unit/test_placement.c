@@ -404,16 +404,17 @@ Test(placement, a_group_encodes_its_own_requests_only) {
   cr_expect(out.local_encode || out.encode == 2, "the group's request went to %s", who(&pl, out.encode));
 }
 
-/* A worker whose cross K/V are int8 (no_kv_in) takes no K/V pushes: beside
- * encoders that push K/V it encodes every request of its own and gets no
- * prefill worker; it encodes for no other worker. */
-Test(placement, a_worker_with_int8_cross_kv_takes_no_kv_pushes) {
+/* Workers whose cross K/V are int8 (kv8) take K/V pushes only from int8
+ * encoders, and push K/V only to int8 pools: beside a bf16 K/V encoder an
+ * int8 worker encodes every request of its own and gets no prefill worker,
+ * and it encodes for no bf16 worker; an int8 encoder serves int8 decode
+ * workers only. */
+Test(placement, k_v_pushes_stay_within_one_dtype) {
   pool pl = {0};
-  td_place_worker *q8 = add(&pl, "q8", "d");
-  q8->enc_self = true;
-  q8->no_kv_in = true;
+  td_place_worker *q8 = add(&pl, "q8", "ed");
+  q8->kv8 = true;
   q8->projects = true;
-  add(&pl, "enc", "e"); /* pushes K/V */
+  add(&pl, "enc", "e"); /* pushes bf16 K/V */
   add(&pl, "pre", "p");
   td_placement out;
   const td_place_req longp = {.need_cross = 2, .need_self = 4, .width = 1, .n_prompt = 1000};
@@ -424,32 +425,49 @@ Test(placement, a_worker_with_int8_cross_kv_takes_no_kv_pushes) {
     cr_expect_eq(out.prefill, -1, "a prefill worker was given the int8 worker's request");
     q8->decoding = 1000; /* a full decode batch sends others' encodes to encoders, never its own */
   }
-  /* a plain decode worker beside it is served by the encoder, never by the int8 worker */
+  /* a plain decode worker beside it is served by the bf16 encoder, never by the int8 worker */
   td_place_worker *plain = add(&pl, "plain", "d");
   q8->jobs = 9;
   cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
   cr_expect_str_eq(who(&pl, out.decode), "plain");
   cr_expect_str_eq(who(&pl, out.encode), "enc");
-  /* without the encoder it waits rather than being given the int8 worker's encoder */
+  /* without the bf16 encoder it waits rather than being given the int8 worker's encoder, and says why */
   pl.w[1].draining = true;
   cr_expect_eq(place(&pl, &small, &out), TD_PLACE_WAIT);
-  (void)plain;
+  cr_expect(out.missing);
+  cr_expect(strstr(out.why, "decode worker plain (its cross K/V in bf16)"), "%s", out.why);
+  /* an int8 encoder that pushes K/V serves the int8 decode worker, and not the plain one */
+  pl.w[1].draining = false;
+  plain->draining = true;
+  q8->jobs = 0;
+  q8->decoding = 0;
+  td_place_worker *enc8 = add(&pl, "enc8", "e");
+  enc8->kv8 = true;
+  q8->enc_pending = 3000; /* its own encoder is busy */
+  pl.w[1].enc_pending = 0, enc8->enc_pending = 10; /* the bf16 one is idler: still not the one */
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "q8");
+  cr_expect_str_eq(who(&pl, out.encode), "enc8");
+  plain->draining = false;
+  q8->jobs = 9;
+  cr_assert_eq(place(&pl, &small, &out), TD_PLACE_OK);
+  cr_expect_str_eq(who(&pl, out.decode), "plain");
+  cr_expect_str_eq(who(&pl, out.encode), "enc");
 }
 
 /* An int8 decode worker takes encoder states, which it projects into its
  * int8 K/V: encoders that push states serve it (and a prefill worker that
- * projects too); with K/V encoders only, a decode-only one waits and says
- * why. */
+ * projects too); with bf16 K/V encoders only, it waits and says why. */
 Test(placement, an_int8_decode_worker_takes_encoder_states) {
   pool pl = {0};
   td_place_worker *q8 = add(&pl, "q8", "d");
-  q8->no_kv_in = true;
+  q8->kv8 = true;
   q8->projects = true;
   td_place_worker *kv = add(&pl, "kv-enc", "e");
   td_placement out;
   cr_expect_eq(place(&pl, &small, &out), TD_PLACE_WAIT);
   cr_expect(out.missing, "no encoder it can take was reported as a wait for a queue");
-  cr_expect(strstr(out.why, "int8") && strstr(out.why, "--cross-transfer kv"), "%s", out.why);
+  cr_expect(strstr(out.why, "its cross K/V in int8") && strstr(out.why, "--cross-kv-dtype int8"), "%s", out.why);
   td_place_worker *st = add(&pl, "states-enc", "e");
   st->states_out = true;
   for (int i = 0; i < 3; i++) {
@@ -465,11 +483,14 @@ Test(placement, an_int8_decode_worker_takes_encoder_states) {
   cr_assert_eq(place(&pl, &longp, &out), TD_PLACE_OK);
   cr_expect_str_eq(who(&pl, out.encode), "states-enc");
   cr_expect_str_eq(who(&pl, out.prefill), "pre");
-  /* with the states encoder draining, the K/V encoder still does not serve it */
-  pre->no_kv_in = true;
+  /* with the states encoder draining, the bf16 K/V encoder still does not serve it */
   st->draining = true;
   cr_expect_eq(place(&pl, &longp, &out), TD_PLACE_WAIT);
   cr_expect(strstr(out.why, "int8"), "%s", out.why);
+  /* with no encoder at all, the usual reason */
+  kv->draining = true;
+  cr_expect_eq(place(&pl, &longp, &out), TD_PLACE_WAIT);
+  cr_expect(strstr(out.why, "every encoder is draining"), "%s", out.why);
 }
 
 /* A decode worker that failed the request's last attempt (a group that lost
