@@ -56,7 +56,7 @@ typedef struct td_backend_vt {
   /* NULL: norm, GEMM and gated activation as separate ops (ops.c) */
   td_status (*gemm_ex)(td_backend *b, const td_gemm_args *a);
   /* td_attn_states_rows; NULL: INT_MAX */
-  int (*states_rows)(const td_backend *b, int D);
+  int (*states_rows)(const td_backend *b, int D, bool kv8);
   /* td_attn_states_fast; NULL: false */
   bool (*states_fast)(const td_backend *b, int D);
   /* td_backend_fused_norm_rows; NULL: 0 */

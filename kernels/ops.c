@@ -125,8 +125,8 @@ td_status td_gemm_ex(td_backend *b, const td_gemm_args *a) {
   return td_gemm_ex_unfused(b, a);
 }
 
-int td_attn_states_rows(const td_backend *b, int D) {
-  return b->vt->states_rows && D > 0 ? b->vt->states_rows(b, D) : INT_MAX;
+int td_attn_states_rows(const td_backend *b, int D, bool kv8) {
+  return b->vt->states_rows && D > 0 ? b->vt->states_rows(b, D, kv8) : INT_MAX;
 }
 
 bool td_attn_states_fast(const td_backend *b, int D) {

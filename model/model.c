@@ -173,7 +173,7 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
   m->states_rows = m->opts.cross_mode == TD_CROSS_STATES ? 0
                    : m->opts.cross_mode == TD_CROSS_KV || m->opts.states_rows < 0 ? INT_MAX
                    : m->opts.states_rows > 0 ? m->opts.states_rows
-                                             : td_attn_states_rows(b, c->d_model);
+                                             : td_attn_states_rows(b, c->d_model, m->opts.cross_int8);
   if (m->opts.cross_mode == TD_CROSS_STATES && td_backend_get_kind(b) == TD_BACKEND_CUDA &&
       !td_attn_states_fast(b, c->d_model))
     TD_WARN("%s: cross mode states with d_model %d: this GPU has no tensor-core states kernel for that width, so "

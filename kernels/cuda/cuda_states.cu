@@ -113,7 +113,9 @@ bool td_cu_states_fast(const td_backend *b, int D) {
 }
 
 /* From which rows a dual pool's steps take the states path: the policy's rule. */
-int td_cu_states_rows(const td_backend *b, int D) { return td_cu_states_switch_rows(D, td_cu_states_fast(b, D)); }
+int td_cu_states_rows(const td_backend *b, int D, bool kv8) {
+  return td_cu_states_switch_rows(D, td_cu_states_fast(b, D), kv8);
+}
 
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                             const td_kv_layout *l, int heads, const td_paged_meta *m, float scale) {
