@@ -85,7 +85,8 @@ PY
 }
 # every fixture through a cluster on the GPU, aggregated and disaggregated (encoder states pushed and
 # projected on arrival, and K/V pushed; with TD_CFX_MODES also encoder groups, etp2 / etp2r (by rows) / epp2, and decode
-# pipelines, dpp2 / dpp2s (two running sets), whose ranks need a GPU each): greedy tokens against transformers. TD_CFX_FIXTURES: which fixtures
+# pipelines, dpp2 / dpp2s (two running sets), whose ranks need a GPU each; int8 cross K/V: q8 (aggregated), q8s (encoder
+# states projected into int8), q8k (int8 K/V pushed by an int8 encoder)): greedy tokens against transformers. TD_CFX_FIXTURES: which fixtures
 # (default every one); TD_DEVICE: cuda (default) or cpu.
 cluster_fixtures() {
   local tmp=$out/cfx dev=${TD_DEVICE:-cuda} bad=0
