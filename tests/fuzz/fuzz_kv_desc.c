@@ -8,8 +8,9 @@
  *   3: a ZeroMQ KV push header (KvPush) with the receiver's checks, or a
  *      KvAck as the pusher reads it;
  *   4: a transfer request's source geometry and block lists (as REQ carries
- *      them) planned into a fixed destination pool (td_kvx_plan_copies), as
- *      the receiver does before it grants.
+ *      them, the int8 flag included) planned into a fixed destination pool
+ *      (an int8 one for int8 sources; td_kvx_plan_copies), as the receiver
+ *      does before it grants.
  * Any bytes: a result or a refusal, never a crash or a leak. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,6 +59,7 @@ static void plan(const uint8_t *p, size_t n) {
   sg.layout.head_dim = kvx_r_i32(&r);
   sg.layout.block_size = kvx_r_i32(&r);
   sg.layout.states = kvx_r_i32(&r);
+  sg.layout.int8 = kvx_r_u8(&r);
   sg.layer0 = kvx_r_i32(&r);
   sg.layer1 = kvx_r_i32(&r);
   sg.head0 = kvx_r_i32(&r);
@@ -67,9 +69,11 @@ static void plan(const uint8_t *p, size_t n) {
   int32_t src[64], dst[64];
   for (uint32_t i = 0; i < nb; i++) src[i] = kvx_r_i32(&r);
   for (uint32_t i = 0; i < nb; i++) dst[i] = kvx_r_i32(&r);
-  /* the receiver's pool: 4 layers x 4 heads x 8 dims x 16 slots, float32, 64 blocks; the
-   * receiver has checked that dst blocks are in the pool and src blocks >= 0 */
-  td_kvx_geom dg = {.layout = {4, 4, 8, 16, 0}, .elem_size = 4, .layer0 = 0, .layer1 = 4, .head0 = 0, .head1 = 4};
+  /* the receiver's pool, 64 blocks: 4 layers x 4 heads x 8 dims x 16 slots in float32, or (int8 sources)
+   * 4 x 4 x 16 x 16 int8 K/V with a 64-wide states tail; the receiver has checked that dst blocks are in
+   * the pool and src blocks >= 0 */
+  td_kvx_geom dg = {.layout = {4, 4, 8, 16, 0, 0}, .elem_size = 4, .layer0 = 0, .layer1 = 4, .head0 = 0, .head1 = 4};
+  if (sg.layout.int8) dg = (td_kvx_geom){{4, 4, 16, 16, 64, 1}, 2, 0, 4, 0, 4};
   for (uint32_t i = 0; i < nb; i++)
     if (dst[i] < 0 || dst[i] >= 64 || src[i] < 0) return;
   if (td_kvx_geom_check(&sg) != TD_OK) return;

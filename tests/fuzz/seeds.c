@@ -436,7 +436,8 @@ static void kv(void) {
     p->info.mem = i ? TD_KVX_MEM_CUDA : TD_KVX_MEM_HOST;
     p->info.direct = i == 1;
     p->info.n_blocks = 64;
-    p->info.geom = (td_kvx_geom){.layout = {4, 4, 8, 16, i ? 64 : 0}, .elem_size = i ? 2 : 4, .layer0 = 0,
+    /* the GPU pool's K/V in int8 (version 4) */
+    p->info.geom = (td_kvx_geom){.layout = {4, 4, 16, 16, i ? 64 : 0, i}, .elem_size = i ? 2 : 4, .layer0 = 0,
                                  .layer1 = 4, .head0 = 0, .head1 = 4};
     p->base = 0x200000;
     p->rkey = i ? rkey : NULL;
@@ -448,14 +449,20 @@ static void kv(void) {
   uint8_t *b;
   size_t n;
   if (kvx_desc_encode(&d, &b, &n) != TD_OK) exit(1);
-  put("fuzz_kv_desc", "desc_v3", 1, b, n);
-  put("fuzz_kv_desc", "desc_v3_crcfix", 2, b, n);
+  put("fuzz_kv_desc", "desc_v4", 1, b, n);
+  put("fuzz_kv_desc", "desc_v4_crcfix", 2, b, n);
   Tandem__Cluster__TransferDesc td = TANDEM__CLUSTER__TRANSFER_DESC__INIT;
   td.version = TD_PROTOCOL_VERSION;
   td.zmq = "zmq:tcp://127.0.0.1:5601";
   td.kvx.data = b;
   td.kvx.len = n;
   msg("fuzz_kv_desc", "transfer_desc", 0, &td.base);
+  free(b);
+  d.version = 3; /* before int8 layouts */
+  d.pools[1].info.geom.layout.int8 = 0;
+  if (kvx_desc_encode(&d, &b, &n) != TD_OK) exit(1);
+  put("fuzz_kv_desc", "desc_v3", 1, b, n);
+  put("fuzz_kv_desc", "desc_v3_crcfix", 2, b, n);
   free(b);
   d.version = 2; /* the older layout, no IPC */
   d.ipc = false;
@@ -480,16 +487,20 @@ static void kv(void) {
   ka.error = "KV push frame 2 has 100 bytes";
   msg("fuzz_kv_desc", "kv_ack", 3, &ka.base);
   /* a transfer request's geometry: a rank holding layers [2, 4) and heads [0, 2) of the pool's */
-  kvx_wbuf w = {0};
-  kvx_w_u16(&w, 4);
-  const int32_t geom[] = {2, 2, 8, 16, 0, 2, 4, 0, 2};
-  for (int i = 0; i < 9; i++) kvx_w_i32(&w, geom[i]);
-  kvx_w_u32(&w, 2);
-  const int32_t src[] = {0, 1}, dst[] = {7, 8};
-  for (int i = 0; i < 2; i++) kvx_w_i32(&w, src[i]);
-  for (int i = 0; i < 2; i++) kvx_w_i32(&w, dst[i]);
-  put("fuzz_kv_desc", "plan_slices", 4, w.p, w.len);
-  free(w.p);
+  for (int q8 = 0; q8 < 2; q8++) { /* float32 K/V, and int8 K/V with a states tail into the int8 pool */
+    kvx_wbuf w = {0};
+    kvx_w_u16(&w, q8 ? 2 : 4);
+    const int32_t geom[2][5] = {{2, 2, 8, 16, 0}, {2, 2, 16, 16, 64}}, range[] = {2, 4, 0, 2};
+    for (int i = 0; i < 5; i++) kvx_w_i32(&w, geom[q8][i]);
+    kvx_w_u8(&w, (uint8_t)q8);
+    for (int i = 0; i < 4; i++) kvx_w_i32(&w, range[i]);
+    kvx_w_u32(&w, 2);
+    const int32_t src[] = {0, 1}, dst[] = {7, 8};
+    for (int i = 0; i < 2; i++) kvx_w_i32(&w, src[i]);
+    for (int i = 0; i < 2; i++) kvx_w_i32(&w, dst[i]);
+    put("fuzz_kv_desc", q8 ? "plan_slices_int8" : "plan_slices", 4, w.p, w.len);
+    free(w.p);
+  }
 }
 
 int main(int argc, char **argv) {
