@@ -65,24 +65,49 @@ __device__ __forceinline__ void dw_vals(const uint2 &u, float (&f)[8]) {
     for (int b = 0; b < 4; b++) f[4 * t + b] = __uint_as_float(__byte_perm(w[t], 0x4B000000u, 0x7540u + b)) - 8388736.0f;
 }
 
+/* Over int8 keys the query is int8 too: the lane's 8 dims (qf, already in
+ * the exp2 domain) rounded to the row's largest magnitude over its 64 dims /
+ * 127 (*qsc), so that a key's dot is two dp4a over its bytes, times the
+ * key's scale and *qsc (the conversions of the key's bytes were half of the
+ * int8 kernel's instructions). */
+__device__ __forceinline__ void dw_q8(const float (&qf)[8], uint2 &qq, float &qsc) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(qf[e]));
+#pragma unroll
+  for (int x = 1; x < 8; x <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, x)); /* the 8 dim groups */
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int e = 0; e < 8; e++)
+    w[e / 4] |= (uint32_t)(uint8_t)(int8_t)max(-127, min(127, __float2int_rn(qf[e] * inv))) << (8 * (e % 4));
+  qq = make_uint2(w[0], w[1]);
+  qsc = amax / 127.0f;
+}
+
 /* One chunk of 4 N keys starting at c0 (which is below kend): lane (cg, kq)
  * holds dims 8 cg of keys c0 + 4 i + kq in kr / vr (zeros past kend; int8
- * rows with their scales ks / vs, zero past kend); the online softmax state
- * (m, l, o) advances over them. */
+ * rows with their scales ks / vs, zero past kend, and the query as dw_q8
+ * gives it, qq and qsc); the online softmax state (m, l, o) advances over
+ * them. */
 template <int N, bool Q8, typename R>
 __device__ __forceinline__ void dw_chunk_q(const R (&kr)[N], const R (&vr)[N], const float (&ks)[N],
                                            const float (&vs)[N], int c0, int kq, int kend, int qpos,
-                                           const float (&qf)[8], const float *L, int md, float &m, float &l,
-                                           float (&o)[8]) {
+                                           const float (&qf)[8], const uint2 qq, float qsc, const float *L, int md,
+                                           float &m, float &l, float (&o)[8]) {
   float sc[N];
 #pragma unroll
   for (int i = 0; i < N; i++) {
-    float f[8];
-    dw_vals(kr[i], f);
-    float dot = 0.0f;
+    if constexpr (Q8) {
+      sc[i] = (float)__dp4a((int)kr[i].y, (int)qq.y, __dp4a((int)kr[i].x, (int)qq.x, 0)); /* exact: |sum| < 2^24 */
+    } else {
+      float f[8];
+      dw_vals(kr[i], f);
+      float dot = 0.0f;
 #pragma unroll
-    for (int e = 0; e < 8; e++) dot = fmaf(qf[e], f[e], dot);
-    sc[i] = dot;
+      for (int e = 0; e < 8; e++) dot = fmaf(qf[e], f[e], dot);
+      sc[i] = dot;
+    }
   }
 #pragma unroll
   for (int i = 0; i < N; i++)
@@ -92,7 +117,7 @@ __device__ __forceinline__ void dw_chunk_q(const R (&kr)[N], const R (&vr)[N], c
 #pragma unroll
   for (int i = 0; i < N; i++) {
     const int j = c0 + 4 * i + kq;
-    const float d = Q8 ? sc[i] * ks[i] : sc[i]; /* an int8 key's scale multiplies its whole dot */
+    const float d = Q8 ? sc[i] * (ks[i] * qsc) : sc[i]; /* an int8 key's and the query's scales, the whole dot */
     sc[i] = j < kend ? (L ? d + lut_at(L, md, j - qpos) * LOG2E : d) : -INFINITY;
     cmax = fmaxf(cmax, sc[i]);
   }
@@ -129,7 +154,7 @@ template <int N>
 __device__ __forceinline__ void dw_chunk(const uint4 (&kr)[N], const uint4 (&vr)[N], int c0, int kq, int kend, int qpos,
                                          const float (&qf)[8], const float *L, int md, float &m, float &l, float (&o)[8]) {
   const float none[N] = {};
-  dw_chunk_q<N, false>(kr, vr, none, none, c0, kq, kend, qpos, qf, L, md, m, l, o);
+  dw_chunk_q<N, false>(kr, vr, none, none, c0, kq, kend, qpos, qf, make_uint2(0u, 0u), 0.0f, L, md, m, l, o);
 }
 
 /* kv_static_past: the query's own K/V row (nk, nv), which the kernel

@@ -80,8 +80,10 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
   if (lane == 0)
     for (int i = 0; i < NS && warp + i * W < nst; i++) issue(warp + i * W, i);
   if (EARLY) td_pdl_start_if(a.pdl_late);
-  float qf[8];
+  float qf[8], qsc = 0.0f;
   dw_load_q(qf, a, qs, h, cg, live);
+  uint2 qq = make_uint2(0u, 0u);
+  if constexpr (Q8) dw_q8(qf, qq, qsc);
   /* kv_static_past: the stage copied before the wait may hold a stale row
    * at the query's own position; the lanes that hold that row read it again
    * (int8 pools are static cross K/V: never) */
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(32 * W) attn_decode_bulk_kernel(const AttnArgs
       fence_proxy_async(); /* the lanes' reads of the slot before the copy engine's writes */
       issue(t + NS * W, slot);
     }
-    dw_chunk_q<NK / 4, Q8>(kr, vr, ks, vs, c0, kq, kend, qpos, qf, L, a.md, m, l, o);
+    dw_chunk_q<NK / 4, Q8>(kr, vr, ks, vs, c0, kq, kend, qpos, qf, qq, qsc, L, a.md, m, l, o);
   }
   dw_finish<W>(mrg, warp, cg, kq, m, l, o, live, a.out + ((size_t)qs * H + h) * 64 + cg * 8);
 }

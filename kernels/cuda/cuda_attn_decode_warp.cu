@@ -72,14 +72,16 @@ __global__ void __launch_bounds__(32 * SPLIT * PAIRS, 512 / (32 * SPLIT * PAIRS)
       }
     }
   }
-  float qf[8];
+  float qf[8], qsc = 0.0f;
   dw_load_q(qf, a, qs, h, cg, live);
+  uint2 qq = make_uint2(0u, 0u);
+  if constexpr (Q8) dw_q8(qf, qq, qsc);
   float m = -INFINITY, l = 0.0f, o[8];
 #pragma unroll
   for (int e = 0; e < 8; e++) o[e] = 0.0f;
   for (int c0 = sub * 32; c0 < kend; c0 += 32 * SPLIT) {
     if (!early || c0 != sub * 32) load(c0);
-    dw_chunk_q<8, Q8>(kr, vr, ks, vs, c0, kq, kend, qpos, qf, L, a.md, m, l, o);
+    dw_chunk_q<8, Q8>(kr, vr, ks, vs, c0, kq, kend, qpos, qf, qq, qsc, L, a.md, m, l, o);
   }
   dw_finish<SPLIT>(mrg[pw], sub, cg, kq, m, l, o, live, a.out + ((size_t)qs * H + h) * 64 + cg * 8);
 }
