@@ -281,7 +281,7 @@ td_status td_attn_states(td_backend *b, const void *q, int ldq, void *out, const
  * states of width D (td_attn_states between its two per-head products)
  * beats the per-layer K/V path on this backend; INT_MAX where it never
  * does (the CPU: its arithmetic is d_model / head_dim times the K/V path's).
- * kv8: the K/V path reads int8 K/V (td_kv_layout.int8). */
+ * kv8: the K/V path reads int8 K/V (td_kv_layout.int8; on CUDA then never). */
 int td_attn_states_rows(const td_backend *b, int D, bool kv8);
 /* Whether td_attn_states has a fast (tensor-core) kernel for states of
  * width D on this backend, whether or not dual pools switch to it. */

@@ -233,7 +233,7 @@ td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_s
  * 1280 (20 heads: two groups of 16 pairs a sequence, 32 tile rows for 20)
  * was slower over the states than over the K/V at every batch on an H200. */
 int td_cu_states_switch_rows(int D, bool fits, bool kv8) {
-  return fits && D > 0 && D <= 1024 ? (kv8 ? 104 : 48) : INT_MAX;
+  return fits && !kv8 && D > 0 && D <= 1024 ? 48 : INT_MAX;
 }
 
 int td_cu_plan_rows(const td_cu_tune *t, int m) {

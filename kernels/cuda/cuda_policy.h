@@ -165,9 +165,9 @@ typedef struct td_states_plan {
 td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_states_avail *k,
                                    const td_states_shape *s);
 /* The rows from which a dual pool's steps attend over the states
- * (td_attn_states_rows): where a tensor-core kernel takes D (`fits`) and D
- * is at most 1024, 48 over bf16 K/V and 104 over int8 K/V (kv8: half the
- * bytes, ahead of the states up to ~96 rows on an H200); else never
+ * (td_attn_states_rows): 48 where a tensor-core kernel takes D (`fits`) and
+ * D is at most 1024; never over int8 K/V (kv8: half the bytes, level with
+ * the states or ahead at every batch to 256 on an H200) nor elsewhere
  * (INT_MAX). */
 int td_cu_states_switch_rows(int D, bool fits, bool kv8);
 
