@@ -85,6 +85,48 @@ __device__ __forceinline__ void dw_q8(const float (&qf)[8], uint2 &qq, float &qs
   qsc = amax / 127.0f;
 }
 
+/* p V over a lane's N int8 value rows: each key's weight (its probability
+ * times its row's scale) rounded to 0..127 of the lane's largest in the
+ * chunk, the rows' bytes transposed four keys at a time so that a dim's
+ * four values share a register, and a dim's sum two dp4a a group of four
+ * keys, exact in int32; the weights' scale multiplies it once. The
+ * probabilities' sum (ps) stays float. */
+template <int N>
+__device__ __forceinline__ void dw_pv8(const uint2 (&vr)[N], const float (&vs)[N], const float (&sc)[N], float m,
+                                       float &ps, float (&acc)[8]) {
+  static_assert(N % 4 == 0, "int8 value rows in groups of four keys");
+  float w[N], wmax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; i++) {
+    const float p = sc[i] == -INFINITY ? 0.0f : fast_exp2(sc[i] - m);
+    ps += p;
+    w[i] = p * vs[i];
+    wmax = fmaxf(wmax, w[i]);
+  }
+  const float inv = wmax > 0.0f ? 127.0f / wmax : 0.0f;
+  int dot[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+  for (int g = 0; g < N; g += 4) {
+    uint32_t q = 0u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) q |= (uint32_t)min(127, __float2int_rn(w[g + k] * inv)) << (8 * k);
+#pragma unroll
+    for (int half = 0; half < 2; half++) { /* dims 0-3 (.x), 4-7 (.y) */
+      const uint32_t a = half ? vr[g].y : vr[g].x, b = half ? vr[g + 1].y : vr[g + 1].x;
+      const uint32_t c = half ? vr[g + 2].y : vr[g + 2].x, d = half ? vr[g + 3].y : vr[g + 3].x;
+      const uint32_t t0 = __byte_perm(a, b, 0x5140), t1 = __byte_perm(c, d, 0x5140); /* a0 b0 a1 b1, c0 d0 c1 d1 */
+      const uint32_t t2 = __byte_perm(a, b, 0x7362), t3 = __byte_perm(c, d, 0x7362); /* a2 b2 a3 b3, c2 d2 c3 d3 */
+      dot[4 * half + 0] = __dp4a((int)__byte_perm(t0, t1, 0x5410), (int)q, dot[4 * half + 0]);
+      dot[4 * half + 1] = __dp4a((int)__byte_perm(t0, t1, 0x7632), (int)q, dot[4 * half + 1]);
+      dot[4 * half + 2] = __dp4a((int)__byte_perm(t2, t3, 0x5410), (int)q, dot[4 * half + 2]);
+      dot[4 * half + 3] = __dp4a((int)__byte_perm(t2, t3, 0x7632), (int)q, dot[4 * half + 3]);
+    }
+  }
+  const float ws = wmax / 127.0f;
+#pragma unroll
+  for (int e = 0; e < 8; e++) acc[e] = ws * (float)dot[e];
+}
+
 /* One chunk of 4 N keys starting at c0 (which is below kend): lane (cg, kq)
  * holds dims 8 cg of keys c0 + 4 i + kq in kr / vr (zeros past kend; int8
  * rows with their scales ks / vs, zero past kend, and the query as dw_q8
@@ -129,15 +171,18 @@ __device__ __forceinline__ void dw_chunk_q(const R (&kr)[N], const R (&vr)[N], c
   float ps = 0.0f, acc[8];
 #pragma unroll
   for (int e = 0; e < 8; e++) acc[e] = 0.0f;
+  if constexpr (Q8) {
+    dw_pv8<N>(vr, vs, sc, m, ps, acc);
+  } else {
 #pragma unroll
-  for (int i = 0; i < N; i++) {
-    const float p = sc[i] == -INFINITY ? 0.0f : fast_exp2(sc[i] - m);
-    ps += p;
-    const float pv = Q8 ? p * vs[i] : p; /* an int8 value row's scale */
-    float f[8];
-    dw_vals(vr[i], f);
+    for (int i = 0; i < N; i++) {
+      const float p = sc[i] == -INFINITY ? 0.0f : fast_exp2(sc[i] - m);
+      ps += p;
+      float f[8];
+      dw_vals(vr[i], f);
 #pragma unroll
-    for (int e = 0; e < 8; e++) acc[e] = fmaf(pv, f[e], acc[e]);
+      for (int e = 0; e < 8; e++) acc[e] = fmaf(p, f[e], acc[e]);
+    }
   }
   ps += __shfl_xor_sync(0xffffffffu, ps, 8);
   ps += __shfl_xor_sync(0xffffffffu, ps, 16);
