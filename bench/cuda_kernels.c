@@ -910,8 +910,8 @@ int main(int argc, char **argv) {
   static const int batches[] = {1, 16, 64};
   for (int i = 0; i < 3; i++) bench_paged(batches[i], ENC_LEN, false);
   for (int i = 0; i < 3; i++) bench_paged(batches[i], 64, true);
-  static const int sbatches[] = {1, 4, 16, 64, 128};
-  for (int i = 0; i < 5; i++) bench_states(sbatches[i], ENC_LEN);
+  static const int sbatches[] = {1, 4, 16, 64, 128, 160, 192, 256};
+  for (int i = 0; i < 8; i++) bench_states(sbatches[i], ENC_LEN);
   for (int i = 0; i < 3; i++) {
     bench_heads(batches[i], false);
     bench_heads(batches[i], true);

@@ -106,7 +106,7 @@ static td_status cuda_from_env(td_cuda_tuning *c) {
   /* a share of 0 % is the smallest carveout, as 1 % is; below 0: no preference */
   TD_TRY(env_ints("TANDEM_CUDA_DECATTN_CARVE", 1, v, &got));
   if (got) c->decode_bulk_carve = v[0] < 0 ? TD_OFF : v[0] == 0 ? 1 : v[0];
-  TD_TRY(cuda_counts("TANDEM_CUDA_KVPF", &c->kvpf_seqs, NULL, NULL, NULL));
+  TD_TRY(cuda_counts("TANDEM_CUDA_KVPF", &c->kvpf_seqs, &c->kvpf_mb, NULL, NULL));
   TD_TRY(env_switch("TANDEM_CUDA_STATES_GENERIC", &c->states_generic));
   TD_TRY(env_ints("TANDEM_CUDA_STATES_SPLITS", 1, v, &got));
   if (got) c->states_splits = v[0] < 1 ? 1 : v[0]; /* 0: one split, as 1 */
@@ -115,6 +115,7 @@ static td_status cuda_from_env(td_cuda_tuning *c) {
   if (got) c->states_warps = v[0];
   TD_TRY(env_switch("TANDEM_CUDA_STATES_WS", &c->states_ws));
   TD_TRY(env_switch("TANDEM_CUDA_STATES_PLANES", &c->states_planes));
+  TD_TRY(env_switch("TANDEM_CUDA_STATES_WAVES", &c->states_waves));
   TD_TRY(env_switch("TANDEM_CUDA_HEADS_LT", &c->heads_lt));
   TD_TRY(env_switch("TANDEM_CUDA_PLAN_BUCKET", &c->plan_bucket));
   TD_TRY(env_switch("TANDEM_CUDA_FUSE_ALLREDUCE", &c->fuse_allreduce));

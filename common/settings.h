@@ -64,7 +64,8 @@ typedef struct td_cuda_tuning {
   int decode_bulk, decode_bulk_all, decode_bulk_shape, decode_bulk_early;
   int decode_bulk_carve; /* TANDEM_CUDA_DECATTN_CARVE=PCT: its preferred shared-memory share of L1, in percent
                             (TD_OFF: no preference) */
-  int kvpf_seqs;         /* TANDEM_CUDA_KVPF=N: td_kv_prefetch from N sequences (TD_OFF: never) */
+  int kvpf_seqs;         /* TANDEM_CUDA_KVPF=N[,MB]: td_kv_prefetch from N sequences (TD_OFF: never) */
+  int kvpf_mb;           /* ... while a layer's self K/V is at most MB megabytes (unset: a quarter of L2; TD_OFF: any) */
   /* attention over encoder states, per-head products */
   int states_generic; /* TANDEM_CUDA_STATES_GENERIC: the generic kernel always (default off) */
   int states_splits;  /* TANDEM_CUDA_STATES_SPLITS=N: key splits, the largest power of two up to N (0: the
@@ -72,6 +73,8 @@ typedef struct td_cuda_tuning {
   int states_warps;   /* TANDEM_CUDA_STATES_WARPS: 8 or 16 warps a block (0: the policy's) */
   int states_ws;      /* TANDEM_CUDA_STATES_WS: the warp-specialised kernel for 16 warps (default on) */
   int states_planes;  /* TANDEM_CUDA_STATES_PLANES: two key splits as a split of D (default on) */
+  int states_waves;   /* TANDEM_CUDA_STATES_WAVES: past one wave, 16-warp blocks or plane pairs by whole waves
+                         (default on; off: 8-warp blocks) */
   int heads_lt;       /* TANDEM_CUDA_HEADS_LT: td_gemm_heads on cuBLASLt always (default off) */
   /* collectives */
   int custom_allreduce; /* TANDEM_CUDA_CUSTOM_ALLREDUCE: the one-shot all-reduce over peer memory (default on) */

@@ -709,6 +709,7 @@ static td_status create(const td_backend_opts *opts, td_backend *b, td_cuda *c) 
   cudaDeviceProp p;
   TD_CU_CHECK(cudaGetDeviceProperties(&p, c->device), "cuda backend");
   c->sm_count = p.multiProcessorCount;
+  c->l2_bytes = p.l2CacheSize > 0 ? (size_t)p.l2CacheSize : 0;
   c->cc_major = p.major;
   c->cc_minor = p.minor;
   c->smem_optin = p.sharedMemPerBlockOptin;

@@ -22,6 +22,7 @@ struct td_gemm_plan;
 typedef struct td_cuda {
   int device;
   int sm_count;
+  size_t l2_bytes;
   int cc_major, cc_minor;
   size_t smem_optin; /* max dynamic shared memory per block */
   cudaStream_t stream;

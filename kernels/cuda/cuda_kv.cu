@@ -258,11 +258,25 @@ td_status td_cu_kv_copy_blocks(td_backend *b, void *pool, const td_kv_layout *l,
  * prefetches drain through its SM's copy engine, so the few blocks (4)
  * bound the rate to what the latency-bound GEMMs beside it can spare;
  * spread over more blocks it slowed the QKV GEMM beside it. It pays from
- * 32 sequences (the tuning's kvpf_seqs; docs/cuda.md, "The query norm and
- * the next layer's K/V"). */
+ * 32 sequences (the tuning's kvpf_seqs) while the layer's K/V take at most
+ * a quarter of L2 (td_cu_kvpf_bytes; docs/cuda.md, "The query norm and the
+ * next layer's K/V"). */
 __global__ void __launch_bounds__(128) kv_prefetch_kernel(const bf16 *pool, size_t block_elems, size_t layer_off,
                                                           uint32_t bytes, int bs, const int32_t *ctx_len,
-                                                          const int32_t *table, int max_blocks, int n_seqs) {
+                                                          const int32_t *table, int max_blocks, int n_seqs,
+                                                          unsigned long long most) {
+  /* the step's real lengths decide (a graph's bounds hold for any step):
+   * nothing past the bound */
+  if (most) {
+    __shared__ unsigned long long used;
+    if (threadIdx.x == 0) used = 0;
+    __syncthreads();
+    unsigned long long mine = 0;
+    for (int s = threadIdx.x; s < n_seqs; s += blockDim.x) mine += (unsigned long long)((ctx_len[s] + bs - 1) / bs);
+    atomicAdd(&used, mine);
+    __syncthreads();
+    if (used * bytes > most) return;
+  }
   const long items = (long)n_seqs * max_blocks;
   for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < items; i += (long)gridDim.x * blockDim.x) {
     const int s = (int)(i / max_blocks), j = (int)(i % max_blocks);
@@ -286,12 +300,17 @@ td_status td_cu_kv_prefetch(td_backend *b, const void *pool, const td_kv_layout 
   if (!td_aligned16(pool) || bytes % 16 || bytes > 0xffffffffu || td_kv_block_elems(l) * sizeof(bf16) % 16 ||
       layer_off * sizeof(bf16) % 16)
     return TD_OK;
+  /* past the bound at a block a sequence: no branch at all (even a kernel
+   * that returns at once cost such steps 1-2 %) */
+  const size_t most = td_cu_kvpf_bytes(&c->tune, c->l2_bytes);
+  if (most && (size_t)m->n_seqs * bytes > most) return TD_OK;
   TD_CU_CHECK(cudaEventRecord(c->aux_fork, c->stream), "kv_prefetch");
   TD_CU_CHECK(cudaStreamWaitEvent(c->aux, c->aux_fork, 0), "kv_prefetch");
   long items = (long)m->n_seqs * m->max_blocks;
   unsigned grid = (unsigned)((items + 127) / 128 > 4 ? 4 : (items + 127) / 128);
   kv_prefetch_kernel<<<grid, 128, 0, c->aux>>>((const bf16 *)pool, td_kv_block_elems(l), layer_off, (uint32_t)bytes,
-                                               l->block_size, m->ctx_len, m->block_table, m->max_blocks, m->n_seqs);
+                                               l->block_size, m->ctx_len, m->block_table, m->max_blocks, m->n_seqs,
+                                               (unsigned long long)most);
   TD_CU_LAUNCHED("kv_prefetch");
   c->aux_pending = true;
   return TD_OK;

@@ -43,9 +43,11 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
   int carve = t->decode_bulk_carve == 0 ? TD_CUDA_DEFAULT_DECODE_BULK_CARVE : t->decode_bulk_carve;
   r->decode_bulk_carve = carve > 100 ? 100 : carve < 0 ? -1 : carve;
   r->kvpf_seqs = count(t->kvpf_seqs, TD_CUDA_DEFAULT_KVPF_SEQS);
+  r->kvpf_mb = t->kvpf_mb == 0 ? -1 : t->kvpf_mb < 0 ? 0 : t->kvpf_mb;
   r->states_generic = on(t->states_generic, false);
   r->states_ws = on(t->states_ws, true);
   r->states_planes = on(t->states_planes, true);
+  r->states_waves = on(t->states_waves, true);
   r->states_splits = t->states_splits > 0 ? t->states_splits : 0;
   r->states_warps = t->states_warps == 8 || t->states_warps == 16 ? t->states_warps : 0;
   r->heads_lt = on(t->heads_lt, false);
@@ -216,10 +218,26 @@ td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_s
    * stages fit (D <= 1024) */
   td_states_kernel c16 = k->has[TD_STATES_WS] && t->states_ws ? TD_STATES_WS : TD_STATES_MMA16;
   td_states_kernel kern = ci;
-  if (w16 && k->has[c16] && lg < TD_CU_STATES_CLUSTERS && base <= k->clusters[c16][lg]) kern = c16;
+  /* (a tuned count of warps or splits takes its kernel in waves too) */
+  bool told = t->states_warps || t->states_splits > 0;
+  if (w16 && k->has[c16] && lg < TD_CU_STATES_CLUSTERS && (told || base <= k->clusters[c16][lg])) kern = c16;
   /* two key splits on the warp-specialised kernel: D split instead, no merge */
   bool planes = kern == TD_STATES_WS && splits == 2 && k->has[TD_STATES_PL] && t->states_planes &&
-                base <= k->clusters[TD_STATES_PL][1];
+                (told || base <= k->clusters[TD_STATES_PL][1]);
+  /* More groups than one wave of 16-warp blocks holds: the warp-specialised
+   * kernel in waves, or the plane pairs (half a sequence's work a block) in
+   * waves, whichever takes fewer whole waves, a pair's wave counted as half
+   * a 16-warp block's; the 8-warp kernel in waves was the slowest of the
+   * three (H200, 2026-11-29: at 160 groups 78 us, 67 in 16-warp waves, 62 in
+   * pairs; at 256 82, 79, 97). */
+  const long ws1 = k->clusters[TD_STATES_WS][0], pl2 = k->clusters[TD_STATES_PL][1];
+  if (t->states_waves && !told && kern == ci && splits == 1 && k->has[TD_STATES_WS] && t->states_ws && ws1 > 0 && base > ws1) {
+    const bool pairs = k->has[TD_STATES_PL] && t->states_planes && pl2 > 0 && tiles >= 2 &&
+                       (base + pl2 - 1) / pl2 < 2 * ((base + ws1 - 1) / ws1);
+    kern = TD_STATES_WS;
+    planes = pairs;
+    splits = pairs ? 2 : 1;
+  }
   if (planes) kern = TD_STATES_PL;
   p.kernel = kern;
   p.blocks = base * splits;
@@ -234,6 +252,16 @@ td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_s
  * was slower over the states than over the K/V at every batch on an H200. */
 int td_cu_states_switch_rows(int D, bool fits, bool kv8) {
   return fits && !kv8 && D > 0 && D <= 1024 ? 48 : INT_MAX;
+}
+
+/* Past a quarter of L2 the prefetched layer no longer waits there for its
+ * attention and takes DRAM time from the kernels beside it: on an H200
+ * steps were 5-33 % shorter without it from 17 MB a layer, 0.5-1.8 % longer
+ * up to 10 MB (2026-11-29, bench/RESULTS.md). */
+size_t td_cu_kvpf_bytes(const td_cu_tune *t, size_t l2_bytes) {
+  if (t->kvpf_mb == 0) return 0;
+  if (t->kvpf_mb > 0) return (size_t)t->kvpf_mb << 20;
+  return l2_bytes / 4 > 0 ? l2_bytes / 4 : 1;
 }
 
 int td_cu_plan_rows(const td_cu_tune *t, int m) {

@@ -9,6 +9,7 @@
 #define TD_KERNELS_CUDA_POLICY_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -56,7 +57,8 @@ typedef struct td_cu_tune {
   int decode_bulk, decode_bulk_all, decode_bulk_shape, decode_bulk_early;
   int decode_bulk_carve; /* percent, -1: none */
   int kvpf_seqs;         /* 0: off */
-  bool states_generic, states_ws, states_planes;
+  int kvpf_mb;           /* the self K/V bound in MB: -1 a quarter of L2, 0 none */
+  bool states_generic, states_ws, states_planes, states_waves;
   int states_splits; /* 0: the policy's */
   int states_warps;  /* 0: the policy's, else 8 or 16 */
   bool heads_lt, custom_allreduce, fuse_allreduce, custom_allgather;
@@ -75,6 +77,9 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *out);
  * it); an algorithm chosen for more rows serves fewer. */
 enum { TD_CU_PLAN_EXACT_ROWS = 64 };
 int td_cu_plan_rows(const td_cu_tune *t, int m);
+/* td_kv_prefetch: the most bytes of a layer's self K/V it prefetches (0:
+ * any), from the tuning and the device's L2 */
+size_t td_cu_kvpf_bytes(const td_cu_tune *t, size_t l2_bytes);
 
 /* ---- td_attn_dense ---- */
 typedef enum td_dense_kernel {

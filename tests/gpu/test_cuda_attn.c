@@ -712,6 +712,7 @@ Test(cuda, attn_states) {
       {4, 96, 5, 6, 2, 41, true, 0, 0},         /* a width the generic kernel takes */
       {3, 40, 2, 3, 3, 9, false, 40, 0},
       {16, 1024, 16, 2, 1, 64, false, 1003, 0}, /* norm rows not of whole vectors */
+      {16, 1024, 16, 150, 1, 200, true, 0, 0},  /* past one wave of an H100's or H200's 132 SMs */
   };
   /* splits (16: a non-portable cluster) by the policy's warps, then each
    * warp count forced; 16 warps are the warp-specialised kernel where it

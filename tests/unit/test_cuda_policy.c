@@ -19,7 +19,7 @@ static const char *const cuda_vars[] = {
     "TANDEM_CUDA_FUSE",          "TANDEM_CUDA_DENSE64",       "TANDEM_CUDA_DECATTN",
     "TANDEM_CUDA_DECATTN_SMALL", "TANDEM_CUDA_DECATTN_BULK",  "TANDEM_CUDA_DECATTN_CARVE",
     "TANDEM_CUDA_KVPF",          "TANDEM_CUDA_STATES_GENERIC", "TANDEM_CUDA_STATES_SPLITS",
-    "TANDEM_CUDA_STATES_WARPS",  "TANDEM_CUDA_STATES_WS",     "TANDEM_CUDA_STATES_PLANES",
+    "TANDEM_CUDA_STATES_WARPS",  "TANDEM_CUDA_STATES_WS",     "TANDEM_CUDA_STATES_PLANES", "TANDEM_CUDA_STATES_WAVES",
     "TANDEM_CUDA_HEADS_LT",      "TANDEM_CUDA_CUSTOM_ALLREDUCE", "TANDEM_CUDA_FUSE_ALLREDUCE", "TANDEM_CUDA_CUSTOM_ALLGATHER",
     "TANDEM_CUDA_PLAN_BUCKET",   "TANDEM_CUDA_DENSE_SPLITS"};
 
@@ -111,6 +111,7 @@ Test(cuda_settings, bad_values_are_refused_by_name, .init = clear) {
       {"TANDEM_CUDA_DECATTN", "99999999999"}, {"TANDEM_CUDA_HEADS_LT", "2"},
       {"TANDEM_CUDA_AUTOTUNE_MIN", "1e9"}, {"TANDEM_CUDA_PLAN_BUCKET", "2"},
       {"TANDEM_CUDA_FUSE_ALLREDUCE", "sometimes"}, {"TANDEM_CUDA_CUSTOM_ALLGATHER", "2"},
+      {"TANDEM_CUDA_STATES_WAVES", "2"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     clear();
@@ -138,7 +139,7 @@ Test(cuda_tune, zero_takes_the_measured_defaults) {
             r.decode_bulk_shape == 0 && r.decode_bulk_early == TD_CUDA_DEFAULT_DECODE_BULK_EARLY &&
             r.decode_bulk_carve == TD_CUDA_DEFAULT_DECODE_BULK_CARVE);
   cr_assert_eq(r.kvpf_seqs, TD_CUDA_DEFAULT_KVPF_SEQS);
-  cr_assert(!r.states_generic && r.states_ws && r.states_planes && r.states_splits == 0 && r.states_warps == 0);
+  cr_assert(!r.states_generic && r.states_ws && r.states_planes && r.states_waves && r.states_splits == 0 && r.states_warps == 0);
   cr_assert(!r.heads_lt && r.custom_allreduce && r.fuse_allreduce && r.custom_allgather);
   cr_assert(r.plan_bucket);
 }
@@ -184,6 +185,27 @@ Test(cuda_tune, none_and_clamps) {
   td_cu_tune_resolve(&t, &r);
   cr_assert_eq(r.skinny_rows, 8);
   cr_assert_eq(r.decode_bulk_carve, -1);
+}
+
+/* td_kv_prefetch's bound on a layer's self K/V: a quarter of L2 unless told */
+Test(cuda_tune, kv_prefetch_bound, .init = clear) {
+  td_cu_tune r = defaults();
+  cr_assert_eq(r.kvpf_mb, -1);
+  cr_assert_eq(td_cu_kvpf_bytes(&r, 50u << 20), (size_t)(50u << 20) / 4, "an H100's 50 MB: 12.5 MB");
+  cr_assert_eq(td_cu_kvpf_bytes(&r, 0), 1, "no L2 reported: every step above the bound");
+  td_settings s;
+  setenv("TANDEM_CUDA_KVPF", "16,24", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_OK, "%s", td_errmsg());
+  td_cu_tune_resolve(&s.cuda, &r);
+  cr_assert(r.kvpf_seqs == 16 && r.kvpf_mb == 24);
+  cr_assert_eq(td_cu_kvpf_bytes(&r, 50u << 20), (size_t)24 << 20);
+  setenv("TANDEM_CUDA_KVPF", "16,0", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_OK, "%s", td_errmsg());
+  td_cu_tune_resolve(&s.cuda, &r);
+  cr_assert_eq(td_cu_kvpf_bytes(&r, 50u << 20), 0, "0 MB: any size");
+  setenv("TANDEM_CUDA_KVPF", "16,x", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
+  unsetenv("TANDEM_CUDA_KVPF");
 }
 
 /* ---------------------------------------------------------------- td_attn_dense */
@@ -396,8 +418,31 @@ Test(cuda_policy, states_splits_warps_planes) {
   r = defaults();
   p = td_cu_states_policy(&r, SMS, &k, &s);
   cr_assert(p.kernel == TD_STATES_WS && p.cluster == 1 && p.blocks == 128, "a wave of single blocks: 16 warps");
-  k.clusters[TD_STATES_WS][0] = 100;
-  cr_assert_eq(td_cu_states_policy(&r, SMS, &k, &s).kernel, TD_STATES_MMA8, "16 warps not all resident");
+  /* past one wave: 16-warp blocks or plane pairs, by whole waves */
+  k.clusters[TD_STATES_WS][0] = k.clusters[TD_STATES_MMA16][0] = 132;
+  k.clusters[TD_STATES_PL][1] = 66;
+  s = states_decode(160, 512);
+  p = td_cu_states_policy(&r, SMS, &k, &s);
+  cr_assert(p.kernel == TD_STATES_PL && p.cluster == 2 && p.n_splits == 1 && p.blocks == 320,
+            "160 groups: three waves of pairs against two of 16-warp blocks (four pair waves)");
+  s = states_decode(256, 512);
+  p = td_cu_states_policy(&r, SMS, &k, &s);
+  cr_assert(p.kernel == TD_STATES_WS && p.cluster == 1 && p.blocks == 256, "256 groups: a tie, 16-warp blocks");
+  s = states_decode(300, 512);
+  cr_assert_eq(td_cu_states_policy(&r, SMS, &k, &s).kernel, TD_STATES_PL, "300: 5 pair waves against 3 (6)");
+  r.states_planes = false;
+  p = td_cu_states_policy(&r, SMS, &k, &s);
+  cr_assert(p.kernel == TD_STATES_WS && p.blocks == 300, "no pairs: 16-warp blocks in waves");
+  r.states_ws = false;
+  cr_assert_eq(td_cu_states_policy(&r, SMS, &k, &s).kernel, TD_STATES_MMA8, "neither: 8 warps");
+  r = defaults();
+  r.states_waves = false;
+  cr_assert_eq(td_cu_states_policy(&r, SMS, &k, &s).kernel, TD_STATES_MMA8, "waves off: 8 warps");
+  r = defaults();
+  r.states_warps = 8;
+  cr_assert_eq(td_cu_states_policy(&r, SMS, &k, &s).kernel, TD_STATES_MMA8, "told 8 warps");
+  r.states_warps = 16;
+  cr_assert_eq(td_cu_states_policy(&r, SMS, &k, &s).kernel, TD_STATES_WS, "told 16 warps: in waves");
 }
 
 Test(cuda_policy, states_tuned_and_generic) {
