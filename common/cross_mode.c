@@ -19,3 +19,7 @@ td_status td_cross_mode_parse(const char *s, td_cross_mode *out) {
     }
   return td_err(TD_ERR_INVALID, "--cross-mode %s: want auto, kv, states or dual", s ? s : "(none)");
 }
+
+bool td_cross_pushes_states(td_cross_mode m, bool transfer_kv) {
+  return !transfer_kv && (m == TD_CROSS_AUTO || m == TD_CROSS_STATES);
+}

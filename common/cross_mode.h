@@ -4,6 +4,8 @@
 #ifndef TD_COMMON_CROSS_MODE_H
 #define TD_COMMON_CROSS_MODE_H
 
+#include <stdbool.h>
+
 #include "common/status.h"
 
 /* What a cross pool holds of each encoder position:
@@ -25,5 +27,11 @@ typedef enum td_cross_mode {
  * the choices (for a --cross-mode argument) */
 td_status td_cross_mode_parse(const char *s, td_cross_mode *out);
 const char *td_cross_mode_name(td_cross_mode m);
+/* What an encoder-only worker in cross mode m pushes to decode workers:
+ * the encoder states (projected on arrival) in auto and states modes
+ * unless K/V were asked for (--cross-transfer kv), else its K/V. A group
+ * pushes states whatever it was told (tandem-worker refuses the rest),
+ * and a model of odd d_model falls back to K/V at load. */
+bool td_cross_pushes_states(td_cross_mode m, bool transfer_kv);
 
 #endif

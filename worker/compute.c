@@ -457,7 +457,7 @@ static td_status compute_init(td_worker *w) {
       return td_err(TD_ERR_INVALID, "an encoder group pushes encoder states: --cross-mode states on every rank");
     w->states_out = true;
     TD_INFO("cross transfer: encoder states from a group of %d ranks", w->world);
-  } else if (enc_only && mo.cross_mode == TD_CROSS_AUTO && !w->o.cross_transfer_kv) {
+  } else if (enc_only && mo.cross_mode == TD_CROSS_AUTO && td_cross_pushes_states(mo.cross_mode, w->o.cross_transfer_kv)) {
     /* pushes of the encoder states (the decode side projects them): 1 / (2 x layers) of the K/V bytes */
     mo.cross_mode = TD_CROSS_STATES;
     if (td_model_load(w->o.model_dir, w->b, &mo, &w->m) == TD_OK) {

@@ -259,7 +259,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < o.n_roles; i++) enc_only &= served[i]->id == TANDEM__CLUSTER__ROLE__ROLE_ENCODE;
   if (o.group && enc_only) {
     /* an encoder group pushes encoder states, whole on rank 0 (its K/V would be sliced across the ranks) */
-    if (o.cross_transfer_kv || (o.cross_mode != TD_CROSS_AUTO && o.cross_mode != TD_CROSS_STATES)) {
+    if (!td_cross_pushes_states(o.cross_mode, o.cross_transfer_kv)) {
       fprintf(stderr, "tandem-worker: an encoder group pushes encoder states only (--cross-transfer kv and other "
                       "cross modes need a single-rank encoder)\n");
       return 2;
@@ -270,8 +270,7 @@ int main(int argc, char **argv) {
     /* int8 cross K/V are pushed only between int8 pools (router/placement.c): a decode worker's, made by its
        own encoder, projected from pushed encoder states or pushed by an int8 encoder; an encoder-only worker's,
        pushed as they are */
-    bool dec = false, kv_out = enc_only && (o.cross_transfer_kv || (o.cross_mode != TD_CROSS_AUTO &&
-                                                                    o.cross_mode != TD_CROSS_STATES));
+    bool dec = false, kv_out = enc_only && !td_cross_pushes_states(o.cross_mode, o.cross_transfer_kv);
     for (int i = 0; i < o.n_roles; i++) dec |= served[i]->id == TANDEM__CLUSTER__ROLE__ROLE_DECODE;
     const char *why = o.device != TD_BACKEND_CUDA ? "needs --device cuda"
                       : o.group                   ? "is for a worker of one rank, not a group"

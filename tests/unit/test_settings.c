@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/cross_mode.h"
 #include "common/defaults.h"
 #include "common/log.h"
 #include "common/settings.h"
@@ -131,4 +132,23 @@ Test(settings, malloc_keep, .init = clear) {
   cr_assert_eq(mallinfo2().hblks, before + 1);
   free(b);
 #endif
+}
+
+/* --cross-mode names, and what an encoder-only worker pushes (tandem-worker's flag checks and its load) */
+Test(cross_mode, names_and_what_an_encoder_pushes) {
+  for (int i = TD_CROSS_AUTO; i <= TD_CROSS_DUAL; i++) {
+    td_cross_mode m = TD_CROSS_KV;
+    cr_assert_eq(td_cross_mode_parse(td_cross_mode_name((td_cross_mode)i), &m), TD_OK);
+    cr_assert_eq(m, i);
+  }
+  td_cross_mode m;
+  cr_assert_eq(td_cross_mode_parse("both", &m), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "auto, kv, states or dual"), "%s", td_errmsg());
+  cr_assert_eq(td_cross_mode_parse(NULL, &m), TD_ERR_INVALID);
+  cr_assert(td_cross_pushes_states(TD_CROSS_AUTO, false), "auto: the states, projected on arrival");
+  cr_assert(td_cross_pushes_states(TD_CROSS_STATES, false));
+  cr_assert(!td_cross_pushes_states(TD_CROSS_AUTO, true), "--cross-transfer kv");
+  cr_assert(!td_cross_pushes_states(TD_CROSS_STATES, true));
+  cr_assert(!td_cross_pushes_states(TD_CROSS_KV, false), "a K/V pool pushes its K/V");
+  cr_assert(!td_cross_pushes_states(TD_CROSS_DUAL, false));
 }
