@@ -2,12 +2,15 @@
  * (or Flan-T5-XL, BART-large, Whisper-large-v3) shape with random bf16 weights, against the memory floor (bytes read /
  * measured copy bandwidth) and the matrix floor (FLOPs / measured cuBLAS
  * bf16 rate).
- *   bench-decode-step [--tp N | --pp N [--pp-sets 2]] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
+ *   bench-decode-step [--tp N | --pp N [--pp-sets 2] | --tp-alone N] [--batches 1,16,64] [--enc-len 512] [--ctx 64]
  *                     [--steps N] [--shape flan-t5-large|flan-t5-xl|bart-large|whisper-large-v3] [--no-record]
  *                     [--model-dir DIR] [--trace BATCH [--trace-gpus]] [--trace-encoder] [--block-size N]
  *                     [--cross-mode auto|kv|states|dual] [--states-rows N] [--enc-split rows|heads]
  *                     [--cross-kv-dtype bf16|int8]
  * With --tp / --pp the ranks are threads, one GPU each, joined by NCCL.
+ * --tp-alone N: rank 0 of a TP=N group alone on one GPU, its exchanges
+ * left out (td_comm_create_alone): what a rank computes, against which a
+ * group's step shows what its exchanges cost; floors are a rank's share.
  * --model-dir keeps the random checkpoint in DIR (written there once, then
  * reused), so that runs under different settings load the same weights.
  * --trace prints the kernel timeline of one decode step at that batch
@@ -46,6 +49,7 @@
 
 typedef struct cfg {
   int tp, pp, world;
+  bool alone; /* --tp-alone: rank 0 of tp, no peers */
   int pp_sets; /* 2: two running sets alternate through the stages (step ms: a set's step) */
   int batches[8], n_batches;
   int enc_len, ctx, steps;
@@ -172,7 +176,10 @@ static void *rank_main(void *arg) {
   for (int i = 0; i < c->n_batches; i++) maxb = c->batches[i] > maxb ? c->batches[i] : maxb;
   td_backend_opts bo = {.kind = TD_BACKEND_CUDA, .device = rk->r, .cuda = c->cuda};
   if ((s = td_backend_create(&bo, &b)) != TD_OK) goto out;
-  if (c->world > 1) {
+  if (c->alone) {
+    if ((s = td_comm_create_alone(0, c->tp, &comm)) != TD_OK) goto out;
+    td_backend_set_comm(b, comm);
+  } else if (c->world > 1) {
     if ((s = td_comm_create_nccl(b, c->nccl_id, rk->r, c->world, &comm)) != TD_OK) goto out;
     td_backend_set_comm(b, comm);
   }
@@ -322,9 +329,9 @@ static void *rank_main(void *arg) {
     }
   }
   /* after every step measured: a graph made and dropped here must not sit between them */
-  for (int bi = 0; bi < c->n_batches && c->tp > 1; bi++)
+  for (int bi = 0; bi < c->n_batches && c->tp > 1 && !c->alone; bi++)
     if ((s = time_allreduce(b, m, c->batches[bi], &rk->ar_us[bi])) != TD_OK) goto out;
-  if (c->tp > 1 && (s = time_allreduce(b, m, maxb * c->enc_len, &rk->enc_ar_us)) != TD_OK) goto out;
+  if (c->tp > 1 && !c->alone && (s = time_allreduce(b, m, maxb * c->enc_len, &rk->enc_ar_us)) != TD_OK) goto out;
 out:
   if (s != TD_OK) {
     rk->st = s;
@@ -360,6 +367,10 @@ int main(int argc, char **argv) {
   const char *shape = "flan-t5-large", *keep = NULL;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--tp") && i + 1 < argc) c.tp = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--tp-alone") && i + 1 < argc) {
+      c.tp = atoi(argv[++i]);
+      c.alone = true;
+    }
     else if (!strcmp(argv[i], "--pp") && i + 1 < argc) c.pp = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--pp-sets") && i + 1 < argc) c.pp_sets = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--enc-len") && i + 1 < argc) c.enc_len = atoi(argv[++i]);
@@ -402,7 +413,16 @@ int main(int argc, char **argv) {
     }
   }
   td_log_set_level(TD_LOG_WARN);
-  c.world = c.tp * c.pp;
+  if (c.alone && (c.tp < 2 || c.tp > 64 || c.pp > 1 || c.trace_gpus)) {
+    fprintf(stderr, "--tp-alone: 2 to 64 ranks, without --pp and --trace-gpus\n");
+    return 2;
+  }
+  if (!c.alone && (c.tp < 1 || c.tp > 8 || c.pp < 1 || c.pp > 8 || c.tp * c.pp > 8)) {
+    fprintf(stderr, "--tp, --pp: at most 8 GPUs in all\n");
+    return 2;
+  }
+  c.world = c.alone ? 1 : c.tp * c.pp;
+  const int share = c.alone ? c.tp : c.world; /* the floors: one GPU's share of the model */
   if (c.trace_gpus && !c.trace) {
     fprintf(stderr, "--trace-gpus goes with --trace BATCH\n");
     return 2;
@@ -509,8 +529,9 @@ int main(int argc, char **argv) {
                      "encoder input %d tokens, decoder context %d tokens, KV blocks of %d tokens; %s%s%d. Ceilings measured in the same run: "
                      "device copy %.0f GB/s (read + write), cuBLAS bf16 GEMM 8192^3 on random data %.0f TFLOP/s.\n\n",
                  shape, sh->d_model, sh->enc_layers, sh->dec_layers, sh->heads, sh->head_dim, sh->gated ? "gated " : "",
-                 sh->ffn, sh->vocab, c.enc_len, c.ctx, c.block_size, c.tp > 1 ? "tensor parallel " : c.pp > 1 ? "pipeline stages " : "GPUs ",
-                 "", c.world, gbs, tf);
+                 sh->ffn, sh->vocab, c.enc_len, c.ctx, c.block_size,
+                 c.alone ? "rank 0 of tensor parallel " : c.tp > 1 ? "tensor parallel " : c.pp > 1 ? "pipeline stages " : "GPUs ",
+                 c.alone ? "alone (no exchanges), of " : "", c.alone ? c.tp : c.world, gbs, tf);
   if (c.pp_sets == 2)
     td_sbuf_printf(&t, "Two running sets of the batch each alternate through the stages: step ms is the time a set's step "
                        "takes in the steady state (the first stage launches one set and collects the other's logits), so "
@@ -527,13 +548,13 @@ int main(int argc, char **argv) {
     int B = c.batches[i];
     bool states = B >= rk[0].states_rows;
     double bytes = dec_w + (double)B * (c.enc_len + c.ctx + 1) * kv_tok;
-    double floor_ms = bytes / (gbs * 1e9) * 1e3 / c.world;
+    double floor_ms = bytes / (gbs * 1e9) * 1e3 / share;
     double ms = rk[0].step_ms[i];
     /* int8 cross K/V: a byte a value and a float scale a row of head_dim */
     double kv8 = dec_w + (double)B * (c.ctx + 1) * kv_tok + (double)B * c.enc_len * Ld * 2 * hd * (1 + 4.0 / sh->head_dim);
     double sb = states ? dec_w + Ld * 2 * d * hd * 2 + (double)B * (c.ctx + 1) * kv_tok + (double)B * c.enc_len * Ld * d * 2
                 : c.cross_int8 ? kv8 : bytes;
-    double sf = sb / (gbs * 1e9) * 1e3 / c.world;
+    double sf = sb / (gbs * 1e9) * 1e3 / share;
     const char *path = states ? "states" : c.cross_int8 ? "kv8" : "kv";
     printf("%6d %6s %9.3f %10.0f %9.3f %8.2f %9.3f %9.3f %8.2f\n", B, path, ms, B / (ms * 1e-3), floor_ms,
            ms / floor_ms, sb / 1e9, sf, ms / sf);
@@ -542,7 +563,7 @@ int main(int argc, char **argv) {
   }
   for (int i = 0; i < c.n_batches; i++)
     printf("batch %d: the host enqueues a step in %.3f ms\n", c.batches[i], rk[0].enqueue_ms[i]);
-  if (c.tp > 1) {
+  if (c.tp > 1 && !c.alone) {
     td_sbuf_printf(&t, "\nOne all-reduce of the step's rows (B x d_model bf16, in a graph):");
     for (int i = 0; i < c.n_batches; i++) {
       printf("all-reduce at batch %d: %.2f us\n", c.batches[i], rk[0].ar_us[i]);
@@ -553,7 +574,7 @@ int main(int argc, char **argv) {
     printf("all-reduce of the encoder's rows (%d x %d): %.2f us\n", inputs * c.enc_len, sh->d_model, rk[0].enc_ar_us);
     td_sbuf_printf(&t, "; the encoder's rows (%d x %d) %.2f us.\n", inputs * c.enc_len, sh->d_model, rk[0].enc_ar_us);
   }
-  double enc_floor = enc_flops / (tf * 1e12) * 1e3 / c.world;
+  double enc_floor = enc_flops / (tf * 1e12) * 1e3 / share;
   printf("encoder %g tokens (%s%s): %.2f ms, %.0f TFLOP/s = %.0f%% of the GEMM rate\n", enc_tokens,
          rk[0].mode != TD_CROSS_STATES ? "with cross-KV projection" : "states into the cross pool",
          c.tp > 1 ? (c.enc_rows ? ", split by rows" : ", split by heads") : "",
@@ -561,12 +582,12 @@ int main(int argc, char **argv) {
   td_sbuf_printf(&t, "\nEncoder forward of %.0f tokens%s: "
                      "%.2f ms, %.0f TFLOP/s per GPU, %.0f%% of the measured GEMM rate.\n",
                  enc_tokens, rk[0].mode != TD_CROSS_STATES ? " plus the cross-attention K/V projection of every decoder layer" : "",
-                 rk[0].enc_ms, enc_flops / (rk[0].enc_ms * 1e-3) / 1e12 / c.world,
+                 rk[0].enc_ms, enc_flops / (rk[0].enc_ms * 1e-3) / 1e12 / share,
                  100 * enc_floor / rk[0].enc_ms);
   if (record) {
     char title[128];
-    snprintf(title, sizeof title, "Decode step and encoder, %s, %s=%d%s (bench-decode-step)", shape,
-             c.pp > 1 ? "PP" : "TP", c.pp > 1 ? c.pp : c.tp, rk[0].mode == TD_CROSS_KV ? ""
+    snprintf(title, sizeof title, "Decode step and encoder, %s, %s=%d%s%s (bench-decode-step)", shape,
+             c.pp > 1 ? "PP" : "TP", c.pp > 1 ? c.pp : c.tp, c.alone ? " rank alone" : "", rk[0].mode == TD_CROSS_KV ? ""
                                                             : rk[0].mode == TD_CROSS_STATES ? ", cross states"
                                                                                             : ", cross dual");
     td_bench_record(&out, title, dev, t.s);

@@ -359,6 +359,11 @@ typedef struct td_comm td_comm;
 /* In-process communicators for `world` ranks driven by `world` threads (the
  * CPU backend; tests and CPU parallelism). comms[r] is rank r's. */
 td_status td_comm_create_threads(int world, td_comm **comms);
+/* Rank `rank` of `world` without peers, on any backend: all-reduces leave
+ * the buffer as it is, all-gathers put the rank's part in every slot,
+ * row all-gathers leave the other rows, sends and receives are refused.
+ * One rank's share of a group run alone, to time what it computes. */
+td_status td_comm_create_alone(int rank, int world, td_comm **out);
 /* NCCL (CUDA backend): id is ncclUniqueId bytes from td_comm_nccl_id. */
 #define TD_NCCL_ID_BYTES 128
 td_status td_comm_nccl_id(uint8_t id[TD_NCCL_ID_BYTES]);

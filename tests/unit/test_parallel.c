@@ -1410,3 +1410,48 @@ Test(pipeline_parallel, engine_cross_dual) {
   check_engine_mode("bart-tiny", 2, true, true, TD_CROSS_DUAL);
   par_states_rows = 0;
 }
+
+/* A rank alone (td_comm_create_alone; bench-decode-step --tp-alone): its
+ * collectives leave the other ranks' parts as they are, and rank 0 of a
+ * TP=2 group encodes and steps through its share with it. */
+Test(tensor_parallel, a_rank_alone) {
+  td_comm *c = NULL;
+  cr_assert_eq(td_comm_create_alone(2, 2, &c), TD_ERR_INVALID);
+  cr_assert_null(c);
+  cr_assert_eq(td_comm_create_alone(0, 0, &c), TD_ERR_INVALID);
+  cr_assert_eq(td_comm_create_alone(1, 2, &c), TD_OK);
+  cr_assert(td_comm_rank(c) == 1 && td_comm_world(c) == 2);
+  td_backend *b;
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  cr_assert_eq(td_backend_create(&bo, &b), TD_OK);
+  td_backend_set_comm(b, c);
+  float x[3] = {1.5f, -2.0f, 7.0f}, all[6] = {0};
+  cr_assert_eq(td_allreduce_sum(b, x, TD_BUF_F32, 3), TD_OK);
+  cr_assert(x[0] == 1.5f && x[1] == -2.0f && x[2] == 7.0f, "an all-reduce leaves the rank's values");
+  cr_assert_eq(td_allgather(b, x, all, TD_BUF_F32, 3), TD_OK);
+  cr_assert_eq(td_sync(b), TD_OK);
+  for (int i = 0; i < 6; i++) cr_assert_eq(all[i], x[i % 3], "slot %d", i);
+  float rows[4] = {1, 2, 3, 4};
+  cr_assert_eq(td_allgather_rows(b, rows, TD_BUF_F32, 2, 2, 0, 2), TD_OK);
+  cr_assert(rows[0] == 1 && rows[3] == 4);
+  cr_assert_eq(td_send(b, x, TD_BUF_F32, 3, 0), TD_ERR_UNSUPPORTED);
+  cr_assert(strstr(td_errmsg(), "no peers"), "%s", td_errmsg());
+  cr_assert_eq(td_recv(b, x, TD_BUF_F32, 3, 0), TD_ERR_UNSUPPORTED);
+  td_backend_set_comm(b, NULL);
+  td_backend_destroy(b);
+  td_comm_destroy(c);
+#ifndef TD_PARALLEL_CUDA
+  fixture fx;
+  fx_load("t5-tiny", &fx);
+  rank_ctx ctx = {.fx = &fx, .rank = 0, .tp = 2, .mode = TD_CROSS_AUTO, .req = 0};
+  cr_assert_eq(td_comm_create_alone(0, 2, &ctx.comm), TD_OK);
+  rank_main(&ctx);
+  cr_assert(ctx.status == TD_OK, "%s", ctx.error);
+  const fx_request *q = &fx.req[0];
+  size_t nl = (size_t)(q->n_prompt + q->n_greedy - 1) * fx.vocab;
+  for (size_t i = 0; i < nl; i++) cr_assert(isfinite(ctx.logits[i]), "logit %zu: %g", i, ctx.logits[i]);
+  td_comm_destroy(ctx.comm);
+  free_ranks(&ctx, 1);
+  fx_free(&fx);
+#endif
+}
