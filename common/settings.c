@@ -138,6 +138,7 @@ td_status td_settings_from_env(td_settings *s) {
   /* model */
   TD_TRY(env_switch("TANDEM_NORM_FOLD", &s->model.norm_fold));
   TD_TRY(env_switch("TANDEM_ENC_GRAPHS", &s->model.enc_graphs));
+  TD_TRY(env_switch("TANDEM_CKV_BATCH", &s->model.ckv_batch));
   int rows, got;
   TD_TRY(env_ints("TANDEM_QNORM_ROWS", 1, &rows, &got));
   if (got) s->model.qnorm_rows = rows > 0 ? rows : -1; /* 0 rows: never fused */

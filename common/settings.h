@@ -91,6 +91,8 @@ typedef struct td_model_tuning {
   int norm_fold;  /* TANDEM_NORM_FOLD: fold decoder pre-norm weights into the next GEMM (TD_OFF: keep apart) */
   int qnorm_rows; /* TANDEM_QNORM_ROWS: rows up to which the query norm is fused (0: the backend's; -1: never) */
   int enc_graphs; /* TANDEM_ENC_GRAPHS: one text input encoded as its bucket's CUDA graph (TD_OFF: eagerly) */
+  int ckv_batch;  /* TANDEM_CKV_BATCH: the cross K/V of several layers in one GEMM where the rows are few (TD_OFF: a
+                     GEMM a layer) */
 } td_model_tuning;
 
 /* KV transfer (kvtransfer/). */

@@ -101,6 +101,38 @@ static td_status encoder_layers_rows(td_model *m, void *eh, int E, const int32_t
   return td_allgather_rows(b, eh, TD_BUF_ACT, E, d->d, 0, d->d);
 }
 
+/* Every decoder layer's cross K/V of E rows of x (the encoder's output or
+ * the states) into the cross pool at slots. Where the weights are one
+ * matrix (m->ckv_w), as many layers as e_ff holds at E rows go through one
+ * GEMM: a short input's GEMM a layer (a 1,500-row Whisper input's 2,560
+ * columns, 18 us at half the GEMM rate) is latency, not FLOPs. */
+static td_status project_cross_kv(td_model *m, const void *x, int E, const int32_t *slots) {
+  td_backend *b = m->b;
+  td_kv_layout cl = td_model_cross_layout(m);
+  size_t es = td_buf_elem_size(b, TD_BUF_ACT);
+  int nl = cl.n_layers, hd = m->d.dh_ * m->d.ddh;
+  if (nl == 0 || E <= 0) return TD_OK;
+  const lin *f = &m->dec[0].ckv; /* out = 2 hd */
+  size_t per = (size_t)E * f->out;
+  int G = m->ckv_w && per <= m->e_ff_n ? (int)(m->e_ff_n / per < (size_t)nl ? m->e_ff_n / per : (size_t)nl) : 1;
+  for (int l0 = 0; l0 < nl; l0 += G) {
+    int g = nl - l0 < G ? nl - l0 : G;
+    if (g == 1) {
+      TD_TRY(linear(m, &m->dec[l0].ckv, x, m->e_qkv, E, TD_ACT_NONE, 0));
+      TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * es, 2 * hd, m->cross_pool, &cl, l0,
+                         slots, E));
+      continue;
+    }
+    TD_TRY(td_gemm(b, x, m->dec[l0].ckv.w, m->ckv_b ? m->ckv_b + (size_t)l0 * f->out : NULL, m->e_ff, E,
+                   g * f->out, f->in, TD_ACT_NONE, 0));
+    for (int j = 0; j < g; j++) {
+      const char *k = (const char *)m->e_ff + (size_t)j * f->out * es;
+      TD_TRY(td_kv_write(b, k, k + (size_t)hd * es, g * f->out, m->cross_pool, &cl, l0 + j, slots, E));
+    }
+  }
+  return TD_OK;
+}
+
 /* One encoder run as enqueued work: its sizes, its host cu_seqlens (the
  * micro-batches' bounds) and its metadata on the device. */
 typedef struct enc_run {
@@ -168,12 +200,7 @@ static td_status encoder_forward(td_model *m, const enc_run *r, const void **out
     eo = m->e_x;
   }
   td_kv_layout cl = td_model_cross_layout(m);
-  int hd = d->dh_ * d->ddh;
-  for (int l = 0; l < cl.n_layers; l++) {
-    TD_TRY(linear(m, &m->dec[l].ckv, eo, m->e_qkv, E, TD_ACT_NONE, 0));
-    TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * td_buf_elem_size(b, TD_BUF_ACT), 2 * hd,
-                       m->cross_pool, &cl, l, r->dslots, E));
-  }
+  TD_TRY(project_cross_kv(m, eo, E, r->dslots));
   if (cl.states) /* the states once, split over the tail's K and V planes */
     TD_TRY(td_kv_write(b, eo, (const char *)eo + (size_t)(d->d / 2) * td_buf_elem_size(b, TD_BUF_ACT), d->d,
                        m->cross_pool, &cl, cl.n_layers, r->dslots, E));
@@ -348,7 +375,6 @@ td_status td_model_project_cross(td_model *m, const int32_t *cross_slots, int n)
   if (n < 0 || (n > 0 && !cross_slots)) return td_err(TD_ERR_INVALID, "project cross: %d rows", n);
   /* no collective inside: each rank's ckv weights and pool are its own heads (TP) or layers (PP) */
   TD_TRY(mirror_publish_project(m, cross_slots, n));
-  int hd = d->dh_ * d->ddh;
   size_t es = td_buf_elem_size(b, TD_BUF_ACT);
   /* chunks of the encoder's workspace: every decoder layer's K/V GEMM over all of a chunk's rows */
   for (int r0 = 0; r0 < n; r0 += m->opts.max_enc_tokens) {
@@ -357,11 +383,7 @@ td_status td_model_project_cross(td_model *m, const int32_t *cross_slots, int n)
     TD_TRY(td_copy_h2d(b, m->meta_dev, m->meta_host, sizeof(int32_t) * (size_t)E));
     TD_TRY(td_kv_read(b, m->cross_pool, &cl, cl.n_layers, m->meta_dev, E, m->e_x,
                       (char *)m->e_x + (size_t)(d->d / 2) * es, d->d));
-    for (int l = 0; l < cl.n_layers; l++) {
-      TD_TRY(linear(m, &m->dec[l].ckv, m->e_x, m->e_qkv, E, TD_ACT_NONE, 0));
-      TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * es, 2 * hd, m->cross_pool, &cl, l,
-                         m->meta_dev, E));
-    }
+    TD_TRY(project_cross_kv(m, m->e_x, E, m->meta_dev));
     /* the next chunk rewrites the metadata and the workspace */
     if (r0 + E < n) TD_TRY(td_sync(b));
   }

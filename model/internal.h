@@ -76,6 +76,12 @@ struct td_model {
 
   /* scratch */
   void *e_h, *e_x, *e_qkv, *e_attn, *e_ff, *e_ff1, *w_col1, *w_c1, *w_col2, *w_feat;
+  size_t e_ff_n; /* e_ff's elements: the cross K/V of several layers at once land there */
+  /* every decoder layer's cross K/V weights as one [layers * ckv.out, ckv.in] matrix (and its biases, zeros
+   * where a layer has none; NULL where none has one): dec[l].ckv points into it, so that a short encoder
+   * run projects the K/V of several layers in one GEMM (NULL: per layer) */
+  void *ckv_w;
+  float *ckv_b;
   void *d_h, *d_x, *d_qkv, *d_attn, *d_q, *d_ff, *d_ff1, *d_lx;
   void *d_qs, *d_us; /* the states path: per-head queries and mixes over the states [T, heads, d] */
   float *logits;                    /* [max_logits, vocab] */

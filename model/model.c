@@ -22,6 +22,56 @@ void td_model_opts_default(td_model_opts *o) {
   if (o->pp_size <= 0) o->pp_size = 1;
 }
 
+/* The decoder layers' cross K/V weights moved into one matrix (m->ckv_w,
+ * m->ckv_b), each layer's lin a view of its rows: an encoder run of few
+ * rows then projects several layers' K/V in one GEMM instead of a GEMM of
+ * a few microseconds each (project_cross_kv in forward.c). */
+static td_status ckv_contiguous(td_model *m) {
+  td_backend *b = m->b;
+  int nl = m->d.l1 - m->d.l0;
+  if (nl < 2 || m->opts.tuning.ckv_batch == TD_OFF) return TD_OK;
+  const lin *f = &m->dec[0].ckv;
+  bool bias = false;
+  for (int l = 0; l < nl; l++) {
+    const lin *k = &m->dec[l].ckv;
+    if (!k->w || k->wsum || k->out != f->out || k->in != f->in) return TD_OK; /* not one shape: per layer */
+    bias |= k->b != NULL;
+  }
+  size_t es = td_buf_elem_size(b, TD_BUF_ACT), wn = (size_t)f->out * f->in;
+  float *zeros = NULL;
+  td_status s = td_alloc(b, TD_BUF_ACT, (size_t)nl * wn, &m->ckv_w);
+  if (s == TD_OK && bias) {
+    s = td_alloc(b, TD_BUF_F32, (size_t)nl * f->out, (void **)&m->ckv_b);
+    if (s == TD_OK && !(zeros = calloc((size_t)f->out, sizeof(float)))) s = td_err(TD_ERR_NOMEM, "out of memory");
+  }
+  for (int l = 0; l < nl && s == TD_OK; l++) {
+    const lin *k = &m->dec[l].ckv;
+    s = td_copy_d2d(b, (char *)m->ckv_w + (size_t)l * wn * es, k->w, wn * es);
+    if (s == TD_OK && bias)
+      s = k->b ? td_copy_d2d(b, m->ckv_b + (size_t)l * f->out, k->b, sizeof(float) * (size_t)f->out)
+               : td_upload(b, TD_BUF_F32, m->ckv_b + (size_t)l * f->out, zeros, (size_t)f->out);
+  }
+  free(zeros);
+  if (s == TD_OK) s = td_sync(b); /* the copies done before their sources go */
+  if (s != TD_OK) { /* the layers still own their weights */
+    td_free(b, m->ckv_w);
+    td_free(b, m->ckv_b);
+    m->ckv_w = NULL;
+    m->ckv_b = NULL;
+    return s;
+  }
+  for (int l = 0; l < nl; l++) {
+    lin *k = &m->dec[l].ckv;
+    td_free(b, k->w);
+    k->w = (char *)m->ckv_w + (size_t)l * wn * es;
+    if (k->b) {
+      td_free(b, k->b);
+      k->b = m->ckv_b + (size_t)l * f->out;
+    }
+  }
+  return TD_OK;
+}
+
 static td_status alloc_scratch(td_model *m) {
   td_backend *b = m->b;
   const td_model_opts *o = &m->opts;
@@ -57,6 +107,7 @@ static td_status alloc_scratch(td_model *m) {
       {(void **)&m->logits_all, TD_BUF_F32, o->tp_size > 1 ? L * (size_t)(d->v1 - d->v0) * o->tp_size : 1},
   };
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) TD_TRY(td_alloc(b, bufs[i].t, bufs[i].n, bufs[i].p));
+  m->e_ff_n = E * d->eff * g;
   if (c->family == TD_FAMILY_WHISPER) {
     size_t frames = 2 * E; /* input frames for E output frames */
     TD_TRY(td_alloc(b, TD_BUF_ACT, frames * c->num_mel_bins, &m->w_feat));
@@ -191,6 +242,8 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
   }
   s = weights_load(m, dir);
   if (s != TD_OK) goto fail;
+  s = ckv_contiguous(m);
+  if (s != TD_OK) goto fail;
   s = alloc_scratch(m);
   if (s != TD_OK) goto fail;
   if (td_backend_has_graphs(b) && !m->opts.no_graphs && m->opts.pp_size == 1)
@@ -253,9 +306,11 @@ void td_model_destroy(td_model *m) {
     free_norm(b, &L->ln_self);
     free_norm(b, &L->ln_cross);
     free_norm(b, &L->ln_ffn);
-    lin *ls[] = {&L->qkv, &L->o, &L->cq, &L->ckv, &L->co, &L->wi, &L->wo};
-    for (size_t k = 0; k < 7; k++) free_lin(b, ls[k]);
+    lin *ls[] = {&L->qkv, &L->o, &L->cq, &L->co, &L->wi, &L->wo, &L->ckv};
+    for (size_t k = 0; k < (m->ckv_w ? 6u : 7u); k++) free_lin(b, ls[k]); /* views of ckv_w: freed below */
   }
+  td_free(b, m->ckv_w);
+  td_free(b, m->ckv_b);
   free(m->enc);
   free(m->dec);
   if (m->head != m->dec_tok) td_free(b, m->head);

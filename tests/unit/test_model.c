@@ -28,6 +28,7 @@ struct rig {
 static td_cross_mode rig_mode;
 static int rig_states_rows;
 static td_model_tuning rig_tuning;
+static int rig_max_enc; /* td_model_opts.max_enc_tokens (0: 256) */
 /* set: encode() runs the encoder on this rig (cross mode states) and
  * projects the states it pushed into the decoding rig's blocks */
 static struct rig *rig_sender;
@@ -36,7 +37,7 @@ static void rig_open(rig *r, const char *dir, int bs) {
   td_backend_opts bo = {.kind = TD_BACKEND_CPU};
   cr_assert(td_backend_create(&bo, &r->b) == TD_OK, "%s", td_errmsg());
   td_model_opts mo = {.block_size = bs, .max_tokens = 128, .max_seqs = 8, .max_logits = 128,
-                      .max_enc_tokens = 256, .max_enc_seqs = 4, .cross_mode = rig_mode,
+                      .max_enc_tokens = rig_max_enc ? rig_max_enc : 256, .max_enc_seqs = 4, .cross_mode = rig_mode,
                       .states_rows = rig_states_rows, .tuning = rig_tuning};
   cr_assert(td_model_load(dir, r->b, &mo, &r->m) == TD_OK, "%s", td_errmsg());
   td_kv_layout sl = td_model_self_layout(r->m), cl = td_model_cross_layout(r->m);
@@ -234,6 +235,28 @@ Test(model_cpu, norm_unfolded) {
   check_model("whisper-tiny", 4);
   check_model("mbart-prenorm-sharded", 3);
   rig_tuning.norm_fold = 0;
+}
+
+/* The cross K/V of several decoder layers in one GEMM (their weights one
+ * matrix, td_model_tuning.ckv_batch): as many layers as the encoder's FFN
+ * workspace holds at a run's rows, the rest in further GEMMs. The workspace
+ * sized by max_enc_tokens makes t5-four-layers' inputs of 1-33 tokens take
+ * all four layers at once (256), and at 40 and 34 one, two or three at once
+ * with the rest after, or a GEMM a layer; off, a GEMM a layer throughout.
+ * Every split must match the references. */
+Test(model_cpu, cross_kv_layers_at_once) {
+  static const int caps[] = {256, 40, 34};
+  for (size_t i = 0; i < sizeof caps / sizeof caps[0]; i++) {
+    rig_max_enc = caps[i];
+    check_model("t5-four-layers", 4);
+    check_model("whisper-four-layers", 3);
+  }
+  rig_max_enc = 0;
+  rig_tuning.ckv_batch = TD_OFF;
+  check_model("t5-four-layers", 4);
+  check_model("whisper-four-layers", 4);
+  check_model("bart-tiny", 3);
+  rig_tuning.ckv_batch = 0;
 }
 
 /* The cross pool holding encoder states instead of per-layer K/V: every

@@ -20,7 +20,7 @@
 #endif
 
 static void clear(void) {
-  const char *vars[] = {"TANDEM_LOG", "TANDEM_LOG_FORMAT", "TANDEM_NORM_FOLD", "TANDEM_QNORM_ROWS", "TANDEM_ENC_GRAPHS", "TANDEM_KVX_LOCAL", "TANDEM_KVX_TRACE",
+  const char *vars[] = {"TANDEM_LOG", "TANDEM_LOG_FORMAT", "TANDEM_NORM_FOLD", "TANDEM_QNORM_ROWS", "TANDEM_ENC_GRAPHS", "TANDEM_CKV_BATCH", "TANDEM_KVX_LOCAL", "TANDEM_KVX_TRACE",
                         "TANDEM_KVX_IPC", "UCX_TLS", "TANDEM_MALLOC_KEEP"};
   for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) unsetenv(vars[i]);
 }
@@ -33,6 +33,7 @@ Test(settings, unset_means_defaults, .init = clear) {
   cr_assert_eq(s.model.norm_fold, 0);
   cr_assert_eq(s.model.qnorm_rows, 0);
   cr_assert_eq(s.model.enc_graphs, 0, "unset: the encoder graphs on");
+  cr_assert_eq(s.model.ckv_batch, 0, "unset: several layers' cross K/V in one GEMM");
   cr_assert_eq(s.kvx.local_path, 0);
   cr_assert_eq(s.kvx.ipc, 0);
   cr_assert_not(s.kvx.trace);
@@ -45,6 +46,7 @@ Test(settings, values_parse, .init = clear) {
   setenv("TANDEM_NORM_FOLD", "0", 1);
   setenv("TANDEM_QNORM_ROWS", "0", 1);
   setenv("TANDEM_ENC_GRAPHS", "off", 1);
+  setenv("TANDEM_CKV_BATCH", "off", 1);
   setenv("TANDEM_KVX_LOCAL", "off", 1);
   setenv("TANDEM_KVX_TRACE", "1", 1);
   setenv("TANDEM_KVX_IPC", "off", 1);
@@ -56,6 +58,7 @@ Test(settings, values_parse, .init = clear) {
   cr_assert_eq(s.model.norm_fold, TD_OFF);
   cr_assert_eq(s.model.qnorm_rows, -1, "0 rows: never fused");
   cr_assert_eq(s.model.enc_graphs, TD_OFF);
+  cr_assert_eq(s.model.ckv_batch, TD_OFF);
   cr_assert_eq(s.kvx.local_path, TD_OFF);
   cr_assert_eq(s.kvx.ipc, TD_OFF);
   cr_assert(s.kvx.trace);
@@ -91,6 +94,10 @@ Test(settings, bad_values_are_refused_by_name, .init = clear) {
   cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
   cr_assert(strstr(td_errmsg(), "TANDEM_ENC_GRAPHS"));
   unsetenv("TANDEM_ENC_GRAPHS");
+  setenv("TANDEM_CKV_BATCH", "2", 1);
+  cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
+  cr_assert(strstr(td_errmsg(), "TANDEM_CKV_BATCH"));
+  unsetenv("TANDEM_CKV_BATCH");
   setenv("TANDEM_KVX_IPC", "sometimes", 1);
   cr_assert_eq(td_settings_from_env(&s), TD_ERR_INVALID);
   cr_assert(strstr(td_errmsg(), "TANDEM_KVX_IPC"));
