@@ -30,6 +30,9 @@ typedef struct td_backend_vt {
                           const td_relbias *bias, int q_lo, int q_hi);
   td_status (*kv_write)(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                         int layer, const int32_t *slots, int n);
+  /* optional: several consecutive layers in one pass (else td_kv_write_layers loops over kv_write) */
+  td_status (*kv_write_layers)(td_backend *b, const void *k, const void *v, int ld, size_t lcols, void *pool,
+                               const td_kv_layout *l, int layer0, int n_layers, const int32_t *slots, int n);
   td_status (*kv_read)(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const int32_t *slots,
                        int n, void *k, void *v, int ld);
   td_status (*attn_paged)(td_backend *b, const void *q, int ldq, void *out, const void *pool,

@@ -241,6 +241,29 @@ td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void 
   return b->vt->kv_write(b, k, v, ld, pool, l, layer, slots, n);
 }
 
+td_status td_kv_write_layers(td_backend *b, const void *k, const void *v, int ld, size_t lcols, void *pool,
+                             const td_kv_layout *l, int layer0, int n_layers, const int32_t *slots, int n) {
+  if (!td_kv_layout_valid(l) || layer0 < 0 || n_layers < 1 || n_layers > l->n_layers - layer0 || n < 0 || !k || !v ||
+      !pool || !slots)
+    return bad("kv_write_layers", "bad layout, layers, sizes or buffers");
+  td_kv_span sp = td_kv_layer_span(l, layer0);
+  size_t cols = (size_t)sp.heads * sp.dim;
+  if (n_layers > 1 && lcols < cols)
+    return td_err(TD_ERR_INVALID, "kv_write_layers: layers %zu columns apart, under a layer's %zu", lcols, cols);
+  if ((size_t)ld < (size_t)(n_layers - 1) * lcols + cols)
+    return td_err(TD_ERR_INVALID, "kv_write_layers: row stride %d under %d layers of %zu columns, %zu apart", ld,
+                  n_layers, cols, lcols);
+  TD_TRY(int8_here(b, l, "kv_write_layers"));
+  if (n == 0) return TD_OK;
+  if (n_layers > 1 && b->vt->kv_write_layers)
+    return b->vt->kv_write_layers(b, k, v, ld, lcols, pool, l, layer0, n_layers, slots, n);
+  size_t es = td_buf_elem_size(b, TD_BUF_ACT);
+  for (int j = 0; j < n_layers; j++)
+    TD_TRY(b->vt->kv_write(b, (const char *)k + j * lcols * es, (const char *)v + j * lcols * es, ld, pool, l,
+                           layer0 + j, slots, n));
+  return TD_OK;
+}
+
 td_status td_kv_read(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const int32_t *slots,
                      int n, void *k, void *v, int ld) {
   if (!layout_ok(l, layer, true) || n < 0 || !k || !v || !pool || !slots)

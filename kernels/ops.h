@@ -223,6 +223,11 @@ bool td_kv_layout_valid(const td_kv_layout *l);
  * tail: k and v are then each state's two halves (states / 2 wide). */
 td_status td_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                       int layer, const int32_t *slots, int n);
+/* td_kv_write for n_layers consecutive K/V layers from layer0 at once: layer
+ * layer0 + j's K row i at k + i * ld + j * lcols (elements), its V at v
+ * likewise (the cross K/V of several layers from one GEMM's columns). */
+td_status td_kv_write_layers(td_backend *b, const void *k, const void *v, int ld, size_t lcols, void *pool,
+                             const td_kv_layout *l, int layer0, int n_layers, const int32_t *slots, int n);
 /* The inverse of td_kv_write: rows i < n of k and v (row stride ld) read
  * from the pool at slots[i]; a negative slot leaves the row alone. With
  * layer == l->n_layers it reads the states tail (each state's two halves),

@@ -125,10 +125,8 @@ static td_status project_cross_kv(td_model *m, const void *x, int E, const int32
     }
     TD_TRY(td_gemm(b, x, m->dec[l0].ckv.w, m->ckv_b ? m->ckv_b + (size_t)l0 * f->out : NULL, m->e_ff, E,
                    g * f->out, f->in, TD_ACT_NONE, 0));
-    for (int j = 0; j < g; j++) {
-      const char *k = (const char *)m->e_ff + (size_t)j * f->out * es;
-      TD_TRY(td_kv_write(b, k, k + (size_t)hd * es, g * f->out, m->cross_pool, &cl, l0 + j, slots, E));
-    }
+    TD_TRY(td_kv_write_layers(b, m->e_ff, (const char *)m->e_ff + (size_t)hd * es, g * f->out, (size_t)f->out,
+                              m->cross_pool, &cl, l0, g, slots, E));
   }
   return TD_OK;
 }

@@ -683,6 +683,7 @@ static void vt_init(void) {
   v->gemm_heads = td_cu_gemm_heads;
   v->kv_copy_blocks = td_cu_kv_copy_blocks;
   v->kv_prefetch = td_cu_kv_prefetch;
+  v->kv_write_layers = td_cu_kv_write_layers;
   v->sample = td_cu_sample;
   v->topk_logprobs = td_cu_topk_logprobs;
   v->graph_begin = cu_graph_begin;

@@ -273,6 +273,8 @@ static inline void td_cu_lt_release(cublasLtMatmulDesc_t op, cublasLtMatrixLayou
 }
 
 /* cuda_kv.cu: the paged pools' ops */
+td_status td_cu_kv_write_layers(td_backend *b, const void *k, const void *v, int ld, size_t lcols, void *pool,
+                                const td_kv_layout *l, int layer0, int n_layers, const int32_t *slots, int n);
 td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                          int layer, const int32_t *slots, int n);
 td_status td_cu_kv_read(td_backend *b, const void *pool, const td_kv_layout *l, int layer, const int32_t *slots,

@@ -7,13 +7,18 @@
 
 /* ------------------------------------------------------------ paged KV */
 
-/* One block per row; K and V rows of heads*head_dim go to their slots. */
+/* One block per row (and per layer: blockIdx.y, layer y's rows lcols
+ * further along and its K/V lspan further into a block); K and V rows of
+ * heads*head_dim go to their slots. */
 template <bool VEC>
 __global__ void kv_write_kernel(const bf16 *__restrict__ k, const bf16 *__restrict__ v, int ld, bf16 *pool,
                                 size_t block_elems, size_t layer_off, int H, int dh, int bs,
-                                const int32_t *__restrict__ slots) {
+                                const int32_t *__restrict__ slots, size_t lcols, size_t lspan) {
   td_pdl_start();
   int i = blockIdx.x;
+  k += blockIdx.y * lcols;
+  v += blockIdx.y * lcols;
+  layer_off += blockIdx.y * lspan;
   int slot = slots[i];
   if (slot < 0) return;
   int blk = slot / bs, sl = slot % bs;
@@ -136,6 +141,26 @@ __global__ void __launch_bounds__(256) kv_read_int8_kernel(const char *pool, siz
   }
 }
 
+/* kv_write_kernel over n rows of n_layers layers from the span sp (a layer's, lspan apart) */
+static td_status bf16_write(td_cuda *c, const void *k, const void *v, int ld, size_t lcols, size_t lspan, void *pool,
+                            const td_kv_layout *l, td_kv_span sp, int n_layers, const int32_t *slots, int n) {
+  int H = sp.heads, dh = sp.dim;
+  size_t be = td_kv_block_elems(l);
+  bool vec = dh % 8 == 0 && ld % 8 == 0 && lcols % 8 == 0 && lspan % 8 == 0 && be % 8 == 0 && td_aligned16(k) &&
+             td_aligned16(v) && td_aligned16(pool);
+  int work = H * dh / (vec ? 8 : 1);
+  int threads = work >= 256 ? 256 : (work + 31) / 32 * 32;
+  dim3 grid((unsigned)n, (unsigned)n_layers);
+  if (vec)
+    (void)td_launch(c, kv_write_kernel<true>, grid, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool,
+                    be, sp.off, H, dh, l->block_size, slots, lcols, lspan);
+  else
+    (void)td_launch(c, kv_write_kernel<false>, grid, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool,
+                    be, sp.off, H, dh, l->block_size, slots, lcols, lspan);
+  TD_CU_LAUNCHED("kv_write");
+  return TD_OK;
+}
+
 td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, void *pool, const td_kv_layout *l,
                          int layer, const int32_t *slots, int n) {
   td_cu_bind(td_cu(b));
@@ -164,20 +189,26 @@ td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, vo
     TD_CU_LAUNCHED("kv_write");
     return TD_OK;
   }
-  int H = sp.heads, dh = sp.dim;
-  bool vec = dh % 8 == 0 && ld % 8 == 0 && td_kv_block_elems(l) % 8 == 0 && td_aligned16(k) && td_aligned16(v) &&
-             td_aligned16(pool);
-  int work = H * dh / (vec ? 8 : 1);
-  int threads = work >= 256 ? 256 : (work + 31) / 32 * 32;
-  size_t be = td_kv_block_elems(l);
-  if (vec)
-    (void)td_launch(c, kv_write_kernel<true>, n, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool, be,
-                                                         sp.off, H, dh, l->block_size, slots);
-  else
-    (void)td_launch(c, kv_write_kernel<false>, n, threads, 0, (const bf16 *)k, (const bf16 *)v, ld, (bf16 *)pool, be,
-                                                          sp.off, H, dh, l->block_size, slots);
-  TD_CU_LAUNCHED("kv_write");
-  return TD_OK;
+  return bf16_write(c, k, v, ld, 0, 0, pool, l, sp, 1, slots, n);
+}
+
+/* td_kv_write_layers: bf16 layers in one launch, a grid row a layer (the
+ * layers' K/V lie evenly apart in a block); int8 layers one at a time */
+td_status td_cu_kv_write_layers(td_backend *b, const void *k, const void *v, int ld, size_t lcols, void *pool,
+                                const td_kv_layout *l, int layer0, int n_layers, const int32_t *slots, int n) {
+  td_cu_bind(td_cu(b));
+  td_cuda *c = td_cu(b);
+  td_kv_span sp = td_kv_layer_span(l, layer0);
+  bool even = n_layers <= 65535;
+  size_t lspan = n_layers > 1 ? td_kv_layer_span(l, layer0 + 1).off - sp.off : 0;
+  for (int j = 1; j < n_layers && even; j++) even = td_kv_layer_span(l, layer0 + j).off == sp.off + j * lspan;
+  if (l->int8 || !even) {
+    for (int j = 0; j < n_layers; j++)
+      TD_TRY(td_cu_kv_write(b, (const bf16 *)k + j * lcols, (const bf16 *)v + j * lcols, ld, pool, l, layer0 + j,
+                            slots, n));
+    return TD_OK;
+  }
+  return bf16_write(c, k, v, ld, lcols, lspan, pool, l, sp, n_layers, slots, n);
 }
 
 /* kv_write_kernel's inverse: one block per row, the pool's slot into the row. */

@@ -181,6 +181,45 @@ Test(cuda, kv_write_copy_read) {
   }
 }
 
+/* td_kv_write_layers: layers 0-2 at once from one matrix's columns (layer j's
+ * K at column j * lcols, its V hd further), on the GPU in one launch, on the
+ * CPU a layer at a time; odd sizes take the scalar kernel, a states tail
+ * stays as it was. */
+Test(cuda, kv_write_layers) {
+  static const int cfg[][4] = {{64, 16, 16, 37}, {128, 4, 32, 5}, {10, 3, 5, 23}, {64, 2, 7, 1}};
+  for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+    int dh = cfg[c][0], H = cfg[c][1], bs = cfg[c][2], n = cfg[c][3], nb = 9, hd = H * dh;
+    paged_rig r;
+    rig_pool(&r, 3, H, dh, bs, c % 2 ? 0 : 2 * dh, nb);
+    int lcols = 2 * hd + (c == 2 ? 3 : 0), ld = 3 * lcols + 1 - (int)(c % 2); /* odd strides: scalar */
+    float *rows = rnd((size_t)n * ld, 1.0f);
+    pair R = mk(TD_BUF_ACT, rows, (size_t)n * ld);
+    int32_t *slots = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++) slots[i] = i % 5 == 3 ? -1 : (i * 7 + 3) % (nb * bs);
+    pair S = mk(TD_BUF_I32, slots, n);
+    size_t eg = td_buf_elem_size(G, TD_BUF_ACT), ec = td_buf_elem_size(C, TD_BUF_ACT);
+    RUN2(td_kv_write_layers(G, R.g, (const char *)R.g + (size_t)hd * eg, ld, (size_t)lcols, r.pool.g, &r.l, 0, 3, S.g,
+                            n),
+         td_kv_write_layers(C, R.c, (const char *)R.c + (size_t)hd * ec, ld, (size_t)lcols, r.pool.c, &r.l, 0, 3, S.c,
+                            n));
+    double e = compare(&r.pool, 0);
+    cr_expect(e == 0.0, "kv_write_layers dh=%d H=%d bs=%d n=%d: error %.3g", dh, H, bs, n, e);
+    RUN2(td_kv_write_layers(G, R.g, (const char *)R.g + (size_t)hd * eg, ld, (size_t)lcols, r.pool.g, &r.l, 1, 2, S.g,
+                            n),
+         td_kv_write_layers(C, R.c, (const char *)R.c + (size_t)hd * ec, ld, (size_t)lcols, r.pool.c, &r.l, 1, 2, S.c,
+                            n));
+    e = compare(&r.pool, 0);
+    cr_expect(e == 0.0, "kv_write_layers from layer 1 dh=%d H=%d: error %.3g", dh, H, e);
+    cr_expect(td_kv_write_layers(G, R.g, R.g, ld, (size_t)lcols, r.pool.g, &r.l, 1, 3, S.g, n) == TD_ERR_INVALID,
+              "layers past the pool's");
+    drop(&R);
+    drop(&S);
+    rig_drop(&r);
+    free(rows);
+    free(slots);
+  }
+}
+
 static int32_t *shuffled_tables(const int32_t *ctx, int S, int bs, int stride, int n_blocks) {
   int32_t *perm = malloc(sizeof(int32_t) * n_blocks), *tab = malloc(sizeof(int32_t) * S * stride);
   cr_assert(perm && tab);

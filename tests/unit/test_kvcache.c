@@ -219,6 +219,51 @@ Test(kvcache, states_tail_layout_and_writes) {
   td_backend_destroy(b);
 }
 
+/* td_kv_write_layers: layers [layer0, layer0 + n) from one matrix's
+ * columns land where td_kv_write a layer at a time puts them; the states
+ * tail is not a layer of it, and neither are layers past the pool's */
+Test(kvcache, write_layers_from_one_matrix) {
+  td_backend_opts bo = {.kind = TD_BACKEND_CPU};
+  td_backend *b;
+  cr_assert(td_backend_create(&bo, &b) == TD_OK);
+  const int L = 3, H = 2, dh = 4, bs = 3, NBK = 4, hd = H * dh, lcols = 2 * hd + 1, ld = L * lcols + 2;
+  td_kv_layout l = {L, H, dh, bs, 4, 0};
+  td_kv_pool *p, *q;
+  cr_assert(td_kv_pool_create(b, &l, NBK, &p) == TD_OK && td_kv_pool_create(b, &l, NBK, &q) == TD_OK);
+  size_t total = td_kv_block_elems(&l) * NBK;
+  float *a = td_kv_pool_memory(p), *e = td_kv_pool_memory(q);
+  for (size_t i = 0; i < total; i++) a[i] = e[i] = -1.0f;
+  enum { N = 4 };
+  float *rows = NULL;
+  int32_t *slots = NULL;
+  cr_assert(td_alloc(b, TD_BUF_ACT, (size_t)N * ld, (void **)&rows) == TD_OK);
+  cr_assert(td_alloc(b, TD_BUF_I32, N, (void **)&slots) == TD_OK);
+  for (int i = 0; i < N * ld; i++) rows[i] = (float)i;
+  const int32_t sl[N] = {5, -1, 0, 11};
+  memcpy(slots, sl, sizeof sl);
+  cr_assert(td_kv_write_layers(b, rows + lcols, rows + lcols + hd, ld, (size_t)lcols, a, &l, 1, 2, slots, N) == TD_OK,
+            "%s", td_errmsg());
+  for (int j = 0; j < 2; j++)
+    cr_assert(td_kv_write(b, rows + (j + 1) * lcols, rows + (j + 1) * lcols + hd, ld, e, &l, 1 + j, slots, N) == TD_OK);
+  cr_expect_arr_eq(a, e, total * sizeof(float), "layers 1-2 at once against a layer at a time");
+  size_t changed = 0;
+  for (size_t i = 0; i < total; i++) changed += a[i] != -1.0f;
+  cr_expect_eq(changed, (size_t)3 * 2 * 2 * hd, "3 rows x 2 layers x K and V: %zu changed", changed);
+  cr_expect(td_kv_write_layers(b, rows, rows + hd, ld, (size_t)lcols, a, &l, 1, 3, slots, N) == TD_ERR_INVALID,
+            "layers past the pool's");
+  cr_expect(td_kv_write_layers(b, rows, rows + hd, ld, (size_t)lcols, a, &l, L, 1, slots, N) == TD_ERR_INVALID,
+            "the states tail is not a layer");
+  cr_expect(td_kv_write_layers(b, rows, rows + hd, ld, (size_t)lcols, a, &l, 0, 0, slots, N) == TD_ERR_INVALID,
+            "no layers");
+  cr_expect(td_kv_write_layers(b, rows, rows + hd, hd, (size_t)lcols, a, &l, 0, 2, slots, N) == TD_ERR_INVALID,
+            "a row stride under a layer's columns");
+  td_free(b, rows);
+  td_free(b, slots);
+  td_kv_pool_destroy(p);
+  td_kv_pool_destroy(q);
+  td_backend_destroy(b);
+}
+
 /* int8 K/V (td_kv_layout.int8): a layer is H x bs rows of dh bytes a plane
  * and H x bs float scales a plane, sizes in 2-byte elements; the states
  * tail after the layers as before; layouts it cannot hold are invalid, and
