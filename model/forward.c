@@ -117,16 +117,12 @@ static td_status project_cross_kv(td_model *m, const void *x, int E, const int32
   int G = m->ckv_w && per <= m->e_ff_n ? (int)(m->e_ff_n / per < (size_t)nl ? m->e_ff_n / per : (size_t)nl) : 1;
   for (int l0 = 0; l0 < nl; l0 += G) {
     int g = nl - l0 < G ? nl - l0 : G;
-    if (g == 1) {
-      TD_TRY(linear(m, &m->dec[l0].ckv, x, m->e_qkv, E, TD_ACT_NONE, 0));
-      TD_TRY(td_kv_write(b, m->e_qkv, (const char *)m->e_qkv + (size_t)hd * es, 2 * hd, m->cross_pool, &cl, l0,
-                         slots, E));
-      continue;
-    }
-    TD_TRY(td_gemm(b, x, m->dec[l0].ckv.w, m->ckv_b ? m->ckv_b + (size_t)l0 * f->out : NULL, m->e_ff, E,
-                   g * f->out, f->in, TD_ACT_NONE, 0));
-    TD_TRY(td_kv_write_layers(b, m->e_ff, (const char *)m->e_ff + (size_t)hd * es, g * f->out, (size_t)f->out,
-                              m->cross_pool, &cl, l0, g, slots, E));
+    /* one layer: e_qkv, which always holds one, and the layer's own bias (NULL where it has none) */
+    char *y = g > 1 ? m->e_ff : m->e_qkv;
+    const float *bias = g > 1 ? (m->ckv_b ? m->ckv_b + (size_t)l0 * f->out : NULL) : m->dec[l0].ckv.b;
+    TD_TRY(td_gemm(b, x, m->dec[l0].ckv.w, bias, y, E, g * f->out, f->in, TD_ACT_NONE, 0));
+    TD_TRY(td_kv_write_layers(b, y, y + (size_t)hd * es, g * f->out, (size_t)f->out, m->cross_pool, &cl, l0, g, slots,
+                              E));
   }
   return TD_OK;
 }

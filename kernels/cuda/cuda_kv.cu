@@ -192,17 +192,16 @@ td_status td_cu_kv_write(td_backend *b, const void *k, const void *v, int ld, vo
   return bf16_write(c, k, v, ld, 0, 0, pool, l, sp, 1, slots, n);
 }
 
-/* td_kv_write_layers: bf16 layers in one launch, a grid row a layer (the
- * layers' K/V lie evenly apart in a block); int8 layers one at a time */
+/* td_kv_write_layers: bf16 layers in one launch, a grid row a layer (a
+ * block's layers lie td_kv_layer_span(l, 1).off apart); int8 layers one at
+ * a time */
 td_status td_cu_kv_write_layers(td_backend *b, const void *k, const void *v, int ld, size_t lcols, void *pool,
                                 const td_kv_layout *l, int layer0, int n_layers, const int32_t *slots, int n) {
   td_cu_bind(td_cu(b));
   td_cuda *c = td_cu(b);
   td_kv_span sp = td_kv_layer_span(l, layer0);
-  bool even = n_layers <= 65535;
-  size_t lspan = n_layers > 1 ? td_kv_layer_span(l, layer0 + 1).off - sp.off : 0;
-  for (int j = 1; j < n_layers && even; j++) even = td_kv_layer_span(l, layer0 + j).off == sp.off + j * lspan;
-  if (l->int8 || !even) {
+  size_t lspan = td_kv_layer_span(l, 1).off;
+  if (l->int8 || n_layers > 65535) { /* 65535: a grid's rows */
     for (int j = 0; j < n_layers; j++)
       TD_TRY(td_cu_kv_write(b, (const bf16 *)k + j * lcols, (const bf16 *)v + j * lcols, ld, pool, l, layer0 + j,
                             slots, n));
