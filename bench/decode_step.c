@@ -217,11 +217,8 @@ static void *rank_main(void *arg) {
     for (int t = 0; t < c->enc_len; t++) slots[sq * c->enc_len + t] = (sq * ncb + t / bs) * bs + t % bs;
   td_encode_input ei = {.n_seqs = maxb, .lens = lens, .tokens = toks, .cross_slots = slots};
   size_t n_feat = c->shape.mels ? (size_t)maxb * c->shape.mels * 2 * c->enc_len : 0;
-  if (n_feat) { /* Whisper: mel-like features in [-1, 1] */
-    if (!(feat = malloc(sizeof(float) * n_feat))) {
-      s = td_err(TD_ERR_NOMEM, "out of memory");
-      goto out;
-    }
+  if (n_feat) { /* Whisper: mel-like features in [-1, 1], page-locked as the engine stages an encoder batch's */
+    if ((s = td_host_alloc(b, sizeof(float) * n_feat, (void **)&feat)) != TD_OK) goto out;
     for (size_t i = 0; i < n_feat; i++) feat[i] = (float)((i * 2654435761u) % 2001u) / 1000.0f - 1.0f;
     ei.features = feat;
   }
@@ -338,7 +335,7 @@ out:
     snprintf(rk->err, sizeof rk->err, "rank %d: %s", rk->r, td_errmsg());
     if (comm) td_comm_abort(comm);
   }
-  free(feat);
+  if (feat) td_host_free(b, feat);
   free(buf);
   td_kv_pool_destroy(self);
   td_kv_pool_destroy(cross);

@@ -50,6 +50,26 @@ static td_status admit(td_engine *e, int *n, int *tokens) {
   return TD_OK;
 }
 
+/* Room for n floats of features: the page-locked stage (made at the first
+ * run, as large as the largest batch the encoder takes) where it fits, else
+ * ordinary memory (the caller frees what is not the stage). */
+static float *feat_buffer(td_engine *e, size_t n) {
+  if (!e->feat_stage) {
+    const td_model_opts *mo = td_model_get_opts(e->m);
+    size_t nf = (size_t)e->cfg->num_mel_bins * td_model_input_frames(e->m);
+    int enc_len = e->max_src > 0 ? e->max_src : 1, seqs = e->o.max_enc_tokens / enc_len;
+    if (seqs > mo->max_enc_seqs) seqs = mo->max_enc_seqs;
+    if (seqs < 1) seqs = 1;
+    void *p = NULL;
+    if (td_host_alloc(e->b, sizeof(float) * nf * (size_t)seqs, &p) == TD_OK) {
+      e->feat_stage = p;
+      e->feat_stage_n = nf * (size_t)seqs;
+    }
+  }
+  if (e->feat_stage && n <= e->feat_stage_n) return e->feat_stage;
+  return malloc(sizeof(float) * n);
+}
+
 /* One encoder run over the batch's groups that missed the cache, each
  * sequence's output into its cross blocks. */
 static td_status encode(td_engine *e, group **all, int n_all, int tokens) {
@@ -67,7 +87,7 @@ static td_status encode(td_engine *e, group **all, int n_all, int tokens) {
   int32_t *toks = malloc(sizeof(int32_t) * (size_t)(tokens + 1));
   int32_t *slots = malloc(sizeof(int32_t) * (size_t)tokens);
   size_t nf = whisper ? (size_t)e->cfg->num_mel_bins * td_model_input_frames(e->m) : 0;
-  float *feats = whisper ? malloc(sizeof(float) * nf * (size_t)nb) : NULL;
+  float *feats = whisper ? feat_buffer(e, nf * (size_t)nb) : NULL;
   td_status s = TD_OK;
   if (!lens || !toks || !slots || (whisper && !feats)) {
     s = td_err(TD_ERR_NOMEM, "encode batch: out of memory");
@@ -94,7 +114,7 @@ static td_status encode(td_engine *e, group **all, int n_all, int tokens) {
   free(lens);
   free(toks);
   free(slots);
-  free(feats);
+  if (feats != e->feat_stage) free(feats);
   free(batch);
   return s;
 }

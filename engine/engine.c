@@ -213,6 +213,7 @@ void td_engine_destroy(td_engine *e) {
   td_ptrvec_free(&e->wait);
   td_ptrvec_free(&e->run);
   free(e->enc_batch);
+  if (e->feat_stage) td_host_free(e->b, e->feat_stage);
   free(e->ext_self);
   free(e->ext_cross);
   free(e);

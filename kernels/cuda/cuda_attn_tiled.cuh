@@ -47,31 +47,35 @@ __host__ __device__ constexpr size_t attn_smem_base(Cfg<DH, WM, WN, STAGES, MINB
  * ptxas schedules them as before the split) or on mma.sync (K/V rows of
  * SROW elements through ldmatrix). */
 /* The wgmma products issued and committed, not waited for (the pipelined
- * kernel waits itself); over: the first product overwrites the scores. */
+ * kernel waits itself); over: the first product overwrites the scores.
+ * From a tile's descriptor (wg_desc_sw128 of its first element): a k16
+ * step of K is 32 bytes on, of V 16 rows (2 KiB); the address field counts
+ * 16-byte units and cannot carry within a tile. */
 template <int DK>
-__device__ __forceinline__ void scores_issue(float (&s32)[32], uint32_t (&qf)[DK][4], const bf16 *ks, bool over) {
+__device__ __forceinline__ void scores_issue(float (&s32)[32], uint32_t (&qf)[DK][4], uint64_t kd, bool over) {
   wg_hold(s32);
   wg_hold(qf);
   wg_fence();
 #pragma unroll
-  for (int dk = 0; dk < DK; dk++)
-    wgmma64_rs<0>(s32, qf[dk], wg_desc_sw128(ks + dk * 16, 16, 1024), over && dk == 0 ? 0 : 1);
+  for (int dk = 0; dk < DK; dk++) wgmma64_rs<0>(s32, qf[dk], kd + (uint64_t)(dk * 2), over && dk == 0 ? 0 : 1);
   wg_commit();
 }
 template <int KS>
-__device__ __forceinline__ void pv_issue(float (&o32)[32], uint32_t (&pa)[KS][4], const bf16 *vs) {
+__device__ __forceinline__ void pv_issue(float (&o32)[32], uint32_t (&pa)[KS][4], uint64_t vd) {
   wg_hold(o32);
   wg_hold(pa);
   wg_fence();
 #pragma unroll
-  for (int kk = 0; kk < KS; kk++) wgmma64_rs<1>(o32, pa[kk], wg_desc_sw128(vs + kk * 16 * 64, 1024, 1024), 1);
+  for (int kk = 0; kk < KS; kk++) wgmma64_rs<1>(o32, pa[kk], vd + (uint64_t)(kk * 128), 1);
   wg_commit();
 }
+__device__ __forceinline__ uint64_t k_desc(const bf16 *ks) { return wg_desc_sw128(ks, 16, 1024); }
+__device__ __forceinline__ uint64_t v_desc(const bf16 *vs) { return wg_desc_sw128(vs, 1024, 1024); }
 
 template <int DK>
 __device__ __forceinline__ void scores_wgmma(float (&sc)[8][4], uint32_t (&qf)[DK][4], const bf16 *ks) {
   float(&s32)[32] = *reinterpret_cast<float(*)[32]>(&sc[0][0]);
-  scores_issue<DK>(s32, qf, ks, false);
+  scores_issue<DK>(s32, qf, k_desc(ks), false);
   wg_wait<0>();
   wg_hold(s32);
 }
@@ -105,7 +109,7 @@ __device__ __forceinline__ void p_frags(uint32_t (&pa)[KS][4], const float (&sc)
 template <int KS>
 __device__ __forceinline__ void pv_wgmma(float (&o)[8][4], uint32_t (&pa)[KS][4], const bf16 *vs) {
   float(&o32)[32] = *reinterpret_cast<float(*)[32]>(&o[0][0]);
-  pv_issue<KS>(o32, pa, vs);
+  pv_issue<KS>(o32, pa, v_desc(vs));
   wg_wait<0>();
   wg_hold(o32);
 }
@@ -254,11 +258,26 @@ __global__ void __launch_bounds__(32 * WM * WN * attn_halves(WG), MINB) attn_ker
   };
   /* dense: this thread's K rows advance by BN rows a tile (NTH is a multiple of CH) */
   const bf16 *kdense = PAGED ? nullptr : a.qkv + (row0 + kbeg + tid / CH) * qkv_row + (size_t)(H + h) * DH + (tid % CH) * 8;
+  /* a thread's rows of a tile lie NTH / CH rows apart (a multiple of the
+   * swizzle's 8): its offsets in a stage are one start plus multiples */
+  static_assert(PAGED || (NTH / CH) % 8 == 0, "dense loads: the swizzle repeats every 8 rows");
+  constexpr int RSTEP = (NTH / CH) * (WG ? 64 : SROW);
+  const size_t tile_step = (size_t)BN * qkv_row, row_step = (size_t)(NTH / CH) * qkv_row;
+  const int kv_so = kv_at(tid / CH, tid % CH);
   auto load_kv = [&](int kt, int st) {
     int key0 = kbeg + kt * BN;
     bf16 *ks = Ks + st * KVST, *vs = Vs + st * KVST;
     if (!PAGED) {
-      const bf16 *kp = kdense + (size_t)kt * BN * qkv_row;
+      const bf16 *kp = kdense + (size_t)kt * tile_step;
+      if (key0 + BN <= kend) { /* a whole tile: no predicates, this thread's offsets fixed */
+#pragma unroll
+        for (int i = 0; i < BN * CH / NTH; i++) {
+          const bf16 *src = kp + i * row_step;
+          cp_async16(ks + kv_so + i * RSTEP, src, true);
+          cp_async16(vs + kv_so + i * RSTEP, src + (size_t)H * DH, true);
+        }
+        return;
+      }
 #pragma unroll
       for (int i = 0; i < BN * CH / NTH; i++) {
         int r = tid / CH + i * (NTH / CH);
@@ -320,6 +339,7 @@ __global__ void __launch_bounds__(32 * WM * WN * attn_halves(WG), MINB) attn_ker
 
   /* scale, bias, masks (log2 domain), the online softmax of tile kt's
    * scores; alpha: the factor O must take before this tile's P.V */
+  const float sf = a.lut || !(a.scale_log2 > 0.0f) ? 1.0f : a.scale_log2;
   auto soften = [&](float(&sc)[NT][4], int kt, float(&alpha)[2]) {
     const int tile0 = kbeg + kt * BN, key0 = tile0 + wn * KW;
     const bool need_mask = tile0 + BN > kend || (a.causal && tile0 + BN - 1 > qpos_min);
@@ -348,7 +368,7 @@ __global__ void __launch_bounds__(32 * WM * WN * attn_halves(WG), MINB) attn_ker
 #pragma unroll
         for (int e = 0; e < 4; e++)
           sc[j][e] = fmaf(sc[j][e], a.scale_log2, lut_at(L, md, key0 + j * 8 + 2 * t4 + (e & 1) - qpos_r[e >> 1]) * LOG2E);
-    } else {
+    } else if (sf == 1.0f) { /* else raw scores: the scale is folded into the exponent's FMA below */
 #pragma unroll
       for (int j = 0; j < NT; j++)
 #pragma unroll
@@ -368,20 +388,24 @@ __global__ void __launch_bounds__(32 * WM * WN * attn_halves(WG), MINB) attn_ker
           if (j * 8 + (e & 1) >= lim[e >> 1]) sc[j][e] = -INFINITY;
     }
 
-    /* online softmax; a thread holds rows g and g+8, a quad shares a row */
+    /* online softmax; a thread holds rows g and g+8, a quad shares a row.
+     * m_r is in the log2 domain; without a bias the row maximum is taken
+     * over the raw scores (the scale is positive) and each exponent is one
+     * FMA, exp2(s * scale - m), instead of a multiply and a subtraction. */
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-      float mx = m_r[r];
+      float mx = -INFINITY;
 #pragma unroll
       for (int j = 0; j < NT; j++) mx = fmaxf(mx, fmaxf(sc[j][2 * r], sc[j][2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(m_r[r], mx * sf);
       float mu = mx == -INFINITY ? 0.0f : mx;
       alpha[r] = fast_exp2(m_r[r] - mu);
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < NT; j++) {
-        float p0 = fast_exp2(sc[j][2 * r] - mu), p1 = fast_exp2(sc[j][2 * r + 1] - mu);
+        float p0 = fast_exp2(fmaf(sc[j][2 * r], sf, -mu)), p1 = fast_exp2(fmaf(sc[j][2 * r + 1], sf, -mu));
         sc[j][2 * r] = p0;
         sc[j][2 * r + 1] = p1;
         sum += p0 + p1;
@@ -415,11 +439,14 @@ __global__ void __launch_bounds__(32 * WM * WN * attn_halves(WG), MINB) attn_ker
     float(&s32)[32] = *reinterpret_cast<float(*)[32]>(&sc[0][0]);
     float(&o32)[32] = *reinterpret_cast<float(*)[32]>(&o[0][0]);
     /* the first product overwrites: no zeroing of an accumulator */
+    /* stage st's tiles: the first stage's descriptors plus st stages (16-byte units) */
+    const uint64_t kd0 = k_desc(Ks), vd0 = v_desc(Vs);
+    constexpr uint32_t ST16 = KVST * sizeof(bf16) / 16;
     auto issue_s = [&](int kt) {
       load_qf();
-      scores_issue<DK>(s32, qf, Ks + (kt % STAGES) * KVST, true);
+      scores_issue<DK>(s32, qf, kd0 + (uint64_t)((kt % STAGES) * ST16), true);
     };
-    auto issue_pv = [&](int kt) { pv_issue<KS>(o32, pa, Vs + (kt % STAGES) * KVST); };
+    auto issue_pv = [&](int kt) { pv_issue<KS>(o32, pa, vd0 + (uint64_t)((kt % STAGES) * ST16)); };
     /* a tile's barrier: the key half's threads (named barrier 1 + half) */
     auto bar_tile = [&]() {
       if constexpr (KH == 2) {

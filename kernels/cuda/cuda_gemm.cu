@@ -322,42 +322,60 @@ __global__ void bias_act_kernel(T *y, const float *__restrict__ bias, int m, int
 }
 
 /* The same where a row is whole 16-byte vectors (n % 8 == 0 for bf16, % 4
- * for float32, y aligned): one vector a thread, its column from a 32-bit
- * division per vector rather than a 64-bit modulo per element, the
- * activation a template argument. This pass follows every cuBLASLt GEMM
- * whose epilogue cannot carry the bias or activation (the Whisper and BART
- * encoders' biases and erf GELU): the scalar form ran at a fifth of the
- * memory bandwidth and took 39 % of a Whisper-large-v3 encoder run. */
+ * for float32, y aligned), the activation a template argument. This pass
+ * follows every cuBLASLt GEMM whose epilogue cannot carry the bias or
+ * activation (the Whisper and BART encoders' biases and erf GELU; the
+ * scalar form ran at a fifth of the memory bandwidth and took 39 % of a
+ * Whisper-large-v3 encoder run). A thread keeps one column vector, its
+ * bias in registers, and walks the rows two at a time (both loads in flight
+ * before either is computed); blockDim.x threads a row, blockDim.y rows. */
 template <typename T, int ACT>
-__global__ void bias_act_vec_kernel(T *y, const float *__restrict__ bias, unsigned nv, unsigned total_v) {
+__global__ void bias_act_vec_kernel(T *y, const float *__restrict__ bias, unsigned nv, unsigned m) {
   constexpr int V = 16 / sizeof(T);
   td_pdl_start();
-  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total_v; i += gridDim.x * blockDim.x) {
-    uint4 raw = reinterpret_cast<uint4 *>(y)[i];
-    T *e = reinterpret_cast<T *>(&raw);
-    const float *b = bias ? bias + (size_t)(i % nv) * V : NULL;
+  unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= nv) return;
+  float b[V];
 #pragma unroll
-    for (int j = 0; j < V; j++) {
-      float v = (float)e[j];
-      if (b) v += __ldg(b + j);
-      e[j] = (T)td_act_apply(ACT, v);
-    }
-    reinterpret_cast<uint4 *>(y)[i] = raw;
+  for (int j = 0; j < V; j++) b[j] = bias ? __ldg(bias + (size_t)c * V + j) : 0.0f;
+  uint4 *base = reinterpret_cast<uint4 *>(y) + c;
+  auto apply = [&](uint4 &raw) {
+    T *e = reinterpret_cast<T *>(&raw);
+#pragma unroll
+    for (int j = 0; j < V; j++) e[j] = (T)td_act_apply(ACT, (float)e[j] + b[j]);
+  };
+  const unsigned stride = gridDim.y * blockDim.y;
+  unsigned r = blockIdx.y * blockDim.y + threadIdx.y;
+  for (; r + stride < m; r += 2 * stride) {
+    uint4 *p0 = base + (size_t)r * nv, *p1 = base + (size_t)(r + stride) * nv;
+    uint4 v0 = *p0, v1 = *p1;
+    apply(v0);
+    apply(v1);
+    *p0 = v0;
+    *p1 = v1;
+  }
+  if (r < m) {
+    uint4 *p0 = base + (size_t)r * nv;
+    uint4 v0 = *p0;
+    apply(v0);
+    *p0 = v0;
   }
 }
 
 template <typename T>
 static void bias_act(td_cuda *c, T *y, const float *bias, int m, int n, int act) {
   constexpr int V = 16 / sizeof(T);
-  size_t total_v = (size_t)m * n / V;
-  if (n % V || !td_aligned16(y) || total_v > 0x7fffffffu) { /* i + the grid stride stays below 2^32 */
+  if (n % V || !td_aligned16(y)) {
     (void)td_launch(c, bias_act_kernel<T>, td_blocks((size_t)m * n, 256), 256, 0, y, bias, m, n, act);
     return;
   }
-  unsigned nv = (unsigned)(n / V), tv = (unsigned)total_v, g = td_blocks(total_v, 256);
+  /* 32 column vectors by 8 rows a block, about 8 rows a thread: blocks small enough for an even tail */
+  unsigned nv = (unsigned)(n / V), gx = (nv + 31) / 32, gy = (unsigned)((m + 63) / 64);
+  if (gy > 65535) gy = 65535;
+  dim3 grid(gx, gy), block(32, 8);
   switch (act) {
 #define CASE(A) \
-  case A: (void)td_launch(c, bias_act_vec_kernel<T, A>, g, 256, 0, y, bias, nv, tv); break;
+  case A: (void)td_launch(c, bias_act_vec_kernel<T, A>, grid, block, 0, y, bias, nv, (unsigned)m); break;
     CASE(TD_ACT_NONE)
     CASE(TD_ACT_RELU)
     CASE(TD_ACT_GELU)

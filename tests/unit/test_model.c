@@ -9,6 +9,7 @@
 #include <criterion/criterion.h>
 
 #include "fixture.h"
+#include "kernels/act.h"
 #include "kvcache/kvcache.h"
 #include "model/model.h"
 #include "tests/unit/fx_batch.h"
@@ -228,6 +229,36 @@ MODEL_TEST(whisper_four_layers, "whisper-four-layers")
  * (T5's RMSNorm weights; Whisper's and mBART's LayerNorm weights and
  * biases); with the fold off (the norm applied as its own op) the model
  * must match the same references. */
+/* The activations' formulas (kernels/act.h, shared with the GPU) against
+ * their definitions in double: exact GELU through erf, gelu_tanh through
+ * tanh, SiLU; absolute error, and relative error where the value is not
+ * tiny (the left tail of exact GELU keeps 5e-5 down to x = -3). */
+Test(model_cpu, activations_match_their_definitions) {
+  double worst[3] = {0}, worst_rel = 0;
+  for (int i = -200000; i <= 200000; i++) {
+    float x = (float)i * 6e-5f; /* [-12, 12] */
+    double xd = x, ref[3] = {0.5 * xd * (1.0 + erf(xd / sqrt(2.0))),
+                             0.5 * xd * (1.0 + tanh(0.7978845608028654 * (xd + 0.044715 * xd * xd * xd))),
+                             xd / (1.0 + exp(-xd))};
+    float got[3] = {td_act_apply(TD_ACT_GELU, x), td_act_apply(TD_ACT_GELU_TANH, x), td_act_apply(TD_ACT_SILU, x)};
+    for (int k = 0; k < 3; k++) {
+      double e = fabs(got[k] - ref[k]);
+      if (e > worst[k]) worst[k] = e;
+    }
+    if (x > -3.0f && fabs(ref[0]) > 1e-30) {
+      double r = fabs(got[0] - ref[0]) / fabs(ref[0]);
+      if (r > worst_rel) worst_rel = r;
+    }
+  }
+  cr_expect(worst[0] < 1e-6, "exact GELU: |error| %.3g", worst[0]);
+  cr_expect(worst_rel < 1e-4, "exact GELU above -3: relative error %.3g", worst_rel);
+  cr_expect(worst[1] < 1e-6, "gelu_tanh: |error| %.3g", worst[1]);
+  cr_expect(worst[2] < 1e-5, "SiLU: |error| %.3g", worst[2]);
+  /* the tails saturate without overflow: exp underflows to 0, the reciprocal of 1 + inf is 0 */
+  cr_expect(td_act_apply(TD_ACT_GELU, -40.0f) == 0.0f && td_act_apply(TD_ACT_GELU, 40.0f) == 40.0f);
+  cr_expect(td_act_apply(TD_ACT_GELU_TANH, -40.0f) == 0.0f && td_act_apply(TD_ACT_GELU_TANH, 40.0f) == 40.0f);
+}
+
 Test(model_cpu, norm_unfolded) {
   rig_tuning.norm_fold = TD_OFF;
   check_model("t5v11-gated-untied", 4);
