@@ -55,7 +55,8 @@ static void evict(td_engine *e, centry *x) {
   c->n_entries--;
   e->st.cache_evictions++;
   free(x->blocks);
-  free(x->key);
+  if (x->lender) x->lender->lent = NULL; /* the group keeps its features */
+  else free(x->key);
   free(x);
 }
 
@@ -104,20 +105,26 @@ void eng_cache_insert(td_engine *e, group *g) {
   size_t n;
   key_of(e, g, &k, &n);
   centry *x = calloc(1, sizeof *x);
+  bool borrow = g->features != NULL && !g->lent; /* features: borrowed from the group, not copied */
   if (x) {
-    x->key = malloc(n ? n : 1);
+    x->key = borrow ? (void *)g->features : malloc(n ? n : 1);
     x->blocks = malloc(sizeof(int32_t) * (size_t)g->cross.n);
   }
   if (!x || !x->key || !x->blocks) { /* not cached: nothing else changes */
     if (x) {
-      free(x->key);
+      if (!borrow) free(x->key);
       free(x->blocks);
     }
     free(x);
     TD_WARN("encoder cache: out of memory, request %s not cached", g->id);
     return;
   }
-  memcpy(x->key, k, n);
+  if (borrow) {
+    x->lender = g;
+    g->lent = x;
+  } else {
+    memcpy(x->key, k, n);
+  }
   x->key_bytes = n;
   x->hash = g->key_hash;
   x->n_blocks = g->cross.n;
@@ -130,6 +137,17 @@ void eng_cache_insert(td_engine *e, group *g) {
   push_newest(c, x);
   c->n_blocks += x->n_blocks;
   c->n_entries++;
+}
+
+void eng_release_features(td_engine *e, group *g) {
+  (void)e;
+  if (g->lent) { /* the entry keeps them as its key */
+    g->lent->lender = NULL;
+    g->lent = NULL;
+  } else {
+    free(g->features);
+  }
+  g->features = NULL;
 }
 
 void eng_cache_forget(td_engine *e, const group *g) {

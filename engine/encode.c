@@ -173,8 +173,7 @@ td_status eng_encode_phase(td_engine *e) {
     g->state = G_RUNNING;
     g->set = eng_pick_set(e);
     if (!e->o.recompute_cross) { /* the cross KV is what the decoder needs now */
-      free(g->features);
-      g->features = NULL;
+      eng_release_features(e, g);
     }
     if (td_ptrvec_insert(&e->run, e->run.n, g) != TD_OK) {
       eng_group_fail(e, g, TD_ERR_NOMEM, "out of memory");

@@ -62,7 +62,7 @@ void eng_group_free(td_engine *e, group *g) {
   free(g->stop_ids);
   free(g->allowed);
   free(g->input);
-  free(g->features);
+  eng_release_features(e, g);
   free(g->prompt);
   free(g);
 }

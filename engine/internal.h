@@ -71,6 +71,7 @@ typedef struct group {
    * KV came from the cache this admission */
   bool hashed, hit;
   uint64_t key_hash;
+  struct centry *lent; /* the entry whose key is this group's features (Whisper): theirs when the group lets go */
   uint32_t step_offset;
   /* the probe (td_request_params.probe): its value once its row ran */
   bool probe_done;
@@ -136,6 +137,10 @@ typedef struct centry {
   uint64_t hash;
   void *key; /* the encoder input, compared in full on a hit */
   size_t key_bytes;
+  /* the group whose features key is (not a copy: 1.5 MB a Whisper window, a
+   * malloc and a memcpy that cost 5-7 % of a burst), until it releases them
+   * (eng_release_features); NULL: the entry owns key */
+  struct group *lender;
   int32_t *blocks;
   int n_blocks;
   struct centry *older, *newer; /* LRU list */
@@ -227,6 +232,8 @@ void eng_cache_use(td_engine *e, centry *c, group *g);
 void eng_cache_insert(td_engine *e, group *g);
 /* g's encoding failed: drops the entry made for its blocks. */
 void eng_cache_forget(td_engine *e, const group *g);
+/* g no longer needs its features: they become its cache entry's key, or are freed. */
+void eng_release_features(td_engine *e, group *g);
 /* Blocks only the cache holds (free on demand). */
 int eng_cache_idle_blocks(const td_engine *e);
 /* Counts the cache's references per cross block into refs. */
