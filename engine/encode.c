@@ -50,13 +50,14 @@ static td_status admit(td_engine *e, int *n, int *tokens) {
   return TD_OK;
 }
 
-/* Room for n floats of features: the page-locked stage (made at the first
- * run, as large as the largest batch the encoder takes) where it fits, else
- * ordinary memory (the caller frees what is not the stage). */
-static float *feat_buffer(td_engine *e, size_t n) {
-  if (!e->feat_stage) {
+/* Room for nb windows of nf floats: the page-locked stage (made at the
+ * first run, as large as the largest batch the encoder takes; tried once)
+ * where it fits, else ordinary memory (the caller frees what is not the
+ * stage). */
+static float *feat_buffer(td_engine *e, size_t nf, int nb) {
+  if (!e->feat_stage_tried) {
+    e->feat_stage_tried = true;
     const td_model_opts *mo = td_model_get_opts(e->m);
-    size_t nf = (size_t)e->cfg->num_mel_bins * td_model_input_frames(e->m);
     int enc_len = e->max_src > 0 ? e->max_src : 1, seqs = e->o.max_enc_tokens / enc_len;
     if (seqs > mo->max_enc_seqs) seqs = mo->max_enc_seqs;
     if (seqs < 1) seqs = 1;
@@ -66,6 +67,7 @@ static float *feat_buffer(td_engine *e, size_t n) {
       e->feat_stage_n = nf * (size_t)seqs;
     }
   }
+  size_t n = nf * (size_t)nb;
   if (e->feat_stage && n <= e->feat_stage_n) return e->feat_stage;
   return malloc(sizeof(float) * n);
 }
@@ -87,7 +89,7 @@ static td_status encode(td_engine *e, group **all, int n_all, int tokens) {
   int32_t *toks = malloc(sizeof(int32_t) * (size_t)(tokens + 1));
   int32_t *slots = malloc(sizeof(int32_t) * (size_t)tokens);
   size_t nf = whisper ? (size_t)e->cfg->num_mel_bins * td_model_input_frames(e->m) : 0;
-  float *feats = whisper ? feat_buffer(e, nf * (size_t)nb) : NULL;
+  float *feats = whisper ? feat_buffer(e, nf, nb) : NULL;
   td_status s = TD_OK;
   if (!lens || !toks || !slots || (whisper && !feats)) {
     s = td_err(TD_ERR_NOMEM, "encode batch: out of memory");

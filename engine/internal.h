@@ -179,6 +179,7 @@ struct td_engine {
    * first encoder run, of feat_stage_n floats */
   float *feat_stage;
   size_t feat_stage_n;
+  bool feat_stage_tried; /* a failed allocation is not retried every run */
   eng_batch batch, batch1; /* set 0's step (the only one with one set) and set 1's */
   eng_batch *bt;           /* the step being built, run or applied */
   /* two running sets: stepped alternately, one set's step in the later
