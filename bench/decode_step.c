@@ -81,6 +81,7 @@ typedef struct rank {
   double enc_ar_us; /* TP: one all-reduce of the encoder's rows (every input's positions x d_model) */
   double weight_bytes;
   int states_rows; /* the model's: steps of this many rows attend over the states */
+  bool takes_states[8]; /* each batch's step did (td_model_takes_states) */
   td_cross_mode mode; /* as the model resolved it (STATES: the encoder projects no cross K/V) */
 } rank;
 
@@ -306,6 +307,7 @@ static void *rank_main(void *arg) {
     qsort(t, (size_t)c->steps, sizeof *t, cmp_d);
     qsort(tq, (size_t)c->steps, sizeof *tq, cmp_d);
     rk->step_ms[bi] = t[c->steps / 2];
+    rk->takes_states[bi] = td_model_takes_states(m, B);
     rk->enqueue_ms[bi] = tq[c->steps / 2];
     free(t);
     if (c->trace == B) { /* every rank steps (they meet in the all-reduces); rank 0's GPU is printed */
@@ -543,7 +545,7 @@ int main(int argc, char **argv) {
          "KV fl ms", "x KV fl", "bytes GB", "floor ms", "x floor");
   for (int i = 0; i < c.n_batches; i++) {
     int B = c.batches[i];
-    bool states = B >= rk[0].states_rows;
+    bool states = rk[0].takes_states[i];
     double bytes = dec_w + (double)B * (c.enc_len + c.ctx + 1) * kv_tok;
     double floor_ms = bytes / (gbs * 1e9) * 1e3 / share;
     double ms = rk[0].step_ms[i];

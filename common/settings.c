@@ -116,6 +116,7 @@ static td_status cuda_from_env(td_cuda_tuning *c) {
   TD_TRY(env_switch("TANDEM_CUDA_STATES_WS", &c->states_ws));
   TD_TRY(env_switch("TANDEM_CUDA_STATES_PLANES", &c->states_planes));
   TD_TRY(env_switch("TANDEM_CUDA_STATES_WAVES", &c->states_waves));
+  TD_TRY(env_switch("TANDEM_CUDA_STATES_PL32", &c->states_pl32));
   TD_TRY(env_switch("TANDEM_CUDA_HEADS_LT", &c->heads_lt));
   TD_TRY(env_switch("TANDEM_CUDA_PLAN_BUCKET", &c->plan_bucket));
   TD_TRY(env_switch("TANDEM_CUDA_FUSE_ALLREDUCE", &c->fuse_allreduce));

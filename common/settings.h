@@ -75,6 +75,7 @@ typedef struct td_cuda_tuning {
   int states_planes;  /* TANDEM_CUDA_STATES_PLANES: two key splits as a split of D (default on) */
   int states_waves;   /* TANDEM_CUDA_STATES_WAVES: past one wave, 16-warp blocks or plane pairs by whole waves
                          (default on; off: 8-warp blocks) */
+  int states_pl32;    /* TANDEM_CUDA_STATES_PL32: more than 16 pairs a sequence in groups of 32 (default on) */
   int heads_lt;       /* TANDEM_CUDA_HEADS_LT: td_gemm_heads on cuBLASLt always (default off) */
   /* collectives */
   int custom_allreduce; /* TANDEM_CUDA_CUSTOM_ALLREDUCE: the one-shot all-reduce over peer memory (default on) */

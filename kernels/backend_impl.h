@@ -60,6 +60,8 @@ typedef struct td_backend_vt {
   td_status (*gemm_ex)(td_backend *b, const td_gemm_args *a);
   /* td_attn_states_rows; NULL: INT_MAX */
   int (*states_rows)(const td_backend *b, int D, bool kv8);
+  /* td_attn_states_takes; NULL: from td_attn_states_rows on */
+  bool (*states_takes)(const td_backend *b, int D, int heads, bool kv8, int rows);
   /* td_attn_states_fast; NULL: false */
   bool (*states_fast)(const td_backend *b, int D);
   /* td_backend_fused_norm_rows; NULL: 0 */

@@ -129,6 +129,11 @@ int td_attn_states_rows(const td_backend *b, int D, bool kv8) {
   return b->vt->states_rows && D > 0 ? b->vt->states_rows(b, D, kv8) : INT_MAX;
 }
 
+bool td_attn_states_takes(const td_backend *b, int D, int heads, bool kv8, int rows) {
+  if (rows < td_attn_states_rows(b, D, kv8)) return false;
+  return b->vt->states_takes ? b->vt->states_takes(b, D, heads, kv8, rows) : true;
+}
+
 bool td_attn_states_fast(const td_backend *b, int D) {
   return b->vt->states_fast && D > 0 && b->vt->states_fast(b, D);
 }

@@ -288,6 +288,11 @@ td_status td_attn_states(td_backend *b, const void *q, int ldq, void *out, const
  * does (the CPU: its arithmetic is d_model / head_dim times the K/V path's).
  * kv8: the K/V path reads int8 K/V (td_kv_layout.int8; on CUDA then never). */
 int td_attn_states_rows(const td_backend *b, int D, bool kv8);
+/* Whether a decode step of `rows` rows (one a sequence) with `heads` heads
+ * beats the K/V path over the states: never below td_attn_states_rows,
+ * and above it where the backend's kernel fills its waves (on CUDA at D
+ * 1280 only some row counts do). */
+bool td_attn_states_takes(const td_backend *b, int D, int heads, bool kv8, int rows);
 /* Whether td_attn_states has a fast (tensor-core) kernel for states of
  * width D on this backend, whether or not dual pools switch to it. */
 bool td_attn_states_fast(const td_backend *b, int D);

@@ -444,7 +444,7 @@ static td_status decoder_layers(td_model *m, const td_paged_meta *self_all, cons
   /* decode: each layer's self K/V is requested into L2 beside the GEMMs
    * before its attention (td_kv_prefetch, a hint) */
   int nl = d->l1 - d->l0;
-  bool pf = self_m.max_q == 1, states = T >= m->states_rows;
+  bool pf = self_m.max_q == 1, states = td_model_takes_states(m, T);
   if (pf) TD_TRY(td_kv_prefetch(b, m->self_pool, &sl, 0, &self_m));
   for (int l = 0; l < d->l1 - d->l0; l++) {
     const dec_layer *L = &m->dec[l];

@@ -110,6 +110,7 @@ struct td_model {
   /* steps of at least this many rows attend over the cross pool's states
    * (0 in STATES, INT_MAX in KV) */
   int states_rows;
+  bool states_auto; /* dual pool, the backend's rows: td_attn_states_takes decides each row count */
   td_model_mirror mirror;
 };
 

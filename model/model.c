@@ -225,6 +225,8 @@ td_status td_model_load(const char *dir, td_backend *b, const td_model_opts *opt
                    : m->opts.cross_mode == TD_CROSS_KV || m->opts.states_rows < 0 ? INT_MAX
                    : m->opts.states_rows > 0 ? m->opts.states_rows
                                              : td_attn_states_rows(b, c->d_model, m->opts.cross_int8);
+  /* the backend's choice: past the fewest rows, it also says which row counts */
+  m->states_auto = m->opts.cross_mode == TD_CROSS_DUAL && m->opts.states_rows == 0;
   if (m->opts.cross_mode == TD_CROSS_STATES && td_backend_get_kind(b) == TD_BACKEND_CUDA &&
       !td_attn_states_fast(b, c->d_model))
     TD_WARN("%s: cross mode states with d_model %d: this GPU has no tensor-core states kernel for that width, so "
@@ -339,6 +341,11 @@ int td_model_max_source_len(const td_model *m) { return m->max_src; }
 int td_model_max_target_len(const td_model *m) { return m->max_tgt; }
 
 int td_model_states_rows(const td_model *m) { return m->states_rows; }
+
+bool td_model_takes_states(const td_model *m, int rows) {
+  if (rows < m->states_rows) return false;
+  return !m->states_auto || td_attn_states_takes(m->b, m->cfg.d_model, m->d.dh_, m->opts.cross_int8, rows);
+}
 
 td_kv_layout td_model_self_layout(const td_model *m) {
   return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size, 0, 0};

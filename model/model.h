@@ -70,6 +70,9 @@ int td_model_max_target_len(const td_model *m);
 /* The fewest rows of a step that attend over the cross pool's states
  * (0 in TD_CROSS_STATES; INT_MAX where no step does). */
 int td_model_states_rows(const td_model *m);
+/* Whether a decode step of `rows` rows attends over the states (from
+ * td_model_states_rows on; with the backend's choice, by its row count). */
+bool td_model_takes_states(const td_model *m, int rows);
 /* Decoder self-attention and cross-attention pool layouts. */
 td_kv_layout td_model_self_layout(const td_model *m);
 td_kv_layout td_model_cross_layout(const td_model *m);

@@ -720,6 +720,7 @@ static void vt_init(void) {
   v->attn_paged = td_cu_attn_paged;
   v->attn_states = td_cu_attn_states;
   v->states_rows = td_cu_states_rows;
+  v->states_takes = td_cu_states_takes;
   v->states_fast = td_cu_states_fast;
   v->gemm_heads = td_cu_gemm_heads;
   v->kv_copy_blocks = td_cu_kv_copy_blocks;

@@ -300,6 +300,7 @@ td_status td_cu_attn_paged(td_backend *b, const void *q, int ldq, void *out, con
 /* cuda_states.cu: attention over encoder states (cuda_states.cuh lists the files) */
 td_status td_cu_states_init(td_cuda *c);
 int td_cu_states_rows(const td_backend *b, int D, bool kv8);
+bool td_cu_states_takes(const td_backend *b, int D, int heads, bool kv8, int rows);
 bool td_cu_states_fast(const td_backend *b, int D);
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,
                             const td_kv_layout *l, int heads, const td_paged_meta *m, float scale);

@@ -48,6 +48,7 @@ void td_cu_tune_resolve(const td_cuda_tuning *t, td_cu_tune *r) {
   r->states_ws = on(t->states_ws, true);
   r->states_planes = on(t->states_planes, true);
   r->states_waves = on(t->states_waves, true);
+  r->states_pl32 = on(t->states_pl32, true);
   r->states_splits = t->states_splits > 0 ? t->states_splits : 0;
   r->states_warps = t->states_warps == 8 || t->states_warps == 16 ? t->states_warps : 0;
   r->heads_lt = on(t->heads_lt, false);
@@ -194,8 +195,27 @@ td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_s
   /* 8 warps where a kernel for this D exists, else 16 */
   td_states_kernel ci = k->has[TD_STATES_MMA8] ? TD_STATES_MMA8 : TD_STATES_MMA16;
   if (!k->has[ci] || !s->aligned || !s->kv_static || t->states_generic) return p;
-  p.groups = (s->max_q * s->heads + 15) / 16;
+  const int npairs = s->max_q * s->heads;
+  p.groups = (npairs + 15) / 16;
   long base = (long)s->n_seqs * p.groups;
+  /* More than 16 pairs a sequence (Whisper-large's 20 heads): each group of
+   * 16 streamed all of the sequence's states, as many bytes as the per-layer
+   * K/V at two groups. Groups of 32 pairs on a cluster of two blocks, each
+   * holding half of D, read them once, where their blocks fill at least
+   * half the SMs (no key splits: fewer sequences keep the split kernels). */
+  if (t->states_pl32 && k->has[TD_STATES_PL32] && p.groups >= 2 && !t->states_warps && t->states_splits <= 0 &&
+      k->clusters[TD_STATES_PL32][1] > 0) {
+    const int g32 = (npairs + 31) / 32;
+    const long blocks = (long)s->n_seqs * g32 * 2;
+    if (2 * blocks >= sm_count) {
+      p.kernel = TD_STATES_PL32;
+      p.groups = g32;
+      p.blocks = blocks;
+      p.cluster = 2;
+      p.n_splits = 1;
+      return p;
+    }
+  }
   /* key splits: a cluster of that many blocks a group, merged in shared
    * memory; the most (a power of two, at most 8) that still fit the GPU in
    * one wave */
@@ -247,11 +267,25 @@ td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_s
 }
 
 /* The crossover measured on H100 with Flan-T5-large (D 1024, docs/cuda.md,
- * "Cross-attention over encoder states"). Above 1024 never: Whisper-large's
- * 1280 (20 heads: two groups of 16 pairs a sequence, 32 tile rows for 20)
- * was slower over the states than over the K/V at every batch on an H200. */
-int td_cu_states_switch_rows(int D, bool fits, bool kv8) {
-  return fits && !kv8 && D > 0 && D <= 1024 ? 48 : INT_MAX;
+ * "Cross-attention over encoder states"); above 1024 only on the 32-pair
+ * plane kernel (Whisper-large's 1280: as two groups of 16 pairs a sequence
+ * the states were slower than the K/V at every batch on an H200). */
+int td_cu_states_switch_rows(int D, bool fits, bool fits32, bool kv8) {
+  if (!fits || kv8 || D <= 0) return INT_MAX;
+  return D <= 1024 || fits32 ? 48 : INT_MAX;
+}
+
+/* Above 1024 the 32-pair plane kernel streams a whole sequence a block pair
+ * (no key splits), so a step pays whole waves of cap32 resident blocks:
+ * it beat the K/V where the last wave was at least 80 % full (H200,
+ * Whisper-large, 2026-11-29: 0.91x at 64 rows, 0.88x at 128) and lost at
+ * 73 % (1.03x at 48, 1.01x at 96). */
+bool td_cu_states_switch_takes(int D, int heads, bool fits, bool fits32, bool kv8, int rows, int cap32) {
+  if (rows < td_cu_states_switch_rows(D, fits, fits32, kv8)) return false;
+  if (D <= 1024) return true;
+  if (heads <= 16 || cap32 <= 0) return false;
+  const long blocks = 2L * rows * ((heads + 31) / 32), waves = (blocks + cap32 - 1) / cap32;
+  return 2 * blocks >= cap32 && 5 * blocks >= 4 * waves * cap32;
 }
 
 /* Past a quarter of L2 the prefetched layer no longer waits there for its

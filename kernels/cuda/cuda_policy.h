@@ -58,7 +58,7 @@ typedef struct td_cu_tune {
   int decode_bulk_carve; /* percent, -1: none */
   int kvpf_seqs;         /* 0: off */
   int kvpf_mb;           /* the self K/V bound in MB: -1 a quarter of L2, 0 none */
-  bool states_generic, states_ws, states_planes, states_waves;
+  bool states_generic, states_ws, states_planes, states_waves, states_pl32;
   int states_splits; /* 0: the policy's */
   int states_warps;  /* 0: the policy's, else 8 or 16 */
   bool heads_lt, custom_allreduce, fuse_allreduce, custom_allgather;
@@ -147,6 +147,7 @@ typedef enum td_states_kernel {
   TD_STATES_MMA16,   /* tensor cores, 16 warps */
   TD_STATES_WS,      /* 16 warps in two groups (scores, mix) */
   TD_STATES_PL,      /* the same, D split over a cluster of two */
+  TD_STATES_PL32,    /* the same over groups of 32 pairs (a sequence's states read once for up to 32 heads) */
   TD_STATES_KERNELS,
 } td_states_kernel;
 /* The tensor-core kernels that exist for a D and fit the device, and how
@@ -171,10 +172,16 @@ td_states_plan td_cu_states_policy(const td_cu_tune *t, int sm_count, const td_s
                                    const td_states_shape *s);
 /* The rows from which a dual pool's steps attend over the states
  * (td_attn_states_rows): 48 where a tensor-core kernel takes D (`fits`) and
- * D is at most 1024; never over int8 K/V (kv8: half the bytes, level with
+ * D is at most 1024 or the 32-pair plane kernel takes it (`fits32`; then
+ * td_cu_states_switch_takes decides by row count); never over int8 K/V (kv8: half the bytes, level with
  * the states or ahead at every batch to 256 on an H200) nor elsewhere
  * (INT_MAX). */
-int td_cu_states_switch_rows(int D, bool fits, bool kv8);
+int td_cu_states_switch_rows(int D, bool fits, bool fits32, bool kv8);
+/* Whether a decode step of `rows` rows (one a sequence) with `heads` heads
+ * takes the states (td_attn_states_takes): from the rows above, and above
+ * D 1024 where the 32-pair plane kernel's last wave of cap32 resident
+ * blocks is at least 80 % full. fits32: that kernel takes D. */
+bool td_cu_states_switch_takes(int D, int heads, bool fits, bool fits32, bool kv8, int rows, int cap32);
 
 #ifdef __cplusplus
 }

@@ -54,18 +54,19 @@ __global__ void __launch_bounds__(128) states_generic_kernel(const StatesArgs a)
 /* The tensor-core kernels in one table: 8 and 16 warps, then the
  * warp-specialised and the plane kernels. */
 static const states_cfg *states_cfg_at(int i) {
-  return i < STATES_N_MMA              ? &td_states_mma_cfgs[i]
-         : i < STATES_N_MMA + STATES_N_WS ? &td_states_ws_cfgs[i - STATES_N_MMA]
-                                          : &td_states_pl_cfgs[i - STATES_N_MMA - STATES_N_WS];
+  return i < STATES_N_MMA                    ? &td_states_mma_cfgs[i]
+         : i < STATES_N_MMA + STATES_N_WS       ? &td_states_ws_cfgs[i - STATES_N_MMA]
+         : i < STATES_N_MMA + STATES_N_WS + STATES_N_PL ? &td_states_pl_cfgs[i - STATES_N_MMA - STATES_N_WS]
+                                                        : &td_states_pl32_cfgs[i - STATES_N_MMA - STATES_N_WS - STATES_N_PL];
 }
-enum { STATES_NCFG = STATES_N_MMA + STATES_N_WS + STATES_N_PL };
+enum { STATES_NCFG = STATES_N_MMA + STATES_N_WS + STATES_N_PL + STATES_N_PL32 };
 static_assert(STATES_NCFG <= (int)(sizeof(((td_cuda *)0)->states_clusters) / sizeof(((td_cuda *)0)->states_clusters[0])),
               "a states_clusters row per kernel");
 static_assert(TD_CU_STATES_CLUSTERS <= (int)(sizeof(((td_cuda *)0)->states_clusters[0]) / sizeof(int)),
               "a column per cluster size");
 
 static td_states_kernel states_kind(const states_cfg *s) {
-  return s->pl ? TD_STATES_PL : s->ws ? TD_STATES_WS : s->sw == 8 ? TD_STATES_MMA8 : TD_STATES_MMA16;
+  return s->rows == 32 ? TD_STATES_PL32 : s->pl ? TD_STATES_PL : s->ws ? TD_STATES_WS : s->sw == 8 ? TD_STATES_MMA8 : TD_STATES_MMA16;
 }
 
 /* Which kernels take D on this device, with their table index */
@@ -112,9 +113,28 @@ bool td_cu_states_fast(const td_backend *b, int D) {
   return false;
 }
 
+/* Whether the 32-pair plane kernel takes D (and is not tuned off), and how
+ * many of its blocks are resident at once (clusters of two). */
+static bool states_pl32_fits(const td_cuda *c, int D, int *cap) {
+  td_states_avail k;
+  int index[TD_STATES_KERNELS] = {0};
+  states_avail(c, D, &k, index);
+  *cap = 2 * k.clusters[TD_STATES_PL32][1];
+  return c->tune.states_pl32 && k.has[TD_STATES_PL32] && *cap > 0;
+}
+
+bool td_cu_states_takes(const td_backend *b, int D, int heads, bool kv8, int rows) {
+  const td_cuda *c = td_cu((td_backend *)b);
+  int cap = 0;
+  const bool f32 = states_pl32_fits(c, D, &cap);
+  return td_cu_states_switch_takes(D, heads, td_cu_states_fast(b, D), f32, kv8, rows, cap);
+}
+
 /* From which rows a dual pool's steps take the states path: the policy's rule. */
 int td_cu_states_rows(const td_backend *b, int D, bool kv8) {
-  return td_cu_states_switch_rows(D, td_cu_states_fast(b, D), kv8);
+  int cap = 0;
+  const bool f32 = states_pl32_fits(td_cu((td_backend *)b), D, &cap);
+  return td_cu_states_switch_rows(D, td_cu_states_fast(b, D), f32, kv8);
 }
 
 td_status td_cu_attn_states(td_backend *b, const void *q, int ldq, void *out, const void *pool,

@@ -372,10 +372,12 @@ typedef struct states_cfg {
   size_t bytes;
   const void *fn;
   void (*launch)(const td_cuda *c, dim3 grid, int cluster, const StatesArgs &a);
+  int rows; /* pairs a group: 16, or 32 (states_pl32_kernel) */
 } states_cfg;
-enum { STATES_N_MMA = 8, STATES_N_WS = 3, STATES_N_PL = 3 };
+enum { STATES_N_MMA = 8, STATES_N_WS = 3, STATES_N_PL = 3, STATES_N_PL32 = 1 };
 extern const states_cfg td_states_mma_cfgs[STATES_N_MMA]; /* D = 512, 768, 1024, 1280 by 8 and 16 warps */
 extern const states_cfg td_states_ws_cfgs[STATES_N_WS];   /* D = 512, 768, 1024 */
 extern const states_cfg td_states_pl_cfgs[STATES_N_PL];
+extern const states_cfg td_states_pl32_cfgs[STATES_N_PL32]; /* D = 1280 */
 
 #endif

@@ -159,7 +159,7 @@ static void states_launch(const td_cuda *c, dim3 grid, int cluster, const States
 
 #define TD_STATES_CFG(nt, sw) \
   {nt, sw, false, false, StatesSmem<nt, ST, NSTG, sw>::BYTES, (const void *)states_mma_kernel<nt, ST, NSTG, sw>, \
-   states_launch<nt, sw>},
+   states_launch<nt, sw>, 16},
 const states_cfg td_states_mma_cfgs[STATES_N_MMA] = {
     TD_STATES_CFG(8, 8) TD_STATES_CFG(12, 8) TD_STATES_CFG(16, 8) TD_STATES_CFG(20, 8)
     TD_STATES_CFG(8, 16) TD_STATES_CFG(12, 16) TD_STATES_CFG(16, 16) TD_STATES_CFG(20, 16)};

@@ -155,6 +155,6 @@ static void states_pl_launch(const td_cuda *c, dim3 grid, int cluster, const Sta
 }
 
 #define TD_STATES_PL(nt) \
-  {nt, 16, true, true, StatesPlSmem<nt>::BYTES, (const void *)states_pl_kernel<nt>, states_pl_launch<nt>},
+  {nt, 16, true, true, StatesPlSmem<nt>::BYTES, (const void *)states_pl_kernel<nt>, states_pl_launch<nt>, 16},
 const states_cfg td_states_pl_cfgs[STATES_N_PL] = {TD_STATES_PL(8) TD_STATES_PL(12) TD_STATES_PL(16)};
 #undef TD_STATES_PL

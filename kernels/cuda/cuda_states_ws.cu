@@ -142,6 +142,6 @@ static void states_ws_launch(const td_cuda *c, dim3 grid, int cluster, const Sta
 }
 
 #define TD_STATES_WS(nt) \
-  {nt, 16, true, false, StatesWsSmem<nt>::BYTES, (const void *)states_ws_kernel<nt>, states_ws_launch<nt>},
+  {nt, 16, true, false, StatesWsSmem<nt>::BYTES, (const void *)states_ws_kernel<nt>, states_ws_launch<nt>, 16},
 const states_cfg td_states_ws_cfgs[STATES_N_WS] = {TD_STATES_WS(8) TD_STATES_WS(12) TD_STATES_WS(16)};
 #undef TD_STATES_WS

@@ -745,6 +745,8 @@ Test(cuda, attn_states) {
       {16, 1024, 16, 3, 1, 512, true, 1024, 0}, /* few sequences: many splits; the query norm */
       {16, 1024, 16, 5, 3, 77, false, 0, 8},    /* prompt rows: 48 pairs a sequence */
       {20, 1280, 16, 7, 1, 1500, false, 0, 0},  /* Whisper-large: two groups of 16 pairs */
+      {20, 1280, 16, 66, 1, 333, false, 0, 0},  /* ... at batch 66: one group of 32 pairs (states_pl32_kernel) */
+      {20, 1280, 7, 40, 2, 200, true, 1280, 0}, /* 40 pairs a sequence: two groups of 32, blocks of 7 */
       {8, 512, 4, 9, 2, 33, true, 512, 0},      /* T5-small: 8 heads, padded pairs */
       {12, 768, 3, 4, 1, 250, false, 0, 0},     /* block size 3: rows cross blocks */
       {1, 1024, 16, 2, 1, 1, false, 0, 0},      /* one head, one state */
@@ -758,10 +760,11 @@ Test(cuda, attn_states) {
    * fits, the other one under ws 0; two splits of the warp-specialised
    * kernel are its plane split, the key splits under planes 0 */
   static const struct {
-    int splits, warps, ws, planes; /* td_cuda_tuning.states_*; 0: the policy's */
+    int splits, warps, ws, planes, pl32; /* td_cuda_tuning.states_*; 0: the policy's */
   } var[] = {
-      {0, 0, 0, 0},  {1, 0, 0, 0},  {2, 0, 0, 0},  {16, 0, 0, 0},      {0, 8, 0, 0},      {1, 8, 0, 0},     {4, 8, 0, 0},
-      {0, 16, 0, 0}, {2, 16, 0, 0}, {8, 16, 0, 0}, {1, 16, TD_OFF, 0}, {2, 16, TD_OFF, 0}, {2, 16, 0, TD_OFF},
+      {0, 0, 0, 0, 0},  {1, 0, 0, 0, 0},  {2, 0, 0, 0, 0},  {16, 0, 0, 0, 0},      {0, 8, 0, 0, 0},
+      {1, 8, 0, 0, 0},  {4, 8, 0, 0, 0},  {0, 16, 0, 0, 0}, {2, 16, 0, 0, 0},      {8, 16, 0, 0, 0},
+      {1, 16, TD_OFF, 0, 0}, {2, 16, TD_OFF, 0, 0}, {2, 16, 0, TD_OFF, 0}, {0, 0, 0, 0, TD_OFF},
   };
   /* TD_TEST_STATES_VARIANT=v, TD_TEST_STATES_CASE=i: that variant or case
    * alone (racecheck takes minutes a case; main reads them) */
@@ -773,10 +776,11 @@ Test(cuda, attn_states) {
     t.states_warps = var[v].warps;
     t.states_ws = var[v].ws;
     t.states_planes = var[v].planes;
+    t.states_pl32 = var[v].pl32;
     use_tuning(&t);
-    char mode[64];
-    snprintf(mode, sizeof mode, "splits %d, warps %d, ws %s, planes %s", var[v].splits, var[v].warps,
-             var[v].ws ? "off" : "-", var[v].planes ? "off" : "-");
+    char mode[80];
+    snprintf(mode, sizeof mode, "splits %d, warps %d, ws %s, planes %s, pl32 %s", var[v].splits, var[v].warps,
+             var[v].ws ? "off" : "-", var[v].planes ? "off" : "-", var[v].pl32 ? "off" : "-");
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++)
       if (!(one && *one) || (size_t)atoi(one) == i) states_case(&cfg[i], mode);
   }
@@ -785,12 +789,18 @@ Test(cuda, attn_states) {
   use_tuning(&t);
   for (size_t i = 0; i < 5; i++) states_case(&cfg[i], "generic");
   use_tuning(&cuda_base);
-  /* which widths a dual pool switches: Flan-T5-large's 1024 from 48 rows; Whisper-large's 1280 has a
-     tensor-core kernel on Hopper but stays on the K/V (slower over the states at every batch) */
+  /* which widths a dual pool switches: Flan-T5-large's 1024 from 48 rows; Whisper-large's 1280 (20 heads) on
+     the 32-pair plane kernel at the row counts that fill its waves (132 SMs: 53-66, 106-132, ...) */
   cr_expect(td_attn_states_fast(G, 1024) && td_attn_states_rows(G, 1024, false) == 48);
+  cr_expect(td_attn_states_takes(G, 1024, 16, false, 80));
   cr_expect_eq(td_attn_states_rows(G, 1024, true), INT_MAX, "int8 K/V: never the states");
   cr_expect(td_attn_states_fast(G, 1280), "no tensor-core states kernel for 1280");
-  cr_expect_eq(td_attn_states_rows(G, 1280, false), INT_MAX);
+  cr_expect_eq(td_attn_states_rows(G, 1280, false), 48);
+  cr_expect(td_attn_states_takes(G, 1280, 20, false, 64) && !td_attn_states_takes(G, 1280, 20, false, 96) &&
+                td_attn_states_takes(G, 1280, 20, false, 128) && !td_attn_states_takes(G, 1280, 20, false, 32),
+            "Whisper-large: 64 and 128 rows over the states, 32 and 96 over the K/V");
+  cr_expect(!td_attn_states_takes(G, 1280, 20, true, 64), "int8 K/V");
+  cr_expect(!td_attn_states_takes(C, 1024, 16, false, 64), "the CPU: the K/V");
   cr_expect(!td_attn_states_fast(G, 2048) && td_attn_states_rows(G, 2048, false) == INT_MAX,
             "Flan-T5-XL: the generic kernel");
   cr_expect(!td_attn_states_fast(C, 1024) && td_attn_states_rows(C, 1024, false) == INT_MAX, "the CPU: the K/V");

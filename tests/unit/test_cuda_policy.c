@@ -445,6 +445,40 @@ Test(cuda_policy, states_splits_warps_planes) {
   cr_assert_eq(td_cu_states_policy(&r, SMS, &k, &s).kernel, TD_STATES_WS, "told 16 warps: in waves");
 }
 
+/* Whisper-large's 20 heads: groups of 32 pairs on plane pairs where their
+ * blocks fill half the SMs, else groups of 16 with key splits */
+Test(cuda_policy, states_groups_of_32) {
+  td_cu_tune r = defaults();
+  td_states_avail k = {0}; /* D 1280: the 8- and 16-warp kernels and the 32-pair plane kernel */
+  for (int i = TD_STATES_MMA8; i < TD_STATES_KERNELS; i++) {
+    if (i == TD_STATES_WS || i == TD_STATES_PL) continue;
+    k.has[i] = true;
+    k.clusters[i][0] = 132, k.clusters[i][1] = 66, k.clusters[i][2] = 33, k.clusters[i][3] = 16;
+  }
+  td_states_shape s = states_decode(64, 1500);
+  s.heads = 20;
+  td_states_plan p = td_cu_states_policy(&r, SMS, &k, &s);
+  cr_assert(p.kernel == TD_STATES_PL32 && p.groups == 1 && p.blocks == 128 && p.cluster == 2 && p.n_splits == 1,
+            "batch 64: one group of 32 pairs a sequence (kernel %d, groups %d)", p.kernel, p.groups);
+  s.max_q = 2; /* 40 pairs: two groups of 32 */
+  p = td_cu_states_policy(&r, SMS, &k, &s);
+  cr_assert(p.kernel == TD_STATES_PL32 && p.groups == 2 && p.blocks == 256);
+  s.max_q = 1;
+  s.n_seqs = 16; /* 32 blocks: the 16-pair groups' key splits */
+  p = td_cu_states_policy(&r, SMS, &k, &s);
+  cr_assert(p.kernel != TD_STATES_PL32 && p.groups == 2 && p.n_splits > 1);
+  s.n_seqs = 64;
+  r.states_pl32 = false;
+  p = td_cu_states_policy(&r, SMS, &k, &s);
+  cr_assert(p.kernel == TD_STATES_MMA16 && p.groups == 2 && p.blocks == 128, "off: two groups of 16");
+  r = defaults();
+  r.states_warps = 16;
+  cr_assert_eq(td_cu_states_policy(&r, SMS, &k, &s).kernel, TD_STATES_MMA16, "told the warps: not the 32-pair kernel");
+  r = defaults();
+  s.heads = 16; /* one group of 16: nothing to gain */
+  cr_assert_neq(td_cu_states_policy(&r, SMS, &k, &s).kernel, TD_STATES_PL32);
+}
+
 Test(cuda_policy, states_tuned_and_generic) {
   td_cu_tune r = defaults();
   td_states_avail k = all_kernels(1000);
@@ -476,13 +510,37 @@ Test(cuda_policy, states_tuned_and_generic) {
 }
 
 Test(cuda_policy, states_switch_rows) {
-  cr_assert_eq(td_cu_states_switch_rows(1024, true, false), 48, "Flan-T5-large, BART-large");
-  cr_assert_eq(td_cu_states_switch_rows(1024, true, true), INT_MAX, "int8 K/V: level or ahead at every batch");
-  cr_assert_eq(td_cu_states_switch_rows(512, true, false), 48);
-  cr_assert_eq(td_cu_states_switch_rows(1280, true, false), INT_MAX, "Whisper-large: the K/V path is faster");
-  cr_assert_eq(td_cu_states_switch_rows(1280, true, true), INT_MAX);
-  cr_assert_eq(td_cu_states_switch_rows(1024, false, false), INT_MAX, "no tensor-core kernel: never");
-  cr_assert_eq(td_cu_states_switch_rows(0, true, false), INT_MAX);
+  cr_assert_eq(td_cu_states_switch_rows(1024, true, false, false), 48, "Flan-T5-large, BART-large");
+  cr_assert_eq(td_cu_states_switch_rows(1024, true, false, true), INT_MAX, "int8 K/V: level or ahead at every batch");
+  cr_assert_eq(td_cu_states_switch_rows(512, true, false, false), 48);
+  cr_assert_eq(td_cu_states_switch_rows(1280, true, false, false), INT_MAX,
+               "Whisper-large without the 32-pair kernel: the K/V path is faster");
+  cr_assert_eq(td_cu_states_switch_rows(1280, true, true, false), 48, "with it: by row count from 48");
+  cr_assert_eq(td_cu_states_switch_rows(1280, true, true, true), INT_MAX);
+  cr_assert_eq(td_cu_states_switch_rows(1024, false, false, false), INT_MAX, "no tensor-core kernel: never");
+  cr_assert_eq(td_cu_states_switch_rows(0, true, true, false), INT_MAX);
+}
+
+/* Whisper-large on 132 SMs (66 clusters of two resident): the states where
+ * the 32-pair kernel's last wave is at least 80 % full */
+Test(cuda_policy, states_switch_takes) {
+  const int cap = 132;
+  cr_assert(td_cu_states_switch_takes(1024, 16, true, false, false, 48, 0), "D 1024: from 48 rows at any count");
+  cr_assert(td_cu_states_switch_takes(1024, 16, true, false, false, 97, 0));
+  cr_assert(!td_cu_states_switch_takes(1024, 16, true, false, false, 47, 0));
+  cr_assert(!td_cu_states_switch_takes(1024, 16, true, false, true, 64, 0), "int8 K/V");
+  static const struct {
+    int rows;
+    bool takes;
+  } w[] = {{32, false}, {48, false}, {53, true}, {64, true}, {66, true}, {80, false}, {96, false},
+           {106, true}, {128, true}, {132, true}, {150, false}, {160, true}, {256, true}};
+  for (size_t i = 0; i < sizeof w / sizeof w[0]; i++)
+    cr_assert_eq(td_cu_states_switch_takes(1280, 20, true, true, false, w[i].rows, cap), w[i].takes, "%d rows",
+                 w[i].rows);
+  cr_assert(!td_cu_states_switch_takes(1280, 20, true, false, false, 64, cap), "without the 32-pair kernel");
+  cr_assert(!td_cu_states_switch_takes(1280, 20, true, true, false, 64, 0), "no cluster resident");
+  cr_assert(!td_cu_states_switch_takes(1280, 16, true, true, false, 64, cap), "16 heads at 1280: one group of 16");
+  cr_assert(!td_cu_states_switch_takes(1280, 20, true, true, true, 64, cap), "int8 K/V");
 }
 
 /* ---------------------------------------------------------------- the backend hook */

@@ -386,8 +386,19 @@ Test(model_cpu, cross_layouts) {
     cr_expect_eq(cl.states, got == TD_CROSS_KV ? 0 : c->d_model, "%s: states %d", td_cross_mode_name(got), cl.states);
     cr_expect_eq(td_model_states_rows(r.m), got == TD_CROSS_STATES ? 0 : INT_MAX, "%s: states from %d rows",
                  td_cross_mode_name(got), td_model_states_rows(r.m));
+    for (int rows = 1; rows <= 256; rows *= 4)
+      cr_expect_eq(td_model_takes_states(r.m, rows), got == TD_CROSS_STATES, "%s: %d rows", td_cross_mode_name(got),
+                   rows);
     rig_close(&r);
   }
+  /* rows set by hand (td_model_opts.states_rows): from them on, whatever the backend would choose */
+  rig_mode = TD_CROSS_DUAL;
+  rig_states_rows = 3;
+  rig r;
+  rig_open(&r, fx.dir, 4);
+  cr_expect(!td_model_takes_states(r.m, 2) && td_model_takes_states(r.m, 3) && td_model_takes_states(r.m, 97));
+  rig_close(&r);
+  rig_states_rows = 0;
   rig_mode = TD_CROSS_AUTO;
   fx_free(&fx);
 }
