@@ -263,12 +263,12 @@ __device__ __forceinline__ void states_store(const float (&acc)[MT][4], bool who
 }
 
 /* The start every tensor-core kernel shares once thread 0 has initialised
- * its barriers: the 16 rows' running max and sum reset, the barriers
- * published to the block, and where the block exchanges with its cluster,
- * its arrival on the cluster barrier that the first remote access waits
- * for (states_merge, the plane kernel's exchange). */
-__device__ __forceinline__ void states_start(float *st_m, float *st_l, bool cluster) {
-  if (threadIdx.x < 16) {
+ * its barriers: the rows' running max and sum reset (16, or the 32-pair
+ * kernel's 32), the barriers published to the block, and where the block
+ * exchanges with its cluster, its arrival on the cluster barrier that the
+ * first remote access waits for (states_merge, the plane kernels' exchange). */
+__device__ __forceinline__ void states_start(float *st_m, float *st_l, bool cluster, int rows = 16) {
+  if ((int)threadIdx.x < rows) {
     st_m[threadIdx.x] = -INFINITY;
     st_l[threadIdx.x] = 0.0f;
   }
@@ -334,6 +334,85 @@ enum { ST = TD_CU_STATES_TILE, NSTG = 2, STATES_MAX_SPLITS = TD_CU_STATES_MAX_SP
  * block at the same instruction) */
 __device__ __forceinline__ void named_sync(int id) { asm volatile("barrier.sync %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void block_sync() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
+
+/* The plane kernels' barriers, by thread 0: full[NSTG] (a stage landed),
+ * pfull / pempty[2] (probabilities handed to the mix group and back),
+ * xfull[2] (the other plane's sums arrived), visible to the cluster */
+template <int NSTG>
+__device__ __forceinline__ void states_plane_bars(uint64_t *full, uint64_t *pfull, uint64_t *pempty, uint64_t *xfull) {
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < NSTG; i++) mbar_init(&full[i], 1);
+  for (int i = 0; i < 2; i++) {
+    mbar_init(&pfull[i], 1);
+    mbar_init(&pempty[i], 1);
+    mbar_init(&xfull[i], 1);
+  }
+  fence_mbar_init_cluster();
+}
+
+/* The plane kernels' score group at a tile: its stage landed (use u of
+ * stage b), the rows past nval zeroed where the tile is short (the mix
+ * group reads them too) */
+template <int ST, int HALF, int PAIR, int NSTG>
+__device__ __forceinline__ void states_plane_tile(uint64_t *full, int b, int u, bf16 *E, int nval) {
+  mbar_wait(&full[b], (unsigned)(u / NSTG) & 1u);
+  if (nval < ST) {
+    states_zero_tail<ST, HALF, PAIR, 1>(E, nval, threadIdx.x, 256);
+    named_sync(1);
+  }
+}
+
+/* ... and a thread's four columns scol of row sr summed over the four
+ * plane quarters' partials (red: [quarter][rows][RST]) */
+template <int ROWS, int RST>
+__device__ __forceinline__ float4 states_quarter_sum(const float *red, int sr, int scol) {
+  float4 v = *(const float4 *)&red[sr * RST + scol];
+#pragma unroll
+  for (int q = 1; q < 4; q++) {
+    const float4 f = *(const float4 *)&red[((size_t)q * ROWS + sr) * RST + scol];
+    v.x += f.x;
+    v.y += f.y;
+    v.z += f.z;
+    v.w += f.w;
+  }
+  return v;
+}
+
+/* The plane kernels' softmax over one tile, a thread's four columns scol of
+ * its row: v (this plane's partial scores) plus o (the other plane's, so
+ * that both blocks add the same two numbers), scaled by rs and masked past
+ * nval; TPR threads a row (a power of two, adjacent lanes). The
+ * probabilities go to prow; the row's first thread updates its m and l and
+ * writes its rescale factor to alpha. */
+template <int TPR>
+__device__ __forceinline__ void states_plane_softmax(float4 v, float4 o, float rs, int scol, int nval, float *m,
+                                                     float *l, float *alpha, bf16 *prow) {
+  float vv[4] = {v.x + o.x, v.y + o.y, v.z + o.z, v.w + o.w}; /* the other block adds o + v: the same */
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    vv[i] = states_perm(scol + i) < nval ? vv[i] * rs : -INFINITY;
+    mx = fmaxf(mx, vv[i]);
+  }
+#pragma unroll
+  for (int o2 = TPR / 2; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+  const float mo = *m, mn = fmaxf(mo, mx);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    vv[i] = mn == -INFINITY ? 0.0f : exp2f(vv[i] - mn);
+    sum += vv[i];
+  }
+  *(uint2 *)prow = make_uint2(pack_bf16(vv[0], vv[1]), pack_bf16(vv[2], vv[3]));
+#pragma unroll
+  for (int o2 = TPR / 2; o2 > 0; o2 >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+  if (threadIdx.x % TPR == 0) {
+    const float al = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
+    *alpha = al;
+    *l = *l * al + sum;
+    *m = mn;
+  }
+}
 
 /* The mix group's part of the warp-specialised kernels (threads 256-511):
  * stages FIRST.. requested once the first has landed, then per tile the

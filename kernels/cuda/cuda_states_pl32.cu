@@ -45,21 +45,8 @@ __global__ void __launch_bounds__(512, 1) states_pl32_kernel(const StatesArgs a)
   const int sg = (int)blockIdx.x >> 1, plane = (int)blockIdx.x & 1, s = sg / a.groups, g = sg % a.groups;
   const int ctx = a.ctx_len[s], t1 = (ctx + ST - 1) / ST;
   const int32_t *table = a.block_table + (size_t)s * a.max_blocks;
-  if (tid == 0) {
-    for (int i = 0; i < NSTG; i++) mbar_init(&full[i], 1);
-    for (int i = 0; i < 2; i++) {
-      mbar_init(&pfull[i], 1);
-      mbar_init(&pempty[i], 1);
-      mbar_init(&xfull[i], 1);
-    }
-    fence_mbar_init_cluster();
-  }
-  if (tid < R) {
-    st_m[tid] = -INFINITY;
-    st_l[tid] = 0.0f;
-  }
-  __syncthreads();
-  cluster_arrive(); /* the other block's barriers are ready once its arrival completes */
+  states_plane_bars<NSTG>(full, pfull, pempty, xfull);
+  states_start(st_m, st_l, true, R); /* the other block's barriers are ready once its arrival completes */
   const uint64_t pol = l2_evict_first();
   auto issue = [&](int t, int b, int lt) {
     states_issue<ST, HALF, PAIR, 1>(a, table, ctx, t, stage + (size_t)b * (L::STAGE / 2), &full[b], pol, lt, plane);
@@ -83,56 +70,18 @@ __global__ void __launch_bounds__(512, 1) states_pl32_kernel(const StatesArgs a)
     cluster_wait();
     for (int t = 0, u = 0; t < t1; t++, u++) {
       const int b = u % NSTG, x = u & 1;
-      const bf16 *E = stage + (size_t)b * (L::STAGE / 2);
-      mbar_wait(&full[b], (unsigned)(u / NSTG) & 1u);
+      bf16 *E = stage + (size_t)b * (L::STAGE / 2);
       const int nval = min(ST, ctx - t * ST);
-      if (nval < ST) { /* (read by both groups) */
-        states_zero_tail<ST, HALF, PAIR, 1>((bf16 *)E, nval, tid, 256);
-        named_sync(1);
-      }
+      states_plane_tile<ST, HALF, PAIR, NSTG>(full, b, u, E, nval);
       states_scores<ST, KW, HALF, PAIR, RST>(E, qf, qt * KW, red + ((size_t)qt * R + mt * 16) * RST);
       named_sync(1);
-      float4 v = *(const float4 *)&red[sr * RST + scol];
-#pragma unroll
-      for (int q = 1; q < 4; q++) {
-        const float4 f = *(const float4 *)&red[((size_t)q * R + sr) * RST + scol];
-        v.x += f.x;
-        v.y += f.y;
-        v.z += f.z;
-        v.w += f.w;
-      }
+      const float4 v = states_quarter_sum<R, RST>(red, sr, scol);
       st_async16(rxb + (uint32_t)(x * R * ST * 4), v, rxf + (uint32_t)(x * 8));
       if (tid == 0) mbar_arrive_tx(&xfull[x], R * ST * 4);
       if (u >= 2) mbar_wait(&pempty[x], (unsigned)((u >> 1) - 1) & 1u); /* the mix of tile u - 2 is done */
       mbar_wait_cluster(&xfull[x], (unsigned)(u >> 1) & 1u);
-      {
-        const float4 o = *(const float4 *)&xb[x * R * ST + sr * ST + scol];
-        float vv[4] = {v.x + o.x, v.y + o.y, v.z + o.z, v.w + o.w}; /* the other block adds o + v: the same */
-        float mx = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          vv[i] = states_perm(scol + i) < nval ? vv[i] * rs : -INFINITY;
-          mx = fmaxf(mx, vv[i]);
-        }
-#pragma unroll
-        for (int o2 = 4; o2 > 0; o2 >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
-        const float mo = st_m[sr], mn = fmaxf(mo, mx);
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          vv[i] = mn == -INFINITY ? 0.0f : exp2f(vv[i] - mn);
-          sum += vv[i];
-        }
-        *(uint2 *)&ps[x * PB + sr * (ST + 8) + scol] = make_uint2(pack_bf16(vv[0], vv[1]), pack_bf16(vv[2], vv[3]));
-#pragma unroll
-        for (int o2 = 4; o2 > 0; o2 >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
-        if (tid % 8 == 0) {
-          const float al = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
-          st_a[x * R + sr] = al;
-          st_l[sr] = st_l[sr] * al + sum;
-          st_m[sr] = mn;
-        }
-      }
+      states_plane_softmax<8>(v, *(const float4 *)&xb[x * R * ST + sr * ST + scol], rs, scol, nval, &st_m[sr],
+                              &st_l[sr], &st_a[x * R + sr], &ps[x * PB + sr * (ST + 8) + scol]);
       named_sync(1); /* the partials and the other block's sums read, the probabilities written */
       if (tid == 0) mbar_arrive(&pfull[x]);
     }
