@@ -20,6 +20,7 @@ static const char *const cuda_vars[] = {
     "TANDEM_CUDA_DECATTN_SMALL", "TANDEM_CUDA_DECATTN_BULK",  "TANDEM_CUDA_DECATTN_CARVE",
     "TANDEM_CUDA_KVPF",          "TANDEM_CUDA_STATES_GENERIC", "TANDEM_CUDA_STATES_SPLITS",
     "TANDEM_CUDA_STATES_WARPS",  "TANDEM_CUDA_STATES_WS",     "TANDEM_CUDA_STATES_PLANES", "TANDEM_CUDA_STATES_WAVES",
+    "TANDEM_CUDA_STATES_PL32",
     "TANDEM_CUDA_HEADS_LT",      "TANDEM_CUDA_CUSTOM_ALLREDUCE", "TANDEM_CUDA_FUSE_ALLREDUCE", "TANDEM_CUDA_CUSTOM_ALLGATHER",
     "TANDEM_CUDA_PLAN_BUCKET",   "TANDEM_CUDA_DENSE_SPLITS"};
 
@@ -63,6 +64,7 @@ Test(cuda_settings, values_parse, .init = clear) {
   setenv("TANDEM_CUDA_CUSTOM_ALLGATHER", "no", 1);
   setenv("TANDEM_CUDA_AUTOTUNE_MIN", "500", 1);
   setenv("TANDEM_CUDA_PLAN_BUCKET", "off", 1);
+  setenv("TANDEM_CUDA_STATES_PL32", "off", 1);
   td_settings s;
   cr_assert_eq(td_settings_from_env(&s), TD_OK, "%s", td_errmsg());
   td_cuda_tuning *c = &s.cuda;
@@ -86,10 +88,11 @@ Test(cuda_settings, values_parse, .init = clear) {
   cr_assert_eq(c->custom_allgather, TD_OFF);
   cr_assert_eq(c->autotune_min, 500);
   cr_assert_eq(c->plan_bucket, TD_OFF);
+  cr_assert_eq(c->states_pl32, TD_OFF);
   td_cu_tune r;
   td_cu_tune_resolve(c, &r);
   cr_assert_eq(r.autotune_min, 500);
-  cr_assert(!r.plan_bucket && !r.fuse_allreduce && !r.custom_allgather);
+  cr_assert(!r.plan_bucket && !r.fuse_allreduce && !r.custom_allgather && !r.states_pl32);
   /* "0" where 0 means none */
   setenv("TANDEM_CUDA_GEMV", "0", 1);
   setenv("TANDEM_CUDA_PDL_LATE", "0", 1);
@@ -111,7 +114,7 @@ Test(cuda_settings, bad_values_are_refused_by_name, .init = clear) {
       {"TANDEM_CUDA_DECATTN", "99999999999"}, {"TANDEM_CUDA_HEADS_LT", "2"},
       {"TANDEM_CUDA_AUTOTUNE_MIN", "1e9"}, {"TANDEM_CUDA_PLAN_BUCKET", "2"},
       {"TANDEM_CUDA_FUSE_ALLREDUCE", "sometimes"}, {"TANDEM_CUDA_CUSTOM_ALLGATHER", "2"},
-      {"TANDEM_CUDA_STATES_WAVES", "2"},
+      {"TANDEM_CUDA_STATES_WAVES", "2"},    {"TANDEM_CUDA_STATES_PL32", "sometimes"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     clear();
@@ -139,7 +142,8 @@ Test(cuda_tune, zero_takes_the_measured_defaults) {
             r.decode_bulk_shape == 0 && r.decode_bulk_early == TD_CUDA_DEFAULT_DECODE_BULK_EARLY &&
             r.decode_bulk_carve == TD_CUDA_DEFAULT_DECODE_BULK_CARVE);
   cr_assert_eq(r.kvpf_seqs, TD_CUDA_DEFAULT_KVPF_SEQS);
-  cr_assert(!r.states_generic && r.states_ws && r.states_planes && r.states_waves && r.states_splits == 0 && r.states_warps == 0);
+  cr_assert(!r.states_generic && r.states_ws && r.states_planes && r.states_waves && r.states_pl32 &&
+            r.states_splits == 0 && r.states_warps == 0);
   cr_assert(!r.heads_lt && r.custom_allreduce && r.fuse_allreduce && r.custom_allgather);
   cr_assert(r.plan_bucket);
 }
