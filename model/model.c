@@ -347,6 +347,20 @@ bool td_model_takes_states(const td_model *m, int rows) {
   return !m->states_auto || td_attn_states_takes(m->b, m->cfg.d_model, m->d.dh_, m->opts.cross_int8, rows);
 }
 
+int td_model_states_ranges(const td_model *m, int max_rows, int (*r)[2], int n) {
+  int k = 0, lo = 0;
+  for (int rows = 1; rows <= max_rows + 1; rows++) {
+    bool in = rows <= max_rows && td_model_takes_states(m, rows);
+    if (in && !lo) lo = rows;
+    if (!in && lo) {
+      if (k < n) r[k][0] = lo, r[k][1] = rows - 1;
+      k++;
+      lo = 0;
+    }
+  }
+  return k;
+}
+
 td_kv_layout td_model_self_layout(const td_model *m) {
   return (td_kv_layout){m->d.l1 - m->d.l0, m->d.dh_, m->d.ddh, m->opts.block_size, 0, 0};
 }

@@ -73,6 +73,9 @@ int td_model_states_rows(const td_model *m);
 /* Whether a decode step of `rows` rows attends over the states (from
  * td_model_states_rows on; with the backend's choice, by its row count). */
 bool td_model_takes_states(const td_model *m, int rows);
+/* The row counts in [1, max_rows] that take the states, as ranges
+ * [r[i][0], r[i][1]]: how many ranges there are (the first n stored). */
+int td_model_states_ranges(const td_model *m, int max_rows, int (*r)[2], int n);
 /* Decoder self-attention and cross-attention pool layouts. */
 td_kv_layout td_model_self_layout(const td_model *m);
 td_kv_layout td_model_cross_layout(const td_model *m);

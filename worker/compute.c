@@ -403,6 +403,22 @@ static void compute_handle(td_worker *w, cmd *c) {
 
 /* ------------------------------------------------------------ the thread */
 
+/* Which decode steps attend over the encoder states (a dual pool picks by
+ * the step's rows): logged once, for the operator. */
+static void log_cross_paths(const td_worker *w) {
+  td_cross_mode mode = td_model_get_opts(w->m)->cross_mode;
+  int r[8][2], n = td_model_states_ranges(w->m, w->o.max_batch, r, 8);
+  char buf[256] = "";
+  size_t at = 0;
+  for (int i = 0; i < n && i < 8 && at < sizeof buf; i++)
+    at += (size_t)snprintf(buf + at, sizeof buf - at, "%s%d-%d", i ? ", " : "", r[i][0], r[i][1]);
+  if (n == 0)
+    TD_INFO("cross pool %s: every decode step over the per-layer K/V", td_cross_mode_name(mode));
+  else
+    TD_INFO("cross pool %s: decode steps of %s%s rows over the encoder states%s", td_cross_mode_name(mode), buf,
+            n > 8 ? ", ..." : "", mode == TD_CROSS_DUAL ? ", the others over the per-layer K/V" : "");
+}
+
 static void model_facts(td_worker *w) {
   w->cfg = *td_model_get_config(w->m);
   w->max_src = td_model_max_source_len(w->m);
@@ -479,6 +495,7 @@ static td_status compute_init(td_worker *w) {
   td_engine_callbacks cb = {.on_token = on_token, .on_finish = on_finish, .ctx = w};
   TD_TRY(td_engine_create(w->m, &eo, &cb, &w->e));
   model_facts(w);
+  log_cross_paths(w);
   return TD_OK;
 }
 

@@ -397,6 +397,13 @@ Test(model_cpu, cross_layouts) {
   rig r;
   rig_open(&r, fx.dir, 4);
   cr_expect(!td_model_takes_states(r.m, 2) && td_model_takes_states(r.m, 3) && td_model_takes_states(r.m, 97));
+  int ranges[2][2] = {{0, 0}, {0, 0}};
+  cr_expect_eq(td_model_states_ranges(r.m, 40, ranges, 2), 1);
+  cr_expect(ranges[0][0] == 3 && ranges[0][1] == 40, "%d-%d", ranges[0][0], ranges[0][1]);
+  rig_close(&r);
+  rig_states_rows = 0; /* the CPU's own choice: never */
+  rig_open(&r, fx.dir, 4);
+  cr_expect_eq(td_model_states_ranges(r.m, 40, ranges, 2), 0);
   rig_close(&r);
   rig_states_rows = 0;
   rig_mode = TD_CROSS_AUTO;
