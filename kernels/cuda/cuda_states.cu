@@ -113,14 +113,15 @@ bool td_cu_states_fast(const td_backend *b, int D) {
   return false;
 }
 
-/* Whether the 32-pair plane kernel takes D (and is not tuned off), and how
- * many of its blocks are resident at once (clusters of two). */
+/* Whether the 32-pair plane kernel takes D (and is not tuned off); cap, if
+ * given: how many of its blocks are resident at once (clusters of two). */
 static bool states_pl32_fits(const td_cuda *c, int D, int *cap) {
   td_states_avail k;
   int index[TD_STATES_KERNELS] = {0};
   states_avail(c, D, &k, index);
-  *cap = 2 * k.clusters[TD_STATES_PL32][1];
-  return c->tune.states_pl32 && k.has[TD_STATES_PL32] && *cap > 0;
+  const int n = 2 * k.clusters[TD_STATES_PL32][1];
+  if (cap) *cap = n;
+  return c->tune.states_pl32 && k.has[TD_STATES_PL32] && n > 0;
 }
 
 bool td_cu_states_takes(const td_backend *b, int D, int heads, bool kv8, int rows) {
@@ -132,8 +133,7 @@ bool td_cu_states_takes(const td_backend *b, int D, int heads, bool kv8, int row
 
 /* From which rows a dual pool's steps take the states path: the policy's rule. */
 int td_cu_states_rows(const td_backend *b, int D, bool kv8) {
-  int cap = 0;
-  const bool f32 = states_pl32_fits(td_cu((td_backend *)b), D, &cap);
+  const bool f32 = states_pl32_fits(td_cu((td_backend *)b), D, NULL);
   return td_cu_states_switch_rows(D, td_cu_states_fast(b, D), f32, kv8);
 }
 
