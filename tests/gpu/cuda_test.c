@@ -143,9 +143,15 @@ void rig_drop(paged_rig *r) {
   free(r->pool_h);
 }
 
-int main(int argc, char *argv[]) {
+static void read_env(void) {
   seed_env = getenv("TD_TEST_SEED");
   states_variant = getenv("TD_TEST_STATES_VARIANT");
   states_case_only = getenv("TD_TEST_STATES_CASE");
+  td_gpu_read_env(&cuda_base);
+}
+TD_GPU_ENV(read_env)
+
+int main(int argc, char *argv[]) {
+  read_env();
   return td_gpu_test_main(argc, argv, &cuda_base);
 }

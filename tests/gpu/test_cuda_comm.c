@@ -17,7 +17,9 @@
 
 enum { N = 4099, WORLD = 2 };
 
-static td_cuda_tuning cuda_tuning; /* main's, from the environment */
+static td_cuda_tuning cuda_tuning; /* from the environment, in every test process */
+static void read_env(void) { td_gpu_read_env(&cuda_tuning); }
+TD_GPU_ENV(read_env)
 
 typedef struct rank_arg {
   int rank;

@@ -196,7 +196,9 @@ static bool rig_int8;      /* the GPU rig's cross K/V in int8 (td_model_opts.cro
 static struct rig *rig_sender;
 static double rig_tol = TOL; /* the least error bound check_model allows */
 static td_model_tuning rig_tuning;
-static td_cuda_tuning cuda_tuning; /* main's, from the environment */
+static td_cuda_tuning cuda_tuning; /* from the environment, in every test process */
+static void read_env(void) { td_gpu_read_env(&cuda_tuning); }
+TD_GPU_ENV(read_env)
 
 static void rig_open(rig *r, const char *dir, int bs, int vocab, bool emulate) {
   td_backend_opts bo = {.kind = emulate ? TD_BACKEND_CPU : TD_BACKEND_CUDA, .device = 0, .cuda = cuda_tuning};
